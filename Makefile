@@ -1,0 +1,47 @@
+# Two entry points for a fresh machine: `make demo` and `make test`. Everything installs into .venv.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+PROTOS := $(shell find protos -name '*.proto')
+STUBS := arceus/v1/stage_pb2.py
+
+.PHONY: install demo test lint bench clean
+
+install: $(STAMP) $(STUBS) $(VENV)/.system-stamp
+
+# promtool (Debian's prometheus package) checks monitoring/ in the test suite.
+$(VENV)/.system-stamp: $(STAMP)
+	command -v promtool >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null)
+	touch $@
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	# The CPU wheel of torch is pinned and installed first; an unpinned torch pulls CUDA packages.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e ".[dev,demo]"
+	touch $(STAMP)
+
+$(STUBS): $(PROTOS) protos/generate.py $(STAMP)
+	$(BIN)/python protos/generate.py
+
+demo: install
+	$(BIN)/python -m arceus.demo
+
+# The suite runs against the real PostgreSQL and Redis of the machine (override by URL).
+TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/arceus
+TEST_REDIS_URL ?= redis://127.0.0.1:6379/15
+
+test: install
+	DATABASE_URL=$(TEST_DATABASE_URL) REDIS_URL=$(TEST_REDIS_URL) $(BIN)/python -m pytest
+
+lint: install
+	$(BIN)/ruff check .
+
+bench: install
+	$(BIN)/python bench/pipeline_vs_single.py
+	$(BIN)/python bench/fault_trials.py
+
+clean:
+	rm -rf $(VENV) arceus/v1 .pytest_cache

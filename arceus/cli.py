@@ -1,0 +1,161 @@
+"""`arceus`: the developer's command line, a thin shell over `arceus.sdk`.
+
+    export ARCEUS_URL=http://127.0.0.1:8000 ARCEUS_TOKEN=...   # or: arceus login USER
+    arceus jobs submit job.json          # prints the new job's id
+    arceus jobs train JOB_ID --watch     # starts it and draws a live progress bar
+    arceus jobs show JOB_ID
+    arceus jobs model JOB_ID -o model.safetensors   # the trained weights
+    arceus nodes create my-laptop        # prints the agent token, once
+    arceus nodes pause NODE_ID           # drain it: its stages move elsewhere without losing work
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from arceus.progress import JobProgressBar
+from arceus.sdk import ApiError, ArceusClient
+
+
+def _client(args: argparse.Namespace) -> ArceusClient:
+    if not args.url:
+        raise SystemExit("error: no control-plane URL: pass --url or set ARCEUS_URL")
+    if not args.token:
+        raise SystemExit("error: no API token: pass --token, set ARCEUS_TOKEN, or run `arceus login USER`")
+    return ArceusClient(args.url, args.token)
+
+
+def _print(payload: Any) -> None:
+    print(json.dumps(payload, indent=2, default=str))
+
+
+def _load_spec(path: str) -> dict[str, Any]:
+    try:
+        text = sys.stdin.read() if path == "-" else Path(path).read_text()
+    except OSError as exc:
+        raise SystemExit(f"error: cannot read job file {path}: {exc.strerror}") from exc
+    try:
+        spec = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SystemExit(f"error: {path} is not valid JSON (line {exc.lineno}, column {exc.colno}): {exc.msg}") from exc
+    if not isinstance(spec, dict):
+        raise SystemExit(f"error: {path} must hold one JSON object describing the job")
+    return spec
+
+
+def _watch(client: ArceusClient, job_id: str) -> int:
+    bar = JobProgressBar(file=sys.stderr)
+    try:
+        detail = client.wait(job_id, on_update=bar.update)
+    finally:
+        bar.close()
+    _print({k: detail[k] for k in ("id", "status", "step", "final_loss", "val_accuracy", "error")})
+    return 0 if detail["status"] == "succeeded" else 1
+
+
+def cmd_login(args: argparse.Namespace) -> int:
+    password = os.environ.get("ARCEUS_PASSWORD") or getpass.getpass(f"password for {args.username}: ")
+    client = ArceusClient.login(args.url, args.username, password)
+    print(client.session.headers["Authorization"].removeprefix("Token "))
+    return 0
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    client = _client(args)
+    if args.action == "submit":
+        job = client.submit_job(_load_spec(args.file))
+        print(job["id"])
+    elif args.action == "train":
+        client.start_job(args.job_id, epochs=args.epochs, learning_rate=args.learning_rate)
+        if args.watch:
+            return _watch(client, args.job_id)
+        print(f"job {args.job_id} queued")
+    elif args.action == "watch":
+        return _watch(client, args.job_id)
+    elif args.action == "show":
+        _print(client.job(args.job_id))
+    elif args.action == "cancel":
+        _print(client.cancel_job(args.job_id))
+    elif args.action == "model":
+        data = client.download_model(args.job_id)
+        output = Path(args.output or f"{args.job_id}.safetensors")
+        output.write_bytes(data)
+        print(f"wrote {output} ({len(data):,} bytes)")
+    else:
+        _print(client.jobs())
+    return 0
+
+
+def cmd_nodes(args: argparse.Namespace) -> int:
+    client = _client(args)
+    if args.action == "create":
+        created = client.create_node(args.name)
+        print(f"node {created['id']} created. Start its agent with (the token is shown only once):\n"
+              f"  python -m nodeagent --control-plane {args.url} --token {created['token']}")
+    elif args.action in ("pause", "resume"):
+        node = client.pause_node(args.node_id) if args.action == "pause" else client.resume_node(args.node_id)
+        print(f"node {node['id']} {'paused: its stages move elsewhere' if node['paused'] else 'resumed'}")
+    else:
+        _print(client.nodes())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="arceus", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--url", default=os.environ.get("ARCEUS_URL"), help="control plane URL ($ARCEUS_URL)")
+    parser.add_argument("--token", default=os.environ.get("ARCEUS_TOKEN"), help="API token ($ARCEUS_TOKEN)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    login = sub.add_parser("login", help="exchange a username and password for an API token")
+    login.add_argument("username")
+    login.set_defaults(func=cmd_login)
+
+    jobs = sub.add_parser("jobs", help="submit, start, watch and inspect training jobs")
+    jobs_sub = jobs.add_subparsers(dest="action", required=True)
+    submit = jobs_sub.add_parser("submit", help="submit a job from a JSON file (- for stdin)")
+    submit.add_argument("file")
+    train = jobs_sub.add_parser("train", help="start (or restart) a job")
+    train.add_argument("job_id")
+    train.add_argument("--epochs", type=int)
+    train.add_argument("--learning-rate", type=float)
+    train.add_argument("--watch", action="store_true", help="draw a progress bar until it finishes")
+    for name, text in (("watch", "progress bar until the job finishes"), ("show", "the job as JSON"),
+                       ("cancel", "cancel the job")):
+        jobs_sub.add_parser(name, help=text).add_argument("job_id")
+    model = jobs_sub.add_parser("model", help="download the trained weights as a safetensors file")
+    model.add_argument("job_id")
+    model.add_argument("-o", "--output", help="file to write (default: JOB_ID.safetensors)")
+    jobs_sub.add_parser("list", help="your jobs")
+    jobs.set_defaults(func=cmd_jobs)
+
+    nodes = sub.add_parser("nodes", help="list, mint, pause or resume nodes")
+    nodes_sub = nodes.add_subparsers(dest="action", required=True)
+    nodes_sub.add_parser("create", help="register a node and print its agent token").add_argument("name")
+    nodes_sub.add_parser("list", help="every node with its state and capabilities")
+    nodes_sub.add_parser("pause", help="drain your node: its stages move elsewhere").add_argument("node_id")
+    nodes_sub.add_parser("resume", help="offer your node again").add_argument("node_id")
+    nodes.set_defaults(func=cmd_nodes)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except ApiError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # connection refused, DNS, timeouts from requests
+        print(f"error: cannot reach the control plane at {args.url}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

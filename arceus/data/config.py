@@ -1,0 +1,131 @@
+"""Validation of a job's `dataset_config`, shared by the control plane (at submit) and the driver."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from arceus.errors import SpecError
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    name: str
+    features: int
+    classes: int
+
+
+DATASETS: dict[str, DatasetInfo] = {
+    "digits": DatasetInfo("digits", features=64, classes=10),
+    "MNIST": DatasetInfo("MNIST", features=784, classes=10),
+}
+MNIST_FILES = (
+    "train-images-idx3-ubyte",
+    "train-labels-idx1-ubyte",
+    "t10k-images-idx3-ubyte",
+    "t10k-labels-idx1-ubyte",
+)
+DEFAULT_BATCH_SIZE = 32
+DEFAULT_VAL_BATCH_SIZE = 256
+MAX_BATCH_SIZE = 65536
+_KEYS = frozenset({"name", "batch_size", "val_batch_size", "normalize", "path"})
+
+
+def validate_dataset_config(cfg: Any) -> dict[str, Any]:
+    """Return a normalised copy of `cfg` with defaults filled in; raise SpecError naming the bad field."""
+    if not isinstance(cfg, dict):
+        raise SpecError("dataset_config", f"must be a JSON object, got {type(cfg).__name__}")
+    unknown = sorted(set(cfg) - _KEYS)
+    if unknown:
+        raise SpecError(
+            f"dataset_config.{unknown[0]}", f"unknown key; allowed keys: {', '.join(sorted(_KEYS))}"
+        )
+    info = _dataset_info(cfg.get("name"))
+    out: dict[str, Any] = {
+        "name": info.name,
+        "batch_size": _batch_size(cfg, "batch_size", DEFAULT_BATCH_SIZE),
+        "val_batch_size": _batch_size(cfg, "val_batch_size", DEFAULT_VAL_BATCH_SIZE),
+    }
+    if "normalize" in cfg:
+        out["normalize"] = _normalize(cfg["normalize"], info.features)
+    if info.name == "MNIST":
+        if "path" in cfg:
+            if not isinstance(cfg["path"], str) or not cfg["path"]:
+                raise SpecError("dataset_config.path", "must be a non-empty directory path")
+            out["path"] = cfg["path"]
+        missing_mnist_files(mnist_dir(out), raise_error=True)
+    elif "path" in cfg:
+        raise SpecError("dataset_config.path", f"only applies to MNIST; {info.name} is bundled")
+    return out
+
+
+def mnist_dir(cfg: dict[str, Any]) -> Path:
+    """Where the MNIST IDX files live: `path`, else $ARCEUS_DATA_DIR/mnist, else ./data/mnist."""
+    if cfg.get("path"):
+        return Path(cfg["path"]).expanduser()
+    return Path(os.environ.get("ARCEUS_DATA_DIR") or "data") / "mnist"
+
+
+def idx_file(directory: Path, base: str) -> Path | None:
+    """The file for `base` in `directory`, uncompressed or .gz; None if neither exists."""
+    for candidate in (directory / base, directory / f"{base}.gz"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def missing_mnist_files(directory: Path, *, raise_error: bool = False) -> list[str]:
+    missing = [base for base in MNIST_FILES if idx_file(directory, base) is None]
+    if missing and raise_error:
+        raise SpecError(
+            "dataset_config.path",
+            f"MNIST files missing in {directory.resolve()}: {', '.join(missing)} (each may also be .gz); "
+            "set dataset_config.path or ARCEUS_DATA_DIR (which holds mnist/) to where they are",
+        )
+    return missing
+
+
+def _dataset_info(name: Any) -> DatasetInfo:
+    choices = ", ".join(DATASETS)
+    if name is None:
+        raise SpecError("dataset_config.name", f"is required; one of: {choices}")
+    if isinstance(name, str):
+        for key, info in DATASETS.items():
+            if name.lower() == key.lower():
+                return info
+    raise SpecError("dataset_config.name", f"unknown dataset {name!r}; one of: {choices}")
+
+
+def _batch_size(cfg: dict[str, Any], key: str, default: int) -> int:
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"dataset_config.{key}", f"must be a positive integer, got {value!r}")
+    if not 1 <= value <= MAX_BATCH_SIZE:
+        raise SpecError(f"dataset_config.{key}", f"must be between 1 and {MAX_BATCH_SIZE}, got {value}")
+    return value
+
+
+def _normalize(value: Any, features: int) -> dict[str, list[float]]:
+    if not isinstance(value, dict) or set(value) != {"mean", "std"}:
+        raise SpecError("dataset_config.normalize", 'must be an object {"mean": [...], "std": [...]}')
+    out: dict[str, list[float]] = {}
+    for key in ("mean", "std"):
+        field = f"dataset_config.normalize.{key}"
+        raw = value[key]
+        items = raw if isinstance(raw, list) else [raw]
+        if len(items) not in (1, features):
+            raise SpecError(
+                field, f"needs 1 value (for every feature) or {features} (one per feature), got {len(items)}"
+            )
+        numbers = []
+        for index, item in enumerate(items):
+            if isinstance(item, bool) or not isinstance(item, int | float) or not math.isfinite(item):
+                raise SpecError(f"{field}[{index}]", f"must be a finite number, got {item!r}")
+            if key == "std" and item <= 0:
+                raise SpecError(f"{field}[{index}]", f"must be greater than 0, got {item}")
+            numbers.append(float(item))
+        out[key] = numbers
+    return out

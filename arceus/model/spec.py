@@ -1,0 +1,110 @@
+"""Declarative, torch-free model specs: the only thing a contributor builds its stage from.
+
+A spec answers the questions the partitioner and the agents ask (how many layers, how big each is,
+what shape flows between them) without importing torch, so the control plane can use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from arceus.errors import SpecError
+
+MAX_LAYER_WIDTH = 1_000_000
+ACTIVATIONS = ("relu", "gelu", "tanh")
+_MLP_KEYS = frozenset({"type", "layer_sizes", "activation"})
+
+
+@dataclass(frozen=True)
+class MLPSpec:
+    """A stack of Linear layers; every layer but the last is followed by the activation.
+
+    `layer_sizes` [64, 128, 10] means two layers: Linear(64→128)+act, Linear(128→10).
+    """
+
+    layer_sizes: tuple[int, ...]
+    activation: str = "relu"
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_sizes) - 1
+
+    @property
+    def input_features(self) -> int:
+        return self.layer_sizes[0]
+
+    @property
+    def output_features(self) -> int:
+        return self.layer_sizes[-1]
+
+    def layer_params(self) -> list[int]:
+        """Parameters (weight + bias) of each layer."""
+        return [i * o + o for i, o in self._pairs()]
+
+    def layer_flops_per_sample(self) -> list[int]:
+        """Forward FLOPs per sample of each layer: 2·in·out (one multiply and one add per weight).
+
+        Bias and activation are ignored (O(out), negligible). Backward costs about twice the forward.
+        """
+        return [2 * i * o for i, o in self._pairs()]
+
+    def layer_input_features(self) -> list[int]:
+        return list(self.layer_sizes[:-1])
+
+    def layer_output_features(self) -> list[int]:
+        return list(self.layer_sizes[1:])
+
+    def _pairs(self) -> list[tuple[int, int]]:
+        return list(zip(self.layer_sizes[:-1], self.layer_sizes[1:], strict=True))
+
+
+# Every model type the system knows. A later issue adds "transformer": one more entry here.
+ModelSpec = MLPSpec
+
+
+def model_spec_from_config(model_config: Any) -> ModelSpec:
+    """Validate a job's `model_config` and return its spec; raises SpecError naming the bad field."""
+    if not isinstance(model_config, dict):
+        raise SpecError("model_config", f"must be a JSON object, got {type(model_config).__name__}")
+    model_type = model_config.get("type", "mlp")
+    parsers = {"mlp": _mlp_from_config}
+    if not isinstance(model_type, str) or model_type.lower() not in parsers:
+        raise SpecError(
+            "model_config.type",
+            f"unknown model type {model_type!r}; supported: {', '.join(sorted(parsers))}",
+        )
+    return parsers[model_type.lower()](model_config)
+
+
+def _mlp_from_config(config: dict[str, Any]) -> MLPSpec:
+    unknown = sorted(set(config) - _MLP_KEYS)
+    if unknown:
+        raise SpecError(
+            f"model_config.{unknown[0]}",
+            f"unknown key for an mlp; allowed keys: {', '.join(sorted(_MLP_KEYS))}",
+        )
+    if "layer_sizes" not in config:
+        raise SpecError(
+            "model_config.layer_sizes", "is required, e.g. [64, 128, 10] (input, hidden..., output)"
+        )
+    sizes = config["layer_sizes"]
+    field = "model_config.layer_sizes"
+    if not isinstance(sizes, list | tuple):
+        raise SpecError(field, f"must be a list of positive integers, got {type(sizes).__name__}")
+    if len(sizes) < 2:
+        raise SpecError(field, f"needs at least 2 entries (input and output), got {len(sizes)}")
+    for index, size in enumerate(sizes):
+        # bool is an int subclass; `true` in JSON is never a width.
+        if isinstance(size, bool) or not isinstance(size, int):
+            raise SpecError(f"{field}[{index}]", f"must be a positive integer, got {size!r}")
+        if size < 1:
+            raise SpecError(f"{field}[{index}]", f"must be at least 1, got {size}")
+        if size > MAX_LAYER_WIDTH:
+            raise SpecError(f"{field}[{index}]", f"must be at most {MAX_LAYER_WIDTH:,}, got {size:,}")
+    activation = config.get("activation", "relu")
+    if not isinstance(activation, str) or activation.lower() not in ACTIVATIONS:
+        raise SpecError(
+            "model_config.activation", f"must be one of {', '.join(ACTIVATIONS)}, got {activation!r}"
+        )
+    return MLPSpec(layer_sizes=tuple(sizes), activation=activation.lower())

@@ -1,0 +1,73 @@
+"""Pipeline schedules as data: for each stage, the ordered forward/backward actions of one step.
+
+A stage runs its list top to bottom; it sends every output as soon as it has it and blocks only
+when an input it needs has not arrived. Any schedule here must therefore respect, per stage, the
+order in which its neighbours produce what it consumes; tests simulate that to prove no deadlock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+ActionKind = Literal["F", "B"]
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: ActionKind
+    micro_batch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.micro_batch}"
+
+
+Schedule = list[list[Action]]
+
+
+def gpipe(num_stages: int, num_micro_batches: int, train: bool = True) -> Schedule:
+    """GPipe: every stage runs all forwards in order, then (training) all backwards in reverse order."""
+    _check(num_stages, num_micro_batches)
+    forwards = [Action("F", m) for m in range(num_micro_batches)]
+    backwards = [Action("B", m) for m in reversed(range(num_micro_batches))] if train else []
+    return [forwards + backwards for _ in range(num_stages)]
+
+
+def one_f_one_b(num_stages: int, num_micro_batches: int, train: bool = True) -> Schedule:
+    """1F1B (PipeDream-Flush): after a warm-up of forwards, each stage alternates one forward and one
+    backward, so at most `num_stages - stage` micro-batches hold activations at once. Backwards run in
+    micro-batch order. Without training it is the same as GPipe's forward-only list.
+    """
+    _check(num_stages, num_micro_batches)
+    if not train:
+        return gpipe(num_stages, num_micro_batches, train=False)
+    schedule: Schedule = []
+    for stage in range(num_stages):
+        warmup = min(num_stages - stage - 1, num_micro_batches)
+        actions = [Action("F", m) for m in range(warmup)]
+        next_backward = 0
+        for m in range(warmup, num_micro_batches):
+            actions += [Action("F", m), Action("B", next_backward)]
+            next_backward += 1
+        actions += [Action("B", m) for m in range(next_backward, num_micro_batches)]
+        schedule.append(actions)
+    return schedule
+
+
+SCHEDULES: dict[str, Callable[[int, int, bool], Schedule]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def build_schedule(name: str, num_stages: int, num_micro_batches: int, train: bool = True) -> Schedule:
+    try:
+        factory = SCHEDULES[name]
+    except KeyError:
+        raise ValueError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}") from None
+    return factory(num_stages, num_micro_batches, train)
+
+
+def _check(num_stages: int, num_micro_batches: int) -> None:
+    if num_stages < 1:
+        raise ValueError(f"a pipeline needs at least 1 stage, got {num_stages}")
+    if num_micro_batches < 1:
+        raise ValueError(f"a step needs at least 1 micro-batch, got {num_micro_batches}")

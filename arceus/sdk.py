@@ -1,0 +1,136 @@
+"""Python SDK for the Arceus REST API.
+
+    from arceus.sdk import ArceusClient
+    client = ArceusClient.login("http://127.0.0.1:8000", "alice", "secret")
+    job = client.submit_job({"model_config": {"layer_sizes": [64, 128, 64, 10]},
+                             "dataset_config": {"name": "digits"}, "epochs": 5})
+    client.start_job(job["id"])
+    final = client.wait(job["id"])
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import requests
+
+TERMINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
+
+
+class ApiError(RuntimeError):
+    """The API answered with an error; `errors` holds its field-level messages when it gave any."""
+
+    def __init__(self, status: int, method: str, path: str, body: Any) -> None:
+        self.status = status
+        self.body = body
+        super().__init__(f"{method} {path} → HTTP {status}: {_describe(body)}")
+
+
+def _describe(body: Any) -> str:
+    if isinstance(body, dict):
+        parts = []
+        for key, value in body.items():
+            messages = value if isinstance(value, list) else [value]
+            parts.append(f"{key}: {'; '.join(str(m) for m in messages)}")
+        return ", ".join(parts)
+    return str(body)
+
+
+class ArceusClient:
+    def __init__(self, base_url: str, token: str | None = None, *, timeout: float = 30.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout
+        self.session = requests.Session()
+        if token:
+            self.session.headers["Authorization"] = f"Token {token}"
+
+    @classmethod
+    def login(cls, base_url: str, username: str, password: str, *, timeout: float = 30.0) -> ArceusClient:
+        client = cls(base_url, timeout=timeout)
+        token = client._request("POST", "/api/auth/token", {"username": username, "password": password})["token"]
+        return cls(base_url, token, timeout=timeout)
+
+    # --- nodes ------------------------------------------------------------------------------------
+    def create_node(self, name: str) -> dict[str, Any]:
+        """Mint a node and its agent token (shown only in this response)."""
+        return self._request("POST", "/api/nodes", {"name": name})
+
+    def nodes(self) -> list[dict[str, Any]]:
+        return self._request("GET", "/api/nodes")
+
+    def pause_node(self, node_id: str) -> dict[str, Any]:
+        """Drain your node: it takes no new stage and hands back what it hosts, without losing work."""
+        return self._request("POST", f"/api/nodes/{node_id}/pause", {})
+
+    def resume_node(self, node_id: str) -> dict[str, Any]:
+        return self._request("POST", f"/api/nodes/{node_id}/resume", {})
+
+    # --- jobs -------------------------------------------------------------------------------------
+    def submit_job(self, spec: dict[str, Any]) -> dict[str, Any]:
+        return self._request("POST", "/api/jobs", spec)
+
+    def start_job(self, job_id: str, *, epochs: int | None = None,
+                  learning_rate: float | None = None) -> dict[str, Any]:
+        body: dict[str, Any] = {}
+        if epochs is not None:
+            body["epochs"] = epochs
+        if learning_rate is not None:
+            body["learning_rate"] = learning_rate
+        return self._request("POST", f"/api/jobs/{job_id}/train", body)
+
+    def cancel_job(self, job_id: str) -> dict[str, Any]:
+        return self._request("POST", f"/api/jobs/{job_id}/cancel", {})
+
+    def job(self, job_id: str) -> dict[str, Any]:
+        return self._request("GET", f"/api/jobs/{job_id}")
+
+    def jobs(self) -> list[dict[str, Any]]:
+        return self._request("GET", "/api/jobs")
+
+    def download_model(self, job_id: str) -> bytes:
+        """The job's trained weights (its newest checkpoint) as safetensors bytes."""
+        path = f"/api/jobs/{job_id}/model"
+        response = self.session.get(self.base_url + path, timeout=self.timeout)
+        if response.status_code >= 400:
+            raise ApiError(response.status_code, "GET", path, _payload(response))
+        return response.content
+
+    def wait(
+        self,
+        job_id: str,
+        *,
+        poll_seconds: float = 0.5,
+        timeout: float | None = None,
+        on_update: Callable[[dict[str, Any]], None] | None = None,
+    ) -> dict[str, Any]:
+        """Poll until the job reaches a terminal status; returns its final detail."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            detail = self.job(job_id)
+            if on_update is not None:
+                on_update(detail)
+            if detail["status"] in TERMINAL_STATUSES:
+                return detail
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"job {job_id} still {detail['status']} after {timeout:.0f}s "
+                    f"(conditions: {detail.get('conditions')})"
+                )
+            time.sleep(poll_seconds)
+
+    # --- transport --------------------------------------------------------------------------------
+    def _request(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
+        response = self.session.request(method, self.base_url + path, json=body, timeout=self.timeout)
+        payload = _payload(response)
+        if response.status_code >= 400:
+            raise ApiError(response.status_code, method, path, payload)
+        return payload
+
+
+def _payload(response: requests.Response) -> Any:
+    try:
+        return response.json() if response.content else None
+    except ValueError:
+        return response.text

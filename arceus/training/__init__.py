@@ -1,0 +1,28 @@
+"""The Django-free training driver: feeds a pipeline of stages over gRPC and reports progress."""
+
+from arceus.training.driver import DriverError, train
+from arceus.training.plan import (
+    EpochResult,
+    ProgressSink,
+    StageCountersSnapshot,
+    StageEndpoint,
+    StageState,
+    StepProgress,
+    TrainPlan,
+    TrainResult,
+    max_micro_batch_size,
+)
+
+__all__ = [
+    "DriverError",
+    "EpochResult",
+    "ProgressSink",
+    "StageCountersSnapshot",
+    "StageEndpoint",
+    "StageState",
+    "StepProgress",
+    "TrainPlan",
+    "TrainResult",
+    "max_micro_batch_size",
+    "train",
+]

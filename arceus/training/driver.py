@@ -1,0 +1,280 @@
+"""`train(plan, sink)`: drive a pipeline of stages through epochs of steps, with validation after each.
+
+One step: split the batch into micro-batches, push the inputs to stage 0 and the labels to the last
+stage, and ask every stage to run its schedule, all concurrently. The first failed call cancels the
+rest and becomes a DriverError naming the stage and the gRPC status.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import queue
+import time
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from arceus.data import epoch_batches, load_dataset, validate_dataset_config
+from arceus.training.plan import (
+    EpochResult,
+    ProgressSink,
+    StageCountersSnapshot,
+    StageState,
+    StepProgress,
+    TrainPlan,
+    TrainResult,
+)
+from arceus.training.stage_client import StageClient
+from arceus.v1 import stage_pb2
+
+log = logging.getLogger(__name__)
+
+
+class DriverError(RuntimeError):
+    """A stage call failed; `stage_index` and `code` (a grpc.StatusCode name) say which and how."""
+
+    def __init__(self, message: str, *, stage_index: int | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.stage_index = stage_index
+        self.code = code
+
+
+@dataclass
+class StepOutcome:
+    loss_sum: float
+    correct: int
+    samples: int
+    stages: list[StageCountersSnapshot]
+
+
+class Pipeline:
+    """The driver's view of the stages of one job generation: one channel per stage, reused."""
+
+    def __init__(self, plan: TrainPlan) -> None:
+        self.plan = plan
+        self.clients = [
+            StageClient(s, job_id=plan.job_id, generation=plan.generation, timeout=plan.rpc_timeout_seconds)
+            for s in plan.stages
+        ]
+        self._call_ids = itertools.count(1)  # unique per RunStep (train and eval) within this run
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, *, train: bool) -> StepOutcome:
+        plan, first, last = self.plan, self.clients[0], self.clients[-1]
+        step = next(self._call_ids)
+        n = len(x)
+        num_micro_batches = min(plan.micro_batches, n)
+        calls: list[tuple[StageClient, str, grpc.Future]] = []
+        for m, (xm, ym) in enumerate(
+            zip(
+                torch.tensor_split(x, num_micro_batches),
+                torch.tensor_split(y, num_micro_batches),
+                strict=True,
+            )
+        ):
+            calls.append(
+                (
+                    first,
+                    f"pushing the inputs of micro-batch {m}",
+                    first.push(stage_pb2.ACTIVATION, step, m, xm),
+                )
+            )
+            calls.append(
+                (last, f"pushing the labels of micro-batch {m}", last.push(stage_pb2.LABELS, step, m, ym))
+            )
+        mode = stage_pb2.TRAIN if train else stage_pb2.EVAL
+        runs = [
+            (
+                c,
+                "RunStep",
+                c.run_step(
+                    step=step,
+                    mode=mode,
+                    num_micro_batches=num_micro_batches,
+                    schedule=plan.schedule,
+                    batch_size=n,
+                    learning_rate=plan.learning_rate,
+                ),
+            )
+            for c in self.clients
+        ]
+        results = _await_all(calls + runs)
+        replies: list[stage_pb2.RunStepReply] = results[len(calls) :]
+        final = replies[-1]
+        if sum(final.sample_counts) != n:
+            raise DriverError(
+                f"{last.describe()} reported {sum(final.sample_counts)} samples for a batch of {n}",
+                stage_index=last.endpoint.index,
+            )
+        return StepOutcome(
+            loss_sum=sum(final.loss_sums),
+            correct=sum(final.correct),
+            samples=n,
+            stages=[c.snapshot(r.counters) for c, r in zip(self.clients, replies, strict=True)],
+        )
+
+    def evaluate(
+        self, x: torch.Tensor, y: torch.Tensor, batch_size: int
+    ) -> tuple[float, float, list[StageCountersSnapshot]]:
+        """(mean loss, accuracy, stage counters) over the whole validation set."""
+        loss_sum, correct = 0.0, 0
+        stages: list[StageCountersSnapshot] = []
+        for start in range(0, len(x), batch_size):
+            outcome = self.step(x[start : start + batch_size], y[start : start + batch_size], train=False)
+            loss_sum, correct, stages = loss_sum + outcome.loss_sum, correct + outcome.correct, outcome.stages
+        n = max(len(x), 1)
+        return loss_sum / n, correct / n, stages
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        """Every stage's parameters under their model-wide names."""
+        named: dict[str, torch.Tensor] = {}
+        for client in self.clients:
+            try:
+                named.update(client.get_weights())
+            except grpc.RpcError as exc:
+                raise _driver_error(client, "GetWeights", exc) from exc
+        return named
+
+    def states(self) -> list[StageState]:
+        """Every stage's weights and optimizer state, between steps (a coordinated checkpoint)."""
+        states = []
+        for client, endpoint in zip(self.clients, self.plan.stages, strict=True):
+            try:
+                tensors = client.get_weights(include_optimizer_state=True)
+            except grpc.RpcError as exc:
+                raise _driver_error(client, "GetWeights (checkpoint)", exc) from exc
+            states.append(StageState(endpoint.index, endpoint.layer_start, endpoint.layer_end, tensors))
+        return states
+
+    def close(self) -> None:
+        for client in self.clients:
+            client.close()
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def train(plan: TrainPlan, sink: ProgressSink) -> TrainResult:
+    """Train for `plan.epochs` (or until `plan.max_steps`, or until `sink.should_stop()`), starting
+    after `plan.start_step` with the data order of a run that never stopped.
+
+    Validation runs after every epoch and when `max_steps` ends training early (then it reports the
+    partial epoch through `sink.on_epoch` too). Every `plan.checkpoint_interval` steps, whenever
+    `sink.wants_checkpoint()`, and at the end, every stage's state goes to `sink.on_checkpoint` (after
+    the epoch's validation when both fall on one step, so a resumed run never needs to validate an
+    epoch again). A stop requested by the sink skips validation; the result then carries the last
+    validation's numbers (NaN if there was none).
+    """
+    plan.check()
+    dataset = validate_dataset_config(plan.dataset)
+    train_x, train_y, val_x, val_y = load_dataset(dataset)
+    batch_size, val_batch_size = dataset["batch_size"], dataset["val_batch_size"]
+    steps_per_epoch = math.ceil(len(train_x) / batch_size)
+    total_steps = steps_per_epoch * plan.epochs
+    if plan.max_steps is not None:
+        total_steps = min(total_steps, plan.max_steps)
+    step, final_loss, val_loss, val_accuracy = plan.start_step, math.nan, math.nan, math.nan
+    stages: list[StageCountersSnapshot] = []
+    stopped = False
+    # Resuming from the final checkpoint re-runs only the last validation (the driver died before it
+    # could report the end).
+    first_epoch = min(plan.start_step // steps_per_epoch + 1, plan.epochs)
+    with Pipeline(plan) as pipeline:
+
+        def checkpoint(epoch: int) -> None:
+            sink.on_checkpoint(step, epoch, pipeline.states())
+
+        for epoch in range(first_epoch, plan.epochs + 1):
+            batches = epoch_batches(len(train_x), batch_size, plan.seed, epoch)
+            skip = plan.start_step - (epoch - 1) * steps_per_epoch if epoch == first_epoch else 0
+            for indices in batches[skip:]:
+                if step >= total_steps:
+                    break
+                if sink.wants_checkpoint():
+                    checkpoint(epoch)
+                if sink.should_stop():
+                    stopped = True
+                    break
+                started = time.perf_counter()
+                outcome = pipeline.step(train_x[indices], train_y[indices], train=True)
+                elapsed = time.perf_counter() - started
+                step += 1
+                final_loss, stages = outcome.loss_sum / outcome.samples, outcome.stages
+                sink.on_step(
+                    StepProgress(
+                        epoch=epoch,
+                        step=step,
+                        total_steps=total_steps,
+                        loss=final_loss,
+                        samples_per_second=outcome.samples / elapsed if elapsed > 0 else 0.0,
+                        stages=outcome.stages,
+                    )
+                )
+                ends_epoch = step % steps_per_epoch == 0 or step >= total_steps
+                if plan.checkpoint_interval and step % plan.checkpoint_interval == 0 and not ends_epoch:
+                    checkpoint(epoch)
+            if stopped:
+                break
+            val_loss, val_accuracy, stages = pipeline.evaluate(val_x, val_y, val_batch_size)
+            log.info(
+                "job %s epoch %d: val_loss %.4f, val_accuracy %.4f",
+                plan.job_id,
+                epoch,
+                val_loss,
+                val_accuracy,
+            )
+            sink.on_epoch(
+                EpochResult(epoch=epoch, val_loss=val_loss, val_accuracy=val_accuracy, stages=stages)
+            )
+            if step >= total_steps or (plan.checkpoint_interval and step % plan.checkpoint_interval == 0):
+                checkpoint(epoch)
+            if step >= total_steps:
+                break
+    return TrainResult(
+        steps=step,
+        final_loss=final_loss,
+        val_loss=val_loss,
+        val_accuracy=val_accuracy,
+        stopped=stopped,
+        stages=stages,
+    )
+
+
+def fetch_weights(plan: TrainPlan) -> dict[str, torch.Tensor]:
+    """All parameters of the pipeline in `plan`, under their model-wide names ("layers.0.weight", ...)."""
+    with Pipeline(plan) as pipeline:
+        return pipeline.weights()
+
+
+def _await_all(calls: list[tuple[StageClient, str, grpc.Future]]) -> list:
+    """Results of all calls in order; the first failure cancels the others and raises DriverError."""
+    done: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for index, (_, _, future) in enumerate(calls):
+        future.add_done_callback(lambda _f, i=index: done.put(i))
+    results: list = [None] * len(calls)
+    for _ in calls:
+        index = done.get()  # every call has a deadline, so each completes
+        client, what, future = calls[index]
+        error = future.exception()
+        if error is not None:
+            for _, _, other in calls:
+                other.cancel()
+            raise _driver_error(client, what, error)
+        results[index] = future.result()
+    return results
+
+
+def _driver_error(client: StageClient, what: str, error: BaseException) -> DriverError:
+    if isinstance(error, grpc.Call):
+        code = error.code()
+        return DriverError(
+            f"{what} on {client.describe()} failed with {code.name}: {error.details()}",
+            stage_index=client.endpoint.index,
+            code=code.name,
+        )
+    return DriverError(f"{what} on {client.describe()} failed: {error}", stage_index=client.endpoint.index)

@@ -1,0 +1,146 @@
+"""What the driver is told (`TrainPlan`) and what it reports (progress, epoch and final results)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from arceus.errors import SpecError
+from arceus.pipeline.schedule import SCHEDULES
+
+
+@dataclass(frozen=True)
+class StageEndpoint:
+    index: int
+    address: str
+    node_id: str
+    layer_start: int
+    layer_end: int
+
+
+@dataclass(frozen=True)
+class TrainPlan:
+    job_id: str
+    generation: int
+    stages: tuple[StageEndpoint, ...]
+    dataset: dict[str, Any]  # a validated dataset_config
+    epochs: int
+    learning_rate: float
+    micro_batches: int
+    seed: int
+    rpc_timeout_seconds: float = 60.0
+    max_steps: int | None = None
+    schedule: str = "gpipe"
+    # The stages hold the state after `start_step` (0: the initial weights); training resumes after it
+    # with the same data order as a run that never stopped.
+    start_step: int = 0
+    # Save every stage's state every this many steps (0: never periodically), and at the end.
+    checkpoint_interval: int = 0
+
+    def check(self) -> None:
+        """Raise SpecError if the plan cannot be run (the dataset is checked when it is loaded)."""
+        if not self.stages:
+            raise SpecError("plan.stages", "a pipeline needs at least one stage")
+        if [s.index for s in self.stages] != list(range(len(self.stages))):
+            raise SpecError(
+                "plan.stages",
+                f"stage indices must be 0..{len(self.stages) - 1} in order, "
+                f"got {[s.index for s in self.stages]}",
+            )
+        if self.stages[0].layer_start != 0 or any(
+            a.layer_end != b.layer_start for a, b in zip(self.stages, self.stages[1:], strict=False)
+        ):
+            raise SpecError(
+                "plan.stages",
+                "stage layer ranges must start at 0 and be contiguous, got "
+                + ", ".join(f"[{s.layer_start}, {s.layer_end})" for s in self.stages),
+            )
+        for name, value in (("epochs", self.epochs), ("micro_batches", self.micro_batches)):
+            if value < 1:
+                raise SpecError(f"plan.{name}", f"must be at least 1, got {value}")
+        if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
+            raise SpecError("plan.learning_rate", f"must be a positive number, got {self.learning_rate}")
+        if not self.rpc_timeout_seconds > 0:
+            raise SpecError("plan.rpc_timeout_seconds", f"must be positive, got {self.rpc_timeout_seconds}")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise SpecError("plan.max_steps", f"must be at least 1 (or None), got {self.max_steps}")
+        for name, value in (("start_step", self.start_step), ("checkpoint_interval", self.checkpoint_interval)):
+            if value < 0:
+                raise SpecError(f"plan.{name}", f"must be at least 0, got {value}")
+        if self.schedule not in SCHEDULES:
+            raise SpecError(
+                "plan.schedule", f"unknown schedule {self.schedule!r}; known: {', '.join(SCHEDULES)}"
+            )
+
+
+def max_micro_batch_size(dataset_config: dict[str, Any], micro_batches: int) -> int:
+    """The largest micro-batch a driver sends for this (validated) dataset config: what an assignment's
+    `max_micro_batch_size` must allow."""
+    largest = max(dataset_config["batch_size"], dataset_config["val_batch_size"])
+    return math.ceil(largest / micro_batches)
+
+
+@dataclass
+class StageCountersSnapshot:
+    index: int
+    node_id: str
+    samples: int
+    micro_batches: int
+    compute_seconds: float
+    bytes_sent: int
+    bytes_received: int
+
+
+@dataclass
+class StepProgress:
+    epoch: int  # 1-based
+    step: int  # global, 1-based
+    total_steps: int
+    loss: float
+    samples_per_second: float
+    stages: list[StageCountersSnapshot] = field(default_factory=list)  # cumulative, after this step
+
+
+@dataclass
+class EpochResult:
+    epoch: int
+    val_loss: float
+    val_accuracy: float
+    stages: list[StageCountersSnapshot]
+
+
+@dataclass
+class StageState:
+    """One stage's weights and optimizer state after `step` (checkpoint tensor names)."""
+
+    index: int
+    layer_start: int
+    layer_end: int
+    tensors: dict[str, torch.Tensor]
+
+
+class ProgressSink(Protocol):
+    def on_step(self, p: StepProgress) -> None: ...
+
+    def on_epoch(self, r: EpochResult) -> None: ...
+
+    def on_checkpoint(self, step: int, epoch: int, stages: list[StageState]) -> None: ...
+
+    def wants_checkpoint(self) -> bool:
+        """True to have every stage's state saved before the next step (e.g. to hand a stage over)."""
+        ...
+
+    def should_stop(self) -> bool: ...
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    final_loss: float
+    val_loss: float
+    val_accuracy: float
+    stopped: bool
+    stages: list[StageCountersSnapshot]

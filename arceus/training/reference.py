@@ -1,0 +1,57 @@
+"""Single-process training of a job, batch for batch what the pipeline does: the yardstick that fault
+tests and benchmarks compare a distributed (and interrupted) run against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from arceus.data import epoch_batches, load_dataset, validate_dataset_config
+from arceus.model.build import build_full_model
+from arceus.model.spec import model_spec_from_config
+
+
+@dataclass(frozen=True)
+class ReferenceRun:
+    losses: list[float]  # per training step
+    val_loss: float
+    val_accuracy: float
+    weights: dict[str, torch.Tensor]  # model-wide names, as a pipeline's stages name them
+
+
+def reference_run(job: dict[str, Any], *, max_steps: int | None = None) -> ReferenceRun:
+    """Train the job's model in this process (one thread's torch) with the job's settings and data order.
+
+    `job` is the submitted shape: model_config, dataset_config, epochs, learning_rate, optimizer,
+    momentum, weight_decay, seed.
+    """
+    dataset = validate_dataset_config(job["dataset_config"])
+    seed = job.get("seed", 0)
+    model = build_full_model(model_spec_from_config(job["model_config"]), seed)
+    params = list(model.parameters())
+    lr, weight_decay = job["learning_rate"], job.get("weight_decay", 0.0)
+    optimizer: torch.optim.Optimizer = (
+        torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+        if job.get("optimizer", "sgd") == "adam"
+        else torch.optim.SGD(params, lr=lr, momentum=job.get("momentum", 0.0), weight_decay=weight_decay)
+    )
+    train_x, train_y, val_x, val_y = load_dataset(dataset)
+    losses: list[float] = []
+    for epoch in range(1, job.get("epochs", 1) + 1):
+        for indices in epoch_batches(len(train_x), dataset["batch_size"], seed, epoch):
+            if max_steps is not None and len(losses) >= max_steps:
+                break
+            loss = F.cross_entropy(model(train_x[indices]), train_y[indices])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+    with torch.no_grad():
+        logits = model(val_x)
+        val_loss = F.cross_entropy(logits, val_y).item()
+        val_accuracy = (logits.argmax(dim=1) == val_y).float().mean().item()
+    weights = {f"layers.{name}": t.detach().clone() for name, t in model.state_dict().items()}
+    return ReferenceRun(losses=losses, val_loss=val_loss, val_accuracy=val_accuracy, weights=weights)

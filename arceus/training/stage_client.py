@@ -1,0 +1,77 @@
+"""One reusable gRPC channel per stage, and the calls the driver makes on it (each with a deadline)."""
+
+from __future__ import annotations
+
+import grpc
+import torch
+
+from arceus.training.plan import StageCountersSnapshot, StageEndpoint
+from arceus.v1 import stage_pb2, stage_pb2_grpc
+from arceus.wire.proto_tensor import from_proto, to_proto
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+
+class StageClient:
+    def __init__(self, endpoint: StageEndpoint, *, job_id: str, generation: int, timeout: float) -> None:
+        self.endpoint = endpoint
+        self.timeout = timeout
+        self.ref = stage_pb2.StageRef(job_id=job_id, stage_index=endpoint.index, generation=generation)
+        self._channel = grpc.insecure_channel(
+            endpoint.address,
+            options=[
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
+        self._stub = stage_pb2_grpc.StageServiceStub(self._channel)
+
+    def describe(self) -> str:
+        e = self.endpoint
+        return f"stage {e.index} (node {e.node_id} at {e.address})"
+
+    def push(self, kind: int, step: int, micro_batch: int, tensor: torch.Tensor) -> grpc.Future:
+        request = stage_pb2.PushTensorRequest(
+            target=self.ref, kind=kind, step=step, micro_batch=micro_batch, tensor=to_proto(tensor)
+        )
+        return self._stub.PushTensor.future(request, timeout=self.timeout)
+
+    def run_step(
+        self,
+        *,
+        step: int,
+        mode: int,
+        num_micro_batches: int,
+        schedule: str,
+        batch_size: int,
+        learning_rate: float,
+    ) -> grpc.Future:
+        request = stage_pb2.RunStepRequest(
+            target=self.ref,
+            step=step,
+            mode=mode,
+            num_micro_batches=num_micro_batches,
+            schedule=schedule,
+            batch_size=batch_size,
+            learning_rate=learning_rate,
+        )
+        return self._stub.RunStep.future(request, timeout=self.timeout)
+
+    def get_weights(self, *, include_optimizer_state: bool = False) -> dict[str, torch.Tensor]:
+        request = stage_pb2.GetWeightsRequest(target=self.ref, include_optimizer_state=include_optimizer_state)
+        reply = self._stub.GetWeights(request, timeout=self.timeout)
+        return {named.name: from_proto(named.tensor, max_bytes=MAX_MESSAGE_BYTES) for named in reply.tensors}
+
+    def snapshot(self, counters: stage_pb2.StageCounters) -> StageCountersSnapshot:
+        return StageCountersSnapshot(
+            index=self.endpoint.index,
+            node_id=self.endpoint.node_id,
+            samples=counters.samples,
+            micro_batches=counters.micro_batches,
+            compute_seconds=counters.compute_seconds,
+            bytes_sent=counters.bytes_sent,
+            bytes_received=counters.bytes_received,
+        )
+
+    def close(self) -> None:
+        self._channel.close()

@@ -1,0 +1,1 @@
+"""How tensors travel: raw little-endian bytes with dtype and shape, validated before use."""

@@ -1,0 +1,34 @@
+"""Write one benchmark's section of docs/BENCHMARKS.md, replacing its previous figures."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import subprocess
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "docs" / "BENCHMARKS.md"
+HEADER = (
+    "# Benchmarks\n\n"
+    "Each section is rewritten by the script it names; figures are medians of runs made side by side.\n"
+)
+
+
+def machine_line() -> str:
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=BENCHMARKS.parent).stdout.strip() or "uncommitted"
+    return (f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, commit {commit}, {platform.machine()}, "
+            f"{os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}")
+
+
+def write_section(name: str, body: str) -> None:
+    start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
+    section = f"{start}\n{body.strip()}\n{end}"
+    text = BENCHMARKS.read_text() if BENCHMARKS.exists() else HEADER
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section + "\n"
+    BENCHMARKS.write_text(text)

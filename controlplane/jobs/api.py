@@ -1,0 +1,96 @@
+"""Job endpoints: submit, list, detail, train (start), cancel."""
+
+from __future__ import annotations
+
+from django.http import HttpResponse
+from django.utils import timezone
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import status
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from controlplane.common.db import consistent_snapshot
+from controlplane.jobs.checkpoints import job_model_file
+from controlplane.jobs.estimate import job_estimate
+from controlplane.jobs.selectors import job_get_for_user, job_list_for_user
+from controlplane.jobs.serializers import (
+    JobDetailOutput,
+    JobEstimateOutput,
+    JobListOutput,
+    JobStartInput,
+    JobSubmitInput,
+)
+from controlplane.jobs.services import job_cancel, job_start, job_submit
+
+JOB_ID = OpenApiParameter("job_id", str, OpenApiParameter.PATH, description="Job UUID")
+
+
+class JobListCreateApi(APIView):
+    @extend_schema(responses=JobListOutput(many=True))
+    def get(self, request: Request) -> Response:
+        return Response(JobListOutput(job_list_for_user(user=request.user), many=True).data)
+
+    @extend_schema(request=JobSubmitInput, responses={201: JobDetailOutput})
+    def post(self, request: Request) -> Response:
+        data = JobSubmitInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        job = job_submit(owner=request.user, **data.validated_data)
+        return Response(JobDetailOutput(job).data, status=status.HTTP_201_CREATED)
+
+
+class JobEstimateApi(APIView):
+    """What a job would get if submitted now: placement, expected speed and hours, price. Saves nothing."""
+
+    @extend_schema(request=JobSubmitInput, responses=JobEstimateOutput)
+    def post(self, request: Request) -> Response:
+        data = JobSubmitInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        v = data.validated_data
+        estimate = job_estimate(
+            model_config=v["model_config"],
+            dataset_config=v["dataset_config"],
+            epochs=v["epochs"],
+            micro_batches=v["micro_batches"],
+            stages=v["stages"],
+            requirements_config=v["requirements"],
+            now=timezone.now(),
+        )
+        return Response(JobEstimateOutput(estimate).data)
+
+
+class JobDetailApi(APIView):
+    @extend_schema(parameters=[JOB_ID], responses=JobDetailOutput)
+    def get(self, request: Request, job_id: str) -> Response:
+        with consistent_snapshot():  # the job, its placements and its checkpoints as of one moment
+            return Response(JobDetailOutput(job_get_for_user(user=request.user, job_id=job_id)).data)
+
+
+class JobTrainApi(APIView):
+    """Start (or restart) training: the job is queued and placed on nodes as they are available."""
+
+    @extend_schema(parameters=[JOB_ID], request=JobStartInput, responses={202: JobDetailOutput})
+    def post(self, request: Request, job_id: str) -> Response:
+        job = job_get_for_user(user=request.user, job_id=job_id)
+        data = JobStartInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        job = job_start(job=job, **data.validated_data)
+        return Response(JobDetailOutput(job).data, status=status.HTTP_202_ACCEPTED)
+
+
+class JobCancelApi(APIView):
+    @extend_schema(parameters=[JOB_ID], request=None, responses=JobDetailOutput)
+    def post(self, request: Request, job_id: str) -> Response:
+        job = job_cancel(job=job_get_for_user(user=request.user, job_id=job_id))
+        return Response(JobDetailOutput(job).data)
+
+
+class JobModelApi(APIView):
+    """The trained model: every stage's weights from the newest checkpoint, as one safetensors file."""
+
+    @extend_schema(parameters=[JOB_ID], responses={(200, "application/octet-stream"): bytes})
+    def get(self, request: Request, job_id: str) -> HttpResponse:
+        data, checkpoint = job_model_file(job=job_get_for_user(user=request.user, job_id=job_id))
+        response = HttpResponse(data, content_type="application/octet-stream")
+        response["Content-Disposition"] = f'attachment; filename="{job_id}-step-{checkpoint.step}.safetensors"'
+        return response

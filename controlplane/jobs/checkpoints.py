@@ -1,0 +1,154 @@
+"""Coordinated checkpoints: saved by the job's driver, fetched by agents, assembled for the owner.
+
+Files go through the "checkpoints" storage (settings.STORAGES); rows are written only once every
+stage's file is stored, in one transaction guarded by the driver lease, so a checkpoint in the
+database is always complete and always from the driver that owned the job at the time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from django.core.files.base import ContentFile
+from django.db import transaction
+from django.db.models import QuerySet
+
+from arceus.checkpoint import OPTIMIZER_PREFIX, checkpoint_digest, decode_checkpoint, encode_checkpoint
+from controlplane.common.errors import ApplicationError
+from controlplane.jobs.models import Checkpoint, Job, JobStatus, Stage, StageCheckpoint, checkpoint_storage
+
+log = logging.getLogger(__name__)
+# Checkpoints kept per job besides the one its stages resume from: older ones are deleted.
+KEEP_CHECKPOINTS = 2
+
+
+@dataclass(frozen=True)
+class StageFile:
+    index: int
+    layer_start: int
+    layer_end: int
+    data: bytes  # safetensors
+
+
+def checkpoint_save(
+    *, job_id: Any, lease_owner: str, generation: int, step: int, epoch: int, stages: Sequence[StageFile]
+) -> Checkpoint | None:
+    """Store every stage's state after `step`; None (and nothing kept) if the caller no longer holds the
+    job's driver lease at `generation`. Resets the job's restart count: the job made progress."""
+    storage = checkpoint_storage()
+    stored: list[tuple[StageFile, str]] = []
+    try:
+        for stage in stages:
+            name = storage.save(
+                f"checkpoints/{job_id}/step-{step:08d}/stage-{stage.index}.safetensors", ContentFile(stage.data)
+            )
+            stored.append((stage, name))
+        with transaction.atomic():
+            job = (
+                Job.objects.select_for_update()
+                .filter(pk=job_id, status=JobStatus.RUNNING, generation=generation, driver_lease_owner=lease_owner)
+                .first()
+            )
+            if job is None:
+                raise _LeaseLost
+            # A replay after a rewind may reach a step saved before (resuming from the final checkpoint
+            # saves it again): the newer save replaces it, also as the checkpoint the job resumes from.
+            replaced = Checkpoint.objects.filter(job=job, step=step).first()
+            if replaced is not None:
+                checkpoints_delete([replaced])
+            checkpoint = Checkpoint.objects.create(job=job, step=step, epoch=epoch, generation=generation)
+            if replaced is not None and job.resume_checkpoint_id == replaced.pk:
+                Job.objects.filter(pk=job.pk).update(resume_checkpoint=checkpoint)
+                job.resume_checkpoint_id = checkpoint.pk
+            StageCheckpoint.objects.bulk_create(
+                StageCheckpoint(
+                    checkpoint=checkpoint,
+                    stage_index=stage.index,
+                    layer_start=stage.layer_start,
+                    layer_end=stage.layer_end,
+                    file=name,
+                    sha256=checkpoint_digest(stage.data),
+                    size_bytes=len(stage.data),
+                )
+                for stage, name in stored
+            )
+            Job.objects.filter(pk=job.pk).update(restarts=0)
+            old = Checkpoint.objects.filter(job=job).exclude(pk=checkpoint.pk).order_by("-step")
+            if job.resume_checkpoint_id is not None:
+                old = old.exclude(pk=job.resume_checkpoint_id)
+            checkpoints_delete(old[KEEP_CHECKPOINTS - 1 :])
+    except _LeaseLost:
+        _delete_files(name for _, name in stored)
+        return None
+    except BaseException:
+        _delete_files(name for _, name in stored)
+        raise
+    return checkpoint
+
+
+def checkpoints_delete(checkpoints: QuerySet[Checkpoint] | Iterable[Checkpoint]) -> None:
+    """Delete checkpoints and, once the transaction commits, their files."""
+    checkpoints = list(checkpoints)
+    if not checkpoints:
+        return
+    names = list(StageCheckpoint.objects.filter(checkpoint__in=checkpoints).values_list("file", flat=True))
+    Checkpoint.objects.filter(pk__in=[c.pk for c in checkpoints]).delete()
+    transaction.on_commit(lambda: _delete_files(names))
+
+
+def stage_checkpoint_for_node(*, node_id: Any, stage_checkpoint_id: str) -> StageCheckpoint:
+    """A stage checkpoint the node may download: the node must host that stage of that job now."""
+    sc = StageCheckpoint.objects.select_related("checkpoint").filter(pk=_uuid_or_none(stage_checkpoint_id)).first()
+    if sc is None or not Stage.objects.filter(
+        job_id=sc.checkpoint.job_id, index=sc.stage_index, node_id=node_id, active=True
+    ).exists():
+        raise ApplicationError.not_found("checkpoint", stage_checkpoint_id)
+    return sc
+
+
+def job_model_file(*, job: Job) -> tuple[bytes, Checkpoint]:
+    """The whole model's weights (no optimizer state) from the job's newest checkpoint, as one
+    safetensors file with the model config and step in its metadata."""
+    checkpoint = job.checkpoints.order_by("-step").first()
+    if checkpoint is None:
+        raise ApplicationError.conflict(
+            f"job {job.id} has no checkpoint yet; the model can be downloaded once training has saved one"
+        )
+    tensors = {}
+    storage = checkpoint_storage()
+    for sc in checkpoint.stages.order_by("stage_index"):
+        with storage.open(sc.file.name, "rb") as handle:
+            state = decode_checkpoint(handle.read(), sha256=sc.sha256)
+        tensors.update({k: v for k, v in state.items() if not k.startswith(OPTIMIZER_PREFIX)})
+    metadata = {
+        "job_id": str(job.id),
+        "step": str(checkpoint.step),
+        "epoch": str(checkpoint.epoch),
+        "model_config": json.dumps(job.model_config, sort_keys=True),
+    }
+    return encode_checkpoint(tensors, metadata=metadata), checkpoint
+
+
+class _LeaseLost(Exception):
+    pass
+
+
+def _delete_files(names: Iterable[str]) -> None:
+    storage = checkpoint_storage()
+    for name in names:
+        try:
+            storage.delete(name)
+        except OSError:
+            log.warning("could not delete checkpoint file %s", name, exc_info=True)
+
+
+def _uuid_or_none(value: str) -> str | None:
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        return None

@@ -1,0 +1,194 @@
+"""Applies the reconciler's actions, each in its own transaction with an optimistic check.
+
+Every job write is `UPDATE ... WHERE id = %s AND generation = <seen> AND status = <seen>`: if another
+pass (or a user, or the driver) changed the job since the snapshot, nothing matches and the action is
+skipped and logged. Never a lock held across passes, so no Redis lock is needed either. The database
+adds a second guard: unique (job, index) stages and at most one active stage per node.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import Value
+from django.db.models.functions import Coalesce
+from django.utils import timezone
+
+from controlplane.common.conditions import UNKNOWN
+from controlplane.common.dispatch import TRAIN_JOB_TASK, enqueue_on_commit
+from controlplane.jobs.models import Job, JobStatus, Stage
+from controlplane.jobs.reconcile import (
+    Action,
+    FailJob,
+    MarkNodeUnknown,
+    PlaceJob,
+    RequestHandover,
+    RequeueJob,
+    RewindJob,
+    SetCondition,
+    StartDriver,
+    plan,
+)
+from controlplane.jobs.services import job_fail, job_requeue, job_rewind
+from controlplane.jobs.snapshot import load_snapshot
+from controlplane.nodes.models import Node, ReadyStatus
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ExecutionReport:
+    applied: list[Action] = field(default_factory=list)
+    skipped: list[Action] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return f"applied {_names(self.applied)}; skipped {_names(self.skipped)}"
+
+
+def _names(actions: list[Action]) -> str:
+    return ", ".join(f"{type(a).__name__}({getattr(a, 'job_id', None) or a.node_id})" for a in actions) or "none"
+
+
+def reconcile_once(*, now: datetime | None = None) -> ExecutionReport:
+    """One level-triggered pass: read everything, decide, apply."""
+    now = now or timezone.now()
+    desired, observed = load_snapshot(now)
+    return execute(plan(desired, observed, now), now=now)
+
+
+def execute(actions: Sequence[Action], *, now: datetime) -> ExecutionReport:
+    report = ExecutionReport()
+    for action in actions:
+        try:
+            with transaction.atomic():
+                applied = _APPLY[type(action)](action, now)
+        except IntegrityError as exc:
+            log.info("skipped %s: the database refused it (%s)", _names([action]), exc)
+            applied = False
+        else:
+            if not applied:
+                log.info("skipped %s: the state changed since the snapshot", _names([action]))
+        (report.applied if applied else report.skipped).append(action)
+    return report
+
+
+def _mark_node_unknown(action: MarkNodeUnknown, now: datetime) -> bool:
+    updated = (
+        Node.objects.filter(pk=action.node_id, lease__renewed_at=action.renewed_at)
+        .exclude(ready_status=ReadyStatus.UNKNOWN)
+        .update(
+            ready_status=UNKNOWN,
+            ready_reason=action.reason,
+            ready_message=action.message,
+            ready_transition_at=now,
+        )
+    )
+    return bool(updated)
+
+
+def _place_job(action: PlaceJob, now: datetime) -> bool:
+    generation = action.generation + 1
+    updated = Job.objects.filter(pk=action.job_id, generation=action.generation, status=JobStatus.QUEUED).update(
+        status=JobStatus.PLACING, generation=generation, conditions=list(action.conditions)
+    )
+    if not updated:
+        return False
+    Stage.objects.bulk_create(
+        Stage(
+            job_id=action.job_id,
+            index=s.index,
+            layer_start=s.layer_start,
+            layer_end=s.layer_end,
+            node_id=s.node_id,
+            generation=generation,
+        )
+        for s in action.stages
+    )
+    return True
+
+
+def _set_condition(action: SetCondition, now: datetime) -> bool:
+    updated = Job.objects.filter(pk=action.job_id, generation=action.generation, status=action.status).update(
+        conditions=list(action.conditions)
+    )
+    return bool(updated)
+
+
+def _start_driver(action: StartDriver, now: datetime) -> bool:
+    seen_lease: dict[str, Any] = (
+        {"driver_lease_expires_at__isnull": True}
+        if action.lease_expires_at is None
+        else {"driver_lease_expires_at": action.lease_expires_at}
+    )
+    updated = Job.objects.filter(
+        pk=action.job_id, generation=action.generation, status=action.status, **seen_lease
+    ).update(
+        status=JobStatus.RUNNING,
+        conditions=list(action.conditions),
+        # No owner yet: the enqueued task claims the lease; if no task claims it in time (the message
+        # was lost, or waits behind another job), the next pass enqueues another. Duplicates find the
+        # lease taken and exit.
+        driver_lease_owner="",
+        driver_lease_expires_at=now + timedelta(seconds=settings.ARCEUS_DRIVER_LEASE_SECONDS),
+        started_at=Coalesce("started_at", Value(now)),
+    )
+    if updated:
+        enqueue_on_commit(TRAIN_JOB_TASK, action.job_id)
+    return bool(updated)
+
+
+def _request_handover(action: RequestHandover, now: datetime) -> bool:
+    updated = Job.objects.filter(
+        pk=action.job_id, generation=action.generation, status=JobStatus.RUNNING, handover_requested=False
+    ).update(handover_requested=True, conditions=list(action.conditions))
+    return bool(updated)
+
+
+def _requeue_job(action: RequeueJob, now: datetime) -> bool:
+    return job_requeue(
+        job_id=action.job_id,
+        generation=action.generation,
+        reason=action.reason,
+        message=action.message,
+        now=now,
+    )
+
+
+def _rewind_job(action: RewindJob, now: datetime) -> bool:
+    return job_rewind(
+        job_id=action.job_id,
+        generation=action.generation,
+        moves=dict(action.moves),
+        count_restart=action.count_restart,
+        reason=action.reason,
+        message=action.message,
+        now=now,
+    )
+
+
+def _fail_job(action: FailJob, now: datetime) -> bool:
+    return job_fail(
+        job_id=action.job_id,
+        generation=action.generation,
+        reason=action.reason,
+        message=action.message,
+        now=now,
+    )
+
+
+_APPLY: dict[type, Callable[[Any, datetime], bool]] = {
+    MarkNodeUnknown: _mark_node_unknown,
+    PlaceJob: _place_job,
+    SetCondition: _set_condition,
+    StartDriver: _start_driver,
+    RequeueJob: _requeue_job,
+    RequestHandover: _request_handover,
+    RewindJob: _rewind_job,
+    FailJob: _fail_job,
+}

@@ -1,0 +1,239 @@
+"""Training jobs, their placement (stages) and their recorded progress."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.core.files.storage import Storage, storages
+from django.db import models
+from django.db.models import Q
+
+from controlplane.common.models import BaseModel
+from controlplane.nodes.models import Node
+
+
+def checkpoint_storage() -> Storage:
+    """The "checkpoints" storage of settings.STORAGES: the filesystem by default, S3 by setting."""
+    return storages["checkpoints"]
+
+
+class JobStatus(models.TextChoices):
+    CREATED = "created"  # submitted, not started
+    QUEUED = "queued"  # waiting for the reconciler to place it
+    PLACING = "placing"  # stages assigned; waiting for every agent to report them ready
+    PENDING = "pending"  # a stage lost its node and no Ready node has room for it yet
+    RUNNING = "running"  # a training driver runs it
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+ACTIVE_STATUSES = (JobStatus.PLACING, JobStatus.PENDING, JobStatus.RUNNING)  # the job holds nodes
+HOSTED_STATUSES = (JobStatus.PLACING, JobStatus.RUNNING)  # agents host its stages (pending: not all placed)
+TERMINAL_STATUSES = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
+STARTABLE_STATUSES = (JobStatus.CREATED, JobStatus.FAILED, JobStatus.CANCELLED)
+
+
+class Optimizer(models.TextChoices):
+    SGD = "sgd"
+    ADAM = "adam"
+
+
+class Job(BaseModel):
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="jobs")
+    name = models.CharField(max_length=200)
+    status = models.CharField(max_length=16, choices=JobStatus, default=JobStatus.CREATED, db_index=True)
+    # The request, validated and normalised at submit.
+    model_config = models.JSONField()
+    dataset_config = models.JSONField()
+    epochs = models.PositiveIntegerField()
+    learning_rate = models.FloatField()
+    micro_batches = models.PositiveIntegerField()
+    optimizer = models.CharField(max_length=8, choices=Optimizer)
+    momentum = models.FloatField()
+    weight_decay = models.FloatField()
+    seed = models.BigIntegerField()
+    stages_requested = models.PositiveIntegerField(
+        null=True,
+        blank=True,
+        help_text="Pipeline stages; empty means all free Ready nodes (up to the layers).",
+    )
+    requirements = models.JSONField(
+        default=dict, blank=True, help_text="What the job asks of its devices (see JobRequirementsInput)."
+    )
+    checkpoint_interval_steps = models.PositiveIntegerField(
+        default=50, help_text="Save a coordinated checkpoint of every stage every N steps (0: only at the end)."
+    )
+    node_grace_seconds = models.FloatField(
+        null=True,
+        blank=True,
+        help_text="Move a stage once its node has been silent this long (empty: the node's own lease).",
+    )
+    # Rewinds to the last checkpoint that no lost node explains (driver or stage errors); past the
+    # setting ARCEUS_JOB_MAX_RESTARTS the job fails instead of retrying forever.
+    restarts = models.PositiveIntegerField(default=0)
+    # Set while a paused node drains: the driver checkpoints at its next step and lets go of the lease.
+    handover_requested = models.BooleanField(default=False)
+    # What every stage of the current generation starts from (None: the seeded initial weights).
+    resume_checkpoint = models.ForeignKey(
+        "Checkpoint", on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    # Bumped on every placement change. Agents, stages and the driver carry it; every reconciler
+    # write checks it (optimistic concurrency), so a decision made on an old view is never applied.
+    generation = models.BigIntegerField(default=0)
+    conditions = models.JSONField(default=list, blank=True)
+    # Progress, written by the training driver.
+    step = models.PositiveIntegerField(default=0)
+    total_steps = models.PositiveIntegerField(null=True, blank=True)
+    epoch = models.PositiveIntegerField(default=0)
+    last_loss = models.FloatField(null=True, blank=True)
+    final_loss = models.FloatField(null=True, blank=True)
+    val_loss = models.FloatField(null=True, blank=True)
+    val_accuracy = models.FloatField(null=True, blank=True)
+    samples_per_second = models.FloatField(null=True, blank=True)
+    error = models.TextField(blank=True)
+    # The driver's lease: a live driver renews it; the reconciler restarts a driver whose lease expired.
+    # An empty owner with an expiry means "a driver task was enqueued and may claim it".
+    driver_lease_owner = models.CharField(max_length=200, blank=True)
+    driver_lease_expires_at = models.DateTimeField(null=True, blank=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.id})"
+
+
+class StageState(models.TextChoices):
+    PENDING = "pending"
+    READY = "ready"
+    FAILED = "failed"
+
+
+class Stage(BaseModel):
+    """One pipeline stage of a job: a layer range on a node (desired) and what the agent reports
+    (observed). Deterministic key `stage_id` so a rerun finds the stage instead of duplicating it."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="stages")
+    index = models.PositiveIntegerField()
+    layer_start = models.PositiveIntegerField()
+    layer_end = models.PositiveIntegerField()
+    node = models.ForeignKey(Node, on_delete=models.SET_NULL, null=True, blank=True, related_name="stages")
+    generation = models.BigIntegerField()
+    # True while the job is placing or running, i.e. while the stage occupies its node.
+    active = models.BooleanField(default=True)
+    observed_generation = models.BigIntegerField(null=True, blank=True)
+    observed_state = models.CharField(max_length=8, choices=StageState, default=StageState.PENDING)
+    observed_message = models.TextField(blank=True)
+    samples = models.BigIntegerField(default=0)
+    micro_batches = models.BigIntegerField(default=0)
+    compute_seconds = models.FloatField(default=0.0)
+    bytes_sent = models.BigIntegerField(default=0)
+    bytes_received = models.BigIntegerField(default=0)
+
+    class Meta:
+        ordering = ["job", "index"]
+        constraints = [
+            models.UniqueConstraint(fields=["job", "index"], name="stage_unique_job_index"),
+            # One stage per node for now: the database refuses a second placement on a busy node even
+            # if two reconcilers decided on it at once.
+            models.UniqueConstraint(fields=["node"], condition=Q(active=True), name="stage_one_active_per_node"),
+        ]
+
+    def __str__(self) -> str:
+        return self.stage_id
+
+    @property
+    def stage_id(self) -> str:
+        return stage_key(self.job_id, self.index)
+
+
+def stage_key(job_id: object, index: int) -> str:
+    return f"{job_id}-stage-{index}"
+
+
+class StageContribution(BaseModel):
+    """The work one node did for one stage generation of a job (its agent's counters, which start at
+    zero with each generation). Rows outlive moves and rewinds: summed, they are everything each
+    contributor did, replayed steps included."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="contributions")
+    stage_index = models.PositiveIntegerField()
+    generation = models.BigIntegerField()
+    node = models.ForeignKey(Node, on_delete=models.PROTECT, related_name="contributions")
+    samples = models.BigIntegerField(default=0)
+    micro_batches = models.BigIntegerField(default=0)
+    compute_seconds = models.FloatField(default=0.0)
+    bytes_sent = models.BigIntegerField(default=0)
+    bytes_received = models.BigIntegerField(default=0)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["job", "stage_index", "generation"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["job", "stage_index", "generation", "node"], name="contribution_unique_stage_generation_node"
+            )
+        ]
+
+
+class LossPoint(BaseModel):
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="loss_points")
+    step = models.PositiveIntegerField()
+    epoch = models.PositiveIntegerField()
+    loss = models.FloatField(null=True)
+    samples_per_second = models.FloatField(null=True)
+
+    class Meta:
+        ordering = ["job", "step"]
+        constraints = [models.UniqueConstraint(fields=["job", "step"], name="losspoint_unique_job_step")]
+
+
+class EpochMetric(BaseModel):
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="epoch_metrics")
+    epoch = models.PositiveIntegerField()
+    val_loss = models.FloatField(null=True)
+    val_accuracy = models.FloatField(null=True)
+
+    class Meta:
+        ordering = ["job", "epoch"]
+        constraints = [models.UniqueConstraint(fields=["job", "epoch"], name="epochmetric_unique_job_epoch")]
+
+
+class Checkpoint(BaseModel):
+    """A coordinated checkpoint: every stage's weights and optimizer state after the same step."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="checkpoints")
+    step = models.PositiveIntegerField()
+    epoch = models.PositiveIntegerField()
+    generation = models.BigIntegerField(help_text="The placement generation whose driver saved it.")
+
+    class Meta:
+        ordering = ["job", "-step"]
+        constraints = [models.UniqueConstraint(fields=["job", "step"], name="checkpoint_unique_job_step")]
+
+    def __str__(self) -> str:
+        return f"{self.job_id} step {self.step}"
+
+
+def stage_checkpoint_path(instance: StageCheckpoint, filename: str) -> str:
+    return f"checkpoints/{instance.checkpoint.job_id}/{filename}"
+
+
+class StageCheckpoint(BaseModel):
+    """One stage's part of a checkpoint: a safetensors file in the checkpoint storage, and its hash."""
+
+    checkpoint = models.ForeignKey(Checkpoint, on_delete=models.CASCADE, related_name="stages")
+    stage_index = models.PositiveIntegerField()
+    layer_start = models.PositiveIntegerField()
+    layer_end = models.PositiveIntegerField()
+    file = models.FileField(upload_to=stage_checkpoint_path, storage=checkpoint_storage, max_length=300)
+    sha256 = models.CharField(max_length=64)
+    size_bytes = models.BigIntegerField()
+
+    class Meta:
+        ordering = ["checkpoint", "stage_index"]
+        constraints = [
+            models.UniqueConstraint(fields=["checkpoint", "stage_index"], name="stagecheckpoint_unique_index")
+        ]

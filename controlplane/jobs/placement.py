@@ -1,0 +1,39 @@
+"""A job in the placement solver's terms: its layers' costs, its in-flight work, its requirements."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from arceus.model.spec import ModelSpec
+from arceus.placement.solver import LayerProfile, Workload
+from controlplane.jobs.reconcile import Requirements
+
+ACTIVATION_BYTES = 4  # fp32 activations on the wire and in the stash
+
+
+def layer_profiles(spec: ModelSpec) -> tuple[LayerProfile, ...]:
+    return tuple(
+        LayerProfile(flops_per_sample=float(flops), params=params, output_bytes_per_sample=ACTIVATION_BYTES * out)
+        for flops, params, out in zip(
+            spec.layer_flops_per_sample(), spec.layer_params(), spec.layer_output_features(), strict=True
+        )
+    )
+
+
+def workload(dataset_config: dict[str, Any], micro_batches: int) -> Workload:
+    """A training step's micro-batches: `micro_batches` of ceil(batch_size / micro_batches) samples."""
+    return Workload(
+        micro_batch_size=math.ceil(dataset_config["batch_size"] / micro_batches), micro_batches=micro_batches
+    )
+
+
+def requirements(config: dict[str, Any]) -> Requirements:
+    """The stored (already validated) `requirements` of a job."""
+    return Requirements(
+        min_memory_bytes=config.get("min_memory_bytes", 0),
+        device_types=tuple(config.get("device_types", ())),
+        min_devices=config.get("min_devices"),
+        max_devices=config.get("max_devices"),
+        max_price_per_hour=config.get("max_price_per_hour"),
+    )

@@ -1,0 +1,427 @@
+"""The reconciler's decisions: a pure `plan(desired, observed, now) -> [Action]` over plain snapshots.
+
+Level-triggered: every pass looks at the whole state afresh and trusts nothing from earlier passes.
+Each action names the generation (and status) it was decided on; the executor applies it only if the
+row still has them, so two passes planning from the same snapshot can never both win.
+
+Rules, in order:
+1. a registered node whose lease expired (no heartbeat for longer than its duration) → MarkNodeUnknown;
+2. a queued job → PlaceJob on free Ready nodes that meet its requirements (one stage per node, one
+   active job per node), devices and cut points chosen by `arceus.placement.solver.solve` (fastest
+   pipeline, cheaper devices among near-equals, within the job's budget); too few nodes or no feasible
+   placement → a Placed=False condition saying why;
+3. a placed job (placing, pending or running) with stages whose node is lost (silent longer than the
+   job's tolerance, or the node's lease) or paused by its owner → RewindJob moving only those stages
+   to free Ready nodes with room; if some cannot be moved, they are unplaced and the job waits as
+   pending. A running job's live driver is first asked to checkpoint where it is and let go
+   (RequestHandover), so a paused node's stage moves without losing work;
+4. a placing job: a stage reports failure → FailJob; every stage reports ready at the job's
+   generation → StartDriver; else a StagesReady=False condition;
+5. a running job whose driver lease expired: never claimed → StartDriver again; claimed (the driver
+   died or gave up) → RewindJob in place, or FailJob after too many restarts without progress.
+Every RewindJob bumps the generation, so all stages rebuild from the job's last checkpoint.
+Jobs are considered oldest first; a job that cannot be placed does not hold back a later one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from arceus.placement.solver import Device, LayerProfile, PlacementError, Workload, solve, stage_memory
+from controlplane.common.conditions import FALSE, TRUE, UNKNOWN, Condition, has_condition, set_conditions
+
+QUEUED, PLACING, PENDING, RUNNING = "queued", "placing", "pending", "running"
+PLACED_STATUSES = (PLACING, PENDING, RUNNING)
+READY, FAILED = "ready", "failed"
+
+Conditions = tuple[dict[str, Any], ...]
+
+
+# --- snapshots ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class NodeView:
+    id: str
+    ready_status: str
+    lease_renewed_at: datetime | None
+    lease_duration_seconds: float
+    flops: float
+    memory_bytes: int
+    name: str = ""
+    paused: bool = False  # may not work now (its owner's controls): no new stages, its stages handed back
+    pause_reason: str = "paused by its owner"
+    device_type: str = "cpu"
+    price_per_hour: float = 0.0  # the posted price of its device class
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """What a job asks of the devices it runs on (all optional)."""
+
+    min_memory_bytes: int = 0
+    device_types: tuple[str, ...] = ()  # empty: any
+    min_devices: int | None = None
+    max_devices: int | None = None
+    max_price_per_hour: float | None = None  # for all its devices together
+
+    def allows(self, node: NodeView) -> bool:
+        return node.memory_bytes >= self.min_memory_bytes and (
+            not self.device_types or node.device_type in self.device_types
+        )
+
+
+@dataclass(frozen=True)
+class PlacedStage:
+    index: int
+    layer_start: int
+    layer_end: int
+    node_id: str | None
+    generation: int
+
+
+@dataclass(frozen=True)
+class JobView:
+    id: str
+    status: str
+    generation: int
+    stages_requested: int | None
+    layers: tuple[LayerProfile, ...]
+    workload: Workload = Workload(micro_batch_size=1, micro_batches=1)
+    requirements: Requirements = Requirements()
+    stages: tuple[PlacedStage, ...] = ()
+    conditions: Conditions = ()
+    driver_lease_expires_at: datetime | None = None
+    driver_claimed: bool = False  # a driver took the lease (else a started driver task is still queued)
+    spec_error: str | None = None  # the stored model_config no longer validates
+    node_grace_seconds: float | None = None  # the job's own tolerance for silent nodes
+    restarts: int = 0
+    max_restarts: int = 5
+    handover_requested: bool = False  # the driver was asked to checkpoint and stop, to drain a node
+
+
+@dataclass(frozen=True)
+class StageReport:
+    generation: int | None
+    state: str
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Desired:
+    jobs: tuple[JobView, ...]  # queued, placing and running jobs, oldest first
+
+
+@dataclass(frozen=True)
+class Observed:
+    nodes: tuple[NodeView, ...]
+    stages: Mapping[tuple[str, int], StageReport] = field(default_factory=dict)  # (job id, index)
+
+
+# --- actions --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class MarkNodeUnknown:
+    node_id: str
+    renewed_at: datetime  # the lease as seen; a heartbeat since then cancels the action
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class PlannedStage:
+    index: int
+    layer_start: int
+    layer_end: int
+    node_id: str
+
+
+@dataclass(frozen=True)
+class PlaceJob:
+    job_id: str
+    generation: int  # the queued job's; the placement gets generation + 1
+    stages: tuple[PlannedStage, ...]
+    conditions: Conditions
+
+
+@dataclass(frozen=True)
+class SetCondition:
+    """Write the job's conditions (one of them changed) without changing anything else."""
+
+    job_id: str
+    generation: int
+    status: str
+    conditions: Conditions
+
+
+@dataclass(frozen=True)
+class StartDriver:
+    job_id: str
+    generation: int
+    status: str  # PLACING for a first start, RUNNING for a restart
+    lease_expires_at: datetime | None  # as seen; another pass that restarted the driver changed it
+    conditions: Conditions
+
+
+@dataclass(frozen=True)
+class RequeueJob:
+    job_id: str
+    generation: int
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class RequestHandover:
+    """Ask a running job's driver to checkpoint where it is and stop, so stages on draining nodes can
+    move without losing work (the move itself follows once the driver let go of its lease)."""
+
+    job_id: str
+    generation: int
+    conditions: Conditions
+
+
+@dataclass(frozen=True)
+class RewindJob:
+    """Bump the generation so every stage rebuilds from the last checkpoint; `moves` re-places stages
+    (a node id, or None to unplace a stage: the job then waits as pending)."""
+
+    job_id: str
+    generation: int
+    status: str
+    moves: tuple[tuple[int, str | None], ...]
+    count_restart: bool
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class FailJob:
+    job_id: str
+    generation: int
+    reason: str
+    message: str
+
+
+Action = MarkNodeUnknown | PlaceJob | SetCondition | StartDriver | RequeueJob | RequestHandover | RewindJob | FailJob
+
+
+# --- planning -------------------------------------------------------------------------------------
+def plan(desired: Desired, observed: Observed, now: datetime) -> list[Action]:
+    actions: list[Action] = []
+    ready: dict[str, NodeView] = {}
+    for node in observed.nodes:
+        if node.lease_renewed_at is None:
+            continue  # never registered
+        silent = (now - node.lease_renewed_at).total_seconds()
+        if silent > node.lease_duration_seconds:
+            if node.ready_status != UNKNOWN:
+                actions.append(
+                    MarkNodeUnknown(
+                        node.id, node.lease_renewed_at, "NodeLeaseExpired", f"no heartbeat for {silent:.0f}s"
+                    )
+                )
+        elif node.ready_status == TRUE:
+            ready[node.id] = node
+    nodes = {n.id: n for n in observed.nodes}
+    busy = {s.node_id for job in desired.jobs if job.status in PLACED_STATUSES for s in job.stages}
+    free = sorted((n for n in ready.values() if n.id not in busy and not n.paused), key=lambda n: (-n.flops, n.id))
+    for job in desired.jobs:
+        action: Action | None = None
+        taken: set[str | None] = set()
+        if job.status == QUEUED:
+            action = _place(job, free, now)
+            if isinstance(action, PlaceJob):
+                taken = {s.node_id for s in action.stages}
+        elif job.status in PLACED_STATUSES:
+            lost = [s for s in job.stages if _is_lost(s, nodes, job, now)]
+            draining = [s for s in job.stages if s not in lost and nodes[s.node_id].paused]
+            if draining and not lost and job.status == RUNNING and _driver_live(job, now):
+                action = None if job.handover_requested else _request_handover(job, draining, nodes, now)
+            elif lost or draining or not job.stages:
+                action = _replace_lost(job, lost + draining, nodes, free, now)
+                if isinstance(action, RewindJob):
+                    taken = {node for _, node in action.moves}
+            elif job.status == PLACING:
+                action = _check_stages(job, observed, now)
+            elif job.status == RUNNING:
+                action = _check_driver(job, now)
+        if action is not None:
+            actions.append(action)
+            free = [n for n in free if n.id not in taken]
+    return actions
+
+
+def _is_lost(stage: PlacedStage, nodes: Mapping[str, NodeView], job: JobView, now: datetime) -> bool:
+    """The stage has no node, or its node is gone: deregistered, or silent past the job's tolerance (by
+    default the node's lease)."""
+    node = nodes.get(stage.node_id) if stage.node_id is not None else None
+    if node is None or node.lease_renewed_at is None:
+        return True
+    grace = job.node_grace_seconds if job.node_grace_seconds is not None else node.lease_duration_seconds
+    return (now - node.lease_renewed_at).total_seconds() > grace or node.ready_status == FALSE
+
+
+def _replace_lost(
+    job: JobView, lost: list[PlacedStage], nodes: Mapping[str, NodeView], free: list[NodeView], now: datetime
+) -> Action | None:
+    """Move only the lost stages, each to the fastest free node with memory for it; if any cannot move,
+    unplace the lost stages (releasing dead nodes) and wait as pending."""
+    if not job.stages:  # e.g. deleted by hand in the admin
+        return RequeueJob(job.id, job.generation, "StagesMissing", "the placement has no stages")
+    candidates = [n for n in free if job.requirements.allows(n)]
+    moves: list[tuple[int, str | None]] = []
+    unplaceable: list[str] = []
+    for stage in sorted(lost, key=lambda s: -_stage_memory(job, s)):
+        need = _stage_memory(job, stage)
+        node = next((n for n in candidates if n.memory_bytes >= need), None)
+        if node is None:
+            layers = f"layers {stage.layer_start}-{stage.layer_end - 1}"
+            unplaceable.append(f"stage {stage.index} ({layers}, needs {need:,} bytes)")
+        else:
+            candidates.remove(node)
+            moves.append((stage.index, node.id))
+    old = {s.index: _node_label(nodes, s.node_id) for s in lost}
+    paused = {s.index: nodes[s.node_id].pause_reason for s in lost if s.node_id in nodes and nodes[s.node_id].paused}
+    if not unplaceable:
+        moves.sort()
+        message = "; ".join(
+            f"stage {i} moved from {old[i]}{f' ({paused[i]})' if i in paused else ''} to {_node_label(nodes, n)}"
+            for i, n in moves
+        )
+        reason = "NodeDrained" if {i for i, _ in moves} <= paused.keys() else "NodeLost"
+        return RewindJob(job.id, job.generation, PLACING, tuple(moves), False, reason, message)
+    message = (
+        f"waiting for a Ready node with room for {', '.join(unplaceable)} "
+        f"({len(free)} free Ready node{'s' if len(free) != 1 else ''} now)"
+    )
+    if job.status != PENDING or any(s.node_id is not None for s in lost):
+        unplace = tuple(sorted((s.index, None) for s in lost))
+        return RewindJob(job.id, job.generation, PENDING, unplace, False, "WaitingForNode", message)
+    return _condition(job, Condition("Placed", FALSE, "WaitingForNode", message), now)
+
+
+def _driver_live(job: JobView, now: datetime) -> bool:
+    return job.driver_lease_expires_at is not None and job.driver_lease_expires_at >= now
+
+
+def _request_handover(
+    job: JobView, draining: list[PlacedStage], nodes: Mapping[str, NodeView], now: datetime
+) -> RequestHandover:
+    names = "; ".join(
+        f"stage {s.index} on {_node_label(nodes, s.node_id)} ({nodes[s.node_id].pause_reason})" for s in draining
+    )
+    message = f"{names}: checkpointing the current step to hand it back"
+    conditions = set_conditions(job.conditions, Condition("Draining", TRUE, "NodeUnavailable", message), now=now)
+    return RequestHandover(job.id, job.generation, tuple(conditions))
+
+
+def _stage_memory(job: JobView, stage: PlacedStage) -> int:
+    return stage_memory(job.layers[stage.layer_start : stage.layer_end], job.workload)
+
+
+def _node_label(nodes: Mapping[str, NodeView], node_id: str | None) -> str:
+    node = nodes.get(node_id) if node_id is not None else None
+    return "no node" if node_id is None else f"{node.name or node_id}" if node else f"node {node_id}"
+
+
+def _place(job: JobView, free: list[NodeView], now: datetime) -> Action | None:
+    if job.spec_error is not None:
+        return FailJob(job.id, job.generation, "InvalidModel", job.spec_error)
+    req = job.requirements
+    candidates = [n for n in free if req.allows(n)]
+    fewest = job.stages_requested or req.min_devices or 1
+    if len(candidates) < fewest:
+        meeting = " meeting its requirements" if len(candidates) < len(free) else ""
+        message = f"needs {fewest} Ready node{'s' if fewest != 1 else ''}{meeting}, {len(candidates)} available"
+        return _condition(job, Condition("Placed", FALSE, "WaitingForNodes", message), now)
+    devices = [Device(n.id, n.flops, n.memory_bytes, price_per_hour=n.price_per_hour) for n in candidates]
+    try:
+        placement = solve(
+            job.layers,
+            devices,
+            job.workload,
+            min_stages=fewest,
+            max_stages=job.stages_requested or req.max_devices,
+            max_price_per_hour=req.max_price_per_hour,
+        )
+    except PlacementError as exc:
+        return _condition(job, Condition("Placed", FALSE, "NoFeasiblePlacement", str(exc)), now)
+    names = {n.id: n.name or n.id for n in candidates}
+    stages = tuple(
+        PlannedStage(index=i, layer_start=s.layer_start, layer_end=s.layer_end, node_id=s.device_id)
+        for i, s in enumerate(placement.stages)
+    )
+    message = (
+        f"{len(stages)} stage{'s' if len(stages) != 1 else ''} on "
+        + ", ".join(f"{names[s.node_id]} (layers {s.layer_start}-{s.layer_end - 1})" for s in stages)
+        + f"; ${placement.price_per_hour:.4f}/hour"
+    )
+    conditions = set_conditions(
+        job.conditions,
+        Condition("Placed", TRUE, "Placed", message),
+        Condition("StagesReady", FALSE, "WaitingForStages", f"0/{len(stages)} stages ready"),
+        now=now,
+    )
+    return PlaceJob(job.id, job.generation, stages, tuple(conditions))
+
+
+def _check_stages(job: JobView, observed: Observed, now: datetime) -> Action | None:
+    current = [observed.stages.get((job.id, s.index)) for s in job.stages]
+    current = [r if r is not None and r.generation == job.generation else None for r in current]
+    for stage, report in zip(job.stages, current, strict=True):
+        if report is not None and report.state == FAILED:
+            return FailJob(
+                job.id,
+                job.generation,
+                "StageFailed",
+                f"stage {stage.index} on node {stage.node_id} failed: {report.message or 'no message'}",
+            )
+    ready_count = sum(1 for r in current if r is not None and r.state == READY)
+    total = len(job.stages)
+    if total and ready_count == total:
+        conditions = set_conditions(
+            job.conditions,
+            Condition("StagesReady", TRUE, "AllStagesReady", f"{total}/{total} stages ready"),
+            Condition("Training", TRUE, "DriverStarting", "a training driver was enqueued"),
+            now=now,
+        )
+        return StartDriver(job.id, job.generation, PLACING, job.driver_lease_expires_at, tuple(conditions))
+    waiting = Condition("StagesReady", FALSE, "WaitingForStages", f"{ready_count}/{total} stages ready")
+    return _condition(job, waiting, now)
+
+
+def _check_driver(job: JobView, now: datetime) -> Action | None:
+    if job.driver_lease_expires_at is not None and job.driver_lease_expires_at >= now:
+        return None
+    if job.driver_claimed:
+        if job.restarts >= job.max_restarts:
+            return FailJob(
+                job.id,
+                job.generation,
+                "BackoffLimitExceeded",
+                f"the training driver stopped {job.restarts + 1} times without saving a checkpoint in between; "
+                "see the Training condition for the last error",
+            )
+        return RewindJob(
+            job.id,
+            job.generation,
+            PLACING,
+            (),
+            True,
+            "DriverLost",
+            "the training driver stopped (see the Training condition); resuming from the last checkpoint",
+        )
+    conditions = set_conditions(
+        job.conditions,
+        Condition("Training", TRUE, "DriverRestarted", "the driver's lease expired; a new driver was enqueued"),
+        now=now,
+    )
+    return StartDriver(job.id, job.generation, RUNNING, job.driver_lease_expires_at, tuple(conditions))
+
+
+def _condition(job: JobView, condition: Condition, now: datetime) -> SetCondition | None:
+    """Set one condition unless it already reads exactly so (a steady state writes nothing)."""
+    if has_condition(job.conditions, condition):
+        return None
+    return SetCondition(job.id, job.generation, job.status, tuple(set_conditions(job.conditions, condition, now=now)))

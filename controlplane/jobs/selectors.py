@@ -1,0 +1,128 @@
+"""Reads for the API and the agents."""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections import defaultdict
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.db.models import F, Q, QuerySet, Sum
+
+from controlplane.common.errors import ApplicationError
+from controlplane.jobs.models import HOSTED_STATUSES, Job, LossPoint, Stage, StageCheckpoint, StageContribution
+from controlplane.nodes.models import Node
+
+
+def job_list_for_user(*, user: AbstractBaseUser) -> QuerySet[Job]:
+    return Job.objects.filter(owner=user).select_related("owner")
+
+
+def job_get_for_user(*, user: AbstractBaseUser, job_id: str) -> Job:
+    """The user's job with its stages; 404 for a malformed id and for another user's job alike, so ids
+    of others' jobs cannot be probed."""
+    try:
+        key = uuid.UUID(str(job_id))
+    except ValueError:
+        raise ApplicationError.not_found("job", job_id) from None
+    job = job_list_for_user(user=user).prefetch_related("epoch_metrics").filter(pk=key).first()
+    if job is None:
+        raise ApplicationError.not_found("job", job_id)
+    return job
+
+
+def job_stages(*, job: Job) -> QuerySet[Stage]:
+    return Stage.objects.filter(job=job).select_related("node").order_by("index")
+
+
+def job_contributions(*, job: Job) -> list[dict[str, Any]]:
+    """Each node's work on each stage of the job, summed over generations (moves and rewinds)."""
+    return list(
+        StageContribution.objects.filter(job=job)
+        .values("node_id", "stage_index")
+        .annotate(
+            node_name=F("node__name"),
+            samples=Sum("samples"),
+            micro_batches=Sum("micro_batches"),
+            compute_seconds=Sum("compute_seconds"),
+            bytes_sent=Sum("bytes_sent"),
+            bytes_received=Sum("bytes_received"),
+        )
+        .order_by("stage_index", "node_name")
+    )
+
+
+def job_loss_curve(*, job: Job, max_points: int | None = None) -> list[dict[str, Any]]:
+    """The recorded losses, thinned to about `max_points` evenly spaced steps (the newest always kept)
+    so a long job's detail stays small."""
+    max_points = max_points or settings.ARCEUS_LOSS_CURVE_MAX_POINTS
+    points = LossPoint.objects.filter(job=job)
+    stride = math.ceil(job.step / max_points) if job.step > max_points else 1
+    if stride > 1:
+        points = points.annotate(offset=F("step") % stride).filter(Q(offset=0) | Q(step=job.step))
+    return list(points.order_by("step").values("step", "epoch", "loss"))
+
+
+def assignments_for_node(*, node: Node) -> list[dict[str, Any]]:
+    """The node's desired state (docs/architecture.md, "Assignment"): every stage it hosts for a job
+    that is placing or running, with the checkpoint each resumes from."""
+    hosted = list(
+        Stage.objects.filter(node=node, active=True, job__status__in=HOSTED_STATUSES)
+        .select_related("job")
+        .order_by("job__created_at", "index")
+    )
+    siblings: dict[uuid.UUID, dict[int, Stage]] = defaultdict(dict)
+    for stage in Stage.objects.filter(job_id__in={s.job_id for s in hosted}, active=True).select_related("node"):
+        siblings[stage.job_id][stage.index] = stage
+    checkpoints = {
+        (sc.checkpoint_id, sc.stage_index): sc
+        for sc in StageCheckpoint.objects.filter(
+            checkpoint_id__in={s.job.resume_checkpoint_id for s in hosted if s.job.resume_checkpoint_id}
+        ).select_related("checkpoint")
+    }
+    return [
+        _assignment(stage, siblings[stage.job_id], checkpoints.get((stage.job.resume_checkpoint_id, stage.index)))
+        for stage in hosted
+    ]
+
+
+def _assignment(stage: Stage, stages: dict[int, Stage], checkpoint: StageCheckpoint | None) -> dict[str, Any]:
+    job = stage.job
+    dataset = job.dataset_config
+    return {
+        "stage_id": stage.stage_id,
+        "job_id": str(job.id),
+        "stage_index": stage.index,
+        "num_stages": len(stages),
+        "generation": stage.generation,
+        "model": job.model_config,
+        "layer_start": stage.layer_start,
+        "layer_end": stage.layer_end,
+        "seed": job.seed,
+        "optimizer": {
+            "name": job.optimizer,
+            "lr": job.learning_rate,
+            "momentum": job.momentum,
+            "weight_decay": job.weight_decay,
+        },
+        "micro_batches": job.micro_batches,
+        # The driver splits each batch (training or validation) into `micro_batches` parts.
+        # Not arceus.training.max_micro_batch_size: that package imports grpc, which the control plane
+        # must not.
+        "max_micro_batch_size": math.ceil(max(dataset["batch_size"], dataset["val_batch_size"]) / job.micro_batches),
+        "prev_address": _address(stages.get(stage.index - 1)),
+        "next_address": _address(stages.get(stage.index + 1)),
+        "checkpoint": None
+        if checkpoint is None
+        else {
+            "step": checkpoint.checkpoint.step,
+            "url": f"/api/agent/checkpoints/{checkpoint.id}",
+            "sha256": checkpoint.sha256,
+        },
+    }
+
+
+def _address(stage: Stage | None) -> str | None:
+    return stage.node.grpc_address if stage is not None and stage.node is not None else None

@@ -1,0 +1,223 @@
+"""Request and response shapes of the job endpoints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import serializers
+
+from controlplane.common.fields import StrictFloatField, StrictInputSerializer, StrictIntegerField
+from controlplane.jobs.models import Job, Optimizer
+from controlplane.jobs.selectors import job_contributions, job_loss_curve, job_stages
+from controlplane.market.selectors import job_cost
+from controlplane.market.serializers import JobCostOutput
+
+MAX_EPOCHS = 10_000
+MAX_MICRO_BATCHES = 1024
+MAX_SEED = 2**63 - 1
+
+
+class JobRequirementsInput(StrictInputSerializer):
+    """What the job asks of the devices it runs on; every field is optional."""
+
+    min_memory_bytes = StrictIntegerField(min_value=0, required=False, help_text="per device")
+    device_types = serializers.ListField(
+        child=serializers.ChoiceField(choices=["cpu", "cuda", "mps"]), min_length=1, required=False
+    )
+    min_devices = StrictIntegerField(min_value=1, required=False)
+    max_devices = StrictIntegerField(min_value=1, required=False)
+    max_price_per_hour = StrictFloatField(greater_than=0, required=False, help_text="US dollars, all devices")
+    max_total_usd = StrictFloatField(greater_than=0, required=False, help_text="checked by the estimate")
+    deadline = serializers.DateTimeField(required=False, help_text="checked by the estimate")
+
+    def validate(self, data: dict[str, Any]) -> dict[str, Any]:
+        if data.get("min_devices", 1) > data.get("max_devices", data.get("min_devices", 1)):
+            raise serializers.ValidationError({"max_devices": ["Must be at least min_devices."]})
+        if "device_types" in data:
+            data["device_types"] = sorted(set(data["device_types"]))
+        if "deadline" in data:
+            data["deadline"] = data["deadline"].isoformat()  # stored as JSON
+        return data
+
+
+class JobSubmitInput(StrictInputSerializer):
+    name = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
+    model_config = serializers.JSONField(help_text='e.g. {"type": "mlp", "layer_sizes": [64, 128, 10]}')
+    dataset_config = serializers.JSONField(help_text='e.g. {"name": "digits", "batch_size": 32, "val_batch_size": 360}')
+    epochs = StrictIntegerField(min_value=1, max_value=MAX_EPOCHS, default=1)
+    learning_rate = StrictFloatField(greater_than=0, default=0.01)
+    micro_batches = StrictIntegerField(min_value=1, max_value=MAX_MICRO_BATCHES, default=1)
+    optimizer = serializers.ChoiceField(choices=Optimizer.choices, default=Optimizer.SGD)
+    momentum = StrictFloatField(min_value=0, less_than=1, default=0.0)
+    weight_decay = StrictFloatField(min_value=0, default=0.0)
+    seed = StrictIntegerField(min_value=0, max_value=MAX_SEED, default=0)
+    stages = StrictIntegerField(
+        min_value=1,
+        allow_null=True,
+        default=None,
+        help_text="Pipeline stages (one node each); null: every free Ready node, up to the layer count.",
+    )
+    requirements = JobRequirementsInput(required=False, default=dict)
+    checkpoint_interval_steps = StrictIntegerField(
+        min_value=0,
+        max_value=1_000_000,
+        default=50,
+        help_text="Save every stage's state every N steps (0: only at the end); a lost stage resumes from it.",
+    )
+    node_grace_seconds = StrictFloatField(
+        greater_than=0,
+        allow_null=True,
+        default=None,
+        help_text="Move a stage once its node has been silent this long; null: the node lease (6 s by default).",
+    )
+
+
+class JobStartInput(StrictInputSerializer):
+    epochs = StrictIntegerField(min_value=1, max_value=MAX_EPOCHS, required=False)
+    learning_rate = StrictFloatField(greater_than=0, required=False)
+
+
+class ConditionOutput(serializers.Serializer):
+    type = serializers.CharField()
+    status = serializers.ChoiceField(choices=["True", "False", "Unknown"])
+    reason = serializers.CharField()
+    message = serializers.CharField()
+    last_transition_time = serializers.DateTimeField()
+
+
+class PlacementOutput(serializers.Serializer):
+    stage_index = serializers.IntegerField(source="index")
+    layer_start = serializers.IntegerField()
+    layer_end = serializers.IntegerField()
+    node_id = serializers.UUIDField(allow_null=True)
+    node_name = serializers.CharField(source="node.name", default=None, allow_null=True)
+    generation = serializers.IntegerField()
+    state = serializers.CharField(source="observed_state")
+    message = serializers.CharField(source="observed_message")
+    samples = serializers.IntegerField()
+    micro_batches = serializers.IntegerField()
+    compute_seconds = serializers.FloatField()
+    bytes_sent = serializers.IntegerField()
+    bytes_received = serializers.IntegerField()
+
+
+class ContributionOutput(serializers.Serializer):
+    node_id = serializers.UUIDField()
+    node_name = serializers.CharField()
+    stage_index = serializers.IntegerField()
+    samples = serializers.IntegerField()
+    micro_batches = serializers.IntegerField()
+    compute_seconds = serializers.FloatField()
+    bytes_sent = serializers.IntegerField()
+    bytes_received = serializers.IntegerField()
+
+
+class CheckpointOutput(serializers.Serializer):
+    step = serializers.IntegerField()
+    epoch = serializers.IntegerField()
+    generation = serializers.IntegerField()
+    created_at = serializers.DateTimeField()
+
+
+class LossPointOutput(serializers.Serializer):
+    step = serializers.IntegerField()
+    epoch = serializers.IntegerField()
+    loss = serializers.FloatField(allow_null=True)
+
+
+class EpochMetricOutput(serializers.Serializer):
+    epoch = serializers.IntegerField()
+    val_loss = serializers.FloatField(allow_null=True)
+    val_accuracy = serializers.FloatField(allow_null=True)
+
+
+class JobListOutput(serializers.Serializer):
+    id = serializers.UUIDField()
+    name = serializers.CharField()
+    owner = serializers.CharField(source="owner.username")
+    status = serializers.CharField()
+    epochs_requested = serializers.IntegerField(source="epochs", help_text="The `epochs` submitted.")
+    epoch = serializers.IntegerField(help_text="Current epoch (1-based; 0 before training).")
+    step = serializers.IntegerField()
+    total_steps = serializers.IntegerField(allow_null=True)
+    last_loss = serializers.FloatField(allow_null=True)
+    val_accuracy = serializers.FloatField(allow_null=True)
+    created_at = serializers.DateTimeField()
+    started_at = serializers.DateTimeField(allow_null=True)
+    finished_at = serializers.DateTimeField(allow_null=True)
+
+
+class JobDetailOutput(JobListOutput):
+    model_config = serializers.JSONField()
+    dataset_config = serializers.JSONField()
+    learning_rate = serializers.FloatField()
+    micro_batches = serializers.IntegerField()
+    optimizer = serializers.CharField()
+    momentum = serializers.FloatField()
+    weight_decay = serializers.FloatField()
+    seed = serializers.IntegerField()
+    stages = serializers.IntegerField(source="stages_requested", allow_null=True)
+    generation = serializers.IntegerField()
+    requirements = serializers.JSONField()
+    checkpoint_interval_steps = serializers.IntegerField()
+    node_grace_seconds = serializers.FloatField(allow_null=True)
+    restarts = serializers.IntegerField(help_text="Rewinds not explained by a lost node since the last checkpoint.")
+    resumed_from_step = serializers.IntegerField(
+        source="resume_checkpoint.step", default=None, allow_null=True, help_text="The checkpoint the stages run from."
+    )
+    checkpoints = serializers.SerializerMethodField()
+    cost = serializers.SerializerMethodField(help_text="What the job has been charged so far (US dollars).")
+    contributions = serializers.SerializerMethodField(
+        help_text="Each node's work per stage over the whole job, including stages it lost or handed over."
+    )
+    conditions = ConditionOutput(many=True)
+    placements = serializers.SerializerMethodField()
+    final_loss = serializers.FloatField(allow_null=True)
+    val_loss = serializers.FloatField(allow_null=True)
+    samples_per_second = serializers.FloatField(allow_null=True)
+    loss_curve = serializers.SerializerMethodField()
+    epochs = EpochMetricOutput(source="epoch_metrics", many=True, help_text="Validation after each epoch.")
+    error = serializers.CharField()
+
+    @extend_schema_field(PlacementOutput(many=True))
+    def get_placements(self, job: Job) -> list[dict[str, Any]]:
+        return PlacementOutput(job_stages(job=job), many=True).data
+
+    @extend_schema_field(JobCostOutput)
+    def get_cost(self, job: Job) -> dict[str, Any]:
+        return JobCostOutput(job_cost(job=job)).data
+
+    @extend_schema_field(ContributionOutput(many=True))
+    def get_contributions(self, job: Job) -> list[dict[str, Any]]:
+        return ContributionOutput(job_contributions(job=job), many=True).data
+
+    @extend_schema_field(CheckpointOutput(many=True))
+    def get_checkpoints(self, job: Job) -> list[dict[str, Any]]:
+        return CheckpointOutput(job.checkpoints.order_by("step"), many=True).data
+
+    @extend_schema_field(LossPointOutput(many=True))
+    def get_loss_curve(self, job: Job) -> list[dict[str, Any]]:
+        return job_loss_curve(job=job)
+
+
+class EstimateStageOutput(serializers.Serializer):
+    stage_index = serializers.IntegerField()
+    node_id = serializers.UUIDField()
+    node_name = serializers.CharField()
+    layer_start = serializers.IntegerField()
+    layer_end = serializers.IntegerField()
+    seconds_per_micro_batch = serializers.FloatField()
+
+
+class JobEstimateOutput(serializers.Serializer):
+    feasible = serializers.BooleanField()
+    reason = serializers.CharField(allow_null=True, help_text="why it cannot be placed now")
+    candidates = serializers.IntegerField(help_text="free Ready nodes meeting the requirements")
+    stages = EstimateStageOutput(many=True)
+    samples_per_second = serializers.FloatField(required=False, help_text="expected, from measured FLOP/s")
+    hours = serializers.FloatField(required=False)
+    price_per_hour = serializers.FloatField(required=False, help_text="US dollars, all devices, posted prices")
+    total_usd = serializers.DecimalField(max_digits=18, decimal_places=6, required=False)
+    within_budget = serializers.BooleanField(required=False, allow_null=True)
+    meets_deadline = serializers.BooleanField(required=False, allow_null=True)

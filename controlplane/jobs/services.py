@@ -1,0 +1,297 @@
+"""The job lifecycle: submit, start, cancel, requeue, fail (the driver's services are in progress.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import transaction
+from django.utils import timezone
+
+from arceus.data import DATASETS, validate_dataset_config
+from arceus.errors import SpecError
+from arceus.model.spec import ModelSpec, model_spec_from_config
+from controlplane.common.conditions import FALSE, TRUE, Condition, set_conditions
+from controlplane.common.dispatch import reconcile_soon
+from controlplane.common.errors import ApplicationError
+from controlplane.jobs.checkpoints import checkpoints_delete
+from controlplane.jobs.models import (
+    ACTIVE_STATUSES,
+    STARTABLE_STATUSES,
+    TERMINAL_STATUSES,
+    Job,
+    JobStatus,
+    Stage,
+    StageState,
+)
+
+
+def job_submit(
+    *,
+    owner: AbstractBaseUser,
+    model_config: dict[str, Any],
+    dataset_config: dict[str, Any],
+    epochs: int = 1,
+    learning_rate: float = 0.01,
+    micro_batches: int = 1,
+    optimizer: str = "sgd",
+    momentum: float = 0.0,
+    weight_decay: float = 0.0,
+    seed: int = 0,
+    stages: int | None = None,
+    checkpoint_interval_steps: int = 50,
+    node_grace_seconds: float | None = None,
+    requirements: dict[str, Any] | None = None,
+    name: str = "",
+) -> Job:
+    """Validate the model and dataset against each other and save the job (status created)."""
+    spec, dataset = job_validate(
+        model_config=model_config, dataset_config=dataset_config, stages=stages, requirements=requirements or {}
+    )
+    return Job.objects.create(
+        owner=owner,
+        name=name or f"{dataset['name']}-mlp-{spec.num_layers}-layers",
+        model_config=model_config,
+        dataset_config=dataset,
+        epochs=epochs,
+        learning_rate=learning_rate,
+        micro_batches=micro_batches,
+        optimizer=optimizer,
+        momentum=momentum,
+        weight_decay=weight_decay,
+        seed=seed,
+        stages_requested=stages,
+        checkpoint_interval_steps=checkpoint_interval_steps,
+        node_grace_seconds=node_grace_seconds,
+        requirements=requirements or {},
+    )
+
+
+def job_validate(
+    *, model_config: dict[str, Any], dataset_config: dict[str, Any], stages: int | None, requirements: dict[str, Any]
+) -> tuple[ModelSpec, dict[str, Any]]:
+    """The checks of a submitted job that need the model: its spec and the normalised dataset config, or
+    a 400 naming the field."""
+    spec = _spec_or_400(model_config)
+    dataset = _dataset_or_400(dataset_config)
+    _check_model_fits_dataset(spec, dataset["name"])
+    if stages is not None and stages > spec.num_layers:
+        raise ApplicationError.invalid(
+            "stages",
+            f"requested {stages} stages but the model has {spec.num_layers} layers; "
+            f"use at most {spec.num_layers} (one layer per stage at least)",
+        )
+    low, high = requirements.get("min_devices"), requirements.get("max_devices")
+    if low is not None and low > spec.num_layers:
+        raise ApplicationError.invalid(
+            "requirements.min_devices", f"is {low} but the model has only {spec.num_layers} layers to spread"
+        )
+    if stages is not None and ((low is not None and low > stages) or (high is not None and high < stages)):
+        raise ApplicationError.invalid(
+            "stages", f"{stages} stages contradict requirements min_devices {low} / max_devices {high}"
+        )
+    return spec, dataset
+
+
+@transaction.atomic
+def job_start(
+    *, job: Job, epochs: int | None = None, learning_rate: float | None = None, now: datetime | None = None
+) -> Job:
+    """Queue the job for placement. Starting again trains from scratch: the previous attempt's placement,
+    progress and checkpoints are dropped."""
+    now = now or timezone.now()
+    job = Job.objects.select_for_update().get(pk=job.pk)
+    if job.status not in STARTABLE_STATUSES:
+        raise ApplicationError.conflict(
+            f"job {job.id} is {job.status}; only a created, failed or cancelled job can be started"
+            + (" (submit a new job to train again)" if job.status == JobStatus.SUCCEEDED else "")
+        )
+    job.stages.all().delete()
+    job.loss_points.all().delete()
+    job.epoch_metrics.all().delete()
+    job.resume_checkpoint = None
+    checkpoints_delete(job.checkpoints.all())
+    job.restarts = 0
+    if epochs is not None:
+        job.epochs = epochs
+    if learning_rate is not None:
+        job.learning_rate = learning_rate
+    job.status = JobStatus.QUEUED
+    job.generation += 1
+    job.conditions = set_conditions(
+        [], Condition("Placed", FALSE, "Queued", "waiting for the reconciler to place the stages"), now=now
+    )
+    job.step, job.total_steps, job.epoch = 0, None, 0
+    job.last_loss = job.final_loss = job.val_loss = job.val_accuracy = job.samples_per_second = None
+    job.error = ""
+    job.driver_lease_owner, job.driver_lease_expires_at = "", None
+    job.started_at, job.finished_at = None, None
+    job.save()
+    reconcile_soon()
+    return job
+
+
+@transaction.atomic
+def job_cancel(*, job: Job, now: datetime | None = None) -> Job:
+    """Stop the job: agents drop its stages at their next heartbeat and its driver stops at its next
+    progress write."""
+    now = now or timezone.now()
+    job = Job.objects.select_for_update().get(pk=job.pk)
+    if job.status in TERMINAL_STATUSES:
+        raise ApplicationError.conflict(f"job {job.id} already {job.status}; there is nothing to cancel")
+    _end(job, JobStatus.CANCELLED, Condition("Training", FALSE, "Cancelled", "cancelled by its owner"), now=now)
+    return job
+
+
+@transaction.atomic
+def job_requeue(*, job_id: Any, generation: int, reason: str, message: str, now: datetime) -> bool:
+    """Take a placing job's placement back (e.g. a node was lost) so it is placed afresh; False if the
+    job moved on since `generation` was observed."""
+    job = Job.objects.select_for_update().filter(pk=job_id, generation=generation, status=JobStatus.PLACING).first()
+    if job is None:
+        return False
+    job.stages.all().delete()
+    job.status = JobStatus.QUEUED
+    job.generation += 1
+    job.conditions = set_conditions(
+        job.conditions,
+        Condition("Placed", FALSE, reason, message),
+        Condition("StagesReady", FALSE, reason, message),
+        now=now,
+    )
+    job.save(update_fields=["status", "generation", "conditions"])
+    reconcile_soon()
+    return True
+
+
+@transaction.atomic
+def job_rewind(
+    *,
+    job_id: Any,
+    generation: int,
+    moves: Mapping[int, Any] | None = None,
+    count_restart: bool = False,
+    reason: str,
+    message: str,
+    now: datetime,
+) -> bool:
+    """Send a placed job back to its last checkpoint: a new generation for every stage (so each rebuilds
+    from that checkpoint and stale RPCs are refused), with the stages in `moves` re-placed (a node id,
+    or None to unplace: the job then waits as pending). Stages not moved keep their node. False if the
+    job moved on since `generation`; IntegrityError if a target node took another stage meanwhile."""
+    job = Job.objects.select_for_update().filter(pk=job_id, generation=generation, status__in=ACTIVE_STATUSES).first()
+    if job is None:
+        return False
+    moves = moves or {}
+    job.generation += 1
+    checkpoint = job.checkpoints.order_by("-step").first()
+    stages = list(job.stages.filter(active=True))
+    for stage in stages:
+        if stage.index in moves:
+            stage.node_id = moves[stage.index]
+        stage.generation = job.generation
+        stage.observed_generation, stage.observed_state, stage.observed_message = None, StageState.PENDING, ""
+    # Release the moved stages' old nodes first: one active stage per node is a database constraint.
+    Stage.objects.filter(pk__in=[s.pk for s in stages if s.index in moves]).update(node=None)
+    Stage.objects.bulk_update(
+        stages, ["node", "generation", "observed_generation", "observed_state", "observed_message"]
+    )
+    unplaced = any(stage.node_id is None for stage in stages)
+    job.status = JobStatus.PENDING if unplaced else JobStatus.PLACING
+    job.resume_checkpoint = checkpoint
+    job.step = checkpoint.step if checkpoint else 0
+    job.restarts += int(count_restart)
+    job.handover_requested = False
+    job.driver_lease_owner, job.driver_lease_expires_at = "", None
+    resume = f"resuming from the checkpoint of step {checkpoint.step}" if checkpoint else "restarting from step 0"
+    placed = (
+        Condition("Placed", FALSE, reason, message)
+        if unplaced
+        else Condition("Placed", TRUE, "Placed", message if moves else "stages kept on their nodes")
+    )
+    job.conditions = set_conditions(
+        job.conditions,
+        placed,
+        Condition("StagesReady", FALSE, "Rewinding", f"every stage rebuilds; {resume}"),
+        Condition("Training", FALSE, reason, f"{message}; {resume}"),
+        Condition("Draining", FALSE, "NoNodeDraining", "no stage of the job is on a paused node"),
+        now=now,
+    )
+    job.save()
+    reconcile_soon()
+    return True
+
+
+@transaction.atomic
+def job_fail(
+    *,
+    job_id: Any,
+    message: str,
+    reason: str = "DriverError",
+    generation: int | None = None,
+    lease_owner: str | None = None,
+    now: datetime | None = None,
+) -> bool:
+    """Mark the job failed with `message`; False (and nothing written) if it already ended, or if its
+    placement changed since `generation`, or if `lease_owner` (a driver) no longer holds its lease."""
+    job = Job.objects.select_for_update().filter(pk=job_id).first()
+    if job is None or job.status in TERMINAL_STATUSES:
+        return False
+    if generation is not None and job.generation != generation:
+        return False
+    if lease_owner is not None and job.driver_lease_owner != lease_owner:
+        return False
+    job.error = message
+    _end(
+        job,
+        JobStatus.FAILED,
+        Condition("Training", FALSE, reason, message),
+        Condition("Failed", TRUE, reason, message),
+        now=now or timezone.now(),
+    )
+    return True
+
+
+def _end(job: Job, status: JobStatus, *conditions: Condition, now: datetime) -> None:
+    """Move a locked job to a terminal status and release its nodes (a placement change)."""
+    job.status = status
+    job.generation += 1
+    job.conditions = set_conditions(job.conditions, *conditions, now=now)
+    job.finished_at = now
+    job.driver_lease_owner, job.driver_lease_expires_at = "", None
+    job.save()
+    Stage.objects.filter(job=job).update(active=False)
+    reconcile_soon()  # the freed nodes may let a queued job in
+
+
+def _spec_or_400(model_config: dict[str, Any]) -> ModelSpec:
+    try:
+        return model_spec_from_config(model_config)
+    except SpecError as exc:
+        raise ApplicationError.invalid(exc.field, exc.message) from exc
+
+
+def _dataset_or_400(dataset_config: dict[str, Any]) -> dict[str, Any]:
+    try:
+        return validate_dataset_config(dataset_config)
+    except SpecError as exc:
+        raise ApplicationError.invalid(exc.field, exc.message) from exc
+
+
+def _check_model_fits_dataset(spec: ModelSpec, dataset_name: str) -> None:
+    info = DATASETS[dataset_name]
+    last = len(spec.layer_sizes) - 1
+    if spec.input_features != info.features:
+        raise ApplicationError.invalid(
+            "model_config.layer_sizes[0]",
+            f"is {spec.input_features} but {dataset_name} samples have {info.features} features; "
+            f"make the first size {info.features}",
+        )
+    if spec.output_features != info.classes:
+        raise ApplicationError.invalid(
+            f"model_config.layer_sizes[{last}]",
+            f"is {spec.output_features} but {dataset_name} has {info.classes} classes; "
+            f"make the last size {info.classes}",
+        )

@@ -1,0 +1,23 @@
+"""Job routes under /api/ (each with or without a trailing slash)."""
+
+from django.urls import re_path
+
+from controlplane.jobs.api import (
+    JobCancelApi,
+    JobDetailApi,
+    JobEstimateApi,
+    JobListCreateApi,
+    JobModelApi,
+    JobTrainApi,
+)
+
+urlpatterns = [
+    re_path(r"^jobs/?$", JobListCreateApi.as_view(), name="job-list"),
+    re_path(r"^jobs/estimate/?$", JobEstimateApi.as_view(), name="job-estimate"),
+    re_path(r"^jobs/(?P<job_id>[^/]+)/?$", JobDetailApi.as_view(), name="job-detail"),
+    re_path(r"^jobs/(?P<job_id>[^/]+)/train/?$", JobTrainApi.as_view(), name="job-train"),
+    re_path(r"^jobs/(?P<job_id>[^/]+)/cancel/?$", JobCancelApi.as_view(), name="job-cancel"),
+    re_path(r"^jobs/(?P<job_id>[^/]+)/model(?:\.safetensors)?/?$", JobModelApi.as_view(), name="job-model"),
+    # The path the original prototype used for "start training".
+    re_path(r"^network/train/(?P<job_id>[^/]+)/?$", JobTrainApi.as_view(), name="network-train"),
+]

@@ -1,0 +1,31 @@
+"""Market endpoints: posted prices (anyone signed in) and a node's earnings (its owner)."""
+
+from __future__ import annotations
+
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from controlplane.common.errors import ApplicationError
+from controlplane.market.selectors import node_earnings, prices_current
+from controlplane.market.serializers import EarningsOutput, PriceOutput
+from controlplane.nodes.selectors import node_get
+
+
+class PriceListApi(APIView):
+    @extend_schema(responses=PriceOutput(many=True))
+    def get(self, request: Request) -> Response:
+        return Response(PriceOutput(prices_current(), many=True).data)
+
+
+class NodeEarningsApi(APIView):
+    @extend_schema(
+        parameters=[OpenApiParameter("node_id", str, OpenApiParameter.PATH, description="Node UUID")],
+        responses=EarningsOutput,
+    )
+    def get(self, request: Request, node_id: str) -> Response:
+        node = node_get(node_id=node_id)
+        if node.owner_id != request.user.pk:
+            raise ApplicationError.forbidden(f"node {node.id} belongs to another user; only its owner sees earnings")
+        return Response(EarningsOutput(node_earnings(node=node)).data)

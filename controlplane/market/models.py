@@ -1,0 +1,78 @@
+"""Posted prices and the contribution ledger. Money is integer micro-dollars (1e-6 $), so credits plus
+fees add up to charges exactly."""
+
+from __future__ import annotations
+
+from django.db import models
+
+from controlplane.common.models import BaseModel
+from controlplane.jobs.models import Job
+from controlplane.nodes.models import Node
+
+
+class PriceChange(BaseModel):
+    """Append-only: every posted price, with the demand and supply it was computed from. The newest
+    row of a class is the price in force."""
+
+    device_class = models.CharField(max_length=40, db_index=True)
+    price_per_hour = models.FloatField(help_text="US dollars per hour of a device of this class")
+    demand = models.FloatField(help_text="devices wanted by queued and active jobs")
+    supply = models.FloatField(help_text="Ready devices offered (not paused)")
+
+    class Meta:
+        ordering = ["-created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.device_class} ${self.price_per_hour:.4f}/h"
+
+
+class LedgerEntry(BaseModel):
+    """Append-only work done by one node on one stage generation of a job since the previous entry,
+    priced when it was recorded. `samples_total` (the stage's cumulative count at this entry) is in the
+    unique key, so a retried report of the same counters never counts twice."""
+
+    job = models.ForeignKey(Job, on_delete=models.PROTECT, related_name="ledger_entries")
+    node = models.ForeignKey(Node, on_delete=models.PROTECT, related_name="ledger_entries")
+    stage_index = models.PositiveIntegerField()
+    generation = models.BigIntegerField()
+    samples_total = models.BigIntegerField()
+    samples = models.BigIntegerField()
+    micro_batches = models.BigIntegerField()
+    compute_seconds = models.FloatField()
+    flops = models.FloatField(help_text="estimated: forward + backward FLOPs of the samples on this stage")
+    bytes_sent = models.BigIntegerField()
+    bytes_received = models.BigIntegerField()
+    device_class = models.CharField(max_length=40)
+    price_per_hour = models.FloatField()
+    charge_micros = models.BigIntegerField(help_text="what the job's owner pays for this work")
+    fee_micros = models.BigIntegerField(help_text="the platform's share")
+    credit_micros = models.BigIntegerField(help_text="what the node's owner earns: charge - fee")
+
+    class Meta:
+        ordering = ["created_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["job", "stage_index", "generation", "node", "samples_total"], name="ledger_unique_report"
+            ),
+            models.CheckConstraint(
+                condition=models.Q(credit_micros=models.F("charge_micros") - models.F("fee_micros")),
+                name="ledger_credit_is_charge_minus_fee",
+            ),
+        ]
+
+
+class LedgerHourly(BaseModel):
+    """The ledger summed per node, job and hour (UTC), rebuilt from the entries by a Celery task."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="+")
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="+")
+    hour = models.DateTimeField()
+    samples = models.BigIntegerField()
+    compute_seconds = models.FloatField()
+    charge_micros = models.BigIntegerField()
+    fee_micros = models.BigIntegerField()
+    credit_micros = models.BigIntegerField()
+
+    class Meta:
+        ordering = ["-hour"]
+        constraints = [models.UniqueConstraint(fields=["job", "node", "hour"], name="ledgerhourly_unique")]

@@ -1,0 +1,85 @@
+"""Reads for the market endpoints: prices in force, a node's earnings, a job's cost."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Any
+
+from django.db.models import Sum
+from django.db.models.functions import TruncDate
+
+from controlplane.jobs.models import Job, JobStatus
+from controlplane.market.models import LedgerEntry, PriceChange
+from controlplane.market.pricing import base_price
+from controlplane.market.services import MICROS_PER_DOLLAR, node_device_class, price_in_force, pricing_policy
+from controlplane.nodes.models import Node
+
+
+def dollars(micros: int | None) -> Decimal:
+    return Decimal(micros or 0) / MICROS_PER_DOLLAR
+
+
+def prices_current() -> list[dict[str, Any]]:
+    """The price in force for every class that has one posted, or a registered device."""
+    policy = pricing_policy()
+    latest: dict[str, PriceChange] = {}
+    for change in PriceChange.objects.order_by("device_class", "-created_at"):
+        latest.setdefault(change.device_class, change)
+    classes = set(latest) | {node_device_class(n) for n in Node.objects.filter(registered_at__isnull=False)}
+    rows = []
+    for name in sorted(classes):
+        change = latest.get(name)
+        base = base_price(name, policy)
+        rows.append(
+            {
+                "device_class": name,
+                "price_per_hour": change.price_per_hour if change else base,
+                "base_price_per_hour": base,
+                "demand": change.demand if change else None,
+                "supply": change.supply if change else None,
+                "updated_at": change.created_at if change else None,
+            }
+        )
+    return rows
+
+
+def node_earnings(*, node: Node) -> dict[str, Any]:
+    """What the node's owner has earned, in total, per UTC day and per job."""
+    entries = LedgerEntry.objects.filter(node=node)
+    sums = {"credit": Sum("credit_micros"), "samples": Sum("samples"), "compute_seconds": Sum("compute_seconds")}
+    total = entries.aggregate(**sums)
+    per_day = entries.annotate(day=TruncDate("created_at")).values("day").annotate(**sums).order_by("day")
+    per_job = entries.values("job_id", "job__name").annotate(**sums).order_by("job__name")
+    return {
+        "node_id": node.id,
+        "device_class": node_device_class(node),
+        "credit_usd": dollars(total["credit"]),
+        "samples": total["samples"] or 0,
+        "compute_seconds": total["compute_seconds"] or 0.0,
+        "per_day": [{**row, "credit_usd": dollars(row.pop("credit"))} for row in per_day],
+        "per_job": [
+            {"job_id": row["job_id"], "job_name": row["job__name"], "credit_usd": dollars(row["credit"]),
+             "samples": row["samples"], "compute_seconds": row["compute_seconds"]}
+            for row in per_job
+        ],
+    }
+
+
+def job_cost(*, job: Job) -> dict[str, Any]:
+    """What the job has been charged so far and the platform's share of it; while it trains, also the
+    time and money left at its current speed and the posted prices of the nodes it runs on."""
+    total = LedgerEntry.objects.filter(job=job).aggregate(charge=Sum("charge_micros"), fee=Sum("fee_micros"))
+    cost: dict[str, Any] = {
+        "charged_usd": dollars(total["charge"]),
+        "platform_fee_usd": dollars(total["fee"]),
+        "remaining_seconds": None,
+        "estimate_to_finish_usd": None,
+    }
+    if job.status == JobStatus.RUNNING and job.samples_per_second and job.total_steps:
+        samples_left = (job.total_steps - job.step) * job.dataset_config["batch_size"]
+        seconds = samples_left / job.samples_per_second
+        nodes = Node.objects.filter(stages__job=job, stages__active=True)
+        per_hour = sum(price_in_force(node_device_class(node)) for node in nodes)
+        cost["remaining_seconds"] = seconds
+        cost["estimate_to_finish_usd"] = dollars(round(per_hour * seconds / 3600 * MICROS_PER_DOLLAR))
+    return cost

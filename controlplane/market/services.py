@@ -1,0 +1,145 @@
+"""Pricing and the ledger: repricing from demand and supply, recording priced work, hourly rollups."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Count, Q, Sum
+from django.db.models.functions import TruncHour
+
+from controlplane.jobs.models import ACTIVE_STATUSES, Job, JobStatus
+from controlplane.market.models import LedgerEntry, LedgerHourly, PriceChange
+from controlplane.market.pricing import PricingPolicy, base_price, device_class, next_price
+from controlplane.nodes.models import Node, ReadyStatus
+
+MICROS_PER_DOLLAR = 1_000_000
+# How far back each rollup pass looks: the hour that just ended is always rebuilt once it is complete.
+ROLLUP_WINDOW = timedelta(hours=2)
+
+
+@dataclass(frozen=True)
+class WorkCounters:
+    """A stage's cumulative counters within one generation on one node, as its agent reports them."""
+
+    samples: int
+    micro_batches: int
+    compute_seconds: float
+    bytes_sent: int
+    bytes_received: int
+
+
+def pricing_policy() -> PricingPolicy:
+    return PricingPolicy(baseline_per_hour=settings.ARCEUS_BASELINE_PRICE_PER_HOUR)
+
+
+def node_device_class(node: Node) -> str:
+    return device_class(node.flops_fp32 or 0.0, node.memory_bytes or 0)
+
+
+def price_in_force(device_class_name: str) -> float:
+    """The newest posted price of the class, else its base price (nothing posted yet)."""
+    latest = PriceChange.objects.filter(device_class=device_class_name).order_by("-created_at").first()
+    return latest.price_per_hour if latest else base_price(device_class_name, pricing_policy())
+
+
+def market_demand_and_supply() -> tuple[float, float]:
+    """Demand: devices that queued and active jobs want (their requested stages, else one). Supply:
+    registered Ready nodes whose owners have not paused them."""
+    jobs = Job.objects.filter(status__in=(JobStatus.QUEUED, *ACTIVE_STATUSES)).annotate(
+        placed=Count("stages", filter=Q(stages__active=True))
+    )
+    demand = sum(job.stages_requested or job.placed or 1 for job in jobs)
+    supply = Node.objects.filter(
+        registered_at__isnull=False, ready_status=ReadyStatus.TRUE, paused=False
+    ).count()
+    return float(demand), float(supply)
+
+
+@transaction.atomic
+def prices_reprice() -> list[PriceChange]:
+    """Post a new price for every class of registered device whose price moves (every change is kept)."""
+    policy = pricing_policy()
+    demand, supply = market_demand_and_supply()
+    classes = {node_device_class(n) for n in Node.objects.filter(registered_at__isnull=False)}
+    classes |= set(PriceChange.objects.values_list("device_class", flat=True).distinct())
+    changes = []
+    for name in sorted(classes):
+        previous = PriceChange.objects.filter(device_class=name).order_by("-created_at").first()
+        price = next_price(name, demand, supply, previous.price_per_hour if previous else None, policy)
+        if previous is None or not math.isclose(price, previous.price_per_hour, rel_tol=1e-9):
+            changes.append(PriceChange(device_class=name, price_per_hour=price, demand=demand, supply=supply))
+    return PriceChange.objects.bulk_create(changes)
+
+
+def ledger_record_work(
+    *, job_id: Any, stage_index: int, generation: int, node: Node, counters: WorkCounters, flops_per_sample: float
+) -> LedgerEntry | None:
+    """Append what the node did since its previous entry for this stage generation, priced now. Reports
+    that add no samples (retries, late duplicates) add nothing. Call inside the recording transaction."""
+    key = {"job_id": job_id, "stage_index": stage_index, "generation": generation, "node": node}
+    done = LedgerEntry.objects.filter(**key).aggregate(
+        samples=Sum("samples"),
+        micro_batches=Sum("micro_batches"),
+        compute_seconds=Sum("compute_seconds"),
+        bytes_sent=Sum("bytes_sent"),
+        bytes_received=Sum("bytes_received"),
+    )
+    samples = counters.samples - (done["samples"] or 0)
+    if samples <= 0:
+        return None
+    seconds = max(0.0, counters.compute_seconds - (done["compute_seconds"] or 0.0))
+    klass = node_device_class(node)
+    price = price_in_force(klass)
+    charge = round(seconds * price / 3600 * MICROS_PER_DOLLAR)
+    fee = round(charge * settings.ARCEUS_PLATFORM_FEE)
+    entry, _ = LedgerEntry.objects.get_or_create(
+        **key,
+        samples_total=counters.samples,
+        defaults={
+            "samples": samples,
+            "micro_batches": counters.micro_batches - (done["micro_batches"] or 0),
+            "compute_seconds": seconds,
+            # Forward plus a backward of about twice its cost.
+            "flops": 3.0 * samples * flops_per_sample,
+            "bytes_sent": counters.bytes_sent - (done["bytes_sent"] or 0),
+            "bytes_received": counters.bytes_received - (done["bytes_received"] or 0),
+            "device_class": klass,
+            "price_per_hour": price,
+            "charge_micros": charge,
+            "fee_micros": fee,
+            "credit_micros": charge - fee,
+        },
+    )
+    return entry
+
+
+@transaction.atomic
+def ledger_rollup(*, since: datetime) -> int:
+    """Rebuild the hourly sums of every hour from `since` (rounded down to the hour); idempotent.
+    Returns how many (job, node, hour) rows were written."""
+    start = since.replace(minute=0, second=0, microsecond=0)
+    rows = (
+        LedgerEntry.objects.filter(created_at__gte=start)
+        .annotate(hour=TruncHour("created_at"))
+        .values("job_id", "node_id", "hour")
+        .annotate(
+            samples=Sum("samples"),
+            compute_seconds=Sum("compute_seconds"),
+            charge_micros=Sum("charge_micros"),
+            fee_micros=Sum("fee_micros"),
+            credit_micros=Sum("credit_micros"),
+        )
+    )
+    hourly = [LedgerHourly(**row) for row in rows]
+    LedgerHourly.objects.bulk_create(
+        hourly,
+        update_conflicts=True,
+        unique_fields=["job", "node", "hour"],
+        update_fields=["samples", "compute_seconds", "charge_micros", "fee_micros", "credit_micros"],
+    )
+    return len(hourly)

@@ -1,0 +1,10 @@
+"""Market routes under /api/ (each with or without a trailing slash)."""
+
+from django.urls import re_path
+
+from controlplane.market.api import NodeEarningsApi, PriceListApi
+
+urlpatterns = [
+    re_path(r"^market/prices/?$", PriceListApi.as_view(), name="market-prices"),
+    re_path(r"^nodes/(?P<node_id>[^/]+)/earnings/?$", NodeEarningsApi.as_view(), name="node-earnings"),
+]

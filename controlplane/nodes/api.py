@@ -1,0 +1,142 @@
+"""Node endpoints for people (mint, list) and for node agents (register, heartbeat)."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.http import FileResponse
+from django.utils import timezone
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import status
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from controlplane.jobs.checkpoints import stage_checkpoint_for_node
+from controlplane.jobs.models import checkpoint_storage
+from controlplane.nodes.authentication import IsNodeAgent, NodeTokenAuthentication
+from controlplane.nodes.selectors import node_get, node_list
+from controlplane.nodes.serializers import (
+    AgentHeartbeatInput,
+    AgentHeartbeatOutput,
+    AgentRegisteredOutput,
+    AgentRegisterInput,
+    NodeControlsInput,
+    NodeCreatedOutput,
+    NodeCreateInput,
+    NodeOutput,
+)
+from controlplane.nodes.services import (
+    node_create,
+    node_heartbeat,
+    node_register,
+    node_set_controls,
+    node_set_paused,
+)
+
+NODE_ID = OpenApiParameter("node_id", str, OpenApiParameter.PATH, description="Node UUID")
+
+
+class NodeListCreateApi(APIView):
+    @extend_schema(responses=NodeOutput(many=True))
+    def get(self, request: Request) -> Response:
+        return Response(NodeOutput(node_list(), many=True).data)
+
+    @extend_schema(request=NodeCreateInput, responses={201: NodeCreatedOutput})
+    def post(self, request: Request) -> Response:
+        data = NodeCreateInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        node, token = node_create(owner=request.user, **data.validated_data)
+        return Response({"id": node.id, "name": node.name, "token": token}, status=status.HTTP_201_CREATED)
+
+
+class NodeDetailApi(APIView):
+    @extend_schema(
+        parameters=[NODE_ID],
+        responses=NodeOutput,
+    )
+    def get(self, request: Request, node_id: str) -> Response:
+        return Response(NodeOutput(node_get(node_id=node_id)).data)
+
+
+class NodePauseApi(APIView):
+    """Drain the node: it takes no new stage, and its stages move elsewhere without losing work."""
+
+    paused = True
+
+    @extend_schema(parameters=[NODE_ID], request=None, responses=NodeOutput)
+    def post(self, request: Request, node_id: str) -> Response:
+        node_set_paused(node=node_get(node_id=node_id), user=request.user, paused=self.paused, now=timezone.now())
+        return Response(NodeOutput(node_get(node_id=node_id)).data)
+
+
+class NodeControlsApi(APIView):
+    """The owner's controls: when the node may work (UTC windows, idle-only) and how much it offers."""
+
+    @extend_schema(parameters=[NODE_ID], request=NodeControlsInput, responses=NodeOutput)
+    def put(self, request: Request, node_id: str) -> Response:
+        data = NodeControlsInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        node_set_controls(node=node_get(node_id=node_id), user=request.user, controls=dict(data.validated_data))
+        return Response(NodeOutput(node_get(node_id=node_id)).data)
+
+
+class NodeResumeApi(NodePauseApi):
+    """Offer the node again."""
+
+    paused = False
+
+
+class AgentApi(APIView):
+    authentication_classes = [NodeTokenAuthentication]
+    permission_classes = [IsNodeAgent]
+
+
+class AgentRegisterApi(AgentApi):
+    @extend_schema(request=AgentRegisterInput, responses=AgentRegisteredOutput)
+    def post(self, request: Request) -> Response:
+        data = AgentRegisterInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        node = node_register(
+            node=request.auth,
+            grpc_address=data.validated_data["grpc_address"],
+            **data.validated_data["capabilities"],
+            now=timezone.now(),
+        )
+        return Response(
+            {
+                "node_id": str(node.id),
+                "heartbeat_interval_seconds": settings.ARCEUS_HEARTBEAT_INTERVAL_SECONDS,
+            }
+        )
+
+
+class AgentHeartbeatApi(AgentApi):
+    @extend_schema(request=AgentHeartbeatInput, responses=AgentHeartbeatOutput)
+    def post(self, request: Request) -> Response:
+        data = AgentHeartbeatInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        assignments = node_heartbeat(
+            node=request.auth,
+            observed=data.reports(),
+            now=timezone.now(),
+            host_busy_fraction=data.validated_data.get("host_busy_fraction"),
+        )
+        return Response(
+            {
+                "node_id": str(request.auth.id),
+                "assignments": assignments,
+                "controls": {"max_threads": request.auth.max_threads},
+                "heartbeat_interval_seconds": settings.ARCEUS_HEARTBEAT_INTERVAL_SECONDS,
+            }
+        )
+
+
+class AgentCheckpointApi(AgentApi):
+    """A stage checkpoint named in one of this node's assignments (safetensors bytes)."""
+
+    @extend_schema(responses={(200, "application/octet-stream"): bytes})
+    def get(self, request: Request, checkpoint_id: str) -> FileResponse:
+        sc = stage_checkpoint_for_node(node_id=request.auth.id, stage_checkpoint_id=checkpoint_id)
+        response = FileResponse(checkpoint_storage().open(sc.file.name, "rb"), content_type="application/octet-stream")
+        response["X-Checkpoint-SHA256"] = sc.sha256
+        return response

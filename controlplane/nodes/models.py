@@ -1,0 +1,74 @@
+"""Contributor nodes and their leases."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+
+from controlplane.common.conditions import FALSE, TRUE, UNKNOWN
+from controlplane.common.models import BaseModel
+
+
+class DeviceType(models.TextChoices):
+    CPU = "cpu"
+    CUDA = "cuda"
+    MPS = "mps"
+
+
+class ReadyStatus(models.TextChoices):
+    TRUE = TRUE
+    FALSE = FALSE
+    UNKNOWN = UNKNOWN
+
+
+class Node(BaseModel):
+    """A contributor's machine running a node agent. Capabilities are blank until the agent registers."""
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="nodes")
+    name = models.CharField(max_length=100)
+    # SHA-256 hex of the agent token; the token itself is shown once and never stored.
+    token_hash = models.CharField(max_length=64, unique=True, editable=False)
+    device_type = models.CharField(max_length=8, choices=DeviceType, blank=True)
+    device_name = models.CharField(max_length=200, blank=True)
+    memory_bytes = models.BigIntegerField(null=True, blank=True)
+    flops_fp32 = models.FloatField(null=True, blank=True)
+    grpc_address = models.CharField(max_length=255, blank=True)
+    # The Ready condition, in columns so the reconciler can filter on it.
+    ready_status = models.CharField(max_length=8, choices=ReadyStatus, default=ReadyStatus.UNKNOWN, db_index=True)
+    ready_reason = models.CharField(max_length=64, default="NotRegistered")
+    ready_message = models.TextField(blank=True, default="waiting for the agent to register")
+    ready_transition_at = models.DateTimeField(null=True, blank=True)
+    registered_at = models.DateTimeField(null=True, blank=True)
+    # The owner's switch: a paused node takes no new stage and hands back the ones it hosts (drain).
+    paused = models.BooleanField(default=False, db_index=True)
+    paused_at = models.DateTimeField(null=True, blank=True)
+    # The owner's other controls: when and how the device may work (see nodes/availability.py).
+    work_windows = models.JSONField(default=list, blank=True, help_text='UTC, e.g. ["22:00-07:00"]; empty: any time')
+    idle_only = models.BooleanField(default=False, help_text="work only while the owner's other processes are idle")
+    idle_cpu_threshold = models.FloatField(default=0.5, help_text="'idle' means their CPU use is at most this")
+    max_memory_bytes = models.BigIntegerField(null=True, blank=True, help_text="offer at most this much memory")
+    max_threads = models.PositiveIntegerField(null=True, blank=True, help_text="compute threads the agent may use")
+
+    class Meta:
+        ordering = ["created_at"]
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.id})"
+
+    @property
+    def is_registered(self) -> bool:
+        return self.registered_at is not None
+
+
+class NodeLease(BaseModel):
+    """The node's liveness, renewed by every heartbeat. A row of its own (like Kubernetes' Lease) so a
+    heartbeat is one narrow UPDATE that never contends with writes to the node itself."""
+
+    node = models.OneToOneField(Node, on_delete=models.CASCADE, related_name="lease")
+    renewed_at = models.DateTimeField()
+    duration_seconds = models.FloatField()
+    # The CPU share the owner's other processes used, as the agent measured it at this heartbeat.
+    host_busy_fraction = models.FloatField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"lease of {self.node_id} renewed {self.renewed_at:%H:%M:%S}"

@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+
+from django.db.models import Prefetch, QuerySet
+
+from controlplane.common.errors import ApplicationError
+from controlplane.jobs.models import Stage
+from controlplane.nodes.availability import unavailable_reason
+from controlplane.nodes.models import Node
+
+
+def node_list() -> QuerySet[Node]:
+    """Every node (the marketplace's supply), with its lease and the stage it currently hosts."""
+    return Node.objects.select_related("owner", "lease").prefetch_related(
+        Prefetch("stages", queryset=Stage.objects.filter(active=True), to_attr="active_stages")
+    )
+
+
+def node_get(*, node_id: str) -> Node:
+    try:
+        key = uuid.UUID(str(node_id))
+    except ValueError:
+        raise ApplicationError.not_found("node", node_id) from None
+    node = node_list().filter(pk=key).first()
+    if node is None:
+        raise ApplicationError.not_found("node", node_id)
+    return node
+
+
+def node_by_token_hash(*, token_hash: str) -> Node | None:
+    return Node.objects.select_related("owner").filter(token_hash=token_hash).first()
+
+
+def node_unavailable_reason(node: Node, now: datetime) -> str | None:
+    """Why the node may not work now by its owner's controls, or None (see nodes/availability.py)."""
+    lease = getattr(node, "lease", None)
+    return unavailable_reason(
+        paused=node.paused,
+        work_windows=node.work_windows,
+        idle_only=node.idle_only,
+        idle_cpu_threshold=node.idle_cpu_threshold,
+        host_busy_fraction=lease.host_busy_fraction if lease else None,
+        now=now,
+    )

@@ -1,0 +1,173 @@
+"""Request and response shapes of the node and agent endpoints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.utils import timezone
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import serializers
+
+from controlplane.common.fields import StrictFloatField, StrictInputSerializer, StrictIntegerField
+from controlplane.jobs.stages import StageReport
+from controlplane.nodes.availability import parse_window
+from controlplane.nodes.models import DeviceType, Node
+from controlplane.nodes.selectors import node_unavailable_reason
+from controlplane.nodes.validators import validate_grpc_address
+
+
+class NodeCreateInput(serializers.Serializer):
+    name = serializers.CharField(max_length=100)
+
+
+class NodeCreatedOutput(serializers.Serializer):
+    id = serializers.UUIDField()
+    name = serializers.CharField()
+    token = serializers.CharField(help_text="The agent's token. Shown only in this response.")
+
+
+class ReadyOutput(serializers.Serializer):
+    status = serializers.CharField(source="ready_status")
+    reason = serializers.CharField(source="ready_reason")
+    message = serializers.CharField(source="ready_message")
+    last_transition_time = serializers.DateTimeField(source="ready_transition_at", allow_null=True)
+
+
+class CurrentStageOutput(serializers.Serializer):
+    job_id = serializers.UUIDField()
+    stage_index = serializers.IntegerField(source="index")
+
+
+class NodeControlsInput(StrictInputSerializer):
+    """The owner's controls; a PUT replaces them all (omitted fields take their defaults)."""
+
+    work_windows = serializers.ListField(
+        child=serializers.CharField(), default=list, help_text='UTC, e.g. ["22:00-07:00"]; empty: any time'
+    )
+    idle_only = serializers.BooleanField(default=False)
+    idle_cpu_threshold = StrictFloatField(min_value=0, max_value=1, default=0.5)
+    max_memory_bytes = StrictIntegerField(min_value=1, allow_null=True, default=None)
+    max_threads = StrictIntegerField(min_value=1, allow_null=True, default=None)
+
+    def validate_work_windows(self, windows: list[str]) -> list[str]:
+        for window in windows:
+            try:
+                parse_window(window)
+            except ValueError as exc:
+                raise serializers.ValidationError(str(exc)) from None
+        return windows
+
+
+class NodeOutput(serializers.Serializer):
+    id = serializers.UUIDField()
+    name = serializers.CharField()
+    owner = serializers.CharField(source="owner.username")
+    device_type = serializers.CharField()
+    device_name = serializers.CharField()
+    memory_bytes = serializers.IntegerField(allow_null=True)
+    flops_fp32 = serializers.FloatField(allow_null=True)
+    grpc_address = serializers.CharField()
+    ready = ReadyOutput(source="*")
+    paused = serializers.BooleanField(help_text="Paused by its owner: takes no stage, hands back what it hosts.")
+    controls = serializers.SerializerMethodField()
+    unavailable_reason = serializers.SerializerMethodField(
+        help_text="Why the node may not work now (paused, outside working hours, owner busy); null: it may."
+    )
+    last_heartbeat_at = serializers.SerializerMethodField()
+    current_stage = serializers.SerializerMethodField()
+    registered_at = serializers.DateTimeField(allow_null=True)
+    created_at = serializers.DateTimeField()
+
+    @extend_schema_field(NodeControlsInput)
+    def get_controls(self, node: Node) -> dict[str, Any]:
+        return NodeControlsInput(node).data
+
+    def get_unavailable_reason(self, node: Node) -> str | None:
+        return node_unavailable_reason(node, timezone.now())
+
+    def get_last_heartbeat_at(self, node: Node) -> str | None:
+        lease = getattr(node, "lease", None)
+        return serializers.DateTimeField().to_representation(lease.renewed_at) if lease else None
+
+    def get_current_stage(self, node: Node) -> dict[str, Any] | None:
+        stages = node.active_stages  # prefetched by the node selectors
+        return CurrentStageOutput(stages[0]).data if stages else None
+
+
+class CapabilitiesInput(serializers.Serializer):
+    device_type = serializers.ChoiceField(choices=DeviceType.choices)
+    device_name = serializers.CharField(max_length=200, allow_blank=True, default="")
+    memory_bytes = StrictIntegerField(min_value=1)
+    flops_fp32 = StrictFloatField(greater_than=0)
+
+
+class AgentRegisterInput(serializers.Serializer):
+    grpc_address = serializers.CharField(max_length=255, validators=[validate_grpc_address])
+    capabilities = CapabilitiesInput()
+
+
+class AgentRegisteredOutput(serializers.Serializer):
+    node_id = serializers.UUIDField()
+    heartbeat_interval_seconds = serializers.FloatField()
+
+
+class ObservedStageInput(serializers.Serializer):
+    stage_id = serializers.CharField(max_length=200)
+    generation = StrictIntegerField(min_value=0)
+    state = serializers.ChoiceField(choices=["ready", "failed"])
+    message = serializers.CharField(allow_blank=True, default="", trim_whitespace=False)
+
+
+class AgentHeartbeatInput(serializers.Serializer):
+    observed = ObservedStageInput(many=True, default=list)
+    host_busy_fraction = StrictFloatField(
+        min_value=0, max_value=1, required=False, allow_null=True,
+        help_text="CPU share used by the machine's other processes since the last heartbeat",
+    )
+
+    def reports(self) -> list[StageReport]:
+        return [StageReport(**item) for item in self.validated_data["observed"]]
+
+
+class OptimizerOutput(serializers.Serializer):
+    name = serializers.ChoiceField(choices=["sgd", "adam"])
+    lr = serializers.FloatField()
+    momentum = serializers.FloatField()
+    weight_decay = serializers.FloatField()
+
+
+class CheckpointRefOutput(serializers.Serializer):
+    step = serializers.IntegerField()
+    url = serializers.CharField(help_text="GET it with the node token; safetensors bytes")
+    sha256 = serializers.CharField()
+
+
+class AssignmentOutput(serializers.Serializer):
+    """Documents the Assignment contract; the selector builds the JSON itself."""
+
+    stage_id = serializers.CharField()
+    job_id = serializers.UUIDField()
+    stage_index = serializers.IntegerField()
+    num_stages = serializers.IntegerField()
+    generation = serializers.IntegerField()
+    model = serializers.JSONField()
+    layer_start = serializers.IntegerField()
+    layer_end = serializers.IntegerField()
+    seed = serializers.IntegerField()
+    optimizer = OptimizerOutput()
+    micro_batches = serializers.IntegerField()
+    max_micro_batch_size = serializers.IntegerField()
+    prev_address = serializers.CharField(allow_null=True)
+    next_address = serializers.CharField(allow_null=True)
+    checkpoint = CheckpointRefOutput(allow_null=True, help_text="The state to resume from; null: the seed's")
+
+
+class AgentControlsOutput(serializers.Serializer):
+    max_threads = serializers.IntegerField(allow_null=True, help_text="compute threads the owner allows")
+
+
+class AgentHeartbeatOutput(serializers.Serializer):
+    node_id = serializers.UUIDField()
+    assignments = AssignmentOutput(many=True)
+    controls = AgentControlsOutput()
+    heartbeat_interval_seconds = serializers.FloatField()

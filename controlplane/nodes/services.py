@@ -1,0 +1,138 @@
+"""Nodes: minting, agent registration and heartbeats."""
+
+from __future__ import annotations
+
+import hashlib
+import secrets
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import transaction
+
+from controlplane.common.conditions import TRUE
+from controlplane.common.dispatch import reconcile_soon
+from controlplane.common.errors import ApplicationError
+from controlplane.jobs.models import Stage
+from controlplane.jobs.selectors import assignments_for_node
+from controlplane.jobs.services import job_rewind
+from controlplane.jobs.stages import StageReport, stages_record_observed
+from controlplane.nodes.models import Node, NodeLease, ReadyStatus
+
+NODE_TOKEN_PREFIX = "arceus_node_"
+
+
+def node_token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def node_create(*, owner: AbstractBaseUser, name: str) -> tuple[Node, str]:
+    """A new node and its agent token; only the token's hash is stored, so this is the one chance to
+    see it."""
+    # The prefix makes tokens recognisable to secret scanners, and keeps a token from starting with "-",
+    # which a command line (`--token -abc...`) would read as an option.
+    token = NODE_TOKEN_PREFIX + secrets.token_urlsafe(32)
+    node = Node.objects.create(owner=owner, name=name, token_hash=node_token_hash(token))
+    return node, token
+
+
+@transaction.atomic
+def node_register(
+    *,
+    node: Node,
+    grpc_address: str,
+    device_type: str,
+    device_name: str,
+    memory_bytes: int,
+    flops_fp32: float,
+    now: datetime,
+) -> Node:
+    """Record the agent's address and capabilities (inputs already validated by the API).
+
+    A registering agent is a fresh process: the stages it hosted lost their state. Each job it served
+    is rewound to its last checkpoint (a new generation, so the agent rebuilds the stage from desired
+    state and its neighbours reload theirs); the stage stays on this node, which is alive again.
+    """
+    for stage in Stage.objects.filter(node=node, active=True).select_related("job"):
+        job_rewind(
+            job_id=stage.job_id,
+            generation=stage.job.generation,
+            reason="NodeRestarted",
+            message=f"node {node.name} ({node.id}) restarted while hosting stage {stage.index}",
+            now=now,
+        )
+    node.grpc_address = grpc_address
+    node.device_type = device_type
+    node.device_name = device_name
+    node.memory_bytes = memory_bytes
+    node.flops_fp32 = flops_fp32
+    node.registered_at = now
+    node.ready_status = ReadyStatus.UNKNOWN
+    node.ready_reason = "Registered"
+    node.ready_message = "registered; waiting for the first heartbeat"
+    node.ready_transition_at = now
+    node.save()
+    NodeLease.objects.update_or_create(
+        node=node, defaults={"renewed_at": now, "duration_seconds": settings.ARCEUS_NODE_GRACE_SECONDS}
+    )
+    return node
+
+
+@transaction.atomic
+def node_heartbeat(
+    *, node: Node, observed: Sequence[StageReport], now: datetime, host_busy_fraction: float | None = None
+) -> list[dict[str, Any]]:
+    """Renew the node's lease, record what it observed, and return its assignments (its whole desired
+    state). Nudges the reconciler only when something changed, so a steady heartbeat is one narrow
+    UPDATE and a few reads."""
+    if not node.is_registered:
+        raise ApplicationError.conflict(
+            f"node {node.id} has not registered; POST /api/agent/register before heartbeating"
+        )
+    NodeLease.objects.filter(node=node).update(
+        renewed_at=now, duration_seconds=settings.ARCEUS_NODE_GRACE_SECONDS, host_busy_fraction=host_busy_fraction
+    )
+    changed = stages_record_observed(node=node, reports=observed)
+    if node.ready_status != TRUE:
+        Node.objects.filter(pk=node.pk).update(
+            ready_status=ReadyStatus.TRUE,
+            ready_reason="AgentReady",
+            ready_message="the node agent is heartbeating",
+            ready_transition_at=now,
+        )
+        changed = True
+    if changed:
+        reconcile_soon()
+    return assignments_for_node(node=node)
+
+
+@transaction.atomic
+def node_set_paused(*, node: Node, user: AbstractBaseUser, paused: bool, now: datetime) -> Node:
+    """Pause (drain) or resume the owner's node. A paused node gets no new stage; a stage it hosts is
+    handed back: a running job checkpoints where it is and the stage moves to another node, so no work
+    is lost. Only the node's owner may do this."""
+    node = Node.objects.select_for_update().get(pk=node.pk)
+    if node.owner_id != user.pk:
+        raise ApplicationError.forbidden(f"node {node.id} belongs to another user; only its owner can pause it")
+    if node.paused != paused:
+        node.paused, node.paused_at = paused, now if paused else None
+        node.save(update_fields=["paused", "paused_at"])
+        reconcile_soon()
+    return node
+
+
+@transaction.atomic
+def node_set_controls(*, node: Node, user: AbstractBaseUser, controls: dict[str, Any]) -> Node:
+    """Replace the owner's controls (working hours, idle-only, memory and thread caps); validated by the
+    API. Outside its working hours, or while its owner is busy with an idle-only node, the node drains
+    like a paused one."""
+    node = Node.objects.select_for_update().get(pk=node.pk)
+    if node.owner_id != user.pk:
+        raise ApplicationError.forbidden(f"node {node.id} belongs to another user; only its owner can change it")
+    for field, value in controls.items():
+        setattr(node, field, value)
+    node.save(update_fields=list(controls))
+    reconcile_soon()
+    return node

@@ -1,0 +1,25 @@
+"""Node routes under /api/ (each with or without a trailing slash)."""
+
+from django.urls import re_path
+
+from controlplane.nodes.api import (
+    AgentCheckpointApi,
+    AgentHeartbeatApi,
+    AgentRegisterApi,
+    NodeControlsApi,
+    NodeDetailApi,
+    NodeListCreateApi,
+    NodePauseApi,
+    NodeResumeApi,
+)
+
+urlpatterns = [
+    re_path(r"^nodes/?$", NodeListCreateApi.as_view(), name="node-list"),
+    re_path(r"^nodes/(?P<node_id>[^/]+)/?$", NodeDetailApi.as_view(), name="node-detail"),
+    re_path(r"^nodes/(?P<node_id>[^/]+)/pause/?$", NodePauseApi.as_view(), name="node-pause"),
+    re_path(r"^nodes/(?P<node_id>[^/]+)/resume/?$", NodeResumeApi.as_view(), name="node-resume"),
+    re_path(r"^nodes/(?P<node_id>[^/]+)/controls/?$", NodeControlsApi.as_view(), name="node-controls"),
+    re_path(r"^agent/register/?$", AgentRegisterApi.as_view(), name="agent-register"),
+    re_path(r"^agent/heartbeat/?$", AgentHeartbeatApi.as_view(), name="agent-heartbeat"),
+    re_path(r"^agent/checkpoints/(?P<checkpoint_id>[^/]+)/?$", AgentCheckpointApi.as_view(), name="agent-checkpoint"),
+]

@@ -1,0 +1,218 @@
+"""Django settings, driven by environment variables (defaults suit a single-machine demo).
+
+DATABASE_URL     default: SQLite file var/arceus.sqlite3 under the repository
+REDIS_URL        Celery broker and result backend (default redis://127.0.0.1:6379/0)
+ARCEUS_ALLOWED_HOSTS (or ALLOWED_HOSTS)  comma-separated (default localhost,127.0.0.1)
+ARCEUS_SECRET_KEY, ARCEUS_DEBUG, and the other ARCEUS_* below
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+import dj_database_url
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = BASE_DIR / "var"
+
+
+def _env_bool(name: str, default: bool) -> bool:
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() in {"1", "true", "yes", "on"}
+
+
+def _env_list(name: str, default: str) -> list[str]:
+    return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
+
+
+# A long, random-looking dev value keeps `check --deploy` quiet about the key's shape; never use it in
+# production (set ARCEUS_SECRET_KEY).
+SECRET_KEY = os.environ.get(
+    "ARCEUS_SECRET_KEY", "dev-only-arceus-7c1f0e9a4b2d8c6e3f5a1b9d7e2c4a6f8b0d3e5c7a9f1b2d4e6c8a0f"
+)
+DEBUG = _env_bool("ARCEUS_DEBUG", False)
+ALLOWED_HOSTS = _env_list(
+    "ARCEUS_ALLOWED_HOSTS" if "ARCEUS_ALLOWED_HOSTS" in os.environ else "ALLOWED_HOSTS", "localhost,127.0.0.1"
+)
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "rest_framework.authtoken",
+    "drf_spectacular",
+    "controlplane.common",
+    "controlplane.accounts",
+    "controlplane.nodes",
+    "controlplane.jobs",
+    "controlplane.market",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "controlplane.urls"
+WSGI_APPLICATION = "controlplane.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+DATABASES = {
+    "default": dj_database_url.config(
+        default=f"sqlite:///{VAR_DIR / 'arceus.sqlite3'}",
+        conn_max_age=int(os.environ.get("ARCEUS_DB_CONN_MAX_AGE", "0")),
+    )
+}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
+    # The demo runs web, Celery worker and beat on one SQLite file: WAL lets readers run beside the one
+    # writer, IMMEDIATE takes the write lock when a transaction begins (no upgrade deadlocks), and the
+    # timeout makes a busy writer wait instead of failing with "database is locked".
+    DATABASES["default"]["OPTIONS"] = {
+        "timeout": 30,
+        "transaction_mode": "IMMEDIATE",
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+    }
+    if DATABASES["default"]["NAME"] not in ("", ":memory:"):
+        Path(DATABASES["default"]["NAME"]).parent.mkdir(parents=True, exist_ok=True)
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = Path(os.environ.get("ARCEUS_STATIC_ROOT", VAR_DIR / "static"))
+# Without whitenoise, Django serves the admin's static files itself when this is on (default: DEBUG).
+ARCEUS_SERVE_STATIC = _env_bool("ARCEUS_SERVE_STATIC", DEBUG)
+MEDIA_ROOT = Path(os.environ.get("ARCEUS_MEDIA_ROOT", VAR_DIR / "media"))
+MEDIA_URL = "media/"
+
+
+def checkpoint_storage_settings(env: Mapping[str, str]) -> dict[str, object]:
+    """Checkpoints go through Django's storage API: files under ARCEUS_CHECKPOINT_DIR by default, or
+    the S3-compatible bucket ARCEUS_CHECKPOINT_S3_BUCKET (django-storages; endpoint and credentials
+    from AWS_S3_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_S3_REGION_NAME)."""
+    bucket = env.get("ARCEUS_CHECKPOINT_S3_BUCKET", "")
+    if bucket:
+        return {
+            "BACKEND": "storages.backends.s3.S3Storage",
+            "OPTIONS": {
+                "bucket_name": bucket,
+                "endpoint_url": env.get("AWS_S3_ENDPOINT_URL") or None,
+                "access_key": env.get("AWS_ACCESS_KEY_ID") or None,
+                "secret_key": env.get("AWS_SECRET_ACCESS_KEY") or None,
+                "region_name": env.get("AWS_S3_REGION_NAME") or None,
+                "file_overwrite": False,
+            },
+        }
+    return {
+        "BACKEND": "django.core.files.storage.FileSystemStorage",
+        "OPTIONS": {"location": env.get("ARCEUS_CHECKPOINT_DIR", str(VAR_DIR / "checkpoints"))},
+    }
+
+
+STORAGES = {
+    "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
+    "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+    "checkpoints": checkpoint_storage_settings(os.environ),
+}
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.TokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "controlplane.common.exception_handler.exception_handler",
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Arceus control plane API",
+    "DESCRIPTION": (
+        "Submit training jobs, contribute nodes, and the node-agent protocol. Errors are "
+        '{"detail": "...", "errors": {"<field>": ["..."]}} (errors only for invalid input).'
+    ),
+    "VERSION": "1.0.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "COMPONENT_SPLIT_REQUEST": True,
+}
+
+# --- Arceus ---------------------------------------------------------------------------------------
+# How often agents heartbeat (told to them in every response).
+ARCEUS_HEARTBEAT_INTERVAL_SECONDS = float(os.environ.get("ARCEUS_HEARTBEAT_INTERVAL_SECONDS", "2"))
+# A node whose last heartbeat is older than this is marked Ready=Unknown (its lease duration).
+ARCEUS_NODE_GRACE_SECONDS = float(os.environ.get("ARCEUS_NODE_GRACE_SECONDS", "6"))
+# The periodic full resync (Celery beat); changes also nudge the reconciler at once.
+ARCEUS_RECONCILE_INTERVAL_SECONDS = float(os.environ.get("ARCEUS_RECONCILE_INTERVAL_SECONDS", "2"))
+# A training driver renews its lease from a thread every third of this; a driver silent for longer is
+# dead, and the reconciler rewinds its job to the last checkpoint and starts another. It also bounds how
+# long a started but not yet picked-up driver task may wait before the reconciler enqueues another.
+ARCEUS_DRIVER_LEASE_SECONDS = float(os.environ.get("ARCEUS_DRIVER_LEASE_SECONDS", "10"))
+ARCEUS_RPC_TIMEOUT_SECONDS = float(os.environ.get("ARCEUS_RPC_TIMEOUT_SECONDS", "60"))
+# A job whose driver or stages fail this many times without a lost node to explain it fails for good.
+ARCEUS_JOB_MAX_RESTARTS = int(os.environ.get("ARCEUS_JOB_MAX_RESTARTS", "5"))
+# The market: a standard-medium device (a typical laptop) earns about this per hour when demand and
+# supply balance; the platform keeps this fraction of every charge; prices are recomputed this often.
+ARCEUS_BASELINE_PRICE_PER_HOUR = float(os.environ.get("ARCEUS_BASELINE_PRICE_PER_HOUR", "0.30"))
+ARCEUS_PLATFORM_FEE = float(os.environ.get("ARCEUS_PLATFORM_FEE", "0.10"))
+ARCEUS_REPRICE_INTERVAL_SECONDS = float(os.environ.get("ARCEUS_REPRICE_INTERVAL_SECONDS", "30"))
+ARCEUS_LEDGER_ROLLUP_INTERVAL_SECONDS = float(os.environ.get("ARCEUS_LEDGER_ROLLUP_INTERVAL_SECONDS", "300"))
+# The job detail thins its loss curve to at most this many points.
+ARCEUS_LOSS_CURVE_MAX_POINTS = int(os.environ.get("ARCEUS_LOSS_CURVE_MAX_POINTS", "1000"))
+
+# --- Celery (read by tasks/celery.py with namespace CELERY) ---------------------------------------
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+CELERY_BROKER_URL = REDIS_URL
+CELERY_RESULT_BACKEND = REDIS_URL
+CELERY_TIMEZONE = TIME_ZONE
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": "WARNING"},
+    "loggers": {
+        name: {
+            "handlers": ["console"],
+            "level": os.environ.get("ARCEUS_LOG_LEVEL", "INFO"),
+            "propagate": False,
+        }
+        for name in ("arceus", "controlplane", "tasks")
+    },
+}

@@ -1,0 +1,1 @@
+"""The contributor's node agent: hosts pipeline stages and serves them over gRPC."""

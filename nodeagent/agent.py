@@ -1,0 +1,132 @@
+"""`Agent`: the gRPC server hosting this node's stages, its /metrics server, and its desired state."""
+
+from __future__ import annotations
+
+import logging
+import socket
+from collections.abc import Sequence
+from concurrent import futures
+from typing import Any
+
+import grpc
+import torch
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from arceus.v1 import stage_pb2, stage_pb2_grpc
+from nodeagent.assignment import Assignment
+from nodeagent.metrics import AgentMetrics
+from nodeagent.registry import ObservedStage, StageRegistry
+from nodeagent.servicer import StageServicer
+from nodeagent.stage import CheckpointLoader, grpc_channel_options
+
+log = logging.getLogger(__name__)
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+SERVICE_NAME = stage_pb2.DESCRIPTOR.services_by_name["StageService"].full_name
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
+
+
+def split_host_port(address: str) -> tuple[str, int]:
+    """ "host:port" or "[v6]:port" → (host, port); ValueError with the expected form otherwise."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"{address!r} is not HOST:PORT (e.g. 127.0.0.1:0; port 0 picks a free one)")
+    return host, int(port)
+
+
+class Agent:
+    def __init__(
+        self,
+        *,
+        device: torch.device,
+        listen: str = "127.0.0.1:0",
+        metrics_listen: str = "127.0.0.1:0",
+        advertise: str | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        max_workers: int = 32,
+        load_checkpoint: CheckpointLoader | None = None,
+    ) -> None:
+        self.device = device
+        self._listen = split_host_port(listen)
+        self._metrics_listen = split_host_port(metrics_listen)
+        self._advertise = advertise
+        if advertise is not None:
+            split_host_port(advertise)
+        self.metrics = AgentMetrics(device)
+        self.registry = StageRegistry(
+            device, max_message_bytes=max_message_bytes, load_checkpoint=load_checkpoint
+        )
+        # RunStep holds a worker for the whole step while the pushes it waits for need others.
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+            options=[*grpc_channel_options(max_message_bytes), ("grpc.so_reuseport", 0)],
+        )
+        stage_pb2_grpc.add_StageServiceServicer_to_server(
+            StageServicer(self.registry, self.metrics, compute_threads=lambda: self.compute_threads), self._server
+        )
+        self._health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        self.grpc_port = 0
+        self.metrics_port = 0
+        self._max_threads = torch.get_num_threads()  # what the agent was started with: the most it uses
+        self.compute_threads = self._max_threads  # within the owner's cap; RunStep applies it
+
+    def start(self) -> None:
+        host, port = self._listen
+        bound = self._server.add_insecure_port(f"{host}:{port}")
+        if bound == 0:
+            raise OSError(f"cannot listen for gRPC on {host}:{port} (address in use or not local?)")
+        self.grpc_port = bound
+        self._server.start()
+        for service in ("", SERVICE_NAME):
+            self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self.metrics_port = self.metrics.serve(*self._metrics_listen)
+        log.info(
+            "serving gRPC on %s (advertised as %s), metrics on %s",
+            self.grpc_address,
+            self.advertise_address,
+            self.metrics_address,
+        )
+
+    @property
+    def grpc_address(self) -> str:
+        return f"{self._listen[0]}:{self.grpc_port}"
+
+    @property
+    def advertise_address(self) -> str:
+        """What other agents and drivers dial: --advertise, else the listen address (a wildcard host is
+        replaced by this machine's name)."""
+        if self._advertise is not None:
+            return self._advertise
+        host = self._listen[0]
+        return f"{socket.getfqdn() if host in _WILDCARD_HOSTS else host}:{self.grpc_port}"
+
+    @property
+    def metrics_address(self) -> str:
+        return f"{self._metrics_listen[0]}:{self.metrics_port}"
+
+    def apply_assignments(
+        self, assignments: list[Assignment], rejected: Sequence[ObservedStage] = ()
+    ) -> bool:
+        """Sync the hosted stages to `assignments` (the whole desired state); True if anything changed."""
+        changed = self.registry.apply(assignments, rejected)
+        self.metrics.set_stages(
+            (s.assignment.job_id, s.assignment.stage_index) for s in self.registry.stages()
+        )
+        return changed
+
+    def limit_threads(self, max_threads: int | None) -> None:
+        """Take the owner's cap on compute threads (None: what the agent was started with). Thread counts
+        are per OS thread in OpenMP, so each step sets it on the thread that computes."""
+        wanted = self._max_threads if max_threads is None else min(max_threads, self._max_threads)
+        if wanted != self.compute_threads:
+            log.info("compute threads now %d (owner's cap: %s)", wanted, max_threads)
+            self.compute_threads = wanted
+
+    def observed(self) -> list[dict[str, Any]]:
+        return [o.to_json() for o in self.registry.observed()]
+
+    def stop(self, grace: float = 5.0) -> None:
+        self._health.enter_graceful_shutdown()
+        self._server.stop(grace).wait()
+        self.registry.close()
+        self.metrics.stop()

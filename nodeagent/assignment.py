@@ -1,0 +1,240 @@
+"""`Assignment`: one stage this node should host, parsed and validated from the control plane's JSON.
+
+The JSON shape is the contract in docs/architecture.md. Parsing is strict so a bad assignment is
+reported back as a failed stage with a message instead of breaking the agent later.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from arceus.errors import SpecError
+from arceus.model.spec import ModelSpec, model_spec_from_config
+
+OPTIMIZERS = ("sgd", "adam")
+_FIELDS = frozenset(
+    {
+        "stage_id",
+        "job_id",
+        "stage_index",
+        "num_stages",
+        "generation",
+        "model",
+        "layer_start",
+        "layer_end",
+        "seed",
+        "optimizer",
+        "micro_batches",
+        "max_micro_batch_size",
+        "prev_address",
+        "next_address",
+    }
+)
+_OPTIONAL_FIELDS = frozenset({"checkpoint"})
+_OPTIMIZER_FIELDS = frozenset({"name", "lr", "momentum", "weight_decay"})
+_CHECKPOINT_FIELDS = frozenset({"step", "url", "sha256"})
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """Where the stage's state at `step` is kept: the agent fetches `url` and checks the hash."""
+
+    step: int
+    url: str
+    sha256: str
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    name: str
+    lr: float
+    momentum: float = 0.0
+    weight_decay: float = 0.0
+
+
+@dataclass(frozen=True)
+class Assignment:
+    stage_id: str
+    job_id: str
+    stage_index: int
+    num_stages: int
+    generation: int
+    model: dict[str, Any]
+    layer_start: int
+    layer_end: int
+    seed: int
+    optimizer: OptimizerConfig
+    micro_batches: int
+    max_micro_batch_size: int
+    prev_address: str | None
+    next_address: str | None
+    checkpoint: CheckpointRef | None = None  # None: start from the seeded initial weights
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage_index == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage_index == self.num_stages - 1
+
+    @property
+    def spec(self) -> ModelSpec:
+        return model_spec_from_config(self.model)
+
+    @classmethod
+    def from_json(cls, data: Any) -> Assignment:
+        """Parse one assignment object; raises SpecError with a field like "assignment.layer_end"."""
+        if not isinstance(data, dict):
+            raise SpecError("assignment", f"must be a JSON object, got {type(data).__name__}")
+        missing = sorted(_FIELDS - set(data))
+        if missing:
+            raise SpecError(f"assignment.{missing[0]}", f"is required (missing: {', '.join(missing)})")
+        unknown = sorted(set(data) - _FIELDS - _OPTIONAL_FIELDS)
+        if unknown:
+            raise SpecError(f"assignment.{unknown[0]}", "unknown field")
+        stage_id = _string(data, "stage_id")
+        job_id = _string(data, "job_id")
+        num_stages = _int(data, "num_stages", minimum=1)
+        stage_index = _int(data, "stage_index", minimum=0)
+        if stage_index >= num_stages:
+            raise SpecError(
+                "assignment.stage_index", f"must be below num_stages ({num_stages}), got {stage_index}"
+            )
+        try:
+            spec = model_spec_from_config(data["model"])
+        except SpecError as exc:
+            raise SpecError(
+                f"assignment.model.{exc.field.removeprefix('model_config.')}", exc.message
+            ) from exc
+        layer_start = _int(data, "layer_start", minimum=0)
+        layer_end = _int(data, "layer_end", minimum=1)
+        if not layer_start < layer_end <= spec.num_layers:
+            raise SpecError(
+                "assignment.layer_end",
+                f"layer range [{layer_start}, {layer_end}) must be non-empty "
+                f"and inside the model's {spec.num_layers} layers",
+            )
+        if stage_index == 0 and layer_start != 0:
+            raise SpecError(
+                "assignment.layer_start", f"the first stage must start at layer 0, got {layer_start}"
+            )
+        if stage_index == num_stages - 1 and layer_end != spec.num_layers:
+            raise SpecError(
+                "assignment.layer_end", f"the last stage must end at layer {spec.num_layers}, got {layer_end}"
+            )
+        prev_address = _address(data, "prev_address", required=stage_index > 0)
+        next_address = _address(data, "next_address", required=stage_index < num_stages - 1)
+        return cls(
+            stage_id=stage_id,
+            job_id=job_id,
+            stage_index=stage_index,
+            num_stages=num_stages,
+            generation=_int(data, "generation", minimum=0),
+            model=dict(data["model"]),
+            layer_start=layer_start,
+            layer_end=layer_end,
+            seed=_int(data, "seed", minimum=0),
+            optimizer=_optimizer(data["optimizer"]),
+            micro_batches=_int(data, "micro_batches", minimum=1),
+            max_micro_batch_size=_int(data, "max_micro_batch_size", minimum=1),
+            prev_address=prev_address,
+            next_address=next_address,
+            checkpoint=_checkpoint(data.get("checkpoint")),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stage_id": self.stage_id,
+            "job_id": self.job_id,
+            "stage_index": self.stage_index,
+            "num_stages": self.num_stages,
+            "generation": self.generation,
+            "model": dict(self.model),
+            "layer_start": self.layer_start,
+            "layer_end": self.layer_end,
+            "seed": self.seed,
+            "optimizer": {
+                "name": self.optimizer.name,
+                "lr": self.optimizer.lr,
+                "momentum": self.optimizer.momentum,
+                "weight_decay": self.optimizer.weight_decay,
+            },
+            "micro_batches": self.micro_batches,
+            "max_micro_batch_size": self.max_micro_batch_size,
+            "prev_address": self.prev_address,
+            "next_address": self.next_address,
+            "checkpoint": None
+            if self.checkpoint is None
+            else {"step": self.checkpoint.step, "url": self.checkpoint.url, "sha256": self.checkpoint.sha256},
+        }
+
+
+def _string(data: dict[str, Any], key: str) -> str:
+    value = data[key]
+    if not isinstance(value, str) or not value:
+        raise SpecError(f"assignment.{key}", f"must be a non-empty string, got {value!r}")
+    return value
+
+
+def _int(data: dict[str, Any], key: str, *, minimum: int, parent: str = "assignment") -> int:
+    value = data[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(f"{parent}.{key}", f"must be an integer, got {value!r}")
+    if value < minimum:
+        raise SpecError(f"{parent}.{key}", f"must be at least {minimum}, got {value}")
+    return value
+
+
+def _address(data: dict[str, Any], key: str, *, required: bool) -> str | None:
+    value = data[key]
+    if not required:
+        if value is not None:
+            raise SpecError(f"assignment.{key}", f"must be null at this end of the pipeline, got {value!r}")
+        return None
+    if not isinstance(value, str) or ":" not in value:
+        raise SpecError(f"assignment.{key}", f'must be "host:port" of the neighbouring stage, got {value!r}')
+    return value
+
+
+def _optimizer(value: Any) -> OptimizerConfig:
+    if not isinstance(value, dict):
+        raise SpecError("assignment.optimizer", f"must be an object, got {type(value).__name__}")
+    unknown = sorted(set(value) - _OPTIMIZER_FIELDS)
+    if unknown:
+        raise SpecError(f"assignment.optimizer.{unknown[0]}", "unknown field")
+    name = value.get("name")
+    if name not in OPTIMIZERS:
+        raise SpecError("assignment.optimizer.name", f"must be one of {', '.join(OPTIMIZERS)}, got {name!r}")
+    numbers: dict[str, float] = {}
+    for key, default in (("lr", None), ("momentum", 0.0), ("weight_decay", 0.0)):
+        raw = value.get(key, default)
+        if raw is None:
+            raise SpecError(f"assignment.optimizer.{key}", "is required")
+        if isinstance(raw, bool) or not isinstance(raw, int | float) or not math.isfinite(raw) or raw < 0:
+            raise SpecError(f"assignment.optimizer.{key}", f"must be a finite number >= 0, got {raw!r}")
+        numbers[key] = float(raw)
+    if numbers["lr"] <= 0:
+        raise SpecError("assignment.optimizer.lr", f"must be greater than 0, got {numbers['lr']}")
+    return OptimizerConfig(name=name, **numbers)
+
+
+def _checkpoint(value: Any) -> CheckpointRef | None:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise SpecError("assignment.checkpoint", f"must be an object or null, got {type(value).__name__}")
+    if set(value) != _CHECKPOINT_FIELDS:
+        raise SpecError(
+            "assignment.checkpoint", f"must have exactly the fields {', '.join(sorted(_CHECKPOINT_FIELDS))}"
+        )
+    step = _int(value, "step", minimum=0, parent="assignment.checkpoint")
+    url = value["url"]
+    if not isinstance(url, str) or not url:
+        raise SpecError("assignment.checkpoint.url", f"must be a non-empty string, got {url!r}")
+    sha256 = value["sha256"]
+    if not isinstance(sha256, str) or len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
+        raise SpecError("assignment.checkpoint.sha256", f"must be 64 lowercase hex digits, got {sha256!r}")
+    return CheckpointRef(step=step, url=url, sha256=sha256)

@@ -1,0 +1,182 @@
+"""`python -m nodeagent`: run a node agent against a control plane, or from a static assignment file.
+
+Once it serves, it prints exactly one stdout line, `AGENT READY grpc=HOST:PORT metrics=HOST:PORT`
+(the advertised gRPC address and the metrics address); everything else goes to stderr.
+SIGTERM or SIGINT stop it gracefully with exit code 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from arceus.errors import SpecError
+from nodeagent.agent import Agent, split_host_port
+from nodeagent.control_plane import ControlPlaneClient, HeartbeatLoop, Unauthorized, register_until_accepted
+from nodeagent.device import DEVICE_TYPES, DeviceError, capabilities, select_device
+from nodeagent.static import load_local_checkpoint, load_static_assignments
+
+log = logging.getLogger("nodeagent")
+STOP_GRACE_SECONDS = 5.0
+
+
+def _address(value: str) -> str:
+    try:
+        split_host_port(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return value
+
+
+def _positive_int(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _positive_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a number (e.g. 5e10)") from None
+    if not (math.isfinite(number) and number > 0):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {value}")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m nodeagent", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--control-plane", metavar="URL", help="control plane base URL, e.g. http://127.0.0.1:8000"
+    )
+    parser.add_argument("--token", help="this node's token (shown once when the node is created)")
+    parser.add_argument(
+        "--static-assignment",
+        metavar="FILE",
+        type=Path,
+        help="run the stages in this JSON list of assignments; no control plane",
+    )
+    parser.add_argument(
+        "--device", choices=DEVICE_TYPES, help="compute device (default: cuda, else mps, else cpu)"
+    )
+    parser.add_argument(
+        "--listen",
+        type=_address,
+        default="127.0.0.1:0",
+        metavar="HOST:PORT",
+        help="gRPC listen address; port 0 picks a free port (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--advertise",
+        type=_address,
+        metavar="HOST:PORT",
+        help="gRPC address others should dial (default: the listen address)",
+    )
+    parser.add_argument(
+        "--metrics-listen",
+        type=_address,
+        default="127.0.0.1:0",
+        metavar="HOST:PORT",
+        help="/metrics listen address (default: %(default)s)",
+    )
+    parser.add_argument("--threads", type=_positive_int, metavar="N", help="torch intra-op threads")
+    parser.add_argument(
+        "--declare-flops",
+        type=_positive_float,
+        metavar="FLOPS",
+        help="report this fp32 FLOP/s instead of measuring it, e.g. 5e10 to offer only part of a shared "
+        "machine (placement gives faster nodes more layers)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.static_assignment is None and not (args.control_plane and args.token):
+        parser.error(
+            "either --static-assignment FILE, or both --control-plane URL and --token TOKEN, are required"
+        )
+    if args.static_assignment is not None and (args.control_plane or args.token):
+        parser.error("--static-assignment runs without a control plane; drop --control-plane/--token")
+    logging.basicConfig(
+        stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        device = select_device(args.device)
+    except DeviceError as exc:
+        parser.error(str(exc))
+    assignments = None
+    if args.static_assignment is not None:
+        try:
+            assignments = load_static_assignments(args.static_assignment)
+        except SpecError as exc:
+            print(f"nodeagent: invalid static assignment: {exc}", file=sys.stderr)
+            return 2
+
+    stop = threading.Event()
+    fatal: list[str] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda _signum, _frame: stop.set())
+
+    client = None if assignments is not None else ControlPlaneClient(args.control_plane, args.token)
+    agent = Agent(
+        device=device,
+        listen=args.listen,
+        metrics_listen=args.metrics_listen,
+        advertise=args.advertise,
+        load_checkpoint=load_local_checkpoint if client is None else client.fetch_checkpoint,
+    )
+    try:
+        agent.start()
+    except OSError as exc:
+        print(f"nodeagent: {exc}", file=sys.stderr)
+        return 1
+    heartbeats: HeartbeatLoop | None = None
+    try:
+        if client is None:
+            agent.apply_assignments(assignments or [])
+            failed = [o for o in agent.observed() if o["state"] == "failed"]
+            if failed:
+                for o in failed:
+                    print(f"nodeagent: stage {o['stage_id']} failed: {o['message']}", file=sys.stderr)
+                return 1
+        else:
+            caps = capabilities(device, declared_flops=args.declare_flops).to_json()
+            log.info("registering with %s as %s: %s", args.control_plane, agent.advertise_address, caps)
+            registration = register_until_accepted(client, agent.advertise_address, caps, stop=stop)
+            if registration is None:
+                return 0  # stopped before the control plane answered
+            log.info("registered as node %s", registration.node_id)
+
+            def on_fatal(message: str) -> None:
+                fatal.append(message)
+                stop.set()
+
+            heartbeats = HeartbeatLoop(
+                client, agent, interval=registration.heartbeat_interval_seconds, on_fatal=on_fatal
+            )
+            heartbeats.start()
+        print(f"AGENT READY grpc={agent.advertise_address} metrics={agent.metrics_address}", flush=True)
+        while not stop.wait(0.2):  # short: a signal only sets the flag, the wait must notice
+            pass
+    except Unauthorized as exc:
+        fatal.append(str(exc))
+    finally:
+        if heartbeats is not None:
+            heartbeats.stop()
+        agent.stop(STOP_GRACE_SECONDS)
+    if fatal:
+        print(f"nodeagent: {fatal[0]}", file=sys.stderr)
+        return 1
+    log.info("stopped")
+    return 0

@@ -1,0 +1,240 @@
+"""The agent's side of the control-plane contract (docs/architecture.md): register, then heartbeat.
+
+Each heartbeat reports the stages' observed states and receives the whole desired state back, which
+is applied at once; after a change the agent heartbeats again immediately so the control plane
+learns about readiness quickly. Errors back off; only a rejected token (401) is fatal.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import requests
+import torch
+
+from arceus.checkpoint import decode_checkpoint
+from arceus.errors import SpecError
+from nodeagent.agent import Agent
+from nodeagent.assignment import Assignment, CheckpointRef
+from nodeagent.host_load import HostLoad
+from nodeagent.registry import ObservedStage
+
+log = logging.getLogger(__name__)
+
+
+class ControlPlaneError(RuntimeError):
+    """The control plane could not be reached or answered something unusable; worth retrying."""
+
+
+class Unauthorized(ControlPlaneError):
+    """The control plane rejected the node token; retrying cannot help."""
+
+
+@dataclass(frozen=True)
+class Registration:
+    node_id: str
+    heartbeat_interval_seconds: float
+
+
+@dataclass(frozen=True)
+class HeartbeatReply:
+    node_id: str
+    heartbeat_interval_seconds: float
+    assignments: list[Assignment]
+    rejected: list[ObservedStage] = field(default_factory=list)  # listed but unparseable
+    max_threads: int | None = None  # the owner's cap on compute threads (None: no cap)
+
+
+class ControlPlaneClient:
+    def __init__(self, url: str, token: str, *, timeout: float = 10.0) -> None:
+        self.url = url.rstrip("/")
+        self.timeout = timeout
+        self._session = requests.Session()
+        self._session.headers["Authorization"] = f"Node {token}"
+
+    def register(self, grpc_address: str, capabilities: dict[str, Any]) -> Registration:
+        body = self._post("/api/agent/register", {"grpc_address": grpc_address, "capabilities": capabilities})
+        return Registration(node_id=_node_id(body), heartbeat_interval_seconds=_interval(body))
+
+    def heartbeat(self, observed: list[dict[str, Any]], host_busy_fraction: float | None = None) -> HeartbeatReply:
+        body = self._post(
+            "/api/agent/heartbeat", {"observed": observed, "host_busy_fraction": host_busy_fraction}
+        )
+        raw = body.get("assignments")
+        if not isinstance(raw, list):
+            # Never read a missing list as "host nothing": that would drop every stage.
+            raise ControlPlaneError(f"heartbeat response has no 'assignments' list: {_short(body)}")
+        assignments, rejected = [], []
+        for index, item in enumerate(raw):
+            try:
+                assignments.append(Assignment.from_json(item))
+            except SpecError as exc:
+                stage_id = item.get("stage_id") if isinstance(item, dict) else None
+                generation = item.get("generation") if isinstance(item, dict) else None
+                log.error("assignment %d of the heartbeat response is invalid: %s", index, exc)
+                rejected.append(
+                    ObservedStage(
+                        stage_id=stage_id if isinstance(stage_id, str) else f"<assignment {index}>",
+                        generation=generation if isinstance(generation, int) else 0,
+                        state="failed",
+                        message=f"invalid assignment: {exc}",
+                    )
+                )
+        return HeartbeatReply(
+            node_id=_node_id(body),
+            heartbeat_interval_seconds=_interval(body),
+            assignments=assignments,
+            rejected=rejected,
+            max_threads=_max_threads(body),
+        )
+
+    def fetch_checkpoint(self, ref: CheckpointRef) -> dict[str, torch.Tensor]:
+        """Download a stage checkpoint named by an assignment and check it against its hash. Only paths
+        on this control plane are fetched: the node token never goes to another host."""
+        if not ref.url.startswith("/"):
+            raise ControlPlaneError(f"checkpoint url {ref.url!r} is not a path on the control plane")
+        url = f"{self.url}{ref.url}"
+        try:
+            response = self._session.get(url, timeout=self.timeout)
+        except requests.RequestException as exc:
+            raise ControlPlaneError(f"GET {url} failed: {exc}") from exc
+        if response.status_code >= 300:
+            raise ControlPlaneError(f"GET {url} → HTTP {response.status_code}: {response.text[:500]}")
+        return decode_checkpoint(response.content, sha256=ref.sha256)
+
+    def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        url = f"{self.url}{path}"
+        try:
+            response = self._session.post(url, json=payload, timeout=self.timeout)
+        except requests.RequestException as exc:
+            raise ControlPlaneError(f"POST {url} failed: {exc}") from exc
+        if response.status_code == 401:
+            raise Unauthorized(
+                f"the control plane at {self.url} rejected the node token (HTTP 401); "
+                "check --token: it is shown once when the node is created (POST /api/nodes)"
+            )
+        if response.status_code >= 300:
+            raise ControlPlaneError(f"POST {url} → HTTP {response.status_code}: {response.text[:500]}")
+        try:
+            body = response.json()
+        except ValueError:
+            raise ControlPlaneError(f"POST {url} answered non-JSON: {response.text[:200]!r}") from None
+        if not isinstance(body, dict):
+            raise ControlPlaneError(f"POST {url} answered {type(body).__name__}, expected a JSON object")
+        return body
+
+
+def _max_threads(body: dict[str, Any]) -> int | None:
+    controls = body.get("controls")
+    value = controls.get("max_threads") if isinstance(controls, dict) else None
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ControlPlaneError(f"heartbeat response has an invalid controls.max_threads: {value!r}")
+    return value
+
+
+def _node_id(body: dict[str, Any]) -> str:
+    node_id = body.get("node_id")
+    if not isinstance(node_id, str | int) or isinstance(node_id, bool) or node_id == "":
+        raise ControlPlaneError(f"response has no usable node_id: {_short(body)}")
+    return str(node_id)
+
+
+def _interval(body: dict[str, Any]) -> float:
+    value = body.get("heartbeat_interval_seconds")
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= 3600:
+        raise ControlPlaneError(f"response has no usable heartbeat_interval_seconds: {_short(body)}")
+    return float(value)
+
+
+def _short(body: Any) -> str:
+    text = repr(body)
+    return text if len(text) <= 300 else text[:300] + "..."
+
+
+class HeartbeatLoop:
+    """A daemon thread: heartbeat every interval, apply the answer, back off on errors.
+
+    `on_fatal(message)` is called once, from the thread, if the token is rejected; the loop then ends.
+    """
+
+    def __init__(
+        self,
+        client: ControlPlaneClient,
+        agent: Agent,
+        *,
+        interval: float,
+        on_fatal: Callable[[str], None],
+        min_backoff: float = 1.0,
+        max_backoff: float = 30.0,
+    ) -> None:
+        self._client = client
+        self._agent = agent
+        self._interval = interval
+        self._on_fatal = on_fatal
+        self._min_backoff = min_backoff
+        self._max_backoff = max_backoff
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._host_load = HostLoad()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        backoff = self._min_backoff
+        resend_now = False
+        while not self._stop.is_set():
+            try:
+                reply = self._client.heartbeat(self._agent.observed(), self._host_load.others_busy_fraction())
+                self._agent.metrics.heartbeat_succeeded()
+                self._agent.limit_threads(reply.max_threads)
+                self._interval = reply.heartbeat_interval_seconds
+                backoff = self._min_backoff
+                changed = self._agent.apply_assignments(reply.assignments, reply.rejected)
+                # Report a change at once, but only once in a row, so a flapping answer cannot spin.
+                resend_now = changed and not resend_now
+                wait = 0.0 if resend_now else self._interval
+            except Unauthorized as exc:
+                self._on_fatal(str(exc))
+                return
+            except ControlPlaneError as exc:
+                log.warning("heartbeat failed: %s; retrying in %.1fs", exc, backoff)
+                wait, backoff = backoff, min(backoff * 2, self._max_backoff)
+                resend_now = False
+            except Exception:  # a bug must not silently end heartbeats: the node would look dead
+                log.exception("unexpected error in the heartbeat loop; retrying in %.1fs", backoff)
+                wait, backoff = backoff, min(backoff * 2, self._max_backoff)
+                resend_now = False
+            self._stop.wait(wait)
+
+
+def register_until_accepted(
+    client: ControlPlaneClient,
+    grpc_address: str,
+    capabilities: dict[str, Any],
+    *,
+    stop: threading.Event,
+    min_backoff: float = 1.0,
+    max_backoff: float = 30.0,
+) -> Registration | None:
+    """Register, retrying with backoff while the control plane is unreachable; None if `stop` is set first.
+    Raises Unauthorized at once."""
+    backoff = min_backoff
+    while not stop.is_set():
+        try:
+            return client.register(grpc_address, capabilities)
+        except Unauthorized:
+            raise
+        except ControlPlaneError as exc:
+            log.warning("registration failed: %s; retrying in %.1fs", exc, backoff)
+            stop.wait(backoff)
+            backoff = min(backoff * 2, max_backoff)
+    return None

@@ -1,0 +1,132 @@
+"""Which device the agent computes on, and what it can do (reported to the control plane at register)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DEVICE_TYPES = ("cuda", "mps", "cpu")
+
+
+class DeviceError(RuntimeError):
+    """The requested device does not exist on this machine."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    device_type: str
+    device_name: str
+    memory_bytes: int
+    flops_fp32: float
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _mps_available() -> bool:
+    return bool(getattr(torch.backends, "mps", None) and torch.backends.mps.is_available())
+
+
+def select_device(requested: str | None = None) -> torch.device:
+    """`requested` if given (and available), else the best there is: cuda, then mps, then cpu."""
+    if requested is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        return torch.device("mps") if _mps_available() else torch.device("cpu")
+    if requested not in DEVICE_TYPES:
+        raise DeviceError(f"unknown device {requested!r}; choose one of {', '.join(DEVICE_TYPES)}")
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise DeviceError(
+            "--device cuda was requested but torch sees no CUDA GPU (or this torch build has no CUDA)"
+        )
+    if requested == "mps" and not _mps_available():
+        raise DeviceError(
+            "--device mps was requested but Apple's Metal backend is not available on this machine"
+        )
+    return torch.device(requested)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "mps":
+        return f"Apple MPS ({platform.machine()})"
+    return _cpu_model() or platform.processor() or platform.machine() or "cpu"
+
+
+def total_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[1])
+    meminfo = Path("/proc/meminfo")
+    if meminfo.exists():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024  # the kernel reports kB
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def memory_used_bytes(device: torch.device) -> int:
+    """Tensor memory on a GPU; this process's resident set size on CPU (and MPS, which shares RAM)."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_allocated(device))
+    statm = Path("/proc/self/statm")
+    if statm.exists():
+        return int(statm.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    import resource  # ru_maxrss is a peak, not current, but it is all macOS offers without psutil
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if platform.system() == "Darwin" else peak * 1024)
+
+
+def measure_matmul_flops(device: torch.device, budget_seconds: float = 0.2, size: int = 256) -> float:
+    """fp32 FLOP/s of repeated size×size matmuls for about `budget_seconds` (a rough, relative figure)."""
+    generator = torch.Generator().manual_seed(0)
+    a = torch.randn(size, size, generator=generator).to(device)
+    b = torch.randn(size, size, generator=generator).to(device)
+    _synchronize(device)
+    torch.mm(a, b)  # warm-up: first-call dispatch and allocation are not compute
+    _synchronize(device)
+    runs, start = 0, time.perf_counter()
+    while True:
+        torch.mm(a, b)
+        runs += 1
+        _synchronize(device)
+        elapsed = time.perf_counter() - start
+        if elapsed >= budget_seconds:
+            return 2.0 * size**3 * runs / elapsed
+
+
+def capabilities(device: torch.device, *, declared_flops: float | None = None) -> Capabilities:
+    """What the agent reports at registration; `declared_flops` (the owner's --declare-flops) replaces
+    the measured matmul rate."""
+    return Capabilities(
+        device_type=device.type,
+        device_name=device_name(device),
+        memory_bytes=total_memory_bytes(device),
+        flops_fp32=declared_flops if declared_flops is not None else measure_matmul_flops(device),
+    )
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def _cpu_model() -> str | None:
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return None

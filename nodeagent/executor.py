@@ -1,0 +1,214 @@
+"""Run one step's schedule actions on a hosted stage: wait for inputs, compute, push outputs on.
+
+Sends are asynchronous (a stage never waits for its neighbour to accept before computing the next
+micro-batch); the step fails if any send failed, and the optimizer steps only once all are delivered.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import torch
+
+from arceus.pipeline.schedule import build_schedule
+from arceus.v1 import stage_pb2
+from arceus.wire.proto_tensor import to_proto
+from nodeagent.mailbox import MailboxCancelled, MailboxClosed, MailboxTimeout
+from nodeagent.stage import HostedStage, NeighbourLink
+from nodeagent.status import RpcFailure, neighbour_failure_code
+from nodeagent.validation import check_run_step
+
+MIN_CALL_TIMEOUT = 0.05
+
+
+class PushTracker:
+    """Outstanding pushes of one step. The first failure sets `abort` so waits stop early."""
+
+    def __init__(self, stage: HostedStage, step: int, deadline: float, abort: threading.Event) -> None:
+        self._stage = stage
+        self._step = step
+        self._deadline = deadline
+        self._abort = abort
+        self._futures: list[grpc.Future] = []
+        self._cond = threading.Condition()
+        self._pending = 0  # pushes whose completion has not been accounted for yet
+        self.failure: RpcFailure | None = None
+
+    def send(
+        self, link: NeighbourLink, target_index: int, kind: int, micro_batch: int, tensor: torch.Tensor
+    ) -> None:
+        message = to_proto(tensor)
+        request = stage_pb2.PushTensorRequest(
+            target=self._stage.ref(target_index),
+            kind=kind,
+            step=self._step,
+            micro_batch=micro_batch,
+            tensor=message,
+        )
+        timeout = max(MIN_CALL_TIMEOUT, self._deadline - time.monotonic())
+        what = (
+            f"the {stage_pb2.TensorKind.Name(kind)} of step {self._step} micro-batch {micro_batch} "
+            f"to stage {target_index} at {link.address}"
+        )
+        nbytes = len(message.data)
+        with self._cond:
+            self._pending += 1
+        future = link.stub.PushTensor.future(request, timeout=timeout)
+        self._futures.append(future)
+        future.add_done_callback(lambda f: self._done(f, what, nbytes))
+
+    def _done(self, future: grpc.Future, what: str, nbytes: int) -> None:
+        try:
+            if future.cancelled():
+                return
+            error = future.exception()
+            if error is None:
+                self._stage.add_bytes_sent(nbytes)
+                return
+            code = error.code() if isinstance(error, grpc.Call) else None
+            status = f"{code.name}: {error.details()}" if code is not None else str(error)
+            with self._cond:
+                if self.failure is None:
+                    self.failure = RpcFailure(
+                        neighbour_failure_code(code), f"{self._stage.name} could not push {what}: {status}"
+                    )
+            self._abort.set()
+            self._stage.mailbox.wake()
+        finally:
+            with self._cond:
+                self._pending -= 1
+                self._cond.notify_all()
+
+    def raise_if_failed(self) -> None:
+        with self._cond:
+            failure = self.failure
+        if failure is not None:
+            raise failure
+
+    def wait_all(self) -> None:
+        """Wait until every push is delivered and counted (each has its own deadline); raise the first
+        failure."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._pending == 0, timeout=max(0.0, self._deadline - time.monotonic()) + 1
+            )
+            if self._pending:
+                raise RpcFailure(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"{self._stage.name}: {self._pending} pushes did not finish by the deadline",
+                )
+        self.raise_if_failed()
+
+    def cancel_all(self) -> None:
+        for future in self._futures:
+            future.cancel()
+
+
+def run_step(
+    stage: HostedStage, request: stage_pb2.RunStepRequest, *, deadline: float, abort: threading.Event
+) -> stage_pb2.RunStepReply:
+    """Execute this stage's actions for one step; `deadline` is a time.monotonic() value."""
+    schedule = check_run_step(stage.io, request)
+    a, io, runtime = stage.assignment, stage.io, stage.runtime
+    train = request.mode == stage_pb2.TRAIN
+    actions = build_schedule(schedule, a.num_stages, request.num_micro_batches, train)[a.stage_index]
+    stage.mailbox.retain_step(request.step)
+    # Leave a little of the caller's deadline so our own explanation reaches it before its timer fires.
+    wait_until = deadline - min(1.0, 0.05 * max(0.0, deadline - time.monotonic()))
+    pushes = PushTracker(stage, request.step, deadline, abort)
+    compute_before = runtime.counters.compute_seconds
+    forward_sizes: dict[int, int] = {}
+    results: dict[int, tuple[float, int, int]] = {}
+
+    def receive(kind: int, micro_batch: int) -> torch.Tensor:
+        return _receive(stage, request.step, kind, micro_batch, wait_until, abort, pushes)
+
+    try:
+        for action in actions:
+            m = action.micro_batch
+            key = (request.step, m)
+            if action.kind == "F":
+                x = receive(stage_pb2.ACTIVATION, m)
+                forward_sizes[m] = len(x)
+                if io.is_last:
+                    labels = receive(stage_pb2.LABELS, m)
+                    if len(labels) != len(x):
+                        raise RpcFailure(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"micro-batch {m} of step {request.step} has {len(x)} activations "
+                            f"but {len(labels)} labels",
+                        )
+                    if train:
+                        loss_sum, correct = runtime.forward_loss(key, x, labels, request.batch_size)
+                    else:
+                        loss_sum, correct = runtime.eval_loss(x, labels)
+                    results[m] = (loss_sum, correct, len(x))
+                else:
+                    out = runtime.forward(key, x) if train else runtime.eval_forward(x)
+                    pushes.send(stage.next_link, a.stage_index + 1, stage_pb2.ACTIVATION, m, out)
+            else:
+                grad = None
+                if not io.is_last:
+                    grad = receive(stage_pb2.GRADIENT, m)
+                    if len(grad) != forward_sizes[m]:
+                        raise RpcFailure(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            f"the GRADIENT of step {request.step} micro-batch {m} has {len(grad)} "
+                            f"rows but its forward had {forward_sizes[m]}",
+                        )
+                grad_input = runtime.backward(key, grad)
+                if grad_input is not None:
+                    pushes.send(stage.prev_link, a.stage_index - 1, stage_pb2.GRADIENT, m, grad_input)
+            pushes.raise_if_failed()
+        pushes.wait_all()
+        if train:
+            runtime.optimizer_step(request.learning_rate or None)
+    except BaseException:
+        runtime.abort_step()
+        pushes.cancel_all()
+        raise
+    ordered = [results[m] for m in sorted(results)]
+    return stage_pb2.RunStepReply(
+        loss_sums=[r[0] for r in ordered],
+        correct=[r[1] for r in ordered],
+        sample_counts=[r[2] for r in ordered],
+        compute_seconds=runtime.counters.compute_seconds - compute_before,
+        counters=stage.counters(),
+    )
+
+
+def _receive(
+    stage: HostedStage,
+    step: int,
+    kind: int,
+    micro_batch: int,
+    wait_until: float,
+    abort: threading.Event,
+    pushes: PushTracker,
+) -> torch.Tensor:
+    a = stage.assignment
+    kind_name = stage_pb2.TensorKind.Name(kind)
+    if kind == stage_pb2.GRADIENT:
+        source = f"stage {a.stage_index + 1} at {a.next_address}"
+    elif kind == stage_pb2.ACTIVATION and not a.is_first:
+        source = f"stage {a.stage_index - 1} at {a.prev_address}"
+    else:
+        source = "the driver"
+    timeout = max(0.0, wait_until - time.monotonic())
+    try:
+        return stage.mailbox.get((step, kind_name, micro_batch), timeout, abort)
+    except MailboxTimeout:
+        raise RpcFailure(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"{stage.name} waited {timeout:.1f}s for the {kind_name} of step {step} "
+            f"micro-batch {micro_batch} from {source}; it never arrived",
+        ) from None
+    except MailboxClosed:
+        raise RpcFailure(
+            grpc.StatusCode.ABORTED, f"{stage.name} was removed from this agent while running step {step}"
+        ) from None
+    except MailboxCancelled:
+        pushes.raise_if_failed()
+        raise RpcFailure(grpc.StatusCode.CANCELLED, f"step {step} on {stage.name} was cancelled") from None

@@ -1,0 +1,134 @@
+"""Start `python -m nodeagent` processes and wait for their READY line (tests and benchmarks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+READY_PREFIX = "AGENT READY"
+
+
+class AgentStartError(RuntimeError):
+    pass
+
+
+@dataclass
+class AgentProcess:
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    grpc_address: str
+    metrics_address: str
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM and wait (SIGKILL after `timeout`); returns the exit code."""
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                return self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        return self.process.wait()
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports that were free a moment ago (all held open together while choosing)."""
+    with ExitStack() as stack:
+        sockets = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for sock in sockets:
+            sock.bind((host, 0))
+        return [int(sock.getsockname()[1]) for sock in sockets]
+
+
+def spawn_agent(
+    args: Sequence[str], *, log_path: Path, ready_timeout: float = 60.0, env: dict[str, str] | None = None
+) -> AgentProcess:
+    """Run `python -m nodeagent ARGS` with stdout and stderr in `log_path`; return once it is READY."""
+    process_env = dict(os.environ if env is None else env)
+    process_env.setdefault("OMP_NUM_THREADS", "1")
+    process_env["PYTHONUNBUFFERED"] = "1"
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "nodeagent", *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=process_env,
+        )
+    deadline = time.monotonic() + ready_timeout
+    try:
+        while True:
+            for line in log_path.read_text(errors="replace").splitlines():
+                if line.startswith(READY_PREFIX):
+                    fields = dict(part.split("=", 1) for part in line.split()[2:])
+                    return AgentProcess(process, log_path, fields["grpc"], fields["metrics"])
+            if process.poll() is not None:
+                raise AgentStartError(
+                    f"agent exited with code {process.returncode} before READY:\n"
+                    f"{log_path.read_text(errors='replace')[-3000:]}"
+                )
+            if time.monotonic() > deadline:
+                raise AgentStartError(
+                    f"agent printed no READY line within {ready_timeout:.0f}s; see {log_path}"
+                )
+            time.sleep(0.05)
+    except BaseException:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        raise
+
+
+def spawn_static_agents(
+    assignments_per_agent: Sequence[Sequence[dict]],
+    addresses: Sequence[str],
+    workdir: Path,
+    *,
+    threads: int = 1,
+    ready_timeout: float = 60.0,
+) -> list[AgentProcess]:
+    """Start one static-assignment agent per address (in parallel, they are slow to import torch), agent i
+    hosting `assignments_per_agent[i]` and listening on `addresses[i]`. All or none: on failure, the
+    ones already started are killed."""
+    workdir.mkdir(parents=True, exist_ok=True)
+
+    def start(i: int) -> AgentProcess:
+        path = workdir / f"agent-{i}.json"
+        path.write_text(json.dumps(list(assignments_per_agent[i]), indent=1))
+        args = ["--static-assignment", str(path), "--listen", addresses[i], "--threads", str(threads)]
+        return spawn_agent(args, log_path=workdir / f"agent-{i}.log", ready_timeout=ready_timeout)
+
+    with ThreadPoolExecutor(max_workers=len(addresses)) as pool:
+        futures = [pool.submit(start, i) for i in range(len(addresses))]
+    started = [f.result() for f in futures if f.exception() is None]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        for agent in started:
+            agent.kill()
+        raise errors[0]
+    return started
+
+
+def stop_agents(agents: Sequence[AgentProcess], timeout: float = 10.0) -> list[int]:
+    """SIGTERM every agent at once, then wait for each; returns their exit codes."""
+    for agent in agents:
+        if agent.process.poll() is None:
+            agent.process.send_signal(signal.SIGTERM)
+    return [agent.stop(timeout) for agent in agents]

@@ -1,0 +1,166 @@
+"""The stages this agent hosts, kept in sync with the desired state it is given (like a kubelet).
+
+`apply` is level-triggered: the list it receives is the whole desired state. New (stage_id, generation)
+pairs are built from their spec, stages not listed are dropped, and a stage that failed to build stays
+failed (and reported) until a new generation replaces it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import grpc
+import torch
+
+from arceus.v1 import stage_pb2
+from nodeagent.assignment import Assignment
+from nodeagent.stage import CheckpointLoader, HostedStage, build_hosted_stage
+from nodeagent.status import RpcFailure
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ObservedStage:
+    stage_id: str
+    generation: int
+    state: Literal["ready", "failed"]
+    message: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "stage_id": self.stage_id,
+            "generation": self.generation,
+            "state": self.state,
+            "message": self.message,
+        }
+
+
+class StageRegistry:
+    def __init__(
+        self, device: torch.device, *, max_message_bytes: int, load_checkpoint: CheckpointLoader | None = None
+    ) -> None:
+        self._device = device
+        self._load_checkpoint = load_checkpoint
+        self._max_message_bytes = max_message_bytes
+        self._lock = threading.Lock()
+        self._apply_lock = threading.Lock()
+        self._stages: dict[str, HostedStage] = {}
+        self._failed: dict[str, ObservedStage] = {}
+
+    def apply(self, assignments: Sequence[Assignment], rejected: Sequence[ObservedStage] = ()) -> bool:
+        """Make the hosted stages match `assignments`; `rejected` are listed stages that could not even be
+        parsed (reported as failed). Returns whether anything changed."""
+        with self._apply_lock:
+            with self._lock:
+                current, failed = dict(self._stages), dict(self._failed)
+            desired = {a.stage_id: a for a in assignments}
+            stages: dict[str, HostedStage] = {}
+            new_failed: dict[str, ObservedStage] = {r.stage_id: r for r in rejected}
+            # Running stages first, so a new assignment cannot take the slot of one that stays.
+            for stage_id, assignment in desired.items():
+                kept = current.get(stage_id)
+                if kept is not None and kept.assignment.generation == assignment.generation:
+                    if kept.assignment != assignment:
+                        log.warning(
+                            "assignment %s changed within generation %d; keeping the running stage",
+                            stage_id,
+                            assignment.generation,
+                        )
+                    stages[stage_id] = kept
+            for stage_id, assignment in desired.items():
+                if stage_id in stages:
+                    continue
+                earlier = failed.get(stage_id)
+                if earlier is not None and earlier.generation == assignment.generation:
+                    new_failed[stage_id] = earlier
+                    continue
+                clash = next((s for s in stages.values() if _same_slot(s.assignment, assignment)), None)
+                if clash is not None:
+                    new_failed[stage_id] = ObservedStage(
+                        stage_id,
+                        assignment.generation,
+                        "failed",
+                        f"stage {assignment.stage_index} of job {assignment.job_id} is already hosted here "
+                        f"as {clash.assignment.stage_id}",
+                    )
+                    continue
+                try:
+                    stages[stage_id] = build_hosted_stage(
+                        assignment,
+                        self._device,
+                        max_message_bytes=self._max_message_bytes,
+                        load_checkpoint=self._load_checkpoint,
+                    )
+                    log.info(
+                        "built %s (generation %d): layers [%d, %d) on %s, %s",
+                        stage_id,
+                        assignment.generation,
+                        assignment.layer_start,
+                        assignment.layer_end,
+                        self._device,
+                        "initial weights"
+                        if assignment.checkpoint is None
+                        else f"resumed from the checkpoint of step {assignment.checkpoint.step}",
+                    )
+                except Exception as exc:  # a stage that cannot be built is reported, not fatal
+                    log.exception("could not build %s", stage_id)
+                    new_failed[stage_id] = ObservedStage(
+                        stage_id,
+                        assignment.generation,
+                        "failed",
+                        f"could not build the stage: {type(exc).__name__}: {exc}",
+                    )
+            with self._lock:
+                self._stages, self._failed = stages, new_failed
+            for stage_id, old in current.items():
+                if stages.get(stage_id) is not old:
+                    log.info("dropped %s (generation %d)", stage_id, old.assignment.generation)
+                    old.close()
+            identities = {k: id(v) for k, v in stages.items()}
+            return identities != {k: id(v) for k, v in current.items()} or new_failed != failed
+
+    def resolve(self, ref: stage_pb2.StageRef) -> HostedStage:
+        """The hosted stage a request addresses; NOT_FOUND or FAILED_PRECONDITION otherwise."""
+        with self._lock:
+            candidates = [
+                s
+                for s in self._stages.values()
+                if s.assignment.job_id == ref.job_id and s.assignment.stage_index == ref.stage_index
+            ]
+        if not candidates:
+            raise RpcFailure(
+                grpc.StatusCode.NOT_FOUND,
+                f"this agent hosts no stage {ref.stage_index} of job {ref.job_id!r}",
+            )
+        stage = candidates[0]
+        if stage.assignment.generation != ref.generation:
+            raise RpcFailure(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"stage {ref.stage_index} of job {ref.job_id} is at generation "
+                f"{stage.assignment.generation} here; the request is for generation {ref.generation}",
+            )
+        return stage
+
+    def stages(self) -> list[HostedStage]:
+        with self._lock:
+            return list(self._stages.values())
+
+    def observed(self) -> list[ObservedStage]:
+        with self._lock:
+            ready = [
+                ObservedStage(s.assignment.stage_id, s.assignment.generation, "ready")
+                for s in self._stages.values()
+            ]
+            return ready + list(self._failed.values())
+
+    def close(self) -> None:
+        self.apply([])
+
+
+def _same_slot(a: Assignment, b: Assignment) -> bool:
+    return a.job_id == b.job_id and a.stage_index == b.stage_index

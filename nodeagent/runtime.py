@@ -1,0 +1,223 @@
+"""A stage's torch compute: tensors in, tensors out. No transport here (and never grpc).
+
+Training keeps each micro-batch's autograd graph between its forward and its backward, keyed by
+(step, micro_batch); gradients accumulate across micro-batches and the optimizer steps once per step.
+The last stage's loss is CrossEntropy(sum) / batch_size, so the summed micro-batch gradients equal
+the gradient of the whole batch's mean loss.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from arceus.checkpoint import OPTIMIZER_PREFIX
+from arceus.model.build import named_global_parameters
+from nodeagent.assignment import OptimizerConfig
+
+MicroBatchKey = tuple[int, int]  # (step, micro_batch)
+# What each optimizer keeps per parameter once it has stepped (plain SGD keeps nothing).
+OPTIMIZER_STATE_KEYS = {
+    "sgd": frozenset(),
+    "sgd-momentum": frozenset({"momentum_buffer"}),
+    "adam": frozenset({"step", "exp_avg", "exp_avg_sq"}),
+}
+
+
+@dataclass
+class RuntimeCounters:
+    samples: int = 0  # forward samples, training and evaluation
+    micro_batches: int = 0
+    compute_seconds: float = 0.0
+
+
+def make_optimizer(params: list[nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer:
+    if config.name == "sgd":
+        return torch.optim.SGD(
+            params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+        )
+    if config.name == "adam":
+        return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
+    raise ValueError(f"unknown optimizer {config.name!r}")
+
+
+class StageRuntime:
+    def __init__(
+        self,
+        layers: nn.Sequential,
+        *,
+        optimizer: OptimizerConfig,
+        is_first: bool,
+        is_last: bool,
+        input_features: int,
+        max_micro_batch_size: int,
+        device: torch.device,
+    ) -> None:
+        self.device = device
+        self.layers = layers.to(device)
+        self.optimizer = make_optimizer(list(self.layers.parameters()), optimizer)
+        self.optimizer_name = "sgd-momentum" if optimizer.name == "sgd" and optimizer.momentum else optimizer.name
+        self.is_first = is_first
+        self.is_last = is_last
+        self.input_features = input_features
+        self.max_micro_batch_size = max_micro_batch_size
+        self.counters = RuntimeCounters()
+        # key -> (input that needs a gradient, or None on the first stage; output or scaled loss)
+        self._pending: dict[MicroBatchKey, tuple[torch.Tensor | None, torch.Tensor]] = {}
+
+    # --- training -------------------------------------------------------------------------------
+    def forward(self, key: MicroBatchKey, x: torch.Tensor) -> torch.Tensor:
+        """Forward one micro-batch keeping its graph; returns the output (detached, on CPU) to send on."""
+        with self._timed(samples=len(x)):
+            inp = self._input(x)
+            out = self.layers(inp)
+            self._pending[key] = (None if self.is_first else inp, out)
+            return out.detach().cpu()
+
+    def forward_loss(
+        self, key: MicroBatchKey, x: torch.Tensor, labels: torch.Tensor, batch_size: int
+    ) -> tuple[float, int]:
+        """Last stage: forward and loss; returns (sum of per-sample losses, correct predictions)."""
+        with self._timed(samples=len(x)):
+            inp = self._input(x)
+            logits = self.layers(inp)
+            target = labels.to(self.device)
+            loss_sum = F.cross_entropy(logits, target, reduction="sum")
+            self._pending[key] = (None if self.is_first else inp, loss_sum / batch_size)
+            correct = int((logits.detach().argmax(dim=1) == target).sum())
+            return float(loss_sum.detach()), correct
+
+    def backward(self, key: MicroBatchKey, grad_output: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Backward one micro-batch (the last stage passes no gradient: it uses its own loss); returns
+        the gradient w.r.t. this stage's input (on CPU), or None on the first stage."""
+        inp, out = self._pending.pop(key)
+        with self._timed():
+            if grad_output is None:
+                out.backward()
+            else:
+                if grad_output.shape != out.shape:
+                    raise ValueError(
+                        f"gradient of shape {list(grad_output.shape)} for an output of shape "
+                        f"{list(out.shape)}"
+                    )
+                out.backward(grad_output.to(self.device))
+            return None if inp is None else inp.grad.detach().cpu()
+
+    def optimizer_step(self, learning_rate: float | None = None) -> None:
+        with self._timed():
+            if learning_rate:
+                for group in self.optimizer.param_groups:
+                    group["lr"] = learning_rate
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def abort_step(self) -> None:
+        """Forget a failed step: its graphs and any partly accumulated gradients."""
+        self._pending.clear()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # --- evaluation -----------------------------------------------------------------------------
+    def eval_forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad(), self._timed(samples=len(x)):
+            return self.layers(self._checked(x).to(self.device)).cpu()
+
+    def eval_loss(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
+        with torch.no_grad(), self._timed(samples=len(x)):
+            logits = self.layers(self._checked(x).to(self.device))
+            target = labels.to(self.device)
+            loss_sum = F.cross_entropy(logits, target, reduction="sum")
+            return float(loss_sum), int((logits.argmax(dim=1) == target).sum())
+
+    # --- inspection and checkpoints ---------------------------------------------------------------
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """CPU copies of this stage's parameters under their model-wide names ("layers.2.weight")."""
+        return {name: p.detach().cpu().clone() for name, p in named_global_parameters(self.layers)}
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Weights and optimizer state as flat named tensors: what a checkpoint of this stage holds.
+
+        Optimizer entries are "optimizer.<parameter name>.<state key>" (e.g. "...weight.exp_avg"), so a
+        checkpoint is plain tensors (safetensors) and never a pickled optimizer object.
+        """
+        tensors = self.named_weights()
+        names = [name for name, _ in named_global_parameters(self.layers)]
+        state = self.optimizer.state_dict()["state"]
+        for index, entries in state.items():
+            for key, value in entries.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"{OPTIMIZER_PREFIX}{names[index]}.{key}"] = value.detach().cpu().clone()
+        return tensors
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore weights and optimizer state saved by `state_tensors` (of a stage with the same layers
+        and optimizer); ValueError naming the first mismatch, before anything is changed."""
+        params = dict(named_global_parameters(self.layers))
+        weights = {k: v for k, v in tensors.items() if not k.startswith(OPTIMIZER_PREFIX)}
+        if set(weights) != set(params):
+            missing, extra = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
+            raise ValueError(f"checkpoint does not match this stage: missing {missing}, unexpected {extra}")
+        for name, param in params.items():
+            if weights[name].shape != param.shape or weights[name].dtype != param.dtype:
+                raise ValueError(
+                    f"checkpoint tensor {name} is {weights[name].dtype} {list(weights[name].shape)}; "
+                    f"this stage has {param.dtype} {list(param.shape)}"
+                )
+        index_of = {name: i for i, name in enumerate(params)}
+        state: dict[int, dict[str, torch.Tensor]] = {}
+        for key, value in tensors.items():
+            if not key.startswith(OPTIMIZER_PREFIX):
+                continue
+            name, _, entry = key.removeprefix(OPTIMIZER_PREFIX).rpartition(".")
+            if name not in index_of:
+                raise ValueError(f"checkpoint optimizer entry {key} names no parameter of this stage")
+            # SGD's and Adam's per-parameter state is a 0-dim step or a tensor shaped like the parameter.
+            if value.dim() and value.shape != params[name].shape:
+                raise ValueError(
+                    f"checkpoint optimizer entry {key} is {list(value.shape)}; "
+                    f"parameter {name} is {list(params[name].shape)}"
+                )
+            state.setdefault(index_of[name], {})[entry] = value
+        expected = OPTIMIZER_STATE_KEYS[self.optimizer_name]
+        for index, entries in state.items():
+            if set(entries) != expected:
+                raise ValueError(
+                    f"checkpoint optimizer state of {list(params)[index]} has {sorted(entries)}; "
+                    f"this stage's {self.optimizer_name} optimizer keeps {sorted(expected)}"
+                )
+        with torch.no_grad():
+            for name, param in params.items():
+                param.copy_(weights[name].to(self.device))
+        groups = self.optimizer.state_dict()["param_groups"]
+        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+    def _checked(self, x: torch.Tensor) -> torch.Tensor:
+        # The transport validates first; this guards callers that skip it (benchmarks, tests).
+        if x.dim() != 2 or x.shape[1] != self.input_features:
+            raise ValueError(f"expected input of shape [batch, {self.input_features}], got {list(x.shape)}")
+        if not 1 <= len(x) <= self.max_micro_batch_size:
+            raise ValueError(
+                f"micro-batch of {len(x)} samples; this stage takes 1 to {self.max_micro_batch_size}"
+            )
+        return x
+
+    def _input(self, x: torch.Tensor) -> torch.Tensor:
+        inp = self._checked(x).to(self.device)
+        # Later stages need the gradient w.r.t. their input to send it upstream.
+        return inp if self.is_first else inp.detach().requires_grad_(True)
+
+    @contextmanager
+    def _timed(self, samples: int = 0) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # kernels are asynchronous; time what actually ran
+        self.counters.compute_seconds += time.perf_counter() - start
+        if samples:
+            self.counters.samples += samples
+            self.counters.micro_batches += 1

@@ -1,0 +1,128 @@
+"""`StageService` over gRPC: resolve the addressed stage, validate, call the executor, map errors.
+
+Every failure leaves as a gRPC status with a message; nothing a client sends can stop the server.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+import torch
+
+from arceus.v1 import stage_pb2, stage_pb2_grpc
+from arceus.wire.proto_tensor import to_proto
+from nodeagent.executor import run_step
+from nodeagent.mailbox import MailboxClosed, MailboxFull
+from nodeagent.metrics import AgentMetrics
+from nodeagent.registry import StageRegistry
+from nodeagent.status import RpcFailure
+from nodeagent.validation import KIND_NAMES, decode_push
+
+log = logging.getLogger(__name__)
+R = TypeVar("R")
+# A call without a deadline (ours always set one) reports as "infinite"; its waits still end at this.
+MAX_CALL_SECONDS = 3600.0
+
+
+class StageServicer(stage_pb2_grpc.StageServiceServicer):
+    def __init__(
+        self, registry: StageRegistry, metrics: AgentMetrics, compute_threads: Callable[[], int] | None = None
+    ) -> None:
+        self._registry = registry
+        self._metrics = metrics
+        self._compute_threads = compute_threads
+
+    def PushTensor(
+        self, request: stage_pb2.PushTensorRequest, context: grpc.ServicerContext
+    ) -> stage_pb2.PushTensorReply:
+        def push() -> stage_pb2.PushTensorReply:
+            stage = self._registry.resolve(request.target)
+            tensor = decode_push(stage.io, request)
+            try:
+                stage.mailbox.put((request.step, KIND_NAMES[request.kind], request.micro_batch), tensor)
+            except MailboxFull as exc:
+                raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{stage.name}: {exc}") from None
+            except MailboxClosed:
+                raise RpcFailure(
+                    grpc.StatusCode.NOT_FOUND, f"{stage.name} was just removed from this agent"
+                ) from None
+            nbytes = len(request.tensor.data)
+            stage.add_bytes_received(nbytes)
+            self._metrics.bytes_received.inc(nbytes)
+            return stage_pb2.PushTensorReply()
+
+        return _serve(context, "PushTensor", push)
+
+    def RunStep(
+        self, request: stage_pb2.RunStepRequest, context: grpc.ServicerContext
+    ) -> stage_pb2.RunStepReply:
+        def step() -> stage_pb2.RunStepReply:
+            stage = self._registry.resolve(request.target)
+            deadline = _deadline(context)
+            abort = threading.Event()
+
+            def on_done() -> None:  # runs when the call ends, including when the caller cancels it
+                abort.set()
+                stage.mailbox.wake()
+
+            context.add_callback(on_done)
+            if not stage.step_lock.acquire(blocking=False):
+                raise RpcFailure(grpc.StatusCode.ABORTED, f"{stage.name} is already running a step")
+            try:
+                if self._compute_threads is not None and torch.get_num_threads() != self._compute_threads():
+                    torch.set_num_threads(self._compute_threads())  # per OS thread: this one computes
+                before = stage.counters()
+                started = time.perf_counter()
+                reply = run_step(stage, request, deadline=deadline, abort=abort)
+                mode = "train" if request.mode == stage_pb2.TRAIN else "eval"
+                self._metrics.step_seconds.labels(mode=mode).observe(time.perf_counter() - started)
+            finally:
+                stage.step_lock.release()
+            after = reply.counters
+            self._metrics.samples.inc(after.samples - before.samples)
+            self._metrics.micro_batches.inc(after.micro_batches - before.micro_batches)
+            self._metrics.compute_seconds.inc(after.compute_seconds - before.compute_seconds)
+            self._metrics.bytes_sent.inc(after.bytes_sent - before.bytes_sent)
+            return reply
+
+        return _serve(context, "RunStep", step)
+
+    def GetWeights(
+        self, request: stage_pb2.GetWeightsRequest, context: grpc.ServicerContext
+    ) -> stage_pb2.GetWeightsReply:
+        def weights() -> stage_pb2.GetWeightsReply:
+            stage = self._registry.resolve(request.target)
+            # Wait for a running step to finish so the weights are never half updated.
+            if not stage.step_lock.acquire(timeout=max(0.0, _deadline(context) - time.monotonic())):
+                raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, f"{stage.name} stayed busy with a step")
+            try:
+                runtime = stage.runtime
+                named = runtime.state_tensors() if request.include_optimizer_state else runtime.named_weights()
+            finally:
+                stage.step_lock.release()
+            return stage_pb2.GetWeightsReply(
+                tensors=[stage_pb2.NamedTensor(name=name, tensor=to_proto(t)) for name, t in named.items()]
+            )
+
+        return _serve(context, "GetWeights", weights)
+
+
+def _deadline(context: grpc.ServicerContext) -> float:
+    return time.monotonic() + min(context.time_remaining(), MAX_CALL_SECONDS)
+
+
+def _serve(context: grpc.ServicerContext, method: str, handler: Callable[[], R]) -> R:  # type: ignore[return]
+    try:
+        return handler()
+    except RpcFailure as failure:
+        code, message = failure.code, failure.message
+        log.warning("%s -> %s: %s", method, code.name, message)
+    except Exception as exc:
+        log.exception("%s failed unexpectedly", method)
+        code, message = grpc.StatusCode.INTERNAL, f"{method} failed unexpectedly: {type(exc).__name__}: {exc}"
+    context.abort(code, message)  # raises: the status goes to the caller

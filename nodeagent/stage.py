@@ -1,0 +1,147 @@
+"""A stage hosted by this agent: its assignment, torch runtime, mailbox and links to its neighbours."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from arceus.model.build import build_layers
+from arceus.v1 import stage_pb2, stage_pb2_grpc
+from nodeagent.assignment import Assignment, CheckpointRef
+from nodeagent.mailbox import Mailbox
+from nodeagent.runtime import StageRuntime
+
+ACTIVATION_DTYPE = "float32"  # the only compute dtype so far
+LABEL_DTYPE = "int64"
+
+
+@dataclass(frozen=True)
+class StageIO:
+    """What this stage accepts: everything a pushed tensor is checked against before torch sees it."""
+
+    input_features: int
+    output_features: int
+    num_classes: int
+    max_micro_batch_size: int
+    micro_batches: int
+    is_first: bool
+    is_last: bool
+
+
+def grpc_channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+class NeighbourLink:
+    """One channel to a neighbouring stage, reused for every push of this stage's lifetime."""
+
+    def __init__(self, address: str, max_message_bytes: int) -> None:
+        self.address = address
+        self.channel = grpc.insecure_channel(address, options=grpc_channel_options(max_message_bytes))
+        self.stub = stage_pb2_grpc.StageServiceStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class HostedStage:
+    def __init__(self, assignment: Assignment, runtime: StageRuntime, *, max_message_bytes: int) -> None:
+        self.assignment = assignment
+        self.runtime = runtime
+        spec = assignment.spec
+        self.io = StageIO(
+            input_features=spec.layer_input_features()[assignment.layer_start],
+            output_features=spec.layer_output_features()[assignment.layer_end - 1],
+            num_classes=spec.output_features,
+            max_micro_batch_size=assignment.max_micro_batch_size,
+            micro_batches=assignment.micro_batches,
+            is_first=assignment.is_first,
+            is_last=assignment.is_last,
+        )
+        # A step holds at most one activation, gradient and label per micro-batch; the rest is slack
+        # for early arrivals of the next step. The cap bounds what a misbehaving peer can park here.
+        self.mailbox: Mailbox[torch.Tensor] = Mailbox(capacity=4 * assignment.micro_batches + 8)
+        self.step_lock = threading.Lock()
+        self.next_link = (
+            NeighbourLink(assignment.next_address, max_message_bytes) if assignment.next_address else None
+        )
+        self.prev_link = (
+            NeighbourLink(assignment.prev_address, max_message_bytes) if assignment.prev_address else None
+        )
+        self._bytes_lock = threading.Lock()
+        self.bytes_sent = 0
+        self.bytes_received = 0
+
+    @property
+    def name(self) -> str:
+        a = self.assignment
+        return f"stage {a.stage_index} of job {a.job_id} (generation {a.generation})"
+
+    def ref(self, stage_index: int) -> stage_pb2.StageRef:
+        """The StageRef of stage `stage_index` of this stage's pipeline."""
+        return stage_pb2.StageRef(
+            job_id=self.assignment.job_id, stage_index=stage_index, generation=self.assignment.generation
+        )
+
+    def add_bytes_sent(self, n: int) -> None:
+        with self._bytes_lock:
+            self.bytes_sent += n
+
+    def add_bytes_received(self, n: int) -> None:
+        with self._bytes_lock:
+            self.bytes_received += n
+
+    def counters(self) -> stage_pb2.StageCounters:
+        c = self.runtime.counters
+        with self._bytes_lock:
+            return stage_pb2.StageCounters(
+                samples=c.samples,
+                micro_batches=c.micro_batches,
+                compute_seconds=c.compute_seconds,
+                bytes_sent=self.bytes_sent,
+                bytes_received=self.bytes_received,
+            )
+
+    def close(self) -> None:
+        """Wake anyone waiting on this stage's mailbox and close its channels."""
+        self.mailbox.close()
+        for link in (self.next_link, self.prev_link):
+            if link is not None:
+                link.close()
+
+
+CheckpointLoader = Callable[[CheckpointRef], dict[str, torch.Tensor]]
+
+
+def build_hosted_stage(
+    assignment: Assignment,
+    device: torch.device,
+    *,
+    max_message_bytes: int,
+    load_checkpoint: CheckpointLoader | None = None,
+) -> HostedStage:
+    """Build the stage from its declarative spec only: layers [start, end) initialised from the seed,
+    then, if the assignment names a checkpoint, its weights and optimizer state loaded from it."""
+    spec = assignment.spec
+    layers = build_layers(spec, assignment.layer_start, assignment.layer_end, assignment.seed)
+    runtime = StageRuntime(
+        layers,
+        optimizer=assignment.optimizer,
+        is_first=assignment.is_first,
+        is_last=assignment.is_last,
+        input_features=spec.layer_input_features()[assignment.layer_start],
+        max_micro_batch_size=assignment.max_micro_batch_size,
+        device=device,
+    )
+    if assignment.checkpoint is not None:
+        if load_checkpoint is None:
+            raise ValueError(f"{assignment.stage_id} resumes from a checkpoint, but this agent cannot fetch one")
+        runtime.load_state_tensors(load_checkpoint(assignment.checkpoint))
+    return HostedStage(assignment, runtime, max_message_bytes=max_message_bytes)

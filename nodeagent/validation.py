@@ -1,0 +1,101 @@
+"""Checks on what arrives over the network, done before any of it reaches the stage's model.
+
+Every failure is an RpcFailure(INVALID_ARGUMENT) whose message says what was expected.
+"""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import torch
+
+from arceus.pipeline.schedule import SCHEDULES
+from arceus.v1 import stage_pb2
+from arceus.wire import codec
+from nodeagent.stage import ACTIVATION_DTYPE, LABEL_DTYPE, StageIO
+from nodeagent.status import RpcFailure
+
+KIND_NAMES = {stage_pb2.ACTIVATION: "ACTIVATION", stage_pb2.GRADIENT: "GRADIENT", stage_pb2.LABELS: "LABELS"}
+
+
+def _invalid(message: str) -> RpcFailure:
+    return RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+def expected_layout(io: StageIO, kind: int) -> tuple[str, list[int]]:
+    """(dtype, shape with -1 for the batch dimension) a tensor of `kind` must have for this stage."""
+    if kind == stage_pb2.ACTIVATION:
+        return ACTIVATION_DTYPE, [-1, io.input_features]
+    if kind == stage_pb2.GRADIENT:
+        if io.is_last:
+            raise _invalid("the last stage computes its own loss gradient; it accepts no GRADIENT")
+        return ACTIVATION_DTYPE, [-1, io.output_features]
+    if kind == stage_pb2.LABELS:
+        if not io.is_last:
+            raise _invalid("only the last stage accepts LABELS")
+        return LABEL_DTYPE, [-1]
+    raise _invalid(f"tensor kind {kind} is not one of {', '.join(KIND_NAMES.values())}")
+
+
+def decode_push(io: StageIO, request: stage_pb2.PushTensorRequest) -> torch.Tensor:
+    """Validate a PushTensor request against this stage and decode its tensor."""
+    if request.step < 0:
+        raise _invalid(f"step must be >= 0, got {request.step}")
+    if not 0 <= request.micro_batch < io.micro_batches:
+        raise _invalid(f"micro_batch must be in [0, {io.micro_batches}), got {request.micro_batch}")
+    if not request.HasField("tensor"):
+        raise _invalid("the request carries no tensor")
+    dtype, layout = expected_layout(io, request.kind)
+    kind = KIND_NAMES[request.kind]
+    message = request.tensor
+    shape = list(message.shape)
+    if message.dtype != dtype:
+        raise _invalid(f"{kind} tensors must be {dtype}, got {message.dtype!r}")
+    wanted = "[batch, " + ", ".join(str(d) for d in layout[1:]) + "]" if len(layout) > 1 else "[batch]"
+    if len(shape) != len(layout) or any(
+        want not in (-1, got) for want, got in zip(layout, shape, strict=True)
+    ):
+        raise _invalid(f"{kind} tensor must have shape {wanted}, got {shape}")
+    if not 1 <= shape[0] <= io.max_micro_batch_size:
+        raise _invalid(
+            f"{kind} batch dimension must be in [1, {io.max_micro_batch_size}] "
+            f"(max_micro_batch_size), got {shape[0]}"
+        )
+    max_bytes = io.max_micro_batch_size * math.prod(layout[1:]) * codec.itemsize(dtype)
+    try:
+        tensor = codec.decode(message.dtype, shape, message.data, max_bytes=max_bytes)
+    except codec.TensorValidationError as exc:
+        raise _invalid(f"{kind} tensor rejected: {exc}") from exc
+    if request.kind == stage_pb2.LABELS:
+        low, high = int(tensor.min()), int(tensor.max())
+        if low < 0 or high >= io.num_classes:
+            raise _invalid(
+                f"labels must be class indices in [0, {io.num_classes}), got values in [{low}, {high}]"
+            )
+    return tensor
+
+
+def check_run_step(io: StageIO, request: stage_pb2.RunStepRequest) -> str:
+    """Validate a RunStep request; returns the schedule name."""
+    if request.step < 0:
+        raise _invalid(f"step must be >= 0, got {request.step}")
+    if request.mode not in (stage_pb2.TRAIN, stage_pb2.EVAL):
+        raise _invalid(f"mode must be TRAIN or EVAL, got {request.mode}")
+    if not 1 <= request.num_micro_batches <= io.micro_batches:
+        raise _invalid(
+            f"num_micro_batches must be in [1, {io.micro_batches}] (the assignment's micro_batches), "
+            f"got {request.num_micro_batches}"
+        )
+    schedule = request.schedule or "gpipe"
+    if schedule not in SCHEDULES:
+        raise _invalid(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    max_batch = request.num_micro_batches * io.max_micro_batch_size
+    if request.mode == stage_pb2.TRAIN and not 1 <= request.batch_size <= max_batch:
+        raise _invalid(
+            f"batch_size must be in [1, {max_batch}] for {request.num_micro_batches} micro-batches, "
+            f"got {request.batch_size}"
+        )
+    if not math.isfinite(request.learning_rate) or request.learning_rate < 0:
+        raise _invalid(f"learning_rate must be a finite number >= 0, got {request.learning_rate}")
+    return schedule

@@ -1,0 +1,60 @@
+"""The Celery app "arceus": `celery -A tasks worker -Q control`, `... -Q training`, `celery -A tasks beat`.
+
+Environment-driven values (broker and result backend = REDIS_URL, the resync interval) come from the
+Django settings; the delivery guarantees and the routing below are part of the design, so they are
+fixed here rather than configurable.
+"""
+
+from __future__ import annotations
+
+import os
+
+from celery import Celery
+from django.conf import settings
+from kombu import Queue
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
+
+CONTROL_QUEUE = "control"  # short reconcile passes
+TRAINING_QUEUE = "training"  # long-running training drivers, kept apart so they never delay reconciles
+
+app = Celery("arceus", include=["tasks.control", "tasks.market", "tasks.training"])
+app.config_from_object("django.conf:settings", namespace="CELERY")
+app.conf.update(
+    # A task is acknowledged only after it ran, and one a dying worker held goes back to the queue;
+    # tasks are idempotent, so running one twice is safe, losing one is not.
+    task_acks_late=True,
+    task_reject_on_worker_lost=True,
+    # A worker reserves one task at a time: a training driver can run for minutes and must not sit on
+    # messages another worker could take.
+    worker_prefetch_multiplier=1,
+    task_queues=(Queue(CONTROL_QUEUE), Queue(TRAINING_QUEUE)),
+    task_default_queue=CONTROL_QUEUE,
+    task_routes={
+        "arceus.reconcile": {"queue": CONTROL_QUEUE},
+        "arceus.reprice": {"queue": CONTROL_QUEUE},
+        "arceus.rollup_ledger": {"queue": CONTROL_QUEUE},
+        "arceus.train_job": {"queue": TRAINING_QUEUE},
+    },
+    broker_connection_retry_on_startup=True,
+    result_expires=3600,
+    beat_schedule={
+        # The level-triggered resync: everything is recomputed from the database each pass.
+        "reconcile": {
+            "task": "arceus.reconcile",
+            "schedule": settings.ARCEUS_RECONCILE_INTERVAL_SECONDS,
+            # A pass that waited longer than a few intervals is stale; a newer one is on its way.
+            "options": {"expires": 5 * settings.ARCEUS_RECONCILE_INTERVAL_SECONDS},
+        },
+        "reprice": {
+            "task": "arceus.reprice",
+            "schedule": settings.ARCEUS_REPRICE_INTERVAL_SECONDS,
+            "options": {"expires": settings.ARCEUS_REPRICE_INTERVAL_SECONDS},
+        },
+        "rollup-ledger": {
+            "task": "arceus.rollup_ledger",
+            "schedule": settings.ARCEUS_LEDGER_ROLLUP_INTERVAL_SECONDS,
+            "options": {"expires": settings.ARCEUS_LEDGER_ROLLUP_INTERVAL_SECONDS},
+        },
+    },
+)

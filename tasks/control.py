@@ -1,0 +1,19 @@
+"""The reconcile task (control queue): one level-triggered pass, short and safe to run concurrently."""
+
+from __future__ import annotations
+
+import logging
+
+from controlplane.jobs.executor import reconcile_once
+from tasks.celery import app
+
+log = logging.getLogger(__name__)
+
+
+@app.task(name="arceus.reconcile", ignore_result=True)
+def reconcile() -> None:
+    # No lock: two passes at once are safe because every write is checked against the generation the
+    # pass saw (see controlplane/jobs/executor.py).
+    report = reconcile_once()
+    if report.applied or report.skipped:
+        log.info("reconcile: %s", report)

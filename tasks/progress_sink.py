@@ -1,0 +1,118 @@
+"""The training driver's ProgressSink, backed by the jobs services.
+
+Step records and the stages' work counters are batched (written at most every `flush_seconds`, and
+at each epoch end) so fast steps do not turn into one transaction each; each write also renews the
+driver lease. Frequent counter writes bound what a crash takes from the accounting to about
+`flush_seconds` of work. A write that finds the
+lease gone (job cancelled, or another driver took over) makes `should_stop` true.
+"""
+
+from __future__ import annotations
+
+import time
+
+from django.utils import timezone
+
+from arceus.checkpoint import encode_checkpoint
+from arceus.training import EpochResult, StageCountersSnapshot, StageState, StepProgress
+from controlplane.jobs.checkpoints import StageFile, checkpoint_save
+from controlplane.jobs.progress import (
+    StageCounters,
+    StepPoint,
+    job_driver_handover,
+    job_handover_requested,
+    job_record_epoch,
+    job_record_steps,
+)
+
+
+class DbProgressSink:
+    def __init__(self, *, job_id: str, lease_owner: str, generation: int, flush_seconds: float = 0.5) -> None:
+        self.job_id = job_id
+        self.lease_owner = lease_owner
+        self.generation = generation
+        self.flush_seconds = flush_seconds
+        self._pending: list[StepPoint] = []
+        self._counters: list[StageCounters] = []  # the newest step's, not yet written
+        self._last_flush = time.monotonic()
+        self._lost_lease = False
+        self._handover = False
+
+    def on_step(self, p: StepProgress) -> None:
+        self._pending.append(StepPoint(p.epoch, p.step, p.total_steps, p.loss, p.samples_per_second))
+        self._counters = stage_counters(p.stages)
+        if time.monotonic() - self._last_flush >= self.flush_seconds:
+            self.flush()
+
+    def on_epoch(self, r: EpochResult) -> None:
+        self.flush()
+        if not self._lost_lease:
+            self._lost_lease = not job_record_epoch(
+                job_id=self.job_id,
+                lease_owner=self.lease_owner,
+                epoch=r.epoch,
+                val_loss=r.val_loss,
+                val_accuracy=r.val_accuracy,
+                stages=stage_counters(r.stages),
+                now=timezone.now(),
+            )
+
+    def on_checkpoint(self, step: int, epoch: int, stages: list[StageState]) -> None:
+        self.flush()
+        if self._lost_lease:
+            return
+        saved = checkpoint_save(
+            job_id=self.job_id,
+            lease_owner=self.lease_owner,
+            generation=self.generation,
+            step=step,
+            epoch=epoch,
+            stages=[
+                StageFile(s.index, s.layer_start, s.layer_end, encode_checkpoint(s.tensors)) for s in stages
+            ],
+        )
+        self._lost_lease = saved is None
+        if self._handover and not self._lost_lease:
+            job_driver_handover(job_id=self.job_id, owner=self.lease_owner, step=step, now=timezone.now())
+            self._lost_lease = True  # handed over: stop
+
+    def lose_lease(self) -> None:
+        """The lease renewer found the lease gone: stop at the next step."""
+        self._lost_lease = True
+
+    def wants_checkpoint(self) -> bool:
+        return self._handover and not self._lost_lease
+
+    def should_stop(self) -> bool:
+        if time.monotonic() - self._last_flush >= self.flush_seconds:
+            self.flush()  # also renews the lease while steps are slow
+        return self._lost_lease
+
+    def flush(self) -> None:
+        points, self._pending = self._pending, []
+        counters, self._counters = self._counters, []
+        self._last_flush = time.monotonic()
+        if not self._lost_lease:
+            self._lost_lease = not job_record_steps(
+                job_id=self.job_id, lease_owner=self.lease_owner, points=points, stages=counters, now=timezone.now()
+            )
+        if not self._lost_lease and not self._handover:
+            self._handover = job_handover_requested(job_id=self.job_id)
+
+    @property
+    def lost_lease(self) -> bool:
+        return self._lost_lease
+
+
+def stage_counters(stages: list[StageCountersSnapshot]) -> list[StageCounters]:
+    return [
+        StageCounters(
+            index=s.index,
+            samples=s.samples,
+            micro_batches=s.micro_batches,
+            compute_seconds=s.compute_seconds,
+            bytes_sent=s.bytes_sent,
+            bytes_received=s.bytes_received,
+        )
+        for s in stages
+    ]

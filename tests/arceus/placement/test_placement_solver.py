@@ -1,0 +1,140 @@
+"""solve(): exact on small cases (checked against brute force), memory never exceeded, budget and stage
+counts respected, and faster devices get proportionately more of the model."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from arceus.placement.solver import (
+    PRICE_TOLERANCE,
+    Device,
+    LayerProfile,
+    PlacementError,
+    Workload,
+    solve,
+    stage_memory,
+    stage_seconds,
+)
+
+WORKLOAD = Workload(micro_batch_size=8, micro_batches=4)
+
+
+@st.composite
+def problems(draw: st.DrawFn) -> tuple[list[LayerProfile], list[Device], int, int, float | None]:
+    layers = [
+        LayerProfile(draw(st.integers(1, 100)) * 1e6, draw(st.integers(0, 5000)), draw(st.integers(0, 4096)))
+        for _ in range(draw(st.integers(1, 5)))
+    ]
+    devices = [
+        Device(
+            id=f"d{i}",
+            flops=draw(st.sampled_from([1e9, 2e9, 4e9, 8e9])),
+            memory_bytes=draw(st.integers(50_000, 400_000)),
+            bandwidth_bytes_per_s=draw(st.sampled_from([1e6, 1e7, math.inf])),
+            latency_s=draw(st.sampled_from([0.0, 0.001, 0.02])),
+            price_per_hour=draw(st.sampled_from([0.1, 0.3, 0.9])),
+        )
+        for i in range(draw(st.integers(1, 4)))
+    ]
+    low = draw(st.integers(1, 3))
+    high = draw(st.integers(low, 4))
+    budget = draw(st.one_of(st.none(), st.sampled_from([0.3, 0.6, 1.5])))
+    return layers, devices, low, high, budget
+
+
+def brute_force(layers, devices, low, high, budget) -> list[tuple[float, float]]:
+    """(bottleneck, price) of every feasible placement: each ordered choice of k devices and cut points."""
+    n, found = len(layers), []
+    for k in range(low, min(high, n, len(devices)) + 1):
+        for chosen in itertools.permutations(devices, k):
+            price = sum(d.price_per_hour for d in chosen)
+            if budget is not None and price > budget:
+                continue
+            for cuts in itertools.combinations(range(1, n), k - 1):
+                bounds = [0, *cuts, n]
+                spans = list(zip(bounds, bounds[1:], strict=False))
+                if all(stage_memory(layers[s:e], WORKLOAD) <= d.memory_bytes for (s, e), d in zip(spans, chosen,
+                                                                                                   strict=True)):
+                    bottleneck = max(stage_seconds(layers[s:e], d, WORKLOAD, last=e == n)
+                                     for (s, e), d in zip(spans, chosen, strict=True))
+                    found.append((bottleneck, price))
+    return found
+
+
+@settings(max_examples=300, deadline=None)
+@given(problem=problems())
+def test_the_solver_is_within_five_percent_of_the_optimum_and_never_overfills_a_device(problem) -> None:
+    layers, devices, low, high, budget = problem
+    feasible = brute_force(layers, devices, low, high, budget)
+    if not feasible:
+        with pytest.raises(PlacementError):
+            solve(layers, devices, WORKLOAD, min_stages=low, max_stages=high, max_price_per_hour=budget)
+        return
+    placement = solve(layers, devices, WORKLOAD, min_stages=low, max_stages=high, max_price_per_hour=budget)
+    optimum = min(b for b, _ in feasible)
+    assert placement.bottleneck_seconds <= optimum * 1.05  # the acceptance bound
+    assert placement.bottleneck_seconds <= optimum * (1 + PRICE_TOLERANCE) + 1e-12  # what it really promises
+    # Contiguous cover, distinct devices, memory respected, and the price/bottleneck it reports are true.
+    assert placement.stages[0].layer_start == 0 and placement.stages[-1].layer_end == len(layers)
+    assert all(a.layer_end == b.layer_start for a, b in itertools.pairwise(placement.stages))
+    assert low <= len(placement.stages) <= high
+    by_id = {d.id: d for d in devices}
+    assert len({s.device_id for s in placement.stages}) == len(placement.stages)
+    for stage in placement.stages:
+        assert stage.memory_bytes <= by_id[stage.device_id].memory_bytes
+    assert math.isclose(placement.bottleneck_seconds, max(s.seconds_per_micro_batch for s in placement.stages))
+    assert math.isclose(placement.price_per_hour, sum(by_id[s.device_id].price_per_hour for s in placement.stages))
+    if budget is not None:
+        assert placement.price_per_hour <= budget
+    # No placement as fast (within the tolerance) is cheaper.
+    assert all(price >= placement.price_per_hour - 1e-12 for b, price in feasible
+               if b <= optimum * (1 + PRICE_TOLERANCE))
+
+
+def test_faster_devices_get_proportionately_more_layers() -> None:
+    layers = [LayerProfile(1e6, 100, 0) for _ in range(16)]
+    devices = [Device("x4", 4e9, 10**9), Device("x2", 2e9, 10**9), Device("x1", 1e9, 10**9), Device("y1", 1e9, 10**9)]
+    placement = solve(layers, devices, WORKLOAD, min_stages=4, max_stages=4)
+    share = {s.device_id: s.layer_end - s.layer_start for s in placement.stages}
+    assert share == {"x4": 8, "x2": 4, "x1": 2, "y1": 2}  # layers in proportion to FLOP/s
+    assert placement.bottleneck_seconds == pytest.approx(3 * 8 * 8e6 / 4e9)
+
+
+def test_among_equally_fast_placements_the_cheaper_devices_win() -> None:
+    layers = [LayerProfile(1e6, 100, 0) for _ in range(2)]
+    devices = [Device("pricey", 1e9, 10**9, price_per_hour=0.9), Device("cheap", 1e9, 10**9, price_per_hour=0.2)]
+    placement = solve(layers, devices, WORKLOAD)
+    # Two stages halve the bottleneck, so both are used; with one stage allowed only, the cheap one.
+    assert len(placement.stages) == 2
+    single = solve(layers, devices, WORKLOAD, max_stages=1)
+    assert [s.device_id for s in single.stages] == ["cheap"] and single.price_per_hour == 0.2
+
+
+def test_a_slow_link_makes_fewer_stages_faster() -> None:
+    layers = [LayerProfile(1e6, 100, 1_000_000) for _ in range(4)]  # 1 MB activations per sample
+    devices = [Device(f"d{i}", 1e9, 10**12, bandwidth_bytes_per_s=1e6) for i in range(4)]
+    placement = solve(layers, devices, WORKLOAD)
+    assert len(placement.stages) == 1  # sending 8 MB over 1 MB/s costs more than computing it all
+
+
+@pytest.mark.parametrize(
+    ("devices", "kwargs", "message"),
+    [
+        ([Device("a", 1e9, 1000)], {}, "layer 0 needs 0.00 GiB to train"),
+        ([Device("a", 1e9, 10**9, price_per_hour=0.5)], {"max_price_per_hour": 0.3},
+         r"costs more than the budget of \$0.3000/hour \(the cheapest is \$0.5000/hour\)"),
+        ([Device("a", 1e9, 10**9)], {"min_stages": 2}, "needs at least 2 devices"),
+        ([], {}, "no device is available"),
+        # Placements fit only with fewer stages than required, and a budget is set: memory is what binds.
+        ([Device("big", 1e9, 200_000), Device("tiny", 1e9, 100)], {"min_stages": 2, "max_price_per_hour": 1.0},
+         "no split of 2 layers over 2 or more of the 2 devices fits"),
+    ],
+)
+def test_when_nothing_fits_the_error_says_what_binds(devices, kwargs, message) -> None:
+    with pytest.raises(PlacementError, match=message):
+        solve([LayerProfile(1e6, 10_000, 8), LayerProfile(1e6, 10, 8)], devices, WORKLOAD, **kwargs)

@@ -1,0 +1,100 @@
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import struct
+
+import pytest
+import torch
+
+from arceus.checkpoint import CheckpointError, checkpoint_digest, decode_checkpoint, encode_checkpoint
+
+
+def tensors() -> dict[str, torch.Tensor]:
+    return {
+        "layers.0.weight": torch.arange(12, dtype=torch.float32).reshape(3, 4),
+        "layers.0.bias": torch.tensor([0.5, -1.5, 2.25]),
+        "optimizer.layers.0.weight.step": torch.tensor(7.0),  # a 0-dim tensor, as Adam keeps its step
+        "counts": torch.tensor([1, 2, 3], dtype=torch.int64),
+    }
+
+
+def header(data: bytes) -> dict:
+    """The JSON header of a safetensors file: an 8-byte little-endian length, then the JSON."""
+    (length,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + length])
+
+
+def test_round_trip_keeps_names_shapes_dtypes_and_values() -> None:
+    original = tensors()
+    decoded = decode_checkpoint(encode_checkpoint(original))
+    assert set(decoded) == set(original)
+    for name, tensor in original.items():
+        assert decoded[name].dtype == tensor.dtype, name
+        assert decoded[name].shape == tensor.shape, name
+        assert torch.equal(decoded[name], tensor), name
+
+
+def test_non_contiguous_tensors_are_saved_by_value() -> None:
+    transposed = torch.arange(6.0).reshape(2, 3).T
+    assert not transposed.is_contiguous()
+    decoded = decode_checkpoint(encode_checkpoint({"t": transposed}))
+    assert torch.equal(decoded["t"], transposed)
+
+
+def test_metadata_is_stored_in_the_header() -> None:
+    data = encode_checkpoint(tensors(), metadata={"step": "40", "job_id": "j"})
+    assert header(data)["__metadata__"] == {"step": "40", "job_id": "j"}
+    assert "__metadata__" not in header(encode_checkpoint(tensors()))
+
+
+def test_encoding_is_deterministic_so_the_hash_identifies_the_content() -> None:
+    forward = tensors()
+    backward = dict(reversed(list(forward.items())))
+    assert encode_checkpoint(forward) == encode_checkpoint(backward)
+    changed = {**forward, "layers.0.bias": torch.tensor([0.5, -1.5, 2.0])}
+    assert checkpoint_digest(encode_checkpoint(changed)) != checkpoint_digest(encode_checkpoint(forward))
+
+
+def test_digest_is_the_sha256_hex_of_the_bytes() -> None:
+    data = encode_checkpoint(tensors())
+    assert checkpoint_digest(data) == hashlib.sha256(data).hexdigest()
+
+
+def test_the_expected_hash_is_checked_before_decoding() -> None:
+    data = encode_checkpoint(tensors())
+    digest = checkpoint_digest(data)
+    assert torch.equal(decode_checkpoint(data, sha256=digest)["layers.0.bias"], tensors()["layers.0.bias"])
+    # One changed byte in the tensor data still parses as safetensors; only the hash tells.
+    tampered = data[:-1] + bytes([data[-1] ^ 0x01])
+    decode_checkpoint(tampered)
+    with pytest.raises(CheckpointError, match=f"expected {digest}: corrupt or replaced"):
+        decode_checkpoint(tampered, sha256=digest)
+    with pytest.raises(CheckpointError, match="expected 0{64}"):
+        decode_checkpoint(data, sha256="0" * 64)
+
+
+def pickled() -> bytes:
+    buffer = io.BytesIO()
+    torch.save(tensors(), buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        pytest.param(b"", id="empty"),
+        pytest.param(b"not a checkpoint", id="garbage"),
+        pytest.param(encode_checkpoint(tensors())[:-3], id="truncated"),
+        pytest.param(struct.pack("<Q", 5) + b"{nope", id="bad-json-header"),
+        pytest.param(pickled(), id="torch-pickle"),
+    ],
+)
+def test_corrupt_bytes_are_a_checkpoint_error(data: bytes) -> None:
+    with pytest.raises(CheckpointError, match="not a valid safetensors checkpoint"):
+        decode_checkpoint(data)
+    # With the right hash the content check passes, and the parse still fails cleanly.
+    with pytest.raises(CheckpointError, match="not a valid safetensors checkpoint"):
+        decode_checkpoint(data, sha256=checkpoint_digest(data))
+

@@ -1,0 +1,107 @@
+"""Fixtures for the control plane's tests: users, authenticated API clients, and Ready nodes made
+through the real services (the same path an agent takes)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from controlplane.accounts.services import user_token_get_or_create
+from controlplane.jobs.models import Job
+from controlplane.jobs.services import job_start, job_submit
+from controlplane.nodes.models import Node
+from controlplane.nodes.services import node_create, node_heartbeat, node_register
+
+DIGITS_JOB = {
+    "name": "digits",
+    "model_config": {"type": "mlp", "layer_sizes": [64, 32, 16, 10]},
+    "dataset_config": {"name": "digits", "batch_size": 32, "val_batch_size": 360},
+    "epochs": 2,
+    "learning_rate": 0.05,
+    "micro_batches": 4,
+    "optimizer": "sgd",
+    "momentum": 0.9,
+    "weight_decay": 0.0001,
+    "seed": 3,
+    "stages": 3,
+}
+
+
+@pytest.fixture
+def digits_job() -> dict[str, Any]:
+    """A valid POST /api/jobs body (a fresh copy each time)."""
+    return copy.deepcopy(DIGITS_JOB)
+
+
+@pytest.fixture
+def user(db: None) -> User:
+    return User.objects.create_user("alice", password="alice-password")
+
+
+@pytest.fixture
+def other_user(db: None) -> User:
+    return User.objects.create_user("bob", password="bob-password")
+
+
+def client_for(user: User) -> APIClient:
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Token {user_token_get_or_create(user=user)}")
+    return client
+
+
+@pytest.fixture
+def api(user: User) -> APIClient:
+    return client_for(user)
+
+
+@pytest.fixture
+def other_api(other_user: User) -> APIClient:
+    return client_for(other_user)
+
+
+ReadyNode = Callable[..., Node]
+
+
+@pytest.fixture
+def ready_node(user: User) -> ReadyNode:
+    """make(name, port=..., flops=..., memory=...) → a registered node that has heartbeated."""
+
+    def make(
+        name: str,
+        *,
+        port: int = 50051,
+        flops: float = 1e9,
+        memory: int = 2**30,
+        now: datetime | None = None,
+    ) -> Node:
+        now = now or timezone.now()
+        node, _ = node_create(owner=user, name=name)
+        node_register(
+            node=node,
+            grpc_address=f"127.0.0.1:{port}",
+            device_type="cpu",
+            device_name="test cpu",
+            memory_bytes=memory,
+            flops_fp32=flops,
+            now=now,
+        )
+        node_heartbeat(node=node, observed=[], now=now)
+        node.refresh_from_db()
+        return node
+
+    return make
+
+
+@pytest.fixture
+def queued_job(user: User) -> Callable[..., Job]:
+    def make(**overrides: object) -> Job:
+        return job_start(job=job_submit(owner=user, **{**DIGITS_JOB, **overrides}))
+
+    return make

@@ -1,0 +1,448 @@
+"""Coordinated checkpoints: saved under the driver lease, pruned, fetched by the agents hosting the
+stage, and assembled into the whole model for the job's owner."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+import torch
+from django.db import IntegrityError
+from django.utils import timezone
+from moto.server import ThreadedMotoServer
+from rest_framework.test import APIClient
+
+from arceus.checkpoint import CheckpointError, checkpoint_digest, decode_checkpoint, encode_checkpoint
+from arceus.devcluster.cluster import free_port
+from controlplane.common.errors import ApplicationError
+from controlplane.jobs.checkpoints import (
+    KEEP_CHECKPOINTS,
+    StageFile,
+    checkpoint_save,
+    job_model_file,
+    stage_checkpoint_for_node,
+)
+from controlplane.jobs.executor import reconcile_once
+from controlplane.jobs.models import Checkpoint, Job, Stage, StageCheckpoint, checkpoint_storage
+from controlplane.jobs.progress import job_driver_claim
+from controlplane.jobs.services import job_cancel, job_rewind
+from controlplane.nodes.models import Node
+from controlplane.nodes.services import node_create, node_heartbeat, node_register
+from controlplane.settings import checkpoint_storage_settings
+from nodeagent.assignment import Assignment
+
+pytestmark = pytest.mark.django_db
+
+SIZES = [64, 32, 16, 10]  # the conftest's digits job: three stages of one layer each
+DRIVER = "driver-a"
+
+
+@pytest.fixture
+def checkpoint_dir(settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Checkpoint files go under tmp_path. Changing settings.STORAGES resets django's storage handler
+    (django.test.signals.storages_changed); StageCheckpoint.file resolved its storage when the model was
+    imported, so it is pointed at the new one too (the agent endpoint opens files through it)."""
+    settings.STORAGES = {
+        **settings.STORAGES,
+        "checkpoints": {
+            "BACKEND": "django.core.files.storage.FileSystemStorage",
+            "OPTIONS": {"location": str(tmp_path)},
+        },
+    }
+    storage = checkpoint_storage()
+    assert Path(storage.location) == tmp_path
+    monkeypatch.setattr(StageCheckpoint._meta.get_field("file"), "storage", storage)
+    return tmp_path
+
+
+def files_in(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def agent_client(token: str) -> APIClient:
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Node {token}")
+    return client
+
+
+@pytest.fixture
+def agents(user) -> list[tuple[Node, APIClient]]:
+    """Three Ready nodes, each with a client holding its node token."""
+    made = []
+    now = timezone.now()
+    for i in range(3):
+        node, token = node_create(owner=user, name=f"agent-{i}")
+        node_register(
+            node=node,
+            grpc_address=f"10.0.0.{i + 1}:5005{i}",
+            device_type="cpu",
+            device_name="test cpu",
+            memory_bytes=2**30,
+            flops_fp32=1e9,
+            now=now,
+        )
+        node_heartbeat(node=node, observed=[], now=now)
+        made.append((node, agent_client(token)))
+    return made
+
+
+@pytest.fixture
+def running_job(agents, queued_job, checkpoint_dir: Path) -> Job:
+    """A job placed on the three agents, running, its driver lease held by DRIVER."""
+    job = queued_job()
+    reconcile_once()
+    Job.objects.filter(pk=job.pk).update(status="running", restarts=2)
+    assert job_driver_claim(job_id=job.id, owner=DRIVER, now=timezone.now()) is not None
+    job.refresh_from_db()
+    assert Stage.objects.filter(job=job, active=True).count() == 3
+    return job
+
+
+def stage_tensors(index: int, step: int) -> dict[str, torch.Tensor]:
+    """Stage `index`'s state after `step`: its values say which stage and step they came from."""
+    weight = torch.full((SIZES[index + 1], SIZES[index]), step + index / 10)
+    bias = torch.full((SIZES[index + 1],), -(step + index / 10))
+    return {
+        f"layers.{index}.weight": weight,
+        f"layers.{index}.bias": bias,
+        f"optimizer.layers.{index}.weight.momentum_buffer": weight * 0.5,
+        f"optimizer.layers.{index}.bias.momentum_buffer": bias * 0.5,
+    }
+
+
+def stage_files(step: int) -> list[StageFile]:
+    return [StageFile(i, i, i + 1, encode_checkpoint(stage_tensors(i, step))) for i in range(3)]
+
+
+def save(job: Job, step: int, *, epoch: int = 1, files: list[StageFile] | None = None, **changes: Any):
+    kwargs = {"job_id": job.id, "lease_owner": DRIVER, "generation": job.generation, **changes}
+    return checkpoint_save(step=step, epoch=epoch, stages=stage_files(step) if files is None else files, **kwargs)
+
+
+def header_metadata(data: bytes) -> dict[str, str]:
+    (length,) = struct.unpack("<Q", data[:8])
+    return json.loads(data[8 : 8 + length])["__metadata__"]
+
+
+# --- checkpoint_save --------------------------------------------------------------------------------
+def test_the_driver_saves_every_stage_and_resets_the_restart_count(running_job: Job, checkpoint_dir: Path) -> None:
+    files = stage_files(10)
+    checkpoint = save(running_job, 10, epoch=2, files=files)
+    assert checkpoint is not None
+    assert (checkpoint.job_id, checkpoint.step, checkpoint.epoch, checkpoint.generation) == (
+        running_job.id,
+        10,
+        2,
+        running_job.generation,
+    )
+    rows = list(StageCheckpoint.objects.filter(checkpoint=checkpoint).order_by("stage_index"))
+    assert [(r.stage_index, r.layer_start, r.layer_end) for r in rows] == [(0, 0, 1), (1, 1, 2), (2, 2, 3)]
+    on_disk = files_in(checkpoint_dir)
+    for row, stage in zip(rows, files, strict=True):
+        assert row.file.name == f"checkpoints/{running_job.id}/step-00000010/stage-{stage.index}.safetensors"
+        assert on_disk[row.file.name] == stage.data
+        assert (row.sha256, row.size_bytes) == (checkpoint_digest(stage.data), len(stage.data))
+    assert len(on_disk) == 3
+    assert Job.objects.get(pk=running_job.pk).restarts == 0  # the job made progress
+
+
+@pytest.mark.parametrize("case", ["another driver", "an older generation", "a cancelled job", "a lost lease"])
+def test_a_save_without_the_lease_is_refused_and_leaves_no_files(
+    running_job: Job, checkpoint_dir: Path, case: str
+) -> None:
+    changes: dict[str, Any] = {}
+    if case == "another driver":
+        changes["lease_owner"] = "driver-b"
+    elif case == "an older generation":
+        changes["generation"] = running_job.generation - 1
+    elif case == "a cancelled job":
+        job_cancel(job=running_job)
+    else:  # the lease expired and another driver took the job over
+        later = timezone.now() + timedelta(hours=1)
+        assert job_driver_claim(job_id=running_job.id, owner="driver-b", now=later) is not None
+    assert save(running_job, 10, **changes) is None
+    assert not Checkpoint.objects.exists() and not StageCheckpoint.objects.exists()
+    assert files_in(checkpoint_dir) == {}
+    assert Job.objects.get(pk=running_job.pk).restarts == 2
+
+
+def test_a_save_that_fails_midway_removes_its_files_and_raises(running_job: Job, checkpoint_dir: Path) -> None:
+    files = stage_files(10)
+    twice = [files[0], files[1], StageFile(1, 1, 2, files[2].data)]  # stage 1 twice: a database constraint
+    with pytest.raises(IntegrityError):
+        save(running_job, 10, files=twice)
+    assert files_in(checkpoint_dir) == {}
+    assert not Checkpoint.objects.exists()
+    assert Job.objects.get(pk=running_job.pk).restarts == 2
+
+
+def saved_steps(job: Job) -> list[int]:
+    return list(Checkpoint.objects.filter(job=job).order_by("step").values_list("step", flat=True))
+
+
+def test_older_checkpoints_are_pruned_with_their_files(
+    running_job: Job, checkpoint_dir: Path, django_capture_on_commit_callbacks
+) -> None:
+    assert KEEP_CHECKPOINTS == 2
+    for step in (10, 20, 30, 40):
+        with django_capture_on_commit_callbacks(execute=True):
+            assert save(running_job, step) is not None
+    assert saved_steps(running_job) == [30, 40]
+    kept = set(StageCheckpoint.objects.values_list("file", flat=True))
+    assert set(files_in(checkpoint_dir)) == kept and len(kept) == 6
+
+
+def test_the_checkpoint_the_stages_resume_from_is_kept(
+    running_job: Job, checkpoint_dir: Path, django_capture_on_commit_callbacks
+) -> None:
+    with django_capture_on_commit_callbacks(execute=True):
+        resume = save(running_job, 10)
+    Job.objects.filter(pk=running_job.pk).update(resume_checkpoint=resume)
+    for step in (20, 30, 40, 50):
+        with django_capture_on_commit_callbacks(execute=True):
+            save(running_job, step)
+    assert saved_steps(running_job) == [10, 40, 50]
+    assert len(files_in(checkpoint_dir)) == 9
+    assert Job.objects.get(pk=running_job.pk).resume_checkpoint_id == resume.id
+
+
+def test_saving_a_step_again_replaces_it(
+    running_job: Job, checkpoint_dir: Path, django_capture_on_commit_callbacks
+) -> None:
+    with django_capture_on_commit_callbacks(execute=True):
+        save(running_job, 10)
+        first = save(running_job, 20)
+    replay = [StageFile(i, i, i + 1, encode_checkpoint(stage_tensors(i, 99))) for i in range(3)]
+    with django_capture_on_commit_callbacks(execute=True):
+        second = save(running_job, 20, files=replay)
+    assert second.pk != first.pk and not Checkpoint.objects.filter(pk=first.pk).exists()
+    assert saved_steps(running_job) == [10, 20]  # the replaced one does not count against the older one
+    rows = StageCheckpoint.objects.filter(checkpoint=second).order_by("stage_index")
+    assert [r.sha256 for r in rows] == [checkpoint_digest(f.data) for f in replay]
+    on_disk = files_in(checkpoint_dir)
+    assert len(on_disk) == 6  # step 10's and the new step 20's: the replaced files are gone
+    assert [on_disk[r.file.name] for r in rows] == [f.data for f in replay]
+
+
+def test_replacing_the_checkpoint_being_resumed_from_keeps_resuming_from_the_new_one(running_job: Job) -> None:
+    # A driver resumed from the final checkpoint saves that same step again.
+    first = save(running_job, 20)
+    Job.objects.filter(pk=running_job.pk).update(resume_checkpoint=first)
+    second = save(running_job, 20)
+    assert Job.objects.get(pk=running_job.pk).resume_checkpoint_id == second.pk
+
+
+# --- stage_checkpoint_for_node ------------------------------------------------------------------------
+def test_only_the_node_hosting_the_stage_gets_its_checkpoint(running_job: Job, agents) -> None:
+    checkpoint = save(running_job, 10)
+    host = dict(Stage.objects.filter(job=running_job).values_list("index", "node_id"))
+    sc = StageCheckpoint.objects.get(checkpoint=checkpoint, stage_index=1)
+    assert stage_checkpoint_for_node(node_id=host[1], stage_checkpoint_id=str(sc.id)) == sc
+    for node_id in (host[0], host[2]):
+        with pytest.raises(ApplicationError) as info:
+            stage_checkpoint_for_node(node_id=node_id, stage_checkpoint_id=str(sc.id))
+        assert info.value.status == 404
+        assert info.value.message == f"checkpoint {sc.id} not found"
+    for garbage in ("not-a-uuid", "00000000-0000-0000-0000-000000000000"):
+        with pytest.raises(ApplicationError, match="not found"):
+            stage_checkpoint_for_node(node_id=host[1], stage_checkpoint_id=garbage)
+    # Once the stage is no longer active on the node (the job finished or it moved), it is not its any more.
+    Stage.objects.filter(job=running_job, index=1).update(active=False)
+    with pytest.raises(ApplicationError, match="not found"):
+        stage_checkpoint_for_node(node_id=host[1], stage_checkpoint_id=str(sc.id))
+
+
+def test_a_node_hosting_the_same_index_of_another_job_gets_nothing(running_job: Job, queued_job, user) -> None:
+    sc = StageCheckpoint.objects.get(checkpoint=save(running_job, 10), stage_index=0)
+    other = queued_job()
+    node, _ = node_create(owner=user, name="elsewhere")
+    Stage.objects.create(job=other, index=0, layer_start=0, layer_end=1, node=node, generation=other.generation)
+    with pytest.raises(ApplicationError, match="not found"):
+        stage_checkpoint_for_node(node_id=node.id, stage_checkpoint_id=str(sc.id))
+
+
+# --- job_model_file -----------------------------------------------------------------------------------
+def test_the_model_file_merges_the_newest_checkpoints_weights(running_job: Job) -> None:
+    save(running_job, 10)
+    newest = save(running_job, 20, epoch=3)
+    data, checkpoint = job_model_file(job=running_job)
+    assert checkpoint == newest
+    tensors = decode_checkpoint(data)
+    expected = {k: v for i in range(3) for k, v in stage_tensors(i, 20).items() if not k.startswith("optimizer.")}
+    assert set(tensors) == set(expected)  # all six weights, no optimizer entries
+    for name, value in expected.items():
+        assert torch.equal(tensors[name], value), name
+    metadata = header_metadata(data)
+    assert metadata == {
+        "job_id": str(running_job.id),
+        "step": "20",
+        "epoch": "3",
+        "model_config": json.dumps(running_job.model_config, sort_keys=True),
+    }
+    assert json.loads(metadata["model_config"]) == {"type": "mlp", "layer_sizes": SIZES}
+
+
+def test_the_model_file_needs_a_checkpoint(running_job: Job) -> None:
+    with pytest.raises(ApplicationError) as info:
+        job_model_file(job=running_job)
+    assert info.value.status == 409
+    assert "has no checkpoint yet" in info.value.message
+
+
+def test_a_damaged_checkpoint_file_is_not_served_as_the_model(running_job: Job, checkpoint_dir: Path) -> None:
+    sc = StageCheckpoint.objects.get(checkpoint=save(running_job, 10), stage_index=2)
+    path = checkpoint_dir / sc.file.name
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="corrupt or replaced"):
+        job_model_file(job=running_job)
+
+
+# --- the agent's checkpoint endpoint and the assignment naming it --------------------------------------
+def download(client: APIClient, url: str) -> Any:
+    response = client.get(url)
+    if response.status_code == 200:
+        # Consuming the stream closes the file (the test client then sends request_finished itself).
+        response.body = b"".join(response.streaming_content)
+    return response
+
+
+def test_the_hosting_agent_downloads_its_stage_checkpoint(running_job: Job, agents) -> None:
+    checkpoint = save(running_job, 10)
+    by_node = {node.id: client for node, client in agents}
+    host = dict(Stage.objects.filter(job=running_job).values_list("index", "node_id"))
+    files = stage_files(10)
+    for index in range(3):
+        sc = StageCheckpoint.objects.get(checkpoint=checkpoint, stage_index=index)
+        response = download(by_node[host[index]], f"/api/agent/checkpoints/{sc.id}")
+        assert response.status_code == 200
+        assert response["Content-Type"] == "application/octet-stream"
+        assert response["X-Checkpoint-SHA256"] == sc.sha256 == checkpoint_digest(files[index].data)
+        assert response.body == files[index].data
+        other = by_node[host[(index + 1) % 3]]
+        refused = download(other, f"/api/agent/checkpoints/{sc.id}")
+        assert refused.status_code == 404
+        assert refused.json()["detail"] == f"checkpoint {sc.id} not found"
+
+
+def test_the_checkpoint_endpoint_needs_a_node_token(running_job: Job, api: APIClient) -> None:
+    sc = StageCheckpoint.objects.filter(checkpoint=save(running_job, 10)).first()
+    url = f"/api/agent/checkpoints/{sc.id}"
+    assert APIClient().get(url).status_code == 401
+    assert api.get(url).status_code == 401  # the job owner's user token is not a node token
+    assert agent_client("wrong-token").get(url).status_code == 401
+
+
+def test_the_assignment_of_a_rewound_job_names_its_checkpoint(running_job: Job, agents) -> None:
+    with_checkpoint = save(running_job, 10)
+    assert job_rewind(
+        job_id=running_job.id, generation=running_job.generation, reason="Test", message="rewound", now=timezone.now()
+    )
+    running_job.refresh_from_db()
+    assert running_job.resume_checkpoint == with_checkpoint
+    files = stage_files(10)
+    for _, client in agents:
+        [assignment] = client.post("/api/agent/heartbeat", {"observed": []}, format="json").json()["assignments"]
+        index = assignment["stage_index"]
+        sc = StageCheckpoint.objects.get(checkpoint=with_checkpoint, stage_index=index)
+        assert assignment["generation"] == running_job.generation
+        assert assignment["checkpoint"] == {
+            "step": 10,
+            "url": f"/api/agent/checkpoints/{sc.id}",
+            "sha256": checkpoint_digest(files[index].data),
+        }
+        ref = Assignment.from_json(assignment).checkpoint  # the agent's own parser accepts it
+        # ... and what the url serves is what the hash names.
+        state = decode_checkpoint(download(client, ref.url).body, sha256=ref.sha256)
+        assert torch.equal(state[f"layers.{index}.weight"], stage_tensors(index, 10)[f"layers.{index}.weight"])
+
+
+def test_a_job_without_a_resume_checkpoint_assigns_none(running_job: Job, agents) -> None:
+    save(running_job, 10)  # saved, but the stages still run from their initial weights
+    for _, client in agents:
+        [assignment] = client.post("/api/agent/heartbeat", {"observed": []}, format="json").json()["assignments"]
+        assert assignment["checkpoint"] is None
+
+
+# --- the owner's model endpoint --------------------------------------------------------------------------
+@pytest.mark.parametrize("suffix", ["model", "model.safetensors"])
+def test_the_owner_downloads_the_model(running_job: Job, api: APIClient, suffix: str) -> None:
+    save(running_job, 10)
+    response = api.get(f"/api/jobs/{running_job.id}/{suffix}")
+    assert response.status_code == 200
+    assert response["Content-Type"] == "application/octet-stream"
+    assert response["Content-Disposition"] == f'attachment; filename="{running_job.id}-step-10.safetensors"'
+    tensors = decode_checkpoint(response.content)
+    assert sorted(tensors) == [f"layers.{i}.{p}" for i in range(3) for p in ("bias", "weight")]
+    assert header_metadata(response.content)["step"] == "10"
+
+
+def test_the_model_endpoint_without_a_checkpoint_is_a_409(running_job: Job, api: APIClient) -> None:
+    response = api.get(f"/api/jobs/{running_job.id}/model")
+    assert response.status_code == 409
+    assert response.json()["detail"] == (
+        f"job {running_job.id} has no checkpoint yet; the model can be downloaded once training has saved one"
+    )
+
+
+def test_another_users_model_is_a_404(running_job: Job, other_api: APIClient) -> None:
+    save(running_job, 10)
+    response = other_api.get(f"/api/jobs/{running_job.id}/model")
+    assert response.status_code == 404
+    assert response.json()["detail"] == f"job {running_job.id} not found"
+    assert APIClient().get(f"/api/jobs/{running_job.id}/model").status_code == 401
+
+
+# --- an S3-compatible bucket instead of the filesystem -----------------------------------------------
+@pytest.fixture
+def s3_bucket(settings, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A real S3-API server over HTTP on loopback (moto's server mode) and the checkpoint storage
+    configured for it exactly as the environment variables of an operator would."""
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {
+        "ARCEUS_CHECKPOINT_S3_BUCKET": "arceus-checkpoints",
+        "AWS_S3_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "test-key",
+        "AWS_SECRET_ACCESS_KEY": "test-secret",
+        "AWS_S3_REGION_NAME": "us-east-1",
+    }
+    s3 = boto3.client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test-key",
+        aws_secret_access_key="test-secret",
+    )
+    s3.create_bucket(Bucket="arceus-checkpoints")
+    settings.STORAGES = {**settings.STORAGES, "checkpoints": checkpoint_storage_settings(env)}
+    monkeypatch.setattr(StageCheckpoint._meta.get_field("file"), "storage", checkpoint_storage())
+    try:
+        yield s3
+    finally:
+        server.stop()
+
+
+def test_checkpoints_live_in_an_s3_bucket_when_one_is_configured(running_job: Job, agents, s3_bucket) -> None:
+    assert type(checkpoint_storage()).__name__ == "S3Storage"
+    checkpoint = save(running_job, 10)
+    keys = sorted(o["Key"] for o in s3_bucket.list_objects_v2(Bucket="arceus-checkpoints")["Contents"])
+    assert keys == sorted(sc.file.name for sc in checkpoint.stages.all()) and len(keys) == 3
+
+    # The hosting agent downloads its stage from the bucket through the control plane, hash intact.
+    sc = checkpoint.stages.get(stage_index=0)
+    node = Stage.objects.get(job=running_job, index=0).node
+    client = next(c for n, c in agents if n.pk == node.pk)
+    response = client.get(f"/api/agent/checkpoints/{sc.id}")
+    assert response.status_code == 200
+    data = b"".join(response.streaming_content)
+    assert checkpoint_digest(data) == sc.sha256 == response["X-Checkpoint-SHA256"]
+    torch.testing.assert_close(decode_checkpoint(data)["layers.0.weight"], stage_tensors(0, 10)["layers.0.weight"])
+    model, _ = job_model_file(job=running_job)
+    assert sorted(decode_checkpoint(model)) == [f"layers.{i}.{p}" for i in range(3) for p in ("bias", "weight")]

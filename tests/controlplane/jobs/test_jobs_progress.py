@@ -1,0 +1,177 @@
+"""The driver's services: the lease, progress records, finishing; and how the job detail shows them."""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+
+import pytest
+from django.conf import settings
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from controlplane.jobs.executor import reconcile_once
+from controlplane.jobs.models import EpochMetric, Job, LossPoint, Stage
+from controlplane.jobs.progress import (
+    StageCounters,
+    StepPoint,
+    job_driver_claim,
+    job_finish,
+    job_record_epoch,
+    job_record_steps,
+)
+from controlplane.jobs.selectors import job_loss_curve
+from controlplane.jobs.services import job_cancel, job_fail
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def running_job(ready_node, queued_job) -> Job:
+    """A placed job whose driver was just enqueued (lease pending, no owner)."""
+    for i in range(3):
+        ready_node(f"n{i}", port=50051 + i)
+    job = queued_job()
+    reconcile_once()
+    Job.objects.filter(pk=job.pk).update(
+        status="running", driver_lease_owner="", driver_lease_expires_at=timezone.now() + timedelta(seconds=60)
+    )
+    job.refresh_from_db()
+    return job
+
+
+def points(*losses: float, start: int = 1) -> list[StepPoint]:
+    return [StepPoint(1, start + i, 90, loss, 100.0 + i) for i, loss in enumerate(losses)]
+
+
+def test_one_driver_holds_the_lease_until_it_expires(running_job: Job) -> None:
+    now = timezone.now()
+    assert job_driver_claim(job_id=running_job.id, owner="a", now=now) is not None
+    assert job_driver_claim(job_id=running_job.id, owner="b", now=now) is None
+    later = now + timedelta(seconds=121)  # past ARCEUS_DRIVER_LEASE_SECONDS without a renewal
+    taken = job_driver_claim(job_id=running_job.id, owner="b", now=later)
+    assert taken is not None and taken.driver_lease_owner == "b"
+    # The old driver finds out at its next write.
+    assert job_record_steps(job_id=running_job.id, lease_owner="a", points=points(1.0), now=later) is False
+
+
+def test_only_running_jobs_can_be_claimed(running_job: Job) -> None:
+    job_cancel(job=running_job)
+    assert job_driver_claim(job_id=running_job.id, owner="a", now=timezone.now()) is None
+
+
+def test_steps_are_recorded_idempotently_and_renew_the_lease(running_job: Job) -> None:
+    now = timezone.now()
+    job_driver_claim(job_id=running_job.id, owner="a", now=now)
+    later = now + timedelta(seconds=100)
+    assert job_record_steps(job_id=running_job.id, lease_owner="a", points=points(2.0, 1.5), now=later)
+    # A restarted driver replays step 2 with another value: upserted, not duplicated.
+    assert job_record_steps(job_id=running_job.id, lease_owner="a", points=points(1.4, math.nan, start=2), now=later)
+    job = Job.objects.get(pk=running_job.pk)
+    assert (job.step, job.total_steps, job.epoch, job.last_loss) == (3, 90, 1, None)  # NaN is stored as null
+    assert job.driver_lease_expires_at == later + timedelta(seconds=settings.ARCEUS_DRIVER_LEASE_SECONDS)
+    assert list(LossPoint.objects.filter(job=job).values_list("step", "loss")) == [(1, 2.0), (2, 1.4), (3, None)]
+
+
+def test_epochs_record_validation_and_stage_counters(running_job: Job) -> None:
+    now = timezone.now()
+    job_driver_claim(job_id=running_job.id, owner="a", now=now)
+    counters = [StageCounters(i, 1000 * (i + 1), 40, 0.5, 2048, 1024) for i in range(3)]
+    assert job_record_epoch(
+        job_id=running_job.id, lease_owner="a", epoch=1, val_loss=0.4, val_accuracy=0.9, stages=counters, now=now
+    )
+    job = Job.objects.get(pk=running_job.pk)
+    assert (job.val_loss, job.val_accuracy) == (0.4, 0.9)
+    assert list(EpochMetric.objects.filter(job=job).values_list("epoch", "val_accuracy")) == [(1, 0.9)]
+    assert list(Stage.objects.filter(job=job).order_by("index").values_list("samples", flat=True)) == [
+        1000,
+        2000,
+        3000,
+    ]
+
+
+def test_finish_succeeds_the_job_and_frees_its_nodes(running_job: Job) -> None:
+    now = timezone.now()
+    job_driver_claim(job_id=running_job.id, owner="a", now=now)
+    job_record_steps(job_id=running_job.id, lease_owner="a", points=points(2.0, 1.0), now=now)
+    assert not job_finish(
+        job_id=running_job.id, lease_owner="b", final_loss=1.0, val_loss=0.5, val_accuracy=0.9, stages=[], now=now
+    )
+    assert job_finish(
+        job_id=running_job.id, lease_owner="a", final_loss=1.0, val_loss=0.5, val_accuracy=0.9, stages=[], now=now
+    )
+    job = Job.objects.get(pk=running_job.pk)
+    assert (job.status, job.final_loss, job.finished_at) == ("succeeded", 1.0, now)
+    assert job.driver_lease_owner == "" and job.driver_lease_expires_at is None
+    succeeded = next(c for c in job.conditions if c["type"] == "Succeeded")
+    assert (succeeded["status"], succeeded["message"]) == ("True", "trained 2 steps, val accuracy 0.9000")
+    assert not Stage.objects.filter(job=job, active=True).exists()
+
+
+def test_a_cancelled_job_stops_its_driver(running_job: Job) -> None:
+    now = timezone.now()
+    job_driver_claim(job_id=running_job.id, owner="a", now=now)
+    job_cancel(job=running_job)
+    assert job_record_steps(job_id=running_job.id, lease_owner="a", points=[], now=now) is False
+    assert not job_finish(
+        job_id=running_job.id, lease_owner="a", final_loss=1.0, val_loss=0.5, val_accuracy=0.9, stages=[], now=now
+    )
+    assert Job.objects.get(pk=running_job.pk).status == "cancelled"
+
+
+def test_the_detail_shows_progress_placements_and_curves(running_job: Job, api: APIClient) -> None:
+    now = timezone.now()
+    job_driver_claim(job_id=running_job.id, owner="a", now=now)
+    job_record_steps(job_id=running_job.id, lease_owner="a", points=points(2.0, 1.0), now=now)
+    counters = [StageCounters(i, 64, 8, 0.25, 4096, 2048) for i in range(3)]
+    job_record_epoch(
+        job_id=running_job.id, lease_owner="a", epoch=1, val_loss=0.7, val_accuracy=0.8, stages=counters, now=now
+    )
+    detail = api.get(f"/api/jobs/{running_job.id}").json()
+    assert (detail["status"], detail["step"], detail["total_steps"], detail["last_loss"]) == ("running", 2, 90, 1.0)
+    assert detail["samples_per_second"] == 101.0
+    assert detail["loss_curve"] == [{"step": 1, "epoch": 1, "loss": 2.0}, {"step": 2, "epoch": 1, "loss": 1.0}]
+    assert detail["epochs"] == [{"epoch": 1, "val_loss": 0.7, "val_accuracy": 0.8}]
+    placement = detail["placements"][0]
+    stage = Stage.objects.select_related("node").get(job=running_job, index=0)
+    assert placement == {
+        "stage_index": 0,
+        "layer_start": 0,
+        "layer_end": 1,
+        "node_id": str(stage.node_id),
+        "node_name": stage.node.name,
+        "generation": running_job.generation,
+        "state": "pending",
+        "message": "",
+        "samples": 64,
+        "micro_batches": 8,
+        "compute_seconds": 0.25,
+        "bytes_sent": 4096,
+        "bytes_received": 2048,
+    }
+    assert {c["type"] for c in detail["conditions"]} == {"Placed", "StagesReady"}
+
+
+def test_a_long_loss_curve_is_thinned_keeping_the_newest_step(running_job: Job) -> None:
+    now = timezone.now()
+    job_driver_claim(job_id=running_job.id, owner="a", now=now)
+    job_record_steps(job_id=running_job.id, lease_owner="a", points=points(*([1.0] * 25)), now=now)
+    running_job.refresh_from_db()
+    curve = job_loss_curve(job=running_job, max_points=10)
+    assert [p["step"] for p in curve] == [3, 6, 9, 12, 15, 18, 21, 24, 25]
+    assert len(job_loss_curve(job=running_job, max_points=100)) == 25
+
+
+def test_a_driver_cannot_fail_a_job_it_no_longer_drives(running_job: Job) -> None:
+    now = timezone.now()
+    job_driver_claim(job_id=running_job.id, owner="a", now=now)
+    assert not job_fail(job_id=running_job.id, message="boom", lease_owner="b", now=now)
+    assert not job_fail(job_id=running_job.id, message="boom", generation=running_job.generation - 1, now=now)
+    assert Job.objects.get(pk=running_job.pk).status == "running"
+    assert job_fail(job_id=running_job.id, message="boom", lease_owner="a", generation=running_job.generation)
+    failed = Job.objects.get(pk=running_job.pk)
+    assert (failed.status, failed.error) == ("failed", "boom")
+    assert [(c["type"], c["status"], c["reason"]) for c in failed.conditions[-2:]] == [
+        ("Training", "False", "DriverError"),
+        ("Failed", "True", "DriverError"),
+    ]

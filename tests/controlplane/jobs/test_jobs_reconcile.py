@@ -1,0 +1,310 @@
+"""plan(): the reconciler's pure decisions, on hand-made snapshots (no database)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import UTC, datetime, timedelta
+
+from arceus.placement.solver import LayerProfile
+from controlplane.common.conditions import get_condition
+from controlplane.jobs.reconcile import (
+    Desired,
+    FailJob,
+    JobView,
+    MarkNodeUnknown,
+    NodeView,
+    Observed,
+    PlacedStage,
+    PlaceJob,
+    PlannedStage,
+    RequestHandover,
+    RequeueJob,
+    Requirements,
+    RewindJob,
+    SetCondition,
+    StageReport,
+    StartDriver,
+    plan,
+)
+
+NOW = datetime(2025, 1, 1, 12, 0, tzinfo=UTC)
+# Three layers: forward FLOPs per sample, and parameters (16 bytes each to train: 1,000 and 100 bytes).
+LAYERS = (LayerProfile(100.0, 62, 0), LayerProfile(100.0, 62, 0), LayerProfile(10.0, 6, 0))
+
+
+def node(name: str, *, ready: str = "True", silent: float = 1.0, flops: float = 1e9, memory: int = 10**6) -> NodeView:
+    return NodeView(
+        id=name,
+        name=name,
+        ready_status=ready,
+        lease_renewed_at=NOW - timedelta(seconds=silent),
+        lease_duration_seconds=6.0,
+        flops=flops,
+        memory_bytes=memory,
+    )
+
+
+def job(job_id: str = "j1", status: str = "queued", **fields: object) -> JobView:
+    defaults: dict = {"generation": 1, "stages_requested": 3, "layers": LAYERS}
+    return JobView(id=job_id, status=status, **{**defaults, **fields})
+
+
+def placed(job_id: str, nodes: list[str], generation: int = 2) -> tuple[PlacedStage, ...]:
+    return tuple(PlacedStage(i, i, i + 1, n, generation) for i, n in enumerate(nodes))
+
+
+def reports(job_id: str, states: list[str], generation: int = 2) -> dict:
+    return {(job_id, i): StageReport(generation, state, f"msg {i}") for i, state in enumerate(states)}
+
+
+def test_a_node_silent_past_its_lease_is_marked_unknown_once() -> None:
+    silent = node("a", silent=9.4)
+    actions = plan(Desired(jobs=()), Observed(nodes=(silent, node("b"))), NOW)
+    assert actions == [MarkNodeUnknown("a", silent.lease_renewed_at, "NodeLeaseExpired", "no heartbeat for 9s")]
+    # Already Unknown: nothing more to write.
+    assert plan(Desired(jobs=()), Observed(nodes=(node("a", ready="Unknown", silent=9.4),)), NOW) == []
+
+
+def test_a_queued_job_is_placed_one_stage_per_ready_node_fastest_first() -> None:
+    nodes = (node("slow", flops=1e9), node("fast", flops=4e9), node("mid", flops=2e9), node("spare", flops=5e8))
+    [action] = plan(Desired(jobs=(job(),)), Observed(nodes=nodes), NOW)
+    assert isinstance(action, PlaceJob)
+    assert (action.job_id, action.generation) == ("j1", 1)
+    assert action.stages == (
+        PlannedStage(0, 0, 1, "fast"),
+        PlannedStage(1, 1, 2, "mid"),
+        PlannedStage(2, 2, 3, "slow"),
+    )
+    placed_condition = get_condition(action.conditions, "Placed")
+    assert placed_condition["status"] == "True"
+    assert placed_condition["message"] == (
+        "3 stages on fast (layers 0-0), mid (layers 1-1), slow (layers 2-2); $0.0000/hour"
+    )
+    assert placed_condition["last_transition_time"] == NOW.isoformat()
+
+
+def test_without_enough_ready_nodes_the_job_waits_and_says_why() -> None:
+    nodes = (node("a"), node("gone", silent=30), node("unknown", ready="Unknown"))
+    actions = plan(Desired(jobs=(job(),)), Observed(nodes=nodes), NOW)
+    assert isinstance(actions[0], MarkNodeUnknown)
+    [waiting] = actions[1:]
+    assert isinstance(waiting, SetCondition)
+    condition = get_condition(waiting.conditions, "Placed")
+    assert (condition["status"], condition["reason"], condition["message"]) == (
+        "False",
+        "WaitingForNodes",
+        "needs 3 Ready nodes, 1 available",
+    )
+
+
+def test_an_unchanged_waiting_condition_is_not_rewritten() -> None:
+    [waiting] = plan(Desired(jobs=(job(),)), Observed(nodes=(node("a"),)), NOW)
+    again = job(conditions=waiting.conditions)
+    assert plan(Desired(jobs=(again,)), Observed(nodes=(node("a"),)), NOW + timedelta(seconds=2)) == []
+
+
+def test_without_a_stage_count_a_job_takes_every_free_node_up_to_its_layers() -> None:
+    nodes = tuple(node(name) for name in "abcde")
+    [action] = plan(Desired(jobs=(job(stages_requested=None),)), Observed(nodes=nodes), NOW)
+    assert len(action.stages) == 3
+    [two] = plan(Desired(jobs=(job(stages_requested=None),)), Observed(nodes=nodes[:2]), NOW)
+    assert [(s.layer_start, s.layer_end) for s in two.stages] == [(0, 1), (1, 3)]
+    [none] = plan(Desired(jobs=(job(stages_requested=None),)), Observed(nodes=()), NOW)
+    assert get_condition(none.conditions, "Placed")["message"] == "needs 1 Ready node, 0 available"
+
+
+def test_nodes_of_active_jobs_are_not_reused_and_a_later_job_may_use_what_is_left() -> None:
+    running = job(
+        "old", "running", stages=placed("old", ["a", "b"]), driver_lease_expires_at=NOW + timedelta(seconds=60)
+    )
+    big = job("big", stages_requested=3)
+    small = job("small", stages_requested=1)
+    nodes = tuple(node(name) for name in "abcd")
+    actions = plan(Desired(jobs=(running, big, small)), Observed(nodes=nodes), NOW)
+    assert isinstance(actions[0], SetCondition) and actions[0].job_id == "big"
+    assert get_condition(actions[0].conditions, "Placed")["message"] == "needs 3 Ready nodes, 2 available"
+    assert isinstance(actions[1], PlaceJob) and actions[1].job_id == "small"
+    assert actions[1].stages[0].node_id in {"c", "d"}
+
+
+def test_two_queued_jobs_in_one_pass_never_share_a_node() -> None:
+    nodes = tuple(node(name) for name in "abcdef")
+    first, second = plan(Desired(jobs=(job("x"), job("y"))), Observed(nodes=nodes), NOW)
+    assert {s.node_id for s in first.stages}.isdisjoint({s.node_id for s in second.stages})
+
+
+def test_placement_that_fits_no_memory_says_so() -> None:
+    nodes = tuple(node(name, memory=500) for name in "abc")
+    [action] = plan(Desired(jobs=(job(),)), Observed(nodes=nodes), NOW)
+    condition = get_condition(action.conditions, "Placed")
+    assert condition["reason"] == "NoFeasiblePlacement"
+    assert "layer 0 needs" in condition["message"]
+
+
+def test_a_placing_job_starts_its_driver_once_every_stage_is_ready_at_its_generation() -> None:
+    placing = job("j", "placing", generation=2, stages=placed("j", ["a", "b", "c"]))
+    nodes = tuple(node(name) for name in "abc")
+    [action] = plan(Desired(jobs=(placing,)), Observed(nodes, reports("j", ["ready"] * 3)), NOW)
+    assert action == StartDriver("j", 2, "placing", None, action.conditions)
+    assert get_condition(action.conditions, "StagesReady")["status"] == "True"
+    assert get_condition(action.conditions, "Training")["reason"] == "DriverStarting"
+
+
+def test_reports_about_an_older_generation_do_not_count() -> None:
+    placing = job("j", "placing", generation=2, stages=placed("j", ["a", "b", "c"]))
+    nodes = tuple(node(name) for name in "abc")
+    stale = {**reports("j", ["ready"] * 3), ("j", 2): StageReport(1, "ready")}
+    [action] = plan(Desired(jobs=(placing,)), Observed(nodes, stale), NOW)
+    assert isinstance(action, SetCondition)
+    assert get_condition(action.conditions, "StagesReady")["message"] == "2/3 stages ready"
+
+
+def test_a_failed_stage_fails_the_job_with_its_message() -> None:
+    placing = job("j", "placing", generation=2, stages=placed("j", ["a", "b", "c"]))
+    nodes = tuple(node(name) for name in "abc")
+    [action] = plan(Desired(jobs=(placing,)), Observed(nodes, reports("j", ["ready", "failed", "ready"])), NOW)
+    assert action == FailJob("j", 2, "StageFailed", "stage 1 on node b failed: msg 1")
+
+
+def test_a_lost_stage_moves_alone_to_the_fastest_free_node_with_room() -> None:
+    running = job("j", "running", generation=2, stages=placed("j", ["a", "b", "c"]))
+    nodes = (
+        node("a"),
+        node("b", silent=20),
+        node("c"),
+        node("small", flops=9e9, memory=500),  # fastest, but stage 1 needs 1000 bytes
+        node("slow", flops=1e9),
+        node("fast", flops=4e9),
+    )
+    actions = plan(Desired(jobs=(running,)), Observed(nodes, reports("j", ["ready"] * 3)), NOW)
+    assert isinstance(actions[0], MarkNodeUnknown)
+    assert actions[1] == RewindJob(
+        "j", 2, "placing", ((1, "fast"),), False, "NodeLost", "stage 1 moved from b to fast"
+    )
+
+
+def test_a_job_tolerates_silence_up_to_its_own_grace() -> None:
+    patient = job("j", "running", generation=2, stages=placed("j", ["a", "b", "c"]), node_grace_seconds=30.0,
+                  driver_lease_expires_at=NOW + timedelta(seconds=5))
+    nodes = (node("a"), node("b", silent=20, ready="Unknown"), node("c"), node("spare"))
+    assert plan(Desired(jobs=(patient,)), Observed(nodes), NOW) == []
+    nodes = (node("a"), node("b", silent=31, ready="Unknown"), node("c"), node("spare"))
+    [action] = plan(Desired(jobs=(patient,)), Observed(nodes), NOW)
+    assert isinstance(action, RewindJob) and action.moves == ((1, "spare"),)
+
+
+def test_a_lost_stage_with_no_room_anywhere_unplaces_and_waits_pending() -> None:
+    running = job("j", "running", generation=2, stages=placed("j", ["a", "b", "c"]))
+    nodes = (node("a"), node("b", silent=20, ready="Unknown"), node("c"), node("tiny", memory=10))
+    [action] = plan(Desired(jobs=(running,)), Observed(nodes), NOW)
+    assert isinstance(action, RewindJob)
+    assert (action.status, action.moves, action.reason) == ("pending", ((1, None),), "WaitingForNode")
+    assert action.message == (
+        "waiting for a Ready node with room for stage 1 (layers 1-1, needs 992 bytes) "
+        "(1 free Ready node now)"
+    )
+    # Pending and still nothing fits: only the condition is kept up to date, no new generation.
+    pending = job("j", "pending", generation=3, stages=(*placed("j", ["a"], 3), PlacedStage(1, 1, 2, None, 3),
+                                                       PlacedStage(2, 2, 3, "c", 3)))
+    [action] = plan(Desired(jobs=(pending,)), Observed(nodes), NOW)
+    assert isinstance(action, SetCondition)
+    assert get_condition(action.conditions, "Placed")["reason"] == "WaitingForNode"
+    # A node with room registers: the stage is placed and the job rewinds onto it.
+    [action] = plan(Desired(jobs=(pending,)), Observed((*nodes, node("new"))), NOW)
+    assert isinstance(action, RewindJob) and (action.status, action.moves) == ("placing", ((1, "new"),))
+
+
+def test_two_lost_stages_never_share_a_replacement() -> None:
+    running = job("j", "running", generation=2, stages=placed("j", ["a", "b", "c"]))
+    nodes = (node("a", silent=20, ready="Unknown"), node("b", silent=20, ready="Unknown"), node("c"), node("d"))
+    [action] = plan(Desired(jobs=(running,)), Observed(nodes), NOW)
+    assert isinstance(action, RewindJob) and action.status == "pending"
+    assert action.moves == ((0, None), (1, None))
+
+
+def test_a_running_job_gets_a_new_driver_only_when_its_lease_expired() -> None:
+    nodes = tuple(node(name) for name in "abc")
+    live = NOW + timedelta(seconds=30)
+    running = job("j", "running", generation=2, stages=placed("j", ["a", "b", "c"]), driver_lease_expires_at=live)
+    assert plan(Desired(jobs=(running,)), Observed(nodes), NOW) == []
+    expired = NOW - timedelta(seconds=1)
+    dead = job("j", "running", generation=2, stages=placed("j", ["a", "b", "c"]), driver_lease_expires_at=expired)
+    [action] = plan(Desired(jobs=(dead,)), Observed(nodes), NOW)
+    assert action == StartDriver("j", 2, "running", expired, action.conditions)
+    assert get_condition(action.conditions, "Training")["reason"] == "DriverRestarted"
+    # A driver that had claimed the lease and stopped renewing it died mid-run: rewind, counting it.
+    claimed = job("j", "running", generation=2, stages=placed("j", ["a", "b", "c"]), driver_lease_expires_at=expired,
+                  driver_claimed=True, restarts=1)
+    [action] = plan(Desired(jobs=(claimed,)), Observed(nodes), NOW)
+    assert isinstance(action, RewindJob) and (action.moves, action.count_restart) == ((), True)
+    exhausted = job("j", "running", generation=2, stages=placed("j", ["a", "b", "c"]), driver_lease_expires_at=expired,
+                    driver_claimed=True, restarts=5)
+    [action] = plan(Desired(jobs=(exhausted,)), Observed(nodes), NOW)
+    assert isinstance(action, FailJob) and action.reason == "BackoffLimitExceeded"
+
+
+def test_a_stored_model_that_no_longer_validates_fails_the_job() -> None:
+    broken = job(layers=(), spec_error="model_config.type: unknown model type 'x'")
+    [action] = plan(Desired(jobs=(broken,)), Observed(nodes=(node("a"),)), NOW)
+    assert action == FailJob("j1", 1, "InvalidModel", "model_config.type: unknown model type 'x'")
+
+
+def test_a_placing_job_without_stages_is_requeued() -> None:
+    [action] = plan(Desired(jobs=(job("j", "placing", generation=2),)), Observed(nodes=(node("a"),)), NOW)
+    assert action == RequeueJob("j", 2, "StagesMissing", "the placement has no stages")
+
+
+def test_a_paused_node_takes_no_new_stage() -> None:
+    queued = job("j", stages_requested=2)
+    nodes = (node("fast", flops=9e9), node("paused", flops=8e9), node("slow"))
+    nodes = (nodes[0], replace(nodes[1], paused=True), nodes[2])
+    [action] = plan(Desired(jobs=(queued,)), Observed(nodes), NOW)
+    assert isinstance(action, PlaceJob) and {s.node_id for s in action.stages} == {"fast", "slow"}
+
+
+def test_a_running_job_on_a_paused_node_first_asks_its_driver_to_hand_over() -> None:
+    live = NOW + timedelta(seconds=5)
+    running = job("j", "running", generation=2, stages=placed("j", ["a", "b", "c"]), driver_lease_expires_at=live,
+                  driver_claimed=True)
+    nodes = (node("a"), replace(node("b"), paused=True), node("c"), node("spare"))
+    [action] = plan(Desired(jobs=(running,)), Observed(nodes), NOW)
+    assert isinstance(action, RequestHandover) and (action.job_id, action.generation) == ("j", 2)
+    draining = get_condition(action.conditions, "Draining")
+    assert draining["status"] == "True" and "stage 1 on b (paused by its owner): checkpointing" in draining["message"]
+    # Asked already: nothing more until the driver lets go.
+    asked = replace(running, handover_requested=True)
+    assert plan(Desired(jobs=(asked,)), Observed(nodes), NOW) == []
+    # Let go (checkpointed; claimed lease expired): only the drained stage moves, counted as no restart.
+    handed = replace(asked, driver_lease_expires_at=NOW - timedelta(seconds=1))
+    [action] = plan(Desired(jobs=(handed,)), Observed(nodes), NOW)
+    assert action == RewindJob(
+        "j", 2, "placing", ((1, "spare"),), False, "NodeDrained", "stage 1 moved from b (paused by its owner) to spare"
+    )
+
+
+def test_a_placing_job_on_a_paused_node_moves_at_once() -> None:
+    placing = job("j", "placing", generation=2, stages=placed("j", ["a", "b", "c"]))
+    nodes = (node("a"), node("b"), replace(node("c"), paused=True), node("spare"))
+    [action] = plan(Desired(jobs=(placing,)), Observed(nodes, reports("j", ["ready"] * 3)), NOW)
+    assert isinstance(action, RewindJob) and action.moves == ((2, "spare"),) and action.reason == "NodeDrained"
+
+
+def test_placement_honours_the_jobs_requirements_and_budget() -> None:
+    nodes = (
+        replace(node("gpu", flops=9e9), device_type="cuda", price_per_hour=2.0),
+        replace(node("big", memory=10**7), price_per_hour=0.3),
+        replace(node("small", memory=10**6), price_per_hour=0.3),
+        replace(node("other"), price_per_hour=0.3),
+    )
+    needs = Requirements(device_types=("cpu",), min_memory_bytes=2 * 10**6)
+    picky = job(stages_requested=None, requirements=needs)
+    [action] = plan(Desired(jobs=(picky,)), Observed(nodes), NOW)
+    assert isinstance(action, PlaceJob) and [s.node_id for s in action.stages] == ["big"]  # the only cpu ≥ 2 MB
+    frugal = job(stages_requested=None, requirements=Requirements(max_price_per_hour=0.7))
+    [action] = plan(Desired(jobs=(frugal,)), Observed(nodes), NOW)
+    assert isinstance(action, PlaceJob) and "gpu" not in {s.node_id for s in action.stages}
+    assert len(action.stages) == 2  # two $0.30 devices fit the $0.70 budget, three would not
+    wide = job(stages_requested=None, requirements=Requirements(min_devices=3, device_types=("cuda",)))
+    [action] = plan(Desired(jobs=(wide,)), Observed(nodes), NOW)
+    condition = get_condition(action.conditions, "Placed")
+    assert condition["message"] == "needs 3 Ready nodes meeting its requirements, 1 available"

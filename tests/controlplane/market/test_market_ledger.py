@@ -1,0 +1,145 @@
+"""The ledger: priced, append-only, idempotent entries per node and stage generation; prices posted from
+demand and supply; hourly rollups; what owners and developers see through the API."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.db.models import Sum
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from controlplane.jobs.executor import reconcile_once
+from controlplane.jobs.models import Job, Stage
+from controlplane.jobs.progress import StageCounters, job_driver_claim, job_record_steps
+from controlplane.jobs.services import job_rewind
+from controlplane.market.models import LedgerEntry, LedgerHourly, PriceChange
+from controlplane.market.services import ledger_rollup, node_device_class, prices_reprice
+from controlplane.nodes.models import Node
+
+pytestmark = pytest.mark.django_db
+DRIVER = "driver"
+
+
+@pytest.fixture
+def running_job(ready_node, queued_job) -> Job:
+    for i in range(3):
+        ready_node(f"n{i}", port=50051 + i, flops=1.2e11, memory=16 * 2**30)
+    job = queued_job()
+    reconcile_once()
+    Job.objects.filter(pk=job.pk).update(status="running")
+    assert job_driver_claim(job_id=job.id, owner=DRIVER, now=timezone.now()) is not None
+    job.refresh_from_db()
+    return job
+
+
+def report(job: Job, samples: int, seconds: float) -> bool:
+    """The driver records the three stages' cumulative counters (as after a step)."""
+    counters = [StageCounters(i, samples, samples // 8, seconds * (i + 1), 1000 * samples, 900 * samples)
+                for i in range(3)]
+    return job_record_steps(job_id=job.id, lease_owner=DRIVER, points=[], stages=counters, now=timezone.now())
+
+
+def totals(**filters: object) -> dict:
+    return LedgerEntry.objects.filter(**filters).aggregate(
+        samples=Sum("samples"), seconds=Sum("compute_seconds"), charge=Sum("charge_micros"),
+        fee=Sum("fee_micros"), credit=Sum("credit_micros"),
+    )
+
+
+def test_entries_are_the_work_since_the_last_report_and_retries_add_nothing(running_job: Job) -> None:
+    assert report(running_job, samples=320, seconds=36.0)
+    assert LedgerEntry.objects.count() == 3
+    assert report(running_job, samples=320, seconds=36.0)  # a retried write of the same counters
+    assert LedgerEntry.objects.count() == 3
+    assert report(running_job, samples=800, seconds=90.0)
+    stage2 = LedgerEntry.objects.filter(stage_index=2).order_by("samples_total")
+    assert [(e.samples, e.compute_seconds, e.samples_total) for e in stage2] == [(320, 108.0, 320), (480, 162.0, 800)]
+    assert totals(stage_index=2)["samples"] == 800 and totals(stage_index=2)["seconds"] == pytest.approx(270.0)
+
+
+def test_work_is_charged_at_the_price_in_force_and_credits_plus_fees_equal_charges(running_job: Job, settings) -> None:
+    settings.ARCEUS_PLATFORM_FEE = 0.15
+    klass = node_device_class(Node.objects.first())
+    PriceChange.objects.create(device_class=klass, price_per_hour=0.36, demand=3, supply=3)
+    report(running_job, samples=320, seconds=100.0)
+    entry = LedgerEntry.objects.get(stage_index=0)
+    assert (entry.device_class, entry.price_per_hour) == (klass, 0.36)
+    assert entry.charge_micros == 10_000  # 100 s at $0.36/h = $0.01
+    assert (entry.fee_micros, entry.credit_micros) == (1_500, 8_500)
+    PriceChange.objects.create(device_class=klass, price_per_hour=0.72, demand=6, supply=3)
+    report(running_job, samples=640, seconds=200.0)
+    later = LedgerEntry.objects.filter(stage_index=0).order_by("samples_total").last()
+    assert later.price_per_hour == 0.72 and later.charge_micros == 20_000
+    t = totals()
+    assert t["credit"] + t["fee"] == t["charge"]  # to the micro-dollar, not just the cent
+
+
+def test_a_rewound_stage_starts_a_new_generation_and_the_old_work_stays_counted(running_job: Job) -> None:
+    report(running_job, samples=320, seconds=10.0)
+    assert job_rewind(job_id=running_job.id, generation=running_job.generation, reason="DriverLost",
+                      message="test", now=timezone.now())
+    Job.objects.filter(pk=running_job.pk).update(status="running")
+    running_job.refresh_from_db()
+    assert job_driver_claim(job_id=running_job.id, owner=DRIVER, now=timezone.now()) is not None
+    report(running_job, samples=96, seconds=3.0)  # the agents' counters start again at zero
+    assert totals(stage_index=0)["samples"] == 320 + 96
+    assert set(LedgerEntry.objects.values_list("generation", flat=True)) == {running_job.generation - 1,
+                                                                             running_job.generation}
+
+
+def test_a_driver_without_the_lease_records_nothing(running_job: Job) -> None:
+    Job.objects.filter(pk=running_job.pk).update(driver_lease_owner="another")
+    assert not report(running_job, samples=320, seconds=10.0)
+    assert not LedgerEntry.objects.exists()
+
+
+def test_prices_follow_demand_and_supply_and_every_change_is_kept(running_job: Job) -> None:
+    [first] = prices_reprice()  # three devices of one class, a job wanting three
+    assert (first.demand, first.supply, first.price_per_hour) == (3.0, 3.0, pytest.approx(0.30))
+    assert prices_reprice() == []  # nothing moved, nothing posted
+    Node.objects.filter(name="n2").update(paused=True)  # supply 2 for demand 3: dearer
+    [second] = prices_reprice()
+    assert second.supply == 2.0 and second.price_per_hour > first.price_per_hour
+    assert PriceChange.objects.count() == 2
+
+
+def test_the_hourly_rollup_matches_the_ledger_and_can_run_again(running_job: Job) -> None:
+    report(running_job, samples=320, seconds=36.0)
+    report(running_job, samples=640, seconds=72.0)
+    since = timezone.now() - timedelta(hours=2)
+    assert ledger_rollup(since=since) == 3  # one row per node (one stage each) this hour
+    assert ledger_rollup(since=since) == 3
+    assert LedgerHourly.objects.count() == 3
+    hourly = LedgerHourly.objects.aggregate(samples=Sum("samples"), credit=Sum("credit_micros"))
+    assert (hourly["samples"], hourly["credit"]) == (totals()["samples"], totals()["credit"])
+
+
+def test_owners_see_their_earnings_and_developers_their_cost(running_job: Job, api: APIClient, other_api) -> None:
+    report(running_job, samples=320, seconds=3600.0)
+    node = Stage.objects.get(job=running_job, index=0).node
+    earnings = api.get(f"/api/nodes/{node.id}/earnings").json()
+    expected = Decimal(LedgerEntry.objects.get(node=node).credit_micros) / 1_000_000
+    assert Decimal(earnings["credit_usd"]) == expected > 0
+    assert earnings["per_job"][0]["job_id"] == str(running_job.id) and earnings["per_day"][0]["samples"] == 320
+    refused = other_api.get(f"/api/nodes/{node.id}/earnings")
+    assert refused.status_code == 403 and "only its owner" in refused.json()["detail"]
+
+    cost = api.get(f"/api/jobs/{running_job.id}").json()["cost"]
+    assert Decimal(cost["charged_usd"]) == Decimal(totals()["charge"]) / 1_000_000
+    prices = api.get("/api/market/prices").json()
+    assert [p["device_class"] for p in prices] == ["standard-medium"]
+    assert prices[0]["price_per_hour"] == pytest.approx(0.30) and prices[0]["updated_at"] is None
+
+
+def test_a_running_job_shows_the_time_and_money_left(running_job: Job, api: APIClient) -> None:
+    Job.objects.filter(pk=running_job.pk).update(step=10, total_steps=110, samples_per_second=64.0)
+    cost = api.get(f"/api/jobs/{running_job.id}").json()["cost"]
+    # 100 steps of 32 samples at 64 samples/s: 50 s on three laptops at $0.30/h each.
+    assert cost["remaining_seconds"] == pytest.approx(50.0)
+    assert Decimal(cost["estimate_to_finish_usd"]) == Decimal("0.0125")
+    Job.objects.filter(pk=running_job.pk).update(status="succeeded")
+    cost = api.get(f"/api/jobs/{running_job.id}").json()["cost"]
+    assert cost["remaining_seconds"] is None and cost["estimate_to_finish_usd"] is None

@@ -1,0 +1,247 @@
+"""The node-agent protocol: node-token auth, register, heartbeat and the Assignment contract."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from controlplane.jobs.executor import reconcile_once
+from controlplane.jobs.models import Job, Stage
+from controlplane.nodes.models import Node
+from controlplane.nodes.services import node_create
+from nodeagent.assignment import Assignment
+
+pytestmark = pytest.mark.django_db
+
+CAPABILITIES = {"device_type": "cpu", "device_name": "Test CPU", "memory_bytes": 8 * 2**30, "flops_fp32": 5e10}
+
+
+def agent_client(token: str) -> APIClient:
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Node {token}")
+    return client
+
+
+@pytest.fixture
+def agent(user) -> tuple[Node, APIClient]:
+    node, token = node_create(owner=user, name="agent")
+    return node, agent_client(token)
+
+
+def register(client: APIClient, address: str = "127.0.0.1:50051", **caps: Any) -> Any:
+    return client.post(
+        "/api/agent/register", {"grpc_address": address, "capabilities": {**CAPABILITIES, **caps}}, format="json"
+    )
+
+
+def heartbeat(client: APIClient, observed: list[dict[str, Any]] | None = None) -> Any:
+    return client.post("/api/agent/heartbeat", {"observed": observed or []}, format="json")
+
+
+@pytest.mark.parametrize(
+    ("header", "message"),
+    [
+        (None, "node agent endpoint: send `Authorization: Node <token>`"),
+        ("Node wrong-token", "invalid node token: no node has it"),
+        ("Node", "malformed node credentials"),
+        ("Node a b", "malformed node credentials"),
+    ],
+)
+def test_agent_endpoints_need_a_valid_node_token(db: None, header: str | None, message: str) -> None:
+    client = APIClient()
+    if header:
+        client.credentials(HTTP_AUTHORIZATION=header)
+    for path in ("/api/agent/register", "/api/agent/heartbeat"):
+        response = client.post(path, {}, format="json")
+        assert response.status_code == 401
+        assert response.json()["detail"].startswith(message)
+        assert response["WWW-Authenticate"] == "Node"
+
+
+def test_a_user_token_is_not_a_node_token(api: APIClient) -> None:
+    assert register(api).status_code == 401
+
+
+def test_register_records_capabilities(agent: tuple[Node, APIClient]) -> None:
+    node, client = agent
+    response = register(client)
+    assert response.status_code == 200
+    assert response.json() == {"node_id": str(node.id), "heartbeat_interval_seconds": 2.0}
+    node.refresh_from_db()
+    assert (node.device_type, node.memory_bytes, node.flops_fp32, node.grpc_address) == (
+        "cpu",
+        8 * 2**30,
+        5e10,
+        "127.0.0.1:50051",
+    )
+    assert (node.ready_status, node.ready_reason) == ("Unknown", "Registered")
+    assert node.lease.duration_seconds == 6.0
+
+
+@pytest.mark.parametrize(
+    ("address", "caps", "field"),
+    [
+        ("127.0.0.1", {}, "grpc_address"),
+        ("127.0.0.1:0", {}, "grpc_address"),
+        ("127.0.0.1:70000", {}, "grpc_address"),
+        ("0.0.0.0:50051", {}, "grpc_address"),
+        ("bad host!:50051", {}, "grpc_address"),
+        ("127.0.0.1:50051", {"device_type": "tpu"}, "capabilities.device_type"),
+        ("127.0.0.1:50051", {"memory_bytes": 0}, "capabilities.memory_bytes"),
+        ("127.0.0.1:50051", {"memory_bytes": "8GB"}, "capabilities.memory_bytes"),
+        ("127.0.0.1:50051", {"flops_fp32": 0}, "capabilities.flops_fp32"),
+        ("127.0.0.1:50051", {"flops_fp32": -1.5}, "capabilities.flops_fp32"),
+    ],
+)
+def test_register_validates_strictly(agent: tuple[Node, APIClient], address: str, caps: dict, field: str) -> None:
+    node, client = agent
+    response = register(client, address, **caps)
+    assert response.status_code == 400
+    assert list(response.json()["errors"]) == [field]
+    node.refresh_from_db()
+    assert not node.is_registered
+
+
+def test_ipv6_and_hostnames_are_addresses(agent: tuple[Node, APIClient]) -> None:
+    _, client = agent
+    assert register(client, "[::1]:50051").status_code == 200
+    assert register(client, "gpu-box.local:50051").status_code == 200
+
+
+def test_heartbeat_before_register_is_a_409(agent: tuple[Node, APIClient]) -> None:
+    response = heartbeat(agent[1])
+    assert response.status_code == 409
+    assert "POST /api/agent/register before heartbeating" in response.json()["detail"]
+
+
+def test_heartbeat_marks_the_node_ready_and_nudges_the_reconciler_only_on_change(
+    agent: tuple[Node, APIClient], django_capture_on_commit_callbacks
+) -> None:
+    node, client = agent
+    register(client)
+    with django_capture_on_commit_callbacks() as first:
+        response = heartbeat(client)
+    assert response.status_code == 200
+    assert response.json() == {
+        "node_id": str(node.id),
+        "assignments": [],
+        "controls": {"max_threads": None},
+        "heartbeat_interval_seconds": 2.0,
+    }
+    node.refresh_from_db()
+    assert (node.ready_status, node.ready_reason) == ("True", "AgentReady")
+    assert len(first) == 1  # Ready changed: nudge
+    with django_capture_on_commit_callbacks() as steady:
+        heartbeat(client)
+    assert steady == []  # nothing changed: no message
+
+
+def three_agents(user) -> list[tuple[Node, APIClient]]:
+    agents = []
+    for i in range(3):
+        node, token = node_create(owner=user, name=f"agent-{i}")
+        client = agent_client(token)
+        assert register(client, f"10.0.0.{i + 1}:5005{i}").status_code == 200
+        assert heartbeat(client).status_code == 200
+        agents.append((node, client))
+    return agents
+
+
+def test_heartbeat_returns_the_assignment_contract(user, queued_job) -> None:
+    agents = three_agents(user)
+    job = queued_job()
+    reconcile_once()
+    job.refresh_from_db()
+    by_index = {s.index: s for s in Stage.objects.filter(job=job)}
+    addresses = {i: s.node.grpc_address for i, s in by_index.items()}
+    for node, client in agents:
+        [assignment] = heartbeat(client).json()["assignments"]
+        index = assignment["stage_index"]
+        assert by_index[index].node_id == node.id
+        assert assignment == {
+            "stage_id": f"{job.id}-stage-{index}",
+            "job_id": str(job.id),
+            "stage_index": index,
+            "num_stages": 3,
+            "generation": job.generation,
+            "model": {"type": "mlp", "layer_sizes": [64, 32, 16, 10]},
+            "layer_start": index,
+            "layer_end": index + 1,
+            "seed": 3,
+            "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0001},
+            "micro_batches": 4,
+            "max_micro_batch_size": 90,  # ceil(max(32, 360) / 4)
+            "prev_address": addresses.get(index - 1),
+            "next_address": addresses.get(index + 1),
+            "checkpoint": None,
+        }
+        # The agent's own parser accepts it.
+        assert Assignment.from_json(assignment).stage_index == index
+
+
+def test_observed_states_count_only_for_the_current_generation(user, queued_job) -> None:
+    agents = three_agents(user)
+    job = queued_job()
+    reconcile_once()
+    job.refresh_from_db()
+    node, client = agents[0]
+    stage = Stage.objects.get(node=node)
+    stale = {"stage_id": stage.stage_id, "generation": job.generation - 1, "state": "ready", "message": ""}
+    heartbeat(client, [stale, {"stage_id": "garbage", "generation": 1, "state": "ready"}])
+    stage.refresh_from_db()
+    assert stage.observed_state == "pending" and stage.observed_generation is None
+    heartbeat(client, [{**stale, "generation": job.generation, "state": "failed", "message": "out of memory"}])
+    stage.refresh_from_db()
+    assert (stage.observed_generation, stage.observed_state, stage.observed_message) == (
+        job.generation,
+        "failed",
+        "out of memory",
+    )
+
+
+def test_heartbeat_validates_observed(agent: tuple[Node, APIClient]) -> None:
+    _, client = agent
+    register(client)
+    response = heartbeat(client, [{"stage_id": "x", "generation": -1, "state": "exploded"}])
+    assert response.status_code == 400
+    assert set(response.json()["errors"]) == {"observed[0].generation", "observed[0].state"}
+
+
+def test_the_whole_flow_to_a_running_job(user, queued_job, django_capture_on_commit_callbacks) -> None:
+    agents = three_agents(user)
+    job = queued_job()
+    reconcile_once()
+    for _, client in agents:
+        [assignment] = heartbeat(client).json()["assignments"]
+        observed = [{"stage_id": assignment["stage_id"], "generation": assignment["generation"], "state": "ready"}]
+        heartbeat(client, observed)
+    with django_capture_on_commit_callbacks() as enqueued:
+        report = reconcile_once()
+    assert [type(a).__name__ for a in report.applied] == ["StartDriver"]
+    assert len(enqueued) == 1  # the training task
+    job.refresh_from_db()
+    assert job.status == "running" and job.started_at is not None
+
+
+@pytest.mark.parametrize("status", ["placing", "running"])
+def test_an_agent_that_re_registers_rewinds_its_job_and_keeps_its_stage(user, queued_job, status) -> None:
+    agents = three_agents(user)
+    job = queued_job()
+    reconcile_once()
+    Job.objects.filter(pk=job.pk).update(status=status, driver_lease_owner="d", driver_lease_expires_at=timezone.now())
+    job.refresh_from_db()
+    placed, generation = dict(Stage.objects.filter(job=job).values_list("index", "node_id")), job.generation
+    node, client = agents[1]
+    index = Stage.objects.get(node=node).index
+    register(client, "10.0.0.9:6000")  # a new process, perhaps on a new port: its stage's state is gone
+    job.refresh_from_db()
+    assert (job.status, job.generation) == ("placing", generation + 1)
+    assert job.driver_lease_owner == ""  # the old driver's writes are refused from now on
+    training = next(c for c in job.conditions if c["type"] == "Training")
+    assert training["reason"] == "NodeRestarted"
+    assert f"node agent-1 ({node.id}) restarted while hosting stage {index}" in training["message"]
+    assert dict(Stage.objects.filter(job=job).values_list("index", "node_id")) == placed
+    assert set(Stage.objects.filter(job=job).values_list("generation", flat=True)) == {generation + 1}

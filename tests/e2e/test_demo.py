@@ -1,0 +1,83 @@
+"""`make demo` runs `python -m arceus.demo`: run it as a user would, on its embedded defaults."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from arceus.devcluster.cluster import REPO_ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def _demo_env() -> dict[str, str]:
+    # Embedded defaults: no database or broker URL, so the demo brings its own SQLite and Redis.
+    env = {k: v for k, v in os.environ.items() if k not in {"DATABASE_URL", "REDIS_URL"}}
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """PIDs whose environment mentions `text` (every child of the demo has its work dir there)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if text.encode() in (entry / "environ").read_bytes():
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_demo_trains_digits_to_95_percent_and_prints_summary(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "arceus.demo", "--workdir", str(tmp_path)],
+        cwd=REPO_ROOT, env=_demo_env(), capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["status"] == "succeeded"
+    assert summary["val_accuracy"] >= 0.95
+    assert summary["steps"] > 0 and summary["final_loss"] < 0.5
+    assert [n["stage"] for n in summary["nodes"]] == [0, 1, 2]
+    assert [n["layers"] for n in summary["nodes"]] == [[0], [1], [2]]
+    assert len({n["node_id"] for n in summary["nodes"]}) == 3
+    for node in summary["nodes"]:
+        assert set(node) == {"node_id", "stage", "layers", "samples", "compute_seconds", "bytes_sent",
+                             "bytes_received"}
+        assert node["samples"] > 0 and node["compute_seconds"] > 0
+    assert "samples/s" in result.stderr  # the progress bar was drawn
+    assert _processes_mentioning(str(tmp_path)) == []
+
+
+def test_ctrl_c_mid_training_leaves_no_process_behind(tmp_path: Path) -> None:
+    demo = subprocess.Popen(
+        [sys.executable, "-m", "arceus.demo", "--workdir", str(tmp_path)],
+        cwd=REPO_ROOT, env=_demo_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        assert demo.stderr is not None
+        for line in demo.stderr:
+            # Not just "training": the work directory's own name (this test's) contains that word.
+            if line.startswith("[arceus demo] submitted job") or time.monotonic() > deadline:
+                break
+        assert len(_processes_mentioning(str(tmp_path))) >= 7  # redis, web, 2 workers, beat, 3 agents
+        demo.send_signal(signal.SIGINT)
+        assert demo.wait(timeout=60) == 130
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+    deadline = time.monotonic() + 10
+    while _processes_mentioning(str(tmp_path)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_mentioning(str(tmp_path)) == []

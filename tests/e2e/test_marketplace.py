@@ -1,0 +1,68 @@
+"""The marketplace end to end: heterogeneous agents get proportionate stages, and what the ledger says
+each contributor did is what that contributor's own agent counted (its Prometheus metrics)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import re
+from decimal import Decimal
+
+import pytest
+import requests
+
+from arceus.devcluster.cluster import LocalCluster
+
+pytestmark = pytest.mark.slow
+
+JOB = {
+    "name": "market-digits",
+    # Layer FLOPs per sample: 16k, 65k, 16k, 2k, 0.3k: the heavy layer is where a fast node helps most.
+    "model_config": {"layer_sizes": [64, 256, 256, 64, 32, 10]},
+    "dataset_config": {"name": "digits", "batch_size": 64, "val_batch_size": 360},
+    "epochs": 2,
+    "learning_rate": 0.05,
+    "optimizer": "sgd",
+    "momentum": 0.9,
+    "micro_batches": 4,
+    "stages": 3,
+}
+
+
+def metric(text: str, name: str) -> float:
+    match = re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)
+    assert match, f"{name} not exported"
+    return float(match.group(1))
+
+
+def test_faster_agents_get_larger_stages_and_the_ledger_matches_their_counters(cluster: LocalCluster) -> None:
+    declared = {"fast": "4e11", "slow-a": "1e11", "slow-b": "1e11"}
+    agents = {name: cluster.start_agent(name, "--declare-flops", flops) for name, flops in declared.items()}
+    job = cluster.client.submit_job(JOB)
+    cluster.client.start_job(job["id"])
+    final = cluster.client.wait(job["id"], timeout=240)
+    assert final["status"] == "succeeded", final["error"]
+
+    # The fast node gets the largest stage by compute: here the 65k-FLOP layer alone, which costs it less
+    # time than the slow nodes' lighter stages cost them.
+    sizes = JOB["model_config"]["layer_sizes"]
+    flops = [2 * a * b for a, b in itertools.pairwise(sizes)]
+    work = {p["node_id"]: sum(flops[p["layer_start"] : p["layer_end"]]) for p in final["placements"]}
+    assert work[agents["fast"].node_id] == max(work.values()) > min(work.values())
+
+    by_node = {p["node_id"]: p for p in final["contributions"]}
+    credits = Decimal(0)
+    for agent in agents.values():
+        exported = requests.get(f"http://{agent.metrics_address}/metrics", timeout=10).text
+        earned = cluster.client.session.get(f"{cluster.api_url}/api/nodes/{agent.node_id}/earnings", timeout=30)
+        assert earned.status_code == 200, earned.text
+        earnings = earned.json()
+        # The ledger counts exactly the samples the agent says it ran, and the compute time it measured.
+        assert earnings["samples"] == metric(exported, "arceus_samples_processed_total") > 0
+        assert math.isclose(earnings["compute_seconds"], metric(exported, "arceus_compute_seconds_total"),
+                            rel_tol=1e-6)
+        assert earnings["samples"] == by_node[agent.node_id]["samples"]
+        credits += Decimal(earnings["credit_usd"])
+    # Credits plus the platform's fees are exactly what the developer is charged.
+    cost = final["cost"]
+    assert credits + Decimal(cost["platform_fee_usd"]) == Decimal(cost["charged_usd"]) > 0

@@ -1,0 +1,78 @@
+"""A stand-in for the control plane's agent API (the Django app is another package), speaking the
+HTTP/JSON contract of docs/architecture.md so the agent's client can be tested against real HTTP."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+
+@dataclass
+class FakeControlPlane:
+    url: str = ""
+    token: str = "good-token"
+    interval: float = 0.5
+    assignments: list[Any] = field(default_factory=list)
+    max_threads: int | None = None  # the owner's cap, sent in every heartbeat reply
+    # (status, raw body) to answer heartbeats with instead of the normal reply, while set
+    heartbeat_override: tuple[int, bytes] | None = None
+    requests: list[tuple[str, dict[str, str], Any]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def heartbeats(self) -> list[Any]:
+        with self.lock:
+            return [body for path, _, body in self.requests if path == "/api/agent/heartbeat"]
+
+    def handle(self, path: str, headers: dict[str, str], body: Any) -> tuple[int, bytes]:
+        with self.lock:
+            self.requests.append((path, headers, body))
+            if headers.get("Authorization") != f"Node {self.token}":
+                return 401, b'{"detail": "Invalid node token."}'
+            if path == "/api/agent/register":
+                reply = {"node_id": "node-1", "heartbeat_interval_seconds": self.interval}
+            elif path == "/api/agent/heartbeat":
+                if self.heartbeat_override is not None:
+                    return self.heartbeat_override
+                reply = {
+                    "node_id": "node-1",
+                    "assignments": self.assignments,
+                    "heartbeat_interval_seconds": self.interval,
+                    "controls": {"max_threads": self.max_threads},
+                }
+            else:
+                return 404, b"{}"
+        return 200, json.dumps(reply).encode()
+
+
+@pytest.fixture
+def control_plane() -> Iterator[FakeControlPlane]:
+    fake = FakeControlPlane()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+            raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            status, body = fake.handle(self.path, dict(self.headers), json.loads(raw or b"null"))
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    fake.url = f"http://127.0.0.1:{server.server_port}"
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    try:
+        yield fake
+    finally:
+        server.shutdown()
+        server.server_close()

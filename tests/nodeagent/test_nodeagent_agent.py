@@ -1,0 +1,137 @@
+"""The agent's desired-state sync, in process, with real gRPC and metrics servers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+import requests
+import torch
+
+from arceus.v1 import stage_pb2, stage_pb2_grpc
+from nodeagent.agent import Agent, split_host_port
+from nodeagent.assignment import Assignment
+from nodeagent.registry import ObservedStage
+from nodeagent.static import pipeline_assignments
+
+MODEL = {"layer_sizes": [8, 6, 4]}
+
+
+def stages(job_id: str = "job", generation: int = 1, model: dict[str, Any] = MODEL) -> list[Assignment]:
+    raw = pipeline_assignments(
+        job_id=job_id,
+        model_config=model,
+        boundaries=[0, 1, 2],
+        addresses=["127.0.0.1:1", "127.0.0.1:2"],
+        optimizer={"name": "sgd", "lr": 0.1},
+        seed=0,
+        micro_batches=2,
+        max_micro_batch_size=4,
+        generation=generation,
+    )
+    return [Assignment.from_json(a) for a in raw]
+
+
+@pytest.fixture
+def agent() -> Iterator[Agent]:
+    a = Agent(device=torch.device("cpu"))
+    a.start()
+    try:
+        yield a
+    finally:
+        a.stop(grace=1)
+
+
+def states(agent: Agent) -> dict[str, tuple[int, str]]:
+    return {o["stage_id"]: (o["generation"], o["state"]) for o in agent.observed()}
+
+
+def test_listens_on_ephemeral_ports(agent: Agent) -> None:
+    assert agent.grpc_port > 0 and agent.metrics_port > 0
+    assert agent.advertise_address == agent.grpc_address == f"127.0.0.1:{agent.grpc_port}"
+    assert requests.get(f"http://{agent.metrics_address}/metrics", timeout=5).status_code == 200
+
+
+def test_apply_builds_keeps_rebuilds_and_drops(agent: Agent) -> None:
+    first = stages(generation=1)
+    assert agent.apply_assignments(first) is True
+    assert states(agent) == {"job-stage-0": (1, "ready"), "job-stage-1": (1, "ready")}
+    built = {s.assignment.stage_id: s for s in agent.registry.stages()}
+
+    assert agent.apply_assignments(first) is False  # same desired state: nothing rebuilt
+    assert {s.assignment.stage_id: s for s in agent.registry.stages()} == built
+
+    second = stages(generation=2)
+    assert agent.apply_assignments(second[:1]) is True  # new generation of stage 0; stage 1 no longer listed
+    assert states(agent) == {"job-stage-0": (2, "ready")}
+    [rebuilt] = agent.registry.stages()
+    assert rebuilt is not built["job-stage-0"]
+    with pytest.raises(Exception, match="no longer hosted"):
+        built["job-stage-1"].mailbox.put((0, "ACTIVATION", 0), torch.zeros(1))  # dropped stages are closed
+
+    assert agent.apply_assignments([]) is True
+    assert agent.observed() == []
+
+
+def test_unbuildable_and_duplicate_stages_are_reported_failed(agent: Agent) -> None:
+    huge = stages(job_id="huge", model={"layer_sizes": [1_000_000, 1_000_000, 4]})[:1]  # 4 TB of weights
+    good = stages()[:1]
+    duplicate = Assignment.from_json({**good[0].to_json(), "stage_id": "other-id"})
+    rejected = [ObservedStage("broken", 3, "failed", "invalid assignment: ...")]
+    assert agent.apply_assignments(good + huge + [duplicate], rejected) is True
+    observed = {o["stage_id"]: o for o in agent.observed()}
+    assert observed["job-stage-0"]["state"] == "ready"
+    assert observed["huge-stage-0"]["state"] == "failed"
+    assert "could not build the stage" in observed["huge-stage-0"]["message"]
+    assert observed["other-id"]["state"] == "failed"
+    assert "already hosted here as job-stage-0" in observed["other-id"]["message"]
+    assert observed["broken"] == {
+        "stage_id": "broken",
+        "generation": 3,
+        "state": "failed",
+        "message": "invalid assignment: ...",
+    }
+    # A failed stage is not rebuilt on every sync of the same generation.
+    assert agent.apply_assignments(good + huge + [duplicate], rejected) is False
+
+
+def test_a_new_assignment_cannot_take_the_slot_of_a_running_stage(agent: Agent) -> None:
+    good = stages()[:1]
+    agent.apply_assignments(good)
+    duplicate = Assignment.from_json({**good[0].to_json(), "stage_id": "other-id"})
+    agent.apply_assignments([duplicate, *good])  # listed first, still the newcomer
+    assert states(agent) == {"job-stage-0": (1, "ready"), "other-id": (1, "failed")}
+
+
+def test_stage_metrics_follow_assignments(agent: Agent) -> None:
+    agent.apply_assignments(stages())
+    text = requests.get(f"http://{agent.metrics_address}/metrics", timeout=5).text
+    assert "arceus_stage_assigned 2.0" in text
+    assert 'arceus_stage_info{job_id="job",stage_index="1"} 1.0' in text
+    assert "arceus_heartbeat_age_seconds NaN" in text
+    agent.apply_assignments([])
+    text = requests.get(f"http://{agent.metrics_address}/metrics", timeout=5).text
+    assert "arceus_stage_assigned 0.0" in text and "arceus_stage_info{" not in text
+
+
+def test_served_stages_follow_assignments(agent: Agent) -> None:
+    with grpc.insecure_channel(agent.grpc_address) as channel:
+        stub = stage_pb2_grpc.StageServiceStub(channel)
+        request = stage_pb2.GetWeightsRequest(
+            target=stage_pb2.StageRef(job_id="job", stage_index=1, generation=1)
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            stub.GetWeights(request, timeout=5)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        agent.apply_assignments(stages())
+        names = [t.name for t in stub.GetWeights(request, timeout=5).tensors]
+        assert names == ["layers.1.weight", "layers.1.bias"]
+
+
+@pytest.mark.parametrize("address", ["localhost", "host:port", "host:70000"])
+def test_bad_listen_address(address: str) -> None:
+    with pytest.raises(ValueError, match="is not HOST:PORT"):
+        split_host_port(address)
+    assert split_host_port("[::1]:50051") == ("[::1]", 50051)

@@ -1,0 +1,179 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from arceus.errors import SpecError
+from nodeagent.assignment import Assignment, CheckpointRef, OptimizerConfig
+from nodeagent.static import load_static_assignments, pipeline_assignments
+
+
+def assignment(**changes: Any) -> dict[str, Any]:
+    data = {
+        "stage_id": "job-stage-1",
+        "job_id": "job",
+        "stage_index": 1,
+        "num_stages": 3,
+        "generation": 2,
+        "model": {"type": "mlp", "layer_sizes": [64, 128, 64, 10]},
+        "layer_start": 1,
+        "layer_end": 2,
+        "seed": 0,
+        "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9, "weight_decay": 0.0},
+        "micro_batches": 4,
+        "max_micro_batch_size": 64,
+        "prev_address": "127.0.0.1:5000",
+        "next_address": "127.0.0.1:5002",
+    }
+    data.update(changes)
+    return data
+
+
+def test_parse_a_valid_assignment() -> None:
+    a = Assignment.from_json(assignment())
+    assert (a.stage_index, a.layer_start, a.layer_end, a.generation) == (1, 1, 2, 2)
+    assert a.optimizer == OptimizerConfig(name="sgd", lr=0.1, momentum=0.9, weight_decay=0.0)
+    assert not a.is_first and not a.is_last
+    assert a.spec.num_layers == 3
+    assert Assignment.from_json(a.to_json()) == a
+
+
+def test_optimizer_defaults() -> None:
+    a = Assignment.from_json(assignment(optimizer={"name": "adam", "lr": 1e-3}))
+    assert a.optimizer == OptimizerConfig(name="adam", lr=1e-3, momentum=0.0, weight_decay=0.0)
+
+
+def test_first_and_last_stages() -> None:
+    first = Assignment.from_json(assignment(stage_index=0, layer_start=0, layer_end=1, prev_address=None))
+    last = Assignment.from_json(assignment(stage_index=2, layer_start=2, layer_end=3, next_address=None))
+    assert first.is_first and last.is_last
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "fragment"),
+    [
+        ({"stage_id": ""}, "assignment.stage_id", "non-empty string"),
+        ({"stage_index": 3}, "assignment.stage_index", "below num_stages (3)"),
+        ({"generation": -1}, "assignment.generation", "at least 0"),
+        ({"seed": "0"}, "assignment.seed", "must be an integer"),
+        ({"micro_batches": True}, "assignment.micro_batches", "must be an integer"),
+        ({"max_micro_batch_size": 0}, "assignment.max_micro_batch_size", "at least 1"),
+        ({"layer_end": 4}, "assignment.layer_end", "inside the model's 3 layers"),
+        ({"layer_start": 2, "layer_end": 2}, "assignment.layer_end", "non-empty"),
+        (
+            {"stage_index": 0, "prev_address": None},
+            "assignment.layer_start",
+            "first stage must start at layer 0",
+        ),
+        ({"stage_index": 2, "next_address": None}, "assignment.layer_end", "last stage must end at layer 3"),
+        ({"prev_address": None}, "assignment.prev_address", '"host:port" of the neighbouring stage'),
+        ({"next_address": "nohost"}, "assignment.next_address", "host:port"),
+        ({"model": {"layer_sizes": [64]}}, "assignment.model.layer_sizes", "at least 2 entries"),
+        ({"optimizer": {"name": "rmsprop", "lr": 0.1}}, "assignment.optimizer.name", "sgd, adam"),
+        ({"optimizer": {"name": "sgd"}}, "assignment.optimizer.lr", "is required"),
+        ({"optimizer": {"name": "sgd", "lr": 0}}, "assignment.optimizer.lr", "greater than 0"),
+        ({"optimizer": {"name": "sgd", "lr": 0.1, "momentum": -1}}, "assignment.optimizer.momentum", ">= 0"),
+        (
+            {"optimizer": {"name": "sgd", "lr": 0.1, "nesterov": True}},
+            "assignment.optimizer.nesterov",
+            "unknown",
+        ),
+        ({"extra": 1}, "assignment.extra", "unknown field"),
+    ],
+)
+def test_invalid_assignments(changes: dict[str, Any], field: str, fragment: str) -> None:
+    with pytest.raises(SpecError) as info:
+        Assignment.from_json(assignment(**changes))
+    assert info.value.field == field
+    assert fragment in info.value.message
+
+
+def test_missing_fields_are_listed() -> None:
+    data = assignment()
+    del data["seed"], data["job_id"]
+    with pytest.raises(SpecError, match="missing: job_id, seed"):
+        Assignment.from_json(data)
+    with pytest.raises(SpecError, match="must be a JSON object"):
+        Assignment.from_json(["job"])
+
+
+SHA = "0123456789abcdef" * 4
+CHECKPOINT = {"step": 40, "url": "/api/agent/checkpoints/7", "sha256": SHA}
+
+
+def test_the_checkpoint_field_is_optional() -> None:
+    absent = Assignment.from_json(assignment())
+    assert absent.checkpoint is None
+    assert absent.to_json()["checkpoint"] is None
+    assert Assignment.from_json(assignment(checkpoint=None)) == absent
+    resumed = Assignment.from_json(assignment(checkpoint=CHECKPOINT))
+    assert resumed.checkpoint == CheckpointRef(step=40, url="/api/agent/checkpoints/7", sha256=SHA)
+    assert resumed.to_json()["checkpoint"] == CHECKPOINT
+    assert Assignment.from_json(resumed.to_json()) == resumed
+    assert Assignment.from_json(assignment(checkpoint={**CHECKPOINT, "step": 0})).checkpoint.step == 0
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "field", "fragment"),
+    [
+        ("/api/agent/checkpoints/7", "assignment.checkpoint", "must be an object or null, got str"),
+        ([CHECKPOINT], "assignment.checkpoint", "must be an object or null, got list"),
+        ({"step": 40, "url": "/x"}, "assignment.checkpoint", "exactly the fields sha256, step, url"),
+        ({**CHECKPOINT, "size": 10}, "assignment.checkpoint", "exactly the fields sha256, step, url"),
+        ({**CHECKPOINT, "step": -1}, "assignment.checkpoint.step", "at least 0"),
+        ({**CHECKPOINT, "step": "40"}, "assignment.checkpoint.step", "must be an integer"),
+        ({**CHECKPOINT, "step": True}, "assignment.checkpoint.step", "must be an integer"),
+        ({**CHECKPOINT, "url": ""}, "assignment.checkpoint.url", "non-empty string"),
+        ({**CHECKPOINT, "url": None}, "assignment.checkpoint.url", "non-empty string"),
+        ({**CHECKPOINT, "sha256": SHA[:-1]}, "assignment.checkpoint.sha256", "64 lowercase hex digits"),
+        ({**CHECKPOINT, "sha256": SHA.upper()}, "assignment.checkpoint.sha256", "64 lowercase hex digits"),
+        ({**CHECKPOINT, "sha256": "g" * 64}, "assignment.checkpoint.sha256", "64 lowercase hex digits"),
+        ({**CHECKPOINT, "sha256": 5}, "assignment.checkpoint.sha256", "64 lowercase hex digits"),
+    ],
+)
+def test_invalid_checkpoints_name_the_field(checkpoint: Any, field: str, fragment: str) -> None:
+    with pytest.raises(SpecError) as info:
+        Assignment.from_json(assignment(checkpoint=checkpoint))
+    assert info.value.field == field
+    assert fragment in info.value.message
+
+
+def test_static_assignment_file(tmp_path: Path) -> None:
+    stages = pipeline_assignments(
+        job_id="j",
+        model_config={"layer_sizes": [8, 4, 2]},
+        boundaries=[0, 1, 2],
+        addresses=["h:1", "h:2"],
+        optimizer={"name": "sgd", "lr": 0.1},
+        seed=3,
+        micro_batches=2,
+        max_micro_batch_size=8,
+    )
+    path = tmp_path / "static.json"
+    path.write_text(json.dumps(stages))
+    parsed = load_static_assignments(path)
+    assert [(a.stage_id, a.prev_address, a.next_address) for a in parsed] == [
+        ("j-stage-0", None, "h:2"),
+        ("j-stage-1", "h:1", None),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("content", "fragment"),
+    [
+        ("{", "is not valid JSON"),
+        ('{"stage_id": "x"}', "must hold a JSON list"),
+        ('[{"stage_id": "x"}]', "is required"),
+    ],
+)
+def test_invalid_static_files(tmp_path: Path, content: str, fragment: str) -> None:
+    path = tmp_path / "static.json"
+    path.write_text(content)
+    with pytest.raises(SpecError, match=fragment) as info:
+        load_static_assignments(path)
+    assert info.value.field.startswith("static_assignment")
+    with pytest.raises(SpecError, match="cannot read"):
+        load_static_assignments(tmp_path / "missing.json")

@@ -1,0 +1,106 @@
+"""`python -m nodeagent` as a process: argument errors, control-plane mode, a rejected token."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from nodeagent.cli import main
+from nodeagent.launch import spawn_agent, stop_agents
+from nodeagent.static import pipeline_assignments
+
+pytestmark = pytest.mark.slow
+
+ASSIGNMENT = pipeline_assignments(
+    job_id="job",
+    model_config={"layer_sizes": [8, 4]},
+    boundaries=[0, 1],
+    addresses=["127.0.0.1:1"],
+    optimizer={"name": "sgd", "lr": 0.1},
+    seed=0,
+    micro_batches=2,
+    max_micro_batch_size=4,
+)[0]
+
+
+def run_agent(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "nodeagent", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        ([], "either --static-assignment FILE, or both --control-plane URL and --token TOKEN"),
+        (["--control-plane", "http://127.0.0.1:1"], "either --static-assignment"),
+        (["--static-assignment", "x.json", "--token", "t"], "drop --control-plane/--token"),
+        (["--static-assignment", "x.json", "--listen", "localhost"], "is not HOST:PORT"),
+        (["--static-assignment", "x.json", "--threads", "0"], "must be a positive integer"),
+        (["--static-assignment", "x.json", "--device", "tpu"], "invalid choice: 'tpu'"),
+        (["--static-assignment", "x.json", "--declare-flops", "fast"], "'fast' is not a number (e.g. 5e10)"),
+        (["--static-assignment", "x.json", "--declare-flops", "0"], "must be a positive number, got 0"),
+    ],
+)
+def test_usage_errors_exit_2(args: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2
+    out, err = capsys.readouterr()
+    assert fragment in err and out == ""
+
+
+def test_invalid_static_assignment_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "static.json"
+    path.write_text(json.dumps([{**ASSIGNMENT, "layer_end": 5}]))
+    assert main(["--static-assignment", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "static_assignment[0].layer_end" in err and str(path) in err
+
+
+def test_usage_error_from_the_real_entry_point() -> None:
+    result = run_agent()
+    assert result.returncode == 2 and "either --static-assignment" in result.stderr
+
+
+def test_rejected_token_exits_1_with_a_clear_message(control_plane) -> None:  # noqa: ANN001 - conftest fixture
+    result = run_agent("--control-plane", control_plane.url, "--token", "wrong", "--threads", "1")
+    assert result.returncode == 1
+    assert "rejected the node token (HTTP 401); check --token" in result.stderr
+    assert "AGENT READY" not in result.stdout
+
+
+def test_control_plane_mode_registers_reports_ready_and_stops_cleanly(control_plane, tmp_path: Path) -> None:  # noqa: ANN001
+    control_plane.interval = 0.2
+    control_plane.assignments = [ASSIGNMENT]
+    agent = spawn_agent(
+        [
+            "--control-plane",
+            control_plane.url,
+            "--token",
+            control_plane.token,
+            "--threads",
+            "1",
+            "--device",
+            "cpu",
+        ],
+        log_path=tmp_path / "agent.log",
+    )
+    try:
+        path, headers, body = control_plane.requests[0]
+        assert path == "/api/agent/register" and headers["Authorization"] == "Node good-token"
+        assert body["grpc_address"] == agent.grpc_address  # the READY line's address is what it registered
+        assert body["capabilities"]["device_type"] == "cpu" and body["capabilities"]["flops_fp32"] > 0
+        deadline = time.monotonic() + 20
+        while not any(o["state"] == "ready" for hb in control_plane.heartbeats() for o in hb["observed"]):
+            assert time.monotonic() < deadline, agent.log_text()
+            time.sleep(0.05)
+    finally:
+        codes = stop_agents([agent])
+    assert codes == [0]
+    assert agent.log_text().count("AGENT READY") == 1

@@ -1,0 +1,178 @@
+"""The agent's control-plane client and heartbeat loop against a real HTTP server (see conftest)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from nodeagent.agent import Agent
+from nodeagent.control_plane import (
+    ControlPlaneClient,
+    ControlPlaneError,
+    HeartbeatLoop,
+    Unauthorized,
+    register_until_accepted,
+)
+from nodeagent.static import pipeline_assignments
+
+ASSIGNMENT = pipeline_assignments(
+    job_id="job",
+    model_config={"layer_sizes": [8, 4]},
+    boundaries=[0, 1],
+    addresses=["127.0.0.1:1"],
+    optimizer={"name": "sgd", "lr": 0.1},
+    seed=0,
+    micro_batches=2,
+    max_micro_batch_size=4,
+)[0]
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def agent() -> Iterator[Agent]:
+    a = Agent(device=torch.device("cpu"))
+    a.start()
+    try:
+        yield a
+    finally:
+        a.stop(grace=1)
+
+
+def test_register_sends_the_contract(control_plane) -> None:  # noqa: ANN001 - fixture from conftest
+    client = ControlPlaneClient(control_plane.url + "/", control_plane.token)
+    caps = {"device_type": "cpu", "device_name": "x", "memory_bytes": 1, "flops_fp32": 2.0}
+    registration = client.register("127.0.0.1:5000", caps)
+    assert (registration.node_id, registration.heartbeat_interval_seconds) == ("node-1", 0.5)
+    path, headers, body = control_plane.requests[0]
+    assert path == "/api/agent/register"
+    assert headers["Authorization"] == "Node good-token"
+    assert body == {"grpc_address": "127.0.0.1:5000", "capabilities": caps}
+
+
+def test_rejected_token_is_unauthorized(control_plane) -> None:  # noqa: ANN001
+    client = ControlPlaneClient(control_plane.url, "wrong")
+    with pytest.raises(Unauthorized, match="rejected the node token"):
+        register_until_accepted(client, "h:1", {}, stop=threading.Event())
+    with pytest.raises(Unauthorized, match="check --token"):
+        client.heartbeat([])
+
+
+def test_unreachable_control_plane_is_retried_until_stopped() -> None:
+    client = ControlPlaneClient("http://127.0.0.1:9", "t", timeout=0.5)
+    with pytest.raises(ControlPlaneError, match="failed"):
+        client.register("h:1", {})
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    assert register_until_accepted(client, "h:1", {}, stop=stop, min_backoff=0.05) is None
+
+
+def test_heartbeat_applies_assignments_and_reports_readiness_at_once(control_plane, agent: Agent) -> None:  # noqa: ANN001
+    control_plane.interval = 30.0  # long: a second heartbeat can only come from the immediate re-send
+    control_plane.assignments = [ASSIGNMENT, {"stage_id": "bad-stage", "generation": 4}]
+    loop = HeartbeatLoop(
+        ControlPlaneClient(control_plane.url, control_plane.token),
+        agent,
+        interval=30.0,
+        on_fatal=lambda message: None,
+    )
+    loop.start()
+    try:
+        wait_for(lambda: len(control_plane.heartbeats()) >= 2, timeout=5)
+    finally:
+        loop.stop()
+    first, second = control_plane.heartbeats()[:2]
+    assert first["observed"] == [] and 0 <= first["host_busy_fraction"] <= 1
+    observed = {o["stage_id"]: o for o in second["observed"]}
+    assert observed["job-stage-0"] == {
+        "stage_id": "job-stage-0",
+        "generation": 1,
+        "state": "ready",
+        "message": "",
+    }
+    assert observed["bad-stage"]["state"] == "failed" and observed["bad-stage"]["generation"] == 4
+    assert "invalid assignment" in observed["bad-stage"]["message"]
+    assert agent.metrics._heartbeat_age() < 5
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        (500, b"oops"),
+        (200, b"not json"),
+        (200, b'{"node_id": "node-1", "heartbeat_interval_seconds": 0.1}'),  # no assignments list
+        (200, b'{"node_id": "node-1", "assignments": [], "heartbeat_interval_seconds": -1}'),
+        (200, b"[1, 2]"),
+        (200, b'{"node_id": "node-1", "assignments": [], "heartbeat_interval_seconds": 1, "controls": '
+              b'{"max_threads": 0}}'),
+    ],
+)
+def test_bad_responses_keep_the_current_stages_and_the_loop_alive(
+    control_plane,
+    agent: Agent,  # noqa: ANN001
+    override: tuple[int, bytes],
+) -> None:
+    control_plane.interval = 0.05
+    control_plane.assignments = [ASSIGNMENT]
+    fatal: list[str] = []
+    loop = HeartbeatLoop(
+        ControlPlaneClient(control_plane.url, control_plane.token),
+        agent,
+        interval=0.05,
+        on_fatal=fatal.append,
+        min_backoff=0.05,
+        max_backoff=0.1,
+    )
+    loop.start()
+    try:
+        wait_for(lambda: [o["state"] for o in agent.observed()] == ["ready"])
+        control_plane.heartbeat_override = override
+        seen = len(control_plane.heartbeats())
+        wait_for(lambda: len(control_plane.heartbeats()) >= seen + 3)  # it keeps trying
+        assert [o["stage_id"] for o in agent.observed()] == ["job-stage-0"]  # nothing dropped
+        control_plane.heartbeat_override = None
+        control_plane.assignments = []
+        wait_for(lambda: agent.observed() == [])  # and recovers
+    finally:
+        loop.stop()
+    assert fatal == []
+
+
+def test_rejected_token_during_heartbeats_is_fatal(control_plane, agent: Agent) -> None:  # noqa: ANN001
+    control_plane.token = "rotated"
+    fatal: list[str] = []
+    loop = HeartbeatLoop(
+        ControlPlaneClient(control_plane.url, "good-token"), agent, interval=0.05, on_fatal=fatal.append
+    )
+    loop.start()
+    wait_for(lambda: bool(fatal))
+    loop.stop()
+    assert "rejected the node token" in fatal[0]
+
+
+def test_the_owners_thread_cap_is_taken_and_lifted(control_plane, agent: Agent) -> None:  # noqa: ANN001
+    started_with = agent.compute_threads
+    control_plane.interval = 0.05
+    control_plane.max_threads = 1
+    loop = HeartbeatLoop(
+        ControlPlaneClient(control_plane.url, control_plane.token), agent, interval=0.05, on_fatal=lambda m: None
+    )
+    loop.start()
+    try:
+        wait_for(lambda: agent.compute_threads == 1)
+        control_plane.max_threads = 10_000  # a cap above what the agent was started with changes nothing
+        wait_for(lambda: agent.compute_threads == started_with)
+        control_plane.max_threads = None
+        time.sleep(0.2)
+        assert agent.compute_threads == started_with
+    finally:
+        loop.stop()

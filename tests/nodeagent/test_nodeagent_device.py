@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from nodeagent.device import (
+    DeviceError,
+    capabilities,
+    measure_matmul_flops,
+    memory_used_bytes,
+    select_device,
+    total_memory_bytes,
+)
+
+
+def test_cpu_is_always_available() -> None:
+    assert select_device("cpu") == torch.device("cpu")
+    assert select_device(None).type in ("cuda", "mps", "cpu")
+
+
+def test_cuda_request_matches_availability() -> None:
+    if torch.cuda.is_available():
+        assert select_device("cuda").type == "cuda"
+    else:
+        with pytest.raises(DeviceError, match="no CUDA GPU"):
+            select_device("cuda")
+
+
+def test_unknown_device() -> None:
+    with pytest.raises(DeviceError, match="choose one of cuda, mps, cpu"):
+        select_device("tpu")
+
+
+def test_cpu_capabilities_are_plausible() -> None:
+    cpu = torch.device("cpu")
+    assert total_memory_bytes(cpu) > 100 * 2**20
+    assert 0 < memory_used_bytes(cpu) < total_memory_bytes(cpu)
+    started = time.perf_counter()
+    flops = measure_matmul_flops(cpu, budget_seconds=0.1)
+    assert time.perf_counter() - started < 0.5
+    assert 1e7 < flops < 1e15
+    caps = capabilities(cpu).to_json()
+    assert set(caps) == {"device_type", "device_name", "memory_bytes", "flops_fp32"}
+    assert caps["device_type"] == "cpu" and caps["device_name"]

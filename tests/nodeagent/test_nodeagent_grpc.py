@@ -1,0 +1,282 @@
+"""A real agent process under bad gRPC input: the right status codes, and it keeps serving.
+
+One agent hosts both stages of a two-stage job (its stages push to each other over loopback gRPC),
+plus stage 0 of a job whose stage 1 address is dead.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import requests
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from arceus.data import validate_dataset_config
+from arceus.training import DriverError, StageEndpoint, TrainPlan, train
+from arceus.training.recording import RecordingSink
+from arceus.v1 import stage_pb2, stage_pb2_grpc
+from arceus.wire.proto_tensor import to_proto
+from nodeagent.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
+from nodeagent.static import pipeline_assignments
+
+pytestmark = pytest.mark.slow
+
+MODEL = {"layer_sizes": [64, 32, 10]}
+MAX_MB = 16
+JOB = "grpc-job"
+ORPHAN = "orphan-job"
+DATASET = validate_dataset_config({"name": "digits", "batch_size": 32, "val_batch_size": 64})
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
+    own, dead = (f"127.0.0.1:{p}" for p in free_ports(2))
+    common = {
+        "model_config": MODEL,
+        "boundaries": [0, 1, 2],
+        "optimizer": {"name": "sgd", "lr": 0.1},
+        "seed": 0,
+        "micro_batches": 4,
+        "max_micro_batch_size": MAX_MB,
+    }
+    both = pipeline_assignments(job_id=JOB, addresses=[own, own], **common)
+    orphan = pipeline_assignments(job_id=ORPHAN, addresses=[own, dead], **common)[:1]
+    [started] = spawn_static_agents([both + orphan], [own], tmp_path_factory.mktemp("grpc-agent"))
+    try:
+        yield started
+    finally:
+        codes = stop_agents([started])
+    assert codes == [0], "SIGTERM must stop the agent gracefully"
+    # Every rejection in this module is an expected outcome, logged as a warning, never a crash.
+    assert "Traceback" not in started.log_text()
+
+
+@pytest.fixture(scope="module")
+def stub(agent: AgentProcess) -> Iterator[stage_pb2_grpc.StageServiceStub]:
+    with grpc.insecure_channel(agent.grpc_address) as channel:
+        yield stage_pb2_grpc.StageServiceStub(channel)
+
+
+def ref(stage_index: int = 0, generation: int = 1, job_id: str = JOB) -> stage_pb2.StageRef:
+    return stage_pb2.StageRef(job_id=job_id, stage_index=stage_index, generation=generation)
+
+
+def push(
+    stub: stage_pb2_grpc.StageServiceStub,
+    tensor: stage_pb2.Tensor,
+    *,
+    kind: int = stage_pb2.ACTIVATION,
+    target: stage_pb2.StageRef | None = None,
+    step: int = 1000,
+    micro_batch: int = 0,
+) -> None:
+    stub.PushTensor(
+        stage_pb2.PushTensorRequest(
+            target=target or ref(), kind=kind, step=step, micro_batch=micro_batch, tensor=tensor
+        ),
+        timeout=10,
+    )
+
+
+def rpc_error(call, *args, **kwargs) -> grpc.RpcError:  # noqa: ANN001 - any stub method
+    with pytest.raises(grpc.RpcError) as info:
+        call(*args, **kwargs)
+    return info.value
+
+
+def plan(agent: AgentProcess, job_id: str = JOB, **overrides: object) -> TrainPlan:
+    fields = {
+        "job_id": job_id,
+        "generation": 1,
+        "stages": (
+            StageEndpoint(0, agent.grpc_address, "n", 0, 1),
+            StageEndpoint(1, agent.grpc_address, "n", 1, 2),
+        ),
+        "dataset": DATASET,
+        "epochs": 1,
+        "learning_rate": 0.1,
+        "micro_batches": 4,
+        "seed": 0,
+        "rpc_timeout_seconds": 20.0,
+        "max_steps": 2,
+    }
+    fields.update(overrides)
+    return TrainPlan(**fields)  # type: ignore[arg-type]
+
+
+BAD_PUSHES = {
+    "wrong dtype": (to_proto(torch.zeros(2, 64, dtype=torch.float64).to(torch.int64)), {}, "must be float32"),
+    "wrong feature count": (to_proto(torch.zeros(2, 63)), {}, "shape [batch, 64]"),
+    "wrong rank": (to_proto(torch.zeros(2, 64, 1)), {}, "shape [batch, 64]"),
+    "batch above max_micro_batch_size": (to_proto(torch.zeros(MAX_MB + 1, 64)), {}, "max_micro_batch_size"),
+    "empty batch": (to_proto(torch.zeros(0, 64)), {}, "batch dimension"),
+    "bytes do not match the shape": (
+        stage_pb2.Tensor(dtype="float32", shape=[2, 64], data=b"\0" * 100),
+        {},
+        "needs exactly 512 bytes",
+    ),
+    "oversized payload": (
+        stage_pb2.Tensor(dtype="float32", shape=[2, 64], data=b"\0" * (3 << 20)),
+        {},
+        "above the limit",
+    ),
+    "unknown dtype": (stage_pb2.Tensor(dtype="complex64", shape=[2, 64], data=b""), {}, "must be float32"),
+    "micro-batch out of range": (to_proto(torch.zeros(2, 64)), {"micro_batch": 4}, "micro_batch must be in"),
+    "labels to the first stage": (
+        to_proto(torch.zeros(2, dtype=torch.int64)),
+        {"kind": stage_pb2.LABELS},
+        "only the last stage",
+    ),
+    "gradient to the last stage": (
+        to_proto(torch.zeros(2, 10)),
+        {"kind": stage_pb2.GRADIENT, "target": ref(1)},
+        "accepts no GRADIENT",
+    ),
+    "labels out of range": (
+        to_proto(torch.tensor([3, 10])),
+        {"kind": stage_pb2.LABELS, "target": ref(1)},
+        "class indices in [0, 10)",
+    ),
+    "labels of the wrong dtype": (
+        to_proto(torch.tensor([1.0, 2.0])),
+        {"kind": stage_pb2.LABELS, "target": ref(1)},
+        "must be int64",
+    ),
+    "unspecified kind": (to_proto(torch.zeros(2, 64)), {"kind": stage_pb2.TENSOR_KIND_UNSPECIFIED}, "kind"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PUSHES))
+def test_invalid_push_is_rejected_with_invalid_argument(
+    stub: stage_pb2_grpc.StageServiceStub, case: str
+) -> None:
+    tensor, extra, fragment = BAD_PUSHES[case]
+    error = rpc_error(push, stub, tensor, **extra)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+    assert fragment in error.details()
+
+
+def test_wrong_generation_is_a_failed_precondition(stub: stage_pb2_grpc.StageServiceStub) -> None:
+    error = rpc_error(push, stub, to_proto(torch.zeros(2, 64)), target=ref(generation=2))
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "generation 1 here" in error.details()
+    error = rpc_error(stub.GetWeights, stage_pb2.GetWeightsRequest(target=ref(generation=0)), timeout=10)
+    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+@pytest.mark.parametrize("target", [ref(job_id="no-such-job"), ref(stage_index=5)])
+def test_unknown_stage_is_not_found(
+    stub: stage_pb2_grpc.StageServiceStub, target: stage_pb2.StageRef
+) -> None:
+    error = rpc_error(push, stub, to_proto(torch.zeros(2, 64)), target=target)
+    assert error.code() == grpc.StatusCode.NOT_FOUND
+
+
+@pytest.mark.parametrize(
+    ("fields", "fragment"),
+    [
+        ({"num_micro_batches": 5}, "num_micro_batches must be in [1, 4]"),
+        ({"num_micro_batches": 0}, "num_micro_batches"),
+        ({"schedule": "zigzag"}, "unknown schedule"),
+        ({"mode": stage_pb2.STEP_MODE_UNSPECIFIED}, "mode must be TRAIN or EVAL"),
+        ({"batch_size": 2 * MAX_MB + 1}, "batch_size must be in [1, 32] for 2 micro-batches"),
+        ({"learning_rate": -1.0}, "learning_rate"),
+    ],
+)
+def test_invalid_run_step_is_rejected(
+    stub: stage_pb2_grpc.StageServiceStub, fields: dict, fragment: str
+) -> None:
+    request = {
+        "target": ref(),
+        "step": 1,
+        "mode": stage_pb2.TRAIN,
+        "num_micro_batches": 2,
+        "schedule": "gpipe",
+        "batch_size": 8,
+        "learning_rate": 0.1,
+        **fields,
+    }
+    error = rpc_error(stub.RunStep, stage_pb2.RunStepRequest(**request), timeout=10)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert fragment in error.details()
+
+
+def test_a_missing_input_times_out_naming_what_it_waited_for(stub: stage_pb2_grpc.StageServiceStub) -> None:
+    request = stage_pb2.RunStepRequest(
+        target=ref(), step=2000, mode=stage_pb2.TRAIN, num_micro_batches=1, batch_size=2
+    )
+    error = rpc_error(stub.RunStep, request, timeout=2.0)
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "ACTIVATION of step 2000 micro-batch 0 from the driver" in error.details()
+
+
+def test_a_failed_push_to_the_next_stage_fails_the_step(stub: stage_pb2_grpc.StageServiceStub) -> None:
+    orphan = ref(job_id=ORPHAN)
+    push(stub, to_proto(torch.zeros(2, 64)), target=orphan, step=3000)
+    request = stage_pb2.RunStepRequest(
+        target=orphan, step=3000, mode=stage_pb2.TRAIN, num_micro_batches=1, batch_size=2
+    )
+    error = rpc_error(stub.RunStep, request, timeout=10)
+    assert error.code() == grpc.StatusCode.UNAVAILABLE
+    assert "could not push the ACTIVATION of step 3000 micro-batch 0 to stage 1" in error.details()
+
+
+def test_driver_names_the_unreachable_stage(agent: AgentProcess) -> None:
+    dead = f"127.0.0.1:{free_ports(1)[0]}"
+    broken = plan(
+        agent,
+        job_id=ORPHAN,
+        rpc_timeout_seconds=5.0,
+        stages=(StageEndpoint(0, agent.grpc_address, "n0", 0, 1), StageEndpoint(1, dead, "n1", 1, 2)),
+    )
+    with pytest.raises(DriverError) as info:
+        train(broken, RecordingSink())
+    assert info.value.stage_index == 1 and info.value.code == "UNAVAILABLE"
+    assert f"stage 1 (node n1 at {dead})" in str(info.value)
+
+
+def test_agent_still_trains_and_exports_metrics_after_bad_input(
+    agent: AgentProcess, stub: stage_pb2_grpc.StageServiceStub
+) -> None:
+    # Leftovers from the rejected and failed calls above must not disturb a real step.
+    push(stub, to_proto(torch.zeros(2, 64)), step=4000, micro_batch=1)
+    result = train(plan(agent), RecordingSink())
+    assert result.steps == 2 and math.isfinite(result.final_loss) and 0 <= result.val_accuracy <= 1
+    weights = stub.GetWeights(stage_pb2.GetWeightsRequest(target=ref(1)), timeout=10)
+    assert sorted(t.name for t in weights.tensors) == ["layers.1.bias", "layers.1.weight"]
+
+    text = requests.get(f"http://{agent.metrics_address}/metrics", timeout=10).text
+    for name in (
+        "arceus_stage_step_seconds_bucket",
+        "arceus_samples_processed_total",
+        "arceus_micro_batches_processed_total",
+        "arceus_tensor_bytes_sent_total",
+        "arceus_tensor_bytes_received_total",
+        "arceus_device_memory_used_bytes",
+        "arceus_stage_assigned",
+        "arceus_heartbeat_age_seconds",
+        "arceus_compute_seconds_total",
+        "arceus_stage_info",
+    ):
+        assert f"\n{name}" in text, name
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
+    assert values["arceus_stage_assigned"] == 3
+    assert values["arceus_samples_processed_total"] > 0
+    assert values["arceus_tensor_bytes_sent_total"] > 0
+    assert values["arceus_device_memory_used_bytes"] > 0
+
+
+def test_health_service_reports_serving(agent: AgentProcess) -> None:
+    with grpc.insecure_channel(agent.grpc_address) as channel:
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "arceus.v1.StageService"):
+            reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING

@@ -1,0 +1,57 @@
+"""Fixtures for the Celery task tests: a user, and real in-process node agents wired to the control
+plane through the same services the agent endpoints call."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from django.contrib.auth.models import User
+from django.utils import timezone
+
+from controlplane.jobs.stages import StageReport
+from controlplane.nodes.models import Node
+from controlplane.nodes.services import node_create, node_heartbeat, node_register
+from nodeagent.agent import Agent
+from nodeagent.assignment import Assignment
+
+
+@pytest.fixture
+def user(db: None) -> User:
+    return User.objects.create_user("carol", password="carol-password")
+
+
+class LiveNode:
+    """A real Agent (gRPC server and stage runtime) and its Node row; `sync()` is one heartbeat."""
+
+    def __init__(self, user: User, name: str) -> None:
+        self.agent = Agent(device=torch.device("cpu"), listen="127.0.0.1:0", metrics_listen="127.0.0.1:0")
+        self.agent.start()
+        self.node, _ = node_create(owner=user, name=name)
+        node_register(
+            node=self.node,
+            grpc_address=self.agent.grpc_address,
+            device_type="cpu",
+            device_name="cpu",
+            memory_bytes=2**30,
+            flops_fp32=1e9,
+            now=timezone.now(),
+        )
+        self.node.refresh_from_db()
+
+    def sync(self) -> None:
+        observed = [StageReport(**o) for o in self.agent.observed()]
+        assignments = node_heartbeat(node=self.node, observed=observed, now=timezone.now())
+        self.agent.apply_assignments([Assignment.from_json(a) for a in assignments])
+        self.node = Node.objects.get(pk=self.node.pk)
+
+
+@pytest.fixture
+def live_nodes(user: User) -> Iterator[list[LiveNode]]:
+    nodes = [LiveNode(user, f"live-{i}") for i in range(3)]
+    try:
+        yield nodes
+    finally:
+        for live in nodes:
+            live.agent.stop(grace=0)
