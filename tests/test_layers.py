@@ -54,6 +54,8 @@ RULES = [
     (("arceus", "model"), ("grpc", "arceus.v1")),
     (("arceus", "pipeline"), ("grpc", "arceus.v1")),
     (("arceus", "wire", "codec.py"), ("grpc", "arceus.v1")),
+    (("arceus", "wire", "compression.py"), ("grpc", "arceus.v1")),
+    (("arceus", "wire", "transfer.py"), ("grpc", "arceus.v1")),
 ]
 
 
