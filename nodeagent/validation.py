@@ -13,6 +13,7 @@ import torch
 from arceus.pipeline.schedule import SCHEDULES
 from arceus.v1 import stage_pb2
 from arceus.wire import codec
+from arceus.wire.proto_tensor import from_proto
 from nodeagent.stage import ACTIVATION_DTYPE, LABEL_DTYPE, StageIO
 from nodeagent.status import RpcFailure
 
@@ -64,7 +65,7 @@ def decode_push(io: StageIO, request: stage_pb2.PushTensorRequest) -> torch.Tens
         )
     max_bytes = io.max_micro_batch_size * math.prod(layout[1:]) * codec.itemsize(dtype)
     try:
-        tensor = codec.decode(message.dtype, shape, message.data, max_bytes=max_bytes)
+        tensor = from_proto(message, max_bytes=max_bytes)  # plain or compressed (Tensor.encoding)
     except codec.TensorValidationError as exc:
         raise _invalid(f"{kind} tensor rejected: {exc}") from exc
     if request.kind == stage_pb2.LABELS:
