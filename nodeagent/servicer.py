@@ -15,7 +15,7 @@ import grpc
 import torch
 
 from arceus.v1 import stage_pb2, stage_pb2_grpc
-from arceus.wire.proto_tensor import to_proto
+from arceus.wire.proto_tensor import payload_bytes, to_proto
 from nodeagent.executor import run_step
 from nodeagent.mailbox import MailboxClosed, MailboxFull
 from nodeagent.metrics import AgentMetrics
@@ -51,7 +51,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 raise RpcFailure(
                     grpc.StatusCode.NOT_FOUND, f"{stage.name} was just removed from this agent"
                 ) from None
-            nbytes = len(request.tensor.data)
+            nbytes = payload_bytes(request.tensor)  # encoded bytes, as they travelled
             stage.add_bytes_received(nbytes)
             self._metrics.bytes_received.inc(nbytes)
             return stage_pb2.PushTensorReply()
