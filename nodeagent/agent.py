@@ -13,6 +13,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from arceus.v1 import stage_pb2, stage_pb2_grpc
+from arceus.verify.receipts import ReceiptSigner
 from nodeagent.assignment import Assignment
 from nodeagent.metrics import AgentMetrics
 from nodeagent.registry import ObservedStage, StageRegistry
@@ -52,6 +53,8 @@ class Agent:
         if advertise is not None:
             split_host_port(advertise)
         self.metrics = AgentMetrics(device)
+        # Signs receipts for received activations; its public half is sent when the agent registers.
+        self.signer = ReceiptSigner()
         self.registry = StageRegistry(
             device, max_message_bytes=max_message_bytes, load_checkpoint=load_checkpoint
         )
@@ -61,7 +64,15 @@ class Agent:
             options=[*grpc_channel_options(max_message_bytes), ("grpc.so_reuseport", 0)],
         )
         stage_pb2_grpc.add_StageServiceServicer_to_server(
-            StageServicer(self.registry, self.metrics, compute_threads=lambda: self.compute_threads), self._server
+            StageServicer(
+                self.registry,
+                self.metrics,
+                compute_threads=lambda: self.compute_threads,
+                signer=self.signer,
+                device=device,
+                max_message_bytes=max_message_bytes,
+            ),
+            self._server,
         )
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

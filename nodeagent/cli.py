@@ -153,7 +153,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             caps = capabilities(device, declared_flops=args.declare_flops).to_json()
             log.info("registering with %s as %s: %s", args.control_plane, agent.advertise_address, caps)
-            registration = register_until_accepted(client, agent.advertise_address, caps, stop=stop)
+            registration = register_until_accepted(
+                client, agent.advertise_address, caps, agent.signer.public_key_hex, stop=stop
+            )
             if registration is None:
                 return 0  # stopped before the control plane answered
             log.info("registered as node %s", registration.node_id)

@@ -56,8 +56,11 @@ class ControlPlaneClient:
         self._session = requests.Session()
         self._session.headers["Authorization"] = f"Node {token}"
 
-    def register(self, grpc_address: str, capabilities: dict[str, Any]) -> Registration:
-        body = self._post("/api/agent/register", {"grpc_address": grpc_address, "capabilities": capabilities})
+    def register(self, grpc_address: str, capabilities: dict[str, Any], public_key: str) -> Registration:
+        body = self._post(
+            "/api/agent/register",
+            {"grpc_address": grpc_address, "capabilities": capabilities, "public_key": public_key},
+        )
         return Registration(node_id=_node_id(body), heartbeat_interval_seconds=_interval(body))
 
     def heartbeat(self, observed: list[dict[str, Any]], host_busy_fraction: float | None = None) -> HeartbeatReply:
@@ -220,6 +223,7 @@ def register_until_accepted(
     client: ControlPlaneClient,
     grpc_address: str,
     capabilities: dict[str, Any],
+    public_key: str,
     *,
     stop: threading.Event,
     min_backoff: float = 1.0,
@@ -230,7 +234,7 @@ def register_until_accepted(
     backoff = min_backoff
     while not stop.is_set():
         try:
-            return client.register(grpc_address, capabilities)
+            return client.register(grpc_address, capabilities, public_key)
         except Unauthorized:
             raise
         except ControlPlaneError as exc:

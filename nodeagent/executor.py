@@ -14,11 +14,13 @@ import torch
 
 from arceus.pipeline.schedule import build_schedule
 from arceus.v1 import stage_pb2
+from arceus.verify.receipts import ReceiptFields, ReceiptSigner, tensor_digest
 from arceus.wire.proto_tensor import to_proto
 from nodeagent.mailbox import MailboxCancelled, MailboxClosed, MailboxTimeout
 from nodeagent.stage import HostedStage, NeighbourLink
 from nodeagent.status import RpcFailure, neighbour_failure_code
 from nodeagent.validation import check_run_step
+from nodeagent.verify import AuditRecord
 
 MIN_CALL_TIMEOUT = 0.05
 
@@ -107,9 +109,15 @@ class PushTracker:
 
 
 def run_step(
-    stage: HostedStage, request: stage_pb2.RunStepRequest, *, deadline: float, abort: threading.Event
+    stage: HostedStage,
+    request: stage_pb2.RunStepRequest,
+    *,
+    deadline: float,
+    abort: threading.Event,
+    signer: ReceiptSigner,
 ) -> stage_pb2.RunStepReply:
-    """Execute this stage's actions for one step; `deadline` is a time.monotonic() value."""
+    """Execute this stage's actions for one step; `deadline` is a time.monotonic() value. Every
+    activation accepted from the previous stage gets a receipt signed by `signer`."""
     schedule = check_run_step(stage.io, request)
     a, io, runtime = stage.assignment, stage.io, stage.runtime
     train = request.mode == stage_pb2.TRAIN
@@ -121,6 +129,9 @@ def run_step(
     compute_before = runtime.counters.compute_seconds
     forward_sizes: dict[int, int] = {}
     results: dict[int, tuple[float, int, int]] = {}
+    receipts: list[stage_pb2.Receipt] = []
+    stage.audit_record = None  # the previous step's is no longer auditable
+    record = AuditRecord(request.step) if request.retain_for_audit and train else None
 
     def receive(kind: int, micro_batch: int) -> torch.Tensor:
         return _receive(stage, request.step, kind, micro_batch, wait_until, abort, pushes)
@@ -132,6 +143,10 @@ def run_step(
             if action.kind == "F":
                 x = receive(stage_pb2.ACTIVATION, m)
                 forward_sizes[m] = len(x)
+                if not io.is_first:
+                    receipts.append(_receipt(stage, signer, request.step, m, x))
+                    if record is not None:
+                        record.received[m] = x
                 if io.is_last:
                     labels = receive(stage_pb2.LABELS, m)
                     if len(labels) != len(x):
@@ -163,6 +178,9 @@ def run_step(
                     pushes.send(stage.prev_link, a.stage_index - 1, stage_pb2.GRADIENT, m, grad_input)
             pushes.raise_if_failed()
         pushes.wait_all()
+        if record is not None:
+            record.weights = runtime.named_weights()  # what the forwards used: the optimizer has not stepped
+            stage.audit_record = record
         if train:
             runtime.optimizer_step(request.learning_rate or None)
     except BaseException:
@@ -176,6 +194,21 @@ def run_step(
         sample_counts=[r[2] for r in ordered],
         compute_seconds=runtime.counters.compute_seconds - compute_before,
         counters=stage.counters(),
+        receipts=receipts,
+    )
+
+
+def _receipt(
+    stage: HostedStage, signer: ReceiptSigner, step: int, micro_batch: int, x: torch.Tensor
+) -> stage_pb2.Receipt:
+    a = stage.assignment
+    fields = ReceiptFields(a.job_id, a.stage_index, a.generation, step, micro_batch, tensor_digest(x))
+    return stage_pb2.Receipt(
+        stage=stage.ref(a.stage_index),
+        step=step,
+        micro_batch=micro_batch,
+        sha256=fields.sha256,
+        signature=signer.sign(fields),
     )
 
 

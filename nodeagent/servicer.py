@@ -5,6 +5,7 @@ Every failure leaves as a gRPC status with a message; nothing a client sends can
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -14,14 +15,18 @@ from typing import TypeVar
 import grpc
 import torch
 
+from arceus.errors import SpecError
 from arceus.v1 import stage_pb2, stage_pb2_grpc
-from arceus.wire.proto_tensor import payload_bytes, to_proto
+from arceus.verify.receipts import ReceiptSigner
+from arceus.wire.codec import TensorValidationError
+from arceus.wire.proto_tensor import from_proto, payload_bytes, to_proto
 from nodeagent.executor import run_step
 from nodeagent.mailbox import MailboxClosed, MailboxFull
 from nodeagent.metrics import AgentMetrics
 from nodeagent.registry import StageRegistry
 from nodeagent.status import RpcFailure
 from nodeagent.validation import KIND_NAMES, decode_push
+from nodeagent.verify import recompute_forward
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -31,11 +36,21 @@ MAX_CALL_SECONDS = 3600.0
 
 class StageServicer(stage_pb2_grpc.StageServiceServicer):
     def __init__(
-        self, registry: StageRegistry, metrics: AgentMetrics, compute_threads: Callable[[], int] | None = None
+        self,
+        registry: StageRegistry,
+        metrics: AgentMetrics,
+        compute_threads: Callable[[], int] | None = None,
+        *,
+        signer: ReceiptSigner,
+        device: torch.device,
+        max_message_bytes: int,
     ) -> None:
         self._registry = registry
         self._metrics = metrics
         self._compute_threads = compute_threads
+        self._signer = signer
+        self._device = device
+        self._max_message_bytes = max_message_bytes
 
     def PushTensor(
         self, request: stage_pb2.PushTensorRequest, context: grpc.ServicerContext
@@ -78,7 +93,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                     torch.set_num_threads(self._compute_threads())  # per OS thread: this one computes
                 before = stage.counters()
                 started = time.perf_counter()
-                reply = run_step(stage, request, deadline=deadline, abort=abort)
+                reply = run_step(stage, request, deadline=deadline, abort=abort, signer=self._signer)
                 mode = "train" if request.mode == stage_pb2.TRAIN else "eval"
                 self._metrics.step_seconds.labels(mode=mode).observe(time.perf_counter() - started)
             finally:
@@ -110,6 +125,55 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             )
 
         return _serve(context, "GetWeights", weights)
+
+    def Audit(self, request: stage_pb2.AuditRequest, context: grpc.ServicerContext) -> stage_pb2.AuditReply:
+        def audit() -> stage_pb2.AuditReply:
+            stage = self._registry.resolve(request.target)
+            if not stage.step_lock.acquire(timeout=max(0.0, _deadline(context) - time.monotonic())):
+                raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, f"{stage.name} stayed busy with a step")
+            try:
+                record = stage.audit_record
+            finally:
+                stage.step_lock.release()
+            if record is None or record.step != request.step:
+                raise RpcFailure(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"{stage.name} kept nothing of step {request.step}: it keeps only its last train step "
+                    "run with retain_for_audit",
+                )
+            reply = stage_pb2.AuditReply(
+                weights=[stage_pb2.NamedTensor(name=n, tensor=to_proto(t)) for n, t in record.weights.items()]
+            )
+            if not stage.io.is_first:
+                if request.micro_batch not in record.received:
+                    raise RpcFailure(
+                        grpc.StatusCode.NOT_FOUND,
+                        f"{stage.name} received no micro-batch {request.micro_batch} in step {request.step}",
+                    )
+                reply.received.CopyFrom(to_proto(record.received[request.micro_batch]))
+            return reply
+
+        return _serve(context, "Audit", audit)
+
+    def VerifyForward(
+        self, request: stage_pb2.VerifyForwardRequest, context: grpc.ServicerContext
+    ) -> stage_pb2.VerifyForwardReply:
+        def verify() -> stage_pb2.VerifyForwardReply:
+            try:
+                config = json.loads(request.model_config_json)
+                if not isinstance(config, dict):
+                    raise ValueError("model_config_json is not a JSON object")
+                limit = self._max_message_bytes
+                weights = {w.name: from_proto(w.tensor, max_bytes=limit) for w in request.weights}
+                x = from_proto(request.input, max_bytes=limit)
+                out = recompute_forward(config, request.layer_start, request.layer_end, weights, x, self._device)
+            except SpecError as exc:
+                raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.field}: {exc.message}") from None
+            except (ValueError, TensorValidationError) as exc:  # JSON, tensors, weights or input that do not fit
+                raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, f"cannot verify: {exc}") from None
+            return stage_pb2.VerifyForwardReply(output=to_proto(out))
+
+        return _serve(context, "VerifyForward", verify)
 
 
 def _deadline(context: grpc.ServicerContext) -> float:

@@ -14,6 +14,7 @@ from arceus.v1 import stage_pb2, stage_pb2_grpc
 from nodeagent.assignment import Assignment, CheckpointRef
 from nodeagent.mailbox import Mailbox
 from nodeagent.runtime import StageRuntime
+from nodeagent.verify import AuditRecord
 
 ACTIVATION_DTYPE = "float32"  # the only compute dtype so far
 LABEL_DTYPE = "int64"
@@ -78,6 +79,8 @@ class HostedStage:
         self._bytes_lock = threading.Lock()
         self.bytes_sent = 0
         self.bytes_received = 0
+        # The last train step's activations and weights, kept for spot checks (retain_for_audit).
+        self.audit_record: AuditRecord | None = None
 
     @property
     def name(self) -> str:

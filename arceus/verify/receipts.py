@@ -1,0 +1,79 @@
+"""Receipts: a stage signs (Ed25519) the digest of every activation it accepts from its previous stage.
+
+The payload is fixed text, so the agent, the driver and the control plane build the same bytes from the
+same fields; the key is the agent's per-registration key, whose public half the control plane stores.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+PUBLIC_KEY_HEX_LENGTH = 64  # raw 32-byte Ed25519 key
+
+
+class ReceiptError(ValueError):
+    """A receipt or key that cannot be checked, or whose signature does not verify."""
+
+
+def tensor_digest(tensor: torch.Tensor) -> bytes:
+    """SHA-256 over dtype, shape and the C-order bytes of the tensor (independent of the wire encoding)."""
+    t = tensor.detach().cpu().contiguous()
+    h = hashlib.sha256(f"{str(t.dtype).removeprefix('torch.')}:{list(t.shape)}:".encode())
+    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class ReceiptFields:
+    job_id: str
+    stage_index: int  # the receiving stage
+    generation: int
+    step: int
+    micro_batch: int
+    sha256: bytes
+
+    def payload(self) -> bytes:
+        return (
+            f"arceus-receipt-v1\n{self.job_id}\n{self.stage_index}\n{self.generation}\n{self.step}\n"
+            f"{self.micro_batch}\n{self.sha256.hex()}"
+        ).encode()
+
+
+class ReceiptSigner:
+    """A fresh key pair; the agent makes one per registration (a restarted agent gets a new one)."""
+
+    def __init__(self) -> None:
+        self._key = Ed25519PrivateKey.generate()
+        self.public_key_hex = self._key.public_key().public_bytes_raw().hex()
+
+    def sign(self, fields: ReceiptFields) -> bytes:
+        return self._key.sign(fields.payload())
+
+
+def load_public_key(public_key_hex: str) -> Ed25519PublicKey:
+    """ReceiptError unless `public_key_hex` is 64 hex digits."""
+    try:
+        raw = bytes.fromhex(public_key_hex)
+    except ValueError:
+        raw = b""
+    if len(raw) != 32:
+        raise ReceiptError(f"a public key is {PUBLIC_KEY_HEX_LENGTH} hex digits (raw Ed25519), got {public_key_hex!r}")
+    return Ed25519PublicKey.from_public_bytes(raw)
+
+
+def verify_receipt(public_key_hex: str, fields: ReceiptFields, signature: bytes) -> None:
+    """ReceiptError saying why unless `signature` is the key's signature of `fields`."""
+    if len(fields.sha256) != 32:
+        raise ReceiptError(f"receipt digest is {len(fields.sha256)} bytes, expected 32")
+    try:
+        load_public_key(public_key_hex).verify(signature, fields.payload())
+    except InvalidSignature:
+        raise ReceiptError(
+            f"receipt for step {fields.step} micro-batch {fields.micro_batch} of stage {fields.stage_index} "
+            "does not verify against the node's public key"
+        ) from None

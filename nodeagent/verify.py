@@ -1,0 +1,57 @@
+"""Spot checks, the torch side (never grpc): what a stage keeps of a step for an audit, and the
+recomputation of another node's forward from the declarative spec and the weights it used."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from arceus.model.build import build_layers, named_global_parameters
+from arceus.model.spec import model_spec_from_config
+
+
+@dataclass
+class AuditRecord:
+    """One train step of a stage: the activations it received (by micro-batch) and its weights then."""
+
+    step: int
+    received: dict[int, torch.Tensor] = field(default_factory=dict)
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+def recompute_forward(
+    model_config: dict[str, Any],
+    layer_start: int,
+    layer_end: int,
+    weights: dict[str, torch.Tensor],
+    x: torch.Tensor,
+    device: torch.device,
+) -> torch.Tensor:
+    """Layers [layer_start, layer_end) of the model, built from its spec and loaded with exactly `weights`,
+    applied to `x`; SpecError for a bad spec or range, ValueError for weights that do not fit."""
+    spec = model_spec_from_config(model_config)
+    if not 0 <= layer_start < layer_end <= spec.num_layers:
+        raise ValueError(f"layer range [{layer_start}, {layer_end}) is not within the model's {spec.num_layers} layers")
+    layers = build_layers(spec, layer_start, layer_end, seed=0).to(device)
+    params = dict(named_global_parameters(layers))
+    if set(weights) != set(params):
+        missing, extra = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
+        raise ValueError(
+            f"weights do not match layers [{layer_start}, {layer_end}): missing {missing}, unexpected {extra}"
+        )
+    with torch.no_grad():
+        for name, param in params.items():
+            if weights[name].shape != param.shape or weights[name].dtype != param.dtype:
+                raise ValueError(
+                    f"weight {name} is {weights[name].dtype} {list(weights[name].shape)}; "
+                    f"the layer has {param.dtype} {list(param.shape)}"
+                )
+            param.copy_(weights[name].to(device))
+        try:
+            return layers(x.to(device)).cpu()
+        except RuntimeError as exc:  # torch's shape and dtype errors: the input does not fit the layers
+            raise ValueError(
+                f"layers [{layer_start}, {layer_end}) cannot take input {x.dtype} {list(x.shape)}: {exc}"
+            ) from None
