@@ -130,11 +130,14 @@ def test_a_killed_stage_agent_moves_to_the_spare_and_the_job_finishes(
     assert work[(victim_stage, spare.node_id)] > 0
     assert work[(victim_stage, victim.node_id)] + work[(victim_stage, spare.node_id)] >= work[(0, placed[0])]
 
-    # The owner downloads the trained model: the uninterrupted single-process run's weights.
+    # The owner downloads the trained model: the uninterrupted single-process run's weights. The pipeline
+    # sums micro-batch gradients where the reference takes one batch mean, so float rounding compounds
+    # over 180 momentum steps (seen: up to 4e-5 on a few of 8192 weights); a resume that lost optimizer
+    # state or shifted the data order is off by 1e-2 and more.
     weights = safetensors_load(cluster.client.download_model(job["id"]))
     assert sorted(weights) == sorted(reference.weights)
     for name, want in reference.weights.items():
-        torch.testing.assert_close(weights[name], want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(weights[name], want, rtol=1e-3, atol=2e-4)
 
 
 def test_with_no_spare_the_job_waits_pending_then_finishes_on_a_new_agent(
