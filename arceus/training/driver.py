@@ -18,9 +18,11 @@ import grpc
 import torch
 
 from arceus.data import epoch_batches, load_dataset, validate_dataset_config
+from arceus.training.audit import Auditor
 from arceus.training.plan import (
     EpochResult,
     ProgressSink,
+    SpotCheck,
     StageCountersSnapshot,
     StageState,
     StepProgress,
@@ -48,6 +50,7 @@ class StepOutcome:
     correct: int
     samples: int
     stages: list[StageCountersSnapshot]
+    spot_checks: list[SpotCheck]
 
 
 class Pipeline:
@@ -60,6 +63,7 @@ class Pipeline:
             for s in plan.stages
         ]
         self._call_ids = itertools.count(1)  # unique per RunStep (train and eval) within this run
+        self.auditor = Auditor(plan, self.clients) if plan.audit_rate > 0 else None
 
     def step(self, x: torch.Tensor, y: torch.Tensor, *, train: bool) -> StepOutcome:
         plan, first, last = self.plan, self.clients[0], self.clients[-1]
@@ -67,13 +71,8 @@ class Pipeline:
         n = len(x)
         num_micro_batches = min(plan.micro_batches, n)
         calls: list[tuple[StageClient, str, grpc.Future]] = []
-        for m, (xm, ym) in enumerate(
-            zip(
-                torch.tensor_split(x, num_micro_batches),
-                torch.tensor_split(y, num_micro_batches),
-                strict=True,
-            )
-        ):
+        inputs = torch.tensor_split(x, num_micro_batches)
+        for m, (xm, ym) in enumerate(zip(inputs, torch.tensor_split(y, num_micro_batches), strict=True)):
             calls.append(
                 (
                     first,
@@ -96,6 +95,7 @@ class Pipeline:
                     schedule=plan.schedule,
                     batch_size=n,
                     learning_rate=plan.learning_rate,
+                    retain_for_audit=train and self.auditor is not None,
                 ),
             )
             for c in self.clients
@@ -108,11 +108,18 @@ class Pipeline:
                 f"{last.describe()} reported {sum(final.sample_counts)} samples for a batch of {n}",
                 stage_index=last.endpoint.index,
             )
+        spot_checks = []
+        if train and self.auditor is not None:
+            try:
+                spot_checks = self.auditor.check(step, replies, list(inputs))
+            except grpc.RpcError as exc:
+                raise DriverError(f"a spot check of step {step} failed: {exc}") from exc
         return StepOutcome(
             loss_sum=sum(final.loss_sums),
             correct=sum(final.correct),
             samples=n,
             stages=[c.snapshot(r.counters) for c, r in zip(self.clients, replies, strict=True)],
+            spot_checks=spot_checks,
         )
 
     def evaluate(
@@ -213,6 +220,7 @@ def train(plan: TrainPlan, sink: ProgressSink) -> TrainResult:
                         loss=final_loss,
                         samples_per_second=outcome.samples / elapsed if elapsed > 0 else 0.0,
                         stages=outcome.stages,
+                        spot_checks=outcome.spot_checks,
                     )
                 )
                 ends_epoch = step % steps_per_epoch == 0 or step >= total_steps

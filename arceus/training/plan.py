@@ -19,6 +19,7 @@ class StageEndpoint:
     node_id: str
     layer_start: int
     layer_end: int
+    public_key: str = ""  # hex Ed25519 key of the node's agent: its receipts verify against it
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,13 @@ class TrainPlan:
     start_step: int = 0
     # Save every stage's state every this many steps (0: never periodically), and at the end.
     checkpoint_interval: int = 0
+    # Spot checks (arceus.training.audit): the chance that a train step has one micro-batch's forward
+    # recomputed on another node (0: no checks, no receipts verified), and the tolerance it must meet.
+    # `model` (the job's model_config) is what the verifier rebuilds the stage from.
+    audit_rate: float = 0.0
+    audit_rtol: float = 1e-4
+    audit_atol: float = 1e-5
+    model: dict[str, Any] = field(default_factory=dict)
 
     def check(self) -> None:
         """Raise SpecError if the plan cannot be run (the dataset is checked when it is loaded)."""
@@ -70,6 +78,10 @@ class TrainPlan:
         for name, value in (("start_step", self.start_step), ("checkpoint_interval", self.checkpoint_interval)):
             if value < 0:
                 raise SpecError(f"plan.{name}", f"must be at least 0, got {value}")
+        if not 0.0 <= self.audit_rate <= 1.0:
+            raise SpecError("plan.audit_rate", f"must be within [0, 1], got {self.audit_rate}")
+        if self.audit_rate and not self.model:
+            raise SpecError("plan.model", "spot checks need the model config to recompute a stage")
         if self.schedule not in SCHEDULES:
             raise SpecError(
                 "plan.schedule", f"unknown schedule {self.schedule!r}; known: {', '.join(SCHEDULES)}"
@@ -94,6 +106,22 @@ class StageCountersSnapshot:
     bytes_received: int
 
 
+@dataclass(frozen=True)
+class SpotCheck:
+    """The outcome of checking a node's work: a recomputed forward, or a receipt it signed."""
+
+    step: int
+    micro_batch: int
+    stage_index: int  # the stage whose work was checked
+    node_id: str
+    passed: bool
+    detail: str
+    verifier_node_id: str = ""  # "" when no forward was recomputed (a receipt check)
+    max_abs_diff: float = 0.0
+    receipt_sha256: str = ""  # hex: the receiver's signed digest of the compared output
+    receipt_signature: str = ""  # hex
+
+
 @dataclass
 class StepProgress:
     epoch: int  # 1-based
@@ -102,6 +130,7 @@ class StepProgress:
     loss: float
     samples_per_second: float
     stages: list[StageCountersSnapshot] = field(default_factory=list)  # cumulative, after this step
+    spot_checks: list[SpotCheck] = field(default_factory=list)  # of this step
 
 
 @dataclass

@@ -45,6 +45,7 @@ class StageClient:
         schedule: str,
         batch_size: int,
         learning_rate: float,
+        retain_for_audit: bool = False,
     ) -> grpc.Future:
         request = stage_pb2.RunStepRequest(
             target=self.ref,
@@ -54,6 +55,7 @@ class StageClient:
             schedule=schedule,
             batch_size=batch_size,
             learning_rate=learning_rate,
+            retain_for_audit=retain_for_audit,
         )
         return self._stub.RunStep.future(request, timeout=self.timeout)
 
@@ -61,6 +63,29 @@ class StageClient:
         request = stage_pb2.GetWeightsRequest(target=self.ref, include_optimizer_state=include_optimizer_state)
         reply = self._stub.GetWeights(request, timeout=self.timeout)
         return {named.name: from_proto(named.tensor, max_bytes=MAX_MESSAGE_BYTES) for named in reply.tensors}
+
+    def audit(self, step: int, micro_batch: int) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+        """The weights this stage used in `step`, and the activation it received for `micro_batch`
+        (None on the first stage)."""
+        request = stage_pb2.AuditRequest(target=self.ref, step=step, micro_batch=micro_batch)
+        reply = self._stub.Audit(request, timeout=self.timeout)
+        weights = {w.name: from_proto(w.tensor, max_bytes=MAX_MESSAGE_BYTES) for w in reply.weights}
+        received = from_proto(reply.received, max_bytes=MAX_MESSAGE_BYTES) if reply.HasField("received") else None
+        return weights, received
+
+    def verify_forward(
+        self, model_json: str, layer_start: int, layer_end: int, weights: dict[str, torch.Tensor], x: torch.Tensor
+    ) -> torch.Tensor:
+        """This stage's agent recomputes layers [layer_start, layer_end) with `weights` on `x`."""
+        request = stage_pb2.VerifyForwardRequest(
+            model_config_json=model_json,
+            layer_start=layer_start,
+            layer_end=layer_end,
+            weights=[stage_pb2.NamedTensor(name=n, tensor=to_proto(t)) for n, t in weights.items()],
+            input=to_proto(x),
+        )
+        reply = self._stub.VerifyForward(request, timeout=self.timeout)
+        return from_proto(reply.output, max_bytes=MAX_MESSAGE_BYTES)
 
     def snapshot(self, counters: stage_pb2.StageCounters) -> StageCountersSnapshot:
         return StageCountersSnapshot(

@@ -1,0 +1,105 @@
+"""Spot checks through real agents on loopback: receipts verify, honest forwards pass, a stage that
+perturbs its activations is caught, and receipts that do not verify blame the stage that signed them."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import replace
+
+import pytest
+import torch
+
+from arceus.data import validate_dataset_config
+from arceus.training import StageEndpoint, TrainPlan, max_micro_batch_size, train
+from arceus.training.recording import RecordingSink
+from arceus.verify.receipts import ReceiptSigner
+from nodeagent.agent import Agent
+from nodeagent.assignment import Assignment
+from nodeagent.static import pipeline_assignments
+
+MODEL = {"type": "mlp", "layer_sizes": [64, 32, 16, 10]}
+BOUNDARIES = [0, 1, 2, 3]
+DATASET = validate_dataset_config({"name": "digits", "batch_size": 32})
+MICRO_BATCHES = 4
+
+
+@pytest.fixture
+def agents() -> Iterator[list[Agent]]:
+    started = [Agent(device=torch.device("cpu")) for _ in range(3)]
+    for agent in started:
+        agent.start()
+    stages = pipeline_assignments(
+        job_id="audited",
+        model_config=MODEL,
+        boundaries=BOUNDARIES,
+        addresses=[a.advertise_address for a in started],
+        optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0},
+        seed=3,
+        micro_batches=MICRO_BATCHES,
+        max_micro_batch_size=max_micro_batch_size(DATASET, MICRO_BATCHES),
+    )
+    for agent, stage in zip(started, stages, strict=True):
+        agent.apply_assignments([Assignment.from_json(stage)])
+    try:
+        yield started
+    finally:
+        for agent in started:
+            agent.stop(1)
+
+
+def plan_for(agents: list[Agent], **overrides: object) -> TrainPlan:
+    plan = TrainPlan(
+        job_id="audited",
+        generation=1,
+        stages=tuple(
+            StageEndpoint(i, a.advertise_address, f"node-{i}", BOUNDARIES[i], BOUNDARIES[i + 1],
+                          public_key=a.signer.public_key_hex)
+            for i, a in enumerate(agents)
+        ),
+        dataset=DATASET,
+        epochs=1,
+        learning_rate=0.05,
+        micro_batches=MICRO_BATCHES,
+        seed=3,
+        rpc_timeout_seconds=20.0,
+        max_steps=6,
+        audit_rate=1.0,
+        model=MODEL,
+    )
+    return replace(plan, **overrides)
+
+
+def spot_checks(plan: TrainPlan) -> list:
+    sink = RecordingSink()
+    train(plan, sink)
+    return [c for p in sink.steps for c in p.spot_checks]
+
+
+def test_honest_stages_pass_every_spot_check(agents: list[Agent]) -> None:
+    checks = spot_checks(plan_for(agents))
+    assert len(checks) == 6 and all(c.passed for c in checks), [c.detail for c in checks if not c.passed]
+    assert {c.stage_index for c in checks} <= {0, 1}  # producers: the last stage sends no activations
+    for c in checks:
+        assert c.verifier_node_id != c.node_id and len(bytes.fromhex(c.receipt_signature)) == 64
+        assert c.max_abs_diff <= 1e-5
+
+
+def test_a_stage_that_perturbs_its_activations_fails_its_spot_checks(agents: list[Agent]) -> None:
+    # Both producers cheat, so whichever the driver samples is caught.
+    for agent in agents[:2]:
+        runtime = agent.registry.stages()[0].runtime
+        honest = runtime.forward
+        runtime.forward = lambda key, x, f=honest: f(key, x) + 0.01 * torch.randn(1)  # type: ignore[method-assign]
+    checks = spot_checks(plan_for(agents))
+    assert len(checks) == 6 and not any(c.passed for c in checks)
+    for c in checks:
+        assert c.node_id == f"node-{c.stage_index}" and "differs from the recomputation" in c.detail
+        assert c.max_abs_diff > 1e-3
+
+
+def test_receipts_that_do_not_verify_fail_the_stage_that_signed_them(agents: list[Agent]) -> None:
+    plan = plan_for(agents)
+    impostor = replace(plan.stages[2], public_key=ReceiptSigner().public_key_hex)
+    checks = spot_checks(replace(plan, stages=(*plan.stages[:2], impostor), audit_rate=0.0001))
+    assert checks and all(not c.passed and c.stage_index == 2 for c in checks)
+    assert "does not verify against the node's public key" in checks[0].detail
