@@ -14,18 +14,22 @@ def to_proto(tensor: torch.Tensor) -> stage_pb2.Tensor:
 
 
 def encoded_to_proto(encoded: compression.Encoded) -> stage_pb2.Tensor:
-    """A compressed float32 payload; "fp32" leaves `encoding` unset, so it is the plain message."""
-    if encoded.encoding == "fp32":
-        return stage_pb2.Tensor(dtype="float32", shape=encoded.shape, data=encoded.data)
-    return stage_pb2.Tensor(
-        dtype="float32",
-        shape=encoded.shape,
-        data=encoded.data,
-        encoding=encoded.encoding,
-        scales=encoded.scales,
-        block_size=encoded.block_size,
-        indices=encoded.indices,
-    )
+    return write_encoded(stage_pb2.Tensor(), encoded)
+
+
+def write_encoded(message: stage_pb2.Tensor, encoded: compression.Encoded) -> stage_pb2.Tensor:
+    """Fill `message` in place, e.g. `request.tensor`: passing a built Tensor to the request's
+    constructor merges it field by field, about 4.5 ms for 4 MB against 0.1 ms for setting it here.
+    "fp32" leaves `encoding` unset, so it is byte for byte the plain message."""
+    message.dtype = "float32"
+    message.shape[:] = encoded.shape
+    message.data = encoded.data
+    if encoded.encoding != "fp32":
+        message.encoding = encoded.encoding
+        message.scales = encoded.scales
+        message.block_size = encoded.block_size
+        message.indices = encoded.indices
+    return message
 
 
 def from_proto(message: stage_pb2.Tensor, *, max_bytes: int = codec.DEFAULT_MAX_BYTES) -> torch.Tensor:
