@@ -51,7 +51,9 @@ FRAME = struct.Struct("<Q")
 
 
 class DecodingStageServicer(stage_pb2_grpc.StageServiceServicer):
-    def PushTensor(self, request: stage_pb2.PushTensorRequest, context: grpc.ServicerContext) -> stage_pb2.PushTensorReply:
+    def PushTensor(
+        self, request: stage_pb2.PushTensorRequest, context: grpc.ServicerContext
+    ) -> stage_pb2.PushTensorReply:
         from_proto(request.tensor, max_bytes=TENSOR_BYTES)
         return stage_pb2.PushTensorReply()
 

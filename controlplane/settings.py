@@ -190,6 +190,9 @@ ARCEUS_JOB_MAX_RESTARTS = int(os.environ.get("ARCEUS_JOB_MAX_RESTARTS", "5"))
 # supply balance; the platform keeps this fraction of every charge; prices are recomputed this often.
 ARCEUS_BASELINE_PRICE_PER_HOUR = float(os.environ.get("ARCEUS_BASELINE_PRICE_PER_HOUR", "0.30"))
 ARCEUS_PLATFORM_FEE = float(os.environ.get("ARCEUS_PLATFORM_FEE", "0.10"))
+# A spot-checked forward must match its recomputation on another node within these (torch.allclose).
+ARCEUS_AUDIT_RTOL = float(os.environ.get("ARCEUS_AUDIT_RTOL", "1e-4"))
+ARCEUS_AUDIT_ATOL = float(os.environ.get("ARCEUS_AUDIT_ATOL", "1e-5"))
 ARCEUS_REPRICE_INTERVAL_SECONDS = float(os.environ.get("ARCEUS_REPRICE_INTERVAL_SECONDS", "30"))
 ARCEUS_LEDGER_ROLLUP_INTERVAL_SECONDS = float(os.environ.get("ARCEUS_LEDGER_ROLLUP_INTERVAL_SECONDS", "300"))
 # The job detail thins its loss curve to at most this many points.

@@ -12,6 +12,7 @@ from typing import Any
 
 from arceus.errors import SpecError
 from arceus.model.spec import ModelSpec, model_spec_from_config
+from arceus.wire.transfer import TransferConfig, transfer_config_from_json
 
 OPTIMIZERS = ("sgd", "adam")
 _FIELDS = frozenset(
@@ -32,7 +33,7 @@ _FIELDS = frozenset(
         "next_address",
     }
 )
-_OPTIONAL_FIELDS = frozenset({"checkpoint"})
+_OPTIONAL_FIELDS = frozenset({"checkpoint", "transfer"})
 _OPTIMIZER_FIELDS = frozenset({"name", "lr", "momentum", "weight_decay"})
 _CHECKPOINT_FIELDS = frozenset({"step", "url", "sha256"})
 
@@ -71,6 +72,7 @@ class Assignment:
     prev_address: str | None
     next_address: str | None
     checkpoint: CheckpointRef | None = None  # None: start from the seeded initial weights
+    transfer: TransferConfig = TransferConfig()  # how this stage encodes what it sends
 
     @property
     def is_first(self) -> bool:
@@ -143,6 +145,7 @@ class Assignment:
             prev_address=prev_address,
             next_address=next_address,
             checkpoint=_checkpoint(data.get("checkpoint")),
+            transfer=transfer_config_from_json(data.get("transfer"), field="assignment.transfer"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -169,6 +172,7 @@ class Assignment:
             "checkpoint": None
             if self.checkpoint is None
             else {"step": self.checkpoint.step, "url": self.checkpoint.url, "sha256": self.checkpoint.sha256},
+            "transfer": self.transfer.to_json(),
         }
 
 

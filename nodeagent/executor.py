@@ -15,7 +15,7 @@ import torch
 from arceus.pipeline.schedule import build_schedule
 from arceus.v1 import stage_pb2
 from arceus.verify.receipts import ReceiptFields, ReceiptSigner, tensor_digest
-from arceus.wire.proto_tensor import to_proto
+from arceus.wire.proto_tensor import write_encoded
 from nodeagent.mailbox import MailboxCancelled, MailboxClosed, MailboxTimeout
 from nodeagent.stage import HostedStage, NeighbourLink
 from nodeagent.status import RpcFailure, neighbour_failure_code
@@ -41,20 +41,18 @@ class PushTracker:
     def send(
         self, link: NeighbourLink, target_index: int, kind: int, micro_batch: int, tensor: torch.Tensor
     ) -> None:
-        message = to_proto(tensor)
         request = stage_pb2.PushTensorRequest(
-            target=self._stage.ref(target_index),
-            kind=kind,
-            step=self._step,
-            micro_batch=micro_batch,
-            tensor=message,
+            target=self._stage.ref(target_index), kind=kind, step=self._step, micro_batch=micro_batch
         )
+        # Encoded per the job's transfer setting; top-k error feedback is kept per micro-batch slot.
+        encoded = self._stage.transfer.encode(tensor, gradient=kind == stage_pb2.GRADIENT, stream=micro_batch)
+        write_encoded(request.tensor, encoded)
         timeout = max(MIN_CALL_TIMEOUT, self._deadline - time.monotonic())
         what = (
             f"the {stage_pb2.TensorKind.Name(kind)} of step {self._step} micro-batch {micro_batch} "
             f"to stage {target_index} at {link.address}"
         )
-        nbytes = len(message.data)
+        nbytes = encoded.nbytes
         with self._cond:
             self._pending += 1
         future = link.stub.PushTensor.future(request, timeout=timeout)

@@ -11,6 +11,7 @@ import torch
 
 from arceus.model.build import build_layers
 from arceus.v1 import stage_pb2, stage_pb2_grpc
+from arceus.wire.transfer import TransferEncoder
 from nodeagent.assignment import Assignment, CheckpointRef
 from nodeagent.mailbox import Mailbox
 from nodeagent.runtime import StageRuntime
@@ -56,6 +57,7 @@ class HostedStage:
     def __init__(self, assignment: Assignment, runtime: StageRuntime, *, max_message_bytes: int) -> None:
         self.assignment = assignment
         self.runtime = runtime
+        self.transfer = TransferEncoder(assignment.transfer)  # holds top-k error feedback
         spec = assignment.spec
         self.io = StageIO(
             input_features=spec.layer_input_features()[assignment.layer_start],

@@ -58,6 +58,7 @@ def pipeline_assignments(
     micro_batches: int,
     max_micro_batch_size: int,
     generation: int = 1,
+    transfer: dict[str, Any] | None = None,
 ) -> list[dict[str, Any]]:
     """Assignments for stages [boundaries[i], boundaries[i+1]) hosted at addresses[i]."""
     if len(boundaries) != len(addresses) + 1:
@@ -81,6 +82,7 @@ def pipeline_assignments(
             "max_micro_batch_size": max_micro_batch_size,
             "prev_address": addresses[i - 1] if i > 0 else None,
             "next_address": addresses[i + 1] if i < n - 1 else None,
+            **({} if transfer is None else {"transfer": transfer}),
         }
         for i in range(n)
     ]

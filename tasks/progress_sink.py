@@ -9,12 +9,15 @@ lease gone (job cancelled, or another driver took over) makes `should_stop` true
 
 from __future__ import annotations
 
+import logging
 import time
+from dataclasses import asdict
 
 from django.utils import timezone
 
 from arceus.checkpoint import encode_checkpoint
 from arceus.training import EpochResult, StageCountersSnapshot, StageState, StepProgress
+from controlplane.common.errors import ApplicationError
 from controlplane.jobs.checkpoints import StageFile, checkpoint_save
 from controlplane.jobs.progress import (
     StageCounters,
@@ -24,6 +27,9 @@ from controlplane.jobs.progress import (
     job_record_epoch,
     job_record_steps,
 )
+from controlplane.market.verification import SpotCheckReport, spot_checks_record
+
+log = logging.getLogger(__name__)
 
 
 class DbProgressSink:
@@ -34,6 +40,7 @@ class DbProgressSink:
         self.flush_seconds = flush_seconds
         self._pending: list[StepPoint] = []
         self._counters: list[StageCounters] = []  # the newest step's, not yet written
+        self._spot_checks: list[SpotCheckReport] = []
         self._last_flush = time.monotonic()
         self._lost_lease = False
         self._handover = False
@@ -41,7 +48,9 @@ class DbProgressSink:
     def on_step(self, p: StepProgress) -> None:
         self._pending.append(StepPoint(p.epoch, p.step, p.total_steps, p.loss, p.samples_per_second))
         self._counters = stage_counters(p.stages)
-        if time.monotonic() - self._last_flush >= self.flush_seconds:
+        self._spot_checks += [SpotCheckReport(**asdict(c)) for c in p.spot_checks]
+        # A failed check is written at once: the node must stop getting credit and work now.
+        if time.monotonic() - self._last_flush >= self.flush_seconds or not all(c.passed for c in p.spot_checks):
             self.flush()
 
     def on_epoch(self, r: EpochResult) -> None:
@@ -91,11 +100,20 @@ class DbProgressSink:
     def flush(self) -> None:
         points, self._pending = self._pending, []
         counters, self._counters = self._counters, []
+        checks, self._spot_checks = self._spot_checks, []
         self._last_flush = time.monotonic()
         if not self._lost_lease:
             self._lost_lease = not job_record_steps(
                 job_id=self.job_id, lease_owner=self.lease_owner, points=points, stages=counters, now=timezone.now()
             )
+        if checks and not self._lost_lease:
+            try:
+                spot_checks_record(
+                    job_id=self.job_id, lease_owner=self.lease_owner, generation=self.generation, checks=checks,
+                    now=timezone.now(),
+                )
+            except ApplicationError as exc:  # evidence that does not hold up is dropped, never stored
+                log.error("job %s: spot checks not recorded: %s", self.job_id, exc.message)
         if not self._lost_lease and not self._handover:
             self._handover = job_handover_requested(job_id=self.job_id)
 

@@ -93,6 +93,7 @@ def train_plan(job: Job) -> TrainPlan:
                 node_id=str(s.node_id),
                 layer_start=s.layer_start,
                 layer_end=s.layer_end,
+                public_key=s.node.public_key if s.node else "",
             )
             for s in job_stages(job=job)
         ),
@@ -104,6 +105,10 @@ def train_plan(job: Job) -> TrainPlan:
         rpc_timeout_seconds=settings.ARCEUS_RPC_TIMEOUT_SECONDS,
         start_step=job.resume_checkpoint.step if job.resume_checkpoint else 0,
         checkpoint_interval=job.checkpoint_interval_steps,
+        audit_rate=job.audit_rate,
+        audit_rtol=settings.ARCEUS_AUDIT_RTOL,
+        audit_atol=settings.ARCEUS_AUDIT_ATOL,
+        model=job.model_config,
     )
 
 

@@ -63,6 +63,9 @@ class Job(BaseModel):
     checkpoint_interval_steps = models.PositiveIntegerField(
         default=50, help_text="Save a coordinated checkpoint of every stage every N steps (0: only at the end)."
     )
+    audit_rate = models.FloatField(
+        default=0.05, help_text="Chance that a train step has one micro-batch's forward re-run on another node."
+    )
     node_grace_seconds = models.FloatField(
         null=True,
         blank=True,

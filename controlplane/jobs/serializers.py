@@ -65,6 +65,12 @@ class JobSubmitInput(StrictInputSerializer):
         default=50,
         help_text="Save every stage's state every N steps (0: only at the end); a lost stage resumes from it.",
     )
+    audit_rate = StrictFloatField(
+        min_value=0,
+        max_value=1,
+        default=0.05,
+        help_text="Chance that a train step is spot-checked: one micro-batch's forward re-run on another node.",
+    )
     node_grace_seconds = StrictFloatField(
         greater_than=0,
         allow_null=True,
@@ -161,6 +167,7 @@ class JobDetailOutput(JobListOutput):
     generation = serializers.IntegerField()
     requirements = serializers.JSONField()
     checkpoint_interval_steps = serializers.IntegerField()
+    audit_rate = serializers.FloatField()
     node_grace_seconds = serializers.FloatField(allow_null=True)
     restarts = serializers.IntegerField(help_text="Rewinds not explained by a lost node since the last checkpoint.")
     resumed_from_step = serializers.IntegerField(

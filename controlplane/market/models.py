@@ -47,6 +47,8 @@ class LedgerEntry(BaseModel):
     charge_micros = models.BigIntegerField(help_text="what the job's owner pays for this work")
     fee_micros = models.BigIntegerField(help_text="the platform's share")
     credit_micros = models.BigIntegerField(help_text="what the node's owner earns: charge - fee")
+    # A spot check caught this node's work on this job wrong: the credit is not paid out.
+    withheld = models.BooleanField(default=False, db_index=True)
 
     class Meta:
         ordering = ["created_at"]
@@ -71,8 +73,30 @@ class LedgerHourly(BaseModel):
     compute_seconds = models.FloatField()
     charge_micros = models.BigIntegerField()
     fee_micros = models.BigIntegerField()
-    credit_micros = models.BigIntegerField()
+    credit_micros = models.BigIntegerField(help_text="credit paid out (entries not withheld)")
+    withheld_micros = models.BigIntegerField(default=0, help_text="credit withheld: credit + fee + withheld = charge")
 
     class Meta:
         ordering = ["-hour"]
         constraints = [models.UniqueConstraint(fields=["job", "node", "hour"], name="ledgerhourly_unique")]
+
+
+class SpotCheck(BaseModel):
+    """Append-only: one check of a node's work by the training driver (arceus.training.audit): a forward
+    recomputed on another node and compared within tolerance, or the receipts a node signed."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="spot_checks")
+    node = models.ForeignKey(Node, on_delete=models.PROTECT, related_name="spot_checks")
+    verifier = models.ForeignKey(Node, on_delete=models.PROTECT, null=True, blank=True, related_name="+")
+    generation = models.BigIntegerField()
+    step = models.BigIntegerField(help_text="the driver's RunStep id within its run")
+    micro_batch = models.IntegerField(help_text="-1: a receipt check of the whole step")
+    stage_index = models.PositiveIntegerField()
+    passed = models.BooleanField(db_index=True)
+    max_abs_diff = models.FloatField(default=0.0)
+    receipt_sha256 = models.CharField(max_length=64, blank=True, help_text="the receiver's signed digest")
+    receipt_signature = models.CharField(max_length=128, blank=True)
+    detail = models.TextField()
+
+    class Meta:
+        ordering = ["-created_at"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Any
 
-from django.db.models import Sum
+from django.db.models import Q, Sum
 from django.db.models.functions import TruncDate
 
 from controlplane.jobs.models import Job, JobStatus
@@ -44,9 +44,14 @@ def prices_current() -> list[dict[str, Any]]:
 
 
 def node_earnings(*, node: Node) -> dict[str, Any]:
-    """What the node's owner has earned, in total, per UTC day and per job."""
+    """What the node's owner has earned, in total, per UTC day and per job; credit withheld because a
+    spot check caught the node's work wrong is not earned, and shown apart."""
     entries = LedgerEntry.objects.filter(node=node)
-    sums = {"credit": Sum("credit_micros"), "samples": Sum("samples"), "compute_seconds": Sum("compute_seconds")}
+    sums = {
+        "credit": Sum("credit_micros", filter=Q(withheld=False)),
+        "samples": Sum("samples"),
+        "compute_seconds": Sum("compute_seconds"),
+    }
     total = entries.aggregate(**sums)
     per_day = entries.annotate(day=TruncDate("created_at")).values("day").annotate(**sums).order_by("day")
     per_job = entries.values("job_id", "job__name").annotate(**sums).order_by("job__name")
@@ -54,6 +59,7 @@ def node_earnings(*, node: Node) -> dict[str, Any]:
         "node_id": node.id,
         "device_class": node_device_class(node),
         "credit_usd": dollars(total["credit"]),
+        "withheld_usd": dollars(entries.filter(withheld=True).aggregate(w=Sum("credit_micros"))["w"]),
         "samples": total["samples"] or 0,
         "compute_seconds": total["compute_seconds"] or 0.0,
         "per_day": [{**row, "credit_usd": dollars(row.pop("credit"))} for row in per_day],
@@ -68,10 +74,13 @@ def node_earnings(*, node: Node) -> dict[str, Any]:
 def job_cost(*, job: Job) -> dict[str, Any]:
     """What the job has been charged so far and the platform's share of it; while it trains, also the
     time and money left at its current speed and the posted prices of the nodes it runs on."""
-    total = LedgerEntry.objects.filter(job=job).aggregate(charge=Sum("charge_micros"), fee=Sum("fee_micros"))
+    total = LedgerEntry.objects.filter(job=job).aggregate(
+        charge=Sum("charge_micros"), fee=Sum("fee_micros"), withheld=Sum("credit_micros", filter=Q(withheld=True))
+    )
     cost: dict[str, Any] = {
         "charged_usd": dollars(total["charge"]),
         "platform_fee_usd": dollars(total["fee"]),
+        "withheld_usd": dollars(total["withheld"]),
         "remaining_seconds": None,
         "estimate_to_finish_usd": None,
     }

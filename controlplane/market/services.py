@@ -113,9 +113,17 @@ def ledger_record_work(
             "charge_micros": charge,
             "fee_micros": fee,
             "credit_micros": charge - fee,
+            # A flagged node's work is unverified: recorded and charged, but its credit is not paid out.
+            "withheld": node.flagged_at is not None,
         },
     )
     return entry
+
+
+def ledger_withhold(*, job_id: Any, node: Node) -> int:
+    """Withhold the credit of every entry of the node's work on the job (a spot check caught it wrong);
+    charges and fees stay, so credits + fees + withheld = charges. Returns the entries changed."""
+    return LedgerEntry.objects.filter(job_id=job_id, node=node, withheld=False).update(withheld=True)
 
 
 @transaction.atomic
@@ -132,14 +140,17 @@ def ledger_rollup(*, since: datetime) -> int:
             compute_seconds=Sum("compute_seconds"),
             charge_micros=Sum("charge_micros"),
             fee_micros=Sum("fee_micros"),
-            credit_micros=Sum("credit_micros"),
+            paid=Sum("credit_micros", filter=Q(withheld=False), default=0),
+            held=Sum("credit_micros", filter=Q(withheld=True), default=0),
         )
     )
-    hourly = [LedgerHourly(**row) for row in rows]
+    hourly = [
+        LedgerHourly(credit_micros=row.pop("paid"), withheld_micros=row.pop("held"), **row) for row in rows
+    ]
     LedgerHourly.objects.bulk_create(
         hourly,
         update_conflicts=True,
         unique_fields=["job", "node", "hour"],
-        update_fields=["samples", "compute_seconds", "charge_micros", "fee_micros", "credit_micros"],
+        update_fields=["samples", "compute_seconds", "charge_micros", "fee_micros", "credit_micros", "withheld_micros"],
     )
     return len(hourly)

@@ -99,6 +99,7 @@ class AgentRegisterApi(AgentApi):
         node = node_register(
             node=request.auth,
             grpc_address=data.validated_data["grpc_address"],
+            public_key=data.validated_data["public_key"],
             **data.validated_data["capabilities"],
             now=timezone.now(),
         )
@@ -120,6 +121,7 @@ class AgentHeartbeatApi(AgentApi):
             observed=data.reports(),
             now=timezone.now(),
             host_busy_fraction=data.validated_data.get("host_busy_fraction"),
+            link=data.validated_data.get("link"),
         )
         return Response(
             {

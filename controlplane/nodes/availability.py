@@ -37,6 +37,7 @@ def in_windows(windows: Sequence[str], now: datetime) -> bool:
 def unavailable_reason(
     *,
     paused: bool,
+    flag_reason: str | None = None,
     work_windows: Sequence[str],
     idle_only: bool,
     idle_cpu_threshold: float,
@@ -44,6 +45,8 @@ def unavailable_reason(
     now: datetime,
 ) -> str | None:
     """Why the node must not work now, or None if it may."""
+    if flag_reason is not None:
+        return f"flagged: {flag_reason}"
     if paused:
         return "paused by its owner"
     if not in_windows(work_windows, now):

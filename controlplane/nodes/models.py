@@ -32,6 +32,17 @@ class Node(BaseModel):
     device_name = models.CharField(max_length=200, blank=True)
     memory_bytes = models.BigIntegerField(null=True, blank=True)
     flops_fp32 = models.FloatField(null=True, blank=True)
+    flops_fp16 = models.FloatField(null=True, blank=True, help_text="measured fp16 matmul FLOP/s; null: unsupported")
+    flops_bf16 = models.FloatField(null=True, blank=True, help_text="measured bf16 matmul FLOP/s; null: unsupported")
+    # The agent's link to the control plane, measured at registration and every few minutes after.
+    control_plane_rtt_seconds = models.FloatField(null=True, blank=True)
+    control_plane_bandwidth_bytes_per_second = models.FloatField(null=True, blank=True)
+    link_measured_at = models.DateTimeField(null=True, blank=True)
+    # Hex Ed25519 key the agent generated at its latest registration; its receipts verify against it.
+    public_key = models.CharField(max_length=64, blank=True)
+    # Set when a spot check caught the node's work wrong: it gets no new stage and its credit is withheld.
+    flagged_at = models.DateTimeField(null=True, blank=True, db_index=True)
+    flag_reason = models.TextField(blank=True)
     grpc_address = models.CharField(max_length=255, blank=True)
     # The Ready condition, in columns so the reconciler can filter on it.
     ready_status = models.CharField(max_length=8, choices=ReadyStatus, default=ReadyStatus.UNKNOWN, db_index=True)

@@ -38,6 +38,7 @@ def node_unavailable_reason(node: Node, now: datetime) -> str | None:
     lease = getattr(node, "lease", None)
     return unavailable_reason(
         paused=node.paused,
+        flag_reason=node.flag_reason if node.flagged_at else None,
         work_windows=node.work_windows,
         idle_only=node.idle_only,
         idle_cpu_threshold=node.idle_cpu_threshold,

@@ -8,6 +8,7 @@ from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from arceus.verify.receipts import ReceiptError, load_public_key
 from controlplane.common.fields import StrictFloatField, StrictInputSerializer, StrictIntegerField
 from controlplane.jobs.stages import StageReport
 from controlplane.nodes.availability import parse_window
@@ -58,6 +59,24 @@ class NodeControlsInput(StrictInputSerializer):
         return windows
 
 
+class LinkInput(serializers.Serializer):
+    """The agent's link to the control plane, as it measured it."""
+
+    rtt_seconds = StrictFloatField(greater_than=0, max_value=600)
+    bandwidth_bytes_per_second = StrictFloatField(greater_than=0)
+
+
+class LinkOutput(serializers.Serializer):
+    rtt_seconds = serializers.FloatField(source="control_plane_rtt_seconds")
+    bandwidth_bytes_per_second = serializers.FloatField(source="control_plane_bandwidth_bytes_per_second")
+    measured_at = serializers.DateTimeField(source="link_measured_at")
+
+
+class FlagOutput(serializers.Serializer):
+    flagged_at = serializers.DateTimeField()
+    reason = serializers.CharField(source="flag_reason")
+
+
 class NodeOutput(serializers.Serializer):
     id = serializers.UUIDField()
     name = serializers.CharField()
@@ -66,7 +85,14 @@ class NodeOutput(serializers.Serializer):
     device_name = serializers.CharField()
     memory_bytes = serializers.IntegerField(allow_null=True)
     flops_fp32 = serializers.FloatField(allow_null=True)
+    flops_fp16 = serializers.FloatField(allow_null=True)
+    flops_bf16 = serializers.FloatField(allow_null=True)
+    link = serializers.SerializerMethodField(help_text="Round trip and bandwidth to the control plane; null: not measured")
     grpc_address = serializers.CharField()
+    public_key = serializers.CharField(help_text="Hex Ed25519 key of the agent: its receipts verify against it")
+    flag = serializers.SerializerMethodField(
+        help_text="Set when a spot check caught the node's work wrong: no new stages, credit withheld."
+    )
     ready = ReadyOutput(source="*")
     paused = serializers.BooleanField(help_text="Paused by its owner: takes no stage, hands back what it hosts.")
     controls = serializers.SerializerMethodField()
@@ -81,6 +107,14 @@ class NodeOutput(serializers.Serializer):
     @extend_schema_field(NodeControlsInput)
     def get_controls(self, node: Node) -> dict[str, Any]:
         return NodeControlsInput(node).data
+
+    @extend_schema_field(LinkOutput(allow_null=True))
+    def get_link(self, node: Node) -> dict[str, Any] | None:
+        return LinkOutput(node).data if node.link_measured_at else None
+
+    @extend_schema_field(FlagOutput(allow_null=True))
+    def get_flag(self, node: Node) -> dict[str, Any] | None:
+        return FlagOutput(node).data if node.flagged_at else None
 
     def get_unavailable_reason(self, node: Node) -> str | None:
         return node_unavailable_reason(node, timezone.now())
@@ -99,11 +133,25 @@ class CapabilitiesInput(serializers.Serializer):
     device_name = serializers.CharField(max_length=200, allow_blank=True, default="")
     memory_bytes = StrictIntegerField(min_value=1)
     flops_fp32 = StrictFloatField(greater_than=0)
+    flops_fp16 = StrictFloatField(greater_than=0, required=False, allow_null=True, default=None)
+    flops_bf16 = StrictFloatField(greater_than=0, required=False, allow_null=True, default=None)
+    link = LinkInput(required=False, allow_null=True, default=None)
 
 
 class AgentRegisterInput(serializers.Serializer):
     grpc_address = serializers.CharField(max_length=255, validators=[validate_grpc_address])
     capabilities = CapabilitiesInput()
+    public_key = serializers.CharField(
+        required=False, default="", help_text="Hex Ed25519 key (64 digits) that signs the agent's receipts"
+    )
+
+    def validate_public_key(self, value: str) -> str:
+        if value:
+            try:
+                load_public_key(value)
+            except ReceiptError as exc:
+                raise serializers.ValidationError(str(exc)) from None
+        return value.lower()
 
 
 class AgentRegisteredOutput(serializers.Serializer):
@@ -124,6 +172,7 @@ class AgentHeartbeatInput(serializers.Serializer):
         min_value=0, max_value=1, required=False, allow_null=True,
         help_text="CPU share used by the machine's other processes since the last heartbeat",
     )
+    link = LinkInput(required=False, allow_null=True, default=None)
 
     def reports(self) -> list[StageReport]:
         return [StageReport(**item) for item in self.validated_data["observed"]]

@@ -48,6 +48,10 @@ def node_register(
     memory_bytes: int,
     flops_fp32: float,
     now: datetime,
+    public_key: str = "",
+    flops_fp16: float | None = None,
+    flops_bf16: float | None = None,
+    link: dict[str, float] | None = None,
 ) -> Node:
     """Record the agent's address and capabilities (inputs already validated by the API).
 
@@ -68,6 +72,10 @@ def node_register(
     node.device_name = device_name
     node.memory_bytes = memory_bytes
     node.flops_fp32 = flops_fp32
+    node.flops_fp16, node.flops_bf16 = flops_fp16, flops_bf16
+    node.public_key = public_key  # a new process has a new key: older receipts verify only against the old
+    if link is not None:
+        _set_link(node, link, now)
     node.registered_at = now
     node.ready_status = ReadyStatus.UNKNOWN
     node.ready_reason = "Registered"
@@ -82,7 +90,12 @@ def node_register(
 
 @transaction.atomic
 def node_heartbeat(
-    *, node: Node, observed: Sequence[StageReport], now: datetime, host_busy_fraction: float | None = None
+    *,
+    node: Node,
+    observed: Sequence[StageReport],
+    now: datetime,
+    host_busy_fraction: float | None = None,
+    link: dict[str, float] | None = None,
 ) -> list[dict[str, Any]]:
     """Renew the node's lease, record what it observed, and return its assignments (its whole desired
     state). Nudges the reconciler only when something changed, so a steady heartbeat is one narrow
@@ -94,6 +107,10 @@ def node_heartbeat(
     NodeLease.objects.filter(node=node).update(
         renewed_at=now, duration_seconds=settings.ARCEUS_NODE_GRACE_SECONDS, host_busy_fraction=host_busy_fraction
     )
+    if link is not None:  # the agent re-measures its link every few minutes
+        _set_link(node, link, now)
+        node.save(update_fields=["control_plane_rtt_seconds", "control_plane_bandwidth_bytes_per_second",
+                                 "link_measured_at"])
     changed = stages_record_observed(node=node, reports=observed)
     if node.ready_status != TRUE:
         Node.objects.filter(pk=node.pk).update(
@@ -106,6 +123,23 @@ def node_heartbeat(
     if changed:
         reconcile_soon()
     return assignments_for_node(node=node)
+
+
+def _set_link(node: Node, link: dict[str, float], now: datetime) -> None:
+    node.control_plane_rtt_seconds = link["rtt_seconds"]
+    node.control_plane_bandwidth_bytes_per_second = link["bandwidth_bytes_per_second"]
+    node.link_measured_at = now
+
+
+def node_flag(*, node: Node, reason: str, now: datetime) -> bool:
+    """Flag the node (a spot check caught its work wrong): it takes no new stage and the stages it
+    hosts move away, like a paused node's. The first reason is kept. Returns whether it was newly
+    flagged."""
+    flagged = Node.objects.filter(pk=node.pk, flagged_at__isnull=True).update(flagged_at=now, flag_reason=reason)
+    if flagged:
+        node.flagged_at, node.flag_reason = now, reason
+        reconcile_soon()
+    return bool(flagged)
 
 
 @transaction.atomic

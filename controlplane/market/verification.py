@@ -1,0 +1,97 @@
+"""Verified work: store the driver's spot checks, and flag a node caught wrong and withhold its credit.
+
+Receipts carried by a check are verified again here against the receiving node's registered key, so a
+check is stored only when the evidence it rests on is signed by the node that received the output.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from django.db import transaction
+
+from arceus.verify.receipts import ReceiptError, ReceiptFields, verify_receipt
+from controlplane.common.errors import ApplicationError
+from controlplane.jobs.models import Job, JobStatus, Stage
+from controlplane.market.models import SpotCheck
+from controlplane.market.services import ledger_withhold
+from controlplane.nodes.models import Node
+from controlplane.nodes.services import node_flag
+
+
+@dataclass(frozen=True)
+class SpotCheckReport:
+    """One check as the driver reports it (the fields of arceus.training.SpotCheck)."""
+
+    step: int
+    micro_batch: int
+    stage_index: int
+    node_id: str
+    passed: bool
+    detail: str
+    verifier_node_id: str = ""
+    max_abs_diff: float = 0.0
+    receipt_sha256: str = ""
+    receipt_signature: str = ""
+
+
+@transaction.atomic
+def spot_checks_record(
+    *, job_id: Any, lease_owner: str, generation: int, checks: Sequence[SpotCheckReport], now: datetime
+) -> list[SpotCheck]:
+    """Store the checks of the driver holding the job's lease; each failed one flags its node and
+    withholds that node's credit for the job. ApplicationError, with nothing stored, if the caller lost
+    the lease or a receipt does not verify against the receiving node's key."""
+    job = Job.objects.filter(
+        pk=job_id, status=JobStatus.RUNNING, driver_lease_owner=lease_owner, generation=generation
+    ).first()
+    if job is None:
+        raise ApplicationError.conflict(f"job {job_id}: the caller does not hold the driver lease of generation {generation}")
+    ids = {c.node_id for c in checks} | {c.verifier_node_id for c in checks if c.verifier_node_id}
+    nodes = {str(n.id): n for n in Node.objects.filter(id__in=ids)}
+    rows = []
+    for c in checks:
+        if c.node_id not in nodes or (c.verifier_node_id and c.verifier_node_id not in nodes):
+            raise ApplicationError.invalid("checks", f"spot check of step {c.step} names an unknown node")
+        if c.receipt_signature:
+            _verify_output_receipt(job, generation, c)
+        rows.append(
+            SpotCheck(
+                job=job,
+                node=nodes[c.node_id],
+                verifier=nodes.get(c.verifier_node_id),
+                generation=generation,
+                step=c.step,
+                micro_batch=c.micro_batch,
+                stage_index=c.stage_index,
+                passed=c.passed,
+                max_abs_diff=c.max_abs_diff,
+                receipt_sha256=c.receipt_sha256,
+                receipt_signature=c.receipt_signature,
+                detail=c.detail,
+            )
+        )
+    SpotCheck.objects.bulk_create(rows)
+    for c in checks:
+        if not c.passed:
+            node_flag(node=nodes[c.node_id], reason=f"job {job.id}: stage {c.stage_index}: {c.detail}", now=now)
+            ledger_withhold(job_id=job.id, node=nodes[c.node_id])
+    return rows
+
+
+def _verify_output_receipt(job: Job, generation: int, c: SpotCheckReport) -> None:
+    """The compared output carries the receipt of stage `stage_index + 1`: check it against that
+    stage's node's key."""
+    receiver = Stage.objects.filter(job=job, index=c.stage_index + 1, active=True).select_related("node").first()
+    if receiver is None or receiver.node is None:
+        raise ApplicationError.invalid("checks", f"job {job.id} has no placed stage {c.stage_index + 1}")
+    try:
+        fields = ReceiptFields(
+            str(job.id), c.stage_index + 1, generation, c.step, c.micro_batch, bytes.fromhex(c.receipt_sha256)
+        )
+        verify_receipt(receiver.node.public_key, fields, bytes.fromhex(c.receipt_signature))
+    except (ReceiptError, ValueError) as exc:
+        raise ApplicationError.invalid("checks", f"spot check of step {c.step}: {exc}") from None
