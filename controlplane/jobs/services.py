@@ -42,6 +42,7 @@ def job_submit(
     seed: int = 0,
     stages: int | None = None,
     checkpoint_interval_steps: int = 50,
+    audit_rate: float = 0.05,
     node_grace_seconds: float | None = None,
     requirements: dict[str, Any] | None = None,
     name: str = "",
@@ -64,6 +65,7 @@ def job_submit(
         seed=seed,
         stages_requested=stages,
         checkpoint_interval_steps=checkpoint_interval_steps,
+        audit_rate=audit_rate,
         node_grace_seconds=node_grace_seconds,
         requirements=requirements or {},
     )

@@ -49,7 +49,9 @@ def spot_checks_record(
         pk=job_id, status=JobStatus.RUNNING, driver_lease_owner=lease_owner, generation=generation
     ).first()
     if job is None:
-        raise ApplicationError.conflict(f"job {job_id}: the caller does not hold the driver lease of generation {generation}")
+        raise ApplicationError.conflict(
+            f"job {job_id}: the caller does not hold the driver lease of generation {generation}"
+        )
     ids = {c.node_id for c in checks} | {c.verifier_node_id for c in checks if c.verifier_node_id}
     nodes = {str(n.id): n for n in Node.objects.filter(id__in=ids)}
     rows = []

@@ -87,7 +87,9 @@ class NodeOutput(serializers.Serializer):
     flops_fp32 = serializers.FloatField(allow_null=True)
     flops_fp16 = serializers.FloatField(allow_null=True)
     flops_bf16 = serializers.FloatField(allow_null=True)
-    link = serializers.SerializerMethodField(help_text="Round trip and bandwidth to the control plane; null: not measured")
+    link = serializers.SerializerMethodField(
+        help_text="Round trip and bandwidth to the control plane; null: not measured"
+    )
     grpc_address = serializers.CharField()
     public_key = serializers.CharField(help_text="Hex Ed25519 key of the agent: its receipts verify against it")
     flag = serializers.SerializerMethodField(
