@@ -92,11 +92,12 @@ class LocalCluster:
         self._started = True
         self.client = ArceusClient(self.api_url, token=token.strip().splitlines()[-1])
 
-    def start_agent(self, name: str, *extra_args: str) -> Agent:
-        """Mint a node and start its agent; `extra_args` go to `python -m nodeagent`."""
+    def start_agent(self, name: str, *extra_args: str, module: str = "nodeagent") -> Agent:
+        """Mint a node and start its agent; `extra_args` go to `python -m <module>` (the agent, or a test's
+        wrapper around its main)."""
         created = self.client.create_node(name)
         self._commands[f"agent-{name}"] = [
-            sys.executable, "-m", "nodeagent", "--control-plane", self.api_url, "--token", created["token"],
+            sys.executable, "-m", module, "--control-plane", self.api_url, "--token", created["token"],
             "--device", "cpu", "--threads", str(self.agent_threads), *extra_args]
         agent = self._launch_agent(name, node_id=str(created["id"]), token=created["token"])
         self.agents.append(agent)

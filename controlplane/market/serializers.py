@@ -35,6 +35,7 @@ class EarningsOutput(serializers.Serializer):
     node_id = serializers.UUIDField()
     device_class = serializers.CharField()
     credit_usd = serializers.DecimalField(**MONEY)
+    withheld_usd = serializers.DecimalField(**MONEY, help_text="credit withheld: a spot check caught the work wrong")
     samples = serializers.IntegerField()
     compute_seconds = serializers.FloatField()
     per_day = EarningsDayOutput(many=True)
@@ -44,6 +45,9 @@ class EarningsOutput(serializers.Serializer):
 class JobCostOutput(serializers.Serializer):
     charged_usd = serializers.DecimalField(**MONEY)
     platform_fee_usd = serializers.DecimalField(**MONEY)
+    withheld_usd = serializers.DecimalField(
+        **MONEY, help_text="credit not paid to nodes caught wrong by spot checks: credits + fee + withheld = charged"
+    )
     remaining_seconds = serializers.FloatField(allow_null=True, help_text="at the current speed; null unless running")
     estimate_to_finish_usd = serializers.DecimalField(
         **MONEY, allow_null=True, help_text="the rest of the training at the posted prices; null unless running"
