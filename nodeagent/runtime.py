@@ -2,8 +2,8 @@
 
 Training keeps each micro-batch's autograd graph between its forward and its backward, keyed by
 (step, micro_batch); gradients accumulate across micro-batches and the optimizer steps once per step.
-The last stage's loss is CrossEntropy(sum) / batch_size, so the summed micro-batch gradients equal
-the gradient of the whole batch's mean loss.
+The last stage's loss is CrossEntropy(sum) / (batch_size × labels per sample: 1, or a GPT's block_size),
+so the summed micro-batch gradients equal the gradient of the whole batch's mean loss over every label.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from torch import nn
 
 from arceus.checkpoint import OPTIMIZER_PREFIX
 from arceus.model.build import named_global_parameters
+from arceus.model.layout import TensorLayout
 from nodeagent.assignment import OptimizerConfig
 
 MicroBatchKey = tuple[int, int]  # (step, micro_batch)
@@ -55,7 +56,7 @@ class StageRuntime:
         optimizer: OptimizerConfig,
         is_first: bool,
         is_last: bool,
-        input_features: int,
+        input_layout: TensorLayout,
         max_micro_batch_size: int,
         device: torch.device,
     ) -> None:
@@ -65,7 +66,7 @@ class StageRuntime:
         self.optimizer_name = "sgd-momentum" if optimizer.name == "sgd" and optimizer.momentum else optimizer.name
         self.is_first = is_first
         self.is_last = is_last
-        self.input_features = input_features
+        self.input_layout = input_layout
         self.max_micro_batch_size = max_micro_batch_size
         self.counters = RuntimeCounters()
         # key -> (input that needs a gradient, or None on the first stage; output or scaled loss)
@@ -83,14 +84,12 @@ class StageRuntime:
     def forward_loss(
         self, key: MicroBatchKey, x: torch.Tensor, labels: torch.Tensor, batch_size: int
     ) -> tuple[float, int]:
-        """Last stage: forward and loss; returns (sum of per-sample losses, correct predictions)."""
+        """Last stage: forward and loss; returns (sum of per-label losses, correct predictions)."""
         with self._timed(samples=len(x)):
             inp = self._input(x)
-            logits = self.layers(inp)
-            target = labels.to(self.device)
-            loss_sum = F.cross_entropy(logits, target, reduction="sum")
-            self._pending[key] = (None if self.is_first else inp, loss_sum / batch_size)
-            correct = int((logits.detach().argmax(dim=1) == target).sum())
+            loss_sum, correct = _loss_sum(self.layers(inp), labels.to(self.device))
+            labels_per_sample = labels[0].numel()
+            self._pending[key] = (None if self.is_first else inp, loss_sum / (batch_size * labels_per_sample))
             return float(loss_sum.detach()), correct
 
     def backward(self, key: MicroBatchKey, grad_output: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -129,10 +128,8 @@ class StageRuntime:
 
     def eval_loss(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
         with torch.no_grad(), self._timed(samples=len(x)):
-            logits = self.layers(self._checked(x).to(self.device))
-            target = labels.to(self.device)
-            loss_sum = F.cross_entropy(logits, target, reduction="sum")
-            return float(loss_sum), int((logits.argmax(dim=1) == target).sum())
+            loss_sum, correct = _loss_sum(self.layers(self._checked(x).to(self.device)), labels.to(self.device))
+            return float(loss_sum), correct
 
     # --- inspection and checkpoints ---------------------------------------------------------------
     def named_weights(self) -> dict[str, torch.Tensor]:
@@ -198,8 +195,11 @@ class StageRuntime:
 
     def _checked(self, x: torch.Tensor) -> torch.Tensor:
         # The transport validates first; this guards callers that skip it (benchmarks, tests).
-        if x.dim() != 2 or x.shape[1] != self.input_features:
-            raise ValueError(f"expected input of shape [batch, {self.input_features}], got {list(x.shape)}")
+        layout = self.input_layout
+        if x.dim() < 1 or tuple(x.shape[1:]) != layout.shape:
+            raise ValueError(f"expected input of shape {layout.batch_shape()}, got {list(x.shape)}")
+        if x.dtype != getattr(torch, layout.dtype):
+            raise ValueError(f"expected {layout.dtype} input, got {x.dtype}")
         if not 1 <= len(x) <= self.max_micro_batch_size:
             raise ValueError(
                 f"micro-batch of {len(x)} samples; this stage takes 1 to {self.max_micro_batch_size}"
@@ -221,3 +221,11 @@ class StageRuntime:
         if samples:
             self.counters.samples += samples
             self.counters.micro_batches += 1
+
+
+def _loss_sum(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Summed cross entropy and correct predictions over every label: one per sample ([B, C] logits) or
+    one per position ([B, T, V] logits, a GPT's next tokens)."""
+    flat_logits, flat_target = logits.flatten(0, -2), target.flatten()
+    loss_sum = F.cross_entropy(flat_logits, flat_target, reduction="sum")
+    return loss_sum, int((flat_logits.detach().argmax(dim=-1) == flat_target).sum())

@@ -10,6 +10,7 @@ import grpc
 import torch
 
 from arceus.model.build import build_layers
+from arceus.model.layout import TensorLayout
 from arceus.v1 import stage_pb2, stage_pb2_grpc
 from arceus.wire.transfer import TransferEncoder
 from nodeagent.assignment import Assignment, CheckpointRef
@@ -17,17 +18,15 @@ from nodeagent.mailbox import Mailbox
 from nodeagent.runtime import StageRuntime
 from nodeagent.verify import AuditRecord
 
-ACTIVATION_DTYPE = "float32"  # the only compute dtype so far
-LABEL_DTYPE = "int64"
-
 
 @dataclass(frozen=True)
 class StageIO:
-    """What this stage accepts: everything a pushed tensor is checked against before torch sees it."""
+    """What this stage accepts: everything a pushed tensor is checked against before torch sees it.
+    Layouts are per sample, as the model spec gives them."""
 
-    input_features: int
-    output_features: int
-    num_classes: int
+    input_layout: TensorLayout  # the activations (or, on the first stage, the model's inputs) it takes
+    output_layout: TensorLayout  # what it sends on, and so the shape of the gradient it gets back
+    label_layout: TensorLayout
     max_micro_batch_size: int
     micro_batches: int
     is_first: bool
@@ -60,9 +59,9 @@ class HostedStage:
         self.transfer = TransferEncoder(assignment.transfer)  # holds top-k error feedback
         spec = assignment.spec
         self.io = StageIO(
-            input_features=spec.layer_input_features()[assignment.layer_start],
-            output_features=spec.layer_output_features()[assignment.layer_end - 1],
-            num_classes=spec.output_features,
+            input_layout=spec.input_layout(assignment.layer_start),
+            output_layout=spec.output_layout(assignment.layer_end - 1),
+            label_layout=spec.label_layout(),
             max_micro_batch_size=assignment.max_micro_batch_size,
             micro_batches=assignment.micro_batches,
             is_first=assignment.is_first,
@@ -141,7 +140,7 @@ def build_hosted_stage(
         optimizer=assignment.optimizer,
         is_first=assignment.is_first,
         is_last=assignment.is_last,
-        input_features=spec.layer_input_features()[assignment.layer_start],
+        input_layout=spec.input_layout(assignment.layer_start),
         max_micro_batch_size=assignment.max_micro_batch_size,
         device=device,
     )

@@ -10,11 +10,12 @@ import math
 import grpc
 import torch
 
+from arceus.model.layout import TensorLayout
 from arceus.pipeline.schedule import SCHEDULES
 from arceus.v1 import stage_pb2
 from arceus.wire import codec
 from arceus.wire.proto_tensor import from_proto
-from nodeagent.stage import ACTIVATION_DTYPE, LABEL_DTYPE, StageIO
+from nodeagent.stage import StageIO
 from nodeagent.status import RpcFailure
 
 KIND_NAMES = {stage_pb2.ACTIVATION: "ACTIVATION", stage_pb2.GRADIENT: "GRADIENT", stage_pb2.LABELS: "LABELS"}
@@ -24,18 +25,18 @@ def _invalid(message: str) -> RpcFailure:
     return RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, message)
 
 
-def expected_layout(io: StageIO, kind: int) -> tuple[str, list[int]]:
-    """(dtype, shape with -1 for the batch dimension) a tensor of `kind` must have for this stage."""
+def expected_layout(io: StageIO, kind: int) -> TensorLayout:
+    """The per-sample layout a tensor of `kind` must have for this stage (after its batch dimension)."""
     if kind == stage_pb2.ACTIVATION:
-        return ACTIVATION_DTYPE, [-1, io.input_features]
+        return io.input_layout
     if kind == stage_pb2.GRADIENT:
         if io.is_last:
             raise _invalid("the last stage computes its own loss gradient; it accepts no GRADIENT")
-        return ACTIVATION_DTYPE, [-1, io.output_features]
+        return io.output_layout
     if kind == stage_pb2.LABELS:
         if not io.is_last:
             raise _invalid("only the last stage accepts LABELS")
-        return LABEL_DTYPE, [-1]
+        return io.label_layout
     raise _invalid(f"tensor kind {kind} is not one of {', '.join(KIND_NAMES.values())}")
 
 
@@ -47,7 +48,8 @@ def decode_push(io: StageIO, request: stage_pb2.PushTensorRequest) -> torch.Tens
         raise _invalid(f"micro_batch must be in [0, {io.micro_batches}), got {request.micro_batch}")
     if not request.HasField("tensor"):
         raise _invalid("the request carries no tensor")
-    dtype, layout = expected_layout(io, request.kind)
+    expected = expected_layout(io, request.kind)
+    dtype, layout = expected.dtype, [-1, *expected.shape]
     kind = KIND_NAMES[request.kind]
     message = request.tensor
     shape = list(message.shape)
@@ -68,12 +70,11 @@ def decode_push(io: StageIO, request: stage_pb2.PushTensorRequest) -> torch.Tens
         tensor = from_proto(message, max_bytes=max_bytes)  # plain or compressed (Tensor.encoding)
     except codec.TensorValidationError as exc:
         raise _invalid(f"{kind} tensor rejected: {exc}") from exc
-    if request.kind == stage_pb2.LABELS:
+    if expected.bound is not None:  # class indices or token ids: an embedding or loss must not index out
         low, high = int(tensor.min()), int(tensor.max())
-        if low < 0 or high >= io.num_classes:
-            raise _invalid(
-                f"labels must be class indices in [0, {io.num_classes}), got values in [{low}, {high}]"
-            )
+        if low < 0 or high >= expected.bound:
+            what = "labels must be class indices" if request.kind == stage_pb2.LABELS else f"{kind} ids must be"
+            raise _invalid(f"{what} in [0, {expected.bound}), got values in [{low}, {high}]")
     return tensor
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from arceus.data.text_config import TEXT_DATASET, TEXT_KEYS, validate_text_config
 from arceus.errors import SpecError
 
 
@@ -38,11 +39,17 @@ def validate_dataset_config(cfg: Any) -> dict[str, Any]:
     """Return a normalised copy of `cfg` with defaults filled in; raise SpecError naming the bad field."""
     if not isinstance(cfg, dict):
         raise SpecError("dataset_config", f"must be a JSON object, got {type(cfg).__name__}")
-    unknown = sorted(set(cfg) - _KEYS)
+    unknown = sorted(set(cfg) - _KEYS - TEXT_KEYS)
     if unknown:
         raise SpecError(
-            f"dataset_config.{unknown[0]}", f"unknown key; allowed keys: {', '.join(sorted(_KEYS))}"
+            f"dataset_config.{unknown[0]}", f"unknown key; allowed keys: {', '.join(sorted(_KEYS | TEXT_KEYS))}"
         )
+    if isinstance(cfg.get("name"), str) and cfg["name"].lower() == TEXT_DATASET:
+        batch_size = _batch_size(cfg, "batch_size", DEFAULT_BATCH_SIZE)
+        return validate_text_config(cfg, batch_size, _batch_size(cfg, "val_batch_size", DEFAULT_VAL_BATCH_SIZE))
+    unknown = sorted(set(cfg) - _KEYS)
+    if unknown:
+        raise SpecError(f"dataset_config.{unknown[0]}", f"only applies to the {TEXT_DATASET} dataset")
     info = _dataset_info(cfg.get("name"))
     out: dict[str, Any] = {
         "name": info.name,
@@ -89,7 +96,7 @@ def missing_mnist_files(directory: Path, *, raise_error: bool = False) -> list[s
 
 
 def _dataset_info(name: Any) -> DatasetInfo:
-    choices = ", ".join(DATASETS)
+    choices = ", ".join([*DATASETS, TEXT_DATASET])
     if name is None:
         raise SpecError("dataset_config.name", f"is required; one of: {choices}")
     if isinstance(name, str):

@@ -8,11 +8,16 @@ import torch
 
 from arceus.data.config import mnist_dir, validate_dataset_config
 from arceus.data.sources import Split, load_digits, load_mnist
+from arceus.data.text import load_text
+from arceus.data.text_config import TEXT_DATASET
 
 
 def load_dataset(cfg: dict[str, Any]) -> Split:
-    """(train_x float32 [N, F], train_y int64 [N], val_x, val_y) for the dataset `cfg` names."""
+    """(train_x float32 [N, F], train_y int64 [N], val_x, val_y) for the dataset `cfg` names; for text,
+    x and y are int64 [N, block_size] windows."""
     cfg = validate_dataset_config(cfg)
+    if cfg["name"] == TEXT_DATASET:
+        return load_text(cfg)
     train_x, train_y, val_x, val_y = load_mnist(mnist_dir(cfg)) if cfg["name"] == "MNIST" else load_digits()
     if "normalize" in cfg:
         mean = torch.tensor(cfg["normalize"]["mean"], dtype=torch.float32)

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arceus.model.spec import ModelSpec
+from arceus.model.gpt import gpt_layer
+from arceus.model.spec import GPTSpec, ModelSpec
 
 _SEED_STRIDE = 1_000_003  # a prime, so (seed, layer) pairs do not collide for any realistic depth
 _ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh}
@@ -57,6 +58,10 @@ def build_layers(spec: ModelSpec, start: int, end: int, seed: int) -> nn.Sequent
     """Layers [start, end) of the model; children are named by their global layer index."""
     if not 0 <= start < end <= spec.num_layers:
         raise ValueError(f"layer range [{start}, {end}) is not inside the model's {spec.num_layers} layers")
+    if isinstance(spec, GPTSpec):
+        return nn.Sequential(
+            OrderedDict((str(i), gpt_layer(spec, i, layer_generator(seed, i))) for i in range(start, end))
+        )
     last = spec.num_layers - 1
     inputs, outputs = spec.layer_input_features(), spec.layer_output_features()
     layers = OrderedDict(

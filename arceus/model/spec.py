@@ -10,6 +10,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from arceus.errors import SpecError
+from arceus.model.gpt_spec import GPTSpec, gpt_from_config
+from arceus.model.layout import TensorLayout
 
 MAX_LAYER_WIDTH = 1_000_000
 ACTIVATIONS = ("relu", "gelu", "tanh")
@@ -55,12 +57,27 @@ class MLPSpec:
     def layer_output_features(self) -> list[int]:
         return list(self.layer_sizes[1:])
 
+    @property
+    def num_classes(self) -> int:
+        return self.output_features
+
+    def input_layout(self, layer: int) -> TensorLayout:
+        return TensorLayout("float32", (self.layer_sizes[layer],))
+
+    def output_layout(self, layer: int) -> TensorLayout:
+        return TensorLayout("float32", (self.layer_sizes[layer + 1],))
+
+    def label_layout(self) -> TensorLayout:
+        """One class index per sample."""
+        return TensorLayout("int64", (), bound=self.num_classes)
+
     def _pairs(self) -> list[tuple[int, int]]:
         return list(zip(self.layer_sizes[:-1], self.layer_sizes[1:], strict=True))
 
 
-# Every model type the system knows. A later issue adds "transformer": one more entry here.
-ModelSpec = MLPSpec
+# Every model type the system knows. Each gives its layers' params, FLOPs per sample and the layout of
+# the tensor entering and leaving each layer, and the labels' layout.
+ModelSpec = MLPSpec | GPTSpec
 
 
 def model_spec_from_config(model_config: Any) -> ModelSpec:
@@ -68,7 +85,7 @@ def model_spec_from_config(model_config: Any) -> ModelSpec:
     if not isinstance(model_config, dict):
         raise SpecError("model_config", f"must be a JSON object, got {type(model_config).__name__}")
     model_type = model_config.get("type", "mlp")
-    parsers = {"mlp": _mlp_from_config}
+    parsers = {"mlp": _mlp_from_config, "transformer": gpt_from_config}
     if not isinstance(model_type, str) or model_type.lower() not in parsers:
         raise SpecError(
             "model_config.type",

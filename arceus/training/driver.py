@@ -49,6 +49,7 @@ class StepOutcome:
     loss_sum: float
     correct: int
     samples: int
+    labels: int  # loss terms: one per sample, or one per position for a GPT
     stages: list[StageCountersSnapshot]
     spot_checks: list[SpotCheck]
 
@@ -118,6 +119,7 @@ class Pipeline:
             loss_sum=sum(final.loss_sums),
             correct=sum(final.correct),
             samples=n,
+            labels=y.numel(),
             stages=[c.snapshot(r.counters) for c, r in zip(self.clients, replies, strict=True)],
             spot_checks=spot_checks,
         )
@@ -131,7 +133,7 @@ class Pipeline:
         for start in range(0, len(x), batch_size):
             outcome = self.step(x[start : start + batch_size], y[start : start + batch_size], train=False)
             loss_sum, correct, stages = loss_sum + outcome.loss_sum, correct + outcome.correct, outcome.stages
-        n = max(len(x), 1)
+        n = max(y.numel(), 1)  # mean over labels: samples, or a GPT's tokens
         return loss_sum / n, correct / n, stages
 
     def weights(self) -> dict[str, torch.Tensor]:
@@ -211,7 +213,7 @@ def train(plan: TrainPlan, sink: ProgressSink) -> TrainResult:
                 outcome = pipeline.step(train_x[indices], train_y[indices], train=True)
                 elapsed = time.perf_counter() - started
                 step += 1
-                final_loss, stages = outcome.loss_sum / outcome.samples, outcome.stages
+                final_loss, stages = outcome.loss_sum / outcome.labels, outcome.stages
                 sink.on_step(
                     StepProgress(
                         epoch=epoch,

@@ -44,14 +44,19 @@ def reference_run(job: dict[str, Any], *, max_steps: int | None = None) -> Refer
         for indices in epoch_batches(len(train_x), dataset["batch_size"], seed, epoch):
             if max_steps is not None and len(losses) >= max_steps:
                 break
-            loss = F.cross_entropy(model(train_x[indices]), train_y[indices])
+            loss = _cross_entropy(model(train_x[indices]), train_y[indices])
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
     with torch.no_grad():
         logits = model(val_x)
-        val_loss = F.cross_entropy(logits, val_y).item()
-        val_accuracy = (logits.argmax(dim=1) == val_y).float().mean().item()
+        val_loss = _cross_entropy(logits, val_y).item()
+        val_accuracy = (logits.argmax(dim=-1) == val_y).float().mean().item()
     weights = {f"layers.{name}": t.detach().clone() for name, t in model.state_dict().items()}
     return ReferenceRun(losses=losses, val_loss=val_loss, val_accuracy=val_accuracy, weights=weights)
+
+
+def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean over every label: one per sample, or one per position of a GPT's [B, T, V] logits."""
+    return F.cross_entropy(logits.flatten(0, -2), target.flatten())

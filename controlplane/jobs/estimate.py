@@ -27,7 +27,7 @@ def job_estimate(
 ) -> dict[str, Any]:
     """Plan the job on the free Ready nodes as the reconciler would, and price it at the posted prices.
     A job that cannot be placed now is answered with `feasible: false` and the reason."""
-    spec, dataset = job_validate(
+    spec, _, dataset = job_validate(
         model_config=model_config, dataset_config=dataset_config, stages=stages, requirements=requirements_config
     )
     req = requirements(requirements_config)

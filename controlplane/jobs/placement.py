@@ -9,15 +9,12 @@ from arceus.model.spec import ModelSpec
 from arceus.placement.solver import LayerProfile, Workload
 from controlplane.jobs.reconcile import Requirements
 
-ACTIVATION_BYTES = 4  # fp32 activations on the wire and in the stash
-
 
 def layer_profiles(spec: ModelSpec) -> tuple[LayerProfile, ...]:
+    """Each layer's cost; its output (fp32 activations on the wire and in the stash) as the spec lays it out."""
     return tuple(
-        LayerProfile(flops_per_sample=float(flops), params=params, output_bytes_per_sample=ACTIVATION_BYTES * out)
-        for flops, params, out in zip(
-            spec.layer_flops_per_sample(), spec.layer_params(), spec.layer_output_features(), strict=True
-        )
+        LayerProfile(flops_per_sample=float(flops), params=params, output_bytes_per_sample=spec.output_layout(i).nbytes)
+        for i, (flops, params) in enumerate(zip(spec.layer_flops_per_sample(), spec.layer_params(), strict=True))
     )
 
 

@@ -10,9 +10,10 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.utils import timezone
 
-from arceus.data import DATASETS, validate_dataset_config
+from arceus.data import validate_dataset_config
+from arceus.data.fit import fit_model_to_dataset
 from arceus.errors import SpecError
-from arceus.model.spec import ModelSpec, model_spec_from_config
+from arceus.model.spec import GPTSpec, ModelSpec, model_spec_from_config
 from controlplane.common.conditions import FALSE, TRUE, Condition, set_conditions
 from controlplane.common.dispatch import reconcile_soon
 from controlplane.common.errors import ApplicationError
@@ -48,12 +49,13 @@ def job_submit(
     name: str = "",
 ) -> Job:
     """Validate the model and dataset against each other and save the job (status created)."""
-    spec, dataset = job_validate(
+    spec, model_config, dataset = job_validate(
         model_config=model_config, dataset_config=dataset_config, stages=stages, requirements=requirements or {}
     )
+    kind = "transformer" if isinstance(spec, GPTSpec) else "mlp"
     return Job.objects.create(
         owner=owner,
-        name=name or f"{dataset['name']}-mlp-{spec.num_layers}-layers",
+        name=name or f"{dataset['name']}-{kind}-{spec.num_layers}-layers",
         model_config=model_config,
         dataset_config=dataset,
         epochs=epochs,
@@ -73,12 +75,11 @@ def job_submit(
 
 def job_validate(
     *, model_config: dict[str, Any], dataset_config: dict[str, Any], stages: int | None, requirements: dict[str, Any]
-) -> tuple[ModelSpec, dict[str, Any]]:
-    """The checks of a submitted job that need the model: its spec and the normalised dataset config, or
-    a 400 naming the field."""
-    spec = _spec_or_400(model_config)
-    dataset = _dataset_or_400(dataset_config)
-    _check_model_fits_dataset(spec, dataset["name"])
+) -> tuple[ModelSpec, dict[str, Any], dict[str, Any]]:
+    """The checks of a submitted job that need the model: its spec and the model and dataset configs
+    completed from each other (a transformer's vocab_size, the text's block_size), or a 400 naming the
+    field."""
+    spec, model_config, dataset = _fit_or_400(model_config, dataset_config)
     if stages is not None and stages > spec.num_layers:
         raise ApplicationError.invalid(
             "stages",
@@ -94,7 +95,7 @@ def job_validate(
         raise ApplicationError.invalid(
             "stages", f"{stages} stages contradict requirements min_devices {low} / max_devices {high}"
         )
-    return spec, dataset
+    return spec, model_config, dataset
 
 
 @transaction.atomic
@@ -268,32 +269,14 @@ def _end(job: Job, status: JobStatus, *conditions: Condition, now: datetime) -> 
     reconcile_soon()  # the freed nodes may let a queued job in
 
 
-def _spec_or_400(model_config: dict[str, Any]) -> ModelSpec:
+def _fit_or_400(
+    model_config: dict[str, Any], dataset_config: dict[str, Any]
+) -> tuple[ModelSpec, dict[str, Any], dict[str, Any]]:
+    # An MLP's own errors come before its dataset's, as they always did.
+    is_mlp = not isinstance(model_config, dict) or str(model_config.get("type", "mlp")).lower() != "transformer"
     try:
-        return model_spec_from_config(model_config)
+        if is_mlp:
+            model_spec_from_config(model_config)
+        return fit_model_to_dataset(model_config, validate_dataset_config(dataset_config))
     except SpecError as exc:
         raise ApplicationError.invalid(exc.field, exc.message) from exc
-
-
-def _dataset_or_400(dataset_config: dict[str, Any]) -> dict[str, Any]:
-    try:
-        return validate_dataset_config(dataset_config)
-    except SpecError as exc:
-        raise ApplicationError.invalid(exc.field, exc.message) from exc
-
-
-def _check_model_fits_dataset(spec: ModelSpec, dataset_name: str) -> None:
-    info = DATASETS[dataset_name]
-    last = len(spec.layer_sizes) - 1
-    if spec.input_features != info.features:
-        raise ApplicationError.invalid(
-            "model_config.layer_sizes[0]",
-            f"is {spec.input_features} but {dataset_name} samples have {info.features} features; "
-            f"make the first size {info.features}",
-        )
-    if spec.output_features != info.classes:
-        raise ApplicationError.invalid(
-            f"model_config.layer_sizes[{last}]",
-            f"is {spec.output_features} but {dataset_name} has {info.classes} classes; "
-            f"make the last size {info.classes}",
-        )

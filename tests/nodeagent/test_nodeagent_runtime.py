@@ -21,7 +21,7 @@ def runtime(start: int, end: int, optimizer: OptimizerConfig = SGD) -> StageRunt
         optimizer=optimizer,
         is_first=start == 0,
         is_last=end == SPEC.num_layers,
-        input_features=SPEC.layer_sizes[start],
+        input_layout=SPEC.input_layout(start),
         max_micro_batch_size=10,
         device=torch.device("cpu"),
     )
@@ -122,7 +122,7 @@ def seeded_runtime(start: int, end: int, optimizer: OptimizerConfig, seed: int) 
         optimizer=optimizer,
         is_first=start == 0,
         is_last=end == SPEC.num_layers,
-        input_features=SPEC.layer_sizes[start],
+        input_layout=SPEC.input_layout(start),
         max_micro_batch_size=10,
         device=torch.device("cpu"),
     )

@@ -30,9 +30,10 @@ def test_type_defaults_to_mlp_and_is_case_insensitive() -> None:
     [
         (
             {"type": "transformer", "layer_sizes": [2, 3]},
-            "model_config.type",
-            "unknown model type 'transformer'",
+            "model_config.layer_sizes",
+            "unknown key for a transformer",
         ),
+        ({"type": "rnn", "layer_sizes": [2, 3]}, "model_config.type", "unknown model type 'rnn'"),
         ({"type": 3, "layer_sizes": [2, 3]}, "model_config.type", "supported: mlp"),
         ({}, "model_config.layer_sizes", "is required"),
         (

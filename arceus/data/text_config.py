@@ -1,0 +1,42 @@
+"""`dataset_config` of the `text` dataset: a UTF-8 text file cut into windows of `block_size` characters."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from arceus.errors import SpecError
+
+TEXT_DATASET = "text"
+TEXT_KEYS = frozenset({"name", "batch_size", "val_batch_size", "source", "block_size"})
+# Genesis to Deuteronomy, King James Version: public domain, see texts/README.md for its source.
+BUNDLED_TEXT = Path(__file__).parent / "texts" / "kjv-pentateuch.txt"
+MAX_BLOCK_SIZE = 65536
+
+
+def validate_text_config(cfg: dict[str, Any], batch_size: int, val_batch_size: int) -> dict[str, Any]:
+    """The normalised config; `source` absent means the bundled text. `block_size` may be left out at
+    submission (the job takes the model's); loading needs it."""
+    out: dict[str, Any] = {"name": TEXT_DATASET, "batch_size": batch_size, "val_batch_size": val_batch_size}
+    if "source" in cfg:
+        source = cfg["source"]
+        if not isinstance(source, str) or not source:
+            raise SpecError("dataset_config.source", f"must be a non-empty path to a text file, got {source!r}")
+        if not Path(source).expanduser().is_file():
+            raise SpecError(
+                "dataset_config.source",
+                f"no text file at {Path(source).expanduser().resolve()}; leave it out for the bundled text",
+            )
+        out["source"] = source
+    if "block_size" in cfg:
+        block = cfg["block_size"]
+        if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= MAX_BLOCK_SIZE:
+            raise SpecError(
+                "dataset_config.block_size", f"must be an integer between 1 and {MAX_BLOCK_SIZE}, got {block!r}"
+            )
+        out["block_size"] = block
+    return out
+
+
+def text_path(cfg: dict[str, Any]) -> Path:
+    return Path(cfg["source"]).expanduser() if cfg.get("source") else BUNDLED_TEXT

@@ -1,0 +1,101 @@
+"""The GPT (decoder-only transformer) spec: torch-free sizes and costs of each pipeline layer.
+
+Pipeline layers: 0 is the token + position embedding, 1..n_layer are the transformer blocks, and the
+last is the final LayerNorm + LM head. So the layer-range partitioning that splits an MLP splits a GPT.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from arceus.errors import SpecError
+from arceus.model.layout import TensorLayout
+
+GPT_DEFAULTS = {"n_layer": 6, "n_head": 8, "d_model": 256, "block_size": 128}
+VOCABS = ("char",)
+_LIMITS = {"n_layer": 256, "n_head": 1024, "d_model": 65536, "block_size": 65536, "vocab_size": 1_000_000}
+_GPT_KEYS = frozenset({"type", "vocab", "vocab_size", *GPT_DEFAULTS})
+
+
+@dataclass(frozen=True)
+class GPTSpec:
+    n_layer: int
+    n_head: int
+    d_model: int
+    block_size: int
+    vocab_size: int
+    vocab: str = "char"  # character-level: the dataset's distinct characters, sorted
+
+    @property
+    def num_layers(self) -> int:
+        return self.n_layer + 2
+
+    @property
+    def num_classes(self) -> int:
+        return self.vocab_size
+
+    def layer_params(self) -> list[int]:
+        d, v, t = self.d_model, self.vocab_size, self.block_size
+        # LN (2d) + qkv (3d² + 3d) + proj (d² + d) + LN (2d) + MLP (4d² + 4d + 4d² + d)
+        block = 12 * d * d + 13 * d
+        return [v * d + t * d, *[block] * self.n_layer, 2 * d + d * v]  # the head has no bias
+
+    def layer_flops_per_sample(self) -> list[int]:
+        """Forward FLOPs per sample (block_size tokens): 2 per multiply-add of each matmul, plus the
+        attention scores and their weighted sum (2·T²·d each). Lookups, norms and softmax are ignored."""
+        d, v, t = self.d_model, self.vocab_size, self.block_size
+        block = 24 * t * d * d + 4 * t * t * d
+        return [t * d, *[block] * self.n_layer, 2 * t * d * v]
+
+    def input_layout(self, layer: int) -> TensorLayout:
+        if layer == 0:
+            return TensorLayout("int64", (self.block_size,), bound=self.vocab_size)
+        return self._hidden()
+
+    def output_layout(self, layer: int) -> TensorLayout:
+        if layer == self.num_layers - 1:
+            return TensorLayout("float32", (self.block_size, self.vocab_size))  # logits
+        return self._hidden()
+
+    def label_layout(self) -> TensorLayout:
+        """The next token at every position."""
+        return TensorLayout("int64", (self.block_size,), bound=self.vocab_size)
+
+    def _hidden(self) -> TensorLayout:
+        return TensorLayout("float32", (self.block_size, self.d_model))
+
+
+def gpt_from_config(config: dict[str, Any]) -> GPTSpec:
+    unknown = sorted(set(config) - _GPT_KEYS)
+    if unknown:
+        raise SpecError(
+            f"model_config.{unknown[0]}",
+            f"unknown key for a transformer; allowed keys: {', '.join(sorted(_GPT_KEYS))}",
+        )
+    sizes = {key: _positive(config, key, default) for key, default in GPT_DEFAULTS.items()}
+    if sizes["d_model"] % sizes["n_head"]:
+        raise SpecError(
+            "model_config.d_model",
+            f"must be divisible by n_head ({sizes['n_head']}), got {sizes['d_model']}",
+        )
+    vocab = config.get("vocab", "char")
+    if vocab not in VOCABS:
+        raise SpecError("model_config.vocab", f"must be one of {', '.join(VOCABS)}, got {vocab!r}")
+    if "vocab_size" not in config:
+        raise SpecError(
+            "model_config.vocab_size",
+            "is required; job submission fills it in from the text's distinct characters",
+        )
+    return GPTSpec(**sizes, vocab_size=_positive(config, "vocab_size", None), vocab=vocab)
+
+
+def _positive(config: dict[str, Any], key: str, default: int | None) -> int:
+    value = config.get(key, default)
+    field = f"model_config.{key}"
+    # bool is an int subclass; `true` in JSON is never a size.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise SpecError(field, f"must be a positive integer, got {value!r}")
+    if not 1 <= value <= _LIMITS[key]:
+        raise SpecError(field, f"must be between 1 and {_LIMITS[key]:,}, got {value:,}")
+    return value

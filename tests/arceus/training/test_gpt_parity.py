@@ -1,0 +1,151 @@
+"""A GPT trained across real agent processes equals single-process training, per step, to fp32 rounding.
+
+Three `python -m nodeagent` processes host 2- and 3-stage pipelines of a small character-level GPT
+(embedding | blocks | head), run with GPipe and 1F1B; the reference is plain torch on the same windows of
+the same text in the same seeded order.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from arceus.data import validate_dataset_config
+from arceus.data.fit import fit_model_to_dataset
+from arceus.data.text_config import BUNDLED_TEXT
+from arceus.training import StageEndpoint, TrainPlan, max_micro_batch_size, train
+from arceus.training.driver import fetch_weights
+from arceus.training.recording import RecordingSink
+from arceus.training.reference import reference_run
+from nodeagent.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
+from nodeagent.static import pipeline_assignments
+
+pytestmark = pytest.mark.slow
+
+MODEL = {"type": "transformer", "n_layer": 2, "n_head": 2, "d_model": 32, "block_size": 16}
+MICRO_BATCHES = 4
+SEED = 11
+# An epoch is 337 windows: 21 steps of 16 and one of 1 (a single micro-batch), so STEPS crosses an epoch
+# end (validation, reshuffle).
+STEPS = 24
+ADAM = {"name": "adam", "lr": 3e-3, "weight_decay": 0.0}
+SGD = {"name": "sgd", "lr": 0.3, "momentum": 0.9, "weight_decay": 1e-4}
+RUNS: dict[str, dict[str, Any]] = {
+    "gpt-2-gpipe": {"boundaries": [0, 2, 4], "schedule": "gpipe", "optimizer": ADAM},
+    "gpt-2-1f1b": {"boundaries": [0, 2, 4], "schedule": "1f1b", "optimizer": SGD},
+    "gpt-3-gpipe": {"boundaries": [0, 1, 3, 4], "schedule": "gpipe", "optimizer": SGD},
+    "gpt-3-1f1b": {"boundaries": [0, 1, 3, 4], "schedule": "1f1b", "optimizer": ADAM},
+}
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The model and dataset configs as job submission completes them (vocab_size, block_size)."""
+    source: Path = tmp_path_factory.mktemp("text") / "genesis.txt"
+    source.write_text(BUNDLED_TEXT.read_text(encoding="utf-8")[:6000], encoding="utf-8")
+    dataset = validate_dataset_config(
+        {"name": "text", "source": str(source), "batch_size": 16, "val_batch_size": 32}
+    )
+    _, model, dataset = fit_model_to_dataset(MODEL, dataset)
+    return model, dataset
+
+
+@pytest.fixture(scope="module")
+def agents(
+    configs: tuple[dict[str, Any], dict[str, Any]], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[AgentProcess]]:
+    model, dataset = configs
+    addresses = [f"127.0.0.1:{port}" for port in free_ports(3)]
+    per_agent: list[list[dict[str, Any]]] = [[], [], []]
+    for job_id, run in RUNS.items():
+        num_stages = len(run["boundaries"]) - 1
+        stages = pipeline_assignments(
+            job_id=job_id,
+            model_config=model,
+            boundaries=run["boundaries"],
+            addresses=addresses[:num_stages],
+            optimizer=run["optimizer"],
+            seed=SEED,
+            micro_batches=MICRO_BATCHES,
+            max_micro_batch_size=max_micro_batch_size(dataset, MICRO_BATCHES),
+        )
+        for i, stage in enumerate(stages):
+            per_agent[i].append(stage)
+    started = spawn_static_agents(per_agent, addresses, tmp_path_factory.mktemp("gpt-agents"))
+    try:
+        yield started
+    finally:
+        stop_agents(started)
+
+
+@pytest.mark.parametrize("job_id", list(RUNS))
+def test_gpt_pipeline_training_matches_single_process(
+    configs: tuple[dict[str, Any], dict[str, Any]], agents: list[AgentProcess], job_id: str
+) -> None:
+    model, dataset = configs
+    run = RUNS[job_id]
+    boundaries = run["boundaries"]
+    plan = TrainPlan(
+        job_id=job_id,
+        generation=1,
+        stages=tuple(
+            StageEndpoint(
+                index=i,
+                address=agents[i].grpc_address,
+                node_id=f"agent-{i}",
+                layer_start=boundaries[i],
+                layer_end=boundaries[i + 1],
+            )
+            for i in range(len(boundaries) - 1)
+        ),
+        dataset=dataset,
+        epochs=3,
+        learning_rate=run["optimizer"]["lr"],
+        micro_batches=MICRO_BATCHES,
+        seed=SEED,
+        rpc_timeout_seconds=30.0,
+        max_steps=STEPS,
+        schedule=run["schedule"],
+    )
+    recorder = RecordingSink()
+    result = train(plan, recorder)
+    optimizer = run["optimizer"]
+    expected = reference_run(
+        {
+            "model_config": model,
+            "dataset_config": dataset,
+            "epochs": 3,
+            "learning_rate": optimizer["lr"],
+            "optimizer": optimizer["name"],
+            "momentum": optimizer.get("momentum", 0.0),
+            "weight_decay": optimizer["weight_decay"],
+            "seed": SEED,
+        },
+        max_steps=STEPS,
+    )
+
+    assert result.steps == STEPS and not result.stopped
+    assert [p.epoch for p in recorder.steps] == [1] * 22 + [2] * 2
+    assert [r.epoch for r in recorder.epochs] == [1, 2]  # validation loss after every epoch
+    assert all(math.isfinite(r.val_loss) and 0 <= r.val_accuracy <= 1 for r in recorder.epochs)
+    losses = [p.loss for p in recorder.steps]
+    for step, (got, want) in enumerate(zip(losses, expected.losses, strict=True), 1):
+        assert math.isclose(got, want, rel_tol=1e-5), f"step {step}: pipeline loss {got!r} != reference {want!r}"
+    # A per-token mean: it starts near ln(vocab) and the model learns.
+    assert math.isclose(losses[0], math.log(model["vocab_size"]), rel_tol=0.05)
+    assert losses[-1] < losses[0] - 0.3
+    assert math.isclose(result.val_loss, expected.val_loss, rel_tol=1e-5)
+    assert math.isclose(result.val_accuracy, expected.val_accuracy, rel_tol=1e-5)
+
+    # Adam turns the rounding noise of a gradient that is zero in exact arithmetic (the attention key
+    # bias: softmax ignores a per-query constant) into lr-sized steps, so its weights get an absolute slack.
+    atol = 1e-4 if optimizer["name"] == "adam" else 1e-6
+    weights = fetch_weights(plan)
+    assert sorted(weights) == sorted(expected.weights)
+    for name, want in expected.weights.items():
+        torch.testing.assert_close(weights[name], want, rtol=1e-5, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
