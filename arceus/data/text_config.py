@@ -17,6 +17,9 @@ MAX_BLOCK_SIZE = 65536
 def validate_text_config(cfg: dict[str, Any], batch_size: int, val_batch_size: int) -> dict[str, Any]:
     """The normalised config; `source` absent means the bundled text. `block_size` may be left out at
     submission (the job takes the model's); loading needs it."""
+    unknown = sorted(set(cfg) - TEXT_KEYS)
+    if unknown:
+        raise SpecError(f"dataset_config.{unknown[0]}", f"does not apply to the {TEXT_DATASET} dataset")
     out: dict[str, Any] = {"name": TEXT_DATASET, "batch_size": batch_size, "val_batch_size": val_batch_size}
     if "source" in cfg:
         source = cfg["source"]
