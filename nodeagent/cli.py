@@ -19,7 +19,13 @@ import torch
 
 from arceus.errors import SpecError
 from nodeagent.agent import Agent, split_host_port
-from nodeagent.control_plane import ControlPlaneClient, HeartbeatLoop, Unauthorized, register_until_accepted
+from nodeagent.control_plane import (
+    ControlPlaneClient,
+    HeartbeatLoop,
+    Unauthorized,
+    measure_link,
+    register_until_accepted,
+)
 from nodeagent.device import DEVICE_TYPES, DeviceError, capabilities, select_device
 from nodeagent.static import load_local_checkpoint, load_static_assignments
 
@@ -152,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
         else:
             caps = capabilities(device, declared_flops=args.declare_flops).to_json()
+            caps["link"] = measure_link(client)
             log.info("registering with %s as %s: %s", args.control_plane, agent.advertise_address, caps)
             registration = register_until_accepted(
                 client, agent.advertise_address, caps, agent.signer.public_key_hex, stop=stop

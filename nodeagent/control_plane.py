@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,10 +64,16 @@ class ControlPlaneClient:
         )
         return Registration(node_id=_node_id(body), heartbeat_interval_seconds=_interval(body))
 
-    def heartbeat(self, observed: list[dict[str, Any]], host_busy_fraction: float | None = None) -> HeartbeatReply:
-        body = self._post(
-            "/api/agent/heartbeat", {"observed": observed, "host_busy_fraction": host_busy_fraction}
-        )
+    def heartbeat(
+        self,
+        observed: list[dict[str, Any]],
+        host_busy_fraction: float | None = None,
+        link: dict[str, float] | None = None,
+    ) -> HeartbeatReply:
+        payload: dict[str, Any] = {"observed": observed, "host_busy_fraction": host_busy_fraction}
+        if link is not None:
+            payload["link"] = link
+        body = self._post("/api/agent/heartbeat", payload)
         raw = body.get("assignments")
         if not isinstance(raw, list):
             # Never read a missing list as "host nothing": that would drop every stage.
@@ -94,6 +101,21 @@ class ControlPlaneClient:
             rejected=rejected,
             max_threads=_max_threads(body),
         )
+
+    def probe(self, payload: bytes) -> float:
+        """Seconds for the control plane to receive `payload` and answer (POST /api/agent/probe)."""
+        url = f"{self.url}/api/agent/probe"
+        started = time.perf_counter()
+        try:
+            response = self._session.post(
+                url, data=payload, headers={"Content-Type": "application/octet-stream"}, timeout=self.timeout
+            )
+        except requests.RequestException as exc:
+            raise ControlPlaneError(f"POST {url} failed: {exc}") from exc
+        elapsed = time.perf_counter() - started
+        if response.status_code >= 300:
+            raise ControlPlaneError(f"POST {url} → HTTP {response.status_code}: {response.text[:200]}")
+        return elapsed
 
     def fetch_checkpoint(self, ref: CheckpointRef) -> dict[str, torch.Tensor]:
         """Download a stage checkpoint named by an assignment and check it against its hash. Only paths
@@ -158,6 +180,23 @@ def _short(body: Any) -> str:
     return text if len(text) <= 300 else text[:300] + "..."
 
 
+PROBE_BYTES = 256 * 1024
+# The link is re-measured this often and sent with the next heartbeat (Wi-Fi, VPNs and traffic change it).
+REMEASURE_SECONDS = 300.0
+
+
+def measure_link(client: ControlPlaneClient, rounds: int = 3) -> dict[str, float] | None:
+    """{"rtt_seconds", "bandwidth_bytes_per_second"} to the control plane: the best of `rounds` empty
+    probes, and the best PROBE_BYTES upload less that round trip. None (logged) if probing fails."""
+    try:
+        rtt = min(client.probe(b"") for _ in range(rounds))
+        upload = min(client.probe(bytes(PROBE_BYTES)) for _ in range(rounds))
+    except ControlPlaneError as exc:
+        log.warning("could not measure the link to the control plane: %s", exc)
+        return None
+    return {"rtt_seconds": rtt, "bandwidth_bytes_per_second": PROBE_BYTES / max(upload - rtt, 1e-6)}
+
+
 class HeartbeatLoop:
     """A daemon thread: heartbeat every interval, apply the answer, back off on errors.
 
@@ -183,6 +222,7 @@ class HeartbeatLoop:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._host_load = HostLoad()
+        self._link_measured = time.monotonic()  # registration measured it
 
     def start(self) -> None:
         self._thread.start()
@@ -196,7 +236,12 @@ class HeartbeatLoop:
         resend_now = False
         while not self._stop.is_set():
             try:
-                reply = self._client.heartbeat(self._agent.observed(), self._host_load.others_busy_fraction())
+                link = None
+                if time.monotonic() - self._link_measured >= REMEASURE_SECONDS:
+                    link, self._link_measured = measure_link(self._client), time.monotonic()
+                reply = self._client.heartbeat(
+                    self._agent.observed(), self._host_load.others_busy_fraction(), link
+                )
                 self._agent.metrics.heartbeat_succeeded()
                 self._agent.limit_threads(reply.max_threads)
                 self._interval = reply.heartbeat_interval_seconds

@@ -24,6 +24,8 @@ class Capabilities:
     device_name: str
     memory_bytes: int
     flops_fp32: float
+    flops_fp16: float | None = None  # None: this device has no usable fp16 matmul
+    flops_bf16: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -87,11 +89,13 @@ def memory_used_bytes(device: torch.device) -> int:
     return int(peak if platform.system() == "Darwin" else peak * 1024)
 
 
-def measure_matmul_flops(device: torch.device, budget_seconds: float = 0.2, size: int = 256) -> float:
-    """fp32 FLOP/s of repeated size×size matmuls for about `budget_seconds` (a rough, relative figure)."""
+def measure_matmul_flops(
+    device: torch.device, budget_seconds: float = 0.2, size: int = 256, dtype: torch.dtype = torch.float32
+) -> float:
+    """FLOP/s of repeated size×size `dtype` matmuls for about `budget_seconds` (a rough, relative figure)."""
     generator = torch.Generator().manual_seed(0)
-    a = torch.randn(size, size, generator=generator).to(device)
-    b = torch.randn(size, size, generator=generator).to(device)
+    a = torch.randn(size, size, generator=generator).to(device, dtype)
+    b = torch.randn(size, size, generator=generator).to(device, dtype)
     _synchronize(device)
     torch.mm(a, b)  # warm-up: first-call dispatch and allocation are not compute
     _synchronize(device)
@@ -113,7 +117,19 @@ def capabilities(device: torch.device, *, declared_flops: float | None = None) -
         device_name=device_name(device),
         memory_bytes=total_memory_bytes(device),
         flops_fp32=declared_flops if declared_flops is not None else measure_matmul_flops(device),
+        flops_fp16=_low_precision_flops(device, torch.float16),
+        flops_bf16=_low_precision_flops(device, torch.bfloat16),
     )
+
+
+def _low_precision_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The matmul rate in `dtype`, or None where the device or this torch build cannot multiply in it."""
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        return None
+    try:
+        return measure_matmul_flops(device, budget_seconds=0.1, dtype=dtype)
+    except (RuntimeError, TypeError):  # "not implemented for 'Half'" and the like
+        return None
 
 
 def _synchronize(device: torch.device) -> None:

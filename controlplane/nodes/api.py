@@ -133,6 +133,19 @@ class AgentHeartbeatApi(AgentApi):
         )
 
 
+class AgentProbeApi(AgentApi):
+    """The agent times uploads to this to measure its round trip and bandwidth to the control plane."""
+
+    max_bytes = 1024 * 1024  # below Django's DATA_UPLOAD_MAX_MEMORY_SIZE
+
+    @extend_schema(request={"application/octet-stream": bytes}, responses={200: dict})
+    def post(self, request: Request) -> Response:
+        size = len(request.body)
+        if size > self.max_bytes:
+            return Response({"detail": f"a probe carries at most {self.max_bytes} bytes"}, status=413)
+        return Response({"bytes": size})
+
+
 class AgentCheckpointApi(AgentApi):
     """A stage checkpoint named in one of this node's assignments (safetensors bytes)."""
 

@@ -5,6 +5,7 @@ from django.urls import re_path
 from controlplane.nodes.api import (
     AgentCheckpointApi,
     AgentHeartbeatApi,
+    AgentProbeApi,
     AgentRegisterApi,
     NodeControlsApi,
     NodeDetailApi,
@@ -21,5 +22,6 @@ urlpatterns = [
     re_path(r"^nodes/(?P<node_id>[^/]+)/controls/?$", NodeControlsApi.as_view(), name="node-controls"),
     re_path(r"^agent/register/?$", AgentRegisterApi.as_view(), name="agent-register"),
     re_path(r"^agent/heartbeat/?$", AgentHeartbeatApi.as_view(), name="agent-heartbeat"),
+    re_path(r"^agent/probe/?$", AgentProbeApi.as_view(), name="agent-probe"),
     re_path(r"^agent/checkpoints/(?P<checkpoint_id>[^/]+)/?$", AgentCheckpointApi.as_view(), name="agent-checkpoint"),
 ]

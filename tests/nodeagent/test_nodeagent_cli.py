@@ -92,8 +92,11 @@ def test_control_plane_mode_registers_reports_ready_and_stops_cleanly(control_pl
         log_path=tmp_path / "agent.log",
     )
     try:
-        path, headers, body = control_plane.requests[0]
-        assert path == "/api/agent/register" and headers["Authorization"] == "Node good-token"
+        # The agent first times probes of its link to the control plane, then registers.
+        registers = [r for r in control_plane.requests if r[0] == "/api/agent/register"]
+        assert control_plane.requests[0][0] == "/api/agent/probe" and len(registers) == 1
+        path, headers, body = registers[0]
+        assert headers["Authorization"] == "Node good-token"
         assert body["grpc_address"] == agent.grpc_address  # the READY line's address is what it registered
         assert body["capabilities"]["device_type"] == "cpu" and body["capabilities"]["flops_fp32"] > 0
         deadline = time.monotonic() + 20

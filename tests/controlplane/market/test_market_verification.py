@@ -1,0 +1,114 @@
+"""Verified work in the control plane: receipts re-verified against the registered key, a failed spot
+check flags the node (no new stages, reason in the API) and withholds its credit, bad evidence stores
+nothing; agents report their key, fp16/bf16 rates and link on register and heartbeat."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from django.db.models import Sum
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from arceus.verify.receipts import ReceiptFields, ReceiptSigner, tensor_digest
+from controlplane.common.errors import ApplicationError
+from controlplane.jobs.models import JobStatus, Stage
+from controlplane.market.models import LedgerEntry, SpotCheck
+from controlplane.market.services import WorkCounters, ledger_record_work
+from controlplane.market.verification import SpotCheckReport, spot_checks_record
+from controlplane.nodes.models import Node
+from controlplane.nodes.selectors import node_unavailable_reason
+from controlplane.nodes.services import node_create
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def placed(ready_node, queued_job):  # noqa: ANN001, ANN201 - fixtures from conftest
+    """A running job with stage 0 on `producer`, stage 1 on `receiver` (whose agent key is `signer`)."""
+    signer = ReceiptSigner()
+    producer, receiver = ready_node("producer", port=50061), ready_node("receiver", port=50062)
+    receiver.public_key = signer.public_key_hex
+    receiver.save()
+    job = queued_job()
+    job.status, job.generation, job.driver_lease_owner = JobStatus.RUNNING, 2, "driver-1"
+    job.save()
+    for index, node in enumerate((producer, receiver)):
+        Stage.objects.create(job=job, index=index, layer_start=index, layer_end=index + 1, node=node, generation=2)
+    return job, producer, receiver, signer
+
+
+def report(job, signer: ReceiptSigner, producer: Node, *, passed: bool, digest_of: torch.Tensor) -> SpotCheckReport:  # noqa: ANN001
+    digest = tensor_digest(digest_of)
+    signature = signer.sign(ReceiptFields(str(job.id), 1, 2, 7, 0, digest))
+    return SpotCheckReport(
+        step=7, micro_batch=0, stage_index=0, node_id=str(producer.id), passed=passed,
+        detail="step 7 micro-batch 0: output differs from the recomputation" if not passed else "matches",
+        max_abs_diff=0.5 if not passed else 0.0, receipt_sha256=digest.hex(), receipt_signature=signature.hex(),
+    )
+
+
+def work(job, node: Node, samples: int) -> None:  # noqa: ANN001
+    ledger_record_work(job_id=job.id, stage_index=0, generation=2, node=node, flops_per_sample=1e3,
+                       counters=WorkCounters(samples, samples // 8, samples / 10, 100, 100))
+
+
+def test_a_failed_spot_check_flags_the_node_and_withholds_its_credit(placed) -> None:  # noqa: ANN001
+    job, producer, receiver, signer = placed
+    work(job, producer, 64)
+    spot_checks_record(job_id=job.id, lease_owner="driver-1", generation=2, now=timezone.now(),
+                       checks=[report(job, signer, producer, passed=True, digest_of=torch.ones(2, 3))])
+    producer.refresh_from_db()
+    assert producer.flagged_at is None and not LedgerEntry.objects.filter(withheld=True).exists()
+
+    spot_checks_record(job_id=job.id, lease_owner="driver-1", generation=2, now=timezone.now(),
+                       checks=[report(job, signer, producer, passed=False, digest_of=torch.ones(2, 3))])
+    producer.refresh_from_db()
+    assert "differs from the recomputation" in producer.flag_reason
+    assert node_unavailable_reason(producer, timezone.now()).startswith("flagged: ")
+    work(job, producer, 128)  # recorded after the flag: withheld at once
+    entries = LedgerEntry.objects.filter(node=producer)
+    assert entries.count() == 2 and all(e.withheld for e in entries)
+    # Money still adds up: credits paid + fees + withheld = charges.
+    totals = LedgerEntry.objects.aggregate(c=Sum("charge_micros"), f=Sum("fee_micros"), k=Sum("credit_micros"))
+    assert totals["k"] + totals["f"] == totals["c"] > 0
+    assert SpotCheck.objects.filter(node=producer).count() == 2
+
+
+def test_a_receipt_that_does_not_verify_stores_nothing(placed) -> None:  # noqa: ANN001
+    job, producer, _, _ = placed
+    forged = report(job, ReceiptSigner(), producer, passed=False, digest_of=torch.ones(2, 3))
+    with pytest.raises(ApplicationError, match="does not verify against the node's public key"):
+        spot_checks_record(job_id=job.id, lease_owner="driver-1", generation=2, now=timezone.now(), checks=[forged])
+    malformed = SpotCheckReport(**{**forged.__dict__, "receipt_sha256": "zz"})
+    with pytest.raises(ApplicationError, match="spot check of step 7"):
+        spot_checks_record(job_id=job.id, lease_owner="driver-1", generation=2, now=timezone.now(), checks=[malformed])
+    with pytest.raises(ApplicationError, match="does not hold the driver lease"):
+        spot_checks_record(job_id=job.id, lease_owner="someone", generation=2, now=timezone.now(), checks=[forged])
+    producer.refresh_from_db()
+    assert producer.flagged_at is None and not SpotCheck.objects.exists()
+
+
+def test_agents_report_key_low_precision_rates_and_link(api: APIClient, user) -> None:  # noqa: ANN001
+    node, token = node_create(owner=user, name="laptop")
+    agent = APIClient()
+    agent.credentials(HTTP_AUTHORIZATION=f"Node {token}")
+    caps = {"device_type": "cpu", "memory_bytes": 2**30, "flops_fp32": 1e10, "flops_fp16": 2e10, "flops_bf16": None,
+            "link": {"rtt_seconds": 0.02, "bandwidth_bytes_per_second": 1e7}}
+    bad = agent.post("/api/agent/register", {"grpc_address": "127.0.0.1:5", "capabilities": caps,
+                                             "public_key": "not-a-key"}, format="json")
+    assert bad.status_code == 400 and "public_key" in bad.json()["errors"]
+    key = ReceiptSigner().public_key_hex
+    ok = agent.post("/api/agent/register", {"grpc_address": "127.0.0.1:5", "capabilities": caps, "public_key": key},
+                    format="json")
+    assert ok.status_code == 200, ok.json()
+    shown = api.get(f"/api/nodes/{node.id}").json()
+    assert (shown["public_key"], shown["flops_fp16"], shown["flops_bf16"], shown["flag"]) == (key, 2e10, None, None)
+    assert shown["link"]["rtt_seconds"] == 0.02
+
+    beat = agent.post("/api/agent/heartbeat", {"link": {"rtt_seconds": 0.5, "bandwidth_bytes_per_second": 2e6}},
+                      format="json")
+    assert beat.status_code == 200
+    assert api.get(f"/api/nodes/{node.id}").json()["link"]["bandwidth_bytes_per_second"] == 2e6
+    probe = agent.post("/api/agent/probe", b"x" * 1000, content_type="application/octet-stream")
+    assert probe.json() == {"bytes": 1000}
