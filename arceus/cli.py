@@ -5,6 +5,7 @@
     arceus jobs train JOB_ID --watch     # starts it and draws a live progress bar
     arceus jobs show JOB_ID
     arceus jobs model JOB_ID -o model.safetensors   # the trained weights
+    arceus jobs sample JOB_ID --prompt "And God said"  # text from a trained transformer
     arceus nodes create my-laptop        # prints the agent token, once
     arceus nodes pause NODE_ID           # drain it: its stages move elsewhere without losing work
 """
@@ -87,9 +88,34 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         output = Path(args.output or f"{args.job_id}.safetensors")
         output.write_bytes(data)
         print(f"wrote {output} ({len(data):,} bytes)")
+    elif args.action == "sample":
+        print(_sample(client, args))
     else:
         _print(client.jobs())
     return 0
+
+
+def _sample(client: ArceusClient, args: argparse.Namespace) -> str:
+    """Text from the job's newest weights, with the vocabulary of the text it trained on (read here:
+    `--text`, else the job's `dataset_config.source`, else the bundled text)."""
+    from arceus.checkpoint import decode_checkpoint  # torch: only this command needs it
+    from arceus.data.text import text_vocabulary
+    from arceus.model.generate import sample_text
+
+    job = client.job(args.job_id)
+    dataset = {"source": args.text} if args.text else job["dataset_config"]
+    try:
+        return sample_text(
+            job["model_config"],
+            decode_checkpoint(client.download_model(args.job_id)),
+            text_vocabulary(dataset),
+            prompt=args.prompt,
+            length=args.length,
+            temperature=args.temperature,
+            seed=args.seed,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"error: cannot sample from job {args.job_id}: {exc}") from exc
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:
@@ -132,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
     model = jobs_sub.add_parser("model", help="download the trained weights as a safetensors file")
     model.add_argument("job_id")
     model.add_argument("-o", "--output", help="file to write (default: JOB_ID.safetensors)")
+    sample = jobs_sub.add_parser("sample", help="generate text from a trained transformer job")
+    sample.add_argument("job_id")
+    sample.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    sample.add_argument("--length", type=int, default=300, help="characters to generate")
+    sample.add_argument("--temperature", type=float, default=0.8, help="0: always the most likely character")
+    sample.add_argument("--seed", type=int, default=0)
+    sample.add_argument("--text", help="the training text, for its vocabulary (default: the job's source)")
     jobs_sub.add_parser("list", help="your jobs")
     jobs.set_defaults(func=cmd_jobs)
 

@@ -1,0 +1,66 @@
+"""Sample text from a trained character-level GPT (single process): the model, its weights as the
+pipeline names them ("layers.<i>...."), and the vocabulary of the text it trained on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from arceus.data.text import decode, encode
+from arceus.model.build import build_full_model
+from arceus.model.gpt_spec import GPTSpec
+from arceus.model.spec import model_spec_from_config
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    block_size: int,
+    ids: torch.Tensor,
+    new_tokens: int,
+    *,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Extend `ids` [1, t] by `new_tokens`, each sampled from the model's next-token distribution over
+    the last `block_size` tokens (temperature 0: the most likely token)."""
+    for _ in range(new_tokens):
+        logits = model(ids[:, -block_size:])[:, -1, :]
+        if temperature == 0:
+            token = logits.argmax(dim=-1, keepdim=True)
+        else:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            token = torch.multinomial(probs, 1, generator=generator)
+        ids = torch.cat([ids, token], dim=1)
+    return ids
+
+
+def sample_text(
+    model_config: dict[str, Any],
+    weights: dict[str, torch.Tensor],
+    vocabulary: str,
+    *,
+    prompt: str = "\n",
+    length: int = 200,
+    temperature: float = 1.0,
+    seed: int = 0,
+) -> str:
+    """`prompt` followed by `length` sampled characters; ValueError if the model is no character GPT of
+    this vocabulary, or the prompt uses a character outside it."""
+    spec = model_spec_from_config(model_config)
+    if not isinstance(spec, GPTSpec):
+        raise ValueError("only a transformer model generates text")
+    if spec.vocab_size != len(vocabulary):
+        raise ValueError(f"the model has {spec.vocab_size} tokens but the vocabulary {len(vocabulary)} characters")
+    model = build_full_model(spec, seed=0)
+    state = {name.removeprefix("layers."): tensor for name, tensor in weights.items()}
+    model.load_state_dict(state)  # strict: every parameter must be there
+    model.eval()
+    ids = encode(prompt, vocabulary).unsqueeze(0)
+    if ids.shape[1] == 0:
+        raise ValueError("the prompt must hold at least one character")
+    out = generate(
+        model, spec.block_size, ids, length, temperature=temperature, generator=torch.Generator().manual_seed(seed)
+    )
+    return decode(out[0].tolist(), vocabulary)

@@ -1,0 +1,45 @@
+"""Sampling text from a trained GPT: a model that learned a repeating text continues it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from arceus.model.build import build_full_model, named_global_parameters
+from arceus.model.generate import sample_text
+from arceus.model.spec import model_spec_from_config
+
+VOCAB = "abcd"
+CONFIG = {"type": "transformer", "n_layer": 1, "n_head": 2, "d_model": 16, "block_size": 8, "vocab_size": 4}
+
+
+def trained_weights() -> dict[str, torch.Tensor]:
+    model = build_full_model(model_spec_from_config(CONFIG), seed=0)
+    ids = torch.tensor([i % 4 for i in range(9 * 32)]).view(32, 9)  # "abcdabcd..." windows
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    for _ in range(60):
+        loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return {name: p.detach().clone() for name, p in named_global_parameters(model)}
+
+
+def test_a_model_that_learned_a_pattern_continues_it() -> None:
+    weights = trained_weights()
+    text = sample_text(CONFIG, weights, VOCAB, prompt="bc", length=20, temperature=0)
+    assert text == "bc" + "dabc" * 5
+    sampled = sample_text(CONFIG, weights, VOCAB, prompt="a", length=30, temperature=1.0, seed=3)
+    assert len(sampled) == 31 and set(sampled) <= set(VOCAB)
+    assert sampled == sample_text(CONFIG, weights, VOCAB, prompt="a", length=30, temperature=1.0, seed=3)
+
+
+def test_mismatches_are_value_errors() -> None:
+    weights = trained_weights()
+    with pytest.raises(ValueError, match="vocabulary 5 characters"):
+        sample_text(CONFIG, weights, "abcde", prompt="a")
+    with pytest.raises(ValueError, match="'z' is not in the vocabulary"):
+        sample_text(CONFIG, weights, VOCAB, prompt="z")
+    with pytest.raises(ValueError, match="only a transformer"):
+        sample_text({"layer_sizes": [4, 4]}, weights, VOCAB)
