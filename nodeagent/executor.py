@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 
 import grpc
 import torch
@@ -15,7 +16,7 @@ import torch
 from arceus.pipeline.schedule import build_schedule
 from arceus.v1 import stage_pb2
 from arceus.verify.receipts import ReceiptFields, ReceiptSigner, tensor_digest
-from arceus.wire.proto_tensor import write_encoded
+from arceus.wire.push_stream import PushError, outgoing_push
 from nodeagent.mailbox import MailboxCancelled, MailboxClosed, MailboxTimeout
 from nodeagent.stage import HostedStage, NeighbourLink
 from nodeagent.status import RpcFailure, neighbour_failure_code
@@ -33,7 +34,7 @@ class PushTracker:
         self._step = step
         self._deadline = deadline
         self._abort = abort
-        self._futures: list[grpc.Future] = []
+        self._futures: list[Future[None]] = []
         self._cond = threading.Condition()
         self._pending = 0  # pushes whose completion has not been accounted for yet
         self.failure: RpcFailure | None = None
@@ -41,12 +42,9 @@ class PushTracker:
     def send(
         self, link: NeighbourLink, target_index: int, kind: int, micro_batch: int, tensor: torch.Tensor
     ) -> None:
-        request = stage_pb2.PushTensorRequest(
-            target=self._stage.ref(target_index), kind=kind, step=self._step, micro_batch=micro_batch
-        )
         # Encoded per the job's transfer setting; top-k error feedback is kept per micro-batch slot.
         encoded = self._stage.transfer.encode(tensor, gradient=kind == stage_pb2.GRADIENT, stream=micro_batch)
-        write_encoded(request.tensor, encoded)
+        push = outgoing_push(self._stage.ref(target_index), kind, self._step, micro_batch, encoded)
         timeout = max(MIN_CALL_TIMEOUT, self._deadline - time.monotonic())
         what = (
             f"the {stage_pb2.TensorKind.Name(kind)} of step {self._step} micro-batch {micro_batch} "
@@ -55,11 +53,11 @@ class PushTracker:
         nbytes = encoded.nbytes
         with self._cond:
             self._pending += 1
-        future = link.stub.PushTensor.future(request, timeout=timeout)
+        future = link.pushes.push(push, timeout)
         self._futures.append(future)
         future.add_done_callback(lambda f: self._done(f, what, nbytes))
 
-    def _done(self, future: grpc.Future, what: str, nbytes: int) -> None:
+    def _done(self, future: Future[None], what: str, nbytes: int) -> None:
         try:
             if future.cancelled():
                 return
@@ -67,7 +65,7 @@ class PushTracker:
             if error is None:
                 self._stage.add_bytes_sent(nbytes)
                 return
-            code = error.code() if isinstance(error, grpc.Call) else None
+            code = error.code() if isinstance(error, PushError) else None
             status = f"{code.name}: {error.details()}" if code is not None else str(error)
             with self._cond:
                 if self.failure is None:

@@ -9,7 +9,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 import grpc
@@ -56,22 +56,42 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self, request: stage_pb2.PushTensorRequest, context: grpc.ServicerContext
     ) -> stage_pb2.PushTensorReply:
         def push() -> stage_pb2.PushTensorReply:
-            stage = self._registry.resolve(request.target)
-            tensor = decode_push(stage.io, request)
-            try:
-                stage.mailbox.put((request.step, KIND_NAMES[request.kind], request.micro_batch), tensor)
-            except MailboxFull as exc:
-                raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{stage.name}: {exc}") from None
-            except MailboxClosed:
-                raise RpcFailure(
-                    grpc.StatusCode.NOT_FOUND, f"{stage.name} was just removed from this agent"
-                ) from None
-            nbytes = payload_bytes(request.tensor)  # encoded bytes, as they travelled
-            stage.add_bytes_received(nbytes)
-            self._metrics.bytes_received.inc(nbytes)
+            self._deliver(request)
             return stage_pb2.PushTensorReply()
 
         return _serve(context, "PushTensor", push)
+
+    def PushStream(
+        self, request_iterator: Iterator[stage_pb2.PushTensorRequest], context: grpc.ServicerContext
+    ) -> Iterator[stage_pb2.PushAck]:
+        # One ack per request, in order; a refused message is answered with its code and the stream
+        # goes on. The stream ends when the sender half-closes, cancels, or the call's deadline passes.
+        for request in request_iterator:
+            ack = stage_pb2.PushAck(kind=request.kind, step=request.step, micro_batch=request.micro_batch)
+            try:
+                self._deliver(request)
+            except RpcFailure as failure:
+                log.warning("PushStream message -> %s: %s", failure.code.name, failure.message)
+                ack.code, ack.message = failure.code.value[0], failure.message
+            except Exception as exc:
+                log.exception("PushStream message failed unexpectedly")
+                ack.code = grpc.StatusCode.INTERNAL.value[0]
+                ack.message = f"PushStream failed unexpectedly: {type(exc).__name__}: {exc}"
+            yield ack
+
+    def _deliver(self, request: stage_pb2.PushTensorRequest) -> None:
+        """Resolve (generation included), validate, decode and park one pushed tensor."""
+        stage = self._registry.resolve(request.target)
+        tensor = decode_push(stage.io, request)
+        try:
+            stage.mailbox.put((request.step, KIND_NAMES[request.kind], request.micro_batch), tensor)
+        except MailboxFull as exc:
+            raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{stage.name}: {exc}") from None
+        except MailboxClosed:
+            raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"{stage.name} was just removed from this agent") from None
+        nbytes = payload_bytes(request.tensor)  # encoded bytes, as they travelled
+        stage.add_bytes_received(nbytes)
+        self._metrics.bytes_received.inc(nbytes)
 
     def RunStep(
         self, request: stage_pb2.RunStepRequest, context: grpc.ServicerContext

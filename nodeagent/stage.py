@@ -11,7 +11,8 @@ import torch
 
 from arceus.model.build import build_layers
 from arceus.model.layout import TensorLayout
-from arceus.v1 import stage_pb2, stage_pb2_grpc
+from arceus.v1 import stage_pb2
+from arceus.wire.push_stream import PushStream
 from arceus.wire.transfer import TransferEncoder
 from nodeagent.assignment import Assignment, CheckpointRef
 from nodeagent.mailbox import Mailbox
@@ -41,14 +42,16 @@ def grpc_channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 
 
 class NeighbourLink:
-    """One channel to a neighbouring stage, reused for every push of this stage's lifetime."""
+    """One channel to a neighbouring stage and one long-lived push stream on it, for this stage's
+    lifetime."""
 
     def __init__(self, address: str, max_message_bytes: int) -> None:
         self.address = address
         self.channel = grpc.insecure_channel(address, options=grpc_channel_options(max_message_bytes))
-        self.stub = stage_pb2_grpc.StageServiceStub(self.channel)
+        self.pushes = PushStream(self.channel)
 
     def close(self) -> None:
+        self.pushes.close()
         self.channel.close()
 
 

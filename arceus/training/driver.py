@@ -12,6 +12,7 @@ import logging
 import math
 import queue
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import grpc
@@ -31,6 +32,7 @@ from arceus.training.plan import (
 )
 from arceus.training.stage_client import StageClient
 from arceus.v1 import stage_pb2
+from arceus.wire.push_stream import PushError
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +73,7 @@ class Pipeline:
         step = next(self._call_ids)
         n = len(x)
         num_micro_batches = min(plan.micro_batches, n)
-        calls: list[tuple[StageClient, str, grpc.Future]] = []
+        calls: list[tuple[StageClient, str, grpc.Future | Future[None]]] = []
         inputs = torch.tensor_split(x, num_micro_batches)
         for m, (xm, ym) in enumerate(zip(inputs, torch.tensor_split(y, num_micro_batches), strict=True)):
             calls.append(
@@ -261,7 +263,7 @@ def fetch_weights(plan: TrainPlan) -> dict[str, torch.Tensor]:
         return pipeline.weights()
 
 
-def _await_all(calls: list[tuple[StageClient, str, grpc.Future]]) -> list:
+def _await_all(calls: list[tuple[StageClient, str, grpc.Future | Future[None]]]) -> list:
     """Results of all calls in order; the first failure cancels the others and raises DriverError."""
     done: queue.SimpleQueue[int] = queue.SimpleQueue()
     for index, (_, _, future) in enumerate(calls):
@@ -280,7 +282,7 @@ def _await_all(calls: list[tuple[StageClient, str, grpc.Future]]) -> list:
 
 
 def _driver_error(client: StageClient, what: str, error: BaseException) -> DriverError:
-    if isinstance(error, grpc.Call):
+    if isinstance(error, grpc.Call | PushError):
         code = error.code()
         return DriverError(
             f"{what} on {client.describe()} failed with {code.name}: {error.details()}",

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from concurrent.futures import Future
+
 import grpc
 import torch
 
 from arceus.training.plan import StageCountersSnapshot, StageEndpoint
 from arceus.v1 import stage_pb2, stage_pb2_grpc
+from arceus.wire import codec
 from arceus.wire.proto_tensor import from_proto, to_proto
+from arceus.wire.push_stream import PushStream, raw_push
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
@@ -25,16 +29,17 @@ class StageClient:
             ],
         )
         self._stub = stage_pb2_grpc.StageServiceStub(self._channel)
+        self._pushes = PushStream(self._channel)
 
     def describe(self) -> str:
         e = self.endpoint
         return f"stage {e.index} (node {e.node_id} at {e.address})"
 
-    def push(self, kind: int, step: int, micro_batch: int, tensor: torch.Tensor) -> grpc.Future:
-        request = stage_pb2.PushTensorRequest(
-            target=self.ref, kind=kind, step=step, micro_batch=micro_batch, tensor=to_proto(tensor)
-        )
-        return self._stub.PushTensor.future(request, timeout=self.timeout)
+    def push(self, kind: int, step: int, micro_batch: int, tensor: torch.Tensor) -> Future[None]:
+        """Send over this stage's push stream; the future fails with a PushError (a grpc.RpcError)."""
+        dtype, shape, data = codec.encode(tensor)
+        push = raw_push(self.ref, kind, step, micro_batch, dtype, shape, data)
+        return self._pushes.push(push, self.timeout)
 
     def run_step(
         self,
@@ -99,4 +104,5 @@ class StageClient:
         )
 
     def close(self) -> None:
+        self._pushes.close()
         self._channel.close()

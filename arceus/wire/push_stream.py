@@ -1,0 +1,254 @@
+"""`PushStream`: one long-lived `StageService.PushStream` call from a sender to a stage's agent.
+
+The call is opened on the first push and reopened after it breaks (or nears its own deadline). The
+agent acks every request in order, so acks are matched to pushes first in, first out; each push
+completes by its own deadline: a stream whose oldest unacked push is overdue is cancelled and all its
+pushes fail with DEADLINE_EXCEEDED. A refused message fails only its own push.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
+
+import grpc
+
+from arceus.v1 import stage_pb2
+from arceus.wire.compression import Encoded
+
+log = logging.getLogger(__name__)
+METHOD = "/arceus.v1.StageService/PushStream"
+# The call's own deadline. A push whose timeout would outlive the open call goes to a fresh one.
+STREAM_SECONDS = 3600.0
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+Payload = bytes | bytearray | memoryview
+
+
+class PushError(grpc.RpcError):
+    """A push that failed: refused by the receiver (its ack's code) or lost with its stream."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+@dataclass(frozen=True)
+class OutgoingPush:
+    """A PushTensorRequest whose `tensor.data` travels apart, so serializing it copies the payload
+    once (into the wire bytes) instead of into the message and then out of it again."""
+
+    header: stage_pb2.PushTensorRequest  # everything but tensor.data
+    data: Payload
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.header.kind, self.header.step, self.header.micro_batch)
+
+
+def outgoing_push(
+    target: stage_pb2.StageRef, kind: int, step: int, micro_batch: int, encoded: Encoded
+) -> OutgoingPush:
+    header = stage_pb2.PushTensorRequest(target=target, kind=kind, step=step, micro_batch=micro_batch)
+    t = header.tensor
+    t.dtype = "float32"
+    t.shape[:] = encoded.shape
+    if encoded.encoding != "fp32":  # fp32 leaves `encoding` unset: the plain message
+        t.encoding, t.scales, t.block_size, t.indices = (
+            encoded.encoding, encoded.scales, encoded.block_size, encoded.indices
+        )
+    return OutgoingPush(header, encoded.data)
+
+
+def raw_push(
+    target: stage_pb2.StageRef, kind: int, step: int, micro_batch: int, dtype: str, shape: list[int], data: Payload
+) -> OutgoingPush:
+    header = stage_pb2.PushTensorRequest(target=target, kind=kind, step=step, micro_batch=micro_batch)
+    header.tensor.dtype = dtype
+    header.tensor.shape[:] = shape
+    return OutgoingPush(header, data)
+
+
+def serialize(push: OutgoingPush) -> bytes:
+    """Protobuf wire bytes of the full request: the header, then a second `tensor` (field 5) record
+    holding only `data` (field 3); protobuf merges repeated message records, so parsers see one."""
+    n = memoryview(push.data).nbytes
+    data_field = b"\x1a" + _varint(n)
+    return b"".join(
+        (push.header.SerializeToString(), b"\x2a", _varint(len(data_field) + n), data_field, push.data)
+    )
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append(n & 0x7F | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+@dataclass
+class _Pending:
+    key: tuple[int, int, int]
+    future: Future[None]
+    deadline: float
+
+
+class _Call:
+    """One open PushStream call: a request queue, a thread reading acks, one watching deadlines."""
+
+    def __init__(self, method: grpc.StreamStreamMultiCallable, lifetime: float) -> None:
+        self._requests: queue.SimpleQueue[OutgoingPush | None] = queue.SimpleQueue()
+        self._pending: deque[_Pending] = deque()
+        self._cond = threading.Condition()
+        self._ends = time.monotonic() + lifetime
+        self._closing = False
+        self.broken = False
+        self._responses = method(self._request_iterator(), timeout=lifetime)
+        for target, name in ((self._read, "push-acks"), (self._watch, "push-deadlines")):
+            threading.Thread(target=target, name=name, daemon=True).start()
+
+    def usable(self, timeout: float) -> bool:
+        with self._cond:
+            return not (self.broken or self._closing) and time.monotonic() + timeout < self._ends
+
+    def send(self, push: OutgoingPush, future: Future[None], timeout: float) -> bool:
+        """Queue `push`; False if this call broke meanwhile (nothing was sent)."""
+        with self._cond:
+            if self.broken or self._closing:
+                return False
+            self._pending.append(_Pending(push.key, future, time.monotonic() + timeout))
+            self._cond.notify_all()
+        self._requests.put(push)
+        return True
+
+    def finish(self) -> None:
+        """Half-close: acks of what was sent still arrive, then the call ends."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._requests.put(None)
+
+    def cancel(self, details: str) -> None:
+        self._break(grpc.StatusCode.CANCELLED, details)
+
+    def _request_iterator(self) -> Iterator[OutgoingPush]:
+        while (push := self._requests.get()) is not None:
+            yield push
+
+    def _read(self) -> None:
+        code, details = grpc.StatusCode.UNAVAILABLE, "the receiver ended the push stream"
+        try:
+            for ack in self._responses:
+                with self._cond:
+                    pending = self._pending.popleft() if self._pending else None
+                    self._cond.notify_all()
+                if pending is None or pending.key != (ack.kind, ack.step, ack.micro_batch):
+                    code, details = grpc.StatusCode.INTERNAL, f"the receiver acked an unexpected push {ack}"
+                    if pending is not None:
+                        _settle(pending.future, PushError(code, details))
+                    break
+                if ack.code == 0:
+                    _settle(pending.future, None)
+                else:
+                    _settle(pending.future, PushError(_CODES.get(ack.code, grpc.StatusCode.UNKNOWN), ack.message))
+            else:
+                with self._cond:
+                    if self._closing and not self._pending:
+                        self.broken = True  # ended as asked: nothing to fail
+                        self._cond.notify_all()
+                        return
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details()  # type: ignore[attr-defined]
+        self._break(code, details)
+
+    def _watch(self) -> None:
+        with self._cond:
+            while not self.broken:
+                if not self._pending:
+                    if self._closing:
+                        return
+                    self._cond.wait(max(1.0, self._ends - time.monotonic()))
+                    continue
+                overdue = min(p.deadline for p in self._pending) - time.monotonic()
+                if overdue <= 0:
+                    break
+                self._cond.wait(overdue)
+            else:
+                return
+        self._break(grpc.StatusCode.DEADLINE_EXCEEDED, "the receiver did not ack a push within its deadline")
+
+    def _break(self, code: grpc.StatusCode, details: str) -> None:
+        with self._cond:
+            if self.broken:
+                return
+            self.broken = True
+            failed = list(self._pending)
+            self._pending.clear()
+            self._cond.notify_all()
+        self._responses.cancel()
+        self._requests.put(None)  # ends the request iterator
+        for pending in failed:
+            _settle(pending.future, PushError(code, details))
+        if failed:
+            log.info("push stream broke with %s (%s); %d pushes failed", code.name, details, len(failed))
+
+
+def _settle(future: Future[None], error: BaseException | None) -> None:
+    try:
+        if error is None:
+            future.set_result(None)
+        else:
+            future.set_exception(error)
+    except InvalidStateError:
+        pass  # the sender cancelled it
+
+
+class PushStream:
+    """Pushes to one agent over one channel; thread-safe."""
+
+    def __init__(self, channel: grpc.Channel, *, lifetime: float = STREAM_SECONDS) -> None:
+        self._method = channel.stream_stream(
+            METHOD, request_serializer=serialize, response_deserializer=stage_pb2.PushAck.FromString
+        )
+        self._lifetime = lifetime
+        self._lock = threading.Lock()
+        self._call: _Call | None = None
+        self._closed = False
+
+    def push(self, push: OutgoingPush, timeout: float) -> Future[None]:
+        """Send `push`; the future resolves on its ack, or fails with PushError by `timeout` seconds."""
+        future: Future[None] = Future()
+        with self._lock:
+            if self._closed:
+                _settle(future, PushError(grpc.StatusCode.CANCELLED, "the push stream was closed"))
+                return future
+            for _ in range(2):  # a call that broke between the check and the send is replaced once
+                if self._call is None or not self._call.usable(timeout):
+                    if self._call is not None:
+                        self._call.finish()
+                    self._call = _Call(self._method, self._lifetime)
+                if self._call.send(push, future, timeout):
+                    return future
+        _settle(future, PushError(grpc.StatusCode.UNAVAILABLE, "the push stream broke while sending"))
+        return future
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._call is not None:
+                self._call.cancel("the push stream was closed")
+                self._call = None
