@@ -89,33 +89,12 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         output.write_bytes(data)
         print(f"wrote {output} ({len(data):,} bytes)")
     elif args.action == "sample":
-        print(_sample(client, args))
+        print(client.sample(
+            args.job_id, prompt=args.prompt, length=args.length, temperature=args.temperature, seed=args.seed
+        )["text"])
     else:
         _print(client.jobs())
     return 0
-
-
-def _sample(client: ArceusClient, args: argparse.Namespace) -> str:
-    """Text from the job's newest weights, with the vocabulary of the text it trained on (read here:
-    `--text`, else the job's `dataset_config.source`, else the bundled text)."""
-    from arceus.checkpoint import decode_checkpoint  # torch: only this command needs it
-    from arceus.data.text import text_vocabulary
-    from arceus.model.generate import sample_text
-
-    job = client.job(args.job_id)
-    dataset = {"source": args.text} if args.text else job["dataset_config"]
-    try:
-        return sample_text(
-            job["model_config"],
-            decode_checkpoint(client.download_model(args.job_id)),
-            text_vocabulary(dataset),
-            prompt=args.prompt,
-            length=args.length,
-            temperature=args.temperature,
-            seed=args.seed,
-        )
-    except ValueError as exc:
-        raise SystemExit(f"error: cannot sample from job {args.job_id}: {exc}") from exc
 
 
 def cmd_nodes(args: argparse.Namespace) -> int:
@@ -164,7 +143,6 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--length", type=int, default=300, help="characters to generate")
     sample.add_argument("--temperature", type=float, default=0.8, help="0: always the most likely character")
     sample.add_argument("--seed", type=int, default=0)
-    sample.add_argument("--text", help="the training text, for its vocabulary (default: the job's source)")
     jobs_sub.add_parser("list", help="your jobs")
     jobs.set_defaults(func=cmd_jobs)
 

@@ -97,6 +97,13 @@ class ArceusClient:
             raise ApiError(response.status_code, "GET", path, _payload(response))
         return response.content
 
+    def sample(
+        self, job_id: str, *, prompt: str = "\n", length: int = 300, temperature: float = 0.8, seed: int = 0
+    ) -> dict[str, Any]:
+        """Text from a trained transformer job: `{"text": prompt + generated characters, "step": ...}`."""
+        body = {"prompt": prompt, "length": length, "temperature": temperature, "seed": seed}
+        return self._request("POST", f"/api/jobs/{job_id}/sample", body)
+
     def wait(
         self,
         job_id: str,

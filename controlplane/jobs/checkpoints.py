@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from django.core.files.base import ContentFile
 from django.db import transaction
 from django.db.models import QuerySet
@@ -111,20 +112,26 @@ def stage_checkpoint_for_node(*, node_id: Any, stage_checkpoint_id: str) -> Stag
     return sc
 
 
-def job_model_file(*, job: Job) -> tuple[bytes, Checkpoint]:
-    """The whole model's weights (no optimizer state) from the job's newest checkpoint, as one
-    safetensors file with the model config and step in its metadata."""
+def job_model_weights(*, job: Job) -> tuple[dict[str, torch.Tensor], Checkpoint]:
+    """Every stage's weights (no optimizer state) from the job's newest checkpoint, by model-wide name."""
     checkpoint = job.checkpoints.order_by("-step").first()
     if checkpoint is None:
         raise ApplicationError.conflict(
-            f"job {job.id} has no checkpoint yet; the model can be downloaded once training has saved one"
+            f"job {job.id} has no checkpoint yet; the model is available once training has saved one"
         )
-    tensors = {}
+    tensors: dict[str, torch.Tensor] = {}
     storage = checkpoint_storage()
     for sc in checkpoint.stages.order_by("stage_index"):
         with storage.open(sc.file.name, "rb") as handle:
             state = decode_checkpoint(handle.read(), sha256=sc.sha256)
         tensors.update({k: v for k, v in state.items() if not k.startswith(OPTIMIZER_PREFIX)})
+    return tensors, checkpoint
+
+
+def job_model_file(*, job: Job) -> tuple[bytes, Checkpoint]:
+    """The whole model's weights from the job's newest checkpoint, as one safetensors file with the model
+    config and step in its metadata."""
+    tensors, checkpoint = job_model_weights(job=job)
     metadata = {
         "job_id": str(job.id),
         "step": str(checkpoint.step),

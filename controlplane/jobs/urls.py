@@ -8,6 +8,7 @@ from controlplane.jobs.api import (
     JobEstimateApi,
     JobListCreateApi,
     JobModelApi,
+    JobSampleApi,
     JobTrainApi,
 )
 
@@ -18,6 +19,7 @@ urlpatterns = [
     re_path(r"^jobs/(?P<job_id>[^/]+)/train/?$", JobTrainApi.as_view(), name="job-train"),
     re_path(r"^jobs/(?P<job_id>[^/]+)/cancel/?$", JobCancelApi.as_view(), name="job-cancel"),
     re_path(r"^jobs/(?P<job_id>[^/]+)/model(?:\.safetensors)?/?$", JobModelApi.as_view(), name="job-model"),
+    re_path(r"^jobs/(?P<job_id>[^/]+)/sample/?$", JobSampleApi.as_view(), name="job-sample"),
     # The path the original prototype used for "start training".
     re_path(r"^network/train/(?P<job_id>[^/]+)/?$", JobTrainApi.as_view(), name="network-train"),
 ]

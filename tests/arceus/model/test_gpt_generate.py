@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from arceus import cli
-from arceus.checkpoint import encode_checkpoint
 from arceus.model.build import build_full_model, named_global_parameters
 from arceus.model.generate import sample_text
 from arceus.model.spec import model_spec_from_config
@@ -47,26 +43,3 @@ def test_mismatches_are_value_errors() -> None:
         sample_text(CONFIG, weights, VOCAB, prompt="z")
     with pytest.raises(ValueError, match="only a transformer"):
         sample_text({"layer_sizes": [4, 4]}, weights, VOCAB)
-
-
-def test_the_cli_samples_a_jobs_downloaded_weights(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    source = tmp_path / "abcd.txt"
-    source.write_text("abcd" * 50, encoding="utf-8")
-    weights = encode_checkpoint(trained_weights())
-
-    class FakeClient:
-        def __init__(self, url: str, token: str) -> None:
-            pass
-
-        def job(self, job_id: str) -> dict:
-            return {"model_config": CONFIG, "dataset_config": {"name": "text", "source": str(source)}}
-
-        def download_model(self, job_id: str) -> bytes:
-            return weights
-
-    monkeypatch.setattr(cli, "ArceusClient", FakeClient)
-    argv = ["--url", "http://cp", "--token", "t", "jobs", "sample", "j1", "--prompt", "ab", "--length", "6"]
-    assert cli.main([*argv, "--temperature", "0"]) == 0
-    assert capsys.readouterr().out == "abcdabcd\n"

@@ -388,7 +388,7 @@ def test_the_model_endpoint_without_a_checkpoint_is_a_409(running_job: Job, api:
     response = api.get(f"/api/jobs/{running_job.id}/model")
     assert response.status_code == 409
     assert response.json()["detail"] == (
-        f"job {running_job.id} has no checkpoint yet; the model can be downloaded once training has saved one"
+        f"job {running_job.id} has no checkpoint yet; the model is available once training has saved one"
     )
 
 
