@@ -12,13 +12,15 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from arceus.v1 import stage_pb2, stage_pb2_grpc
+from arceus.v1 import stage_pb2, stage_pb2_grpc, tensor_parallel_pb2_grpc
 from arceus.verify.receipts import ReceiptSigner
 from nodeagent.assignment import Assignment
 from nodeagent.metrics import AgentMetrics
 from nodeagent.registry import ObservedStage, StageRegistry
 from nodeagent.servicer import StageServicer
 from nodeagent.stage import CheckpointLoader, grpc_channel_options
+from nodeagent.tensor_parallel import TensorParallelGroups
+from nodeagent.tp_servicer import TensorParallelServicer
 
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -73,6 +75,11 @@ class Agent:
                 max_message_bytes=max_message_bytes,
             ),
             self._server,
+        )
+        # The all-reduce partials of the tensor-parallel stages hosted here.
+        self.tensor_parallel = TensorParallelGroups()
+        tensor_parallel_pb2_grpc.add_TensorParallelServiceServicer_to_server(
+            TensorParallelServicer(self.tensor_parallel), self._server
         )
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -140,4 +147,5 @@ class Agent:
         self._health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
         self.registry.close()
+        self.tensor_parallel.close()
         self.metrics.stop()

@@ -52,6 +52,8 @@ RULES = [
     (("nodeagent",), ("django", "rest_framework", "controlplane", "tasks")),
     (("nodeagent", "runtime.py"), ("grpc", "arceus.v1", "nodeagent.stage", "nodeagent.servicer")),
     (("arceus", "model"), ("grpc", "arceus.v1")),
+    # Tensor-parallel compute sees only an injected all-reduce, never the transport that carries it.
+    (("arceus", "model", "tensor_parallel.py"), ("grpc", "arceus.v1", "arceus.wire")),
     (("arceus", "pipeline"), ("grpc", "arceus.v1")),
     (("arceus", "wire", "codec.py"), ("grpc", "arceus.v1")),
     (("arceus", "wire", "compression.py"), ("grpc", "arceus.v1")),

@@ -1,0 +1,186 @@
+"""Tensor parallelism over real gRPC. Acceptance: a GPT block (attention + MLP, 8 heads, 4 per rank)
+split over 2 agent processes, all-reducing over TensorParallelService, matches the unsplit block to 1e-5
+in outputs, input gradients and (sliced) parameter gradients. Also: bad partials get the right codes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from arceus.model.build import layer_generator
+from arceus.model.gpt import gpt_layer
+from arceus.model.tensor_parallel import Shard, shard_tensor
+from arceus.v1 import stage_pb2, tensor_parallel_pb2, tensor_parallel_pb2_grpc
+from arceus.wire.proto_tensor import to_proto
+from nodeagent.agent import Agent
+from nodeagent.launch import free_ports
+from nodeagent.status import RpcFailure
+from nodeagent.tensor_parallel import TensorParallelGroup
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tp_rank_worker import (  # noqa: E402
+    GENERATION,
+    JOB,
+    LAYER,
+    MICRO_BATCHES,
+    SEED,
+    SPEC,
+    STAGE,
+    micro_batch_inputs,
+)
+
+WORKER = Path(__file__).parent / "tp_rank_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+def test_a_block_split_over_two_agent_processes_matches_the_unsplit_block(tmp_path: Path) -> None:
+    peers = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    outs = [tmp_path / f"rank-{r}.safetensors" for r in range(2)]
+
+    def spawn(rank: int) -> subprocess.Popen[bytes]:
+        with open(tmp_path / f"rank-{rank}.log", "wb") as log:  # the child keeps its own descriptor
+            return subprocess.Popen(
+                [sys.executable, str(WORKER), str(rank), ",".join(peers), str(outs[rank])],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+            )
+
+    processes = [spawn(r) for r in range(2)]
+    try:
+        codes = [p.wait(timeout=120) for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+    assert codes == [0, 0], "\n".join((tmp_path / f"rank-{r}.log").read_text()[-3000:] for r in range(2))
+
+    full = gpt_layer(SPEC, LAYER, layer_generator(SEED, LAYER))
+    want: dict[str, torch.Tensor] = {}
+    for mb in range(MICRO_BATCHES):
+        x, weight = micro_batch_inputs(mb)
+        x.requires_grad_(True)
+        output = full(x)
+        (output * weight).sum().backward()
+        want[f"output.{mb}"], want[f"input_grad.{mb}"] = output.detach(), x.grad
+    full_grads = dict((n, p.grad) for n, p in full.named_parameters())
+
+    for rank, out in enumerate(outs):
+        got = load_file(out)
+        for key, value in want.items():
+            torch.testing.assert_close(got[key], value, rtol=0, atol=1e-5, msg=f"rank {rank} {key}")
+        grads = {k.removeprefix("grad."): v for k, v in got.items() if k.startswith("grad.")}
+        assert set(grads) == set(full_grads)
+        for name, grad in grads.items():
+            sliced = shard_tensor(SPEC, Shard(rank, 2), name, full_grads[name])
+            assert grad.shape == sliced.shape, name
+            torch.testing.assert_close(grad, sliced, rtol=0, atol=1e-5, msg=f"rank {rank} {name}")
+    # Each rank holds half the heads: half the attention rows, and the replicated parts bitwise equal.
+    rank0, rank1 = load_file(outs[0]), load_file(outs[1])
+    assert rank0["grad.attn.c_attn.weight"].shape == (3 * SPEC.d_model // 2, SPEC.d_model)
+    assert torch.equal(rank0["output.1"], rank1["output.1"])
+    assert torch.equal(rank0["grad.ln_1.weight"], rank1["grad.ln_1.weight"])
+
+
+@pytest.fixture
+def served_group() -> Iterator[tuple[TensorParallelGroup, tensor_parallel_pb2_grpc.TensorParallelServiceStub]]:
+    own, dead = (f"127.0.0.1:{p}" for p in free_ports(2))
+    agent = Agent(device=torch.device("cpu"), listen=own)
+    group = TensorParallelGroup(
+        job_id=JOB,
+        stage_index=STAGE,
+        generation=GENERATION,
+        rank=0,
+        peers=[own, dead],
+        layout=SPEC.output_layout(LAYER),
+        micro_batches=MICRO_BATCHES,
+        max_micro_batch_size=4,
+        max_message_bytes=1024 * 1024,
+    )
+    agent.tensor_parallel.add(group)
+    agent.start()
+    try:
+        with grpc.insecure_channel(own) as channel:
+            yield group, tensor_parallel_pb2_grpc.TensorParallelServiceStub(channel)
+    finally:
+        agent.stop(grace=0.5)
+
+
+def partial_request(**overrides: object) -> tensor_parallel_pb2.PushPartialRequest:
+    fields: dict[str, object] = {
+        "target": stage_pb2.StageRef(job_id=JOB, stage_index=STAGE, generation=GENERATION),
+        "step": 5,
+        "micro_batch": 0,
+        "op": 0,
+        "source_rank": 1,
+        "tensor": to_proto(torch.ones(2, SPEC.block_size, SPEC.d_model)),
+    }
+    fields.update(overrides)
+    return tensor_parallel_pb2.PushPartialRequest(**fields)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "code", "says"),
+    [
+        ({"tensor": to_proto(torch.ones(2, SPEC.block_size, 7))}, grpc.StatusCode.INVALID_ARGUMENT, "shape"),
+        ({"tensor": to_proto(torch.ones(5, SPEC.block_size, SPEC.d_model))}, grpc.StatusCode.INVALID_ARGUMENT, "batch"),
+        (
+            {"tensor": to_proto(torch.ones(2, SPEC.block_size, SPEC.d_model, dtype=torch.float16))},
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "float32",
+        ),
+        ({"source_rank": 0}, grpc.StatusCode.INVALID_ARGUMENT, "source_rank"),
+        ({"source_rank": 2}, grpc.StatusCode.INVALID_ARGUMENT, "source_rank"),
+        ({"micro_batch": MICRO_BATCHES}, grpc.StatusCode.INVALID_ARGUMENT, "micro_batch"),
+        ({"op": -1}, grpc.StatusCode.INVALID_ARGUMENT, "op"),
+        (
+            {"target": stage_pb2.StageRef(job_id=JOB, stage_index=STAGE, generation=GENERATION - 1)},
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "generation",
+        ),
+        (
+            {"target": stage_pb2.StageRef(job_id="other", stage_index=STAGE, generation=GENERATION)},
+            grpc.StatusCode.NOT_FOUND,
+            "no tensor-parallel group",
+        ),
+    ],
+)
+def test_bad_partials_are_refused_with_their_code(
+    served_group: tuple[TensorParallelGroup, tensor_parallel_pb2_grpc.TensorParallelServiceStub],
+    overrides: dict[str, object],
+    code: grpc.StatusCode,
+    says: str,
+) -> None:
+    _, stub = served_group
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.PushPartial(partial_request(**overrides), timeout=5)
+    assert caught.value.code() == code and says in caught.value.details()
+
+
+def test_a_partial_is_summed_and_a_silent_peer_fails_the_all_reduce_by_its_deadline(
+    served_group: tuple[TensorParallelGroup, tensor_parallel_pb2_grpc.TensorParallelServiceStub],
+) -> None:
+    group, stub = served_group
+    stub.PushPartial(partial_request(), timeout=5)  # rank 1's op 0 of step 5 arrives early: parked
+    own = torch.full((2, SPEC.block_size, SPEC.d_model), 2.0)
+    started = time.monotonic()
+    with group.micro_batch(step=5, micro_batch=0, deadline=time.monotonic() + 1.0):
+        # The partial is there, but rank 1's address is dead: our push to it cannot finish.
+        with pytest.raises(RpcFailure) as caught:
+            group.all_reduce(own)
+        assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED and "rank 1" in caught.value.message
+        # op 1 never came from rank 1 at all.
+        with pytest.raises(RpcFailure) as caught:
+            group.all_reduce(own)
+        assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - started < 5

@@ -1,0 +1,66 @@
+"""One rank of a tensor-parallel GPT block in its own process (test_nodeagent_tensor_parallel.py): a real
+Agent serves gRPC, the rank runs forward and backward of its shard for two micro-batches, all-reducing
+with its peer over gRPC, and writes its outputs and gradients to a safetensors file.
+
+python tests/nodeagent/tp_rank_worker.py RANK PEER0,PEER1,... OUT.safetensors
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+from safetensors.torch import save_file
+
+from arceus.model.gpt_spec import GPTSpec
+from arceus.model.tensor_parallel import build_parallel_block
+from nodeagent.agent import Agent
+from nodeagent.tensor_parallel import TensorParallelGroup
+
+SPEC = GPTSpec(n_layer=2, n_head=8, d_model=32, block_size=6, vocab_size=10)  # 8 heads: 4 per rank of 2
+SEED, LAYER, MICRO_BATCHES, JOB, STAGE, GENERATION = 11, 2, 2, "tp-job", 1, 3
+
+
+def micro_batch_inputs(micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input, weight of the loss sum(output * weight)) of one micro-batch."""
+    g = torch.Generator().manual_seed(100 + micro_batch)
+    shape = (2 + micro_batch, SPEC.block_size, SPEC.d_model)
+    return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+
+
+def main(rank: int, peers: list[str], out: str) -> None:
+    torch.set_num_threads(1)
+    agent = Agent(device=torch.device("cpu"), listen=peers[rank])
+    group = TensorParallelGroup(
+        job_id=JOB,
+        stage_index=STAGE,
+        generation=GENERATION,
+        rank=rank,
+        peers=peers,
+        layout=SPEC.output_layout(LAYER),
+        micro_batches=MICRO_BATCHES,
+        max_micro_batch_size=4,
+        max_message_bytes=64 * 1024 * 1024,
+    )
+    agent.tensor_parallel.add(group)
+    agent.start()
+    try:
+        block = build_parallel_block(SPEC, LAYER, SEED, group.shard, group.all_reduce)
+        results: dict[str, torch.Tensor] = {}
+        for mb in range(MICRO_BATCHES):
+            x, weight = micro_batch_inputs(mb)
+            x.requires_grad_(True)
+            with group.micro_batch(step=0, micro_batch=mb, deadline=time.monotonic() + 60):
+                output = block(x)
+                (output * weight).sum().backward()
+            results[f"output.{mb}"] = output.detach()
+            results[f"input_grad.{mb}"] = x.grad
+        results.update({f"grad.{n}": p.grad for n, p in block.named_parameters()})
+        save_file({k: v.contiguous() for k, v in results.items()}, out)
+    finally:
+        agent.stop(grace=2.0)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3])
