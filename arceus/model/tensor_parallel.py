@@ -15,6 +15,7 @@ in the same (rank) order everywhere, so that replicated values stay bitwise equa
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -172,3 +173,23 @@ def build_parallel_block(
     block = ParallelBlock(spec, shard, all_reduce)
     block.load_state_dict(shard_state(spec, shard, full.state_dict()))
     return block
+
+
+def build_parallel_layers(
+    spec: GPTSpec, start: int, end: int, seed: int, shard: Shard, all_reduce: AllReduce
+) -> nn.Sequential:
+    """`build_layers` for rank `shard.rank` of a tensor-parallel stage: blocks are split; the embedding
+    and the head (cheap next to the blocks) are replicated, computed whole on every rank."""
+    if not 0 <= start < end <= spec.num_layers:
+        raise ValueError(f"layer range [{start}, {end}) is not inside the model's {spec.num_layers} layers")
+    return nn.Sequential(
+        OrderedDict(
+            (
+                str(i),
+                build_parallel_block(spec, i, seed, shard, all_reduce)
+                if 1 <= i <= spec.n_layer
+                else gpt_layer(spec, i, layer_generator(seed, i)),
+            )
+            for i in range(start, end)
+        )
+    )

@@ -10,9 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from arceus.model.build import layer_generator
+from arceus.model.build import build_full_model, layer_generator
 from arceus.model.gpt import GPTBlock, gpt_layer
 from arceus.model.gpt_spec import GPTSpec
 from arceus.model.tensor_parallel import (
@@ -20,6 +21,7 @@ from arceus.model.tensor_parallel import (
     ParallelBlock,
     Shard,
     build_parallel_block,
+    build_parallel_layers,
     check_split,
     shard_rows,
     shard_tensor,
@@ -154,3 +156,34 @@ def test_a_block_makes_four_all_reduces_per_forward_and_backward() -> None:
 def test_bad_splits_are_refused_with_a_clear_error(build: Callable[[], object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         build()
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_a_whole_gpt_split_over_ranks_trains_like_the_unsplit_model(size: int) -> None:
+    """Embedding, both blocks split, head: one SGD step gives the unsplit loss and updated weights."""
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, SPEC.vocab_size, (4, SPEC.block_size), generator=g)
+    labels = torch.randint(0, SPEC.vocab_size, (4, SPEC.block_size), generator=g)
+
+    def train_step(model: nn.Module) -> float:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        loss = F.cross_entropy(model(ids).flatten(0, 1), labels.flatten())
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    full = build_full_model(SPEC, SEED)
+    want_loss = train_step(full)
+    reducer = ThreadAllReduce(size)
+    ranks = [
+        build_parallel_layers(SPEC, 0, SPEC.num_layers, SEED, Shard(r, size), reducer.for_rank(r)) for r in range(size)
+    ]
+    with ThreadPoolExecutor(max_workers=size) as pool:
+        losses = list(pool.map(train_step, ranks))
+    assert losses == pytest.approx([want_loss] * size, abs=1e-6)
+    assert reducer.calls == 4 * SPEC.n_layer
+    full_params = dict(full.named_parameters())
+    for rank, model in enumerate(ranks):
+        for name, param in model.named_parameters():
+            want = shard_tensor(SPEC, Shard(rank, size), name, full_params[name].detach())
+            torch.testing.assert_close(param.detach(), want, rtol=0, atol=1e-5, msg=name)
