@@ -20,6 +20,7 @@ from django.utils import timezone
 
 from arceus.errors import SpecError
 from arceus.training import DriverError, StageEndpoint, TrainPlan, train
+from arceus.wire.transfer import transfer_config_from_json
 from controlplane.jobs.models import Job
 from controlplane.jobs.progress import job_driver_claim, job_driver_interrupted, job_driver_renew, job_finish
 from controlplane.jobs.selectors import job_stages
@@ -101,6 +102,7 @@ def train_plan(job: Job) -> TrainPlan:
         epochs=job.epochs,
         learning_rate=job.learning_rate,
         micro_batches=job.micro_batches,
+        schedule=job.schedule,
         seed=job.seed,
         rpc_timeout_seconds=settings.ARCEUS_RPC_TIMEOUT_SECONDS,
         start_step=job.resume_checkpoint.step if job.resume_checkpoint else 0,
@@ -109,6 +111,7 @@ def train_plan(job: Job) -> TrainPlan:
         audit_rtol=settings.ARCEUS_AUDIT_RTOL,
         audit_atol=settings.ARCEUS_AUDIT_ATOL,
         model=job.model_config,
+        transfer=transfer_config_from_json(job.transfer),
     )
 
 

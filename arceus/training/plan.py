@@ -10,6 +10,7 @@ import torch
 
 from arceus.errors import SpecError
 from arceus.pipeline.schedule import SCHEDULES
+from arceus.wire.transfer import TransferConfig
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,8 @@ class TrainPlan:
     audit_rtol: float = 1e-4
     audit_atol: float = 1e-5
     model: dict[str, Any] = field(default_factory=dict)
+    # The job's transfer setting, as its stages have it: spot checks round recomputations the same way.
+    transfer: TransferConfig = TransferConfig()
 
     def check(self) -> None:
         """Raise SpecError if the plan cannot be run (the dataset is checked when it is loaded)."""

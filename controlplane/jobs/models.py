@@ -38,6 +38,13 @@ class Optimizer(models.TextChoices):
     ADAM = "adam"
 
 
+class PipelineSchedule(models.TextChoices):
+    """The schedules of arceus.pipeline.schedule.SCHEDULES."""
+
+    GPIPE = "gpipe", "GPipe"
+    ONE_F_ONE_B = "1f1b", "1F1B"
+
+
 class Job(BaseModel):
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="jobs")
     name = models.CharField(max_length=200)
@@ -70,6 +77,12 @@ class Job(BaseModel):
         null=True,
         blank=True,
         help_text="Move a stage once its node has been silent this long (empty: the node's own lease).",
+    )
+    schedule = models.CharField(
+        max_length=8, choices=PipelineSchedule, default=PipelineSchedule.GPIPE, help_text="Pipeline schedule."
+    )
+    transfer = models.JSONField(
+        default=dict, blank=True, help_text="How activations and gradients travel (arceus.wire.transfer), normalised."
     )
     # Rewinds to the last checkpoint that no lost node explains (driver or stage errors); past the
     # setting ARCEUS_JOB_MAX_RESTARTS the job fails instead of retrying forever.

@@ -108,6 +108,7 @@ def _assignment(stage: Stage, stages: dict[int, Stage], checkpoint: StageCheckpo
             "weight_decay": job.weight_decay,
         },
         "micro_batches": job.micro_batches,
+        "transfer": job.transfer,
         # The driver splits each batch (training or validation) into `micro_batches` parts.
         # Not arceus.training.max_micro_batch_size: that package imports grpc, which the control plane
         # must not.

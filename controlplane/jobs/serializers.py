@@ -8,7 +8,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from controlplane.common.fields import StrictFloatField, StrictInputSerializer, StrictIntegerField
-from controlplane.jobs.models import Job, Optimizer
+from controlplane.jobs.models import Job, Optimizer, PipelineSchedule
 from controlplane.jobs.selectors import job_contributions, job_loss_curve, job_stages
 from controlplane.market.selectors import job_cost
 from controlplane.market.serializers import JobCostOutput
@@ -76,6 +76,16 @@ class JobSubmitInput(StrictInputSerializer):
         allow_null=True,
         default=None,
         help_text="Move a stage once its node has been silent this long; null: the node lease (6 s by default).",
+    )
+    schedule = serializers.ChoiceField(
+        choices=PipelineSchedule.choices,
+        default=PipelineSchedule.GPIPE,
+        help_text="Pipeline schedule: gpipe (all forwards, then all backwards) or 1f1b (fewer activations held).",
+    )
+    transfer = serializers.JSONField(
+        default=dict,
+        help_text='How activations and gradients travel, e.g. {"activations": "int8", "gradients": "int8"} '
+        "(fp32|fp16|bf16|int8; gradients also topk; block_size, topk_ratio). {}: fp32.",
     )
 
 
@@ -169,6 +179,8 @@ class JobDetailOutput(JobListOutput):
     checkpoint_interval_steps = serializers.IntegerField()
     audit_rate = serializers.FloatField()
     node_grace_seconds = serializers.FloatField(allow_null=True)
+    schedule = serializers.CharField()
+    transfer = serializers.JSONField()
     restarts = serializers.IntegerField(help_text="Rewinds not explained by a lost node since the last checkpoint.")
     resumed_from_step = serializers.IntegerField(
         source="resume_checkpoint.step", default=None, allow_null=True, help_text="The checkpoint the stages run from."

@@ -14,6 +14,7 @@ from arceus.data import validate_dataset_config
 from arceus.data.fit import fit_model_to_dataset
 from arceus.errors import SpecError
 from arceus.model.spec import GPTSpec, ModelSpec, model_spec_from_config
+from arceus.wire.transfer import transfer_config_from_json
 from controlplane.common.conditions import FALSE, TRUE, Condition, set_conditions
 from controlplane.common.dispatch import reconcile_soon
 from controlplane.common.errors import ApplicationError
@@ -45,6 +46,8 @@ def job_submit(
     checkpoint_interval_steps: int = 50,
     audit_rate: float = 0.05,
     node_grace_seconds: float | None = None,
+    schedule: str = "gpipe",
+    transfer: dict[str, Any] | None = None,
     requirements: dict[str, Any] | None = None,
     name: str = "",
 ) -> Job:
@@ -52,6 +55,10 @@ def job_submit(
     spec, model_config, dataset = job_validate(
         model_config=model_config, dataset_config=dataset_config, stages=stages, requirements=requirements or {}
     )
+    try:
+        transfer_config = transfer_config_from_json(transfer or {})
+    except SpecError as exc:
+        raise ApplicationError.invalid(exc.field, exc.message) from exc
     kind = "transformer" if isinstance(spec, GPTSpec) else "mlp"
     return Job.objects.create(
         owner=owner,
@@ -69,6 +76,8 @@ def job_submit(
         checkpoint_interval_steps=checkpoint_interval_steps,
         audit_rate=audit_rate,
         node_grace_seconds=node_grace_seconds,
+        schedule=schedule,
+        transfer=transfer_config.to_json(),  # every field spelt out, so agents need no defaults of their own
         requirements=requirements or {},
     )
 

@@ -16,7 +16,7 @@ from controlplane.jobs.executor import reconcile_once
 from controlplane.jobs.models import EpochMetric, Job, LossPoint, Stage
 from controlplane.jobs.services import job_start, job_submit
 from tasks.control import reconcile
-from tasks.training import run_job
+from tasks.training import run_job, train_plan
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -33,12 +33,12 @@ JOB = {
 }
 
 
-def started_job(user, live_nodes) -> Job:
+def started_job(user, live_nodes, **overrides: object) -> Job:
     """Submit, place, let the agents build their stages, and start: the job is running, its driver
     task enqueued (and never consumed: no worker runs here)."""
     for live in live_nodes:
         live.sync()
-    job = job_start(job=job_submit(owner=user, **JOB))
+    job = job_start(job=job_submit(owner=user, **{**JOB, **overrides}))
     reconcile()  # the task itself: place
     for live in live_nodes:
         live.sync()  # build the stage
@@ -66,6 +66,23 @@ def test_the_driver_trains_the_job_to_success(user, live_nodes, settings) -> Non
     assert job.driver_lease_owner == ""
     # Idempotent: a redelivered message finds nothing to do.
     assert run_job(str(job.id)) == "skipped"
+
+
+def test_the_jobs_schedule_and_transfer_reach_the_driver_and_the_agents(user, live_nodes) -> None:
+    job = started_job(
+        user, live_nodes, epochs=1, schedule="1f1b", transfer={"activations": "int8", "gradients": "int8"}
+    )
+    assert train_plan(job).schedule == "1f1b"
+    assert run_job(str(job.id)) == "succeeded"
+    job.refresh_from_db()
+    assert job.status == "succeeded", job.error
+    losses = list(LossPoint.objects.filter(job=job).order_by("step").values_list("loss", flat=True))
+    assert losses[-1] < losses[0] - 0.15  # it learns through 8-bit transfers
+    # Stage 0 sent every training and validation sample's 32 activations: 4 bytes each in fp32, about
+    # one byte (plus a float32 scale per 64 values) in int8.
+    fp32_bytes = (1437 + 360) * 32 * 4
+    first = Stage.objects.get(job=job, index=0)
+    assert 0 < first.bytes_sent < 0.4 * fp32_bytes
 
 
 def test_a_second_driver_exits_while_the_first_holds_the_lease(user, live_nodes) -> None:

@@ -13,6 +13,7 @@ from arceus.data import validate_dataset_config
 from arceus.training import StageEndpoint, TrainPlan, max_micro_batch_size, train
 from arceus.training.recording import RecordingSink
 from arceus.verify.receipts import ReceiptSigner
+from arceus.wire.transfer import transfer_config_from_json
 from nodeagent.agent import Agent
 from nodeagent.assignment import Assignment
 from nodeagent.static import pipeline_assignments
@@ -24,7 +25,8 @@ MICRO_BATCHES = 4
 
 
 @pytest.fixture
-def agents() -> Iterator[list[Agent]]:
+def agents(request: pytest.FixtureRequest) -> Iterator[list[Agent]]:
+    """Three stages; an indirect parameter is the job's transfer setting (default fp32)."""
     started = [Agent(device=torch.device("cpu")) for _ in range(3)]
     for agent in started:
         agent.start()
@@ -37,6 +39,7 @@ def agents() -> Iterator[list[Agent]]:
         seed=3,
         micro_batches=MICRO_BATCHES,
         max_micro_batch_size=max_micro_batch_size(DATASET, MICRO_BATCHES),
+        transfer=getattr(request, "param", None),
     )
     for agent, stage in zip(started, stages, strict=True):
         agent.apply_assignments([Assignment.from_json(stage)])
@@ -82,6 +85,24 @@ def test_honest_stages_pass_every_spot_check(agents: list[Agent]) -> None:
     for c in checks:
         assert c.verifier_node_id != c.node_id and len(bytes.fromhex(c.receipt_signature)) == 64
         assert c.max_abs_diff <= 1e-5
+
+
+@pytest.mark.parametrize(
+    "agents", [{"activations": "int8", "gradients": "int8"}, {"activations": "bf16"}], indirect=True
+)
+def test_honest_stages_pass_through_lossy_transfers_and_a_cheat_is_still_caught(
+    agents: list[Agent], request: pytest.FixtureRequest
+) -> None:
+    # The receiver holds the rounded activation: the check rounds the recomputation the same way.
+    transfer = transfer_config_from_json(request.node.callspec.params["agents"])
+    checks = spot_checks(plan_for(agents, transfer=transfer))
+    assert len(checks) == 6 and all(c.passed for c in checks), [c.detail for c in checks if not c.passed]
+    for agent in agents[:2]:
+        runtime = agent.registry.stages()[0].runtime
+        honest = runtime.forward
+        runtime.forward = lambda key, x, f=honest: f(key, x) + 0.05  # type: ignore[method-assign]
+    checks = spot_checks(plan_for(agents, transfer=transfer))
+    assert checks and not any(c.passed for c in checks)
 
 
 def test_a_stage_that_perturbs_its_activations_fails_its_spot_checks(agents: list[Agent]) -> None:

@@ -7,7 +7,8 @@ from typing import Any
 import pytest
 from rest_framework.test import APIClient
 
-from controlplane.jobs.models import Job
+from arceus.pipeline.schedule import SCHEDULES
+from controlplane.jobs.models import Job, PipelineSchedule
 
 pytestmark = pytest.mark.django_db
 
@@ -87,6 +88,14 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
     ("grace negative", {"node_grace_seconds": -2.0}, "node_grace_seconds", "greater than 0"),
     ("grace a string", {"node_grace_seconds": "10"}, "node_grace_seconds", "finite JSON number"),
     ("grace a bool", {"node_grace_seconds": True}, "node_grace_seconds", "finite JSON number"),
+    ("schedule", {"schedule": "interleaved"}, "schedule", "not a valid choice"),
+    ("transfer not an object", {"transfer": "int8"}, "transfer", "must be an object"),
+    ("transfer null", {"transfer": None}, "transfer", "null"),
+    ("transfer activations", {"transfer": {"activations": "topk"}}, "transfer.activations", "must be one of"),
+    ("transfer gradients", {"transfer": {"gradients": "int4"}}, "transfer.gradients", "must be one of"),
+    ("transfer block size", {"transfer": {"block_size": 3}}, "transfer.block_size", "must be an integer"),
+    ("transfer top-k ratio", {"transfer": {"topk_ratio": 0}}, "transfer.topk_ratio", "(0, 1]"),
+    ("transfer unknown key", {"transfer": {"activation": "int8"}}, "transfer.activation", "unknown field"),
 ]
 
 
@@ -121,6 +130,38 @@ def test_checkpoint_and_grace_options(
     assert (body["checkpoint_interval_steps"], body["node_grace_seconds"]) == (interval, grace)
     job = Job.objects.get(pk=body["id"])
     assert (job.checkpoint_interval_steps, job.node_grace_seconds) == (interval, grace)
+
+
+@pytest.mark.parametrize(
+    ("options", "schedule", "transfer"),
+    [
+        ({}, "gpipe", {"activations": "fp32", "gradients": "fp32", "block_size": 64, "topk_ratio": 0.1}),
+        (
+            {"schedule": "1f1b", "transfer": {"activations": "int8", "gradients": "int8"}},
+            "1f1b",
+            {"activations": "int8", "gradients": "int8", "block_size": 64, "topk_ratio": 0.1},
+        ),
+        (
+            {"transfer": {"activations": "bf16", "gradients": "topk", "block_size": 128, "topk_ratio": 1}},
+            "gpipe",
+            {"activations": "bf16", "gradients": "topk", "block_size": 128, "topk_ratio": 1.0},
+        ),
+    ],
+)
+def test_schedule_and_transfer_are_stored_normalised_and_shown(
+    api: APIClient, digits_job: dict, options: dict, schedule: str, transfer: dict
+) -> None:
+    response = submit(api, {**digits_job, **options})
+    assert response.status_code == 201, response.json()
+    body = response.json()
+    assert (body["schedule"], body["transfer"]) == (schedule, transfer)
+    job = Job.objects.get(pk=body["id"])
+    assert (job.schedule, job.transfer) == (schedule, transfer)
+    assert api.get(f"/api/jobs/{job.id}").json()["transfer"] == transfer
+
+
+def test_every_pipeline_schedule_can_be_chosen() -> None:
+    assert set(PipelineSchedule.values) == set(SCHEDULES)
 
 
 def test_missing_required_fields_are_each_named(api: APIClient) -> None:
