@@ -48,7 +48,7 @@ class DbProgressSink:
     def on_step(self, p: StepProgress) -> None:
         self._pending.append(StepPoint(p.epoch, p.step, p.total_steps, p.loss, p.samples_per_second))
         self._counters = stage_counters(p.stages)
-        self._spot_checks += [SpotCheckReport(**asdict(c)) for c in p.spot_checks]
+        self._spot_checks += [SpotCheckReport(**asdict(c), train_step=p.step) for c in p.spot_checks]
         # A failed check is written at once: the node must stop getting credit and work now.
         if time.monotonic() - self._last_flush >= self.flush_seconds or not all(c.passed for c in p.spot_checks):
             self.flush()

@@ -10,21 +10,23 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Iterable, Sequence
+from collections import defaultdict
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from django.core.files.base import ContentFile
 from django.db import transaction
-from django.db.models import QuerySet
+from django.db.models import Max, QuerySet
 
 from arceus.checkpoint import OPTIMIZER_PREFIX, checkpoint_digest, decode_checkpoint, encode_checkpoint
 from controlplane.common.errors import ApplicationError
 from controlplane.jobs.models import Checkpoint, Job, JobStatus, Stage, StageCheckpoint, checkpoint_storage
 
 log = logging.getLogger(__name__)
-# Checkpoints kept per job besides the one its stages resume from: older ones are deleted.
+# Checkpoints kept per job besides the one its stages resume from and those a rollback could need
+# (`checkpoint_trusted` of each placed node): older ones are deleted.
 KEEP_CHECKPOINTS = 2
 
 
@@ -79,9 +81,8 @@ def checkpoint_save(
                 for stage, name in stored
             )
             Job.objects.filter(pk=job.pk).update(restarts=0)
-            old = Checkpoint.objects.filter(job=job).exclude(pk=checkpoint.pk).order_by("-step")
-            if job.resume_checkpoint_id is not None:
-                old = old.exclude(pk=job.resume_checkpoint_id)
+            keep = {checkpoint.pk, job.resume_checkpoint_id} | _rollback_targets(job)
+            old = Checkpoint.objects.filter(job=job).exclude(pk__in=keep - {None}).order_by("-step")
             checkpoints_delete(old[KEEP_CHECKPOINTS - 1 :])
     except _LeaseLost:
         _delete_files(name for _, name in stored)
@@ -90,6 +91,28 @@ def checkpoint_save(
         _delete_files(name for _, name in stored)
         raise
     return checkpoint
+
+
+def checkpoint_trusted(*, job: Job, node_ids: Collection[str]) -> Checkpoint | None:
+    """The newest checkpoint that each of these nodes' work up to has passed a spot check: one of the
+    node's checks passed at the checkpoint's step or later, in the checkpoint's generation or later (a
+    check of a run that was rewound past it does not vouch for the replay). None: nothing is vouched
+    for, so a rollback trains from the seeded initial weights."""
+    reach: dict[str, list[tuple[int, int]]] = defaultdict(list)  # node -> [(generation, newest step)]
+    passed = job.spot_checks.filter(node_id__in=list(node_ids), passed=True)
+    for row in passed.values("node_id", "generation").annotate(newest=Max("train_step")):
+        reach[str(row["node_id"])].append((row["generation"], row["newest"]))
+    for checkpoint in job.checkpoints.order_by("-step"):
+        if all(any(g >= checkpoint.generation and s >= checkpoint.step for g, s in reach[str(n)]) for n in node_ids):
+            return checkpoint
+    return None
+
+
+def _rollback_targets(job: Job) -> set[Any]:
+    """The checkpoint each node placed in the job would roll back to if it were caught now."""
+    nodes = job.stages.filter(active=True, node__isnull=False).values_list("node_id", flat=True)
+    targets = (checkpoint_trusted(job=job, node_ids=[str(n)]) for n in nodes)
+    return {t.pk for t in targets if t is not None}
 
 
 def checkpoints_delete(checkpoints: QuerySet[Checkpoint] | Iterable[Checkpoint]) -> None:

@@ -90,6 +90,9 @@ class SpotCheck(BaseModel):
     verifier = models.ForeignKey(Node, on_delete=models.PROTECT, null=True, blank=True, related_name="+")
     generation = models.BigIntegerField()
     step = models.BigIntegerField(help_text="the driver's RunStep id within its run")
+    train_step = models.BigIntegerField(
+        default=0, help_text="the training step checked (the job's step once it ran): what a rollback trusts"
+    )
     micro_batch = models.IntegerField(help_text="-1: a receipt check of the whole step")
     stage_index = models.PositiveIntegerField()
     passed = models.BooleanField(db_index=True)

@@ -16,6 +16,7 @@ from django.db import transaction
 from arceus.verify.receipts import ReceiptError, ReceiptFields, verify_receipt
 from controlplane.common.errors import ApplicationError
 from controlplane.jobs.models import Job, JobStatus, Stage
+from controlplane.jobs.rollback import job_roll_back
 from controlplane.market.models import SpotCheck
 from controlplane.market.services import ledger_withhold
 from controlplane.nodes.models import Node
@@ -36,14 +37,16 @@ class SpotCheckReport:
     max_abs_diff: float = 0.0
     receipt_sha256: str = ""
     receipt_signature: str = ""
+    train_step: int = 0  # the job's step once the checked step ran (the sink adds it)
 
 
 @transaction.atomic
 def spot_checks_record(
     *, job_id: Any, lease_owner: str, generation: int, checks: Sequence[SpotCheckReport], now: datetime
 ) -> list[SpotCheck]:
-    """Store the checks of the driver holding the job's lease; each failed one flags its node and
-    withholds that node's credit for the job. ApplicationError, with nothing stored, if the caller lost
+    """Store the checks of the driver holding the job's lease; each failed one flags its node, withholds
+    that node's credit for the job and rolls the job back to before its unchecked work
+    (`job_roll_back`), which ends this driver's lease. ApplicationError, with nothing stored, if the caller lost
     the lease or a receipt does not verify against the receiving node's key."""
     job = Job.objects.filter(
         pk=job_id, status=JobStatus.RUNNING, driver_lease_owner=lease_owner, generation=generation
@@ -68,6 +71,7 @@ def spot_checks_record(
                 generation=generation,
                 step=c.step,
                 micro_batch=c.micro_batch,
+                train_step=c.train_step,
                 stage_index=c.stage_index,
                 passed=c.passed,
                 max_abs_diff=c.max_abs_diff,
@@ -77,10 +81,17 @@ def spot_checks_record(
             )
         )
     SpotCheck.objects.bulk_create(rows)
+    caught: dict[str, str] = {}
     for c in checks:
         if not c.passed:
             node_flag(node=nodes[c.node_id], reason=f"job {job.id}: stage {c.stage_index}: {c.detail}", now=now)
             ledger_withhold(job_id=job.id, node=nodes[c.node_id])
+            caught.setdefault(c.node_id, f"{nodes[c.node_id].name or c.node_id} failed a spot check ({c.detail})")
+    if caught:
+        # Its perturbed activations already went into every stage's weights: rewind to before them.
+        job_roll_back(
+            job_id=job.id, generation=generation, node_ids=sorted(caught), message="; ".join(caught.values()), now=now
+        )
     return rows
 
 

@@ -1,13 +1,19 @@
-"""Verified work end to end: a dishonest agent (it perturbs the activations it sends) is caught by spot
-checks, flagged with the reason, its credit withheld, and its stage moved to an honest spare node."""
+"""Verified work end to end: a dishonest agent (honest for 5 steps, then it perturbs the activations it
+sends) is caught by spot checks, flagged with the reason, its credit withheld, its stage moved to an
+honest spare node, and the job rolled back to before its first unchecked step: the final model is the
+one an honest run trains."""
 
 from __future__ import annotations
 
+import math
 from decimal import Decimal
 
 import pytest
+import torch
+from safetensors.torch import load as safetensors_load
 
 from arceus.devcluster.cluster import LocalCluster
+from arceus.training.reference import reference_run
 
 pytestmark = pytest.mark.slow
 
@@ -21,11 +27,15 @@ JOB = {
     "micro_batches": 2,
     "stages": 2,
     "audit_rate": 1.0,
+    "checkpoint_interval_steps": 2,
 }
+HONEST_STEPS = 5  # every step is checked: steps 1-5 pass, step 6 fails; checkpoint 4 is the last one vouched for
 
 
 def test_a_dishonest_agent_is_caught_flagged_and_its_credit_withheld(cluster: LocalCluster) -> None:
-    cheat = cluster.start_agent("cheat", "--declare-flops", "4e11", module="tests.e2e.dishonest_agent")
+    cheat = cluster.start_agent(
+        "cheat", "--declare-flops", "4e11", "--honest-steps", str(HONEST_STEPS), module="tests.e2e.dishonest_agent"
+    )
     honest = [cluster.start_agent(name, "--declare-flops", "1e11") for name in ("honest-a", "honest-b")]
     job = cluster.client.submit_job(JOB)
     cluster.client.start_job(job["id"])
@@ -37,8 +47,17 @@ def test_a_dishonest_agent_is_caught_flagged_and_its_credit_withheld(cluster: Lo
     assert flag is not None and "differs from the recomputation" in flag["reason"]
     assert all(nodes[a.node_id]["flag"] is None for a in honest)
     assert all(len(n["public_key"]) == 64 for n in nodes.values())
-    # The flagged node's stage moved to an honest node, which finished the job.
+    # The flagged node's stage moved to an honest node, which finished the job from checkpoint 4.
     assert cheat.node_id not in {p["node_id"] for p in final["placements"]}
+    assert final["resumed_from_step"] == 4, final["conditions"]
+    # Nothing of the cheat's perturbed steps is left: the model and losses are an honest run's.
+    reference = reference_run(JOB)
+    assert final["step"] == len(reference.losses)
+    assert math.isclose(final["final_loss"], reference.losses[-1], rel_tol=1e-3)
+    assert math.isclose(final["val_loss"], reference.val_loss, rel_tol=1e-3)
+    weights = safetensors_load(cluster.client.download_model(job["id"]))
+    for name, want in reference.weights.items():
+        torch.testing.assert_close(weights[name], want, rtol=1e-3, atol=2e-4)
 
     def earnings(node_id: str) -> dict:
         return cluster.client.session.get(f"{cluster.api_url}/api/nodes/{node_id}/earnings", timeout=30).json()

@@ -37,6 +37,7 @@ class LiveNode:
             memory_bytes=2**30,
             flops_fp32=1e9,
             now=timezone.now(),
+            public_key=self.agent.signer.public_key_hex,  # receipts verify, so no node is flagged
         )
         self.node.refresh_from_db()
 

@@ -1,0 +1,36 @@
+"""Rolling a job back to before the work of a node caught cheating.
+
+A perturbed activation flows into every later stage's gradients, so draining the node from the
+current state would keep its effect in the model. Instead the job rewinds to the newest checkpoint
+that the node's passed spot checks vouch for (`checkpoint_trusted`) and the checkpoints after it,
+whose weights carry the cheat, are deleted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from datetime import datetime
+from typing import Any
+
+from django.db import transaction
+
+from controlplane.jobs.checkpoints import checkpoint_trusted, checkpoints_delete
+from controlplane.jobs.models import ACTIVE_STATUSES, Job
+from controlplane.jobs.services import job_rewind
+
+
+@transaction.atomic
+def job_roll_back(*, job_id: Any, generation: int, node_ids: Collection[str], message: str, now: datetime) -> bool:
+    """Rewind the job to the newest checkpoint every one of `node_ids` passed a spot check at or after
+    (none: the seeded initial weights), delete the newer checkpoints, and unplace the nodes' stages so
+    the reconciler moves them to other nodes. False if the job moved on since `generation`."""
+    job = Job.objects.select_for_update().filter(pk=job_id, generation=generation, status__in=ACTIVE_STATUSES).first()
+    if job is None:
+        return False
+    trusted = checkpoint_trusted(job=job, node_ids=node_ids)
+    polluted = job.checkpoints.all() if trusted is None else job.checkpoints.filter(step__gt=trusted.step)
+    checkpoints_delete(polluted)  # before the rewind, which resumes from the newest checkpoint left
+    moves = {s.index: None for s in job.stages.filter(active=True, node_id__in=list(node_ids))}
+    return job_rewind(
+        job_id=job.pk, generation=generation, moves=moves, reason="NodeFlagged", message=message, now=now
+    )
