@@ -1,0 +1,168 @@
+"""A userspace link shaper: a loopback TCP proxy that adds a one-way delay and a rate limit per direction.
+
+`tc netem` is not available everywhere we benchmark, so a slow WAN link between two processes is made by
+pointing one at a `ShapedLink` in front of the other:
+
+    with ShaperThread() as shaper:
+        port = shaper.link("127.0.0.1:50051", delay_s=0.020, rate_bps=100e6)
+        # connect to 127.0.0.1:<port> instead of 127.0.0.1:50051
+
+Each direction of each connection is its own link: a token bucket (GCRA) decides when each chunk has
+been serialised at `rate_bps`, and the chunk is delivered `delay_s` later, in order. What has been read
+but not delivered is bounded (`max_buffer_bytes`); past it the proxy stops reading, so TCP pushes back on
+the sender. The timing rule (`LinkPlan`) is pure and testable without sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from dataclasses import dataclass, field
+
+CHUNK_BYTES = 16 * 1024
+
+
+@dataclass
+class LinkPlan:
+    """When each chunk sent into one direction of a link arrives at the other end.
+
+    A token bucket of `burst_bytes` filled at `rate_bps` (as tc's tbf; in GCRA form, `_tat` is when the
+    bucket would be full again) decides when a chunk leaves; it arrives `delay_s` later. Chunks leave in
+    order, so arrivals never reorder."""
+
+    delay_s: float
+    rate_bps: float
+    burst_bytes: int = CHUNK_BYTES
+    _tat: float = field(default=float("-inf"), init=False)  # when the bucket is full again
+
+    def __post_init__(self) -> None:
+        if self.delay_s < 0 or self.rate_bps <= 0 or self.burst_bytes <= 0:
+            raise ValueError("delay_s must be >= 0, rate_bps and burst_bytes > 0")
+
+    def arrival(self, now: float, nbytes: int) -> float:
+        """The time (same clock as `now`) at which `nbytes` handed to the link at `now` have arrived."""
+        cost = nbytes * 8 / self.rate_bps  # seconds of link time the chunk takes
+        tat = max(self._tat, now)
+        # The chunk may leave once the bucket holds nbytes of tokens, i.e. tat - burst_time + cost <= t.
+        leave = max(now, tat + cost - self.burst_bytes * 8 / self.rate_bps)
+        self._tat = tat + cost
+        return leave + self.delay_s  # `now` and `_tat` only grow, so arrivals keep the chunks' order
+
+
+async def _pump(
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    plan: LinkPlan,
+    max_buffer_bytes: int,
+) -> None:
+    """Copy one direction through `plan`: a reader task fills a bounded queue, this task delivers."""
+    queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(maxsize=max(1, max_buffer_bytes // CHUNK_BYTES))
+    loop = asyncio.get_running_loop()
+
+    async def read() -> None:
+        while data := await reader.read(CHUNK_BYTES):
+            await queue.put((plan.arrival(loop.time(), len(data)), data))
+        await queue.put((plan.arrival(loop.time(), 0), b""))  # EOF, after everything before it
+
+    reading = asyncio.create_task(read())
+    try:
+        while True:
+            at, data = await queue.get()
+            if (wait := at - loop.time()) > 0:
+                await asyncio.sleep(wait)
+            if not data:
+                if writer.can_write_eof():
+                    writer.write_eof()  # half-close: the other direction may still be talking
+                return
+            writer.write(data)
+            await writer.drain()
+    finally:
+        reading.cancel()
+        with contextlib.suppress(asyncio.CancelledError, ConnectionError):
+            await reading
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    target_host: str
+    target_port: int
+    delay_s: float
+    rate_bps: float
+    burst_bytes: int = CHUNK_BYTES
+    max_buffer_bytes: int = 4 * 1024 * 1024  # above 100 Mbit/s x 40 ms, so the rate, not the buffer, limits
+
+
+async def _serve_connection(spec: LinkSpec, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+    try:
+        server_r, server_w = await asyncio.open_connection(spec.target_host, spec.target_port)
+    except OSError:
+        client_w.close()
+        return
+    pumps = [
+        asyncio.create_task(_pump(r, w, LinkPlan(spec.delay_s, spec.rate_bps, spec.burst_bytes), spec.max_buffer_bytes))
+        for r, w in ((client_r, server_w), (server_r, client_w))
+    ]
+    try:
+        # Both directions end with EOF; a reset on either side ends the connection at once.
+        _, pending = await asyncio.wait(pumps, return_when=asyncio.FIRST_EXCEPTION)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
+    except asyncio.CancelledError:
+        # The shaper is closing. This is the connection's top-level task: asyncio's stream callback
+        # reads its exception() and would log a cancelled task as an error.
+        for task in pumps:
+            task.cancel()
+    finally:
+        for w in (client_w, server_w):
+            w.close()
+            with contextlib.suppress(ConnectionError, OSError):
+                await w.wait_closed()
+
+
+class ShaperThread:
+    """Shaped links served by an asyncio loop on a thread of their own, for synchronous callers (tests,
+    benchmarks). Links listen on 127.0.0.1 only."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="link-shaper", daemon=True)
+        self._servers: list[asyncio.Server] = []
+
+    def __enter__(self) -> ShaperThread:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def link(self, target: str, *, delay_s: float, rate_bps: float, **options: int) -> int:
+        """Start a shaped link to `target` ("host:port"); returns the loopback port to connect to."""
+        host, _, port = target.rpartition(":")
+        spec = LinkSpec(host.strip("[]"), int(port), delay_s, rate_bps, **options)
+
+        async def start() -> asyncio.Server:
+            return await asyncio.start_server(lambda r, w: _serve_connection(spec, r, w), "127.0.0.1", 0)
+
+        server = asyncio.run_coroutine_threadsafe(start(), self._loop).result(timeout=10)
+        self._servers.append(server)
+        return int(server.sockets[0].getsockname()[1])
+
+    def close(self) -> None:
+        if not self._thread.is_alive():
+            return
+
+        async def stop() -> None:
+            for server in self._servers:
+                server.close()
+            current = asyncio.current_task()
+            tasks = [t for t in asyncio.all_tasks() if t is not current]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(stop(), self._loop).result(timeout=10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        self._loop.close()
