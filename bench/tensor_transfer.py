@@ -2,10 +2,10 @@
 
     .venv/bin/python bench/tensor_transfer.py [--tensors 40] [--rounds 5]
 
-- ours fp32: `PushTensor` requests built by the agent's own code (TransferEncoder -> write_encoded)
-  from a fresh torch tensor each time, sent as the agent sends them (unary futures on one channel with
-  the agent's channel options, a few in flight), into a StageService server with the agent's server
-  options whose PushTensor validates and decodes the tensor with `from_proto` (what `decode_push` runs).
+- ours fp32: pushes built by the agent's own code (TransferEncoder -> outgoing_push) from a fresh torch
+  tensor each time, sent as the agent sends them (its PushStream on one channel with the agent's channel
+  options, a few in flight), into a StageService server with the agent's server options whose
+  PushStream validates and decodes each tensor with `from_proto` (what `decode_push` runs) and acks it.
 - ours int8: the same with int8 blockwise transfers (block 64); GB/s counted as fp32-equivalent bytes.
 - bare gRPC: one client stream of pre-built raw 4 MB `bytes` messages, no protobuf, no torch.
 - raw TCP: the same bytes, length-prefixed, over one socket.
@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent import futures
+from concurrent.futures import Future
 from pathlib import Path
 
 import grpc
@@ -33,7 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arceus.v1 import stage_pb2, stage_pb2_grpc  # noqa: E402
-from arceus.wire.proto_tensor import from_proto, payload_bytes, write_encoded  # noqa: E402
+from arceus.wire.proto_tensor import from_proto  # noqa: E402
+from arceus.wire.push_stream import PushStream, outgoing_push  # noqa: E402
 from arceus.wire.transfer import TransferConfig, TransferEncoder  # noqa: E402
 from bench.report import machine_line, write_section  # noqa: E402
 from nodeagent.launch import free_ports  # noqa: E402
@@ -42,7 +44,7 @@ from nodeagent.stage import grpc_channel_options  # noqa: E402
 ROWS, COLS = 1024, 1024  # 4 MiB of float32
 TENSOR_BYTES = ROWS * COLS * 4
 MAX_MESSAGE = 64 * 1024 * 1024
-IN_FLIGHT = 2  # pushes the client keeps outstanding, as a stage does across micro-batches
+IN_FLIGHT = 4  # pushes the client keeps unacked, as a stage does across its M = 4 micro-batches
 BARE_METHOD = "/bench.Bare/Upload"
 FRAME = struct.Struct("<Q")
 
@@ -51,11 +53,12 @@ FRAME = struct.Struct("<Q")
 
 
 class DecodingStageServicer(stage_pb2_grpc.StageServiceServicer):
-    def PushTensor(
-        self, request: stage_pb2.PushTensorRequest, context: grpc.ServicerContext
-    ) -> stage_pb2.PushTensorReply:
-        from_proto(request.tensor, max_bytes=TENSOR_BYTES)
-        return stage_pb2.PushTensorReply()
+    def PushStream(
+        self, request_iterator: Iterator[stage_pb2.PushTensorRequest], context: grpc.ServicerContext
+    ) -> Iterator[stage_pb2.PushAck]:
+        for request in request_iterator:
+            from_proto(request.tensor, max_bytes=TENSOR_BYTES, copy=False)
+            yield stage_pb2.PushAck(kind=request.kind, step=request.step, micro_batch=request.micro_batch)
 
 
 def _grpc_server() -> grpc.Server:
@@ -115,18 +118,17 @@ def _recv_exact(conn: socket.socket, view: memoryview) -> memoryview | None:
 # --- clients --------------------------------------------------------------------------------------
 
 
-def run_ours(stub: stage_pb2_grpc.StageServiceStub, encoder: TransferEncoder, count: int) -> tuple[float, int]:
+def run_ours(pushes: PushStream, encoder: TransferEncoder, count: int) -> tuple[float, int]:
     """Seconds to push `count` tensors, and the tensor payload bytes sent."""
     tensor = torch.randn(ROWS, COLS)
     target = stage_pb2.StageRef(job_id="bench", stage_index=1, generation=1)
-    pending: list[grpc.Future] = []
+    pending: list[Future[None]] = []
     sent = 0
     start = time.perf_counter()
     for i in range(count):
-        request = stage_pb2.PushTensorRequest(target=target, kind=stage_pb2.ACTIVATION, step=i, micro_batch=0)
-        write_encoded(request.tensor, encoder.encode(tensor, gradient=False, stream=0))
-        sent += payload_bytes(request.tensor)
-        pending.append(stub.PushTensor.future(request, timeout=30))
+        encoded = encoder.encode(tensor, gradient=False, stream=0)
+        sent += encoded.nbytes
+        pending.append(pushes.push(outgoing_push(target, stage_pb2.ACTIVATION, i, 0, encoded), timeout=30))
         if len(pending) >= IN_FLIGHT:
             pending.pop(0).result()
     for future in pending:
@@ -189,13 +191,13 @@ def main() -> None:
         bare_channel = grpc.insecure_channel(f"127.0.0.1:{ports['bare']}", options=options)
         tcp = socket.create_connection(("127.0.0.1", ports["tcp"]))
         tcp.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        stub = stage_pb2_grpc.StageServiceStub(stage_channel)
+        pushes = PushStream(stage_channel)
         fp32 = TransferEncoder(TransferConfig())
         int8 = TransferEncoder(TransferConfig(activations="int8", block_size=64))
         payload = torch.randn(ROWS, COLS).numpy().tobytes()
         setups = {
-            "ours_fp32": lambda n: run_ours(stub, fp32, n)[0],
-            "ours_int8": lambda n: run_ours(stub, int8, n)[0],
+            "ours_fp32": lambda n: run_ours(pushes, fp32, n)[0],
+            "ours_int8": lambda n: run_ours(pushes, int8, n)[0],
             "bare_grpc": lambda n: run_bare(bare_channel, payload, n),
             "raw_tcp": lambda n: run_tcp(tcp, payload, n),
         }
@@ -205,7 +207,8 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, run in setups.items():
                 rates[name].append(args.tensors * TENSOR_BYTES / run(args.tensors) / 1e9)
-        int8_bytes = run_ours(stub, int8, 1)[1]
+        int8_bytes = run_ours(pushes, int8, 1)[1]
+        pushes.close()
         tcp.close()
         stage_channel.close()
         bare_channel.close()
@@ -228,7 +231,7 @@ def main() -> None:
         "tensor_bytes": TENSOR_BYTES, "tensors_per_round": args.tensors, "rounds": args.rounds,
     }
     label = {
-        "ours_fp32": "our path, fp32 (PushTensor + from_proto)",
+        "ours_fp32": "our path, fp32 (PushStream + from_proto)",
         "ours_int8": "our path, int8 block 64 (fp32-equivalent)",
         "bare_grpc": "bare grpcio stream of raw bytes",
         "raw_tcp": "raw TCP socket",

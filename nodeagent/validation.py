@@ -67,7 +67,8 @@ def decode_push(io: StageIO, request: stage_pb2.PushTensorRequest) -> torch.Tens
         )
     max_bytes = io.max_micro_batch_size * math.prod(layout[1:]) * codec.itemsize(dtype)
     try:
-        tensor = from_proto(message, max_bytes=max_bytes)  # plain or compressed (Tensor.encoding)
+        # Plain or compressed (Tensor.encoding). No copy: the runtime never writes to its inputs.
+        tensor = from_proto(message, max_bytes=max_bytes, copy=False)
     except codec.TensorValidationError as exc:
         raise _invalid(f"{kind} tensor rejected: {exc}") from exc
     if expected.bound is not None:  # class indices or token ids: an embedding or loss must not index out

@@ -7,6 +7,7 @@ after checking that the shape is sane and that the byte count matches it exactly
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 
 import numpy as np
@@ -28,6 +29,13 @@ _DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
 }
 _WIRE_NAMES = {torch_dtype: name for name, (torch_dtype, _) in _DTYPES.items()}
 SUPPORTED_DTYPES = tuple(_DTYPES)
+
+
+# torch warns once per process that a view of immutable bytes is writable; decode(copy=False) means
+# exactly that, so the one warning is spent here, silenced.
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    torch.frombuffer(b"\0", dtype=torch.uint8)
 
 
 class TensorValidationError(ValueError):
@@ -85,12 +93,19 @@ def validate_payload(
 
 
 def decode(
-    dtype: str, shape: Sequence[int], data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES
+    dtype: str, shape: Sequence[int], data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, copy: bool = True
 ) -> torch.Tensor:
-    """Validate and decode a payload into a new CPU tensor that owns its memory."""
+    """Validate and decode a payload into a new CPU tensor that owns its memory.
+
+    `copy=False` (a little-endian host) returns a view of `data` instead: no copy of the payload, for
+    tensors nobody writes to (pushed activations, gradients, labels). Writing to it would write into
+    the immutable `data`.
+    """
     shape = [int(d) for d in shape]
     validate_payload(dtype, shape, len(data), max_bytes=max_bytes)
     torch_dtype, wire_dtype = _DTYPES[dtype]
+    if not copy and wire_dtype.isnative and len(data):
+        return torch.frombuffer(data, dtype=torch_dtype).reshape(shape)
     # astype to the native byte order copies, so the tensor never aliases the (read-only) message buffer.
     array = np.frombuffer(data, dtype=wire_dtype).astype(wire_dtype.newbyteorder("="), copy=True)
     tensor = torch.from_numpy(array).reshape(shape)

@@ -32,13 +32,16 @@ def write_encoded(message: stage_pb2.Tensor, encoded: compression.Encoded) -> st
     return message
 
 
-def from_proto(message: stage_pb2.Tensor, *, max_bytes: int = codec.DEFAULT_MAX_BYTES) -> torch.Tensor:
-    """Validate and decode any message (plain or compressed); raises codec.TensorValidationError."""
+def from_proto(
+    message: stage_pb2.Tensor, *, max_bytes: int = codec.DEFAULT_MAX_BYTES, copy: bool = True
+) -> torch.Tensor:
+    """Validate and decode any message (plain or compressed); raises codec.TensorValidationError.
+    `copy=False`: a plain tensor may be a read-only view of the message's bytes (codec.decode)."""
     shape = list(message.shape)
     if not message.encoding:
         if message.scales or message.indices or message.block_size:
             raise codec.TensorValidationError("a tensor without an encoding carries no scales, indices or block_size")
-        return codec.decode(message.dtype, shape, message.data, max_bytes=max_bytes)
+        return codec.decode(message.dtype, shape, message.data, max_bytes=max_bytes, copy=copy)
     if message.dtype != "float32":
         raise codec.TensorValidationError(
             f"only float32 tensors travel compressed, got dtype {message.dtype!r} with encoding {message.encoding!r}"
