@@ -15,7 +15,8 @@ import torch
 
 from arceus.pipeline.schedule import build_schedule
 from arceus.v1 import stage_pb2
-from arceus.verify.receipts import ReceiptFields, ReceiptSigner, tensor_digest
+from arceus.verify.receipts import RECEIVED, SENT, ReceiptFields, ReceiptSigner, tensor_digest
+from arceus.wire.compression import Encoded, decode_payload
 from arceus.wire.push_stream import PushError, outgoing_push
 from nodeagent.mailbox import MailboxCancelled, MailboxClosed, MailboxTimeout
 from nodeagent.stage import HostedStage, NeighbourLink
@@ -41,7 +42,8 @@ class PushTracker:
 
     def send(
         self, link: NeighbourLink, target_index: int, kind: int, micro_batch: int, tensor: torch.Tensor
-    ) -> None:
+    ) -> Encoded:
+        """Start the push; returns the payload as encoded (what the receiver will decode)."""
         # Encoded per the job's transfer setting; top-k error feedback is kept per micro-batch slot.
         encoded = self._stage.transfer.encode(tensor, gradient=kind == stage_pb2.GRADIENT, stream=micro_batch)
         push = outgoing_push(self._stage.ref(target_index), kind, self._step, micro_batch, encoded)
@@ -56,6 +58,7 @@ class PushTracker:
         future = link.pushes.push(push, timeout)
         self._futures.append(future)
         future.add_done_callback(lambda f: self._done(f, what, nbytes))
+        return encoded
 
     def _done(self, future: Future[None], what: str, nbytes: int) -> None:
         try:
@@ -113,7 +116,8 @@ def run_step(
     signer: ReceiptSigner,
 ) -> stage_pb2.RunStepReply:
     """Execute this stage's actions for one step; `deadline` is a time.monotonic() value. Every
-    activation accepted from the previous stage gets a receipt signed by `signer`."""
+    activation accepted from the previous stage gets a receipt signed by `signer`; on a retained train
+    step, so does every activation sent on (role "sent")."""
     schedule = check_run_step(stage.io, request)
     a, io, runtime = stage.assignment, stage.io, stage.runtime
     train = request.mode == stage_pb2.TRAIN
@@ -126,6 +130,7 @@ def run_step(
     forward_sizes: dict[int, int] = {}
     results: dict[int, tuple[float, int, int]] = {}
     receipts: list[stage_pb2.Receipt] = []
+    sent_receipts: list[stage_pb2.Receipt] = []
     stage.audit_record = None  # the previous step's is no longer auditable
     record = AuditRecord(request.step) if request.retain_for_audit and train else None
 
@@ -140,7 +145,7 @@ def run_step(
                 x = receive(stage_pb2.ACTIVATION, m)
                 forward_sizes[m] = len(x)
                 if not io.is_first:
-                    receipts.append(_receipt(stage, signer, request.step, m, x))
+                    receipts.append(_receipt(stage, signer, request.step, m, x, a.stage_index, RECEIVED))
                     if record is not None:
                         record.received[m] = x
                 if io.is_last:
@@ -158,7 +163,12 @@ def run_step(
                     results[m] = (loss_sum, correct, len(x))
                 else:
                     out = runtime.forward(key, x) if train else runtime.eval_forward(x)
-                    pushes.send(stage.next_link, a.stage_index + 1, stage_pb2.ACTIVATION, m, out)
+                    encoded = pushes.send(stage.next_link, a.stage_index + 1, stage_pb2.ACTIVATION, m, out)
+                    if record is not None:
+                        record.sent[m] = _as_delivered(out, encoded)
+                        sent_receipts.append(
+                            _receipt(stage, signer, request.step, m, record.sent[m], a.stage_index + 1, SENT)
+                        )
             else:
                 grad = None
                 if not io.is_last:
@@ -191,16 +201,23 @@ def run_step(
         compute_seconds=runtime.counters.compute_seconds - compute_before,
         counters=stage.counters(),
         receipts=receipts,
+        sent_receipts=sent_receipts,
     )
 
 
+def _as_delivered(out: torch.Tensor, encoded: Encoded) -> torch.Tensor:
+    """The activation as the receiver decodes it: its digest is comparable with the receiver's."""
+    return out.detach() if encoded.encoding == "fp32" else decode_payload(encoded)
+
+
 def _receipt(
-    stage: HostedStage, signer: ReceiptSigner, step: int, micro_batch: int, x: torch.Tensor
+    stage: HostedStage, signer: ReceiptSigner, step: int, micro_batch: int, x: torch.Tensor, receiver: int, role: str
 ) -> stage_pb2.Receipt:
+    """A receipt for the activation of `micro_batch` that stage `receiver` receives."""
     a = stage.assignment
-    fields = ReceiptFields(a.job_id, a.stage_index, a.generation, step, micro_batch, tensor_digest(x))
+    fields = ReceiptFields(a.job_id, receiver, a.generation, step, micro_batch, tensor_digest(x), role)
     return stage_pb2.Receipt(
-        stage=stage.ref(a.stage_index),
+        stage=stage.ref(receiver),
         step=step,
         micro_batch=micro_batch,
         sha256=fields.sha256,

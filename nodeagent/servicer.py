@@ -171,6 +171,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                         f"{stage.name} received no micro-batch {request.micro_batch} in step {request.step}",
                     )
                 reply.received.CopyFrom(to_proto(record.received[request.micro_batch]))
+            if request.micro_batch in record.sent:
+                reply.sent.CopyFrom(to_proto(record.sent[request.micro_batch]))
             return reply
 
         return _serve(context, "Audit", audit)

@@ -14,10 +14,12 @@ from arceus.model.spec import model_spec_from_config
 
 @dataclass
 class AuditRecord:
-    """One train step of a stage: the activations it received (by micro-batch) and its weights then."""
+    """One train step of a stage: the activations it received and sent (by micro-batch, as delivered)
+    and its weights then."""
 
     step: int
     received: dict[int, torch.Tensor] = field(default_factory=dict)
+    sent: dict[int, torch.Tensor] = field(default_factory=dict)
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
 
 

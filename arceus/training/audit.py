@@ -1,25 +1,29 @@
 """Spot checks of the pipeline's forwards (Django-free; the driver runs them between steps).
 
 Every audited train step, each stage that received activations returns one signed receipt per
-micro-batch; all are checked against the receiving node's public key. With probability
-`plan.audit_rate` a step is sampled: one producing stage i and one micro-batch m, chosen only after
-the step ran (every stage retained the step, so none could tell what would be checked). The driver
-fetches stage i's weights and input of that step, the output stage i+1 received (both matched against
-their receipts), has a node other than stage i's recompute the forward from the declarative spec,
-and compares the two within `audit_rtol` / `audit_atol`.
+micro-batch (role "received"), and each stage that sent activations one per micro-batch of what it
+sent (role "sent"); all are checked against the signing node's public key, and every receiver's digest
+is compared with its producer's. Where they differ, that micro-batch's forward is recomputed and the
+party whose account the recomputation contradicts is failed, so a lying receiver cannot frame an
+honest producer. Otherwise, with probability `plan.audit_rate` a step is sampled: one producing
+stage i and one micro-batch m, chosen only after the step ran (every stage retained the step, so none
+could tell what would be checked). The driver fetches stage i's weights, input and output of that
+step, the output stage i+1 received (each matched against its receipt), has a node other than stage
+i's recompute the forward from the declarative spec, and compares within `audit_rtol` / `audit_atol`.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterable
 
 import torch
 
 from arceus.training.plan import SpotCheck, TrainPlan
 from arceus.training.stage_client import StageClient
 from arceus.v1 import stage_pb2
-from arceus.verify.receipts import ReceiptError, ReceiptFields, tensor_digest, verify_receipt
+from arceus.verify.receipts import RECEIVED, SENT, ReceiptError, ReceiptFields, tensor_digest, verify_receipt
 from arceus.wire.compression import decode_payload, encode
 from arceus.wire.transfer import TransferConfig
 
@@ -34,79 +38,110 @@ class Auditor:
     def check(
         self, step: int, replies: list[stage_pb2.RunStepReply], inputs: list[torch.Tensor]
     ) -> list[SpotCheck]:
-        """Check the receipts of a train step, and recompute one sampled forward with probability
-        `audit_rate`. Stage calls that fail raise grpc.RpcError (the driver's usual error path)."""
-        receipts: list[dict[int, stage_pb2.Receipt]] = [{} for _ in self.clients]
+        """Check the receipts of a train step (each receiver's against its producer's: hashes only, every
+        micro-batch), recompute a forward where the two disagree, else one sampled forward with
+        probability `audit_rate`. Stage calls that fail raise grpc.RpcError (the driver's usual error
+        path)."""
+        n = len(self.clients)
+        received: list[dict[int, stage_pb2.Receipt]] = [{} for _ in self.clients]  # by receiving stage
+        sent: list[dict[int, stage_pb2.Receipt]] = [{} for _ in self.clients]  # by producing stage
         checks = []
-        for j in range(1, len(self.clients)):
-            receipts[j], failure = self._receipts(step, j, replies[j], len(inputs))
-            if failure is not None:
-                checks.append(failure)
-        # A recomputation needs a node other than the producer's; a failed receipt check is news enough.
+        for j in range(1, n):
+            received[j], failure = self._receipts(step, j, j, RECEIVED, replies[j].receipts, len(inputs))
+            checks += [failure] if failure is not None else []
+            sent[j - 1], failure = self._receipts(step, j - 1, j, SENT, replies[j - 1].sent_receipts, len(inputs))
+            checks += [failure] if failure is not None else []
+        if checks:
+            return checks  # a receipt that does not verify is news enough
         nodes = {c.endpoint.node_id for c in self.clients}
-        if len(nodes) > 1 and self.rng.random() < self.plan.audit_rate and not checks:
-            i, m = self.rng.randrange(len(self.clients) - 1), self.rng.randrange(len(inputs))
-            checks.append(self._recompute(step, i, m, inputs[m], receipts))
+        disputes = [(i, m) for i in range(n - 1) for m in range(len(inputs))
+                    if sent[i][m].sha256 != received[i + 1][m].sha256]
+        if disputes:
+            # The producer and the receiver give different accounts: the recomputation says who is right.
+            i, m = disputes[0]
+            return [self._recompute(step, i, m, inputs[m], received, sent)]
+        # A recomputation needs a node other than the producer's.
+        if len(nodes) > 1 and self.rng.random() < self.plan.audit_rate:
+            i, m = self.rng.randrange(n - 1), self.rng.randrange(len(inputs))
+            checks.append(self._recompute(step, i, m, inputs[m], received, sent))
         return checks
 
     def _receipts(
-        self, step: int, j: int, reply: stage_pb2.RunStepReply, num_micro_batches: int
+        self, step: int, signer: int, receiver: int, role: str, signed: Iterable[stage_pb2.Receipt], count: int
     ) -> tuple[dict[int, stage_pb2.Receipt], SpotCheck | None]:
-        endpoint = self.clients[j].endpoint
+        """Stage `signer`'s receipts (role `role`) for the activations stage `receiver` got, one per
+        micro-batch, verified against the signer's key; else a failed check of the signer."""
+        endpoint = self.clients[signer].endpoint
         by_micro_batch: dict[int, stage_pb2.Receipt] = {}
         try:
-            for r in reply.receipts:
-                fields = ReceiptFields(self.plan.job_id, j, self.plan.generation, step, r.micro_batch, r.sha256)
+            for r in signed:
+                fields = ReceiptFields(self.plan.job_id, receiver, self.plan.generation, step, r.micro_batch, r.sha256,
+                                       role)
                 if (r.stage.job_id, r.stage.stage_index, r.stage.generation, r.step) != (
-                    self.plan.job_id, j, self.plan.generation, step
+                    self.plan.job_id, receiver, self.plan.generation, step
                 ):
                     raise ReceiptError(f"a receipt names stage {r.stage.stage_index} step {r.step}, not this one")
                 verify_receipt(endpoint.public_key, fields, r.signature)
                 by_micro_batch[r.micro_batch] = r
-            if sorted(by_micro_batch) != list(range(num_micro_batches)):
-                raise ReceiptError(
-                    f"receipts cover micro-batches {sorted(by_micro_batch)} of {num_micro_batches}"
-                )
+            if sorted(by_micro_batch) != list(range(count)):
+                raise ReceiptError(f"{role} receipts cover micro-batches {sorted(by_micro_batch)} of {count}")
         except ReceiptError as exc:
-            return by_micro_batch, SpotCheck(step, -1, j, endpoint.node_id, False, f"bad receipts: {exc}")
+            bad = "bad receipts" if role == RECEIVED else "bad sent receipts"
+            return by_micro_batch, SpotCheck(step, -1, signer, endpoint.node_id, False, f"{bad}: {exc}")
         return by_micro_batch, None
 
     def _recompute(
-        self, step: int, i: int, m: int, driver_input: torch.Tensor, receipts: list[dict[int, stage_pb2.Receipt]]
+        self,
+        step: int,
+        i: int,
+        m: int,
+        driver_input: torch.Tensor,
+        received: list[dict[int, stage_pb2.Receipt]],
+        sent: list[dict[int, stage_pb2.Receipt]],
     ) -> SpotCheck:
         producer, receiver = self.clients[i], self.clients[i + 1]
-        node = producer.endpoint.node_id
-        weights, x = producer.audit(step, m)
-        if i == 0:
-            x = driver_input
-        elif x is None or tensor_digest(x) != receipts[i][m].sha256:
+        node, receiver_node = producer.endpoint.node_id, receiver.endpoint.node_id
+        kept = producer.audit(step, m)
+        x = driver_input if i == 0 else kept.received
+        if i > 0 and (x is None or tensor_digest(x) != received[i][m].sha256):
             return SpotCheck(step, m, i, node, False, "returned an input other than the one it signed for")
-        _, received = receiver.audit(step, m)
-        receipt = receipts[i + 1][m]
-        if received is None or tensor_digest(received) != receipt.sha256:
+        if kept.sent is None or tensor_digest(kept.sent) != sent[i][m].sha256:
+            return SpotCheck(step, m, i, node, False, "returned a sent activation other than the one it signed for")
+        got = receiver.audit(step, m).received
+        receipt, sent_receipt = received[i + 1][m], sent[i][m]
+        if got is None or tensor_digest(got) != receipt.sha256:
             # The receiver kept something else than it signed for: its word is worthless, not the producer's.
-            return SpotCheck(step, m, i + 1, receiver.endpoint.node_id, False,
+            return SpotCheck(step, m, i + 1, receiver_node, False,
                              "returned an activation other than the one it signed for")
-        verifier = self._verifier(node, receiver.endpoint.node_id)
+        verifier = self._verifier(node, receiver_node)
         e = producer.endpoint
-        expected = verifier.verify_forward(self._model_json, e.layer_start, e.layer_end, weights, x)
-        signed = {"receipt_sha256": receipt.sha256.hex(), "receipt_signature": receipt.signature.hex()}
-        if expected.shape != received.shape:
+        expected = verifier.verify_forward(self._model_json, e.layer_start, e.layer_end, kept.weights, x)
+        signed = {"receipt_sha256": receipt.sha256.hex(), "receipt_signature": receipt.signature.hex(),
+                  "sent_sha256": sent_receipt.sha256.hex(), "sent_signature": sent_receipt.signature.hex(),
+                  "verifier_node_id": verifier.endpoint.node_id, "producer_index": i}
+        where = f"step {step} micro-batch {m}"
+        if expected.shape != kept.sent.shape:
             return SpotCheck(step, m, i, node, False,
-                             f"sent shape {list(received.shape)}; the recomputed forward is {list(expected.shape)}",
-                             verifier.endpoint.node_id, float("inf"), **signed)
+                             f"{where}: sent shape {list(kept.sent.shape)}; the recomputed forward is "
+                             f"{list(expected.shape)}", max_abs_diff=float("inf"), **signed)
         expected, slack = _as_sent(expected, self.plan.transfer)
-        diff = float((expected - received).abs().max()) if received.numel() else 0.0
-        passed = torch.allclose(received, expected, rtol=self.plan.audit_rtol, atol=self.plan.audit_atol + slack)
+        diff = float((expected - kept.sent).abs().max()) if expected.numel() else 0.0
+        honest = torch.allclose(kept.sent, expected, rtol=self.plan.audit_rtol, atol=self.plan.audit_atol + slack)
+        tolerance = f"(rtol {self.plan.audit_rtol}, atol {self.plan.audit_atol})"
+        if receipt.sha256 != sent_receipt.sha256 and honest:
+            # The producer's account holds up against the recomputation: the receiver's does not.
+            return SpotCheck(step, m, i + 1, receiver_node, False,
+                             f"{where}: signed for an activation other than the one stage {i} sent, which matches "
+                             f"the recomputation on node {verifier.endpoint.node_id} (max |diff| {diff:.3g})",
+                             max_abs_diff=diff, **signed)
         detail = (
-            f"step {step} micro-batch {m}: output matches the recomputation on node "
-            f"{verifier.endpoint.node_id} (max |diff| {diff:.3g})"
-            if passed
-            else f"step {step} micro-batch {m}: output differs from the recomputation on node "
-            f"{verifier.endpoint.node_id} by up to {diff:.3g} (rtol {self.plan.audit_rtol}, "
-            f"atol {self.plan.audit_atol})"
+            f"{where}: output matches the recomputation on node {verifier.endpoint.node_id} (max |diff| {diff:.3g})"
+            if honest
+            else f"{where}: output differs from the recomputation on node {verifier.endpoint.node_id} by up to "
+            f"{diff:.3g} {tolerance}"
+            + (f"; stage {i + 1} signed for another activation" if receipt.sha256 != sent_receipt.sha256 else "")
         )
-        return SpotCheck(step, m, i, node, bool(passed), detail, verifier.endpoint.node_id, diff, **signed)
+        return SpotCheck(step, m, i, node, bool(honest), detail, max_abs_diff=diff, **signed)
 
     def _verifier(self, producer_node: str, receiver_node: str) -> StageClient:
         """A stage on another node: preferably neither the producer's nor the receiver's."""

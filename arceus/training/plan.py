@@ -123,6 +123,9 @@ class SpotCheck:
     max_abs_diff: float = 0.0
     receipt_sha256: str = ""  # hex: the receiver's signed digest of the compared output
     receipt_signature: str = ""  # hex
+    sent_sha256: str = ""  # hex: the producer's signed digest of what it sent (a disagreement's other side)
+    sent_signature: str = ""  # hex
+    producer_index: int | None = None  # the stage whose output the receipts are about (None: stage_index)
 
 
 @dataclass

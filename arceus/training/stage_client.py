@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import Future
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -14,6 +15,15 @@ from arceus.wire.proto_tensor import from_proto, to_proto
 from arceus.wire.push_stream import PushStream, raw_push
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class AuditedStep:
+    """What a stage kept of one micro-batch of a retained train step."""
+
+    weights: dict[str, torch.Tensor]
+    received: torch.Tensor | None
+    sent: torch.Tensor | None
 
 
 class StageClient:
@@ -69,14 +79,15 @@ class StageClient:
         reply = self._stub.GetWeights(request, timeout=self.timeout)
         return {named.name: from_proto(named.tensor, max_bytes=MAX_MESSAGE_BYTES) for named in reply.tensors}
 
-    def audit(self, step: int, micro_batch: int) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-        """The weights this stage used in `step`, and the activation it received for `micro_batch`
-        (None on the first stage)."""
+    def audit(self, step: int, micro_batch: int) -> AuditedStep:
+        """The weights this stage used in `step`, and the activations it received (None on the first
+        stage) and sent (None on the last) for `micro_batch`."""
         request = stage_pb2.AuditRequest(target=self.ref, step=step, micro_batch=micro_batch)
         reply = self._stub.Audit(request, timeout=self.timeout)
         weights = {w.name: from_proto(w.tensor, max_bytes=MAX_MESSAGE_BYTES) for w in reply.weights}
         received = from_proto(reply.received, max_bytes=MAX_MESSAGE_BYTES) if reply.HasField("received") else None
-        return weights, received
+        sent = from_proto(reply.sent, max_bytes=MAX_MESSAGE_BYTES) if reply.HasField("sent") else None
+        return AuditedStep(weights, received, sent)
 
     def verify_forward(
         self, model_json: str, layer_start: int, layer_end: int, weights: dict[str, torch.Tensor], x: torch.Tensor

@@ -1,4 +1,6 @@
-"""Receipts: a stage signs (Ed25519) the digest of every activation it accepts from its previous stage.
+"""Receipts: a stage signs (Ed25519) the digest of every activation it accepts from its previous stage
+(role "received") and, on audited train steps, of every activation it sends on (role "sent"), so a
+receiver's account can be held against its producer's.
 
 The payload is fixed text, so the agent, the driver and the control plane build the same bytes from the
 same fields; the key is the agent's per-registration key, whose public half the control plane stores.
@@ -14,6 +16,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 PUBLIC_KEY_HEX_LENGTH = 64  # raw 32-byte Ed25519 key
+RECEIVED, SENT = "received", "sent"
 
 
 class ReceiptError(ValueError):
@@ -36,10 +39,11 @@ class ReceiptFields:
     step: int
     micro_batch: int
     sha256: bytes
+    role: str = RECEIVED  # signed too: a producer's "sent" receipt cannot pass for a receiver's
 
     def payload(self) -> bytes:
         return (
-            f"arceus-receipt-v1\n{self.job_id}\n{self.stage_index}\n{self.generation}\n{self.step}\n"
+            f"arceus-receipt-v2\n{self.role}\n{self.job_id}\n{self.stage_index}\n{self.generation}\n{self.step}\n"
             f"{self.micro_batch}\n{self.sha256.hex()}"
         ).encode()
 

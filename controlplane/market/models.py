@@ -99,6 +99,8 @@ class SpotCheck(BaseModel):
     max_abs_diff = models.FloatField(default=0.0)
     receipt_sha256 = models.CharField(max_length=64, blank=True, help_text="the receiver's signed digest")
     receipt_signature = models.CharField(max_length=128, blank=True)
+    sent_sha256 = models.CharField(max_length=64, blank=True, help_text="the producer's signed digest of what it sent")
+    sent_signature = models.CharField(max_length=128, blank=True)
     detail = models.TextField()
 
     class Meta:

@@ -1,7 +1,8 @@
 """Verified work: store the driver's spot checks, and flag a node caught wrong and withhold its credit.
 
-Receipts carried by a check are verified again here against the receiving node's registered key, so a
-check is stored only when the evidence it rests on is signed by the node that received the output.
+Receipts carried by a check are verified again here, the receiver's against the receiving node's
+registered key and the producer's ("sent") against the producing node's, so a check is stored only
+when the evidence it rests on is signed by the nodes whose accounts it weighs.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 
 from django.db import transaction
 
-from arceus.verify.receipts import ReceiptError, ReceiptFields, verify_receipt
+from arceus.verify.receipts import RECEIVED, SENT, ReceiptError, ReceiptFields, verify_receipt
 from controlplane.common.errors import ApplicationError
 from controlplane.jobs.models import Job, JobStatus, Stage
 from controlplane.jobs.rollback import job_roll_back
@@ -37,6 +38,9 @@ class SpotCheckReport:
     max_abs_diff: float = 0.0
     receipt_sha256: str = ""
     receipt_signature: str = ""
+    sent_sha256: str = ""
+    sent_signature: str = ""
+    producer_index: int | None = None  # the stage whose output the receipts are about (None: stage_index)
     train_step: int = 0  # the job's step once the checked step ran (the sink adds it)
 
 
@@ -62,7 +66,9 @@ def spot_checks_record(
         if c.node_id not in nodes or (c.verifier_node_id and c.verifier_node_id not in nodes):
             raise ApplicationError.invalid("checks", f"spot check of step {c.step} names an unknown node")
         if c.receipt_signature:
-            _verify_output_receipt(job, generation, c)
+            _verify_receipt(job, generation, c, RECEIVED, c.receipt_sha256, c.receipt_signature)
+        if c.sent_signature:
+            _verify_receipt(job, generation, c, SENT, c.sent_sha256, c.sent_signature)
         rows.append(
             SpotCheck(
                 job=job,
@@ -77,6 +83,8 @@ def spot_checks_record(
                 max_abs_diff=c.max_abs_diff,
                 receipt_sha256=c.receipt_sha256,
                 receipt_signature=c.receipt_signature,
+                sent_sha256=c.sent_sha256,
+                sent_signature=c.sent_signature,
                 detail=c.detail,
             )
         )
@@ -95,16 +103,18 @@ def spot_checks_record(
     return rows
 
 
-def _verify_output_receipt(job: Job, generation: int, c: SpotCheckReport) -> None:
-    """The compared output carries the receipt of stage `stage_index + 1`: check it against that
-    stage's node's key."""
-    receiver = Stage.objects.filter(job=job, index=c.stage_index + 1, active=True).select_related("node").first()
-    if receiver is None or receiver.node is None:
-        raise ApplicationError.invalid("checks", f"job {job.id} has no placed stage {c.stage_index + 1}")
+def _verify_receipt(job: Job, generation: int, c: SpotCheckReport, role: str, sha256: str, signature: str) -> None:
+    """The compared output of stage `producer` (for stage `producer + 1`) carries the receiver's receipt
+    and the producer's "sent" one: check the one of `role` against its signer's key."""
+    producer = c.stage_index if c.producer_index is None else c.producer_index
+    signer = producer + 1 if role == RECEIVED else producer
+    stage = Stage.objects.filter(job=job, index=signer, active=True).select_related("node").first()
+    if stage is None or stage.node is None:
+        raise ApplicationError.invalid("checks", f"job {job.id} has no placed stage {signer}")
     try:
         fields = ReceiptFields(
-            str(job.id), c.stage_index + 1, generation, c.step, c.micro_batch, bytes.fromhex(c.receipt_sha256)
+            str(job.id), producer + 1, generation, c.step, c.micro_batch, bytes.fromhex(sha256), role
         )
-        verify_receipt(receiver.node.public_key, fields, bytes.fromhex(c.receipt_signature))
+        verify_receipt(stage.node.public_key, fields, bytes.fromhex(signature))
     except (ReceiptError, ValueError) as exc:
         raise ApplicationError.invalid("checks", f"spot check of step {c.step}: {exc}") from None

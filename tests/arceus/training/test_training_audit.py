@@ -1,5 +1,6 @@
 """Spot checks through real agents on loopback: receipts verify, honest forwards pass, a stage that
-perturbs its activations is caught, and receipts that do not verify blame the stage that signed them."""
+perturbs its activations is caught, receipts that do not verify blame the stage that signed them, and
+a receiver whose account differs from its producer's is caught instead of framing the producer."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ import torch
 from arceus.data import validate_dataset_config
 from arceus.training import StageEndpoint, TrainPlan, max_micro_batch_size, train
 from arceus.training.recording import RecordingSink
-from arceus.verify.receipts import ReceiptSigner
+from arceus.v1 import stage_pb2
+from arceus.verify.receipts import RECEIVED, SENT, ReceiptError, ReceiptFields, ReceiptSigner, verify_receipt
 from arceus.wire.transfer import transfer_config_from_json
+from nodeagent import executor
 from nodeagent.agent import Agent
 from nodeagent.assignment import Assignment
+from nodeagent.stage import HostedStage
 from nodeagent.static import pipeline_assignments
 
 MODEL = {"type": "mlp", "layer_sizes": [64, 32, 16, 10]}
@@ -110,7 +114,7 @@ def test_a_stage_that_perturbs_its_activations_fails_its_spot_checks(agents: lis
     for agent in agents[:2]:
         runtime = agent.registry.stages()[0].runtime
         honest = runtime.forward
-        runtime.forward = lambda key, x, f=honest: f(key, x) + 0.01 * torch.randn(1)  # type: ignore[method-assign]
+        runtime.forward = lambda key, x, f=honest: f(key, x) + 0.01 * (1 + torch.rand(1))  # type: ignore[method-assign]
     checks = spot_checks(plan_for(agents))
     assert len(checks) == 6 and not any(c.passed for c in checks)
     for c in checks:
@@ -124,3 +128,35 @@ def test_receipts_that_do_not_verify_fail_the_stage_that_signed_them(agents: lis
     checks = spot_checks(replace(plan, stages=(*plan.stages[:2], impostor), audit_rate=0.0001))
     assert checks and all(not c.passed and c.stage_index == 2 for c in checks)
     assert "does not verify against the node's public key" in checks[0].detail
+
+
+def test_a_receiver_that_signs_for_a_tampered_activation_is_caught_not_its_producer(
+    agents: list[Agent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Stage 1 claims (signs for, keeps and trains on) activations other than those stage 0 sent.
+    honest_receive = executor._receive
+
+    def lying_receive(stage: HostedStage, step: int, kind: int, *args: object) -> torch.Tensor:
+        x = honest_receive(stage, step, kind, *args)
+        return x + 0.05 if kind == stage_pb2.ACTIVATION and stage.assignment.stage_index == 1 else x
+
+    monkeypatch.setattr(executor, "_receive", lying_receive)
+    checks = spot_checks(plan_for(agents, audit_rate=0.0001))  # the disagreement alone triggers a recomputation
+    assert len(checks) == 6 and not any(c.passed for c in checks)
+    for c in checks:
+        assert (c.node_id, c.stage_index, c.producer_index) == ("node-1", 1, 0), c.detail
+        assert "signed for an activation other than the one stage 0 sent" in c.detail
+        assert c.sent_sha256 != c.receipt_sha256 and len(bytes.fromhex(c.sent_signature)) == 64
+
+
+def test_every_producer_signs_what_it_sent_and_the_digests_agree(agents: list[Agent]) -> None:
+    checks = spot_checks(plan_for(agents))
+    assert all(c.passed for c in checks)
+    for c in checks:
+        assert c.sent_sha256 == c.receipt_sha256 and c.producer_index == c.stage_index
+        fields = ReceiptFields("audited", c.stage_index + 1, 1, c.step, c.micro_batch, bytes.fromhex(c.sent_sha256),
+                               SENT)
+        verify_receipt(agents[c.stage_index].signer.public_key_hex, fields, bytes.fromhex(c.sent_signature))
+        with pytest.raises(ReceiptError):  # a "sent" signature is no receiver's receipt
+            verify_receipt(agents[c.stage_index].signer.public_key_hex, replace(fields, role=RECEIVED),
+                           bytes.fromhex(c.sent_signature))

@@ -4,13 +4,15 @@ nothing; agents report their key, fp16/bf16 rates and link on register and heart
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from django.db.models import Sum
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from arceus.verify.receipts import ReceiptFields, ReceiptSigner, tensor_digest
+from arceus.verify.receipts import SENT, ReceiptFields, ReceiptSigner, tensor_digest
 from controlplane.common.errors import ApplicationError
 from controlplane.jobs.models import JobStatus, Stage
 from controlplane.market.models import LedgerEntry, SpotCheck
@@ -112,3 +114,33 @@ def test_agents_report_key_low_precision_rates_and_link(api: APIClient, user) ->
     assert api.get(f"/api/nodes/{node.id}").json()["link"]["bandwidth_bytes_per_second"] == 2e6
     probe = agent.post("/api/agent/probe", b"x" * 1000, content_type="application/octet-stream")
     assert probe.json() == {"bytes": 1000}
+
+
+def test_a_disagreement_is_stored_only_with_both_parties_signatures(placed) -> None:  # noqa: ANN001
+    job, producer, receiver, receiver_signer = placed
+    producer_signer = ReceiptSigner()
+    producer.public_key = producer_signer.public_key_hex
+    producer.save()
+    claimed, sent = tensor_digest(torch.zeros(2, 3)), tensor_digest(torch.ones(2, 3))
+    blame_receiver = SpotCheckReport(
+        step=7, micro_batch=0, stage_index=1, producer_index=0, node_id=str(receiver.id), passed=False,
+        detail="signed for an activation other than the one stage 0 sent", train_step=7,
+        receipt_sha256=claimed.hex(),
+        receipt_signature=receiver_signer.sign(ReceiptFields(str(job.id), 1, 2, 7, 0, claimed)).hex(),
+        sent_sha256=sent.hex(),
+        sent_signature=producer_signer.sign(ReceiptFields(str(job.id), 1, 2, 7, 0, sent, SENT)).hex(),
+    )
+    # A producer's "received" signature, or one by another key, is no "sent" receipt.
+    for forged in (producer_signer.sign(ReceiptFields(str(job.id), 1, 2, 7, 0, sent)),
+                   receiver_signer.sign(ReceiptFields(str(job.id), 1, 2, 7, 0, sent, SENT))):
+        with pytest.raises(ApplicationError, match="does not verify"):
+            spot_checks_record(job_id=job.id, lease_owner="driver-1", generation=2, now=timezone.now(),
+                               checks=[replace(blame_receiver, sent_signature=forged.hex())])
+    assert not SpotCheck.objects.exists()
+
+    spot_checks_record(job_id=job.id, lease_owner="driver-1", generation=2, now=timezone.now(), checks=[blame_receiver])
+    stored = SpotCheck.objects.get()
+    assert (stored.node_id, stored.stage_index, stored.sent_sha256) == (receiver.id, 1, sent.hex())
+    receiver.refresh_from_db()
+    producer.refresh_from_db()
+    assert receiver.flagged_at is not None and producer.flagged_at is None
