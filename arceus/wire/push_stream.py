@@ -130,8 +130,10 @@ class _Call:
         with self._cond:
             if self.broken or self._closing:
                 return False
-            self._pending.append(_Pending(push.key, future, time.monotonic() + timeout))
-            self._cond.notify_all()
+            deadline = time.monotonic() + timeout
+            if all(deadline < p.deadline for p in self._pending):  # the watchdog sleeps until the earliest
+                self._cond.notify_all()
+            self._pending.append(_Pending(push.key, future, deadline))
         self._requests.put(push)
         return True
 
@@ -153,9 +155,8 @@ class _Call:
         code, details = grpc.StatusCode.UNAVAILABLE, "the receiver ended the push stream"
         try:
             for ack in self._responses:
-                with self._cond:
+                with self._cond:  # the watchdog finds out at its next wake-up
                     pending = self._pending.popleft() if self._pending else None
-                    self._cond.notify_all()
                 if pending is None or pending.key != (ack.kind, ack.step, ack.micro_batch):
                     code, details = grpc.StatusCode.INTERNAL, f"the receiver acked an unexpected push {ack}"
                     if pending is not None:
