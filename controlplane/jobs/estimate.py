@@ -7,7 +7,7 @@ from decimal import Decimal
 from typing import Any
 
 from arceus.data import load_dataset
-from arceus.placement.solver import Device, PlacementError, solve
+from arceus.placement.solver import PlacementError, solve
 from controlplane.common.conditions import TRUE
 from controlplane.jobs.models import Stage
 from controlplane.jobs.placement import layer_profiles, requirements, workload
@@ -42,7 +42,7 @@ def job_estimate(
     try:
         placement = solve(
             layer_profiles(spec),
-            [Device(n.id, n.flops, n.memory_bytes, price_per_hour=n.price_per_hour) for n in candidates],
+            [n.device() for n in candidates],
             workload(dataset, micro_batches),
             min_stages=stages or req.min_devices or 1,
             max_stages=stages or req.max_devices,

@@ -25,6 +25,7 @@ Jobs are considered oldest first; a job that cannot be placed does not hold back
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -54,6 +55,17 @@ class NodeView:
     pause_reason: str = "paused by its owner"
     device_type: str = "cpu"
     price_per_hour: float = 0.0  # the posted price of its device class
+    # Its measured link, to the control plane (POST /api/agent/probe) while links between pipeline
+    # neighbours are not measured; unmeasured: unlimited.
+    bandwidth_bytes_per_s: float = math.inf
+    latency_s: float = 0.0
+
+    def device(self) -> Device:
+        """The node in the placement solver's terms."""
+        return Device(
+            self.id, self.flops, self.memory_bytes, bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
+            latency_s=self.latency_s, price_per_hour=self.price_per_hour,
+        )
 
 
 @dataclass(frozen=True)
@@ -335,7 +347,7 @@ def _place(job: JobView, free: list[NodeView], now: datetime) -> Action | None:
         meeting = " meeting its requirements" if len(candidates) < len(free) else ""
         message = f"needs {fewest} Ready node{'s' if fewest != 1 else ''}{meeting}, {len(candidates)} available"
         return _condition(job, Condition("Placed", FALSE, "WaitingForNodes", message), now)
-    devices = [Device(n.id, n.flops, n.memory_bytes, price_per_hour=n.price_per_hour) for n in candidates]
+    devices = [n.device() for n in candidates]
     try:
         placement = solve(
             job.layers,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from datetime import datetime
 
@@ -66,6 +67,8 @@ def _node_view(node: Node, price_per_hour: float, now: datetime) -> NodeView:
         pause_reason=reason or "",
         device_type=node.device_type or "cpu",
         price_per_hour=price_per_hour,
+        bandwidth_bytes_per_s=node.control_plane_bandwidth_bytes_per_second or math.inf,
+        latency_s=(node.control_plane_rtt_seconds or 0.0) / 2,  # one way
     )
 
 
