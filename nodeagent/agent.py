@@ -12,10 +12,12 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from arceus.v1 import stage_pb2, stage_pb2_grpc, tensor_parallel_pb2_grpc
+from arceus.v1 import link_probe_pb2_grpc, stage_pb2, stage_pb2_grpc, tensor_parallel_pb2_grpc
 from arceus.verify.receipts import ReceiptSigner
 from nodeagent.assignment import Assignment
+from nodeagent.link_probe import LinkProbeServicer
 from nodeagent.metrics import AgentMetrics
+from nodeagent.neighbour_links import NeighbourLinks
 from nodeagent.registry import ObservedStage, StageRegistry
 from nodeagent.servicer import StageServicer
 from nodeagent.stage import CheckpointLoader, grpc_channel_options
@@ -47,6 +49,7 @@ class Agent:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_workers: int = 32,
         load_checkpoint: CheckpointLoader | None = None,
+        link_probe_interval: float | None = None,
     ) -> None:
         self.device = device
         self._listen = split_host_port(listen)
@@ -81,6 +84,13 @@ class Agent:
         tensor_parallel_pb2_grpc.add_TensorParallelServiceServicer_to_server(
             TensorParallelServicer(self.tensor_parallel), self._server
         )
+        # Neighbours time their links to this agent with it; `neighbour_links` times this agent's links to
+        # them (every `link_probe_interval` seconds and after the stages change; None: never).
+        link_probe_pb2_grpc.add_LinkProbeServiceServicer_to_server(LinkProbeServicer(), self._server)
+        self._link_probe_interval = link_probe_interval
+        self.neighbour_links = NeighbourLinks(
+            self._neighbour_addresses, self._stepping, interval=link_probe_interval or 0.0
+        )
         self._health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self.grpc_port = 0
@@ -98,6 +108,8 @@ class Agent:
         for service in ("", SERVICE_NAME):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self.metrics_port = self.metrics.serve(*self._metrics_listen)
+        if self._link_probe_interval is not None:
+            self.neighbour_links.start()
         log.info(
             "serving gRPC on %s (advertised as %s), metrics on %s",
             self.grpc_address,
@@ -127,6 +139,8 @@ class Agent:
     ) -> bool:
         """Sync the hosted stages to `assignments` (the whole desired state); True if anything changed."""
         changed = self.registry.apply(assignments, rejected)
+        if changed:
+            self.neighbour_links.wake()
         self.metrics.set_stages(
             (s.assignment.job_id, s.assignment.stage_index) for s in self.registry.stages()
         )
@@ -140,10 +154,19 @@ class Agent:
             log.info("compute threads now %d (owner's cap: %s)", wanted, max_threads)
             self.compute_threads = wanted
 
+    def _neighbour_addresses(self) -> set[str]:
+        hosted = [s.assignment for s in self.registry.stages()]
+        own = self.advertise_address
+        return {a for s in hosted for a in (s.prev_address, s.next_address) if a is not None and a != own}
+
+    def _stepping(self) -> bool:
+        return any(s.step_lock.locked() for s in self.registry.stages())
+
     def observed(self) -> list[dict[str, Any]]:
         return [o.to_json() for o in self.registry.observed()]
 
     def stop(self, grace: float = 5.0) -> None:
+        self.neighbour_links.stop()
         self._health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
         self.registry.close()

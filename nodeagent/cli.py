@@ -27,6 +27,7 @@ from nodeagent.control_plane import (
     register_until_accepted,
 )
 from nodeagent.device import DEVICE_TYPES, DeviceError, capabilities, select_device
+from nodeagent.neighbour_links import DEFAULT_INTERVAL_SECONDS
 from nodeagent.static import load_local_checkpoint, load_static_assignments
 
 log = logging.getLogger("nodeagent")
@@ -100,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="report this fp32 FLOP/s instead of measuring it, e.g. 5e10 to offer only part of a shared "
         "machine (placement gives faster nodes more layers)",
     )
+    parser.add_argument(
+        "--link-probe-interval",
+        type=_positive_float,
+        default=DEFAULT_INTERVAL_SECONDS,
+        metavar="SECONDS",
+        help="re-measure the links to the pipeline neighbours this often, and after the stages change "
+        "(default: %(default)s; not with --static-assignment, which reports to no one)",
+    )
     return parser
 
 
@@ -141,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics_listen=args.metrics_listen,
         advertise=args.advertise,
         load_checkpoint=load_local_checkpoint if client is None else client.fetch_checkpoint,
+        link_probe_interval=None if client is None else args.link_probe_interval,
     )
     try:
         agent.start()

@@ -69,10 +69,13 @@ class ControlPlaneClient:
         observed: list[dict[str, Any]],
         host_busy_fraction: float | None = None,
         link: dict[str, float] | None = None,
+        neighbour_links: list[dict[str, Any]] | None = None,
     ) -> HeartbeatReply:
         payload: dict[str, Any] = {"observed": observed, "host_busy_fraction": host_busy_fraction}
         if link is not None:
             payload["link"] = link
+        if neighbour_links:
+            payload["neighbour_links"] = neighbour_links
         body = self._post("/api/agent/heartbeat", payload)
         raw = body.get("assignments")
         if not isinstance(raw, list):
@@ -223,6 +226,7 @@ class HeartbeatLoop:
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
         self._host_load = HostLoad()
         self._link_measured = time.monotonic()  # registration measured it
+        self._unsent_links: dict[str, dict[str, Any]] = {}  # neighbour figures kept until a heartbeat succeeds
 
     def start(self) -> None:
         self._thread.start()
@@ -239,9 +243,14 @@ class HeartbeatLoop:
                 link = None
                 if time.monotonic() - self._link_measured >= REMEASURE_SECONDS:
                     link, self._link_measured = measure_link(self._client), time.monotonic()
+                self._unsent_links.update((f["address"], f) for f in self._agent.neighbour_links.take())
                 reply = self._client.heartbeat(
-                    self._agent.observed(), self._host_load.others_busy_fraction(), link
+                    self._agent.observed(),
+                    self._host_load.others_busy_fraction(),
+                    link,
+                    list(self._unsent_links.values()),
                 )
+                self._unsent_links = {}
                 self._agent.metrics.heartbeat_succeeded()
                 self._agent.limit_threads(reply.max_threads)
                 self._interval = reply.heartbeat_interval_seconds

@@ -1,0 +1,69 @@
+"""`LinkProbeService`: the cheap RPC an agent times to measure its link to a pipeline neighbour, and the
+client side that does the timing. Filler bytes only; nothing here touches torch or any stage."""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from arceus.v1 import link_probe_pb2, link_probe_pb2_grpc
+
+log = logging.getLogger(__name__)
+MAX_PROBE_BYTES = 4 * 1024 * 1024  # either way: enough to time a link, too little to tie one up
+# Room for the framing around a maximal payload; the channel refuses anything bigger.
+_CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_PROBE_BYTES + 1024),
+    ("grpc.max_receive_message_length", MAX_PROBE_BYTES + 1024),
+]
+
+
+class LinkProbeServicer(link_probe_pb2_grpc.LinkProbeServiceServicer):
+    def Probe(self, request: link_probe_pb2.ProbeRequest, context: grpc.ServicerContext) -> link_probe_pb2.ProbeReply:
+        if len(request.payload) > MAX_PROBE_BYTES or not 0 <= request.reply_bytes <= MAX_PROBE_BYTES:
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"probe payload ({len(request.payload)} bytes) and reply_bytes ({request.reply_bytes}) must "
+                f"each lie in [0, {MAX_PROBE_BYTES}]",
+            )
+        return link_probe_pb2.ProbeReply(payload=bytes(request.reply_bytes))
+
+
+@dataclass(frozen=True)
+class LinkFigures:
+    rtt_seconds: float
+    bandwidth_bytes_per_second: float
+
+
+def measure_neighbour(
+    address: str,
+    *,
+    timeout: float = 10.0,
+    rtt_rounds: int = 5,
+    bulk_bytes: int = 2 * 1024 * 1024,
+    bulk_rounds: int = 2,
+) -> LinkFigures | None:
+    """The link to the agent at `address`: the median of `rtt_rounds` empty probes, and `bulk_bytes` sent
+    one way (the fastest of `bulk_rounds`, less that round trip). None (logged) if any probe fails; every
+    call has a deadline of `timeout` seconds."""
+    try:
+        with grpc.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
+            probe = link_probe_pb2_grpc.LinkProbeServiceStub(channel).Probe
+            # The first call connects: kept out of the figures, which are the link's, not the handshake's.
+            probe(link_probe_pb2.ProbeRequest(), timeout=timeout)
+            rtt = statistics.median(_timed(probe, b"", timeout) for _ in range(rtt_rounds))
+            bulk = bytes(bulk_bytes)
+            upload = min(_timed(probe, bulk, timeout) for _ in range(bulk_rounds))
+    except grpc.RpcError as exc:
+        log.warning("could not measure the link to %s: %s %s", address, exc.code(), exc.details())
+        return None
+    return LinkFigures(rtt, bulk_bytes / max(upload - rtt, 1e-6))
+
+
+def _timed(probe: grpc.UnaryUnaryMultiCallable, payload: bytes, timeout: float) -> float:
+    started = time.perf_counter()
+    probe(link_probe_pb2.ProbeRequest(payload=payload), timeout=timeout)
+    return time.perf_counter() - started

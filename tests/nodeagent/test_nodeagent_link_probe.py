@@ -1,0 +1,159 @@
+"""The neighbour link probe: `LinkProbeService` (bounded sizes, deadlines), the timing client, the
+background thread that measures the neighbours of the hosted stages, and the heartbeat that reports it."""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Iterator
+
+import grpc
+import pytest
+import torch
+
+from arceus.v1 import link_probe_pb2, link_probe_pb2_grpc
+from nodeagent.agent import Agent
+from nodeagent.assignment import Assignment
+from nodeagent.control_plane import ControlPlaneClient, HeartbeatLoop
+from nodeagent.link_probe import _CHANNEL_OPTIONS, MAX_PROBE_BYTES, LinkFigures, measure_neighbour
+from nodeagent.neighbour_links import NeighbourLinks
+from nodeagent.static import pipeline_assignments
+from tests.nodeagent.test_nodeagent_control_plane import wait_for
+
+
+@pytest.fixture
+def agent() -> Iterator[Agent]:
+    a = Agent(device=torch.device("cpu"))
+    a.start()
+    try:
+        yield a
+    finally:
+        a.stop(grace=1)
+
+
+@pytest.fixture
+def probe(agent: Agent) -> Iterator[grpc.UnaryUnaryMultiCallable]:
+    with grpc.insecure_channel(agent.grpc_address, options=_CHANNEL_OPTIONS) as channel:
+        yield link_probe_pb2_grpc.LinkProbeServiceStub(channel).Probe
+
+
+@pytest.mark.parametrize(("payload", "reply_bytes"), [(0, 0), (1000, 0), (0, 1000), (MAX_PROBE_BYTES, MAX_PROBE_BYTES)])
+def test_probe_takes_and_returns_bounded_filler(probe, payload: int, reply_bytes: int) -> None:  # noqa: ANN001
+    reply = probe(link_probe_pb2.ProbeRequest(payload=bytes(payload), reply_bytes=reply_bytes), timeout=10)
+    assert len(reply.payload) == reply_bytes
+
+
+@pytest.mark.parametrize(("payload", "reply_bytes"), [(MAX_PROBE_BYTES + 1, 0), (0, MAX_PROBE_BYTES + 1), (0, -1)])
+def test_oversized_or_negative_probes_are_refused(probe, payload: int, reply_bytes: int) -> None:  # noqa: ANN001
+    with pytest.raises(grpc.RpcError) as caught:
+        probe(link_probe_pb2.ProbeRequest(payload=bytes(payload), reply_bytes=reply_bytes), timeout=10)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "must each lie in [0, 4194304]" in caught.value.details()
+
+
+def test_measure_neighbour_times_a_live_agent(agent: Agent) -> None:
+    figures = measure_neighbour(agent.grpc_address, bulk_bytes=1024 * 1024)
+    assert figures is not None and figures.rtt_seconds > 0 and figures.bandwidth_bytes_per_second > 0
+
+
+def test_a_silent_or_absent_neighbour_is_unknown_within_the_deadline() -> None:
+    with socket.socket() as silent:  # accepts connections, never speaks HTTP/2
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        started = time.monotonic()
+        assert measure_neighbour(f"127.0.0.1:{silent.getsockname()[1]}", timeout=0.5) is None
+        assert time.monotonic() - started < 3
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    assert measure_neighbour(f"127.0.0.1:{port}", timeout=0.5) is None
+
+
+def test_the_thread_measures_when_woken_reports_once_and_failures_as_unknown() -> None:
+    def measure(address: str) -> LinkFigures | None:
+        if address == "bad:1":
+            raise RuntimeError("probe bug")
+        return None if address == "down:1" else LinkFigures(0.01, 1e6)
+
+    links = NeighbourLinks(lambda: {"up:1", "down:1", "bad:1"}, lambda: False, interval=300, measure=measure)
+    links.start()
+    try:
+        links.wake()
+        taken: list = []
+        wait_for(lambda: len(taken.extend(links.take()) or taken) == 3)
+        assert sorted(taken, key=lambda f: f["address"]) == [
+            {"address": "bad:1", "rtt_seconds": None, "bandwidth_bytes_per_second": None},
+            {"address": "down:1", "rtt_seconds": None, "bandwidth_bytes_per_second": None},
+            {"address": "up:1", "rtt_seconds": 0.01, "bandwidth_bytes_per_second": 1e6},
+        ]
+        assert links.take() == []  # reported once
+    finally:
+        links.stop()
+
+
+def test_the_thread_waits_for_a_pause_between_steps() -> None:
+    stepping = [True]
+    links = NeighbourLinks(
+        lambda: {"n:1"}, lambda: stepping[0], interval=300, measure=lambda _: LinkFigures(0.01, 1e6), busy_retry=0.02
+    )
+    links.start()
+    try:
+        links.wake()
+        time.sleep(0.3)
+        assert links.take() == []  # a step is running: not yet
+        stepping[0] = False
+        taken: list = []
+        wait_for(lambda: bool(taken.extend(links.take()) or taken))
+        assert [f["address"] for f in taken] == ["n:1"]
+    finally:
+        links.stop()
+
+
+def two_stage_agents() -> tuple[list[Agent], list[dict]]:
+    agents = [Agent(device=torch.device("cpu"), link_probe_interval=300.0) for _ in range(2)]
+    for a in agents:
+        a.start()
+    raw = pipeline_assignments(
+        job_id="job", model_config={"layer_sizes": [8, 6, 4]}, boundaries=[0, 1, 2],
+        addresses=[a.advertise_address for a in agents], optimizer={"name": "sgd", "lr": 0.1}, seed=0,
+        micro_batches=2, max_micro_batch_size=4,
+    )
+    for a, assignment in zip(agents, raw, strict=True):
+        a.apply_assignments([Assignment.from_json(assignment)])
+    return agents, raw
+
+
+def test_agents_measure_their_neighbours_once_their_stages_are_built() -> None:
+    agents, _ = two_stage_agents()
+    try:
+        for a, neighbour in zip(agents, reversed(agents), strict=True):
+            taken: list = []
+            wait_for(lambda a=a, taken=taken: bool(taken.extend(a.neighbour_links.take()) or taken), timeout=30)
+            assert [f["address"] for f in taken] == [neighbour.advertise_address]
+            assert taken[0]["rtt_seconds"] > 0 and taken[0]["bandwidth_bytes_per_second"] > 0
+    finally:
+        for a in agents:
+            a.stop(grace=1)
+
+
+def test_the_heartbeat_carries_the_figures_until_one_is_accepted(control_plane) -> None:  # noqa: ANN001
+    agents, raw = two_stage_agents()
+    control_plane.assignments = raw[:1]  # the first agent keeps its stage
+    control_plane.interval = 0.05
+    control_plane.heartbeat_override = (503, b"{}")  # a lost heartbeat must not lose the figures
+    client = ControlPlaneClient(control_plane.url, control_plane.token)
+    loop = HeartbeatLoop(client, agents[0], interval=0.05, on_fatal=print, min_backoff=0.05, max_backoff=0.05)
+    loop.start()
+    try:
+        wait_for(lambda: any("neighbour_links" in b for b in control_plane.heartbeats()), timeout=30)
+        failed = len(control_plane.heartbeats())
+        control_plane.heartbeat_override = None
+        wait_for(lambda: len(control_plane.heartbeats()) > failed + 3)
+        reported = [b["neighbour_links"] for b in control_plane.heartbeats()[failed - 1:] if "neighbour_links" in b]
+        assert reported and reported[-1][0]["address"] == agents[1].advertise_address
+        assert reported[-1][0]["bandwidth_bytes_per_second"] > 0
+        assert "neighbour_links" not in control_plane.heartbeats()[-1]  # sent once accepted, not again
+    finally:
+        loop.stop()
+        for a in agents:
+            a.stop(grace=1)
