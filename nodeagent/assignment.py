@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from arceus.errors import SpecError
+from arceus.model.precision import check_precision
 from arceus.model.spec import ModelSpec, model_spec_from_config
 from arceus.wire.transfer import TransferConfig, transfer_config_from_json
 
@@ -33,7 +34,7 @@ _FIELDS = frozenset(
         "next_address",
     }
 )
-_OPTIONAL_FIELDS = frozenset({"checkpoint", "transfer"})
+_OPTIONAL_FIELDS = frozenset({"checkpoint", "transfer", "precision"})
 _OPTIMIZER_FIELDS = frozenset({"name", "lr", "momentum", "weight_decay"})
 _CHECKPOINT_FIELDS = frozenset({"step", "url", "sha256"})
 
@@ -73,6 +74,7 @@ class Assignment:
     next_address: str | None
     checkpoint: CheckpointRef | None = None  # None: start from the seeded initial weights
     transfer: TransferConfig = TransferConfig()  # how this stage encodes what it sends
+    precision: str = "fp32"  # or "bf16": autocast compute (arceus.model.precision)
 
     @property
     def is_first(self) -> bool:
@@ -146,6 +148,7 @@ class Assignment:
             next_address=next_address,
             checkpoint=_checkpoint(data.get("checkpoint")),
             transfer=transfer_config_from_json(data.get("transfer"), field="assignment.transfer"),
+            precision=check_precision(data.get("precision", "fp32"), "assignment.precision"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -173,6 +176,7 @@ class Assignment:
             if self.checkpoint is None
             else {"step": self.checkpoint.step, "url": self.checkpoint.url, "sha256": self.checkpoint.sha256},
             "transfer": self.transfer.to_json(),
+            "precision": self.precision,
         }
 
 

@@ -4,14 +4,16 @@ Training keeps each micro-batch's autograd graph between its forward and its bac
 (step, micro_batch); gradients accumulate across micro-batches and the optimizer steps once per step.
 The last stage's loss is CrossEntropy(sum) / (batch_size × labels per sample: 1, or a GPT's block_size),
 so the summed micro-batch gradients equal the gradient of the whole batch's mean loss over every label.
+With bf16 precision the forward (and so the backward) runs under autocast; what leaves a stage is float32.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +22,7 @@ from torch import nn
 from arceus.checkpoint import OPTIMIZER_PREFIX
 from arceus.model.build import named_global_parameters
 from arceus.model.layout import TensorLayout
+from arceus.model.precision import autocast
 from nodeagent.assignment import OptimizerConfig
 
 MicroBatchKey = tuple[int, int]  # (step, micro_batch)
@@ -59,8 +62,10 @@ class StageRuntime:
         input_layout: TensorLayout,
         max_micro_batch_size: int,
         device: torch.device,
+        precision: str = "fp32",
     ) -> None:
         self.device = device
+        self.precision = precision
         self.layers = layers.to(device)
         self.optimizer = make_optimizer(list(self.layers.parameters()), optimizer)
         self.optimizer_name = "sgd-momentum" if optimizer.name == "sgd" and optimizer.momentum else optimizer.name
@@ -75,17 +80,17 @@ class StageRuntime:
     # --- training -------------------------------------------------------------------------------
     def forward(self, key: MicroBatchKey, x: torch.Tensor) -> torch.Tensor:
         """Forward one micro-batch keeping its graph; returns the output (detached, on CPU) to send on."""
-        with self._timed(samples=len(x)):
+        with self._timed(samples=len(x)), self._autocast():
             inp = self._input(x)
             out = self.layers(inp)
             self._pending[key] = (None if self.is_first else inp, out)
-            return out.detach().cpu()
+            return out.detach().float().cpu()  # activations travel as float32 whatever the compute dtype
 
     def forward_loss(
         self, key: MicroBatchKey, x: torch.Tensor, labels: torch.Tensor, batch_size: int
     ) -> tuple[float, int]:
         """Last stage: forward and loss; returns (sum of per-label losses, correct predictions)."""
-        with self._timed(samples=len(x)):
+        with self._timed(samples=len(x)), self._autocast():
             inp = self._input(x)
             loss_sum, correct = _loss_sum(self.layers(inp), labels.to(self.device))
             labels_per_sample = labels[0].numel()
@@ -105,7 +110,7 @@ class StageRuntime:
                         f"gradient of shape {list(grad_output.shape)} for an output of shape "
                         f"{list(out.shape)}"
                     )
-                out.backward(grad_output.to(self.device))
+                out.backward(grad_output.to(self.device, out.dtype))
             return None if inp is None else inp.grad.detach().cpu()
 
     def optimizer_step(self, learning_rate: float | None = None) -> None:
@@ -123,11 +128,11 @@ class StageRuntime:
 
     # --- evaluation -----------------------------------------------------------------------------
     def eval_forward(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad(), self._timed(samples=len(x)):
-            return self.layers(self._checked(x).to(self.device)).cpu()
+        with torch.no_grad(), self._timed(samples=len(x)), self._autocast():
+            return self.layers(self._checked(x).to(self.device)).float().cpu()
 
     def eval_loss(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
-        with torch.no_grad(), self._timed(samples=len(x)):
+        with torch.no_grad(), self._timed(samples=len(x)), self._autocast():
             loss_sum, correct = _loss_sum(self.layers(self._checked(x).to(self.device)), labels.to(self.device))
             return float(loss_sum), correct
 
@@ -210,6 +215,9 @@ class StageRuntime:
         inp = self._checked(x).to(self.device)
         # Later stages need the gradient w.r.t. their input to send it upstream.
         return inp if self.is_first else inp.detach().requires_grad_(True)
+
+    def _autocast(self) -> AbstractContextManager[Any]:
+        return autocast(self.device, self.precision)
 
     @contextmanager
     def _timed(self, samples: int = 0) -> Iterator[None]:

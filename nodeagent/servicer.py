@@ -16,6 +16,7 @@ import grpc
 import torch
 
 from arceus.errors import SpecError
+from arceus.model.precision import check_precision
 from arceus.v1 import stage_pb2, stage_pb2_grpc
 from arceus.verify.receipts import ReceiptSigner
 from arceus.wire.codec import TensorValidationError
@@ -188,7 +189,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 limit = self._max_message_bytes
                 weights = {w.name: from_proto(w.tensor, max_bytes=limit) for w in request.weights}
                 x = from_proto(request.input, max_bytes=limit)
-                out = recompute_forward(config, request.layer_start, request.layer_end, weights, x, self._device)
+                precision = check_precision(request.precision or "fp32", "precision")
+                out = recompute_forward(
+                    config, request.layer_start, request.layer_end, weights, x, self._device, precision
+                )
             except SpecError as exc:
                 raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.field}: {exc.message}") from None
             except (ValueError, TensorValidationError) as exc:  # JSON, tensors, weights or input that do not fit

@@ -146,6 +146,7 @@ def build_hosted_stage(
         input_layout=spec.input_layout(assignment.layer_start),
         max_micro_batch_size=assignment.max_micro_batch_size,
         device=device,
+        precision=assignment.precision,
     )
     if assignment.checkpoint is not None:
         if load_checkpoint is None:

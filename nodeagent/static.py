@@ -59,6 +59,7 @@ def pipeline_assignments(
     max_micro_batch_size: int,
     generation: int = 1,
     transfer: dict[str, Any] | None = None,
+    precision: str = "fp32",
 ) -> list[dict[str, Any]]:
     """Assignments for stages [boundaries[i], boundaries[i+1]) hosted at addresses[i]."""
     if len(boundaries) != len(addresses) + 1:
@@ -83,6 +84,7 @@ def pipeline_assignments(
             "prev_address": addresses[i - 1] if i > 0 else None,
             "next_address": addresses[i + 1] if i < n - 1 else None,
             **({} if transfer is None else {"transfer": transfer}),
+            "precision": precision,
         }
         for i in range(n)
     ]

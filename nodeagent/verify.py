@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from arceus.model.build import build_layers, named_global_parameters
+from arceus.model.precision import autocast
 from arceus.model.spec import model_spec_from_config
 
 
@@ -30,9 +31,11 @@ def recompute_forward(
     weights: dict[str, torch.Tensor],
     x: torch.Tensor,
     device: torch.device,
+    precision: str = "fp32",
 ) -> torch.Tensor:
     """Layers [layer_start, layer_end) of the model, built from its spec and loaded with exactly `weights`,
-    applied to `x`; SpecError for a bad spec or range, ValueError for weights that do not fit."""
+    applied to `x` in the job's `precision` (float32 out, as a stage sends it); SpecError for a bad spec or
+    range, ValueError for weights that do not fit."""
     spec = model_spec_from_config(model_config)
     if not 0 <= layer_start < layer_end <= spec.num_layers:
         raise ValueError(f"layer range [{layer_start}, {layer_end}) is not within the model's {spec.num_layers} layers")
@@ -52,7 +55,8 @@ def recompute_forward(
                 )
             param.copy_(weights[name].to(device))
         try:
-            return layers(x.to(device)).cpu()
+            with autocast(device, precision):
+                return layers(x.to(device)).float().cpu()
         except RuntimeError as exc:  # torch's shape and dtype errors: the input does not fit the layers
             raise ValueError(
                 f"layers [{layer_start}, {layer_end}) cannot take input {x.dtype} {list(x.shape)}: {exc}"

@@ -112,6 +112,7 @@ def train_plan(job: Job) -> TrainPlan:
         audit_atol=settings.ARCEUS_AUDIT_ATOL,
         model=job.model_config,
         transfer=transfer_config_from_json(job.transfer),
+        precision=job.precision,
     )
 
 

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import torch
 
 from arceus.errors import SpecError
+from arceus.model.precision import check_precision
 from arceus.pipeline.schedule import SCHEDULES
 from arceus.wire.transfer import TransferConfig
 
@@ -50,6 +51,7 @@ class TrainPlan:
     model: dict[str, Any] = field(default_factory=dict)
     # The job's transfer setting, as its stages have it: spot checks round recomputations the same way.
     transfer: TransferConfig = TransferConfig()
+    precision: str = "fp32"  # the stages' compute precision; spot checks recompute in it
 
     def check(self) -> None:
         """Raise SpecError if the plan cannot be run (the dataset is checked when it is loaded)."""
@@ -74,6 +76,7 @@ class TrainPlan:
                 raise SpecError(f"plan.{name}", f"must be at least 1, got {value}")
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
             raise SpecError("plan.learning_rate", f"must be a positive number, got {self.learning_rate}")
+        check_precision(self.precision, "plan.precision")
         if not self.rpc_timeout_seconds > 0:
             raise SpecError("plan.rpc_timeout_seconds", f"must be positive, got {self.rpc_timeout_seconds}")
         if self.max_steps is not None and self.max_steps < 1:

@@ -90,7 +90,13 @@ class StageClient:
         return AuditedStep(weights, received, sent)
 
     def verify_forward(
-        self, model_json: str, layer_start: int, layer_end: int, weights: dict[str, torch.Tensor], x: torch.Tensor
+        self,
+        model_json: str,
+        layer_start: int,
+        layer_end: int,
+        weights: dict[str, torch.Tensor],
+        x: torch.Tensor,
+        precision: str = "fp32",
     ) -> torch.Tensor:
         """This stage's agent recomputes layers [layer_start, layer_end) with `weights` on `x`."""
         request = stage_pb2.VerifyForwardRequest(
@@ -99,6 +105,7 @@ class StageClient:
             layer_end=layer_end,
             weights=[stage_pb2.NamedTensor(name=n, tensor=to_proto(t)) for n, t in weights.items()],
             input=to_proto(x),
+            precision=precision,
         )
         reply = self._stub.VerifyForward(request, timeout=self.timeout)
         return from_proto(reply.output, max_bytes=MAX_MESSAGE_BYTES)

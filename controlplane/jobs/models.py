@@ -45,6 +45,13 @@ class PipelineSchedule(models.TextChoices):
     ONE_F_ONE_B = "1f1b", "1F1B"
 
 
+class Precision(models.TextChoices):
+    """arceus.model.precision.PRECISIONS"""
+
+    FP32 = "fp32", "float32"
+    BF16 = "bf16", "bfloat16 autocast"
+
+
 class Job(BaseModel):
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="jobs")
     name = models.CharField(max_length=200)
@@ -83,6 +90,9 @@ class Job(BaseModel):
     )
     transfer = models.JSONField(
         default=dict, blank=True, help_text="How activations and gradients travel (arceus.wire.transfer), normalised."
+    )
+    precision = models.CharField(
+        max_length=4, choices=Precision, default=Precision.FP32, help_text="Compute precision of every stage."
     )
     # Rewinds to the last checkpoint that no lost node explains (driver or stage errors); past the
     # setting ARCEUS_JOB_MAX_RESTARTS the job fails instead of retrying forever.

@@ -109,6 +109,7 @@ def _assignment(stage: Stage, stages: dict[int, Stage], checkpoint: StageCheckpo
         },
         "micro_batches": job.micro_batches,
         "transfer": job.transfer,
+        "precision": job.precision,
         # The driver splits each batch (training or validation) into `micro_batches` parts.
         # Not arceus.training.max_micro_batch_size: that package imports grpc, which the control plane
         # must not.

@@ -8,7 +8,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from controlplane.common.fields import StrictFloatField, StrictInputSerializer, StrictIntegerField
-from controlplane.jobs.models import Job, Optimizer, PipelineSchedule
+from controlplane.jobs.models import Job, Optimizer, PipelineSchedule, Precision
 from controlplane.jobs.selectors import job_contributions, job_loss_curve, job_stages
 from controlplane.market.selectors import job_cost
 from controlplane.market.serializers import JobCostOutput
@@ -86,6 +86,11 @@ class JobSubmitInput(StrictInputSerializer):
         default=dict,
         help_text='How activations and gradients travel, e.g. {"activations": "int8", "gradients": "int8"} '
         "(fp32|fp16|bf16|int8; gradients also topk; block_size, topk_ratio). {}: fp32.",
+    )
+    precision = serializers.ChoiceField(
+        choices=Precision.choices,
+        default=Precision.FP32,
+        help_text="fp32, or bf16: matmuls under bfloat16 autocast (weights and optimizer state stay float32).",
     )
 
 
@@ -181,6 +186,7 @@ class JobDetailOutput(JobListOutput):
     node_grace_seconds = serializers.FloatField(allow_null=True)
     schedule = serializers.CharField()
     transfer = serializers.JSONField()
+    precision = serializers.CharField()
     restarts = serializers.IntegerField(help_text="Rewinds not explained by a lost node since the last checkpoint.")
     resumed_from_step = serializers.IntegerField(
         source="resume_checkpoint.step", default=None, allow_null=True, help_text="The checkpoint the stages run from."

@@ -48,6 +48,7 @@ def job_submit(
     node_grace_seconds: float | None = None,
     schedule: str = "gpipe",
     transfer: dict[str, Any] | None = None,
+    precision: str = "fp32",
     requirements: dict[str, Any] | None = None,
     name: str = "",
 ) -> Job:
@@ -78,6 +79,7 @@ def job_submit(
         node_grace_seconds=node_grace_seconds,
         schedule=schedule,
         transfer=transfer_config.to_json(),  # every field spelt out, so agents need no defaults of their own
+        precision=precision,
         requirements=requirements or {},
     )
 

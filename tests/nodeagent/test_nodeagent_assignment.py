@@ -82,6 +82,7 @@ def test_first_and_last_stages() -> None:
             "unknown",
         ),
         ({"extra": 1}, "assignment.extra", "unknown field"),
+        ({"precision": "fp16"}, "assignment.precision", "one of fp32, bf16"),
     ],
 )
 def test_invalid_assignments(changes: dict[str, Any], field: str, fragment: str) -> None:

@@ -15,7 +15,7 @@ SPEC = MLPSpec((8, 16, 4))
 SGD = OptimizerConfig(name="sgd", lr=0.1)
 
 
-def runtime(start: int, end: int, optimizer: OptimizerConfig = SGD) -> StageRuntime:
+def runtime(start: int, end: int, optimizer: OptimizerConfig = SGD, precision: str = "fp32") -> StageRuntime:
     return StageRuntime(
         build_layers(SPEC, start, end, seed=1),
         optimizer=optimizer,
@@ -24,6 +24,7 @@ def runtime(start: int, end: int, optimizer: OptimizerConfig = SGD) -> StageRunt
         input_layout=SPEC.input_layout(start),
         max_micro_batch_size=10,
         device=torch.device("cpu"),
+        precision=precision,
     )
 
 
@@ -359,3 +360,27 @@ def test_build_hosted_stage_passes_on_a_bad_checkpoint() -> None:
         build_hosted_stage(
             middle_assignment(REF), torch.device("cpu"), max_message_bytes=2**20, load_checkpoint=other_stage
         )
+
+
+def test_bf16_stages_compute_under_autocast_and_exchange_float32() -> None:
+    x, y = batch()
+    fp32, bf16 = runtime(0, 1), runtime(0, 1, precision="bf16")
+    hidden32, hidden16 = fp32.forward((1, 0), x), bf16.forward((1, 0), x)
+    # What a bf16 stage sends is float32 (the wire and the next stage's checks expect it), rounded as bf16
+    # matmuls round: close to the fp32 stage's output, and not equal to it.
+    assert hidden16.dtype == torch.float32
+    assert not torch.equal(hidden16, hidden32)
+    torch.testing.assert_close(hidden16, hidden32, rtol=2e-2, atol=2e-2)
+    assert torch.equal(hidden16.to(torch.bfloat16).float(), hidden16)
+
+    last = runtime(1, 2, precision="bf16")
+    loss_sum, _ = last.forward_loss((1, 0), hidden16, y, batch_size=len(x))
+    grad = last.backward((1, 0))
+    assert grad is not None and grad.dtype == torch.float32 and grad.shape == hidden16.shape
+    assert bf16.backward((1, 0), grad) is None
+    # Weights and optimizer state stay float32, and the step moves them.
+    before = bf16.named_weights()
+    bf16.optimizer_step()
+    for name, weight in bf16.named_weights().items():
+        assert weight.dtype == torch.float32 and not torch.equal(weight, before[name])
+    assert loss_sum > 0

@@ -30,7 +30,8 @@ MICRO_BATCHES = 4
 
 @pytest.fixture
 def agents(request: pytest.FixtureRequest) -> Iterator[list[Agent]]:
-    """Three stages; an indirect parameter is the job's transfer setting (default fp32)."""
+    """Three stages; an indirect parameter may set the job's `transfer` and `precision` (default fp32)."""
+    options = getattr(request, "param", {})
     started = [Agent(device=torch.device("cpu")) for _ in range(3)]
     for agent in started:
         agent.start()
@@ -43,7 +44,8 @@ def agents(request: pytest.FixtureRequest) -> Iterator[list[Agent]]:
         seed=3,
         micro_batches=MICRO_BATCHES,
         max_micro_batch_size=max_micro_batch_size(DATASET, MICRO_BATCHES),
-        transfer=getattr(request, "param", None),
+        transfer=options.get("transfer"),
+        precision=options.get("precision", "fp32"),
     )
     for agent, stage in zip(started, stages, strict=True):
         agent.apply_assignments([Assignment.from_json(stage)])
@@ -92,20 +94,29 @@ def test_honest_stages_pass_every_spot_check(agents: list[Agent]) -> None:
 
 
 @pytest.mark.parametrize(
-    "agents", [{"activations": "int8", "gradients": "int8"}, {"activations": "bf16"}], indirect=True
+    "agents",
+    [
+        {"transfer": {"activations": "int8", "gradients": "int8"}},
+        {"transfer": {"activations": "bf16"}},
+        {"precision": "bf16"},
+    ],
+    indirect=True,
 )
 def test_honest_stages_pass_through_lossy_transfers_and_a_cheat_is_still_caught(
     agents: list[Agent], request: pytest.FixtureRequest
 ) -> None:
-    # The receiver holds the rounded activation: the check rounds the recomputation the same way.
-    transfer = transfer_config_from_json(request.node.callspec.params["agents"])
-    checks = spot_checks(plan_for(agents, transfer=transfer))
+    # The receiver holds the rounded activation: the check rounds the recomputation the same way; with bf16
+    # compute the verifier recomputes under bf16 autocast too.
+    options = request.node.callspec.params["agents"]
+    transfer = transfer_config_from_json(options.get("transfer"))
+    precision = options.get("precision", "fp32")
+    checks = spot_checks(plan_for(agents, transfer=transfer, precision=precision))
     assert len(checks) == 6 and all(c.passed for c in checks), [c.detail for c in checks if not c.passed]
     for agent in agents[:2]:
         runtime = agent.registry.stages()[0].runtime
         honest = runtime.forward
         runtime.forward = lambda key, x, f=honest: f(key, x) + 0.05  # type: ignore[method-assign]
-    checks = spot_checks(plan_for(agents, transfer=transfer))
+    checks = spot_checks(plan_for(agents, transfer=transfer, precision=precision))
     assert checks and not any(c.passed for c in checks)
 
 

@@ -7,8 +7,9 @@ from typing import Any
 import pytest
 from rest_framework.test import APIClient
 
+from arceus.model.precision import PRECISIONS
 from arceus.pipeline.schedule import SCHEDULES
-from controlplane.jobs.models import Job, PipelineSchedule
+from controlplane.jobs.models import Job, PipelineSchedule, Precision
 
 pytestmark = pytest.mark.django_db
 
@@ -89,6 +90,7 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
     ("grace a string", {"node_grace_seconds": "10"}, "node_grace_seconds", "finite JSON number"),
     ("grace a bool", {"node_grace_seconds": True}, "node_grace_seconds", "finite JSON number"),
     ("schedule", {"schedule": "interleaved"}, "schedule", "not a valid choice"),
+    ("precision", {"precision": "fp16"}, "precision", "not a valid choice"),
     ("transfer not an object", {"transfer": "int8"}, "transfer", "must be an object"),
     ("transfer null", {"transfer": None}, "transfer", "null"),
     ("transfer activations", {"transfer": {"activations": "topk"}}, "transfer.activations", "must be one of"),
@@ -162,6 +164,18 @@ def test_schedule_and_transfer_are_stored_normalised_and_shown(
 
 def test_every_pipeline_schedule_can_be_chosen() -> None:
     assert set(PipelineSchedule.values) == set(SCHEDULES)
+
+
+def test_bf16_precision_is_stored_and_shown_and_fp32_is_the_default(api: APIClient, digits_job: dict) -> None:
+    assert submit(api, digits_job).json()["precision"] == "fp32"
+    response = submit(api, {**digits_job, "precision": "bf16"})
+    assert response.status_code == 201, response.json()
+    assert Job.objects.get(pk=response.json()["id"]).precision == "bf16"
+    assert api.get(f"/api/jobs/{response.json()['id']}").json()["precision"] == "bf16"
+
+
+def test_every_precision_can_be_chosen() -> None:
+    assert set(Precision.values) == set(PRECISIONS)
 
 
 def test_missing_required_fields_are_each_named(api: APIClient) -> None:

@@ -174,6 +174,7 @@ def test_heartbeat_returns_the_assignment_contract(user, queued_job) -> None:
             "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0001},
             "micro_batches": 4,
             "transfer": {"activations": "fp32", "gradients": "fp32", "block_size": 64, "topk_ratio": 0.1},
+            "precision": "fp32",
             "max_micro_batch_size": 90,  # ceil(max(32, 360) / 4)
             "prev_address": addresses.get(index - 1),
             "next_address": addresses.get(index + 1),
@@ -183,19 +184,16 @@ def test_heartbeat_returns_the_assignment_contract(user, queued_job) -> None:
         assert Assignment.from_json(assignment).stage_index == index
 
 
-def test_the_jobs_transfer_setting_reaches_every_assignment(user, queued_job) -> None:
+def test_the_jobs_transfer_and_precision_settings_reach_every_assignment(user, queued_job) -> None:
     agents = three_agents(user)
-    queued_job(transfer={"activations": "int8", "gradients": "topk", "topk_ratio": 0.25})
+    queued_job(transfer={"activations": "int8", "gradients": "topk", "topk_ratio": 0.25}, precision="bf16")
     reconcile_once()
     for _, client in agents:
         [assignment] = heartbeat(client).json()["assignments"]
-        parsed = Assignment.from_json(assignment).transfer
-        assert (parsed.activations, parsed.gradients, parsed.block_size, parsed.topk_ratio) == (
-            "int8",
-            "topk",
-            64,
-            0.25,
-        )
+        parsed = Assignment.from_json(assignment)
+        assert (parsed.transfer.activations, parsed.transfer.gradients) == ("int8", "topk")
+        assert (parsed.transfer.block_size, parsed.transfer.topk_ratio) == (64, 0.25)
+        assert parsed.precision == "bf16"
 
 
 def test_observed_states_count_only_for_the_current_generation(user, queued_job) -> None:
