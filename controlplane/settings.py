@@ -177,6 +177,9 @@ SPECTACULAR_SETTINGS = {
 ARCEUS_HEARTBEAT_INTERVAL_SECONDS = float(os.environ.get("ARCEUS_HEARTBEAT_INTERVAL_SECONDS", "2"))
 # A node whose last heartbeat is older than this is marked Ready=Unknown (its lease duration).
 ARCEUS_NODE_GRACE_SECONDS = float(os.environ.get("ARCEUS_NODE_GRACE_SECONDS", "6"))
+# Placement trusts a node's measured links to its pipeline neighbours for this long (agents re-measure
+# every 5 minutes while they have neighbours); older figures give way to its control-plane link.
+ARCEUS_NEIGHBOUR_LINK_MAX_AGE_SECONDS = float(os.environ.get("ARCEUS_NEIGHBOUR_LINK_MAX_AGE_SECONDS", "1800"))
 # The periodic full resync (Celery beat); changes also nudge the reconciler at once.
 ARCEUS_RECONCILE_INTERVAL_SECONDS = float(os.environ.get("ARCEUS_RECONCILE_INTERVAL_SECONDS", "2"))
 # A training driver renews its lease from a thread every third of this; a driver silent for longer is

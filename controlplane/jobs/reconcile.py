@@ -55,8 +55,8 @@ class NodeView:
     pause_reason: str = "paused by its owner"
     device_type: str = "cpu"
     price_per_hour: float = 0.0  # the posted price of its device class
-    # Its measured link, to the control plane (POST /api/agent/probe) while links between pipeline
-    # neighbours are not measured; unmeasured: unlimited.
+    # Its measured link: the worst to a pipeline neighbour (LinkProbeService), else to the control plane
+    # (POST /api/agent/probe); unmeasured: unlimited.
     bandwidth_bytes_per_s: float = math.inf
     latency_s: float = 0.0
 

@@ -16,6 +16,7 @@ from controlplane.jobs.models import ACTIVE_STATUSES, Job, JobStatus, Stage
 from controlplane.jobs.placement import layer_profiles, requirements, workload
 from controlplane.jobs.reconcile import Desired, JobView, NodeView, Observed, PlacedStage, StageReport
 from controlplane.market.services import node_device_class, price_in_force
+from controlplane.nodes.links import nodes_worst_neighbour_link
 from controlplane.nodes.models import Node
 from controlplane.nodes.selectors import node_unavailable_reason
 
@@ -49,12 +50,19 @@ def node_views(nodes: Iterable[Node], now: datetime | None = None) -> tuple[Node
     owners offer, and whether their owners' controls let them work now."""
     nodes, now = list(nodes), now or timezone.now()
     prices = {klass: price_in_force(klass) for klass in {node_device_class(n) for n in nodes}}
-    return tuple(_node_view(node, prices[node_device_class(node)], now) for node in nodes)
+    neighbour_links = nodes_worst_neighbour_link((n.id for n in nodes), now)
+    return tuple(
+        _node_view(node, prices[node_device_class(node)], now, neighbour_links.get(str(node.id))) for node in nodes
+    )
 
 
-def _node_view(node: Node, price_per_hour: float, now: datetime) -> NodeView:
+def _node_view(
+    node: Node, price_per_hour: float, now: datetime, neighbour_link: tuple[float, float] | None
+) -> NodeView:
     reason = node_unavailable_reason(node, now)
     memory = node.memory_bytes or 0
+    # The worst link it measured to a pipeline neighbour, else its link to the control plane.
+    bandwidth, rtt = neighbour_link or (node.control_plane_bandwidth_bytes_per_second, node.control_plane_rtt_seconds)
     return NodeView(
         id=str(node.id),
         name=node.name,
@@ -67,8 +75,8 @@ def _node_view(node: Node, price_per_hour: float, now: datetime) -> NodeView:
         pause_reason=reason or "",
         device_type=node.device_type or "cpu",
         price_per_hour=price_per_hour,
-        bandwidth_bytes_per_s=node.control_plane_bandwidth_bytes_per_second or math.inf,
-        latency_s=(node.control_plane_rtt_seconds or 0.0) / 2,  # one way
+        bandwidth_bytes_per_s=bandwidth or math.inf,
+        latency_s=(rtt or 0.0) / 2,  # one way
     )
 
 

@@ -122,6 +122,7 @@ class AgentHeartbeatApi(AgentApi):
             now=timezone.now(),
             host_busy_fraction=data.validated_data.get("host_busy_fraction"),
             link=data.validated_data.get("link"),
+            neighbour_links=data.validated_data["neighbour_links"],
         )
         return Response(
             {

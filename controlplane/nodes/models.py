@@ -83,3 +83,20 @@ class NodeLease(BaseModel):
 
     def __str__(self) -> str:
         return f"lease of {self.node_id} renewed {self.renewed_at:%H:%M:%S}"
+
+
+class NodeLink(BaseModel):
+    """The latest figures of a node's link to one of its pipeline neighbours, as the node's agent measured
+    them (one row per ordered pair, upserted by heartbeats)."""
+
+    from_node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="links_out")
+    to_node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="links_in")
+    rtt_seconds = models.FloatField()
+    bandwidth_bytes_per_second = models.FloatField()
+    measured_at = models.DateTimeField(db_index=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["from_node", "to_node"], name="node_link_pair")]
+
+    def __str__(self) -> str:
+        return f"link {self.from_node_id} -> {self.to_node_id}"

@@ -168,6 +168,22 @@ class ObservedStageInput(serializers.Serializer):
     message = serializers.CharField(allow_blank=True, default="", trim_whitespace=False)
 
 
+MAX_NEIGHBOUR_LINKS = 64  # an agent has two neighbours per hosted stage
+
+
+class NeighbourLinkInput(StrictInputSerializer):
+    """The agent's link to the neighbour it dials at `address`; both figures null: its probe failed."""
+
+    address = serializers.CharField(max_length=255, validators=[validate_grpc_address])
+    rtt_seconds = StrictFloatField(greater_than=0, max_value=600, allow_null=True)
+    bandwidth_bytes_per_second = StrictFloatField(greater_than=0, allow_null=True)
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        if (attrs["rtt_seconds"] is None) != (attrs["bandwidth_bytes_per_second"] is None):
+            raise serializers.ValidationError("rtt_seconds and bandwidth_bytes_per_second are both set or both null")
+        return attrs
+
+
 class AgentHeartbeatInput(serializers.Serializer):
     observed = ObservedStageInput(many=True, default=list)
     host_busy_fraction = StrictFloatField(
@@ -175,6 +191,16 @@ class AgentHeartbeatInput(serializers.Serializer):
         help_text="CPU share used by the machine's other processes since the last heartbeat",
     )
     link = LinkInput(required=False, allow_null=True, default=None)
+    neighbour_links = NeighbourLinkInput(
+        many=True, default=list, max_length=MAX_NEIGHBOUR_LINKS,
+        help_text="Links to pipeline neighbours measured since the last heartbeat",
+    )
+
+    def validate_neighbour_links(self, links: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        addresses = [link["address"] for link in links]
+        if len(set(addresses)) != len(addresses):
+            raise serializers.ValidationError("each neighbour address may appear once")
+        return links
 
     def reports(self) -> list[StageReport]:
         return [StageReport(**item) for item in self.validated_data["observed"]]

@@ -19,6 +19,7 @@ from controlplane.jobs.models import Stage
 from controlplane.jobs.selectors import assignments_for_node
 from controlplane.jobs.services import job_rewind
 from controlplane.jobs.stages import StageReport, stages_record_observed
+from controlplane.nodes.links import node_links_record
 from controlplane.nodes.models import Node, NodeLease, ReadyStatus
 
 NODE_TOKEN_PREFIX = "arceus_node_"
@@ -96,6 +97,7 @@ def node_heartbeat(
     now: datetime,
     host_busy_fraction: float | None = None,
     link: dict[str, float] | None = None,
+    neighbour_links: Sequence[dict[str, Any]] = (),
 ) -> list[dict[str, Any]]:
     """Renew the node's lease, record what it observed, and return its assignments (its whole desired
     state). Nudges the reconciler only when something changed, so a steady heartbeat is one narrow
@@ -111,6 +113,7 @@ def node_heartbeat(
         _set_link(node, link, now)
         node.save(update_fields=["control_plane_rtt_seconds", "control_plane_bandwidth_bytes_per_second",
                                  "link_measured_at"])
+    node_links_record(node=node, links=neighbour_links, now=now)
     changed = stages_record_observed(node=node, reports=observed)
     if node.ready_status != TRUE:
         Node.objects.filter(pk=node.pk).update(

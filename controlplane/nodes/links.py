@@ -1,0 +1,63 @@
+"""Nodes' measured links to their pipeline neighbours: recorded from heartbeats, read by placement."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db.models import Max, Min, Q
+
+from controlplane.jobs.models import Stage
+from controlplane.nodes.models import Node, NodeLink
+
+
+def node_links_record(*, node: Node, links: Sequence[dict[str, Any]], now: datetime) -> None:
+    """Upsert the figures of `node`'s links (validated by the API, keyed by the neighbour's gRPC address).
+    Only addresses of the nodes hosting a neighbour of one of its active stages count, so a report that
+    raced a move names no stale node. Null figures (the probe failed) drop the pair's figures: unknown."""
+    peers = _neighbour_nodes(node)
+    measured, unknown = [], []
+    for link in links:
+        peer = peers.get(link["address"])
+        if peer is None:
+            continue
+        if link["rtt_seconds"] is None:
+            unknown.append(peer)
+        else:
+            measured.append(
+                NodeLink(from_node=node, to_node_id=peer, rtt_seconds=link["rtt_seconds"],
+                         bandwidth_bytes_per_second=link["bandwidth_bytes_per_second"], measured_at=now)
+            )
+    if unknown:
+        NodeLink.objects.filter(from_node=node, to_node_id__in=unknown).delete()
+    if measured:
+        NodeLink.objects.bulk_create(
+            measured, update_conflicts=True, unique_fields=["from_node", "to_node"],
+            update_fields=["rtt_seconds", "bandwidth_bytes_per_second", "measured_at"],
+        )
+
+
+def _neighbour_nodes(node: Node) -> dict[str, Any]:
+    """gRPC address → id of each node hosting the stage before or after one of `node`'s active stages."""
+    hosted = Stage.objects.filter(node=node, active=True).values_list("job_id", "index")
+    around = Q()
+    for job_id, index in hosted:
+        around |= Q(job_id=job_id, index__in=(index - 1, index + 1))
+    if not around:
+        return {}
+    neighbours = Stage.objects.filter(around, active=True, node__isnull=False).exclude(node=node)
+    return {address: node_id for node_id, address in neighbours.values_list("node_id", "node__grpc_address")}
+
+
+def nodes_worst_neighbour_link(node_ids: Iterable[Any], now: datetime) -> dict[str, tuple[float, float]]:
+    """Node id → (lowest bandwidth, highest RTT) among its fresh neighbour-link figures (measured within
+    ARCEUS_NEIGHBOUR_LINK_MAX_AGE_SECONDS); nodes with none are left out."""
+    since = now - timedelta(seconds=settings.ARCEUS_NEIGHBOUR_LINK_MAX_AGE_SECONDS)
+    rows = (
+        NodeLink.objects.filter(from_node_id__in=list(node_ids), measured_at__gte=since)
+        .values("from_node_id")
+        .annotate(bandwidth=Min("bandwidth_bytes_per_second"), rtt=Max("rtt_seconds"))
+    )
+    return {str(r["from_node_id"]): (r["bandwidth"], r["rtt"]) for r in rows}
