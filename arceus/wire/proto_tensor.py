@@ -21,15 +21,20 @@ def write_encoded(message: stage_pb2.Tensor, encoded: compression.Encoded) -> st
     """Fill `message` in place, e.g. `request.tensor`: passing a built Tensor to the request's
     constructor merges it field by field, about 4.5 ms for 4 MB against 0.1 ms for setting it here.
     "fp32" leaves `encoding` unset, so it is byte for byte the plain message."""
+    write_encoded_header(message, encoded)
+    message.data = encoded.data
+    return message
+
+
+def write_encoded_header(message: stage_pb2.Tensor, encoded: compression.Encoded) -> None:
+    """Every field of `encoded` but `data` (which a push stream sends apart)."""
     message.dtype = "float32"
     message.shape[:] = encoded.shape
-    message.data = encoded.data
     if encoded.encoding != "fp32":
         message.encoding = encoded.encoding
         message.scales = encoded.scales
         message.block_size = encoded.block_size
         message.indices = encoded.indices
-    return message
 
 
 def from_proto(

@@ -21,6 +21,7 @@ import grpc
 
 from arceus.v1 import stage_pb2
 from arceus.wire.compression import Encoded
+from arceus.wire.proto_tensor import write_encoded_header
 
 log = logging.getLogger(__name__)
 METHOD = "/arceus.v1.StageService/PushStream"
@@ -62,13 +63,7 @@ def outgoing_push(
     target: stage_pb2.StageRef, kind: int, step: int, micro_batch: int, encoded: Encoded
 ) -> OutgoingPush:
     header = stage_pb2.PushTensorRequest(target=target, kind=kind, step=step, micro_batch=micro_batch)
-    t = header.tensor
-    t.dtype = "float32"
-    t.shape[:] = encoded.shape
-    if encoded.encoding != "fp32":  # fp32 leaves `encoding` unset: the plain message
-        t.encoding, t.scales, t.block_size, t.indices = (
-            encoded.encoding, encoded.scales, encoded.block_size, encoded.indices
-        )
+    write_encoded_header(header.tensor, encoded)
     return OutgoingPush(header, encoded.data)
 
 

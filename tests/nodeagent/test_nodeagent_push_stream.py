@@ -14,7 +14,9 @@ import torch
 
 from arceus.v1 import stage_pb2, stage_pb2_grpc
 from arceus.wire import codec
-from arceus.wire.push_stream import OutgoingPush, PushError, PushStream, raw_push, serialize
+from arceus.wire.proto_tensor import write_encoded
+from arceus.wire.push_stream import OutgoingPush, PushError, PushStream, outgoing_push, raw_push, serialize
+from arceus.wire.transfer import TransferConfig, TransferEncoder
 from nodeagent.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
 from nodeagent.static import pipeline_assignments
 
@@ -66,6 +68,17 @@ def test_serialized_push_parses_as_the_plain_request() -> None:
     expected.CopyFrom(push.header)
     expected.tensor.data = bytes(push.data)
     assert parsed == expected
+
+
+@pytest.mark.parametrize("encoding", ["fp32", "int8"])
+def test_an_encoded_push_parses_as_the_request_write_encoded_builds(encoding: str) -> None:
+    encoder = TransferEncoder(TransferConfig(activations=encoding))
+    encoded = encoder.encode(torch.randn(3, 100), gradient=False, stream=0)
+    ref = stage_pb2.StageRef(job_id=JOB, stage_index=1, generation=1)
+    expected = stage_pb2.PushTensorRequest(target=ref, kind=stage_pb2.ACTIVATION, step=5, micro_batch=1)
+    write_encoded(expected.tensor, encoded)
+    push = outgoing_push(ref, stage_pb2.ACTIVATION, 5, 1, encoded)
+    assert stage_pb2.PushTensorRequest.FromString(serialize(push)) == expected
 
 
 def test_many_micro_batches_travel_over_one_stream(stream: PushStream) -> None:
