@@ -21,7 +21,6 @@ from nodeagent.neighbour_links import NeighbourLinks
 from nodeagent.registry import ObservedStage, StageRegistry
 from nodeagent.servicer import StageServicer
 from nodeagent.stage import CheckpointLoader, grpc_channel_options
-from nodeagent.tensor_parallel import TensorParallelGroups
 from nodeagent.tp_servicer import TensorParallelServicer
 
 log = logging.getLogger(__name__)
@@ -80,7 +79,7 @@ class Agent:
             self._server,
         )
         # The all-reduce partials of the tensor-parallel stages hosted here.
-        self.tensor_parallel = TensorParallelGroups()
+        self.tensor_parallel = self.registry.tensor_parallel
         tensor_parallel_pb2_grpc.add_TensorParallelServiceServicer_to_server(
             TensorParallelServicer(self.tensor_parallel), self._server
         )

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from arceus.errors import SpecError
+from arceus.model.gpt_spec import GPTSpec
 from arceus.model.precision import check_precision
 from arceus.model.spec import ModelSpec, model_spec_from_config
 from arceus.wire.transfer import TransferConfig, transfer_config_from_json
@@ -34,9 +35,10 @@ _FIELDS = frozenset(
         "next_address",
     }
 )
-_OPTIONAL_FIELDS = frozenset({"checkpoint", "transfer", "precision"})
+_OPTIONAL_FIELDS = frozenset({"checkpoint", "transfer", "precision", "tensor_parallel"})
 _OPTIMIZER_FIELDS = frozenset({"name", "lr", "momentum", "weight_decay"})
 _CHECKPOINT_FIELDS = frozenset({"step", "url", "sha256"})
+_TENSOR_PARALLEL_FIELDS = frozenset({"rank", "size", "peers"})
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,19 @@ class CheckpointRef:
     step: int
     url: str
     sha256: str
+
+
+@dataclass(frozen=True)
+class TensorParallelConfig:
+    """This agent is rank `rank` of a stage split over `len(peers)` agents (`peers`: every rank's address,
+    in rank order, this one's included)."""
+
+    rank: int
+    peers: tuple[str, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.peers)
 
 
 @dataclass(frozen=True)
@@ -75,6 +90,10 @@ class Assignment:
     checkpoint: CheckpointRef | None = None  # None: start from the seeded initial weights
     transfer: TransferConfig = TransferConfig()  # how this stage encodes what it sends
     precision: str = "fp32"  # or "bf16": autocast compute (arceus.model.precision)
+    tensor_parallel: TensorParallelConfig | None = None  # None: the stage is this one agent
+    # Every rank of a tensor-parallel neighbour (rank 0's is prev/next_address); empty for a one-agent one.
+    prev_ranks: tuple[str, ...] = ()
+    next_ranks: tuple[str, ...] = ()
 
     @property
     def is_first(self) -> bool:
@@ -83,6 +102,22 @@ class Assignment:
     @property
     def is_last(self) -> bool:
         return self.stage_index == self.num_stages - 1
+
+    @property
+    def sends_on(self) -> bool:
+        """Whether this agent sends the stage's outputs on: every rank computes the same replicated
+        outputs and input gradients, so only rank 0 of a tensor-parallel stage sends them."""
+        return self.tensor_parallel is None or self.tensor_parallel.rank == 0
+
+    @property
+    def prev_addresses(self) -> tuple[str, ...]:
+        """Where gradients go: every rank of the previous stage."""
+        return self.prev_ranks or ((self.prev_address,) if self.prev_address else ())
+
+    @property
+    def next_addresses(self) -> tuple[str, ...]:
+        """Where activations go: every rank of the next stage."""
+        return self.next_ranks or ((self.next_address,) if self.next_address else ())
 
     @property
     def spec(self) -> ModelSpec:
@@ -129,8 +164,10 @@ class Assignment:
             raise SpecError(
                 "assignment.layer_end", f"the last stage must end at layer {spec.num_layers}, got {layer_end}"
             )
-        prev_address = _address(data, "prev_address", required=stage_index > 0)
-        next_address = _address(data, "next_address", required=stage_index < num_stages - 1)
+        prev_address, prev_ranks = _neighbour(data, "prev_address", required=stage_index > 0)
+        next_address, next_ranks = _neighbour(data, "next_address", required=stage_index < num_stages - 1)
+        precision = check_precision(data.get("precision", "fp32"), "assignment.precision")
+        tensor_parallel = _tensor_parallel(data.get("tensor_parallel"), spec, precision)
         return cls(
             stage_id=stage_id,
             job_id=job_id,
@@ -148,7 +185,10 @@ class Assignment:
             next_address=next_address,
             checkpoint=_checkpoint(data.get("checkpoint")),
             transfer=transfer_config_from_json(data.get("transfer"), field="assignment.transfer"),
-            precision=check_precision(data.get("precision", "fp32"), "assignment.precision"),
+            precision=precision,
+            tensor_parallel=tensor_parallel,
+            prev_ranks=prev_ranks,
+            next_ranks=next_ranks,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -170,13 +210,24 @@ class Assignment:
             },
             "micro_batches": self.micro_batches,
             "max_micro_batch_size": self.max_micro_batch_size,
-            "prev_address": self.prev_address,
-            "next_address": self.next_address,
+            "prev_address": list(self.prev_ranks) if self.prev_ranks else self.prev_address,
+            "next_address": list(self.next_ranks) if self.next_ranks else self.next_address,
             "checkpoint": None
             if self.checkpoint is None
             else {"step": self.checkpoint.step, "url": self.checkpoint.url, "sha256": self.checkpoint.sha256},
             "transfer": self.transfer.to_json(),
             "precision": self.precision,
+            **(
+                {}
+                if self.tensor_parallel is None
+                else {
+                    "tensor_parallel": {
+                        "rank": self.tensor_parallel.rank,
+                        "size": self.tensor_parallel.size,
+                        "peers": list(self.tensor_parallel.peers),
+                    }
+                }
+            ),
         }
 
 
@@ -205,6 +256,50 @@ def _address(data: dict[str, Any], key: str, *, required: bool) -> str | None:
     if not isinstance(value, str) or ":" not in value:
         raise SpecError(f"assignment.{key}", f'must be "host:port" of the neighbouring stage, got {value!r}')
     return value
+
+
+def _neighbour(data: dict[str, Any], key: str, *, required: bool) -> tuple[str | None, tuple[str, ...]]:
+    """(rank 0's address, every rank's) of a neighbour given as "host:port", or, when it is a
+    tensor-parallel stage, as the list of its ranks' addresses in rank order."""
+    value = data[key]
+    if not isinstance(value, list):
+        return _address(data, key, required=required), ()
+    if not required:
+        raise SpecError(f"assignment.{key}", f"must be null at this end of the pipeline, got {value!r}")
+    ranks = tuple(_address({key: v}, key, required=True) or "" for v in value)
+    if len(ranks) < 2 or len(set(ranks)) != len(ranks):
+        raise SpecError(f"assignment.{key}", f"a list must name 2 or more distinct ranks, got {value!r}")
+    return ranks[0], ranks
+
+
+def _tensor_parallel(value: Any, spec: ModelSpec, precision: str) -> TensorParallelConfig | None:
+    field = "assignment.tensor_parallel"
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise SpecError(field, f"must be an object or null, got {type(value).__name__}")
+    if set(value) != _TENSOR_PARALLEL_FIELDS:
+        raise SpecError(field, f"must have exactly the fields {', '.join(sorted(_TENSOR_PARALLEL_FIELDS))}")
+    size = _int(value, "size", minimum=2, parent=field)
+    rank = _int(value, "rank", minimum=0, parent=field)
+    if rank >= size:
+        raise SpecError(f"{field}.rank", f"must be below size ({size}), got {rank}")
+    peers = value["peers"]
+    if not isinstance(peers, list) or len(peers) != size:
+        raise SpecError(f"{field}.peers", f"must list the addresses of all {size} ranks, got {peers!r}")
+    for peer in peers:
+        if not isinstance(peer, str) or ":" not in peer:
+            raise SpecError(f"{field}.peers", f'must be "host:port" addresses, got {peer!r}')
+    if len(set(peers)) != size:
+        raise SpecError(f"{field}.peers", f"must be distinct addresses, got {peers!r}")
+    if not isinstance(spec, GPTSpec):
+        raise SpecError(field, "only a transformer's blocks split across a tensor-parallel group")
+    if spec.n_head % size:
+        raise SpecError(f"{field}.size", f"must divide the model's n_head ({spec.n_head}), got {size}")
+    if precision != "fp32":
+        # The all-reduce carries float32 partials; a bf16 split is untested, so it is refused.
+        raise SpecError(field, f"needs precision fp32, got {precision}")
+    return TensorParallelConfig(rank=rank, peers=tuple(peers))
 
 
 def _optimizer(value: Any) -> OptimizerConfig:

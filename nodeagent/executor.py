@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
+from contextlib import AbstractContextManager, nullcontext
 
 import grpc
 import torch
@@ -41,23 +43,25 @@ class PushTracker:
         self.failure: RpcFailure | None = None
 
     def send(
-        self, link: NeighbourLink, target_index: int, kind: int, micro_batch: int, tensor: torch.Tensor
+        self, links: Sequence[NeighbourLink], target_index: int, kind: int, micro_batch: int, tensor: torch.Tensor
     ) -> Encoded:
-        """Start the push; returns the payload as encoded (what the receiver will decode)."""
-        # Encoded per the job's transfer setting; top-k error feedback is kept per micro-batch slot.
+        """Start the push to every rank of the neighbour (`links`); returns the payload as encoded (what
+        the receivers will decode)."""
+        # Encoded once, per the job's transfer setting; top-k error feedback is kept per micro-batch slot.
         encoded = self._stage.transfer.encode(tensor, gradient=kind == stage_pb2.GRADIENT, stream=micro_batch)
         push = outgoing_push(self._stage.ref(target_index), kind, self._step, micro_batch, encoded)
         timeout = max(MIN_CALL_TIMEOUT, self._deadline - time.monotonic())
-        what = (
-            f"the {stage_pb2.TensorKind.Name(kind)} of step {self._step} micro-batch {micro_batch} "
-            f"to stage {target_index} at {link.address}"
-        )
         nbytes = encoded.nbytes
-        with self._cond:
-            self._pending += 1
-        future = link.pushes.push(push, timeout)
-        self._futures.append(future)
-        future.add_done_callback(lambda f: self._done(f, what, nbytes))
+        for link in links:
+            what = (
+                f"the {stage_pb2.TensorKind.Name(kind)} of step {self._step} micro-batch {micro_batch} "
+                f"to stage {target_index} at {link.address}"
+            )
+            with self._cond:
+                self._pending += 1
+            future = link.pushes.push(push, timeout)
+            self._futures.append(future)
+            future.add_done_callback(lambda f, what=what: self._done(f, what, nbytes))
         return encoded
 
     def _done(self, future: Future[None], what: str, nbytes: int) -> None:
@@ -137,6 +141,13 @@ def run_step(
     def receive(kind: int, micro_batch: int) -> torch.Tensor:
         return _receive(stage, request.step, kind, micro_batch, wait_until, abort, pushes)
 
+    def group_op(micro_batch: int) -> AbstractContextManager[None]:
+        """Names the all-reduces of a tensor-parallel stage's compute, which its ranks run in one order."""
+        group = stage.tensor_parallel
+        if group is None:
+            return nullcontext()
+        return group.micro_batch(request.step, micro_batch, deadline=wait_until, abort=abort)
+
     try:
         for action in actions:
             m = action.micro_batch
@@ -156,19 +167,22 @@ def run_step(
                             f"micro-batch {m} of step {request.step} has {len(x)} activations "
                             f"but {len(labels)} labels",
                         )
-                    if train:
-                        loss_sum, correct = runtime.forward_loss(key, x, labels, request.batch_size)
-                    else:
-                        loss_sum, correct = runtime.eval_loss(x, labels)
+                    with group_op(m):
+                        if train:
+                            loss_sum, correct = runtime.forward_loss(key, x, labels, request.batch_size)
+                        else:
+                            loss_sum, correct = runtime.eval_loss(x, labels)
                     results[m] = (loss_sum, correct, len(x))
                 else:
-                    out = runtime.forward(key, x) if train else runtime.eval_forward(x)
-                    encoded = pushes.send(stage.next_link, a.stage_index + 1, stage_pb2.ACTIVATION, m, out)
-                    if record is not None:
-                        record.sent[m] = _as_delivered(out, encoded)
-                        sent_receipts.append(
-                            _receipt(stage, signer, request.step, m, record.sent[m], a.stage_index + 1, SENT)
-                        )
+                    with group_op(m):
+                        out = runtime.forward(key, x) if train else runtime.eval_forward(x)
+                    if a.sends_on:  # ranks 1.. of a tensor-parallel stage compute the same output as rank 0
+                        encoded = pushes.send(stage.next_links, a.stage_index + 1, stage_pb2.ACTIVATION, m, out)
+                        if record is not None:
+                            record.sent[m] = _as_delivered(out, encoded)
+                            sent_receipts.append(
+                                _receipt(stage, signer, request.step, m, record.sent[m], a.stage_index + 1, SENT)
+                            )
             else:
                 grad = None
                 if not io.is_last:
@@ -179,9 +193,10 @@ def run_step(
                             f"the GRADIENT of step {request.step} micro-batch {m} has {len(grad)} "
                             f"rows but its forward had {forward_sizes[m]}",
                         )
-                grad_input = runtime.backward(key, grad)
-                if grad_input is not None:
-                    pushes.send(stage.prev_link, a.stage_index - 1, stage_pb2.GRADIENT, m, grad_input)
+                with group_op(m):
+                    grad_input = runtime.backward(key, grad)
+                if grad_input is not None and a.sends_on:
+                    pushes.send(stage.prev_links, a.stage_index - 1, stage_pb2.GRADIENT, m, grad_input)
             pushes.raise_if_failed()
         pushes.wait_all()
         if record is not None:

@@ -20,6 +20,7 @@ from arceus.v1 import stage_pb2
 from nodeagent.assignment import Assignment
 from nodeagent.stage import CheckpointLoader, HostedStage, build_hosted_stage
 from nodeagent.status import RpcFailure
+from nodeagent.tensor_parallel import TensorParallelGroups, stage_group
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,9 @@ class StageRegistry:
         self._apply_lock = threading.Lock()
         self._stages: dict[str, HostedStage] = {}
         self._failed: dict[str, ObservedStage] = {}
+        # The all-reduce groups of hosted tensor-parallel stages (TensorParallelService resolves here);
+        # each lives as long as its stage.
+        self.tensor_parallel = TensorParallelGroups()
 
     def apply(self, assignments: Sequence[Assignment], rejected: Sequence[ObservedStage] = ()) -> bool:
         """Make the hosted stages match `assignments`; `rejected` are listed stages that could not even be
@@ -89,12 +93,17 @@ class StageRegistry:
                         f"as {clash.assignment.stage_id}",
                     )
                     continue
+                group = None
                 try:
+                    group = stage_group(assignment, max_message_bytes=self._max_message_bytes)
+                    if group is not None:  # before the build: peers may push partials as soon as they run
+                        self.tensor_parallel.add(group)
                     stages[stage_id] = build_hosted_stage(
                         assignment,
                         self._device,
                         max_message_bytes=self._max_message_bytes,
                         load_checkpoint=self._load_checkpoint,
+                        tensor_parallel=group,
                     )
                     log.info(
                         "built %s (generation %d): layers [%d, %d) on %s, %s",
@@ -109,6 +118,8 @@ class StageRegistry:
                     )
                 except Exception as exc:  # a stage that cannot be built is reported, not fatal
                     log.exception("could not build %s", stage_id)
+                    if group is not None:
+                        self.tensor_parallel.remove(group)
                     new_failed[stage_id] = ObservedStage(
                         stage_id,
                         assignment.generation,
@@ -121,6 +132,8 @@ class StageRegistry:
                 if stages.get(stage_id) is not old:
                     log.info("dropped %s (generation %d)", stage_id, old.assignment.generation)
                     old.close()
+                    if old.tensor_parallel is not None:
+                        self.tensor_parallel.remove(old.tensor_parallel)
             identities = {k: id(v) for k, v in stages.items()}
             return identities != {k: id(v) for k, v in current.items()} or new_failed != failed
 

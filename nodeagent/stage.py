@@ -5,12 +5,15 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 import torch
 
 from arceus.model.build import build_layers
+from arceus.model.gpt_spec import GPTSpec
 from arceus.model.layout import TensorLayout
+from arceus.model.tensor_parallel import build_parallel_layers, slice_state_tensors
 from arceus.v1 import stage_pb2
 from arceus.wire.push_stream import PushStream
 from arceus.wire.transfer import TransferEncoder
@@ -18,6 +21,9 @@ from nodeagent.assignment import Assignment, CheckpointRef
 from nodeagent.mailbox import Mailbox
 from nodeagent.runtime import StageRuntime
 from nodeagent.verify import AuditRecord
+
+if TYPE_CHECKING:  # nodeagent.tensor_parallel imports this module
+    from nodeagent.tensor_parallel import TensorParallelGroup
 
 
 @dataclass(frozen=True)
@@ -56,8 +62,16 @@ class NeighbourLink:
 
 
 class HostedStage:
-    def __init__(self, assignment: Assignment, runtime: StageRuntime, *, max_message_bytes: int) -> None:
+    def __init__(
+        self,
+        assignment: Assignment,
+        runtime: StageRuntime,
+        *,
+        max_message_bytes: int,
+        tensor_parallel: TensorParallelGroup | None = None,
+    ) -> None:
         self.assignment = assignment
+        self.tensor_parallel = tensor_parallel
         self.runtime = runtime
         self.transfer = TransferEncoder(assignment.transfer)  # holds top-k error feedback
         spec = assignment.spec
@@ -74,12 +88,9 @@ class HostedStage:
         # for early arrivals of the next step. The cap bounds what a misbehaving peer can park here.
         self.mailbox: Mailbox[torch.Tensor] = Mailbox(capacity=4 * assignment.micro_batches + 8)
         self.step_lock = threading.Lock()
-        self.next_link = (
-            NeighbourLink(assignment.next_address, max_message_bytes) if assignment.next_address else None
-        )
-        self.prev_link = (
-            NeighbourLink(assignment.prev_address, max_message_bytes) if assignment.prev_address else None
-        )
+        # A link to every rank of each neighbour: each rank of a tensor-parallel stage takes its inputs.
+        self.next_links = [NeighbourLink(address, max_message_bytes) for address in assignment.next_addresses]
+        self.prev_links = [NeighbourLink(address, max_message_bytes) for address in assignment.prev_addresses]
         self._bytes_lock = threading.Lock()
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -119,9 +130,8 @@ class HostedStage:
     def close(self) -> None:
         """Wake anyone waiting on this stage's mailbox and close its channels."""
         self.mailbox.close()
-        for link in (self.next_link, self.prev_link):
-            if link is not None:
-                link.close()
+        for link in (*self.next_links, *self.prev_links):
+            link.close()
 
 
 CheckpointLoader = Callable[[CheckpointRef], dict[str, torch.Tensor]]
@@ -133,11 +143,25 @@ def build_hosted_stage(
     *,
     max_message_bytes: int,
     load_checkpoint: CheckpointLoader | None = None,
+    tensor_parallel: TensorParallelGroup | None = None,
 ) -> HostedStage:
     """Build the stage from its declarative spec only: layers [start, end) initialised from the seed,
-    then, if the assignment names a checkpoint, its weights and optimizer state loaded from it."""
+    then, if the assignment names a checkpoint, its weights and optimizer state loaded from it. A rank of
+    a tensor-parallel stage (`tensor_parallel`) builds, and loads, its shard of the layers."""
     spec = assignment.spec
-    layers = build_layers(spec, assignment.layer_start, assignment.layer_end, assignment.seed)
+    if tensor_parallel is None:
+        layers = build_layers(spec, assignment.layer_start, assignment.layer_end, assignment.seed)
+    elif isinstance(spec, GPTSpec):
+        layers = build_parallel_layers(
+            spec,
+            assignment.layer_start,
+            assignment.layer_end,
+            assignment.seed,
+            tensor_parallel.shard,
+            tensor_parallel.all_reduce,
+        )
+    else:
+        raise ValueError("only a transformer's stage can be tensor-parallel")
     runtime = StageRuntime(
         layers,
         optimizer=assignment.optimizer,
@@ -151,5 +175,8 @@ def build_hosted_stage(
     if assignment.checkpoint is not None:
         if load_checkpoint is None:
             raise ValueError(f"{assignment.stage_id} resumes from a checkpoint, but this agent cannot fetch one")
-        runtime.load_state_tensors(load_checkpoint(assignment.checkpoint))
-    return HostedStage(assignment, runtime, max_message_bytes=max_message_bytes)
+        tensors = load_checkpoint(assignment.checkpoint)  # a checkpoint is always of the unsplit stage
+        if tensor_parallel is not None and isinstance(spec, GPTSpec):
+            tensors = slice_state_tensors(spec, tensor_parallel.shard, tensors)
+        runtime.load_state_tensors(tensors)
+    return HostedStage(assignment, runtime, max_message_bytes=max_message_bytes, tensor_parallel=tensor_parallel)

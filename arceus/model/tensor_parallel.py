@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from arceus.checkpoint import OPTIMIZER_PREFIX
 from arceus.model.build import layer_generator
 from arceus.model.gpt import gpt_layer
 from arceus.model.gpt_spec import GPTSpec
@@ -160,6 +161,46 @@ def shard_tensor(spec: GPTSpec, shard: Shard, name: str, full: torch.Tensor) -> 
 
 def shard_state(spec: GPTSpec, shard: Shard, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: shard_tensor(spec, shard, name, tensor) for name, tensor in full.items()}
+
+
+def _parameter_of(name: str) -> str:
+    """The parameter a checkpoint tensor belongs to: itself, or, for an optimizer entry
+    ("optimizer.<parameter>.<key>"), the parameter it is kept for."""
+    if name.startswith(OPTIMIZER_PREFIX):
+        return name.removeprefix(OPTIMIZER_PREFIX).rpartition(".")[0]
+    return name
+
+
+def slice_state_tensors(spec: GPTSpec, shard: Shard, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Rank `shard.rank`'s part of an unsplit stage's checkpoint tensors (weights and optimizer state)."""
+    sliced = {}
+    for name, tensor in full.items():
+        cut = shard_rows(spec, shard, _parameter_of(name)) if tensor.dim() else None  # 0-dim: Adam's step
+        sliced[name] = tensor.clone() if cut is None else tensor.index_select(cut[0], cut[1])
+    return sliced
+
+
+def gather_state_tensors(spec: GPTSpec, shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The unsplit stage's checkpoint tensors from every rank's (`shards[r]` is rank r's): split tensors
+    are put back together, replicated ones (equal on every rank) are taken from rank 0."""
+    size = len(shards)
+    if any(set(s) != set(shards[0]) for s in shards):
+        raise ValueError("the ranks of a tensor-parallel stage hold different tensor names")
+    full = {}
+    for name, first in shards[0].items():
+        cuts = [shard_rows(spec, Shard(r, size), _parameter_of(name)) for r in range(size)] if first.dim() else []
+        if not cuts or cuts[0] is None:
+            full[name] = first
+            continue
+        dim = cuts[0][0]
+        shape = list(first.shape)
+        shape[dim] *= size
+        whole = first.new_empty(shape)
+        for cut, part in zip(cuts, shards, strict=True):
+            if cut is not None:
+                whole.index_copy_(dim, cut[1], part[name])
+        full[name] = whole
+    return full
 
 
 def build_parallel_block(

@@ -4,6 +4,7 @@ from arceus.training.driver import DriverError, train
 from arceus.training.plan import (
     EpochResult,
     ProgressSink,
+    RankEndpoint,
     StageCountersSnapshot,
     StageEndpoint,
     StageState,
@@ -17,6 +18,7 @@ __all__ = [
     "DriverError",
     "EpochResult",
     "ProgressSink",
+    "RankEndpoint",
     "StageCountersSnapshot",
     "StageEndpoint",
     "StageState",

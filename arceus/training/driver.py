@@ -13,18 +13,22 @@ import math
 import queue
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 import torch
 
 from arceus.data import epoch_batches, load_dataset, validate_dataset_config
+from arceus.model.gpt_spec import GPTSpec
+from arceus.model.spec import model_spec_from_config
+from arceus.model.tensor_parallel import gather_state_tensors
 from arceus.training.audit import Auditor
 from arceus.training.plan import (
     EpochResult,
     ProgressSink,
     SpotCheck,
     StageCountersSnapshot,
+    StageEndpoint,
     StageState,
     StepProgress,
     TrainPlan,
@@ -61,30 +65,42 @@ class Pipeline:
 
     def __init__(self, plan: TrainPlan) -> None:
         self.plan = plan
-        self.clients = [
-            StageClient(s, job_id=plan.job_id, generation=plan.generation, timeout=plan.rpc_timeout_seconds)
+
+        def client(endpoint: StageEndpoint) -> StageClient:
+            timeout = plan.rpc_timeout_seconds
+            return StageClient(endpoint, job_id=plan.job_id, generation=plan.generation, timeout=timeout)
+
+        # Every agent of each stage: rank 0 first, then a tensor-parallel stage's other ranks, which get
+        # the same inputs and RunStep (their outputs equal rank 0's, which is what the driver reads).
+        self.ranks = [
+            [
+                client(s),
+                *(
+                    client(replace(s, address=r.address, node_id=r.node_id, public_key="", tensor_parallel_ranks=()))
+                    for r in s.tensor_parallel_ranks
+                ),
+            ]
             for s in plan.stages
         ]
+        self.clients = [ranks[0] for ranks in self.ranks]
         self._call_ids = itertools.count(1)  # unique per RunStep (train and eval) within this run
         self.auditor = Auditor(plan, self.clients) if plan.audit_rate > 0 else None
 
     def step(self, x: torch.Tensor, y: torch.Tensor, *, train: bool) -> StepOutcome:
-        plan, first, last = self.plan, self.clients[0], self.clients[-1]
+        plan, last = self.plan, self.clients[-1]
         step = next(self._call_ids)
         n = len(x)
         num_micro_batches = min(plan.micro_batches, n)
         calls: list[tuple[StageClient, str, grpc.Future | Future[None]]] = []
         inputs = torch.tensor_split(x, num_micro_batches)
         for m, (xm, ym) in enumerate(zip(inputs, torch.tensor_split(y, num_micro_batches), strict=True)):
-            calls.append(
-                (
-                    first,
-                    f"pushing the inputs of micro-batch {m}",
-                    first.push(stage_pb2.ACTIVATION, step, m, xm),
-                )
+            calls.extend(
+                (c, f"pushing the inputs of micro-batch {m}", c.push(stage_pb2.ACTIVATION, step, m, xm))
+                for c in self.ranks[0]
             )
-            calls.append(
-                (last, f"pushing the labels of micro-batch {m}", last.push(stage_pb2.LABELS, step, m, ym))
+            calls.extend(
+                (c, f"pushing the labels of micro-batch {m}", c.push(stage_pb2.LABELS, step, m, ym))
+                for c in self.ranks[-1]
             )
         mode = stage_pb2.TRAIN if train else stage_pb2.EVAL
         runs = [
@@ -101,10 +117,13 @@ class Pipeline:
                     retain_for_audit=train and self.auditor is not None,
                 ),
             )
-            for c in self.clients
+            for ranks in self.ranks
+            for c in ranks
         ]
         results = _await_all(calls + runs)
-        replies: list[stage_pb2.RunStepReply] = results[len(calls) :]
+        every_reply: list[stage_pb2.RunStepReply] = results[len(calls) :]
+        agents = [c for ranks in self.ranks for c in ranks]
+        replies = [r for c, r in zip(agents, every_reply, strict=True) if c in self.clients]  # rank 0s
         final = replies[-1]
         if sum(final.sample_counts) != n:
             raise DriverError(
@@ -122,7 +141,7 @@ class Pipeline:
             correct=sum(final.correct),
             samples=n,
             labels=y.numel(),
-            stages=[c.snapshot(r.counters) for c, r in zip(self.clients, replies, strict=True)],
+            stages=[c.snapshot(r.counters) for c, r in zip(agents, every_reply, strict=True)],
             spot_checks=spot_checks,
         )
 
@@ -141,23 +160,34 @@ class Pipeline:
     def weights(self) -> dict[str, torch.Tensor]:
         """Every stage's parameters under their model-wide names."""
         named: dict[str, torch.Tensor] = {}
-        for client in self.clients:
-            try:
-                named.update(client.get_weights())
-            except grpc.RpcError as exc:
-                raise _driver_error(client, "GetWeights", exc) from exc
+        for ranks in self.ranks:
+            named.update(self._stage_tensors(ranks, include_optimizer_state=False))
         return named
 
     def states(self) -> list[StageState]:
         """Every stage's weights and optimizer state, between steps (a coordinated checkpoint)."""
         states = []
-        for client, endpoint in zip(self.clients, self.plan.stages, strict=True):
-            try:
-                tensors = client.get_weights(include_optimizer_state=True)
-            except grpc.RpcError as exc:
-                raise _driver_error(client, "GetWeights (checkpoint)", exc) from exc
+        for ranks, endpoint in zip(self.ranks, self.plan.stages, strict=True):
+            tensors = self._stage_tensors(ranks, include_optimizer_state=True)
             states.append(StageState(endpoint.index, endpoint.layer_start, endpoint.layer_end, tensors))
         return states
+
+    def _stage_tensors(self, ranks: list[StageClient], *, include_optimizer_state: bool) -> dict[str, torch.Tensor]:
+        """One stage's tensors under the unsplit model's names: a tensor-parallel stage's shards are
+        gathered, so its checkpoint is the file an unsplit stage would write."""
+        what = "GetWeights (checkpoint)" if include_optimizer_state else "GetWeights"
+        shards = []
+        for client in ranks:
+            try:
+                shards.append(client.get_weights(include_optimizer_state=include_optimizer_state))
+            except grpc.RpcError as exc:
+                raise _driver_error(client, what, exc) from exc
+        if len(shards) == 1:
+            return shards[0]
+        spec = model_spec_from_config(self.plan.model)
+        if not isinstance(spec, GPTSpec):
+            raise DriverError("only a transformer's stage can be tensor-parallel", stage_index=ranks[0].endpoint.index)
+        return gather_state_tensors(spec, shards)
 
     def close(self) -> None:
         for client in self.clients:

@@ -15,6 +15,14 @@ from arceus.wire.transfer import TransferConfig
 
 
 @dataclass(frozen=True)
+class RankEndpoint:
+    """Another agent of a tensor-parallel stage: rank 1, 2, ... (the stage's endpoint is its rank 0)."""
+
+    address: str
+    node_id: str
+
+
+@dataclass(frozen=True)
 class StageEndpoint:
     index: int
     address: str
@@ -22,6 +30,8 @@ class StageEndpoint:
     layer_start: int
     layer_end: int
     public_key: str = ""  # hex Ed25519 key of the node's agent: its receipts verify against it
+    # A tensor-parallel stage's ranks after rank 0 (this endpoint), in rank order; empty for one agent.
+    tensor_parallel_ranks: tuple[RankEndpoint, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,11 @@ class TrainPlan:
             raise SpecError("plan.audit_rate", f"must be within [0, 1], got {self.audit_rate}")
         if self.audit_rate and not self.model:
             raise SpecError("plan.model", "spot checks need the model config to recompute a stage")
+        if any(s.tensor_parallel_ranks for s in self.stages):
+            if not self.model:
+                raise SpecError("plan.model", "gathering a tensor-parallel stage's weights needs the model config")
+            if self.audit_rate:
+                raise SpecError("plan.audit_rate", "spot checks of tensor-parallel stages are not supported: use 0")
         if self.schedule not in SCHEDULES:
             raise SpecError(
                 "plan.schedule", f"unknown schedule {self.schedule!r}; known: {', '.join(SCHEDULES)}"

@@ -101,6 +101,63 @@ def test_missing_fields_are_listed() -> None:
         Assignment.from_json(["job"])
 
 
+GPT = {"type": "transformer", "n_layer": 2, "n_head": 8, "d_model": 32, "block_size": 6, "vocab_size": 10}
+PEERS = ["10.0.0.1:5001", "10.0.0.2:5001"]
+
+
+def tensor_parallel(**changes: Any) -> dict[str, Any]:
+    """An assignment of rank 1 of a 2-way split GPT stage 1 (blocks 1-2), whose neighbours are split too."""
+    split = {"rank": 1, "size": 2, "peers": PEERS, **changes.pop("split", {})}
+    data = assignment(model=GPT, layer_end=3, tensor_parallel=split, prev_address=["a:1", "b:1"])
+    data.update(changes)
+    return data
+
+
+def test_a_tensor_parallel_rank() -> None:
+    a = Assignment.from_json(tensor_parallel())
+    assert a.tensor_parallel is not None and (a.tensor_parallel.rank, a.tensor_parallel.size) == (1, 2)
+    assert a.tensor_parallel.peers == tuple(PEERS) and not a.sends_on
+    assert (a.prev_address, a.prev_addresses) == ("a:1", ("a:1", "b:1"))
+    assert a.next_addresses == ("127.0.0.1:5002",)
+    assert Assignment.from_json(a.to_json()) == a
+    plain = Assignment.from_json(assignment())
+    assert plain.sends_on and plain.tensor_parallel is None and "tensor_parallel" not in plain.to_json()
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "fragment"),
+    [
+        ({"split": {"rank": 2}}, "assignment.tensor_parallel.rank", "below size (2)"),
+        ({"split": {"size": 1, "peers": PEERS[:1], "rank": 0}}, "assignment.tensor_parallel.size", "at least 2"),
+        ({"split": {"size": 3}}, "assignment.tensor_parallel.peers", "all 3 ranks"),
+        ({"split": {"peers": [PEERS[0], PEERS[0]]}}, "assignment.tensor_parallel.peers", "distinct"),
+        ({"split": {"peers": [PEERS[0], "nohost"]}}, "assignment.tensor_parallel.peers", "host:port"),
+        ({"split": {"size": 3, "peers": [*PEERS, "c:1"]}}, "assignment.tensor_parallel.size", "n_head (8)"),
+        ({"split": {"extra": 1}}, "assignment.tensor_parallel", "exactly the fields"),
+        ({"tensor_parallel": [0, 2]}, "assignment.tensor_parallel", "an object or null"),
+        ({"precision": "bf16"}, "assignment.tensor_parallel", "precision fp32"),
+        (
+            {"model": {"type": "mlp", "layer_sizes": [8, 8, 8, 2]}},
+            "assignment.tensor_parallel",
+            "only a transformer",
+        ),
+        ({"prev_address": ["a:1"]}, "assignment.prev_address", "2 or more distinct ranks"),
+        ({"prev_address": ["a:1", "a:1"]}, "assignment.prev_address", "2 or more distinct ranks"),
+        ({"prev_address": ["a:1", 5]}, "assignment.prev_address", "host:port"),
+        (
+            {"stage_index": 2, "layer_start": 1, "layer_end": 4, "next_address": ["a:1", "b:1"]},
+            "assignment.next_address",
+            "must be null",
+        ),
+    ],
+)
+def test_invalid_tensor_parallel_assignments(changes: dict[str, Any], field: str, fragment: str) -> None:
+    with pytest.raises(SpecError) as info:
+        Assignment.from_json(tensor_parallel(**changes))
+    assert info.value.field == field
+    assert fragment in info.value.message
+
+
 SHA = "0123456789abcdef" * 4
 CHECKPOINT = {"step": 40, "url": "/api/agent/checkpoints/7", "sha256": SHA}
 

@@ -18,11 +18,15 @@ from safetensors.torch import load_file
 
 from arceus.model.build import layer_generator
 from arceus.model.gpt import gpt_layer
-from arceus.model.tensor_parallel import Shard, shard_tensor
+from arceus.model.gpt_spec import GPTSpec
+from arceus.model.tensor_parallel import Shard, gather_state_tensors, shard_tensor
 from arceus.v1 import stage_pb2, tensor_parallel_pb2, tensor_parallel_pb2_grpc
 from arceus.wire.proto_tensor import to_proto
 from nodeagent.agent import Agent
+from nodeagent.assignment import Assignment
 from nodeagent.launch import free_ports
+from nodeagent.registry import StageRegistry
+from nodeagent.stage import build_hosted_stage
 from nodeagent.status import RpcFailure
 from nodeagent.tensor_parallel import TensorParallelGroup
 
@@ -40,6 +44,7 @@ from tp_rank_worker import (  # noqa: E402
 
 WORKER = Path(__file__).parent / "tp_rank_worker.py"
 ROOT = Path(__file__).resolve().parents[2]
+CPU = torch.device("cpu")
 
 
 @pytest.mark.slow
@@ -184,3 +189,54 @@ def test_a_partial_is_summed_and_a_silent_peer_fails_the_all_reduce_by_its_deadl
             group.all_reduce(own)
         assert caught.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - started < 5
+
+
+def test_a_rank_loads_its_slice_of_an_unsplit_checkpoint_and_its_group_lives_with_the_stage() -> None:
+    """A checkpoint is always the unsplit stage's: each rank slices it, and the ranks' states gather back
+    into it. The registry serves the group while the stage is hosted, and not after."""
+    model = {"type": "transformer", "n_layer": 2, "n_head": 8, "d_model": 32, "block_size": 6, "vocab_size": 10}
+    peers = [f"127.0.0.1:{p}" for p in free_ports(2)]
+    common = {
+        "job_id": JOB,
+        "stage_index": 0,
+        "num_stages": 1,
+        "generation": GENERATION,
+        "model": model,
+        "layer_start": 0,
+        "layer_end": 4,
+        "seed": SEED,
+        "optimizer": {"name": "adam", "lr": 1e-2},
+        "micro_batches": 1,
+        "max_micro_batch_size": 4,
+        "prev_address": None,
+        "next_address": None,
+    }
+    whole = Assignment.from_json({**common, "stage_id": "whole"})
+    unsplit = build_hosted_stage(whole, CPU, max_message_bytes=2**20)
+    tokens = torch.randint(0, 10, (3, 6), generator=torch.Generator().manual_seed(0))
+    unsplit.runtime.forward_loss((0, 0), tokens, tokens, batch_size=3)
+    unsplit.runtime.backward((0, 0))
+    unsplit.runtime.optimizer_step()  # Adam state: step, exp_avg, exp_avg_sq of every parameter
+    full = unsplit.runtime.state_tensors()
+    ref = stage_pb2.StageRef(job_id=JOB, stage_index=0, generation=GENERATION)
+
+    states = []
+    for rank in range(2):
+        registry = StageRegistry(CPU, max_message_bytes=2**20, load_checkpoint=lambda _: full)
+        split = {"rank": rank, "size": 2, "peers": peers}
+        checkpoint = {"step": 1, "url": "file", "sha256": "0" * 64}
+        assignment = {**common, "stage_id": f"rank-{rank}", "tensor_parallel": split, "checkpoint": checkpoint}
+        registry.apply([Assignment.from_json(assignment)])
+        stage = registry.resolve(ref)
+        assert registry.tensor_parallel.resolve(ref) is stage.tensor_parallel
+        states.append(stage.runtime.state_tensors())
+        registry.close()
+        with pytest.raises(RpcFailure) as caught:
+            registry.tensor_parallel.resolve(ref)
+        assert caught.value.code == grpc.StatusCode.NOT_FOUND
+    assert states[1]["layers.1.mlp.c_fc.weight"].shape == (2 * 32, 32)
+    assert torch.equal(states[1]["layers.1.mlp.c_fc.weight"], full["layers.1.mlp.c_fc.weight"][64:])
+    gathered = gather_state_tensors(GPTSpec(**{k: v for k, v in model.items() if k != "type"}), states)
+    assert gathered.keys() == full.keys()
+    for name, tensor in full.items():
+        assert torch.equal(gathered[name], tensor), name

@@ -1,0 +1,192 @@
+"""A GPT whose stage is a tensor-parallel group of agent processes trains like single-process torch.
+
+Three `python -m nodeagent` processes: a 2-stage pipeline whose stage 1 (block 2 and the head) is split
+over two agents, 4 of the 8 heads each, and a 1-stage job split over two agents. Per-step loss matches
+plain torch to 1e-5 over 24 steps (an epoch end: validation runs through the split stage too), and the
+weights and checkpoints the driver gathers from the ranks are the unsplit model's, under its names.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from arceus.checkpoint import OPTIMIZER_PREFIX
+from arceus.data import validate_dataset_config
+from arceus.data.fit import fit_model_to_dataset
+from arceus.data.text_config import BUNDLED_TEXT
+from arceus.training import RankEndpoint, StageEndpoint, TrainPlan, max_micro_batch_size, train
+from arceus.training.driver import Pipeline, fetch_weights
+from arceus.training.recording import RecordingSink
+from arceus.training.reference import reference_run
+from nodeagent.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
+from nodeagent.static import pipeline_assignments
+
+pytestmark = pytest.mark.slow
+
+MODEL = {"type": "transformer", "n_layer": 2, "n_head": 8, "d_model": 32, "block_size": 16}
+MICRO_BATCHES = 4
+SEED = 5
+STEPS = 24  # an epoch is 22 steps (337 windows of the first 6000 characters, batches of 16)
+ADAM = {"name": "adam", "lr": 3e-3, "weight_decay": 0.0}
+SGD = {"name": "sgd", "lr": 0.3, "momentum": 0.9, "weight_decay": 1e-4}
+# job -> layer boundaries, the agents hosting each stage (several: a tensor-parallel group), schedule,
+# optimizer. Agents: 0, 1, 2.
+RUNS: dict[str, dict[str, Any]] = {
+    "tp-pipeline": {"boundaries": [0, 2, 4], "agents": [[0], [1, 2]], "schedule": "1f1b", "optimizer": SGD},
+    "tp-only": {"boundaries": [0, 4], "agents": [[2, 0]], "schedule": "gpipe", "optimizer": ADAM},
+}
+
+
+def split_assignments(
+    run: dict[str, Any], job_id: str, model: dict[str, Any], dataset: dict[str, Any], addresses: list[str]
+) -> list[tuple[int, dict[str, Any]]]:
+    """(agent, assignment) for every rank of every stage: one-agent stage assignments, with a group's
+    ranks given `tensor_parallel` and their neighbours pointed at every rank."""
+    ranks = [[addresses[agent] for agent in agents] for agents in run["agents"]]
+    stages = pipeline_assignments(
+        job_id=job_id,
+        model_config=model,
+        boundaries=run["boundaries"],
+        addresses=[r[0] for r in ranks],
+        optimizer=run["optimizer"],
+        seed=SEED,
+        micro_batches=MICRO_BATCHES,
+        max_micro_batch_size=max_micro_batch_size(dataset, MICRO_BATCHES),
+    )
+    placed = []
+    for i, stage in enumerate(stages):
+        for key, neighbour in (("prev_address", i - 1), ("next_address", i + 1)):
+            if 0 <= neighbour < len(ranks) and len(ranks[neighbour]) > 1:
+                stage[key] = ranks[neighbour]
+        for rank, agent in enumerate(run["agents"][i]):
+            if len(ranks[i]) == 1:
+                placed.append((agent, stage))
+            else:
+                split = {"rank": rank, "size": len(ranks[i]), "peers": ranks[i]}
+                stage_id = f"{stage['stage_id']}-rank-{rank}"
+                placed.append((agent, {**stage, "stage_id": stage_id, "tensor_parallel": split}))
+    return placed
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any]]:
+    source: Path = tmp_path_factory.mktemp("text") / "genesis.txt"
+    source.write_text(BUNDLED_TEXT.read_text(encoding="utf-8")[:6000], encoding="utf-8")
+    dataset = validate_dataset_config(
+        {"name": "text", "source": str(source), "batch_size": 16, "val_batch_size": 32}
+    )
+    _, model, dataset = fit_model_to_dataset(MODEL, dataset)
+    return model, dataset
+
+
+@pytest.fixture(scope="module")
+def agents(
+    configs: tuple[dict[str, Any], dict[str, Any]], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[list[AgentProcess]]:
+    model, dataset = configs
+    addresses = [f"127.0.0.1:{port}" for port in free_ports(3)]
+    per_agent: list[list[dict[str, Any]]] = [[], [], []]
+    for job_id, run in RUNS.items():
+        for agent, assignment in split_assignments(run, job_id, model, dataset, addresses):
+            per_agent[agent].append(assignment)
+    started = spawn_static_agents(per_agent, addresses, tmp_path_factory.mktemp("tp-agents"))
+    try:
+        yield started
+    finally:
+        stop_agents(started)
+
+
+def reference(model: dict[str, Any], dataset: dict[str, Any], optimizer: dict[str, Any]) -> Any:
+    job = {
+        "model_config": model,
+        "dataset_config": dataset,
+        "epochs": 3,
+        "learning_rate": optimizer["lr"],
+        "optimizer": optimizer["name"],
+        "momentum": optimizer.get("momentum", 0.0),
+        "weight_decay": optimizer["weight_decay"],
+        "seed": SEED,
+    }
+    return reference_run(job, max_steps=STEPS)
+
+
+@pytest.mark.parametrize("job_id", list(RUNS))
+def test_a_tensor_parallel_stage_trains_like_single_process_torch(
+    configs: tuple[dict[str, Any], dict[str, Any]], agents: list[AgentProcess], job_id: str
+) -> None:
+    model, dataset = configs
+    run = RUNS[job_id]
+    boundaries, hosts = run["boundaries"], run["agents"]
+    plan = TrainPlan(
+        job_id=job_id,
+        generation=1,
+        stages=tuple(
+            StageEndpoint(
+                index=i,
+                address=agents[hosts[i][0]].grpc_address,
+                node_id=f"agent-{hosts[i][0]}",
+                layer_start=boundaries[i],
+                layer_end=boundaries[i + 1],
+                tensor_parallel_ranks=tuple(
+                    RankEndpoint(address=agents[a].grpc_address, node_id=f"agent-{a}") for a in hosts[i][1:]
+                ),
+            )
+            for i in range(len(hosts))
+        ),
+        dataset=dataset,
+        epochs=3,
+        learning_rate=run["optimizer"]["lr"],
+        micro_batches=MICRO_BATCHES,
+        seed=SEED,
+        rpc_timeout_seconds=30.0,
+        max_steps=STEPS,
+        schedule=run["schedule"],
+        model=model,
+    )
+    recorder = RecordingSink()
+    result = train(plan, recorder)
+    expected = reference(model, dataset, run["optimizer"])
+
+    assert result.steps == STEPS and [r.epoch for r in recorder.epochs] == [1, 2]
+    losses = [p.loss for p in recorder.steps]
+    for step, (got, want) in enumerate(zip(losses, expected.losses, strict=True), 1):
+        assert math.isclose(got, want, rel_tol=1e-5), f"step {step}: pipeline loss {got!r} != reference {want!r}"
+    assert losses[-1] < losses[0] - 0.3
+    assert math.isclose(result.val_loss, expected.val_loss, rel_tol=1e-5)
+    assert math.isclose(result.val_accuracy, expected.val_accuracy, rel_tol=1e-5)
+    # Every agent is metered: each rank did the whole stage's micro-batches.
+    assert sorted(s.node_id for s in recorder.steps[-1].stages) == sorted(f"agent-{a}" for h in hosts for a in h)
+
+    # As in test_gpt_parity: Adam turns rounding noise of a zero gradient into lr-sized steps.
+    atol = 1e-4 if run["optimizer"]["name"] == "adam" else 1e-6
+    weights = fetch_weights(plan)
+    assert sorted(weights) == sorted(expected.weights)
+    for name, want in expected.weights.items():
+        torch.testing.assert_close(weights[name], want, rtol=1e-5, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+    # The final checkpoint of the split stage is the unsplit stage's file: whole tensors, unsplit names,
+    # optimizer state included.
+    split = len(hosts) - 1
+    state = recorder.checkpoints[STEPS][split]
+    stage_weights = {n: t for n, t in state.tensors.items() if not n.startswith(OPTIMIZER_PREFIX)}
+    assert stage_weights.keys() == {n for n in expected.weights if int(n.split(".")[1]) >= boundaries[split]}
+    for name, tensor in stage_weights.items():
+        torch.testing.assert_close(tensor, weights[name], rtol=0, atol=0)
+    c_attn = f"layers.{boundaries[-1] - 2}.attn.c_attn.weight"
+    optimizer_state = {n for n in state.tensors if n.startswith(f"{OPTIMIZER_PREFIX}{c_attn}.")}
+    assert optimizer_state
+    assert all(state.tensors[n].shape in {torch.Size([]), weights[c_attn].shape} for n in optimizer_state)
+    # ... gathered from ranks that each hold half the heads, and whose replicated parameters (LayerNorms,
+    # biases after the reduce, head) stayed bitwise equal through training: their gradients were.
+    with Pipeline(plan) as pipeline:
+        rank0, rank1 = (client.get_weights() for client in pipeline.ranks[split])
+    assert rank1[c_attn].shape == (3 * model["d_model"] // 2, model["d_model"])
+    replicated = [n for n in rank0 if rank0[n].shape == weights[n].shape]
+    assert len(replicated) > len(rank0) // 2
+    assert all(torch.equal(rank0[n], rank1[n]) for n in replicated)
