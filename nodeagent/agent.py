@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import Sequence
 from concurrent import futures
 from typing import Any
@@ -165,9 +166,15 @@ class Agent:
         return [o.to_json() for o in self.registry.observed()]
 
     def stop(self, grace: float = 5.0) -> None:
+        """Let a step in flight finish (at most `grace` seconds), then stop serving. Push streams stay open
+        as long as their senders live, so a graceful server stop would always wait them out."""
         self.neighbour_links.stop()
         self._health.enter_graceful_shutdown()
-        self._server.stop(grace).wait()
+        deadline = time.monotonic() + grace
+        for stage in self.registry.stages():
+            if stage.step_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                stage.step_lock.release()
+        self._server.stop(None).wait()
         self.registry.close()
         self.tensor_parallel.close()
         self.metrics.stop()
