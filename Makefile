@@ -42,6 +42,10 @@ lint: install
 bench: install
 	$(BIN)/python bench/pipeline_vs_single.py
 	$(BIN)/python bench/fault_trials.py
+	$(BIN)/python bench/tensor_transfer.py
+	$(BIN)/python bench/pipeline_vs_torch.py --schedule gpipe
+	$(BIN)/python bench/pipeline_vs_torch.py --schedule 1f1b
+	$(BIN)/python bench/shaped_pipeline.py
 
 clean:
 	rm -rf $(VENV) arceus/v1 .pytest_cache
