@@ -9,7 +9,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Count, Q, Sum
+from django.db.models import Count, F, Q, Sum
 from django.db.models.functions import TruncHour
 
 from controlplane.jobs.models import ACTIVE_STATUSES, Job, JobStatus
@@ -80,14 +80,22 @@ def ledger_record_work(
     *, job_id: Any, stage_index: int, generation: int, node: Node, counters: WorkCounters, flops_per_sample: float
 ) -> LedgerEntry | None:
     """Append what the node did since its previous entry for this stage generation, priced now. Reports
-    that add no samples (retries, late duplicates) add nothing. Call inside the recording transaction."""
+    that add no samples (retries, late duplicates) add nothing. Call inside the recording transaction.
+
+    Money is whole micro-dollars, but one report's work may be worth a fraction of one: each entry charges
+    the rounded running total of the exact value minus what earlier entries charged, and the fee of the
+    running total minus earlier fees, so rounding never drifts however small and frequent the reports."""
     key = {"job_id": job_id, "stage_index": stage_index, "generation": generation, "node": node}
     done = LedgerEntry.objects.filter(**key).aggregate(
+        # First: a later alias named like a field would shadow the field in F().
+        dollar_seconds_per_hour=Sum(F("compute_seconds") * F("price_per_hour")),
         samples=Sum("samples"),
         micro_batches=Sum("micro_batches"),
         compute_seconds=Sum("compute_seconds"),
         bytes_sent=Sum("bytes_sent"),
         bytes_received=Sum("bytes_received"),
+        charge_micros=Sum("charge_micros"),
+        fee_micros=Sum("fee_micros"),
     )
     samples = counters.samples - (done["samples"] or 0)
     if samples <= 0:
@@ -95,8 +103,11 @@ def ledger_record_work(
     seconds = max(0.0, counters.compute_seconds - (done["compute_seconds"] or 0.0))
     klass = node_device_class(node)
     price = price_in_force(klass)
-    charge = round(seconds * price / 3600 * MICROS_PER_DOLLAR)
-    fee = round(charge * settings.ARCEUS_PLATFORM_FEE)
+    exact_total = ((done["dollar_seconds_per_hour"] or 0.0) + seconds * price) / 3600 * MICROS_PER_DOLLAR
+    charge_total = round(exact_total)
+    charge = charge_total - (done["charge_micros"] or 0)
+    # Never more fee than this entry's charge (no negative credit); a shortfall is made up by later entries.
+    fee = min(charge, round(charge_total * settings.ARCEUS_PLATFORM_FEE) - (done["fee_micros"] or 0))
     entry, _ = LedgerEntry.objects.get_or_create(
         **key,
         samples_total=counters.samples,

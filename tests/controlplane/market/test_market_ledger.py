@@ -77,6 +77,20 @@ def test_work_is_charged_at_the_price_in_force_and_credits_plus_fees_equal_charg
     assert t["credit"] + t["fee"] == t["charge"]  # to the micro-dollar, not just the cent
 
 
+def test_reports_worth_less_than_a_micro_dollar_each_add_up_without_rounding_drift(running_job: Job, settings) -> None:
+    settings.ARCEUS_PLATFORM_FEE = 0.1
+    klass = node_device_class(Node.objects.first())
+    PriceChange.objects.create(device_class=klass, price_per_hour=0.36, demand=3, supply=3)
+    # Stage 0 reports 0.004 s more after each of 500 steps: $0.0000004 of work a report, 2 s in all.
+    for step in range(1, 501):
+        report(running_job, samples=32 * step, seconds=0.004 * step)
+    t = totals(stage_index=0)
+    assert t["seconds"] == pytest.approx(2.0)
+    assert t["charge"] == 200  # 2 s at $0.36/h: what one report of 2 s would be charged
+    assert t["fee"] == 20 and t["credit"] == 180
+    assert all(e.credit_micros >= 0 for e in LedgerEntry.objects.all())
+
+
 def test_a_rewound_stage_starts_a_new_generation_and_the_old_work_stays_counted(running_job: Job) -> None:
     report(running_job, samples=320, seconds=10.0)
     assert job_rewind(job_id=running_job.id, generation=running_job.generation, reason="DriverLost",
