@@ -37,13 +37,11 @@ from arceus.model.build import build_full_model, build_layers  # noqa: E402
 from arceus.model.spec import model_spec_from_config  # noqa: E402
 from arceus.training.driver import train  # noqa: E402
 from arceus.training.plan import (  # noqa: E402
-    EpochResult,
     StageEndpoint,
-    StageState,
-    StepProgress,
     TrainPlan,
     max_micro_batch_size,
 )
+from bench.clock import Clock  # noqa: E402
 from bench.report import machine_line, write_section  # noqa: E402
 from nodeagent.launch import free_ports, spawn_static_agents, stop_agents  # noqa: E402
 from nodeagent.static import pipeline_assignments  # noqa: E402
@@ -148,26 +146,6 @@ def run_torch_pipelining(steps: int, schedule: str) -> float:
 
 
 # --- Arceus agents over gRPC -------------------------------------------------------------------------------
-class Clock:
-    def __init__(self) -> None:
-        self.times: list[float] = []
-
-    def on_step(self, p: StepProgress) -> None:
-        self.times.append(time.perf_counter())
-
-    def on_epoch(self, r: EpochResult) -> None:
-        pass
-
-    def on_checkpoint(self, step: int, epoch: int, stages: list[StageState]) -> None:
-        pass  # the benchmark times training steps only
-
-    def wants_checkpoint(self) -> bool:
-        return False
-
-    def should_stop(self) -> bool:
-        return False
-
-
 def run_arceus(addresses: list[str], steps: int, job_id: str, schedule: str) -> float:
     end = model_spec_from_config(MODEL).num_layers
     plan = TrainPlan(

@@ -30,7 +30,8 @@ from arceus.devcluster.shaper import ShaperThread  # noqa: E402
 from arceus.model.spec import model_spec_from_config  # noqa: E402
 from arceus.training.driver import train  # noqa: E402
 from arceus.training.plan import StageEndpoint, StepProgress, TrainPlan, max_micro_batch_size  # noqa: E402
-from bench.pipeline_vs_torch import DATASET, LR, MICRO_BATCHES, MODEL, SEED, SPLIT, WARMUP, Clock, _rate  # noqa: E402
+from bench.clock import Clock  # noqa: E402
+from bench.pipeline_vs_torch import DATASET, LR, MICRO_BATCHES, MODEL, SEED, SPLIT, WARMUP, _rate  # noqa: E402
 from bench.report import machine_line, write_section  # noqa: E402
 from nodeagent.launch import free_ports, spawn_static_agents, stop_agents  # noqa: E402
 from nodeagent.static import pipeline_assignments  # noqa: E402
