@@ -1,7 +1,8 @@
-"""Compressed transfers over real agents: int8 activations and gradients train the MLP about as well as
-fp32 while the stages send at least 3.5x fewer bytes; top-k gradients with error feedback still learn.
+"""Compressed transfers and bf16 compute over real agents: int8 activations and gradients train the MLP
+about as well as fp32 while the stages send at least 3.5x fewer bytes; top-k gradients with error feedback
+still learn; bf16 autocast trains like fp32 (its spot checks: test_training_audit.py).
 
-Three `python -m nodeagent` processes host one job per transfer setting (same seed, same batches).
+Three `python -m nodeagent` processes host one job per setting (same seed, same batches).
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ TRANSFERS: dict[str, dict[str, Any]] = {
     "fp32": {},
     "int8": {"activations": "int8", "gradients": "int8", "block_size": 64},
     "topk": {"activations": "bf16", "gradients": "topk", "topk_ratio": 0.25},
+    "bf16-compute": {},
 }
+PRECISION = {"bf16-compute": "bf16"}  # the others compute in fp32
 Results = dict[str, tuple[TrainResult, list[float]]]  # job id -> (result, per-step losses)
 
 
@@ -42,7 +45,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
         stages = pipeline_assignments(
             job_id=job_id, model_config=MODEL, boundaries=BOUNDARIES, addresses=addresses, optimizer=OPTIMIZER,
             seed=3, micro_batches=MICRO_BATCHES, max_micro_batch_size=max_micro_batch_size(DATASET, MICRO_BATCHES),
-            transfer=transfer,
+            transfer=transfer, precision=PRECISION.get(job_id, "fp32"),
         )
         for i, stage in enumerate(stages):
             per_agent[i].append(stage)
@@ -55,7 +58,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
                 stages=tuple(StageEndpoint(i, a.grpc_address, f"agent-{i}", BOUNDARIES[i], BOUNDARIES[i + 1])
                              for i, a in enumerate(agents)),
                 dataset=DATASET, epochs=2, learning_rate=OPTIMIZER["lr"], micro_batches=MICRO_BATCHES, seed=3,
-                rpc_timeout_seconds=30.0, max_steps=STEPS,
+                rpc_timeout_seconds=30.0, max_steps=STEPS, precision=PRECISION.get(job_id, "fp32"),
             )
             recorder = RecordingSink()
             out[job_id] = (train(plan, recorder), [p.loss for p in recorder.steps])
@@ -89,3 +92,11 @@ def test_topk_gradients_with_error_feedback_still_learn(results: Results) -> Non
     assert _tail_loss(losses) < losses[0] / 3
     assert topk.val_loss < 2 * fp32.val_loss
     assert _bytes_sent(fp32) / _bytes_sent(topk) >= 2
+
+
+def test_bf16_compute_trains_like_fp32(results: Results) -> None:
+    fp32, fp32_losses = results["fp32"]
+    bf16, bf16_losses = results["bf16-compute"]
+    assert bf16_losses != fp32_losses  # the stages really computed in bf16
+    assert abs(_tail_loss(bf16_losses) - _tail_loss(fp32_losses)) <= 0.05 * _tail_loss(fp32_losses) + 0.01
+    assert bf16.val_accuracy >= fp32.val_accuracy - 0.02
