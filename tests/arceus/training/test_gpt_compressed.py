@@ -4,14 +4,10 @@ validation loss after the same steps stays within 2% of fp32, and the stages sen
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from arceus.data import validate_dataset_config
-from arceus.data.fit import fit_model_to_dataset
-from arceus.data.text_config import BUNDLED_TEXT
 from arceus.training import StageEndpoint, TrainPlan, TrainResult, max_micro_batch_size, train
 from arceus.training.recording import RecordingSink
 from nodeagent.launch import free_ports, spawn_static_agents, stop_agents
@@ -30,11 +26,8 @@ TRANSFERS: dict[str, dict[str, Any]] = {
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, TrainResult]]:
-    source: Path = tmp_path_factory.mktemp("text") / "genesis.txt"
-    source.write_text(BUNDLED_TEXT.read_text(encoding="utf-8")[:6000], encoding="utf-8")
-    dataset = validate_dataset_config({"name": "text", "source": str(source), "batch_size": 16, "val_batch_size": 32})
-    _, model, dataset = fit_model_to_dataset(MODEL, dataset)
+def results(tmp_path_factory: pytest.TempPathFactory, small_text) -> Iterator[dict[str, TrainResult]]:
+    model, dataset = small_text(MODEL)
     addresses = [f"127.0.0.1:{port}" for port in free_ports(2)]
     per_agent: list[list[dict[str, Any]]] = [[], []]
     for job_id, transfer in TRANSFERS.items():

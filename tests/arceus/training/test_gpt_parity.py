@@ -9,15 +9,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from arceus.data import validate_dataset_config
-from arceus.data.fit import fit_model_to_dataset
-from arceus.data.text_config import BUNDLED_TEXT
 from arceus.training import StageEndpoint, TrainPlan, max_micro_batch_size, train
 from arceus.training.driver import fetch_weights
 from arceus.training.recording import RecordingSink
@@ -44,15 +40,9 @@ RUNS: dict[str, dict[str, Any]] = {
 
 
 @pytest.fixture(scope="module")
-def configs(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any]]:
+def configs(small_text) -> tuple[dict[str, Any], dict[str, Any]]:
     """The model and dataset configs as job submission completes them (vocab_size, block_size)."""
-    source: Path = tmp_path_factory.mktemp("text") / "genesis.txt"
-    source.write_text(BUNDLED_TEXT.read_text(encoding="utf-8")[:6000], encoding="utf-8")
-    dataset = validate_dataset_config(
-        {"name": "text", "source": str(source), "batch_size": 16, "val_batch_size": 32}
-    )
-    _, model, dataset = fit_model_to_dataset(MODEL, dataset)
-    return model, dataset
+    return small_text(MODEL)
 
 
 @pytest.fixture(scope="module")
