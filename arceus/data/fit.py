@@ -1,7 +1,8 @@
 """Check a job's model against its dataset and complete what one takes from the other.
 
-A character-level transformer takes its `vocab_size` from the text's distinct characters, and the text
-dataset its `block_size` from the model, so both stored configs are complete and agree.
+A character-level transformer takes its `vocab_size` from the text's distinct characters, a BPE one its
+size from the model config (1024 if left out); the text dataset takes its `block_size`, `vocab` and
+`vocab_size` from the model, so both stored configs are complete and agree.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from typing import Any, cast
 from arceus.data.config import DATASETS
 from arceus.data.text import text_vocabulary
 from arceus.data.text_config import TEXT_DATASET
+from arceus.data.tokenizer import BPE_DEFAULT_VOCAB, check_vocab
 from arceus.errors import SpecError
 from arceus.model.spec import GPTSpec, MLPSpec, ModelSpec, model_spec_from_config
 
@@ -30,15 +32,30 @@ def fit_model_to_dataset(
         raise SpecError(
             "dataset_config.name", f"a transformer trains on the {TEXT_DATASET} dataset, got {dataset['name']}"
         )
-    vocabulary = text_vocabulary(dataset)
-    model_config = {**model_config, "vocab_size": model_config.get("vocab_size", len(vocabulary))}
+    vocab = model_config.get("vocab", "char")
+    if vocab == "bpe":
+        vocab_size = model_config.get("vocab_size", BPE_DEFAULT_VOCAB)
+        check_vocab(vocab, vocab_size, prefix="model_config")
+    else:
+        check_vocab(vocab, None, prefix="model_config")
+        vocab_size = len(text_vocabulary(dataset))
+    model_config = {**model_config, "vocab_size": model_config.get("vocab_size", vocab_size)}
     spec = cast(GPTSpec, model_spec_from_config(model_config))
-    if spec.vocab_size != len(vocabulary):
+    if spec.vocab_size != vocab_size:
         raise SpecError(
             "model_config.vocab_size",
-            f"is {spec.vocab_size} but the text has {len(vocabulary)} distinct characters; "
+            f"is {spec.vocab_size} but the text has {vocab_size} distinct characters; "
             "leave it out to take the text's",
         )
+    # The dataset loads tokens as the model reads them: its vocab fields are the model's (absent: char).
+    wanted = {"vocab": vocab, "vocab_size": vocab_size} if vocab == "bpe" else {}
+    for key in ("vocab", "vocab_size"):
+        if key in dataset and dataset[key] != wanted.get(key):
+            raise SpecError(
+                f"dataset_config.{key}",
+                f"is {dataset[key]!r} but the model's is {wanted.get(key, 'char')!r}; leave it out",
+            )
+    dataset = {**dataset, **wanted}
     block = dataset.get("block_size", spec.block_size)
     if block != spec.block_size:
         raise SpecError(

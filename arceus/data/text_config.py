@@ -1,22 +1,24 @@
-"""`dataset_config` of the `text` dataset: a UTF-8 text file cut into windows of `block_size` characters."""
+"""`dataset_config` of the `text` dataset: a UTF-8 text file, tokenized by `vocab` ("char" or "bpe" with
+`vocab_size` tokens), cut into windows of `block_size` tokens."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
+from arceus.data.tokenizer import check_vocab
 from arceus.errors import SpecError
 
 TEXT_DATASET = "text"
-TEXT_KEYS = frozenset({"name", "batch_size", "val_batch_size", "source", "block_size"})
+TEXT_KEYS = frozenset({"name", "batch_size", "val_batch_size", "source", "block_size", "vocab", "vocab_size"})
 # Genesis to Deuteronomy, King James Version: public domain, see texts/README.md for its source.
 BUNDLED_TEXT = Path(__file__).parent / "texts" / "kjv-pentateuch.txt"
 MAX_BLOCK_SIZE = 65536
 
 
 def validate_text_config(cfg: dict[str, Any], batch_size: int, val_batch_size: int) -> dict[str, Any]:
-    """The normalised config; `source` absent means the bundled text. `block_size` may be left out at
-    submission (the job takes the model's); loading needs it."""
+    """The normalised config; `source` absent means the bundled text. `block_size`, `vocab` and
+    `vocab_size` may be left out at submission (the job takes the model's); loading needs block_size."""
     unknown = sorted(set(cfg) - TEXT_KEYS)
     if unknown:
         raise SpecError(f"dataset_config.{unknown[0]}", f"does not apply to the {TEXT_DATASET} dataset")
@@ -38,6 +40,14 @@ def validate_text_config(cfg: dict[str, Any], batch_size: int, val_batch_size: i
                 "dataset_config.block_size", f"must be an integer between 1 and {MAX_BLOCK_SIZE}, got {block!r}"
             )
         out["block_size"] = block
+    vocab = cfg.get("vocab", "char")
+    if vocab == "char" and "vocab_size" in cfg:
+        raise SpecError(
+            "dataset_config.vocab_size", "a char vocabulary is the text's distinct characters; leave it out"
+        )
+    check_vocab(vocab, cfg.get("vocab_size"), prefix="dataset_config")
+    if vocab != "char":  # absent means char, so configs stored before BPE existed read the same
+        out["vocab"], out["vocab_size"] = vocab, cfg["vocab_size"]
     return out
 
 

@@ -1,5 +1,5 @@
-"""Sample text from a trained character-level GPT (single process): the model, its weights as the
-pipeline names them ("layers.<i>...."), and the vocabulary of the text it trained on."""
+"""Sample text from a trained GPT (single process): the model, its weights as the pipeline names them
+("layers.<i>...."), and the tokenizer of the text it trained on."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from arceus.data.text import decode, encode
+from arceus.data.tokenizer import TextTokenizer
 from arceus.model.build import build_full_model
 from arceus.model.gpt_spec import GPTSpec
 from arceus.model.spec import model_spec_from_config
@@ -39,28 +39,28 @@ def generate(
 def sample_text(
     model_config: dict[str, Any],
     weights: dict[str, torch.Tensor],
-    vocabulary: str,
+    tokenizer: TextTokenizer,
     *,
     prompt: str = "\n",
     length: int = 200,
     temperature: float = 1.0,
     seed: int = 0,
 ) -> str:
-    """`prompt` followed by `length` sampled characters; ValueError if the model is no character GPT of
-    this vocabulary, or the prompt uses a character outside it."""
+    """`prompt` followed by `length` sampled tokens; ValueError if the model is no GPT of this tokenizer's
+    size, or the prompt cannot be encoded."""
     spec = model_spec_from_config(model_config)
     if not isinstance(spec, GPTSpec):
         raise ValueError("only a transformer model generates text")
-    if spec.vocab_size != len(vocabulary):
-        raise ValueError(f"the model has {spec.vocab_size} tokens but the vocabulary {len(vocabulary)} characters")
+    if spec.vocab_size != tokenizer.vocab_size:
+        raise ValueError(f"the model has {spec.vocab_size} tokens but the tokenizer {tokenizer.vocab_size}")
     model = build_full_model(spec, seed=0)
     state = {name.removeprefix("layers."): tensor for name, tensor in weights.items()}
     model.load_state_dict(state)  # strict: every parameter must be there
     model.eval()
-    ids = encode(prompt, vocabulary).unsqueeze(0)
+    ids = torch.tensor([tokenizer.encode(prompt)], dtype=torch.int64)
     if ids.shape[1] == 0:
-        raise ValueError("the prompt must hold at least one character")
+        raise ValueError("the prompt must hold at least one token")
     out = generate(
         model, spec.block_size, ids, length, temperature=temperature, generator=torch.Generator().manual_seed(seed)
     )
-    return decode(out[0].tolist(), vocabulary)
+    return tokenizer.decode(out[0].tolist())

@@ -13,7 +13,7 @@ from arceus.errors import SpecError
 from arceus.model.layout import TensorLayout
 
 GPT_DEFAULTS = {"n_layer": 6, "n_head": 8, "d_model": 256, "block_size": 128}
-VOCABS = ("char",)
+VOCABS = ("char", "bpe")  # arceus.data.tokenizer builds them
 _LIMITS = {"n_layer": 256, "n_head": 1024, "d_model": 65536, "block_size": 65536, "vocab_size": 1_000_000}
 _GPT_KEYS = frozenset({"type", "vocab", "vocab_size", *GPT_DEFAULTS})
 
@@ -25,7 +25,7 @@ class GPTSpec:
     d_model: int
     block_size: int
     vocab_size: int
-    vocab: str = "char"  # character-level: the dataset's distinct characters, sorted
+    vocab: str = "char"  # "char": the dataset's distinct characters, sorted; "bpe": byte-level BPE
 
     @property
     def num_layers(self) -> int:
@@ -85,7 +85,7 @@ def gpt_from_config(config: dict[str, Any]) -> GPTSpec:
     if "vocab_size" not in config:
         raise SpecError(
             "model_config.vocab_size",
-            "is required; job submission fills it in from the text's distinct characters",
+            "is required; job submission fills it in (the text's distinct characters, or 1024 for bpe)",
         )
     return GPTSpec(**sizes, vocab_size=_positive(config, "vocab_size", None), vocab=vocab)
 

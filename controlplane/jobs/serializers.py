@@ -252,11 +252,11 @@ class JobSampleInput(StrictInputSerializer):
     prompt = serializers.CharField(
         default="\n", max_length=10_000, trim_whitespace=False, help_text="text to continue (default: a newline)"
     )
-    length = StrictIntegerField(min_value=1, max_value=5_000, default=300, help_text="characters to generate")
+    length = StrictIntegerField(min_value=1, max_value=5_000, default=300, help_text="tokens to generate")
     temperature = StrictFloatField(min_value=0, max_value=10, default=0.8, help_text="0: always the likeliest")
     seed = StrictIntegerField(min_value=0, max_value=MAX_SEED, default=0)
 
 
 class JobSampleOutput(serializers.Serializer):
-    text = serializers.CharField(help_text="the prompt followed by the generated characters")
+    text = serializers.CharField(help_text="the prompt followed by the generated text")
     step = serializers.IntegerField(help_text="training step of the checkpoint sampled from")

@@ -9,8 +9,8 @@ import torch
 
 from arceus.data import epoch_batches, load_dataset, validate_dataset_config
 from arceus.data.fit import fit_model_to_dataset
-from arceus.data.text import char_vocabulary, decode
 from arceus.data.text_config import BUNDLED_TEXT
+from arceus.data.tokenizer import CharTokenizer
 from arceus.errors import SpecError
 
 
@@ -28,10 +28,10 @@ def test_windows_are_next_character_pairs_split_90_10(tmp_path: Path) -> None:
     train_x, train_y, val_x, val_y = load_dataset(cfg)
     assert train_x.dtype == train_y.dtype == torch.int64
     assert train_x.shape == (89, 10) and val_x.shape == (9, 10)  # (900 - 1) // 10, (100 - 1) // 10
-    vocabulary = char_vocabulary(text)
-    assert decode(train_x[0].tolist(), vocabulary) == text[:10]
-    assert decode(train_y[0].tolist(), vocabulary) == text[1:11]
-    assert decode(val_x[0].tolist(), vocabulary) == text[900:910]
+    tokenizer = CharTokenizer("".join(sorted(set(text))))
+    assert tokenizer.decode(train_x[0].tolist()) == text[:10]
+    assert tokenizer.decode(train_y[0].tolist()) == text[1:11]
+    assert tokenizer.decode(val_x[0].tolist()) == text[900:910]
     torch.testing.assert_close(train_x[:, 1:], train_y[:, :-1])
 
 

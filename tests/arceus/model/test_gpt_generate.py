@@ -6,11 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from arceus.data.tokenizer import CharTokenizer
 from arceus.model.build import build_full_model, named_global_parameters
 from arceus.model.generate import sample_text
 from arceus.model.spec import model_spec_from_config
 
-VOCAB = "abcd"
+VOCAB = CharTokenizer("abcd")
 CONFIG = {"type": "transformer", "n_layer": 1, "n_head": 2, "d_model": 16, "block_size": 8, "vocab_size": 4}
 
 
@@ -31,14 +32,14 @@ def test_a_model_that_learned_a_pattern_continues_it() -> None:
     text = sample_text(CONFIG, weights, VOCAB, prompt="bc", length=20, temperature=0)
     assert text == "bc" + "dabc" * 5
     sampled = sample_text(CONFIG, weights, VOCAB, prompt="a", length=30, temperature=1.0, seed=3)
-    assert len(sampled) == 31 and set(sampled) <= set(VOCAB)
+    assert len(sampled) == 31 and set(sampled) <= set("abcd")
     assert sampled == sample_text(CONFIG, weights, VOCAB, prompt="a", length=30, temperature=1.0, seed=3)
 
 
 def test_mismatches_are_value_errors() -> None:
     weights = trained_weights()
-    with pytest.raises(ValueError, match="vocabulary 5 characters"):
-        sample_text(CONFIG, weights, "abcde", prompt="a")
+    with pytest.raises(ValueError, match="the tokenizer 5"):
+        sample_text(CONFIG, weights, CharTokenizer("abcde"), prompt="a")
     with pytest.raises(ValueError, match="'z' is not in the vocabulary"):
         sample_text(CONFIG, weights, VOCAB, prompt="z")
     with pytest.raises(ValueError, match="only a transformer"):

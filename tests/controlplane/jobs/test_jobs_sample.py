@@ -15,6 +15,7 @@ from rest_framework.test import APIClient
 
 from arceus.checkpoint import encode_checkpoint
 from arceus.cli import main as cli_main
+from arceus.data.tokenizer import split_text, train_bpe
 from arceus.model.build import build_full_model, named_global_parameters
 from arceus.model.spec import model_spec_from_config
 from controlplane.accounts.services import user_token_get_or_create
@@ -41,10 +42,11 @@ def checkpoint_dir(settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     return tmp_path
 
 
-def trained_on_abcd(config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Weights of the job's model after learning "abcdabcd…" (tokens a=0 … d=3)."""
+def trained_on(config: dict[str, Any], pattern: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    """Weights of the job's model after learning the token sequence `pattern` repeated."""
     model = build_full_model(model_spec_from_config(config), seed=0)
-    ids = torch.tensor([i % 4 for i in range(9 * 32)]).view(32, 9)
+    block = model_spec_from_config(config).block_size
+    ids = torch.tensor([pattern[i % len(pattern)] for i in range((block + 1) * 32)]).view(32, block + 1)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     for _ in range(60):
         loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
@@ -54,11 +56,15 @@ def trained_on_abcd(config: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in named_global_parameters(model)}
 
 
-def make_job(user: User, source: Path, ready_node, *, trained: bool = True) -> Job:
-    """A one-stage transformer job on the text in `source`; with `trained`, a checkpoint at step 60."""
+def make_job(
+    user: User, source: Path, ready_node, *, trained: bool = True, model: dict[str, Any] = MODEL,
+    pattern: tuple[int, ...] = (0, 1, 2, 3),
+) -> Job:
+    """A one-stage transformer job on the text in `source`; with `trained`, a checkpoint at step 60 of a
+    model that learned `pattern` (tokens a=0 … d=3 for the char vocabulary of "abcd")."""
     ready_node("sampler-node")
     job = job_start(job=job_submit(
-        owner=user, model_config=MODEL, dataset_config={"name": "text", "source": str(source)}, stages=1,
+        owner=user, model_config=model, dataset_config={"name": "text", "source": str(source)}, stages=1,
     ))
     reconcile_once()
     if trained:
@@ -66,7 +72,7 @@ def make_job(user: User, source: Path, ready_node, *, trained: bool = True) -> J
         assert job_driver_claim(job_id=job.id, owner=DRIVER, now=timezone.now()) is not None
         job.refresh_from_db()
         layers = model_spec_from_config(job.model_config).num_layers
-        data = encode_checkpoint(trained_on_abcd(job.model_config))
+        data = encode_checkpoint(trained_on(job.model_config, pattern))
         saved = checkpoint_save(job_id=job.id, lease_owner=DRIVER, generation=job.generation, step=60, epoch=1,
                                 stages=[StageFile(0, 0, layers, data)])
         assert saved is not None
@@ -93,6 +99,23 @@ def test_the_owner_samples_text_that_continues_what_the_model_learned(
     sampled = api.post(f"/api/jobs/{job.id}/sample", body, format="json").json()["text"]
     assert len(sampled) == 31 and set(sampled) <= set("abcd")
     assert api.post(f"/api/jobs/{job.id}/sample", body, format="json").json()["text"] == sampled  # seeded
+
+
+@pytest.mark.django_db
+def test_a_bpe_job_samples_through_its_own_tokenizer(
+    api: APIClient, user: User, abcd_text: Path, ready_node, checkpoint_dir: Path
+) -> None:
+    tokenizer = train_bpe(split_text("abcd" * 50)[0], 260)
+    pattern = tokenizer.encode("abcd" * 8)
+    assert len(pattern) < 32  # merged: fewer tokens than characters
+    bpe_model = {**MODEL, "vocab": "bpe", "vocab_size": 260}
+    job = make_job(user, abcd_text, ready_node, model=bpe_model, pattern=tuple(pattern))
+    response = api.post(f"/api/jobs/{job.id}/sample", {"prompt": "abcd", "length": 6, "temperature": 0}, format="json")
+    assert response.status_code == 200, response.json()
+    text = response.json()["text"]
+    assert len(text) > len("abcd") + 6 and text == ("abcd" * 20)[: len(text)]
+    # Byte-level: a character the text never holds is a valid prompt.
+    assert api.post(f"/api/jobs/{job.id}/sample", {"prompt": "z☃", "length": 2}, format="json").status_code == 200
 
 
 @pytest.mark.django_db

@@ -61,12 +61,26 @@ def test_a_text_file_of_ones_own_is_read_for_its_vocabulary(api: APIClient, tmp_
     assert response.json()["model_config"]["vocab_size"] == 5  # a b c space newline
 
 
+def test_a_bpe_transformer_job_stores_its_vocabulary_in_both_configs(api: APIClient) -> None:
+    body = {**GPT_JOB, "model_config": {**GPT_JOB["model_config"], "vocab": "bpe", "vocab_size": 512}}
+    response = submit(api, body)
+    assert response.status_code == 201, response.json()
+    stored = response.json()
+    assert stored["model_config"]["vocab_size"] == 512 and stored["model_config"]["vocab"] == "bpe"
+    assert stored["dataset_config"] == {
+        "name": "text", "batch_size": 8, "val_batch_size": 256, "block_size": 32, "vocab": "bpe", "vocab_size": 512,
+    }
+
+
 INVALID: list[tuple[str, dict[str, Any], dict[str, Any], str, str]] = [
     ("d_model not divisible", {"d_model": 30}, {}, "model_config.d_model", "divisible by n_head (4)"),
     ("zero layers", {"n_layer": 0}, {}, "model_config.n_layer", "between 1 and"),
     ("bool heads", {"n_head": True}, {}, "model_config.n_head", "positive integer"),
     ("unknown key", {"dropout": 0.1}, {}, "model_config.dropout", "unknown key for a transformer"),
-    ("unknown vocab", {"vocab": "bpe"}, {}, "model_config.vocab", "must be one of char"),
+    ("unknown vocab", {"vocab": "wordpiece"}, {}, "model_config.vocab", "must be one of char, bpe"),
+    ("tiny bpe", {"vocab": "bpe", "vocab_size": 64}, {}, "model_config.vocab_size", "between 257 and"),
+    ("dataset vocab clash", {"vocab": "bpe", "vocab_size": 300}, {"vocab": "bpe", "vocab_size": 400},
+     "dataset_config.vocab_size", "is 400 but the model's is 300"),
     ("wrong vocab size", {"vocab_size": 100}, {}, "model_config.vocab_size", "62 distinct characters"),
     ("missing source", {}, {"source": "/nonexistent/book.txt"}, "dataset_config.source", "no text file"),
     ("empty source", {}, {"source": ""}, "dataset_config.source", "non-empty path"),
