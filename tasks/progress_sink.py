@@ -131,6 +131,7 @@ def stage_counters(stages: list[StageCountersSnapshot]) -> list[StageCounters]:
             compute_seconds=s.compute_seconds,
             bytes_sent=s.bytes_sent,
             bytes_received=s.bytes_received,
+            node_id=s.node_id,
         )
         for s in stages
     ]

@@ -10,12 +10,21 @@ placements within `PRICE_TOLERANCE` of the fastest, the cheapest per hour wins, 
 The search is exact for this cost model: dynamic programming over (layers placed, set of devices used),
 O(n² · d · 2^d) for n layers and d candidate devices, so only the `max_candidates` best devices by speed
 are considered (8 by default: under a second in Python for 16 layers).
+
+Tensor parallelism (`tensor_parallel` > 1): a split stage runs on a group of that many devices, Megatron
+style. Its transformer blocks (`LayerProfile.tensor_parallel`) divide their weights and compute between
+the ranks, at the price of 4 all-reduces of the block's output per micro-batch (2 forward, 2 backward),
+each sending the partial sum to every other rank; embeddings, heads and the stashed activations stay
+whole on every rank. A group acts as one device as fast as its slowest member, with the memory of its
+smallest, the worst link of any, and the price of all. Groups are formed before the search, from
+devices of similar speed (consecutive in speed order, fastest first), so the search stays exact for
+those groups but does not try every way of grouping the devices.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 # Training memory per parameter: an fp32 weight, its gradient and two optimizer moments (Adam's m and v).
@@ -33,6 +42,7 @@ class LayerProfile:
     flops_per_sample: float  # forward
     params: int
     output_bytes_per_sample: int  # the activation this layer hands to the next one
+    tensor_parallel: bool = False  # a transformer block: its weights and compute split across a group
 
 
 @dataclass(frozen=True)
@@ -53,11 +63,43 @@ class Workload:
 
 @dataclass(frozen=True)
 class StagePlan:
-    device_id: str
+    device_ids: tuple[str, ...]  # one device, or a tensor-parallel group's in rank order
     layer_start: int
     layer_end: int
     seconds_per_micro_batch: float
-    memory_bytes: int
+    memory_bytes: int  # per device
+
+    @property
+    def device_id(self) -> str:
+        """The device of a one-device stage; a group's rank 0."""
+        return self.device_ids[0]
+
+
+@dataclass(frozen=True)
+class _Unit:
+    """What a stage runs on: one device, or a tensor-parallel group of them acting as one (`device`
+    aggregates them: the slowest speed, smallest memory, worst link, summed price)."""
+
+    device: Device
+    members: tuple[str, ...]
+
+    @property
+    def ranks(self) -> int:
+        return len(self.members)
+
+    @classmethod
+    def of(cls, devices: Sequence[Device]) -> _Unit:
+        if len(devices) == 1:
+            return cls(devices[0], (devices[0].id,))
+        aggregate = Device(
+            id="+".join(d.id for d in devices),
+            flops=min(d.flops for d in devices),
+            memory_bytes=min(d.memory_bytes for d in devices),
+            bandwidth_bytes_per_s=min(d.bandwidth_bytes_per_s for d in devices),
+            latency_s=max(d.latency_s for d in devices),
+            price_per_hour=sum(d.price_per_hour for d in devices),
+        )
+        return cls(aggregate, tuple(d.id for d in devices))
 
 
 @dataclass(frozen=True)
@@ -76,18 +118,28 @@ def layer_training_memory(params: int) -> int:
     return params * BYTES_PER_PARAMETER
 
 
-def stage_memory(layers: Sequence[LayerProfile], workload: Workload) -> int:
-    """Bytes a stage holding `layers` needs: weights with gradients and optimizer state, plus every
-    in-flight micro-batch's stashed activations."""
-    weights = sum(layer_training_memory(layer.params) for layer in layers)
+def stage_memory(layers: Sequence[LayerProfile], workload: Workload, ranks: int = 1) -> int:
+    """Bytes a stage holding `layers` needs on each of its `ranks` devices: weights with gradients and
+    optimizer state (a tensor-parallel rank's share of the split ones), plus every in-flight
+    micro-batch's stashed activations (whole on every rank)."""
+    weights = sum(-(-layer_training_memory(layer.params) // (ranks if layer.tensor_parallel else 1))
+                  for layer in layers)
     stash = workload.micro_batches * workload.micro_batch_size * sum(layer.output_bytes_per_sample for layer in layers)
     return weights + stash
 
 
-def stage_seconds(layers: Sequence[LayerProfile], device: Device, workload: Workload, *, last: bool) -> float:
-    """Seconds per micro-batch: compute, plus (unless last) the activation out and the gradient back."""
-    compute = BACKWARD_FACTOR * workload.micro_batch_size * sum(layer.flops_per_sample for layer in layers)
-    seconds = compute / device.flops
+def stage_seconds(
+    layers: Sequence[LayerProfile], device: Device, workload: Workload, *, last: bool, ranks: int = 1
+) -> float:
+    """Seconds per micro-batch: compute (a tensor-parallel rank's share) and its group's all-reduces,
+    plus (unless last) the activation out and the gradient back."""
+    flops = sum(layer.flops_per_sample / ranks if layer.tensor_parallel else layer.flops_per_sample for layer in layers)
+    seconds = BACKWARD_FACTOR * workload.micro_batch_size * flops / device.flops
+    if ranks > 1:
+        for layer in layers:
+            if layer.tensor_parallel:
+                partial = workload.micro_batch_size * layer.output_bytes_per_sample
+                seconds += 4 * ((ranks - 1) * partial / device.bandwidth_bytes_per_s + device.latency_s)
     if not last:
         payload = workload.micro_batch_size * layers[-1].output_bytes_per_sample
         seconds += 2 * (payload / device.bandwidth_bytes_per_s + device.latency_s)
@@ -103,38 +155,46 @@ def solve(
     max_stages: int | None = None,
     max_price_per_hour: float | None = None,
     max_candidates: int = 8,
+    tensor_parallel: int = 1,
+    split_stages: Collection[int] | None = None,
 ) -> Placement:
-    """The placement described in the module docstring; PlacementError when none fits."""
+    """The placement described in the module docstring; PlacementError when none fits.
+
+    `tensor_parallel` > 1 splits stages over groups of that many devices: every stage, or (with
+    `split_stages`, which needs the stage count fixed: `min_stages == max_stages`) only those indices."""
     _check(layers, devices, workload, min_stages, max_stages)
     n = len(layers)
-    max_stages = min(max_stages or n, n, len(devices))
+    widths = _stage_widths(tensor_parallel, split_stages, min_stages, max_stages, n)
+    units = _units(devices, tensor_parallel, split_stages, max_candidates)
+    max_stages = min(max_stages or n, n, len(units))
     if min_stages > max_stages:
+        unit = "devices (one stage each)" if tensor_parallel == 1 else f"stages (groups of {tensor_parallel} devices)"
         raise PlacementError(
-            f"needs at least {min_stages} devices (one stage each) but only {min(len(devices), n)} can be used "
-            f"({len(devices)} offered for {n} layers)"
+            f"needs at least {min_stages} {unit} but only {min(len(units), n)} can be used "
+            f"({len(devices)} devices offered for {n} layers)"
         )
-    candidates = sorted(devices, key=lambda d: (-d.flops, d.price_per_hour, d.id))[:max_candidates]
-    d = len(candidates)
-    # cost[s][e][k]: seconds of layers [s, e) on candidate k (inf if it does not fit its memory).
+    d = len(units)
+    # cost[s][e][k]: seconds of layers [s, e) on unit k (inf if it does not fit its memory).
     cost = [[[math.inf] * d for _ in range(n + 1)] for _ in range(n)]
     for s in range(n):
         for e in range(s + 1, n + 1):
-            need = stage_memory(layers[s:e], workload)
-            for k, device in enumerate(candidates):
-                if need <= device.memory_bytes:
-                    cost[s][e][k] = stage_seconds(layers[s:e], device, workload, last=e == n)
-    # best[i][mask]: the smallest bottleneck placing layers [0, i) on exactly the devices in mask.
+            for k, unit in enumerate(units):
+                if stage_memory(layers[s:e], workload, unit.ranks) <= unit.device.memory_bytes:
+                    cost[s][e][k] = stage_seconds(layers[s:e], unit.device, workload, last=e == n, ranks=unit.ranks)
+    # best[i][mask]: the smallest bottleneck placing layers [0, i) on exactly the units in mask (the
+    # next stage's index is the number of units used).
     best: list[dict[int, float]] = [dict() for _ in range(n + 1)]
     back: dict[tuple[int, int], tuple[int, int]] = {}
     best[0][0] = 0.0
     for i in range(1, n + 1):
         for s in range(i):
             for mask, value in best[s].items():
-                if bin(mask).count("1") >= max_stages:
+                used = bin(mask).count("1")
+                if used >= max_stages:
                     continue
                 for k in range(d):
                     bit = 1 << k
-                    if mask & bit or cost[s][i][k] == math.inf:
+                    if mask & bit or cost[s][i][k] == math.inf or units[k].ranks != widths(used):
                         continue
                     bottleneck = max(value, cost[s][i][k])
                     if bottleneck < best[i].get(mask | bit, math.inf):
@@ -142,21 +202,54 @@ def solve(
                         back[(i, mask | bit)] = (s, k)
     options = []
     for mask, bottleneck in best[n].items():
-        price = sum(candidates[k].price_per_hour for k in range(d) if mask >> k & 1)
+        price = sum(units[k].device.price_per_hour for k in range(d) if mask >> k & 1)
         if bin(mask).count("1") >= min_stages and (max_price_per_hour is None or price <= max_price_per_hour):
             options.append((bottleneck, price, mask))
     if not options:
-        raise PlacementError(_why_not(layers, candidates, workload, min_stages, max_price_per_hour, best[n]))
+        raise PlacementError(_why_not(layers, units, workload, min_stages, max_price_per_hour, best[n]))
     fastest = min(bottleneck for bottleneck, _, _ in options)
     _, price, mask = min(
         (o for o in options if o[0] <= fastest * (1 + PRICE_TOLERANCE)), key=lambda o: (o[1], o[0], o[2])
     )
-    return _placement(layers, candidates, workload, back, mask, best[n][mask], price)
+    return _placement(layers, units, workload, back, mask, best[n][mask], price)
+
+
+def _stage_widths(
+    size: int, split_stages: Collection[int] | None, min_stages: int, max_stages: int | None, n: int
+) -> Callable[[int], int]:
+    """Stage index -> how many devices run it."""
+    if size < 1:
+        raise ValueError(f"tensor_parallel must be at least 1, got {size}")
+    if split_stages is None or size == 1:
+        return lambda _index: size
+    if min_stages != max_stages:
+        raise ValueError(f"split_stages needs min_stages == max_stages, got {min_stages} and {max_stages}")
+    if not split_stages or not all(0 <= i < min_stages for i in split_stages):
+        raise ValueError(f"split_stages must name stages of 0..{min_stages - 1}, got {sorted(split_stages)}")
+    split = frozenset(split_stages)
+    return lambda index: size if index in split else 1
+
+
+def _units(
+    devices: Sequence[Device], size: int, split_stages: Collection[int] | None, max_candidates: int
+) -> list[_Unit]:
+    """The candidates, fastest first: single devices, or groups of `size` consecutive devices in speed
+    order (all of them, or with `split_stages` as many groups as split stages, from the fastest devices,
+    and the rest single). At most `max_candidates`, the groups that split stages need always among them."""
+    ordered = sorted(devices, key=lambda d: (-d.flops, d.price_per_hour, d.id))
+    if size == 1:
+        return [_Unit.of([d]) for d in ordered[:max_candidates]]
+    count = len(ordered) // size if split_stages is None else min(len(set(split_stages)), len(ordered) // size)
+    groups = [_Unit.of(ordered[g * size : (g + 1) * size]) for g in range(count)]
+    if split_stages is None:
+        return groups[:max_candidates]
+    singles = [_Unit.of([d]) for d in ordered[count * size :]]
+    return groups + singles[: max(max_candidates - len(groups), 0)]
 
 
 def _placement(
     layers: Sequence[LayerProfile],
-    candidates: Sequence[Device],
+    units: Sequence[_Unit],
     workload: Workload,
     back: dict[tuple[int, int], tuple[int, int]],
     mask: int,
@@ -167,14 +260,16 @@ def _placement(
     i, n = len(layers), len(layers)
     while i > 0:
         s, k = back[(i, mask)]
-        device = candidates[k]
+        unit = units[k]
         stages.append(
             StagePlan(
-                device_id=device.id,
+                device_ids=unit.members,
                 layer_start=s,
                 layer_end=i,
-                seconds_per_micro_batch=stage_seconds(layers[s:i], device, workload, last=i == n),
-                memory_bytes=stage_memory(layers[s:i], workload),
+                seconds_per_micro_batch=stage_seconds(
+                    layers[s:i], unit.device, workload, last=i == n, ranks=unit.ranks
+                ),
+                memory_bytes=stage_memory(layers[s:i], workload, unit.ranks),
             )
         )
         i, mask = s, mask & ~(1 << k)
@@ -183,23 +278,23 @@ def _placement(
 
 def _why_not(
     layers: Sequence[LayerProfile],
-    candidates: Sequence[Device],
+    units: Sequence[_Unit],
     workload: Workload,
     min_stages: int,
     max_price_per_hour: float | None,
     complete: dict[int, float],
 ) -> str:
-    largest = max(device.memory_bytes for device in candidates)
+    largest = max(unit.device.memory_bytes for unit in units)
     for index, layer in enumerate(layers):
-        need = stage_memory([layer], workload)
-        if need > largest:
+        if all(stage_memory([layer], workload, u.ranks) > u.device.memory_bytes for u in units):
+            need = min(stage_memory([layer], workload, u.ranks) for u in units)
             return (
                 f"layer {index} needs {_gib(need)} to train (weights, optimizer state and activations of "
                 f"{workload.micro_batches} micro-batches) but the largest device has {_gib(largest)}; use "
                 "fewer or smaller micro-batches, smaller layers, or devices with more memory"
             )
     prices = [
-        sum(candidates[k].price_per_hour for k in range(len(candidates)) if mask >> k & 1)
+        sum(units[k].device.price_per_hour for k in range(len(units)) if mask >> k & 1)
         for mask in complete
         if bin(mask).count("1") >= min_stages
     ]
@@ -209,8 +304,9 @@ def _why_not(
             f"every placement that fits costs more than the budget of ${max_price_per_hour:.4f}/hour "
             f"(the cheapest is ${cheapest:.4f}/hour); raise the budget or wait for cheaper devices"
         )
+    devices = sum(unit.ranks for unit in units)
     return (
-        f"no split of {len(layers)} layers over {min_stages} or more of the {len(candidates)} devices fits "
+        f"no split of {len(layers)} layers over {min_stages} or more of the {devices} devices fits "
         f"their memory (the model needs {_gib(stage_memory(layers, workload))} in all); add devices or use a "
         "smaller model"
     )

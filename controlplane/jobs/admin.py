@@ -6,6 +6,7 @@ from controlplane.jobs.models import Checkpoint, EpochMetric, Job, LossPoint, St
 
 STAGE_FIELDS = [
     "index",
+    "rank",
     "layer_start",
     "layer_end",
     "node",
@@ -114,6 +115,7 @@ class StageAdmin(admin.ModelAdmin):
         "__str__",
         "job",
         "index",
+        "rank",
         "node",
         "layer_start",
         "layer_end",

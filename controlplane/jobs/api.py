@@ -57,6 +57,7 @@ class JobEstimateApi(APIView):
             micro_batches=v["micro_batches"],
             stages=v["stages"],
             requirements_config=v["requirements"],
+            tensor_parallel=v["tensor_parallel"],
             now=timezone.now(),
         )
         return Response(JobEstimateOutput(estimate).data)

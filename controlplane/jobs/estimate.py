@@ -10,7 +10,8 @@ from arceus.data import load_dataset
 from arceus.placement.solver import PlacementError, solve
 from controlplane.common.conditions import TRUE
 from controlplane.jobs.models import Stage
-from controlplane.jobs.placement import layer_profiles, requirements, workload
+from controlplane.jobs.placement import layer_profiles, requirements, tensor_parallel_split, workload
+from controlplane.jobs.reconcile import stage_bounds
 from controlplane.jobs.services import job_validate
 from controlplane.jobs.snapshot import node_views, registered_nodes
 
@@ -24,13 +25,21 @@ def job_estimate(
     stages: int | None,
     requirements_config: dict[str, Any],
     now: datetime,
+    tensor_parallel: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Plan the job on the free Ready nodes as the reconciler would, and price it at the posted prices.
     A job that cannot be placed now is answered with `feasible: false` and the reason."""
+    tensor_parallel = tensor_parallel or {}
     spec, _, dataset = job_validate(
-        model_config=model_config, dataset_config=dataset_config, stages=stages, requirements=requirements_config
+        model_config=model_config,
+        dataset_config=dataset_config,
+        stages=stages,
+        requirements=requirements_config,
+        tensor_parallel=tensor_parallel,
     )
     req = requirements(requirements_config)
+    split = tensor_parallel_split(tensor_parallel)
+    fewest, most = stage_bounds(stages, req, split)
     busy = {str(node_id) for node_id in Stage.objects.filter(active=True).values_list("node_id", flat=True)}
     candidates = [
         n
@@ -44,9 +53,11 @@ def job_estimate(
             layer_profiles(spec),
             [n.device() for n in candidates],
             workload(dataset, micro_batches),
-            min_stages=stages or req.min_devices or 1,
-            max_stages=stages or req.max_devices,
+            min_stages=fewest,
+            max_stages=most,
             max_price_per_hour=req.max_price_per_hour,
+            tensor_parallel=split.size,
+            split_stages=split.stages,
         )
     except PlacementError as exc:
         answer["reason"] = str(exc)
@@ -60,13 +71,15 @@ def job_estimate(
         stages=[
             {
                 "stage_index": i,
-                "node_id": s.device_id,
-                "node_name": names[s.device_id],
+                "rank": rank,
+                "node_id": node_id,
+                "node_name": names[node_id],
                 "layer_start": s.layer_start,
                 "layer_end": s.layer_end,
                 "seconds_per_micro_batch": s.seconds_per_micro_batch,
             }
             for i, s in enumerate(placement.stages)
+            for rank, node_id in enumerate(s.device_ids)
         ],
         samples_per_second=placement.samples_per_second,
         hours=hours,

@@ -3,7 +3,7 @@
 Every job write is `UPDATE ... WHERE id = %s AND generation = <seen> AND status = <seen>`: if another
 pass (or a user, or the driver) changed the job since the snapshot, nothing matches and the action is
 skipped and logged. Never a lock held across passes, so no Redis lock is needed either. The database
-adds a second guard: unique (job, index) stages and at most one active stage per node.
+adds a second guard: unique (job, index, rank) stage rows and at most one active row per node.
 """
 
 from __future__ import annotations
@@ -106,6 +106,7 @@ def _place_job(action: PlaceJob, now: datetime) -> bool:
             layer_start=s.layer_start,
             layer_end=s.layer_end,
             node_id=s.node_id,
+            rank=s.rank,
             generation=generation,
         )
         for s in action.stages
@@ -164,7 +165,7 @@ def _rewind_job(action: RewindJob, now: datetime) -> bool:
     return job_rewind(
         job_id=action.job_id,
         generation=action.generation,
-        moves=dict(action.moves),
+        moves={(index, rank): node for index, rank, node in action.moves},
         count_restart=action.count_restart,
         reason=action.reason,
         message=action.message,

@@ -31,6 +31,7 @@ ACTIVE_STATUSES = (JobStatus.PLACING, JobStatus.PENDING, JobStatus.RUNNING)  # t
 HOSTED_STATUSES = (JobStatus.PLACING, JobStatus.RUNNING)  # agents host its stages (pending: not all placed)
 TERMINAL_STATUSES = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
 STARTABLE_STATUSES = (JobStatus.CREATED, JobStatus.FAILED, JobStatus.CANCELLED)
+DEFAULT_AUDIT_RATE = 0.05
 
 
 class Optimizer(models.TextChoices):
@@ -78,7 +79,8 @@ class Job(BaseModel):
         default=50, help_text="Save a coordinated checkpoint of every stage every N steps (0: only at the end)."
     )
     audit_rate = models.FloatField(
-        default=0.05, help_text="Chance that a train step has one micro-batch's forward re-run on another node."
+        default=DEFAULT_AUDIT_RATE,
+        help_text="Chance that a train step has one micro-batch's forward re-run on another node."
     )
     node_grace_seconds = models.FloatField(
         null=True,
@@ -93,6 +95,12 @@ class Job(BaseModel):
     )
     precision = models.CharField(
         max_length=4, choices=Precision, default=Precision.FP32, help_text="Compute precision of every stage."
+    )
+    tensor_parallel = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text='Stages split over groups of nodes, normalised: {} (none), {"size": 2} (every stage), or '
+        '{"size": 2, "stages": [1]} (only those).',
     )
     # Rewinds to the last checkpoint that no lost node explains (driver or stage errors); past the
     # setting ARCEUS_JOB_MAX_RESTARTS the job fails instead of retrying forever.
@@ -138,11 +146,14 @@ class StageState(models.TextChoices):
 
 
 class Stage(BaseModel):
-    """One pipeline stage of a job: a layer range on a node (desired) and what the agent reports
-    (observed). Deterministic key `stage_id` so a rerun finds the stage instead of duplicating it."""
+    """One node's part of a pipeline stage of a job: a layer range on a node (desired) and what its agent
+    reports (observed). A tensor-parallel stage has one row per rank (0, 1, ...), each on its own node;
+    any other stage is one row, rank 0. Deterministic key `stage_id` so a rerun finds the row instead of
+    duplicating it."""
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="stages")
     index = models.PositiveIntegerField()
+    rank = models.PositiveIntegerField(default=0, help_text="The node's rank in a tensor-parallel stage.")
     layer_start = models.PositiveIntegerField()
     layer_end = models.PositiveIntegerField()
     node = models.ForeignKey(Node, on_delete=models.SET_NULL, null=True, blank=True, related_name="stages")
@@ -159,9 +170,9 @@ class Stage(BaseModel):
     bytes_received = models.BigIntegerField(default=0)
 
     class Meta:
-        ordering = ["job", "index"]
+        ordering = ["job", "index", "rank"]
         constraints = [
-            models.UniqueConstraint(fields=["job", "index"], name="stage_unique_job_index"),
+            models.UniqueConstraint(fields=["job", "index", "rank"], name="stage_unique_job_index_rank"),
             # One stage per node for now: the database refuses a second placement on a busy node even
             # if two reconcilers decided on it at once.
             models.UniqueConstraint(fields=["node"], condition=Q(active=True), name="stage_one_active_per_node"),
@@ -172,11 +183,12 @@ class Stage(BaseModel):
 
     @property
     def stage_id(self) -> str:
-        return stage_key(self.job_id, self.index)
+        return stage_key(self.job_id, self.index, self.rank)
 
 
-def stage_key(job_id: object, index: int) -> str:
-    return f"{job_id}-stage-{index}"
+def stage_key(job_id: object, index: int, rank: int = 0) -> str:
+    """A stage's id, as its agents know it; a tensor-parallel stage's rank 0 is the stage's own."""
+    return f"{job_id}-stage-{index}" + (f"-rank-{rank}" if rank else "")
 
 
 class StageContribution(BaseModel):

@@ -1,19 +1,27 @@
-"""A job in the placement solver's terms: its layers' costs, its in-flight work, its requirements."""
+"""A job in the placement solver's terms: its layers' costs, its in-flight work, its requirements and
+tensor-parallel split."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from arceus.model.spec import ModelSpec
+from arceus.model.spec import GPTSpec, ModelSpec
 from arceus.placement.solver import LayerProfile, Workload
-from controlplane.jobs.reconcile import Requirements
+from controlplane.jobs.reconcile import Requirements, TensorParallel
 
 
 def layer_profiles(spec: ModelSpec) -> tuple[LayerProfile, ...]:
-    """Each layer's cost; its output (fp32 activations on the wire and in the stash) as the spec lays it out."""
+    """Each layer's cost; its output (fp32 activations on the wire and in the stash) as the spec lays it out;
+    a transformer's blocks are what a tensor-parallel group splits."""
+    split = range(1, spec.n_layer + 1) if isinstance(spec, GPTSpec) else range(0)
     return tuple(
-        LayerProfile(flops_per_sample=float(flops), params=params, output_bytes_per_sample=spec.output_layout(i).nbytes)
+        LayerProfile(
+            flops_per_sample=float(flops),
+            params=params,
+            output_bytes_per_sample=spec.output_layout(i).nbytes,
+            tensor_parallel=i in split,
+        )
         for i, (flops, params) in enumerate(zip(spec.layer_flops_per_sample(), spec.layer_params(), strict=True))
     )
 
@@ -34,3 +42,9 @@ def requirements(config: dict[str, Any]) -> Requirements:
         max_devices=config.get("max_devices"),
         max_price_per_hour=config.get("max_price_per_hour"),
     )
+
+
+def tensor_parallel_split(config: dict[str, Any]) -> TensorParallel:
+    """The stored (already validated, normalised) `tensor_parallel` of a job."""
+    stages = config.get("stages")
+    return TensorParallel(size=config.get("size", 1), stages=None if stages is None else tuple(stages))

@@ -8,6 +8,7 @@ progress write renews the lease.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -18,7 +19,7 @@ from django.db import transaction
 from django.db.models import Q, QuerySet
 
 from arceus.errors import SpecError
-from arceus.model.spec import model_spec_from_config
+from arceus.model.spec import GPTSpec, model_spec_from_config
 from controlplane.common.conditions import FALSE, TRUE, Condition, set_conditions
 from controlplane.common.dispatch import reconcile_soon
 from controlplane.jobs.models import EpochMetric, Job, JobStatus, LossPoint, Stage, StageContribution
@@ -42,6 +43,7 @@ class StageCounters:
     compute_seconds: float
     bytes_sent: int
     bytes_received: int
+    node_id: str = ""  # which rank's of a tensor-parallel stage; "": the stage's (its rank 0's)
 
 
 def job_driver_claim(*, job_id: Any, owner: str, now: datetime) -> Job | None:
@@ -213,7 +215,9 @@ def _record_counters(job_id: Any, stages: Sequence[StageCounters]) -> None:
     holder, so the stage rows are the ones the counters came from."""
     if not stages:
         return
-    placed = {s.index: s for s in Stage.objects.filter(job_id=job_id, active=True).select_related("node", "job")}
+    rows = list(Stage.objects.filter(job_id=job_id, active=True).select_related("node", "job"))
+    placed = {(s.index, str(s.node_id)): s for s in rows} | {(s.index, ""): s for s in rows if s.rank == 0}
+    ranks = Counter(s.index for s in rows)
     contributions = []
     for s in stages:
         counters = {
@@ -223,7 +227,7 @@ def _record_counters(job_id: Any, stages: Sequence[StageCounters]) -> None:
             "bytes_sent": s.bytes_sent,
             "bytes_received": s.bytes_received,
         }
-        stage = placed.get(s.index)
+        stage = placed.get((s.index, s.node_id))
         if stage is None or stage.node is None:
             continue
         Stage.objects.filter(pk=stage.pk).update(**counters)
@@ -238,7 +242,7 @@ def _record_counters(job_id: Any, stages: Sequence[StageCounters]) -> None:
             generation=stage.generation,
             node=stage.node,
             counters=WorkCounters(**counters),
-            flops_per_sample=_stage_flops_per_sample(stage),
+            flops_per_sample=_stage_flops_per_sample(stage, ranks[stage.index]),
         )
     StageContribution.objects.bulk_create(
         contributions,
@@ -248,12 +252,16 @@ def _record_counters(job_id: Any, stages: Sequence[StageCounters]) -> None:
     )
 
 
-def _stage_flops_per_sample(stage: Stage) -> float:
+def _stage_flops_per_sample(stage: Stage, ranks: int) -> float:
+    """The forward FLOPs per sample the stage's node does: a tensor-parallel rank does its share of
+    each transformer block (embedding and head are whole on every rank)."""
     try:
-        costs = model_spec_from_config(stage.job.model_config).layer_flops_per_sample()
+        spec = model_spec_from_config(stage.job.model_config)
     except SpecError:
         return 0.0  # validated at submit; a model the library no longer accepts is not billed by FLOPs
-    return float(sum(costs[stage.layer_start : stage.layer_end]))
+    costs = spec.layer_flops_per_sample()
+    split = range(1, spec.n_layer + 1) if isinstance(spec, GPTSpec) else range(0)
+    return float(sum(costs[i] / (ranks if i in split else 1) for i in range(stage.layer_start, stage.layer_end)))
 
 
 def _lease_end(now: datetime) -> datetime:

@@ -8,13 +8,16 @@ Rules, in order:
 1. a registered node whose lease expired (no heartbeat for longer than its duration) → MarkNodeUnknown;
 2. a queued job → PlaceJob on free Ready nodes that meet its requirements (one stage per node, one
    active job per node), devices and cut points chosen by `arceus.placement.solver.solve` (fastest
-   pipeline, cheaper devices among near-equals, within the job's budget); too few nodes or no feasible
-   placement → a Placed=False condition saying why;
-3. a placed job (placing, pending or running) with stages whose node is lost (silent longer than the
-   job's tolerance, or the node's lease) or paused by its owner → RewindJob moving only those stages
+   pipeline, cheaper devices among near-equals, within the job's budget); a tensor-parallel stage gets
+   a group of distinct nodes, one placed row per rank; too few nodes or no feasible placement → a
+   Placed=False condition saying why;
+3. a placed job (placing, pending or running) with stage ranks whose node is lost (silent longer than
+   the job's tolerance, or the node's lease) or paused by its owner → RewindJob moving only those ranks
    to free Ready nodes with room; if some cannot be moved, they are unplaced and the job waits as
    pending. A running job's live driver is first asked to checkpoint where it is and let go
-   (RequestHandover), so a paused node's stage moves without losing work;
+   (RequestHandover), so a paused node's stage moves without losing work. A tensor-parallel group
+   keeps its healthy ranks: the rewind's new generation makes every rank rebuild from the unsplit
+   checkpoint with the group's new peer list anyway, so re-forming it needs only the lost rank's node;
 4. a placing job: a stage reports failure → FailJob; every stage reports ready at the job's
    generation → StartDriver; else a StagesReady=False condition;
 5. a running job whose driver lease expired: never claimed → StartDriver again; claimed (the driver
@@ -26,7 +29,7 @@ Jobs are considered oldest first; a job that cannot be placed does not hold back
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -74,7 +77,7 @@ class Requirements:
 
     min_memory_bytes: int = 0
     device_types: tuple[str, ...] = ()  # empty: any
-    min_devices: int | None = None
+    min_devices: int | None = None  # devices, counting every rank of a tensor-parallel stage
     max_devices: int | None = None
     max_price_per_hour: float | None = None  # for all its devices together
 
@@ -85,12 +88,40 @@ class Requirements:
 
 
 @dataclass(frozen=True)
+class TensorParallel:
+    """How a job's stages split over nodes: groups of `size` (1: none), for every stage or only `stages`."""
+
+    size: int = 1
+    stages: tuple[int, ...] | None = None  # the split stages' indices; None: every stage
+
+    def ranks(self, index: int) -> int:
+        """How many nodes stage `index` runs on."""
+        return self.size if self.stages is None or index in self.stages else 1
+
+    def nodes(self, stage_count: int) -> int:
+        return sum(self.ranks(i) for i in range(stage_count))
+
+
+def stage_bounds(
+    stages_requested: int | None, requirements: Requirements, split: TensorParallel
+) -> tuple[int, int | None]:
+    """The stage counts a job allows: the count it asked for, else what its device bounds allow."""
+    if stages_requested:
+        return stages_requested, stages_requested
+    low, high = requirements.min_devices, requirements.max_devices
+    return -(-(low or 1) // split.size), None if high is None else max(high // split.size, 1)
+
+
+@dataclass(frozen=True)
 class PlacedStage:
+    """One node's part of a stage: the whole stage, or rank `rank` of a tensor-parallel group."""
+
     index: int
     layer_start: int
     layer_end: int
     node_id: str | None
     generation: int
+    rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -111,6 +142,7 @@ class JobView:
     restarts: int = 0
     max_restarts: int = 5
     handover_requested: bool = False  # the driver was asked to checkpoint and stop, to drain a node
+    tensor_parallel: TensorParallel = TensorParallel()
 
 
 @dataclass(frozen=True)
@@ -128,7 +160,7 @@ class Desired:
 @dataclass(frozen=True)
 class Observed:
     nodes: tuple[NodeView, ...]
-    stages: Mapping[tuple[str, int], StageReport] = field(default_factory=dict)  # (job id, index)
+    stages: Mapping[tuple[str, int, int], StageReport] = field(default_factory=dict)  # (job id, index, rank)
 
 
 # --- actions --------------------------------------------------------------------------------------
@@ -146,6 +178,7 @@ class PlannedStage:
     layer_start: int
     layer_end: int
     node_id: str
+    rank: int = 0
 
 
 @dataclass(frozen=True)
@@ -195,13 +228,13 @@ class RequestHandover:
 
 @dataclass(frozen=True)
 class RewindJob:
-    """Bump the generation so every stage rebuilds from the last checkpoint; `moves` re-places stages
-    (a node id, or None to unplace a stage: the job then waits as pending)."""
+    """Bump the generation so every stage rebuilds from the last checkpoint; `moves` re-places stage
+    ranks: (index, rank, a node id, or None to unplace it: the job then waits as pending)."""
 
     job_id: str
     generation: int
     status: str
-    moves: tuple[tuple[int, str | None], ...]
+    moves: tuple[tuple[int, int, str | None], ...]
     count_restart: bool
     reason: str
     message: str
@@ -253,7 +286,7 @@ def plan(desired: Desired, observed: Observed, now: datetime) -> list[Action]:
             elif lost or draining or not job.stages:
                 action = _replace_lost(job, lost + draining, nodes, free, now)
                 if isinstance(action, RewindJob):
-                    taken = {node for _, node in action.moves}
+                    taken = {node for _, _, node in action.moves}
             elif job.status == PLACING:
                 action = _check_stages(job, observed, now)
             elif job.status == RUNNING:
@@ -277,38 +310,44 @@ def _is_lost(stage: PlacedStage, nodes: Mapping[str, NodeView], job: JobView, no
 def _replace_lost(
     job: JobView, lost: list[PlacedStage], nodes: Mapping[str, NodeView], free: list[NodeView], now: datetime
 ) -> Action | None:
-    """Move only the lost stages, each to the fastest free node with memory for it; if any cannot move,
-    unplace the lost stages (releasing dead nodes) and wait as pending."""
+    """Move only the lost stage ranks, each to the fastest free node with memory for it; if any cannot
+    move, unplace the lost ranks (releasing dead nodes) and wait as pending."""
     if not job.stages:  # e.g. deleted by hand in the admin
         return RequeueJob(job.id, job.generation, "StagesMissing", "the placement has no stages")
     candidates = [n for n in free if job.requirements.allows(n)]
-    moves: list[tuple[int, str | None]] = []
+    moves: list[tuple[int, int, str | None]] = []
     unplaceable: list[str] = []
-    for stage in sorted(lost, key=lambda s: -_stage_memory(job, s)):
+    for stage in sorted(lost, key=lambda s: (-_stage_memory(job, s), s.index, s.rank)):
         need = _stage_memory(job, stage)
         node = next((n for n in candidates if n.memory_bytes >= need), None)
         if node is None:
             layers = f"layers {stage.layer_start}-{stage.layer_end - 1}"
-            unplaceable.append(f"stage {stage.index} ({layers}, needs {need:,} bytes)")
+            unplaceable.append(f"{_stage_label(job, stage)} ({layers}, needs {need:,} bytes)")
         else:
             candidates.remove(node)
-            moves.append((stage.index, node.id))
-    old = {s.index: _node_label(nodes, s.node_id) for s in lost}
-    paused = {s.index: nodes[s.node_id].pause_reason for s in lost if s.node_id in nodes and nodes[s.node_id].paused}
+            moves.append((stage.index, stage.rank, node.id))
+    by_key = {(s.index, s.rank): s for s in lost}
+    old = {key: _node_label(nodes, s.node_id) for key, s in by_key.items()}
+    paused = {
+        key: nodes[s.node_id].pause_reason
+        for key, s in by_key.items()
+        if s.node_id in nodes and nodes[s.node_id].paused
+    }
     if not unplaceable:
         moves.sort()
         message = "; ".join(
-            f"stage {i} moved from {old[i]}{f' ({paused[i]})' if i in paused else ''} to {_node_label(nodes, n)}"
-            for i, n in moves
+            f"{_stage_label(job, by_key[i, r])} moved from {old[i, r]}"
+            f"{f' ({paused[i, r]})' if (i, r) in paused else ''} to {_node_label(nodes, n)}"
+            for i, r, n in moves
         )
-        reason = "NodeDrained" if {i for i, _ in moves} <= paused.keys() else "NodeLost"
+        reason = "NodeDrained" if {(i, r) for i, r, _ in moves} <= paused.keys() else "NodeLost"
         return RewindJob(job.id, job.generation, PLACING, tuple(moves), False, reason, message)
     message = (
         f"waiting for a Ready node with room for {', '.join(unplaceable)} "
         f"({len(free)} free Ready node{'s' if len(free) != 1 else ''} now)"
     )
     if job.status != PENDING or any(s.node_id is not None for s in lost):
-        unplace = tuple(sorted((s.index, None) for s in lost))
+        unplace = tuple(sorted((s.index, s.rank, None) for s in lost))
         return RewindJob(job.id, job.generation, PENDING, unplace, False, "WaitingForNode", message)
     return _condition(job, Condition("Placed", FALSE, "WaitingForNode", message), now)
 
@@ -321,7 +360,8 @@ def _request_handover(
     job: JobView, draining: list[PlacedStage], nodes: Mapping[str, NodeView], now: datetime
 ) -> RequestHandover:
     names = "; ".join(
-        f"stage {s.index} on {_node_label(nodes, s.node_id)} ({nodes[s.node_id].pause_reason})" for s in draining
+        f"{_stage_label(job, s)} on {_node_label(nodes, s.node_id)} ({nodes[s.node_id].pause_reason})"
+        for s in draining
     )
     message = f"{names}: checkpointing the current step to hand it back"
     conditions = set_conditions(job.conditions, Condition("Draining", TRUE, "NodeUnavailable", message), now=now)
@@ -329,7 +369,13 @@ def _request_handover(
 
 
 def _stage_memory(job: JobView, stage: PlacedStage) -> int:
-    return stage_memory(job.layers[stage.layer_start : stage.layer_end], job.workload)
+    """Bytes each of the stage's nodes needs (a tensor-parallel rank: its share of the split weights)."""
+    layers = job.layers[stage.layer_start : stage.layer_end]
+    return stage_memory(layers, job.workload, job.tensor_parallel.ranks(stage.index))
+
+
+def _stage_label(job: JobView, stage: PlacedStage) -> str:
+    return f"stage {stage.index}" + (f" rank {stage.rank}" if job.tensor_parallel.ranks(stage.index) > 1 else "")
 
 
 def _node_label(nodes: Mapping[str, NodeView], node_id: str | None) -> str:
@@ -342,10 +388,11 @@ def _place(job: JobView, free: list[NodeView], now: datetime) -> Action | None:
         return FailJob(job.id, job.generation, "InvalidModel", job.spec_error)
     req = job.requirements
     candidates = [n for n in free if req.allows(n)]
-    fewest = job.stages_requested or req.min_devices or 1
-    if len(candidates) < fewest:
+    fewest, most = stage_bounds(job.stages_requested, req, job.tensor_parallel)
+    needed = job.tensor_parallel.nodes(fewest)
+    if len(candidates) < needed:
         meeting = " meeting its requirements" if len(candidates) < len(free) else ""
-        message = f"needs {fewest} Ready node{'s' if fewest != 1 else ''}{meeting}, {len(candidates)} available"
+        message = f"needs {needed} Ready node{'s' if needed != 1 else ''}{meeting}, {len(candidates)} available"
         return _condition(job, Condition("Placed", FALSE, "WaitingForNodes", message), now)
     devices = [n.device() for n in candidates]
     try:
@@ -354,32 +401,45 @@ def _place(job: JobView, free: list[NodeView], now: datetime) -> Action | None:
             devices,
             job.workload,
             min_stages=fewest,
-            max_stages=job.stages_requested or req.max_devices,
+            max_stages=most,
             max_price_per_hour=req.max_price_per_hour,
+            tensor_parallel=job.tensor_parallel.size,
+            split_stages=job.tensor_parallel.stages,
         )
     except PlacementError as exc:
         return _condition(job, Condition("Placed", FALSE, "NoFeasiblePlacement", str(exc)), now)
     names = {n.id: n.name or n.id for n in candidates}
     stages = tuple(
-        PlannedStage(index=i, layer_start=s.layer_start, layer_end=s.layer_end, node_id=s.device_id)
+        PlannedStage(index=i, layer_start=s.layer_start, layer_end=s.layer_end, node_id=node_id, rank=rank)
         for i, s in enumerate(placement.stages)
+        for rank, node_id in enumerate(s.device_ids)
     )
     message = (
-        f"{len(stages)} stage{'s' if len(stages) != 1 else ''} on "
-        + ", ".join(f"{names[s.node_id]} (layers {s.layer_start}-{s.layer_end - 1})" for s in stages)
+        f"{len(placement.stages)} stage{'s' if len(placement.stages) != 1 else ''} on "
+        + ", ".join(
+            f"{' + '.join(names[n] for n in s.device_ids)} (layers {s.layer_start}-{s.layer_end - 1}"
+            + (f", tensor-parallel over {len(s.device_ids)}" if len(s.device_ids) > 1 else "")
+            + ")"
+            for s in placement.stages
+        )
         + f"; ${placement.price_per_hour:.4f}/hour"
     )
     conditions = set_conditions(
         job.conditions,
         Condition("Placed", TRUE, "Placed", message),
-        Condition("StagesReady", FALSE, "WaitingForStages", f"0/{len(stages)} stages ready"),
+        Condition("StagesReady", FALSE, "WaitingForStages", f"0/{len(stages)} {_parts(stages)} ready"),
         now=now,
     )
     return PlaceJob(job.id, job.generation, stages, tuple(conditions))
 
 
+def _parts(stages: Sequence[PlannedStage | PlacedStage]) -> str:
+    """What the ready count counts: stages, or stage ranks where some stage is a group."""
+    return "stage ranks" if any(s.rank for s in stages) else "stages"
+
+
 def _check_stages(job: JobView, observed: Observed, now: datetime) -> Action | None:
-    current = [observed.stages.get((job.id, s.index)) for s in job.stages]
+    current = [observed.stages.get((job.id, s.index, s.rank)) for s in job.stages]
     current = [r if r is not None and r.generation == job.generation else None for r in current]
     for stage, report in zip(job.stages, current, strict=True):
         if report is not None and report.state == FAILED:
@@ -387,19 +447,19 @@ def _check_stages(job: JobView, observed: Observed, now: datetime) -> Action | N
                 job.id,
                 job.generation,
                 "StageFailed",
-                f"stage {stage.index} on node {stage.node_id} failed: {report.message or 'no message'}",
+                f"{_stage_label(job, stage)} on node {stage.node_id} failed: {report.message or 'no message'}",
             )
     ready_count = sum(1 for r in current if r is not None and r.state == READY)
-    total = len(job.stages)
+    total, parts = len(job.stages), _parts(job.stages)
     if total and ready_count == total:
         conditions = set_conditions(
             job.conditions,
-            Condition("StagesReady", TRUE, "AllStagesReady", f"{total}/{total} stages ready"),
+            Condition("StagesReady", TRUE, "AllStagesReady", f"{total}/{total} {parts} ready"),
             Condition("Training", TRUE, "DriverStarting", "a training driver was enqueued"),
             now=now,
         )
         return StartDriver(job.id, job.generation, PLACING, job.driver_lease_expires_at, tuple(conditions))
-    waiting = Condition("StagesReady", FALSE, "WaitingForStages", f"{ready_count}/{total} stages ready")
+    waiting = Condition("StagesReady", FALSE, "WaitingForStages", f"{ready_count}/{total} {parts} ready")
     return _condition(job, waiting, now)
 
 

@@ -30,7 +30,7 @@ def job_roll_back(*, job_id: Any, generation: int, node_ids: Collection[str], me
     trusted = checkpoint_trusted(job=job, node_ids=node_ids)
     polluted = job.checkpoints.all() if trusted is None else job.checkpoints.filter(step__gt=trusted.step)
     checkpoints_delete(polluted)  # before the rewind, which resumes from the newest checkpoint left
-    moves = {s.index: None for s in job.stages.filter(active=True, node_id__in=list(node_ids))}
+    moves = {(s.index, s.rank): None for s in job.stages.filter(active=True, node_id__in=list(node_ids))}
     return job_rewind(
         job_id=job.pk, generation=generation, moves=moves, reason="NodeFlagged", message=message, now=now
     )

@@ -34,7 +34,8 @@ def job_get_for_user(*, user: AbstractBaseUser, job_id: str) -> Job:
 
 
 def job_stages(*, job: Job) -> QuerySet[Stage]:
-    return Stage.objects.filter(job=job).select_related("node").order_by("index")
+    """The job's stage rows (one per rank of a tensor-parallel stage), in stage then rank order."""
+    return Stage.objects.filter(job=job).select_related("node").order_by("index", "rank")
 
 
 def job_contributions(*, job: Job) -> list[dict[str, Any]]:
@@ -67,15 +68,17 @@ def job_loss_curve(*, job: Job, max_points: int | None = None) -> list[dict[str,
 
 def assignments_for_node(*, node: Node) -> list[dict[str, Any]]:
     """The node's desired state (docs/architecture.md, "Assignment"): every stage it hosts for a job
-    that is placing or running, with the checkpoint each resumes from."""
+    that is placing or running, with the checkpoint each resumes from; a tensor-parallel rank's with
+    its group (`tensor_parallel`), and a tensor-parallel neighbour's address as the list of its ranks'."""
     hosted = list(
         Stage.objects.filter(node=node, active=True, job__status__in=HOSTED_STATUSES)
         .select_related("job")
         .order_by("job__created_at", "index")
     )
-    siblings: dict[uuid.UUID, dict[int, Stage]] = defaultdict(dict)
-    for stage in Stage.objects.filter(job_id__in={s.job_id for s in hosted}, active=True).select_related("node"):
-        siblings[stage.job_id][stage.index] = stage
+    siblings: dict[uuid.UUID, dict[int, list[Stage]]] = defaultdict(lambda: defaultdict(list))
+    rows = Stage.objects.filter(job_id__in={s.job_id for s in hosted}, active=True).select_related("node")
+    for stage in rows.order_by("index", "rank"):
+        siblings[stage.job_id][stage.index].append(stage)
     checkpoints = {
         (sc.checkpoint_id, sc.stage_index): sc
         for sc in StageCheckpoint.objects.filter(
@@ -88,9 +91,10 @@ def assignments_for_node(*, node: Node) -> list[dict[str, Any]]:
     ]
 
 
-def _assignment(stage: Stage, stages: dict[int, Stage], checkpoint: StageCheckpoint | None) -> dict[str, Any]:
+def _assignment(stage: Stage, stages: dict[int, list[Stage]], checkpoint: StageCheckpoint | None) -> dict[str, Any]:
     job = stage.job
     dataset = job.dataset_config
+    group = stages[stage.index]
     return {
         "stage_id": stage.stage_id,
         "job_id": str(job.id),
@@ -116,6 +120,11 @@ def _assignment(stage: Stage, stages: dict[int, Stage], checkpoint: StageCheckpo
         "max_micro_batch_size": math.ceil(max(dataset["batch_size"], dataset["val_batch_size"]) / job.micro_batches),
         "prev_address": _address(stages.get(stage.index - 1)),
         "next_address": _address(stages.get(stage.index + 1)),
+        **(
+            {"tensor_parallel": {"rank": stage.rank, "size": len(group), "peers": [_address([s]) for s in group]}}
+            if len(group) > 1
+            else {}
+        ),
         "checkpoint": None
         if checkpoint is None
         else {
@@ -126,5 +135,9 @@ def _assignment(stage: Stage, stages: dict[int, Stage], checkpoint: StageCheckpo
     }
 
 
-def _address(stage: Stage | None) -> str | None:
-    return stage.node.grpc_address if stage is not None and stage.node is not None else None
+def _address(group: list[Stage] | None) -> str | list[str | None] | None:
+    """A neighbouring stage's "host:port", or a tensor-parallel one's list of its ranks' (rank order)."""
+    if not group:
+        return None
+    addresses = [s.node.grpc_address if s.node is not None else None for s in group]
+    return addresses if len(addresses) > 1 else addresses[0]

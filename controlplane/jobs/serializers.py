@@ -8,7 +8,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from controlplane.common.fields import StrictFloatField, StrictInputSerializer, StrictIntegerField
-from controlplane.jobs.models import Job, Optimizer, PipelineSchedule, Precision
+from controlplane.jobs.models import DEFAULT_AUDIT_RATE, Job, Optimizer, PipelineSchedule, Precision
 from controlplane.jobs.selectors import job_contributions, job_loss_curve, job_stages
 from controlplane.market.selectors import job_cost
 from controlplane.market.serializers import JobCostOutput
@@ -16,6 +16,7 @@ from controlplane.market.serializers import JobCostOutput
 MAX_EPOCHS = 10_000
 MAX_MICRO_BATCHES = 1024
 MAX_SEED = 2**63 - 1
+MAX_TENSOR_PARALLEL = 64
 
 
 class JobRequirementsInput(StrictInputSerializer):
@@ -39,6 +40,26 @@ class JobRequirementsInput(StrictInputSerializer):
         if "deadline" in data:
             data["deadline"] = data["deadline"].isoformat()  # stored as JSON
         return data
+
+
+class JobTensorParallelInput(StrictInputSerializer):
+    """Split stages over groups of nodes, Megatron style: each node of a group holds its share of every
+    block's attention heads and MLP units (transformers only)."""
+
+    size = StrictIntegerField(
+        min_value=2, max_value=MAX_TENSOR_PARALLEL, help_text="nodes per split stage; must divide n_head"
+    )
+    stages = serializers.ListField(
+        child=StrictIntegerField(min_value=0),
+        min_length=1,
+        required=False,
+        help_text="indices of the stages to split (needs `stages`, the stage count); default: every stage",
+    )
+
+    def validate_stages(self, value: list[int]) -> list[int]:
+        if len(set(value)) != len(value):
+            raise serializers.ValidationError("Each stage may be listed once.")
+        return sorted(value)
 
 
 class JobSubmitInput(StrictInputSerializer):
@@ -68,8 +89,10 @@ class JobSubmitInput(StrictInputSerializer):
     audit_rate = StrictFloatField(
         min_value=0,
         max_value=1,
-        default=0.05,
-        help_text="Chance that a train step is spot-checked: one micro-batch's forward re-run on another node.",
+        allow_null=True,
+        default=None,
+        help_text=f"Chance that a train step is spot-checked: one micro-batch's forward re-run on another node. "
+        f"null: {DEFAULT_AUDIT_RATE}, or 0 for a tensor-parallel job (its stages cannot be spot-checked yet).",
     )
     node_grace_seconds = StrictFloatField(
         greater_than=0,
@@ -92,6 +115,11 @@ class JobSubmitInput(StrictInputSerializer):
         default=Precision.FP32,
         help_text="fp32, or bf16: matmuls under bfloat16 autocast (weights and optimizer state stay float32).",
     )
+    tensor_parallel = JobTensorParallelInput(
+        required=False,
+        default=dict,
+        help_text='e.g. {"size": 2}: every stage on 2 nodes; {"size": 2, "stages": [1]}: only stage 1. {}: none.',
+    )
 
 
 class JobStartInput(StrictInputSerializer):
@@ -108,7 +136,10 @@ class ConditionOutput(serializers.Serializer):
 
 
 class PlacementOutput(serializers.Serializer):
+    """One node's part of a stage: the whole stage, or one rank of a tensor-parallel stage."""
+
     stage_index = serializers.IntegerField(source="index")
+    rank = serializers.IntegerField(help_text="rank in the stage's tensor-parallel group (0 for a one-node stage)")
     layer_start = serializers.IntegerField()
     layer_end = serializers.IntegerField()
     node_id = serializers.UUIDField(allow_null=True)
@@ -187,6 +218,7 @@ class JobDetailOutput(JobListOutput):
     schedule = serializers.CharField()
     transfer = serializers.JSONField()
     precision = serializers.CharField()
+    tensor_parallel = serializers.JSONField()
     restarts = serializers.IntegerField(help_text="Rewinds not explained by a lost node since the last checkpoint.")
     resumed_from_step = serializers.IntegerField(
         source="resume_checkpoint.step", default=None, allow_null=True, help_text="The checkpoint the stages run from."
@@ -228,6 +260,7 @@ class JobDetailOutput(JobListOutput):
 
 class EstimateStageOutput(serializers.Serializer):
     stage_index = serializers.IntegerField()
+    rank = serializers.IntegerField(help_text="rank in the stage's tensor-parallel group (0 for a one-node stage)")
     node_id = serializers.UUIDField()
     node_name = serializers.CharField()
     layer_start = serializers.IntegerField()

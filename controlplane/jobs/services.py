@@ -21,6 +21,7 @@ from controlplane.common.errors import ApplicationError
 from controlplane.jobs.checkpoints import checkpoints_delete
 from controlplane.jobs.models import (
     ACTIVE_STATUSES,
+    DEFAULT_AUDIT_RATE,
     STARTABLE_STATUSES,
     TERMINAL_STATUSES,
     Job,
@@ -44,18 +45,29 @@ def job_submit(
     seed: int = 0,
     stages: int | None = None,
     checkpoint_interval_steps: int = 50,
-    audit_rate: float = 0.05,
+    audit_rate: float | None = None,
     node_grace_seconds: float | None = None,
     schedule: str = "gpipe",
     transfer: dict[str, Any] | None = None,
     precision: str = "fp32",
     requirements: dict[str, Any] | None = None,
+    tensor_parallel: dict[str, Any] | None = None,
     name: str = "",
 ) -> Job:
-    """Validate the model and dataset against each other and save the job (status created)."""
+    """Validate the model and dataset against each other and save the job (status created).
+    `audit_rate` None: DEFAULT_AUDIT_RATE, or 0 for a tensor-parallel job (no spot checks of those yet)."""
+    tensor_parallel = tensor_parallel or {}
     spec, model_config, dataset = job_validate(
-        model_config=model_config, dataset_config=dataset_config, stages=stages, requirements=requirements or {}
+        model_config=model_config,
+        dataset_config=dataset_config,
+        stages=stages,
+        requirements=requirements or {},
+        tensor_parallel=tensor_parallel,
     )
+    if tensor_parallel:
+        tensor_parallel_check_options(precision=precision, audit_rate=audit_rate)
+    if audit_rate is None:
+        audit_rate = 0.0 if tensor_parallel else DEFAULT_AUDIT_RATE
     try:
         transfer_config = transfer_config_from_json(transfer or {})
     except SpecError as exc:
@@ -81,15 +93,21 @@ def job_submit(
         transfer=transfer_config.to_json(),  # every field spelt out, so agents need no defaults of their own
         precision=precision,
         requirements=requirements or {},
+        tensor_parallel=tensor_parallel,
     )
 
 
 def job_validate(
-    *, model_config: dict[str, Any], dataset_config: dict[str, Any], stages: int | None, requirements: dict[str, Any]
+    *,
+    model_config: dict[str, Any],
+    dataset_config: dict[str, Any],
+    stages: int | None,
+    requirements: dict[str, Any],
+    tensor_parallel: dict[str, Any] | None = None,
 ) -> tuple[ModelSpec, dict[str, Any], dict[str, Any]]:
     """The checks of a submitted job that need the model: its spec and the model and dataset configs
     completed from each other (a transformer's vocab_size, the text's block_size), or a 400 naming the
-    field."""
+    field. `tensor_parallel` is the normalised JobTensorParallelInput ({} for none)."""
     spec, model_config, dataset = _fit_or_400(model_config, dataset_config)
     if stages is not None and stages > spec.num_layers:
         raise ApplicationError.invalid(
@@ -97,16 +115,79 @@ def job_validate(
             f"requested {stages} stages but the model has {spec.num_layers} layers; "
             f"use at most {spec.num_layers} (one layer per stage at least)",
         )
+    tensor_parallel = tensor_parallel or {}
+    if tensor_parallel:
+        _check_tensor_parallel(spec, tensor_parallel, stages)
+    size, split = tensor_parallel.get("size", 1), tensor_parallel.get("stages")
+
+    def devices(stage_count: int) -> int:  # every rank of a split stage is a device of its own
+        return stage_count + (size - 1) * (len(split) if split is not None else stage_count)
+
     low, high = requirements.get("min_devices"), requirements.get("max_devices")
-    if low is not None and low > spec.num_layers:
+    usable = devices(spec.num_layers)
+    if low is not None and low > usable:
         raise ApplicationError.invalid(
-            "requirements.min_devices", f"is {low} but the model has only {spec.num_layers} layers to spread"
+            "requirements.min_devices",
+            f"is {low} but the model has only {spec.num_layers} layers to spread"
+            + (f" (at most {usable} devices with its tensor-parallel split)" if size > 1 else ""),
         )
-    if stages is not None and ((low is not None and low > stages) or (high is not None and high < stages)):
+    if high is not None and size > 1 and high < devices(1):
         raise ApplicationError.invalid(
-            "stages", f"{stages} stages contradict requirements min_devices {low} / max_devices {high}"
+            "requirements.max_devices", f"is {high} but a tensor-parallel stage alone needs {size} devices"
+        )
+    placed = devices(stages) if stages is not None else None
+    if placed is not None and ((low is not None and low > placed) or (high is not None and high < placed)):
+        raise ApplicationError.invalid(
+            "stages",
+            f"{stages} stages ({placed} devices) contradict requirements min_devices {low} / "
+            f"max_devices {high}",
         )
     return spec, model_config, dataset
+
+
+def _check_tensor_parallel(spec: ModelSpec, tensor_parallel: dict[str, Any], stages: int | None) -> None:
+    """A split needs a transformer whose heads divide evenly between the ranks (its MLP then does too:
+    4·d_model hidden units, and n_head divides d_model), and named stages that exist."""
+    if not isinstance(spec, GPTSpec):
+        raise ApplicationError.invalid(
+            "tensor_parallel",
+            'only a transformer\'s blocks split across nodes; use model_config.type "transformer" or drop '
+            "tensor_parallel",
+        )
+    size = tensor_parallel["size"]
+    if spec.n_head % size:
+        divisors = [d for d in range(2, spec.n_head + 1) if spec.n_head % d == 0]
+        raise ApplicationError.invalid(
+            "tensor_parallel.size",
+            f"must divide the model's n_head ({spec.n_head}) so each node takes whole attention heads; "
+            + (f"use one of {', '.join(map(str, divisors))}" if divisors else "a single head cannot be split"),
+        )
+    split = tensor_parallel.get("stages")
+    if split is None:
+        return
+    if stages is None:
+        raise ApplicationError.invalid(
+            "tensor_parallel.stages", "naming the stages to split needs a fixed stage count: set `stages` too"
+        )
+    if split[-1] >= stages:
+        raise ApplicationError.invalid(
+            "tensor_parallel.stages", f"names stage {split[-1]} but the job has {stages} stages (0-{stages - 1})"
+        )
+
+
+def tensor_parallel_check_options(*, precision: str, audit_rate: float | None) -> None:
+    """The job options a tensor-parallel job cannot have (yet), as a 400 saying what to change."""
+    if precision != "fp32":
+        # The agents refuse it: the all-reduce carries float32 partials and a bf16 split is untested.
+        raise ApplicationError.invalid(
+            "precision",
+            f"tensor-parallel stages compute in fp32 only, got {precision}; use fp32 or drop tensor_parallel",
+        )
+    if audit_rate:
+        raise ApplicationError.invalid(
+            "audit_rate",
+            "tensor-parallel stages cannot be spot-checked yet; use 0 (or leave it out) or drop tensor_parallel",
+        )
 
 
 @transaction.atomic
@@ -185,16 +266,17 @@ def job_rewind(
     *,
     job_id: Any,
     generation: int,
-    moves: Mapping[int, Any] | None = None,
+    moves: Mapping[tuple[int, int], Any] | None = None,
     count_restart: bool = False,
     reason: str,
     message: str,
     now: datetime,
 ) -> bool:
     """Send a placed job back to its last checkpoint: a new generation for every stage (so each rebuilds
-    from that checkpoint and stale RPCs are refused), with the stages in `moves` re-placed (a node id,
-    or None to unplace: the job then waits as pending). Stages not moved keep their node. False if the
-    job moved on since `generation`; IntegrityError if a target node took another stage meanwhile."""
+    from that checkpoint and stale RPCs are refused), with the stage ranks in `moves` ((index, rank) ->
+    a node id, or None to unplace: the job then waits as pending) re-placed. Ranks not moved keep their
+    node. False if the job moved on since `generation`; IntegrityError if a target node took another
+    stage meanwhile."""
     job = Job.objects.select_for_update().filter(pk=job_id, generation=generation, status__in=ACTIVE_STATUSES).first()
     if job is None:
         return False
@@ -202,13 +284,14 @@ def job_rewind(
     job.generation += 1
     checkpoint = job.checkpoints.order_by("-step").first()
     stages = list(job.stages.filter(active=True))
+    moved = [stage for stage in stages if (stage.index, stage.rank) in moves]
     for stage in stages:
-        if stage.index in moves:
-            stage.node_id = moves[stage.index]
+        if stage in moved:
+            stage.node_id = moves[stage.index, stage.rank]
         stage.generation = job.generation
         stage.observed_generation, stage.observed_state, stage.observed_message = None, StageState.PENDING, ""
     # Release the moved stages' old nodes first: one active stage per node is a database constraint.
-    Stage.objects.filter(pk__in=[s.pk for s in stages if s.index in moves]).update(node=None)
+    Stage.objects.filter(pk__in=[s.pk for s in moved]).update(node=None)
     Stage.objects.bulk_update(
         stages, ["node", "generation", "observed_generation", "observed_state", "observed_message"]
     )

@@ -13,7 +13,7 @@ from django.utils import timezone
 from arceus.errors import SpecError
 from arceus.model.spec import model_spec_from_config
 from controlplane.jobs.models import ACTIVE_STATUSES, Job, JobStatus, Stage
-from controlplane.jobs.placement import layer_profiles, requirements, workload
+from controlplane.jobs.placement import layer_profiles, requirements, tensor_parallel_split, workload
 from controlplane.jobs.reconcile import Desired, JobView, NodeView, Observed, PlacedStage, StageReport
 from controlplane.market.services import node_device_class, price_in_force
 from controlplane.nodes.links import nodes_worst_neighbour_link
@@ -26,14 +26,14 @@ def load_snapshot(now: datetime | None = None) -> tuple[Desired, Observed]:
     nodes = node_views(registered_nodes(), now)
     jobs = (
         Job.objects.filter(status__in=(JobStatus.QUEUED, *ACTIVE_STATUSES))
-        .prefetch_related(Prefetch("stages", queryset=Stage.objects.filter(active=True).order_by("index")))
+        .prefetch_related(Prefetch("stages", queryset=Stage.objects.filter(active=True).order_by("index", "rank")))
         .order_by("created_at")
     )
     views, reports = [], {}
     for job in jobs:
         views.append(_job_view(job))
         for stage in job.stages.all():
-            reports[(str(job.id), stage.index)] = StageReport(
+            reports[(str(job.id), stage.index, stage.rank)] = StageReport(
                 generation=stage.observed_generation,
                 state=stage.observed_state,
                 message=stage.observed_message,
@@ -100,6 +100,7 @@ def _job_view(job: Job) -> JobView:
                 layer_end=s.layer_end,
                 node_id=str(s.node_id) if s.node_id else None,
                 generation=s.generation,
+                rank=s.rank,
             )
             for s in job.stages.all()
         ),
@@ -111,4 +112,5 @@ def _job_view(job: Job) -> JobView:
         restarts=job.restarts,
         handover_requested=job.handover_requested,
         max_restarts=settings.ARCEUS_JOB_MAX_RESTARTS,
+        tensor_parallel=tensor_parallel_split(job.tensor_parallel),
     )

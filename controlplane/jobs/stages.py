@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from controlplane.jobs.models import Stage, StageState
 from controlplane.nodes.models import Node
 
-_STAGE_KEY = re.compile(r"^(?P<job>[0-9a-fA-F-]{36})-stage-(?P<index>\d+)$")
+_STAGE_KEY = re.compile(r"^(?P<job>[0-9a-fA-F-]{36})-stage-(?P<index>\d+)(?:-rank-(?P<rank>[1-9]\d*))?$")
 MAX_MESSAGE_CHARS = 2000
 
 
@@ -22,13 +22,14 @@ class StageReport:
     message: str = ""
 
 
-def parse_stage_key(stage_id: str) -> tuple[uuid.UUID, int] | None:
-    """`"<job uuid>-stage-<index>"` → (job id, index); None for anything else."""
+def parse_stage_key(stage_id: str) -> tuple[uuid.UUID, int, int] | None:
+    """`"<job uuid>-stage-<index>"` → (job id, index, 0), `"...-stage-<index>-rank-<rank>"` → (job id,
+    index, rank) (models.stage_key); None for anything else."""
     match = _STAGE_KEY.match(stage_id)
     if match is None:
         return None
     try:
-        return uuid.UUID(match["job"]), int(match["index"])
+        return uuid.UUID(match["job"]), int(match["index"]), int(match["rank"] or 0)
     except ValueError:
         return None
 
@@ -43,7 +44,8 @@ def stages_record_observed(*, node: Node, reports: Sequence[StageReport]) -> boo
     keys = {report.stage_id: parse_stage_key(report.stage_id) for report in reports}
     job_ids = {key[0] for key in keys.values() if key is not None}
     stages = {
-        (stage.job_id, stage.index): stage for stage in Stage.objects.filter(node=node, active=True, job_id__in=job_ids)
+        (stage.job_id, stage.index, stage.rank): stage
+        for stage in Stage.objects.filter(node=node, active=True, job_id__in=job_ids)
     }
     changed = False
     for report in reports:

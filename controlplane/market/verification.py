@@ -108,7 +108,7 @@ def _verify_receipt(job: Job, generation: int, c: SpotCheckReport, role: str, sh
     and the producer's "sent" one: check the one of `role` against its signer's key."""
     producer = c.stage_index if c.producer_index is None else c.producer_index
     signer = producer + 1 if role == RECEIVED else producer
-    stage = Stage.objects.filter(job=job, index=signer, active=True).select_related("node").first()
+    stage = Stage.objects.filter(job=job, index=signer, rank=0, active=True).select_related("node").first()
     if stage is None or stage.node is None:
         raise ApplicationError.invalid("checks", f"job {job.id} has no placed stage {signer}")
     try:

@@ -37,6 +37,7 @@ class ReadyOutput(serializers.Serializer):
 class CurrentStageOutput(serializers.Serializer):
     job_id = serializers.UUIDField()
     stage_index = serializers.IntegerField(source="index")
+    rank = serializers.IntegerField(help_text="rank in the stage's tensor-parallel group (0 for a one-node stage)")
 
 
 class NodeControlsInput(StrictInputSerializer):
@@ -219,6 +220,12 @@ class CheckpointRefOutput(serializers.Serializer):
     sha256 = serializers.CharField()
 
 
+class TensorParallelOutput(serializers.Serializer):
+    rank = serializers.IntegerField()
+    size = serializers.IntegerField()
+    peers = serializers.ListField(child=serializers.CharField(), help_text="every rank's address, in rank order")
+
+
 class AssignmentOutput(serializers.Serializer):
     """Documents the Assignment contract; the selector builds the JSON itself."""
 
@@ -234,9 +241,14 @@ class AssignmentOutput(serializers.Serializer):
     optimizer = OptimizerOutput()
     micro_batches = serializers.IntegerField()
     max_micro_batch_size = serializers.IntegerField()
-    prev_address = serializers.CharField(allow_null=True)
-    next_address = serializers.CharField(allow_null=True)
+    prev_address = serializers.JSONField(
+        allow_null=True, help_text='"host:port"; a tensor-parallel neighbour: the list of its ranks\' addresses'
+    )
+    next_address = serializers.JSONField(
+        allow_null=True, help_text='"host:port"; a tensor-parallel neighbour: the list of its ranks\' addresses'
+    )
     checkpoint = CheckpointRefOutput(allow_null=True, help_text="The state to resume from; null: the seed's")
+    tensor_parallel = TensorParallelOutput(required=False, help_text="Present when the stage is split over nodes")
 
 
 class AgentControlsOutput(serializers.Serializer):

@@ -136,6 +136,7 @@ def test_the_detail_shows_progress_placements_and_curves(running_job: Job, api: 
     stage = Stage.objects.select_related("node").get(job=running_job, index=0)
     assert placement == {
         "stage_index": 0,
+        "rank": 0,
         "layer_start": 0,
         "layer_end": 1,
         "node_id": str(stage.node_id),

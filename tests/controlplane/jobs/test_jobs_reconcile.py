@@ -54,7 +54,7 @@ def placed(job_id: str, nodes: list[str], generation: int = 2) -> tuple[PlacedSt
 
 
 def reports(job_id: str, states: list[str], generation: int = 2) -> dict:
-    return {(job_id, i): StageReport(generation, state, f"msg {i}") for i, state in enumerate(states)}
+    return {(job_id, i, 0): StageReport(generation, state, f"msg {i}") for i, state in enumerate(states)}
 
 
 def test_a_node_silent_past_its_lease_is_marked_unknown_once() -> None:
@@ -153,7 +153,7 @@ def test_a_placing_job_starts_its_driver_once_every_stage_is_ready_at_its_genera
 def test_reports_about_an_older_generation_do_not_count() -> None:
     placing = job("j", "placing", generation=2, stages=placed("j", ["a", "b", "c"]))
     nodes = tuple(node(name) for name in "abc")
-    stale = {**reports("j", ["ready"] * 3), ("j", 2): StageReport(1, "ready")}
+    stale = {**reports("j", ["ready"] * 3), ("j", 2, 0): StageReport(1, "ready")}
     [action] = plan(Desired(jobs=(placing,)), Observed(nodes, stale), NOW)
     assert isinstance(action, SetCondition)
     assert get_condition(action.conditions, "StagesReady")["message"] == "2/3 stages ready"
@@ -179,7 +179,7 @@ def test_a_lost_stage_moves_alone_to_the_fastest_free_node_with_room() -> None:
     actions = plan(Desired(jobs=(running,)), Observed(nodes, reports("j", ["ready"] * 3)), NOW)
     assert isinstance(actions[0], MarkNodeUnknown)
     assert actions[1] == RewindJob(
-        "j", 2, "placing", ((1, "fast"),), False, "NodeLost", "stage 1 moved from b to fast"
+        "j", 2, "placing", ((1, 0, "fast"),), False, "NodeLost", "stage 1 moved from b to fast"
     )
 
 
@@ -190,7 +190,7 @@ def test_a_job_tolerates_silence_up_to_its_own_grace() -> None:
     assert plan(Desired(jobs=(patient,)), Observed(nodes), NOW) == []
     nodes = (node("a"), node("b", silent=31, ready="Unknown"), node("c"), node("spare"))
     [action] = plan(Desired(jobs=(patient,)), Observed(nodes), NOW)
-    assert isinstance(action, RewindJob) and action.moves == ((1, "spare"),)
+    assert isinstance(action, RewindJob) and action.moves == ((1, 0, "spare"),)
 
 
 def test_a_lost_stage_with_no_room_anywhere_unplaces_and_waits_pending() -> None:
@@ -198,7 +198,7 @@ def test_a_lost_stage_with_no_room_anywhere_unplaces_and_waits_pending() -> None
     nodes = (node("a"), node("b", silent=20, ready="Unknown"), node("c"), node("tiny", memory=10))
     [action] = plan(Desired(jobs=(running,)), Observed(nodes), NOW)
     assert isinstance(action, RewindJob)
-    assert (action.status, action.moves, action.reason) == ("pending", ((1, None),), "WaitingForNode")
+    assert (action.status, action.moves, action.reason) == ("pending", ((1, 0, None),), "WaitingForNode")
     assert action.message == (
         "waiting for a Ready node with room for stage 1 (layers 1-1, needs 992 bytes) "
         "(1 free Ready node now)"
@@ -211,7 +211,7 @@ def test_a_lost_stage_with_no_room_anywhere_unplaces_and_waits_pending() -> None
     assert get_condition(action.conditions, "Placed")["reason"] == "WaitingForNode"
     # A node with room registers: the stage is placed and the job rewinds onto it.
     [action] = plan(Desired(jobs=(pending,)), Observed((*nodes, node("new"))), NOW)
-    assert isinstance(action, RewindJob) and (action.status, action.moves) == ("placing", ((1, "new"),))
+    assert isinstance(action, RewindJob) and (action.status, action.moves) == ("placing", ((1, 0, "new"),))
 
 
 def test_two_lost_stages_never_share_a_replacement() -> None:
@@ -219,7 +219,7 @@ def test_two_lost_stages_never_share_a_replacement() -> None:
     nodes = (node("a", silent=20, ready="Unknown"), node("b", silent=20, ready="Unknown"), node("c"), node("d"))
     [action] = plan(Desired(jobs=(running,)), Observed(nodes), NOW)
     assert isinstance(action, RewindJob) and action.status == "pending"
-    assert action.moves == ((0, None), (1, None))
+    assert action.moves == ((0, 0, None), (1, 0, None))
 
 
 def test_a_running_job_gets_a_new_driver_only_when_its_lease_expired() -> None:
@@ -278,7 +278,8 @@ def test_a_running_job_on_a_paused_node_first_asks_its_driver_to_hand_over() -> 
     handed = replace(asked, driver_lease_expires_at=NOW - timedelta(seconds=1))
     [action] = plan(Desired(jobs=(handed,)), Observed(nodes), NOW)
     assert action == RewindJob(
-        "j", 2, "placing", ((1, "spare"),), False, "NodeDrained", "stage 1 moved from b (paused by its owner) to spare"
+        "j", 2, "placing", ((1, 0, "spare"),), False, "NodeDrained",
+        "stage 1 moved from b (paused by its owner) to spare",
     )
 
 
@@ -286,7 +287,7 @@ def test_a_placing_job_on_a_paused_node_moves_at_once() -> None:
     placing = job("j", "placing", generation=2, stages=placed("j", ["a", "b", "c"]))
     nodes = (node("a"), node("b"), replace(node("c"), paused=True), node("spare"))
     [action] = plan(Desired(jobs=(placing,)), Observed(nodes, reports("j", ["ready"] * 3)), NOW)
-    assert isinstance(action, RewindJob) and action.moves == ((2, "spare"),) and action.reason == "NodeDrained"
+    assert isinstance(action, RewindJob) and action.moves == ((2, 0, "spare"),) and action.reason == "NodeDrained"
 
 
 def test_placement_honours_the_jobs_requirements_and_budget() -> None:
