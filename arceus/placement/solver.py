@@ -165,6 +165,12 @@ def solve(
     _check(layers, devices, workload, min_stages, max_stages)
     n = len(layers)
     widths = _stage_widths(tensor_parallel, split_stages, min_stages, max_stages, n)
+    needed = sum(widths(i) for i in range(min_stages))
+    if tensor_parallel > 1 and len(devices) < needed:
+        raise PlacementError(
+            f"needs {needed} devices for {min_stages} stage{'s' if min_stages != 1 else ''} "
+            f"(split ones on {tensor_parallel} devices each), {len(devices)} offered"
+        )
     units = _units(devices, tensor_parallel, split_stages, max_candidates)
     max_stages = min(max_stages or n, n, len(units))
     if min_stages > max_stages:

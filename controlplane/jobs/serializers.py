@@ -47,7 +47,10 @@ class JobTensorParallelInput(StrictInputSerializer):
     block's attention heads and MLP units (transformers only)."""
 
     size = StrictIntegerField(
-        min_value=2, max_value=MAX_TENSOR_PARALLEL, help_text="nodes per split stage; must divide n_head"
+        min_value=2,
+        max_value=MAX_TENSOR_PARALLEL,
+        required=False,
+        help_text="nodes per split stage; must divide n_head (required unless the whole object is {})",
     )
     stages = serializers.ListField(
         child=StrictIntegerField(min_value=0),
@@ -60,6 +63,11 @@ class JobTensorParallelInput(StrictInputSerializer):
         if len(set(value)) != len(value):
             raise serializers.ValidationError("Each stage may be listed once.")
         return sorted(value)
+
+    def validate(self, data: dict[str, Any]) -> dict[str, Any]:
+        if data and "size" not in data:  # {} is "no split"; anything else must say how wide
+            raise serializers.ValidationError({"size": ["This field is required."]})
+        return data
 
 
 class JobSubmitInput(StrictInputSerializer):
