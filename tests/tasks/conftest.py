@@ -10,11 +10,14 @@ import torch
 from django.contrib.auth.models import User
 from django.utils import timezone
 
+from arceus.checkpoint import decode_checkpoint
+from controlplane.jobs.checkpoints import stage_checkpoint_for_node
+from controlplane.jobs.models import checkpoint_storage
 from controlplane.jobs.stages import StageReport
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_create, node_heartbeat, node_register
 from nodeagent.agent import Agent
-from nodeagent.assignment import Assignment
+from nodeagent.assignment import Assignment, CheckpointRef
 
 
 @pytest.fixture
@@ -26,7 +29,12 @@ class LiveNode:
     """A real Agent (gRPC server and stage runtime) and its Node row; `sync()` is one heartbeat."""
 
     def __init__(self, user: User, name: str) -> None:
-        self.agent = Agent(device=torch.device("cpu"), listen="127.0.0.1:0", metrics_listen="127.0.0.1:0")
+        self.agent = Agent(
+            device=torch.device("cpu"),
+            listen="127.0.0.1:0",
+            metrics_listen="127.0.0.1:0",
+            load_checkpoint=self.load_checkpoint,
+        )
         self.agent.start()
         self.node, _ = node_create(owner=user, name=name)
         node_register(
@@ -40,6 +48,13 @@ class LiveNode:
             public_key=self.agent.signer.public_key_hex,  # receipts verify, so no node is flagged
         )
         self.node.refresh_from_db()
+
+    def load_checkpoint(self, ref: CheckpointRef) -> dict[str, torch.Tensor]:
+        """What the agent's fetch over HTTP gets, through the service behind that endpoint: a checkpoint of a
+        stage this node hosts, checked against its hash."""
+        sc = stage_checkpoint_for_node(node_id=self.node.pk, stage_checkpoint_id=ref.url.rsplit("/", 1)[-1])
+        with checkpoint_storage().open(sc.file.name, "rb") as handle:
+            return decode_checkpoint(handle.read(), sha256=ref.sha256)
 
     def sync(self) -> None:
         observed = [StageReport(**o) for o in self.agent.observed()]
