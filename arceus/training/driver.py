@@ -190,7 +190,7 @@ class Pipeline:
         return gather_state_tensors(spec, shards)
 
     def close(self) -> None:
-        for client in self.clients:
+        for client in (c for ranks in self.ranks for c in ranks):  # a tensor-parallel stage's other ranks too
             client.close()
 
     def __enter__(self) -> Pipeline:

@@ -86,7 +86,7 @@ def test_a_bad_split_is_a_400_naming_the_field_and_stores_nothing(
 
 
 def test_the_estimate_places_a_split_stage_on_a_group(user, ready_node) -> None:
-    for name, flops in (("slow", 1e9), ("fast-a", 4e9), ("fast-b", 4e9)):
+    for name, flops in (("slow", 1e9), ("fast-a", 4e9), ("fast-b", 3e9)):
         ready_node(name, flops=flops)
     estimate = job_estimate(
         model_config=MODEL, dataset_config={"name": "text", "batch_size": 8}, epochs=1, micro_batches=2, stages=2,
@@ -100,7 +100,7 @@ def test_the_estimate_places_a_split_stage_on_a_group(user, ready_node) -> None:
 
 def test_each_rank_gets_its_own_node_and_an_assignment_naming_its_group(user, ready_node) -> None:
     nodes = {name: ready_node(name, port=port, flops=flops)
-             for name, port, flops in (("slow", 50051, 1e9), ("fast-a", 50052, 4e9), ("fast-b", 50053, 4e9))}
+             for name, port, flops in (("slow", 50051, 1e9), ("fast-a", 50052, 4e9), ("fast-b", 50053, 3e9))}
     job = job_start(job=job_submit(owner=user, **GPT_JOB))
     assert [type(a) for a in reconcile_once().applied] == [PlaceJob]
     job.refresh_from_db()
@@ -132,7 +132,7 @@ def test_each_rank_gets_its_own_node_and_an_assignment_naming_its_group(user, re
 
 
 def test_a_lost_rank_alone_moves_and_the_group_gets_its_new_address(user, ready_node) -> None:
-    for name, port, flops in (("slow", 50051, 1e9), ("fast-a", 50052, 4e9), ("fast-b", 50053, 4e9)):
+    for name, port, flops in (("slow", 50051, 1e9), ("fast-a", 50052, 4e9), ("fast-b", 50053, 3e9)):
         ready_node(name, port=port, flops=flops)
     job = job_start(job=job_submit(owner=user, **GPT_JOB))
     reconcile_once()
