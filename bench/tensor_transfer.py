@@ -4,8 +4,9 @@
 
 - ours fp32: pushes built by the agent's own code (TransferEncoder -> outgoing_push) from a fresh torch
   tensor each time, sent as the agent sends them (its PushStream on one channel with the agent's channel
-  options, a few in flight), into a StageService server with the agent's server options whose
-  PushStream validates and decodes each tensor with `from_proto` (what `decode_push` runs) and acks it.
+  options, a few in flight), into a StageService server registered as the agent registers it (pushes
+  parsed by `parse_push`, payloads left in the received bytes) with the agent's server options, whose
+  PushStream validates and decodes each tensor with `decode_tensor` (what `decode_push` runs) and acks it.
 - ours int8: the same with int8 blockwise transfers (block 64); GB/s counted as fp32-equivalent bytes.
 - bare gRPC: one client stream of pre-built raw 4 MB `bytes` messages, no protobuf, no torch.
 - raw TCP: the same bytes, length-prefixed, over one socket.
@@ -34,11 +35,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arceus.v1 import stage_pb2, stage_pb2_grpc  # noqa: E402
-from arceus.wire.proto_tensor import from_proto  # noqa: E402
+from arceus.wire.incoming_push import IncomingPush, MalformedPush  # noqa: E402
+from arceus.wire.proto_tensor import decode_tensor  # noqa: E402
 from arceus.wire.push_stream import PushStream, outgoing_push  # noqa: E402
 from arceus.wire.transfer import TransferConfig, TransferEncoder  # noqa: E402
 from bench.report import machine_line, write_section  # noqa: E402
 from nodeagent.launch import free_ports  # noqa: E402
+from nodeagent.servicer import add_stage_service  # noqa: E402
 from nodeagent.stage import grpc_channel_options  # noqa: E402
 
 ROWS, COLS = 1024, 1024  # 4 MiB of float32
@@ -54,11 +57,14 @@ FRAME = struct.Struct("<Q")
 
 class DecodingStageServicer(stage_pb2_grpc.StageServiceServicer):
     def PushStream(
-        self, request_iterator: Iterator[stage_pb2.PushTensorRequest], context: grpc.ServicerContext
+        self, request_iterator: Iterator[IncomingPush | MalformedPush], context: grpc.ServicerContext
     ) -> Iterator[stage_pb2.PushAck]:
-        for request in request_iterator:
-            from_proto(request.tensor, max_bytes=TENSOR_BYTES, copy=False)
-            yield stage_pb2.PushAck(kind=request.kind, step=request.step, micro_batch=request.micro_batch)
+        for push in request_iterator:
+            if isinstance(push, MalformedPush):
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, push.reason)
+            header = push.header
+            decode_tensor(header.tensor, push.data, push.scales, push.indices, max_bytes=TENSOR_BYTES, copy=False)
+            yield stage_pb2.PushAck(kind=header.kind, step=header.step, micro_batch=header.micro_batch)
 
 
 def _grpc_server() -> grpc.Server:
@@ -71,7 +77,7 @@ def _grpc_server() -> grpc.Server:
 
 def serve_stage(port: int) -> None:
     server = _grpc_server()
-    stage_pb2_grpc.add_StageServiceServicer_to_server(DecodingStageServicer(), server)
+    add_stage_service(DecodingStageServicer(), server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
     server.wait_for_termination()
@@ -231,7 +237,7 @@ def main() -> None:
         "tensor_bytes": TENSOR_BYTES, "tensors_per_round": args.tensors, "rounds": args.rounds,
     }
     label = {
-        "ours_fp32": "our path, fp32 (PushStream + from_proto)",
+        "ours_fp32": "our path, fp32 (PushStream + decode_tensor)",
         "ours_int8": "our path, int8 block 64 (fp32-equivalent)",
         "bare_grpc": "bare grpcio stream of raw bytes",
         "raw_tcp": "raw TCP socket",

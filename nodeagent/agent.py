@@ -13,14 +13,14 @@ import grpc
 import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from arceus.v1 import link_probe_pb2_grpc, stage_pb2, stage_pb2_grpc, tensor_parallel_pb2_grpc
+from arceus.v1 import link_probe_pb2_grpc, stage_pb2, tensor_parallel_pb2_grpc
 from arceus.verify.receipts import ReceiptSigner
 from nodeagent.assignment import Assignment
 from nodeagent.link_probe import LinkProbeServicer
 from nodeagent.metrics import AgentMetrics
 from nodeagent.neighbour_links import NeighbourLinks
 from nodeagent.registry import ObservedStage, StageRegistry
-from nodeagent.servicer import StageServicer
+from nodeagent.servicer import StageServicer, add_stage_service
 from nodeagent.stage import CheckpointLoader, grpc_channel_options
 from nodeagent.tp_servicer import TensorParallelServicer
 
@@ -68,7 +68,7 @@ class Agent:
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
             options=[*grpc_channel_options(max_message_bytes), ("grpc.so_reuseport", 0)],
         )
-        stage_pb2_grpc.add_StageServiceServicer_to_server(
+        add_stage_service(
             StageServicer(
                 self.registry,
                 self.metrics,

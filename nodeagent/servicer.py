@@ -20,7 +20,8 @@ from arceus.model.precision import check_precision
 from arceus.v1 import stage_pb2, stage_pb2_grpc
 from arceus.verify.receipts import ReceiptSigner
 from arceus.wire.codec import TensorValidationError
-from arceus.wire.proto_tensor import from_proto, payload_bytes, to_proto
+from arceus.wire.incoming_push import IncomingPush, MalformedPush, parse_push
+from arceus.wire.proto_tensor import from_proto, to_proto
 from nodeagent.executor import run_step
 from nodeagent.mailbox import MailboxClosed, MailboxFull
 from nodeagent.metrics import AgentMetrics
@@ -54,7 +55,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self._max_message_bytes = max_message_bytes
 
     def PushTensor(
-        self, request: stage_pb2.PushTensorRequest, context: grpc.ServicerContext
+        self, request: IncomingPush | MalformedPush, context: grpc.ServicerContext
     ) -> stage_pb2.PushTensorReply:
         def push() -> stage_pb2.PushTensorReply:
             self._deliver(request)
@@ -63,12 +64,17 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         return _serve(context, "PushTensor", push)
 
     def PushStream(
-        self, request_iterator: Iterator[stage_pb2.PushTensorRequest], context: grpc.ServicerContext
+        self, request_iterator: Iterator[IncomingPush | MalformedPush], context: grpc.ServicerContext
     ) -> Iterator[stage_pb2.PushAck]:
         # One ack per request, in order; a refused message is answered with its code and the stream
-        # goes on. The stream ends when the sender half-closes, cancels, or the call's deadline passes.
+        # goes on. The stream ends when the sender half-closes, cancels, or the call's deadline passes,
+        # or with INVALID_ARGUMENT at bytes that are no request (nothing to ack them by).
         for request in request_iterator:
-            ack = stage_pb2.PushAck(kind=request.kind, step=request.step, micro_batch=request.micro_batch)
+            if isinstance(request, MalformedPush):
+                log.warning("PushStream -> INVALID_ARGUMENT: %s", request.reason)
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+            header = request.header
+            ack = stage_pb2.PushAck(kind=header.kind, step=header.step, micro_batch=header.micro_batch)
             try:
                 self._deliver(request)
             except RpcFailure as failure:
@@ -80,17 +86,20 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 ack.message = f"PushStream failed unexpectedly: {type(exc).__name__}: {exc}"
             yield ack
 
-    def _deliver(self, request: stage_pb2.PushTensorRequest) -> None:
+    def _deliver(self, request: IncomingPush | MalformedPush) -> None:
         """Resolve (generation included), validate, decode and park one pushed tensor."""
-        stage = self._registry.resolve(request.target)
+        if isinstance(request, MalformedPush):
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+        header = request.header
+        stage = self._registry.resolve(header.target)
         tensor = decode_push(stage.io, request)
         try:
-            stage.mailbox.put((request.step, KIND_NAMES[request.kind], request.micro_batch), tensor)
+            stage.mailbox.put((header.step, KIND_NAMES[header.kind], header.micro_batch), tensor)
         except MailboxFull as exc:
             raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{stage.name}: {exc}") from None
         except MailboxClosed:
             raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"{stage.name} was just removed from this agent") from None
-        nbytes = payload_bytes(request.tensor)  # encoded bytes, as they travelled
+        nbytes = request.nbytes  # encoded bytes, as they travelled
         stage.add_bytes_received(nbytes)
         self._metrics.bytes_received.inc(nbytes)
 
@@ -200,6 +209,21 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             return stage_pb2.VerifyForwardReply(output=to_proto(out))
 
         return _serve(context, "VerifyForward", verify)
+
+
+def add_stage_service(servicer: stage_pb2_grpc.StageServiceServicer, server: grpc.Server) -> None:
+    """Register `servicer` with pushes parsed by `parse_push` instead of the generated FromString: their
+    tensor payloads stay views of the received bytes (no copy on parsing nor on decoding)."""
+    stage_pb2_grpc.add_StageServiceServicer_to_server(servicer, server)
+    # Registered again, these replace the generated handlers (a later registration wins).
+    server.add_registered_method_handlers("arceus.v1.StageService", {
+        "PushTensor": grpc.unary_unary_rpc_method_handler(
+            servicer.PushTensor, parse_push, stage_pb2.PushTensorReply.SerializeToString
+        ),
+        "PushStream": grpc.stream_stream_rpc_method_handler(
+            servicer.PushStream, parse_push, stage_pb2.PushAck.SerializeToString
+        ),
+    })
 
 
 def _deadline(context: grpc.ServicerContext) -> float:

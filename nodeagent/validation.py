@@ -14,7 +14,8 @@ from arceus.model.layout import TensorLayout
 from arceus.pipeline.schedule import SCHEDULES
 from arceus.v1 import stage_pb2
 from arceus.wire import codec
-from arceus.wire.proto_tensor import from_proto
+from arceus.wire.incoming_push import IncomingPush
+from arceus.wire.proto_tensor import decode_tensor
 from nodeagent.stage import StageIO
 from nodeagent.status import RpcFailure
 
@@ -40,8 +41,9 @@ def expected_layout(io: StageIO, kind: int) -> TensorLayout:
     raise _invalid(f"tensor kind {kind} is not one of {', '.join(KIND_NAMES.values())}")
 
 
-def decode_push(io: StageIO, request: stage_pb2.PushTensorRequest) -> torch.Tensor:
+def decode_push(io: StageIO, push: IncomingPush) -> torch.Tensor:
     """Validate a PushTensor request against this stage and decode its tensor."""
+    request = push.header
     if request.step < 0:
         raise _invalid(f"step must be >= 0, got {request.step}")
     if not 0 <= request.micro_batch < io.micro_batches:
@@ -68,7 +70,7 @@ def decode_push(io: StageIO, request: stage_pb2.PushTensorRequest) -> torch.Tens
     max_bytes = io.max_micro_batch_size * math.prod(layout[1:]) * codec.itemsize(dtype)
     try:
         # Plain or compressed (Tensor.encoding). No copy: the runtime never writes to its inputs.
-        tensor = from_proto(message, max_bytes=max_bytes, copy=False)
+        tensor = decode_tensor(message, push.data, push.scales, push.indices, max_bytes=max_bytes, copy=False)
     except codec.TensorValidationError as exc:
         raise _invalid(f"{kind} tensor rejected: {exc}") from exc
     if expected.bound is not None:  # class indices or token ids: an embedding or loss must not index out

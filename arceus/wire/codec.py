@@ -29,6 +29,8 @@ _DTYPES: dict[str, tuple[torch.dtype, np.dtype]] = {
 }
 _WIRE_NAMES = {torch_dtype: name for name, (torch_dtype, _) in _DTYPES.items()}
 SUPPORTED_DTYPES = tuple(_DTYPES)
+# A payload's bytes: `bytes`, or a byte-format memoryview of an encoded array or of received bytes.
+Payload = bytes | memoryview
 
 
 # torch warns once per process that a view of immutable bytes is writable; decode(copy=False) means
@@ -93,7 +95,7 @@ def validate_payload(
 
 
 def decode(
-    dtype: str, shape: Sequence[int], data: bytes, *, max_bytes: int = DEFAULT_MAX_BYTES, copy: bool = True
+    dtype: str, shape: Sequence[int], data: Payload, *, max_bytes: int = DEFAULT_MAX_BYTES, copy: bool = True
 ) -> torch.Tensor:
     """Validate and decode a payload into a new CPU tensor that owns its memory.
 

@@ -2,7 +2,10 @@
 
 Pure torch + numpy (no grpc): `encode` turns a float32 tensor into an `Encoded` payload of raw
 little-endian buffers, `decode` validates a payload's sizes and values with numpy before torch sees it
-and returns a float32 tensor of the original shape.
+and returns a float32 tensor of the original shape. Payloads are memoryviews of the encoded arrays (no
+`tobytes` copy); "fp32" is a view of the tensor itself, so a caller must not write to the tensor while
+its payload may still be serialized (the data plane sends tensors autograd just made and never writes
+them again).
 
 - "fp32": the raw bytes, as the uncompressed path sends them.
 - "fp16" / "bf16": the values rounded to half precision (2 bytes each).
@@ -22,10 +25,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from arceus.wire.codec import DEFAULT_MAX_BYTES, MAX_RANK, TensorValidationError
+from arceus.wire.codec import DEFAULT_MAX_BYTES, MAX_RANK, Payload, TensorValidationError
 
 ENCODINGS = ("fp32", "fp16", "bf16", "int8", "topk")
 MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 8, 1 << 20
+_INT8_CHUNK = 1 << 19  # values the int8 encoder scales per pass
 _F32, _F16, _U16, _I32 = np.dtype("<f4"), np.dtype("<f2"), np.dtype("<u2"), np.dtype("<i4")
 
 
@@ -35,9 +39,9 @@ class Encoded:
 
     encoding: str
     shape: tuple[int, ...]
-    data: bytes
-    scales: bytes = b""  # int8: one float32 per block
-    indices: bytes = b""  # topk: one int32 per value in `data`
+    data: Payload
+    scales: Payload = b""  # int8: one float32 per block
+    indices: Payload = b""  # topk: one int32 per value in `data`
     block_size: int = 0  # int8 only
 
     @property
@@ -74,11 +78,11 @@ def encode(tensor: torch.Tensor, encoding: str, *, block_size: int = 64, topk_ra
     t = tensor.detach().to("cpu").contiguous()
     shape = tuple(t.shape)
     if encoding == "fp32":
-        return Encoded("fp32", shape, _bytes(t.numpy(), _F32))
+        return Encoded("fp32", shape, _view(t.numpy(), _F32))
     if encoding == "fp16":
-        return Encoded("fp16", shape, _bytes(t.to(torch.float16).numpy(), _F16))
+        return Encoded("fp16", shape, _view(t.to(torch.float16).numpy(), _F16))
     if encoding == "bf16":
-        return Encoded("bf16", shape, _bytes(t.to(torch.bfloat16).view(torch.uint16).numpy(), _U16))
+        return Encoded("bf16", shape, _view(t.to(torch.bfloat16).view(torch.uint16).numpy(), _U16))
     if encoding == "int8":
         return _encode_int8(t, check_block_size(block_size))
     if encoding == "topk":
@@ -89,18 +93,34 @@ def encode(tensor: torch.Tensor, encoding: str, *, block_size: int = 64, topk_ra
 def _encode_int8(t: torch.Tensor, block_size: int) -> Encoded:
     flat = t.reshape(-1)
     full = flat.numel() // block_size * block_size
-    # Full blocks as a [blocks, block_size] view and the partial last block apart: no padded copy.
-    parts = [p for p in (flat[:full].view(-1, block_size), flat[full:].view(1, -1)) if p.numel()]
-    absmax = [torch.maximum(p.amax(dim=1), p.amin(dim=1).neg_()) for p in parts]  # no |x| temporary
+    codes = torch.empty(flat.numel(), dtype=torch.int8)
+    # Full blocks as [blocks, block_size] views and the partial last block apart: no padded copy.
+    parts = [
+        (values, out)
+        for values, out in (
+            (flat[:full].view(-1, block_size), codes[:full].view(-1, block_size)),
+            (flat[full:].view(1, -1), codes[full:].view(1, -1)),
+        )
+        if values.numel()
+    ]
+    absmax = [torch.maximum(v.amax(dim=1), v.amin(dim=1).neg_()) for v, _ in parts]  # no |x| temporary
     scales = torch.cat(absmax) / 127.0 if parts else torch.zeros(0)
     if not bool(torch.isfinite(scales).all()):  # amax propagates inf and nan
         raise TensorValidationError("int8 encoding needs finite values; the tensor holds inf or nan")
-    codes = b"".join(
+    for (values, out), m in zip(parts, absmax, strict=True):
         # Multiplying by 127 / absmax keeps |code| <= 127; an all-zero block gets factor 0, codes 0.
-        (p * torch.where(m > 0, 127.0 / m, 0.0).unsqueeze(1)).round_().to(torch.int8).numpy().tobytes()
-        for p, m in zip(parts, absmax, strict=True)
+        factor = torch.where(m > 0, 127.0 / m, 0.0).unsqueeze(1)
+        # A chunk at a time through one float32 scratch: a tensor-sized temporary costs more in page
+        # faults than the arithmetic itself.
+        rows = max(1, _INT8_CHUNK // block_size)
+        scratch = torch.empty(min(rows, len(values)), values.shape[1])
+        for r in range(0, len(values), rows):
+            chunk = scratch[: min(rows, len(values) - r)]
+            out[r : r + rows].copy_(torch.mul(values[r : r + rows], factor[r : r + rows], out=chunk).round_())
+    return Encoded(
+        "int8", tuple(t.shape), _view(codes.numpy(), np.dtype("i1")), scales=_view(scales.numpy(), _F32),
+        block_size=block_size,
     )
-    return Encoded("int8", tuple(t.shape), codes, scales=_bytes(scales.numpy(), _F32), block_size=block_size)
 
 
 def _encode_topk(t: torch.Tensor, ratio: float) -> Encoded:
@@ -110,18 +130,18 @@ def _encode_topk(t: torch.Tensor, ratio: float) -> Encoded:
     k = topk_count(flat.numel(), ratio)
     indices = torch.topk(flat.abs(), k, sorted=False).indices.sort().values
     return Encoded(
-        "topk", tuple(t.shape), _bytes(flat[indices].numpy(), _F32),
-        indices=_bytes(indices.to(torch.int32).numpy(), _I32),
+        "topk", tuple(t.shape), _view(flat[indices].numpy(), _F32),
+        indices=_view(indices.to(torch.int32).numpy(), _I32),
     )
 
 
 def decode(
     encoding: str,
     shape: Sequence[int],
-    data: bytes,
+    data: Payload,
     *,
-    scales: bytes = b"",
-    indices: bytes = b"",
+    scales: Payload = b"",
+    indices: Payload = b"",
     block_size: int = 0,
     max_bytes: int = DEFAULT_MAX_BYTES,
 ) -> torch.Tensor:
@@ -150,7 +170,7 @@ def decode(
     return _decode_topk(shape, numel, data, indices)
 
 
-def _decode_int8(shape: list[int], numel: int, data: bytes, scales: bytes, block_size: int) -> torch.Tensor:
+def _decode_int8(shape: list[int], numel: int, data: Payload, scales: Payload, block_size: int) -> torch.Tensor:
     check_block_size(block_size)
     blocks = -(-numel // block_size)
     _expect(len(data), numel, "int8 data", shape)
@@ -158,7 +178,10 @@ def _decode_int8(shape: list[int], numel: int, data: bytes, scales: bytes, block
     scale_array = np.frombuffer(scales, dtype=_F32).astype(np.float32)
     if not (np.isfinite(scale_array).all() and (scale_array >= 0).all()):
         raise TensorValidationError("int8 scales must be finite and >= 0")
-    values = torch.from_numpy(np.frombuffer(data, dtype=np.int8).astype(np.float32))
+    if not numel:
+        return torch.zeros(shape)
+    # The codes are read where they arrived (a view); converted once, then scaled in place.
+    values = torch.frombuffer(data, dtype=torch.int8).to(torch.float32)
     scale = torch.from_numpy(scale_array)
     full = numel // block_size * block_size
     values[:full].view(-1, block_size).mul_(scale[: full // block_size].unsqueeze(1))
@@ -167,7 +190,7 @@ def _decode_int8(shape: list[int], numel: int, data: bytes, scales: bytes, block
     return values.reshape(shape)
 
 
-def _decode_topk(shape: list[int], numel: int, data: bytes, indices: bytes) -> torch.Tensor:
+def _decode_topk(shape: list[int], numel: int, data: Payload, indices: Payload) -> torch.Tensor:
     if len(indices) % 4:
         raise TensorValidationError(f"topk indices must be whole int32s, got {len(indices)} bytes")
     k = len(indices) // 4
@@ -200,8 +223,9 @@ def _expect(got: int, want: int, what: str, shape: list[int]) -> None:
         raise TensorValidationError(f"{what} for shape {shape} must be exactly {want:,} bytes, got {got:,}")
 
 
-def _bytes(array: np.ndarray, wire: np.dtype) -> bytes:
-    return array.astype(wire, copy=False).tobytes()  # byte-swaps only on big-endian hosts
+def _view(array: np.ndarray, wire: np.dtype) -> memoryview:
+    """The C-contiguous `array`'s bytes in `wire` order: no copy but on big-endian hosts (a byte swap)."""
+    return memoryview(array.astype(wire, copy=False).reshape(-1)).cast("B")
 
 
 class ErrorFeedback:

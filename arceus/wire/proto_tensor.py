@@ -22,7 +22,7 @@ def write_encoded(message: stage_pb2.Tensor, encoded: compression.Encoded) -> st
     constructor merges it field by field, about 4.5 ms for 4 MB against 0.1 ms for setting it here.
     "fp32" leaves `encoding` unset, so it is byte for byte the plain message."""
     write_encoded_header(message, encoded)
-    message.data = encoded.data
+    message.data = bytes(encoded.data)
     return message
 
 
@@ -32,9 +32,9 @@ def write_encoded_header(message: stage_pb2.Tensor, encoded: compression.Encoded
     message.shape[:] = encoded.shape
     if encoded.encoding != "fp32":
         message.encoding = encoded.encoding
-        message.scales = encoded.scales
+        message.scales = bytes(encoded.scales)
         message.block_size = encoded.block_size
-        message.indices = encoded.indices
+        message.indices = bytes(encoded.indices)
 
 
 def from_proto(
@@ -42,26 +42,31 @@ def from_proto(
 ) -> torch.Tensor:
     """Validate and decode any message (plain or compressed); raises codec.TensorValidationError.
     `copy=False`: a plain tensor may be a read-only view of the message's bytes (codec.decode)."""
-    shape = list(message.shape)
-    if not message.encoding:
-        if message.scales or message.indices or message.block_size:
+    return decode_tensor(message, message.data, message.scales, message.indices, max_bytes=max_bytes, copy=copy)
+
+
+def decode_tensor(
+    header: stage_pb2.Tensor,
+    data: codec.Payload,
+    scales: codec.Payload,
+    indices: codec.Payload,
+    *,
+    max_bytes: int = codec.DEFAULT_MAX_BYTES,
+    copy: bool = True,
+) -> torch.Tensor:
+    """`from_proto` of a Tensor whose payloads come apart from its header (e.g. views of received bytes,
+    see incoming_push); the header's own data, scales and indices are ignored."""
+    shape = list(header.shape)
+    if not header.encoding:
+        if scales or indices or header.block_size:
             raise codec.TensorValidationError("a tensor without an encoding carries no scales, indices or block_size")
-        return codec.decode(message.dtype, shape, message.data, max_bytes=max_bytes, copy=copy)
-    if message.dtype != "float32":
+        return codec.decode(header.dtype, shape, data, max_bytes=max_bytes, copy=copy)
+    if header.dtype != "float32":
         raise codec.TensorValidationError(
-            f"only float32 tensors travel compressed, got dtype {message.dtype!r} with encoding {message.encoding!r}"
+            f"only float32 tensors travel compressed, got dtype {header.dtype!r} with encoding {header.encoding!r}"
         )
     return compression.decode(
-        message.encoding,
-        shape,
-        message.data,
-        scales=message.scales,
-        indices=message.indices,
-        block_size=message.block_size,
+        header.encoding, shape, data, scales=scales, indices=indices, block_size=header.block_size,
         max_bytes=max_bytes,
     )
 
-
-def payload_bytes(message: stage_pb2.Tensor) -> int:
-    """Tensor bytes on the wire: what per-stage byte counters count."""
-    return len(message.data) + len(message.scales) + len(message.indices)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 
 from arceus.v1 import stage_pb2
+from arceus.wire.codec import Payload
 from arceus.wire.compression import Encoded
 from arceus.wire.proto_tensor import write_encoded_header
 
@@ -28,7 +29,6 @@ METHOD = "/arceus.v1.StageService/PushStream"
 # The call's own deadline. A push whose timeout would outlive the open call goes to a fresh one.
 STREAM_SECONDS = 3600.0
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
-Payload = bytes | bytearray | memoryview
 
 
 class PushError(grpc.RpcError):
@@ -80,13 +80,13 @@ def serialize(push: OutgoingPush) -> bytes:
     """Protobuf wire bytes of the full request: the header, then a second `tensor` (field 5) record
     holding only `data` (field 3); protobuf merges repeated message records, so parsers see one."""
     n = memoryview(push.data).nbytes
-    data_field = b"\x1a" + _varint(n)
+    data_field = b"\x1a" + encode_varint(n)
     return b"".join(
-        (push.header.SerializeToString(), b"\x2a", _varint(len(data_field) + n), data_field, push.data)
+        (push.header.SerializeToString(), b"\x2a", encode_varint(len(data_field) + n), data_field, push.data)
     )
 
 
-def _varint(n: int) -> bytes:
+def encode_varint(n: int) -> bytes:
     out = bytearray()
     while n > 0x7F:
         out.append(n & 0x7F | 0x80)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from arceus.model.build import build_full_model, build_layers
 from arceus.model.spec import model_spec_from_config
 from arceus.v1 import stage_pb2
+from arceus.wire.incoming_push import IncomingPush, parse_push
 from arceus.wire.proto_tensor import to_proto
 from nodeagent.assignment import OptimizerConfig
 from nodeagent.runtime import StageRuntime
@@ -35,8 +36,11 @@ def io(start: int, end: int) -> StageIO:
     )
 
 
-def request(kind: int, tensor: torch.Tensor) -> stage_pb2.PushTensorRequest:
-    return stage_pb2.PushTensorRequest(kind=kind, step=1, micro_batch=0, tensor=to_proto(tensor))
+def request(kind: int, tensor: torch.Tensor) -> IncomingPush:
+    wire = stage_pb2.PushTensorRequest(kind=kind, step=1, micro_batch=0, tensor=to_proto(tensor)).SerializeToString()
+    push = parse_push(wire)
+    assert isinstance(push, IncomingPush)
+    return push
 
 
 def test_the_first_stage_takes_token_ids_in_the_vocabulary() -> None:

@@ -160,6 +160,21 @@ def test_invalid_push_is_rejected_with_invalid_argument(
     assert fragment in error.details()
 
 
+@pytest.mark.parametrize(
+    "wire", [b"\x0a\xff\x01", b"\x00\x00", b"\x2a\x03\x1a\x05ab"], ids=["past the end", "field 0", "tensor cut"]
+)
+def test_bytes_that_are_no_push_request_are_invalid_argument(agent: AgentProcess, wire: bytes) -> None:
+    """Both push methods parse with parse_push, which names the problem (gRPC's own deserializer
+    failure would be INTERNAL); the stream ends there, having nothing to ack the bytes by."""
+    with grpc.insecure_channel(agent.grpc_address) as channel:
+        unary = channel.unary_unary("/arceus.v1.StageService/PushTensor")
+        stream = channel.stream_stream("/arceus.v1.StageService/PushStream")
+        errors = [rpc_error(unary, wire, timeout=10), rpc_error(lambda: list(stream(iter([wire]), timeout=10)))]
+        for error in errors:
+            assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error.details()
+            assert "not a PushTensorRequest" in error.details()
+
+
 def test_wrong_generation_is_a_failed_precondition(stub: stage_pb2_grpc.StageServiceStub) -> None:
     error = rpc_error(push, stub, to_proto(torch.zeros(2, 64)), target=ref(generation=2))
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION

@@ -36,6 +36,33 @@ def test_int8_error_is_within_half_a_step_of_each_block(
         assert float(err[start : start + block_size].max()) <= absmax / 254 * (1 + 1e-5) + 1e-30
 
 
+def block_codes(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """The int8 codes, block by block: round half to even of x * (127 / absmax), 0 in an all-zero block."""
+    flat = x.reshape(-1)
+    blocks = [flat[i : i + block_size] for i in range(0, flat.numel(), block_size)]  # the test may loop
+    codes = [(b * (127.0 / b.abs().max())).round() if b.abs().max() > 0 else torch.zeros_like(b) for b in blocks]
+    return torch.cat(codes).to(torch.int8) if codes else torch.zeros(0, dtype=torch.int8)
+
+
+def codes_of(encoded: compression.Encoded) -> torch.Tensor:
+    return torch.tensor(list(struct.unpack(f"{len(encoded.data)}b", encoded.data)), dtype=torch.int8)
+
+
+@settings(max_examples=60, deadline=None)
+@given(shape=shapes, seed=seeds, block_size=st.integers(8, 40))
+def test_int8_codes_are_each_blocks_rounded_scaled_values(shape: list[int], seed: int, block_size: int) -> None:
+    x = sample(shape, seed)
+    assert torch.equal(codes_of(encode(x, "int8", block_size=block_size)), block_codes(x, block_size))
+
+
+@pytest.mark.parametrize("block_size", [64, 200])
+def test_int8_codes_of_a_tensor_larger_than_one_encoding_pass(block_size: int) -> None:
+    x = sample([3 * 2**19 + 77], 1)  # several passes of the encoder, then a partial block
+    encoded = encode(x, "int8", block_size=block_size)
+    codes = torch.frombuffer(bytearray(encoded.data), dtype=torch.int8)
+    assert torch.equal(codes, block_codes(x, block_size))
+
+
 @settings(max_examples=40, deadline=None)
 @given(shape=shapes, seed=seeds, encoding=st.sampled_from(["fp16", "bf16"]))
 def test_half_precision_keeps_shape_and_relative_precision(shape: list[int], seed: int, encoding: str) -> None:
@@ -54,6 +81,13 @@ def test_fp32_is_the_plain_codec_bytes(shape: list[int], seed: int) -> None:
     encoded = encode(x, "fp32")
     assert encoded.data == codec.encode(x)[2] and encoded.nbytes == 4 * x.numel()
     assert torch.equal(decode_payload(encoded), x)
+
+
+def test_fp32_data_is_a_view_of_the_tensor_not_a_copy() -> None:
+    x = torch.zeros(3, 4)
+    encoded = encode(x, "fp32")
+    x[1, 2] = 5.0  # what a caller must not do before the payload is serialized
+    assert struct.unpack_from("<f", encoded.data, 4 * 6) == (5.0,)
 
 
 @settings(max_examples=40, deadline=None)
