@@ -2,8 +2,9 @@
 
     .venv/bin/python bench/tensor_transfer.py [--tensors 40] [--rounds 5]
 
-- ours fp32: pushes built by the agent's own code (TransferEncoder -> outgoing_push) from a fresh torch
-  tensor each time, sent as the agent sends them (its PushStream on one channel with the agent's channel
+- ours fp32: pushes built by the agent's own code (TransferEncoder -> outgoing_push) from a torch tensor
+  (the same one each time, as bare gRPC sends the same bytes; fp32 payloads are views of it, serialized
+  straight into the message), sent as the agent sends them (its PushStream on one channel with the agent's channel
   options, a few in flight), into a StageService server registered as the agent registers it (pushes
   parsed by `parse_push`, payloads left in the received bytes) with the agent's server options, whose
   PushStream validates and decodes each tensor with `decode_tensor` (what `decode_push` runs) and acks it.
