@@ -81,8 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         print_status(f"work directory {workdir} (logs in {workdir / 'logs'})")
         cluster.start()
         print_status(f"control plane at {cluster.api_url} (API docs: {cluster.api_url}/api/docs/)")
-        for index in range(args.agents):
-            agent = cluster.start_agent(f"agent-{index}")
+        for agent in cluster.start_agents([f"agent-{index}" for index in range(args.agents)]):
             print_status(f"node agent {agent.name}: gRPC {agent.grpc_address}, metrics http://{agent.metrics_address}/metrics")
         job = cluster.client.submit_job({**DEMO_JOB, "epochs": args.epochs,
                                          "stages": min(args.agents, DEMO_JOB["stages"])})

@@ -15,7 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,6 +45,28 @@ class Agent:
     metrics_address: str
 
 
+class ManageCommand:
+    """`python manage.py ARGS`, started at once; `communicate()` waits for it and returns its stdout."""
+
+    def __init__(self, args: Sequence[str], *, env: dict[str, str]) -> None:
+        self.args = list(args)
+        self.process = subprocess.Popen(
+            [sys.executable, "manage.py", *args], env=env, cwd=REPO_ROOT,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+
+    def communicate(self, timeout: float = 300) -> str:
+        try:
+            stdout, stderr = self.process.communicate(timeout=timeout)
+        finally:
+            if self.process.poll() is None:
+                self.process.kill()
+                self.process.wait()
+        if self.process.returncode != 0:
+            raise ProcessError(f"manage.py {' '.join(self.args)} failed:\n{stdout}\n{stderr}")
+        return stdout
+
+
 @dataclass
 class LocalCluster:
     workdir: Path
@@ -52,6 +74,7 @@ class LocalCluster:
     redis_url: str | None = None
     agent_threads: int = 1
     heartbeat_interval_seconds: float = 2.0
+    reconcile_interval_seconds: float = 2.0  # beat's periodic pass (heartbeats that change something trigger more)
     supervisor: Supervisor = field(init=False)
     env: dict[str, str] = field(init=False)
     api_url: str = field(init=False, default="")
@@ -71,8 +94,18 @@ class LocalCluster:
         self.env = self._base_env()
         if self.redis_url is None:
             self.env["REDIS_URL"] = self._start_embedded_redis()
-        self._manage("migrate", "--noinput")
-        token = self._manage("bootstrap_demo_user", "--username", username, "--password", password)
+        self._manage("migrate", "--noinput").communicate()
+        # The user is made while the servers boot: neither waits for the other.
+        bootstrap = self._manage("bootstrap_demo_user", "--username", username, "--password", password)
+        try:
+            self._start_servers()
+        finally:
+            token = bootstrap.communicate()  # also when a server failed to start: no child left behind
+        self._wait_for_web()
+        self._started = True
+        self.client = ArceusClient(self.api_url, token=token.strip().splitlines()[-1])
+
+    def _start_servers(self) -> None:
         port = free_port()
         self.api_url = f"http://127.0.0.1:{port}"
         self._commands["web"] = [
@@ -88,40 +121,57 @@ class LocalCluster:
             *celery, "beat", "--loglevel", "INFO", "--schedule", str(self.workdir / "celerybeat-schedule")]
         for name in ("worker-control", "worker-training", "beat"):
             self.relaunch(name)
-        self._wait_for_web()
-        self._started = True
-        self.client = ArceusClient(self.api_url, token=token.strip().splitlines()[-1])
 
     def start_agent(self, name: str, *extra_args: str, module: str = "nodeagent") -> Agent:
         """Mint a node and start its agent; `extra_args` go to `python -m <module>` (the agent, or a test's
         wrapper around its main)."""
-        created = self.client.create_node(name)
-        self._commands[f"agent-{name}"] = [
-            sys.executable, "-m", module, "--control-plane", self.api_url, "--token", created["token"],
-            "--device", "cpu", "--threads", str(self.agent_threads), *extra_args]
-        agent = self._launch_agent(name, node_id=str(created["id"]), token=created["token"])
-        self.agents.append(agent)
-        return agent
+        return self.start_agents([name], *extra_args, module=module)[0]
+
+    def start_agents(self, names: Sequence[str], *extra_args: str, module: str = "nodeagent") -> list[Agent]:
+        """Start several agents at once, then wait until every one is ready: their start-ups (mostly importing
+        torch) overlap instead of queueing one behind another."""
+        spawned = []
+        for name in names:
+            created = self.client.create_node(name)
+            self._commands[f"agent-{name}"] = [
+                sys.executable, "-m", module, "--control-plane", self.api_url, "--token", created["token"],
+                "--device", "cpu", "--threads", str(self.agent_threads), *extra_args]
+            spawned.append((name, str(created["id"]), created["token"], *self._spawn_agent(name)))
+        agents = [self._await_agent(*args) for args in spawned]
+        self.agents.extend(agents)
+        return agents
 
     def restart_agent(self, agent: Agent) -> Agent:
         """Crash an agent and start it again with the same token (a new process on a new port)."""
         self.crash(agent.child.name)
-        restarted = self._launch_agent(agent.name, node_id=agent.node_id, token=agent.token)
+        restarted = self._await_agent(agent.name, agent.node_id, agent.token, *self._spawn_agent(agent.name))
         self.agents[self.agents.index(agent)] = restarted
         return restarted
 
-    def _launch_agent(self, name: str, *, node_id: str, token: str) -> Agent:
+    def kill_agents(self) -> None:
+        """SIGKILL every agent still running, and forget them all."""
+        for child in [c for c in self.supervisor.children if c.name.startswith("agent-")]:
+            self.supervisor.kill(child)
+        self.agents.clear()
+
+    def _spawn_agent(self, name: str) -> tuple[Child, int]:
+        """Start an agent's process; return it, and the offset in its log where this run's lines begin (logs
+        are appended across restarts)."""
         log_name = f"agent-{name}"
         log_path = self.supervisor.log_dir / f"{log_name}.log"
         offset = log_path.stat().st_size if log_path.exists() else 0
-        child = self.supervisor.start(log_name, self._commands[log_name], env=self.env, cwd=REPO_ROOT)
+        return self.supervisor.start(log_name, self._commands[log_name], env=self.env, cwd=REPO_ROOT), offset
+
+    def _await_agent(self, name: str, node_id: str, token: str, child: Child, offset: int) -> Agent:
         line = self.supervisor.wait_for_log_line(child, AGENT_READY_PREFIX, timeout=60, offset=offset)
         fields = dict(part.split("=", 1) for part in line.split()[2:])
         return Agent(name=name, node_id=node_id, token=token, child=child,
                      grpc_address=fields["grpc"], metrics_address=fields["metrics"])
 
     def stop(self) -> None:
-        self.supervisor.stop_all()
+        # Agents first, while the web server they heartbeat to still answers; the broker last, after everyone
+        # who may still enqueue or acknowledge (else those calls hang in retries until the grace runs out).
+        self.supervisor.stop_all(wave=lambda name: 0 if name.startswith("agent-") else 2 if name == "redis" else 1)
 
     # --- faults, for the fault-tolerance tests and benchmarks ------------------------------------
     def crash(self, name: str) -> None:
@@ -158,6 +208,7 @@ class LocalCluster:
         env["PYTHONUNBUFFERED"] = "1"
         env["DJANGO_SETTINGS_MODULE"] = "controlplane.settings"
         env["ARCEUS_HEARTBEAT_INTERVAL_SECONDS"] = str(self.heartbeat_interval_seconds)
+        env["ARCEUS_RECONCILE_INTERVAL_SECONDS"] = str(self.reconcile_interval_seconds)
         env["ARCEUS_MEDIA_ROOT"] = str(self.workdir / "media")
         env["ARCEUS_CHECKPOINT_DIR"] = str(self.workdir / "checkpoints")
         env["DATABASE_URL"] = self.database_url or f"sqlite:///{self.workdir / 'arceus.sqlite3'}"
@@ -192,14 +243,8 @@ class LocalCluster:
                 time.sleep(0.05)
         raise ProcessError(f"{child.name} did not listen on port {port}:\n{child.log_tail()}")
 
-    def _manage(self, *args: str) -> str:
-        result = subprocess.run(
-            [sys.executable, "manage.py", *args], env=self.env, cwd=REPO_ROOT,
-            capture_output=True, text=True, timeout=300,
-        )
-        if result.returncode != 0:
-            raise ProcessError(f"manage.py {' '.join(args)} failed:\n{result.stdout}\n{result.stderr}")
-        return result.stdout
+    def _manage(self, *args: str) -> ManageCommand:
+        return ManageCommand(args, env=self.env)
 
     def _wait_for_web(self, timeout: float = 60) -> None:
         deadline = time.monotonic() + timeout

@@ -14,7 +14,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,16 +120,23 @@ class Supervisor:
         child.process.wait()
         self.children.remove(child)
 
-    def stop_all(self, grace: float = 10.0) -> None:
-        # Agents and workers first, in reverse start order, so the broker and web server go last.
-        for child in reversed(self.children):
+    def stop_all(self, grace: float = 10.0, *, wave: Callable[[str], int] = lambda name: 0) -> None:
+        """SIGTERM every child, wait (up to `grace`) for them to exit, then SIGKILL what is left of their
+        groups; in waves by `wave(name)`, lowest first: a server outlives the clients that still talk to it
+        while they shut down."""
+        for number in sorted({wave(c.name) for c in self.children}):
+            self._stop_wave([c for c in self.children if wave(c.name) == number], grace)
+
+    @staticmethod
+    def _stop_wave(children: Sequence[Child], grace: float) -> None:
+        for child in reversed(children):
             if child.alive():
                 _signal_group(child, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        for child in reversed(self.children):
+        for child in reversed(children):
             with contextlib.suppress(subprocess.TimeoutExpired):
                 child.process.wait(timeout=max(0.0, deadline - time.monotonic()))
-        for child in self.children:
+        for child in children:
             _signal_group(child, signal.SIGKILL)
             child.process.wait()
 
