@@ -1,10 +1,19 @@
-"""Fixtures for black-box tests that run the whole system as separate processes."""
+"""Fixtures for black-box tests that run the whole system as separate processes.
+
+Starting a cluster (web server, Celery workers and beat, each importing Django and torch) costs more than
+most tests' own work on a small machine, so the tests share one (`cluster`): after each passing test its
+agents are killed and the control plane's tables are emptied (users and their tokens stay), so the next
+test finds what a freshly started cluster holds. After a failed test, or one that left a job unfinished,
+the cluster is stopped instead and the next test starts a new one. A test that changes the processes'
+environment takes a cluster of its own (`own_cluster`).
+"""
 
 from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import psycopg
@@ -14,36 +23,133 @@ from django.conf import settings
 
 from arceus.devcluster.cluster import LocalCluster
 
+FAILED = pytest.StashKey[bool]()
+APP_TABLE_PREFIXES = ("jobs_", "market_", "nodes_")  # the control plane's own apps
+UNFINISHED_JOB_STATUSES = ["created", "queued", "placing", "pending", "running"]
 
-@pytest.fixture
-def e2e_database_url() -> Iterator[str]:
-    """A fresh PostgreSQL database of its own, on the server the test settings point at."""
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, object, object]:
+    report = yield
+    if report.failed:  # type: ignore[attr-defined]
+        item.stash[FAILED] = True
+    return report
+
+
+def connect(database: str) -> psycopg.Connection:
+    """An autocommit connection to `database` on the server the test settings point at."""
     db = settings.DATABASES["default"]
     assert db["ENGINE"].endswith("postgresql"), "the end-to-end tests run on PostgreSQL: set DATABASE_URL"
+    return psycopg.connect(host=db.get("HOST") or "127.0.0.1", port=db.get("PORT") or 5432,
+                           user=db.get("USER") or "postgres", password=db.get("PASSWORD") or None,
+                           dbname=database, autocommit=True)
+
+
+@contextmanager
+def fresh_database() -> Iterator[str]:
+    """A new PostgreSQL database of its own; its URL."""
+    db = settings.DATABASES["default"]
     name = f"arceus_e2e_{uuid.uuid4().hex[:8]}"
     host, port, user = db.get("HOST") or "127.0.0.1", db.get("PORT") or 5432, db.get("USER") or "postgres"
-    admin = psycopg.connect(host=host, port=port, user=user, password=db.get("PASSWORD") or None,
-                            dbname="postgres", autocommit=True)
-    admin.execute(f'CREATE DATABASE "{name}"')
+    with connect("postgres") as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+        try:
+            yield f"postgres://{user}@{host}:{port}/{name}"
+        finally:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@contextmanager
+def started_cluster(workdir: Path, *, embedded_redis: bool = False) -> Iterator[LocalCluster]:
+    """A running cluster on a fresh database, and on REDIS_URL's database (flushed), or a redis-server of
+    its own."""
+    redis_url = None
+    if not embedded_redis:
+        redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15")
+        redis.Redis.from_url(redis_url).flushdb()
+    with fresh_database() as database_url:
+        # Heartbeats and reconcile passes every second, not every 2 s: placements reach agents and lost nodes
+        # are noticed sooner. A node still counts as lost only after the default 6 s of silence.
+        cluster = LocalCluster(workdir=workdir, database_url=database_url, redis_url=redis_url,
+                               heartbeat_interval_seconds=1.0, reconcile_interval_seconds=1.0)
+        try:
+            cluster.start()
+            yield cluster
+        finally:
+            cluster.stop()
+
+
+class SharedCluster:
+    """One cluster lent to test after test; `get()` starts one when none runs."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self._tmp_path_factory = tmp_path_factory
+        self._stack = ExitStack()
+        self._cluster: LocalCluster | None = None
+
+    def get(self) -> LocalCluster:
+        if self._cluster is None:
+            self._cluster = self._stack.enter_context(started_cluster(self._tmp_path_factory.mktemp("cluster")))
+        return self._cluster
+
+    def stop(self) -> None:
+        self._cluster = None
+        self._stack.close()
+
+    def reset(self) -> None:
+        """Kill the last test's agents and empty the control plane's tables; or stop the cluster if a job is
+        unfinished (its driver may still be at work)."""
+        cluster = self.get()
+        cluster.kill_agents()
+        # Idle keep-alive connections go too: the web server may close one just as the next test reuses it.
+        cluster.client.session.close()
+        cluster.supervisor.check_alive()  # a part that died under a passing test is a failure of its own
+        with connect(str(cluster.database_url).rsplit("/", 1)[1]) as db:
+            db.execute("SET lock_timeout = '10s'")  # a lock some process holds on: an error, not a hung suite
+            [unfinished] = db.execute("SELECT count(*) FROM jobs_job WHERE status = ANY(%s)",
+                                      [UNFINISHED_JOB_STATUSES]).fetchone() or [0]
+            if not unfinished:
+                tables = [name for (name,) in db.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
+                          if name.startswith(APP_TABLE_PREFIXES)]
+                db.execute("TRUNCATE {} RESTART IDENTITY CASCADE".format(", ".join(f'"{t}"' for t in tables)))
+        if unfinished:
+            self.stop()
+
+
+@pytest.fixture(scope="session")
+def shared_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedCluster]:
+    shared = SharedCluster(tmp_path_factory)
     try:
-        yield f"postgres://{user}@{host}:{port}/{name}"
+        yield shared
     finally:
-        admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        admin.close()
+        shared.stop()
 
 
 @pytest.fixture
-def e2e_redis_url() -> str:
-    url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15")
-    redis.Redis.from_url(url).flushdb()
-    return url
-
-
-@pytest.fixture
-def cluster(tmp_path: Path, e2e_database_url: str, e2e_redis_url: str) -> Iterator[LocalCluster]:
-    cluster = LocalCluster(workdir=tmp_path, database_url=e2e_database_url, redis_url=e2e_redis_url)
+def cluster(shared_cluster: SharedCluster, request: pytest.FixtureRequest) -> Iterator[LocalCluster]:
+    """The shared cluster, as a freshly started one is: every part running, no nodes, no jobs."""
+    yield shared_cluster.get()
+    if request.node.stash.get(FAILED, False):
+        shared_cluster.stop()
+        return
     try:
-        cluster.start()
+        shared_cluster.reset()
+    except BaseException:
+        shared_cluster.stop()
+        raise
+
+
+@pytest.fixture
+def own_cluster(tmp_path: Path, shared_cluster: SharedCluster) -> Iterator[LocalCluster]:
+    """A cluster of this test's alone, whose processes see the environment the test set up. The shared one
+    stops first: both would consume the same Redis queues."""
+    shared_cluster.stop()
+    with started_cluster(tmp_path) as cluster:
         yield cluster
-    finally:
-        cluster.stop()
+
+
+@pytest.fixture
+def embedded_redis_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
+    """A cluster whose broker is a redis-server of its own, so the test may kill it."""
+    with started_cluster(tmp_path, embedded_redis=True) as cluster:
+        yield cluster

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -48,19 +47,8 @@ def reference() -> Any:
     return reference_run(JOB)
 
 
-@pytest.fixture
-def embedded_redis_cluster(tmp_path: Path, e2e_database_url: str) -> Iterator[LocalCluster]:
-    """A cluster whose broker is a redis-server of its own, so the test may kill it."""
-    cluster = LocalCluster(workdir=tmp_path, database_url=e2e_database_url, redis_url=None)
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()
-
-
 def start_job(cluster: LocalCluster, agents: int) -> tuple[list[Agent], dict[str, Any]]:
-    started = [cluster.start_agent(f"node-{i}") for i in range(agents)]
+    started = cluster.start_agents([f"node-{i}" for i in range(agents)])
     job = cluster.client.submit_job(JOB)
     cluster.client.start_job(job["id"])
     return started, job

@@ -31,7 +31,7 @@ JOB = {
 
 
 def test_job_trains_across_three_agents_to_success(cluster: LocalCluster) -> None:
-    agents = [cluster.start_agent(f"node-{i}") for i in range(3)]
+    agents = cluster.start_agents([f"node-{i}" for i in range(3)])
     client = cluster.client
 
     job = client.submit_job(JOB)

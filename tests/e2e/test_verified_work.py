@@ -39,7 +39,8 @@ def dollar_per_compute_second(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ARCEUS_BASELINE_PRICE_PER_HOUR", "3600")
 
 
-def test_a_dishonest_agent_is_caught_flagged_and_its_credit_withheld(cluster: LocalCluster) -> None:
+def test_a_dishonest_agent_is_caught_flagged_and_its_credit_withheld(own_cluster: LocalCluster) -> None:
+    cluster = own_cluster
     # Declared rates at which compute (tens of ms per micro-batch), not the few ms of latency the solver takes
     # from each agent's measured link, decides the cut: the cheat, 4x faster, produces (stage 0).
     cheat = cluster.start_agent(
