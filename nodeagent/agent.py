@@ -16,6 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from arceus.v1 import link_probe_pb2_grpc, stage_pb2, tensor_parallel_pb2_grpc
 from arceus.verify.receipts import ReceiptSigner
 from nodeagent.assignment import Assignment
+from nodeagent.lending import ComputeThreads
 from nodeagent.link_probe import LinkProbeServicer
 from nodeagent.metrics import AgentMetrics
 from nodeagent.neighbour_links import NeighbourLinks
@@ -50,7 +51,14 @@ class Agent:
         max_workers: int = 32,
         load_checkpoint: CheckpointLoader | None = None,
         link_probe_interval: float | None = None,
+        solo_threads: int | None = None,
     ) -> None:
+        """`solo_threads`: torch threads for what a stage computes while every other stage of its pipeline
+        waits (its fill and drain), for agents that share one machine and so may borrow each other's
+        idle cores; None: the agent's own count."""
+        self._max_threads = torch.get_num_threads()  # what the agent was started with: the most it uses
+        if solo_threads is not None and solo_threads < self._max_threads:
+            raise ValueError(f"solo_threads ({solo_threads}) is below the agent's {self._max_threads} threads")
         self.device = device
         self._listen = split_host_port(listen)
         self._metrics_listen = split_host_port(metrics_listen)
@@ -72,7 +80,7 @@ class Agent:
             StageServicer(
                 self.registry,
                 self.metrics,
-                compute_threads=lambda: self.compute_threads,
+                compute_threads=self.threads,
                 signer=self.signer,
                 device=device,
                 max_message_bytes=max_message_bytes,
@@ -95,8 +103,9 @@ class Agent:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         self.grpc_port = 0
         self.metrics_port = 0
-        self._max_threads = torch.get_num_threads()  # what the agent was started with: the most it uses
         self.compute_threads = self._max_threads  # within the owner's cap; RunStep applies it
+        self._solo_threads = self._max_threads if solo_threads is None else solo_threads
+        self._owner_cap: int | None = None
 
     def start(self) -> None:
         host, port = self._listen
@@ -150,9 +159,15 @@ class Agent:
         """Take the owner's cap on compute threads (None: what the agent was started with). Thread counts
         are per OS thread in OpenMP, so each step sets it on the thread that computes."""
         wanted = self._max_threads if max_threads is None else min(max_threads, self._max_threads)
+        self._owner_cap = max_threads
         if wanted != self.compute_threads:
             log.info("compute threads now %d (owner's cap: %s)", wanted, max_threads)
             self.compute_threads = wanted
+
+    def threads(self) -> ComputeThreads:
+        """What the next step computes with: the owner's cap bounds the borrowed threads too."""
+        solo = self._solo_threads if self._owner_cap is None else min(self._solo_threads, self._owner_cap)
+        return ComputeThreads(own=self.compute_threads, solo=max(solo, self.compute_threads))
 
     def _neighbour_addresses(self) -> set[str]:
         hosted = [s.assignment for s in self.registry.stages()]

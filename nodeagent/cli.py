@@ -95,6 +95,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--threads", type=_positive_int, metavar="N", help="torch intra-op threads")
     parser.add_argument(
+        "--solo-threads",
+        type=_positive_int,
+        metavar="N",
+        help="torch intra-op threads while every other stage of the pipeline waits for this one (its "
+        "fill and drain): for agents that share one machine, which lend each other their idle cores "
+        "(default: --threads)",
+    )
+    parser.add_argument(
         "--declare-flops",
         type=_positive_float,
         metavar="FLOPS",
@@ -124,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    threads = args.threads or torch.get_num_threads()
+    if args.solo_threads is not None and args.solo_threads < threads:
+        parser.error(f"--solo-threads {args.solo_threads} is below the {threads} threads the agent runs with")
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -151,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         advertise=args.advertise,
         load_checkpoint=load_local_checkpoint if client is None else client.fetch_checkpoint,
         link_probe_interval=None if client is None else args.link_probe_interval,
+        solo_threads=args.solo_threads,
     )
     try:
         agent.start()

@@ -2,24 +2,29 @@
 
 Sends are asynchronous (a stage never waits for its neighbour to accept before computing the next
 micro-batch); the step fails if any send failed, and the optimizer steps only once all are delivered.
+Each action computes with the agent's share of torch threads, or, when no other stage of the pipeline
+can compute meanwhile and that pays (nodeagent.lending), with the threads it may borrow from stages that
+share its machine.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import grpc
 import torch
 
-from arceus.pipeline.schedule import build_schedule
+from arceus.pipeline.lending import solo_planner
+from arceus.pipeline.schedule import Action, build_schedule
 from arceus.v1 import stage_pb2
 from arceus.verify.receipts import RECEIVED, SENT, ReceiptFields, ReceiptSigner, tensor_digest
 from arceus.wire.compression import Encoded, decode_payload
 from arceus.wire.push_stream import PushError, outgoing_push
+from nodeagent.lending import ComputeThreads
 from nodeagent.mailbox import MailboxCancelled, MailboxClosed, MailboxTimeout
 from nodeagent.stage import HostedStage, NeighbourLink
 from nodeagent.status import RpcFailure, neighbour_failure_code
@@ -118,14 +123,22 @@ def run_step(
     deadline: float,
     abort: threading.Event,
     signer: ReceiptSigner,
+    threads: ComputeThreads | None = None,
 ) -> stage_pb2.RunStepReply:
     """Execute this stage's actions for one step; `deadline` is a time.monotonic() value. Every
     activation accepted from the previous stage gets a receipt signed by `signer`; on a retained train
-    step, so does every activation sent on (role "sent")."""
+    step, so does every activation sent on (role "sent"). `threads`: None leaves the calling thread's
+    torch thread count as it is."""
     schedule = check_run_step(stage.io, request)
     a, io, runtime = stage.assignment, stage.io, stage.runtime
     train = request.mode == stage_pb2.TRAIN
     actions = build_schedule(schedule, a.num_stages, request.num_micro_batches, train)[a.stage_index]
+    # The ranks of a tensor-parallel stage compute side by side: none of them computes alone.
+    planner = (
+        solo_planner(schedule, a.num_stages, request.num_micro_batches, train)
+        if threads is not None and threads.solo > threads.own and stage.tensor_parallel is None
+        else None
+    )
     stage.mailbox.retain_step(request.step)
     # Leave a little of the caller's deadline so our own explanation reaches it before its timer fires.
     wait_until = deadline - min(1.0, 0.05 * max(0.0, deadline - time.monotonic()))
@@ -148,8 +161,27 @@ def run_step(
             return nullcontext()
         return group.micro_batch(request.step, micro_batch, deadline=wait_until, abort=abort)
 
+    @contextmanager
+    def computing(index: int, samples: int) -> Iterator[None]:
+        """Around the compute of action `index`, once its inputs are in (what has arrived by then tells
+        which of the neighbours' actions are done): its threads, its tensor-parallel group's names, and
+        the timing the lending gauge learns from."""
+        action = actions[index]
+        lent = (
+            planner is not None
+            and planner.solo(a.stage_index, index, _arrived(stage, request.step))
+            and stage.lending.lend(action.kind)
+        )
+        if threads is not None:
+            threads.apply(lent)
+        before = runtime.counters.compute_seconds
+        with group_op(action.micro_batch):
+            yield
+        if planner is not None:
+            stage.lending.record(action.kind, lent, runtime.counters.compute_seconds - before, samples)
+
     try:
-        for action in actions:
+        for index, action in enumerate(actions):
             m = action.micro_batch
             key = (request.step, m)
             if action.kind == "F":
@@ -167,14 +199,14 @@ def run_step(
                             f"micro-batch {m} of step {request.step} has {len(x)} activations "
                             f"but {len(labels)} labels",
                         )
-                    with group_op(m):
+                    with computing(index, len(x)):
                         if train:
                             loss_sum, correct = runtime.forward_loss(key, x, labels, request.batch_size)
                         else:
                             loss_sum, correct = runtime.eval_loss(x, labels)
                     results[m] = (loss_sum, correct, len(x))
                 else:
-                    with group_op(m):
+                    with computing(index, len(x)):
                         out = runtime.forward(key, x) if train else runtime.eval_forward(x)
                     if a.sends_on:  # ranks 1.. of a tensor-parallel stage compute the same output as rank 0
                         encoded = pushes.send(stage.next_links, a.stage_index + 1, stage_pb2.ACTIVATION, m, out)
@@ -193,7 +225,7 @@ def run_step(
                             f"the GRADIENT of step {request.step} micro-batch {m} has {len(grad)} "
                             f"rows but its forward had {forward_sizes[m]}",
                         )
-                with group_op(m):
+                with computing(index, forward_sizes[m]):
                     grad_input = runtime.backward(key, grad)
                 if grad_input is not None and a.sends_on:
                     pushes.send(stage.prev_links, a.stage_index - 1, stage_pb2.GRADIENT, m, grad_input)
@@ -203,6 +235,14 @@ def run_step(
             record.weights = runtime.named_weights()  # what the forwards used: the optimizer has not stepped
             stage.audit_record = record
         if train:
+            if threads is not None:
+                lending = stage.lending
+                threads.apply(
+                    planner is not None
+                    and planner.solo_optimizer_step(a.stage_index)
+                    and lending.pays("F")
+                    and lending.pays("B")
+                )
             runtime.optimizer_step(request.learning_rate or None)
     except BaseException:
         runtime.abort_step()
@@ -218,6 +258,18 @@ def run_step(
         receipts=receipts,
         sent_receipts=sent_receipts,
     )
+
+
+def _arrived(stage: HostedStage, step: int) -> list[Action]:
+    """The neighbours' actions of `step` whose outputs wait in the mailbox: the previous stage's forwards
+    (not the driver's inputs to the first stage) and the next stage's backwards."""
+    arrived = []
+    for kind, micro_batch in stage.mailbox.arrived(step):
+        if kind == "ACTIVATION" and not stage.io.is_first:
+            arrived.append(Action("F", micro_batch))
+        elif kind == "GRADIENT":
+            arrived.append(Action("B", micro_batch))
+    return arrived
 
 
 def _as_delivered(out: torch.Tensor, encoded: Encoded) -> torch.Tensor:

@@ -102,10 +102,12 @@ def spawn_static_agents(
     workdir: Path,
     *,
     threads: int = 1,
+    solo_threads: int | None = None,
     ready_timeout: float = 60.0,
 ) -> list[AgentProcess]:
     """Start one static-assignment agent per address (in parallel, they are slow to import torch), agent i
-    hosting `assignments_per_agent[i]` and listening on `addresses[i]`. All or none: on failure, the
+    hosting `assignments_per_agent[i]` and listening on `addresses[i]`, with `threads` torch threads
+    (`solo_threads` while its stage computes alone: see --solo-threads). All or none: on failure, the
     ones already started are killed."""
     workdir.mkdir(parents=True, exist_ok=True)
 
@@ -113,6 +115,8 @@ def spawn_static_agents(
         path = workdir / f"agent-{i}.json"
         path.write_text(json.dumps(list(assignments_per_agent[i]), indent=1))
         args = ["--static-assignment", str(path), "--listen", addresses[i], "--threads", str(threads)]
+        if solo_threads is not None:
+            args += ["--solo-threads", str(solo_threads)]
         return spawn_agent(args, log_path=workdir / f"agent-{i}.log", ready_timeout=ready_timeout)
 
     with ThreadPoolExecutor(max_workers=len(addresses)) as pool:

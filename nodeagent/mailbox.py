@@ -68,6 +68,11 @@ class Mailbox(Generic[T]):
                     raise MailboxTimeout(f"nothing arrived for {key} within {timeout:.1f}s")
                 self._cond.wait(remaining)
 
+    def arrived(self, step: int) -> list[tuple[str, int]]:
+        """(kind, micro_batch) of what waits here for `step`."""
+        with self._cond:
+            return [(kind, micro_batch) for s, kind, micro_batch in self._items if s == step]
+
     def wake(self) -> None:
         """Make waiters re-check their cancellation flag."""
         with self._cond:

@@ -23,6 +23,7 @@ from arceus.wire.codec import TensorValidationError
 from arceus.wire.incoming_push import IncomingPush, MalformedPush, parse_push
 from arceus.wire.proto_tensor import from_proto, to_proto
 from nodeagent.executor import run_step
+from nodeagent.lending import ComputeThreads
 from nodeagent.mailbox import MailboxClosed, MailboxFull
 from nodeagent.metrics import AgentMetrics
 from nodeagent.registry import StageRegistry
@@ -41,7 +42,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self,
         registry: StageRegistry,
         metrics: AgentMetrics,
-        compute_threads: Callable[[], int] | None = None,
+        compute_threads: Callable[[], ComputeThreads] | None = None,
         *,
         signer: ReceiptSigner,
         device: torch.device,
@@ -119,11 +120,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             if not stage.step_lock.acquire(blocking=False):
                 raise RpcFailure(grpc.StatusCode.ABORTED, f"{stage.name} is already running a step")
             try:
-                if self._compute_threads is not None and torch.get_num_threads() != self._compute_threads():
-                    torch.set_num_threads(self._compute_threads())  # per OS thread: this one computes
+                threads = None if self._compute_threads is None else self._compute_threads()
                 before = stage.counters()
                 started = time.perf_counter()
-                reply = run_step(stage, request, deadline=deadline, abort=abort, signer=self._signer)
+                reply = run_step(
+                    stage, request, deadline=deadline, abort=abort, signer=self._signer, threads=threads
+                )
                 mode = "train" if request.mode == stage_pb2.TRAIN else "eval"
                 self._metrics.step_seconds.labels(mode=mode).observe(time.perf_counter() - started)
             finally:

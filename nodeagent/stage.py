@@ -18,6 +18,7 @@ from arceus.v1 import stage_pb2
 from arceus.wire.push_stream import PushStream
 from arceus.wire.transfer import TransferEncoder
 from nodeagent.assignment import Assignment, CheckpointRef
+from nodeagent.lending import LendingGauge
 from nodeagent.mailbox import Mailbox
 from nodeagent.runtime import StageRuntime
 from nodeagent.verify import AuditRecord
@@ -96,6 +97,7 @@ class HostedStage:
         self.bytes_received = 0
         # The last train step's activations and weights, kept for spot checks (retain_for_audit).
         self.audit_record: AuditRecord | None = None
+        self.lending = LendingGauge()  # whether borrowing idle cores pays, learnt from this stage's steps
 
     @property
     def name(self) -> str:

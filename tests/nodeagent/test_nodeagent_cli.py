@@ -42,6 +42,7 @@ def run_agent(*args: str) -> subprocess.CompletedProcess[str]:
         (["--static-assignment", "x.json", "--token", "t"], "drop --control-plane/--token"),
         (["--static-assignment", "x.json", "--listen", "localhost"], "is not HOST:PORT"),
         (["--static-assignment", "x.json", "--threads", "0"], "must be a positive integer"),
+        (["--static-assignment", "x.json", "--threads", "3", "--solo-threads", "2"], "--solo-threads 2 is below the 3"),
         (["--static-assignment", "x.json", "--device", "tpu"], "invalid choice: 'tpu'"),
         (["--static-assignment", "x.json", "--declare-flops", "fast"], "'fast' is not a number (e.g. 5e10)"),
         (["--static-assignment", "x.json", "--declare-flops", "0"], "must be a positive number, got 0"),

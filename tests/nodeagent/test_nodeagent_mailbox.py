@@ -17,6 +17,16 @@ def test_get_returns_what_was_put_once() -> None:
     assert len(box) == 0
 
 
+def test_arrived_lists_what_waits_for_a_step() -> None:
+    box: Mailbox[str] = Mailbox(capacity=4)
+    box.put((1, "ACTIVATION", 0), "a")
+    box.put((1, "GRADIENT", 2), "g")
+    box.put((2, "ACTIVATION", 0), "next step's")
+    assert sorted(box.arrived(1)) == [("ACTIVATION", 0), ("GRADIENT", 2)]
+    box.get((1, "GRADIENT", 2), timeout=0)
+    assert box.arrived(1) == [("ACTIVATION", 0)]
+
+
 def test_get_blocks_until_the_value_arrives() -> None:
     box: Mailbox[int] = Mailbox(capacity=4)
     threading.Timer(0.05, box.put, args=((3, "GRADIENT", 1), 42)).start()

@@ -1,0 +1,64 @@
+"""Core lending between stages that share a machine: the torch threads of each computation, and whether
+borrowing pays.
+
+A stage computes with its agent's share of threads (`own`), and with `solo` threads in the actions no
+other stage of its pipeline computes alongside (arceus.pipeline.lending): then the cores of the stages
+that wait for it idle. Only while that measurably pays, though: a borrowed core may be busy with another
+program, and an action whose OpenMP threads wait for a descheduled peer runs slower than on the own
+share. So each stage keeps the compute seconds per sample of its forwards and of its backwards, with
+either count, stops borrowing for a kind that was not faster, and tries again every PROBE_EVERY-th chance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+PROBE_EVERY = 8
+SMOOTHING = 0.3  # weight of the newest figure in the running averages
+
+
+@dataclass(frozen=True)
+class ComputeThreads:
+    """Torch intra-op threads of a step's computations."""
+
+    own: int  # the agent's share
+    solo: int  # while no other stage of the pipeline computes (>= own; more only on a shared machine)
+
+    def apply(self, solo: bool) -> None:
+        """Set the count on the calling thread (OpenMP counts are per OS thread: call it where torch
+        computes)."""
+        wanted = self.solo if solo else self.own
+        if torch.get_num_threads() != wanted:
+            torch.set_num_threads(wanted)
+
+
+class LendingGauge:
+    """One stage's running averages of compute seconds per sample, by action kind ("F", "B") and by
+    whether the action borrowed; what decides if a solo action borrows."""
+
+    def __init__(self) -> None:
+        self._per_sample: dict[tuple[str, bool], float] = {}
+        self._declined: dict[str, int] = {}
+
+    def pays(self, kind: str) -> bool:
+        """False once borrowing was measured no faster than the own share for `kind`."""
+        lent, own = self._per_sample.get((kind, True)), self._per_sample.get((kind, False))
+        return lent is None or own is None or lent < own
+
+    def lend(self, kind: str) -> bool:
+        """Whether a solo action of `kind` borrows now: while it pays, and every PROBE_EVERY-th time
+        otherwise (a busy machine may have quietened)."""
+        if self.pays(kind):
+            return True
+        self._declined[kind] = self._declined.get(kind, 0) + 1
+        if self._declined[kind] < PROBE_EVERY:
+            return False
+        self._declined[kind] = 0
+        return True
+
+    def record(self, kind: str, lent: bool, seconds: float, samples: int) -> None:
+        figure = seconds / max(samples, 1)
+        previous = self._per_sample.get((kind, lent))
+        self._per_sample[(kind, lent)] = figure if previous is None else previous + SMOOTHING * (figure - previous)
