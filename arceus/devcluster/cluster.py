@@ -75,6 +75,7 @@ class LocalCluster:
     agent_threads: int = 1
     heartbeat_interval_seconds: float = 2.0
     reconcile_interval_seconds: float = 2.0  # beat's periodic pass (heartbeats that change something trigger more)
+    extra_env: dict[str, str] = field(default_factory=dict)  # more settings for every part (ARCEUS_*, ...)
     supervisor: Supervisor = field(init=False)
     env: dict[str, str] = field(init=False)
     api_url: str = field(init=False, default="")
@@ -169,9 +170,9 @@ class LocalCluster:
                      grpc_address=fields["grpc"], metrics_address=fields["metrics"])
 
     def stop(self) -> None:
-        # Agents first, while the web server they heartbeat to still answers; the broker last, after everyone
-        # who may still enqueue or acknowledge (else those calls hang in retries until the grace runs out).
-        self.supervisor.stop_all(wave=lambda name: 0 if name.startswith("agent-") else 2 if name == "redis" else 1)
+        # The web server only once the agents that heartbeat to it are gone, the broker last, after everyone who
+        # may still enqueue or acknowledge: else those calls hang in retries until the grace runs out.
+        self.supervisor.stop_all(wave=lambda name: {"web": 1, "redis": 2}.get(name, 0))
 
     # --- faults, for the fault-tolerance tests and benchmarks ------------------------------------
     def crash(self, name: str) -> None:
@@ -216,6 +217,7 @@ class LocalCluster:
             env["REDIS_URL"] = self.redis_url
         # One torch thread per process: on a small machine several processes share the cores.
         env.setdefault("OMP_NUM_THREADS", "1")
+        env.update(self.extra_env)
         return env
 
     def _start_embedded_redis(self) -> str:

@@ -4,8 +4,8 @@ Starting a cluster (web server, Celery workers and beat, each importing Django a
 most tests' own work on a small machine, so the tests share one (`cluster`): after each passing test its
 agents are killed and the control plane's tables are emptied (users and their tokens stay), so the next
 test finds what a freshly started cluster holds. After a failed test, or one that left a job unfinished,
-the cluster is stopped instead and the next test starts a new one. A test that changes the processes'
-environment takes a cluster of its own (`own_cluster`).
+the cluster is stopped instead and the next test starts a new one. The broker-restart test kills Redis, so
+it runs a cluster of its own with its own redis-server (`embedded_redis_cluster`).
 """
 
 from __future__ import annotations
@@ -70,8 +70,11 @@ def started_cluster(workdir: Path, *, embedded_redis: bool = False) -> Iterator[
     with fresh_database() as database_url:
         # Heartbeats and reconcile passes every second, not every 2 s: placements reach agents and lost nodes
         # are noticed sooner. A node still counts as lost only after the default 6 s of silence.
+        # Compute is priced at $3600/h: the few ms a test job computes are worth whole micro-dollars (at the
+        # usual $0.30/h less than one, and credit, fees and withheld credit would all round to 0).
         cluster = LocalCluster(workdir=workdir, database_url=database_url, redis_url=redis_url,
-                               heartbeat_interval_seconds=1.0, reconcile_interval_seconds=1.0)
+                               heartbeat_interval_seconds=1.0, reconcile_interval_seconds=1.0,
+                               extra_env={"ARCEUS_BASELINE_PRICE_PER_HOUR": "3600"})
         try:
             cluster.start()
             yield cluster
@@ -137,15 +140,6 @@ def cluster(shared_cluster: SharedCluster, request: pytest.FixtureRequest) -> It
     except BaseException:
         shared_cluster.stop()
         raise
-
-
-@pytest.fixture
-def own_cluster(tmp_path: Path, shared_cluster: SharedCluster) -> Iterator[LocalCluster]:
-    """A cluster of this test's alone, whose processes see the environment the test set up. The shared one
-    stops first: both would consume the same Redis queues."""
-    shared_cluster.stop()
-    with started_cluster(tmp_path) as cluster:
-        yield cluster
 
 
 @pytest.fixture

@@ -32,15 +32,7 @@ JOB = {
 HONEST_STEPS = 5  # every step is checked: steps 1-5 pass, step 6 fails; checkpoint 4 is the last one vouched for
 
 
-@pytest.fixture(autouse=True)
-def dollar_per_compute_second(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The cluster's processes inherit this environment: at the usual $0.30/h the few milliseconds of compute
-    this short job takes are worth less than a micro-dollar, and withheld credit would be 0 either way."""
-    monkeypatch.setenv("ARCEUS_BASELINE_PRICE_PER_HOUR", "3600")
-
-
-def test_a_dishonest_agent_is_caught_flagged_and_its_credit_withheld(own_cluster: LocalCluster) -> None:
-    cluster = own_cluster
+def test_a_dishonest_agent_is_caught_flagged_and_its_credit_withheld(cluster: LocalCluster) -> None:
     # Declared rates at which compute (tens of ms per micro-batch), not the few ms of latency the solver takes
     # from each agent's measured link, decides the cut: the cheat, 4x faster, produces (stage 0).
     cheat = cluster.start_agent(
@@ -72,6 +64,7 @@ def test_a_dishonest_agent_is_caught_flagged_and_its_credit_withheld(own_cluster
     def earnings(node_id: str) -> dict:
         return cluster.client.session.get(f"{cluster.api_url}/api/nodes/{node_id}/earnings", timeout=30).json()
 
+    # (The test clusters price compute at $3600/h, so this short job's few ms are worth whole micro-dollars.)
     cheated = earnings(cheat.node_id)
     assert Decimal(cheated["credit_usd"]) == 0 < Decimal(cheated["withheld_usd"])
     paid = [earnings(a.node_id) for a in honest]
