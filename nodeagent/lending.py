@@ -5,18 +5,22 @@ A stage computes with its agent's share of threads (`own`), and with `solo` thre
 other stage of its pipeline computes alongside (arceus.pipeline.lending): then the cores of the stages
 that wait for it idle. Only while that measurably pays, though: a borrowed core may be busy with another
 program, and an action whose OpenMP threads wait for a descheduled peer runs slower than on the own
-share. So each stage keeps the compute seconds per sample of its forwards and of its backwards, with
-either count, stops borrowing for a kind that was not faster, and tries again every PROBE_EVERY-th chance.
+share. So each stage keeps the compute seconds per sample of its last forwards and backwards, with either
+count, stops borrowing for a kind whose median was not faster, and tries again every PROBE_EVERY-th
+chance. Medians, so one slow action on a busy moment does not stop it. The first figure of each count is
+left out: the first computation with a thread count starts its threads and warms their caches.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from dataclasses import dataclass
 
 import torch
 
-PROBE_EVERY = 8
-SMOOTHING = 0.3  # weight of the newest figure in the running averages
+PROBE_EVERY = 4
+KEPT = 5  # figures per kind and count that the medians are taken over
 
 
 @dataclass(frozen=True)
@@ -35,17 +39,18 @@ class ComputeThreads:
 
 
 class LendingGauge:
-    """One stage's running averages of compute seconds per sample, by action kind ("F", "B") and by
-    whether the action borrowed; what decides if a solo action borrows."""
+    """One stage's last compute seconds per sample, by action kind ("F", "B") and by whether the action
+    borrowed; what decides if a solo action borrows."""
 
     def __init__(self) -> None:
-        self._per_sample: dict[tuple[str, bool], float] = {}
+        self._per_sample: dict[tuple[str, bool], deque[float]] = {}
+        self._warm: set[tuple[str, bool]] = set()
         self._declined: dict[str, int] = {}
 
     def pays(self, kind: str) -> bool:
-        """False once borrowing was measured no faster than the own share for `kind`."""
+        """False while borrowing measures no faster than the own share for `kind`."""
         lent, own = self._per_sample.get((kind, True)), self._per_sample.get((kind, False))
-        return lent is None or own is None or lent < own
+        return lent is None or own is None or statistics.median(lent) < statistics.median(own)
 
     def lend(self, kind: str) -> bool:
         """Whether a solo action of `kind` borrows now: while it pays, and every PROBE_EVERY-th time
@@ -59,6 +64,7 @@ class LendingGauge:
         return True
 
     def record(self, kind: str, lent: bool, seconds: float, samples: int) -> None:
-        figure = seconds / max(samples, 1)
-        previous = self._per_sample.get((kind, lent))
-        self._per_sample[(kind, lent)] = figure if previous is None else previous + SMOOTHING * (figure - previous)
+        if (kind, lent) not in self._warm:
+            self._warm.add((kind, lent))
+            return
+        self._per_sample.setdefault((kind, lent), deque(maxlen=KEPT)).append(seconds / max(samples, 1))

@@ -15,7 +15,7 @@ from arceus.training import StageEndpoint, TrainPlan, max_micro_batch_size
 from arceus.training.driver import Pipeline
 from nodeagent.agent import Agent
 from nodeagent.assignment import Assignment
-from nodeagent.lending import PROBE_EVERY, ComputeThreads, LendingGauge
+from nodeagent.lending import KEPT, PROBE_EVERY, ComputeThreads, LendingGauge
 from nodeagent.static import pipeline_assignments
 
 MODEL = {"type": "mlp", "layer_sizes": [64, 32, 10]}
@@ -114,26 +114,47 @@ def test_solo_threads_below_the_own_share_are_refused() -> None:
         Agent(device=torch.device("cpu"), solo_threads=OWN - 1)
 
 
-def test_borrowing_stops_when_it_does_not_pay_and_is_tried_again() -> None:
+def warm_gauge() -> LendingGauge:
+    """A gauge past the first computation with either count, which it leaves out."""
     gauge = LendingGauge()
+    for kind in ("F", "B"):
+        for lent in (False, True):
+            gauge.record(kind, lent=lent, seconds=1.0, samples=1)
+    return gauge
+
+
+def test_borrowing_stops_when_it_does_not_pay_and_is_tried_again() -> None:
+    gauge = warm_gauge()
     assert gauge.lend("F")  # nothing measured yet
     gauge.record("F", lent=False, seconds=0.04, samples=4)
-    gauge.record("F", lent=True, seconds=0.02, samples=4)
+    for _ in range(2):
+        gauge.record("F", lent=True, seconds=0.02, samples=4)
     assert gauge.pays("F") and gauge.lend("F")
-    for _ in range(10):  # a busy machine: borrowed threads now take three times as long
+    gauge.record("F", lent=True, seconds=0.12, samples=4)  # one slow action on a busy moment
+    assert gauge.pays("F")
+    for _ in range(KEPT):  # a busy machine: borrowed threads now take three times as long
         gauge.record("F", lent=True, seconds=0.12, samples=4)
     assert not gauge.pays("F")
     assert gauge.pays("B")  # per kind
     tries = [gauge.lend("F") for _ in range(2 * PROBE_EVERY)]
     assert tries == ([False] * (PROBE_EVERY - 1) + [True]) * 2  # one probe in every PROBE_EVERY chances
-    for _ in range(10):  # the probes find it quiet again
+    for _ in range(KEPT):  # the probes find it quiet again
         gauge.record("F", lent=True, seconds=0.02, samples=4)
     assert gauge.lend("F")
 
 
 def test_figures_are_per_sample() -> None:
     """A smaller last micro-batch takes less time without looking faster."""
-    gauge = LendingGauge()
+    gauge = warm_gauge()
     gauge.record("B", lent=False, seconds=0.08, samples=4)
     gauge.record("B", lent=True, seconds=0.03, samples=1)  # 30 ms a sample against 20
     assert not gauge.pays("B")
+
+
+def test_the_first_computation_with_a_count_is_left_out() -> None:
+    gauge = LendingGauge()
+    gauge.record("B", lent=True, seconds=5.0, samples=1)  # starting threads, cold caches
+    gauge.record("B", lent=False, seconds=5.0, samples=1)
+    gauge.record("B", lent=False, seconds=0.08, samples=1)
+    gauge.record("B", lent=True, seconds=0.05, samples=1)
+    assert gauge.pays("B")
