@@ -6,9 +6,12 @@
 Every setup trains the same model (d_model 256, 6 blocks, 8 heads, block 128, character vocabulary of the
 bundled text) on the same batches (16 windows, M = 4 micro-batches) with Adam, from the same seeded
 weights, split after block 3 (embedding + 3 blocks | 3 blocks + head). Pipeline stages are separate
-processes with one torch thread each; the one-process baseline uses every core. Rounds alternate the
-setups so machine noise hits them alike. Prints a table, writes docs/BENCHMARKS.md, and ends with one
-JSON line.
+processes with one torch thread each, with one difference, said in the table: the Arceus agents share
+this machine and lend each other its cores (`--solo-threads`, every core) in the actions no other stage
+computes alongside (the pipeline's fill and drain, arceus.pipeline.lending); torch pipelining has no such
+thing, so it also runs with every core per stage (oversubscribed) for comparison. The one-process
+baseline uses every core. Rounds alternate the setups so machine noise hits them alike. Prints a table,
+writes docs/BENCHMARKS.md, and ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -99,8 +102,8 @@ def run_single(steps: int, threads: int) -> float:
 
 
 # --- torch.distributed.pipelining ------------------------------------------------------------------------
-def _torch_stage_worker(rank: int, port: int, schedule: str, steps: int, out: Any) -> None:
-    torch.set_num_threads(1)
+def _torch_stage_worker(rank: int, port: int, schedule: str, steps: int, threads: int, out: Any) -> None:
+    torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     try:
@@ -131,11 +134,13 @@ def _torch_stage_worker(rank: int, port: int, schedule: str, steps: int, out: An
         dist.destroy_process_group()
 
 
-def run_torch_pipelining(steps: int, schedule: str) -> float:
+def run_torch_pipelining(steps: int, schedule: str, threads: int) -> float:
     ctx = mp.get_context("spawn")
     out = ctx.SimpleQueue()
     port = free_ports(1)[0]
-    workers = [ctx.Process(target=_torch_stage_worker, args=(r, port, schedule, steps, out)) for r in range(2)]
+    workers = [
+        ctx.Process(target=_torch_stage_worker, args=(r, port, schedule, steps, threads, out)) for r in range(2)
+    ]
     for w in workers:
         w.start()
     for w in workers:
@@ -172,7 +177,9 @@ def main() -> None:
         parser.error(f"--steps must exceed the {WARMUP} warm-up steps")
 
     cores = os.cpu_count() or 1
-    results: dict[str, list[float]] = {"arceus": [], "torch_pp": [], "single": [], "single_1_thread": []}
+    results: dict[str, list[float]] = {
+        "arceus": [], "torch_pp": [], "torch_pp_all_cores": [], "single": [], "single_1_thread": []
+    }
     addresses = [f"127.0.0.1:{p}" for p in free_ports(2)]
     end = model_spec_from_config(MODEL).num_layers
     with tempfile.TemporaryDirectory() as workdir:
@@ -185,11 +192,14 @@ def main() -> None:
             )
             for job_id in jobs
         ]
-        agents = spawn_static_agents([[r[i] for r in per_round] for i in range(2)], addresses, Path(workdir))
+        agents = spawn_static_agents(
+            [[r[i] for r in per_round] for i in range(2)], addresses, Path(workdir), threads=1, solo_threads=cores
+        )
         try:
             for job_id in jobs:
                 results["arceus"].append(run_arceus(addresses, args.steps, job_id, args.schedule))
-                results["torch_pp"].append(run_torch_pipelining(args.steps, args.schedule))
+                results["torch_pp"].append(run_torch_pipelining(args.steps, args.schedule, 1))
+                results["torch_pp_all_cores"].append(run_torch_pipelining(args.steps, args.schedule, cores))
                 results["single"].append(run_single(args.steps, cores))
                 results["single_1_thread"].append(run_single(args.steps, 1))
         finally:
@@ -199,6 +209,7 @@ def main() -> None:
     figures = {
         "arceus_samples_per_s": round(med["arceus"], 2),
         "torch_pp_samples_per_s": round(med["torch_pp"], 2),
+        "torch_pp_all_cores_samples_per_s": round(med["torch_pp_all_cores"], 2),
         "single_process_samples_per_s": round(med["single"], 2),
         "single_process_1_thread_samples_per_s": round(med["single_1_thread"], 2),
         "schedule": args.schedule, "stages": 2, "micro_batches": MICRO_BATCHES,
@@ -208,8 +219,9 @@ def main() -> None:
         "ratio_torch_pp_to_single": round(med["torch_pp"] / med["single"], 3),
     }
     labels = {
-        "arceus": f"Arceus, 2 agents over gRPC, {args.schedule}",
-        "torch_pp": f"torch.distributed.pipelining (gloo), {args.schedule}",
+        "arceus": f"Arceus, 2 agents over gRPC, {args.schedule}: 1 thread each, {cores} in solo actions",
+        "torch_pp": f"torch.distributed.pipelining (gloo), {args.schedule}: 1 thread per stage",
+        "torch_pp_all_cores": f"torch.distributed.pipelining (gloo), {args.schedule}: {cores} threads per stage",
         "single": f"one process, {cores} threads",
         "single_1_thread": "one process, 1 thread",
     }
@@ -225,7 +237,8 @@ def main() -> None:
         f"## GPT pipeline vs torch pipelining vs one process, {args.schedule} (`bench/pipeline_vs_torch.py`)\n\n"
         f"{machine_line()}. GPT d_model 256, 6 blocks, 8 heads, block 128, vocab {MODEL['vocab_size']} "
         f"({params / 1e6:.2f}M parameters), batch {DATASET['batch_size']}, M={MICRO_BATCHES}, Adam; 2 stages "
-        f"split at layer {SPLIT}, one torch thread per stage process; {args.rounds} alternating rounds of "
+        f"split at layer {SPLIT}, one torch thread per stage process (Arceus agents: {cores} in the actions no "
+        f"other stage computes alongside, lent by the idle one); {args.rounds} alternating rounds of "
         f"{args.steps} steps ({WARMUP} warm-up steps not timed).\n\n" + table
     ))
     print(table)
