@@ -169,7 +169,7 @@ def run_arceus(addresses: list[str], steps: int, job_id: str, schedule: str) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10, help="training steps per round")
+    parser.add_argument("--steps", type=int, default=20, help="training steps per round")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--schedule", choices=sorted(TORCH_SCHEDULES), default="1f1b")
     args = parser.parse_args()

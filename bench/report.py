@@ -18,9 +18,20 @@ HEADER = (
 )
 
 
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], capture_output=True, text=True, cwd=BENCHMARKS.parent).stdout
+
+
 def machine_line() -> str:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=BENCHMARKS.parent).stdout.strip() or "uncommitted"
+    commit = _git("rev-parse", "--short", "HEAD").strip() or "uncommitted"
+    # Changes to tracked files other than this report (which the benchmarks themselves rewrite) mean the
+    # figures are not the commit's.
+    changed = [
+        line[3:] for line in _git("status", "--porcelain", "--untracked-files=no").splitlines()
+        if line[3:] != "docs/BENCHMARKS.md"
+    ]
+    if changed:
+        commit += f" with uncommitted changes to {', '.join(changed)}"
     return (f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, commit {commit}, {platform.machine()}, "
             f"{os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}")
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import signal
 import sys
 import threading
@@ -141,6 +142,12 @@ def main(argv: list[str] | None = None) -> int:
         device = select_device(args.device)
     except DeviceError as exc:
         parser.error(str(exc))
+    log.info(
+        "computing on %s with %d torch threads (%s), OpenMP spin count %s",
+        device, threads,
+        f"{args.solo_threads} in solo actions" if args.solo_threads else "none borrowed",
+        os.environ.get("GOMP_SPINCOUNT", "libgomp's default"),
+    )
     assignments = None
     if args.static_assignment is not None:
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -108,3 +109,21 @@ def test_control_plane_mode_registers_reports_ready_and_stops_cleanly(control_pl
         codes = stop_agents([agent])
     assert codes == [0]
     assert agent.log_text().count("AGENT READY") == 1
+
+
+@pytest.mark.parametrize(("environment", "expected"), [({}, "10000"), ({"GOMP_SPINCOUNT": "250k"}, "250k")])
+def test_the_entry_point_caps_the_openmp_spin_unless_told(
+    tmp_path: Path, environment: dict[str, str], expected: str
+) -> None:
+    """Stages sharing a machine hand cores back and forth; libgomp's default spin (300k) would hold a
+    returned core for milliseconds. An operator's own setting is kept."""
+    path = tmp_path / "static.json"
+    path.write_text(json.dumps([ASSIGNMENT]))
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"} | environment
+    agent = spawn_agent(
+        ["--static-assignment", str(path), "--threads", "1", "--solo-threads", "2"],
+        log_path=tmp_path / "agent.log",
+        env=env,
+    )
+    assert stop_agents([agent]) == [0]
+    assert f"with 1 torch threads (2 in solo actions), OpenMP spin count {expected}" in agent.log_text()
