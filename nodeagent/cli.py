@@ -28,6 +28,7 @@ from nodeagent.control_plane import (
     register_until_accepted,
 )
 from nodeagent.device import DEVICE_TYPES, DeviceError, capabilities, select_device
+from nodeagent.heap import retain_freed_blocks
 from nodeagent.neighbour_links import DEFAULT_INTERVAL_SECONDS
 from nodeagent.static import load_local_checkpoint, load_static_assignments
 
@@ -143,10 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     except DeviceError as exc:
         parser.error(str(exc))
     log.info(
-        "computing on %s with %d torch threads (%s), OpenMP spin count %s",
+        "computing on %s with %d torch threads (%s), OpenMP spin count %s, freed blocks %s",
         device, threads,
         f"{args.solo_threads} in solo actions" if args.solo_threads else "none borrowed",
         os.environ.get("GOMP_SPINCOUNT", "libgomp's default"),
+        "kept in the heap" if retain_freed_blocks() else "returned as the allocator decides",
     )
     assignments = None
     if args.static_assignment is not None:
