@@ -126,5 +126,7 @@ def test_the_entry_point_caps_the_openmp_spin_unless_told(
         env=env,
     )
     assert stop_agents([agent]) == [0]
-    expected_line = f"with 1 torch threads (2 in solo actions), OpenMP spin count {expected}, freed blocks kept in the heap"
+    expected_line = (
+        f"with 1 torch threads (2 in solo actions), OpenMP spin count {expected}, freed blocks kept in the heap"
+    )
     assert expected_line in agent.log_text()
