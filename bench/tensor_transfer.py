@@ -1,6 +1,6 @@
 """GB/s moving 4 MB float32 tensors between two processes on loopback: our path vs bare gRPC vs raw TCP.
 
-    .venv/bin/python bench/tensor_transfer.py [--tensors 250] [--rounds 5]
+    .venv/bin/python bench/tensor_transfer.py [--tensors 500] [--rounds 9]
 
 - ours fp32: pushes built by the agent's own code (TransferEncoder -> outgoing_push) from a torch tensor
   (the same one each time, as bare gRPC sends the same bytes; fp32 payloads are views of it, serialized
@@ -189,8 +189,8 @@ def _wait_for_port(port: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tensors", type=int, default=250, help="4 MB tensors per setup per round")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tensors", type=int, default=500, help="4 MB tensors per setup per round")
+    parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--serve", choices=["stage", "bare", "tcp"], help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
