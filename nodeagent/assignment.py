@@ -167,7 +167,7 @@ class Assignment:
         prev_address, prev_ranks = _neighbour(data, "prev_address", required=stage_index > 0)
         next_address, next_ranks = _neighbour(data, "next_address", required=stage_index < num_stages - 1)
         precision = check_precision(data.get("precision", "fp32"), "assignment.precision")
-        tensor_parallel = _tensor_parallel(data.get("tensor_parallel"), spec, precision)
+        tensor_parallel = _tensor_parallel(data.get("tensor_parallel"), spec)
         return cls(
             stage_id=stage_id,
             job_id=job_id,
@@ -272,7 +272,7 @@ def _neighbour(data: dict[str, Any], key: str, *, required: bool) -> tuple[str |
     return ranks[0], ranks
 
 
-def _tensor_parallel(value: Any, spec: ModelSpec, precision: str) -> TensorParallelConfig | None:
+def _tensor_parallel(value: Any, spec: ModelSpec) -> TensorParallelConfig | None:
     field = "assignment.tensor_parallel"
     if value is None:
         return None
@@ -296,9 +296,6 @@ def _tensor_parallel(value: Any, spec: ModelSpec, precision: str) -> TensorParal
         raise SpecError(field, "only a transformer's blocks split across a tensor-parallel group")
     if spec.n_head % size:
         raise SpecError(f"{field}.size", f"must divide the model's n_head ({spec.n_head}), got {size}")
-    if precision != "fp32":
-        # The all-reduce carries float32 partials; a bf16 split is untested, so it is refused.
-        raise SpecError(field, f"needs precision fp32, got {precision}")
     return TensorParallelConfig(rank=rank, peers=tuple(peers))
 
 

@@ -133,10 +133,14 @@ class TensorParallelGroup:
                     f"{self.name}: pushing a partial to rank {r} ({self.peers[r]}) failed: "
                     f"{exc.code().name}: {exc.details()}",
                 ) from None
-        total = partials[0].clone()
+        # Summed in float32 whatever the compute dtype: under bf16 autocast this rank's own partial is
+        # bfloat16 while its peers' arrive as float32 (exactly the same values), and an in-place sum that
+        # started from a bfloat16 partial would round where a rank starting from a peer's would not. In
+        # float32, in rank order, every rank adds the same numbers in the same order: the same bits.
+        total = partials[0].to(torch.float32, copy=True)
         for r in range(1, self.shard.size):
             total += partials[r]
-        return total
+        return total.to(tensor.dtype)
 
     def _receive(self, current: _Current, op: int, source: int) -> torch.Tensor:
         try:

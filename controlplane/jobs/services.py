@@ -65,7 +65,7 @@ def job_submit(
         tensor_parallel=tensor_parallel,
     )
     if tensor_parallel:
-        tensor_parallel_check_options(precision=precision, audit_rate=audit_rate)
+        tensor_parallel_check_options(audit_rate=audit_rate)
     if audit_rate is None:
         audit_rate = 0.0 if tensor_parallel else DEFAULT_AUDIT_RATE
     try:
@@ -175,14 +175,8 @@ def _check_tensor_parallel(spec: ModelSpec, tensor_parallel: dict[str, Any], sta
         )
 
 
-def tensor_parallel_check_options(*, precision: str, audit_rate: float | None) -> None:
+def tensor_parallel_check_options(*, audit_rate: float | None) -> None:
     """The job options a tensor-parallel job cannot have (yet), as a 400 saying what to change."""
-    if precision != "fp32":
-        # The agents refuse it: the all-reduce carries float32 partials and a bf16 split is untested.
-        raise ApplicationError.invalid(
-            "precision",
-            f"tensor-parallel stages compute in fp32 only, got {precision}; use fp32 or drop tensor_parallel",
-        )
     if audit_rate:
         raise ApplicationError.invalid(
             "audit_rate",

@@ -120,6 +120,8 @@ def test_a_tensor_parallel_rank() -> None:
     assert (a.prev_address, a.prev_addresses) == ("a:1", ("a:1", "b:1"))
     assert a.next_addresses == ("127.0.0.1:5002",)
     assert Assignment.from_json(a.to_json()) == a
+    mixed = Assignment.from_json(tensor_parallel(precision="bf16"))
+    assert (mixed.precision, mixed.tensor_parallel) == ("bf16", a.tensor_parallel)
     plain = Assignment.from_json(assignment())
     assert plain.sends_on and plain.tensor_parallel is None and "tensor_parallel" not in plain.to_json()
 
@@ -135,7 +137,6 @@ def test_a_tensor_parallel_rank() -> None:
         ({"split": {"size": 3, "peers": [*PEERS, "c:1"]}}, "assignment.tensor_parallel.size", "n_head (8)"),
         ({"split": {"extra": 1}}, "assignment.tensor_parallel", "exactly the fields"),
         ({"tensor_parallel": [0, 2]}, "assignment.tensor_parallel", "an object or null"),
-        ({"precision": "bf16"}, "assignment.tensor_parallel", "precision fp32"),
         (
             {"model": {"type": "mlp", "layer_sizes": [8, 8, 8, 2]}},
             "assignment.tensor_parallel",

@@ -2,7 +2,7 @@
 Agent serves gRPC, the rank runs forward and backward of its shard for two micro-batches, all-reducing
 with its peer over gRPC, and writes its outputs and gradients to a safetensors file.
 
-python tests/nodeagent/tp_rank_worker.py RANK PEER0,PEER1,... OUT.safetensors
+python tests/nodeagent/tp_rank_worker.py RANK PEER0,PEER1,... OUT.safetensors PRECISION (fp32 or bf16: autocast)
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import save_file
 
 from arceus.model.gpt_spec import GPTSpec
+from arceus.model.precision import autocast
 from arceus.model.tensor_parallel import build_parallel_block
 from nodeagent.agent import Agent
 from nodeagent.tensor_parallel import TensorParallelGroup
@@ -29,7 +30,7 @@ def micro_batch_inputs(micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
 
 
-def main(rank: int, peers: list[str], out: str) -> None:
+def main(rank: int, peers: list[str], out: str, precision: str) -> None:
     torch.set_num_threads(1)
     agent = Agent(device=torch.device("cpu"), listen=peers[rank])
     group = TensorParallelGroup(
@@ -52,9 +53,10 @@ def main(rank: int, peers: list[str], out: str) -> None:
             x, weight = micro_batch_inputs(mb)
             x.requires_grad_(True)
             with group.micro_batch(step=0, micro_batch=mb, deadline=time.monotonic() + 60):
-                output = block(x)
-                (output * weight).sum().backward()
-            results[f"output.{mb}"] = output.detach()
+                with autocast(torch.device("cpu"), precision):
+                    output = block(x)
+                (output.float() * weight).sum().backward()
+            results[f"output.{mb}"] = output.detach().float()
             results[f"input_grad.{mb}"] = x.grad
         results.update({f"grad.{n}": p.grad for n, p in block.named_parameters()})
         save_file({k: v.contiguous() for k, v in results.items()}, out)
@@ -63,4 +65,4 @@ def main(rank: int, peers: list[str], out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3])
+    main(int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3], sys.argv[4])

@@ -36,7 +36,11 @@ SGD = {"name": "sgd", "lr": 0.3, "momentum": 0.9, "weight_decay": 1e-4}
 RUNS: dict[str, dict[str, Any]] = {
     "tp-pipeline": {"boundaries": [0, 2, 4], "agents": [[0], [1, 2]], "schedule": "1f1b", "optimizer": SGD},
     "tp-only": {"boundaries": [0, 4], "agents": [[2, 0]], "schedule": "gpipe", "optimizer": ADAM},
+    "tp-bf16": {
+        "boundaries": [0, 2, 4], "agents": [[2], [0, 1]], "schedule": "gpipe", "optimizer": ADAM, "precision": "bf16"
+    },
 }
+FP32_RUNS = [job_id for job_id, run in RUNS.items() if run.get("precision", "fp32") == "fp32"]
 
 
 def split_assignments(
@@ -54,6 +58,7 @@ def split_assignments(
         seed=SEED,
         micro_batches=MICRO_BATCHES,
         max_micro_batch_size=max_micro_batch_size(dataset, MICRO_BATCHES),
+        precision=run.get("precision", "fp32"),
     )
     placed = []
     for i, stage in enumerate(stages):
@@ -107,14 +112,10 @@ def reference(model: dict[str, Any], dataset: dict[str, Any], optimizer: dict[st
     return reference_run(job, max_steps=STEPS)
 
 
-@pytest.mark.parametrize("job_id", list(RUNS))
-def test_a_tensor_parallel_stage_trains_like_single_process_torch(
-    configs: tuple[dict[str, Any], dict[str, Any]], agents: list[AgentProcess], job_id: str
-) -> None:
-    model, dataset = configs
+def plan_for(job_id: str, agents: list[AgentProcess], model: dict[str, Any], dataset: dict[str, Any]) -> TrainPlan:
     run = RUNS[job_id]
     boundaries, hosts = run["boundaries"], run["agents"]
-    plan = TrainPlan(
+    return TrainPlan(
         job_id=job_id,
         generation=1,
         stages=tuple(
@@ -140,6 +141,22 @@ def test_a_tensor_parallel_stage_trains_like_single_process_torch(
         schedule=run["schedule"],
         model=model,
     )
+
+
+def rank_weights(plan: TrainPlan, stage: int) -> list[dict[str, torch.Tensor]]:
+    """Each rank's own parameters of a split stage."""
+    with Pipeline(plan) as pipeline:
+        return [client.get_weights() for client in pipeline.ranks[stage]]
+
+
+@pytest.mark.parametrize("job_id", FP32_RUNS)
+def test_a_tensor_parallel_stage_trains_like_single_process_torch(
+    configs: tuple[dict[str, Any], dict[str, Any]], agents: list[AgentProcess], job_id: str
+) -> None:
+    model, dataset = configs
+    run = RUNS[job_id]
+    boundaries, hosts = run["boundaries"], run["agents"]
+    plan = plan_for(job_id, agents, model, dataset)
     recorder = RecordingSink()
     result = train(plan, recorder)
     expected = reference(model, dataset, run["optimizer"])
@@ -175,9 +192,34 @@ def test_a_tensor_parallel_stage_trains_like_single_process_torch(
     assert all(state.tensors[n].shape in {torch.Size([]), weights[c_attn].shape} for n in optimizer_state)
     # ... gathered from ranks that each hold half the heads, and whose replicated parameters (LayerNorms,
     # biases after the reduce, head) stayed bitwise equal through training: their gradients were.
-    with Pipeline(plan) as pipeline:
-        rank0, rank1 = (client.get_weights() for client in pipeline.ranks[split])
+    rank0, rank1 = rank_weights(plan, split)
     assert rank1[c_attn].shape == (3 * model["d_model"] // 2, model["d_model"])
     replicated = [n for n in rank0 if rank0[n].shape == weights[n].shape]
+    assert len(replicated) > len(rank0) // 2
+    assert all(torch.equal(rank0[n], rank1[n]) for n in replicated)
+
+
+def test_a_bf16_tensor_parallel_stage_trains_like_fp32_and_its_ranks_stay_identical(
+    configs: tuple[dict[str, Any], dict[str, Any]], agents: list[AgentProcess]
+) -> None:
+    """bf16 autocast on every stage, stage 1 split over two agents: the ranks all-reduce bfloat16 partials in
+    float32, so their replicated parameters stay bitwise equal through training, and the run tracks the
+    fp32 single-process one as bf16 compute does (test_training_compressed.py: within 5%)."""
+    model, dataset = configs
+    plan = plan_for("tp-bf16", agents, model, dataset)
+    recorder = RecordingSink()
+    result = train(plan, recorder)
+    expected = reference(model, dataset, ADAM)
+
+    losses = [p.loss for p in recorder.steps]
+    assert result.steps == STEPS and len(losses) == len(expected.losses)
+    assert not all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(losses, expected.losses, strict=True))  # bf16
+    assert losses[-1] < losses[0] - 0.3
+    assert abs(losses[-1] - expected.losses[-1]) <= 0.05 * expected.losses[-1]
+    assert abs(result.val_loss - expected.val_loss) <= 0.05 * expected.val_loss
+    rank0, rank1 = rank_weights(plan, 1)
+    c_attn = f"layers.{RUNS['tp-bf16']['boundaries'][-1] - 2}.attn.c_attn.weight"
+    assert rank0[c_attn].shape == rank1[c_attn].shape == (3 * model["d_model"] // 2, model["d_model"])
+    replicated = [n for n in rank0 if rank0[n].shape == expected.weights[n].shape]
     assert len(replicated) > len(rank0) // 2
     assert all(torch.equal(rank0[n], rank1[n]) for n in replicated)

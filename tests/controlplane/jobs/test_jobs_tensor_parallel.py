@@ -50,6 +50,9 @@ def test_a_split_job_is_stored_normalised_without_spot_checks(api: APIClient) ->
     assert every.json()["tensor_parallel"] == {"size": 4}
     plain = submit(api, tensor_parallel={})
     assert (plain.json()["tensor_parallel"], plain.json()["audit_rate"]) == ({}, 0.05)
+    mixed = submit(api, precision="bf16")  # the ranks all-reduce bf16 partials in float32
+    assert mixed.status_code == 201, mixed.json()
+    assert (mixed.json()["precision"], mixed.json()["tensor_parallel"]) == ("bf16", {"size": 2, "stages": [1]})
 
 
 INVALID: list[tuple[str, dict[str, Any], str, str]] = [
@@ -64,7 +67,6 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
     ("a stage that does not exist", {"tensor_parallel": {"size": 2, "stages": [2]}}, "tensor_parallel.stages",
      "names stage 2 but the job has 2 stages (0-1)"),
     ("a stage twice", {"tensor_parallel": {"size": 2, "stages": [1, 1]}}, "tensor_parallel.stages", "listed once"),
-    ("bf16", {"precision": "bf16"}, "precision", "tensor-parallel stages compute in fp32 only"),
     ("spot checks", {"audit_rate": 0.1}, "audit_rate", "cannot be spot-checked yet; use 0"),
     ("too few devices allowed", {"stages": None, "tensor_parallel": {"size": 2}, "requirements": {"max_devices": 1}},
      "requirements.max_devices", "a tensor-parallel stage alone needs 2 devices"),
