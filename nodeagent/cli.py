@@ -143,12 +143,13 @@ def main(argv: list[str] | None = None) -> int:
         device = select_device(args.device)
     except DeviceError as exc:
         parser.error(str(exc))
+    heap_kept = retain_freed_blocks()
     log.info(
         "computing on %s with %d torch threads (%s), OpenMP spin count %s, freed blocks %s",
         device, threads,
         f"{args.solo_threads} in solo actions" if args.solo_threads else "none borrowed",
         os.environ.get("GOMP_SPINCOUNT", "libgomp's default"),
-        "kept in the heap" if retain_freed_blocks() else "returned as the allocator decides",
+        "kept in the heap" if heap_kept else "returned as the allocator decides",
     )
     assignments = None
     if args.static_assignment is not None:
