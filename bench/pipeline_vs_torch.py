@@ -1,7 +1,7 @@
 """Samples/s of a ≈5M-parameter GPT in 2 pipeline stages: Arceus agents over gRPC vs
 `torch.distributed.pipelining` (gloo) vs one process, measured side by side.
 
-    .venv/bin/python bench/pipeline_vs_torch.py [--steps 10] [--rounds 3] [--schedule 1f1b]
+    .venv/bin/python bench/pipeline_vs_torch.py [--steps 20] [--rounds 3] [--schedule 1f1b]
 
 Every setup trains the same model (d_model 256, 6 blocks, 8 heads, block 128, character vocabulary of the
 bundled text) on the same batches (16 windows, M = 4 micro-batches) with Adam, from the same seeded
@@ -10,8 +10,10 @@ processes with one torch thread each, with one difference, said in the table: th
 this machine and lend each other its cores (`--solo-threads`, every core) in the actions no other stage
 computes alongside (the pipeline's fill and drain, arceus.pipeline.lending); torch pipelining has no such
 thing, so it also runs with every core per stage (oversubscribed) for comparison. The one-process
-baseline uses every core. Rounds alternate the setups so machine noise hits them alike. Prints a table,
-writes docs/BENCHMARKS.md, and ends with one JSON line.
+baseline uses every core. Every process, the torch workers' too, runs with the agent's process settings:
+the OpenMP spin cap (nodeagent.openmp) and freed blocks kept in the heap (nodeagent.heap). Rounds
+alternate the setups so machine noise hits them alike. Prints a table, writes docs/BENCHMARKS.md, and ends
+with one JSON line.
 """
 
 from __future__ import annotations
@@ -26,13 +28,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-import torch.nn.functional as F
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nodeagent.openmp import cap_openmp_spin  # noqa: E402
+
+# Before torch loads libgomp, here and (inherited) in every worker this spawns, as `python -m nodeagent`
+# does for the agents.
+cap_openmp_spin()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # noqa: E402
 
 from arceus.data import epoch_batches, load_dataset, validate_dataset_config  # noqa: E402
 from arceus.data.text import text_vocabulary  # noqa: E402
@@ -46,6 +54,7 @@ from arceus.training.plan import (  # noqa: E402
 )
 from bench.clock import Clock  # noqa: E402
 from bench.report import machine_line, write_section  # noqa: E402
+from nodeagent.heap import retain_freed_blocks  # noqa: E402
 from nodeagent.launch import free_ports, spawn_static_agents, stop_agents  # noqa: E402
 from nodeagent.static import pipeline_assignments  # noqa: E402
 
@@ -76,6 +85,7 @@ def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 # --- one process ---------------------------------------------------------------------------------------
 def _single_worker(steps: int, threads: int, out: Any) -> None:
+    retain_freed_blocks()  # as an agent does
     torch.set_num_threads(threads)
     model = build_full_model(model_spec_from_config(MODEL), SEED)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
@@ -103,6 +113,7 @@ def run_single(steps: int, threads: int) -> float:
 
 # --- torch.distributed.pipelining ------------------------------------------------------------------------
 def _torch_stage_worker(rank: int, port: int, schedule: str, steps: int, threads: int, out: Any) -> None:
+    retain_freed_blocks()  # as an agent does
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -238,7 +249,9 @@ def main() -> None:
         f"{machine_line()}. GPT d_model 256, 6 blocks, 8 heads, block 128, vocab {MODEL['vocab_size']} "
         f"({params / 1e6:.2f}M parameters), batch {DATASET['batch_size']}, M={MICRO_BATCHES}, Adam; 2 stages "
         f"split at layer {SPLIT}, one torch thread per stage process (Arceus agents: {cores} in the actions no "
-        f"other stage computes alongside, lent by the idle one); {args.rounds} alternating rounds of "
+        f"other stage computes alongside, lent by the idle one); every process with the agent's OpenMP spin "
+        f"cap ({os.environ.get('GOMP_SPINCOUNT', 'not set: an operator choice')}) and heap setting; "
+        f"{args.rounds} alternating rounds of "
         f"{args.steps} steps ({WARMUP} warm-up steps not timed).\n\n" + table
     ))
     print(table)

@@ -22,15 +22,25 @@ def _git(*args: str) -> str:
     return subprocess.run(["git", *args], capture_output=True, text=True, cwd=BENCHMARKS.parent).stdout
 
 
+def _changed_files() -> list[str]:
+    """Tracked files changed and untracked files (not ignored), but this report, which the benchmarks
+    themselves rewrite: if any, the figures are not the commit's."""
+    entries = iter(_git("status", "--porcelain", "-z").split("\0"))
+    changed = []
+    for entry in entries:
+        if not entry:
+            continue
+        status, path = entry[:2], entry[3:]
+        if status[0] in "RC":
+            next(entries, None)  # a rename's or copy's original path
+        if path != "docs/BENCHMARKS.md":
+            changed.append(path)
+    return changed
+
+
 def machine_line() -> str:
     commit = _git("rev-parse", "--short", "HEAD").strip() or "uncommitted"
-    # Changes to tracked files other than this report (which the benchmarks themselves rewrite) mean the
-    # figures are not the commit's.
-    changed = [
-        line[3:] for line in _git("status", "--porcelain", "--untracked-files=no").splitlines()
-        if line[3:] != "docs/BENCHMARKS.md"
-    ]
-    if changed:
+    if changed := _changed_files():
         commit += f" with uncommitted changes to {', '.join(changed)}"
     return (f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, commit {commit}, {platform.machine()}, "
             f"{os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}")

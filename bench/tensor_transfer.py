@@ -197,7 +197,8 @@ def main() -> None:
     # Every process, ours and the peers', with the allocator settings an agent runs with: large message
     # buffers and tensors reuse freed heap memory (nodeagent.heap), so the setups differ only in their code.
     if not retain_freed_blocks():
-        sys.exit("this benchmark needs glibc's mallopt (Linux), as the agent uses it")
+        sys.exit("the agent's heap setting (nodeagent.heap) did not take effect here: not glibc, or malloc tuned "
+                 "by MALLOC_* or GLIBC_TUNABLES; this benchmark runs every process with it")
     if args.serve:
         torch.set_num_threads(1)  # like an agent's gRPC threads
         {"stage": serve_stage, "bare": serve_bare, "tcp": serve_tcp}[args.serve](args.port)

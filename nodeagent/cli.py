@@ -36,6 +36,14 @@ log = logging.getLogger("nodeagent")
 STOP_GRACE_SECONDS = 5.0
 
 
+def _openmp_wait() -> str:
+    if "GOMP_SPINCOUNT" in os.environ:
+        return os.environ["GOMP_SPINCOUNT"]
+    if "OMP_WAIT_POLICY" in os.environ:
+        return f"as OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']} sets it"
+    return "libgomp's default"
+
+
 def _address(value: str) -> str:
     try:
         split_host_port(value)
@@ -143,14 +151,6 @@ def main(argv: list[str] | None = None) -> int:
         device = select_device(args.device)
     except DeviceError as exc:
         parser.error(str(exc))
-    heap_kept = retain_freed_blocks()
-    log.info(
-        "computing on %s with %d torch threads (%s), OpenMP spin count %s, freed blocks %s",
-        device, threads,
-        f"{args.solo_threads} in solo actions" if args.solo_threads else "none borrowed",
-        os.environ.get("GOMP_SPINCOUNT", "libgomp's default"),
-        "kept in the heap" if heap_kept else "returned as the allocator decides",
-    )
     assignments = None
     if args.static_assignment is not None:
         try:
@@ -158,6 +158,15 @@ def main(argv: list[str] | None = None) -> int:
         except SpecError as exc:
             print(f"nodeagent: invalid static assignment: {exc}", file=sys.stderr)
             return 2
+    # Process-wide and for good: only once the agent will run.
+    heap_kept = retain_freed_blocks()
+    log.info(
+        "computing on %s with %d torch threads (%s), OpenMP spin count %s, freed blocks %s",
+        device, threads,
+        f"{args.solo_threads} in solo actions" if args.solo_threads else "none borrowed",
+        _openmp_wait(),
+        "kept in the heap" if heap_kept else "returned as the allocator decides",
+    )
 
     stop = threading.Event()
     fatal: list[str] = []
