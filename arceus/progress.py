@@ -14,13 +14,16 @@ class JobProgressBar:
 
     def update(self, detail: dict[str, Any]) -> None:
         total = detail.get("total_steps") or None
+        step = int(detail.get("step") or 0)
         if self._bar is None:
             if total is None:
                 return  # not placed yet: nothing to draw a bar against
-            self._bar = tqdm(total=total, unit="step", file=self._file, dynamic_ncols=True,
+            # Counted from the first step seen: steps done before the bar existed (a job watched mid-way, or a
+            # burst between two polls) would otherwise read as done in no time (hundreds of thousands a second).
+            self._bar = tqdm(total=total, initial=step, unit="step", file=self._file, dynamic_ncols=True,
                              desc=f"job {str(detail['id'])[:8]}")
-        step = int(detail.get("step") or 0)
-        self._bar.n = step
+        else:
+            self._bar.update(step - self._bar.n)
         postfix = {"epoch": f"{detail.get('epoch') or 0}/{detail.get('epochs_requested')}"}
         if detail.get("last_loss") is not None:
             postfix["loss"] = f"{detail['last_loss']:.4f}"
