@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-import os
 import signal
 import sys
 import threading
@@ -30,18 +29,11 @@ from nodeagent.control_plane import (
 from nodeagent.device import DEVICE_TYPES, DeviceError, capabilities, select_device
 from nodeagent.heap import retain_freed_blocks
 from nodeagent.neighbour_links import DEFAULT_INTERVAL_SECONDS
+from nodeagent.openmp import describe_openmp_spin
 from nodeagent.static import load_local_checkpoint, load_static_assignments
 
 log = logging.getLogger("nodeagent")
 STOP_GRACE_SECONDS = 5.0
-
-
-def _openmp_wait() -> str:
-    if "GOMP_SPINCOUNT" in os.environ:
-        return os.environ["GOMP_SPINCOUNT"]
-    if "OMP_WAIT_POLICY" in os.environ:
-        return f"as OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']} sets it"
-    return "libgomp's default"
 
 
 def _address(value: str) -> str:
@@ -164,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         "computing on %s with %d torch threads (%s), OpenMP spin count %s, freed blocks %s",
         device, threads,
         f"{args.solo_threads} in solo actions" if args.solo_threads else "none borrowed",
-        _openmp_wait(),
+        describe_openmp_spin(),
         "kept in the heap" if heap_kept else "returned as the allocator decides",
     )
 

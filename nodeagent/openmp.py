@@ -10,7 +10,7 @@ wake-up between one action's regions fast and frees the core in well under a mil
 from __future__ import annotations
 
 import os
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 SPIN_COUNT = "10000"
 
@@ -22,3 +22,12 @@ def cap_openmp_spin(environ: MutableMapping[str, str] = os.environ) -> bool:
         return False
     environ["GOMP_SPINCOUNT"] = SPIN_COUNT
     return True
+
+
+def describe_openmp_spin(environ: Mapping[str, str] = os.environ) -> str:
+    """The spin count this process runs with, for its start-up log line."""
+    if "GOMP_SPINCOUNT" in environ:
+        return environ["GOMP_SPINCOUNT"]
+    if "OMP_WAIT_POLICY" in environ:
+        return f"as OMP_WAIT_POLICY={environ['OMP_WAIT_POLICY']} sets it"
+    return "libgomp's default"

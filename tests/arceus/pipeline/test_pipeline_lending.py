@@ -45,6 +45,19 @@ def timed_run(schedule: Schedule, duration: dict[tuple[int, int], float], latenc
     return times
 
 
+def draw_durations(schedule: Schedule, data: st.DataObject) -> dict[tuple[int, int], float]:
+    """A random compute time for every action of every stage."""
+    seconds = st.floats(0.01, 10.0)
+    return {(s, i): data.draw(seconds) for s, actions in enumerate(schedule) for i in range(len(actions))}
+
+
+def overlapping(times: list[list[Interval]], stage: int, start: float, end: float) -> list[tuple[int, int]]:
+    """(stage, action) of the other stages' actions that run at some moment in [start, end)."""
+    return [
+        (t, j) for t in range(len(times)) if t != stage for j, (a, b) in enumerate(times[t]) if a < end and start < b
+    ]
+
+
 @given(
     name=st.sampled_from(sorted(SCHEDULES)),
     n=st.integers(1, 5),
@@ -56,16 +69,11 @@ def test_no_other_stage_computes_during_a_solo_action(
     name: str, n: int, m: int, train: bool, data: st.DataObject
 ) -> None:
     schedule = build_schedule(name, n, m, train)
-    seconds = st.floats(0.01, 10.0)
-    duration = {(s, i): data.draw(seconds) for s, actions in enumerate(schedule) for i in range(len(actions))}
-    times = timed_run(schedule, duration, latency=data.draw(st.floats(0.0, 1.0)))
+    times = timed_run(schedule, draw_durations(schedule, data), latency=data.draw(st.floats(0.0, 1.0)))
     for s in range(n):
         for (start, end), solo in zip(times[s], solo_actions(schedule, s), strict=True):
             if solo:
-                overlapping = [
-                    (t, j) for t in range(n) if t != s for j, (a, b) in enumerate(times[t]) if a < end and start < b
-                ]
-                assert overlapping == []
+                assert overlapping(times, s, start, end) == []
 
 
 @given(
@@ -82,10 +90,8 @@ def test_what_has_arrived_proves_more_actions_solo_and_never_wrongly(
     `latency` before) join what is known done; a solo verdict on that is still never overlapped."""
     schedule = build_schedule(name, n, m, train)
     planner = SoloPlanner(schedule)
-    seconds = st.floats(0.01, 10.0)
-    duration = {(s, i): data.draw(seconds) for s, actions in enumerate(schedule) for i in range(len(actions))}
     latency = data.draw(st.floats(0.0, 1.0))
-    times = timed_run(schedule, duration, latency)
+    times = timed_run(schedule, draw_durations(schedule, data), latency)
     for s in range(n):
         for i, (start, end) in enumerate(times[s]):
             arrived = [
@@ -97,10 +103,7 @@ def test_what_has_arrived_proves_more_actions_solo_and_never_wrongly(
             ]
             static = planner.solo(s, i)
             if planner.solo(s, i, arrived):
-                overlapping = [
-                    (t, j) for t in range(n) if t != s for j, (a, b) in enumerate(times[t]) if a < end and start < b
-                ]
-                assert overlapping == []
+                assert overlapping(times, s, start, end) == []
             else:
                 assert not static  # knowing more never takes a solo verdict back
 
