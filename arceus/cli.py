@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from arceus.progress import JobProgressBar
+from arceus.progress_bar import JobProgressBar
 from arceus.sdk import ApiError, ArceusClient
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from arceus.devcluster.cluster import LocalCluster
-from arceus.progress import JobProgressBar
+from arceus.progress_bar import JobProgressBar
 
 DEMO_JOB: dict[str, Any] = {
     "name": "digits-mlp-3-stages",

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arceus.data import epoch_batches, load_dataset, validate_dataset_config  # noqa: E402
 from arceus.model.build import build_full_model  # noqa: E402
-from arceus.model.spec import model_spec_from_config  # noqa: E402
+from arceus.model.registry import model_spec_from_config  # noqa: E402
 from arceus.training.driver import train  # noqa: E402
 from arceus.training.plan import (  # noqa: E402
     StageEndpoint,

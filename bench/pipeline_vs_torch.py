@@ -45,7 +45,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from arceus.data import epoch_batches, load_dataset, validate_dataset_config  # noqa: E402
 from arceus.data.text import text_vocabulary  # noqa: E402
 from arceus.model.build import build_full_model, build_layers  # noqa: E402
-from arceus.model.spec import model_spec_from_config  # noqa: E402
+from arceus.model.registry import model_spec_from_config  # noqa: E402
 from arceus.training.driver import train  # noqa: E402
 from arceus.training.plan import (  # noqa: E402
     StageEndpoint,

@@ -27,7 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arceus.devcluster.shaper import ShaperThread  # noqa: E402
-from arceus.model.spec import model_spec_from_config  # noqa: E402
+from arceus.model.registry import model_spec_from_config  # noqa: E402
 from arceus.training.driver import train  # noqa: E402
 from arceus.training.plan import StageEndpoint, StepProgress, TrainPlan, max_micro_batch_size  # noqa: E402
 from bench.clock import Clock  # noqa: E402

@@ -201,7 +201,7 @@ ARCEUS_LEDGER_ROLLUP_INTERVAL_SECONDS = float(os.environ.get("ARCEUS_LEDGER_ROLL
 # The job detail thins its loss curve to at most this many points.
 ARCEUS_LOSS_CURVE_MAX_POINTS = int(os.environ.get("ARCEUS_LOSS_CURVE_MAX_POINTS", "1000"))
 
-# --- Celery (read by tasks/celery.py with namespace CELERY) ---------------------------------------
+# --- Celery (read by controlplane/celery.py with namespace CELERY) ---------------------------------------
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 CELERY_BROKER_URL = REDIS_URL
 CELERY_RESULT_BACKEND = REDIS_URL

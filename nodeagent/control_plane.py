@@ -18,11 +18,11 @@ import requests
 import torch
 
 from arceus.checkpoint import decode_checkpoint
+from arceus.contracts.assignment import Assignment, CheckpointRef
+from arceus.contracts.observed import ObservedStage
 from arceus.errors import SpecError
 from nodeagent.agent import Agent
-from nodeagent.assignment import Assignment, CheckpointRef
 from nodeagent.host_load import HostLoad
-from nodeagent.registry import ObservedStage
 
 log = logging.getLogger(__name__)
 

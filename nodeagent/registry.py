@@ -10,35 +10,18 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
 
 import grpc
 import torch
 
+from arceus.contracts.assignment import Assignment
+from arceus.contracts.observed import ObservedStage
 from arceus.v1 import stage_pb2
-from nodeagent.assignment import Assignment
 from nodeagent.stage import CheckpointLoader, HostedStage, build_hosted_stage
 from nodeagent.status import RpcFailure
 from nodeagent.tensor_parallel import TensorParallelGroups, stage_group
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class ObservedStage:
-    stage_id: str
-    generation: int
-    state: Literal["ready", "failed"]
-    message: str = ""
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "stage_id": self.stage_id,
-            "generation": self.generation,
-            "state": self.state,
-            "message": self.message,
-        }
 
 
 class StageRegistry:

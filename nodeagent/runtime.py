@@ -20,10 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from arceus.checkpoint import OPTIMIZER_PREFIX
+from arceus.contracts.assignment import OptimizerConfig
 from arceus.model.build import named_global_parameters
 from arceus.model.layout import TensorLayout
 from arceus.model.precision import autocast
-from nodeagent.assignment import OptimizerConfig
 
 MicroBatchKey = tuple[int, int]  # (step, micro_batch)
 # What each optimizer keeps per parameter once it has stepped (plain SGD keeps nothing).

@@ -10,14 +10,13 @@ from typing import TYPE_CHECKING
 import grpc
 import torch
 
+from arceus.contracts.assignment import Assignment, CheckpointRef
 from arceus.model.build import build_layers
-from arceus.model.gpt_spec import GPTSpec
 from arceus.model.layout import TensorLayout
 from arceus.model.tensor_parallel import build_parallel_layers, slice_state_tensors
 from arceus.v1 import stage_pb2
 from arceus.wire.push_stream import PushStream
 from arceus.wire.transfer import TransferEncoder
-from nodeagent.assignment import Assignment, CheckpointRef
 from nodeagent.lending import LendingGauge
 from nodeagent.mailbox import Mailbox
 from nodeagent.runtime import StageRuntime
@@ -153,7 +152,7 @@ def build_hosted_stage(
     spec = assignment.spec
     if tensor_parallel is None:
         layers = build_layers(spec, assignment.layer_start, assignment.layer_end, assignment.seed)
-    elif isinstance(spec, GPTSpec):
+    else:
         layers = build_parallel_layers(
             spec,
             assignment.layer_start,
@@ -162,8 +161,6 @@ def build_hosted_stage(
             tensor_parallel.shard,
             tensor_parallel.all_reduce,
         )
-    else:
-        raise ValueError("only a transformer's stage can be tensor-parallel")
     runtime = StageRuntime(
         layers,
         optimizer=assignment.optimizer,
@@ -178,7 +175,7 @@ def build_hosted_stage(
         if load_checkpoint is None:
             raise ValueError(f"{assignment.stage_id} resumes from a checkpoint, but this agent cannot fetch one")
         tensors = load_checkpoint(assignment.checkpoint)  # a checkpoint is always of the unsplit stage
-        if tensor_parallel is not None and isinstance(spec, GPTSpec):
+        if tensor_parallel is not None:
             tensors = slice_state_tensors(spec, tensor_parallel.shard, tensors)
         runtime.load_state_tensors(tensors)
     return HostedStage(assignment, runtime, max_message_bytes=max_message_bytes, tensor_parallel=tensor_parallel)

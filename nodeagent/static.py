@@ -14,8 +14,8 @@ from typing import Any
 import torch
 
 from arceus.checkpoint import decode_checkpoint
+from arceus.contracts.assignment import Assignment, CheckpointRef
 from arceus.errors import SpecError
-from nodeagent.assignment import Assignment, CheckpointRef
 
 
 def load_static_assignments(path: Path) -> list[Assignment]:

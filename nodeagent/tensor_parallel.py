@@ -1,7 +1,7 @@
 """The all-reduce of a tensor-parallel stage over gRPC: this agent's rank, channels to its peers, and a
 mailbox for the partial sums they push (`TensorParallelService.PushPartial`).
 
-The torch side (`arceus.model.tensor_parallel`) only sees `TensorParallelGroup.all_reduce`. Every
+The torch side (`arceus.model.sharding`) only sees `TensorParallelGroup.all_reduce`. Every
 all-reduce is keyed by (step, micro_batch, op): the step executor names the micro-batch around its
 forward and backward (`group.micro_batch(...)`), and `op` counts that micro-batch's all-reduces, which
 every rank runs in the same order because every rank runs the same code on the same schedule.
@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from arceus.model.gpt_spec import GPTSpec
+from arceus.contracts.assignment import Assignment
 from arceus.model.layout import TensorLayout
-from arceus.model.tensor_parallel import Shard
+from arceus.model.sharding import Shard
+from arceus.model.tensor_parallel import reduced_layout
 from arceus.v1 import stage_pb2, tensor_parallel_pb2, tensor_parallel_pb2_grpc
 from arceus.wire import codec
 from arceus.wire.proto_tensor import from_proto, to_proto
-from nodeagent.assignment import Assignment
 from nodeagent.mailbox import Mailbox, MailboxCancelled, MailboxClosed, MailboxFull, MailboxTimeout
 from nodeagent.stage import grpc_channel_options
 from nodeagent.status import RpcFailure, neighbour_failure_code
@@ -200,18 +200,16 @@ class TensorParallelGroup:
 
 def stage_group(assignment: Assignment, *, max_message_bytes: int) -> TensorParallelGroup | None:
     """The group of a tensor-parallel stage's assignment (None for a one-agent stage)."""
-    config, spec = assignment.tensor_parallel, assignment.spec
+    config = assignment.tensor_parallel
     if config is None:
         return None
-    if not isinstance(spec, GPTSpec):  # the assignment's validation refuses this already
-        raise ValueError("only a transformer's stage can be tensor-parallel")
     return TensorParallelGroup(
         job_id=assignment.job_id,
         stage_index=assignment.stage_index,
         generation=assignment.generation,
         rank=config.rank,
         peers=config.peers,
-        layout=spec.output_layout(1),  # what is reduced: a block's [block_size, d_model] hidden states
+        layout=reduced_layout(assignment.spec),
         micro_batches=assignment.micro_batches,
         max_micro_batch_size=assignment.max_micro_batch_size,
         max_message_bytes=max_message_bytes,

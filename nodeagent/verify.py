@@ -10,7 +10,7 @@ import torch
 
 from arceus.model.build import build_layers, named_global_parameters
 from arceus.model.precision import autocast
-from arceus.model.spec import model_spec_from_config
+from arceus.model.registry import model_spec_from_config
 
 
 @dataclass

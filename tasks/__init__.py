@@ -1,5 +1,2 @@
-"""Celery tasks for Arceus; `celery -A tasks` finds the app here."""
-
-from tasks.celery import app
-
-__all__ = ["app"]
+"""Celery task modules: each task is thin, takes ids, and calls one control-plane function. The app is
+`controlplane.celery` (`celery -A controlplane.celery worker -Q control`)."""

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 
-from controlplane.jobs.executor import reconcile_once
-from tasks.celery import app
+from controlplane.celery import app
+from controlplane.controller.executor import reconcile_once
 
 log = logging.getLogger(__name__)
 
@@ -13,7 +13,7 @@ log = logging.getLogger(__name__)
 @app.task(name="arceus.reconcile", ignore_result=True)
 def reconcile() -> None:
     # No lock: two passes at once are safe because every write is checked against the generation the
-    # pass saw (see controlplane/jobs/executor.py).
+    # pass saw (see controlplane/controller/executor.py).
     report = reconcile_once()
     if report.applied or report.skipped:
         log.info("reconcile: %s", report)

@@ -7,8 +7,8 @@ import logging
 
 from django.utils import timezone
 
+from controlplane.celery import app
 from controlplane.market.services import ROLLUP_WINDOW, ledger_rollup, prices_reprice
-from tasks.celery import app
 
 log = logging.getLogger(__name__)
 

@@ -17,11 +17,13 @@ class DatasetInfo:
     name: str
     features: int
     classes: int
+    # The samples are images of (channels, height, width), flattened row by row into `features`.
+    image_shape: tuple[int, int, int]
 
 
 DATASETS: dict[str, DatasetInfo] = {
-    "digits": DatasetInfo("digits", features=64, classes=10),
-    "MNIST": DatasetInfo("MNIST", features=784, classes=10),
+    "digits": DatasetInfo("digits", features=64, classes=10, image_shape=(1, 8, 8)),
+    "MNIST": DatasetInfo("MNIST", features=784, classes=10, image_shape=(1, 28, 28)),
 }
 MNIST_FILES = (
     "train-images-idx3-ubyte",

@@ -17,8 +17,8 @@ from typing import Any, Protocol
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from arceus.errors import SpecError
-from arceus.model.gpt_spec import VOCABS
 
+VOCABS = ("char", "bpe")  # how a text becomes tokens: its characters, or byte-level BPE
 TRAIN_FRACTION = 0.9
 BPE_MIN_VOCAB = 257  # the 256 byte tokens and at least one merge
 BPE_MAX_VOCAB = 65536

@@ -113,7 +113,7 @@ class LocalCluster:
             sys.executable, "-m", "gunicorn", "controlplane.wsgi", "--bind", f"127.0.0.1:{port}",
             "--workers", "2", "--threads", "4", "--timeout", "60"]
         self.web = self.relaunch("web")
-        celery = [sys.executable, "-m", "celery", "-A", "tasks"]
+        celery = [sys.executable, "-m", "celery", "-A", "controlplane.celery"]
         self._commands["worker-control"] = [
             *celery, "worker", "-Q", "control", "-c", "1", "-n", "control@%h", "--loglevel", "INFO"]
         self._commands["worker-training"] = [

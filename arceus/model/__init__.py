@@ -1,1 +1,2 @@
-"""Declarative model specs (torch-free) and the torch builders that turn them into stage modules."""
+"""Models: declarative specs (torch-free), a registry of architectures (`registry.py`), and one folder per
+architecture holding its spec, layers, tensor-parallel layers and dataset fitting."""

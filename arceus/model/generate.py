@@ -1,16 +1,16 @@
-"""Sample text from a trained GPT (single process): the model, its weights as the pipeline names them
+"""Sample text from a trained text model (single process): the model, its weights as the pipeline names them
 ("layers.<i>...."), and the tokenizer of the text it trained on."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from arceus.data.tokenizer import TextTokenizer
 from arceus.model.build import build_full_model
-from arceus.model.gpt_spec import GPTSpec
-from arceus.model.spec import model_spec_from_config
+from arceus.model.registry import architecture_of, model_spec_from_config, text_writers
+from arceus.model.spec import TextModelSpec
 
 
 @torch.no_grad()
@@ -46,11 +46,12 @@ def sample_text(
     temperature: float = 1.0,
     seed: int = 0,
 ) -> str:
-    """`prompt` followed by `length` sampled tokens; ValueError if the model is no GPT of this tokenizer's
-    size, or the prompt cannot be encoded."""
+    """`prompt` followed by `length` sampled tokens; ValueError if the model is no text model of this
+    tokenizer's size, or the prompt cannot be encoded."""
     spec = model_spec_from_config(model_config)
-    if not isinstance(spec, GPTSpec):
-        raise ValueError("only a transformer model generates text")
+    if not architecture_of(spec).writes_text:
+        raise ValueError(f"only a {' or '.join(text_writers())} model generates text")
+    spec = cast(TextModelSpec, spec)
     if spec.vocab_size != tokenizer.vocab_size:
         raise ValueError(f"the model has {spec.vocab_size} tokens but the tokenizer {tokenizer.vocab_size}")
     model = build_full_model(spec, seed=0)

@@ -1,127 +1,60 @@
-"""Declarative, torch-free model specs: the only thing a contributor builds its stage from.
+"""What every model spec answers, whatever its architecture: torch-free sizes, costs and boundary layouts.
 
-A spec answers the questions the partitioner and the agents ask (how many layers, how big each is,
-what shape flows between them) without importing torch, so the control plane can use it.
+A spec is declarative: the only thing a contributor builds its stage from. The partitioner, the placement
+solver, the agents' input checks and the ledger read these answers; none of them asks which architecture
+a spec is (the registry, `arceus.model.registry`, is the one place that maps a model type to its code).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Protocol, runtime_checkable
 
-from arceus.errors import SpecError
-from arceus.model.gpt_spec import GPTSpec, gpt_from_config
 from arceus.model.layout import TensorLayout
 
-MAX_LAYER_WIDTH = 1_000_000
-ACTIVATIONS = ("relu", "gelu", "tanh")
-_MLP_KEYS = frozenset({"type", "layer_sizes", "activation"})
 
-
-@dataclass(frozen=True)
-class MLPSpec:
-    """A stack of Linear layers; every layer but the last is followed by the activation.
-
-    `layer_sizes` [64, 128, 10] means two layers: Linear(64→128)+act, Linear(128→10).
-    """
-
-    layer_sizes: tuple[int, ...]
-    activation: str = "relu"
+@runtime_checkable
+class ModelSpec(Protocol):
+    @property
+    def type(self) -> str:
+        """The `model_config.type` this spec was parsed from (its registry key)."""
+        ...
 
     @property
     def num_layers(self) -> int:
-        return len(self.layer_sizes) - 1
-
-    @property
-    def input_features(self) -> int:
-        return self.layer_sizes[0]
-
-    @property
-    def output_features(self) -> int:
-        return self.layer_sizes[-1]
+        """Pipeline layers: the units stages are cut between."""
+        ...
 
     def layer_params(self) -> list[int]:
-        """Parameters (weight + bias) of each layer."""
-        return [i * o + o for i, o in self._pairs()]
+        """Parameters of each layer."""
+        ...
 
     def layer_flops_per_sample(self) -> list[int]:
-        """Forward FLOPs per sample of each layer: 2·in·out (one multiply and one add per weight).
-
-        Bias and activation are ignored (O(out), negligible). Backward costs about twice the forward.
-        """
-        return [2 * i * o for i, o in self._pairs()]
-
-    def layer_input_features(self) -> list[int]:
-        return list(self.layer_sizes[:-1])
-
-    def layer_output_features(self) -> list[int]:
-        return list(self.layer_sizes[1:])
-
-    @property
-    def num_classes(self) -> int:
-        return self.output_features
+        """Forward FLOPs per sample of each layer (a backward costs about twice as much)."""
+        ...
 
     def input_layout(self, layer: int) -> TensorLayout:
-        return TensorLayout("float32", (self.layer_sizes[layer],))
+        """One sample's tensor entering `layer` (layer 0: the dataset's inputs)."""
+        ...
 
     def output_layout(self, layer: int) -> TensorLayout:
-        return TensorLayout("float32", (self.layer_sizes[layer + 1],))
+        """One sample's tensor leaving `layer` (the last layer's: the logits)."""
+        ...
 
     def label_layout(self) -> TensorLayout:
-        """One class index per sample."""
-        return TensorLayout("int64", (), bound=self.num_classes)
+        """One sample's labels, as the last stage takes them."""
+        ...
 
-    def _pairs(self) -> list[tuple[int, int]]:
-        return list(zip(self.layer_sizes[:-1], self.layer_sizes[1:], strict=True))
-
-
-# Every model type the system knows. Each gives its layers' params, FLOPs per sample and the layout of
-# the tensor entering and leaving each layer, and the labels' layout.
-ModelSpec = MLPSpec | GPTSpec
+    def split_layers(self) -> frozenset[int]:
+        """The layers whose weights and compute a tensor-parallel group divides (empty: none can)."""
+        ...
 
 
-def model_spec_from_config(model_config: Any) -> ModelSpec:
-    """Validate a job's `model_config` and return its spec; raises SpecError naming the bad field."""
-    if not isinstance(model_config, dict):
-        raise SpecError("model_config", f"must be a JSON object, got {type(model_config).__name__}")
-    model_type = model_config.get("type", "mlp")
-    parsers = {"mlp": _mlp_from_config, "transformer": gpt_from_config}
-    if not isinstance(model_type, str) or model_type.lower() not in parsers:
-        raise SpecError(
-            "model_config.type",
-            f"unknown model type {model_type!r}; supported: {', '.join(sorted(parsers))}",
-        )
-    return parsers[model_type.lower()](model_config)
+@runtime_checkable
+class TextModelSpec(ModelSpec, Protocol):
+    """The spec of an architecture that `writes_text`: it reads and predicts tokens."""
 
+    @property
+    def vocab_size(self) -> int: ...
 
-def _mlp_from_config(config: dict[str, Any]) -> MLPSpec:
-    unknown = sorted(set(config) - _MLP_KEYS)
-    if unknown:
-        raise SpecError(
-            f"model_config.{unknown[0]}",
-            f"unknown key for an mlp; allowed keys: {', '.join(sorted(_MLP_KEYS))}",
-        )
-    if "layer_sizes" not in config:
-        raise SpecError(
-            "model_config.layer_sizes", "is required, e.g. [64, 128, 10] (input, hidden..., output)"
-        )
-    sizes = config["layer_sizes"]
-    field = "model_config.layer_sizes"
-    if not isinstance(sizes, list | tuple):
-        raise SpecError(field, f"must be a list of positive integers, got {type(sizes).__name__}")
-    if len(sizes) < 2:
-        raise SpecError(field, f"needs at least 2 entries (input and output), got {len(sizes)}")
-    for index, size in enumerate(sizes):
-        # bool is an int subclass; `true` in JSON is never a width.
-        if isinstance(size, bool) or not isinstance(size, int):
-            raise SpecError(f"{field}[{index}]", f"must be a positive integer, got {size!r}")
-        if size < 1:
-            raise SpecError(f"{field}[{index}]", f"must be at least 1, got {size}")
-        if size > MAX_LAYER_WIDTH:
-            raise SpecError(f"{field}[{index}]", f"must be at most {MAX_LAYER_WIDTH:,}, got {size:,}")
-    activation = config.get("activation", "relu")
-    if not isinstance(activation, str) or activation.lower() not in ACTIVATIONS:
-        raise SpecError(
-            "model_config.activation", f"must be one of {', '.join(ACTIVATIONS)}, got {activation!r}"
-        )
-    return MLPSpec(layer_sizes=tuple(sizes), activation=activation.lower())
+    @property
+    def block_size(self) -> int: ...

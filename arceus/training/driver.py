@@ -18,18 +18,18 @@ from dataclasses import dataclass, replace
 import grpc
 import torch
 
+from arceus.contracts.counters import StageCounters
 from arceus.data import epoch_batches, load_dataset, validate_dataset_config
-from arceus.model.gpt_spec import GPTSpec
-from arceus.model.spec import model_spec_from_config
+from arceus.errors import SpecError
+from arceus.model.registry import model_spec_from_config
 from arceus.model.tensor_parallel import gather_state_tensors
 from arceus.training.audit import Auditor
 from arceus.training.plan import (
     EpochResult,
     ProgressSink,
     SpotCheck,
-    StageCountersSnapshot,
     StageEndpoint,
-    StageState,
+    StageTensors,
     StepProgress,
     TrainPlan,
     TrainResult,
@@ -56,7 +56,7 @@ class StepOutcome:
     correct: int
     samples: int
     labels: int  # loss terms: one per sample, or one per position for a GPT
-    stages: list[StageCountersSnapshot]
+    stages: list[StageCounters]
     spot_checks: list[SpotCheck]
 
 
@@ -147,10 +147,10 @@ class Pipeline:
 
     def evaluate(
         self, x: torch.Tensor, y: torch.Tensor, batch_size: int
-    ) -> tuple[float, float, list[StageCountersSnapshot]]:
+    ) -> tuple[float, float, list[StageCounters]]:
         """(mean loss, accuracy, stage counters) over the whole validation set."""
         loss_sum, correct = 0.0, 0
-        stages: list[StageCountersSnapshot] = []
+        stages: list[StageCounters] = []
         for start in range(0, len(x), batch_size):
             outcome = self.step(x[start : start + batch_size], y[start : start + batch_size], train=False)
             loss_sum, correct, stages = loss_sum + outcome.loss_sum, correct + outcome.correct, outcome.stages
@@ -164,12 +164,12 @@ class Pipeline:
             named.update(self._stage_tensors(ranks, include_optimizer_state=False))
         return named
 
-    def states(self) -> list[StageState]:
+    def states(self) -> list[StageTensors]:
         """Every stage's weights and optimizer state, between steps (a coordinated checkpoint)."""
         states = []
         for ranks, endpoint in zip(self.ranks, self.plan.stages, strict=True):
             tensors = self._stage_tensors(ranks, include_optimizer_state=True)
-            states.append(StageState(endpoint.index, endpoint.layer_start, endpoint.layer_end, tensors))
+            states.append(StageTensors(endpoint.index, endpoint.layer_start, endpoint.layer_end, tensors))
         return states
 
     def _stage_tensors(self, ranks: list[StageClient], *, include_optimizer_state: bool) -> dict[str, torch.Tensor]:
@@ -184,10 +184,10 @@ class Pipeline:
                 raise _driver_error(client, what, exc) from exc
         if len(shards) == 1:
             return shards[0]
-        spec = model_spec_from_config(self.plan.model)
-        if not isinstance(spec, GPTSpec):
-            raise DriverError("only a transformer's stage can be tensor-parallel", stage_index=ranks[0].endpoint.index)
-        return gather_state_tensors(spec, shards)
+        try:
+            return gather_state_tensors(model_spec_from_config(self.plan.model), shards)
+        except SpecError as exc:  # the plan names a split stage of a model that cannot split
+            raise DriverError(f"{exc.field}: {exc.message}", stage_index=ranks[0].endpoint.index) from exc
 
     def close(self) -> None:
         for client in (c for ranks in self.ranks for c in ranks):  # a tensor-parallel stage's other ranks too
@@ -220,7 +220,7 @@ def train(plan: TrainPlan, sink: ProgressSink) -> TrainResult:
     if plan.max_steps is not None:
         total_steps = min(total_steps, plan.max_steps)
     step, final_loss, val_loss, val_accuracy = plan.start_step, math.nan, math.nan, math.nan
-    stages: list[StageCountersSnapshot] = []
+    stages: list[StageCounters] = []
     stopped = False
     # Resuming from the final checkpoint re-runs only the last validation (the driver died before it
     # could report the end).

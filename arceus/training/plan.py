@@ -8,6 +8,7 @@ from typing import Any, Protocol
 
 import torch
 
+from arceus.contracts.counters import StageCounters
 from arceus.errors import SpecError
 from arceus.model.precision import check_precision
 from arceus.pipeline.schedule import SCHEDULES
@@ -116,17 +117,6 @@ def max_micro_batch_size(dataset_config: dict[str, Any], micro_batches: int) -> 
     return math.ceil(largest / micro_batches)
 
 
-@dataclass
-class StageCountersSnapshot:
-    index: int
-    node_id: str
-    samples: int
-    micro_batches: int
-    compute_seconds: float
-    bytes_sent: int
-    bytes_received: int
-
-
 @dataclass(frozen=True)
 class SpotCheck:
     """The outcome of checking a node's work: a recomputed forward, or a receipt it signed."""
@@ -153,7 +143,7 @@ class StepProgress:
     total_steps: int
     loss: float
     samples_per_second: float
-    stages: list[StageCountersSnapshot] = field(default_factory=list)  # cumulative, after this step
+    stages: list[StageCounters] = field(default_factory=list)  # cumulative, after this step
     spot_checks: list[SpotCheck] = field(default_factory=list)  # of this step
 
 
@@ -162,11 +152,11 @@ class EpochResult:
     epoch: int
     val_loss: float
     val_accuracy: float
-    stages: list[StageCountersSnapshot]
+    stages: list[StageCounters]
 
 
 @dataclass
-class StageState:
+class StageTensors:
     """One stage's weights and optimizer state after `step` (checkpoint tensor names)."""
 
     index: int
@@ -180,7 +170,7 @@ class ProgressSink(Protocol):
 
     def on_epoch(self, r: EpochResult) -> None: ...
 
-    def on_checkpoint(self, step: int, epoch: int, stages: list[StageState]) -> None: ...
+    def on_checkpoint(self, step: int, epoch: int, stages: list[StageTensors]) -> None: ...
 
     def wants_checkpoint(self) -> bool:
         """True to have every stage's state saved before the next step (e.g. to hand a stage over)."""
@@ -196,4 +186,4 @@ class TrainResult:
     val_loss: float
     val_accuracy: float
     stopped: bool
-    stages: list[StageCountersSnapshot]
+    stages: list[StageCounters]

@@ -3,14 +3,14 @@ the driver without a control plane."""
 
 from __future__ import annotations
 
-from arceus.training.plan import EpochResult, StageState, StepProgress
+from arceus.training.plan import EpochResult, StageTensors, StepProgress
 
 
 class RecordingSink:
     def __init__(self) -> None:
         self.steps: list[StepProgress] = []
         self.epochs: list[EpochResult] = []
-        self.checkpoints: dict[int, list[StageState]] = {}  # step -> every stage's state
+        self.checkpoints: dict[int, list[StageTensors]] = {}  # step -> every stage's state
 
     def on_step(self, p: StepProgress) -> None:
         self.steps.append(p)
@@ -18,7 +18,7 @@ class RecordingSink:
     def on_epoch(self, r: EpochResult) -> None:
         self.epochs.append(r)
 
-    def on_checkpoint(self, step: int, epoch: int, stages: list[StageState]) -> None:
+    def on_checkpoint(self, step: int, epoch: int, stages: list[StageTensors]) -> None:
         self.checkpoints[step] = stages
 
     def wants_checkpoint(self) -> bool:

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from arceus.data import epoch_batches, load_dataset, validate_dataset_config
 from arceus.model.build import build_full_model
-from arceus.model.spec import model_spec_from_config
+from arceus.model.registry import model_spec_from_config
 
 
 @dataclass(frozen=True)

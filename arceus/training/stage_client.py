@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from arceus.training.plan import StageCountersSnapshot, StageEndpoint
+from arceus.contracts.counters import StageCounters
+from arceus.training.plan import StageEndpoint
 from arceus.v1 import stage_pb2, stage_pb2_grpc
 from arceus.wire import codec
 from arceus.wire.proto_tensor import from_proto, to_proto
@@ -110,8 +111,8 @@ class StageClient:
         reply = self._stub.VerifyForward(request, timeout=self.timeout)
         return from_proto(reply.output, max_bytes=MAX_MESSAGE_BYTES)
 
-    def snapshot(self, counters: stage_pb2.StageCounters) -> StageCountersSnapshot:
-        return StageCountersSnapshot(
+    def snapshot(self, counters: stage_pb2.StageCounters) -> StageCounters:
+        return StageCounters(
             index=self.endpoint.index,
             node_id=self.endpoint.node_id,
             samples=counters.samples,

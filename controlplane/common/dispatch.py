@@ -1,7 +1,7 @@
 """Enqueue Celery tasks once the current transaction commits, by task name.
 
 By name (`send_task`), so the control plane depends only on the Celery app's configuration in
-`tasks.celery`, never on the task modules, which import the control plane's services. The queue comes
+`controlplane.celery`, never on the task modules, which import the control plane's services. The queue comes
 from the app's task routes. Enqueueing is best effort: the periodic resync recomputes everything from
 the database, so a lost message only costs one reconcile interval.
 """
@@ -12,7 +12,7 @@ from typing import Any
 
 from django.db import transaction
 
-from tasks.celery import app
+from controlplane.celery import app
 
 RECONCILE_TASK = "arceus.reconcile"
 TRAIN_JOB_TASK = "arceus.train_job"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import uuid
+from enum import StrEnum
 
 from django.db import models
 
@@ -13,3 +14,8 @@ class BaseModel(models.Model):
 
     class Meta:
         abstract = True
+
+
+def enum_choices(enum: type[StrEnum]) -> list[tuple[str, str]]:
+    """A contracts enum as a field's choices, labelled as Django's TextChoices would label them."""
+    return [(member.value, member.name.replace("_", " ").title()) for member in enum]

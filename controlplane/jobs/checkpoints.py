@@ -21,8 +21,9 @@ from django.db import transaction
 from django.db.models import Max, QuerySet
 
 from arceus.checkpoint import OPTIMIZER_PREFIX, checkpoint_digest, decode_checkpoint, encode_checkpoint
+from arceus.contracts.status import JobStatus
 from controlplane.common.errors import ApplicationError
-from controlplane.jobs.models import Checkpoint, Job, JobStatus, Stage, StageCheckpoint, checkpoint_storage
+from controlplane.jobs.models import Checkpoint, Job, Stage, StageCheckpoint, checkpoint_storage
 
 log = logging.getLogger(__name__)
 # Checkpoints kept per job besides the one its stages resume from and those a rollback could need

@@ -9,11 +9,11 @@ from typing import Any
 from arceus.data import load_dataset
 from arceus.placement.solver import PlacementError, solve
 from controlplane.common.conditions import TRUE
+from controlplane.controller.placement import layer_profiles, requirements, tensor_parallel_split, workload
+from controlplane.controller.plan import stage_bounds
+from controlplane.controller.snapshot import node_views, registered_nodes
 from controlplane.jobs.models import Stage
-from controlplane.jobs.placement import layer_profiles, requirements, tensor_parallel_split, workload
-from controlplane.jobs.reconcile import stage_bounds
 from controlplane.jobs.services import job_validate
-from controlplane.jobs.snapshot import node_views, registered_nodes
 
 
 def job_estimate(

@@ -7,7 +7,10 @@ from django.core.files.storage import Storage, storages
 from django.db import models
 from django.db.models import Q
 
-from controlplane.common.models import BaseModel
+from arceus.contracts.observed import ObservedState
+from arceus.contracts.stage_key import stage_key
+from arceus.contracts.status import JobStatus
+from controlplane.common.models import BaseModel, enum_choices
 from controlplane.nodes.models import Node
 
 
@@ -16,21 +19,6 @@ def checkpoint_storage() -> Storage:
     return storages["checkpoints"]
 
 
-class JobStatus(models.TextChoices):
-    CREATED = "created"  # submitted, not started
-    QUEUED = "queued"  # waiting for the reconciler to place it
-    PLACING = "placing"  # stages assigned; waiting for every agent to report them ready
-    PENDING = "pending"  # a stage lost its node and no Ready node has room for it yet
-    RUNNING = "running"  # a training driver runs it
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
-    CANCELLED = "cancelled"
-
-
-ACTIVE_STATUSES = (JobStatus.PLACING, JobStatus.PENDING, JobStatus.RUNNING)  # the job holds nodes
-HOSTED_STATUSES = (JobStatus.PLACING, JobStatus.RUNNING)  # agents host its stages (pending: not all placed)
-TERMINAL_STATUSES = (JobStatus.SUCCEEDED, JobStatus.FAILED, JobStatus.CANCELLED)
-STARTABLE_STATUSES = (JobStatus.CREATED, JobStatus.FAILED, JobStatus.CANCELLED)
 DEFAULT_AUDIT_RATE = 0.05
 
 
@@ -56,7 +44,9 @@ class Precision(models.TextChoices):
 class Job(BaseModel):
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="jobs")
     name = models.CharField(max_length=200)
-    status = models.CharField(max_length=16, choices=JobStatus, default=JobStatus.CREATED, db_index=True)
+    status = models.CharField(
+        max_length=16, choices=enum_choices(JobStatus), default=JobStatus.CREATED, db_index=True
+    )
     # The request, validated and normalised at submit.
     model_config = models.JSONField()
     dataset_config = models.JSONField()
@@ -139,12 +129,6 @@ class Job(BaseModel):
         return f"{self.name} ({self.id})"
 
 
-class StageState(models.TextChoices):
-    PENDING = "pending"
-    READY = "ready"
-    FAILED = "failed"
-
-
 class Stage(BaseModel):
     """One node's part of a pipeline stage of a job: a layer range on a node (desired) and what its agent
     reports (observed). A tensor-parallel stage has one row per rank (0, 1, ...), each on its own node;
@@ -161,7 +145,9 @@ class Stage(BaseModel):
     # True while the job is placing or running, i.e. while the stage occupies its node.
     active = models.BooleanField(default=True)
     observed_generation = models.BigIntegerField(null=True, blank=True)
-    observed_state = models.CharField(max_length=8, choices=StageState, default=StageState.PENDING)
+    observed_state = models.CharField(
+        max_length=8, choices=enum_choices(ObservedState), default=ObservedState.PENDING
+    )
     observed_message = models.TextField(blank=True)
     samples = models.BigIntegerField(default=0)
     micro_batches = models.BigIntegerField(default=0)
@@ -184,11 +170,6 @@ class Stage(BaseModel):
     @property
     def stage_id(self) -> str:
         return stage_key(self.job_id, self.index, self.rank)
-
-
-def stage_key(job_id: object, index: int, rank: int = 0) -> str:
-    """A stage's id, as its agents know it; a tensor-parallel stage's rank 0 is the stage's own."""
-    return f"{job_id}-stage-{index}" + (f"-rank-{rank}" if rank else "")
 
 
 class StageContribution(BaseModel):

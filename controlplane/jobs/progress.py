@@ -1,8 +1,8 @@
-"""Services the training driver calls: claim the driver lease, record progress, finish.
+"""What the training driver records: steps, epochs, the stages' work counters (as contributions and
+priced ledger entries), and the end.
 
-Every write is guarded by the lease (status running and `driver_lease_owner` = the caller), so a driver
-that lost its lease, or whose job was cancelled, learns it from a False return and stops; and each
-progress write renews the lease.
+Every write is guarded by the driver lease (`controlplane.controller.leases`), so a driver that lost its
+lease, or whose job was cancelled, learns it from a False return and stops; each write renews the lease.
 """
 
 from __future__ import annotations
@@ -11,19 +11,21 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
-from django.conf import settings
 from django.db import transaction
-from django.db.models import Q, QuerySet
 
+from arceus.contracts.counters import StageCounters
 from arceus.errors import SpecError
-from arceus.model.spec import GPTSpec, model_spec_from_config
-from controlplane.common.conditions import FALSE, TRUE, Condition, set_conditions
-from controlplane.common.dispatch import reconcile_soon
-from controlplane.jobs.models import EpochMetric, Job, JobStatus, LossPoint, Stage, StageContribution
-from controlplane.market.services import WorkCounters, ledger_record_work
+from arceus.model.registry import model_spec_from_config
+from controlplane.controller.leases import held, lease_end
+from controlplane.controller.transitions import job_succeed
+from controlplane.jobs.models import EpochMetric, LossPoint, Stage, StageContribution
+from controlplane.market.services import ledger_record_work
+
+# The work a stage's agent counts, as stage rows, contributions and ledger entries store it.
+COUNTER_FIELDS = ("samples", "micro_batches", "compute_seconds", "bytes_sent", "bytes_received")
 
 
 @dataclass(frozen=True)
@@ -33,69 +35,6 @@ class StepPoint:
     total_steps: int
     loss: float
     samples_per_second: float
-
-
-@dataclass(frozen=True)
-class StageCounters:
-    index: int
-    samples: int
-    micro_batches: int
-    compute_seconds: float
-    bytes_sent: int
-    bytes_received: int
-    node_id: str = ""  # which rank's of a tensor-parallel stage; "": the stage's (its rank 0's)
-
-
-def job_driver_claim(*, job_id: Any, owner: str, now: datetime) -> Job | None:
-    """Take the driver lease of a running job in one UPDATE; None if another live driver holds it (or
-    the job is not running). Claimable: a pending start (no owner yet) or an expired lease."""
-    claimed = (
-        Job.objects.filter(pk=job_id, status=JobStatus.RUNNING)
-        .filter(Q(driver_lease_owner="") | Q(driver_lease_expires_at__isnull=True) | Q(driver_lease_expires_at__lt=now))
-        .update(driver_lease_owner=owner, driver_lease_expires_at=_lease_end(now))
-    )
-    return Job.objects.get(pk=job_id) if claimed else None
-
-
-def job_driver_renew(*, job_id: Any, owner: str, now: datetime) -> bool:
-    """Extend the caller's driver lease; False if it no longer holds it (cancelled, rewound, taken over)."""
-    return bool(_held(job_id, owner).update(driver_lease_expires_at=_lease_end(now)))
-
-
-def job_handover_requested(*, job_id: Any) -> bool:
-    """Whether a node of the job drains and the driver should checkpoint and hand over (the driver asks
-    at its progress writes: a checkpoint can only be taken between steps anyway)."""
-    return Job.objects.filter(pk=job_id, handover_requested=True).exists()
-
-
-@transaction.atomic
-def job_driver_handover(*, job_id: Any, owner: str, step: int, now: datetime) -> bool:
-    """After the checkpoint of `step`, let go of the lease (claimed, expired) so the reconciler moves the
-    draining stages and resumes from that checkpoint; False without the lease."""
-    job = _held(job_id, owner).select_for_update().first()
-    if job is None:
-        return False
-    job.driver_lease_expires_at = now
-    message = f"checkpointed step {step} to hand back the stages of a paused node"
-    job.conditions = set_conditions(job.conditions, Condition("Training", FALSE, "HandedOver", message), now=now)
-    job.save(update_fields=["driver_lease_expires_at", "conditions"])
-    reconcile_soon()
-    return True
-
-
-@transaction.atomic
-def job_driver_interrupted(*, job_id: Any, owner: str, message: str, now: datetime) -> bool:
-    """The driver hit a stage error it cannot train through: give the lease up at once (keeping its
-    owner, so the reconciler sees a claimed lease that expired) and say why; the reconciler then rewinds
-    the job to its last checkpoint, moving stages whose node is lost. False without the lease."""
-    job = _held(job_id, owner).select_for_update().first()
-    if job is None:
-        return False
-    job.driver_lease_expires_at = now
-    job.conditions = set_conditions(job.conditions, Condition("Training", FALSE, "DriverInterrupted", message), now=now)
-    job.save(update_fields=["driver_lease_expires_at", "conditions"])
-    reconcile_soon()
-    return True
 
 
 @transaction.atomic
@@ -110,7 +49,7 @@ def job_record_steps(
     """Record a batch of training steps (the newest becomes the job's progress) and the stages' latest
     counters, and renew the lease; with no points it only renews. False if the caller no longer holds
     the lease."""
-    fields: dict[str, Any] = {"driver_lease_expires_at": _lease_end(now)}
+    fields: dict[str, Any] = {"driver_lease_expires_at": lease_end(now)}
     if points:
         last = points[-1]
         fields.update(
@@ -120,7 +59,7 @@ def job_record_steps(
             last_loss=_finite(last.loss),
             samples_per_second=_finite(last.samples_per_second),
         )
-    if not _held(job_id, lease_owner).update(**fields):
+    if not held(job_id, lease_owner).update(**fields):
         return False
     # Upsert: a restarted driver replays steps it recorded before.
     LossPoint.objects.bulk_create(
@@ -154,12 +93,12 @@ def job_record_epoch(
     now: datetime,
 ) -> bool:
     """Record an epoch's validation and the stages' cumulative counters; False without the lease."""
-    held = _held(job_id, lease_owner).update(
+    recorded = held(job_id, lease_owner).update(
         val_loss=_finite(val_loss),
         val_accuracy=_finite(val_accuracy),
-        driver_lease_expires_at=_lease_end(now),
+        driver_lease_expires_at=lease_end(now),
     )
-    if not held:
+    if not recorded:
         return False
     EpochMetric.objects.update_or_create(
         job_id=job_id,
@@ -182,31 +121,15 @@ def job_finish(
     now: datetime,
 ) -> bool:
     """Mark the job succeeded and release its nodes; False if the caller no longer holds the lease."""
-    job = _held(job_id, lease_owner).select_for_update().first()
+    job = held(job_id, lease_owner).select_for_update().first()
     if job is None:
         return False
     accuracy = _finite(val_accuracy)
     summary = f"trained {job.step} steps" + (f", val accuracy {accuracy:.4f}" if accuracy is not None else "")
-    job.status = JobStatus.SUCCEEDED
-    job.generation += 1
     job.final_loss, job.val_loss, job.val_accuracy = _finite(final_loss), _finite(val_loss), accuracy
-    job.conditions = set_conditions(
-        job.conditions,
-        Condition("Training", FALSE, "Completed", summary),
-        Condition("Succeeded", TRUE, "Completed", summary),
-        now=now,
-    )
-    job.finished_at = now
-    job.driver_lease_owner, job.driver_lease_expires_at = "", None
-    job.save()
     _record_counters(job_id, stages)
-    Stage.objects.filter(job_id=job_id).update(active=False)
-    reconcile_soon()  # the freed nodes may let a queued job in
+    job_succeed(job, summary=summary, now=now)
     return True
-
-
-def _held(job_id: Any, lease_owner: str) -> QuerySet[Job]:
-    return Job.objects.filter(pk=job_id, status=JobStatus.RUNNING, driver_lease_owner=lease_owner)
 
 
 def _record_counters(job_id: Any, stages: Sequence[StageCounters]) -> None:
@@ -220,13 +143,7 @@ def _record_counters(job_id: Any, stages: Sequence[StageCounters]) -> None:
     ranks = Counter(s.index for s in rows)
     contributions = []
     for s in stages:
-        counters = {
-            "samples": s.samples,
-            "micro_batches": s.micro_batches,
-            "compute_seconds": s.compute_seconds,
-            "bytes_sent": s.bytes_sent,
-            "bytes_received": s.bytes_received,
-        }
+        counters = {name: getattr(s, name) for name in COUNTER_FIELDS}
         stage = placed.get((s.index, s.node_id))
         if stage is None or stage.node is None:
             continue
@@ -238,17 +155,16 @@ def _record_counters(job_id: Any, stages: Sequence[StageCounters]) -> None:
         )
         ledger_record_work(
             job_id=job_id,
-            stage_index=s.index,
             generation=stage.generation,
             node=stage.node,
-            counters=WorkCounters(**counters),
+            counters=s,
             flops_per_sample=_stage_flops_per_sample(stage, ranks[stage.index]),
         )
     StageContribution.objects.bulk_create(
         contributions,
         update_conflicts=True,
         unique_fields=["job", "stage_index", "generation", "node"],
-        update_fields=["samples", "micro_batches", "compute_seconds", "bytes_sent", "bytes_received", "updated_at"],
+        update_fields=[*COUNTER_FIELDS, "updated_at"],
     )
 
 
@@ -260,12 +176,8 @@ def _stage_flops_per_sample(stage: Stage, ranks: int) -> float:
     except SpecError:
         return 0.0  # validated at submit; a model the library no longer accepts is not billed by FLOPs
     costs = spec.layer_flops_per_sample()
-    split = range(1, spec.n_layer + 1) if isinstance(spec, GPTSpec) else range(0)
+    split = spec.split_layers()
     return float(sum(costs[i] / (ranks if i in split else 1) for i in range(stage.layer_start, stage.layer_end)))
-
-
-def _lease_end(now: datetime) -> datetime:
-    return now + timedelta(seconds=settings.ARCEUS_DRIVER_LEASE_SECONDS)
 
 
 def _finite(value: float | None) -> float | None:

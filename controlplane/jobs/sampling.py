@@ -7,8 +7,7 @@ from dataclasses import dataclass
 from arceus.data.text import dataset_tokenizer
 from arceus.errors import SpecError
 from arceus.model.generate import sample_text
-from arceus.model.gpt_spec import GPTSpec
-from arceus.model.spec import model_spec_from_config
+from arceus.model.registry import architecture_of, model_spec_from_config, text_writers
 from controlplane.common.errors import ApplicationError
 from controlplane.jobs.checkpoints import job_model_weights
 from controlplane.jobs.models import Job
@@ -23,8 +22,11 @@ class JobSample:
 def job_sample(*, job: Job, prompt: str, length: int, temperature: float, seed: int) -> JobSample:
     """Continue `prompt` by `length` tokens (temperature 0: always the likeliest one), with the tokenizer of
     the job's training text (its characters, or the BPE trained on it)."""
-    if not isinstance(model_spec_from_config(job.model_config), GPTSpec):
-        raise ApplicationError.conflict(f"job {job.id} trains an MLP; only a transformer job generates text")
+    spec = model_spec_from_config(job.model_config)
+    if not architecture_of(spec).writes_text:
+        raise ApplicationError.conflict(
+            f"job {job.id} trains a {spec.type} model; only a {' or '.join(text_writers())} job generates text"
+        )
     weights, checkpoint = job_model_weights(job=job)
     try:
         tokenizer = dataset_tokenizer(job.dataset_config)

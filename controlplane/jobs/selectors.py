@@ -11,8 +11,9 @@ from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import F, Q, QuerySet, Sum
 
+from arceus.contracts.status import HOSTED_STATUSES
 from controlplane.common.errors import ApplicationError
-from controlplane.jobs.models import HOSTED_STATUSES, Job, LossPoint, Stage, StageCheckpoint, StageContribution
+from controlplane.jobs.models import Job, LossPoint, Stage, StageCheckpoint, StageContribution
 from controlplane.nodes.models import Node
 
 

@@ -2,39 +2,17 @@
 
 from __future__ import annotations
 
-import re
-import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass
 
-from controlplane.jobs.models import Stage, StageState
+from arceus.contracts.observed import ObservedStage, ObservedState
+from arceus.contracts.stage_key import parse_stage_key
+from controlplane.jobs.models import Stage
 from controlplane.nodes.models import Node
 
-_STAGE_KEY = re.compile(r"^(?P<job>[0-9a-fA-F-]{36})-stage-(?P<index>\d+)(?:-rank-(?P<rank>[1-9]\d*))?$")
 MAX_MESSAGE_CHARS = 2000
 
 
-@dataclass(frozen=True)
-class StageReport:
-    stage_id: str
-    generation: int
-    state: str  # StageState.READY or StageState.FAILED
-    message: str = ""
-
-
-def parse_stage_key(stage_id: str) -> tuple[uuid.UUID, int, int] | None:
-    """`"<job uuid>-stage-<index>"` → (job id, index, 0), `"...-stage-<index>-rank-<rank>"` → (job id,
-    index, rank) (models.stage_key); None for anything else."""
-    match = _STAGE_KEY.match(stage_id)
-    if match is None:
-        return None
-    try:
-        return uuid.UUID(match["job"]), int(match["index"]), int(match["rank"] or 0)
-    except ValueError:
-        return None
-
-
-def stages_record_observed(*, node: Node, reports: Sequence[StageReport]) -> bool:
+def stages_record_observed(*, node: Node, reports: Sequence[ObservedStage]) -> bool:
     """Record the agent's reports on its active stages; returns whether any stage changed.
 
     A report counts only for the stage's current generation: a late report about a placement that has
@@ -53,7 +31,7 @@ def stages_record_observed(*, node: Node, reports: Sequence[StageReport]) -> boo
         stage = stages.get(key) if key is not None else None
         if stage is None or report.generation != stage.generation:
             continue
-        observed = (report.generation, StageState(report.state), report.message[:MAX_MESSAGE_CHARS])
+        observed = (report.generation, ObservedState(report.state), report.message[:MAX_MESSAGE_CHARS])
         if (stage.observed_generation, stage.observed_state, stage.observed_message) == observed:
             continue
         Stage.objects.filter(pk=stage.pk, generation=report.generation).update(

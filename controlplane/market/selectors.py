@@ -8,7 +8,8 @@ from typing import Any
 from django.db.models import Q, Sum
 from django.db.models.functions import TruncDate
 
-from controlplane.jobs.models import Job, JobStatus
+from arceus.contracts.status import JobStatus
+from controlplane.jobs.models import Job
 from controlplane.market.models import LedgerEntry, PriceChange
 from controlplane.market.pricing import base_price
 from controlplane.market.services import MICROS_PER_DOLLAR, node_device_class, price_in_force, pricing_policy

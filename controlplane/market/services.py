@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -12,7 +11,9 @@ from django.db import transaction
 from django.db.models import Count, F, Q, Sum
 from django.db.models.functions import TruncHour
 
-from controlplane.jobs.models import ACTIVE_STATUSES, Job, JobStatus
+from arceus.contracts.counters import StageCounters
+from arceus.contracts.status import ACTIVE_STATUSES, JobStatus
+from controlplane.jobs.models import Job
 from controlplane.market.models import LedgerEntry, LedgerHourly, PriceChange
 from controlplane.market.pricing import PricingPolicy, base_price, device_class, next_price
 from controlplane.nodes.models import Node, ReadyStatus
@@ -20,17 +21,6 @@ from controlplane.nodes.models import Node, ReadyStatus
 MICROS_PER_DOLLAR = 1_000_000
 # How far back each rollup pass looks: the hour that just ended is always rebuilt once it is complete.
 ROLLUP_WINDOW = timedelta(hours=2)
-
-
-@dataclass(frozen=True)
-class WorkCounters:
-    """A stage's cumulative counters within one generation on one node, as its agent reports them."""
-
-    samples: int
-    micro_batches: int
-    compute_seconds: float
-    bytes_sent: int
-    bytes_received: int
 
 
 def pricing_policy() -> PricingPolicy:
@@ -77,7 +67,7 @@ def prices_reprice() -> list[PriceChange]:
 
 
 def ledger_record_work(
-    *, job_id: Any, stage_index: int, generation: int, node: Node, counters: WorkCounters, flops_per_sample: float
+    *, job_id: Any, generation: int, node: Node, counters: StageCounters, flops_per_sample: float
 ) -> LedgerEntry | None:
     """Append what the node did since its previous entry for this stage generation, priced now. Reports
     that add no samples (retries, late duplicates) add nothing. Call inside the recording transaction.
@@ -85,7 +75,7 @@ def ledger_record_work(
     Money is whole micro-dollars, but one report's work may be worth a fraction of one: each entry charges
     the rounded running total of the exact value minus what earlier entries charged, and the fee of the
     running total minus earlier fees, so rounding never drifts however small and frequent the reports."""
-    key = {"job_id": job_id, "stage_index": stage_index, "generation": generation, "node": node}
+    key = {"job_id": job_id, "stage_index": counters.index, "generation": generation, "node": node}
     done = LedgerEntry.objects.filter(**key).aggregate(
         # First: a later alias named like a field would shadow the field in F().
         dollar_seconds_per_hour=Sum(F("compute_seconds") * F("price_per_hour")),

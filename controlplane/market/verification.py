@@ -14,10 +14,11 @@ from typing import Any
 
 from django.db import transaction
 
+from arceus.contracts.status import JobStatus
 from arceus.verify.receipts import RECEIVED, SENT, ReceiptError, ReceiptFields, verify_receipt
 from controlplane.common.errors import ApplicationError
-from controlplane.jobs.models import Job, JobStatus, Stage
-from controlplane.jobs.rollback import job_roll_back
+from controlplane.controller.rollback import job_roll_back
+from controlplane.jobs.models import Job, Stage
 from controlplane.market.models import SpotCheck
 from controlplane.market.services import ledger_withhold
 from controlplane.nodes.models import Node

@@ -8,9 +8,9 @@ from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from arceus.contracts.observed import ObservedStage
 from arceus.verify.receipts import ReceiptError, load_public_key
 from controlplane.common.fields import StrictFloatField, StrictInputSerializer, StrictIntegerField
-from controlplane.jobs.stages import StageReport
 from controlplane.nodes.availability import parse_window
 from controlplane.nodes.models import DeviceType, Node
 from controlplane.nodes.selectors import node_unavailable_reason
@@ -203,8 +203,8 @@ class AgentHeartbeatInput(serializers.Serializer):
             raise serializers.ValidationError("each neighbour address may appear once")
         return links
 
-    def reports(self) -> list[StageReport]:
-        return [StageReport(**item) for item in self.validated_data["observed"]]
+    def reports(self) -> list[ObservedStage]:
+        return [ObservedStage(**item) for item in self.validated_data["observed"]]
 
 
 class OptimizerOutput(serializers.Serializer):

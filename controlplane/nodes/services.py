@@ -12,13 +12,14 @@ from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 
+from arceus.contracts.observed import ObservedStage
 from controlplane.common.conditions import TRUE
 from controlplane.common.dispatch import reconcile_soon
 from controlplane.common.errors import ApplicationError
+from controlplane.controller.transitions import job_rewind
 from controlplane.jobs.models import Stage
 from controlplane.jobs.selectors import assignments_for_node
-from controlplane.jobs.services import job_rewind
-from controlplane.jobs.stages import StageReport, stages_record_observed
+from controlplane.jobs.stages import stages_record_observed
 from controlplane.nodes.links import node_links_record
 from controlplane.nodes.models import Node, NodeLease, ReadyStatus
 
@@ -93,7 +94,7 @@ def node_register(
 def node_heartbeat(
     *,
     node: Node,
-    observed: Sequence[StageReport],
+    observed: Sequence[ObservedStage],
     now: datetime,
     host_busy_fraction: float | None = None,
     link: dict[str, float] | None = None,

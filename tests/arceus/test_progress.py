@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import re
 
-from arceus.progress import JobProgressBar
+from arceus.progress_bar import JobProgressBar
 
 DETAIL = {"id": "650616c4-afdc-4c82-88f1-d43a6083a0e2", "total_steps": 450, "epochs_requested": 10, "epoch": 1}
 

@@ -6,7 +6,7 @@ import pytest
 from django.core.management import call_command
 from django.test import Client
 
-from controlplane.jobs.executor import reconcile_once
+from controlplane.controller.executor import reconcile_once
 
 pytestmark = pytest.mark.django_db
 

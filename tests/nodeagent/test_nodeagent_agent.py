@@ -10,10 +10,10 @@ import pytest
 import requests
 import torch
 
+from arceus.contracts.assignment import Assignment
+from arceus.contracts.observed import ObservedStage
 from arceus.v1 import stage_pb2, stage_pb2_grpc
 from nodeagent.agent import Agent, split_host_port
-from nodeagent.assignment import Assignment
-from nodeagent.registry import ObservedStage
 from nodeagent.static import pipeline_assignments
 
 MODEL = {"layer_sizes": [8, 6, 4]}

@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
+from arceus.contracts.assignment import Assignment, CheckpointRef, OptimizerConfig
 from arceus.errors import SpecError
-from nodeagent.assignment import Assignment, CheckpointRef, OptimizerConfig
 from nodeagent.static import load_static_assignments, pipeline_assignments
 
 

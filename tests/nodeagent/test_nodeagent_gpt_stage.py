@@ -7,12 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from arceus.contracts.assignment import OptimizerConfig
 from arceus.model.build import build_full_model, build_layers
-from arceus.model.spec import model_spec_from_config
+from arceus.model.registry import model_spec_from_config
 from arceus.v1 import stage_pb2
 from arceus.wire.incoming_push import IncomingPush, parse_push
 from arceus.wire.proto_tensor import to_proto
-from nodeagent.assignment import OptimizerConfig
 from nodeagent.runtime import StageRuntime
 from nodeagent.stage import StageIO
 from nodeagent.status import RpcFailure

@@ -10,11 +10,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from arceus.contracts.assignment import Assignment
 from arceus.data import load_dataset, validate_dataset_config
 from arceus.training import StageEndpoint, TrainPlan, max_micro_batch_size
 from arceus.training.driver import Pipeline
 from nodeagent.agent import Agent
-from nodeagent.assignment import Assignment
 from nodeagent.lending import KEPT, PROBE_EVERY, ComputeThreads, LendingGauge
 from nodeagent.static import pipeline_assignments
 

@@ -11,9 +11,9 @@ import grpc
 import pytest
 import torch
 
+from arceus.contracts.assignment import Assignment
 from arceus.v1 import link_probe_pb2, link_probe_pb2_grpc
 from nodeagent.agent import Agent
-from nodeagent.assignment import Assignment
 from nodeagent.control_plane import ControlPlaneClient, HeartbeatLoop
 from nodeagent.link_probe import _CHANNEL_OPTIONS, MAX_PROBE_BYTES, LinkFigures, measure_neighbour
 from nodeagent.neighbour_links import NeighbourLinks

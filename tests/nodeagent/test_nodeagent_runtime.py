@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from arceus.checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
+from arceus.contracts.assignment import Assignment, CheckpointRef, OptimizerConfig
 from arceus.model.build import build_full_model, build_layers
-from arceus.model.spec import MLPSpec
-from nodeagent.assignment import Assignment, CheckpointRef, OptimizerConfig
+from arceus.model.mlp.spec import MLPSpec
 from nodeagent.runtime import StageRuntime
 from nodeagent.stage import build_hosted_stage
 

@@ -16,15 +16,17 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from arceus.model.build import layer_generator
-from arceus.model.gpt import gpt_layer
-from arceus.model.gpt_spec import GPTSpec
+from arceus.contracts.assignment import Assignment
+from arceus.model.gpt.layers import gpt_layer
+from arceus.model.gpt.spec import GPTSpec
+from arceus.model.gpt.tensor_parallel import shard_tensor
 from arceus.model.precision import autocast
-from arceus.model.tensor_parallel import Shard, gather_state_tensors, shard_tensor
+from arceus.model.seeding import layer_generator
+from arceus.model.sharding import Shard
+from arceus.model.tensor_parallel import gather_state_tensors
 from arceus.v1 import stage_pb2, tensor_parallel_pb2, tensor_parallel_pb2_grpc
 from arceus.wire.proto_tensor import to_proto
 from nodeagent.agent import Agent
-from nodeagent.assignment import Assignment
 from nodeagent.launch import free_ports
 from nodeagent.registry import StageRegistry
 from nodeagent.stage import build_hosted_stage

@@ -13,9 +13,9 @@ import time
 import torch
 from safetensors.torch import save_file
 
-from arceus.model.gpt_spec import GPTSpec
+from arceus.model.gpt.spec import GPTSpec
+from arceus.model.gpt.tensor_parallel import build_parallel_block
 from arceus.model.precision import autocast
-from arceus.model.tensor_parallel import build_parallel_block
 from nodeagent.agent import Agent
 from nodeagent.tensor_parallel import TensorParallelGroup
 

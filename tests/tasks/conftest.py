@@ -11,13 +11,13 @@ from django.contrib.auth.models import User
 from django.utils import timezone
 
 from arceus.checkpoint import decode_checkpoint
+from arceus.contracts.assignment import Assignment, CheckpointRef
+from arceus.contracts.observed import ObservedStage
 from controlplane.jobs.checkpoints import stage_checkpoint_for_node
 from controlplane.jobs.models import checkpoint_storage
-from controlplane.jobs.stages import StageReport
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_create, node_heartbeat, node_register
 from nodeagent.agent import Agent
-from nodeagent.assignment import Assignment, CheckpointRef
 
 
 @pytest.fixture
@@ -57,7 +57,7 @@ class LiveNode:
             return decode_checkpoint(handle.read(), sha256=ref.sha256)
 
     def sync(self) -> None:
-        observed = [StageReport(**o) for o in self.agent.observed()]
+        observed = [ObservedStage(**o) for o in self.agent.observed()]
         assignments = node_heartbeat(node=self.node, observed=observed, now=timezone.now())
         self.agent.apply_assignments([Assignment.from_json(a) for a in assignments])
         self.node = Node.objects.get(pk=self.node.pk)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from django.conf import settings
 
-from tasks import app
+from controlplane.celery import app
 
 
 def test_delivery_guarantees() -> None:

@@ -12,11 +12,12 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from controlplane.jobs.executor import reconcile_once
+from controlplane.controller.executor import reconcile_once
+from controlplane.jobs.driving import train_plan
 from controlplane.jobs.models import EpochMetric, Job, LossPoint, Stage
 from controlplane.jobs.services import job_start, job_submit
 from tasks.control import reconcile
-from tasks.training import run_job, train_plan
+from tasks.training import run_job
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

@@ -15,7 +15,9 @@ from django.db import connection
 from django.utils import timezone
 
 from arceus.data.text_config import BUNDLED_TEXT
-from controlplane.jobs.executor import reconcile_once
+from controlplane.controller.executor import reconcile_once
+from controlplane.controller.plan import MarkNodeUnknown, RewindJob, StartDriver
+from controlplane.jobs.driving import train_plan
 from controlplane.jobs.models import (
     Checkpoint,
     Job,
@@ -25,10 +27,9 @@ from controlplane.jobs.models import (
     StageContribution,
     checkpoint_storage,
 )
-from controlplane.jobs.reconcile import MarkNodeUnknown, RewindJob, StartDriver
 from controlplane.jobs.services import job_start, job_submit
 from controlplane.nodes.models import NodeLease
-from tasks.training import run_job, train_plan
+from tasks.training import run_job
 
 pytestmark = pytest.mark.django_db(transaction=True)
 

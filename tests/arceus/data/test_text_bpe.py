@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from arceus.data import load_dataset, validate_dataset_config
-from arceus.data.fit import fit_model_to_dataset
 from arceus.data.text import dataset_tokenizer
 from arceus.data.tokenizer import BPE_DEFAULT_VOCAB, split_text, train_bpe
 from arceus.errors import SpecError
+from arceus.model.registry import fit_model_to_dataset
 
 TEXT = "".join(f"the {w} went to the {v} and the {w} came back. " for w in ("ox", "ass", "lamb")
                for v in ("field", "well", "tent", "city")) * 40

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from arceus.data import epoch_batches, load_dataset, validate_dataset_config
-from arceus.data.fit import fit_model_to_dataset
 from arceus.data.text_config import BUNDLED_TEXT
 from arceus.data.tokenizer import CharTokenizer
 from arceus.errors import SpecError
+from arceus.model.registry import fit_model_to_dataset
 
 
 def test_the_bundled_text_is_a_real_book_of_at_least_500_kb() -> None:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from arceus.data.tokenizer import CharTokenizer
 from arceus.model.build import build_full_model, named_global_parameters
 from arceus.model.generate import sample_text
-from arceus.model.spec import model_spec_from_config
+from arceus.model.registry import model_spec_from_config
 
 VOCAB = CharTokenizer("abcd")
 CONFIG = {"type": "transformer", "n_layer": 1, "n_head": 2, "d_model": 16, "block_size": 8, "vocab_size": 4}

@@ -8,9 +8,9 @@ import torch
 
 from arceus.errors import SpecError
 from arceus.model.build import build_full_model, build_layers
-from arceus.model.gpt_spec import GPTSpec
+from arceus.model.gpt.spec import GPTSpec
 from arceus.model.layout import TensorLayout
-from arceus.model.spec import model_spec_from_config
+from arceus.model.registry import model_spec_from_config
 
 SMALL = {"type": "transformer", "n_layer": 3, "n_head": 2, "d_model": 16, "block_size": 8, "vocab_size": 11}
 

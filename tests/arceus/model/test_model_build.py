@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from arceus.model.build import build_full_model, build_layers, named_global_parameters
-from arceus.model.spec import MLPSpec
+from arceus.model.mlp.spec import MLPSpec
 
 SPEC = MLPSpec(layer_sizes=(64, 128, 64, 10))
 

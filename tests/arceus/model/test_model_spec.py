@@ -3,7 +3,8 @@ from __future__ import annotations
 import pytest
 
 from arceus.errors import SpecError
-from arceus.model.spec import MLPSpec, model_spec_from_config
+from arceus.model.mlp.spec import MLPSpec
+from arceus.model.registry import model_spec_from_config
 
 
 def test_mlp_spec_describes_its_layers() -> None:

@@ -13,19 +13,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arceus.model.build import build_full_model, layer_generator
-from arceus.model.gpt import GPTBlock, gpt_layer
-from arceus.model.gpt_spec import GPTSpec
-from arceus.model.tensor_parallel import (
-    AllReduce,
+from arceus.model.build import build_full_model
+from arceus.model.gpt.layers import GPTBlock, gpt_layer
+from arceus.model.gpt.spec import GPTSpec
+from arceus.model.gpt.tensor_parallel import (
     ParallelBlock,
-    Shard,
     build_parallel_block,
-    build_parallel_layers,
     check_split,
     shard_rows,
     shard_tensor,
 )
+from arceus.model.seeding import layer_generator
+from arceus.model.sharding import AllReduce, Shard
+from arceus.model.tensor_parallel import build_parallel_layers
 
 SPEC = GPTSpec(n_layer=2, n_head=8, d_model=32, block_size=6, vocab_size=10)
 SEED, LAYER = 7, 1

@@ -8,8 +8,8 @@ from typing import Any
 import pytest
 
 from arceus.data import validate_dataset_config
-from arceus.data.fit import fit_model_to_dataset
 from arceus.data.text_config import BUNDLED_TEXT
+from arceus.model.registry import fit_model_to_dataset
 
 SmallText = Callable[[dict[str, Any]], tuple[dict[str, Any], dict[str, Any]]]
 

@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from arceus.contracts.assignment import Assignment
 from arceus.data import validate_dataset_config
 from arceus.training import StageEndpoint, TrainPlan, max_micro_batch_size, train
 from arceus.training.recording import RecordingSink
@@ -18,7 +19,6 @@ from arceus.verify.receipts import RECEIVED, SENT, ReceiptError, ReceiptFields, 
 from arceus.wire.transfer import transfer_config_from_json
 from nodeagent import executor
 from nodeagent.agent import Agent
-from nodeagent.assignment import Assignment
 from nodeagent.stage import HostedStage
 from nodeagent.static import pipeline_assignments
 

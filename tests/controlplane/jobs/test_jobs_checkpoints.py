@@ -19,8 +19,12 @@ from moto.server import ThreadedMotoServer
 from rest_framework.test import APIClient
 
 from arceus.checkpoint import CheckpointError, checkpoint_digest, decode_checkpoint, encode_checkpoint
+from arceus.contracts.assignment import Assignment
 from arceus.devcluster.cluster import free_port
 from controlplane.common.errors import ApplicationError
+from controlplane.controller.executor import reconcile_once
+from controlplane.controller.leases import job_driver_claim
+from controlplane.controller.transitions import job_rewind
 from controlplane.jobs.checkpoints import (
     KEEP_CHECKPOINTS,
     StageFile,
@@ -28,14 +32,11 @@ from controlplane.jobs.checkpoints import (
     job_model_file,
     stage_checkpoint_for_node,
 )
-from controlplane.jobs.executor import reconcile_once
 from controlplane.jobs.models import Checkpoint, Job, Stage, StageCheckpoint, checkpoint_storage
-from controlplane.jobs.progress import job_driver_claim
-from controlplane.jobs.services import job_cancel, job_rewind
+from controlplane.jobs.services import job_cancel
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_create, node_heartbeat, node_register
 from controlplane.settings import checkpoint_storage_settings
-from nodeagent.assignment import Assignment
 
 pytestmark = pytest.mark.django_db
 

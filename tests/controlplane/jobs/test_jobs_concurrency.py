@@ -17,14 +17,14 @@ from django.utils import timezone
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from arceus.model.spec import model_spec_from_config
+from arceus.model.registry import model_spec_from_config
 from arceus.placement.solver import stage_memory
-from controlplane.jobs.executor import execute, reconcile_once
+from controlplane.controller.executor import execute, reconcile_once
+from controlplane.controller.placement import layer_profiles, workload
+from controlplane.controller.plan import plan
+from controlplane.controller.snapshot import load_snapshot
 from controlplane.jobs.models import Job, Stage
-from controlplane.jobs.placement import layer_profiles, workload
-from controlplane.jobs.reconcile import plan
 from controlplane.jobs.services import job_start, job_submit
-from controlplane.jobs.snapshot import load_snapshot
 from controlplane.nodes.models import Node, NodeLease
 from controlplane.nodes.services import node_create, node_heartbeat, node_register
 

@@ -7,11 +7,11 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
-from controlplane.jobs.executor import execute, reconcile_once
+from controlplane.controller.executor import execute, reconcile_once
+from controlplane.controller.plan import MarkNodeUnknown, PlaceJob, PlannedStage, RewindJob, StartDriver, plan
+from controlplane.controller.snapshot import load_snapshot
 from controlplane.jobs.models import Job, Stage
-from controlplane.jobs.reconcile import MarkNodeUnknown, PlaceJob, PlannedStage, RewindJob, StartDriver, plan
 from controlplane.jobs.services import job_cancel
-from controlplane.jobs.snapshot import load_snapshot
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_heartbeat
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from django.utils import timezone
 
-from controlplane.jobs.executor import reconcile_once
+from controlplane.controller.executor import reconcile_once
+from controlplane.controller.snapshot import node_views, registered_nodes
 from controlplane.jobs.models import Stage
-from controlplane.jobs.snapshot import node_views, registered_nodes
 from controlplane.nodes.services import node_create, node_heartbeat, node_register
 
 pytestmark = pytest.mark.django_db

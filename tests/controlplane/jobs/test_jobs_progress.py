@@ -10,18 +10,14 @@ from django.conf import settings
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from controlplane.jobs.executor import reconcile_once
+from arceus.contracts.counters import StageCounters
+from controlplane.controller.executor import reconcile_once
+from controlplane.controller.leases import job_driver_claim
+from controlplane.controller.transitions import job_fail
 from controlplane.jobs.models import EpochMetric, Job, LossPoint, Stage
-from controlplane.jobs.progress import (
-    StageCounters,
-    StepPoint,
-    job_driver_claim,
-    job_finish,
-    job_record_epoch,
-    job_record_steps,
-)
+from controlplane.jobs.progress import StepPoint, job_finish, job_record_epoch, job_record_steps
 from controlplane.jobs.selectors import job_loss_curve
-from controlplane.jobs.services import job_cancel, job_fail
+from controlplane.jobs.services import job_cancel
 
 pytestmark = pytest.mark.django_db
 

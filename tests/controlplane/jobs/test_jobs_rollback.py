@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 from django.utils import timezone
 
+from arceus.contracts.counters import StageCounters
+from arceus.contracts.status import JobStatus
+from controlplane.controller.executor import reconcile_once
 from controlplane.jobs.checkpoints import checkpoint_trusted
-from controlplane.jobs.executor import reconcile_once
-from controlplane.jobs.models import Job, JobStatus, Stage
+from controlplane.jobs.models import Job, Stage
 from controlplane.market.models import LedgerEntry
-from controlplane.market.services import WorkCounters, ledger_record_work
+from controlplane.market.services import ledger_record_work
 from controlplane.market.verification import SpotCheckReport, spot_checks_record
 from controlplane.nodes.models import Node
 from tests.controlplane.jobs import test_jobs_checkpoints as checkpoints
@@ -55,8 +57,8 @@ def test_a_flag_rewinds_to_the_newest_checkpoint_before_the_last_passed_check(
         record(job, check(job, cheat, train_step=24, passed=True),
                check(job, stage(job, 0), train_step=29, passed=True))
         save(job, 30)
-    ledger_record_work(job_id=job.id, stage_index=1, generation=job.generation, node=cheat.node, flops_per_sample=1e3,
-                       counters=WorkCounters(64, 8, 1.0, 100, 100))
+    ledger_record_work(job_id=job.id, generation=job.generation, node=cheat.node, flops_per_sample=1e3,
+                       counters=StageCounters(1, 64, 8, 1.0, 100, 100))
     with django_capture_on_commit_callbacks(execute=True):
         record(job, check(job, cheat, train_step=33, passed=False))
 

@@ -15,14 +15,15 @@ from rest_framework.test import APIClient
 
 from arceus.checkpoint import encode_checkpoint
 from arceus.cli import main as cli_main
+from arceus.contracts.status import JobStatus
 from arceus.data.tokenizer import split_text, train_bpe
 from arceus.model.build import build_full_model, named_global_parameters
-from arceus.model.spec import model_spec_from_config
+from arceus.model.registry import model_spec_from_config
 from controlplane.accounts.services import user_token_get_or_create
+from controlplane.controller.executor import reconcile_once
+from controlplane.controller.leases import job_driver_claim
 from controlplane.jobs.checkpoints import StageFile, checkpoint_save
-from controlplane.jobs.executor import reconcile_once
-from controlplane.jobs.models import Job, JobStatus, StageCheckpoint, checkpoint_storage
-from controlplane.jobs.progress import job_driver_claim
+from controlplane.jobs.models import Job, StageCheckpoint, checkpoint_storage
 from controlplane.jobs.services import job_start, job_submit
 
 MODEL = {"type": "transformer", "n_layer": 1, "n_head": 2, "d_model": 16, "block_size": 8}

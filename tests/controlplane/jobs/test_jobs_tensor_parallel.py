@@ -11,15 +11,15 @@ import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
 
+from arceus.contracts.assignment import Assignment
+from arceus.contracts.observed import ObservedStage
+from controlplane.controller.executor import reconcile_once
+from controlplane.controller.plan import PlaceJob, RewindJob, StartDriver
 from controlplane.jobs.estimate import job_estimate
-from controlplane.jobs.executor import reconcile_once
 from controlplane.jobs.models import Job, Stage
-from controlplane.jobs.reconcile import PlaceJob, RewindJob, StartDriver
 from controlplane.jobs.services import job_start, job_submit
-from controlplane.jobs.stages import StageReport
 from controlplane.nodes.models import NodeLease
 from controlplane.nodes.services import node_heartbeat
-from nodeagent.assignment import Assignment
 
 pytestmark = pytest.mark.django_db
 
@@ -126,10 +126,10 @@ def test_each_rank_gets_its_own_node_and_an_assignment_naming_its_group(user, re
 
     # Every rank reports ready under its own stage id: then, and only then, the driver starts.
     for row in rows[:-1]:
-        node_heartbeat(node=row.node, observed=[StageReport(row.stage_id, job.generation, "ready")], now=now)
+        node_heartbeat(node=row.node, observed=[ObservedStage(row.stage_id, job.generation, "ready")], now=now)
     assert StartDriver not in {type(a) for a in reconcile_once().applied}
     last = rows[-1]
-    node_heartbeat(node=last.node, observed=[StageReport(last.stage_id, job.generation, "ready")], now=now)
+    node_heartbeat(node=last.node, observed=[ObservedStage(last.stage_id, job.generation, "ready")], now=now)
     assert [type(a) for a in reconcile_once().applied] == [StartDriver]
 
 

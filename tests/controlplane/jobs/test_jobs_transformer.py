@@ -9,9 +9,9 @@ import pytest
 from rest_framework.test import APIClient
 
 from arceus.data.text import text_vocabulary
-from arceus.model.spec import model_spec_from_config
+from arceus.model.registry import model_spec_from_config
+from controlplane.controller.placement import layer_profiles
 from controlplane.jobs.models import Job
-from controlplane.jobs.placement import layer_profiles
 
 pytestmark = pytest.mark.django_db
 

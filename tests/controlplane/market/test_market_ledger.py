@@ -11,10 +11,12 @@ from django.db.models import Sum
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from controlplane.jobs.executor import reconcile_once
+from arceus.contracts.counters import StageCounters
+from controlplane.controller.executor import reconcile_once
+from controlplane.controller.leases import job_driver_claim
+from controlplane.controller.transitions import job_rewind
 from controlplane.jobs.models import Job, Stage
-from controlplane.jobs.progress import StageCounters, job_driver_claim, job_record_steps
-from controlplane.jobs.services import job_rewind
+from controlplane.jobs.progress import job_record_steps
 from controlplane.market.models import LedgerEntry, LedgerHourly, PriceChange
 from controlplane.market.services import ledger_rollup, node_device_class, prices_reprice
 from controlplane.nodes.models import Node

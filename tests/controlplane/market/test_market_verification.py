@@ -12,11 +12,13 @@ from django.db.models import Sum
 from django.utils import timezone
 from rest_framework.test import APIClient
 
+from arceus.contracts.counters import StageCounters
+from arceus.contracts.status import JobStatus
 from arceus.verify.receipts import SENT, ReceiptFields, ReceiptSigner, tensor_digest
 from controlplane.common.errors import ApplicationError
-from controlplane.jobs.models import JobStatus, Stage
+from controlplane.jobs.models import Stage
 from controlplane.market.models import LedgerEntry, SpotCheck
-from controlplane.market.services import WorkCounters, ledger_record_work
+from controlplane.market.services import ledger_record_work
 from controlplane.market.verification import SpotCheckReport, spot_checks_record
 from controlplane.nodes.models import Node
 from controlplane.nodes.selectors import node_unavailable_reason
@@ -51,8 +53,8 @@ def report(job, signer: ReceiptSigner, producer: Node, *, passed: bool, digest_o
 
 
 def work(job, node: Node, samples: int) -> None:  # noqa: ANN001
-    ledger_record_work(job_id=job.id, stage_index=0, generation=2, node=node, flops_per_sample=1e3,
-                       counters=WorkCounters(samples, samples // 8, samples / 10, 100, 100))
+    ledger_record_work(job_id=job.id, generation=2, node=node, flops_per_sample=1e3,
+                       counters=StageCounters(0, samples, samples // 8, samples / 10, 100, 100))
 
 
 def test_a_failed_spot_check_flags_the_node_and_withholds_its_credit(placed) -> None:  # noqa: ANN001

@@ -8,11 +8,11 @@ import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from controlplane.jobs.executor import reconcile_once
+from arceus.contracts.assignment import Assignment
+from controlplane.controller.executor import reconcile_once
 from controlplane.jobs.models import Job, Stage
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_create
-from nodeagent.assignment import Assignment
 
 pytestmark = pytest.mark.django_db
 

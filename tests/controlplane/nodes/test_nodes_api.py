@@ -7,7 +7,7 @@ import hashlib
 import pytest
 from rest_framework.test import APIClient
 
-from controlplane.jobs.executor import reconcile_once
+from controlplane.controller.executor import reconcile_once
 from controlplane.nodes.models import Node
 
 pytestmark = pytest.mark.django_db

@@ -9,9 +9,9 @@ import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from controlplane.jobs.executor import reconcile_once
+from controlplane.controller.executor import reconcile_once
+from controlplane.controller.snapshot import load_snapshot
 from controlplane.jobs.models import Job, Stage
-from controlplane.jobs.snapshot import load_snapshot
 from controlplane.nodes.availability import in_windows, parse_window, unavailable_reason
 from controlplane.nodes.models import Node, NodeLease
 from controlplane.nodes.services import node_create, node_heartbeat, node_register

@@ -14,13 +14,13 @@ import torch
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from controlplane.jobs.executor import reconcile_once
+from arceus.contracts.assignment import Assignment
+from controlplane.controller.executor import reconcile_once
+from controlplane.controller.snapshot import node_views, registered_nodes
 from controlplane.jobs.models import Stage
-from controlplane.jobs.snapshot import node_views, registered_nodes
 from controlplane.nodes.models import Node, NodeLink
 from controlplane.nodes.services import node_create, node_heartbeat, node_register
 from nodeagent.agent import Agent
-from nodeagent.assignment import Assignment
 
 pytestmark = pytest.mark.django_db
 CAPABILITIES = {"device_type": "cpu", "device_name": "cpu", "memory_bytes": 2**30, "flops_fp32": 1e9,

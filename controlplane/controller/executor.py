@@ -11,19 +11,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
-from django.conf import settings
 from django.db import IntegrityError, transaction
-from django.db.models import Value
-from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from arceus.contracts.status import JobStatus
 from controlplane.common.conditions import UNKNOWN
-from controlplane.common.dispatch import TRAIN_JOB_TASK, enqueue_on_commit
-from controlplane.jobs.models import Job, JobStatus, Stage
-from controlplane.jobs.reconcile import (
+from controlplane.controller.plan import (
     Action,
     FailJob,
     MarkNodeUnknown,
@@ -35,8 +31,9 @@ from controlplane.jobs.reconcile import (
     StartDriver,
     plan,
 )
-from controlplane.jobs.services import job_fail, job_requeue, job_rewind
-from controlplane.jobs.snapshot import load_snapshot
+from controlplane.controller.snapshot import load_snapshot
+from controlplane.controller.transitions import job_fail, job_place, job_requeue, job_rewind, job_run
+from controlplane.jobs.models import Job
 from controlplane.nodes.models import Node, ReadyStatus
 
 log = logging.getLogger(__name__)
@@ -92,55 +89,10 @@ def _mark_node_unknown(action: MarkNodeUnknown, now: datetime) -> bool:
     return bool(updated)
 
 
-def _place_job(action: PlaceJob, now: datetime) -> bool:
-    generation = action.generation + 1
-    updated = Job.objects.filter(pk=action.job_id, generation=action.generation, status=JobStatus.QUEUED).update(
-        status=JobStatus.PLACING, generation=generation, conditions=list(action.conditions)
-    )
-    if not updated:
-        return False
-    Stage.objects.bulk_create(
-        Stage(
-            job_id=action.job_id,
-            index=s.index,
-            layer_start=s.layer_start,
-            layer_end=s.layer_end,
-            node_id=s.node_id,
-            rank=s.rank,
-            generation=generation,
-        )
-        for s in action.stages
-    )
-    return True
-
-
 def _set_condition(action: SetCondition, now: datetime) -> bool:
     updated = Job.objects.filter(pk=action.job_id, generation=action.generation, status=action.status).update(
         conditions=list(action.conditions)
     )
-    return bool(updated)
-
-
-def _start_driver(action: StartDriver, now: datetime) -> bool:
-    seen_lease: dict[str, Any] = (
-        {"driver_lease_expires_at__isnull": True}
-        if action.lease_expires_at is None
-        else {"driver_lease_expires_at": action.lease_expires_at}
-    )
-    updated = Job.objects.filter(
-        pk=action.job_id, generation=action.generation, status=action.status, **seen_lease
-    ).update(
-        status=JobStatus.RUNNING,
-        conditions=list(action.conditions),
-        # No owner yet: the enqueued task claims the lease; if no task claims it in time (the message
-        # was lost, or waits behind another job), the next pass enqueues another. Duplicates find the
-        # lease taken and exit.
-        driver_lease_owner="",
-        driver_lease_expires_at=now + timedelta(seconds=settings.ARCEUS_DRIVER_LEASE_SECONDS),
-        started_at=Coalesce("started_at", Value(now)),
-    )
-    if updated:
-        enqueue_on_commit(TRAIN_JOB_TASK, action.job_id)
     return bool(updated)
 
 
@@ -185,9 +137,9 @@ def _fail_job(action: FailJob, now: datetime) -> bool:
 
 _APPLY: dict[type, Callable[[Any, datetime], bool]] = {
     MarkNodeUnknown: _mark_node_unknown,
-    PlaceJob: _place_job,
+    PlaceJob: job_place,
     SetCondition: _set_condition,
-    StartDriver: _start_driver,
+    StartDriver: job_run,
     RequeueJob: _requeue_job,
     RequestHandover: _request_handover,
     RewindJob: _rewind_job,

@@ -10,11 +10,12 @@ from django.conf import settings
 from django.db.models import Prefetch, QuerySet
 from django.utils import timezone
 
+from arceus.contracts.status import ACTIVE_STATUSES, JobStatus
 from arceus.errors import SpecError
-from arceus.model.spec import model_spec_from_config
-from controlplane.jobs.models import ACTIVE_STATUSES, Job, JobStatus, Stage
-from controlplane.jobs.placement import layer_profiles, requirements, tensor_parallel_split, workload
-from controlplane.jobs.reconcile import Desired, JobView, NodeView, Observed, PlacedStage, StageReport
+from arceus.model.registry import model_spec_from_config
+from controlplane.controller.placement import layer_profiles, requirements, tensor_parallel_split, workload
+from controlplane.controller.plan import Desired, JobView, NodeView, Observed, PlacedStage, StageReport
+from controlplane.jobs.models import Job, Stage
 from controlplane.market.services import node_device_class, price_in_force
 from controlplane.nodes.links import nodes_worst_neighbour_link
 from controlplane.nodes.models import Node

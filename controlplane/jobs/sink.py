@@ -16,17 +16,12 @@ from dataclasses import asdict
 from django.utils import timezone
 
 from arceus.checkpoint import encode_checkpoint
-from arceus.training import EpochResult, StageCountersSnapshot, StageState, StepProgress
+from arceus.contracts.counters import StageCounters
+from arceus.training import EpochResult, StageTensors, StepProgress
 from controlplane.common.errors import ApplicationError
+from controlplane.controller.leases import job_driver_handover, job_handover_requested
 from controlplane.jobs.checkpoints import StageFile, checkpoint_save
-from controlplane.jobs.progress import (
-    StageCounters,
-    StepPoint,
-    job_driver_handover,
-    job_handover_requested,
-    job_record_epoch,
-    job_record_steps,
-)
+from controlplane.jobs.progress import StepPoint, job_record_epoch, job_record_steps
 from controlplane.market.verification import SpotCheckReport, spot_checks_record
 
 log = logging.getLogger(__name__)
@@ -47,7 +42,7 @@ class DbProgressSink:
 
     def on_step(self, p: StepProgress) -> None:
         self._pending.append(StepPoint(p.epoch, p.step, p.total_steps, p.loss, p.samples_per_second))
-        self._counters = stage_counters(p.stages)
+        self._counters = p.stages
         self._spot_checks += [SpotCheckReport(**asdict(c), train_step=p.step) for c in p.spot_checks]
         # A failed check is written at once: the node must stop getting credit and work now.
         if time.monotonic() - self._last_flush >= self.flush_seconds or not all(c.passed for c in p.spot_checks):
@@ -62,11 +57,11 @@ class DbProgressSink:
                 epoch=r.epoch,
                 val_loss=r.val_loss,
                 val_accuracy=r.val_accuracy,
-                stages=stage_counters(r.stages),
+                stages=r.stages,
                 now=timezone.now(),
             )
 
-    def on_checkpoint(self, step: int, epoch: int, stages: list[StageState]) -> None:
+    def on_checkpoint(self, step: int, epoch: int, stages: list[StageTensors]) -> None:
         self.flush()
         if self._lost_lease:
             return
@@ -121,17 +116,3 @@ class DbProgressSink:
     def lost_lease(self) -> bool:
         return self._lost_lease
 
-
-def stage_counters(stages: list[StageCountersSnapshot]) -> list[StageCounters]:
-    return [
-        StageCounters(
-            index=s.index,
-            samples=s.samples,
-            micro_batches=s.micro_batches,
-            compute_seconds=s.compute_seconds,
-            bytes_sent=s.bytes_sent,
-            bytes_received=s.bytes_received,
-            node_id=s.node_id,
-        )
-        for s in stages
-    ]

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arceus.model.gpt_spec import GPTSpec
+from arceus.model.gpt.spec import GPTSpec
 
 INIT_STD = 0.02
 
@@ -58,26 +58,34 @@ class MLP(nn.Module):
 
 
 class GPTBlock(nn.Module):
-    def __init__(self, spec: GPTSpec, generator: torch.Generator) -> None:
+    """Pre-norm residual block. `attn` and `mlp` are whole, or one tensor-parallel rank's part of them
+    (`arceus.model.gpt.tensor_parallel.ParallelBlock`): either way they return the whole output."""
+
+    def __init__(self, spec: GPTSpec, attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(spec.d_model)
-        self.attn = CausalSelfAttention(spec)
+        self.attn = attn
         self.ln_2 = nn.LayerNorm(spec.d_model)
-        self.mlp = MLP(spec)
-        # nanoGPT's init: N(0, 0.02) weights, zero biases, residual projections scaled by 1/sqrt(2·n_layer).
-        with torch.no_grad():
-            for name, param in self.named_parameters():
-                if name.startswith("ln_"):
-                    continue
-                if name.endswith("bias"):
-                    nn.init.zeros_(param)
-                else:
-                    std = INIT_STD / math.sqrt(2 * spec.n_layer) if "c_proj" in name else INIT_STD
-                    nn.init.normal_(param, 0.0, std, generator=generator)
+        self.mlp = mlp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
+
+
+def gpt_block(spec: GPTSpec, generator: torch.Generator) -> GPTBlock:
+    block = GPTBlock(spec, CausalSelfAttention(spec), MLP(spec))
+    # nanoGPT's init: N(0, 0.02) weights, zero biases, residual projections scaled by 1/sqrt(2·n_layer).
+    with torch.no_grad():
+        for name, param in block.named_parameters():
+            if name.startswith("ln_"):
+                continue
+            if name.endswith("bias"):
+                nn.init.zeros_(param)
+            else:
+                std = INIT_STD / math.sqrt(2 * spec.n_layer) if "c_proj" in name else INIT_STD
+                nn.init.normal_(param, 0.0, std, generator=generator)
+    return block
 
 
 class GPTHead(nn.Module):
@@ -98,4 +106,4 @@ def gpt_layer(spec: GPTSpec, index: int, generator: torch.Generator) -> nn.Modul
         return GPTEmbedding(spec, generator)
     if index == spec.num_layers - 1:
         return GPTHead(spec, generator)
-    return GPTBlock(spec, generator)
+    return gpt_block(spec, generator)

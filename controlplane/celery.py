@@ -1,4 +1,6 @@
-"""The Celery app "arceus": `celery -A tasks worker -Q control`, `... -Q training`, `celery -A tasks beat`.
+"""The Celery app "arceus": `celery -A controlplane.celery worker -Q control` (or `-Q training`), and
+`celery -A controlplane.celery beat`. Its task modules (`tasks/`) are named here, not imported: the
+control plane never imports them, it enqueues tasks by name (`controlplane.common.dispatch`).
 
 Environment-driven values (broker and result backend = REDIS_URL, the resync interval) come from the
 Django settings; the delivery guarantees and the routing below are part of the design, so they are

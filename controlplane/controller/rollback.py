@@ -14,9 +14,10 @@ from typing import Any
 
 from django.db import transaction
 
+from arceus.contracts.status import ACTIVE_STATUSES
+from controlplane.controller.transitions import job_rewind
 from controlplane.jobs.checkpoints import checkpoint_trusted, checkpoints_delete
-from controlplane.jobs.models import ACTIVE_STATUSES, Job
-from controlplane.jobs.services import job_rewind
+from controlplane.jobs.models import Job
 
 
 @transaction.atomic

@@ -6,15 +6,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from arceus.model.spec import GPTSpec, ModelSpec
+from arceus.model.spec import ModelSpec
 from arceus.placement.solver import LayerProfile, Workload
-from controlplane.jobs.reconcile import Requirements, TensorParallel
+from controlplane.controller.plan import Requirements, TensorParallel
 
 
 def layer_profiles(spec: ModelSpec) -> tuple[LayerProfile, ...]:
     """Each layer's cost; its output (fp32 activations on the wire and in the stash) as the spec lays it out;
-    a transformer's blocks are what a tensor-parallel group splits."""
-    split = range(1, spec.n_layer + 1) if isinstance(spec, GPTSpec) else range(0)
+    its split layers are what a tensor-parallel group divides."""
+    split = spec.split_layers()
     return tuple(
         LayerProfile(
             flops_per_sample=float(flops),

@@ -7,19 +7,20 @@ last is the final LayerNorm + LM head. So the layer-range partitioning that spli
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
+from arceus.data.tokenizer import VOCABS
 from arceus.errors import SpecError
 from arceus.model.layout import TensorLayout
 
 GPT_DEFAULTS = {"n_layer": 6, "n_head": 8, "d_model": 256, "block_size": 128}
-VOCABS = ("char", "bpe")  # arceus.data.tokenizer builds them
 _LIMITS = {"n_layer": 256, "n_head": 1024, "d_model": 65536, "block_size": 65536, "vocab_size": 1_000_000}
 _GPT_KEYS = frozenset({"type", "vocab", "vocab_size", *GPT_DEFAULTS})
 
 
 @dataclass(frozen=True)
 class GPTSpec:
+    type: ClassVar[str] = "transformer"
     n_layer: int
     n_head: int
     d_model: int
@@ -61,6 +62,10 @@ class GPTSpec:
     def label_layout(self) -> TensorLayout:
         """The next token at every position."""
         return TensorLayout("int64", (self.block_size,), bound=self.vocab_size)
+
+    def split_layers(self) -> frozenset[int]:
+        """The blocks: a tensor-parallel group splits their attention heads and MLP units."""
+        return frozenset(range(1, self.n_layer + 1))
 
     def _hidden(self) -> TensorLayout:
         return TensorLayout("float32", (self.block_size, self.d_model))

@@ -1,4 +1,5 @@
-"""`Assignment`: one stage this node should host, parsed and validated from the control plane's JSON.
+"""`Assignment`: one stage a node should host. The control plane builds it (`to_json` in the heartbeat
+answer), static assignment files hold it, and the agent parses it (`from_json`).
 
 The JSON shape is the contract in docs/architecture.md. Parsing is strict so a bad assignment is
 reported back as a failed stage with a message instead of breaking the agent later.
@@ -11,9 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from arceus.errors import SpecError
-from arceus.model.gpt_spec import GPTSpec
 from arceus.model.precision import check_precision
-from arceus.model.spec import ModelSpec, model_spec_from_config
+from arceus.model.registry import model_spec_from_config
+from arceus.model.spec import ModelSpec
+from arceus.model.tensor_parallel import check_tensor_parallel
 from arceus.wire.transfer import TransferConfig, transfer_config_from_json
 
 OPTIMIZERS = ("sgd", "adam")
@@ -292,10 +294,10 @@ def _tensor_parallel(value: Any, spec: ModelSpec) -> TensorParallelConfig | None
             raise SpecError(f"{field}.peers", f'must be "host:port" addresses, got {peer!r}')
     if len(set(peers)) != size:
         raise SpecError(f"{field}.peers", f"must be distinct addresses, got {peers!r}")
-    if not isinstance(spec, GPTSpec):
-        raise SpecError(field, "only a transformer's blocks split across a tensor-parallel group")
-    if spec.n_head % size:
-        raise SpecError(f"{field}.size", f"must divide the model's n_head ({spec.n_head}), got {size}")
+    try:
+        check_tensor_parallel(spec, size)
+    except SpecError as exc:
+        raise SpecError(f"assignment.{exc.field}", exc.message) from exc
     return TensorParallelConfig(rank=rank, peers=tuple(peers))
 
 

@@ -1,0 +1,22 @@
+"""The GPT (nanoGPT-style decoder): `{"type": "transformer", "n_layer", "n_head", "d_model", "block_size",
+"vocab", "vocab_size"}`; its blocks split over tensor-parallel groups."""
+
+from arceus.model.architecture import Architecture, TensorParallelLayers
+from arceus.model.gpt import tensor_parallel
+from arceus.model.gpt.fit import fit_gpt_to_dataset
+from arceus.model.gpt.layers import gpt_layer
+from arceus.model.gpt.spec import gpt_from_config
+
+ARCHITECTURE = Architecture(
+    type="transformer",
+    from_config=gpt_from_config,
+    build_layer=gpt_layer,
+    fit_dataset=fit_gpt_to_dataset,
+    tensor_parallel=TensorParallelLayers(
+        build_layer=tensor_parallel.parallel_layer,
+        shard_rows=tensor_parallel.shard_rows,
+        reduced_layout=tensor_parallel.reduced_layout,
+        check_size=tensor_parallel.check_size,
+    ),
+    writes_text=True,
+)

@@ -1,0 +1,58 @@
+"""A GPT against its text: a character-level model takes its `vocab_size` from the text's distinct
+characters, a BPE one its size from the model config (1024 if left out); the text dataset takes its
+`block_size`, `vocab` and `vocab_size` from the model, so both stored configs are complete and agree.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from arceus.data import validate_dataset_config
+from arceus.data.text import text_vocabulary
+from arceus.data.text_config import TEXT_DATASET
+from arceus.data.tokenizer import BPE_DEFAULT_VOCAB, check_vocab
+from arceus.errors import SpecError
+from arceus.model.gpt.spec import GPTSpec, gpt_from_config
+
+
+def fit_gpt_to_dataset(
+    model_config: dict[str, Any], dataset_config: Any
+) -> tuple[GPTSpec, dict[str, Any], dict[str, Any]]:
+    """The text dataset is validated first: the model's vocabulary comes from it."""
+    dataset = validate_dataset_config(dataset_config)
+    if dataset["name"] != TEXT_DATASET:
+        raise SpecError(
+            "dataset_config.name", f"a transformer trains on the {TEXT_DATASET} dataset, got {dataset['name']}"
+        )
+    vocab = model_config.get("vocab", "char")
+    if vocab == "bpe":
+        vocab_size = model_config.get("vocab_size", BPE_DEFAULT_VOCAB)
+        check_vocab(vocab, vocab_size, prefix="model_config")
+    else:
+        check_vocab(vocab, None, prefix="model_config")
+        vocab_size = len(text_vocabulary(dataset))
+    model_config = {**model_config, "vocab_size": model_config.get("vocab_size", vocab_size)}
+    spec = gpt_from_config(model_config)
+    if spec.vocab_size != vocab_size:
+        raise SpecError(
+            "model_config.vocab_size",
+            f"is {spec.vocab_size} but the text has {vocab_size} distinct characters; "
+            "leave it out to take the text's",
+        )
+    # The dataset loads tokens as the model reads them: its vocab fields are the model's (absent: char).
+    wanted = {"vocab": vocab, "vocab_size": vocab_size} if vocab == "bpe" else {}
+    for key in ("vocab", "vocab_size"):
+        if key in dataset and dataset[key] != wanted.get(key):
+            raise SpecError(
+                f"dataset_config.{key}",
+                f"is {dataset[key]!r} but the model's is {wanted.get(key, 'char')!r}; leave it out",
+            )
+    dataset = {**dataset, **wanted}
+    block = dataset.get("block_size", spec.block_size)
+    if block != spec.block_size:
+        raise SpecError(
+            "dataset_config.block_size",
+            f"is {block} but the model's block_size is {spec.block_size}; leave it out to take the model's",
+        )
+    return spec, model_config, {**dataset, "block_size": block}
+

@@ -1,0 +1,49 @@
+"""An MLP's layers: Linear, then the activation on every layer but the last."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from arceus.model.mlp.spec import MLPSpec
+
+_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh}
+
+
+class MLPLayer(nn.Module):
+    """Linear, optionally followed by an activation; parameters named `weight` and `bias` like nn.Linear."""
+
+    def __init__(
+        self, in_features: int, out_features: int, activation: str | None, generator: torch.Generator
+    ) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_features = out_features
+        self.activation = activation
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features))
+        # nn.Linear's default distribution, drawn from our generator instead of the global one.
+        with torch.no_grad():
+            nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5), generator=generator)
+            bound = 1 / math.sqrt(in_features)
+            nn.init.uniform_(self.bias, -bound, bound, generator=generator)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return _ACTIVATIONS[self.activation](y) if self.activation else y
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, activation={self.activation}"
+        )
+
+
+def mlp_layer(spec: MLPSpec, index: int, generator: torch.Generator) -> MLPLayer:
+    """Layer `index`, initialised from `generator` only."""
+    last = index == spec.num_layers - 1
+    return MLPLayer(
+        spec.layer_sizes[index], spec.layer_sizes[index + 1], None if last else spec.activation, generator
+    )

@@ -1,0 +1,63 @@
+"""The model registry: `model_config.type` → the architecture that parses, builds, fits and shards it.
+
+This is the one place that knows which architectures exist. Everything else (the control plane, the
+driver, the agents) asks the registry or the spec, so a new architecture is one folder under
+`arceus/model/` plus one line in `ARCHITECTURES` below.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from arceus.errors import SpecError
+from arceus.model import gpt, mlp
+from arceus.model.architecture import Architecture
+from arceus.model.spec import ModelSpec
+
+DEFAULT_TYPE = "mlp"  # what a model_config without "type" is
+
+
+# In the order they were added; error messages list them so.
+ARCHITECTURES: dict[str, Architecture] = {
+    a.type: a
+    for a in (
+        mlp.ARCHITECTURE,
+        gpt.ARCHITECTURE,
+    )
+}
+
+
+def architecture_for_config(model_config: Any) -> Architecture:
+    """The architecture `model_config.type` names; SpecError for anything else."""
+    if not isinstance(model_config, dict):
+        raise SpecError("model_config", f"must be a JSON object, got {type(model_config).__name__}")
+    model_type = model_config.get("type", DEFAULT_TYPE)
+    if not isinstance(model_type, str) or model_type.lower() not in ARCHITECTURES:
+        raise SpecError(
+            "model_config.type",
+            f"unknown model type {model_type!r}; supported: {', '.join(ARCHITECTURES)}",
+        )
+    return ARCHITECTURES[model_type.lower()]
+
+
+def architecture_of(spec: ModelSpec) -> Architecture:
+    return ARCHITECTURES[spec.type]
+
+
+def model_spec_from_config(model_config: Any) -> ModelSpec:
+    """Validate a job's `model_config` and return its spec; raises SpecError naming the bad field."""
+    return architecture_for_config(model_config).from_config(model_config)
+
+
+def fit_model_to_dataset(
+    model_config: Any, dataset_config: Any
+) -> tuple[ModelSpec, dict[str, Any], dict[str, Any]]:
+    """(spec, completed model_config, completed dataset config): the model checked against its dataset,
+    each completed from the other; raises SpecError naming the field that does not fit."""
+    return architecture_for_config(model_config).fit_dataset(model_config, dataset_config)
+
+
+
+def text_writers() -> list[str]:
+    """The model types that write text."""
+    return sorted(a.type for a in ARCHITECTURES.values() if a.writes_text)

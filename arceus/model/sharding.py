@@ -1,0 +1,118 @@
+"""Megatron-style tensor parallelism, the architecture-independent part: a rank's place in its group, the
+two autograd operators that join split compute (f and g), and cutting or gathering a stage's checkpoint
+tensors given an architecture's `shard_rows`.
+
+The collective is injected (`AllReduce`), so compute knows nothing of how the ranks talk. It must sum in
+the same (rank) order everywhere, so that replicated values stay bitwise equal across ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from arceus.checkpoint import OPTIMIZER_PREFIX
+
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This rank's place in its tensor-parallel group."""
+
+    rank: int
+    size: int
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"a tensor-parallel group has at least 1 rank, got size {self.size}")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank must be in [0, {self.size}), got {self.rank}")
+
+
+# (spec, shard, parameter name) -> (dim, indices) of the rank's part of the unsplit parameter, or None
+# where the parameter is replicated on every rank.
+ShardRows = Callable[[Any, Shard, str], "tuple[int, torch.Tensor] | None"]
+
+
+class _CopyToGroup(torch.autograd.Function):
+    """Megatron's f: identity forward; backward all-reduces the gradient of the replicated input."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, all_reduce: AllReduce) -> torch.Tensor:
+        ctx.all_reduce = all_reduce
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.all_reduce(grad.contiguous()), None
+
+
+class _ReduceFromGroup(torch.autograd.Function):
+    """Megatron's g: forward all-reduces the partial sums; backward passes the gradient through."""
+
+    @staticmethod
+    def forward(ctx: Any, partial: torch.Tensor, all_reduce: AllReduce) -> torch.Tensor:
+        return all_reduce(partial.contiguous())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def copy_to_group(x: torch.Tensor, all_reduce: AllReduce) -> torch.Tensor:
+    """The input of a column-parallel layer: every rank's partial depends on all of it, so its gradient
+    is the sum of every rank's."""
+    return _CopyToGroup.apply(x, all_reduce)
+
+
+def reduce_from_group(partial: torch.Tensor, all_reduce: AllReduce) -> torch.Tensor:
+    """The output of a row-parallel layer: the sum of every rank's partial."""
+    return _ReduceFromGroup.apply(partial, all_reduce)
+
+
+def parameter_of(name: str) -> str:
+    """The parameter a checkpoint tensor belongs to: itself, or, for an optimizer entry
+    ("optimizer.<parameter>.<key>"), the parameter it is kept for."""
+    if name.startswith(OPTIMIZER_PREFIX):
+        return name.removeprefix(OPTIMIZER_PREFIX).rpartition(".")[0]
+    return name
+
+
+def slice_state(
+    shard_rows: ShardRows, spec: Any, shard: Shard, full: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Rank `shard.rank`'s part of an unsplit stage's checkpoint tensors (weights and optimizer state)."""
+    sliced = {}
+    for name, tensor in full.items():
+        cut = shard_rows(spec, shard, parameter_of(name)) if tensor.dim() else None  # 0-dim: Adam's step
+        sliced[name] = tensor.clone() if cut is None else tensor.index_select(cut[0], cut[1])
+    return sliced
+
+
+def gather_state(
+    shard_rows: ShardRows, spec: Any, shards: list[dict[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
+    """The unsplit stage's checkpoint tensors from every rank's (`shards[r]` is rank r's): split tensors
+    are put back together, replicated ones (equal on every rank) are taken from rank 0."""
+    size = len(shards)
+    if any(set(s) != set(shards[0]) for s in shards):
+        raise ValueError("the ranks of a tensor-parallel stage hold different tensor names")
+    full = {}
+    for name, first in shards[0].items():
+        cuts = [shard_rows(spec, Shard(r, size), parameter_of(name)) for r in range(size)] if first.dim() else []
+        if not cuts or cuts[0] is None:
+            full[name] = first
+            continue
+        dim = cuts[0][0]
+        shape = list(first.shape)
+        shape[dim] *= size
+        whole = first.new_empty(shape)
+        for cut, part in zip(cuts, shards, strict=True):
+            if cut is not None:
+                whole.index_copy_(dim, cut[1], part[name])
+        full[name] = whole
+    return full

@@ -1,0 +1,79 @@
+"""The training driver's lease on a running job: claimed by one driver task, renewed while it trains,
+given up to hand over or after a stage error. Every progress write checks it (`held`), so a driver that
+lost its lease (the job was cancelled, rewound, or taken over) learns it from a False return and stops.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Q, QuerySet
+
+from arceus.contracts.status import JobStatus
+from controlplane.common.conditions import FALSE, Condition, set_conditions
+from controlplane.common.dispatch import reconcile_soon
+from controlplane.jobs.models import Job
+
+
+def job_driver_claim(*, job_id: Any, owner: str, now: datetime) -> Job | None:
+    """Take the driver lease of a running job in one UPDATE; None if another live driver holds it (or
+    the job is not running). Claimable: a pending start (no owner yet) or an expired lease."""
+    claimed = (
+        Job.objects.filter(pk=job_id, status=JobStatus.RUNNING)
+        .filter(Q(driver_lease_owner="") | Q(driver_lease_expires_at__isnull=True) | Q(driver_lease_expires_at__lt=now))
+        .update(driver_lease_owner=owner, driver_lease_expires_at=lease_end(now))
+    )
+    return Job.objects.get(pk=job_id) if claimed else None
+
+
+def job_driver_renew(*, job_id: Any, owner: str, now: datetime) -> bool:
+    """Extend the caller's driver lease; False if it no longer holds it (cancelled, rewound, taken over)."""
+    return bool(held(job_id, owner).update(driver_lease_expires_at=lease_end(now)))
+
+
+def job_handover_requested(*, job_id: Any) -> bool:
+    """Whether a node of the job drains and the driver should checkpoint and hand over (the driver asks
+    at its progress writes: a checkpoint can only be taken between steps anyway)."""
+    return Job.objects.filter(pk=job_id, handover_requested=True).exists()
+
+
+@transaction.atomic
+def job_driver_handover(*, job_id: Any, owner: str, step: int, now: datetime) -> bool:
+    """After the checkpoint of `step`, let go of the lease (claimed, expired) so the reconciler moves the
+    draining stages and resumes from that checkpoint; False without the lease."""
+    job = held(job_id, owner).select_for_update().first()
+    if job is None:
+        return False
+    job.driver_lease_expires_at = now
+    message = f"checkpointed step {step} to hand back the stages of a paused node"
+    job.conditions = set_conditions(job.conditions, Condition("Training", FALSE, "HandedOver", message), now=now)
+    job.save(update_fields=["driver_lease_expires_at", "conditions"])
+    reconcile_soon()
+    return True
+
+
+@transaction.atomic
+def job_driver_interrupted(*, job_id: Any, owner: str, message: str, now: datetime) -> bool:
+    """The driver hit a stage error it cannot train through: give the lease up at once (keeping its
+    owner, so the reconciler sees a claimed lease that expired) and say why; the reconciler then rewinds
+    the job to its last checkpoint, moving stages whose node is lost. False without the lease."""
+    job = held(job_id, owner).select_for_update().first()
+    if job is None:
+        return False
+    job.driver_lease_expires_at = now
+    job.conditions = set_conditions(job.conditions, Condition("Training", FALSE, "DriverInterrupted", message), now=now)
+    job.save(update_fields=["driver_lease_expires_at", "conditions"])
+    reconcile_soon()
+    return True
+
+
+def held(job_id: Any, lease_owner: str) -> QuerySet[Job]:
+    """The job, while `lease_owner` holds its driver lease (and it runs)."""
+    return Job.objects.filter(pk=job_id, status=JobStatus.RUNNING, driver_lease_owner=lease_owner)
+
+
+def lease_end(now: datetime) -> datetime:
+    return now + timedelta(seconds=settings.ARCEUS_DRIVER_LEASE_SECONDS)

@@ -1,0 +1,246 @@
+"""Every job status transition, in one place: queue, place, run, requeue, rewind, and the terminal ones
+(succeed, fail, cancel). Each checks the state it moves from (the generation, status or lease it saw) and
+writes nothing when the job moved on meanwhile; each that frees or changes a placement bumps the job's
+generation, so stale agents and drivers are refused, and nudges the reconciler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import datetime
+from typing import Any
+
+from django.db import transaction
+from django.db.models import Value
+from django.db.models.functions import Coalesce
+from django.utils import timezone
+
+from arceus.contracts.observed import ObservedState
+from arceus.contracts.status import ACTIVE_STATUSES, TERMINAL_STATUSES, JobStatus
+from controlplane.common.conditions import FALSE, TRUE, Condition, set_conditions
+from controlplane.common.dispatch import TRAIN_JOB_TASK, enqueue_on_commit, reconcile_soon
+from controlplane.common.errors import ApplicationError
+from controlplane.controller.leases import lease_end
+from controlplane.controller.plan import PlaceJob, StartDriver
+from controlplane.jobs.checkpoints import checkpoints_delete
+from controlplane.jobs.models import Job, Stage
+
+
+def job_queue(*, job: Job, epochs: int | None, learning_rate: float | None, now: datetime) -> Job:
+    """Queue a locked, startable job for placement, dropping the previous attempt's placement, progress
+    and checkpoints: starting again trains from scratch."""
+    job.stages.all().delete()
+    job.loss_points.all().delete()
+    job.epoch_metrics.all().delete()
+    job.resume_checkpoint = None
+    checkpoints_delete(job.checkpoints.all())
+    job.restarts = 0
+    if epochs is not None:
+        job.epochs = epochs
+    if learning_rate is not None:
+        job.learning_rate = learning_rate
+    job.status = JobStatus.QUEUED
+    job.generation += 1
+    job.conditions = set_conditions(
+        [], Condition("Placed", FALSE, "Queued", "waiting for the reconciler to place the stages"), now=now
+    )
+    job.step, job.total_steps, job.epoch = 0, None, 0
+    job.last_loss = job.final_loss = job.val_loss = job.val_accuracy = job.samples_per_second = None
+    job.error = ""
+    job.driver_lease_owner, job.driver_lease_expires_at = "", None
+    job.started_at, job.finished_at = None, None
+    job.save()
+    reconcile_soon()
+    return job
+
+
+def job_place(action: PlaceJob, now: datetime) -> bool:
+    """A queued job's placement: its stage rows at the next generation, status placing."""
+    generation = action.generation + 1
+    updated = Job.objects.filter(pk=action.job_id, generation=action.generation, status=JobStatus.QUEUED).update(
+        status=JobStatus.PLACING, generation=generation, conditions=list(action.conditions)
+    )
+    if not updated:
+        return False
+    Stage.objects.bulk_create(
+        Stage(
+            job_id=action.job_id,
+            index=s.index,
+            layer_start=s.layer_start,
+            layer_end=s.layer_end,
+            node_id=s.node_id,
+            rank=s.rank,
+            generation=generation,
+        )
+        for s in action.stages
+    )
+    return True
+
+
+def job_run(action: StartDriver, now: datetime) -> bool:
+    """Status running, and a driver task enqueued to claim the lease."""
+    seen_lease: dict[str, Any] = (
+        {"driver_lease_expires_at__isnull": True}
+        if action.lease_expires_at is None
+        else {"driver_lease_expires_at": action.lease_expires_at}
+    )
+    updated = Job.objects.filter(
+        pk=action.job_id, generation=action.generation, status=action.status, **seen_lease
+    ).update(
+        status=JobStatus.RUNNING,
+        conditions=list(action.conditions),
+        # No owner yet: the enqueued task claims the lease; if no task claims it in time (the message
+        # was lost, or waits behind another job), the next pass enqueues another. Duplicates find the
+        # lease taken and exit.
+        driver_lease_owner="",
+        driver_lease_expires_at=lease_end(now),
+        started_at=Coalesce("started_at", Value(now)),
+    )
+    if updated:
+        enqueue_on_commit(TRAIN_JOB_TASK, action.job_id)
+    return bool(updated)
+
+
+@transaction.atomic
+def job_cancel(*, job: Job, now: datetime) -> Job:
+    """Stop the job: agents drop its stages at their next heartbeat and its driver stops at its next
+    progress write."""
+    job = Job.objects.select_for_update().get(pk=job.pk)
+    if job.status in TERMINAL_STATUSES:
+        raise ApplicationError.conflict(f"job {job.id} already {job.status}; there is nothing to cancel")
+    job_end(job, JobStatus.CANCELLED, Condition("Training", FALSE, "Cancelled", "cancelled by its owner"), now=now)
+    return job
+
+
+@transaction.atomic
+def job_requeue(*, job_id: Any, generation: int, reason: str, message: str, now: datetime) -> bool:
+    """Take a placing job's placement back (e.g. a node was lost) so it is placed afresh; False if the
+    job moved on since `generation` was observed."""
+    job = Job.objects.select_for_update().filter(pk=job_id, generation=generation, status=JobStatus.PLACING).first()
+    if job is None:
+        return False
+    job.stages.all().delete()
+    job.status = JobStatus.QUEUED
+    job.generation += 1
+    job.conditions = set_conditions(
+        job.conditions,
+        Condition("Placed", FALSE, reason, message),
+        Condition("StagesReady", FALSE, reason, message),
+        now=now,
+    )
+    job.save(update_fields=["status", "generation", "conditions"])
+    reconcile_soon()
+    return True
+
+
+@transaction.atomic
+def job_rewind(
+    *,
+    job_id: Any,
+    generation: int,
+    moves: Mapping[tuple[int, int], Any] | None = None,
+    count_restart: bool = False,
+    reason: str,
+    message: str,
+    now: datetime,
+) -> bool:
+    """Send a placed job back to its last checkpoint: a new generation for every stage (so each rebuilds
+    from that checkpoint and stale RPCs are refused), with the stage ranks in `moves` ((index, rank) ->
+    a node id, or None to unplace: the job then waits as pending) re-placed. Ranks not moved keep their
+    node. False if the job moved on since `generation`; IntegrityError if a target node took another
+    stage meanwhile."""
+    job = Job.objects.select_for_update().filter(pk=job_id, generation=generation, status__in=ACTIVE_STATUSES).first()
+    if job is None:
+        return False
+    moves = moves or {}
+    job.generation += 1
+    checkpoint = job.checkpoints.order_by("-step").first()
+    stages = list(job.stages.filter(active=True))
+    moved = [stage for stage in stages if (stage.index, stage.rank) in moves]
+    for stage in stages:
+        if stage in moved:
+            stage.node_id = moves[stage.index, stage.rank]
+        stage.generation = job.generation
+        stage.observed_generation, stage.observed_state, stage.observed_message = None, ObservedState.PENDING, ""
+    # Release the moved stages' old nodes first: one active stage per node is a database constraint.
+    Stage.objects.filter(pk__in=[s.pk for s in moved]).update(node=None)
+    Stage.objects.bulk_update(
+        stages, ["node", "generation", "observed_generation", "observed_state", "observed_message"]
+    )
+    unplaced = any(stage.node_id is None for stage in stages)
+    job.status = JobStatus.PENDING if unplaced else JobStatus.PLACING
+    job.resume_checkpoint = checkpoint
+    job.step = checkpoint.step if checkpoint else 0
+    job.restarts += int(count_restart)
+    job.handover_requested = False
+    job.driver_lease_owner, job.driver_lease_expires_at = "", None
+    resume = f"resuming from the checkpoint of step {checkpoint.step}" if checkpoint else "restarting from step 0"
+    placed = (
+        Condition("Placed", FALSE, reason, message)
+        if unplaced
+        else Condition("Placed", TRUE, "Placed", message if moves else "stages kept on their nodes")
+    )
+    job.conditions = set_conditions(
+        job.conditions,
+        placed,
+        Condition("StagesReady", FALSE, "Rewinding", f"every stage rebuilds; {resume}"),
+        Condition("Training", FALSE, reason, f"{message}; {resume}"),
+        Condition("Draining", FALSE, "NoNodeDraining", "no stage of the job is on a paused node"),
+        now=now,
+    )
+    job.save()
+    reconcile_soon()
+    return True
+
+
+@transaction.atomic
+def job_fail(
+    *,
+    job_id: Any,
+    message: str,
+    reason: str = "DriverError",
+    generation: int | None = None,
+    lease_owner: str | None = None,
+    now: datetime | None = None,
+) -> bool:
+    """Mark the job failed with `message`; False (and nothing written) if it already ended, or if its
+    placement changed since `generation`, or if `lease_owner` (a driver) no longer holds its lease."""
+    job = Job.objects.select_for_update().filter(pk=job_id).first()
+    if job is None or job.status in TERMINAL_STATUSES:
+        return False
+    if generation is not None and job.generation != generation:
+        return False
+    if lease_owner is not None and job.driver_lease_owner != lease_owner:
+        return False
+    job.error = message
+    job_end(
+        job,
+        JobStatus.FAILED,
+        Condition("Training", FALSE, reason, message),
+        Condition("Failed", TRUE, reason, message),
+        now=now or timezone.now(),
+    )
+    return True
+
+
+def job_end(job: Job, status: JobStatus, *conditions: Condition, now: datetime) -> None:
+    """Move a locked job to a terminal status and release its nodes (a placement change)."""
+    job.status = status
+    job.generation += 1
+    job.conditions = set_conditions(job.conditions, *conditions, now=now)
+    job.finished_at = now
+    job.driver_lease_owner, job.driver_lease_expires_at = "", None
+    job.save()
+    Stage.objects.filter(job=job).update(active=False)
+    reconcile_soon()  # the freed nodes may let a queued job in
+
+
+def job_succeed(job: Job, *, summary: str, now: datetime) -> None:
+    """Move a locked running job to succeeded and release its nodes."""
+    job_end(
+        job,
+        JobStatus.SUCCEEDED,
+        Condition("Training", FALSE, "Completed", summary),
+        Condition("Succeeded", TRUE, "Completed", summary),
+        now=now,
+    )

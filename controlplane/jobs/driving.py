@@ -1,0 +1,160 @@
+"""Drive one job's training: claim its driver lease, run `arceus.training.train` over its stages with a
+progress sink backed by the services, and end the job. The `arceus.train_job` Celery task runs this.
+
+Idempotent through the driver lease: a duplicate or redelivered message finds the lease held by a live
+driver and exits. A thread renews the lease while the driver runs, however long a step takes; a driver
+that died stops renewing, and the reconciler rewinds the job to its last checkpoint and starts another.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+
+from django.conf import settings
+from django.db import DatabaseError, connection
+from django.utils import timezone
+
+from arceus.errors import SpecError
+from arceus.training import DriverError, RankEndpoint, StageEndpoint, TrainPlan, train
+from arceus.wire.transfer import transfer_config_from_json
+from controlplane.controller.leases import job_driver_claim, job_driver_interrupted, job_driver_renew
+from controlplane.controller.transitions import job_fail
+from controlplane.jobs.models import Job, Stage
+from controlplane.jobs.progress import job_finish
+from controlplane.jobs.selectors import job_stages
+from controlplane.jobs.sink import DbProgressSink
+
+log = logging.getLogger(__name__)
+
+
+def job_drive(*, job_id: str) -> str:
+    """Train the job if no live driver holds its lease; what happened: "succeeded", "failed",
+    "interrupted" (a stage failed; the reconciler takes it from here), "stopped" or "skipped"."""
+    owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+    job = job_driver_claim(job_id=job_id, owner=owner, now=timezone.now())
+    if job is None:
+        log.info("job %s: not running or another driver holds its lease; nothing to do", job_id)
+        return "skipped"
+    sink = DbProgressSink(job_id=str(job.id), lease_owner=owner, generation=job.generation)
+    try:
+        with LeaseRenewer(job_id=str(job.id), owner=owner, on_lost=sink.lose_lease):
+            result = train(train_plan(job), sink)
+    except SpecError as exc:
+        if job_fail(job_id=job.id, message=str(exc), generation=job.generation, lease_owner=owner):
+            log.warning("job %s failed: %s", job_id, exc)
+            return "failed"
+        return "stopped"
+    except DriverError as exc:
+        # A stage is unreachable or refused a call: the reconciler decides (move a lost stage, rewind
+        # in place, or fail after too many restarts). If the lease is gone the job already moved on.
+        if job_driver_interrupted(job_id=job.id, owner=owner, message=str(exc), now=timezone.now()):
+            log.warning("job %s: driver interrupted: %s", job_id, exc)
+            return "interrupted"
+        log.info("job %s: driver stopped (%s) after the job changed under it", job_id, exc)
+        return "stopped"
+    except Exception as exc:
+        # A bug, not a stage failure: fail the job instead of letting the reconciler restart the
+        # driver into the same crash forever.
+        log.exception("job %s: the driver crashed", job_id)
+        job_fail(
+            job_id=job.id,
+            message=f"driver crashed: {exc!r}",
+            reason="DriverCrashed",
+            generation=job.generation,
+            lease_owner=owner,
+        )
+        return "failed"
+    sink.flush()
+    if result.stopped or sink.lost_lease:
+        log.info("job %s: driver stopped (cancelled, or its lease was taken over)", job_id)
+        return "stopped"
+    finished = job_finish(
+        job_id=job.id,
+        lease_owner=owner,
+        final_loss=result.final_loss,
+        val_loss=result.val_loss,
+        val_accuracy=result.val_accuracy,
+        stages=result.stages,
+        now=timezone.now(),
+    )
+    return "succeeded" if finished else "stopped"
+
+
+def train_plan(job: Job) -> TrainPlan:
+    """The job's plan as its stage rows stand: a tensor-parallel stage is its rank 0's endpoint, listing
+    the other ranks in rank order."""
+    groups: dict[int, list[Stage]] = defaultdict(list)
+    for row in job_stages(job=job):
+        groups[row.index].append(row)
+    return TrainPlan(
+        job_id=str(job.id),
+        generation=job.generation,
+        stages=tuple(
+            StageEndpoint(
+                index=index,
+                address=rank0.node.grpc_address if rank0.node else "",
+                node_id=str(rank0.node_id),
+                layer_start=rank0.layer_start,
+                layer_end=rank0.layer_end,
+                public_key=rank0.node.public_key if rank0.node else "",
+                tensor_parallel_ranks=tuple(
+                    RankEndpoint(address=r.node.grpc_address if r.node else "", node_id=str(r.node_id))
+                    for r in others
+                ),
+            )
+            for index, (rank0, *others) in sorted(groups.items())
+        ),
+        dataset=job.dataset_config,
+        epochs=job.epochs,
+        learning_rate=job.learning_rate,
+        micro_batches=job.micro_batches,
+        schedule=job.schedule,
+        seed=job.seed,
+        rpc_timeout_seconds=settings.ARCEUS_RPC_TIMEOUT_SECONDS,
+        start_step=job.resume_checkpoint.step if job.resume_checkpoint else 0,
+        checkpoint_interval=job.checkpoint_interval_steps,
+        audit_rate=job.audit_rate,
+        audit_rtol=settings.ARCEUS_AUDIT_RTOL,
+        audit_atol=settings.ARCEUS_AUDIT_ATOL,
+        model=job.model_config,
+        transfer=transfer_config_from_json(job.transfer),
+        precision=job.precision,
+    )
+
+
+class LeaseRenewer:
+    """Renews the driver lease every third of its duration from a thread; calls `on_lost` once if the
+    lease is gone (cancelled, rewound, or taken over), so the driver stops at its next step."""
+
+    def __init__(self, *, job_id: str, owner: str, on_lost: Callable[[], None]) -> None:
+        self._job_id, self._owner, self._on_lost = job_id, owner, on_lost
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"lease-{job_id[:8]}", daemon=True)
+
+    def __enter__(self) -> LeaseRenewer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(settings.ARCEUS_DRIVER_LEASE_SECONDS / 3):
+                try:
+                    held = job_driver_renew(job_id=self._job_id, owner=self._owner, now=timezone.now())
+                except DatabaseError:
+                    log.warning("job %s: could not renew the driver lease; retrying", self._job_id, exc_info=True)
+                    continue
+                if not held:
+                    self._on_lost()
+                    return
+        finally:
+            connection.close()  # this thread's own database connection
