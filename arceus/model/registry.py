@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from arceus.errors import SpecError
-from arceus.model import gpt, mlp
+from arceus.model import convnet, gpt, mlp
 from arceus.model.architecture import Architecture
 from arceus.model.spec import ModelSpec
 
@@ -23,6 +23,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     for a in (
         mlp.ARCHITECTURE,
         gpt.ARCHITECTURE,
+        convnet.ARCHITECTURE,
     )
 }
 
