@@ -27,7 +27,7 @@ $(STUBS): $(PROTOS) protos/generate.py $(STAMP)
 	$(BIN)/python protos/generate.py
 
 demo: install
-	$(BIN)/python -m arceus.demo
+	$(BIN)/python -m devtools.demo
 
 # The suite runs against the real PostgreSQL and Redis of the machine (override by URL).
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/arceus

@@ -30,9 +30,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from arceus.devcluster.cluster import LocalCluster  # noqa: E402
-from arceus.training.reference import reference_run  # noqa: E402
 from bench.report import machine_line, write_section  # noqa: E402
+from devtools.cluster import LocalCluster  # noqa: E402
+from devtools.reference import reference_run  # noqa: E402
 
 JOB: dict[str, Any] = {
     "model_config": {"layer_sizes": [64, 128, 64, 10]},

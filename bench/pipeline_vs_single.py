@@ -23,19 +23,16 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from arceus.contracts.assignment import max_micro_batch_size  # noqa: E402
 from arceus.data import epoch_batches, load_dataset, validate_dataset_config  # noqa: E402
 from arceus.model.build import build_full_model  # noqa: E402
 from arceus.model.registry import model_spec_from_config  # noqa: E402
 from arceus.training.driver import train  # noqa: E402
-from arceus.training.plan import (  # noqa: E402
-    StageEndpoint,
-    TrainPlan,
-    max_micro_batch_size,
-)
+from arceus.training.plan import StageEndpoint, TrainPlan  # noqa: E402
 from bench.clock import Clock  # noqa: E402
 from bench.report import machine_line, write_section  # noqa: E402
-from nodeagent.launch import free_ports, spawn_static_agents, stop_agents  # noqa: E402
-from nodeagent.static import pipeline_assignments  # noqa: E402
+from devtools.launch import free_ports, spawn_static_agents, stop_agents  # noqa: E402
+from devtools.pipeline import pipeline_assignments  # noqa: E402
 
 MODEL = {"type": "mlp", "layer_sizes": [64, 128, 64, 10]}
 DATASET = validate_dataset_config({"name": "digits", "batch_size": 32, "val_batch_size": 360})

@@ -8,7 +8,7 @@ bundled text) on the same batches (16 windows, M = 4 micro-batches) with Adam, f
 weights, split after block 3 (embedding + 3 blocks | 3 blocks + head). Pipeline stages are separate
 processes with one torch thread each, with one difference, said in the table: the Arceus agents share
 this machine and lend each other its cores (`--solo-threads`, every core) in the actions no other stage
-computes alongside (the pipeline's fill and drain, arceus.pipeline.lending); torch pipelining has no such
+computes alongside (the pipeline's fill and drain, arceus.pipeline.solo); torch pipelining has no such
 thing, so it also runs with every core per stage (oversubscribed) for comparison. The one-process
 baseline uses every core. Every process, the torch workers' too, runs with the agent's process settings:
 the OpenMP spin cap (nodeagent.openmp) and freed blocks kept in the heap (nodeagent.heap). Rounds
@@ -42,21 +42,18 @@ import torch.multiprocessing as mp  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # noqa: E402
 
+from arceus.contracts.assignment import max_micro_batch_size  # noqa: E402
 from arceus.data import epoch_batches, load_dataset, validate_dataset_config  # noqa: E402
 from arceus.data.text import text_vocabulary  # noqa: E402
 from arceus.model.build import build_full_model, build_layers  # noqa: E402
 from arceus.model.registry import model_spec_from_config  # noqa: E402
 from arceus.training.driver import train  # noqa: E402
-from arceus.training.plan import (  # noqa: E402
-    StageEndpoint,
-    TrainPlan,
-    max_micro_batch_size,
-)
+from arceus.training.plan import StageEndpoint, TrainPlan  # noqa: E402
 from bench.clock import Clock  # noqa: E402
 from bench.report import machine_line, write_section  # noqa: E402
+from devtools.launch import free_ports, spawn_static_agents, stop_agents  # noqa: E402
+from devtools.pipeline import pipeline_assignments  # noqa: E402
 from nodeagent.heap import retain_freed_blocks  # noqa: E402
-from nodeagent.launch import free_ports, spawn_static_agents, stop_agents  # noqa: E402
-from nodeagent.static import pipeline_assignments  # noqa: E402
 
 DATASET = validate_dataset_config({"name": "text", "batch_size": 16, "val_batch_size": 64, "block_size": 128})
 MODEL: dict[str, Any] = {

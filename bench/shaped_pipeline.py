@@ -5,7 +5,7 @@
 
 The GPT of bench/pipeline_vs_torch.py (same model, text batches, micro-batches, Adam, seed) trains in
 2 or 3 stages of static agents (one process and one torch thread each). Every directed link, driver →
-stage i and stage i ⇄ stage i±1, goes through its own `arceus.devcluster.shaper` link: `--delay-ms`
+stage i and stage i ⇄ stage i±1, goes through its own `devtools.shaper` link: `--delay-ms`
 one way and `--rate-mbit` per direction. Both setups train the same batches from the same weights;
 rounds alternate them. Reports samples/s (after warm-up), their ratio, the training loss at the last
 step, and per step: what each stage sent, its compute time and its wait (step time minus compute).
@@ -26,15 +26,16 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from arceus.devcluster.shaper import ShaperThread  # noqa: E402
+from arceus.contracts.assignment import max_micro_batch_size  # noqa: E402
 from arceus.model.registry import model_spec_from_config  # noqa: E402
 from arceus.training.driver import train  # noqa: E402
-from arceus.training.plan import StageEndpoint, StepProgress, TrainPlan, max_micro_batch_size  # noqa: E402
+from arceus.training.plan import StageEndpoint, StepProgress, TrainPlan  # noqa: E402
 from bench.clock import Clock  # noqa: E402
 from bench.pipeline_vs_torch import DATASET, LR, MICRO_BATCHES, MODEL, SEED, SPLIT, WARMUP, _rate  # noqa: E402
 from bench.report import machine_line, write_section  # noqa: E402
-from nodeagent.launch import free_ports, spawn_static_agents, stop_agents  # noqa: E402
-from nodeagent.static import pipeline_assignments  # noqa: E402
+from devtools.launch import free_ports, spawn_static_agents, stop_agents  # noqa: E402
+from devtools.pipeline import pipeline_assignments  # noqa: E402
+from devtools.shaper import ShaperThread  # noqa: E402
 
 SETUPS: dict[str, tuple[str, dict[str, Any] | None]] = {
     "fp32_gpipe": ("gpipe", None),

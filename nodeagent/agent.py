@@ -17,13 +17,14 @@ from arceus.contracts.assignment import Assignment
 from arceus.contracts.observed import ObservedStage
 from arceus.v1 import link_probe_pb2_grpc, stage_pb2, tensor_parallel_pb2_grpc
 from arceus.verify.receipts import ReceiptSigner
+from nodeagent.hosting import StageRegistry
 from nodeagent.lending import ComputeThreads
 from nodeagent.link_probe import LinkProbeServicer
 from nodeagent.metrics import AgentMetrics
 from nodeagent.neighbour_links import NeighbourLinks
-from nodeagent.registry import StageRegistry
+from nodeagent.rpc import grpc_channel_options
 from nodeagent.servicer import StageServicer, add_stage_service
-from nodeagent.stage import CheckpointLoader, grpc_channel_options
+from nodeagent.stage import CheckpointLoader
 from nodeagent.tp_servicer import TensorParallelServicer
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 borrowing pays.
 
 A stage computes with its agent's share of threads (`own`), and with `solo` threads in the actions no
-other stage of its pipeline computes alongside (arceus.pipeline.lending): then the cores of the stages
+other stage of its pipeline computes alongside (arceus.pipeline.solo): then the cores of the stages
 that wait for it idle. Only while that measurably pays, though: a borrowed core may be busy with another
 program, and an action whose OpenMP threads wait for a descheduled peer runs slower than on the own
 share. So each stage keeps the compute seconds per sample of its last forwards and backwards, with either
@@ -15,9 +15,13 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
+
+from arceus.pipeline.schedule import Action
+from arceus.pipeline.solo import SoloPlanner
 
 PROBE_EVERY = 4
 KEPT = 5  # figures per kind and count that the medians are taken over
@@ -68,3 +72,48 @@ class LendingGauge:
             self._warm.add((kind, lent))
             return
         self._per_sample.setdefault((kind, lent), deque(maxlen=KEPT)).append(seconds / max(samples, 1))
+
+
+class StepLending:
+    """One step's thread choices: each action computes with the agent's own share, or, when it is solo
+    (`arceus.pipeline.solo`) and borrowing pays for its kind (the stage's `LendingGauge`), with the
+    borrowed share; the gauge learns from every action's seconds."""
+
+    def __init__(
+        self,
+        *,
+        stage_index: int,
+        gauge: LendingGauge,
+        threads: ComputeThreads | None,
+        planner: SoloPlanner | None,
+        arrived: Callable[[], Iterable[Action]],
+    ) -> None:
+        """`threads` None leaves the calling thread's count alone; `planner` None never borrows;
+        `arrived`: the neighbours' actions whose outputs reached the stage so far."""
+        self._stage_index, self._gauge, self._threads, self._planner = stage_index, gauge, threads, planner
+        self._arrived = arrived
+
+    def start(self, index: int, action: Action) -> bool:
+        """Set the threads for the stage's action `index` (its inputs are in); whether it borrows."""
+        lent = (
+            self._planner is not None
+            and self._planner.solo(self._stage_index, index, self._arrived())
+            and self._gauge.lend(action.kind)
+        )
+        if self._threads is not None:
+            self._threads.apply(lent)
+        return lent
+
+    def done(self, action: Action, lent: bool, seconds: float, samples: int) -> None:
+        if self._planner is not None:
+            self._gauge.record(action.kind, lent, seconds, samples)
+
+    def optimizer_step(self) -> None:
+        """Threads for the optimizer step: borrowed when every other stage is done and both kinds pay."""
+        if self._threads is not None:
+            self._threads.apply(
+                self._planner is not None
+                and self._planner.solo_optimizer_step(self._stage_index)
+                and self._gauge.pays("F")
+                and self._gauge.pays("B")
+            )

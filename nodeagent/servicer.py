@@ -22,19 +22,17 @@ from arceus.verify.receipts import ReceiptSigner
 from arceus.wire.codec import TensorValidationError
 from arceus.wire.incoming_push import IncomingPush, MalformedPush, parse_push
 from arceus.wire.proto_tensor import from_proto, to_proto
-from nodeagent.executor import run_step
+from nodeagent.hosting import StageRegistry
 from nodeagent.lending import ComputeThreads
 from nodeagent.mailbox import MailboxClosed, MailboxFull
 from nodeagent.metrics import AgentMetrics
-from nodeagent.registry import StageRegistry
-from nodeagent.status import RpcFailure
+from nodeagent.rpc import RpcFailure, call_deadline, serve
+from nodeagent.step import StepRun
 from nodeagent.validation import KIND_NAMES, decode_push
 from nodeagent.verify import recompute_forward
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
-# A call without a deadline (ours always set one) reports as "infinite"; its waits still end at this.
-MAX_CALL_SECONDS = 3600.0
 
 
 class StageServicer(stage_pb2_grpc.StageServiceServicer):
@@ -62,7 +60,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             self._deliver(request)
             return stage_pb2.PushTensorReply()
 
-        return _serve(context, "PushTensor", push)
+        return serve(context, "PushTensor", push)
 
     def PushStream(
         self, request_iterator: Iterator[IncomingPush | MalformedPush], context: grpc.ServicerContext
@@ -109,7 +107,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     ) -> stage_pb2.RunStepReply:
         def step() -> stage_pb2.RunStepReply:
             stage = self._registry.resolve(request.target)
-            deadline = _deadline(context)
+            deadline = call_deadline(context)
             abort = threading.Event()
 
             def on_done() -> None:  # runs when the call ends, including when the caller cancels it
@@ -123,9 +121,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 threads = None if self._compute_threads is None else self._compute_threads()
                 before = stage.counters()
                 started = time.perf_counter()
-                reply = run_step(
+                reply = StepRun(
                     stage, request, deadline=deadline, abort=abort, signer=self._signer, threads=threads
-                )
+                ).run()
                 mode = "train" if request.mode == stage_pb2.TRAIN else "eval"
                 self._metrics.step_seconds.labels(mode=mode).observe(time.perf_counter() - started)
             finally:
@@ -137,7 +135,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             self._metrics.bytes_sent.inc(after.bytes_sent - before.bytes_sent)
             return reply
 
-        return _serve(context, "RunStep", step)
+        return serve(context, "RunStep", step)
 
     def GetWeights(
         self, request: stage_pb2.GetWeightsRequest, context: grpc.ServicerContext
@@ -145,7 +143,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         def weights() -> stage_pb2.GetWeightsReply:
             stage = self._registry.resolve(request.target)
             # Wait for a running step to finish so the weights are never half updated.
-            if not stage.step_lock.acquire(timeout=max(0.0, _deadline(context) - time.monotonic())):
+            if not stage.step_lock.acquire(timeout=max(0.0, call_deadline(context) - time.monotonic())):
                 raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, f"{stage.name} stayed busy with a step")
             try:
                 runtime = stage.runtime
@@ -156,12 +154,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 tensors=[stage_pb2.NamedTensor(name=name, tensor=to_proto(t)) for name, t in named.items()]
             )
 
-        return _serve(context, "GetWeights", weights)
+        return serve(context, "GetWeights", weights)
 
     def Audit(self, request: stage_pb2.AuditRequest, context: grpc.ServicerContext) -> stage_pb2.AuditReply:
         def audit() -> stage_pb2.AuditReply:
             stage = self._registry.resolve(request.target)
-            if not stage.step_lock.acquire(timeout=max(0.0, _deadline(context) - time.monotonic())):
+            if not stage.step_lock.acquire(timeout=max(0.0, call_deadline(context) - time.monotonic())):
                 raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, f"{stage.name} stayed busy with a step")
             try:
                 record = stage.audit_record
@@ -187,7 +185,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 reply.sent.CopyFrom(to_proto(record.sent[request.micro_batch]))
             return reply
 
-        return _serve(context, "Audit", audit)
+        return serve(context, "Audit", audit)
 
     def VerifyForward(
         self, request: stage_pb2.VerifyForwardRequest, context: grpc.ServicerContext
@@ -210,7 +208,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, f"cannot verify: {exc}") from None
             return stage_pb2.VerifyForwardReply(output=to_proto(out))
 
-        return _serve(context, "VerifyForward", verify)
+        return serve(context, "VerifyForward", verify)
 
 
 def add_stage_service(servicer: stage_pb2_grpc.StageServiceServicer, server: grpc.Server) -> None:
@@ -226,19 +224,3 @@ def add_stage_service(servicer: stage_pb2_grpc.StageServiceServicer, server: grp
             servicer.PushStream, parse_push, stage_pb2.PushAck.SerializeToString
         ),
     })
-
-
-def _deadline(context: grpc.ServicerContext) -> float:
-    return time.monotonic() + min(context.time_remaining(), MAX_CALL_SECONDS)
-
-
-def _serve(context: grpc.ServicerContext, method: str, handler: Callable[[], R]) -> R:  # type: ignore[return]
-    try:
-        return handler()
-    except RpcFailure as failure:
-        code, message = failure.code, failure.message
-        log.warning("%s -> %s: %s", method, code.name, message)
-    except Exception as exc:
-        log.exception("%s failed unexpectedly", method)
-        code, message = grpc.StatusCode.INTERNAL, f"{method} failed unexpectedly: {type(exc).__name__}: {exc}"
-    context.abort(code, message)  # raises: the status goes to the caller

@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import grpc
 import torch
@@ -17,13 +16,12 @@ from arceus.model.tensor_parallel import build_parallel_layers, slice_state_tens
 from arceus.v1 import stage_pb2
 from arceus.wire.push_stream import PushStream
 from arceus.wire.transfer import TransferEncoder
+from nodeagent.all_reduce import TensorParallelGroup
 from nodeagent.lending import LendingGauge
 from nodeagent.mailbox import Mailbox
+from nodeagent.rpc import grpc_channel_options
 from nodeagent.runtime import StageRuntime
 from nodeagent.verify import AuditRecord
-
-if TYPE_CHECKING:  # nodeagent.tensor_parallel imports this module
-    from nodeagent.tensor_parallel import TensorParallelGroup
 
 
 @dataclass(frozen=True)
@@ -38,13 +36,6 @@ class StageIO:
     micro_batches: int
     is_first: bool
     is_last: bool
-
-
-def grpc_channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-    ]
 
 
 class NeighbourLink:

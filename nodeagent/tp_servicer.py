@@ -6,8 +6,8 @@ from __future__ import annotations
 import grpc
 
 from arceus.v1 import tensor_parallel_pb2, tensor_parallel_pb2_grpc
-from nodeagent.servicer import _serve
-from nodeagent.tensor_parallel import TensorParallelGroups
+from nodeagent.all_reduce import TensorParallelGroups
+from nodeagent.rpc import serve
 
 
 class TensorParallelServicer(tensor_parallel_pb2_grpc.TensorParallelServiceServicer):
@@ -21,4 +21,4 @@ class TensorParallelServicer(tensor_parallel_pb2_grpc.TensorParallelServiceServi
             self._groups.resolve(request.target).accept(request)
             return tensor_parallel_pb2.PushPartialReply()
 
-        return _serve(context, "PushPartial", push)
+        return serve(context, "PushPartial", push)

@@ -16,8 +16,8 @@ from arceus.v1 import stage_pb2
 from arceus.wire import codec
 from arceus.wire.incoming_push import IncomingPush
 from arceus.wire.proto_tensor import decode_tensor
+from nodeagent.rpc import RpcFailure
 from nodeagent.stage import StageIO
-from nodeagent.status import RpcFailure
 
 KIND_NAMES = {stage_pb2.ACTIVATION: "ACTIVATION", stage_pb2.GRADIENT: "GRADIENT", stage_pb2.LABELS: "LABELS"}
 

@@ -43,6 +43,13 @@ _CHECKPOINT_FIELDS = frozenset({"step", "url", "sha256"})
 _TENSOR_PARALLEL_FIELDS = frozenset({"rank", "size", "peers"})
 
 
+def max_micro_batch_size(dataset_config: dict[str, Any], micro_batches: int) -> int:
+    """The largest micro-batch a driver sends for this (validated) dataset config: what an assignment's
+    `max_micro_batch_size` must allow."""
+    largest = max(dataset_config["batch_size"], dataset_config["val_batch_size"])
+    return math.ceil(largest / micro_batches)
+
+
 @dataclass(frozen=True)
 class CheckpointRef:
     """Where the stage's state at `step` is kept: the agent fetches `url` and checks the hash."""

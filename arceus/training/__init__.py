@@ -10,7 +10,6 @@ from arceus.training.plan import (
     StepProgress,
     TrainPlan,
     TrainResult,
-    max_micro_batch_size,
 )
 
 __all__ = [
@@ -23,6 +22,5 @@ __all__ = [
     "StepProgress",
     "TrainPlan",
     "TrainResult",
-    "max_micro_batch_size",
     "train",
 ]

@@ -287,12 +287,6 @@ def train(plan: TrainPlan, sink: ProgressSink) -> TrainResult:
     )
 
 
-def fetch_weights(plan: TrainPlan) -> dict[str, torch.Tensor]:
-    """All parameters of the pipeline in `plan`, under their model-wide names ("layers.0.weight", ...)."""
-    with Pipeline(plan) as pipeline:
-        return pipeline.weights()
-
-
 def _await_all(calls: list[tuple[StageClient, str, grpc.Future | Future[None]]]) -> list:
     """Results of all calls in order; the first failure cancels the others and raises DriverError."""
     done: queue.SimpleQueue[int] = queue.SimpleQueue()

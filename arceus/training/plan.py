@@ -110,13 +110,6 @@ class TrainPlan:
             )
 
 
-def max_micro_batch_size(dataset_config: dict[str, Any], micro_batches: int) -> int:
-    """The largest micro-batch a driver sends for this (validated) dataset config: what an assignment's
-    `max_micro_batch_size` must allow."""
-    largest = max(dataset_config["batch_size"], dataset_config["val_batch_size"])
-    return math.ceil(largest / micro_batches)
-
-
 @dataclass(frozen=True)
 class SpotCheck:
     """The outcome of checking a node's work: a recomputed forward, or a receipt it signed."""

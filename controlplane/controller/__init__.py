@@ -1,6 +1,6 @@
 """The controller: the only code that changes a job's placement, generation, driver lease and status.
 
-Level-triggered reconciliation (`snapshot` reads, `plan` decides purely, `executor` applies with
+Level-triggered reconciliation (`snapshot` reads, `rules` decide purely, `executor` applies with
 optimistic checks), job status transitions (`transitions`), the driver lease (`leases`), placement in the
 solver's terms (`placement`) and rollbacks (`rollback`). Services elsewhere record intent and nudge it.
 """

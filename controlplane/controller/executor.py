@@ -19,7 +19,7 @@ from django.utils import timezone
 
 from arceus.contracts.status import JobStatus
 from controlplane.common.conditions import UNKNOWN
-from controlplane.controller.plan import (
+from controlplane.controller.rules import (
     Action,
     FailJob,
     MarkNodeUnknown,

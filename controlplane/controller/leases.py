@@ -77,3 +77,9 @@ def held(job_id: Any, lease_owner: str) -> QuerySet[Job]:
 
 def lease_end(now: datetime) -> datetime:
     return now + timedelta(seconds=settings.ARCEUS_DRIVER_LEASE_SECONDS)
+
+
+def renewed(now: datetime) -> dict[str, Any]:
+    """The fields that renew the lease, for a holder's write that records something else too (one
+    UPDATE)."""
+    return {"driver_lease_expires_at": lease_end(now)}

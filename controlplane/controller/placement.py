@@ -8,7 +8,7 @@ from typing import Any
 
 from arceus.model.spec import ModelSpec
 from arceus.placement.solver import LayerProfile, Workload
-from controlplane.controller.plan import Requirements, TensorParallel
+from controlplane.controller.rules import Requirements, TensorParallel
 
 
 def layer_profiles(spec: ModelSpec) -> tuple[LayerProfile, ...]:

@@ -21,7 +21,7 @@ from controlplane.common.conditions import FALSE, TRUE, Condition, set_condition
 from controlplane.common.dispatch import TRAIN_JOB_TASK, enqueue_on_commit, reconcile_soon
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.leases import lease_end
-from controlplane.controller.plan import PlaceJob, StartDriver
+from controlplane.controller.rules import PlaceJob, StartDriver
 from controlplane.jobs.checkpoints import checkpoints_delete
 from controlplane.jobs.models import Job, Stage
 

@@ -10,7 +10,7 @@ from arceus.data import load_dataset
 from arceus.placement.solver import PlacementError, solve
 from controlplane.common.conditions import TRUE
 from controlplane.controller.placement import layer_profiles, requirements, tensor_parallel_split, workload
-from controlplane.controller.plan import stage_bounds
+from controlplane.controller.rules import stage_bounds
 from controlplane.controller.snapshot import node_views, registered_nodes
 from controlplane.jobs.models import Stage
 from controlplane.jobs.services import job_validate

@@ -19,7 +19,7 @@ from django.db import transaction
 from arceus.contracts.counters import StageCounters
 from arceus.errors import SpecError
 from arceus.model.registry import model_spec_from_config
-from controlplane.controller.leases import held, lease_end
+from controlplane.controller.leases import held, renewed
 from controlplane.controller.transitions import job_succeed
 from controlplane.jobs.models import EpochMetric, LossPoint, Stage, StageContribution
 from controlplane.market.services import ledger_record_work
@@ -49,7 +49,7 @@ def job_record_steps(
     """Record a batch of training steps (the newest becomes the job's progress) and the stages' latest
     counters, and renew the lease; with no points it only renews. False if the caller no longer holds
     the lease."""
-    fields: dict[str, Any] = {"driver_lease_expires_at": lease_end(now)}
+    fields: dict[str, Any] = renewed(now)
     if points:
         last = points[-1]
         fields.update(
@@ -96,7 +96,7 @@ def job_record_epoch(
     recorded = held(job_id, lease_owner).update(
         val_loss=_finite(val_loss),
         val_accuracy=_finite(val_accuracy),
-        driver_lease_expires_at=lease_end(now),
+        **renewed(now),
     )
     if not recorded:
         return False

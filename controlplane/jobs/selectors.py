@@ -11,7 +11,15 @@ from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import F, Q, QuerySet, Sum
 
+from arceus.contracts.assignment import (
+    Assignment,
+    CheckpointRef,
+    OptimizerConfig,
+    TensorParallelConfig,
+    max_micro_batch_size,
+)
 from arceus.contracts.status import HOSTED_STATUSES
+from arceus.wire.transfer import transfer_config_from_json
 from controlplane.common.errors import ApplicationError
 from controlplane.jobs.models import Job, LossPoint, Stage, StageCheckpoint, StageContribution
 from controlplane.nodes.models import Node
@@ -94,51 +102,37 @@ def assignments_for_node(*, node: Node) -> list[dict[str, Any]]:
 
 def _assignment(stage: Stage, stages: dict[int, list[Stage]], checkpoint: StageCheckpoint | None) -> dict[str, Any]:
     job = stage.job
-    dataset = job.dataset_config
     group = stages[stage.index]
-    return {
-        "stage_id": stage.stage_id,
-        "job_id": str(job.id),
-        "stage_index": stage.index,
-        "num_stages": len(stages),
-        "generation": stage.generation,
-        "model": job.model_config,
-        "layer_start": stage.layer_start,
-        "layer_end": stage.layer_end,
-        "seed": job.seed,
-        "optimizer": {
-            "name": job.optimizer,
-            "lr": job.learning_rate,
-            "momentum": job.momentum,
-            "weight_decay": job.weight_decay,
-        },
-        "micro_batches": job.micro_batches,
-        "transfer": job.transfer,
-        "precision": job.precision,
+    previous, following = _addresses(stages.get(stage.index - 1)), _addresses(stages.get(stage.index + 1))
+    return Assignment(
+        stage_id=stage.stage_id,
+        job_id=str(job.id),
+        stage_index=stage.index,
+        num_stages=len(stages),
+        generation=stage.generation,
+        model=job.model_config,
+        layer_start=stage.layer_start,
+        layer_end=stage.layer_end,
+        seed=job.seed,
+        optimizer=OptimizerConfig(job.optimizer, job.learning_rate, job.momentum, job.weight_decay),
+        micro_batches=job.micro_batches,
         # The driver splits each batch (training or validation) into `micro_batches` parts.
-        # Not arceus.training.max_micro_batch_size: that package imports grpc, which the control plane
-        # must not.
-        "max_micro_batch_size": math.ceil(max(dataset["batch_size"], dataset["val_batch_size"]) / job.micro_batches),
-        "prev_address": _address(stages.get(stage.index - 1)),
-        "next_address": _address(stages.get(stage.index + 1)),
-        **(
-            {"tensor_parallel": {"rank": stage.rank, "size": len(group), "peers": [_address([s]) for s in group]}}
-            if len(group) > 1
-            else {}
-        ),
-        "checkpoint": None
+        max_micro_batch_size=max_micro_batch_size(job.dataset_config, job.micro_batches),
+        prev_address=previous[0] if previous else None,
+        next_address=following[0] if following else None,
+        prev_ranks=previous if len(previous) > 1 else (),
+        next_ranks=following if len(following) > 1 else (),
+        checkpoint=None
         if checkpoint is None
-        else {
-            "step": checkpoint.checkpoint.step,
-            "url": f"/api/agent/checkpoints/{checkpoint.id}",
-            "sha256": checkpoint.sha256,
-        },
-    }
+        else CheckpointRef(
+            step=checkpoint.checkpoint.step, url=f"/api/agent/checkpoints/{checkpoint.id}", sha256=checkpoint.sha256
+        ),
+        transfer=transfer_config_from_json(job.transfer),
+        precision=job.precision,
+        tensor_parallel=TensorParallelConfig(rank=stage.rank, peers=_addresses(group)) if len(group) > 1 else None,
+    ).to_json()
 
 
-def _address(group: list[Stage] | None) -> str | list[str | None] | None:
-    """A neighbouring stage's "host:port", or a tensor-parallel one's list of its ranks' (rank order)."""
-    if not group:
-        return None
-    addresses = [s.node.grpc_address if s.node is not None else None for s in group]
-    return addresses if len(addresses) > 1 else addresses[0]
+def _addresses(group: list[Stage] | None) -> tuple[str, ...]:
+    """The "host:port" of each rank of a stage (one, unless it is tensor-parallel), in rank order."""
+    return tuple(s.node.grpc_address if s.node is not None else "" for s in group or ())

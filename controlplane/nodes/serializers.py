@@ -9,7 +9,9 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from arceus.contracts.observed import ObservedStage
+from arceus.model.precision import PRECISIONS
 from arceus.verify.receipts import ReceiptError, load_public_key
+from arceus.wire.transfer import ACTIVATION_ENCODINGS, GRADIENT_ENCODINGS
 from controlplane.common.fields import StrictFloatField, StrictInputSerializer, StrictIntegerField
 from controlplane.nodes.availability import parse_window
 from controlplane.nodes.models import DeviceType, Node
@@ -226,8 +228,15 @@ class TensorParallelOutput(serializers.Serializer):
     peers = serializers.ListField(child=serializers.CharField(), help_text="every rank's address, in rank order")
 
 
+class TransferOutput(serializers.Serializer):
+    activations = serializers.ChoiceField(choices=list(ACTIVATION_ENCODINGS))
+    gradients = serializers.ChoiceField(choices=list(GRADIENT_ENCODINGS))
+    block_size = serializers.IntegerField(help_text="int8: values per absmax scale")
+    topk_ratio = serializers.FloatField(help_text="topk: share of gradient values sent per message")
+
+
 class AssignmentOutput(serializers.Serializer):
-    """Documents the Assignment contract; the selector builds the JSON itself."""
+    """Documents the Assignment contract (`arceus.contracts.assignment.Assignment.to_json` builds it)."""
 
     stage_id = serializers.CharField()
     job_id = serializers.UUIDField()
@@ -248,6 +257,8 @@ class AssignmentOutput(serializers.Serializer):
         allow_null=True, help_text='"host:port"; a tensor-parallel neighbour: the list of its ranks\' addresses'
     )
     checkpoint = CheckpointRefOutput(allow_null=True, help_text="The state to resume from; null: the seed's")
+    transfer = TransferOutput(help_text="How the stage encodes the activations and gradients it sends")
+    precision = serializers.ChoiceField(choices=list(PRECISIONS), help_text="bf16: matmuls under autocast")
     tensor_parallel = TensorParallelOutput(required=False, help_text="Present when the stage is split over nodes")
 
 

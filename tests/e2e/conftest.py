@@ -21,7 +21,7 @@ import pytest
 import redis
 from django.conf import settings
 
-from arceus.devcluster.cluster import LocalCluster
+from devtools.cluster import LocalCluster
 
 FAILED = pytest.StashKey[bool]()
 APP_TABLE_PREFIXES = ("jobs_", "market_", "nodes_")  # the control plane's own apps

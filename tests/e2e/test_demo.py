@@ -1,4 +1,4 @@
-"""`make demo` runs `python -m arceus.demo`: run it as a user would, on its embedded defaults."""
+"""`make demo` runs `python -m devtools.demo`: run it as a user would, on its embedded defaults."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from arceus.devcluster.cluster import REPO_ROOT
+from devtools.cluster import REPO_ROOT
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ def _processes_mentioning(text: str) -> list[int]:
 
 def test_demo_trains_digits_to_95_percent_and_prints_summary(tmp_path: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-m", "arceus.demo", "--workdir", str(tmp_path)],
+        [sys.executable, "-m", "devtools.demo", "--workdir", str(tmp_path)],
         cwd=REPO_ROOT, env=_demo_env(), capture_output=True, text=True, timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -61,7 +61,7 @@ def test_demo_trains_digits_to_95_percent_and_prints_summary(tmp_path: Path) -> 
 
 def test_ctrl_c_mid_training_leaves_no_process_behind(tmp_path: Path) -> None:
     demo = subprocess.Popen(
-        [sys.executable, "-m", "arceus.demo", "--workdir", str(tmp_path)],
+        [sys.executable, "-m", "devtools.demo", "--workdir", str(tmp_path)],
         cwd=REPO_ROOT, env=_demo_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
     try:

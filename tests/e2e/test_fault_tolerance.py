@@ -19,10 +19,10 @@ import torch
 from safetensors.torch import load as safetensors_load
 
 from arceus.cli import main as cli_main
-from arceus.devcluster.cluster import Agent, LocalCluster
-from arceus.training.reference import reference_run
 from arceus.v1 import stage_pb2, stage_pb2_grpc
 from arceus.wire.proto_tensor import to_proto
+from devtools.cluster import Agent, LocalCluster
+from devtools.reference import reference_run
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ from decimal import Decimal
 import pytest
 import requests
 
-from arceus.devcluster.cluster import LocalCluster
+from devtools.cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 

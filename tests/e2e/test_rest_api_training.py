@@ -12,7 +12,7 @@ import pytest
 import requests
 
 from arceus.data import load_dataset, validate_dataset_config
-from arceus.devcluster.cluster import LocalCluster
+from devtools.cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from arceus.data.text_config import BUNDLED_TEXT
-from arceus.devcluster.cluster import LocalCluster
-from arceus.training.reference import reference_run
+from devtools.cluster import LocalCluster
+from devtools.reference import reference_run
 
 pytestmark = pytest.mark.slow
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load as safetensors_load
 
-from arceus.devcluster.cluster import LocalCluster
-from arceus.training.reference import reference_run
+from devtools.cluster import LocalCluster
+from devtools.reference import reference_run
 
 pytestmark = pytest.mark.slow
 

@@ -13,8 +13,8 @@ import torch
 from arceus.contracts.assignment import Assignment
 from arceus.contracts.observed import ObservedStage
 from arceus.v1 import stage_pb2, stage_pb2_grpc
+from devtools.pipeline import pipeline_assignments
 from nodeagent.agent import Agent, split_host_port
-from nodeagent.static import pipeline_assignments
 
 MODEL = {"layer_sizes": [8, 6, 4]}
 

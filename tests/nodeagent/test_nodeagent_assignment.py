@@ -8,7 +8,8 @@ import pytest
 
 from arceus.contracts.assignment import Assignment, CheckpointRef, OptimizerConfig
 from arceus.errors import SpecError
-from nodeagent.static import load_static_assignments, pipeline_assignments
+from devtools.pipeline import pipeline_assignments
+from nodeagent.static import load_static_assignments
 
 
 def assignment(**changes: Any) -> dict[str, Any]:

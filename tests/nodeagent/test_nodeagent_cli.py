@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from devtools.launch import spawn_agent, stop_agents
+from devtools.pipeline import pipeline_assignments
 from nodeagent.cli import main
-from nodeagent.launch import spawn_agent, stop_agents
-from nodeagent.static import pipeline_assignments
 
 pytestmark = pytest.mark.slow
 

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import torch
 
+from devtools.pipeline import pipeline_assignments
 from nodeagent.agent import Agent
 from nodeagent.control_plane import (
     ControlPlaneClient,
@@ -17,7 +18,6 @@ from nodeagent.control_plane import (
     Unauthorized,
     register_until_accepted,
 )
-from nodeagent.static import pipeline_assignments
 
 ASSIGNMENT = pipeline_assignments(
     job_id="job",

@@ -13,9 +13,9 @@ from arceus.model.registry import model_spec_from_config
 from arceus.v1 import stage_pb2
 from arceus.wire.incoming_push import IncomingPush, parse_push
 from arceus.wire.proto_tensor import to_proto
+from nodeagent.rpc import RpcFailure
 from nodeagent.runtime import StageRuntime
 from nodeagent.stage import StageIO
-from nodeagent.status import RpcFailure
 from nodeagent.validation import decode_push
 
 SPEC = model_spec_from_config(

@@ -20,8 +20,8 @@ from arceus.training import DriverError, StageEndpoint, TrainPlan, train
 from arceus.training.recording import RecordingSink
 from arceus.v1 import stage_pb2, stage_pb2_grpc
 from arceus.wire.proto_tensor import to_proto
-from nodeagent.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
-from nodeagent.static import pipeline_assignments
+from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
+from devtools.pipeline import pipeline_assignments
 
 pytestmark = pytest.mark.slow
 

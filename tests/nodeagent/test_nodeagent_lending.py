@@ -10,13 +10,13 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from arceus.contracts.assignment import Assignment
+from arceus.contracts.assignment import Assignment, max_micro_batch_size
 from arceus.data import load_dataset, validate_dataset_config
-from arceus.training import StageEndpoint, TrainPlan, max_micro_batch_size
+from arceus.training import StageEndpoint, TrainPlan
 from arceus.training.driver import Pipeline
+from devtools.pipeline import pipeline_assignments
 from nodeagent.agent import Agent
 from nodeagent.lending import KEPT, PROBE_EVERY, ComputeThreads, LendingGauge
-from nodeagent.static import pipeline_assignments
 
 MODEL = {"type": "mlp", "layer_sizes": [64, 32, 10]}
 DATASET = validate_dataset_config({"name": "digits", "batch_size": 32})

@@ -13,11 +13,11 @@ import torch
 
 from arceus.contracts.assignment import Assignment
 from arceus.v1 import link_probe_pb2, link_probe_pb2_grpc
+from devtools.pipeline import pipeline_assignments
 from nodeagent.agent import Agent
 from nodeagent.control_plane import ControlPlaneClient, HeartbeatLoop
 from nodeagent.link_probe import _CHANNEL_OPTIONS, MAX_PROBE_BYTES, LinkFigures, measure_neighbour
 from nodeagent.neighbour_links import NeighbourLinks
-from nodeagent.static import pipeline_assignments
 from tests.nodeagent.test_nodeagent_control_plane import wait_for
 
 

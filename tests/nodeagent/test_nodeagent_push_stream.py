@@ -17,8 +17,8 @@ from arceus.wire import codec
 from arceus.wire.proto_tensor import write_encoded
 from arceus.wire.push_stream import OutgoingPush, PushError, PushStream, outgoing_push, raw_push, serialize
 from arceus.wire.transfer import TransferConfig, TransferEncoder
-from nodeagent.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
-from nodeagent.static import pipeline_assignments
+from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
+from devtools.pipeline import pipeline_assignments
 
 pytestmark = pytest.mark.slow
 

@@ -18,20 +18,20 @@ from safetensors.torch import load_file
 
 from arceus.contracts.assignment import Assignment
 from arceus.model.gpt.layers import gpt_layer
+from arceus.model.gpt.parallel import shard_tensor
 from arceus.model.gpt.spec import GPTSpec
-from arceus.model.gpt.tensor_parallel import shard_tensor
 from arceus.model.precision import autocast
 from arceus.model.seeding import layer_generator
 from arceus.model.sharding import Shard
 from arceus.model.tensor_parallel import gather_state_tensors
 from arceus.v1 import stage_pb2, tensor_parallel_pb2, tensor_parallel_pb2_grpc
 from arceus.wire.proto_tensor import to_proto
+from devtools.launch import free_ports
 from nodeagent.agent import Agent
-from nodeagent.launch import free_ports
-from nodeagent.registry import StageRegistry
+from nodeagent.all_reduce import TensorParallelGroup
+from nodeagent.hosting import StageRegistry
+from nodeagent.rpc import RpcFailure
 from nodeagent.stage import build_hosted_stage
-from nodeagent.status import RpcFailure
-from nodeagent.tensor_parallel import TensorParallelGroup
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tp_rank_worker import (  # noqa: E402

@@ -13,11 +13,11 @@ import time
 import torch
 from safetensors.torch import save_file
 
+from arceus.model.gpt.parallel import build_parallel_block
 from arceus.model.gpt.spec import GPTSpec
-from arceus.model.gpt.tensor_parallel import build_parallel_block
 from arceus.model.precision import autocast
 from nodeagent.agent import Agent
-from nodeagent.tensor_parallel import TensorParallelGroup
+from nodeagent.all_reduce import TensorParallelGroup
 
 SPEC = GPTSpec(n_layer=2, n_head=8, d_model=32, block_size=6, vocab_size=10)  # 8 heads: 4 per rank of 2
 SEED, LAYER, MICRO_BATCHES, JOB, STAGE, GENERATION = 11, 2, 2, "tp-job", 1, 3

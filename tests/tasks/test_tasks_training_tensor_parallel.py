@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from arceus.data.text_config import BUNDLED_TEXT
 from controlplane.controller.executor import reconcile_once
-from controlplane.controller.plan import MarkNodeUnknown, RewindJob, StartDriver
+from controlplane.controller.rules import MarkNodeUnknown, RewindJob, StartDriver
 from controlplane.jobs.driving import train_plan
 from controlplane.jobs.models import (
     Checkpoint,

@@ -2,7 +2,7 @@
 "vocab", "vocab_size"}`; its blocks split over tensor-parallel groups."""
 
 from arceus.model.architecture import Architecture, TensorParallelLayers
-from arceus.model.gpt import tensor_parallel
+from arceus.model.gpt import parallel
 from arceus.model.gpt.fit import fit_gpt_to_dataset
 from arceus.model.gpt.layers import gpt_layer
 from arceus.model.gpt.spec import gpt_from_config
@@ -13,10 +13,10 @@ ARCHITECTURE = Architecture(
     build_layer=gpt_layer,
     fit_dataset=fit_gpt_to_dataset,
     tensor_parallel=TensorParallelLayers(
-        build_layer=tensor_parallel.parallel_layer,
-        shard_rows=tensor_parallel.shard_rows,
-        reduced_layout=tensor_parallel.reduced_layout,
-        check_size=tensor_parallel.check_size,
+        build_layer=parallel.parallel_layer,
+        shard_rows=parallel.shard_rows,
+        reduced_layout=parallel.reduced_layout,
+        check_size=parallel.check_size,
     ),
     writes_text=True,
 )

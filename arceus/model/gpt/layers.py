@@ -59,7 +59,7 @@ class MLP(nn.Module):
 
 class GPTBlock(nn.Module):
     """Pre-norm residual block. `attn` and `mlp` are whole, or one tensor-parallel rank's part of them
-    (`arceus.model.gpt.tensor_parallel.ParallelBlock`): either way they return the whole output."""
+    (`arceus.model.gpt.parallel.ParallelBlock`): either way they return the whole output."""
 
     def __init__(self, spec: GPTSpec, attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()

@@ -15,14 +15,14 @@ from torch import nn
 
 from arceus.model.build import build_full_model
 from arceus.model.gpt.layers import GPTBlock, gpt_layer
-from arceus.model.gpt.spec import GPTSpec
-from arceus.model.gpt.tensor_parallel import (
+from arceus.model.gpt.parallel import (
     ParallelBlock,
     build_parallel_block,
     check_split,
     shard_rows,
     shard_tensor,
 )
+from arceus.model.gpt.spec import GPTSpec
 from arceus.model.seeding import layer_generator
 from arceus.model.sharding import AllReduce, Shard
 from arceus.model.tensor_parallel import build_parallel_layers

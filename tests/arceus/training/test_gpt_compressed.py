@@ -8,10 +8,11 @@ from typing import Any
 
 import pytest
 
-from arceus.training import StageEndpoint, TrainPlan, TrainResult, max_micro_batch_size, train
+from arceus.contracts.assignment import max_micro_batch_size
+from arceus.training import StageEndpoint, TrainPlan, TrainResult, train
 from arceus.training.recording import RecordingSink
-from nodeagent.launch import free_ports, spawn_static_agents, stop_agents
-from nodeagent.static import pipeline_assignments
+from devtools.launch import free_ports, spawn_static_agents, stop_agents
+from devtools.pipeline import pipeline_assignments
 
 pytestmark = pytest.mark.slow
 

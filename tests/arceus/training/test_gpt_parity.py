@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import torch
 
-from arceus.training import StageEndpoint, TrainPlan, max_micro_batch_size, train
-from arceus.training.driver import fetch_weights
+from arceus.contracts.assignment import max_micro_batch_size
+from arceus.training import StageEndpoint, TrainPlan, train
 from arceus.training.recording import RecordingSink
-from arceus.training.reference import reference_run
-from nodeagent.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
-from nodeagent.static import pipeline_assignments
+from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
+from devtools.pipeline import pipeline_assignments
+from devtools.reference import fetch_weights, reference_run
 
 pytestmark = pytest.mark.slow
 

@@ -16,12 +16,13 @@ import pytest
 import torch
 
 from arceus.checkpoint import OPTIMIZER_PREFIX
-from arceus.training import RankEndpoint, StageEndpoint, TrainPlan, max_micro_batch_size, train
-from arceus.training.driver import Pipeline, fetch_weights
+from arceus.contracts.assignment import max_micro_batch_size
+from arceus.training import RankEndpoint, StageEndpoint, TrainPlan, train
+from arceus.training.driver import Pipeline
 from arceus.training.recording import RecordingSink
-from arceus.training.reference import reference_run
-from nodeagent.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
-from nodeagent.static import pipeline_assignments
+from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
+from devtools.pipeline import pipeline_assignments
+from devtools.reference import fetch_weights, reference_run
 
 pytestmark = pytest.mark.slow
 

@@ -10,17 +10,17 @@ from dataclasses import replace
 import pytest
 import torch
 
-from arceus.contracts.assignment import Assignment
+from arceus.contracts.assignment import Assignment, max_micro_batch_size
 from arceus.data import validate_dataset_config
-from arceus.training import StageEndpoint, TrainPlan, max_micro_batch_size, train
+from arceus.training import StageEndpoint, TrainPlan, train
 from arceus.training.recording import RecordingSink
 from arceus.v1 import stage_pb2
 from arceus.verify.receipts import RECEIVED, SENT, ReceiptError, ReceiptFields, ReceiptSigner, verify_receipt
 from arceus.wire.transfer import transfer_config_from_json
-from nodeagent import executor
+from devtools.pipeline import pipeline_assignments
+from nodeagent import step
 from nodeagent.agent import Agent
 from nodeagent.stage import HostedStage
-from nodeagent.static import pipeline_assignments
 
 MODEL = {"type": "mlp", "layer_sizes": [64, 32, 16, 10]}
 BOUNDARIES = [0, 1, 2, 3]
@@ -145,13 +145,13 @@ def test_a_receiver_that_signs_for_a_tampered_activation_is_caught_not_its_produ
     agents: list[Agent], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Stage 1 claims (signs for, keeps and trains on) activations other than those stage 0 sent.
-    honest_receive = executor._receive
+    honest_receive = step._receive
 
     def lying_receive(stage: HostedStage, step: int, kind: int, *args: object) -> torch.Tensor:
         x = honest_receive(stage, step, kind, *args)
         return x + 0.05 if kind == stage_pb2.ACTIVATION and stage.assignment.stage_index == 1 else x
 
-    monkeypatch.setattr(executor, "_receive", lying_receive)
+    monkeypatch.setattr(step, "_receive", lying_receive)
     checks = spot_checks(plan_for(agents, audit_rate=0.0001))  # the disagreement alone triggers a recomputation
     assert len(checks) == 6 and not any(c.passed for c in checks)
     for c in checks:

@@ -12,11 +12,12 @@ from typing import Any
 
 import pytest
 
+from arceus.contracts.assignment import max_micro_batch_size
 from arceus.data import validate_dataset_config
-from arceus.training import StageEndpoint, TrainPlan, TrainResult, max_micro_batch_size, train
+from arceus.training import StageEndpoint, TrainPlan, TrainResult, train
 from arceus.training.recording import RecordingSink
-from nodeagent.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
-from nodeagent.static import pipeline_assignments
+from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
+from devtools.pipeline import pipeline_assignments
 
 pytestmark = pytest.mark.slow
 

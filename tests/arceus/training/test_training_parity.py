@@ -14,13 +14,13 @@ from typing import Any
 import pytest
 import torch
 
+from arceus.contracts.assignment import max_micro_batch_size
 from arceus.data import validate_dataset_config
-from arceus.training import StageEndpoint, TrainPlan, max_micro_batch_size, train
-from arceus.training.driver import fetch_weights
+from arceus.training import StageEndpoint, TrainPlan, train
 from arceus.training.recording import RecordingSink
-from arceus.training.reference import ReferenceRun, reference_run
-from nodeagent.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
-from nodeagent.static import pipeline_assignments
+from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
+from devtools.pipeline import pipeline_assignments
+from devtools.reference import ReferenceRun, fetch_weights, reference_run
 
 pytestmark = pytest.mark.slow
 
@@ -68,7 +68,7 @@ def agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[AgentProce
 
 
 def reference(optimizer: dict[str, Any]) -> ReferenceRun:
-    """Single-process training on the same batches (`arceus.training.reference`)."""
+    """Single-process training on the same batches (`devtools.reference`)."""
     job = {
         "model_config": MODEL,
         "dataset_config": DATASET,

@@ -4,9 +4,10 @@ import dataclasses
 
 import pytest
 
+from arceus.contracts.assignment import max_micro_batch_size
 from arceus.data import validate_dataset_config
 from arceus.errors import SpecError
-from arceus.training import StageEndpoint, TrainPlan, max_micro_batch_size
+from arceus.training import StageEndpoint, TrainPlan
 
 PLAN = TrainPlan(
     job_id="j",

@@ -16,12 +16,13 @@ import pytest
 import torch
 
 from arceus.checkpoint import checkpoint_digest, encode_checkpoint
+from arceus.contracts.assignment import max_micro_batch_size
 from arceus.data import validate_dataset_config
-from arceus.training import StageEndpoint, TrainPlan, max_micro_batch_size, train
-from arceus.training.driver import fetch_weights
+from arceus.training import StageEndpoint, TrainPlan, train
 from arceus.training.recording import RecordingSink
-from nodeagent.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
-from nodeagent.static import pipeline_assignments
+from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
+from devtools.pipeline import pipeline_assignments
+from devtools.reference import fetch_weights
 
 pytestmark = pytest.mark.slow
 

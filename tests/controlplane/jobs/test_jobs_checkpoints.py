@@ -20,7 +20,6 @@ from rest_framework.test import APIClient
 
 from arceus.checkpoint import CheckpointError, checkpoint_digest, decode_checkpoint, encode_checkpoint
 from arceus.contracts.assignment import Assignment
-from arceus.devcluster.cluster import free_port
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.executor import reconcile_once
 from controlplane.controller.leases import job_driver_claim
@@ -37,6 +36,7 @@ from controlplane.jobs.services import job_cancel
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_create, node_heartbeat, node_register
 from controlplane.settings import checkpoint_storage_settings
+from devtools.cluster import free_port
 
 pytestmark = pytest.mark.django_db
 

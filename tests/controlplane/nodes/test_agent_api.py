@@ -12,6 +12,7 @@ from arceus.contracts.assignment import Assignment
 from controlplane.controller.executor import reconcile_once
 from controlplane.jobs.models import Job, Stage
 from controlplane.nodes.models import Node
+from controlplane.nodes.serializers import AssignmentOutput
 from controlplane.nodes.services import node_create
 
 pytestmark = pytest.mark.django_db
@@ -259,3 +260,21 @@ def test_an_agent_that_re_registers_rewinds_its_job_and_keeps_its_stage(user, qu
     assert f"node agent-1 ({node.id}) restarted while hosting stage {index}" in training["message"]
     assert dict(Stage.objects.filter(job=job).values_list("index", "node_id")) == placed
     assert set(Stage.objects.filter(job=job).values_list("generation", flat=True)) == {generation + 1}
+
+
+def test_the_documented_assignment_is_the_contract() -> None:
+    """The OpenAPI schema's Assignment (a documenting serializer) names exactly what the contract sends."""
+    split = Assignment.from_json({
+        "stage_id": "00000000-0000-0000-0000-000000000000-stage-0-rank-1",
+        "job_id": "00000000-0000-0000-0000-000000000000", "stage_index": 0, "num_stages": 2, "generation": 1,
+        "model": {"type": "transformer", "n_layer": 2, "n_head": 2, "d_model": 8, "block_size": 4, "vocab_size": 5},
+        "layer_start": 0, "layer_end": 2, "seed": 0, "optimizer": {"name": "adam", "lr": 0.001},
+        "micro_batches": 2, "max_micro_batch_size": 4, "prev_address": None, "next_address": "b:1",
+        "tensor_parallel": {"rank": 1, "size": 2, "peers": ["a:1", "a:2"]},
+        "checkpoint": {"step": 3, "url": "/x", "sha256": "0" * 64},
+    })
+    sent = split.to_json()
+    documented = AssignmentOutput().fields
+    assert set(documented) == set(sent)
+    for name in ("optimizer", "checkpoint", "transfer", "tensor_parallel"):
+        assert set(documented[name].fields) == set(sent[name]), name

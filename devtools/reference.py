@@ -1,5 +1,5 @@
-"""Single-process training of a job, batch for batch what the pipeline does: the yardstick that fault
-tests and benchmarks compare a distributed (and interrupted) run against."""
+"""The yardsticks tests and benchmarks compare a distributed (and interrupted) run against: single-process
+training of a job, batch for batch what the pipeline does, and the weights a running pipeline holds."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from arceus.data import epoch_batches, load_dataset, validate_dataset_config
 from arceus.model.build import build_full_model
 from arceus.model.registry import model_spec_from_config
+from arceus.training.driver import Pipeline
+from arceus.training.plan import TrainPlan
 
 
 @dataclass(frozen=True)
@@ -60,3 +62,9 @@ def reference_run(job: dict[str, Any], *, max_steps: int | None = None) -> Refer
 def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Mean over every label: one per sample, or one per position of a GPT's [B, T, V] logits."""
     return F.cross_entropy(logits.flatten(0, -2), target.flatten())
+
+
+def fetch_weights(plan: TrainPlan) -> dict[str, torch.Tensor]:
+    """All parameters of the pipeline in `plan`, under their model-wide names ("layers.0.weight", ...)."""
+    with Pipeline(plan) as pipeline:
+        return pipeline.weights()

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from arceus.pipeline.lending import SoloPlanner, solo_actions, solo_planner
 from arceus.pipeline.schedule import SCHEDULES, Action, Schedule, build_schedule
+from arceus.pipeline.solo import SoloPlanner, solo_actions, solo_planner
 
 Interval = tuple[float, float]
 

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import requests
 
-from arceus.devcluster.supervisor import Child, ProcessError, Supervisor
 from arceus.sdk import ArceusClient
+from devtools.supervisor import Child, ProcessError, Supervisor
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[1]
 AGENT_READY_PREFIX = "AGENT READY"
 
 

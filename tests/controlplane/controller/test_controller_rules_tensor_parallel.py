@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from arceus.placement.solver import LayerProfile, Workload, stage_memory
 from controlplane.common.conditions import get_condition
-from controlplane.controller.plan import (
+from controlplane.controller.rules import (
     Desired,
     JobView,
     MarkNodeUnknown,

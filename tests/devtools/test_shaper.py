@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from arceus.devcluster.shaper import CHUNK_BYTES, LinkPlan, ShaperThread
+from devtools.shaper import CHUNK_BYTES, LinkPlan, ShaperThread
 
 MBIT = 1e6
 

@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from arceus.devcluster.cluster import LocalCluster
 from arceus.progress_bar import JobProgressBar
+from devtools.cluster import LocalCluster
 
 DEMO_JOB: dict[str, Any] = {
     "name": "digits-mlp-3-stages",

@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 from arceus.placement.solver import LayerProfile
 from controlplane.common.conditions import get_condition
-from controlplane.controller.plan import (
+from controlplane.controller.rules import (
     Desired,
     FailJob,
     JobView,

@@ -17,9 +17,9 @@ import torch
 from arceus.contracts.assignment import Assignment
 from arceus.contracts.observed import ObservedStage
 from arceus.v1 import stage_pb2
+from nodeagent.all_reduce import TensorParallelGroups, stage_group
+from nodeagent.rpc import RpcFailure
 from nodeagent.stage import CheckpointLoader, HostedStage, build_hosted_stage
-from nodeagent.status import RpcFailure
-from nodeagent.tensor_parallel import TensorParallelGroups, stage_group
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from arceus.devcluster.supervisor import Supervisor
+from devtools.supervisor import Supervisor
 
 # Prints READY, then on SIGTERM appends its name to the file in argv[2] and exits (or, with "ignore", stays).
 CHILD = """

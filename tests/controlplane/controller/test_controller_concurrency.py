@@ -21,7 +21,7 @@ from arceus.model.registry import model_spec_from_config
 from arceus.placement.solver import stage_memory
 from controlplane.controller.executor import execute, reconcile_once
 from controlplane.controller.placement import layer_profiles, workload
-from controlplane.controller.plan import plan
+from controlplane.controller.rules import plan
 from controlplane.controller.snapshot import load_snapshot
 from controlplane.jobs.models import Job, Stage
 from controlplane.jobs.services import job_start, job_submit

@@ -26,8 +26,7 @@ from arceus.v1 import stage_pb2, tensor_parallel_pb2, tensor_parallel_pb2_grpc
 from arceus.wire import codec
 from arceus.wire.proto_tensor import from_proto, to_proto
 from nodeagent.mailbox import Mailbox, MailboxCancelled, MailboxClosed, MailboxFull, MailboxTimeout
-from nodeagent.stage import grpc_channel_options
-from nodeagent.status import RpcFailure, neighbour_failure_code
+from nodeagent.rpc import RpcFailure, grpc_channel_options, neighbour_failure_code
 
 # A peer blocks on each all-reduce until it has every partial, so it runs at most one op ahead of us:
 # a few partials per peer is all that can legitimately be waiting.

@@ -1,0 +1,54 @@
+"""Static pipelines for tests and benchmarks: the assignments of a model cut into consecutive stages,
+one agent each, for agents started with `--static-assignment` (no control plane)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from arceus.contracts.assignment import Assignment, OptimizerConfig
+from arceus.contracts.stage_key import stage_key
+from arceus.wire.transfer import transfer_config_from_json
+
+
+def pipeline_assignments(
+    *,
+    job_id: str,
+    model_config: dict[str, Any],
+    boundaries: Sequence[int],
+    addresses: Sequence[str],
+    optimizer: dict[str, Any],
+    seed: int,
+    micro_batches: int,
+    max_micro_batch_size: int,
+    generation: int = 1,
+    transfer: dict[str, Any] | None = None,
+    precision: str = "fp32",
+) -> list[dict[str, Any]]:
+    """Assignments (JSON) for stages [boundaries[i], boundaries[i+1]) hosted at addresses[i]."""
+    if len(boundaries) != len(addresses) + 1:
+        raise ValueError(f"{len(addresses)} stages need {len(addresses) + 1} boundaries, got {len(boundaries)}")
+    n = len(addresses)
+    return [
+        Assignment(
+            stage_id=stage_key(job_id, i),
+            job_id=job_id,
+            stage_index=i,
+            num_stages=n,
+            generation=generation,
+            model=model_config,
+            layer_start=boundaries[i],
+            layer_end=boundaries[i + 1],
+            seed=seed,
+            optimizer=OptimizerConfig(
+                optimizer["name"], optimizer["lr"], optimizer.get("momentum", 0.0), optimizer.get("weight_decay", 0.0)
+            ),
+            micro_batches=micro_batches,
+            max_micro_batch_size=max_micro_batch_size,
+            prev_address=addresses[i - 1] if i > 0 else None,
+            next_address=addresses[i + 1] if i < n - 1 else None,
+            transfer=transfer_config_from_json(transfer),
+            precision=precision,
+        ).to_json()
+        for i in range(n)
+    ]

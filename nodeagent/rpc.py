@@ -1,0 +1,71 @@
+"""The agent's gRPC plumbing, in one place: errors that know their status code, how a servicer method
+turns any failure into a status (nothing a client sends can stop the server), deadlines, and the channel
+options every channel and server of the agent shares."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+
+log = logging.getLogger(__name__)
+R = TypeVar("R")
+# A call without a deadline (ours always set one) reports as "infinite"; its waits still end at this.
+MAX_CALL_SECONDS = 3600.0
+
+
+class RpcFailure(Exception):
+    """An error that already knows which gRPC status code it maps to."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def neighbour_failure_code(code: grpc.StatusCode | None) -> grpc.StatusCode:
+    """The code a stage reports when a push to its neighbour failed with `code`.
+
+    Reachability and time keep their meaning; a neighbour that does not host the stage (any more) means
+    this stage's view of the pipeline is stale; anything else the neighbour rejected is our bug.
+    """
+    if code in (
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.ABORTED,
+    ):
+        return code
+    if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    return grpc.StatusCode.INTERNAL
+
+
+def grpc_channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+def call_deadline(context: grpc.ServicerContext) -> float:
+    """The call's deadline as a time.monotonic() value."""
+    return time.monotonic() + min(context.time_remaining(), MAX_CALL_SECONDS)
+
+
+def serve(context: grpc.ServicerContext, method: str, handler: Callable[[], R]) -> R:  # type: ignore[return]
+    """Run a servicer method's `handler`; an RpcFailure leaves as its status, anything else as INTERNAL
+    (and is logged: a bug)."""
+    try:
+        return handler()
+    except RpcFailure as failure:
+        code, message = failure.code, failure.message
+        log.warning("%s -> %s: %s", method, code.name, message)
+    except Exception as exc:
+        log.exception("%s failed unexpectedly", method)
+        code, message = grpc.StatusCode.INTERNAL, f"{method} failed unexpectedly: {type(exc).__name__}: {exc}"
+    context.abort(code, message)  # raises: the status goes to the caller

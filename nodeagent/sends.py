@@ -1,0 +1,102 @@
+"""`PushTracker`: the outstanding sends of one step, each to every rank of a neighbour. The first failure
+sets the step's `abort` so its waits stop early; the step ends only once every send is delivered."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+import grpc
+import torch
+
+from arceus.v1 import stage_pb2
+from arceus.wire.compression import Encoded
+from arceus.wire.push_stream import PushError, outgoing_push
+from nodeagent.rpc import RpcFailure, neighbour_failure_code
+from nodeagent.stage import HostedStage, NeighbourLink
+
+MIN_CALL_TIMEOUT = 0.05
+
+
+class PushTracker:
+    """Outstanding pushes of one step. The first failure sets `abort` so waits stop early."""
+
+    def __init__(self, stage: HostedStage, step: int, deadline: float, abort: threading.Event) -> None:
+        self._stage = stage
+        self._step = step
+        self._deadline = deadline
+        self._abort = abort
+        self._futures: list[Future[None]] = []
+        self._cond = threading.Condition()
+        self._pending = 0  # pushes whose completion has not been accounted for yet
+        self.failure: RpcFailure | None = None
+
+    def send(
+        self, links: Sequence[NeighbourLink], target_index: int, kind: int, micro_batch: int, tensor: torch.Tensor
+    ) -> Encoded:
+        """Start the push to every rank of the neighbour (`links`); returns the payload as encoded (what
+        the receivers will decode)."""
+        # Encoded once, per the job's transfer setting; top-k error feedback is kept per micro-batch slot.
+        encoded = self._stage.transfer.encode(tensor, gradient=kind == stage_pb2.GRADIENT, stream=micro_batch)
+        push = outgoing_push(self._stage.ref(target_index), kind, self._step, micro_batch, encoded)
+        timeout = max(MIN_CALL_TIMEOUT, self._deadline - time.monotonic())
+        nbytes = encoded.nbytes
+        for link in links:
+            what = (
+                f"the {stage_pb2.TensorKind.Name(kind)} of step {self._step} micro-batch {micro_batch} "
+                f"to stage {target_index} at {link.address}"
+            )
+            with self._cond:
+                self._pending += 1
+            future = link.pushes.push(push, timeout)
+            self._futures.append(future)
+            future.add_done_callback(lambda f, what=what: self._done(f, what, nbytes))
+        return encoded
+
+    def _done(self, future: Future[None], what: str, nbytes: int) -> None:
+        try:
+            if future.cancelled():
+                return
+            error = future.exception()
+            if error is None:
+                self._stage.add_bytes_sent(nbytes)
+                return
+            code = error.code() if isinstance(error, PushError) else None
+            status = f"{code.name}: {error.details()}" if code is not None else str(error)
+            with self._cond:
+                if self.failure is None:
+                    self.failure = RpcFailure(
+                        neighbour_failure_code(code), f"{self._stage.name} could not push {what}: {status}"
+                    )
+            self._abort.set()
+            self._stage.mailbox.wake()
+        finally:
+            with self._cond:
+                self._pending -= 1
+                self._cond.notify_all()
+
+    def raise_if_failed(self) -> None:
+        with self._cond:
+            failure = self.failure
+        if failure is not None:
+            raise failure
+
+    def wait_all(self) -> None:
+        """Wait until every push is delivered and counted (each has its own deadline); raise the first
+        failure."""
+        with self._cond:
+            self._cond.wait_for(
+                lambda: self._pending == 0, timeout=max(0.0, self._deadline - time.monotonic()) + 1
+            )
+            if self._pending:
+                raise RpcFailure(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"{self._stage.name}: {self._pending} pushes did not finish by the deadline",
+                )
+        self.raise_if_failed()
+
+    def cancel_all(self) -> None:
+        for future in self._futures:
+            future.cancel()

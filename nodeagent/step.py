@@ -1,0 +1,206 @@
+"""One step of a hosted stage, as an object: run its schedule's actions, waiting for inputs, computing,
+and pushing outputs on.
+
+Sends are asynchronous (a stage never waits for its neighbour to accept before computing the next
+micro-batch); the step fails if any send failed, and the optimizer steps only once all are delivered.
+Its collaborators each own one concern: `PushTracker` the sends, `StepAudit` the receipts and what is kept
+for spot checks, `StepLending` the threads each action computes with, and a tensor-parallel stage's group
+the names of its all-reduces.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import grpc
+import torch
+
+from arceus.pipeline.schedule import Action, build_schedule
+from arceus.pipeline.solo import solo_planner
+from arceus.v1 import stage_pb2
+from arceus.verify.receipts import ReceiptSigner
+from nodeagent.lending import ComputeThreads, StepLending
+from nodeagent.mailbox import MailboxCancelled, MailboxClosed, MailboxTimeout
+from nodeagent.rpc import RpcFailure
+from nodeagent.sends import PushTracker
+from nodeagent.stage import HostedStage
+from nodeagent.step_audit import StepAudit
+from nodeagent.validation import check_run_step
+
+
+class StepRun:
+    def __init__(
+        self,
+        stage: HostedStage,
+        request: stage_pb2.RunStepRequest,
+        *,
+        deadline: float,
+        abort: threading.Event,
+        signer: ReceiptSigner,
+        threads: ComputeThreads | None = None,
+    ) -> None:
+        """`deadline` is a time.monotonic() value. `threads`: None leaves the calling thread's torch
+        thread count as it is."""
+        schedule = check_run_step(stage.io, request)
+        a = stage.assignment
+        self.stage, self.request, self.abort = stage, request, abort
+        self.step, self.train = request.step, request.mode == stage_pb2.TRAIN
+        self.actions = build_schedule(schedule, a.num_stages, request.num_micro_batches, self.train)[a.stage_index]
+        # Leave a little of the caller's deadline so our own explanation reaches it before its timer fires.
+        self.wait_until = deadline - min(1.0, 0.05 * max(0.0, deadline - time.monotonic()))
+        self.pushes = PushTracker(stage, request.step, deadline, abort)
+        self.audit = StepAudit(stage, request.step, signer, retain=request.retain_for_audit and self.train)
+        # The ranks of a tensor-parallel stage compute side by side: none of them computes alone.
+        borrows = threads is not None and threads.solo > threads.own and stage.tensor_parallel is None
+        self.lending = StepLending(
+            stage_index=a.stage_index,
+            gauge=stage.lending,
+            threads=threads,
+            planner=solo_planner(schedule, a.num_stages, request.num_micro_batches, self.train) if borrows else None,
+            arrived=self._arrived,
+        )
+        self._forward_sizes: dict[int, int] = {}
+        self._results: dict[int, tuple[float, int, int]] = {}
+
+    def run(self) -> stage_pb2.RunStepReply:
+        runtime = self.stage.runtime
+        compute_before = runtime.counters.compute_seconds
+        self.stage.mailbox.retain_step(self.step)
+        try:
+            for index, action in enumerate(self.actions):
+                if action.kind == "F":
+                    self._forward(index, action)
+                else:
+                    self._backward(index, action)
+                self.pushes.raise_if_failed()
+            self.pushes.wait_all()
+            self.audit.keep(runtime.named_weights)  # what the forwards used: the optimizer has not stepped
+            if self.train:
+                self.lending.optimizer_step()
+                runtime.optimizer_step(self.request.learning_rate or None)
+        except BaseException:
+            runtime.abort_step()
+            self.pushes.cancel_all()
+            raise
+        ordered = [self._results[m] for m in sorted(self._results)]
+        return stage_pb2.RunStepReply(
+            loss_sums=[r[0] for r in ordered],
+            correct=[r[1] for r in ordered],
+            sample_counts=[r[2] for r in ordered],
+            compute_seconds=runtime.counters.compute_seconds - compute_before,
+            counters=self.stage.counters(),
+            receipts=self.audit.receipts,
+            sent_receipts=self.audit.sent_receipts,
+        )
+
+    def _forward(self, index: int, action: Action) -> None:
+        stage, runtime, m = self.stage, self.stage.runtime, action.micro_batch
+        a, io, key = stage.assignment, stage.io, (self.step, m)
+        x = self._receive(stage_pb2.ACTIVATION, m)
+        self._forward_sizes[m] = len(x)
+        if not io.is_first:
+            self.audit.received(m, x)
+        if io.is_last:
+            labels = self._receive(stage_pb2.LABELS, m)
+            if len(labels) != len(x):
+                raise RpcFailure(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"micro-batch {m} of step {self.step} has {len(x)} activations but {len(labels)} labels",
+                )
+            with self._computing(index, len(x)):
+                if self.train:
+                    loss_sum, correct = runtime.forward_loss(key, x, labels, self.request.batch_size)
+                else:
+                    loss_sum, correct = runtime.eval_loss(x, labels)
+            self._results[m] = (loss_sum, correct, len(x))
+            return
+        with self._computing(index, len(x)):
+            out = runtime.forward(key, x) if self.train else runtime.eval_forward(x)
+        if a.sends_on:  # ranks 1.. of a tensor-parallel stage compute the same output as rank 0
+            encoded = self.pushes.send(stage.next_links, a.stage_index + 1, stage_pb2.ACTIVATION, m, out)
+            self.audit.sent(m, out, encoded)
+
+    def _backward(self, index: int, action: Action) -> None:
+        stage, m = self.stage, action.micro_batch
+        a = stage.assignment
+        grad = None
+        if not stage.io.is_last:
+            grad = self._receive(stage_pb2.GRADIENT, m)
+            if len(grad) != self._forward_sizes[m]:
+                raise RpcFailure(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"the GRADIENT of step {self.step} micro-batch {m} has {len(grad)} "
+                    f"rows but its forward had {self._forward_sizes[m]}",
+                )
+        with self._computing(index, self._forward_sizes[m]):
+            grad_input = stage.runtime.backward((self.step, m), grad)
+        if grad_input is not None and a.sends_on:
+            self.pushes.send(stage.prev_links, a.stage_index - 1, stage_pb2.GRADIENT, m, grad_input)
+
+    @contextmanager
+    def _computing(self, index: int, samples: int) -> Iterator[None]:
+        """Around the compute of action `index`, once its inputs are in: its threads, its tensor-parallel
+        group's names for the all-reduces inside, and the timing the lending gauge learns from."""
+        action, counters = self.actions[index], self.stage.runtime.counters
+        lent = self.lending.start(index, action)
+        before = counters.compute_seconds
+        group = self.stage.tensor_parallel
+        if group is None:
+            yield
+        else:  # its ranks run the same all-reduces in one order: (step, micro-batch, count) names each
+            with group.micro_batch(self.step, action.micro_batch, deadline=self.wait_until, abort=self.abort):
+                yield
+        self.lending.done(action, lent, counters.compute_seconds - before, samples)
+
+    def _receive(self, kind: int, micro_batch: int) -> torch.Tensor:
+        return _receive(self.stage, self.step, kind, micro_batch, self.wait_until, self.abort, self.pushes)
+
+    def _arrived(self) -> list[Action]:
+        """The neighbours' actions of this step whose outputs wait in the mailbox: the previous stage's
+        forwards (not the driver's inputs to the first stage) and the next stage's backwards."""
+        arrived = []
+        for kind, micro_batch in self.stage.mailbox.arrived(self.step):
+            if kind == "ACTIVATION" and not self.stage.io.is_first:
+                arrived.append(Action("F", micro_batch))
+            elif kind == "GRADIENT":
+                arrived.append(Action("B", micro_batch))
+        return arrived
+
+
+def _receive(
+    stage: HostedStage,
+    step: int,
+    kind: int,
+    micro_batch: int,
+    wait_until: float,
+    abort: threading.Event,
+    pushes: PushTracker,
+) -> torch.Tensor:
+    """The tensor of `kind` for (step, micro_batch), waiting for it to arrive until `wait_until`."""
+    a = stage.assignment
+    kind_name = stage_pb2.TensorKind.Name(kind)
+    if kind == stage_pb2.GRADIENT:
+        source = f"stage {a.stage_index + 1} at {a.next_address}"
+    elif kind == stage_pb2.ACTIVATION and not a.is_first:
+        source = f"stage {a.stage_index - 1} at {a.prev_address}"
+    else:
+        source = "the driver"
+    timeout = max(0.0, wait_until - time.monotonic())
+    try:
+        return stage.mailbox.get((step, kind_name, micro_batch), timeout, abort)
+    except MailboxTimeout:
+        raise RpcFailure(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"{stage.name} waited {timeout:.1f}s for the {kind_name} of step {step} "
+            f"micro-batch {micro_batch} from {source}; it never arrived",
+        ) from None
+    except MailboxClosed:
+        raise RpcFailure(
+            grpc.StatusCode.ABORTED, f"{stage.name} was removed from this agent while running step {step}"
+        ) from None
+    except MailboxCancelled:
+        pushes.raise_if_failed()
+        raise RpcFailure(grpc.StatusCode.CANCELLED, f"step {step} on {stage.name} was cancelled") from None
