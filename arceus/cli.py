@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from arceus.contracts.status import JobStatus
 from arceus.progress_bar import JobProgressBar
 from arceus.sdk import ApiError, ArceusClient
 
@@ -57,7 +58,7 @@ def _watch(client: ArceusClient, job_id: str) -> int:
     finally:
         bar.close()
     _print({k: detail[k] for k in ("id", "status", "step", "final_loss", "val_accuracy", "error")})
-    return 0 if detail["status"] == "succeeded" else 1
+    return 0 if detail["status"] == JobStatus.SUCCEEDED else 1
 
 
 def cmd_login(args: argparse.Namespace) -> int:
@@ -84,10 +85,9 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     elif args.action == "cancel":
         _print(client.cancel_job(args.job_id))
     elif args.action == "model":
-        data = client.download_model(args.job_id)
         output = Path(args.output or f"{args.job_id}.safetensors")
-        output.write_bytes(data)
-        print(f"wrote {output} ({len(data):,} bytes)")
+        written = client.save_model(args.job_id, output)
+        print(f"wrote {output} ({written:,} bytes)")
     elif args.action == "sample":
         print(client.sample(
             args.job_id, prompt=args.prompt, length=args.length, temperature=args.temperature, seed=args.seed

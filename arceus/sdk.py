@@ -10,13 +10,17 @@
 
 from __future__ import annotations
 
+import io
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import requests
 
-TERMINAL_STATUSES = frozenset({"succeeded", "failed", "cancelled"})
+from arceus.contracts.status import TERMINAL_STATUSES
+
+MODEL_CHUNK_BYTES = 1024 * 1024
 
 
 class ApiError(RuntimeError):
@@ -90,12 +94,37 @@ class ArceusClient:
         return self._request("GET", "/api/jobs")
 
     def download_model(self, job_id: str) -> bytes:
-        """The job's trained weights (its newest checkpoint) as safetensors bytes."""
+        """The job's trained weights (its newest checkpoint) as safetensors bytes, in memory: for small
+        models; `save_model` streams any model to a file."""
+        buffer = io.BytesIO()
+        self._stream_model(job_id, buffer.write)
+        return buffer.getvalue()
+
+    def save_model(self, job_id: str, destination: Path) -> int:
+        """Stream the job's trained weights into the safetensors file `destination`, a chunk at a time;
+        the bytes written. A failed download leaves no file."""
+        partial = destination.with_name(destination.name + ".partial")
+        try:
+            with partial.open("wb") as out:
+                written = self._stream_model(job_id, out.write)
+            partial.replace(destination)
+        finally:
+            partial.unlink(missing_ok=True)
+        return written
+
+    def _stream_model(self, job_id: str, write: Callable[[bytes], Any]) -> int:
         path = f"/api/jobs/{job_id}/model"
-        response = self.session.get(self.base_url + path, timeout=self.timeout)
-        if response.status_code >= 400:
-            raise ApiError(response.status_code, "GET", path, _payload(response))
-        return response.content
+        with self.session.get(self.base_url + path, timeout=self.timeout, stream=True) as response:
+            if response.status_code >= 400:
+                raise ApiError(response.status_code, "GET", path, _payload(response))
+            expected = int(response.headers.get("Content-Length", -1))
+            written = 0
+            for chunk in response.iter_content(chunk_size=MODEL_CHUNK_BYTES):
+                write(chunk)
+                written += len(chunk)
+        if expected >= 0 and written != expected:
+            raise ApiError(502, "GET", path, f"the model download ended after {written:,} of {expected:,} bytes")
+        return written
 
     def sample(
         self, job_id: str, *, prompt: str = "\n", length: int = 300, temperature: float = 0.8, seed: int = 0

@@ -17,6 +17,13 @@ from kombu import Queue
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 
+# Task names: the task modules register them, the routes below and the control plane's enqueueing
+# (controlplane.common.dispatch) use them; by name, so the control plane never imports a task module.
+RECONCILE_TASK = "arceus.reconcile"
+REPRICE_TASK = "arceus.reprice"
+ROLLUP_LEDGER_TASK = "arceus.rollup_ledger"
+TRAIN_JOB_TASK = "arceus.train_job"
+
 CONTROL_QUEUE = "control"  # short reconcile passes
 TRAINING_QUEUE = "training"  # long-running training drivers, kept apart so they never delay reconciles
 
@@ -33,28 +40,28 @@ app.conf.update(
     task_queues=(Queue(CONTROL_QUEUE), Queue(TRAINING_QUEUE)),
     task_default_queue=CONTROL_QUEUE,
     task_routes={
-        "arceus.reconcile": {"queue": CONTROL_QUEUE},
-        "arceus.reprice": {"queue": CONTROL_QUEUE},
-        "arceus.rollup_ledger": {"queue": CONTROL_QUEUE},
-        "arceus.train_job": {"queue": TRAINING_QUEUE},
+        RECONCILE_TASK: {"queue": CONTROL_QUEUE},
+        REPRICE_TASK: {"queue": CONTROL_QUEUE},
+        ROLLUP_LEDGER_TASK: {"queue": CONTROL_QUEUE},
+        TRAIN_JOB_TASK: {"queue": TRAINING_QUEUE},
     },
     broker_connection_retry_on_startup=True,
     result_expires=3600,
     beat_schedule={
         # The level-triggered resync: everything is recomputed from the database each pass.
         "reconcile": {
-            "task": "arceus.reconcile",
+            "task": RECONCILE_TASK,
             "schedule": settings.ARCEUS_RECONCILE_INTERVAL_SECONDS,
             # A pass that waited longer than a few intervals is stale; a newer one is on its way.
             "options": {"expires": 5 * settings.ARCEUS_RECONCILE_INTERVAL_SECONDS},
         },
         "reprice": {
-            "task": "arceus.reprice",
+            "task": REPRICE_TASK,
             "schedule": settings.ARCEUS_REPRICE_INTERVAL_SECONDS,
             "options": {"expires": settings.ARCEUS_REPRICE_INTERVAL_SECONDS},
         },
         "rollup-ledger": {
-            "task": "arceus.rollup_ledger",
+            "task": ROLLUP_LEDGER_TASK,
             "schedule": settings.ARCEUS_LEDGER_ROLLUP_INTERVAL_SECONDS,
             "options": {"expires": settings.ARCEUS_LEDGER_ROLLUP_INTERVAL_SECONDS},
         },

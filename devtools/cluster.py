@@ -15,8 +15,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -259,13 +258,3 @@ class LocalCluster:
                 pass  # not listening yet, or still booting its workers
             time.sleep(0.2)
         raise ProcessError(f"the web server did not answer at {self.api_url} within {timeout:.0f}s")
-
-
-@contextmanager
-def running_cluster(workdir: Path, **kwargs: object) -> Iterator[LocalCluster]:
-    cluster = LocalCluster(workdir=workdir, **kwargs)  # type: ignore[arg-type]
-    try:
-        cluster.start()
-        yield cluster
-    finally:
-        cluster.stop()

@@ -17,7 +17,7 @@ from arceus.contracts.assignment import Assignment
 from arceus.contracts.observed import ObservedStage
 from arceus.v1 import link_probe_pb2_grpc, stage_pb2, tensor_parallel_pb2_grpc
 from arceus.verify.receipts import ReceiptSigner
-from nodeagent.hosting import StageRegistry
+from nodeagent.hosting import HostedStages
 from nodeagent.lending import ComputeThreads
 from nodeagent.link_probe import LinkProbeServicer
 from nodeagent.metrics import AgentMetrics
@@ -70,7 +70,7 @@ class Agent:
         self.metrics = AgentMetrics(device)
         # Signs receipts for received activations; its public half is sent when the agent registers.
         self.signer = ReceiptSigner()
-        self.registry = StageRegistry(
+        self.registry = HostedStages(
             device, max_message_bytes=max_message_bytes, load_checkpoint=load_checkpoint
         )
         # RunStep holds a worker for the whole step while the pushes it waits for need others.

@@ -2,7 +2,7 @@
 mailbox for the partial sums they push (`TensorParallelService.PushPartial`).
 
 The torch side (`arceus.model.sharding`) only sees `TensorParallelGroup.all_reduce`. Every
-all-reduce is keyed by (step, micro_batch, op): the step executor names the micro-batch around its
+all-reduce is keyed by (step, micro_batch, op): the step (`nodeagent.step.StepRun`) names the micro-batch around its
 forward and backward (`group.micro_batch(...)`), and `op` counts that micro-batch's all-reduces, which
 every rank runs in the same order because every rank runs the same code on the same schedule.
 """

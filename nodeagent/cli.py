@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from arceus.contracts.observed import ObservedState
 from arceus.errors import SpecError
 from nodeagent.agent import Agent, split_host_port
 from nodeagent.control_plane import (
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if client is None:
             agent.apply_assignments(assignments or [])
-            failed = [o for o in agent.observed() if o["state"] == "failed"]
+            failed = [o for o in agent.observed() if o["state"] == ObservedState.FAILED]
             if failed:
                 for o in failed:
                     print(f"nodeagent: stage {o['stage_id']} failed: {o['message']}", file=sys.stderr)

@@ -15,7 +15,7 @@ import grpc
 import torch
 
 from arceus.contracts.assignment import Assignment
-from arceus.contracts.observed import ObservedStage
+from arceus.contracts.observed import ObservedStage, ObservedState
 from arceus.v1 import stage_pb2
 from nodeagent.all_reduce import TensorParallelGroups, stage_group
 from nodeagent.rpc import RpcFailure
@@ -24,7 +24,7 @@ from nodeagent.stage import CheckpointLoader, HostedStage, build_hosted_stage
 log = logging.getLogger(__name__)
 
 
-class StageRegistry:
+class HostedStages:
     def __init__(
         self, device: torch.device, *, max_message_bytes: int, load_checkpoint: CheckpointLoader | None = None
     ) -> None:
@@ -71,7 +71,7 @@ class StageRegistry:
                     new_failed[stage_id] = ObservedStage(
                         stage_id,
                         assignment.generation,
-                        "failed",
+                        ObservedState.FAILED,
                         f"stage {assignment.stage_index} of job {assignment.job_id} is already hosted here "
                         f"as {clash.assignment.stage_id}",
                     )
@@ -106,7 +106,7 @@ class StageRegistry:
                     new_failed[stage_id] = ObservedStage(
                         stage_id,
                         assignment.generation,
-                        "failed",
+                        ObservedState.FAILED,
                         f"could not build the stage: {type(exc).__name__}: {exc}",
                     )
             with self._lock:
@@ -149,7 +149,7 @@ class StageRegistry:
     def observed(self) -> list[ObservedStage]:
         with self._lock:
             ready = [
-                ObservedStage(s.assignment.stage_id, s.assignment.generation, "ready")
+                ObservedStage(s.assignment.stage_id, s.assignment.generation, ObservedState.READY)
                 for s in self._stages.values()
             ]
             return ready + list(self._failed.values())

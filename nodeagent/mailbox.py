@@ -1,4 +1,4 @@
-"""A thread-safe keyed mailbox: pushes from the network land here, the step executor waits for them."""
+"""A thread-safe keyed mailbox: pushes from the network land here, the running step waits for them."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`StageService` over gRPC: resolve the addressed stage, validate, call the executor, map errors.
+"""`StageService` over gRPC: resolve the addressed stage, validate, run the step (`StepRun`), map errors.
 
 Every failure leaves as a gRPC status with a message; nothing a client sends can stop the server.
 """
@@ -10,7 +10,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TypeVar
 
 import grpc
 import torch
@@ -22,7 +21,7 @@ from arceus.verify.receipts import ReceiptSigner
 from arceus.wire.codec import TensorValidationError
 from arceus.wire.incoming_push import IncomingPush, MalformedPush, parse_push
 from arceus.wire.proto_tensor import from_proto, to_proto
-from nodeagent.hosting import StageRegistry
+from nodeagent.hosting import HostedStages
 from nodeagent.lending import ComputeThreads
 from nodeagent.mailbox import MailboxClosed, MailboxFull
 from nodeagent.metrics import AgentMetrics
@@ -32,13 +31,12 @@ from nodeagent.validation import KIND_NAMES, decode_push
 from nodeagent.verify import recompute_forward
 
 log = logging.getLogger(__name__)
-R = TypeVar("R")
 
 
 class StageServicer(stage_pb2_grpc.StageServiceServicer):
     def __init__(
         self,
-        registry: StageRegistry,
+        registry: HostedStages,
         metrics: AgentMetrics,
         compute_threads: Callable[[], ComputeThreads] | None = None,
         *,

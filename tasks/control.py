@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import logging
 
-from controlplane.celery import app
+from controlplane.celery import RECONCILE_TASK, app
 from controlplane.controller.executor import reconcile_once
 
 log = logging.getLogger(__name__)
 
 
-@app.task(name="arceus.reconcile", ignore_result=True)
+@app.task(name=RECONCILE_TASK, ignore_result=True)
 def reconcile() -> None:
     # No lock: two passes at once are safe because every write is checked against the generation the
     # pass saw (see controlplane/controller/executor.py).

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from controlplane.celery import app
+from controlplane.celery import TRAIN_JOB_TASK, app
 from controlplane.jobs.driving import job_drive
 
 
-@app.task(name="arceus.train_job")
+@app.task(name=TRAIN_JOB_TASK)
 def run_job(job_id: str) -> str:
     return job_drive(job_id=job_id)

@@ -1,4 +1,5 @@
-"""A job's status, as the control plane keeps it and the API, the CLI and the reconciler read it."""
+"""A job's status, as the control plane keeps it, its reconciler plans on it, and the SDK and the CLI read it
+from the API."""
 
 from __future__ import annotations
 

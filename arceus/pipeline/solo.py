@@ -107,5 +107,5 @@ def solo_actions(schedule: Schedule, stage: int) -> list[bool]:
 
 @cache
 def solo_planner(name: str, num_stages: int, num_micro_batches: int, train: bool) -> SoloPlanner:
-    """The planner of a named schedule (what a stage's executor asks, once per step)."""
+    """The planner of a named schedule (what a running step asks, once per step)."""
     return SoloPlanner(build_schedule(name, num_stages, num_micro_batches, train))

@@ -20,8 +20,9 @@ from collections.abc import Iterable
 
 import torch
 
+from arceus.contracts.spot_check import SpotCheckResult
 from arceus.model.precision import BF16_TOLERANCE
-from arceus.training.plan import SpotCheck, TrainPlan
+from arceus.training.plan import TrainPlan
 from arceus.training.stage_client import StageClient
 from arceus.v1 import stage_pb2
 from arceus.verify.receipts import RECEIVED, SENT, ReceiptError, ReceiptFields, tensor_digest, verify_receipt
@@ -38,7 +39,7 @@ class Auditor:
 
     def check(
         self, step: int, replies: list[stage_pb2.RunStepReply], inputs: list[torch.Tensor]
-    ) -> list[SpotCheck]:
+    ) -> list[SpotCheckResult]:
         """Check the receipts of a train step (each receiver's against its producer's: hashes only, every
         micro-batch), recompute a forward where the two disagree, else one sampled forward with
         probability `audit_rate`. Stage calls that fail raise grpc.RpcError (the driver's usual error
@@ -69,7 +70,7 @@ class Auditor:
 
     def _receipts(
         self, step: int, signer: int, receiver: int, role: str, signed: Iterable[stage_pb2.Receipt], count: int
-    ) -> tuple[dict[int, stage_pb2.Receipt], SpotCheck | None]:
+    ) -> tuple[dict[int, stage_pb2.Receipt], SpotCheckResult | None]:
         """Stage `signer`'s receipts (role `role`) for the activations stage `receiver` got, one per
         micro-batch, verified against the signer's key; else a failed check of the signer."""
         endpoint = self.clients[signer].endpoint
@@ -88,7 +89,7 @@ class Auditor:
                 raise ReceiptError(f"{role} receipts cover micro-batches {sorted(by_micro_batch)} of {count}")
         except ReceiptError as exc:
             bad = "bad receipts" if role == RECEIVED else "bad sent receipts"
-            return by_micro_batch, SpotCheck(step, -1, signer, endpoint.node_id, False, f"{bad}: {exc}")
+            return by_micro_batch, SpotCheckResult(step, -1, signer, endpoint.node_id, False, f"{bad}: {exc}")
         return by_micro_batch, None
 
     def _recompute(
@@ -99,20 +100,22 @@ class Auditor:
         driver_input: torch.Tensor,
         received: list[dict[int, stage_pb2.Receipt]],
         sent: list[dict[int, stage_pb2.Receipt]],
-    ) -> SpotCheck:
+    ) -> SpotCheckResult:
         producer, receiver = self.clients[i], self.clients[i + 1]
         node, receiver_node = producer.endpoint.node_id, receiver.endpoint.node_id
         kept = producer.audit(step, m)
         x = driver_input if i == 0 else kept.received
         if i > 0 and (x is None or tensor_digest(x) != received[i][m].sha256):
-            return SpotCheck(step, m, i, node, False, "returned an input other than the one it signed for")
+            return SpotCheckResult(step, m, i, node, False, "returned an input other than the one it signed for")
         if kept.sent is None or tensor_digest(kept.sent) != sent[i][m].sha256:
-            return SpotCheck(step, m, i, node, False, "returned a sent activation other than the one it signed for")
+            return SpotCheckResult(
+                step, m, i, node, False, "returned a sent activation other than the one it signed for"
+            )
         got = receiver.audit(step, m).received
         receipt, sent_receipt = received[i + 1][m], sent[i][m]
         if got is None or tensor_digest(got) != receipt.sha256:
             # The receiver kept something else than it signed for: its word is worthless, not the producer's.
-            return SpotCheck(step, m, i + 1, receiver_node, False,
+            return SpotCheckResult(step, m, i + 1, receiver_node, False,
                              "returned an activation other than the one it signed for")
         verifier = self._verifier(node, receiver_node)
         e = producer.endpoint
@@ -124,7 +127,7 @@ class Auditor:
                   "verifier_node_id": verifier.endpoint.node_id, "producer_index": i}
         where = f"step {step} micro-batch {m}"
         if expected.shape != kept.sent.shape:
-            return SpotCheck(step, m, i, node, False,
+            return SpotCheckResult(step, m, i, node, False,
                              f"{where}: sent shape {list(kept.sent.shape)}; the recomputed forward is "
                              f"{list(expected.shape)}", max_abs_diff=float("inf"), **signed)
         expected, slack = _as_sent(expected, self.plan.transfer)
@@ -136,7 +139,7 @@ class Auditor:
         tolerance = f"(rtol {rtol}, atol {atol})"
         if receipt.sha256 != sent_receipt.sha256 and honest:
             # The producer's account holds up against the recomputation: the receiver's does not.
-            return SpotCheck(step, m, i + 1, receiver_node, False,
+            return SpotCheckResult(step, m, i + 1, receiver_node, False,
                              f"{where}: signed for an activation other than the one stage {i} sent, which matches "
                              f"the recomputation on node {verifier.endpoint.node_id} (max |diff| {diff:.3g})",
                              max_abs_diff=diff, **signed)
@@ -147,7 +150,7 @@ class Auditor:
             f"{diff:.3g} {tolerance}"
             + (f"; stage {i + 1} signed for another activation" if receipt.sha256 != sent_receipt.sha256 else "")
         )
-        return SpotCheck(step, m, i, node, bool(honest), detail, max_abs_diff=diff, **signed)
+        return SpotCheckResult(step, m, i, node, bool(honest), detail, max_abs_diff=diff, **signed)
 
     def _verifier(self, producer_node: str, receiver_node: str) -> StageClient:
         """A stage on another node: preferably neither the producer's nor the receiver's."""

@@ -19,6 +19,7 @@ import grpc
 import torch
 
 from arceus.contracts.counters import StageCounters
+from arceus.contracts.spot_check import SpotCheckResult
 from arceus.data import epoch_batches, load_dataset, validate_dataset_config
 from arceus.errors import SpecError
 from arceus.model.registry import model_spec_from_config
@@ -27,7 +28,6 @@ from arceus.training.audit import Auditor
 from arceus.training.plan import (
     EpochResult,
     ProgressSink,
-    SpotCheck,
     StageEndpoint,
     StageTensors,
     StepProgress,
@@ -57,7 +57,7 @@ class StepOutcome:
     samples: int
     labels: int  # loss terms: one per sample, or one per position for a GPT
     stages: list[StageCounters]
-    spot_checks: list[SpotCheck]
+    spot_checks: list[SpotCheckResult]
 
 
 class Pipeline:
@@ -184,8 +184,9 @@ class Pipeline:
                 raise _driver_error(client, what, exc) from exc
         if len(shards) == 1:
             return shards[0]
+        spec = model_spec_from_config(self.plan.model)
         try:
-            return gather_state_tensors(model_spec_from_config(self.plan.model), shards)
+            return gather_state_tensors(spec, shards)
         except SpecError as exc:  # the plan names a split stage of a model that cannot split
             raise DriverError(f"{exc.field}: {exc.message}", stage_index=ranks[0].endpoint.index) from exc
 

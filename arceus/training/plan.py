@@ -9,6 +9,7 @@ from typing import Any, Protocol
 import torch
 
 from arceus.contracts.counters import StageCounters
+from arceus.contracts.spot_check import SpotCheckResult
 from arceus.errors import SpecError
 from arceus.model.precision import check_precision
 from arceus.pipeline.schedule import SCHEDULES
@@ -110,25 +111,6 @@ class TrainPlan:
             )
 
 
-@dataclass(frozen=True)
-class SpotCheck:
-    """The outcome of checking a node's work: a recomputed forward, or a receipt it signed."""
-
-    step: int
-    micro_batch: int
-    stage_index: int  # the stage whose work was checked
-    node_id: str
-    passed: bool
-    detail: str
-    verifier_node_id: str = ""  # "" when no forward was recomputed (a receipt check)
-    max_abs_diff: float = 0.0
-    receipt_sha256: str = ""  # hex: the receiver's signed digest of the compared output
-    receipt_signature: str = ""  # hex
-    sent_sha256: str = ""  # hex: the producer's signed digest of what it sent (a disagreement's other side)
-    sent_signature: str = ""  # hex
-    producer_index: int | None = None  # the stage whose output the receipts are about (None: stage_index)
-
-
 @dataclass
 class StepProgress:
     epoch: int  # 1-based
@@ -137,7 +119,7 @@ class StepProgress:
     loss: float
     samples_per_second: float
     stages: list[StageCounters] = field(default_factory=list)  # cumulative, after this step
-    spot_checks: list[SpotCheck] = field(default_factory=list)  # of this step
+    spot_checks: list[SpotCheckResult] = field(default_factory=list)  # of this step
 
 
 @dataclass

@@ -12,10 +12,7 @@ from typing import Any
 
 from django.db import transaction
 
-from controlplane.celery import app
-
-RECONCILE_TASK = "arceus.reconcile"
-TRAIN_JOB_TASK = "arceus.train_job"
+from controlplane.celery import RECONCILE_TASK, app
 
 
 def enqueue_on_commit(task_name: str, *args: Any, expires: float | None = None) -> None:

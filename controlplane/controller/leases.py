@@ -83,3 +83,13 @@ def renewed(now: datetime) -> dict[str, Any]:
     """The fields that renew the lease, for a holder's write that records something else too (one
     UPDATE)."""
     return {"driver_lease_expires_at": lease_end(now)}
+
+
+def job_checkpointed(*, job: Job, checkpoint_id: Any, replaced_id: Any | None) -> None:
+    """The lease holder saved a checkpoint (inside its transaction): the job made progress, so its restart
+    count resets; if the checkpoint replaced the one the stages resume from, they resume from the new one."""
+    fields: dict[str, Any] = {"restarts": 0}
+    if replaced_id is not None and job.resume_checkpoint_id == replaced_id:
+        fields["resume_checkpoint_id"] = checkpoint_id
+        job.resume_checkpoint_id = checkpoint_id
+    Job.objects.filter(pk=job.pk).update(**fields)

@@ -34,12 +34,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from arceus.contracts.observed import ObservedState
+from arceus.contracts.status import ACTIVE_STATUSES, JobStatus
 from arceus.placement.solver import Device, LayerProfile, PlacementError, Workload, solve, stage_memory
 from controlplane.common.conditions import FALSE, TRUE, UNKNOWN, Condition, has_condition, set_conditions
 
-QUEUED, PLACING, PENDING, RUNNING = "queued", "placing", "pending", "running"
-PLACED_STATUSES = (PLACING, PENDING, RUNNING)
-READY, FAILED = "ready", "failed"
+QUEUED, PLACING, PENDING, RUNNING = JobStatus.QUEUED, JobStatus.PLACING, JobStatus.PENDING, JobStatus.RUNNING
+READY, FAILED = ObservedState.READY, ObservedState.FAILED
 
 Conditions = tuple[dict[str, Any], ...]
 
@@ -269,7 +270,7 @@ def plan(desired: Desired, observed: Observed, now: datetime) -> list[Action]:
         elif node.ready_status == TRUE:
             ready[node.id] = node
     nodes = {n.id: n for n in observed.nodes}
-    busy = {s.node_id for job in desired.jobs if job.status in PLACED_STATUSES for s in job.stages}
+    busy = {s.node_id for job in desired.jobs if job.status in ACTIVE_STATUSES for s in job.stages}
     free = sorted((n for n in ready.values() if n.id not in busy and not n.paused), key=lambda n: (-n.flops, n.id))
     for job in desired.jobs:
         action: Action | None = None
@@ -278,7 +279,7 @@ def plan(desired: Desired, observed: Observed, now: datetime) -> list[Action]:
             action = _place(job, free, now)
             if isinstance(action, PlaceJob):
                 taken = {s.node_id for s in action.stages}
-        elif job.status in PLACED_STATUSES:
+        elif job.status in ACTIVE_STATUSES:
             lost = [s for s in job.stages if _is_lost(s, nodes, job, now)]
             draining = [s for s in job.stages if s not in lost and nodes[s.node_id].paused]
             if draining and not lost and job.status == RUNNING and _driver_live(job, now):

@@ -17,8 +17,9 @@ from django.utils import timezone
 
 from arceus.contracts.observed import ObservedState
 from arceus.contracts.status import ACTIVE_STATUSES, TERMINAL_STATUSES, JobStatus
+from controlplane.celery import TRAIN_JOB_TASK
 from controlplane.common.conditions import FALSE, TRUE, Condition, set_conditions
-from controlplane.common.dispatch import TRAIN_JOB_TASK, enqueue_on_commit, reconcile_soon
+from controlplane.common.dispatch import enqueue_on_commit, reconcile_soon
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.leases import lease_end
 from controlplane.controller.rules import PlaceJob, StartDriver

@@ -78,6 +78,7 @@ class JobAdmin(admin.ModelAdmin):
     search_fields = ["id", "name", "owner__username"]
     readonly_fields = [
         "id",
+        "status",  # changed only by controlplane.controller.transitions
         "generation",
         "conditions",
         "step",

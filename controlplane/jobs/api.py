@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from django.http import HttpResponse
+from django.http import StreamingHttpResponse
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import status
@@ -90,13 +90,15 @@ class JobCancelApi(APIView):
 
 
 class JobModelApi(APIView):
-    """The trained model: every stage's weights from the newest checkpoint, as one safetensors file."""
+    """The trained model: every stage's weights from the newest checkpoint, as one safetensors file streamed
+    from the stages' checkpoint files."""
 
     @extend_schema(parameters=[JOB_ID], responses={(200, "application/octet-stream"): bytes})
-    def get(self, request: Request, job_id: str) -> HttpResponse:
-        data, checkpoint = job_model_file(job=job_get_for_user(user=request.user, job_id=job_id))
-        response = HttpResponse(data, content_type="application/octet-stream")
-        response["Content-Disposition"] = f'attachment; filename="{job_id}-step-{checkpoint.step}.safetensors"'
+    def get(self, request: Request, job_id: str) -> StreamingHttpResponse:
+        model = job_model_file(job=job_get_for_user(user=request.user, job_id=job_id))
+        response = StreamingHttpResponse(model.chunks, content_type="application/octet-stream")
+        response["Content-Length"] = str(model.size_bytes)
+        response["Content-Disposition"] = f'attachment; filename="{job_id}-step-{model.checkpoint.step}.safetensors"'
         return response
 
 

@@ -11,7 +11,7 @@ import json
 import logging
 import uuid
 from collections import defaultdict
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,9 +20,16 @@ from django.core.files.base import ContentFile
 from django.db import transaction
 from django.db.models import Max, QuerySet
 
-from arceus.checkpoint import OPTIMIZER_PREFIX, checkpoint_digest, decode_checkpoint, encode_checkpoint
-from arceus.contracts.status import JobStatus
+from arceus.checkpoint import (
+    OPTIMIZER_PREFIX,
+    CheckpointError,
+    checkpoint_digest,
+    decode_checkpoint,
+    file_digest,
+    merged_checkpoint,
+)
 from controlplane.common.errors import ApplicationError
+from controlplane.controller.leases import held, job_checkpointed
 from controlplane.jobs.models import Checkpoint, Job, Stage, StageCheckpoint, checkpoint_storage
 
 log = logging.getLogger(__name__)
@@ -53,11 +60,7 @@ def checkpoint_save(
             )
             stored.append((stage, name))
         with transaction.atomic():
-            job = (
-                Job.objects.select_for_update()
-                .filter(pk=job_id, status=JobStatus.RUNNING, generation=generation, driver_lease_owner=lease_owner)
-                .first()
-            )
+            job = held(job_id, lease_owner).filter(generation=generation).select_for_update().first()
             if job is None:
                 raise _LeaseLost
             # A replay after a rewind may reach a step saved before (resuming from the final checkpoint
@@ -66,9 +69,6 @@ def checkpoint_save(
             if replaced is not None:
                 checkpoints_delete([replaced])
             checkpoint = Checkpoint.objects.create(job=job, step=step, epoch=epoch, generation=generation)
-            if replaced is not None and job.resume_checkpoint_id == replaced.pk:
-                Job.objects.filter(pk=job.pk).update(resume_checkpoint=checkpoint)
-                job.resume_checkpoint_id = checkpoint.pk
             StageCheckpoint.objects.bulk_create(
                 StageCheckpoint(
                     checkpoint=checkpoint,
@@ -81,7 +81,7 @@ def checkpoint_save(
                 )
                 for stage, name in stored
             )
-            Job.objects.filter(pk=job.pk).update(restarts=0)
+            job_checkpointed(job=job, checkpoint_id=checkpoint.pk, replaced_id=replaced.pk if replaced else None)
             keep = {checkpoint.pk, job.resume_checkpoint_id} | _rollback_targets(job)
             old = Checkpoint.objects.filter(job=job).exclude(pk__in=keep - {None}).order_by("-step")
             checkpoints_delete(old[KEEP_CHECKPOINTS - 1 :])
@@ -152,17 +152,54 @@ def job_model_weights(*, job: Job) -> tuple[dict[str, torch.Tensor], Checkpoint]
     return tensors, checkpoint
 
 
-def job_model_file(*, job: Job) -> tuple[bytes, Checkpoint]:
-    """The whole model's weights from the job's newest checkpoint, as one safetensors file with the model
-    config and step in its metadata."""
-    tensors, checkpoint = job_model_weights(job=job)
-    metadata = {
-        "job_id": str(job.id),
-        "step": str(checkpoint.step),
-        "epoch": str(checkpoint.epoch),
-        "model_config": json.dumps(job.model_config, sort_keys=True),
-    }
-    return encode_checkpoint(tensors, metadata=metadata), checkpoint
+@dataclass(frozen=True)
+class ModelFile:
+    """The whole model's weights from one checkpoint, as one safetensors file served as a stream."""
+
+    checkpoint: Checkpoint
+    size_bytes: int
+    chunks: Iterator[bytes]  # closes the stage files once consumed (or closed)
+
+
+def job_model_file(*, job: Job) -> ModelFile:
+    """Every stage's weights (no optimizer state) from the job's newest checkpoint as one safetensors file,
+    with the model config and step in its metadata. Each stage file is checked against its hash first, then
+    the merged file streams from them a chunk at a time: the web process never holds the model."""
+    checkpoint = job.checkpoints.order_by("-step").first()
+    if checkpoint is None:
+        raise ApplicationError.conflict(
+            f"job {job.id} has no checkpoint yet; the model is available once training has saved one"
+        )
+    storage = checkpoint_storage()
+    handles = []
+    try:
+        for sc in checkpoint.stages.order_by("stage_index"):
+            handle = storage.open(sc.file.name, "rb")
+            handles.append(handle)
+            actual = file_digest(handle)
+            if actual != sc.sha256:
+                raise CheckpointError(f"checkpoint content hash is {actual}, expected {sc.sha256}: corrupt or replaced")
+        metadata = {
+            "job_id": str(job.id),
+            "step": str(checkpoint.step),
+            "epoch": str(checkpoint.epoch),
+            "model_config": json.dumps(job.model_config, sort_keys=True),
+        }
+        size, chunks = merged_checkpoint(handles, keep=lambda name: not name.startswith(OPTIMIZER_PREFIX),
+                                         metadata=metadata)
+    except BaseException:
+        for handle in handles:
+            handle.close()
+        raise
+
+    def stream() -> Iterator[bytes]:
+        try:
+            yield from chunks
+        finally:
+            for handle in handles:
+                handle.close()
+
+    return ModelFile(checkpoint=checkpoint, size_bytes=size, chunks=stream())
 
 
 class _LeaseLost(Exception):

@@ -25,7 +25,8 @@ def job_sample(*, job: Job, prompt: str, length: int, temperature: float, seed: 
     spec = model_spec_from_config(job.model_config)
     if not architecture_of(spec).writes_text:
         raise ApplicationError.conflict(
-            f"job {job.id} trains a {spec.type} model; only a {' or '.join(text_writers())} job generates text"
+            f"job {job.id} trains a model of type {spec.type!r}; only a {' or '.join(text_writers())} job "
+            "generates text"
         )
     weights, checkpoint = job_model_weights(job=job)
     try:

@@ -133,6 +133,7 @@ def _assignment(stage: Stage, stages: dict[int, list[Stage]], checkpoint: StageC
     ).to_json()
 
 
-def _addresses(group: list[Stage] | None) -> tuple[str, ...]:
-    """The "host:port" of each rank of a stage (one, unless it is tensor-parallel), in rank order."""
-    return tuple(s.node.grpc_address if s.node is not None else "" for s in group or ())
+def _addresses(group: list[Stage] | None) -> tuple[Any, ...]:
+    """The "host:port" of each rank of a stage (one, unless it is tensor-parallel), in rank order; null for
+    a rank whose node was deleted (the reconciler moves it)."""
+    return tuple(s.node.grpc_address if s.node is not None else None for s in group or ())

@@ -11,18 +11,19 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import asdict
+from dataclasses import replace
 
 from django.utils import timezone
 
 from arceus.checkpoint import encode_checkpoint
 from arceus.contracts.counters import StageCounters
+from arceus.contracts.spot_check import SpotCheckResult
 from arceus.training import EpochResult, StageTensors, StepProgress
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.leases import job_driver_handover, job_handover_requested
 from controlplane.jobs.checkpoints import StageFile, checkpoint_save
 from controlplane.jobs.progress import StepPoint, job_record_epoch, job_record_steps
-from controlplane.market.verification import SpotCheckReport, spot_checks_record
+from controlplane.market.verification import spot_checks_record
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ class DbProgressSink:
         self.flush_seconds = flush_seconds
         self._pending: list[StepPoint] = []
         self._counters: list[StageCounters] = []  # the newest step's, not yet written
-        self._spot_checks: list[SpotCheckReport] = []
+        self._spot_checks: list[SpotCheckResult] = []
         self._last_flush = time.monotonic()
         self._lost_lease = False
         self._handover = False
@@ -43,7 +44,7 @@ class DbProgressSink:
     def on_step(self, p: StepProgress) -> None:
         self._pending.append(StepPoint(p.epoch, p.step, p.total_steps, p.loss, p.samples_per_second))
         self._counters = p.stages
-        self._spot_checks += [SpotCheckReport(**asdict(c), train_step=p.step) for c in p.spot_checks]
+        self._spot_checks += [replace(c, train_step=p.step) for c in p.spot_checks]
         # A failed check is written at once: the node must stop getting credit and work now.
         if time.monotonic() - self._last_flush >= self.flush_seconds or not all(c.passed for c in p.spot_checks):
             self.flush()

@@ -8,15 +8,15 @@ when the evidence it rests on is signed by the nodes whose accounts it weighs.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
 from django.db import transaction
 
-from arceus.contracts.status import JobStatus
+from arceus.contracts.spot_check import SpotCheckResult
 from arceus.verify.receipts import RECEIVED, SENT, ReceiptError, ReceiptFields, verify_receipt
 from controlplane.common.errors import ApplicationError
+from controlplane.controller.leases import held
 from controlplane.controller.rollback import job_roll_back
 from controlplane.jobs.models import Job, Stage
 from controlplane.market.models import SpotCheck
@@ -25,37 +25,15 @@ from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_flag
 
 
-@dataclass(frozen=True)
-class SpotCheckReport:
-    """One check as the driver reports it (the fields of arceus.training.SpotCheck)."""
-
-    step: int
-    micro_batch: int
-    stage_index: int
-    node_id: str
-    passed: bool
-    detail: str
-    verifier_node_id: str = ""
-    max_abs_diff: float = 0.0
-    receipt_sha256: str = ""
-    receipt_signature: str = ""
-    sent_sha256: str = ""
-    sent_signature: str = ""
-    producer_index: int | None = None  # the stage whose output the receipts are about (None: stage_index)
-    train_step: int = 0  # the job's step once the checked step ran (the sink adds it)
-
-
 @transaction.atomic
 def spot_checks_record(
-    *, job_id: Any, lease_owner: str, generation: int, checks: Sequence[SpotCheckReport], now: datetime
+    *, job_id: Any, lease_owner: str, generation: int, checks: Sequence[SpotCheckResult], now: datetime
 ) -> list[SpotCheck]:
     """Store the checks of the driver holding the job's lease; each failed one flags its node, withholds
     that node's credit for the job and rolls the job back to before its unchecked work
     (`job_roll_back`), which ends this driver's lease. ApplicationError, with nothing stored, if the caller lost
     the lease or a receipt does not verify against the receiving node's key."""
-    job = Job.objects.filter(
-        pk=job_id, status=JobStatus.RUNNING, driver_lease_owner=lease_owner, generation=generation
-    ).first()
+    job = held(job_id, lease_owner).filter(generation=generation).first()
     if job is None:
         raise ApplicationError.conflict(
             f"job {job_id}: the caller does not hold the driver lease of generation {generation}"
@@ -104,7 +82,7 @@ def spot_checks_record(
     return rows
 
 
-def _verify_receipt(job: Job, generation: int, c: SpotCheckReport, role: str, sha256: str, signature: str) -> None:
+def _verify_receipt(job: Job, generation: int, c: SpotCheckResult, role: str, sha256: str, signature: str) -> None:
     """The compared output of stage `producer` (for stage `producer + 1`) carries the receiver's receipt
     and the producer's "sent" one: check the one of `role` against its signer's key."""
     producer = c.stage_index if c.producer_index is None else c.producer_index

@@ -8,7 +8,7 @@ from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from arceus.contracts.observed import ObservedStage
+from arceus.contracts.observed import ObservedStage, ObservedState
 from arceus.model.precision import PRECISIONS
 from arceus.verify.receipts import ReceiptError, load_public_key
 from arceus.wire.transfer import ACTIVATION_ENCODINGS, GRADIENT_ENCODINGS
@@ -167,7 +167,7 @@ class AgentRegisteredOutput(serializers.Serializer):
 class ObservedStageInput(serializers.Serializer):
     stage_id = serializers.CharField(max_length=200)
     generation = StrictIntegerField(min_value=0)
-    state = serializers.ChoiceField(choices=["ready", "failed"])
+    state = serializers.ChoiceField(choices=[ObservedState.READY.value, ObservedState.FAILED.value])
     message = serializers.CharField(allow_blank=True, default="", trim_whitespace=False)
 
 

@@ -4,11 +4,20 @@ import hashlib
 import io
 import json
 import struct
+import tracemalloc
 
 import pytest
 import torch
 
-from arceus.checkpoint import CheckpointError, checkpoint_digest, decode_checkpoint, encode_checkpoint
+from arceus.checkpoint import (
+    CHUNK_BYTES,
+    CheckpointError,
+    checkpoint_digest,
+    decode_checkpoint,
+    encode_checkpoint,
+    file_digest,
+    merged_checkpoint,
+)
 
 
 def tensors() -> dict[str, torch.Tensor]:
@@ -98,3 +107,47 @@ def test_corrupt_bytes_are_a_checkpoint_error(data: bytes) -> None:
     with pytest.raises(CheckpointError, match="not a valid safetensors checkpoint"):
         decode_checkpoint(data, sha256=checkpoint_digest(data))
 
+
+
+def test_merged_files_hold_the_kept_tensors_of_every_file_with_the_given_metadata() -> None:
+    first = {**tensors(), "layers.0.bf16": torch.tensor([1.5, -2.0], dtype=torch.bfloat16)}
+    second = {"layers.1.weight": torch.ones(2, 5), "optimizer.layers.1.weight.exp_avg": torch.zeros(2, 5)}
+    sources = [io.BytesIO(encode_checkpoint(first)), io.BytesIO(encode_checkpoint(second))]
+    size, chunks = merged_checkpoint(sources, keep=lambda name: not name.startswith("optimizer."),
+                                     metadata={"step": "9"})
+    data = b"".join(chunks)
+    assert len(data) == size
+    merged = decode_checkpoint(data)
+    expected = {n: t for n, t in {**first, **second}.items() if not n.startswith("optimizer.")}
+    assert set(merged) == set(expected)
+    for name, tensor in expected.items():
+        assert merged[name].dtype == tensor.dtype and torch.equal(merged[name], tensor), name
+    assert header(data)["__metadata__"] == {"step": "9"}
+    assert (8 + struct.unpack("<Q", data[:8])[0]) % 8 == 0  # tensor data starts aligned
+
+
+def test_merging_streams_a_chunk_at_a_time_whatever_the_files_size() -> None:
+    big = {f"layers.{i}.weight": torch.full((1024, 1024, 5), float(i)) for i in range(4)}  # 80 MiB in all
+    sources = [io.BytesIO(encode_checkpoint({name: t})) for name, t in big.items()]
+    tracemalloc.start()
+    try:
+        size, chunks = merged_checkpoint(sources, keep=lambda name: True, metadata={})
+        largest = 0
+        for chunk in chunks:
+            largest = max(largest, len(chunk))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert largest <= CHUNK_BYTES and size > 80 * 2**20
+    assert peak < 3 * CHUNK_BYTES, f"merging held {peak:,} bytes at once"
+    for source in sources:
+        source.seek(0)
+    _, chunks = merged_checkpoint(sources, keep=lambda name: True, metadata={})
+    merged = decode_checkpoint(b"".join(chunks))
+    assert all(torch.equal(merged[name], tensor) for name, tensor in big.items())
+
+
+def test_a_file_that_is_no_safetensors_is_refused_with_the_reason() -> None:
+    with pytest.raises(CheckpointError, match="header is no JSON"):
+        merged_checkpoint([io.BytesIO(struct.pack("<Q", 4) + b"nope")], keep=lambda name: True, metadata={})
+    assert file_digest(io.BytesIO(b"abc")) == hashlib.sha256(b"abc").hexdigest()

@@ -29,7 +29,7 @@ from arceus.wire.proto_tensor import to_proto
 from devtools.launch import free_ports
 from nodeagent.agent import Agent
 from nodeagent.all_reduce import TensorParallelGroup
-from nodeagent.hosting import StageRegistry
+from nodeagent.hosting import HostedStages
 from nodeagent.rpc import RpcFailure
 from nodeagent.stage import build_hosted_stage
 
@@ -246,7 +246,7 @@ def test_a_rank_loads_its_slice_of_an_unsplit_checkpoint_and_its_group_lives_wit
 
     states = []
     for rank in range(2):
-        registry = StageRegistry(CPU, max_message_bytes=2**20, load_checkpoint=lambda _: full)
+        registry = HostedStages(CPU, max_message_bytes=2**20, load_checkpoint=lambda _: full)
         split = {"rank": rank, "size": 2, "peers": peers}
         checkpoint = {"step": 1, "url": "file", "sha256": "0" * 64}
         assignment = {**common, "stage_id": f"rank-{rank}", "tensor_parallel": split, "checkpoint": checkpoint}

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from arceus.errors import SpecError
+from arceus.model.activations import activation_from_config
 from arceus.model.layout import TensorLayout
 
-ACTIVATIONS = ("relu", "gelu", "tanh")
 DEFAULT_CHANNELS = (8, 16)
 MAX_CHANNELS = 4096
 MAX_CONV_LAYERS = 32
@@ -103,9 +103,7 @@ def convnet_from_config(config: dict[str, Any]) -> ConvNetSpec:
             "model_config.kernel_size",
             f"must be an odd integer from 1 to {MAX_KERNEL_SIZE} (so a conv keeps the image size), got {kernel_size!r}",
         )
-    activation = config.get("activation", "relu")
-    if not isinstance(activation, str) or activation.lower() not in ACTIVATIONS:
-        raise SpecError("model_config.activation", f"must be one of {', '.join(ACTIVATIONS)}, got {activation!r}")
+    activation = activation_from_config(config)
     input_shape = _input_shape(config)
     _, height, width = input_shape
     fits = min(height, width).bit_length() - 1  # halvings before a side pools down to nothing
@@ -120,7 +118,7 @@ def convnet_from_config(config: dict[str, Any]) -> ConvNetSpec:
         classes=_classes(config),
         channels=channels,
         kernel_size=kernel_size,
-        activation=activation.lower(),
+        activation=activation,
     )
 
 

@@ -21,7 +21,7 @@ from arceus.model.gpt.layers import GPTBlock, gpt_layer
 from arceus.model.gpt.spec import GPTSpec
 from arceus.model.layout import TensorLayout
 from arceus.model.seeding import layer_generator
-from arceus.model.sharding import AllReduce, Shard, copy_to_group, reduce_from_group
+from arceus.model.sharding import AllReduce, Shard, copy_to_group, reduce_from_group, slice_state
 
 
 def check_split(spec: GPTSpec, size: int) -> None:
@@ -100,12 +100,7 @@ def shard_rows(spec: GPTSpec, shard: Shard, name: str) -> tuple[int, torch.Tenso
 
 def shard_tensor(spec: GPTSpec, shard: Shard, name: str, full: torch.Tensor) -> torch.Tensor:
     """Rank `shard.rank`'s part of the unsplit parameter (or gradient) `name`."""
-    cut = shard_rows(spec, shard, name)
-    return full.clone() if cut is None else full.index_select(cut[0], cut[1])
-
-
-def shard_state(spec: GPTSpec, shard: Shard, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {name: shard_tensor(spec, shard, name, tensor) for name, tensor in full.items()}
+    return slice_state(shard_rows, spec, shard, {name: full})[name]
 
 
 def parallel_layer(
@@ -117,7 +112,7 @@ def parallel_layer(
         raise ValueError(f"layer {layer_index} is not a transformer block (blocks are 1..{spec.n_layer})")
     full = gpt_layer(spec, layer_index, generator)
     block = ParallelBlock(spec, shard, all_reduce)
-    block.load_state_dict(shard_state(spec, shard, full.state_dict()))
+    block.load_state_dict(slice_state(shard_rows, spec, shard, full.state_dict()))
     return block
 
 

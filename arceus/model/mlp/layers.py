@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from arceus.model.mlp.spec import MLPSpec
-
-_ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "tanh": torch.tanh}
+from arceus.model.torch_layers import ACTIVATION_FUNCTIONS, init_like_torch
 
 
 class MLPLayer(nn.Module):
@@ -25,15 +22,11 @@ class MLPLayer(nn.Module):
         self.activation = activation
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features))
-        # nn.Linear's default distribution, drawn from our generator instead of the global one.
-        with torch.no_grad():
-            nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5), generator=generator)
-            bound = 1 / math.sqrt(in_features)
-            nn.init.uniform_(self.bias, -bound, bound, generator=generator)
+        init_like_torch(self.weight, self.bias, generator)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight, self.bias)
-        return _ACTIVATIONS[self.activation](y) if self.activation else y
+        return ACTIVATION_FUNCTIONS[self.activation](y) if self.activation else y
 
     def extra_repr(self) -> str:
         return (

@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from arceus.errors import SpecError
+from arceus.model.activations import activation_from_config
 from arceus.model.layout import TensorLayout
 
 MAX_LAYER_WIDTH = 1_000_000
-ACTIVATIONS = ("relu", "gelu", "tanh")
 _MLP_KEYS = frozenset({"type", "layer_sizes", "activation"})
 
 
@@ -100,9 +100,4 @@ def mlp_from_config(config: dict[str, Any]) -> MLPSpec:
             raise SpecError(f"{field}[{index}]", f"must be at least 1, got {size}")
         if size > MAX_LAYER_WIDTH:
             raise SpecError(f"{field}[{index}]", f"must be at most {MAX_LAYER_WIDTH:,}, got {size:,}")
-    activation = config.get("activation", "relu")
-    if not isinstance(activation, str) or activation.lower() not in ACTIVATIONS:
-        raise SpecError(
-            "model_config.activation", f"must be one of {', '.join(ACTIVATIONS)}, got {activation!r}"
-        )
-    return MLPSpec(layer_sizes=tuple(sizes), activation=activation.lower())
+    return MLPSpec(layer_sizes=tuple(sizes), activation=activation_from_config(config))

@@ -10,13 +10,14 @@ import pytest
 from django.utils import timezone
 
 from arceus.contracts.counters import StageCounters
+from arceus.contracts.spot_check import SpotCheckResult
 from arceus.contracts.status import JobStatus
 from controlplane.controller.executor import reconcile_once
 from controlplane.jobs.checkpoints import checkpoint_trusted
 from controlplane.jobs.models import Job, Stage
 from controlplane.market.models import LedgerEntry
 from controlplane.market.services import ledger_record_work
-from controlplane.market.verification import SpotCheckReport, spot_checks_record
+from controlplane.market.verification import spot_checks_record
 from controlplane.nodes.models import Node
 from tests.controlplane.jobs import test_jobs_checkpoints as checkpoints
 from tests.controlplane.jobs.test_jobs_checkpoints import DRIVER, save
@@ -27,14 +28,14 @@ agents, checkpoint_dir, running_job = checkpoints.agents, checkpoints.checkpoint
 pytestmark = pytest.mark.django_db
 
 
-def check(job: Job, stage: Stage, *, train_step: int, passed: bool) -> SpotCheckReport:
-    return SpotCheckReport(
+def check(job: Job, stage: Stage, *, train_step: int, passed: bool) -> SpotCheckResult:
+    return SpotCheckResult(
         step=train_step, micro_batch=0, stage_index=stage.index, node_id=str(stage.node_id), passed=passed,
         detail="matches" if passed else "output differs from the recomputation", train_step=train_step,
     )
 
 
-def record(job: Job, *checks: SpotCheckReport) -> None:
+def record(job: Job, *checks: SpotCheckResult) -> None:
     spot_checks_record(job_id=job.id, lease_owner=DRIVER, generation=job.generation, checks=list(checks),
                        now=timezone.now())
 

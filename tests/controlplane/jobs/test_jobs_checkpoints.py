@@ -19,7 +19,9 @@ from moto.server import ThreadedMotoServer
 from rest_framework.test import APIClient
 
 from arceus.checkpoint import CheckpointError, checkpoint_digest, decode_checkpoint, encode_checkpoint
+from arceus.cli import main as cli_main
 from arceus.contracts.assignment import Assignment
+from controlplane.accounts.services import user_token_get_or_create
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.executor import reconcile_once
 from controlplane.controller.leases import job_driver_claim
@@ -272,8 +274,9 @@ def test_a_node_hosting_the_same_index_of_another_job_gets_nothing(running_job: 
 def test_the_model_file_merges_the_newest_checkpoints_weights(running_job: Job) -> None:
     save(running_job, 10)
     newest = save(running_job, 20, epoch=3)
-    data, checkpoint = job_model_file(job=running_job)
-    assert checkpoint == newest
+    model = job_model_file(job=running_job)
+    data, checkpoint = b"".join(model.chunks), model.checkpoint
+    assert checkpoint == newest and len(data) == model.size_bytes
     tensors = decode_checkpoint(data)
     expected = {k: v for i in range(3) for k, v in stage_tensors(i, 20).items() if not k.startswith("optimizer.")}
     assert set(tensors) == set(expected)  # all six weights, no optimizer entries
@@ -380,9 +383,25 @@ def test_the_owner_downloads_the_model(running_job: Job, api: APIClient, suffix:
     assert response.status_code == 200
     assert response["Content-Type"] == "application/octet-stream"
     assert response["Content-Disposition"] == f'attachment; filename="{running_job.id}-step-10.safetensors"'
-    tensors = decode_checkpoint(response.content)
+    content = b"".join(response.streaming_content)
+    assert int(response["Content-Length"]) == len(content)
+    tensors = decode_checkpoint(content)
     assert sorted(tensors) == [f"layers.{i}.{p}" for i in range(3) for p in ("bias", "weight")]
-    assert header_metadata(response.content)["step"] == "10"
+    assert header_metadata(content)["step"] == "10"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_cli_streams_the_model_into_a_file(live_server, running_job: Job, user, tmp_path: Path) -> None:
+    save(running_job, 10)
+    downloads = tmp_path / "downloads"
+    downloads.mkdir()
+    output = downloads / "model.safetensors"
+    argv = ["--url", live_server.url, "--token", user_token_get_or_create(user=user)]
+    assert cli_main([*argv, "jobs", "model", str(running_job.id), "-o", str(output)]) == 0
+    names = [f"layers.{i}.{p}" for i in range(3) for p in ("bias", "weight")]
+    assert sorted(decode_checkpoint(output.read_bytes())) == names
+    assert cli_main([*argv, "jobs", "model", "00000000-0000-0000-0000-000000000000", "-o", str(downloads / "x")]) != 0
+    assert sorted(p.name for p in downloads.iterdir()) == ["model.safetensors"]  # a failed download leaves nothing
 
 
 def test_the_model_endpoint_without_a_checkpoint_is_a_409(running_job: Job, api: APIClient) -> None:
@@ -445,5 +464,5 @@ def test_checkpoints_live_in_an_s3_bucket_when_one_is_configured(running_job: Jo
     data = b"".join(response.streaming_content)
     assert checkpoint_digest(data) == sc.sha256 == response["X-Checkpoint-SHA256"]
     torch.testing.assert_close(decode_checkpoint(data)["layers.0.weight"], stage_tensors(0, 10)["layers.0.weight"])
-    model, _ = job_model_file(job=running_job)
+    model = b"".join(job_model_file(job=running_job).chunks)
     assert sorted(decode_checkpoint(model)) == [f"layers.{i}.{p}" for i in range(3) for p in ("bias", "weight")]

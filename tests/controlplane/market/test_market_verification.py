@@ -13,13 +13,14 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from arceus.contracts.counters import StageCounters
+from arceus.contracts.spot_check import SpotCheckResult
 from arceus.contracts.status import JobStatus
 from arceus.verify.receipts import SENT, ReceiptFields, ReceiptSigner, tensor_digest
 from controlplane.common.errors import ApplicationError
 from controlplane.jobs.models import Stage
 from controlplane.market.models import LedgerEntry, SpotCheck
 from controlplane.market.services import ledger_record_work
-from controlplane.market.verification import SpotCheckReport, spot_checks_record
+from controlplane.market.verification import spot_checks_record
 from controlplane.nodes.models import Node
 from controlplane.nodes.selectors import node_unavailable_reason
 from controlplane.nodes.services import node_create
@@ -42,10 +43,10 @@ def placed(ready_node, queued_job):  # noqa: ANN001, ANN201 - fixtures from conf
     return job, producer, receiver, signer
 
 
-def report(job, signer: ReceiptSigner, producer: Node, *, passed: bool, digest_of: torch.Tensor) -> SpotCheckReport:  # noqa: ANN001
+def report(job, signer: ReceiptSigner, producer: Node, *, passed: bool, digest_of: torch.Tensor) -> SpotCheckResult:  # noqa: ANN001
     digest = tensor_digest(digest_of)
     signature = signer.sign(ReceiptFields(str(job.id), 1, 2, 7, 0, digest))
-    return SpotCheckReport(
+    return SpotCheckResult(
         step=7, micro_batch=0, stage_index=0, node_id=str(producer.id), passed=passed,
         detail="step 7 micro-batch 0: output differs from the recomputation" if not passed else "matches",
         max_abs_diff=0.5 if not passed else 0.0, receipt_sha256=digest.hex(), receipt_signature=signature.hex(),
@@ -84,7 +85,7 @@ def test_a_receipt_that_does_not_verify_stores_nothing(placed) -> None:  # noqa:
     forged = report(job, ReceiptSigner(), producer, passed=False, digest_of=torch.ones(2, 3))
     with pytest.raises(ApplicationError, match="does not verify against the node's public key"):
         spot_checks_record(job_id=job.id, lease_owner="driver-1", generation=2, now=timezone.now(), checks=[forged])
-    malformed = SpotCheckReport(**{**forged.__dict__, "receipt_sha256": "zz"})
+    malformed = SpotCheckResult(**{**forged.__dict__, "receipt_sha256": "zz"})
     with pytest.raises(ApplicationError, match="spot check of step 7"):
         spot_checks_record(job_id=job.id, lease_owner="driver-1", generation=2, now=timezone.now(), checks=[malformed])
     with pytest.raises(ApplicationError, match="does not hold the driver lease"):
@@ -124,7 +125,7 @@ def test_a_disagreement_is_stored_only_with_both_parties_signatures(placed) -> N
     producer.public_key = producer_signer.public_key_hex
     producer.save()
     claimed, sent = tensor_digest(torch.zeros(2, 3)), tensor_digest(torch.ones(2, 3))
-    blame_receiver = SpotCheckReport(
+    blame_receiver = SpotCheckResult(
         step=7, micro_batch=0, stage_index=1, producer_index=0, node_id=str(receiver.id), passed=False,
         detail="signed for an activation other than the one stage 0 sent", train_step=7,
         receipt_sha256=claimed.hex(),
