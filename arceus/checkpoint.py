@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load, save
 
 # Names of optimizer-state entries start with this; the rest of a stage checkpoint are its weights.
@@ -97,9 +98,7 @@ def merged_checkpoint(
         begin, end = info["data_offsets"]
         merged[name] = {"dtype": info["dtype"], "shape": info["shape"], "data_offsets": [offset, offset + end - begin]}
         offset += end - begin
-    header_bytes = json.dumps(merged, separators=(",", ":")).encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)  # tensor data starts 8-byte aligned
-    prefix = len(header_bytes).to_bytes(_HEADER_LENGTH, "little") + header_bytes
+    prefix = _prefix(merged)
 
     def chunks() -> Iterator[bytes]:
         yield prefix
@@ -115,3 +114,85 @@ def merged_checkpoint(
                 yield chunk
 
     return len(prefix) + offset, chunks()
+
+
+# torch dtype -> safetensors dtype name
+_SAFETENSORS_DTYPES = {
+    torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+_TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
+
+
+def state_chunks(
+    tensors: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None
+) -> tuple[int, Iterator[memoryview]]:
+    """A safetensors file of `tensors` as its length and a stream of chunks (the header, then each tensor's
+    bytes in slices of at most CHUNK_BYTES, views of the tensors' own memory): writing a stage's state
+    takes one chunk of memory, not a copy of the state. The tensors must not change while it streams."""
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, tensor in tensors:
+        nbytes = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    prefix = _prefix(header)
+
+    def chunks() -> Iterator[memoryview]:
+        yield memoryview(prefix)
+        for _, tensor in tensors:
+            if not tensor.numel():
+                continue
+            flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)  # a copy only off-CPU
+            data = memoryview(flat.numpy())
+            for start in range(0, len(data), CHUNK_BYTES):
+                yield data[start : start + CHUNK_BYTES]
+
+    return len(prefix) + offset, chunks()
+
+
+def _prefix(header: dict[str, Any]) -> bytes:
+    """The length and JSON header of a safetensors file, padded so the tensor data starts 8-byte aligned."""
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    return len(encoded).to_bytes(_HEADER_LENGTH, "little") + encoded
+
+
+class StateFile(Mapping[str, torch.Tensor]):
+    """A safetensors checkpoint file on disk, read lazily: a tensor is loaded when it is asked for, so a
+    stage loads its state one tensor at a time."""
+
+    def __init__(self, path: Path, *, sha256: str | None = None) -> None:
+        if sha256 is not None:
+            with path.open("rb") as handle:
+                actual = file_digest(handle)
+            if actual != sha256:
+                raise CheckpointError(f"checkpoint content hash is {actual}, expected {sha256}: corrupt or replaced")
+        try:
+            self._file = safe_open(str(path), framework="pt")
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"not a valid safetensors checkpoint: {exc}") from exc
+        self._names = list(self._file.keys())
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._names:
+            raise KeyError(name)
+        return self._file.get_tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def shape_of(self, name: str) -> list[int]:
+        """A tensor's shape, without loading it."""
+        return list(self._file.get_slice(name).get_shape())
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        """A tensor's dtype, without loading it."""
+        return _TORCH_DTYPES[self._file.get_slice(name).get_dtype()]

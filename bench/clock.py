@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from arceus.training.plan import EpochResult, StageTensors, StepProgress
+from arceus.training.plan import EpochResult, StageStateFile, StepProgress
 
 
 class Clock:
@@ -17,7 +17,7 @@ class Clock:
     def on_epoch(self, r: EpochResult) -> None:
         pass
 
-    def on_checkpoint(self, step: int, epoch: int, stages: list[StageTensors]) -> None:
+    def on_checkpoint(self, step: int, epoch: int, stages: list[StageStateFile]) -> None:
         pass  # benchmarks time training steps only
 
     def wants_checkpoint(self) -> bool:

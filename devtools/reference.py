@@ -3,12 +3,15 @@ training of a job, batch for batch what the pipeline does, and the weights a run
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from arceus.checkpoint import StateFile
 from arceus.data import epoch_batches, load_dataset, validate_dataset_config
 from arceus.model.build import build_full_model
 from arceus.model.registry import model_spec_from_config
@@ -66,5 +69,8 @@ def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def fetch_weights(plan: TrainPlan) -> dict[str, torch.Tensor]:
     """All parameters of the pipeline in `plan`, under their model-wide names ("layers.0.weight", ...)."""
-    with Pipeline(plan) as pipeline:
-        return pipeline.weights()
+    weights: dict[str, torch.Tensor] = {}
+    with Pipeline(plan) as pipeline, tempfile.TemporaryDirectory() as directory:
+        for state in pipeline.states(Path(directory), include_optimizer_state=False):
+            weights.update(StateFile(state.path))
+    return weights

@@ -8,16 +8,17 @@ learns about readiness quickly. Errors back off; only a rejected token (401) is 
 from __future__ import annotations
 
 import logging
+import tempfile
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import requests
-import torch
 
-from arceus.checkpoint import decode_checkpoint
+from arceus.checkpoint import CHUNK_BYTES, StateFile
 from arceus.contracts.assignment import Assignment, CheckpointRef
 from arceus.contracts.observed import ObservedStage
 from arceus.errors import SpecError
@@ -120,19 +121,25 @@ class ControlPlaneClient:
             raise ControlPlaneError(f"POST {url} → HTTP {response.status_code}: {response.text[:200]}")
         return elapsed
 
-    def fetch_checkpoint(self, ref: CheckpointRef) -> dict[str, torch.Tensor]:
-        """Download a stage checkpoint named by an assignment and check it against its hash. Only paths
-        on this control plane are fetched: the node token never goes to another host."""
+    def fetch_checkpoint(self, ref: CheckpointRef) -> StateFile:
+        """Download a stage checkpoint named by an assignment into a temporary file, a chunk at a time, and
+        check it against its hash; its tensors then load one at a time. Only paths on this control plane
+        are fetched: the node token never goes to another host."""
         if not ref.url.startswith("/"):
             raise ControlPlaneError(f"checkpoint url {ref.url!r} is not a path on the control plane")
         url = f"{self.url}{ref.url}"
-        try:
-            response = self._session.get(url, timeout=self.timeout)
-        except requests.RequestException as exc:
-            raise ControlPlaneError(f"GET {url} failed: {exc}") from exc
-        if response.status_code >= 300:
-            raise ControlPlaneError(f"GET {url} → HTTP {response.status_code}: {response.text[:500]}")
-        return decode_checkpoint(response.content, sha256=ref.sha256)
+        with tempfile.NamedTemporaryFile(prefix="arceus-checkpoint-", suffix=".safetensors") as file:
+            try:
+                with self._session.get(url, timeout=self.timeout, stream=True) as response:
+                    if response.status_code >= 300:
+                        raise ControlPlaneError(f"GET {url} → HTTP {response.status_code}: {response.text[:500]}")
+                    for chunk in response.iter_content(chunk_size=CHUNK_BYTES):
+                        file.write(chunk)
+            except requests.RequestException as exc:
+                raise ControlPlaneError(f"GET {url} failed: {exc}") from exc
+            file.flush()
+            # Open (and map) it before the file goes: its tensors stay readable until the state is dropped.
+            return StateFile(Path(file.name), sha256=ref.sha256)
 
     def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         url = f"{self.url}{path}"

@@ -10,7 +10,7 @@ With bf16 precision the forward (and so the backward) runs under autocast; what 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -141,62 +141,71 @@ class StageRuntime:
         """CPU copies of this stage's parameters under their model-wide names ("layers.2.weight")."""
         return {name: p.detach().cpu().clone() for name, p in named_global_parameters(self.layers)}
 
-    def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Weights and optimizer state as flat named tensors: what a checkpoint of this stage holds.
+    def state_items(self, *, include_optimizer_state: bool = True) -> list[tuple[str, torch.Tensor]]:
+        """This stage's weights and (optionally) optimizer state as named tensors, the tensors themselves
+        (no copies): what a checkpoint of the stage holds. They change with the next step.
 
         Optimizer entries are "optimizer.<parameter name>.<state key>" (e.g. "...weight.exp_avg"), so a
         checkpoint is plain tensors (safetensors) and never a pickled optimizer object.
         """
-        tensors = self.named_weights()
-        names = [name for name, _ in named_global_parameters(self.layers)]
-        state = self.optimizer.state_dict()["state"]
-        for index, entries in state.items():
-            for key, value in entries.items():
-                if isinstance(value, torch.Tensor):
-                    tensors[f"{OPTIMIZER_PREFIX}{names[index]}.{key}"] = value.detach().cpu().clone()
-        return tensors
+        params = list(named_global_parameters(self.layers))
+        items = [(name, p.detach()) for name, p in params]
+        if include_optimizer_state:
+            for name, param in params:
+                for key, value in self.optimizer.state.get(param, {}).items():
+                    if isinstance(value, torch.Tensor):
+                        items.append((f"{OPTIMIZER_PREFIX}{name}.{key}", value.detach()))
+        return items
 
-    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Restore weights and optimizer state saved by `state_tensors` (of a stage with the same layers
-        and optimizer); ValueError naming the first mismatch, before anything is changed."""
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """CPU copies of `state_items()`."""
+        return {name: t.cpu().clone() for name, t in self.state_items()}
+
+    def load_state_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Restore weights and optimizer state saved by `state_items` (of a stage with the same layers and
+        optimizer); ValueError naming the first mismatch, before anything is changed. `tensors` may load
+        lazily (`arceus.checkpoint.StateFile`): each tensor is then read once, copied into place and let go,
+        so loading takes one tensor's memory beside the stage's own."""
         params = dict(named_global_parameters(self.layers))
-        weights = {k: v for k, v in tensors.items() if not k.startswith(OPTIMIZER_PREFIX)}
+        weights = [k for k in tensors if not k.startswith(OPTIMIZER_PREFIX)]
         if set(weights) != set(params):
             missing, extra = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
             raise ValueError(f"checkpoint does not match this stage: missing {missing}, unexpected {extra}")
         for name, param in params.items():
-            if weights[name].shape != param.shape or weights[name].dtype != param.dtype:
+            dtype, shape = _layout(tensors, name)
+            if shape != list(param.shape) or dtype != param.dtype:
                 raise ValueError(
-                    f"checkpoint tensor {name} is {weights[name].dtype} {list(weights[name].shape)}; "
-                    f"this stage has {param.dtype} {list(param.shape)}"
+                    f"checkpoint tensor {name} is {dtype} {shape}; this stage has {param.dtype} {list(param.shape)}"
                 )
-        index_of = {name: i for i, name in enumerate(params)}
-        state: dict[int, dict[str, torch.Tensor]] = {}
-        for key, value in tensors.items():
+        entries: dict[str, set[str]] = {}
+        for key in tensors:
             if not key.startswith(OPTIMIZER_PREFIX):
                 continue
             name, _, entry = key.removeprefix(OPTIMIZER_PREFIX).rpartition(".")
-            if name not in index_of:
+            if name not in params:
                 raise ValueError(f"checkpoint optimizer entry {key} names no parameter of this stage")
             # SGD's and Adam's per-parameter state is a 0-dim step or a tensor shaped like the parameter.
-            if value.dim() and value.shape != params[name].shape:
+            _, shape = _layout(tensors, key)
+            if shape and shape != list(params[name].shape):
                 raise ValueError(
-                    f"checkpoint optimizer entry {key} is {list(value.shape)}; "
-                    f"parameter {name} is {list(params[name].shape)}"
+                    f"checkpoint optimizer entry {key} is {shape}; parameter {name} is {list(params[name].shape)}"
                 )
-            state.setdefault(index_of[name], {})[entry] = value
+            entries.setdefault(name, set()).add(entry)
         expected = OPTIMIZER_STATE_KEYS[self.optimizer_name]
-        for index, entries in state.items():
-            if set(entries) != expected:
+        for name, keys in entries.items():
+            if keys != expected:
                 raise ValueError(
-                    f"checkpoint optimizer state of {list(params)[index]} has {sorted(entries)}; "
+                    f"checkpoint optimizer state of {name} has {sorted(keys)}; "
                     f"this stage's {self.optimizer_name} optimizer keeps {sorted(expected)}"
                 )
+        self.optimizer.state.clear()
         with torch.no_grad():
             for name, param in params.items():
-                param.copy_(weights[name].to(self.device))
-        groups = self.optimizer.state_dict()["param_groups"]
-        self.optimizer.load_state_dict({"state": state, "param_groups": groups})
+                param.copy_(tensors[name].to(self.device))
+                for entry in sorted(entries.get(name, ())):
+                    value = tensors[f"{OPTIMIZER_PREFIX}{name}.{entry}"]
+                    # Adam keeps its step on the CPU unless it runs fused or capturable.
+                    self.optimizer.state[param][entry] = value if value.dim() == 0 else value.to(self.device)
 
     def _checked(self, x: torch.Tensor) -> torch.Tensor:
         # The transport validates first; this guards callers that skip it (benchmarks, tests).
@@ -229,6 +238,16 @@ class StageRuntime:
         if samples:
             self.counters.samples += samples
             self.counters.micro_batches += 1
+
+
+def _layout(tensors: Mapping[str, torch.Tensor], name: str) -> tuple[torch.dtype | str, list[int]]:
+    """A checkpoint tensor's dtype and shape, without loading it where the mapping can tell."""
+    shape_of = getattr(tensors, "shape_of", None)
+    if shape_of is None:
+        tensor = tensors[name]
+        return tensor.dtype, list(tensor.shape)
+    dtype_of = tensors.dtype_of
+    return dtype_of(name), shape_of(name)
 
 
 def _loss_sum(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:

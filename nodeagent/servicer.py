@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import torch
 
+from arceus.checkpoint import state_chunks
 from arceus.errors import SpecError
 from arceus.model.precision import check_precision
 from arceus.v1 import stage_pb2, stage_pb2_grpc
@@ -26,6 +27,7 @@ from nodeagent.lending import ComputeThreads
 from nodeagent.mailbox import MailboxClosed, MailboxFull
 from nodeagent.metrics import AgentMetrics
 from nodeagent.rpc import RpcFailure, call_deadline, serve
+from nodeagent.stage import HostedStage
 from nodeagent.step import StepRun
 from nodeagent.validation import KIND_NAMES, decode_push
 from nodeagent.verify import recompute_forward
@@ -135,24 +137,26 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
         return serve(context, "RunStep", step)
 
-    def GetWeights(
-        self, request: stage_pb2.GetWeightsRequest, context: grpc.ServicerContext
-    ) -> stage_pb2.GetWeightsReply:
-        def weights() -> stage_pb2.GetWeightsReply:
+    def GetState(
+        self, request: stage_pb2.GetStateRequest, context: grpc.ServicerContext
+    ) -> Iterator[stage_pb2.StateChunk]:
+        """The stage's state as one safetensors file in chunks of a few MiB, between steps (the step lock
+        is held until the last chunk, so the weights are never half updated)."""
+
+        def between_steps() -> HostedStage:
             stage = self._registry.resolve(request.target)
-            # Wait for a running step to finish so the weights are never half updated.
             if not stage.step_lock.acquire(timeout=max(0.0, call_deadline(context) - time.monotonic())):
                 raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, f"{stage.name} stayed busy with a step")
-            try:
-                runtime = stage.runtime
-                named = runtime.state_tensors() if request.include_optimizer_state else runtime.named_weights()
-            finally:
-                stage.step_lock.release()
-            return stage_pb2.GetWeightsReply(
-                tensors=[stage_pb2.NamedTensor(name=name, tensor=to_proto(t)) for name, t in named.items()]
-            )
+            return stage
 
-        return serve(context, "GetWeights", weights)
+        stage = serve(context, "GetState", between_steps)
+        try:
+            items = stage.runtime.state_items(include_optimizer_state=request.include_optimizer_state)
+            _, chunks = state_chunks(items)
+            for chunk in chunks:
+                yield stage_pb2.StateChunk(data=bytes(chunk))
+        finally:
+            stage.step_lock.release()
 
     def Audit(self, request: stage_pb2.AuditRequest, context: grpc.ServicerContext) -> stage_pb2.AuditReply:
         def audit() -> stage_pb2.AuditReply:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -126,7 +126,8 @@ class HostedStage:
             link.close()
 
 
-CheckpointLoader = Callable[[CheckpointRef], dict[str, torch.Tensor]]
+# A stage's checkpoint by its reference: a mapping that may load each tensor only when asked (StateFile).
+CheckpointLoader = Callable[[CheckpointRef], Mapping[str, torch.Tensor]]
 
 
 def build_hosted_stage(

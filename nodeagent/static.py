@@ -9,9 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
-from arceus.checkpoint import decode_checkpoint
+from arceus.checkpoint import StateFile
 from arceus.contracts.assignment import Assignment, CheckpointRef
 from arceus.errors import SpecError
 
@@ -40,6 +38,6 @@ def load_static_assignments(path: Path) -> list[Assignment]:
     return assignments
 
 
-def load_local_checkpoint(ref: CheckpointRef) -> dict[str, torch.Tensor]:
-    """Static assignments name checkpoints by a local file path in `url`."""
-    return decode_checkpoint(Path(ref.url).read_bytes(), sha256=ref.sha256)
+def load_local_checkpoint(ref: CheckpointRef) -> StateFile:
+    """Static assignments name checkpoints by a local file path in `url`; its tensors load one at a time."""
+    return StateFile(Path(ref.url), sha256=ref.sha256)

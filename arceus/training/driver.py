@@ -7,17 +7,21 @@ rest and becomes a DriverError naming the stage and the gRPC status.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import math
 import queue
+import tempfile
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import grpc
 import torch
 
+from arceus.checkpoint import StateFile, state_chunks
 from arceus.contracts.counters import StageCounters
 from arceus.contracts.spot_check import SpotCheckResult
 from arceus.data import epoch_batches, load_dataset, validate_dataset_config
@@ -29,7 +33,7 @@ from arceus.training.plan import (
     EpochResult,
     ProgressSink,
     StageEndpoint,
-    StageTensors,
+    StageStateFile,
     StepProgress,
     TrainPlan,
     TrainResult,
@@ -157,38 +161,49 @@ class Pipeline:
         n = max(y.numel(), 1)  # mean over labels: samples, or a GPT's tokens
         return loss_sum / n, correct / n, stages
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        """Every stage's parameters under their model-wide names."""
-        named: dict[str, torch.Tensor] = {}
-        for ranks in self.ranks:
-            named.update(self._stage_tensors(ranks, include_optimizer_state=False))
-        return named
+    def states(self, directory: Path, *, include_optimizer_state: bool = True) -> list[StageStateFile]:
+        """Every stage's weights (and optimizer state) between steps, each streamed into a safetensors file
+        in `directory` a chunk at a time (a coordinated checkpoint)."""
+        return [
+            self._stage_state(ranks, endpoint, directory, include_optimizer_state)
+            for ranks, endpoint in zip(self.ranks, self.plan.stages, strict=True)
+        ]
 
-    def states(self) -> list[StageTensors]:
-        """Every stage's weights and optimizer state, between steps (a coordinated checkpoint)."""
-        states = []
-        for ranks, endpoint in zip(self.ranks, self.plan.stages, strict=True):
-            tensors = self._stage_tensors(ranks, include_optimizer_state=True)
-            states.append(StageTensors(endpoint.index, endpoint.layer_start, endpoint.layer_end, tensors))
-        return states
-
-    def _stage_tensors(self, ranks: list[StageClient], *, include_optimizer_state: bool) -> dict[str, torch.Tensor]:
-        """One stage's tensors under the unsplit model's names: a tensor-parallel stage's shards are
+    def _stage_state(
+        self, ranks: list[StageClient], endpoint: StageEndpoint, directory: Path, include_optimizer_state: bool
+    ) -> StageStateFile:
+        """One stage's state file under the unsplit model's names: a tensor-parallel stage's shards are
         gathered, so its checkpoint is the file an unsplit stage would write."""
-        what = "GetWeights (checkpoint)" if include_optimizer_state else "GetWeights"
-        shards = []
-        for client in ranks:
+        what = "GetState (checkpoint)" if include_optimizer_state else "GetState"
+        paths = [directory / f"stage-{endpoint.index}-rank-{rank}.safetensors" for rank in range(len(ranks))]
+        saved = []
+        for client, path in zip(ranks, paths, strict=True):
             try:
-                shards.append(client.get_weights(include_optimizer_state=include_optimizer_state))
+                saved.append(client.save_state(path, include_optimizer_state=include_optimizer_state))
             except grpc.RpcError as exc:
                 raise _driver_error(client, what, exc) from exc
-        if len(shards) == 1:
-            return shards[0]
+        if len(ranks) == 1:
+            (sha256, size), path = saved[0], paths[0]
+        else:
+            path = directory / f"stage-{endpoint.index}.safetensors"
+            sha256, size = self._gather(ranks, paths, path)
+        return StageStateFile(endpoint.index, endpoint.layer_start, endpoint.layer_end, path, sha256, size)
+
+    def _gather(self, ranks: list[StageClient], shards: list[Path], destination: Path) -> tuple[str, int]:
+        """The unsplit stage's file from its ranks' (held whole while they are put together)."""
         spec = model_spec_from_config(self.plan.model)
         try:
-            return gather_state_tensors(spec, shards)
+            tensors = gather_state_tensors(spec, [dict(StateFile(path)) for path in shards])
         except SpecError as exc:  # the plan names a split stage of a model that cannot split
             raise DriverError(f"{exc.field}: {exc.message}", stage_index=ranks[0].endpoint.index) from exc
+        _, chunks = state_chunks(list(tensors.items()))
+        digest, size = hashlib.sha256(), 0
+        with destination.open("wb") as out:
+            for chunk in chunks:
+                out.write(chunk)
+                digest.update(chunk)
+                size += len(chunk)
+        return digest.hexdigest(), size
 
     def close(self) -> None:
         for client in (c for ranks in self.ranks for c in ranks):  # a tensor-parallel stage's other ranks too
@@ -229,7 +244,8 @@ def train(plan: TrainPlan, sink: ProgressSink) -> TrainResult:
     with Pipeline(plan) as pipeline:
 
         def checkpoint(epoch: int) -> None:
-            sink.on_checkpoint(step, epoch, pipeline.states())
+            with tempfile.TemporaryDirectory(prefix="arceus-checkpoint-") as directory:
+                sink.on_checkpoint(step, epoch, pipeline.states(Path(directory)))
 
         for epoch in range(first_epoch, plan.epochs + 1):
             batches = epoch_batches(len(train_x), batch_size, plan.seed, epoch)

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
-
-import torch
 
 from arceus.contracts.counters import StageCounters
 from arceus.contracts.spot_check import SpotCheckResult
@@ -131,13 +130,17 @@ class EpochResult:
 
 
 @dataclass
-class StageTensors:
-    """One stage's weights and optimizer state after `step` (checkpoint tensor names)."""
+class StageStateFile:
+    """One stage's weights and optimizer state after a step, as a safetensors file (checkpoint tensor
+    names) the driver streamed from the stage's agent: `path` lives until the sink's `on_checkpoint`
+    returns."""
 
     index: int
     layer_start: int
     layer_end: int
-    tensors: dict[str, torch.Tensor]
+    path: Path
+    sha256: str  # hex
+    size_bytes: int
 
 
 class ProgressSink(Protocol):
@@ -145,7 +148,7 @@ class ProgressSink(Protocol):
 
     def on_epoch(self, r: EpochResult) -> None: ...
 
-    def on_checkpoint(self, step: int, epoch: int, stages: list[StageTensors]) -> None: ...
+    def on_checkpoint(self, step: int, epoch: int, stages: list[StageStateFile]) -> None: ...
 
     def wants_checkpoint(self) -> bool:
         """True to have every stage's state saved before the next step (e.g. to hand a stage over)."""

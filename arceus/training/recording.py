@@ -1,16 +1,23 @@
-"""A ProgressSink that keeps everything in memory: for scripts, notebooks, tests and benchmarks that run
-the driver without a control plane."""
+"""A ProgressSink that keeps everything: for scripts, notebooks, tests and benchmarks that run the driver
+without a control plane. Checkpoints are kept as the stages' safetensors files in a directory of its own."""
 
 from __future__ import annotations
 
-from arceus.training.plan import EpochResult, StageTensors, StepProgress
+import shutil
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from arceus.training.plan import EpochResult, StageStateFile, StepProgress
 
 
 class RecordingSink:
-    def __init__(self) -> None:
+    def __init__(self, directory: Path | None = None) -> None:
+        """`directory` receives the checkpoint files (None: a new temporary directory)."""
+        self.directory = directory or Path(tempfile.mkdtemp(prefix="arceus-recording-"))
         self.steps: list[StepProgress] = []
         self.epochs: list[EpochResult] = []
-        self.checkpoints: dict[int, list[StageTensors]] = {}  # step -> every stage's state
+        self.checkpoints: dict[int, list[StageStateFile]] = {}  # step -> every stage's state file
 
     def on_step(self, p: StepProgress) -> None:
         self.steps.append(p)
@@ -18,8 +25,12 @@ class RecordingSink:
     def on_epoch(self, r: EpochResult) -> None:
         self.epochs.append(r)
 
-    def on_checkpoint(self, step: int, epoch: int, stages: list[StageTensors]) -> None:
-        self.checkpoints[step] = stages
+    def on_checkpoint(self, step: int, epoch: int, stages: list[StageStateFile]) -> None:
+        kept = self.directory / f"step-{step:08d}"
+        kept.mkdir(parents=True, exist_ok=True)
+        self.checkpoints[step] = [
+            replace(s, path=Path(shutil.move(s.path, kept / f"stage-{s.index}.safetensors"))) for s in stages
+        ]
 
     def wants_checkpoint(self) -> bool:
         return False

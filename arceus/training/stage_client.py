@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 import torch
@@ -75,10 +77,17 @@ class StageClient:
         )
         return self._stub.RunStep.future(request, timeout=self.timeout)
 
-    def get_weights(self, *, include_optimizer_state: bool = False) -> dict[str, torch.Tensor]:
-        request = stage_pb2.GetWeightsRequest(target=self.ref, include_optimizer_state=include_optimizer_state)
-        reply = self._stub.GetWeights(request, timeout=self.timeout)
-        return {named.name: from_proto(named.tensor, max_bytes=MAX_MESSAGE_BYTES) for named in reply.tensors}
+    def save_state(self, destination: Path, *, include_optimizer_state: bool = True) -> tuple[str, int]:
+        """Stream this stage's state into the safetensors file `destination`, a chunk at a time; (its
+        SHA-256 in hex, its size). The whole stream shares the call's deadline."""
+        request = stage_pb2.GetStateRequest(target=self.ref, include_optimizer_state=include_optimizer_state)
+        digest, size = hashlib.sha256(), 0
+        with destination.open("wb") as out:
+            for chunk in self._stub.GetState(request, timeout=self.timeout):
+                out.write(chunk.data)
+                digest.update(chunk.data)
+                size += len(chunk.data)
+        return digest.hexdigest(), size
 
     def audit(self, step: int, micro_batch: int) -> AuditedStep:
         """The weights this stage used in `step`, and the activations it received (None on the first

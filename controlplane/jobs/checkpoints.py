@@ -16,18 +16,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from django.core.files.base import ContentFile
+from django.core.files.base import File
 from django.db import transaction
 from django.db.models import Max, QuerySet
 
 from arceus.checkpoint import (
     OPTIMIZER_PREFIX,
     CheckpointError,
-    checkpoint_digest,
     decode_checkpoint,
     file_digest,
     merged_checkpoint,
 )
+from arceus.training.plan import StageStateFile
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.leases import held, job_checkpointed
 from controlplane.jobs.models import Checkpoint, Job, Stage, StageCheckpoint, checkpoint_storage
@@ -38,26 +38,20 @@ log = logging.getLogger(__name__)
 KEEP_CHECKPOINTS = 2
 
 
-@dataclass(frozen=True)
-class StageFile:
-    index: int
-    layer_start: int
-    layer_end: int
-    data: bytes  # safetensors
-
-
 def checkpoint_save(
-    *, job_id: Any, lease_owner: str, generation: int, step: int, epoch: int, stages: Sequence[StageFile]
+    *, job_id: Any, lease_owner: str, generation: int, step: int, epoch: int, stages: Sequence[StageStateFile]
 ) -> Checkpoint | None:
-    """Store every stage's state after `step`; None (and nothing kept) if the caller no longer holds the
-    job's driver lease at `generation`. Resets the job's restart count: the job made progress."""
+    """Store every stage's state file after `step` (copied into the checkpoint storage a chunk at a time);
+    None (and nothing kept) if the caller no longer holds the job's driver lease at `generation`. Resets the
+    job's restart count: the job made progress."""
     storage = checkpoint_storage()
-    stored: list[tuple[StageFile, str]] = []
+    stored: list[tuple[StageStateFile, str]] = []
     try:
         for stage in stages:
-            name = storage.save(
-                f"checkpoints/{job_id}/step-{step:08d}/stage-{stage.index}.safetensors", ContentFile(stage.data)
-            )
+            with stage.path.open("rb") as handle:
+                name = storage.save(
+                    f"checkpoints/{job_id}/step-{step:08d}/stage-{stage.index}.safetensors", File(handle)
+                )
             stored.append((stage, name))
         with transaction.atomic():
             job = held(job_id, lease_owner).filter(generation=generation).select_for_update().first()
@@ -76,8 +70,8 @@ def checkpoint_save(
                     layer_start=stage.layer_start,
                     layer_end=stage.layer_end,
                     file=name,
-                    sha256=checkpoint_digest(stage.data),
-                    size_bytes=len(stage.data),
+                    sha256=stage.sha256,
+                    size_bytes=stage.size_bytes,
                 )
                 for stage, name in stored
             )

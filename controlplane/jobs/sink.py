@@ -15,13 +15,12 @@ from dataclasses import replace
 
 from django.utils import timezone
 
-from arceus.checkpoint import encode_checkpoint
 from arceus.contracts.counters import StageCounters
 from arceus.contracts.spot_check import SpotCheckResult
-from arceus.training import EpochResult, StageTensors, StepProgress
+from arceus.training import EpochResult, StageStateFile, StepProgress
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.leases import job_driver_handover, job_handover_requested
-from controlplane.jobs.checkpoints import StageFile, checkpoint_save
+from controlplane.jobs.checkpoints import checkpoint_save
 from controlplane.jobs.progress import StepPoint, job_record_epoch, job_record_steps
 from controlplane.market.verification import spot_checks_record
 
@@ -62,7 +61,7 @@ class DbProgressSink:
                 now=timezone.now(),
             )
 
-    def on_checkpoint(self, step: int, epoch: int, stages: list[StageTensors]) -> None:
+    def on_checkpoint(self, step: int, epoch: int, stages: list[StageStateFile]) -> None:
         self.flush()
         if self._lost_lease:
             return
@@ -72,9 +71,7 @@ class DbProgressSink:
             generation=self.generation,
             step=step,
             epoch=epoch,
-            stages=[
-                StageFile(s.index, s.layer_start, s.layer_end, encode_checkpoint(s.tensors)) for s in stages
-            ],
+            stages=stages,
         )
         self._lost_lease = saved is None
         if self._handover and not self._lost_lease:

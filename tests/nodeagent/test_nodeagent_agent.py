@@ -10,6 +10,7 @@ import pytest
 import requests
 import torch
 
+from arceus.checkpoint import decode_checkpoint
 from arceus.contracts.assignment import Assignment
 from arceus.contracts.observed import ObservedStage
 from arceus.v1 import stage_pb2, stage_pb2_grpc
@@ -119,15 +120,13 @@ def test_stage_metrics_follow_assignments(agent: Agent) -> None:
 def test_served_stages_follow_assignments(agent: Agent) -> None:
     with grpc.insecure_channel(agent.grpc_address) as channel:
         stub = stage_pb2_grpc.StageServiceStub(channel)
-        request = stage_pb2.GetWeightsRequest(
-            target=stage_pb2.StageRef(job_id="job", stage_index=1, generation=1)
-        )
+        request = stage_pb2.GetStateRequest(target=stage_pb2.StageRef(job_id="job", stage_index=1, generation=1))
         with pytest.raises(grpc.RpcError) as info:
-            stub.GetWeights(request, timeout=5)
+            list(stub.GetState(request, timeout=5))
         assert info.value.code() == grpc.StatusCode.NOT_FOUND
         agent.apply_assignments(stages())
-        names = [t.name for t in stub.GetWeights(request, timeout=5).tensors]
-        assert names == ["layers.1.weight", "layers.1.bias"]
+        state = decode_checkpoint(b"".join(chunk.data for chunk in stub.GetState(request, timeout=5)))
+        assert sorted(state) == ["layers.1.bias", "layers.1.weight"]
 
 
 @pytest.mark.parametrize("address", ["localhost", "host:port", "host:70000"])

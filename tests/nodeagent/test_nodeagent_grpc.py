@@ -15,6 +15,7 @@ import requests
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from arceus.checkpoint import decode_checkpoint
 from arceus.data import validate_dataset_config
 from arceus.training import DriverError, StageEndpoint, TrainPlan, train
 from arceus.training.recording import RecordingSink
@@ -179,7 +180,10 @@ def test_wrong_generation_is_a_failed_precondition(stub: stage_pb2_grpc.StageSer
     error = rpc_error(push, stub, to_proto(torch.zeros(2, 64)), target=ref(generation=2))
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "generation 1 here" in error.details()
-    error = rpc_error(stub.GetWeights, stage_pb2.GetWeightsRequest(target=ref(generation=0)), timeout=10)
+    def get_state(request: stage_pb2.GetStateRequest, timeout: float) -> list[stage_pb2.StateChunk]:
+        return list(stub.GetState(request, timeout=timeout))
+
+    error = rpc_error(get_state, stage_pb2.GetStateRequest(target=ref(generation=0)), timeout=10)
     assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
@@ -261,8 +265,8 @@ def test_agent_still_trains_and_exports_metrics_after_bad_input(
     push(stub, to_proto(torch.zeros(2, 64)), step=4000, micro_batch=1)
     result = train(plan(agent), RecordingSink())
     assert result.steps == 2 and math.isfinite(result.final_loss) and 0 <= result.val_accuracy <= 1
-    weights = stub.GetWeights(stage_pb2.GetWeightsRequest(target=ref(1)), timeout=10)
-    assert sorted(t.name for t in weights.tensors) == ["layers.1.bias", "layers.1.weight"]
+    chunks = stub.GetState(stage_pb2.GetStateRequest(target=ref(1)), timeout=10)
+    assert sorted(decode_checkpoint(b"".join(c.data for c in chunks))) == ["layers.1.bias", "layers.1.weight"]
 
     text = requests.get(f"http://{agent.metrics_address}/metrics", timeout=10).text
     for name in (

@@ -9,13 +9,15 @@ weights and checkpoints the driver gathers from the ranks are the unsplit model'
 from __future__ import annotations
 
 import math
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from arceus.checkpoint import OPTIMIZER_PREFIX
+from arceus.checkpoint import OPTIMIZER_PREFIX, StateFile
 from arceus.contracts.assignment import max_micro_batch_size
 from arceus.training import RankEndpoint, StageEndpoint, TrainPlan, train
 from arceus.training.driver import Pipeline
@@ -146,8 +148,11 @@ def plan_for(job_id: str, agents: list[AgentProcess], model: dict[str, Any], dat
 
 def rank_weights(plan: TrainPlan, stage: int) -> list[dict[str, torch.Tensor]]:
     """Each rank's own parameters of a split stage."""
-    with Pipeline(plan) as pipeline:
-        return [client.get_weights() for client in pipeline.ranks[stage]]
+    with Pipeline(plan) as pipeline, tempfile.TemporaryDirectory() as directory:
+        paths = [Path(directory) / f"rank-{rank}" for rank in range(len(pipeline.ranks[stage]))]
+        for client, path in zip(pipeline.ranks[stage], paths, strict=True):
+            client.save_state(path, include_optimizer_state=False)
+        return [dict(StateFile(path)) for path in paths]
 
 
 @pytest.mark.parametrize("job_id", FP32_RUNS)
@@ -182,15 +187,15 @@ def test_a_tensor_parallel_stage_trains_like_single_process_torch(
     # The final checkpoint of the split stage is the unsplit stage's file: whole tensors, unsplit names,
     # optimizer state included.
     split = len(hosts) - 1
-    state = recorder.checkpoints[STEPS][split]
-    stage_weights = {n: t for n, t in state.tensors.items() if not n.startswith(OPTIMIZER_PREFIX)}
+    state = dict(StateFile(recorder.checkpoints[STEPS][split].path))
+    stage_weights = {n: t for n, t in state.items() if not n.startswith(OPTIMIZER_PREFIX)}
     assert stage_weights.keys() == {n for n in expected.weights if int(n.split(".")[1]) >= boundaries[split]}
     for name, tensor in stage_weights.items():
         torch.testing.assert_close(tensor, weights[name], rtol=0, atol=0)
     c_attn = f"layers.{boundaries[-1] - 2}.attn.c_attn.weight"
-    optimizer_state = {n for n in state.tensors if n.startswith(f"{OPTIMIZER_PREFIX}{c_attn}.")}
+    optimizer_state = {n for n in state if n.startswith(f"{OPTIMIZER_PREFIX}{c_attn}.")}
     assert optimizer_state
-    assert all(state.tensors[n].shape in {torch.Size([]), weights[c_attn].shape} for n in optimizer_state)
+    assert all(state[n].shape in {torch.Size([]), weights[c_attn].shape} for n in optimizer_state)
     # ... gathered from ranks that each hold half the heads, and whose replicated parameters (LayerNorms,
     # biases after the reduce, head) stayed bitwise equal through training: their gradients were.
     rank0, rank1 = rank_weights(plan, split)

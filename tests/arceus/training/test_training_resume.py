@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from arceus.checkpoint import checkpoint_digest, encode_checkpoint
+from arceus.checkpoint import StateFile, checkpoint_digest
 from arceus.contracts.assignment import max_micro_batch_size
 from arceus.data import validate_dataset_config
 from arceus.training import StageEndpoint, TrainPlan, train
@@ -96,15 +96,12 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
 def resumed(
     uninterrupted: dict[str, tuple[RecordingSink, dict]], tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, tuple[RecordingSink, dict]]]:
-    files = tmp_path_factory.mktemp("checkpoints")
     jobs: dict[str, dict[str, Any]] = {}
     for name, opt in OPTIMIZERS.items():
-        refs = []
-        for stage in uninterrupted[name][0].checkpoints[RESUME_AT]:
-            data = encode_checkpoint(stage.tensors)
-            path = files / f"{name}-stage-{stage.index}.safetensors"
-            path.write_bytes(data)
-            refs.append({"step": RESUME_AT, "url": str(path), "sha256": checkpoint_digest(data)})
+        refs = [
+            {"step": RESUME_AT, "url": str(stage.path), "sha256": checkpoint_digest(stage.path.read_bytes())}
+            for stage in uninterrupted[name][0].checkpoints[RESUME_AT]
+        ]
         jobs[name] = {"optimizer": opt, "checkpoints": refs}
     agents = spawn(jobs, 2, tmp_path_factory.mktemp("b"))
     try:
@@ -122,7 +119,9 @@ def test_checkpoints_are_taken_every_interval_and_at_the_end(uninterrupted) -> N
     for recorder, _ in uninterrupted.values():
         assert sorted(recorder.checkpoints) == [20, 40, 50]
         for stage in recorder.checkpoints[40]:
-            assert any(name.startswith("optimizer.") for name in stage.tensors)  # optimizer state travels
+            assert any(name.startswith("optimizer.") for name in StateFile(stage.path))  # optimizer state travels
+            assert stage.sha256 == checkpoint_digest(stage.path.read_bytes())
+            assert stage.size_bytes == stage.path.stat().st_size
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))

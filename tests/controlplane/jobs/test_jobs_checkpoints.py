@@ -4,8 +4,11 @@ stage, and assembled into the whole model for the job's owner."""
 from __future__ import annotations
 
 import json
+import os
 import struct
+import tempfile
 from collections.abc import Iterator
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,7 @@ from rest_framework.test import APIClient
 from arceus.checkpoint import CheckpointError, checkpoint_digest, decode_checkpoint, encode_checkpoint
 from arceus.cli import main as cli_main
 from arceus.contracts.assignment import Assignment
+from arceus.training.plan import StageStateFile
 from controlplane.accounts.services import user_token_get_or_create
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.executor import reconcile_once
@@ -28,7 +32,6 @@ from controlplane.controller.leases import job_driver_claim
 from controlplane.controller.transitions import job_rewind
 from controlplane.jobs.checkpoints import (
     KEEP_CHECKPOINTS,
-    StageFile,
     checkpoint_save,
     job_model_file,
     stage_checkpoint_for_node,
@@ -119,11 +122,19 @@ def stage_tensors(index: int, step: int) -> dict[str, torch.Tensor]:
     }
 
 
-def stage_files(step: int) -> list[StageFile]:
-    return [StageFile(i, i, i + 1, encode_checkpoint(stage_tensors(i, step))) for i in range(3)]
+def stage_files(step: int) -> list[StageStateFile]:
+    return [state_file(i, i, i + 1, encode_checkpoint(stage_tensors(i, step))) for i in range(3)]
+
+def state_file(index: int, layer_start: int, layer_end: int, data: bytes) -> StageStateFile:
+    """A stage's state file as the driver hands it to the sink."""
+    handle, name = tempfile.mkstemp(suffix=".safetensors")
+    with os.fdopen(handle, "wb") as out:
+        out.write(data)
+    return StageStateFile(index, layer_start, layer_end, Path(name), checkpoint_digest(data), len(data))
 
 
-def save(job: Job, step: int, *, epoch: int = 1, files: list[StageFile] | None = None, **changes: Any):
+
+def save(job: Job, step: int, *, epoch: int = 1, files: list[StageStateFile] | None = None, **changes: Any):
     kwargs = {"job_id": job.id, "lease_owner": DRIVER, "generation": job.generation, **changes}
     return checkpoint_save(step=step, epoch=epoch, stages=stage_files(step) if files is None else files, **kwargs)
 
@@ -149,8 +160,9 @@ def test_the_driver_saves_every_stage_and_resets_the_restart_count(running_job: 
     on_disk = files_in(checkpoint_dir)
     for row, stage in zip(rows, files, strict=True):
         assert row.file.name == f"checkpoints/{running_job.id}/step-00000010/stage-{stage.index}.safetensors"
-        assert on_disk[row.file.name] == stage.data
-        assert (row.sha256, row.size_bytes) == (checkpoint_digest(stage.data), len(stage.data))
+        data = stage.path.read_bytes()
+        assert on_disk[row.file.name] == data
+        assert (row.sha256, row.size_bytes) == (checkpoint_digest(data), len(data))
     assert len(on_disk) == 3
     assert Job.objects.get(pk=running_job.pk).restarts == 0  # the job made progress
 
@@ -177,7 +189,7 @@ def test_a_save_without_the_lease_is_refused_and_leaves_no_files(
 
 def test_a_save_that_fails_midway_removes_its_files_and_raises(running_job: Job, checkpoint_dir: Path) -> None:
     files = stage_files(10)
-    twice = [files[0], files[1], StageFile(1, 1, 2, files[2].data)]  # stage 1 twice: a database constraint
+    twice = [files[0], files[1], replace(files[2], index=1)]  # stage 1 twice: a database constraint
     with pytest.raises(IntegrityError):
         save(running_job, 10, files=twice)
     assert files_in(checkpoint_dir) == {}
@@ -221,16 +233,16 @@ def test_saving_a_step_again_replaces_it(
     with django_capture_on_commit_callbacks(execute=True):
         save(running_job, 10)
         first = save(running_job, 20)
-    replay = [StageFile(i, i, i + 1, encode_checkpoint(stage_tensors(i, 99))) for i in range(3)]
+    replay = [state_file(i, i, i + 1, encode_checkpoint(stage_tensors(i, 99))) for i in range(3)]
     with django_capture_on_commit_callbacks(execute=True):
         second = save(running_job, 20, files=replay)
     assert second.pk != first.pk and not Checkpoint.objects.filter(pk=first.pk).exists()
     assert saved_steps(running_job) == [10, 20]  # the replaced one does not count against the older one
     rows = StageCheckpoint.objects.filter(checkpoint=second).order_by("stage_index")
-    assert [r.sha256 for r in rows] == [checkpoint_digest(f.data) for f in replay]
+    assert [r.sha256 for r in rows] == [f.sha256 for f in replay]
     on_disk = files_in(checkpoint_dir)
     assert len(on_disk) == 6  # step 10's and the new step 20's: the replaced files are gone
-    assert [on_disk[r.file.name] for r in rows] == [f.data for f in replay]
+    assert [on_disk[r.file.name] for r in rows] == [f.path.read_bytes() for f in replay]
 
 
 def test_replacing_the_checkpoint_being_resumed_from_keeps_resuming_from_the_new_one(running_job: Job) -> None:
@@ -328,8 +340,8 @@ def test_the_hosting_agent_downloads_its_stage_checkpoint(running_job: Job, agen
         response = download(by_node[host[index]], f"/api/agent/checkpoints/{sc.id}")
         assert response.status_code == 200
         assert response["Content-Type"] == "application/octet-stream"
-        assert response["X-Checkpoint-SHA256"] == sc.sha256 == checkpoint_digest(files[index].data)
-        assert response.body == files[index].data
+        assert response["X-Checkpoint-SHA256"] == sc.sha256 == files[index].sha256
+        assert response.body == files[index].path.read_bytes()
         other = by_node[host[(index + 1) % 3]]
         refused = download(other, f"/api/agent/checkpoints/{sc.id}")
         assert refused.status_code == 404
@@ -360,7 +372,7 @@ def test_the_assignment_of_a_rewound_job_names_its_checkpoint(running_job: Job, 
         assert assignment["checkpoint"] == {
             "step": 10,
             "url": f"/api/agent/checkpoints/{sc.id}",
-            "sha256": checkpoint_digest(files[index].data),
+            "sha256": files[index].sha256,
         }
         ref = Assignment.from_json(assignment).checkpoint  # the agent's own parser accepts it
         # ... and what the url serves is what the hash names.

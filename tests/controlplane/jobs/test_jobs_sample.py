@@ -3,6 +3,8 @@ the CLI (against a live server)."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -13,21 +15,30 @@ from django.contrib.auth.models import User
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from arceus.checkpoint import encode_checkpoint
+from arceus.checkpoint import checkpoint_digest, encode_checkpoint
 from arceus.cli import main as cli_main
 from arceus.contracts.status import JobStatus
 from arceus.data.tokenizer import split_text, train_bpe
 from arceus.model.build import build_full_model, named_global_parameters
 from arceus.model.registry import model_spec_from_config
+from arceus.training.plan import StageStateFile
 from controlplane.accounts.services import user_token_get_or_create
 from controlplane.controller.executor import reconcile_once
 from controlplane.controller.leases import job_driver_claim
-from controlplane.jobs.checkpoints import StageFile, checkpoint_save
+from controlplane.jobs.checkpoints import checkpoint_save
 from controlplane.jobs.models import Job, StageCheckpoint, checkpoint_storage
 from controlplane.jobs.services import job_start, job_submit
 
 MODEL = {"type": "transformer", "n_layer": 1, "n_head": 2, "d_model": 16, "block_size": 8}
 DRIVER = "driver-sample"
+
+
+def state_file(index: int, layer_start: int, layer_end: int, data: bytes) -> StageStateFile:
+    """A stage's state file as the driver hands it to the sink."""
+    handle, name = tempfile.mkstemp(suffix=".safetensors")
+    with os.fdopen(handle, "wb") as out:
+        out.write(data)
+    return StageStateFile(index, layer_start, layer_end, Path(name), checkpoint_digest(data), len(data))
 
 
 @pytest.fixture
@@ -75,7 +86,7 @@ def make_job(
         layers = model_spec_from_config(job.model_config).num_layers
         data = encode_checkpoint(trained_on(job.model_config, pattern))
         saved = checkpoint_save(job_id=job.id, lease_owner=DRIVER, generation=job.generation, step=60, epoch=1,
-                                stages=[StageFile(0, 0, layers, data)])
+                                stages=[state_file(0, 0, layers, data)])
         assert saved is not None
     return job
 
