@@ -49,3 +49,18 @@ def retain_freed_blocks() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+
+
+def release_free_memory() -> bool:
+    """Hand the heap's free memory back to the kernel (glibc's malloc_trim); True if some was. The agent
+    calls it when its stages change: a dropped stage's weights, gradients and optimizer state would
+    otherwise stay in the heap (up to the trim threshold, and in holes below it), and a rebuilt stage's
+    memory would add to them."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return False
+    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return malloc_trim(0) == 1

@@ -7,6 +7,7 @@ failed (and reported) until a new generation replaces it.
 
 from __future__ import annotations
 
+import gc
 import logging
 import threading
 from collections.abc import Sequence
@@ -18,6 +19,7 @@ from arceus.contracts.assignment import Assignment
 from arceus.contracts.observed import ObservedStage, ObservedState
 from arceus.v1 import stage_pb2
 from nodeagent.all_reduce import TensorParallelGroups, stage_group
+from nodeagent.heap import release_free_memory
 from nodeagent.rpc import RpcFailure
 from nodeagent.stage import CheckpointLoader, HostedStage, build_hosted_stage
 
@@ -45,6 +47,7 @@ class HostedStages:
         with self._apply_lock:
             with self._lock:
                 current, failed = dict(self._stages), dict(self._failed)
+            before = {stage_id: id(stage) for stage_id, stage in current.items()}
             desired = {a.stage_id: a for a in assignments}
             stages: dict[str, HostedStage] = {}
             new_failed: dict[str, ObservedStage] = {r.stage_id: r for r in rejected}
@@ -59,6 +62,10 @@ class HostedStages:
                             assignment.generation,
                         )
                     stages[stage_id] = kept
+            # The rest go before anything is built: a stage rebuilt at a new generation must not hold its
+            # old weights, gradients and optimizer state beside the new ones.
+            self._drop([stage for stage_id, stage in current.items() if stages.get(stage_id) is not stage])
+            del current
             for stage_id, assignment in desired.items():
                 if stage_id in stages:
                     continue
@@ -111,14 +118,25 @@ class HostedStages:
                     )
             with self._lock:
                 self._stages, self._failed = stages, new_failed
-            for stage_id, old in current.items():
-                if stages.get(stage_id) is not old:
-                    log.info("dropped %s (generation %d)", stage_id, old.assignment.generation)
-                    old.close()
-                    if old.tensor_parallel is not None:
-                        self.tensor_parallel.remove(old.tensor_parallel)
-            identities = {k: id(v) for k, v in stages.items()}
-            return identities != {k: id(v) for k, v in current.items()} or new_failed != failed
+            changed = {k: id(v) for k, v in stages.items()} != before
+            if changed:
+                release_free_memory()  # what the build used only while loading, and what the old stages left
+            return changed or new_failed != failed
+
+    def _drop(self, dropped: list[HostedStage]) -> None:
+        """Stop hosting `dropped` and let their memory go (calls still running in them end with ABORTED)."""
+        if not dropped:
+            return
+        with self._lock:
+            self._stages = {k: v for k, v in self._stages.items() if all(v is not d for d in dropped)}
+        for old in dropped:
+            log.info("dropped %s (generation %d)", old.assignment.stage_id, old.assignment.generation)
+            old.close()
+            if old.tensor_parallel is not None:
+                self.tensor_parallel.remove(old.tensor_parallel)
+        del old
+        dropped.clear()
+        gc.collect()  # autograd graphs of an interrupted step hold reference cycles
 
     def resolve(self, ref: stage_pb2.StageRef) -> HostedStage:
         """The hosted stage a request addresses; NOT_FOUND or FAILED_PRECONDITION otherwise."""

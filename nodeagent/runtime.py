@@ -204,8 +204,10 @@ class StageRuntime:
                 param.copy_(tensors[name].to(self.device))
                 for entry in sorted(entries.get(name, ())):
                     value = tensors[f"{OPTIMIZER_PREFIX}{name}.{entry}"]
-                    # Adam keeps its step on the CPU unless it runs fused or capturable.
-                    self.optimizer.state[param][entry] = value if value.dim() == 0 else value.to(self.device)
+                    # A copy of its own: a lazily loaded tensor may be a view of the checkpoint file's mapping,
+                    # which must go with the file. Adam keeps its step on the CPU (unless fused or capturable).
+                    device = value.device if value.dim() == 0 else self.device
+                    self.optimizer.state[param][entry] = value.to(device, copy=True)
 
     def _checked(self, x: torch.Tensor) -> torch.Tensor:
         # The transport validates first; this guards callers that skip it (benchmarks, tests).
