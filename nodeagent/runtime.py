@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from arceus.checkpoint import OPTIMIZER_PREFIX
 from arceus.contracts.assignment import OptimizerConfig
@@ -63,9 +64,13 @@ class StageRuntime:
         max_micro_batch_size: int,
         device: torch.device,
         precision: str = "fp32",
+        activation_checkpointing: bool = False,
     ) -> None:
+        """`activation_checkpointing`: between a micro-batch's forward and backward keep only each layer's
+        input and recompute the layer's activations in the backward (less memory, a second forward)."""
         self.device = device
         self.precision = precision
+        self.activation_checkpointing = activation_checkpointing
         self.layers = layers.to(device)
         self.optimizer = make_optimizer(list(self.layers.parameters()), optimizer)
         self.optimizer_name = "sgd-momentum" if optimizer.name == "sgd" and optimizer.momentum else optimizer.name
@@ -82,7 +87,7 @@ class StageRuntime:
         """Forward one micro-batch keeping its graph; returns the output (detached, on CPU) to send on."""
         with self._timed(samples=len(x)), self._autocast():
             inp = self._input(x)
-            out = self.layers(inp)
+            out = self._train_forward(inp)
             self._pending[key] = (None if self.is_first else inp, out)
             return out.detach().float().cpu()  # activations travel as float32 whatever the compute dtype
 
@@ -92,7 +97,7 @@ class StageRuntime:
         """Last stage: forward and loss; returns (sum of per-label losses, correct predictions)."""
         with self._timed(samples=len(x)), self._autocast():
             inp = self._input(x)
-            loss_sum, correct = _loss_sum(self.layers(inp), labels.to(self.device))
+            loss_sum, correct = _loss_sum(self._train_forward(inp), labels.to(self.device))
             labels_per_sample = labels[0].numel()
             self._pending[key] = (None if self.is_first else inp, loss_sum / (batch_size * labels_per_sample))
             return float(loss_sum.detach()), correct
@@ -226,6 +231,15 @@ class StageRuntime:
         inp = self._checked(x).to(self.device)
         # Later stages need the gradient w.r.t. their input to send it upstream.
         return inp if self.is_first else inp.detach().requires_grad_(True)
+
+    def _train_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """The layers' forward, keeping its graph for the backward; with activation checkpointing each layer
+        keeps only its input and runs again in the backward (same ops on the same input: same result)."""
+        if not self.activation_checkpointing:
+            return self.layers(x)
+        for layer in self.layers:
+            x = checkpoint(layer, x, use_reentrant=False)
+        return x
 
     def _autocast(self) -> AbstractContextManager[Any]:
         return autocast(self.device, self.precision)

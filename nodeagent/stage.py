@@ -162,6 +162,7 @@ def build_hosted_stage(
         max_micro_batch_size=assignment.max_micro_batch_size,
         device=device,
         precision=assignment.precision,
+        activation_checkpointing=assignment.activation_checkpointing,
     )
     if assignment.checkpoint is not None:
         if load_checkpoint is None:

@@ -37,7 +37,7 @@ _FIELDS = frozenset(
         "next_address",
     }
 )
-_OPTIONAL_FIELDS = frozenset({"checkpoint", "transfer", "precision", "tensor_parallel"})
+_OPTIONAL_FIELDS = frozenset({"checkpoint", "transfer", "precision", "tensor_parallel", "activation_checkpointing"})
 _OPTIMIZER_FIELDS = frozenset({"name", "lr", "momentum", "weight_decay"})
 _CHECKPOINT_FIELDS = frozenset({"step", "url", "sha256"})
 _TENSOR_PARALLEL_FIELDS = frozenset({"rank", "size", "peers"})
@@ -99,6 +99,7 @@ class Assignment:
     checkpoint: CheckpointRef | None = None  # None: start from the seeded initial weights
     transfer: TransferConfig = TransferConfig()  # how this stage encodes what it sends
     precision: str = "fp32"  # or "bf16": autocast compute (arceus.model.precision)
+    activation_checkpointing: bool = False  # keep a micro-batch's input only; recompute the rest backward
     tensor_parallel: TensorParallelConfig | None = None  # None: the stage is this one agent
     # Every rank of a tensor-parallel neighbour (rank 0's is prev/next_address); empty for a one-agent one.
     prev_ranks: tuple[str, ...] = ()
@@ -176,7 +177,14 @@ class Assignment:
         prev_address, prev_ranks = _neighbour(data, "prev_address", required=stage_index > 0)
         next_address, next_ranks = _neighbour(data, "next_address", required=stage_index < num_stages - 1)
         precision = check_precision(data.get("precision", "fp32"), "assignment.precision")
+        recompute = data.get("activation_checkpointing", False)
+        if not isinstance(recompute, bool):
+            raise SpecError("assignment.activation_checkpointing", f"must be true or false, got {recompute!r}")
         tensor_parallel = _tensor_parallel(data.get("tensor_parallel"), spec)
+        if recompute and tensor_parallel is not None:
+            raise SpecError(
+                "assignment.activation_checkpointing", "a tensor-parallel stage cannot recompute its activations"
+            )
         return cls(
             stage_id=stage_id,
             job_id=job_id,
@@ -195,6 +203,7 @@ class Assignment:
             checkpoint=_checkpoint(data.get("checkpoint")),
             transfer=transfer_config_from_json(data.get("transfer"), field="assignment.transfer"),
             precision=precision,
+            activation_checkpointing=recompute,
             tensor_parallel=tensor_parallel,
             prev_ranks=prev_ranks,
             next_ranks=next_ranks,
@@ -226,6 +235,7 @@ class Assignment:
             else {"step": self.checkpoint.step, "url": self.checkpoint.url, "sha256": self.checkpoint.sha256},
             "transfer": self.transfer.to_json(),
             "precision": self.precision,
+            "activation_checkpointing": self.activation_checkpointing,
             **(
                 {}
                 if self.tensor_parallel is None

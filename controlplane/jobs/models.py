@@ -86,6 +86,9 @@ class Job(BaseModel):
     precision = models.CharField(
         max_length=4, choices=Precision, default=Precision.FP32, help_text="Compute precision of every stage."
     )
+    activation_checkpointing = models.BooleanField(
+        default=False, help_text="Stages keep only each micro-batch's input and recompute the rest in the backward."
+    )
     tensor_parallel = models.JSONField(
         default=dict,
         blank=True,

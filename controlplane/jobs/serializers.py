@@ -118,6 +118,11 @@ class JobSubmitInput(StrictInputSerializer):
         help_text='How activations and gradients travel, e.g. {"activations": "int8", "gradients": "int8"} '
         "(fp32|fp16|bf16|int8; gradients also topk; block_size, topk_ratio). {}: fp32.",
     )
+    activation_checkpointing = serializers.BooleanField(
+        default=False,
+        help_text="Trade compute for memory: each stage keeps only a micro-batch's input between its forward "
+        "and backward and recomputes the rest (not with tensor_parallel).",
+    )
     precision = serializers.ChoiceField(
         choices=Precision.choices,
         default=Precision.FP32,
@@ -226,6 +231,7 @@ class JobDetailOutput(JobListOutput):
     schedule = serializers.CharField()
     transfer = serializers.JSONField()
     precision = serializers.CharField()
+    activation_checkpointing = serializers.BooleanField()
     tensor_parallel = serializers.JSONField()
     restarts = serializers.IntegerField(help_text="Rewinds not explained by a lost node since the last checkpoint.")
     resumed_from_step = serializers.IntegerField(

@@ -41,6 +41,7 @@ def job_submit(
     schedule: str = "gpipe",
     transfer: dict[str, Any] | None = None,
     precision: str = "fp32",
+    activation_checkpointing: bool = False,
     requirements: dict[str, Any] | None = None,
     tensor_parallel: dict[str, Any] | None = None,
     name: str = "",
@@ -56,7 +57,7 @@ def job_submit(
         tensor_parallel=tensor_parallel,
     )
     if tensor_parallel:
-        tensor_parallel_check_options(audit_rate=audit_rate)
+        tensor_parallel_check_options(audit_rate=audit_rate, activation_checkpointing=activation_checkpointing)
     if audit_rate is None:
         audit_rate = 0.0 if tensor_parallel else DEFAULT_AUDIT_RATE
     try:
@@ -82,6 +83,7 @@ def job_submit(
         schedule=schedule,
         transfer=transfer_config.to_json(),  # every field spelt out, so agents need no defaults of their own
         precision=precision,
+        activation_checkpointing=activation_checkpointing,
         requirements=requirements or {},
         tensor_parallel=tensor_parallel,
     )
@@ -155,12 +157,18 @@ def _check_tensor_parallel(spec: ModelSpec, tensor_parallel: dict[str, Any], sta
         )
 
 
-def tensor_parallel_check_options(*, audit_rate: float | None) -> None:
+def tensor_parallel_check_options(*, audit_rate: float | None, activation_checkpointing: bool = False) -> None:
     """The job options a tensor-parallel job cannot have (yet), as a 400 saying what to change."""
     if audit_rate:
         raise ApplicationError.invalid(
             "audit_rate",
             "tensor-parallel stages cannot be spot-checked yet; use 0 (or leave it out) or drop tensor_parallel",
+        )
+    if activation_checkpointing:
+        # A recomputed forward would run its all-reduces again, out of the order every rank counts on.
+        raise ApplicationError.invalid(
+            "activation_checkpointing",
+            "tensor-parallel stages cannot recompute their activations yet; use false or drop tensor_parallel",
         )
 
 

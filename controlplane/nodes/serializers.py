@@ -259,6 +259,7 @@ class AssignmentOutput(serializers.Serializer):
     checkpoint = CheckpointRefOutput(allow_null=True, help_text="The state to resume from; null: the seed's")
     transfer = TransferOutput(help_text="How the stage encodes the activations and gradients it sends")
     precision = serializers.ChoiceField(choices=list(PRECISIONS), help_text="bf16: matmuls under autocast")
+    activation_checkpointing = serializers.BooleanField(help_text="recompute activations in the backward")
     tensor_parallel = TensorParallelOutput(required=False, help_text="Present when the stage is split over nodes")
 
 

@@ -84,6 +84,7 @@ def test_first_and_last_stages() -> None:
         ),
         ({"extra": 1}, "assignment.extra", "unknown field"),
         ({"precision": "fp16"}, "assignment.precision", "one of fp32, bf16"),
+        ({"activation_checkpointing": "yes"}, "assignment.activation_checkpointing", "true or false"),
     ],
 )
 def test_invalid_assignments(changes: dict[str, Any], field: str, fragment: str) -> None:
@@ -144,6 +145,7 @@ def test_a_tensor_parallel_rank() -> None:
             "only a transformer",
         ),
         ({"prev_address": ["a:1"]}, "assignment.prev_address", "2 or more distinct ranks"),
+        ({"activation_checkpointing": True}, "assignment.activation_checkpointing", "cannot recompute"),
         ({"prev_address": ["a:1", "a:1"]}, "assignment.prev_address", "2 or more distinct ranks"),
         ({"prev_address": ["a:1", 5]}, "assignment.prev_address", "host:port"),
         (

@@ -1,0 +1,36 @@
+"""A job may ask its stages to recompute activations; its assignments say so; tensor-parallel jobs cannot."""
+
+from __future__ import annotations
+
+import pytest
+from rest_framework.test import APIClient
+
+from arceus.contracts.assignment import Assignment
+from controlplane.controller.executor import reconcile_once
+from controlplane.jobs.models import Job
+from controlplane.jobs.selectors import assignments_for_node
+
+pytestmark = pytest.mark.django_db
+
+
+def test_the_setting_is_stored_and_reaches_every_assignment(api: APIClient, digits_job, ready_node) -> None:
+    nodes = [ready_node(f"n{i}", port=50060 + i) for i in range(3)]
+    response = api.post("/api/jobs", {**digits_job, "activation_checkpointing": True}, format="json")
+    assert response.status_code == 201 and response.json()["activation_checkpointing"] is True
+    job = Job.objects.get(pk=response.json()["id"])
+    assert api.post(f"/api/jobs/{job.id}/train", {}, format="json").status_code == 202
+    reconcile_once()
+    for node in nodes:
+        [assignment] = assignments_for_node(node=node)
+        assert Assignment.from_json(assignment).activation_checkpointing is True
+
+
+def test_a_tensor_parallel_job_cannot_recompute(api: APIClient) -> None:
+    body = {
+        "model_config": {"type": "transformer", "n_layer": 2, "n_head": 2, "d_model": 8, "block_size": 8},
+        "dataset_config": {"name": "text"}, "tensor_parallel": {"size": 2}, "activation_checkpointing": True,
+    }
+    response = api.post("/api/jobs", body, format="json")
+    assert response.status_code == 400
+    assert "cannot recompute" in response.json()["errors"]["activation_checkpointing"][0]
+    assert not Job.objects.exists()
