@@ -14,9 +14,10 @@ from collections.abc import Callable, Iterator
 import grpc
 import torch
 
-from arceus.checkpoint import state_chunks
+from arceus.checkpoint import decode_checkpoint, state_chunks
 from arceus.errors import SpecError
 from arceus.model.precision import check_precision
+from arceus.model.registry import model_spec_from_config
 from arceus.v1 import stage_pb2, stage_pb2_grpc
 from arceus.verify.receipts import ReceiptSigner
 from arceus.wire.codec import TensorValidationError
@@ -30,9 +31,13 @@ from nodeagent.rpc import RpcFailure, call_deadline, serve
 from nodeagent.stage import HostedStage
 from nodeagent.step import StepRun
 from nodeagent.validation import KIND_NAMES, decode_push
-from nodeagent.verify import recompute_forward
+from nodeagent.verify import AuditRecord, recompute_forward
 
 log = logging.getLogger(__name__)
+
+
+# Room for a safetensors header beside the weights of the layers being verified.
+HEADER_ALLOWANCE = 1 << 20
 
 
 class StageServicer(stage_pb2_grpc.StageServiceServicer):
@@ -160,22 +165,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     def Audit(self, request: stage_pb2.AuditRequest, context: grpc.ServicerContext) -> stage_pb2.AuditReply:
         def audit() -> stage_pb2.AuditReply:
-            stage = self._registry.resolve(request.target)
-            if not stage.step_lock.acquire(timeout=max(0.0, call_deadline(context) - time.monotonic())):
-                raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, f"{stage.name} stayed busy with a step")
-            try:
-                record = stage.audit_record
-            finally:
-                stage.step_lock.release()
-            if record is None or record.step != request.step:
-                raise RpcFailure(
-                    grpc.StatusCode.NOT_FOUND,
-                    f"{stage.name} kept nothing of step {request.step}: it keeps only its last train step "
-                    "run with retain_for_audit",
-                )
-            reply = stage_pb2.AuditReply(
-                weights=[stage_pb2.NamedTensor(name=n, tensor=to_proto(t)) for n, t in record.weights.items()]
-            )
+            stage, record = self._audit_record(request, context)
+            reply = stage_pb2.AuditReply()
             if not stage.io.is_first:
                 if request.micro_batch not in record.received:
                     raise RpcFailure(
@@ -189,21 +180,75 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
         return serve(context, "Audit", audit)
 
+    def AuditWeights(
+        self, request: stage_pb2.AuditRequest, context: grpc.ServicerContext
+    ) -> Iterator[stage_pb2.StateChunk]:
+        """The weights a retained step's forwards used, as one safetensors file in chunks of a few MiB."""
+        _, record = serve(context, "AuditWeights", lambda: self._audit_record(request, context))
+        _, chunks = state_chunks(list(record.weights.items()))
+        for chunk in chunks:
+            yield stage_pb2.StateChunk(data=bytes(chunk))
+
+    def _audit_record(
+        self, request: stage_pb2.AuditRequest, context: grpc.ServicerContext
+    ) -> tuple[HostedStage, AuditRecord]:
+        stage = self._registry.resolve(request.target)
+        if not stage.step_lock.acquire(timeout=max(0.0, call_deadline(context) - time.monotonic())):
+            raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, f"{stage.name} stayed busy with a step")
+        try:
+            record = stage.audit_record
+        finally:
+            stage.step_lock.release()
+        if record is None or record.step != request.step:
+            raise RpcFailure(
+                grpc.StatusCode.NOT_FOUND,
+                f"{stage.name} kept nothing of step {request.step}: it keeps only its last train step "
+                "run with retain_for_audit",
+            )
+        return stage, record
+
     def VerifyForward(
-        self, request: stage_pb2.VerifyForwardRequest, context: grpc.ServicerContext
+        self, request_iterator: Iterator[stage_pb2.VerifyForwardRequest], context: grpc.ServicerContext
     ) -> stage_pb2.VerifyForwardReply:
+        """Recompute layers of a model on an input with given weights (a spot check of another node): the
+        weights arrive as a safetensors file in chunks, taken only up to what those layers' weights can
+        be, and decoded only once whole."""
+
         def verify() -> stage_pb2.VerifyForwardReply:
+            first = next(request_iterator, None)
+            if first is None:
+                raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "VerifyForward needs a first message")
             try:
-                config = json.loads(request.model_config_json)
+                config = json.loads(first.model_config_json)
                 if not isinstance(config, dict):
                     raise ValueError("model_config_json is not a JSON object")
-                limit = self._max_message_bytes
-                weights = {w.name: from_proto(w.tensor, max_bytes=limit) for w in request.weights}
-                x = from_proto(request.input, max_bytes=limit)
-                precision = check_precision(request.precision or "fp32", "precision")
-                out = recompute_forward(
-                    config, request.layer_start, request.layer_end, weights, x, self._device, precision
-                )
+                spec = model_spec_from_config(config)
+                if not 0 <= first.layer_start < first.layer_end <= spec.num_layers:
+                    raise ValueError(
+                        f"layer range [{first.layer_start}, {first.layer_end}) is not within the model's "
+                        f"{spec.num_layers} layers"
+                    )
+                params = sum(spec.layer_params()[first.layer_start : first.layer_end])
+                # fp32 weights and a generous header: a longer file holds something else than those weights.
+                limit = 4 * params + HEADER_ALLOWANCE
+                weights_file = bytearray(first.weights_chunk)
+                for message in request_iterator:
+                    weights_file += message.weights_chunk
+                    if len(weights_file) > limit:
+                        raise ValueError(
+                            f"the weights exceed the {limit:,} bytes that layers "
+                            f"[{first.layer_start}, {first.layer_end}) of this model take"
+                        )
+                if len(weights_file) < 4 * params:  # before anything of that size is built
+                    raise ValueError(
+                        f"the weights hold {len(weights_file):,} bytes; layers [{first.layer_start}, "
+                        f"{first.layer_end}) of this model need {4 * params:,}"
+                    )
+                weights = decode_checkpoint(bytes(weights_file))
+                del weights_file
+                x = from_proto(first.input, max_bytes=self._max_message_bytes)
+                precision = check_precision(first.precision or "fp32", "precision")
+                out = recompute_forward(config, first.layer_start, first.layer_end, weights, x, self._device, precision)
             except SpecError as exc:
                 raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.field}: {exc.message}") from None
             except (ValueError, TensorValidationError) as exc:  # JSON, tensors, weights or input that do not fit

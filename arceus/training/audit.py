@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import random
+import tempfile
 from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 
@@ -119,9 +121,14 @@ class Auditor:
                              "returned an activation other than the one it signed for")
         verifier = self._verifier(node, receiver_node)
         e = producer.endpoint
-        expected = verifier.verify_forward(
-            self._model_json, e.layer_start, e.layer_end, kept.weights, x, self.plan.precision
-        )
+        # The producer's weights go from it to the verifier through a file: no message or buffer here
+        # holds the stage.
+        with tempfile.TemporaryDirectory(prefix="arceus-audit-") as directory:
+            weights = Path(directory) / "weights.safetensors"
+            producer.save_audit_weights(step, weights)
+            expected = verifier.verify_forward(
+                self._model_json, e.layer_start, e.layer_end, weights, x, self.plan.precision
+            )
         signed = {"receipt_sha256": receipt.sha256.hex(), "receipt_signature": receipt.signature.hex(),
                   "sent_sha256": sent_receipt.sha256.hex(), "sent_signature": sent_receipt.signature.hex(),
                   "verifier_node_id": verifier.endpoint.node_id, "producer_index": i}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from arceus.checkpoint import CHUNK_BYTES
 from arceus.contracts.counters import StageCounters
 from arceus.training.plan import StageEndpoint
 from arceus.v1 import stage_pb2, stage_pb2_grpc
@@ -22,9 +24,8 @@ MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 @dataclass(frozen=True)
 class AuditedStep:
-    """What a stage kept of one micro-batch of a retained train step."""
+    """What a stage kept of one micro-batch of a retained train step (its weights: `save_audit_weights`)."""
 
-    weights: dict[str, torch.Tensor]
     received: torch.Tensor | None
     sent: torch.Tensor | None
 
@@ -81,43 +82,45 @@ class StageClient:
         """Stream this stage's state into the safetensors file `destination`, a chunk at a time; (its
         SHA-256 in hex, its size). The whole stream shares the call's deadline."""
         request = stage_pb2.GetStateRequest(target=self.ref, include_optimizer_state=include_optimizer_state)
-        digest, size = hashlib.sha256(), 0
-        with destination.open("wb") as out:
-            for chunk in self._stub.GetState(request, timeout=self.timeout):
-                out.write(chunk.data)
-                digest.update(chunk.data)
-                size += len(chunk.data)
-        return digest.hexdigest(), size
+        return _write_chunks(self._stub.GetState(request, timeout=self.timeout), destination)
 
     def audit(self, step: int, micro_batch: int) -> AuditedStep:
-        """The weights this stage used in `step`, and the activations it received (None on the first
-        stage) and sent (None on the last) for `micro_batch`."""
+        """The activations this stage received (None on the first stage) and sent (None on the last) for
+        `micro_batch` of `step`."""
         request = stage_pb2.AuditRequest(target=self.ref, step=step, micro_batch=micro_batch)
         reply = self._stub.Audit(request, timeout=self.timeout)
-        weights = {w.name: from_proto(w.tensor, max_bytes=MAX_MESSAGE_BYTES) for w in reply.weights}
         received = from_proto(reply.received, max_bytes=MAX_MESSAGE_BYTES) if reply.HasField("received") else None
         sent = from_proto(reply.sent, max_bytes=MAX_MESSAGE_BYTES) if reply.HasField("sent") else None
-        return AuditedStep(weights, received, sent)
+        return AuditedStep(received, sent)
+
+    def save_audit_weights(self, step: int, destination: Path) -> tuple[str, int]:
+        """Stream the weights this stage's forwards used in `step` into a safetensors file, a chunk at a
+        time; (its SHA-256 in hex, its size)."""
+        request = stage_pb2.AuditRequest(target=self.ref, step=step)
+        return _write_chunks(self._stub.AuditWeights(request, timeout=self.timeout), destination)
 
     def verify_forward(
         self,
         model_json: str,
         layer_start: int,
         layer_end: int,
-        weights: dict[str, torch.Tensor],
+        weights: Path,
         x: torch.Tensor,
         precision: str = "fp32",
     ) -> torch.Tensor:
-        """This stage's agent recomputes layers [layer_start, layer_end) with `weights` on `x`."""
-        request = stage_pb2.VerifyForwardRequest(
-            model_config_json=model_json,
-            layer_start=layer_start,
-            layer_end=layer_end,
-            weights=[stage_pb2.NamedTensor(name=n, tensor=to_proto(t)) for n, t in weights.items()],
-            input=to_proto(x),
-            precision=precision,
-        )
-        reply = self._stub.VerifyForward(request, timeout=self.timeout)
+        """This stage's agent recomputes layers [layer_start, layer_end) with the weights in the safetensors
+        file `weights` (streamed to it a chunk at a time) on `x`."""
+
+        def requests() -> Iterator[stage_pb2.VerifyForwardRequest]:
+            yield stage_pb2.VerifyForwardRequest(
+                model_config_json=model_json, layer_start=layer_start, layer_end=layer_end, input=to_proto(x),
+                precision=precision,
+            )
+            with weights.open("rb") as handle:
+                while chunk := handle.read(CHUNK_BYTES):
+                    yield stage_pb2.VerifyForwardRequest(weights_chunk=chunk)
+
+        reply = self._stub.VerifyForward(requests(), timeout=self.timeout)
         return from_proto(reply.output, max_bytes=MAX_MESSAGE_BYTES)
 
     def snapshot(self, counters: stage_pb2.StageCounters) -> StageCounters:
@@ -134,3 +137,13 @@ class StageClient:
     def close(self) -> None:
         self._pushes.close()
         self._channel.close()
+
+
+def _write_chunks(chunks: Iterable[stage_pb2.StateChunk], destination: Path) -> tuple[str, int]:
+    digest, size = hashlib.sha256(), 0
+    with destination.open("wb") as out:
+        for chunk in chunks:
+            out.write(chunk.data)
+            digest.update(chunk.data)
+            size += len(chunk.data)
+    return digest.hexdigest(), size

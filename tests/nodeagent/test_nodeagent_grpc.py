@@ -6,6 +6,7 @@ plus stage 0 of a job whose stage 1 address is dead.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 
@@ -222,6 +223,29 @@ def test_invalid_run_step_is_rejected(
     error = rpc_error(stub.RunStep, stage_pb2.RunStepRequest(**request), timeout=10)
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert fragment in error.details()
+
+
+@pytest.mark.parametrize(
+    ("config", "weights", "fragment"),
+    [
+        ({"type": "mlp", "layer_sizes": [64, 32]}, b"", "need 8,320"),  # no weights: nothing is built
+        ({"type": "mlp", "layer_sizes": [64, 32]}, b"\0" * (2 << 20), "exceed"),  # more than those layers'
+        ({"type": "mlp", "layer_sizes": [64, 32]}, b"\0" * 8320, "not a valid safetensors"),
+        ({"type": "transformer", "n_layer": 256, "d_model": 65536}, b"", "vocab_size"),
+    ],
+)
+def test_verify_forward_takes_only_weights_of_the_layers_it_recomputes(
+    stub: stage_pb2_grpc.StageServiceStub, config: dict, weights: bytes, fragment: str
+) -> None:
+    def messages() -> Iterator[stage_pb2.VerifyForwardRequest]:
+        yield stage_pb2.VerifyForwardRequest(
+            model_config_json=json.dumps(config), layer_start=0, layer_end=1, input=to_proto(torch.zeros(1, 64))
+        )
+        for start in range(0, len(weights), 1 << 20):
+            yield stage_pb2.VerifyForwardRequest(weights_chunk=weights[start : start + (1 << 20)])
+
+    error = rpc_error(stub.VerifyForward, messages(), timeout=10)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and fragment in error.details(), error.details()
 
 
 def test_a_missing_input_times_out_naming_what_it_waited_for(stub: stage_pb2_grpc.StageServiceStub) -> None:
