@@ -79,6 +79,7 @@ class StageRuntime:
         self.input_layout = input_layout
         self.max_micro_batch_size = max_micro_batch_size
         self.counters = RuntimeCounters()
+        self._deferred: tuple[float | None] | None = None  # a deferred optimizer step's learning rate
         # key -> (input that needs a gradient, or None on the first stage; output or scaled loss)
         self._pending: dict[MicroBatchKey, tuple[torch.Tensor | None, torch.Tensor]] = {}
 
@@ -126,8 +127,22 @@ class StageRuntime:
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
 
+    def defer_optimizer_step(self, learning_rate: float | None = None) -> None:
+        """Keep the accumulated gradients and step later (`settle`): until then the weights are the ones
+        this step's forwards used, so a spot check can read them without a copy of them being kept."""
+        self._deferred = (learning_rate,)
+
+    def settle(self) -> bool:
+        """Take a deferred optimizer step, if one waits; whether one did."""
+        if self._deferred is None:
+            return False
+        (learning_rate,), self._deferred = self._deferred, None
+        self.optimizer_step(learning_rate)
+        return True
+
     def abort_step(self) -> None:
-        """Forget a failed step: its graphs and any partly accumulated gradients."""
+        """Forget a failed step: its graphs and any partly accumulated gradients (a deferred optimizer step
+        of an earlier step was taken before this one began)."""
         self._pending.clear()
         self.optimizer.zero_grad(set_to_none=True)
 

@@ -152,6 +152,11 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             stage = self._registry.resolve(request.target)
             if not stage.step_lock.acquire(timeout=max(0.0, call_deadline(context) - time.monotonic())):
                 raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, f"{stage.name} stayed busy with a step")
+            try:
+                stage.settle()  # a checkpoint holds the state after the step's optimizer step
+            except BaseException:
+                stage.step_lock.release()
+                raise
             return stage
 
         stage = serve(context, "GetState", between_steps)
@@ -183,11 +188,25 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     def AuditWeights(
         self, request: stage_pb2.AuditRequest, context: grpc.ServicerContext
     ) -> Iterator[stage_pb2.StateChunk]:
-        """The weights a retained step's forwards used, as one safetensors file in chunks of a few MiB."""
-        _, record = serve(context, "AuditWeights", lambda: self._audit_record(request, context))
-        _, chunks = state_chunks(list(record.weights.items()))
-        for chunk in chunks:
-            yield stage_pb2.StateChunk(data=bytes(chunk))
+        """The weights a retained step's forwards used, as one safetensors file in chunks of a few MiB: the
+        stage's own weights, read in place (its optimizer step waits while the record lasts)."""
+
+        def retained() -> HostedStage:
+            stage, _ = self._audit_record(request, context)
+            if not stage.step_lock.acquire(timeout=max(0.0, call_deadline(context) - time.monotonic())):
+                raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, f"{stage.name} stayed busy with a step")
+            if stage.audit_record is None or stage.audit_record.step != request.step:  # a step began meanwhile
+                stage.step_lock.release()
+                raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"{stage.name} moved on from step {request.step}")
+            return stage
+
+        stage = serve(context, "AuditWeights", retained)
+        try:
+            _, chunks = state_chunks(stage.runtime.state_items(include_optimizer_state=False))
+            for chunk in chunks:
+                yield stage_pb2.StateChunk(data=bytes(chunk))
+        finally:
+            stage.step_lock.release()
 
     def _audit_record(
         self, request: stage_pb2.AuditRequest, context: grpc.ServicerContext

@@ -108,6 +108,12 @@ class HostedStage:
         with self._bytes_lock:
             self.bytes_received += n
 
+    def settle(self) -> None:
+        """Apply a deferred optimizer step (see StepRun): the weights move on, so what an audit of the
+        last step would read is gone. Called with the step lock held, before anything reads or trains."""
+        if self.runtime.settle():
+            self.audit_record = None
+
     def counters(self) -> stage_pb2.StageCounters:
         c = self.runtime.counters
         with self._bytes_lock:

@@ -67,6 +67,7 @@ class StepRun:
 
     def run(self) -> stage_pb2.RunStepReply:
         runtime = self.stage.runtime
+        self.stage.settle()  # the previous step's optimizer step, if an audit kept it waiting
         compute_before = runtime.counters.compute_seconds
         self.stage.mailbox.retain_step(self.step)
         try:
@@ -77,10 +78,13 @@ class StepRun:
                     self._backward(index, action)
                 self.pushes.raise_if_failed()
             self.pushes.wait_all()
-            self.audit.keep(runtime.named_weights)  # what the forwards used: the optimizer has not stepped
             if self.train:
                 self.lending.optimizer_step()
-                runtime.optimizer_step(self.request.learning_rate or None)
+                if self.audit.keep():
+                    # An audit reads the weights this step's forwards used: they stay until the next call.
+                    runtime.defer_optimizer_step(self.request.learning_rate or None)
+                else:
+                    runtime.optimizer_step(self.request.learning_rate or None)
         except BaseException:
             runtime.abort_step()
             self.pushes.cancel_all()

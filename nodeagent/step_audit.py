@@ -1,10 +1,8 @@
 """What a step signs and keeps for spot checks: a receipt for every activation the stage accepts from its
 previous stage (role "received"), and, on a retained train step, one for every activation it sends on
-(role "sent", as the receiver decodes it) plus the activations and weights an audit may ask for."""
+(role "sent", as the receiver decodes it) plus the activations an audit may ask for."""
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 
@@ -40,11 +38,13 @@ class StepAudit:
             self._receipt(micro_batch, delivered, self._stage.assignment.stage_index + 1, SENT)
         )
 
-    def keep(self, weights: Callable[[], dict[str, torch.Tensor]]) -> None:
-        """The step ran: keep it for an audit, with the weights its forwards used (taken only if kept)."""
-        if self.record is not None:
-            self.record.weights = weights()
-            self._stage.audit_record = self.record
+    def keep(self) -> bool:
+        """The step ran: keep it for an audit if it is retained (its weights are read in place: the
+        runtime defers its optimizer step); whether it is."""
+        if self.record is None:
+            return False
+        self._stage.audit_record = self.record
+        return True
 
     def _receipt(self, micro_batch: int, x: torch.Tensor, receiver: int, role: str) -> stage_pb2.Receipt:
         a = self._stage.assignment

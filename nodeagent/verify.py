@@ -15,13 +15,12 @@ from arceus.model.registry import model_spec_from_config
 
 @dataclass
 class AuditRecord:
-    """One train step of a stage: the activations it received and sent (by micro-batch, as delivered)
-    and its weights then."""
+    """One train step of a stage: the activations it received and sent (by micro-batch, as delivered).
+    The weights its forwards used are the stage's own until its next call (the optimizer step waits)."""
 
     step: int
     received: dict[int, torch.Tensor] = field(default_factory=dict)
     sent: dict[int, torch.Tensor] = field(default_factory=dict)
-    weights: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def recompute_forward(

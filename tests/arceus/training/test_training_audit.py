@@ -12,12 +12,13 @@ import torch
 
 from arceus.contracts.assignment import Assignment, max_micro_batch_size
 from arceus.data import validate_dataset_config
-from arceus.training import StageEndpoint, TrainPlan, train
+from arceus.training import StageEndpoint, StepProgress, TrainPlan, train
 from arceus.training.recording import RecordingSink
 from arceus.v1 import stage_pb2
 from arceus.verify.receipts import RECEIVED, SENT, ReceiptError, ReceiptFields, ReceiptSigner, verify_receipt
 from arceus.wire.transfer import transfer_config_from_json
 from devtools.pipeline import pipeline_assignments
+from devtools.reference import fetch_weights
 from nodeagent import step
 from nodeagent.agent import Agent
 from nodeagent.stage import HostedStage
@@ -171,3 +172,38 @@ def test_every_producer_signs_what_it_sent_and_the_digests_agree(agents: list[Ag
         with pytest.raises(ReceiptError):  # a "sent" signature is no receiver's receipt
             verify_receipt(agents[c.stage_index].signer.public_key_hex, replace(fields, role=RECEIVED),
                            bytes.fromhex(c.sent_signature))
+
+
+class LiveWeights(RecordingSink):
+    """Records the first stage's weights as they are right after each step (the driver's audit done)."""
+
+    def __init__(self, agent: Agent) -> None:
+        super().__init__()
+        self.agent, self.seen = agent, []
+
+    def on_step(self, p: StepProgress) -> None:
+        super().on_step(p)
+        self.seen.append(self.agent.registry.stages()[0].runtime.named_weights())
+
+
+def test_a_retained_steps_optimizer_step_waits_and_training_ends_as_without_audits(agents: list[Agent]) -> None:
+    """An audit reads the weights a retained step's forwards used in place, not a copy: the step's optimizer
+    step waits for the stage's next call. The run ends on the same weights as one without audits."""
+    audited = LiveWeights(agents[0])
+    train(plan_for(agents, max_steps=4), audited)
+    assert len(audited.steps) == 4 and all(c.passed for p in audited.steps for c in p.spot_checks)
+    audited_weights = fetch_weights(plan_for(agents))
+    for agent in agents:  # the same job again from its seeded weights, without audits
+        [stage] = agent.registry.stages()
+        agent.apply_assignments([])
+        agent.apply_assignments([stage.assignment])
+    plain = LiveWeights(agents[0])
+    train(plan_for(agents, max_steps=4, audit_rate=0.0), plain)
+    # After audited step k the weights are still those of plain step k - 1: the optimizer step waited.
+    for k in range(1, 4):
+        assert all(torch.equal(audited.seen[k][n], plain.seen[k - 1][n]) for n in plain.seen[k]), k
+        assert not any(torch.equal(audited.seen[k][n], plain.seen[k][n]) for n in plain.seen[k]), k
+    plain_weights = fetch_weights(plan_for(agents))
+    assert sorted(audited_weights) == sorted(plain_weights)
+    for name, tensor in plain_weights.items():
+        assert torch.equal(audited_weights[name], tensor), name
