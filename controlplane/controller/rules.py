@@ -18,8 +18,10 @@ Rules, in order:
    (RequestHandover), so a paused node's stage moves without losing work. A tensor-parallel group
    keeps its healthy ranks: the rewind's new generation makes every rank rebuild from the unsplit
    checkpoint with the group's new peer list anyway, so re-forming it needs only the lost rank's node;
-4. a placing job: a stage reports failure → FailJob; every stage reports ready at the job's
-   generation → StartDriver; else a StagesReady=False condition;
+4. a placing job: a stage reports failure (its node could not build it) → RewindJob moving that stage to
+   the fastest free node with room, counted as a restart (so a failure that follows the stage from node
+   to node fails the job once the restarts run out), or FailJob when no other node can take it; every
+   stage reports ready at the job's generation → StartDriver; else a StagesReady=False condition;
 5. a running job whose driver lease expired: never claimed → StartDriver again; claimed (the driver
    died or gave up) → RewindJob in place, or FailJob after too many restarts without progress.
 Every RewindJob bumps the generation, so all stages rebuild from the job's last checkpoint.
@@ -286,12 +288,12 @@ def plan(desired: Desired, observed: Observed, now: datetime) -> list[Action]:
                 action = None if job.handover_requested else _request_handover(job, draining, nodes, now)
             elif lost or draining or not job.stages:
                 action = _replace_lost(job, lost + draining, nodes, free, now)
-                if isinstance(action, RewindJob):
-                    taken = {node for _, _, node in action.moves}
             elif job.status == PLACING:
-                action = _check_stages(job, observed, now)
+                action = _check_stages(job, observed, nodes, free, now)
             elif job.status == RUNNING:
                 action = _check_driver(job, now)
+            if isinstance(action, RewindJob):
+                taken = {node for _, _, node in action.moves}
         if action is not None:
             actions.append(action)
             free = [n for n in free if n.id not in taken]
@@ -439,17 +441,14 @@ def _parts(stages: Sequence[PlannedStage | PlacedStage]) -> str:
     return "stage ranks" if any(s.rank for s in stages) else "stages"
 
 
-def _check_stages(job: JobView, observed: Observed, now: datetime) -> Action | None:
+def _check_stages(
+    job: JobView, observed: Observed, nodes: Mapping[str, NodeView], free: list[NodeView], now: datetime
+) -> Action | None:
     current = [observed.stages.get((job.id, s.index, s.rank)) for s in job.stages]
     current = [r if r is not None and r.generation == job.generation else None for r in current]
     for stage, report in zip(job.stages, current, strict=True):
         if report is not None and report.state == FAILED:
-            return FailJob(
-                job.id,
-                job.generation,
-                "StageFailed",
-                f"{_stage_label(job, stage)} on node {stage.node_id} failed: {report.message or 'no message'}",
-            )
+            return _move_failed(job, stage, report, nodes, free)
     ready_count = sum(1 for r in current if r is not None and r.state == READY)
     total, parts = len(job.stages), _parts(job.stages)
     if total and ready_count == total:
@@ -462,6 +461,27 @@ def _check_stages(job: JobView, observed: Observed, now: datetime) -> Action | N
         return StartDriver(job.id, job.generation, PLACING, job.driver_lease_expires_at, tuple(conditions))
     waiting = Condition("StagesReady", FALSE, "WaitingForStages", f"{ready_count}/{total} {parts} ready")
     return _condition(job, waiting, now)
+
+
+def _move_failed(
+    job: JobView, stage: PlacedStage, report: StageReport, nodes: Mapping[str, NodeView], free: list[NodeView]
+) -> Action:
+    """A stage its node could not build moves to the fastest free node with room, as a restart: a failure
+    that follows the stage from node to node fails the job once the restarts run out; with no other node
+    for it, the job fails at once with the node's reason."""
+    failure = f"{_stage_label(job, stage)} on node {stage.node_id} failed: {report.message or 'no message'}"
+    need = _stage_memory(job, stage)
+    target = next((n for n in free if job.requirements.allows(n) and n.memory_bytes >= need), None)
+    if target is None:
+        return FailJob(job.id, job.generation, "StageFailed", failure)
+    if job.restarts >= job.max_restarts:
+        return FailJob(
+            job.id, job.generation, "BackoffLimitExceeded",
+            f"{failure}; the job was restarted {job.restarts} times without saving a checkpoint in between",
+        )
+    message = f"{failure}; moved from {_node_label(nodes, stage.node_id)} to {_node_label(nodes, target.id)}"
+    return RewindJob(job.id, job.generation, PLACING, ((stage.index, stage.rank, target.id),), True, "StageFailed",
+                     message)
 
 
 def _check_driver(job: JobView, now: datetime) -> Action | None:

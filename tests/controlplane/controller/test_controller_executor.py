@@ -199,6 +199,27 @@ def test_a_lost_stage_with_no_spare_waits_pending_then_resumes_on_a_new_node(rea
     assert Stage.objects.get(job=job, index=lost).node.name == "n-new"
 
 
+def test_a_stage_that_fails_to_build_moves_to_a_spare_node(ready_node, queued_job) -> None:
+    nodes = [ready_node(f"n{i}", port=50051 + i) for i in range(3)]
+    job = queued_job()
+    reconcile_once()
+    job.refresh_from_db()
+    stage = Stage.objects.select_related("node").get(job=job, index=1)
+    others = {s.index: s.node_id for s in Stage.objects.filter(job=job).exclude(index=1)}
+    spare = ready_node("spare", port=50060)
+    Stage.objects.filter(pk=stage.pk).update(
+        observed_generation=job.generation, observed_state="failed", observed_message="CUDA out of memory"
+    )
+    reconcile_once()
+    moved = Job.objects.get(pk=job.pk)
+    assert (moved.status, moved.generation, moved.restarts) == ("placing", job.generation + 1, 1)
+    assert Stage.objects.get(job=job, index=1).node == spare
+    assert {s.index: s.node_id for s in Stage.objects.filter(job=job).exclude(index=1)} == others
+    assert stage.node in nodes
+    training = next(c for c in moved.conditions if c["type"] == "Training")
+    assert f"failed: CUDA out of memory; moved from {stage.node.name} to spare" in training["message"]
+
+
 def test_a_failed_stage_fails_the_job_and_frees_its_nodes(ready_node, queued_job) -> None:
     nodes = [ready_node(f"n{i}", port=50051 + i) for i in range(3)]
     job = queued_job()

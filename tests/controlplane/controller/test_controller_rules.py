@@ -166,6 +166,20 @@ def test_a_failed_stage_fails_the_job_with_its_message() -> None:
     assert action == FailJob("j", 2, "StageFailed", "stage 1 on node b failed: msg 1")
 
 
+def test_a_stage_its_node_cannot_build_moves_to_a_free_node_as_a_restart() -> None:
+    placing = job("j", "placing", generation=2, stages=placed("j", ["a", "b", "c"]))
+    nodes = (*(node(name) for name in "abc"), node("d", flops=2e9), node("tiny", flops=9e9, memory=10))
+    [action] = plan(Desired(jobs=(placing,)), Observed(nodes, reports("j", ["ready", "failed", "ready"])), NOW)
+    assert action == RewindJob(
+        "j", 2, "placing", ((1, 0, "d"),), True, "StageFailed", "stage 1 on node b failed: msg 1; moved from b to d"
+    )
+    # A failure that followed the stage to as many nodes as the job may restart fails the job.
+    worn = replace(placing, restarts=5)
+    [action] = plan(Desired(jobs=(worn,)), Observed(nodes, reports("j", ["ready", "failed", "ready"])), NOW)
+    assert isinstance(action, FailJob) and action.reason == "BackoffLimitExceeded"
+    assert action.message.startswith("stage 1 on node b failed: msg 1; the job was restarted 5 times")
+
+
 def test_a_lost_stage_moves_alone_to_the_fastest_free_node_with_room() -> None:
     running = job("j", "running", generation=2, stages=placed("j", ["a", "b", "c"]))
     nodes = (
