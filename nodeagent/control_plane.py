@@ -49,6 +49,7 @@ class HeartbeatReply:
     assignments: list[Assignment]
     rejected: list[ObservedStage] = field(default_factory=list)  # listed but unparseable
     max_threads: int | None = None  # the owner's cap on compute threads (None: no cap)
+    max_memory_bytes: int | None = None  # the owner's memory budget for this node's stages (None: no cap)
 
 
 class ControlPlaneClient:
@@ -103,7 +104,8 @@ class ControlPlaneClient:
             heartbeat_interval_seconds=_interval(body),
             assignments=assignments,
             rejected=rejected,
-            max_threads=_max_threads(body),
+            max_threads=_control(body, "max_threads"),
+            max_memory_bytes=_control(body, "max_memory_bytes"),
         )
 
     def probe(self, payload: bytes) -> float:
@@ -163,11 +165,12 @@ class ControlPlaneClient:
         return body
 
 
-def _max_threads(body: dict[str, Any]) -> int | None:
+def _control(body: dict[str, Any], name: str) -> int | None:
+    """One of the owner's caps in a heartbeat answer: a positive integer, or null for none."""
     controls = body.get("controls")
-    value = controls.get("max_threads") if isinstance(controls, dict) else None
+    value = controls.get(name) if isinstance(controls, dict) else None
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise ControlPlaneError(f"heartbeat response has an invalid controls.max_threads: {value!r}")
+        raise ControlPlaneError(f"heartbeat response has an invalid controls.{name}: {value!r}")
     return value
 
 
@@ -260,6 +263,7 @@ class HeartbeatLoop:
                 self._unsent_links = {}
                 self._agent.metrics.heartbeat_succeeded()
                 self._agent.limit_threads(reply.max_threads)
+                self._agent.registry.memory_budget = reply.max_memory_bytes
                 self._interval = reply.heartbeat_interval_seconds
                 backoff = self._min_backoff
                 changed = self._agent.apply_assignments(reply.assignments, reply.rejected)

@@ -17,6 +17,8 @@ import torch
 
 from arceus.contracts.assignment import Assignment
 from arceus.contracts.observed import ObservedStage, ObservedState
+from arceus.placement.profiles import layer_profiles
+from arceus.placement.solver import stage_state_bytes
 from arceus.v1 import stage_pb2
 from nodeagent.all_reduce import TensorParallelGroups, stage_group
 from nodeagent.heap import release_free_memory
@@ -36,6 +38,8 @@ class HostedStages:
         self._lock = threading.Lock()
         self._apply_lock = threading.Lock()
         self._stages: dict[str, HostedStage] = {}
+        # The owner's budget for this node's stages (the control plane's controls.max_memory_bytes).
+        self.memory_budget: int | None = None
         self._failed: dict[str, ObservedStage] = {}
         # The all-reduce groups of hosted tensor-parallel stages (TensorParallelService resolves here);
         # each lives as long as its stage.
@@ -83,6 +87,10 @@ class HostedStages:
                         f"as {clash.assignment.stage_id}",
                     )
                     continue
+                refusal = self._over_budget(assignment)
+                if refusal is not None:
+                    new_failed[stage_id] = ObservedStage(stage_id, assignment.generation, ObservedState.FAILED, refusal)
+                    continue
                 group = None
                 try:
                     group = stage_group(assignment, max_message_bytes=self._max_message_bytes)
@@ -122,6 +130,22 @@ class HostedStages:
             if changed:
                 release_free_memory()  # what the build used only while loading, and what the old stages left
             return changed or new_failed != failed
+
+    def _over_budget(self, assignment: Assignment) -> str | None:
+        """Why the stage would not fit the owner's memory budget, or None: its weights, gradients and
+        optimizer state alone (the placement's own estimate, which adds activations, is never lower)."""
+        budget = self.memory_budget
+        if budget is None:
+            return None
+        layers = layer_profiles(assignment.spec)[assignment.layer_start : assignment.layer_end]
+        ranks = assignment.tensor_parallel.size if assignment.tensor_parallel is not None else 1
+        need = stage_state_bytes(layers, ranks)
+        if need <= budget:
+            return None
+        return (
+            f"needs {need:,} bytes for its weights, gradients and optimizer state, above the {budget:,} bytes "
+            "this node's owner offers"
+        )
 
     def _drop(self, dropped: list[HostedStage]) -> None:
         """Stop hosting `dropped` and let their memory go (calls still running in them end with ABORTED)."""

@@ -122,10 +122,15 @@ def stage_memory(layers: Sequence[LayerProfile], workload: Workload, ranks: int 
     """Bytes a stage holding `layers` needs on each of its `ranks` devices: weights with gradients and
     optimizer state (a tensor-parallel rank's share of the split ones), plus every in-flight
     micro-batch's stashed activations (whole on every rank)."""
-    weights = sum(-(-layer_training_memory(layer.params) // (ranks if layer.tensor_parallel else 1))
-                  for layer in layers)
     stash = workload.micro_batches * workload.micro_batch_size * sum(layer.output_bytes_per_sample for layer in layers)
-    return weights + stash
+    return stage_state_bytes(layers, ranks) + stash
+
+
+def stage_state_bytes(layers: Sequence[LayerProfile], ranks: int = 1) -> int:
+    """Bytes a stage holding `layers` needs on each of its `ranks` devices for weights, gradients and
+    optimizer state (a tensor-parallel rank's share of the split layers), before any activation: the
+    least an agent must be able to give it."""
+    return sum(-(-layer_training_memory(layer.params) // (ranks if layer.tensor_parallel else 1)) for layer in layers)
 
 
 def stage_seconds(

@@ -1,29 +1,13 @@
-"""A job in the placement solver's terms: its layers' costs, its in-flight work, its requirements and
-tensor-parallel split."""
+"""A job in the placement solver's terms: its in-flight work, its requirements and tensor-parallel split
+(its layers' costs: `arceus.placement.profiles`)."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-from arceus.model.spec import ModelSpec
-from arceus.placement.solver import LayerProfile, Workload
+from arceus.placement.solver import Workload
 from controlplane.controller.rules import Requirements, TensorParallel
-
-
-def layer_profiles(spec: ModelSpec) -> tuple[LayerProfile, ...]:
-    """Each layer's cost; its output (fp32 activations on the wire and in the stash) as the spec lays it out;
-    its split layers are what a tensor-parallel group divides."""
-    split = spec.split_layers()
-    return tuple(
-        LayerProfile(
-            flops_per_sample=float(flops),
-            params=params,
-            output_bytes_per_sample=spec.output_layout(i).nbytes,
-            tensor_parallel=i in split,
-        )
-        for i, (flops, params) in enumerate(zip(spec.layer_flops_per_sample(), spec.layer_params(), strict=True))
-    )
 
 
 def workload(dataset_config: dict[str, Any], micro_batches: int) -> Workload:

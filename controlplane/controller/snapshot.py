@@ -13,7 +13,8 @@ from django.utils import timezone
 from arceus.contracts.status import ACTIVE_STATUSES, JobStatus
 from arceus.errors import SpecError
 from arceus.model.registry import model_spec_from_config
-from controlplane.controller.placement import layer_profiles, requirements, tensor_parallel_split, workload
+from arceus.placement.profiles import layer_profiles
+from controlplane.controller.placement import requirements, tensor_parallel_split, workload
 from controlplane.controller.rules import Desired, JobView, NodeView, Observed, PlacedStage, StageReport
 from controlplane.jobs.models import Job, Stage
 from controlplane.market.services import node_device_class, price_in_force

@@ -7,9 +7,10 @@ from decimal import Decimal
 from typing import Any
 
 from arceus.data import load_dataset
+from arceus.placement.profiles import layer_profiles
 from arceus.placement.solver import PlacementError, solve
 from controlplane.common.conditions import TRUE
-from controlplane.controller.placement import layer_profiles, requirements, tensor_parallel_split, workload
+from controlplane.controller.placement import requirements, tensor_parallel_split, workload
 from controlplane.controller.rules import stage_bounds
 from controlplane.controller.snapshot import node_views, registered_nodes
 from controlplane.jobs.models import Stage

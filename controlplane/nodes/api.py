@@ -128,7 +128,10 @@ class AgentHeartbeatApi(AgentApi):
             {
                 "node_id": str(request.auth.id),
                 "assignments": assignments,
-                "controls": {"max_threads": request.auth.max_threads},
+                "controls": {
+                    "max_threads": request.auth.max_threads,
+                    "max_memory_bytes": request.auth.max_memory_bytes,
+                },
                 "heartbeat_interval_seconds": settings.ARCEUS_HEARTBEAT_INTERVAL_SECONDS,
             }
         )

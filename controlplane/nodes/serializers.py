@@ -265,6 +265,9 @@ class AssignmentOutput(serializers.Serializer):
 
 class AgentControlsOutput(serializers.Serializer):
     max_threads = serializers.IntegerField(allow_null=True, help_text="compute threads the owner allows")
+    max_memory_bytes = serializers.IntegerField(
+        allow_null=True, help_text="memory the owner offers: the agent refuses a stage whose state needs more"
+    )
 
 
 class AgentHeartbeatOutput(serializers.Serializer):

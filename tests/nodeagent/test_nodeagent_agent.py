@@ -76,6 +76,21 @@ def test_apply_builds_keeps_rebuilds_and_drops(agent: Agent) -> None:
     assert agent.observed() == []
 
 
+def test_a_stage_over_the_owners_memory_budget_is_refused_with_what_it_needs(agent: Agent) -> None:
+    [stage] = stages(model={"layer_sizes": [64, 1024, 10]})[:1]  # 64·1024 + 1024 parameters, 16 bytes each
+    need = 16 * (64 * 1024 + 1024)
+    agent.registry.memory_budget = need - 1
+    assert agent.apply_assignments([stage]) is True
+    [observed] = agent.observed()
+    assert observed["state"] == "failed" and not agent.registry.stages()
+    assert f"needs {need:,} bytes" in observed["message"] and f"{need - 1:,} bytes this node's owner offers" in (
+        observed["message"]
+    )
+    agent.registry.memory_budget = need  # the next generation fits the owner's new budget
+    agent.apply_assignments([Assignment.from_json({**stage.to_json(), "generation": 2})])
+    assert [o["state"] for o in agent.observed()] == ["ready"]
+
+
 def test_unbuildable_and_duplicate_stages_are_reported_failed(agent: Agent) -> None:
     huge = stages(job_id="huge", model={"layer_sizes": [1_000_000, 1_000_000, 4]})[:1]  # 4 TB of weights
     good = stages()[:1]

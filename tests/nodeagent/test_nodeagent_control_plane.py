@@ -114,6 +114,8 @@ def test_heartbeat_applies_assignments_and_reports_readiness_at_once(control_pla
         (200, b"[1, 2]"),
         (200, b'{"node_id": "node-1", "assignments": [], "heartbeat_interval_seconds": 1, "controls": '
               b'{"max_threads": 0}}'),
+        (200, b'{"node_id": "node-1", "assignments": [], "heartbeat_interval_seconds": 1, "controls": '
+              b'{"max_memory_bytes": "1 GB"}}'),
     ],
 )
 def test_bad_responses_keep_the_current_stages_and_the_loop_alive(

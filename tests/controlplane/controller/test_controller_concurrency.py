@@ -18,9 +18,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from arceus.model.registry import model_spec_from_config
+from arceus.placement.profiles import layer_profiles
 from arceus.placement.solver import stage_memory
 from controlplane.controller.executor import execute, reconcile_once
-from controlplane.controller.placement import layer_profiles, workload
+from controlplane.controller.placement import workload
 from controlplane.controller.rules import plan
 from controlplane.controller.snapshot import load_snapshot
 from controlplane.jobs.models import Job, Stage

@@ -10,7 +10,7 @@ from rest_framework.test import APIClient
 
 from arceus.data.text import text_vocabulary
 from arceus.model.registry import model_spec_from_config
-from controlplane.controller.placement import layer_profiles
+from arceus.placement.profiles import layer_profiles
 from controlplane.jobs.models import Job
 
 pytestmark = pytest.mark.django_db

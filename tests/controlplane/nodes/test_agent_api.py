@@ -129,7 +129,7 @@ def test_heartbeat_marks_the_node_ready_and_nudges_the_reconciler_only_on_change
     assert response.json() == {
         "node_id": str(node.id),
         "assignments": [],
-        "controls": {"max_threads": None},
+        "controls": {"max_threads": None, "max_memory_bytes": None},
         "heartbeat_interval_seconds": 2.0,
     }
     node.refresh_from_db()

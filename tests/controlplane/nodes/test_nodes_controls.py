@@ -72,14 +72,14 @@ def test_owners_set_controls_and_strangers_cannot(api: APIClient, other_api: API
 @pytest.mark.django_db
 def test_agents_report_host_load_and_receive_the_thread_cap(user) -> None:
     node, token = node_create(owner=user, name="laptop")
-    Node.objects.filter(pk=node.pk).update(max_threads=2)
+    Node.objects.filter(pk=node.pk).update(max_threads=2, max_memory_bytes=2**30)
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Node {token}")
     caps = {"device_type": "cpu", "device_name": "cpu", "memory_bytes": 2**33, "flops_fp32": 1e11}
     assert client.post("/api/agent/register", {"grpc_address": "10.0.0.1:5000", "capabilities": caps},
                        format="json").status_code == 200
     reply = client.post("/api/agent/heartbeat", {"observed": [], "host_busy_fraction": 0.75}, format="json")
-    assert reply.status_code == 200 and reply.json()["controls"] == {"max_threads": 2}
+    assert reply.status_code == 200 and reply.json()["controls"] == {"max_threads": 2, "max_memory_bytes": 2**30}
     assert NodeLease.objects.get(node=node).host_busy_fraction == 0.75
     bad = client.post("/api/agent/heartbeat", {"observed": [], "host_busy_fraction": 3}, format="json")
     assert bad.status_code == 400 and "host_busy_fraction" in bad.json()["errors"]
