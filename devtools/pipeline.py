@@ -8,6 +8,7 @@ from typing import Any
 
 from arceus.contracts.assignment import Assignment, OptimizerConfig
 from arceus.contracts.stage_key import stage_key
+from arceus.training.plan import StageEndpoint
 from arceus.wire.transfer import transfer_config_from_json
 
 
@@ -52,3 +53,15 @@ def pipeline_assignments(
         ).to_json()
         for i in range(n)
     ]
+
+
+def stage_endpoints(addresses: Sequence[str], boundaries: Sequence[int]) -> tuple[StageEndpoint, ...]:
+    """The driver's view of the same pipeline: stage i at addresses[i] (node "agent-i"), layers
+    [boundaries[i], boundaries[i+1])."""
+    if len(boundaries) != len(addresses) + 1:
+        raise ValueError(f"{len(addresses)} stages need {len(addresses) + 1} boundaries, got {len(boundaries)}")
+    return tuple(
+        StageEndpoint(index=i, address=address, node_id=f"agent-{i}", layer_start=boundaries[i],
+                      layer_end=boundaries[i + 1])
+        for i, address in enumerate(addresses)
+    )

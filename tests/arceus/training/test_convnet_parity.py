@@ -17,10 +17,10 @@ import torch
 from arceus.contracts.assignment import max_micro_batch_size
 from arceus.data import validate_dataset_config
 from arceus.model.registry import fit_model_to_dataset
-from arceus.training import StageEndpoint, TrainPlan, train
+from arceus.training import TrainPlan, train
 from arceus.training.recording import RecordingSink
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
-from devtools.pipeline import pipeline_assignments
+from devtools.pipeline import pipeline_assignments, stage_endpoints
 from devtools.reference import fetch_weights, reference_run
 
 pytestmark = pytest.mark.slow
@@ -69,16 +69,7 @@ def test_cnn_pipeline_training_matches_single_process(agents: list[AgentProcess]
     plan = TrainPlan(
         job_id=job_id,
         generation=1,
-        stages=tuple(
-            StageEndpoint(
-                index=i,
-                address=a.grpc_address,
-                node_id=f"agent-{i}",
-                layer_start=BOUNDARIES[i],
-                layer_end=BOUNDARIES[i + 1],
-            )
-            for i, a in enumerate(agents)
-        ),
+        stages=stage_endpoints([a.grpc_address for a in agents], BOUNDARIES),
         dataset=DATASET,
         epochs=1,
         learning_rate=optimizer["lr"],

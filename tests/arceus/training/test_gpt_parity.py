@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from arceus.contracts.assignment import max_micro_batch_size
-from arceus.training import StageEndpoint, TrainPlan, train
+from arceus.training import TrainPlan, train
 from arceus.training.recording import RecordingSink
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
-from devtools.pipeline import pipeline_assignments
+from devtools.pipeline import pipeline_assignments, stage_endpoints
 from devtools.reference import fetch_weights, reference_run
 
 pytestmark = pytest.mark.slow
@@ -84,16 +84,7 @@ def test_gpt_pipeline_training_matches_single_process(
     plan = TrainPlan(
         job_id=job_id,
         generation=1,
-        stages=tuple(
-            StageEndpoint(
-                index=i,
-                address=agents[i].grpc_address,
-                node_id=f"agent-{i}",
-                layer_start=boundaries[i],
-                layer_end=boundaries[i + 1],
-            )
-            for i in range(len(boundaries) - 1)
-        ),
+        stages=stage_endpoints([a.grpc_address for a in agents[: len(boundaries) - 1]], boundaries),
         dataset=dataset,
         epochs=3,
         learning_rate=run["optimizer"]["lr"],

@@ -16,10 +16,10 @@ import torch
 
 from arceus.contracts.assignment import max_micro_batch_size
 from arceus.data import validate_dataset_config
-from arceus.training import StageEndpoint, TrainPlan, train
+from arceus.training import TrainPlan, train
 from arceus.training.recording import RecordingSink
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
-from devtools.pipeline import pipeline_assignments
+from devtools.pipeline import pipeline_assignments, stage_endpoints
 from devtools.reference import ReferenceRun, fetch_weights, reference_run
 
 pytestmark = pytest.mark.slow
@@ -88,16 +88,7 @@ def test_pipeline_training_matches_single_process(agents: list[AgentProcess], jo
     plan = TrainPlan(
         job_id=job_id,
         generation=1,
-        stages=tuple(
-            StageEndpoint(
-                index=i,
-                address=a.grpc_address,
-                node_id=f"agent-{i}",
-                layer_start=BOUNDARIES[i],
-                layer_end=BOUNDARIES[i + 1],
-            )
-            for i, a in enumerate(agents)
-        ),
+        stages=stage_endpoints([a.grpc_address for a in agents], BOUNDARIES),
         dataset=DATASET,
         epochs=5,
         learning_rate=run["optimizer"]["lr"],
