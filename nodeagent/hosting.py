@@ -56,16 +56,7 @@ class HostedStages:
             stages: dict[str, HostedStage] = {}
             new_failed: dict[str, ObservedStage] = {r.stage_id: r for r in rejected}
             # Running stages first, so a new assignment cannot take the slot of one that stays.
-            for stage_id, assignment in desired.items():
-                kept = current.get(stage_id)
-                if kept is not None and kept.assignment.generation == assignment.generation:
-                    if kept.assignment != assignment:
-                        log.warning(
-                            "assignment %s changed within generation %d; keeping the running stage",
-                            stage_id,
-                            assignment.generation,
-                        )
-                    stages[stage_id] = kept
+            stages.update(_still_hosted(current, desired))
             # The rest go before anything is built: a stage rebuilt at a new generation must not hold its
             # old weights, gradients and optimizer state beside the new ones.
             self._drop([stage for stage_id, stage in current.items() if stages.get(stage_id) is not stage])
@@ -202,3 +193,19 @@ class HostedStages:
 
 def _same_slot(a: Assignment, b: Assignment) -> bool:
     return a.job_id == b.job_id and a.stage_index == b.stage_index
+
+
+def _still_hosted(current: dict[str, HostedStage], desired: dict[str, Assignment]) -> dict[str, HostedStage]:
+    """The hosted stages the desired state keeps at their generation. (A function of its own: a loop
+    variable left in `apply` would hold a replaced stage, and its memory, through the rebuild.)"""
+    kept = {}
+    for stage_id, assignment in desired.items():
+        stage = current.get(stage_id)
+        if stage is not None and stage.assignment.generation == assignment.generation:
+            if stage.assignment != assignment:
+                log.warning(
+                    "assignment %s changed within generation %d; keeping the running stage", stage_id,
+                    assignment.generation,
+                )
+            kept[stage_id] = stage
+    return kept
