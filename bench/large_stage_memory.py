@@ -7,7 +7,9 @@ whole GPT as one stage with Adam, takes one training step, and streams its state
 (arceus.training.stage_client). Generation 2 is then assigned with that file as its checkpoint: the agent
 drops generation 1, rebuilds and loads the state. Read from /proc/self/status after each generation:
 VmRSS (now) and VmHWM (peak so far). The process is the agent plus the client reading the state stream,
-so its peak bounds what the agent alone needs. Prints a table, writes docs/BENCHMARKS.md, and ends with
+so its peak bounds what the agent alone needs. Beside them: the placement solver's estimate for the stage
+(arceus.placement.solver.stage_memory) and the process's RSS before any stage (Python, torch, the agent).
+Prints a table, writes docs/BENCHMARKS.md, and ends with
 one JSON line.
 """
 
@@ -26,6 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arceus.checkpoint import StateFile  # noqa: E402
 from arceus.contracts.assignment import Assignment  # noqa: E402
+from arceus.model.registry import model_spec_from_config  # noqa: E402
+from arceus.placement.profiles import layer_profiles  # noqa: E402
+from arceus.placement.solver import Workload, stage_memory  # noqa: E402
 from arceus.training.plan import StageEndpoint  # noqa: E402
 from arceus.training.stage_client import StageClient  # noqa: E402
 from bench.report import machine_line, write_section  # noqa: E402
@@ -55,6 +60,8 @@ def main() -> None:
     layers = args.n_layer + 2  # embedding, blocks, head
     agent = Agent(device=torch.device("cpu"), load_checkpoint=lambda ref: StateFile(Path(ref.url), sha256=ref.sha256))
     agent.start()
+    baseline_mib = memory_mib()["VmRSS"]
+    estimate_mib = stage_memory(layer_profiles(model_spec_from_config(model)), Workload(BATCH, 1)) // 2**20
     rows, checkpoint, params = [], None, 0
     with tempfile.TemporaryDirectory() as tmp:
         for generation in (1, 2):
@@ -101,11 +108,17 @@ def main() -> None:
         f"({param_mib} MiB fp32) as one stage with Adam (weights + gradients + two moments = {4 * param_mib} MiB), "
         f"batch {BATCH}x{BLOCK}; agent and state-reading client in one process.", "", *table, "",
         f"Peak after the rebuild: **{rows[-1]['VmHWM']} MiB**, {rows[-1]['VmHWM'] / (4 * param_mib):.2f}x the "
-        "stage's training state.",
+        "stage's training state. The placement solver's estimate for this stage (`stage_memory`): "
+        f"{estimate_mib} MiB; the process held {baseline_mib} MiB before any stage, so measured above that "
+        f"baseline: {rows[0]['VmHWM'] - baseline_mib} MiB after the first step "
+        f"({(rows[0]['VmHWM'] - baseline_mib) / estimate_mib:.2f}x the estimate) and "
+        f"{rows[-1]['VmHWM'] - baseline_mib} MiB at the peak of the rebuild "
+        f"({(rows[-1]['VmHWM'] - baseline_mib) / estimate_mib:.2f}x).",
     ])
     print(body)
     write_section("large_stage_memory", body)
-    print(json.dumps({"bench": "large_stage_memory", "params": params, "generations": rows}))
+    print(json.dumps({"bench": "large_stage_memory", "params": params, "estimate_mib": estimate_mib,
+                      "baseline_mib": baseline_mib, "generations": rows}))
 
 
 if __name__ == "__main__":
