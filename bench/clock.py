@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from arceus.training.plan import EpochResult, StageStateFile, StepProgress
+from arceus.training.plan import EpochResult, StageEndpoint, StageStateFile, StepProgress, UploadTarget
 
 
 class Clock:
@@ -16,6 +16,9 @@ class Clock:
 
     def on_epoch(self, r: EpochResult) -> None:
         pass
+
+    def checkpoint_uploads(self, step: int, stages: list[StageEndpoint]) -> dict[int, UploadTarget]:
+        return {}
 
     def on_checkpoint(self, step: int, epoch: int, stages: list[StageStateFile]) -> None:
         pass  # benchmarks time training steps only

@@ -24,7 +24,7 @@ from nodeagent.metrics import AgentMetrics
 from nodeagent.neighbour_links import NeighbourLinks
 from nodeagent.rpc import grpc_channel_options
 from nodeagent.servicer import StageServicer, add_stage_service
-from nodeagent.stage import CheckpointLoader
+from nodeagent.stage import CheckpointLoader, StateUploader
 from nodeagent.tp_servicer import TensorParallelServicer
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class Agent:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_workers: int = 32,
         load_checkpoint: CheckpointLoader | None = None,
+        upload_state: StateUploader | None = None,
         link_probe_interval: float | None = None,
         solo_threads: int | None = None,
     ) -> None:
@@ -86,6 +87,7 @@ class Agent:
                 signer=self.signer,
                 device=device,
                 max_message_bytes=max_message_bytes,
+                upload_state=upload_state,
             ),
             self._server,
         )

@@ -11,7 +11,7 @@ import logging
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from arceus.contracts.observed import ObservedStage
 from arceus.errors import SpecError
 from nodeagent.agent import Agent
 from nodeagent.host_load import HostLoad
+from nodeagent.stage import StateUploadError
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +144,25 @@ class ControlPlaneClient:
             # Open (and map) it before the file goes: its tensors stay readable until the state is dropped.
             return StateFile(Path(file.name), sha256=ref.sha256)
 
+    def upload_state(self, path: str, size: int, chunks: Iterable[bytes | memoryview], seconds: float) -> None:
+        """PUT a stage's state file (`size` bytes, as `chunks`) to `path` on this control plane, streamed: the
+        agent holds one chunk of it at a time. Only paths on this control plane: the node token never goes
+        to another host. Raises StateUploadError."""
+        if not path.startswith("/"):
+            raise StateUploadError(f"upload path {path!r} is not a path on the control plane")
+        url = f"{self.url}{path}"
+        try:
+            response = self._session.put(
+                url,
+                data=_ChunkReader(size, chunks),
+                headers={"Content-Type": "application/octet-stream"},
+                timeout=(self.timeout, max(seconds, 1.0)),
+            )
+        except requests.RequestException as exc:
+            raise StateUploadError(f"PUT {url} failed: {exc}") from exc
+        if response.status_code >= 300:
+            raise StateUploadError(f"PUT {url} → HTTP {response.status_code}: {response.text[:500]}")
+
     def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         url = f"{self.url}{path}"
         try:
@@ -172,6 +192,29 @@ def _control(body: dict[str, Any], name: str) -> int | None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ControlPlaneError(f"heartbeat response has an invalid controls.{name}: {value!r}")
     return value
+
+
+class _ChunkReader:
+    """A file-like view of a stream of chunks with a known total size: requests sends it with a
+    Content-Length, reading it a block at a time."""
+
+    def __init__(self, size: int, chunks: Iterable[bytes | memoryview]) -> None:
+        self._size = size
+        self._chunks = iter(chunks)
+        self._pending = memoryview(b"")
+
+    def __len__(self) -> int:
+        return self._size
+
+    def read(self, n: int = -1) -> bytes:
+        while not self._pending:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return b""
+            self._pending = memoryview(chunk).cast("B")
+        n = len(self._pending) if n is None or n < 0 else n
+        out, self._pending = self._pending[:n], self._pending[n:]
+        return out.tobytes()
 
 
 def _node_id(body: dict[str, Any]) -> str:

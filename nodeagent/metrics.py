@@ -52,6 +52,11 @@ class AgentMetrics:
             "Tensor payload bytes accepted from other stages and drivers.",
             registry=r,
         )
+        self.state_bytes_uploaded = Counter(
+            "arceus_state_bytes_uploaded_total",
+            "Bytes of stage state (checkpoints) this agent uploaded to the control plane itself.",
+            registry=r,
+        )
         self.device_memory = Gauge(
             "arceus_device_memory_used_bytes",
             "CUDA tensor memory allocated, or the process's resident set on CPU.",

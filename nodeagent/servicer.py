@@ -5,6 +5,7 @@ Every failure leaves as a gRPC status with a message; nothing a client sends can
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
@@ -28,7 +29,7 @@ from nodeagent.lending import ComputeThreads
 from nodeagent.mailbox import MailboxClosed, MailboxFull
 from nodeagent.metrics import AgentMetrics
 from nodeagent.rpc import RpcFailure, call_deadline, serve
-from nodeagent.stage import HostedStage
+from nodeagent.stage import HostedStage, StateUploader, StateUploadError
 from nodeagent.step import StepRun
 from nodeagent.validation import KIND_NAMES, decode_push
 from nodeagent.verify import AuditRecord, recompute_forward
@@ -50,8 +51,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         signer: ReceiptSigner,
         device: torch.device,
         max_message_bytes: int,
+        upload_state: StateUploader | None = None,
     ) -> None:
+        """`upload_state`: how SaveState sends a stage's state to the control plane (None: the agent has
+        no control plane, and SaveState is refused)."""
         self._registry = registry
+        self._upload_state = upload_state
         self._metrics = metrics
         self._compute_threads = compute_threads
         self._signer = signer
@@ -142,24 +147,25 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
         return serve(context, "RunStep", step)
 
+    def _between_steps(self, target: stage_pb2.StageRef, context: grpc.ServicerContext) -> HostedStage:
+        """The addressed stage with its step lock held and its optimizer step applied: a checkpoint holds
+        the state after the step's optimizer step, never half updated. The caller releases the lock."""
+        stage = self._registry.resolve(target)
+        if not stage.step_lock.acquire(timeout=max(0.0, call_deadline(context) - time.monotonic())):
+            raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, f"{stage.name} stayed busy with a step")
+        try:
+            stage.settle()
+        except BaseException:
+            stage.step_lock.release()
+            raise
+        return stage
+
     def GetState(
         self, request: stage_pb2.GetStateRequest, context: grpc.ServicerContext
     ) -> Iterator[stage_pb2.StateChunk]:
         """The stage's state as one safetensors file in chunks of a few MiB, between steps (the step lock
-        is held until the last chunk, so the weights are never half updated)."""
-
-        def between_steps() -> HostedStage:
-            stage = self._registry.resolve(request.target)
-            if not stage.step_lock.acquire(timeout=max(0.0, call_deadline(context) - time.monotonic())):
-                raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, f"{stage.name} stayed busy with a step")
-            try:
-                stage.settle()  # a checkpoint holds the state after the step's optimizer step
-            except BaseException:
-                stage.step_lock.release()
-                raise
-            return stage
-
-        stage = serve(context, "GetState", between_steps)
+        is held until the last chunk)."""
+        stage = serve(context, "GetState", lambda: self._between_steps(request.target, context))
         try:
             items = stage.runtime.state_items(include_optimizer_state=request.include_optimizer_state)
             _, chunks = state_chunks(items)
@@ -167,6 +173,45 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 yield stage_pb2.StateChunk(data=bytes(chunk))
         finally:
             stage.step_lock.release()
+
+    def SaveState(
+        self, request: stage_pb2.SaveStateRequest, context: grpc.ServicerContext
+    ) -> stage_pb2.SaveStateReply:
+        """Upload the stage's state (GetState's file) to `upload_path` on the control plane, between steps,
+        a chunk at a time straight from the tensors; the reply says what was sent."""
+
+        def save() -> stage_pb2.SaveStateReply:
+            if self._upload_state is None:
+                raise RpcFailure(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "this agent runs without a control plane, so it has nowhere to upload to; use GetState",
+                )
+            if not request.upload_path.startswith("/"):
+                raise RpcFailure(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"upload_path {request.upload_path!r} is not a path on the control plane (it starts with /)",
+                )
+            stage = self._between_steps(request.target, context)
+            digest = hashlib.sha256()
+
+            def hashed(chunks: Iterator[memoryview]) -> Iterator[memoryview]:
+                for chunk in chunks:
+                    digest.update(chunk)
+                    yield chunk
+
+            try:
+                items = stage.runtime.state_items(include_optimizer_state=request.include_optimizer_state)
+                size, chunks = state_chunks(items)
+                seconds = max(0.0, call_deadline(context) - time.monotonic())
+                self._upload_state(request.upload_path, size, hashed(chunks), seconds)
+            except StateUploadError as exc:
+                raise RpcFailure(grpc.StatusCode.UNAVAILABLE, f"{stage.name}: {exc}") from None
+            finally:
+                stage.step_lock.release()
+            self._metrics.state_bytes_uploaded.inc(size)
+            return stage_pb2.SaveStateReply(sha256=digest.hexdigest(), size_bytes=size)
+
+        return serve(context, "SaveState", save)
 
     def Audit(self, request: stage_pb2.AuditRequest, context: grpc.ServicerContext) -> stage_pb2.AuditReply:
         def audit() -> stage_pb2.AuditReply:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -134,6 +134,15 @@ class HostedStage:
 
 # A stage's checkpoint by its reference: a mapping that may load each tensor only when asked (StateFile).
 CheckpointLoader = Callable[[CheckpointRef], Mapping[str, torch.Tensor]]
+
+
+class StateUploadError(RuntimeError):
+    """A stage's state could not be uploaded to the control plane (the message says why)."""
+
+
+# Upload a stage's state file to a path on the agent's control plane: (path, size in bytes, the file's chunks,
+# seconds allowed). Raises StateUploadError.
+StateUploader = Callable[[str, int, Iterable[bytes | memoryview], float], None]
 
 
 def build_hosted_stage(

@@ -10,6 +10,7 @@ from arceus.training.plan import (
     StepProgress,
     TrainPlan,
     TrainResult,
+    UploadTarget,
 )
 
 __all__ = [
@@ -22,5 +23,6 @@ __all__ = [
     "StepProgress",
     "TrainPlan",
     "TrainResult",
+    "UploadTarget",
     "train",
 ]

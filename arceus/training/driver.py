@@ -37,6 +37,7 @@ from arceus.training.plan import (
     StepProgress,
     TrainPlan,
     TrainResult,
+    UploadTarget,
 )
 from arceus.training.stage_client import StageClient
 from arceus.v1 import stage_pb2
@@ -161,13 +162,28 @@ class Pipeline:
         n = max(y.numel(), 1)  # mean over labels: samples, or a GPT's tokens
         return loss_sum / n, correct / n, stages
 
-    def states(self, directory: Path, *, include_optimizer_state: bool = True) -> list[StageStateFile]:
-        """Every stage's weights (and optimizer state) between steps, each streamed into a safetensors file
-        in `directory` a chunk at a time (a coordinated checkpoint)."""
+    def states(
+        self, directory: Path, *, include_optimizer_state: bool = True, uploads: dict[int, UploadTarget] | None = None
+    ) -> list[StageStateFile]:
+        """Every stage's weights (and optimizer state) between steps (a coordinated checkpoint): uploaded by
+        the stage's agent itself where `uploads` names a target for its index (an unsplit stage), otherwise
+        streamed into a safetensors file in `directory` a chunk at a time."""
+        uploads = uploads or {}
         return [
-            self._stage_state(ranks, endpoint, directory, include_optimizer_state)
+            self._uploaded_state(ranks[0], endpoint, uploads[endpoint.index])
+            if endpoint.index in uploads and len(ranks) == 1
+            else self._stage_state(ranks, endpoint, directory, include_optimizer_state)
             for ranks, endpoint in zip(self.ranks, self.plan.stages, strict=True)
         ]
+
+    def _uploaded_state(self, client: StageClient, endpoint: StageEndpoint, target: UploadTarget) -> StageStateFile:
+        try:
+            sha256, size = client.upload_state(target.path)
+        except grpc.RpcError as exc:
+            raise _driver_error(client, "SaveState (checkpoint)", exc) from exc
+        return StageStateFile(
+            endpoint.index, endpoint.layer_start, endpoint.layer_end, None, sha256, size, upload_id=target.upload_id
+        )
 
     def _stage_state(
         self, ranks: list[StageClient], endpoint: StageEndpoint, directory: Path, include_optimizer_state: bool
@@ -244,8 +260,9 @@ def train(plan: TrainPlan, sink: ProgressSink) -> TrainResult:
     with Pipeline(plan) as pipeline:
 
         def checkpoint(epoch: int) -> None:
+            uploads = sink.checkpoint_uploads(step, plan.stages)
             with tempfile.TemporaryDirectory(prefix="arceus-checkpoint-") as directory:
-                sink.on_checkpoint(step, epoch, pipeline.states(Path(directory)))
+                sink.on_checkpoint(step, epoch, pipeline.states(Path(directory), uploads=uploads))
 
         for epoch in range(first_epoch, plan.epochs + 1):
             batches = epoch_batches(len(train_x), batch_size, plan.seed, epoch)

@@ -129,24 +129,39 @@ class EpochResult:
     stages: list[StageCounters]
 
 
+@dataclass(frozen=True)
+class UploadTarget:
+    """Where a stage's agent uploads its state itself for a checkpoint: `path` on its control plane, and the
+    id the sink knows that upload by."""
+
+    upload_id: str
+    path: str
+
+
 @dataclass
 class StageStateFile:
     """One stage's weights and optimizer state after a step, as a safetensors file (checkpoint tensor
-    names) the driver streamed from the stage's agent: `path` lives until the sink's `on_checkpoint`
-    returns."""
+    names): uploaded by the stage's agent itself (`upload_id`: an UploadTarget's; `path` None), or streamed
+    by the driver into `path`, which lives until the sink's `on_checkpoint` returns."""
 
     index: int
     layer_start: int
     layer_end: int
-    path: Path
-    sha256: str  # hex
+    path: Path | None
+    sha256: str  # hex, as the agent sent it
     size_bytes: int
+    upload_id: str = ""
 
 
 class ProgressSink(Protocol):
     def on_step(self, p: StepProgress) -> None: ...
 
     def on_epoch(self, r: EpochResult) -> None: ...
+
+    def checkpoint_uploads(self, step: int, stages: list[StageEndpoint]) -> dict[int, UploadTarget]:
+        """Where the agents of these stages upload their state for the checkpoint of `step`, by stage index;
+        the others' state the driver streams into files for `on_checkpoint`."""
+        ...
 
     def on_checkpoint(self, step: int, epoch: int, stages: list[StageStateFile]) -> None: ...
 

@@ -8,7 +8,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from arceus.training.plan import EpochResult, StageStateFile, StepProgress
+from arceus.training.plan import EpochResult, StageEndpoint, StageStateFile, StepProgress, UploadTarget
 
 
 class RecordingSink:
@@ -25,12 +25,18 @@ class RecordingSink:
     def on_epoch(self, r: EpochResult) -> None:
         self.epochs.append(r)
 
+    def checkpoint_uploads(self, step: int, stages: list[StageEndpoint]) -> dict[int, UploadTarget]:
+        return {}  # no control plane to upload to: the driver streams every stage's state here
+
     def on_checkpoint(self, step: int, epoch: int, stages: list[StageStateFile]) -> None:
         kept = self.directory / f"step-{step:08d}"
         kept.mkdir(parents=True, exist_ok=True)
-        self.checkpoints[step] = [
-            replace(s, path=Path(shutil.move(s.path, kept / f"stage-{s.index}.safetensors"))) for s in stages
-        ]
+        files = []
+        for s in stages:
+            if s.path is None:
+                raise ValueError(f"stage {s.index}'s state went to upload {s.upload_id}, not to a file to keep")
+            files.append(replace(s, path=Path(shutil.move(s.path, kept / f"stage-{s.index}.safetensors"))))
+        self.checkpoints[step] = files
 
     def wants_checkpoint(self) -> bool:
         return False

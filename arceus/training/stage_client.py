@@ -84,6 +84,15 @@ class StageClient:
         request = stage_pb2.GetStateRequest(target=self.ref, include_optimizer_state=include_optimizer_state)
         return _write_chunks(self._stub.GetState(request, timeout=self.timeout), destination)
 
+    def upload_state(self, upload_path: str, *, include_optimizer_state: bool = True) -> tuple[str, int]:
+        """Have this stage's agent upload its state to `upload_path` on its control plane itself; (the SHA-256
+        in hex, the size) it reports having sent."""
+        request = stage_pb2.SaveStateRequest(
+            target=self.ref, include_optimizer_state=include_optimizer_state, upload_path=upload_path
+        )
+        reply = self._stub.SaveState(request, timeout=self.timeout)
+        return reply.sha256, reply.size_bytes
+
     def audit(self, step: int, micro_batch: int) -> AuditedStep:
         """The activations this stage received (None on the first stage) and sent (None on the last) for
         `micro_batch` of `step`."""

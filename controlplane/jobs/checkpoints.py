@@ -1,36 +1,43 @@
 """Coordinated checkpoints: saved by the job's driver, fetched by agents, assembled for the owner.
 
-Files go through the "checkpoints" storage (settings.STORAGES); rows are written only once every
-stage's file is stored, in one transaction guarded by the driver lease, so a checkpoint in the
-database is always complete and always from the driver that owned the job at the time.
+Files go through the "checkpoints" storage (settings.STORAGES). An unsplit stage's agent uploads its own
+file (the driver opens a CheckpointUpload for it, the agent PUTs the file to the control plane, which
+stores it as it arrives): the state never passes through the driver. Rows are written only once every
+stage's file is stored, in one transaction guarded by the driver lease, so a checkpoint in the database
+is always complete and always from the driver that owned the job at the time.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import logging
 import uuid
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
+from django.conf import settings
 from django.core.files.base import File
 from django.db import transaction
 from django.db.models import Max, QuerySet
 
 from arceus.checkpoint import (
+    CHUNK_BYTES,
     OPTIMIZER_PREFIX,
     CheckpointError,
     decode_checkpoint,
     file_digest,
     merged_checkpoint,
+    read_header,
 )
 from arceus.training.plan import StageStateFile
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.leases import held, job_checkpointed
-from controlplane.jobs.models import Checkpoint, Job, Stage, StageCheckpoint, checkpoint_storage
+from controlplane.jobs.models import Checkpoint, CheckpointUpload, Job, Stage, StageCheckpoint, checkpoint_storage
 
 log = logging.getLogger(__name__)
 # Checkpoints kept per job besides the one its stages resume from and those a rollback could need
@@ -38,16 +45,83 @@ log = logging.getLogger(__name__)
 KEEP_CHECKPOINTS = 2
 
 
+def checkpoint_uploads_open(
+    *, job_id: Any, lease_owner: str, generation: int, step: int, nodes: dict[int, str]
+) -> dict[int, CheckpointUpload] | None:
+    """An upload for each stage index -> the node that hosts it, for the checkpoint of `step`; None (and
+    nothing opened) if the caller no longer holds the job's driver lease at `generation`. Uploads left by an
+    earlier checkpoint that never completed (its driver died) go, with their files."""
+    with transaction.atomic():
+        job = held(job_id, lease_owner).filter(generation=generation).select_for_update().first()
+        if job is None:
+            return None
+        _uploads_delete(CheckpointUpload.objects.filter(job=job))
+        uploads = CheckpointUpload.objects.bulk_create(
+            CheckpointUpload(job=job, node_id=node_id, stage_index=index, step=step, generation=generation)
+            for index, node_id in sorted(nodes.items())
+        )
+    return {u.stage_index: u for u in uploads}
+
+
+def checkpoint_upload_receive(*, node_id: Any, upload_id: str, body: BinaryIO, length: int | None) -> CheckpointUpload:
+    """Store the `length` bytes of `body` as the state file of an open upload of this node's, a chunk at a
+    time, hashing it as it arrives; the file must be a safetensors file. An upload is received once."""
+    upload = CheckpointUpload.objects.filter(pk=_uuid_or_none(upload_id), node_id=node_id).first()
+    if upload is None:
+        raise ApplicationError.not_found("checkpoint upload", upload_id)
+    if upload.file:
+        raise ApplicationError.conflict(f"checkpoint upload {upload_id} was already received")
+    limit = settings.ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES
+    if length is None or length <= 0:
+        raise ApplicationError.invalid("Content-Length", "send the state file's size in bytes (more than 0)")
+    if length > limit:
+        raise ApplicationError.invalid(
+            "Content-Length", f"{length} bytes is more than the {limit} a stage's state file may hold "
+            "(ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES)",
+        )
+    reader = _HashingReader(body, length)
+    storage = checkpoint_storage()
+    name = storage.save(
+        f"checkpoints/{upload.job_id}/step-{upload.step:08d}/stage-{upload.stage_index}-{upload.pk}.safetensors",
+        File(reader),
+    )
+    try:
+        if reader.received != length:
+            raise ApplicationError.invalid(
+                "body", f"the upload ended after {reader.received} of its {length} bytes; send it again"
+            )
+        with storage.open(name, "rb") as handle:
+            read_header(handle)
+        updated = CheckpointUpload.objects.filter(pk=upload.pk, file="").update(
+            file=name, sha256=reader.digest.hexdigest(), size_bytes=length
+        )
+        if not updated:  # received meanwhile, or withdrawn by a newer checkpoint
+            raise ApplicationError.conflict(f"checkpoint upload {upload_id} is no longer open")
+    except CheckpointError as exc:
+        _delete_files([name])
+        raise ApplicationError.invalid("body", str(exc)) from exc
+    except BaseException:
+        _delete_files([name])
+        raise
+    upload.refresh_from_db()
+    return upload
+
+
 def checkpoint_save(
     *, job_id: Any, lease_owner: str, generation: int, step: int, epoch: int, stages: Sequence[StageStateFile]
 ) -> Checkpoint | None:
-    """Store every stage's state file after `step` (copied into the checkpoint storage a chunk at a time);
-    None (and nothing kept) if the caller no longer holds the job's driver lease at `generation`. Resets the
-    job's restart count: the job made progress."""
+    """Store every stage's state after `step`: a file the driver streamed is copied into the checkpoint
+    storage a chunk at a time; an upload must have arrived whole, as the agent says it sent it. None (and
+    nothing kept) if the caller no longer holds the job's driver lease at `generation`. Resets the job's
+    restart count: the job made progress."""
     storage = checkpoint_storage()
     stored: list[tuple[StageStateFile, str]] = []
+    uploads = _received_uploads(job_id, generation, step, [s for s in stages if s.path is None])
     try:
         for stage in stages:
+            if stage.path is None:
+                stored.append((stage, uploads[stage.upload_id].file.name))
+                continue
             with stage.path.open("rb") as handle:
                 name = storage.save(
                     f"checkpoints/{job_id}/step-{step:08d}/stage-{stage.index}.safetensors", File(handle)
@@ -75,6 +149,7 @@ def checkpoint_save(
                 )
                 for stage, name in stored
             )
+            CheckpointUpload.objects.filter(pk__in=[u.pk for u in uploads.values()]).delete()  # files kept
             job_checkpointed(job=job, checkpoint_id=checkpoint.pk, replaced_id=replaced.pk if replaced else None)
             keep = {checkpoint.pk, job.resume_checkpoint_id} | _rollback_targets(job)
             old = Checkpoint.objects.filter(job=job).exclude(pk__in=keep - {None}).order_by("-step")
@@ -86,6 +161,34 @@ def checkpoint_save(
         _delete_files(name for _, name in stored)
         raise
     return checkpoint
+
+
+def _received_uploads(
+    job_id: Any, generation: int, step: int, stages: Sequence[StageStateFile]
+) -> dict[str, CheckpointUpload]:
+    """The uploads these stages' agents say they sent, by id: each must be of this job's checkpoint of `step`
+    in `generation`, for that stage, and have arrived with the hash and size the agent reports."""
+    ids = [_uuid_or_none(s.upload_id) for s in stages]
+    found = {str(u.pk): u for u in CheckpointUpload.objects.filter(pk__in=[i for i in ids if i], job_id=job_id)}
+    for stage in stages:
+        upload = found.get(stage.upload_id)
+        if upload is None or (upload.stage_index, upload.step, upload.generation) != (stage.index, step, generation):
+            raise CheckpointError(f"stage {stage.index}: no upload {stage.upload_id} was opened for step {step}")
+        if not upload.file:
+            raise CheckpointError(f"stage {stage.index}: its agent reports an upload the control plane never received")
+        if (upload.sha256, upload.size_bytes) != (stage.sha256, stage.size_bytes):
+            raise CheckpointError(
+                f"stage {stage.index}: the control plane received {upload.size_bytes} bytes hashing to "
+                f"{upload.sha256}, but the agent sent {stage.size_bytes} bytes hashing to {stage.sha256}"
+            )
+    return found
+
+
+def _uploads_delete(uploads: QuerySet[CheckpointUpload]) -> None:
+    """Delete uploads and, once the transaction commits, their files."""
+    names = [n for n in uploads.values_list("file", flat=True) if n]
+    uploads.delete()
+    transaction.on_commit(lambda: _delete_files(names))
 
 
 def checkpoint_trusted(*, job: Job, node_ids: Collection[str]) -> Checkpoint | None:
@@ -198,6 +301,29 @@ def job_model_file(*, job: Job) -> ModelFile:
 
 class _LeaseLost(Exception):
     pass
+
+
+class _HashingReader(io.RawIOBase):
+    """At most `length` bytes of a request body, hashed and counted as the storage reads them (a readable,
+    unseekable file to the storage)."""
+
+    def __init__(self, body: BinaryIO, length: int) -> None:
+        super().__init__()
+        self._body = body
+        self._left = length
+        self.received = 0
+        self.digest = hashlib.sha256()
+
+    def read(self, n: int = -1) -> bytes:
+        n = self._left if n is None or n < 0 else min(n, self._left)
+        data = self._body.read(min(n, CHUNK_BYTES)) if n else b""
+        self._left -= len(data)
+        self.received += len(data)
+        self.digest.update(data)
+        return data
+
+    def readable(self) -> bool:
+        return True
 
 
 def _delete_files(names: Iterable[str]) -> None:

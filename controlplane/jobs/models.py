@@ -259,3 +259,21 @@ class StageCheckpoint(BaseModel):
         constraints = [
             models.UniqueConstraint(fields=["checkpoint", "stage_index"], name="stagecheckpoint_unique_index")
         ]
+
+
+class CheckpointUpload(BaseModel):
+    """One stage's state file its agent is asked to upload for a checkpoint: opened by the job's driver,
+    filled by the agent's upload (the file, and the hash and size the control plane measured as it arrived),
+    then taken over by the checkpoint once every stage's file is in. The state never passes the driver."""
+
+    job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="checkpoint_uploads")
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="+")
+    stage_index = models.PositiveIntegerField()
+    step = models.PositiveIntegerField()
+    generation = models.BigIntegerField()
+    file = models.FileField(storage=checkpoint_storage, max_length=300, blank=True)
+    sha256 = models.CharField(max_length=64, blank=True)
+    size_bytes = models.BigIntegerField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.job_id} step {self.step} stage {self.stage_index}"

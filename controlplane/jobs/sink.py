@@ -13,14 +13,15 @@ import logging
 import time
 from dataclasses import replace
 
+from django.urls import reverse
 from django.utils import timezone
 
 from arceus.contracts.counters import StageCounters
 from arceus.contracts.spot_check import SpotCheckResult
-from arceus.training import EpochResult, StageStateFile, StepProgress
+from arceus.training import EpochResult, StageEndpoint, StageStateFile, StepProgress, UploadTarget
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.leases import job_driver_handover, job_handover_requested
-from controlplane.jobs.checkpoints import checkpoint_save
+from controlplane.jobs.checkpoints import checkpoint_save, checkpoint_uploads_open
 from controlplane.jobs.progress import StepPoint, job_record_epoch, job_record_steps
 from controlplane.market.verification import spot_checks_record
 
@@ -60,6 +61,23 @@ class DbProgressSink:
                 stages=r.stages,
                 now=timezone.now(),
             )
+
+    def checkpoint_uploads(self, step: int, stages: list[StageEndpoint]) -> dict[int, UploadTarget]:
+        """An upload for every unsplit stage: its agent sends its state to the control plane itself (a
+        tensor-parallel stage's ranks are streamed to the driver, which puts them together)."""
+        if self._lost_lease:
+            return {}
+        uploads = checkpoint_uploads_open(
+            job_id=self.job_id, lease_owner=self.lease_owner, generation=self.generation, step=step,
+            nodes={s.index: s.node_id for s in stages if not s.tensor_parallel_ranks},
+        )
+        if uploads is None:
+            self._lost_lease = True
+            return {}
+        return {
+            index: UploadTarget(str(u.pk), reverse("agent-checkpoint-upload", kwargs={"upload_id": u.pk}))
+            for index, u in uploads.items()
+        }
 
     def on_checkpoint(self, step: int, epoch: int, stages: list[StageStateFile]) -> None:
         self.flush()

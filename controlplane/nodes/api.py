@@ -11,7 +11,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from controlplane.jobs.checkpoints import stage_checkpoint_for_node
+from controlplane.jobs.checkpoints import checkpoint_upload_receive, stage_checkpoint_for_node
 from controlplane.jobs.models import checkpoint_storage
 from controlplane.nodes.authentication import IsNodeAgent, NodeTokenAuthentication
 from controlplane.nodes.selectors import node_get, node_list
@@ -159,3 +159,21 @@ class AgentCheckpointApi(AgentApi):
         response = FileResponse(checkpoint_storage().open(sc.file.name, "rb"), content_type="application/octet-stream")
         response["X-Checkpoint-SHA256"] = sc.sha256
         return response
+
+
+class AgentCheckpointUploadApi(AgentApi):
+    """An agent uploads its stage's state file for a checkpoint the driver opened (safetensors bytes with a
+    Content-Length), streamed into the checkpoint storage."""
+
+    parser_classes: list = []  # the body is read as a stream, never parsed or held whole
+
+    @extend_schema(request={"application/octet-stream": bytes}, responses={201: dict})
+    def put(self, request: Request, upload_id: str) -> Response:
+        length = request.META.get("CONTENT_LENGTH")
+        upload = checkpoint_upload_receive(
+            node_id=request.auth.id,
+            upload_id=upload_id,
+            body=request._request,
+            length=int(length) if length and length.isdigit() else None,
+        )
+        return Response({"sha256": upload.sha256, "size_bytes": upload.size_bytes}, status=201)

@@ -4,6 +4,7 @@ from django.urls import re_path
 
 from controlplane.nodes.api import (
     AgentCheckpointApi,
+    AgentCheckpointUploadApi,
     AgentHeartbeatApi,
     AgentProbeApi,
     AgentRegisterApi,
@@ -24,4 +25,9 @@ urlpatterns = [
     re_path(r"^agent/heartbeat/?$", AgentHeartbeatApi.as_view(), name="agent-heartbeat"),
     re_path(r"^agent/probe/?$", AgentProbeApi.as_view(), name="agent-probe"),
     re_path(r"^agent/checkpoints/(?P<checkpoint_id>[^/]+)/?$", AgentCheckpointApi.as_view(), name="agent-checkpoint"),
+    re_path(
+        r"^agent/checkpoint-uploads/(?P<upload_id>[^/]+)/?$",
+        AgentCheckpointUploadApi.as_view(),
+        name="agent-checkpoint-upload",
+    ),
 ]

@@ -62,3 +62,7 @@ def test_job_trains_across_three_agents_to_success(cluster: LocalCluster) -> Non
         assert nodes[agent.node_id]["ready"]["status"] == "True"
         metrics = requests.get(f"http://{agent.metrics_address}/metrics", timeout=10).text
         assert "arceus_samples_processed_total" in metrics
+        # Each agent uploaded its own stage's checkpoints: the state never passed through the driver.
+        name = "arceus_state_bytes_uploaded_total "
+        uploaded = next(float(line.split()[1]) for line in metrics.splitlines() if line.startswith(name))
+        assert uploaded > 0

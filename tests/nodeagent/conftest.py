@@ -23,6 +23,7 @@ class FakeControlPlane:
     # (status, raw body) to answer heartbeats with instead of the normal reply, while set
     heartbeat_override: tuple[int, bytes] | None = None
     requests: list[tuple[str, dict[str, str], Any]] = field(default_factory=list)
+    uploads: dict[str, bytes] = field(default_factory=dict)  # path -> body of each PUT
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def heartbeats(self) -> list[Any]:
@@ -63,6 +64,17 @@ def control_plane() -> Iterator[FakeControlPlane]:
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
+
+        def do_PUT(self) -> None:  # noqa: N802 - http.server's naming
+            body = self.rfile.read(int(self.headers["Content-Length"]))  # uploads always carry a length
+            with fake.lock:
+                fake.requests.append((self.path, dict(self.headers), None))
+                authorized = self.headers.get("Authorization") == f"Node {fake.token}"
+                if authorized:
+                    fake.uploads[self.path] = body
+            self.send_response(201 if authorized else 401)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
 
         def log_message(self, *args: object) -> None:
             pass

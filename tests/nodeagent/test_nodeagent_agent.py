@@ -10,12 +10,13 @@ import pytest
 import requests
 import torch
 
-from arceus.checkpoint import decode_checkpoint
+from arceus.checkpoint import checkpoint_digest, decode_checkpoint
 from arceus.contracts.assignment import Assignment
 from arceus.contracts.observed import ObservedStage
 from arceus.v1 import stage_pb2, stage_pb2_grpc
 from devtools.pipeline import pipeline_assignments
 from nodeagent.agent import Agent, split_host_port
+from nodeagent.control_plane import ControlPlaneClient
 
 MODEL = {"layer_sizes": [8, 6, 4]}
 
@@ -149,3 +150,40 @@ def test_bad_listen_address(address: str) -> None:
     with pytest.raises(ValueError, match="is not HOST:PORT"):
         split_host_port(address)
     assert split_host_port("[::1]:50051") == ("[::1]", 50051)
+
+
+def test_save_state_uploads_the_stage_state_to_the_control_plane(control_plane) -> None:  # noqa: ANN001
+    client = ControlPlaneClient(control_plane.url, control_plane.token)
+    agent = Agent(device=torch.device("cpu"), upload_state=client.upload_state)
+    agent.start()
+    try:
+        agent.apply_assignments(stages())
+        target = stage_pb2.StageRef(job_id="job", stage_index=1, generation=1)
+        with grpc.insecure_channel(agent.grpc_address) as channel:
+            stub = stage_pb2_grpc.StageServiceStub(channel)
+            request = stage_pb2.SaveStateRequest(target=target, include_optimizer_state=True, upload_path="/up/1")
+            reply = stub.SaveState(request, timeout=10)
+            streamed = b"".join(c.data for c in stub.GetState(stage_pb2.GetStateRequest(target=target), timeout=10))
+            outside = stage_pb2.SaveStateRequest(target=target, upload_path="http://elsewhere.example/x")
+            with pytest.raises(grpc.RpcError) as info:
+                stub.SaveState(outside, timeout=10)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a path on the control plane" in info.value.details()
+    finally:
+        agent.stop(grace=1)
+    uploaded = control_plane.uploads["/up/1"]
+    assert uploaded == streamed  # the file GetState would have streamed, sent to the control plane instead
+    assert (reply.sha256, reply.size_bytes) == (checkpoint_digest(uploaded), len(uploaded))
+    assert sorted(decode_checkpoint(uploaded)) == ["layers.1.bias", "layers.1.weight"]
+
+
+def test_save_state_without_a_control_plane_is_refused(agent: Agent) -> None:
+    agent.apply_assignments(stages())
+    with grpc.insecure_channel(agent.grpc_address) as channel:
+        request = stage_pb2.SaveStateRequest(
+            target=stage_pb2.StageRef(job_id="job", stage_index=1, generation=1), upload_path="/up/1"
+        )
+        with pytest.raises(grpc.RpcError) as info:
+            stage_pb2_grpc.StageServiceStub(channel).SaveState(request, timeout=10)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "without a control plane" in info.value.details()

@@ -33,10 +33,18 @@ from controlplane.controller.transitions import job_rewind
 from controlplane.jobs.checkpoints import (
     KEEP_CHECKPOINTS,
     checkpoint_save,
+    checkpoint_uploads_open,
     job_model_file,
     stage_checkpoint_for_node,
 )
-from controlplane.jobs.models import Checkpoint, Job, Stage, StageCheckpoint, checkpoint_storage
+from controlplane.jobs.models import (
+    Checkpoint,
+    CheckpointUpload,
+    Job,
+    Stage,
+    StageCheckpoint,
+    checkpoint_storage,
+)
 from controlplane.jobs.services import job_cancel
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_create, node_heartbeat, node_register
@@ -63,7 +71,8 @@ def checkpoint_dir(settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     }
     storage = checkpoint_storage()
     assert Path(storage.location) == tmp_path
-    monkeypatch.setattr(StageCheckpoint._meta.get_field("file"), "storage", storage)
+    for model in (StageCheckpoint, CheckpointUpload):
+        monkeypatch.setattr(model._meta.get_field("file"), "storage", storage)
     return tmp_path
 
 
@@ -432,6 +441,95 @@ def test_another_users_model_is_a_404(running_job: Job, other_api: APIClient) ->
     assert APIClient().get(f"/api/jobs/{running_job.id}/model").status_code == 401
 
 
+# --- agents upload their stage's state themselves ------------------------------------------------------
+def open_uploads(job: Job, step: int, **changes: Any) -> dict[int, CheckpointUpload] | None:
+    nodes = {s.index: str(s.node_id) for s in Stage.objects.filter(job=job, active=True)}
+    kwargs = {"job_id": job.id, "lease_owner": DRIVER, "generation": job.generation, "step": step, **changes}
+    return checkpoint_uploads_open(nodes=nodes, **kwargs)
+
+
+def client_of(agents, node_id: Any) -> APIClient:
+    return next(c for n, c in agents if str(n.pk) == str(node_id))
+
+
+def put(client: APIClient, upload: CheckpointUpload, data: bytes, **extra: Any) -> Any:
+    return client.put(
+        f"/api/agent/checkpoint-uploads/{upload.pk}", data=data, content_type="application/octet-stream", **extra
+    )
+
+
+def upload_all(job: Job, agents, step: int) -> list[StageStateFile]:
+    """Every stage's agent uploads its state; what each agent then reports to the driver."""
+    uploads = open_uploads(job, step)
+    assert uploads is not None
+    reported = []
+    for index, upload in sorted(uploads.items()):
+        data = encode_checkpoint(stage_tensors(index, step))
+        response = put(client_of(agents, upload.node_id), upload, data)
+        assert response.status_code == 201, response.content
+        assert response.json() == {"sha256": checkpoint_digest(data), "size_bytes": len(data)}
+        reported.append(
+            StageStateFile(index, index, index + 1, None, checkpoint_digest(data), len(data), upload_id=str(upload.pk))
+        )
+    return reported
+
+
+def test_a_checkpoint_takes_over_the_files_its_agents_uploaded(running_job: Job, agents, checkpoint_dir: Path) -> None:
+    checkpoint = save(running_job, 10, files=upload_all(running_job, agents, 10))
+    assert checkpoint is not None
+    on_disk = files_in(checkpoint_dir)
+    for sc in checkpoint.stages.order_by("stage_index"):
+        stored = decode_checkpoint(on_disk[sc.file.name], sha256=sc.sha256)
+        torch.testing.assert_close(stored, stage_tensors(sc.stage_index, 10))
+    assert len(on_disk) == 3 and not CheckpointUpload.objects.exists()  # the files moved to the checkpoint
+
+
+def test_an_upload_is_taken_only_from_its_node_once_and_whole(running_job: Job, agents, checkpoint_dir: Path) -> None:
+    uploads = open_uploads(running_job, 10)
+    upload = uploads[0]
+    owner, stranger = client_of(agents, upload.node_id), client_of(agents, uploads[1].node_id)
+    data = encode_checkpoint(stage_tensors(0, 10))
+    assert put(stranger, upload, data).status_code == 404  # another node's upload does not exist for it
+    assert put(APIClient(), upload, data).status_code == 401
+    not_safetensors = put(owner, upload, b"\xff" * 64)
+    assert not_safetensors.status_code == 400 and "not a valid safetensors" in not_safetensors.json()["detail"]
+    assert files_in(checkpoint_dir) == {}  # nothing refused is kept
+    assert put(owner, upload, data).status_code == 201
+    again = put(owner, upload, data)
+    assert again.status_code == 409 and "already received" in again.json()["detail"]
+
+
+def test_an_upload_that_differs_from_what_the_agent_sent_fails_the_checkpoint(
+    running_job: Job, agents, checkpoint_dir: Path
+) -> None:
+    reported = upload_all(running_job, agents, 10)
+    reported[1] = replace(reported[1], sha256="0" * 64)
+    with pytest.raises(CheckpointError, match="stage 1: the control plane received"):
+        save(running_job, 10, files=reported)
+    assert not Checkpoint.objects.exists()
+
+
+def test_a_checkpoint_needs_every_upload_received(running_job: Job, agents) -> None:
+    uploads = open_uploads(running_job, 10)
+    reported = [StageStateFile(i, i, i + 1, None, "0" * 64, 1, upload_id=str(u.pk)) for i, u in uploads.items()]
+    with pytest.raises(CheckpointError, match="never received"):
+        save(running_job, 10, files=reported)
+    with pytest.raises(CheckpointError, match="no upload"):
+        save(running_job, 11, files=reported)  # opened for step 10
+
+
+def test_uploads_are_opened_only_under_the_lease_and_replace_an_unfinished_checkpoints(
+    running_job: Job, agents, checkpoint_dir: Path, django_capture_on_commit_callbacks
+) -> None:
+    assert open_uploads(running_job, 10, lease_owner="driver-b") is None
+    upload_all(running_job, agents, 10)  # the driver died before saving the checkpoint
+    assert len(files_in(checkpoint_dir)) == 3
+    with django_capture_on_commit_callbacks(execute=True):
+        assert open_uploads(running_job, 20) is not None
+    assert files_in(checkpoint_dir) == {}
+    assert CheckpointUpload.objects.filter(step=10).count() == 0
+
+
 # --- an S3-compatible bucket instead of the filesystem -----------------------------------------------
 @pytest.fixture
 def s3_bucket(settings, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
@@ -454,7 +552,8 @@ def s3_bucket(settings, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     )
     s3.create_bucket(Bucket="arceus-checkpoints")
     settings.STORAGES = {**settings.STORAGES, "checkpoints": checkpoint_storage_settings(env)}
-    monkeypatch.setattr(StageCheckpoint._meta.get_field("file"), "storage", checkpoint_storage())
+    for model in (StageCheckpoint, CheckpointUpload):
+        monkeypatch.setattr(model._meta.get_field("file"), "storage", checkpoint_storage())
     try:
         yield s3
     finally:
@@ -478,3 +577,12 @@ def test_checkpoints_live_in_an_s3_bucket_when_one_is_configured(running_job: Jo
     torch.testing.assert_close(decode_checkpoint(data)["layers.0.weight"], stage_tensors(0, 10)["layers.0.weight"])
     model = b"".join(job_model_file(job=running_job).chunks)
     assert sorted(decode_checkpoint(model)) == [f"layers.{i}.{p}" for i in range(3) for p in ("bias", "weight")]
+
+
+def test_agents_upload_their_state_into_the_s3_bucket(running_job: Job, agents, s3_bucket) -> None:
+    checkpoint = save(running_job, 10, files=upload_all(running_job, agents, 10))
+    listed = s3_bucket.list_objects_v2(Bucket="arceus-checkpoints", Prefix=f"checkpoints/{running_job.id}/")
+    keys = sorted(o["Key"] for o in listed["Contents"])
+    assert keys == sorted(sc.file.name for sc in checkpoint.stages.all()) and len(keys) == 3
+    model = b"".join(job_model_file(job=running_job).chunks)
+    torch.testing.assert_close(decode_checkpoint(model)["layers.2.weight"], stage_tensors(2, 10)["layers.2.weight"])
