@@ -5,7 +5,7 @@
     arceus jobs train JOB_ID --watch     # starts it and draws a live progress bar
     arceus jobs show JOB_ID
     arceus jobs model JOB_ID -o model.safetensors   # the trained weights
-    arceus jobs sample JOB_ID --prompt "And God said"  # text from a trained transformer
+    arceus jobs sample JOB_ID --prompt "And God said"  # text from a running transformer job
     arceus nodes create my-laptop        # prints the agent token, once
     arceus nodes pause NODE_ID           # drain it: its stages move elsewhere without losing work
 """
@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     model = jobs_sub.add_parser("model", help="download the trained weights as a safetensors file")
     model.add_argument("job_id")
     model.add_argument("-o", "--output", help="file to write (default: JOB_ID.safetensors)")
-    sample = jobs_sub.add_parser("sample", help="generate text from a trained transformer job")
+    sample = jobs_sub.add_parser("sample", help="generate text from a running transformer job")
     sample.add_argument("job_id")
     sample.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     sample.add_argument("--length", type=int, default=300, help="tokens to generate (characters for a char vocabulary)")

@@ -129,7 +129,8 @@ class ArceusClient:
     def sample(
         self, job_id: str, *, prompt: str = "\n", length: int = 300, temperature: float = 0.8, seed: int = 0
     ) -> dict[str, Any]:
-        """Text from a trained transformer job: `{"text": prompt + generated text, "step": ...}`."""
+        """Text from a running transformer job, decoded through its agents: `{"text": prompt + generated
+        text, "step": the training step the weights had reached}`."""
         body = {"prompt": prompt, "length": length, "temperature": temperature, "seed": seed}
         return self._request("POST", f"/api/jobs/{job_id}/sample", body)
 

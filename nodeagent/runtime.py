@@ -9,6 +9,7 @@ With bf16 precision the forward (and so the backward) runs under autocast; what 
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
@@ -23,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from arceus.checkpoint import OPTIMIZER_PREFIX
 from arceus.contracts.assignment import OptimizerConfig
 from arceus.model.build import named_global_parameters
+from arceus.model.decoding import DecodeState, decode, decodes
 from arceus.model.layout import TensorLayout
 from arceus.model.precision import autocast
 
@@ -80,6 +82,9 @@ class StageRuntime:
         self.max_micro_batch_size = max_micro_batch_size
         self.counters = RuntimeCounters()
         self._deferred: tuple[float | None] | None = None  # a deferred optimizer step's learning rate
+        # Held while the weights change (the optimizer step) and while a sampler decodes with them, which it
+        # may do between or during training steps: a sample never sees half-updated weights.
+        self._weights_lock = threading.Lock()
         # key -> (input that needs a gradient, or None on the first stage; output or scaled loss)
         self._pending: dict[MicroBatchKey, tuple[torch.Tensor | None, torch.Tensor]] = {}
 
@@ -124,7 +129,8 @@ class StageRuntime:
             if learning_rate:
                 for group in self.optimizer.param_groups:
                     group["lr"] = learning_rate
-            self.optimizer.step()
+            with self._weights_lock:
+                self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
 
     def defer_optimizer_step(self, learning_rate: float | None = None) -> None:
@@ -155,6 +161,34 @@ class StageRuntime:
         with torch.no_grad(), self._timed(samples=len(x)), self._autocast():
             loss_sum, correct = _loss_sum(self.layers(self._checked(x).to(self.device)), labels.to(self.device))
             return float(loss_sum), correct
+
+    # --- decoding (sampling text through the pipeline) --------------------------------------------
+    def decode(self, x: torch.Tensor, state: DecodeState) -> torch.Tensor:
+        """The next positions `x` of a sequence through this stage's layers, extending `state` (their key/
+        value caches): token ids [batch, t] on the first stage, activations [batch, t, d] on the others. The
+        last stage returns the last position's logits [batch, vocab]; the others their activations. Not
+        training work: nothing is counted. ValueError naming what is wrong with `x`."""
+        layout = self.input_layout
+        window = layout.shape[0]
+        if not decodes(self.layers):
+            raise ValueError("this stage's layers do not decode a position at a time (only a text model's do)")
+        expected = f"[batch, positions, {', '.join(map(str, layout.shape[1:]))}]".replace(", ]", "]")
+        if x.dim() != len(layout.shape) + 1 or tuple(x.shape[2:]) != layout.shape[1:] or x.shape[1] < 1:
+            raise ValueError(f"expected input of shape {expected}, got {list(x.shape)}")
+        if x.dtype != getattr(torch, layout.dtype):
+            raise ValueError(f"expected {layout.dtype} input, got {x.dtype}")
+        if not 1 <= len(x) <= self.max_micro_batch_size:
+            raise ValueError(f"a batch of {len(x)} sequences; this stage decodes 1 to {self.max_micro_batch_size}")
+        if state.position + x.shape[1] > window:
+            raise ValueError(
+                f"positions {state.position} to {state.position + x.shape[1] - 1} are past the model's window "
+                f"of {window}; start a new sequence with the last {window} tokens"
+            )
+        if layout.bound is not None and (int(x.min()) < 0 or int(x.max()) >= layout.bound):
+            raise ValueError(f"token ids must lie in [0, {layout.bound})")
+        with self._weights_lock, torch.no_grad(), self._autocast():
+            out = decode(self.layers, x.to(self.device), state)
+        return (out[:, -1, :] if self.is_last else out).float().cpu()
 
     # --- inspection and checkpoints ---------------------------------------------------------------
     def named_weights(self) -> dict[str, torch.Tensor]:

@@ -213,6 +213,27 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
         return serve(context, "SaveState", save)
 
+    def Infer(self, request: stage_pb2.InferRequest, context: grpc.ServicerContext) -> stage_pb2.InferReply:
+        """Decode the next positions of a sampler's sequence (between or during training steps)."""
+
+        def infer() -> stage_pb2.InferReply:
+            stage = self._registry.resolve(request.target)
+            if stage.assignment.tensor_parallel is not None:
+                raise RpcFailure(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{stage.name} is split across a tensor-parallel group, which does not decode for samplers",
+                )
+            if request.start < 0:
+                raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, f"start must be 0 or more, got {request.start}")
+            try:
+                x = from_proto(request.input, max_bytes=self._max_message_bytes)
+            except TensorValidationError as exc:
+                raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, f"input: {exc}") from None
+            out = stage.decoding.decode(request.session, request.start, x)
+            return stage_pb2.InferReply(output=to_proto(out))
+
+        return serve(context, "Infer", infer)
+
     def Audit(self, request: stage_pb2.AuditRequest, context: grpc.ServicerContext) -> stage_pb2.AuditReply:
         def audit() -> stage_pb2.AuditReply:
             stage, record = self._audit_record(request, context)

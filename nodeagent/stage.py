@@ -17,6 +17,7 @@ from arceus.v1 import stage_pb2
 from arceus.wire.push_stream import PushStream
 from arceus.wire.transfer import TransferEncoder
 from nodeagent.all_reduce import TensorParallelGroup
+from nodeagent.inference import DecodeSessions
 from nodeagent.lending import LendingGauge
 from nodeagent.mailbox import Mailbox
 from nodeagent.rpc import grpc_channel_options
@@ -88,6 +89,7 @@ class HostedStage:
         # The last train step's activations and weights, kept for spot checks (retain_for_audit).
         self.audit_record: AuditRecord | None = None
         self.lending = LendingGauge()  # whether borrowing idle cores pays, learnt from this stage's steps
+        self.decoding = DecodeSessions(runtime)  # the sequences samplers decode through this stage
 
     @property
     def name(self) -> str:

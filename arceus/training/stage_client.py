@@ -132,6 +132,12 @@ class StageClient:
         reply = self._stub.VerifyForward(requests(), timeout=self.timeout)
         return from_proto(reply.output, max_bytes=MAX_MESSAGE_BYTES)
 
+    def infer(self, session: str, start: int, x: torch.Tensor) -> torch.Tensor:
+        """This stage's output for positions [start, start + t) of `session`'s sequence (see `Infer`)."""
+        request = stage_pb2.InferRequest(target=self.ref, session=session, start=start, input=to_proto(x))
+        reply = self._stub.Infer(request, timeout=self.timeout)
+        return from_proto(reply.output, max_bytes=MAX_MESSAGE_BYTES)
+
     def snapshot(self, counters: stage_pb2.StageCounters) -> StageCounters:
         return StageCounters(
             index=self.endpoint.index,

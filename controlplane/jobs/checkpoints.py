@@ -19,7 +19,6 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-import torch
 from django.conf import settings
 from django.core.files.base import File
 from django.db import transaction
@@ -29,7 +28,6 @@ from arceus.checkpoint import (
     CHUNK_BYTES,
     OPTIMIZER_PREFIX,
     CheckpointError,
-    decode_checkpoint,
     file_digest,
     merged_checkpoint,
     read_header,
@@ -231,22 +229,6 @@ def stage_checkpoint_for_node(*, node_id: Any, stage_checkpoint_id: str) -> Stag
     ).exists():
         raise ApplicationError.not_found("checkpoint", stage_checkpoint_id)
     return sc
-
-
-def job_model_weights(*, job: Job) -> tuple[dict[str, torch.Tensor], Checkpoint]:
-    """Every stage's weights (no optimizer state) from the job's newest checkpoint, by model-wide name."""
-    checkpoint = job.checkpoints.order_by("-step").first()
-    if checkpoint is None:
-        raise ApplicationError.conflict(
-            f"job {job.id} has no checkpoint yet; the model is available once training has saved one"
-        )
-    tensors: dict[str, torch.Tensor] = {}
-    storage = checkpoint_storage()
-    for sc in checkpoint.stages.order_by("stage_index"):
-        with storage.open(sc.file.name, "rb") as handle:
-            state = decode_checkpoint(handle.read(), sha256=sc.sha256)
-        tensors.update({k: v for k, v in state.items() if not k.startswith(OPTIMIZER_PREFIX)})
-    return tensors, checkpoint
 
 
 @dataclass(frozen=True)

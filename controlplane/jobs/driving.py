@@ -13,7 +13,6 @@ import os
 import socket
 import threading
 import uuid
-from collections import defaultdict
 from collections.abc import Callable
 
 from django.conf import settings
@@ -21,13 +20,13 @@ from django.db import DatabaseError, connection
 from django.utils import timezone
 
 from arceus.errors import SpecError
-from arceus.training import DriverError, RankEndpoint, StageEndpoint, TrainPlan, train
+from arceus.training import DriverError, TrainPlan, train
 from arceus.wire.transfer import transfer_config_from_json
 from controlplane.controller.leases import job_driver_claim, job_driver_interrupted, job_driver_renew
 from controlplane.controller.transitions import job_fail
-from controlplane.jobs.models import Job, Stage
+from controlplane.jobs.models import Job
 from controlplane.jobs.progress import job_finish
-from controlplane.jobs.selectors import job_stages
+from controlplane.jobs.selectors import job_stage_endpoints
 from controlplane.jobs.sink import DbProgressSink
 
 log = logging.getLogger(__name__)
@@ -87,29 +86,10 @@ def job_drive(*, job_id: str) -> str:
 
 
 def train_plan(job: Job) -> TrainPlan:
-    """The job's plan as its stage rows stand: a tensor-parallel stage is its rank 0's endpoint, listing
-    the other ranks in rank order."""
-    groups: dict[int, list[Stage]] = defaultdict(list)
-    for row in job_stages(job=job):
-        groups[row.index].append(row)
     return TrainPlan(
         job_id=str(job.id),
         generation=job.generation,
-        stages=tuple(
-            StageEndpoint(
-                index=index,
-                address=rank0.node.grpc_address if rank0.node else "",
-                node_id=str(rank0.node_id),
-                layer_start=rank0.layer_start,
-                layer_end=rank0.layer_end,
-                public_key=rank0.node.public_key if rank0.node else "",
-                tensor_parallel_ranks=tuple(
-                    RankEndpoint(address=r.node.grpc_address if r.node else "", node_id=str(r.node_id))
-                    for r in others
-                ),
-            )
-            for index, (rank0, *others) in sorted(groups.items())
-        ),
+        stages=job_stage_endpoints(job=job),
         dataset=job.dataset_config,
         epochs=job.epochs,
         learning_rate=job.learning_rate,

@@ -1,34 +1,44 @@
-"""Text from a trained transformer job: its newest checkpoint's weights, sampled in this process."""
+"""Text from a transformer job, sampled through the agents that hold its stages (`arceus.training.sampling`):
+this process holds token ids, never the model."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from http import HTTPStatus
 
+from django.conf import settings
+
+from arceus.contracts.status import JobStatus
 from arceus.data.text import dataset_tokenizer
 from arceus.errors import SpecError
-from arceus.model.generate import sample_text
 from arceus.model.registry import architecture_of, model_spec_from_config, text_writers
+from arceus.training.sampling import SamplingError, sample_through_pipeline
 from controlplane.common.errors import ApplicationError
-from controlplane.jobs.checkpoints import job_model_weights
 from controlplane.jobs.models import Job
+from controlplane.jobs.selectors import job_stage_endpoints
 
 
 @dataclass(frozen=True)
 class JobSample:
     text: str  # the prompt followed by the sampled tokens' text
-    step: int  # the training step of the checkpoint sampled from
+    step: int  # the training step the agents' weights had reached when sampling began
 
 
 def job_sample(*, job: Job, prompt: str, length: int, temperature: float, seed: int) -> JobSample:
-    """Continue `prompt` by `length` tokens (temperature 0: always the likeliest one), with the tokenizer of
-    the job's training text (its characters, or the BPE trained on it)."""
+    """Continue `prompt` by `length` tokens (temperature 0: always the likeliest one) with the weights the
+    job's agents hold now, and the tokenizer of the job's training text (its characters, or the BPE trained
+    on it). The agents hold the stages only while the job runs."""
     spec = model_spec_from_config(job.model_config)
     if not architecture_of(spec).writes_text:
         raise ApplicationError.conflict(
             f"job {job.id} trains a model of type {spec.type!r}; only a {' or '.join(text_writers())} job "
             "generates text"
         )
-    weights, checkpoint = job_model_weights(job=job)
+    if job.status != JobStatus.RUNNING:
+        raise ApplicationError.conflict(
+            f"job {job.id} is {job.status}: its model is sampled through the agents that hold its stages, which "
+            "they do while it runs; sample it then, or download the model (GET /api/jobs/<id>/model)"
+        )
     try:
         tokenizer = dataset_tokenizer(job.dataset_config)
     except SpecError as exc:
@@ -38,10 +48,24 @@ def job_sample(*, job: Job, prompt: str, length: int, temperature: float, seed: 
             "prompt", f"uses {unknown!r}, which the training text never does; its characters: "
             f"{tokenizer.decode(list(range(tokenizer.vocab_size)))!r}",
         )
+    step = job.step
     try:
-        text = sample_text(
-            job.model_config, weights, tokenizer, prompt=prompt, length=length, temperature=temperature, seed=seed
+        text = sample_through_pipeline(
+            job_stage_endpoints(job=job),
+            job_id=str(job.id),
+            generation=job.generation,
+            model_config=job.model_config,
+            tokenizer=tokenizer,
+            prompt=prompt,
+            length=length,
+            temperature=temperature,
+            seed=seed,
+            timeout=settings.ARCEUS_RPC_TIMEOUT_SECONDS,
         )
     except ValueError as exc:  # the text file changed since submission: another vocabulary size
         raise ApplicationError.conflict(f"cannot sample from job {job.id}: {exc}") from exc
-    return JobSample(text=text, step=checkpoint.step)
+    except SamplingError as exc:  # a stage moved or its agent went away meanwhile: worth trying again
+        raise ApplicationError(
+            f"sampling job {job.id} failed: {exc}; try again", status=HTTPStatus.SERVICE_UNAVAILABLE
+        ) from exc
+    return JobSample(text=text, step=step)

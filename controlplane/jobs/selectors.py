@@ -19,6 +19,7 @@ from arceus.contracts.assignment import (
     max_micro_batch_size,
 )
 from arceus.contracts.status import HOSTED_STATUSES
+from arceus.training.plan import RankEndpoint, StageEndpoint
 from arceus.wire.transfer import transfer_config_from_json
 from controlplane.common.errors import ApplicationError
 from controlplane.jobs.models import Job, LossPoint, Stage, StageCheckpoint, StageContribution
@@ -45,6 +46,28 @@ def job_get_for_user(*, user: AbstractBaseUser, job_id: str) -> Job:
 def job_stages(*, job: Job) -> QuerySet[Stage]:
     """The job's stage rows (one per rank of a tensor-parallel stage), in stage then rank order."""
     return Stage.objects.filter(job=job).select_related("node").order_by("index", "rank")
+
+
+def job_stage_endpoints(*, job: Job) -> tuple[StageEndpoint, ...]:
+    """Where the driver and samplers reach each stage, as its rows stand: a tensor-parallel stage is its
+    rank 0's endpoint, listing the other ranks in rank order."""
+    groups: dict[int, list[Stage]] = defaultdict(list)
+    for row in job_stages(job=job):
+        groups[row.index].append(row)
+    return tuple(
+        StageEndpoint(
+            index=index,
+            address=rank0.node.grpc_address if rank0.node else "",
+            node_id=str(rank0.node_id),
+            layer_start=rank0.layer_start,
+            layer_end=rank0.layer_end,
+            public_key=rank0.node.public_key if rank0.node else "",
+            tensor_parallel_ranks=tuple(
+                RankEndpoint(address=r.node.grpc_address if r.node else "", node_id=str(r.node_id)) for r in others
+            ),
+        )
+        for index, (rank0, *others) in sorted(groups.items())
+    )
 
 
 def job_contributions(*, job: Job) -> list[dict[str, Any]]:

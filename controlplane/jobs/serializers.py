@@ -306,4 +306,4 @@ class JobSampleInput(StrictInputSerializer):
 
 class JobSampleOutput(serializers.Serializer):
     text = serializers.CharField(help_text="the prompt followed by the generated text")
-    step = serializers.IntegerField(help_text="training step of the checkpoint sampled from")
+    step = serializers.IntegerField(help_text="training step the agents' weights had reached")

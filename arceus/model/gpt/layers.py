@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from arceus.model.decoding import KVCache, causal_mask
 from arceus.model.gpt.spec import GPTSpec
 
 INIT_STD = 0.02
@@ -28,7 +29,10 @@ class GPTEmbedding(nn.Module):
             nn.init.normal_(self.wpe.weight, 0.0, INIT_STD, generator=generator)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.shape[1], device=idx.device)
+        return self.decode(idx, 0, KVCache())
+
+    def decode(self, idx: torch.Tensor, position: int, cache: KVCache) -> torch.Tensor:
+        positions = torch.arange(position, position + idx.shape[1], device=idx.device)
         return self.wte(idx) + self.wpe(positions)
 
 
@@ -44,6 +48,15 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).split(d, dim=2)
         q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, d))
+
+    def decode(self, x: torch.Tensor, position: int, cache: KVCache) -> torch.Tensor:
+        """`forward` for positions [position, position + t), attending to the cached earlier ones too."""
+        b, t, d = x.shape
+        q, k, v = self.c_attn(x).split(d, dim=2)
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        k, v = cache.extend(k, v)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_mask(t, position, x.device))
         return self.c_proj(y.transpose(1, 2).contiguous().view(b, t, d))
 
 
@@ -72,6 +85,10 @@ class GPTBlock(nn.Module):
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
+    def decode(self, x: torch.Tensor, position: int, cache: KVCache) -> torch.Tensor:
+        x = x + self.attn.decode(self.ln_1(x), position, cache)
+        return x + self.mlp(self.ln_2(x))
+
 
 def gpt_block(spec: GPTSpec, generator: torch.Generator) -> GPTBlock:
     block = GPTBlock(spec, CausalSelfAttention(spec), MLP(spec))
@@ -98,6 +115,9 @@ class GPTHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.ln_f(x))
+
+    def decode(self, x: torch.Tensor, position: int, cache: KVCache) -> torch.Tensor:
+        return self.forward(x)
 
 
 def gpt_layer(spec: GPTSpec, index: int, generator: torch.Generator) -> nn.Module:

@@ -16,8 +16,11 @@ import pytest
 import torch
 
 from arceus.contracts.assignment import max_micro_batch_size
+from arceus.data.text import dataset_tokenizer
+from arceus.model.generate import sample_text
 from arceus.training import TrainPlan, train
 from arceus.training.recording import RecordingSink
+from arceus.training.sampling import sample_through_pipeline
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
 from devtools.pipeline import pipeline_assignments, stage_endpoints
 from devtools.reference import fetch_weights, reference_run
@@ -131,3 +134,22 @@ def test_gpt_pipeline_training_matches_single_process(
     assert sorted(weights) == sorted(expected.weights)
     for name, want in expected.weights.items():
         torch.testing.assert_close(weights[name], want, rtol=1e-5, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_text_sampled_through_the_agents_is_what_one_process_samples_from_their_weights(
+    configs: tuple[dict[str, Any], dict[str, Any]], agents: list[AgentProcess], temperature: float
+) -> None:
+    model, dataset = configs
+    boundaries = RUNS["gpt-3-1f1b"]["boundaries"]
+    stages = stage_endpoints([a.grpc_address for a in agents], boundaries)
+    plan = TrainPlan(job_id="gpt-3-1f1b", generation=1, stages=stages, dataset=dataset, epochs=1,
+                     learning_rate=0.1, micro_batches=MICRO_BATCHES, seed=SEED)
+    tokenizer = dataset_tokenizer(dataset)
+    # Longer than the window (16): the window slides and every stage's cache starts again.
+    options = {"prompt": "In the", "length": 40, "temperature": temperature, "seed": 5}
+    sampled = sample_through_pipeline(
+        stages, job_id="gpt-3-1f1b", generation=1, model_config=model, tokenizer=tokenizer, timeout=30.0, **options
+    )
+    assert sampled.startswith("In the") and len(tokenizer.encode(sampled)) == len(tokenizer.encode("In the")) + 40
+    assert sampled == sample_text(model, fetch_weights(plan), tokenizer, **options)

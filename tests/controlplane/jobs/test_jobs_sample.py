@@ -1,10 +1,10 @@
-"""POST /api/jobs/<id>/sample: text from a transformer job's newest checkpoint, through the API, the SDK and
-the CLI (against a live server)."""
+"""POST /api/jobs/<id>/sample: text from a running transformer job, sampled through the agent that hosts its
+stage (a real agent serving gRPC in this process), through the API, the SDK and the CLI (against a live
+server)."""
 
 from __future__ import annotations
 
-import os
-import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,46 +12,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 from django.contrib.auth.models import User
-from django.utils import timezone
 from rest_framework.test import APIClient
 
-from arceus.checkpoint import checkpoint_digest, encode_checkpoint
 from arceus.cli import main as cli_main
+from arceus.contracts.assignment import Assignment
 from arceus.contracts.status import JobStatus
 from arceus.data.tokenizer import split_text, train_bpe
 from arceus.model.build import build_full_model, named_global_parameters
 from arceus.model.registry import model_spec_from_config
-from arceus.training.plan import StageStateFile
+from arceus.v1 import stage_pb2
 from controlplane.accounts.services import user_token_get_or_create
 from controlplane.controller.executor import reconcile_once
-from controlplane.controller.leases import job_driver_claim
-from controlplane.jobs.checkpoints import checkpoint_save
-from controlplane.jobs.models import Job, StageCheckpoint, checkpoint_storage
+from controlplane.jobs.models import Job
+from controlplane.jobs.selectors import assignments_for_node
 from controlplane.jobs.services import job_start, job_submit
+from nodeagent.agent import Agent
 
 MODEL = {"type": "transformer", "n_layer": 1, "n_head": 2, "d_model": 16, "block_size": 8}
-DRIVER = "driver-sample"
-
-
-def state_file(index: int, layer_start: int, layer_end: int, data: bytes) -> StageStateFile:
-    """A stage's state file as the driver hands it to the sink."""
-    handle, name = tempfile.mkstemp(suffix=".safetensors")
-    with os.fdopen(handle, "wb") as out:
-        out.write(data)
-    return StageStateFile(index, layer_start, layer_end, Path(name), checkpoint_digest(data), len(data))
-
-
-@pytest.fixture
-def checkpoint_dir(settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    settings.STORAGES = {
-        **settings.STORAGES,
-        "checkpoints": {
-            "BACKEND": "django.core.files.storage.FileSystemStorage",
-            "OPTIONS": {"location": str(tmp_path)},
-        },
-    }
-    monkeypatch.setattr(StageCheckpoint._meta.get_field("file"), "storage", checkpoint_storage())
-    return tmp_path
 
 
 def trained_on(config: dict[str, Any], pattern: tuple[int, ...]) -> dict[str, torch.Tensor]:
@@ -68,26 +45,35 @@ def trained_on(config: dict[str, Any], pattern: tuple[int, ...]) -> dict[str, to
     return {name: p.detach().clone() for name, p in named_global_parameters(model)}
 
 
+@pytest.fixture
+def agent() -> Iterator[Agent]:
+    started = Agent(device=torch.device("cpu"))
+    started.start()
+    try:
+        yield started
+    finally:
+        started.stop(grace=1)
+
+
 def make_job(
-    user: User, source: Path, ready_node, *, trained: bool = True, model: dict[str, Any] = MODEL,
+    user: User, source: Path, ready_node, agent: Agent, *, running: bool = True, model: dict[str, Any] = MODEL,
     pattern: tuple[int, ...] = (0, 1, 2, 3),
 ) -> Job:
-    """A one-stage transformer job on the text in `source`; with `trained`, a checkpoint at step 60 of a
-    model that learned `pattern` (tokens a=0 … d=3 for the char vocabulary of "abcd")."""
-    ready_node("sampler-node")
+    """A one-stage transformer job on the text in `source`, placed on `agent`'s node; with `running`, the agent
+    hosts the stage with the weights of a model that learned `pattern` (tokens a=0 … d=3 for the char
+    vocabulary of "abcd") and the job has trained 60 steps."""
+    node = ready_node("sampler-node", port=agent.grpc_port)
     job = job_start(job=job_submit(
         owner=user, model_config=model, dataset_config={"name": "text", "source": str(source)}, stages=1,
     ))
     reconcile_once()
-    if trained:
-        Job.objects.filter(pk=job.pk).update(status=JobStatus.RUNNING)
-        assert job_driver_claim(job_id=job.id, owner=DRIVER, now=timezone.now()) is not None
+    job.refresh_from_db()
+    if running:
+        agent.apply_assignments([Assignment.from_json(a) for a in assignments_for_node(node=node)])
+        ref = stage_pb2.StageRef(job_id=str(job.id), stage_index=0, generation=job.generation)
+        agent.registry.resolve(ref).runtime.load_state_tensors(trained_on(job.model_config, pattern))
+        Job.objects.filter(pk=job.pk).update(status=JobStatus.RUNNING, step=60)
         job.refresh_from_db()
-        layers = model_spec_from_config(job.model_config).num_layers
-        data = encode_checkpoint(trained_on(job.model_config, pattern))
-        saved = checkpoint_save(job_id=job.id, lease_owner=DRIVER, generation=job.generation, step=60, epoch=1,
-                                stages=[state_file(0, 0, layers, data)])
-        assert saved is not None
     return job
 
 
@@ -100,9 +86,9 @@ def abcd_text(tmp_path: Path) -> Path:
 
 @pytest.mark.django_db
 def test_the_owner_samples_text_that_continues_what_the_model_learned(
-    api: APIClient, user: User, abcd_text: Path, ready_node, checkpoint_dir: Path
+    api: APIClient, user: User, abcd_text: Path, ready_node, agent: Agent
 ) -> None:
-    job = make_job(user, abcd_text, ready_node)
+    job = make_job(user, abcd_text, ready_node, agent)
     greedy = api.post(f"/api/jobs/{job.id}/sample", {"prompt": "bc", "length": 20, "temperature": 0}, format="json")
     assert greedy.status_code == 200, greedy.json()
     assert greedy.json() == {"text": "bc" + "dabc" * 5, "step": 60}
@@ -115,13 +101,13 @@ def test_the_owner_samples_text_that_continues_what_the_model_learned(
 
 @pytest.mark.django_db
 def test_a_bpe_job_samples_through_its_own_tokenizer(
-    api: APIClient, user: User, abcd_text: Path, ready_node, checkpoint_dir: Path
+    api: APIClient, user: User, abcd_text: Path, ready_node, agent: Agent
 ) -> None:
     tokenizer = train_bpe(split_text("abcd" * 50)[0], 260)
     pattern = tokenizer.encode("abcd" * 8)
     assert len(pattern) < 32  # merged: fewer tokens than characters
     bpe_model = {**MODEL, "vocab": "bpe", "vocab_size": 260}
-    job = make_job(user, abcd_text, ready_node, model=bpe_model, pattern=tuple(pattern))
+    job = make_job(user, abcd_text, ready_node, agent, model=bpe_model, pattern=tuple(pattern))
     response = api.post(f"/api/jobs/{job.id}/sample", {"prompt": "abcd", "length": 6, "temperature": 0}, format="json")
     assert response.status_code == 200, response.json()
     text = response.json()["text"]
@@ -142,9 +128,9 @@ def test_a_bpe_job_samples_through_its_own_tokenizer(
     ],
 )
 def test_bad_sampling_input_is_a_400_naming_the_field(
-    api: APIClient, user: User, abcd_text: Path, ready_node, checkpoint_dir: Path, body, field, message
+    api: APIClient, user: User, abcd_text: Path, ready_node, agent: Agent, body, field, message
 ) -> None:
-    job = make_job(user, abcd_text, ready_node)
+    job = make_job(user, abcd_text, ready_node, agent)
     response = api.post(f"/api/jobs/{job.id}/sample", body, format="json")
     assert response.status_code == 400
     assert message in " ".join(response.json()["errors"][field])
@@ -152,12 +138,12 @@ def test_bad_sampling_input_is_a_400_naming_the_field(
 
 @pytest.mark.django_db
 def test_sampling_needs_a_trained_transformer_of_ones_own(
-    api: APIClient, other_api: APIClient, user: User, abcd_text: Path, ready_node, queued_job, checkpoint_dir: Path
+    api: APIClient, other_api: APIClient, user: User, abcd_text: Path, ready_node, agent: Agent, queued_job
 ) -> None:
-    untrained = make_job(user, abcd_text, ready_node, trained=False)
+    untrained = make_job(user, abcd_text, ready_node, agent, running=False)
     response = api.post(f"/api/jobs/{untrained.id}/sample", {}, format="json")
     assert response.status_code == 409
-    assert "has no checkpoint yet" in response.json()["detail"]
+    assert f"job {untrained.id} is placing: its model is sampled through the agents" in response.json()["detail"]
 
     mlp = queued_job()
     response = api.post(f"/api/jobs/{mlp.id}/sample", {}, format="json")
@@ -169,12 +155,25 @@ def test_sampling_needs_a_trained_transformer_of_ones_own(
 
 @pytest.mark.django_db(transaction=True)
 def test_the_cli_prints_a_sample_from_the_live_api(
-    live_server, user: User, abcd_text: Path, ready_node, checkpoint_dir: Path, capsys: pytest.CaptureFixture[str]
+    live_server, user: User, abcd_text: Path, ready_node, agent: Agent, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    job = make_job(user, abcd_text, ready_node)
+    job = make_job(user, abcd_text, ready_node, agent)
     token = user_token_get_or_create(user=user)
     argv = ["--url", live_server.url, "--token", token, "jobs", "sample", str(job.id)]
     assert cli_main([*argv, "--prompt", "ab", "--length", "6", "--temperature", "0"]) == 0
     assert capsys.readouterr().out == "abcdabcd\n"
     assert cli_main([*argv, "--prompt", "xy"]) != 0
     assert "prompt" in capsys.readouterr().err
+
+
+@pytest.mark.django_db
+def test_a_stage_that_cannot_decode_is_a_503_naming_it(
+    api: APIClient, user: User, abcd_text: Path, ready_node, agent: Agent
+) -> None:
+    job = make_job(user, abcd_text, ready_node, agent)
+    agent.apply_assignments([])  # the agent let the stage go (it moved) before the job's status caught up
+    response = api.post(f"/api/jobs/{job.id}/sample", {"prompt": "ab", "length": 3}, format="json")
+    assert response.status_code == 503
+    assert f"stage 0 (node {job.stages.get().node_id} at {agent.grpc_address}) could not decode: NOT_FOUND" in (
+        response.json()["detail"]
+    )
