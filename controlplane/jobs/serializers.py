@@ -178,7 +178,16 @@ class ContributionOutput(serializers.Serializer):
     bytes_received = serializers.IntegerField()
 
 
+class StageCheckpointOutput(serializers.Serializer):
+    stage_index = serializers.IntegerField()
+    layer_start = serializers.IntegerField()
+    layer_end = serializers.IntegerField()
+    size_bytes = serializers.IntegerField(help_text="the stage's weights and optimizer state (safetensors)")
+    sha256 = serializers.CharField()
+
+
 class CheckpointOutput(serializers.Serializer):
+    stages = StageCheckpointOutput(many=True)
     step = serializers.IntegerField()
     epoch = serializers.IntegerField()
     generation = serializers.IntegerField()
@@ -265,7 +274,7 @@ class JobDetailOutput(JobListOutput):
 
     @extend_schema_field(CheckpointOutput(many=True))
     def get_checkpoints(self, job: Job) -> list[dict[str, Any]]:
-        return CheckpointOutput(job.checkpoints.order_by("step"), many=True).data
+        return CheckpointOutput(job.checkpoints.order_by("step").prefetch_related("stages"), many=True).data
 
     @extend_schema_field(LossPointOutput(many=True))
     def get_loss_curve(self, job: Job) -> list[dict[str, Any]]:
