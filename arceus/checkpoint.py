@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -125,26 +126,36 @@ _SAFETENSORS_DTYPES = {
 _TORCH_DTYPES = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
 
 
+def stored_layout(tensors: Mapping[str, torch.Tensor], name: str) -> tuple[torch.dtype, list[int]]:
+    """A tensor's dtype and shape, without loading it where the mapping can tell (a StateFile, a gathered
+    tensor-parallel state); otherwise from the tensor itself."""
+    shape_of, dtype_of = getattr(tensors, "shape_of", None), getattr(tensors, "dtype_of", None)
+    if shape_of is None or dtype_of is None:
+        tensor = tensors[name]
+        return tensor.dtype, list(tensor.shape)
+    return dtype_of(name), shape_of(name)
+
+
 def state_chunks(
-    tensors: Sequence[tuple[str, torch.Tensor]], metadata: dict[str, str] | None = None
+    tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None
 ) -> tuple[int, Iterator[memoryview]]:
     """A safetensors file of `tensors` as its length and a stream of chunks (the header, then each tensor's
     bytes in slices of at most CHUNK_BYTES, views of the tensors' own memory): writing a stage's state
-    takes one chunk of memory, not a copy of the state. The tensors must not change while it streams."""
+    takes one chunk of memory, not a copy of the state. A mapping that loads lazily (`StateFile`, a gathered
+    state) is read one tensor at a time. The tensors must not change while it streams."""
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
-    for name, tensor in tensors:
-        nbytes = tensor.numel() * tensor.element_size()
-        header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
+    for name in tensors:
+        dtype, shape = stored_layout(tensors, name)
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": shape, "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     prefix = _prefix(header)
 
     def chunks() -> Iterator[memoryview]:
         yield memoryview(prefix)
-        for _, tensor in tensors:
+        for name in tensors:
+            tensor = tensors[name]
             if not tensor.numel():
                 continue
             flat = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)  # a copy only off-CPU

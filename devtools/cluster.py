@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
 import requests
 
 from arceus.sdk import ArceusClient
@@ -195,6 +196,11 @@ class LocalCluster:
 
     def resume(self, agent: Agent) -> None:
         os.killpg(agent.child.process.pid, signal.SIGCONT)
+
+    def process_ids(self, name: str) -> list[int]:
+        """A part's process and every process it started (gunicorn's workers, a Celery worker's pool)."""
+        root = psutil.Process(self._child(name).process.pid)
+        return [root.pid, *(p.pid for p in root.children(recursive=True))]
 
     def _child(self, name: str) -> Child:
         for child in reversed(self.supervisor.children):

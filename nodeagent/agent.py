@@ -72,7 +72,10 @@ class Agent:
         # Signs receipts for received activations; its public half is sent when the agent registers.
         self.signer = ReceiptSigner()
         self.registry = HostedStages(
-            device, max_message_bytes=max_message_bytes, load_checkpoint=load_checkpoint
+            device,
+            max_message_bytes=max_message_bytes,
+            load_checkpoint=load_checkpoint,
+            build_seconds=self.metrics.stage_build_seconds,
         )
         # RunStep holds a worker for the whole step while the pushes it waits for need others.
         self._server = grpc.server(

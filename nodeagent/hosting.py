@@ -10,10 +10,12 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import time
 from collections.abc import Sequence
 
 import grpc
 import torch
+from prometheus_client import Histogram
 
 from arceus.contracts.assignment import Assignment
 from arceus.contracts.observed import ObservedStage, ObservedState
@@ -30,9 +32,16 @@ log = logging.getLogger(__name__)
 
 class HostedStages:
     def __init__(
-        self, device: torch.device, *, max_message_bytes: int, load_checkpoint: CheckpointLoader | None = None
+        self,
+        device: torch.device,
+        *,
+        max_message_bytes: int,
+        load_checkpoint: CheckpointLoader | None = None,
+        build_seconds: Histogram | None = None,
     ) -> None:
+        """`build_seconds`: observes each stage build's wall time, labelled by `source` (initial or checkpoint)."""
         self._device = device
+        self._build_seconds = build_seconds
         self._load_checkpoint = load_checkpoint
         self._max_message_bytes = max_message_bytes
         self._lock = threading.Lock()
@@ -87,6 +96,7 @@ class HostedStages:
                     group = stage_group(assignment, max_message_bytes=self._max_message_bytes)
                     if group is not None:  # before the build: peers may push partials as soon as they run
                         self.tensor_parallel.add(group)
+                    started = time.perf_counter()
                     stages[stage_id] = build_hosted_stage(
                         assignment,
                         self._device,
@@ -94,10 +104,15 @@ class HostedStages:
                         load_checkpoint=self._load_checkpoint,
                         tensor_parallel=group,
                     )
+                    seconds = time.perf_counter() - started
+                    if self._build_seconds is not None:
+                        source = "initial" if assignment.checkpoint is None else "checkpoint"
+                        self._build_seconds.labels(source=source).observe(seconds)
                     log.info(
-                        "built %s (generation %d): layers [%d, %d) on %s, %s",
+                        "built %s (generation %d) in %.2f s: layers [%d, %d) on %s, %s",
                         stage_id,
                         assignment.generation,
+                        seconds,
                         assignment.layer_start,
                         assignment.layer_end,
                         self._device,

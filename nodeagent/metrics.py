@@ -57,6 +57,20 @@ class AgentMetrics:
             "Bytes of stage state (checkpoints) this agent uploaded to the control plane itself.",
             registry=r,
         )
+        self.state_save_seconds = Histogram(
+            "arceus_state_save_seconds",
+            "Wall time of one SaveState: a stage's state written and uploaded to the control plane.",
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
+        self.stage_build_seconds = Histogram(
+            "arceus_stage_build_seconds",
+            "Wall time to build a stage: from its seeded initial weights, or from a checkpoint (downloaded and "
+            "loaded).",
+            ["source"],
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
         self.device_memory = Gauge(
             "arceus_device_memory_used_bytes",
             "CUDA tensor memory allocated, or the process's resident set on CPU.",

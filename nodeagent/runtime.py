@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from arceus.checkpoint import OPTIMIZER_PREFIX
+from arceus.checkpoint import OPTIMIZER_PREFIX, stored_layout
 from arceus.contracts.assignment import OptimizerConfig
 from arceus.model.build import named_global_parameters
 from arceus.model.decoding import DecodeState, decode, decodes
@@ -226,7 +226,7 @@ class StageRuntime:
             missing, extra = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
             raise ValueError(f"checkpoint does not match this stage: missing {missing}, unexpected {extra}")
         for name, param in params.items():
-            dtype, shape = _layout(tensors, name)
+            dtype, shape = stored_layout(tensors, name)
             if shape != list(param.shape) or dtype != param.dtype:
                 raise ValueError(
                     f"checkpoint tensor {name} is {dtype} {shape}; this stage has {param.dtype} {list(param.shape)}"
@@ -239,7 +239,7 @@ class StageRuntime:
             if name not in params:
                 raise ValueError(f"checkpoint optimizer entry {key} names no parameter of this stage")
             # SGD's and Adam's per-parameter state is a 0-dim step or a tensor shaped like the parameter.
-            _, shape = _layout(tensors, key)
+            _, shape = stored_layout(tensors, key)
             if shape and shape != list(params[name].shape):
                 raise ValueError(
                     f"checkpoint optimizer entry {key} is {shape}; parameter {name} is {list(params[name].shape)}"
@@ -303,16 +303,6 @@ class StageRuntime:
         if samples:
             self.counters.samples += samples
             self.counters.micro_batches += 1
-
-
-def _layout(tensors: Mapping[str, torch.Tensor], name: str) -> tuple[torch.dtype | str, list[int]]:
-    """A checkpoint tensor's dtype and shape, without loading it where the mapping can tell."""
-    shape_of = getattr(tensors, "shape_of", None)
-    if shape_of is None:
-        tensor = tensors[name]
-        return tensor.dtype, list(tensor.shape)
-    dtype_of = tensors.dtype_of
-    return dtype_of(name), shape_of(name)
 
 
 def _loss_sum(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:

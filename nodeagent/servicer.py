@@ -168,7 +168,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         stage = serve(context, "GetState", lambda: self._between_steps(request.target, context))
         try:
             items = stage.runtime.state_items(include_optimizer_state=request.include_optimizer_state)
-            _, chunks = state_chunks(items)
+            _, chunks = state_chunks(dict(items))
             for chunk in chunks:
                 yield stage_pb2.StateChunk(data=bytes(chunk))
         finally:
@@ -191,6 +191,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"upload_path {request.upload_path!r} is not a path on the control plane (it starts with /)",
                 )
+            started = time.perf_counter()
             stage = self._between_steps(request.target, context)
             digest = hashlib.sha256()
 
@@ -201,7 +202,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
             try:
                 items = stage.runtime.state_items(include_optimizer_state=request.include_optimizer_state)
-                size, chunks = state_chunks(items)
+                size, chunks = state_chunks(dict(items))
                 seconds = max(0.0, call_deadline(context) - time.monotonic())
                 self._upload_state(request.upload_path, size, hashed(chunks), seconds)
             except StateUploadError as exc:
@@ -209,6 +210,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             finally:
                 stage.step_lock.release()
             self._metrics.state_bytes_uploaded.inc(size)
+            self._metrics.state_save_seconds.observe(time.perf_counter() - started)
             return stage_pb2.SaveStateReply(sha256=digest.hexdigest(), size_bytes=size)
 
         return serve(context, "SaveState", save)
@@ -268,7 +270,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
         stage = serve(context, "AuditWeights", retained)
         try:
-            _, chunks = state_chunks(stage.runtime.state_items(include_optimizer_state=False))
+            _, chunks = state_chunks(dict(stage.runtime.state_items(include_optimizer_state=False)))
             for chunk in chunks:
                 yield stage_pb2.StateChunk(data=bytes(chunk))
         finally:

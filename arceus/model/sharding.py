@@ -8,13 +8,13 @@ the same (rank) order everywhere, so that replicated values stay bitwise equal a
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from arceus.checkpoint import OPTIMIZER_PREFIX
+from arceus.checkpoint import OPTIMIZER_PREFIX, stored_layout
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
@@ -93,26 +93,47 @@ def slice_state(
     return sliced
 
 
-def gather_state(
-    shard_rows: ShardRows, spec: Any, shards: list[dict[str, torch.Tensor]]
-) -> dict[str, torch.Tensor]:
-    """The unsplit stage's checkpoint tensors from every rank's (`shards[r]` is rank r's): split tensors
-    are put back together, replicated ones (equal on every rank) are taken from rank 0."""
-    size = len(shards)
-    if any(set(s) != set(shards[0]) for s in shards):
-        raise ValueError("the ranks of a tensor-parallel stage hold different tensor names")
-    full = {}
-    for name, first in shards[0].items():
-        cuts = [shard_rows(spec, Shard(r, size), parameter_of(name)) for r in range(size)] if first.dim() else []
-        if not cuts or cuts[0] is None:
-            full[name] = first
-            continue
-        dim = cuts[0][0]
-        shape = list(first.shape)
-        shape[dim] *= size
-        whole = first.new_empty(shape)
-        for cut, part in zip(cuts, shards, strict=True):
+class GatheredState(Mapping[str, torch.Tensor]):
+    """The unsplit stage's checkpoint tensors from every rank's (`shards[r]` is rank r's), each put together
+    only when asked: split tensors from every rank's slice, replicated ones (equal on every rank) from rank
+    0's. With lazily loading shards (`StateFile`s) a whole stage is never held, only one tensor of it."""
+
+    def __init__(self, shard_rows: ShardRows, spec: Any, shards: Sequence[Mapping[str, torch.Tensor]]) -> None:
+        if any(set(s) != set(shards[0]) for s in shards):
+            raise ValueError("the ranks of a tensor-parallel stage hold different tensor names")
+        self._shard_rows, self._spec, self._shards = shard_rows, spec, shards
+
+    def _cuts(self, name: str) -> list[tuple[int, torch.Tensor] | None]:
+        """Each rank's (dimension, indices) of `name` in the unsplit tensor; empty if it is not split."""
+        if not stored_layout(self._shards[0], name)[1]:  # 0-dim: Adam's step
+            return []
+        size = len(self._shards)
+        cuts = [self._shard_rows(self._spec, Shard(r, size), parameter_of(name)) for r in range(size)]
+        return [] if cuts[0] is None else cuts
+
+    def shape_of(self, name: str) -> list[int]:
+        shape = stored_layout(self._shards[0], name)[1]
+        cuts = self._cuts(name)
+        if cuts and cuts[0] is not None:
+            shape[cuts[0][0]] *= len(self._shards)
+        return shape
+
+    def dtype_of(self, name: str) -> torch.dtype:
+        return stored_layout(self._shards[0], name)[0]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        first = self._shards[0][name]
+        cuts = self._cuts(name)
+        if not cuts:
+            return first
+        whole = first.new_empty(self.shape_of(name))
+        for rank, (cut, part) in enumerate(zip(cuts, self._shards, strict=True)):
             if cut is not None:
-                whole.index_copy_(dim, cut[1], part[name])
-        full[name] = whole
-    return full
+                whole.index_copy_(cut[0], cut[1], first if rank == 0 else part[name])
+        return whole
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._shards[0])
+
+    def __len__(self) -> int:
+        return len(self._shards[0])

@@ -5,6 +5,7 @@ unsplit stage, so any split resumes from any other)."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import nn
@@ -15,7 +16,7 @@ from arceus.model.build import build_layer
 from arceus.model.layout import TensorLayout
 from arceus.model.registry import ARCHITECTURES, architecture_of
 from arceus.model.seeding import layer_generator
-from arceus.model.sharding import AllReduce, Shard, gather_state, slice_state
+from arceus.model.sharding import AllReduce, GatheredState, Shard, slice_state
 from arceus.model.spec import ModelSpec
 
 
@@ -69,6 +70,7 @@ def slice_state_tensors(spec: ModelSpec, shard: Shard, full: dict[str, torch.Ten
     return slice_state(_layers(spec).shard_rows, spec, shard, full)
 
 
-def gather_state_tensors(spec: ModelSpec, shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """The unsplit stage's checkpoint tensors from every rank's (`shards[r]` is rank r's)."""
-    return gather_state(_layers(spec).shard_rows, spec, shards)
+def gather_state_tensors(spec: ModelSpec, shards: Sequence[Mapping[str, torch.Tensor]]) -> GatheredState:
+    """The unsplit stage's checkpoint tensors from every rank's (`shards[r]` is rank r's), put together one
+    at a time as they are read."""
+    return GatheredState(_layers(spec).shard_rows, spec, shards)

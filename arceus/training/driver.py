@@ -206,13 +206,13 @@ class Pipeline:
         return StageStateFile(endpoint.index, endpoint.layer_start, endpoint.layer_end, path, sha256, size)
 
     def _gather(self, ranks: list[StageClient], shards: list[Path], destination: Path) -> tuple[str, int]:
-        """The unsplit stage's file from its ranks' (held whole while they are put together)."""
+        """The unsplit stage's file from its ranks', streamed a tensor at a time (never the whole stage)."""
         spec = model_spec_from_config(self.plan.model)
         try:
-            tensors = gather_state_tensors(spec, [dict(StateFile(path)) for path in shards])
+            tensors = gather_state_tensors(spec, [StateFile(path) for path in shards])
         except SpecError as exc:  # the plan names a split stage of a model that cannot split
             raise DriverError(f"{exc.field}: {exc.message}", stage_index=ranks[0].endpoint.index) from exc
-        _, chunks = state_chunks(list(tensors.items()))
+        _, chunks = state_chunks(tensors)
         digest, size = hashlib.sha256(), 0
         with destination.open("wb") as out:
             for chunk in chunks:

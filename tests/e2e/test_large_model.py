@@ -56,7 +56,8 @@ def job_body(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def reference(job_body: dict[str, Any]) -> Any:
     """The same job trained in this process without interruption (its configs completed as submission does)."""
-    _, model, dataset = fit_model_to_dataset(job_body["model_config"], validate_dataset_config(job_body["dataset_config"]))
+    dataset = validate_dataset_config(job_body["dataset_config"])
+    _, model, dataset = fit_model_to_dataset(job_body["model_config"], dataset)
     return reference_run({**job_body, "model_config": model, "dataset_config": dataset})
 
 
@@ -96,11 +97,11 @@ def test_a_large_gpt_checkpoints_survives_a_killed_agent_samples_and_downloads(
     spare = next(a for a in agents if a.node_id not in placed.values())
     cluster.crash(victim.child.name)
 
-    resumed = wait_for(
-        cluster, job["id"],
-        lambda d: d["status"] == "running" and placement(d)[1] == spare.node_id and d["step"] > (d["resumed_from_step"] or 0),
-        300,
-    )
+    def training_on_the_spare(d: dict[str, Any]) -> bool:
+        resumed = d["step"] > (d["resumed_from_step"] or 0)
+        return d["status"] == "running" and placement(d)[1] == spare.node_id and resumed
+
+    resumed = wait_for(cluster, job["id"], training_on_the_spare, 300)
     assert resumed["resumed_from_step"] is not None and resumed["resumed_from_step"] % CHECKPOINT_EVERY == 0
     sample = client.sample(job["id"], prompt="And God", length=12, temperature=0.0)
     assert sample["text"].startswith("And God") and len(sample["text"]) == len("And God") + 12  # a char vocabulary

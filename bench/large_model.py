@@ -1,0 +1,340 @@
+"""A GPT of 300M parameters trained over REST on four agents whose owners cap their memory below what one
+process needs, side by side with the same model trained in one process.
+
+    .venv/bin/python bench/large_model.py [--n-layer 24] [--d-model 1024] [--steps 8]
+
+1. One process (a child of this script, 2 torch threads) trains the whole model with Adam for `--steps`
+   steps on the same windows in the same order: its peak RSS (VmHWM) and seconds per step.
+2. A whole deployment on this machine (gunicorn, Celery workers and beat, by DATABASE_URL / REDIS_URL or
+   SQLite and an embedded redis-server) with five agents of one torch thread each, declared equally fast
+   (their measured speeds differ on a shared machine), each capped by its owner's `max_memory_bytes` at
+   0.35x the one-process peak. The default 5M-parameter GPT trains first; then the large one, four stages,
+   a checkpoint every `--steps // 2` steps. After the first checkpoint the agent of stage 1 is killed
+   (SIGKILL) and the spare takes its stage over from that checkpoint.
+Measured: every agent's VmHWM (the killed one's read just before the kill) and their sum; the placement
+solver's memory estimate per stage; the control plane's processes' VmHWM (web: gunicorn and its workers;
+each Celery worker with its pool, the training worker's pool running the driver; beat) after the 5M job
+and after the large one; checkpoint save seconds (the agents' `arceus_state_save_seconds`: state written
+and uploaded) and load seconds (the spare's `arceus_stage_build_seconds{source="checkpoint"}`: downloaded
+and loaded) with the bytes; and seconds per step, the median of the intervals between steps that include
+no checkpoint, no first step and no recovery. Prints a table, writes docs/BENCHMARKS.md, and ends with one
+JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from arceus.data import epoch_batches, load_dataset, validate_dataset_config  # noqa: E402
+from arceus.data.text_config import BUNDLED_TEXT  # noqa: E402
+from arceus.model.build import build_full_model  # noqa: E402
+from arceus.model.registry import fit_model_to_dataset, model_spec_from_config  # noqa: E402
+from arceus.placement.profiles import layer_profiles  # noqa: E402
+from arceus.placement.solver import Workload, stage_memory  # noqa: E402
+from bench.report import machine_line, write_section  # noqa: E402
+from devtools.cluster import Agent, LocalCluster  # noqa: E402
+
+BATCH, MICRO_BATCHES, BLOCK, STAGES = 4, 4, 128, 4
+AGENT_SHARE = 0.35  # each owner's max_memory_bytes, as a fraction of the one-process peak
+CONTROL_PLANE = ("web", "worker-control", "worker-training", "beat")
+MIB = 2**20
+
+
+def peak_rss(pid: int) -> int:
+    """A process's peak resident set (VmHWM), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no VmHWM for process {pid}")
+
+
+def text_source(directory: Path, steps: int) -> Path:
+    """The bundled text cut so that one epoch is `steps` batches of BATCH windows (90% trains)."""
+    chars = int((steps * BATCH * BLOCK + 2) / 0.9) + 1
+    path = directory / "text.txt"
+    path.write_text(BUNDLED_TEXT.read_text(encoding="utf-8")[:chars], encoding="utf-8")
+    return path
+
+
+def large_job(args: argparse.Namespace, source: Path) -> dict[str, Any]:
+    return {
+        "name": "large-model-bench",
+        "model_config": {"type": "transformer", "n_layer": args.n_layer, "n_head": 16, "d_model": args.d_model,
+                         "block_size": BLOCK},
+        "dataset_config": {"name": "text", "source": str(source), "batch_size": BATCH, "val_batch_size": BATCH},
+        "epochs": 1,
+        "learning_rate": 1e-4,
+        "optimizer": "adam",
+        "micro_batches": MICRO_BATCHES,
+        "schedule": "1f1b",
+        "seed": 0,
+        "stages": STAGES,
+        "checkpoint_interval_steps": args.steps // 2,
+        "audit_rate": 0.0,
+    }
+
+
+def one_process(job: dict[str, Any]) -> None:
+    """(In a child process.) Train the job's model whole for one epoch; print its peak RSS and step times."""
+    torch.set_num_threads(2)
+    _, model_config, dataset = fit_model_to_dataset(job["model_config"], validate_dataset_config(job["dataset_config"]))
+    model = build_full_model(model_spec_from_config(model_config), job["seed"])
+    optimizer = torch.optim.Adam(model.parameters(), lr=job["learning_rate"])
+    train_x, train_y, _, _ = load_dataset(dataset)
+    seconds = []
+    for indices in epoch_batches(len(train_x), dataset["batch_size"], job["seed"], 1):
+        started = time.perf_counter()
+        logits = model(train_x[indices])
+        loss = F.cross_entropy(logits.flatten(0, 1), train_y[indices].flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        seconds.append(time.perf_counter() - started)
+    params = sum(p.numel() for p in model.parameters())
+    print(json.dumps({"params": params, "peak_rss": peak_rss(os.getpid()), "step_seconds": seconds}))
+
+
+def metric(agent: Agent, name: str) -> float:
+    """The sum of a metric's samples named exactly `name` (with any labels) on an agent's /metrics."""
+    text = requests.get(f"http://{agent.metrics_address}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.split("{", 1)[0].split(" ", 1)[0] == name)
+
+
+def control_plane_peaks(cluster: LocalCluster) -> dict[str, int]:
+    """Each control-plane part's largest VmHWM among its processes."""
+    return {part: max(peak_rss(pid) for pid in cluster.process_ids(part)) for part in CONTROL_PLANE}
+
+
+def set_memory_cap(cluster: LocalCluster, agent: Agent, max_memory_bytes: int) -> None:
+    response = cluster.client.session.put(
+        f"{cluster.api_url}/api/nodes/{agent.node_id}/controls", json={"max_memory_bytes": max_memory_bytes},
+        timeout=30,
+    )
+    response.raise_for_status()
+
+
+def run_job(cluster: LocalCluster, job: dict[str, Any], timeout: float) -> dict[str, Any]:
+    created = cluster.client.submit_job(job)
+    cluster.client.start_job(created["id"])
+    final = cluster.client.wait(created["id"], timeout=timeout)
+    if final["status"] != "succeeded":
+        raise RuntimeError(f"job {job['name']} {final['status']}: {final['error']} {final['conditions']}")
+    return final
+
+
+def train_large(cluster: LocalCluster, agents: list[Agent], job: dict[str, Any], steps: int) -> dict[str, Any]:
+    """Submit the large job; kill stage 1's agent after the first checkpoint; step times and peaks."""
+    created = cluster.client.submit_job(job)
+    cluster.client.start_job(created["id"])
+    job_id, peaks = created["id"], {}
+    step_at: dict[int, float] = {}  # when each step was first seen since the job (re)started
+    seen: list[tuple[int, float, bool]] = []  # (step, seconds since the step before it, after the kill)
+    killed: Agent | None = None
+    resumed_from = None
+    last_status = ""
+    deadline = time.monotonic() + 3600
+    while time.monotonic() < deadline:
+        detail = cluster.client.job(job_id)
+        if detail["status"] in ("failed", "cancelled"):
+            raise RuntimeError(f"the large job {detail['status']}: {detail['error']} {detail['conditions']}")
+        if detail["status"] != last_status:
+            last_status = detail["status"]
+            print(f"{last_status}: {detail['conditions'][-1:]}", file=sys.stderr, flush=True)
+        step = detail["step"]
+        if step not in step_at and detail["status"] in ("running", "succeeded"):
+            step_at[step] = time.monotonic()
+            if step - 1 in step_at:
+                seen.append((step, step_at[step] - step_at[step - 1], killed is not None))
+            print(f"step {step} ({detail['status']})", file=sys.stderr, flush=True)
+        if killed is None and detail["checkpoints"] and detail["step"] > job["checkpoint_interval_steps"]:
+            placed = {p["stage_index"]: p["node_id"] for p in detail["placements"]}
+            killed = next(a for a in agents if a.node_id == placed[1])
+            peaks[killed.name] = peak_rss(killed.child.process.pid)
+            cluster.crash(killed.child.name)
+            print(f"killed {killed.name} (stage 1) after step {detail['step']}", file=sys.stderr, flush=True)
+            step_at.clear()  # the steps from the checkpoint on are replayed
+        if killed is not None and detail["resumed_from_step"] is not None and resumed_from is None:
+            resumed_from = detail["resumed_from_step"]
+        if detail["status"] == "succeeded":
+            break
+        time.sleep(0.2)
+    else:
+        raise TimeoutError("the large job did not finish within an hour")
+    if killed is None or resumed_from is None:
+        raise RuntimeError("the large job finished before a kill after its first checkpoint and a resume")
+    for agent in agents:
+        if agent is not killed:
+            peaks[agent.name] = peak_rss(agent.child.process.pid)
+    placed = {p["stage_index"]: p["node_id"] for p in detail["placements"]}
+    spare = next(a for a in agents if a.node_id == placed[1])
+    every = job["checkpoint_interval_steps"]
+    # An interval ending at step s is step s's; one right after a checkpoint includes its save, the first
+    # step's and the first after the resume their warm-up.
+    intervals = [seconds for step, seconds, after_kill in seen
+                 if (step - 1) % every and step > 1 and not (after_kill and step == resumed_from + 1)]
+    if not intervals:
+        raise RuntimeError(f"no step could be timed (seen: {seen}); steps too fast for polling, or too few of them")
+    live = [a for a in agents if a is not killed]
+    saves = sum(metric(a, "arceus_state_save_seconds_count") for a in live)
+    return {
+        "detail": detail,
+        "peaks": peaks,
+        "step_seconds": intervals,
+        "killed": killed.name,
+        "spare": spare.name,
+        "resumed_from": resumed_from,
+        "save_seconds": sum(metric(a, "arceus_state_save_seconds_sum") for a in live) / saves,
+        "load_seconds": metric(spare, "arceus_stage_build_seconds_sum") - _initial_builds(spare),
+    }
+
+
+def _initial_builds(agent: Agent) -> float:
+    text = requests.get(f"http://{agent.metrics_address}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith('arceus_stage_build_seconds_sum{source="initial"}'))
+
+
+def solver_estimates(job: dict[str, Any], detail: dict[str, Any]) -> list[int]:
+    """The placement solver's memory per placed stage (arceus.placement.solver.stage_memory)."""
+    _, model_config, dataset = fit_model_to_dataset(job["model_config"], validate_dataset_config(job["dataset_config"]))
+    spec = model_spec_from_config(model_config)
+    layers = layer_profiles(spec)
+    workload = Workload(micro_batch_size=-(-BATCH // MICRO_BATCHES), micro_batches=MICRO_BATCHES)
+    ranges = sorted({(p["layer_start"], p["layer_end"]) for p in detail["placements"]})
+    return [stage_memory(layers[s:e], workload) for s, e in ranges]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--n-layer", type=int, default=24)
+    parser.add_argument("--d-model", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=8, help="steps of the large job (one epoch); at least 4")
+    parser.add_argument("--one-process", help=argparse.SUPPRESS)  # the child's job JSON
+    args = parser.parse_args()
+    if args.one_process:
+        one_process(json.loads(args.one_process))
+        return
+    if args.steps < 4:
+        parser.error("--steps must be at least 4: a checkpoint, a kill after it, and steps to time")
+
+    with tempfile.TemporaryDirectory(prefix="arceus-large-model-") as workdir:
+        job = large_job(args, text_source(Path(workdir), args.steps))
+        print("training in one process ...", file=sys.stderr, flush=True)
+        child = subprocess.run([sys.executable, __file__, "--one-process", json.dumps(job)],
+                               capture_output=True, text=True, check=True)
+        single = json.loads(child.stdout.strip().splitlines()[-1])
+        cap = int(AGENT_SHARE * single["peak_rss"])
+
+        cluster = LocalCluster(workdir=Path(workdir) / "cluster", database_url=os.environ.get("DATABASE_URL"),
+                               redis_url=os.environ.get("REDIS_URL"),
+                               extra_env={"ARCEUS_RPC_TIMEOUT_SECONDS": "900"})
+        try:
+            cluster.start()
+            agents = cluster.start_agents([f"agent-{i}" for i in range(STAGES + 1)], "--declare-flops", "2e10")
+            for agent in agents:
+                set_memory_cap(cluster, agent, cap)
+            small = {"name": "default-gpt", "model_config": {"type": "transformer"},
+                     "dataset_config": {"name": "text", "source": job["dataset_config"]["source"],
+                                        "batch_size": BATCH, "val_batch_size": BATCH},
+                     "epochs": 1, "learning_rate": 1e-3, "optimizer": "adam", "stages": STAGES, "seed": 0}
+            print("training the default GPT ...", file=sys.stderr, flush=True)
+            run_job(cluster, small, timeout=900)
+            control_small = control_plane_peaks(cluster)
+            print("training the large GPT ...", file=sys.stderr, flush=True)
+            large = train_large(cluster, agents, job, args.steps)
+            control_large = control_plane_peaks(cluster)
+            estimates = solver_estimates(job, large["detail"])  # while the text file is there
+        finally:
+            cluster.stop()
+
+    detail = large["detail"]
+    checkpoint = next(c for c in detail["checkpoints"] if c["step"] == large["resumed_from"])
+    checkpoint_bytes = sum(s["size_bytes"] for s in checkpoint["stages"])
+    stage1_bytes = next(s["size_bytes"] for s in checkpoint["stages"] if s["stage_index"] == 1)
+    peaks, one_peak = large["peaks"], single["peak_rss"]
+    one_step = statistics.median(single["step_seconds"][1:])
+    pipeline_step = statistics.median(large["step_seconds"])
+    figures = {
+        "params": single["params"],
+        "one_process_peak_mib": one_peak // MIB,
+        "agent_cap_mib": cap // MIB,
+        "agent_peaks_mib": {name: peak // MIB for name, peak in sorted(peaks.items())},
+        "agent_peak_max_ratio": round(max(peaks.values()) / one_peak, 3),
+        "stage_agents_peak_sum_ratio": round(sum(sorted(peaks.values())[-STAGES:]) / one_peak, 3),
+        "solver_stage_estimates_mib": [e // MIB for e in estimates],
+        "control_plane_peak_mib_5m": {k: v // MIB for k, v in control_small.items()},
+        "control_plane_peak_mib_large": {k: v // MIB for k, v in control_large.items()},
+        "control_plane_growth_max_mib": max(control_large[k] - control_small[k] for k in CONTROL_PLANE) // MIB,
+        "checkpoint_bytes": checkpoint_bytes,
+        "checkpoint_save_seconds_mean_per_stage": round(large["save_seconds"], 2),
+        "checkpoint_load_seconds_stage1": round(large["load_seconds"], 2),
+        "checkpoint_load_bytes_stage1": stage1_bytes,
+        "seconds_per_step_one_process": round(one_step, 2),
+        "seconds_per_step_pipeline": round(pipeline_step, 2),
+        "step_time_ratio": round(pipeline_step / one_step, 2),
+        "steps": detail["step"],
+        "final_loss": detail["final_loss"],
+    }
+    agent_rows = "\n".join(
+        f"| {name} | {peak // MIB} | {peak / one_peak:.2f} |"
+        + (" killed after the first checkpoint |" if name == large["killed"] else
+           " took stage 1 over from the checkpoint |" if name == large["spare"] else " |")
+        for name, peak in sorted(peaks.items())
+    )
+    control_rows = "\n".join(
+        f"| {part} | {control_small[part] // MIB} | {control_large[part] // MIB} | "
+        f"{(control_large[part] - control_small[part]) // MIB} |"
+        for part in CONTROL_PLANE
+    )
+    body = f"""## Large model over REST (bench/large_model.py)
+
+{machine_line()}
+
+GPT of {single['params'] / 1e6:.0f}M parameters (n_layer {args.n_layer}, d_model {args.d_model}, block {BLOCK}),
+Adam, batch {BATCH} in {MICRO_BATCHES} micro-batches (1F1B), {detail['step']} steps over {STAGES} agents of one
+torch thread each, every owner's `max_memory_bytes` at {AGENT_SHARE}x the one-process peak ({cap // MIB} MiB);
+the one process uses 2 threads. Stage 1's agent was killed after the first checkpoint; the spare resumed it
+from step {large['resumed_from']}.
+
+| process | peak RSS (MiB) | / one process | |
+| --- | ---: | ---: | --- |
+| one process, whole model | {one_peak // MIB} | 1.00 | |
+{agent_rows}
+
+Largest agent {figures['agent_peak_max_ratio']}x the one-process peak (goal 0.35x); the {STAGES} largest agents
+together {figures['stage_agents_peak_sum_ratio']}x (goal 1.3x). The solver's estimate per stage (MiB):
+{figures['solver_stage_estimates_mib']}.
+
+| control-plane part | peak after the 5M GPT (MiB) | after the large GPT (MiB) | growth (MiB) |
+| --- | ---: | ---: | ---: |
+{control_rows}
+
+Checkpoint of step {large['resumed_from']}: {checkpoint_bytes / 1e9:.2f} GB in all; a stage's save (state written
+and uploaded by its agent) took {large['save_seconds']:.1f} s on average; the spare's load of stage 1
+({stage1_bytes / 1e9:.2f} GB, downloaded and loaded) took {large['load_seconds']:.1f} s.
+Seconds per step (median, no checkpoint or recovery in the interval): one process {one_step:.1f}, pipeline
+{pipeline_step:.1f} ({figures['step_time_ratio']}x; goal 1.25x).
+"""
+    print(body)
+    write_section("large-model", body)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()
