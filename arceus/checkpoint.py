@@ -9,12 +9,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load, save
 
 # Names of optimizer-state entries start with this; the rest of a stage checkpoint are its weights.
@@ -173,37 +175,83 @@ def _prefix(header: dict[str, Any]) -> bytes:
     return len(encoded).to_bytes(_HEADER_LENGTH, "little") + encoded
 
 
+@dataclass(frozen=True)
+class _Entry:
+    dtype: torch.dtype
+    shape: list[int]
+    begin: int  # absolute file offsets of its bytes
+    end: int
+
+
 class StateFile(Mapping[str, torch.Tensor]):
-    """A safetensors checkpoint file on disk, read lazily: a tensor is loaded when it is asked for, so a
-    stage loads its state one tensor at a time."""
+    """A safetensors checkpoint file on disk, read lazily: a tensor is read (plain reads, not a memory map,
+    whose touched pages would count toward the process's resident memory) when it is asked for, so a stage
+    loads its state one tensor at a time. The file stays open while this lives, also once it is unlinked."""
 
     def __init__(self, path: Path, *, sha256: str | None = None) -> None:
-        if sha256 is not None:
-            with path.open("rb") as handle:
-                actual = file_digest(handle)
-            if actual != sha256:
-                raise CheckpointError(f"checkpoint content hash is {actual}, expected {sha256}: corrupt or replaced")
+        self._handle = path.open("rb")
+        self._lock = threading.Lock()
         try:
-            self._file = safe_open(str(path), framework="pt")
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise CheckpointError(f"not a valid safetensors checkpoint: {exc}") from exc
-        self._names = list(self._file.keys())
+            if sha256 is not None:
+                actual = file_digest(self._handle)
+                if actual != sha256:
+                    raise CheckpointError(
+                        f"checkpoint content hash is {actual}, expected {sha256}: corrupt or replaced"
+                    )
+            self._entries = _entries(self._handle, path.stat().st_size)
+        except BaseException:
+            self._handle.close()
+            raise
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self._names:
-            raise KeyError(name)
-        return self._file.get_tensor(name)
+        entry = self._entries[name]
+        tensor = torch.empty(entry.shape, dtype=entry.dtype)
+        if not tensor.numel():
+            return tensor
+        buffer = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        with self._lock:
+            self._handle.seek(entry.begin)
+            read = self._handle.readinto(buffer)
+        if read != entry.end - entry.begin:
+            raise CheckpointError(f"checkpoint tensor {name} ends early: {read} of {entry.end - entry.begin} bytes")
+        return tensor
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
+        return iter(self._entries)
 
     def __len__(self) -> int:
-        return len(self._names)
+        return len(self._entries)
 
     def shape_of(self, name: str) -> list[int]:
         """A tensor's shape, without loading it."""
-        return list(self._file.get_slice(name).get_shape())
+        return list(self._entries[name].shape)
 
     def dtype_of(self, name: str) -> torch.dtype:
         """A tensor's dtype, without loading it."""
-        return _TORCH_DTYPES[self._file.get_slice(name).get_dtype()]
+        return self._entries[name].dtype
+
+
+def _entries(handle: BinaryIO, file_size: int) -> dict[str, _Entry]:
+    """Every tensor a safetensors file's header describes, checked against the file: a known dtype, a shape
+    of non-negative integers, and data offsets that hold exactly its bytes inside the file."""
+    start, header = read_header(handle)
+    entries = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype, shape, (begin, end) = _TORCH_DTYPES[info["dtype"]], info["shape"], info["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(
+                f"not a valid safetensors checkpoint: tensor {name!r} is described as {info!r}"
+            ) from None
+        if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
+            raise CheckpointError(f"not a valid safetensors checkpoint: tensor {name!r} has shape {shape!r}")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if not (isinstance(begin, int) and isinstance(end, int) and begin >= 0 and end - begin == nbytes
+                and start + end <= file_size):
+            raise CheckpointError(
+                f"not a valid safetensors checkpoint: tensor {name!r} of {nbytes} bytes at offsets {[begin, end]}"
+            )
+        entries[name] = _Entry(dtype, list(shape), start + begin, start + end)
+    return entries

@@ -258,8 +258,8 @@ class StageRuntime:
                 param.copy_(tensors[name].to(self.device))
                 for entry in sorted(entries.get(name, ())):
                     value = tensors[f"{OPTIMIZER_PREFIX}{name}.{entry}"]
-                    # A copy of its own: a lazily loaded tensor may be a view of the checkpoint file's mapping,
-                    # which must go with the file. Adam keeps its step on the CPU (unless fused or capturable).
+                    # A copy of its own (one tensor at a time): the caller's mapping may share its tensors.
+                    # Adam keeps its step on the CPU (unless fused or capturable).
                     device = value.device if value.dim() == 0 else self.device
                     self.optimizer.state[param][entry] = value.to(device, copy=True)
 

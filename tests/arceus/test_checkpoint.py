@@ -5,6 +5,7 @@ import io
 import json
 import struct
 import tracemalloc
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 from arceus.checkpoint import (
     CHUNK_BYTES,
     CheckpointError,
+    StateFile,
     checkpoint_digest,
     decode_checkpoint,
     encode_checkpoint,
@@ -151,3 +153,53 @@ def test_a_file_that_is_no_safetensors_is_refused_with_the_reason() -> None:
     with pytest.raises(CheckpointError, match="header is no JSON"):
         merged_checkpoint([io.BytesIO(struct.pack("<Q", 4) + b"nope")], keep=lambda name: True, metadata={})
     assert file_digest(io.BytesIO(b"abc")) == hashlib.sha256(b"abc").hexdigest()
+
+
+# --- StateFile: a checkpoint read a tensor at a time ------------------------------------------------
+STATE = {
+    "layers.0.weight": torch.randn(3, 4),
+    "layers.0.bias": torch.randn(3).to(torch.bfloat16),
+    "optimizer.layers.0.weight.step": torch.tensor(7.0),
+    "empty": torch.zeros(0, 5),
+    "ids": torch.arange(6, dtype=torch.int64).view(2, 3),
+}
+
+
+def written(tmp_path: Path, data: bytes) -> Path:
+    path = tmp_path / "state.safetensors"
+    path.write_bytes(data)
+    return path
+
+
+def test_a_state_file_reads_every_tensor_as_written_without_mapping_the_file(tmp_path: Path) -> None:
+    data = encode_checkpoint(STATE)
+    path = written(tmp_path, data)
+    state = StateFile(path, sha256=checkpoint_digest(data))
+    assert sorted(state) == sorted(STATE) and len(state) == len(STATE)
+    assert state.shape_of("layers.0.weight") == [3, 4] and state.dtype_of("layers.0.bias") == torch.bfloat16
+    for name, tensor in STATE.items():
+        torch.testing.assert_close(state[name], tensor, rtol=0, atol=0)
+    assert str(path) not in Path("/proc/self/maps").read_text()  # plain reads: no page of it counts as ours
+    path.unlink()  # the agent's downloaded file goes as soon as it is open: the tensors stay readable
+    torch.testing.assert_close(state["ids"], STATE["ids"])
+
+
+def test_a_state_file_that_is_not_what_its_header_says_is_refused(tmp_path: Path) -> None:
+    data = encode_checkpoint(STATE)
+    with pytest.raises(CheckpointError, match="content hash is"):
+        StateFile(written(tmp_path, data), sha256="0" * 64)
+    with pytest.raises(CheckpointError, match="bytes at offsets"):
+        StateFile(written(tmp_path, data[:-8]))  # the last tensor's bytes run past the end of the file
+    header_length = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + header_length])
+    for change, message in (
+        ({"dtype": "X9"}, "is described as"),
+        ({"shape": [3, -4]}, "has shape"),
+        ({"data_offsets": [0, 4]}, "bytes at offsets"),
+    ):
+        bad = {**header, "layers.0.weight": {**header["layers.0.weight"], **change}}
+        encoded = json.dumps(bad).encode()
+        encoded += b" " * (-len(encoded) % 8)
+        rewritten = len(encoded).to_bytes(8, "little") + encoded + data[8 + header_length :]
+        with pytest.raises(CheckpointError, match=message):
+            StateFile(written(tmp_path, rewritten))
