@@ -192,7 +192,9 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"nodeagent: stage {o['stage_id']} failed: {o['message']}", file=sys.stderr)
                 return 1
         else:
-            caps = capabilities(device, declared_flops=args.declare_flops).to_json()
+            measured = capabilities(device, declared_flops=args.declare_flops)
+            agent.registry.runtime_bytes = measured.runtime_bytes
+            caps = measured.to_json()
             caps["link"] = measure_link(client)
             log.info("registering with %s as %s: %s", args.control_plane, agent.advertise_address, caps)
             registration = register_until_accepted(

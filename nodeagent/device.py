@@ -26,6 +26,7 @@ class Capabilities:
     flops_fp32: float
     flops_fp16: float | None = None  # None: this device has no usable fp16 matmul
     flops_bf16: float | None = None
+    runtime_bytes: int = 0  # what the agent holds before any stage: placement leaves it room
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -119,6 +120,7 @@ def capabilities(device: torch.device, *, declared_flops: float | None = None) -
         flops_fp32=declared_flops if declared_flops is not None else measure_matmul_flops(device),
         flops_fp16=_low_precision_flops(device, torch.float16),
         flops_bf16=_low_precision_flops(device, torch.bfloat16),
+        runtime_bytes=memory_used_bytes(device),
     )
 
 

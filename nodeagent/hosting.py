@@ -20,7 +20,7 @@ from prometheus_client import Histogram
 from arceus.contracts.assignment import Assignment
 from arceus.contracts.observed import ObservedStage, ObservedState
 from arceus.placement.profiles import layer_profiles
-from arceus.placement.solver import stage_state_bytes
+from arceus.placement.solver import Workload, stage_memory
 from arceus.v1 import stage_pb2
 from nodeagent.all_reduce import TensorParallelGroups, stage_group
 from nodeagent.heap import release_free_memory
@@ -47,8 +47,10 @@ class HostedStages:
         self._lock = threading.Lock()
         self._apply_lock = threading.Lock()
         self._stages: dict[str, HostedStage] = {}
-        # The owner's budget for this node's stages (the control plane's controls.max_memory_bytes).
+        # The owner's budget for this agent (the control plane's controls.max_memory_bytes), and what the agent
+        # held before any stage (reported at registration: placement leaves it room, and so does the agent).
         self.memory_budget: int | None = None
+        self.runtime_bytes = 0
         self._failed: dict[str, ObservedStage] = {}
         # The all-reduce groups of hosted tensor-parallel stages (TensorParallelService resolves here);
         # each lives as long as its stage.
@@ -138,19 +140,21 @@ class HostedStages:
             return changed or new_failed != failed
 
     def _over_budget(self, assignment: Assignment) -> str | None:
-        """Why the stage would not fit the owner's memory budget, or None: its weights, gradients and
-        optimizer state alone (the placement's own estimate, which adds activations, is never lower)."""
+        """Why the stage would not fit the owner's memory budget beside what the agent itself holds, or None:
+        the placement's own estimate (weights, gradients, optimizer state and the in-flight micro-batches'
+        activations, `arceus.placement.solver.stage_memory`)."""
         budget = self.memory_budget
         if budget is None:
             return None
         layers = layer_profiles(assignment.spec)[assignment.layer_start : assignment.layer_end]
         ranks = assignment.tensor_parallel.size if assignment.tensor_parallel is not None else 1
-        need = stage_state_bytes(layers, ranks)
-        if need <= budget:
+        workload = Workload(micro_batch_size=assignment.max_micro_batch_size, micro_batches=assignment.micro_batches)
+        need = stage_memory(layers, workload, ranks)
+        if need + self.runtime_bytes <= budget:
             return None
         return (
-            f"needs {need:,} bytes for its weights, gradients and optimizer state, above the {budget:,} bytes "
-            "this node's owner offers"
+            f"needs {need:,} bytes for its weights, gradients, optimizer state and activations beside the "
+            f"{self.runtime_bytes:,} this agent holds, above the {budget:,} bytes this node's owner offers"
         )
 
     def _drop(self, dropped: list[HostedStage]) -> None:

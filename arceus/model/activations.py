@@ -7,6 +7,8 @@ from typing import Any
 from arceus.errors import SpecError
 
 ACTIVATIONS = ("relu", "gelu", "tanh")
+# Whether the activation keeps its output for the backward (else its input, a tensor of the same size).
+KEEPS_OUTPUT = {"relu": True, "gelu": False, "tanh": True}
 
 
 def activation_from_config(config: dict[str, Any], default: str = "relu") -> str:

@@ -7,9 +7,20 @@ a spec is (the registry, `arceus.model.registry`, is the one place that maps a m
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from arceus.model.layout import TensorLayout
+
+
+@dataclass(frozen=True)
+class LayerStash:
+    """What one sample's training forward through a layer keeps for its backward (autograd's saved tensors,
+    fp32) besides its input, which every layer keeps: `beside` bytes, and whether its output is kept too (by
+    the layer itself; a next layer's input is that same tensor)."""
+
+    beside: int
+    keeps_output: bool = False
 
 
 @runtime_checkable
@@ -30,6 +41,11 @@ class ModelSpec(Protocol):
 
     def layer_flops_per_sample(self) -> list[int]:
         """Forward FLOPs per sample of each layer (a backward costs about twice as much)."""
+        ...
+
+    def layer_stash(self) -> list[LayerStash]:
+        """What each layer's training forward keeps for its backward; the last layer's includes what its loss
+        keeps of the logits."""
         ...
 
     def input_layout(self, layer: int) -> TensorLayout:

@@ -7,16 +7,21 @@ from arceus.placement.solver import LayerProfile
 
 
 def layer_profiles(spec: ModelSpec) -> tuple[LayerProfile, ...]:
-    """Each layer's cost; its output (fp32 activations on the wire and in the stash) as the spec lays it out;
-    its split layers are what a tensor-parallel group divides."""
+    """Each layer's cost; its output (fp32 activations on the wire) as the spec lays it out; its stash, what its
+    training forward keeps for the backward (its input, and what the spec says it keeps beside); its split
+    layers are what a tensor-parallel group divides."""
     split = spec.split_layers()
     return tuple(
         LayerProfile(
             flops_per_sample=float(flops),
             params=params,
             output_bytes_per_sample=spec.output_layout(i).nbytes,
+            stash_bytes_per_sample=spec.input_layout(i).nbytes + stash.beside,
+            kept_output_bytes_per_sample=spec.output_layout(i).nbytes if stash.keeps_output else 0,
             tensor_parallel=i in split,
         )
-        for i, (flops, params) in enumerate(zip(spec.layer_flops_per_sample(), spec.layer_params(), strict=True))
+        for i, (flops, params, stash) in enumerate(
+            zip(spec.layer_flops_per_sample(), spec.layer_params(), spec.layer_stash(), strict=True)
+        )
     )
 

@@ -42,6 +42,8 @@ class LayerProfile:
     flops_per_sample: float  # forward
     params: int
     output_bytes_per_sample: int  # the activation this layer hands to the next one
+    stash_bytes_per_sample: int = 0  # what its training forward keeps for the backward, its input included
+    kept_output_bytes_per_sample: int = 0  # its output, where the layer keeps that too (counted on a stage's last)
     tensor_parallel: bool = False  # a transformer block: its weights and compute split across a group
 
 
@@ -120,10 +122,11 @@ def layer_training_memory(params: int) -> int:
 
 def stage_memory(layers: Sequence[LayerProfile], workload: Workload, ranks: int = 1) -> int:
     """Bytes a stage holding `layers` needs on each of its `ranks` devices: weights with gradients and
-    optimizer state (a tensor-parallel rank's share of the split ones), plus every in-flight
-    micro-batch's stashed activations (whole on every rank)."""
-    stash = workload.micro_batches * workload.micro_batch_size * sum(layer.output_bytes_per_sample for layer in layers)
-    return stage_state_bytes(layers, ranks) + stash
+    optimizer state (a tensor-parallel rank's share of the split ones), plus every in-flight micro-batch's
+    stash (whole on every rank): what each layer keeps for its backward, and the last one's output if it
+    keeps that (inside the stage the next layer's input is that same tensor)."""
+    per_sample = sum(layer.stash_bytes_per_sample for layer in layers) + layers[-1].kept_output_bytes_per_sample
+    return stage_state_bytes(layers, ranks) + workload.micro_batches * workload.micro_batch_size * per_sample
 
 
 def stage_state_bytes(layers: Sequence[LayerProfile], ranks: int = 1) -> int:

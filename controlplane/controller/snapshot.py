@@ -62,7 +62,8 @@ def _node_view(
     node: Node, price_per_hour: float, now: datetime, neighbour_link: tuple[float, float] | None
 ) -> NodeView:
     reason = node_unavailable_reason(node, now)
-    memory = node.memory_bytes or 0
+    offered = min(node.memory_bytes or 0, node.max_memory_bytes or node.memory_bytes or 0)
+    memory = max(0, offered - node.runtime_memory_bytes)  # what stages may use beside the agent's own
     # The worst link it measured to a pipeline neighbour, else its link to the control plane.
     bandwidth, rtt = neighbour_link or (node.control_plane_bandwidth_bytes_per_second, node.control_plane_rtt_seconds)
     return NodeView(
@@ -72,7 +73,7 @@ def _node_view(
         lease_renewed_at=node.lease.renewed_at,
         lease_duration_seconds=node.lease.duration_seconds,
         flops=node.flops_fp32 or 0.0,
-        memory_bytes=min(memory, node.max_memory_bytes) if node.max_memory_bytes else memory,
+        memory_bytes=memory,
         paused=reason is not None,
         pause_reason=reason or "",
         device_type=node.device_type or "cpu",

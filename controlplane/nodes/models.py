@@ -31,6 +31,9 @@ class Node(BaseModel):
     device_type = models.CharField(max_length=8, choices=DeviceType, blank=True)
     device_name = models.CharField(max_length=200, blank=True)
     memory_bytes = models.BigIntegerField(null=True, blank=True)
+    runtime_memory_bytes = models.BigIntegerField(
+        default=0, help_text="what the agent process holds before any stage (Python, torch, its servers)"
+    )
     flops_fp32 = models.FloatField(null=True, blank=True)
     flops_fp16 = models.FloatField(null=True, blank=True, help_text="measured fp16 matmul FLOP/s; null: unsupported")
     flops_bf16 = models.FloatField(null=True, blank=True, help_text="measured bf16 matmul FLOP/s; null: unsupported")

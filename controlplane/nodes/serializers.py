@@ -87,6 +87,7 @@ class NodeOutput(serializers.Serializer):
     device_type = serializers.CharField()
     device_name = serializers.CharField()
     memory_bytes = serializers.IntegerField(allow_null=True)
+    runtime_memory_bytes = serializers.IntegerField(help_text="what the agent holds before any stage")
     flops_fp32 = serializers.FloatField(allow_null=True)
     flops_fp16 = serializers.FloatField(allow_null=True)
     flops_bf16 = serializers.FloatField(allow_null=True)
@@ -140,7 +141,17 @@ class CapabilitiesInput(serializers.Serializer):
     flops_fp32 = StrictFloatField(greater_than=0)
     flops_fp16 = StrictFloatField(greater_than=0, required=False, allow_null=True, default=None)
     flops_bf16 = StrictFloatField(greater_than=0, required=False, allow_null=True, default=None)
+    runtime_bytes = StrictIntegerField(
+        min_value=0, default=0, help_text="memory the agent process holds before any stage; placement leaves it room"
+    )
     link = LinkInput(required=False, allow_null=True, default=None)
+
+    def validate(self, data: dict[str, Any]) -> dict[str, Any]:
+        if data["runtime_bytes"] >= data["memory_bytes"]:
+            raise serializers.ValidationError(
+                {"runtime_bytes": f"must be below memory_bytes ({data['memory_bytes']}): the agent's own memory"}
+            )
+        return data
 
 
 class AgentRegisterInput(serializers.Serializer):

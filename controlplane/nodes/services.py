@@ -53,6 +53,7 @@ def node_register(
     public_key: str = "",
     flops_fp16: float | None = None,
     flops_bf16: float | None = None,
+    runtime_bytes: int = 0,
     link: dict[str, float] | None = None,
 ) -> Node:
     """Record the agent's address and capabilities (inputs already validated by the API).
@@ -73,6 +74,7 @@ def node_register(
     node.device_type = device_type
     node.device_name = device_name
     node.memory_bytes = memory_bytes
+    node.runtime_memory_bytes = runtime_bytes
     node.flops_fp32 = flops_fp32
     node.flops_fp16, node.flops_bf16 = flops_fp16, flops_bf16
     node.public_key = public_key  # a new process has a new key: older receipts verify only against the old

@@ -79,15 +79,17 @@ def test_apply_builds_keeps_rebuilds_and_drops(agent: Agent) -> None:
 
 def test_a_stage_over_the_owners_memory_budget_is_refused_with_what_it_needs(agent: Agent) -> None:
     [stage] = stages(model={"layer_sizes": [64, 1024, 10]})[:1]  # 64·1024 + 1024 parameters, 16 bytes each
-    need = 16 * (64 * 1024 + 1024)
-    agent.registry.memory_budget = need - 1
+    # Its state, plus the stash of its in-flight micro-batches: each keeps its input and the ReLU's output.
+    stash = stage.micro_batches * stage.max_micro_batch_size * 4 * (64 + 1024)
+    need = 16 * (64 * 1024 + 1024) + stash
+    agent.registry.runtime_bytes = 5_000  # what the agent held before any stage counts too
+    agent.registry.memory_budget = need + 5_000 - 1
     assert agent.apply_assignments([stage]) is True
     [observed] = agent.observed()
     assert observed["state"] == "failed" and not agent.registry.stages()
-    assert f"needs {need:,} bytes" in observed["message"] and f"{need - 1:,} bytes this node's owner offers" in (
-        observed["message"]
-    )
-    agent.registry.memory_budget = need  # the next generation fits the owner's new budget
+    assert f"needs {need:,} bytes" in observed["message"] and "beside the 5,000 this agent holds" in observed["message"]
+    assert f"above the {need + 5_000 - 1:,} bytes this node's owner offers" in observed["message"]
+    agent.registry.memory_budget = need + 5_000  # the next generation fits the owner's new budget
     agent.apply_assignments([Assignment.from_json({**stage.to_json(), "generation": 2})])
     assert [o["state"] for o in agent.observed()] == ["ready"]
 

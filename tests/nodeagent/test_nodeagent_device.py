@@ -42,7 +42,11 @@ def test_cpu_capabilities_are_plausible() -> None:
     assert time.perf_counter() - started < 0.5
     assert 1e7 < flops < 1e15
     caps = capabilities(cpu).to_json()
-    assert set(caps) == {"device_type", "device_name", "memory_bytes", "flops_fp32", "flops_fp16", "flops_bf16"}
+    assert set(caps) == {
+        "device_type", "device_name", "memory_bytes", "flops_fp32", "flops_fp16", "flops_bf16", "runtime_bytes"
+    }
+    # What this process holds already (Python, torch): placement leaves it room.
+    assert 50 * 2**20 < caps["runtime_bytes"] < caps["memory_bytes"]
     # torch's CPU build multiplies in half and bfloat16, so both are measured (never left null on CPU).
     assert 1e6 < caps["flops_fp16"] < 1e15 and 1e6 < caps["flops_bf16"] < 1e15
     assert caps["device_type"] == "cpu" and caps["device_name"]

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from arceus.errors import SpecError
-from arceus.model.activations import activation_from_config
+from arceus.model.activations import KEEPS_OUTPUT, activation_from_config
 from arceus.model.layout import TensorLayout
+from arceus.model.spec import LayerStash
 
 DEFAULT_CHANNELS = (8, 16)
 MAX_CHANNELS = 4096
@@ -59,6 +60,15 @@ class ConvNetSpec:
         k2 = self.kernel_size**2
         convs = [c_in * k2 * c_out + c_out for (c_in, _, _), c_out in self._convs()]
         return [*convs, math.prod(self.shapes()[-1]) * self.classes + self.classes]
+
+    def layer_stash(self) -> list[LayerStash]:
+        """A conv layer keeps its activation's output (which pooling keeps too) or, for GELU, its input and the
+        output pooling keeps, and the pooling's argmax indices (int64, a quarter as many); the head the log-
+        softmax of the logits its loss keeps."""
+        images = 1 if KEEPS_OUTPUT[self.activation] else 2
+        convs = [LayerStash(4 * images * c_out * height * width + 8 * c_out * (height // 2) * (width // 2))
+                 for (_, height, width), c_out in self._convs()]
+        return [*convs, LayerStash(4 * self.classes)]
 
     def layer_flops_per_sample(self) -> list[int]:
         """2·MACs: a conv computes c_in·k²·c_out at every pixel of its (unpooled, same-size) output, the head

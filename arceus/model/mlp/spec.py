@@ -6,8 +6,9 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from arceus.errors import SpecError
-from arceus.model.activations import activation_from_config
+from arceus.model.activations import KEEPS_OUTPUT, activation_from_config
 from arceus.model.layout import TensorLayout
+from arceus.model.spec import LayerStash
 
 MAX_LAYER_WIDTH = 1_000_000
 _MLP_KEYS = frozenset({"type", "layer_sizes", "activation"})
@@ -46,6 +47,13 @@ class MLPSpec:
         Bias and activation are ignored (O(out), negligible). Backward costs about twice the forward.
         """
         return [2 * i * o for i, o in self._pairs()]
+
+    def layer_stash(self) -> list[LayerStash]:
+        """A hidden layer's activation keeps its output (the layer's own) or its input; the last layer's loss
+        keeps the logits' log-softmax."""
+        keeps_output = KEEPS_OUTPUT[self.activation]
+        hidden = [LayerStash(0 if keeps_output else 4 * o, keeps_output) for o in self.layer_sizes[1:-1]]
+        return [*hidden, LayerStash(4 * self.layer_sizes[-1])]
 
     def layer_input_features(self) -> list[int]:
         return list(self.layer_sizes[:-1])

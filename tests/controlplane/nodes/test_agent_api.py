@@ -68,10 +68,11 @@ def test_a_user_token_is_not_a_node_token(api: APIClient) -> None:
 
 def test_register_records_capabilities(agent: tuple[Node, APIClient]) -> None:
     node, client = agent
-    response = register(client)
+    response = register(client, runtime_bytes=300 * 2**20)
     assert response.status_code == 200
     assert response.json() == {"node_id": str(node.id), "heartbeat_interval_seconds": 2.0}
     node.refresh_from_db()
+    assert node.runtime_memory_bytes == 300 * 2**20
     assert (node.device_type, node.memory_bytes, node.flops_fp32, node.grpc_address) == (
         "cpu",
         8 * 2**30,
@@ -95,6 +96,8 @@ def test_register_records_capabilities(agent: tuple[Node, APIClient]) -> None:
         ("127.0.0.1:50051", {"memory_bytes": "8GB"}, "capabilities.memory_bytes"),
         ("127.0.0.1:50051", {"flops_fp32": 0}, "capabilities.flops_fp32"),
         ("127.0.0.1:50051", {"flops_fp32": -1.5}, "capabilities.flops_fp32"),
+        ("127.0.0.1:50051", {"runtime_bytes": -1}, "capabilities.runtime_bytes"),
+        ("127.0.0.1:50051", {"runtime_bytes": 8 * 2**30}, "capabilities.runtime_bytes"),  # all of its memory
     ],
 )
 def test_register_validates_strictly(agent: tuple[Node, APIClient], address: str, caps: dict, field: str) -> None:

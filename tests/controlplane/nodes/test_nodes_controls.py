@@ -113,3 +113,18 @@ def test_the_memory_a_node_offers_is_capped_by_its_owner(user) -> None:
     _, observed = load_snapshot()
     assert [n.memory_bytes for n in observed.nodes] == [2**30]
     assert not Job.objects.exists()
+
+
+@pytest.mark.django_db
+def test_stages_get_what_a_node_offers_less_what_its_agent_holds_already(user) -> None:
+    node, _ = node_create(owner=user, name="big")
+    node_register(node=node, grpc_address="10.0.0.1:5000", device_type="cpu", device_name="cpu",
+                  memory_bytes=64 * 2**30, flops_fp32=1e11, runtime_bytes=300 * 2**20, now=timezone.now())
+    _, observed = load_snapshot()
+    assert [n.memory_bytes for n in observed.nodes] == [64 * 2**30 - 300 * 2**20]
+    Node.objects.filter(pk=node.pk).update(max_memory_bytes=2**30)  # the owner's cap is for the whole agent
+    _, observed = load_snapshot()
+    assert [n.memory_bytes for n in observed.nodes] == [2**30 - 300 * 2**20]
+    Node.objects.filter(pk=node.pk).update(max_memory_bytes=2**20)  # below what the agent holds: no room at all
+    _, observed = load_snapshot()
+    assert [n.memory_bytes for n in observed.nodes] == [0]
