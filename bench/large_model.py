@@ -147,15 +147,17 @@ def train_large(cluster: LocalCluster, agents: list[Agent], job: dict[str, Any],
     seen: list[tuple[int, float, bool]] = []  # (step, seconds since the step before it, after the kill)
     killed: Agent | None = None
     resumed_from = None
-    last_status = ""
+    last_status, since = "", time.monotonic()
     deadline = time.monotonic() + 3600
     while time.monotonic() < deadline:
         detail = cluster.client.job(job_id)
         if detail["status"] in ("failed", "cancelled"):
             raise RuntimeError(f"the large job {detail['status']}: {detail['error']} {detail['conditions']}")
         if detail["status"] != last_status:
-            last_status = detail["status"]
+            last_status, since = detail["status"], time.monotonic()
             print(f"{last_status}: {detail['conditions'][-1:]}", file=sys.stderr, flush=True)
+        if last_status == "queued" and time.monotonic() - since > 120:
+            raise RuntimeError(f"the large job found no placement in 2 minutes: {detail['conditions']}")
         step = detail["step"]
         if step not in step_at and detail["status"] in ("running", "succeeded"):
             step_at[step] = time.monotonic()
@@ -192,9 +194,13 @@ def train_large(cluster: LocalCluster, agents: list[Agent], job: dict[str, Any],
         raise RuntimeError(f"no step could be timed (seen: {seen}); steps too fast for polling, or too few of them")
     live = [a for a in agents if a is not killed]
     saves = sum(metric(a, "arceus_state_save_seconds_count") for a in live)
+    runtime = {n["id"]: n["runtime_memory_bytes"] for n in cluster.client.nodes()}
+    stage_of = {a.name: i for i, node in placed.items() for a in live if a.node_id == node}
     return {
         "detail": detail,
         "peaks": peaks,
+        "stage_of": {**stage_of, killed.name: 1},
+        "runtime": {a.name: runtime[a.node_id] for a in agents},
         "step_seconds": intervals,
         "killed": killed.name,
         "spare": spare.name,
@@ -211,12 +217,12 @@ def _initial_builds(agent: Agent) -> float:
 
 
 def solver_estimates(job: dict[str, Any], detail: dict[str, Any]) -> list[int]:
-    """The placement solver's memory per placed stage (arceus.placement.solver.stage_memory)."""
+    """The placement solver's memory per placed stage, in stage order (arceus.placement.solver.stage_memory)."""
     _, model_config, dataset = fit_model_to_dataset(job["model_config"], validate_dataset_config(job["dataset_config"]))
     spec = model_spec_from_config(model_config)
     layers = layer_profiles(spec)
     workload = Workload(micro_batch_size=-(-BATCH // MICRO_BATCHES), micro_batches=MICRO_BATCHES)
-    ranges = sorted({(p["layer_start"], p["layer_end"]) for p in detail["placements"]})
+    ranges = [(p["layer_start"], p["layer_end"]) for p in sorted(detail["placements"], key=lambda p: p["stage_index"])]
     return [stage_memory(layers[s:e], workload) for s, e in ranges]
 
 
@@ -268,6 +274,10 @@ def main() -> None:
     checkpoint_bytes = sum(s["size_bytes"] for s in checkpoint["stages"])
     stage1_bytes = next(s["size_bytes"] for s in checkpoint["stages"] if s["stage_index"] == 1)
     peaks, one_peak = large["peaks"], single["peak_rss"]
+    # The memory model's prediction of each agent's peak: what it held before any stage, and its stage's estimate.
+    predicted = {name: large["runtime"][name] + estimates[stage] for name, stage in large["stage_of"].items()}
+    errors = {name: predicted[name] / peaks[name] - 1 for name in predicted}
+    hosting = [name for name in large["stage_of"] if name != large["killed"]]
     one_step = statistics.median(single["step_seconds"][1:])
     pipeline_step = statistics.median(large["step_seconds"])
     figures = {
@@ -276,8 +286,10 @@ def main() -> None:
         "agent_cap_mib": cap // MIB,
         "agent_peaks_mib": {name: peak // MIB for name, peak in sorted(peaks.items())},
         "agent_peak_max_ratio": round(max(peaks.values()) / one_peak, 3),
-        "stage_agents_peak_sum_ratio": round(sum(sorted(peaks.values())[-STAGES:]) / one_peak, 3),
+        "stage_agents_peak_sum_ratio": round(sum(peaks[name] for name in hosting) / one_peak, 3),
         "solver_stage_estimates_mib": [e // MIB for e in estimates],
+        "predicted_peaks_mib": {name: p // MIB for name, p in sorted(predicted.items())},
+        "prediction_error_max": round(max(abs(e) for e in errors.values()), 3),
         "control_plane_peak_mib_5m": {k: v // MIB for k, v in control_small.items()},
         "control_plane_peak_mib_large": {k: v // MIB for k, v in control_large.items()},
         "control_plane_growth_max_mib": max(control_large[k] - control_small[k] for k in CONTROL_PLANE) // MIB,
@@ -291,10 +303,16 @@ def main() -> None:
         "steps": detail["step"],
         "final_loss": detail["final_loss"],
     }
+    def role(name: str) -> str:
+        stage = large["stage_of"].get(name)
+        if stage is None:
+            return "no stage"
+        return f"stage {stage}" + (", killed after the first checkpoint" if name == large["killed"] else
+                                   ", took it over from the checkpoint" if name == large["spare"] else "")
+
     agent_rows = "\n".join(
-        f"| {name} | {peak // MIB} | {peak / one_peak:.2f} |"
-        + (" killed after the first checkpoint |" if name == large["killed"] else
-           " took stage 1 over from the checkpoint |" if name == large["spare"] else " |")
+        f"| {name} ({role(name)}) | {peak // MIB} | {peak / one_peak:.2f} | "
+        + (f"{predicted[name] // MIB} ({errors[name]:+.0%}) |" if name in predicted else "|")
         for name, peak in sorted(peaks.items())
     )
     control_rows = "\n".join(
@@ -312,14 +330,16 @@ torch thread each, every owner's `max_memory_bytes` at {AGENT_SHARE}x the one-pr
 the one process uses 2 threads. Stage 1's agent was killed after the first checkpoint; the spare resumed it
 from step {large['resumed_from']}.
 
-| process | peak RSS (MiB) | / one process | |
-| --- | ---: | ---: | --- |
+| process | peak RSS (MiB) | / one process | memory model (MiB, error) |
+| --- | ---: | ---: | ---: |
 | one process, whole model | {one_peak // MIB} | 1.00 | |
 {agent_rows}
 
-Largest agent {figures['agent_peak_max_ratio']}x the one-process peak (goal 0.35x); the {STAGES} largest agents
-together {figures['stage_agents_peak_sum_ratio']}x (goal 1.3x). The solver's estimate per stage (MiB):
-{figures['solver_stage_estimates_mib']}.
+Largest agent {figures['agent_peak_max_ratio']}x the one-process peak (goal 0.35x); the {STAGES} agents hosting
+the stages at the end together {figures['stage_agents_peak_sum_ratio']}x (goal 1.3x). The memory model's
+prediction of an agent's peak is what the agent held before any stage (its `runtime_bytes`) plus the solver's
+estimate for its stage (`stage_memory`, per stage in MiB: {figures['solver_stage_estimates_mib']}); its largest
+error {figures['prediction_error_max']:.0%} (goal 20%).
 
 | control-plane part | peak after the 5M GPT (MiB) | after the large GPT (MiB) | growth (MiB) |
 | --- | ---: | ---: | ---: |

@@ -171,6 +171,9 @@ class HostedStages:
         del old
         dropped.clear()
         gc.collect()  # autograd graphs of an interrupted step hold reference cycles
+        # Before anything is built: the dropped gradients and optimizer state sit in the heaps of the threads that
+        # ran its steps, which a build on this thread would not reuse, so the new stage would add to them.
+        release_free_memory()
 
     def resolve(self, ref: stage_pb2.StageRef) -> HostedStage:
         """The hosted stage a request addresses; NOT_FOUND or FAILED_PRECONDITION otherwise."""
