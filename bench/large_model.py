@@ -6,11 +6,11 @@ process needs, side by side with the same model trained in one process.
 1. One process (a child of this script, 2 torch threads) trains the whole model with Adam for `--steps`
    steps on the same windows in the same order: its peak RSS (VmHWM) and seconds per step.
 2. A whole deployment on this machine (gunicorn, Celery workers and beat, by DATABASE_URL / REDIS_URL or
-   SQLite and an embedded redis-server) with five agents of one torch thread each, declared equally fast
-   (their measured speeds differ on a shared machine), each capped by its owner's `max_memory_bytes` at
-   0.35x the one-process peak. The default 5M-parameter GPT trains first; then the large one, four stages,
-   a checkpoint every `--steps // 2` steps. After the first checkpoint the agent of stage 1 is killed
-   (SIGKILL) and the spare takes its stage over from that checkpoint.
+   SQLite and an embedded redis-server) with five agents of one torch thread each (two while a stage computes
+   alone: `--solo-threads 2`), declared equally fast (their measured speeds differ on a shared machine), each
+   capped by its owner's `max_memory_bytes` at 0.35x the one-process peak. The default 5M-parameter GPT
+   trains first; then the large one, four stages, a checkpoint every `--steps // 2` steps. After the first
+   checkpoint the agent of stage 1 is killed (SIGKILL) and the spare takes its stage over from it.
 Measured: every agent's VmHWM (the killed one's read just before the kill) and their sum; the placement
 solver's memory estimate per stage; the control plane's processes' VmHWM (web: gunicorn and its workers;
 each Celery worker with its pool, the training worker's pool running the driver; beat) after the 5M job
@@ -252,7 +252,9 @@ def main() -> None:
                                extra_env={"ARCEUS_RPC_TIMEOUT_SECONDS": "900"})
         try:
             cluster.start()
-            agents = cluster.start_agents([f"agent-{i}" for i in range(STAGES + 1)], "--declare-flops", "2e10")
+            # Each agent computes on one thread and borrows idle ones while its stage fills or drains the pipeline.
+            agents = cluster.start_agents([f"agent-{i}" for i in range(STAGES + 1)], "--declare-flops", "2e10",
+                                          "--solo-threads", "2")
             for agent in agents:
                 set_memory_cap(cluster, agent, cap)
             small = {"name": "default-gpt", "model_config": {"type": "transformer"},
@@ -326,9 +328,9 @@ def main() -> None:
 
 GPT of {single['params'] / 1e6:.0f}M parameters (n_layer {args.n_layer}, d_model {args.d_model}, block {BLOCK}),
 Adam, batch {BATCH} in {MICRO_BATCHES} micro-batches (1F1B), {detail['step']} steps over {STAGES} agents of one
-torch thread each, every owner's `max_memory_bytes` at {AGENT_SHARE}x the one-process peak ({cap // MIB} MiB);
-the one process uses 2 threads. Stage 1's agent was killed after the first checkpoint; the spare resumed it
-from step {large['resumed_from']}.
+torch thread each (two while its stage alone computes: `--solo-threads 2`), every owner's `max_memory_bytes`
+at {AGENT_SHARE}x the one-process peak ({cap // MIB} MiB); the one process uses 2 threads. Stage 1's agent
+was killed after the first checkpoint; the spare resumed it from step {large['resumed_from']}.
 
 | process | peak RSS (MiB) | / one process | memory model (MiB, error) |
 | --- | ---: | ---: | ---: |
