@@ -254,7 +254,9 @@ def measure_link(client: ControlPlaneClient, rounds: int = 3) -> dict[str, float
 
 
 class HeartbeatLoop:
-    """A daemon thread: heartbeat every interval, apply the answer, back off on errors.
+    """A daemon thread: heartbeat every interval, back off on errors; another applies each answer's desired
+    state, so a stage that takes long to build (a large checkpoint to download and load) never holds back the
+    heartbeats that keep the node's lease: the node would look dead and its stages move.
 
     `on_fatal(message)` is called once, from the thread, if the token is rejected; the loop then ends.
     """
@@ -277,20 +279,29 @@ class HeartbeatLoop:
         self._max_backoff = max_backoff
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+        self._applier = threading.Thread(target=self._apply, name="apply-assignments", daemon=True)
+        self._desired_lock = threading.Lock()
+        self._desired: tuple[list[Assignment], list[ObservedStage]] | None = None  # the newest answer, unapplied
+        self._desired_ready = threading.Event()
+        self._applied_change = threading.Event()  # the applier changed the stages: report them at once
         self._host_load = HostLoad()
         self._link_measured = time.monotonic()  # registration measured it
         self._unsent_links: dict[str, dict[str, Any]] = {}  # neighbour figures kept until a heartbeat succeeds
 
     def start(self) -> None:
+        self._applier.start()
         self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
+        self._desired_ready.set()
+        self._applied_change.set()
         self._thread.join(timeout)
+        self._applier.join(timeout)
 
     def _run(self) -> None:
         backoff = self._min_backoff
-        resend_now = False
+        resent = False
         while not self._stop.is_set():
             try:
                 link = None
@@ -309,22 +320,43 @@ class HeartbeatLoop:
                 self._agent.registry.memory_budget = reply.max_memory_bytes
                 self._interval = reply.heartbeat_interval_seconds
                 backoff = self._min_backoff
-                changed = self._agent.apply_assignments(reply.assignments, reply.rejected)
-                # Report a change at once, but only once in a row, so a flapping answer cannot spin.
-                resend_now = changed and not resend_now
-                wait = 0.0 if resend_now else self._interval
+                with self._desired_lock:
+                    self._desired = (reply.assignments, reply.rejected)
+                self._desired_ready.set()
+                wait = self._interval
             except Unauthorized as exc:
                 self._on_fatal(str(exc))
                 return
             except ControlPlaneError as exc:
                 log.warning("heartbeat failed: %s; retrying in %.1fs", exc, backoff)
                 wait, backoff = backoff, min(backoff * 2, self._max_backoff)
-                resend_now = False
             except Exception:  # a bug must not silently end heartbeats: the node would look dead
                 log.exception("unexpected error in the heartbeat loop; retrying in %.1fs", backoff)
                 wait, backoff = backoff, min(backoff * 2, self._max_backoff)
-                resend_now = False
-            self._stop.wait(wait)
+            # Report a change at once, but not twice in a row, so a flapping answer cannot spin.
+            if resent:
+                self._stop.wait(wait)
+                resent = False
+            else:
+                resent = self._applied_change.wait(wait) and not self._stop.is_set()
+            self._applied_change.clear()
+
+    def _apply(self) -> None:
+        """Apply the newest desired state whenever one arrives (answers that came meanwhile are skipped)."""
+        while True:
+            self._desired_ready.wait()
+            if self._stop.is_set():
+                return
+            with self._desired_lock:
+                desired, self._desired = self._desired, None
+                self._desired_ready.clear()
+            if desired is None:
+                continue
+            try:
+                if self._agent.apply_assignments(*desired):
+                    self._applied_change.set()
+            except Exception:  # a bug must not end the applying: the node would keep stale stages
+                log.exception("unexpected error applying the desired state")
 
 
 def register_until_accepted(

@@ -5,10 +5,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
+from arceus.checkpoint import StateFile, checkpoint_digest, encode_checkpoint
+from arceus.contracts.assignment import Assignment, CheckpointRef
+from arceus.model.build import build_layers, named_global_parameters
 from devtools.pipeline import pipeline_assignments
 from nodeagent.agent import Agent
 from nodeagent.control_plane import (
@@ -178,3 +182,36 @@ def test_the_owners_thread_cap_is_taken_and_lifted(control_plane, agent: Agent) 
         assert agent.compute_threads == started_with
     finally:
         loop.stop()
+
+
+def test_a_stage_slow_to_build_does_not_hold_back_the_heartbeats(control_plane, tmp_path: Path) -> None:  # noqa: ANN001
+    """A large checkpoint takes longer to download and load than the node's lease lasts: heartbeats go on."""
+    spec = Assignment.from_json(ASSIGNMENT).spec
+    data = encode_checkpoint(dict(named_global_parameters(build_layers(spec, 0, 1, seed=0))))
+    path = tmp_path / "stage.safetensors"
+    path.write_bytes(data)
+    building = threading.Event()
+
+    def slow_fetch(ref: CheckpointRef) -> StateFile:
+        building.set()
+        time.sleep(2.0)  # as a download of a large stage would take
+        return StateFile(Path(ref.url), sha256=ref.sha256)
+
+    agent = Agent(device=torch.device("cpu"), load_checkpoint=slow_fetch)
+    agent.start()
+    control_plane.interval = 0.2
+    checkpoint = {"step": 3, "url": str(path), "sha256": checkpoint_digest(data)}
+    control_plane.assignments = [{**ASSIGNMENT, "checkpoint": checkpoint}]
+    loop = HeartbeatLoop(ControlPlaneClient(control_plane.url, control_plane.token), agent, interval=0.2,
+                         on_fatal=lambda message: None)
+    loop.start()
+    try:
+        assert building.wait(5)
+        during = len(control_plane.heartbeats())
+        time.sleep(1.5)
+        assert len(control_plane.heartbeats()) >= during + 4  # every 0.2 s while the stage builds
+        assert agent.observed() == []  # not ready yet, and not reported as anything else
+        wait_for(lambda: [o["state"] for o in control_plane.heartbeats()[-1]["observed"]] == ["ready"])
+    finally:
+        loop.stop()
+        agent.stop(grace=1)
