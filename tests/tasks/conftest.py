@@ -3,7 +3,8 @@ plane through the same services the agent endpoints call."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import io
+from collections.abc import Iterable, Iterator
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from django.utils import timezone
 from arceus.checkpoint import decode_checkpoint
 from arceus.contracts.assignment import Assignment, CheckpointRef
 from arceus.contracts.observed import ObservedStage
-from controlplane.jobs.checkpoints import stage_checkpoint_for_node
+from controlplane.jobs.checkpoints import checkpoint_upload_receive, stage_checkpoint_for_node
 from controlplane.jobs.models import checkpoint_storage
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_create, node_heartbeat, node_register
@@ -34,6 +35,7 @@ class LiveNode:
             listen="127.0.0.1:0",
             metrics_listen="127.0.0.1:0",
             load_checkpoint=self.load_checkpoint,
+            upload_state=self.upload_state,
         )
         self.agent.start()
         self.node, _ = node_create(owner=user, name=name)
@@ -55,6 +57,13 @@ class LiveNode:
         sc = stage_checkpoint_for_node(node_id=self.node.pk, stage_checkpoint_id=ref.url.rsplit("/", 1)[-1])
         with checkpoint_storage().open(sc.file.name, "rb") as handle:
             return decode_checkpoint(handle.read(), sha256=ref.sha256)
+
+    def upload_state(self, path: str, size: int, chunks: Iterable[bytes | memoryview], seconds: float) -> None:
+        """What the agent's PUT of its state does, through the service behind that endpoint (the state of these
+        tests' small models held in memory here)."""
+        body = io.BytesIO(b"".join(bytes(chunk) for chunk in chunks))
+        checkpoint_upload_receive(node_id=self.node.pk, upload_id=path.rstrip("/").rsplit("/", 1)[-1], body=body,
+                                  length=size)
 
     def sync(self) -> None:
         observed = [ObservedStage(**o) for o in self.agent.observed()]
