@@ -1,8 +1,9 @@
 """The agent's side of the control-plane contract (docs/architecture.md): register, then heartbeat.
 
-Each heartbeat reports the stages' observed states and receives the whole desired state back, which
-is applied at once; after a change the agent heartbeats again immediately so the control plane
-learns about readiness quickly. Errors back off; only a rejected token (401) is fatal.
+Each heartbeat reports the stages' observed states and receives the whole desired state back, which a
+thread of its own applies (building a large stage must not stop the heartbeats that keep the node's
+lease); after a change the agent heartbeats again at once so the control plane learns about readiness
+quickly. Errors back off; only a rejected token (401) is fatal.
 """
 
 from __future__ import annotations
