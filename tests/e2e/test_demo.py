@@ -72,8 +72,11 @@ def test_ctrl_c_mid_training_leaves_no_process_behind(tmp_path: Path) -> None:
             if line.startswith("[arceus demo] submitted job") or time.monotonic() > deadline:
                 break
         assert len(_processes_mentioning(str(tmp_path))) >= 7  # redis, web, 2 workers, beat, 3 agents
+        status = Path(f"/proc/{demo.pid}/status").read_text()
+        signals = [line for line in status.splitlines() if line.startswith(("SigBlk", "SigIgn", "SigCgt"))]
         demo.send_signal(signal.SIGINT)
-        assert demo.wait(timeout=60) == 130
+        code = demo.wait(timeout=60)
+        assert code == 130, (code, signals, demo.stderr.read()[-3000:])
     finally:
         if demo.poll() is None:
             demo.kill()
