@@ -31,7 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import machine_line, write_section  # noqa: E402
-from devtools.cluster import LocalCluster  # noqa: E402
+from devtools.cluster import LocalCluster, stage_placement  # noqa: E402
 from devtools.reference import reference_run  # noqa: E402
 
 JOB: dict[str, Any] = {
@@ -49,36 +49,27 @@ JOB: dict[str, Any] = {
 POLL_SECONDS = 0.05
 
 
-def poll(cluster: LocalCluster, job_id: str, until: Any, timeout: float) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        detail = cluster.client.job(job_id)
-        if until(detail):
-            return detail
-        if detail["status"] in ("failed", "cancelled"):
-            raise RuntimeError(f"job {job_id} {detail['status']}: {detail['error']}")
-        time.sleep(POLL_SECONDS)
-    raise TimeoutError(f"job {job_id}: condition not reached in {timeout:.0f}s ({detail['status']})")
-
-
-def stage_nodes(detail: dict[str, Any]) -> dict[int, str]:
-    return {p["stage_index"]: p["node_id"] for p in detail["placements"]}
-
-
 def trial(cluster: LocalCluster, rng: random.Random, index: int, total_steps: int) -> dict[str, Any]:
     job = cluster.client.submit_job({**JOB, "name": f"fault-trial-{index}"})
     cluster.client.start_job(job["id"])
     kill_after = rng.randint(JOB["checkpoint_interval_steps"] // 2, total_steps - 30)
-    running = poll(cluster, job["id"], lambda d: d["status"] == "running" and d["step"] >= kill_after, 120)
+    running = cluster.wait_for_job(
+        job["id"], lambda d: d["status"] == "running" and d["step"] >= kill_after, 120, poll_seconds=POLL_SECONDS
+    )
     stage = rng.randrange(JOB["stages"])
-    victim = next(a for a in cluster.agents if a.node_id == stage_nodes(running)[stage])
+    victim = next(a for a in cluster.agents if a.node_id == stage_placement(running)[stage])
     cluster.crash(victim.child.name)
     killed_at, killed_step = time.monotonic(), running["step"]
 
-    moved = poll(cluster, job["id"], lambda d: stage_nodes(d).get(stage) not in (victim.node_id, None), 120)
+    moved = cluster.wait_for_job(
+        job["id"], lambda d: stage_placement(d).get(stage) not in (victim.node_id, None), 120,
+        poll_seconds=POLL_SECONDS,
+    )
     detection = time.monotonic() - killed_at
     resume = moved["resumed_from_step"] or 0
-    poll(cluster, job["id"], lambda d: d["status"] == "running" and d["step"] > resume, 120)
+    cluster.wait_for_job(
+        job["id"], lambda d: d["status"] == "running" and d["step"] > resume, 120, poll_seconds=POLL_SECONDS
+    )
     recovery = time.monotonic() - killed_at
     final = cluster.client.wait(job["id"], timeout=300)
     cluster.agents.remove(victim)

@@ -48,19 +48,12 @@ from arceus.placement.profiles import layer_profiles  # noqa: E402
 from arceus.placement.solver import Workload, stage_memory  # noqa: E402
 from bench.report import machine_line, write_section  # noqa: E402
 from devtools.cluster import Agent, LocalCluster  # noqa: E402
+from devtools.supervisor import peak_rss  # noqa: E402
 
 BATCH, MICRO_BATCHES, BLOCK, STAGES = 4, 4, 128, 4
 AGENT_SHARE = 0.35  # each owner's max_memory_bytes, as a fraction of the one-process peak
 CONTROL_PLANE = ("web", "worker-control", "worker-training", "beat")
 MIB = 2**20
-
-
-def peak_rss(pid: int) -> int:
-    """A process's peak resident set (VmHWM), in bytes."""
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmHWM for process {pid}")
 
 
 def text_source(directory: Path, steps: int) -> Path:

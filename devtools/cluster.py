@@ -15,9 +15,10 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 import requests
@@ -27,6 +28,11 @@ from devtools.supervisor import Child, ProcessError, Supervisor
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 AGENT_READY_PREFIX = "AGENT READY"
+
+
+def stage_placement(detail: dict[str, Any]) -> dict[int, str]:
+    """A job detail's placement: stage index -> node id."""
+    return {p["stage_index"]: p["node_id"] for p in detail["placements"]}
 
 
 def free_port() -> int:
@@ -173,6 +179,30 @@ class LocalCluster:
         # The web server only once the agents that heartbeat to it are gone, the broker last, after everyone who
         # may still enqueue or acknowledge: else those calls hang in retries until the grace runs out.
         self.supervisor.stop_all(wave=lambda name: {"web": 1, "redis": 2}.get(name, 0))
+
+    def wait_for_job(
+        self,
+        job_id: str,
+        ready: Callable[[dict[str, Any]], bool],
+        timeout: float,
+        *,
+        give_up_on: Collection[str] = ("failed", "cancelled"),
+        poll_seconds: float = 0.1,
+    ) -> dict[str, Any]:
+        """The job's detail once `ready` holds for it; RuntimeError if its status reaches one of `give_up_on`
+        first, TimeoutError after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            detail = self.client.job(job_id)
+            if ready(detail):
+                return detail
+            if detail["status"] in give_up_on:
+                raise RuntimeError(f"job {job_id} {detail['status']}: {detail['error']} {detail['conditions']}")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(
+                    f"job {job_id}: not ready in {timeout:.0f}s ({detail['status']} {detail['conditions']})"
+                )
+            time.sleep(poll_seconds)
 
     # --- faults, for the fault-tolerance tests and benchmarks ------------------------------------
     def crash(self, name: str) -> None:

@@ -144,3 +144,11 @@ class Supervisor:
 def _signal_group(child: Child, sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.killpg(child.process.pid, sig)
+
+
+def peak_rss(pid: int) -> int:
+    """A process's peak resident set so far (VmHWM), in bytes."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise ProcessError(f"/proc/{pid}/status has no VmHWM")

@@ -22,6 +22,7 @@ from arceus.cli import main as cli_main
 from arceus.v1 import stage_pb2, stage_pb2_grpc
 from arceus.wire.proto_tensor import to_proto
 from devtools.cluster import Agent, LocalCluster
+from devtools.cluster import stage_placement as placement
 from devtools.reference import reference_run
 
 pytestmark = pytest.mark.slow
@@ -54,21 +55,6 @@ def start_job(cluster: LocalCluster, agents: int) -> tuple[list[Agent], dict[str
     return started, job
 
 
-def wait_for(cluster: LocalCluster, job_id: str, ready: Callable[[dict[str, Any]], bool], timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        detail = cluster.client.job(job_id)
-        if ready(detail):
-            return detail
-        assert detail["status"] not in ("failed", "cancelled"), detail["conditions"]
-        time.sleep(0.1)
-    raise AssertionError(f"timed out; last detail: {detail['status']} {detail['conditions']}")
-
-
-def placement(detail: dict[str, Any]) -> dict[int, str]:
-    return {p["stage_index"]: p["node_id"] for p in detail["placements"]}
-
-
 def assert_matches_reference(final: dict[str, Any], reference: Any) -> None:
     assert final["status"] == "succeeded", final["error"]
     assert final["step"] == len(reference.losses)
@@ -85,7 +71,7 @@ def test_a_killed_stage_agent_moves_to_the_spare_and_the_job_finishes(
     cluster: LocalCluster, reference: Any, record_property: Callable[[str, object], None]
 ) -> None:
     agents, job = start_job(cluster, agents=4)
-    before = wait_for(cluster, job["id"], lambda d: d["status"] == "running" and d["step"] >= FAULT_AT_STEP, 120)
+    before = cluster.wait_for_job(job["id"], lambda d: d["status"] == "running" and d["step"] >= FAULT_AT_STEP, 120)
     placed = placement(before)
     spare = next(a for a in agents if a.node_id not in placed.values())
     victim_stage = 1
@@ -93,11 +79,11 @@ def test_a_killed_stage_agent_moves_to_the_spare_and_the_job_finishes(
     cluster.crash(victim.child.name)
     killed_at = time.monotonic()
 
-    moved = wait_for(cluster, job["id"], lambda d: placement(d)[victim_stage] != victim.node_id, 60)
+    moved = cluster.wait_for_job(job["id"], lambda d: placement(d)[victim_stage] != victim.node_id, 60)
     detected = time.monotonic() - killed_at
     resumed_from = moved["resumed_from_step"]
-    progressing = wait_for(
-        cluster, job["id"], lambda d: d["status"] == "running" and d["step"] > (resumed_from or 0), 60
+    progressing = cluster.wait_for_job(
+        job["id"], lambda d: d["status"] == "running" and d["step"] > (resumed_from or 0), 60
     )
     recovered = time.monotonic() - killed_at
     record_property("detection_seconds", round(detected, 2))
@@ -132,11 +118,11 @@ def test_with_no_spare_the_job_waits_pending_then_finishes_on_a_new_agent(
     cluster: LocalCluster, reference: Any
 ) -> None:
     agents, job = start_job(cluster, agents=3)
-    before = wait_for(cluster, job["id"], lambda d: d["status"] == "running" and d["step"] >= FAULT_AT_STEP, 120)
+    before = cluster.wait_for_job(job["id"], lambda d: d["status"] == "running" and d["step"] >= FAULT_AT_STEP, 120)
     victim = next(a for a in agents if a.node_id == placement(before)[0])
     cluster.crash(victim.child.name)
 
-    pending = wait_for(cluster, job["id"], lambda d: d["status"] == "pending", 60)
+    pending = cluster.wait_for_job(job["id"], lambda d: d["status"] == "pending", 60)
     placed_condition = next(c for c in pending["conditions"] if c["type"] == "Placed")
     assert placed_condition["status"] == "False" and placed_condition["reason"] == "WaitingForNode"
     assert "waiting for a Ready node with room for stage 0" in placed_condition["message"]
@@ -154,7 +140,7 @@ def test_a_restarted_agent_rebuilds_its_stage_from_desired_state_and_rejoins(
     cluster: LocalCluster, reference: Any
 ) -> None:
     agents, job = start_job(cluster, agents=3)
-    before = wait_for(cluster, job["id"], lambda d: d["status"] == "running" and d["step"] >= FAULT_AT_STEP, 120)
+    before = cluster.wait_for_job(job["id"], lambda d: d["status"] == "running" and d["step"] >= FAULT_AT_STEP, 120)
     victim = next(a for a in agents if a.node_id == placement(before)[2])
     restarted = cluster.restart_agent(victim)  # SIGKILL, then the same token again, on a new port
     final = cluster.client.wait(job["id"], timeout=240)
@@ -165,7 +151,7 @@ def test_a_restarted_agent_rebuilds_its_stage_from_desired_state_and_rejoins(
 
 def test_killing_the_training_worker_mid_run_loses_nothing(cluster: LocalCluster, reference: Any) -> None:
     _, job = start_job(cluster, agents=3)
-    wait_for(cluster, job["id"], lambda d: d["status"] == "running" and d["step"] >= FAULT_AT_STEP, 120)
+    cluster.wait_for_job(job["id"], lambda d: d["status"] == "running" and d["step"] >= FAULT_AT_STEP, 120)
     cluster.crash("worker-training")  # the driver dies with it, mid-step
     time.sleep(1)
     cluster.relaunch("worker-training")  # as a process manager would
@@ -176,7 +162,7 @@ def test_killing_the_training_worker_mid_run_loses_nothing(cluster: LocalCluster
 
 def test_killing_the_web_server_and_beat_mid_run_loses_nothing(cluster: LocalCluster, reference: Any) -> None:
     _, job = start_job(cluster, agents=3)
-    wait_for(cluster, job["id"], lambda d: d["status"] == "running" and d["step"] >= FAULT_AT_STEP, 120)
+    cluster.wait_for_job(job["id"], lambda d: d["status"] == "running" and d["step"] >= FAULT_AT_STEP, 120)
     cluster.crash("web")  # agents cannot heartbeat, the driver keeps training and writing progress
     cluster.crash("beat")
     time.sleep(3)
@@ -189,7 +175,7 @@ def test_killing_the_web_server_and_beat_mid_run_loses_nothing(cluster: LocalClu
 def test_restarting_redis_mid_run_loses_nothing(embedded_redis_cluster: LocalCluster, reference: Any) -> None:
     cluster = embedded_redis_cluster
     _, job = start_job(cluster, agents=3)
-    wait_for(cluster, job["id"], lambda d: d["status"] == "running" and d["step"] >= FAULT_AT_STEP, 120)
+    cluster.wait_for_job(job["id"], lambda d: d["status"] == "running" and d["step"] >= FAULT_AT_STEP, 120)
     cluster.crash("redis")
     time.sleep(2)
     cluster.relaunch("redis")  # empty: no persistence, every queued message is gone
@@ -199,11 +185,11 @@ def test_restarting_redis_mid_run_loses_nothing(embedded_redis_cluster: LocalClu
 
 def test_a_stale_agent_that_comes_back_cannot_write_into_the_job(cluster: LocalCluster, reference: Any) -> None:
     agents, job = start_job(cluster, agents=4)
-    before = wait_for(cluster, job["id"], lambda d: d["status"] == "running" and d["step"] >= FAULT_AT_STEP, 120)
+    before = cluster.wait_for_job(job["id"], lambda d: d["status"] == "running" and d["step"] >= FAULT_AT_STEP, 120)
     stale = next(a for a in agents if a.node_id == placement(before)[1])
     stale_generation = before["generation"]
     cluster.pause(stale)  # frozen with its stage (generation `stale_generation`) still in memory
-    moved = wait_for(cluster, job["id"], lambda d: placement(d)[1] != stale.node_id, 60)
+    moved = cluster.wait_for_job(job["id"], lambda d: placement(d)[1] != stale.node_id, 60)
     cluster.resume(stale)
 
     # Its next heartbeat tells it to drop the stage it no longer owns.
@@ -215,7 +201,7 @@ def test_a_stale_agent_that_comes_back_cannot_write_into_the_job(cluster: LocalC
 
     # What it would still send carries the old generation; once the job runs again, its current stages
     # (rebuilt at the new generation) refuse it.
-    wait_for(cluster, job["id"], lambda d: d["status"] == "running" and d["generation"] == moved["generation"], 60)
+    cluster.wait_for_job(job["id"], lambda d: d["status"] == "running" and d["generation"] == moved["generation"], 60)
     neighbour = next(a for a in agents if a.node_id == placement(moved)[2])
     with grpc.insecure_channel(neighbour.grpc_address) as channel:
         stub = stage_pb2_grpc.StageServiceStub(channel)
@@ -239,7 +225,7 @@ def test_a_paused_node_drains_its_stage_without_losing_work(
     cluster: LocalCluster, reference: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     agents, job = start_job(cluster, agents=4)
-    before = wait_for(cluster, job["id"], lambda d: d["status"] == "running" and d["step"] >= FAULT_AT_STEP, 120)
+    before = cluster.wait_for_job(job["id"], lambda d: d["status"] == "running" and d["step"] >= FAULT_AT_STEP, 120)
     placed = placement(before)
     spare = next(a for a in agents if a.node_id not in placed.values())
     token = cluster.client.session.headers["Authorization"].removeprefix("Token ")
@@ -248,7 +234,7 @@ def test_a_paused_node_drains_its_stage_without_losing_work(
     assert capsys.readouterr().out.strip() == f"node {placed[1]} paused: its stages move elsewhere"
     paused_at_step = cluster.client.job(job["id"])["step"]
 
-    moved = wait_for(cluster, job["id"], lambda d: placement(d)[1] != placed[1], 60)
+    moved = cluster.wait_for_job(job["id"], lambda d: placement(d)[1] != placed[1], 60)
     # The driver checkpointed where it was and handed over: nothing before the pause is trained again.
     assert moved["resumed_from_step"] is not None, (moved["checkpoints"], moved["conditions"], paused_at_step)
     assert moved["resumed_from_step"] >= paused_at_step

@@ -10,7 +10,6 @@ uninterrupted run's.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,9 @@ from arceus.data import validate_dataset_config
 from arceus.data.text_config import BUNDLED_TEXT
 from arceus.model.registry import fit_model_to_dataset
 from devtools.cluster import LocalCluster
+from devtools.cluster import stage_placement as placement
 from devtools.reference import reference_run
+from devtools.supervisor import peak_rss
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +33,7 @@ MODEL = {"type": "transformer", "n_layer": 8, "n_head": 12, "d_model": 768, "blo
 CHECKPOINT_EVERY = 5
 FAULT_AFTER_STEP = CHECKPOINT_EVERY + 1
 STAGE_STATE_FLOOR = 256 * 2**20
+ENDED = ("failed", "cancelled", "succeeded")  # waiting for a step of the run: an ended job will not reach it
 
 
 @pytest.fixture(scope="module")
@@ -61,21 +63,6 @@ def reference(job_body: dict[str, Any]) -> Any:
     return reference_run({**job_body, "model_config": model, "dataset_config": dataset})
 
 
-def wait_for(cluster: LocalCluster, job_id: str, ready: Callable[[dict[str, Any]], bool], timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        detail = cluster.client.job(job_id)
-        if ready(detail):
-            return detail
-        assert detail["status"] not in ("failed", "cancelled", "succeeded"), (detail["status"], detail["conditions"])
-        time.sleep(0.2)
-    raise AssertionError(f"timed out; last detail: {detail['status']} {detail['conditions']}")
-
-
-def placement(detail: dict[str, Any]) -> dict[int, str]:
-    return {p["stage_index"]: p["node_id"] for p in detail["placements"]}
-
-
 def test_a_large_gpt_checkpoints_survives_a_killed_agent_samples_and_downloads(
     cluster: LocalCluster, job_body: dict[str, Any], reference: Any, tmp_path: Path,
     record_property: Callable[[str, object], None],
@@ -86,7 +73,9 @@ def test_a_large_gpt_checkpoints_survives_a_killed_agent_samples_and_downloads(
     job = client.submit_job(job_body)
     client.start_job(job["id"])
 
-    checkpointed = wait_for(cluster, job["id"], lambda d: d["step"] >= FAULT_AFTER_STEP and d["checkpoints"], 600)
+    checkpointed = cluster.wait_for_job(
+        job["id"], lambda d: d["step"] >= FAULT_AFTER_STEP and d["checkpoints"], 600, give_up_on=ENDED
+    )
     first = checkpointed["checkpoints"][0]
     assert first["step"] == CHECKPOINT_EVERY and [s["stage_index"] for s in first["stages"]] == [0, 1]
     for stage in first["stages"]:
@@ -101,7 +90,7 @@ def test_a_large_gpt_checkpoints_survives_a_killed_agent_samples_and_downloads(
         resumed = d["step"] > (d["resumed_from_step"] or 0)
         return d["status"] == "running" and placement(d)[1] == spare.node_id and resumed
 
-    resumed = wait_for(cluster, job["id"], training_on_the_spare, 300)
+    resumed = cluster.wait_for_job(job["id"], training_on_the_spare, 300, give_up_on=ENDED)
     assert resumed["resumed_from_step"] is not None and resumed["resumed_from_step"] % CHECKPOINT_EVERY == 0
     sample = client.sample(job["id"], prompt="And God", length=12, temperature=0.0)
     assert sample["text"].startswith("And God") and len(sample["text"]) == len("And God") + 12  # a char vocabulary
@@ -123,14 +112,8 @@ def test_a_large_gpt_checkpoints_survives_a_killed_agent_samples_and_downloads(
         assert sorted(model.keys()) == sorted(reference.weights)
         for name, want in reference.weights.items():
             torch.testing.assert_close(model.get_tensor(name), want, rtol=1e-4, atol=1e-4)
-    peaks = {a.name: _peak_rss_mib(a.child.process.pid) for a in agents if a is not victim}
+    peaks = {a.name: peak_rss(a.child.process.pid) // 2**20 for a in agents if a is not victim}
     for name, peak in peaks.items():
         record_property(f"{name}_peak_rss_mib", peak)
     print(f"agents' peak RSS (MiB): {peaks}")
 
-
-def _peak_rss_mib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) // 1024
-    raise AssertionError(f"no VmHWM for process {pid}")
