@@ -192,11 +192,15 @@ class Agent:
         as long as their senders live, so a graceful server stop would always wait them out."""
         self.neighbour_links.stop()
         self._health.enter_graceful_shutdown()
-        deadline = time.monotonic() + grace
-        for stage in self.registry.stages():
-            if stage.step_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                stage.step_lock.release()
+        self._wait_for_steps_in_flight(grace)
         self._server.stop(None).wait()
         self.registry.close()
         self.tensor_parallel.close()
         self.metrics.stop()
+
+    def _wait_for_steps_in_flight(self, grace: float) -> None:
+        """(A method of its own: a loop variable left in `stop` would keep a stage alive through its drop.)"""
+        deadline = time.monotonic() + grace
+        for stage in self.registry.stages():
+            if stage.step_lock.acquire(timeout=max(0.0, deadline - time.monotonic())):
+                stage.step_lock.release()

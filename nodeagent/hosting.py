@@ -11,6 +11,8 @@ import gc
 import logging
 import threading
 import time
+import traceback
+import weakref
 from collections.abc import Sequence
 
 import grpc
@@ -28,6 +30,9 @@ from nodeagent.rpc import RpcFailure
 from nodeagent.stage import CheckpointLoader, HostedStage, build_hosted_stage
 
 log = logging.getLogger(__name__)
+
+# How long a drop waits for calls still running in a dropped stage to end before building anything new.
+DROP_GRACE_SECONDS = 10.0
 
 
 class HostedStages:
@@ -69,9 +74,10 @@ class HostedStages:
             # Running stages first, so a new assignment cannot take the slot of one that stays.
             stages.update(_still_hosted(current, desired))
             # The rest go before anything is built: a stage rebuilt at a new generation must not hold its
-            # old weights, gradients and optimizer state beside the new ones.
-            self._drop([stage for stage_id, stage in current.items() if stages.get(stage_id) is not stage])
+            # old weights, gradients and optimizer state beside the new ones (nor may `current` keep them).
+            dropped = [stage for stage_id, stage in current.items() if stages.get(stage_id) is not stage]
             del current
+            self._drop(dropped)
             for stage_id, assignment in desired.items():
                 if stage_id in stages:
                     continue
@@ -123,7 +129,9 @@ class HostedStages:
                         else f"resumed from the checkpoint of step {assignment.checkpoint.step}",
                     )
                 except Exception as exc:  # a stage that cannot be built is reported, not fatal
-                    log.exception("could not build %s", stage_id)
+                    # The traceback as text: a record holding the exception would hold this frame, and so the
+                    # stages in it, in any handler that keeps records.
+                    log.error("could not build %s\n%s", stage_id, traceback.format_exc())
                     if group is not None:
                         self.tensor_parallel.remove(group)
                     new_failed[stage_id] = ObservedStage(
@@ -158,11 +166,14 @@ class HostedStages:
         )
 
     def _drop(self, dropped: list[HostedStage]) -> None:
-        """Stop hosting `dropped` and let their memory go (calls still running in them end with ABORTED)."""
+        """Stop hosting `dropped` and let their memory go: calls still running in them end with ABORTED, and
+        the drop waits (up to DROP_GRACE_SECONDS) until they have let go of the stages' tensors. The caller
+        passes its only references."""
         if not dropped:
             return
         with self._lock:
             self._stages = {k: v for k, v in self._stages.items() if all(v is not d for d in dropped)}
+        runtimes = [(old.assignment.stage_id, weakref.ref(old.runtime)) for old in dropped]
         for old in dropped:
             log.info("dropped %s (generation %d)", old.assignment.stage_id, old.assignment.generation)
             old.close()
@@ -170,7 +181,21 @@ class HostedStages:
                 self.tensor_parallel.remove(old.tensor_parallel)
         del old
         dropped.clear()
-        gc.collect()  # autograd graphs of an interrupted step hold reference cycles
+        # A call woken by close() still holds its stage until it unwinds; autograd graphs of an interrupted step
+        # hold reference cycles, hence the collections.
+        give_up = time.monotonic() + DROP_GRACE_SECONDS
+        while True:
+            gc.collect()
+            held = [stage_id for stage_id, runtime in runtimes if runtime() is not None]
+            if not held or time.monotonic() >= give_up:
+                break
+            time.sleep(0.05)
+        if held:
+            log.warning(
+                "%s still referenced %.0f s after being dropped; its memory stays beside the next stage's",
+                ", ".join(held),
+                DROP_GRACE_SECONDS,
+            )
         # Before anything is built: the dropped gradients and optimizer state sit in the heaps of the threads that
         # ran its steps, which a build on this thread would not reuse, so the new stage would add to them.
         release_free_memory()

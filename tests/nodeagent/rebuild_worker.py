@@ -59,6 +59,7 @@ def main() -> None:
             sha256, _ = client.save_state(path)
             client.close()
             checkpoint = {"step": generation, "url": str(path), "sha256": sha256}
+            del stage  # the agent frees what it drops once nothing else holds it
             rss.append(rss_bytes())
     finally:
         agent.stop()

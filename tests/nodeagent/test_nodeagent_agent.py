@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,6 +20,8 @@ from arceus.v1 import stage_pb2, stage_pb2_grpc
 from devtools.pipeline import pipeline_assignments
 from nodeagent.agent import Agent, split_host_port
 from nodeagent.control_plane import ControlPlaneClient
+from nodeagent.mailbox import MailboxClosed
+from nodeagent.stage import HostedStage
 
 MODEL = {"layer_sizes": [8, 6, 4]}
 
@@ -65,16 +70,42 @@ def test_apply_builds_keeps_rebuilds_and_drops(agent: Agent) -> None:
     assert agent.apply_assignments(first) is False  # same desired state: nothing rebuilt
     assert {s.assignment.stage_id: s for s in agent.registry.stages()} == built
 
+    first_generation = {stage_id: weakref.ref(stage) for stage_id, stage in built.items()}
+    mailbox = built["job-stage-1"].mailbox
+    del built  # the agent frees what it drops once no call holds it
     second = stages(generation=2)
     assert agent.apply_assignments(second[:1]) is True  # new generation of stage 0; stage 1 no longer listed
     assert states(agent) == {"job-stage-0": (2, "ready")}
-    [rebuilt] = agent.registry.stages()
-    assert rebuilt is not built["job-stage-0"]
+    assert all(stage() is None for stage in first_generation.values())
     with pytest.raises(Exception, match="no longer hosted"):
-        built["job-stage-1"].mailbox.put((0, "ACTIVATION", 0), torch.zeros(1))  # dropped stages are closed
+        mailbox.put((0, "ACTIVATION", 0), torch.zeros(1))  # dropped stages are closed
 
     assert agent.apply_assignments([]) is True
     assert agent.observed() == []
+
+
+def wait_in_mailbox(stage: HostedStage, woken: threading.Event) -> None:
+    """What a RunStep waiting for an activation does; it unwinds slowly once the stage is closed."""
+    try:
+        stage.mailbox.get((0, "ACTIVATION", 0), timeout=30.0)
+    except MailboxClosed:
+        woken.set()
+    time.sleep(0.5)
+
+
+def test_a_drop_waits_until_a_call_running_in_the_stage_lets_go_of_it(agent: Agent) -> None:
+    agent.apply_assignments(stages()[:1])
+    [stage] = agent.registry.stages()
+    runtime = weakref.ref(stage.runtime)
+    woken = threading.Event()
+    call = threading.Thread(target=wait_in_mailbox, args=(stage, woken))
+    call.start()
+    del stage  # the running call holds the only other reference
+
+    assert agent.apply_assignments(stages(generation=2)[:1]) is True
+    # The old weights were gone before the new generation was built, not merely when the call ended.
+    assert woken.is_set() and runtime() is None
+    call.join()
 
 
 def test_a_stage_over_the_owners_memory_budget_is_refused_with_what_it_needs(agent: Agent) -> None:

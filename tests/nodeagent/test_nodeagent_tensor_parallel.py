@@ -254,6 +254,7 @@ def test_a_rank_loads_its_slice_of_an_unsplit_checkpoint_and_its_group_lives_wit
         stage = registry.resolve(ref)
         assert registry.tensor_parallel.resolve(ref) is stage.tensor_parallel
         states.append(stage.runtime.state_tensors())
+        del stage  # a dropped stage is freed once nothing holds it
         registry.close()
         with pytest.raises(RpcFailure) as caught:
             registry.tensor_parallel.resolve(ref)
