@@ -34,7 +34,7 @@ from arceus.placement.solver import Workload, stage_memory  # noqa: E402
 from arceus.training.plan import StageEndpoint  # noqa: E402
 from arceus.training.stage_client import StageClient  # noqa: E402
 from bench.report import machine_line, write_section  # noqa: E402
-from devtools.pipeline import pipeline_assignments  # noqa: E402
+from devtools.pipeline import driver_token, pipeline_assignments  # noqa: E402
 from nodeagent.agent import Agent  # noqa: E402
 from nodeagent.heap import retain_freed_blocks  # noqa: E402
 
@@ -84,7 +84,7 @@ def main() -> None:
             stepped = time.perf_counter() - started
             del stage
             client = StageClient(StageEndpoint(0, agent.advertise_address, "bench", 0, layers), job_id=JOB_ID,
-                                 generation=generation, timeout=600)
+                                 generation=generation, credential=driver_token(JOB_ID, generation), timeout=600)
             path = Path(tmp) / f"generation-{generation}.safetensors"
             started = time.perf_counter()
             sha256, size = client.save_state(path)

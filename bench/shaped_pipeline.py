@@ -34,7 +34,7 @@ from bench.clock import Clock  # noqa: E402
 from bench.pipeline_vs_torch import DATASET, LR, MICRO_BATCHES, MODEL, SEED, SPLIT, WARMUP, _rate  # noqa: E402
 from bench.report import machine_line, write_section  # noqa: E402
 from devtools.launch import free_ports, spawn_static_agents, stop_agents  # noqa: E402
-from devtools.pipeline import pipeline_assignments  # noqa: E402
+from devtools.pipeline import driver_token, pipeline_assignments  # noqa: E402
 from devtools.shaper import ShaperThread  # noqa: E402
 
 SETUPS: dict[str, tuple[str, dict[str, Any] | None]] = {
@@ -97,7 +97,7 @@ def shaped_assignments(
 
 def run(job_id: str, schedule: str, bounds: list[int], driver_links: list[str], steps: int) -> Run:
     plan = TrainPlan(
-        job_id=job_id, generation=1,
+        job_id=job_id, generation=1, credential=driver_token(job_id, 1),
         stages=tuple(
             StageEndpoint(i, driver_links[i], f"agent-{i}", bounds[i], bounds[i + 1]) for i in range(len(driver_links))
         ),

@@ -1,15 +1,22 @@
 """Static pipelines for tests and benchmarks: the assignments of a model cut into consecutive stages,
-one agent each, for agents started with `--static-assignment` (no control plane)."""
+one agent each, for agents started with `--static-assignment` (no control plane).
+
+With no control plane to mint the pipeline's data-plane credentials, this process mints them, under a key
+of its own (STATIC_SECRET): `pipeline_assignments` carries each stage's, `driver_token` is the driver's."""
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Sequence
 from typing import Any
 
 from arceus.contracts.assignment import Assignment, OptimizerConfig
+from arceus.contracts.credentials import DRIVER, StageCredentials, mint_token, stage_credentials
 from arceus.contracts.stage_key import stage_key
 from arceus.training.plan import StageEndpoint
 from arceus.wire.transfer import transfer_config_from_json
+
+STATIC_SECRET = secrets.token_bytes(32)
 
 
 def pipeline_assignments(
@@ -48,11 +55,24 @@ def pipeline_assignments(
             max_micro_batch_size=max_micro_batch_size,
             prev_address=addresses[i - 1] if i > 0 else None,
             next_address=addresses[i + 1] if i < n - 1 else None,
+            credentials=stage_credentials(STATIC_SECRET, job_id, generation, i, 0, [1] * n),
             transfer=transfer_config_from_json(transfer),
             precision=precision,
         ).to_json()
         for i in range(n)
     ]
+
+
+def driver_token(job_id: str, generation: int = 1) -> str:
+    """The driver's token for the pipelines `pipeline_assignments` builds."""
+    return mint_token(STATIC_SECRET, job_id, generation, DRIVER)
+
+
+def rank_credentials(
+    job_id: str, generation: int, stage_index: int, rank: int, ranks: Sequence[int]
+) -> StageCredentials:
+    """A rank's credentials in a pipeline of `ranks[i]` ranks per stage (tensor-parallel static pipelines)."""
+    return stage_credentials(STATIC_SECRET, job_id, generation, stage_index, rank, ranks)
 
 
 def stage_endpoints(addresses: Sequence[str], boundaries: Sequence[int]) -> tuple[StageEndpoint, ...]:

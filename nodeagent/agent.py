@@ -17,12 +17,12 @@ from arceus.contracts.assignment import Assignment
 from arceus.contracts.observed import ObservedStage
 from arceus.v1 import link_probe_pb2_grpc, stage_pb2, tensor_parallel_pb2_grpc
 from arceus.verify.receipts import ReceiptSigner
+from arceus.wire.channels import grpc_channel_options
 from nodeagent.hosting import HostedStages
 from nodeagent.lending import ComputeThreads
 from nodeagent.link_probe import LinkProbeServicer
 from nodeagent.metrics import AgentMetrics
 from nodeagent.neighbour_links import NeighbourLinks
-from nodeagent.rpc import grpc_channel_options
 from nodeagent.servicer import StageServicer, add_stage_service
 from nodeagent.stage import CheckpointLoader, StateUploader
 from nodeagent.tp_servicer import TensorParallelServicer
@@ -101,7 +101,9 @@ class Agent:
         )
         # Neighbours time their links to this agent with it; `neighbour_links` times this agent's links to
         # them (every `link_probe_interval` seconds and after the stages change; None: never).
-        link_probe_pb2_grpc.add_LinkProbeServiceServicer_to_server(LinkProbeServicer(), self._server)
+        link_probe_pb2_grpc.add_LinkProbeServiceServicer_to_server(
+            LinkProbeServicer(self.registry.guards), self._server
+        )
         self._link_probe_interval = link_probe_interval
         self.neighbour_links = NeighbourLinks(
             self._neighbour_addresses, self._stepping, interval=link_probe_interval or 0.0
@@ -176,10 +178,16 @@ class Agent:
         solo = self._solo_threads if self._owner_cap is None else min(self._solo_threads, self._owner_cap)
         return ComputeThreads(own=self.compute_threads, solo=max(solo, self.compute_threads))
 
-    def _neighbour_addresses(self) -> set[str]:
+    def _neighbour_addresses(self) -> dict[str, str]:
+        """Each neighbour's address, and the token its stage accepts from ours."""
         hosted = [s.assignment for s in self.registry.stages()]
         own = self.advertise_address
-        return {a for s in hosted for a in (s.prev_address, s.next_address) if a is not None and a != own}
+        return {
+            address: s.credentials.token
+            for s in hosted
+            for address in (s.prev_address, s.next_address)
+            if address is not None and address != own
+        }
 
     def _stepping(self) -> bool:
         return any(s.step_lock.locked() for s in self.registry.stages())

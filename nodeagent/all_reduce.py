@@ -14,19 +14,23 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 import torch
 
 from arceus.contracts.assignment import Assignment
+from arceus.contracts.credentials import StageCredentials
 from arceus.model.layout import TensorLayout
 from arceus.model.sharding import Shard
 from arceus.model.tensor_parallel import reduced_layout
 from arceus.v1 import stage_pb2, tensor_parallel_pb2, tensor_parallel_pb2_grpc
 from arceus.wire import codec
+from arceus.wire.channels import open_channel
 from arceus.wire.proto_tensor import from_proto, to_proto
+from nodeagent.callers import Guard
 from nodeagent.mailbox import Mailbox, MailboxCancelled, MailboxClosed, MailboxFull, MailboxTimeout
-from nodeagent.rpc import RpcFailure, grpc_channel_options, neighbour_failure_code
+from nodeagent.rpc import RpcFailure, neighbour_failure_code
 
 # A peer blocks on each all-reduce until it has every partial, so it runs at most one op ahead of us:
 # a few partials per peer is all that can legitimately be waiting.
@@ -54,20 +58,24 @@ class TensorParallelGroup:
         micro_batches: int,
         max_micro_batch_size: int,
         max_message_bytes: int,
+        credentials: StageCredentials,
+        model: dict[str, Any],
     ) -> None:
         """`peers` are the addresses of every rank, this one's included (at `rank`); `layout` is the
-        per-sample layout of what is reduced (the stage's hidden activations)."""
+        per-sample layout of what is reduced (the stage's hidden activations); `credentials`: the rank's
+        token for its peers, and theirs it accepts."""
         self.shard = Shard(rank, len(peers))
         if len(set(peers)) != len(peers):
             raise ValueError(f"tensor-parallel peers must be distinct addresses, got {list(peers)}")
         self.job_id, self.stage_index, self.generation = job_id, stage_index, generation
+        self.guard = Guard(job_id, stage_index, generation, credentials, model)
         self.peers = list(peers)
         self._layout = layout
         self._micro_batches = micro_batches
         self._max_micro_batch_size = max_micro_batch_size
         self._mailbox: Mailbox[torch.Tensor] = Mailbox(_PENDING_PER_PEER * max(1, len(peers) - 1))
         self._channels = {
-            r: grpc.insecure_channel(address, options=grpc_channel_options(max_message_bytes))
+            r: open_channel(address, token=credentials.token, max_message_bytes=max_message_bytes)
             for r, address in enumerate(peers)
             if r != rank
         }
@@ -212,6 +220,8 @@ def stage_group(assignment: Assignment, *, max_message_bytes: int) -> TensorPara
         micro_batches=assignment.micro_batches,
         max_micro_batch_size=assignment.max_micro_batch_size,
         max_message_bytes=max_message_bytes,
+        credentials=assignment.credentials,
+        model=assignment.model,
     )
 
 
@@ -250,6 +260,10 @@ class TensorParallelGroups:
                 f"{group.name} is at generation {group.generation}, not {target.generation}",
             )
         return group
+
+    def guards(self) -> list[Guard]:
+        with self._lock:
+            return [group.guard for group in self._groups.values()]
 
     def close(self) -> None:
         with self._lock:

@@ -25,6 +25,7 @@ from arceus.placement.profiles import layer_profiles
 from arceus.placement.solver import Workload, stage_memory
 from arceus.v1 import stage_pb2
 from nodeagent.all_reduce import TensorParallelGroups, stage_group
+from nodeagent.callers import Guard
 from nodeagent.heap import release_free_memory
 from nodeagent.rpc import RpcFailure
 from nodeagent.stage import CheckpointLoader, HostedStage, build_hosted_stage
@@ -221,6 +222,14 @@ class HostedStages:
                 f"{stage.assignment.generation} here; the request is for generation {ref.generation}",
             )
         return stage
+
+    def guards(self) -> list[Guard]:
+        """Whose calls this agent accepts: its hosted stages' credentials, and those of the tensor-parallel
+        ranks still being built (their peers may already push partials)."""
+        with self._lock:
+            assignments = [stage.assignment for stage in self._stages.values()]
+        hosted = [Guard(a.job_id, a.stage_index, a.generation, a.credentials, a.model) for a in assignments]
+        return hosted + self.tensor_parallel.guards()
 
     def stages(self) -> list[HostedStage]:
         with self._lock:

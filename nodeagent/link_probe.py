@@ -6,11 +6,16 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 
+from arceus.contracts.credentials import Role
 from arceus.v1 import link_probe_pb2, link_probe_pb2_grpc
+from arceus.wire.channels import open_channel
+from nodeagent.callers import Guard, authorize, presented_digest
+from nodeagent.rpc import RpcFailure
 
 log = logging.getLogger(__name__)
 MAX_PROBE_BYTES = 4 * 1024 * 1024  # either way: enough to time a link, too little to tie one up
@@ -22,7 +27,15 @@ _CHANNEL_OPTIONS = [
 
 
 class LinkProbeServicer(link_probe_pb2_grpc.LinkProbeServiceServicer):
+    def __init__(self, guards: Callable[[], list[Guard]]) -> None:
+        """`guards`: whose calls the agent accepts now; any of them may time its link to this agent."""
+        self._guards = guards
+
     def Probe(self, request: link_probe_pb2.ProbeRequest, context: grpc.ServicerContext) -> link_probe_pb2.ProbeReply:
+        try:
+            authorize(presented_digest(context), self._guards(), target=None, allowed=tuple(Role), method="Probe")
+        except RpcFailure as failure:
+            context.abort(failure.code, failure.message)
         if len(request.payload) > MAX_PROBE_BYTES or not 0 <= request.reply_bytes <= MAX_PROBE_BYTES:
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -40,17 +53,18 @@ class LinkFigures:
 
 def measure_neighbour(
     address: str,
+    token: str,
     *,
     timeout: float = 10.0,
     rtt_rounds: int = 5,
     bulk_bytes: int = 2 * 1024 * 1024,
     bulk_rounds: int = 2,
 ) -> LinkFigures | None:
-    """The link to the agent at `address`: the median of `rtt_rounds` empty probes, and `bulk_bytes` sent
-    one way (the fastest of `bulk_rounds`, less that round trip). None (logged) if any probe fails; every
-    call has a deadline of `timeout` seconds."""
+    """The link to the agent at `address` (presenting `token`): the median of `rtt_rounds` empty probes, and
+    `bulk_bytes` sent one way (the fastest of `bulk_rounds`, less that round trip). None (logged) if any probe
+    fails; every call has a deadline of `timeout` seconds."""
     try:
-        with grpc.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
+        with open_channel(address, token=token, options=_CHANNEL_OPTIONS) as channel:
             probe = link_probe_pb2_grpc.LinkProbeServiceStub(channel).Probe
             # The first call connects: kept out of the figures, which are the link's, not the handshake's.
             probe(link_probe_pb2.ProbeRequest(), timeout=timeout)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from nodeagent.link_probe import LinkFigures, measure_neighbour
@@ -15,23 +15,29 @@ from nodeagent.link_probe import LinkFigures, measure_neighbour
 log = logging.getLogger(__name__)
 DEFAULT_INTERVAL_SECONDS = 300.0  # links change (Wi-Fi, VPNs, traffic); a probe costs a few MB
 BUSY_RETRY_SECONDS = 2.0
+# A failed probe is tried again after 2, 4 and 8 s before the link is reported unknown: a neighbour placed at the
+# same time as this agent's stage may still be building its own, and accepts no credential of this job until then.
+PROBE_RETRY_SECONDS = (2.0, 4.0, 8.0)
 
 
 class NeighbourLinks:
     def __init__(
         self,
-        neighbours: Callable[[], set[str]],
+        neighbours: Callable[[], dict[str, str]],
         stepping: Callable[[], bool],
         *,
         interval: float = DEFAULT_INTERVAL_SECONDS,
-        measure: Callable[[str], LinkFigures | None] = measure_neighbour,
+        measure: Callable[[str, str], LinkFigures | None] = measure_neighbour,
         busy_retry: float = BUSY_RETRY_SECONDS,
+        probe_retries: Sequence[float] = PROBE_RETRY_SECONDS,
     ) -> None:
+        """`neighbours`: each neighbour's address and the token to present to it (the stage's own)."""
         self._neighbours = neighbours
         self._stepping = stepping
         self._interval = interval
         self._measure = measure
         self._busy_retry = busy_retry
+        self._probe_retries = tuple(probe_retries)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -70,16 +76,23 @@ class NeighbourLinks:
             self._wake.wait(self._interval)
             self._wake.clear()
             self._wait_for_a_pause()
-            for address in sorted(self._neighbours()):
+            for address, token in sorted(self._neighbours().items()):
                 if self._stop.is_set():
                     return
-                try:
-                    figures = self._measure(address)
-                except Exception:  # a probe bug must not end the thread: report the link as unknown
-                    log.exception("measuring the link to %s failed unexpectedly", address)
-                    figures = None
+                figures = self._measure_with_retries(address, token)
                 with self._lock:
                     self._pending[address] = figures
+
+    def _measure_with_retries(self, address: str, token: str) -> LinkFigures | None:
+        for delay in (*self._probe_retries, None):
+            try:
+                figures = self._measure(address, token)
+            except Exception:  # a probe bug must not end the thread: report the link as unknown
+                log.exception("measuring the link to %s failed unexpectedly", address)
+                return None
+            if figures is not None or delay is None or self._stop.wait(delay):
+                return figures
+        return None
 
     def _wait_for_a_pause(self) -> None:
         """Probe between steps, so the filler bytes do not compete with activations; but if the pipeline

@@ -1,6 +1,6 @@
 """The agent's gRPC plumbing, in one place: errors that know their status code, how a servicer method
-turns any failure into a status (nothing a client sends can stop the server), deadlines, and the channel
-options every channel and server of the agent shares."""
+turns any failure into a status (nothing a client sends can stop the server), and deadlines. (Channels and
+their options: arceus.wire.channels.)"""
 
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ class RpcFailure(Exception):
 def neighbour_failure_code(code: grpc.StatusCode | None) -> grpc.StatusCode:
     """The code a stage reports when a push to its neighbour failed with `code`.
 
-    Reachability and time keep their meaning; a neighbour that does not host the stage (any more) means
-    this stage's view of the pipeline is stale; anything else the neighbour rejected is our bug.
+    Reachability and time keep their meaning; a neighbour that does not host the stage (any more), or no
+    longer accepts this generation's credential, means this stage's view of the pipeline is stale; anything
+    else the neighbour rejected is our bug.
     """
     if code in (
         grpc.StatusCode.UNAVAILABLE,
@@ -40,16 +41,14 @@ def neighbour_failure_code(code: grpc.StatusCode | None) -> grpc.StatusCode:
         grpc.StatusCode.ABORTED,
     ):
         return code
-    if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+    if code in (
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.PERMISSION_DENIED,
+    ):
         return grpc.StatusCode.FAILED_PRECONDITION
     return grpc.StatusCode.INTERNAL
-
-
-def grpc_channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-    ]
 
 
 def call_deadline(context: grpc.ServicerContext) -> float:

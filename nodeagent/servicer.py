@@ -1,4 +1,5 @@
-"""`StageService` over gRPC: resolve the addressed stage, validate, run the step (`StepRun`), map errors.
+"""`StageService` over gRPC: authorize the caller (nodeagent.callers), resolve the addressed stage, validate,
+run the step (`StepRun`), map errors.
 
 Every failure leaves as a gRPC status with a message; nothing a client sends can stop the server.
 """
@@ -24,6 +25,7 @@ from arceus.verify.receipts import ReceiptSigner
 from arceus.wire.codec import TensorValidationError
 from arceus.wire.incoming_push import IncomingPush, MalformedPush, parse_push
 from arceus.wire.proto_tensor import from_proto, to_proto
+from nodeagent.callers import DRIVER_ONLY, authorize, presented_digest, push_roles
 from nodeagent.hosting import HostedStages
 from nodeagent.lending import ComputeThreads
 from nodeagent.mailbox import MailboxClosed, MailboxFull
@@ -67,7 +69,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self, request: IncomingPush | MalformedPush, context: grpc.ServicerContext
     ) -> stage_pb2.PushTensorReply:
         def push() -> stage_pb2.PushTensorReply:
-            self._deliver(request)
+            self._deliver(request, presented_digest(context))
             return stage_pb2.PushTensorReply()
 
         return serve(context, "PushTensor", push)
@@ -77,7 +79,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     ) -> Iterator[stage_pb2.PushAck]:
         # One ack per request, in order; a refused message is answered with its code and the stream
         # goes on. The stream ends when the sender half-closes, cancels, or the call's deadline passes,
-        # or with INVALID_ARGUMENT at bytes that are no request (nothing to ack them by).
+        # or with INVALID_ARGUMENT at bytes that are no request (nothing to ack them by). Each message is
+        # authorized on its own: one stream may carry several kinds, to several stages.
+        digest = presented_digest(context)
         for request in request_iterator:
             if isinstance(request, MalformedPush):
                 log.warning("PushStream -> INVALID_ARGUMENT: %s", request.reason)
@@ -85,7 +89,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             header = request.header
             ack = stage_pb2.PushAck(kind=header.kind, step=header.step, micro_batch=header.micro_batch)
             try:
-                self._deliver(request)
+                self._deliver(request, digest)
             except RpcFailure as failure:
                 log.warning("PushStream message -> %s: %s", failure.code.name, failure.message)
                 ack.code, ack.message = failure.code.value[0], failure.message
@@ -95,11 +99,13 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 ack.message = f"PushStream failed unexpectedly: {type(exc).__name__}: {exc}"
             yield ack
 
-    def _deliver(self, request: IncomingPush | MalformedPush) -> None:
-        """Resolve (generation included), validate, decode and park one pushed tensor."""
+    def _deliver(self, request: IncomingPush | MalformedPush, digest: str | None) -> None:
+        """Authorize (by the tensor's kind), resolve, validate, decode and park one pushed tensor."""
         if isinstance(request, MalformedPush):
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
         header = request.header
+        roles = push_roles(KIND_NAMES.get(header.kind, ""), header.target.stage_index)
+        authorize(digest, self._registry.guards(), target=header.target, allowed=roles, method="PushStream")
         stage = self._registry.resolve(header.target)
         tensor = decode_push(stage.io, request)
         try:
@@ -116,7 +122,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self, request: stage_pb2.RunStepRequest, context: grpc.ServicerContext
     ) -> stage_pb2.RunStepReply:
         def step() -> stage_pb2.RunStepReply:
-            stage = self._registry.resolve(request.target)
+            stage = self._driven(context, request.target, "RunStep")
             deadline = call_deadline(context)
             abort = threading.Event()
 
@@ -147,10 +153,19 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
         return serve(context, "RunStep", step)
 
-    def _between_steps(self, target: stage_pb2.StageRef, context: grpc.ServicerContext) -> HostedStage:
-        """The addressed stage with its step lock held and its optimizer step applied: a checkpoint holds
-        the state after the step's optimizer step, never half updated. The caller releases the lock."""
-        stage = self._registry.resolve(target)
+    def _driven(self, context: grpc.ServicerContext, target: stage_pb2.StageRef, method: str) -> HostedStage:
+        """The addressed stage, if the caller is its driver (nodeagent.callers)."""
+        guards = self._registry.guards()
+        authorize(presented_digest(context), guards, target=target, allowed=DRIVER_ONLY, method=method)
+        return self._registry.resolve(target)
+
+    def _between_steps(
+        self, target: stage_pb2.StageRef, context: grpc.ServicerContext, method: str
+    ) -> HostedStage:
+        """The addressed stage (its driver calling) with its step lock held and its optimizer step applied: a
+        checkpoint holds the state after the step's optimizer step, never half updated. The caller releases
+        the lock."""
+        stage = self._driven(context, target, method)
         if not stage.step_lock.acquire(timeout=max(0.0, call_deadline(context) - time.monotonic())):
             raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, f"{stage.name} stayed busy with a step")
         try:
@@ -165,7 +180,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     ) -> Iterator[stage_pb2.StateChunk]:
         """The stage's state as one safetensors file in chunks of a few MiB, between steps (the step lock
         is held until the last chunk)."""
-        stage = serve(context, "GetState", lambda: self._between_steps(request.target, context))
+        stage = serve(context, "GetState", lambda: self._between_steps(request.target, context, "GetState"))
         try:
             items = stage.runtime.state_items(include_optimizer_state=request.include_optimizer_state)
             _, chunks = state_chunks(dict(items))
@@ -192,7 +207,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                     f"upload_path {request.upload_path!r} is not a path on the control plane (it starts with /)",
                 )
             started = time.perf_counter()
-            stage = self._between_steps(request.target, context)
+            stage = self._between_steps(request.target, context, "SaveState")
             digest = hashlib.sha256()
 
             def hashed(chunks: Iterator[memoryview]) -> Iterator[memoryview]:
@@ -219,7 +234,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         """Decode the next positions of a sampler's sequence (between or during training steps)."""
 
         def infer() -> stage_pb2.InferReply:
-            stage = self._registry.resolve(request.target)
+            stage = self._driven(context, request.target, "Infer")
             if stage.assignment.tensor_parallel is not None:
                 raise RpcFailure(
                     grpc.StatusCode.FAILED_PRECONDITION,
@@ -238,7 +253,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
     def Audit(self, request: stage_pb2.AuditRequest, context: grpc.ServicerContext) -> stage_pb2.AuditReply:
         def audit() -> stage_pb2.AuditReply:
-            stage, record = self._audit_record(request, context)
+            stage, record = self._audit_record(request, context, "Audit")
             reply = stage_pb2.AuditReply()
             if not stage.io.is_first:
                 if request.micro_batch not in record.received:
@@ -260,7 +275,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         stage's own weights, read in place (its optimizer step waits while the record lasts)."""
 
         def retained() -> HostedStage:
-            stage, _ = self._audit_record(request, context)
+            stage, _ = self._audit_record(request, context, "AuditWeights")
             if not stage.step_lock.acquire(timeout=max(0.0, call_deadline(context) - time.monotonic())):
                 raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, f"{stage.name} stayed busy with a step")
             if stage.audit_record is None or stage.audit_record.step != request.step:  # a step began meanwhile
@@ -277,9 +292,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             stage.step_lock.release()
 
     def _audit_record(
-        self, request: stage_pb2.AuditRequest, context: grpc.ServicerContext
+        self, request: stage_pb2.AuditRequest, context: grpc.ServicerContext, method: str
     ) -> tuple[HostedStage, AuditRecord]:
-        stage = self._registry.resolve(request.target)
+        stage = self._driven(context, request.target, method)
         if not stage.step_lock.acquire(timeout=max(0.0, call_deadline(context) - time.monotonic())):
             raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, f"{stage.name} stayed busy with a step")
         try:
@@ -302,6 +317,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         be, and decoded only once whole."""
 
         def verify() -> stage_pb2.VerifyForwardReply:
+            # Only a driver of a job hosted here, and only for that job's model: a spot check is never a way to
+            # have an agent build whatever model a caller sends.
+            guard = authorize(
+                presented_digest(context), self._registry.guards(), target=None, allowed=DRIVER_ONLY,
+                method="VerifyForward",
+            )
             first = next(request_iterator, None)
             if first is None:
                 raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "VerifyForward needs a first message")
@@ -309,6 +330,11 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 config = json.loads(first.model_config_json)
                 if not isinstance(config, dict):
                     raise ValueError("model_config_json is not a JSON object")
+                if config != guard.model:
+                    raise RpcFailure(
+                        grpc.StatusCode.PERMISSION_DENIED,
+                        "VerifyForward recomputes only the model of the job whose driver calls it",
+                    )
                 spec = model_spec_from_config(config)
                 if not 0 <= first.layer_start < first.layer_end <= spec.num_layers:
                     raise ValueError(

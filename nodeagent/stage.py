@@ -6,7 +6,6 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-import grpc
 import torch
 
 from arceus.contracts.assignment import Assignment, CheckpointRef
@@ -14,13 +13,13 @@ from arceus.model.build import build_layers
 from arceus.model.layout import TensorLayout
 from arceus.model.tensor_parallel import build_parallel_layers, slice_state_tensors
 from arceus.v1 import stage_pb2
+from arceus.wire.channels import open_channel
 from arceus.wire.push_stream import PushStream
 from arceus.wire.transfer import TransferEncoder
 from nodeagent.all_reduce import TensorParallelGroup
 from nodeagent.inference import DecodeSessions
 from nodeagent.lending import LendingGauge
 from nodeagent.mailbox import Mailbox
-from nodeagent.rpc import grpc_channel_options
 from nodeagent.runtime import StageRuntime
 from nodeagent.verify import AuditRecord
 
@@ -43,9 +42,10 @@ class NeighbourLink:
     """One channel to a neighbouring stage and one long-lived push stream on it, for this stage's
     lifetime."""
 
-    def __init__(self, address: str, max_message_bytes: int) -> None:
+    def __init__(self, address: str, max_message_bytes: int, token: str) -> None:
+        """`token`: this stage's own (arceus.contracts.credentials), which the neighbour accepts."""
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=grpc_channel_options(max_message_bytes))
+        self.channel = open_channel(address, token=token, max_message_bytes=max_message_bytes)
         self.pushes = PushStream(self.channel)
 
     def close(self) -> None:
@@ -81,8 +81,9 @@ class HostedStage:
         self.mailbox: Mailbox[torch.Tensor] = Mailbox(capacity=4 * assignment.micro_batches + 8)
         self.step_lock = threading.Lock()
         # A link to every rank of each neighbour: each rank of a tensor-parallel stage takes its inputs.
-        self.next_links = [NeighbourLink(address, max_message_bytes) for address in assignment.next_addresses]
-        self.prev_links = [NeighbourLink(address, max_message_bytes) for address in assignment.prev_addresses]
+        token = assignment.credentials.token
+        self.next_links = [NeighbourLink(address, max_message_bytes, token) for address in assignment.next_addresses]
+        self.prev_links = [NeighbourLink(address, max_message_bytes, token) for address in assignment.prev_addresses]
         self._bytes_lock = threading.Lock()
         self.bytes_sent = 0
         self.bytes_received = 0

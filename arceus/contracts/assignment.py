@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from arceus.contracts.credentials import StageCredentials
 from arceus.errors import SpecError
 from arceus.model.precision import check_precision
 from arceus.model.registry import model_spec_from_config
@@ -35,6 +36,7 @@ _FIELDS = frozenset(
         "max_micro_batch_size",
         "prev_address",
         "next_address",
+        "credentials",
     }
 )
 _OPTIONAL_FIELDS = frozenset({"checkpoint", "transfer", "precision", "tensor_parallel", "activation_checkpointing"})
@@ -96,6 +98,7 @@ class Assignment:
     max_micro_batch_size: int
     prev_address: str | None
     next_address: str | None
+    credentials: StageCredentials  # this stage's token, and whose it accepts (arceus.contracts.credentials)
     checkpoint: CheckpointRef | None = None  # None: start from the seeded initial weights
     transfer: TransferConfig = TransferConfig()  # how this stage encodes what it sends
     precision: str = "fp32"  # or "bf16": autocast compute (arceus.model.precision)
@@ -200,6 +203,7 @@ class Assignment:
             max_micro_batch_size=_int(data, "max_micro_batch_size", minimum=1),
             prev_address=prev_address,
             next_address=next_address,
+            credentials=StageCredentials.from_json(data["credentials"]),
             checkpoint=_checkpoint(data.get("checkpoint")),
             transfer=transfer_config_from_json(data.get("transfer"), field="assignment.transfer"),
             precision=precision,
@@ -230,6 +234,7 @@ class Assignment:
             "max_micro_batch_size": self.max_micro_batch_size,
             "prev_address": list(self.prev_ranks) if self.prev_ranks else self.prev_address,
             "next_address": list(self.next_ranks) if self.next_ranks else self.next_address,
+            "credentials": self.credentials.to_json(),
             "checkpoint": None
             if self.checkpoint is None
             else {"step": self.checkpoint.step, "url": self.checkpoint.url, "sha256": self.checkpoint.sha256},

@@ -73,7 +73,9 @@ class Pipeline:
 
         def client(endpoint: StageEndpoint) -> StageClient:
             timeout = plan.rpc_timeout_seconds
-            return StageClient(endpoint, job_id=plan.job_id, generation=plan.generation, timeout=timeout)
+            return StageClient(
+                endpoint, job_id=plan.job_id, generation=plan.generation, credential=plan.credential, timeout=timeout
+            )
 
         # Every agent of each stage: rank 0 first, then a tensor-parallel stage's other ranks, which get
         # the same inputs and RunStep (their outputs equal rank 0's, which is what the driver reads).

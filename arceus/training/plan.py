@@ -45,6 +45,7 @@ class TrainPlan:
     learning_rate: float
     micro_batches: int
     seed: int
+    credential: str  # the driver's data-plane token for this generation (arceus.contracts.credentials)
     rpc_timeout_seconds: float = 60.0
     max_steps: int | None = None
     schedule: str = "gpipe"

@@ -51,6 +51,7 @@ def sample_through_pipeline(
     *,
     job_id: str,
     generation: int,
+    credential: str,
     model_config: dict[str, Any],
     tokenizer: TextTokenizer,
     prompt: str,
@@ -60,11 +61,13 @@ def sample_through_pipeline(
     timeout: float,
 ) -> str:
     """`prompt` followed by `length` tokens sampled from the model its stages' agents hold now (temperature 0:
-    always the likeliest). ValueError if the model is no text model of this tokenizer, or the prompt is
-    empty; SamplingError if a stage fails."""
+    always the likeliest), calling them as the job's driver (`credential`). ValueError if the model is no text
+    model of this tokenizer, or the prompt is empty; SamplingError if a stage fails."""
     spec = text_spec(model_config, tokenizer)
     ids = prompt_ids(tokenizer, prompt)
-    clients = [StageClient(s, job_id=job_id, generation=generation, timeout=timeout) for s in stages]
+    clients = [
+        StageClient(s, job_id=job_id, generation=generation, credential=credential, timeout=timeout) for s in stages
+    ]
     try:
         out = generate(
             pipeline_decoder(clients), spec.block_size, ids, length, temperature=temperature,

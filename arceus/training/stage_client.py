@@ -16,10 +16,9 @@ from arceus.contracts.counters import StageCounters
 from arceus.training.plan import StageEndpoint
 from arceus.v1 import stage_pb2, stage_pb2_grpc
 from arceus.wire import codec
+from arceus.wire.channels import MAX_MESSAGE_BYTES, open_channel
 from arceus.wire.proto_tensor import from_proto, to_proto
 from arceus.wire.push_stream import PushStream, raw_push
-
-MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -31,17 +30,14 @@ class AuditedStep:
 
 
 class StageClient:
-    def __init__(self, endpoint: StageEndpoint, *, job_id: str, generation: int, timeout: float) -> None:
+    def __init__(
+        self, endpoint: StageEndpoint, *, job_id: str, generation: int, credential: str, timeout: float
+    ) -> None:
+        """`credential`: the driver's token of this job generation (arceus.contracts.credentials)."""
         self.endpoint = endpoint
         self.timeout = timeout
         self.ref = stage_pb2.StageRef(job_id=job_id, stage_index=endpoint.index, generation=generation)
-        self._channel = grpc.insecure_channel(
-            endpoint.address,
-            options=[
-                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-            ],
-        )
+        self._channel = open_channel(endpoint.address, token=credential)
         self._stub = stage_pb2_grpc.StageServiceStub(self._channel)
         self._pushes = PushStream(self._channel)
 

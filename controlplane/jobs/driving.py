@@ -24,6 +24,7 @@ from arceus.training import DriverError, TrainPlan, train
 from arceus.wire.transfer import transfer_config_from_json
 from controlplane.controller.leases import job_driver_claim, job_driver_interrupted, job_driver_renew
 from controlplane.controller.transitions import job_fail
+from controlplane.jobs.credentials import job_driver_token
 from controlplane.jobs.models import Job
 from controlplane.jobs.progress import job_finish
 from controlplane.jobs.selectors import job_stage_endpoints
@@ -96,6 +97,7 @@ def train_plan(job: Job) -> TrainPlan:
         micro_batches=job.micro_batches,
         schedule=job.schedule,
         seed=job.seed,
+        credential=job_driver_token(job_id=str(job.id), generation=job.generation),
         rpc_timeout_seconds=settings.ARCEUS_RPC_TIMEOUT_SECONDS,
         start_step=job.resume_checkpoint.step if job.resume_checkpoint else 0,
         checkpoint_interval=job.checkpoint_interval_steps,

@@ -14,6 +14,7 @@ from arceus.errors import SpecError
 from arceus.model.registry import architecture_of, model_spec_from_config, text_writers
 from arceus.training.sampling import SamplingError, sample_through_pipeline
 from controlplane.common.errors import ApplicationError
+from controlplane.jobs.credentials import job_driver_token
 from controlplane.jobs.models import Job
 from controlplane.jobs.selectors import job_stage_endpoints
 
@@ -54,6 +55,7 @@ def job_sample(*, job: Job, prompt: str, length: int, temperature: float, seed: 
             job_stage_endpoints(job=job),
             job_id=str(job.id),
             generation=job.generation,
+            credential=job_driver_token(job_id=str(job.id), generation=job.generation),
             model_config=job.model_config,
             tokenizer=tokenizer,
             prompt=prompt,

@@ -22,6 +22,7 @@ from arceus.contracts.status import HOSTED_STATUSES
 from arceus.training.plan import RankEndpoint, StageEndpoint
 from arceus.wire.transfer import transfer_config_from_json
 from controlplane.common.errors import ApplicationError
+from controlplane.jobs.credentials import job_stage_credentials
 from controlplane.jobs.models import Job, LossPoint, Stage, StageCheckpoint, StageContribution
 from controlplane.nodes.models import Node
 
@@ -145,6 +146,13 @@ def _assignment(stage: Stage, stages: dict[int, list[Stage]], checkpoint: StageC
         next_address=following[0] if following else None,
         prev_ranks=previous if len(previous) > 1 else (),
         next_ranks=following if len(following) > 1 else (),
+        credentials=job_stage_credentials(
+            job_id=str(job.id),
+            generation=stage.generation,
+            stage_index=stage.index,
+            rank=stage.rank,
+            ranks=[len(stages[i]) for i in range(len(stages))],
+        ),
         checkpoint=None
         if checkpoint is None
         else CheckpointRef(

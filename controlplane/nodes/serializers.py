@@ -246,6 +246,14 @@ class TransferOutput(serializers.Serializer):
     topk_ratio = serializers.FloatField(help_text="topk: share of gradient values sent per message")
 
 
+class CredentialsOutput(serializers.Serializer):
+    token = serializers.CharField(help_text="this stage's bearer token (64 hex) for its calls to neighbours and peers")
+    accepts = serializers.DictField(
+        child=serializers.ListField(child=serializers.CharField()),
+        help_text="role (driver, prev, next, peer) → SHA-256 digests of the tokens accepted in it, in rank order",
+    )
+
+
 class AssignmentOutput(serializers.Serializer):
     """Documents the Assignment contract (`arceus.contracts.assignment.Assignment.to_json` builds it)."""
 
@@ -267,6 +275,7 @@ class AssignmentOutput(serializers.Serializer):
     next_address = serializers.JSONField(
         allow_null=True, help_text='"host:port"; a tensor-parallel neighbour: the list of its ranks\' addresses'
     )
+    credentials = CredentialsOutput(help_text="Who may call the stage's methods (arceus.contracts.credentials)")
     checkpoint = CheckpointRefOutput(allow_null=True, help_text="The state to resume from; null: the seed's")
     transfer = TransferOutput(help_text="How the stage encodes the activations and gradients it sends")
     precision = serializers.ChoiceField(choices=list(PRECISIONS), help_text="bf16: matmuls under autocast")

@@ -20,7 +20,9 @@ from safetensors.torch import load as safetensors_load
 
 from arceus.cli import main as cli_main
 from arceus.v1 import stage_pb2, stage_pb2_grpc
+from arceus.wire.channels import open_channel
 from arceus.wire.proto_tensor import to_proto
+from controlplane.jobs.credentials import job_stage_credentials
 from devtools.cluster import Agent, LocalCluster
 from devtools.cluster import stage_placement as placement
 from devtools.reference import reference_run
@@ -199,11 +201,14 @@ def test_a_stale_agent_that_comes_back_cannot_write_into_the_job(cluster: LocalC
         time.sleep(0.2)
     assert dropped in stale.child.log_path.read_text()
 
-    # What it would still send carries the old generation; once the job runs again, its current stages
-    # (rebuilt at the new generation) refuse it.
+    # What it would still send carries the old generation's credential; once the job runs again, its current
+    # stages (rebuilt at the new generation) do not know it. (The cluster mints under this process's settings.)
     cluster.wait_for_job(job["id"], lambda d: d["status"] == "running" and d["generation"] == moved["generation"], 60)
     neighbour = next(a for a in agents if a.node_id == placement(moved)[2])
-    with grpc.insecure_channel(neighbour.grpc_address) as channel:
+    stale_token = job_stage_credentials(
+        job_id=job["id"], generation=stale_generation, stage_index=1, rank=0, ranks=[1, 1, 1]
+    ).token
+    with open_channel(neighbour.grpc_address, token=stale_token) as channel:
         stub = stage_pb2_grpc.StageServiceStub(channel)
         request = stage_pb2.PushTensorRequest(
             target=stage_pb2.StageRef(job_id=job["id"], stage_index=2, generation=stale_generation),
@@ -214,7 +219,8 @@ def test_a_stale_agent_that_comes_back_cannot_write_into_the_job(cluster: LocalC
         )
         with pytest.raises(grpc.RpcError) as refused:
             stub.PushTensor(request, timeout=10)
-    assert refused.value.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND)
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert "generation" not in refused.value.details()
 
     final = cluster.client.wait(job["id"], timeout=240)
     assert_matches_reference(final, reference)

@@ -16,7 +16,7 @@ from arceus.checkpoint import StateFile
 from arceus.contracts.assignment import Assignment
 from arceus.training.plan import StageEndpoint
 from arceus.training.stage_client import StageClient
-from devtools.pipeline import pipeline_assignments
+from devtools.pipeline import driver_token, pipeline_assignments
 from nodeagent.agent import Agent
 from nodeagent.heap import retain_freed_blocks
 
@@ -55,7 +55,7 @@ def main() -> None:
             state_bytes = 16 * params  # weights, gradients and Adam's two moments, fp32
             path = directory / f"generation-{generation}.safetensors"
             client = StageClient(StageEndpoint(0, agent.advertise_address, "node", 0, 5), job_id=JOB,
-                                 generation=generation, timeout=60)
+                                 generation=generation, credential=driver_token(JOB, generation), timeout=60)
             sha256, _ = client.save_state(path)
             client.close()
             checkpoint = {"step": generation, "url": str(path), "sha256": sha256}

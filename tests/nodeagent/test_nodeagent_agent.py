@@ -17,7 +17,8 @@ from arceus.checkpoint import checkpoint_digest, decode_checkpoint
 from arceus.contracts.assignment import Assignment
 from arceus.contracts.observed import ObservedStage
 from arceus.v1 import stage_pb2, stage_pb2_grpc
-from devtools.pipeline import pipeline_assignments
+from arceus.wire.channels import open_channel
+from devtools.pipeline import driver_token, pipeline_assignments
 from nodeagent.agent import Agent, split_host_port
 from nodeagent.control_plane import ControlPlaneClient
 from nodeagent.mailbox import MailboxClosed
@@ -167,12 +168,12 @@ def test_stage_metrics_follow_assignments(agent: Agent) -> None:
 
 
 def test_served_stages_follow_assignments(agent: Agent) -> None:
-    with grpc.insecure_channel(agent.grpc_address) as channel:
+    with open_channel(agent.grpc_address, token=driver_token("job")) as channel:
         stub = stage_pb2_grpc.StageServiceStub(channel)
         request = stage_pb2.GetStateRequest(target=stage_pb2.StageRef(job_id="job", stage_index=1, generation=1))
         with pytest.raises(grpc.RpcError) as info:
             list(stub.GetState(request, timeout=5))
-        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED  # no stage here knows the job's driver yet
         agent.apply_assignments(stages())
         state = decode_checkpoint(b"".join(chunk.data for chunk in stub.GetState(request, timeout=5)))
         assert sorted(state) == ["layers.1.bias", "layers.1.weight"]
@@ -192,7 +193,7 @@ def test_save_state_uploads_the_stage_state_to_the_control_plane(control_plane) 
     try:
         agent.apply_assignments(stages())
         target = stage_pb2.StageRef(job_id="job", stage_index=1, generation=1)
-        with grpc.insecure_channel(agent.grpc_address) as channel:
+        with open_channel(agent.grpc_address, token=driver_token("job")) as channel:
             stub = stage_pb2_grpc.StageServiceStub(channel)
             request = stage_pb2.SaveStateRequest(target=target, include_optimizer_state=True, upload_path="/up/1")
             reply = stub.SaveState(request, timeout=10)
@@ -212,7 +213,7 @@ def test_save_state_uploads_the_stage_state_to_the_control_plane(control_plane) 
 
 def test_save_state_without_a_control_plane_is_refused(agent: Agent) -> None:
     agent.apply_assignments(stages())
-    with grpc.insecure_channel(agent.grpc_address) as channel:
+    with open_channel(agent.grpc_address, token=driver_token("job")) as channel:
         request = stage_pb2.SaveStateRequest(
             target=stage_pb2.StageRef(job_id="job", stage_index=1, generation=1), upload_path="/up/1"
         )

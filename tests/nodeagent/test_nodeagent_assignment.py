@@ -8,7 +8,7 @@ import pytest
 
 from arceus.contracts.assignment import Assignment, CheckpointRef, OptimizerConfig
 from arceus.errors import SpecError
-from devtools.pipeline import pipeline_assignments
+from devtools.pipeline import pipeline_assignments, rank_credentials
 from nodeagent.static import load_static_assignments
 
 
@@ -28,6 +28,7 @@ def assignment(**changes: Any) -> dict[str, Any]:
         "max_micro_batch_size": 64,
         "prev_address": "127.0.0.1:5000",
         "next_address": "127.0.0.1:5002",
+        "credentials": rank_credentials("job", 2, 1, 0, [1, 1, 1]).to_json(),
     }
     data.update(changes)
     return data

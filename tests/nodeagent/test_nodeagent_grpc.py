@@ -21,9 +21,10 @@ from arceus.data import validate_dataset_config
 from arceus.training import DriverError, StageEndpoint, TrainPlan, train
 from arceus.training.recording import RecordingSink
 from arceus.v1 import stage_pb2, stage_pb2_grpc
+from arceus.wire.channels import open_channel
 from arceus.wire.proto_tensor import to_proto
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
-from devtools.pipeline import pipeline_assignments
+from devtools.pipeline import driver_token, pipeline_assignments
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +60,14 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
 
 @pytest.fixture(scope="module")
 def stub(agent: AgentProcess) -> Iterator[stage_pb2_grpc.StageServiceStub]:
-    with grpc.insecure_channel(agent.grpc_address) as channel:
+    """The driver's: calls carry the job's driver token."""
+    with open_channel(agent.grpc_address, token=driver_token(JOB)) as channel:
+        yield stage_pb2_grpc.StageServiceStub(channel)
+
+
+@pytest.fixture(scope="module")
+def orphan_stub(agent: AgentProcess) -> Iterator[stage_pb2_grpc.StageServiceStub]:
+    with open_channel(agent.grpc_address, token=driver_token(ORPHAN)) as channel:
         yield stage_pb2_grpc.StageServiceStub(channel)
 
 
@@ -107,6 +115,7 @@ def plan(agent: AgentProcess, job_id: str = JOB, **overrides: object) -> TrainPl
         "max_steps": 2,
     }
     fields.update(overrides)
+    fields.setdefault("credential", driver_token(str(fields["job_id"]), int(fields["generation"])))  # type: ignore[call-overload]
     return TrainPlan(**fields)  # type: ignore[arg-type]
 
 
@@ -133,11 +142,6 @@ BAD_PUSHES = {
         {"kind": stage_pb2.LABELS},
         "only the last stage",
     ),
-    "gradient to the last stage": (
-        to_proto(torch.zeros(2, 10)),
-        {"kind": stage_pb2.GRADIENT, "target": ref(1)},
-        "accepts no GRADIENT",
-    ),
     "labels out of range": (
         to_proto(torch.tensor([3, 10])),
         {"kind": stage_pb2.LABELS, "target": ref(1)},
@@ -148,7 +152,6 @@ BAD_PUSHES = {
         {"kind": stage_pb2.LABELS, "target": ref(1)},
         "must be int64",
     ),
-    "unspecified kind": (to_proto(torch.zeros(2, 64)), {"kind": stage_pb2.TENSOR_KIND_UNSPECIFIED}, "kind"),
 }
 
 
@@ -163,12 +166,25 @@ def test_invalid_push_is_rejected_with_invalid_argument(
 
 
 @pytest.mark.parametrize(
+    "extra",
+    [{"kind": stage_pb2.GRADIENT, "target": ref(1)}, {"kind": stage_pb2.TENSOR_KIND_UNSPECIFIED}],
+    ids=["gradient to the last stage", "unspecified kind"],
+)
+def test_a_push_of_a_kind_the_driver_does_not_send_is_denied(
+    stub: stage_pb2_grpc.StageServiceStub, extra: dict
+) -> None:
+    """Gradients come from the next stage only (the last stage has none), and a kind nobody sends is nobody's."""
+    error = rpc_error(push, stub, to_proto(torch.zeros(2, 10)), **extra)
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED, error.details()
+
+
+@pytest.mark.parametrize(
     "wire", [b"\x0a\xff\x01", b"\x00\x00", b"\x2a\x03\x1a\x05ab"], ids=["past the end", "field 0", "tensor cut"]
 )
 def test_bytes_that_are_no_push_request_are_invalid_argument(agent: AgentProcess, wire: bytes) -> None:
     """Both push methods parse with parse_push, which names the problem (gRPC's own deserializer
     failure would be INTERNAL); the stream ends there, having nothing to ack the bytes by."""
-    with grpc.insecure_channel(agent.grpc_address) as channel:
+    with open_channel(agent.grpc_address, token=driver_token(JOB)) as channel:
         unary = channel.unary_unary("/arceus.v1.StageService/PushTensor")
         stream = channel.stream_stream("/arceus.v1.StageService/PushStream")
         errors = [rpc_error(unary, wire, timeout=10), rpc_error(lambda: list(stream(iter([wire]), timeout=10)))]
@@ -177,23 +193,23 @@ def test_bytes_that_are_no_push_request_are_invalid_argument(agent: AgentProcess
             assert "not a PushTensorRequest" in error.details()
 
 
-def test_wrong_generation_is_a_failed_precondition(stub: stage_pb2_grpc.StageServiceStub) -> None:
+def test_another_generation_is_denied_without_naming_the_current_one(stub: stage_pb2_grpc.StageServiceStub) -> None:
     error = rpc_error(push, stub, to_proto(torch.zeros(2, 64)), target=ref(generation=2))
-    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "generation 1 here" in error.details()
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert "generation" not in error.details()
     def get_state(request: stage_pb2.GetStateRequest, timeout: float) -> list[stage_pb2.StateChunk]:
         return list(stub.GetState(request, timeout=timeout))
 
     error = rpc_error(get_state, stage_pb2.GetStateRequest(target=ref(generation=0)), timeout=10)
-    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
 
 
-@pytest.mark.parametrize("target", [ref(job_id="no-such-job"), ref(stage_index=5)])
-def test_unknown_stage_is_not_found(
+@pytest.mark.parametrize("target", [ref(job_id="no-such-job"), ref(stage_index=5), ref(job_id=ORPHAN)])
+def test_a_stage_outside_the_callers_credential_is_denied(
     stub: stage_pb2_grpc.StageServiceStub, target: stage_pb2.StageRef
 ) -> None:
     error = rpc_error(push, stub, to_proto(torch.zeros(2, 64)), target=target)
-    assert error.code() == grpc.StatusCode.NOT_FOUND
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED
 
 
 @pytest.mark.parametrize(
@@ -228,10 +244,9 @@ def test_invalid_run_step_is_rejected(
 @pytest.mark.parametrize(
     ("config", "weights", "fragment"),
     [
-        ({"type": "mlp", "layer_sizes": [64, 32]}, b"", "need 8,320"),  # no weights: nothing is built
-        ({"type": "mlp", "layer_sizes": [64, 32]}, b"\0" * (2 << 20), "exceed"),  # more than those layers'
-        ({"type": "mlp", "layer_sizes": [64, 32]}, b"\0" * 8320, "not a valid safetensors"),
-        ({"type": "transformer", "n_layer": 256, "d_model": 65536}, b"", "vocab_size"),
+        (MODEL, b"", "need 8,320"),  # no weights: nothing is built
+        (MODEL, b"\0" * (2 << 20), "exceed"),  # more than those layers'
+        (MODEL, b"\0" * 8320, "not a valid safetensors"),
     ],
 )
 def test_verify_forward_takes_only_weights_of_the_layers_it_recomputes(
@@ -248,6 +263,16 @@ def test_verify_forward_takes_only_weights_of_the_layers_it_recomputes(
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and fragment in error.details(), error.details()
 
 
+def test_verify_forward_recomputes_only_the_callers_model(stub: stage_pb2_grpc.StageServiceStub) -> None:
+    """A 781-byte request for a huge transformer once cost an agent 1.5 GB; now it builds nothing."""
+    huge = {"type": "transformer", "n_layer": 256, "d_model": 65536, "vocab_size": 10, "block_size": 8}
+    first = stage_pb2.VerifyForwardRequest(
+        model_config_json=json.dumps(huge), layer_start=0, layer_end=1, input=to_proto(torch.zeros(1, 8))
+    )
+    error = rpc_error(stub.VerifyForward, iter([first]), timeout=10)
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED and "only the model" in error.details()
+
+
 def test_a_missing_input_times_out_naming_what_it_waited_for(stub: stage_pb2_grpc.StageServiceStub) -> None:
     request = stage_pb2.RunStepRequest(
         target=ref(), step=2000, mode=stage_pb2.TRAIN, num_micro_batches=1, batch_size=2
@@ -257,13 +282,13 @@ def test_a_missing_input_times_out_naming_what_it_waited_for(stub: stage_pb2_grp
     assert "ACTIVATION of step 2000 micro-batch 0 from the driver" in error.details()
 
 
-def test_a_failed_push_to_the_next_stage_fails_the_step(stub: stage_pb2_grpc.StageServiceStub) -> None:
+def test_a_failed_push_to_the_next_stage_fails_the_step(orphan_stub: stage_pb2_grpc.StageServiceStub) -> None:
     orphan = ref(job_id=ORPHAN)
-    push(stub, to_proto(torch.zeros(2, 64)), target=orphan, step=3000)
+    push(orphan_stub, to_proto(torch.zeros(2, 64)), target=orphan, step=3000)
     request = stage_pb2.RunStepRequest(
         target=orphan, step=3000, mode=stage_pb2.TRAIN, num_micro_batches=1, batch_size=2
     )
-    error = rpc_error(stub.RunStep, request, timeout=10)
+    error = rpc_error(orphan_stub.RunStep, request, timeout=10)
     assert error.code() == grpc.StatusCode.UNAVAILABLE
     assert "could not push the ACTIVATION of step 3000 micro-batch 0 to stage 1" in error.details()
 

@@ -10,8 +10,9 @@ import torch
 
 from arceus.contracts.assignment import Assignment
 from arceus.v1 import stage_pb2, stage_pb2_grpc
+from arceus.wire.channels import open_channel
 from arceus.wire.proto_tensor import from_proto, to_proto
-from devtools.pipeline import pipeline_assignments
+from devtools.pipeline import driver_token, pipeline_assignments
 from nodeagent.agent import Agent
 from nodeagent.inference import MAX_SESSIONS
 
@@ -28,15 +29,28 @@ def assignments(job_id: str, model: dict, boundaries: list[int]) -> list[Assignm
     ]
 
 
+class Drivers:
+    """Both jobs' drivers: a call goes out with the driver token of the job it addresses."""
+
+    def __init__(self, address: str, jobs: list[str]) -> None:
+        self.channels = {job: open_channel(address, token=driver_token(job)) for job in jobs}
+
+    def Infer(self, request: stage_pb2.InferRequest, timeout: float) -> stage_pb2.InferReply:  # noqa: N802
+        channel = self.channels.get(request.target.job_id, self.channels["gpt"])  # another job: gpt's driver tries
+        return stage_pb2_grpc.StageServiceStub(channel).Infer(request, timeout=timeout)
+
+
 @pytest.fixture(scope="module")
-def stub() -> Iterator[stage_pb2_grpc.StageServiceStub]:
+def stub() -> Iterator[Drivers]:
     agent = Agent(device=torch.device("cpu"))
     agent.start()
     agent.apply_assignments(assignments("gpt", GPT, [0, 2, 4]) + assignments("mlp", {"layer_sizes": [4, 3]}, [0, 1]))
+    drivers = Drivers(agent.grpc_address, ["gpt", "mlp"])
     try:
-        with grpc.insecure_channel(agent.grpc_address) as channel:
-            yield stage_pb2_grpc.StageServiceStub(channel)
+        yield drivers
     finally:
+        for channel in drivers.channels.values():
+            channel.close()
         agent.stop(grace=1)
 
 
@@ -73,7 +87,7 @@ def test_a_session_decodes_position_by_position_through_both_stages(stub) -> Non
         (torch.tensor([[1]]), {"session": "x" * 65}, grpc.StatusCode.INVALID_ARGUMENT, "1 to 64 characters"),
         (torch.tensor([[1]]), {"start": -1}, grpc.StatusCode.INVALID_ARGUMENT, "start must be 0 or more"),
         (torch.zeros(1, 4), {"job": "mlp"}, grpc.StatusCode.INVALID_ARGUMENT, "do not decode"),
-        (torch.tensor([[1]]), {"job": "nope"}, grpc.StatusCode.NOT_FOUND, "hosts no stage 0 of job 'nope'"),
+        (torch.tensor([[1]]), {"job": "nope"}, grpc.StatusCode.PERMISSION_DENIED, "does not allow Infer"),
     ],
 )
 def test_what_a_stage_refuses_to_decode(stub, x: torch.Tensor, kwargs: dict, code, message: str) -> None:

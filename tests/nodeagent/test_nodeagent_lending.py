@@ -14,7 +14,7 @@ from arceus.contracts.assignment import Assignment, max_micro_batch_size
 from arceus.data import load_dataset, validate_dataset_config
 from arceus.training import StageEndpoint, TrainPlan
 from arceus.training.driver import Pipeline
-from devtools.pipeline import pipeline_assignments
+from devtools.pipeline import driver_token, pipeline_assignments
 from nodeagent.agent import Agent
 from nodeagent.lending import KEPT, PROBE_EVERY, ComputeThreads, LendingGauge
 
@@ -74,7 +74,7 @@ def test_solo_actions_compute_with_the_solo_threads(agents: list[Agent]) -> None
     logs = [record_threads(a) for a in agents]
     plan = TrainPlan(
         job_id="lend",
-        generation=1,
+        generation=1, credential=driver_token("lend", 1),
         stages=tuple(StageEndpoint(i, a.advertise_address, f"node-{i}", i, i + 1) for i, a in enumerate(agents)),
         dataset=DATASET,
         epochs=1,

@@ -13,7 +13,8 @@ import torch
 
 from arceus.contracts.assignment import Assignment
 from arceus.v1 import link_probe_pb2, link_probe_pb2_grpc
-from devtools.pipeline import pipeline_assignments
+from arceus.wire.channels import open_channel
+from devtools.pipeline import driver_token, pipeline_assignments
 from nodeagent.agent import Agent
 from nodeagent.control_plane import ControlPlaneClient, HeartbeatLoop
 from nodeagent.link_probe import _CHANNEL_OPTIONS, MAX_PROBE_BYTES, LinkFigures, measure_neighbour
@@ -23,8 +24,14 @@ from tests.nodeagent.test_nodeagent_control_plane import wait_for
 
 @pytest.fixture
 def agent() -> Iterator[Agent]:
+    """An agent hosting one stage of job "probed": that job's principals may time links to it."""
     a = Agent(device=torch.device("cpu"))
     a.start()
+    [raw] = pipeline_assignments(
+        job_id="probed", model_config={"layer_sizes": [8, 4]}, boundaries=[0, 1], addresses=[a.advertise_address],
+        optimizer={"name": "sgd", "lr": 0.1}, seed=0, micro_batches=1, max_micro_batch_size=4,
+    )
+    a.apply_assignments([Assignment.from_json(raw)])
     try:
         yield a
     finally:
@@ -33,8 +40,18 @@ def agent() -> Iterator[Agent]:
 
 @pytest.fixture
 def probe(agent: Agent) -> Iterator[grpc.UnaryUnaryMultiCallable]:
-    with grpc.insecure_channel(agent.grpc_address, options=_CHANNEL_OPTIONS) as channel:
+    with open_channel(agent.grpc_address, token=driver_token("probed"), options=_CHANNEL_OPTIONS) as channel:
         yield link_probe_pb2_grpc.LinkProbeServiceStub(channel).Probe
+
+
+def test_a_probe_without_a_credential_the_agent_accepts_is_refused(agent: Agent) -> None:
+    for channel in (
+        grpc.insecure_channel(agent.grpc_address),
+        open_channel(agent.grpc_address, token=driver_token("another-job")),
+    ):
+        with channel, pytest.raises(grpc.RpcError) as caught:
+            link_probe_pb2_grpc.LinkProbeServiceStub(channel).Probe(link_probe_pb2.ProbeRequest(), timeout=10)
+        assert caught.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
 @pytest.mark.parametrize(("payload", "reply_bytes"), [(0, 0), (1000, 0), (0, 1000), (MAX_PROBE_BYTES, MAX_PROBE_BYTES)])
@@ -52,7 +69,7 @@ def test_oversized_or_negative_probes_are_refused(probe, payload: int, reply_byt
 
 
 def test_measure_neighbour_times_a_live_agent(agent: Agent) -> None:
-    figures = measure_neighbour(agent.grpc_address, bulk_bytes=1024 * 1024)
+    figures = measure_neighbour(agent.grpc_address, driver_token("probed"), bulk_bytes=1024 * 1024)
     assert figures is not None and figures.rtt_seconds > 0 and figures.bandwidth_bytes_per_second > 0
 
 
@@ -61,21 +78,22 @@ def test_a_silent_or_absent_neighbour_is_unknown_within_the_deadline() -> None:
         silent.bind(("127.0.0.1", 0))
         silent.listen()
         started = time.monotonic()
-        assert measure_neighbour(f"127.0.0.1:{silent.getsockname()[1]}", timeout=0.5) is None
+        assert measure_neighbour(f"127.0.0.1:{silent.getsockname()[1]}", "0" * 64, timeout=0.5) is None
         assert time.monotonic() - started < 3
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
-    assert measure_neighbour(f"127.0.0.1:{port}", timeout=0.5) is None
+    assert measure_neighbour(f"127.0.0.1:{port}", "0" * 64, timeout=0.5) is None
 
 
 def test_the_thread_measures_when_woken_reports_once_and_failures_as_unknown() -> None:
-    def measure(address: str) -> LinkFigures | None:
+    def measure(address: str, token: str) -> LinkFigures | None:
         if address == "bad:1":
             raise RuntimeError("probe bug")
         return None if address == "down:1" else LinkFigures(0.01, 1e6)
 
-    links = NeighbourLinks(lambda: {"up:1", "down:1", "bad:1"}, lambda: False, interval=300, measure=measure)
+    neighbours = {"up:1": "t", "down:1": "t", "bad:1": "t"}
+    links = NeighbourLinks(lambda: neighbours, lambda: False, interval=300, measure=measure, probe_retries=(0.01,))
     links.start()
     try:
         links.wake()
@@ -94,7 +112,8 @@ def test_the_thread_measures_when_woken_reports_once_and_failures_as_unknown() -
 def test_the_thread_waits_for_a_pause_between_steps() -> None:
     stepping = [True]
     links = NeighbourLinks(
-        lambda: {"n:1"}, lambda: stepping[0], interval=300, measure=lambda _: LinkFigures(0.01, 1e6), busy_retry=0.02
+        lambda: {"n:1": "t"}, lambda: stepping[0], interval=300, measure=lambda _a, _t: LinkFigures(0.01, 1e6),
+        busy_retry=0.02,
     )
     links.start()
     try:

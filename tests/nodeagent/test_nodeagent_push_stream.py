@@ -14,11 +14,12 @@ import torch
 
 from arceus.v1 import stage_pb2, stage_pb2_grpc
 from arceus.wire import codec
+from arceus.wire.channels import open_channel
 from arceus.wire.proto_tensor import write_encoded
 from arceus.wire.push_stream import OutgoingPush, PushError, PushStream, outgoing_push, raw_push, serialize
 from arceus.wire.transfer import TransferConfig, TransferEncoder
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
-from devtools.pipeline import pipeline_assignments
+from devtools.pipeline import driver_token, pipeline_assignments
 
 pytestmark = pytest.mark.slow
 
@@ -43,7 +44,7 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
 
 @pytest.fixture
 def stream(agent: AgentProcess) -> Iterator[PushStream]:
-    with grpc.insecure_channel(agent.grpc_address) as channel:
+    with open_channel(agent.grpc_address, token=driver_token(JOB)) as channel:  # the driver feeds stage 0
         pushes = PushStream(channel)
         yield pushes
         pushes.close()
@@ -105,8 +106,8 @@ def test_a_refused_message_gets_an_error_ack_and_the_stream_goes_on(stream: Push
 def test_a_stale_generation_is_refused(stream: PushStream) -> None:
     stale = stream.push(activation(200, generation=0), timeout=10)
     error = failure(stale)
-    assert error.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "generation" in error.details()
+    assert error.code() == grpc.StatusCode.PERMISSION_DENIED  # the driver's credential is generation 1's
+    assert "generation" not in error.details()
     assert stream.push(activation(201), timeout=10).result(timeout=10) is None
 
 

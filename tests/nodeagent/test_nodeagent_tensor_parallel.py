@@ -25,8 +25,10 @@ from arceus.model.seeding import layer_generator
 from arceus.model.sharding import Shard
 from arceus.model.tensor_parallel import gather_state_tensors
 from arceus.v1 import stage_pb2, tensor_parallel_pb2, tensor_parallel_pb2_grpc
+from arceus.wire.channels import open_channel
 from arceus.wire.proto_tensor import to_proto
 from devtools.launch import free_ports
+from devtools.pipeline import rank_credentials as pipeline_credentials
 from nodeagent.agent import Agent
 from nodeagent.all_reduce import TensorParallelGroup
 from nodeagent.hosting import HostedStages
@@ -39,10 +41,12 @@ from tp_rank_worker import (  # noqa: E402
     JOB,
     LAYER,
     MICRO_BATCHES,
+    MODEL,
     SEED,
     SPEC,
     STAGE,
     micro_batch_inputs,
+    rank_credentials,
 )
 
 WORKER = Path(__file__).parent / "tp_rank_worker.py"
@@ -135,11 +139,13 @@ def served_group() -> Iterator[tuple[TensorParallelGroup, tensor_parallel_pb2_gr
         micro_batches=MICRO_BATCHES,
         max_micro_batch_size=4,
         max_message_bytes=1024 * 1024,
+        credentials=rank_credentials(0),
+        model=MODEL,
     )
     agent.tensor_parallel.add(group)
     agent.start()
     try:
-        with grpc.insecure_channel(own) as channel:
+        with open_channel(own, token=rank_credentials(1).token) as channel:  # as rank 1
             yield group, tensor_parallel_pb2_grpc.TensorParallelServiceStub(channel)
     finally:
         agent.stop(grace=0.5)
@@ -168,19 +174,19 @@ def partial_request(**overrides: object) -> tensor_parallel_pb2.PushPartialReque
             grpc.StatusCode.INVALID_ARGUMENT,
             "float32",
         ),
-        ({"source_rank": 0}, grpc.StatusCode.INVALID_ARGUMENT, "source_rank"),
-        ({"source_rank": 2}, grpc.StatusCode.INVALID_ARGUMENT, "source_rank"),
+        ({"source_rank": 0}, grpc.StatusCode.PERMISSION_DENIED, "source_rank"),  # not the caller's rank
+        ({"source_rank": 2}, grpc.StatusCode.PERMISSION_DENIED, "source_rank"),
         ({"micro_batch": MICRO_BATCHES}, grpc.StatusCode.INVALID_ARGUMENT, "micro_batch"),
         ({"op": -1}, grpc.StatusCode.INVALID_ARGUMENT, "op"),
         (
             {"target": stage_pb2.StageRef(job_id=JOB, stage_index=STAGE, generation=GENERATION - 1)},
-            grpc.StatusCode.FAILED_PRECONDITION,
-            "generation",
+            grpc.StatusCode.PERMISSION_DENIED,
+            "does not allow PushPartial",
         ),
         (
             {"target": stage_pb2.StageRef(job_id="other", stage_index=STAGE, generation=GENERATION)},
-            grpc.StatusCode.NOT_FOUND,
-            "no tensor-parallel group",
+            grpc.StatusCode.PERMISSION_DENIED,
+            "does not allow PushPartial",
         ),
     ],
 )
@@ -234,6 +240,7 @@ def test_a_rank_loads_its_slice_of_an_unsplit_checkpoint_and_its_group_lives_wit
         "max_micro_batch_size": 4,
         "prev_address": None,
         "next_address": None,
+        "credentials": pipeline_credentials(JOB, GENERATION, 0, 0, [1]).to_json(),
     }
     whole = Assignment.from_json({**common, "stage_id": "whole"})
     unsplit = build_hosted_stage(whole, CPU, max_message_bytes=2**20)
@@ -249,7 +256,10 @@ def test_a_rank_loads_its_slice_of_an_unsplit_checkpoint_and_its_group_lives_wit
         registry = HostedStages(CPU, max_message_bytes=2**20, load_checkpoint=lambda _: full)
         split = {"rank": rank, "size": 2, "peers": peers}
         checkpoint = {"step": 1, "url": "file", "sha256": "0" * 64}
-        assignment = {**common, "stage_id": f"rank-{rank}", "tensor_parallel": split, "checkpoint": checkpoint}
+        assignment = {
+            **common, "stage_id": f"rank-{rank}", "tensor_parallel": split, "checkpoint": checkpoint,
+            "credentials": pipeline_credentials(JOB, GENERATION, 0, rank, [2]).to_json(),
+        }
         registry.apply([Assignment.from_json(assignment)])
         stage = registry.resolve(ref)
         assert registry.tensor_parallel.resolve(ref) is stage.tensor_parallel

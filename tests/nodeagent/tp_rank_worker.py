@@ -13,6 +13,7 @@ import time
 import torch
 from safetensors.torch import save_file
 
+from arceus.contracts.credentials import StageCredentials, stage_credentials
 from arceus.model.gpt.parallel import build_parallel_block
 from arceus.model.gpt.spec import GPTSpec
 from arceus.model.precision import autocast
@@ -21,6 +22,14 @@ from nodeagent.all_reduce import TensorParallelGroup
 
 SPEC = GPTSpec(n_layer=2, n_head=8, d_model=32, block_size=6, vocab_size=10)  # 8 heads: 4 per rank of 2
 SEED, LAYER, MICRO_BATCHES, JOB, STAGE, GENERATION = 11, 2, 2, "tp-job", 1, 3
+MODEL = {"type": "transformer", "n_layer": 2, "n_head": 8, "d_model": 32, "block_size": 6, "vocab_size": 10}
+RANKS = 2
+SECRET = b"tp-rank-worker-test-key-32-bytes"
+
+
+def rank_credentials(rank: int) -> StageCredentials:
+    """Both ranks' processes mint the group's credentials under one test key (a control plane would)."""
+    return stage_credentials(SECRET, JOB, GENERATION, STAGE, rank, [RANKS] * (STAGE + 1))
 
 
 def micro_batch_inputs(micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,6 +52,8 @@ def main(rank: int, peers: list[str], out: str, precision: str) -> None:
         micro_batches=MICRO_BATCHES,
         max_micro_batch_size=4,
         max_message_bytes=64 * 1024 * 1024,
+        credentials=rank_credentials(rank),
+        model=MODEL,
     )
     agent.tensor_parallel.add(group)
     agent.start()

@@ -20,7 +20,7 @@ from arceus.model.registry import fit_model_to_dataset
 from arceus.training import TrainPlan, train
 from arceus.training.recording import RecordingSink
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
-from devtools.pipeline import pipeline_assignments, stage_endpoints
+from devtools.pipeline import driver_token, pipeline_assignments, stage_endpoints
 from devtools.reference import fetch_weights, reference_run
 
 pytestmark = pytest.mark.slow
@@ -68,7 +68,7 @@ def test_cnn_pipeline_training_matches_single_process(agents: list[AgentProcess]
     optimizer = RUNS[job_id]
     plan = TrainPlan(
         job_id=job_id,
-        generation=1,
+        generation=1, credential=driver_token(job_id, 1),
         stages=stage_endpoints([a.grpc_address for a in agents], BOUNDARIES),
         dataset=DATASET,
         epochs=1,

@@ -12,7 +12,7 @@ from arceus.contracts.assignment import max_micro_batch_size
 from arceus.training import StageEndpoint, TrainPlan, TrainResult, train
 from arceus.training.recording import RecordingSink
 from devtools.launch import free_ports, spawn_static_agents, stop_agents
-from devtools.pipeline import pipeline_assignments
+from devtools.pipeline import driver_token, pipeline_assignments
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,7 @@ def results(tmp_path_factory: pytest.TempPathFactory, small_text) -> Iterator[di
         out = {}
         for job_id in TRANSFERS:
             plan = TrainPlan(
-                job_id=job_id, generation=1,
+                job_id=job_id, generation=1, credential=driver_token(job_id, 1),
                 stages=tuple(StageEndpoint(i, a.grpc_address, f"agent-{i}", BOUNDARIES[i], BOUNDARIES[i + 1])
                              for i, a in enumerate(agents)),
                 dataset=dataset, epochs=2, learning_rate=ADAM["lr"], micro_batches=MICRO_BATCHES, seed=SEED,

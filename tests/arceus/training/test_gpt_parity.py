@@ -22,7 +22,7 @@ from arceus.training import TrainPlan, train
 from arceus.training.recording import RecordingSink
 from arceus.training.sampling import sample_through_pipeline
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
-from devtools.pipeline import pipeline_assignments, stage_endpoints
+from devtools.pipeline import driver_token, pipeline_assignments, stage_endpoints
 from devtools.reference import fetch_weights, reference_run
 
 pytestmark = pytest.mark.slow
@@ -86,7 +86,7 @@ def test_gpt_pipeline_training_matches_single_process(
     boundaries = run["boundaries"]
     plan = TrainPlan(
         job_id=job_id,
-        generation=1,
+        generation=1, credential=driver_token(job_id, 1),
         stages=stage_endpoints([a.grpc_address for a in agents[: len(boundaries) - 1]], boundaries),
         dataset=dataset,
         epochs=3,
@@ -143,13 +143,15 @@ def test_text_sampled_through_the_agents_is_what_one_process_samples_from_their_
     model, dataset = configs
     boundaries = RUNS["gpt-3-1f1b"]["boundaries"]
     stages = stage_endpoints([a.grpc_address for a in agents], boundaries)
-    plan = TrainPlan(job_id="gpt-3-1f1b", generation=1, stages=stages, dataset=dataset, epochs=1,
+    token = driver_token("gpt-3-1f1b", 1)
+    plan = TrainPlan(job_id="gpt-3-1f1b", generation=1, credential=token, stages=stages, dataset=dataset, epochs=1,
                      learning_rate=0.1, micro_batches=MICRO_BATCHES, seed=SEED)
     tokenizer = dataset_tokenizer(dataset)
     # Longer than the window (16): the window slides and every stage's cache starts again.
     options = {"prompt": "In the", "length": 40, "temperature": temperature, "seed": 5}
     sampled = sample_through_pipeline(
-        stages, job_id="gpt-3-1f1b", generation=1, model_config=model, tokenizer=tokenizer, timeout=30.0, **options
+        stages, job_id="gpt-3-1f1b", generation=1, credential=token, model_config=model, tokenizer=tokenizer,
+        timeout=30.0, **options
     )
     assert sampled.startswith("In the") and len(tokenizer.encode(sampled)) == len(tokenizer.encode("In the")) + 40
     assert sampled == sample_text(model, fetch_weights(plan), tokenizer, **options)

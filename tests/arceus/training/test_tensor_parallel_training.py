@@ -23,7 +23,7 @@ from arceus.training import RankEndpoint, StageEndpoint, TrainPlan, train
 from arceus.training.driver import Pipeline
 from arceus.training.recording import RecordingSink
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
-from devtools.pipeline import pipeline_assignments
+from devtools.pipeline import driver_token, pipeline_assignments, rank_credentials
 from devtools.reference import fetch_weights, reference_run
 
 pytestmark = pytest.mark.slow
@@ -69,12 +69,15 @@ def split_assignments(
             if 0 <= neighbour < len(ranks) and len(ranks[neighbour]) > 1:
                 stage[key] = ranks[neighbour]
         for rank, agent in enumerate(run["agents"][i]):
+            credentials = rank_credentials(job_id, 1, i, rank, [len(r) for r in ranks]).to_json()
             if len(ranks[i]) == 1:
-                placed.append((agent, stage))
+                placed.append((agent, {**stage, "credentials": credentials}))
             else:
                 split = {"rank": rank, "size": len(ranks[i]), "peers": ranks[i]}
                 stage_id = f"{stage['stage_id']}-rank-{rank}"
-                placed.append((agent, {**stage, "stage_id": stage_id, "tensor_parallel": split}))
+                placed.append(
+                    (agent, {**stage, "stage_id": stage_id, "tensor_parallel": split, "credentials": credentials})
+                )
     return placed
 
 
@@ -120,7 +123,7 @@ def plan_for(job_id: str, agents: list[AgentProcess], model: dict[str, Any], dat
     boundaries, hosts = run["boundaries"], run["agents"]
     return TrainPlan(
         job_id=job_id,
-        generation=1,
+        generation=1, credential=driver_token(job_id, 1),
         stages=tuple(
             StageEndpoint(
                 index=i,

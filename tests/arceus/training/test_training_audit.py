@@ -17,7 +17,7 @@ from arceus.training.recording import RecordingSink
 from arceus.v1 import stage_pb2
 from arceus.verify.receipts import RECEIVED, SENT, ReceiptError, ReceiptFields, ReceiptSigner, verify_receipt
 from arceus.wire.transfer import transfer_config_from_json
-from devtools.pipeline import pipeline_assignments
+from devtools.pipeline import driver_token, pipeline_assignments
 from devtools.reference import fetch_weights
 from nodeagent import step
 from nodeagent.agent import Agent
@@ -60,7 +60,7 @@ def agents(request: pytest.FixtureRequest) -> Iterator[list[Agent]]:
 def plan_for(agents: list[Agent], **overrides: object) -> TrainPlan:
     plan = TrainPlan(
         job_id="audited",
-        generation=1,
+        generation=1, credential=driver_token("audited", 1),
         stages=tuple(
             StageEndpoint(i, a.advertise_address, f"node-{i}", BOUNDARIES[i], BOUNDARIES[i + 1],
                           public_key=a.signer.public_key_hex)

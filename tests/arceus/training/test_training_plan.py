@@ -8,10 +8,11 @@ from arceus.contracts.assignment import max_micro_batch_size
 from arceus.data import validate_dataset_config
 from arceus.errors import SpecError
 from arceus.training import StageEndpoint, TrainPlan
+from devtools.pipeline import driver_token
 
 PLAN = TrainPlan(
     job_id="j",
-    generation=1,
+    generation=1, credential=driver_token("j", 1),
     stages=(StageEndpoint(0, "127.0.0.1:1", "a", 0, 2), StageEndpoint(1, "127.0.0.1:2", "b", 2, 3)),
     dataset=validate_dataset_config({"name": "digits"}),
     epochs=1,

@@ -174,6 +174,6 @@ def test_a_stage_that_cannot_decode_is_a_503_naming_it(
     agent.apply_assignments([])  # the agent let the stage go (it moved) before the job's status caught up
     response = api.post(f"/api/jobs/{job.id}/sample", {"prompt": "ab", "length": 3}, format="json")
     assert response.status_code == 503
-    assert f"stage 0 (node {job.stages.get().node_id} at {agent.grpc_address}) could not decode: NOT_FOUND" in (
-        response.json()["detail"]
-    )
+    # It no longer knows the job's credentials either.
+    stage = f"stage 0 (node {job.stages.get().node_id} at {agent.grpc_address})"
+    assert f"{stage} could not decode: UNAUTHENTICATED" in response.json()["detail"]

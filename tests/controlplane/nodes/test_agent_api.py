@@ -10,10 +10,12 @@ from rest_framework.test import APIClient
 
 from arceus.contracts.assignment import Assignment
 from controlplane.controller.executor import reconcile_once
+from controlplane.jobs.credentials import job_stage_credentials
 from controlplane.jobs.models import Job, Stage
 from controlplane.nodes.models import Node
 from controlplane.nodes.serializers import AssignmentOutput
 from controlplane.nodes.services import node_create
+from devtools.pipeline import rank_credentials
 
 pytestmark = pytest.mark.django_db
 
@@ -183,6 +185,9 @@ def test_heartbeat_returns_the_assignment_contract(user, queued_job) -> None:
             "max_micro_batch_size": 90,  # ceil(max(32, 360) / 4)
             "prev_address": addresses.get(index - 1),
             "next_address": addresses.get(index + 1),
+            "credentials": job_stage_credentials(
+                job_id=str(job.id), generation=job.generation, stage_index=index, rank=0, ranks=[1, 1, 1]
+            ).to_json(),
             "checkpoint": None,
         }
         # The agent's own parser accepts it.
@@ -275,10 +280,11 @@ def test_the_documented_assignment_is_the_contract() -> None:
         "layer_start": 0, "layer_end": 2, "seed": 0, "optimizer": {"name": "adam", "lr": 0.001},
         "micro_batches": 2, "max_micro_batch_size": 4, "prev_address": None, "next_address": "b:1",
         "tensor_parallel": {"rank": 1, "size": 2, "peers": ["a:1", "a:2"]},
+        "credentials": rank_credentials("j", 1, 0, 1, [2, 1]).to_json(),
         "checkpoint": {"step": 3, "url": "/x", "sha256": "0" * 64},
     })
     sent = split.to_json()
     documented = AssignmentOutput().fields
     assert set(documented) == set(sent)
-    for name in ("optimizer", "checkpoint", "transfer", "tensor_parallel"):
+    for name in ("optimizer", "credentials", "checkpoint", "transfer", "tensor_parallel"):
         assert set(documented[name].fields) == set(sent[name]), name

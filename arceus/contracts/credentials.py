@@ -1,0 +1,118 @@
+"""Data-plane credentials: who may call which method of which stage, per job and generation.
+
+The control plane mints one bearer token per principal of a job generation: the driver (the control plane's
+own calls: steps, state, audits, sampling, a pipeline's inputs and labels) and every rank of every stage.
+A token is an HMAC-SHA256 of the principal's name under the control plane's secret: nothing is stored, and
+a new generation's tokens share nothing with the last one's, so a rewound or moved stage's old callers are
+strangers at once. An assignment carries its stage's own token (presented to its neighbours and peers) and
+the SHA-256 digests of the tokens it accepts, by role: an agent never learns another principal's token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from arceus.errors import SpecError
+
+# gRPC metadata key and scheme the token travels under (as grpc.access_token_call_credentials sends it).
+METADATA_KEY = "authorization"
+SCHEME = "Bearer "
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+class Role(StrEnum):
+    DRIVER = "driver"  # the control plane's calls on the stage
+    PREV = "prev"  # a rank of the previous stage: activations
+    NEXT = "next"  # a rank of the next stage: gradients
+    PEER = "peer"  # another rank of this tensor-parallel stage: partial sums
+
+
+DRIVER = "driver"
+
+
+def stage_principal(stage_index: int, rank: int = 0) -> str:
+    return f"stage-{stage_index}-rank-{rank}"
+
+
+def mint_token(secret: bytes, job_id: str, generation: int, principal: str) -> str:
+    """The bearer token of `principal` (DRIVER or a stage_principal) in this job generation."""
+    if len(secret) < 32:
+        raise ValueError(f"the credential secret must hold at least 32 bytes, got {len(secret)}")
+    return hmac.new(secret, f"{job_id}/{generation}/{principal}".encode(), hashlib.sha256).hexdigest()
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class StageCredentials:
+    """A stage rank's own token and the digests of the tokens it accepts, by role; a role's digests are in rank
+    order (PEER: every rank of this stage, this one's included), so a digest also says which rank calls."""
+
+    token: str
+    accepts: Mapping[Role, tuple[str, ...]]
+
+    def roles_of(self, digest: str) -> frozenset[Role]:
+        return frozenset(role for role, digests in self.accepts.items() if digest in digests)
+
+    def rank_of(self, role: Role, digest: str) -> int | None:
+        digests = self.accepts.get(role, ())
+        return digests.index(digest) if digest in digests else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"token": self.token, "accepts": {role.value: list(d) for role, d in self.accepts.items()}}
+
+    @classmethod
+    def from_json(cls, value: Any, field: str = "assignment.credentials") -> StageCredentials:
+        if not isinstance(value, dict) or set(value) != {"token", "accepts"}:
+            raise SpecError(field, "must be an object with exactly `token` and `accepts`")
+        token = value["token"]
+        if not isinstance(token, str) or not _HEX64.fullmatch(token):
+            raise SpecError(f"{field}.token", "must be 64 lowercase hex digits")
+        accepts = value["accepts"]
+        if not isinstance(accepts, dict):
+            raise SpecError(f"{field}.accepts", "must be an object of role: [token digest, ...]")
+        parsed: dict[Role, tuple[str, ...]] = {}
+        for name, digests in accepts.items():
+            try:
+                role = Role(name)
+            except ValueError:
+                raise SpecError(
+                    f"{field}.accepts.{name}", f"is no role; roles: {', '.join(r.value for r in Role)}"
+                ) from None
+            if not isinstance(digests, list) or not all(isinstance(d, str) and _HEX64.fullmatch(d) for d in digests):
+                raise SpecError(f"{field}.accepts.{name}", "must be a list of SHA-256 digests (64 lowercase hex)")
+            parsed[role] = tuple(digests)
+        if not parsed.get(Role.DRIVER):
+            raise SpecError(f"{field}.accepts.driver", "is required: a stage nobody may drive cannot train")
+        return cls(token=token, accepts=parsed)
+
+
+def stage_credentials(
+    secret: bytes, job_id: str, generation: int, stage_index: int, rank: int, ranks: Sequence[int]
+) -> StageCredentials:
+    """The credentials of rank `rank` of stage `stage_index` in a pipeline whose stage i has `ranks[i]`
+    ranks: it accepts the driver, every rank of its neighbours, and the ranks of its own stage (if split)."""
+
+    def digests(index: int) -> tuple[str, ...]:
+        if not 0 <= index < len(ranks):
+            return ()
+        return tuple(
+            token_digest(mint_token(secret, job_id, generation, stage_principal(index, r))) for r in range(ranks[index])
+        )
+
+    accepts = {
+        Role.DRIVER: (token_digest(mint_token(secret, job_id, generation, DRIVER)),),
+        Role.PREV: digests(stage_index - 1),
+        Role.NEXT: digests(stage_index + 1),
+        Role.PEER: digests(stage_index) if ranks[stage_index] > 1 else (),
+    }
+    token = mint_token(secret, job_id, generation, stage_principal(stage_index, rank))
+    return StageCredentials(token=token, accepts={role: d for role, d in accepts.items() if d})

@@ -1,0 +1,81 @@
+"""Channels to agents, opened in one place: every call on them carries the caller's data-plane token
+(arceus.contracts.credentials), and every channel and agent server shares the message-size options."""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+
+from arceus.contracts.credentials import METADATA_KEY, SCHEME
+
+MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+Continuation = Callable[..., Any]
+
+
+def grpc_channel_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+    ]
+
+
+def open_channel(
+    address: str,
+    *,
+    token: str,
+    max_message_bytes: int = MAX_MESSAGE_BYTES,
+    options: list[tuple[str, Any]] | None = None,
+) -> grpc.Channel:
+    """A channel to the agent at `address` whose calls present `token`; `options` replace the size options."""
+    channel = grpc.insecure_channel(address, options=options or grpc_channel_options(max_message_bytes))
+    return grpc.intercept_channel(channel, _BearerToken(token))
+
+
+_DETAILS_FIELDS = ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+
+
+class _CallDetails(collections.namedtuple("_CallDetails", _DETAILS_FIELDS), grpc.ClientCallDetails):
+    pass
+
+
+class _BearerToken(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """Adds `authorization: Bearer <token>` to every call's metadata."""
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("a channel to an agent needs the caller's data-plane token")
+        self._entry = (METADATA_KEY, SCHEME + token)
+
+    def _details(self, details: grpc.ClientCallDetails) -> _CallDetails:
+        return _CallDetails(
+            details.method,
+            details.timeout,
+            (*(details.metadata or ()), self._entry),
+            details.credentials,
+            details.wait_for_ready,
+            details.compression,
+        )
+
+    def intercept_unary_unary(self, continuation: Continuation, details: grpc.ClientCallDetails, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Continuation, details: grpc.ClientCallDetails, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_unary(
+        self, continuation: Continuation, details: grpc.ClientCallDetails, requests: Iterator[Any]
+    ) -> Any:
+        return continuation(self._details(details), requests)
+
+    def intercept_stream_stream(
+        self, continuation: Continuation, details: grpc.ClientCallDetails, requests: Iterator[Any]
+    ) -> Any:
+        return continuation(self._details(details), requests)

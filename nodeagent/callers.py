@@ -1,0 +1,88 @@
+"""Who may call this agent: every data-plane call presents a bearer token (arceus.contracts.credentials), and
+a method runs only for a caller whose token a stage hosted here accepts in a role that method allows.
+
+Authentication comes before anything else is looked at: a caller whose token no hosted stage accepts (a
+stranger, another job's node, last generation's driver) gets UNAUTHENTICATED with the same words whatever it
+addressed, so it learns no job, stage or generation. A known caller addressing another stage than its
+credential's, or a method its role may not call, gets PERMISSION_DENIED.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from arceus.contracts.credentials import METADATA_KEY, SCHEME, Role, StageCredentials
+from arceus.v1 import stage_pb2
+from nodeagent.rpc import RpcFailure
+
+DRIVER_ONLY = frozenset({Role.DRIVER})
+NOT_AUTHENTICATED = "the call carries no credential this agent accepts"
+# A token is 64 hex digits; anything much longer is not worth hashing.
+_MAX_TOKEN_CHARS = 256
+
+
+@dataclass(frozen=True)
+class Guard:
+    """A stage (or tensor-parallel rank) hosted here, and whose calls it accepts."""
+
+    job_id: str
+    stage_index: int
+    generation: int
+    credentials: StageCredentials
+    model: dict[str, Any]  # the job's model config (a spot check recomputes no other)
+
+    def covers(self, target: stage_pb2.StageRef) -> bool:
+        return (target.job_id, target.stage_index, target.generation) == (
+            self.job_id,
+            self.stage_index,
+            self.generation,
+        )
+
+
+def presented_digest(context: grpc.ServicerContext) -> str | None:
+    """The SHA-256 (hex) of the bearer token the call presents, or None."""
+    for key, value in context.invocation_metadata() or ():
+        if key == METADATA_KEY and isinstance(value, str) and value.startswith(SCHEME):
+            token = value[len(SCHEME) :]
+            if 0 < len(token) <= _MAX_TOKEN_CHARS:
+                return hashlib.sha256(token.encode()).hexdigest()
+    return None
+
+
+def authorize(
+    digest: str | None,
+    guards: Iterable[Guard],
+    *,
+    target: stage_pb2.StageRef | None,
+    allowed: Collection[Role],
+    method: str,
+) -> Guard:
+    """The guard under which the caller may call `method` on `target` (None: any stage hosted here) in one of
+    the `allowed` roles; RpcFailure UNAUTHENTICATED or PERMISSION_DENIED otherwise."""
+    known = [(guard, guard.credentials.roles_of(digest)) for guard in guards] if digest is not None else []
+    known = [(guard, roles) for guard, roles in known if roles]
+    if not known:
+        raise RpcFailure(grpc.StatusCode.UNAUTHENTICATED, NOT_AUTHENTICATED)
+    for guard, roles in known:
+        if (target is None or guard.covers(target)) and not roles.isdisjoint(allowed):
+            return guard
+    raise RpcFailure(
+        grpc.StatusCode.PERMISSION_DENIED, f"the call's credential does not allow {method} on the stage it addresses"
+    )
+
+
+def push_roles(kind_name: str, stage_index: int) -> frozenset[Role]:
+    """Who may push a tensor of this kind to stage `stage_index`: the first stage's inputs and the labels come
+    from the driver, other activations from the previous stage, gradients from the next."""
+    if kind_name == "ACTIVATION":
+        return frozenset({Role.DRIVER if stage_index == 0 else Role.PREV})
+    if kind_name == "GRADIENT":
+        return frozenset({Role.NEXT})
+    if kind_name == "LABELS":
+        return frozenset({Role.DRIVER})
+    return frozenset()
