@@ -34,7 +34,7 @@ from arceus.placement.solver import Workload, stage_memory  # noqa: E402
 from arceus.training.plan import StageEndpoint  # noqa: E402
 from arceus.training.stage_client import StageClient  # noqa: E402
 from bench.report import machine_line, write_section  # noqa: E402
-from devtools.pipeline import driver_token, pipeline_assignments  # noqa: E402
+from devtools.pipeline import driver_token, identity_for, pipeline_assignments, remember_identity  # noqa: E402
 from nodeagent.agent import Agent  # noqa: E402
 from nodeagent.heap import retain_freed_blocks  # noqa: E402
 
@@ -60,6 +60,7 @@ def main() -> None:
     layers = args.n_layer + 2  # embedding, blocks, head
     agent = Agent(device=torch.device("cpu"), load_checkpoint=lambda ref: StateFile(Path(ref.url), sha256=ref.sha256))
     agent.start()
+    remember_identity(agent.advertise_address, agent.identity)
     baseline_mib = memory_mib()["VmRSS"]
     estimate_mib = stage_memory(layer_profiles(model_spec_from_config(model)), Workload(BATCH, 1)) // 2**20
     rows, checkpoint, params = [], None, 0
@@ -83,7 +84,8 @@ def main() -> None:
             stage.runtime.optimizer_step()
             stepped = time.perf_counter() - started
             del stage
-            client = StageClient(StageEndpoint(0, agent.advertise_address, "bench", 0, layers), job_id=JOB_ID,
+            client = StageClient(StageEndpoint(0, agent.advertise_address, "bench", 0, layers,
+                certificate=identity_for(agent.advertise_address).certificate), job_id=JOB_ID,
                                  generation=generation, credential=driver_token(JOB_ID, generation), timeout=600)
             path = Path(tmp) / f"generation-{generation}.safetensors"
             started = time.perf_counter()

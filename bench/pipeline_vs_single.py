@@ -32,7 +32,7 @@ from arceus.training.plan import StageEndpoint, TrainPlan  # noqa: E402
 from bench.clock import Clock  # noqa: E402
 from bench.report import machine_line, write_section  # noqa: E402
 from devtools.launch import free_ports, spawn_static_agents, stop_agents  # noqa: E402
-from devtools.pipeline import driver_token, pipeline_assignments  # noqa: E402
+from devtools.pipeline import driver_token, identity_for, pipeline_assignments  # noqa: E402
 
 MODEL = {"type": "mlp", "layer_sizes": [64, 128, 64, 10]}
 DATASET = validate_dataset_config({"name": "digits", "batch_size": 32, "val_batch_size": 360})
@@ -48,7 +48,8 @@ def _rate(times: list[float], steps: int) -> float:
 def run_pipeline(addresses: list[str], steps: int, job_id: str) -> float:
     plan = TrainPlan(
         job_id=job_id, generation=1, credential=driver_token(job_id, 1),
-        stages=tuple(StageEndpoint(i, a, f"agent-{i}", i, i + 1) for i, a in enumerate(addresses)),
+        stages=tuple(StageEndpoint(i, a, f"agent-{i}", i, i + 1,
+            certificate=identity_for(a).certificate) for i, a in enumerate(addresses)),
         dataset=DATASET, epochs=1, learning_rate=LR, micro_batches=MICRO_BATCHES, seed=SEED, max_steps=steps,
     )
     clock = Clock()

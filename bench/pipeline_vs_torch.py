@@ -52,7 +52,7 @@ from arceus.training.plan import StageEndpoint, TrainPlan  # noqa: E402
 from bench.clock import Clock  # noqa: E402
 from bench.report import machine_line, write_section  # noqa: E402
 from devtools.launch import free_ports, spawn_static_agents, stop_agents  # noqa: E402
-from devtools.pipeline import driver_token, pipeline_assignments  # noqa: E402
+from devtools.pipeline import driver_token, identity_for, pipeline_assignments  # noqa: E402
 from nodeagent.heap import retain_freed_blocks  # noqa: E402
 
 DATASET = validate_dataset_config({"name": "text", "batch_size": 16, "val_batch_size": 64, "block_size": 128})
@@ -164,8 +164,8 @@ def run_arceus(addresses: list[str], steps: int, job_id: str, schedule: str) -> 
     plan = TrainPlan(
         job_id=job_id, generation=1, credential=driver_token(job_id, 1),
         stages=(
-            StageEndpoint(0, addresses[0], "agent-0", 0, SPLIT),
-            StageEndpoint(1, addresses[1], "agent-1", SPLIT, end),
+            StageEndpoint(0, addresses[0], "agent-0", 0, SPLIT, certificate=identity_for(addresses[0]).certificate),
+            StageEndpoint(1, addresses[1], "agent-1", SPLIT, end, certificate=identity_for(addresses[1]).certificate),
         ),
         dataset=DATASET, epochs=1, learning_rate=LR, micro_batches=MICRO_BATCHES, seed=SEED, max_steps=steps,
         schedule=schedule,

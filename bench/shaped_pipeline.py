@@ -34,7 +34,7 @@ from bench.clock import Clock  # noqa: E402
 from bench.pipeline_vs_torch import DATASET, LR, MICRO_BATCHES, MODEL, SEED, SPLIT, WARMUP, _rate  # noqa: E402
 from bench.report import machine_line, write_section  # noqa: E402
 from devtools.launch import free_ports, spawn_static_agents, stop_agents  # noqa: E402
-from devtools.pipeline import driver_token, pipeline_assignments  # noqa: E402
+from devtools.pipeline import driver_token, identity_for, pipeline_assignments  # noqa: E402
 from devtools.shaper import ShaperThread  # noqa: E402
 
 SETUPS: dict[str, tuple[str, dict[str, Any] | None]] = {
@@ -92,14 +92,23 @@ def shaped_assignments(
     for i, stage in enumerate(stages):
         stage["prev_address"] = links.get((i, i - 1))
         stage["next_address"] = links.get((i, i + 1))
+        # The shaper passes TLS through: behind each link is the neighbour's agent, with its certificate.
+        stage["certificates"] = {
+            links[(i, j)]: identity_for(agents[j]).certificate for j in (i - 1, i + 1) if (i, j) in links
+        }
     return stages
 
 
-def run(job_id: str, schedule: str, bounds: list[int], driver_links: list[str], steps: int) -> Run:
+def run(
+    job_id: str, schedule: str, bounds: list[int], agents: list[str], driver_links: list[str], steps: int
+) -> Run:
+    """Train over the shaped links; the driver reaches agent i through driver_links[i]."""
     plan = TrainPlan(
         job_id=job_id, generation=1, credential=driver_token(job_id, 1),
         stages=tuple(
-            StageEndpoint(i, driver_links[i], f"agent-{i}", bounds[i], bounds[i + 1]) for i in range(len(driver_links))
+            StageEndpoint(i, driver_links[i], f"agent-{i}", bounds[i], bounds[i + 1],
+                          certificate=identity_for(agents[i]).certificate)
+            for i in range(len(driver_links))
         ),
         dataset=DATASET, epochs=1, learning_rate=LR, micro_batches=MICRO_BATCHES, seed=SEED, max_steps=steps,
         schedule=schedule, rpc_timeout_seconds=120.0,
@@ -145,7 +154,8 @@ def main() -> None:
         try:
             for name, r in jobs:
                 start = time.perf_counter()
-                results[name].append(run(f"shaped-{name}-{r}", SETUPS[name][0], bounds, driver_links, args.steps))
+                results[name].append(run(f"shaped-{name}-{r}", SETUPS[name][0], bounds, agents,
+                    driver_links, args.steps))
                 print(f"{name} round {r}: {results[name][-1]} ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
         finally:
             stop_agents(processes)

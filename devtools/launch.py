@@ -15,6 +15,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+from devtools.pipeline import identity_for
+
 READY_PREFIX = "AGENT READY"
 
 
@@ -28,6 +30,7 @@ class AgentProcess:
     log_path: Path
     grpc_address: str
     metrics_address: str
+    certificate: str = ""  # its TLS certificate, where the starter gave it its identity
 
     def stop(self, timeout: float = 10.0) -> int:
         """SIGTERM and wait (SIGKILL after `timeout`); returns the exit code."""
@@ -106,18 +109,26 @@ def spawn_static_agents(
     ready_timeout: float = 60.0,
 ) -> list[AgentProcess]:
     """Start one static-assignment agent per address (in parallel, they are slow to import torch), agent i
-    hosting `assignments_per_agent[i]` and listening on `addresses[i]`, with `threads` torch threads
-    (`solo_threads` while its stage computes alone: see --solo-threads). All or none: on failure, the
-    ones already started are killed."""
+    hosting `assignments_per_agent[i]` and listening on `addresses[i]` with the TLS identity
+    `devtools.pipeline.identity_for(addresses[i])`, with `threads` torch threads (`solo_threads` while its stage
+    computes alone: see --solo-threads). All or none: on failure, the ones already started are killed."""
     workdir.mkdir(parents=True, exist_ok=True)
 
     def start(i: int) -> AgentProcess:
         path = workdir / f"agent-{i}.json"
         path.write_text(json.dumps(list(assignments_per_agent[i]), indent=1))
-        args = ["--static-assignment", str(path), "--listen", addresses[i], "--threads", str(threads)]
+        identity = identity_for(addresses[i])
+        key, certificate = workdir / f"agent-{i}.key.pem", workdir / f"agent-{i}.cert.pem"
+        key.touch(mode=0o600)
+        key.write_bytes(identity.key_pem)
+        certificate.write_bytes(identity.certificate_pem)
+        args = ["--static-assignment", str(path), "--listen", addresses[i], "--threads", str(threads),
+                "--tls-key-file", str(key), "--tls-cert-file", str(certificate)]
         if solo_threads is not None:
             args += ["--solo-threads", str(solo_threads)]
-        return spawn_agent(args, log_path=workdir / f"agent-{i}.log", ready_timeout=ready_timeout)
+        started = spawn_agent(args, log_path=workdir / f"agent-{i}.log", ready_timeout=ready_timeout)
+        started.certificate = identity.certificate
+        return started
 
     with ThreadPoolExecutor(max_workers=len(addresses)) as pool:
         futures = [pool.submit(start, i) for i in range(len(addresses))]

@@ -2,7 +2,10 @@
 one agent each, for agents started with `--static-assignment` (no control plane).
 
 With no control plane to mint the pipeline's data-plane credentials, this process mints them, under a key
-of its own (STATIC_SECRET): `pipeline_assignments` carries each stage's, `driver_token` is the driver's."""
+of its own (STATIC_SECRET): `pipeline_assignments` carries each stage's, `driver_token` is the driver's. With
+no control plane to register agents' TLS certificates, this process keeps them too: `identity_for(address)`
+is the identity of the agent at that address (made here, for agents this process starts with it; or recorded
+with `remember_identity` by one that started an agent of its own)."""
 
 from __future__ import annotations
 
@@ -14,9 +17,27 @@ from arceus.contracts.assignment import Assignment, OptimizerConfig
 from arceus.contracts.credentials import DRIVER, StageCredentials, mint_token, stage_credentials
 from arceus.contracts.stage_key import stage_key
 from arceus.training.plan import StageEndpoint
+from arceus.wire.tls import TlsIdentity, new_identity
 from arceus.wire.transfer import transfer_config_from_json
 
 STATIC_SECRET = secrets.token_bytes(32)
+_IDENTITIES: dict[str, TlsIdentity] = {}
+
+
+def identity_for(address: str) -> TlsIdentity:
+    """The TLS identity of the agent at `address` in this process's static pipelines."""
+    if address not in _IDENTITIES:
+        _IDENTITIES[address] = new_identity()
+    return _IDENTITIES[address]
+
+
+def remember_identity(address: str, identity: TlsIdentity) -> None:
+    """Record an agent's own identity (one started in this process, on a port it chose) under its address."""
+    _IDENTITIES[address] = identity
+
+
+def certificates_for(addresses: Sequence[str | None]) -> dict[str, str]:
+    return {a: identity_for(a).certificate for a in addresses if a is not None}
 
 
 def pipeline_assignments(
@@ -56,6 +77,9 @@ def pipeline_assignments(
             prev_address=addresses[i - 1] if i > 0 else None,
             next_address=addresses[i + 1] if i < n - 1 else None,
             credentials=stage_credentials(STATIC_SECRET, job_id, generation, i, 0, [1] * n),
+            certificates=certificates_for(
+                [addresses[i - 1] if i > 0 else None, addresses[i + 1] if i < n - 1 else None]
+            ),
             transfer=transfer_config_from_json(transfer),
             precision=precision,
         ).to_json()
@@ -82,6 +106,6 @@ def stage_endpoints(addresses: Sequence[str], boundaries: Sequence[int]) -> tupl
         raise ValueError(f"{len(addresses)} stages need {len(addresses) + 1} boundaries, got {len(boundaries)}")
     return tuple(
         StageEndpoint(index=i, address=address, node_id=f"agent-{i}", layer_start=boundaries[i],
-                      layer_end=boundaries[i + 1])
+                      layer_end=boundaries[i + 1], certificate=identity_for(address).certificate)
         for i, address in enumerate(addresses)
     )

@@ -18,11 +18,12 @@ from arceus.contracts.observed import ObservedStage
 from arceus.v1 import link_probe_pb2_grpc, stage_pb2, tensor_parallel_pb2_grpc
 from arceus.verify.receipts import ReceiptSigner
 from arceus.wire.channels import grpc_channel_options
+from arceus.wire.tls import TlsIdentity, new_identity
 from nodeagent.hosting import HostedStages
 from nodeagent.lending import ComputeThreads
 from nodeagent.link_probe import LinkProbeServicer
 from nodeagent.metrics import AgentMetrics
-from nodeagent.neighbour_links import NeighbourLinks
+from nodeagent.neighbour_links import Neighbour, NeighbourLinks
 from nodeagent.servicer import StageServicer, add_stage_service
 from nodeagent.stage import CheckpointLoader, StateUploader
 from nodeagent.tp_servicer import TensorParallelServicer
@@ -55,10 +56,12 @@ class Agent:
         upload_state: StateUploader | None = None,
         link_probe_interval: float | None = None,
         solo_threads: int | None = None,
+        identity: TlsIdentity | None = None,
     ) -> None:
         """`solo_threads`: torch threads for what a stage computes while every other stage of its pipeline
         waits (its fill and drain), for agents that share one machine and so may borrow each other's
-        idle cores; None: the agent's own count."""
+        idle cores; None: the agent's own count. `identity`: the TLS key and certificate it serves with (None:
+        a new one, made now; its certificate is registered with the control plane, which tells callers)."""
         self._max_threads = torch.get_num_threads()  # what the agent was started with: the most it uses
         if solo_threads is not None and solo_threads < self._max_threads:
             raise ValueError(f"solo_threads ({solo_threads}) is below the agent's {self._max_threads} threads")
@@ -71,6 +74,7 @@ class Agent:
         self.metrics = AgentMetrics(device)
         # Signs receipts for received activations; its public half is sent when the agent registers.
         self.signer = ReceiptSigner()
+        self.identity = identity or new_identity()
         self.registry = HostedStages(
             device,
             max_message_bytes=max_message_bytes,
@@ -118,7 +122,8 @@ class Agent:
 
     def start(self) -> None:
         host, port = self._listen
-        bound = self._server.add_insecure_port(f"{host}:{port}")
+        credentials = grpc.ssl_server_credentials([(self.identity.key_pem, self.identity.certificate_pem)])
+        bound = self._server.add_secure_port(f"{host}:{port}", credentials)
         if bound == 0:
             raise OSError(f"cannot listen for gRPC on {host}:{port} (address in use or not local?)")
         self.grpc_port = bound
@@ -178,12 +183,12 @@ class Agent:
         solo = self._solo_threads if self._owner_cap is None else min(self._solo_threads, self._owner_cap)
         return ComputeThreads(own=self.compute_threads, solo=max(solo, self.compute_threads))
 
-    def _neighbour_addresses(self) -> dict[str, str]:
-        """Each neighbour's address, and the token its stage accepts from ours."""
+    def _neighbour_addresses(self) -> dict[str, Neighbour]:
+        """Each neighbour's address, the token its stage accepts from ours, and its agent's certificate."""
         hosted = [s.assignment for s in self.registry.stages()]
         own = self.advertise_address
         return {
-            address: s.credentials.token
+            address: Neighbour(s.credentials.token, s.certificates[address])
             for s in hosted
             for address in (s.prev_address, s.next_address)
             if address is not None and address != own

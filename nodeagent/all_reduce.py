@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -60,10 +60,11 @@ class TensorParallelGroup:
         max_message_bytes: int,
         credentials: StageCredentials,
         model: dict[str, Any],
+        certificates: Mapping[str, str],
     ) -> None:
         """`peers` are the addresses of every rank, this one's included (at `rank`); `layout` is the
         per-sample layout of what is reduced (the stage's hidden activations); `credentials`: the rank's
-        token for its peers, and theirs it accepts."""
+        token for its peers, and theirs it accepts; `certificates`: each peer's registered TLS certificate."""
         self.shard = Shard(rank, len(peers))
         if len(set(peers)) != len(peers):
             raise ValueError(f"tensor-parallel peers must be distinct addresses, got {list(peers)}")
@@ -75,7 +76,9 @@ class TensorParallelGroup:
         self._max_micro_batch_size = max_micro_batch_size
         self._mailbox: Mailbox[torch.Tensor] = Mailbox(_PENDING_PER_PEER * max(1, len(peers) - 1))
         self._channels = {
-            r: open_channel(address, token=credentials.token, max_message_bytes=max_message_bytes)
+            r: open_channel(
+                address, token=credentials.token, certificate=certificates[address], max_message_bytes=max_message_bytes
+            )
             for r, address in enumerate(peers)
             if r != rank
         }
@@ -222,6 +225,7 @@ def stage_group(assignment: Assignment, *, max_message_bytes: int) -> TensorPara
         max_message_bytes=max_message_bytes,
         credentials=assignment.credentials,
         model=assignment.model,
+        certificates=assignment.certificates,
     )
 
 

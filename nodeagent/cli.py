@@ -19,6 +19,7 @@ import torch
 
 from arceus.contracts.observed import ObservedState
 from arceus.errors import SpecError
+from arceus.wire.tls import load_identity
 from nodeagent.agent import Agent, split_host_port
 from nodeagent.control_plane import (
     ControlPlaneClient,
@@ -113,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
         "machine (placement gives faster nodes more layers)",
     )
     parser.add_argument(
+        "--tls-key-file",
+        type=Path,
+        metavar="FILE",
+        help="PEM private key the gRPC port serves TLS with, beside --tls-cert-file (default: a new key and "
+        "self-signed certificate at every start; the control plane registers it and callers pin it)",
+    )
+    parser.add_argument("--tls-cert-file", type=Path, metavar="FILE", help="PEM certificate of --tls-key-file")
+    parser.add_argument(
         "--link-probe-interval",
         type=_positive_float,
         default=DEFAULT_INTERVAL_SECONDS,
@@ -144,6 +153,14 @@ def main(argv: list[str] | None = None) -> int:
         device = select_device(args.device)
     except DeviceError as exc:
         parser.error(str(exc))
+    identity = None
+    if (args.tls_key_file is None) != (args.tls_cert_file is None):
+        parser.error("--tls-key-file and --tls-cert-file go together")
+    if args.tls_key_file is not None:
+        try:
+            identity = load_identity(args.tls_key_file.read_bytes(), args.tls_cert_file.read_bytes())
+        except (OSError, ValueError) as exc:
+            parser.error(f"--tls-key-file/--tls-cert-file: {exc}")
     assignments = None
     if args.static_assignment is not None:
         try:
@@ -176,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         upload_state=None if client is None else client.upload_state,
         link_probe_interval=None if client is None else args.link_probe_interval,
         solo_threads=args.solo_threads,
+        identity=identity,
     )
     try:
         agent.start()
@@ -198,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
             caps["link"] = measure_link(client)
             log.info("registering with %s as %s: %s", args.control_plane, agent.advertise_address, caps)
             registration = register_until_accepted(
-                client, agent.advertise_address, caps, agent.signer.public_key_hex, stop=stop
+                client, agent.advertise_address, caps, agent.signer.public_key_hex, agent.identity.certificate,
+                stop=stop,
             )
             if registration is None:
                 return 0  # stopped before the control plane answered

@@ -61,10 +61,18 @@ class ControlPlaneClient:
         self._session = requests.Session()
         self._session.headers["Authorization"] = f"Node {token}"
 
-    def register(self, grpc_address: str, capabilities: dict[str, Any], public_key: str) -> Registration:
+    def register(
+        self, grpc_address: str, capabilities: dict[str, Any], public_key: str, tls_certificate: str
+    ) -> Registration:
+        """`public_key`: what its receipts verify against; `tls_certificate`: what its callers pin (PEM)."""
         body = self._post(
             "/api/agent/register",
-            {"grpc_address": grpc_address, "capabilities": capabilities, "public_key": public_key},
+            {
+                "grpc_address": grpc_address,
+                "capabilities": capabilities,
+                "public_key": public_key,
+                "tls_certificate": tls_certificate,
+            },
         )
         return Registration(node_id=_node_id(body), heartbeat_interval_seconds=_interval(body))
 
@@ -365,6 +373,7 @@ def register_until_accepted(
     grpc_address: str,
     capabilities: dict[str, Any],
     public_key: str,
+    tls_certificate: str,
     *,
     stop: threading.Event,
     min_backoff: float = 1.0,
@@ -375,7 +384,7 @@ def register_until_accepted(
     backoff = min_backoff
     while not stop.is_set():
         try:
-            return client.register(grpc_address, capabilities, public_key)
+            return client.register(grpc_address, capabilities, public_key, tls_certificate)
         except Unauthorized:
             raise
         except ControlPlaneError as exc:

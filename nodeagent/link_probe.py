@@ -54,17 +54,18 @@ class LinkFigures:
 def measure_neighbour(
     address: str,
     token: str,
+    certificate: str,
     *,
     timeout: float = 10.0,
     rtt_rounds: int = 5,
     bulk_bytes: int = 2 * 1024 * 1024,
     bulk_rounds: int = 2,
 ) -> LinkFigures | None:
-    """The link to the agent at `address` (presenting `token`): the median of `rtt_rounds` empty probes, and
-    `bulk_bytes` sent one way (the fastest of `bulk_rounds`, less that round trip). None (logged) if any probe
-    fails; every call has a deadline of `timeout` seconds."""
+    """The link to the agent at `address` (presenting `token`, trusting `certificate`): the median of `rtt_rounds`
+    empty probes, and `bulk_bytes` sent one way (the fastest of `bulk_rounds`, less that round trip). None
+    (logged) if any probe fails; every call has a deadline of `timeout` seconds."""
     try:
-        with open_channel(address, token=token, options=_CHANNEL_OPTIONS) as channel:
+        with open_channel(address, token=token, certificate=certificate, options=_CHANNEL_OPTIONS) as channel:
             probe = link_probe_pb2_grpc.LinkProbeServiceStub(channel).Probe
             # The first call connects: kept out of the figures, which are the link's, not the handshake's.
             probe(link_probe_pb2.ProbeRequest(), timeout=timeout)

@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from nodeagent.link_probe import LinkFigures, measure_neighbour
 
@@ -20,18 +20,23 @@ BUSY_RETRY_SECONDS = 2.0
 PROBE_RETRY_SECONDS = (2.0, 4.0, 8.0)
 
 
+class Neighbour(NamedTuple):
+    token: str  # the one its stage accepts from ours
+    certificate: str  # its agent's registered TLS certificate
+
+
 class NeighbourLinks:
     def __init__(
         self,
-        neighbours: Callable[[], dict[str, str]],
+        neighbours: Callable[[], dict[str, Neighbour]],
         stepping: Callable[[], bool],
         *,
         interval: float = DEFAULT_INTERVAL_SECONDS,
-        measure: Callable[[str, str], LinkFigures | None] = measure_neighbour,
+        measure: Callable[[str, str, str], LinkFigures | None] = measure_neighbour,
         busy_retry: float = BUSY_RETRY_SECONDS,
         probe_retries: Sequence[float] = PROBE_RETRY_SECONDS,
     ) -> None:
-        """`neighbours`: each neighbour's address and the token to present to it (the stage's own)."""
+        """`neighbours`: each neighbour's address, the token to present to it and its certificate."""
         self._neighbours = neighbours
         self._stepping = stepping
         self._interval = interval
@@ -76,17 +81,17 @@ class NeighbourLinks:
             self._wake.wait(self._interval)
             self._wake.clear()
             self._wait_for_a_pause()
-            for address, token in sorted(self._neighbours().items()):
+            for address, neighbour in sorted(self._neighbours().items()):
                 if self._stop.is_set():
                     return
-                figures = self._measure_with_retries(address, token)
+                figures = self._measure_with_retries(address, neighbour)
                 with self._lock:
                     self._pending[address] = figures
 
-    def _measure_with_retries(self, address: str, token: str) -> LinkFigures | None:
+    def _measure_with_retries(self, address: str, neighbour: Neighbour) -> LinkFigures | None:
         for delay in (*self._probe_retries, None):
             try:
-                figures = self._measure(address, token)
+                figures = self._measure(address, neighbour.token, neighbour.certificate)
             except Exception:  # a probe bug must not end the thread: report the link as unknown
                 log.exception("measuring the link to %s failed unexpectedly", address)
                 return None

@@ -42,10 +42,13 @@ class NeighbourLink:
     """One channel to a neighbouring stage and one long-lived push stream on it, for this stage's
     lifetime."""
 
-    def __init__(self, address: str, max_message_bytes: int, token: str) -> None:
-        """`token`: this stage's own (arceus.contracts.credentials), which the neighbour accepts."""
+    def __init__(self, address: str, max_message_bytes: int, token: str, certificate: str) -> None:
+        """`token`: this stage's own (arceus.contracts.credentials), which the neighbour accepts; `certificate`: the
+        one the neighbour's agent registered, the only one trusted at `address`."""
         self.address = address
-        self.channel = open_channel(address, token=token, max_message_bytes=max_message_bytes)
+        self.channel = open_channel(
+            address, token=token, certificate=certificate, max_message_bytes=max_message_bytes
+        )
         self.pushes = PushStream(self.channel)
 
     def close(self) -> None:
@@ -81,9 +84,15 @@ class HostedStage:
         self.mailbox: Mailbox[torch.Tensor] = Mailbox(capacity=4 * assignment.micro_batches + 8)
         self.step_lock = threading.Lock()
         # A link to every rank of each neighbour: each rank of a tensor-parallel stage takes its inputs.
-        token = assignment.credentials.token
-        self.next_links = [NeighbourLink(address, max_message_bytes, token) for address in assignment.next_addresses]
-        self.prev_links = [NeighbourLink(address, max_message_bytes, token) for address in assignment.prev_addresses]
+        token, certificates = assignment.credentials.token, assignment.certificates
+        self.next_links = [
+            NeighbourLink(address, max_message_bytes, token, certificates[address])
+            for address in assignment.next_addresses
+        ]
+        self.prev_links = [
+            NeighbourLink(address, max_message_bytes, token, certificates[address])
+            for address in assignment.prev_addresses
+        ]
         self._bytes_lock = threading.Lock()
         self.bytes_sent = 0
         self.bytes_received = 0

@@ -8,6 +8,7 @@ reported back as a failed stage with a message instead of breaking the agent lat
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ from arceus.model.precision import check_precision
 from arceus.model.registry import model_spec_from_config
 from arceus.model.spec import ModelSpec
 from arceus.model.tensor_parallel import check_tensor_parallel
+from arceus.wire.tls import check_certificate
 from arceus.wire.transfer import TransferConfig, transfer_config_from_json
 
 OPTIMIZERS = ("sgd", "adam")
@@ -37,6 +39,7 @@ _FIELDS = frozenset(
         "prev_address",
         "next_address",
         "credentials",
+        "certificates",
     }
 )
 _OPTIONAL_FIELDS = frozenset({"checkpoint", "transfer", "precision", "tensor_parallel", "activation_checkpointing"})
@@ -99,6 +102,8 @@ class Assignment:
     prev_address: str | None
     next_address: str | None
     credentials: StageCredentials  # this stage's token, and whose it accepts (arceus.contracts.credentials)
+    # The TLS certificate (PEM) registered by the agent at each address this stage calls: it trusts no other.
+    certificates: Mapping[str, str]
     checkpoint: CheckpointRef | None = None  # None: start from the seeded initial weights
     transfer: TransferConfig = TransferConfig()  # how this stage encodes what it sends
     precision: str = "fp32"  # or "bf16": autocast compute (arceus.model.precision)
@@ -188,6 +193,10 @@ class Assignment:
             raise SpecError(
                 "assignment.activation_checkpointing", "a tensor-parallel stage cannot recompute its activations"
             )
+        # Every agent this one calls: the neighbours' ranks, and the other ranks of its own stage.
+        peers = () if tensor_parallel is None else tensor_parallel.peers
+        others = tuple(p for r, p in enumerate(peers) if tensor_parallel is None or r != tensor_parallel.rank)
+        called = (*(prev_ranks or (prev_address,)), *(next_ranks or (next_address,)), *others)
         return cls(
             stage_id=stage_id,
             job_id=job_id,
@@ -204,6 +213,7 @@ class Assignment:
             prev_address=prev_address,
             next_address=next_address,
             credentials=StageCredentials.from_json(data["credentials"]),
+            certificates=_certificates(data["certificates"], called),
             checkpoint=_checkpoint(data.get("checkpoint")),
             transfer=transfer_config_from_json(data.get("transfer"), field="assignment.transfer"),
             precision=precision,
@@ -235,6 +245,7 @@ class Assignment:
             "prev_address": list(self.prev_ranks) if self.prev_ranks else self.prev_address,
             "next_address": list(self.next_ranks) if self.next_ranks else self.next_address,
             "credentials": self.credentials.to_json(),
+            "certificates": dict(self.certificates),
             "checkpoint": None
             if self.checkpoint is None
             else {"step": self.checkpoint.step, "url": self.checkpoint.url, "sha256": self.checkpoint.sha256},
@@ -294,6 +305,22 @@ def _neighbour(data: dict[str, Any], key: str, *, required: bool) -> tuple[str |
     if len(ranks) < 2 or len(set(ranks)) != len(ranks):
         raise SpecError(f"assignment.{key}", f"a list must name 2 or more distinct ranks, got {value!r}")
     return ranks[0], ranks
+
+
+def _certificates(value: Any, called: tuple[str | None, ...]) -> dict[str, str]:
+    """address → PEM certificate, one for every address the stage calls (`called`)."""
+    field = "assignment.certificates"
+    if not isinstance(value, dict):
+        raise SpecError(field, f"must be an object of address: PEM certificate, got {type(value).__name__}")
+    needed = {address for address in called if address is not None}
+    if missing := sorted(needed - set(value)):
+        raise SpecError(field, f"has no certificate for {', '.join(missing)}, which this stage calls")
+    for address, pem in value.items():
+        try:
+            check_certificate(pem)
+        except ValueError as exc:
+            raise SpecError(f"{field}.{address}", str(exc)) from None
+    return dict(value)
 
 
 def _tensor_parallel(value: Any, spec: ModelSpec) -> TensorParallelConfig | None:

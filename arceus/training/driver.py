@@ -83,7 +83,16 @@ class Pipeline:
             [
                 client(s),
                 *(
-                    client(replace(s, address=r.address, node_id=r.node_id, public_key="", tensor_parallel_ranks=()))
+                    client(
+                        replace(
+                            s,
+                            address=r.address,
+                            node_id=r.node_id,
+                            certificate=r.certificate,
+                            public_key="",
+                            tensor_parallel_ranks=(),
+                        )
+                    )
                     for r in s.tensor_parallel_ranks
                 ),
             ]

@@ -21,6 +21,7 @@ class RankEndpoint:
 
     address: str
     node_id: str
+    certificate: str  # the TLS certificate its agent registered (PEM): the only one trusted at `address`
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,7 @@ class StageEndpoint:
     node_id: str
     layer_start: int
     layer_end: int
+    certificate: str  # the TLS certificate its agent registered (PEM): the only one trusted at `address`
     public_key: str = ""  # hex Ed25519 key of the node's agent: its receipts verify against it
     # A tensor-parallel stage's ranks after rank 0 (this endpoint), in rank order; empty for one agent.
     tensor_parallel_ranks: tuple[RankEndpoint, ...] = ()

@@ -37,7 +37,7 @@ class StageClient:
         self.endpoint = endpoint
         self.timeout = timeout
         self.ref = stage_pb2.StageRef(job_id=job_id, stage_index=endpoint.index, generation=generation)
-        self._channel = open_channel(endpoint.address, token=credential)
+        self._channel = open_channel(endpoint.address, token=credential, certificate=endpoint.certificate)
         self._stub = stage_pb2_grpc.StageServiceStub(self._channel)
         self._pushes = PushStream(self._channel)
 

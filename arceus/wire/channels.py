@@ -1,5 +1,6 @@
-"""Channels to agents, opened in one place: every call on them carries the caller's data-plane token
-(arceus.contracts.credentials), and every channel and agent server shares the message-size options."""
+"""Channels to agents, opened in one place: TLS to exactly the agent certificate the control plane registered
+(arceus.wire.tls), every call carrying the caller's data-plane token (arceus.contracts.credentials), and the
+message-size options every channel and agent server shares."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 import grpc
 
 from arceus.contracts.credentials import METADATA_KEY, SCHEME
+from arceus.wire.tls import AGENT_TLS_NAME
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 Continuation = Callable[..., Any]
@@ -26,15 +28,25 @@ def open_channel(
     address: str,
     *,
     token: str,
+    certificate: str,
     max_message_bytes: int = MAX_MESSAGE_BYTES,
     options: list[tuple[str, Any]] | None = None,
 ) -> grpc.Channel:
-    """A channel to the agent at `address` whose calls present `token`; `options` replace the size options."""
-    channel = grpc.insecure_channel(address, options=options or grpc_channel_options(max_message_bytes))
+    """A TLS channel to the agent at `address` that trusts only `certificate` (its registered one, PEM) and whose
+    calls present `token`; `options` replace the size options."""
+    if not certificate:
+        raise ValueError(f"no TLS certificate is pinned for the agent at {address}: it cannot be called")
+    options = [*(options or grpc_channel_options(max_message_bytes)), ("grpc.ssl_target_name_override", AGENT_TLS_NAME)]
+    channel = grpc.secure_channel(address, pinned_channel_credentials(certificate), options=options)
     return grpc.intercept_channel(channel, _BearerToken(token))
 
 
 _DETAILS_FIELDS = ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+
+
+def pinned_channel_credentials(certificate_pem: str) -> grpc.ChannelCredentials:
+    """Credentials that trust exactly this agent certificate (arceus.wire.tls)."""
+    return grpc.ssl_channel_credentials(root_certificates=certificate_pem.encode())
 
 
 class _CallDetails(collections.namedtuple("_CallDetails", _DETAILS_FIELDS), grpc.ClientCallDetails):

@@ -62,9 +62,15 @@ def job_stage_endpoints(*, job: Job) -> tuple[StageEndpoint, ...]:
             node_id=str(rank0.node_id),
             layer_start=rank0.layer_start,
             layer_end=rank0.layer_end,
+            certificate=rank0.node.tls_certificate if rank0.node else "",
             public_key=rank0.node.public_key if rank0.node else "",
             tensor_parallel_ranks=tuple(
-                RankEndpoint(address=r.node.grpc_address if r.node else "", node_id=str(r.node_id)) for r in others
+                RankEndpoint(
+                    address=r.node.grpc_address if r.node else "",
+                    node_id=str(r.node_id),
+                    certificate=r.node.tls_certificate if r.node else "",
+                )
+                for r in others
             ),
         )
         for index, (rank0, *others) in sorted(groups.items())
@@ -153,6 +159,9 @@ def _assignment(stage: Stage, stages: dict[int, list[Stage]], checkpoint: StageC
             rank=stage.rank,
             ranks=[len(stages[i]) for i in range(len(stages))],
         ),
+        certificates=_certificates(
+            stages.get(stage.index - 1), stages.get(stage.index + 1), [s for s in group if s.pk != stage.pk]
+        ),
         checkpoint=None
         if checkpoint is None
         else CheckpointRef(
@@ -163,6 +172,11 @@ def _assignment(stage: Stage, stages: dict[int, list[Stage]], checkpoint: StageC
         activation_checkpointing=job.activation_checkpointing,
         tensor_parallel=TensorParallelConfig(rank=stage.rank, peers=_addresses(group)) if len(group) > 1 else None,
     ).to_json()
+
+
+def _certificates(*groups: list[Stage] | None) -> dict[str, str]:
+    """The registered TLS certificate of the agent at each address of these stages' rows."""
+    return {s.node.grpc_address: s.node.tls_certificate for g in groups for s in g or () if s.node is not None}
 
 
 def _addresses(group: list[Stage] | None) -> tuple[Any, ...]:

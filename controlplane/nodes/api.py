@@ -100,6 +100,7 @@ class AgentRegisterApi(AgentApi):
             node=request.auth,
             grpc_address=data.validated_data["grpc_address"],
             public_key=data.validated_data["public_key"],
+            tls_certificate=data.validated_data["tls_certificate"],
             **data.validated_data["capabilities"],
             now=timezone.now(),
         )

@@ -43,6 +43,9 @@ class Node(BaseModel):
     link_measured_at = models.DateTimeField(null=True, blank=True)
     # Hex Ed25519 key the agent generated at its latest registration; its receipts verify against it.
     public_key = models.CharField(max_length=64, blank=True)
+    # PEM certificate the agent's gRPC port serves TLS with, from its latest registration: its callers trust
+    # exactly this one (arceus.wire.tls).
+    tls_certificate = models.TextField(blank=True)
     # Set when a spot check caught the node's work wrong: it gets no new stage and its credit is withheld.
     flagged_at = models.DateTimeField(null=True, blank=True, db_index=True)
     flag_reason = models.TextField(blank=True)

@@ -11,6 +11,7 @@ from rest_framework import serializers
 from arceus.contracts.observed import ObservedStage, ObservedState
 from arceus.model.precision import PRECISIONS
 from arceus.verify.receipts import ReceiptError, load_public_key
+from arceus.wire.tls import MAX_CERTIFICATE_CHARS, check_certificate
 from arceus.wire.transfer import ACTIVATION_ENCODINGS, GRADIENT_ENCODINGS
 from controlplane.common.fields import StrictFloatField, StrictInputSerializer, StrictIntegerField
 from controlplane.nodes.availability import parse_window
@@ -96,6 +97,7 @@ class NodeOutput(serializers.Serializer):
     )
     grpc_address = serializers.CharField()
     public_key = serializers.CharField(help_text="Hex Ed25519 key of the agent: its receipts verify against it")
+    tls_certificate = serializers.CharField(help_text="PEM certificate its gRPC port serves; callers trust no other")
     flag = serializers.SerializerMethodField(
         help_text="Set when a spot check caught the node's work wrong: no new stages, credit withheld."
     )
@@ -160,6 +162,18 @@ class AgentRegisterInput(serializers.Serializer):
     public_key = serializers.CharField(
         required=False, default="", help_text="Hex Ed25519 key (64 digits) that signs the agent's receipts"
     )
+
+    tls_certificate = serializers.CharField(
+        max_length=MAX_CERTIFICATE_CHARS,
+        trim_whitespace=False,
+        help_text="PEM certificate the agent's gRPC port serves TLS with; its callers pin it",
+    )
+
+    def validate_tls_certificate(self, value: str) -> str:
+        try:
+            return check_certificate(value)
+        except ValueError as exc:
+            raise serializers.ValidationError(str(exc)) from None
 
     def validate_public_key(self, value: str) -> str:
         if value:
@@ -276,6 +290,9 @@ class AssignmentOutput(serializers.Serializer):
         allow_null=True, help_text='"host:port"; a tensor-parallel neighbour: the list of its ranks\' addresses'
     )
     credentials = CredentialsOutput(help_text="Who may call the stage's methods (arceus.contracts.credentials)")
+    certificates = serializers.DictField(
+        child=serializers.CharField(), help_text="address → PEM TLS certificate of every agent the stage calls"
+    )
     checkpoint = CheckpointRefOutput(allow_null=True, help_text="The state to resume from; null: the seed's")
     transfer = TransferOutput(help_text="How the stage encodes the activations and gradients it sends")
     precision = serializers.ChoiceField(choices=list(PRECISIONS), help_text="bf16: matmuls under autocast")

@@ -50,6 +50,7 @@ def node_register(
     memory_bytes: int,
     flops_fp32: float,
     now: datetime,
+    tls_certificate: str,
     public_key: str = "",
     flops_fp16: float | None = None,
     flops_bf16: float | None = None,
@@ -78,6 +79,7 @@ def node_register(
     node.flops_fp32 = flops_fp32
     node.flops_fp16, node.flops_bf16 = flops_fp16, flops_bf16
     node.public_key = public_key  # a new process has a new key: older receipts verify only against the old
+    node.tls_certificate = tls_certificate
     if link is not None:
         _set_link(node, link, now)
     node.registered_at = now

@@ -18,6 +18,7 @@ from controlplane.jobs.models import Job
 from controlplane.jobs.services import job_start, job_submit
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_create, node_heartbeat, node_register
+from devtools.pipeline import identity_for
 
 DIGITS_JOB = {
     "name": "digits",
@@ -85,7 +86,7 @@ def ready_node(user: User) -> ReadyNode:
         node, _ = node_create(owner=user, name=name)
         node_register(
             node=node,
-            grpc_address=f"127.0.0.1:{port}",
+            grpc_address=f"127.0.0.1:{port}", tls_certificate=identity_for(f"127.0.0.1:{port}").certificate,
             device_type="cpu",
             device_name="test cpu",
             memory_bytes=memory,

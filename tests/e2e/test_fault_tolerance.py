@@ -208,7 +208,8 @@ def test_a_stale_agent_that_comes_back_cannot_write_into_the_job(cluster: LocalC
     stale_token = job_stage_credentials(
         job_id=job["id"], generation=stale_generation, stage_index=1, rank=0, ranks=[1, 1, 1]
     ).token
-    with open_channel(neighbour.grpc_address, token=stale_token) as channel:
+    certificate = next(n for n in cluster.client.nodes() if n["id"] == neighbour.node_id)["tls_certificate"]
+    with open_channel(neighbour.grpc_address, token=stale_token, certificate=certificate) as channel:
         stub = stage_pb2_grpc.StageServiceStub(channel)
         request = stage_pb2.PushTensorRequest(
             target=stage_pb2.StageRef(job_id=job["id"], stage_index=2, generation=stale_generation),

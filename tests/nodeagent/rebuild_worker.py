@@ -16,7 +16,7 @@ from arceus.checkpoint import StateFile
 from arceus.contracts.assignment import Assignment
 from arceus.training.plan import StageEndpoint
 from arceus.training.stage_client import StageClient
-from devtools.pipeline import driver_token, pipeline_assignments
+from devtools.pipeline import driver_token, identity_for, pipeline_assignments, remember_identity
 from nodeagent.agent import Agent
 from nodeagent.heap import retain_freed_blocks
 
@@ -36,6 +36,7 @@ def main() -> None:
     directory = Path(tempfile.mkdtemp())
     agent = Agent(device=torch.device("cpu"), load_checkpoint=lambda ref: StateFile(Path(ref.url), sha256=ref.sha256))
     agent.start()
+    remember_identity(agent.advertise_address, agent.identity)
     checkpoint, rss, state_bytes = None, [], 0
     try:
         for generation in range(1, 11):
@@ -54,7 +55,8 @@ def main() -> None:
             params = sum(p.numel() for p in stage.runtime.layers.parameters())
             state_bytes = 16 * params  # weights, gradients and Adam's two moments, fp32
             path = directory / f"generation-{generation}.safetensors"
-            client = StageClient(StageEndpoint(0, agent.advertise_address, "node", 0, 5), job_id=JOB,
+            client = StageClient(StageEndpoint(0, agent.advertise_address, "node", 0, 5,
+                certificate=identity_for(agent.advertise_address).certificate), job_id=JOB,
                                  generation=generation, credential=driver_token(JOB, generation), timeout=60)
             sha256, _ = client.save_state(path)
             client.close()

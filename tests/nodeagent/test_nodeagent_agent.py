@@ -52,6 +52,11 @@ def agent() -> Iterator[Agent]:
         a.stop(grace=1)
 
 
+def driver_channel(agent: Agent) -> grpc.Channel:
+    """What job "job"'s driver opens to the agent."""
+    return open_channel(agent.grpc_address, token=driver_token("job"), certificate=agent.identity.certificate)
+
+
 def states(agent: Agent) -> dict[str, tuple[int, str]]:
     return {o["stage_id"]: (o["generation"], o["state"]) for o in agent.observed()}
 
@@ -168,7 +173,7 @@ def test_stage_metrics_follow_assignments(agent: Agent) -> None:
 
 
 def test_served_stages_follow_assignments(agent: Agent) -> None:
-    with open_channel(agent.grpc_address, token=driver_token("job")) as channel:
+    with driver_channel(agent) as channel:
         stub = stage_pb2_grpc.StageServiceStub(channel)
         request = stage_pb2.GetStateRequest(target=stage_pb2.StageRef(job_id="job", stage_index=1, generation=1))
         with pytest.raises(grpc.RpcError) as info:
@@ -193,7 +198,7 @@ def test_save_state_uploads_the_stage_state_to_the_control_plane(control_plane) 
     try:
         agent.apply_assignments(stages())
         target = stage_pb2.StageRef(job_id="job", stage_index=1, generation=1)
-        with open_channel(agent.grpc_address, token=driver_token("job")) as channel:
+        with driver_channel(agent) as channel:
             stub = stage_pb2_grpc.StageServiceStub(channel)
             request = stage_pb2.SaveStateRequest(target=target, include_optimizer_state=True, upload_path="/up/1")
             reply = stub.SaveState(request, timeout=10)
@@ -213,7 +218,7 @@ def test_save_state_uploads_the_stage_state_to_the_control_plane(control_plane) 
 
 def test_save_state_without_a_control_plane_is_refused(agent: Agent) -> None:
     agent.apply_assignments(stages())
-    with open_channel(agent.grpc_address, token=driver_token("job")) as channel:
+    with driver_channel(agent) as channel:
         request = stage_pb2.SaveStateRequest(
             target=stage_pb2.StageRef(job_id="job", stage_index=1, generation=1), upload_path="/up/1"
         )

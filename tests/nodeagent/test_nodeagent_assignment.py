@@ -8,7 +8,7 @@ import pytest
 
 from arceus.contracts.assignment import Assignment, CheckpointRef, OptimizerConfig
 from arceus.errors import SpecError
-from devtools.pipeline import pipeline_assignments, rank_credentials
+from devtools.pipeline import certificates_for, pipeline_assignments, rank_credentials
 from nodeagent.static import load_static_assignments
 
 
@@ -29,6 +29,8 @@ def assignment(**changes: Any) -> dict[str, Any]:
         "prev_address": "127.0.0.1:5000",
         "next_address": "127.0.0.1:5002",
         "credentials": rank_credentials("job", 2, 1, 0, [1, 1, 1]).to_json(),
+        # Every address any variant below calls.
+        "certificates": certificates_for(["127.0.0.1:5000", "127.0.0.1:5002", "a:1", "b:1", *PEERS, "c:1"]),
     }
     data.update(changes)
     return data
@@ -240,3 +242,32 @@ def test_invalid_static_files(tmp_path: Path, content: str, fragment: str) -> No
     assert info.value.field.startswith("static_assignment")
     with pytest.raises(SpecError, match="cannot read"):
         load_static_assignments(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "fragment"),
+    [
+        ({"certificates": {}}, "assignment.certificates", "no certificate for 127.0.0.1:5000, 127.0.0.1:5002"),
+        (
+            {"certificates": {"127.0.0.1:5000": "x", "127.0.0.1:5002": "y"}},
+            "assignment.certificates.127.0.0.1:5000",
+            "PEM certificate",
+        ),
+        ({"certificates": ["127.0.0.1:5000"]}, "assignment.certificates", "address: PEM certificate"),
+        ({"credentials": {"token": "abc", "accepts": {}}}, "assignment.credentials.token", "64 lowercase hex"),
+        ({"credentials": {"token": "a" * 64}}, "assignment.credentials", "exactly `token` and `accepts`"),
+        ({"credentials": {"token": "a" * 64, "accepts": {"x": []}}}, "assignment.credentials.accepts.x", "no role"),
+        ({"credentials": {"token": "a" * 64, "accepts": {}}}, "assignment.credentials.accepts.driver", "required"),
+        (
+            {"credentials": {"token": "a" * 64, "accepts": {"driver": ["not-a-digest"]}}},
+            "assignment.credentials.accepts.driver",
+            "SHA-256 digests",
+        ),
+    ],
+)
+def test_invalid_credentials_and_certificates_name_the_field(
+    changes: dict[str, Any], field: str, fragment: str
+) -> None:
+    with pytest.raises(SpecError) as info:
+        Assignment.from_json(assignment(**changes))
+    assert (info.value.field, fragment in info.value.message) == (field, True), info.value.message

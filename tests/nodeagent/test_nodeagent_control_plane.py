@@ -55,18 +55,20 @@ def agent() -> Iterator[Agent]:
 def test_register_sends_the_contract(control_plane) -> None:  # noqa: ANN001 - fixture from conftest
     client = ControlPlaneClient(control_plane.url + "/", control_plane.token)
     caps = {"device_type": "cpu", "device_name": "x", "memory_bytes": 1, "flops_fp32": 2.0}
-    registration = client.register("127.0.0.1:5000", caps, "ab" * 32)
+    registration = client.register("127.0.0.1:5000", caps, "ab" * 32, "CERT")
     assert (registration.node_id, registration.heartbeat_interval_seconds) == ("node-1", 0.5)
     path, headers, body = control_plane.requests[0]
     assert path == "/api/agent/register"
     assert headers["Authorization"] == "Node good-token"
-    assert body == {"grpc_address": "127.0.0.1:5000", "capabilities": caps, "public_key": "ab" * 32}
+    assert body == {
+        "grpc_address": "127.0.0.1:5000", "capabilities": caps, "public_key": "ab" * 32, "tls_certificate": "CERT"
+    }
 
 
 def test_rejected_token_is_unauthorized(control_plane) -> None:  # noqa: ANN001
     client = ControlPlaneClient(control_plane.url, "wrong")
     with pytest.raises(Unauthorized, match="rejected the node token"):
-        register_until_accepted(client, "h:1", {}, "", stop=threading.Event())
+        register_until_accepted(client, "h:1", {}, "", "CERT", stop=threading.Event())
     with pytest.raises(Unauthorized, match="check --token"):
         client.heartbeat([])
 
@@ -74,10 +76,10 @@ def test_rejected_token_is_unauthorized(control_plane) -> None:  # noqa: ANN001
 def test_unreachable_control_plane_is_retried_until_stopped() -> None:
     client = ControlPlaneClient("http://127.0.0.1:9", "t", timeout=0.5)
     with pytest.raises(ControlPlaneError, match="failed"):
-        client.register("h:1", {}, "")
+        client.register("h:1", {}, "", "CERT")
     stop = threading.Event()
     threading.Timer(0.3, stop.set).start()
-    assert register_until_accepted(client, "h:1", {}, "", stop=stop, min_backoff=0.05) is None
+    assert register_until_accepted(client, "h:1", {}, "", "CERT", stop=stop, min_backoff=0.05) is None
 
 
 def test_heartbeat_applies_assignments_and_reports_readiness_at_once(control_plane, agent: Agent) -> None:  # noqa: ANN001

@@ -23,8 +23,9 @@ from arceus.training.recording import RecordingSink
 from arceus.v1 import stage_pb2, stage_pb2_grpc
 from arceus.wire.channels import open_channel
 from arceus.wire.proto_tensor import to_proto
+from arceus.wire.tls import AGENT_TLS_NAME
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
-from devtools.pipeline import driver_token, pipeline_assignments
+from devtools.pipeline import driver_token, identity_for, pipeline_assignments
 
 pytestmark = pytest.mark.slow
 
@@ -61,13 +62,13 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
 @pytest.fixture(scope="module")
 def stub(agent: AgentProcess) -> Iterator[stage_pb2_grpc.StageServiceStub]:
     """The driver's: calls carry the job's driver token."""
-    with open_channel(agent.grpc_address, token=driver_token(JOB)) as channel:
+    with open_channel(agent.grpc_address, token=driver_token(JOB), certificate=agent.certificate) as channel:
         yield stage_pb2_grpc.StageServiceStub(channel)
 
 
 @pytest.fixture(scope="module")
 def orphan_stub(agent: AgentProcess) -> Iterator[stage_pb2_grpc.StageServiceStub]:
-    with open_channel(agent.grpc_address, token=driver_token(ORPHAN)) as channel:
+    with open_channel(agent.grpc_address, token=driver_token(ORPHAN), certificate=agent.certificate) as channel:
         yield stage_pb2_grpc.StageServiceStub(channel)
 
 
@@ -103,8 +104,8 @@ def plan(agent: AgentProcess, job_id: str = JOB, **overrides: object) -> TrainPl
         "job_id": job_id,
         "generation": 1,
         "stages": (
-            StageEndpoint(0, agent.grpc_address, "n", 0, 1),
-            StageEndpoint(1, agent.grpc_address, "n", 1, 2),
+            StageEndpoint(0, agent.grpc_address, "n", 0, 1, certificate=agent.certificate),
+            StageEndpoint(1, agent.grpc_address, "n", 1, 2, certificate=agent.certificate),
         ),
         "dataset": DATASET,
         "epochs": 1,
@@ -184,7 +185,7 @@ def test_a_push_of_a_kind_the_driver_does_not_send_is_denied(
 def test_bytes_that_are_no_push_request_are_invalid_argument(agent: AgentProcess, wire: bytes) -> None:
     """Both push methods parse with parse_push, which names the problem (gRPC's own deserializer
     failure would be INTERNAL); the stream ends there, having nothing to ack the bytes by."""
-    with open_channel(agent.grpc_address, token=driver_token(JOB)) as channel:
+    with open_channel(agent.grpc_address, token=driver_token(JOB), certificate=agent.certificate) as channel:
         unary = channel.unary_unary("/arceus.v1.StageService/PushTensor")
         stream = channel.stream_stream("/arceus.v1.StageService/PushStream")
         errors = [rpc_error(unary, wire, timeout=10), rpc_error(lambda: list(stream(iter([wire]), timeout=10)))]
@@ -299,7 +300,10 @@ def test_driver_names_the_unreachable_stage(agent: AgentProcess) -> None:
         agent,
         job_id=ORPHAN,
         rpc_timeout_seconds=5.0,
-        stages=(StageEndpoint(0, agent.grpc_address, "n0", 0, 1), StageEndpoint(1, dead, "n1", 1, 2)),
+        stages=(
+            StageEndpoint(0, agent.grpc_address, "n0", 0, 1, certificate=agent.certificate),
+            StageEndpoint(1, dead, "n1", 1, 2, certificate=identity_for(dead).certificate),
+        ),
     )
     with pytest.raises(DriverError) as info:
         train(broken, RecordingSink())
@@ -342,8 +346,14 @@ def test_agent_still_trains_and_exports_metrics_after_bad_input(
     assert values["arceus_device_memory_used_bytes"] > 0
 
 
-def test_health_service_reports_serving(agent: AgentProcess) -> None:
-    with grpc.insecure_channel(agent.grpc_address) as channel:
+def test_health_service_reports_serving_over_tls_to_anyone(agent: AgentProcess) -> None:
+    """Health needs no credential (it says nothing about jobs); but even it speaks only TLS."""
+    tls = grpc.ssl_channel_credentials(root_certificates=agent.certificate.encode())
+    with grpc.insecure_channel(agent.grpc_address) as plaintext, pytest.raises(grpc.RpcError) as refused:
+        health_pb2_grpc.HealthStub(plaintext).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    options = [("grpc.ssl_target_name_override", AGENT_TLS_NAME)]
+    with grpc.secure_channel(agent.grpc_address, tls, options=options) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         for service in ("", "arceus.v1.StageService"):
             reply = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)

@@ -32,8 +32,8 @@ def assignments(job_id: str, model: dict, boundaries: list[int]) -> list[Assignm
 class Drivers:
     """Both jobs' drivers: a call goes out with the driver token of the job it addresses."""
 
-    def __init__(self, address: str, jobs: list[str]) -> None:
-        self.channels = {job: open_channel(address, token=driver_token(job)) for job in jobs}
+    def __init__(self, address: str, certificate: str, jobs: list[str]) -> None:
+        self.channels = {job: open_channel(address, token=driver_token(job), certificate=certificate) for job in jobs}
 
     def Infer(self, request: stage_pb2.InferRequest, timeout: float) -> stage_pb2.InferReply:  # noqa: N802
         channel = self.channels.get(request.target.job_id, self.channels["gpt"])  # another job: gpt's driver tries
@@ -45,7 +45,7 @@ def stub() -> Iterator[Drivers]:
     agent = Agent(device=torch.device("cpu"))
     agent.start()
     agent.apply_assignments(assignments("gpt", GPT, [0, 2, 4]) + assignments("mlp", {"layer_sizes": [4, 3]}, [0, 1]))
-    drivers = Drivers(agent.grpc_address, ["gpt", "mlp"])
+    drivers = Drivers(agent.grpc_address, agent.identity.certificate, ["gpt", "mlp"])
     try:
         yield drivers
     finally:

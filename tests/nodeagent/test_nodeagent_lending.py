@@ -14,7 +14,7 @@ from arceus.contracts.assignment import Assignment, max_micro_batch_size
 from arceus.data import load_dataset, validate_dataset_config
 from arceus.training import StageEndpoint, TrainPlan
 from arceus.training.driver import Pipeline
-from devtools.pipeline import driver_token, pipeline_assignments
+from devtools.pipeline import driver_token, identity_for, pipeline_assignments, remember_identity
 from nodeagent.agent import Agent
 from nodeagent.lending import KEPT, PROBE_EVERY, ComputeThreads, LendingGauge
 
@@ -30,6 +30,7 @@ def agents() -> Iterator[list[Agent]]:
     started = [Agent(device=torch.device("cpu"), solo_threads=SOLO) for _ in range(2)]
     for agent in started:
         agent.start()
+        remember_identity(agent.advertise_address, agent.identity)
     try:
         yield started
     finally:
@@ -75,7 +76,8 @@ def test_solo_actions_compute_with_the_solo_threads(agents: list[Agent]) -> None
     plan = TrainPlan(
         job_id="lend",
         generation=1, credential=driver_token("lend", 1),
-        stages=tuple(StageEndpoint(i, a.advertise_address, f"node-{i}", i, i + 1) for i, a in enumerate(agents)),
+        stages=tuple(StageEndpoint(i, a.advertise_address, f"node-{i}", i, i + 1,
+            certificate=identity_for(a.advertise_address).certificate) for i, a in enumerate(agents)),
         dataset=DATASET,
         epochs=1,
         learning_rate=0.05,

@@ -13,12 +13,13 @@ import torch
 
 from arceus.contracts.assignment import Assignment
 from arceus.v1 import link_probe_pb2, link_probe_pb2_grpc
-from arceus.wire.channels import open_channel
-from devtools.pipeline import driver_token, pipeline_assignments
+from arceus.wire.channels import open_channel, pinned_channel_credentials
+from arceus.wire.tls import AGENT_TLS_NAME
+from devtools.pipeline import driver_token, identity_for, pipeline_assignments, remember_identity
 from nodeagent.agent import Agent
 from nodeagent.control_plane import ControlPlaneClient, HeartbeatLoop
 from nodeagent.link_probe import _CHANNEL_OPTIONS, MAX_PROBE_BYTES, LinkFigures, measure_neighbour
-from nodeagent.neighbour_links import NeighbourLinks
+from nodeagent.neighbour_links import Neighbour, NeighbourLinks
 from tests.nodeagent.test_nodeagent_control_plane import wait_for
 
 
@@ -40,14 +41,20 @@ def agent() -> Iterator[Agent]:
 
 @pytest.fixture
 def probe(agent: Agent) -> Iterator[grpc.UnaryUnaryMultiCallable]:
-    with open_channel(agent.grpc_address, token=driver_token("probed"), options=_CHANNEL_OPTIONS) as channel:
+    certificate = agent.identity.certificate
+    with open_channel(agent.grpc_address, token=driver_token("probed"), certificate=certificate,
+                      options=_CHANNEL_OPTIONS) as channel:
         yield link_probe_pb2_grpc.LinkProbeServiceStub(channel).Probe
 
 
 def test_a_probe_without_a_credential_the_agent_accepts_is_refused(agent: Agent) -> None:
+    certificate = agent.identity.certificate
     for channel in (
-        grpc.insecure_channel(agent.grpc_address),
-        open_channel(agent.grpc_address, token=driver_token("another-job")),
+        grpc.secure_channel(
+            agent.grpc_address, pinned_channel_credentials(certificate),
+            options=[("grpc.ssl_target_name_override", AGENT_TLS_NAME)],
+        ),  # TLS, but no token
+        open_channel(agent.grpc_address, token=driver_token("another-job"), certificate=certificate),
     ):
         with channel, pytest.raises(grpc.RpcError) as caught:
             link_probe_pb2_grpc.LinkProbeServiceStub(channel).Probe(link_probe_pb2.ProbeRequest(), timeout=10)
@@ -69,7 +76,9 @@ def test_oversized_or_negative_probes_are_refused(probe, payload: int, reply_byt
 
 
 def test_measure_neighbour_times_a_live_agent(agent: Agent) -> None:
-    figures = measure_neighbour(agent.grpc_address, driver_token("probed"), bulk_bytes=1024 * 1024)
+    figures = measure_neighbour(
+        agent.grpc_address, driver_token("probed"), agent.identity.certificate, bulk_bytes=1024 * 1024
+    )
     assert figures is not None and figures.rtt_seconds > 0 and figures.bandwidth_bytes_per_second > 0
 
 
@@ -78,21 +87,24 @@ def test_a_silent_or_absent_neighbour_is_unknown_within_the_deadline() -> None:
         silent.bind(("127.0.0.1", 0))
         silent.listen()
         started = time.monotonic()
-        assert measure_neighbour(f"127.0.0.1:{silent.getsockname()[1]}", "0" * 64, timeout=0.5) is None
+        silent_address = f"127.0.0.1:{silent.getsockname()[1]}"
+        certificate = identity_for(silent_address).certificate
+        assert measure_neighbour(silent_address, "0" * 64, certificate, timeout=0.5) is None
         assert time.monotonic() - started < 3
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
-    assert measure_neighbour(f"127.0.0.1:{port}", "0" * 64, timeout=0.5) is None
+    closed_address = f"127.0.0.1:{port}"
+    assert measure_neighbour(closed_address, "0" * 64, identity_for(closed_address).certificate, timeout=0.5) is None
 
 
 def test_the_thread_measures_when_woken_reports_once_and_failures_as_unknown() -> None:
-    def measure(address: str, token: str) -> LinkFigures | None:
+    def measure(address: str, token: str, certificate: str) -> LinkFigures | None:
         if address == "bad:1":
             raise RuntimeError("probe bug")
         return None if address == "down:1" else LinkFigures(0.01, 1e6)
 
-    neighbours = {"up:1": "t", "down:1": "t", "bad:1": "t"}
+    neighbours = {address: Neighbour("t", "c") for address in ("up:1", "down:1", "bad:1")}
     links = NeighbourLinks(lambda: neighbours, lambda: False, interval=300, measure=measure, probe_retries=(0.01,))
     links.start()
     try:
@@ -112,7 +124,8 @@ def test_the_thread_measures_when_woken_reports_once_and_failures_as_unknown() -
 def test_the_thread_waits_for_a_pause_between_steps() -> None:
     stepping = [True]
     links = NeighbourLinks(
-        lambda: {"n:1": "t"}, lambda: stepping[0], interval=300, measure=lambda _a, _t: LinkFigures(0.01, 1e6),
+        lambda: {"n:1": Neighbour("t", "c")}, lambda: stepping[0], interval=300,
+        measure=lambda _a, _t, _c: LinkFigures(0.01, 1e6),
         busy_retry=0.02,
     )
     links.start()
@@ -132,6 +145,7 @@ def two_stage_agents() -> tuple[list[Agent], list[dict]]:
     agents = [Agent(device=torch.device("cpu"), link_probe_interval=300.0) for _ in range(2)]
     for a in agents:
         a.start()
+        remember_identity(a.advertise_address, a.identity)
     raw = pipeline_assignments(
         job_id="job", model_config={"layer_sizes": [8, 6, 4]}, boundaries=[0, 1, 2],
         addresses=[a.advertise_address for a in agents], optimizer={"name": "sgd", "lr": 0.1}, seed=0,

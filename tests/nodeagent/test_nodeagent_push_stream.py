@@ -44,7 +44,7 @@ def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
 
 @pytest.fixture
 def stream(agent: AgentProcess) -> Iterator[PushStream]:
-    with open_channel(agent.grpc_address, token=driver_token(JOB)) as channel:  # the driver feeds stage 0
+    with open_channel(agent.grpc_address, token=driver_token(JOB), certificate=agent.certificate) as channel:
         pushes = PushStream(channel)
         yield pushes
         pushes.close()

@@ -8,7 +8,7 @@ from arceus.checkpoint import CheckpointError, decode_checkpoint, encode_checkpo
 from arceus.contracts.assignment import Assignment, CheckpointRef, OptimizerConfig
 from arceus.model.build import build_full_model, build_layers
 from arceus.model.mlp.spec import MLPSpec
-from devtools.pipeline import rank_credentials
+from devtools.pipeline import certificates_for, rank_credentials
 from nodeagent.runtime import StageRuntime
 from nodeagent.stage import build_hosted_stage
 
@@ -291,6 +291,7 @@ def middle_assignment(checkpoint: dict | None) -> Assignment:
             "prev_address": "127.0.0.1:1",
             "next_address": "127.0.0.1:2",
             "credentials": rank_credentials("job", 4, 1, 0, [1, 1, 1]).to_json(),
+            "certificates": certificates_for(["127.0.0.1:1", "127.0.0.1:2"]),
             "checkpoint": checkpoint,
         }
     )

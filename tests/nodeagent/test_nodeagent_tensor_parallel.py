@@ -28,6 +28,7 @@ from arceus.v1 import stage_pb2, tensor_parallel_pb2, tensor_parallel_pb2_grpc
 from arceus.wire.channels import open_channel
 from arceus.wire.proto_tensor import to_proto
 from devtools.launch import free_ports
+from devtools.pipeline import certificates_for, identity_for
 from devtools.pipeline import rank_credentials as pipeline_credentials
 from nodeagent.agent import Agent
 from nodeagent.all_reduce import TensorParallelGroup
@@ -47,6 +48,7 @@ from tp_rank_worker import (  # noqa: E402
     STAGE,
     micro_batch_inputs,
     rank_credentials,
+    write_identities,
 )
 
 WORKER = Path(__file__).parent / "tp_rank_worker.py"
@@ -72,11 +74,12 @@ def test_a_block_split_over_two_agent_processes_matches_the_unsplit_block(tmp_pa
     get the same bits of every replicated result."""
     peers = [f"127.0.0.1:{p}" for p in free_ports(2)]
     outs = [tmp_path / f"rank-{r}.safetensors" for r in range(2)]
+    write_identities(tmp_path, 2)
 
     def spawn(rank: int) -> subprocess.Popen[bytes]:
         with open(tmp_path / f"rank-{rank}.log", "wb") as log:  # the child keeps its own descriptor
             return subprocess.Popen(
-                [sys.executable, str(WORKER), str(rank), ",".join(peers), str(outs[rank]), precision],
+                [sys.executable, str(WORKER), str(rank), ",".join(peers), str(outs[rank]), precision, str(tmp_path)],
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
@@ -141,11 +144,12 @@ def served_group() -> Iterator[tuple[TensorParallelGroup, tensor_parallel_pb2_gr
         max_message_bytes=1024 * 1024,
         credentials=rank_credentials(0),
         model=MODEL,
+        certificates={dead: identity_for(dead).certificate},
     )
     agent.tensor_parallel.add(group)
     agent.start()
     try:
-        with open_channel(own, token=rank_credentials(1).token) as channel:  # as rank 1
+        with open_channel(own, token=rank_credentials(1).token, certificate=agent.identity.certificate) as channel:
             yield group, tensor_parallel_pb2_grpc.TensorParallelServiceStub(channel)
     finally:
         agent.stop(grace=0.5)
@@ -241,6 +245,7 @@ def test_a_rank_loads_its_slice_of_an_unsplit_checkpoint_and_its_group_lives_wit
         "prev_address": None,
         "next_address": None,
         "credentials": pipeline_credentials(JOB, GENERATION, 0, 0, [1]).to_json(),
+        "certificates": certificates_for(peers),
     }
     whole = Assignment.from_json({**common, "stage_id": "whole"})
     unsplit = build_hosted_stage(whole, CPU, max_message_bytes=2**20)

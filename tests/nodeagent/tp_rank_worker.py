@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
@@ -17,6 +18,7 @@ from arceus.contracts.credentials import StageCredentials, stage_credentials
 from arceus.model.gpt.parallel import build_parallel_block
 from arceus.model.gpt.spec import GPTSpec
 from arceus.model.precision import autocast
+from arceus.wire.tls import TlsIdentity, load_identity, new_identity
 from nodeagent.agent import Agent
 from nodeagent.all_reduce import TensorParallelGroup
 
@@ -39,9 +41,23 @@ def micro_batch_inputs(micro_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(shape, generator=g), torch.randn(shape, generator=g)
 
 
-def main(rank: int, peers: list[str], out: str, precision: str) -> None:
+def write_identities(directory: Path, count: int) -> None:
+    """What the control plane would hold: each rank's TLS key and certificate (the parent makes them)."""
+    for rank in range(count):
+        identity = new_identity()
+        (directory / f"rank-{rank}.key.pem").write_bytes(identity.key_pem)
+        (directory / f"rank-{rank}.cert.pem").write_bytes(identity.certificate_pem)
+
+
+def read_identity(directory: Path, rank: int) -> TlsIdentity:
+    return load_identity(
+        (directory / f"rank-{rank}.key.pem").read_bytes(), (directory / f"rank-{rank}.cert.pem").read_bytes()
+    )
+
+
+def main(rank: int, peers: list[str], out: str, precision: str, identities: Path) -> None:
     torch.set_num_threads(1)
-    agent = Agent(device=torch.device("cpu"), listen=peers[rank])
+    agent = Agent(device=torch.device("cpu"), listen=peers[rank], identity=read_identity(identities, rank))
     group = TensorParallelGroup(
         job_id=JOB,
         stage_index=STAGE,
@@ -54,6 +70,7 @@ def main(rank: int, peers: list[str], out: str, precision: str) -> None:
         max_message_bytes=64 * 1024 * 1024,
         credentials=rank_credentials(rank),
         model=MODEL,
+        certificates={peer: read_identity(identities, r).certificate for r, peer in enumerate(peers) if r != rank},
     )
     agent.tensor_parallel.add(group)
     agent.start()
@@ -76,4 +93,4 @@ def main(rank: int, peers: list[str], out: str, precision: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3], sys.argv[4])
+    main(int(sys.argv[1]), sys.argv[2].split(","), sys.argv[3], sys.argv[4], Path(sys.argv[5]))

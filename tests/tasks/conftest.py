@@ -48,6 +48,7 @@ class LiveNode:
             flops_fp32=1e9,
             now=timezone.now(),
             public_key=self.agent.signer.public_key_hex,  # receipts verify, so no node is flagged
+            tls_certificate=self.agent.identity.certificate,
         )
         self.node.refresh_from_db()
 

@@ -12,7 +12,7 @@ from arceus.contracts.assignment import max_micro_batch_size
 from arceus.training import StageEndpoint, TrainPlan, TrainResult, train
 from arceus.training.recording import RecordingSink
 from devtools.launch import free_ports, spawn_static_agents, stop_agents
-from devtools.pipeline import driver_token, pipeline_assignments
+from devtools.pipeline import driver_token, identity_for, pipeline_assignments
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +45,8 @@ def results(tmp_path_factory: pytest.TempPathFactory, small_text) -> Iterator[di
         for job_id in TRANSFERS:
             plan = TrainPlan(
                 job_id=job_id, generation=1, credential=driver_token(job_id, 1),
-                stages=tuple(StageEndpoint(i, a.grpc_address, f"agent-{i}", BOUNDARIES[i], BOUNDARIES[i + 1])
+                stages=tuple(StageEndpoint(i, a.grpc_address, f"agent-{i}", BOUNDARIES[i], BOUNDARIES[i + 1],
+                    certificate=identity_for(a.grpc_address).certificate)
                              for i, a in enumerate(agents)),
                 dataset=dataset, epochs=2, learning_rate=ADAM["lr"], micro_batches=MICRO_BATCHES, seed=SEED,
                 rpc_timeout_seconds=30.0, max_steps=STEPS, model=model,

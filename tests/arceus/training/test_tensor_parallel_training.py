@@ -23,7 +23,7 @@ from arceus.training import RankEndpoint, StageEndpoint, TrainPlan, train
 from arceus.training.driver import Pipeline
 from arceus.training.recording import RecordingSink
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
-from devtools.pipeline import driver_token, pipeline_assignments, rank_credentials
+from devtools.pipeline import certificates_for, driver_token, pipeline_assignments, rank_credentials
 from devtools.reference import fetch_weights, reference_run
 
 pytestmark = pytest.mark.slow
@@ -68,16 +68,20 @@ def split_assignments(
         for key, neighbour in (("prev_address", i - 1), ("next_address", i + 1)):
             if 0 <= neighbour < len(ranks) and len(ranks[neighbour]) > 1:
                 stage[key] = ranks[neighbour]
+        neighbours = [a for j in (i - 1, i + 1) if 0 <= j < len(ranks) for a in ranks[j]]
         for rank, agent in enumerate(run["agents"][i]):
-            credentials = rank_credentials(job_id, 1, i, rank, [len(r) for r in ranks]).to_json()
+            own = {
+                "credentials": rank_credentials(job_id, 1, i, rank, [len(r) for r in ranks]).to_json(),
+                "certificates": certificates_for(
+                    [*neighbours, *(a for r, a in enumerate(ranks[i]) if r != rank and len(ranks[i]) > 1)]
+                ),
+            }
             if len(ranks[i]) == 1:
-                placed.append((agent, {**stage, "credentials": credentials}))
+                placed.append((agent, {**stage, **own}))
             else:
                 split = {"rank": rank, "size": len(ranks[i]), "peers": ranks[i]}
                 stage_id = f"{stage['stage_id']}-rank-{rank}"
-                placed.append(
-                    (agent, {**stage, "stage_id": stage_id, "tensor_parallel": split, "credentials": credentials})
-                )
+                placed.append((agent, {**stage, **own, "stage_id": stage_id, "tensor_parallel": split}))
     return placed
 
 
@@ -131,8 +135,11 @@ def plan_for(job_id: str, agents: list[AgentProcess], model: dict[str, Any], dat
                 node_id=f"agent-{hosts[i][0]}",
                 layer_start=boundaries[i],
                 layer_end=boundaries[i + 1],
+                certificate=agents[hosts[i][0]].certificate,
                 tensor_parallel_ranks=tuple(
-                    RankEndpoint(address=agents[a].grpc_address, node_id=f"agent-{a}") for a in hosts[i][1:]
+                    RankEndpoint(address=agents[a].grpc_address, node_id=f"agent-{a}",
+                        certificate=agents[a].certificate)
+                    for a in hosts[i][1:]
                 ),
             )
             for i in range(len(hosts))

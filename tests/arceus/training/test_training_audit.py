@@ -17,7 +17,7 @@ from arceus.training.recording import RecordingSink
 from arceus.v1 import stage_pb2
 from arceus.verify.receipts import RECEIVED, SENT, ReceiptError, ReceiptFields, ReceiptSigner, verify_receipt
 from arceus.wire.transfer import transfer_config_from_json
-from devtools.pipeline import driver_token, pipeline_assignments
+from devtools.pipeline import driver_token, identity_for, pipeline_assignments, remember_identity
 from devtools.reference import fetch_weights
 from nodeagent import step
 from nodeagent.agent import Agent
@@ -36,6 +36,7 @@ def agents(request: pytest.FixtureRequest) -> Iterator[list[Agent]]:
     started = [Agent(device=torch.device("cpu")) for _ in range(3)]
     for agent in started:
         agent.start()
+        remember_identity(agent.advertise_address, agent.identity)
     stages = pipeline_assignments(
         job_id="audited",
         model_config=MODEL,
@@ -63,7 +64,7 @@ def plan_for(agents: list[Agent], **overrides: object) -> TrainPlan:
         generation=1, credential=driver_token("audited", 1),
         stages=tuple(
             StageEndpoint(i, a.advertise_address, f"node-{i}", BOUNDARIES[i], BOUNDARIES[i + 1],
-                          public_key=a.signer.public_key_hex)
+                          public_key=a.signer.public_key_hex, certificate=identity_for(a.advertise_address).certificate)
             for i, a in enumerate(agents)
         ),
         dataset=DATASET,

@@ -17,7 +17,7 @@ from arceus.data import validate_dataset_config
 from arceus.training import StageEndpoint, TrainPlan, TrainResult, train
 from arceus.training.recording import RecordingSink
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
-from devtools.pipeline import driver_token, pipeline_assignments
+from devtools.pipeline import driver_token, identity_for, pipeline_assignments
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +56,8 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Results]:
         for job_id in TRANSFERS:
             plan = TrainPlan(
                 job_id=job_id, generation=1, credential=driver_token(job_id, 1),
-                stages=tuple(StageEndpoint(i, a.grpc_address, f"agent-{i}", BOUNDARIES[i], BOUNDARIES[i + 1])
+                stages=tuple(StageEndpoint(i, a.grpc_address, f"agent-{i}", BOUNDARIES[i], BOUNDARIES[i + 1],
+                    certificate=identity_for(a.grpc_address).certificate)
                              for i, a in enumerate(agents)),
                 dataset=DATASET, epochs=2, learning_rate=OPTIMIZER["lr"], micro_batches=MICRO_BATCHES, seed=3,
                 rpc_timeout_seconds=30.0, max_steps=STEPS, precision=PRECISION.get(job_id, "fp32"),

@@ -8,12 +8,17 @@ from arceus.contracts.assignment import max_micro_batch_size
 from arceus.data import validate_dataset_config
 from arceus.errors import SpecError
 from arceus.training import StageEndpoint, TrainPlan
-from devtools.pipeline import driver_token
+from devtools.pipeline import driver_token, identity_for
+
+
+def endpoint(index: int, address: str, node_id: str, start: int, end: int) -> StageEndpoint:
+    return StageEndpoint(index, address, node_id, start, end, certificate=identity_for(address).certificate)
+
 
 PLAN = TrainPlan(
     job_id="j",
     generation=1, credential=driver_token("j", 1),
-    stages=(StageEndpoint(0, "127.0.0.1:1", "a", 0, 2), StageEndpoint(1, "127.0.0.1:2", "b", 2, 3)),
+    stages=(endpoint(0, "127.0.0.1:1", "a", 0, 2), endpoint(1, "127.0.0.1:2", "b", 2, 3)),
     dataset=validate_dataset_config({"name": "digits"}),
     epochs=1,
     learning_rate=0.1,
@@ -30,9 +35,9 @@ def test_a_valid_plan_passes() -> None:
     ("changes", "field", "fragment"),
     [
         ({"stages": ()}, "plan.stages", "at least one stage"),
-        ({"stages": (StageEndpoint(1, "h:1", "a", 0, 3),)}, "plan.stages", "indices must be 0..0"),
+        ({"stages": (endpoint(1, "h:1", "a", 0, 3),)}, "plan.stages", "indices must be 0..0"),
         (
-            {"stages": (StageEndpoint(0, "h:1", "a", 0, 2), StageEndpoint(1, "h:2", "b", 1, 3))},
+            {"stages": (endpoint(0, "h:1", "a", 0, 2), endpoint(1, "h:2", "b", 1, 3))},
             "plan.stages",
             "contiguous, got [0, 2), [1, 3)",
         ),

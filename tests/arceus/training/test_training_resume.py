@@ -21,7 +21,7 @@ from arceus.data import validate_dataset_config
 from arceus.training import StageEndpoint, TrainPlan, train
 from arceus.training.recording import RecordingSink
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
-from devtools.pipeline import driver_token, pipeline_assignments
+from devtools.pipeline import driver_token, identity_for, pipeline_assignments
 from devtools.reference import fetch_weights
 
 pytestmark = pytest.mark.slow
@@ -63,7 +63,8 @@ def plan(job_id: str, agents: list[AgentProcess], generation: int, start_step: i
         job_id=job_id,
         generation=generation, credential=driver_token(job_id, generation),
         stages=tuple(
-            StageEndpoint(i, a.grpc_address, f"agent-{i}", BOUNDARIES[i], BOUNDARIES[i + 1])
+            StageEndpoint(i, a.grpc_address, f"agent-{i}", BOUNDARIES[i], BOUNDARIES[i + 1],
+                certificate=identity_for(a.grpc_address).certificate)
             for i, a in enumerate(agents)
         ),
         dataset=DATASET,

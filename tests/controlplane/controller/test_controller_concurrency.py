@@ -28,6 +28,7 @@ from controlplane.jobs.models import Job, Stage
 from controlplane.jobs.services import job_start, job_submit
 from controlplane.nodes.models import Node, NodeLease
 from controlplane.nodes.services import node_create, node_heartbeat, node_register
+from devtools.pipeline import identity_for
 
 pytestmark = pytest.mark.django_db
 
@@ -70,7 +71,7 @@ def build(user, nodes: list[dict], jobs: list[dict], now) -> None:
         seen = now - timedelta(seconds=spec["silent"])
         node_register(
             node=node,
-            grpc_address=f"10.0.0.{i + 1}:5000",
+            grpc_address=f"10.0.0.{i + 1}:5000", tls_certificate=identity_for(f"10.0.0.{i + 1}:5000").certificate,
             device_type="cpu",
             device_name="cpu",
             memory_bytes=spec["memory"],

@@ -50,6 +50,7 @@ from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_create, node_heartbeat, node_register
 from controlplane.settings import checkpoint_storage_settings
 from devtools.cluster import free_port
+from devtools.pipeline import identity_for
 
 pytestmark = pytest.mark.django_db
 
@@ -95,7 +96,7 @@ def agents(user) -> list[tuple[Node, APIClient]]:
         node, token = node_create(owner=user, name=f"agent-{i}")
         node_register(
             node=node,
-            grpc_address=f"10.0.0.{i + 1}:5005{i}",
+            grpc_address=f"10.0.0.{i + 1}:5005{i}", tls_certificate=identity_for(f"10.0.0.{i + 1}:5005{i}").certificate,
             device_type="cpu",
             device_name="test cpu",
             memory_bytes=2**30,

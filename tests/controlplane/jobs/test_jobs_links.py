@@ -11,6 +11,7 @@ from controlplane.controller.executor import reconcile_once
 from controlplane.controller.snapshot import node_views, registered_nodes
 from controlplane.jobs.models import Stage
 from controlplane.nodes.services import node_create, node_heartbeat, node_register
+from devtools.pipeline import identity_for
 
 pytestmark = pytest.mark.django_db
 
@@ -18,7 +19,9 @@ pytestmark = pytest.mark.django_db
 def linked_node(user, name: str, bandwidth: float, rtt: float = 0.001) -> None:  # noqa: ANN001
     node, _ = node_create(owner=user, name=name)
     now = timezone.now()
-    node_register(node=node, grpc_address=f"10.0.0.{len(name)}:5005", device_type="cpu", device_name="cpu",
+    node_register(node=node, grpc_address=f"10.0.0.{len(name)}:5005",
+                  tls_certificate=identity_for(f"10.0.0.{len(name)}:5005").certificate,
+                  device_type="cpu", device_name="cpu",
                   memory_bytes=2**30, flops_fp32=1e9, now=now,
                   link={"rtt_seconds": rtt, "bandwidth_bytes_per_second": bandwidth})
     node_heartbeat(node=node, observed=[], now=now)
@@ -40,7 +43,9 @@ def test_measured_links_decide_how_many_stages_pay_off(
 def test_an_unmeasured_link_counts_as_unlimited_and_rtt_as_twice_the_latency(user) -> None:  # noqa: ANN001
     linked_node(user, "measured", 2e6, rtt=0.04)
     node, _ = node_create(owner=user, name="old-agent")
-    node_register(node=node, grpc_address="10.0.0.9:5005", device_type="cpu", device_name="cpu",
+    node_register(node=node, grpc_address="10.0.0.9:5005",
+                  tls_certificate=identity_for("10.0.0.9:5005").certificate,
+                  device_type="cpu", device_name="cpu",
                   memory_bytes=2**30, flops_fp32=1e9, now=timezone.now())
     views = {v.name: v.device() for v in node_views(registered_nodes())}
     assert (views["measured"].bandwidth_bytes_per_s, views["measured"].latency_s) == (2e6, 0.02)

@@ -26,6 +26,7 @@ from controlplane.controller.executor import reconcile_once
 from controlplane.jobs.models import Job
 from controlplane.jobs.selectors import assignments_for_node
 from controlplane.jobs.services import job_start, job_submit
+from devtools.pipeline import remember_identity
 from nodeagent.agent import Agent
 
 MODEL = {"type": "transformer", "n_layer": 1, "n_head": 2, "d_model": 16, "block_size": 8}
@@ -49,6 +50,7 @@ def trained_on(config: dict[str, Any], pattern: tuple[int, ...]) -> dict[str, to
 def agent() -> Iterator[Agent]:
     started = Agent(device=torch.device("cpu"))
     started.start()
+    remember_identity(started.grpc_address, started.identity)  # the node registered for it (ready_node) pins it
     try:
         yield started
     finally:

@@ -15,7 +15,7 @@ from controlplane.jobs.models import Job, Stage
 from controlplane.nodes.models import Node
 from controlplane.nodes.serializers import AssignmentOutput
 from controlplane.nodes.services import node_create
-from devtools.pipeline import rank_credentials
+from devtools.pipeline import identity_for, rank_credentials
 
 pytestmark = pytest.mark.django_db
 
@@ -35,9 +35,9 @@ def agent(user) -> tuple[Node, APIClient]:
 
 
 def register(client: APIClient, address: str = "127.0.0.1:50051", **caps: Any) -> Any:
-    return client.post(
-        "/api/agent/register", {"grpc_address": address, "capabilities": {**CAPABILITIES, **caps}}, format="json"
-    )
+    body = {"grpc_address": address, "capabilities": {**CAPABILITIES, **caps},
+            "tls_certificate": identity_for(address).certificate}
+    return client.post("/api/agent/register", body, format="json")
 
 
 def heartbeat(client: APIClient, observed: list[dict[str, Any]] | None = None) -> Any:
@@ -188,6 +188,9 @@ def test_heartbeat_returns_the_assignment_contract(user, queued_job) -> None:
             "credentials": job_stage_credentials(
                 job_id=str(job.id), generation=job.generation, stage_index=index, rank=0, ranks=[1, 1, 1]
             ).to_json(),
+            "certificates": {
+                addresses[i]: identity_for(addresses[i]).certificate for i in (index - 1, index + 1) if i in addresses
+            },
             "checkpoint": None,
         }
         # The agent's own parser accepts it.
@@ -281,6 +284,7 @@ def test_the_documented_assignment_is_the_contract() -> None:
         "micro_batches": 2, "max_micro_batch_size": 4, "prev_address": None, "next_address": "b:1",
         "tensor_parallel": {"rank": 1, "size": 2, "peers": ["a:1", "a:2"]},
         "credentials": rank_credentials("j", 1, 0, 1, [2, 1]).to_json(),
+        "certificates": {address: identity_for(address).certificate for address in ("a:1", "b:1")},
         "checkpoint": {"step": 3, "url": "/x", "sha256": "0" * 64},
     })
     sent = split.to_json()

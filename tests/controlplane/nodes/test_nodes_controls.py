@@ -15,6 +15,7 @@ from controlplane.jobs.models import Job, Stage
 from controlplane.nodes.availability import in_windows, parse_window, unavailable_reason
 from controlplane.nodes.models import Node, NodeLease
 from controlplane.nodes.services import node_create, node_heartbeat, node_register
+from devtools.pipeline import identity_for
 
 AT = datetime(2026, 1, 1, 23, 30, tzinfo=UTC)
 
@@ -76,8 +77,9 @@ def test_agents_report_host_load_and_receive_the_thread_cap(user) -> None:
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Node {token}")
     caps = {"device_type": "cpu", "device_name": "cpu", "memory_bytes": 2**33, "flops_fp32": 1e11}
-    assert client.post("/api/agent/register", {"grpc_address": "10.0.0.1:5000", "capabilities": caps},
-                       format="json").status_code == 200
+    body = {"grpc_address": "10.0.0.1:5000", "capabilities": caps,
+            "tls_certificate": identity_for("10.0.0.1:5000").certificate}
+    assert client.post("/api/agent/register", body, format="json").status_code == 200
     reply = client.post("/api/agent/heartbeat", {"observed": [], "host_busy_fraction": 0.75}, format="json")
     assert reply.status_code == 200 and reply.json()["controls"] == {"max_threads": 2, "max_memory_bytes": 2**30}
     assert NodeLease.objects.get(node=node).host_busy_fraction == 0.75
@@ -107,7 +109,9 @@ def test_a_node_whose_owner_gets_busy_hands_its_stage_to_another(user, ready_nod
 @pytest.mark.django_db
 def test_the_memory_a_node_offers_is_capped_by_its_owner(user) -> None:
     node, _ = node_create(owner=user, name="big")
-    node_register(node=node, grpc_address="10.0.0.1:5000", device_type="cpu", device_name="cpu",
+    node_register(node=node, grpc_address="10.0.0.1:5000",
+                  tls_certificate=identity_for("10.0.0.1:5000").certificate,
+                  device_type="cpu", device_name="cpu",
                   memory_bytes=64 * 2**30, flops_fp32=1e11, now=timezone.now())
     Node.objects.filter(pk=node.pk).update(max_memory_bytes=2**30)
     _, observed = load_snapshot()
@@ -118,7 +122,9 @@ def test_the_memory_a_node_offers_is_capped_by_its_owner(user) -> None:
 @pytest.mark.django_db
 def test_stages_get_what_a_node_offers_less_what_its_agent_holds_already(user) -> None:
     node, _ = node_create(owner=user, name="big")
-    node_register(node=node, grpc_address="10.0.0.1:5000", device_type="cpu", device_name="cpu",
+    node_register(node=node, grpc_address="10.0.0.1:5000",
+                  tls_certificate=identity_for("10.0.0.1:5000").certificate,
+                  device_type="cpu", device_name="cpu",
                   memory_bytes=64 * 2**30, flops_fp32=1e11, runtime_bytes=300 * 2**20, now=timezone.now())
     _, observed = load_snapshot()
     assert [n.memory_bytes for n in observed.nodes] == [64 * 2**30 - 300 * 2**20]

@@ -20,6 +20,7 @@ from controlplane.controller.snapshot import node_views, registered_nodes
 from controlplane.jobs.models import Stage
 from controlplane.nodes.models import Node, NodeLink
 from controlplane.nodes.services import node_create, node_heartbeat, node_register
+from devtools.pipeline import identity_for
 from nodeagent.agent import Agent
 
 pytestmark = pytest.mark.django_db
@@ -56,8 +57,9 @@ def pipeline(user, agents: list[Agent], queued_job) -> list[tuple[Node, APIClien
     for i, a in enumerate(agents):
         node, token = node_create(owner=user, name=f"node-{i}")
         client = agent_client(token)
-        response = client.post("/api/agent/register", {"grpc_address": a.advertise_address,
-                                                       "capabilities": CAPABILITIES}, format="json")
+        body = {"grpc_address": a.advertise_address, "capabilities": CAPABILITIES,
+                "tls_certificate": a.identity.certificate}
+        response = client.post("/api/agent/register", body, format="json")
         assert response.status_code == 200, response.json()
         assert heartbeat(client).status_code == 200
         placed.append((node, client, a))
@@ -129,8 +131,9 @@ GOOD = {"address": "127.0.0.1:6001", "rtt_seconds": 0.01, "bandwidth_bytes_per_s
 def test_malformed_link_reports_are_refused_and_change_nothing(user, links: Any, message: str) -> None:  # noqa: ANN001
     node, token = node_create(owner=user, name="agent")
     client = agent_client(token)
-    client.post("/api/agent/register", {"grpc_address": "127.0.0.1:6002", "capabilities": CAPABILITIES},
-                format="json")
+    body = {"grpc_address": "127.0.0.1:6002", "capabilities": CAPABILITIES,
+            "tls_certificate": identity_for("127.0.0.1:6002").certificate}
+    assert client.post("/api/agent/register", body, format="json").status_code == 200
     renewed = Node.objects.get(pk=node.pk).lease.renewed_at
     response = heartbeat(client, neighbour_links=links)
     assert response.status_code == 400
@@ -144,7 +147,9 @@ def linked_nodes(user, count: int) -> list[Node]:  # noqa: ANN001
     for i in range(count):
         node, _ = node_create(owner=user, name=f"node-{i}")
         now = timezone.now()
-        node_register(node=node, grpc_address=f"10.0.0.{i + 1}:5005", device_type="cpu", device_name="cpu",
+        node_register(node=node, grpc_address=f"10.0.0.{i + 1}:5005",
+                      tls_certificate=identity_for(f"10.0.0.{i + 1}:5005").certificate,
+                      device_type="cpu", device_name="cpu",
                       memory_bytes=2**30, flops_fp32=1e9, now=now, link=CAPABILITIES["link"])
         node_heartbeat(node=node, observed=[], now=now)
         nodes.append(node)

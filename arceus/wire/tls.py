@@ -1,0 +1,86 @@
+"""TLS identities of agents: each agent process makes a key and a self-signed certificate, registers the
+certificate with the control plane, and its callers (the driver, the sampler, neighbour stages, tensor-parallel
+peers) pin exactly that certificate: no certificate authority, and a certificate nobody registered is trusted by
+nobody. The key and certificate are made with `cryptography` (here: no gRPC, so contracts may check
+certificates); grpcio does the TLS (arceus.wire.channels for callers, the agent's server).
+"""
+
+from __future__ import annotations
+
+import datetime
+from dataclasses import dataclass
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+# The name in every agent certificate, and the name callers check: the pinned certificate, not the name, is what
+# identifies an agent, and an agent's address (an IP behind a router, a relay) says nothing about it.
+AGENT_TLS_NAME = "arceus-agent"
+MAX_CERTIFICATE_CHARS = 4096
+VALIDITY = datetime.timedelta(days=365)
+
+
+@dataclass(frozen=True)
+class TlsIdentity:
+    key_pem: bytes
+    certificate_pem: bytes
+
+    @property
+    def certificate(self) -> str:
+        return self.certificate_pem.decode()
+
+
+def new_identity() -> TlsIdentity:
+    """A fresh P-256 key and a self-signed certificate for AGENT_TLS_NAME."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, AGENT_TLS_NAME)])
+    now = datetime.datetime.now(datetime.UTC)
+    certificate = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))  # callers' clocks may lag a little
+        .not_valid_after(now + VALIDITY)
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(AGENT_TLS_NAME)]), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return TlsIdentity(key_pem=key_pem, certificate_pem=certificate.public_bytes(serialization.Encoding.PEM))
+
+
+def load_identity(key_pem: bytes, certificate_pem: bytes) -> TlsIdentity:
+    """An identity from files an operator keeps; ValueError naming what is wrong."""
+    try:
+        key = serialization.load_pem_private_key(key_pem, password=None)
+        certificate = x509.load_pem_x509_certificate(certificate_pem)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"not a PEM key and certificate: {exc}") from None
+    if key.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    ) != certificate.public_key().public_bytes(
+        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+    ):
+        raise ValueError("the certificate is not the key's")
+    return TlsIdentity(key_pem=key_pem, certificate_pem=certificate_pem)
+
+
+def check_certificate(pem: str) -> str:
+    """`pem` if it is one PEM certificate for AGENT_TLS_NAME; ValueError saying why not."""
+    if not isinstance(pem, str) or not pem or len(pem) > MAX_CERTIFICATE_CHARS:
+        raise ValueError(f"must be a PEM certificate of at most {MAX_CERTIFICATE_CHARS} characters")
+    try:
+        certificate = x509.load_pem_x509_certificate(pem.encode())
+        names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except (ValueError, x509.ExtensionNotFound) as exc:
+        raise ValueError(f"is not a PEM certificate with a subject alternative name: {exc}") from None
+    if AGENT_TLS_NAME not in names.get_values_for_type(x509.DNSName):
+        raise ValueError(f"must name {AGENT_TLS_NAME!r} (the agent makes it so)")
+    return pem
+
