@@ -101,7 +101,7 @@ class Agent:
         # The all-reduce partials of the tensor-parallel stages hosted here.
         self.tensor_parallel = self.registry.tensor_parallel
         tensor_parallel_pb2_grpc.add_TensorParallelServiceServicer_to_server(
-            TensorParallelServicer(self.tensor_parallel), self._server
+            TensorParallelServicer(self.tensor_parallel, self.registry.guards), self._server
         )
         # Neighbours time their links to this agent with it; `neighbour_links` times this agent's links to
         # them (every `link_probe_interval` seconds and after the stages change; None: never).

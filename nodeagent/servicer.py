@@ -69,7 +69,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self, request: IncomingPush | MalformedPush, context: grpc.ServicerContext
     ) -> stage_pb2.PushTensorReply:
         def push() -> stage_pb2.PushTensorReply:
-            self._deliver(request, presented_digest(context))
+            self._deliver(request, presented_digest(context), "PushTensor")
             return stage_pb2.PushTensorReply()
 
         return serve(context, "PushTensor", push)
@@ -89,7 +89,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             header = request.header
             ack = stage_pb2.PushAck(kind=header.kind, step=header.step, micro_batch=header.micro_batch)
             try:
-                self._deliver(request, digest)
+                self._deliver(request, digest, "PushStream")
             except RpcFailure as failure:
                 log.warning("PushStream message -> %s: %s", failure.code.name, failure.message)
                 ack.code, ack.message = failure.code.value[0], failure.message
@@ -99,13 +99,13 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 ack.message = f"PushStream failed unexpectedly: {type(exc).__name__}: {exc}"
             yield ack
 
-    def _deliver(self, request: IncomingPush | MalformedPush, digest: str | None) -> None:
+    def _deliver(self, request: IncomingPush | MalformedPush, digest: str | None, method: str) -> None:
         """Authorize (by the tensor's kind), resolve, validate, decode and park one pushed tensor."""
         if isinstance(request, MalformedPush):
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
         header = request.header
         roles = push_roles(KIND_NAMES.get(header.kind, ""), header.target.stage_index)
-        authorize(digest, self._registry.guards(), target=header.target, allowed=roles, method="PushStream")
+        authorize(digest, self._registry.guards(), target=header.target, allowed=roles, method=method)
         stage = self._registry.resolve(header.target)
         tensor = decode_push(stage.io, request)
         try:
@@ -159,13 +159,9 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         authorize(presented_digest(context), guards, target=target, allowed=DRIVER_ONLY, method=method)
         return self._registry.resolve(target)
 
-    def _between_steps(
-        self, target: stage_pb2.StageRef, context: grpc.ServicerContext, method: str
-    ) -> HostedStage:
-        """The addressed stage (its driver calling) with its step lock held and its optimizer step applied: a
-        checkpoint holds the state after the step's optimizer step, never half updated. The caller releases
-        the lock."""
-        stage = self._driven(context, target, method)
+    def _between_steps(self, stage: HostedStage, context: grpc.ServicerContext) -> HostedStage:
+        """`stage` with its step lock held and its optimizer step applied: a checkpoint holds the state after the
+        step's optimizer step, never half updated. The caller releases the lock."""
         if not stage.step_lock.acquire(timeout=max(0.0, call_deadline(context) - time.monotonic())):
             raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, f"{stage.name} stayed busy with a step")
         try:
@@ -180,7 +176,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     ) -> Iterator[stage_pb2.StateChunk]:
         """The stage's state as one safetensors file in chunks of a few MiB, between steps (the step lock
         is held until the last chunk)."""
-        stage = serve(context, "GetState", lambda: self._between_steps(request.target, context, "GetState"))
+        def settled() -> HostedStage:
+            return self._between_steps(self._driven(context, request.target, "GetState"), context)
+
+        stage = serve(context, "GetState", settled)
         try:
             items = stage.runtime.state_items(include_optimizer_state=request.include_optimizer_state)
             _, chunks = state_chunks(dict(items))
@@ -196,6 +195,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         a chunk at a time straight from the tensors; the reply says what was sent."""
 
         def save() -> stage_pb2.SaveStateReply:
+            stage = self._driven(context, request.target, "SaveState")
             if self._upload_state is None:
                 raise RpcFailure(
                     grpc.StatusCode.FAILED_PRECONDITION,
@@ -207,7 +207,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                     f"upload_path {request.upload_path!r} is not a path on the control plane (it starts with /)",
                 )
             started = time.perf_counter()
-            stage = self._between_steps(request.target, context, "SaveState")
+            self._between_steps(stage, context)
             digest = hashlib.sha256()
 
             def hashed(chunks: Iterator[memoryview]) -> Iterator[memoryview]:

@@ -4,20 +4,24 @@ torch."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 
 from arceus.contracts.credentials import Role
 from arceus.v1 import tensor_parallel_pb2, tensor_parallel_pb2_grpc
 from nodeagent.all_reduce import TensorParallelGroups
-from nodeagent.callers import authorize, presented_digest
+from nodeagent.callers import Guard, authorize, presented_digest
 from nodeagent.rpc import RpcFailure, serve
 
 PEERS = frozenset({Role.PEER})
 
 
 class TensorParallelServicer(tensor_parallel_pb2_grpc.TensorParallelServiceServicer):
-    def __init__(self, groups: TensorParallelGroups) -> None:
+    def __init__(self, groups: TensorParallelGroups, guards: Callable[[], list[Guard]]) -> None:
+        """`guards`: whose calls the agent accepts (every stage's, and ranks still being built)."""
         self._groups = groups
+        self._guards = guards
 
     def PushPartial(
         self, request: tensor_parallel_pb2.PushPartialRequest, context: grpc.ServicerContext
@@ -25,7 +29,7 @@ class TensorParallelServicer(tensor_parallel_pb2_grpc.TensorParallelServiceServi
         def push() -> tensor_parallel_pb2.PushPartialReply:
             digest = presented_digest(context)
             guard = authorize(
-                digest, self._groups.guards(), target=request.target, allowed=PEERS, method="PushPartial"
+                digest, self._guards(), target=request.target, allowed=PEERS, method="PushPartial"
             )
             if guard.credentials.rank_of(Role.PEER, digest or "") != request.source_rank:
                 raise RpcFailure(
