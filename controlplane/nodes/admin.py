@@ -21,8 +21,8 @@ class NodeAdmin(admin.ModelAdmin):
     list_select_related = ["owner", "lease"]
     search_fields = ["id", "name", "grpc_address", "device_name", "owner__username"]
     readonly_fields = [
-        "id", "token_hash", "public_key", "tls_certificate", "registered_at", "ready_transition_at", "paused_at", "created_at",
-        "flagged_at", "flag_reason",
+        "id", "token_hash", "public_key", "tls_certificate", "registered_at", "ready_transition_at", "paused_at",
+        "created_at", "flagged_at", "flag_reason",
     ]
     inlines = [NodeLeaseInline]
 
