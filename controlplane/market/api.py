@@ -7,10 +7,9 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from controlplane.common.errors import ApplicationError
 from controlplane.market.selectors import node_earnings, prices_current
 from controlplane.market.serializers import EarningsOutput, PriceOutput
-from controlplane.nodes.selectors import node_get
+from controlplane.nodes.selectors import node_get_for_user
 
 
 class PriceListApi(APIView):
@@ -25,7 +24,5 @@ class NodeEarningsApi(APIView):
         responses=EarningsOutput,
     )
     def get(self, request: Request, node_id: str) -> Response:
-        node = node_get(node_id=node_id)
-        if node.owner_id != request.user.pk:
-            raise ApplicationError.forbidden(f"node {node.id} belongs to another user; only its owner sees earnings")
+        node = node_get_for_user(user=request.user, node_id=node_id)
         return Response(EarningsOutput(node_earnings(node=node)).data)

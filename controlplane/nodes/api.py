@@ -14,7 +14,7 @@ from rest_framework.views import APIView
 from controlplane.jobs.checkpoints import checkpoint_upload_receive, stage_checkpoint_for_node
 from controlplane.jobs.models import checkpoint_storage
 from controlplane.nodes.authentication import IsNodeAgent, NodeTokenAuthentication
-from controlplane.nodes.selectors import node_get, node_list
+from controlplane.nodes.selectors import node_get_for_user, node_list_for_user
 from controlplane.nodes.serializers import (
     AgentHeartbeatInput,
     AgentHeartbeatOutput,
@@ -39,7 +39,7 @@ NODE_ID = OpenApiParameter("node_id", str, OpenApiParameter.PATH, description="N
 class NodeListCreateApi(APIView):
     @extend_schema(responses=NodeOutput(many=True))
     def get(self, request: Request) -> Response:
-        return Response(NodeOutput(node_list(), many=True).data)
+        return Response(NodeOutput(node_list_for_user(user=request.user), many=True).data)
 
     @extend_schema(request=NodeCreateInput, responses={201: NodeCreatedOutput})
     def post(self, request: Request) -> Response:
@@ -55,7 +55,7 @@ class NodeDetailApi(APIView):
         responses=NodeOutput,
     )
     def get(self, request: Request, node_id: str) -> Response:
-        return Response(NodeOutput(node_get(node_id=node_id)).data)
+        return Response(NodeOutput(node_get_for_user(user=request.user, node_id=node_id)).data)
 
 
 class NodePauseApi(APIView):
@@ -65,8 +65,9 @@ class NodePauseApi(APIView):
 
     @extend_schema(parameters=[NODE_ID], request=None, responses=NodeOutput)
     def post(self, request: Request, node_id: str) -> Response:
-        node_set_paused(node=node_get(node_id=node_id), user=request.user, paused=self.paused, now=timezone.now())
-        return Response(NodeOutput(node_get(node_id=node_id)).data)
+        node = node_get_for_user(user=request.user, node_id=node_id)
+        node_set_paused(node=node, user=request.user, paused=self.paused, now=timezone.now())
+        return Response(NodeOutput(node_get_for_user(user=request.user, node_id=node_id)).data)
 
 
 class NodeControlsApi(APIView):
@@ -76,8 +77,9 @@ class NodeControlsApi(APIView):
     def put(self, request: Request, node_id: str) -> Response:
         data = NodeControlsInput(data=request.data)
         data.is_valid(raise_exception=True)
-        node_set_controls(node=node_get(node_id=node_id), user=request.user, controls=dict(data.validated_data))
-        return Response(NodeOutput(node_get(node_id=node_id)).data)
+        node = node_get_for_user(user=request.user, node_id=node_id)
+        node_set_controls(node=node, user=request.user, controls=dict(data.validated_data))
+        return Response(NodeOutput(node_get_for_user(user=request.user, node_id=node_id)).data)
 
 
 class NodeResumeApi(NodePauseApi):

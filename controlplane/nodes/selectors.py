@@ -3,6 +3,7 @@ from __future__ import annotations
 import uuid
 from datetime import datetime
 
+from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import Prefetch, QuerySet
 
 from controlplane.common.errors import ApplicationError
@@ -11,19 +12,21 @@ from controlplane.nodes.availability import unavailable_reason
 from controlplane.nodes.models import Node
 
 
-def node_list() -> QuerySet[Node]:
-    """Every node (the marketplace's supply), with its lease and the stage it currently hosts."""
-    return Node.objects.select_related("owner", "lease").prefetch_related(
+def node_list_for_user(*, user: AbstractBaseUser) -> QuerySet[Node]:
+    """The user's own nodes, with their leases and the stages they host: a node's address, certificate and
+    current job are its owner's business (everyone sees the market's aggregates: GET /api/market/prices)."""
+    return Node.objects.filter(owner=user).select_related("owner", "lease").prefetch_related(
         Prefetch("stages", queryset=Stage.objects.filter(active=True), to_attr="active_stages")
     )
 
 
-def node_get(*, node_id: str) -> Node:
+def node_get_for_user(*, user: AbstractBaseUser, node_id: str) -> Node:
+    """The user's node; 404 for a malformed id and for another user's node alike, so ids cannot be probed."""
     try:
         key = uuid.UUID(str(node_id))
     except ValueError:
         raise ApplicationError.not_found("node", node_id) from None
-    node = node_list().filter(pk=key).first()
+    node = node_list_for_user(user=user).filter(pk=key).first()
     if node is None:
         raise ApplicationError.not_found("node", node_id)
     return node

@@ -141,7 +141,7 @@ def test_owners_see_their_earnings_and_developers_their_cost(running_job: Job, a
     assert Decimal(earnings["credit_usd"]) == expected > 0
     assert earnings["per_job"][0]["job_id"] == str(running_job.id) and earnings["per_day"][0]["samples"] == 320
     refused = other_api.get(f"/api/nodes/{node.id}/earnings")
-    assert refused.status_code == 403 and "only its owner" in refused.json()["detail"]
+    assert refused.status_code == 404 and refused.json()["detail"] == f"node {node.id} not found"
 
     cost = api.get(f"/api/jobs/{running_job.id}").json()["cost"]
     assert Decimal(cost["charged_usd"]) == Decimal(totals()["charge"]) / 1_000_000

@@ -63,6 +63,17 @@ def test_list_and_detail_show_capabilities_readiness_and_current_stage(api: APIC
     assert api.get(f"/api/nodes/{nodes[0].id}").json() == n0
 
 
+def test_another_users_nodes_are_neither_listed_nor_shown(api: APIClient, other_api: APIClient, ready_node) -> None:
+    """Their addresses, certificates and current jobs are their owner's business; a missing node reads the same."""
+    mine = ready_node("mine")
+    theirs = other_api.post("/api/nodes", {"name": "theirs"}, format="json").json()["id"]
+    assert [n["name"] for n in api.get("/api/nodes").json()] == ["mine"]
+    assert [n["name"] for n in other_api.get("/api/nodes").json()] == ["theirs"]
+    for path in (f"/api/nodes/{theirs}", f"/api/nodes/{theirs}/earnings"):
+        assert api.get(path).json() == {"detail": f"node {theirs} not found"}
+    assert other_api.get(f"/api/nodes/{mine.id}").status_code == 404
+
+
 def test_unknown_node_is_a_404(api: APIClient) -> None:
     assert api.get("/api/nodes/00000000-0000-0000-0000-000000000000").status_code == 404
     assert api.get("/api/nodes/nope").json() == {"detail": "node nope not found"}
@@ -79,7 +90,7 @@ def test_the_owner_pauses_and_resumes_a_node_and_nobody_else_can(api: APIClient,
     assert api.post(f"/api/nodes/{node_id}/pause").json()["paused"] is True  # idempotent
 
     refused = other_api.post(f"/api/nodes/{node_id}/resume")
-    assert refused.status_code == 403 and "only its owner" in refused.json()["detail"]
+    assert refused.status_code == 404 and refused.json()["detail"] == f"node {node_id} not found"
     assert Node.objects.get(pk=node_id).paused
 
     response = api.post(f"/api/nodes/{node_id}/resume")

@@ -60,7 +60,7 @@ def test_owners_set_controls_and_strangers_cannot(api: APIClient, other_api: API
     node = Node.objects.get(pk=node_id)
     assert (node.work_windows, node.idle_only, node.max_threads) == (["22:00-07:00"], True, 1)
     refused = other_api.put(f"/api/nodes/{node_id}/controls", {}, format="json")
-    assert refused.status_code == 403
+    assert refused.status_code == 404
     bad = api.put(f"/api/nodes/{node_id}/controls", {"work_windows": ["9-5"], "idle_cpu_threshold": 2},
                   format="json")
     assert bad.status_code == 400
