@@ -40,7 +40,9 @@ from arceus.training.plan import (
     UploadTarget,
 )
 from arceus.training.stage_client import StageClient
+from arceus.training.tally import WorkTally
 from arceus.v1 import stage_pb2
+from arceus.wire.channels import MAX_MESSAGE_BYTES
 from arceus.wire.push_stream import PushError
 
 log = logging.getLogger(__name__)
@@ -101,6 +103,11 @@ class Pipeline:
         self.clients = [ranks[0] for ranks in self.ranks]
         self._call_ids = itertools.count(1)  # unique per RunStep (train and eval) within this run
         self.auditor = Auditor(plan, self.clients) if plan.audit_rate > 0 else None
+        # The counters the control plane bills (arceus.training.tally): what the driver can vouch for. Per
+        # micro-batch an agent sends at most an activation and a gradient, each to every rank of a neighbour.
+        self.tally = WorkTally()
+        fanout = max(len(ranks) for ranks in self.ranks)
+        self._max_step_bytes = 2 * fanout * MAX_MESSAGE_BYTES
 
     def step(self, x: torch.Tensor, y: torch.Tensor, *, train: bool) -> StepOutcome:
         plan, last = self.plan, self.clients[-1]
@@ -119,6 +126,7 @@ class Pipeline:
                 for c in self.ranks[-1]
             )
         mode = stage_pb2.TRAIN if train else stage_pb2.EVAL
+        issued = time.perf_counter()
         runs = [
             (
                 c,
@@ -136,6 +144,9 @@ class Pipeline:
             for ranks in self.ranks
             for c in ranks
         ]
+        answered: dict[int, float] = {}
+        for i, (_, _, future) in enumerate(runs):
+            future.add_done_callback(lambda _f, i=i: answered.setdefault(i, time.perf_counter()))
         results = _await_all(calls + runs)
         every_reply: list[stage_pb2.RunStepReply] = results[len(calls) :]
         agents = [c for ranks in self.ranks for c in ranks]
@@ -157,7 +168,18 @@ class Pipeline:
             correct=sum(final.correct),
             samples=n,
             labels=y.numel(),
-            stages=[c.snapshot(r.counters) for c, r in zip(agents, every_reply, strict=True)],
+            stages=[
+                self.tally.record(
+                    index=c.endpoint.index,
+                    node_id=c.endpoint.node_id,
+                    samples=n,
+                    micro_batches=num_micro_batches,
+                    wall_seconds=answered[i] - issued,
+                    max_bytes=self._max_step_bytes * num_micro_batches,
+                    reported=r.counters,
+                )
+                for i, (c, r) in enumerate(zip(agents, every_reply, strict=True))
+            ],
             spot_checks=spot_checks,
         )
 

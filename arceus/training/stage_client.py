@@ -12,7 +12,6 @@ import grpc
 import torch
 
 from arceus.checkpoint import CHUNK_BYTES
-from arceus.contracts.counters import StageCounters
 from arceus.training.plan import StageEndpoint
 from arceus.v1 import stage_pb2, stage_pb2_grpc
 from arceus.wire import codec
@@ -133,17 +132,6 @@ class StageClient:
         request = stage_pb2.InferRequest(target=self.ref, session=session, start=start, input=to_proto(x))
         reply = self._stub.Infer(request, timeout=self.timeout)
         return from_proto(reply.output, max_bytes=MAX_MESSAGE_BYTES)
-
-    def snapshot(self, counters: stage_pb2.StageCounters) -> StageCounters:
-        return StageCounters(
-            index=self.endpoint.index,
-            node_id=self.endpoint.node_id,
-            samples=counters.samples,
-            micro_batches=counters.micro_batches,
-            compute_seconds=counters.compute_seconds,
-            bytes_sent=counters.bytes_sent,
-            bytes_received=counters.bytes_received,
-        )
 
     def close(self) -> None:
         self._pushes.close()
