@@ -84,10 +84,20 @@ def memory_used_bytes(device: torch.device) -> int:
     statm = Path("/proc/self/statm")
     if statm.exists():
         return int(statm.read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    import resource  # ru_maxrss is a peak, not current, but it is all macOS offers without psutil
+    return memory_peak_bytes()  # a peak, not current, but all macOS offers without psutil
+
+
+def memory_peak_bytes() -> int:
+    """This process's peak resident set so far (Linux's VmHWM; ru_maxrss is in KiB there, bytes on macOS)."""
+    import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if platform.system() == "Darwin" else peak * 1024)
+
+
+def memory_summary(device: torch.device) -> str:
+    """The process's memory now and at its peak, for the log (what an owner's budget is about)."""
+    return f"memory {memory_used_bytes(device) / 2**20:.0f} MiB, peak {memory_peak_bytes() / 2**20:.0f} MiB"
 
 
 def measure_matmul_flops(

@@ -26,6 +26,7 @@ from arceus.placement.solver import Workload, stage_memory
 from arceus.v1 import stage_pb2
 from nodeagent.all_reduce import TensorParallelGroups, stage_group
 from nodeagent.callers import Guard
+from nodeagent.device import memory_summary
 from nodeagent.heap import release_free_memory
 from nodeagent.rpc import RpcFailure
 from nodeagent.stage import CheckpointLoader, HostedStage, build_hosted_stage
@@ -118,7 +119,7 @@ class HostedStages:
                         source = "initial" if assignment.checkpoint is None else "checkpoint"
                         self._build_seconds.labels(source=source).observe(seconds)
                     log.info(
-                        "built %s (generation %d) in %.2f s: layers [%d, %d) on %s, %s",
+                        "built %s (generation %d) in %.2f s: layers [%d, %d) on %s, %s; %s",
                         stage_id,
                         assignment.generation,
                         seconds,
@@ -128,6 +129,7 @@ class HostedStages:
                         "initial weights"
                         if assignment.checkpoint is None
                         else f"resumed from the checkpoint of step {assignment.checkpoint.step}",
+                        memory_summary(self._device),
                     )
                 except Exception as exc:  # a stage that cannot be built is reported, not fatal
                     # The traceback as text: a record holding the exception would hold this frame, and so the
@@ -200,6 +202,7 @@ class HostedStages:
         # Before anything is built: the dropped gradients and optimizer state sit in the heaps of the threads that
         # ran its steps, which a build on this thread would not reuse, so the new stage would add to them.
         release_free_memory()
+        log.info("memory after the drop: %s", memory_summary(self._device))
 
     def resolve(self, ref: stage_pb2.StageRef) -> HostedStage:
         """The hosted stage a request addresses; NOT_FOUND or FAILED_PRECONDITION otherwise."""

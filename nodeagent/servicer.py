@@ -26,6 +26,7 @@ from arceus.wire.codec import TensorValidationError
 from arceus.wire.incoming_push import IncomingPush, MalformedPush, parse_push
 from arceus.wire.proto_tensor import from_proto, to_proto
 from nodeagent.callers import DRIVER_ONLY, authorize, presented_digest, push_roles
+from nodeagent.device import memory_summary
 from nodeagent.hosting import HostedStages
 from nodeagent.lending import ComputeThreads
 from nodeagent.mailbox import MailboxClosed, MailboxFull
@@ -224,8 +225,11 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 raise RpcFailure(grpc.StatusCode.UNAVAILABLE, f"{stage.name}: {exc}") from None
             finally:
                 stage.step_lock.release()
+            took = time.perf_counter() - started
             self._metrics.state_bytes_uploaded.inc(size)
-            self._metrics.state_save_seconds.observe(time.perf_counter() - started)
+            self._metrics.state_save_seconds.observe(took)
+            log.info("uploaded the state of %s (%d bytes) in %.1f s; %s", stage.name, size, took,
+                     memory_summary(self._device))
             return stage_pb2.SaveStateReply(sha256=digest.hexdigest(), size_bytes=size)
 
         return serve(context, "SaveState", save)
