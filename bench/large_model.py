@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -224,6 +225,8 @@ def main() -> None:
     parser.add_argument("--n-layer", type=int, default=24)
     parser.add_argument("--d-model", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=8, help="steps of the large job (one epoch); at least 4")
+    parser.add_argument("--keep-logs", type=Path, metavar="DIR",
+                        help="copy the deployment's logs (agents, web, workers) here before cleaning up")
     parser.add_argument("--one-process", help=argparse.SUPPRESS)  # the child's job JSON
     args = parser.parse_args()
     if args.one_process:
@@ -263,6 +266,8 @@ def main() -> None:
             estimates = solver_estimates(job, large["detail"])  # while the text file is there
         finally:
             cluster.stop()
+            if args.keep_logs is not None:
+                shutil.copytree(cluster.supervisor.log_dir, args.keep_logs, dirs_exist_ok=True)
 
     detail = large["detail"]
     checkpoint = next(c for c in detail["checkpoints"] if c["step"] == large["resumed_from"])
