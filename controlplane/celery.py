@@ -10,8 +10,9 @@ fixed here rather than configurable.
 from __future__ import annotations
 
 import os
+import sys
 
-from celery import Celery
+from celery import Celery, signals
 from django.conf import settings
 from kombu import Queue
 
@@ -67,3 +68,21 @@ app.conf.update(
         },
     },
 )
+
+
+@signals.worker_init.connect
+@signals.beat_init.connect
+def _refuse_development_secret(**_: object) -> None:
+    """A worker or beat never serves on the public development key (controlplane.common.startup). Celery logs
+    and ignores a receiver's exception, so the refusal exits the process."""
+    import django
+    from django.core.exceptions import ImproperlyConfigured
+
+    django.setup()
+    from controlplane.common.startup import refuse_development_secret
+
+    try:
+        refuse_development_secret()
+    except ImproperlyConfigured as exc:
+        print(f"arceus: {exc}", file=sys.__stderr__, flush=True)  # the real stderr: Celery redirects sys.stderr
+        raise SystemExit(1) from None

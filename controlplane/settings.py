@@ -29,11 +29,11 @@ def _env_list(name: str, default: str) -> list[str]:
     return [item.strip() for item in os.environ.get(name, default).split(",") if item.strip()]
 
 
-# A long, random-looking dev value keeps `check --deploy` quiet about the key's shape; never use it in
-# production (set ARCEUS_SECRET_KEY).
-SECRET_KEY = os.environ.get(
-    "ARCEUS_SECRET_KEY", "dev-only-arceus-7c1f0e9a4b2d8c6e3f5a1b9d7e2c4a6f8b0d3e5c7a9f1b2d4e6c8a0f"
-)
+# Everything the control plane signs or mints (sessions, the data plane's credentials) is under this key. The
+# development key is public (it is in this file): the web server and the Celery processes refuse to start with
+# it unless ARCEUS_DEBUG is set (controlplane.common.startup); management commands and tests may use it.
+DEVELOPMENT_SECRET_KEY = "dev-only-arceus-7c1f0e9a4b2d8c6e3f5a1b9d7e2c4a6f8b0d3e5c7a9f1b2d4e6c8a0f"
+SECRET_KEY = os.environ.get("ARCEUS_SECRET_KEY", DEVELOPMENT_SECRET_KEY)
 DEBUG = _env_bool("ARCEUS_DEBUG", False)
 ALLOWED_HOSTS = _env_list(
     "ARCEUS_ALLOWED_HOSTS" if "ARCEUS_ALLOWED_HOSTS" in os.environ else "ALLOWED_HOSTS", "localhost,127.0.0.1"

@@ -7,3 +7,7 @@ from django.core.wsgi import get_wsgi_application
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 
 application = get_wsgi_application()
+
+from controlplane.common.startup import refuse_development_secret  # noqa: E402 (needs the app loaded)
+
+refuse_development_secret()

@@ -10,6 +10,7 @@ started on a free loopback port.
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -243,6 +244,8 @@ class LocalCluster:
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"
         env["DJANGO_SETTINGS_MODULE"] = "controlplane.settings"
+        # The servers refuse the public development key; this cluster's is its own.
+        env.setdefault("ARCEUS_SECRET_KEY", secrets.token_urlsafe(50))
         env["ARCEUS_HEARTBEAT_INTERVAL_SECONDS"] = str(self.heartbeat_interval_seconds)
         env["ARCEUS_RECONCILE_INTERVAL_SECONDS"] = str(self.reconcile_interval_seconds)
         env["ARCEUS_MEDIA_ROOT"] = str(self.workdir / "media")

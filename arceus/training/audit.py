@@ -15,21 +15,25 @@ i's recompute the forward from the declarative spec, and compares within `audit_
 from __future__ import annotations
 
 import json
+import logging
 import random
 import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
+import grpc
 import torch
 
 from arceus.contracts.spot_check import SpotCheckResult
 from arceus.model.precision import BF16_TOLERANCE
-from arceus.training.plan import TrainPlan
+from arceus.training.plan import StageEndpoint, TrainPlan
 from arceus.training.stage_client import StageClient
 from arceus.v1 import stage_pb2
 from arceus.verify.receipts import RECEIVED, SENT, ReceiptError, ReceiptFields, tensor_digest, verify_receipt
 from arceus.wire.compression import decode_payload, encode
 from arceus.wire.transfer import TransferConfig
+
+log = logging.getLogger(__name__)
 
 
 class Auditor:
@@ -44,7 +48,8 @@ class Auditor:
     ) -> list[SpotCheckResult]:
         """Check the receipts of a train step (each receiver's against its producer's: hashes only, every
         micro-batch), recompute a forward where the two disagree, else one sampled forward with
-        probability `audit_rate`. Stage calls that fail raise grpc.RpcError (the driver's usual error
+        probability `audit_rate`. A producer or receiver that answers its audit with an error fails the
+        check; a stage out of reach, or the verifier failing, raises grpc.RpcError (the driver's usual error
         path)."""
         n = len(self.clients)
         received: list[dict[int, stage_pb2.Receipt]] = [{} for _ in self.clients]  # by receiving stage
@@ -63,11 +68,12 @@ class Auditor:
         if disputes:
             # The producer and the receiver give different accounts: the recomputation says who is right.
             i, m = disputes[0]
-            return [self._recompute(step, i, m, inputs[m], received, sent)]
+            return [c for c in [self._recompute(step, i, m, inputs[m], received, sent)] if c is not None]
         # A recomputation needs a node other than the producer's.
         if len(nodes) > 1 and self.rng.random() < self.plan.audit_rate:
             i, m = self.rng.randrange(n - 1), self.rng.randrange(len(inputs))
-            checks.append(self._recompute(step, i, m, inputs[m], received, sent))
+            check = self._recompute(step, i, m, inputs[m], received, sent)
+            checks += [check] if check is not None else []
         return checks
 
     def _receipts(
@@ -102,10 +108,14 @@ class Auditor:
         driver_input: torch.Tensor,
         received: list[dict[int, stage_pb2.Receipt]],
         sent: list[dict[int, stage_pb2.Receipt]],
-    ) -> SpotCheckResult:
+    ) -> SpotCheckResult | None:
+        """Recompute stage i's forward of micro-batch m on an independent node; None where there is none."""
         producer, receiver = self.clients[i], self.clients[i + 1]
         node, receiver_node = producer.endpoint.node_id, receiver.endpoint.node_id
-        kept = producer.audit(step, m)
+        try:
+            kept = producer.audit(step, m)
+        except grpc.RpcError as exc:
+            return _refused(exc, step, m, i, node)
         x = driver_input if i == 0 else kept.received
         if i > 0 and (x is None or tensor_digest(x) != received[i][m].sha256):
             return SpotCheckResult(step, m, i, node, False, "returned an input other than the one it signed for")
@@ -113,19 +123,28 @@ class Auditor:
             return SpotCheckResult(
                 step, m, i, node, False, "returned a sent activation other than the one it signed for"
             )
-        got = receiver.audit(step, m).received
+        try:
+            got = receiver.audit(step, m).received
+        except grpc.RpcError as exc:
+            return _refused(exc, step, m, i + 1, receiver_node)
         receipt, sent_receipt = received[i + 1][m], sent[i][m]
         if got is None or tensor_digest(got) != receipt.sha256:
             # The receiver kept something else than it signed for: its word is worthless, not the producer's.
             return SpotCheckResult(step, m, i + 1, receiver_node, False,
                              "returned an activation other than the one it signed for")
-        verifier = self._verifier(node, receiver_node)
+        verifier = self._verifier(producer.endpoint, receiver.endpoint)
+        if verifier is None:
+            log.warning("step %d: no node of another owner than stage %d's can recompute its forward", step, i)
+            return None
         e = producer.endpoint
         # The producer's weights go from it to the verifier through a file: no message or buffer here
         # holds the stage.
         with tempfile.TemporaryDirectory(prefix="arceus-audit-") as directory:
             weights = Path(directory) / "weights.safetensors"
-            producer.save_audit_weights(step, weights)
+            try:
+                producer.save_audit_weights(step, weights)
+            except grpc.RpcError as exc:
+                return _refused(exc, step, m, i, node)
             expected = verifier.verify_forward(
                 self._model_json, e.layer_start, e.layer_end, weights, x, self.plan.precision
             )
@@ -159,11 +178,34 @@ class Auditor:
         )
         return SpotCheckResult(step, m, i, node, bool(honest), detail, max_abs_diff=diff, **signed)
 
-    def _verifier(self, producer_node: str, receiver_node: str) -> StageClient:
-        """A stage on another node: preferably neither the producer's nor the receiver's."""
-        others = [c for c in self.clients if c.endpoint.node_id not in (producer_node, receiver_node)]
-        others = others or [c for c in self.clients if c.endpoint.node_id != producer_node]
-        return self.rng.choice(others)
+    def _verifier(self, producer: StageEndpoint, receiver: StageEndpoint) -> StageClient | None:
+        """A stage on a node of another owner than the producer's (no contributor checks its own work),
+        preferably of neither the producer's nor the receiver's; None where every other node is the producer's
+        owner's."""
+        independent = [c for c in self.clients if not _same_party(c.endpoint, producer)]
+        preferred = [c for c in independent if not _same_party(c.endpoint, receiver)]
+        pool = preferred or independent
+        return self.rng.choice(pool) if pool else None
+
+
+def _same_party(a: StageEndpoint, b: StageEndpoint) -> bool:
+    """One node, or two nodes of one owner (an unknown owner, "", is no one's in particular)."""
+    return a.node_id == b.node_id or (bool(a.owner_id) and a.owner_id == b.owner_id)
+
+
+# Codes that say the agent could not be reached or ran out of time: the driver's usual failure path (the node
+# may be gone; the reconciler decides). Any other answer to an audit is a refusal, and fails the check.
+_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
+
+def _refused(error: grpc.RpcError, step: int, m: int, stage: int, node: str) -> SpotCheckResult:
+    """A stage that will not show what it kept of an audited step fails the check; one out of reach raises."""
+    code = error.code() if isinstance(error, grpc.Call) else None
+    if code is None or code in _UNREACHABLE:
+        raise error
+    return SpotCheckResult(
+        step, m, stage, node, False, f"refused its audit of step {step} micro-batch {m}: {code.name}: {error.details()}"
+    )
 
 
 def _as_sent(expected: torch.Tensor, transfer: TransferConfig) -> tuple[torch.Tensor, float]:

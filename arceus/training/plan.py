@@ -33,6 +33,7 @@ class StageEndpoint:
     layer_end: int
     certificate: str  # the TLS certificate its agent registered (PEM): the only one trusted at `address`
     public_key: str = ""  # hex Ed25519 key of the node's agent: its receipts verify against it
+    owner_id: str = ""  # who contributes the node: a spot check's verifier is another owner's ("": unknown)
     # A tensor-parallel stage's ranks after rank 0 (this endpoint), in rank order; empty for one agent.
     tensor_parallel_ranks: tuple[RankEndpoint, ...] = ()
 

@@ -64,6 +64,7 @@ def job_stage_endpoints(*, job: Job) -> tuple[StageEndpoint, ...]:
             layer_end=rank0.layer_end,
             certificate=rank0.node.tls_certificate if rank0.node else "",
             public_key=rank0.node.public_key if rank0.node else "",
+            owner_id=str(rank0.node.owner_id) if rank0.node else "",
             tensor_parallel_ranks=tuple(
                 RankEndpoint(
                     address=r.node.grpc_address if r.node else "",

@@ -16,7 +16,7 @@ from arceus.contracts.observed import ObservedStage
 from controlplane.common.conditions import TRUE
 from controlplane.common.dispatch import reconcile_soon
 from controlplane.common.errors import ApplicationError
-from controlplane.controller.transitions import job_rewind
+from controlplane.controller.transitions import job_fail, job_rewind
 from controlplane.jobs.models import Stage
 from controlplane.jobs.selectors import assignments_for_node
 from controlplane.jobs.stages import stages_record_observed
@@ -61,14 +61,28 @@ def node_register(
 
     A registering agent is a fresh process: the stages it hosted lost their state. Each job it served
     is rewound to its last checkpoint (a new generation, so the agent rebuilds the stage from desired
-    state and its neighbours reload theirs); the stage stays on this node, which is alive again.
+    state and its neighbours reload theirs); the stage stays on this node, which is alive again. The rewind
+    counts as a restart, like any other: an agent that re-registers again and again (to replay, and be paid
+    for, the same steps) fails the job once the restarts without a checkpoint run out.
     """
     for stage in Stage.objects.filter(node=node, active=True).select_related("job"):
+        restarted = f"node {node.name} ({node.id}) restarted while hosting stage {stage.index}"
+        if stage.job.restarts >= settings.ARCEUS_JOB_MAX_RESTARTS:
+            job_fail(
+                job_id=stage.job_id,
+                generation=stage.job.generation,
+                reason="BackoffLimitExceeded",
+                message=f"{restarted}; the job was restarted {stage.job.restarts} times without saving a "
+                "checkpoint in between",
+                now=now,
+            )
+            continue
         job_rewind(
             job_id=stage.job_id,
             generation=stage.job.generation,
+            count_restart=True,
             reason="NodeRestarted",
-            message=f"node {node.name} ({node.id}) restarted while hosting stage {stage.index}",
+            message=restarted,
             now=now,
         )
     node.grpc_address = grpc_address

@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from django.test import override_settings
 from safetensors.torch import load as safetensors_load
 
 from arceus.cli import main as cli_main
@@ -202,12 +203,13 @@ def test_a_stale_agent_that_comes_back_cannot_write_into_the_job(cluster: LocalC
     assert dropped in stale.child.log_path.read_text()
 
     # What it would still send carries the old generation's credential; once the job runs again, its current
-    # stages (rebuilt at the new generation) do not know it. (The cluster mints under this process's settings.)
+    # stages (rebuilt at the new generation) do not know it.
     cluster.wait_for_job(job["id"], lambda d: d["status"] == "running" and d["generation"] == moved["generation"], 60)
     neighbour = next(a for a in agents if a.node_id == placement(moved)[2])
-    stale_token = job_stage_credentials(
-        job_id=job["id"], generation=stale_generation, stage_index=1, rank=0, ranks=[1, 1, 1]
-    ).token
+    with override_settings(SECRET_KEY=cluster.env["ARCEUS_SECRET_KEY"]):  # what the cluster mints under
+        stale_token = job_stage_credentials(
+            job_id=job["id"], generation=stale_generation, stage_index=1, rank=0, ranks=[1, 1, 1]
+        ).token
     certificate = next(n for n in cluster.client.nodes() if n["id"] == neighbour.node_id)["tls_certificate"]
     with open_channel(neighbour.grpc_address, token=stale_token, certificate=certificate) as channel:
         stub = stage_pb2_grpc.StageServiceStub(channel)

@@ -4,16 +4,20 @@ a receiver whose account differs from its producer's is caught instead of framin
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from dataclasses import replace
 
+import grpc
 import pytest
 import torch
 
 from arceus.contracts.assignment import Assignment, max_micro_batch_size
 from arceus.data import validate_dataset_config
 from arceus.training import StageEndpoint, StepProgress, TrainPlan, train
+from arceus.training.audit import Auditor
 from arceus.training.recording import RecordingSink
+from arceus.training.stage_client import StageClient
 from arceus.v1 import stage_pb2
 from arceus.verify.receipts import RECEIVED, SENT, ReceiptError, ReceiptFields, ReceiptSigner, verify_receipt
 from arceus.wire.transfer import transfer_config_from_json
@@ -21,6 +25,8 @@ from devtools.pipeline import driver_token, identity_for, pipeline_assignments, 
 from devtools.reference import fetch_weights
 from nodeagent import step
 from nodeagent.agent import Agent
+from nodeagent.rpc import RpcFailure
+from nodeagent.servicer import StageServicer
 from nodeagent.stage import HostedStage
 
 MODEL = {"type": "mlp", "layer_sizes": [64, 32, 16, 10]}
@@ -162,6 +168,20 @@ def test_a_receiver_that_signs_for_a_tampered_activation_is_caught_not_its_produ
         assert c.sent_sha256 != c.receipt_sha256 and len(bytes.fromhex(c.sent_signature)) == 64
 
 
+def test_a_stage_that_refuses_its_audit_fails_the_check(agents: list[Agent], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Answering an audit with an error (rather than being out of reach) is no way out of being checked."""
+
+    def refuse(self: StageServicer, request: stage_pb2.AuditRequest, *args: object) -> None:
+        raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, "not telling")
+
+    monkeypatch.setattr(StageServicer, "_audit_record", refuse)
+    checks = spot_checks(plan_for(agents))
+    assert len(checks) == 6 and not any(c.passed for c in checks)
+    for c in checks:
+        assert c.node_id == f"node-{c.stage_index}" and c.stage_index in (0, 1), c
+        assert c.detail.endswith("FAILED_PRECONDITION: not telling") and "refused its audit" in c.detail
+
+
 def test_every_producer_signs_what_it_sent_and_the_digests_agree(agents: list[Agent]) -> None:
     checks = spot_checks(plan_for(agents))
     assert all(c.passed for c in checks)
@@ -208,3 +228,27 @@ def test_a_retained_steps_optimizer_step_waits_and_training_ends_as_without_audi
     assert sorted(audited_weights) == sorted(plain_weights)
     for name, tensor in plain_weights.items():
         assert torch.equal(audited_weights[name], tensor), name
+
+
+def test_the_verifier_is_never_of_the_producers_owner() -> None:
+    """No contributor checks its own work: with nodes of one owner only, nothing is recomputed."""
+    addresses = [f"127.0.0.1:{port}" for port in (1, 2, 3)]
+
+    def auditor(owners: list[str]) -> Auditor:
+        stages = tuple(
+            StageEndpoint(i, a, f"node-{i}", i, i + 1, certificate=identity_for(a).certificate, owner_id=owner)
+            for i, (a, owner) in enumerate(zip(addresses, owners, strict=True))
+        )
+        plan = TrainPlan(job_id="j", generation=1, credential=driver_token("j"), stages=stages,
+                         dataset=DATASET, epochs=1, learning_rate=0.1, micro_batches=1, seed=0)
+        clients = [StageClient(s, job_id="j", generation=1, credential=plan.credential, timeout=1) for s in stages]
+        return Auditor(plan, clients, rng=random.Random(0))
+
+    mixed = auditor(["alice", "alice", "bob"])
+    first, second, third = (c.endpoint for c in mixed.clients)
+    for _ in range(20):
+        assert mixed._verifier(first, second).endpoint.node_id == "node-2"
+        assert mixed._verifier(second, third).endpoint.node_id == "node-2"  # the receiver, rather than alice's
+        assert mixed._verifier(third, first).endpoint.node_id in ("node-0", "node-1")
+    lone = auditor(["alice"] * 3)
+    assert lone._verifier(*(c.endpoint for c in lone.clients[:2])) is None

@@ -292,3 +292,22 @@ def test_the_documented_assignment_is_the_contract() -> None:
     assert set(documented) == set(sent)
     for name in ("optimizer", "credentials", "checkpoint", "transfer", "tensor_parallel"):
         assert set(documented[name].fields) == set(sent[name]), name
+
+
+def test_re_registering_counts_as_a_restart_and_fails_the_job_once_they_run_out(user, queued_job, settings) -> None:
+    """An agent cannot replay (and be paid for) the same steps forever by re-registering before each checkpoint."""
+    settings.ARCEUS_JOB_MAX_RESTARTS = 2
+    agents = three_agents(user)
+    job = queued_job()
+    reconcile_once()
+    _, client = agents[1]
+    for restarts in (1, 2):
+        register(client)
+        job.refresh_from_db()
+        assert (job.status, job.restarts) == ("placing", restarts)
+    register(client)
+    job.refresh_from_db()
+    assert job.status == "failed"
+    failed = next(c for c in job.conditions if c["type"] == "Failed")
+    assert failed["reason"] == "BackoffLimitExceeded"
+    assert "restarted 2 times without saving a checkpoint" in failed["message"]
