@@ -159,6 +159,25 @@ REST_FRAMEWORK = {
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "EXCEPTION_HANDLER": "controlplane.common.exception_handler.exception_handler",
+    # Rates of the endpoints a stranger or a runaway script could make expensive (views name their scope:
+    # DRF's ScopedRateThrottle; login by client address, the rest by user). ARCEUS_THROTTLE_<SCOPE> overrides.
+    "DEFAULT_THROTTLE_RATES": {
+        scope: os.environ.get(f"ARCEUS_THROTTLE_{scope.upper()}", rate)
+        for scope, rate in {
+            "login": "10/min",
+            "estimate": "30/min",
+            "sample": "30/min",
+            "model": "30/hour",
+            "node_create": "30/hour",
+        }.items()
+    },
+}
+# Throttle counts live in this cache: per process by default; ARCEUS_CACHE_URL (redis://...) shares them
+# between the web server's processes.
+CACHES = {
+    "default": {"BACKEND": "django.core.cache.backends.redis.RedisCache", "LOCATION": os.environ["ARCEUS_CACHE_URL"]}
+    if "ARCEUS_CACHE_URL" in os.environ
+    else {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
 }
 
 SPECTACULAR_SETTINGS = {

@@ -96,6 +96,7 @@ class LocalCluster:
         self._commands: dict[str, list[str]] = {}  # how each part was started, to relaunch it
         self._redis_port = 0
         self._started = False
+        self._owners: dict[str, ArceusClient] = {}  # contributors other than the cluster's user
 
     # --- the parts, in start order -------------------------------------------------------------
     def start(self, *, username: str = "demo", password: str = "arceus-demo") -> None:
@@ -130,17 +131,23 @@ class LocalCluster:
         for name in ("worker-control", "worker-training", "beat"):
             self.relaunch(name)
 
-    def start_agent(self, name: str, *extra_args: str, module: str = "nodeagent") -> Agent:
+    def start_agent(
+        self, name: str, *extra_args: str, module: str = "nodeagent", owner: str | None = None
+    ) -> Agent:
         """Mint a node and start its agent; `extra_args` go to `python -m <module>` (the agent, or a test's
-        wrapper around its main)."""
-        return self.start_agents([name], *extra_args, module=module)[0]
+        wrapper around its main). `owner`: the contributor it belongs to (see `owner_client`; None: the
+        cluster's own user)."""
+        return self.start_agents([name], *extra_args, module=module, owner=owner)[0]
 
-    def start_agents(self, names: Sequence[str], *extra_args: str, module: str = "nodeagent") -> list[Agent]:
+    def start_agents(
+        self, names: Sequence[str], *extra_args: str, module: str = "nodeagent", owner: str | None = None
+    ) -> list[Agent]:
         """Start several agents at once, then wait until every one is ready: their start-ups (mostly importing
         torch) overlap instead of queueing one behind another."""
+        client = self.client if owner is None else self.owner_client(owner)
         spawned = []
         for name in names:
-            created = self.client.create_node(name)
+            created = client.create_node(name)
             self._commands[f"agent-{name}"] = [
                 sys.executable, "-m", module, "--control-plane", self.api_url, "--token", created["token"],
                 "--device", "cpu", "--threads", str(self.agent_threads), *extra_args]
@@ -148,6 +155,13 @@ class LocalCluster:
         agents = [self._await_agent(*args) for args in spawned]
         self.agents.extend(agents)
         return agents
+
+    def owner_client(self, username: str) -> ArceusClient:
+        """The API client of contributor `username` (made on first use): a node is its owner's business."""
+        if username not in self._owners:
+            token = self._manage("bootstrap_demo_user", "--username", username, "--password", secrets.token_hex(16))
+            self._owners[username] = ArceusClient(self.api_url, token=token.communicate().strip().splitlines()[-1])
+        return self._owners[username]
 
     def restart_agent(self, agent: Agent) -> Agent:
         """Crash an agent and start it again with the same token (a new process on a new port)."""

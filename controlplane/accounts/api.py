@@ -5,6 +5,7 @@ from rest_framework import serializers
 from rest_framework.permissions import AllowAny
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.throttling import ScopedRateThrottle
 from rest_framework.views import APIView
 
 from controlplane.accounts.services import user_token_obtain
@@ -20,6 +21,8 @@ class TokenObtainApi(APIView):
 
     authentication_classes: list = []
     permission_classes = [AllowAny]
+    throttle_classes = [ScopedRateThrottle]
+    throttle_scope = "login"  # by client address: guessing passwords is slow
 
     @extend_schema(
         request=TokenObtainInput,

@@ -9,6 +9,7 @@ from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import status
 from rest_framework.request import Request
 from rest_framework.response import Response
+from rest_framework.throttling import BaseThrottle, ScopedRateThrottle
 from rest_framework.views import APIView
 
 from controlplane.jobs.checkpoints import checkpoint_upload_receive, stage_checkpoint_for_node
@@ -37,6 +38,12 @@ NODE_ID = OpenApiParameter("node_id", str, OpenApiParameter.PATH, description="N
 
 
 class NodeListCreateApi(APIView):
+    throttle_scope = "node_create"
+
+    def get_throttles(self) -> list[BaseThrottle]:
+        """Minting node tokens is throttled; listing one's nodes is not."""
+        return [ScopedRateThrottle()] if self.request.method == "POST" else []
+
     @extend_schema(responses=NodeOutput(many=True))
     def get(self, request: Request) -> Response:
         return Response(NodeOutput(node_list_for_user(user=request.user), many=True).data)

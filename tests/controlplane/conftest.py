@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from django.contrib.auth.models import User
+from django.core.cache import cache
 from django.utils import timezone
 from rest_framework.test import APIClient
 
@@ -55,6 +56,12 @@ def client_for(user: User) -> APIClient:
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Token {user_token_get_or_create(user=user)}")
     return client
+
+
+@pytest.fixture(autouse=True)
+def fresh_throttles() -> None:
+    """Each test starts with no request counted against the API's rate limits (kept in the cache)."""
+    cache.clear()
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load as safetensors_load
 
+from arceus.sdk import ArceusClient
 from devtools.cluster import LocalCluster
 from devtools.reference import reference_run
 
@@ -35,16 +36,19 @@ HONEST_STEPS = 5  # every step is checked: steps 1-5 pass, step 6 fails; checkpo
 def test_a_dishonest_agent_is_caught_flagged_and_its_credit_withheld(cluster: LocalCluster) -> None:
     # Declared rates at which compute (tens of ms per micro-batch), not the few ms of latency the solver takes
     # from each agent's measured link, decides the cut: the cheat, 4x faster, produces (stage 0).
+    # The cheat is a contributor of its own: no node of its owner may verify its work.
     cheat = cluster.start_agent(
-        "cheat", "--declare-flops", "4e8", "--honest-steps", str(HONEST_STEPS), module="tests.e2e.dishonest_agent"
+        "cheat", "--declare-flops", "4e8", "--honest-steps", str(HONEST_STEPS), module="tests.e2e.dishonest_agent",
+        owner="mallory",
     )
+    mallory = cluster.owner_client("mallory")
     honest = [cluster.start_agent(name, "--declare-flops", "1e8") for name in ("honest-a", "honest-b")]
     job = cluster.client.submit_job(JOB)
     cluster.client.start_job(job["id"])
     final = cluster.client.wait(job["id"], timeout=120)
     assert final["status"] == "succeeded", final["error"]
 
-    nodes = {n["id"]: n for n in cluster.client.session.get(f"{cluster.api_url}/api/nodes", timeout=30).json()}
+    nodes = {n["id"]: n for client in (cluster.client, mallory) for n in client.nodes()}  # each sees its own
     flag = nodes[cheat.node_id]["flag"]
     assert flag is not None and "differs from the recomputation" in flag["reason"]
     assert all(nodes[a.node_id]["flag"] is None for a in honest)
@@ -61,13 +65,13 @@ def test_a_dishonest_agent_is_caught_flagged_and_its_credit_withheld(cluster: Lo
     for name, want in reference.weights.items():
         torch.testing.assert_close(weights[name], want, rtol=1e-3, atol=2e-4)
 
-    def earnings(node_id: str) -> dict:
-        return cluster.client.session.get(f"{cluster.api_url}/api/nodes/{node_id}/earnings", timeout=30).json()
+    def earnings(node_id: str, owner: ArceusClient) -> dict:
+        return owner.session.get(f"{cluster.api_url}/api/nodes/{node_id}/earnings", timeout=30).json()
 
     # (The test clusters price compute at $3600/h, so this short job's few ms are worth whole micro-dollars.)
-    cheated = earnings(cheat.node_id)
+    cheated = earnings(cheat.node_id, mallory)
     assert Decimal(cheated["credit_usd"]) == 0 < Decimal(cheated["withheld_usd"])
-    paid = [earnings(a.node_id) for a in honest]
+    paid = [earnings(a.node_id, cluster.client) for a in honest]
     assert any(Decimal(e["credit_usd"]) > 0 for e in paid)
     # Credits, the platform's fees and the withheld credit add up to what the developer is charged.
     cost = final["cost"]
