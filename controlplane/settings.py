@@ -210,6 +210,10 @@ ARCEUS_RPC_TIMEOUT_SECONDS = float(os.environ.get("ARCEUS_RPC_TIMEOUT_SECONDS", 
 ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES = int(os.environ.get("ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES", str(64 << 30)))
 # A job whose driver or stages fail this many times without a lost node to explain it fails for good.
 ARCEUS_JOB_MAX_RESTARTS = int(os.environ.get("ARCEUS_JOB_MAX_RESTARTS", "5"))
+# The largest model a job may submit: pipeline layers (the placement solver's time grows with their square) and
+# parameters.
+ARCEUS_MAX_MODEL_LAYERS = int(os.environ.get("ARCEUS_MAX_MODEL_LAYERS", "128"))
+ARCEUS_MAX_MODEL_PARAMETERS = int(os.environ.get("ARCEUS_MAX_MODEL_PARAMETERS", str(20 * 10**9)))
 # The market: a standard-medium device (a typical laptop) earns about this per hour when demand and
 # supply balance; the platform keeps this fraction of every charge; prices are recomputed this often.
 ARCEUS_BASELINE_PRICE_PER_HOUR = float(os.environ.get("ARCEUS_BASELINE_PRICE_PER_HOUR", "0.30"))

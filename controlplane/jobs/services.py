@@ -6,6 +6,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.utils import timezone
@@ -101,6 +102,7 @@ def job_validate(
     completed from each other (a transformer's vocab_size, the text's block_size), or a 400 naming the
     field. `tensor_parallel` is the normalised JobTensorParallelInput ({} for none)."""
     spec, model_config, dataset = _fit_or_400(model_config, dataset_config)
+    _check_model_size(spec)
     if stages is not None and stages > spec.num_layers:
         raise ApplicationError.invalid(
             "stages",
@@ -191,6 +193,21 @@ def job_cancel(*, job: Job, now: datetime | None = None) -> Job:
     """Stop the job: agents drop its stages at their next heartbeat and its driver stops at its next
     progress write."""
     return transitions.job_cancel(job=job, now=now or timezone.now())
+
+
+def _check_model_size(spec: ModelSpec) -> None:
+    """A model deeper than the placement solver handles quickly, or larger than the operator admits, is a 400
+    before anything runs over it (the solver's time grows with the square of the layers)."""
+    layers, limit = spec.num_layers, settings.ARCEUS_MAX_MODEL_LAYERS
+    if layers > limit:
+        raise ApplicationError.invalid(
+            "model_config", f"has {layers} pipeline layers; this control plane takes at most {limit}"
+        )
+    params, limit = sum(spec.layer_params()), settings.ARCEUS_MAX_MODEL_PARAMETERS
+    if params > limit:
+        raise ApplicationError.invalid(
+            "model_config", f"has {params:,} parameters; this control plane takes at most {limit:,}"
+        )
 
 
 def _fit_or_400(
