@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import logging
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
-from django.db import connection, transaction
+from django.db import InterfaceError, OperationalError, connection, transaction
+
+log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 
 @contextmanager
@@ -19,3 +25,23 @@ def consistent_snapshot() -> Iterator[None]:
             with connection.cursor() as cursor:
                 cursor.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ READ ONLY")
         yield
+
+
+def reconnecting(call: Callable[[], R], *, what: str, for_seconds: float) -> R:
+    """`call()`, retried with a fresh connection while the database is out of reach (a restart, a failover):
+    a long-lived process (a training driver) outside any request would otherwise keep its dead connection and
+    fail every query after. `call` must be one whole transaction (it committed or it did not); it is retried
+    only for `for_seconds`, then the error is raised."""
+    if connection.in_atomic_block:
+        return call()  # inside the caller's transaction: a lost connection loses that too; it decides
+    deadline, delay = time.monotonic() + for_seconds, 0.25
+    while True:
+        try:
+            return call()
+        except (OperationalError, InterfaceError) as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("%s: the database connection failed (%s); reconnecting in %.2f s", what, exc, delay)
+            connection.close()
+            time.sleep(delay)
+            delay = min(2 * delay, 4.0)

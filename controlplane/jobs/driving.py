@@ -22,6 +22,7 @@ from django.utils import timezone
 from arceus.errors import SpecError
 from arceus.training import DriverError, TrainPlan, train
 from arceus.wire.transfer import transfer_config_from_json
+from controlplane.common.db import reconnecting
 from controlplane.controller.leases import job_driver_claim, job_driver_interrupted, job_driver_renew
 from controlplane.controller.transitions import job_fail
 from controlplane.jobs.credentials import job_driver_token
@@ -74,7 +75,7 @@ def job_drive(*, job_id: str) -> str:
     if result.stopped or sink.lost_lease:
         log.info("job %s: driver stopped (cancelled, or its lease was taken over)", job_id)
         return "stopped"
-    finished = job_finish(
+    finished = reconnecting(lambda: job_finish(
         job_id=job.id,
         lease_owner=owner,
         final_loss=result.final_loss,
@@ -82,7 +83,7 @@ def job_drive(*, job_id: str) -> str:
         val_accuracy=result.val_accuracy,
         stages=result.stages,
         now=timezone.now(),
-    )
+    ), what=f"job {job_id}: recording its end", for_seconds=settings.ARCEUS_DRIVER_LEASE_SECONDS)
     return "succeeded" if finished else "stopped"
 
 
@@ -134,6 +135,7 @@ class LeaseRenewer:
                     held = job_driver_renew(job_id=self._job_id, owner=self._owner, now=timezone.now())
                 except DatabaseError:
                     log.warning("job %s: could not renew the driver lease; retrying", self._job_id, exc_info=True)
+                    connection.close()  # a dead connection stays dead: the next renewal opens a new one
                     continue
                 if not held:
                     self._on_lost()

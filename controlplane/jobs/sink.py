@@ -1,5 +1,6 @@
 """The training driver's ProgressSink, backed by the jobs services.
 
+Every write goes through `_db`: a database restart costs the driver a reconnect, not the job.
 Step records and the stages' work counters are batched (written at most every `flush_seconds`, and
 at each epoch end) so fast steps do not turn into one transaction each; each write also renews the
 driver lease. Frequent counter writes bound what a crash takes from the accounting to about
@@ -11,14 +12,18 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
+from typing import TypeVar
 
+from django.conf import settings
 from django.urls import reverse
 from django.utils import timezone
 
 from arceus.contracts.counters import StageCounters
 from arceus.contracts.spot_check import SpotCheckResult
 from arceus.training import EpochResult, StageEndpoint, StageStateFile, StepProgress, UploadTarget
+from controlplane.common.db import reconnecting
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.leases import job_driver_handover, job_handover_requested
 from controlplane.jobs.checkpoints import checkpoint_save, checkpoint_uploads_open
@@ -26,6 +31,13 @@ from controlplane.jobs.progress import StepPoint, job_record_epoch, job_record_s
 from controlplane.market.verification import spot_checks_record
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
+
+
+def _db(what: str, call: Callable[[], R]) -> R:
+    """A write of the driver's, through a database restart: retried on a fresh connection while its lease
+    could still be held; after that the lease is gone anyway."""
+    return reconnecting(call, what=what, for_seconds=settings.ARCEUS_DRIVER_LEASE_SECONDS)
 
 
 class DbProgressSink:
@@ -52,7 +64,7 @@ class DbProgressSink:
     def on_epoch(self, r: EpochResult) -> None:
         self.flush()
         if not self._lost_lease:
-            self._lost_lease = not job_record_epoch(
+            self._lost_lease = not _db("recording an epoch", lambda: job_record_epoch(
                 job_id=self.job_id,
                 lease_owner=self.lease_owner,
                 epoch=r.epoch,
@@ -60,17 +72,17 @@ class DbProgressSink:
                 val_accuracy=r.val_accuracy,
                 stages=r.stages,
                 now=timezone.now(),
-            )
+            ))
 
     def checkpoint_uploads(self, step: int, stages: list[StageEndpoint]) -> dict[int, UploadTarget]:
         """An upload for every unsplit stage: its agent sends its state to the control plane itself (a
         tensor-parallel stage's ranks are streamed to the driver, which puts them together)."""
         if self._lost_lease:
             return {}
-        uploads = checkpoint_uploads_open(
+        uploads = _db("opening checkpoint uploads", lambda: checkpoint_uploads_open(
             job_id=self.job_id, lease_owner=self.lease_owner, generation=self.generation, step=step,
             nodes={s.index: s.node_id for s in stages if not s.tensor_parallel_ranks},
-        )
+        ))
         if uploads is None:
             self._lost_lease = True
             return {}
@@ -83,17 +95,19 @@ class DbProgressSink:
         self.flush()
         if self._lost_lease:
             return
-        saved = checkpoint_save(
+        saved = _db("saving a checkpoint", lambda: checkpoint_save(
             job_id=self.job_id,
             lease_owner=self.lease_owner,
             generation=self.generation,
             step=step,
             epoch=epoch,
             stages=stages,
-        )
+        ))
         self._lost_lease = saved is None
         if self._handover and not self._lost_lease:
-            job_driver_handover(job_id=self.job_id, owner=self.lease_owner, step=step, now=timezone.now())
+            _db("handing the driver over", lambda: job_driver_handover(
+                job_id=self.job_id, owner=self.lease_owner, step=step, now=timezone.now()
+            ))
             self._lost_lease = True  # handed over: stop
 
     def lose_lease(self) -> None:
@@ -114,19 +128,19 @@ class DbProgressSink:
         checks, self._spot_checks = self._spot_checks, []
         self._last_flush = time.monotonic()
         if not self._lost_lease:
-            self._lost_lease = not job_record_steps(
+            self._lost_lease = not _db("recording steps", lambda: job_record_steps(
                 job_id=self.job_id, lease_owner=self.lease_owner, points=points, stages=counters, now=timezone.now()
-            )
+            ))
         if checks and not self._lost_lease:
             try:
-                spot_checks_record(
+                _db("recording spot checks", lambda: spot_checks_record(
                     job_id=self.job_id, lease_owner=self.lease_owner, generation=self.generation, checks=checks,
                     now=timezone.now(),
-                )
+                ))
             except ApplicationError as exc:  # evidence that does not hold up is dropped, never stored
                 log.error("job %s: spot checks not recorded: %s", self.job_id, exc.message)
         if not self._lost_lease and not self._handover:
-            self._handover = job_handover_requested(job_id=self.job_id)
+            self._handover = _db("reading a handover request", lambda: job_handover_requested(job_id=self.job_id))
 
     @property
     def lost_lease(self) -> bool:

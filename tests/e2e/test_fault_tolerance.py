@@ -27,6 +27,7 @@ from controlplane.jobs.credentials import job_stage_credentials
 from devtools.cluster import Agent, LocalCluster
 from devtools.cluster import stage_placement as placement
 from devtools.reference import reference_run
+from tests.e2e.conftest import connect
 
 pytestmark = pytest.mark.slow
 
@@ -173,6 +174,30 @@ def test_killing_the_web_server_and_beat_mid_run_loses_nothing(cluster: LocalClu
     cluster.relaunch("web")
     final = cluster.client.wait(job["id"], timeout=240)
     assert_matches_reference(final, reference)
+
+
+def test_restarting_the_database_mid_run_neither_fails_nor_rewinds_the_job(
+    cluster: LocalCluster, reference: Any
+) -> None:
+    """What a PostgreSQL restart does to its clients, twice: every connection is terminated (AdminShutdown). The
+    driver reconnects and keeps its lease, the web server and the workers reconnect on their next request or
+    task; the job keeps its generation and ends as an undisturbed run does."""
+    _, job = start_job(cluster, agents=3)
+    running = cluster.wait_for_job(job["id"], lambda d: d["status"] == "running" and d["step"] >= FAULT_AT_STEP, 120)
+    database = str(cluster.database_url).rsplit("/", 1)[1]
+    terminated = []
+    for _ in range(2):
+        with connect(database) as db:
+            terminated += db.execute(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            ).fetchone() or [0]
+        time.sleep(2.0)
+    assert terminated[0] > 0  # the driver's connection at least
+    final = cluster.client.wait(job["id"], timeout=240)
+    assert_matches_reference(final, reference)
+    # Never rewound: no resume, and one generation more than while running (the end's release of the nodes).
+    assert final["resumed_from_step"] is None and final["generation"] == running["generation"] + 1, final["conditions"]
 
 
 def test_restarting_redis_mid_run_loses_nothing(embedded_redis_cluster: LocalCluster, reference: Any) -> None:
