@@ -230,8 +230,7 @@ class HostedStages:
         """Whose calls this agent accepts: its hosted stages' credentials, and those of the tensor-parallel
         ranks still being built (their peers may already push partials)."""
         with self._lock:
-            assignments = [stage.assignment for stage in self._stages.values()]
-        hosted = [Guard(a.job_id, a.stage_index, a.generation, a.credentials, a.model) for a in assignments]
+            hosted = [stage.guard for stage in self._stages.values()]
         return hosted + self.tensor_parallel.guards()
 
     def stages(self) -> list[HostedStage]:

@@ -17,6 +17,7 @@ from arceus.wire.channels import open_channel
 from arceus.wire.push_stream import PushStream
 from arceus.wire.transfer import TransferEncoder
 from nodeagent.all_reduce import TensorParallelGroup
+from nodeagent.callers import Guard
 from nodeagent.inference import DecodeSessions
 from nodeagent.lending import LendingGauge
 from nodeagent.mailbox import Mailbox
@@ -99,6 +100,9 @@ class HostedStage:
         # The last train step's activations and weights, kept for spot checks (retain_for_audit).
         self.audit_record: AuditRecord | None = None
         self.lending = LendingGauge()  # whether borrowing idle cores pays, learnt from this stage's steps
+        # Whose calls the stage accepts (nodeagent.callers): made once, read on every call.
+        a = assignment
+        self.guard = Guard(a.job_id, a.stage_index, a.generation, a.credentials, a.model)
         self.decoding = DecodeSessions(runtime)  # the sequences samplers decode through this stage
 
     @property
