@@ -31,16 +31,27 @@ class AgentProcess:
     grpc_address: str
     metrics_address: str
     certificate: str = ""  # its TLS certificate, where the starter gave it its identity
+    terminated: bool = False
+
+    def terminate(self) -> None:
+        """SIGTERM, once: a second one could land while the interpreter is finalizing, when Python has put back
+        the default handler, and kill a cleanly stopping agent (exit code -15)."""
+        if self.process.poll() is None and not self.terminated:
+            self.terminated = True
+            self.process.send_signal(signal.SIGTERM)
+
+    def wait_stopped(self, timeout: float = 10.0) -> int:
+        """Wait for the exit after `terminate` (SIGKILL after `timeout`); returns the exit code."""
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        return self.process.wait()
 
     def stop(self, timeout: float = 10.0) -> int:
         """SIGTERM and wait (SIGKILL after `timeout`); returns the exit code."""
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                return self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-        return self.process.wait()
+        self.terminate()
+        return self.wait_stopped(timeout)
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -144,6 +155,5 @@ def spawn_static_agents(
 def stop_agents(agents: Sequence[AgentProcess], timeout: float = 10.0) -> list[int]:
     """SIGTERM every agent at once, then wait for each; returns their exit codes."""
     for agent in agents:
-        if agent.process.poll() is None:
-            agent.process.send_signal(signal.SIGTERM)
-    return [agent.stop(timeout) for agent in agents]
+        agent.terminate()
+    return [agent.wait_stopped(timeout) for agent in agents]
