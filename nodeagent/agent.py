@@ -19,6 +19,7 @@ from arceus.v1 import link_probe_pb2_grpc, stage_pb2, tensor_parallel_pb2_grpc
 from arceus.verify.receipts import ReceiptSigner
 from arceus.wire.channels import grpc_channel_options
 from arceus.wire.tls import TlsIdentity, new_identity
+from nodeagent.call_limits import CallLimits
 from nodeagent.hosting import HostedStages
 from nodeagent.lending import ComputeThreads
 from nodeagent.link_probe import LinkProbeServicer
@@ -51,7 +52,7 @@ class Agent:
         metrics_listen: str = "127.0.0.1:0",
         advertise: str | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        max_workers: int = 32,
+        max_workers: int = 64,
         load_checkpoint: CheckpointLoader | None = None,
         upload_state: StateUploader | None = None,
         link_probe_interval: float | None = None,
@@ -81,9 +82,12 @@ class Agent:
             load_checkpoint=load_checkpoint,
             build_seconds=self.metrics.stage_build_seconds,
         )
-        # RunStep holds a worker for the whole step while the pushes it waits for need others.
+        # RunStep holds a worker for the whole step while the pushes it waits for need others. No caller may
+        # hold more than its share of the workers, and none may hold the health check's.
+        self._call_limits = CallLimits(self.registry.guards, max_workers=max_workers)
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="grpc"),
+            interceptors=[self._call_limits],
             options=[*grpc_channel_options(max_message_bytes), ("grpc.so_reuseport", 0)],
         )
         add_stage_service(
@@ -207,6 +211,7 @@ class Agent:
         self._health.enter_graceful_shutdown()
         self._wait_for_steps_in_flight(grace)
         self._server.stop(None).wait()
+        self._call_limits.stop()
         self.registry.close()
         self.tensor_parallel.close()
         self.metrics.stop()

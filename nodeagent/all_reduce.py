@@ -69,7 +69,7 @@ class TensorParallelGroup:
         if len(set(peers)) != len(peers):
             raise ValueError(f"tensor-parallel peers must be distinct addresses, got {list(peers)}")
         self.job_id, self.stage_index, self.generation = job_id, stage_index, generation
-        self.guard = Guard(job_id, stage_index, generation, credentials, model)
+        self.guard = Guard(job_id, stage_index, generation, credentials, model, max_micro_batch_size)
         self.peers = list(peers)
         self._layout = layout
         self._micro_batches = micro_batches

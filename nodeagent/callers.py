@@ -35,6 +35,7 @@ class Guard:
     generation: int
     credentials: StageCredentials
     model: dict[str, Any]  # the job's model config (a spot check recomputes no other)
+    max_micro_batch_size: int  # the job's largest micro-batch (nor on a larger input)
 
     def covers(self, target: stage_pb2.StageRef) -> bool:
         return (target.job_id, target.stage_index, target.generation) == (
@@ -46,7 +47,12 @@ class Guard:
 
 def presented_digest(context: grpc.ServicerContext) -> str | None:
     """The SHA-256 (hex) of the bearer token the call presents, or None."""
-    for key, value in context.invocation_metadata() or ():
+    return metadata_digest(context.invocation_metadata())
+
+
+def metadata_digest(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    """The SHA-256 (hex) of the bearer token in a call's metadata, or None."""
+    for key, value in metadata or ():
         if key == METADATA_KEY and isinstance(value, str) and value.startswith(SCHEME):
             token = value[len(SCHEME) :]
             if 0 < len(token) <= _MAX_TOKEN_CHARS:

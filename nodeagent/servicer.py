@@ -34,7 +34,7 @@ from nodeagent.metrics import AgentMetrics
 from nodeagent.rpc import RpcFailure, call_deadline, serve
 from nodeagent.stage import HostedStage, StateUploader, StateUploadError
 from nodeagent.step import StepRun
-from nodeagent.validation import KIND_NAMES, decode_push
+from nodeagent.validation import KIND_NAMES, check_layout, decode_push
 from nodeagent.verify import AuditRecord, recompute_forward
 
 log = logging.getLogger(__name__)
@@ -345,6 +345,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                         f"layer range [{first.layer_start}, {first.layer_end}) is not within the model's "
                         f"{spec.num_layers} layers"
                     )
+                # An input the job's own stages could be given, checked before any weights are read.
+                input_bytes = check_layout(
+                    "input", first.input, spec.input_layout(first.layer_start), guard.max_micro_batch_size
+                )
                 params = sum(spec.layer_params()[first.layer_start : first.layer_end])
                 # fp32 weights and a generous header: a longer file holds something else than those weights.
                 limit = 4 * params + HEADER_ALLOWANCE
@@ -363,7 +367,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                     )
                 weights = decode_checkpoint(bytes(weights_file))
                 del weights_file
-                x = from_proto(first.input, max_bytes=self._max_message_bytes)
+                x = from_proto(first.input, max_bytes=input_bytes)
                 precision = check_precision(first.precision or "fp32", "precision")
                 out = recompute_forward(config, first.layer_start, first.layer_end, weights, x, self._device, precision)
             except SpecError as exc:

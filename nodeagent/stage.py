@@ -102,7 +102,7 @@ class HostedStage:
         self.lending = LendingGauge()  # whether borrowing idle cores pays, learnt from this stage's steps
         # Whose calls the stage accepts (nodeagent.callers): made once, read on every call.
         a = assignment
-        self.guard = Guard(a.job_id, a.stage_index, a.generation, a.credentials, a.model)
+        self.guard = Guard(a.job_id, a.stage_index, a.generation, a.credentials, a.model, a.max_micro_batch_size)
         self.decoding = DecodeSessions(runtime)  # the sequences samplers decode through this stage
 
     @property

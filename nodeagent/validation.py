@@ -41,6 +41,25 @@ def expected_layout(io: StageIO, kind: int) -> TensorLayout:
     raise _invalid(f"tensor kind {kind} is not one of {', '.join(KIND_NAMES.values())}")
 
 
+def check_layout(what: str, message: stage_pb2.Tensor, expected: TensorLayout, max_micro_batch_size: int) -> int:
+    """Check a tensor's header (dtype, shape after the batch dimension, batch size) against what the stage takes,
+    before any of its bytes are looked at; returns the most bytes such a tensor may hold."""
+    dtype, layout = expected.dtype, [-1, *expected.shape]
+    shape = list(message.shape)
+    if message.dtype != dtype:
+        raise _invalid(f"{what} tensors must be {dtype}, got {message.dtype!r}")
+    wanted = "[batch, " + ", ".join(str(d) for d in layout[1:]) + "]" if len(layout) > 1 else "[batch]"
+    if len(shape) != len(layout) or any(
+        want not in (-1, got) for want, got in zip(layout, shape, strict=True)
+    ):
+        raise _invalid(f"{what} tensor must have shape {wanted}, got {shape}")
+    if not 1 <= shape[0] <= max_micro_batch_size:
+        raise _invalid(
+            f"{what} batch dimension must be in [1, {max_micro_batch_size}] (max_micro_batch_size), got {shape[0]}"
+        )
+    return max_micro_batch_size * math.prod(layout[1:]) * codec.itemsize(dtype)
+
+
 def decode_push(io: StageIO, push: IncomingPush) -> torch.Tensor:
     """Validate a PushTensor request against this stage and decode its tensor."""
     request = push.header
@@ -51,26 +70,11 @@ def decode_push(io: StageIO, push: IncomingPush) -> torch.Tensor:
     if not request.HasField("tensor"):
         raise _invalid("the request carries no tensor")
     expected = expected_layout(io, request.kind)
-    dtype, layout = expected.dtype, [-1, *expected.shape]
     kind = KIND_NAMES[request.kind]
-    message = request.tensor
-    shape = list(message.shape)
-    if message.dtype != dtype:
-        raise _invalid(f"{kind} tensors must be {dtype}, got {message.dtype!r}")
-    wanted = "[batch, " + ", ".join(str(d) for d in layout[1:]) + "]" if len(layout) > 1 else "[batch]"
-    if len(shape) != len(layout) or any(
-        want not in (-1, got) for want, got in zip(layout, shape, strict=True)
-    ):
-        raise _invalid(f"{kind} tensor must have shape {wanted}, got {shape}")
-    if not 1 <= shape[0] <= io.max_micro_batch_size:
-        raise _invalid(
-            f"{kind} batch dimension must be in [1, {io.max_micro_batch_size}] "
-            f"(max_micro_batch_size), got {shape[0]}"
-        )
-    max_bytes = io.max_micro_batch_size * math.prod(layout[1:]) * codec.itemsize(dtype)
+    max_bytes = check_layout(kind, request.tensor, expected, io.max_micro_batch_size)
     try:
         # Plain or compressed (Tensor.encoding). No copy: the runtime never writes to its inputs.
-        tensor = decode_tensor(message, push.data, push.scales, push.indices, max_bytes=max_bytes, copy=False)
+        tensor = decode_tensor(request.tensor, push.data, push.scales, push.indices, max_bytes=max_bytes, copy=False)
     except codec.TensorValidationError as exc:
         raise _invalid(f"{kind} tensor rejected: {exc}") from exc
     if expected.bound is not None:  # class indices or token ids: an embedding or loss must not index out

@@ -264,6 +264,24 @@ def test_verify_forward_takes_only_weights_of_the_layers_it_recomputes(
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and fragment in error.details(), error.details()
 
 
+@pytest.mark.parametrize(
+    ("tensor", "fragment"),
+    [
+        (torch.zeros(MAX_MB + 1, 64), f"input batch dimension must be in [1, {MAX_MB}]"),
+        (torch.zeros(1, 4096), "input tensor must have shape [batch, 64]"),
+        (torch.zeros(1, 64, dtype=torch.int64), "input tensors must be float32"),
+    ],
+)
+def test_verify_forward_takes_only_inputs_the_jobs_stages_take(
+    stub: stage_pb2_grpc.StageServiceStub, tensor: torch.Tensor, fragment: str
+) -> None:
+    first = stage_pb2.VerifyForwardRequest(
+        model_config_json=json.dumps(MODEL), layer_start=0, layer_end=1, input=to_proto(tensor)
+    )
+    error = rpc_error(stub.VerifyForward, iter([first]), timeout=10)
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT and fragment in error.details(), error.details()
+
+
 def test_verify_forward_recomputes_only_the_callers_model(stub: stage_pb2_grpc.StageServiceStub) -> None:
     """A 781-byte request for a huge transformer once cost an agent 1.5 GB; now it builds nothing."""
     huge = {"type": "transformer", "n_layer": 256, "d_model": 65536, "vocab_size": 10, "block_size": 8}

@@ -1,0 +1,229 @@
+"""Denial of service against a real agent process: whatever strangers and known callers open, hold or send,
+the agent answers its health check within a second and its job trains on afterwards.
+
+One agent hosts both stages of a two-stage job; its stage 1 is the caller whose pushes stage 0 accepts
+(gradients), so the test can also act as that known neighbour.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from arceus.checkpoint import decode_checkpoint
+from arceus.contracts.assignment import max_micro_batch_size
+from arceus.data import validate_dataset_config
+from arceus.training import TrainPlan, train
+from arceus.training.recording import RecordingSink
+from arceus.v1 import stage_pb2, stage_pb2_grpc
+from arceus.wire.channels import open_channel, pinned_channel_credentials
+from arceus.wire.proto_tensor import to_proto
+from arceus.wire.tls import AGENT_TLS_NAME
+from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
+from devtools.pipeline import driver_token, pipeline_assignments, rank_credentials, stage_endpoints
+from nodeagent.call_limits import CALLS_PER_CALLER, STREAMS_PER_CALLER
+from nodeagent.callers import NOT_AUTHENTICATED
+
+pytestmark = pytest.mark.slow
+
+JOB = "dos-job"
+MODEL = {"layer_sizes": [64, 32, 10]}
+DATASET = validate_dataset_config({"name": "digits", "batch_size": 32})
+MAX_MB = max_micro_batch_size(DATASET, 2)
+HOUR = 3600.0
+
+
+@pytest.fixture(scope="module")
+def agent(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
+    [address] = [f"127.0.0.1:{p}" for p in free_ports(1)]
+    assignments = pipeline_assignments(
+        job_id=JOB, model_config=MODEL, boundaries=[0, 1, 2], addresses=[address, address],
+        optimizer={"name": "sgd", "lr": 0.1}, seed=0, micro_batches=2, max_micro_batch_size=MAX_MB,
+    )
+    [started] = spawn_static_agents([assignments], [address], tmp_path_factory.mktemp("dos-agent"))
+    try:
+        yield started
+    finally:
+        assert stop_agents([started]) == [0]
+    assert "Traceback" not in started.log_text()
+
+
+@pytest.fixture(scope="module")
+def health(agent: AgentProcess) -> Iterator[Callable[[], None]]:
+    """Check the agent's health over an already open channel: SERVING within 1 s, or the test fails."""
+    with grpc.secure_channel(agent.grpc_address, pinned_channel_credentials(agent.certificate),
+                             options=[("grpc.ssl_target_name_override", AGENT_TLS_NAME)]) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        stub.Check(health_pb2.HealthCheckRequest(), timeout=10)  # connected before anything is timed
+
+        def check() -> None:
+            reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+
+        yield check
+
+
+def stub_as(agent: AgentProcess, token: str) -> tuple[grpc.Channel, stage_pb2_grpc.StageServiceStub]:
+    channel = open_channel(agent.grpc_address, token=token, certificate=agent.certificate)
+    return channel, stage_pb2_grpc.StageServiceStub(channel)
+
+
+def neighbour_token() -> str:
+    """Stage 1's own token: stage 0 accepts its gradients."""
+    return rank_credentials(JOB, 1, 1, 0, [1, 1]).token
+
+
+def idle_streams(stub: stage_pb2_grpc.StageServiceStub, count: int, release: threading.Event) -> list[grpc.Future]:
+    """`count` PushStreams that send nothing until `release`, each with an hour's deadline."""
+
+    def nothing() -> Iterator[stage_pb2.PushTensorRequest]:
+        release.wait()
+        return
+        yield  # a generator that sends no message
+
+    return [stub.PushStream(nothing(), timeout=HOUR) for _ in range(count)]
+
+
+def settle(calls: list[grpc.Future], refused: int, timeout: float = 20.0) -> list[grpc.Future]:
+    """Wait until `refused` of `calls` have ended; return those still open."""
+    deadline = time.monotonic() + timeout
+    while sum(c.done() for c in calls) < refused and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [c for c in calls if not c.done()]
+
+
+def test_a_strangers_idle_streams_hold_nothing(agent: AgentProcess, health: Callable[[], None]) -> None:
+    """Once, 32 idle PushStreams from anyone took every server thread."""
+    release = threading.Event()
+    channel, stub = stub_as(agent, "0" * 64)
+    try:
+        calls = idle_streams(stub, 64, release)
+        assert settle(calls, refused=64) == []
+        assert {(c.code(), c.details()) for c in calls} == {(grpc.StatusCode.UNAUTHENTICATED, NOT_AUTHENTICATED)}
+        health()
+    finally:
+        release.set()
+        channel.close()
+
+
+def test_a_known_caller_holds_at_most_its_share_of_streams(agent: AgentProcess, health: Callable[[], None]) -> None:
+    release = threading.Event()
+    channel, stub = stub_as(agent, neighbour_token())
+    try:
+        calls = idle_streams(stub, STREAMS_PER_CALLER + 12, release)
+        still_open = settle(calls, refused=12)
+        assert len(still_open) == STREAMS_PER_CALLER
+        refused = [c for c in calls if c.done()]
+        assert {c.code() for c in refused} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+        assert f"already has {STREAMS_PER_CALLER} streams open" in refused[0].details()
+        health()
+        # Another caller (the job's driver) is not held up by the neighbour's streams.
+        driver_channel, driver = stub_as(agent, driver_token(JOB))
+        with driver_channel:
+            state = b"".join(c.data for c in driver.GetState(stage_pb2.GetStateRequest(target=_ref(0)), timeout=10))
+            assert set(decode_checkpoint(state)) == {"layers.0.weight", "layers.0.bias"}
+    finally:
+        release.set()
+        channel.close()
+
+
+def test_a_flood_of_calls_leaves_the_health_check_answering(
+    agent: AgentProcess, health: Callable[[], None]
+) -> None:
+    """Hundreds of concurrent calls, from a stranger and from the known neighbour (beyond its share), with an
+    hour's deadline each: refused or answered, while the health check answers within a second."""
+    stranger_channel, stranger = stub_as(agent, "f" * 64)
+    neighbour_channel, neighbour = stub_as(agent, neighbour_token())
+    step = stage_pb2.RunStepRequest(target=_ref(0), step=10**6, mode=stage_pb2.TRAIN, num_micro_batches=1,
+                                    batch_size=2)
+    calls = [stranger.RunStep.future(step, timeout=HOUR) for _ in range(200)]
+    # A neighbour may not call RunStep at all; it is counted, then refused.
+    calls += [neighbour.RunStep.future(step, timeout=HOUR) for _ in range(2 * CALLS_PER_CALLER)]
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            for check in [pool.submit(health) for _ in range(8)]:
+                check.result()
+        codes = {c.exception(timeout=30).code() for c in calls}
+        assert codes <= {grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED,
+                         grpc.StatusCode.RESOURCE_EXHAUSTED}, codes
+        health()
+    finally:
+        stranger_channel.close()
+        neighbour_channel.close()
+
+
+def test_an_oversized_request_is_refused_unread(agent: AgentProcess, health: Callable[[], None]) -> None:
+    channel, stub = stub_as(agent, driver_token(JOB))
+    with channel:
+        huge = stage_pb2.RunStepRequest(target=stage_pb2.StageRef(job_id="x" * (8 << 20)), step=1)
+        with pytest.raises(grpc.RpcError) as info:
+            stub.RunStep(huge, timeout=30)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "a RunStep request may be at most 65,536 bytes" in info.value.details()
+    health()
+
+
+def test_the_health_watch_stream_is_not_served(agent: AgentProcess) -> None:
+    """Each watcher would hold a server thread for as long as it likes."""
+    with grpc.secure_channel(agent.grpc_address, pinned_channel_credentials(agent.certificate),
+                             options=[("grpc.ssl_target_name_override", AGENT_TLS_NAME)]) as channel:
+        watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(), timeout=10)
+        with pytest.raises(grpc.RpcError) as info:
+            next(watch)
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_a_spot_check_of_a_huge_model_or_input_builds_nothing(
+    agent: AgentProcess, health: Callable[[], None]
+) -> None:
+    """Once a 781-byte VerifyForward cost 1.5 GB; the agent's resident memory now stays where it was."""
+    before = _rss_kib(agent)
+    channel, stub = stub_as(agent, driver_token(JOB))
+    huge_model = {"type": "transformer", "n_layer": 256, "d_model": 65536, "vocab_size": 10, "block_size": 8}
+    requests = [
+        stage_pb2.VerifyForwardRequest(model_config_json=json.dumps(huge_model), layer_start=0, layer_end=1,
+                                       input=to_proto(torch.zeros(1, 8))),
+        stage_pb2.VerifyForwardRequest(  # a header that claims a tensor of 4 GB
+            model_config_json=json.dumps(MODEL), layer_start=0, layer_end=1,
+            input=stage_pb2.Tensor(dtype="float32", shape=[1 << 24, 64], data=b"\0" * 1024)),
+    ]
+    with channel:
+        for request in requests:
+            with pytest.raises(grpc.RpcError) as info:
+                stub.VerifyForward(iter([request]), timeout=10)
+            assert info.value.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.INVALID_ARGUMENT)
+    health()
+    assert _rss_kib(agent) - before < 64 * 1024
+
+
+def test_the_job_trains_after_every_attack(agent: AgentProcess, health: Callable[[], None]) -> None:
+    plan = TrainPlan(
+        job_id=JOB, generation=1, credential=driver_token(JOB), stages=stage_endpoints([agent.grpc_address] * 2,
+                                                                                       [0, 1, 2]),
+        dataset=DATASET, epochs=1, learning_rate=0.1, micro_batches=2, seed=0, rpc_timeout_seconds=30.0, max_steps=4,
+    )
+    sink = RecordingSink()
+    train(plan, sink)
+    assert len(sink.steps) == 4 and all(math.isfinite(s.loss) for s in sink.steps)
+    health()
+
+
+def _ref(stage_index: int) -> stage_pb2.StageRef:
+    return stage_pb2.StageRef(job_id=JOB, stage_index=stage_index, generation=1)
+
+
+def _rss_kib(agent: AgentProcess) -> int:
+    for line in Path(f"/proc/{agent.process.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
