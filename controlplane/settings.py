@@ -157,7 +157,7 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_SCHEMA_CLASS": "controlplane.common.schema.ArceusAutoSchema",
     "EXCEPTION_HANDLER": "controlplane.common.exception_handler.exception_handler",
     # Rates of the endpoints a stranger or a runaway script could make expensive (views name their scope:
     # DRF's ScopedRateThrottle; login by client address, the rest by user). ARCEUS_THROTTLE_<SCOPE> overrides.

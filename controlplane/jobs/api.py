@@ -12,6 +12,7 @@ from rest_framework.throttling import ScopedRateThrottle
 from rest_framework.views import APIView
 
 from controlplane.common.db import consistent_snapshot
+from controlplane.common.schema import ErrorOutput
 from controlplane.jobs.checkpoints import job_model_file
 from controlplane.jobs.estimate import job_estimate
 from controlplane.jobs.sampling import job_sample
@@ -77,7 +78,7 @@ class JobDetailApi(APIView):
 class JobTrainApi(APIView):
     """Start (or restart) training: the job is queued and placed on nodes as they are available."""
 
-    @extend_schema(parameters=[JOB_ID], request=JobStartInput, responses={202: JobDetailOutput})
+    @extend_schema(parameters=[JOB_ID], request=JobStartInput, responses={202: JobDetailOutput, 409: ErrorOutput})
     def post(self, request: Request, job_id: str) -> Response:
         job = job_get_for_user(user=request.user, job_id=job_id)
         data = JobStartInput(data=request.data)
@@ -87,7 +88,7 @@ class JobTrainApi(APIView):
 
 
 class JobCancelApi(APIView):
-    @extend_schema(parameters=[JOB_ID], request=None, responses=JobDetailOutput)
+    @extend_schema(parameters=[JOB_ID], request=None, responses={200: JobDetailOutput, 409: ErrorOutput})
     def post(self, request: Request, job_id: str) -> Response:
         job = job_cancel(job=job_get_for_user(user=request.user, job_id=job_id))
         return Response(JobDetailOutput(job).data)
@@ -100,7 +101,7 @@ class JobModelApi(APIView):
     throttle_classes = [ScopedRateThrottle]
     throttle_scope = "model"  # a whole model read from storage
 
-    @extend_schema(parameters=[JOB_ID], responses={(200, "application/octet-stream"): bytes})
+    @extend_schema(parameters=[JOB_ID], responses={(200, "application/octet-stream"): bytes, 409: ErrorOutput})
     def get(self, request: Request, job_id: str) -> StreamingHttpResponse:
         model = job_model_file(job=job_get_for_user(user=request.user, job_id=job_id))
         response = StreamingHttpResponse(model.chunks, content_type="application/octet-stream")
@@ -115,7 +116,11 @@ class JobSampleApi(APIView):
     throttle_classes = [ScopedRateThrottle]
     throttle_scope = "sample"  # every stage's agent decodes for it
 
-    @extend_schema(parameters=[JOB_ID], request=JobSampleInput, responses=JobSampleOutput)
+    @extend_schema(
+        parameters=[JOB_ID],
+        request=JobSampleInput,
+        responses={200: JobSampleOutput, 409: ErrorOutput, 503: ErrorOutput},  # 503: an agent failed; retry
+    )
     def post(self, request: Request, job_id: str) -> Response:
         job = job_get_for_user(user=request.user, job_id=job_id)
         data = JobSampleInput(data=request.data)

@@ -12,6 +12,7 @@ from rest_framework.response import Response
 from rest_framework.throttling import BaseThrottle, ScopedRateThrottle
 from rest_framework.views import APIView
 
+from controlplane.common.schema import ErrorOutput
 from controlplane.jobs.checkpoints import checkpoint_upload_receive, stage_checkpoint_for_node
 from controlplane.jobs.models import checkpoint_storage
 from controlplane.nodes.authentication import IsNodeAgent, NodeTokenAuthentication
@@ -122,7 +123,7 @@ class AgentRegisterApi(AgentApi):
 
 
 class AgentHeartbeatApi(AgentApi):
-    @extend_schema(request=AgentHeartbeatInput, responses=AgentHeartbeatOutput)
+    @extend_schema(request=AgentHeartbeatInput, responses={200: AgentHeartbeatOutput, 409: ErrorOutput})
     def post(self, request: Request) -> Response:
         data = AgentHeartbeatInput(data=request.data)
         data.is_valid(raise_exception=True)
@@ -152,7 +153,7 @@ class AgentProbeApi(AgentApi):
 
     max_bytes = 1024 * 1024  # below Django's DATA_UPLOAD_MAX_MEMORY_SIZE
 
-    @extend_schema(request={"application/octet-stream": bytes}, responses={200: dict})
+    @extend_schema(request={"application/octet-stream": bytes}, responses={200: dict, 413: ErrorOutput})
     def post(self, request: Request) -> Response:
         size = len(request.body)
         if size > self.max_bytes:
@@ -177,7 +178,7 @@ class AgentCheckpointUploadApi(AgentApi):
 
     parser_classes: list = []  # the body is read as a stream, never parsed or held whole
 
-    @extend_schema(request={"application/octet-stream": bytes}, responses={201: dict})
+    @extend_schema(request={"application/octet-stream": bytes}, responses={201: dict, 409: ErrorOutput})
     def put(self, request: Request, upload_id: str) -> Response:
         length = request.META.get("CONTENT_LENGTH")
         upload = checkpoint_upload_receive(

@@ -1,0 +1,226 @@
+"""Every REST endpoint, called by those who have no business with a victim tenant's objects: a stranger with
+no credentials, another tenant, a node of another owner, and revoked credentials (a deleted API token, a
+deleted node's token). Each is refused with the right code, learns nothing of the victim beyond what its own
+request contained, and leaves the victim's job and node as they were.
+
+The endpoints come from the URL resolver: a new one that is not classified below fails the test."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import User
+from django.forms.models import model_to_dict
+from django.urls import URLPattern, URLResolver, get_resolver, reverse
+from django.utils import timezone
+from rest_framework.authtoken.models import Token
+from rest_framework.test import APIClient
+
+from controlplane.accounts.services import user_token_get_or_create
+from controlplane.jobs.models import Checkpoint, CheckpointUpload, Job, StageCheckpoint
+from controlplane.jobs.services import job_start, job_submit
+from controlplane.nodes.models import Node
+from controlplane.nodes.services import node_create, node_heartbeat, node_register
+from devtools.pipeline import identity_for
+from tests.controlplane.conftest import DIGITS_JOB
+
+pytestmark = pytest.mark.django_db
+
+# Anyone may call these, by design: nothing of any tenant is behind them.
+PUBLIC = {
+    "healthz": "liveness for load balancers: says only whether the database and broker answer",
+    "schema": "the OpenAPI description of the API: the same for everyone",
+    "docs": "the Swagger UI page rendering that schema",
+    "token-obtain": "login: exchanges a username and password for that user's token (throttled by address)",
+}
+# A tenant's own objects, addressed by id: anyone else gets 404, as for a missing one.
+TENANT_OBJECTS = {
+    "job-detail", "job-train", "network-train", "job-cancel", "job-model", "job-sample",
+    "node-detail", "node-pause", "node-resume", "node-controls", "node-earnings",
+}
+# The caller's own collections (or nothing stored): another tenant may call them, and sees only its own.
+TENANT_COLLECTIONS = {"job-list", "job-estimate", "node-list", "market-prices"}
+# The node-agent protocol (`Authorization: Node <token>`): objects addressed by id are the caller node's only.
+AGENT_OBJECTS = {"agent-checkpoint", "agent-checkpoint-upload"}
+AGENT_OWN = {"agent-register", "agent-heartbeat", "agent-probe"}  # act on the calling node itself
+NOT_REST = {"admin", "static"}  # the Django admin (staff sessions) and its static files
+
+VICTIM_ADDRESS = "10.77.66.55:50999"
+BODIES: dict[str, Any] = {
+    "job-list": DIGITS_JOB,
+    "job-estimate": DIGITS_JOB,
+    "job-train": {},
+    "network-train": {},
+    "job-sample": {"prompt": "hello", "max_new_tokens": 4},
+    "node-list": {"name": "mine"},
+    "node-controls": {"max_threads": 1},
+    "agent-heartbeat": {"observed": []},
+    "agent-probe": {},
+}
+
+
+@dataclass
+class Endpoint:
+    name: str
+    methods: list[str]
+
+
+def endpoints() -> list[Endpoint]:
+    """Every named route, with the HTTP methods its view answers."""
+    found: list[Endpoint] = []
+
+    def walk(patterns: list[URLPattern | URLResolver]) -> None:
+        for pattern in patterns:
+            if isinstance(pattern, URLResolver):
+                if pattern.namespace == "admin":
+                    found.append(Endpoint("admin", []))
+                else:
+                    walk(pattern.url_patterns)
+                continue
+            view = getattr(pattern.callback, "view_class", None)
+            methods = [m for m in ("get", "post", "put", "patch", "delete") if view and hasattr(view, m)]
+            found.append(Endpoint(pattern.name or "static", methods))
+
+    walk(get_resolver().url_patterns)
+    return found
+
+
+@dataclass
+class Victim:
+    user: User
+    job: Job
+    node: Node
+    checkpoint: StageCheckpoint
+    upload: CheckpointUpload
+    secrets: list[str]
+
+    def kwargs(self) -> dict[str, str]:
+        return {
+            "job_id": str(self.job.id), "node_id": str(self.node.id),
+            "checkpoint_id": str(self.checkpoint.id), "upload_id": str(self.upload.id),
+        }
+
+    def state(self) -> dict[str, Any]:
+        job, node = Job.objects.get(pk=self.job.pk), Node.objects.get(pk=self.node.pk)
+        return {
+            "job": model_to_dict(job), "node": model_to_dict(node),
+            "upload": model_to_dict(CheckpointUpload.objects.get(pk=self.upload.pk)),
+            "jobs": Job.objects.filter(owner=self.user).count(), "nodes": Node.objects.filter(owner=self.user).count(),
+        }
+
+
+@pytest.fixture
+def victim() -> Victim:
+    user = User.objects.create_user("victim", password="victim-password")
+    node, _ = node_create(owner=user, name="victim-node-7f3a")
+    now = timezone.now()
+    node_register(
+        node=node, grpc_address=VICTIM_ADDRESS, tls_certificate=identity_for(VICTIM_ADDRESS).certificate,
+        device_type="cpu", device_name="victim cpu 9c1e", memory_bytes=2**30, flops_fp32=1e9, now=now,
+    )
+    node_heartbeat(node=node, observed=[], now=now)
+    job = job_start(job=job_submit(owner=user, **{**DIGITS_JOB, "name": "victim-job-5d2b"}))
+    checkpoint = Checkpoint.objects.create(job=job, step=1, epoch=0, generation=job.generation)
+    stage_checkpoint = StageCheckpoint.objects.create(
+        checkpoint=checkpoint, stage_index=0, layer_start=0, layer_end=1, file="victim/stage-0", sha256="ab" * 32,
+        size_bytes=10,
+    )
+    upload = CheckpointUpload.objects.create(job=job, node=node, stage_index=0, step=2, generation=job.generation)
+    node.refresh_from_db()
+    secrets = [
+        str(job.id), str(node.id), str(checkpoint.id), str(stage_checkpoint.id), str(upload.id), VICTIM_ADDRESS,
+        "victim-node-7f3a", "victim-job-5d2b", "victim cpu 9c1e", "victim", node.tls_certificate,
+    ]
+    return Victim(user, job, node, stage_checkpoint, upload, secrets)
+
+
+def client(authorization: str | None) -> APIClient:
+    c = APIClient()
+    if authorization:
+        c.credentials(HTTP_AUTHORIZATION=authorization)
+    return c
+
+
+@pytest.fixture
+def attackers(victim: Victim) -> dict[str, APIClient]:
+    other = User.objects.create_user("mallory", password="mallory-password")
+    _, other_node_token = node_create(owner=other, name="mallory-node")
+    revoked = User.objects.create_user("former", password="former-password")
+    revoked_token = user_token_get_or_create(user=revoked)
+    Token.objects.filter(user=revoked).delete()
+    deleted_node, deleted_node_token = node_create(owner=victim.user, name="retired")
+    deleted_node.delete()  # an operator removed it (the admin); there is no REST delete
+    return {
+        "stranger": client(None),
+        "other tenant": client(f"Token {user_token_get_or_create(user=other)}"),
+        "other owner's node": client(f"Node {other_node_token}"),
+        "revoked API token": client(f"Token {revoked_token}"),
+        "deleted node's token": client(f"Node {deleted_node_token}"),
+    }
+
+
+def expected(name: str, attacker: str) -> set[int]:
+    """The refusal each attacker must get from each kind of endpoint."""
+    if attacker in ("stranger", "revoked API token", "deleted node's token"):
+        return {401}
+    node = attacker == "other owner's node"
+    if name in TENANT_OBJECTS:
+        return {401} if node else {404}
+    if name in AGENT_OBJECTS:
+        return {404} if node else {401}
+    if name in AGENT_OWN:
+        return {200, 400, 409} if node else {401}  # its own node: it is not registered yet (409) or no body (400)
+    assert name in TENANT_COLLECTIONS, name
+    return {401} if node else {200, 201}  # its own (empty) lists, its own new job or node, an estimate
+
+
+def call(c: APIClient, method: str, path: str, body: Any) -> Any:
+    if method in ("get", "delete"):
+        return getattr(c, method)(path)
+    return getattr(c, method)(path, body, format="json")
+
+
+def test_every_endpoint_is_classified() -> None:
+    names = {e.name for e in endpoints()}
+    classified = PUBLIC.keys() | TENANT_OBJECTS | TENANT_COLLECTIONS | AGENT_OBJECTS | AGENT_OWN | NOT_REST
+    assert names - classified == set(), "classify the new endpoint here: who may call it, and what a stranger gets"
+    # (static is routed only when ARCEUS_SERVE_STATIC is set)
+    assert classified - names - {"static"} == set(), "a classified endpoint no longer exists"
+
+
+def test_public_endpoints_need_no_credentials(db: None) -> None:
+    assert client(None).get("/healthz").status_code in (200, 503)  # 503 only when a dependency is down
+    assert client(None).get("/api/schema").status_code == 200
+    assert client(None).get("/api/docs").status_code == 200
+    assert client(None).post("/api/auth/token", {"username": "x", "password": "y"}, format="json").status_code == 400
+
+
+def test_nobody_but_the_owner_reaches_a_tenants_objects(victim: Victim, attackers: dict[str, APIClient]) -> None:
+    before = victim.state()
+    kwargs = victim.kwargs()
+    tried = 0
+    for endpoint in endpoints():
+        if endpoint.name in PUBLIC or endpoint.name in NOT_REST:
+            continue
+        route = get_resolver().reverse_dict.getlist(endpoint.name)[0][0][0][1]
+        path = reverse(endpoint.name, kwargs={k: kwargs[k] for k in route})
+        body = BODIES.get(endpoint.name, {})
+        for attacker, c in attackers.items():
+            for method in endpoint.methods:
+                response = call(c, method, path, body)
+                tried += 1
+                what = f"{attacker}: {method.upper()} {path}"
+                assert response.status_code in expected(endpoint.name, attacker), (what, response.status_code)
+                text = b"".join(response) if response.streaming else response.content
+                sent = path + json.dumps(body)
+                leaked = [s for s in victim.secrets if s not in sent and s.encode() in text]
+                assert not leaked, (what, leaked, text[:300])
+                if response.status_code >= 400:
+                    assert set(response.json()) <= {"detail", "errors"}, what
+    assert tried > 100
+    after = victim.state()
+    for key in ("job", "node", "upload", "jobs", "nodes"):
+        assert after[key] == before[key], key
