@@ -214,6 +214,12 @@ ARCEUS_JOB_MAX_RESTARTS = int(os.environ.get("ARCEUS_JOB_MAX_RESTARTS", "5"))
 # parameters.
 ARCEUS_MAX_MODEL_LAYERS = int(os.environ.get("ARCEUS_MAX_MODEL_LAYERS", "128"))
 ARCEUS_MAX_MODEL_PARAMETERS = int(os.environ.get("ARCEUS_MAX_MODEL_PARAMETERS", str(20 * 10**9)))
+# Tenants' dataset files (a text dataset's `source`, MNIST's `path`) are named relative to this directory and
+# confined to it (arceus.data.paths); the bundled datasets need nothing here.
+ARCEUS_DATA_ROOT = Path(os.environ.get("ARCEUS_DATA_ROOT", BASE_DIR / "data"))
+# The placement solver's time per search (an estimate; each queued job in a reconcile pass): past it, the best
+# placement over the fastest nodes found so far, or "ran out" when none was.
+ARCEUS_SOLVER_SECONDS = float(os.environ.get("ARCEUS_SOLVER_SECONDS", "3"))
 # The market: a standard-medium device (a typical laptop) earns about this per hour when demand and
 # supply balance; the platform keeps this fraction of every charge; prices are recomputed this often.
 ARCEUS_BASELINE_PRICE_PER_HOUR = float(os.environ.get("ARCEUS_BASELINE_PRICE_PER_HOUR", "0.30"))
