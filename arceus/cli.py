@@ -73,6 +73,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     if args.action == "submit":
         job = client.submit_job(_load_spec(args.file))
         print(job["id"])
+    elif args.action == "estimate":
+        _print(client.estimate(_load_spec(args.file)))
     elif args.action == "train":
         client.start_job(args.job_id, epochs=args.epochs, learning_rate=args.learning_rate)
         if args.watch:
@@ -126,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     jobs_sub = jobs.add_subparsers(dest="action", required=True)
     submit = jobs_sub.add_parser("submit", help="submit a job from a JSON file (- for stdin)")
     submit.add_argument("file")
+    jobs_sub.add_parser(
+        "estimate", help="what a job from a JSON file (- for stdin) would get now: placement, speed, price"
+    ).add_argument("file")
     train = jobs_sub.add_parser("train", help="start (or restart) a job")
     train.add_argument("job_id")
     train.add_argument("--epochs", type=int)

@@ -32,6 +32,10 @@ class ApiError(RuntimeError):
         super().__init__(f"{method} {path} → HTTP {status}: {_describe(body)}")
 
 
+class EstimateFailed(RuntimeError):
+    """The control plane accepted an estimate but could not compute it; the message says why."""
+
+
 def _describe(body: Any) -> str:
     if isinstance(body, dict):
         parts = []
@@ -74,6 +78,23 @@ class ArceusClient:
     # --- jobs -------------------------------------------------------------------------------------
     def submit_job(self, spec: dict[str, Any]) -> dict[str, Any]:
         return self._request("POST", "/api/jobs", spec)
+
+    def estimate(self, spec: dict[str, Any], *, poll_seconds: float = 0.25, timeout: float = 60.0) -> dict[str, Any]:
+        """What the job `spec` would get if submitted now (placement, speed, hours, price): asks for an estimate,
+        which a control-plane worker computes, and polls it. ApiError for a bad spec (a 400 naming the field),
+        EstimateFailed if the worker could not compute it, TimeoutError if still pending after `timeout` s."""
+        pending = self._request("POST", "/api/jobs/estimate", spec)
+        path = f"/api/jobs/estimates/{pending['id']}"
+        deadline = time.monotonic() + timeout
+        while True:
+            answer = self._request("GET", path)
+            if answer["status"] == "done":
+                return answer["result"]
+            if answer["status"] == "failed":
+                raise EstimateFailed(f"estimate {pending['id']} failed: {answer['error']}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"estimate {pending['id']} still pending after {timeout:.0f}s")
+            time.sleep(poll_seconds)
 
     def start_job(self, job_id: str, *, epochs: int | None = None,
                   learning_rate: float | None = None) -> dict[str, Any]:

@@ -123,8 +123,13 @@ def set_memory_cap(cluster: LocalCluster, agent: Agent, max_memory_bytes: int) -
     response.raise_for_status()
 
 
+def as_tenant(job: dict[str, Any]) -> dict[str, Any]:
+    """`job` naming its text relative to the cluster's data root (the work directory that holds it)."""
+    return {**job, "dataset_config": {**job["dataset_config"], "source": Path(job["dataset_config"]["source"]).name}}
+
+
 def run_job(cluster: LocalCluster, job: dict[str, Any], timeout: float) -> dict[str, Any]:
-    created = cluster.client.submit_job(job)
+    created = cluster.client.submit_job(as_tenant(job))
     cluster.client.start_job(created["id"])
     final = cluster.client.wait(created["id"], timeout=timeout)
     if final["status"] != "succeeded":
@@ -134,7 +139,7 @@ def run_job(cluster: LocalCluster, job: dict[str, Any], timeout: float) -> dict[
 
 def train_large(cluster: LocalCluster, agents: list[Agent], job: dict[str, Any], steps: int) -> dict[str, Any]:
     """Submit the large job; kill stage 1's agent after the first checkpoint; step times and peaks."""
-    created = cluster.client.submit_job(job)
+    created = cluster.client.submit_job(as_tenant(job))
     cluster.client.start_job(created["id"])
     job_id, peaks = created["id"], {}
     step_at: dict[int, float] = {}  # when each step was first seen since the job (re)started
@@ -245,7 +250,7 @@ def main() -> None:
 
         cluster = LocalCluster(workdir=Path(workdir) / "cluster", database_url=os.environ.get("DATABASE_URL"),
                                redis_url=os.environ.get("REDIS_URL"),
-                               extra_env={"ARCEUS_RPC_TIMEOUT_SECONDS": "900"})
+                               extra_env={"ARCEUS_RPC_TIMEOUT_SECONDS": "900", "ARCEUS_DATA_ROOT": workdir})
         try:
             cluster.start()
             # Each agent computes on one thread and borrows idle ones while its stage fills or drains the pipeline.

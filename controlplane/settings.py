@@ -58,6 +58,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "controlplane.common.body_limit.RequestBodyLimitMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -106,8 +107,30 @@ DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
     {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
-    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator", "OPTIONS": {"min_length": 12}},
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
 ]
+
+# Request bodies: the JSON API takes at most this (a 413 naming the bound, controlplane.common.body_limit;
+# the agents' checkpoint uploads have their own, ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES); Django's own form and
+# body parsing (the admin) the same.
+ARCEUS_MAX_REQUEST_BYTES = int(os.environ.get("ARCEUS_MAX_REQUEST_BYTES", str(1 << 20)))
+DATA_UPLOAD_MAX_MEMORY_SIZE = ARCEUS_MAX_REQUEST_BYTES
+
+# Cookies and headers for a control plane served over TLS (outside development): cookies only over HTTPS and
+# out of scripts' reach, no MIME sniffing, no framing. Behind a proxy that terminates TLS, set
+# ARCEUS_PROXY_SSL_HEADER=1 only if the proxy sets X-Forwarded-Proto itself (else a client could claim HTTPS).
+SESSION_COOKIE_HTTPONLY = True
+SECURE_CONTENT_TYPE_NOSNIFF = True
+X_FRAME_OPTIONS = "DENY"
+SESSION_COOKIE_SECURE = CSRF_COOKIE_SECURE = not DEBUG
+if _env_bool("ARCEUS_PROXY_SSL_HEADER", False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+# Where every client reaches the control plane over HTTPS (agents included): redirect plain HTTP, and HSTS
+# (browsers then refuse HTTP for that long: irreversible, hence opt-in).
+SECURE_SSL_REDIRECT = _env_bool("ARCEUS_SSL_REDIRECT", False)
+SECURE_HSTS_SECONDS = int(os.environ.get("ARCEUS_HSTS_SECONDS", "0"))
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
@@ -214,6 +237,12 @@ ARCEUS_JOB_MAX_RESTARTS = int(os.environ.get("ARCEUS_JOB_MAX_RESTARTS", "5"))
 # parameters.
 ARCEUS_MAX_MODEL_LAYERS = int(os.environ.get("ARCEUS_MAX_MODEL_LAYERS", "128"))
 ARCEUS_MAX_MODEL_PARAMETERS = int(os.environ.get("ARCEUS_MAX_MODEL_PARAMETERS", str(20 * 10**9)))
+# Tenants' dataset files (a text dataset's `source`, MNIST's `path`) are named relative to this directory and
+# confined to it (arceus.data.paths); the bundled datasets need nothing here.
+ARCEUS_DATA_ROOT = Path(os.environ.get("ARCEUS_DATA_ROOT", BASE_DIR / "data"))
+# The placement solver's time per search (an estimate; each queued job in a reconcile pass): past it, the best
+# placement over the fastest nodes found so far, or "ran out" when none was.
+ARCEUS_SOLVER_SECONDS = float(os.environ.get("ARCEUS_SOLVER_SECONDS", "3"))
 # The market: a standard-medium device (a typical laptop) earns about this per hour when demand and
 # supply balance; the platform keeps this fraction of every charge; prices are recomputed this often.
 ARCEUS_BASELINE_PRICE_PER_HOUR = float(os.environ.get("ARCEUS_BASELINE_PRICE_PER_HOUR", "0.30"))

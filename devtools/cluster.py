@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -254,6 +255,13 @@ class LocalCluster:
         raise KeyError(f"no process named {name!r} was started")
 
     # --- helpers --------------------------------------------------------------------------------
+    def add_data_file(self, path: Path) -> str:
+        """Copy `path` into the control plane's data root; the name a job's dataset_config gives it."""
+        root = Path(self.env["ARCEUS_DATA_ROOT"])
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(path, root / path.name)
+        return path.name
+
     def _base_env(self) -> dict[str, str]:
         env = dict(os.environ)
         env["PYTHONUNBUFFERED"] = "1"
@@ -264,6 +272,7 @@ class LocalCluster:
         env["ARCEUS_RECONCILE_INTERVAL_SECONDS"] = str(self.reconcile_interval_seconds)
         env["ARCEUS_MEDIA_ROOT"] = str(self.workdir / "media")
         env["ARCEUS_CHECKPOINT_DIR"] = str(self.workdir / "checkpoints")
+        env["ARCEUS_DATA_ROOT"] = str(self.workdir / "data")  # tenants' dataset files (`add_data_file`)
         env["DATABASE_URL"] = self.database_url or f"sqlite:///{self.workdir / 'arceus.sqlite3'}"
         if self.redis_url is not None:
             env["REDIS_URL"] = self.redis_url

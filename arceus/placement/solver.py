@@ -11,6 +11,12 @@ The search is exact for this cost model: dynamic programming over (layers placed
 O(n² · d · 2^d) for n layers and d candidate devices, so only the `max_candidates` best devices by speed
 are considered (8 by default: under a second in Python for 16 layers).
 
+It is time-bounded (`Budget`: seconds on a clock the caller passes in, so the solver stays pure). The search
+runs on growing prefixes of the candidates (the fewest that can hold the stages, then twice as many, ...,
+then all of them), each exact, so when the budget runs out the best placement of the last finished prefix
+is returned, marked `cut_short`; with none finished it raises PlacementError. The clock is read before
+each (stage start, end) pair's costs and every `_CHECK_EVERY` steps of the search.
+
 Tensor parallelism (`tensor_parallel` > 1): a split stage runs on a group of that many devices, Megatron
 style. Its transformer blocks (`LayerProfile.tensor_parallel`) divide their weights and compute between
 the ranks, at the price of 4 all-reduces of the block's output per micro-batch (2 forward, 2 backward),
@@ -24,17 +30,49 @@ those groups but does not try every way of grouping the devices.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 # Training memory per parameter: an fp32 weight, its gradient and two optimizer moments (Adam's m and v).
 BYTES_PER_PARAMETER = 4 * 4
 BACKWARD_FACTOR = 3.0  # forward + backward ≈ 3 × forward FLOPs
 PRICE_TOLERANCE = 0.02  # a placement this much slower than the fastest may win by being cheaper
+_CHECK_EVERY = 256  # search steps (one candidate set extended by one stage) between two reads of the clock
 
 
 class PlacementError(ValueError):
     """No placement satisfies the constraints; the message says which one binds and what would help."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How long one `solve` may search: `seconds` on `clock` (any monotonic clock in seconds; tests count)."""
+
+    seconds: float
+    clock: Callable[[], float] = time.monotonic
+
+
+class _OutOfTime(Exception):
+    pass
+
+
+class _Watch:
+    """Raises _OutOfTime once the budget's deadline has passed; `step()` reads the clock every _CHECK_EVERY calls."""
+
+    def __init__(self, budget: Budget | None) -> None:
+        self._budget = budget
+        self._deadline = None if budget is None else budget.clock() + budget.seconds
+        self._steps = 0
+
+    def check(self) -> None:
+        if self._budget is not None and self._budget.clock() >= self._deadline:
+            raise _OutOfTime
+
+    def step(self) -> None:
+        self._steps += 1
+        if self._steps % _CHECK_EVERY == 0:
+            self.check()
 
 
 @dataclass(frozen=True)
@@ -110,6 +148,7 @@ class Placement:
     bottleneck_seconds: float  # per micro-batch, of the slowest stage
     price_per_hour: float
     micro_batch_size: int
+    cut_short: bool = False  # the budget ran out: the best over the fastest candidates only, not over all
 
     @property
     def samples_per_second(self) -> float:
@@ -165,8 +204,10 @@ def solve(
     max_candidates: int = 8,
     tensor_parallel: int = 1,
     split_stages: Collection[int] | None = None,
+    budget: Budget | None = None,
 ) -> Placement:
-    """The placement described in the module docstring; PlacementError when none fits.
+    """The placement described in the module docstring; PlacementError when none fits (or none was found
+    within `budget`; None: no limit).
 
     `tensor_parallel` > 1 splits stages over groups of that many devices: every stage, or (with
     `split_stages`, which needs the stage count fixed: `min_stages == max_stages`) only those indices."""
@@ -187,14 +228,66 @@ def solve(
             f"needs at least {min_stages} {unit} but only {min(len(units), n)} can be used "
             f"({len(devices)} devices offered for {n} layers)"
         )
-    d = len(units)
-    # cost[s][e][k]: seconds of layers [s, e) on unit k (inf if it does not fit its memory).
-    cost = [[[math.inf] * d for _ in range(n + 1)] for _ in range(n)]
-    for s in range(n):
-        for e in range(s + 1, n + 1):
-            for k, unit in enumerate(units):
-                if stage_memory(layers[s:e], workload, unit.ranks) <= unit.device.memory_bytes:
-                    cost[s][e][k] = stage_seconds(layers[s:e], unit.device, workload, last=e == n, ranks=unit.ranks)
+    watch = _Watch(budget)
+    # cost[s][e][k]: seconds of layers [s, e) on unit k (inf if it does not fit its memory), filled per unit
+    # as the candidate prefixes grow.
+    cost = [[[math.inf] * len(units) for _ in range(n + 1)] for _ in range(n)]
+    found: Placement | None = None
+    filled = 0
+    for size in _prefix_sizes(len(units), min_stages):
+        try:
+            for s in range(n):
+                for e in range(s + 1, n + 1):
+                    watch.check()
+                    for k in range(filled, size):
+                        unit = units[k]
+                        if stage_memory(layers[s:e], workload, unit.ranks) <= unit.device.memory_bytes:
+                            cost[s][e][k] = stage_seconds(
+                                layers[s:e], unit.device, workload, last=e == n, ranks=unit.ranks
+                            )
+            filled = size
+            found = _search(
+                layers, units[:size], cost, workload, min_stages, min(max_stages, size), max_price_per_hour, widths,
+                watch,
+            )
+        except _OutOfTime:
+            if found is None:
+                raise PlacementError(
+                    f"the placement search ran out of its {budget.seconds:g} s before finding a placement of "
+                    f"{n} layers over {len(units)} candidate devices; use fewer layers or stages, or ask the "
+                    "operator for a longer ARCEUS_SOLVER_SECONDS"
+                ) from None
+            return replace(found, cut_short=True)
+        except PlacementError:
+            if size == len(units):
+                raise
+    assert found is not None  # the last prefix is all the units: it returned or raised
+    return found
+
+
+def _prefix_sizes(count: int, fewest: int) -> list[int]:
+    """How many of the candidates (fastest first) each search uses: the fewest that could hold the stages,
+    doubling, then all."""
+    sizes, size = [], max(1, min(fewest, count))
+    while size < count:
+        sizes.append(size)
+        size *= 2
+    return [*sizes, count]
+
+
+def _search(
+    layers: Sequence[LayerProfile],
+    units: Sequence[_Unit],
+    cost: list[list[list[float]]],
+    workload: Workload,
+    min_stages: int,
+    max_stages: int,
+    max_price_per_hour: float | None,
+    widths: Callable[[int], int],
+    watch: _Watch,
+) -> Placement:
+    """The exact search over `units` (the DP of the module docstring); PlacementError when nothing fits."""
+    n, d = len(layers), len(units)
     # best[i][mask]: the smallest bottleneck placing layers [0, i) on exactly the units in mask (the
     # next stage's index is the number of units used).
     best: list[dict[int, float]] = [dict() for _ in range(n + 1)]
@@ -203,6 +296,7 @@ def solve(
     for i in range(1, n + 1):
         for s in range(i):
             for mask, value in best[s].items():
+                watch.step()
                 used = bin(mask).count("1")
                 if used >= max_stages:
                     continue

@@ -14,10 +14,12 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
 from arceus.contracts.status import JobStatus
+from arceus.placement.solver import Budget
 from controlplane.common.conditions import UNKNOWN
 from controlplane.controller.rules import (
     Action,
@@ -56,7 +58,7 @@ def reconcile_once(*, now: datetime | None = None) -> ExecutionReport:
     """One level-triggered pass: read everything, decide, apply."""
     now = now or timezone.now()
     desired, observed = load_snapshot(now)
-    return execute(plan(desired, observed, now), now=now)
+    return execute(plan(desired, observed, now, Budget(settings.ARCEUS_SOLVER_SECONDS)), now=now)
 
 
 def execute(actions: Sequence[Action], *, now: datetime) -> ExecutionReport:

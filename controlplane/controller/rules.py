@@ -38,7 +38,7 @@ from typing import Any
 
 from arceus.contracts.observed import ObservedState
 from arceus.contracts.status import ACTIVE_STATUSES, JobStatus
-from arceus.placement.solver import Device, LayerProfile, PlacementError, Workload, solve, stage_memory
+from arceus.placement.solver import Budget, Device, LayerProfile, PlacementError, Workload, solve, stage_memory
 from controlplane.common.conditions import FALSE, TRUE, UNKNOWN, Condition, has_condition, set_conditions
 
 QUEUED, PLACING, PENDING, RUNNING = JobStatus.QUEUED, JobStatus.PLACING, JobStatus.PENDING, JobStatus.RUNNING
@@ -255,7 +255,8 @@ Action = MarkNodeUnknown | PlaceJob | SetCondition | StartDriver | RequeueJob | 
 
 
 # --- planning -------------------------------------------------------------------------------------
-def plan(desired: Desired, observed: Observed, now: datetime) -> list[Action]:
+def plan(desired: Desired, observed: Observed, now: datetime, solver_budget: Budget | None = None) -> list[Action]:
+    """The actions of one pass; `solver_budget` bounds each queued job's placement search (None: no bound)."""
     actions: list[Action] = []
     ready: dict[str, NodeView] = {}
     for node in observed.nodes:
@@ -278,7 +279,7 @@ def plan(desired: Desired, observed: Observed, now: datetime) -> list[Action]:
         action: Action | None = None
         taken: set[str | None] = set()
         if job.status == QUEUED:
-            action = _place(job, free, now)
+            action = _place(job, free, now, solver_budget)
             if isinstance(action, PlaceJob):
                 taken = {s.node_id for s in action.stages}
         elif job.status in ACTIVE_STATUSES:
@@ -386,7 +387,7 @@ def _node_label(nodes: Mapping[str, NodeView], node_id: str | None) -> str:
     return "no node" if node_id is None else f"{node.name or node_id}" if node else f"node {node_id}"
 
 
-def _place(job: JobView, free: list[NodeView], now: datetime) -> Action | None:
+def _place(job: JobView, free: list[NodeView], now: datetime, budget: Budget | None) -> Action | None:
     if job.spec_error is not None:
         return FailJob(job.id, job.generation, "InvalidModel", job.spec_error)
     req = job.requirements
@@ -408,6 +409,7 @@ def _place(job: JobView, free: list[NodeView], now: datetime) -> Action | None:
             max_price_per_hour=req.max_price_per_hour,
             tensor_parallel=job.tensor_parallel.size,
             split_stages=job.tensor_parallel.stages,
+            budget=budget,
         )
     except PlacementError as exc:
         return _condition(job, Condition("Placed", FALSE, "NoFeasiblePlacement", str(exc)), now)
@@ -426,6 +428,8 @@ def _place(job: JobView, free: list[NodeView], now: datetime) -> Action | None:
             for s in placement.stages
         )
         + f"; ${placement.price_per_hour:.4f}/hour"
+        + ("; the search was cut short at its time limit, so only the fastest nodes were tried"
+           if placement.cut_short else "")
     )
     conditions = set_conditions(
         job.conditions,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from django.http import StreamingHttpResponse
-from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import status
 from rest_framework.request import Request
@@ -14,12 +13,12 @@ from rest_framework.views import APIView
 from controlplane.common.db import consistent_snapshot
 from controlplane.common.schema import ErrorOutput
 from controlplane.jobs.checkpoints import job_model_file
-from controlplane.jobs.estimate import job_estimate
+from controlplane.jobs.estimate import estimate_get_for_user, estimate_request
 from controlplane.jobs.sampling import job_sample
 from controlplane.jobs.selectors import job_get_for_user, job_list_for_user
 from controlplane.jobs.serializers import (
+    EstimateStatusOutput,
     JobDetailOutput,
-    JobEstimateOutput,
     JobListOutput,
     JobSampleInput,
     JobSampleOutput,
@@ -29,6 +28,7 @@ from controlplane.jobs.serializers import (
 from controlplane.jobs.services import job_cancel, job_start, job_submit
 
 JOB_ID = OpenApiParameter("job_id", str, OpenApiParameter.PATH, description="Job UUID")
+ESTIMATE_ID = OpenApiParameter("estimate_id", str, OpenApiParameter.PATH, description="Estimate UUID")
 
 
 class JobListCreateApi(APIView):
@@ -45,17 +45,19 @@ class JobListCreateApi(APIView):
 
 
 class JobEstimateApi(APIView):
-    """What a job would get if submitted now: placement, expected speed and hours, price. Saves nothing."""
+    """What a job would get if submitted now: placement, expected speed and hours, price. Saves no job. The job
+    is checked here (400s as for a submission); a worker computes the rest: 202 with the estimate's URL to poll."""
 
     throttle_classes = [ScopedRateThrottle]
-    throttle_scope = "estimate"  # it runs the placement solver
+    throttle_scope = "estimate"  # each one runs the placement solver on a worker
 
-    @extend_schema(request=JobSubmitInput, responses=JobEstimateOutput)
+    @extend_schema(request=JobSubmitInput, responses={202: EstimateStatusOutput})
     def post(self, request: Request) -> Response:
         data = JobSubmitInput(data=request.data)
         data.is_valid(raise_exception=True)
         v = data.validated_data
-        estimate = job_estimate(
+        estimate = estimate_request(
+            owner=request.user,
             model_config=v["model_config"],
             dataset_config=v["dataset_config"],
             epochs=v["epochs"],
@@ -63,9 +65,18 @@ class JobEstimateApi(APIView):
             stages=v["stages"],
             requirements_config=v["requirements"],
             tensor_parallel=v["tensor_parallel"],
-            now=timezone.now(),
         )
-        return Response(JobEstimateOutput(estimate).data)
+        body = EstimateStatusOutput(estimate, context={"request": request}).data
+        return Response(body, status=status.HTTP_202_ACCEPTED, headers={"Location": body["url"]})
+
+
+class JobEstimateDetailApi(APIView):
+    """An estimate: pending until a worker has computed it, then done (with the result) or failed (with why)."""
+
+    @extend_schema(parameters=[ESTIMATE_ID], responses=EstimateStatusOutput)
+    def get(self, request: Request, estimate_id: str) -> Response:
+        estimate = estimate_get_for_user(user=request.user, estimate_id=estimate_id)
+        return Response(EstimateStatusOutput(estimate, context={"request": request}).data)
 
 
 class JobDetailApi(APIView):

@@ -1,20 +1,121 @@
-"""`job_estimate`: before submitting, what a job would get now: its placement, speed, time and price."""
+"""Estimates: before submitting, what a job would get now: its placement, speed, time and price.
+
+The web process only validates the job and records the request (`estimate_request`); a Celery worker runs
+the placement solver, under its time budget (`estimate_run`, the task `arceus.estimate`), and the owner
+polls the result (`estimate_get_for_user`). `job_estimate` is the computation itself."""
 
 from __future__ import annotations
 
-from datetime import datetime
+import logging
+import uuid
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
+from django.conf import settings
+from django.contrib.auth.models import AbstractBaseUser
+from django.db import transaction
+from django.utils import timezone
+
 from arceus.data import load_dataset
+from arceus.errors import SpecError
 from arceus.placement.profiles import layer_profiles
-from arceus.placement.solver import PlacementError, solve
+from arceus.placement.solver import Budget, PlacementError, solve
+from controlplane.celery import ESTIMATE_TASK
 from controlplane.common.conditions import TRUE
+from controlplane.common.dispatch import enqueue_on_commit
+from controlplane.common.errors import ApplicationError
 from controlplane.controller.placement import requirements, tensor_parallel_split, workload
 from controlplane.controller.rules import stage_bounds
 from controlplane.controller.snapshot import node_views, registered_nodes
-from controlplane.jobs.models import Stage
+from controlplane.jobs.models import EstimateStatus, JobEstimate, Stage
 from controlplane.jobs.services import job_validate
+
+log = logging.getLogger(__name__)
+
+# An estimate no worker took within this long is answered "failed" (its message expires unrun: the nodes it
+# would have been planned on are old news by then); an owner's estimates are kept this long.
+ESTIMATE_WAIT = timedelta(seconds=60)
+ESTIMATE_KEPT = timedelta(days=1)
+
+
+def estimate_request(
+    *,
+    owner: AbstractBaseUser,
+    model_config: dict[str, Any],
+    dataset_config: dict[str, Any],
+    epochs: int,
+    micro_batches: int,
+    stages: int | None,
+    requirements_config: dict[str, Any],
+    tensor_parallel: dict[str, Any],
+) -> JobEstimate:
+    """Check the job as a submission would be checked (a 400 naming the field), record the request and
+    enqueue its computation."""
+    job_validate(
+        model_config=model_config,
+        dataset_config=dataset_config,
+        stages=stages,
+        requirements=requirements_config,
+        tensor_parallel=tensor_parallel,
+    )
+    now = timezone.now()
+    with transaction.atomic():
+        JobEstimate.objects.filter(owner=owner, created_at__lt=now - ESTIMATE_KEPT).delete()
+        estimate = JobEstimate.objects.create(
+            owner=owner,
+            request={
+                "model_config": model_config,
+                "dataset_config": dataset_config,
+                "epochs": epochs,
+                "micro_batches": micro_batches,
+                "stages": stages,
+                "requirements_config": requirements_config,
+                "tensor_parallel": tensor_parallel,
+            },
+        )
+        enqueue_on_commit(ESTIMATE_TASK, str(estimate.pk), expires=ESTIMATE_WAIT.total_seconds())
+    return estimate
+
+
+def estimate_run(*, estimate_id: str) -> None:
+    """Compute a pending estimate and store its answer; one already answered is left as it is."""
+    estimate = JobEstimate.objects.filter(pk=estimate_id, status=EstimateStatus.PENDING).first()
+    if estimate is None:
+        return
+    now = timezone.now()
+    try:
+        result, error = job_estimate(**estimate.request, now=now), ""
+    except (ApplicationError, SpecError) as exc:  # the world changed since the request was checked
+        result, error = None, str(exc)
+    except Exception:
+        log.exception("estimate %s failed", estimate_id)
+        result, error = None, f"the estimate failed on the server; ask again, or report estimate {estimate_id}"
+    JobEstimate.objects.filter(pk=estimate.pk, status=EstimateStatus.PENDING).update(
+        status=EstimateStatus.FAILED if error else EstimateStatus.DONE,
+        result=result,
+        error=error,
+        finished_at=timezone.now(),
+    )
+
+
+def estimate_get_for_user(*, user: AbstractBaseUser, estimate_id: str) -> JobEstimate:
+    """The user's estimate; 404 for a malformed id and for another user's estimate alike. One no worker took
+    in time is answered as failed."""
+    try:
+        key = uuid.UUID(str(estimate_id))
+    except ValueError:
+        raise ApplicationError.not_found("estimate", estimate_id) from None
+    estimate = JobEstimate.objects.filter(owner=user, pk=key).first()
+    if estimate is None:
+        raise ApplicationError.not_found("estimate", estimate_id)
+    if estimate.status == EstimateStatus.PENDING and timezone.now() - estimate.created_at > ESTIMATE_WAIT:
+        estimate.status = EstimateStatus.FAILED
+        estimate.error = (
+            f"no worker computed it within {ESTIMATE_WAIT.total_seconds():g} s (the control plane's Celery "
+            "workers are busy or down); ask again"
+        )
+    return estimate
 
 
 def job_estimate(
@@ -48,7 +149,9 @@ def job_estimate(
         if n.ready_status == TRUE and not n.paused and n.id not in busy and req.allows(n)
     ]
     names = {n.id: n.name for n in candidates}
-    answer: dict[str, Any] = {"feasible": False, "reason": None, "candidates": len(candidates), "stages": []}
+    answer: dict[str, Any] = {
+        "feasible": False, "reason": None, "candidates": len(candidates), "stages": [], "cut_short": False
+    }
     try:
         placement = solve(
             layer_profiles(spec),
@@ -59,6 +162,7 @@ def job_estimate(
             max_price_per_hour=req.max_price_per_hour,
             tensor_parallel=split.size,
             split_stages=split.stages,
+            budget=Budget(settings.ARCEUS_SOLVER_SECONDS),
         )
     except PlacementError as exc:
         answer["reason"] = str(exc)
@@ -69,6 +173,7 @@ def job_estimate(
     deadline = requirements_config.get("deadline")
     answer.update(
         feasible=True,
+        cut_short=placement.cut_short,
         stages=[
             {
                 "stage_index": i,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from django.conf import settings
 from django.core.files.storage import Storage, storages
+from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models
 from django.db.models import Q
 
@@ -277,3 +278,24 @@ class CheckpointUpload(BaseModel):
 
     def __str__(self) -> str:
         return f"{self.job_id} step {self.step} stage {self.stage_index}"
+
+
+class EstimateStatus(models.TextChoices):
+    PENDING = "pending"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class JobEstimate(BaseModel):
+    """A tenant's request for an estimate of a job (its fields as validated), answered by a Celery worker so
+    the placement solver never runs in the web process (controlplane/jobs/estimate.py)."""
+
+    owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="estimates")
+    request = models.JSONField(encoder=DjangoJSONEncoder)
+    status = models.CharField(max_length=10, choices=EstimateStatus.choices, default=EstimateStatus.PENDING)
+    result = models.JSONField(encoder=DjangoJSONEncoder, null=True, blank=True)
+    error = models.TextField(blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"estimate {self.id} ({self.status})"

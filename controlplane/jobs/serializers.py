@@ -6,6 +6,7 @@ from typing import Any
 
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
+from rest_framework.reverse import reverse
 
 from controlplane.common.fields import StrictFloatField, StrictInputSerializer, StrictIntegerField
 from controlplane.jobs.models import DEFAULT_AUDIT_RATE, Job, Optimizer, PipelineSchedule, Precision
@@ -302,6 +303,24 @@ class JobEstimateOutput(serializers.Serializer):
     total_usd = serializers.DecimalField(max_digits=18, decimal_places=6, required=False)
     within_budget = serializers.BooleanField(required=False, allow_null=True)
     meets_deadline = serializers.BooleanField(required=False, allow_null=True)
+    cut_short = serializers.BooleanField(
+        help_text="the solver's time ran out: the best placement over the fastest nodes, not over all of them"
+    )
+
+
+class EstimateStatusOutput(serializers.Serializer):
+    """An estimate request and, once a worker has computed it, its answer."""
+
+    id = serializers.UUIDField()
+    status = serializers.ChoiceField(choices=["pending", "done", "failed"], help_text="poll until not pending")
+    url = serializers.SerializerMethodField(help_text="where to poll it")
+    created_at = serializers.DateTimeField()
+    finished_at = serializers.DateTimeField(allow_null=True)
+    error = serializers.CharField(help_text="why it failed (empty unless failed)")
+    result = JobEstimateOutput(allow_null=True, help_text="the estimate, once done")
+
+    def get_url(self, estimate: Any) -> str:
+        return reverse("job-estimate-detail", kwargs={"estimate_id": estimate.id}, request=self.context.get("request"))
 
 
 class JobSampleInput(StrictInputSerializer):

@@ -12,6 +12,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from arceus.contracts.status import STARTABLE_STATUSES, JobStatus
+from arceus.data.paths import dataset_config_confined
 from arceus.errors import SpecError
 from arceus.model.registry import fit_model_to_dataset
 from arceus.model.spec import ModelSpec
@@ -214,6 +215,6 @@ def _fit_or_400(
     model_config: dict[str, Any], dataset_config: dict[str, Any]
 ) -> tuple[ModelSpec, dict[str, Any], dict[str, Any]]:
     try:
-        return fit_model_to_dataset(model_config, dataset_config)
+        return fit_model_to_dataset(model_config, dataset_config_confined(dataset_config, settings.ARCEUS_DATA_ROOT))
     except SpecError as exc:
         raise ApplicationError.invalid(exc.field, exc.message) from exc

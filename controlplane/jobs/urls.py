@@ -6,6 +6,7 @@ from controlplane.jobs.api import (
     JobCancelApi,
     JobDetailApi,
     JobEstimateApi,
+    JobEstimateDetailApi,
     JobListCreateApi,
     JobModelApi,
     JobSampleApi,
@@ -15,6 +16,7 @@ from controlplane.jobs.api import (
 urlpatterns = [
     re_path(r"^jobs/?$", JobListCreateApi.as_view(), name="job-list"),
     re_path(r"^jobs/estimate/?$", JobEstimateApi.as_view(), name="job-estimate"),
+    re_path(r"^jobs/estimates/(?P<estimate_id>[^/]+)/?$", JobEstimateDetailApi.as_view(), name="job-estimate-detail"),
     re_path(r"^jobs/(?P<job_id>[^/]+)/?$", JobDetailApi.as_view(), name="job-detail"),
     re_path(r"^jobs/(?P<job_id>[^/]+)/train/?$", JobTrainApi.as_view(), name="job-train"),
     re_path(r"^jobs/(?P<job_id>[^/]+)/cancel/?$", JobCancelApi.as_view(), name="job-cancel"),

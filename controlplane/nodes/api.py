@@ -178,6 +178,10 @@ class AgentCheckpointUploadApi(AgentApi):
 
     parser_classes: list = []  # the body is read as a stream, never parsed or held whole
 
+    @staticmethod
+    def max_request_bytes() -> int:  # not the JSON API's bound (controlplane.common.body_limit)
+        return settings.ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES
+
     @extend_schema(request={"application/octet-stream": bytes}, responses={201: dict, 409: ErrorOutput})
     def put(self, request: Request, upload_id: str) -> Response:
         length = request.META.get("CONTENT_LENGTH")

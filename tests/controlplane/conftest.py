@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from controlplane.accounts.services import user_token_get_or_create
+from controlplane.celery import CONTROL_QUEUE, app
 from controlplane.jobs.models import Job
 from controlplane.jobs.services import job_start, job_submit
 from controlplane.nodes.models import Node
@@ -62,6 +64,15 @@ def client_for(user: User) -> APIClient:
 def fresh_throttles() -> None:
     """Each test starts with no request counted against the API's rate limits (kept in the cache)."""
     cache.clear()
+
+
+@pytest.fixture
+def data_root(tmp_path: Path, settings) -> Path:  # noqa: ANN001
+    """The operator's data root for tenants' dataset files: an empty directory of this test's."""
+    root = tmp_path / "data"
+    root.mkdir()
+    settings.ARCEUS_DATA_ROOT = root
+    return root
 
 
 @pytest.fixture
@@ -113,3 +124,43 @@ def queued_job(user: User) -> Callable[..., Job]:
         return job_start(job=job_submit(owner=user, **{**DIGITS_JOB, **overrides}))
 
     return make
+
+
+@pytest.fixture
+def estimate_of(api: APIClient, django_capture_on_commit_callbacks) -> Callable[..., dict[str, Any]]:  # noqa: ANN001
+    """estimate_of(job, client=api) → the finished estimate's body: POST /api/jobs/estimate (202), then what a
+    control worker does (the task message is taken from the real Redis queue and its task run), then the
+    owner's GET of the URL it was given."""
+    run_control_tasks("")  # messages earlier tests left
+
+    def estimate(job: dict[str, Any], client: APIClient = api) -> dict[str, Any]:
+        with django_capture_on_commit_callbacks(execute=True):
+            response = client.post("/api/jobs/estimate", job, format="json")
+        assert response.status_code == 202, response.content
+        assert response.json()["status"] == "pending" and response["Location"] == response.json()["url"]
+        assert run_control_tasks("arceus.estimate") == [[response.json()["id"]]]
+        return client.get(response["Location"]).json()
+
+    return estimate
+
+
+def run_control_tasks(name: str) -> list[list[Any]]:
+    """Run the messages for task `name` waiting on the control queue as a worker would (others are dropped);
+    their argument lists."""
+    app.loader.import_default_modules()
+    ran = []
+    with app.connection_for_read() as connection:
+        queue = connection.SimpleQueue(CONTROL_QUEUE)
+        try:
+            while True:
+                try:
+                    message = queue.get(timeout=0.1)
+                except queue.Empty:
+                    return ran
+                message.ack()
+                if message.headers["task"] == name:
+                    args, kwargs, _ = message.decode()
+                    app.tasks[name](*args, **kwargs)
+                    ran.append(list(args))
+        finally:
+            queue.close()

@@ -30,12 +30,12 @@ def test_each_expensive_endpoint_has_its_own_limit_per_user(
         {"login": "10/min", "estimate": "2/min", "sample": "2/min", "model": "2/min", "node_create": "2/min"},
     )
     for _ in range(2):
-        assert api.post("/api/jobs/estimate", JOB, format="json").status_code == 200
+        assert api.post("/api/jobs/estimate", JOB, format="json").status_code == 202
         assert api.post("/api/nodes", {"name": "n"}, format="json").status_code == 201
     assert api.post("/api/jobs/estimate", JOB, format="json").status_code == 429
     assert api.post("/api/nodes", {"name": "n"}, format="json").status_code == 429
     assert api.get("/api/nodes").status_code == 200  # listing one's nodes is not limited
-    assert other_api.post("/api/jobs/estimate", JOB, format="json").status_code == 200  # per user
+    assert other_api.post("/api/jobs/estimate", JOB, format="json").status_code == 202  # per user
     missing = "/api/jobs/00000000-0000-0000-0000-000000000000"
     for path, method in ((f"{missing}/sample", "post"), (f"{missing}/model", "get")):
         answers = [getattr(api, method)(path, {"prompt": "a"}, format="json").status_code for _ in range(3)]

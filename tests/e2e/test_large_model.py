@@ -70,7 +70,8 @@ def test_a_large_gpt_checkpoints_survives_a_killed_agent_samples_and_downloads(
     # Declared equal speeds: measured ones differ on a shared machine, and the solver would split by them.
     agents = cluster.start_agents(["large-0", "large-1", "large-2"], "--declare-flops", "2e10")
     client = cluster.client
-    job = client.submit_job(job_body)
+    source = cluster.add_data_file(Path(job_body["dataset_config"]["source"]))
+    job = client.submit_job({**job_body, "dataset_config": {**job_body["dataset_config"], "source": source}})
     client.start_job(job["id"])
 
     checkpointed = cluster.wait_for_job(

@@ -40,6 +40,10 @@ def test_faster_agents_get_larger_stages_and_the_ledger_matches_their_counters(c
     # solver takes from each agent's measured link to the control plane (a few ms on a busy loopback).
     declared = {"fast": "4e8", "slow-a": "1e8", "slow-b": "1e8"}
     agents = {name: cluster.start_agent(name, "--declare-flops", flops) for name, flops in declared.items()}
+    # The estimate is computed by the control queue's Celery worker (never the web process) and polled.
+    estimate = cluster.client.estimate(JOB)
+    assert estimate["feasible"] and estimate["candidates"] == 3 and not estimate["cut_short"], estimate
+    assert len(estimate["stages"]) == 3
     job = cluster.client.submit_job(JOB)
     cluster.client.start_job(job["id"])
     final = cluster.client.wait(job["id"], timeout=240)

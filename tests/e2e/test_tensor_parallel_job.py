@@ -29,7 +29,9 @@ def test_a_job_with_a_tensor_parallel_stage_trains_over_rest_like_one_process(
     spec: dict[str, Any] = {
         "name": "e2e-tensor-parallel",
         "model_config": {"type": "transformer", "n_layer": 2, "n_head": 4, "d_model": 32, "block_size": 16},
-        "dataset_config": {"name": "text", "source": str(source), "batch_size": 16, "val_batch_size": 64},
+        "dataset_config": {
+            "name": "text", "source": cluster.add_data_file(source), "batch_size": 16, "val_batch_size": 64
+        },
         "epochs": 1,
         "learning_rate": 0.003,
         "optimizer": "adam",

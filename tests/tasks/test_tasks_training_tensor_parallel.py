@@ -52,6 +52,7 @@ def test_a_lost_rank_is_replaced_and_the_split_stage_resumes_from_its_checkpoint
     user, live_nodes, checkpoint_dir, settings
 ) -> None:
     settings.ARCEUS_RPC_TIMEOUT_SECONDS = 3
+    settings.ARCEUS_DATA_ROOT = checkpoint_dir
     source = checkpoint_dir / "genesis.txt"
     source.write_text(BUNDLED_TEXT.read_text(encoding="utf-8")[:6000], encoding="utf-8")
     for live in live_nodes:
@@ -59,7 +60,7 @@ def test_a_lost_rank_is_replaced_and_the_split_stage_resumes_from_its_checkpoint
     job = job_start(job=job_submit(
         owner=user,
         model_config={"type": "transformer", "n_layer": 2, "n_head": 4, "d_model": 32, "block_size": 16},
-        dataset_config={"name": "text", "source": str(source), "batch_size": 16, "val_batch_size": 64},
+        dataset_config={"name": "text", "source": source.name, "batch_size": 16, "val_batch_size": 64},
         epochs=3,  # 22 steps each
         learning_rate=0.003,
         optimizer="adam",

@@ -1,14 +1,16 @@
-"""POST /api/jobs/estimate: the placement, speed, time and price a job would get now; nothing saved."""
+"""POST /api/jobs/estimate, then GET its URL: the placement, speed, time and price a job would get now,
+computed by a worker; no job saved."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
 
 import pytest
 from django.utils import timezone
-from rest_framework.test import APIClient
 
-from controlplane.jobs.models import Job
+from controlplane.jobs.estimate import ESTIMATE_WAIT
+from controlplane.jobs.models import Job, JobEstimate
 from controlplane.nodes.models import Node
 
 pytestmark = pytest.mark.django_db
@@ -23,15 +25,19 @@ def offered(ready_node) -> list[Node]:
     ]
 
 
-def estimate(api: APIClient, job: dict, **changes: object) -> dict:
-    response = api.post("/api/jobs/estimate", {**job, **changes}, format="json")
-    assert response.status_code == 200, response.content
-    return response.json()
+@pytest.fixture
+def estimate(estimate_of) -> Callable[..., dict]:  # noqa: ANN001
+    def run(job: dict, **changes: object) -> dict:
+        body = estimate_of({**job, **changes})
+        assert body["status"] == "done" and body["error"] == "", body
+        return body["result"]
+
+    return run
 
 
-def test_the_estimate_plans_prices_and_times_the_job_without_saving_it(api, digits_job, offered) -> None:
+def test_the_estimate_plans_prices_and_times_the_job_without_saving_it(estimate, digits_job, offered) -> None:
     body = estimate(
-        api, digits_job, epochs=10, stages=None, requirements={"max_total_usd": 5, "min_memory_bytes": 2**30}
+        digits_job, epochs=10, stages=None, requirements={"max_total_usd": 5, "min_memory_bytes": 2**30}
     )
     assert body["feasible"] and body["reason"] is None and body["candidates"] == 2  # "tiny" is too small
     assert [s["node_name"] for s in body["stages"]][0] == "fast"  # the fastest node leads
@@ -39,23 +45,23 @@ def test_the_estimate_plans_prices_and_times_the_job_without_saving_it(api, digi
     assert body["samples_per_second"] > 0 and body["hours"] > 0
     assert body["price_per_hour"] == pytest.approx(0.30 * len(body["stages"]))  # two laptops at the base price
     assert float(body["total_usd"]) == pytest.approx(body["price_per_hour"] * body["hours"], abs=1e-6)
-    assert body["within_budget"] is True and body["meets_deadline"] is None
+    assert body["within_budget"] is True and body["meets_deadline"] is None and body["cut_short"] is False
     assert not Job.objects.exists()
 
 
-def test_a_job_that_cannot_be_placed_now_says_why(api, digits_job, offered) -> None:
-    body = estimate(api, digits_job, requirements={"device_types": ["cuda"]})
+def test_a_job_that_cannot_be_placed_now_says_why(estimate, digits_job, offered) -> None:
+    body = estimate(digits_job, requirements={"device_types": ["cuda"]})
     assert (body["feasible"], body["reason"], body["candidates"], body["stages"]) == (
         False, "no device is available", 0, []
     )
-    body = estimate(api, digits_job, stages=None, requirements={"max_price_per_hour": 0.1})
+    body = estimate(digits_job, stages=None, requirements={"max_price_per_hour": 0.1})
     assert not body["feasible"] and "costs more than the budget of $0.1000/hour" in body["reason"]
 
 
-def test_deadline_and_budget_verdicts(api, digits_job, offered) -> None:
+def test_deadline_and_budget_verdicts(estimate, digits_job, offered) -> None:
     soon = (timezone.now() + timedelta(microseconds=1)).isoformat()  # passed before the estimate ends
     body = estimate(
-        api, digits_job, epochs=10_000, stages=None, requirements={"deadline": soon, "max_total_usd": 0.000001}
+        digits_job, epochs=10_000, stages=None, requirements={"deadline": soon, "max_total_usd": 0.000001}
     )
     assert body["feasible"] and body["meets_deadline"] is False and body["within_budget"] is False
 
@@ -83,3 +89,27 @@ def test_submitted_requirements_are_kept_and_shown(api, digits_job) -> None:
     wanted = {"device_types": ["mps", "cpu", "cpu"], "min_devices": 2, "max_price_per_hour": 1.5}
     job = api.post("/api/jobs", {**digits_job, "requirements": wanted}, format="json").json()
     assert job["requirements"] == {"device_types": ["cpu", "mps"], "min_devices": 2, "max_price_per_hour": 1.5}
+
+
+def test_an_estimate_is_its_owners_alone(api, other_api, estimate_of, digits_job, offered) -> None:
+    body = estimate_of(digits_job)
+    assert other_api.get(body["url"]).status_code == 404  # like one that does not exist
+    assert other_api.get("/api/jobs/estimates/00000000-0000-0000-0000-000000000000").status_code == 404
+    assert api.get("/api/jobs/estimates/not-a-uuid").status_code == 404
+    assert api.get(body["url"]).json() == body
+
+
+def test_an_estimate_no_worker_took_in_time_is_answered_failed(api, digits_job, offered) -> None:
+    response = api.post("/api/jobs/estimate", digits_job, format="json")  # never committed: no task is sent
+    assert response.status_code == 202
+    assert api.get(response["Location"]).json()["status"] == "pending"
+    JobEstimate.objects.update(created_at=timezone.now() - ESTIMATE_WAIT - timedelta(seconds=1))
+    body = api.get(response["Location"]).json()
+    assert body["status"] == "failed" and "no worker computed it within 60 s" in body["error"]
+    assert body["result"] is None
+
+
+def test_a_search_cut_short_says_so(estimate, digits_job, offered, settings) -> None:  # noqa: ANN001
+    settings.ARCEUS_SOLVER_SECONDS = 0
+    body = estimate(digits_job, stages=None)
+    assert not body["feasible"] and "the placement search ran out of its 0 s" in body["reason"]

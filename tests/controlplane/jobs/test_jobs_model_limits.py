@@ -36,4 +36,4 @@ def test_the_limits_are_the_operators(api: APIClient, settings) -> None:  # noqa
     deep = {"model_config": {"layer_sizes": [64, 32, 16, 10]}, "dataset_config": {"name": "digits"}}
     assert api.post("/api/jobs/estimate", deep, format="json").status_code == 400
     settings.ARCEUS_MAX_MODEL_LAYERS = 3
-    assert api.post("/api/jobs/estimate", deep, format="json").status_code == 200
+    assert api.post("/api/jobs/estimate", deep, format="json").status_code == 202

@@ -66,7 +66,7 @@ def make_job(
     vocabulary of "abcd") and the job has trained 60 steps."""
     node = ready_node("sampler-node", port=agent.grpc_port)
     job = job_start(job=job_submit(
-        owner=user, model_config=model, dataset_config={"name": "text", "source": str(source)}, stages=1,
+        owner=user, model_config=model, dataset_config={"name": "text", "source": source.name}, stages=1,
     ))
     reconcile_once()
     job.refresh_from_db()
@@ -80,7 +80,8 @@ def make_job(
 
 
 @pytest.fixture
-def abcd_text(tmp_path: Path) -> Path:
+def abcd_text(tmp_path: Path, settings) -> Path:  # noqa: ANN001
+    settings.ARCEUS_DATA_ROOT = tmp_path
     source = tmp_path / "abcd.txt"
     source.write_text("abcd" * 50, encoding="utf-8")
     return source

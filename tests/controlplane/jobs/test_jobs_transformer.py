@@ -52,10 +52,10 @@ def test_the_default_transformer_has_about_five_million_parameters(api: APIClien
     assert 4_500_000 < sum(spec.layer_params()) < 5_500_000
 
 
-def test_a_text_file_of_ones_own_is_read_for_its_vocabulary(api: APIClient, tmp_path: Path) -> None:
-    source = tmp_path / "abc.txt"
-    source.write_text("abcabc ba\n" * 100, encoding="utf-8")
-    body = {**GPT_JOB, "dataset_config": {"name": "text", "source": str(source)}}
+def test_a_text_file_of_ones_own_is_read_for_its_vocabulary(api: APIClient, data_root: Path) -> None:
+    (data_root / "books").mkdir()
+    (data_root / "books" / "abc.txt").write_text("abcabc ba\n" * 100, encoding="utf-8")
+    body = {**GPT_JOB, "dataset_config": {"name": "text", "source": "books/abc.txt"}}
     response = submit(api, body)
     assert response.status_code == 201, response.json()
     assert response.json()["model_config"]["vocab_size"] == 5  # a b c space newline
@@ -82,7 +82,7 @@ INVALID: list[tuple[str, dict[str, Any], dict[str, Any], str, str]] = [
     ("dataset vocab clash", {"vocab": "bpe", "vocab_size": 300}, {"vocab": "bpe", "vocab_size": 400},
      "dataset_config.vocab_size", "is 400 but the model's is 300"),
     ("wrong vocab size", {"vocab_size": 100}, {}, "model_config.vocab_size", "62 distinct characters"),
-    ("missing source", {}, {"source": "/nonexistent/book.txt"}, "dataset_config.source", "no text file"),
+    ("missing source", {}, {"source": "nonexistent/book.txt"}, "dataset_config.source", "no file 'nonexistent/"),
     ("empty source", {}, {"source": ""}, "dataset_config.source", "non-empty path"),
     ("block mismatch", {}, {"block_size": 64}, "dataset_config.block_size", "model's block_size is 32"),
     ("mnist key on text", {}, {"path": "/data"}, "dataset_config.path", "does not apply to the text dataset"),
