@@ -233,6 +233,10 @@ ARCEUS_RPC_TIMEOUT_SECONDS = float(os.environ.get("ARCEUS_RPC_TIMEOUT_SECONDS", 
 ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES = int(os.environ.get("ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES", str(64 << 30)))
 # A job whose driver or stages fail this many times without a lost node to explain it fails for good.
 ARCEUS_JOB_MAX_RESTARTS = int(os.environ.get("ARCEUS_JOB_MAX_RESTARTS", "5"))
+# A node whose agent registers again while hosting a stage (each time its job rewinds and replays the lost
+# steps) more than this many times within the window is flagged: it gets no new stage until an operator clears it.
+ARCEUS_NODE_MAX_RESTARTS = int(os.environ.get("ARCEUS_NODE_MAX_RESTARTS", "3"))
+ARCEUS_NODE_RESTART_WINDOW_SECONDS = float(os.environ.get("ARCEUS_NODE_RESTART_WINDOW_SECONDS", "3600"))
 # The largest model a job may submit: pipeline layers (the placement solver's time grows with their square) and
 # parameters.
 ARCEUS_MAX_MODEL_LAYERS = int(os.environ.get("ARCEUS_MAX_MODEL_LAYERS", "128"))

@@ -24,7 +24,8 @@ from controlplane.jobs.models import Job
 def job_roll_back(*, job_id: Any, generation: int, node_ids: Collection[str], message: str, now: datetime) -> bool:
     """Rewind the job to the newest checkpoint every one of `node_ids` passed a spot check at or after
     (none: the seeded initial weights), delete the newer checkpoints, and unplace the nodes' stages so
-    the reconciler moves them to other nodes. False if the job moved on since `generation`."""
+    the reconciler moves them to other nodes. The nodes are not paid for the rolled-back steps, and the job's
+    owner is charged for them once (`job_rewind`). False if the job moved on since `generation`."""
     job = Job.objects.select_for_update().filter(pk=job_id, generation=generation, status__in=ACTIVE_STATUSES).first()
     if job is None:
         return False
@@ -33,5 +34,6 @@ def job_roll_back(*, job_id: Any, generation: int, node_ids: Collection[str], me
     checkpoints_delete(polluted)  # before the rewind, which resumes from the newest checkpoint left
     moves = {(s.index, s.rank): None for s in job.stages.filter(active=True, node_id__in=list(node_ids))}
     return job_rewind(
-        job_id=job.pk, generation=generation, moves=moves, reason="NodeFlagged", message=message, now=now
+        job_id=job.pk, generation=generation, moves=moves, culprits=node_ids, reason="NodeFlagged", message=message,
+        now=now,
     )

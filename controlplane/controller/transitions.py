@@ -6,7 +6,7 @@ generation, so stale agents and drivers are refused, and nudges the reconciler.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -25,6 +25,7 @@ from controlplane.controller.leases import lease_end
 from controlplane.controller.rules import PlaceJob, StartDriver
 from controlplane.jobs.checkpoints import checkpoints_delete
 from controlplane.jobs.models import Job, Stage
+from controlplane.market.services import ledger_roll_back
 
 
 def job_queue(*, job: Job, epochs: int | None, learning_rate: float | None, now: datetime) -> Job:
@@ -141,6 +142,7 @@ def job_rewind(
     generation: int,
     moves: Mapping[tuple[int, int], Any] | None = None,
     count_restart: bool = False,
+    culprits: Collection[Any] = (),
     reason: str,
     message: str,
     now: datetime,
@@ -148,8 +150,9 @@ def job_rewind(
     """Send a placed job back to its last checkpoint: a new generation for every stage (so each rebuilds
     from that checkpoint and stale RPCs are refused), with the stage ranks in `moves` ((index, rank) ->
     a node id, or None to unplace: the job then waits as pending) re-placed. Ranks not moved keep their
-    node. False if the job moved on since `generation`; IntegrityError if a target node took another
-    stage meanwhile."""
+    node. The work recorded past the checkpoint is refunded to the job's owner, who pays for its replay
+    instead (`ledger_roll_back`); the nodes in `culprits` caused the rewind and lose their credit for it. False
+    if the job moved on since `generation`; IntegrityError if a target node took another stage meanwhile."""
     job = Job.objects.select_for_update().filter(pk=job_id, generation=generation, status__in=ACTIVE_STATUSES).first()
     if job is None:
         return False
@@ -172,6 +175,7 @@ def job_rewind(
     job.status = JobStatus.PENDING if unplaced else JobStatus.PLACING
     job.resume_checkpoint = checkpoint
     job.step = checkpoint.step if checkpoint else 0
+    ledger_roll_back(job_id=job.pk, after_step=job.step, culprits=culprits)
     job.restarts += int(count_restart)
     job.handover_requested = False
     job.driver_lease_owner, job.driver_lease_expires_at = "", None

@@ -159,6 +159,7 @@ def _record_counters(job_id: Any, stages: Sequence[StageCounters]) -> None:
             node=stage.node,
             counters=s,
             flops_per_sample=_stage_flops_per_sample(stage, ranks[stage.index]),
+            step=stage.job.step,  # already the newest recorded step: a rewind refunds what lies past its checkpoint
         )
     StageContribution.objects.bulk_create(
         contributions,

@@ -22,6 +22,7 @@ class LedgerEntryAdmin(admin.ModelAdmin):
         "node",
         "stage_index",
         "generation",
+        "step",
         "samples",
         "compute_seconds",
         "price_per_hour",
@@ -29,8 +30,9 @@ class LedgerEntryAdmin(admin.ModelAdmin):
         "fee_micros",
         "credit_micros",
         "withheld",
+        "reverses",
     ]
-    list_filter = ["withheld", "device_class", "node"]
+    list_filter = ["withheld", ("reverses", admin.EmptyFieldListFilter), "device_class", "node"]
     list_select_related = ["job", "node"]
     search_fields = ["job__id", "job__name", "node__name"]
 

@@ -29,12 +29,18 @@ class PriceChange(BaseModel):
 class LedgerEntry(BaseModel):
     """Append-only work done by one node on one stage generation of a job since the previous entry,
     priced when it was recorded. `samples_total` (the stage's cumulative count at this entry) is in the
-    unique key, so a retried report of the same counters never counts twice."""
+    unique key, so a retried report of the same counters never counts twice.
+
+    A reversal (`reverses` set) undoes the money of an entry whose steps the job rolled back
+    (`controlplane.market.services.ledger_roll_back`): it refunds the charge and, unless the node caused the
+    rollback, leaves the node its credit (the platform pays it: the reversal's fee is minus the charge). It
+    moves money only; its work columns are zero."""
 
     job = models.ForeignKey(Job, on_delete=models.PROTECT, related_name="ledger_entries")
     node = models.ForeignKey(Node, on_delete=models.PROTECT, related_name="ledger_entries")
     stage_index = models.PositiveIntegerField()
     generation = models.BigIntegerField()
+    step = models.BigIntegerField(default=0, help_text="the job's training step this work reached")
     samples_total = models.BigIntegerField()
     samples = models.BigIntegerField()
     micro_batches = models.BigIntegerField()
@@ -49,12 +55,18 @@ class LedgerEntry(BaseModel):
     credit_micros = models.BigIntegerField(help_text="what the node's owner earns: charge - fee")
     # A spot check caught this node's work on this job wrong: the credit is not paid out.
     withheld = models.BooleanField(default=False, db_index=True)
+    reverses = models.OneToOneField(
+        "self", on_delete=models.PROTECT, null=True, blank=True, related_name="reversal",
+        help_text="the entry whose rolled-back steps this one refunds",
+    )
 
     class Meta:
         ordering = ["created_at"]
         constraints = [
             models.UniqueConstraint(
-                fields=["job", "stage_index", "generation", "node", "samples_total"], name="ledger_unique_report"
+                fields=["job", "stage_index", "generation", "node", "samples_total"],
+                condition=models.Q(reverses__isnull=True),
+                name="ledger_unique_report",
             ),
             models.CheckConstraint(
                 condition=models.Q(credit_micros=models.F("charge_micros") - models.F("fee_micros")),

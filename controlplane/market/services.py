@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -67,15 +68,16 @@ def prices_reprice() -> list[PriceChange]:
 
 
 def ledger_record_work(
-    *, job_id: Any, generation: int, node: Node, counters: StageCounters, flops_per_sample: float
+    *, job_id: Any, generation: int, node: Node, counters: StageCounters, flops_per_sample: float, step: int
 ) -> LedgerEntry | None:
-    """Append what the node did since its previous entry for this stage generation, priced now. Reports
-    that add no samples (retries, late duplicates) add nothing. Call inside the recording transaction.
+    """Append what the node did since its previous entry for this stage generation, up to training step
+    `step` (the job's), priced now. Reports that add no samples (retries, late duplicates, a restarted
+    driver's replay within one generation) add nothing. Call inside the recording transaction.
 
     Money is whole micro-dollars, but one report's work may be worth a fraction of one: each entry charges
     the rounded running total of the exact value minus what earlier entries charged, and the fee of the
     running total minus earlier fees, so rounding never drifts however small and frequent the reports."""
-    key = {"job_id": job_id, "stage_index": counters.index, "generation": generation, "node": node}
+    key = {"job_id": job_id, "stage_index": counters.index, "generation": generation, "node": node, "reverses": None}
     done = LedgerEntry.objects.filter(**key).aggregate(
         # First: a later alias named like a field would shadow the field in F().
         dollar_seconds_per_hour=Sum(F("compute_seconds") * F("price_per_hour")),
@@ -102,6 +104,7 @@ def ledger_record_work(
         **key,
         samples_total=counters.samples,
         defaults={
+            "step": step,
             "samples": samples,
             "micro_batches": counters.micro_batches - (done["micro_batches"] or 0),
             "compute_seconds": seconds,
@@ -119,6 +122,33 @@ def ledger_record_work(
         },
     )
     return entry
+
+
+def ledger_roll_back(*, job_id: Any, after_step: int, culprits: Collection[Any]) -> int:
+    """The job went back to its checkpoint of step `after_step` (or ended there): its work recorded on later
+    steps is lost, and is trained again if the job goes on. The job's owner is never charged twice for a step,
+    so each such entry not yet reversed gets a reversal refunding its charge. A node that did the work keeps
+    its credit, paid by the platform (the reversal's fee is minus the charge), unless it is one of `culprits`,
+    the nodes whose restart or cheat caused the rollback: it loses the credit too. Call inside the rewinding
+    transaction. Returns how many entries were reversed."""
+    blamed = {str(node_id) for node_id in culprits}
+    reversals = []
+    for entry in LedgerEntry.objects.filter(
+        job_id=job_id, step__gt=after_step, reverses__isnull=True, reversal__isnull=True
+    ):
+        credit = -entry.credit_micros if str(entry.node_id) in blamed else 0
+        reversals.append(
+            LedgerEntry(
+                job_id=entry.job_id, node_id=entry.node_id, stage_index=entry.stage_index,
+                generation=entry.generation, step=entry.step, samples_total=entry.samples_total,
+                samples=0, micro_batches=0, compute_seconds=0.0, flops=0.0, bytes_sent=0, bytes_received=0,
+                device_class=entry.device_class, price_per_hour=entry.price_per_hour,
+                charge_micros=-entry.charge_micros, fee_micros=-entry.charge_micros - credit, credit_micros=credit,
+                withheld=entry.withheld, reverses=entry,
+            )
+        )
+    LedgerEntry.objects.bulk_create(reversals)
+    return len(reversals)
 
 
 def ledger_withhold(*, job_id: Any, node: Node) -> int:

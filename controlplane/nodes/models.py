@@ -46,9 +46,12 @@ class Node(BaseModel):
     # PEM certificate the agent's gRPC port serves TLS with, from its latest registration: its callers trust
     # exactly this one (arceus.wire.tls).
     tls_certificate = models.TextField(blank=True)
-    # Set when a spot check caught the node's work wrong: it gets no new stage and its credit is withheld.
+    # Set when a spot check caught the node's work wrong (its credit is withheld too), or when its agent restarted
+    # while hosting a stage too often (`node_register`): it gets no new stage.
     flagged_at = models.DateTimeField(null=True, blank=True, db_index=True)
     flag_reason = models.TextField(blank=True)
+    # When an operator last cleared the flag: restarts before it no longer count towards a new one.
+    flag_cleared_at = models.DateTimeField(null=True, blank=True)
     grpc_address = models.CharField(max_length=255, blank=True)
     # The Ready condition, in columns so the reconciler can filter on it.
     ready_status = models.CharField(max_length=8, choices=ReadyStatus, default=ReadyStatus.UNKNOWN, db_index=True)
@@ -89,6 +92,23 @@ class NodeLease(BaseModel):
 
     def __str__(self) -> str:
         return f"lease of {self.node_id} renewed {self.renewed_at:%H:%M:%S}"
+
+
+class NodeRestart(BaseModel):
+    """Append-only: the node's agent registered again while it hosted a stage (a fresh process, so the stage's
+    state since its job's last checkpoint was lost and the job rewound). Too many within
+    ARCEUS_NODE_RESTART_WINDOW_SECONDS flag the node (`controlplane.nodes.services.node_register`)."""
+
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="restarts")
+    job = models.ForeignKey("jobs.Job", on_delete=models.SET_NULL, null=True, related_name="+")
+    stage_index = models.PositiveIntegerField()
+    restarted_at = models.DateTimeField(db_index=True)
+
+    class Meta:
+        ordering = ["-restarted_at"]
+
+    def __str__(self) -> str:
+        return f"{self.node_id} restarted {self.restarted_at:%Y-%m-%d %H:%M:%S}"
 
 
 class NodeLink(BaseModel):

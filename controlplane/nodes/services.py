@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from collections.abc import Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -20,8 +20,9 @@ from controlplane.controller.transitions import job_fail, job_rewind
 from controlplane.jobs.models import Stage
 from controlplane.jobs.selectors import assignments_for_node
 from controlplane.jobs.stages import stages_record_observed
+from controlplane.market.services import ledger_roll_back
 from controlplane.nodes.links import node_links_record
-from controlplane.nodes.models import Node, NodeLease, ReadyStatus
+from controlplane.nodes.models import Node, NodeLease, NodeRestart, ReadyStatus
 
 NODE_TOKEN_PREFIX = "arceus_node_"
 
@@ -59,32 +60,11 @@ def node_register(
 ) -> Node:
     """Record the agent's address and capabilities (inputs already validated by the API).
 
-    A registering agent is a fresh process: the stages it hosted lost their state. Each job it served
-    is rewound to its last checkpoint (a new generation, so the agent rebuilds the stage from desired
-    state and its neighbours reload theirs); the stage stays on this node, which is alive again. The rewind
-    counts as a restart, like any other: an agent that re-registers again and again (to replay, and be paid
-    for, the same steps) fails the job once the restarts without a checkpoint run out.
+    A registering agent is a fresh process: a stage it hosted lost its state (`_node_restarted`).
     """
-    for stage in Stage.objects.filter(node=node, active=True).select_related("job"):
-        restarted = f"node {node.name} ({node.id}) restarted while hosting stage {stage.index}"
-        if stage.job.restarts >= settings.ARCEUS_JOB_MAX_RESTARTS:
-            job_fail(
-                job_id=stage.job_id,
-                generation=stage.job.generation,
-                reason="BackoffLimitExceeded",
-                message=f"{restarted}; the job was restarted {stage.job.restarts} times without saving a "
-                "checkpoint in between",
-                now=now,
-            )
-            continue
-        job_rewind(
-            job_id=stage.job_id,
-            generation=stage.job.generation,
-            count_restart=True,
-            reason="NodeRestarted",
-            message=restarted,
-            now=now,
-        )
+    hosted = Stage.objects.filter(node=node, active=True).select_related("job").first()  # one at most
+    if hosted is not None:
+        _node_restarted(node=node, stage=hosted, now=now)
     node.grpc_address = grpc_address
     node.device_type = device_type
     node.device_name = device_name
@@ -147,6 +127,53 @@ def node_heartbeat(
     return assignments_for_node(node=node)
 
 
+def _node_restarted(*, node: Node, stage: Stage, now: datetime) -> None:
+    """The node's agent came back as a fresh process while hosting `stage`. Its job rewinds to its last
+    checkpoint (a new generation, so the agent rebuilds the stage from desired state and its neighbours
+    reload theirs), which counts as a restart of the job: the job fails once its restarts without a checkpoint
+    run out. The node is not paid for the lost steps (`ledger_roll_back`). And an agent that restarts again
+    and again, across jobs (to make them replay steps), is flagged once it restarted more than
+    ARCEUS_NODE_MAX_RESTARTS times within ARCEUS_NODE_RESTART_WINDOW_SECONDS; its stage then moves away.
+    A restart of an idle node costs nobody anything and is not counted."""
+    NodeRestart.objects.create(node=node, job=stage.job, stage_index=stage.index, restarted_at=now)
+    window = settings.ARCEUS_NODE_RESTART_WINDOW_SECONDS
+    since = now - timedelta(seconds=window)
+    if node.flag_cleared_at is not None:
+        since = max(since, node.flag_cleared_at)
+    count = NodeRestart.objects.filter(node=node, restarted_at__gt=since).count()
+    if count > settings.ARCEUS_NODE_MAX_RESTARTS:
+        node_flag(
+            node=node,
+            reason=f"restarted {count} times while hosting a stage within {window:g} s "
+            f"(ARCEUS_NODE_MAX_RESTARTS allows {settings.ARCEUS_NODE_MAX_RESTARTS})",
+            now=now,
+        )
+    job = stage.job
+    restarted = f"node {node.name} ({node.id}) restarted while hosting stage {stage.index}"
+    if job.restarts >= settings.ARCEUS_JOB_MAX_RESTARTS:
+        failed = job_fail(
+            job_id=job.pk,
+            generation=job.generation,
+            reason="BackoffLimitExceeded",
+            message=f"{restarted}; the job was restarted {job.restarts} times without saving a checkpoint in between",
+            now=now,
+        )
+        if failed:
+            newest = job.checkpoints.order_by("-step").values_list("step", flat=True).first()
+            ledger_roll_back(job_id=job.pk, after_step=newest or 0, culprits=[node.pk])
+        return
+    job_rewind(
+        job_id=job.pk,
+        generation=job.generation,
+        moves={(stage.index, stage.rank): None} if node.flagged_at is not None else None,
+        count_restart=True,
+        culprits=[node.pk],
+        reason="NodeRestarted",
+        message=restarted,
+        now=now,
+    )
+
+
 def _set_link(node: Node, link: dict[str, float], now: datetime) -> None:
     node.control_plane_rtt_seconds = link["rtt_seconds"]
     node.control_plane_bandwidth_bytes_per_second = link["bandwidth_bytes_per_second"]
@@ -154,14 +181,27 @@ def _set_link(node: Node, link: dict[str, float], now: datetime) -> None:
 
 
 def node_flag(*, node: Node, reason: str, now: datetime) -> bool:
-    """Flag the node (a spot check caught its work wrong): it takes no new stage and the stages it
-    hosts move away, like a paused node's. The first reason is kept. Returns whether it was newly
-    flagged."""
+    """Flag the node (a spot check caught its work wrong, or its agent restarts too often): it takes no new
+    stage and the stages it hosts move away, like a paused node's. The first reason is kept. Returns whether
+    it was newly flagged."""
     flagged = Node.objects.filter(pk=node.pk, flagged_at__isnull=True).update(flagged_at=now, flag_reason=reason)
     if flagged:
         node.flagged_at, node.flag_reason = now, reason
         reconcile_soon()
     return bool(flagged)
+
+
+def node_flag_clear(*, node: Node, now: datetime) -> bool:
+    """An operator's decision that the flagged node may work again: it can be placed on again, and its
+    restarts so far no longer count towards a new flag. Withheld credit stays withheld. Returns whether
+    the node was flagged."""
+    cleared = Node.objects.filter(pk=node.pk, flagged_at__isnull=False).update(
+        flagged_at=None, flag_reason="", flag_cleared_at=now
+    )
+    if cleared:
+        node.flagged_at, node.flag_reason, node.flag_cleared_at = None, "", now
+        reconcile_soon()
+    return bool(cleared)
 
 
 @transaction.atomic

@@ -29,7 +29,7 @@ def test_admin_pages_render(admin_client: Client, ready_node, queued_job) -> Non
     reconcile_once()
     for page in ("job", "stage", "losspoint", "epochmetric", "checkpoint", "stagecontribution"):
         assert admin_client.get(f"/admin/jobs/{page}/").status_code == 200, page
-    for page in ("node", "nodelease"):
+    for page in ("node", "nodelease", "noderestart"):
         assert admin_client.get(f"/admin/nodes/{page}/").status_code == 200, page
     assert admin_client.get(f"/admin/jobs/job/{job.id}/change/").status_code == 200
     assert admin_client.get("/admin/jobs/job/?q=digits&status__exact=placing").status_code == 200

@@ -55,7 +55,7 @@ def report(job, signer: ReceiptSigner, producer: Node, *, passed: bool, digest_o
 
 
 def work(job, node: Node, samples: int) -> None:  # noqa: ANN001
-    ledger_record_work(job_id=job.id, generation=2, node=node, flops_per_sample=1e3,
+    ledger_record_work(job_id=job.id, generation=2, node=node, flops_per_sample=1e3, step=7,
                        counters=StageCounters(0, samples, samples // 8, samples / 10, 100, 100))
 
 
@@ -72,9 +72,12 @@ def test_a_failed_spot_check_flags_the_node_and_withholds_its_credit(placed) -> 
     producer.refresh_from_db()
     assert "differs from the recomputation" in producer.flag_reason
     assert node_unavailable_reason(producer, timezone.now()).startswith("flagged: ")
+    # The job rolled back to step 0: the caught step 7 is refunded to the job's owner and not credited.
+    [reversal] = LedgerEntry.objects.filter(node=producer, reverses__isnull=False)
+    assert reversal.charge_micros == -reversal.reverses.charge_micros and reversal.withheld
     work(job, producer, 128)  # recorded after the flag: withheld at once
     entries = LedgerEntry.objects.filter(node=producer)
-    assert entries.count() == 2 and all(e.withheld for e in entries)
+    assert entries.count() == 3 and all(e.withheld for e in entries)
     # Money still adds up: credits paid + fees + withheld = charges.
     totals = LedgerEntry.objects.aggregate(c=Sum("charge_micros"), f=Sum("fee_micros"), k=Sum("credit_micros"))
     assert totals["k"] + totals["f"] == totals["c"] > 0

@@ -311,3 +311,22 @@ def test_re_registering_counts_as_a_restart_and_fails_the_job_once_they_run_out(
     failed = next(c for c in job.conditions if c["type"] == "Failed")
     assert failed["reason"] == "BackoffLimitExceeded"
     assert "restarted 2 times without saving a checkpoint" in failed["message"]
+
+
+def test_an_agent_re_registering_too_often_is_flagged_and_its_owner_sees_why(user, queued_job, settings, api) -> None:
+    """Re-registering before every checkpoint, in one job or across jobs, makes the node unplaceable."""
+    settings.ARCEUS_NODE_MAX_RESTARTS = 1
+    agents = three_agents(user)
+    job = queued_job()
+    reconcile_once()
+    node, client = agents[1]
+    idle, idle_token = node_create(owner=user, name="idle")  # hosts nothing
+    for _ in range(5):  # its registrations lose no work and count nothing
+        assert register(agent_client(idle_token), "10.0.0.4:50053").status_code == 200
+    assert register(client).status_code == 200  # one restart while hosting: allowed
+    assert Node.objects.get(pk=node.pk).flagged_at is None
+    assert register(client).status_code == 200
+    [shown] = [n for n in api.get("/api/nodes").json() if n["id"] == str(node.id)]
+    assert shown["flag"]["reason"].startswith("restarted 2 times while hosting a stage within 3600 s")
+    assert Node.objects.get(pk=idle.pk).flagged_at is None
+    assert not Stage.objects.filter(job=job, node=node).exists()
