@@ -28,6 +28,9 @@ from nodeagent.host_load import HostLoad
 from nodeagent.stage import StateUploadError
 
 log = logging.getLogger(__name__)
+# A state upload the server failed is sent again after 1, 2, 4 s (its deadline permitting).
+UPLOAD_ATTEMPTS = 4
+UPLOAD_RETRY_SECONDS = 1.0
 
 
 class ControlPlaneError(RuntimeError):
@@ -153,24 +156,42 @@ class ControlPlaneClient:
             # Open (and map) it before the file goes: its tensors stay readable until the state is dropped.
             return StateFile(Path(file.name), sha256=ref.sha256)
 
-    def upload_state(self, path: str, size: int, chunks: Iterable[bytes | memoryview], seconds: float) -> None:
-        """PUT a stage's state file (`size` bytes, as `chunks`) to `path` on this control plane, streamed: the
+    def upload_state(
+        self, path: str, size: int, chunks: Callable[[], Iterable[bytes | memoryview]], seconds: float
+    ) -> None:
+        """PUT a stage's state file (`size` bytes, as `chunks()`) to `path` on this control plane, streamed: the
         agent holds one chunk of it at a time. Only paths on this control plane: the node token never goes
-        to another host. Raises StateUploadError."""
+        to another host. An attempt the server failed (a 5xx: its database restarting under it) or that lost
+        its connection is sent again, afresh, while `seconds` last: the upload stays open until one arrives
+        whole. Raises StateUploadError."""
         if not path.startswith("/"):
             raise StateUploadError(f"upload path {path!r} is not a path on the control plane")
         url = f"{self.url}{path}"
-        try:
-            response = self._session.put(
-                url,
-                data=_ChunkReader(size, chunks),
-                headers={"Content-Type": "application/octet-stream"},
-                timeout=(self.timeout, max(seconds, 1.0)),
-            )
-        except requests.RequestException as exc:
-            raise StateUploadError(f"PUT {url} failed: {exc}") from exc
-        if response.status_code >= 300:
-            raise StateUploadError(f"PUT {url} → HTTP {response.status_code}: {response.text[:500]}")
+        deadline = time.monotonic() + seconds
+        for attempt in range(UPLOAD_ATTEMPTS):
+            remaining = max(1.0, deadline - time.monotonic())
+            try:
+                response = self._session.put(
+                    url,
+                    data=_ChunkReader(size, chunks()),
+                    headers={"Content-Type": "application/octet-stream"},
+                    timeout=(self.timeout, remaining),
+                )
+            except requests.RequestException as exc:
+                failure = f"PUT {url} failed: {exc}"
+            else:
+                if response.status_code < 300:
+                    return
+                if attempt and response.status_code == 409 and "already received" in response.text:
+                    return  # an earlier attempt arrived after all; the driver checks its hash against ours
+                failure = f"PUT {url} → HTTP {response.status_code}: {' '.join(response.text[:500].split())}"
+                if response.status_code < 500:
+                    raise StateUploadError(failure)
+            pause = UPLOAD_RETRY_SECONDS * 2**attempt
+            if time.monotonic() + pause >= deadline or attempt + 1 >= UPLOAD_ATTEMPTS:
+                raise StateUploadError(f"{failure} (attempt {attempt + 1})")
+            log.warning("%s; sending it again in %.0f s", failure, pause)
+            time.sleep(pause)
 
     def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         url = f"{self.url}{path}"

@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 import torch
@@ -209,18 +210,19 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 )
             started = time.perf_counter()
             self._between_steps(stage, context)
-            digest = hashlib.sha256()
+            digests: list[Any] = []  # one per attempt: the reply names the last
 
-            def hashed(chunks: Iterator[memoryview]) -> Iterator[memoryview]:
-                for chunk in chunks:
+            def hashed_chunks() -> Iterator[memoryview]:
+                digests.append(digest := hashlib.sha256())
+                for chunk in state_chunks(state)[1]:
                     digest.update(chunk)
                     yield chunk
 
             try:
-                items = stage.runtime.state_items(include_optimizer_state=request.include_optimizer_state)
-                size, chunks = state_chunks(dict(items))
+                state = dict(stage.runtime.state_items(include_optimizer_state=request.include_optimizer_state))
+                size = state_chunks(state)[0]
                 seconds = max(0.0, call_deadline(context) - time.monotonic())
-                self._upload_state(request.upload_path, size, hashed(chunks), seconds)
+                self._upload_state(request.upload_path, size, hashed_chunks, seconds)
             except StateUploadError as exc:
                 raise RpcFailure(grpc.StatusCode.UNAVAILABLE, f"{stage.name}: {exc}") from None
             finally:
@@ -230,7 +232,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             self._metrics.state_save_seconds.observe(took)
             log.info("uploaded the state of %s (%d bytes) in %.1f s; %s", stage.name, size, took,
                      memory_summary(self._device))
-            return stage_pb2.SaveStateReply(sha256=digest.hexdigest(), size_bytes=size)
+            return stage_pb2.SaveStateReply(sha256=digests[-1].hexdigest(), size_bytes=size)
 
         return serve(context, "SaveState", save)
 

@@ -14,6 +14,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable
+from typing import TypeVar
 
 from django.conf import settings
 from django.db import DatabaseError, connection
@@ -32,6 +33,7 @@ from controlplane.jobs.selectors import job_stage_endpoints
 from controlplane.jobs.sink import DbProgressSink
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 
 def job_drive(*, job_id: str) -> str:
@@ -47,14 +49,18 @@ def job_drive(*, job_id: str) -> str:
         with LeaseRenewer(job_id=str(job.id), owner=owner, on_lost=sink.lose_lease):
             result = train(train_plan(job), sink)
     except SpecError as exc:
-        if job_fail(job_id=job.id, message=str(exc), generation=job.generation, lease_owner=owner):
+        message = str(exc)
+        if _recorded(lambda: job_fail(job_id=job.id, message=message, generation=job.generation, lease_owner=owner),
+                     f"job {job_id}: recording its failure"):
             log.warning("job %s failed: %s", job_id, exc)
             return "failed"
         return "stopped"
     except DriverError as exc:
         # A stage is unreachable or refused a call: the reconciler decides (move a lost stage, rewind
         # in place, or fail after too many restarts). If the lease is gone the job already moved on.
-        if job_driver_interrupted(job_id=job.id, owner=owner, message=str(exc), now=timezone.now()):
+        message = str(exc)
+        if _recorded(lambda: job_driver_interrupted(job_id=job.id, owner=owner, message=message, now=timezone.now()),
+                     f"job {job_id}: giving its lease back"):
             log.warning("job %s: driver interrupted: %s", job_id, exc)
             return "interrupted"
         log.info("job %s: driver stopped (%s) after the job changed under it", job_id, exc)
@@ -63,19 +69,20 @@ def job_drive(*, job_id: str) -> str:
         # A bug, not a stage failure: fail the job instead of letting the reconciler restart the
         # driver into the same crash forever.
         log.exception("job %s: the driver crashed", job_id)
-        job_fail(
+        message = f"driver crashed: {exc!r}"
+        _recorded(lambda: job_fail(
             job_id=job.id,
-            message=f"driver crashed: {exc!r}",
+            message=message,
             reason="DriverCrashed",
             generation=job.generation,
             lease_owner=owner,
-        )
+        ), f"job {job_id}: recording its failure")
         return "failed"
     sink.flush()
     if result.stopped or sink.lost_lease:
         log.info("job %s: driver stopped (cancelled, or its lease was taken over)", job_id)
         return "stopped"
-    finished = reconnecting(lambda: job_finish(
+    finished = _recorded(lambda: job_finish(
         job_id=job.id,
         lease_owner=owner,
         final_loss=result.final_loss,
@@ -83,8 +90,14 @@ def job_drive(*, job_id: str) -> str:
         val_accuracy=result.val_accuracy,
         stages=result.stages,
         now=timezone.now(),
-    ), what=f"job {job_id}: recording its end", for_seconds=settings.ARCEUS_DRIVER_LEASE_SECONDS)
+    ), f"job {job_id}: recording its end")
     return "succeeded" if finished else "stopped"
+
+
+def _recorded(call: Callable[[], R], what: str) -> R:
+    """The driver's last word on its job (its end, failure or interruption), written through a database
+    restart: retried with a fresh connection for as long as its lease could still be held."""
+    return reconnecting(call, what=what, for_seconds=settings.ARCEUS_DRIVER_LEASE_SECONDS)
 
 
 def train_plan(job: Job) -> TrainPlan:

@@ -8,6 +8,7 @@ data order exactly, so the comparison is tight).
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable
@@ -20,6 +21,7 @@ from django.test import override_settings
 from safetensors.torch import load as safetensors_load
 
 from arceus.cli import main as cli_main
+from arceus.data import load_dataset, validate_dataset_config
 from arceus.v1 import stage_pb2, stage_pb2_grpc
 from arceus.wire.channels import open_channel
 from arceus.wire.proto_tensor import to_proto
@@ -197,7 +199,15 @@ def test_restarting_the_database_mid_run_neither_fails_nor_rewinds_the_job(
     final = cluster.client.wait(job["id"], timeout=240)
     assert_matches_reference(final, reference)
     # Never rewound: no resume, and one generation more than while running (the end's release of the nodes).
-    assert final["resumed_from_step"] is None and final["generation"] == running["generation"] + 1, final["conditions"]
+    assert final["resumed_from_step"] is None and final["generation"] == running["generation"] + 1, json.dumps(
+        final["conditions"], indent=1)
+    # Nothing billed twice through the retried writes: each stage is billed every sample it ran (each epoch's
+    # training and validation samples) once.
+    train_x, _, val_x, _ = load_dataset(validate_dataset_config(JOB["dataset_config"]))
+    once = JOB["epochs"] * (len(train_x) + len(val_x))
+    billed = [sum(c["samples"] for c in final["contributions"] if c["stage_index"] == p["stage_index"])
+              for p in final["placements"]]
+    assert billed == [once] * len(final["placements"]), (billed, once)
 
 
 def test_restarting_redis_mid_run_loses_nothing(embedded_redis_cluster: LocalCluster, reference: Any) -> None:

@@ -24,6 +24,7 @@ class FakeControlPlane:
     heartbeat_override: tuple[int, bytes] | None = None
     requests: list[tuple[str, dict[str, str], Any]] = field(default_factory=list)
     uploads: dict[str, bytes] = field(default_factory=dict)  # path -> body of each PUT
+    failed_uploads: int = 0  # the next this many PUTs are read whole, then answered 500 (and not kept)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def heartbeats(self) -> list[Any]:
@@ -70,9 +71,12 @@ def control_plane() -> Iterator[FakeControlPlane]:
             with fake.lock:
                 fake.requests.append((self.path, dict(self.headers), None))
                 authorized = self.headers.get("Authorization") == f"Node {fake.token}"
-                if authorized:
+                failing = authorized and fake.failed_uploads > 0
+                if failing:
+                    fake.failed_uploads -= 1
+                elif authorized:
                     fake.uploads[self.path] = body
-            self.send_response(201 if authorized else 401)
+            self.send_response(500 if failing else 201 if authorized else 401)
             self.send_header("Content-Length", "0")
             self.end_headers()
 

@@ -191,7 +191,11 @@ def test_bad_listen_address(address: str) -> None:
     assert split_host_port("[::1]:50051") == ("[::1]", 50051)
 
 
-def test_save_state_uploads_the_stage_state_to_the_control_plane(control_plane) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("failed_attempts", [0, 2])
+def test_save_state_uploads_the_stage_state_to_the_control_plane(control_plane, failed_attempts: int) -> None:  # noqa: ANN001
+    """Also when the control plane fails the first attempts (a 5xx: its database restarting under a request):
+    the file is sent again, afresh, and the reply names what arrived."""
+    control_plane.failed_uploads = failed_attempts
     client = ControlPlaneClient(control_plane.url, control_plane.token)
     agent = Agent(device=torch.device("cpu"), upload_state=client.upload_state)
     agent.start()
@@ -211,6 +215,7 @@ def test_save_state_uploads_the_stage_state_to_the_control_plane(control_plane) 
     finally:
         agent.stop(grace=1)
     uploaded = control_plane.uploads["/up/1"]
+    assert [path for path, _, _ in control_plane.requests].count("/up/1") == failed_attempts + 1
     assert uploaded == streamed  # the file GetState would have streamed, sent to the control plane instead
     assert (reply.sha256, reply.size_bytes) == (checkpoint_digest(uploaded), len(uploaded))
     assert sorted(decode_checkpoint(uploaded)) == ["layers.1.bias", "layers.1.weight"]

@@ -4,7 +4,7 @@ plane through the same services the agent endpoints call."""
 from __future__ import annotations
 
 import io
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import pytest
 import torch
@@ -59,10 +59,12 @@ class LiveNode:
         with checkpoint_storage().open(sc.file.name, "rb") as handle:
             return decode_checkpoint(handle.read(), sha256=ref.sha256)
 
-    def upload_state(self, path: str, size: int, chunks: Iterable[bytes | memoryview], seconds: float) -> None:
+    def upload_state(
+        self, path: str, size: int, chunks: Callable[[], Iterable[bytes | memoryview]], seconds: float
+    ) -> None:
         """What the agent's PUT of its state does, through the service behind that endpoint (the state of these
         tests' small models held in memory here)."""
-        body = io.BytesIO(b"".join(bytes(chunk) for chunk in chunks))
+        body = io.BytesIO(b"".join(bytes(chunk) for chunk in chunks()))
         checkpoint_upload_receive(node_id=self.node.pk, upload_id=path.rstrip("/").rsplit("/", 1)[-1], body=body,
                                   length=size)
 
