@@ -20,7 +20,7 @@ from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from controlplane.accounts.services import user_token_get_or_create
-from controlplane.jobs.models import Checkpoint, CheckpointUpload, Job, StageCheckpoint
+from controlplane.jobs.models import Checkpoint, CheckpointUpload, Job, JobEstimate, StageCheckpoint
 from controlplane.jobs.services import job_start, job_submit
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_create, node_heartbeat, node_register
@@ -39,7 +39,7 @@ PUBLIC = {
 # A tenant's own objects, addressed by id: anyone else gets 404, as for a missing one.
 TENANT_OBJECTS = {
     "job-detail", "job-train", "network-train", "job-cancel", "job-model", "job-sample",
-    "node-detail", "node-pause", "node-resume", "node-controls", "node-earnings",
+    "node-detail", "node-pause", "node-resume", "node-controls", "node-earnings", "job-estimate-detail",
 }
 # The caller's own collections (or nothing stored): another tenant may call them, and sees only its own.
 TENANT_COLLECTIONS = {"job-list", "job-estimate", "node-list", "market-prices"}
@@ -95,12 +95,14 @@ class Victim:
     node: Node
     checkpoint: StageCheckpoint
     upload: CheckpointUpload
+    estimate: JobEstimate
     secrets: list[str]
 
     def kwargs(self) -> dict[str, str]:
         return {
             "job_id": str(self.job.id), "node_id": str(self.node.id),
             "checkpoint_id": str(self.checkpoint.id), "upload_id": str(self.upload.id),
+            "estimate_id": str(self.estimate.id),
         }
 
     def state(self) -> dict[str, Any]:
@@ -129,12 +131,14 @@ def victim() -> Victim:
         size_bytes=10,
     )
     upload = CheckpointUpload.objects.create(job=job, node=node, stage_index=0, step=2, generation=job.generation)
+    estimate = JobEstimate.objects.create(owner=user, request={**DIGITS_JOB, "name": "victim-estimate-e41c"})
     node.refresh_from_db()
     secrets = [
-        str(job.id), str(node.id), str(checkpoint.id), str(stage_checkpoint.id), str(upload.id), VICTIM_ADDRESS,
+        str(job.id), str(node.id), str(checkpoint.id), str(stage_checkpoint.id), str(upload.id), str(estimate.id),
+        "victim-estimate-e41c", VICTIM_ADDRESS,
         "victim-node-7f3a", "victim-job-5d2b", "victim cpu 9c1e", "victim", node.tls_certificate,
     ]
-    return Victim(user, job, node, stage_checkpoint, upload, secrets)
+    return Victim(user, job, node, stage_checkpoint, upload, estimate, secrets)
 
 
 def client(authorization: str | None) -> APIClient:
@@ -174,7 +178,7 @@ def expected(name: str, attacker: str) -> set[int]:
     if name in AGENT_OWN:
         return {200, 400, 409} if node else {401}  # its own node: it is not registered yet (409) or no body (400)
     assert name in TENANT_COLLECTIONS, name
-    return {401} if node else {200, 201}  # its own (empty) lists, its own new job or node, an estimate
+    return {401} if node else {200, 201, 202}  # its own (empty) lists, its own new job or node, an estimate
 
 
 def call(c: APIClient, method: str, path: str, body: Any) -> Any:
