@@ -128,7 +128,9 @@ def victim() -> Victim:
         checkpoint=checkpoint, stage_index=0, layer_start=0, layer_end=1, file="victim/stage-0", sha256="ab" * 32,
         size_bytes=10,
     )
-    upload = CheckpointUpload.objects.create(job=job, node=node, stage_index=0, step=2, generation=job.generation)
+    upload = CheckpointUpload.objects.create(
+        job=job, node=node, stage_index=0, layer_start=0, layer_end=1, step=2, generation=job.generation
+    )
     node.refresh_from_db()
     secrets = [
         str(job.id), str(node.id), str(checkpoint.id), str(stage_checkpoint.id), str(upload.id), VICTIM_ADDRESS,
