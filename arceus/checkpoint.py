@@ -29,6 +29,14 @@ class CheckpointError(ValueError):
     """A checkpoint file is corrupt, or not the one that was asked for."""
 
 
+class StageStateError(CheckpointError):
+    """A stage's state file is not what that stage must hold (or never arrived): its agent's fault."""
+
+    def __init__(self, message: str, *, stage_index: int) -> None:
+        super().__init__(f"stage {stage_index}: {message}")
+        self.stage_index = stage_index
+
+
 def encode_checkpoint(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
     return save({name: t.contiguous() for name, t in tensors.items()}, metadata=metadata)
 
@@ -231,9 +239,18 @@ class StateFile(Mapping[str, torch.Tensor]):
         return self._entries[name].dtype
 
 
+def tensor_layouts(handle: BinaryIO, file_size: int) -> dict[str, tuple[torch.dtype, list[int]]]:
+    """Each tensor's (dtype, shape) as a safetensors file's header describes it, in the order of its data, the
+    header checked against the file (`_entries`): read from the header alone, never loading a tensor."""
+    entries = sorted(_entries(handle, file_size).items(), key=lambda item: item[1].begin)
+    return {name: (entry.dtype, entry.shape) for name, entry in entries}
+
+
 def _entries(handle: BinaryIO, file_size: int) -> dict[str, _Entry]:
     """Every tensor a safetensors file's header describes, checked against the file: a known dtype, a shape
-    of non-negative integers, and data offsets that hold exactly its bytes inside the file."""
+    of non-negative integers, data offsets that hold exactly its bytes, and tensors that tile the data from
+    the header to the end of the file (no byte that belongs to no tensor: a file cannot declare small
+    tensors and carry more)."""
     start, header = read_header(handle)
     entries = {}
     for name, info in header.items():
@@ -254,4 +271,17 @@ def _entries(handle: BinaryIO, file_size: int) -> dict[str, _Entry]:
                 f"not a valid safetensors checkpoint: tensor {name!r} of {nbytes} bytes at offsets {[begin, end]}"
             )
         entries[name] = _Entry(dtype, list(shape), start + begin, start + end)
+    covered = start
+    for name, entry in sorted(entries.items(), key=lambda item: (item[1].begin, item[1].end)):
+        if entry.begin != covered:
+            raise CheckpointError(
+                f"not a valid safetensors checkpoint: tensor {name!r} starts at data offset {entry.begin - start}, "
+                f"expected {covered - start} (tensors must tile the data, without gaps or overlaps)"
+            )
+        covered = entry.end
+    if covered != file_size:
+        raise CheckpointError(
+            f"not a valid safetensors checkpoint: its tensors hold {covered - start} bytes of data, but the file "
+            f"carries {file_size - start}"
+        )
     return entries

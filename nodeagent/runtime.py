@@ -25,16 +25,11 @@ from arceus.checkpoint import OPTIMIZER_PREFIX, stored_layout
 from arceus.contracts.assignment import OptimizerConfig
 from arceus.model.build import named_global_parameters
 from arceus.model.decoding import DecodeState, decode, decodes
+from arceus.model.expected_state import OPTIMIZER_STATE_KEYS, optimizer_kind
 from arceus.model.layout import TensorLayout
 from arceus.model.precision import autocast
 
 MicroBatchKey = tuple[int, int]  # (step, micro_batch)
-# What each optimizer keeps per parameter once it has stepped (plain SGD keeps nothing).
-OPTIMIZER_STATE_KEYS = {
-    "sgd": frozenset(),
-    "sgd-momentum": frozenset({"momentum_buffer"}),
-    "adam": frozenset({"step", "exp_avg", "exp_avg_sq"}),
-}
 
 
 @dataclass
@@ -75,7 +70,7 @@ class StageRuntime:
         self.activation_checkpointing = activation_checkpointing
         self.layers = layers.to(device)
         self.optimizer = make_optimizer(list(self.layers.parameters()), optimizer)
-        self.optimizer_name = "sgd-momentum" if optimizer.name == "sgd" and optimizer.momentum else optimizer.name
+        self.optimizer_name = optimizer_kind(optimizer.name, optimizer.momentum)
         self.is_first = is_first
         self.is_last = is_last
         self.input_layout = input_layout

@@ -16,7 +16,7 @@ from arceus.model.build import build_layer
 from arceus.model.layout import TensorLayout
 from arceus.model.registry import ARCHITECTURES, architecture_of
 from arceus.model.seeding import layer_generator
-from arceus.model.sharding import AllReduce, GatheredState, Shard, slice_state
+from arceus.model.sharding import AllReduce, GatheredState, Shard, parameter_of, slice_state
 from arceus.model.spec import ModelSpec
 
 
@@ -68,6 +68,16 @@ def build_parallel_layers(
 def slice_state_tensors(spec: ModelSpec, shard: Shard, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Rank `shard.rank`'s part of an unsplit stage's checkpoint tensors (weights and optimizer state)."""
     return slice_state(_layers(spec).shard_rows, spec, shard, full)
+
+
+def sliced_shape(spec: ModelSpec, shard: Shard, name: str, shape: Sequence[int]) -> list[int]:
+    """The shape of rank `shard.rank`'s part of the unsplit stage's checkpoint tensor `name` of `shape`: what
+    `slice_state_tensors` cuts, without a tensor."""
+    cut = _layers(spec).shard_rows(spec, shard, parameter_of(name)) if shape else None  # 0-dim: Adam's step
+    sliced = list(shape)
+    if cut is not None:
+        sliced[cut[0]] = cut[1].numel()
+    return sliced
 
 
 def gather_state_tensors(spec: ModelSpec, shards: Sequence[Mapping[str, torch.Tensor]]) -> GatheredState:

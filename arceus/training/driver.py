@@ -21,12 +21,14 @@ from pathlib import Path
 import grpc
 import torch
 
-from arceus.checkpoint import StateFile, state_chunks
+from arceus.checkpoint import StageStateError, StateFile, state_chunks
 from arceus.contracts.counters import StageCounters
 from arceus.contracts.spot_check import SpotCheckResult
 from arceus.data import epoch_batches, load_dataset, validate_dataset_config
 from arceus.errors import SpecError
+from arceus.model.expected_state import expected_stage_state, stage_file_check
 from arceus.model.registry import model_spec_from_config
+from arceus.model.sharding import Shard
 from arceus.model.tensor_parallel import gather_state_tensors
 from arceus.training.audit import Auditor
 from arceus.training.plan import (
@@ -226,17 +228,35 @@ class Pipeline:
         what = "GetState (checkpoint)" if include_optimizer_state else "GetState"
         paths = [directory / f"stage-{endpoint.index}-rank-{rank}.safetensors" for rank in range(len(ranks))]
         saved = []
-        for client, path in zip(ranks, paths, strict=True):
+        for rank, (client, path) in enumerate(zip(ranks, paths, strict=True)):
             try:
                 saved.append(client.save_state(path, include_optimizer_state=include_optimizer_state))
             except grpc.RpcError as exc:
                 raise _driver_error(client, what, exc) from exc
+            self._check_state(endpoint, path, Shard(rank, len(ranks)) if len(ranks) > 1 else None)
         if len(ranks) == 1:
             (sha256, size), path = saved[0], paths[0]
         else:
             path = directory / f"stage-{endpoint.index}.safetensors"
             sha256, size = self._gather(ranks, paths, path)
         return StageStateFile(endpoint.index, endpoint.layer_start, endpoint.layer_end, path, sha256, size)
+
+    def _check_state(self, endpoint: StageEndpoint, path: Path, shard: Shard | None) -> None:
+        """DriverError unless the file a stage (or one rank of it) streamed holds exactly its state, checked
+        from its header: an agent's file is never trusted, nor gathered, as it is (the plan says which model
+        and optimizer the stages have; a plan without them is not checked)."""
+        if not (self.plan.model and self.plan.optimizer):
+            return
+        expected = expected_stage_state(
+            model_spec_from_config(self.plan.model), stage_index=endpoint.index, layer_start=endpoint.layer_start,
+            layer_end=endpoint.layer_end, optimizer=self.plan.optimizer, shard=shard,
+        )
+        try:
+            with path.open("rb") as handle:
+                stage_file_check(handle, path.stat().st_size, expected)
+        except StageStateError as exc:
+            where = "" if shard is None else f" (rank {shard.rank})"
+            raise DriverError(f"GetState{where}: {exc}", stage_index=endpoint.index) from exc
 
     def _gather(self, ranks: list[StageClient], shards: list[Path], destination: Path) -> tuple[str, int]:
         """The unsplit stage's file from its ranks', streamed a tensor at a time (never the whole stage)."""
@@ -295,7 +315,10 @@ def train(plan: TrainPlan, sink: ProgressSink) -> TrainResult:
         def checkpoint(epoch: int) -> None:
             uploads = sink.checkpoint_uploads(step, plan.stages)
             with tempfile.TemporaryDirectory(prefix="arceus-checkpoint-") as directory:
-                sink.on_checkpoint(step, epoch, pipeline.states(Path(directory), uploads=uploads))
+                try:
+                    sink.on_checkpoint(step, epoch, pipeline.states(Path(directory), uploads=uploads))
+                except StageStateError as exc:  # a stage's state refused (or never uploaded): its failure
+                    raise DriverError(str(exc), stage_index=exc.stage_index) from exc
 
         for epoch in range(first_epoch, plan.epochs + 1):
             batches = epoch_batches(len(train_x), batch_size, plan.seed, epoch)

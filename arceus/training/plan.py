@@ -10,6 +10,7 @@ from typing import Any, Protocol
 from arceus.contracts.counters import StageCounters
 from arceus.contracts.spot_check import SpotCheckResult
 from arceus.errors import SpecError
+from arceus.model.expected_state import OPTIMIZER_STATE_KEYS
 from arceus.model.precision import check_precision
 from arceus.pipeline.schedule import SCHEDULES
 from arceus.wire.transfer import TransferConfig
@@ -67,6 +68,9 @@ class TrainPlan:
     # The job's transfer setting, as its stages have it: spot checks round recomputations the same way.
     transfer: TransferConfig = TransferConfig()
     precision: str = "fp32"  # the stages' compute precision; spot checks recompute in it
+    # The stages' optimizer (an `arceus.model.expected_state.OPTIMIZER_STATE_KEYS` kind): with `model`, the
+    # state each stage streams for a checkpoint is checked against what it holds ("": not checked).
+    optimizer: str = ""
 
     def check(self) -> None:
         """Raise SpecError if the plan cannot be run (the dataset is checked when it is loaded)."""
@@ -92,6 +96,10 @@ class TrainPlan:
         if not (math.isfinite(self.learning_rate) and self.learning_rate > 0):
             raise SpecError("plan.learning_rate", f"must be a positive number, got {self.learning_rate}")
         check_precision(self.precision, "plan.precision")
+        if self.optimizer and self.optimizer not in OPTIMIZER_STATE_KEYS:
+            raise SpecError(
+                "plan.optimizer", f"unknown optimizer {self.optimizer!r}; known: {', '.join(OPTIMIZER_STATE_KEYS)}"
+            )
         if not self.rpc_timeout_seconds > 0:
             raise SpecError("plan.rpc_timeout_seconds", f"must be positive, got {self.rpc_timeout_seconds}")
         if self.max_steps is not None and self.max_steps < 1:

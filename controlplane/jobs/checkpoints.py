@@ -5,6 +5,10 @@ file (the driver opens a CheckpointUpload for it, the agent PUTs the file to the
 stores it as it arrives): the state never passes through the driver. Rows are written only once every
 stage's file is stored, in one transaction guarded by the driver lease, so a checkpoint in the database
 is always complete and always from the driver that owned the job at the time.
+
+An agent is a stranger's process: every stage file, uploaded or streamed by the driver, is checked from its
+header against exactly what that stage holds (`arceus.model.expected_state`) before it is kept, so what a
+resume loads, the model its owner downloads and what sampling runs are only the stage's own tensors.
 """
 
 from __future__ import annotations
@@ -28,11 +32,13 @@ from arceus.checkpoint import (
     CHUNK_BYTES,
     OPTIMIZER_PREFIX,
     CheckpointError,
+    StageStateError,
     file_digest,
     merged_checkpoint,
-    read_header,
 )
-from arceus.training.plan import StageStateFile
+from arceus.model.expected_state import ExpectedState, expected_stage_state, optimizer_kind, stage_file_check
+from arceus.model.registry import model_spec_from_config
+from arceus.training.plan import StageEndpoint, StageStateFile
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.leases import held, job_checkpointed
 from controlplane.jobs.models import Checkpoint, CheckpointUpload, Job, Stage, StageCheckpoint, checkpoint_storage
@@ -44,27 +50,32 @@ KEEP_CHECKPOINTS = 2
 
 
 def checkpoint_uploads_open(
-    *, job_id: Any, lease_owner: str, generation: int, step: int, nodes: dict[int, str]
+    *, job_id: Any, lease_owner: str, generation: int, step: int, stages: Sequence[StageEndpoint]
 ) -> dict[int, CheckpointUpload] | None:
-    """An upload for each stage index -> the node that hosts it, for the checkpoint of `step`; None (and
-    nothing opened) if the caller no longer holds the job's driver lease at `generation`. Uploads left by an
-    earlier checkpoint that never completed (its driver died) go, with their files."""
+    """An upload by stage index for each of these (unsplit) stages, from the node that hosts it, for the
+    checkpoint of `step`; None (and nothing opened) if the caller no longer holds the job's driver lease at
+    `generation`. Uploads left by an earlier checkpoint that never completed (its driver died) go, with
+    their files."""
     with transaction.atomic():
         job = held(job_id, lease_owner).filter(generation=generation).select_for_update().first()
         if job is None:
             return None
         _uploads_delete(CheckpointUpload.objects.filter(job=job))
         uploads = CheckpointUpload.objects.bulk_create(
-            CheckpointUpload(job=job, node_id=node_id, stage_index=index, step=step, generation=generation)
-            for index, node_id in sorted(nodes.items())
+            CheckpointUpload(
+                job=job, node_id=stage.node_id, stage_index=stage.index, layer_start=stage.layer_start,
+                layer_end=stage.layer_end, step=step, generation=generation,
+            )
+            for stage in sorted(stages, key=lambda s: s.index)
         )
     return {u.stage_index: u for u in uploads}
 
 
 def checkpoint_upload_receive(*, node_id: Any, upload_id: str, body: BinaryIO, length: int | None) -> CheckpointUpload:
     """Store the `length` bytes of `body` as the state file of an open upload of this node's, a chunk at a
-    time, hashing it as it arrives; the file must be a safetensors file. An upload is received once."""
-    upload = CheckpointUpload.objects.filter(pk=_uuid_or_none(upload_id), node_id=node_id).first()
+    time, hashing it as it arrives; the file must hold exactly the stage's state (checked from its header;
+    refused, and nothing kept, otherwise). An upload is received once."""
+    upload = CheckpointUpload.objects.select_related("job").filter(pk=_uuid_or_none(upload_id), node_id=node_id).first()
     if upload is None:
         raise ApplicationError.not_found("checkpoint upload", upload_id)
     if upload.file:
@@ -88,8 +99,9 @@ def checkpoint_upload_receive(*, node_id: Any, upload_id: str, body: BinaryIO, l
             raise ApplicationError.invalid(
                 "body", f"the upload ended after {reader.received} of its {length} bytes; send it again"
             )
+        expected = _expected_state(upload.job, upload.stage_index, upload.layer_start, upload.layer_end)
         with storage.open(name, "rb") as handle:
-            read_header(handle)
+            stage_file_check(handle, length, expected)
         updated = CheckpointUpload.objects.filter(pk=upload.pk, file="").update(
             file=name, sha256=reader.digest.hexdigest(), size_bytes=length
         )
@@ -108,19 +120,25 @@ def checkpoint_upload_receive(*, node_id: Any, upload_id: str, body: BinaryIO, l
 def checkpoint_save(
     *, job_id: Any, lease_owner: str, generation: int, step: int, epoch: int, stages: Sequence[StageStateFile]
 ) -> Checkpoint | None:
-    """Store every stage's state after `step`: a file the driver streamed is copied into the checkpoint
-    storage a chunk at a time; an upload must have arrived whole, as the agent says it sent it. None (and
-    nothing kept) if the caller no longer holds the job's driver lease at `generation`. Resets the job's
-    restart count: the job made progress."""
+    """Store every stage's state after `step`: a file the driver streamed is checked against what its stage
+    holds, then copied into the checkpoint storage a chunk at a time; an upload (checked as it arrived) must
+    have arrived whole, as the agent says it sent it, for the stage's layers. StageStateError naming the
+    stage whose file is refused. None (and nothing kept) if the caller no longer holds the job's driver
+    lease at `generation`. Resets the job's restart count: the job made progress."""
     storage = checkpoint_storage()
     stored: list[tuple[StageStateFile, str]] = []
     uploads = _received_uploads(job_id, generation, step, [s for s in stages if s.path is None])
+    job = Job.objects.only("model_config", "optimizer", "momentum").filter(pk=job_id).first()
+    if job is None:  # deleted: no lease to hold
+        return None
     try:
         for stage in stages:
             if stage.path is None:
                 stored.append((stage, uploads[stage.upload_id].file.name))
                 continue
             with stage.path.open("rb") as handle:
+                expected = _expected_state(job, stage.index, stage.layer_start, stage.layer_end)
+                stage_file_check(handle, stage.path.stat().st_size, expected)
                 name = storage.save(
                     f"checkpoints/{job_id}/step-{step:08d}/stage-{stage.index}.safetensors", File(handle)
                 )
@@ -165,21 +183,35 @@ def _received_uploads(
     job_id: Any, generation: int, step: int, stages: Sequence[StageStateFile]
 ) -> dict[str, CheckpointUpload]:
     """The uploads these stages' agents say they sent, by id: each must be of this job's checkpoint of `step`
-    in `generation`, for that stage, and have arrived with the hash and size the agent reports."""
+    in `generation`, for that stage and its layers, and have arrived with the hash and size the agent
+    reports."""
     ids = [_uuid_or_none(s.upload_id) for s in stages]
     found = {str(u.pk): u for u in CheckpointUpload.objects.filter(pk__in=[i for i in ids if i], job_id=job_id)}
     for stage in stages:
         upload = found.get(stage.upload_id)
-        if upload is None or (upload.stage_index, upload.step, upload.generation) != (stage.index, step, generation):
-            raise CheckpointError(f"stage {stage.index}: no upload {stage.upload_id} was opened for step {step}")
+        opened_for = None if upload is None else (
+            upload.stage_index, upload.layer_start, upload.layer_end, upload.step, upload.generation
+        )
+        if upload is None or opened_for != (stage.index, stage.layer_start, stage.layer_end, step, generation):
+            raise StageStateError(f"no upload {stage.upload_id} was opened for step {step}", stage_index=stage.index)
         if not upload.file:
-            raise CheckpointError(f"stage {stage.index}: its agent reports an upload the control plane never received")
+            raise StageStateError("its agent reports an upload the control plane never received",
+                                  stage_index=stage.index)
         if (upload.sha256, upload.size_bytes) != (stage.sha256, stage.size_bytes):
-            raise CheckpointError(
-                f"stage {stage.index}: the control plane received {upload.size_bytes} bytes hashing to "
-                f"{upload.sha256}, but the agent sent {stage.size_bytes} bytes hashing to {stage.sha256}"
+            raise StageStateError(
+                f"the control plane received {upload.size_bytes} bytes hashing to {upload.sha256}, but the agent "
+                f"sent {stage.size_bytes} bytes hashing to {stage.sha256}",
+                stage_index=stage.index,
             )
     return found
+
+
+def _expected_state(job: Job, stage_index: int, layer_start: int, layer_end: int) -> ExpectedState:
+    """What the state file of stage `stage_index` of `job`, holding layers [layer_start, layer_end), must be."""
+    return expected_stage_state(
+        model_spec_from_config(job.model_config), stage_index=stage_index, layer_start=layer_start,
+        layer_end=layer_end, optimizer=optimizer_kind(job.optimizer, job.momentum),
+    )
 
 
 def _uploads_delete(uploads: QuerySet[CheckpointUpload]) -> None:

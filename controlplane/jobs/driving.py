@@ -21,6 +21,7 @@ from django.db import DatabaseError, connection
 from django.utils import timezone
 
 from arceus.errors import SpecError
+from arceus.model.expected_state import optimizer_kind
 from arceus.training import DriverError, TrainPlan, train
 from arceus.wire.transfer import transfer_config_from_json
 from controlplane.common.db import reconnecting
@@ -121,6 +122,7 @@ def train_plan(job: Job) -> TrainPlan:
         model=job.model_config,
         transfer=transfer_config_from_json(job.transfer),
         precision=job.precision,
+        optimizer=optimizer_kind(job.optimizer, job.momentum),
     )
 
 

@@ -270,6 +270,9 @@ class CheckpointUpload(BaseModel):
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="checkpoint_uploads")
     node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="+")
     stage_index = models.PositiveIntegerField()
+    # The layers the stage holds in the driver's plan: the upload must be exactly their state.
+    layer_start = models.PositiveIntegerField()
+    layer_end = models.PositiveIntegerField()
     step = models.PositiveIntegerField()
     generation = models.BigIntegerField()
     file = models.FileField(storage=checkpoint_storage, max_length=300, blank=True)

@@ -81,7 +81,7 @@ class DbProgressSink:
             return {}
         uploads = _db("opening checkpoint uploads", lambda: checkpoint_uploads_open(
             job_id=self.job_id, lease_owner=self.lease_owner, generation=self.generation, step=step,
-            nodes={s.index: s.node_id for s in stages if not s.tensor_parallel_ranks},
+            stages=[s for s in stages if not s.tensor_parallel_ranks],
         ))
         if uploads is None:
             self._lost_lease = True

@@ -130,7 +130,9 @@ def victim() -> Victim:
         checkpoint=checkpoint, stage_index=0, layer_start=0, layer_end=1, file="victim/stage-0", sha256="ab" * 32,
         size_bytes=10,
     )
-    upload = CheckpointUpload.objects.create(job=job, node=node, stage_index=0, step=2, generation=job.generation)
+    upload = CheckpointUpload.objects.create(
+        job=job, node=node, stage_index=0, layer_start=0, layer_end=1, step=2, generation=job.generation
+    )
     estimate = JobEstimate.objects.create(owner=user, request={**DIGITS_JOB, "name": "victim-estimate-e41c"})
     node.refresh_from_db()
     secrets = [

@@ -21,7 +21,13 @@ from django.utils import timezone
 from moto.server import ThreadedMotoServer
 from rest_framework.test import APIClient
 
-from arceus.checkpoint import CheckpointError, checkpoint_digest, decode_checkpoint, encode_checkpoint
+from arceus.checkpoint import (
+    CheckpointError,
+    StageStateError,
+    checkpoint_digest,
+    decode_checkpoint,
+    encode_checkpoint,
+)
 from arceus.cli import main as cli_main
 from arceus.contracts.assignment import Assignment
 from arceus.training.plan import StageStateFile
@@ -45,6 +51,7 @@ from controlplane.jobs.models import (
     StageCheckpoint,
     checkpoint_storage,
 )
+from controlplane.jobs.selectors import job_stage_endpoints
 from controlplane.jobs.services import job_cancel
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_create, node_heartbeat, node_register
@@ -444,9 +451,8 @@ def test_another_users_model_is_a_404(running_job: Job, other_api: APIClient) ->
 
 # --- agents upload their stage's state themselves ------------------------------------------------------
 def open_uploads(job: Job, step: int, **changes: Any) -> dict[int, CheckpointUpload] | None:
-    nodes = {s.index: str(s.node_id) for s in Stage.objects.filter(job=job, active=True)}
     kwargs = {"job_id": job.id, "lease_owner": DRIVER, "generation": job.generation, "step": step, **changes}
-    return checkpoint_uploads_open(nodes=nodes, **kwargs)
+    return checkpoint_uploads_open(stages=job_stage_endpoints(job=job), **kwargs)
 
 
 def client_of(agents, node_id: Any) -> APIClient:
@@ -501,6 +507,74 @@ def test_an_upload_is_taken_only_from_its_node_once_and_whole(running_job: Job, 
     assert put(owner, upload, data).status_code == 201
     again = put(owner, upload, data)
     assert again.status_code == 409 and "already received" in again.json()["detail"]
+
+
+def tampered(case: str) -> dict[str, torch.Tensor]:
+    """Stage 1's state (layer 1: 32 -> 16, SGD with momentum) as a malicious agent might upload it."""
+    tensors = stage_tensors(1, 10)
+    if case == "a wrong shape":
+        tensors["layers.1.weight"] = torch.zeros(16, 64)
+    elif case == "an extra tensor":
+        tensors["filler"] = torch.zeros(4096)
+    elif case == "another stage's weights":
+        tensors = stage_tensors(0, 10)
+    elif case == "a missing tensor":
+        del tensors["layers.1.bias"]
+    else:  # an optimizer entry SGD never keeps
+        tensors["optimizer.layers.1.weight.exp_avg"] = torch.zeros(16, 32)
+    return tensors
+
+
+@pytest.mark.parametrize(
+    ("case", "detail"),
+    [
+        ("a wrong shape", "stage 1: layers.1.weight: expected float32 [16, 32], got float32 [16, 64]"),
+        ("an extra tensor", "stage 1: unexpected tensor filler: the stage holds layers [1, 2)"),
+        ("another stage's weights", "stage 1: unexpected tensor layers.0.bias: the stage holds layers [1, 2)"),
+        ("a missing tensor", "stage 1: missing tensor layers.1.bias: expected float32 [16] "
+                             "(the stage holds layers [1, 2))"),
+        ("a foreign optimizer entry", "stage 1: unexpected tensor optimizer.layers.1.weight.exp_avg: a sgd-momentum "
+                                      "optimizer keeps momentum_buffer"),
+    ],
+)
+def test_an_upload_that_is_not_exactly_the_stages_state_is_refused_and_not_kept(
+    running_job: Job, agents, checkpoint_dir: Path, case: str, detail: str
+) -> None:
+    upload = open_uploads(running_job, 10)[1]
+    owner = client_of(agents, upload.node_id)
+    refused = put(owner, upload, encode_checkpoint(tampered(case)))
+    assert refused.status_code == 400 and refused.json()["detail"] == f"body: {detail}"
+    assert files_in(checkpoint_dir) == {}  # nothing refused is kept
+    upload.refresh_from_db()
+    assert not upload.file and not upload.sha256  # still open: the honest state is taken
+    assert put(owner, upload, encode_checkpoint(stage_tensors(1, 10))).status_code == 201
+
+
+def test_a_file_with_more_bytes_than_its_tensors_is_refused(running_job: Job, agents, checkpoint_dir: Path) -> None:
+    upload = open_uploads(running_job, 10)[1]
+    padded = encode_checkpoint(stage_tensors(1, 10)) + bytes(1 << 20)  # small tensors declared, a MiB carried
+    refused = put(client_of(agents, upload.node_id), upload, padded)
+    assert refused.status_code == 400
+    assert "its tensors hold 4224 bytes of data, but the file carries 1052800" in refused.json()["detail"]
+    assert files_in(checkpoint_dir) == {}
+
+
+def test_a_streamed_stage_file_that_is_not_the_stages_state_fails_the_checkpoint(
+    running_job: Job, checkpoint_dir: Path
+) -> None:
+    files = stage_files(10)
+    files[1] = state_file(1, 1, 2, encode_checkpoint(tampered("another stage's weights")))
+    with pytest.raises(StageStateError, match=r"stage 1: unexpected tensor layers.0.bias") as refused:
+        save(running_job, 10, files=files)
+    assert refused.value.stage_index == 1
+    assert files_in(checkpoint_dir) == {} and not Checkpoint.objects.exists()
+
+
+def test_an_upload_reported_for_other_layers_fails_the_checkpoint(running_job: Job, agents) -> None:
+    reported = upload_all(running_job, agents, 10)
+    reported[1] = replace(reported[1], layer_end=3)
+    with pytest.raises(StageStateError, match="stage 1: no upload"):
+        save(running_job, 10, files=reported)
 
 
 def test_an_upload_that_differs_from_what_the_agent_sent_fails_the_checkpoint(
