@@ -61,6 +61,13 @@ def client_for(user: User) -> APIClient:
 
 
 @pytest.fixture(autouse=True)
+def uncollected_static_files(settings) -> None:  # noqa: ANN001
+    """Pages render without `collectstatic` (production's storage names files by the hash it computed there); the
+    collected, hashed files are served in the end-to-end tests (tests/e2e/test_operator_browser.py)."""
+    settings.STORAGES = {**settings.STORAGES, "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"}}
+
+
+@pytest.fixture(autouse=True)
 def fresh_throttles() -> None:
     """Each test starts with no request counted against the API's rate limits (kept in the cache)."""
     cache.clear()
