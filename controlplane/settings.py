@@ -145,6 +145,8 @@ USE_TZ = True
 # Pages name files by their hash, so a page rendered before collectstatic ran fails (run it at every deploy).
 STATIC_URL = "static/"
 STATIC_ROOT = Path(os.environ.get("ARCEUS_STATIC_ROOT", VAR_DIR / "static"))
+# Files served at the site's root (browsers ask every site for /favicon.ico).
+WHITENOISE_ROOT = BASE_DIR / "controlplane" / "common" / "root"
 MEDIA_ROOT = Path(os.environ.get("ARCEUS_MEDIA_ROOT", VAR_DIR / "media"))
 MEDIA_URL = "media/"
 
