@@ -10,9 +10,10 @@ STUBS := arceus/v1/stage_pb2.py
 
 install: $(STAMP) $(STUBS) $(VENV)/.system-stamp
 
-# promtool (Debian's prometheus package) checks monitoring/ in the test suite.
+# promtool (Debian's prometheus package) checks monitoring/ in the test suite; chromium and its driver run the
+# browser test of the admin (tests/e2e/test_operator_browser.py).
 $(VENV)/.system-stamp: $(STAMP)
-	command -v promtool >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus >/dev/null)
+	(command -v promtool && command -v chromedriver) >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus chromium chromium-driver >/dev/null)
 	touch $@
 
 $(STAMP): pyproject.toml

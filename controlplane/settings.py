@@ -49,6 +49,7 @@ INSTALLED_APPS = [
     "rest_framework",
     "rest_framework.authtoken",
     "drf_spectacular",
+    "drf_spectacular_sidecar",  # Swagger UI's JS and CSS, served as our own static files (no CDN)
     "controlplane.common",
     "controlplane.accounts",
     "controlplane.nodes",
@@ -58,6 +59,8 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # The collected static files (the admin's, Swagger UI's), from STATIC_ROOT, before any other work.
+    "whitenoise.middleware.WhiteNoiseMiddleware",
     "controlplane.common.body_limit.RequestBodyLimitMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -137,10 +140,13 @@ TIME_ZONE = "UTC"
 USE_I18N = True
 USE_TZ = True
 
+# Static files (the admin's and Swagger UI's CSS and JS): `manage.py collectstatic` copies them into STATIC_ROOT
+# with content-hashed, compressed copies, and WhiteNoise serves them from there with far-future cache headers.
+# Pages name files by their hash, so a page rendered before collectstatic ran fails (run it at every deploy).
 STATIC_URL = "static/"
 STATIC_ROOT = Path(os.environ.get("ARCEUS_STATIC_ROOT", VAR_DIR / "static"))
-# Without whitenoise, Django serves the admin's static files itself when this is on (default: DEBUG).
-ARCEUS_SERVE_STATIC = _env_bool("ARCEUS_SERVE_STATIC", DEBUG)
+# Files served at the site's root (browsers ask every site for /favicon.ico).
+WHITENOISE_ROOT = BASE_DIR / "controlplane" / "common" / "root"
 MEDIA_ROOT = Path(os.environ.get("ARCEUS_MEDIA_ROOT", VAR_DIR / "media"))
 MEDIA_URL = "media/"
 
@@ -170,7 +176,7 @@ def checkpoint_storage_settings(env: Mapping[str, str]) -> dict[str, object]:
 
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
-    "staticfiles": {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"},
+    "staticfiles": {"BACKEND": "whitenoise.storage.CompressedManifestStaticFilesStorage"},
     "checkpoints": checkpoint_storage_settings(os.environ),
 }
 
@@ -212,6 +218,10 @@ SPECTACULAR_SETTINGS = {
     "VERSION": "1.0.0",
     "SERVE_INCLUDE_SCHEMA": False,
     "COMPONENT_SPLIT_REQUEST": True,
+    # /api/docs loads Swagger UI from our static files (drf-spectacular-sidecar), not from a CDN.
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
 }
 
 # --- Arceus ---------------------------------------------------------------------------------------

@@ -1,8 +1,7 @@
-"""Routes: the REST API under /api/, its schema and docs, the admin, and /healthz."""
+"""Routes: the REST API under /api/, its schema and docs, the admin, and /healthz. Static files are WhiteNoise's
+(controlplane.settings, STATIC_ROOT)."""
 
-from django.conf import settings
 from django.contrib import admin
-from django.contrib.staticfiles.views import serve
 from django.urls import include, path, re_path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
@@ -19,7 +18,3 @@ urlpatterns = [
     path("api/", include("controlplane.market.urls")),
 ]
 
-if settings.ARCEUS_SERVE_STATIC:
-    # The admin's CSS and JS, straight from the apps (no collectstatic); for production put them behind
-    # a web server or whitenoise instead.
-    urlpatterns.append(re_path(rf"^{settings.STATIC_URL.lstrip('/')}(?P<path>.*)$", serve, {"insecure": True}))

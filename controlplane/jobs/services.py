@@ -190,10 +190,10 @@ def job_start(
     return job_queue(job=job, epochs=epochs, learning_rate=learning_rate, now=now or timezone.now())
 
 
-def job_cancel(*, job: Job, now: datetime | None = None) -> Job:
+def job_cancel(*, job: Job, now: datetime | None = None, by: str = "its owner") -> Job:
     """Stop the job: agents drop its stages at their next heartbeat and its driver stops at its next
-    progress write."""
-    return transitions.job_cancel(job=job, now=now or timezone.now())
+    progress write. `by`: who cancelled it (its owner, or an operator in the admin)."""
+    return transitions.job_cancel(job=job, now=now or timezone.now(), by=by)
 
 
 def _check_model_size(spec: ModelSpec) -> None:

@@ -1,19 +1,46 @@
+"""The market in the admin: read-only prices and ledger; "Re-price now" calls the pricing service."""
+
 from __future__ import annotations
 
-from django.contrib import admin
+from django.contrib import admin, messages
+from django.http import HttpRequest, HttpResponseRedirect
+from django.shortcuts import redirect
+from django.urls import URLPattern, path
+from django.views.decorators.http import require_POST
 
+from controlplane.common.admin import ReadOnlyAdminMixin
 from controlplane.market.models import LedgerEntry, LedgerHourly, PriceChange, SpotCheck
+from controlplane.market.services import prices_reprice
 
 
 @admin.register(PriceChange)
-class PriceChangeAdmin(admin.ModelAdmin):
+class PriceChangeAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
+    """Every posted price; the newest of a class is in force. "Re-price now" posts new ones from the current
+    demand and supply instead of waiting for the periodic pass (change_list.html holds the button)."""
+
     list_display = ["device_class", "price_per_hour", "demand", "supply", "created_at"]
     list_filter = ["device_class"]
-    readonly_fields = ["device_class", "price_per_hour", "demand", "supply", "created_at"]
+
+    def get_urls(self) -> list[URLPattern]:
+        reprice = self.admin_site.admin_view(require_POST(self.reprice_view))
+        return [path("reprice/", reprice, name="market_pricechange_reprice"), *super().get_urls()]
+
+    def reprice_view(self, request: HttpRequest) -> HttpResponseRedirect:
+        if not self.has_operate_permission(request):
+            self.message_user(request, "re-pricing needs the permission to change prices", messages.ERROR)
+        else:
+            changes = prices_reprice()
+            moved = ", ".join(f"{c.device_class} ${c.price_per_hour:.4f}/h" for c in changes) or "no price moved"
+            self.message_user(request, f"re-priced: {moved}", messages.SUCCESS)
+        return redirect("admin:market_pricechange_changelist")
+
+    def changelist_view(self, request: HttpRequest, extra_context: dict | None = None):  # noqa: ANN201
+        extra_context = {**(extra_context or {}), "can_reprice": self.has_operate_permission(request)}
+        return super().changelist_view(request, extra_context)
 
 
 @admin.register(LedgerEntry)
-class LedgerEntryAdmin(admin.ModelAdmin):
+class LedgerEntryAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
     """Append-only: operators read it, nobody edits it."""
 
     list_display = [
@@ -36,25 +63,16 @@ class LedgerEntryAdmin(admin.ModelAdmin):
     list_select_related = ["job", "node"]
     search_fields = ["job__id", "job__name", "node__name"]
 
-    def has_add_permission(self, request: object) -> bool:
-        return False
-
-    def has_change_permission(self, request: object, obj: object = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: object, obj: object = None) -> bool:
-        return False
-
 
 @admin.register(LedgerHourly)
-class LedgerHourlyAdmin(admin.ModelAdmin):
+class LedgerHourlyAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
     list_display = ["hour", "job", "node", "samples", "compute_seconds", "charge_micros", "fee_micros", "credit_micros"]
     list_select_related = ["job", "node"]
     search_fields = ["job__name", "node__name"]
 
 
 @admin.register(SpotCheck)
-class SpotCheckAdmin(admin.ModelAdmin):
+class SpotCheckAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
     """Append-only evidence: why a node was flagged (a failed check) or trusted (passed ones)."""
 
     list_display = ["created_at", "job", "node", "stage_index", "step", "micro_batch", "passed", "max_abs_diff",
@@ -62,13 +80,3 @@ class SpotCheckAdmin(admin.ModelAdmin):
     list_filter = ["passed", "node"]
     list_select_related = ["job", "node", "verifier"]
     search_fields = ["job__id", "job__name", "node__name", "detail"]
-    readonly_fields = [f.name for f in SpotCheck._meta.fields]
-
-    def has_add_permission(self, request: object) -> bool:
-        return False
-
-    def has_change_permission(self, request: object, obj: object = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: object, obj: object = None) -> bool:
-        return False

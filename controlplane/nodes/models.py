@@ -50,8 +50,13 @@ class Node(BaseModel):
     # while hosting a stage too often (`node_register`): it gets no new stage.
     flagged_at = models.DateTimeField(null=True, blank=True, db_index=True)
     flag_reason = models.TextField(blank=True)
-    # When an operator last cleared the flag: restarts before it no longer count towards a new one.
+    # When an operator last cleared the flag: restarts before it no longer count towards a new one. Who, and the
+    # flag's reason with theirs ("<flag reason> -- cleared: <why>").
     flag_cleared_at = models.DateTimeField(null=True, blank=True)
+    flag_cleared_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
+    )
+    flag_clear_reason = models.TextField(blank=True)
     grpc_address = models.CharField(max_length=255, blank=True)
     # The Ready condition, in columns so the reconciler can filter on it.
     ready_status = models.CharField(max_length=8, choices=ReadyStatus, default=ReadyStatus.UNKNOWN, db_index=True)

@@ -191,26 +191,34 @@ def node_flag(*, node: Node, reason: str, now: datetime) -> bool:
     return bool(flagged)
 
 
-def node_flag_clear(*, node: Node, now: datetime) -> bool:
+@transaction.atomic
+def node_flag_clear(*, node: Node, now: datetime, reason: str, by: AbstractBaseUser | None = None) -> bool:
     """An operator's decision that the flagged node may work again: it can be placed on again, and its
-    restarts so far no longer count towards a new flag. Withheld credit stays withheld. Returns whether
-    the node was flagged."""
-    cleared = Node.objects.filter(pk=node.pk, flagged_at__isnull=False).update(
-        flagged_at=None, flag_reason="", flag_cleared_at=now
+    restarts so far no longer count towards a new flag. Withheld credit stays withheld. The operator and
+    their reason are recorded with the flag it replaces. Returns whether the node was flagged."""
+    reason = reason.strip()
+    if not reason:
+        raise ApplicationError.invalid("reason", "say why the node may work again (it is recorded on the node)")
+    flagged = Node.objects.select_for_update().filter(pk=node.pk, flagged_at__isnull=False).first()
+    if flagged is None:
+        return False
+    record = f"{flagged.flag_reason} -- cleared: {reason}"
+    Node.objects.filter(pk=node.pk).update(
+        flagged_at=None, flag_reason="", flag_cleared_at=now, flag_clear_reason=record, flag_cleared_by=by
     )
-    if cleared:
-        node.flagged_at, node.flag_reason, node.flag_cleared_at = None, "", now
-        reconcile_soon()
-    return bool(cleared)
+    node.flagged_at, node.flag_reason, node.flag_cleared_at = None, "", now
+    node.flag_clear_reason, node.flag_cleared_by = record, by
+    reconcile_soon()
+    return True
 
 
 @transaction.atomic
 def node_set_paused(*, node: Node, user: AbstractBaseUser, paused: bool, now: datetime) -> Node:
-    """Pause (drain) or resume the owner's node. A paused node gets no new stage; a stage it hosts is
-    handed back: a running job checkpoints where it is and the stage moves to another node, so no work
-    is lost. Only the node's owner may do this."""
+    """Pause (drain) or resume the node. A paused node gets no new stage; a stage it hosts is handed back:
+    a running job checkpoints where it is and the stage moves to another node, so no work is lost. Only
+    the node's owner, or an operator (staff, through the admin), may do this."""
     node = Node.objects.select_for_update().get(pk=node.pk)
-    if node.owner_id != user.pk:
+    if node.owner_id != user.pk and not user.is_staff:
         raise ApplicationError.forbidden(f"node {node.id} belongs to another user; only its owner can pause it")
     if node.paused != paused:
         node.paused, node.paused_at = paused, now if paused else None

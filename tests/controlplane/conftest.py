@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from django.contrib.auth.models import User
+from django.contrib.auth.models import Permission, User
 from django.core.cache import cache
+from django.test import Client
 from django.utils import timezone
 from rest_framework.test import APIClient
 
@@ -54,10 +55,31 @@ def other_user(db: None) -> User:
     return User.objects.create_user("bob", password="bob-password")
 
 
+@pytest.fixture
+def operator(db: None) -> Client:
+    """A staff user's admin session, allowed to view and change jobs, nodes and prices (so to run the admin's
+    actions), not a superuser."""
+    staff = User.objects.create_user("operator", password="operator-password", is_staff=True)
+    staff.user_permissions.set(Permission.objects.filter(
+        codename__in=["change_job", "change_node", "change_pricechange", "view_ledgerentry"]
+    ))
+    client = Client()
+    client.force_login(staff)
+    return client
+
+
 def client_for(user: User) -> APIClient:
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Token {user_token_get_or_create(user=user)}")
     return client
+
+
+@pytest.fixture(autouse=True)
+def uncollected_static_files(settings) -> None:  # noqa: ANN001
+    """Pages render without `collectstatic` (production's storage names files by the hash it computed there); the
+    collected, hashed files are served in the end-to-end tests (tests/e2e/test_operator_browser.py)."""
+    plain = {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"}
+    settings.STORAGES = {**settings.STORAGES, "staticfiles": plain}
 
 
 @pytest.fixture(autouse=True)

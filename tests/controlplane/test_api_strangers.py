@@ -46,7 +46,7 @@ TENANT_COLLECTIONS = {"job-list", "job-estimate", "node-list", "market-prices"}
 # The node-agent protocol (`Authorization: Node <token>`): objects addressed by id are the caller node's only.
 AGENT_OBJECTS = {"agent-checkpoint", "agent-checkpoint-upload"}
 AGENT_OWN = {"agent-register", "agent-heartbeat", "agent-probe"}  # act on the calling node itself
-NOT_REST = {"admin", "static"}  # the Django admin (staff sessions) and its static files
+NOT_REST = {"admin"}  # the Django admin (staff sessions)
 
 VICTIM_ADDRESS = "10.77.66.55:50999"
 BODIES: dict[str, Any] = {
@@ -82,7 +82,7 @@ def endpoints() -> list[Endpoint]:
                 continue
             view = getattr(pattern.callback, "view_class", None)
             methods = [m for m in ("get", "post", "put", "patch", "delete") if view and hasattr(view, m)]
-            found.append(Endpoint(pattern.name or "static", methods))
+            found.append(Endpoint(pattern.name or "", methods))
 
     walk(get_resolver().url_patterns)
     return found
@@ -193,8 +193,7 @@ def test_every_endpoint_is_classified() -> None:
     names = {e.name for e in endpoints()}
     classified = PUBLIC.keys() | TENANT_OBJECTS | TENANT_COLLECTIONS | AGENT_OBJECTS | AGENT_OWN | NOT_REST
     assert names - classified == set(), "classify the new endpoint here: who may call it, and what a stranger gets"
-    # (static is routed only when ARCEUS_SERVE_STATIC is set)
-    assert classified - names - {"static"} == set(), "a classified endpoint no longer exists"
+    assert classified - names == set(), "a classified endpoint no longer exists"
 
 
 def test_public_endpoints_need_no_credentials(db: None) -> None:

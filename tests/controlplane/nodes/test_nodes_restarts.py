@@ -109,10 +109,12 @@ def test_an_operator_clears_the_flag_and_the_restarts_before_it_are_forgiven(
     for minute in (0, 1, 2):
         restart(node, t0 + timedelta(minutes=minute))
     assert Node.objects.get(pk=node.pk).flagged_at is not None
-    assert node_flag_clear(node=Node.objects.get(pk=node.pk), now=t0 + timedelta(minutes=3))
-    assert not node_flag_clear(node=Node.objects.get(pk=node.pk), now=t0 + timedelta(minutes=3))  # not flagged
+    flag_reason = Node.objects.get(pk=node.pk).flag_reason
+    assert node_flag_clear(node=Node.objects.get(pk=node.pk), now=t0 + timedelta(minutes=3), reason="disk replaced")
+    assert not node_flag_clear(node=Node.objects.get(pk=node.pk), now=t0 + timedelta(minutes=3), reason="again")
     cleared = Node.objects.get(pk=node.pk)
     assert (cleared.flagged_at, cleared.flag_reason, cleared.flag_cleared_at) == (None, "", t0 + timedelta(minutes=3))
+    assert cleared.flag_clear_reason == f"{flag_reason} -- cleared: disk replaced"
 
     reconcile_once()  # placeable again: the pending job's stage comes back to it (the only free node)
     assert hosting(job, node) is not None
