@@ -20,7 +20,7 @@ from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from controlplane.accounts.services import user_token_get_or_create
-from controlplane.jobs.models import Checkpoint, CheckpointUpload, Job, StageCheckpoint
+from controlplane.jobs.models import Checkpoint, CheckpointUpload, Job, JobEstimate, StageCheckpoint
 from controlplane.jobs.services import job_start, job_submit
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_create, node_heartbeat, node_register
@@ -35,18 +35,23 @@ PUBLIC = {
     "schema": "the OpenAPI description of the API: the same for everyone",
     "docs": "the Swagger UI page rendering that schema",
     "token-obtain": "login: exchanges a username and password for that user's token (throttled by address)",
+    "register": "sign-up: a new account of one's own (throttled by address)",
 }
 # A tenant's own objects, addressed by id: anyone else gets 404, as for a missing one.
 TENANT_OBJECTS = {
-    "job-detail", "job-train", "network-train", "job-cancel", "job-model", "job-sample",
-    "node-detail", "node-pause", "node-resume", "node-controls", "node-earnings",
+    "job-detail", "job-estimate-detail", "job-train", "network-initialize", "network-train", "job-cancel",
+    "job-model", "job-sample",
+    "node-detail", "node-pause", "node-resume", "node-controls", "node-earnings", "node-token-rotate",
 }
 # The caller's own collections (or nothing stored): another tenant may call them, and sees only its own.
 TENANT_COLLECTIONS = {"job-list", "job-estimate", "node-list", "market-prices"}
+# The caller's own account: rotating its token or changing its password (tested on their own below, since a
+# rotation replaces the very credentials the attacker calls with).
+OWN_ACCOUNT = {"token-rotate", "password-change"}
 # The node-agent protocol (`Authorization: Node <token>`): objects addressed by id are the caller node's only.
 AGENT_OBJECTS = {"agent-checkpoint", "agent-checkpoint-upload"}
 AGENT_OWN = {"agent-register", "agent-heartbeat", "agent-probe"}  # act on the calling node itself
-NOT_REST = {"admin", "static"}  # the Django admin (staff sessions) and its static files
+NOT_REST = {"admin", "static", "signup"}  # the Django admin (staff sessions), its static files, the sign-up page
 
 VICTIM_ADDRESS = "10.77.66.55:50999"
 BODIES: dict[str, Any] = {
@@ -95,12 +100,14 @@ class Victim:
     node: Node
     checkpoint: StageCheckpoint
     upload: CheckpointUpload
+    estimate: JobEstimate
     secrets: list[str]
 
     def kwargs(self) -> dict[str, str]:
         return {
             "job_id": str(self.job.id), "node_id": str(self.node.id),
             "checkpoint_id": str(self.checkpoint.id), "upload_id": str(self.upload.id),
+            "estimate_id": str(self.estimate.id),
         }
 
     def state(self) -> dict[str, Any]:
@@ -129,12 +136,14 @@ def victim() -> Victim:
         size_bytes=10,
     )
     upload = CheckpointUpload.objects.create(job=job, node=node, stage_index=0, step=2, generation=job.generation)
+    estimate = JobEstimate.objects.create(owner=user, request={"model_config": DIGITS_JOB["model_config"]})
     node.refresh_from_db()
     secrets = [
-        str(job.id), str(node.id), str(checkpoint.id), str(stage_checkpoint.id), str(upload.id), VICTIM_ADDRESS,
+        str(job.id), str(node.id), str(checkpoint.id), str(stage_checkpoint.id), str(upload.id), str(estimate.id),
+        VICTIM_ADDRESS,
         "victim-node-7f3a", "victim-job-5d2b", "victim cpu 9c1e", "victim", node.tls_certificate,
     ]
-    return Victim(user, job, node, stage_checkpoint, upload, secrets)
+    return Victim(user, job, node, stage_checkpoint, upload, estimate, secrets)
 
 
 def client(authorization: str | None) -> APIClient:
@@ -174,7 +183,7 @@ def expected(name: str, attacker: str) -> set[int]:
     if name in AGENT_OWN:
         return {200, 400, 409} if node else {401}  # its own node: it is not registered yet (409) or no body (400)
     assert name in TENANT_COLLECTIONS, name
-    return {401} if node else {200, 201}  # its own (empty) lists, its own new job or node, an estimate
+    return {401} if node else {200, 201, 202}  # its own (empty) lists, its own new job or node, an estimate
 
 
 def call(c: APIClient, method: str, path: str, body: Any) -> Any:
@@ -185,7 +194,9 @@ def call(c: APIClient, method: str, path: str, body: Any) -> Any:
 
 def test_every_endpoint_is_classified() -> None:
     names = {e.name for e in endpoints()}
-    classified = PUBLIC.keys() | TENANT_OBJECTS | TENANT_COLLECTIONS | AGENT_OBJECTS | AGENT_OWN | NOT_REST
+    classified = (
+        PUBLIC.keys() | TENANT_OBJECTS | TENANT_COLLECTIONS | OWN_ACCOUNT | AGENT_OBJECTS | AGENT_OWN | NOT_REST
+    )
     assert names - classified == set(), "classify the new endpoint here: who may call it, and what a stranger gets"
     # (static is routed only when ARCEUS_SERVE_STATIC is set)
     assert classified - names - {"static"} == set(), "a classified endpoint no longer exists"
@@ -196,6 +207,8 @@ def test_public_endpoints_need_no_credentials(db: None) -> None:
     assert client(None).get("/api/schema").status_code == 200
     assert client(None).get("/api/docs").status_code == 200
     assert client(None).post("/api/auth/token", {"username": "x", "password": "y"}, format="json").status_code == 400
+    assert client(None).post("/api/auth/register", {"username": "x"}, format="json").status_code == 400
+    assert client(None).get("/signup").status_code == 200
 
 
 def test_nobody_but_the_owner_reaches_a_tenants_objects(victim: Victim, attackers: dict[str, APIClient]) -> None:
@@ -203,7 +216,7 @@ def test_nobody_but_the_owner_reaches_a_tenants_objects(victim: Victim, attacker
     kwargs = victim.kwargs()
     tried = 0
     for endpoint in endpoints():
-        if endpoint.name in PUBLIC or endpoint.name in NOT_REST:
+        if endpoint.name in PUBLIC or endpoint.name in NOT_REST or endpoint.name in OWN_ACCOUNT:
             continue
         route = get_resolver().reverse_dict.getlist(endpoint.name)[0][0][0][1]
         path = reverse(endpoint.name, kwargs={k: kwargs[k] for k in route})
@@ -224,3 +237,19 @@ def test_nobody_but_the_owner_reaches_a_tenants_objects(victim: Victim, attacker
     after = victim.state()
     for key in ("job", "node", "upload", "jobs", "nodes"):
         assert after[key] == before[key], key
+
+
+def test_account_endpoints_act_on_the_caller_alone(victim: Victim, attackers: dict[str, APIClient]) -> None:
+    victim_token = user_token_get_or_create(user=victim.user)
+    password = victim.user.password
+    for attacker, c in attackers.items():
+        for name, body in (("password-change", {"old_password": "victim-password", "new_password": "x" * 20}),
+                           ("token-rotate", {})):
+            response = c.post(reverse(name), body, format="json")
+            if attacker == "other tenant":  # its own account: the victim's password is not its current one
+                assert response.status_code == (400 if name == "password-change" else 200), (attacker, name)
+            else:
+                assert response.status_code == 401, (attacker, name, response.status_code)
+    assert Token.objects.get(user=victim.user).key == victim_token
+    victim.user.refresh_from_db()
+    assert victim.user.password == password
