@@ -1,6 +1,7 @@
 """`arceus`: the developer's command line, a thin shell over `arceus.sdk`.
 
     export ARCEUS_URL=http://127.0.0.1:8000 ARCEUS_TOKEN=...   # or: arceus login USER
+    arceus signup USER --email ME@EXAMPLE.ORG   # a new account; prints its API token
     arceus jobs submit job.json          # prints the new job's id
     arceus jobs train JOB_ID --watch     # starts it and draws a live progress bar
     arceus jobs show JOB_ID
@@ -68,6 +69,15 @@ def cmd_login(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_signup(args: argparse.Namespace) -> int:
+    if not args.url:
+        raise SystemExit("error: no control-plane URL: pass --url or set ARCEUS_URL")
+    password = os.environ.get("ARCEUS_PASSWORD") or getpass.getpass(f"new password for {args.username}: ")
+    client = ArceusClient.register(args.url, args.username, args.email, password)
+    print(client.session.headers["Authorization"].removeprefix("Token "))
+    return 0
+
+
 def cmd_jobs(args: argparse.Namespace) -> int:
     client = _client(args)
     if args.action == "submit":
@@ -123,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
     login = sub.add_parser("login", help="exchange a username and password for an API token")
     login.add_argument("username")
     login.set_defaults(func=cmd_login)
+    signup = sub.add_parser("signup", help="create an account and print its API token")
+    signup.add_argument("username")
+    signup.add_argument("--email", required=True)
+    signup.set_defaults(func=cmd_signup)
 
     jobs = sub.add_parser("jobs", help="submit, start, watch and inspect training jobs")
     jobs_sub = jobs.add_subparsers(dest="action", required=True)

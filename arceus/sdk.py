@@ -60,6 +60,21 @@ class ArceusClient:
         token = client._request("POST", "/api/auth/token", {"username": username, "password": password})["token"]
         return cls(base_url, token, timeout=timeout)
 
+    @classmethod
+    def register(
+        cls, base_url: str, username: str, email: str, password: str, *, timeout: float = 30.0
+    ) -> ArceusClient:
+        """Sign up: a new account, and a client holding its API token."""
+        body = {"username": username, "email": email, "password": password}
+        token = cls(base_url, timeout=timeout)._request("POST", "/api/auth/register", body)["token"]
+        return cls(base_url, token, timeout=timeout)
+
+    def rotate_token(self) -> str:
+        """Replace this account's API token (the old one stops working at once); this client uses the new one."""
+        token = self._request("POST", "/api/auth/token/rotate")["token"]
+        self.session.headers["Authorization"] = f"Token {token}"
+        return token
+
     # --- nodes ------------------------------------------------------------------------------------
     def create_node(self, name: str) -> dict[str, Any]:
         """Mint a node and its agent token (shown only in this response)."""

@@ -189,11 +189,13 @@ REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "controlplane.common.schema.ArceusAutoSchema",
     "EXCEPTION_HANDLER": "controlplane.common.exception_handler.exception_handler",
     # Rates of the endpoints a stranger or a runaway script could make expensive (views name their scope:
-    # DRF's ScopedRateThrottle; login by client address, the rest by user). ARCEUS_THROTTLE_<SCOPE> overrides.
+    # DRF's ScopedRateThrottle; login and sign-up by client address, the rest by user; password changes count
+    # as logins). ARCEUS_THROTTLE_<SCOPE> overrides (ARCEUS_THROTTLE_REGISTER: sign-ups per address).
     "DEFAULT_THROTTLE_RATES": {
         scope: os.environ.get(f"ARCEUS_THROTTLE_{scope.upper()}", rate)
         for scope, rate in {
             "login": "10/min",
+            "register": "20/hour",
             "estimate": "30/min",
             "sample": "30/min",
             "model": "30/hour",

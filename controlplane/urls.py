@@ -1,15 +1,17 @@
-"""Routes: the REST API under /api/, its schema and docs, the admin, and /healthz. Static files are WhiteNoise's
-(controlplane.settings, STATIC_ROOT)."""
+"""Routes: the REST API under /api/, its schema and docs, the admin, the sign-up page, and /healthz. Static
+files are WhiteNoise's (controlplane.settings, STATIC_ROOT)."""
 
 from django.contrib import admin
 from django.urls import include, path, re_path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
+from controlplane.accounts.pages import signup_page
 from controlplane.common.health import healthz
 
 urlpatterns = [
     path("admin/", admin.site.urls),
     re_path(r"^healthz/?$", healthz, name="healthz"),
+    re_path(r"^signup/?$", signup_page, name="signup"),
     re_path(r"^api/schema/?$", SpectacularAPIView.as_view(), name="schema"),
     re_path(r"^api/docs/?$", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
     path("api/", include("controlplane.accounts.urls")),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from arceus.data.text_config import TEXT_DATASET
 from arceus.errors import SpecError
 from arceus.model import convnet, gpt, mlp
 from arceus.model.architecture import Architecture
@@ -39,6 +40,16 @@ def architecture_for_config(model_config: Any) -> Architecture:
             f"unknown model type {model_type!r}; supported: {', '.join(ARCHITECTURES)}",
         )
     return ARCHITECTURES[model_type.lower()]
+
+
+def dataset_config_defaulted(model_config: Any, dataset_config: Any) -> Any:
+    """A model that writes text trains on the text dataset, so its `dataset_config` may leave out `name` (the
+    prototype's `{"source": ...}`); anything else is returned as it is. SpecError for an unknown model type."""
+    if isinstance(dataset_config, dict) and "name" not in dataset_config and architecture_for_config(
+        model_config
+    ).writes_text:
+        return {**dataset_config, "name": TEXT_DATASET}
+    return dataset_config
 
 
 def architecture_of(spec: ModelSpec) -> Architecture:

@@ -25,7 +25,7 @@ from controlplane.jobs.serializers import (
     JobStartInput,
     JobSubmitInput,
 )
-from controlplane.jobs.services import job_cancel, job_start, job_submit
+from controlplane.jobs.services import job_cancel, job_initialize, job_start, job_submit, job_train
 
 JOB_ID = OpenApiParameter("job_id", str, OpenApiParameter.PATH, description="Job UUID")
 ESTIMATE_ID = OpenApiParameter("estimate_id", str, OpenApiParameter.PATH, description="Estimate UUID")
@@ -96,6 +96,29 @@ class JobTrainApi(APIView):
         data.is_valid(raise_exception=True)
         job = job_start(job=job, **data.validated_data)
         return Response(JobDetailOutput(job).data, status=status.HTTP_202_ACCEPTED)
+
+
+class NetworkInitializeApi(APIView):
+    """The prototype's "initialize the devices with the model's layers": the job is queued and its stages placed
+    on Ready nodes as they are available (its conditions say what it waits for); it trains once every stage's
+    agent is ready. Until then POST /api/network/train/<job> may set its epochs and learning rate."""
+
+    @extend_schema(parameters=[JOB_ID], request=None, responses={202: JobDetailOutput, 409: ErrorOutput})
+    def post(self, request: Request, job_id: str) -> Response:
+        job = job_initialize(job=job_get_for_user(user=request.user, job_id=job_id))
+        return Response(JobDetailOutput(job).data, status=status.HTTP_202_ACCEPTED)
+
+
+class NetworkTrainApi(APIView):
+    """The prototype's "train": starts a job (as POST /api/jobs/<job>/train), or sets the epochs and learning
+    rate of one that initialize queued and that has not begun training."""
+
+    @extend_schema(parameters=[JOB_ID], request=JobStartInput, responses={202: JobDetailOutput, 409: ErrorOutput})
+    def post(self, request: Request, job_id: str) -> Response:
+        job = job_get_for_user(user=request.user, job_id=job_id)
+        data = JobStartInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        return Response(JobDetailOutput(job_train(job=job, **data.validated_data)).data, status=202)
 
 
 class JobCancelApi(APIView):

@@ -14,7 +14,7 @@ from django.utils import timezone
 from arceus.contracts.status import STARTABLE_STATUSES, JobStatus
 from arceus.data.paths import dataset_config_confined
 from arceus.errors import SpecError
-from arceus.model.registry import fit_model_to_dataset
+from arceus.model.registry import dataset_config_defaulted, fit_model_to_dataset
 from arceus.model.spec import ModelSpec
 from arceus.model.tensor_parallel import check_tensor_parallel
 from arceus.wire.transfer import transfer_config_from_json
@@ -22,6 +22,9 @@ from controlplane.common.errors import ApplicationError
 from controlplane.controller import transitions
 from controlplane.controller.transitions import job_queue
 from controlplane.jobs.models import DEFAULT_AUDIT_RATE, Job
+
+# Initialized (queued for placement, or placed and waiting for agents), training not begun.
+WAITING_TO_TRAIN = (JobStatus.QUEUED, JobStatus.PLACING, JobStatus.PENDING)
 
 
 def job_submit(
@@ -190,6 +193,36 @@ def job_start(
     return job_queue(job=job, epochs=epochs, learning_rate=learning_rate, now=now or timezone.now())
 
 
+def job_initialize(*, job: Job, now: datetime | None = None) -> Job:
+    """The prototype's `POST /api/network/initialize/<job>`: place the job's stages on the nodes there are, which
+    here is queueing it (`job_start`): the reconciler places it and its conditions say what it waits for. Training
+    begins once every stage's agent is ready; until then `job_train` may still set its epochs and learning rate."""
+    return job_start(job=job, now=now)
+
+
+@transaction.atomic
+def job_train(
+    *, job: Job, epochs: int | None = None, learning_rate: float | None = None, now: datetime | None = None
+) -> Job:
+    """The prototype's `POST /api/network/train/<job>`: start the job (`job_start`), or, for a job `job_initialize`
+    queued that has not begun training, set the epochs and learning rate it will train with."""
+    job = Job.objects.select_for_update().get(pk=job.pk)
+    if job.status not in (*WAITING_TO_TRAIN, JobStatus.RUNNING):
+        return job_start(job=job, epochs=epochs, learning_rate=learning_rate, now=now)
+    if job.status == JobStatus.RUNNING or job.started_at is not None:
+        asks = {k: v for k, v in (("epochs", epochs), ("learning_rate", learning_rate)) if v is not None}
+        if all(getattr(job, key) == value for key, value in asks.items()):
+            return job  # already training as asked
+        raise ApplicationError.conflict(
+            f"job {job.id} is {job.status} with epochs {job.epochs} and learning_rate {job.learning_rate}; "
+            "those are fixed once training begins: cancel it and train again with the new values"
+        )
+    job.epochs = job.epochs if epochs is None else epochs
+    job.learning_rate = job.learning_rate if learning_rate is None else learning_rate
+    job.save(update_fields=["epochs", "learning_rate"])  # under the row lock the reconciler's run waits on
+    return job
+
+
 def job_cancel(*, job: Job, now: datetime | None = None, by: str = "its owner") -> Job:
     """Stop the job: agents drop its stages at their next heartbeat and its driver stops at its next
     progress write. `by`: who cancelled it (its owner, or an operator in the admin)."""
@@ -215,6 +248,7 @@ def _fit_or_400(
     model_config: dict[str, Any], dataset_config: dict[str, Any]
 ) -> tuple[ModelSpec, dict[str, Any], dict[str, Any]]:
     try:
+        dataset_config = dataset_config_defaulted(model_config, dataset_config)
         return fit_model_to_dataset(model_config, dataset_config_confined(dataset_config, settings.ARCEUS_DATA_ROOT))
     except SpecError as exc:
         raise ApplicationError.invalid(exc.field, exc.message) from exc

@@ -11,6 +11,8 @@ from controlplane.jobs.api import (
     JobModelApi,
     JobSampleApi,
     JobTrainApi,
+    NetworkInitializeApi,
+    NetworkTrainApi,
 )
 
 urlpatterns = [
@@ -22,6 +24,7 @@ urlpatterns = [
     re_path(r"^jobs/(?P<job_id>[^/]+)/cancel/?$", JobCancelApi.as_view(), name="job-cancel"),
     re_path(r"^jobs/(?P<job_id>[^/]+)/model(?:\.safetensors)?/?$", JobModelApi.as_view(), name="job-model"),
     re_path(r"^jobs/(?P<job_id>[^/]+)/sample/?$", JobSampleApi.as_view(), name="job-sample"),
-    # The path the original prototype used for "start training".
-    re_path(r"^network/train/(?P<job_id>[^/]+)/?$", JobTrainApi.as_view(), name="network-train"),
+    # The original prototype's paths (its README's flow: submit, initialize, train).
+    re_path(r"^network/initialize/(?P<job_id>[^/]+)/?$", NetworkInitializeApi.as_view(), name="network-initialize"),
+    re_path(r"^network/train/(?P<job_id>[^/]+)/?$", NetworkTrainApi.as_view(), name="network-train"),
 ]

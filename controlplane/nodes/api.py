@@ -33,6 +33,7 @@ from controlplane.nodes.services import (
     node_register,
     node_set_controls,
     node_set_paused,
+    node_token_rotate,
 )
 
 NODE_ID = OpenApiParameter("node_id", str, OpenApiParameter.PATH, description="Node UUID")
@@ -76,6 +77,17 @@ class NodePauseApi(APIView):
         node = node_get_for_user(user=request.user, node_id=node_id)
         node_set_paused(node=node, user=request.user, paused=self.paused, now=timezone.now())
         return Response(NodeOutput(node_get_for_user(user=request.user, node_id=node_id)).data)
+
+
+class NodeTokenRotateApi(APIView):
+    """A new agent token for the node, shown once; the old one stops working at once (restart the agent with
+    the new one: `--token`)."""
+
+    @extend_schema(parameters=[NODE_ID], request=None, responses=NodeCreatedOutput)
+    def post(self, request: Request, node_id: str) -> Response:
+        node = node_get_for_user(user=request.user, node_id=node_id)
+        token = node_token_rotate(node=node, user=request.user)
+        return Response({"id": node.id, "name": node.name, "token": token})
 
 
 class NodeControlsApi(APIView):

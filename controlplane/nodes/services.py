@@ -31,14 +31,32 @@ def node_token_hash(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def _node_token_new() -> str:
+    # The prefix makes tokens recognisable to secret scanners, and keeps a token from starting with "-",
+    # which a command line (`--token -abc...`) would read as an option.
+    return NODE_TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
 def node_create(*, owner: AbstractBaseUser, name: str) -> tuple[Node, str]:
     """A new node and its agent token; only the token's hash is stored, so this is the one chance to
     see it."""
-    # The prefix makes tokens recognisable to secret scanners, and keeps a token from starting with "-",
-    # which a command line (`--token -abc...`) would read as an option.
-    token = NODE_TOKEN_PREFIX + secrets.token_urlsafe(32)
+    token = _node_token_new()
     node = Node.objects.create(owner=owner, name=name, token_hash=node_token_hash(token))
     return node, token
+
+
+@transaction.atomic
+def node_token_rotate(*, node: Node, user: AbstractBaseUser) -> str:
+    """A new agent token for the owner's node (shown once, like the first); the old one stops authenticating
+    the agent API when this commits. An agent still running with the old token is refused from its next
+    heartbeat on, and the node is lost after its grace period until the agent is restarted with the new one."""
+    node = Node.objects.select_for_update().get(pk=node.pk)
+    if node.owner_id != user.pk:
+        raise ApplicationError.forbidden(f"node {node.id} belongs to another user; only its owner can rotate its token")
+    token = _node_token_new()
+    node.token_hash = node_token_hash(token)
+    node.save(update_fields=["token_hash"])
+    return token
 
 
 @transaction.atomic

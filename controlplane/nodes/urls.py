@@ -13,6 +13,7 @@ from controlplane.nodes.api import (
     NodeListCreateApi,
     NodePauseApi,
     NodeResumeApi,
+    NodeTokenRotateApi,
 )
 
 urlpatterns = [
@@ -21,6 +22,7 @@ urlpatterns = [
     re_path(r"^nodes/(?P<node_id>[^/]+)/pause/?$", NodePauseApi.as_view(), name="node-pause"),
     re_path(r"^nodes/(?P<node_id>[^/]+)/resume/?$", NodeResumeApi.as_view(), name="node-resume"),
     re_path(r"^nodes/(?P<node_id>[^/]+)/controls/?$", NodeControlsApi.as_view(), name="node-controls"),
+    re_path(r"^nodes/(?P<node_id>[^/]+)/token/rotate/?$", NodeTokenRotateApi.as_view(), name="node-token-rotate"),
     re_path(r"^agent/register/?$", AgentRegisterApi.as_view(), name="agent-register"),
     re_path(r"^agent/heartbeat/?$", AgentHeartbeatApi.as_view(), name="agent-heartbeat"),
     re_path(r"^agent/probe/?$", AgentProbeApi.as_view(), name="agent-probe"),

@@ -35,18 +35,23 @@ PUBLIC = {
     "schema": "the OpenAPI description of the API: the same for everyone",
     "docs": "the Swagger UI page rendering that schema",
     "token-obtain": "login: exchanges a username and password for that user's token (throttled by address)",
+    "register": "sign-up: a new account of one's own (throttled by address)",
 }
 # A tenant's own objects, addressed by id: anyone else gets 404, as for a missing one.
 TENANT_OBJECTS = {
-    "job-detail", "job-train", "network-train", "job-cancel", "job-model", "job-sample",
-    "node-detail", "node-pause", "node-resume", "node-controls", "node-earnings", "job-estimate-detail",
+    "job-detail", "job-estimate-detail", "job-train", "network-initialize", "network-train", "job-cancel",
+    "job-model", "job-sample",
+    "node-detail", "node-pause", "node-resume", "node-controls", "node-earnings", "node-token-rotate",
 }
 # The caller's own collections (or nothing stored): another tenant may call them, and sees only its own.
 TENANT_COLLECTIONS = {"job-list", "job-estimate", "node-list", "market-prices"}
+# The caller's own account: rotating its token or changing its password (tested on their own below, since a
+# rotation replaces the very credentials the attacker calls with).
+OWN_ACCOUNT = {"token-rotate", "password-change"}
 # The node-agent protocol (`Authorization: Node <token>`): objects addressed by id are the caller node's only.
 AGENT_OBJECTS = {"agent-checkpoint", "agent-checkpoint-upload"}
 AGENT_OWN = {"agent-register", "agent-heartbeat", "agent-probe"}  # act on the calling node itself
-NOT_REST = {"admin"}  # the Django admin (staff sessions)
+NOT_REST = {"admin", "signup"}  # the Django admin (staff sessions), the sign-up page
 
 VICTIM_ADDRESS = "10.77.66.55:50999"
 BODIES: dict[str, Any] = {
@@ -191,7 +196,9 @@ def call(c: APIClient, method: str, path: str, body: Any) -> Any:
 
 def test_every_endpoint_is_classified() -> None:
     names = {e.name for e in endpoints()}
-    classified = PUBLIC.keys() | TENANT_OBJECTS | TENANT_COLLECTIONS | AGENT_OBJECTS | AGENT_OWN | NOT_REST
+    classified = (
+        PUBLIC.keys() | TENANT_OBJECTS | TENANT_COLLECTIONS | OWN_ACCOUNT | AGENT_OBJECTS | AGENT_OWN | NOT_REST
+    )
     assert names - classified == set(), "classify the new endpoint here: who may call it, and what a stranger gets"
     assert classified - names == set(), "a classified endpoint no longer exists"
 
@@ -201,6 +208,8 @@ def test_public_endpoints_need_no_credentials(db: None) -> None:
     assert client(None).get("/api/schema").status_code == 200
     assert client(None).get("/api/docs").status_code == 200
     assert client(None).post("/api/auth/token", {"username": "x", "password": "y"}, format="json").status_code == 400
+    assert client(None).post("/api/auth/register", {"username": "x"}, format="json").status_code == 400
+    assert client(None).get("/signup").status_code == 200
 
 
 def test_nobody_but_the_owner_reaches_a_tenants_objects(victim: Victim, attackers: dict[str, APIClient]) -> None:
@@ -208,7 +217,7 @@ def test_nobody_but_the_owner_reaches_a_tenants_objects(victim: Victim, attacker
     kwargs = victim.kwargs()
     tried = 0
     for endpoint in endpoints():
-        if endpoint.name in PUBLIC or endpoint.name in NOT_REST:
+        if endpoint.name in PUBLIC or endpoint.name in NOT_REST or endpoint.name in OWN_ACCOUNT:
             continue
         route = get_resolver().reverse_dict.getlist(endpoint.name)[0][0][0][1]
         path = reverse(endpoint.name, kwargs={k: kwargs[k] for k in route})
@@ -229,3 +238,19 @@ def test_nobody_but_the_owner_reaches_a_tenants_objects(victim: Victim, attacker
     after = victim.state()
     for key in ("job", "node", "upload", "jobs", "nodes"):
         assert after[key] == before[key], key
+
+
+def test_account_endpoints_act_on_the_caller_alone(victim: Victim, attackers: dict[str, APIClient]) -> None:
+    victim_token = user_token_get_or_create(user=victim.user)
+    password = victim.user.password
+    for attacker, c in attackers.items():
+        for name, body in (("password-change", {"old_password": "victim-password", "new_password": "x" * 20}),
+                           ("token-rotate", {})):
+            response = c.post(reverse(name), body, format="json")
+            if attacker == "other tenant":  # its own account: the victim's password is not its current one
+                assert response.status_code == (400 if name == "password-change" else 200), (attacker, name)
+            else:
+                assert response.status_code == 401, (attacker, name, response.status_code)
+    assert Token.objects.get(user=victim.user).key == victim_token
+    victim.user.refresh_from_db()
+    assert victim.user.password == password

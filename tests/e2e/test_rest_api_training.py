@@ -1,4 +1,5 @@
-"""Create a job over REST, let three agents register, train it, and watch it succeed.
+"""A newcomer signs up over REST, submits a job with the token sign-up gave, three agents (another owner's)
+train it to success; then the newcomer rotates the token: the old one is refused, the new one works.
 
 Real processes throughout: gunicorn on PostgreSQL, Celery worker and beat on Redis, three node
 agents talking gRPC to each other on loopback.
@@ -7,11 +8,13 @@ agents talking gRPC to each other on loopback.
 from __future__ import annotations
 
 import math
+import secrets
 
 import pytest
 import requests
 
 from arceus.data import load_dataset, validate_dataset_config
+from arceus.sdk import ApiError, ArceusClient
 from devtools.cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
@@ -30,9 +33,16 @@ JOB = {
 }
 
 
-def test_job_trains_across_three_agents_to_success(cluster: LocalCluster) -> None:
-    agents = cluster.start_agents([f"node-{i}" for i in range(3)])
-    client = cluster.client
+def test_a_newcomer_signs_up_and_trains_a_job_across_three_agents_to_success(cluster: LocalCluster) -> None:
+    agents = cluster.start_agents([f"node-{i}" for i in range(3)])  # the demo user's nodes
+    username = f"newcomer-{secrets.token_hex(4)}"  # users outlive the shared cluster's resets
+    signup = requests.post(
+        f"{cluster.api_url}/api/auth/register",
+        json={"username": username, "email": f"{username}@example.org", "password": "lantern-harbour-violet"},
+        timeout=30,
+    )
+    assert signup.status_code == 201, signup.text
+    client = ArceusClient(cluster.api_url, signup.json()["token"])
 
     job = client.submit_job(JOB)
     assert job["status"] == "created"
@@ -57,7 +67,7 @@ def test_job_trains_across_three_agents_to_success(cluster: LocalCluster) -> Non
     assert [e["epoch"] for e in final["epochs"]] == [1, 2, 3]
     assert final["val_accuracy"] >= 0.85
 
-    nodes = {n["id"]: n for n in client.nodes()}
+    nodes = {n["id"]: n for n in cluster.client.nodes()}
     for agent in agents:
         assert nodes[agent.node_id]["ready"]["status"] == "True"
         metrics = requests.get(f"http://{agent.metrics_address}/metrics", timeout=10).text
@@ -66,3 +76,11 @@ def test_job_trains_across_three_agents_to_success(cluster: LocalCluster) -> Non
         name = "arceus_state_bytes_uploaded_total "
         uploaded = next(float(line.split()[1]) for line in metrics.splitlines() if line.startswith(name))
         assert uploaded > 0
+
+    old_token = signup.json()["token"]
+    new_token = client.rotate_token()
+    assert new_token != old_token
+    with pytest.raises(ApiError) as refused:
+        ArceusClient(cluster.api_url, old_token).jobs()
+    assert refused.value.status == 401
+    assert [j["id"] for j in client.jobs()] == [job["id"]]  # the client now sends the new token

@@ -97,3 +97,23 @@ def test_the_owner_pauses_and_resumes_a_node_and_nobody_else_can(api: APIClient,
     assert response.status_code == 200 and response.json()["paused"] is False
     assert Node.objects.get(pk=node_id).paused_at is None
     assert api.post("/api/nodes/not-a-uuid/pause").status_code == 404
+
+
+def test_the_owner_rotates_a_node_token_and_the_old_one_stops_at_once(api: APIClient, other_api: APIClient) -> None:
+    created = api.post("/api/nodes", {"name": "laptop"}, format="json").json()
+    agent = APIClient()
+    agent.credentials(HTTP_AUTHORIZATION=f"Node {created['token']}")
+    assert agent.post("/api/agent/probe", b"", content_type="application/octet-stream").status_code == 200
+
+    assert other_api.post(f"/api/nodes/{created['id']}/token/rotate").status_code == 404  # not theirs: unseen
+    rotated = api.post(f"/api/nodes/{created['id']}/token/rotate")
+    assert rotated.status_code == 200
+    body = rotated.json()
+    assert body["id"] == created["id"] and body["token"].startswith("arceus_node_")
+    assert body["token"] != created["token"]
+
+    refused = agent.post("/api/agent/probe", b"", content_type="application/octet-stream")
+    assert refused.status_code == 401 and "invalid node token" in refused.json()["detail"]
+    agent.credentials(HTTP_AUTHORIZATION=f"Node {body['token']}")
+    assert agent.post("/api/agent/probe", b"", content_type="application/octet-stream").status_code == 200
+    assert Node.objects.get(pk=created["id"]).token_hash == hashlib.sha256(body["token"].encode()).hexdigest()
