@@ -27,6 +27,7 @@ import requests
 
 from arceus.sdk import ArceusClient
 from devtools.supervisor import Child, ProcessError, Supervisor
+from nodeagent.node_token import TOKEN_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 AGENT_READY_PREFIX = "AGENT READY"
@@ -155,9 +156,9 @@ class LocalCluster:
         for name in names:
             created = client.create_node(name)
             self._commands[f"agent-{name}"] = [
-                sys.executable, "-m", module, "--control-plane", self.api_url, "--token", created["token"],
+                sys.executable, "-m", module, "--control-plane", self.api_url,
                 "--device", "cpu", "--threads", str(self.agent_threads), *extra_args]
-            spawned.append((name, str(created["id"]), created["token"], *self._spawn_agent(name)))
+            spawned.append((name, str(created["id"]), created["token"], *self._spawn_agent(name, created["token"])))
         agents = [self._await_agent(*args) for args in spawned]
         self.agents.extend(agents)
         return agents
@@ -172,7 +173,8 @@ class LocalCluster:
     def restart_agent(self, agent: Agent) -> Agent:
         """Crash an agent and start it again with the same token (a new process on a new port)."""
         self.crash(agent.child.name)
-        restarted = self._await_agent(agent.name, agent.node_id, agent.token, *self._spawn_agent(agent.name))
+        spawned = self._spawn_agent(agent.name, agent.token)
+        restarted = self._await_agent(agent.name, agent.node_id, agent.token, *spawned)
         self.agents[self.agents.index(agent)] = restarted
         return restarted
 
@@ -182,13 +184,15 @@ class LocalCluster:
             self.supervisor.kill(child)
         self.agents.clear()
 
-    def _spawn_agent(self, name: str) -> tuple[Child, int]:
-        """Start an agent's process; return it, and the offset in its log where this run's lines begin (logs
-        are appended across restarts)."""
+    def _spawn_agent(self, name: str, token: str) -> tuple[Child, int]:
+        """Start an agent's process, its token in the environment (never in argv: `ps` shows that to every
+        user); return it, and the offset in its log where this run's lines begin (logs are appended across
+        restarts)."""
         log_name = f"agent-{name}"
         log_path = self.supervisor.log_dir / f"{log_name}.log"
         offset = log_path.stat().st_size if log_path.exists() else 0
-        return self.supervisor.start(log_name, self._commands[log_name], env=self.env, cwd=REPO_ROOT), offset
+        env = {**self.env, TOKEN_ENV: token}
+        return self.supervisor.start(log_name, self._commands[log_name], env=env, cwd=REPO_ROOT), offset
 
     def _await_agent(self, name: str, node_id: str, token: str, child: Child, offset: int) -> Agent:
         line = self.supervisor.wait_for_log_line(child, AGENT_READY_PREFIX, timeout=60, offset=offset)

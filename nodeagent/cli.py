@@ -1,7 +1,12 @@
-"""`python -m nodeagent`: run a node agent against a control plane, or from a static assignment file.
+"""`arceus-agent [run]` (or `python -m nodeagent`): run a node agent against a control plane, or from a static
+assignment file.
 
-Once it serves, it prints exactly one stdout line, `AGENT READY grpc=HOST:PORT metrics=HOST:PORT`
-(the advertised gRPC address and the metrics address); everything else goes to stderr.
+`arceus-agent init` writes the settings it runs from by default, `arceus-agent status` shows what it is
+doing (nodeagent.owner_commands). The node token comes from ARCEUS_NODE_TOKEN or a file only its owner
+can read (nodeagent.node_token), never from the command line.
+
+Once it serves, it prints exactly one stdout line, `AGENT READY grpc=HOST:PORT metrics=HOST:PORT` (the
+advertised gRPC address and the metrics address); everything else goes to stderr.
 SIGTERM or SIGINT stop it gracefully with exit code 0.
 """
 
@@ -24,14 +29,19 @@ from nodeagent.agent import Agent, split_host_port
 from nodeagent.control_plane import (
     ControlPlaneClient,
     HeartbeatLoop,
+    HeartbeatReply,
     Unauthorized,
     measure_link,
     register_until_accepted,
 )
 from nodeagent.device import DEVICE_TYPES, DeviceError, capabilities, select_device
 from nodeagent.heap import retain_freed_blocks
+from nodeagent.local_status import write_status
 from nodeagent.neighbour_links import DEFAULT_INTERVAL_SECONDS
+from nodeagent.node_token import TokenError, resolve_token
 from nodeagent.openmp import describe_openmp_spin
+from nodeagent.owner_commands import OWNER_COMMANDS, run_owner_command
+from nodeagent.settings import STATUS_FILE_NAME, SettingsError, default_settings_path, load_settings
 from nodeagent.static import load_local_checkpoint, load_static_assignments
 
 log = logging.getLogger("nodeagent")
@@ -63,11 +73,26 @@ def _positive_float(value: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m nodeagent", description=__doc__.splitlines()[0])
-    parser.add_argument(
-        "--control-plane", metavar="URL", help="control plane base URL, e.g. http://127.0.0.1:8000"
+    parser = argparse.ArgumentParser(
+        prog="arceus-agent",
+        description="Run a node agent (`arceus-agent run`, the default): from the settings `arceus-agent init` "
+        "wrote, or against --control-plane URL with the token in ARCEUS_NODE_TOKEN or --token-file, or from "
+        "--static-assignment FILE.",
+        epilog="other commands: `arceus-agent init --control-plane URL --token-stdin` writes the settings; "
+        "`arceus-agent status` shows registration, device, stages and controls (each has --help)",
     )
-    parser.add_argument("--token", help="this node's token (shown once when the node is created)")
+    parser.add_argument(
+        "--control-plane", metavar="URL",
+        help="control plane base URL, e.g. http://127.0.0.1:8000 (default: the settings file's)",
+    )
+    parser.add_argument(
+        "--token-file", type=Path, metavar="FILE",
+        help="file holding this node's token, readable by its owner only (chmod 600); ARCEUS_NODE_TOKEN wins",
+    )
+    parser.add_argument(
+        "--config", type=Path, metavar="FILE",
+        help=f"settings file to run from when --control-plane is not given (default: {default_settings_path()})",
+    )
     parser.add_argument(
         "--static-assignment",
         metavar="FILE",
@@ -133,14 +158,37 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in OWNER_COMMANDS:
+        return run_owner_command(argv)
+    if argv and argv[0] == "run":
+        argv = argv[1:]
     parser = build_parser()
+    if any(arg == "--token" or arg.startswith("--token=") for arg in argv):
+        parser.error("--token is gone: a token on the command line is visible to every local user (ps); set "
+                     "ARCEUS_NODE_TOKEN, give --token-file FILE (chmod 600), or run `arceus-agent init --token-stdin`")
     args = parser.parse_args(argv)
-    if args.static_assignment is None and not (args.control_plane and args.token):
-        parser.error(
-            "either --static-assignment FILE, or both --control-plane URL and --token TOKEN, are required"
-        )
-    if args.static_assignment is not None and (args.control_plane or args.token):
-        parser.error("--static-assignment runs without a control plane; drop --control-plane/--token")
+    status_path: Path | None = None  # where a settings-mode agent reports for `arceus-agent status`
+    if args.static_assignment is not None:
+        if args.control_plane or args.token_file or args.config:
+            parser.error("--static-assignment runs without a control plane; drop --control-plane/--token-file/--config")
+    elif args.control_plane is None:
+        settings_path = args.config or default_settings_path()
+        try:
+            settings = load_settings(settings_path)
+        except SettingsError as exc:
+            parser.error(f"{exc} (or give --static-assignment FILE, or --control-plane URL)")
+        # The settings are the defaults; a flag given as well wins.
+        parser.set_defaults(**{k: v for k, v in vars(settings).items() if v is not None and k != "token_file"})
+        parser.set_defaults(token_file=Path(settings.token_file))
+        args = parser.parse_args(argv)
+        status_path = settings_path.with_name(STATUS_FILE_NAME)
+    token = None
+    if args.static_assignment is None:
+        try:
+            token = resolve_token(args.token_file)[0]
+        except TokenError as exc:
+            parser.error(str(exc))
     logging.basicConfig(
         stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -183,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda _signum, _frame: stop.set())
 
-    client = None if assignments is not None else ControlPlaneClient(args.control_plane, args.token)
+    client = None if token is None else ControlPlaneClient(args.control_plane, token)
     agent = Agent(
         device=device,
         listen=args.listen,
@@ -227,8 +275,21 @@ def main(argv: list[str] | None = None) -> int:
                 fatal.append(message)
                 stop.set()
 
+            def on_reply(reply: HeartbeatReply) -> None:
+                if status_path is None:
+                    return
+                controls = {"max_threads": reply.max_threads, "max_memory_bytes": reply.max_memory_bytes}
+                try:
+                    write_status(status_path, {
+                        "control_plane": args.control_plane, "node_id": reply.node_id, "device": str(device),
+                        "grpc_address": agent.advertise_address, "stages": agent.observed(), "controls": controls,
+                    })
+                except OSError as exc:
+                    log.warning("cannot write %s for `arceus-agent status`: %s", status_path, exc)
+
             heartbeats = HeartbeatLoop(
-                client, agent, interval=registration.heartbeat_interval_seconds, on_fatal=on_fatal
+                client, agent, interval=registration.heartbeat_interval_seconds, on_fatal=on_fatal,
+                on_reply=on_reply,
             )
             heartbeats.start()
         print(f"AGENT READY grpc={agent.advertise_address} metrics={agent.metrics_address}", flush=True)

@@ -202,7 +202,8 @@ class ControlPlaneClient:
         if response.status_code == 401:
             raise Unauthorized(
                 f"the control plane at {self.url} rejected the node token (HTTP 401); "
-                "check --token: it is shown once when the node is created (POST /api/nodes)"
+                "check the token (ARCEUS_NODE_TOKEN or the token file): it is shown once when the node is created "
+                "(POST /api/nodes)"
             )
         if response.status_code >= 300:
             raise ControlPlaneError(f"POST {url} → HTTP {response.status_code}: {response.text[:500]}")
@@ -289,6 +290,7 @@ class HeartbeatLoop:
     heartbeats that keep the node's lease: the node would look dead and its stages move.
 
     `on_fatal(message)` is called once, from the thread, if the token is rejected; the loop then ends.
+    `on_reply(reply)`, if given, is called from the thread after each heartbeat the control plane answered.
     """
 
     def __init__(
@@ -298,10 +300,12 @@ class HeartbeatLoop:
         *,
         interval: float,
         on_fatal: Callable[[str], None],
+        on_reply: Callable[[HeartbeatReply], None] | None = None,
         min_backoff: float = 1.0,
         max_backoff: float = 30.0,
     ) -> None:
         self._client = client
+        self._on_reply = on_reply
         self._agent = agent
         self._interval = interval
         self._on_fatal = on_fatal
@@ -353,6 +357,8 @@ class HeartbeatLoop:
                 with self._desired_lock:
                     self._desired = (reply.assignments, reply.rejected)
                 self._desired_ready.set()
+                if self._on_reply is not None:
+                    self._on_reply(reply)
                 wait = self._interval
             except Unauthorized as exc:
                 self._on_fatal(str(exc))

@@ -29,18 +29,22 @@ ASSIGNMENT = pipeline_assignments(
 )[0]
 
 
-def run_agent(*args: str) -> subprocess.CompletedProcess[str]:
+def run_agent(*args: str, token: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "ARCEUS_NODE_TOKEN"}
+    if token is not None:
+        env["ARCEUS_NODE_TOKEN"] = token
     return subprocess.run(
-        [sys.executable, "-m", "nodeagent", *args], capture_output=True, text=True, timeout=60
+        [sys.executable, "-m", "nodeagent", *args], capture_output=True, text=True, timeout=60, env=env
     )
 
 
 @pytest.mark.parametrize(
     ("args", "fragment"),
     [
-        ([], "either --static-assignment FILE, or both --control-plane URL and --token TOKEN"),
-        (["--control-plane", "http://127.0.0.1:1"], "either --static-assignment"),
-        (["--static-assignment", "x.json", "--token", "t"], "drop --control-plane/--token"),
+        (["--config", "/nonexistent/agent.toml"], "no settings at /nonexistent/agent.toml; run `arceus-agent init"),
+        (["--control-plane", "http://127.0.0.1:1"], "no node token: set ARCEUS_NODE_TOKEN, or give --token-file"),
+        (["--control-plane", "http://127.0.0.1:1", "--token", "t"], "--token is gone: a token on the command line"),
+        (["--static-assignment", "x.json", "--control-plane", "http://h"], "drop --control-plane/--token-file"),
         (["--static-assignment", "x.json", "--listen", "localhost"], "is not HOST:PORT"),
         (["--static-assignment", "x.json", "--threads", "0"], "must be a positive integer"),
         (["--static-assignment", "x.json", "--threads", "3", "--solo-threads", "2"], "--solo-threads 2 is below the 3"),
@@ -49,7 +53,10 @@ def run_agent(*args: str) -> subprocess.CompletedProcess[str]:
         (["--static-assignment", "x.json", "--declare-flops", "0"], "must be a positive number, got 0"),
     ],
 )
-def test_usage_errors_exit_2(args: list[str], fragment: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_usage_errors_exit_2(
+    args: list[str], fragment: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("ARCEUS_NODE_TOKEN", raising=False)
     with pytest.raises(SystemExit) as info:
         main(args)
     assert info.value.code == 2
@@ -66,14 +73,14 @@ def test_invalid_static_assignment_exits_2(tmp_path: Path, capsys: pytest.Captur
 
 
 def test_usage_error_from_the_real_entry_point() -> None:
-    result = run_agent()
-    assert result.returncode == 2 and "either --static-assignment" in result.stderr
+    result = run_agent("--control-plane", "http://127.0.0.1:1")
+    assert result.returncode == 2 and "no node token: set ARCEUS_NODE_TOKEN" in result.stderr
 
 
 def test_rejected_token_exits_1_with_a_clear_message(control_plane) -> None:  # noqa: ANN001 - conftest fixture
-    result = run_agent("--control-plane", control_plane.url, "--token", "wrong", "--threads", "1")
+    result = run_agent("--control-plane", control_plane.url, "--threads", "1", token="wrong")
     assert result.returncode == 1
-    assert "rejected the node token (HTTP 401); check --token" in result.stderr
+    assert "rejected the node token (HTTP 401); check the token" in result.stderr
     assert "AGENT READY" not in result.stdout
 
 
@@ -81,17 +88,9 @@ def test_control_plane_mode_registers_reports_ready_and_stops_cleanly(control_pl
     control_plane.interval = 0.2
     control_plane.assignments = [ASSIGNMENT]
     agent = spawn_agent(
-        [
-            "--control-plane",
-            control_plane.url,
-            "--token",
-            control_plane.token,
-            "--threads",
-            "1",
-            "--device",
-            "cpu",
-        ],
+        ["--control-plane", control_plane.url, "--threads", "1", "--device", "cpu"],
         log_path=tmp_path / "agent.log",
+        env={**os.environ, "ARCEUS_NODE_TOKEN": control_plane.token},
     )
     try:
         # The agent first times probes of its link to the control plane, then registers.

@@ -69,7 +69,7 @@ def test_rejected_token_is_unauthorized(control_plane) -> None:  # noqa: ANN001
     client = ControlPlaneClient(control_plane.url, "wrong")
     with pytest.raises(Unauthorized, match="rejected the node token"):
         register_until_accepted(client, "h:1", {}, "", "CERT", stop=threading.Event())
-    with pytest.raises(Unauthorized, match="check --token"):
+    with pytest.raises(Unauthorized, match=r"check the token \(ARCEUS_NODE_TOKEN or the token file\)"):
         client.heartbeat([])
 
 
