@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import re
+import time
 from decimal import Decimal
 
 import pytest
@@ -40,7 +41,13 @@ def test_faster_agents_get_larger_stages_and_the_ledger_matches_their_counters(c
     # solver takes from each agent's measured link to the control plane (a few ms on a busy loopback).
     declared = {"fast": "4e8", "slow-a": "1e8", "slow-b": "1e8"}
     agents = {name: cluster.start_agent(name, "--declare-flops", flops) for name, flops in declared.items()}
-    # The estimate is computed by the control queue's Celery worker (never the web process) and polled.
+    # The estimate is computed by the control queue's Celery worker (never the web process) and polled, once
+    # every agent's first heartbeat has made its node Ready (an agent says READY when it has registered).
+    ids = {agent.node_id for agent in agents.values()}
+    deadline = time.monotonic() + 30
+    while {n["id"] for n in cluster.client.nodes() if n["ready"]["status"] == "True"} < ids:
+        assert time.monotonic() < deadline, cluster.client.nodes()
+        time.sleep(0.2)
     estimate = cluster.client.estimate(JOB)
     assert estimate["feasible"] and estimate["candidates"] == 3 and not estimate["cut_short"], estimate
     assert len(estimate["stages"]) == 3
