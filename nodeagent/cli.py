@@ -34,7 +34,7 @@ from nodeagent.control_plane import (
     measure_link,
     register_until_accepted,
 )
-from nodeagent.device import DEVICE_TYPES, DeviceError, capabilities, select_device
+from nodeagent.device import DEVICE_TYPES, DeviceError, capabilities, check_device_computes, select_device
 from nodeagent.heap import retain_freed_blocks
 from nodeagent.local_status import write_status
 from nodeagent.neighbour_links import DEFAULT_INTERVAL_SECONDS
@@ -199,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         device = select_device(args.device)
+        check_device_computes(device)
     except DeviceError as exc:
         parser.error(str(exc))
     identity = None

@@ -55,6 +55,24 @@ def select_device(requested: str | None = None) -> torch.device:
     return torch.device(requested)
 
 
+def check_device_computes(device: torch.device) -> None:
+    """A small forward and backward on `device`, checked against the CPU's: a GPU torch sees but cannot run
+    (a compute capability this build has no kernels for, a broken driver) is refused before the agent
+    registers, with torch's reason, rather than failing the first stage it is given."""
+    generator = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 64, generator=generator), torch.randn(64, 64, generator=generator)
+    try:
+        x = a.to(device).requires_grad_()
+        (x @ b.to(device)).square().sum().backward()
+        synchronize(device)
+        grad = x.grad.cpu() if x.grad is not None else None
+    except (RuntimeError, AssertionError) as exc:
+        raise DeviceError(f"torch cannot compute on {device} ({device_name(device)}): {exc}") from exc
+    expected = 2 * (a @ b) @ b.T
+    if grad is None or not torch.allclose(grad, expected, rtol=1e-3, atol=1e-3):
+        raise DeviceError(f"{device} ({device_name(device)}) computed a wrong gradient in a 64x64 check")
+
+
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -107,14 +125,14 @@ def measure_matmul_flops(
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=generator).to(device, dtype)
     b = torch.randn(size, size, generator=generator).to(device, dtype)
-    _synchronize(device)
+    synchronize(device)
     torch.mm(a, b)  # warm-up: first-call dispatch and allocation are not compute
-    _synchronize(device)
+    synchronize(device)
     runs, start = 0, time.perf_counter()
     while True:
         torch.mm(a, b)
         runs += 1
-        _synchronize(device)
+        synchronize(device)
         elapsed = time.perf_counter() - start
         if elapsed >= budget_seconds:
             return 2.0 * size**3 * runs / elapsed
@@ -144,7 +162,9 @@ def _low_precision_flops(device: torch.device, dtype: torch.dtype) -> float | No
         return None
 
 
-def _synchronize(device: torch.device) -> None:
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued kernels: a GPU runs them asynchronously, so a clock read before this
+    times the launch, not the work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elif device.type == "mps":

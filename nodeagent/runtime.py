@@ -28,6 +28,7 @@ from arceus.model.decoding import DecodeState, decode, decodes
 from arceus.model.expected_state import OPTIMIZER_STATE_KEYS, optimizer_kind
 from arceus.model.layout import TensorLayout
 from arceus.model.precision import autocast
+from nodeagent.device import synchronize
 
 MicroBatchKey = tuple[int, int]  # (step, micro_batch)
 
@@ -292,8 +293,7 @@ class StageRuntime:
     def _timed(self, samples: int = 0) -> Iterator[None]:
         start = time.perf_counter()
         yield
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # kernels are asynchronous; time what actually ran
+        synchronize(self.device)  # kernels are asynchronous (CUDA, MPS): time what actually ran
         self.counters.compute_seconds += time.perf_counter() - start
         if samples:
             self.counters.samples += samples

@@ -8,6 +8,7 @@ import torch
 from nodeagent.device import (
     DeviceError,
     capabilities,
+    check_device_computes,
     measure_matmul_flops,
     memory_used_bytes,
     select_device,
@@ -26,6 +27,21 @@ def test_cuda_request_matches_availability() -> None:
     else:
         with pytest.raises(DeviceError, match="no CUDA GPU"):
             select_device("cuda")
+
+
+def test_mps_request_matches_availability() -> None:
+    if torch.backends.mps.is_available():
+        assert select_device("mps").type == "mps"
+    else:
+        with pytest.raises(DeviceError, match="Metal backend is not available"):
+            select_device("mps")
+
+
+def test_a_device_torch_sees_but_cannot_compute_on_is_refused_with_torchs_reason() -> None:
+    check_device_computes(torch.device("cpu"))  # computes, and the gradient is right
+    # The meta device stands in for a GPU without kernels for this build: tensors exist, no data comes back.
+    with pytest.raises(DeviceError, match=r"torch cannot compute on meta .*Cannot copy out of meta tensor"):
+        check_device_computes(torch.device("meta"))
 
 
 def test_unknown_device() -> None:
