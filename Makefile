@@ -11,9 +11,10 @@ STUBS := arceus/v1/stage_pb2.py
 install: $(STAMP) $(STUBS) $(VENV)/.system-stamp
 
 # promtool (Debian's prometheus package) checks monitoring/ in the test suite; chromium and its driver run the
-# browser test of the admin (tests/e2e/test_operator_browser.py).
+# browser test of the admin (tests/e2e/test_operator_browser.py); docker-compose's `config` validates
+# deploy/compose.yaml (tests/deploy; it needs no container engine).
 $(VENV)/.system-stamp: $(STAMP)
-	(command -v promtool && command -v chromedriver) >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus chromium chromium-driver >/dev/null)
+	(command -v promtool && command -v chromedriver && command -v docker-compose) >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus chromium chromium-driver docker-compose >/dev/null)
 	touch $@
 
 $(STAMP): pyproject.toml
