@@ -23,10 +23,12 @@ log = logging.getLogger(__name__)
 # mallopt(3) parameters.
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
 ARENA_MAX = 2  # the main heap and one more: the threads that move tensors share them
-# Blocks above this still get a mapping of their own, returned on free. 32 MiB: the most older glibc accepts,
-# and the ceiling of the threshold glibc adapts by itself.
-MMAP_THRESHOLD = 32 << 20
-TRIM_THRESHOLD = 512 << 20  # free memory at the top of the main heap before it shrinks
+# Blocks above this still get a mapping of their own, returned on free: a large stage's weights, gradients and
+# optimizer moments (a 1024-wide GPT's are 12-16 MiB each). Kept in the heap (32 MiB, and 512 MiB of free top
+# before a trim), they left it fragmented near its high-water mark: bench/large_model.py's largest agent peaked
+# at 0.40x the one-process peak, 0.33x with these two values (the same bench under MALLOC_ environment settings).
+MMAP_THRESHOLD = 8 << 20
+TRIM_THRESHOLD = 64 << 20  # free memory at the top of the main heap before it shrinks
 # How an operator tunes glibc's malloc; any of them set, the agent leaves the allocator alone.
 OPERATOR_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_ARENA_MAX")
 
