@@ -249,6 +249,10 @@ class LocalCluster:
         """Freeze an agent (SIGSTOP): to everyone else it looks dead, but it keeps its state."""
         os.killpg(agent.child.process.pid, signal.SIGSTOP)
 
+    def terminate(self, agent: Agent) -> None:
+        """SIGTERM an agent, as a service manager stops one: it drains its node, then exits."""
+        os.killpg(agent.child.process.pid, signal.SIGTERM)
+
     def resume(self, agent: Agent) -> None:
         os.killpg(agent.child.process.pid, signal.SIGCONT)
 
