@@ -82,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
         "wrote, or against --control-plane URL with the token in ARCEUS_NODE_TOKEN or --token-file, or from "
         "--static-assignment FILE.",
         epilog="other commands: `arceus-agent init --control-plane URL --token-stdin` writes the settings; "
-        "`arceus-agent status` shows registration, device, stages and controls (each has --help)",
+        "`arceus-agent status` shows registration, device, stages and controls; `arceus-agent service install` "
+        "writes a systemd user unit (each has --help)",
     )
     parser.add_argument(
         "--control-plane", metavar="URL",
