@@ -201,8 +201,11 @@ class LocalCluster:
                      grpc_address=fields["grpc"], metrics_address=fields["metrics"])
 
     def stop(self) -> None:
-        # The web server only once the agents that heartbeat to it are gone, the broker last, after everyone who
-        # may still enqueue or acknowledge: else those calls hang in retries until the grace runs out.
+        # Agents first, killed: a SIGTERM would have each drain its node, waiting for a handover that the
+        # stopping control plane never makes. The web server only once nothing heartbeats to it, the broker
+        # last, after everyone who may still enqueue or acknowledge: else those calls hang in retries until the
+        # grace runs out.
+        self.kill_agents()
         self.supervisor.stop_all(wave=lambda name: {"web": 1, "redis": 2}.get(name, 0))
 
     def wait_for_job(
@@ -248,6 +251,10 @@ class LocalCluster:
     def pause(self, agent: Agent) -> None:
         """Freeze an agent (SIGSTOP): to everyone else it looks dead, but it keeps its state."""
         os.killpg(agent.child.process.pid, signal.SIGSTOP)
+
+    def terminate(self, agent: Agent) -> None:
+        """SIGTERM an agent, as a service manager stops one: it drains its node, then exits."""
+        os.killpg(agent.child.process.pid, signal.SIGTERM)
 
     def resume(self, agent: Agent) -> None:
         os.killpg(agent.child.process.pid, signal.SIGCONT)

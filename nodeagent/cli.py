@@ -7,7 +7,9 @@ can read (nodeagent.node_token), never from the command line.
 
 Once it serves, it prints exactly one stdout line, `AGENT READY grpc=HOST:PORT metrics=HOST:PORT` (the
 advertised gRPC address and the metrics address); everything else goes to stderr.
-SIGTERM or SIGINT stop it gracefully with exit code 0.
+SIGTERM or SIGINT against a control plane drain it first: it says it is leaving, so its stage moves without
+losing work, and exits 0 once nothing is assigned to it (or after --leave-timeout); a second signal, or one
+with no control plane, stops it at once (exit code 0).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from nodeagent.control_plane import (
 )
 from nodeagent.device import DEVICE_TYPES, DeviceError, capabilities, check_device_computes, select_device
 from nodeagent.heap import retain_freed_blocks
+from nodeagent.leaving import DEFAULT_LEAVE_TIMEOUT_SECONDS, Leaving
 from nodeagent.local_status import write_status
 from nodeagent.neighbour_links import DEFAULT_INTERVAL_SECONDS
 from nodeagent.node_token import TokenError, resolve_token
@@ -79,7 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
         "wrote, or against --control-plane URL with the token in ARCEUS_NODE_TOKEN or --token-file, or from "
         "--static-assignment FILE.",
         epilog="other commands: `arceus-agent init --control-plane URL --token-stdin` writes the settings; "
-        "`arceus-agent status` shows registration, device, stages and controls (each has --help)",
+        "`arceus-agent status` shows registration, device, stages and controls; `arceus-agent service install` "
+        "writes a systemd user unit (each has --help)",
     )
     parser.add_argument(
         "--control-plane", metavar="URL",
@@ -153,6 +157,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="re-measure the links to the pipeline neighbours this often, and after the stages change "
         "(default: %(default)s; not with --static-assignment, which reports to no one)",
+    )
+    parser.add_argument(
+        "--leave-timeout",
+        type=_positive_float,
+        default=DEFAULT_LEAVE_TIMEOUT_SECONDS,
+        metavar="SECONDS",
+        help="on SIGTERM/SIGINT, wait at most this long for the control plane to move this node's stages "
+        "before exiting anyway (default: %(default)s)",
     )
     return parser
 
@@ -229,8 +241,9 @@ def main(argv: list[str] | None = None) -> int:
 
     stop = threading.Event()
     fatal: list[str] = []
+    leaving = Leaving(stop, args.leave_timeout)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda _signum, _frame: stop.set())
+        signal.signal(sig, leaving.on_signal)
 
     client = None if token is None else ControlPlaneClient(args.control_plane, token)
     agent = Agent(
@@ -277,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                 stop.set()
 
             def on_reply(reply: HeartbeatReply) -> None:
+                leaving.on_reply(reply)
                 if status_path is None:
                     return
                 controls = {"max_threads": reply.max_threads, "max_memory_bytes": reply.max_memory_bytes}
@@ -293,9 +307,11 @@ def main(argv: list[str] | None = None) -> int:
                 on_reply=on_reply,
             )
             heartbeats.start()
+            leaving.arm()
         print(f"AGENT READY grpc={agent.advertise_address} metrics={agent.metrics_address}", flush=True)
         while not stop.wait(0.2):  # short: a signal only sets the flag, the wait must notice
-            pass
+            if leaving.requested.is_set() and client is not None:
+                leaving.drain(client)
     except Unauthorized as exc:
         fatal.append(str(exc))
     finally:

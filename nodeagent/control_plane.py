@@ -121,6 +121,13 @@ class ControlPlaneClient:
             max_memory_bytes=_control(body, "max_memory_bytes"),
         )
 
+    def leave(self) -> int:
+        """Say this agent is shutting down (its node drains); returns how many stages it still hosts."""
+        stages = self._post("/api/agent/leave", {}).get("stages")
+        if not isinstance(stages, int) or isinstance(stages, bool) or stages < 0:
+            raise ControlPlaneError(f"leave response has no 'stages' count: {stages!r}")
+        return stages
+
     def probe(self, payload: bytes) -> float:
         """Seconds for the control plane to receive `payload` and answer (POST /api/agent/probe)."""
         url = f"{self.url}/api/agent/probe"

@@ -1,7 +1,8 @@
-"""The commands a node's owner types besides `run`: `init` (write the settings and store the token) and
-`status` (what the agent is doing, from its settings and its last heartbeat answer: nodeagent.local_status).
+"""The commands a node's owner types besides `run`: `init` (write the settings and store the token),
+`status` (what the agent is doing, from its settings and its last heartbeat answer: nodeagent.local_status)
+and `service install` (a systemd user unit: nodeagent.service_unit).
 
-Neither starts an agent nor calls the control plane.
+None starts an agent or calls the control plane.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from nodeagent.device import DEVICE_TYPES
 from nodeagent.local_status import format_status, read_status
 from nodeagent.node_token import TOKEN_ENV, TokenError, check_token, read_token_file, write_token_file
+from nodeagent.service_unit import service_command
 from nodeagent.settings import (
     STATUS_FILE_NAME,
     TOKEN_FILE_NAME,
@@ -26,7 +28,7 @@ from nodeagent.settings import (
     settings_from_mapping,
 )
 
-OWNER_COMMANDS = ("init", "status")
+OWNER_COMMANDS = ("init", "status", "service")
 
 
 def _init_parser() -> argparse.ArgumentParser:
@@ -123,4 +125,4 @@ def _status(argv: list[str]) -> int:
 
 def run_owner_command(argv: list[str]) -> int:
     command, rest = argv[0], argv[1:]
-    return {"init": _init, "status": _status}[command](rest)
+    return {"init": _init, "status": _status, "service": service_command}[command](rest)

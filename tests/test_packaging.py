@@ -78,3 +78,8 @@ def test_the_agent_installs_from_a_fresh_clone_without_the_control_plane(tmp_pat
     status = _run(agent, "status", "--config", config, env=env, cwd=tmp_path)
     assert status.returncode == 0 and "registration:  none yet" in status.stdout, status.stderr
     assert io.StringIO(status.stdout).read().count("secret-node-token") == 0
+    service = _run(agent, "service", "install", "--config", config, "--unit-dir", tmp_path / "units", env=env,
+                   cwd=tmp_path)
+    assert service.returncode == 0, service.stderr
+    # The unit runs the installed agent, with the venv's interpreter.
+    assert f'ExecStart="{python}" "-m" "nodeagent" "run"' in (tmp_path / "units" / "arceus-agent.service").read_text()

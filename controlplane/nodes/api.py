@@ -20,6 +20,7 @@ from controlplane.nodes.selectors import node_get_for_user, node_list_for_user
 from controlplane.nodes.serializers import (
     AgentHeartbeatInput,
     AgentHeartbeatOutput,
+    AgentLeftOutput,
     AgentRegisteredOutput,
     AgentRegisterInput,
     NodeControlsInput,
@@ -30,6 +31,7 @@ from controlplane.nodes.serializers import (
 from controlplane.nodes.services import (
     node_create,
     node_heartbeat,
+    node_leave,
     node_register,
     node_set_controls,
     node_set_paused,
@@ -158,6 +160,15 @@ class AgentHeartbeatApi(AgentApi):
                 "heartbeat_interval_seconds": settings.ARCEUS_HEARTBEAT_INTERVAL_SECONDS,
             }
         )
+
+
+class AgentLeaveApi(AgentApi):
+    """The agent is shutting down: its node drains like a paused one until the agent registers again."""
+
+    @extend_schema(request=None, responses=AgentLeftOutput)
+    def post(self, request: Request) -> Response:
+        stages = node_leave(node=request.auth, now=timezone.now())
+        return Response({"node_id": str(request.auth.id), "stages": stages})
 
 
 class AgentProbeApi(AgentApi):

@@ -38,6 +38,7 @@ def unavailable_reason(
     *,
     paused: bool,
     flag_reason: str | None = None,
+    leaving: bool = False,
     work_windows: Sequence[str],
     idle_only: bool,
     idle_cpu_threshold: float,
@@ -49,6 +50,8 @@ def unavailable_reason(
         return f"flagged: {flag_reason}"
     if paused:
         return "paused by its owner"
+    if leaving:
+        return "its agent is leaving"
     if not in_windows(work_windows, now):
         return f"outside its owner's working hours ({', '.join(work_windows)} UTC)"
     if idle_only and host_busy_fraction is not None and host_busy_fraction > idle_cpu_threshold:

@@ -67,6 +67,8 @@ class Node(BaseModel):
     # The owner's switch: a paused node takes no new stage and hands back the ones it hosts (drain).
     paused = models.BooleanField(default=False, db_index=True)
     paused_at = models.DateTimeField(null=True, blank=True)
+    # Its agent said it is leaving (SIGTERM): it drains like a paused node until the agent registers again.
+    leaving_at = models.DateTimeField(null=True, blank=True)
     # The owner's other controls: when and how the device may work (see nodes/availability.py).
     work_windows = models.JSONField(default=list, blank=True, help_text='UTC, e.g. ["22:00-07:00"]; empty: any time')
     idle_only = models.BooleanField(default=False, help_text="work only while the owner's other processes are idle")

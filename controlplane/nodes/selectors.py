@@ -42,6 +42,7 @@ def node_unavailable_reason(node: Node, now: datetime) -> str | None:
     return unavailable_reason(
         paused=node.paused,
         flag_reason=node.flag_reason if node.flagged_at else None,
+        leaving=node.leaving_at is not None,
         work_windows=node.work_windows,
         idle_only=node.idle_only,
         idle_cpu_threshold=node.idle_cpu_threshold,

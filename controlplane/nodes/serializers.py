@@ -189,6 +189,14 @@ class AgentRegisteredOutput(serializers.Serializer):
     heartbeat_interval_seconds = serializers.FloatField()
 
 
+class AgentLeftOutput(serializers.Serializer):
+    node_id = serializers.UUIDField()
+    stages = serializers.IntegerField(
+        help_text="stages the node still hosts; they move away (the driver checkpoints first), and the agent "
+        "may exit once its heartbeat's assignments are empty"
+    )
+
+
 class ObservedStageInput(serializers.Serializer):
     stage_id = serializers.CharField(max_length=200)
     generation = StrictIntegerField(min_value=0)

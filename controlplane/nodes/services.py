@@ -95,6 +95,7 @@ def node_register(
     if link is not None:
         _set_link(node, link, now)
     node.registered_at = now
+    node.leaving_at = None  # a process that registers stays
     node.ready_status = ReadyStatus.UNKNOWN
     node.ready_reason = "Registered"
     node.ready_message = "registered; waiting for the first heartbeat"
@@ -243,6 +244,17 @@ def node_set_paused(*, node: Node, user: AbstractBaseUser, paused: bool, now: da
         node.save(update_fields=["paused", "paused_at"])
         reconcile_soon()
     return node
+
+
+@transaction.atomic
+def node_leave(*, node: Node, now: datetime) -> int:
+    """The node's agent is shutting down (SIGTERM): drain the node like a paused one, so the driver
+    checkpoints where it is and its stage moves without losing work, until the agent registers again.
+    Returns how many stages the node still hosts (the agent waits until its assignments no longer hold one)."""
+    if Node.objects.filter(pk=node.pk, leaving_at__isnull=True).update(leaving_at=now):
+        node.leaving_at = now
+        reconcile_soon()
+    return Stage.objects.filter(node=node, active=True).count()
 
 
 @transaction.atomic

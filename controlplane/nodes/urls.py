@@ -6,6 +6,7 @@ from controlplane.nodes.api import (
     AgentCheckpointApi,
     AgentCheckpointUploadApi,
     AgentHeartbeatApi,
+    AgentLeaveApi,
     AgentProbeApi,
     AgentRegisterApi,
     NodeControlsApi,
@@ -25,6 +26,7 @@ urlpatterns = [
     re_path(r"^nodes/(?P<node_id>[^/]+)/token/rotate/?$", NodeTokenRotateApi.as_view(), name="node-token-rotate"),
     re_path(r"^agent/register/?$", AgentRegisterApi.as_view(), name="agent-register"),
     re_path(r"^agent/heartbeat/?$", AgentHeartbeatApi.as_view(), name="agent-heartbeat"),
+    re_path(r"^agent/leave/?$", AgentLeaveApi.as_view(), name="agent-leave"),
     re_path(r"^agent/probe/?$", AgentProbeApi.as_view(), name="agent-probe"),
     re_path(r"^agent/checkpoints/(?P<checkpoint_id>[^/]+)/?$", AgentCheckpointApi.as_view(), name="agent-checkpoint"),
     re_path(

@@ -286,3 +286,27 @@ def test_a_paused_node_drains_its_stage_without_losing_work(
     assert_matches_reference(final, reference)
     assert placement(final) == {**placed, 1: spare.node_id}
     assert final["restarts"] == 0
+
+
+def test_a_sigterm_agent_hands_its_stage_to_the_spare_without_losing_work(
+    cluster: LocalCluster, reference: Any
+) -> None:
+    agents, job = start_job(cluster, agents=4)
+    before = cluster.wait_for_job(job["id"], lambda d: d["status"] == "running" and d["step"] >= FAULT_AT_STEP, 120)
+    placed = placement(before)
+    spare = next(a for a in agents if a.node_id not in placed.values())
+    leaver = next(a for a in agents if a.node_id == placed[1])
+    cluster.terminate(leaver)  # its owner stops it (systemctl stop, Ctrl-C)
+    left_at_step = cluster.client.job(job["id"])["step"]
+
+    moved = cluster.wait_for_job(job["id"], lambda d: placement(d)[1] != placed[1], 60)
+    # The driver checkpointed where it was and handed over: nothing before the SIGTERM is trained again.
+    assert moved["resumed_from_step"] is not None, (moved["checkpoints"], moved["conditions"], left_at_step)
+    assert moved["resumed_from_step"] >= left_at_step
+    # The agent served until its stage had moved, then exited cleanly.
+    assert leaver.child.process.wait(60) == 0
+    assert "left: this node's stages moved elsewhere" in leaver.child.log_path.read_text()
+    final = cluster.client.wait(job["id"], timeout=240)
+    assert_matches_reference(final, reference)
+    assert placement(final) == {**placed, 1: spare.node_id}
+    assert final["restarts"] == 0

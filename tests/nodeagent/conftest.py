@@ -47,6 +47,8 @@ class FakeControlPlane:
                     "heartbeat_interval_seconds": self.interval,
                     "controls": {"max_threads": self.max_threads},
                 }
+            elif path == "/api/agent/leave":  # the stages move once a test empties `assignments`
+                reply = {"node_id": "node-1", "stages": len(self.assignments)}
             else:
                 return 404, b"{}"
         return 200, json.dumps(reply).encode()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -105,6 +106,7 @@ def test_control_plane_mode_registers_reports_ready_and_stops_cleanly(control_pl
             assert time.monotonic() < deadline, agent.log_text()
             time.sleep(0.05)
     finally:
+        control_plane.assignments = []  # nothing to hand over: it leaves at once
         codes = stop_agents([agent])
     assert codes == [0]
     assert agent.log_text().count("AGENT READY") == 1
@@ -136,3 +138,62 @@ def test_the_entry_point_caps_the_openmp_spin_unless_told(
     assert f"with 1 torch threads (2 in solo actions), OpenMP spin count {spin}, freed blocks " in log
     if sys.platform.startswith("linux"):  # glibc's mallopt (nodeagent.heap)
         assert "freed blocks kept in the heap" in log
+
+
+def _serving_a_stage(control_plane, tmp_path: Path, *args: str):  # noqa: ANN001, ANN202
+    control_plane.interval = 0.2
+    control_plane.assignments = [ASSIGNMENT]
+    agent = spawn_agent(
+        ["--control-plane", control_plane.url, "--threads", "1", "--device", "cpu", *args],
+        log_path=tmp_path / "agent.log",
+        env={**os.environ, "ARCEUS_NODE_TOKEN": control_plane.token},
+    )
+    _wait_for(lambda: any(o["state"] == "ready" for hb in control_plane.heartbeats() for o in hb["observed"]), agent)
+    return agent
+
+
+def _wait_for(condition, agent) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + 20
+    while not condition():
+        assert time.monotonic() < deadline, agent.log_text()
+        time.sleep(0.05)
+
+
+def _requests_since_leave(control_plane) -> list:  # noqa: ANN001
+    paths = [path for path, _, _ in control_plane.requests]
+    return paths[paths.index("/api/agent/leave") + 1:] if "/api/agent/leave" in paths else []
+
+
+def test_sigterm_says_it_leaves_and_serves_until_its_stage_has_moved(control_plane, tmp_path: Path) -> None:  # noqa: ANN001
+    agent = _serving_a_stage(control_plane, tmp_path)
+    try:
+        agent.terminate()
+        # Told, it keeps heartbeating with its stage (the driver checkpoints through it meanwhile).
+        _wait_for(lambda: _requests_since_leave(control_plane).count("/api/agent/heartbeat") >= 2, agent)
+        assert agent.process.poll() is None
+        control_plane.assignments = []  # the control plane moved the stage
+        assert agent.wait_stopped(20) == 0
+    finally:
+        agent.kill()
+    assert "left: this node's stages moved elsewhere" in agent.log_text()
+
+
+def test_a_second_signal_stops_at_once_and_a_stage_that_never_moves_times_out(control_plane, tmp_path: Path) -> None:  # noqa: ANN001
+    agent = _serving_a_stage(control_plane, tmp_path)
+    try:
+        agent.process.send_signal(signal.SIGTERM)
+        _wait_for(lambda: "/api/agent/heartbeat" in _requests_since_leave(control_plane), agent)
+        agent.process.send_signal(signal.SIGINT)
+        assert agent.wait_stopped(20) == 0  # not the 120 s the leave would wait by default
+    finally:
+        agent.kill()
+    assert "left:" not in agent.log_text()
+
+    control_plane.requests.clear()
+    agent = _serving_a_stage(control_plane, tmp_path, "--leave-timeout", "0.5")
+    try:
+        agent.terminate()
+        assert agent.wait_stopped(20) == 0
+    finally:
+        agent.kill()
+    assert "leaving timed out after 0.5s with a stage still assigned; stopping anyway" in agent.log_text()

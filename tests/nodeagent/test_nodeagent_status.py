@@ -54,6 +54,7 @@ def test_an_agent_run_from_its_settings_shows_its_node_device_stage_and_controls
         assert main(["status", "--config", str(config)]) == 0
         out = capsys.readouterr().out
     finally:
+        control_plane.assignments = []  # nothing to hand over: it leaves at once
         assert stop_agents([agent]) == [0]
     assert f"control plane: {control_plane.url}" in out
     assert "registration:  node node-1, last heartbeat answer" in out
