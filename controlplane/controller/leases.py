@@ -48,7 +48,7 @@ def job_driver_handover(*, job_id: Any, owner: str, step: int, now: datetime) ->
     if job is None:
         return False
     job.driver_lease_expires_at = now
-    message = f"checkpointed step {step} to hand back the stages of a paused node"
+    message = f"checkpointed step {step} to hand over the stages of a paused or leaving node"
     job.conditions = set_conditions(job.conditions, Condition("Training", FALSE, "HandedOver", message), now=now)
     job.save(update_fields=["driver_lease_expires_at", "conditions"])
     reconcile_soon()
