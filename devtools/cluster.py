@@ -139,24 +139,27 @@ class LocalCluster:
             self.relaunch(name)
 
     def start_agent(
-        self, name: str, *extra_args: str, module: str = "nodeagent", owner: str | None = None
+        self, name: str, *extra_args: str, module: str = "nodeagent", owner: str | None = None,
+        installed: Path | None = None,
     ) -> Agent:
         """Mint a node and start its agent; `extra_args` go to `python -m <module>` (the agent, or a test's
         wrapper around its main). `owner`: the contributor it belongs to (see `owner_client`; None: the
-        cluster's own user)."""
-        return self.start_agents([name], *extra_args, module=module, owner=owner)[0]
+        cluster's own user). `installed`: an `arceus-agent` command to run instead (an installed wheel's)."""
+        return self.start_agents([name], *extra_args, module=module, owner=owner, installed=installed)[0]
 
     def start_agents(
-        self, names: Sequence[str], *extra_args: str, module: str = "nodeagent", owner: str | None = None
+        self, names: Sequence[str], *extra_args: str, module: str = "nodeagent", owner: str | None = None,
+        installed: Path | None = None,
     ) -> list[Agent]:
         """Start several agents at once, then wait until every one is ready: their start-ups (mostly importing
         torch) overlap instead of queueing one behind another."""
         client = self.client if owner is None else self.owner_client(owner)
+        program = [str(installed), "run"] if installed is not None else [sys.executable, "-m", module]
         spawned = []
         for name in names:
             created = client.create_node(name)
             self._commands[f"agent-{name}"] = [
-                sys.executable, "-m", module, "--control-plane", self.api_url,
+                *program, "--control-plane", self.api_url,
                 "--device", "cpu", "--threads", str(self.agent_threads), *extra_args]
             spawned.append((name, str(created["id"]), created["token"], *self._spawn_agent(name, created["token"])))
         agents = [self._await_agent(*args) for args in spawned]

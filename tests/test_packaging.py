@@ -1,9 +1,7 @@
 """A contributor's install: the wheel built from a fresh clone of HEAD carries the gRPC stubs, and
-`arceus[agent]` installs an agent without the control plane (no Django, Celery or psycopg).
-
-uv builds and installs (a warm run takes seconds where pip takes a minute, mostly unpacking torch), from the
-package sources pip is configured with, as `make install` uses them; torch is the Makefile's pin, whose CPU
-wheel those sources carry (an unpinned torch pulls CUDA packages).
+`arceus[agent]` installs an agent without the control plane (no Django, Celery or psycopg). The install is
+devtools.agent_wheel's, made once per session (`installed_agent`, tests/conftest.py); the end-to-end SIGTERM test
+trains on it.
 """
 
 from __future__ import annotations
@@ -11,54 +9,27 @@ from __future__ import annotations
 import io
 import os
 import subprocess
-import sys
 import zipfile
 from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-UV = Path(sys.executable).parent / "uv"
+from devtools.agent_wheel import InstalledAgent
 
 pytestmark = pytest.mark.slow
-
-
-def _pip_sources() -> list[str]:
-    """uv's options for the find-links and extra indexes pip's configuration names, every version of each
-    package from all of them considered together, as pip does."""
-    listing = subprocess.run(
-        [sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True, check=True
-    ).stdout
-    options = ["--index-strategy", "unsafe-best-match"]
-    for line in listing.splitlines():
-        key, _, value = line.partition("=")
-        option = {"find-links": "--find-links", "extra-index-url": "--extra-index-url"}.get(key.rpartition(".")[2])
-        for source in value.strip("'\"").split() if option else []:
-            if [option, source] not in [options[i : i + 2] for i in range(2, len(options), 2)]:
-                options += [option, source]
-    return options
 
 
 def _run(*argv: str | Path, **kwargs: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(a) for a in argv], capture_output=True, text=True, timeout=300, **kwargs)
 
 
-def test_the_agent_installs_from_a_fresh_clone_without_the_control_plane(tmp_path: Path) -> None:
-    clone = tmp_path / "clone"
-    assert _run("git", "clone", "--quiet", REPO_ROOT, clone).returncode == 0
-    built = _run(UV, "build", "--quiet", "--out-dir", tmp_path / "dist", clone)  # sdist, then the wheel from it
-    assert built.returncode == 0, built.stderr
-    (wheel,) = (tmp_path / "dist").glob("arceus-*.whl")
-    names = zipfile.ZipFile(wheel).namelist()
+def test_the_agent_installs_from_a_fresh_clone_without_the_control_plane(
+    installed_agent: InstalledAgent, tmp_path: Path
+) -> None:
+    names = zipfile.ZipFile(installed_agent.wheel).namelist()
     for stub in ("stage_pb2.py", "stage_pb2_grpc.py", "link_probe_pb2.py", "tensor_parallel_pb2_grpc.py"):
         assert f"arceus/v1/{stub}" in names
-
-    venv = tmp_path / "venv"
-    assert _run(UV, "venv", "--quiet", "--python", sys.executable, venv).returncode == 0
-    python = venv / "bin" / "python"
-    installed = _run(UV, "pip", "install", "--quiet", "--python", python, *_pip_sources(),
-                     "torch==2.13.0", f"{wheel}[agent]")
-    assert installed.returncode == 0, installed.stderr
+    venv, python = installed_agent.venv, installed_agent.python
 
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "ARCEUS_NODE_TOKEN")}
     for module in ("django", "rest_framework", "celery", "psycopg", "gunicorn", "sklearn"):
@@ -68,7 +39,7 @@ def test_the_agent_installs_from_a_fresh_clone_without_the_control_plane(tmp_pat
                     "print(nodeagent.__file__)", env=env, cwd=tmp_path)
     assert imported.returncode == 0 and str(venv) in imported.stdout, imported.stderr
 
-    agent = venv / "bin" / "arceus-agent"
+    agent = installed_agent.command
     helped = _run(agent, "--help", env=env, cwd=tmp_path)
     assert helped.returncode == 0 and "arceus-agent init" in helped.stdout, helped.stderr
     config = tmp_path / "conf" / "agent.toml"

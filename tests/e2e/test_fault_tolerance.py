@@ -12,6 +12,7 @@ import json
 import math
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -26,6 +27,7 @@ from arceus.v1 import stage_pb2, stage_pb2_grpc
 from arceus.wire.channels import open_channel
 from arceus.wire.proto_tensor import to_proto
 from controlplane.jobs.credentials import job_stage_credentials
+from devtools.agent_wheel import InstalledAgent
 from devtools.cluster import Agent, LocalCluster
 from devtools.cluster import stage_placement as placement
 from devtools.reference import reference_run
@@ -54,8 +56,11 @@ def reference() -> Any:
     return reference_run(JOB)
 
 
-def start_job(cluster: LocalCluster, agents: int) -> tuple[list[Agent], dict[str, Any]]:
-    started = cluster.start_agents([f"node-{i}" for i in range(agents)])
+def start_job(
+    cluster: LocalCluster, agents: int, installed: Path | None = None
+) -> tuple[list[Agent], dict[str, Any]]:
+    """`agents` agents (each an installed wheel's `arceus-agent`, where `installed` names one), and the job."""
+    started = cluster.start_agents([f"node-{i}" for i in range(agents)], installed=installed)
     job = cluster.client.submit_job(JOB)
     cluster.client.start_job(job["id"])
     return started, job
@@ -289,9 +294,14 @@ def test_a_paused_node_drains_its_stage_without_losing_work(
 
 
 def test_a_sigterm_agent_hands_its_stage_to_the_spare_without_losing_work(
-    cluster: LocalCluster, reference: Any
+    cluster: LocalCluster, reference: Any, installed_agent: InstalledAgent
 ) -> None:
-    agents, job = start_job(cluster, agents=4)
+    """The agents are a contributor's install: `arceus-agent` from the wheel, in a venv without the control plane
+    (tests/test_packaging.py checks that venv)."""
+    agents, job = start_job(cluster, agents=4, installed=installed_agent.command)
+    for agent in agents:
+        assert Path(f"/proc/{agent.child.process.pid}/cmdline").read_bytes().split(b"\0")[1] == bytes(
+            installed_agent.command)
     before = cluster.wait_for_job(job["id"], lambda d: d["status"] == "running" and d["step"] >= FAULT_AT_STEP, 120)
     placed = placement(before)
     spare = next(a for a in agents if a.node_id not in placed.values())
