@@ -1,14 +1,16 @@
-"""`arceus-agent service install`: a systemd user unit that runs the agent from its settings in the
-background, restarts it after a crash and starts it with the owner's session (or at boot, with lingering).
+"""`arceus-agent service install`: a systemd user unit (Linux) or a launchd agent (macOS) that runs the agent
+from its settings in the background, restarts it after a crash and starts it with the owner's session (or at
+boot, with lingering, on Linux).
 
-It writes the unit and prints the commands to enable and to remove it; it runs no systemctl itself. The
-unit gives a stop more time than the agent's leave takes (nodeagent.leaving), so systemd's SIGTERM drains
-the node instead of systemd killing the agent mid-handover. launchd (macOS) is not built yet.
+It writes the file and prints the commands to enable and to remove it; it runs no systemctl or launchctl itself.
+Both give a stop more time than the agent's leave takes (nodeagent.leaving), so the service manager's SIGTERM
+drains the node instead of killing the agent mid-handover.
 """
 
 from __future__ import annotations
 
 import argparse
+import plistlib
 import shlex
 import sys
 from pathlib import Path
@@ -19,6 +21,7 @@ from nodeagent.leaving import DEFAULT_LEAVE_TIMEOUT_SECONDS
 from nodeagent.settings import SettingsError, default_settings_path, load_settings
 
 UNIT_NAME = "arceus-agent.service"
+LAUNCHD_LABEL = "org.arceus.agent"
 STOP_MARGIN_SECONDS = 30  # beyond the leave: the agent's own shutdown after its stages moved
 
 
@@ -48,11 +51,27 @@ WantedBy=default.target
 """
 
 
+def launchd_agent(python: str, config: Path, logs: Path) -> bytes:
+    """A launchd agent property list: run at login, started again unless it exited 0 (stopped)."""
+    return plistlib.dumps({
+        "Label": LAUNCHD_LABEL,
+        "ProgramArguments": [python, "-m", "nodeagent", "run", "--config", str(config)],
+        "EnvironmentVariables": {"PYTHONUNBUFFERED": "1"},
+        "RunAtLoad": True,
+        "KeepAlive": {"SuccessfulExit": False},
+        "ThrottleInterval": 10,
+        # launchd's SIGTERM hands this node's stages over first: allow for the agent's --leave-timeout.
+        "ExitTimeOut": int(DEFAULT_LEAVE_TIMEOUT_SECONDS) + STOP_MARGIN_SECONDS,
+        "StandardOutPath": str(logs / "arceus-agent.log"),
+        "StandardErrorPath": str(logs / "arceus-agent.log"),
+    })
+
+
 def service_command(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="arceus-agent service",
-        description="Run the agent in the background: `install` writes a systemd user unit (Linux) that starts "
-        "`arceus-agent run` from your settings and prints how to enable and remove it.",
+        description="Run the agent in the background: `install` writes a systemd user unit (Linux) or a launchd "
+        "agent (macOS) that starts `arceus-agent run` from your settings, and prints how to enable and remove it.",
     )
     parser.add_argument("action", choices=["install"])
     parser.add_argument(
@@ -60,20 +79,29 @@ def service_command(argv: list[str]) -> int:
     )
     parser.add_argument(
         "--unit-dir", type=Path, metavar="DIR",
-        help=f"where to write {UNIT_NAME} (default: {platformdirs.user_config_path('systemd') / 'user'})",
+        help="where to write the unit (default: ~/.config/systemd/user on Linux, ~/Library/LaunchAgents on macOS)",
+    )
+    parser.add_argument(
+        "--platform", choices=["linux", "macos"], default="macos" if sys.platform == "darwin" else "linux",
+        help="which service manager to write for (default: this machine's)",
     )
     args = parser.parse_args(argv)
-    if not sys.platform.startswith("linux"):
-        print(f"arceus-agent service: only systemd (Linux) is supported yet, not {sys.platform}; run "
-              "`arceus-agent run` under your own process manager", file=sys.stderr)
+    if args.platform == "linux" and not sys.platform.startswith("linux") and args.unit_dir is None:
+        print(f"arceus-agent service: systemd units are for Linux, this is {sys.platform}; pass --platform macos "
+              "on a Mac, or run `arceus-agent run` under your own process manager", file=sys.stderr)
         return 2
     config = (args.config or default_settings_path()).resolve()
     try:
-        load_settings(config)  # refused now rather than by a unit that fails at every start
+        load_settings(config)  # refused now rather than by a service that fails at every start
     except SettingsError as exc:
         print(f"arceus-agent service: {exc}", file=sys.stderr)
         return 2
-    unit_dir: Path = args.unit_dir or platformdirs.user_config_path("systemd") / "user"
+    if args.platform == "macos":
+        return _install_launchd(config, args.unit_dir or Path.home() / "Library" / "LaunchAgents")
+    return _install_systemd(config, args.unit_dir or platformdirs.user_config_path("systemd") / "user")
+
+
+def _install_systemd(config: Path, unit_dir: Path) -> int:
     unit_dir.mkdir(parents=True, exist_ok=True)
     path = unit_dir / UNIT_NAME
     path.write_text(systemd_unit(sys.executable, config))
@@ -83,4 +111,17 @@ def service_command(argv: list[str]) -> int:
     print("start it at boot, logged in or not:  loginctl enable-linger")
     print(f"remove it:  systemctl --user disable --now arceus-agent && rm {shlex.quote(str(path))} "
           "&& systemctl --user daemon-reload")
+    return 0
+
+
+def _install_launchd(config: Path, agent_dir: Path) -> int:
+    agent_dir.mkdir(parents=True, exist_ok=True)
+    logs = platformdirs.user_log_path("arceus")
+    logs.mkdir(parents=True, exist_ok=True)
+    path = agent_dir / f"{LAUNCHD_LABEL}.plist"
+    path.write_bytes(launchd_agent(sys.executable, config, logs))
+    quoted = shlex.quote(str(path))
+    print(f"launchd agent written to {path} (its log: {logs / 'arceus-agent.log'})")
+    print(f"start it now and at every login:  launchctl bootstrap gui/$(id -u) {quoted}")
+    print(f"remove it:  launchctl bootout gui/$(id -u) {quoted} && rm {quoted}")
     return 0

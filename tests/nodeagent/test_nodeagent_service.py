@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import plistlib
 import sys
 from pathlib import Path
 
@@ -36,3 +37,22 @@ def test_install_refuses_without_settings(tmp_path: Path, capsys) -> None:  # no
     assert main(["service", "install", "--config", str(missing), "--unit-dir", str(tmp_path)]) == 2
     assert "run `arceus-agent init --control-plane URL --token-stdin` first" in capsys.readouterr().err
     assert not (tmp_path / "arceus-agent.service").exists()
+
+
+def test_install_for_macos_writes_a_launchd_agent_that_outlasts_a_leave(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys  # noqa: ANN001
+) -> None:
+    config = tmp_path / "agent.toml"
+    monkeypatch.setattr("sys.stdin", io.StringIO("arceus_node_secret\n"))
+    assert main(["init", "--control-plane", "http://127.0.0.1:1", "--token-stdin", "--config", str(config)]) == 0
+    capsys.readouterr()
+    agents = tmp_path / "LaunchAgents"
+    assert main(["service", "install", "--platform", "macos", "--config", str(config), "--unit-dir", str(agents)]) == 0
+    path = agents / "org.arceus.agent.plist"
+    agent = plistlib.loads(path.read_bytes())
+    assert agent["ProgramArguments"] == [sys.executable, "-m", "nodeagent", "run", "--config", str(config)]
+    assert agent["ExitTimeOut"] == 150 and agent["KeepAlive"] == {"SuccessfulExit": False} and agent["RunAtLoad"]
+    assert b"arceus_node_secret" not in path.read_bytes()
+    out = capsys.readouterr().out
+    assert f"launchctl bootstrap gui/$(id -u) {path}" in out
+    assert f"remove it:  launchctl bootout gui/$(id -u) {path} && rm {path}" in out
