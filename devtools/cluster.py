@@ -99,6 +99,7 @@ class LocalCluster:
         self._redis_port = 0
         self._started = False
         self._owners: dict[str, ArceusClient] = {}  # contributors other than the cluster's user
+        self._configured: set[str] = set()  # installed agents set up by `arceus-agent init`: token in their files
 
     # --- the parts, in start order -------------------------------------------------------------
     def start(self, *, username: str = "demo", password: str = "arceus-demo") -> None:
@@ -144,7 +145,8 @@ class LocalCluster:
     ) -> Agent:
         """Mint a node and start its agent; `extra_args` go to `python -m <module>` (the agent, or a test's
         wrapper around its main). `owner`: the contributor it belongs to (see `owner_client`; None: the
-        cluster's own user). `installed`: an `arceus-agent` command to run instead (an installed wheel's)."""
+        cluster's own user). `installed`: an `arceus-agent` command to run instead (an installed wheel's), set up
+        as a contributor does: `arceus-agent init --token-stdin`, then `arceus-agent run --config`."""
         return self.start_agents([name], *extra_args, module=module, owner=owner, installed=installed)[0]
 
     def start_agents(
@@ -154,17 +156,30 @@ class LocalCluster:
         """Start several agents at once, then wait until every one is ready: their start-ups (mostly importing
         torch) overlap instead of queueing one behind another."""
         client = self.client if owner is None else self.owner_client(owner)
-        program = [str(installed), "run"] if installed is not None else [sys.executable, "-m", module]
         spawned = []
         for name in names:
             created = client.create_node(name)
+            if installed is None:
+                program = [sys.executable, "-m", module, "--control-plane", self.api_url]
+            else:
+                program = [str(installed), "run", "--config", str(self._init_installed(installed, name, created))]
             self._commands[f"agent-{name}"] = [
-                *program, "--control-plane", self.api_url,
-                "--device", "cpu", "--threads", str(self.agent_threads), *extra_args]
+                *program, "--device", "cpu", "--threads", str(self.agent_threads), *extra_args]
             spawned.append((name, str(created["id"]), created["token"], *self._spawn_agent(name, created["token"])))
         agents = [self._await_agent(*args) for args in spawned]
         self.agents.extend(agents)
         return agents
+
+    def _init_installed(self, installed: Path, name: str, created: dict[str, Any]) -> Path:
+        """`arceus-agent init` for agent `name`, its token on standard input (kept in a 0600 file beside the
+        settings); the settings file."""
+        config = self.workdir / f"agent-{name}" / "agent.toml"
+        env = {k: v for k, v in self.env.items() if k != TOKEN_ENV}
+        subprocess.run([str(installed), "init", "--control-plane", self.api_url, "--token-stdin", "--config",
+                        str(config)], input=f"{created['token']}\n", text=True, env=env, check=True,
+                       capture_output=True, timeout=120)
+        self._configured.add(f"agent-{name}")
+        return config
 
     def owner_client(self, username: str) -> ArceusClient:
         """The API client of contributor `username` (made on first use): a node is its owner's business."""
@@ -194,7 +209,7 @@ class LocalCluster:
         log_name = f"agent-{name}"
         log_path = self.supervisor.log_dir / f"{log_name}.log"
         offset = log_path.stat().st_size if log_path.exists() else 0
-        env = {**self.env, TOKEN_ENV: token}
+        env = {**self.env} if log_name in self._configured else {**self.env, TOKEN_ENV: token}
         return self.supervisor.start(log_name, self._commands[log_name], env=env, cwd=REPO_ROOT), offset
 
     def _await_agent(self, name: str, node_id: str, token: str, child: Child, offset: int) -> Agent:

@@ -297,11 +297,12 @@ def test_a_sigterm_agent_hands_its_stage_to_the_spare_without_losing_work(
     cluster: LocalCluster, reference: Any, installed_agent: InstalledAgent
 ) -> None:
     """The agents are a contributor's install: `arceus-agent` from the wheel, in a venv without the control plane
-    (tests/test_packaging.py checks that venv)."""
+    (tests/test_packaging.py checks that venv), set up by `arceus-agent init --token-stdin` and started with
+    `arceus-agent run --config`: no token on any command line."""
     agents, job = start_job(cluster, agents=4, installed=installed_agent.command)
     for agent in agents:
-        assert Path(f"/proc/{agent.child.process.pid}/cmdline").read_bytes().split(b"\0")[1] == bytes(
-            installed_agent.command)
+        argv = Path(f"/proc/{agent.child.process.pid}/cmdline").read_bytes().split(b"\0")
+        assert argv[1:3] == [bytes(installed_agent.command), b"run"] and agent.token.encode() not in b" ".join(argv)
     before = cluster.wait_for_job(job["id"], lambda d: d["status"] == "running" and d["step"] >= FAULT_AT_STEP, 120)
     placed = placement(before)
     spare = next(a for a in agents if a.node_id not in placed.values())
