@@ -128,6 +128,23 @@ class ControlPlaneClient:
             raise ControlPlaneError(f"leave response has no 'stages' count: {stages!r}")
         return stages
 
+    def earnings(self) -> dict[str, Any]:
+        """What this node has earned (GET /api/agent/earnings): `credit_usd`, `withheld_usd`, `per_day`, ..."""
+        url = f"{self.url}/api/agent/earnings"
+        try:
+            response = self._session.get(url, timeout=self.timeout)
+        except requests.RequestException as exc:
+            raise ControlPlaneError(f"GET {url} failed: {exc}") from exc
+        if response.status_code >= 300:
+            raise ControlPlaneError(f"GET {url} → HTTP {response.status_code}: {response.text[:200]}")
+        try:
+            body = response.json()
+        except ValueError:
+            raise ControlPlaneError(f"GET {url} answered non-JSON: {response.text[:200]!r}") from None
+        if not isinstance(body, dict):
+            raise ControlPlaneError(f"GET {url} answered {type(body).__name__}, expected a JSON object")
+        return body
+
     def probe(self, payload: bytes) -> float:
         """Seconds for the control plane to receive `payload` and answer (POST /api/agent/probe)."""
         url = f"{self.url}/api/agent/probe"

@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 from nodeagent.device import DEVICE_TYPES
@@ -105,11 +106,12 @@ def _status(argv: list[str]) -> int:
     except SettingsError as exc:
         print(f"arceus-agent status: {exc}", file=sys.stderr)
         return 2
-    if os.environ.get(TOKEN_ENV):
+    secret: str | None = os.environ.get(TOKEN_ENV) or None
+    if secret:
         token = f"from {TOKEN_ENV}"
     else:
         try:
-            read_token_file(Path(settings.token_file))
+            secret = read_token_file(Path(settings.token_file))
             token = f"in {settings.token_file} (mode 0600)"
         except TokenError as exc:
             token = f"unusable: {exc}"
@@ -118,9 +120,24 @@ def _status(argv: list[str]) -> int:
     print(f"node token:    {token}")
     for line in format_status(read_status(path.with_name(STATUS_FILE_NAME)), time.time()):
         print(line)
-    print("earnings:      not shown here (a node token cannot read them); the node's owner sees them with "
-          "GET /api/nodes/<id>/earnings")
+    print(f"earnings:      {_earnings(settings.control_plane, secret)}")
     return 0
+
+
+def _earnings(control_plane: str, token: str | None) -> str:
+    """Today's (UTC) and all-time credit, as the control plane has it; why not, where it cannot say."""
+    if token is None:
+        return "unknown (no usable node token)"
+    from nodeagent.control_plane import ControlPlaneClient, ControlPlaneError  # torch: only when asked
+
+    try:
+        earned = ControlPlaneClient(control_plane, token, timeout=5.0).earnings()
+    except ControlPlaneError as exc:
+        return f"unknown ({exc})"
+    today = datetime.now(UTC).date().isoformat()
+    today_usd = next((day["credit_usd"] for day in earned.get("per_day", []) if day.get("day") == today), "0")
+    withheld = f", ${earned['withheld_usd']} withheld" if str(earned.get("withheld_usd", "0")).strip("0.") else ""
+    return f"${today_usd} today (UTC), ${earned.get('credit_usd')} in all{withheld}"
 
 
 def run_owner_command(argv: list[str]) -> int:

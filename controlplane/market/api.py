@@ -1,4 +1,4 @@
-"""Market endpoints: posted prices (anyone signed in) and a node's earnings (its owner)."""
+"""Market endpoints: posted prices (anyone signed in) and a node's earnings (its owner, or its own agent)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from rest_framework.views import APIView
 
 from controlplane.market.selectors import node_earnings, prices_current
 from controlplane.market.serializers import EarningsOutput, PriceOutput
+from controlplane.nodes.api import AgentApi
 from controlplane.nodes.selectors import node_get_for_user
 
 
@@ -26,3 +27,11 @@ class NodeEarningsApi(APIView):
     def get(self, request: Request, node_id: str) -> Response:
         node = node_get_for_user(user=request.user, node_id=node_id)
         return Response(EarningsOutput(node_earnings(node=node)).data)
+
+
+class AgentEarningsApi(AgentApi):
+    """What the calling node has earned (its agent's `arceus-agent status`): the same as its owner sees."""
+
+    @extend_schema(responses=EarningsOutput)
+    def get(self, request: Request) -> Response:
+        return Response(EarningsOutput(node_earnings(node=request.auth)).data)

@@ -50,7 +50,8 @@ TENANT_COLLECTIONS = {"job-list", "job-estimate", "node-list", "market-prices"}
 OWN_ACCOUNT = {"token-rotate", "password-change"}
 # The node-agent protocol (`Authorization: Node <token>`): objects addressed by id are the caller node's only.
 AGENT_OBJECTS = {"agent-checkpoint", "agent-checkpoint-upload"}
-AGENT_OWN = {"agent-register", "agent-heartbeat", "agent-probe", "agent-leave"}  # act on the calling node itself
+# Act on (or read) the calling node itself.
+AGENT_OWN = {"agent-register", "agent-heartbeat", "agent-probe", "agent-leave", "agent-earnings"}
 NOT_REST = {"admin", "signup"}  # the Django admin (staff sessions), the sign-up page
 
 VICTIM_ADDRESS = "10.77.66.55:50999"

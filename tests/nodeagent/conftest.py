@@ -25,6 +25,7 @@ class FakeControlPlane:
     requests: list[tuple[str, dict[str, str], Any]] = field(default_factory=list)
     uploads: dict[str, bytes] = field(default_factory=dict)  # path -> body of each PUT
     failed_uploads: int = 0  # the next this many PUTs are read whole, then answered 500 (and not kept)
+    earnings: dict[str, Any] = field(default_factory=dict)  # what GET /api/agent/earnings answers
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def heartbeats(self) -> list[Any]:
@@ -63,6 +64,18 @@ def control_plane() -> Iterator[FakeControlPlane]:
             raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
             status, body = fake.handle(self.path, dict(self.headers), json.loads(raw or b"null"))
             self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            with fake.lock:
+                fake.requests.append((self.path, dict(self.headers), None))
+                authorized = self.headers.get("Authorization") == f"Node {fake.token}"
+                found = self.path == "/api/agent/earnings"
+                body = json.dumps(fake.earnings if authorized and found else {}).encode()
+            self.send_response(404 if not found else 200 if authorized else 401)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()

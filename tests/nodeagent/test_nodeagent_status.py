@@ -7,6 +7,7 @@ import io
 import json
 import os
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import psutil
@@ -29,6 +30,7 @@ def test_status_before_the_agent_ever_ran(tmp_path: Path, monkeypatch: pytest.Mo
     out = capsys.readouterr().out
     assert f"node token:    in {tmp_path / 'node-token'} (mode 0600)" in out
     assert "registration:  none yet: the agent has not run with these settings" in out
+    assert "earnings:      unknown (GET http://127.0.0.1:1/api/agent/earnings failed" in out
 
 
 def test_an_agent_run_from_its_settings_shows_its_node_device_stage_and_controls(
@@ -37,6 +39,10 @@ def test_an_agent_run_from_its_settings_shows_its_node_device_stage_and_controls
     control_plane.interval = 0.2
     control_plane.assignments = [ASSIGNMENT]
     control_plane.max_threads = 3
+    today = datetime.now(UTC).date().isoformat()
+    control_plane.earnings = {"credit_usd": "0.003400", "withheld_usd": "0.000000",
+                              "per_day": [{"day": "2020-01-01", "credit_usd": "0.002200"},
+                                          {"day": today, "credit_usd": "0.001200"}]}
     config = tmp_path / "agent.toml"
     monkeypatch.setattr("sys.stdin", io.StringIO(control_plane.token))
     assert main(["init", "--control-plane", control_plane.url, "--token-stdin", "--device", "cpu", "--threads", "1",
@@ -62,7 +68,7 @@ def test_an_agent_run_from_its_settings_shows_its_node_device_stage_and_controls
     assert f"device:        cpu, serving gRPC at {agent.grpc_address}" in out
     assert f"stages:        {ASSIGNMENT['stage_id']} generation {ASSIGNMENT['generation']}: ready" in out
     assert "controls:      at most 3 compute threads" in out
-    assert "earnings:      not shown here" in out
+    assert "earnings:      $0.001200 today (UTC), $0.003400 in all\n" in out
     assert json.loads(status_file.read_text())["pid"] == agent.process.pid
     assert main(["status", "--config", str(config)]) == 0
     assert f"(agent pid {agent.process.pid}, not running)" in capsys.readouterr().out

@@ -20,6 +20,7 @@ from controlplane.jobs.progress import job_record_steps
 from controlplane.market.models import LedgerEntry, LedgerHourly, PriceChange
 from controlplane.market.services import ledger_rollup, node_device_class, prices_reprice
 from controlplane.nodes.models import Node
+from controlplane.nodes.services import node_token_rotate
 
 pytestmark = pytest.mark.django_db
 DRIVER = "driver"
@@ -142,6 +143,11 @@ def test_owners_see_their_earnings_and_developers_their_cost(running_job: Job, a
     assert earnings["per_job"][0]["job_id"] == str(running_job.id) and earnings["per_day"][0]["samples"] == 320
     refused = other_api.get(f"/api/nodes/{node.id}/earnings")
     assert refused.status_code == 404 and refused.json()["detail"] == f"node {node.id} not found"
+    # Its agent reads the same with its node token (`arceus-agent status`); a user's token is not an agent's.
+    agent = APIClient()
+    agent.credentials(HTTP_AUTHORIZATION=f"Node {node_token_rotate(node=node, user=node.owner)}")
+    assert agent.get("/api/agent/earnings").json() == earnings
+    assert api.get("/api/agent/earnings").status_code == 401
 
     cost = api.get(f"/api/jobs/{running_job.id}").json()["cost"]
     assert Decimal(cost["charged_usd"]) == Decimal(totals()["charge"]) / 1_000_000
