@@ -161,6 +161,7 @@ class LocalCluster:
             created = client.create_node(name)
             if installed is None:
                 program = [sys.executable, "-m", module, "--control-plane", self.api_url]
+                self._configured.discard(f"agent-{name}")  # a name an installed agent had: the token by environment
             else:
                 program = [str(installed), "run", "--config", str(self._init_installed(installed, name, created))]
             self._commands[f"agent-{name}"] = [
