@@ -130,20 +130,7 @@ class ControlPlaneClient:
 
     def earnings(self) -> dict[str, Any]:
         """What this node has earned (GET /api/agent/earnings): `credit_usd`, `withheld_usd`, `per_day`, ..."""
-        url = f"{self.url}/api/agent/earnings"
-        try:
-            response = self._session.get(url, timeout=self.timeout)
-        except requests.RequestException as exc:
-            raise ControlPlaneError(f"GET {url} failed: {exc}") from exc
-        if response.status_code >= 300:
-            raise ControlPlaneError(f"GET {url} → HTTP {response.status_code}: {response.text[:200]}")
-        try:
-            body = response.json()
-        except ValueError:
-            raise ControlPlaneError(f"GET {url} answered non-JSON: {response.text[:200]!r}") from None
-        if not isinstance(body, dict):
-            raise ControlPlaneError(f"GET {url} answered {type(body).__name__}, expected a JSON object")
-        return body
+        return self._call("GET", "/api/agent/earnings")
 
     def probe(self, payload: bytes) -> float:
         """Seconds for the control plane to receive `payload` and answer (POST /api/agent/probe)."""
@@ -218,11 +205,16 @@ class ControlPlaneClient:
             time.sleep(pause)
 
     def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        return self._call("POST", path, json=payload)
+
+    def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
+        """The JSON object the control plane answers `method path` with; ControlPlaneError (Unauthorized for a
+        refused token) otherwise."""
         url = f"{self.url}{path}"
         try:
-            response = self._session.post(url, json=payload, timeout=self.timeout)
+            response = self._session.request(method, url, timeout=self.timeout, **kwargs)
         except requests.RequestException as exc:
-            raise ControlPlaneError(f"POST {url} failed: {exc}") from exc
+            raise ControlPlaneError(f"{method} {url} failed: {exc}") from exc
         if response.status_code == 401:
             raise Unauthorized(
                 f"the control plane at {self.url} rejected the node token (HTTP 401); "
@@ -230,13 +222,13 @@ class ControlPlaneClient:
                 "(POST /api/nodes)"
             )
         if response.status_code >= 300:
-            raise ControlPlaneError(f"POST {url} → HTTP {response.status_code}: {response.text[:500]}")
+            raise ControlPlaneError(f"{method} {url} → HTTP {response.status_code}: {response.text[:500]}")
         try:
             body = response.json()
         except ValueError:
-            raise ControlPlaneError(f"POST {url} answered non-JSON: {response.text[:200]!r}") from None
+            raise ControlPlaneError(f"{method} {url} answered non-JSON: {response.text[:200]!r}") from None
         if not isinstance(body, dict):
-            raise ControlPlaneError(f"POST {url} answered {type(body).__name__}, expected a JSON object")
+            raise ControlPlaneError(f"{method} {url} answered {type(body).__name__}, expected a JSON object")
         return body
 
 
