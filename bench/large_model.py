@@ -51,7 +51,9 @@ from bench.report import machine_line, write_section  # noqa: E402
 from devtools.cluster import Agent, LocalCluster  # noqa: E402
 from devtools.supervisor import peak_rss  # noqa: E402
 
-BATCH, MICRO_BATCHES, BLOCK, STAGES = 4, 4, 128, 4
+# Twice as many micro-batches as stages (one sample each): the 1F1B bubble (p-1)/(m+p-1) is 3/11 of a step,
+# and no stage holds more than 4 micro-batches' activations at once.
+BATCH, MICRO_BATCHES, BLOCK, STAGES = 8, 8, 128, 4
 AGENT_SHARE = 0.35  # each owner's max_memory_bytes, as a fraction of the one-process peak
 CONTROL_PLANE = ("web", "worker-control", "worker-training", "beat")
 MIB = 2**20
@@ -216,13 +218,15 @@ def _initial_builds(agent: Agent) -> float:
 
 
 def solver_estimates(job: dict[str, Any], detail: dict[str, Any]) -> list[int]:
-    """The placement solver's memory per placed stage, in stage order (arceus.placement.solver.stage_memory)."""
+    """The placement solver's memory per placed stage, in stage order (arceus.placement.solver.stage_memory,
+    each stage holding what 1F1B has in flight on it)."""
     _, model_config, dataset = fit_model_to_dataset(job["model_config"], validate_dataset_config(job["dataset_config"]))
     spec = model_spec_from_config(model_config)
     layers = layer_profiles(spec)
-    workload = Workload(micro_batch_size=-(-BATCH // MICRO_BATCHES), micro_batches=MICRO_BATCHES)
+    workload = Workload(-(-BATCH // MICRO_BATCHES), MICRO_BATCHES, job["schedule"])
     ranges = [(p["layer_start"], p["layer_end"]) for p in sorted(detail["placements"], key=lambda p: p["stage_index"])]
-    return [stage_memory(layers[s:e], workload) for s, e in ranges]
+    return [stage_memory(layers[s:e], workload, in_flight=workload.in_flight(i, len(ranges)))
+            for i, (s, e) in enumerate(ranges)]
 
 
 def main() -> None:

@@ -152,15 +152,15 @@ class HostedStages:
 
     def _over_budget(self, assignment: Assignment) -> str | None:
         """Why the stage would not fit the owner's memory budget beside what the agent itself holds, or None:
-        the placement's own estimate (weights, gradients, optimizer state and the in-flight micro-batches'
-        activations, `arceus.placement.solver.stage_memory`)."""
+        the placement's own estimate (weights, gradients, optimizer state and the activations of the
+        micro-batches its schedule has in flight on this stage, `arceus.placement.solver.stage_memory`)."""
         budget = self.memory_budget
         if budget is None:
             return None
         layers = layer_profiles(assignment.spec)[assignment.layer_start : assignment.layer_end]
         ranks = assignment.tensor_parallel.size if assignment.tensor_parallel is not None else 1
-        workload = Workload(micro_batch_size=assignment.max_micro_batch_size, micro_batches=assignment.micro_batches)
-        need = stage_memory(layers, workload, ranks)
+        workload = Workload(assignment.max_micro_batch_size, assignment.micro_batches, assignment.schedule)
+        need = stage_memory(layers, workload, ranks, workload.in_flight(assignment.stage_index, assignment.num_stages))
         if need + self.runtime_bytes <= budget:
             return None
         return (

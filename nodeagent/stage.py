@@ -35,6 +35,11 @@ class StageIO:
     label_layout: TensorLayout
     max_micro_batch_size: int
     micro_batches: int
+    # Its assignment's schedule: a step may follow one that holds no more micro-batches at once (the
+    # memory budget was checked for this one).
+    schedule: str
+    stage_index: int
+    num_stages: int
     is_first: bool
     is_last: bool
 
@@ -77,6 +82,9 @@ class HostedStage:
             label_layout=spec.label_layout(),
             max_micro_batch_size=assignment.max_micro_batch_size,
             micro_batches=assignment.micro_batches,
+            schedule=assignment.schedule,
+            stage_index=assignment.stage_index,
+            num_stages=assignment.num_stages,
             is_first=assignment.is_first,
             is_last=assignment.is_last,
         )

@@ -11,7 +11,7 @@ import grpc
 import torch
 
 from arceus.model.layout import TensorLayout
-from arceus.pipeline.schedule import SCHEDULES
+from arceus.pipeline.schedule import SCHEDULES, peak_in_flight
 from arceus.v1 import stage_pb2
 from arceus.wire import codec
 from arceus.wire.incoming_push import IncomingPush
@@ -99,6 +99,14 @@ def check_run_step(io: StageIO, request: stage_pb2.RunStepRequest) -> str:
     schedule = request.schedule or "gpipe"
     if schedule not in SCHEDULES:
         raise _invalid(f"unknown schedule {schedule!r}; known: {', '.join(SCHEDULES)}")
+    if request.mode == stage_pb2.TRAIN and schedule != io.schedule:
+        held = peak_in_flight(schedule, io.num_stages, request.num_micro_batches, io.stage_index)
+        allowed = peak_in_flight(io.schedule, io.num_stages, request.num_micro_batches, io.stage_index)
+        if held > allowed:
+            raise _invalid(
+                f"schedule {schedule!r} holds {held} micro-batches at once on this stage, more than the "
+                f"{allowed} of its assignment's {io.schedule!r}, which its memory was checked for"
+            )
     max_batch = request.num_micro_batches * io.max_micro_batch_size
     if request.mode == stage_pb2.TRAIN and not 1 <= request.batch_size <= max_batch:
         raise _invalid(

@@ -18,6 +18,7 @@ from arceus.model.precision import check_precision
 from arceus.model.registry import model_spec_from_config
 from arceus.model.spec import ModelSpec
 from arceus.model.tensor_parallel import check_tensor_parallel
+from arceus.pipeline.schedule import SCHEDULES
 from arceus.wire.tls import check_certificate
 from arceus.wire.transfer import TransferConfig, transfer_config_from_json
 
@@ -42,7 +43,9 @@ _FIELDS = frozenset(
         "certificates",
     }
 )
-_OPTIONAL_FIELDS = frozenset({"checkpoint", "transfer", "precision", "tensor_parallel", "activation_checkpointing"})
+_OPTIONAL_FIELDS = frozenset(
+    {"checkpoint", "transfer", "precision", "tensor_parallel", "activation_checkpointing", "schedule"}
+)
 _OPTIMIZER_FIELDS = frozenset({"name", "lr", "momentum", "weight_decay"})
 _CHECKPOINT_FIELDS = frozenset({"step", "url", "sha256"})
 _TENSOR_PARALLEL_FIELDS = frozenset({"rank", "size", "peers"})
@@ -108,6 +111,9 @@ class Assignment:
     transfer: TransferConfig = TransferConfig()  # how this stage encodes what it sends
     precision: str = "fp32"  # or "bf16": autocast compute (arceus.model.precision)
     activation_checkpointing: bool = False  # keep a micro-batch's input only; recompute the rest backward
+    # The pipeline schedule the job's steps follow: how many micro-batches' activations this stage holds at
+    # once (`arceus.pipeline.schedule.peak_in_flight`), which its memory budget is checked against.
+    schedule: str = "gpipe"
     tensor_parallel: TensorParallelConfig | None = None  # None: the stage is this one agent
     # Every rank of a tensor-parallel neighbour (rank 0's is prev/next_address); empty for a one-agent one.
     prev_ranks: tuple[str, ...] = ()
@@ -186,6 +192,9 @@ class Assignment:
         next_address, next_ranks = _neighbour(data, "next_address", required=stage_index < num_stages - 1)
         precision = check_precision(data.get("precision", "fp32"), "assignment.precision")
         recompute = data.get("activation_checkpointing", False)
+        schedule = data.get("schedule", "gpipe")
+        if schedule not in SCHEDULES:
+            raise SpecError("assignment.schedule", f"must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
         if not isinstance(recompute, bool):
             raise SpecError("assignment.activation_checkpointing", f"must be true or false, got {recompute!r}")
         tensor_parallel = _tensor_parallel(data.get("tensor_parallel"), spec)
@@ -218,6 +227,7 @@ class Assignment:
             transfer=transfer_config_from_json(data.get("transfer"), field="assignment.transfer"),
             precision=precision,
             activation_checkpointing=recompute,
+            schedule=schedule,
             tensor_parallel=tensor_parallel,
             prev_ranks=prev_ranks,
             next_ranks=next_ranks,
@@ -252,6 +262,7 @@ class Assignment:
             "transfer": self.transfer.to_json(),
             "precision": self.precision,
             "activation_checkpointing": self.activation_checkpointing,
+            "schedule": self.schedule,
             **(
                 {}
                 if self.tensor_parallel is None

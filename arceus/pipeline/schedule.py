@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Literal
 
 ActionKind = Literal["F", "B"]
@@ -64,6 +65,19 @@ def build_schedule(name: str, num_stages: int, num_micro_batches: int, train: bo
     except KeyError:
         raise ValueError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}") from None
     return factory(num_stages, num_micro_batches, train)
+
+
+@lru_cache(maxsize=4096)
+def peak_in_flight(name: str, num_stages: int, num_micro_batches: int, stage: int) -> int:
+    """The most micro-batches whose activations `stage` holds at once in a training step of schedule `name`:
+    forwards run minus backwards run, at its largest along the stage's actions."""
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
+    held = peak = 0
+    for action in build_schedule(name, num_stages, num_micro_batches)[stage]:
+        held += 1 if action.kind == "F" else -1
+        peak = max(peak, held)
+    return peak
 
 
 def _check(num_stages: int, num_micro_batches: int) -> None:

@@ -4,8 +4,9 @@ Pure and Django-free. Stage time per micro-batch is its compute (forward plus a 
 the cost, over the device's FLOP/s) plus, for every stage but the last, sending its output forward and
 receiving the gradient back over the device's link. The pipeline runs at the pace of its slowest stage,
 so the solver minimises that bottleneck; a stage never needs more memory than its device has (weights,
-gradients and optimizer state, plus the activations stashed for every micro-batch in flight); and among
-placements within `PRICE_TOLERANCE` of the fastest, the cheapest per hour wins, within the budget.
+gradients and optimizer state, plus the activations stashed for each micro-batch it holds at once: all of
+a step's under GPipe, fewer the later the stage under 1F1B); and among placements within `PRICE_TOLERANCE`
+of the fastest, the cheapest per hour wins, within the budget.
 
 The search is exact for this cost model: dynamic programming over (layers placed, set of devices used),
 O(n² · d · 2^d) for n layers and d candidate devices, so only the `max_candidates` best devices by speed
@@ -33,6 +34,8 @@ import math
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
+
+from arceus.pipeline.schedule import peak_in_flight
 
 # Training memory per parameter: an fp32 weight, its gradient and two optimizer moments (Adam's m and v).
 BYTES_PER_PARAMETER = 4 * 4
@@ -103,7 +106,13 @@ class Device:
 @dataclass(frozen=True)
 class Workload:
     micro_batch_size: int
-    micro_batches: int  # in flight per step (GPipe stashes every one's activations)
+    micro_batches: int  # per step
+    schedule: str = "gpipe"  # which decides how many a stage holds at once (`in_flight`)
+
+    def in_flight(self, stage: int, num_stages: int) -> int:
+        """Micro-batches whose activations stage `stage` of `num_stages` holds at once: every one under
+        GPipe, at most `num_stages - stage` under 1F1B."""
+        return peak_in_flight(self.schedule, num_stages, self.micro_batches, stage)
 
 
 @dataclass(frozen=True)
@@ -164,15 +173,32 @@ def layer_training_memory(params: int) -> int:
     return params * BYTES_PER_PARAMETER
 
 
-def stage_memory(layers: Sequence[LayerProfile], workload: Workload, ranks: int = 1) -> int:
+def stage_memory(
+    layers: Sequence[LayerProfile], workload: Workload, ranks: int = 1, in_flight: int | None = None
+) -> int:
     """Bytes a stage holding `layers` needs on each of its `ranks` devices: weights with gradients and
-    optimizer state (a tensor-parallel rank's share of the split ones), plus every in-flight micro-batch's
-    stash (whole on every rank): what each layer keeps for its backward, and the last one's output if it
-    keeps that (inside the stage the next layer's input is that same tensor); plus the compute's workspace
-    (`WORKSPACE_MICRO_BATCHES`)."""
+    optimizer state (a tensor-parallel rank's share of the split ones), plus the stash of each of the
+    `in_flight` micro-batches it holds at once (`Workload.in_flight`; None: all of a step's) whole on every
+    rank: what each layer keeps for its backward, and the last one's output if it keeps that (inside the
+    stage the next layer's input is that same tensor); plus the compute's workspace (`WORKSPACE_MICRO_BATCHES`)."""
+    held = workload.micro_batches if in_flight is None else in_flight
+    return stage_state_bytes(layers, ranks) + (held + WORKSPACE_MICRO_BATCHES) * _stash_bytes(layers, workload)
+
+
+def _stash_bytes(layers: Sequence[LayerProfile], workload: Workload) -> int:
+    """What one micro-batch's forward through `layers` keeps for its backward."""
     per_sample = sum(layer.stash_bytes_per_sample for layer in layers) + layers[-1].kept_output_bytes_per_sample
-    micro_batches = workload.micro_batches + WORKSPACE_MICRO_BATCHES
-    return stage_state_bytes(layers, ranks) + micro_batches * workload.micro_batch_size * per_sample
+    return workload.micro_batch_size * per_sample
+
+
+def _room(layers: Sequence[LayerProfile], workload: Workload, unit: _Unit) -> int:
+    """How many micro-batches in flight a stage of `layers` on `unit` has memory for (at most a step's; 0:
+    not even one)."""
+    free = unit.device.memory_bytes - stage_memory(layers, workload, unit.ranks, in_flight=0)
+    if free < 0:
+        return 0
+    stash = _stash_bytes(layers, workload)
+    return workload.micro_batches if stash == 0 else min(workload.micro_batches, free // stash)
 
 
 def stage_state_bytes(layers: Sequence[LayerProfile], ranks: int = 1) -> int:
@@ -236,9 +262,10 @@ def solve(
             f"({len(devices)} devices offered for {n} layers)"
         )
     watch = _Watch(budget)
-    # cost[s][e][k]: seconds of layers [s, e) on unit k (inf if it does not fit its memory), filled per unit
-    # as the candidate prefixes grow.
+    # cost[s][e][k]: seconds of layers [s, e) on unit k (inf if not even one micro-batch in flight fits its
+    # memory), room[s][e][k]: how many in flight fit (`_room`), filled per unit as the candidate prefixes grow.
     cost = [[[math.inf] * len(units) for _ in range(n + 1)] for _ in range(n)]
+    room = [[[0] * len(units) for _ in range(n + 1)] for _ in range(n)]
     found: Placement | None = None
     filled = 0
     for size in _prefix_sizes(len(units), min_stages):
@@ -248,14 +275,15 @@ def solve(
                     watch.check()
                     for k in range(filled, size):
                         unit = units[k]
-                        if stage_memory(layers[s:e], workload, unit.ranks) <= unit.device.memory_bytes:
+                        room[s][e][k] = _room(layers[s:e], workload, unit)
+                        if room[s][e][k] > 0:
                             cost[s][e][k] = stage_seconds(
                                 layers[s:e], unit.device, workload, last=e == n, ranks=unit.ranks
                             )
             filled = size
             found = _search(
-                layers, units[:size], cost, workload, min_stages, min(max_stages, size), max_price_per_hour, widths,
-                watch,
+                layers, units[:size], cost, room, workload, min_stages, min(max_stages, size), max_price_per_hour,
+                widths, watch,
             )
         except _OutOfTime:
             if found is None:
@@ -286,6 +314,7 @@ def _search(
     layers: Sequence[LayerProfile],
     units: Sequence[_Unit],
     cost: list[list[list[float]]],
+    room: list[list[list[int]]],
     workload: Workload,
     min_stages: int,
     max_stages: int,
@@ -296,7 +325,8 @@ def _search(
     """The exact search over `units` (the DP of the module docstring); PlacementError when nothing fits."""
     n, d = len(layers), len(units)
     # best[i][mask]: the smallest bottleneck placing layers [0, i) on exactly the units in mask (the
-    # next stage's index is the number of units used).
+    # next stage's index is the number of units used). The stage count is not known until the end, so a
+    # stage must have room for what it holds in flight in the longest pipeline (exact when the count is fixed).
     best: list[dict[int, float]] = [dict() for _ in range(n + 1)]
     back: dict[tuple[int, int], tuple[int, int]] = {}
     best[0][0] = 0.0
@@ -307,9 +337,10 @@ def _search(
                 used = bin(mask).count("1")
                 if used >= max_stages:
                     continue
+                held = workload.in_flight(used, max_stages)
                 for k in range(d):
                     bit = 1 << k
-                    if mask & bit or cost[s][i][k] == math.inf or units[k].ranks != widths(used):
+                    if mask & bit or room[s][i][k] < held or units[k].ranks != widths(used):
                         continue
                     bottleneck = max(value, cost[s][i][k])
                     if bottleneck < best[i].get(mask | bit, math.inf):
@@ -373,9 +404,11 @@ def _placement(
 ) -> Placement:
     stages: list[StagePlan] = []
     i, n = len(layers), len(layers)
+    count = bin(mask).count("1")
     while i > 0:
         s, k = back[(i, mask)]
         unit = units[k]
+        index = count - 1 - len(stages)
         stages.append(
             StagePlan(
                 device_ids=unit.members,
@@ -384,7 +417,7 @@ def _placement(
                 seconds_per_micro_batch=stage_seconds(
                     layers[s:i], unit.device, workload, last=i == n, ranks=unit.ranks
                 ),
-                memory_bytes=stage_memory(layers[s:i], workload, unit.ranks),
+                memory_bytes=stage_memory(layers[s:i], workload, unit.ranks, workload.in_flight(index, count)),
             )
         )
         i, mask = s, mask & ~(1 << k)
@@ -401,11 +434,11 @@ def _why_not(
 ) -> str:
     largest = max(unit.device.memory_bytes for unit in units)
     for index, layer in enumerate(layers):
-        if all(stage_memory([layer], workload, u.ranks) > u.device.memory_bytes for u in units):
-            need = min(stage_memory([layer], workload, u.ranks) for u in units)
+        if all(_room([layer], workload, u) == 0 for u in units):
+            need = min(stage_memory([layer], workload, u.ranks, in_flight=1) for u in units)
             return (
                 f"layer {index} needs {_gib(need)} to train (weights, optimizer state and activations of "
-                f"{workload.micro_batches} micro-batches) but the largest device has {_gib(largest)}; use "
+                f"at least one micro-batch) but the largest device has {_gib(largest)}; use "
                 "fewer or smaller micro-batches, smaller layers, or devices with more memory"
             )
     prices = [

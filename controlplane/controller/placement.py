@@ -10,11 +10,10 @@ from arceus.placement.solver import Workload
 from controlplane.controller.rules import Requirements, TensorParallel
 
 
-def workload(dataset_config: dict[str, Any], micro_batches: int) -> Workload:
-    """A training step's micro-batches: `micro_batches` of ceil(batch_size / micro_batches) samples."""
-    return Workload(
-        micro_batch_size=math.ceil(dataset_config["batch_size"] / micro_batches), micro_batches=micro_batches
-    )
+def workload(dataset_config: dict[str, Any], micro_batches: int, schedule: str) -> Workload:
+    """A training step's micro-batches: `micro_batches` of ceil(batch_size / micro_batches) samples, run by
+    `schedule`."""
+    return Workload(math.ceil(dataset_config["batch_size"] / micro_batches), micro_batches, schedule)
 
 
 def requirements(config: dict[str, Any]) -> Requirements:

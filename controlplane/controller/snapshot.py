@@ -94,7 +94,7 @@ def _job_view(job: Job) -> JobView:
         generation=job.generation,
         stages_requested=job.stages_requested,
         layers=layers,
-        workload=workload(job.dataset_config, job.micro_batches),
+        workload=workload(job.dataset_config, job.micro_batches, job.schedule),
         requirements=requirements(job.requirements),
         stages=tuple(
             PlacedStage(

@@ -62,6 +62,7 @@ class JobEstimateApi(APIView):
             dataset_config=v["dataset_config"],
             epochs=v["epochs"],
             micro_batches=v["micro_batches"],
+            schedule=v["schedule"],
             stages=v["stages"],
             requirements_config=v["requirements"],
             tensor_parallel=v["tensor_parallel"],

@@ -171,6 +171,7 @@ def _assignment(stage: Stage, stages: dict[int, list[Stage]], checkpoint: StageC
         transfer=transfer_config_from_json(job.transfer),
         precision=job.precision,
         activation_checkpointing=job.activation_checkpointing,
+        schedule=job.schedule,
         tensor_parallel=TensorParallelConfig(rank=stage.rank, peers=_addresses(group)) if len(group) > 1 else None,
     ).to_json()
 

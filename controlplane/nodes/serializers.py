@@ -10,6 +10,7 @@ from rest_framework import serializers
 
 from arceus.contracts.observed import ObservedStage, ObservedState
 from arceus.model.precision import PRECISIONS
+from arceus.pipeline.schedule import SCHEDULES
 from arceus.verify.receipts import ReceiptError, load_public_key
 from arceus.wire.tls import MAX_CERTIFICATE_CHARS, check_certificate
 from arceus.wire.transfer import ACTIVATION_ENCODINGS, GRADIENT_ENCODINGS
@@ -305,6 +306,9 @@ class AssignmentOutput(serializers.Serializer):
     transfer = TransferOutput(help_text="How the stage encodes the activations and gradients it sends")
     precision = serializers.ChoiceField(choices=list(PRECISIONS), help_text="bf16: matmuls under autocast")
     activation_checkpointing = serializers.BooleanField(help_text="recompute activations in the backward")
+    schedule = serializers.ChoiceField(
+        choices=sorted(SCHEDULES), help_text="The job's pipeline schedule: what the stage's memory is checked for"
+    )
     tensor_parallel = TensorParallelOutput(required=False, help_text="Present when the stage is split over nodes")
 
 

@@ -43,6 +43,8 @@ def test_parse_a_valid_assignment() -> None:
     assert not a.is_first and not a.is_last
     assert a.spec.num_layers == 3
     assert Assignment.from_json(a.to_json()) == a
+    assert a.schedule == "gpipe"  # without one: the schedule that holds the most, which the budget is checked for
+    assert Assignment.from_json(assignment(schedule="1f1b")).schedule == "1f1b"
 
 
 def test_optimizer_defaults() -> None:
@@ -88,6 +90,7 @@ def test_first_and_last_stages() -> None:
         ({"extra": 1}, "assignment.extra", "unknown field"),
         ({"precision": "fp16"}, "assignment.precision", "one of fp32, bf16"),
         ({"activation_checkpointing": "yes"}, "assignment.activation_checkpointing", "true or false"),
+        ({"schedule": "zigzag"}, "assignment.schedule", "one of gpipe, 1f1b"),
     ],
 )
 def test_invalid_assignments(changes: dict[str, Any], field: str, fragment: str) -> None:

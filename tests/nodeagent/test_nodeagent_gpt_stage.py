@@ -31,6 +31,9 @@ def io(start: int, end: int) -> StageIO:
         label_layout=SPEC.label_layout(),
         max_micro_batch_size=4,
         micro_batches=2,
+        schedule="gpipe",
+        stage_index=0 if start == 0 else 1,
+        num_stages=2,
         is_first=start == 0,
         is_last=end == SPEC.num_layers,
     )
@@ -105,3 +108,4 @@ def test_two_gpt_stages_with_micro_batches_equal_one_full_batch_step() -> None:
         torch.testing.assert_close(got[f"layers.{name}"], param.detach(), rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="expected int64 input"):
         first.eval_forward(x.float())
+

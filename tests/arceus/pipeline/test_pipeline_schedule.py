@@ -6,7 +6,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from arceus.pipeline.schedule import SCHEDULES, Action, Schedule, build_schedule, gpipe, one_f_one_b
+from arceus.pipeline.schedule import (
+    SCHEDULES,
+    Action,
+    Schedule,
+    build_schedule,
+    gpipe,
+    one_f_one_b,
+    peak_in_flight,
+)
 
 stages = st.integers(1, 8)
 micro_batches = st.integers(1, 16)
@@ -78,11 +86,14 @@ def test_gpipe_shape(n: int, m: int) -> None:
 def test_one_f_one_b_bounds_activations_in_flight(n: int, m: int) -> None:
     for stage, actions in enumerate(one_f_one_b(n, m)):
         assert [a.micro_batch for a in actions if a.kind == "B"] == list(range(m))
-        in_flight = peak = 0
-        for action in actions:
-            in_flight += 1 if action.kind == "F" else -1
-            peak = max(peak, in_flight)
-        assert peak <= min(n - stage, m)
+        assert peak_in_flight("1f1b", n, m, stage) == min(n - stage, m)
+        assert peak_in_flight("gpipe", n, m, stage) == m
+
+
+def test_peak_in_flight_counts_forwards_not_yet_backed() -> None:
+    assert [peak_in_flight("1f1b", 3, 4, stage) for stage in range(3)] == [3, 2, 1]  # F0 F1 F2 B0 F3 ...
+    with pytest.raises(ValueError, match=r"stage must be in \[0, 3\)"):
+        peak_in_flight("1f1b", 3, 4, 3)
 
 
 def test_one_f_one_b_example() -> None:

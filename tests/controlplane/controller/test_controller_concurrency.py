@@ -147,7 +147,7 @@ def assert_consistent() -> None:
             continue
         assert job.status in ("placing", "pending", "running"), job
         spec = model_spec_from_config(job.model_config)
-        layers, load = layer_profiles(spec), workload(job.dataset_config, job.micro_batches)
+        layers, load = layer_profiles(spec), workload(job.dataset_config, job.micro_batches, job.schedule)
         # One decision's stages: indices 0..k-1, one generation (the job's), contiguous cover.
         assert [s.index for s in stages] == list(range(len(stages)))
         assert {s.generation for s in stages} == {job.generation}
@@ -158,6 +158,7 @@ def assert_consistent() -> None:
         # Only a pending job has stages without a node (lost, waiting for a node with room).
         assert all(s.node is not None for s in stages) or job.status == "pending", job
         for s in (s for s in stages if s.node is not None):
-            assert stage_memory(layers[s.layer_start : s.layer_end], load) <= s.node.memory_bytes
+            held = load.in_flight(s.index, len(stages))
+            assert stage_memory(layers[s.layer_start : s.layer_end], load, in_flight=held) <= s.node.memory_bytes
             per_node.setdefault(s.node_id, []).append(s.stage_id)
     assert all(len(ids) == 1 for ids in per_node.values()), per_node

@@ -91,8 +91,9 @@ def test_the_estimate_places_a_split_stage_on_a_group(user, ready_node) -> None:
     for name, flops in (("slow", 1e9), ("fast-a", 4e9), ("fast-b", 3e9)):
         ready_node(name, flops=flops)
     estimate = job_estimate(
-        model_config=MODEL, dataset_config={"name": "text", "batch_size": 8}, epochs=1, micro_batches=2, stages=2,
-        requirements_config={}, tensor_parallel={"size": 2, "stages": [1]}, now=timezone.now(),
+        model_config=MODEL, dataset_config={"name": "text", "batch_size": 8}, epochs=1, micro_batches=2,
+        schedule="gpipe", stages=2, requirements_config={},
+        tensor_parallel={"size": 2, "stages": [1]}, now=timezone.now(),
     )
     assert estimate["feasible"], estimate["reason"]
     assert [(s["stage_index"], s["rank"], s["node_name"]) for s in estimate["stages"]] == [

@@ -182,6 +182,7 @@ def test_heartbeat_returns_the_assignment_contract(user, queued_job) -> None:
             "transfer": {"activations": "fp32", "gradients": "fp32", "block_size": 64, "topk_ratio": 0.1},
             "precision": "fp32",
             "activation_checkpointing": False,
+            "schedule": "gpipe",
             "max_micro_batch_size": 90,  # ceil(max(32, 360) / 4)
             "prev_address": addresses.get(index - 1),
             "next_address": addresses.get(index + 1),
