@@ -57,9 +57,11 @@ def _promtool(*args: str) -> subprocess.CompletedProcess[str]:
 
 def test_scrape_config_and_rules_are_valid(tmp_path: Path) -> None:
     """Checked beside the token file it names (the operator writes it; git ignores it)."""
-    for name in ("prometheus.yml", "alerts.yml"):
-        shutil.copy(PROMETHEUS / name, tmp_path / name)
-    (tmp_path / "metrics-token").write_text("x" * 40)
+    config = (PROMETHEUS / "prometheus.yml").read_text()
+    assert config.count("/etc/prometheus/metrics-token") == 2  # the scrape of the control plane, the discovery
+    (tmp_path / "prometheus.yml").write_text(config.replace("/etc/prometheus/metrics-token", str(tmp_path / "token")))
+    shutil.copy(PROMETHEUS / "alerts.yml", tmp_path / "alerts.yml")
+    (tmp_path / "token").write_text("x" * 40)
     result = subprocess.run(["promtool", "check", "config", "prometheus.yml"], cwd=tmp_path, capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr

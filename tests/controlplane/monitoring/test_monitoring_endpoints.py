@@ -14,9 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from arceus.contracts.counters import StageCounters
 from controlplane.controller.executor import reconcile_once
-from controlplane.jobs.models import Job
 from controlplane.market.services import ledger_record_work
-from controlplane.monitoring import metrics
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_create, node_heartbeat, node_register, node_set_paused
 from devtools.pipeline import identity_for
