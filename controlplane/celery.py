@@ -72,6 +72,14 @@ app.conf.update(
 )
 
 
+@signals.worker_process_shutdown.connect
+def _drop_live_metrics(pid: int, **_: object) -> None:
+    """A pool process is ending: its live gauges leave /metrics (prometheus_client's multiprocess mode)."""
+    from controlplane.monitoring.metrics import process_exited
+
+    process_exited(pid)
+
+
 @signals.worker_init.connect
 @signals.beat_init.connect
 def _refuse_development_secret(**_: object) -> None:

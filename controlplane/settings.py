@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = BASE_DIR / "var"
@@ -270,6 +271,14 @@ ARCEUS_REPRICE_INTERVAL_SECONDS = float(os.environ.get("ARCEUS_REPRICE_INTERVAL_
 ARCEUS_LEDGER_ROLLUP_INTERVAL_SECONDS = float(os.environ.get("ARCEUS_LEDGER_ROLLUP_INTERVAL_SECONDS", "300"))
 # The job detail thins its loss curve to at most this many points.
 ARCEUS_LOSS_CURVE_MAX_POINTS = int(os.environ.get("ARCEUS_LOSS_CURVE_MAX_POINTS", "1000"))
+# The bearer token Prometheus sends to GET /metrics and GET /metrics/agents (controlplane/monitoring/views.py);
+# unset, both refuse every caller. At least 32 characters: python -c 'import secrets; print(secrets.token_urlsafe())'.
+ARCEUS_METRICS_TOKEN = os.environ.get("ARCEUS_METRICS_TOKEN", "")
+if 0 < len(ARCEUS_METRICS_TOKEN) < 32:
+    raise ImproperlyConfigured(
+        f"ARCEUS_METRICS_TOKEN has {len(ARCEUS_METRICS_TOKEN)} characters; use at least 32 random ones (for example "
+        "the output of python -c 'import secrets; print(secrets.token_urlsafe())')"
+    )
 
 # --- Celery (read by controlplane/celery.py with namespace CELERY) ---------------------------------------
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")

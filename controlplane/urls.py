@@ -1,5 +1,5 @@
-"""Routes: the REST API under /api/, its schema and docs, the admin, the sign-up page, and /healthz. Static
-files are WhiteNoise's (controlplane.settings, STATIC_ROOT)."""
+"""Routes: the REST API under /api/, its schema and docs, the admin, the sign-up page, /healthz, and Prometheus's
+/metrics and /metrics/agents. Static files are WhiteNoise's (controlplane.settings, STATIC_ROOT)."""
 
 from django.contrib import admin
 from django.urls import include, path, re_path
@@ -7,11 +7,14 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from controlplane.accounts.pages import signup_page
 from controlplane.common.health import healthz
+from controlplane.monitoring.views import agent_targets, metrics
 
 urlpatterns = [
     path("admin/", admin.site.urls),
     re_path(r"^healthz/?$", healthz, name="healthz"),
     re_path(r"^signup/?$", signup_page, name="signup"),
+    re_path(r"^metrics/?$", metrics, name="metrics"),
+    re_path(r"^metrics/agents/?$", agent_targets, name="metrics-agents"),
     re_path(r"^api/schema/?$", SpectacularAPIView.as_view(), name="schema"),
     re_path(r"^api/docs/?$", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
     path("api/", include("controlplane.accounts.urls")),

@@ -30,6 +30,7 @@ from devtools.supervisor import Child, ProcessError, Supervisor
 from nodeagent.node_token import TOKEN_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 AGENT_READY_PREFIX = "AGENT READY"
 
 
@@ -91,6 +92,7 @@ class LocalCluster:
     client: ArceusClient = field(init=False)
     agents: list[Agent] = field(init=False, default_factory=list)
     web: Child = field(init=False)
+    metrics_token: str = field(init=False, default="")  # what Prometheus sends to /metrics and /metrics/agents
 
     def __post_init__(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -126,8 +128,8 @@ class LocalCluster:
         port = free_port()
         self.api_url = f"http://127.0.0.1:{port}"
         self._commands["web"] = [
-            sys.executable, "-m", "gunicorn", "controlplane.wsgi", "--bind", f"127.0.0.1:{port}",
-            "--workers", "2", "--threads", "4", "--timeout", "60"]
+            sys.executable, "-m", "gunicorn", "controlplane.wsgi", "-c", "python:controlplane.gunicorn_conf",
+            "--bind", f"127.0.0.1:{port}", "--workers", "2", "--threads", "4", "--timeout", "60"]
         self.web = self.relaunch("web")
         celery = [sys.executable, "-m", "celery", "-A", "controlplane.celery"]
         self._commands["worker-control"] = [
@@ -211,6 +213,7 @@ class LocalCluster:
         log_path = self.supervisor.log_dir / f"{log_name}.log"
         offset = log_path.stat().st_size if log_path.exists() else 0
         env = {**self.env} if log_name in self._configured else {**self.env, TOKEN_ENV: token}
+        env.pop(MULTIPROC_ENV)  # an agent's metrics are its own, not summed into the control plane's
         return self.supervisor.start(log_name, self._commands[log_name], env=env, cwd=REPO_ROOT), offset
 
     def _await_agent(self, name: str, node_id: str, token: str, child: Child, offset: int) -> Agent:
@@ -303,6 +306,12 @@ class LocalCluster:
         env["DJANGO_SETTINGS_MODULE"] = "controlplane.settings"
         # The servers refuse the public development key; this cluster's is its own.
         env.setdefault("ARCEUS_SECRET_KEY", secrets.token_urlsafe(50))
+        env.setdefault("ARCEUS_METRICS_TOKEN", secrets.token_urlsafe(32))
+        self.metrics_token = env["ARCEUS_METRICS_TOKEN"]
+        # The web server's and the workers' metrics files, summed by /metrics: empty at every start.
+        env[MULTIPROC_ENV] = str(self.workdir / "metrics")
+        shutil.rmtree(env[MULTIPROC_ENV], ignore_errors=True)
+        Path(env[MULTIPROC_ENV]).mkdir()
         env["ARCEUS_HEARTBEAT_INTERVAL_SECONDS"] = str(self.heartbeat_interval_seconds)
         env["ARCEUS_RECONCILE_INTERVAL_SECONDS"] = str(self.reconcile_interval_seconds)
         env["ARCEUS_MEDIA_ROOT"] = str(self.workdir / "media")

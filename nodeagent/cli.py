@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             log.info("registering with %s as %s: %s", args.control_plane, agent.advertise_address, caps)
             registration = register_until_accepted(
                 client, agent.advertise_address, caps, agent.signer.public_key_hex, agent.identity.certificate,
-                stop=stop,
+                stop=stop, metrics_port=agent.metrics_port,
             )
             if registration is None:
                 return 0  # stopped before the control plane answered

@@ -65,18 +65,24 @@ class ControlPlaneClient:
         self._session.headers["Authorization"] = f"Node {token}"
 
     def register(
-        self, grpc_address: str, capabilities: dict[str, Any], public_key: str, tls_certificate: str
+        self,
+        grpc_address: str,
+        capabilities: dict[str, Any],
+        public_key: str,
+        tls_certificate: str,
+        metrics_port: int | None = None,
     ) -> Registration:
-        """`public_key`: what its receipts verify against; `tls_certificate`: what its callers pin (PEM)."""
-        body = self._post(
-            "/api/agent/register",
-            {
-                "grpc_address": grpc_address,
-                "capabilities": capabilities,
-                "public_key": public_key,
-                "tls_certificate": tls_certificate,
-            },
-        )
+        """`public_key`: what its receipts verify against; `tls_certificate`: what its callers pin (PEM);
+        `metrics_port`: where Prometheus scrapes this agent, on the host of `grpc_address`."""
+        payload: dict[str, Any] = {
+            "grpc_address": grpc_address,
+            "capabilities": capabilities,
+            "public_key": public_key,
+            "tls_certificate": tls_certificate,
+        }
+        if metrics_port is not None:
+            payload["metrics_port"] = metrics_port
+        body = self._post("/api/agent/register", payload)
         return Registration(node_id=_node_id(body), heartbeat_interval_seconds=_interval(body))
 
     def heartbeat(
@@ -419,6 +425,7 @@ def register_until_accepted(
     tls_certificate: str,
     *,
     stop: threading.Event,
+    metrics_port: int | None = None,
     min_backoff: float = 1.0,
     max_backoff: float = 30.0,
 ) -> Registration | None:
@@ -427,7 +434,7 @@ def register_until_accepted(
     backoff = min_backoff
     while not stop.is_set():
         try:
-            return client.register(grpc_address, capabilities, public_key, tls_certificate)
+            return client.register(grpc_address, capabilities, public_key, tls_certificate, metrics_port)
         except Unauthorized:
             raise
         except ControlPlaneError as exc:

@@ -343,6 +343,7 @@ def train(plan: TrainPlan, sink: ProgressSink) -> TrainResult:
                         total_steps=total_steps,
                         loss=final_loss,
                         samples_per_second=outcome.samples / elapsed if elapsed > 0 else 0.0,
+                        seconds=elapsed,
                         stages=outcome.stages,
                         spot_checks=outcome.spot_checks,
                     )

@@ -129,6 +129,7 @@ class StepProgress:
     total_steps: int
     loss: float
     samples_per_second: float
+    seconds: float  # the step's wall time through the whole pipeline
     stages: list[StageCounters] = field(default_factory=list)  # cumulative, after this step
     spot_checks: list[SpotCheckResult] = field(default_factory=list)  # of this step
 

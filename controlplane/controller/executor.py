@@ -36,6 +36,7 @@ from controlplane.controller.rules import (
 from controlplane.controller.snapshot import load_snapshot
 from controlplane.controller.transitions import job_fail, job_place, job_requeue, job_rewind, job_run
 from controlplane.jobs.models import Job
+from controlplane.monitoring import metrics
 from controlplane.nodes.models import Node, ReadyStatus
 
 log = logging.getLogger(__name__)
@@ -56,9 +57,10 @@ def _names(actions: list[Action]) -> str:
 
 def reconcile_once(*, now: datetime | None = None) -> ExecutionReport:
     """One level-triggered pass: read everything, decide, apply."""
-    now = now or timezone.now()
-    desired, observed = load_snapshot(now)
-    return execute(plan(desired, observed, now, Budget(settings.ARCEUS_SOLVER_SECONDS)), now=now)
+    with metrics.reconcile_pass():
+        now = now or timezone.now()
+        desired, observed = load_snapshot(now)
+        return execute(plan(desired, observed, now, Budget(settings.ARCEUS_SOLVER_SECONDS)), now=now)
 
 
 def execute(actions: Sequence[Action], *, now: datetime) -> ExecutionReport:
@@ -88,6 +90,7 @@ def _mark_node_unknown(action: MarkNodeUnknown, now: datetime) -> bool:
             ready_transition_at=now,
         )
     )
+    metrics.NODE_READY_TRANSITIONS.labels(ready=UNKNOWN).inc(updated)
     return bool(updated)
 
 

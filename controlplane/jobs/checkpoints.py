@@ -42,6 +42,7 @@ from arceus.training.plan import StageEndpoint, StageStateFile
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.leases import held, job_checkpointed
 from controlplane.jobs.models import Checkpoint, CheckpointUpload, Job, Stage, StageCheckpoint, checkpoint_storage
+from controlplane.monitoring import metrics
 
 log = logging.getLogger(__name__)
 # Checkpoints kept per job besides the one its stages resume from and those a rollback could need
@@ -117,6 +118,7 @@ def checkpoint_upload_receive(*, node_id: Any, upload_id: str, body: BinaryIO, l
     return upload
 
 
+@metrics.CHECKPOINT_SECONDS.time()
 def checkpoint_save(
     *, job_id: Any, lease_owner: str, generation: int, step: int, epoch: int, stages: Sequence[StageStateFile]
 ) -> Checkpoint | None:
@@ -176,6 +178,7 @@ def checkpoint_save(
     except BaseException:
         _delete_files(name for _, name in stored)
         raise
+    metrics.CHECKPOINT_BYTES.observe(sum(stage.size_bytes for stage in stages))
     return checkpoint
 
 

@@ -32,6 +32,7 @@ from controlplane.jobs.models import Job
 from controlplane.jobs.progress import job_finish
 from controlplane.jobs.selectors import job_stage_endpoints
 from controlplane.jobs.sink import DbProgressSink
+from controlplane.monitoring import metrics
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -47,9 +48,13 @@ def job_drive(*, job_id: str) -> str:
         return "skipped"
     sink = DbProgressSink(job_id=str(job.id), lease_owner=owner, generation=job.generation)
     try:
-        with LeaseRenewer(job_id=str(job.id), owner=owner, on_lost=sink.lose_lease):
+        with (
+            LeaseRenewer(job_id=str(job.id), owner=owner, on_lost=sink.lose_lease),
+            metrics.DRIVERS_RUNNING.track_inprogress(),
+        ):
             result = train(train_plan(job), sink)
     except SpecError as exc:
+        metrics.DRIVER_FAILURES.labels(reason="invalid").inc()
         message = str(exc)
         if _recorded(lambda: job_fail(job_id=job.id, message=message, generation=job.generation, lease_owner=owner),
                      f"job {job_id}: recording its failure"):
@@ -59,6 +64,7 @@ def job_drive(*, job_id: str) -> str:
     except DriverError as exc:
         # A stage is unreachable or refused a call: the reconciler decides (move a lost stage, rewind
         # in place, or fail after too many restarts). If the lease is gone the job already moved on.
+        metrics.DRIVER_FAILURES.labels(reason="interrupted").inc()
         message = str(exc)
         if _recorded(lambda: job_driver_interrupted(job_id=job.id, owner=owner, message=message, now=timezone.now()),
                      f"job {job_id}: giving its lease back"):
@@ -69,6 +75,7 @@ def job_drive(*, job_id: str) -> str:
     except Exception as exc:
         # A bug, not a stage failure: fail the job instead of letting the reconciler restart the
         # driver into the same crash forever.
+        metrics.DRIVER_FAILURES.labels(reason="crashed").inc()
         log.exception("job %s: the driver crashed", job_id)
         message = f"driver crashed: {exc!r}"
         _recorded(lambda: job_fail(

@@ -9,7 +9,7 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
-from django.db.models import F, Q, QuerySet, Sum
+from django.db.models import Count, F, Q, QuerySet, Sum
 
 from arceus.contracts.assignment import (
     Assignment,
@@ -18,7 +18,7 @@ from arceus.contracts.assignment import (
     TensorParallelConfig,
     max_micro_batch_size,
 )
-from arceus.contracts.status import HOSTED_STATUSES
+from arceus.contracts.status import HOSTED_STATUSES, JobStatus
 from arceus.training.plan import RankEndpoint, StageEndpoint
 from arceus.wire.transfer import transfer_config_from_json
 from controlplane.common.errors import ApplicationError
@@ -42,6 +42,12 @@ def job_get_for_user(*, user: AbstractBaseUser, job_id: str) -> Job:
     if job is None:
         raise ApplicationError.not_found("job", job_id)
     return job
+
+
+def job_counts_by_status() -> dict[str, int]:
+    """How many jobs are in each status, every status named (0 for none)."""
+    counts = dict(Job.objects.values_list("status").annotate(n=Count("pk")).order_by())
+    return {status.value: counts.get(status.value, 0) for status in JobStatus}
 
 
 def job_stages(*, job: Job) -> QuerySet[Stage]:

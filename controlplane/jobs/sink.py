@@ -29,6 +29,7 @@ from controlplane.controller.leases import job_driver_handover, job_handover_req
 from controlplane.jobs.checkpoints import checkpoint_save, checkpoint_uploads_open
 from controlplane.jobs.progress import StepPoint, job_record_epoch, job_record_steps
 from controlplane.market.verification import spot_checks_record
+from controlplane.monitoring import metrics
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -54,6 +55,7 @@ class DbProgressSink:
         self._handover = False
 
     def on_step(self, p: StepProgress) -> None:
+        metrics.DRIVER_STEP_SECONDS.observe(p.seconds)
         self._pending.append(StepPoint(p.epoch, p.step, p.total_steps, p.loss, p.samples_per_second))
         self._counters = p.stages
         self._spot_checks += [replace(c, train_step=p.step) for c in p.spot_checks]

@@ -93,3 +93,15 @@ def job_cost(*, job: Job) -> dict[str, Any]:
         cost["remaining_seconds"] = seconds
         cost["estimate_to_finish_usd"] = dollars(round(per_hour * seconds / 3600 * MICROS_PER_DOLLAR))
     return cost
+
+
+def ledger_totals() -> dict[str, Decimal]:
+    """The whole ledger in dollars by kind: charged to jobs' owners, the platform's fees, credit paid to nodes'
+    owners, credit withheld (spot checks caught the work wrong). Reversals count negatively."""
+    total = LedgerEntry.objects.aggregate(
+        charged=Sum("charge_micros"),
+        fees=Sum("fee_micros"),
+        credited=Sum("credit_micros", filter=Q(withheld=False)),
+        withheld=Sum("credit_micros", filter=Q(withheld=True)),
+    )
+    return {kind: dollars(micros) for kind, micros in total.items()}

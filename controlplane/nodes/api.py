@@ -123,6 +123,7 @@ class AgentRegisterApi(AgentApi):
         node = node_register(
             node=request.auth,
             grpc_address=data.validated_data["grpc_address"],
+            metrics_port=data.validated_data["metrics_port"],
             public_key=data.validated_data["public_key"],
             tls_certificate=data.validated_data["tls_certificate"],
             **data.validated_data["capabilities"],

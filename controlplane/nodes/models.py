@@ -58,6 +58,9 @@ class Node(BaseModel):
     )
     flag_clear_reason = models.TextField(blank=True)
     grpc_address = models.CharField(max_length=255, blank=True)
+    # The port of the agent's /metrics on the host of `grpc_address`, from its latest registration (Prometheus
+    # finds it through GET /metrics/agents); null: the agent did not say.
+    metrics_port = models.PositiveIntegerField(null=True, blank=True)
     # The Ready condition, in columns so the reconciler can filter on it.
     ready_status = models.CharField(max_length=8, choices=ReadyStatus, default=ReadyStatus.UNKNOWN, db_index=True)
     ready_reason = models.CharField(max_length=64, default="NotRegistered")

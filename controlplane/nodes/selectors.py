@@ -1,15 +1,21 @@
 from __future__ import annotations
 
 import uuid
-from datetime import datetime
+from datetime import datetime, timedelta
+from typing import Any
 
 from django.contrib.auth.models import AbstractBaseUser
-from django.db.models import Prefetch, QuerySet
+from django.db.models import Count, Prefetch, Q, QuerySet
 
 from controlplane.common.errors import ApplicationError
 from controlplane.jobs.models import Stage
+from controlplane.market.services import node_device_class
 from controlplane.nodes.availability import unavailable_reason
-from controlplane.nodes.models import Node
+from controlplane.nodes.models import Node, ReadyStatus
+
+# A node whose agent has not heartbeated for this long is gone (uninstalled, or its owner moved on): Prometheus
+# stops scraping it. Shorter outages stay targets, so the agents' "down" alert sees them.
+METRICS_TARGET_GONE_AFTER = timedelta(minutes=10)
 
 
 def node_list_for_user(*, user: AbstractBaseUser) -> QuerySet[Node]:
@@ -49,3 +55,37 @@ def node_unavailable_reason(node: Node, now: datetime) -> str | None:
         host_busy_fraction=lease.host_busy_fraction if lease else None,
         now=now,
     )
+
+
+def node_metrics_targets(*, now: datetime) -> list[dict[str, Any]]:
+    """Prometheus http_sd targets: each registered node's agent /metrics (the host of its gRPC address, the
+    metrics port it registered), while it is not gone; labelled with the node's name, id and device class."""
+    nodes = Node.objects.filter(
+        registered_at__isnull=False, metrics_port__isnull=False, lease__renewed_at__gte=now - METRICS_TARGET_GONE_AFTER
+    ).order_by("created_at")
+    return [
+        {
+            "targets": [f"{node.grpc_address.rpartition(':')[0]}:{node.metrics_port}"],
+            "labels": {"node": node.name, "node_id": str(node.id), "device_class": node_device_class(node)},
+        }
+        for node in nodes
+    ]
+
+
+def node_counts() -> dict[str, dict[str, int]]:
+    """How many nodes are in each Ready state ("NotRegistered" before their agent registered), and how many are
+    held back from new work by each reason (paused, leaving, flagged; one node may have several)."""
+    counts = Node.objects.aggregate(
+        not_registered=Count("pk", filter=Q(registered_at__isnull=True)),
+        **{
+            status: Count("pk", filter=Q(registered_at__isnull=False, ready_status=status))
+            for status in ReadyStatus.values
+        },
+        paused=Count("pk", filter=Q(paused=True)),
+        leaving=Count("pk", filter=Q(leaving_at__isnull=False)),
+        flagged=Count("pk", filter=Q(flagged_at__isnull=False)),
+    )
+    return {
+        "ready": {"NotRegistered": counts["not_registered"], **{s: counts[s] for s in ReadyStatus.values}},
+        "held_back": {reason: counts[reason] for reason in ("paused", "leaving", "flagged")},
+    }

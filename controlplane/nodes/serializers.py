@@ -164,6 +164,10 @@ class AgentRegisterInput(serializers.Serializer):
         required=False, default="", help_text="Hex Ed25519 key (64 digits) that signs the agent's receipts"
     )
 
+    metrics_port = serializers.IntegerField(
+        min_value=1, max_value=65535, required=False, allow_null=True, default=None,
+        help_text="Port of the agent's Prometheus /metrics on the host of grpc_address (service discovery)",
+    )
     tls_certificate = serializers.CharField(
         max_length=MAX_CERTIFICATE_CHARS,
         trim_whitespace=False,

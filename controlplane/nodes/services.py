@@ -21,6 +21,7 @@ from controlplane.jobs.models import Stage
 from controlplane.jobs.selectors import assignments_for_node
 from controlplane.jobs.stages import stages_record_observed
 from controlplane.market.services import ledger_roll_back
+from controlplane.monitoring import metrics
 from controlplane.nodes.links import node_links_record
 from controlplane.nodes.models import Node, NodeLease, NodeRestart, ReadyStatus
 
@@ -75,15 +76,16 @@ def node_register(
     flops_bf16: float | None = None,
     runtime_bytes: int = 0,
     link: dict[str, float] | None = None,
+    metrics_port: int | None = None,
 ) -> Node:
-    """Record the agent's address and capabilities (inputs already validated by the API).
+    """Record the agent's addresses and capabilities (inputs already validated by the API).
 
     A registering agent is a fresh process: a stage it hosted lost its state (`_node_restarted`).
     """
     hosted = Stage.objects.filter(node=node, active=True).select_related("job").first()  # one at most
     if hosted is not None:
         _node_restarted(node=node, stage=hosted, now=now)
-    node.grpc_address = grpc_address
+    node.grpc_address, node.metrics_port = grpc_address, metrics_port
     node.device_type = device_type
     node.device_name = device_name
     node.memory_bytes = memory_bytes
@@ -107,6 +109,7 @@ def node_register(
     return node
 
 
+@metrics.HEARTBEAT_SECONDS.time()
 @transaction.atomic
 def node_heartbeat(
     *,
@@ -127,6 +130,7 @@ def node_heartbeat(
     NodeLease.objects.filter(node=node).update(
         renewed_at=now, duration_seconds=settings.ARCEUS_NODE_GRACE_SECONDS, host_busy_fraction=host_busy_fraction
     )
+    metrics.HEARTBEATS.inc()
     if link is not None:  # the agent re-measures its link every few minutes
         _set_link(node, link, now)
         node.save(update_fields=["control_plane_rtt_seconds", "control_plane_bandwidth_bytes_per_second",
@@ -140,6 +144,7 @@ def node_heartbeat(
             ready_message="the node agent is heartbeating",
             ready_transition_at=now,
         )
+        metrics.NODE_READY_TRANSITIONS.labels(ready=TRUE).inc()
         changed = True
     if changed:
         reconcile_soon()

@@ -53,6 +53,8 @@ AGENT_OBJECTS = {"agent-checkpoint", "agent-checkpoint-upload"}
 # Act on (or read) the calling node itself.
 AGENT_OWN = {"agent-register", "agent-heartbeat", "agent-probe", "agent-leave", "agent-earnings"}
 NOT_REST = {"admin", "signup"}  # the Django admin (staff sessions), the sign-up page
+# Prometheus's: the operator's metrics token only (ARCEUS_METRICS_TOKEN), no user's or node's credentials.
+METRICS = {"metrics", "metrics-agents"}
 
 VICTIM_ADDRESS = "10.77.66.55:50999"
 BODIES: dict[str, Any] = {
@@ -199,6 +201,7 @@ def test_every_endpoint_is_classified() -> None:
     names = {e.name for e in endpoints()}
     classified = (
         PUBLIC.keys() | TENANT_OBJECTS | TENANT_COLLECTIONS | OWN_ACCOUNT | AGENT_OBJECTS | AGENT_OWN | NOT_REST
+        | METRICS
     )
     assert names - classified == set(), "classify the new endpoint here: who may call it, and what a stranger gets"
     assert classified - names == set(), "a classified endpoint no longer exists"
@@ -218,7 +221,7 @@ def test_nobody_but_the_owner_reaches_a_tenants_objects(victim: Victim, attacker
     kwargs = victim.kwargs()
     tried = 0
     for endpoint in endpoints():
-        if endpoint.name in PUBLIC or endpoint.name in NOT_REST or endpoint.name in OWN_ACCOUNT:
+        if endpoint.name in PUBLIC or endpoint.name in NOT_REST or endpoint.name in OWN_ACCOUNT | METRICS:
             continue
         route = get_resolver().reverse_dict.getlist(endpoint.name)[0][0][0][1]
         path = reverse(endpoint.name, kwargs={k: kwargs[k] for k in route})
@@ -255,3 +258,13 @@ def test_account_endpoints_act_on_the_caller_alone(victim: Victim, attackers: di
     assert Token.objects.get(user=victim.user).key == victim_token
     victim.user.refresh_from_db()
     assert victim.user.password == password
+
+
+def test_only_the_metrics_token_opens_the_metrics(victim: Victim, attackers: dict[str, APIClient], settings) -> None:  # noqa: ANN001
+    settings.ARCEUS_METRICS_TOKEN = "m" * 40
+    owner = client(f"Token {user_token_get_or_create(user=victim.user)}")
+    for name in sorted(METRICS):
+        for who, c in [*attackers.items(), ("the victim, a tenant", owner)]:
+            response = c.get(reverse(name))
+            assert response.status_code == 401, (who, name, response.status_code)
+            assert not [s for s in victim.secrets if s.encode() in response.content], (who, name)

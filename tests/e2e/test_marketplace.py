@@ -1,18 +1,22 @@
 """The marketplace end to end: heterogeneous agents get proportionate stages, and what the ledger says
-each contributor did is what that contributor's own agent counted (its Prometheus metrics)."""
+each contributor did is what that contributor's own agent counted (its Prometheus metrics); then a real Prometheus
+server finds the agents through the control plane's service discovery and scrapes everything."""
 
 from __future__ import annotations
 
 import itertools
 import math
 import re
+import subprocess
 import time
 from decimal import Decimal
+from pathlib import Path
 
 import pytest
 import requests
 
 from devtools.cluster import LocalCluster
+from tests.e2e.prometheus_server import api, prometheus_for
 
 pytestmark = pytest.mark.slow
 
@@ -36,7 +40,9 @@ def metric(text: str, name: str) -> float:
     return float(match.group(1))
 
 
-def test_faster_agents_get_larger_stages_and_the_ledger_matches_their_counters(cluster: LocalCluster) -> None:
+def test_faster_agents_get_larger_stages_and_the_ledger_matches_their_counters(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
     # Declared rates low enough that a stage's compute (tens of ms per micro-batch) outweighs the latency the
     # solver takes from each agent's measured link to the control plane (a few ms on a busy loopback).
     declared = {"fast": "4e8", "slow-a": "1e8", "slow-b": "1e8"}
@@ -79,3 +85,47 @@ def test_faster_agents_get_larger_stages_and_the_ledger_matches_their_counters(c
     # Credits plus the platform's fees are exactly what the developer is charged.
     cost = final["cost"]
     assert credits + Decimal(cost["platform_fee_usd"]) == Decimal(cost["charged_usd"]) > 0
+
+    prometheus_scrapes_the_cluster(cluster, tmp_path / "prometheus", agents.values(), job["id"])
+
+
+def prometheus_scrapes_the_cluster(cluster: LocalCluster, workdir: Path, agents, job_id: str) -> None:  # noqa: ANN001
+    """Prometheus on monitoring/prometheus: the agents found through GET /metrics/agents, every target up, every
+    /metrics body clean by `promtool check metrics`, the alert rules loaded, and the control plane's figures
+    summed over its processes (the training worker's driver steps come through the web server's /metrics)."""
+    with prometheus_for(cluster, workdir) as url:
+        expected = {f"{cluster.api_url.removeprefix('http://')}"} | {a.metrics_address for a in agents}
+        deadline = time.monotonic() + 30
+        while True:
+            targets = api(url, "targets")["activeTargets"]
+            up = {t["labels"]["instance"] for t in targets if t["health"] == "up"}
+            if up == expected == {t["labels"]["instance"] for t in targets}:
+                break
+            assert time.monotonic() < deadline, targets
+            time.sleep(0.5)
+        labels = {t["labels"]["node_id"]: t["labels"] for t in targets if t["labels"]["job"] == "arceus-nodeagent"}
+        assert {labels[a.node_id]["node"] for a in agents} == {a.name for a in agents}
+        assert all(t["device_class"] for t in labels.values())
+
+        for target in targets:
+            headers = {"Authorization": f"Bearer {cluster.metrics_token}"}
+            body = requests.get(target["scrapeUrl"], headers=headers, timeout=10).text
+            check = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True, text=True,
+                                   timeout=60)
+            assert check.returncode == 0 and not check.stdout + check.stderr, (target["scrapeUrl"], check)
+
+        rules = {r["name"]: r["health"] for g in api(url, "rules")["groups"] for r in g["rules"]}
+        assert {"ArceusDriverCrashLoop", "ArceusReconcileLagging", "ArceusSlowHeartbeats", "ArceusNodesFlapping",
+                "ArceusAgentDown"} <= rules.keys()
+        assert set(rules.values()) <= {"ok", "unknown"}, rules
+
+        def value(query: str) -> float:
+            result = api(url, "query", query=query)["result"]
+            assert result, query
+            return float(result[0]["value"][1])
+
+        assert value('arceus_jobs{status="succeeded"}') == 1
+        assert value("arceus_driver_step_seconds_count") > 0  # recorded by the training worker
+        assert value("arceus_heartbeats_total") > 0  # by gunicorn's workers
+        assert value("arceus_checkpoint_size_bytes_count") > 0
+        assert 0 <= value("arceus_reconcile_lag_seconds") < 30

@@ -63,6 +63,8 @@ def test_register_sends_the_contract(control_plane) -> None:  # noqa: ANN001 - f
     assert body == {
         "grpc_address": "127.0.0.1:5000", "capabilities": caps, "public_key": "ab" * 32, "tls_certificate": "CERT"
     }
+    client.register("127.0.0.1:5000", caps, "ab" * 32, "CERT", metrics_port=9400)
+    assert control_plane.requests[1][2] == {**body, "metrics_port": 9400}  # where Prometheus scrapes it
 
 
 def test_rejected_token_is_unauthorized(control_plane) -> None:  # noqa: ANN001

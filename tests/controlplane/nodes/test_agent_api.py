@@ -35,8 +35,9 @@ def agent(user) -> tuple[Node, APIClient]:
 
 
 def register(client: APIClient, address: str = "127.0.0.1:50051", **caps: Any) -> Any:
+    top = {name: caps.pop(name) for name in ("metrics_port",) if name in caps}
     body = {"grpc_address": address, "capabilities": {**CAPABILITIES, **caps},
-            "tls_certificate": identity_for(address).certificate}
+            "tls_certificate": identity_for(address).certificate, **top}
     return client.post("/api/agent/register", body, format="json")
 
 
@@ -70,11 +71,12 @@ def test_a_user_token_is_not_a_node_token(api: APIClient) -> None:
 
 def test_register_records_capabilities(agent: tuple[Node, APIClient]) -> None:
     node, client = agent
-    response = register(client, runtime_bytes=300 * 2**20)
+    response = register(client, runtime_bytes=300 * 2**20, metrics_port=9400)
     assert response.status_code == 200
     assert response.json() == {"node_id": str(node.id), "heartbeat_interval_seconds": 2.0}
     node.refresh_from_db()
     assert node.runtime_memory_bytes == 300 * 2**20
+    assert node.metrics_port == 9400
     assert (node.device_type, node.memory_bytes, node.flops_fp32, node.grpc_address) == (
         "cpu",
         8 * 2**30,
@@ -100,6 +102,9 @@ def test_register_records_capabilities(agent: tuple[Node, APIClient]) -> None:
         ("127.0.0.1:50051", {"flops_fp32": -1.5}, "capabilities.flops_fp32"),
         ("127.0.0.1:50051", {"runtime_bytes": -1}, "capabilities.runtime_bytes"),
         ("127.0.0.1:50051", {"runtime_bytes": 8 * 2**30}, "capabilities.runtime_bytes"),  # all of its memory
+        ("127.0.0.1:50051", {"metrics_port": 0}, "metrics_port"),
+        ("127.0.0.1:50051", {"metrics_port": 65536}, "metrics_port"),
+        ("127.0.0.1:50051", {"metrics_port": "9400/x"}, "metrics_port"),
     ],
 )
 def test_register_validates_strictly(agent: tuple[Node, APIClient], address: str, caps: dict, field: str) -> None:
