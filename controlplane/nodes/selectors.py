@@ -9,7 +9,7 @@ from django.db.models import Prefetch, QuerySet
 from controlplane.common.errors import ApplicationError
 from controlplane.jobs.models import Stage
 from controlplane.nodes.availability import unavailable_reason
-from controlplane.nodes.models import Node
+from controlplane.nodes.models import Node, ReadyStatus
 
 
 def node_list_for_user(*, user: AbstractBaseUser) -> QuerySet[Node]:
@@ -34,6 +34,22 @@ def node_get_for_user(*, user: AbstractBaseUser, node_id: str) -> Node:
 
 def node_by_token_hash(*, token_hash: str) -> Node | None:
     return Node.objects.select_related("owner").filter(token_hash=token_hash).first()
+
+
+def node_status(node: Node, now: datetime) -> str:
+    """One word for the owner: flagged, paused, unreachable (not Ready: silent, or never registered),
+    draining (may not work now but still hosts a stage), training (hosts one), or ready. `node` as the
+    node selectors return it (its lease and active stages fetched)."""
+    if node.flagged_at:
+        return "flagged"
+    if node.paused:
+        return "paused"
+    if node.ready_status != ReadyStatus.TRUE:
+        return "unreachable"
+    hosting = bool(node.active_stages)
+    if node_unavailable_reason(node, now) is not None:
+        return "draining" if hosting else "paused"
+    return "training" if hosting else "ready"
 
 
 def node_unavailable_reason(node: Node, now: datetime) -> str | None:
