@@ -50,6 +50,9 @@ class JobSubmitForm(forms.Form):
     learning_rate = forms.FloatField(initial=0.05)
     micro_batches = forms.IntegerField(initial=2)
     stages = forms.IntegerField(required=False, help_text="empty: all free Ready nodes (up to the layers)")
+    checkpoint_interval_steps = forms.IntegerField(
+        initial=50, required=False, help_text="save every stage's state every N steps (0: only at the end)"
+    )
     schedule = forms.ChoiceField(choices=PipelineSchedule.choices, initial=PipelineSchedule.GPIPE)
     start = forms.BooleanField(required=False, initial=True, help_text="queue it for training at once")
 

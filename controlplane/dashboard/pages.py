@@ -25,7 +25,7 @@ from controlplane.dashboard.forms import JobSubmitForm, NodeControlsForm
 from controlplane.dashboard.selectors import dashboard_job, dashboard_jobs, dashboard_market, dashboard_nodes
 from controlplane.jobs.selectors import job_get_for_user
 from controlplane.jobs.serializers import JobSubmitInput
-from controlplane.jobs.services import job_start, job_submit
+from controlplane.jobs.services import job_cancel, job_start, job_submit
 from controlplane.nodes.selectors import node_get_for_user
 from controlplane.nodes.serializers import NodeControlsInput
 from controlplane.nodes.services import node_set_controls, node_set_paused
@@ -125,6 +125,19 @@ def job_page(request: HttpRequest, job_id: str) -> HttpResponse:
 def job_live(request: HttpRequest, job_id: str) -> JsonResponse:
     with consistent_snapshot():
         return JsonResponse(dashboard_job(job=job_get_for_user(user=request.user, job_id=job_id)))
+
+
+@login_required
+@require_POST
+@_not_found_as_404
+def job_cancel_page(request: HttpRequest, job_id: str) -> HttpResponse:
+    """Cancel one's job, as POST /api/jobs/<id>/cancel does; a job that already ended is a 409 saying so."""
+    job = job_get_for_user(user=request.user, job_id=job_id)
+    try:
+        job_cancel(job=job)
+    except ApplicationError as exc:
+        return HttpResponse(exc.message, status=exc.status, content_type="text/plain; charset=utf-8")
+    return redirect("dashboard-job", job_id=job.id)
 
 
 @login_required

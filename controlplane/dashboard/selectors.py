@@ -11,6 +11,7 @@ from typing import Any
 from django.contrib.auth.models import AbstractBaseUser
 from django.utils import timezone
 
+from arceus.contracts.status import TERMINAL_STATUSES
 from arceus.errors import SpecError
 from arceus.model.registry import architecture_of, model_spec_from_config
 from controlplane.jobs.models import Job, StageContribution
@@ -44,6 +45,7 @@ def dashboard_job(*, job: Job) -> dict[str, Any]:
     detail = JobDetailOutput(job).data
     writes_text, positions = _text_positions(job)
     speed = job.samples_per_second
+    detail["cancellable"] = job.status not in TERMINAL_STATUSES
     detail["writes_text"] = writes_text
     detail["tokens_per_second"] = speed * positions if writes_text and speed else None
     detail["perplexity"] = math.exp(job.val_loss) if writes_text and job.val_loss is not None else None

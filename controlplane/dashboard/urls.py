@@ -12,6 +12,7 @@ urlpatterns = [
     path("jobs/live.json", pages.jobs_live, name="dashboard-jobs-live"),
     path("jobs/<str:job_id>/", pages.job_page, name="dashboard-job"),
     path("jobs/<str:job_id>/live.json", pages.job_live, name="dashboard-job-live"),
+    path("jobs/<str:job_id>/cancel", pages.job_cancel_page, name="dashboard-job-cancel"),
     path("nodes/", pages.nodes_page, name="dashboard-nodes"),
     path("nodes/live.json", pages.nodes_live, name="dashboard-nodes-live"),
     path("nodes/<str:node_id>/pause", pages.node_pause, {"paused": True}, name="dashboard-node-pause"),

@@ -225,3 +225,15 @@ def test_the_market_shows_prices_and_their_history(browser: Client, ready_node: 
         c.price_per_hour for c in PriceChange.objects.order_by("created_at")
     ]
     assert price["device_class"] in browser.get("/dashboard/market/").content.decode()
+
+
+def test_cancelling_a_job_from_its_page(browser: Client, stranger: Client, queued_job: Callable[..., Job]) -> None:
+    job = queued_job()
+    assert browser.get(f"/dashboard/jobs/{job.id}/live.json").json()["cancellable"] is True
+    assert stranger.post(f"/dashboard/jobs/{job.id}/cancel").status_code == 404
+    assert browser.get(f"/dashboard/jobs/{job.id}/cancel").status_code == 405
+    assert browser.post(f"/dashboard/jobs/{job.id}/cancel")["Location"] == f"/dashboard/jobs/{job.id}/"
+    assert Job.objects.get(pk=job.pk).status == "cancelled"
+    assert browser.get(f"/dashboard/jobs/{job.id}/live.json").json()["cancellable"] is False
+    again = browser.post(f"/dashboard/jobs/{job.id}/cancel")
+    assert again.status_code == 409 and "nothing to cancel" in again.content.decode()

@@ -33,6 +33,7 @@
   function stats(job) {
     $("job-status").textContent = job.status;
     $("job-status").className = `status status-${job.status}`;
+    $("cancel-form").hidden = !job.cancellable;
     $("stat-step").textContent = `${job.step}/${job.total_steps ?? "?"}`;
     $("stat-epoch").textContent = `${job.epoch}/${job.epochs_requested}`;
     $("stat-samples").textContent = Dashboard.number(job.samples_per_second);

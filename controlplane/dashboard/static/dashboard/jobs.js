@@ -13,7 +13,7 @@
     for (const key of ["model_config", "dataset_config"]) {
       try { parsed[key] = JSON.parse(f.get(key)); } catch (e) { throw new Error(`${key}: not JSON (${e.message})`); }
     }
-    for (const key of ["epochs", "micro_batches", "stages"]) if (f.get(key)) parsed[key] = Number(f.get(key));
+    for (const key of ["epochs", "micro_batches", "stages", "checkpoint_interval_steps"]) if (f.get(key)) parsed[key] = Number(f.get(key));
     if (f.get("learning_rate")) parsed.learning_rate = Number(f.get("learning_rate"));
     parsed.schedule = f.get("schedule");
     return parsed;
