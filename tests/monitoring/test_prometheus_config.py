@@ -26,6 +26,8 @@ AGENT_METRICS = {
     "arceus_heartbeat_age_seconds",
     "arceus_compute_seconds_total",
     "arceus_stage_info",
+    "arceus_stage_wait_seconds_total",
+    "arceus_stage_step_wait_seconds",
 }
 
 
