@@ -105,7 +105,9 @@ def job_events(*, job: Job) -> list[dict[str, Any]]:
         events.append({"at": c["last_transition_time"], "kind": "condition",
                        "text": f"{c['type']} {c['status']}: {c['reason']} {c.get('message', '')}".strip()})
     hosts: dict[int, str] = {}
+    generation_began: dict[int, datetime] = {}
     for row in StageContribution.objects.filter(job=job).select_related("node").order_by("generation", "created_at"):
+        generation_began.setdefault(row.generation, row.created_at)
         before = hosts.get(row.stage_index)
         if before is not None and before != row.node.name:
             events.append({"at": row.created_at, "kind": "moved",
@@ -114,8 +116,8 @@ def job_events(*, job: Job) -> list[dict[str, Any]]:
         hosts[row.stage_index] = row.node.name
     for cp in job.checkpoints.order_by("-step")[:MAX_EVENTS]:
         events.append({"at": cp.created_at, "kind": "checkpoint", "text": f"checkpoint at step {cp.step}"})
-    if job.resume_checkpoint is not None:
-        events.append({"at": job.started_at, "kind": "resumed",
+    if job.resume_checkpoint is not None:  # the current generation's: when its first work was recorded
+        events.append({"at": generation_began.get(job.generation, job.started_at), "kind": "resumed",
                        "text": f"resumed from the checkpoint of step {job.resume_checkpoint.step}"})
     for check in SpotCheck.objects.filter(job=job).select_related("node").order_by("-created_at")[:MAX_EVENTS]:
         events.append({"at": check.created_at, "kind": "spot_check_passed" if check.passed else "spot_check_failed",

@@ -18,9 +18,9 @@ from rest_framework.test import APIClient
 from arceus.training.plan import StageTiming
 from controlplane.controller.executor import reconcile_once
 from controlplane.controller.leases import job_driver_claim
-from controlplane.jobs.models import Job, Stage, StageContribution
+from controlplane.jobs.models import Checkpoint, Job, Stage, StageContribution
 from controlplane.jobs.progress import StepPoint, job_record_steps
-from controlplane.market.models import PriceChange
+from controlplane.market.models import PriceChange, SpotCheck
 from controlplane.market.services import prices_reprice
 from controlplane.nodes.models import Node
 
@@ -61,6 +61,11 @@ def training_job(ready_node: Callable[..., Node], queued_job: Callable[..., Job]
     other = next(n for n in nodes if n.pk != stage.node_id)
     for generation, node in ((stage.generation - 1, other), (stage.generation, stage.node)):
         StageContribution.objects.create(job=job, stage_index=1, generation=generation, node=node, samples=32)
+    checkpoint = Checkpoint.objects.create(job=job, step=4, epoch=1, generation=stage.generation - 1)
+    Job.objects.filter(pk=job.pk).update(resume_checkpoint=checkpoint)
+    for passed in (True, False):
+        SpotCheck.objects.create(job=job, node=stage.node, generation=stage.generation, step=3, train_step=3,
+                                 micro_batch=0, stage_index=1, passed=passed, detail="recomputed")
     job.refresh_from_db()
     return job
 
@@ -112,7 +117,9 @@ def test_the_live_job_shows_the_pipeline_bubble_speed_and_events(browser: Client
     assert stages[2]["bubble"] == pytest.approx(0.004 / 0.014)
     assert all(s["node_name"] and s["device"] == "cpu test cpu" for s in stages)
     kinds = {e["kind"] for e in live["events"]}
-    assert "moved" in kinds and "condition" in kinds
+    assert kinds == {"condition", "moved", "checkpoint", "resumed", "spot_check_passed", "spot_check_failed"}
+    times = [e["at"] for e in live["events"]]
+    assert times == sorted(times, reverse=True)  # newest first
     moved = next(e for e in live["events"] if e["kind"] == "moved")
     assert moved["text"].startswith("stage 1 moved from ")
 
