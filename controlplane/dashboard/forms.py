@@ -57,8 +57,8 @@ class JobSubmitForm(forms.Form):
     start = forms.BooleanField(required=False, initial=True, help_text="queue it for training at once")
 
     def api_input(self) -> dict[str, Any]:
-        data = {k: v for k, v in self.cleaned_data.items() if k != "start" and v is not None}
-        return data
+        """Fields left empty take the API's defaults."""
+        return {k: v for k, v in self.cleaned_data.items() if k != "start" and v is not None}
 
 
 class NodeControlsForm(forms.Form):

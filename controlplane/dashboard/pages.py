@@ -70,9 +70,12 @@ def _api_errors(form: forms.Form, errors: dict[str, Any]) -> None:
         if isinstance(messages, dict):
             _api_errors(form, {f"{field}.{k}": v for k, v in messages.items()})
             continue
+        top = field.split(".", 1)[0]
         for message in messages if isinstance(messages, list) else [messages]:
-            if field in form.fields:
-                form.add_error(field, str(message))
+            if top in form.fields:  # "model_config.layer_sizes" goes under model_config, naming its key
+                form.add_error(top, str(message) if top == field else f"{field}: {message}")
+            elif field in ("__all__", "non_field_errors"):
+                form.add_error(None, str(message))
             else:
                 form.add_error(None, f"{field}: {message}")
 
@@ -143,13 +146,18 @@ def job_cancel_page(request: HttpRequest, job_id: str) -> HttpResponse:
 @login_required
 @require_GET
 def nodes_page(request: HttpRequest) -> HttpResponse:
-    nodes = dashboard_nodes(user=request.user)
+    return render(request, "dashboard/nodes.html", {"nodes": _with_controls_forms(dashboard_nodes(user=request.user))})
+
+
+def _with_controls_forms(nodes: list[dict[str, Any]], bound: NodeControlsForm | None = None) -> list[dict[str, Any]]:
+    """Each node with the form of its controls: as they are, or, for the node `bound` was posted for, as posted
+    (with its errors)."""
     for node in nodes:
         controls = node["controls"]
-        node["controls_form"] = NodeControlsForm(
+        node["controls_form"] = bound if bound is not None and bound.prefix == str(node["id"]) else NodeControlsForm(
             initial={**controls, "work_windows": ", ".join(controls["work_windows"])}, prefix=str(node["id"])
         )
-    return render(request, "dashboard/nodes.html", {"nodes": nodes})
+    return nodes
 
 
 @login_required
@@ -180,12 +188,7 @@ def node_controls(request: HttpRequest, node_id: str) -> HttpResponse:
         if data is not None:
             node_set_controls(node=node, user=request.user, controls=data)
             return redirect("dashboard-nodes")
-    nodes = dashboard_nodes(user=request.user)
-    for row in nodes:
-        controls = row["controls"]
-        row["controls_form"] = form if row["id"] == str(node.id) else NodeControlsForm(
-            initial={**controls, "work_windows": ", ".join(controls["work_windows"])}, prefix=str(row["id"])
-        )
+    nodes = _with_controls_forms(dashboard_nodes(user=request.user), bound=form)
     return render(request, "dashboard/nodes.html", {"nodes": nodes}, status=400)
 
 
