@@ -19,6 +19,7 @@
       data: points.map((p) => ({ x: Date.parse(p.at), y: p.price_per_hour })),
     }));
     chart.update("none");
+    document.getElementById("no-history").hidden = chart.data.datasets.length > 0;
   }
 
   render(JSON.parse(document.getElementById("live-data").textContent));
