@@ -70,7 +70,7 @@
       div.dataset.rank = s.rank;
       const lines = [
         ["title", `Stage ${s.stage_index}${s.rank ? ` rank ${s.rank}` : ""}`],
-        ["layers", `layers ${s.layer_start}–${s.layer_end}`],
+        ["layers", s.layer_end - s.layer_start > 1 ? `layers ${s.layer_start}–${s.layer_end - 1}` : `layer ${s.layer_start}`],
         ["node", s.node_name ?? "(unplaced)"],
         ["device", s.device ?? ""],
         ["state", `${s.state}, generation ${s.generation}`],

@@ -24,8 +24,8 @@
       out.textContent = `Cannot be placed now: ${result.reason} (${result.candidates} candidate nodes).`;
       return;
     }
-    const nodes = result.stages.map((s) => `stage ${s.stage_index} (layers ${s.layer_start}-${s.layer_end}) on ${s.node_name}`);
-    out.innerHTML = "";
+    const nodes = result.stages.map((s) => `stage ${s.stage_index} (layers ${s.layer_start} to ${s.layer_end - 1}) on ${s.node_name}`);
+    out.replaceChildren();
     const summary = document.createElement("p");
     summary.id = "estimate-result";
     summary.textContent = `About ${Dashboard.number(result.samples_per_second)} samples/s, ` +
