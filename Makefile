@@ -11,7 +11,7 @@ STUBS := arceus/v1/stage_pb2.py
 install: $(STAMP) $(STUBS) $(VENV)/.system-stamp
 
 # promtool (Debian's prometheus package) checks monitoring/ in the test suite; chromium and its driver run the
-# browser test of the admin (tests/e2e/test_operator_browser.py); docker-compose's `config` validates
+# browser tests of the admin and the dashboard (tests/e2e/browser.py); docker-compose's `config` validates
 # deploy/compose.yaml (tests/deploy; it needs no container engine).
 $(VENV)/.system-stamp: $(STAMP)
 	(command -v promtool && command -v chromedriver && command -v docker-compose) >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus chromium chromium-driver docker-compose >/dev/null)
@@ -28,8 +28,10 @@ $(STAMP): pyproject.toml
 $(STUBS): $(PROTOS) protos/generate.py $(STAMP)
 	$(BIN)/python protos/generate.py
 
+# `make demo DEMO_ARGS=--keep`: afterwards the dashboard's URL and login, serving until Ctrl-C.
+DEMO_ARGS ?=
 demo: install
-	$(BIN)/python -m devtools.demo
+	$(BIN)/python -m devtools.demo $(DEMO_ARGS)
 
 # The suite runs against the real PostgreSQL and Redis of the machine (override by URL).
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/arceus

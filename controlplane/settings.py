@@ -56,6 +56,7 @@ INSTALLED_APPS = [
     "controlplane.nodes",
     "controlplane.jobs",
     "controlplane.market",
+    "controlplane.dashboard",
 ]
 
 MIDDLEWARE = [
@@ -72,6 +73,9 @@ MIDDLEWARE = [
 ]
 
 ROOT_URLCONF = "controlplane.urls"
+# The dashboard's pages send a visitor who is not logged in to its login page (Django's auth, the same users).
+LOGIN_URL = "dashboard-login"
+LOGIN_REDIRECT_URL = "dashboard-jobs"
 WSGI_APPLICATION = "controlplane.wsgi.application"
 
 TEMPLATES = [

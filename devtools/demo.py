@@ -3,7 +3,8 @@
 Starts the control plane (SQLite, gunicorn), Celery workers and beat on an embedded Redis (or
 `REDIS_URL`), and three node agents, each its own process on loopback; submits an MLP on the
 bundled digits data split into three pipeline stages, one per agent; draws a progress bar; and
-prints one JSON summary as its last stdout line. Ctrl-C stops every child process.
+prints one JSON summary as its last stdout line. Ctrl-C stops every child process. With `--keep` it then
+prints the dashboard's URL and a login, and keeps everything serving until Ctrl-C.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 from arceus.progress_bar import JobProgressBar
 from devtools.cluster import LocalCluster
 
+DEMO_USER, DEMO_PASSWORD = "demo", "arceus-demo"  # the account the demo submits with: the dashboard's login
 DEMO_JOB: dict[str, Any] = {
     "name": "digits-mlp-3-stages",
     "model_config": {"type": "mlp", "layer_sizes": [64, 128, 64, 10]},
@@ -68,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where the SQLite file and logs go (default: a new temporary directory)")
     parser.add_argument("--timeout", type=float, default=900, help="seconds to wait for the job")
+    parser.add_argument("--keep", action="store_true",
+                        help="after the job, print the dashboard's URL and login and keep serving until Ctrl-C")
     args = parser.parse_args(argv)
     if args.agents < 1:
         parser.error("--agents must be at least 1")
@@ -79,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     bar = JobProgressBar(file=sys.stderr)
     try:
         print_status(f"work directory {workdir} (logs in {workdir / 'logs'})")
-        cluster.start()
+        cluster.start(username=DEMO_USER, password=DEMO_PASSWORD)
         print_status(f"control plane at {cluster.api_url} (API docs: {cluster.api_url}/api/docs/)")
         for agent in cluster.start_agents([f"agent-{index}" for index in range(args.agents)]):
             print_status(f"node agent {agent.name}: gRPC {agent.grpc_address}, metrics http://{agent.metrics_address}/metrics")
@@ -96,13 +100,28 @@ def main(argv: list[str] | None = None) -> int:
         if detail["status"] != "succeeded":
             print_status(f"job error: {detail.get('error')}")
         print(json.dumps(summary), flush=True)
-        return 0 if detail["status"] == "succeeded" else 1
+        code = 0 if detail["status"] == "succeeded" else 1
+        if args.keep:
+            keep_serving(cluster.api_url)
+        return code
     except KeyboardInterrupt:
         bar.close()
         print_status("interrupted: stopping every process")
         return 130
     finally:
         cluster.stop()
+
+
+def keep_serving(api_url: str) -> None:
+    """Until Ctrl-C (or SIGTERM): everything keeps running for a look at the dashboard."""
+    # localhost, not 127.0.0.1: browsers keep the (Secure) session cookie over plain HTTP only there.
+    dashboard = api_url.replace("127.0.0.1", "localhost") + "/dashboard/"
+    print_status(f"dashboard: {dashboard} (log in as {DEMO_USER}, password {DEMO_PASSWORD}); Ctrl-C stops it all")
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        print_status("stopping every process")
 
 
 def print_status(message: str) -> None:

@@ -44,6 +44,19 @@ class AgentMetrics:
             "Seconds spent in forward, backward and optimizer compute.",
             registry=r,
         )
+        self.wait_seconds = Counter(
+            "arceus_stage_wait_seconds_total",
+            "Seconds steps spent waiting for inputs (activations, labels, gradients) and for sends to be delivered: "
+            "beside arceus_compute_seconds_total, the pipeline bubble.",
+            registry=r,
+        )
+        self.step_wait_seconds = Histogram(
+            "arceus_stage_step_wait_seconds",
+            "Seconds one RunStep on a stage waited for inputs and sends.",
+            ["mode"],
+            buckets=STEP_BUCKETS,
+            registry=r,
+        )
         self.bytes_sent = Counter(
             "arceus_tensor_bytes_sent_total", "Tensor payload bytes pushed to other stages.", registry=r
         )

@@ -144,6 +144,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 ).run()
                 mode = "train" if request.mode == stage_pb2.TRAIN else "eval"
                 self._metrics.step_seconds.labels(mode=mode).observe(time.perf_counter() - started)
+                self._metrics.step_wait_seconds.labels(mode=mode).observe(reply.wait_seconds)
+                self._metrics.wait_seconds.inc(reply.wait_seconds)
             finally:
                 stage.step_lock.release()
             after = reply.counters

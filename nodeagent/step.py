@@ -63,6 +63,7 @@ class StepRun:
             arrived=self._arrived,
         )
         self._forward_sizes: dict[int, int] = {}
+        self.wait_seconds = 0.0  # waiting for inputs and for sends: the bubble this stage sees
         self._results: dict[int, tuple[float, int, int]] = {}
 
     def run(self) -> stage_pb2.RunStepReply:
@@ -77,7 +78,8 @@ class StepRun:
                 else:
                     self._backward(index, action)
                 self.pushes.raise_if_failed()
-            self.pushes.wait_all()
+            with self._waiting():
+                self.pushes.wait_all()
             if self.train:
                 self.lending.optimizer_step()
                 if self.audit.keep():
@@ -95,6 +97,7 @@ class StepRun:
             correct=[r[1] for r in ordered],
             sample_counts=[r[2] for r in ordered],
             compute_seconds=runtime.counters.compute_seconds - compute_before,
+            wait_seconds=self.wait_seconds,
             counters=self.stage.counters(),
             receipts=self.audit.receipts,
             sent_receipts=self.audit.sent_receipts,
@@ -159,8 +162,17 @@ class StepRun:
                 yield
         self.lending.done(action, lent, counters.compute_seconds - before, samples)
 
+    @contextmanager
+    def _waiting(self) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.wait_seconds += time.perf_counter() - started
+
     def _receive(self, kind: int, micro_batch: int) -> torch.Tensor:
-        return _receive(self.stage, self.step, kind, micro_batch, self.wait_until, self.abort, self.pushes)
+        with self._waiting():
+            return _receive(self.stage, self.step, kind, micro_batch, self.wait_until, self.abort, self.pushes)
 
     def _arrived(self) -> list[Action]:
         """The neighbours' actions of this step whose outputs wait in the mailbox: the previous stage's

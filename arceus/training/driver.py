@@ -36,6 +36,7 @@ from arceus.training.plan import (
     ProgressSink,
     StageEndpoint,
     StageStateFile,
+    StageTiming,
     StepProgress,
     TrainPlan,
     TrainResult,
@@ -67,6 +68,7 @@ class StepOutcome:
     labels: int  # loss terms: one per sample, or one per position for a GPT
     stages: list[StageCounters]
     spot_checks: list[SpotCheckResult]
+    timings: list[StageTiming]
 
 
 class Pipeline:
@@ -183,6 +185,11 @@ class Pipeline:
                 for i, (c, r) in enumerate(zip(agents, every_reply, strict=True))
             ],
             spot_checks=spot_checks,
+            timings=[
+                _timing(c.endpoint.index, r, answered[i] - issued)
+                for i, (c, r) in enumerate(zip(agents, every_reply, strict=True))
+                if c in self.clients
+            ],
         )
 
     def evaluate(
@@ -346,6 +353,7 @@ def train(plan: TrainPlan, sink: ProgressSink) -> TrainResult:
                         seconds=elapsed,
                         stages=outcome.stages,
                         spot_checks=outcome.spot_checks,
+                        timings=outcome.timings,
                     )
                 )
                 ends_epoch = step % steps_per_epoch == 0 or step >= total_steps
@@ -376,6 +384,16 @@ def train(plan: TrainPlan, sink: ProgressSink) -> TrainResult:
         stopped=stopped,
         stages=stages,
     )
+
+
+def _timing(index: int, reply: stage_pb2.RunStepReply, wall_seconds: float) -> StageTiming:
+    """A stage's own account of its step, each figure kept within the wall time the driver measured (an agent
+    is a stranger's process: NaN or a claimed hour reads as the whole call)."""
+
+    def bounded(value: float) -> float:
+        return min(max(value, 0.0), wall_seconds) if math.isfinite(value) else wall_seconds
+
+    return StageTiming(index, bounded(reply.compute_seconds), bounded(reply.wait_seconds))
 
 
 def _await_all(calls: list[tuple[StageClient, str, grpc.Future | Future[None]]]) -> list:

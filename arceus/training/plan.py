@@ -122,6 +122,16 @@ class TrainPlan:
             )
 
 
+@dataclass(frozen=True)
+class StageTiming:
+    """How one stage (its rank 0) spent one step, as its agent reported it within the wall time the driver
+    measured: computing, and waiting for its inputs and sends (the pipeline bubble it saw)."""
+
+    index: int
+    compute_seconds: float
+    wait_seconds: float
+
+
 @dataclass
 class StepProgress:
     epoch: int  # 1-based
@@ -132,6 +142,7 @@ class StepProgress:
     seconds: float  # the step's wall time through the whole pipeline
     stages: list[StageCounters] = field(default_factory=list)  # cumulative, after this step
     spot_checks: list[SpotCheckResult] = field(default_factory=list)  # of this step
+    timings: list[StageTiming] = field(default_factory=list)  # of this step, one per stage
 
 
 @dataclass

@@ -158,6 +158,10 @@ class Stage(BaseModel):
     compute_seconds = models.FloatField(default=0.0)
     bytes_sent = models.BigIntegerField(default=0)
     bytes_received = models.BigIntegerField(default=0)
+    # Seconds a recent train step spent computing and waiting (inputs, sends) on this stage, as its agent
+    # measured them (averaged over the driver's last write; rank 0): the bubble the pipeline drawing shows.
+    step_compute_seconds = models.FloatField(null=True, blank=True)
+    step_wait_seconds = models.FloatField(null=True, blank=True)
 
     class Meta:
         ordering = ["job", "index", "rank"]

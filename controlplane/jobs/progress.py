@@ -19,6 +19,7 @@ from django.db import transaction
 from arceus.contracts.counters import StageCounters
 from arceus.errors import SpecError
 from arceus.model.registry import model_spec_from_config
+from arceus.training.plan import StageTiming
 from controlplane.controller.leases import held, renewed
 from controlplane.controller.transitions import job_succeed
 from controlplane.jobs.models import EpochMetric, LossPoint, Stage, StageContribution
@@ -45,10 +46,11 @@ def job_record_steps(
     points: Sequence[StepPoint],
     now: datetime,
     stages: Sequence[StageCounters] = (),
+    timings: Sequence[StageTiming] = (),
 ) -> bool:
-    """Record a batch of training steps (the newest becomes the job's progress) and the stages' latest
-    counters, and renew the lease; with no points it only renews. False if the caller no longer holds
-    the lease."""
+    """Record a batch of training steps (the newest becomes the job's progress), the stages' latest
+    counters and their time per step (computing and waiting), and renew the lease; with no points it only
+    renews. False if the caller no longer holds the lease."""
     fields: dict[str, Any] = renewed(now)
     if points:
         last = points[-1]
@@ -78,7 +80,27 @@ def job_record_steps(
         update_fields=["epoch", "loss", "samples_per_second"],
     )
     _record_counters(job_id, stages)
+    for t in timings:
+        Stage.objects.filter(job_id=job_id, active=True, index=t.index, rank=0).update(
+            step_compute_seconds=_finite(t.compute_seconds), step_wait_seconds=_finite(t.wait_seconds)
+        )
     return True
+
+
+def stage_timings_mean(steps: Sequence[Sequence[StageTiming]]) -> list[StageTiming]:
+    """Each stage's mean time per step over `steps` (each step's timings, one per stage)."""
+    by_index: dict[int, list[StageTiming]] = {}
+    for step in steps:
+        for t in step:
+            by_index.setdefault(t.index, []).append(t)
+    return [
+        StageTiming(
+            index,
+            sum(t.compute_seconds for t in ts) / len(ts),
+            sum(t.wait_seconds for t in ts) / len(ts),
+        )
+        for index, ts in sorted(by_index.items())
+    ]
 
 
 @transaction.atomic

@@ -22,12 +22,12 @@ from django.utils import timezone
 
 from arceus.contracts.counters import StageCounters
 from arceus.contracts.spot_check import SpotCheckResult
-from arceus.training import EpochResult, StageEndpoint, StageStateFile, StepProgress, UploadTarget
+from arceus.training import EpochResult, StageEndpoint, StageStateFile, StageTiming, StepProgress, UploadTarget
 from controlplane.common.db import reconnecting
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.leases import job_driver_handover, job_handover_requested
 from controlplane.jobs.checkpoints import checkpoint_save, checkpoint_uploads_open
-from controlplane.jobs.progress import StepPoint, job_record_epoch, job_record_steps
+from controlplane.jobs.progress import StepPoint, job_record_epoch, job_record_steps, stage_timings_mean
 from controlplane.market.verification import spot_checks_record
 from controlplane.monitoring import metrics
 
@@ -50,6 +50,7 @@ class DbProgressSink:
         self._pending: list[StepPoint] = []
         self._counters: list[StageCounters] = []  # the newest step's, not yet written
         self._spot_checks: list[SpotCheckResult] = []
+        self._timings: list[list[StageTiming]] = []  # per pending step
         self._last_flush = time.monotonic()
         self._lost_lease = False
         self._handover = False
@@ -58,6 +59,7 @@ class DbProgressSink:
         metrics.DRIVER_STEP_SECONDS.observe(p.seconds)
         self._pending.append(StepPoint(p.epoch, p.step, p.total_steps, p.loss, p.samples_per_second))
         self._counters = p.stages
+        self._timings.append(p.timings)
         self._spot_checks += [replace(c, train_step=p.step) for c in p.spot_checks]
         # A failed check is written at once: the node must stop getting credit and work now.
         if time.monotonic() - self._last_flush >= self.flush_seconds or not all(c.passed for c in p.spot_checks):
@@ -128,10 +130,12 @@ class DbProgressSink:
         points, self._pending = self._pending, []
         counters, self._counters = self._counters, []
         checks, self._spot_checks = self._spot_checks, []
+        timings, self._timings = stage_timings_mean(self._timings), []
         self._last_flush = time.monotonic()
         if not self._lost_lease:
             self._lost_lease = not _db("recording steps", lambda: job_record_steps(
-                job_id=self.job_id, lease_owner=self.lease_owner, points=points, stages=counters, now=timezone.now()
+                job_id=self.job_id, lease_owner=self.lease_owner, points=points, stages=counters,
+                timings=timings, now=timezone.now(),
             ))
         if checks and not self._lost_lease:
             try:

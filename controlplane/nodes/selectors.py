@@ -42,6 +42,22 @@ def node_by_token_hash(*, token_hash: str) -> Node | None:
     return Node.objects.select_related("owner").filter(token_hash=token_hash).first()
 
 
+def node_status(node: Node, now: datetime) -> str:
+    """One word for the owner: flagged, paused, unreachable (not Ready: silent, or never registered),
+    draining (may not work now but still hosts a stage), training (hosts one), or ready. `node` as the
+    node selectors return it (its lease and active stages fetched)."""
+    if node.flagged_at:
+        return "flagged"
+    if node.paused:
+        return "paused"
+    if node.ready_status != ReadyStatus.TRUE:
+        return "unreachable"
+    hosting = bool(node.active_stages)
+    if node_unavailable_reason(node, now) is not None:
+        return "draining" if hosting else "paused"
+    return "training" if hosting else "ready"
+
+
 def node_unavailable_reason(node: Node, now: datetime) -> str | None:
     """Why the node may not work now by its owner's controls, or None (see nodes/availability.py)."""
     lease = getattr(node, "lease", None)

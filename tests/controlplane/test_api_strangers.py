@@ -52,7 +52,11 @@ OWN_ACCOUNT = {"token-rotate", "password-change"}
 AGENT_OBJECTS = {"agent-checkpoint", "agent-checkpoint-upload"}
 # Act on (or read) the calling node itself.
 AGENT_OWN = {"agent-register", "agent-heartbeat", "agent-probe", "agent-leave", "agent-earnings"}
-NOT_REST = {"admin", "signup"}  # the Django admin (staff sessions), the sign-up page
+# The Django admin (staff sessions), the sign-up page, and the dashboard's pages and live documents (session
+# login; strangers and other tenants are tested in tests/controlplane/dashboard).
+NOT_REST = {"admin", "signup", "home"} | {
+    p.name for p in get_resolver("controlplane.dashboard.urls").url_patterns if isinstance(p, URLPattern)
+}
 # Prometheus's: the operator's metrics token only (ARCEUS_METRICS_TOKEN), no user's or node's credentials.
 METRICS = {"metrics", "metrics-agents"}
 

@@ -20,8 +20,10 @@ import psycopg
 import pytest
 import redis
 from django.conf import settings
+from selenium import webdriver
 
 from devtools.cluster import LocalCluster
+from tests.e2e.browser import chromium
 
 FAILED = pytest.StashKey[bool]()
 APP_TABLE_PREFIXES = ("jobs_", "market_", "nodes_")  # the control plane's own apps
@@ -147,3 +149,10 @@ def embedded_redis_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
     """A cluster whose broker is a redis-server of its own, so the test may kill it."""
     with started_cluster(tmp_path, embedded_redis=True) as cluster:
         yield cluster
+
+
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[webdriver.Chrome]:
+    """A headless chromium of this test's (tests/e2e/browser.py)."""
+    with chromium(tmp_path / "chromium") as driver:
+        yield driver

@@ -7,24 +7,20 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Iterator
 from decimal import Decimal
-from pathlib import Path
 
 import pytest
-import requests
 from selenium import webdriver
-from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions
 from selenium.webdriver.support.select import Select
 from selenium.webdriver.support.ui import WebDriverWait
 
 from devtools.cluster import LocalCluster, ManageCommand
+from tests.e2e.browser import assert_styled, console_errors
 
 pytestmark = pytest.mark.slow
 
-CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"  # Debian's chromium and chromium-driver
 ADMIN_HEADER_BACKGROUND = "rgba(65, 118, 144, 1)"  # the admin's --header-bg (#417690), from its base.css
 JOB = {
     "name": "browser-cancel",
@@ -35,40 +31,6 @@ JOB = {
     "micro_batches": 2,
     "stages": 2,
 }
-
-
-@pytest.fixture
-def browser(tmp_path: Path) -> Iterator[webdriver.Chrome]:
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    for argument in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                     f"--user-data-dir={tmp_path / 'chromium'}"):
-        options.add_argument(argument)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
-    driver.set_page_load_timeout(60)
-    try:
-        yield driver
-    finally:
-        driver.quit()
-
-
-def console_errors(browser: webdriver.Chrome) -> list[str]:
-    """The console's errors since the last call (the log is read once)."""
-    return [entry["message"] for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
-
-
-def assert_styled(browser: webdriver.Chrome, base_url: str) -> None:
-    """Every stylesheet of the page loaded (the browser parsed its rules) and is served as CSS."""
-    sheets = browser.execute_script(
-        "return [...document.styleSheets].filter(s => s.href).map(s => [s.href, s.cssRules.length])"
-    )
-    assert sheets, "the page links no stylesheet"
-    for href, rules in sheets:
-        assert href.startswith(base_url), f"{href} is not served by the control plane"
-        assert rules > 0, f"{href} has no rules: the browser refused it"
-        response = requests.get(href, timeout=30)
-        assert response.status_code == 200 and response.headers["Content-Type"].startswith("text/css"), href
 
 
 def make_operator(cluster: LocalCluster) -> tuple[str, str]:

@@ -29,6 +29,8 @@ AGENT_METRICS = {
     "arceus_heartbeat_age_seconds",
     "arceus_compute_seconds_total",
     "arceus_stage_info",
+    "arceus_stage_wait_seconds_total",
+    "arceus_stage_step_wait_seconds",
 }
 # Every metric the control plane exports (controlplane/monitoring/).
 CONTROLPLANE_METRICS = {

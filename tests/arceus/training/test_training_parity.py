@@ -12,7 +12,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import requests
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 from arceus.contracts.assignment import max_micro_batch_size
 from arceus.data import validate_dataset_config
@@ -131,3 +133,19 @@ def test_pipeline_training_matches_single_process(agents: list[AgentProcess], jo
         assert stage.samples == samples + val_samples
         assert stage.bytes_received > 0 and stage.compute_seconds > 0
     assert result.stages[0].bytes_sent > 0 and result.stages[1].bytes_sent > 0
+
+    # Each step, each stage says how it spent the step: computing, and waiting for inputs and sends (the bubble).
+    # The last stage cannot start before the others' forwards reach it, so it always waits.
+    for p in recorder.steps:
+        assert [t.index for t in p.timings] == [0, 1, 2]
+        assert all(t.compute_seconds > 0 and t.wait_seconds >= 0 for t in p.timings)
+    assert all(p.timings[2].wait_seconds > 0 for p in recorder.steps)
+    # The agents export the same as Prometheus metrics: a counter and a per-step histogram.
+    for agent in agents:
+        text = requests.get(f"http://{agent.metrics_address}/metrics", timeout=5).text
+        families = {f.name: f for f in text_string_to_metric_families(text)}
+        [waited] = families["arceus_stage_wait_seconds"].samples  # the counter's _total
+        assert waited.value > 0
+        counts = [s for s in families["arceus_stage_step_wait_seconds"].samples
+                  if s.name.endswith("_count") and s.labels["mode"] == "train"]
+        assert counts and counts[0].value >= STEPS

@@ -11,11 +11,18 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from arceus.contracts.counters import StageCounters
+from arceus.training.plan import StageTiming
 from controlplane.controller.executor import reconcile_once
 from controlplane.controller.leases import job_driver_claim
 from controlplane.controller.transitions import job_fail
 from controlplane.jobs.models import EpochMetric, Job, LossPoint, Stage
-from controlplane.jobs.progress import StepPoint, job_finish, job_record_epoch, job_record_steps
+from controlplane.jobs.progress import (
+    StepPoint,
+    job_finish,
+    job_record_epoch,
+    job_record_steps,
+    stage_timings_mean,
+)
 from controlplane.jobs.selectors import job_loss_curve
 from controlplane.jobs.services import job_cancel
 
@@ -171,4 +178,17 @@ def test_a_driver_cannot_fail_a_job_it_no_longer_drives(running_job: Job) -> Non
     assert [(c["type"], c["status"], c["reason"]) for c in failed.conditions[-2:]] == [
         ("Training", "False", "DriverError"),
         ("Failed", "True", "DriverError"),
+    ]
+
+
+def test_steps_record_each_stages_time_computing_and_waiting(running_job: Job) -> None:
+    now = timezone.now()
+    job_driver_claim(job_id=running_job.id, owner="a", now=now)
+    steps = [[StageTiming(i, 0.02 * (i + 1), 0.01 * k) for i in range(3)] for k in (1, 3)]
+    timings = stage_timings_mean(steps)
+    assert [(t.index, round(t.wait_seconds, 6)) for t in timings] == [(0, 0.02), (1, 0.02), (2, 0.02)]
+    assert job_record_steps(job_id=running_job.id, lease_owner="a", points=points(1.0), timings=timings, now=now)
+    rows = Stage.objects.filter(job=running_job).order_by("index")
+    assert [(round(s.step_compute_seconds, 6), round(s.step_wait_seconds, 6)) for s in rows] == [
+        (0.02, 0.02), (0.04, 0.02), (0.06, 0.02)
     ]

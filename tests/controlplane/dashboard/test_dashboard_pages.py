@@ -1,0 +1,246 @@
+"""The dashboard through Django's test client: login, each page and live document as its owner sees it,
+404s for another user's jobs and nodes, forms that validate as the API does and act through its services,
+and CSRF on every form."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+
+import pytest
+from django.contrib.auth.models import User
+from django.test import Client
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from arceus.training.plan import StageTiming
+from controlplane.controller.executor import reconcile_once
+from controlplane.controller.leases import job_driver_claim
+from controlplane.jobs.models import Checkpoint, Job, Stage, StageContribution
+from controlplane.jobs.progress import StepPoint, job_record_steps
+from controlplane.market.models import PriceChange, SpotCheck
+from controlplane.market.services import prices_reprice
+from controlplane.nodes.models import Node
+
+pytestmark = pytest.mark.django_db
+
+PAGES = ["/dashboard/", "/dashboard/nodes/", "/dashboard/market/", "/dashboard/jobs/live.json",
+         "/dashboard/nodes/live.json", "/dashboard/market/live.json"]
+
+
+@pytest.fixture
+def browser(user: User) -> Client:
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def stranger(other_user: User) -> Client:
+    client = Client()
+    client.force_login(other_user)
+    return client
+
+
+@pytest.fixture
+def training_job(ready_node: Callable[..., Node], queued_job: Callable[..., Job]) -> Job:
+    """A placed, running job with recorded steps and stage timings, one stage of which moved once."""
+    nodes = [ready_node(f"n{i}", port=50051 + i) for i in range(3)]
+    job = queued_job()
+    reconcile_once()
+    now = timezone.now()
+    Job.objects.filter(pk=job.pk).update(status="running", driver_lease_owner="",
+                                         driver_lease_expires_at=now + timedelta(seconds=60))
+    job_driver_claim(job_id=job.id, owner="driver", now=now)
+    timings = [StageTiming(i, 0.01, 0.002 * i) for i in range(3)]
+    points = [StepPoint(1, s, 90, 2.0 - 0.1 * s, 50.0) for s in range(1, 6)]
+    assert job_record_steps(job_id=job.id, lease_owner="driver", points=points, timings=timings, now=now)
+    stage = Stage.objects.get(job=job, index=1)
+    other = next(n for n in nodes if n.pk != stage.node_id)
+    for generation, node in ((stage.generation - 1, other), (stage.generation, stage.node)):
+        StageContribution.objects.create(job=job, stage_index=1, generation=generation, node=node, samples=32)
+    checkpoint = Checkpoint.objects.create(job=job, step=4, epoch=1, generation=stage.generation - 1)
+    Job.objects.filter(pk=job.pk).update(resume_checkpoint=checkpoint)
+    for passed in (True, False):
+        SpotCheck.objects.create(job=job, node=stage.node, generation=stage.generation, step=3, train_step=3,
+                                 micro_batch=0, stage_index=1, passed=passed, detail="recomputed")
+    job.refresh_from_db()
+    return job
+
+
+def test_pages_send_strangers_to_the_login_page(client: Client) -> None:
+    for url in PAGES:
+        response = client.get(url)
+        assert response.status_code == 302 and response["Location"].startswith("/dashboard/login/"), url
+    assert client.get("/")["Location"] == "/dashboard/"
+
+
+def test_logging_in_with_django_auth(client: Client, user: User) -> None:
+    page = client.get("/dashboard/login/")
+    assert page.status_code == 200 and b"csrfmiddlewaretoken" in page.content
+    wrong = client.post("/dashboard/login/", {"username": "alice", "password": "nope"})
+    assert wrong.status_code == 200 and b"correct username and password" in wrong.content
+    right = client.post("/dashboard/login/", {"username": "alice", "password": "alice-password"})
+    assert right.status_code == 302 and right["Location"] == "/dashboard/"
+    assert client.get("/dashboard/").status_code == 200
+
+
+def test_login_attempts_share_the_apis_limit(client: Client, user: User) -> None:
+    wrong = {"username": "alice", "password": "guess"}
+    for _ in range(9):  # the API's "login" rate: 10 a minute per address, wherever they are spent
+        assert APIClient().post("/api/auth/token", wrong, format="json").status_code == 400
+    assert client.post("/dashboard/login/", wrong).status_code == 200
+    blocked = client.post("/dashboard/login/", {"username": "alice", "password": "alice-password"})
+    assert blocked.status_code == 429 and b"Too many attempts" in blocked.content
+    assert client.get("/dashboard/").status_code == 302  # not logged in
+
+
+def test_every_page_renders_for_its_owner(browser: Client, training_job: Job) -> None:
+    for url in [*PAGES, f"/dashboard/jobs/{training_job.id}/", f"/dashboard/jobs/{training_job.id}/live.json"]:
+        assert browser.get(url).status_code == 200, url
+    jobs = browser.get("/dashboard/jobs/live.json").json()["jobs"]
+    assert [j["id"] for j in jobs] == [str(training_job.id)] and jobs[0]["cost"]["charged_usd"] == "0.000000"
+
+
+def test_the_live_job_shows_the_pipeline_bubble_speed_and_events(browser: Client, training_job: Job) -> None:
+    live = browser.get(f"/dashboard/jobs/{training_job.id}/live.json").json()
+    assert [p["step"] for p in live["loss_curve"]] == [1, 2, 3, 4, 5]
+    assert live["samples_per_second"] == 50.0 and live["writes_text"] is False and live["tokens_per_second"] is None
+    assert live["eta_seconds"] == pytest.approx((90 - 5) * 32 / 50.0)
+    pipeline = live["pipeline"]
+    assert pipeline["ideal_bubble"] == pytest.approx((3 - 1) / (4 + 3 - 1))  # p=3 stages, m=4 micro-batches
+    stages = pipeline["stages"]
+    assert [s["stage_index"] for s in stages] == [0, 1, 2]
+    assert [s["step_wait_seconds"] for s in stages] == pytest.approx([0.0, 0.002, 0.004])
+    assert stages[2]["bubble"] == pytest.approx(0.004 / 0.014)
+    assert all(s["node_name"] and s["device"] == "cpu test cpu" for s in stages)
+    kinds = {e["kind"] for e in live["events"]}
+    assert kinds == {"condition", "moved", "checkpoint", "resumed", "spot_check_passed", "spot_check_failed"}
+    times = [e["at"] for e in live["events"]]
+    assert times == sorted(times, reverse=True)  # newest first
+    moved = next(e for e in live["events"] if e["kind"] == "moved")
+    assert moved["text"].startswith("stage 1 moved from ")
+
+
+def test_a_text_model_shows_tokens_per_second_and_perplexity(
+    browser: Client, ready_node: Callable[..., Node], queued_job: Callable[..., Job]
+) -> None:
+    ready_node("n0")
+    job = queued_job(model_config={"type": "transformer", "n_layer": 1, "n_head": 2, "d_model": 16,
+                                   "block_size": 16},
+                     dataset_config={"batch_size": 8}, stages=1)
+    Job.objects.filter(pk=job.pk).update(samples_per_second=10.0, val_loss=1.0)
+    live = browser.get(f"/dashboard/jobs/{job.id}/live.json").json()
+    assert live["writes_text"] is True
+    assert live["tokens_per_second"] == pytest.approx(160.0)  # 16 positions per sample
+    assert live["perplexity"] == pytest.approx(2.718281828)
+
+
+def test_another_tenants_job_and_node_are_404(stranger: Client, training_job: Job) -> None:
+    node = Node.objects.filter(owner=training_job.owner).first()
+    for url in [f"/dashboard/jobs/{training_job.id}/", f"/dashboard/jobs/{training_job.id}/live.json",
+                f"/dashboard/jobs/{uuid.uuid4()}/", "/dashboard/jobs/not-a-uuid/live.json"]:
+        assert stranger.get(url).status_code == 404, url
+    for action in ("pause", "resume", "controls"):
+        assert stranger.post(f"/dashboard/nodes/{node.id}/{action}", {}).status_code == 404, action
+    assert stranger.get("/dashboard/jobs/live.json").json() == {"jobs": []}
+    assert stranger.get("/dashboard/nodes/live.json").json() == {"nodes": []}
+    assert str(node.id) not in stranger.get("/dashboard/nodes/").content.decode()
+    assert Node.objects.get(pk=node.pk).paused is False
+
+
+def test_submitting_a_job_from_the_form(browser: Client, ready_node: Callable[..., Node]) -> None:
+    form = {"name": "from-the-form", "model_config": json.dumps({"layer_sizes": [64, 32, 10]}),
+            "dataset_config": json.dumps({"name": "digits", "batch_size": 32}), "epochs": "1",
+            "learning_rate": "0.05", "micro_batches": "2", "schedule": "gpipe", "start": "on"}
+    response = browser.post("/dashboard/", form)
+    job = Job.objects.get(name="from-the-form")
+    assert response.status_code == 302 and response["Location"] == f"/dashboard/jobs/{job.id}/"
+    assert job.status == "queued" and job.micro_batches == 2 and job.model_config["layer_sizes"] == [64, 32, 10]
+    kept = browser.post("/dashboard/", {**form, "name": "kept", "start": ""})
+    assert kept.status_code == 302 and Job.objects.get(name="kept").status == "created"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"model_config": "{not json"}, "is not JSON"),
+        ({"model_config": "[1, 2]"}, "must be a JSON object"),
+        ({"model_config": json.dumps({"layer_sizes": [64]})}, "layer_sizes"),
+        ({"dataset_config": json.dumps({"name": "nope"})}, "dataset_config"),
+        ({"epochs": "0"}, "greater than or equal to 1"),
+        ({"micro_batches": "many"}, "Enter a whole number"),
+        ({"schedule": "zigzag"}, "Select a valid choice"),
+        ({"model_config": "x" * 20_001}, "at most 20000 are accepted"),
+    ],
+)
+def test_the_form_refuses_bad_jobs_naming_the_field(browser: Client, change: dict[str, str], message: str) -> None:
+    form = {"model_config": json.dumps({"layer_sizes": [64, 32, 10]}),
+            "dataset_config": json.dumps({"name": "digits", "batch_size": 32}), "epochs": "1",
+            "learning_rate": "0.05", "micro_batches": "2", "schedule": "gpipe"}
+    response = browser.post("/dashboard/", {**form, **change})
+    assert response.status_code == 400 and message in response.content.decode()
+    assert not Job.objects.exists()
+
+
+def test_forms_need_the_csrf_token(user: User, ready_node: Callable[..., Node]) -> None:
+    node = ready_node("n0")
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(user)
+    assert client.post("/dashboard/", {"model_config": "{}"}).status_code == 403
+    assert client.post(f"/dashboard/nodes/{node.id}/pause").status_code == 403
+    assert client.post(f"/dashboard/nodes/{node.id}/controls", {}).status_code == 403
+    assert client.post("/api/jobs/estimate", {}, content_type="application/json").status_code == 403
+    assert Node.objects.get(pk=node.pk).paused is False
+
+
+def test_node_controls_act_through_the_services(browser: Client, ready_node: Callable[..., Node]) -> None:
+    node = ready_node("n0")
+    assert browser.post(f"/dashboard/nodes/{node.id}/pause").status_code == 302
+    assert Node.objects.get(pk=node.pk).paused is True
+    [row] = browser.get("/dashboard/nodes/live.json").json()["nodes"]
+    assert row["status"] == "paused" and row["device_type"] == "cpu"
+    assert browser.post(f"/dashboard/nodes/{node.id}/resume").status_code == 302
+    assert browser.get("/dashboard/nodes/live.json").json()["nodes"][0]["status"] == "ready"
+    p = str(node.id)
+    saved = browser.post(f"/dashboard/nodes/{node.id}/controls", {
+        f"{p}-work_windows": "22:00-07:00, 12:00-13:00", f"{p}-idle_only": "on", f"{p}-idle_cpu_threshold": "0.3",
+        f"{p}-max_threads": "2", f"{p}-max_memory_bytes": "",
+    })
+    assert saved.status_code == 302
+    node.refresh_from_db()
+    assert (node.work_windows, node.idle_only, node.idle_cpu_threshold, node.max_threads, node.max_memory_bytes) == (
+        ["22:00-07:00", "12:00-13:00"], True, 0.3, 2, None)
+    bad = browser.post(f"/dashboard/nodes/{node.id}/controls", {
+        f"{p}-work_windows": "25:00-26:00", f"{p}-idle_cpu_threshold": "2", f"{p}-max_threads": "0"})
+    body = bad.content.decode()
+    assert bad.status_code == 400 and "work_windows" in body and "less than or equal to 1" in body
+    node.refresh_from_db()
+    assert node.max_threads == 2  # nothing of a refused form is saved
+    assert browser.get(f"/dashboard/nodes/{node.id}/pause").status_code == 405  # a GET changes nothing
+
+
+def test_the_market_shows_prices_and_their_history(browser: Client, ready_node: Callable[..., Node]) -> None:
+    ready_node("n0")
+    prices_reprice()
+    market = browser.get("/dashboard/market/live.json").json()
+    [price] = market["prices"]
+    assert price["price_per_hour"] > 0
+    assert [p["price_per_hour"] for p in market["history"][price["device_class"]]] == [
+        c.price_per_hour for c in PriceChange.objects.order_by("created_at")
+    ]
+    assert price["device_class"] in browser.get("/dashboard/market/").content.decode()
+
+
+def test_cancelling_a_job_from_its_page(browser: Client, stranger: Client, queued_job: Callable[..., Job]) -> None:
+    job = queued_job()
+    assert browser.get(f"/dashboard/jobs/{job.id}/live.json").json()["cancellable"] is True
+    assert stranger.post(f"/dashboard/jobs/{job.id}/cancel").status_code == 404
+    assert browser.get(f"/dashboard/jobs/{job.id}/cancel").status_code == 405
+    assert browser.post(f"/dashboard/jobs/{job.id}/cancel")["Location"] == f"/dashboard/jobs/{job.id}/"
+    assert Job.objects.get(pk=job.pk).status == "cancelled"
+    assert browser.get(f"/dashboard/jobs/{job.id}/live.json").json()["cancellable"] is False
+    again = browser.post(f"/dashboard/jobs/{job.id}/cancel")
+    assert again.status_code == 409 and "nothing to cancel" in again.content.decode()
