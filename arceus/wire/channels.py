@@ -11,6 +11,8 @@ from typing import Any
 import grpc
 
 from arceus.contracts.credentials import METADATA_KEY, SCHEME
+from arceus.relay import dialer
+from arceus.relay.address import relayed_node
 from arceus.wire.tls import AGENT_TLS_NAME
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -33,12 +35,24 @@ def open_channel(
     options: list[tuple[str, Any]] | None = None,
 ) -> grpc.Channel:
     """A TLS channel to the agent at `address` that trusts only `certificate` (its registered one, PEM) and whose
-    calls present `token`; `options` replace the size options."""
+    calls present `token`; `options` replace the size options. A relayed address goes through a relay, the TLS
+    and the token still end to end (arceus.relay.dialer)."""
+    channel = _pinned_channel(address, certificate, options or grpc_channel_options(max_message_bytes))
+    return grpc.intercept_channel(channel, _BearerToken(token))
+
+
+def open_health_channel(address: str, *, certificate: str) -> grpc.Channel:
+    """A channel for the agent's health check alone (which takes no token), TLS pinned like any other."""
+    return _pinned_channel(address, certificate, [])
+
+
+def _pinned_channel(address: str, certificate: str, options: list[tuple[str, Any]]) -> grpc.Channel:
     if not certificate:
         raise ValueError(f"no TLS certificate is pinned for the agent at {address}: it cannot be called")
-    options = [*(options or grpc_channel_options(max_message_bytes)), ("grpc.ssl_target_name_override", AGENT_TLS_NAME)]
-    channel = grpc.secure_channel(address, pinned_channel_credentials(certificate), options=options)
-    return grpc.intercept_channel(channel, _BearerToken(token))
+    options = [*options, ("grpc.ssl_target_name_override", AGENT_TLS_NAME)]
+    if relayed_node(address) is not None:
+        options.append(("grpc.http_proxy", dialer.proxy_url()))
+    return grpc.secure_channel(address, pinned_channel_credentials(certificate), options=options)
 
 
 _DETAILS_FIELDS = ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
