@@ -23,8 +23,10 @@ FAILURE_MEMORY_SECONDS = 30.0  # how long a relay it could not attach to is repo
 
 
 class RelayAttachment:
-    def __init__(self, local_port: int) -> None:
-        self._local_port = local_port
+    def __init__(self, local_address: str) -> None:
+        """`local_address`: where the agent's own gRPC server is reached from this machine."""
+        host, _, port = local_address.rpartition(":")
+        self._local = (host.strip("[]"), int(port))
         self._lock = threading.Lock()
         self._relay: str | None = None
         self._ticket = ""
@@ -102,7 +104,7 @@ class RelayAttachment:
 
     def _carry(self, stub: relay_pb2_grpc.RelayServiceStub, connection_id: str) -> None:
         try:
-            sock = socket.create_connection(("127.0.0.1", self._local_port), timeout=5)
+            sock = socket.create_connection(self._local, timeout=5)
             sock.settimeout(None)
         except OSError as exc:
             log.warning("relayed connection %s: own server unreachable: %s", connection_id, exc)

@@ -9,6 +9,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
+from grpc_health.v1.health_pb2 import HealthCheckRequest
+from grpc_health.v1.health_pb2_grpc import HealthStub
 
 from arceus.contracts.credentials import METADATA_KEY, SCHEME
 from arceus.relay import dialer
@@ -41,9 +43,15 @@ def open_channel(
     return grpc.intercept_channel(channel, _BearerToken(token))
 
 
-def open_health_channel(address: str, *, certificate: str) -> grpc.Channel:
-    """A channel for the agent's health check alone (which takes no token), TLS pinned like any other."""
-    return _pinned_channel(address, certificate, [])
+def agent_answers(address: str, *, certificate: str, timeout: float) -> bool:
+    """Whether the agent at `address` completes a TLS handshake with `certificate` (pinned like any call) and
+    answers its health check (which takes no token) within `timeout` seconds."""
+    try:
+        with _pinned_channel(address, certificate, []) as channel:
+            HealthStub(channel).Check(HealthCheckRequest(), timeout=timeout, wait_for_ready=True)
+        return True
+    except (grpc.RpcError, ValueError):
+        return False
 
 
 def _pinned_channel(address: str, certificate: str, options: list[tuple[str, Any]]) -> grpc.Channel:
