@@ -85,6 +85,7 @@ class NetworkNamespace:
                 return  # closed
             try:
                 outside = socket.create_connection(("127.0.0.1", port), timeout=5)
+                outside.settimeout(None)  # the connection may idle for long (a relay attachment)
             except OSError:
                 inside.close()
                 continue

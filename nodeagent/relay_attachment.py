@@ -50,10 +50,11 @@ class RelayAttachment:
                 call.cancel()  # leave the old relay; the loop attaches to the new one
 
     def report(self) -> dict[str, object]:
-        """What the heartbeat tells the control plane: where it is attached, and which relays failed it lately."""
+        """What the heartbeat tells the control plane: where it is attached, and which relays failed it lately
+        (the longest ago first)."""
         now = time.monotonic()
         with self._lock:
-            failed = sorted(r for r, at in self._failed.items() if now - at < FAILURE_MEMORY_SECONDS)
+            failed = [r for r, at in sorted(self._failed.items(), key=lambda f: f[1]) if now - at < FAILURE_MEMORY_SECONDS]
             return {"attached": self._attached, "failed": failed}
 
     def stop(self) -> None:

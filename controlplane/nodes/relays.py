@@ -16,15 +16,17 @@ from controlplane.nodes.models import Node, Reachability
 
 
 def relay_assignment(*, node: Node, attached: str | None, failed: Sequence[str], now: float) -> dict[str, Any] | None:
-    """{"address", "ticket"} for a relayed node; None for a node dialled directly, or when no relay is configured."""
+    """{"address", "ticket"} for a relayed node; None for a node dialled directly, or when no relay is configured.
+    `failed` lists the longest-ago failure first: when every relay failed the agent lately, it tries that one."""
     relays = settings.ARCEUS_RELAYS
     if node.reachability != Reachability.RELAYED or not relays:
         return None
     if attached in relays and attached not in failed:
         chosen = attached
     else:
-        order = relay_order(str(node.id), relays)
-        chosen = next((r for r in order if r not in failed), order[0])  # all failed: keep trying the first
+        chosen = next((r for r in relay_order(str(node.id), relays) if r not in failed), None)
+        if chosen is None:
+            chosen = next(r for r in failed if r in relays)
     return {"address": chosen, "ticket": mint_ticket(relay_secret(), str(node.id),
                                                      int(now + settings.ARCEUS_RELAY_TICKET_SECONDS))}
 
