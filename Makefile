@@ -14,7 +14,7 @@ install: $(STAMP) $(STUBS) $(VENV)/.system-stamp
 # browser tests of the admin and the dashboard (tests/e2e/browser.py); docker-compose's `config` validates
 # deploy/compose.yaml (tests/deploy; it needs no container engine).
 $(VENV)/.system-stamp: $(STAMP)
-	(command -v promtool && command -v chromedriver && command -v docker-compose) >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus chromium chromium-driver docker-compose >/dev/null)
+	(command -v promtool && command -v chromedriver && command -v docker-compose && command -v iptables) >/dev/null || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus chromium chromium-driver docker-compose iptables >/dev/null)
 	touch $@
 
 $(STAMP): pyproject.toml

@@ -25,11 +25,12 @@ REPRICE_TASK = "arceus.reprice"
 ROLLUP_LEDGER_TASK = "arceus.rollup_ledger"
 TRAIN_JOB_TASK = "arceus.train_job"
 ESTIMATE_TASK = "arceus.estimate"
+CHECK_REACHABILITY_TASK = "arceus.check_reachability"
 
 CONTROL_QUEUE = "control"  # short reconcile passes, and estimates (each bounded by ARCEUS_SOLVER_SECONDS)
 TRAINING_QUEUE = "training"  # long-running training drivers, kept apart so they never delay reconciles
 
-app = Celery("arceus", include=["tasks.control", "tasks.estimates", "tasks.market", "tasks.training"])
+app = Celery("arceus", include=["tasks.control", "tasks.estimates", "tasks.market", "tasks.nodes", "tasks.training"])
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.conf.update(
     # A task is acknowledged only after it ran, and one a dying worker held goes back to the queue;
@@ -46,6 +47,7 @@ app.conf.update(
         REPRICE_TASK: {"queue": CONTROL_QUEUE},
         ROLLUP_LEDGER_TASK: {"queue": CONTROL_QUEUE},
         ESTIMATE_TASK: {"queue": CONTROL_QUEUE},
+        CHECK_REACHABILITY_TASK: {"queue": CONTROL_QUEUE},
         TRAIN_JOB_TASK: {"queue": TRAINING_QUEUE},
     },
     broker_connection_retry_on_startup=True,

@@ -232,6 +232,13 @@ SPECTACULAR_SETTINGS = {
 }
 
 # --- Arceus ---------------------------------------------------------------------------------------
+# Relays (`python -m arceus.relay`) for agents the control plane cannot dial back: their HOST:PORTs, comma
+# separated, as agents and callers reach them; and the secret they share with the control plane (tickets).
+ARCEUS_RELAYS = [r.strip() for r in os.environ.get("ARCEUS_RELAYS", "").split(",") if r.strip()]
+ARCEUS_RELAY_SECRET = os.environ.get("ARCEUS_RELAY_SECRET", "")
+ARCEUS_RELAY_TICKET_SECONDS = float(os.environ.get("ARCEUS_RELAY_TICKET_SECONDS", "3600"))
+# How long the dial-back after a registration waits for the agent's health check.
+ARCEUS_REACHABILITY_TIMEOUT_SECONDS = float(os.environ.get("ARCEUS_REACHABILITY_TIMEOUT_SECONDS", "3"))
 # How often agents heartbeat (told to them in every response).
 ARCEUS_HEARTBEAT_INTERVAL_SECONDS = float(os.environ.get("ARCEUS_HEARTBEAT_INTERVAL_SECONDS", "2"))
 # A node whose last heartbeat is older than this is marked Ready=Unknown (its lease duration).

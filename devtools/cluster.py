@@ -32,6 +32,7 @@ from nodeagent.node_token import TOKEN_ENV
 REPO_ROOT = Path(__file__).resolve().parents[1]
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 AGENT_READY_PREFIX = "AGENT READY"
+RELAY_READY_PREFIX = "RELAY READY"
 
 
 def stage_placement(detail: dict[str, Any]) -> dict[int, str]:
@@ -86,6 +87,7 @@ class LocalCluster:
     heartbeat_interval_seconds: float = 2.0
     reconcile_interval_seconds: float = 2.0  # beat's periodic pass (heartbeats that change something trigger more)
     extra_env: dict[str, str] = field(default_factory=dict)  # more settings for every part (ARCEUS_*, ...)
+    relays: int = 0  # relay processes ("relay-<i>") for agents the control plane cannot dial back
     supervisor: Supervisor = field(init=False)
     env: dict[str, str] = field(init=False)
     api_url: str = field(init=False, default="")
@@ -102,12 +104,15 @@ class LocalCluster:
         self._started = False
         self._owners: dict[str, ArceusClient] = {}  # contributors other than the cluster's user
         self._configured: set[str] = set()  # installed agents set up by `arceus-agent init`: token in their files
+        self.relay_addresses: list[str] = []
 
     # --- the parts, in start order -------------------------------------------------------------
     def start(self, *, username: str = "demo", password: str = "arceus-demo") -> None:
         self.env = self._base_env()
         if self.redis_url is None:
             self.env["REDIS_URL"] = self._start_embedded_redis()
+        if self.relays:
+            self._start_relays()
         # The static files the web server serves (WhiteNoise, from the work directory), collected beside migrate.
         collect = self._manage("collectstatic", "--noinput")
         try:
@@ -141,6 +146,16 @@ class LocalCluster:
         for name in ("worker-control", "worker-training", "beat"):
             self.relaunch(name)
 
+    def _start_relays(self) -> None:
+        """Relays on loopback, configured into every part (the operator's ARCEUS_RELAYS and their secret)."""
+        self.relay_addresses = [f"127.0.0.1:{free_port()}" for _ in range(self.relays)]
+        self.env["ARCEUS_RELAYS"] = ",".join(self.relay_addresses)
+        self.env["ARCEUS_RELAY_SECRET"] = secrets.token_hex(32)
+        for i, address in enumerate(self.relay_addresses):
+            self._commands[f"relay-{i}"] = [sys.executable, "-m", "arceus.relay", "--listen", address]
+        for i in range(self.relays):
+            self.relaunch(f"relay-{i}")
+
     def start_agent(
         self, name: str, *extra_args: str, module: str = "nodeagent", owner: str | None = None,
         installed: Path | None = None,
@@ -153,10 +168,11 @@ class LocalCluster:
 
     def start_agents(
         self, names: Sequence[str], *extra_args: str, module: str = "nodeagent", owner: str | None = None,
-        installed: Path | None = None,
+        installed: Path | None = None, prefix: Sequence[str] = (),
     ) -> list[Agent]:
         """Start several agents at once, then wait until every one is ready: their start-ups (mostly importing
-        torch) overlap instead of queueing one behind another."""
+        torch) overlap instead of queueing one behind another. `prefix`: what runs the command (e.g.
+        `ip netns exec NAME`, devtools.netns)."""
         client = self.client if owner is None else self.owner_client(owner)
         spawned = []
         for name in names:
@@ -167,7 +183,7 @@ class LocalCluster:
             else:
                 program = [str(installed), "run", "--config", str(self._init_installed(installed, name, created))]
             self._commands[f"agent-{name}"] = [
-                *program, "--device", "cpu", "--threads", str(self.agent_threads), *extra_args]
+                *prefix, *program, "--device", "cpu", "--threads", str(self.agent_threads), *extra_args]
             spawned.append((name, str(created["id"]), created["token"], *self._spawn_agent(name, created["token"])))
         agents = [self._await_agent(*args) for args in spawned]
         self.agents.extend(agents)
@@ -263,7 +279,11 @@ class LocalCluster:
         """Start a part again with the command it was first started with (as systemd would)."""
         if name == "redis" and self.redis_url is not None:
             raise ValueError("only the embedded redis-server can be relaunched; this cluster uses REDIS_URL")
+        log_path = self.supervisor.log_dir / f"{name}.log"
+        offset = log_path.stat().st_size if log_path.exists() else 0  # logs are appended across restarts
         child = self.supervisor.start(name, self._commands[name], env=self.env, cwd=REPO_ROOT)
+        if name.startswith("relay-"):
+            self.supervisor.wait_for_log_line(child, RELAY_READY_PREFIX, timeout=30, offset=offset)
         if name == "redis":
             self._wait_for_port(child, self._redis_port)
         elif name == "web" and self._started:

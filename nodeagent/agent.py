@@ -15,6 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from arceus.contracts.assignment import Assignment
 from arceus.contracts.observed import ObservedStage
+from arceus.relay.dialer import use_relays
 from arceus.v1 import link_probe_pb2_grpc, stage_pb2, tensor_parallel_pb2_grpc
 from arceus.verify.receipts import ReceiptSigner
 from arceus.wire.channels import grpc_channel_options
@@ -25,6 +26,7 @@ from nodeagent.lending import ComputeThreads
 from nodeagent.link_probe import LinkProbeServicer
 from nodeagent.metrics import AgentMetrics
 from nodeagent.neighbour_links import Neighbour, NeighbourLinks
+from nodeagent.relay_attachment import RelayAttachment
 from nodeagent.servicer import StageServicer, add_stage_service
 from nodeagent.stage import CheckpointLoader, StateUploader
 from nodeagent.tp_servicer import TensorParallelServicer
@@ -123,6 +125,7 @@ class Agent:
         self.compute_threads = self._max_threads  # within the owner's cap; RunStep applies it
         self._solo_threads = self._max_threads if solo_threads is None else solo_threads
         self._owner_cap: int | None = None
+        self.relay: RelayAttachment | None = None  # started with the server: it needs the bound port
 
     def start(self) -> None:
         host, port = self._listen
@@ -132,6 +135,8 @@ class Agent:
             raise OSError(f"cannot listen for gRPC on {host}:{port} (address in use or not local?)")
         self.grpc_port = bound
         self._server.start()
+        local_host = "127.0.0.1" if host in _WILDCARD_HOSTS else host
+        self.relay = RelayAttachment(f"{local_host}:{bound}")
         for service in ("", SERVICE_NAME):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self.metrics_port = self.metrics.serve(*self._metrics_listen)
@@ -201,6 +206,13 @@ class Agent:
     def _stepping(self) -> bool:
         return any(s.step_lock.locked() for s in self.registry.stages())
 
+    def follow_relay(self, relay: dict[str, str] | None, relays: Sequence[str]) -> None:
+        """Attach to the relay the control plane assigned (None: the agent is dialled directly), and reach relayed
+        neighbours through `relays`."""
+        use_relays(relays)
+        if self.relay is not None:
+            self.relay.assign(relay["address"] if relay else None, relay["ticket"] if relay else "")
+
     def observed(self) -> list[dict[str, Any]]:
         return [o.to_json() for o in self.registry.observed()]
 
@@ -208,6 +220,8 @@ class Agent:
         """Let a step in flight finish (at most `grace` seconds), then stop serving. Push streams stay open
         as long as their senders live, so a graceful server stop would always wait them out."""
         self.neighbour_links.stop()
+        if self.relay is not None:
+            self.relay.stop()
         self._health.enter_graceful_shutdown()
         self._wait_for_steps_in_flight(grace)
         self._server.stop(None).wait()

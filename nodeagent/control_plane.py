@@ -55,6 +55,8 @@ class HeartbeatReply:
     rejected: list[ObservedStage] = field(default_factory=list)  # listed but unparseable
     max_threads: int | None = None  # the owner's cap on compute threads (None: no cap)
     max_memory_bytes: int | None = None  # the owner's memory budget for this node's stages (None: no cap)
+    relay: dict[str, str] | None = None  # {"address", "ticket"}: the relay to attach to (None: dialled directly)
+    relays: tuple[str, ...] = ()  # every relay, for calls to relayed neighbours
 
 
 class ControlPlaneClient:
@@ -91,8 +93,9 @@ class ControlPlaneClient:
         host_busy_fraction: float | None = None,
         link: dict[str, float] | None = None,
         neighbour_links: list[dict[str, Any]] | None = None,
+        relay: dict[str, Any] | None = None,
     ) -> HeartbeatReply:
-        payload: dict[str, Any] = {"observed": observed, "host_busy_fraction": host_busy_fraction}
+        payload: dict[str, Any] = {"observed": observed, "host_busy_fraction": host_busy_fraction, "relay": relay}
         if link is not None:
             payload["link"] = link
         if neighbour_links:
@@ -125,6 +128,8 @@ class ControlPlaneClient:
             rejected=rejected,
             max_threads=_control(body, "max_threads"),
             max_memory_bytes=_control(body, "max_memory_bytes"),
+            relay=_relay(body),
+            relays=tuple(r for r in body.get("relays") or () if isinstance(r, str)),
         )
 
     def leave(self) -> int:
@@ -270,6 +275,15 @@ class _ChunkReader:
         return out.tobytes()
 
 
+def _relay(body: dict[str, Any]) -> dict[str, str] | None:
+    relay = body.get("relay")
+    if relay is None:
+        return None
+    if not (isinstance(relay, dict) and isinstance(relay.get("address"), str) and isinstance(relay.get("ticket"), str)):
+        raise ControlPlaneError(f"heartbeat response's 'relay' is not {{address, ticket}}: {_short(body)}")
+    return {"address": relay["address"], "ticket": relay["ticket"]}
+
+
 def _node_id(body: dict[str, Any]) -> str:
     node_id = body.get("node_id")
     if not isinstance(node_id, str | int) or isinstance(node_id, bool) or node_id == "":
@@ -369,8 +383,10 @@ class HeartbeatLoop:
                     self._host_load.others_busy_fraction(),
                     link,
                     list(self._unsent_links.values()),
+                    self._agent.relay.report() if self._agent.relay is not None else None,
                 )
                 self._unsent_links = {}
+                self._agent.follow_relay(reply.relay, reply.relays)
                 self._agent.metrics.heartbeat_succeeded()
                 self._agent.limit_threads(reply.max_threads)
                 self._agent.registry.memory_budget = reply.max_memory_bytes

@@ -9,8 +9,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
+from grpc_health.v1.health_pb2 import HealthCheckRequest
+from grpc_health.v1.health_pb2_grpc import HealthStub
 
 from arceus.contracts.credentials import METADATA_KEY, SCHEME
+from arceus.relay import dialer
+from arceus.relay.address import relayed_node
 from arceus.wire.tls import AGENT_TLS_NAME
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -33,12 +37,30 @@ def open_channel(
     options: list[tuple[str, Any]] | None = None,
 ) -> grpc.Channel:
     """A TLS channel to the agent at `address` that trusts only `certificate` (its registered one, PEM) and whose
-    calls present `token`; `options` replace the size options."""
+    calls present `token`; `options` replace the size options. A relayed address goes through a relay, the TLS
+    and the token still end to end (arceus.relay.dialer)."""
+    channel = _pinned_channel(address, certificate, options or grpc_channel_options(max_message_bytes))
+    return grpc.intercept_channel(channel, _BearerToken(token))
+
+
+def agent_answers(address: str, *, certificate: str, timeout: float) -> bool:
+    """Whether the agent at `address` completes a TLS handshake with `certificate` (pinned like any call) and
+    answers its health check (which takes no token) within `timeout` seconds."""
+    try:
+        with _pinned_channel(address, certificate, []) as channel:
+            HealthStub(channel).Check(HealthCheckRequest(), timeout=timeout, wait_for_ready=True)
+        return True
+    except (grpc.RpcError, ValueError):
+        return False
+
+
+def _pinned_channel(address: str, certificate: str, options: list[tuple[str, Any]]) -> grpc.Channel:
     if not certificate:
         raise ValueError(f"no TLS certificate is pinned for the agent at {address}: it cannot be called")
-    options = [*(options or grpc_channel_options(max_message_bytes)), ("grpc.ssl_target_name_override", AGENT_TLS_NAME)]
-    channel = grpc.secure_channel(address, pinned_channel_credentials(certificate), options=options)
-    return grpc.intercept_channel(channel, _BearerToken(token))
+    options = [*options, ("grpc.ssl_target_name_override", AGENT_TLS_NAME)]
+    if relayed_node(address) is not None:
+        options.append(("grpc.http_proxy", dialer.proxy_url()))
+    return grpc.secure_channel(address, pinned_channel_credentials(certificate), options=options)
 
 
 _DETAILS_FIELDS = ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")

@@ -64,7 +64,7 @@ def job_stage_endpoints(*, job: Job) -> tuple[StageEndpoint, ...]:
     return tuple(
         StageEndpoint(
             index=index,
-            address=rank0.node.grpc_address if rank0.node else "",
+            address=rank0.node.dial_address if rank0.node else "",
             node_id=str(rank0.node_id),
             layer_start=rank0.layer_start,
             layer_end=rank0.layer_end,
@@ -73,7 +73,7 @@ def job_stage_endpoints(*, job: Job) -> tuple[StageEndpoint, ...]:
             owner_id=str(rank0.node.owner_id) if rank0.node else "",
             tensor_parallel_ranks=tuple(
                 RankEndpoint(
-                    address=r.node.grpc_address if r.node else "",
+                    address=r.node.dial_address if r.node else "",
                     node_id=str(r.node_id),
                     certificate=r.node.tls_certificate if r.node else "",
                 )
@@ -184,10 +184,10 @@ def _assignment(stage: Stage, stages: dict[int, list[Stage]], checkpoint: StageC
 
 def _certificates(*groups: list[Stage] | None) -> dict[str, str]:
     """The registered TLS certificate of the agent at each address of these stages' rows."""
-    return {s.node.grpc_address: s.node.tls_certificate for g in groups for s in g or () if s.node is not None}
+    return {s.node.dial_address: s.node.tls_certificate for g in groups for s in g or () if s.node is not None}
 
 
 def _addresses(group: list[Stage] | None) -> tuple[Any, ...]:
     """The "host:port" of each rank of a stage (one, unless it is tensor-parallel), in rank order; null for
     a rank whose node was deleted (the reconciler moves it)."""
-    return tuple(s.node.grpc_address if s.node is not None else None for s in group or ())
+    return tuple(s.node.dial_address if s.node is not None else None for s in group or ())

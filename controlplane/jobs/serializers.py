@@ -9,10 +9,11 @@ from rest_framework import serializers
 from rest_framework.reverse import reverse
 
 from controlplane.common.fields import StrictFloatField, StrictInputSerializer, StrictIntegerField
-from controlplane.jobs.models import DEFAULT_AUDIT_RATE, Job, Optimizer, PipelineSchedule, Precision
+from controlplane.jobs.models import DEFAULT_AUDIT_RATE, Job, Optimizer, PipelineSchedule, Precision, Stage
 from controlplane.jobs.selectors import job_contributions, job_loss_curve, job_stages
 from controlplane.market.selectors import job_cost
 from controlplane.market.serializers import JobCostOutput
+from controlplane.nodes.models import Reachability
 
 MAX_EPOCHS = 10_000
 MAX_MICRO_BATCHES = 1024
@@ -152,12 +153,18 @@ class ConditionOutput(serializers.Serializer):
 class PlacementOutput(serializers.Serializer):
     """One node's part of a stage: the whole stage, or one rank of a tensor-parallel stage."""
 
+    def get_relayed(self, stage: Stage) -> bool:
+        return stage.node is not None and stage.node.reachability == Reachability.RELAYED
+
     stage_index = serializers.IntegerField(source="index")
     rank = serializers.IntegerField(help_text="rank in the stage's tensor-parallel group (0 for a one-node stage)")
     layer_start = serializers.IntegerField()
     layer_end = serializers.IntegerField()
     node_id = serializers.UUIDField(allow_null=True)
     node_name = serializers.CharField(source="node.name", default=None, allow_null=True)
+    relayed = serializers.SerializerMethodField(
+        help_text="its callers (the driver, neighbouring stages) reach the node through a relay"
+    )
     generation = serializers.IntegerField()
     state = serializers.CharField(source="observed_state")
     message = serializers.CharField(source="observed_message")

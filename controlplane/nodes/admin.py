@@ -37,9 +37,9 @@ class FlagClearForm(forms.Form):
 class NodeAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
     list_display = [
         "name", "owner", "device_type", "device_class", "ready_status", "flagged", "paused", "heartbeat_age",
-        "grpc_address",
+        "grpc_address", "reachability",
     ]
-    list_filter = ["ready_status", "paused", ("flagged_at", admin.EmptyFieldListFilter), "device_type", "owner"]
+    list_filter = ["ready_status", "reachability", "paused", ("flagged_at", admin.EmptyFieldListFilter), "device_type", "owner"]
     list_select_related = ["owner", "lease"]
     search_fields = ["id", "name", "grpc_address", "device_name", "owner__username"]
     exclude = ["token_hash"]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from django.conf import settings
 from django.http import FileResponse
 from django.utils import timezone
@@ -16,6 +18,7 @@ from controlplane.common.schema import ErrorOutput
 from controlplane.jobs.checkpoints import checkpoint_upload_receive, stage_checkpoint_for_node
 from controlplane.jobs.models import checkpoint_storage
 from controlplane.nodes.authentication import IsNodeAgent, NodeTokenAuthentication
+from controlplane.nodes.relays import relay_assignment
 from controlplane.nodes.selectors import node_get_for_user, node_list_for_user
 from controlplane.nodes.serializers import (
     AgentHeartbeatInput,
@@ -150,6 +153,7 @@ class AgentHeartbeatApi(AgentApi):
             link=data.validated_data.get("link"),
             neighbour_links=data.validated_data["neighbour_links"],
         )
+        relay = data.validated_data["relay"] or {}
         return Response(
             {
                 "node_id": str(request.auth.id),
@@ -159,6 +163,9 @@ class AgentHeartbeatApi(AgentApi):
                     "max_memory_bytes": request.auth.max_memory_bytes,
                 },
                 "heartbeat_interval_seconds": settings.ARCEUS_HEARTBEAT_INTERVAL_SECONDS,
+                "relay": relay_assignment(node=request.auth, attached=relay.get("attached"),
+                                          failed=relay.get("failed", ()), now=time.time()),
+                "relays": settings.ARCEUS_RELAYS,
             }
         )
 

@@ -7,4 +7,9 @@ class NodesConfig(AppConfig):
     verbose_name = "Nodes"
 
     def ready(self) -> None:
+        from django.conf import settings
+
+        from arceus.relay.dialer import use_relays
         from controlplane.nodes import schema  # noqa: F401  registers the OpenAPI auth extension
+
+        use_relays(settings.ARCEUS_RELAYS)  # the driver and samplers reach relayed agents through these

@@ -10,7 +10,7 @@ from django.conf import settings
 from django.db.models import Max, Min, Q
 
 from controlplane.jobs.models import Stage
-from controlplane.nodes.models import Node, NodeLink
+from controlplane.nodes.models import Node, NodeLink, dial_address
 
 
 def node_links_record(*, node: Node, links: Sequence[dict[str, Any]], now: datetime) -> None:
@@ -40,7 +40,7 @@ def node_links_record(*, node: Node, links: Sequence[dict[str, Any]], now: datet
 
 
 def _neighbour_nodes(node: Node) -> dict[str, Any]:
-    """gRPC address → id of each node hosting the stage before or after one of `node`'s active stages."""
+    """Dialled address → id of each node hosting the stage before or after one of `node`'s active stages."""
     hosted = Stage.objects.filter(node=node, active=True).values_list("job_id", "index")
     around = Q()
     for job_id, index in hosted:
@@ -48,7 +48,8 @@ def _neighbour_nodes(node: Node) -> dict[str, Any]:
     if not around:
         return {}
     neighbours = Stage.objects.filter(around, active=True, node__isnull=False).exclude(node=node)
-    return {address: node_id for node_id, address in neighbours.values_list("node_id", "node__grpc_address")}
+    rows = neighbours.values_list("node_id", "node__grpc_address", "node__reachability")
+    return {dial_address(str(node_id), address, reachability): node_id for node_id, address, reachability in rows}
 
 
 def nodes_worst_neighbour_link(node_ids: Iterable[Any], now: datetime) -> dict[str, tuple[float, float]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from django.conf import settings
 from django.db import models
 
+from arceus.relay.address import relayed_address
 from controlplane.common.conditions import FALSE, TRUE, UNKNOWN
 from controlplane.common.models import BaseModel
 
@@ -19,6 +20,12 @@ class ReadyStatus(models.TextChoices):
     TRUE = TRUE
     FALSE = FALSE
     UNKNOWN = UNKNOWN
+
+
+class Reachability(models.TextChoices):
+    UNKNOWN = "unknown"  # not measured yet since the agent registered: dialled directly meanwhile
+    DIRECT = "direct"  # the control plane dialled the agent back at its address
+    RELAYED = "relayed"  # it could not: callers reach the agent through a relay (arceus/relay/)
 
 
 class Node(BaseModel):
@@ -61,6 +68,9 @@ class Node(BaseModel):
     # The port of the agent's /metrics on the host of `grpc_address`, from its latest registration (Prometheus
     # finds it through GET /metrics/agents); null: the agent did not say.
     metrics_port = models.PositiveIntegerField(null=True, blank=True)
+    # Measured after each registration by dialling the agent back (controlplane/nodes/reachability.py).
+    reachability = models.CharField(max_length=8, choices=Reachability, default=Reachability.UNKNOWN)
+    reachability_checked_at = models.DateTimeField(null=True, blank=True)
     # The Ready condition, in columns so the reconciler can filter on it.
     ready_status = models.CharField(max_length=8, choices=ReadyStatus, default=ReadyStatus.UNKNOWN, db_index=True)
     ready_reason = models.CharField(max_length=64, default="NotRegistered")
@@ -88,6 +98,16 @@ class Node(BaseModel):
     @property
     def is_registered(self) -> bool:
         return self.registered_at is not None
+
+    @property
+    def dial_address(self) -> str:
+        """Where its callers (the driver, neighbouring stages) dial the agent."""
+        return dial_address(str(self.id), self.grpc_address, self.reachability)
+
+
+def dial_address(node_id: str, grpc_address: str, reachability: str) -> str:
+    """The agent's own address, or the relayed name every relay knows it by (arceus.relay.address)."""
+    return relayed_address(node_id) if reachability == Reachability.RELAYED else grpc_address
 
 
 class NodeLease(BaseModel):

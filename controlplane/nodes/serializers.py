@@ -16,7 +16,7 @@ from arceus.wire.tls import MAX_CERTIFICATE_CHARS, check_certificate
 from arceus.wire.transfer import ACTIVATION_ENCODINGS, GRADIENT_ENCODINGS
 from controlplane.common.fields import StrictFloatField, StrictInputSerializer, StrictIntegerField
 from controlplane.nodes.availability import parse_window
-from controlplane.nodes.models import DeviceType, Node
+from controlplane.nodes.models import DeviceType, Node, Reachability
 from controlplane.nodes.selectors import node_unavailable_reason
 from controlplane.nodes.validators import validate_grpc_address
 
@@ -97,6 +97,11 @@ class NodeOutput(serializers.Serializer):
         help_text="Round trip and bandwidth to the control plane; null: not measured"
     )
     grpc_address = serializers.CharField()
+    reachability = serializers.ChoiceField(
+        choices=Reachability.choices,
+        help_text="direct: the control plane dialled the agent back; relayed: callers reach it through a relay; "
+        "unknown: not measured since it registered",
+    )
     public_key = serializers.CharField(help_text="Hex Ed25519 key of the agent: its receipts verify against it")
     tls_certificate = serializers.CharField(help_text="PEM certificate its gRPC port serves; callers trust no other")
     flag = serializers.SerializerMethodField(
@@ -225,6 +230,19 @@ class NeighbourLinkInput(StrictInputSerializer):
         return attrs
 
 
+MAX_RELAYS_REPORTED = 16
+
+
+class RelayReportInput(StrictInputSerializer):
+    """A relayed agent's attachment: the relay it is attached to now (null: none) and those that failed it lately."""
+
+    attached = serializers.CharField(max_length=255, allow_null=True, default=None, validators=[validate_grpc_address])
+    failed = serializers.ListField(
+        child=serializers.CharField(max_length=255, validators=[validate_grpc_address]),
+        max_length=MAX_RELAYS_REPORTED, default=list,
+    )
+
+
 class AgentHeartbeatInput(serializers.Serializer):
     observed = ObservedStageInput(many=True, default=list)
     host_busy_fraction = StrictFloatField(
@@ -236,6 +254,7 @@ class AgentHeartbeatInput(serializers.Serializer):
         many=True, default=list, max_length=MAX_NEIGHBOUR_LINKS,
         help_text="Links to pipeline neighbours measured since the last heartbeat",
     )
+    relay = RelayReportInput(required=False, allow_null=True, default=None)
 
     def validate_neighbour_links(self, links: list[dict[str, Any]]) -> list[dict[str, Any]]:
         addresses = [link["address"] for link in links]
@@ -323,8 +342,19 @@ class AgentControlsOutput(serializers.Serializer):
     )
 
 
+class RelayAssignmentOutput(serializers.Serializer):
+    address = serializers.CharField(help_text="HOST:PORT of the relay to stay attached to")
+    ticket = serializers.CharField(help_text="presented to the relay: it may attach as this node until it expires")
+
+
 class AgentHeartbeatOutput(serializers.Serializer):
     node_id = serializers.UUIDField()
     assignments = AssignmentOutput(many=True)
     controls = AgentControlsOutput()
     heartbeat_interval_seconds = serializers.FloatField()
+    relay = RelayAssignmentOutput(
+        allow_null=True, help_text="the relay this node's agent attaches to (the control plane could not dial it)"
+    )
+    relays = serializers.ListField(
+        child=serializers.CharField(), help_text="every relay: where the agent reaches relayed neighbours"
+    )

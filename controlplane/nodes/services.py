@@ -14,7 +14,8 @@ from django.db import transaction
 
 from arceus.contracts.observed import ObservedStage
 from controlplane.common.conditions import TRUE
-from controlplane.common.dispatch import reconcile_soon
+from controlplane.celery import CHECK_REACHABILITY_TASK
+from controlplane.common.dispatch import enqueue_on_commit, reconcile_soon
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.transitions import job_fail, job_rewind
 from controlplane.jobs.models import Stage
@@ -23,7 +24,7 @@ from controlplane.jobs.stages import stages_record_observed
 from controlplane.market.services import ledger_roll_back
 from controlplane.monitoring import metrics
 from controlplane.nodes.links import node_links_record
-from controlplane.nodes.models import Node, NodeLease, NodeRestart, ReadyStatus
+from controlplane.nodes.models import Node, NodeLease, NodeRestart, Reachability, ReadyStatus
 
 NODE_TOKEN_PREFIX = "arceus_node_"
 
@@ -98,6 +99,7 @@ def node_register(
         _set_link(node, link, now)
     node.registered_at = now
     node.leaving_at = None  # a process that registers stays
+    node.reachability = Reachability.UNKNOWN  # until the dial-back below answers
     node.ready_status = ReadyStatus.UNKNOWN
     node.ready_reason = "Registered"
     node.ready_message = "registered; waiting for the first heartbeat"
@@ -106,6 +108,7 @@ def node_register(
     NodeLease.objects.update_or_create(
         node=node, defaults={"renewed_at": now, "duration_seconds": settings.ARCEUS_NODE_GRACE_SECONDS}
     )
+    enqueue_on_commit(CHECK_REACHABILITY_TASK, str(node.id), now.isoformat(), expires=300)
     return node
 
 

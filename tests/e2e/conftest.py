@@ -72,10 +72,11 @@ def started_cluster(workdir: Path, *, embedded_redis: bool = False) -> Iterator[
     with fresh_database() as database_url:
         # Heartbeats and reconcile passes every second, not every 2 s: placements reach agents and lost nodes
         # are noticed sooner. A node still counts as lost only after the default 6 s of silence.
+        # Two relays, for agents in network namespaces that cannot be dialled (tests/e2e/test_relayed_agents.py).
         # Compute is priced at $3600/h: the few ms a test job computes are worth whole micro-dollars (at the
         # usual $0.30/h less than one, and credit, fees and withheld credit would all round to 0).
         cluster = LocalCluster(workdir=workdir, database_url=database_url, redis_url=redis_url,
-                               heartbeat_interval_seconds=1.0, reconcile_interval_seconds=1.0,
+                               heartbeat_interval_seconds=1.0, reconcile_interval_seconds=1.0, relays=2,
                                extra_env={"ARCEUS_BASELINE_PRICE_PER_HOUR": "3600"})
         try:
             cluster.start()

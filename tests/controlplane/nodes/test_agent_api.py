@@ -141,6 +141,8 @@ def test_heartbeat_marks_the_node_ready_and_nudges_the_reconciler_only_on_change
         "assignments": [],
         "controls": {"max_threads": None, "max_memory_bytes": None},
         "heartbeat_interval_seconds": 2.0,
+        "relay": None,  # dialled directly
+        "relays": [],
     }
     node.refresh_from_db()
     assert (node.ready_status, node.ready_reason) == ("True", "AgentReady")

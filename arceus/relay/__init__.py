@@ -1,0 +1,1 @@
+"""Relays: a stateless process that pipes callers' connections to agents that cannot be dialled (docs/security.md)."""

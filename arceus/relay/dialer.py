@@ -1,0 +1,125 @@
+"""The caller's side of relays: a loopback HTTP CONNECT proxy, one per process, that gRPC channels to relayed
+addresses (arceus.relay.address) go through (`grpc.http_proxy`, set by arceus.wire.channels.open_channel).
+For each connection it tries the relays in the node's order until one has the agent attached, then splices the
+channel's bytes (its TLS to the agent, end to end) onto that relay's Dial stream. A relay that died or lost the
+agent fails the connection; gRPC reconnects through here and finds where the agent attached next."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from collections.abc import Sequence
+
+import grpc
+
+from arceus.relay.address import relay_order, relayed_node
+from arceus.relay.server import TARGET_KEY
+from arceus.relay.splice import close, socket_chunks, write_replies
+from arceus.v1 import relay_pb2_grpc
+
+log = logging.getLogger(__name__)
+MAX_REQUEST_BYTES = 8192
+ESTABLISHED = b"HTTP/1.1 200 Connection established\r\n\r\n"
+
+_lock = threading.Lock()
+_relays: tuple[str, ...] = ()
+_proxy: _ConnectProxy | None = None
+
+
+def use_relays(relays: Sequence[str]) -> None:
+    """The relays this process may reach relayed agents through (the operator's list, as the control plane
+    sends it)."""
+    global _relays
+    _relays = tuple(relays)
+
+
+def proxy_url() -> str:
+    """The URL of this process's proxy, started on first use."""
+    global _proxy
+    with _lock:
+        if _proxy is None:
+            _proxy = _ConnectProxy()
+        return f"http://127.0.0.1:{_proxy.port}"
+
+
+class _Gate:
+    """Holds a Dial stream's request reader until the relay has answered: only the chosen attempt reads."""
+
+    def __init__(self) -> None:
+        self._decided = threading.Event()
+        self._open = False
+
+    def decide(self, open_: bool) -> None:
+        self._open = open_
+        self._decided.set()
+
+    def wait(self) -> bool:
+        self._decided.wait()
+        return self._open
+
+
+class _ConnectProxy:
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._channels: dict[str, grpc.Channel] = {}
+        threading.Thread(target=self._accept, name="relay-dialer", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            sock, _ = self._listener.accept()
+            threading.Thread(target=self._serve, args=(sock,), name="relay-dial", daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            node_id = self._read_connect(sock)
+        except (OSError, ValueError) as exc:
+            log.warning("relay dialer: refused a connection: %s", exc)
+            _answer(sock, b"HTTP/1.1 400 Bad Request\r\n\r\n")
+            return
+        for relay in relay_order(node_id, _relays):
+            gate = _Gate()
+            stub = relay_pb2_grpc.RelayServiceStub(self._channel(relay))
+            replies = stub.Dial(socket_chunks(sock, before=gate.wait), metadata=((TARGET_KEY, node_id),))
+            try:
+                next(replies)  # the empty "connected": the agent took the connection
+            except grpc.RpcError as exc:
+                gate.decide(False)
+                log.info("relay %s cannot reach node %s: %s", relay, node_id, exc.code())
+                continue
+            sock.sendall(ESTABLISHED)
+            gate.decide(True)
+            write_replies(sock, replies)
+            return
+        log.warning("no relay of %s reaches node %s", list(_relays), node_id)
+        _answer(sock, b"HTTP/1.1 502 Bad Gateway\r\n\r\n")
+
+    def _channel(self, relay: str) -> grpc.Channel:
+        with _lock:
+            if relay not in self._channels:
+                self._channels[relay] = grpc.insecure_channel(relay, options=[("grpc.enable_http_proxy", 0)])
+            return self._channels[relay]
+
+    @staticmethod
+    def _read_connect(sock: socket.socket) -> str:
+        """The node a CONNECT request (from this process's own gRPC) names."""
+        request = b""
+        while b"\r\n\r\n" not in request:
+            data = sock.recv(1024)
+            if not data or len(request) + len(data) > MAX_REQUEST_BYTES:
+                raise ValueError("not a complete CONNECT request")
+            request += data
+        method, target, *_ = request.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
+        node_id = relayed_node(target) if method == "CONNECT" else None
+        if node_id is None:
+            raise ValueError(f"expected CONNECT to a relayed address, got {method} {target}")
+        return node_id
+
+
+def _answer(sock: socket.socket, status: bytes) -> None:
+    try:
+        sock.sendall(status)
+    except OSError:
+        pass
+    close(sock)
