@@ -36,6 +36,7 @@ from controlplane.controller.rules import (
 from controlplane.controller.snapshot import load_snapshot
 from controlplane.controller.transitions import job_fail, job_place, job_requeue, job_rewind, job_run
 from controlplane.jobs.models import Job
+from controlplane.nodes.liveness import lease_of
 from controlplane.nodes.models import Node, ReadyStatus
 
 log = logging.getLogger(__name__)
@@ -78,8 +79,13 @@ def execute(actions: Sequence[Action], *, now: datetime) -> ExecutionReport:
 
 
 def _mark_node_unknown(action: MarkNodeUnknown, now: datetime) -> bool:
+    """Unless the node heartbeat since the lease the pass saw. A heartbeat that lands between this check and
+    the update finds the node Unknown at its next beat and makes it Ready again."""
+    node = Node.objects.filter(pk=action.node_id).select_related("lease").first()
+    if node is None or lease_of(node.pk, node.lease.renewed_at).renewed_at > action.renewed_at:
+        return False
     updated = (
-        Node.objects.filter(pk=action.node_id, lease__renewed_at=action.renewed_at)
+        Node.objects.filter(pk=action.node_id)
         .exclude(ready_status=ReadyStatus.UNKNOWN)
         .update(
             ready_status=UNKNOWN,

@@ -19,6 +19,7 @@ from controlplane.controller.rules import Desired, JobView, NodeView, Observed, 
 from controlplane.jobs.models import Job, Stage
 from controlplane.market.services import node_device_class, price_in_force
 from controlplane.nodes.links import nodes_worst_neighbour_link
+from controlplane.nodes.liveness import Liveness, leases_read
 from controlplane.nodes.models import Node
 from controlplane.nodes.selectors import node_unavailable_reason
 
@@ -44,24 +45,34 @@ def load_snapshot(now: datetime | None = None) -> tuple[Desired, Observed]:
 
 
 def registered_nodes() -> QuerySet[Node]:
-    return Node.objects.filter(registered_at__isnull=False, lease__isnull=False).select_related("lease")
+    """Registered nodes with the fields the planner reads (deferring the certificate and key, which it never
+    does: with 10,000 nodes they are most of the bytes)."""
+    return (
+        Node.objects.filter(registered_at__isnull=False, lease__isnull=False)
+        .select_related("lease")
+        .defer("tls_certificate", "public_key", "ready_message", "flag_clear_reason", "device_name")
+    )
 
 
 def node_views(nodes: Iterable[Node], now: datetime | None = None) -> tuple[NodeView, ...]:
-    """Nodes as the planner sees them: with the posted price of their device class, the memory their
-    owners offer, and whether their owners' controls let them work now."""
+    """Nodes as the planner sees them: with their liveness (Redis, read in bulk), the posted price of their
+    device class, the memory their owners offer, and whether their owners' controls let them work now."""
     nodes, now = list(nodes), now or timezone.now()
+    liveness = leases_read({str(n.id): n.lease.renewed_at for n in nodes}, now)
     prices = {klass: price_in_force(klass) for klass in {node_device_class(n) for n in nodes}}
     neighbour_links = nodes_worst_neighbour_link((n.id for n in nodes), now)
     return tuple(
-        _node_view(node, prices[node_device_class(node)], now, neighbour_links.get(str(node.id))) for node in nodes
+        _node_view(node, liveness[str(node.id)], prices[node_device_class(node)], now,
+                   neighbour_links.get(str(node.id)))
+        for node in nodes
     )
 
 
 def _node_view(
-    node: Node, price_per_hour: float, now: datetime, neighbour_link: tuple[float, float] | None
+    node: Node, liveness: Liveness, price_per_hour: float, now: datetime,
+    neighbour_link: tuple[float, float] | None,
 ) -> NodeView:
-    reason = node_unavailable_reason(node, now)
+    reason = node_unavailable_reason(node, now, liveness.host_busy_fraction)
     offered = min(node.memory_bytes or 0, node.max_memory_bytes or node.memory_bytes or 0)
     memory = max(0, offered - node.runtime_memory_bytes)  # what stages may use beside the agent's own
     # The worst link it measured to a pipeline neighbour, else its link to the control plane.
@@ -70,7 +81,7 @@ def _node_view(
         id=str(node.id),
         name=node.name,
         ready_status=node.ready_status,
-        lease_renewed_at=node.lease.renewed_at,
+        lease_renewed_at=liveness.renewed_at,
         lease_duration_seconds=node.lease.duration_seconds,
         flops=node.flops_fp32 or 0.0,
         memory_bytes=memory,

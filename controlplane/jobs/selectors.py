@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import uuid
 from collections import defaultdict
@@ -104,6 +105,20 @@ def job_loss_curve(*, job: Job, max_points: int | None = None) -> list[dict[str,
     if stride > 1:
         points = points.annotate(offset=F("step") % stride).filter(Q(offset=0) | Q(step=job.step))
     return list(points.order_by("step").values("step", "epoch", "loss"))
+
+
+def assignments_version(*, node: Node) -> str:
+    """A digest of everything the node's assignments are built from that can change while it hosts them: its
+    stage rows and their generations, and each job's generation, status and resume checkpoint (a neighbour's
+    address or certificate changes only with a new generation: a node that registers again while hosting
+    rewinds its job). One indexed query; the agent sends back the version it holds, and an unchanged one is
+    answered without building the assignments."""
+    rows = (
+        Stage.objects.filter(node=node, active=True, job__status__in=HOSTED_STATUSES)
+        .order_by("job_id", "index", "rank")
+        .values_list("id", "generation", "job__generation", "job__status", "job__resume_checkpoint_id")
+    )
+    return hashlib.sha256(repr(list(rows)).encode()).hexdigest()[:32]
 
 
 def assignments_for_node(*, node: Node) -> list[dict[str, Any]]:

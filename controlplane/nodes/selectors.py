@@ -9,6 +9,7 @@ from django.db.models import Prefetch, QuerySet
 from controlplane.common.errors import ApplicationError
 from controlplane.jobs.models import Stage
 from controlplane.nodes.availability import unavailable_reason
+from controlplane.nodes.liveness import Liveness, lease_of
 from controlplane.nodes.models import Node
 
 
@@ -36,9 +37,17 @@ def node_by_token_hash(*, token_hash: str) -> Node | None:
     return Node.objects.select_related("owner").filter(token_hash=token_hash).first()
 
 
-def node_unavailable_reason(node: Node, now: datetime) -> str | None:
+def node_liveness(node: Node) -> Liveness | None:
+    """The node's last heartbeat and host load (Redis), None before it first registered; read once per instance
+    (a page shows both)."""
+    if not hasattr(node, "_liveness"):
+        lease = getattr(node, "lease", None)
+        node._liveness = lease_of(node.pk, lease.renewed_at) if lease is not None else None
+    return node._liveness
+
+
+def node_unavailable_reason(node: Node, now: datetime, host_busy_fraction: float | None = None) -> str | None:
     """Why the node may not work now by its owner's controls, or None (see nodes/availability.py)."""
-    lease = getattr(node, "lease", None)
     return unavailable_reason(
         paused=node.paused,
         flag_reason=node.flag_reason if node.flagged_at else None,
@@ -46,6 +55,6 @@ def node_unavailable_reason(node: Node, now: datetime) -> str | None:
         work_windows=node.work_windows,
         idle_only=node.idle_only,
         idle_cpu_threshold=node.idle_cpu_threshold,
-        host_busy_fraction=lease.host_busy_fraction if lease else None,
+        host_busy_fraction=host_busy_fraction,
         now=now,
     )
