@@ -91,7 +91,10 @@ TEMPLATES = [
 DATABASES = {
     "default": dj_database_url.config(
         default=f"sqlite:///{VAR_DIR / 'arceus.sqlite3'}",
+        # The web server sets it (60): a heartbeat must not open a connection of its own. Health checks make a
+        # kept connection that a database restart broke reconnect at the next request's start.
         conn_max_age=int(os.environ.get("ARCEUS_DB_CONN_MAX_AGE", "0")),
+        conn_health_checks=True,
     )
 }
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":

@@ -126,8 +126,8 @@ class LocalCluster:
         port = free_port()
         self.api_url = f"http://127.0.0.1:{port}"
         self._commands["web"] = [
-            sys.executable, "-m", "gunicorn", "controlplane.wsgi", "--bind", f"127.0.0.1:{port}",
-            "--workers", "2", "--threads", "4", "--timeout", "60"]
+            sys.executable, "-m", "gunicorn", "controlplane.wsgi", "-c", "python:controlplane.gunicorn_conf",
+            "--bind", f"127.0.0.1:{port}"]
         self.web = self.relaunch("web")
         celery = [sys.executable, "-m", "celery", "-A", "controlplane.celery"]
         self._commands["worker-control"] = [

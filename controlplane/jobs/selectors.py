@@ -10,6 +10,7 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
+from django.db import connection
 from django.db.models import F, Q, QuerySet, Sum
 
 from arceus.contracts.assignment import (
@@ -113,11 +114,16 @@ def assignments_version(*, node: Node) -> str:
     address or certificate changes only with a new generation: a node that registers again while hosting
     rewinds its job). One indexed query; the agent sends back the version it holds, and an unchanged one is
     answered without building the assignments."""
-    rows = (
-        Stage.objects.filter(node=node, active=True, job__status__in=HOSTED_STATUSES)
-        .order_by("job_id", "index", "rank")
-        .values_list("id", "generation", "job__generation", "job__status", "job__resume_checkpoint_id")
-    )
+    # Raw SQL, like the node's authentication: composing the ORM's query cost more CPU than running it.
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT s.id, s.generation, j.generation, j.status, j.resume_checkpoint_id "  # noqa: S608 (names)
+            f"FROM {Stage._meta.db_table} s JOIN {Job._meta.db_table} j ON j.id = s.job_id "
+            f"WHERE s.node_id = %s AND s.active AND j.status IN ({', '.join(['%s'] * len(HOSTED_STATUSES))}) "
+            "ORDER BY s.job_id, s.index, s.rank",
+            [Stage._meta.get_field("node").get_db_prep_value(node.pk, connection), *HOSTED_STATUSES],
+        )
+        rows = [tuple(map(str, row)) for row in cursor.fetchall()]
     return hashlib.sha256(repr(list(rows)).encode()).hexdigest()[:32]
 
 

@@ -39,7 +39,6 @@ def lease_renew(*, node_id: object, now: datetime, host_busy_fraction: float | N
         pipe.hdel(BUSY, key)
     else:
         pipe.hset(BUSY, key, repr(float(host_busy_fraction)))
-    pipe.set(SINCE, now.timestamp(), nx=True)
     pipe.execute()
 
 
