@@ -149,7 +149,7 @@ async def heartbeat_forever(
                 else:
                     agent.version = answer.get("assignments_version", "")
                     agent.last_beat = time.time()
-        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             tally.error(type(exc).__name__)
         else:
             if tally.counting:

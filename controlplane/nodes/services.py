@@ -19,7 +19,8 @@ from controlplane.common.dispatch import reconcile_soon
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.transitions import job_fail, job_rewind
 from controlplane.jobs.models import Stage
-from controlplane.jobs.selectors import assignments_for_node, assignments_version as assignments_version_of
+from controlplane.jobs.selectors import assignments_for_node
+from controlplane.jobs.selectors import assignments_version as assignments_version_of
 from controlplane.jobs.stages import stages_record_observed
 from controlplane.market.services import ledger_roll_back
 from controlplane.nodes.links import node_links_record
