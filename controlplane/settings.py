@@ -262,6 +262,9 @@ ARCEUS_DATA_ROOT = Path(os.environ.get("ARCEUS_DATA_ROOT", BASE_DIR / "data"))
 # The placement solver's time per search (an estimate; each queued job in a reconcile pass): past it, the best
 # placement over the fastest nodes found so far, or "ran out" when none was.
 ARCEUS_SOLVER_SECONDS = float(os.environ.get("ARCEUS_SOLVER_SECONDS", "3"))
+# Queued jobs one reconcile pass places (oldest first; the rest wait for the next pass): with 10,000 nodes a
+# placement search costs tens of ms, and a pass must stay short enough to notice silent nodes in time.
+ARCEUS_MAX_PLACEMENTS_PER_PASS = int(os.environ.get("ARCEUS_MAX_PLACEMENTS_PER_PASS", "25"))
 # The market: a standard-medium device (a typical laptop) earns about this per hour when demand and
 # supply balance; the platform keeps this fraction of every charge; prices are recomputed this often.
 ARCEUS_BASELINE_PRICE_PER_HOUR = float(os.environ.get("ARCEUS_BASELINE_PRICE_PER_HOUR", "0.30"))

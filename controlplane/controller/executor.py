@@ -60,7 +60,9 @@ def reconcile_once(*, now: datetime | None = None) -> ExecutionReport:
     """One level-triggered pass: read everything, decide, apply."""
     now = now or timezone.now()
     desired, observed = load_snapshot(now)
-    return execute(plan(desired, observed, now, Budget(settings.ARCEUS_SOLVER_SECONDS)), now=now)
+    actions = plan(desired, observed, now, Budget(settings.ARCEUS_SOLVER_SECONDS),
+                   max_placements=settings.ARCEUS_MAX_PLACEMENTS_PER_PASS)
+    return execute(actions, now=now)
 
 
 def execute(actions: Sequence[Action], *, now: datetime) -> ExecutionReport:

@@ -25,7 +25,8 @@ Rules, in order:
 5. a running job whose driver lease expired: never claimed → StartDriver again; claimed (the driver
    died or gave up) → RewindJob in place, or FailJob after too many restarts without progress.
 Every RewindJob bumps the generation, so all stages rebuild from the job's last checkpoint.
-Jobs are considered oldest first; a job that cannot be placed does not hold back a later one.
+Jobs are considered oldest first; a job that cannot be placed does not hold back a later one. At most
+`max_placements` queued jobs are searched a placement for per pass (ARCEUS_MAX_PLACEMENTS_PER_PASS).
 """
 
 from __future__ import annotations
@@ -255,8 +256,13 @@ Action = MarkNodeUnknown | PlaceJob | SetCondition | StartDriver | RequeueJob | 
 
 
 # --- planning -------------------------------------------------------------------------------------
-def plan(desired: Desired, observed: Observed, now: datetime, solver_budget: Budget | None = None) -> list[Action]:
-    """The actions of one pass; `solver_budget` bounds each queued job's placement search (None: no bound)."""
+def plan(
+    desired: Desired, observed: Observed, now: datetime, solver_budget: Budget | None = None,
+    max_placements: int | None = None,
+) -> list[Action]:
+    """The actions of one pass; `solver_budget` bounds each queued job's placement search (None: no bound), and
+    `max_placements` how many queued jobs one pass searches a placement for (None: all): a burst of submissions
+    then spreads over passes, and each pass stays short enough to notice silent nodes in time."""
     actions: list[Action] = []
     ready: dict[str, NodeView] = {}
     for node in observed.nodes:
@@ -275,10 +281,14 @@ def plan(desired: Desired, observed: Observed, now: datetime, solver_budget: Bud
     nodes = {n.id: n for n in observed.nodes}
     busy = {s.node_id for job in desired.jobs if job.status in ACTIVE_STATUSES for s in job.stages}
     free = sorted((n for n in ready.values() if n.id not in busy and not n.paused), key=lambda n: (-n.flops, n.id))
+    placements = 0
     for job in desired.jobs:
         action: Action | None = None
         taken: set[str | None] = set()
         if job.status == QUEUED:
+            if max_placements is not None and placements >= max_placements:
+                continue  # the next pass places it (jobs stay oldest first)
+            placements += 1
             action = _place(job, free, now, solver_budget)
             if isinstance(action, PlaceJob):
                 taken = {s.node_id for s in action.stages}
