@@ -38,6 +38,7 @@ from dataclasses import dataclass, replace
 BYTES_PER_PARAMETER = 4 * 4
 BACKWARD_FACTOR = 3.0  # forward + backward ≈ 3 × forward FLOPs
 PRICE_TOLERANCE = 0.02  # a placement this much slower than the fastest may win by being cheaper
+MAX_CANDIDATES = 8  # candidate units searched by default (the search is exponential in them)
 _CHECK_EVERY = 256  # search steps (one candidate set extended by one stage) between two reads of the clock
 
 
@@ -201,7 +202,7 @@ def solve(
     min_stages: int = 1,
     max_stages: int | None = None,
     max_price_per_hour: float | None = None,
-    max_candidates: int = 8,
+    max_candidates: int = MAX_CANDIDATES,
     tensor_parallel: int = 1,
     split_stages: Collection[int] | None = None,
     budget: Budget | None = None,
