@@ -179,14 +179,14 @@ async def run_fleet(cluster: LocalCluster, agents: list[SimAgent], args: argpars
         beats = [asyncio.create_task(heartbeat_forever(session, cluster.api_url, a, args.interval, tally, stop))
                  for a in agents]
         await asyncio.sleep(args.interval)  # every agent has heartbeaten once: Ready
-        jobs = await asyncio.to_thread(submit_jobs, args.jobs)
-        print(f"submitted {len(jobs)} jobs", flush=True)
-        placed = await _until_placed(args.jobs * JOB["stages"], 300)
-        print(f"placed {len(placed)} stages", flush=True)
-
         log = cluster.supervisor.log_dir / "worker-control.log"
         log_offset = log.stat().st_size
-        tally.counting, window_start = True, time.perf_counter()
+        tally.counting, window_start = True, time.perf_counter()  # the placement burst is measured too
+        jobs = await asyncio.to_thread(submit_jobs, args.jobs)
+        print(f"submitted {len(jobs)} jobs", flush=True)
+        placed = await _until_placed(args.jobs * JOB["stages"], args.place_timeout)
+        placement_s = time.perf_counter() - window_start
+        print(f"placed {len(placed)} stages in {placement_s:.0f} s", flush=True)
         by_id = {a.node_id: a for a in agents}
         victims = [by_id[n] for n in random.sample(sorted(placed), args.silent)]
         await asyncio.sleep(args.duration / 3)
@@ -203,7 +203,7 @@ async def run_fleet(cluster: LocalCluster, agents: list[SimAgent], args: argpars
     delays = [reassigned[v.node_id] - v.last_beat for v in victims if v.node_id in reassigned]
     return {
         "agents": len(agents), "interval_s": args.interval, "jobs": len(jobs), "window_s": round(window, 1),
-        "registration_s": round(registered_s, 1),
+        "registration_s": round(registered_s, 1), "placed_stages": len(placed), "placement_s": round(placement_s),
         "heartbeats": len(tally.latencies), "heartbeats_per_s": round(len(tally.latencies) / window, 1),
         "p50_ms": round(quantile(tally.latencies, 0.5) * 1e3, 1),
         "p99_ms": round(quantile(tally.latencies, 0.99) * 1e3, 1),
@@ -219,11 +219,9 @@ async def run_fleet(cluster: LocalCluster, agents: list[SimAgent], args: argpars
 
 
 async def _until_placed(count: int, timeout: float) -> dict[str, str]:
-    """The placed stages once there are `count` of them (polled every second)."""
+    """The placed stages once there are `count` of them, or those placed after `timeout` s (polled each second)."""
     deadline = time.monotonic() + timeout
-    while len(placed := await asyncio.to_thread(placed_nodes)) < count:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{len(placed)} of {count} stages placed after {timeout:.0f} s")
+    while len(placed := await asyncio.to_thread(placed_nodes)) < count and time.monotonic() < deadline:
         await asyncio.sleep(1.0)
     return placed
 
@@ -250,6 +248,7 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=90.0, help="seconds measured once jobs are placed")
     parser.add_argument("--grace", type=float, default=30.0, help="node lease (ARCEUS_NODE_GRACE_SECONDS)")
     parser.add_argument("--silent", type=int, default=5, help="nodes hosting a stage that stop heartbeating")
+    parser.add_argument("--place-timeout", type=float, default=300.0, help="go on after this long placing")
     parser.add_argument("--connections", type=int, default=512, help="the fleet's HTTP connections (keep-alive)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
     args = parser.parse_args()
@@ -275,7 +274,7 @@ def main() -> None:
 def print_and_write(r: dict[str, Any], *, write: bool) -> None:
     lines = [
         f"{r['agents']:,} simulated agents heartbeating every {r['interval_s']:g} s, {r['jobs']:,} jobs of 3 stages "
-        f"placed; measured over {r['window_s']:g} s (load average at the end {r['load_average']}).",
+        f"submitted; measured over {r['window_s']:g} s from the submissions (load average at the end {r['load_average']}).",
         "",
         "| figure | measured | goal |",
         "| --- | --- | --- |",
@@ -287,6 +286,7 @@ def print_and_write(r: dict[str, Any], *, write: bool) -> None:
         f"| silent node → stage moved, max / median ({r['reassigned']}/{r['silent']} moved) | "
         f"{r['reassign_max_s']} / {r['reassign_median_s']} s | < grace {r['grace_s']:g} + 2 s |",
         f"| registration of all agents | {r['registration_s']} s | |",
+        f"| stages placed (of {r['jobs'] * 3:,}) and time taken | {r['placed_stages']:,} in {r['placement_s']} s | |",
     ]
     body = "\n".join(lines)
     print(body)
