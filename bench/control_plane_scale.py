@@ -274,7 +274,8 @@ def main() -> None:
 def print_and_write(r: dict[str, Any], *, write: bool) -> None:
     lines = [
         f"{r['agents']:,} simulated agents heartbeating every {r['interval_s']:g} s, {r['jobs']:,} jobs of 3 stages "
-        f"submitted; measured over {r['window_s']:g} s from the submissions (load average at the end {r['load_average']}).",
+        f"submitted; measured over {r['window_s']:g} s from the submissions "
+        f"(load average at the end {r['load_average']}).",
         "",
         "| figure | measured | goal |",
         "| --- | --- | --- |",
