@@ -92,7 +92,7 @@ def test_a_lost_rank_is_replaced_and_the_split_stage_resumes_from_its_checkpoint
     assert 4 <= interrupted_at < job.total_steps
 
     # Its node falls silent: the reconciler moves rank 1 alone to a spare; every rank rebuilds.
-    lease_renew(node_id=lost.node_id, now=timezone.now() - timedelta(seconds=60))
+    lease_renew(node_id=lost.node.pk, now=timezone.now() - timedelta(seconds=60))
     spare = type(lost)(user, "spare")
     live_nodes.append(spare)  # stopped with the others
     spare.sync()
