@@ -96,7 +96,10 @@ TEMPLATES = [
 DATABASES = {
     "default": dj_database_url.config(
         default=f"sqlite:///{VAR_DIR / 'arceus.sqlite3'}",
+        # The web server sets it (60): a heartbeat must not open a connection of its own. Health checks make a
+        # kept connection that a database restart broke reconnect at the next request's start.
         conn_max_age=int(os.environ.get("ARCEUS_DB_CONN_MAX_AGE", "0")),
+        conn_health_checks=True,
     )
 }
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
@@ -271,6 +274,9 @@ ARCEUS_DATA_ROOT = Path(os.environ.get("ARCEUS_DATA_ROOT", BASE_DIR / "data"))
 # The placement solver's time per search (an estimate; each queued job in a reconcile pass): past it, the best
 # placement over the fastest nodes found so far, or "ran out" when none was.
 ARCEUS_SOLVER_SECONDS = float(os.environ.get("ARCEUS_SOLVER_SECONDS", "3"))
+# Queued jobs one reconcile pass places (oldest first; the rest wait for the next pass): with 10,000 nodes a
+# placement search costs tens of ms, and a pass must stay short enough to notice silent nodes in time.
+ARCEUS_MAX_PLACEMENTS_PER_PASS = int(os.environ.get("ARCEUS_MAX_PLACEMENTS_PER_PASS", "25"))
 # The market: a standard-medium device (a typical laptop) earns about this per hour when demand and
 # supply balance; the platform keeps this fraction of every charge; prices are recomputed this often.
 ARCEUS_BASELINE_PRICE_PER_HOUR = float(os.environ.get("ARCEUS_BASELINE_PRICE_PER_HOUR", "0.30"))

@@ -134,7 +134,7 @@ class LocalCluster:
         self.api_url = f"http://127.0.0.1:{port}"
         self._commands["web"] = [
             sys.executable, "-m", "gunicorn", "controlplane.wsgi", "-c", "python:controlplane.gunicorn_conf",
-            "--bind", f"127.0.0.1:{port}", "--workers", "2", "--threads", "4", "--timeout", "60"]
+            "--bind", f"127.0.0.1:{port}"]
         self.web = self.relaunch("web")
         celery = [sys.executable, "-m", "celery", "-A", "controlplane.celery"]
         self._commands["worker-control"] = [

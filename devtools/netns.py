@@ -5,6 +5,7 @@ relays and directly dialled agents. Linux only, as root (`ip`, `iptables`)."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import socket
 import subprocess
@@ -107,8 +108,6 @@ def _pipe(src: socket.socket, dst: socket.socket) -> None:
         pass
     finally:
         for sock in (src, dst):
-            try:
+            with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
 

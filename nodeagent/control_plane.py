@@ -65,6 +65,9 @@ class ControlPlaneClient:
         self.timeout = timeout
         self._session = requests.Session()
         self._session.headers["Authorization"] = f"Node {token}"
+        # The assignments of the last heartbeat answer and their version: sent back, so an unchanged desired
+        # state is answered without its assignments (the control plane need not build them).
+        self._held: tuple[str, list[Assignment], list[ObservedStage]] | None = None
 
     def register(
         self,
@@ -76,6 +79,7 @@ class ControlPlaneClient:
     ) -> Registration:
         """`public_key`: what its receipts verify against; `tls_certificate`: what its callers pin (PEM);
         `metrics_port`: where Prometheus scrapes this agent, on the host of `grpc_address`."""
+        self._held = None  # a registration starts afresh: the next heartbeat asks for the whole desired state
         payload: dict[str, Any] = {
             "grpc_address": grpc_address,
             "capabilities": capabilities,
@@ -100,27 +104,15 @@ class ControlPlaneClient:
             payload["link"] = link
         if neighbour_links:
             payload["neighbour_links"] = neighbour_links
+        if self._held is not None:
+            payload["assignments_version"] = self._held[0]
         body = self._post("/api/agent/heartbeat", payload)
-        raw = body.get("assignments")
-        if not isinstance(raw, list):
-            # Never read a missing list as "host nothing": that would drop every stage.
-            raise ControlPlaneError(f"heartbeat response has no 'assignments' list: {_short(body)}")
-        assignments, rejected = [], []
-        for index, item in enumerate(raw):
-            try:
-                assignments.append(Assignment.from_json(item))
-            except SpecError as exc:
-                stage_id = item.get("stage_id") if isinstance(item, dict) else None
-                generation = item.get("generation") if isinstance(item, dict) else None
-                log.error("assignment %d of the heartbeat response is invalid: %s", index, exc)
-                rejected.append(
-                    ObservedStage(
-                        stage_id=stage_id if isinstance(stage_id, str) else f"<assignment {index}>",
-                        generation=generation if isinstance(generation, int) else 0,
-                        state="failed",
-                        message=f"invalid assignment: {exc}",
-                    )
-                )
+        version = body.get("assignments_version")
+        if "assignments" not in body and self._held is not None and version == self._held[0]:
+            _, assignments, rejected = self._held  # unchanged since the last answer
+        else:
+            assignments, rejected = _parse_assignments(body)
+            self._held = (version, assignments, rejected) if isinstance(version, str) and version else None
         return HeartbeatReply(
             node_id=_node_id(body),
             heartbeat_interval_seconds=_interval(body),
@@ -241,6 +233,31 @@ class ControlPlaneClient:
         if not isinstance(body, dict):
             raise ControlPlaneError(f"{method} {url} answered {type(body).__name__}, expected a JSON object")
         return body
+
+
+def _parse_assignments(body: dict[str, Any]) -> tuple[list[Assignment], list[ObservedStage]]:
+    """A heartbeat answer's assignments, and a failed report for each listed one that cannot be parsed."""
+    raw = body.get("assignments")
+    if not isinstance(raw, list):
+        # Never read a missing list as "host nothing": that would drop every stage.
+        raise ControlPlaneError(f"heartbeat response has no 'assignments' list: {_short(body)}")
+    assignments, rejected = [], []
+    for index, item in enumerate(raw):
+        try:
+            assignments.append(Assignment.from_json(item))
+        except SpecError as exc:
+            stage_id = item.get("stage_id") if isinstance(item, dict) else None
+            generation = item.get("generation") if isinstance(item, dict) else None
+            log.error("assignment %d of the heartbeat response is invalid: %s", index, exc)
+            rejected.append(
+                ObservedStage(
+                    stage_id=stage_id if isinstance(stage_id, str) else f"<assignment {index}>",
+                    generation=generation if isinstance(generation, int) else 0,
+                    state="failed",
+                    message=f"invalid assignment: {exc}",
+                )
+            )
+    return assignments, rejected
 
 
 def _control(body: dict[str, Any], name: str) -> int | None:

@@ -54,7 +54,8 @@ class RelayAttachment:
         (the longest ago first)."""
         now = time.monotonic()
         with self._lock:
-            failed = [r for r, at in sorted(self._failed.items(), key=lambda f: f[1]) if now - at < FAILURE_MEMORY_SECONDS]
+            by_age = sorted(self._failed.items(), key=lambda f: f[1])
+            failed = [r for r, at in by_age if now - at < FAILURE_MEMORY_SECONDS]
             return {"attached": self._attached, "failed": failed}
 
     def stop(self) -> None:
@@ -99,7 +100,8 @@ class RelayAttachment:
                 if not cancelled:
                     self._failed[relay] = time.monotonic()
             if not cancelled:
-                log.warning("relay %s: attachment failed (%s); retrying", relay, getattr(exc, "code", lambda: exc)())
+                why = exc.code() if hasattr(exc, "code") else exc
+                log.warning("relay %s: attachment failed (%s); retrying", relay, why)
         finally:
             channel.close()
 

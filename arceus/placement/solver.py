@@ -46,6 +46,7 @@ PRICE_TOLERANCE = 0.02  # a placement this much slower than the fastest may win 
 # next micro-batch. Measured with torch 2.13 on CPU (six 1024-wide GPT blocks, one sample of 128 tokens per
 # micro-batch): the peak rose 53 MiB per micro-batch in flight (the stash says 48) on top of 130-156 MiB.
 WORKSPACE_MICRO_BATCHES = 3
+MAX_CANDIDATES = 8  # candidate units searched by default (the search is exponential in them)
 _CHECK_EVERY = 256  # search steps (one candidate set extended by one stage) between two reads of the clock
 
 
@@ -234,7 +235,7 @@ def solve(
     min_stages: int = 1,
     max_stages: int | None = None,
     max_price_per_hour: float | None = None,
-    max_candidates: int = 8,
+    max_candidates: int = MAX_CANDIDATES,
     tensor_parallel: int = 1,
     split_stages: Collection[int] | None = None,
     budget: Budget | None = None,

@@ -6,6 +6,7 @@ agent fails the connection; gRPC reconnects through here and finds where the age
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -118,8 +119,6 @@ class _ConnectProxy:
 
 
 def _answer(sock: socket.socket, status: bytes) -> None:
-    try:
+    with contextlib.suppress(OSError):
         sock.sendall(status)
-    except OSError:
-        pass
     close(sock)

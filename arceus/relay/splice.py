@@ -3,6 +3,7 @@ parsed. Either side ending closes both."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 from collections.abc import Callable, Iterator
@@ -44,8 +45,6 @@ def write_replies(sock: socket.socket, replies: Iterator[relay_pb2.Bytes]) -> No
 
 
 def close(sock: socket.socket) -> None:
-    try:
+    with contextlib.suppress(OSError):  # already gone
         sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass  # already gone
     sock.close()

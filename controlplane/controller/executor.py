@@ -9,6 +9,7 @@ adds a second guard: unique (job, index, rank) stage rows and at most one active
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -37,6 +38,7 @@ from controlplane.controller.snapshot import load_snapshot
 from controlplane.controller.transitions import job_fail, job_place, job_requeue, job_rewind, job_run
 from controlplane.jobs.models import Job
 from controlplane.monitoring import metrics
+from controlplane.nodes.liveness import leases_read
 from controlplane.nodes.models import Node, ReadyStatus
 
 log = logging.getLogger(__name__)
@@ -60,12 +62,21 @@ def reconcile_once(*, now: datetime | None = None) -> ExecutionReport:
     with metrics.reconcile_pass():
         now = now or timezone.now()
         desired, observed = load_snapshot(now)
-        return execute(plan(desired, observed, now, Budget(settings.ARCEUS_SOLVER_SECONDS)), now=now)
+        actions = plan(desired, observed, now, Budget(settings.ARCEUS_SOLVER_SECONDS),
+                       max_placements=settings.ARCEUS_MAX_PLACEMENTS_PER_PASS)
+        return execute(actions, now=now)
 
 
 def execute(actions: Sequence[Action], *, now: datetime) -> ExecutionReport:
     report = ExecutionReport()
+    marks = [a for a in actions if isinstance(a, MarkNodeUnknown)]
+    if marks:  # thousands of nodes can go silent at once (a region's network): one transaction for them all
+        marked = _mark_nodes_unknown(marks, now)
+        for action in marks:
+            (report.applied if action.node_id in marked else report.skipped).append(action)
     for action in actions:
+        if isinstance(action, MarkNodeUnknown):
+            continue
         try:
             with transaction.atomic():
                 applied = _APPLY[type(action)](action, now)
@@ -79,19 +90,30 @@ def execute(actions: Sequence[Action], *, now: datetime) -> ExecutionReport:
     return report
 
 
-def _mark_node_unknown(action: MarkNodeUnknown, now: datetime) -> bool:
-    updated = (
-        Node.objects.filter(pk=action.node_id, lease__renewed_at=action.renewed_at)
+@transaction.atomic
+def _mark_nodes_unknown(actions: Sequence[MarkNodeUnknown], now: datetime) -> set[str]:
+    """Mark each node Unknown whose lease is still the one its pass saw (no heartbeat since) and that is not
+    Unknown yet; the ids marked. A heartbeat that lands after this check finds its node Unknown and makes it
+    Ready again."""
+    floors = dict(
+        Node.objects.filter(pk__in=[a.node_id for a in actions], lease__isnull=False)
         .exclude(ready_status=ReadyStatus.UNKNOWN)
-        .update(
-            ready_status=UNKNOWN,
-            ready_reason=action.reason,
-            ready_message=action.message,
-            ready_transition_at=now,
-        )
+        .select_for_update(of=("self",))
+        .values_list("pk", "lease__renewed_at")
     )
-    metrics.NODE_READY_TRANSITIONS.labels(ready=UNKNOWN).inc(updated)
-    return bool(updated)
+    liveness = leases_read({str(pk): floor for pk, floor in floors.items()}, now)
+    by_message: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for action in actions:
+        lease = liveness.get(action.node_id)
+        if lease is not None and lease.renewed_at <= action.renewed_at:
+            by_message[action.reason, action.message].append(action.node_id)
+    for (reason, message), node_ids in by_message.items():
+        Node.objects.filter(pk__in=node_ids).update(
+            ready_status=UNKNOWN, ready_reason=reason, ready_message=message, ready_transition_at=now
+        )
+    marked = {node_id for node_ids in by_message.values() for node_id in node_ids}
+    metrics.NODE_READY_TRANSITIONS.labels(ready=UNKNOWN).inc(len(marked))
+    return marked
 
 
 def _set_condition(action: SetCondition, now: datetime) -> bool:
@@ -141,7 +163,6 @@ def _fail_job(action: FailJob, now: datetime) -> bool:
 
 
 _APPLY: dict[type, Callable[[Any, datetime], bool]] = {
-    MarkNodeUnknown: _mark_node_unknown,
     PlaceJob: job_place,
     SetCondition: _set_condition,
     StartDriver: job_run,

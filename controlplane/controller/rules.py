@@ -25,11 +25,13 @@ Rules, in order:
 5. a running job whose driver lease expired: never claimed → StartDriver again; claimed (the driver
    died or gave up) → RewindJob in place, or FailJob after too many restarts without progress.
 Every RewindJob bumps the generation, so all stages rebuild from the job's last checkpoint.
-Jobs are considered oldest first; a job that cannot be placed does not hold back a later one.
+Jobs are considered oldest first; a job that cannot be placed does not hold back a later one. At most
+`max_placements` queued jobs are searched a placement for per pass (ARCEUS_MAX_PLACEMENTS_PER_PASS).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,7 +40,16 @@ from typing import Any
 
 from arceus.contracts.observed import ObservedState
 from arceus.contracts.status import ACTIVE_STATUSES, JobStatus
-from arceus.placement.solver import Budget, Device, LayerProfile, PlacementError, Workload, solve, stage_memory
+from arceus.placement.solver import (
+    MAX_CANDIDATES,
+    Budget,
+    Device,
+    LayerProfile,
+    PlacementError,
+    Workload,
+    solve,
+    stage_memory,
+)
 from controlplane.common.conditions import FALSE, TRUE, UNKNOWN, Condition, has_condition, set_conditions
 
 QUEUED, PLACING, PENDING, RUNNING = JobStatus.QUEUED, JobStatus.PLACING, JobStatus.PENDING, JobStatus.RUNNING
@@ -255,8 +266,13 @@ Action = MarkNodeUnknown | PlaceJob | SetCondition | StartDriver | RequeueJob | 
 
 
 # --- planning -------------------------------------------------------------------------------------
-def plan(desired: Desired, observed: Observed, now: datetime, solver_budget: Budget | None = None) -> list[Action]:
-    """The actions of one pass; `solver_budget` bounds each queued job's placement search (None: no bound)."""
+def plan(
+    desired: Desired, observed: Observed, now: datetime, solver_budget: Budget | None = None,
+    max_placements: int | None = None,
+) -> list[Action]:
+    """The actions of one pass; `solver_budget` bounds each queued job's placement search (None: no bound), and
+    `max_placements` how many queued jobs one pass searches a placement for (None: all): a burst of submissions
+    then spreads over passes, and each pass stays short enough to notice silent nodes in time."""
     actions: list[Action] = []
     ready: dict[str, NodeView] = {}
     for node in observed.nodes:
@@ -274,11 +290,18 @@ def plan(desired: Desired, observed: Observed, now: datetime, solver_budget: Bud
             ready[node.id] = node
     nodes = {n.id: n for n in observed.nodes}
     busy = {s.node_id for job in desired.jobs if job.status in ACTIVE_STATUSES for s in job.stages}
-    free = sorted((n for n in ready.values() if n.id not in busy and not n.paused), key=lambda n: (-n.flops, n.id))
+    free = sorted(
+        (n for n in ready.values() if n.id not in busy and not n.paused),
+        key=lambda n: (-n.flops, n.price_per_hour, n.id),  # the solver's order: fastest, then cheapest
+    )
+    placements = 0
     for job in desired.jobs:
         action: Action | None = None
         taken: set[str | None] = set()
         if job.status == QUEUED:
+            if max_placements is not None and placements >= max_placements:
+                continue  # the next pass places it (jobs stay oldest first)
+            placements += 1
             action = _place(job, free, now, solver_budget)
             if isinstance(action, PlaceJob):
                 taken = {s.node_id for s in action.stages}
@@ -391,10 +414,14 @@ def _place(job: JobView, free: list[NodeView], now: datetime, budget: Budget | N
     if job.spec_error is not None:
         return FailJob(job.id, job.generation, "InvalidModel", job.spec_error)
     req = job.requirements
-    candidates = [n for n in free if req.allows(n)]
     fewest, most = stage_bounds(job.stages_requested, req, job.tensor_parallel)
     needed = job.tensor_parallel.nodes(fewest)
-    if len(candidates) < needed:
+    # The solver searches only the fastest few (cheaper first among equals: `free`'s order is its own), so only
+    # those are handed to it: with 10,000 free nodes, building and sorting them all per job cost more than the
+    # search. Enough for its candidate units: groups of the split size, then singles, and what the job needs.
+    offered = MAX_CANDIDATES * (job.tensor_parallel.size + 1) + needed
+    candidates = list(itertools.islice((n for n in free if req.allows(n)), offered))
+    if len(candidates) < needed:  # the whole of `free` was looked at: the count is exact
         meeting = " meeting its requirements" if len(candidates) < len(free) else ""
         message = f"needs {needed} Ready node{'s' if needed != 1 else ''}{meeting}, {len(candidates)} available"
         return _condition(job, Condition("Placed", FALSE, "WaitingForNodes", message), now)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from datetime import datetime
+from typing import Any
 
 from django.conf import settings
 from django.db.models import Prefetch, QuerySet
@@ -17,10 +18,12 @@ from arceus.placement.profiles import layer_profiles
 from controlplane.controller.placement import requirements, tensor_parallel_split, workload
 from controlplane.controller.rules import Desired, JobView, NodeView, Observed, PlacedStage, StageReport
 from controlplane.jobs.models import Job, Stage
-from controlplane.market.services import node_device_class, price_in_force
+from controlplane.market.pricing import device_class
+from controlplane.market.services import price_in_force
+from controlplane.nodes.availability import unavailable_reason
 from controlplane.nodes.links import nodes_worst_neighbour_link
+from controlplane.nodes.liveness import Liveness, leases_read
 from controlplane.nodes.models import Node
-from controlplane.nodes.selectors import node_unavailable_reason
 
 
 def load_snapshot(now: datetime | None = None) -> tuple[Desired, Observed]:
@@ -43,40 +46,66 @@ def load_snapshot(now: datetime | None = None) -> tuple[Desired, Observed]:
     return Desired(jobs=tuple(views)), Observed(nodes=nodes, stages=reports)
 
 
-def registered_nodes() -> QuerySet[Node]:
-    return Node.objects.filter(registered_at__isnull=False, lease__isnull=False).select_related("lease")
+# What the planner reads of a node: rows of plain values, not model instances (10,000 of those cost seconds).
+NODE_FIELDS = (
+    "id", "name", "ready_status", "flops_fp32", "memory_bytes", "max_memory_bytes", "runtime_memory_bytes",
+    "device_type", "control_plane_bandwidth_bytes_per_second", "control_plane_rtt_seconds", "paused", "flagged_at",
+    "flag_reason", "leaving_at", "work_windows", "idle_only", "idle_cpu_threshold", "lease__renewed_at",
+    "lease__duration_seconds",
+)
 
 
-def node_views(nodes: Iterable[Node], now: datetime | None = None) -> tuple[NodeView, ...]:
-    """Nodes as the planner sees them: with the posted price of their device class, the memory their
-    owners offer, and whether their owners' controls let them work now."""
-    nodes, now = list(nodes), now or timezone.now()
-    prices = {klass: price_in_force(klass) for klass in {node_device_class(n) for n in nodes}}
-    neighbour_links = nodes_worst_neighbour_link((n.id for n in nodes), now)
+def registered_nodes() -> QuerySet[Node, dict[str, Any]]:
+    return Node.objects.filter(registered_at__isnull=False, lease__isnull=False).values(*NODE_FIELDS)
+
+
+def node_views(rows: Iterable[dict[str, Any]], now: datetime | None = None) -> tuple[NodeView, ...]:
+    """Nodes (`registered_nodes()` rows) as the planner sees them: with their liveness (Redis, read in bulk),
+    the posted price of their device class, the memory their owners offer, and whether their owners' controls
+    let them work now."""
+    rows, now = list(rows), now or timezone.now()
+    for row in rows:
+        row["id"] = str(row["id"])
+        row["device_class"] = device_class(row["flops_fp32"] or 0.0, row["memory_bytes"] or 0)
+    liveness = leases_read({row["id"]: row["lease__renewed_at"] for row in rows}, now)
+    prices = {klass: price_in_force(klass) for klass in {row["device_class"] for row in rows}}
+    neighbour_links = nodes_worst_neighbour_link((row["id"] for row in rows), now)
     return tuple(
-        _node_view(node, prices[node_device_class(node)], now, neighbour_links.get(str(node.id))) for node in nodes
+        _node_view(row, liveness[row["id"]], prices[row["device_class"]], now, neighbour_links.get(row["id"]))
+        for row in rows
     )
 
 
 def _node_view(
-    node: Node, price_per_hour: float, now: datetime, neighbour_link: tuple[float, float] | None
+    row: dict[str, Any], liveness: Liveness, price_per_hour: float, now: datetime,
+    neighbour_link: tuple[float, float] | None,
 ) -> NodeView:
-    reason = node_unavailable_reason(node, now)
-    offered = min(node.memory_bytes or 0, node.max_memory_bytes or node.memory_bytes or 0)
-    memory = max(0, offered - node.runtime_memory_bytes)  # what stages may use beside the agent's own
+    reason = unavailable_reason(
+        paused=row["paused"],
+        flag_reason=row["flag_reason"] if row["flagged_at"] else None,
+        leaving=row["leaving_at"] is not None,
+        work_windows=row["work_windows"],
+        idle_only=row["idle_only"],
+        idle_cpu_threshold=row["idle_cpu_threshold"],
+        host_busy_fraction=liveness.host_busy_fraction,
+        now=now,
+    )
+    offered = min(row["memory_bytes"] or 0, row["max_memory_bytes"] or row["memory_bytes"] or 0)
+    memory = max(0, offered - row["runtime_memory_bytes"])  # what stages may use beside the agent's own
     # The worst link it measured to a pipeline neighbour, else its link to the control plane.
-    bandwidth, rtt = neighbour_link or (node.control_plane_bandwidth_bytes_per_second, node.control_plane_rtt_seconds)
+    bandwidth, rtt = neighbour_link or (row["control_plane_bandwidth_bytes_per_second"],
+                                        row["control_plane_rtt_seconds"])
     return NodeView(
-        id=str(node.id),
-        name=node.name,
-        ready_status=node.ready_status,
-        lease_renewed_at=node.lease.renewed_at,
-        lease_duration_seconds=node.lease.duration_seconds,
-        flops=node.flops_fp32 or 0.0,
+        id=row["id"],
+        name=row["name"],
+        ready_status=row["ready_status"],
+        lease_renewed_at=liveness.renewed_at,
+        lease_duration_seconds=row["lease__duration_seconds"],
+        flops=row["flops_fp32"] or 0.0,
         memory_bytes=memory,
         paused=reason is not None,
         pause_reason=reason or "",
-        device_type=node.device_type or "cpu",
+        device_type=row["device_type"] or "cpu",
         price_per_hour=price_per_hour,
         bandwidth_bytes_per_s=bandwidth or math.inf,
         latency_s=(rtt or 0.0) / 2,  # one way

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import uuid
 from collections import defaultdict
@@ -9,6 +10,7 @@ from typing import Any
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
+from django.db import connection
 from django.db.models import Count, F, Q, QuerySet, Sum
 
 from arceus.contracts.assignment import (
@@ -110,6 +112,25 @@ def job_loss_curve(*, job: Job, max_points: int | None = None) -> list[dict[str,
     if stride > 1:
         points = points.annotate(offset=F("step") % stride).filter(Q(offset=0) | Q(step=job.step))
     return list(points.order_by("step").values("step", "epoch", "loss"))
+
+
+def assignments_version(*, node: Node) -> str:
+    """A digest of everything the node's assignments are built from that can change while it hosts them: its
+    stage rows and their generations, and each job's generation, status and resume checkpoint (a neighbour's
+    address or certificate changes only with a new generation: a node that registers again while hosting
+    rewinds its job). One indexed query; the agent sends back the version it holds, and an unchanged one is
+    answered without building the assignments."""
+    # Raw SQL, like the node's authentication: composing the ORM's query cost more CPU than running it.
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT s.id, s.generation, j.generation, j.status, j.resume_checkpoint_id "  # noqa: S608 (names)
+            f"FROM {Stage._meta.db_table} s JOIN {Job._meta.db_table} j ON j.id = s.job_id "
+            f"WHERE s.node_id = %s AND s.active AND j.status IN ({', '.join(['%s'] * len(HOSTED_STATUSES))}) "
+            "ORDER BY s.job_id, s.index, s.rank",
+            [Stage._meta.get_field("node").get_db_prep_value(node.pk, connection), *HOSTED_STATUSES],
+        )
+        rows = [tuple(map(str, row)) for row in cursor.fetchall()]
+    return hashlib.sha256(repr(list(rows)).encode()).hexdigest()[:32]
 
 
 def assignments_for_node(*, node: Node) -> list[dict[str, Any]]:

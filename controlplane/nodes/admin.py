@@ -14,6 +14,7 @@ from django.utils.timesince import timesince
 from controlplane.common.admin import ReadOnlyAdminMixin, act_on_each
 from controlplane.market.services import node_device_class
 from controlplane.nodes.models import Node, NodeLease, NodeRestart
+from controlplane.nodes.selectors import node_liveness
 from controlplane.nodes.services import node_flag_clear, node_set_paused
 
 
@@ -39,7 +40,9 @@ class NodeAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
         "name", "owner", "device_type", "device_class", "ready_status", "flagged", "paused", "heartbeat_age",
         "grpc_address", "reachability",
     ]
-    list_filter = ["ready_status", "reachability", "paused", ("flagged_at", admin.EmptyFieldListFilter), "device_type", "owner"]
+    list_filter = [
+        "ready_status", "reachability", "paused", ("flagged_at", admin.EmptyFieldListFilter), "device_type", "owner"
+    ]
     list_select_related = ["owner", "lease"]
     search_fields = ["id", "name", "grpc_address", "device_name", "owner__username"]
     exclude = ["token_hash"]
@@ -55,10 +58,10 @@ class NodeAdmin(ReadOnlyAdminMixin, admin.ModelAdmin):
     def device_class(self, node: Node) -> str:
         return node_device_class(node) if node.is_registered else ""
 
-    @admin.display(description="last heartbeat", ordering="lease__renewed_at")
+    @admin.display(description="last heartbeat")
     def heartbeat_age(self, node: Node) -> str:
-        lease = getattr(node, "lease", None)
-        return f"{timesince(lease.renewed_at, timezone.now())} ago" if lease else "never"
+        liveness = node_liveness(node)
+        return f"{timesince(liveness.renewed_at, timezone.now())} ago" if liveness else "never"
 
     @admin.action(description="Pause (drain): no new stages; hosted ones move away", permissions=["operate"])
     def pause(self, request: HttpRequest, queryset: QuerySet[Node]) -> None:

@@ -145,29 +145,31 @@ class AgentHeartbeatApi(AgentApi):
     def post(self, request: Request) -> Response:
         data = AgentHeartbeatInput(data=request.data)
         data.is_valid(raise_exception=True)
-        assignments = node_heartbeat(
+        answer = node_heartbeat(
             node=request.auth,
             observed=data.reports(),
             now=timezone.now(),
             host_busy_fraction=data.validated_data.get("host_busy_fraction"),
             link=data.validated_data.get("link"),
             neighbour_links=data.validated_data["neighbour_links"],
+            assignments_version=data.validated_data.get("assignments_version"),
         )
         relay = data.validated_data["relay"] or {}
-        return Response(
-            {
-                "node_id": str(request.auth.id),
-                "assignments": assignments,
-                "controls": {
-                    "max_threads": request.auth.max_threads,
-                    "max_memory_bytes": request.auth.max_memory_bytes,
-                },
-                "heartbeat_interval_seconds": settings.ARCEUS_HEARTBEAT_INTERVAL_SECONDS,
-                "relay": relay_assignment(node=request.auth, attached=relay.get("attached"),
-                                          failed=relay.get("failed", ()), now=time.time()),
-                "relays": settings.ARCEUS_RELAYS,
-            }
-        )
+        body = {
+            "node_id": str(request.auth.id),
+            "assignments_version": answer.assignments_version,
+            "controls": {
+                "max_threads": request.auth.max_threads,
+                "max_memory_bytes": request.auth.max_memory_bytes,
+            },
+            "heartbeat_interval_seconds": settings.ARCEUS_HEARTBEAT_INTERVAL_SECONDS,
+            "relay": relay_assignment(node=request.auth, attached=relay.get("attached"),
+                                      failed=relay.get("failed", ()), now=time.time()),
+            "relays": settings.ARCEUS_RELAYS,
+        }
+        if answer.assignments is not None:  # else unchanged from the version the agent sent
+            body["assignments"] = answer.assignments
+        return Response(body)
 
 
 class AgentLeaveApi(AgentApi):

@@ -111,8 +111,8 @@ def dial_address(node_id: str, grpc_address: str, reachability: str) -> str:
 
 
 class NodeLease(BaseModel):
-    """The node's liveness, renewed by every heartbeat. A row of its own (like Kubernetes' Lease) so a
-    heartbeat is one narrow UPDATE that never contends with writes to the node itself."""
+    """The node's lease as its latest registration set it: `renewed_at` is that registration, the floor of its
+    liveness. Heartbeats renew the lease in Redis only (`controlplane.nodes.liveness`): no database write."""
 
     node = models.OneToOneField(Node, on_delete=models.CASCADE, related_name="lease")
     renewed_at = models.DateTimeField()

@@ -17,7 +17,7 @@ from arceus.wire.transfer import ACTIVATION_ENCODINGS, GRADIENT_ENCODINGS
 from controlplane.common.fields import StrictFloatField, StrictInputSerializer, StrictIntegerField
 from controlplane.nodes.availability import parse_window
 from controlplane.nodes.models import DeviceType, Node, Reachability
-from controlplane.nodes.selectors import node_unavailable_reason
+from controlplane.nodes.selectors import node_liveness, node_unavailable_reason
 from controlplane.nodes.validators import validate_grpc_address
 
 
@@ -131,11 +131,12 @@ class NodeOutput(serializers.Serializer):
         return FlagOutput(node).data if node.flagged_at else None
 
     def get_unavailable_reason(self, node: Node) -> str | None:
-        return node_unavailable_reason(node, timezone.now())
+        liveness = node_liveness(node)
+        return node_unavailable_reason(node, timezone.now(), liveness.host_busy_fraction if liveness else None)
 
     def get_last_heartbeat_at(self, node: Node) -> str | None:
-        lease = getattr(node, "lease", None)
-        return serializers.DateTimeField().to_representation(lease.renewed_at) if lease else None
+        liveness = node_liveness(node)
+        return serializers.DateTimeField().to_representation(liveness.renewed_at) if liveness else None
 
     def get_current_stage(self, node: Node) -> dict[str, Any] | None:
         stages = node.active_stages  # prefetched by the node selectors
@@ -255,6 +256,11 @@ class AgentHeartbeatInput(serializers.Serializer):
         help_text="Links to pipeline neighbours measured since the last heartbeat",
     )
     relay = RelayReportInput(required=False, allow_null=True, default=None)
+    assignments_version = serializers.CharField(
+        required=False, allow_blank=True, max_length=64,
+        help_text="The assignments_version of the assignments the agent holds: if still current, the answer "
+        "leaves out `assignments`",
+    )
 
     def validate_neighbour_links(self, links: list[dict[str, Any]]) -> list[dict[str, Any]]:
         addresses = [link["address"] for link in links]
@@ -349,7 +355,11 @@ class RelayAssignmentOutput(serializers.Serializer):
 
 class AgentHeartbeatOutput(serializers.Serializer):
     node_id = serializers.UUIDField()
-    assignments = AssignmentOutput(many=True)
+    assignments_version = serializers.CharField(help_text="Send it back with the next heartbeat")
+    assignments = AssignmentOutput(
+        many=True, required=False,
+        help_text="The node's whole desired state; left out when the heartbeat's assignments_version is current",
+    )
     controls = AgentControlsOutput()
     heartbeat_interval_seconds = serializers.FloatField()
     relay = RelayAssignmentOutput(

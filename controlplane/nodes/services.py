@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -13,17 +14,19 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 
 from arceus.contracts.observed import ObservedStage
-from controlplane.common.conditions import TRUE
 from controlplane.celery import CHECK_REACHABILITY_TASK
+from controlplane.common.conditions import TRUE
 from controlplane.common.dispatch import enqueue_on_commit, reconcile_soon
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.transitions import job_fail, job_rewind
 from controlplane.jobs.models import Stage
 from controlplane.jobs.selectors import assignments_for_node
+from controlplane.jobs.selectors import assignments_version as assignments_version_of
 from controlplane.jobs.stages import stages_record_observed
 from controlplane.market.services import ledger_roll_back
 from controlplane.monitoring import metrics
 from controlplane.nodes.links import node_links_record
+from controlplane.nodes.liveness import lease_renew
 from controlplane.nodes.models import Node, NodeLease, NodeRestart, Reachability, ReadyStatus
 
 NODE_TOKEN_PREFIX = "arceus_node_"
@@ -105,15 +108,22 @@ def node_register(
     node.ready_message = "registered; waiting for the first heartbeat"
     node.ready_transition_at = now
     node.save()
+    # The lease's floor and duration; heartbeats renew it in Redis only (controlplane.nodes.liveness).
     NodeLease.objects.update_or_create(
         node=node, defaults={"renewed_at": now, "duration_seconds": settings.ARCEUS_NODE_GRACE_SECONDS}
     )
+    lease_renew(node_id=node.pk, now=now)
     enqueue_on_commit(CHECK_REACHABILITY_TASK, str(node.id), now.isoformat(), expires=300)
     return node
 
 
+@dataclass(frozen=True)
+class HeartbeatAnswer:
+    assignments_version: str
+    assignments: list[dict[str, Any]] | None  # None: unchanged from the version the agent holds
+
+
 @metrics.HEARTBEAT_SECONDS.time()
-@transaction.atomic
 def node_heartbeat(
     *,
     node: Node,
@@ -122,24 +132,27 @@ def node_heartbeat(
     host_busy_fraction: float | None = None,
     link: dict[str, float] | None = None,
     neighbour_links: Sequence[dict[str, Any]] = (),
-) -> list[dict[str, Any]]:
-    """Renew the node's lease, record what it observed, and return its assignments (its whole desired
-    state). Nudges the reconciler only when something changed, so a steady heartbeat is one narrow
-    UPDATE and a few reads."""
+    assignments_version: str | None = None,
+) -> HeartbeatAnswer:
+    """Renew the node's lease, record what it observed, and answer its assignments (its whole desired state)
+    unless they are still the version the agent holds. A heartbeat that changes nothing writes nothing to the
+    database: its lease goes to Redis (`controlplane.nodes.liveness`), and it costs one indexed read for the
+    version. Nudges the reconciler only when something changed."""
     if not node.is_registered:
         raise ApplicationError.conflict(
             f"node {node.id} has not registered; POST /api/agent/register before heartbeating"
         )
-    NodeLease.objects.filter(node=node).update(
-        renewed_at=now, duration_seconds=settings.ARCEUS_NODE_GRACE_SECONDS, host_busy_fraction=host_busy_fraction
-    )
+    lease_renew(node_id=node.pk, now=now, host_busy_fraction=host_busy_fraction)
     metrics.HEARTBEATS.inc()
+    changed = False
     if link is not None:  # the agent re-measures its link every few minutes
         _set_link(node, link, now)
         node.save(update_fields=["control_plane_rtt_seconds", "control_plane_bandwidth_bytes_per_second",
                                  "link_measured_at"])
-    node_links_record(node=node, links=neighbour_links, now=now)
-    changed = stages_record_observed(node=node, reports=observed)
+    if neighbour_links:
+        node_links_record(node=node, links=neighbour_links, now=now)
+    if observed:
+        changed = stages_record_observed(node=node, reports=observed)
     if node.ready_status != TRUE:
         Node.objects.filter(pk=node.pk).update(
             ready_status=ReadyStatus.TRUE,
@@ -151,7 +164,10 @@ def node_heartbeat(
         changed = True
     if changed:
         reconcile_soon()
-    return assignments_for_node(node=node)
+    version = assignments_version_of(node=node)
+    if version == assignments_version:
+        return HeartbeatAnswer(version, None)
+    return HeartbeatAnswer(version, assignments_for_node(node=node))
 
 
 def _node_restarted(*, node: Node, stage: Stage, now: datetime) -> None:

@@ -45,7 +45,7 @@ def homes() -> Iterator[list[NetworkNamespace]]:
     """Two namespaces with names and subnets of this run's own."""
     made: list[NetworkNamespace] = []
     try:
-        for i in range(2):
+        for _ in range(2):
             made.append(NetworkNamespace(f"ar{secrets.token_hex(4)}", random.randrange(1024, 65000)))
         yield made
     finally:

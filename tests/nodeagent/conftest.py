@@ -3,6 +3,7 @@ HTTP/JSON contract of docs/architecture.md so the agent's client can be tested a
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from collections.abc import Iterator
@@ -42,12 +43,16 @@ class FakeControlPlane:
             elif path == "/api/agent/heartbeat":
                 if self.heartbeat_override is not None:
                     return self.heartbeat_override
+                # As the control plane does: the assignments only when their version is not the one sent.
+                version = hashlib.sha256(json.dumps(self.assignments).encode()).hexdigest()[:32]
                 reply = {
                     "node_id": "node-1",
-                    "assignments": self.assignments,
+                    "assignments_version": version,
                     "heartbeat_interval_seconds": self.interval,
                     "controls": {"max_threads": self.max_threads},
                 }
+                if not isinstance(body, dict) or body.get("assignments_version") != version:
+                    reply["assignments"] = self.assignments
             elif path == "/api/agent/leave":  # the stages move once a test empties `assignments`
                 reply = {"node_id": "node-1", "stages": len(self.assignments)}
             else:

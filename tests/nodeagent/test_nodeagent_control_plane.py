@@ -219,3 +219,22 @@ def test_a_stage_slow_to_build_does_not_hold_back_the_heartbeats(control_plane, 
     finally:
         loop.stop()
         agent.stop(grace=1)
+
+
+def test_unchanged_assignments_are_kept_and_a_missing_list_of_another_version_is_refused(
+    control_plane,  # noqa: ANN001
+) -> None:
+    client = ControlPlaneClient(control_plane.url, control_plane.token)
+    control_plane.assignments = [ASSIGNMENT]
+    first = client.heartbeat([])
+    again = client.heartbeat([])
+    sent = control_plane.heartbeats()
+    assert "assignments_version" not in sent[0] and sent[1]["assignments_version"]  # so answered without the list
+    held = [a.stage_id for a in again.assignments]
+    assert held == [a.stage_id for a in first.assignments] == [ASSIGNMENT["stage_id"]]
+    control_plane.assignments = []
+    assert client.heartbeat([]).assignments == []  # a new version brings the new list
+    control_plane.heartbeat_override = (200, b'{"node_id": "node-1", "assignments_version": "other", '
+                                             b'"heartbeat_interval_seconds": 1}')
+    with pytest.raises(ControlPlaneError, match="no 'assignments' list"):
+        client.heartbeat([])

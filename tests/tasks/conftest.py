@@ -70,7 +70,7 @@ class LiveNode:
 
     def sync(self) -> None:
         observed = [ObservedStage(**o) for o in self.agent.observed()]
-        assignments = node_heartbeat(node=self.node, observed=observed, now=timezone.now())
+        assignments = node_heartbeat(node=self.node, observed=observed, now=timezone.now()).assignments
         self.agent.apply_assignments([Assignment.from_json(a) for a in assignments])
         self.node = Node.objects.get(pk=self.node.pk)
 

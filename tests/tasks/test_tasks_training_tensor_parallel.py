@@ -28,7 +28,7 @@ from controlplane.jobs.models import (
     checkpoint_storage,
 )
 from controlplane.jobs.services import job_start, job_submit
-from controlplane.nodes.models import NodeLease
+from controlplane.nodes.liveness import lease_renew
 from tasks.training import run_job
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -92,7 +92,7 @@ def test_a_lost_rank_is_replaced_and_the_split_stage_resumes_from_its_checkpoint
     assert 4 <= interrupted_at < job.total_steps
 
     # Its node falls silent: the reconciler moves rank 1 alone to a spare; every rank rebuilds.
-    NodeLease.objects.filter(node=lost.node).update(renewed_at=timezone.now() - timedelta(seconds=60))
+    lease_renew(node_id=lost.node.pk, now=timezone.now() - timedelta(seconds=60))
     spare = type(lost)(user, "spare")
     live_nodes.append(spare)  # stopped with the others
     spare.sync()

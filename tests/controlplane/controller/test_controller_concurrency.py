@@ -26,7 +26,8 @@ from controlplane.controller.rules import plan
 from controlplane.controller.snapshot import load_snapshot
 from controlplane.jobs.models import Job, Stage
 from controlplane.jobs.services import job_start, job_submit
-from controlplane.nodes.models import Node, NodeLease
+from controlplane.nodes.liveness import lease_renew
+from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_create, node_heartbeat, node_register
 from devtools.pipeline import identity_for
 
@@ -102,7 +103,7 @@ def build(user, nodes: list[dict], jobs: list[dict], now) -> None:
                 )
             for node, spec in zip(created, nodes, strict=True):
                 if spec["dies"]:
-                    NodeLease.objects.filter(node=node).update(renewed_at=now - timedelta(seconds=30))
+                    lease_renew(node_id=node.pk, now=now - timedelta(seconds=30))
 
 
 @settings(

@@ -41,7 +41,7 @@ def act(client: Client, action: str, *jobs: Job) -> list[str]:
 
 def test_cancel_ends_the_job_through_the_service_and_its_nodes_get_no_stage(operator: Client, running_job: Job) -> None:
     nodes = [stage.node for stage in running_job.stages.all()]
-    assert all(node_heartbeat(node=n, observed=[], now=timezone.now()) for n in nodes)  # each hosts a stage
+    assert all(node_heartbeat(node=n, observed=[], now=timezone.now()).assignments for n in nodes)  # each hosts a stage
 
     assert act(operator, "cancel", running_job) == [f"{running_job}: cancelled"]
 
@@ -49,7 +49,7 @@ def test_cancel_ends_the_job_through_the_service_and_its_nodes_get_no_stage(oper
     assert job.status == JobStatus.CANCELLED and job.finished_at is not None
     training = next(c for c in job.conditions if c["type"] == "Training")
     assert (training["reason"], training["message"]) == ("Cancelled", "cancelled by operator operator")
-    assert all(node_heartbeat(node=n, observed=[], now=timezone.now()) == [] for n in nodes)  # stages dropped
+    assert all(node_heartbeat(node=n, observed=[], now=timezone.now()).assignments == [] for n in nodes)  # dropped
     assert LogEntry.objects.get(object_id=str(job.pk)).get_change_message() == "cancelled"
 
 

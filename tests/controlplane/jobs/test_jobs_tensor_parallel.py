@@ -18,7 +18,7 @@ from controlplane.controller.rules import PlaceJob, RewindJob, StartDriver
 from controlplane.jobs.estimate import job_estimate
 from controlplane.jobs.models import Job, Stage
 from controlplane.jobs.services import job_start, job_submit
-from controlplane.nodes.models import NodeLease
+from controlplane.nodes.liveness import lease_renew
 from controlplane.nodes.services import node_heartbeat
 
 pytestmark = pytest.mark.django_db
@@ -113,7 +113,7 @@ def test_each_rank_gets_its_own_node_and_an_assignment_naming_its_group(user, re
     group = ["127.0.0.1:50052", "127.0.0.1:50053"]
 
     now = timezone.now()
-    assignments = {name: node_heartbeat(node=node, observed=[], now=now) for name, node in nodes.items()}
+    assignments = {name: node_heartbeat(node=node, observed=[], now=now).assignments for name, node in nodes.items()}
     [first] = assignments["slow"]
     assert first["next_address"] == group and "tensor_parallel" not in first
     parsed = Assignment.from_json(first)
@@ -141,14 +141,14 @@ def test_a_lost_rank_alone_moves_and_the_group_gets_its_new_address(user, ready_
     reconcile_once()
     spare = ready_node("spare", port=50054, flops=2e9)
     lost = Stage.objects.get(job=job, index=1, rank=1)
-    NodeLease.objects.filter(node=lost.node).update(renewed_at=timezone.now() - timedelta(seconds=60))
+    lease_renew(node_id=lost.node_id, now=timezone.now() - timedelta(seconds=60))
     report = reconcile_once()
     assert RewindJob in {type(a) for a in report.applied}
     job.refresh_from_db()
     rows = list(Stage.objects.filter(job=job).order_by("index", "rank"))
     assert [(r.index, r.rank, r.node.name) for r in rows] == [(0, 0, "slow"), (1, 0, "fast-a"), (1, 1, "spare")]
     assert {r.generation for r in rows} == {job.generation}  # every rank rebuilds from the checkpoint
-    [assignment] = node_heartbeat(node=rows[1].node, observed=[], now=timezone.now())
+    [assignment] = node_heartbeat(node=rows[1].node, observed=[], now=timezone.now()).assignments
     assert assignment["tensor_parallel"]["peers"] == ["127.0.0.1:50052", "127.0.0.1:50054"]
-    [assignment] = node_heartbeat(node=spare, observed=[], now=timezone.now())
+    [assignment] = node_heartbeat(node=spare, observed=[], now=timezone.now()).assignments
     assert (assignment["stage_id"], assignment["tensor_parallel"]["rank"]) == (f"{job.id}-stage-1-rank-1", 1)

@@ -136,8 +136,10 @@ def test_heartbeat_marks_the_node_ready_and_nudges_the_reconciler_only_on_change
     with django_capture_on_commit_callbacks() as first:
         response = heartbeat(client)
     assert response.status_code == 200
+    version = response.json()["assignments_version"]
     assert response.json() == {
         "node_id": str(node.id),
+        "assignments_version": version,
         "assignments": [],
         "controls": {"max_threads": None, "max_memory_bytes": None},
         "heartbeat_interval_seconds": 2.0,

@@ -13,7 +13,8 @@ from controlplane.controller.executor import reconcile_once
 from controlplane.controller.snapshot import load_snapshot
 from controlplane.jobs.models import Job, Stage
 from controlplane.nodes.availability import in_windows, parse_window, unavailable_reason
-from controlplane.nodes.models import Node, NodeLease
+from controlplane.nodes.liveness import lease_of
+from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_create, node_heartbeat, node_register
 from devtools.pipeline import identity_for
 
@@ -82,7 +83,7 @@ def test_agents_report_host_load_and_receive_the_thread_cap(user) -> None:
     assert client.post("/api/agent/register", body, format="json").status_code == 200
     reply = client.post("/api/agent/heartbeat", {"observed": [], "host_busy_fraction": 0.75}, format="json")
     assert reply.status_code == 200 and reply.json()["controls"] == {"max_threads": 2, "max_memory_bytes": 2**30}
-    assert NodeLease.objects.get(node=node).host_busy_fraction == 0.75
+    assert lease_of(node.pk, timezone.now()).host_busy_fraction == 0.75
     bad = client.post("/api/agent/heartbeat", {"observed": [], "host_busy_fraction": 3}, format="json")
     assert bad.status_code == 400 and "host_busy_fraction" in bad.json()["errors"]
 

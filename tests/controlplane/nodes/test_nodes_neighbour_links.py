@@ -18,6 +18,7 @@ from arceus.contracts.assignment import Assignment
 from controlplane.controller.executor import reconcile_once
 from controlplane.controller.snapshot import node_views, registered_nodes
 from controlplane.jobs.models import Stage
+from controlplane.nodes.liveness import lease_of
 from controlplane.nodes.models import Node, NodeLink
 from controlplane.nodes.services import node_create, node_heartbeat, node_register
 from devtools.pipeline import identity_for
@@ -134,11 +135,11 @@ def test_malformed_link_reports_are_refused_and_change_nothing(user, links: Any,
     body = {"grpc_address": "127.0.0.1:6002", "capabilities": CAPABILITIES,
             "tls_certificate": identity_for("127.0.0.1:6002").certificate}
     assert client.post("/api/agent/register", body, format="json").status_code == 200
-    renewed = Node.objects.get(pk=node.pk).lease.renewed_at
+    renewed = lease_of(node.pk, timezone.now()).renewed_at
     response = heartbeat(client, neighbour_links=links)
     assert response.status_code == 400
     assert message in str(response.json())
-    assert Node.objects.get(pk=node.pk).lease.renewed_at == renewed
+    assert lease_of(node.pk, timezone.now()).renewed_at == renewed
     assert not NodeLink.objects.exists()
 
 

@@ -1,0 +1,301 @@
+"""How many agents one control plane holds: N simulated agents register and heartbeat at the real protocol while
+jobs are submitted, placed, and moved off nodes that go silent.
+
+    DATABASE_URL=postgres://... REDIS_URL=redis://... .venv/bin/python bench/control_plane_scale.py \
+        [--agents 10000] [--interval 10] [--jobs 1000] [--duration 90] [--grace 30] [--silent 5]
+
+The control plane is a whole deployment on this machine (devtools.cluster.LocalCluster: gunicorn, the Celery
+control worker and beat, against the PostgreSQL and Redis the URLs name; never SQLite at this size). The agents
+are coroutines of this process (aiohttp, no torch): each registers (`POST /api/agent/register`), then heartbeats
+every `--interval` seconds (`POST /api/agent/heartbeat`, starting at a random offset, sending back the
+assignments version it holds), reporting nothing about its stages, so placed jobs wait for them and no training
+driver runs. Nodes and jobs are made through the services (`node_create`'s token and row, `job_submit`,
+`job_start`): minting 10,000 tokens through the throttled API is not what is measured.
+
+Measured: heartbeats per second, their latency (p50, p99, max) and errors; the reconcile pass time (the control
+worker's own log of each `arceus.reconcile` task: under the same load); and, for `--silent` nodes hosting a
+stage whose heartbeats stop, the time from their last heartbeat to their stage's move, against the grace.
+Prints a table, writes docs/BENCHMARKS.md, and ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.report import machine_line, write_section  # noqa: E402
+from devtools.cluster import LocalCluster  # noqa: E402
+
+BENCH_USER = "scale-bench"
+CAPABILITIES = {"device_type": "cpu", "device_name": "simulated", "memory_bytes": 8 << 30, "flops_fp32": 1e11,
+                "runtime_bytes": 0}
+JOB: dict[str, Any] = {
+    "model_config": {"layer_sizes": [64, 128, 64, 10]},
+    "dataset_config": {"name": "digits", "batch_size": 32},
+    "stages": 3,
+}
+RECONCILE_LINE = re.compile(r"Task arceus\.reconcile\[[^\]]+\] succeeded in ([0-9.e-]+)s")
+
+
+@dataclass
+class SimAgent:
+    node_id: str
+    token: str
+    version: str = ""  # the assignments version it holds (empty: none yet)
+    silenced: bool = False
+    last_beat: float = 0.0  # wall-clock time of its last answered heartbeat
+
+
+@dataclass
+class Tally:
+    latencies: list[float] = field(default_factory=list)
+    errors: dict[str, int] = field(default_factory=dict)
+    counting: bool = False
+
+    def error(self, kind: str) -> None:
+        self.errors[kind] = self.errors.get(kind, 0) + 1
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
+
+
+def _setup_django(env: dict[str, str]) -> None:
+    os.environ.update({k: env[k] for k in ("DATABASE_URL", "REDIS_URL", "ARCEUS_SECRET_KEY",
+                                           "DJANGO_SETTINGS_MODULE", "ARCEUS_NODE_GRACE_SECONDS")})
+    import django
+
+    django.setup()
+
+
+def make_nodes(count: int) -> list[SimAgent]:
+    """`count` nodes of the bench's own user, their tokens minted as `node_create` mints them (in bulk)."""
+    from django.contrib.auth import get_user_model
+
+    from controlplane.nodes.models import Node
+    from controlplane.nodes.services import _node_token_new, node_token_hash
+
+    user_model = get_user_model()
+    user_model.objects.filter(username=BENCH_USER).delete()  # a previous run's nodes and jobs
+    user = user_model.objects.create_user(username=BENCH_USER, password=None)
+    tokens = [_node_token_new() for _ in range(count)]
+    nodes = Node.objects.bulk_create(
+        [Node(owner=user, name=f"sim-{i}", token_hash=node_token_hash(t)) for i, t in enumerate(tokens)],
+        batch_size=2000,
+    )
+    return [SimAgent(str(n.id), t) for n, t in zip(nodes, tokens, strict=True)]
+
+
+def submit_jobs(count: int) -> list[str]:
+    from django.contrib.auth import get_user_model
+
+    from controlplane.jobs.services import job_start, job_submit
+
+    user = get_user_model().objects.get(username=BENCH_USER)
+    ids = []
+    for _ in range(count):
+        job = job_submit(owner=user, **JOB)
+        job_start(job=job)
+        ids.append(str(job.id))
+    return ids
+
+
+def placed_nodes() -> dict[str, str]:
+    """node id → job id of every active stage row of the bench's jobs."""
+    from controlplane.jobs.models import Stage
+
+    rows = Stage.objects.filter(active=True, node__isnull=False, job__owner__username=BENCH_USER)
+    return {str(n): str(j) for n, j in rows.values_list("node_id", "job_id")}
+
+
+async def register(session: aiohttp.ClientSession, url: str, agent: SimAgent, certificate: str, i: int) -> None:
+    body = {"grpc_address": f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}:50051", "capabilities": CAPABILITIES,
+            "tls_certificate": certificate}
+    async with session.post(f"{url}/api/agent/register", json=body,
+                            headers={"Authorization": f"Node {agent.token}"}) as response:
+        if response.status != 200:
+            raise RuntimeError(f"registration failed: HTTP {response.status} {await response.text()}")
+
+
+async def heartbeat_forever(
+    session: aiohttp.ClientSession, url: str, agent: SimAgent, interval: float, tally: Tally, stop: asyncio.Event
+) -> None:
+    await asyncio.sleep(random.uniform(0, interval))
+    headers = {"Authorization": f"Node {agent.token}"}
+    while not stop.is_set() and not agent.silenced:
+        started = time.perf_counter()
+        try:
+            body = {"observed": [], "assignments_version": agent.version}
+            async with session.post(f"{url}/api/agent/heartbeat", json=body, headers=headers) as response:
+                answer = await response.json(content_type=None)
+                if response.status != 200:
+                    tally.error(f"HTTP {response.status}")
+                else:
+                    agent.version = answer.get("assignments_version", "")
+                    agent.last_beat = time.time()
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            tally.error(type(exc).__name__)
+        else:
+            if tally.counting:
+                tally.latencies.append(time.perf_counter() - started)
+        await asyncio.sleep(max(0.0, interval - (time.perf_counter() - started)))
+
+
+async def run_fleet(cluster: LocalCluster, agents: list[SimAgent], args: argparse.Namespace) -> dict[str, Any]:
+    from arceus.wire.tls import new_identity
+
+    certificate = new_identity().certificate  # one for all: nothing dials these agents
+    connector = aiohttp.TCPConnector(limit=args.connections)
+    timeout = aiohttp.ClientTimeout(total=30)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        started = time.perf_counter()
+        gate = asyncio.Semaphore(args.connections)
+
+        async def gated(i: int, agent: SimAgent) -> None:
+            async with gate:
+                await register(session, cluster.api_url, agent, certificate, i)
+
+        await asyncio.gather(*(gated(i, a) for i, a in enumerate(agents)))
+        registered_s = time.perf_counter() - started
+        print(f"registered {len(agents)} agents in {registered_s:.1f} s", flush=True)
+
+        tally, stop = Tally(), asyncio.Event()
+        beats = [asyncio.create_task(heartbeat_forever(session, cluster.api_url, a, args.interval, tally, stop))
+                 for a in agents]
+        await asyncio.sleep(args.interval)  # every agent has heartbeaten once: Ready
+        log = cluster.supervisor.log_dir / "worker-control.log"
+        log_offset = log.stat().st_size
+        tally.counting, window_start = True, time.perf_counter()  # the placement burst is measured too
+        jobs = await asyncio.to_thread(submit_jobs, args.jobs)
+        print(f"submitted {len(jobs)} jobs", flush=True)
+        placed = await _until_placed(args.jobs * JOB["stages"], args.place_timeout)
+        placement_s = time.perf_counter() - window_start
+        print(f"placed {len(placed)} stages in {placement_s:.0f} s", flush=True)
+        by_id = {a.node_id: a for a in agents}
+        victims = [by_id[n] for n in random.sample(sorted(placed), args.silent)]
+        await asyncio.sleep(args.duration / 3)
+        for victim in victims:
+            victim.silenced = True
+        reassigned = await _until_moved(victims, args.grace + 30)
+        await asyncio.sleep(max(0.0, args.duration - (time.perf_counter() - window_start)))
+        tally.counting, window = False, time.perf_counter() - window_start
+        stop.set()
+        for task in beats:
+            task.cancel()
+        await asyncio.gather(*beats, return_exceptions=True)
+    passes = [float(m) for m in RECONCILE_LINE.findall(log.read_bytes()[log_offset:].decode(errors="replace"))]
+    delays = [reassigned[v.node_id] - v.last_beat for v in victims if v.node_id in reassigned]
+    return {
+        "agents": len(agents), "interval_s": args.interval, "jobs": len(jobs), "window_s": round(window, 1),
+        "registration_s": round(registered_s, 1), "placed_stages": len(placed), "placement_s": round(placement_s),
+        "heartbeats": len(tally.latencies), "heartbeats_per_s": round(len(tally.latencies) / window, 1),
+        "p50_ms": round(quantile(tally.latencies, 0.5) * 1e3, 1),
+        "p99_ms": round(quantile(tally.latencies, 0.99) * 1e3, 1),
+        "max_ms": round(max(tally.latencies, default=float("nan")) * 1e3, 1),
+        "errors": sum(tally.errors.values()), "error_kinds": tally.errors,
+        "reconcile_passes": len(passes),
+        "reconcile_p50_s": round(quantile(passes, 0.5), 3), "reconcile_max_s": round(max(passes, default=0.0), 3),
+        "grace_s": args.grace, "silent": len(victims), "reassigned": len(delays),
+        "reassign_max_s": round(max(delays, default=float("nan")), 1),
+        "reassign_median_s": round(statistics.median(delays), 1) if delays else None,
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+async def _until_placed(count: int, timeout: float) -> dict[str, str]:
+    """The placed stages once there are `count` of them, or those placed after `timeout` s (polled each second)."""
+    deadline = time.monotonic() + timeout
+    while len(placed := await asyncio.to_thread(placed_nodes)) < count and time.monotonic() < deadline:
+        await asyncio.sleep(1.0)
+    return placed
+
+
+async def _until_moved(victims: list[SimAgent], timeout: float) -> dict[str, float]:
+    """node id → wall-clock time its stage was seen on another node (polled every 0.2 s)."""
+    moved: dict[str, float] = {}
+    deadline = time.monotonic() + timeout
+    while len(moved) < len(victims) and time.monotonic() < deadline:
+        hosting = await asyncio.to_thread(placed_nodes)
+        now = time.time()
+        for victim in victims:
+            if victim.node_id not in moved and victim.node_id not in hosting:
+                moved[victim.node_id] = now
+        await asyncio.sleep(0.2)
+    return moved
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--agents", type=int, default=10_000)
+    parser.add_argument("--interval", type=float, default=10.0, help="heartbeat interval, seconds")
+    parser.add_argument("--jobs", type=int, default=1000)
+    parser.add_argument("--duration", type=float, default=90.0, help="seconds measured once jobs are placed")
+    parser.add_argument("--grace", type=float, default=30.0, help="node lease (ARCEUS_NODE_GRACE_SECONDS)")
+    parser.add_argument("--silent", type=int, default=5, help="nodes hosting a stage that stop heartbeating")
+    parser.add_argument("--place-timeout", type=float, default=300.0, help="go on after this long placing")
+    parser.add_argument("--connections", type=int, default=512, help="the fleet's HTTP connections (keep-alive)")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
+    args = parser.parse_args()
+    if not os.environ.get("DATABASE_URL", "").startswith("postgres"):
+        parser.error("set DATABASE_URL to a PostgreSQL database (and REDIS_URL): SQLite cannot hold this load")
+    with tempfile.TemporaryDirectory(prefix="arceus-scale-") as workdir:
+        cluster = LocalCluster(
+            Path(workdir), database_url=os.environ["DATABASE_URL"], redis_url=os.environ.get("REDIS_URL"),
+            heartbeat_interval_seconds=args.interval, reconcile_interval_seconds=1.0,
+            extra_env={"ARCEUS_NODE_GRACE_SECONDS": str(args.grace), "ARCEUS_LOG_LEVEL": "WARNING"},
+        )
+        cluster.start()
+        try:
+            cluster.crash("worker-training")  # no driver runs: the simulated agents never report ready
+            _setup_django(cluster.env)
+            agents = make_nodes(args.agents)
+            result = asyncio.run(run_fleet(cluster, agents, args))
+        finally:
+            cluster.stop()
+    print_and_write(result, write=not args.no_write)
+
+
+def print_and_write(r: dict[str, Any], *, write: bool) -> None:
+    lines = [
+        f"{r['agents']:,} simulated agents heartbeating every {r['interval_s']:g} s, {r['jobs']:,} jobs of 3 stages "
+        f"submitted; measured over {r['window_s']:g} s from the submissions "
+        f"(load average at the end {r['load_average']}).",
+        "",
+        "| figure | measured | goal |",
+        "| --- | --- | --- |",
+        f"| heartbeats/s | {r['heartbeats_per_s']:,} | {r['agents'] / r['interval_s']:,.0f} |",
+        f"| heartbeat latency p50 / p99 / max | {r['p50_ms']} / {r['p99_ms']} / {r['max_ms']} ms | p99 < 100 ms |",
+        f"| heartbeat errors | {r['errors']} {r['error_kinds'] or ''} | 0 |",
+        f"| reconcile pass p50 / max ({r['reconcile_passes']} passes) | {r['reconcile_p50_s']} / "
+        f"{r['reconcile_max_s']} s | < 1 s |",
+        f"| silent node → stage moved, max / median ({r['reassigned']}/{r['silent']} moved) | "
+        f"{r['reassign_max_s']} / {r['reassign_median_s']} s | < grace {r['grace_s']:g} + 2 s |",
+        f"| registration of all agents | {r['registration_s']} s | |",
+        f"| stages placed (of {r['jobs'] * 3:,}) and time taken | {r['placed_stages']:,} in {r['placement_s']} s | |",
+    ]
+    body = "\n".join(lines)
+    print(body)
+    if write:
+        write_section("control-plane-scale", f"## Control plane at scale (`bench/control_plane_scale.py`)\n\n"
+                      f"{machine_line()}\n\n{body}")
+    print(json.dumps(r))
+
+
+if __name__ == "__main__":
+    main()

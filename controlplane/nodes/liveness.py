@@ -1,0 +1,82 @@
+"""Nodes' liveness: when each node's agent last heartbeat, and the CPU share its owner's other processes used
+then. Kept in Redis, not PostgreSQL: 10,000 agents renew it 1,000 times a second, and a renewal that changes
+nothing else must cost no database write (docs/architecture.md, "How the control plane grows").
+
+One sorted set (node id -> renewal time, Unix seconds) that the reconciler reads whole in one call, and one hash
+(node id -> host busy fraction). A node absent from the set has not heartbeat since its registration (its
+`NodeLease.renewed_at`, written once there, is the floor) or since this Redis began holding leases: after Redis
+comes back empty every node gets a whole lease from then on (the `SINCE` key), so losing Redis never makes
+live nodes look dead at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+
+from controlplane.common.redis_client import redis_client
+
+LEASES = "arceus:node-leases"
+BUSY = "arceus:node-busy"
+SINCE = "arceus:node-leases-since"
+# Entries of nodes silent this long are dropped (a deleted node's too); such a node falls back to its floor.
+FORGET_AFTER = timedelta(days=7)
+
+
+@dataclass(frozen=True)
+class Liveness:
+    renewed_at: datetime  # the last heartbeat, else the floor (registration, or when Redis came back)
+    host_busy_fraction: float | None = None
+
+
+def lease_renew(*, node_id: object, now: datetime, host_busy_fraction: float | None = None) -> None:
+    """Record a heartbeat: one round trip, no database."""
+    key = str(node_id)
+    pipe = redis_client().pipeline(transaction=False)
+    pipe.zadd(LEASES, {key: now.timestamp()})
+    if host_busy_fraction is None:
+        pipe.hdel(BUSY, key)
+    else:
+        pipe.hset(BUSY, key, repr(float(host_busy_fraction)))
+    pipe.execute()
+
+
+def leases_read(floors: Mapping[str, datetime], now: datetime) -> dict[str, Liveness]:
+    """The liveness of the nodes in `floors` (node id -> registration time), in two round trips whatever their
+    number; old entries are pruned on the way (FORGET_AFTER)."""
+    client = redis_client()
+    pipe = client.pipeline(transaction=False)
+    pipe.zremrangebyscore(LEASES, "-inf", (now - FORGET_AFTER).timestamp())
+    pipe.zrange(LEASES, 0, -1, withscores=True)
+    pipe.hgetall(BUSY)
+    pipe.get(SINCE)
+    _, scores, busy, since = pipe.execute()
+    if since is None:  # Redis lost its leases (or never held any): everyone's lease starts now
+        client.set(SINCE, now.timestamp(), nx=True)
+        since = client.get(SINCE)
+    since_at = datetime.fromtimestamp(float(since), UTC)
+    renewed = {member.decode(): score for member, score in scores}
+    fractions = {k.decode(): float(v) for k, v in busy.items()}
+    out = {}
+    for node_id, floor in floors.items():
+        score = renewed.get(node_id)
+        at = datetime.fromtimestamp(score, UTC) if score is not None else max(floor, since_at)
+        out[node_id] = Liveness(at, fractions.get(node_id))
+    return out
+
+
+def lease_of(node_id: object, floor: datetime) -> Liveness:
+    """One node's liveness (the API's and the admin's pages)."""
+    key = str(node_id)
+    pipe = redis_client().pipeline(transaction=False)
+    pipe.zscore(LEASES, key)
+    pipe.hget(BUSY, key)
+    pipe.get(SINCE)
+    score, busy, since = pipe.execute()
+    if score is not None:
+        at = datetime.fromtimestamp(score, UTC)
+    else:
+        at = max(floor, datetime.fromtimestamp(float(since), UTC)) if since is not None else floor
+    return Liveness(at, float(busy) if busy is not None else None)
+
