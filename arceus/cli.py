@@ -6,6 +6,7 @@
     arceus jobs train JOB_ID --watch     # starts it and draws a live progress bar
     arceus jobs show JOB_ID
     arceus jobs model JOB_ID -o model.safetensors   # the trained weights
+    arceus jobs model JOB_ID --format hf -o my-llama  # a llama as a Hugging Face folder (from_pretrained)
     arceus jobs sample JOB_ID --prompt "And God said"  # text from a running transformer job
     arceus nodes create my-laptop        # prints the agent token, once
     arceus nodes pause NODE_ID           # drain it: its stages move elsewhere without losing work
@@ -96,6 +97,10 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         _print(client.job(args.job_id))
     elif args.action == "cancel":
         _print(client.cancel_job(args.job_id))
+    elif args.action == "model" and args.format == "hf":
+        output = Path(args.output or f"{args.job_id}-hf")
+        received = client.save_hugging_face_model(args.job_id, output)
+        print(f"wrote the folder {output} ({received:,} bytes): transformers' from_pretrained loads it")
     elif args.action == "model":
         output = Path(args.output or f"{args.job_id}.safetensors")
         written = client.save_model(args.job_id, output)
@@ -155,7 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
         jobs_sub.add_parser(name, help=text).add_argument("job_id")
     model = jobs_sub.add_parser("model", help="download the trained weights as a safetensors file")
     model.add_argument("job_id")
-    model.add_argument("-o", "--output", help="file to write (default: JOB_ID.safetensors)")
+    model.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                       help="hf: a llama as a Hugging Face folder (config.json, model.safetensors)")
+    model.add_argument("-o", "--output",
+                       help="file (folder for --format hf) to write (default: JOB_ID.safetensors, JOB_ID-hf)")
     sample = jobs_sub.add_parser("sample", help="generate text from a running transformer job")
     sample.add_argument("job_id")
     sample.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 from django.http import StreamingHttpResponse
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import status
+from rest_framework.negotiation import DefaultContentNegotiation
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.throttling import ScopedRateThrottle
@@ -12,7 +15,7 @@ from rest_framework.views import APIView
 
 from controlplane.common.db import consistent_snapshot
 from controlplane.common.schema import ErrorOutput
-from controlplane.jobs.checkpoints import job_model_file
+from controlplane.jobs.checkpoints import MODEL_FORMATS, job_model_file
 from controlplane.jobs.estimate import estimate_get_for_user, estimate_request
 from controlplane.jobs.sampling import job_sample
 from controlplane.jobs.selectors import job_get_for_user, job_list_for_user
@@ -128,19 +131,38 @@ class JobCancelApi(APIView):
         return Response(JobDetailOutput(job).data)
 
 
-class JobModelApi(APIView):
-    """The trained model: every stage's weights from the newest checkpoint, as one safetensors file streamed
-    from the stages' checkpoint files."""
+MODEL_FORMAT = OpenApiParameter(
+    "format", str, OpenApiParameter.QUERY, enum=list(MODEL_FORMATS), default="safetensors",
+    description="safetensors: one file of our parameter names; hf (a llama): the tar of a Hugging Face folder "
+    "(config.json, model.safetensors) that transformers' from_pretrained loads",
+)
 
+
+class _FormatIsNoRenderer(DefaultContentNegotiation):
+    """`?format=` names the model's file format here, not (as DRF's URL_FORMAT_OVERRIDE) a renderer."""
+
+    settings = SimpleNamespace(URL_FORMAT_OVERRIDE=None)
+
+
+class JobModelApi(APIView):
+    """The trained model: every stage's weights from the newest checkpoint, as one safetensors file (or a
+    Hugging Face folder's tar) streamed from the stages' checkpoint files."""
+
+    content_negotiation_class = _FormatIsNoRenderer
     throttle_classes = [ScopedRateThrottle]
     throttle_scope = "model"  # a whole model read from storage
 
-    @extend_schema(parameters=[JOB_ID], responses={(200, "application/octet-stream"): bytes, 409: ErrorOutput})
+    @extend_schema(
+        parameters=[JOB_ID, MODEL_FORMAT],
+        responses={(200, "application/octet-stream"): bytes, (200, "application/x-tar"): bytes, 409: ErrorOutput},
+    )
     def get(self, request: Request, job_id: str) -> StreamingHttpResponse:
-        model = job_model_file(job=job_get_for_user(user=request.user, job_id=job_id))
-        response = StreamingHttpResponse(model.chunks, content_type="application/octet-stream")
+        format = request.query_params.get("format", "safetensors")
+        model = job_model_file(job=job_get_for_user(user=request.user, job_id=job_id), format=format)
+        content_type = "application/x-tar" if format == "hf" else "application/octet-stream"
+        response = StreamingHttpResponse(model.chunks, content_type=content_type)
         response["Content-Length"] = str(model.size_bytes)
-        response["Content-Disposition"] = f'attachment; filename="{job_id}-step-{model.checkpoint.step}.safetensors"'
+        response["Content-Disposition"] = f'attachment; filename="{model.filename}"'
         return response
 
 

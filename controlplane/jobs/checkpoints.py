@@ -36,7 +36,9 @@ from arceus.checkpoint import (
     file_digest,
     merged_checkpoint,
 )
+from arceus.errors import SpecError
 from arceus.model.expected_state import ExpectedState, expected_stage_state, optimizer_kind, stage_file_check
+from arceus.model.hugging_face import hugging_face_folder, hugging_face_format
 from arceus.model.registry import model_spec_from_config
 from arceus.training.plan import StageEndpoint, StageStateFile
 from controlplane.common.errors import ApplicationError
@@ -263,19 +265,34 @@ def stage_checkpoint_for_node(*, node_id: Any, stage_checkpoint_id: str) -> Stag
     return sc
 
 
+# What the model downloads as: our safetensors file, or a Hugging Face folder (a tar of it).
+MODEL_FORMATS = ("safetensors", "hf")
+
+
 @dataclass(frozen=True)
 class ModelFile:
-    """The whole model's weights from one checkpoint, as one safetensors file served as a stream."""
+    """The whole model's weights from one checkpoint, as one file served as a stream."""
 
     checkpoint: Checkpoint
     size_bytes: int
     chunks: Iterator[bytes]  # closes the stage files once consumed (or closed)
+    filename: str  # what to save it as
 
 
-def job_model_file(*, job: Job) -> ModelFile:
+def job_model_file(*, job: Job, format: str = "safetensors") -> ModelFile:
     """Every stage's weights (no optimizer state) from the job's newest checkpoint as one safetensors file,
-    with the model config and step in its metadata. Each stage file is checked against its hash first, then
-    the merged file streams from them a chunk at a time: the web process never holds the model."""
+    with the model config and step in its metadata; with format "hf", as the tar of a Hugging Face folder
+    (`config.json` and that file under `transformers`' names) for a model that has that format. Each stage
+    file is checked against its hash first, then the file streams from them a chunk at a time: the web
+    process never holds the model."""
+    if format not in MODEL_FORMATS:
+        raise ApplicationError.invalid("format", f"must be one of {', '.join(MODEL_FORMATS)}, got {format!r}")
+    spec = model_spec_from_config(job.model_config)
+    if format == "hf":
+        try:
+            hugging_face_format(spec)
+        except SpecError as exc:
+            raise ApplicationError.invalid(exc.field, exc.message) from exc
     checkpoint = job.checkpoints.order_by("-step").first()
     if checkpoint is None:
         raise ApplicationError.conflict(
@@ -296,8 +313,11 @@ def job_model_file(*, job: Job) -> ModelFile:
             "epoch": str(checkpoint.epoch),
             "model_config": json.dumps(job.model_config, sort_keys=True),
         }
-        size, chunks = merged_checkpoint(handles, keep=lambda name: not name.startswith(OPTIMIZER_PREFIX),
-                                         metadata=metadata)
+        weights = lambda name: not name.startswith(OPTIMIZER_PREFIX)  # noqa: E731
+        if format == "hf":
+            size, chunks = hugging_face_folder(spec, handles, keep=weights, metadata=metadata)
+        else:
+            size, chunks = merged_checkpoint(handles, keep=weights, metadata=metadata)
     except BaseException:
         for handle in handles:
             handle.close()
@@ -310,7 +330,8 @@ def job_model_file(*, job: Job) -> ModelFile:
             for handle in handles:
                 handle.close()
 
-    return ModelFile(checkpoint=checkpoint, size_bytes=size, chunks=stream())
+    name = f"{job.id}-step-{checkpoint.step}" + (".tar" if format == "hf" else ".safetensors")
+    return ModelFile(checkpoint=checkpoint, size_bytes=size, chunks=stream(), filename=name)
 
 
 class _LeaseLost(Exception):

@@ -82,11 +82,10 @@ class LlamaSpec:
         return [t * d, *[2 * t * matmuls + 4 * t * t * d] * self.num_hidden_layers, 2 * t * d * v]
 
     def layer_stash(self) -> list[LayerStash]:
-        """Besides its input a decoder layer keeps, per token, 11 vectors of d floats (the norms' inputs,
-        outputs and inverse RMS, q and k before and after rotation, the attention output), 2 of kv (k, v
-        before the rotation) and 5 of the MLP's intermediate size (gate, its SiLU, up, their product, the
-        SiLU's input), as measured with torch 2.13 on CPU; the head its normalised input and the
-        log-softmax of the logits its loss keeps."""
+        """Besides its input a decoder layer keeps, per token, 7 vectors of hidden_size floats, 2 of the key/value
+        width and 4 of intermediate_size, as measured under saved-tensor hooks with torch 2.13 on CPU
+        (tests/arceus/placement/test_placement_stash.py); the head its normalised input and the log-softmax
+        of the logits its loss keeps."""
         d, v, t, i = self.hidden_size, self.vocab_size, self.block_size, self.intermediate_size
         block = 4 * t * (LLAMA_STASH_HIDDEN * d + LLAMA_STASH_KV * self.kv_size + LLAMA_STASH_MLP * i)
         return [LayerStash(0), *[LayerStash(block)] * self.num_hidden_layers, LayerStash(4 * t * (2 * d + v))]
@@ -114,7 +113,7 @@ class LlamaSpec:
 
 
 # Vectors per token a decoder layer's training forward keeps (see `LlamaSpec.layer_stash`).
-LLAMA_STASH_HIDDEN, LLAMA_STASH_KV, LLAMA_STASH_MLP = 11, 2, 5
+LLAMA_STASH_HIDDEN, LLAMA_STASH_KV, LLAMA_STASH_MLP = 7, 2, 4
 
 
 def llama_from_config(config: dict[str, Any]) -> LlamaSpec:
