@@ -28,7 +28,7 @@ def hugging_face_format(spec: ModelSpec) -> HuggingFaceFormat:
         having = [a.type for a in ARCHITECTURES.values() if a.hugging_face is not None]
         raise SpecError(
             "format",
-            f"a {spec.type} model has no Hugging Face format (only {', '.join(having)} has); "
+            f"a model of type {spec.type!r} has no Hugging Face format (only {', '.join(having)}); "
             "leave format out to download the safetensors file",
         )
     return found

@@ -53,4 +53,4 @@ def test_a_model_without_the_format_is_refused_naming_format() -> None:
     mlp = model_spec_from_config({"layer_sizes": [4, 3, 2]})
     with pytest.raises(SpecError) as info:
         hugging_face_folder(mlp, [], keep=lambda n: True, metadata={})
-    assert info.value.field == "format" and "only llama has" in info.value.message
+    assert info.value.field == "format" and "no Hugging Face format (only llama)" in info.value.message
