@@ -51,7 +51,8 @@ class JobTensorParallelInput(StrictInputSerializer):
         min_value=2,
         max_value=MAX_TENSOR_PARALLEL,
         required=False,
-        help_text="nodes per split stage; must divide n_head (required unless the whole object is {})",
+        help_text="nodes per split stage; must divide a transformer's n_head, or a llama's num_key_value_heads and "
+        "intermediate_size (required unless the whole object is {})",
     )
     stages = serializers.ListField(
         child=StrictIntegerField(min_value=0),
