@@ -42,5 +42,5 @@ def test_mismatches_are_value_errors() -> None:
         sample_text(CONFIG, weights, CharTokenizer("abcde"), prompt="a")
     with pytest.raises(ValueError, match="'z' is not in the vocabulary"):
         sample_text(CONFIG, weights, VOCAB, prompt="z")
-    with pytest.raises(ValueError, match="only a transformer"):
+    with pytest.raises(ValueError, match="only a llama or transformer model generates text"):
         sample_text({"layer_sizes": [4, 4]}, weights, VOCAB)
