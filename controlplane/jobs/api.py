@@ -154,7 +154,12 @@ class JobModelApi(APIView):
 
     @extend_schema(
         parameters=[JOB_ID, MODEL_FORMAT],
-        responses={(200, "application/octet-stream"): bytes, (200, "application/x-tar"): bytes, 409: ErrorOutput},
+        responses={
+            (200, "application/octet-stream"): bytes,
+            (200, "application/x-tar"): bytes,
+            400: ErrorOutput,  # a format the job's model has not
+            409: ErrorOutput,
+        },
     )
     def get(self, request: Request, job_id: str) -> StreamingHttpResponse:
         format = request.query_params.get("format", "safetensors")
