@@ -197,6 +197,20 @@ class ArceusClient:
             shutil.rmtree(partial, ignore_errors=True)
         return received
 
+    def upload_initial_weights(self, job_id: str, source: Path) -> dict[str, Any]:
+        """Stream a Hugging Face model (`source`: its folder, or its `model.safetensors`) to a job that has not
+        started as the weights it starts from (fine-tuning); the job's detail."""
+        weights = source / "model.safetensors" if source.is_dir() else source
+        path = f"/api/jobs/{job_id}/initial-weights"
+        with weights.open("rb") as body:  # requests sends a file's size as its Content-Length and streams it
+            response = self.session.put(
+                self.base_url + path, data=body, timeout=self.timeout,
+                headers={"Content-Type": "application/octet-stream"},
+            )
+        if response.status_code >= 400:
+            raise ApiError(response.status_code, "PUT", path, _payload(response))
+        return response.json()
+
     def _stream_model(self, job_id: str, write: Callable[[bytes], Any]) -> int:
         written = 0
         for chunk in self._model_chunks(job_id, "safetensors"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from django.conf import settings
 from django.http import StreamingHttpResponse
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import status
@@ -15,7 +16,7 @@ from rest_framework.views import APIView
 
 from controlplane.common.db import consistent_snapshot
 from controlplane.common.schema import ErrorOutput
-from controlplane.jobs.checkpoints import MODEL_FORMATS, job_model_file
+from controlplane.jobs.checkpoints import MODEL_FORMATS, job_initial_weights_receive, job_model_file
 from controlplane.jobs.estimate import estimate_get_for_user, estimate_request
 from controlplane.jobs.sampling import job_sample
 from controlplane.jobs.selectors import job_get_for_user, job_list_for_user
@@ -169,6 +170,32 @@ class JobModelApi(APIView):
         response["Content-Length"] = str(model.size_bytes)
         response["Content-Disposition"] = f'attachment; filename="{model.filename}"'
         return response
+
+
+class JobInitialWeightsApi(APIView):
+    """The weights a job starts from (fine-tuning): a Hugging Face `model.safetensors` of the job's model (a
+    llama: every `LlamaForCausalLM` parameter, float32), uploaded with a Content-Length before the job trains
+    and streamed into storage; checked from its header before it is kept."""
+
+    parser_classes: list = []  # the body is read as a stream, never parsed or held whole
+    throttle_classes = [ScopedRateThrottle]
+    throttle_scope = "model"  # a whole model written to storage
+
+    @staticmethod
+    def max_request_bytes() -> int:  # not the JSON API's bound (controlplane.common.body_limit)
+        return settings.ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES
+
+    @extend_schema(
+        parameters=[JOB_ID], request={"application/octet-stream": bytes},
+        responses={200: JobDetailOutput, 409: ErrorOutput},
+    )
+    def put(self, request: Request, job_id: str) -> Response:
+        job = job_get_for_user(user=request.user, job_id=job_id)
+        length = request.META.get("CONTENT_LENGTH")
+        job = job_initial_weights_receive(
+            job=job, body=request._request, length=int(length) if length and length.isdigit() else None
+        )
+        return Response(JobDetailOutput(job_get_for_user(user=request.user, job_id=str(job.id))).data)
 
 
 class JobSampleApi(APIView):

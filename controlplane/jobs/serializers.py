@@ -248,6 +248,9 @@ class JobDetailOutput(JobListOutput):
     resumed_from_step = serializers.IntegerField(
         source="resume_checkpoint.step", default=None, allow_null=True, help_text="The checkpoint the stages run from."
     )
+    initial_weights_sha256 = serializers.CharField(
+        help_text="SHA-256 of the uploaded weights the job starts from (PUT .../initial-weights); empty: seeded."
+    )
     checkpoints = serializers.SerializerMethodField()
     cost = serializers.SerializerMethodField(help_text="What the job has been charged so far (US dollars).")
     contributions = serializers.SerializerMethodField(

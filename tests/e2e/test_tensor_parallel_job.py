@@ -14,12 +14,13 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM
 
 from arceus.cli import main as cli_main
 from arceus.data.text_config import BUNDLED_TEXT
-from arceus.model.build import build_full_model
+from arceus.model.build import build_full_model, named_global_parameters
+from arceus.model.llama.hf import hf_name
 from arceus.model.registry import model_spec_from_config
 from devtools.cluster import LocalCluster
 from devtools.reference import reference_run
@@ -69,11 +70,12 @@ def test_a_job_with_a_tensor_parallel_stage_trains_over_rest_like_one_process(
     assert contributors == {(i, n) for i, _, n in placements}
 
 
-def test_a_llama_trains_over_rest_split_like_one_process_and_downloads_as_a_hugging_face_folder(
+def test_a_llama_fine_tunes_over_rest_split_like_one_process_and_downloads_as_a_hugging_face_folder(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
-    """A grouped-query Llama, its decoder layers a tensor-parallel pair (one key/value head each): the losses
-    are single-process training's, and `arceus jobs model --format hf` gives a folder `transformers` loads
+    """A grouped-query Llama, its decoder layers a tensor-parallel pair (one key/value head each), starts from
+    weights uploaded in the Hugging Face format (`arceus jobs weights`): the losses are single-process
+    training's from those weights, and `arceus jobs model --format hf` gives a folder `transformers` loads
     whose logits are those of the trained weights in our own model."""
     source = tmp_path / "genesis.txt"
     source.write_text(BUNDLED_TEXT.read_text(encoding="utf-8")[:2000], encoding="utf-8")
@@ -91,21 +93,27 @@ def test_a_llama_trains_over_rest_split_like_one_process_and_downloads_as_a_hugg
         "tensor_parallel": {"size": 2, "stages": [1]},
     }
     job = cluster.client.submit_job(spec)
+    model_spec = model_spec_from_config(job["model_config"])
+    # The starting weights: another seed's, written as transformers names them.
+    start = {n: p.detach() for n, p in named_global_parameters(build_full_model(model_spec, seed=11))}
+    save_file({hf_name(model_spec, n): t for n, t in start.items()}, tmp_path / "model.safetensors")
+    argv = ["--url", cluster.api_url, "--token", cluster.client.session.headers["Authorization"].removeprefix("Token ")]
+    assert cli_main([*argv, "jobs", "weights", job["id"], str(tmp_path)]) == 0
     cluster.client.start_job(job["id"])
     final = cluster.client.wait(job["id"], timeout=120)
 
     assert final["status"] == "succeeded", (final.get("error"), final["conditions"])
     losses = [point["loss"] for point in final["loss_curve"]]
-    expected = reference_run({**spec, "model_config": final["model_config"], "dataset_config": final["dataset_config"]})
+    trained = {**spec, "model_config": final["model_config"], "dataset_config": final["dataset_config"]}
+    expected = reference_run(trained, initial_weights=start)
     for step, (got, want) in enumerate(zip(losses, expected.losses, strict=True), 1):
         assert math.isclose(got, want, rel_tol=1e-5), f"step {step}: {got!r} != single-process {want!r}"
+    assert not math.isclose(losses[0], reference_run(trained, max_steps=1).losses[0], rel_tol=1e-3)  # not seeded
 
-    argv = ["--url", cluster.api_url, "--token", cluster.client.session.headers["Authorization"].removeprefix("Token ")]
     folder = tmp_path / "llama-hf"
     assert cli_main([*argv, "jobs", "model", job["id"], "--format", "hf", "-o", str(folder)]) == 0
-    weights = tmp_path / "model.safetensors"
+    weights = tmp_path / "trained.safetensors"
     cluster.client.save_model(job["id"], weights)
-    model_spec = model_spec_from_config(final["model_config"])
     ours = build_full_model(model_spec, seed=0)
     ours.load_state_dict({name.removeprefix("layers."): t for name, t in load_file(weights).items()})
     theirs = LlamaForCausalLM.from_pretrained(folder).eval()
