@@ -151,7 +151,7 @@ def test_sampling_needs_a_trained_transformer_of_ones_own(
     mlp = queued_job()
     response = api.post(f"/api/jobs/{mlp.id}/sample", {}, format="json")
     assert response.status_code == 409
-    assert "only a transformer job generates text" in response.json()["detail"]
+    assert "only a llama or transformer job generates text" in response.json()["detail"]
 
     assert other_api.post(f"/api/jobs/{untrained.id}/sample", {}, format="json").status_code == 404
 
