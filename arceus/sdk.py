@@ -189,8 +189,12 @@ class ArceusClient:
 
         try:
             reader = io.BufferedReader(_ChunkReader(counted()), MODEL_CHUNK_BYTES)
-            with tarfile.open(fileobj=reader, mode="r|") as archive:
-                archive.extractall(partial, filter="data")  # nothing outside the folder, no links or devices
+            try:
+                with tarfile.open(fileobj=reader, mode="r|") as archive:
+                    archive.extractall(partial, filter="data")  # nothing outside the folder, no links or devices
+            except tarfile.TarError as exc:
+                path = f"/api/jobs/{job_id}/model?format=hf"
+                raise ApiError(502, "GET", path, f"the download is no tar of a model folder: {exc}") from exc
             reader.read()  # the end of the stream: its length is checked there
             partial.replace(destination)
         finally:

@@ -163,9 +163,9 @@ class JobModelApi(APIView):
         },
     )
     def get(self, request: Request, job_id: str) -> StreamingHttpResponse:
-        format = request.query_params.get("format", "safetensors")
-        model = job_model_file(job=job_get_for_user(user=request.user, job_id=job_id), format=format)
-        content_type = "application/x-tar" if format == "hf" else "application/octet-stream"
+        model_format = request.query_params.get("format", "safetensors")
+        model = job_model_file(job=job_get_for_user(user=request.user, job_id=job_id), model_format=model_format)
+        content_type = "application/x-tar" if model_format == "hf" else "application/octet-stream"
         response = StreamingHttpResponse(model.chunks, content_type=content_type)
         response["Content-Length"] = str(model.size_bytes)
         response["Content-Disposition"] = f'attachment; filename="{model.filename}"'

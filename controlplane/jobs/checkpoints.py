@@ -281,16 +281,18 @@ class ModelFile:
     filename: str  # what to save it as
 
 
-def job_model_file(*, job: Job, format: str = "safetensors") -> ModelFile:
+def job_model_file(*, job: Job, model_format: str = "safetensors") -> ModelFile:
     """Every stage's weights (no optimizer state) from the job's newest checkpoint as one safetensors file,
-    with the model config and step in its metadata; with format "hf", as the tar of a Hugging Face folder
+    with the model config and step in its metadata; with `model_format` "hf", as the tar of a Hugging Face folder
     (`config.json` and that file under `transformers`' names) for a model that has that format. Each stage
     file is checked against its hash first, then the file streams from them a chunk at a time: the web
     process never holds the model."""
-    if format not in MODEL_FORMATS:
-        raise ApplicationError.invalid("format", f"must be one of {', '.join(MODEL_FORMATS)}, got {format!r}")
+    if model_format not in MODEL_FORMATS:
+        raise ApplicationError.invalid(
+            "format", f"must be one of {', '.join(MODEL_FORMATS)}, got {model_format!r}"
+        )
     spec = model_spec_from_config(job.model_config)
-    if format == "hf":
+    if model_format == "hf":
         try:
             hugging_face_format(spec)
         except SpecError as exc:
@@ -316,7 +318,7 @@ def job_model_file(*, job: Job, format: str = "safetensors") -> ModelFile:
             "model_config": json.dumps(job.model_config, sort_keys=True),
         }
         weights = lambda name: not name.startswith(OPTIMIZER_PREFIX)  # noqa: E731
-        if format == "hf":
+        if model_format == "hf":
             size, chunks = hugging_face_folder(spec, handles, keep=weights, metadata=metadata)
         else:
             size, chunks = merged_checkpoint(handles, keep=weights, metadata=metadata)
@@ -332,7 +334,7 @@ def job_model_file(*, job: Job, format: str = "safetensors") -> ModelFile:
             for handle in handles:
                 handle.close()
 
-    name = f"{job.id}-step-{checkpoint.step}" + (".tar" if format == "hf" else ".safetensors")
+    name = f"{job.id}-step-{checkpoint.step}" + (".tar" if model_format == "hf" else ".safetensors")
     return ModelFile(checkpoint=checkpoint, size_bytes=size, chunks=stream(), filename=name)
 
 
