@@ -229,7 +229,7 @@ def checkpoint_trusted(*, job: Job, node_ids: Collection[str]) -> Checkpoint | N
     """The newest checkpoint that each of these nodes' work up to has passed a spot check: one of the
     node's checks passed at the checkpoint's step or later, in the checkpoint's generation or later (a
     check of a run that was rewound past it does not vouch for the replay). None: nothing is vouched
-    for, so a rollback trains from the seeded initial weights."""
+    for, so a rollback trains from the initial weights (uploaded, else seeded)."""
     reach: dict[str, list[tuple[int, int]]] = defaultdict(list)  # node -> [(generation, newest step)]
     passed = job.spot_checks.filter(node_id__in=list(node_ids), passed=True)
     for row in passed.values("node_id", "generation").annotate(newest=Max("train_step")):
