@@ -90,11 +90,16 @@ def file_digest(handle: BinaryIO) -> str:
 
 
 def merged_checkpoint(
-    sources: Sequence[BinaryIO], *, keep: Callable[[str], bool], metadata: dict[str, str]
+    sources: Sequence[BinaryIO],
+    *,
+    keep: Callable[[str], bool],
+    metadata: dict[str, str],
+    rename: Callable[[str], str] = lambda name: name,
 ) -> tuple[int, Iterator[bytes]]:
     """One safetensors file holding the tensors `keep` selects from several (seekable, already verified)
-    files, as its length and a stream of chunks. The header is built from the sources' headers and the data
-    copied range by range, so the memory it takes does not grow with the model."""
+    files, each under its `rename`d name, as its length and a stream of chunks. The header is built from the
+    sources' headers and the data copied range by range, so the memory it takes does not grow with the
+    model."""
     entries: list[tuple[BinaryIO, int, str, dict[str, Any]]] = []
     for handle in sources:
         start, header = read_header(handle)
@@ -107,7 +112,9 @@ def merged_checkpoint(
     offset = 0
     for _, _, name, info in entries:
         begin, end = info["data_offsets"]
-        merged[name] = {"dtype": info["dtype"], "shape": info["shape"], "data_offsets": [offset, offset + end - begin]}
+        merged[rename(name)] = {
+            "dtype": info["dtype"], "shape": info["shape"], "data_offsets": [offset, offset + end - begin]
+        }
         offset += end - begin
     prefix = _prefix(merged)
 

@@ -6,6 +6,8 @@
     arceus jobs train JOB_ID --watch     # starts it and draws a live progress bar
     arceus jobs show JOB_ID
     arceus jobs model JOB_ID -o model.safetensors   # the trained weights
+    arceus jobs model JOB_ID --format hf -o my-llama  # a llama as a Hugging Face folder (from_pretrained)
+    arceus jobs weights JOB_ID my-llama  # a llama job not yet started starts from these weights (fine-tuning)
     arceus jobs sample JOB_ID --prompt "And God said"  # text from a running transformer job
     arceus nodes create my-laptop        # prints the agent token, once
     arceus nodes pause NODE_ID           # drain it: its stages move elsewhere without losing work
@@ -96,10 +98,17 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         _print(client.job(args.job_id))
     elif args.action == "cancel":
         _print(client.cancel_job(args.job_id))
+    elif args.action == "model" and args.format == "hf":
+        output = Path(args.output or f"{args.job_id}-hf")
+        received = client.save_hugging_face_model(args.job_id, output)
+        print(f"wrote the folder {output} ({received:,} bytes): transformers' from_pretrained loads it")
     elif args.action == "model":
         output = Path(args.output or f"{args.job_id}.safetensors")
         written = client.save_model(args.job_id, output)
         print(f"wrote {output} ({written:,} bytes)")
+    elif args.action == "weights":
+        job = client.upload_initial_weights(args.job_id, Path(args.source))
+        print(f"job {job['id']} starts from the uploaded weights ({job['initial_weights_sha256']})")
     elif args.action == "sample":
         print(client.sample(
             args.job_id, prompt=args.prompt, length=args.length, temperature=args.temperature, seed=args.seed
@@ -155,7 +164,15 @@ def build_parser() -> argparse.ArgumentParser:
         jobs_sub.add_parser(name, help=text).add_argument("job_id")
     model = jobs_sub.add_parser("model", help="download the trained weights as a safetensors file")
     model.add_argument("job_id")
-    model.add_argument("-o", "--output", help="file to write (default: JOB_ID.safetensors)")
+    model.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
+                       help="hf: a llama as a Hugging Face folder (config.json, model.safetensors)")
+    model.add_argument("-o", "--output",
+                       help="file (folder for --format hf) to write (default: JOB_ID.safetensors, JOB_ID-hf)")
+    weights = jobs_sub.add_parser(
+        "weights", help="upload the weights a job starts from: a Hugging Face folder or its model.safetensors"
+    )
+    weights.add_argument("job_id")
+    weights.add_argument("source")
     sample = jobs_sub.add_parser("sample", help="generate text from a running transformer job")
     sample.add_argument("job_id")
     sample.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")

@@ -11,8 +11,10 @@
 from __future__ import annotations
 
 import io
+import shutil
+import tarfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,29 @@ class ApiError(RuntimeError):
 
 class EstimateFailed(RuntimeError):
     """The control plane accepted an estimate but could not compute it; the message says why."""
+
+
+class _ChunkReader(io.RawIOBase):
+    """A readable file over an iterator of byte chunks (a download being unpacked as it arrives)."""
+
+    def __init__(self, chunks: Iterator[bytes]) -> None:
+        super().__init__()
+        self._chunks = chunks
+        self._rest = b""
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while not self._rest:
+            chunk = next(self._chunks, None)
+            if chunk is None:
+                return 0
+            self._rest = chunk
+        n = min(len(buffer), len(self._rest))
+        buffer[:n] = self._rest[:n]
+        self._rest = self._rest[n:]
+        return n
 
 
 def _describe(body: Any) -> str:
@@ -148,19 +173,69 @@ class ArceusClient:
             partial.unlink(missing_ok=True)
         return written
 
+    def save_hugging_face_model(self, job_id: str, destination: Path) -> int:
+        """Stream a job's trained Llama into the folder `destination` as Hugging Face `transformers` loads it
+        (`config.json`, `model.safetensors`: `LlamaForCausalLM.from_pretrained(destination)`), unpacking the
+        tar the control plane sends as it arrives; the bytes received. A failed download leaves no folder."""
+        partial = destination.with_name(destination.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        received = 0
+
+        def counted() -> Iterator[bytes]:
+            nonlocal received
+            for chunk in self._model_chunks(job_id, "hf"):
+                received += len(chunk)
+                yield chunk
+
+        try:
+            reader = io.BufferedReader(_ChunkReader(counted()), MODEL_CHUNK_BYTES)
+            try:
+                with tarfile.open(fileobj=reader, mode="r|") as archive:
+                    archive.extractall(partial, filter="data")  # nothing outside the folder, no links or devices
+            except tarfile.TarError as exc:
+                path = f"/api/jobs/{job_id}/model?format=hf"
+                raise ApiError(502, "GET", path, f"the download is no tar of a model folder: {exc}") from exc
+            reader.read()  # the end of the stream: its length is checked there
+            partial.replace(destination)
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
+        return received
+
+    def upload_initial_weights(self, job_id: str, source: Path) -> dict[str, Any]:
+        """Stream a Hugging Face model (`source`: its folder, or its `model.safetensors`) to a job that has not
+        started as the weights it starts from (fine-tuning); the job's detail."""
+        weights = source / "model.safetensors" if source.is_dir() else source
+        path = f"/api/jobs/{job_id}/initial-weights"
+        with weights.open("rb") as body:  # requests sends a file's size as its Content-Length and streams it
+            response = self.session.put(
+                self.base_url + path, data=body, timeout=self.timeout,
+                headers={"Content-Type": "application/octet-stream"},
+            )
+        if response.status_code >= 400:
+            raise ApiError(response.status_code, "PUT", path, _payload(response))
+        return response.json()
+
     def _stream_model(self, job_id: str, write: Callable[[bytes], Any]) -> int:
+        written = 0
+        for chunk in self._model_chunks(job_id, "safetensors"):
+            write(chunk)
+            written += len(chunk)
+        return written
+
+    def _model_chunks(self, job_id: str, model_format: str) -> Iterator[bytes]:
+        """The job's model download in `model_format`, chunk by chunk; ApiError if it ends early."""
         path = f"/api/jobs/{job_id}/model"
-        with self.session.get(self.base_url + path, timeout=self.timeout, stream=True) as response:
+        params = {"format": model_format}
+        with self.session.get(self.base_url + path, params=params, timeout=self.timeout, stream=True) as response:
             if response.status_code >= 400:
                 raise ApiError(response.status_code, "GET", path, _payload(response))
             expected = int(response.headers.get("Content-Length", -1))
-            written = 0
+            received = 0
             for chunk in response.iter_content(chunk_size=MODEL_CHUNK_BYTES):
-                write(chunk)
-                written += len(chunk)
-        if expected >= 0 and written != expected:
-            raise ApiError(502, "GET", path, f"the model download ended after {written:,} of {expected:,} bytes")
-        return written
+                received += len(chunk)
+                yield chunk
+        if expected >= 0 and received != expected:
+            raise ApiError(502, "GET", path, f"the model download ended after {received:,} of {expected:,} bytes")
 
     def sample(
         self, job_id: str, *, prompt: str = "\n", length: int = 300, temperature: float = 0.8, seed: int = 0

@@ -27,15 +27,20 @@ class ReferenceRun:
     weights: dict[str, torch.Tensor]  # model-wide names, as a pipeline's stages name them
 
 
-def reference_run(job: dict[str, Any], *, max_steps: int | None = None) -> ReferenceRun:
+def reference_run(
+    job: dict[str, Any], *, max_steps: int | None = None, initial_weights: dict[str, torch.Tensor] | None = None
+) -> ReferenceRun:
     """Train the job's model in this process (one thread's torch) with the job's settings and data order.
 
     `job` is the submitted shape: model_config, dataset_config, epochs, learning_rate, optimizer,
-    momentum, weight_decay, seed.
+    momentum, weight_decay, seed. `initial_weights` (model-wide names): what it starts from instead of the
+    seeded weights, as a job with uploaded weights does.
     """
     dataset = validate_dataset_config(job["dataset_config"])
     seed = job.get("seed", 0)
     model = build_full_model(model_spec_from_config(job["model_config"]), seed)
+    if initial_weights is not None:
+        model.load_state_dict({name.removeprefix("layers."): t for name, t in initial_weights.items()})
     params = list(model.parameters())
     lr, weight_decay = job["learning_rate"], job.get("weight_decay", 0.0)
     optimizer: torch.optim.Optimizer = (

@@ -10,6 +10,7 @@ import torch
 
 from arceus.contracts.assignment import Assignment, CheckpointRef
 from arceus.model.build import build_layers
+from arceus.model.hugging_face import stage_weights
 from arceus.model.layout import TensorLayout
 from arceus.model.tensor_parallel import build_parallel_layers, slice_state_tensors
 from arceus.v1 import stage_pb2
@@ -179,7 +180,8 @@ def build_hosted_stage(
     tensor_parallel: TensorParallelGroup | None = None,
 ) -> HostedStage:
     """Build the stage from its declarative spec only: layers [start, end) initialised from the seed,
-    then, if the assignment names a checkpoint, its weights and optimizer state loaded from it. A rank of
+    then, if the assignment names a checkpoint, its weights and optimizer state loaded from it, else, if it
+    names the job's uploaded initial weights, the stage's layers of those. A rank of
     a tensor-parallel stage (`tensor_parallel`) builds, and loads, its shard of the layers."""
     spec = assignment.spec
     if tensor_parallel is None:
@@ -204,10 +206,13 @@ def build_hosted_stage(
         precision=assignment.precision,
         activation_checkpointing=assignment.activation_checkpointing,
     )
-    if assignment.checkpoint is not None:
+    start_from = assignment.checkpoint or assignment.initial_weights
+    if start_from is not None:
         if load_checkpoint is None:
             raise ValueError(f"{assignment.stage_id} resumes from a checkpoint, but this agent cannot fetch one")
-        tensors = load_checkpoint(assignment.checkpoint)  # a checkpoint is always of the unsplit stage
+        tensors = load_checkpoint(start_from)  # a checkpoint is always of the unsplit stage
+        if assignment.checkpoint is None:  # the job's uploaded weights: the whole model, Hugging Face's names
+            tensors = stage_weights(spec, assignment.layer_start, assignment.layer_end, tensors)
         if tensor_parallel is not None:
             tensors = slice_state_tensors(spec, tensor_parallel.shard, tensors)
         runtime.load_state_tensors(tensors)

@@ -44,7 +44,10 @@ _FIELDS = frozenset(
     }
 )
 _OPTIONAL_FIELDS = frozenset(
-    {"checkpoint", "transfer", "precision", "tensor_parallel", "activation_checkpointing", "schedule"}
+    {
+        "checkpoint", "initial_weights", "transfer", "precision", "tensor_parallel", "activation_checkpointing",
+        "schedule",
+    }
 )
 _OPTIMIZER_FIELDS = frozenset({"name", "lr", "momentum", "weight_decay"})
 _CHECKPOINT_FIELDS = frozenset({"step", "url", "sha256"})
@@ -107,7 +110,10 @@ class Assignment:
     credentials: StageCredentials  # this stage's token, and whose it accepts (arceus.contracts.credentials)
     # The TLS certificate (PEM) registered by the agent at each address this stage calls: it trusts no other.
     certificates: Mapping[str, str]
-    checkpoint: CheckpointRef | None = None  # None: start from the seeded initial weights
+    checkpoint: CheckpointRef | None = None  # None: start from the initial weights
+    # The job's uploaded starting weights (the whole model, under Hugging Face names; step 0): the initial
+    # weights when set, else the seeded ones.
+    initial_weights: CheckpointRef | None = None
     transfer: TransferConfig = TransferConfig()  # how this stage encodes what it sends
     precision: str = "fp32"  # or "bf16": autocast compute (arceus.model.precision)
     activation_checkpointing: bool = False  # keep a micro-batch's input only; recompute the rest backward
@@ -224,6 +230,7 @@ class Assignment:
             credentials=StageCredentials.from_json(data["credentials"]),
             certificates=_certificates(data["certificates"], called),
             checkpoint=_checkpoint(data.get("checkpoint")),
+            initial_weights=_checkpoint(data.get("initial_weights"), "assignment.initial_weights"),
             transfer=transfer_config_from_json(data.get("transfer"), field="assignment.transfer"),
             precision=precision,
             activation_checkpointing=recompute,
@@ -259,6 +266,15 @@ class Assignment:
             "checkpoint": None
             if self.checkpoint is None
             else {"step": self.checkpoint.step, "url": self.checkpoint.url, "sha256": self.checkpoint.sha256},
+            **(
+                {}
+                if self.initial_weights is None
+                else {
+                    "initial_weights": {
+                        "step": 0, "url": self.initial_weights.url, "sha256": self.initial_weights.sha256
+                    }
+                }
+            ),
             "transfer": self.transfer.to_json(),
             "precision": self.precision,
             "activation_checkpointing": self.activation_checkpointing,
@@ -383,20 +399,20 @@ def _optimizer(value: Any) -> OptimizerConfig:
     return OptimizerConfig(name=name, **numbers)
 
 
-def _checkpoint(value: Any) -> CheckpointRef | None:
+def _checkpoint(value: Any, field: str = "assignment.checkpoint") -> CheckpointRef | None:
     if value is None:
         return None
     if not isinstance(value, dict):
-        raise SpecError("assignment.checkpoint", f"must be an object or null, got {type(value).__name__}")
+        raise SpecError(field, f"must be an object or null, got {type(value).__name__}")
     if set(value) != _CHECKPOINT_FIELDS:
         raise SpecError(
-            "assignment.checkpoint", f"must have exactly the fields {', '.join(sorted(_CHECKPOINT_FIELDS))}"
+            field, f"must have exactly the fields {', '.join(sorted(_CHECKPOINT_FIELDS))}"
         )
-    step = _int(value, "step", minimum=0, parent="assignment.checkpoint")
+    step = _int(value, "step", minimum=0, parent=field)
     url = value["url"]
     if not isinstance(url, str) or not url:
-        raise SpecError("assignment.checkpoint.url", f"must be a non-empty string, got {url!r}")
+        raise SpecError(f"{field}.url", f"must be a non-empty string, got {url!r}")
     sha256 = value["sha256"]
     if not isinstance(sha256, str) or len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
-        raise SpecError("assignment.checkpoint.sha256", f"must be 64 lowercase hex digits, got {sha256!r}")
+        raise SpecError(f"{field}.sha256", f"must be 64 lowercase hex digits, got {sha256!r}")
     return CheckpointRef(step=step, url=url, sha256=sha256)

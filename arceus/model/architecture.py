@@ -30,6 +30,16 @@ class TensorParallelLayers:
 
 
 @dataclass(frozen=True)
+class HuggingFaceFormat:
+    """How a model is a Hugging Face `transformers` folder: `config.json` and `model.safetensors`."""
+
+    config: Callable[[Any], dict[str, Any]]  # spec -> the contents of config.json
+    # (spec, pipeline parameter name "layers.<i>.<name>") -> its `transformers` name; ValueError for a name
+    # the model lacks.
+    name: Callable[[Any, str], str]
+
+
+@dataclass(frozen=True)
 class Architecture:
     type: str  # model_config.type
     # Validate a model_config; SpecError naming the field ("model_config.<key>").
@@ -43,3 +53,5 @@ class Architecture:
     tensor_parallel: TensorParallelLayers | None = None
     # Its specs are `TextModelSpec`s: it reads and predicts tokens, so it can write text.
     writes_text: bool = False
+    # Its trained weights download as a `transformers` folder (None: as our safetensors file only).
+    hugging_face: HuggingFaceFormat | None = None

@@ -11,7 +11,7 @@ from typing import Any
 
 from arceus.data.text_config import TEXT_DATASET
 from arceus.errors import SpecError
-from arceus.model import convnet, gpt, mlp
+from arceus.model import convnet, gpt, llama, mlp
 from arceus.model.architecture import Architecture
 from arceus.model.spec import ModelSpec
 
@@ -25,6 +25,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         mlp.ARCHITECTURE,
         gpt.ARCHITECTURE,
         convnet.ARCHITECTURE,
+        llama.ARCHITECTURE,
     )
 }
 

@@ -24,9 +24,10 @@ def _layers(spec: ModelSpec) -> TensorParallelLayers:
     layers = architecture_of(spec).tensor_parallel
     if layers is None:
         splittable = [a.type for a in ARCHITECTURES.values() if a.tensor_parallel is not None]
+        owners = " or ".join(f"a {t}'s" for t in splittable)
         raise SpecError(
             "tensor_parallel",
-            f"only a {' or '.join(splittable)}'s blocks split across nodes; use model_config.type "
+            f"only {owners} blocks split across nodes; use model_config.type "
             + " or ".join(f'"{t}"' for t in splittable)
             + " or drop tensor_parallel",
         )

@@ -23,8 +23,8 @@ from controlplane.jobs.models import Job
 @transaction.atomic
 def job_roll_back(*, job_id: Any, generation: int, node_ids: Collection[str], message: str, now: datetime) -> bool:
     """Rewind the job to the newest checkpoint every one of `node_ids` passed a spot check at or after
-    (none: the seeded initial weights), delete the newer checkpoints, and unplace the nodes' stages so
-    the reconciler moves them to other nodes. The nodes are not paid for the rolled-back steps, and the job's
+    (none: the initial weights, uploaded or seeded), delete the newer checkpoints, and unplace the nodes'
+    stages so the reconciler moves them to other nodes. The nodes are not paid for the rolled-back steps, and the job's
     owner is charged for them once (`job_rewind`). False if the job moved on since `generation`."""
     job = Job.objects.select_for_update().filter(pk=job_id, generation=generation, status__in=ACTIVE_STATUSES).first()
     if job is None:

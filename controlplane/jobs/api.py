@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+from django.conf import settings
 from django.http import StreamingHttpResponse
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import status
+from rest_framework.negotiation import DefaultContentNegotiation
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.throttling import ScopedRateThrottle
@@ -12,7 +16,7 @@ from rest_framework.views import APIView
 
 from controlplane.common.db import consistent_snapshot
 from controlplane.common.schema import ErrorOutput
-from controlplane.jobs.checkpoints import job_model_file
+from controlplane.jobs.checkpoints import MODEL_FORMATS, job_initial_weights_receive, job_model_file
 from controlplane.jobs.estimate import estimate_get_for_user, estimate_request
 from controlplane.jobs.sampling import job_sample
 from controlplane.jobs.selectors import job_get_for_user, job_list_for_user
@@ -129,20 +133,69 @@ class JobCancelApi(APIView):
         return Response(JobDetailOutput(job).data)
 
 
-class JobModelApi(APIView):
-    """The trained model: every stage's weights from the newest checkpoint, as one safetensors file streamed
-    from the stages' checkpoint files."""
+MODEL_FORMAT = OpenApiParameter(
+    "format", str, OpenApiParameter.QUERY, enum=list(MODEL_FORMATS), default="safetensors",
+    description="safetensors: one file of our parameter names; hf (a llama): the tar of a Hugging Face folder "
+    "(config.json, model.safetensors) that transformers' from_pretrained loads",
+)
 
+
+class _FormatIsNoRenderer(DefaultContentNegotiation):
+    """`?format=` names the model's file format here, not (as DRF's URL_FORMAT_OVERRIDE) a renderer."""
+
+    settings = SimpleNamespace(URL_FORMAT_OVERRIDE=None)
+
+
+class JobModelApi(APIView):
+    """The trained model: every stage's weights from the newest checkpoint, as one safetensors file (or a
+    Hugging Face folder's tar) streamed from the stages' checkpoint files."""
+
+    content_negotiation_class = _FormatIsNoRenderer
     throttle_classes = [ScopedRateThrottle]
     throttle_scope = "model"  # a whole model read from storage
 
-    @extend_schema(parameters=[JOB_ID], responses={(200, "application/octet-stream"): bytes, 409: ErrorOutput})
+    @extend_schema(
+        parameters=[JOB_ID, MODEL_FORMAT],
+        responses={
+            (200, "application/octet-stream"): bytes,
+            (200, "application/x-tar"): bytes,
+            400: ErrorOutput,  # a format the job's model has not
+            409: ErrorOutput,
+        },
+    )
     def get(self, request: Request, job_id: str) -> StreamingHttpResponse:
-        model = job_model_file(job=job_get_for_user(user=request.user, job_id=job_id))
-        response = StreamingHttpResponse(model.chunks, content_type="application/octet-stream")
+        model_format = request.query_params.get("format", "safetensors")
+        model = job_model_file(job=job_get_for_user(user=request.user, job_id=job_id), model_format=model_format)
+        content_type = "application/x-tar" if model_format == "hf" else "application/octet-stream"
+        response = StreamingHttpResponse(model.chunks, content_type=content_type)
         response["Content-Length"] = str(model.size_bytes)
-        response["Content-Disposition"] = f'attachment; filename="{job_id}-step-{model.checkpoint.step}.safetensors"'
+        response["Content-Disposition"] = f'attachment; filename="{model.filename}"'
         return response
+
+
+class JobInitialWeightsApi(APIView):
+    """The weights a job starts from (fine-tuning): a Hugging Face `model.safetensors` of the job's model (a
+    llama: every `LlamaForCausalLM` parameter, float32), uploaded with a Content-Length before the job trains
+    and streamed into storage; checked from its header before it is kept."""
+
+    parser_classes: list = []  # the body is read as a stream, never parsed or held whole
+    throttle_classes = [ScopedRateThrottle]
+    throttle_scope = "model"  # a whole model written to storage
+
+    @staticmethod
+    def max_request_bytes() -> int:  # not the JSON API's bound (controlplane.common.body_limit)
+        return settings.ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES
+
+    # The job id is left to the derived path parameter: its pattern is what a negative fuzz case can break
+    # (the binary body has nothing to make invalid).
+    @extend_schema(request={"application/octet-stream": bytes}, responses={200: JobDetailOutput, 409: ErrorOutput})
+    def put(self, request: Request, job_id: str) -> Response:
+        job = job_get_for_user(user=request.user, job_id=job_id)
+        length = request.META.get("CONTENT_LENGTH")
+        job = job_initial_weights_receive(
+            job=job, body=request._request, length=int(length) if length and length.isdigit() else None
+        )
+        return Response(JobDetailOutput(job_get_for_user(user=request.user, job_id=str(job.id))).data)
 
 
 class JobSampleApi(APIView):

@@ -1,4 +1,5 @@
-"""Coordinated checkpoints: saved by the job's driver, fetched by agents, assembled for the owner.
+"""Coordinated checkpoints: saved by the job's driver, fetched by agents, assembled for the owner; and a job's
+uploaded initial weights (fine-tuning), which its agents fetch as they would a checkpoint.
 
 Files go through the "checkpoints" storage (settings.STORAGES). An unsplit stage's agent uploads its own
 file (the driver opens a CheckpointUpload for it, the agent PUTs the file to the control plane, which
@@ -36,7 +37,10 @@ from arceus.checkpoint import (
     file_digest,
     merged_checkpoint,
 )
+from arceus.contracts.status import STARTABLE_STATUSES
+from arceus.errors import SpecError
 from arceus.model.expected_state import ExpectedState, expected_stage_state, optimizer_kind, stage_file_check
+from arceus.model.hugging_face import hugging_face_folder, hugging_face_format, hugging_face_weights_check
 from arceus.model.registry import model_spec_from_config
 from arceus.training.plan import StageEndpoint, StageStateFile
 from controlplane.common.errors import ApplicationError
@@ -228,7 +232,7 @@ def checkpoint_trusted(*, job: Job, node_ids: Collection[str]) -> Checkpoint | N
     """The newest checkpoint that each of these nodes' work up to has passed a spot check: one of the
     node's checks passed at the checkpoint's step or later, in the checkpoint's generation or later (a
     check of a run that was rewound past it does not vouch for the replay). None: nothing is vouched
-    for, so a rollback trains from the seeded initial weights."""
+    for, so a rollback trains from the initial weights (uploaded, else seeded)."""
     reach: dict[str, list[tuple[int, int]]] = defaultdict(list)  # node -> [(generation, newest step)]
     passed = job.spot_checks.filter(node_id__in=list(node_ids), passed=True)
     for row in passed.values("node_id", "generation").annotate(newest=Max("train_step")):
@@ -266,19 +270,36 @@ def stage_checkpoint_for_node(*, node_id: Any, stage_checkpoint_id: str) -> Stag
     return sc
 
 
+# What the model downloads as: our safetensors file, or a Hugging Face folder (a tar of it).
+MODEL_FORMATS = ("safetensors", "hf")
+
+
 @dataclass(frozen=True)
 class ModelFile:
-    """The whole model's weights from one checkpoint, as one safetensors file served as a stream."""
+    """The whole model's weights from one checkpoint, as one file served as a stream."""
 
     checkpoint: Checkpoint
     size_bytes: int
     chunks: Iterator[bytes]  # closes the stage files once consumed (or closed)
+    filename: str  # what to save it as
 
 
-def job_model_file(*, job: Job) -> ModelFile:
+def job_model_file(*, job: Job, model_format: str = "safetensors") -> ModelFile:
     """Every stage's weights (no optimizer state) from the job's newest checkpoint as one safetensors file,
-    with the model config and step in its metadata. Each stage file is checked against its hash first, then
-    the merged file streams from them a chunk at a time: the web process never holds the model."""
+    with the model config and step in its metadata; with `model_format` "hf", as the tar of a Hugging Face folder
+    (`config.json` and that file under `transformers`' names) for a model that has that format. Each stage
+    file is checked against its hash first, then the file streams from them a chunk at a time: the web
+    process never holds the model."""
+    if model_format not in MODEL_FORMATS:
+        raise ApplicationError.invalid(
+            "format", f"must be one of {', '.join(MODEL_FORMATS)}, got {model_format!r}"
+        )
+    spec = model_spec_from_config(job.model_config)
+    if model_format == "hf":
+        try:
+            hugging_face_format(spec)
+        except SpecError as exc:
+            raise ApplicationError.invalid(exc.field, exc.message) from exc
     checkpoint = job.checkpoints.order_by("-step").first()
     if checkpoint is None:
         raise ApplicationError.conflict(
@@ -299,8 +320,11 @@ def job_model_file(*, job: Job) -> ModelFile:
             "epoch": str(checkpoint.epoch),
             "model_config": json.dumps(job.model_config, sort_keys=True),
         }
-        size, chunks = merged_checkpoint(handles, keep=lambda name: not name.startswith(OPTIMIZER_PREFIX),
-                                         metadata=metadata)
+        weights = lambda name: not name.startswith(OPTIMIZER_PREFIX)  # noqa: E731
+        if model_format == "hf":
+            size, chunks = hugging_face_folder(spec, handles, keep=weights, metadata=metadata)
+        else:
+            size, chunks = merged_checkpoint(handles, keep=weights, metadata=metadata)
     except BaseException:
         for handle in handles:
             handle.close()
@@ -313,7 +337,66 @@ def job_model_file(*, job: Job) -> ModelFile:
             for handle in handles:
                 handle.close()
 
-    return ModelFile(checkpoint=checkpoint, size_bytes=size, chunks=stream())
+    name = f"{job.id}-step-{checkpoint.step}" + (".tar" if model_format == "hf" else ".safetensors")
+    return ModelFile(checkpoint=checkpoint, size_bytes=size, chunks=stream(), filename=name)
+
+
+def job_initial_weights_receive(*, job: Job, body: BinaryIO, length: int | None) -> Job:
+    """Store the `length` bytes of `body` as the job's initial weights, a chunk at a time, hashing them as they
+    arrive: a Hugging Face `model.safetensors` holding exactly the model's parameters (checked from its header;
+    refused, and nothing kept, otherwise). Only before the job trains (created, failed or cancelled: a start
+    trains from them); a later upload replaces an earlier one."""
+    spec = model_spec_from_config(job.model_config)
+    try:
+        hugging_face_format(spec)
+    except SpecError as exc:
+        raise ApplicationError.invalid(
+            "body", f"a model of type {spec.type!r} cannot start from uploaded weights: {exc.message.split(';')[0]}"
+        ) from exc
+    if job.status not in STARTABLE_STATUSES:
+        raise ApplicationError.conflict(f"job {job.id} is {job.status}; upload its weights before starting it")
+    limit = settings.ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES
+    if length is None or length <= 0:
+        raise ApplicationError.invalid("Content-Length", "send the weights file's size in bytes (more than 0)")
+    if length > limit:
+        raise ApplicationError.invalid(
+            "Content-Length", f"{length} bytes is more than the {limit} a weights file may hold "
+            "(ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES)",
+        )
+    reader = _HashingReader(body, length)
+    storage = checkpoint_storage()
+    name = storage.save(f"initial-weights/{job.id}/{uuid.uuid4()}.safetensors", File(reader))
+    try:
+        if reader.received != length:
+            raise ApplicationError.invalid(
+                "body", f"the upload ended after {reader.received} of its {length} bytes; send it again"
+            )
+        with storage.open(name, "rb") as handle:
+            hugging_face_weights_check(spec, handle, length)
+        with transaction.atomic():
+            locked = Job.objects.select_for_update().filter(pk=job.pk, status__in=STARTABLE_STATUSES).first()
+            if locked is None:
+                raise ApplicationError.conflict(f"job {job.id} started meanwhile; its weights were not replaced")
+            replaced = locked.initial_weights.name
+            locked.initial_weights, locked.initial_weights_sha256 = name, reader.digest.hexdigest()
+            locked.save(update_fields=["initial_weights", "initial_weights_sha256"])
+            if replaced:
+                transaction.on_commit(lambda: _delete_files([replaced]))
+    except CheckpointError as exc:
+        _delete_files([name])
+        raise ApplicationError.invalid("body", str(exc)) from exc
+    except BaseException:
+        _delete_files([name])
+        raise
+    return locked
+
+
+def job_initial_weights_for_node(*, node_id: Any, job_id: str) -> Job:
+    """A job whose initial weights the node may download: it hosts one of the job's stages now."""
+    job = Job.objects.filter(pk=_uuid_or_none(job_id)).exclude(initial_weights="").first()
+    if job is None or not Stage.objects.filter(job=job, node_id=node_id, active=True).exists():
+        raise ApplicationError.not_found("initial weights of job", job_id)
+    return job
 
 
 class _LeaseLost(Exception):

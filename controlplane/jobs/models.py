@@ -101,10 +101,14 @@ class Job(BaseModel):
     restarts = models.PositiveIntegerField(default=0)
     # Set while a paused node drains: the driver checkpoints at its next step and lets go of the lease.
     handover_requested = models.BooleanField(default=False)
-    # What every stage of the current generation starts from (None: the seeded initial weights).
+    # What every stage of the current generation starts from (None: the initial weights).
     resume_checkpoint = models.ForeignKey(
         "Checkpoint", on_delete=models.SET_NULL, null=True, blank=True, related_name="+"
     )
+    # The initial weights the owner uploaded (fine-tuning: the whole model's safetensors under Hugging Face's
+    # names, checked when it arrived) and their hash; empty: the weights seeded by `seed`.
+    initial_weights = models.FileField(storage=checkpoint_storage, max_length=300, blank=True)
+    initial_weights_sha256 = models.CharField(max_length=64, blank=True)
     # Bumped on every placement change. Agents, stages and the driver carry it; every reconciler
     # write checks it (optimistic concurrency), so a decision made on an old view is never applied.
     generation = models.BigIntegerField(default=0)

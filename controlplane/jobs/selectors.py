@@ -195,6 +195,11 @@ def _assignment(stage: Stage, stages: dict[int, list[Stage]], checkpoint: StageC
         else CheckpointRef(
             step=checkpoint.checkpoint.step, url=f"/api/agent/checkpoints/{checkpoint.id}", sha256=checkpoint.sha256
         ),
+        initial_weights=CheckpointRef(
+            step=0, url=f"/api/agent/jobs/{job.id}/initial-weights", sha256=job.initial_weights_sha256
+        )
+        if job.initial_weights
+        else None,
         transfer=transfer_config_from_json(job.transfer),
         precision=job.precision,
         activation_checkpointing=job.activation_checkpointing,

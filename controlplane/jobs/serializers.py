@@ -52,7 +52,8 @@ class JobTensorParallelInput(StrictInputSerializer):
         min_value=2,
         max_value=MAX_TENSOR_PARALLEL,
         required=False,
-        help_text="nodes per split stage; must divide n_head (required unless the whole object is {})",
+        help_text="nodes per split stage; must divide a transformer's n_head, or a llama's num_key_value_heads and "
+        "intermediate_size (required unless the whole object is {})",
     )
     stages = serializers.ListField(
         child=StrictIntegerField(min_value=0),
@@ -253,6 +254,9 @@ class JobDetailOutput(JobListOutput):
     restarts = serializers.IntegerField(help_text="Rewinds not explained by a lost node since the last checkpoint.")
     resumed_from_step = serializers.IntegerField(
         source="resume_checkpoint.step", default=None, allow_null=True, help_text="The checkpoint the stages run from."
+    )
+    initial_weights_sha256 = serializers.CharField(
+        help_text="SHA-256 of the uploaded weights the job starts from (PUT .../initial-weights); empty: seeded."
     )
     checkpoints = serializers.SerializerMethodField()
     cost = serializers.SerializerMethodField(help_text="What the job has been charged so far (US dollars).")

@@ -7,6 +7,7 @@ from controlplane.jobs.api import (
     JobDetailApi,
     JobEstimateApi,
     JobEstimateDetailApi,
+    JobInitialWeightsApi,
     JobListCreateApi,
     JobModelApi,
     JobSampleApi,
@@ -24,6 +25,9 @@ urlpatterns = [
     re_path(r"^jobs/(?P<job_id>[^/]+)/cancel/?$", JobCancelApi.as_view(), name="job-cancel"),
     re_path(r"^jobs/(?P<job_id>[^/]+)/model(?:\.safetensors)?/?$", JobModelApi.as_view(), name="job-model"),
     re_path(r"^jobs/(?P<job_id>[^/]+)/sample/?$", JobSampleApi.as_view(), name="job-sample"),
+    re_path(
+        r"^jobs/(?P<job_id>[^/]+)/initial-weights/?$", JobInitialWeightsApi.as_view(), name="job-initial-weights"
+    ),
     # The original prototype's paths (its README's flow: submit, initialize, train).
     re_path(r"^network/initialize/(?P<job_id>[^/]+)/?$", NetworkInitializeApi.as_view(), name="network-initialize"),
     re_path(r"^network/train/(?P<job_id>[^/]+)/?$", NetworkTrainApi.as_view(), name="network-train"),

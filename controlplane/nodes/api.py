@@ -15,7 +15,11 @@ from rest_framework.throttling import BaseThrottle, ScopedRateThrottle
 from rest_framework.views import APIView
 
 from controlplane.common.schema import ErrorOutput
-from controlplane.jobs.checkpoints import checkpoint_upload_receive, stage_checkpoint_for_node
+from controlplane.jobs.checkpoints import (
+    checkpoint_upload_receive,
+    job_initial_weights_for_node,
+    stage_checkpoint_for_node,
+)
 from controlplane.jobs.models import checkpoint_storage
 from controlplane.nodes.authentication import IsNodeAgent, NodeTokenAuthentication
 from controlplane.nodes.relays import relay_assignment
@@ -202,6 +206,18 @@ class AgentCheckpointApi(AgentApi):
         sc = stage_checkpoint_for_node(node_id=request.auth.id, stage_checkpoint_id=checkpoint_id)
         response = FileResponse(checkpoint_storage().open(sc.file.name, "rb"), content_type="application/octet-stream")
         response["X-Checkpoint-SHA256"] = sc.sha256
+        return response
+
+
+class AgentInitialWeightsApi(AgentApi):
+    """The uploaded initial weights of a job one of this node's assignments names (safetensors bytes)."""
+
+    @extend_schema(responses={(200, "application/octet-stream"): bytes})
+    def get(self, request: Request, job_id: str) -> FileResponse:
+        job = job_initial_weights_for_node(node_id=request.auth.id, job_id=job_id)
+        handle = checkpoint_storage().open(job.initial_weights.name, "rb")
+        response = FileResponse(handle, content_type="application/octet-stream")
+        response["X-Checkpoint-SHA256"] = job.initial_weights_sha256
         return response
 
 

@@ -6,6 +6,7 @@ from controlplane.nodes.api import (
     AgentCheckpointApi,
     AgentCheckpointUploadApi,
     AgentHeartbeatApi,
+    AgentInitialWeightsApi,
     AgentLeaveApi,
     AgentProbeApi,
     AgentRegisterApi,
@@ -29,6 +30,11 @@ urlpatterns = [
     re_path(r"^agent/leave/?$", AgentLeaveApi.as_view(), name="agent-leave"),
     re_path(r"^agent/probe/?$", AgentProbeApi.as_view(), name="agent-probe"),
     re_path(r"^agent/checkpoints/(?P<checkpoint_id>[^/]+)/?$", AgentCheckpointApi.as_view(), name="agent-checkpoint"),
+    re_path(
+        r"^agent/jobs/(?P<job_id>[^/]+)/initial-weights/?$",
+        AgentInitialWeightsApi.as_view(),
+        name="agent-initial-weights",
+    ),
     re_path(
         r"^agent/checkpoint-uploads/(?P<upload_id>[^/]+)/?$",
         AgentCheckpointUploadApi.as_view(),

@@ -1,4 +1,5 @@
-"""A GPT whose stage 1 is a tensor-parallel pair, submitted over REST and trained by the real system.
+"""A GPT (and a Llama) whose stage 1 is a tensor-parallel pair, submitted over REST and trained by the real
+system.
 
 Gunicorn on PostgreSQL, a Celery worker and beat on Redis, and three node agents: the reconciler puts
 stage 0 on one agent and splits stage 1 (the last block and the head) over the other two, 2 of the 4
@@ -12,8 +13,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaForCausalLM
 
+from arceus.cli import main as cli_main
 from arceus.data.text_config import BUNDLED_TEXT
+from arceus.model.build import build_full_model, named_global_parameters
+from arceus.model.llama.hf import hf_name
+from arceus.model.registry import model_spec_from_config
 from devtools.cluster import LocalCluster
 from devtools.reference import reference_run
 
@@ -60,3 +68,56 @@ def test_a_job_with_a_tensor_parallel_stage_trains_over_rest_like_one_process(
     # Both ranks of the split stage are metered and billed as contributors.
     contributors = {(c["stage_index"], c["node_id"]) for c in final["contributions"]}
     assert contributors == {(i, n) for i, _, n in placements}
+
+
+def test_a_llama_fine_tunes_over_rest_split_like_one_process_and_downloads_as_a_hugging_face_folder(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    """A grouped-query Llama, its decoder layers a tensor-parallel pair (one key/value head each), starts from
+    weights uploaded in the Hugging Face format (`arceus jobs weights`): the losses are single-process
+    training's from those weights, and `arceus jobs model --format hf` gives a folder `transformers` loads
+    whose logits are those of the trained weights in our own model."""
+    source = tmp_path / "genesis.txt"
+    source.write_text(BUNDLED_TEXT.read_text(encoding="utf-8")[:2000], encoding="utf-8")
+    for i in range(3):
+        cluster.start_agent(f"node-{i}")
+    model_config = {
+        "type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16,
+    }
+    spec: dict[str, Any] = {
+        "name": "e2e-llama",
+        "model_config": model_config,
+        "dataset_config": {"name": "text", "source": cluster.add_data_file(source), "batch_size": 16},
+        "epochs": 1, "learning_rate": 0.003, "optimizer": "adam", "seed": 3, "stages": 2,
+        "tensor_parallel": {"size": 2, "stages": [1]},
+    }
+    job = cluster.client.submit_job(spec)
+    model_spec = model_spec_from_config(job["model_config"])
+    # The starting weights: another seed's, written as transformers names them.
+    start = {n: p.detach() for n, p in named_global_parameters(build_full_model(model_spec, seed=11))}
+    save_file({hf_name(model_spec, n): t for n, t in start.items()}, tmp_path / "model.safetensors")
+    argv = ["--url", cluster.api_url, "--token", cluster.client.session.headers["Authorization"].removeprefix("Token ")]
+    assert cli_main([*argv, "jobs", "weights", job["id"], str(tmp_path)]) == 0
+    cluster.client.start_job(job["id"])
+    final = cluster.client.wait(job["id"], timeout=120)
+
+    assert final["status"] == "succeeded", (final.get("error"), final["conditions"])
+    losses = [point["loss"] for point in final["loss_curve"]]
+    trained = {**spec, "model_config": final["model_config"], "dataset_config": final["dataset_config"]}
+    expected = reference_run(trained, initial_weights=start)
+    for step, (got, want) in enumerate(zip(losses, expected.losses, strict=True), 1):
+        assert math.isclose(got, want, rel_tol=1e-5), f"step {step}: {got!r} != single-process {want!r}"
+    assert not math.isclose(losses[0], reference_run(trained, max_steps=1).losses[0], rel_tol=1e-3)  # not seeded
+
+    folder = tmp_path / "llama-hf"
+    assert cli_main([*argv, "jobs", "model", job["id"], "--format", "hf", "-o", str(folder)]) == 0
+    weights = tmp_path / "trained.safetensors"
+    cluster.client.save_model(job["id"], weights)
+    ours = build_full_model(model_spec, seed=0)
+    ours.load_state_dict({name.removeprefix("layers."): t for name, t in load_file(weights).items()})
+    theirs = LlamaForCausalLM.from_pretrained(folder).eval()
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model_spec.vocab_size, (2, model_spec.block_size), generator=generator)
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, ours(tokens), rtol=0, atol=1e-5)

@@ -1,4 +1,4 @@
-"""Sampling text from a trained GPT: a model that learned a repeating text continues it."""
+"""Sampling text from a trained GPT (or Llama): a model that learned a repeating text continues it."""
 
 from __future__ import annotations
 
@@ -13,10 +13,14 @@ from arceus.model.registry import model_spec_from_config
 
 VOCAB = CharTokenizer("abcd")
 CONFIG = {"type": "transformer", "n_layer": 1, "n_head": 2, "d_model": 16, "block_size": 8, "vocab_size": 4}
+LLAMA = {
+    "type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+    "num_key_value_heads": 1, "max_position_embeddings": 8, "vocab_size": 4,
+}
 
 
-def trained_weights() -> dict[str, torch.Tensor]:
-    model = build_full_model(model_spec_from_config(CONFIG), seed=0)
+def trained_weights(config: dict = CONFIG) -> dict[str, torch.Tensor]:
+    model = build_full_model(model_spec_from_config(config), seed=0)
     ids = torch.tensor([i % 4 for i in range(9 * 32)]).view(32, 9)  # "abcdabcd..." windows
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     for _ in range(60):
@@ -27,13 +31,14 @@ def trained_weights() -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in named_global_parameters(model)}
 
 
-def test_a_model_that_learned_a_pattern_continues_it() -> None:
-    weights = trained_weights()
-    text = sample_text(CONFIG, weights, VOCAB, prompt="bc", length=20, temperature=0)
+@pytest.mark.parametrize("config", [CONFIG, LLAMA], ids=["gpt", "llama"])
+def test_a_model_that_learned_a_pattern_continues_it(config: dict) -> None:
+    weights = trained_weights(config)
+    text = sample_text(config, weights, VOCAB, prompt="bc", length=20, temperature=0)
     assert text == "bc" + "dabc" * 5
-    sampled = sample_text(CONFIG, weights, VOCAB, prompt="a", length=30, temperature=1.0, seed=3)
+    sampled = sample_text(config, weights, VOCAB, prompt="a", length=30, temperature=1.0, seed=3)
     assert len(sampled) == 31 and set(sampled) <= set("abcd")
-    assert sampled == sample_text(CONFIG, weights, VOCAB, prompt="a", length=30, temperature=1.0, seed=3)
+    assert sampled == sample_text(config, weights, VOCAB, prompt="a", length=30, temperature=1.0, seed=3)
 
 
 def test_mismatches_are_value_errors() -> None:
@@ -42,5 +47,5 @@ def test_mismatches_are_value_errors() -> None:
         sample_text(CONFIG, weights, CharTokenizer("abcde"), prompt="a")
     with pytest.raises(ValueError, match="'z' is not in the vocabulary"):
         sample_text(CONFIG, weights, VOCAB, prompt="z")
-    with pytest.raises(ValueError, match="only a transformer"):
+    with pytest.raises(ValueError, match="only a llama or transformer model generates text"):
         sample_text({"layer_sizes": [4, 4]}, weights, VOCAB)

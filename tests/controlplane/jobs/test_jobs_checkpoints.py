@@ -433,6 +433,22 @@ def test_the_cli_streams_the_model_into_a_file(live_server, running_job: Job, us
     assert sorted(p.name for p in downloads.iterdir()) == ["model.safetensors"]  # a failed download leaves nothing
 
 
+@pytest.mark.parametrize(
+    ("model_format", "message"),
+    [
+        ("hf", "a model of type 'mlp' has no Hugging Face format (only llama)"),
+        ("pickle", "must be one of safetensors, hf"),
+    ],
+)
+def test_a_model_format_the_job_lacks_is_a_400_naming_format(
+    running_job: Job, api: APIClient, model_format: str, message: str
+) -> None:
+    save(running_job, 10)
+    response = api.get(f"/api/jobs/{running_job.id}/model", {"format": model_format})
+    assert response.status_code == 400
+    assert message in response.json()["errors"]["format"][0]
+
+
 def test_the_model_endpoint_without_a_checkpoint_is_a_409(running_job: Job, api: APIClient) -> None:
     response = api.get(f"/api/jobs/{running_job.id}/model")
     assert response.status_code == 409

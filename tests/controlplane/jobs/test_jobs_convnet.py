@@ -24,7 +24,7 @@ def test_a_convnet_job_is_stored_with_the_datasets_image_shape_and_classes(api: 
     ("changes", "field", "fragment"),
     [
         ({"dataset_config": {"name": "text"}}, "dataset_config.name", "image dataset"),
-        ({"tensor_parallel": {"size": 2}}, "tensor_parallel", "only a transformer's blocks split"),
+        ({"tensor_parallel": {"size": 2}}, "tensor_parallel", "only a transformer's or a llama's blocks split"),
     ],
 )
 def test_a_convnet_job_that_cannot_train_is_a_400(api: APIClient, changes: dict, field: str, fragment: str) -> None:

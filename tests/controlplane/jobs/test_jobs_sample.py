@@ -103,6 +103,20 @@ def test_the_owner_samples_text_that_continues_what_the_model_learned(
 
 
 @pytest.mark.django_db
+def test_a_llama_job_samples_through_its_agent(
+    api: APIClient, user: User, abcd_text: Path, ready_node, agent: Agent  # noqa: ANN001
+) -> None:
+    llama = {
+        "type": "llama", "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "max_position_embeddings": 8,
+    }
+    job = make_job(user, abcd_text, ready_node, agent, model=llama)
+    greedy = api.post(f"/api/jobs/{job.id}/sample", {"prompt": "bc", "length": 20, "temperature": 0}, format="json")
+    assert greedy.status_code == 200, greedy.json()
+    assert greedy.json() == {"text": "bc" + "dabc" * 5, "step": 60}
+
+
+@pytest.mark.django_db
 def test_a_bpe_job_samples_through_its_own_tokenizer(
     api: APIClient, user: User, abcd_text: Path, ready_node, agent: Agent
 ) -> None:
@@ -151,7 +165,7 @@ def test_sampling_needs_a_trained_transformer_of_ones_own(
     mlp = queued_job()
     response = api.post(f"/api/jobs/{mlp.id}/sample", {}, format="json")
     assert response.status_code == 409
-    assert "only a transformer job generates text" in response.json()["detail"]
+    assert "only a llama or transformer job generates text" in response.json()["detail"]
 
     assert other_api.post(f"/api/jobs/{untrained.id}/sample", {}, format="json").status_code == 404
 

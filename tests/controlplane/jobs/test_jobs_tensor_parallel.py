@@ -57,7 +57,7 @@ def test_a_split_job_is_stored_normalised_without_spot_checks(api: APIClient) ->
 
 INVALID: list[tuple[str, dict[str, Any], str, str]] = [
     ("an mlp", {"model_config": {"layer_sizes": [64, 10]}, "dataset_config": {"name": "digits"}, "stages": 1,
-                "tensor_parallel": {"size": 2}}, "tensor_parallel", "only a transformer's blocks split"),
+                "tensor_parallel": {"size": 2}}, "tensor_parallel", "only a transformer's or a llama's blocks split"),
     ("heads do not divide", {"tensor_parallel": {"size": 3}}, "tensor_parallel.size",
      "must divide the model's n_head (4) so each node takes whole attention heads; use one of 2, 4"),
     ("a group of one", {"tensor_parallel": {"size": 1}}, "tensor_parallel.size", "greater than or equal to 2"),

@@ -1,10 +1,12 @@
-"""A GPT against its text: a character-level model takes its `vocab_size` from the text's distinct
-characters, a BPE one its size from the model config (1024 if left out); the text dataset takes its
-`block_size`, `vocab` and `vocab_size` from the model, so both stored configs are complete and agree.
+"""A model that writes text (a GPT, a Llama) against its text: a character-level model takes its `vocab_size`
+from the text's distinct characters, a BPE one its size from the model config (1024 if left out); the text
+dataset takes its `block_size`, `vocab` and `vocab_size` from the model, so both stored configs are complete
+and agree.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from arceus.data import validate_dataset_config
@@ -12,17 +14,23 @@ from arceus.data.text import text_vocabulary
 from arceus.data.text_config import TEXT_DATASET
 from arceus.data.tokenizer import BPE_DEFAULT_VOCAB, check_vocab
 from arceus.errors import SpecError
-from arceus.model.gpt.spec import GPTSpec, gpt_from_config
+from arceus.model.spec import TextModelSpec
 
 
-def fit_gpt_to_dataset(
-    model_config: dict[str, Any], dataset_config: Any
-) -> tuple[GPTSpec, dict[str, Any], dict[str, Any]]:
-    """The text dataset is validated first: the model's vocabulary comes from it."""
+def fit_text_model(
+    model_config: dict[str, Any],
+    dataset_config: Any,
+    *,
+    from_config: Callable[[dict[str, Any]], TextModelSpec],
+    block_key: str,
+) -> tuple[TextModelSpec, dict[str, Any], dict[str, Any]]:
+    """The spec `from_config` parses, fitted to its text dataset (a sample is `block_key` tokens, the
+    model's key for its context); the dataset is validated first: the model's vocabulary comes from it."""
     dataset = validate_dataset_config(dataset_config)
     if dataset["name"] != TEXT_DATASET:
         raise SpecError(
-            "dataset_config.name", f"a transformer trains on the {TEXT_DATASET} dataset, got {dataset['name']}"
+            "dataset_config.name",
+            f"a {model_config.get('type')} trains on the {TEXT_DATASET} dataset, got {dataset['name']}",
         )
     vocab = model_config.get("vocab", "char")
     if vocab == "bpe":
@@ -32,7 +40,7 @@ def fit_gpt_to_dataset(
         check_vocab(vocab, None, prefix="model_config")
         vocab_size = len(text_vocabulary(dataset))
     model_config = {**model_config, "vocab_size": model_config.get("vocab_size", vocab_size)}
-    spec = gpt_from_config(model_config)
+    spec = from_config(model_config)
     if spec.vocab_size != vocab_size:
         raise SpecError(
             "model_config.vocab_size",
@@ -52,7 +60,7 @@ def fit_gpt_to_dataset(
     if block != spec.block_size:
         raise SpecError(
             "dataset_config.block_size",
-            f"is {block} but the model's block_size is {spec.block_size}; leave it out to take the model's",
+            f"is {block} but the model's {block_key} is {spec.block_size}; leave it out to take the model's",
         )
     return spec, model_config, {**dataset, "block_size": block}
 

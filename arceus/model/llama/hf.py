@@ -1,0 +1,51 @@
+"""A Llama model in Hugging Face's terms: its `config.json` and each parameter's `LlamaForCausalLM` name, so
+the trained weights load with `transformers.LlamaForCausalLM.from_pretrained` (and such weights load here).
+
+Pipeline names are "layers.<i>.<name in layer i>"; layer 0 is `model.embed_tokens`, layer i in
+1..num_hidden_layers is `model.layers.<i-1>`, and the head holds `model.norm` and `lm_head`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from arceus.model.llama.spec import LlamaSpec
+
+
+def hf_config(spec: LlamaSpec) -> dict[str, Any]:
+    """`config.json` of the model as `LlamaConfig` reads it."""
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_hidden_layers,
+        "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads,
+        "head_dim": spec.head_dim,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "vocab_size": spec.vocab_size,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+
+
+def hf_name(spec: LlamaSpec, name: str) -> str:
+    """The `LlamaForCausalLM` name of the pipeline parameter `name`; ValueError for a name the model lacks."""
+    prefix, layer, rest = (name.split(".", 2) + ["", ""])[:3]
+    if prefix != "layers" or not layer.isdigit() or not rest:
+        raise ValueError(f"{name!r} is not a pipeline parameter name (layers.<i>.<name>)")
+    index = int(layer)
+    if index == 0 and rest == "embed_tokens.weight":
+        return f"model.{rest}"
+    if index == spec.num_layers - 1 and rest in ("norm.weight", "lm_head.weight"):
+        return rest if rest.startswith("lm_head") else f"model.{rest}"
+    if 1 <= index <= spec.num_hidden_layers:
+        return f"model.layers.{index - 1}.{rest}"
+    raise ValueError(f"{name!r} is no parameter of this model's layer {index}")

@@ -1,0 +1,75 @@
+"""A Llama's stage checkpoint files assembled into a Hugging Face folder (a tar stream): `transformers`
+loads it with `LlamaForCausalLM.from_pretrained`, and its logits are the pipeline's; and the other way,
+uploaded Hugging Face weights give each stage its layers."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaForCausalLM
+
+from arceus.checkpoint import OPTIMIZER_PREFIX, StateFile, encode_checkpoint
+from arceus.errors import SpecError
+from arceus.model.build import build_full_model, build_layers, named_global_parameters
+from arceus.model.hugging_face import hugging_face_folder, hugging_face_weights_check, stage_weights
+from arceus.model.llama.hf import hf_name
+from arceus.model.registry import model_spec_from_config
+from tests.arceus.model.test_llama_model import SMALL, ids
+
+SPEC = model_spec_from_config(SMALL)
+
+
+def stage_file(start: int, end: int) -> io.BytesIO:
+    """Stage [start, end)'s state file as an agent writes it: its weights and an optimizer's state."""
+    tensors = {name: p.detach() for name, p in named_global_parameters(build_layers(SPEC, start, end, seed=7))}
+    tensors |= {f"{OPTIMIZER_PREFIX}{name}.momentum_buffer": t * 0.5 for name, t in tensors.items()}
+    return io.BytesIO(encode_checkpoint(tensors))
+
+
+def test_the_folder_loads_with_from_pretrained_and_gives_the_pipelines_logits(tmp_path: Path) -> None:
+    size, chunks = hugging_face_folder(
+        SPEC, [stage_file(0, 2), stage_file(2, 4)], keep=lambda n: not n.startswith(OPTIMIZER_PREFIX),
+        metadata={"step": "3"},
+    )
+    archive = b"".join(chunks)
+    assert len(archive) == size
+    with tarfile.open(fileobj=io.BytesIO(archive), mode="r|") as tar:
+        tar.extractall(tmp_path / "folder", filter="data")
+    folder = tmp_path / "folder"
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors"]
+    assert json.loads((folder / "config.json").read_text())["num_key_value_heads"] == 2
+
+    loaded = LlamaForCausalLM.from_pretrained(folder).eval()
+    assert loaded.config.rope_parameters["rope_theta"] == 500.0 and loaded.dtype == torch.float32
+    with torch.no_grad():
+        want = build_full_model(SPEC, seed=7)(ids())
+        torch.testing.assert_close(loaded(ids()).logits, want, rtol=0, atol=1e-5)
+
+
+def test_a_model_without_the_format_is_refused_naming_format() -> None:
+    mlp = model_spec_from_config({"layer_sizes": [4, 3, 2]})
+    with pytest.raises(SpecError) as info:
+        hugging_face_folder(mlp, [], keep=lambda n: True, metadata={})
+    assert info.value.field == "format" and "no Hugging Face format (only llama)" in info.value.message
+
+
+def test_a_stage_reads_its_layers_of_uploaded_weights_under_its_own_names(tmp_path: Path) -> None:
+    full = build_full_model(SPEC, seed=11)
+    path = tmp_path / "model.safetensors"
+    save_file({hf_name(SPEC, n): p.detach() for n, p in named_global_parameters(full)}, path)
+    with path.open("rb") as handle:
+        hugging_face_weights_check(SPEC, handle, path.stat().st_size)
+    stage = build_layers(SPEC, 1, 3, seed=0)
+    weights = stage_weights(SPEC, 1, 3, StateFile(path))
+    assert sorted(weights) == sorted(n for n, _ in named_global_parameters(stage))
+    assert weights.shape_of("layers.1.self_attn.k_proj.weight") == [16, 32]  # read from the header
+    stage.load_state_dict({n.removeprefix("layers."): t for n, t in weights.items()})
+    with torch.no_grad():
+        h = full[0](ids())
+        torch.testing.assert_close(stage(h), full[1:3](h), rtol=0, atol=0)
