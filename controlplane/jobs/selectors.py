@@ -126,7 +126,7 @@ def assignments_version(*, node: Node) -> str:
             f"SELECT s.id, s.generation, j.generation, j.status, j.resume_checkpoint_id "  # noqa: S608 (names)
             f"FROM {Stage._meta.db_table} s JOIN {Job._meta.db_table} j ON j.id = s.job_id "
             f"WHERE s.node_id = %s AND s.active AND j.status IN ({', '.join(['%s'] * len(HOSTED_STATUSES))}) "
-            "ORDER BY s.job_id, s.index, s.rank",
+            f"ORDER BY s.job_id, s.{connection.ops.quote_name('index')}, s.rank",  # "index": reserved in SQLite
             [Stage._meta.get_field("node").get_db_prep_value(node.pk, connection), *HOSTED_STATUSES],
         )
         rows = [tuple(map(str, row)) for row in cursor.fetchall()]

@@ -51,7 +51,8 @@ def _readme_operator_commands() -> list[list[str]]:
 
 
 def _compose_config() -> dict:
-    env = {**os.environ, "ARCEUS_SECRET_KEY": "a-secret-for-the-config-check"}
+    env = {**os.environ, "ARCEUS_SECRET_KEY": "a-secret-for-the-config-check",
+           "ARCEUS_RELAY_SECRET": "a-relay-secret-for-the-config-check"}
     result = subprocess.run(
         ["docker-compose", "-f", str(DEPLOY / "compose.yaml"), "config"],
         capture_output=True, text=True, timeout=60, env=env, cwd=ROOT,
@@ -100,6 +101,7 @@ def test_the_readme_lists_the_operator_start_up_in_order() -> None:
         "celery -A controlplane.celery worker",
         "celery -A controlplane.celery worker",
         "celery -A controlplane.celery beat",
+        "python -m arceus.relay --listen",
     ]
 
 
@@ -109,7 +111,8 @@ def test_compose_file_is_valid_and_runs_the_readme_commands() -> None:
     started = {name: services[name].get("command", image_cmd) for name in services if name != "agent"
                and services[name].get("image", "").startswith("arceus-server")}
     readme = [c for c in _readme_operator_commands() if c[-1] != "createsuperuser"]
-    assert sorted(started.values()) == sorted(readme), "compose's commands differ from README 'Running it for real'"
+    distinct = {tuple(command) for command in started.values()}  # replicas (the two relays) run one command
+    assert sorted(distinct) == sorted(map(tuple, readme)), "compose's commands differ from README 'Running it for real'"
     assert started["web"] == image_cmd
 
 
@@ -136,7 +139,7 @@ def test_compose_shares_checkpoints_and_static_files_with_web() -> None:
 
 def test_the_agents_start_as_the_readme_says() -> None:
     # The section's agent line: `ARCEUS_NODE_TOKEN=... arceus-agent run --control-plane URL --listen ...`.
-    (line,) = [c for block in _readme_blocks() for c in block if "--listen" in c]
+    (line,) = [c for block in _readme_blocks() for c in block if "--listen" in c and "arceus-agent" in c]
     env, agent = line[:1], line[1:]
     agent_service = _compose_config()["services"]["agent"]
     assert env[0].startswith("ARCEUS_NODE_TOKEN=") and "ARCEUS_NODE_TOKEN" in agent_service["environment"]
@@ -168,6 +171,9 @@ def test_kubernetes_runs_the_readme_commands_from_the_secret() -> None:
     readme = [c for c in _readme_operator_commands() if c[-1] != "createsuperuser"]
     assert sorted(c["command"] for c in containers) == sorted(readme)
     for container in containers:
+        if container["name"] == "relay":  # a relay needs its ticket secret only, not the database's
+            assert [e["name"] for e in container["env"]] == ["ARCEUS_RELAY_SECRET"] and "envFrom" not in container
+            continue
         assert {"secretRef": {"name": "arceus"}} in container["envFrom"], container["name"]
     (web,) = [d for d in _k8s_documents() if d["metadata"]["name"] == "arceus-web" and d["kind"] == "Deployment"]
     (init,) = web["spec"]["template"]["spec"]["initContainers"]

@@ -152,6 +152,7 @@ def test_the_detail_shows_progress_placements_and_curves(running_job: Job, api: 
         "compute_seconds": 0.25,
         "bytes_sent": 4096,
         "bytes_received": 2048,
+        "relayed": False,
     }
     assert {c["type"] for c in detail["conditions"]} == {"Placed", "StagesReady"}
 
