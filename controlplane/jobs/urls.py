@@ -19,7 +19,12 @@ from controlplane.jobs.api import (
 urlpatterns = [
     re_path(r"^jobs/?$", JobListCreateApi.as_view(), name="job-list"),
     re_path(r"^jobs/estimate/?$", JobEstimateApi.as_view(), name="job-estimate"),
-    re_path(r"^jobs/estimates/(?P<estimate_id>[^/]+)/?$", JobEstimateDetailApi.as_view(), name="job-estimate-detail"),
+    # An estimate's id is a UUID: a job's routes with the job id "estimates" (/api/jobs/estimates/sample/) stay
+    # theirs (a 404 for that job) instead of reaching the estimate's GET-only view (a 405).
+    re_path(
+        r"^jobs/estimates/(?P<estimate_id>[0-9a-fA-F-]{32,36})/?$", JobEstimateDetailApi.as_view(),
+        name="job-estimate-detail",
+    ),
     re_path(r"^jobs/(?P<job_id>[^/]+)/?$", JobDetailApi.as_view(), name="job-detail"),
     re_path(r"^jobs/(?P<job_id>[^/]+)/train/?$", JobTrainApi.as_view(), name="job-train"),
     re_path(r"^jobs/(?P<job_id>[^/]+)/cancel/?$", JobCancelApi.as_view(), name="job-cancel"),

@@ -113,3 +113,10 @@ def test_a_search_cut_short_says_so(estimate, digits_job, offered, settings) -> 
     settings.ARCEUS_SOLVER_SECONDS = 0
     body = estimate(digits_job, stages=None)
     assert not body["feasible"] and "the placement search ran out of its 0 s" in body["reason"]
+
+
+def test_a_job_named_estimates_is_a_job_route_not_an_estimates(api) -> None:  # noqa: ANN001
+    # The fuzzer's find: POST /api/jobs/estimates/sample/ reached the estimate's GET-only view (an undocumented 405).
+    response = api.post("/api/jobs/estimates/sample/", {"prompt": "a"}, format="json")
+    assert response.status_code == 404, response.content
+    assert api.get("/api/jobs/estimates/not-an-estimate-id/").status_code == 404
