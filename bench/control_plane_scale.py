@@ -125,7 +125,9 @@ def placed_nodes() -> dict[str, str]:
 
 
 async def register(session: aiohttp.ClientSession, url: str, agent: SimAgent, certificate: str, i: int) -> None:
-    body = {"grpc_address": f"10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}:50051", "capabilities": CAPABILITIES,
+    # A loopback address of its own where nothing listens: the control plane's dial-back after registration
+    # (controlplane/nodes/reachability.py) is refused at once and stays on this machine.
+    body = {"grpc_address": f"127.{1 + (i >> 16 & 254)}.{i >> 8 & 255}.{i & 255}:9", "capabilities": CAPABILITIES,
             "tls_certificate": certificate}
     async with session.post(f"{url}/api/agent/register", json=body,
                             headers={"Authorization": f"Node {agent.token}"}) as response:
