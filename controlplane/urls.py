@@ -27,3 +27,5 @@ urlpatterns = [
     path("api/", include("controlplane.market.urls")),
 ]
 
+
+handler404 = "controlplane.common.exception_handler.page_not_found"  # JSON under /api/

@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.exceptions import PermissionDenied
-from django.http import Http404
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
+from django.views import defaults
 from rest_framework import exceptions
 from rest_framework.response import Response
 from rest_framework.views import exception_handler as drf_exception_handler
@@ -69,3 +70,11 @@ def summarize(errors: dict[str, list[str]]) -> str:
 
 def _join(prefix: str, key: str) -> str:
     return f"{prefix}.{key}" if prefix else key
+
+
+def page_not_found(request: HttpRequest, exception: Exception) -> HttpResponse:
+    """Django's 404 for a path no route takes (`handler404`): under /api/ the API's own body, so a client that
+    mistyped a path reads JSON as for any other 404; elsewhere Django's page."""
+    if request.path.startswith("/api/"):
+        return JsonResponse({"detail": f"no API route is {request.path}; see /api/docs/"}, status=404)
+    return defaults.page_not_found(request, exception)

@@ -119,4 +119,6 @@ def test_a_job_named_estimates_is_a_job_route_not_an_estimates(api) -> None:  # 
     # The fuzzer's find: POST /api/jobs/estimates/sample/ reached the estimate's GET-only view (an undocumented 405).
     response = api.post("/api/jobs/estimates/sample/", {"prompt": "a"}, format="json")
     assert response.status_code == 404, response.content
-    assert api.get("/api/jobs/estimates/not-an-estimate-id/").status_code == 404
+    missing = api.get("/api/jobs/estimates/not-an-estimate-id/")  # no route: still the API's JSON body
+    assert missing.status_code == 404 and missing["Content-Type"] == "application/json"
+    assert "no API route" in missing.json()["detail"]
