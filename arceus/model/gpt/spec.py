@@ -11,8 +11,8 @@ from typing import Any, ClassVar
 
 from arceus.data.tokenizer import VOCABS
 from arceus.errors import SpecError
-from arceus.model.layout import TensorLayout
 from arceus.model.spec import LayerStash
+from arceus.model.text_layouts import TextDecoderLayouts
 
 GPT_DEFAULTS = {"n_layer": 6, "n_head": 8, "d_model": 256, "block_size": 128}
 _LIMITS = {"n_layer": 256, "n_head": 1024, "d_model": 65536, "block_size": 65536, "vocab_size": 1_000_000}
@@ -20,7 +20,7 @@ _GPT_KEYS = frozenset({"type", "vocab", "vocab_size", *GPT_DEFAULTS})
 
 
 @dataclass(frozen=True)
-class GPTSpec:
+class GPTSpec(TextDecoderLayouts):
     type: ClassVar[str] = "transformer"
     n_layer: int
     n_head: int
@@ -57,26 +57,9 @@ class GPTSpec:
         d, v, t = self.d_model, self.vocab_size, self.block_size
         return [LayerStash(0), *[LayerStash(4 * 15 * t * d)] * self.n_layer, LayerStash(4 * t * (d + v))]
 
-    def input_layout(self, layer: int) -> TensorLayout:
-        if layer == 0:
-            return TensorLayout("int64", (self.block_size,), bound=self.vocab_size)
-        return self._hidden()
-
-    def output_layout(self, layer: int) -> TensorLayout:
-        if layer == self.num_layers - 1:
-            return TensorLayout("float32", (self.block_size, self.vocab_size))  # logits
-        return self._hidden()
-
-    def label_layout(self) -> TensorLayout:
-        """The next token at every position."""
-        return TensorLayout("int64", (self.block_size,), bound=self.vocab_size)
-
-    def split_layers(self) -> frozenset[int]:
-        """The blocks: a tensor-parallel group splits their attention heads and MLP units."""
-        return frozenset(range(1, self.n_layer + 1))
-
-    def _hidden(self) -> TensorLayout:
-        return TensorLayout("float32", (self.block_size, self.d_model))
+    @property
+    def width(self) -> int:
+        return self.d_model
 
 
 def gpt_from_config(config: dict[str, Any]) -> GPTSpec:

@@ -14,8 +14,8 @@ from typing import Any, ClassVar
 
 from arceus.data.tokenizer import VOCABS
 from arceus.errors import SpecError
-from arceus.model.layout import TensorLayout
 from arceus.model.spec import LayerStash
+from arceus.model.text_layouts import TextDecoderLayouts
 
 LLAMA_DEFAULTS = {
     "hidden_size": 256,
@@ -33,7 +33,7 @@ _KEYS = frozenset({"type", "vocab", "vocab_size", "num_key_value_heads", *LLAMA_
 
 
 @dataclass(frozen=True)
-class LlamaSpec:
+class LlamaSpec(TextDecoderLayouts):
     type: ClassVar[str] = "llama"
     hidden_size: int
     intermediate_size: int
@@ -90,26 +90,9 @@ class LlamaSpec:
         block = 4 * t * (LLAMA_STASH_HIDDEN * d + LLAMA_STASH_KV * self.kv_size + LLAMA_STASH_MLP * i)
         return [LayerStash(0), *[LayerStash(block)] * self.num_hidden_layers, LayerStash(4 * t * (2 * d + v))]
 
-    def input_layout(self, layer: int) -> TensorLayout:
-        if layer == 0:
-            return TensorLayout("int64", (self.block_size,), bound=self.vocab_size)
-        return self._hidden()
-
-    def output_layout(self, layer: int) -> TensorLayout:
-        if layer == self.num_layers - 1:
-            return TensorLayout("float32", (self.block_size, self.vocab_size))  # logits
-        return self._hidden()
-
-    def label_layout(self) -> TensorLayout:
-        """The next token at every position."""
-        return TensorLayout("int64", (self.block_size,), bound=self.vocab_size)
-
-    def split_layers(self) -> frozenset[int]:
-        """The decoder layers: a tensor-parallel group splits their key/value head groups and MLP units."""
-        return frozenset(range(1, self.num_hidden_layers + 1))
-
-    def _hidden(self) -> TensorLayout:
-        return TensorLayout("float32", (self.block_size, self.hidden_size))
+    @property
+    def width(self) -> int:
+        return self.hidden_size
 
 
 # Vectors per token a decoder layer's training forward keeps (see `LlamaSpec.layer_stash`).
