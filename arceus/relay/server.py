@@ -129,13 +129,8 @@ class RelayServicer(relay_pb2_grpc.RelayServiceServicer):
             attachment.waiting -= 1
             self._waiting.pop(connection_id, None)
         yield relay_pb2.Bytes()  # connected
-        pump = asyncio.create_task(_forward(requests, conn.to_agent, conn))
-        try:
-            async for reply in conn.to_caller.replies():
-                yield reply
-        finally:
-            pump.cancel()
-            conn.close()
+        async for reply in _splice(requests, conn, conn.to_agent, conn.to_caller):
+            yield reply
 
     async def Carry(  # noqa: N802
         self, requests: AsyncIterator[relay_pb2.Bytes], context: grpc.aio.ServicerContext
@@ -146,13 +141,22 @@ class RelayServicer(relay_pb2_grpc.RelayServiceServicer):
         if conn is None or conn.node_id != node_id or conn.taken.done():
             await context.abort(grpc.StatusCode.NOT_FOUND, "no caller is waiting on that connection for this node")
         conn.taken.set_result(True)
-        pump = asyncio.create_task(_forward(requests, conn.to_caller, conn))
-        try:
-            async for reply in conn.to_agent.replies():
-                yield reply
-        finally:
-            pump.cancel()
-            conn.close()
+        async for reply in _splice(requests, conn, conn.to_caller, conn.to_agent):
+            yield reply
+
+
+async def _splice(
+    requests: AsyncIterator[relay_pb2.Bytes], conn: _Connection, outbound: _Direction, inbound: _Direction
+) -> AsyncIterator[relay_pb2.Bytes]:
+    """One side of a relayed connection: what this side sends goes to `outbound` while what `inbound` holds
+    comes back, until either side ends; then the connection closes for both."""
+    pump = asyncio.create_task(_forward(requests, outbound, conn))
+    try:
+        async for reply in inbound.replies():
+            yield reply
+    finally:
+        pump.cancel()
+        conn.close()
 
 
 def server_options() -> list[tuple[str, int]]:

@@ -85,15 +85,7 @@ def checkpoint_upload_receive(*, node_id: Any, upload_id: str, body: BinaryIO, l
         raise ApplicationError.not_found("checkpoint upload", upload_id)
     if upload.file:
         raise ApplicationError.conflict(f"checkpoint upload {upload_id} was already received")
-    limit = settings.ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES
-    if length is None or length <= 0:
-        raise ApplicationError.invalid("Content-Length", "send the state file's size in bytes (more than 0)")
-    if length > limit:
-        raise ApplicationError.invalid(
-            "Content-Length", f"{length} bytes is more than the {limit} a stage's state file may hold "
-            "(ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES)",
-        )
-    reader = _HashingReader(body, length)
+    reader = _upload_reader(body, length, "the state file", "a stage's state file")
     storage = checkpoint_storage()
     name = storage.save(
         f"checkpoints/{upload.job_id}/step-{upload.step:08d}/stage-{upload.stage_index}-{upload.pk}.safetensors",
@@ -355,15 +347,7 @@ def job_initial_weights_receive(*, job: Job, body: BinaryIO, length: int | None)
         ) from exc
     if job.status not in STARTABLE_STATUSES:
         raise ApplicationError.conflict(f"job {job.id} is {job.status}; upload its weights before starting it")
-    limit = settings.ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES
-    if length is None or length <= 0:
-        raise ApplicationError.invalid("Content-Length", "send the weights file's size in bytes (more than 0)")
-    if length > limit:
-        raise ApplicationError.invalid(
-            "Content-Length", f"{length} bytes is more than the {limit} a weights file may hold "
-            "(ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES)",
-        )
-    reader = _HashingReader(body, length)
+    reader = _upload_reader(body, length, "the weights file", "a weights file")
     storage = checkpoint_storage()
     name = storage.save(f"initial-weights/{job.id}/{uuid.uuid4()}.safetensors", File(reader))
     try:
@@ -401,6 +385,20 @@ def job_initial_weights_for_node(*, node_id: Any, job_id: str) -> Job:
 
 class _LeaseLost(Exception):
     pass
+
+
+def _upload_reader(body: BinaryIO, length: int | None, what: str, one: str) -> _HashingReader:
+    """A hashing reader of an upload's `length` bytes (its Content-Length) once that is within
+    ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES; `what` and `one` name the file in the refusals."""
+    limit = settings.ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES
+    if length is None or length <= 0:
+        raise ApplicationError.invalid("Content-Length", f"send {what}'s size in bytes (more than 0)")
+    if length > limit:
+        raise ApplicationError.invalid(
+            "Content-Length",
+            f"{length} bytes is more than the {limit} {one} may hold (ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES)",
+        )
+    return _HashingReader(body, length)
 
 
 class _HashingReader(io.RawIOBase):
