@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from arceus.contracts.observed import ObservedState
+from arceus.discovery import DiscoveryError, discover_control_plane
 from arceus.errors import SpecError
 from arceus.wire.tls import load_identity
 from nodeagent.agent import Agent, split_host_port
@@ -87,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--control-plane", metavar="URL",
-        help="control plane base URL, e.g. http://127.0.0.1:8000 (default: the settings file's)",
+        help="control plane base URL, e.g. http://127.0.0.1:8000 (default: the settings file's; with no settings "
+        "file, the one advertised on the local network by mDNS)",
     )
     parser.add_argument(
         "--token-file", type=Path, metavar="FILE",
@@ -184,6 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.static_assignment is not None:
         if args.control_plane or args.token_file or args.config:
             parser.error("--static-assignment runs without a control plane; drop --control-plane/--token-file/--config")
+    elif args.control_plane is None and args.config is None and not default_settings_path().exists():
+        try:
+            found = discover_control_plane()
+        except DiscoveryError as exc:
+            parser.error(f"{exc} with --control-plane URL (or run `arceus-agent init`, or give --static-assignment)")
+        print(f"nodeagent: found the control plane {found.url} on the local network ({found.service})",
+              file=sys.stderr)
+        args.control_plane = found.url
     elif args.control_plane is None:
         settings_path = args.config or default_settings_path()
         try:
