@@ -135,26 +135,24 @@ DISCOVERY_METHODS = ("auto", "mdns", "url")
 
 def control_plane_url(method: str, *, given: str | None, configured: str | None, configured_by: str,
                       timeout: float = DEFAULT_BROWSE_SECONDS) -> Found:
-    """The control plane to use. `given`: a URL passed explicitly (always wins); `configured`: one from the
-    environment or a settings file (`configured_by` names where, for errors). `method` "url": only those;
-    "mdns": only the local network; "auto": the local network, else the configured URL. DiscoveryError saying
+    """The control plane to use. `given`: a URL passed explicitly; `configured`: one from the environment
+    (`configured_by` names where, for errors). `method` "url": given, else configured; "mdns": the one advertised
+    on the local network; "auto": given, else configured, else the local network's. A URL someone configured
+    wins over discovery, whose answers anyone on the network can forge (docs/security.md). DiscoveryError saying
     what was tried when nothing is found; ValueError for a method or URL that is not one."""
     if method not in DISCOVERY_METHODS:
         raise ValueError(f"discovery_method must be one of {', '.join(DISCOVERY_METHODS)}, got {method!r}")
     if given:
         return Found(url=check_url(given), service="given")
-    if method == "url":
-        if not configured:
-            raise DiscoveryError(f"no control-plane URL: pass url=..., set {configured_by}, or discover one on "
-                                 "the local network with discovery_method=\"auto\"")
+    if method != "mdns" and configured:
         return Found(url=check_url(configured), service=configured_by)
+    if method == "url":
+        raise DiscoveryError(f"no control-plane URL: pass url=..., set {configured_by}, or discover one on "
+                             "the local network with discovery_method=\"auto\"")
     try:
         return discover_control_plane(timeout)
     except DiscoveryError as exc:
-        if method == "mdns" or not configured:
-            raise DiscoveryError(f"{exc}: pass url=... or set {configured_by}") from None
-        log.info("%s; using %s=%s", exc, configured_by, configured)
-        return Found(url=check_url(configured), service=configured_by)
+        raise DiscoveryError(f"{exc}: pass url=... or set {configured_by}") from None
 
 
 def _addresses(url: str, given: Sequence[str]) -> list[bytes]:

@@ -3,7 +3,7 @@
     from arceus import DistributedTrainer
     trainer = DistributedTrainer(model={"type": "mlp", "layer_sizes": [64, 128, 64, 10]},
                                  discovery_method="auto", partition_strategy="hybrid", fault_tolerance=True)
-    trainer.discover_peers()         # the control plane (mDNS, else $ARCEUS_URL) and its ready devices
+    trainer.discover_peers()         # the control plane ($ARCEUS_URL, else mDNS) and its ready devices
     history = trainer.train(dataset={"name": "digits"}, epochs=10, checkpoint_interval=100)
     trainer.model                    # an nn.Module holding the trained weights
 
@@ -130,13 +130,15 @@ def _splits_in_two(spec: ModelSpec) -> bool:
 
 
 class DistributedTrainer:
-    """Train a model on the devices of a control plane. `discovery_method`: "auto" (the control plane
-    advertised on the local network by mDNS, else $ARCEUS_URL), "mdns", or "url" ($ARCEUS_URL); a `url` given
-    is always used. `token`: the API token (default $ARCEUS_TOKEN). `partition_strategy`: "pipeline" (a stage per
-    ready device) or "hybrid" (pipeline stages, the later ones split over tensor-parallel pairs where the model
-    allows it: arceus.partition). `fault_tolerance`: checkpoint while training, so a lost device costs at most
-    the steps since the last checkpoint (the control plane moves its stage and resumes); without it nothing is
-    saved before the end and a lost device restarts the job."""
+    """Train a model on the devices of a control plane.
+
+    `discovery_method`: "auto" (`url`, else $ARCEUS_URL, else the control plane advertised on the local network
+    by mDNS), "url" (no discovery) or "mdns" (only discovery, unless `url` is given). `token`: the API token
+    (default $ARCEUS_TOKEN). `partition_strategy`: "pipeline" (a stage per ready device) or "hybrid" (pipeline
+    stages, the later ones split over tensor-parallel pairs where the model allows it: arceus.partition).
+    `fault_tolerance`: checkpoint while training, so a lost device costs at most the steps since the last
+    checkpoint (the control plane moves its stage and resumes); without it nothing is saved before the end and a
+    lost device restarts the job."""
 
     def __init__(
         self, model: Any, *, discovery_method: str = "auto", partition_strategy: str = "pipeline",

@@ -35,9 +35,13 @@ def test_a_given_url_wins_and_is_checked() -> None:
         control_plane_url("url", given="cp:8000", configured=None, configured_by="ARCEUS_URL")
 
 
-def test_the_url_method_uses_the_configured_one_or_says_how_to_give_one() -> None:
-    found = control_plane_url("url", given=None, configured="http://cp:8000", configured_by="ARCEUS_URL")
-    assert found == Found(url="http://cp:8000", service="ARCEUS_URL")
+def test_a_configured_url_wins_over_discovery_except_when_asking_for_mdns_only() -> None:
+    for method in ("url", "auto"):  # "auto" browses only when nothing is configured (forged answers: security.md)
+        found = control_plane_url(method, given=None, configured="http://cp:8000", configured_by="ARCEUS_URL")
+        assert found == Found(url="http://cp:8000", service="ARCEUS_URL")
+
+
+def test_the_url_method_says_how_to_give_one() -> None:
     with pytest.raises(DiscoveryError, match="pass url=..., set ARCEUS_URL, or discover one"):
         control_plane_url("url", given=None, configured=None, configured_by="ARCEUS_URL")
 

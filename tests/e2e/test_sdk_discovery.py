@@ -73,6 +73,18 @@ def test_agents_and_the_trainer_find_the_control_plane_by_mdns_and_train_like_on
     web = f"{server_address}:{free_port()}"
     url = cluster.start_web("web-lan", web, prefix=server.command([]),
                             env={"ARCEUS_ALLOWED_HOSTS": f"localhost,127.0.0.1,{server_address}"})
+    env = {k: v for k, v in cluster.env.items() if k != URL_ENV}
+    env[TOKEN_ENV] = cluster.client.session.headers["Authorization"].removeprefix("Token ")
+    # Nothing advertised yet: the agent and the SDK say what they tried and how to go on.
+    sdk = "from arceus import DistributedTrainer; DistributedTrainer(model={}).discover_peers()"
+    lost = {hint: subprocess.Popen(home.command(argv), env={**env, "XDG_CONFIG_HOME": str(tmp_path)},
+                                   cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
+            for hint, argv in (("with --control-plane URL", [sys.executable, "-m", "nodeagent"]),
+                               (f"pass url=... or set {URL_ENV}", [sys.executable, "-c", sdk]))}
+    for hint, process in lost.items():
+        _, stderr = process.communicate(timeout=120)
+        assert process.returncode != 0
+        assert "no control plane answered an mDNS query for _arceus._tcp.local." in stderr and hint in stderr, stderr
     advertiser = cluster.supervisor.start(
         "advertise", server.command([sys.executable, "-m", "arceus.discovery", "advertise", "--url", url]),
         env=cluster.env, cwd=REPO_ROOT)
@@ -89,8 +101,6 @@ def test_agents_and_the_trainer_find_the_control_plane_by_mdns_and_train_like_on
         source = tmp_path / "genesis.txt"
         source.write_text(BUNDLED_TEXT.read_text(encoding="utf-8")[:4000], encoding="utf-8")
         dataset = {"name": "text", "source": cluster.add_data_file(source), "batch_size": 16, "val_batch_size": 64}
-        env = {k: v for k, v in cluster.env.items() if k != URL_ENV}
-        env[TOKEN_ENV] = cluster.client.session.headers["Authorization"].removeprefix("Token ")
         job = json.dumps({"model_config": MODEL, "dataset_config": dataset, **FIELDS})
         trained = tmp_path / "trained.safetensors"
         script = subprocess.Popen(
