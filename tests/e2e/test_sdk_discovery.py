@@ -34,6 +34,7 @@ from arceus.sdk import TOKEN_ENV, URL_ENV
 from devtools.cluster import REPO_ROOT, LocalCluster, free_port
 from devtools.netns import Lan
 from devtools.reference import reference_run
+from nodeagent.node_token import TOKEN_ENV as NODE_TOKEN_ENV
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -77,7 +78,8 @@ def test_agents_and_the_trainer_find_the_control_plane_by_mdns_and_train_like_on
     env[TOKEN_ENV] = cluster.client.session.headers["Authorization"].removeprefix("Token ")
     # Nothing advertised yet: the agent and the SDK say what they tried and how to go on.
     sdk = "from arceus import DistributedTrainer; DistributedTrainer(model={}).discover_peers()"
-    lost = {hint: subprocess.Popen(home.command(argv), env={**env, "XDG_CONFIG_HOME": str(tmp_path)},
+    unset = {**env, "XDG_CONFIG_HOME": str(tmp_path), NODE_TOKEN_ENV: "a-node-token"}  # no settings file
+    lost = {hint: subprocess.Popen(home.command(argv), env=unset,
                                    cwd=REPO_ROOT, stderr=subprocess.PIPE, text=True)
             for hint, argv in (("with --control-plane URL", [sys.executable, "-m", "nodeagent"]),
                                (f"pass url=... or set {URL_ENV}", [sys.executable, "-c", sdk]))}
