@@ -25,7 +25,7 @@ from typing import Any
 
 from arceus.contracts.status import JobStatus
 from arceus.progress_bar import JobProgressBar
-from arceus.sdk import ApiError, ArceusClient
+from arceus.sdk import TOKEN_ENV, URL_ENV, ApiError, ArceusClient
 
 
 def _client(args: argparse.Namespace) -> ArceusClient:
@@ -135,8 +135,8 @@ def cmd_nodes(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="arceus", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", default=os.environ.get("ARCEUS_URL"), help="control plane URL ($ARCEUS_URL)")
-    parser.add_argument("--token", default=os.environ.get("ARCEUS_TOKEN"), help="API token ($ARCEUS_TOKEN)")
+    parser.add_argument("--url", default=os.environ.get(URL_ENV), help=f"control plane URL (${URL_ENV})")
+    parser.add_argument("--token", default=os.environ.get(TOKEN_ENV), help=f"API token (${TOKEN_ENV})")
     sub = parser.add_subparsers(dest="command", required=True)
 
     login = sub.add_parser("login", help="exchange a username and password for an API token")

@@ -23,6 +23,8 @@ import requests
 from arceus.contracts.status import TERMINAL_STATUSES
 
 MODEL_CHUNK_BYTES = 1024 * 1024
+URL_ENV = "ARCEUS_URL"  # the control plane's base URL, for the CLI and the SDK
+TOKEN_ENV = "ARCEUS_TOKEN"  # the developer's API token
 
 
 class ApiError(RuntimeError):
@@ -114,6 +116,11 @@ class ArceusClient:
 
     def resume_node(self, node_id: str) -> dict[str, Any]:
         return self._request("POST", f"/api/nodes/{node_id}/resume", {})
+
+    # --- market -----------------------------------------------------------------------------------
+    def prices(self) -> list[dict[str, Any]]:
+        """Every device class's price in force and how many of its devices could take work now."""
+        return self._request("GET", "/api/market/prices")
 
     # --- jobs -------------------------------------------------------------------------------------
     def submit_job(self, spec: dict[str, Any]) -> dict[str, Any]:

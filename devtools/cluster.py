@@ -132,9 +132,7 @@ class LocalCluster:
     def _start_servers(self) -> None:
         port = free_port()
         self.api_url = f"http://127.0.0.1:{port}"
-        self._commands["web"] = [
-            sys.executable, "-m", "gunicorn", "controlplane.wsgi", "-c", "python:controlplane.gunicorn_conf",
-            "--bind", f"127.0.0.1:{port}"]
+        self._commands["web"] = self._web_command(f"127.0.0.1:{port}")
         self.web = self.relaunch("web")
         celery = [sys.executable, "-m", "celery", "-A", "controlplane.celery"]
         self._commands["worker-control"] = [
@@ -145,6 +143,20 @@ class LocalCluster:
             *celery, "beat", "--loglevel", "INFO", "--schedule", str(self.workdir / "celerybeat-schedule")]
         for name in ("worker-control", "worker-training", "beat"):
             self.relaunch(name)
+
+    @staticmethod
+    def _web_command(bind: str) -> list[str]:
+        return [sys.executable, "-m", "gunicorn", "controlplane.wsgi", "-c", "python:controlplane.gunicorn_conf",
+                "--bind", bind]
+
+    def start_web(self, name: str, bind: str, *, prefix: Sequence[str] = (), env: dict[str, str] | None = None) -> str:
+        """Another web server of this control plane (its database and broker), listening on `bind` (HOST:PORT),
+        run by `prefix` (e.g. `ip netns exec NAME`, devtools.netns, with the database and broker ports bridged in)
+        with `env` on top of the cluster's; its base URL once it answers. `name` names it for `crash`."""
+        self._commands[name] = [*prefix, *self._web_command(bind)]
+        self.supervisor.start(name, self._commands[name], env={**self.env, **(env or {})}, cwd=REPO_ROOT)
+        self._wait_for_web(f"http://{bind}")
+        return f"http://{bind}"
 
     def _start_relays(self) -> None:
         """Relays on loopback, configured into every part (the operator's ARCEUS_RELAYS and their secret)."""
@@ -168,17 +180,18 @@ class LocalCluster:
 
     def start_agents(
         self, names: Sequence[str], *extra_args: str, module: str = "nodeagent", owner: str | None = None,
-        installed: Path | None = None, prefix: Sequence[str] = (),
+        installed: Path | None = None, prefix: Sequence[str] = (), discover: bool = False,
     ) -> list[Agent]:
         """Start several agents at once, then wait until every one is ready: their start-ups (mostly importing
         torch) overlap instead of queueing one behind another. `prefix`: what runs the command (e.g.
-        `ip netns exec NAME`, devtools.netns)."""
+        `ip netns exec NAME`, devtools.netns). `discover`: no `--control-plane` and no settings file, so the
+        agent finds the control plane advertised on its network (mDNS)."""
         client = self.client if owner is None else self.owner_client(owner)
         spawned = []
         for name in names:
             created = client.create_node(name)
             if installed is None:
-                program = [sys.executable, "-m", module, "--control-plane", self.api_url]
+                program = [sys.executable, "-m", module, *(() if discover else ("--control-plane", self.api_url))]
                 self._configured.discard(f"agent-{name}")  # a name an installed agent had: the token by environment
             else:
                 program = [str(installed), "run", "--config", str(self._init_installed(installed, name, created))]
@@ -229,6 +242,8 @@ class LocalCluster:
         log_path = self.supervisor.log_dir / f"{log_name}.log"
         offset = log_path.stat().st_size if log_path.exists() else 0
         env = {**self.env} if log_name in self._configured else {**self.env, TOKEN_ENV: token}
+        # Its settings folder of its own: an agent started without --control-plane finds no settings file there.
+        env["XDG_CONFIG_HOME"] = str(self.workdir / log_name / "config")
         env.pop(MULTIPROC_ENV)  # an agent's metrics are its own, not summed into the control plane's
         return self.supervisor.start(log_name, self._commands[log_name], env=env, cwd=REPO_ROOT), offset
 
@@ -374,14 +389,15 @@ class LocalCluster:
     def _manage(self, *args: str) -> ManageCommand:
         return ManageCommand(args, env=self.env)
 
-    def _wait_for_web(self, timeout: float = 60) -> None:
+    def _wait_for_web(self, url: str | None = None, timeout: float = 60) -> None:
+        url = url or self.api_url
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self.supervisor.check_alive()
             try:
-                if requests.get(f"{self.api_url}/healthz", timeout=5).status_code == 200:
+                if requests.get(f"{url}/healthz", timeout=5).status_code == 200:
                     return
             except requests.RequestException:
                 pass  # not listening yet, or still booting its workers
             time.sleep(0.2)
-        raise ProcessError(f"the web server did not answer at {self.api_url} within {timeout:.0f}s")
+        raise ProcessError(f"the web server did not answer at {url} within {timeout:.0f}s")

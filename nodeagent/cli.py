@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from arceus.contracts.observed import ObservedState
+from arceus.discovery import DiscoveryError, discover_control_plane
 from arceus.errors import SpecError
 from arceus.wire.tls import load_identity
 from nodeagent.agent import Agent, split_host_port
@@ -87,7 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--control-plane", metavar="URL",
-        help="control plane base URL, e.g. http://127.0.0.1:8000 (default: the settings file's)",
+        help="control plane base URL, e.g. http://127.0.0.1:8000 (default: the settings file's; with no settings "
+        "file, the one advertised on the local network by mDNS)",
     )
     parser.add_argument(
         "--token-file", type=Path, metavar="FILE",
@@ -181,9 +183,12 @@ def main(argv: list[str] | None = None) -> int:
                      "ARCEUS_NODE_TOKEN, give --token-file FILE (chmod 600), or run `arceus-agent init --token-stdin`")
     args = parser.parse_args(argv)
     status_path: Path | None = None  # where a settings-mode agent reports for `arceus-agent status`
+    discover = False  # no URL and no settings: the control plane advertised on the local network (mDNS)
     if args.static_assignment is not None:
         if args.control_plane or args.token_file or args.config:
             parser.error("--static-assignment runs without a control plane; drop --control-plane/--token-file/--config")
+    elif args.control_plane is None and args.config is None and not default_settings_path().exists():
+        discover = True  # once the token is known to be there: browsing takes seconds
     elif args.control_plane is None:
         settings_path = args.config or default_settings_path()
         try:
@@ -201,6 +206,14 @@ def main(argv: list[str] | None = None) -> int:
             token = resolve_token(args.token_file)[0]
         except TokenError as exc:
             parser.error(str(exc))
+    if discover:
+        try:
+            found = discover_control_plane()
+        except DiscoveryError as exc:
+            parser.error(f"{exc} with --control-plane URL (or run `arceus-agent init`, or give --static-assignment)")
+        print(f"nodeagent: found the control plane {found.url} on the local network ({found.service})",
+              file=sys.stderr)
+        args.control_plane = found.url
     logging.basicConfig(
         stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from decimal import Decimal
 from typing import Any
 
@@ -13,7 +14,7 @@ from controlplane.jobs.models import Job
 from controlplane.market.models import LedgerEntry, PriceChange
 from controlplane.market.pricing import base_price
 from controlplane.market.services import MICROS_PER_DOLLAR, node_device_class, price_in_force, pricing_policy
-from controlplane.nodes.models import Node
+from controlplane.nodes.models import Node, ReadyStatus
 
 
 def dollars(micros: int | None) -> Decimal:
@@ -21,12 +22,19 @@ def dollars(micros: int | None) -> Decimal:
 
 
 def prices_current() -> list[dict[str, Any]]:
-    """The price in force for every class that has one posted, or a registered device."""
+    """The price in force for every class that has one posted, or a registered device, and how many of its
+    devices could take work now (Ready, not paused, flagged or leaving: what `DistributedTrainer.discover_peers`
+    shows a developer, who may not see other owners' nodes one by one)."""
     policy = pricing_policy()
     latest: dict[str, PriceChange] = {}
     for change in PriceChange.objects.order_by("device_class", "-created_at"):
         latest.setdefault(change.device_class, change)
-    classes = set(latest) | {node_device_class(n) for n in Node.objects.filter(registered_at__isnull=False)}
+    ready: Counter[str] = Counter()
+    classes = set(latest)
+    for node in Node.objects.filter(registered_at__isnull=False):
+        classes.add(name := node_device_class(node))
+        if node.ready_status == ReadyStatus.TRUE and not (node.paused or node.flagged_at or node.leaving_at):
+            ready[name] += 1
     rows = []
     for name in sorted(classes):
         change = latest.get(name)
@@ -38,6 +46,7 @@ def prices_current() -> list[dict[str, Any]]:
                 "base_price_per_hour": base,
                 "demand": change.demand if change else None,
                 "supply": change.supply if change else None,
+                "ready_nodes": ready[name],
                 "updated_at": change.created_at if change else None,
             }
         )

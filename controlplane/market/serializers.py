@@ -13,6 +13,7 @@ class PriceOutput(serializers.Serializer):
     base_price_per_hour = serializers.FloatField(help_text="the price when demand and supply balance")
     demand = serializers.FloatField(allow_null=True)
     supply = serializers.FloatField(allow_null=True)
+    ready_nodes = serializers.IntegerField(help_text="devices of this class that could take work now")
     updated_at = serializers.DateTimeField(allow_null=True)
 
 

@@ -22,6 +22,8 @@ K8S_FILES = sorted((DEPLOY / "k8s").glob("*.yaml"))
 K8S_VERSION = "1.30.0"
 # The long-running processes; each must wait for both one-off steps to succeed.
 LONG_RUNNING = ("web", "worker-control", "worker-training", "beat")
+# Services of a compose profile, each started as its own README block says: an agent, the LAN advertiser.
+OPTIONAL = ("agent", "advertise")
 
 
 def _readme_section() -> str:
@@ -52,7 +54,7 @@ def _readme_operator_commands() -> list[list[str]]:
 
 def _compose_config() -> dict:
     env = {**os.environ, "ARCEUS_SECRET_KEY": "a-secret-for-the-config-check",
-           "ARCEUS_RELAY_SECRET": "a-relay-secret-for-the-config-check"}
+           "ARCEUS_RELAY_SECRET": "a-relay-secret-for-the-config-check", "ARCEUS_PUBLIC_URL": "http://10.0.0.2:8000"}
     result = subprocess.run(
         ["docker-compose", "-f", str(DEPLOY / "compose.yaml"), "config"],
         capture_output=True, text=True, timeout=60, env=env, cwd=ROOT,
@@ -108,7 +110,7 @@ def test_the_readme_lists_the_operator_start_up_in_order() -> None:
 def test_compose_file_is_valid_and_runs_the_readme_commands() -> None:
     services = _compose_config()["services"]
     image_cmd = _cmd(_dockerfile_stages()["server"])
-    started = {name: services[name].get("command", image_cmd) for name in services if name != "agent"
+    started = {name: services[name].get("command", image_cmd) for name in services if name not in OPTIONAL
                and services[name].get("image", "").startswith("arceus-server")}
     readme = [c for c in _readme_operator_commands() if c[-1] != "createsuperuser"]
     distinct = {tuple(command) for command in started.values()}  # replicas (the two relays) run one command
@@ -135,6 +137,15 @@ def test_compose_shares_checkpoints_and_static_files_with_web() -> None:
     for name in ("web", "worker-control", "worker-training"):
         assert mounts(name).get("/app/var/checkpoints") == "checkpoints", name
     assert mounts("web")["/app/var/static"] == mounts("collectstatic")["/app/var/static"] == "static"
+
+
+def test_the_advertiser_runs_as_the_readme_says() -> None:
+    # The section's line: `ARCEUS_PUBLIC_URL=http://HOST:PORT python -m arceus.discovery advertise`.
+    (line,) = [c for block in _readme_blocks() for c in block if c[1:4] == ["python", "-m", "arceus.discovery"]]
+    advertise = _compose_config()["services"]["advertise"]
+    assert line[1:] == advertise["command"] == ["python", "-m", "arceus.discovery", "advertise"]
+    assert line[0].startswith("ARCEUS_PUBLIC_URL=") and "ARCEUS_PUBLIC_URL" in advertise["environment"]
+    assert advertise["network_mode"] == "host" and advertise["profiles"] == ["lan"]
 
 
 def test_the_agents_start_as_the_readme_says() -> None:

@@ -154,6 +154,12 @@ def test_owners_see_their_earnings_and_developers_their_cost(running_job: Job, a
     prices = api.get("/api/market/prices").json()
     assert [p["device_class"] for p in prices] == ["standard-medium"]
     assert prices[0]["price_per_hour"] == pytest.approx(0.30) and prices[0]["updated_at"] is None
+    # What a developer's DistributedTrainer.discover_peers counts: devices that could take work now.
+    assert prices[0]["ready_nodes"] == 3
+    n0, n1, _ = Node.objects.order_by("name")
+    Node.objects.filter(pk=n0.pk).update(paused=True)
+    Node.objects.filter(pk=n1.pk).update(leaving_at=timezone.now())
+    assert api.get("/api/market/prices").json()[0]["ready_nodes"] == 1
 
 
 def test_a_running_job_shows_the_time_and_money_left(running_job: Job, api: APIClient) -> None:
