@@ -47,11 +47,10 @@ def validate_dataset_config(cfg: Any) -> dict[str, Any]:
     """Return a normalised copy of `cfg` with defaults filled in; raise SpecError naming the bad field."""
     if not isinstance(cfg, dict):
         raise SpecError("dataset_config", f"must be a JSON object, got {type(cfg).__name__}")
-    unknown = sorted(set(cfg) - _KEYS - TEXT_KEYS)
+    known = _KEYS | TEXT_KEYS | _UPLOADED_KEYS
+    unknown = sorted(set(cfg) - known)
     if unknown:
-        raise SpecError(
-            f"dataset_config.{unknown[0]}", f"unknown key; allowed keys: {', '.join(sorted(_KEYS | TEXT_KEYS))}"
-        )
+        raise SpecError(f"dataset_config.{unknown[0]}", f"unknown key; allowed keys: {', '.join(sorted(known))}")
     if isinstance(cfg.get("name"), str) and cfg["name"].lower() == TEXT_DATASET:
         batch_size = _batch_size(cfg, "batch_size", DEFAULT_BATCH_SIZE)
         return validate_text_config(cfg, batch_size, _batch_size(cfg, "val_batch_size", DEFAULT_VAL_BATCH_SIZE))

@@ -24,7 +24,7 @@ class DatasetCreateInput(StrictInputSerializer):
 
 
 class DatasetPartInput(StrictInputSerializer):
-    offset = StrictIntegerField(min_value=0, help_text="where this piece starts: the dataset's uploaded_bytes")
+    offset = serializers.IntegerField(min_value=0, help_text="where this piece starts: the dataset's uploaded_bytes")
 
 
 class DatasetOutput(serializers.ModelSerializer):
