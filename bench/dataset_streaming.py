@@ -63,17 +63,18 @@ def dataset_config(facts: dict) -> dict:
                                     "val_batch_size": 256, "format": "safetensors", **facts})
 
 
-def drive(path: str, facts_json: str, certificates_json: str, steps: int, job_id: str) -> None:
-    """The driver process: train, then print its peak RSS in bytes. `certificates_json`: the agents' TLS
-    certificates by address, in stage order (their identities were made in the parent process)."""
+def drive(path: str, facts_json: str, peers_json: str, steps: int, job_id: str) -> None:
+    """The driver process: train, then print its peak RSS in bytes. `peers_json`: the agents' TLS certificates
+    by address, in stage order, and the driver's token (both made in the parent process)."""
+    peers = json.loads(peers_json)
     from arceus.training.driver import train
     from arceus.training.plan import StageEndpoint, TrainPlan
     from arceus.training.recording import RecordingSink
 
     plan = TrainPlan(
-        job_id=job_id, generation=1, credential=driver_token(job_id, 1),
+        job_id=job_id, generation=1, credential=peers["token"],
         stages=tuple(StageEndpoint(i, a, f"agent-{i}", i, i + 1, certificate=c)
-                     for i, (a, c) in enumerate(json.loads(certificates_json).items())),
+                     for i, (a, c) in enumerate(peers["certificates"].items())),
         dataset=dataset_config(json.loads(facts_json)), epochs=1, learning_rate=LR, micro_batches=MICRO_BATCHES,
         seed=SEED, max_steps=steps, open_dataset=lambda _: open(path, "rb"),  # noqa: SIM115
     )
@@ -104,7 +105,8 @@ def driver_memory(sizes: list[int], steps: int, workdir: Path) -> list[dict]:
             path, facts = files[megabytes]
             out = subprocess.run(
                 [sys.executable, __file__, "--drive", str(path), json.dumps(facts),
-                 json.dumps({a: identity_for(a).certificate for a in addresses}), str(steps), job_id],
+                 json.dumps({"certificates": {a: identity_for(a).certificate for a in addresses},
+                             "token": driver_token(job_id, 1)}), str(steps), job_id],
                 capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(Path.cwd())},
             )
             if out.returncode:
@@ -153,8 +155,8 @@ class _CutOff(Exception):
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--drive":
-        _, _, path, facts, certificates, steps, job_id = sys.argv
-        drive(path, facts, certificates, int(steps), job_id)
+        _, _, path, facts, peers, steps, job_id = sys.argv
+        drive(path, facts, peers, int(steps), job_id)
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mb", type=int, nargs="+", default=[25, 100, 200])
