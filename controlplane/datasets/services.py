@@ -181,19 +181,25 @@ class _Joined(io.RawIOBase):
         self.digest = hashlib.sha256()
 
     def read(self, n: int = -1) -> bytes:
-        n = CHUNK_BYTES if n is None or n < 0 else min(n, CHUNK_BYTES)
-        while True:
+        """Up to `n` bytes (a chunk if unbounded), short only at the end: S3 uploads take a short read for it."""
+        n = CHUNK_BYTES if n is None or n < 0 else n
+        pieces: list[bytes] = []
+        while n > 0:
             if self._current is None:
                 name = next(self._names, None)
                 if name is None:
-                    return b""
+                    break
                 self._current = self._storage.open(name, "rb")
-            data = self._current.read(n)
-            if data:
-                self.digest.update(data)
-                return data
-            self._current.close()
-            self._current = None
+            data = self._current.read(min(n, CHUNK_BYTES))
+            if not data:
+                self._current.close()
+                self._current = None
+                continue
+            pieces.append(data)
+            n -= len(data)
+        data = b"".join(pieces)
+        self.digest.update(data)
+        return data
 
     def readable(self) -> bool:
         return True
