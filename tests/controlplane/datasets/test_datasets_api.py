@@ -4,6 +4,7 @@ and format checked, quotas, tenants' isolation, delete; and jobs naming an uploa
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,9 @@ from django.contrib.auth.models import User
 from rest_framework.test import APIClient
 from safetensors.torch import save
 
+from arceus.cli import main as cli_main
+from arceus.sdk import ArceusClient
+from controlplane.accounts.services import user_token_get_or_create
 from controlplane.datasets.models import Dataset, dataset_storage
 
 pytestmark = pytest.mark.django_db
@@ -229,3 +233,31 @@ def test_delete_removes_the_files(
         for d in (dataset, partial):
             assert api.delete(f"/api/datasets/{d['id']}").status_code == 204
     assert files_in(dataset_dir) == [] and not Dataset.objects.filter(owner=user).exists()
+
+
+def test_the_cli_uploads_and_lists_and_the_sdk_resumes_an_interrupted_upload(
+    live_server, user: User, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    token = user_token_get_or_create(user=user)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a small corpus of words\n" * 2000)
+    argv = ["--url", live_server.url, "--token", token]
+    assert cli_main([*argv, "datasets", "upload", str(corpus)]) == 0
+    uploaded = json.loads(capsys.readouterr().out)
+    assert uploaded["status"] == "ready" and uploaded["format"] == "text" and uploaded["name"] == "corpus.txt"
+    assert cli_main([*argv, "datasets", "list"]) == 0
+    assert [d["id"] for d in json.loads(capsys.readouterr().out)] == [uploaded["id"]]
+
+    path = tmp_path / "pair.safetensors"
+    path.write_bytes(tensor_file(n=400))
+    client = ArceusClient(live_server.url, token)
+
+    def cut(sent: int, total: int) -> None:
+        raise ConnectionAbortedError  # the developer's process dies after the first piece
+
+    with pytest.raises(ConnectionAbortedError):
+        client.upload_dataset(path, "safetensors", chunk_bytes=20_000, on_progress=cut)
+    sent: list[int] = []
+    dataset = client.upload_dataset(path, "safetensors", chunk_bytes=20_000, on_progress=lambda s, _: sent.append(s))
+    assert dataset["status"] == "ready" and sent[0] == 40_000  # the first piece was not sent again
+    assert len(client.datasets()) == 2
