@@ -261,3 +261,13 @@ def test_the_cli_uploads_and_lists_and_the_sdk_resumes_an_interrupted_upload(
     dataset = client.upload_dataset(path, "safetensors", chunk_bytes=20_000, on_progress=lambda s, _: sent.append(s))
     assert dataset["status"] == "ready" and sent[0] == 40_000  # the first piece was not sent again
     assert len(client.datasets()) == 2
+
+
+def test_the_admin_shows_datasets_read_only(api: APIClient, client) -> None:  # noqa: ANN001
+    dataset = upload(api, tensor_file())
+    client.force_login(User.objects.create_superuser("root", password="root-password"))
+    listing = client.get("/admin/datasets/dataset/")
+    assert listing.status_code == 200 and "mine" in listing.content.decode()
+    page = client.get(f"/admin/datasets/dataset/{dataset['id']}/change/")
+    assert page.status_code == 200 and dataset["sha256"] in page.content.decode()
+    assert client.post(f"/admin/datasets/dataset/{dataset['id']}/change/", {"name": "renamed"}).status_code == 403
