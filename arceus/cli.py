@@ -9,6 +9,8 @@
     arceus jobs model JOB_ID --format hf -o my-llama  # a llama as a Hugging Face folder (from_pretrained)
     arceus jobs weights JOB_ID my-llama  # a llama job not yet started starts from these weights (fine-tuning)
     arceus jobs sample JOB_ID --prompt "And God said"  # text from a running transformer job
+    arceus datasets upload corpus.txt --format text   # resumable; prints the dataset (its id goes in dataset_config)
+    arceus datasets list
     arceus nodes create my-laptop        # prints the agent token, once
     arceus nodes pause NODE_ID           # drain it: its stages move elsewhere without losing work
 """
@@ -132,6 +134,34 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_datasets(args: argparse.Namespace) -> int:
+    client = _client(args)
+    if args.action == "upload":
+        source = Path(args.file)
+        if not source.is_file():
+            raise SystemExit(f"error: no file {source}")
+        fmt = args.format or _FORMAT_BY_SUFFIX.get(source.suffix.lower())
+        if fmt is None:
+            raise SystemExit(f"error: cannot tell {source}'s format from its name; pass --format")
+
+        def progress(sent: int, total: int) -> None:
+            print(f"\r{sent / total:6.1%} of {total:,} bytes", end="", file=sys.stderr, flush=True)
+
+        dataset = client.upload_dataset(source, fmt, name=args.name, column=args.column, on_progress=progress)
+        print(file=sys.stderr)
+        _print(dataset)
+    elif args.action == "delete":
+        client.delete_dataset(args.dataset_id)
+        print(f"dataset {args.dataset_id} deleted")
+    else:
+        _print(client.datasets())
+    return 0
+
+
+_FORMAT_BY_SUFFIX = {".txt": "text", ".jsonl": "jsonl", ".parquet": "parquet", ".safetensors": "safetensors",
+                     ".npz": "npz", ".json": "tokenizer"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="arceus", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -181,6 +211,18 @@ def build_parser() -> argparse.ArgumentParser:
     sample.add_argument("--seed", type=int, default=0)
     jobs_sub.add_parser("list", help="your jobs")
     jobs.set_defaults(func=cmd_jobs)
+
+    datasets = sub.add_parser("datasets", help="upload, list or delete your datasets")
+    datasets_sub = datasets.add_subparsers(dest="action", required=True)
+    upload = datasets_sub.add_parser("upload", help="upload a dataset file (resumes an interrupted upload of it)")
+    upload.add_argument("file")
+    upload.add_argument("--format", choices=("text", "jsonl", "parquet", "safetensors", "npz", "tokenizer"),
+                        help="default: from the file's suffix (.txt .jsonl .parquet .safetensors .npz .json)")
+    upload.add_argument("--name", help="a label (default: the file's name)")
+    upload.add_argument("--column", default="text", help="jsonl/parquet: the text field (default: text)")
+    datasets_sub.add_parser("list", help="your datasets")
+    datasets_sub.add_parser("delete", help="delete a dataset").add_argument("dataset_id")
+    datasets.set_defaults(func=cmd_datasets)
 
     nodes = sub.add_parser("nodes", help="list, mint, pause or resume nodes")
     nodes_sub = nodes.add_subparsers(dest="action", required=True)

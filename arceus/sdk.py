@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import io
 import shutil
 import tarfile
@@ -25,6 +26,7 @@ from arceus.contracts.status import TERMINAL_STATUSES
 MODEL_CHUNK_BYTES = 1024 * 1024
 URL_ENV = "ARCEUS_URL"  # the control plane's base URL, for the CLI and the SDK
 TOKEN_ENV = "ARCEUS_TOKEN"  # the developer's API token
+DATASET_CHUNK_BYTES = 16 << 20  # a dataset upload's pieces (the control plane takes up to 64 MiB)
 
 
 class ApiError(RuntimeError):
@@ -222,6 +224,65 @@ class ArceusClient:
             raise ApiError(response.status_code, "PUT", path, _payload(response))
         return response.json()
 
+    # --- datasets ---------------------------------------------------------------------------------
+    def upload_dataset(
+        self,
+        source: Path,
+        format: str,
+        *,
+        name: str | None = None,
+        column: str = "text",
+        chunk_bytes: int = DATASET_CHUNK_BYTES,
+        retries: int = 5,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> dict[str, Any]:
+        """Upload a dataset file (`format`: text, jsonl, parquet, safetensors, npz or tokenizer) in pieces and
+        complete it; the ready dataset's detail (its `id` is what a job's dataset_config names). Resumes: an
+        upload of the same file (size and SHA-256) left unfinished, by this or an earlier call, continues from
+        the control plane's offset, and a piece whose connection fails is sent again from there."""
+        size, sha256 = source.stat().st_size, _file_sha256(source)
+        dataset = next(
+            (d for d in self.datasets() if d["status"] == "uploading" and (d["sha256"], d["size_bytes"],
+             d["format"]) == (sha256, size, format)),
+            None,
+        ) or self._request("POST", "/api/datasets", {
+            "name": name or source.name, "format": format, "column": column, "size_bytes": size, "sha256": sha256,
+        })
+        path, failures = f"/api/datasets/{dataset['id']}/data", 0
+        offset = dataset["uploaded_bytes"]
+        with source.open("rb") as handle:
+            while offset < size:
+                handle.seek(offset)
+                piece = handle.read(min(chunk_bytes, size - offset))
+                try:
+                    response = self.session.put(
+                        self.base_url + path, params={"offset": offset}, data=piece, timeout=self.timeout,
+                        headers={"Content-Type": "application/octet-stream"},
+                    )
+                except (requests.ConnectionError, requests.Timeout):
+                    response = None
+                if response is not None and response.status_code < 400:
+                    offset, failures = response.json()["uploaded_bytes"], 0
+                    if on_progress is not None:
+                        on_progress(offset, size)
+                    continue
+                if response is not None and response.status_code != 409:
+                    raise ApiError(response.status_code, "PUT", path, _payload(response))
+                failures += 1
+                if failures > retries:
+                    raise ApiError(503, "PUT", path, f"the upload stopped at byte {offset:,} after {retries} retries")
+                offset = self.dataset(dataset["id"])["uploaded_bytes"]  # where the control plane has it
+        return self._request("POST", f"/api/datasets/{dataset['id']}/complete")
+
+    def datasets(self) -> list[dict[str, Any]]:
+        return self._request("GET", "/api/datasets")
+
+    def dataset(self, dataset_id: str) -> dict[str, Any]:
+        return self._request("GET", f"/api/datasets/{dataset_id}")
+
+    def delete_dataset(self, dataset_id: str) -> None:
+        self._request("DELETE", f"/api/datasets/{dataset_id}")
+
     def _stream_model(self, job_id: str, write: Callable[[bytes], Any]) -> int:
         written = 0
         for chunk in self._model_chunks(job_id, "safetensors"):
@@ -282,6 +343,14 @@ class ArceusClient:
         if response.status_code >= 400:
             raise ApiError(response.status_code, method, path, payload)
         return payload
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(MODEL_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _payload(response: requests.Response) -> Any:

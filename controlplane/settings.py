@@ -55,6 +55,7 @@ INSTALLED_APPS = [
     "controlplane.accounts",
     "controlplane.nodes",
     "controlplane.jobs",
+    "controlplane.datasets",
     "controlplane.market",
     "controlplane.dashboard",
 ]
@@ -174,6 +175,8 @@ def checkpoint_storage_settings(env: Mapping[str, str]) -> dict[str, object]:
                 "secret_key": env.get("AWS_SECRET_ACCESS_KEY") or None,
                 "region_name": env.get("AWS_S3_REGION_NAME") or None,
                 "file_overwrite": False,
+                # A file opened for reading spools to disk past 8 MiB, never whole in memory.
+                "max_memory_size": 8 << 20,
             },
         }
     return {
@@ -186,6 +189,8 @@ STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {"BACKEND": "whitenoise.storage.CompressedManifestStaticFilesStorage"},
     "checkpoints": checkpoint_storage_settings(os.environ),
+    # Uploaded datasets (controlplane.datasets) share the checkpoints' place, under datasets/.
+    "datasets": checkpoint_storage_settings(os.environ),
 }
 
 REST_FRAMEWORK = {
@@ -259,6 +264,11 @@ ARCEUS_RPC_TIMEOUT_SECONDS = float(os.environ.get("ARCEUS_RPC_TIMEOUT_SECONDS", 
 # The largest stage state file (weights and optimizer state) an agent may upload for a checkpoint.
 ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES = int(os.environ.get("ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES", str(64 << 30)))
 # A job whose driver or stages fail this many times without a lost node to explain it fails for good.
+# Uploaded datasets: per tenant at most this many bytes and datasets (those whose upload failed not counted),
+# each sent in pieces of at most ARCEUS_DATASET_MAX_CHUNK_BYTES (a request the web server streams to storage).
+ARCEUS_DATASET_QUOTA_BYTES = int(os.environ.get("ARCEUS_DATASET_QUOTA_BYTES", str(20 << 30)))
+ARCEUS_DATASET_QUOTA_COUNT = int(os.environ.get("ARCEUS_DATASET_QUOTA_COUNT", "100"))
+ARCEUS_DATASET_MAX_CHUNK_BYTES = int(os.environ.get("ARCEUS_DATASET_MAX_CHUNK_BYTES", str(64 << 20)))
 ARCEUS_JOB_MAX_RESTARTS = int(os.environ.get("ARCEUS_JOB_MAX_RESTARTS", "5"))
 # A node whose agent registers again while hosting a stage (each time its job rewinds and replays the lost
 # steps) more than this many times within the window is flagged: it gets no new stage until an operator clears it.

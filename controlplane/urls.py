@@ -24,6 +24,7 @@ urlpatterns = [
     path("api/", include("controlplane.accounts.urls")),
     path("api/", include("controlplane.nodes.urls")),
     path("api/", include("controlplane.jobs.urls")),
+    path("api/", include("controlplane.datasets.urls")),
     path("api/", include("controlplane.market.urls")),
 ]
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from arceus.data.formats import check_dataset_id
 from arceus.data.text_config import TEXT_DATASET, TEXT_KEYS, validate_text_config
 from arceus.errors import SpecError
 
@@ -35,20 +36,26 @@ DEFAULT_BATCH_SIZE = 32
 DEFAULT_VAL_BATCH_SIZE = 256
 MAX_BATCH_SIZE = 65536
 _KEYS = frozenset({"name", "batch_size", "val_batch_size", "normalize", "path"})
+# An uploaded tensor dataset (arceus.data.formats): named by `dataset_id`; the control plane fills in its facts
+# from the upload (whatever a tenant sends for them is replaced), so the model fits it without reading it.
+UPLOADED_DATASET = "uploaded"
+TENSOR_FACTS = frozenset({"kind", "format", "samples", "features", "classes", "image_shape"})
+_UPLOADED_KEYS = frozenset({"name", "batch_size", "val_batch_size", "dataset_id"}) | TENSOR_FACTS
 
 
 def validate_dataset_config(cfg: Any) -> dict[str, Any]:
     """Return a normalised copy of `cfg` with defaults filled in; raise SpecError naming the bad field."""
     if not isinstance(cfg, dict):
         raise SpecError("dataset_config", f"must be a JSON object, got {type(cfg).__name__}")
-    unknown = sorted(set(cfg) - _KEYS - TEXT_KEYS)
+    known = _KEYS | TEXT_KEYS | _UPLOADED_KEYS
+    unknown = sorted(set(cfg) - known)
     if unknown:
-        raise SpecError(
-            f"dataset_config.{unknown[0]}", f"unknown key; allowed keys: {', '.join(sorted(_KEYS | TEXT_KEYS))}"
-        )
+        raise SpecError(f"dataset_config.{unknown[0]}", f"unknown key; allowed keys: {', '.join(sorted(known))}")
     if isinstance(cfg.get("name"), str) and cfg["name"].lower() == TEXT_DATASET:
         batch_size = _batch_size(cfg, "batch_size", DEFAULT_BATCH_SIZE)
         return validate_text_config(cfg, batch_size, _batch_size(cfg, "val_batch_size", DEFAULT_VAL_BATCH_SIZE))
+    if isinstance(cfg.get("name"), str) and cfg["name"].lower() == UPLOADED_DATASET:
+        return _uploaded_config(cfg)
     unknown = sorted(set(cfg) - _KEYS)
     if unknown:
         raise SpecError(f"dataset_config.{unknown[0]}", f"only applies to the {TEXT_DATASET} dataset")
@@ -69,6 +76,32 @@ def validate_dataset_config(cfg: Any) -> dict[str, Any]:
     elif "path" in cfg:
         raise SpecError("dataset_config.path", f"only applies to MNIST; {info.name} is bundled")
     return out
+
+
+def dataset_info(cfg: dict[str, Any]) -> DatasetInfo:
+    """What a validated non-text dataset config's samples are: a bundled dataset's, or an upload's facts."""
+    if cfg["name"] != UPLOADED_DATASET:
+        return DATASETS[cfg["name"]]
+    if "features" not in cfg:
+        raise SpecError("dataset_config.dataset_id", "names an upload the control plane has not resolved")
+    shape = cfg.get("image_shape") or [1, 1, cfg["features"]]
+    return DatasetInfo(f"dataset {cfg['dataset_id']}", cfg["features"], cfg["classes"], tuple(shape))
+
+
+def _uploaded_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(cfg) - _UPLOADED_KEYS)
+    if unknown:
+        raise SpecError(f"dataset_config.{unknown[0]}", f"does not apply to an {UPLOADED_DATASET} dataset")
+    out: dict[str, Any] = {
+        "name": UPLOADED_DATASET,
+        "dataset_id": check_dataset_id(cfg),
+        "batch_size": _batch_size(cfg, "batch_size", DEFAULT_BATCH_SIZE),
+        "val_batch_size": _batch_size(cfg, "val_batch_size", DEFAULT_VAL_BATCH_SIZE),
+    }
+    facts = {key: cfg[key] for key in TENSOR_FACTS if key in cfg}
+    if facts and facts.get("kind") != "tensors":
+        raise SpecError("dataset_config.dataset_id", "names a text dataset; train a text model on it (name: text)")
+    return out | facts
 
 
 def mnist_dir(cfg: dict[str, Any]) -> Path:
@@ -98,7 +131,7 @@ def missing_mnist_files(directory: Path, *, raise_error: bool = False) -> list[s
 
 
 def _dataset_info(name: Any) -> DatasetInfo:
-    choices = ", ".join([*DATASETS, TEXT_DATASET])
+    choices = ", ".join([*DATASETS, TEXT_DATASET, UPLOADED_DATASET])
     if name is None:
         raise SpecError("dataset_config.name", f"is required; one of: {choices}")
     if isinstance(name, str):

@@ -6,11 +6,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from arceus.data.formats import check_dataset_id
 from arceus.data.tokenizer import check_vocab
 from arceus.errors import SpecError
 
 TEXT_DATASET = "text"
-TEXT_KEYS = frozenset({"name", "batch_size", "val_batch_size", "source", "block_size", "vocab", "vocab_size"})
+# An uploaded text (arceus.data.formats) is named by `dataset_id`, its tokenizer optionally by `tokenizer_id` (an
+# uploaded tokenizer.json); the control plane fills in the upload's facts (a tenant's values are replaced).
+TEXT_FACTS = frozenset({"kind", "format", "column", "characters", "vocabulary", "tokenizer_vocab_size"})
+TEXT_KEYS = frozenset(
+    {"name", "batch_size", "val_batch_size", "source", "block_size", "vocab", "vocab_size"}
+    | {"dataset_id", "tokenizer_id"}
+) | TEXT_FACTS
 # Genesis to Deuteronomy, King James Version: public domain, see texts/README.md for its source.
 BUNDLED_TEXT = Path(__file__).parent / "texts" / "kjv-pentateuch.txt"
 MAX_BLOCK_SIZE = 65536
@@ -33,6 +40,19 @@ def validate_text_config(cfg: dict[str, Any], batch_size: int, val_batch_size: i
                 f"no text file at {Path(source).expanduser().resolve()}; leave it out for the bundled text",
             )
         out["source"] = source
+    if "dataset_id" in cfg:
+        if "source" in cfg:
+            raise SpecError(
+                "dataset_config.source", "names a server file; an uploaded text is named by dataset_id only"
+            )
+        out["dataset_id"] = check_dataset_id(cfg)
+        if cfg.get("kind", "text") != "text":
+            raise SpecError("dataset_config.dataset_id", f"names a {cfg['kind']} dataset, not a text")
+        out |= {key: cfg[key] for key in TEXT_FACTS if key in cfg}
+    if "tokenizer_id" in cfg:
+        if "dataset_id" not in cfg:
+            raise SpecError("dataset_config.tokenizer_id", "applies to an uploaded text (dataset_id) only")
+        out["tokenizer_id"] = check_dataset_id(cfg, "tokenizer_id")
     if "block_size" in cfg:
         block = cfg["block_size"]
         if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= MAX_BLOCK_SIZE:

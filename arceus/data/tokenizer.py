@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -85,13 +86,18 @@ class BPETokenizer:
 
 
 def train_bpe(text: str, vocab_size: int) -> BPETokenizer:
+    return train_bpe_from([text], vocab_size)
+
+
+def train_bpe_from(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
+    """A BPE trained on `texts` as they come (an uploaded text streams in pieces, never whole)."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
     )
-    tokenizer.train_from_iterator([text], trainer=trainer)
+    tokenizer.train_from_iterator(texts, trainer=trainer)
     return BPETokenizer(tokenizer, vocab_size)
 
 

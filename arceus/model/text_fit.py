@@ -33,9 +33,16 @@ def fit_text_model(
             f"a {model_config.get('type')} trains on the {TEXT_DATASET} dataset, got {dataset['name']}",
         )
     vocab = model_config.get("vocab", "char")
+    uploaded_size = dataset.get("tokenizer_vocab_size")  # an uploaded tokenizer.json's (arceus.data.formats)
+    if uploaded_size is not None and vocab != "bpe":
+        raise SpecError("model_config.vocab", "an uploaded tokenizer (dataset_config.tokenizer_id) needs vocab bpe")
     if vocab == "bpe":
-        vocab_size = model_config.get("vocab_size", BPE_DEFAULT_VOCAB)
+        vocab_size = model_config.get("vocab_size", uploaded_size or BPE_DEFAULT_VOCAB)
         check_vocab(vocab, vocab_size, prefix="model_config")
+        if uploaded_size is not None and vocab_size < uploaded_size:
+            raise SpecError(
+                "model_config.vocab_size", f"is {vocab_size} but the uploaded tokenizer has {uploaded_size} tokens"
+            )
     else:
         check_vocab(vocab, None, prefix="model_config")
         vocab_size = len(text_vocabulary(dataset))

@@ -24,7 +24,8 @@ import torch
 from arceus.checkpoint import StageStateError, StateFile, state_chunks
 from arceus.contracts.counters import StageCounters
 from arceus.contracts.spot_check import SpotCheckResult
-from arceus.data import epoch_batches, load_dataset, validate_dataset_config
+from arceus.data import epoch_batches, validate_dataset_config
+from arceus.data.streaming import Samples, dataset_samples
 from arceus.errors import SpecError
 from arceus.model.expected_state import expected_stage_state, stage_file_check
 from arceus.model.registry import model_spec_from_config
@@ -192,16 +193,16 @@ class Pipeline:
             ],
         )
 
-    def evaluate(
-        self, x: torch.Tensor, y: torch.Tensor, batch_size: int
-    ) -> tuple[float, float, list[StageCounters]]:
-        """(mean loss, accuracy, stage counters) over the whole validation set."""
-        loss_sum, correct = 0.0, 0
+    def evaluate(self, samples: Samples, batch_size: int) -> tuple[float, float, list[StageCounters]]:
+        """(mean loss, accuracy, stage counters) over the whole validation set, read a batch at a time."""
+        loss_sum, correct, labels = 0.0, 0, 0
         stages: list[StageCounters] = []
-        for start in range(0, len(x), batch_size):
-            outcome = self.step(x[start : start + batch_size], y[start : start + batch_size], train=False)
+        for start in range(0, len(samples), batch_size):
+            x, y = samples.take(torch.arange(start, min(start + batch_size, len(samples))))
+            outcome = self.step(x, y, train=False)
             loss_sum, correct, stages = loss_sum + outcome.loss_sum, correct + outcome.correct, outcome.stages
-        n = max(y.numel(), 1)  # mean over labels: samples, or a GPT's tokens
+            labels += y.numel()
+        n = max(labels, 1)  # mean over labels: samples, or a GPT's tokens
         return loss_sum / n, correct / n, stages
 
     def states(
@@ -305,9 +306,13 @@ def train(plan: TrainPlan, sink: ProgressSink) -> TrainResult:
     """
     plan.check()
     dataset = validate_dataset_config(plan.dataset)
-    train_x, train_y, val_x, val_y = load_dataset(dataset)
+    with dataset_samples(dataset, plan.open_dataset) as (train_set, val_set):
+        return _train(plan, sink, dataset, train_set, val_set)
+
+
+def _train(plan: TrainPlan, sink: ProgressSink, dataset: dict, train_set: Samples, val_set: Samples) -> TrainResult:
     batch_size, val_batch_size = dataset["batch_size"], dataset["val_batch_size"]
-    steps_per_epoch = math.ceil(len(train_x) / batch_size)
+    steps_per_epoch = math.ceil(len(train_set) / batch_size)
     total_steps = steps_per_epoch * plan.epochs
     if plan.max_steps is not None:
         total_steps = min(total_steps, plan.max_steps)
@@ -328,7 +333,7 @@ def train(plan: TrainPlan, sink: ProgressSink) -> TrainResult:
                     raise DriverError(str(exc), stage_index=exc.stage_index) from exc
 
         for epoch in range(first_epoch, plan.epochs + 1):
-            batches = epoch_batches(len(train_x), batch_size, plan.seed, epoch)
+            batches = epoch_batches(len(train_set), batch_size, plan.seed, epoch)
             skip = plan.start_step - (epoch - 1) * steps_per_epoch if epoch == first_epoch else 0
             for indices in batches[skip:]:
                 if step >= total_steps:
@@ -339,7 +344,7 @@ def train(plan: TrainPlan, sink: ProgressSink) -> TrainResult:
                     stopped = True
                     break
                 started = time.perf_counter()
-                outcome = pipeline.step(train_x[indices], train_y[indices], train=True)
+                outcome = pipeline.step(*train_set.take(indices), train=True)
                 elapsed = time.perf_counter() - started
                 step += 1
                 final_loss, stages = outcome.loss_sum / outcome.labels, outcome.stages
@@ -361,7 +366,7 @@ def train(plan: TrainPlan, sink: ProgressSink) -> TrainResult:
                     checkpoint(epoch)
             if stopped:
                 break
-            val_loss, val_accuracy, stages = pipeline.evaluate(val_x, val_y, val_batch_size)
+            val_loss, val_accuracy, stages = pipeline.evaluate(val_set, val_batch_size)
             log.info(
                 "job %s epoch %d: val_loss %.4f, val_accuracy %.4f",
                 plan.job_id,

@@ -9,6 +9,7 @@ from typing import Any, Protocol
 
 from arceus.contracts.counters import StageCounters
 from arceus.contracts.spot_check import SpotCheckResult
+from arceus.data.streaming import DatasetOpener
 from arceus.errors import SpecError
 from arceus.model.expected_state import OPTIMIZER_STATE_KEYS
 from arceus.model.precision import check_precision
@@ -71,6 +72,9 @@ class TrainPlan:
     # The stages' optimizer (an `arceus.model.expected_state.OPTIMIZER_STATE_KEYS` kind): with `model`, the
     # state each stage streams for a checkpoint is checked against what it holds ("": not checked).
     optimizer: str = ""
+    # Opens an uploaded dataset's file by id (the control plane's storage) for a config naming one
+    # (`dataset_id`, `tokenizer_id`); None where there is no control plane.
+    open_dataset: DatasetOpener | None = None
 
     def check(self) -> None:
         """Raise SpecError if the plan cannot be run (the dataset is checked when it is loaded)."""

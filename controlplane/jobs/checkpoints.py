@@ -14,8 +14,6 @@ resume loads, the model its owner downloads and what sampling runs are only the 
 
 from __future__ import annotations
 
-import hashlib
-import io
 import json
 import logging
 import uuid
@@ -30,7 +28,6 @@ from django.db import transaction
 from django.db.models import Max, QuerySet
 
 from arceus.checkpoint import (
-    CHUNK_BYTES,
     OPTIMIZER_PREFIX,
     CheckpointError,
     StageStateError,
@@ -44,6 +41,7 @@ from arceus.model.hugging_face import hugging_face_folder, hugging_face_format, 
 from arceus.model.registry import model_spec_from_config
 from arceus.training.plan import StageEndpoint, StageStateFile
 from controlplane.common.errors import ApplicationError
+from controlplane.common.uploads import HashingReader
 from controlplane.controller.leases import held, job_checkpointed
 from controlplane.jobs.models import Checkpoint, CheckpointUpload, Job, Stage, StageCheckpoint, checkpoint_storage
 from controlplane.monitoring import metrics
@@ -387,7 +385,7 @@ class _LeaseLost(Exception):
     pass
 
 
-def _upload_reader(body: BinaryIO, length: int | None, what: str, one: str) -> _HashingReader:
+def _upload_reader(body: BinaryIO, length: int | None, what: str, one: str) -> HashingReader:
     """A hashing reader of an upload's `length` bytes (its Content-Length) once that is within
     ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES; `what` and `one` name the file in the refusals."""
     limit = settings.ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES
@@ -398,30 +396,7 @@ def _upload_reader(body: BinaryIO, length: int | None, what: str, one: str) -> _
             "Content-Length",
             f"{length} bytes is more than the {limit} {one} may hold (ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES)",
         )
-    return _HashingReader(body, length)
-
-
-class _HashingReader(io.RawIOBase):
-    """At most `length` bytes of a request body, hashed and counted as the storage reads them (a readable,
-    unseekable file to the storage)."""
-
-    def __init__(self, body: BinaryIO, length: int) -> None:
-        super().__init__()
-        self._body = body
-        self._left = length
-        self.received = 0
-        self.digest = hashlib.sha256()
-
-    def read(self, n: int = -1) -> bytes:
-        n = self._left if n is None or n < 0 else min(n, self._left)
-        data = self._body.read(min(n, CHUNK_BYTES)) if n else b""
-        self._left -= len(data)
-        self.received += len(data)
-        self.digest.update(data)
-        return data
-
-    def readable(self) -> bool:
-        return True
+    return HashingReader(body, length)
 
 
 def _delete_files(names: Iterable[str]) -> None:

@@ -8,13 +8,14 @@ that died stops renewing, and the reconciler rewinds the job to its last checkpo
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import socket
 import threading
 import uuid
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, BinaryIO, TypeVar
 
 from django.conf import settings
 from django.db import DatabaseError, connection
@@ -25,8 +26,10 @@ from arceus.model.expected_state import optimizer_kind
 from arceus.training import DriverError, TrainPlan, train
 from arceus.wire.transfer import transfer_config_from_json
 from controlplane.common.db import reconnecting
+from controlplane.common.errors import ApplicationError
 from controlplane.controller.leases import job_driver_claim, job_driver_interrupted, job_driver_renew
 from controlplane.controller.transitions import job_fail
+from controlplane.datasets.selectors import dataset_open
 from controlplane.jobs.credentials import job_driver_token
 from controlplane.jobs.models import Job
 from controlplane.jobs.progress import job_finish
@@ -130,7 +133,16 @@ def train_plan(job: Job) -> TrainPlan:
         transfer=transfer_config_from_json(job.transfer),
         precision=job.precision,
         optimizer=optimizer_kind(job.optimizer, job.momentum),
+        open_dataset=functools.partial(_open_dataset, job.owner_id),
     )
+
+
+def _open_dataset(owner_id: Any, dataset_id: str) -> BinaryIO:
+    """The job's owner's uploaded dataset, read from storage by the driver (a SpecError if it is gone)."""
+    try:
+        return dataset_open(owner_id=owner_id, dataset_id=dataset_id)
+    except ApplicationError as exc:
+        raise SpecError("dataset_config.dataset_id", f"{exc.message}: it was deleted") from exc
 
 
 class LeaseRenewer:

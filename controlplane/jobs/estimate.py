@@ -17,7 +17,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.utils import timezone
 
-from arceus.data import load_dataset
+from arceus.data.streaming import train_samples_estimate
 from arceus.errors import SpecError
 from arceus.placement.profiles import layer_profiles
 from arceus.placement.solver import Budget, PlacementError, solve
@@ -28,6 +28,7 @@ from controlplane.common.errors import ApplicationError
 from controlplane.controller.placement import requirements, tensor_parallel_split, workload
 from controlplane.controller.rules import stage_bounds
 from controlplane.controller.snapshot import node_views, registered_nodes
+from controlplane.datasets.selectors import dataset_config_resolved
 from controlplane.jobs.models import EstimateStatus, JobEstimate, Stage
 from controlplane.jobs.services import job_validate
 
@@ -52,7 +53,8 @@ def estimate_request(
     tensor_parallel: dict[str, Any],
 ) -> JobEstimate:
     """Check the job as a submission would be checked (a 400 naming the field), record the request and
-    enqueue its computation."""
+    enqueue its computation (the uploads the dataset config names resolved: the worker needs no owner)."""
+    dataset_config = dataset_config_resolved(owner=owner, dataset_config=dataset_config)
     job_validate(
         model_config=model_config,
         dataset_config=dataset_config,
@@ -170,7 +172,7 @@ def job_estimate(
     except PlacementError as exc:
         answer["reason"] = str(exc)
         return answer
-    train_samples = len(load_dataset(dataset)[0])
+    train_samples = train_samples_estimate(dataset)
     hours = epochs * train_samples / placement.samples_per_second / 3600
     total = Decimal(str(round(placement.price_per_hour * hours, 6)))
     deadline = requirements_config.get("deadline")

@@ -21,6 +21,7 @@ from arceus.wire.transfer import transfer_config_from_json
 from controlplane.common.errors import ApplicationError
 from controlplane.controller import transitions
 from controlplane.controller.transitions import job_queue
+from controlplane.datasets.selectors import dataset_config_resolved
 from controlplane.jobs.models import DEFAULT_AUDIT_RATE, Job
 
 # Initialized (queued for placement, or placed and waiting for agents), training not begun.
@@ -56,7 +57,7 @@ def job_submit(
     tensor_parallel = tensor_parallel or {}
     spec, model_config, dataset = job_validate(
         model_config=model_config,
-        dataset_config=dataset_config,
+        dataset_config=dataset_config_resolved(owner=owner, dataset_config=dataset_config),
         stages=stages,
         requirements=requirements or {},
         tensor_parallel=tensor_parallel,

@@ -4,16 +4,19 @@ through the real services (the same path an agent takes)."""
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import boto3
 import pytest
 from django.contrib.auth.models import Permission, User
 from django.core.cache import cache
 from django.test import Client
 from django.utils import timezone
+from moto.server import ThreadedMotoServer
 from rest_framework.test import APIClient
 
 from controlplane.accounts.services import user_token_get_or_create
@@ -22,6 +25,7 @@ from controlplane.jobs.models import Job
 from controlplane.jobs.services import job_start, job_submit
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_create, node_heartbeat, node_register
+from devtools.cluster import free_port
 from devtools.pipeline import identity_for
 
 DIGITS_JOB = {
@@ -95,6 +99,41 @@ def data_root(tmp_path: Path, settings) -> Path:  # noqa: ANN001
     root.mkdir()
     settings.ARCEUS_DATA_ROOT = root
     return root
+
+
+@dataclass(frozen=True)
+class S3Server:
+    env: dict[str, str]  # what an operator sets to keep files in its bucket (controlplane.settings)
+    client: Any  # boto3's, for looking into the bucket
+
+
+@pytest.fixture
+def s3_server() -> Iterator[S3Server]:
+    """A real S3-API server over HTTP on loopback (moto's server mode) with the bucket "arceus-checkpoints"."""
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    env = {
+        "ARCEUS_CHECKPOINT_S3_BUCKET": "arceus-checkpoints",
+        "AWS_S3_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": "test-key",
+        "AWS_SECRET_ACCESS_KEY": "test-secret",
+        "AWS_S3_REGION_NAME": "us-east-1",
+    }
+    client = boto3.client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test-key",
+        aws_secret_access_key="test-secret",
+    )
+    client.create_bucket(Bucket="arceus-checkpoints")
+    try:
+        yield S3Server(env, client)
+    finally:  # moto keeps its buckets per process: the next test starts with an empty one
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket="arceus-checkpoints"):
+            for entry in page.get("Contents", []):
+                client.delete_object(Bucket="arceus-checkpoints", Key=entry["Key"])
+        client.delete_bucket(Bucket="arceus-checkpoints")
+        server.stop()
 
 
 @pytest.fixture

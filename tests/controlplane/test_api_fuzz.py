@@ -27,6 +27,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from controlplane.accounts.services import user_token_get_or_create
+from controlplane.datasets.services import dataset_create
 from controlplane.jobs.services import job_submit
 from controlplane.nodes.services import node_create, node_register
 from devtools.pipeline import identity_for
@@ -69,10 +70,11 @@ def world(transactional_db: None) -> World:
         device_type="cpu", device_name="fuzz cpu", memory_bytes=2**30, flops_fp32=1e9, now=timezone.now(),
     )
     job = job_submit(owner=tenant, **DIGITS_JOB)
+    dataset = dataset_create(owner=tenant, name="fuzz", format="text", size_bytes=64, sha256="0" * 64)
     return World(
         tenant_token=user_token_get_or_create(user=tenant),
         node_token=node_token,
-        path_values={"job_id": str(job.id), "node_id": str(node.id)},
+        path_values={"job_id": str(job.id), "node_id": str(node.id), "dataset_id": str(dataset.id)},
     )
 
 
@@ -137,6 +139,7 @@ def test_the_api_as_a_tenant(schema: schemathesis.BaseSchema, world: World) -> N
     for label in ("GET /api/jobs/{job_id}/", "GET /api/nodes/{node_id}/", "POST /api/nodes/{node_id}/pause/"):
         assert tally.statuses[(label, 200)] > 0, label
     assert tally.statuses[("POST /api/jobs/{job_id}/train/", 202)] > 0
+    assert tally.statuses[("GET /api/datasets/{dataset_id}/", 200)] > 0
 
 
 def test_the_api_as_a_node(schema: schemathesis.BaseSchema, world: World) -> None:

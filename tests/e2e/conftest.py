@@ -26,7 +26,7 @@ from devtools.cluster import LocalCluster
 from tests.e2e.browser import chromium
 
 FAILED = pytest.StashKey[bool]()
-APP_TABLE_PREFIXES = ("jobs_", "market_", "nodes_")  # the control plane's own apps
+APP_TABLE_PREFIXES = ("jobs_", "market_", "nodes_", "datasets_")  # the control plane's own apps
 UNFINISHED_JOB_STATUSES = ["created", "queued", "placing", "pending", "running"]
 
 

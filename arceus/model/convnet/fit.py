@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from arceus.data import DATASETS, validate_dataset_config
+from arceus.data.config import dataset_info
 from arceus.data.text_config import TEXT_DATASET
 from arceus.errors import SpecError
 from arceus.model.convnet.spec import ConvNetSpec, convnet_from_config
@@ -20,7 +21,12 @@ def fit_convnet_to_dataset(
         raise SpecError(
             "dataset_config.name", f"a convnet trains on an image dataset ({', '.join(DATASETS)}), got {name}"
         )
-    info = DATASETS[name]
+    info = dataset_info(dataset)
+    name = info.name
+    if name not in DATASETS and not dataset.get("image_shape"):
+        raise SpecError(
+            "dataset_config.dataset_id", f"{name}'s x is [samples, features]; a convnet needs images [N, C, H, W]"
+        )
     wanted = {"input_shape": list(info.image_shape), "classes": info.classes}
     model_config = model_config | {key: model_config.get(key, value) for key, value in wanted.items()}
     spec = convnet_from_config(model_config)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from arceus.data import DATASETS, validate_dataset_config
+from arceus.data import validate_dataset_config
+from arceus.data.config import dataset_info
 from arceus.data.text_config import TEXT_DATASET
 from arceus.errors import SpecError
 from arceus.model.mlp.spec import MLPSpec, mlp_from_config
@@ -18,7 +19,8 @@ def fit_mlp_to_dataset(
     name = dataset["name"]
     if name == TEXT_DATASET:
         raise SpecError("model_config.type", f"the {TEXT_DATASET} dataset needs a transformer, got an mlp")
-    info = DATASETS[name]
+    info = dataset_info(dataset)
+    name = info.name
     last = len(spec.layer_sizes) - 1
     if spec.input_features != info.features:
         raise SpecError(

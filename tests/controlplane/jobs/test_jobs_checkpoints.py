@@ -7,18 +7,15 @@ import json
 import os
 import struct
 import tempfile
-from collections.abc import Iterator
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import boto3
 import pytest
 import torch
 from django.db import IntegrityError
 from django.utils import timezone
-from moto.server import ThreadedMotoServer
 from rest_framework.test import APIClient
 
 from arceus.checkpoint import (
@@ -56,8 +53,8 @@ from controlplane.jobs.services import job_cancel
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_create, node_heartbeat, node_register
 from controlplane.settings import checkpoint_storage_settings
-from devtools.cluster import free_port
 from devtools.pipeline import identity_for
+from tests.controlplane.conftest import S3Server
 
 pytestmark = pytest.mark.django_db
 
@@ -626,32 +623,12 @@ def test_uploads_are_opened_only_under_the_lease_and_replace_an_unfinished_check
 
 # --- an S3-compatible bucket instead of the filesystem -----------------------------------------------
 @pytest.fixture
-def s3_bucket(settings, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """A real S3-API server over HTTP on loopback (moto's server mode) and the checkpoint storage
-    configured for it exactly as the environment variables of an operator would."""
-    port = free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    env = {
-        "ARCEUS_CHECKPOINT_S3_BUCKET": "arceus-checkpoints",
-        "AWS_S3_ENDPOINT_URL": endpoint,
-        "AWS_ACCESS_KEY_ID": "test-key",
-        "AWS_SECRET_ACCESS_KEY": "test-secret",
-        "AWS_S3_REGION_NAME": "us-east-1",
-    }
-    s3 = boto3.client(
-        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test-key",
-        aws_secret_access_key="test-secret",
-    )
-    s3.create_bucket(Bucket="arceus-checkpoints")
-    settings.STORAGES = {**settings.STORAGES, "checkpoints": checkpoint_storage_settings(env)}
+def s3_bucket(s3_server: S3Server, settings, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """The checkpoint storage configured for a real S3-API server exactly as an operator's environment would."""
+    settings.STORAGES = {**settings.STORAGES, "checkpoints": checkpoint_storage_settings(s3_server.env)}
     for model in (StageCheckpoint, CheckpointUpload):
         monkeypatch.setattr(model._meta.get_field("file"), "storage", checkpoint_storage())
-    try:
-        yield s3
-    finally:
-        server.stop()
+    return s3_server.client
 
 
 def test_checkpoints_live_in_an_s3_bucket_when_one_is_configured(running_job: Job, agents, s3_bucket) -> None:

@@ -1,0 +1,194 @@
+"""The samples a driver trains on, read a batch at a time: in memory for the bundled datasets, from the file for
+an uploaded one, so the driver's memory stays flat however large the upload.
+
+An uploaded tensor dataset is read row by row from its file (`StoredArray`): the first 90% of the samples
+train, the rest validate. An uploaded text dataset is tokenized once, a chunk at a time, into a temporary file
+of int32 token ids (90/10 by characters, as the bundled text), whose windows of `block_size` tokens are then
+read as the batches name them; its BPE tokenizer, where the job asks for one, is trained on the training part
+streamed the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Callable, Iterator
+from typing import Any, BinaryIO, Protocol
+
+import numpy as np
+import torch
+
+from arceus.data.formats import DatasetFormatError, StoredArray, tensor_arrays, text_chunks
+from arceus.data.loader import load_dataset
+from arceus.data.tokenizer import TRAIN_FRACTION, BPETokenizer, CharTokenizer, TextTokenizer, train_bpe_from
+from arceus.errors import SpecError
+
+# Opens an uploaded file by its dataset id (the control plane's storage), for reading and seeking.
+DatasetOpener = Callable[[str], BinaryIO]
+UPLOADED_TRAIN_FRACTION = 0.9
+_TOKEN_DTYPE = np.dtype("<i4")
+_PIECE_CHARS = 1 << 20
+
+
+class Samples(Protocol):
+    def __len__(self) -> int: ...
+
+    def take(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, y) of the samples at `indices`, in their order."""
+        ...
+
+
+class InMemorySamples:
+    def __init__(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def take(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.x[indices], self.y[indices]
+
+
+class TensorRows:
+    """Samples [start, stop) of an uploaded tensor file; x as float32 (uint8 pixels scaled to [0, 1])."""
+
+    def __init__(self, handle: BinaryIO, x: StoredArray, y: StoredArray, start: int, stop: int) -> None:
+        self._handle, self._x, self._y, self._start, self._n = handle, x, y, start, stop - start
+
+    def __len__(self) -> int:
+        return self._n
+
+    def take(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = [self._start + int(i) for i in indices]
+        x = np.stack([self._x.rows(self._handle, r, r + 1)[0] for r in rows])
+        y = np.stack([self._y.rows(self._handle, r, r + 1)[0] for r in rows])
+        x = x.astype(np.float32) / 255.0 if x.dtype == np.uint8 else x.astype(np.float32)
+        return torch.from_numpy(x.reshape(len(rows), -1)), torch.from_numpy(y.astype(np.int64))
+
+
+class TokenWindows:
+    """Non-overlapping windows of `block` tokens of a token file's [start, stop), the next tokens as targets."""
+
+    def __init__(self, handle: BinaryIO, start: int, stop: int, block: int) -> None:
+        self._handle, self._start, self._block = handle, start, block
+        self._n = max(0, (stop - start - 1) // block)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def take(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        size = _TOKEN_DTYPE.itemsize
+        windows = []
+        for i in indices:
+            self._handle.seek((self._start + int(i) * self._block) * size)
+            windows.append(np.frombuffer(self._handle.read((self._block + 1) * size), dtype=_TOKEN_DTYPE))
+        ids = torch.from_numpy(np.stack(windows).astype(np.int64))
+        return ids[:, :-1], ids[:, 1:]
+
+
+@contextlib.contextmanager
+def dataset_samples(cfg: dict[str, Any], open_file: DatasetOpener | None) -> Iterator[tuple[Samples, Samples]]:
+    """(train, validation) samples of a validated dataset config: an upload's read from its file while inside,
+    a bundled dataset's in memory."""
+    if "dataset_id" in cfg:
+        with uploaded_samples(cfg, open_file) as splits:
+            yield splits
+        return
+    train_x, train_y, val_x, val_y = load_dataset(cfg)
+    yield InMemorySamples(train_x, train_y), InMemorySamples(val_x, val_y)
+
+
+def train_samples_estimate(cfg: dict[str, Any]) -> int:
+    """How many training samples a validated config gives, without reading an upload (a BPE text's windows are
+    estimated as its characters')."""
+    if "dataset_id" not in cfg:
+        return len(load_dataset(cfg)[0])
+    if cfg.get("kind") == "tensors":
+        return int(cfg["samples"] * UPLOADED_TRAIN_FRACTION)
+    return int(cfg["characters"] * TRAIN_FRACTION) // cfg["block_size"]
+
+
+@contextlib.contextmanager
+def uploaded_samples(cfg: dict[str, Any], open_file: DatasetOpener | None) -> Iterator[tuple[Samples, Samples]]:
+    """(train, validation) of a validated config naming an uploaded dataset (`dataset_id`), open while inside."""
+    if open_file is None:
+        raise SpecError(
+            "dataset_config.dataset_id", "an uploaded dataset is read only by a driver the control plane runs"
+        )
+    with contextlib.ExitStack() as stack:
+        handle = stack.enter_context(open_file(cfg["dataset_id"]))
+        try:
+            if cfg["kind"] == "tensors":
+                x, y = tensor_arrays(handle, _size(handle), cfg["format"])
+                cut = int(x.shape[0] * UPLOADED_TRAIN_FRACTION)
+                yield TensorRows(handle, x, y, 0, cut), TensorRows(handle, x, y, cut, x.shape[0])
+                return
+            tokenizer = uploaded_tokenizer(cfg, handle, open_file)
+            tokens = stack.enter_context(tempfile.TemporaryFile(prefix="arceus-tokens-"))
+            split = _tokenize(cfg, handle, tokenizer, tokens)
+            block = cfg["block_size"]
+            for part, (start, stop) in zip(("training", "validation"), split, strict=True):
+                if stop - start <= block:
+                    raise SpecError(
+                        "dataset_config.dataset_id",
+                        f"the {part} part of dataset {cfg['dataset_id']} has {stop - start} tokens; "
+                        f"a window of block_size {block} needs more than {block}",
+                    )
+            (train_start, train_stop), (val_start, val_stop) = split
+            yield TokenWindows(tokens, train_start, train_stop, block), TokenWindows(tokens, val_start, val_stop, block)
+        except DatasetFormatError as exc:
+            raise SpecError("dataset_config.dataset_id", f"dataset {cfg['dataset_id']}: {exc}") from exc
+
+
+def uploaded_tokenizer(cfg: dict[str, Any], handle: BinaryIO, open_file: DatasetOpener) -> TextTokenizer:
+    """The tokenizer of an uploaded text dataset: its characters, a BPE trained on its training part, or the
+    uploaded tokenizer.json its `tokenizer_id` names."""
+    if cfg.get("tokenizer_id"):
+        from tokenizers import Tokenizer
+
+        with open_file(cfg["tokenizer_id"]) as tokenizer_file:
+            return BPETokenizer(Tokenizer.from_str(tokenizer_file.read().decode("utf-8")), cfg["vocab_size"])
+    if cfg.get("vocab", "char") == "char":
+        return CharTokenizer(cfg["vocabulary"])
+    return train_bpe_from((text for _, text in _pieces(cfg, handle, train_only=True)), cfg["vocab_size"])
+
+
+def _tokenize(
+    cfg: dict[str, Any], handle: BinaryIO, tokenizer: TextTokenizer, out: BinaryIO
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Write the training part's tokens, then the validation part's, to `out`; each part's [start, stop)."""
+    bounds = {"training": 0, "validation": 0}
+    for part, text in _pieces(cfg, handle, train_only=False):
+        ids = tokenizer.encode(text)
+        out.write(np.asarray(ids, dtype=_TOKEN_DTYPE).tobytes())
+        bounds[part] += len(ids)
+    train = bounds["training"]
+    return (0, train), (train, train + bounds["validation"])
+
+
+def _pieces(cfg: dict[str, Any], handle: BinaryIO, *, train_only: bool) -> Iterator[tuple[str, str]]:
+    """("training" | "validation", text) pieces in order, cut at the 90% character mark as the bundled text is,
+    and otherwise at line ends (a BPE word is never cut) or every `_PIECE_CHARS` characters in a line-less text."""
+    cut = int(cfg["characters"] * TRAIN_FRACTION)
+    part, seen, pending = "training", 0, ""
+    for chunk in text_chunks(handle, cfg["format"], cfg.get("column", "text")):
+        if part == "training" and seen + len(chunk) >= cut:
+            yield part, pending + chunk[: cut - seen]
+            if train_only:
+                return
+            part, pending, chunk = "validation", "", chunk[cut - seen :]
+        seen += len(chunk)
+        pending += chunk
+        end = pending.rfind("\n") + 1 or (len(pending) if len(pending) >= _PIECE_CHARS else 0)
+        if end:
+            yield part, pending[:end]
+            pending = pending[end:]
+    if pending:
+        yield part, pending
+
+
+def _size(handle: BinaryIO) -> int:
+    position = handle.tell()
+    size = handle.seek(0, 2)
+    handle.seek(position)
+    return size
