@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import tempfile
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,9 @@ from safetensors import safe_open
 from torch import nn
 
 from arceus.contracts.status import JobStatus
+from arceus.data.config import UPLOADED_DATASET
+from arceus.data.formats import TENSOR_FORMATS, TEXT_FORMATS
+from arceus.data.uploadable import uploadable
 from arceus.discovery import DEFAULT_BROWSE_SECONDS, DISCOVERY_METHODS, control_plane_url
 from arceus.errors import SpecError
 from arceus.model.build import build_full_model, global_param_name
@@ -100,14 +104,35 @@ def _model_source(model: Any) -> _ModelSource:
 
 
 def _dataset_config(dataset: Any, client: ArceusClient) -> dict[str, Any]:
-    """The one place that decides what `dataset` may be. Now: a dataset config the control plane knows
-    (`{"name": "digits"}`, `{"name": "text", "source": ...}`: docs/architecture.md "Datasets").
-    PLUG POINT (issue 13 part 3): a torch Dataset, a pair of tensors or a text file is converted and uploaded
-    through `client` here, and an uploaded dataset's id named."""
+    """The one place that decides what `dataset` may be: a dataset config the control plane knows (`{"name":
+    "digits"}`, `{"name": "text", "source": ...}`: docs/architecture.md "Datasets"), an uploaded dataset's id, or
+    what `arceus.data.uploadable` converts (a pair of tensors, a torch Dataset of (x, y) samples, a text, JSONL,
+    Parquet, safetensors or npz file), which is uploaded first (resuming an unfinished upload of the same file)."""
     if isinstance(dataset, dict):
         return dataset
-    raise TypeError(f"dataset must be a dataset config (a dict such as {{'name': 'digits'}}), got "
-                    f"{type(dataset).__name__}")
+    if isinstance(dataset, str) and _is_dataset_id(dataset) and not Path(dataset).exists():
+        return _uploaded_config(client.dataset(dataset))
+    with tempfile.TemporaryDirectory(prefix="arceus-dataset-") as folder:
+        path, fmt = uploadable(dataset, Path(folder))
+        if fmt not in TEXT_FORMATS + TENSOR_FORMATS:
+            raise ValueError(f"{path} is a {fmt}, not a dataset to train on")
+        return _uploaded_config(client.upload_dataset(path, fmt))
+
+
+def _is_dataset_id(value: str) -> bool:
+    try:
+        uuid.UUID(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _uploaded_config(detail: dict[str, Any]) -> dict[str, Any]:
+    """A job's dataset config naming a ready upload: text trains a text model, tensors the rest."""
+    if detail["status"] != "ready":
+        raise ValueError(f"dataset {detail['id']} is {detail['status']}, not ready: upload it again")
+    name = "text" if detail["format"] in TEXT_FORMATS else UPLOADED_DATASET
+    return {"name": name, "dataset_id": str(detail["id"])}
 
 
 def _layer_plan(model_config: dict[str, Any]) -> ModelSpec:
