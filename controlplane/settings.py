@@ -242,6 +242,11 @@ ARCEUS_RELAY_SECRET = os.environ.get("ARCEUS_RELAY_SECRET", "")
 ARCEUS_RELAY_TICKET_SECONDS = float(os.environ.get("ARCEUS_RELAY_TICKET_SECONDS", "3600"))
 # How long the dial-back after a registration waits for the agent's health check.
 ARCEUS_REACHABILITY_TIMEOUT_SECONDS = float(os.environ.get("ARCEUS_REACHABILITY_TIMEOUT_SECONDS", "3"))
+# Dial-backs run on their own queue and worker (`-Q reachability`), in sweeps of up to BATCH nodes dialled
+# CONCURRENCY at a time; a sweep also runs every SWEEP_SECONDS for any node whose check was lost.
+ARCEUS_REACHABILITY_CONCURRENCY = int(os.environ.get("ARCEUS_REACHABILITY_CONCURRENCY", "256"))
+ARCEUS_REACHABILITY_BATCH = int(os.environ.get("ARCEUS_REACHABILITY_BATCH", "2000"))
+ARCEUS_REACHABILITY_SWEEP_SECONDS = float(os.environ.get("ARCEUS_REACHABILITY_SWEEP_SECONDS", "60"))
 # How often agents heartbeat (told to them in every response).
 ARCEUS_HEARTBEAT_INTERVAL_SECONDS = float(os.environ.get("ARCEUS_HEARTBEAT_INTERVAL_SECONDS", "2"))
 # A node whose last heartbeat is older than this is marked Ready=Unknown (its lease duration).

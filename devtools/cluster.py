@@ -141,9 +141,11 @@ class LocalCluster:
             *celery, "worker", "-Q", "control", "-c", "1", "-n", "control@%h", "--loglevel", "INFO"]
         self._commands["worker-training"] = [
             *celery, "worker", "-Q", "training", "-c", "1", "-n", "training@%h", "--loglevel", "INFO"]
+        self._commands["worker-reachability"] = [
+            *celery, "worker", "-Q", "reachability", "-c", "1", "-n", "reachability@%h", "--loglevel", "INFO"]
         self._commands["beat"] = [
             *celery, "beat", "--loglevel", "INFO", "--schedule", str(self.workdir / "celerybeat-schedule")]
-        for name in ("worker-control", "worker-training", "beat"):
+        for name in ("worker-control", "worker-training", "worker-reachability", "beat"):
             self.relaunch(name)
 
     def _start_relays(self) -> None:

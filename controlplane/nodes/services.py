@@ -14,9 +14,8 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 
 from arceus.contracts.observed import ObservedStage
-from controlplane.celery import CHECK_REACHABILITY_TASK
 from controlplane.common.conditions import TRUE
-from controlplane.common.dispatch import enqueue_on_commit, reconcile_soon
+from controlplane.common.dispatch import reconcile_soon
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.transitions import job_fail, job_rewind
 from controlplane.jobs.models import Stage
@@ -28,6 +27,7 @@ from controlplane.monitoring import metrics
 from controlplane.nodes.links import node_links_record
 from controlplane.nodes.liveness import lease_renew
 from controlplane.nodes.models import Node, NodeLease, NodeRestart, Reachability, ReadyStatus
+from controlplane.nodes.reachability import reachability_check_soon
 
 NODE_TOKEN_PREFIX = "arceus_node_"
 
@@ -113,7 +113,7 @@ def node_register(
         node=node, defaults={"renewed_at": now, "duration_seconds": settings.ARCEUS_NODE_GRACE_SECONDS}
     )
     lease_renew(node_id=node.pk, now=now)
-    enqueue_on_commit(CHECK_REACHABILITY_TASK, str(node.id), now.isoformat(), expires=300)
+    reachability_check_soon()
     return node
 
 
