@@ -102,6 +102,8 @@ DATABASES = {
         conn_health_checks=True,
     )
 }
+if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+    DATABASES["default"]["ENGINE"] = "controlplane.common.postgresql"  # its health check needs no round trip
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # The demo runs web, Celery worker and beat on one SQLite file: WAL lets readers run beside the one
     # writer, IMMEDIATE takes the write lock when a transaction begins (no upgrade deadlocks), and the
