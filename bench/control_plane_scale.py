@@ -192,9 +192,12 @@ async def run_fleet(cluster: LocalCluster, agents: list[SimAgent], args: argpars
             placement_s = time.perf_counter() - window_start
             print(f"placed {len(placed)} stages in {placement_s:.0f} s", flush=True)
             by_id = {a.node_id: a for a in agents}
-            victims = [by_id[n] for n in random.sample(sorted(placed), min(args.silent, len(placed)))]
+            # Hosts whose heartbeats were answered: the silence is timed from the last answered one.
+            hosts = sorted(n for n in placed if by_id[n].last_beat)
+            victims = [by_id[n] for n in random.sample(hosts, min(args.silent, len(hosts)))]
             if not victims:
-                print("no stage was placed: no node goes silent, the reassignment is not measured", flush=True)
+                print("no placed node had an answered heartbeat: none goes silent, the reassignment is not measured",
+                      flush=True)
             await asyncio.sleep(args.duration / 3)
             for victim in victims:
                 victim.silenced = True

@@ -241,6 +241,9 @@ SPECTACULAR_SETTINGS = {
 # separated, as agents and callers reach them; and the secret they share with the control plane (tickets).
 ARCEUS_RELAYS = [r.strip() for r in os.environ.get("ARCEUS_RELAYS", "").split(",") if r.strip()]
 ARCEUS_RELAY_SECRET = os.environ.get("ARCEUS_RELAY_SECRET", "")
+# The relays' TLS certificate (PEM file; `python -m arceus.relay --new-identity` made it with their key): agents and
+# callers pin it, handed out with the relays.
+ARCEUS_RELAY_CERTIFICATE_FILE = os.environ.get("ARCEUS_RELAY_CERTIFICATE_FILE", "")
 ARCEUS_RELAY_TICKET_SECONDS = float(os.environ.get("ARCEUS_RELAY_TICKET_SECONDS", "3600"))
 # How long the dial-back after a registration waits for the agent's health check.
 ARCEUS_REACHABILITY_TIMEOUT_SECONDS = float(os.environ.get("ARCEUS_REACHABILITY_TIMEOUT_SECONDS", "3"))

@@ -206,12 +206,12 @@ class Agent:
     def _stepping(self) -> bool:
         return any(s.step_lock.locked() for s in self.registry.stages())
 
-    def follow_relay(self, relay: dict[str, str] | None, relays: Sequence[str]) -> None:
+    def follow_relay(self, relay: dict[str, str] | None, relays: Sequence[str], certificate: str) -> None:
         """Attach to the relay the control plane assigned (None: the agent is dialled directly), and reach relayed
-        neighbours through `relays`."""
-        use_relays(relays)
+        neighbours through `relays`; every relay is pinned to `certificate`."""
+        use_relays(relays, certificate)
         if self.relay is not None:
-            self.relay.assign(relay["address"] if relay else None, relay["ticket"] if relay else "")
+            self.relay.assign(relay["address"] if relay else None, relay["ticket"] if relay else "", certificate)
 
     def observed(self) -> list[dict[str, Any]]:
         return [o.to_json() for o in self.registry.observed()]

@@ -57,6 +57,7 @@ class HeartbeatReply:
     max_memory_bytes: int | None = None  # the owner's memory budget for this node's stages (None: no cap)
     relay: dict[str, str] | None = None  # {"address", "ticket"}: the relay to attach to (None: dialled directly)
     relays: tuple[str, ...] = ()  # every relay, for calls to relayed neighbours
+    relay_certificate: str = ""  # the relays' certificate (PEM), pinned by the attachment and those calls
 
 
 class ControlPlaneClient:
@@ -122,6 +123,7 @@ class ControlPlaneClient:
             max_memory_bytes=_control(body, "max_memory_bytes"),
             relay=_relay(body),
             relays=tuple(r for r in body.get("relays") or () if isinstance(r, str)),
+            relay_certificate=_relay_certificate(body),
         )
 
     def leave(self) -> int:
@@ -301,6 +303,13 @@ def _relay(body: dict[str, Any]) -> dict[str, str] | None:
     return {"address": relay["address"], "ticket": relay["ticket"]}
 
 
+def _relay_certificate(body: dict[str, Any]) -> str:
+    certificate = body.get("relay_certificate") or ""
+    if not isinstance(certificate, str):
+        raise ControlPlaneError(f"heartbeat response's 'relay_certificate' is not a PEM string: {_short(body)}")
+    return certificate
+
+
 def _node_id(body: dict[str, Any]) -> str:
     node_id = body.get("node_id")
     if not isinstance(node_id, str | int) or isinstance(node_id, bool) or node_id == "":
@@ -403,7 +412,7 @@ class HeartbeatLoop:
                     self._agent.relay.report() if self._agent.relay is not None else None,
                 )
                 self._unsent_links = {}
-                self._agent.follow_relay(reply.relay, reply.relays)
+                self._agent.follow_relay(reply.relay, reply.relays, reply.relay_certificate)
                 self._agent.metrics.heartbeat_succeeded()
                 self._agent.limit_threads(reply.max_threads)
                 self._agent.registry.memory_budget = reply.max_memory_bytes

@@ -22,7 +22,7 @@ from controlplane.jobs.checkpoints import (
 )
 from controlplane.jobs.models import checkpoint_storage
 from controlplane.nodes.authentication import IsNodeAgent, NodeTokenAuthentication
-from controlplane.nodes.relays import relay_assignment
+from controlplane.nodes.relays import relay_assignment, relay_certificate
 from controlplane.nodes.selectors import node_get_for_user, node_list_for_user
 from controlplane.nodes.serializers import (
     AgentHeartbeatInput,
@@ -170,6 +170,7 @@ class AgentHeartbeatApi(AgentApi):
             "relay": relay_assignment(node=request.auth, attached=relay.get("attached"),
                                       failed=relay.get("failed", ()), now=time.time()),
             "relays": settings.ARCEUS_RELAYS,
+            "relay_certificate": relay_certificate() or None,
         }
         if answer.assignments is not None:  # else unchanged from the version the agent sent
             body["assignments"] = answer.assignments

@@ -368,3 +368,6 @@ class AgentHeartbeatOutput(serializers.Serializer):
     relays = serializers.ListField(
         child=serializers.CharField(), help_text="every relay: where the agent reaches relayed neighbours"
     )
+    relay_certificate = serializers.CharField(
+        allow_null=True, help_text="the relays' TLS certificate (PEM), which the agent pins; null without relays"
+    )
