@@ -100,6 +100,11 @@ class Node(BaseModel):
         return self.registered_at is not None
 
     @property
+    def relayed(self) -> bool:
+        """Its callers (the driver, neighbouring stages) reach it through a relay: the dial-back found no way in."""
+        return self.reachability == Reachability.RELAYED
+
+    @property
     def dial_address(self) -> str:
         """Where its callers (the driver, neighbouring stages) dial the agent."""
         return dial_address(str(self.id), self.grpc_address, self.reachability)
