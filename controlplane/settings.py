@@ -237,6 +237,9 @@ SPECTACULAR_SETTINGS = {
 }
 
 # --- Arceus ---------------------------------------------------------------------------------------
+# How many reverse proxies that append X-Forwarded-For stand in front of the web server (deploy/compose.yaml's nginx:
+# 1): the client's address is the entry the outermost one appended (controlplane/common/client_ip.py). 0: REMOTE_ADDR.
+ARCEUS_TRUSTED_PROXIES = int(os.environ.get("ARCEUS_TRUSTED_PROXIES", "0"))
 # Relays (`python -m arceus.relay`) for agents the control plane cannot dial back: their HOST:PORTs, comma
 # separated, as agents and callers reach them; and the secret they share with the control plane (tickets).
 ARCEUS_RELAYS = [r.strip() for r in os.environ.get("ARCEUS_RELAYS", "").split(",") if r.strip()]

@@ -77,9 +77,11 @@ class ControlPlaneClient:
         public_key: str,
         tls_certificate: str,
         metrics_port: int | None = None,
+        lan_address: str | None = None,
     ) -> Registration:
         """`public_key`: what its receipts verify against; `tls_certificate`: what its callers pin (PEM);
-        `metrics_port`: where Prometheus scrapes this agent, on the host of `grpc_address`."""
+        `metrics_port`: where Prometheus scrapes this agent, on the host of `grpc_address`; `lan_address`: where
+        agents on its LAN dial it (nodeagent/lan.py)."""
         self._held = None  # a registration starts afresh: the next heartbeat asks for the whole desired state
         payload: dict[str, Any] = {
             "grpc_address": grpc_address,
@@ -89,6 +91,8 @@ class ControlPlaneClient:
         }
         if metrics_port is not None:
             payload["metrics_port"] = metrics_port
+        if lan_address is not None:
+            payload["lan_address"] = lan_address
         body = self._post("/api/agent/register", payload)
         return Registration(node_id=_node_id(body), heartbeat_interval_seconds=_interval(body))
 
@@ -468,6 +472,7 @@ def register_until_accepted(
     *,
     stop: threading.Event,
     metrics_port: int | None = None,
+    lan_address: str | None = None,
     min_backoff: float = 1.0,
     max_backoff: float = 30.0,
 ) -> Registration | None:
@@ -476,7 +481,7 @@ def register_until_accepted(
     backoff = min_backoff
     while not stop.is_set():
         try:
-            return client.register(grpc_address, capabilities, public_key, tls_certificate, metrics_port)
+            return client.register(grpc_address, capabilities, public_key, tls_certificate, metrics_port, lan_address)
         except Unauthorized:
             raise
         except ControlPlaneError as exc:

@@ -14,6 +14,7 @@ from rest_framework.response import Response
 from rest_framework.throttling import BaseThrottle, ScopedRateThrottle
 from rest_framework.views import APIView
 
+from controlplane.common.client_ip import client_ip
 from controlplane.common.schema import ErrorOutput
 from controlplane.jobs.checkpoints import (
     checkpoint_upload_receive,
@@ -133,6 +134,8 @@ class AgentRegisterApi(AgentApi):
             metrics_port=data.validated_data["metrics_port"],
             public_key=data.validated_data["public_key"],
             tls_certificate=data.validated_data["tls_certificate"],
+            lan_address=data.validated_data["lan_address"],
+            public_ip=client_ip(request),
             **data.validated_data["capabilities"],
             now=timezone.now(),
         )

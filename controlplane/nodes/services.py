@@ -81,8 +81,11 @@ def node_register(
     runtime_bytes: int = 0,
     link: dict[str, float] | None = None,
     metrics_port: int | None = None,
+    lan_address: str = "",
+    public_ip: str | None = None,
 ) -> Node:
-    """Record the agent's addresses and capabilities (inputs already validated by the API).
+    """Record the agent's addresses and capabilities (inputs already validated by the API); `public_ip`: where the
+    registration came from (agents behind the same one dial each other at their `lan_address`).
 
     A registering agent is a fresh process: a stage it hosted lost its state (`_node_restarted`).
     """
@@ -90,6 +93,7 @@ def node_register(
     if hosted is not None:
         _node_restarted(node=node, stage=hosted, now=now)
     node.grpc_address, node.metrics_port = grpc_address, metrics_port
+    node.lan_address, node.public_ip = lan_address, public_ip
     node.device_type = device_type
     node.device_name = device_name
     node.memory_bytes = memory_bytes
