@@ -2,10 +2,12 @@
 jobs are submitted, placed, and moved off nodes that go silent.
 
     DATABASE_URL=postgres://... REDIS_URL=redis://... .venv/bin/python bench/control_plane_scale.py \
-        [--agents 10000] [--interval 10] [--jobs 1000] [--duration 90] [--grace 30] [--silent 5]
+        [--agents 10000] [--interval 10] [--jobs 1000] [--duration 90] [--grace 30] [--silent 5] [--workdir DIR]
 
 The control plane is a whole deployment on this machine (devtools.cluster.LocalCluster: gunicorn, the Celery
-control worker and beat, against the PostgreSQL and Redis the URLs name; never SQLite at this size). The agents
+control and reachability workers and beat, against the PostgreSQL and Redis the URLs name; never SQLite at this
+size; `--workdir` keeps its logs). Each simulated agent registers at a loopback address of its own where
+nothing listens, so the dial-backs (controlplane/nodes/reachability.py) are refused here and mark it relayed. The agents
 are coroutines of this process (aiohttp, no torch): each registers (`POST /api/agent/register`), then heartbeats
 every `--interval` seconds (`POST /api/agent/heartbeat`, starting at a random offset, sending back the
 assignments version it holds), reporting nothing about its stages, so placed jobs wait for them and no training
@@ -15,6 +17,7 @@ driver runs. Nodes and jobs are made through the services (`node_create`'s token
 Measured: heartbeats per second, their latency (p50, p99, max) and errors; the reconcile pass time (the control
 worker's own log of each `arceus.reconcile` task: under the same load); and, for `--silent` nodes hosting a
 stage whose heartbeats stop, the time from their last heartbeat to their stage's move, against the grace.
+A run that places nothing, or whose agents time out, still reports (nothing is measured that was not seen).
 Prints a table, writes docs/BENCHMARKS.md, and ends with one JSON line.
 """
 
