@@ -2,10 +2,12 @@
 jobs are submitted, placed, and moved off nodes that go silent.
 
     DATABASE_URL=postgres://... REDIS_URL=redis://... .venv/bin/python bench/control_plane_scale.py \
-        [--agents 10000] [--interval 10] [--jobs 1000] [--duration 90] [--grace 30] [--silent 5]
+        [--agents 10000] [--interval 10] [--jobs 1000] [--duration 90] [--grace 30] [--silent 5] [--workdir DIR]
 
 The control plane is a whole deployment on this machine (devtools.cluster.LocalCluster: gunicorn, the Celery
-control worker and beat, against the PostgreSQL and Redis the URLs name; never SQLite at this size). The agents
+control and reachability workers and beat, against the PostgreSQL and Redis the URLs name; never SQLite at this
+size; `--workdir` keeps its logs). Each simulated agent registers at a loopback address of its own where
+nothing listens, so the dial-backs (controlplane/nodes/reachability.py) are refused here and mark it relayed. The agents
 are coroutines of this process (aiohttp, no torch): each registers (`POST /api/agent/register`), then heartbeats
 every `--interval` seconds (`POST /api/agent/heartbeat`, starting at a random offset, sending back the
 assignments version it holds), reporting nothing about its stages, so placed jobs wait for them and no training
@@ -15,6 +17,7 @@ driver runs. Nodes and jobs are made through the services (`node_create`'s token
 Measured: heartbeats per second, their latency (p50, p99, max) and errors; the reconcile pass time (the control
 worker's own log of each `arceus.reconcile` task: under the same load); and, for `--silent` nodes hosting a
 stage whose heartbeats stop, the time from their last heartbeat to their stage's move, against the grace.
+A run that places nothing, or whose agents time out, still reports (nothing is measured that was not seen).
 Prints a table, writes docs/BENCHMARKS.md, and ends with one JSON line.
 """
 
@@ -145,10 +148,11 @@ async def heartbeat_forever(
         try:
             body = {"observed": [], "assignments_version": agent.version}
             async with session.post(f"{url}/api/agent/heartbeat", json=body, headers=headers) as response:
-                answer = await response.json(content_type=None)
                 if response.status != 200:
                     tally.error(f"HTTP {response.status}")
+                    await response.read()
                 else:
+                    answer = await response.json(content_type=None)
                     agent.version = answer.get("assignments_version", "")
                     agent.last_beat = time.time()
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
@@ -180,27 +184,35 @@ async def run_fleet(cluster: LocalCluster, agents: list[SimAgent], args: argpars
         tally, stop = Tally(), asyncio.Event()
         beats = [asyncio.create_task(heartbeat_forever(session, cluster.api_url, a, args.interval, tally, stop))
                  for a in agents]
-        await asyncio.sleep(args.interval)  # every agent has heartbeaten once: Ready
-        log = cluster.supervisor.log_dir / "worker-control.log"
-        log_offset = log.stat().st_size
-        tally.counting, window_start = True, time.perf_counter()  # the placement burst is measured too
-        jobs = await asyncio.to_thread(submit_jobs, args.jobs)
-        print(f"submitted {len(jobs)} jobs", flush=True)
-        placed = await _until_placed(args.jobs * JOB["stages"], args.place_timeout)
-        placement_s = time.perf_counter() - window_start
-        print(f"placed {len(placed)} stages in {placement_s:.0f} s", flush=True)
-        by_id = {a.node_id: a for a in agents}
-        victims = [by_id[n] for n in random.sample(sorted(placed), args.silent)]
-        await asyncio.sleep(args.duration / 3)
-        for victim in victims:
-            victim.silenced = True
-        reassigned = await _until_moved(victims, args.grace + 30)
-        await asyncio.sleep(max(0.0, args.duration - (time.perf_counter() - window_start)))
-        tally.counting, window = False, time.perf_counter() - window_start
-        stop.set()
-        for task in beats:
-            task.cancel()
-        await asyncio.gather(*beats, return_exceptions=True)
+        try:
+            await asyncio.sleep(args.interval)  # every agent has heartbeaten once: Ready
+            log = cluster.supervisor.log_dir / "worker-control.log"
+            log_offset = log.stat().st_size
+            tally.counting, window_start = True, time.perf_counter()  # the placement burst is measured too
+            jobs = await asyncio.to_thread(submit_jobs, args.jobs)
+            print(f"submitted {len(jobs)} jobs", flush=True)
+            placed = await _until_placed(args.jobs * JOB["stages"], args.place_timeout)
+            placement_s = time.perf_counter() - window_start
+            print(f"placed {len(placed)} stages in {placement_s:.0f} s", flush=True)
+            by_id = {a.node_id: a for a in agents}
+            # Hosts whose heartbeats were answered: the silence is timed from the last answered one.
+            hosts = sorted(n for n in placed if by_id[n].last_beat)
+            victims = [by_id[n] for n in random.sample(hosts, min(args.silent, len(hosts)))]
+            if not victims:
+                print("no placed node had an answered heartbeat: none goes silent, the reassignment is not measured",
+                      flush=True)
+            await asyncio.sleep(args.duration / 3)
+            for victim in victims:
+                victim.silenced = True
+            reassigned = await _until_moved(victims, args.grace + 30)
+            await asyncio.sleep(max(0.0, args.duration - (time.perf_counter() - window_start)))
+            tally.counting, window = False, time.perf_counter() - window_start
+        finally:  # the agents stop before the session closes, also when the run failed
+            stop.set()
+            for task in beats:
+                task.cancel()
+            await asyncio.gather(*beats, return_exceptions=True)
+    unknown = await asyncio.to_thread(nodes_unknown)
     passes = [float(m) for m in RECONCILE_LINE.findall(log.read_bytes()[log_offset:].decode(errors="replace"))]
     delays = [reassigned[v.node_id] - v.last_beat for v in victims if v.node_id in reassigned]
     return {
@@ -216,8 +228,16 @@ async def run_fleet(cluster: LocalCluster, agents: list[SimAgent], args: argpars
         "grace_s": args.grace, "silent": len(victims), "reassigned": len(delays),
         "reassign_max_s": round(max(delays, default=float("nan")), 1),
         "reassign_median_s": round(statistics.median(delays), 1) if delays else None,
+        "reachability_unknown": unknown,
         "load_average": [round(x, 2) for x in os.getloadavg()],
     }
+
+
+def nodes_unknown() -> int:
+    """The bench's nodes not yet dialled back (controlplane/nodes/reachability.py)."""
+    from controlplane.nodes.models import Node, Reachability
+
+    return Node.objects.filter(owner__username=BENCH_USER, reachability=Reachability.UNKNOWN).count()
 
 
 async def _until_placed(count: int, timeout: float) -> dict[str, str]:
@@ -253,12 +273,16 @@ def main() -> None:
     parser.add_argument("--place-timeout", type=float, default=300.0, help="go on after this long placing")
     parser.add_argument("--connections", type=int, default=512, help="the fleet's HTTP connections (keep-alive)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
+    parser.add_argument("--workdir", type=Path, help="keep the cluster's files and logs here (default: a temporary "
+                        "directory, removed after the run)")
     args = parser.parse_args()
     if not os.environ.get("DATABASE_URL", "").startswith("postgres"):
         parser.error("set DATABASE_URL to a PostgreSQL database (and REDIS_URL): SQLite cannot hold this load")
-    with tempfile.TemporaryDirectory(prefix="arceus-scale-") as workdir:
+    with tempfile.TemporaryDirectory(prefix="arceus-scale-") as temporary:
+        workdir = args.workdir or Path(temporary)
+        workdir.mkdir(parents=True, exist_ok=True)
         cluster = LocalCluster(
-            Path(workdir), database_url=os.environ["DATABASE_URL"], redis_url=os.environ.get("REDIS_URL"),
+            workdir, database_url=os.environ["DATABASE_URL"], redis_url=os.environ.get("REDIS_URL"),
             heartbeat_interval_seconds=args.interval, reconcile_interval_seconds=1.0,
             extra_env={"ARCEUS_NODE_GRACE_SECONDS": str(args.grace), "ARCEUS_LOG_LEVEL": "WARNING"},
         )
@@ -290,6 +314,7 @@ def print_and_write(r: dict[str, Any], *, write: bool) -> None:
         f"{r['reassign_max_s']} / {r['reassign_median_s']} s | < grace {r['grace_s']:g} + 2 s |",
         f"| registration of all agents | {r['registration_s']} s | |",
         f"| stages placed (of {r['jobs'] * 3:,}) and time taken | {r['placed_stages']:,} in {r['placement_s']} s | |",
+        f"| nodes not yet dialled back at the end | {r['reachability_unknown']:,} | 0 |",
     ]
     body = "\n".join(lines)
     print(body)

@@ -1,6 +1,6 @@
-"""The Celery app "arceus": `celery -A controlplane.celery worker -Q control` (or `-Q training`), and
-`celery -A controlplane.celery beat`. Its task modules (`tasks/`) are named here, not imported: the
-control plane never imports them, it enqueues tasks by name (`controlplane.common.dispatch`).
+"""The Celery app "arceus": `celery -A controlplane.celery worker -Q control` (or `-Q training`, or
+`-Q reachability`), and `celery -A controlplane.celery beat`. Its task modules (`tasks/`) are named here, not
+imported: the control plane never imports them, it enqueues tasks by name (`controlplane.common.dispatch`).
 
 Environment-driven values (broker and result backend = REDIS_URL, the resync interval) come from the
 Django settings; the delivery guarantees and the routing below are part of the design, so they are
@@ -29,6 +29,9 @@ CHECK_REACHABILITY_TASK = "arceus.check_reachability"
 
 CONTROL_QUEUE = "control"  # short reconcile passes, and estimates (each bounded by ARCEUS_SOLVER_SECONDS)
 TRAINING_QUEUE = "training"  # long-running training drivers, kept apart so they never delay reconciles
+# Dial-backs after registrations: a sweep waits out the timeout of every agent behind a router, kept apart so a
+# burst of registrations never delays reconciles (controlplane/nodes/reachability.py).
+REACHABILITY_QUEUE = "reachability"
 
 app = Celery("arceus", include=["tasks.control", "tasks.estimates", "tasks.market", "tasks.nodes", "tasks.training"])
 app.config_from_object("django.conf:settings", namespace="CELERY")
@@ -40,14 +43,14 @@ app.conf.update(
     # A worker reserves one task at a time: a training driver can run for minutes and must not sit on
     # messages another worker could take.
     worker_prefetch_multiplier=1,
-    task_queues=(Queue(CONTROL_QUEUE), Queue(TRAINING_QUEUE)),
+    task_queues=(Queue(CONTROL_QUEUE), Queue(TRAINING_QUEUE), Queue(REACHABILITY_QUEUE)),
     task_default_queue=CONTROL_QUEUE,
     task_routes={
         RECONCILE_TASK: {"queue": CONTROL_QUEUE},
         REPRICE_TASK: {"queue": CONTROL_QUEUE},
         ROLLUP_LEDGER_TASK: {"queue": CONTROL_QUEUE},
         ESTIMATE_TASK: {"queue": CONTROL_QUEUE},
-        CHECK_REACHABILITY_TASK: {"queue": CONTROL_QUEUE},
+        CHECK_REACHABILITY_TASK: {"queue": REACHABILITY_QUEUE},
         TRAIN_JOB_TASK: {"queue": TRAINING_QUEUE},
     },
     broker_connection_retry_on_startup=True,
@@ -59,6 +62,12 @@ app.conf.update(
             "schedule": settings.ARCEUS_RECONCILE_INTERVAL_SECONDS,
             # A pass that waited longer than a few intervals is stale; a newer one is on its way.
             "options": {"expires": 5 * settings.ARCEUS_RECONCILE_INTERVAL_SECONDS},
+        },
+        # Any node whose dial-back was lost (its message expired, its worker died) is dialled by the next sweep.
+        "check-reachability": {
+            "task": CHECK_REACHABILITY_TASK,
+            "schedule": settings.ARCEUS_REACHABILITY_SWEEP_SECONDS,
+            "options": {"expires": settings.ARCEUS_REACHABILITY_SWEEP_SECONDS},
         },
         "reprice": {
             "task": REPRICE_TASK,

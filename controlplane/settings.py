@@ -103,6 +103,8 @@ DATABASES = {
         conn_health_checks=True,
     )
 }
+if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+    DATABASES["default"]["ENGINE"] = "controlplane.common.postgresql"  # its health check needs no round trip
 if DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3":
     # The demo runs web, Celery worker and beat on one SQLite file: WAL lets readers run beside the one
     # writer, IMMEDIATE takes the write lock when a transaction begins (no upgrade deadlocks), and the
@@ -240,13 +242,24 @@ SPECTACULAR_SETTINGS = {
 }
 
 # --- Arceus ---------------------------------------------------------------------------------------
+# How many reverse proxies that append X-Forwarded-For stand in front of the web server (deploy/compose.yaml's nginx:
+# 1): the client's address is the entry the outermost one appended (controlplane/common/client_ip.py). 0: REMOTE_ADDR.
+ARCEUS_TRUSTED_PROXIES = int(os.environ.get("ARCEUS_TRUSTED_PROXIES", "0"))
 # Relays (`python -m arceus.relay`) for agents the control plane cannot dial back: their HOST:PORTs, comma
 # separated, as agents and callers reach them; and the secret they share with the control plane (tickets).
 ARCEUS_RELAYS = [r.strip() for r in os.environ.get("ARCEUS_RELAYS", "").split(",") if r.strip()]
 ARCEUS_RELAY_SECRET = os.environ.get("ARCEUS_RELAY_SECRET", "")
+# The relays' TLS certificate (PEM file; `python -m arceus.relay --new-identity` made it with their key): agents and
+# callers pin it, handed out with the relays.
+ARCEUS_RELAY_CERTIFICATE_FILE = os.environ.get("ARCEUS_RELAY_CERTIFICATE_FILE", "")
 ARCEUS_RELAY_TICKET_SECONDS = float(os.environ.get("ARCEUS_RELAY_TICKET_SECONDS", "3600"))
 # How long the dial-back after a registration waits for the agent's health check.
 ARCEUS_REACHABILITY_TIMEOUT_SECONDS = float(os.environ.get("ARCEUS_REACHABILITY_TIMEOUT_SECONDS", "3"))
+# Dial-backs run on their own queue and worker (`-Q reachability`), in sweeps of up to BATCH nodes dialled
+# CONCURRENCY at a time; a sweep also runs every SWEEP_SECONDS for any node whose check was lost.
+ARCEUS_REACHABILITY_CONCURRENCY = int(os.environ.get("ARCEUS_REACHABILITY_CONCURRENCY", "256"))
+ARCEUS_REACHABILITY_BATCH = int(os.environ.get("ARCEUS_REACHABILITY_BATCH", "2000"))
+ARCEUS_REACHABILITY_SWEEP_SECONDS = float(os.environ.get("ARCEUS_REACHABILITY_SWEEP_SECONDS", "60"))
 # How often agents heartbeat (told to them in every response).
 ARCEUS_HEARTBEAT_INTERVAL_SECONDS = float(os.environ.get("ARCEUS_HEARTBEAT_INTERVAL_SECONDS", "2"))
 # A node whose last heartbeat is older than this is marked Ready=Unknown (its lease duration).

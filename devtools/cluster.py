@@ -139,9 +139,11 @@ class LocalCluster:
             *celery, "worker", "-Q", "control", "-c", "1", "-n", "control@%h", "--loglevel", "INFO"]
         self._commands["worker-training"] = [
             *celery, "worker", "-Q", "training", "-c", "1", "-n", "training@%h", "--loglevel", "INFO"]
+        self._commands["worker-reachability"] = [
+            *celery, "worker", "-Q", "reachability", "-c", "1", "-n", "reachability@%h", "--loglevel", "INFO"]
         self._commands["beat"] = [
             *celery, "beat", "--loglevel", "INFO", "--schedule", str(self.workdir / "celerybeat-schedule")]
-        for name in ("worker-control", "worker-training", "beat"):
+        for name in ("worker-control", "worker-training", "worker-reachability", "beat"):
             self.relaunch(name)
 
     @staticmethod
@@ -163,8 +165,14 @@ class LocalCluster:
         self.relay_addresses = [f"127.0.0.1:{free_port()}" for _ in range(self.relays)]
         self.env["ARCEUS_RELAYS"] = ",".join(self.relay_addresses)
         self.env["ARCEUS_RELAY_SECRET"] = secrets.token_hex(32)
+        key, certificate = self.workdir / "relay.key", self.workdir / "relay.pem"  # one identity for all relays
+        identity = ["--tls-key", str(key), "--tls-cert", str(certificate)]
+        if not certificate.exists():  # made as an operator makes it
+            subprocess.run([sys.executable, "-m", "arceus.relay", "--new-identity", *identity], check=True,
+                           env=self.env, stdout=subprocess.DEVNULL)
+        self.env["ARCEUS_RELAY_CERTIFICATE_FILE"] = str(certificate)
         for i, address in enumerate(self.relay_addresses):
-            self._commands[f"relay-{i}"] = [sys.executable, "-m", "arceus.relay", "--listen", address]
+            self._commands[f"relay-{i}"] = [sys.executable, "-m", "arceus.relay", "--listen", address, *identity]
         for i in range(self.relays):
             self.relaunch(f"relay-{i}")
 

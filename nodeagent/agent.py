@@ -22,6 +22,7 @@ from arceus.wire.channels import grpc_channel_options
 from arceus.wire.tls import TlsIdentity, new_identity
 from nodeagent.call_limits import CallLimits
 from nodeagent.hosting import HostedStages
+from nodeagent.lan import WILDCARD_HOSTS
 from nodeagent.lending import ComputeThreads
 from nodeagent.link_probe import LinkProbeServicer
 from nodeagent.metrics import AgentMetrics
@@ -34,7 +35,6 @@ from nodeagent.tp_servicer import TensorParallelServicer
 log = logging.getLogger(__name__)
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 SERVICE_NAME = stage_pb2.DESCRIPTOR.services_by_name["StageService"].full_name
-_WILDCARD_HOSTS = ("", "0.0.0.0", "::", "[::]")
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -135,7 +135,7 @@ class Agent:
             raise OSError(f"cannot listen for gRPC on {host}:{port} (address in use or not local?)")
         self.grpc_port = bound
         self._server.start()
-        local_host = "127.0.0.1" if host in _WILDCARD_HOSTS else host
+        local_host = "127.0.0.1" if host in WILDCARD_HOSTS else host
         self.relay = RelayAttachment(f"{local_host}:{bound}")
         for service in ("", SERVICE_NAME):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
@@ -160,7 +160,7 @@ class Agent:
         if self._advertise is not None:
             return self._advertise
         host = self._listen[0]
-        return f"{socket.getfqdn() if host in _WILDCARD_HOSTS else host}:{self.grpc_port}"
+        return f"{socket.getfqdn() if host in WILDCARD_HOSTS else host}:{self.grpc_port}"
 
     @property
     def metrics_address(self) -> str:
@@ -206,12 +206,12 @@ class Agent:
     def _stepping(self) -> bool:
         return any(s.step_lock.locked() for s in self.registry.stages())
 
-    def follow_relay(self, relay: dict[str, str] | None, relays: Sequence[str]) -> None:
+    def follow_relay(self, relay: dict[str, str] | None, relays: Sequence[str], certificate: str) -> None:
         """Attach to the relay the control plane assigned (None: the agent is dialled directly), and reach relayed
-        neighbours through `relays`."""
-        use_relays(relays)
+        neighbours through `relays`; every relay is pinned to `certificate`."""
+        use_relays(relays, certificate)
         if self.relay is not None:
-            self.relay.assign(relay["address"] if relay else None, relay["ticket"] if relay else "")
+            self.relay.assign(relay["address"] if relay else None, relay["ticket"] if relay else "", certificate)
 
     def observed(self) -> list[dict[str, Any]]:
         return [o.to_json() for o in self.registry.observed()]

@@ -39,6 +39,7 @@ from nodeagent.control_plane import (
 )
 from nodeagent.device import DEVICE_TYPES, DeviceError, capabilities, check_device_computes, select_device
 from nodeagent.heap import retain_freed_blocks
+from nodeagent.lan import lan_address
 from nodeagent.leaving import DEFAULT_LEAVE_TIMEOUT_SECONDS, Leaving
 from nodeagent.local_status import write_status
 from nodeagent.neighbour_links import DEFAULT_INTERVAL_SECONDS
@@ -293,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
             registration = register_until_accepted(
                 client, agent.advertise_address, caps, agent.signer.public_key_hex, agent.identity.certificate,
                 stop=stop, metrics_port=agent.metrics_port,
+                lan_address=lan_address(args.control_plane, agent.grpc_address.rpartition(":")[0], agent.grpc_port),
             )
             if registration is None:
                 return 0  # stopped before the control plane answered

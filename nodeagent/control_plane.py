@@ -57,6 +57,7 @@ class HeartbeatReply:
     max_memory_bytes: int | None = None  # the owner's memory budget for this node's stages (None: no cap)
     relay: dict[str, str] | None = None  # {"address", "ticket"}: the relay to attach to (None: dialled directly)
     relays: tuple[str, ...] = ()  # every relay, for calls to relayed neighbours
+    relay_certificate: str = ""  # the relays' certificate (PEM), pinned by the attachment and those calls
 
 
 class ControlPlaneClient:
@@ -76,9 +77,11 @@ class ControlPlaneClient:
         public_key: str,
         tls_certificate: str,
         metrics_port: int | None = None,
+        lan_address: str | None = None,
     ) -> Registration:
         """`public_key`: what its receipts verify against; `tls_certificate`: what its callers pin (PEM);
-        `metrics_port`: where Prometheus scrapes this agent, on the host of `grpc_address`."""
+        `metrics_port`: where Prometheus scrapes this agent, on the host of `grpc_address`; `lan_address`: where
+        agents on its LAN dial it (nodeagent/lan.py)."""
         self._held = None  # a registration starts afresh: the next heartbeat asks for the whole desired state
         payload: dict[str, Any] = {
             "grpc_address": grpc_address,
@@ -88,6 +91,8 @@ class ControlPlaneClient:
         }
         if metrics_port is not None:
             payload["metrics_port"] = metrics_port
+        if lan_address is not None:
+            payload["lan_address"] = lan_address
         body = self._post("/api/agent/register", payload)
         return Registration(node_id=_node_id(body), heartbeat_interval_seconds=_interval(body))
 
@@ -122,6 +127,7 @@ class ControlPlaneClient:
             max_memory_bytes=_control(body, "max_memory_bytes"),
             relay=_relay(body),
             relays=tuple(r for r in body.get("relays") or () if isinstance(r, str)),
+            relay_certificate=_relay_certificate(body),
         )
 
     def leave(self) -> int:
@@ -301,6 +307,13 @@ def _relay(body: dict[str, Any]) -> dict[str, str] | None:
     return {"address": relay["address"], "ticket": relay["ticket"]}
 
 
+def _relay_certificate(body: dict[str, Any]) -> str:
+    certificate = body.get("relay_certificate") or ""
+    if not isinstance(certificate, str):
+        raise ControlPlaneError(f"heartbeat response's 'relay_certificate' is not a PEM string: {_short(body)}")
+    return certificate
+
+
 def _node_id(body: dict[str, Any]) -> str:
     node_id = body.get("node_id")
     if not isinstance(node_id, str | int) or isinstance(node_id, bool) or node_id == "":
@@ -403,7 +416,7 @@ class HeartbeatLoop:
                     self._agent.relay.report() if self._agent.relay is not None else None,
                 )
                 self._unsent_links = {}
-                self._agent.follow_relay(reply.relay, reply.relays)
+                self._agent.follow_relay(reply.relay, reply.relays, reply.relay_certificate)
                 self._agent.metrics.heartbeat_succeeded()
                 self._agent.limit_threads(reply.max_threads)
                 self._agent.registry.memory_budget = reply.max_memory_bytes
@@ -459,6 +472,7 @@ def register_until_accepted(
     *,
     stop: threading.Event,
     metrics_port: int | None = None,
+    lan_address: str | None = None,
     min_backoff: float = 1.0,
     max_backoff: float = 30.0,
 ) -> Registration | None:
@@ -467,7 +481,7 @@ def register_until_accepted(
     backoff = min_backoff
     while not stop.is_set():
         try:
-            return client.register(grpc_address, capabilities, public_key, tls_certificate, metrics_port)
+            return client.register(grpc_address, capabilities, public_key, tls_certificate, metrics_port, lan_address)
         except Unauthorized:
             raise
         except ControlPlaneError as exc:

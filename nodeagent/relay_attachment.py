@@ -12,6 +12,7 @@ import time
 
 import grpc
 
+from arceus.relay.channel import relay_channel
 from arceus.relay.server import CONNECTION_KEY
 from arceus.relay.splice import socket_chunks, write_replies
 from arceus.relay.tickets import METADATA_KEY as TICKET_KEY
@@ -30,6 +31,7 @@ class RelayAttachment:
         self._lock = threading.Lock()
         self._relay: str | None = None
         self._ticket = ""
+        self._certificate = ""  # the relays' certificate, pinned (arceus.relay.channel)
         self._changed = threading.Event()
         self._attached: str | None = None
         self._failed: dict[str, float] = {}  # relay -> when attaching to it last failed
@@ -38,11 +40,12 @@ class RelayAttachment:
         self._thread = threading.Thread(target=self._run, name="relay-attachment", daemon=True)
         self._thread.start()
 
-    def assign(self, relay: str | None, ticket: str) -> None:
-        """The relay to stay attached to (None: the agent is dialled directly) and a fresh ticket for it."""
+    def assign(self, relay: str | None, ticket: str, certificate: str) -> None:
+        """The relay to stay attached to (None: the agent is dialled directly), a fresh ticket for it, and the
+        relays' certificate to pin."""
         with self._lock:
-            moved = relay != self._relay
-            self._relay, self._ticket = relay, ticket
+            moved = relay != self._relay or certificate != self._certificate
+            self._relay, self._ticket, self._certificate = relay, ticket, certificate
             call = self._call if moved else None
         if moved:
             self._changed.set()
@@ -60,22 +63,28 @@ class RelayAttachment:
 
     def stop(self) -> None:
         self._stop.set()
-        self.assign(None, "")
+        self.assign(None, "", "")
 
     def _run(self) -> None:
         while not self._stop.is_set():
             with self._lock:
-                relay, ticket = self._relay, self._ticket
+                relay, ticket, certificate = self._relay, self._ticket, self._certificate
                 self._changed.clear()
             if relay is None:
                 self._changed.wait()
                 continue
-            self._attach(relay, ticket)
+            self._attach(relay, ticket, certificate)
             self._stop.wait(RETRY_SECONDS)
 
-    def _attach(self, relay: str, ticket: str) -> None:
-        channel = grpc.insecure_channel(relay, options=[
-            ("grpc.enable_http_proxy", 0), ("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000)])
+    def _attach(self, relay: str, ticket: str, certificate: str) -> None:
+        try:
+            channel = relay_channel(relay, certificate, options=[
+                ("grpc.keepalive_time_ms", 20_000), ("grpc.keepalive_timeout_ms", 10_000)])
+        except ValueError as exc:
+            log.warning("relay %s: %s", relay, exc)
+            with self._lock:
+                self._failed[relay] = time.monotonic()
+            return
         stub = relay_pb2_grpc.RelayServiceStub(channel)
         try:
             call = stub.Attach(relay_pb2.AttachRequest(), metadata=((TICKET_KEY, ticket),), wait_for_ready=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 from controlplane.celery import RECONCILE_TASK, app
+from controlplane.common.dispatch import dequeued
 from controlplane.controller.executor import reconcile_once
 
 log = logging.getLogger(__name__)
@@ -14,6 +15,7 @@ log = logging.getLogger(__name__)
 def reconcile() -> None:
     # No lock: two passes at once are safe because every write is checked against the generation the
     # pass saw (see controlplane/controller/executor.py).
+    dequeued(RECONCILE_TASK)  # nudges from now on queue the next pass (controlplane.common.dispatch)
     report = reconcile_once()
     if report.applied or report.skipped:
         log.info("reconcile: %s", report)

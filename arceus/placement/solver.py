@@ -2,11 +2,15 @@
 
 Pure and Django-free. Stage time per micro-batch is its compute (forward plus a backward of about twice
 the cost, over the device's FLOP/s) plus, for every stage but the last, sending its output forward and
-receiving the gradient back over the device's link. The pipeline runs at the pace of its slowest stage,
+receiving the gradient back over the device's link; a device reached through a relay (`Device.relayed`) pays its
+link for its inputs too (the previous stage's activations in, their gradients back), since every byte to or from it
+crosses the relay, so placement keeps relayed devices off the stages whose links bind and uses their measured link
+(through the relay) for both. The pipeline runs at the pace of its slowest stage,
 so the solver minimises that bottleneck; a stage never needs more memory than its device has (weights,
 gradients and optimizer state, plus the activations stashed for each micro-batch it holds at once: all of
 a step's under GPipe, fewer the later the stage under 1F1B); and among placements within `PRICE_TOLERANCE`
-of the fastest, the cheapest per hour wins, within the budget.
+of the fastest, the cheapest per hour wins, within the budget, and among those the one with the fewest relayed
+devices.
 
 The search is exact for this cost model: dynamic programming over (layers placed, set of devices used),
 O(n² · d · 2^d) for n layers and d candidate devices, so only the `max_candidates` best devices by speed
@@ -102,6 +106,7 @@ class Device:
     bandwidth_bytes_per_s: float = math.inf  # its link to the other agents
     latency_s: float = 0.0
     price_per_hour: float = 0.0
+    relayed: bool = False  # dialled through a relay: its link carries its inputs as well as its outputs
 
 
 @dataclass(frozen=True)
@@ -153,6 +158,7 @@ class _Unit:
             bandwidth_bytes_per_s=min(d.bandwidth_bytes_per_s for d in devices),
             latency_s=max(d.latency_s for d in devices),
             price_per_hour=sum(d.price_per_hour for d in devices),
+            relayed=any(d.relayed for d in devices),
         )
         return cls(aggregate, tuple(d.id for d in devices))
 
@@ -210,10 +216,12 @@ def stage_state_bytes(layers: Sequence[LayerProfile], ranks: int = 1) -> int:
 
 
 def stage_seconds(
-    layers: Sequence[LayerProfile], device: Device, workload: Workload, *, last: bool, ranks: int = 1
+    layers: Sequence[LayerProfile], device: Device, workload: Workload, *, last: bool, ranks: int = 1,
+    input_bytes_per_sample: int = 0,
 ) -> float:
     """Seconds per micro-batch: compute (a tensor-parallel rank's share) and its group's all-reduces,
-    plus (unless last) the activation out and the gradient back."""
+    plus (unless last) the activation out and the gradient back; on a relayed device, also its input
+    (`input_bytes_per_sample`, the previous stage's output; 0 for the first) in and its gradient back."""
     flops = sum(layer.flops_per_sample / ranks if layer.tensor_parallel else layer.flops_per_sample for layer in layers)
     seconds = BACKWARD_FACTOR * workload.micro_batch_size * flops / device.flops
     if ranks > 1:
@@ -224,7 +232,15 @@ def stage_seconds(
     if not last:
         payload = workload.micro_batch_size * layers[-1].output_bytes_per_sample
         seconds += 2 * (payload / device.bandwidth_bytes_per_s + device.latency_s)
+    if device.relayed and input_bytes_per_sample:
+        payload = workload.micro_batch_size * input_bytes_per_sample
+        seconds += 2 * (payload / device.bandwidth_bytes_per_s + device.latency_s)
     return seconds
+
+
+def _input_bytes(layers: Sequence[LayerProfile], start: int) -> int:
+    """What a stage starting at layer `start` receives per sample (nothing for the first)."""
+    return layers[start - 1].output_bytes_per_sample if start else 0
 
 
 def solve(
@@ -279,7 +295,8 @@ def solve(
                         room[s][e][k] = _room(layers[s:e], workload, unit)
                         if room[s][e][k] > 0:
                             cost[s][e][k] = stage_seconds(
-                                layers[s:e], unit.device, workload, last=e == n, ranks=unit.ranks
+                                layers[s:e], unit.device, workload, last=e == n, ranks=unit.ranks,
+                                input_bytes_per_sample=_input_bytes(layers, s),
                             )
             filled = size
             found = _search(
@@ -350,13 +367,14 @@ def _search(
     options = []
     for mask, bottleneck in best[n].items():
         price = sum(units[k].device.price_per_hour for k in range(d) if mask >> k & 1)
+        relayed = sum(units[k].device.relayed for k in range(d) if mask >> k & 1)
         if bin(mask).count("1") >= min_stages and (max_price_per_hour is None or price <= max_price_per_hour):
-            options.append((bottleneck, price, mask))
+            options.append((bottleneck, price, relayed, mask))
     if not options:
         raise PlacementError(_why_not(layers, units, workload, min_stages, max_price_per_hour, best[n]))
-    fastest = min(bottleneck for bottleneck, _, _ in options)
-    _, price, mask = min(
-        (o for o in options if o[0] <= fastest * (1 + PRICE_TOLERANCE)), key=lambda o: (o[1], o[0], o[2])
+    fastest = min(option[0] for option in options)
+    _, price, _, mask = min(
+        (o for o in options if o[0] <= fastest * (1 + PRICE_TOLERANCE)), key=lambda o: (o[1], o[2], o[0], o[3])
     )
     return _placement(layers, units, workload, back, mask, best[n][mask], price)
 
@@ -416,7 +434,8 @@ def _placement(
                 layer_start=s,
                 layer_end=i,
                 seconds_per_micro_batch=stage_seconds(
-                    layers[s:i], unit.device, workload, last=i == n, ranks=unit.ranks
+                    layers[s:i], unit.device, workload, last=i == n, ranks=unit.ranks,
+                    input_bytes_per_sample=_input_bytes(layers, s),
                 ),
                 memory_bytes=stage_memory(layers[s:i], workload, unit.ranks, workload.in_flight(index, count)),
             )

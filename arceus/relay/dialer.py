@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import grpc
 
 from arceus.relay.address import relay_order, relayed_node
+from arceus.relay.channel import relay_channel
 from arceus.relay.server import TARGET_KEY
 from arceus.relay.splice import close, socket_chunks, write_replies
 from arceus.v1 import relay_pb2_grpc
@@ -25,14 +26,16 @@ ESTABLISHED = b"HTTP/1.1 200 Connection established\r\n\r\n"
 
 _lock = threading.Lock()
 _relays: tuple[str, ...] = ()
+_certificate = ""  # the relays' certificate, pinned (arceus.relay.channel)
 _proxy: _ConnectProxy | None = None
 
 
-def use_relays(relays: Sequence[str]) -> None:
-    """The relays this process may reach relayed agents through (the operator's list, as the control plane
-    sends it)."""
-    global _relays
-    _relays = tuple(relays)
+def use_relays(relays: Sequence[str], certificate: str) -> None:
+    """The relays this process may reach relayed agents through and their certificate (the operator's, as the
+    control plane sends them)."""
+    global _relays, _certificate
+    with _lock:
+        _relays, _certificate = tuple(relays), certificate
 
 
 def proxy_url() -> str:
@@ -64,7 +67,7 @@ class _ConnectProxy:
     def __init__(self) -> None:
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
-        self._channels: dict[str, grpc.Channel] = {}
+        self._channels: dict[tuple[str, str], grpc.Channel] = {}
         threading.Thread(target=self._accept, name="relay-dialer", daemon=True).start()
 
     def _accept(self) -> None:
@@ -81,7 +84,11 @@ class _ConnectProxy:
             return
         for relay in relay_order(node_id, _relays):
             gate = _Gate()
-            stub = relay_pb2_grpc.RelayServiceStub(self._channel(relay))
+            try:
+                stub = relay_pb2_grpc.RelayServiceStub(self._channel(relay))
+            except ValueError as exc:  # no relay certificate to pin: no relay can be trusted
+                log.warning("relay dialer: %s", exc)
+                break
             replies = stub.Dial(socket_chunks(sock, before=gate.wait), metadata=((TARGET_KEY, node_id),))
             try:
                 next(replies)  # the empty "connected": the agent took the connection
@@ -98,9 +105,10 @@ class _ConnectProxy:
 
     def _channel(self, relay: str) -> grpc.Channel:
         with _lock:
-            if relay not in self._channels:
-                self._channels[relay] = grpc.insecure_channel(relay, options=[("grpc.enable_http_proxy", 0)])
-            return self._channels[relay]
+            key = (relay, _certificate)
+            if key not in self._channels:
+                self._channels[key] = relay_channel(relay, _certificate)
+            return self._channels[key]
 
     @staticmethod
     def _read_connect(sock: socket.socket) -> str:

@@ -1,8 +1,10 @@
-"""TLS identities of agents: each agent process makes a key and a self-signed certificate, registers the
+"""TLS identities of agents and relays: each agent process makes a key and a self-signed certificate, registers the
 certificate with the control plane, and its callers (the driver, the sampler, neighbour stages, tensor-parallel
 peers) pin exactly that certificate: no certificate authority, and a certificate nobody registered is trusted by
-nobody. The key and certificate are made with `cryptography` (here: no gRPC, so contracts may check
-certificates); grpcio does the TLS (arceus.wire.channels for callers, the agent's server).
+nobody. A relay's identity is the operator's (files made once by `python -m arceus.relay --new-identity`); the
+control plane is configured with its certificate and hands it to agents, which pin it like an agent's. The key
+and certificate are made with `cryptography` (here: no gRPC, so contracts may check certificates); grpcio does the
+TLS (arceus.wire.channels and arceus.relay.channel for callers, the agent's and the relay's servers).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from cryptography.x509.oid import NameOID
 # The name in every agent certificate, and the name callers check: the pinned certificate, not the name, is what
 # identifies an agent, and an agent's address (an IP behind a router, a relay) says nothing about it.
 AGENT_TLS_NAME = "arceus-agent"
+RELAY_TLS_NAME = "arceus-relay"  # the same, for relays
 MAX_CERTIFICATE_CHARS = 4096
 VALIDITY = datetime.timedelta(days=365)
 
@@ -32,10 +35,10 @@ class TlsIdentity:
         return self.certificate_pem.decode()
 
 
-def new_identity() -> TlsIdentity:
-    """A fresh P-256 key and a self-signed certificate for AGENT_TLS_NAME."""
+def new_identity(tls_name: str = AGENT_TLS_NAME) -> TlsIdentity:
+    """A fresh P-256 key and a self-signed certificate for `tls_name`."""
     key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, AGENT_TLS_NAME)])
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, tls_name)])
     now = datetime.datetime.now(datetime.UTC)
     certificate = (
         x509.CertificateBuilder()
@@ -45,7 +48,7 @@ def new_identity() -> TlsIdentity:
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))  # callers' clocks may lag a little
         .not_valid_after(now + VALIDITY)
-        .add_extension(x509.SubjectAlternativeName([x509.DNSName(AGENT_TLS_NAME)]), critical=False)
+        .add_extension(x509.SubjectAlternativeName([x509.DNSName(tls_name)]), critical=False)
         .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
         .sign(key, hashes.SHA256())
     )
@@ -71,8 +74,8 @@ def load_identity(key_pem: bytes, certificate_pem: bytes) -> TlsIdentity:
     return TlsIdentity(key_pem=key_pem, certificate_pem=certificate_pem)
 
 
-def check_certificate(pem: str) -> str:
-    """`pem` if it is one PEM certificate for AGENT_TLS_NAME; ValueError saying why not."""
+def check_certificate(pem: str, tls_name: str = AGENT_TLS_NAME) -> str:
+    """`pem` if it is one PEM certificate for `tls_name`; ValueError saying why not."""
     if not isinstance(pem, str) or not pem or len(pem) > MAX_CERTIFICATE_CHARS:
         raise ValueError(f"must be a PEM certificate of at most {MAX_CERTIFICATE_CHARS} characters")
     try:
@@ -80,7 +83,7 @@ def check_certificate(pem: str) -> str:
         names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except (ValueError, x509.ExtensionNotFound) as exc:
         raise ValueError(f"is not a PEM certificate with a subject alternative name: {exc}") from None
-    if AGENT_TLS_NAME not in names.get_values_for_type(x509.DNSName):
-        raise ValueError(f"must name {AGENT_TLS_NAME!r} (the agent makes it so)")
+    if tls_name not in names.get_values_for_type(x509.DNSName):
+        raise ValueError(f"must name {tls_name!r} (new_identity makes it so)")
     return pem
 

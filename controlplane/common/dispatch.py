@@ -4,6 +4,11 @@ By name (`send_task`), so the control plane depends only on the Celery app's con
 `controlplane.celery`, never on the task modules, which import the control plane's services. The queue comes
 from the app's task routes. Enqueueing is best effort: the periodic resync recomputes everything from
 the database, so a lost message only costs one reconcile interval.
+
+Level-triggered tasks (a reconcile pass, a reachability sweep) are coalesced: a nudge while one is already queued
+and not yet started adds nothing, because that queued run reads the database after this transaction committed.
+10,000 agents' first heartbeats or dial-backs then cost a handful of passes, not 10,000 queued ones ahead of the
+pass that places a job (`enqueue_coalesced`, and `dequeued` at the start of such a task).
 """
 
 from __future__ import annotations
@@ -13,6 +18,9 @@ from typing import Any
 from django.db import transaction
 
 from controlplane.celery import RECONCILE_TASK, app
+from controlplane.common.redis_client import redis_client
+
+QUEUED_KEY = "arceus:queued:{}"  # set while a coalesced task is queued and not started
 
 
 def enqueue_on_commit(task_name: str, *args: Any, expires: float | None = None) -> None:
@@ -22,7 +30,29 @@ def enqueue_on_commit(task_name: str, *args: Any, expires: float | None = None) 
     transaction.on_commit(send, robust=True)
 
 
+def enqueue_coalesced(task_name: str, *, expires: float) -> None:
+    """After this transaction, enqueue the argument-less `task_name` unless one is queued and not yet started. The
+    mark lives as long as the message may wait, so a message that expired or was lost blocks nothing longer."""
+
+    def send() -> None:
+        key = QUEUED_KEY.format(task_name)
+        if not redis_client().set(key, "1", nx=True, px=int(expires * 1000)):
+            return
+        try:
+            app.send_task(task_name, expires=expires)
+        except Exception:
+            redis_client().delete(key)  # not queued after all: the next nudge must not be swallowed
+            raise
+
+    transaction.on_commit(send, robust=True)
+
+
+def dequeued(task_name: str) -> None:
+    """A coalesced task started: from here on, a nudge must queue another run (this one may have read too early)."""
+    redis_client().delete(QUEUED_KEY.format(task_name))
+
+
 def reconcile_soon() -> None:
     """Nudge the reconciler after this transaction; it is level-triggered, so extra nudges are harmless
     and an old one is worthless (hence the expiry)."""
-    enqueue_on_commit(RECONCILE_TASK, expires=30)
+    enqueue_coalesced(RECONCILE_TASK, expires=30)

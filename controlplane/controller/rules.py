@@ -76,12 +76,13 @@ class NodeView:
     # (POST /api/agent/probe); unmeasured: unlimited.
     bandwidth_bytes_per_s: float = math.inf
     latency_s: float = 0.0
+    relayed: bool = False  # the control plane could not dial it back: callers reach it through a relay
 
     def device(self) -> Device:
         """The node in the placement solver's terms."""
         return Device(
             self.id, self.flops, self.memory_bytes, bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
-            latency_s=self.latency_s, price_per_hour=self.price_per_hour,
+            latency_s=self.latency_s, price_per_hour=self.price_per_hour, relayed=self.relayed,
         )
 
 

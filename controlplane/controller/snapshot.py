@@ -23,7 +23,7 @@ from controlplane.market.services import price_in_force
 from controlplane.nodes.availability import unavailable_reason
 from controlplane.nodes.links import nodes_worst_neighbour_link
 from controlplane.nodes.liveness import Liveness, leases_read
-from controlplane.nodes.models import Node
+from controlplane.nodes.models import Node, Reachability
 
 
 def load_snapshot(now: datetime | None = None) -> tuple[Desired, Observed]:
@@ -51,7 +51,7 @@ NODE_FIELDS = (
     "id", "name", "ready_status", "flops_fp32", "memory_bytes", "max_memory_bytes", "runtime_memory_bytes",
     "device_type", "control_plane_bandwidth_bytes_per_second", "control_plane_rtt_seconds", "paused", "flagged_at",
     "flag_reason", "leaving_at", "work_windows", "idle_only", "idle_cpu_threshold", "lease__renewed_at",
-    "lease__duration_seconds",
+    "lease__duration_seconds", "reachability",
 )
 
 
@@ -109,6 +109,7 @@ def _node_view(
         price_per_hour=price_per_hour,
         bandwidth_bytes_per_s=bandwidth or math.inf,
         latency_s=(rtt or 0.0) / 2,  # one way
+        relayed=row["reachability"] == Reachability.RELAYED,
     )
 
 

@@ -65,8 +65,9 @@ def _text_positions(job: Job) -> tuple[bool, int]:
 
 
 def _pipeline(job: Job) -> dict[str, Any]:
-    """Stage by stage: layers, node, device, time computing and waiting per step (measured by the agents), bytes
-    sent; with the schedule's ideal bubble (p-1)/(m+p-1) for p stages and m micro-batches."""
+    """Stage by stage: layers, node, device, whether it is reached through a relay, time computing and waiting per
+    step (measured by the agents), bytes sent; with the schedule's ideal bubble (p-1)/(m+p-1) for p stages and m
+    micro-batches."""
     rows = list(job_stages(job=job).filter(active=True) or job_stages(job=job))
     p, m = len({r.index for r in rows}), job.micro_batches
     stages = []
@@ -80,6 +81,7 @@ def _pipeline(job: Job) -> dict[str, Any]:
             "layer_end": r.layer_end,
             "node_name": r.node.name if r.node else None,
             "device": f"{r.node.device_type} {r.node.device_name}".strip() if r.node else None,
+            "relayed": r.node is not None and r.node.relayed,  # its links run through a relay
             "state": r.observed_state,
             "generation": r.generation,
             "step_compute_seconds": compute,

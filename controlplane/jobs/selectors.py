@@ -153,15 +153,19 @@ def assignments_for_node(*, node: Node) -> list[dict[str, Any]]:
         ).select_related("checkpoint")
     }
     return [
-        _assignment(stage, siblings[stage.job_id], checkpoints.get((stage.job.resume_checkpoint_id, stage.index)))
+        _assignment(stage, siblings[stage.job_id], checkpoints.get((stage.job.resume_checkpoint_id, stage.index)), node)
         for stage in hosted
     ]
 
 
-def _assignment(stage: Stage, stages: dict[int, list[Stage]], checkpoint: StageCheckpoint | None) -> dict[str, Any]:
+def _assignment(
+    stage: Stage, stages: dict[int, list[Stage]], checkpoint: StageCheckpoint | None, viewer: Node
+) -> dict[str, Any]:
+    """`viewer`: the node the assignment is for; its neighbours' addresses are where it dials them (`address_for`)."""
     job = stage.job
     group = stages[stage.index]
-    previous, following = _addresses(stages.get(stage.index - 1)), _addresses(stages.get(stage.index + 1))
+    previous = _addresses(stages.get(stage.index - 1), viewer)
+    following = _addresses(stages.get(stage.index + 1), viewer)
     return Assignment(
         stage_id=stage.stage_id,
         job_id=str(job.id),
@@ -188,7 +192,7 @@ def _assignment(stage: Stage, stages: dict[int, list[Stage]], checkpoint: StageC
             ranks=[len(stages[i]) for i in range(len(stages))],
         ),
         certificates=_certificates(
-            stages.get(stage.index - 1), stages.get(stage.index + 1), [s for s in group if s.pk != stage.pk]
+            viewer, stages.get(stage.index - 1), stages.get(stage.index + 1), [s for s in group if s.pk != stage.pk]
         ),
         checkpoint=None
         if checkpoint is None
@@ -204,16 +208,18 @@ def _assignment(stage: Stage, stages: dict[int, list[Stage]], checkpoint: StageC
         precision=job.precision,
         activation_checkpointing=job.activation_checkpointing,
         schedule=job.schedule,
-        tensor_parallel=TensorParallelConfig(rank=stage.rank, peers=_addresses(group)) if len(group) > 1 else None,
+        tensor_parallel=TensorParallelConfig(rank=stage.rank, peers=_addresses(group, viewer))
+        if len(group) > 1
+        else None,
     ).to_json()
 
 
-def _certificates(*groups: list[Stage] | None) -> dict[str, str]:
-    """The registered TLS certificate of the agent at each address of these stages' rows."""
-    return {s.node.dial_address: s.node.tls_certificate for g in groups for s in g or () if s.node is not None}
+def _certificates(viewer: Node, *groups: list[Stage] | None) -> dict[str, str]:
+    """The registered TLS certificate of the agent at each address (as `viewer` dials it) of these stages' rows."""
+    return {s.node.address_for(viewer): s.node.tls_certificate for g in groups for s in g or () if s.node is not None}
 
 
-def _addresses(group: list[Stage] | None) -> tuple[Any, ...]:
-    """The "host:port" of each rank of a stage (one, unless it is tensor-parallel), in rank order; null for
-    a rank whose node was deleted (the reconciler moves it)."""
-    return tuple(s.node.dial_address if s.node is not None else None for s in group or ())
+def _addresses(group: list[Stage] | None, viewer: Node) -> tuple[Any, ...]:
+    """The "host:port" where `viewer` dials each rank of a stage (one, unless it is tensor-parallel), in rank order;
+    null for a rank whose node was deleted (the reconciler moves it)."""
+    return tuple(s.node.address_for(viewer) if s.node is not None else None for s in group or ())

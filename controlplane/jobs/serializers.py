@@ -13,7 +13,6 @@ from controlplane.jobs.models import DEFAULT_AUDIT_RATE, Job, Optimizer, Pipelin
 from controlplane.jobs.selectors import job_contributions, job_loss_curve, job_stages
 from controlplane.market.selectors import job_cost
 from controlplane.market.serializers import JobCostOutput
-from controlplane.nodes.models import Reachability
 
 MAX_EPOCHS = 10_000
 MAX_MICRO_BATCHES = 1024
@@ -155,7 +154,7 @@ class PlacementOutput(serializers.Serializer):
     """One node's part of a stage: the whole stage, or one rank of a tensor-parallel stage."""
 
     def get_relayed(self, stage: Stage) -> bool:
-        return stage.node is not None and stage.node.reachability == Reachability.RELAYED
+        return stage.node is not None and stage.node.relayed
 
     stage_index = serializers.IntegerField(source="index")
     rank = serializers.IntegerField(help_text="rank in the stage's tensor-parallel group (0 for a one-node stage)")

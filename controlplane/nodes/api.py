@@ -14,6 +14,7 @@ from rest_framework.response import Response
 from rest_framework.throttling import BaseThrottle, ScopedRateThrottle
 from rest_framework.views import APIView
 
+from controlplane.common.client_ip import client_ip
 from controlplane.common.schema import ErrorOutput
 from controlplane.jobs.checkpoints import (
     checkpoint_upload_receive,
@@ -22,7 +23,7 @@ from controlplane.jobs.checkpoints import (
 )
 from controlplane.jobs.models import checkpoint_storage
 from controlplane.nodes.authentication import IsNodeAgent, NodeTokenAuthentication
-from controlplane.nodes.relays import relay_assignment
+from controlplane.nodes.relays import relay_assignment, relay_certificate
 from controlplane.nodes.selectors import node_get_for_user, node_list_for_user
 from controlplane.nodes.serializers import (
     AgentHeartbeatInput,
@@ -133,6 +134,8 @@ class AgentRegisterApi(AgentApi):
             metrics_port=data.validated_data["metrics_port"],
             public_key=data.validated_data["public_key"],
             tls_certificate=data.validated_data["tls_certificate"],
+            lan_address=data.validated_data["lan_address"],
+            public_ip=client_ip(request),
             **data.validated_data["capabilities"],
             now=timezone.now(),
         )
@@ -170,6 +173,7 @@ class AgentHeartbeatApi(AgentApi):
             "relay": relay_assignment(node=request.auth, attached=relay.get("attached"),
                                       failed=relay.get("failed", ()), now=time.time()),
             "relays": settings.ARCEUS_RELAYS,
+            "relay_certificate": relay_certificate() or None,
         }
         if answer.assignments is not None:  # else unchanged from the version the agent sent
             body["assignments"] = answer.assignments

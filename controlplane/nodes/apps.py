@@ -11,5 +11,7 @@ class NodesConfig(AppConfig):
 
         from arceus.relay.dialer import use_relays
         from controlplane.nodes import schema  # noqa: F401  registers the OpenAPI auth extension
+        from controlplane.nodes.relays import relay_certificate
 
-        use_relays(settings.ARCEUS_RELAYS)  # the driver and samplers reach relayed agents through these
+        # The driver and samplers reach relayed agents through these.
+        use_relays(settings.ARCEUS_RELAYS, relay_certificate())

@@ -10,7 +10,7 @@ from django.conf import settings
 from django.db.models import Max, Min, Q
 
 from controlplane.jobs.models import Stage
-from controlplane.nodes.models import Node, NodeLink, dial_address
+from controlplane.nodes.models import Node, NodeLink
 
 
 def node_links_record(*, node: Node, links: Sequence[dict[str, Any]], now: datetime) -> None:
@@ -40,16 +40,16 @@ def node_links_record(*, node: Node, links: Sequence[dict[str, Any]], now: datet
 
 
 def _neighbour_nodes(node: Node) -> dict[str, Any]:
-    """Dialled address → id of each node hosting the stage before or after one of `node`'s active stages."""
+    """Dialled address (as `node`'s agent dials it: `Node.address_for`) → id of each node hosting the stage before or
+    after one of `node`'s active stages."""
     hosted = Stage.objects.filter(node=node, active=True).values_list("job_id", "index")
     around = Q()
     for job_id, index in hosted:
         around |= Q(job_id=job_id, index__in=(index - 1, index + 1))
     if not around:
         return {}
-    neighbours = Stage.objects.filter(around, active=True, node__isnull=False).exclude(node=node)
-    rows = neighbours.values_list("node_id", "node__grpc_address", "node__reachability")
-    return {dial_address(str(node_id), address, reachability): node_id for node_id, address, reachability in rows}
+    neighbours = Stage.objects.filter(around, active=True, node__isnull=False).exclude(node=node).select_related("node")
+    return {s.node.address_for(node): s.node_id for s in neighbours}  # where its agent dialled them
 
 
 def nodes_worst_neighbour_link(node_ids: Iterable[Any], now: datetime) -> dict[str, tuple[float, float]]:

@@ -71,6 +71,11 @@ class Node(BaseModel):
     # Measured after each registration by dialling the agent back (controlplane/nodes/reachability.py).
     reachability = models.CharField(max_length=8, choices=Reachability, default=Reachability.UNKNOWN)
     reachability_checked_at = models.DateTimeField(null=True, blank=True)
+    # Where agents on the same LAN dial it (the agent's private address, as it reported it), and its public address
+    # as the control plane saw its registration: two nodes behind one public address dial each other at their LAN
+    # addresses (`address_for`), not through their router or a relay.
+    lan_address = models.CharField(max_length=64, blank=True, default="")
+    public_ip = models.GenericIPAddressField(null=True, blank=True)
     # The Ready condition, in columns so the reconciler can filter on it.
     ready_status = models.CharField(max_length=8, choices=ReadyStatus, default=ReadyStatus.UNKNOWN, db_index=True)
     ready_reason = models.CharField(max_length=64, default="NotRegistered")
@@ -100,9 +105,21 @@ class Node(BaseModel):
         return self.registered_at is not None
 
     @property
+    def relayed(self) -> bool:
+        """Its callers (the driver, neighbouring stages) reach it through a relay: the dial-back found no way in."""
+        return self.reachability == Reachability.RELAYED
+
+    @property
     def dial_address(self) -> str:
         """Where its callers (the driver, neighbouring stages) dial the agent."""
         return dial_address(str(self.id), self.grpc_address, self.reachability)
+
+    def address_for(self, viewer: Node) -> str:
+        """Where `viewer`'s agent dials this node's: its LAN address when both registered from one public address
+        (one home, one office), else `dial_address`."""
+        if self.lan_address and self.public_ip is not None and self.public_ip == viewer.public_ip:
+            return self.lan_address
+        return self.dial_address
 
 
 def dial_address(node_id: str, grpc_address: str, reachability: str) -> str:

@@ -1,30 +1,69 @@
-"""Reachability, measured: after each registration the control plane dials the agent back at the address it
+"""Reachability, measured: after a registration the control plane dials the agent back at the address it
 registered (TLS pinned to its registered certificate; its health check, which needs no token) and records
-`direct` or `relayed` (callers then reach it through a relay: controlplane/nodes/relays.py)."""
+`direct` or `relayed` (callers then reach it through a relay: controlplane/nodes/relays.py).
+
+Dial-backs are sweeps, not one task per registration: a registration marks its node `unknown` and nudges a sweep
+(coalesced, on the `reachability` queue and worker, never ahead of the reconcile passes), and a sweep dials every
+`unknown` node, many at once (`arceus.wire.channels.agents_answering`). An agent behind a router that drops the
+dial costs a whole timeout; 10,000 of them dialled one by one on the control queue held placement up for hours.
+"""
 
 from __future__ import annotations
 
+import functools
+import operator
 from datetime import datetime
 
 from django.conf import settings
+from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 
-from arceus.wire.channels import agent_answers
-from controlplane.common.dispatch import reconcile_soon
+from arceus.wire.channels import agents_answering
+from controlplane.celery import CHECK_REACHABILITY_TASK
+from controlplane.common.dispatch import enqueue_coalesced, reconcile_soon
 from controlplane.nodes.models import Node, Reachability
 
 
-def node_check_reachability(*, node_id: str, registered_at: datetime) -> str | None:
-    """Dial the node back and record what was found; None if it registered again since (that registration's own
-    check decides)."""
-    node = Node.objects.filter(pk=node_id, registered_at=registered_at).first()
-    if node is None:
-        return None
-    answered = agent_answers(node.grpc_address, certificate=node.tls_certificate,
-                             timeout=settings.ARCEUS_REACHABILITY_TIMEOUT_SECONDS)
-    reachability = Reachability.DIRECT if answered else Reachability.RELAYED
-    Node.objects.filter(pk=node_id, registered_at=registered_at).update(
-        reachability=reachability, reachability_checked_at=timezone.now()
+def reachability_check_soon() -> None:
+    """Nudge a sweep after this transaction (coalesced: one queued sweep serves every registration before it)."""
+    enqueue_coalesced(CHECK_REACHABILITY_TASK, expires=max(300.0, settings.ARCEUS_REACHABILITY_SWEEP_SECONDS))
+
+
+def nodes_check_reachability() -> dict[str, int]:
+    """Dial back up to ARCEUS_REACHABILITY_BATCH nodes whose reachability is unknown (oldest registration first)
+    and record what was found. A node that registered again meanwhile keeps `unknown` (the next sweep dials its new
+    address). Nudges another sweep when more wait, and the reconciler when anything was recorded. Returns the counts
+    recorded by reachability."""
+    rows = list(
+        Node.objects.filter(reachability=Reachability.UNKNOWN, registered_at__isnull=False)
+        .order_by("registered_at")
+        .values_list("id", "grpc_address", "tls_certificate", "registered_at")[: settings.ARCEUS_REACHABILITY_BATCH]
     )
-    reconcile_soon()  # its stages' neighbours now dial it elsewhere
-    return reachability
+    answers = agents_answering([(address, certificate) for _, address, certificate, _ in rows],
+                               timeout=settings.ARCEUS_REACHABILITY_TIMEOUT_SECONDS,
+                               concurrency=settings.ARCEUS_REACHABILITY_CONCURRENCY)
+    found: dict[str, list[tuple[object, datetime]]] = {Reachability.DIRECT: [], Reachability.RELAYED: []}
+    for (node_id, _, _, registered_at), answered in zip(rows, answers, strict=True):
+        found[Reachability.DIRECT if answered else Reachability.RELAYED].append((node_id, registered_at))
+    counts, now = {}, timezone.now()
+    with transaction.atomic():
+        for reachability, nodes in found.items():
+            counts[reachability] = sum(
+                Node.objects.filter(_any_of(chunk)).update(reachability=reachability, reachability_checked_at=now)
+                for chunk in _chunks(nodes, 500)
+            )
+        if any(counts.values()):
+            reconcile_soon()  # its stages' neighbours now dial it elsewhere
+        if len(rows) == settings.ARCEUS_REACHABILITY_BATCH:
+            reachability_check_soon()
+    return counts
+
+
+def _any_of(nodes: list[tuple[object, datetime]]) -> Q:
+    # Guarded by the registration it dialled: a node that registered since waits for the next sweep.
+    return functools.reduce(operator.or_, (Q(pk=node_id, registered_at=at) for node_id, at in nodes))
+
+
+def _chunks(items: list[tuple[object, datetime]], size: int) -> list[list[tuple[object, datetime]]]:
+    return [items[i:i + size] for i in range(0, len(items), size)]

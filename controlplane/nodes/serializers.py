@@ -18,7 +18,7 @@ from controlplane.common.fields import StrictFloatField, StrictInputSerializer, 
 from controlplane.nodes.availability import parse_window
 from controlplane.nodes.models import DeviceType, Node, Reachability
 from controlplane.nodes.selectors import node_liveness, node_unavailable_reason
-from controlplane.nodes.validators import validate_grpc_address
+from controlplane.nodes.validators import validate_grpc_address, validate_lan_address
 
 
 class NodeCreateInput(serializers.Serializer):
@@ -165,6 +165,11 @@ class CapabilitiesInput(serializers.Serializer):
 
 class AgentRegisterInput(serializers.Serializer):
     grpc_address = serializers.CharField(max_length=255, validators=[validate_grpc_address])
+    lan_address = serializers.CharField(
+        max_length=64, required=False, default="", validators=[validate_lan_address],
+        help_text="The agent's private IP:port on its LAN: agents registering from the same public address dial it "
+        "there",
+    )
     capabilities = CapabilitiesInput()
     public_key = serializers.CharField(
         required=False, default="", help_text="Hex Ed25519 key (64 digits) that signs the agent's receipts"
@@ -367,4 +372,7 @@ class AgentHeartbeatOutput(serializers.Serializer):
     )
     relays = serializers.ListField(
         child=serializers.CharField(), help_text="every relay: where the agent reaches relayed neighbours"
+    )
+    relay_certificate = serializers.CharField(
+        allow_null=True, help_text="the relays' TLS certificate (PEM), which the agent pins; null without relays"
     )

@@ -14,9 +14,8 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 
 from arceus.contracts.observed import ObservedStage
-from controlplane.celery import CHECK_REACHABILITY_TASK
 from controlplane.common.conditions import TRUE
-from controlplane.common.dispatch import enqueue_on_commit, reconcile_soon
+from controlplane.common.dispatch import reconcile_soon
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.transitions import job_fail, job_rewind
 from controlplane.jobs.models import Stage
@@ -28,6 +27,7 @@ from controlplane.monitoring import metrics
 from controlplane.nodes.links import node_links_record
 from controlplane.nodes.liveness import lease_renew
 from controlplane.nodes.models import Node, NodeLease, NodeRestart, Reachability, ReadyStatus
+from controlplane.nodes.reachability import reachability_check_soon
 
 NODE_TOKEN_PREFIX = "arceus_node_"
 
@@ -81,8 +81,11 @@ def node_register(
     runtime_bytes: int = 0,
     link: dict[str, float] | None = None,
     metrics_port: int | None = None,
+    lan_address: str = "",
+    public_ip: str | None = None,
 ) -> Node:
-    """Record the agent's addresses and capabilities (inputs already validated by the API).
+    """Record the agent's addresses and capabilities (inputs already validated by the API); `public_ip`: where the
+    registration came from (agents behind the same one dial each other at their `lan_address`).
 
     A registering agent is a fresh process: a stage it hosted lost its state (`_node_restarted`).
     """
@@ -90,6 +93,7 @@ def node_register(
     if hosted is not None:
         _node_restarted(node=node, stage=hosted, now=now)
     node.grpc_address, node.metrics_port = grpc_address, metrics_port
+    node.lan_address, node.public_ip = lan_address, public_ip
     node.device_type = device_type
     node.device_name = device_name
     node.memory_bytes = memory_bytes
@@ -113,7 +117,7 @@ def node_register(
         node=node, defaults={"renewed_at": now, "duration_seconds": settings.ARCEUS_NODE_GRACE_SECONDS}
     )
     lease_renew(node_id=node.pk, now=now)
-    enqueue_on_commit(CHECK_REACHABILITY_TASK, str(node.id), now.isoformat(), expires=300)
+    reachability_check_soon()
     return node
 
 

@@ -21,7 +21,7 @@ K8S_FILES = sorted((DEPLOY / "k8s").glob("*.yaml"))
 # The Kubernetes release the manifests are checked against (kubernetes-validate bundles its schemas).
 K8S_VERSION = "1.30.0"
 # The long-running processes; each must wait for both one-off steps to succeed.
-LONG_RUNNING = ("web", "worker-control", "worker-training", "beat")
+LONG_RUNNING = ("web", "worker-control", "worker-reachability", "worker-training", "beat")
 # Services of a compose profile, each started as its own README block says: an agent, the LAN advertiser.
 OPTIONAL = ("agent", "advertise")
 
@@ -100,6 +100,7 @@ def test_the_readme_lists_the_operator_start_up_in_order() -> None:
         "python manage.py collectstatic --noinput",
         "python manage.py createsuperuser",
         "gunicorn controlplane.wsgi -c python:controlplane.gunicorn_conf",
+        "celery -A controlplane.celery worker",
         "celery -A controlplane.celery worker",
         "celery -A controlplane.celery worker",
         "celery -A controlplane.celery beat",
@@ -182,10 +183,14 @@ def test_kubernetes_runs_the_readme_commands_from_the_secret() -> None:
     readme = [c for c in _readme_operator_commands() if c[-1] != "createsuperuser"]
     assert sorted(c["command"] for c in containers) == sorted(readme)
     for container in containers:
-        if container["name"] == "relay":  # a relay needs its ticket secret only, not the database's
+        if container["name"] == "relay":  # a relay needs its ticket secret and identity only, not the database's
             assert [e["name"] for e in container["env"]] == ["ARCEUS_RELAY_SECRET"] and "envFrom" not in container
+            assert [m["name"] for m in container["volumeMounts"]] == ["identity"]
             continue
         assert {"secretRef": {"name": "arceus"}} in container["envFrom"], container["name"]
+        # Every control-plane process reads the relays' certificate at start-up, never their key.
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == "relay-cert"]
+        assert mount["mountPath"] == "/etc/arceus/relay", container["name"]
     (web,) = [d for d in _k8s_documents() if d["metadata"]["name"] == "arceus-web" and d["kind"] == "Deployment"]
     (init,) = web["spec"]["template"]["spec"]["initContainers"]
     assert init["command"][2] == "collectstatic"

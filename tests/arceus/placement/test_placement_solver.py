@@ -1,10 +1,12 @@
 """solve(): exact on small cases (checked against brute force), memory never exceeded, budget and stage
-counts respected, and faster devices get proportionately more of the model."""
+counts respected, faster devices get proportionately more of the model, and relayed devices pay their link both
+ways and are kept off the stages whose links bind."""
 
 from __future__ import annotations
 
 import itertools
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -40,6 +42,7 @@ def problems(draw: st.DrawFn) -> tuple[list[LayerProfile], list[Device], int, in
             bandwidth_bytes_per_s=draw(st.sampled_from([1e6, 1e7, math.inf])),
             latency_s=draw(st.sampled_from([0.0, 0.001, 0.02])),
             price_per_hour=draw(st.sampled_from([0.1, 0.3, 0.9])),
+            relayed=draw(st.booleans()),
         )
         for i in range(draw(st.integers(1, 4)))
     ]
@@ -63,7 +66,9 @@ def brute_force(layers, devices, low, high, budget, workload=WORKLOAD) -> list[t
                 spans = list(zip(bounds, bounds[1:], strict=False))
                 if all(stage_memory(layers[s:e], workload, in_flight=workload.in_flight(i, k)) <= d.memory_bytes
                        for i, ((s, e), d) in enumerate(zip(spans, chosen, strict=True))):
-                    bottleneck = max(stage_seconds(layers[s:e], d, workload, last=e == n)
+                    bottleneck = max(stage_seconds(layers[s:e], d, workload, last=e == n,
+                                                   input_bytes_per_sample=layers[s - 1].output_bytes_per_sample
+                                                   if s else 0)
                                      for (s, e), d in zip(spans, chosen, strict=True))
                     found.append((bottleneck, price))
     return found
@@ -101,6 +106,50 @@ def test_the_solver_is_within_five_percent_of_the_optimum_and_never_overfills_a_
     # No placement as fast (within the tolerance) is cheaper.
     assert all(price >= placement.price_per_hour - 1e-12 for b, price in feasible
                if b <= optimum * (1 + PRICE_TOLERANCE))
+
+
+@settings(max_examples=200, deadline=None)
+@given(problem=problems(), relayed=st.sets(st.integers(0, 3)))
+def test_relaying_a_device_never_speeds_its_stage_or_the_pipeline_up(problem, relayed) -> None:
+    layers, devices, low, high, budget = problem
+    direct = [replace(d, relayed=False) for d in devices]
+    behind = [replace(d, relayed=i in relayed) for i, d in enumerate(direct)]
+    for d, r in zip(direct, behind, strict=True):
+        for start in range(len(layers)):
+            given_input = layers[start - 1].output_bytes_per_sample if start else 0
+            assert stage_seconds(layers[start:], r, WORKLOAD, last=False, input_bytes_per_sample=given_input) >= \
+                stage_seconds(layers[start:], d, WORKLOAD, last=False, input_bytes_per_sample=given_input)
+    try:
+        fast = solve(layers, direct, WORKLOAD, min_stages=low, max_stages=high)
+    except PlacementError:
+        return  # nothing fits directly: relaying changes no memory, so nothing fits either
+    slow = solve(layers, behind, WORKLOAD, min_stages=low, max_stages=high)
+    assert slow.bottleneck_seconds >= fast.bottleneck_seconds * (1 - PRICE_TOLERANCE) - 1e-12
+
+
+@settings(max_examples=200, deadline=None)
+@given(stages=st.integers(1, 3), relayed=st.integers(0, 4), activation=st.integers(0, 10**6),
+       latency=st.sampled_from([0.0, 0.01]))
+def test_among_equal_devices_the_direct_ones_are_used_first(stages, relayed, activation, latency) -> None:
+    layers = [LayerProfile(1e6, 100, activation) for _ in range(3)]
+    devices = [Device(f"d{i}", 1e9, 10**9, bandwidth_bytes_per_s=1e7, latency_s=latency, relayed=i < relayed)
+               for i in range(4)]
+    placement = solve(layers, devices, WORKLOAD, min_stages=stages, max_stages=stages)
+    used_relayed = sum(d.relayed for d in devices if d.id in {s.device_id for s in placement.stages})
+    assert used_relayed == max(0, stages - (len(devices) - relayed))  # only when the direct ones run out
+
+
+def test_a_relayed_device_is_kept_off_the_stage_whose_links_bind() -> None:
+    # The middle stage receives and sends; the ends only one of the two. Heavy activations: links bind.
+    layers = [LayerProfile(1e6, 100, 100_000) for _ in range(3)]
+    devices = [Device("relayed", 1e9, 10**9, bandwidth_bytes_per_s=1e8, relayed=True),
+               Device("a", 1e9, 10**9, bandwidth_bytes_per_s=1e8), Device("b", 1e9, 10**9, bandwidth_bytes_per_s=1e8)]
+    placement = solve(layers, devices, WORKLOAD, min_stages=3, max_stages=3)
+    # First, it pays only its output: last, input only. In the middle it would pay both.
+    assert placement.stages[1].device_id != "relayed"
+    relayed_stage = next(s for s in placement.stages if s.device_id == "relayed")
+    direct_middle = placement.stages[1]
+    assert relayed_stage.seconds_per_micro_batch <= direct_middle.seconds_per_micro_batch
 
 
 def test_faster_devices_get_proportionately_more_layers() -> None:

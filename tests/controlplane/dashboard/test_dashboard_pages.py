@@ -22,7 +22,7 @@ from controlplane.jobs.models import Checkpoint, Job, Stage, StageContribution
 from controlplane.jobs.progress import StepPoint, job_record_steps
 from controlplane.market.models import PriceChange, SpotCheck
 from controlplane.market.services import prices_reprice
-from controlplane.nodes.models import Node
+from controlplane.nodes.models import Node, Reachability
 
 pytestmark = pytest.mark.django_db
 
@@ -116,6 +116,11 @@ def test_the_live_job_shows_the_pipeline_bubble_speed_and_events(browser: Client
     assert [s["step_wait_seconds"] for s in stages] == pytest.approx([0.0, 0.002, 0.004])
     assert stages[2]["bubble"] == pytest.approx(0.004 / 0.014)
     assert all(s["node_name"] and s["device"] == "cpu test cpu" for s in stages)
+    assert [s["relayed"] for s in stages] == [False, False, False]  # not dialled back yet: reached directly
+    relayed = Node.objects.get(name=stages[1]["node_name"])
+    Node.objects.filter(pk=relayed.pk).update(reachability=Reachability.RELAYED)
+    stages = browser.get(f"/dashboard/jobs/{training_job.id}/live.json").json()["pipeline"]["stages"]
+    assert [s["relayed"] for s in stages] == [False, True, False]
     kinds = {e["kind"] for e in live["events"]}
     assert kinds == {"condition", "moved", "checkpoint", "resumed", "spot_check_passed", "spot_check_failed"}
     times = [e["at"] for e in live["events"]]

@@ -145,6 +145,7 @@ def test_heartbeat_marks_the_node_ready_and_nudges_the_reconciler_only_on_change
         "heartbeat_interval_seconds": 2.0,
         "relay": None,  # dialled directly
         "relays": [],
+        "relay_certificate": None,
     }
     node.refresh_from_db()
     assert (node.ready_status, node.ready_reason) == ("True", "AgentReady")

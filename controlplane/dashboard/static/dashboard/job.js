@@ -65,7 +65,7 @@
     const box = $("pipeline");
     box.replaceChildren(...p.stages.map((s) => {
       const div = document.createElement("div");
-      div.className = `stage state-${s.state}`;
+      div.className = `stage state-${s.state}${s.relayed ? " relayed" : ""}`;
       div.dataset.index = s.stage_index;
       div.dataset.rank = s.rank;
       const lines = [
@@ -73,6 +73,7 @@
         ["layers", s.layer_end - s.layer_start > 1 ? `layers ${s.layer_start}–${s.layer_end - 1}` : `layer ${s.layer_start}`],
         ["node", s.node_name ?? "(unplaced)"],
         ["device", s.device ?? ""],
+        ["link", s.node_name === null ? "" : s.relayed ? "links through a relay" : "direct links"],
         ["state", `${s.state}, generation ${s.generation}`],
         ["timing", `compute ${Dashboard.number(s.step_compute_seconds)} s, wait ${Dashboard.number(s.step_wait_seconds)} s per step`],
         ["sent", `sent ${Dashboard.bytes(s.bytes_sent)}`],

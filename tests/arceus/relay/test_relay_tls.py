@@ -1,0 +1,100 @@
+"""A relay serves TLS only, as the operator's identity: a client pinned to its certificate is served, a client
+pinned to any other certificate, or speaking plaintext, is refused (arceus/relay/__main__.py,
+arceus/relay/channel.py)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
+from grpc_health.v1.health_pb2_grpc import HealthStub
+
+from arceus.relay.channel import relay_channel
+from arceus.relay.tickets import METADATA_KEY as TICKET_KEY
+from arceus.relay.tickets import mint_ticket
+from arceus.v1 import relay_pb2, relay_pb2_grpc
+from arceus.wire.tls import RELAY_TLS_NAME, new_identity
+
+SERVICE = "arceus.v1.RelayService"
+
+
+def _identity(tmp_path: Path) -> tuple[Path, Path]:
+    key, certificate = tmp_path / "relay.key", tmp_path / "relay.pem"
+    made = subprocess.run([sys.executable, "-m", "arceus.relay", "--new-identity", "--tls-key", str(key),
+                           "--tls-cert", str(certificate)], capture_output=True, text=True, check=True)
+    assert "ARCEUS_RELAY_CERTIFICATE_FILE" in made.stdout
+    assert key.stat().st_mode & 0o077 == 0  # the key is the owner's alone
+    return key, certificate
+
+
+@pytest.fixture
+def relay(tmp_path: Path) -> Iterator[tuple[str, str, bytes]]:
+    """A relay process: (its address, its certificate, its secret)."""
+    key, certificate = _identity(tmp_path)
+    secret = secrets.token_hex(32)  # the relay takes the variable's bytes as they are
+    process = subprocess.Popen(
+        [sys.executable, "-m", "arceus.relay", "--listen", "127.0.0.1:0", "--tls-key", str(key),
+         "--tls-cert", str(certificate)],
+        env={**os.environ, "ARCEUS_RELAY_SECRET": secret}, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("RELAY READY address="), line
+        yield line.strip().partition("address=")[2], certificate.read_text(), secret.encode()
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def _health(channel: grpc.Channel) -> int:
+    return HealthStub(channel).Check(HealthCheckRequest(service=SERVICE), timeout=5).status
+
+
+def test_a_client_pinned_to_the_relays_certificate_is_served(relay: tuple[str, str, bytes]) -> None:
+    address, certificate, _ = relay
+    with relay_channel(address, certificate) as channel:
+        assert _health(channel) == HealthCheckResponse.SERVING
+
+
+def test_a_client_pinned_to_another_certificate_is_refused(relay: tuple[str, str, bytes]) -> None:
+    address, _, secret = relay
+    impostor_pin = new_identity(RELAY_TLS_NAME).certificate  # right name, wrong key: a relay nobody configured
+    with relay_channel(address, impostor_pin) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            _health(channel)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        # Nor does an attachment's ticket leave this client: the handshake fails before any call is sent.
+        attach = relay_pb2_grpc.RelayServiceStub(channel).Attach(
+            relay_pb2.AttachRequest(), metadata=((TICKET_KEY, mint_ticket(secret, "n", 2**40)),),
+            timeout=5)
+        with pytest.raises(grpc.RpcError) as refused_attach:
+            next(attach)
+        assert refused_attach.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_plaintext_client_is_refused(relay: tuple[str, str, bytes]) -> None:
+    address, _, _ = relay
+    with grpc.insecure_channel(address, options=[("grpc.enable_http_proxy", 0)]) as channel:
+        with pytest.raises(grpc.RpcError) as refused:
+            _health(channel)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_no_pinned_certificate_opens_no_channel() -> None:
+    with pytest.raises(ValueError, match="ARCEUS_RELAY_CERTIFICATE_FILE"):
+        relay_channel("127.0.0.1:1", "")
+
+
+def test_a_relay_without_its_identity_files_does_not_start(tmp_path: Path) -> None:
+    run = subprocess.run([sys.executable, "-m", "arceus.relay", "--tls-key", str(tmp_path / "k"),
+                          "--tls-cert", str(tmp_path / "c")], capture_output=True, text=True,
+                         env={**os.environ, "ARCEUS_RELAY_SECRET": secrets.token_hex(32)})
+    assert run.returncode == 2
+    assert "--new-identity" in run.stderr

@@ -1,0 +1,89 @@
+"""Reachability, measured (controlplane/nodes/reachability.py): a sweep dials back every node whose reachability is
+unknown, records an agent that answers as `direct` and one that does not as `relayed` (which placement then sees),
+and registrations queue one sweep on the reachability queue, not one each."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from django.contrib.auth.models import User
+from django.utils import timezone
+
+from controlplane.celery import CHECK_REACHABILITY_TASK, REACHABILITY_QUEUE, app
+from controlplane.common.dispatch import dequeued
+from controlplane.controller.snapshot import node_views, registered_nodes
+from controlplane.nodes.models import Node, Reachability
+from controlplane.nodes.reachability import nodes_check_reachability
+from controlplane.nodes.services import node_create, node_register
+from devtools.cluster import free_port
+from devtools.pipeline import identity_for
+from nodeagent.agent import Agent
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def agent() -> Iterator[Agent]:
+    started = Agent(device=torch.device("cpu"))
+    started.start()
+    try:
+        yield started
+    finally:
+        started.stop(grace=1)
+
+
+@pytest.fixture
+def reachability_queue() -> Iterator[object]:
+    """The real reachability queue, empty before and after, with no sweep marked queued."""
+    with app.connection_for_write() as connection:
+        queue = connection.SimpleQueue(REACHABILITY_QUEUE)
+        queue.clear()
+        dequeued(CHECK_REACHABILITY_TASK)
+        try:
+            yield queue
+        finally:
+            queue.clear()
+            dequeued(CHECK_REACHABILITY_TASK)
+            queue.close()
+
+
+def register(user: User, name: str, address: str, certificate: str) -> Node:
+    node, _ = node_create(owner=user, name=name)
+    return node_register(node=node, grpc_address=address, tls_certificate=certificate, device_type="cpu",
+                         device_name="cpu", memory_bytes=2**30, flops_fp32=1e9, now=timezone.now())
+
+
+def test_a_sweep_records_an_answering_agent_direct_and_a_silent_one_relayed(user: User, agent: Agent,
+                                                                             settings) -> None:  # noqa: ANN001
+    settings.ARCEUS_REACHABILITY_TIMEOUT_SECONDS = 1.0
+    answering = register(user, "open", agent.advertise_address, agent.identity.certificate)
+    silent_address = f"127.0.0.1:{free_port()}"  # nothing listens: a router that drops the dial, as seen from here
+    silent = register(user, "behind-a-router", silent_address, identity_for(silent_address).certificate)
+    impostor = register(user, "wrong-certificate", agent.advertise_address, identity_for("elsewhere").certificate)
+    assert {n.reachability for n in (answering, silent, impostor)} == {Reachability.UNKNOWN}
+
+    assert nodes_check_reachability() == {Reachability.DIRECT: 1, Reachability.RELAYED: 2}
+    found = dict(Node.objects.filter(owner=user).values_list("name", "reachability"))
+    # An agent that answers but not as the certificate its node registered is not the node's agent.
+    assert found == {"open": Reachability.DIRECT, "behind-a-router": Reachability.RELAYED,
+                     "wrong-certificate": Reachability.RELAYED}
+    assert nodes_check_reachability() == {Reachability.DIRECT: 0, Reachability.RELAYED: 0}  # nothing left unknown
+    devices = {view.name: view.device() for view in node_views(registered_nodes())}
+    assert not devices["open"].relayed and devices["behind-a-router"].relayed  # placement's view
+
+
+def test_registrations_queue_one_sweep_until_it_starts(user: User, reachability_queue,  # noqa: ANN001
+                                                       django_capture_on_commit_callbacks) -> None:  # noqa: ANN001
+    with django_capture_on_commit_callbacks(execute=True):
+        for i in range(3):
+            register(user, f"n{i}", f"127.0.0.1:{5000 + i}", identity_for(f"127.0.0.1:{5000 + i}").certificate)
+    assert reachability_queue.qsize() == 1  # one sweep dials all three
+    message = reachability_queue.get(timeout=1)
+    assert message.headers["task"] == CHECK_REACHABILITY_TASK
+    message.ack()
+    dequeued(CHECK_REACHABILITY_TASK)  # what the sweep does as it starts: a later registration needs another
+    with django_capture_on_commit_callbacks(execute=True):
+        register(user, "late", "127.0.0.1:5009", identity_for("127.0.0.1:5009").certificate)
+    assert reachability_queue.qsize() == 1
