@@ -73,7 +73,7 @@ def capture(
     # placed: each layer that needs one computes it again from its own input.
     recomputable = _recomputable(graph)
     nodes = [n for n in graph.nodes if n.op == "call_function" and n not in recomputable]
-    cuts = _cuts(nodes, module, split_points, recomputable)
+    cuts = _weighted(nodes, _cuts(nodes, module, split_points, recomputable), {n for n, _ in module.named_parameters()})
     (model_input,) = [n for n in graph.nodes if n.op == "placeholder"]
     (model_output,) = _single_output(graph)
     boundaries = [model_input, *(_crossing(nodes, at, recomputable)[0] for at in cuts), model_output]
@@ -124,6 +124,25 @@ def _cuts(
                 raise SpecError(f"split_points[{name!r}]", f"cannot begin a layer: {why}")
             wanted.add(starts[0])
     return sorted(i for i in wanted if _not_cuttable(nodes, i, recomputable) is None)
+
+
+def _weighted(nodes: list[fx.Node], cuts: list[int], parameters: set[str]) -> list[int]:
+    """`cuts` less those that would leave a layer without parameters (a dropout, a pooling): such a layer joins
+    the next one (the last, the one before), so every layer, and so every stage, has weights to train."""
+    def weighted(start: int, end: int) -> bool:
+        return any(a.op == "get_attr" and a.target in parameters for n in nodes[start:end] for a in n.all_input_nodes)
+
+    kept = list(cuts)
+    changed = True
+    while changed:
+        changed = False
+        bounds = [0, *kept, len(nodes)]
+        for i in range(len(bounds) - 1):
+            if kept and not weighted(bounds[i], bounds[i + 1]):
+                kept.remove(bounds[i + 1] if i < len(kept) else bounds[i])
+                changed = True
+                break
+    return kept
 
 
 def _not_cuttable(nodes: list[fx.Node], at: int, recomputable: set[fx.Node]) -> str | None:
