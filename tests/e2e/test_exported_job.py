@@ -6,9 +6,6 @@ name, and the job cannot start: nothing runs."""
 
 from __future__ import annotations
 
-import copy
-import hashlib
-import json
 import math
 from typing import Any
 
@@ -17,9 +14,9 @@ import torch
 from torch import nn
 
 from arceus.model.exported.capture import capture
-from arceus.model.exported.program import program_document
 from arceus.sdk import ApiError
 from devtools.cluster import LocalCluster
+from devtools.hostile_program import forged_program
 from devtools.reference import reference_run
 
 pytestmark = pytest.mark.slow
@@ -57,9 +54,10 @@ def test_a_captured_module_trains_over_rest_on_three_agents_like_one_process(clu
         "stages": 3,
     }
     # A forged program (hashes consistent, one operator swapped for aten::from_file) is refused on upload.
-    job = cluster.client.submit_job({**spec, "model_config": _forged(captured)[0]})
+    forged_config, _, forged = forged_program(captured, 1, "torch.ops.aten.from_file.default")
+    job = cluster.client.submit_job({**spec, "model_config": forged_config})
     with pytest.raises(ApiError) as refused:
-        cluster.client.upload_program(job["id"], _forged(captured)[1])
+        cluster.client.upload_program(job["id"], forged)
     assert refused.value.status == 400 and "uses operator aten::from_file" in str(refused.value)
     with pytest.raises(ApiError) as refused:
         cluster.client.start_job(job["id"])
@@ -79,16 +77,3 @@ def test_a_captured_module_trains_over_rest_on_three_agents_like_one_process(clu
     for step, (got, want) in enumerate(zip(losses, expected.losses, strict=True), 1):
         assert math.isclose(got, want, rel_tol=0, abs_tol=1e-5), f"step {step}: {got!r} != one process's {want!r}"
     assert losses[-1] < losses[0]
-
-
-def _forged(captured: Any) -> tuple[dict[str, Any], bytes]:
-    """A model config and program whose layer 1 runs aten::from_file, every hash made to match."""
-    layers = json.loads(captured.program)["layers"]
-    document = json.loads(layers[1])
-    document["graph"]["graph_module"]["graph"]["nodes"][0]["target"] = "torch.ops.aten.from_file.default"
-    layers[1] = json.dumps(document, sort_keys=True)
-    program = program_document(layers)
-    config = copy.deepcopy(captured.model_config)
-    config["layers"][1]["sha256"] = hashlib.sha256(layers[1].encode()).hexdigest()
-    config["program_sha256"] = hashlib.sha256(program).hexdigest()
-    return config, program

@@ -32,7 +32,7 @@ _KEYS = frozenset({"type", "input", "labels", "layers", "program_sha256"})
 _LAYER_KEYS = frozenset({"sha256", "output", "parameters", "flops_per_sample", "stash_bytes_per_sample"})
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # A parameter's name in the developer's module: dotted identifiers (and ModuleList indices).
-_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
+_NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,6 @@ refused, with the operator's name, before anything is built."""
 from __future__ import annotations
 
 import copy
-import hashlib
 import itertools
 import json
 from collections.abc import Callable
@@ -28,6 +27,7 @@ from arceus.model.exported.capture import CapturedModel, capture
 from arceus.model.exported.operators import graph_check
 from arceus.model.exported.program import program_layers
 from arceus.model.registry import model_spec_from_config
+from devtools.hostile_program import forged_program
 from nodeagent.runtime import StageRuntime
 
 STEPS = 10
@@ -248,19 +248,6 @@ def test_a_model_is_cut_at_module_boundaries_into_several_layers(
     assert json.loads(cap.program)["format"] == "arceus.exported-program/1"
 
 
-def _forbidden(cap: CapturedModel, layer: int, target: str) -> tuple[dict[str, Any], str]:
-    """The model config and layer document of a program whose layer `layer` has one node's operator replaced,
-    hashes and all consistent: what a hostile developer could upload."""
-    documents = json.loads(cap.program)["layers"]
-    document = json.loads(documents[layer])
-    nodes = document["graph"]["graph_module"]["graph"]["nodes"]
-    nodes[0]["target"] = target
-    forged = json.dumps(document, sort_keys=True)
-    config = copy.deepcopy(cap.model_config)
-    config["layers"][layer]["sha256"] = hashlib.sha256(forged.encode()).hexdigest()
-    return config, forged
-
-
 @pytest.mark.parametrize(
     ("target", "named"),
     [
@@ -274,10 +261,10 @@ def test_a_forbidden_operator_is_refused_with_its_name_before_anything_is_built(
     captured: tuple[str, nn.Module, CapturedModel, list[Any]], target: str, named: str
 ) -> None:
     _, _, cap, _ = captured
-    config, forged = _forbidden(cap, 1, target)
+    config, layers, _ = forged_program(cap, 1, target)
     with pytest.raises(SpecError, match=f"uses operator {named}, which agents do not run"):
-        graph_check(json.loads(forged)["graph"], "layer 1")
-    spec = model_spec_from_config(config).with_documents({1: forged})
+        graph_check(json.loads(layers[1])["graph"], "layer 1")
+    spec = model_spec_from_config(config).with_documents({1: layers[1]})
     with pytest.raises(SpecError, match=f"layer 1: uses operator {named}"):
         build_layers(spec, 1, 2, seed=0)
 
