@@ -74,11 +74,11 @@ def job_program_receive(*, job: Job, body: BinaryIO, length: int | None) -> Job:
 def job_program_layers_for_node(*, node_id: Any, job_id: str, start: Any, end: Any) -> list[str]:
     """The documents of layers [start, end) of a job's program, for a node that hosts a stage holding them."""
     job = Job.objects.filter(pk=_uuid_or_none(job_id)).exclude(program="").first()
+    hosted = Stage.objects.filter(job=job, node_id=node_id, active=True)
+    if job is None or not hosted.exists():  # a stranger learns nothing, not even what its query got wrong
+        raise ApplicationError.not_found("program of job", job_id)
     first, last = _index(start, "start"), _index(end, "end")
-    hosts = job is not None and Stage.objects.filter(
-        job=job, node_id=node_id, active=True, layer_start__lte=first, layer_end__gte=last
-    ).exists()
-    if not hosts or first >= last:
+    if first >= last or not hosted.filter(layer_start__lte=first, layer_end__gte=last).exists():
         raise ApplicationError.not_found("program layers of job", f"{job_id} [{start}, {end})")
     with checkpoint_storage().open(job.program.name, "rb") as handle:
         layers = json.loads(handle.read(MAX_PROGRAM_BYTES + 1))["layers"]  # checked when it was uploaded
