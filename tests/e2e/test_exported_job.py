@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors.torch import load as safetensors_load
 from torch import nn
 
 from arceus.model.exported.capture import capture
@@ -77,3 +78,8 @@ def test_a_captured_module_trains_over_rest_on_three_agents_like_one_process(clu
     for step, (got, want) in enumerate(zip(losses, expected.losses, strict=True), 1):
         assert math.isclose(got, want, rel_tol=0, abs_tol=1e-5), f"step {step}: {got!r} != one process's {want!r}"
     assert losses[-1] < losses[0]
+    # The trained weights download under the pipeline's names and load back into the developer's module.
+    trained = captured.module_weights(safetensors_load(cluster.client.download_model(job["id"])))
+    module.load_state_dict(trained)
+    for name, tensor in module.state_dict().items():
+        torch.testing.assert_close(tensor, expected.weights[f"layers.{name}"], rtol=0, atol=1e-4)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,6 +46,12 @@ class CapturedModel:
     program: bytes
     weights: bytes
     names: dict[str, str]
+
+    def module_weights(self, trained: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A trained job's weights (its model download: pipeline names) under the module's own names, for
+        `module.load_state_dict(..., strict=False)` (buffers such as BatchNorm's running statistics are not
+        trained state: a stage's checkpoint holds parameters). KeyError for a name the capture did not write."""
+        return {self.names[name]: tensor for name, tensor in trained.items()}
 
 
 def capture(
