@@ -275,7 +275,10 @@ def _layer(layer: fx.GraphModule, value: torch.Tensor, batch: Any) -> tuple[torc
     tensors |= {name: t for name, t in program.constants.items() if isinstance(t, torch.Tensor)}
     if len(tensors) != len({*signature.buffers, *program.constants}):
         raise SpecError("module", "holds a non-tensor constant (a script object), which cannot be shipped as data")
-    artifact = json.loads(serde.serialize(program).exported_program)
+    serialized = serde.serialize(  # the graph only: torch would pickle the tensors, which travel as safetensors
+        program, serialize_state_dict=False, serialize_constants=False, serialize_example_inputs=False
+    )
+    artifact = json.loads(serialized.exported_program)
     for node in artifact["graph_module"]["graph"]["nodes"]:
         node["metadata"] = {}  # stack traces and module paths: the developer's, of no use to an agent
     artifact["guards_code"] = []  # guards are Python source; the agent checks its inputs itself
