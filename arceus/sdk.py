@@ -6,6 +6,12 @@
                              "dataset_config": {"name": "digits"}, "epochs": 5})
     client.start_job(job["id"])
     final = client.wait(job["id"])
+
+Any `nn.Module` (an exported model: its graphs and weights uploaded as data, see arceus.model.exported):
+
+    from arceus.model.exported.capture import capture
+    captured = capture(my_module, example_batch)
+    job = client.submit_captured(captured, {"dataset_config": {"name": "digits"}, "epochs": 5})
 """
 
 from __future__ import annotations
@@ -17,11 +23,14 @@ import tarfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import requests
 
 from arceus.contracts.status import TERMINAL_STATUSES
+
+if TYPE_CHECKING:
+    from arceus.model.exported.capture import CapturedModel
 
 MODEL_CHUNK_BYTES = 1024 * 1024
 URL_ENV = "ARCEUS_URL"  # the control plane's base URL, for the CLI and the SDK
@@ -210,16 +219,31 @@ class ArceusClient:
             shutil.rmtree(partial, ignore_errors=True)
         return received
 
-    def upload_initial_weights(self, job_id: str, source: Path) -> dict[str, Any]:
-        """Stream a Hugging Face model (`source`: its folder, or its `model.safetensors`) to a job that has not
-        started as the weights it starts from (fine-tuning); the job's detail."""
+    def upload_initial_weights(self, job_id: str, source: Path | bytes) -> dict[str, Any]:
+        """Stream a Hugging Face model (`source`: its folder, or its `model.safetensors`; an exported model's
+        weights: the bytes capture() wrote) to a job that has not started as the weights it starts from; the
+        job's detail."""
+        if isinstance(source, bytes):
+            return self._put_bytes(f"/api/jobs/{job_id}/initial-weights", source)
         weights = source / "model.safetensors" if source.is_dir() else source
-        path = f"/api/jobs/{job_id}/initial-weights"
         with weights.open("rb") as body:  # requests sends a file's size as its Content-Length and streams it
-            response = self.session.put(
-                self.base_url + path, data=body, timeout=self.timeout,
-                headers={"Content-Type": "application/octet-stream"},
-            )
+            return self._put_bytes(f"/api/jobs/{job_id}/initial-weights", body)
+
+    def upload_program(self, job_id: str, program: bytes) -> dict[str, Any]:
+        """An exported model's program (`CapturedModel.program`) for a job that has not started; the job's detail."""
+        return self._put_bytes(f"/api/jobs/{job_id}/program", program)
+
+    def submit_captured(self, captured: CapturedModel, spec: dict[str, Any]) -> dict[str, Any]:
+        """Submit a job of a captured `nn.Module` (`spec`: the job's other fields, its model_config left out) and
+        upload its program and initial weights; the job's detail, ready to start."""
+        job = self.submit_job({**spec, "model_config": captured.model_config})
+        self.upload_program(job["id"], captured.program)
+        return self.upload_initial_weights(job["id"], captured.weights)
+
+    def _put_bytes(self, path: str, body: bytes | BinaryIO) -> dict[str, Any]:
+        response = self.session.put(
+            self.base_url + path, data=body, timeout=self.timeout, headers={"Content-Type": "application/octet-stream"}
+        )
         if response.status_code >= 400:
             raise ApiError(response.status_code, "PUT", path, _payload(response))
         return response.json()

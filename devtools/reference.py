@@ -4,12 +4,14 @@ training of a job, batch for batch what the pipeline does, and the weights a run
 from __future__ import annotations
 
 import tempfile
+from copy import deepcopy
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from arceus.checkpoint import StateFile
 from arceus.data import epoch_batches, load_dataset, validate_dataset_config
@@ -28,17 +30,22 @@ class ReferenceRun:
 
 
 def reference_run(
-    job: dict[str, Any], *, max_steps: int | None = None, initial_weights: dict[str, torch.Tensor] | None = None
+    job: dict[str, Any],
+    *,
+    max_steps: int | None = None,
+    initial_weights: dict[str, torch.Tensor] | None = None,
+    model: nn.Module | None = None,
 ) -> ReferenceRun:
     """Train the job's model in this process (one thread's torch) with the job's settings and data order.
 
     `job` is the submitted shape: model_config, dataset_config, epochs, learning_rate, optimizer,
     momentum, weight_decay, seed. `initial_weights` (model-wide names): what it starts from instead of the
-    seeded weights, as a job with uploaded weights does.
+    seeded weights, as a job with uploaded weights does. `model`: the module an exported model's job was
+    captured from, trained (a copy of it) instead of one built from the job's model config.
     """
     dataset = validate_dataset_config(job["dataset_config"])
     seed = job.get("seed", 0)
-    model = build_full_model(model_spec_from_config(job["model_config"]), seed)
+    model = build_full_model(model_spec_from_config(job["model_config"]), seed) if model is None else deepcopy(model)
     if initial_weights is not None:
         model.load_state_dict({name.removeprefix("layers."): t for name, t in initial_weights.items()})
     params = list(model.parameters())

@@ -29,7 +29,7 @@ from nodeagent.metrics import AgentMetrics
 from nodeagent.neighbour_links import Neighbour, NeighbourLinks
 from nodeagent.relay_attachment import RelayAttachment
 from nodeagent.servicer import StageServicer, add_stage_service
-from nodeagent.stage import CheckpointLoader, StateUploader
+from nodeagent.stage import CheckpointLoader, ProgramLoader, StateUploader
 from nodeagent.tp_servicer import TensorParallelServicer
 
 log = logging.getLogger(__name__)
@@ -56,6 +56,7 @@ class Agent:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_workers: int = 64,
         load_checkpoint: CheckpointLoader | None = None,
+        load_program: ProgramLoader | None = None,
         upload_state: StateUploader | None = None,
         link_probe_interval: float | None = None,
         solo_threads: int | None = None,
@@ -82,6 +83,7 @@ class Agent:
             device,
             max_message_bytes=max_message_bytes,
             load_checkpoint=load_checkpoint,
+            load_program=load_program,
             build_seconds=self.metrics.stage_build_seconds,
         )
         # RunStep holds a worker for the whole step while the pushes it waits for need others. No caller may

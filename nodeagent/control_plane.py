@@ -8,6 +8,7 @@ quickly. Errors back off; only a rejected token (401) is fatal.
 
 from __future__ import annotations
 
+import json
 import logging
 import tempfile
 import threading
@@ -23,6 +24,7 @@ from arceus.checkpoint import CHUNK_BYTES, StateFile
 from arceus.contracts.assignment import Assignment, CheckpointRef
 from arceus.contracts.observed import ObservedStage
 from arceus.errors import SpecError
+from arceus.model.exported.program import MAX_PROGRAM_BYTES
 from nodeagent.agent import Agent
 from nodeagent.host_load import HostLoad
 from nodeagent.stage import StateUploadError
@@ -175,6 +177,28 @@ class ControlPlaneClient:
             file.flush()
             # Open (and map) it before the file goes: its tensors stay readable until the state is dropped.
             return StateFile(Path(file.name), sha256=ref.sha256)
+
+    def fetch_program(self, path: str, start: int, end: int) -> list[str]:
+        """Layers [start, end)'s documents of an exported model's program at `path` on this control plane (the
+        node token never goes to another host), read up to the largest program there may be."""
+        if not path.startswith("/"):
+            raise ControlPlaneError(f"program path {path!r} is not a path on the control plane")
+        url = f"{self.url}{path}"
+        try:
+            with self._session.get(
+                url, params={"start": start, "end": end}, timeout=self.timeout, stream=True
+            ) as response:
+                if response.status_code >= 300:
+                    raise ControlPlaneError(f"GET {url} → HTTP {response.status_code}: {response.text[:500]}")
+                body = response.raw.read(MAX_PROGRAM_BYTES + 1, decode_content=True)
+        except requests.RequestException as exc:
+            raise ControlPlaneError(f"GET {url} failed: {exc}") from exc
+        if len(body) > MAX_PROGRAM_BYTES:
+            raise ControlPlaneError(f"GET {url} answered more than the {MAX_PROGRAM_BYTES} bytes a program may hold")
+        layers = json.loads(body).get("layers")
+        if not isinstance(layers, list) or len(layers) != end - start or not all(isinstance(x, str) for x in layers):
+            raise ControlPlaneError(f"GET {url} did not answer the {end - start} layers [{start}, {end})")
+        return layers
 
     def upload_state(
         self, path: str, size: int, chunks: Callable[[], Iterable[bytes | memoryview]], seconds: float

@@ -12,6 +12,7 @@ from arceus.contracts.assignment import Assignment, CheckpointRef
 from arceus.model.build import build_layers
 from arceus.model.hugging_face import stage_weights
 from arceus.model.layout import TensorLayout
+from arceus.model.registry import architecture_of
 from arceus.model.tensor_parallel import build_parallel_layers, slice_state_tensors
 from arceus.v1 import stage_pb2
 from arceus.wire.channels import open_channel
@@ -157,6 +158,10 @@ class HostedStage:
             link.close()
 
 
+# An exported model's layer documents: (the assignment's program path, layer_start, layer_end) -> one document
+# per layer, in order (checked against their hashes when the layers are built).
+ProgramLoader = Callable[[str, int, int], list[str]]
+
 # A stage's checkpoint by its reference: a mapping that may load each tensor only when asked (StateFile).
 CheckpointLoader = Callable[[CheckpointRef], Mapping[str, torch.Tensor]]
 
@@ -178,12 +183,22 @@ def build_hosted_stage(
     max_message_bytes: int,
     load_checkpoint: CheckpointLoader | None = None,
     tensor_parallel: TensorParallelGroup | None = None,
+    load_program: ProgramLoader | None = None,
 ) -> HostedStage:
     """Build the stage from its declarative spec only: layers [start, end) initialised from the seed,
     then, if the assignment names a checkpoint, its weights and optimizer state loaded from it, else, if it
     names the job's uploaded initial weights, the stage's layers of those. A rank of
-    a tensor-parallel stage (`tensor_parallel`) builds, and loads, its shard of the layers."""
+    a tensor-parallel stage (`tensor_parallel`) builds, and loads, its shard of the layers. An exported model's
+    layers are built from their documents (`load_program`), each checked, operators included, before anything
+    of it is built."""
     spec = assignment.spec
+    if architecture_of(spec).ships_program:
+        if assignment.program is None or load_program is None:
+            missing = "its assignment names no program" if load_program else "this agent cannot fetch programs"
+            raise ValueError(f"{assignment.stage_id} is a stage of an exported model, but {missing}")
+        start, end = assignment.layer_start, assignment.layer_end
+        documents = load_program(assignment.program, start, end)
+        spec = spec.with_documents(dict(zip(range(start, end), documents, strict=True)))
     if tensor_parallel is None:
         layers = build_layers(spec, assignment.layer_start, assignment.layer_end, assignment.seed)
     else:

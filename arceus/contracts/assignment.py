@@ -45,8 +45,8 @@ _FIELDS = frozenset(
 )
 _OPTIONAL_FIELDS = frozenset(
     {
-        "checkpoint", "initial_weights", "transfer", "precision", "tensor_parallel", "activation_checkpointing",
-        "schedule",
+        "checkpoint", "initial_weights", "program", "transfer", "precision", "tensor_parallel",
+        "activation_checkpointing", "schedule",
     }
 )
 _OPTIMIZER_FIELDS = frozenset({"name", "lr", "momentum", "weight_decay"})
@@ -114,6 +114,9 @@ class Assignment:
     # The job's uploaded starting weights (the whole model, under Hugging Face names; step 0): the initial
     # weights when set, else the seeded ones.
     initial_weights: CheckpointRef | None = None
+    # Where an exported model's layers are fetched (a path on the control plane; `?start=&end=` picks them),
+    # each checked against its hash in `model`; None for a model built from code.
+    program: str | None = None
     transfer: TransferConfig = TransferConfig()  # how this stage encodes what it sends
     precision: str = "fp32"  # or "bf16": autocast compute (arceus.model.precision)
     activation_checkpointing: bool = False  # keep a micro-batch's input only; recompute the rest backward
@@ -231,6 +234,7 @@ class Assignment:
             certificates=_certificates(data["certificates"], called),
             checkpoint=_checkpoint(data.get("checkpoint")),
             initial_weights=_checkpoint(data.get("initial_weights"), "assignment.initial_weights"),
+            program=_program(data.get("program")),
             transfer=transfer_config_from_json(data.get("transfer"), field="assignment.transfer"),
             precision=precision,
             activation_checkpointing=recompute,
@@ -275,6 +279,7 @@ class Assignment:
                     }
                 }
             ),
+            **({} if self.program is None else {"program": self.program}),
             "transfer": self.transfer.to_json(),
             "precision": self.precision,
             "activation_checkpointing": self.activation_checkpointing,
@@ -291,6 +296,12 @@ class Assignment:
                 }
             ),
         }
+
+
+def _program(value: Any) -> str | None:
+    if value is not None and (not isinstance(value, str) or not value.startswith("/") or len(value) > 300):
+        raise SpecError("assignment.program", f"must be a path on the control plane, got {value!r}")
+    return value
 
 
 def _string(data: dict[str, Any], key: str) -> str:

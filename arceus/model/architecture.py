@@ -55,3 +55,8 @@ class Architecture:
     writes_text: bool = False
     # Its trained weights download as a `transformers` folder (None: as our safetensors file only).
     hugging_face: HuggingFaceFormat | None = None
+    # Its layers are graphs shipped as data (`arceus.model.exported`): the job carries a program (uploaded,
+    # checked, each layer's document hashed in the model config) that an agent fetches and attaches to the
+    # spec (`with_documents`) before building its stage, and it starts from uploaded weights under the
+    # pipeline's own names.
+    ships_program: bool = False

@@ -39,6 +39,16 @@ def hugging_face_format(spec: ModelSpec) -> HuggingFaceFormat:
     return found
 
 
+def initial_weights_names(spec: ModelSpec) -> Callable[[str], str]:
+    """How a job's uploaded initial weights name each pipeline parameter ("layers.<i>.<name>"): an exported
+    model's (`Architecture.ships_program`) by those very names, a model with a Hugging Face format by
+    `transformers`' names; SpecError("format") for a model that cannot start from uploaded weights."""
+    if architecture_of(spec).ships_program:
+        return lambda name: name
+    found = hugging_face_format(spec)
+    return lambda name: found.name(spec, name)
+
+
 def hugging_face_folder(
     spec: ModelSpec, sources: Sequence[BinaryIO], *, keep: Callable[[str], bool], metadata: dict[str, str]
 ) -> tuple[int, Iterator[bytes]]:
@@ -65,10 +75,11 @@ def hugging_face_folder(
 
 def hugging_face_weights_check(spec: ModelSpec, handle: BinaryIO, size: int) -> None:
     """CheckpointError unless the safetensors file (`size` bytes) holds exactly the whole model's parameters
-    under `transformers`' names, each with the model's dtype (float32) and shape: read from its header alone."""
-    found = hugging_face_format(spec)
+    under their uploaded names (`initial_weights_names`), each with the model's dtype (float32) and shape: read
+    from its header alone."""
+    named = initial_weights_names(spec)
     actual = tensor_layouts(handle, size)
-    expected = {found.name(spec, name): layout for name, layout in _weights(spec, 0, spec.num_layers).items()}
+    expected = {named(name): layout for name, layout in _weights(spec, 0, spec.num_layers).items()}
     missing, extra = sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected))
     if missing:
         raise CheckpointError(f"the weights lack {missing[0]} ({len(missing)} of the model's parameters missing)")
@@ -83,10 +94,10 @@ def hugging_face_weights_check(spec: ModelSpec, handle: BinaryIO, size: int) -> 
 def stage_weights(
     spec: ModelSpec, layer_start: int, layer_end: int, tensors: Mapping[str, torch.Tensor]
 ) -> Mapping[str, torch.Tensor]:
-    """Layers [layer_start, layer_end)'s weights under the pipeline's names, from the whole model's under
-    `transformers`' (checked by `hugging_face_weights_check`); a lazy mapping (`StateFile`) stays lazy."""
-    found = hugging_face_format(spec)
-    return _Renamed(tensors, {name: found.name(spec, name) for name in _weights(spec, layer_start, layer_end)})
+    """Layers [layer_start, layer_end)'s weights under the pipeline's names, from the whole model's under their
+    uploaded names (checked by `hugging_face_weights_check`); a lazy mapping (`StateFile`) stays lazy."""
+    named = initial_weights_names(spec)
+    return _Renamed(tensors, {name: named(name) for name in _weights(spec, layer_start, layer_end)})
 
 
 def _weights(spec: ModelSpec, layer_start: int, layer_end: int) -> dict[str, tuple[torch.dtype, list[int]]]:

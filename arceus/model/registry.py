@@ -11,7 +11,7 @@ from typing import Any
 
 from arceus.data.text_config import TEXT_DATASET
 from arceus.errors import SpecError
-from arceus.model import convnet, gpt, llama, mlp
+from arceus.model import convnet, exported, gpt, llama, mlp
 from arceus.model.architecture import Architecture
 from arceus.model.spec import ModelSpec
 
@@ -26,6 +26,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         gpt.ARCHITECTURE,
         convnet.ARCHITECTURE,
         llama.ARCHITECTURE,
+        exported.ARCHITECTURE,
     )
 }
 

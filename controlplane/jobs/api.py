@@ -14,10 +14,12 @@ from rest_framework.response import Response
 from rest_framework.throttling import ScopedRateThrottle
 from rest_framework.views import APIView
 
+from arceus.model.exported.program import MAX_PROGRAM_BYTES
 from controlplane.common.db import consistent_snapshot
 from controlplane.common.schema import ErrorOutput
 from controlplane.jobs.checkpoints import MODEL_FORMATS, job_initial_weights_receive, job_model_file
 from controlplane.jobs.estimate import estimate_get_for_user, estimate_request
+from controlplane.jobs.programs import job_program_receive
 from controlplane.jobs.sampling import job_sample
 from controlplane.jobs.selectors import job_get_for_user, job_list_for_user
 from controlplane.jobs.serializers import (
@@ -193,6 +195,29 @@ class JobInitialWeightsApi(APIView):
         job = job_get_for_user(user=request.user, job_id=job_id)
         length = request.META.get("CONTENT_LENGTH")
         job = job_initial_weights_receive(
+            job=job, body=request._request, length=int(length) if length and length.isdigit() else None
+        )
+        return Response(JobDetailOutput(job_get_for_user(user=request.user, job_id=str(job.id))).data)
+
+
+class JobProgramApi(APIView):
+    """An exported model's program (what `arceus.model.exported.capture` writes): its layers' graphs as JSON,
+    uploaded with a Content-Length before the job trains, streamed into storage and checked (its hash and each
+    layer's against the model config, every operator against the agents' allow-list) before it is kept."""
+
+    parser_classes: list = []  # the body is read as a stream, never parsed by DRF
+    throttle_classes = [ScopedRateThrottle]
+    throttle_scope = "model"
+
+    @staticmethod
+    def max_request_bytes() -> int:  # not the JSON API's bound (controlplane.common.body_limit)
+        return MAX_PROGRAM_BYTES
+
+    @extend_schema(request={"application/octet-stream": bytes}, responses={200: JobDetailOutput, 409: ErrorOutput})
+    def put(self, request: Request, job_id: str) -> Response:
+        job = job_get_for_user(user=request.user, job_id=job_id)
+        length = request.META.get("CONTENT_LENGTH")
+        job = job_program_receive(
             job=job, body=request._request, length=int(length) if length and length.isdigit() else None
         )
         return Response(JobDetailOutput(job_get_for_user(user=request.user, job_id=str(job.id))).data)

@@ -37,7 +37,12 @@ from arceus.checkpoint import (
 from arceus.contracts.status import STARTABLE_STATUSES
 from arceus.errors import SpecError
 from arceus.model.expected_state import ExpectedState, expected_stage_state, optimizer_kind, stage_file_check
-from arceus.model.hugging_face import hugging_face_folder, hugging_face_format, hugging_face_weights_check
+from arceus.model.hugging_face import (
+    hugging_face_folder,
+    hugging_face_format,
+    hugging_face_weights_check,
+    initial_weights_names,
+)
 from arceus.model.registry import model_spec_from_config
 from arceus.training.plan import StageEndpoint, StageStateFile
 from controlplane.common.errors import ApplicationError
@@ -333,12 +338,13 @@ def job_model_file(*, job: Job, model_format: str = "safetensors") -> ModelFile:
 
 def job_initial_weights_receive(*, job: Job, body: BinaryIO, length: int | None) -> Job:
     """Store the `length` bytes of `body` as the job's initial weights, a chunk at a time, hashing them as they
-    arrive: a Hugging Face `model.safetensors` holding exactly the model's parameters (checked from its header;
+    arrive: a Hugging Face `model.safetensors` (an exported model: the weights capture() wrote) holding exactly
+    the model's parameters (checked from its header;
     refused, and nothing kept, otherwise). Only before the job trains (created, failed or cancelled: a start
     trains from them); a later upload replaces an earlier one."""
     spec = model_spec_from_config(job.model_config)
     try:
-        hugging_face_format(spec)
+        initial_weights_names(spec)
     except SpecError as exc:
         raise ApplicationError.invalid(
             "body", f"a model of type {spec.type!r} cannot start from uploaded weights: {exc.message.split(';')[0]}"

@@ -109,6 +109,10 @@ class Job(BaseModel):
     # names, checked when it arrived) and their hash; empty: the weights seeded by `seed`.
     initial_weights = models.FileField(storage=checkpoint_storage, max_length=300, blank=True)
     initial_weights_sha256 = models.CharField(max_length=64, blank=True)
+    # An exported model's program (arceus.model.exported.program: its layers' graphs as JSON, checked against
+    # the model config's hashes and the operator allow-list when it arrived) and its hash; empty: none.
+    program = models.FileField(storage=checkpoint_storage, max_length=300, blank=True)
+    program_sha256 = models.CharField(max_length=64, blank=True)
     # Bumped on every placement change. Agents, stages and the driver carry it; every reconciler
     # write checks it (optimistic concurrency), so a decision made on an old view is never applied.
     generation = models.BigIntegerField(default=0)

@@ -204,6 +204,7 @@ def _assignment(
         )
         if job.initial_weights
         else None,
+        program=f"/api/agent/jobs/{job.id}/program" if job.program else None,
         transfer=transfer_config_from_json(job.transfer),
         precision=job.precision,
         activation_checkpointing=job.activation_checkpointing,

@@ -257,6 +257,9 @@ class JobDetailOutput(JobListOutput):
     initial_weights_sha256 = serializers.CharField(
         help_text="SHA-256 of the uploaded weights the job starts from (PUT .../initial-weights); empty: seeded."
     )
+    program_sha256 = serializers.CharField(
+        help_text="SHA-256 of an exported model's uploaded program (PUT .../program); empty: none uploaded."
+    )
     checkpoints = serializers.SerializerMethodField()
     cost = serializers.SerializerMethodField(help_text="What the job has been charged so far (US dollars).")
     contributions = serializers.SerializerMethodField(

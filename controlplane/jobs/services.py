@@ -14,7 +14,7 @@ from django.utils import timezone
 from arceus.contracts.status import STARTABLE_STATUSES, JobStatus
 from arceus.data.paths import dataset_config_confined
 from arceus.errors import SpecError
-from arceus.model.registry import dataset_config_defaulted, fit_model_to_dataset
+from arceus.model.registry import architecture_for_config, dataset_config_defaulted, fit_model_to_dataset
 from arceus.model.spec import ModelSpec
 from arceus.model.tensor_parallel import check_tensor_parallel
 from arceus.wire.transfer import transfer_config_from_json
@@ -53,7 +53,8 @@ def job_submit(
     name: str = "",
 ) -> Job:
     """Validate the model and dataset against each other and save the job (status created).
-    `audit_rate` None: DEFAULT_AUDIT_RATE, or 0 for a tensor-parallel job (no spot checks of those yet)."""
+    `audit_rate` None: DEFAULT_AUDIT_RATE, or 0 for a tensor-parallel job or an exported model (no spot checks of
+    those yet: a checking agent would need the program of a stage it does not host)."""
     tensor_parallel = tensor_parallel or {}
     spec, model_config, dataset = job_validate(
         model_config=model_config,
@@ -64,8 +65,13 @@ def job_submit(
     )
     if tensor_parallel:
         tensor_parallel_check_options(audit_rate=audit_rate, activation_checkpointing=activation_checkpointing)
+    ships_program = architecture_for_config(model_config).ships_program
+    if ships_program and audit_rate:
+        raise ApplicationError.invalid(
+            "audit_rate", "an exported model's stages cannot be spot-checked yet; use 0 (or leave it out)"
+        )
     if audit_rate is None:
-        audit_rate = 0.0 if tensor_parallel else DEFAULT_AUDIT_RATE
+        audit_rate = 0.0 if tensor_parallel or ships_program else DEFAULT_AUDIT_RATE
     try:
         transfer_config = transfer_config_from_json(transfer or {})
     except SpecError as exc:
@@ -190,6 +196,11 @@ def job_start(
         raise ApplicationError.conflict(
             f"job {job.id} is {job.status}; only a created, failed or cancelled job can be started"
             + (" (submit a new job to train again)" if job.status == JobStatus.SUCCEEDED else "")
+        )
+    if architecture_for_config(job.model_config).ships_program and not (job.program and job.initial_weights):
+        raise ApplicationError.conflict(
+            f"job {job.id} is an exported model: upload its program (PUT /api/jobs/{job.id}/program) and its initial "
+            f"weights (PUT /api/jobs/{job.id}/initial-weights) before starting it"
         )
     return job_queue(job=job, epochs=epochs, learning_rate=learning_rate, now=now or timezone.now())
 

@@ -10,6 +10,7 @@ from controlplane.jobs.api import (
     JobInitialWeightsApi,
     JobListCreateApi,
     JobModelApi,
+    JobProgramApi,
     JobSampleApi,
     JobTrainApi,
     NetworkInitializeApi,
@@ -33,6 +34,7 @@ urlpatterns = [
     re_path(
         r"^jobs/(?P<job_id>[^/]+)/initial-weights/?$", JobInitialWeightsApi.as_view(), name="job-initial-weights"
     ),
+    re_path(r"^jobs/(?P<job_id>[^/]+)/program/?$", JobProgramApi.as_view(), name="job-program"),
     # The original prototype's paths (its README's flow: submit, initialize, train).
     re_path(r"^network/initialize/(?P<job_id>[^/]+)/?$", NetworkInitializeApi.as_view(), name="network-initialize"),
     re_path(r"^network/train/(?P<job_id>[^/]+)/?$", NetworkTrainApi.as_view(), name="network-train"),

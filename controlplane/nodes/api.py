@@ -22,6 +22,7 @@ from controlplane.jobs.checkpoints import (
     stage_checkpoint_for_node,
 )
 from controlplane.jobs.models import checkpoint_storage
+from controlplane.jobs.programs import job_program_layers_for_node
 from controlplane.nodes.authentication import IsNodeAgent, NodeTokenAuthentication
 from controlplane.nodes.relays import relay_assignment, relay_certificate
 from controlplane.nodes.selectors import node_get_for_user, node_list_for_user
@@ -223,6 +224,27 @@ class AgentInitialWeightsApi(AgentApi):
         response = FileResponse(handle, content_type="application/octet-stream")
         response["X-Checkpoint-SHA256"] = job.initial_weights_sha256
         return response
+
+
+class AgentProgramApi(AgentApi):
+    """Layers [start, end) of an exported model's program, for a node hosting a stage that holds them: `{"layers":
+    [document, ...]}`; the agent checks each against the hash its assignment's model config names."""
+
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("start", int, OpenApiParameter.QUERY, description="First layer"),
+            OpenApiParameter("end", int, OpenApiParameter.QUERY, description="One past the last layer"),
+        ],
+        responses={200: dict},
+    )
+    def get(self, request: Request, job_id: str) -> Response:
+        layers = job_program_layers_for_node(
+            node_id=request.auth.id,
+            job_id=job_id,
+            start=request.query_params.get("start"),
+            end=request.query_params.get("end"),
+        )
+        return Response({"layers": layers})
 
 
 class AgentCheckpointUploadApi(AgentApi):

@@ -9,6 +9,7 @@ from controlplane.nodes.api import (
     AgentInitialWeightsApi,
     AgentLeaveApi,
     AgentProbeApi,
+    AgentProgramApi,
     AgentRegisterApi,
     NodeControlsApi,
     NodeDetailApi,
@@ -35,6 +36,7 @@ urlpatterns = [
         AgentInitialWeightsApi.as_view(),
         name="agent-initial-weights",
     ),
+    re_path(r"^agent/jobs/(?P<job_id>[^/]+)/program/?$", AgentProgramApi.as_view(), name="agent-program"),
     re_path(
         r"^agent/checkpoint-uploads/(?P<upload_id>[^/]+)/?$",
         AgentCheckpointUploadApi.as_view(),

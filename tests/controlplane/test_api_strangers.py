@@ -40,7 +40,7 @@ PUBLIC = {
 # A tenant's own objects, addressed by id: anyone else gets 404, as for a missing one.
 TENANT_OBJECTS = {
     "job-detail", "job-estimate-detail", "job-train", "network-initialize", "network-train", "job-cancel",
-    "job-model", "job-sample", "job-initial-weights",
+    "job-model", "job-sample", "job-initial-weights", "job-program",
     "node-detail", "node-pause", "node-resume", "node-controls", "node-earnings", "node-token-rotate",
 }
 # The caller's own collections (or nothing stored): another tenant may call them, and sees only its own.
@@ -49,7 +49,7 @@ TENANT_COLLECTIONS = {"job-list", "job-estimate", "node-list", "market-prices"}
 # rotation replaces the very credentials the attacker calls with).
 OWN_ACCOUNT = {"token-rotate", "password-change"}
 # The node-agent protocol (`Authorization: Node <token>`): objects addressed by id are the caller node's only.
-AGENT_OBJECTS = {"agent-checkpoint", "agent-checkpoint-upload", "agent-initial-weights"}
+AGENT_OBJECTS = {"agent-checkpoint", "agent-checkpoint-upload", "agent-initial-weights", "agent-program"}
 # Act on (or read) the calling node itself.
 AGENT_OWN = {"agent-register", "agent-heartbeat", "agent-probe", "agent-leave", "agent-earnings"}
 # The Django admin (staff sessions), the sign-up page, and the dashboard's pages and live documents (session

@@ -1,0 +1,96 @@
+"""An exported model's layer rebuilt from data: its parameters as the spec declares them (float32, loaded from
+the job's initial weights) and, where its document is attached, its graph, checked against the operator
+allow-list and deserialized from torch's schema-based JSON, with its buffers and constants from safetensors.
+Nothing is unpickled and no developer code runs: the forward runs the graph's ATen operators through autograd.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch._export.serde.serialize as serde
+from safetensors.torch import load as safetensors_load
+from torch import nn
+
+from arceus.errors import SpecError
+from arceus.model.exported.program import layer_parsed
+from arceus.model.exported.spec import ExportedSpec
+
+
+class ExportedLayerModule(nn.Module):
+    """Its parameters are the declared ones under the developer's names; the graph computes with those very
+    tensors (it is not a registered child, so each parameter is named once)."""
+
+    def __init__(self, spec: ExportedSpec, index: int) -> None:
+        super().__init__()
+        self.index = index
+        declared = spec.layers[index].parameters
+        for name, shape in declared:
+            owner, _, leaf = name.rpartition(".")
+            _module_at(self, owner).register_parameter(leaf, nn.Parameter(torch.empty(shape)))
+        document = spec.attached.get(index)
+        graph = None if document is None else _graph(spec, index, document, dict(self.named_parameters()))
+        object.__setattr__(self, "_graph", graph)  # not a child: its parameters are these ones
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._graph is None:
+            raise RuntimeError(f"layer {self.index}'s graph is not attached; build it from the job's program")
+        return self._graph(x)
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        """Moves (or casts) the graph's buffers and constants along with the parameters it shares."""
+        super()._apply(fn, recurse)
+        if self._graph is not None:
+            self._graph._apply(fn, recurse)
+        return self
+
+
+def exported_layer(spec: ExportedSpec, index: int, generator: torch.Generator) -> nn.Module:
+    """Layer `index`; `generator` is unused: an exported model starts from its uploaded weights."""
+    return ExportedLayerModule(spec, index)
+
+
+def _graph(spec: ExportedSpec, index: int, document: str, params: dict[str, nn.Parameter]) -> nn.Module:
+    where = f"layer {index}"
+    graph, tensor_bytes = layer_parsed(document, spec.layers[index].sha256, where)
+    for node in graph["graph_module"]["graph"]["nodes"]:
+        node["metadata"] = {}  # only names and traces; nothing an agent needs
+    tensors = safetensors_load(tensor_bytes) if tensor_bytes else {}
+    serialized = serde._dict_to_dataclass(serde.ExportedProgram, graph)
+    signature = serialized.graph_module.signature
+    declared = set(params)
+    graph_params = {s.parameter.parameter_name for s in signature.input_specs if s.type == "parameter"}
+    if graph_params != declared:
+        raise SpecError(where, f"graph's parameters {sorted(graph_params)} are not the declared {sorted(declared)}")
+    state: dict[str, torch.Tensor] = dict(params)
+    constants = {}
+    for input_spec in signature.input_specs:
+        if input_spec.type == "buffer":  # a persistent buffer is state, another a constant (torch's split)
+            name = input_spec.buffer.buffer_name
+            (state if input_spec.buffer.persistent else constants)[name] = _tensor(tensors, name, where)
+        elif input_spec.type == "tensor_constant":
+            name = input_spec.tensor_constant.tensor_constant_name
+            constants[name] = _tensor(tensors, name, where)
+        elif input_spec.type not in ("parameter", "user_input"):
+            raise SpecError(where, f"graph takes a {input_spec.type} input, which agents do not build")
+    program = serde.ExportedProgramDeserializer().deserialize(serialized, state, constants, None)
+    module = program.module()
+    for name, param in params.items():
+        owner, _, leaf = name.rpartition(".")
+        setattr(_module_at(module, owner), leaf, param)
+    return module
+
+
+def _tensor(tensors: dict[str, torch.Tensor], name: str, where: str) -> torch.Tensor:
+    if name not in tensors:
+        raise SpecError(where, f"graph needs tensor {name}, which its document lacks")
+    return tensors[name]
+
+
+def _module_at(root: nn.Module, path: str) -> nn.Module:
+    """The submodule at `path` ("" is `root`), made (empty) where missing."""
+    module = root
+    for part in filter(None, path.split(".")):
+        if not hasattr(module, part):
+            module.add_module(part, nn.Module())
+        module = getattr(module, part)
+    return module
