@@ -7,7 +7,9 @@
     history = trainer.train(dataset={"name": "digits"}, epochs=10, checkpoint_interval=100)
     trainer.model                    # an nn.Module holding the trained weights
 
-What a model and a dataset may be is decided in one place each: `_model_source` and `_dataset_config`.
+`model` may also be any `nn.Module` (captured with torch.export: arceus.model.exported) and `dataset` tensors, a
+torch Dataset, a file or an uploaded dataset's id (uploaded first: arceus.data.uploadable). What a model and a
+dataset may be is decided in one place each: `_model_source` and `_dataset_config`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from arceus.data.uploadable import uploadable
 from arceus.discovery import DEFAULT_BROWSE_SECONDS, DISCOVERY_METHODS, control_plane_url
 from arceus.errors import SpecError
 from arceus.model.build import build_full_model, global_param_name
+from arceus.model.exported.capture import CapturedModel, capture
 from arceus.model.registry import model_spec_from_config
 from arceus.model.spec import ModelSpec
 from arceus.model.tensor_parallel import check_tensor_parallel
@@ -87,20 +90,37 @@ class TrainingHistory:
 
 @dataclass(frozen=True)
 class _ModelSource:
-    """What a job needs of the developer's model."""
+    """What a job needs of the developer's model: its config, and for an `nn.Module` its capture (program and
+    initial weights to upload, the way back to the module's parameter names)."""
 
     model_config: dict[str, Any]
+    captured: CapturedModel | None = None
 
 
-def _model_source(model: Any) -> _ModelSource:
-    """The one place that decides what `model` may be. Now: an Arceus model config (`{"type": "mlp",
-    "layer_sizes": [...]}`, a GPT, a Llama, a convnet: docs/architecture.md "Model spec").
-    PLUG POINT (issue 13 part 1): an arbitrary `nn.Module` is captured with torch.export here (`capture`), and
-    its program and initial weights are uploaded to the job before it starts."""
+def _model_source(model: Any, example_input: torch.Tensor | None, **capture_options: Any) -> _ModelSource | None:
+    """The one place that decides what `model` may be: an Arceus model config (`{"type": "mlp", "layer_sizes":
+    [...]}`, a GPT, a Llama, a convnet: docs/architecture.md "Model spec"), or any `nn.Module`, captured with
+    torch.export on `example_input` (arceus.model.exported); None for a module whose example batch is still to
+    come from the dataset given to `train`."""
     if isinstance(model, dict):
         return _ModelSource(model_config=model)
-    raise TypeError(f"model must be an Arceus model config (a dict such as {{'type': 'mlp', 'layer_sizes': "
-                    f"[64, 128, 10]}}), got {type(model).__name__}")
+    if isinstance(model, nn.Module):
+        if example_input is None:
+            return None
+        captured = capture(model, example_input, **capture_options)
+        return _ModelSource(model_config=captured.model_config, captured=captured)
+    raise TypeError(f"model must be an nn.Module or an Arceus model config (a dict such as {{'type': 'mlp', "
+                    f"'layer_sizes': [64, 128, 10]}}), got {type(model).__name__}")
+
+
+def _example_batch(dataset: Any) -> torch.Tensor:
+    """Two samples' inputs from what the developer holds, to capture their module on."""
+    if isinstance(dataset, tuple | list) and len(dataset) == 2 and isinstance(dataset[0], torch.Tensor):
+        return dataset[0][:2].to(torch.float32)
+    if isinstance(dataset, torch.utils.data.Dataset):
+        return torch.stack([dataset[i][0] for i in range(2)]).to(torch.float32)  # type: ignore[index]
+    raise ValueError("an nn.Module is captured on an example batch: pass example_input= to DistributedTrainer, or "
+                     "train on (x, y) tensors or a torch Dataset, whose first samples serve")
 
 
 def _dataset_config(dataset: Any, client: ArceusClient) -> dict[str, Any]:
@@ -169,11 +189,14 @@ class DistributedTrainer:
         self, model: Any, *, discovery_method: str = "auto", partition_strategy: str = "pipeline",
         fault_tolerance: bool = True, url: str | None = None, token: str | None = None,
         discovery_timeout: float = DEFAULT_BROWSE_SECONDS, progress: bool = True, name: str = "",
+        example_input: torch.Tensor | None = None, split_points: list[str] | None = None,
+        input_bound: int | None = None,
     ) -> None:
         if partition_strategy not in PARTITION_STRATEGIES:
             raise ValueError(f"partition_strategy must be one of {', '.join(PARTITION_STRATEGIES)}, "
                              f"got {partition_strategy!r}")
-        self._source = _model_source(model)
+        self._capture_options = {"split_points": split_points, "input_bound": input_bound}
+        self._source = _model_source(model, example_input, **self._capture_options)
         self.model: nn.Module | None = model if isinstance(model, nn.Module) else None
         self.discovery_method = discovery_method
         self.partition_strategy = partition_strategy
@@ -214,6 +237,9 @@ class DistributedTrainer:
 
     def partition(self) -> Partition:
         """The stages (and split stages) the partition strategy asks for on the devices ready now."""
+        if self._source is None:
+            raise ValueError("the module is captured on its first batch: call train(), or pass example_input= to "
+                             "DistributedTrainer to partition before it")
         peers = self.peers or self.discover_peers()
         if peers.ready_devices < 1:
             raise RuntimeError(f"no device is ready on {peers.url}: start a node agent (`arceus-agent`) and try again")
@@ -234,16 +260,19 @@ class DistributedTrainer:
         if checkpoint_interval is not None and not self.fault_tolerance:
             raise ValueError("checkpoint_interval needs fault_tolerance=True: without it nothing is saved "
                              "before the end")
+        if self._source is None:
+            self._source = _model_source(self.model, _example_batch(dataset), **self._capture_options)
         spec: dict[str, Any] = {
-            "name": self.name, "model_config": self._source.model_config,
-            "dataset_config": _dataset_config(dataset, self.client), "epochs": epochs,
+            "name": self.name, "dataset_config": _dataset_config(dataset, self.client), "epochs": epochs,
             **self.partition().job_fields(), **job_fields,
         }
         if not self.fault_tolerance:
             spec["checkpoint_interval_steps"] = 0
         elif checkpoint_interval is not None:
             spec["checkpoint_interval_steps"] = checkpoint_interval
-        job = self.client.submit_job(spec)
+        captured = self._source.captured
+        job = (self.client.submit_job({**spec, "model_config": self._source.model_config}) if captured is None
+               else self.client.submit_captured(captured, spec))
         self.job_id = str(job["id"])
         log.info("job %s submitted: %d stages, tensor parallel %s", self.job_id, spec["stages"],
                  spec["tensor_parallel"])
@@ -276,11 +305,14 @@ class DistributedTrainer:
     def _load_trained(self, final: dict[str, Any]) -> None:
         """Stream the trained weights to a temporary file and copy them, a tensor at a time, into `self.model`
         (built from the job's completed model config the first time: the seeded weights every split starts
-        from)."""
-        assert self.job_id is not None
+        from; a captured module's own parameters, by the names its capture recorded)."""
+        assert self.job_id is not None and self._source is not None
         if self.model is None:
             self.model = build_full_model(model_spec_from_config(final["model_config"]), final["seed"])
-        params = {global_param_name(name): p for name, p in self.model.named_parameters()}
+        own = dict(self.model.named_parameters())
+        captured = self._source.captured
+        params = ({global_param_name(name): p for name, p in own.items()} if captured is None
+                  else {pipeline: own[name] for pipeline, name in captured.names.items()})
         with tempfile.TemporaryDirectory(prefix="arceus-model-") as folder:
             path = Path(folder) / "model.safetensors"
             self.client.save_model(self.job_id, path)

@@ -4,6 +4,7 @@ agents, discovered by mDNS, is tests/e2e/test_sdk_discovery.py."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from arceus import DistributedTrainer
 from arceus.sdk import TOKEN_ENV, URL_ENV
@@ -21,9 +22,15 @@ def test_unknown_choices_are_named(kwargs: dict, error: type[Exception], message
         DistributedTrainer(model=MLP, **kwargs)
 
 
-def test_a_model_it_cannot_take_yet_says_what_it_takes() -> None:
-    with pytest.raises(TypeError, match="model must be an Arceus model config .* got list"):
+def test_a_model_it_cannot_take_says_what_it_takes() -> None:
+    with pytest.raises(TypeError, match="model must be an nn.Module or an Arceus model config .* got list"):
         DistributedTrainer(model=[64, 10])
+
+
+def test_a_module_without_an_example_batch_is_captured_on_its_data_or_says_how() -> None:
+    trainer = DistributedTrainer(model=torch.nn.Linear(4, 2), url="http://127.0.0.1:9", token="t")
+    with pytest.raises(ValueError, match="pass example_input= to DistributedTrainer"):
+        trainer.partition()
 
 
 def test_without_a_token_it_says_where_one_comes_from(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -7,13 +7,14 @@ name, and the job cannot start: nothing runs."""
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load as safetensors_load
 from torch import nn
 
+from arceus import DistributedTrainer
 from arceus.model.exported.capture import capture
 from arceus.sdk import ApiError
 from devtools.cluster import LocalCluster
@@ -39,9 +40,23 @@ class DigitsNet(nn.Module):
         return self.head(h + self.block(h))
 
 
-def test_a_captured_module_trains_over_rest_on_three_agents_like_one_process(cluster: LocalCluster) -> None:
+def first_digits_net() -> DigitsNet:
+    """The module as the developer first made it (the same initial weights each call)."""
     torch.manual_seed(5)
-    module = DigitsNet()
+    return DigitsNet()
+
+
+def _wait_ready(trainer: DistributedTrainer, count: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while trainer.discover_peers().ready_devices < count:
+        assert time.monotonic() < deadline, f"{count} devices not ready in {timeout} s: {trainer.peers}"
+        time.sleep(0.5)
+
+
+def test_a_captured_module_trains_through_distributed_trainer_on_three_agents_like_one_process(
+    cluster: LocalCluster,
+) -> None:
+    module = first_digits_net()
     captured = capture(module, torch.rand(4, 64))
     assert len(captured.model_config["layers"]) >= 3
     spec: dict[str, Any] = {
@@ -64,22 +79,25 @@ def test_a_captured_module_trains_over_rest_on_three_agents_like_one_process(clu
         cluster.client.start_job(job["id"])
     assert refused.value.status == 409 and "upload its program" in str(refused.value)
 
-    for i in range(3):
-        cluster.start_agent(f"node-{i}")
-    job = cluster.client.submit_captured(captured, spec)
-    assert job["audit_rate"] == 0.0 and job["initial_weights_sha256"]
-    cluster.client.start_job(job["id"])
-    final = cluster.client.wait(job["id"], timeout=180)
-    assert final["status"] == "succeeded", (final.get("error"), final["conditions"])
+    # The developer's own way: DistributedTrainer captures the module, submits it over REST and loads the trained
+    # weights back into it.
+    cluster.start_agents([f"node-{i}" for i in range(3)])
+    token = cluster.client.session.headers["Authorization"].removeprefix("Token ")
+    trainer = DistributedTrainer(model=module, url=cluster.api_url, token=token, discovery_method="url",
+                                 example_input=torch.rand(4, 64), progress=False, name=spec["name"])
+    _wait_ready(trainer, 3)
+    assert trainer.partition().stages == 3  # a stage per ready device
+    history = trainer.train(dataset=spec["dataset_config"], epochs=1, timeout=180,
+                            **{k: spec[k] for k in ("learning_rate", "optimizer", "micro_batches", "seed")})
+    final = history.detail
+    assert final["audit_rate"] == 0.0 and final["initial_weights_sha256"] and final["program_sha256"]
     assert len({p["node_id"] for p in final["placements"]}) == 3
-    losses = [point["loss"] for point in final["loss_curve"]]
-    expected = reference_run({**spec, "dataset_config": final["dataset_config"]}, model=module)
-    assert final["step"] == len(losses) == len(expected.losses) >= 10
-    for step, (got, want) in enumerate(zip(losses, expected.losses, strict=True), 1):
+    expected = reference_run({**spec, "dataset_config": final["dataset_config"]}, model=first_digits_net())
+    assert history.steps == len(history.losses) == len(expected.losses) >= 10
+    for step, (got, want) in enumerate(zip(history.losses, expected.losses, strict=True), 1):
         assert math.isclose(got, want, rel_tol=0, abs_tol=1e-5), f"step {step}: {got!r} != one process's {want!r}"
-    assert losses[-1] < losses[0]
-    # The trained weights download under the pipeline's names and load back into the developer's module.
-    trained = captured.module_weights(safetensors_load(cluster.client.download_model(job["id"])))
-    module.load_state_dict(trained)
+    assert history.losses[-1] < history.losses[0]
+    # The trained weights are in the developer's module (trainer.model is it), under its own names.
+    assert trainer.model is module
     for name, tensor in module.state_dict().items():
         torch.testing.assert_close(tensor, expected.weights[f"layers.{name}"], rtol=0, atol=1e-4)

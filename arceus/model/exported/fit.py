@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from arceus.data import DATASETS, validate_dataset_config
+from arceus.data import validate_dataset_config
+from arceus.data.config import dataset_info
 from arceus.data.text_config import TEXT_DATASET
 from arceus.errors import SpecError
 from arceus.model.exported.spec import ExportedSpec, exported_from_config
@@ -18,7 +19,8 @@ def fit_exported_to_dataset(
     name = dataset["name"]
     if name == TEXT_DATASET:
         raise SpecError("dataset_config.name", "an exported model trains on a dataset of feature rows and classes")
-    info = DATASETS[name]
+    info = dataset_info(dataset)
+    name = info.name
     if spec.input.dtype != "float32" or spec.input.shape != (info.features,):
         raise SpecError(
             "model_config.input",
