@@ -9,7 +9,7 @@
 
 `model` may also be any `nn.Module` (captured with torch.export: arceus.model.exported) and `dataset` tensors, a
 torch Dataset, a file or an uploaded dataset's id (uploaded first: arceus.data.uploadable). What a model and a
-dataset may be is decided in one place each: `_model_source` and `_dataset_config`.
+dataset may be is decided in one place each: `_model_source` and `dataset_config_for`.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def _example_batch(dataset: Any) -> torch.Tensor:
                      "train on (x, y) tensors or a torch Dataset, whose first samples serve")
 
 
-def _dataset_config(dataset: Any, client: ArceusClient) -> dict[str, Any]:
+def dataset_config_for(dataset: Any, client: ArceusClient) -> dict[str, Any]:
     """The one place that decides what `dataset` may be: a dataset config the control plane knows (`{"name":
     "digits"}`, `{"name": "text", "source": ...}`: docs/architecture.md "Datasets"), an uploaded dataset's id, or
     what `arceus.data.uploadable` converts (a pair of tensors, a torch Dataset of (x, y) samples, a text, JSONL,
@@ -263,7 +263,7 @@ class DistributedTrainer:
         if self._source is None:
             self._source = _model_source(self.model, _example_batch(dataset), **self._capture_options)
         spec: dict[str, Any] = {
-            "name": self.name, "dataset_config": _dataset_config(dataset, self.client), "epochs": epochs,
+            "name": self.name, "dataset_config": dataset_config_for(dataset, self.client), "epochs": epochs,
             **self.partition().job_fields(), **job_fields,
         }
         if not self.fault_tolerance:

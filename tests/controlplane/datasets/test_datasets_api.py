@@ -16,6 +16,7 @@ from safetensors.torch import save
 
 from arceus.cli import main as cli_main
 from arceus.sdk import ArceusClient
+from arceus.trainer import dataset_config_for
 from controlplane.accounts.services import user_token_get_or_create
 from controlplane.datasets.models import Dataset, dataset_storage
 
@@ -261,6 +262,28 @@ def test_the_cli_uploads_and_lists_and_the_sdk_resumes_an_interrupted_upload(
     dataset = client.upload_dataset(path, "safetensors", chunk_bytes=20_000, on_progress=lambda s, _: sent.append(s))
     assert dataset["status"] == "ready" and sent[0] == 40_000  # the first piece was not sent again
     assert len(client.datasets()) == 2
+
+
+def test_what_a_developer_trains_on_is_uploaded_and_named_by_the_trainer(
+    live_server, user: User, tmp_path: Path
+) -> None:
+    """DistributedTrainer.train(dataset=...): tensors, a torch Dataset and a text file are uploaded and the job's
+    dataset config names the upload; an uploaded dataset's id is named as it is."""
+    client = ArceusClient(live_server.url, user_token_get_or_create(user=user))
+    x, y = torch.rand(50, 8), torch.arange(50) % 3
+    pair = dataset_config_for((x, y), client)
+    assert pair == {"name": "uploaded", "dataset_id": pair["dataset_id"]}
+    detail = client.dataset(pair["dataset_id"])
+    assert (detail["status"], detail["format"], detail["facts"]["samples"]) == ("ready", "safetensors", 50)
+    samples = dataset_config_for(torch.utils.data.TensorDataset(x, y), client)
+    assert client.dataset(samples["dataset_id"])["format"] == "npz"
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("words of a corpus\n" * 100)
+    text = dataset_config_for(corpus, client)
+    assert text["name"] == "text" and client.dataset(text["dataset_id"])["format"] == "text"
+    assert dataset_config_for(pair["dataset_id"], client) == pair
+    with pytest.raises(TypeError, match="cannot upload a int"):
+        dataset_config_for(7, client)
 
 
 def test_the_admin_shows_datasets_read_only(api: APIClient, client) -> None:  # noqa: ANN001
