@@ -1,20 +1,25 @@
-"""Any PyTorch model over REST: a module defined here is captured (torch.export, cut into layers), submitted with
-`ArceusClient.submit_captured` (its program and initial weights uploaded as JSON and safetensors), and trained by
-the real system on three agents that rebuild its layers from those bytes alone: every step's loss is the one of
-training the module itself in one process. A program naming a forbidden operator is refused with the operator's
-name, and the job cannot start: nothing runs."""
+"""Any PyTorch model over REST: modules defined here are captured (torch.export, cut into layers), submitted (their
+program and initial weights uploaded as JSON and safetensors), and trained by the real system on three agents that
+rebuild their layers from those bytes alone, every step's loss the one of training the module itself in one
+process. The developer's way in is `DistributedTrainer(model=module)`: a small conv net on digits, then a Hugging
+Face GPT-2 (built from a config) on a text file the trainer uploads first. A program naming a forbidden operator is
+refused with the operator's name, and the job cannot start: nothing runs."""
 
 from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+import transformers
+from safetensors.torch import load as safetensors_load
 from torch import nn
 
 from arceus import DistributedTrainer
+from arceus.data.text_config import BUNDLED_TEXT
 from arceus.model.exported.capture import capture
 from arceus.sdk import ApiError
 from devtools.cluster import LocalCluster
@@ -40,6 +45,21 @@ class DigitsNet(nn.Module):
         return self.head(h + self.block(h))
 
 
+class GPT2Logits(nn.Module):
+    """A Hugging Face GPT-2 built from a config (no download), returning its logits: a language model."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        config = transformers.GPT2Config(
+            vocab_size=vocab_size, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, tie_word_embeddings=False, use_cache=False, bos_token_id=0, eos_token_id=0,
+        )
+        self.model = transformers.GPT2LMHeadModel(config)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model(ids).logits
+
+
 def first_digits_net() -> DigitsNet:
     """The module as the developer first made it (the same initial weights each call)."""
     torch.manual_seed(5)
@@ -53,8 +73,8 @@ def _wait_ready(trainer: DistributedTrainer, count: int, timeout: float = 60.0) 
         time.sleep(0.5)
 
 
-def test_a_captured_module_trains_through_distributed_trainer_on_three_agents_like_one_process(
-    cluster: LocalCluster,
+def test_captured_modules_train_through_distributed_trainer_on_three_agents_like_one_process(
+    cluster: LocalCluster, tmp_path: Path
 ) -> None:
     module = first_digits_net()
     captured = capture(module, torch.rand(4, 64))
@@ -101,3 +121,35 @@ def test_a_captured_module_trains_through_distributed_trainer_on_three_agents_li
     assert trainer.model is module
     for name, tensor in module.state_dict().items():
         torch.testing.assert_close(tensor, expected.weights[f"layers.{name}"], rtol=0, atol=1e-4)
+
+    # A Hugging Face GPT-2 on a text file of the developer's: the file is uploaded (POST /api/datasets), the
+    # module captured on token ids, and each step's loss is one process's on the same text.
+    text = tmp_path / "genesis.txt"
+    text.write_text(BUNDLED_TEXT.read_text(encoding="utf-8")[:4000], encoding="utf-8")
+    vocab = len(set(text.read_text(encoding="utf-8")))
+    torch.manual_seed(7)
+    gpt2 = GPT2Logits(vocab)
+    initial = {name: p.detach().clone() for name, p in gpt2.named_parameters()}
+    writer = DistributedTrainer(model=gpt2, url=cluster.api_url, token=token, discovery_method="url",
+                                example_input=torch.randint(0, vocab, (2, 16)), input_bound=vocab, progress=False)
+    fields = {"learning_rate": 0.01, "optimizer": "adam", "micro_batches": 2, "seed": 3}
+    history = writer.train(dataset=text, epochs=2, timeout=240, **fields)
+    final = history.detail
+    assert final["dataset_config"]["dataset_id"] and len({p["node_id"] for p in final["placements"]}) == 3
+    gpt2_reference = GPT2Logits(vocab)
+    gpt2_reference.load_state_dict(initial)
+    served = {"name": "text", "source": str(text), "block_size": final["dataset_config"]["block_size"],
+              "batch_size": final["dataset_config"]["batch_size"]}
+    expected = reference_run({"model_config": final["model_config"], "dataset_config": served, "epochs": 2,
+                              **fields}, model=gpt2_reference)
+    assert history.steps == len(history.losses) == len(expected.losses) >= 10
+    for step, (got, want) in enumerate(zip(history.losses, expected.losses, strict=True), 1):
+        assert math.isclose(got, want, rel_tol=0, abs_tol=1e-5), f"GPT-2 step {step}: {got!r} != {want!r}"
+    # trainer.model is the developer's module holding exactly the job's weights. (Against one process's weights
+    # Adam amplifies float rounding in near-zero gradients to ~1e-4 over 14 steps: the losses are the check.)
+    # The download names each tensor `layers.<layer>.<the module's name>`.
+    downloaded = {name.split(".", 2)[2]: tensor for name, tensor in
+                  safetensors_load(cluster.client.download_model(history.job_id)).items()}
+    assert writer.model is gpt2 and downloaded.keys() == dict(gpt2.named_parameters()).keys()
+    for name, param in gpt2.named_parameters():
+        assert torch.equal(param.detach(), downloaded[name]), name

@@ -73,6 +73,32 @@ def test_a_capture_that_does_not_fit_its_dataset_is_refused(captured: CapturedMo
         fit_model_to_dataset(capture(nn.Linear(64, 3), torch.rand(4, 64)).model_config, {"name": "digits"})
 
 
+class TinyLanguageModel(nn.Module):
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, 8)
+        self.head = nn.Linear(8, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.embed(ids)))
+
+
+def test_a_captured_language_model_fits_a_text_by_its_vocabulary_and_window(tmp_path) -> None:  # noqa: ANN001
+    text = tmp_path / "abc.txt"
+    text.write_text("abcabcabd" * 20, encoding="utf-8")  # 4 distinct characters
+    dataset = {"name": "text", "source": str(text)}
+    fitted = capture(TinyLanguageModel(4), torch.randint(0, 4, (2, 12)), input_bound=4).model_config
+    _, _, config = fit_model_to_dataset(fitted, dataset)
+    assert config["block_size"] == 12  # the windows the model was captured on
+    with pytest.raises(SpecError, match="the text has 4 distinct characters: capture the model with input_bound=4"):
+        fit_model_to_dataset(capture(TinyLanguageModel(5), torch.randint(0, 5, (2, 12)), input_bound=5).model_config,
+                             dataset)
+    with pytest.raises(SpecError, match="reads windows of 12 tokens"):
+        fit_model_to_dataset(fitted, {**dataset, "block_size": 16})
+    with pytest.raises(SpecError, match="on a text, capture a language model on int64 token ids"):
+        fit_model_to_dataset(capture(nn.Linear(64, 3), torch.rand(4, 64)).model_config, dataset)
+
+
 def test_a_named_cut_that_cannot_carry_one_tensor_is_refused() -> None:
     torch.manual_seed(0)
     cut = capture(TwoHeads(), torch.rand(4, 64), split_points=["out"])
