@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
 from safetensors.torch import load as safetensors_load
 from torch import nn
 
@@ -27,6 +26,7 @@ from arceus.model.exported.capture import CapturedModel, capture
 from arceus.model.exported.operators import graph_check
 from arceus.model.exported.program import program_layers
 from arceus.model.registry import model_spec_from_config
+from devtools.foreign_models import GPT2Logits, ResNet18
 from devtools.hostile_program import forged_program
 from nodeagent.runtime import StageRuntime
 
@@ -54,66 +54,6 @@ class ResidualNet(nn.Module):
         return self.head(torch.tanh(h))
 
 
-class BasicBlock(nn.Module):
-    """torchvision.models.resnet.BasicBlock (torchvision's wheel for torch 2.13 is built against CUDA torch)."""
-
-    def __init__(self, inplanes: int, planes: int, stride: int = 1) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(inplanes, planes, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(planes)
-        self.relu = nn.ReLU(inplace=True)
-        self.conv2 = nn.Conv2d(planes, planes, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(planes)
-        self.downsample = None
-        if stride != 1 or inplanes != planes:
-            self.downsample = nn.Sequential(nn.Conv2d(inplanes, planes, 1, stride, bias=False), nn.BatchNorm2d(planes))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        identity = x if self.downsample is None else self.downsample(x)
-        out = self.relu(self.bn1(self.conv1(x)))
-        return self.relu(self.bn2(self.conv2(out)) + identity)
-
-
-class ResNet18(nn.Module):
-    """torchvision's ResNet-18 ([2, 2, 2, 2] BasicBlocks, same stem and head) at `width` instead of 64."""
-
-    def __init__(self, width: int = 8, classes: int = 10) -> None:
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, width, 7, 2, 3, bias=False)
-        self.bn1 = nn.BatchNorm2d(width)
-        self.relu = nn.ReLU(inplace=True)
-        self.maxpool = nn.MaxPool2d(3, 2, 1)
-        planes, layers = width, []
-        for i, mult in enumerate((1, 2, 4, 8)):
-            stride = 1 if i == 0 else 2
-            out = width * mult
-            layers.append(nn.Sequential(BasicBlock(planes, out, stride), BasicBlock(out, out)))
-            planes = width * mult
-        self.layer1, self.layer2, self.layer3, self.layer4 = layers
-        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
-        self.fc = nn.Linear(planes, classes)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
-        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
-        return self.fc(torch.flatten(self.avgpool(x), 1))
-
-
-class GPT2Logits(nn.Module):
-    """A Hugging Face GPT-2 built from a config (no download), returning its logits."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        config = transformers.GPT2Config(
-            vocab_size=50, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, tie_word_embeddings=False, use_cache=False, bos_token_id=0, eos_token_id=0,
-        )
-        self.model = transformers.GPT2LMHeadModel(config)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.model(ids).logits
-
-
 def _digits_rows(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, 64, generator=generator), torch.randint(0, 10, (BATCH,), generator=generator)
 
@@ -132,7 +72,7 @@ def _tokens(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
 MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], Any], int | None, int]] = {
     "test-file-net": (ResidualNet, _digits_rows, None, 2),
     "resnet18": (ResNet18, _images, None, 1),
-    "hf-gpt2": (GPT2Logits, _tokens, 50, 2),
+    "hf-gpt2": (lambda: GPT2Logits(vocab_size=50), _tokens, 50, 2),
 }
 
 
