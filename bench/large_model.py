@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from arceus.data import epoch_batches, load_dataset, validate_dataset_config  # noqa: E402
 from arceus.data.text_config import BUNDLED_TEXT  # noqa: E402
 from arceus.model.build import build_full_model  # noqa: E402
+from arceus.model.optimizers import make_optimizer  # noqa: E402
 from arceus.model.registry import fit_model_to_dataset, model_spec_from_config  # noqa: E402
 from arceus.placement.profiles import layer_profiles  # noqa: E402
 from arceus.placement.solver import Workload, stage_memory  # noqa: E402
@@ -90,7 +91,7 @@ def one_process(job: dict[str, Any]) -> None:
     torch.set_num_threads(2)
     _, model_config, dataset = fit_model_to_dataset(job["model_config"], validate_dataset_config(job["dataset_config"]))
     model = build_full_model(model_spec_from_config(model_config), job["seed"])
-    optimizer = torch.optim.Adam(model.parameters(), lr=job["learning_rate"])
+    optimizer = make_optimizer(model.parameters(), job["optimizer"], job["learning_rate"])  # as the agents' stages
     train_x, train_y, _, _ = load_dataset(dataset)
     seconds = []
     for indices in epoch_batches(len(train_x), dataset["batch_size"], job["seed"], 1):
