@@ -52,9 +52,12 @@ from bench.report import machine_line, write_section  # noqa: E402
 from devtools.cluster import Agent, LocalCluster  # noqa: E402
 from devtools.supervisor import peak_rss  # noqa: E402
 
-# Twice as many micro-batches as stages (one sample each): the 1F1B bubble (p-1)/(m+p-1) is 3/11 of a step,
-# and no stage holds more than 4 micro-batches' activations at once.
-BATCH, MICRO_BATCHES, BLOCK, STAGES = 8, 8, 128, 4
+# As many micro-batches as stages, two samples each. A micro-batch of one sample (8 of them) makes every
+# matrix product 128 rows tall, and a stage then spends ~30% more CPU per sample than with two (measured on
+# 1024-wide GPT blocks, one thread: 0.22 vs 0.17 core-seconds per sample, 0.15 at eight) while the four
+# agents share two cores, so more micro-batches only hide a bubble that the lent threads already fill
+# (--solo-threads). 1F1B keeps at most 4 micro-batches (8 samples) in flight on stage 0.
+BATCH, MICRO_BATCHES, BLOCK, STAGES = 8, 4, 128, 4
 AGENT_SHARE = 0.35  # each owner's max_memory_bytes, as a fraction of the one-process peak
 CONTROL_PLANE = ("web", "worker-control", "worker-training", "beat")
 MIB = 2**20
@@ -248,8 +251,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="arceus-large-model-") as workdir:
         job = large_job(args, text_source(Path(workdir), args.steps))
         print("training in one process ...", file=sys.stderr, flush=True)
+        load_single = os.getloadavg()[0]
         child = subprocess.run([sys.executable, __file__, "--one-process", json.dumps(job)],
                                capture_output=True, text=True, check=True)
+        load_single = max(load_single, os.getloadavg()[0])
         single = json.loads(child.stdout.strip().splitlines()[-1])
         cap = int(AGENT_SHARE * single["peak_rss"])
 
@@ -271,7 +276,9 @@ def main() -> None:
             run_job(cluster, small, timeout=900)
             control_small = control_plane_peaks(cluster)
             print("training the large GPT ...", file=sys.stderr, flush=True)
+            load_before = os.getloadavg()[0]
             large = train_large(cluster, agents, job, args.steps)
+            load_after = os.getloadavg()[0]
             control_large = control_plane_peaks(cluster)
             estimates = solver_estimates(job, large["detail"])  # while the text file is there
         finally:
@@ -310,6 +317,8 @@ def main() -> None:
         "seconds_per_step_one_process": round(one_step, 2),
         "seconds_per_step_pipeline": round(pipeline_step, 2),
         "step_time_ratio": round(pipeline_step / one_step, 2),
+        "load_average_1m": {"one_process": round(load_single, 1), "pipeline_start": round(load_before, 1),
+                            "pipeline_end": round(load_after, 1)},
         "steps": detail["step"],
         "final_loss": detail["final_loss"],
     }
@@ -359,7 +368,9 @@ Checkpoint of step {large['resumed_from']}: {checkpoint_bytes / 1e9:.2f} GB in a
 and uploaded by its agent) took {large['save_seconds']:.1f} s on average; the spare's load of stage 1
 ({stage1_bytes / 1e9:.2f} GB, downloaded and loaded) took {large['load_seconds']:.1f} s.
 Seconds per step (median, no checkpoint or recovery in the interval): one process {one_step:.1f}, pipeline
-{pipeline_step:.1f} ({figures['step_time_ratio']}x; goal 1.25x).
+{pipeline_step:.1f} ({figures['step_time_ratio']}x; goal 1.25x). The machine's 1-minute load average (2 cores;
+above 2, other programs competed for them): {load_single:.1f} around the one process, {load_before:.1f} and
+{load_after:.1f} at the start and end of the large job.
 """
     print(body)
     write_section("large-model", body)
