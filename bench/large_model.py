@@ -52,12 +52,11 @@ from bench.report import machine_line, write_section  # noqa: E402
 from devtools.cluster import Agent, LocalCluster  # noqa: E402
 from devtools.supervisor import peak_rss  # noqa: E402
 
-# As many micro-batches as stages, two samples each. A micro-batch of one sample (8 of them) makes every
-# matrix product 128 rows tall, and a stage then spends ~30% more CPU per sample than with two (measured on
-# 1024-wide GPT blocks, one thread: 0.22 vs 0.17 core-seconds per sample, 0.15 at eight) while the four
-# agents share two cores, so more micro-batches only hide a bubble that the lent threads already fill
-# (--solo-threads). 1F1B keeps at most 4 micro-batches (8 samples) in flight on stage 0.
-BATCH, MICRO_BATCHES, BLOCK, STAGES = 8, 4, 128, 4
+# Twice as many micro-batches as stages (one sample each): no stage holds more than 4 samples' activations.
+# Four micro-batches of two cost ~25% less CPU per step (bench/pipeline_step_cost.py: 128-row matrix products
+# run slower per row than 256-row ones) but, measured here, took stage 0's agent to 0.36x the one-process peak,
+# 25% above the memory model's prediction: over the goal of 0.35x.
+BATCH, MICRO_BATCHES, BLOCK, STAGES = 8, 8, 128, 4
 AGENT_SHARE = 0.35  # each owner's max_memory_bytes, as a fraction of the one-process peak
 CONTROL_PLANE = ("web", "worker-control", "worker-training", "beat")
 MIB = 2**20
