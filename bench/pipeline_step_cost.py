@@ -7,10 +7,11 @@ The model has bench/large_model.py's widths (GPT, d_model 1024, 16 heads, block 
 layers, split evenly over four static agents (no control plane; the driver runs in this process) of one torch
 thread each (two while their stage computes alone: --solo-threads 2), as in that benchmark. For each micro-batch
 count it trains `--steps` steps and reads every agent's and the driver's CPU seconds (/proc) at each step; then one
-process (2 threads) trains the same steps. CPU seconds per step, unlike seconds per step, hardly depend on what
-else the machine runs, and the four agents keep both cores busy (at least two of them, or one lending threads,
-can always compute), so the CPU ratio bounds the step-time ratio on a machine of two cores. Prints a table,
-writes docs/BENCHMARKS.md, and ends with one JSON line.
+process (2 threads) trains the same steps. The agents' CPU seconds per step depend little on what else the
+machine runs, and the four agents keep both cores busy (at least two of them, or one lending threads, can always
+compute), so on a quiet machine of two cores the CPU ratio bounds the step-time ratio. On a loaded one the one
+process's CPU rises (its two OpenMP threads spin while either waits for a core) and the ratio reads low. Prints
+a table, writes docs/BENCHMARKS.md, and ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -184,8 +185,9 @@ def main() -> None:
 GPT of bench/large_model.py's widths with {args.n_layer} blocks (d_model 1024, block 128, batch {BATCH}, Adam),
 {args.n_layer // STAGES} blocks per stage on 4 static agents of one torch thread (two while alone), driver in the
 benchmark's process; {args.steps} steps per row, the first not counted. CPU seconds per step are what the agents
-(or the one process, 2 threads) spent, from /proc; on two cores their ratio bounds the step-time ratio, whatever
-else runs. Seconds per step depend on the machine's load (the last column: its 1-minute load average).
+(or the one process, 2 threads) spent, from /proc; on a quiet machine of two cores their ratio bounds the step-time
+ratio. Under load the one process's two threads spin waiting for each other and its CPU rises, and seconds per
+step follow the load (the last column: the 1-minute load average).
 
 | setup | CPU s per step | / one process | s per step | load |
 | --- | ---: | ---: | ---: | ---: |
