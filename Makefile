@@ -51,6 +51,7 @@ bench: install
 	$(BIN)/python bench/pipeline_vs_torch.py --schedule 1f1b
 	$(BIN)/python bench/shaped_pipeline.py
 	$(BIN)/python bench/large_stage_memory.py
+	$(BIN)/python bench/pipeline_step_cost.py
 	$(BIN)/python bench/large_model.py
 
 clean:

@@ -44,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from arceus.data import epoch_batches, load_dataset, validate_dataset_config  # noqa: E402
 from arceus.data.text_config import BUNDLED_TEXT  # noqa: E402
 from arceus.model.build import build_full_model  # noqa: E402
+from arceus.model.optimizers import make_optimizer  # noqa: E402
 from arceus.model.registry import fit_model_to_dataset, model_spec_from_config  # noqa: E402
 from arceus.placement.profiles import layer_profiles  # noqa: E402
 from arceus.placement.solver import Workload, stage_memory  # noqa: E402
@@ -51,8 +52,10 @@ from bench.report import machine_line, write_section  # noqa: E402
 from devtools.cluster import Agent, LocalCluster  # noqa: E402
 from devtools.supervisor import peak_rss  # noqa: E402
 
-# Twice as many micro-batches as stages (one sample each): the 1F1B bubble (p-1)/(m+p-1) is 3/11 of a step,
-# and no stage holds more than 4 micro-batches' activations at once.
+# Twice as many micro-batches as stages (one sample each): no stage holds more than 4 samples' activations.
+# Four micro-batches of two cost ~25% less CPU per step (bench/pipeline_step_cost.py: 128-row matrix products
+# run slower per row than 256-row ones) but, measured here, took stage 0's agent to 0.36x the one-process peak,
+# 25% above the memory model's prediction: over the goal of 0.35x.
 BATCH, MICRO_BATCHES, BLOCK, STAGES = 8, 8, 128, 4
 AGENT_SHARE = 0.35  # each owner's max_memory_bytes, as a fraction of the one-process peak
 CONTROL_PLANE = ("web", "worker-control", "worker-training", "beat")
@@ -90,7 +93,7 @@ def one_process(job: dict[str, Any]) -> None:
     torch.set_num_threads(2)
     _, model_config, dataset = fit_model_to_dataset(job["model_config"], validate_dataset_config(job["dataset_config"]))
     model = build_full_model(model_spec_from_config(model_config), job["seed"])
-    optimizer = torch.optim.Adam(model.parameters(), lr=job["learning_rate"])
+    optimizer = make_optimizer(model.parameters(), job["optimizer"], job["learning_rate"])  # as the agents' stages
     train_x, train_y, _, _ = load_dataset(dataset)
     seconds = []
     for indices in epoch_batches(len(train_x), dataset["batch_size"], job["seed"], 1):
@@ -247,8 +250,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="arceus-large-model-") as workdir:
         job = large_job(args, text_source(Path(workdir), args.steps))
         print("training in one process ...", file=sys.stderr, flush=True)
+        load_single = os.getloadavg()[0]
         child = subprocess.run([sys.executable, __file__, "--one-process", json.dumps(job)],
                                capture_output=True, text=True, check=True)
+        load_single = max(load_single, os.getloadavg()[0])
         single = json.loads(child.stdout.strip().splitlines()[-1])
         cap = int(AGENT_SHARE * single["peak_rss"])
 
@@ -270,7 +275,9 @@ def main() -> None:
             run_job(cluster, small, timeout=900)
             control_small = control_plane_peaks(cluster)
             print("training the large GPT ...", file=sys.stderr, flush=True)
+            load_before = os.getloadavg()[0]
             large = train_large(cluster, agents, job, args.steps)
+            load_after = os.getloadavg()[0]
             control_large = control_plane_peaks(cluster)
             estimates = solver_estimates(job, large["detail"])  # while the text file is there
         finally:
@@ -309,6 +316,8 @@ def main() -> None:
         "seconds_per_step_one_process": round(one_step, 2),
         "seconds_per_step_pipeline": round(pipeline_step, 2),
         "step_time_ratio": round(pipeline_step / one_step, 2),
+        "load_average_1m": {"one_process": round(load_single, 1), "pipeline_start": round(load_before, 1),
+                            "pipeline_end": round(load_after, 1)},
         "steps": detail["step"],
         "final_loss": detail["final_loss"],
     }
@@ -358,7 +367,9 @@ Checkpoint of step {large['resumed_from']}: {checkpoint_bytes / 1e9:.2f} GB in a
 and uploaded by its agent) took {large['save_seconds']:.1f} s on average; the spare's load of stage 1
 ({stage1_bytes / 1e9:.2f} GB, downloaded and loaded) took {large['load_seconds']:.1f} s.
 Seconds per step (median, no checkpoint or recovery in the interval): one process {one_step:.1f}, pipeline
-{pipeline_step:.1f} ({figures['step_time_ratio']}x; goal 1.25x).
+{pipeline_step:.1f} ({figures['step_time_ratio']}x; goal 1.25x). The machine's 1-minute load average (2 cores;
+above 2, other programs competed for them): {load_single:.1f} around the one process, {load_before:.1f} and
+{load_after:.1f} at the start and end of the large job.
 """
     print(body)
     write_section("large-model", body)

@@ -16,6 +16,7 @@ from torch import nn
 from arceus.checkpoint import StateFile
 from arceus.data import epoch_batches, load_dataset, validate_dataset_config
 from arceus.model.build import build_full_model
+from arceus.model.optimizers import make_optimizer
 from arceus.model.registry import model_spec_from_config
 from arceus.training.driver import Pipeline
 from arceus.training.plan import TrainPlan
@@ -50,10 +51,8 @@ def reference_run(
         model.load_state_dict({name.removeprefix("layers."): t for name, t in initial_weights.items()})
     params = list(model.parameters())
     lr, weight_decay = job["learning_rate"], job.get("weight_decay", 0.0)
-    optimizer: torch.optim.Optimizer = (
-        torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
-        if job.get("optimizer", "sgd") == "adam"
-        else torch.optim.SGD(params, lr=lr, momentum=job.get("momentum", 0.0), weight_decay=weight_decay)
+    optimizer = make_optimizer(
+        params, job.get("optimizer", "sgd"), lr, momentum=job.get("momentum", 0.0), weight_decay=weight_decay
     )
     train_x, train_y, val_x, val_y = load_dataset(dataset)
     losses: list[float] = []

@@ -27,6 +27,7 @@ from arceus.model.build import named_global_parameters
 from arceus.model.decoding import DecodeState, decode, decodes
 from arceus.model.expected_state import OPTIMIZER_STATE_KEYS, optimizer_kind
 from arceus.model.layout import TensorLayout
+from arceus.model.optimizers import make_optimizer
 from arceus.model.precision import autocast
 from nodeagent.device import synchronize
 
@@ -38,16 +39,6 @@ class RuntimeCounters:
     samples: int = 0  # forward samples, training and evaluation
     micro_batches: int = 0
     compute_seconds: float = 0.0
-
-
-def make_optimizer(params: list[nn.Parameter], config: OptimizerConfig) -> torch.optim.Optimizer:
-    if config.name == "sgd":
-        return torch.optim.SGD(
-            params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
-        )
-    if config.name == "adam":
-        return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
-    raise ValueError(f"unknown optimizer {config.name!r}")
 
 
 class StageRuntime:
@@ -70,7 +61,10 @@ class StageRuntime:
         self.precision = precision
         self.activation_checkpointing = activation_checkpointing
         self.layers = layers.to(device)
-        self.optimizer = make_optimizer(list(self.layers.parameters()), optimizer)
+        self.optimizer = make_optimizer(
+            list(self.layers.parameters()), optimizer.name, optimizer.lr, momentum=optimizer.momentum,
+            weight_decay=optimizer.weight_decay,
+        )
         self.optimizer_name = optimizer_kind(optimizer.name, optimizer.momentum)
         self.is_first = is_first
         self.is_last = is_last
@@ -255,8 +249,10 @@ class StageRuntime:
                 for entry in sorted(entries.get(name, ())):
                     value = tensors[f"{OPTIMIZER_PREFIX}{name}.{entry}"]
                     # A copy of its own (one tensor at a time): the caller's mapping may share its tensors.
-                    # Adam keeps its step on the CPU (unless fused or capturable).
-                    device = value.device if value.dim() == 0 else self.device
+                    # Adam keeps its step on the CPU unless fused or capturable: then beside its parameter.
+                    defaults = self.optimizer.defaults
+                    beside = value.dim() or defaults.get("fused") or defaults.get("capturable")
+                    device = self.device if beside else value.device
                     self.optimizer.state[param][entry] = value.to(device, copy=True)
 
     def _checked(self, x: torch.Tensor) -> torch.Tensor:
