@@ -25,6 +25,7 @@ from arceus.model.build import build_layers
 from arceus.model.exported.capture import CapturedModel, capture
 from arceus.model.exported.operators import graph_check
 from arceus.model.exported.program import program_layers
+from arceus.model.optimizers import make_optimizer
 from arceus.model.registry import model_spec_from_config
 from devtools.foreign_models import GPT2Logits, ResNet18
 from devtools.hostile_program import forged_program
@@ -88,13 +89,8 @@ def captured(request: pytest.FixtureRequest) -> tuple[str, nn.Module, CapturedMo
 
 def _reference(module: nn.Module, config: OptimizerConfig, batches: list[Any]) -> tuple[list[float], dict]:
     model = copy.deepcopy(module).train()
-    optimizer = (
-        torch.optim.Adam(model.parameters(), lr=config.lr)
-        if config.name == "adam"
-        else torch.optim.SGD(
-            model.parameters(), lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
-        )
-    )
+    optimizer = make_optimizer(model.parameters(), config.name, config.lr, momentum=config.momentum,
+                               weight_decay=config.weight_decay)  # the one the stages step with
     losses = []
     for x, y in batches:
         loss = F.cross_entropy(model(x).flatten(0, -2), y.flatten())
