@@ -9,9 +9,9 @@ rotated token, a deleted node or a disabled owner is refused at once) and one Re
 
 It only ever answers a heartbeat it is sure of, and hands every other request to Django untouched (its body
 replayed): a body that is not exactly the quiet shape (any report, link, an unusual type or value, a large or
-chunked body), a token no node has, a disabled owner, an unregistered or not-Ready node, or a changed version. So
-validation, error bodies and every change a heartbeat carries stay where they are (`AgentHeartbeatApi`,
-`node_heartbeat`), and the two paths answer the same body (`heartbeat_body`).
+chunked body, a Host that ALLOWED_HOSTS refuses), a token no node has, a disabled owner, an unregistered or
+not-Ready node, or a changed version. So validation, error bodies and every change a heartbeat carries stay where
+they are (`AgentHeartbeatApi`, `node_heartbeat`), and the two paths answer the same body (`heartbeat_body`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterable
+from functools import cache
 from typing import Any
 
+import psycopg
 from django.conf import settings
-from django.core import signals
 from django.db import DatabaseError, connection
+from django.http.request import split_domain_port, validate_host
 from django.utils import timezone
 
 from controlplane.common.conditions import TRUE
@@ -78,7 +80,7 @@ def quiet_heartbeats(django_app: WSGIApp) -> WSGIApp:
             return django_app(environ, start_response)
         body = environ["wsgi.input"].read(int(length))
         environ["wsgi.input"] = io.BytesIO(body)  # Django reads it again when the heartbeat is not quiet
-        answer = _answer_quiet(environ, body)
+        answer = _answer_quiet(environ, body) if _allowed_host(environ) else None
         if answer is None:
             return django_app(environ, start_response)
         start_response("200 OK", [*HEADERS, ("Content-Length", str(len(answer)))])
@@ -94,13 +96,15 @@ def _answer_quiet(environ: dict[str, Any], raw: bytes) -> bytes | None:
     if token_hash is None or beat is None:
         return None
     started = time.perf_counter()
-    signals.request_started.send(sender=__name__, environ=environ)  # Django's kept connections: checked, renewed
+    # What Django does to its kept connection around each request (close_old_connections, on the one database
+    # read here): closed when too old or broken, health-checked at its first use.
+    connection.close_if_unusable_or_obsolete()
     try:
         node = _node_if_quiet(token_hash, beat["assignments_version"])
     except DatabaseError:  # a broken kept connection: Django's path reconnects, or answers the error as it does
         return None
     finally:
-        signals.request_finished.send(sender=__name__)
+        connection.close_if_unusable_or_obsolete()
     if node is None:
         return None
     node_id, reachability, max_threads, max_memory_bytes = node
@@ -110,6 +114,17 @@ def _answer_quiet(environ: dict[str, Any], raw: bytes) -> bytes | None:
                           max_memory_bytes=max_memory_bytes, reachability=reachability, relay=beat.get("relay"))
     metrics.HEARTBEAT_SECONDS.observe(time.perf_counter() - started)
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def _allowed_host(environ: dict[str, Any]) -> bool:
+    """Whether Django would take the request's Host (ALLOWED_HOSTS); when not, or unsure, Django answers it."""
+    if settings.USE_X_FORWARDED_HOST and "HTTP_X_FORWARDED_HOST" in environ:
+        return False
+    domain, _ = split_domain_port(environ.get("HTTP_HOST", ""))
+    allowed = settings.ALLOWED_HOSTS
+    if settings.DEBUG and not allowed:
+        allowed = [".localhost", "127.0.0.1", "[::1]"]
+    return bool(domain) and validate_host(domain, allowed)
 
 
 def _token_hash(header: str) -> str | None:
@@ -171,20 +186,36 @@ def _plain_address(value: Any) -> bool:
     return True
 
 
+def _quiet_rows(token_hash: str) -> list[tuple[Any, ...]]:
+    if connection.vendor != "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(_quiet_sql(), [token_hash])
+            return cursor.fetchall()
+    # A prepared statement on PostgreSQL (each kept connection plans it once): planning it cost the server more
+    # than running it. Django's cursors bind client-side and never prepare, so a psycopg cursor on Django's
+    # connection, checked as Django checks it, its errors Django's (and marking the connection for closing).
+    connection.close_if_health_check_failed()
+    connection.ensure_connection()
+    with connection.wrap_database_errors, psycopg.Cursor(connection.connection) as cursor:
+        cursor.execute(_quiet_sql(), [token_hash], prepare=True)
+        return cursor.fetchall()
+
+
+@cache
+def _quiet_sql() -> str:
+    user = Node._meta.get_field("owner").related_model
+    return (
+        f"SELECT n.id, u.is_active, n.registered_at IS NOT NULL, n.ready_status, n.reachability, "  # noqa: S608
+        f"n.max_threads, n.max_memory_bytes, {VERSION_COLUMNS} FROM {Node._meta.db_table} n "
+        f"JOIN {user._meta.db_table} u ON u.{user._meta.pk.column} = n.owner_id "
+        f"LEFT JOIN {version_rows_join('n.id')} WHERE n.token_hash = %s ORDER BY {version_order()}"
+    )
+
+
 def _node_if_quiet(token_hash: str, version: str) -> tuple[str, str, int | None, int | None] | None:
     """(node id, reachability, max_threads, max_memory_bytes) of the node with this token when its heartbeat is
     quiet: its owner active, registered, Ready, its assignments still `version`. One round trip."""
-    user = Node._meta.get_field("owner").related_model
-    join, params = version_rows_join("n.id")
-    with connection.cursor() as cursor:
-        cursor.execute(
-            f"SELECT n.id, u.is_active, n.registered_at IS NOT NULL, n.ready_status, n.reachability, "  # noqa: S608
-            f"n.max_threads, n.max_memory_bytes, {VERSION_COLUMNS} FROM {Node._meta.db_table} n "
-            f"JOIN {user._meta.db_table} u ON u.{user._meta.pk.column} = n.owner_id LEFT JOIN {join} "
-            f"WHERE n.token_hash = %s ORDER BY {version_order()}",
-            [*params, token_hash],
-        )
-        rows = cursor.fetchall()
+    rows = _quiet_rows(token_hash)
     if not rows:
         return None
     node_id, active, registered, ready, reachability, max_threads, max_memory_bytes = rows[0][:7]
