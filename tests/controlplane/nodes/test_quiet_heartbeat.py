@@ -91,6 +91,8 @@ def test_a_quiet_heartbeat_is_answered_before_django_as_the_api_answers(user) ->
     assert "assignments" not in body and body["node_id"] == str(node.id)
     liveness = lease_of(node.pk, timezone.now())
     assert liveness.renewed_at > before and liveness.host_busy_fraction == 0.25
+    assert wsgi_post(token, {"observed": [], "assignments_version": version})[0] == 200
+    assert lease_of(node.pk, timezone.now()).host_busy_fraction is None  # not measured this time: dropped
 
 
 def test_a_rotated_token_a_disabled_owner_and_a_deleted_node_are_refused_at_once(user, api) -> None:
