@@ -5,8 +5,8 @@ Why gunicorn's gthread worker and not an ASGI server: every view is synchronous 
 path we use), so under uvicorn each request would hop to a thread pool anyway, paying the hop on top. gthread
 parks idle keep-alive connections in a selector, not a thread: thousands of agents keep their connections open
 between heartbeats (no TCP set-up per beat) while a few threads per process do the work, and a process per core
-sidesteps the GIL. The heartbeat itself is a Redis write and one indexed read (docs/architecture.md, "How the
-control plane grows").
+sidesteps the GIL. A quiet heartbeat is one prepared statement and one Redis command, answered before Django
+(controlplane/nodes/heartbeat.py; docs/architecture.md, "How the control plane grows").
 """
 
 from __future__ import annotations

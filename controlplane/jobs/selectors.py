@@ -114,23 +114,43 @@ def job_loss_curve(*, job: Job, max_points: int | None = None) -> list[dict[str,
     return list(points.order_by("step").values("step", "epoch", "loss"))
 
 
+# What an assignments version digests (`assignments_version`): each hosted stage row's columns, the join that
+# finds them from a node id column, and their order. Raw SQL, like the node's authentication: composing the ORM's
+# query cost more CPU than running it. The quiet heartbeat (controlplane/nodes/heartbeat.py) joins the same rows
+# to its node lookup.
+VERSION_COLUMNS = "s.id, s.generation, j.generation, j.status, j.resume_checkpoint_id"
+
+
+def version_rows_join(node_column: str) -> str:
+    """`(stages s JOIN jobs j) ON s.node_id = <node_column>`: the hosted stage rows. The statuses are written in
+    (our own constants), so the only parameter is the node's."""
+    assert all(status.isidentifier() for status in HOSTED_STATUSES)  # noqa: S101 (safe to write into SQL)
+    statuses = ", ".join(f"'{status}'" for status in HOSTED_STATUSES)
+    return (f"({Stage._meta.db_table} s JOIN {Job._meta.db_table} j ON j.id = s.job_id AND j.status IN ({statuses})) "
+            f"ON s.node_id = {node_column} AND s.active")
+
+
+def version_order() -> str:
+    return f"s.job_id, s.{connection.ops.quote_name('index')}, s.rank"  # "index": reserved in SQLite
+
+
+def version_digest(rows: list[tuple[Any, ...]]) -> str:
+    return hashlib.sha256(repr([tuple(map(str, row)) for row in rows]).encode()).hexdigest()[:32]
+
+
 def assignments_version(*, node: Node) -> str:
     """A digest of everything the node's assignments are built from that can change while it hosts them: its
     stage rows and their generations, and each job's generation, status and resume checkpoint (a neighbour's
     address or certificate changes only with a new generation: a node that registers again while hosting
     rewinds its job). One indexed query; the agent sends back the version it holds, and an unchanged one is
     answered without building the assignments."""
-    # Raw SQL, like the node's authentication: composing the ORM's query cost more CPU than running it.
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT s.id, s.generation, j.generation, j.status, j.resume_checkpoint_id "  # noqa: S608 (names)
-            f"FROM {Stage._meta.db_table} s JOIN {Job._meta.db_table} j ON j.id = s.job_id "
-            f"WHERE s.node_id = %s AND s.active AND j.status IN ({', '.join(['%s'] * len(HOSTED_STATUSES))}) "
-            f"ORDER BY s.job_id, s.{connection.ops.quote_name('index')}, s.rank",  # "index": reserved in SQLite
-            [Stage._meta.get_field("node").get_db_prep_value(node.pk, connection), *HOSTED_STATUSES],
+            f"SELECT {VERSION_COLUMNS} FROM {Node._meta.db_table} n JOIN {version_rows_join('n.id')} "  # noqa: S608
+            f"WHERE n.id = %s ORDER BY {version_order()}",
+            [Node._meta.pk.get_db_prep_value(node.pk, connection)],
         )
-        rows = [tuple(map(str, row)) for row in cursor.fetchall()]
-    return hashlib.sha256(repr(list(rows)).encode()).hexdigest()[:32]
+        return version_digest(cursor.fetchall())
 
 
 def assignments_for_node(*, node: Node) -> list[dict[str, Any]]:

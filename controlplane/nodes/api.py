@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 from django.conf import settings
 from django.http import FileResponse
 from django.utils import timezone
@@ -24,7 +22,7 @@ from controlplane.jobs.checkpoints import (
 from controlplane.jobs.models import checkpoint_storage
 from controlplane.jobs.programs import job_program_layers_for_node
 from controlplane.nodes.authentication import IsNodeAgent, NodeTokenAuthentication
-from controlplane.nodes.relays import relay_assignment, relay_certificate
+from controlplane.nodes.heartbeat import heartbeat_body
 from controlplane.nodes.selectors import node_get_for_user, node_list_for_user
 from controlplane.nodes.serializers import (
     AgentHeartbeatInput,
@@ -162,20 +160,11 @@ class AgentHeartbeatApi(AgentApi):
             neighbour_links=data.validated_data["neighbour_links"],
             assignments_version=data.validated_data.get("assignments_version"),
         )
-        relay = data.validated_data["relay"] or {}
-        body = {
-            "node_id": str(request.auth.id),
-            "assignments_version": answer.assignments_version,
-            "controls": {
-                "max_threads": request.auth.max_threads,
-                "max_memory_bytes": request.auth.max_memory_bytes,
-            },
-            "heartbeat_interval_seconds": settings.ARCEUS_HEARTBEAT_INTERVAL_SECONDS,
-            "relay": relay_assignment(node=request.auth, attached=relay.get("attached"),
-                                      failed=relay.get("failed", ()), now=time.time()),
-            "relays": settings.ARCEUS_RELAYS,
-            "relay_certificate": relay_certificate() or None,
-        }
+        body = heartbeat_body(
+            node_id=str(request.auth.id), version=answer.assignments_version, max_threads=request.auth.max_threads,
+            max_memory_bytes=request.auth.max_memory_bytes, reachability=request.auth.reachability,
+            relay=data.validated_data["relay"],
+        )
         if answer.assignments is not None:  # else unchanged from the version the agent sent
             body["assignments"] = answer.assignments
         return Response(body)

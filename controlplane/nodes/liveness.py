@@ -14,6 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from functools import cache
+
+from redis.commands.core import Script
 
 from controlplane.common.redis_client import redis_client
 
@@ -30,16 +33,23 @@ class Liveness:
     host_busy_fraction: float | None = None
 
 
+# One command, not a pipeline of two: a heartbeat's Redis work is most of what a quiet one costs the web server
+# (controlplane/nodes/heartbeat.py), and redis-py's pipeline machinery cost more than the commands.
+RENEW = """
+redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
+if ARGV[3] == '' then redis.call('HDEL', KEYS[2], ARGV[1]) else redis.call('HSET', KEYS[2], ARGV[1], ARGV[3]) end
+"""
+
+
 def lease_renew(*, node_id: object, now: datetime, host_busy_fraction: float | None = None) -> None:
     """Record a heartbeat: one round trip, no database."""
-    key = str(node_id)
-    pipe = redis_client().pipeline(transaction=False)
-    pipe.zadd(LEASES, {key: now.timestamp()})
-    if host_busy_fraction is None:
-        pipe.hdel(BUSY, key)
-    else:
-        pipe.hset(BUSY, key, repr(float(host_busy_fraction)))
-    pipe.execute()
+    busy = "" if host_busy_fraction is None else repr(float(host_busy_fraction))
+    _renew_script()(keys=[LEASES, BUSY], args=[str(node_id), repr(now.timestamp()), busy])
+
+
+@cache
+def _renew_script() -> Script:
+    return redis_client().register_script(RENEW)
 
 
 def leases_read(floors: Mapping[str, datetime], now: datetime) -> dict[str, Liveness]:

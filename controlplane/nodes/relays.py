@@ -16,22 +16,24 @@ from django.core.exceptions import ImproperlyConfigured
 from arceus.relay.address import relay_order
 from arceus.relay.tickets import check_secret, mint_ticket
 from arceus.wire.tls import RELAY_TLS_NAME, check_certificate
-from controlplane.nodes.models import Node, Reachability
+from controlplane.nodes.models import Reachability
 
 
-def relay_assignment(*, node: Node, attached: str | None, failed: Sequence[str], now: float) -> dict[str, Any] | None:
+def relay_assignment(
+    *, node_id: str, reachability: str, attached: str | None, failed: Sequence[str], now: float
+) -> dict[str, Any] | None:
     """{"address", "ticket"} for a relayed node; None for a node dialled directly, or when no relay is configured.
     `failed` lists the longest-ago failure first: when every relay failed the agent lately, it tries that one."""
     relays = settings.ARCEUS_RELAYS
-    if node.reachability != Reachability.RELAYED or not relays:
+    if reachability != Reachability.RELAYED or not relays:
         return None
     if attached in relays and attached not in failed:
         chosen = attached
     else:
-        chosen = next((r for r in relay_order(str(node.id), relays) if r not in failed), None)
+        chosen = next((r for r in relay_order(node_id, relays) if r not in failed), None)
         if chosen is None:
             chosen = next(r for r in failed if r in relays)
-    return {"address": chosen, "ticket": mint_ticket(relay_secret(), str(node.id),
+    return {"address": chosen, "ticket": mint_ticket(relay_secret(), node_id,
                                                      int(now + settings.ARCEUS_RELAY_TICKET_SECONDS))}
 
 

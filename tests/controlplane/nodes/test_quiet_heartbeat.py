@@ -1,0 +1,174 @@
+"""The quiet heartbeat answered before Django (controlplane/nodes/heartbeat.py), through the real WSGI application:
+it answers as the API does, reads the database once, and hands everything else to the API, which refuses a rotated
+token, a deleted node or a disabled owner at once and judges every hostile body as before."""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import pytest
+from django.core.wsgi import get_wsgi_application
+from django.db import connection
+from django.test.utils import CaptureQueriesContext
+from django.utils import timezone
+from rest_framework.test import APIClient
+
+from controlplane.controller.executor import reconcile_once
+from controlplane.nodes.heartbeat import quiet_heartbeats
+from controlplane.nodes.liveness import lease_of
+from controlplane.nodes.models import Node
+from controlplane.nodes.services import node_create
+from devtools.pipeline import identity_for
+
+# The WSGI path does what Django does to its connection around a request: it would close one held in a test's
+# transaction.
+pytestmark = pytest.mark.django_db(transaction=True)
+
+# As controlplane/wsgi.py composes it (which also refuses the tests' development secret key).
+application = quiet_heartbeats(get_wsgi_application())
+CAPABILITIES = {"device_type": "cpu", "device_name": "Test CPU", "memory_bytes": 8 * 2**30, "flops_fp32": 5e10}
+
+
+def wsgi_post(token: str, body: Any, *, raw: bytes | None = None, host: str = "testserver") -> tuple[int, Any]:
+    """POST /api/agent/heartbeat through the WSGI application: (status, JSON body)."""
+    data = raw if raw is not None else json.dumps(body).encode()
+    environ = {
+        "REQUEST_METHOD": "POST", "PATH_INFO": "/api/agent/heartbeat", "SCRIPT_NAME": "", "QUERY_STRING": "",
+        "SERVER_NAME": "testserver", "SERVER_PORT": "80", "SERVER_PROTOCOL": "HTTP/1.1", "REMOTE_ADDR": "127.0.0.1",
+        "CONTENT_TYPE": "application/json", "CONTENT_LENGTH": str(len(data)), "HTTP_AUTHORIZATION": f"Node {token}",
+        "HTTP_HOST": host,
+        "wsgi.input": io.BytesIO(data), "wsgi.url_scheme": "http", "wsgi.errors": io.StringIO(),
+        "wsgi.version": (1, 0), "wsgi.multithread": True, "wsgi.multiprocess": True, "wsgi.run_once": False,
+    }
+    status: list[str] = []
+    chunks = application(environ, lambda s, headers: status.append(s))
+    try:
+        content = b"".join(chunks)
+    finally:
+        getattr(chunks, "close", lambda: None)()
+    code = int(status[0].split()[0])
+    return code, json.loads(content) if code != 400 or content.startswith(b"{") else content
+
+
+def api_post(token: str, body: Any, *, raw: bytes | None = None) -> tuple[int, dict[str, Any]]:
+    """The same heartbeat through the API alone (Django's test client: no quiet path)."""
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Node {token}")
+    if raw is not None:
+        response = client.post("/api/agent/heartbeat", raw, content_type="application/json")
+    else:
+        response = client.post("/api/agent/heartbeat", body, format="json")
+    return response.status_code, response.json()
+
+
+def registered(user: Any, name: str, port: int = 50051) -> tuple[Node, str, str]:
+    """A node registered and Ready through the API: (node, token, the assignments version its agent holds)."""
+    node, token = node_create(owner=user, name=name)
+    client = APIClient()
+    client.credentials(HTTP_AUTHORIZATION=f"Node {token}")
+    address = f"127.0.0.1:{port}"
+    response = client.post("/api/agent/register", {"grpc_address": address, "capabilities": CAPABILITIES,
+                                                   "tls_certificate": identity_for(address).certificate},
+                           format="json")
+    assert response.status_code == 200, response.content
+    status, body = api_post(token, {"observed": []})
+    assert status == 200 and "assignments" in body
+    return node, token, body["assignments_version"]
+
+
+def test_a_quiet_heartbeat_is_answered_before_django_as_the_api_answers(user) -> None:
+    node, token, version = registered(user, "quiet")
+    before = lease_of(node.pk, timezone.now()).renewed_at
+    beat = {"observed": [], "host_busy_fraction": 0.25, "relay": None, "assignments_version": version}
+    with CaptureQueriesContext(connection) as queries:
+        status, body = wsgi_post(token, beat)
+    assert status == 200
+    # Not the API's path (three queries through Django's cursors): one prepared statement on PostgreSQL.
+    assert len(queries) == (0 if connection.vendor == "postgresql" else 1)
+    assert body == api_post(token, beat)[1]
+    assert "assignments" not in body and body["node_id"] == str(node.id)
+    liveness = lease_of(node.pk, timezone.now())
+    assert liveness.renewed_at > before and liveness.host_busy_fraction == 0.25
+    assert wsgi_post(token, {"observed": [], "assignments_version": version})[0] == 200
+    assert lease_of(node.pk, timezone.now()).host_busy_fraction is None  # not measured this time: dropped
+
+
+def test_a_rotated_token_a_disabled_owner_and_a_deleted_node_are_refused_at_once(user, api) -> None:
+    node, token, version = registered(user, "rotating")
+    beat = {"observed": [], "assignments_version": version}
+    assert wsgi_post(token, beat)[0] == 200
+    rotated = api.post(f"/api/nodes/{node.id}/token/rotate")
+    assert rotated.status_code == 200
+    status, body = wsgi_post(token, beat)
+    assert status == 401 and body["detail"].startswith("invalid node token: no node has it")
+    token = rotated.json()["token"]
+    assert wsgi_post(token, beat)[0] == 200
+    user.is_active = False
+    user.save(update_fields=["is_active"])
+    assert wsgi_post(token, beat) == (401, {"detail": "the owner of this node is disabled"})
+    user.is_active = True
+    user.save(update_fields=["is_active"])
+    Node.objects.filter(pk=node.pk).delete()
+    status, body = wsgi_post(token, beat)
+    assert status == 401 and body["detail"].startswith("invalid node token: no node has it")
+
+
+def test_changed_assignments_are_answered_in_full(user, queued_job, api) -> None:
+    agents = [registered(user, f"n{i}", 50061 + i) for i in range(3)]
+    queued_job()
+    reconcile_once()  # each node gets a stage: the versions the agents hold are stale
+    for _, token, version in agents:
+        status, body = wsgi_post(token, {"observed": [], "assignments_version": version})
+        assert status == 200 and len(body["assignments"]) == 1 and body["assignments_version"] != version
+        held = body["assignments_version"]
+        assert "assignments" not in wsgi_post(token, {"observed": [], "assignments_version": held})[1]
+    node, token, _ = agents[0]
+    held = wsgi_post(token, {"observed": []})[1]["assignments_version"]
+    assert api.post(f"/api/nodes/{node.id}/pause").status_code == 200
+    reconcile_once()  # the paused node's stage is handed back
+    status, body = wsgi_post(token, {"observed": [], "assignments_version": held})
+    assert status == 200 and body["assignments_version"] != held and body["assignments"] == []
+
+
+@pytest.mark.parametrize(
+    "beat",
+    [
+        {"observed": [], "assignments_version": "v", "host_busy_fraction": 1.5},
+        {"observed": [], "assignments_version": "v", "host_busy_fraction": True},
+        {"observed": [], "assignments_version": "v", "host_busy_fraction": "0.5"},
+        {"observed": [], "assignments_version": " v "},
+        {"observed": [], "assignments_version": "v" * 65},
+        {"observed": [], "assignments_version": None},
+        {"observed": [], "assignments_version": 7},
+        {"observed": [{"stage_id": "x"}], "assignments_version": "v"},
+        {"observed": [], "assignments_version": "v", "relay": {"attached": "not an address"}},
+        {"observed": [], "assignments_version": "v", "relay": {"failed": ["h:1"] * 17}},
+        {"observed": [], "assignments_version": "v", "relay": {"attached": "h:1", "extra": 1}},
+        {"observed": [], "assignments_version": "v", "neighbour_links": "none"},
+        {"observed": [], "assignments_version": "v", "link": {"rtt_seconds": -1}},
+        {"observed": [], "assignments_version": "v", "unknown": 1},
+        ["observed"],
+    ],
+)
+def test_hostile_bodies_get_the_apis_answer(user, beat: Any) -> None:
+    _, token, version = registered(user, "hostile")
+    if isinstance(beat, dict) and beat.get("assignments_version") == "v":
+        beat["assignments_version"] = version  # else only the version would keep it from being quiet
+    assert wsgi_post(token, beat) == api_post(token, beat)
+
+
+@pytest.mark.parametrize("raw", [b'{"observed": [], "host_busy_fraction": NaN}', b"{", b"\xff", b"x" * 9000])
+def test_bodies_that_are_not_json_or_too_large_get_the_apis_answer(user, raw: bytes) -> None:
+    _, token, _ = registered(user, "raw")
+    status, body = wsgi_post(token, None, raw=raw)
+    assert status == 400 and body["detail"]
+    assert (status, body) == api_post(token, None, raw=raw)
+
+
+def test_a_host_that_allowed_hosts_refuses_is_refused_as_django_refuses_it(user) -> None:
+    _, token, version = registered(user, "host")
+    beat = {"observed": [], "assignments_version": version}
+    assert wsgi_post(token, beat)[0] == 200
+    assert wsgi_post(token, beat, host="evil.example")[0] == 400
