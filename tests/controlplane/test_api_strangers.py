@@ -20,6 +20,8 @@ from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from controlplane.accounts.services import user_token_get_or_create
+from controlplane.datasets.models import Dataset
+from controlplane.datasets.services import dataset_create
 from controlplane.jobs.models import Checkpoint, CheckpointUpload, Job, JobEstimate, StageCheckpoint
 from controlplane.jobs.services import job_start, job_submit
 from controlplane.nodes.models import Node
@@ -41,10 +43,11 @@ PUBLIC = {
 TENANT_OBJECTS = {
     "job-detail", "job-estimate-detail", "job-train", "network-initialize", "network-train", "job-cancel",
     "job-model", "job-sample", "job-initial-weights", "job-program",
+    "dataset-detail", "dataset-data", "dataset-complete",
     "node-detail", "node-pause", "node-resume", "node-controls", "node-earnings", "node-token-rotate",
 }
 # The caller's own collections (or nothing stored): another tenant may call them, and sees only its own.
-TENANT_COLLECTIONS = {"job-list", "job-estimate", "node-list", "market-prices"}
+TENANT_COLLECTIONS = {"job-list", "job-estimate", "node-list", "market-prices", "dataset-list"}
 # The caller's own account: rotating its token or changing its password (tested on their own below, since a
 # rotation replaces the very credentials the attacker calls with).
 OWN_ACCOUNT = {"token-rotate", "password-change"}
@@ -68,6 +71,7 @@ BODIES: dict[str, Any] = {
     "network-train": {},
     "job-sample": {"prompt": "hello", "max_new_tokens": 4},
     "node-list": {"name": "mine"},
+    "dataset-list": {"name": "mine", "format": "text", "size_bytes": 10, "sha256": "ef" * 32},
     "node-controls": {"max_threads": 1},
     "agent-heartbeat": {"observed": []},
     "agent-probe": {},
@@ -108,13 +112,14 @@ class Victim:
     checkpoint: StageCheckpoint
     upload: CheckpointUpload
     estimate: JobEstimate
+    dataset: Dataset
     secrets: list[str]
 
     def kwargs(self) -> dict[str, str]:
         return {
             "job_id": str(self.job.id), "node_id": str(self.node.id),
             "checkpoint_id": str(self.checkpoint.id), "upload_id": str(self.upload.id),
-            "estimate_id": str(self.estimate.id),
+            "estimate_id": str(self.estimate.id), "dataset_id": str(self.dataset.id),
         }
 
     def state(self) -> dict[str, Any]:
@@ -123,6 +128,7 @@ class Victim:
             "job": model_to_dict(job), "node": model_to_dict(node),
             "upload": model_to_dict(CheckpointUpload.objects.get(pk=self.upload.pk)),
             "jobs": Job.objects.filter(owner=self.user).count(), "nodes": Node.objects.filter(owner=self.user).count(),
+            "dataset": model_to_dict(Dataset.objects.get(pk=self.dataset.pk), exclude=["file"]),
         }
 
 
@@ -146,13 +152,14 @@ def victim() -> Victim:
         job=job, node=node, stage_index=0, layer_start=0, layer_end=1, step=2, generation=job.generation
     )
     estimate = JobEstimate.objects.create(owner=user, request={**DIGITS_JOB, "name": "victim-estimate-e41c"})
+    dataset = dataset_create(owner=user, name="victim-corpus-3b9d", format="text", size_bytes=10, sha256="cd" * 32)
     node.refresh_from_db()
     secrets = [
         str(job.id), str(node.id), str(checkpoint.id), str(stage_checkpoint.id), str(upload.id), str(estimate.id),
-        "victim-estimate-e41c", VICTIM_ADDRESS,
+        str(dataset.id), "victim-corpus-3b9d", "victim-estimate-e41c", VICTIM_ADDRESS,
         "victim-node-7f3a", "victim-job-5d2b", "victim cpu 9c1e", "victim", node.tls_certificate,
     ]
-    return Victim(user, job, node, stage_checkpoint, upload, estimate, secrets)
+    return Victim(user, job, node, stage_checkpoint, upload, estimate, dataset, secrets)
 
 
 def client(authorization: str | None) -> APIClient:

@@ -75,9 +75,11 @@ def started_cluster(workdir: Path, *, embedded_redis: bool = False) -> Iterator[
         # Two relays, for agents in network namespaces that cannot be dialled (tests/e2e/test_relayed_agents.py).
         # Compute is priced at $3600/h: the few ms a test job computes are worth whole micro-dollars (at the
         # usual $0.30/h less than one, and credit, fees and withheld credit would all round to 0).
+        # The cluster's one user mints every test's nodes within the hour: more than a contributor's 30/hour.
         cluster = LocalCluster(workdir=workdir, database_url=database_url, redis_url=redis_url,
                                heartbeat_interval_seconds=1.0, reconcile_interval_seconds=1.0, relays=2,
-                               extra_env={"ARCEUS_BASELINE_PRICE_PER_HOUR": "3600"})
+                               extra_env={"ARCEUS_BASELINE_PRICE_PER_HOUR": "3600",
+                                          "ARCEUS_THROTTLE_NODE_CREATE": "1000/hour"})
         try:
             cluster.start()
             yield cluster

@@ -41,8 +41,13 @@ def chart_points(browser: webdriver.Chrome, canvas: str) -> list[float | None]:
     )
 
 
-def stage_node(browser: webdriver.Chrome, index: int) -> str:
-    return browser.find_element(By.CSS_SELECTOR, f"#pipeline .stage[data-index='{index}'] .node").text
+def stage_node(browser: webdriver.Chrome, index: int) -> str | None:
+    """The node shown for a stage, read in one script: the pipeline is redrawn on every poll, so an element
+    found first and read after may be gone."""
+    return browser.execute_script(
+        "const e = document.querySelector(arguments[0]); return e === null ? null : e.innerText;",
+        f"#pipeline .stage[data-index='{index}'] .node",
+    )
 
 
 def test_a_developer_and_contributor_watch_it_live(

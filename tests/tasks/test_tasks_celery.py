@@ -23,7 +23,7 @@ def test_broker_and_results_use_redis_url() -> None:
 def test_tasks_are_registered_by_name_and_routed_to_their_queue() -> None:
     app.loader.import_default_modules()
     assert {"arceus.reconcile", "arceus.train_job", "arceus.estimate"} <= set(app.tasks)
-    assert {q.name for q in app.conf.task_queues} == {"control", "training"}
+    assert {q.name for q in app.conf.task_queues} == {"control", "reachability", "training"}
     router = app.amqp.router
     assert router.route({}, "arceus.reconcile")["queue"].name == "control"
     assert router.route({}, "arceus.train_job")["queue"].name == "training"
