@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
+from collections.abc import Iterable
 from typing import BinaryIO
+
+from django.core.files.storage import Storage
 
 from arceus.checkpoint import CHUNK_BYTES
 
@@ -35,3 +39,13 @@ class HashingReader(io.RawIOBase):
 
     def readable(self) -> bool:
         return True
+
+
+def storage_delete(storage: Storage, names: Iterable[str]) -> None:
+    """Delete stored files, logging (not raising) a file that cannot be: a leftover file wastes space, while a
+    failure here would undo the database change that made it unneeded."""
+    for name in names:
+        try:
+            storage.delete(name)
+        except OSError:
+            logging.getLogger(__name__).warning("could not delete stored file %s", name, exc_info=True)

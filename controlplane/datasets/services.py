@@ -27,7 +27,7 @@ from arceus.checkpoint import CHUNK_BYTES
 from arceus.contracts.status import TERMINAL_STATUSES
 from arceus.data.formats import DatasetFormatError, check_format, inspect_file
 from controlplane.common.errors import ApplicationError
-from controlplane.common.uploads import HashingReader
+from controlplane.common.uploads import HashingReader, storage_delete
 from controlplane.datasets.models import Dataset, DatasetStatus, dataset_storage, part_name
 
 log = logging.getLogger(__name__)
@@ -206,9 +206,4 @@ class _Joined(io.RawIOBase):
 
 
 def _delete_files(names: Iterable[str]) -> None:
-    storage = dataset_storage()
-    for name in names:
-        try:
-            storage.delete(name)
-        except OSError:
-            log.warning("could not delete dataset file %s", name, exc_info=True)
+    storage_delete(dataset_storage(), names)

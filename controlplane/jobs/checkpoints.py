@@ -46,7 +46,7 @@ from arceus.model.hugging_face import (
 from arceus.model.registry import model_spec_from_config
 from arceus.training.plan import StageEndpoint, StageStateFile
 from controlplane.common.errors import ApplicationError
-from controlplane.common.uploads import HashingReader
+from controlplane.common.uploads import HashingReader, storage_delete
 from controlplane.controller.leases import held, job_checkpointed
 from controlplane.jobs.models import Checkpoint, CheckpointUpload, Job, Stage, StageCheckpoint, checkpoint_storage
 from controlplane.monitoring import metrics
@@ -406,12 +406,7 @@ def _upload_reader(body: BinaryIO, length: int | None, what: str, one: str) -> H
 
 
 def _delete_files(names: Iterable[str]) -> None:
-    storage = checkpoint_storage()
-    for name in names:
-        try:
-            storage.delete(name)
-        except OSError:
-            log.warning("could not delete checkpoint file %s", name, exc_info=True)
+    storage_delete(checkpoint_storage(), names)
 
 
 def _uuid_or_none(value: str) -> str | None:
