@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import uuid
 from http import HTTPStatus
+from typing import TypeVar
+
+from django.db.models import Model, QuerySet
+
+M = TypeVar("M", bound=Model)
 
 
 class ApplicationError(Exception):
@@ -39,3 +45,16 @@ class ApplicationError(Exception):
     def forbidden(cls, message: str) -> ApplicationError:
         """The caller may see the resource but not change it (403)."""
         return cls(message, status=HTTPStatus.FORBIDDEN)
+
+
+def one_by_id(queryset: QuerySet[M], what: str, key: object) -> M:
+    """The object of `queryset` (a tenant's own) whose id is `key`; 404 for a malformed id and for an id outside
+    the queryset alike, so that ids of others' objects cannot be probed."""
+    try:
+        pk = uuid.UUID(str(key))
+    except ValueError:
+        raise ApplicationError.not_found(what, key) from None
+    found = queryset.filter(pk=pk).first()
+    if found is None:
+        raise ApplicationError.not_found(what, key)
+    return found

@@ -3,7 +3,6 @@ and a ready dataset's file opened for a job's driver."""
 
 from __future__ import annotations
 
-import uuid
 from typing import Any, BinaryIO
 
 from django.contrib.auth.base_user import AbstractBaseUser
@@ -11,7 +10,7 @@ from django.db.models import QuerySet
 
 from arceus.data.config import TENSOR_FACTS, UPLOADED_DATASET
 from arceus.data.text_config import TEXT_DATASET, TEXT_FACTS
-from controlplane.common.errors import ApplicationError
+from controlplane.common.errors import ApplicationError, one_by_id
 from controlplane.datasets.models import Dataset, DatasetStatus, dataset_storage
 
 
@@ -21,14 +20,7 @@ def dataset_list_for_user(*, user: AbstractBaseUser) -> QuerySet[Dataset]:
 
 def dataset_get_for_user(*, user: AbstractBaseUser, dataset_id: Any) -> Dataset:
     """The user's dataset; 404 for a malformed id and for another user's alike (ids cannot be probed)."""
-    try:
-        key = uuid.UUID(str(dataset_id))
-    except ValueError:
-        raise ApplicationError.not_found("dataset", dataset_id) from None
-    dataset = dataset_list_for_user(user=user).filter(pk=key).first()
-    if dataset is None:
-        raise ApplicationError.not_found("dataset", dataset_id)
-    return dataset
+    return one_by_id(dataset_list_for_user(user=user), "dataset", dataset_id)
 
 
 def dataset_config_resolved(*, owner: AbstractBaseUser, dataset_config: Any) -> Any:

@@ -7,7 +7,6 @@ polls the result (`estimate_get_for_user`). `job_estimate` is the computation it
 from __future__ import annotations
 
 import logging
-import uuid
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
@@ -24,7 +23,7 @@ from arceus.placement.solver import Budget, PlacementError, solve
 from controlplane.celery import ESTIMATE_TASK
 from controlplane.common.conditions import TRUE
 from controlplane.common.dispatch import enqueue_on_commit
-from controlplane.common.errors import ApplicationError
+from controlplane.common.errors import ApplicationError, one_by_id
 from controlplane.controller.placement import requirements, tensor_parallel_split, workload
 from controlplane.controller.rules import stage_bounds
 from controlplane.controller.snapshot import node_views, registered_nodes
@@ -106,13 +105,7 @@ def estimate_run(*, estimate_id: str) -> None:
 def estimate_get_for_user(*, user: AbstractBaseUser, estimate_id: str) -> JobEstimate:
     """The user's estimate; 404 for a malformed id and for another user's estimate alike. One no worker took
     in time is answered as failed."""
-    try:
-        key = uuid.UUID(str(estimate_id))
-    except ValueError:
-        raise ApplicationError.not_found("estimate", estimate_id) from None
-    estimate = JobEstimate.objects.filter(owner=user, pk=key).first()
-    if estimate is None:
-        raise ApplicationError.not_found("estimate", estimate_id)
+    estimate = one_by_id(JobEstimate.objects.filter(owner=user), "estimate", estimate_id)
     if estimate.status == EstimateStatus.PENDING and timezone.now() - estimate.created_at > ESTIMATE_WAIT:
         estimate.status = EstimateStatus.FAILED
         estimate.error = (

@@ -23,7 +23,7 @@ from arceus.contracts.assignment import (
 from arceus.contracts.status import HOSTED_STATUSES, JobStatus
 from arceus.training.plan import RankEndpoint, StageEndpoint
 from arceus.wire.transfer import transfer_config_from_json
-from controlplane.common.errors import ApplicationError
+from controlplane.common.errors import one_by_id
 from controlplane.jobs.credentials import job_stage_credentials
 from controlplane.jobs.models import Job, LossPoint, Stage, StageCheckpoint, StageContribution
 from controlplane.nodes.models import Node
@@ -36,14 +36,7 @@ def job_list_for_user(*, user: AbstractBaseUser) -> QuerySet[Job]:
 def job_get_for_user(*, user: AbstractBaseUser, job_id: str) -> Job:
     """The user's job with its stages; 404 for a malformed id and for another user's job alike, so ids
     of others' jobs cannot be probed."""
-    try:
-        key = uuid.UUID(str(job_id))
-    except ValueError:
-        raise ApplicationError.not_found("job", job_id) from None
-    job = job_list_for_user(user=user).prefetch_related("epoch_metrics").filter(pk=key).first()
-    if job is None:
-        raise ApplicationError.not_found("job", job_id)
-    return job
+    return one_by_id(job_list_for_user(user=user).prefetch_related("epoch_metrics"), "job", job_id)
 
 
 def job_counts_by_status() -> dict[str, int]:

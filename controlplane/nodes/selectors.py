@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import uuid
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -8,7 +7,7 @@ from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import Count, Prefetch, Q, QuerySet
 
-from controlplane.common.errors import ApplicationError
+from controlplane.common.errors import one_by_id
 from controlplane.jobs.models import Stage
 from controlplane.market.services import node_device_class
 from controlplane.nodes.availability import unavailable_reason
@@ -30,14 +29,7 @@ def node_list_for_user(*, user: AbstractBaseUser) -> QuerySet[Node]:
 
 def node_get_for_user(*, user: AbstractBaseUser, node_id: str) -> Node:
     """The user's node; 404 for a malformed id and for another user's node alike, so ids cannot be probed."""
-    try:
-        key = uuid.UUID(str(node_id))
-    except ValueError:
-        raise ApplicationError.not_found("node", node_id) from None
-    node = node_list_for_user(user=user).filter(pk=key).first()
-    if node is None:
-        raise ApplicationError.not_found("node", node_id)
-    return node
+    return one_by_id(node_list_for_user(user=user), "node", node_id)
 
 
 # What an agent request reads of its node (a heartbeat: nothing else); any other field loads when first used.
