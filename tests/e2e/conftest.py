@@ -3,14 +3,13 @@
 Starting a cluster (web server, Celery workers and beat, each importing Django and torch) costs more than
 most tests' own work on a small machine, so the tests share one (`cluster`): after each passing test its
 agents are killed and the control plane's tables are emptied (users and their tokens stay), so the next
-test finds what a freshly started cluster holds. After a failed test, or one that left a job unfinished,
-the cluster is stopped instead and the next test starts a new one. The broker-restart test kills Redis, so
-it runs a cluster of its own with its own redis-server (`embedded_redis_cluster`).
+test finds what a freshly started cluster holds. After a failed test, or one that left a job that a driver may
+still be working on, the cluster is stopped instead and the next test starts a new one. The cluster runs a
+redis-server of its own, so the broker-restart test may kill it like any other part.
 """
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Generator, Iterator
 from contextlib import ExitStack, contextmanager
@@ -18,7 +17,6 @@ from pathlib import Path
 
 import psycopg
 import pytest
-import redis
 from django.conf import settings
 from selenium import webdriver
 
@@ -27,7 +25,8 @@ from tests.e2e.browser import chromium
 
 FAILED = pytest.StashKey[bool]()
 APP_TABLE_PREFIXES = ("jobs_", "market_", "nodes_", "datasets_")  # the control plane's own apps
-UNFINISHED_JOB_STATUSES = ["created", "queued", "placing", "pending", "running"]
+# A job in one of these may have a driver at work or a reconcile pass placing it; a merely created one has neither.
+UNFINISHED_JOB_STATUSES = ["queued", "placing", "pending", "running"]
 
 
 @pytest.hookimpl(wrapper=True, tryfirst=True)
@@ -62,13 +61,8 @@ def fresh_database() -> Iterator[str]:
 
 
 @contextmanager
-def started_cluster(workdir: Path, *, embedded_redis: bool = False) -> Iterator[LocalCluster]:
-    """A running cluster on a fresh database, and on REDIS_URL's database (flushed), or a redis-server of
-    its own."""
-    redis_url = None
-    if not embedded_redis:
-        redis_url = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/15")
-        redis.Redis.from_url(redis_url).flushdb()
+def started_cluster(workdir: Path) -> Iterator[LocalCluster]:
+    """A running cluster on a fresh database and a redis-server of its own."""
     with fresh_database() as database_url:
         # Heartbeats and reconcile passes every second, not every 2 s: placements reach agents and lost nodes
         # are noticed sooner. A node still counts as lost only after the default 6 s of silence.
@@ -76,7 +70,7 @@ def started_cluster(workdir: Path, *, embedded_redis: bool = False) -> Iterator[
         # Compute is priced at $3600/h: the few ms a test job computes are worth whole micro-dollars (at the
         # usual $0.30/h less than one, and credit, fees and withheld credit would all round to 0).
         # The cluster's one user mints every test's nodes within the hour: more than a contributor's 30/hour.
-        cluster = LocalCluster(workdir=workdir, database_url=database_url, redis_url=redis_url,
+        cluster = LocalCluster(workdir=workdir, database_url=database_url, redis_url=None,
                                heartbeat_interval_seconds=1.0, reconcile_interval_seconds=1.0, relays=2,
                                extra_env={"ARCEUS_BASELINE_PRICE_PER_HOUR": "3600",
                                           "ARCEUS_THROTTLE_NODE_CREATE": "1000/hour"})
@@ -145,13 +139,6 @@ def cluster(shared_cluster: SharedCluster, request: pytest.FixtureRequest) -> It
     except BaseException:
         shared_cluster.stop()
         raise
-
-
-@pytest.fixture
-def embedded_redis_cluster(tmp_path: Path) -> Iterator[LocalCluster]:
-    """A cluster whose broker is a redis-server of its own, so the test may kill it."""
-    with started_cluster(tmp_path, embedded_redis=True) as cluster:
-        yield cluster
 
 
 @pytest.fixture
