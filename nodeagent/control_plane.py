@@ -174,6 +174,7 @@ class ControlPlaneClient:
         with tempfile.NamedTemporaryFile(prefix="arceus-initial-weights-", suffix=".safetensors") as file:
             size = self._download(ref.url, file, params={"start": start, "end": end}, max_bytes=max_bytes)
             initial_weights_slice_check(file, size, start, ref.layer_sha256)
+            log.info("fetched layers [%d, %d) of the initial weights: %d bytes, each layer checked", start, end, size)
             return StateFile(Path(file.name))
 
     def _download(
