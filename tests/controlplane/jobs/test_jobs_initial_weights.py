@@ -4,6 +4,7 @@ served to the agents hosting the job only."""
 
 from __future__ import annotations
 
+import importlib
 import io
 import uuid
 from pathlib import Path
@@ -11,6 +12,7 @@ from urllib.parse import urlencode
 
 import pytest
 import torch
+from django.apps import apps as django_apps
 from rest_framework.test import APIClient
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save
@@ -204,3 +206,17 @@ def test_a_model_without_a_hugging_face_format_and_anothers_job_are_refused(
     answer = put(api, mlp, b"x")
     assert answer["http"] == 400 and "a model of type 'mlp' cannot start from uploaded weights" in answer["detail"]
     assert put(other_api, llama_job, weights_file(llama_job))["http"] == 404
+
+
+def test_weights_uploaded_before_layer_digests_get_them_when_migrating(
+    api: APIClient, llama_job: Job, checkpoint_dir: Path  # noqa: F811
+) -> None:
+    data = weights_file(llama_job)
+    assert put(api, llama_job, data)["http"] == 200
+    llama_job.refresh_from_db()
+    kept = llama_job.initial_weights_layer_sha256
+    Job.objects.filter(pk=llama_job.pk).update(initial_weights_layer_sha256=[])
+    migration = importlib.import_module("controlplane.jobs.migrations.0014_job_initial_weights_layer_sha256")
+    migration.digest_uploaded_weights(django_apps, None)
+    llama_job.refresh_from_db()
+    assert llama_job.initial_weights_layer_sha256 == kept and len(kept) == 4
