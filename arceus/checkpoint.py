@@ -117,21 +117,49 @@ def merged_checkpoint(
         }
         offset += end - begin
     prefix = _prefix(merged)
+    spans = [(handle, start + info["data_offsets"][0], start + info["data_offsets"][1]) for handle, start, _, info
+             in entries]
+    return len(prefix) + offset, _copied(prefix, spans)
 
-    def chunks() -> Iterator[bytes]:
-        yield prefix
-        for handle, start, _, info in entries:
-            begin, end = info["data_offsets"]
-            handle.seek(start + begin)
-            remaining = end - begin
-            while remaining:
-                chunk = handle.read(min(CHUNK_BYTES, remaining))
-                if not chunk:
-                    raise CheckpointError("a checkpoint file ended before its tensor data did")
-                remaining -= len(chunk)
-                yield chunk
 
-    return len(prefix) + offset, chunks()
+def sliced_checkpoint(
+    source: BinaryIO, size: int, names: Mapping[str, str], metadata: dict[str, str] | None = None
+) -> tuple[int, Iterator[bytes]]:
+    """A safetensors file holding some tensors of the (seekable) safetensors file `source` of `size` bytes, each
+    under a new name (`names`: new name -> its name in `source`), as its length and a stream of chunks. Laid out
+    as safetensors' own `save` lays out tensors of one dtype (in the order of their names), so the same tensors
+    give the same bytes whichever file they are cut from. The source's header is checked (`_entries`) and each
+    tensor's bytes are read by range, a chunk at a time: the memory it takes does not grow with either file."""
+    entries = _entries(source, size)
+    absent = sorted(old for old in names.values() if old not in entries)
+    if absent:
+        raise CheckpointError(f"the weights lack {absent[0]} ({len(absent)} tensors missing)")
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for new, old in sorted(names.items()):
+        entry = entries[old]
+        header[new] = {
+            "dtype": _SAFETENSORS_DTYPES[entry.dtype], "shape": entry.shape,
+            "data_offsets": [offset, offset + entry.end - entry.begin],
+        }
+        offset += entry.end - entry.begin
+    prefix = _prefix(header)
+    spans = [(source, entries[old].begin, entries[old].end) for _, old in sorted(names.items())]
+    return len(prefix) + offset, _copied(prefix, spans)
+
+
+def _copied(prefix: bytes, spans: Sequence[tuple[BinaryIO, int, int]]) -> Iterator[bytes]:
+    """`prefix`, then the bytes [begin, end) of each (handle, begin, end), read a chunk at a time."""
+    yield prefix
+    for handle, begin, end in spans:
+        handle.seek(begin)
+        remaining = end - begin
+        while remaining:
+            chunk = handle.read(min(CHUNK_BYTES, remaining))
+            if not chunk:
+                raise CheckpointError("a checkpoint file ended before its tensor data did")
+            remaining -= len(chunk)
+            yield chunk
 
 
 # torch dtype -> safetensors dtype name

@@ -29,7 +29,7 @@ from nodeagent.metrics import AgentMetrics
 from nodeagent.neighbour_links import Neighbour, NeighbourLinks
 from nodeagent.relay_attachment import RelayAttachment
 from nodeagent.servicer import StageServicer, add_stage_service
-from nodeagent.stage import CheckpointLoader, ProgramLoader, StateUploader
+from nodeagent.stage import CheckpointLoader, InitialWeightsLoader, ProgramLoader, StateUploader
 from nodeagent.tp_servicer import TensorParallelServicer
 
 log = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ class Agent:
         max_workers: int = 64,
         load_checkpoint: CheckpointLoader | None = None,
         load_program: ProgramLoader | None = None,
+        load_initial_weights: InitialWeightsLoader | None = None,
         upload_state: StateUploader | None = None,
         link_probe_interval: float | None = None,
         solo_threads: int | None = None,
@@ -84,6 +85,7 @@ class Agent:
             max_message_bytes=max_message_bytes,
             load_checkpoint=load_checkpoint,
             load_program=load_program,
+            load_initial_weights=load_initial_weights,
             build_seconds=self.metrics.stage_build_seconds,
         )
         # RunStep holds a worker for the whole step while the pushes it waits for need others. No caller may

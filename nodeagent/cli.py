@@ -267,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         advertise=args.advertise,
         load_checkpoint=load_local_checkpoint if client is None else client.fetch_checkpoint,
         load_program=None if client is None else client.fetch_program,
+        load_initial_weights=None if client is None else client.fetch_initial_weights,
         upload_state=None if client is None else client.upload_state,
         link_probe_interval=None if client is None else args.link_probe_interval,
         solo_threads=args.solo_threads,

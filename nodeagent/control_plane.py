@@ -16,15 +16,16 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import requests
 
 from arceus.checkpoint import CHUNK_BYTES, StateFile
-from arceus.contracts.assignment import Assignment, CheckpointRef
+from arceus.contracts.assignment import Assignment, CheckpointRef, InitialWeightsRef
 from arceus.contracts.observed import ObservedStage
 from arceus.errors import SpecError
 from arceus.model.exported.program import MAX_PROGRAM_BYTES
+from arceus.model.hugging_face import initial_weights_slice_check
 from nodeagent.agent import Agent
 from nodeagent.host_load import HostLoad
 from nodeagent.stage import StateUploadError
@@ -160,23 +161,44 @@ class ControlPlaneClient:
 
     def fetch_checkpoint(self, ref: CheckpointRef) -> StateFile:
         """Download a stage checkpoint named by an assignment into a temporary file, a chunk at a time, and
-        check it against its hash; its tensors then load one at a time. Only paths on this control plane
-        are fetched: the node token never goes to another host."""
-        if not ref.url.startswith("/"):
-            raise ControlPlaneError(f"checkpoint url {ref.url!r} is not a path on the control plane")
-        url = f"{self.url}{ref.url}"
+        check it against its hash; its tensors then load one at a time."""
         with tempfile.NamedTemporaryFile(prefix="arceus-checkpoint-", suffix=".safetensors") as file:
-            try:
-                with self._session.get(url, timeout=self.timeout, stream=True) as response:
-                    if response.status_code >= 300:
-                        raise ControlPlaneError(f"GET {url} → HTTP {response.status_code}: {response.text[:500]}")
-                    for chunk in response.iter_content(chunk_size=CHUNK_BYTES):
-                        file.write(chunk)
-            except requests.RequestException as exc:
-                raise ControlPlaneError(f"GET {url} failed: {exc}") from exc
-            file.flush()
+            self._download(ref.url, file)
             # Open (and map) it before the file goes: its tensors stay readable until the state is dropped.
             return StateFile(Path(file.name), sha256=ref.sha256)
+
+    def fetch_initial_weights(self, ref: InitialWeightsRef, start: int, end: int, max_bytes: int) -> StateFile:
+        """Layers [start, end) of a job's uploaded weights (only those: the control plane cuts them from the
+        upload) into a temporary file of at most `max_bytes`, a chunk at a time; each layer is checked against
+        its digest in `ref` before a tensor of it loads. CheckpointError for a slice that is not those layers."""
+        with tempfile.NamedTemporaryFile(prefix="arceus-initial-weights-", suffix=".safetensors") as file:
+            size = self._download(ref.url, file, params={"start": start, "end": end}, max_bytes=max_bytes)
+            initial_weights_slice_check(file, size, start, ref.layer_sha256)
+            log.info("fetched layers [%d, %d) of the initial weights: %d bytes, each layer checked", start, end, size)
+            return StateFile(Path(file.name))
+
+    def _download(
+        self, path: str, file: BinaryIO, *, params: dict[str, Any] | None = None, max_bytes: int | None = None
+    ) -> int:
+        """GET `path` on this control plane (the node token never goes to another host) into `file`, a chunk at a
+        time, refusing more than `max_bytes`; the bytes written."""
+        if not path.startswith("/"):
+            raise ControlPlaneError(f"download path {path!r} is not a path on the control plane")
+        url = f"{self.url}{path}"
+        written = 0
+        try:
+            with self._session.get(url, params=params, timeout=self.timeout, stream=True) as response:
+                if response.status_code >= 300:
+                    raise ControlPlaneError(f"GET {url} → HTTP {response.status_code}: {response.text[:500]}")
+                for chunk in response.iter_content(chunk_size=CHUNK_BYTES):
+                    written += len(chunk)
+                    if max_bytes is not None and written > max_bytes:
+                        raise ControlPlaneError(f"GET {url} answered more than the {max_bytes} bytes expected")
+                    file.write(chunk)
+        except requests.RequestException as exc:
+            raise ControlPlaneError(f"GET {url} failed: {exc}") from exc
+        file.flush()
+        return written
 
     def fetch_program(self, path: str, start: int, end: int) -> list[str]:
         """Layers [start, end)'s documents of an exported model's program at `path` on this control plane (the

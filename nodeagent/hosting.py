@@ -29,7 +29,7 @@ from nodeagent.callers import Guard
 from nodeagent.device import memory_summary
 from nodeagent.heap import release_free_memory
 from nodeagent.rpc import RpcFailure
-from nodeagent.stage import CheckpointLoader, HostedStage, ProgramLoader, build_hosted_stage
+from nodeagent.stage import CheckpointLoader, HostedStage, InitialWeightsLoader, ProgramLoader, build_hosted_stage
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +46,14 @@ class HostedStages:
         load_checkpoint: CheckpointLoader | None = None,
         build_seconds: Histogram | None = None,
         load_program: ProgramLoader | None = None,
+        load_initial_weights: InitialWeightsLoader | None = None,
     ) -> None:
         """`build_seconds`: observes each stage build's wall time, labelled by `source` (initial or checkpoint)."""
         self._device = device
         self._build_seconds = build_seconds
         self._load_checkpoint = load_checkpoint
         self._load_program = load_program
+        self._load_initial_weights = load_initial_weights
         self._max_message_bytes = max_message_bytes
         self._lock = threading.Lock()
         self._apply_lock = threading.Lock()
@@ -115,6 +117,7 @@ class HostedStages:
                         max_message_bytes=self._max_message_bytes,
                         load_checkpoint=self._load_checkpoint,
                         load_program=self._load_program,
+                        load_initial_weights=self._load_initial_weights,
                         tensor_parallel=group,
                     )
                     seconds = time.perf_counter() - started

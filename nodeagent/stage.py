@@ -8,9 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from arceus.contracts.assignment import Assignment, CheckpointRef
+from arceus.contracts.assignment import Assignment, CheckpointRef, InitialWeightsRef
 from arceus.model.build import build_layers
-from arceus.model.hugging_face import stage_weights
+from arceus.model.hugging_face import initial_weights_slice_bytes
 from arceus.model.layout import TensorLayout
 from arceus.model.registry import architecture_of
 from arceus.model.tensor_parallel import build_parallel_layers, slice_state_tensors
@@ -165,6 +165,10 @@ ProgramLoader = Callable[[str, int, int], list[str]]
 # A stage's checkpoint by its reference: a mapping that may load each tensor only when asked (StateFile).
 CheckpointLoader = Callable[[CheckpointRef], Mapping[str, torch.Tensor]]
 
+# Layers [layer_start, layer_end) of a job's uploaded weights under the pipeline's names, each layer checked against
+# its digest in the reference: (reference, layer_start, layer_end, the most bytes the slice may take). Lazy as above.
+InitialWeightsLoader = Callable[[InitialWeightsRef, int, int, int], Mapping[str, torch.Tensor]]
+
 
 class StateUploadError(RuntimeError):
     """A stage's state could not be uploaded to the control plane (the message says why)."""
@@ -184,19 +188,20 @@ def build_hosted_stage(
     load_checkpoint: CheckpointLoader | None = None,
     tensor_parallel: TensorParallelGroup | None = None,
     load_program: ProgramLoader | None = None,
+    load_initial_weights: InitialWeightsLoader | None = None,
 ) -> HostedStage:
     """Build the stage from its declarative spec only: layers [start, end) initialised from the seed,
     then, if the assignment names a checkpoint, its weights and optimizer state loaded from it, else, if it
-    names the job's uploaded initial weights, the stage's layers of those. A rank of
+    names the job's uploaded initial weights, the stage's layers of those (fetched alone). A rank of
     a tensor-parallel stage (`tensor_parallel`) builds, and loads, its shard of the layers. An exported model's
     layers are built from their documents (`load_program`), each checked, operators included, before anything
     of it is built."""
     spec = assignment.spec
+    start, end = assignment.layer_start, assignment.layer_end
     if architecture_of(spec).ships_program:
         if assignment.program is None or load_program is None:
             missing = "its assignment names no program" if load_program else "this agent cannot fetch programs"
             raise ValueError(f"{assignment.stage_id} is a stage of an exported model, but {missing}")
-        start, end = assignment.layer_start, assignment.layer_end
         documents = load_program(assignment.program, start, end)
         spec = spec.with_documents(dict(zip(range(start, end), documents, strict=True)))
     if tensor_parallel is None:
@@ -221,13 +226,17 @@ def build_hosted_stage(
         precision=assignment.precision,
         activation_checkpointing=assignment.activation_checkpointing,
     )
-    start_from = assignment.checkpoint or assignment.initial_weights
-    if start_from is not None:
+    tensors: Mapping[str, torch.Tensor] | None = None
+    if assignment.checkpoint is not None:
         if load_checkpoint is None:
             raise ValueError(f"{assignment.stage_id} resumes from a checkpoint, but this agent cannot fetch one")
-        tensors = load_checkpoint(start_from)  # a checkpoint is always of the unsplit stage
-        if assignment.checkpoint is None:  # the job's uploaded weights: the whole model, Hugging Face's names
-            tensors = stage_weights(spec, assignment.layer_start, assignment.layer_end, tensors)
+        tensors = load_checkpoint(assignment.checkpoint)
+    elif assignment.initial_weights is not None:
+        if load_initial_weights is None:
+            raise ValueError(f"{assignment.stage_id} starts from uploaded weights, but this agent cannot fetch them")
+        bound = initial_weights_slice_bytes(spec, start, end)
+        tensors = load_initial_weights(assignment.initial_weights, start, end, bound)
+    if tensors is not None:  # both are of the unsplit stage
         if tensor_parallel is not None:
             tensors = slice_state_tensors(spec, tensor_parallel.shard, tensors)
         runtime.load_state_tensors(tensors)

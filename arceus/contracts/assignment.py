@@ -51,6 +51,7 @@ _OPTIONAL_FIELDS = frozenset(
 )
 _OPTIMIZER_FIELDS = frozenset({"name", "lr", "momentum", "weight_decay"})
 _CHECKPOINT_FIELDS = frozenset({"step", "url", "sha256"})
+_INITIAL_WEIGHTS_FIELDS = frozenset({"url", "layer_sha256"})
 _TENSOR_PARALLEL_FIELDS = frozenset({"rank", "size", "peers"})
 
 
@@ -68,6 +69,16 @@ class CheckpointRef:
     step: int
     url: str
     sha256: str
+
+
+@dataclass(frozen=True)
+class InitialWeightsRef:
+    """Where the stage's layers of the job's uploaded weights are fetched (a path on the control plane;
+    `?start=&end=` picks the layers) and each layer's digest (`arceus.model.hugging_face`), in layer order
+    from the stage's first: the agent checks what it receives against them."""
+
+    url: str
+    layer_sha256: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -111,9 +122,9 @@ class Assignment:
     # The TLS certificate (PEM) registered by the agent at each address this stage calls: it trusts no other.
     certificates: Mapping[str, str]
     checkpoint: CheckpointRef | None = None  # None: start from the initial weights
-    # The job's uploaded starting weights (the whole model, under Hugging Face names; step 0): the initial
-    # weights when set, else the seeded ones.
-    initial_weights: CheckpointRef | None = None
+    # The stage's layers of the job's uploaded starting weights: the initial weights when set, else the seeded
+    # ones.
+    initial_weights: InitialWeightsRef | None = None
     # Where an exported model's layers are fetched (a path on the control plane; `?start=&end=` picks them),
     # each checked against its hash in `model`; None for a model built from code.
     program: str | None = None
@@ -233,7 +244,7 @@ class Assignment:
             credentials=StageCredentials.from_json(data["credentials"]),
             certificates=_certificates(data["certificates"], called),
             checkpoint=_checkpoint(data.get("checkpoint")),
-            initial_weights=_checkpoint(data.get("initial_weights"), "assignment.initial_weights"),
+            initial_weights=_initial_weights(data.get("initial_weights"), layer_end - layer_start),
             program=_program(data.get("program")),
             transfer=transfer_config_from_json(data.get("transfer"), field="assignment.transfer"),
             precision=precision,
@@ -275,7 +286,7 @@ class Assignment:
                 if self.initial_weights is None
                 else {
                     "initial_weights": {
-                        "step": 0, "url": self.initial_weights.url, "sha256": self.initial_weights.sha256
+                        "url": self.initial_weights.url, "layer_sha256": list(self.initial_weights.layer_sha256)
                     }
                 }
             ),
@@ -410,7 +421,29 @@ def _optimizer(value: Any) -> OptimizerConfig:
     return OptimizerConfig(name=name, **numbers)
 
 
-def _checkpoint(value: Any, field: str = "assignment.checkpoint") -> CheckpointRef | None:
+def _initial_weights(value: Any, layers: int) -> InitialWeightsRef | None:
+    field = "assignment.initial_weights"
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != _INITIAL_WEIGHTS_FIELDS:
+        fields = ", ".join(sorted(_INITIAL_WEIGHTS_FIELDS))
+        raise SpecError(field, f"must be null or an object with exactly the fields {fields}")
+    url, digests = value["url"], value["layer_sha256"]
+    if not isinstance(url, str) or not url.startswith("/") or len(url) > 300:
+        raise SpecError(f"{field}.url", f"must be a path on the control plane, got {url!r}")
+    if not isinstance(digests, list) or len(digests) != layers or not all(map(_is_sha256, digests)):
+        raise SpecError(
+            f"{field}.layer_sha256", f"must be a list of {layers} SHA-256s (64 lowercase hex digits), one per layer"
+        )
+    return InitialWeightsRef(url=url, layer_sha256=tuple(digests))
+
+
+def _is_sha256(value: Any) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+def _checkpoint(value: Any) -> CheckpointRef | None:
+    field = "assignment.checkpoint"
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -424,6 +457,6 @@ def _checkpoint(value: Any, field: str = "assignment.checkpoint") -> CheckpointR
     if not isinstance(url, str) or not url:
         raise SpecError(f"{field}.url", f"must be a non-empty string, got {url!r}")
     sha256 = value["sha256"]
-    if not isinstance(sha256, str) or len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
+    if not _is_sha256(sha256):
         raise SpecError(f"{field}.sha256", f"must be 64 lowercase hex digits, got {sha256!r}")
     return CheckpointRef(step=step, url=url, sha256=sha256)

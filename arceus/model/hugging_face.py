@@ -3,19 +3,28 @@ that has that format (`Architecture.hugging_face`). Out: a trained model streame
 from the stage checkpoint files range by range, so its length is known up front and the memory it takes
 does not grow with the model; `tar -xf` (or `tarfile`) gives the folder `from_pretrained` loads. In: such a
 `model.safetensors` as a job's starting weights (fine-tuning), checked from its header, and each stage's
-layers read from it under the pipeline's names.
+layers cut from it under the pipeline's names (`initial_weights_slice`): an agent receives only its layers.
+
+A slice is checked layer by layer: each layer's digest is the SHA-256 of the safetensors file of that layer's
+weights alone under the pipeline's names (as `sliced_checkpoint` lays it out, so it is the same bytes cut from
+the upload or from a slice). The control plane computes every layer's digest when the weights are uploaded and
+the assignment carries the stage's; the agent recomputes them from what it received. What the storage or any
+hop between holds cannot change a layer without its digest changing.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
+import re
 import tarfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import BinaryIO
 
 import torch
 
-from arceus.checkpoint import CheckpointError, merged_checkpoint, stored_layout, tensor_layouts
+from arceus.checkpoint import CheckpointError, merged_checkpoint, sliced_checkpoint, tensor_layouts
 from arceus.errors import SpecError
 from arceus.model.architecture import HuggingFaceFormat
 from arceus.model.expected_state import expected_stage_state
@@ -91,41 +100,78 @@ def hugging_face_weights_check(spec: ModelSpec, handle: BinaryIO, size: int) -> 
             raise CheckpointError(f"{name} is {got_dtype} {got_shape}; the model's is {dtype} {shape}")
 
 
-def stage_weights(
-    spec: ModelSpec, layer_start: int, layer_end: int, tensors: Mapping[str, torch.Tensor]
-) -> Mapping[str, torch.Tensor]:
-    """Layers [layer_start, layer_end)'s weights under the pipeline's names, from the whole model's under their
-    uploaded names (checked by `hugging_face_weights_check`); a lazy mapping (`StateFile`) stays lazy."""
+def initial_weights_slice(
+    spec: ModelSpec, source: BinaryIO, size: int, layer_start: int, layer_end: int
+) -> tuple[int, Iterator[bytes]]:
+    """Layers [layer_start, layer_end)'s weights under the pipeline's names, cut from the uploaded weights
+    (`source`, `size` bytes, checked by `hugging_face_weights_check`) by range: a safetensors file as its length
+    and a stream of chunks."""
     named = initial_weights_names(spec)
-    return _Renamed(tensors, {name: named(name) for name in _weights(spec, layer_start, layer_end)})
+    return sliced_checkpoint(source, size, {name: named(name) for name in _weights(spec, layer_start, layer_end)})
+
+
+def initial_weights_slice_bytes(spec: ModelSpec, layer_start: int, layer_end: int) -> int:
+    """The most bytes `initial_weights_slice` of layers [layer_start, layer_end) may take: their tensors' data
+    and a header of at most 1 KiB per tensor (what an agent allows the download)."""
+    weights = _weights(spec, layer_start, layer_end)
+    return sum(math.prod(shape) * dtype.itemsize + 1024 for dtype, shape in weights.values()) + 8
+
+
+def initial_weights_layer_digests(spec: ModelSpec, source: BinaryIO, size: int) -> list[str]:
+    """Each layer's digest (the module docstring) of the uploaded weights `source` (`size` bytes, checked by
+    `hugging_face_weights_check`), in layer order: read once, a chunk at a time."""
+    named = initial_weights_names(spec)
+    by_layer = _by_layer(_weights(spec, 0, spec.num_layers))
+    return [
+        _digest(sliced_checkpoint(source, size, {name: named(name) for name in by_layer.get(i, ())})[1])
+        for i in range(spec.num_layers)
+    ]
+
+
+def initial_weights_slice_check(handle: BinaryIO, size: int, layer_start: int, digests: Sequence[str]) -> None:
+    """CheckpointError unless the safetensors file (`size` bytes) holds the weights of layers [layer_start,
+    layer_start + len(digests)) and nothing else, each layer's hashing to its digest: what an agent checks of
+    the slice it received before it loads a tensor of it."""
+    by_layer = _by_layer(tensor_layouts(handle, size))
+    layers = range(layer_start, layer_start + len(digests))
+    strays = sorted(set(by_layer) - set(layers))
+    if strays:
+        raise CheckpointError(
+            f"the initial weights hold layer {strays[0]}, outside layers [{layers.start}, {layers.stop})"
+        )
+    for layer, expected in zip(layers, digests, strict=True):
+        actual = _digest(sliced_checkpoint(handle, size, {name: name for name in by_layer.get(layer, ())})[1])
+        if actual != expected:
+            raise CheckpointError(
+                f"layer {layer} of the initial weights hashes to {actual}, expected {expected}: corrupt or replaced"
+            )
+
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def _by_layer(names: Iterable[str]) -> dict[int, list[str]]:
+    """Pipeline parameter names ("layers.<i>.<name>") by layer; CheckpointError for a name of no layer."""
+    found: dict[int, list[str]] = {}
+    for name in names:
+        match = _LAYER.match(name)
+        if match is None:
+            raise CheckpointError(f"{name} is no layer's parameter (a pipeline name is layers.<i>.<name>)")
+        found.setdefault(int(match[1]), []).append(name)
+    return found
+
+
+def _digest(chunks: Iterable[bytes]) -> str:
+    digest = hashlib.sha256()
+    for chunk in chunks:
+        digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _weights(spec: ModelSpec, layer_start: int, layer_end: int) -> dict[str, tuple[torch.dtype, list[int]]]:
     return expected_stage_state(
         spec, stage_index=0, layer_start=layer_start, layer_end=layer_end, optimizer="sgd"
     ).weights
-
-
-class _Renamed(Mapping[str, torch.Tensor]):
-    """Some of a mapping's tensors under other names, loaded only when asked for."""
-
-    def __init__(self, tensors: Mapping[str, torch.Tensor], sources: dict[str, str]) -> None:
-        self._tensors, self._sources = tensors, sources
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        return self._tensors[self._sources[name]]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._sources)
-
-    def __len__(self) -> int:
-        return len(self._sources)
-
-    def shape_of(self, name: str) -> list[int]:
-        return stored_layout(self._tensors, self._sources[name])[1]
-
-    def dtype_of(self, name: str) -> torch.dtype:
-        return stored_layout(self._tensors, self._sources[name])[0]
 
 
 def _header(name: str, size: int) -> bytes:

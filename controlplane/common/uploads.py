@@ -1,4 +1,5 @@
-"""A request body read by a storage as a file: at most its declared length, hashed and counted as it streams."""
+"""A request body read by a storage as a file: at most its declared length, hashed and counted as it streams; a
+stored file read by range; stored files deleted."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import hashlib
 import io
 import logging
 from collections.abc import Iterable
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from django.core.files.storage import Storage
 
@@ -38,6 +39,51 @@ class HashingReader(io.RawIOBase):
         return data
 
     def readable(self) -> bool:
+        return True
+
+
+def storage_open_ranged(storage: Storage, name: str) -> tuple[BinaryIO, int]:
+    """A stored file open for reading by range (seek, read) and its size. A filesystem's file is that already;
+    an S3 object (django-storages' S3File, which downloads the whole object at its first read) is read through
+    one ranged GET per read instead, so a reader of a few tensors of a large file fetches only their bytes."""
+    handle = storage.open(name, "rb")
+    stored = getattr(handle, "obj", None)  # S3File's boto3 Object, loaded (its size known), not yet downloaded
+    if stored is None:
+        return handle, storage.size(name)
+    handle.close()
+    return _RangedObject(stored), stored.content_length
+
+
+class _RangedObject(io.RawIOBase):
+    """A boto3 S3 Object as a seekable read-only file: each read is one GET of the bytes it asks for."""
+
+    def __init__(self, stored: Any) -> None:
+        super().__init__()
+        self._object, self._size, self._position = stored, stored.content_length, 0
+
+    def readinto(self, buffer: Any) -> int:
+        n = min(len(buffer), self._size - self._position)
+        if n <= 0:
+            return 0
+        body = self._object.get(Range=f"bytes={self._position}-{self._position + n - 1}")["Body"]
+        data = body.read()
+        body.close()
+        buffer[: len(data)] = data
+        self._position += len(data)
+        return len(data)
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._position, io.SEEK_END: self._size}[whence]
+        self._position = max(0, base + offset)
+        return self._position
+
+    def tell(self) -> int:
+        return self._position
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
         return True
 
 

@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 from django.conf import settings
 from django.core.files.base import File
 from django.db import transaction
-from django.db.models import Max, QuerySet
+from django.db.models import F, Max, QuerySet
 
 from arceus.checkpoint import (
     OPTIMIZER_PREFIX,
@@ -41,12 +41,14 @@ from arceus.model.hugging_face import (
     hugging_face_folder,
     hugging_face_format,
     hugging_face_weights_check,
+    initial_weights_layer_digests,
     initial_weights_names,
+    initial_weights_slice,
 )
 from arceus.model.registry import model_spec_from_config
 from arceus.training.plan import StageEndpoint, StageStateFile
 from controlplane.common.errors import ApplicationError
-from controlplane.common.uploads import HashingReader, storage_delete
+from controlplane.common.uploads import HashingReader, storage_delete, storage_open_ranged
 from controlplane.controller.leases import held, job_checkpointed
 from controlplane.jobs.models import Checkpoint, CheckpointUpload, Job, Stage, StageCheckpoint, checkpoint_storage
 from controlplane.monitoring import metrics
@@ -339,9 +341,10 @@ def job_model_file(*, job: Job, model_format: str = "safetensors") -> ModelFile:
 def job_initial_weights_receive(*, job: Job, body: BinaryIO, length: int | None) -> Job:
     """Store the `length` bytes of `body` as the job's initial weights, a chunk at a time, hashing them as they
     arrive: a Hugging Face `model.safetensors` (an exported model: the weights capture() wrote) holding exactly
-    the model's parameters (checked from its header;
-    refused, and nothing kept, otherwise). Only before the job trains (created, failed or cancelled: a start
-    trains from them); a later upload replaces an earlier one."""
+    the model's parameters (checked from its header; refused, and nothing kept, otherwise), and each layer's
+    digest (`arceus.model.hugging_face`), which the assignments carry so agents check the slices they fetch.
+    Only before the job trains (created, failed or cancelled: a start trains from them); a later upload
+    replaces an earlier one."""
     spec = model_spec_from_config(job.model_config)
     try:
         initial_weights_names(spec)
@@ -359,15 +362,18 @@ def job_initial_weights_receive(*, job: Job, body: BinaryIO, length: int | None)
             raise ApplicationError.invalid(
                 "body", f"the upload ended after {reader.received} of its {length} bytes; send it again"
             )
-        with storage.open(name, "rb") as handle:
-            hugging_face_weights_check(spec, handle, length)
+        handle, size = storage_open_ranged(storage, name)
+        with handle:
+            hugging_face_weights_check(spec, handle, size)
+            layer_digests = initial_weights_layer_digests(spec, handle, size)
         with transaction.atomic():
             locked = Job.objects.select_for_update().filter(pk=job.pk, status__in=STARTABLE_STATUSES).first()
             if locked is None:
                 raise ApplicationError.conflict(f"job {job.id} started meanwhile; its weights were not replaced")
             replaced = locked.initial_weights.name
             locked.initial_weights, locked.initial_weights_sha256 = name, reader.digest.hexdigest()
-            locked.save(update_fields=["initial_weights", "initial_weights_sha256"])
+            locked.initial_weights_layer_sha256 = layer_digests
+            locked.save(update_fields=["initial_weights", "initial_weights_sha256", "initial_weights_layer_sha256"])
             if replaced:
                 transaction.on_commit(lambda: _delete_files([replaced]))
     except CheckpointError as exc:
@@ -379,12 +385,63 @@ def job_initial_weights_receive(*, job: Job, body: BinaryIO, length: int | None)
     return locked
 
 
-def job_initial_weights_for_node(*, node_id: Any, job_id: str) -> Job:
-    """A job whose initial weights the node may download: it hosts one of the job's stages now."""
+@dataclass(frozen=True)
+class WeightsSlice:
+    """A stage's layers of a job's uploaded initial weights, as one safetensors file served as a stream."""
+
+    size_bytes: int
+    chunks: Iterator[bytes]  # closes the stored file once consumed (or closed)
+
+
+def job_initial_weights_slice_for_node(*, node_id: Any, job_id: str, start: Any, end: Any) -> WeightsSlice:
+    """Layers [start, end) of a job's uploaded initial weights under the pipeline's names, for a node that hosts a
+    stage holding them: cut from the stored file by range, so neither the web process nor the agent holds more
+    than those layers (the agent checks each layer against its digest in the assignment)."""
     job = Job.objects.filter(pk=_uuid_or_none(job_id)).exclude(initial_weights="").first()
-    if job is None or not Stage.objects.filter(job=job, node_id=node_id, active=True).exists():
-        raise ApplicationError.not_found("initial weights of job", job_id)
-    return job
+    first, last = hosted_layers(node_id=node_id, job=job, job_id=job_id, start=start, end=end, what="initial weights")
+    assert job is not None  # hosted_layers found a stage of it
+    handle, size = storage_open_ranged(checkpoint_storage(), job.initial_weights.name)
+    try:
+        length, chunks = initial_weights_slice(model_spec_from_config(job.model_config), handle, size, first, last)
+    except CheckpointError as exc:  # checked when it was uploaded: the stored file changed since
+        handle.close()
+        raise ApplicationError.conflict(f"job {job.id}'s stored initial weights are unreadable: {exc}") from exc
+    except BaseException:
+        handle.close()
+        raise
+
+    def stream() -> Iterator[bytes]:
+        try:
+            yield from chunks
+        finally:
+            handle.close()
+
+    return WeightsSlice(size_bytes=length, chunks=stream())
+
+
+def hosted_layers(*, node_id: Any, job: Job | None, job_id: str, start: Any, end: Any, what: str) -> tuple[int, int]:
+    """Layers [start, end) of `job` (query parameters) that one of the node's stages of the job's current
+    generation holds. A stranger (no such job, or none of its stages on this node) gets a 404 before its query
+    is looked at, learning nothing; a host gets a 400 naming a malformed range and a 404 for layers it does not
+    host."""
+    hosted = Stage.objects.filter(job=job, node_id=node_id, active=True, generation=F("job__generation"))
+    if job is None or not hosted.exists():
+        raise ApplicationError.not_found(f"{what} of job", job_id)
+    first, last = _layer_index(start, "start"), _layer_index(end, "end")
+    layers = model_spec_from_config(job.model_config).num_layers
+    if last <= first:
+        raise ApplicationError.invalid("end", f"must be above start ({first}), got {last}")
+    if last > layers:
+        raise ApplicationError.invalid("end", f"the model has {layers} layers: end is at most {layers}, got {last}")
+    if not hosted.filter(layer_start__lte=first, layer_end__gte=last).exists():
+        raise ApplicationError.not_found(f"{what} layers of job", f"{job_id} [{first}, {last})")
+    return first, last
+
+
+def _layer_index(value: Any, name: str) -> int:
+    if not isinstance(value, str) or not value.isdigit() or len(value) > 9:
+        raise ApplicationError.invalid(name, f"must be a layer index (0, 1, ...), got {value!r}")
+    return int(value)
 
 
 class _LeaseLost(Exception):

@@ -109,6 +109,9 @@ class Job(BaseModel):
     # names, checked when it arrived) and their hash; empty: the weights seeded by `seed`.
     initial_weights = models.FileField(storage=checkpoint_storage, max_length=300, blank=True)
     initial_weights_sha256 = models.CharField(max_length=64, blank=True)
+    # Each layer's digest of them (arceus.model.hugging_face), in layer order: what an agent checks the slice
+    # of its stage's layers against (the assignment carries its stage's).
+    initial_weights_layer_sha256 = models.JSONField(default=list, blank=True)
     # An exported model's program (arceus.model.exported.program: its layers' graphs as JSON, checked against
     # the model config's hashes and the operator allow-list when it arrived) and its hash; empty: none.
     program = models.FileField(storage=checkpoint_storage, max_length=300, blank=True)

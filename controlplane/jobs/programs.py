@@ -16,8 +16,8 @@ from arceus.errors import SpecError
 from arceus.model.exported.program import MAX_PROGRAM_BYTES, program_layers
 from arceus.model.registry import architecture_of, model_spec_from_config
 from controlplane.common.errors import ApplicationError
-from controlplane.jobs.checkpoints import _delete_files, _upload_reader, _uuid_or_none
-from controlplane.jobs.models import Job, Stage, checkpoint_storage
+from controlplane.jobs.checkpoints import _delete_files, _upload_reader, _uuid_or_none, hosted_layers
+from controlplane.jobs.models import Job, checkpoint_storage
 
 
 def job_program_receive(*, job: Job, body: BinaryIO, length: int | None) -> Job:
@@ -74,18 +74,8 @@ def job_program_receive(*, job: Job, body: BinaryIO, length: int | None) -> Job:
 def job_program_layers_for_node(*, node_id: Any, job_id: str, start: Any, end: Any) -> list[str]:
     """The documents of layers [start, end) of a job's program, for a node that hosts a stage holding them."""
     job = Job.objects.filter(pk=_uuid_or_none(job_id)).exclude(program="").first()
-    hosted = Stage.objects.filter(job=job, node_id=node_id, active=True)
-    if job is None or not hosted.exists():  # a stranger learns nothing, not even what its query got wrong
-        raise ApplicationError.not_found("program of job", job_id)
-    first, last = _index(start, "start"), _index(end, "end")
-    if first >= last or not hosted.filter(layer_start__lte=first, layer_end__gte=last).exists():
-        raise ApplicationError.not_found("program layers of job", f"{job_id} [{start}, {end})")
+    first, last = hosted_layers(node_id=node_id, job=job, job_id=job_id, start=start, end=end, what="program")
+    assert job is not None  # hosted_layers found a stage of it
     with checkpoint_storage().open(job.program.name, "rb") as handle:
         layers = json.loads(handle.read(MAX_PROGRAM_BYTES + 1))["layers"]  # checked when it was uploaded
     return layers[first:last]
-
-
-def _index(value: Any, name: str) -> int:
-    if not isinstance(value, str) or not value.isdigit():
-        raise ApplicationError.invalid(name, f"must be a layer index, got {value!r}")
-    return int(value)

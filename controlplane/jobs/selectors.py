@@ -16,6 +16,7 @@ from django.db.models import Count, F, Q, QuerySet, Sum
 from arceus.contracts.assignment import (
     Assignment,
     CheckpointRef,
+    InitialWeightsRef,
     OptimizerConfig,
     TensorParallelConfig,
     max_micro_batch_size,
@@ -212,8 +213,9 @@ def _assignment(
         else CheckpointRef(
             step=checkpoint.checkpoint.step, url=f"/api/agent/checkpoints/{checkpoint.id}", sha256=checkpoint.sha256
         ),
-        initial_weights=CheckpointRef(
-            step=0, url=f"/api/agent/jobs/{job.id}/initial-weights", sha256=job.initial_weights_sha256
+        initial_weights=InitialWeightsRef(
+            url=f"/api/agent/jobs/{job.id}/initial-weights",
+            layer_sha256=tuple(job.initial_weights_layer_sha256[stage.layer_start : stage.layer_end]),
         )
         if job.initial_weights
         else None,

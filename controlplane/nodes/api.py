@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from django.conf import settings
-from django.http import FileResponse
+from django.http import FileResponse, StreamingHttpResponse
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import status
@@ -16,7 +16,7 @@ from controlplane.common.client_ip import client_ip
 from controlplane.common.schema import ErrorOutput
 from controlplane.jobs.checkpoints import (
     checkpoint_upload_receive,
-    job_initial_weights_for_node,
+    job_initial_weights_slice_for_node,
     stage_checkpoint_for_node,
 )
 from controlplane.jobs.models import checkpoint_storage
@@ -204,14 +204,26 @@ class AgentCheckpointApi(AgentApi):
 
 
 class AgentInitialWeightsApi(AgentApi):
-    """The uploaded initial weights of a job one of this node's assignments names (safetensors bytes)."""
+    """Layers [start, end) of the uploaded initial weights of a job, for a node hosting a stage that holds them:
+    a safetensors file of those layers' weights under the pipeline's names, cut from the upload as it streams;
+    the agent checks each layer against the digest its assignment carries."""
 
-    @extend_schema(responses={(200, "application/octet-stream"): bytes})
-    def get(self, request: Request, job_id: str) -> FileResponse:
-        job = job_initial_weights_for_node(node_id=request.auth.id, job_id=job_id)
-        handle = checkpoint_storage().open(job.initial_weights.name, "rb")
-        response = FileResponse(handle, content_type="application/octet-stream")
-        response["X-Checkpoint-SHA256"] = job.initial_weights_sha256
+    @extend_schema(
+        parameters=[
+            OpenApiParameter("start", int, OpenApiParameter.QUERY, description="First layer"),
+            OpenApiParameter("end", int, OpenApiParameter.QUERY, description="One past the last layer"),
+        ],
+        responses={(200, "application/octet-stream"): bytes, 409: ErrorOutput},
+    )
+    def get(self, request: Request, job_id: str) -> StreamingHttpResponse:
+        weights = job_initial_weights_slice_for_node(
+            node_id=request.auth.id,
+            job_id=job_id,
+            start=request.query_params.get("start"),
+            end=request.query_params.get("end"),
+        )
+        response = StreamingHttpResponse(weights.chunks, content_type="application/octet-stream")
+        response["Content-Length"] = str(weights.size_bytes)
         return response
 
 

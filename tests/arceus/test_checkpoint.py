@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save
 
 from arceus.checkpoint import (
     CHUNK_BYTES,
@@ -19,6 +20,7 @@ from arceus.checkpoint import (
     encode_checkpoint,
     file_digest,
     merged_checkpoint,
+    sliced_checkpoint,
 )
 
 
@@ -153,6 +155,67 @@ def test_a_file_that_is_no_safetensors_is_refused_with_the_reason() -> None:
     with pytest.raises(CheckpointError, match="header is no JSON"):
         merged_checkpoint([io.BytesIO(struct.pack("<Q", 4) + b"nope")], keep=lambda name: True, metadata={})
     assert file_digest(io.BytesIO(b"abc")) == hashlib.sha256(b"abc").hexdigest()
+
+
+# --- a slice: some tensors of one file, renamed, read by range -----------------------------------------
+def test_a_slice_is_the_file_safetensors_itself_saves_of_those_tensors_under_their_new_names() -> None:
+    source = {f"model.layers.{i}.{p}": torch.randn(3, 5 + i) for i in range(4) for p in ("q", "k", "norm")}
+    source["model.embed"] = torch.randn(7, 3)
+    data = save(source, metadata={"format": "pt"})
+    names = {f"layers.{i + 1}.{p}": f"model.layers.{i}.{p}" for i in (1, 2) for p in ("q", "k", "norm")}
+    names["layers.9.tied"] = "model.embed"  # one source tensor may appear under any new name
+    size, chunks = sliced_checkpoint(io.BytesIO(data), len(data), names)
+    sliced = b"".join(chunks)
+    assert len(sliced) == size
+    assert sliced == save({new: source[old] for new, old in names.items()})
+    metadata = {"format": "pt"}
+    _, chunks = sliced_checkpoint(io.BytesIO(data), len(data), names, metadata=metadata)
+    assert b"".join(chunks) == save({new: source[old] for new, old in names.items()}, metadata=metadata)
+
+
+def test_a_slice_names_a_missing_tensor_and_refuses_a_source_that_is_not_what_its_header_says() -> None:
+    data = save({"a": torch.ones(2), "b": torch.zeros(3)})
+    with pytest.raises(CheckpointError, match="the weights lack c"):
+        sliced_checkpoint(io.BytesIO(data), len(data), {"x": "c"})
+    with pytest.raises(CheckpointError, match="tensors hold .* bytes of data, but the file carries"):
+        sliced_checkpoint(io.BytesIO(data + b"\0" * 8), len(data) + 8, {"x": "a"})
+
+
+def test_slicing_a_large_file_reads_it_by_range_a_chunk_at_a_time(tmp_path: Path) -> None:
+    """A 300 MB file on disk (written without holding it), two thirds of it sliced: the slice's bytes are the
+    source tensors' and the memory traced while streaming it stays a few chunks."""
+    tensor_bytes, count = 10 * 2**20, 30
+    offsets = [[i * tensor_bytes, (i + 1) * tensor_bytes] for i in range(count)]
+    shape = [tensor_bytes // 4]
+    layout = {f"t{i:02d}": {"dtype": "F32", "shape": shape, "data_offsets": at} for i, at in enumerate(offsets)}
+    encoded = json.dumps(layout, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    path = tmp_path / "large.safetensors"
+    with path.open("wb") as file:
+        file.write(struct.pack("<Q", len(encoded)) + encoded)
+        for i in range(count):
+            file.write(bytes([i]) * tensor_bytes)
+    size = path.stat().st_size
+    assert size > 300 * 10**6
+    picked = {f"layers.{i:02d}.weight": f"t{i:02d}" for i in range(count) if i % 3}
+    digest = hashlib.sha256()
+    tracemalloc.start()
+    try:
+        with path.open("rb") as handle:
+            length, chunks = sliced_checkpoint(handle, size, picked)
+            prefix = next(chunks)
+            for chunk in chunks:
+                digest.update(chunk)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert length == len(prefix) + len(picked) * tensor_bytes and length > 200 * 2**20
+    assert peak < 3 * CHUNK_BYTES, f"slicing held {peak:,} bytes at once (the file is {size:,})"
+    expected = hashlib.sha256()
+    for name in sorted(picked):
+        expected.update(bytes([int(picked[name][1:])]) * tensor_bytes)
+    assert digest.hexdigest() == expected.hexdigest()
+    assert [n for n in header(prefix) if n != "__metadata__"] == sorted(picked)
 
 
 # --- StateFile: a checkpoint read a tensor at a time ------------------------------------------------

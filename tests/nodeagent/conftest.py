@@ -27,6 +27,7 @@ class FakeControlPlane:
     uploads: dict[str, bytes] = field(default_factory=dict)  # path -> body of each PUT
     failed_uploads: int = 0  # the next this many PUTs are read whole, then answered 500 (and not kept)
     earnings: dict[str, Any] = field(default_factory=dict)  # what GET /api/agent/earnings answers
+    downloads: dict[str, bytes] = field(default_factory=dict)  # path with its query -> what a GET of it answers
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def heartbeats(self) -> list[Any]:
@@ -78,10 +79,12 @@ def control_plane() -> Iterator[FakeControlPlane]:
             with fake.lock:
                 fake.requests.append((self.path, dict(self.headers), None))
                 authorized = self.headers.get("Authorization") == f"Node {fake.token}"
-                found = self.path == "/api/agent/earnings"
-                body = json.dumps(fake.earnings if authorized and found else {}).encode()
+                download = fake.downloads.get(self.path)
+                found = self.path == "/api/agent/earnings" or download is not None
+                answer = download if download is not None else json.dumps(fake.earnings).encode()
+                body = answer if authorized and found else b"{}"
             self.send_response(404 if not found else 200 if authorized else 401)
-            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Type", "application/json" if download is None else "application/octet-stream")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from arceus.contracts.assignment import Assignment, CheckpointRef, OptimizerConfig
+from arceus.contracts.assignment import Assignment, CheckpointRef, InitialWeightsRef, OptimizerConfig
 from arceus.errors import SpecError
 from devtools.pipeline import certificates_for, pipeline_assignments, rank_credentials
 from nodeagent.static import load_static_assignments
@@ -207,6 +207,33 @@ def test_invalid_checkpoints_name_the_field(checkpoint: Any, field: str, fragmen
         Assignment.from_json(assignment(checkpoint=checkpoint))
     assert info.value.field == field
     assert fragment in info.value.message
+
+
+INITIAL = {"url": "/api/agent/jobs/j/initial-weights", "layer_sha256": [SHA]}  # layers [1, 2): one digest
+
+
+def test_the_initial_weights_name_where_the_stages_layers_are_and_each_layers_digest() -> None:
+    parsed = Assignment.from_json(assignment(initial_weights=INITIAL))
+    assert parsed.initial_weights == InitialWeightsRef(url=INITIAL["url"], layer_sha256=(SHA,))
+    assert parsed.to_json()["initial_weights"] == INITIAL
+    assert Assignment.from_json(assignment(initial_weights=None)).initial_weights is None
+
+
+@pytest.mark.parametrize(
+    ("initial", "field", "fragment"),
+    [
+        ({**INITIAL, "sha256": SHA}, "assignment.initial_weights", "exactly the fields layer_sha256, url"),
+        ([INITIAL], "assignment.initial_weights", "exactly the fields layer_sha256, url"),
+        ({**INITIAL, "url": "https://elsewhere/w"}, "assignment.initial_weights.url", "a path on the control plane"),
+        ({**INITIAL, "layer_sha256": [SHA, SHA]}, "assignment.initial_weights.layer_sha256", "list of 1 SHA-256s"),
+        ({**INITIAL, "layer_sha256": [SHA.upper()]}, "assignment.initial_weights.layer_sha256", "one per layer"),
+        ({**INITIAL, "layer_sha256": SHA}, "assignment.initial_weights.layer_sha256", "one per layer"),
+    ],
+)
+def test_invalid_initial_weights_name_the_field(initial: Any, field: str, fragment: str) -> None:
+    with pytest.raises(SpecError) as info:
+        Assignment.from_json(assignment(initial_weights=initial))
+    assert info.value.field == field and fragment in info.value.message
 
 
 def test_static_assignment_file(tmp_path: Path) -> None:

@@ -5,14 +5,19 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
-from arceus.checkpoint import StateFile, checkpoint_digest, encode_checkpoint
-from arceus.contracts.assignment import Assignment, CheckpointRef
-from arceus.model.build import build_layers, named_global_parameters
+from arceus.checkpoint import CheckpointError, StateFile, checkpoint_digest, encode_checkpoint
+from arceus.contracts.assignment import Assignment, CheckpointRef, InitialWeightsRef
+from arceus.model.build import build_full_model, build_layers, named_global_parameters
+from arceus.model.hugging_face import initial_weights_layer_digests, initial_weights_slice, initial_weights_slice_bytes
+from arceus.model.llama.hf import hf_name
+from arceus.model.registry import model_spec_from_config
 from devtools.pipeline import pipeline_assignments
 from nodeagent.agent import Agent
 from nodeagent.control_plane import (
@@ -22,6 +27,7 @@ from nodeagent.control_plane import (
     Unauthorized,
     register_until_accepted,
 )
+from tests.arceus.model.test_llama_model import SMALL
 
 ASSIGNMENT = pipeline_assignments(
     job_id="job",
@@ -238,3 +244,28 @@ def test_unchanged_assignments_are_kept_and_a_missing_list_of_another_version_is
                                              b'"heartbeat_interval_seconds": 1}')
     with pytest.raises(ControlPlaneError, match="no 'assignments' list"):
         client.heartbeat([])
+
+
+def test_the_agent_downloads_only_its_layers_of_uploaded_weights_and_checks_each(control_plane, tmp_path: Path) -> None:  # noqa: ANN001
+    spec = model_spec_from_config(SMALL)
+    path = tmp_path / "model.safetensors"
+    save_file({hf_name(spec, n): p.detach() for n, p in named_global_parameters(build_full_model(spec, seed=3))}, path)
+    size = path.stat().st_size
+    with path.open("rb") as handle:
+        digests = initial_weights_layer_digests(spec, handle, size)
+        _, chunks = initial_weights_slice(spec, handle, size, 1, 3)
+        sliced = b"".join(chunks)
+    control_plane.downloads["/api/agent/jobs/j/initial-weights?start=1&end=3"] = sliced
+    client = ControlPlaneClient(control_plane.url, control_plane.token)
+    ref = InitialWeightsRef(url="/api/agent/jobs/j/initial-weights", layer_sha256=tuple(digests[1:3]))
+    bound = initial_weights_slice_bytes(spec, 1, 3)
+    weights = client.fetch_initial_weights(ref, 1, 3, bound)
+    stage = dict(named_global_parameters(build_layers(spec, 1, 3, seed=3)))
+    assert sorted(weights) == sorted(stage) and len(sliced) < size and len(sliced) <= bound
+    assert all(torch.equal(weights[name], tensor) for name, tensor in stage.items())
+
+    forged = replace(ref, layer_sha256=(digests[1], digests[1]))  # what arrived is not what was uploaded
+    with pytest.raises(CheckpointError, match="layer 2 of the initial weights hashes to"):
+        client.fetch_initial_weights(forged, 1, 3, bound)
+    with pytest.raises(ControlPlaneError, match="more than the 100 bytes expected"):
+        client.fetch_initial_weights(ref, 1, 3, 100)

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load as safetensors_load
 from torch import nn
 
-from arceus.contracts.assignment import Assignment, CheckpointRef
+from arceus.contracts.assignment import Assignment, InitialWeightsRef
 from arceus.contracts.observed import ObservedState
 from arceus.model.exported.capture import CapturedModel, capture
 from arceus.model.exported.program import program_layers
@@ -45,14 +45,22 @@ def test_an_agent_builds_an_exported_stage_from_the_documents_it_fetches() -> No
         return layers[start:end]
 
     weights = safetensors_load(captured.weights)
-    registry = HostedStages(CPU, max_message_bytes=2**20, load_checkpoint=lambda _: weights, load_program=load_program)
-    uploaded = CheckpointRef(step=0, url="/api/agent/jobs/exported/initial-weights", sha256="0" * 64)
+    asked: list[tuple[int, int]] = []
+
+    def load_initial_weights(_ref: InitialWeightsRef, start: int, end: int, _bound: int) -> dict[str, torch.Tensor]:
+        asked.append((start, end))
+        return weights
+
+    registry = HostedStages(
+        CPU, max_message_bytes=2**20, load_program=load_program, load_initial_weights=load_initial_weights
+    )
+    uploaded = InitialWeightsRef(url="/api/agent/jobs/exported/initial-weights", layer_sha256=("0" * 64,) * len(layers))
     assignment = replace(_assignment(captured.model_config, len(layers)), initial_weights=uploaded)
     try:
         registry.apply([assignment])
         [observed] = registry.observed()
         assert observed.state == ObservedState.READY, observed.message
-        assert fetched == [(PROGRAM, 0, len(layers))]
+        assert fetched == [(PROGRAM, 0, len(layers))] and asked == [(0, len(layers))]
         [stage] = registry.stages()
         x = torch.randn(4, 6)
         with torch.no_grad():

@@ -4,23 +4,35 @@ served to the agents hosting the job only."""
 
 from __future__ import annotations
 
+import importlib
+import io
+import uuid
 from pathlib import Path
+from urllib.parse import urlencode
 
 import pytest
 import torch
+from django.apps import apps as django_apps
 from rest_framework.test import APIClient
+from safetensors.torch import load as safetensors_load
 from safetensors.torch import save
 
 from arceus.checkpoint import checkpoint_digest
 from arceus.contracts.assignment import Assignment
-from arceus.model.build import build_full_model, named_global_parameters
+from arceus.model.build import build_full_model, build_layers, named_global_parameters
+from arceus.model.hugging_face import initial_weights_layer_digests, initial_weights_slice_check
 from arceus.model.llama.hf import hf_name
 from arceus.model.registry import model_spec_from_config
 from controlplane.controller.executor import reconcile_once
-from controlplane.jobs.models import Job
+from controlplane.jobs.models import Job, Stage
 from controlplane.jobs.services import job_start, job_submit
 from tests.controlplane.conftest import DIGITS_JOB
-from tests.controlplane.jobs.test_jobs_checkpoints import agents, checkpoint_dir, download  # noqa: F401 (fixtures)
+from tests.controlplane.jobs.test_jobs_checkpoints import (  # noqa: F401 (fixtures)
+    agents,
+    checkpoint_dir,
+    download,
+    s3_bucket,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -61,6 +73,8 @@ def test_the_owner_uploads_weights_the_job_starts_from(
     assert answer["http"] == 200 and answer["initial_weights_sha256"] == checkpoint_digest(data)
     llama_job.refresh_from_db()
     assert (checkpoint_dir / llama_job.initial_weights.name).read_bytes() == data
+    spec = model_spec_from_config(llama_job.model_config)
+    assert llama_job.initial_weights_layer_sha256 == initial_weights_layer_digests(spec, io.BytesIO(data), len(data))
     # A second upload replaces the first (and its file goes).
     first = checkpoint_dir / llama_job.initial_weights.name
     with django_capture_on_commit_callbacks(execute=True):
@@ -69,18 +83,102 @@ def test_the_owner_uploads_weights_the_job_starts_from(
 
     job_start(job=llama_job)
     reconcile_once()
-    for _, client in agents:
-        assignments = client.post("/api/agent/heartbeat", {"observed": []}, format="json").json()["assignments"]
-        for raw in assignments:
-            ref = Assignment.from_json(raw).initial_weights
-            assert ref is not None and raw["checkpoint"] is None
-            assert download(client, ref.url).body == data and ref.sha256 == checkpoint_digest(data)
-    hosts = {str(n) for n in llama_job.stages.values_list("node_id", flat=True)}
-    idle = [client for node, client in agents if str(node.id) not in hosts]
-    url = f"/api/agent/jobs/{llama_job.id}/initial-weights"
-    for client in idle:  # a node that hosts none of the job's stages gets nothing
-        assert download(client, url).status_code == 404
     assert put(api, llama_job, data)["http"] == 409  # started: too late
+
+
+def query(url: str, params: dict) -> str:
+    return f"{url}?{urlencode(params)}"
+
+
+def stage_slice(client: APIClient, raw: dict) -> tuple[bytes, Assignment]:  # noqa: F811
+    """What a hosting agent downloads for an assignment of its: its layers of the initial weights, checked."""
+    assignment = Assignment.from_json(raw)
+    ref, start, end = assignment.initial_weights, assignment.layer_start, assignment.layer_end
+    assert ref is not None and raw["checkpoint"] is None
+    response = download(client, query(ref.url, {"start": start, "end": end}))
+    assert response.status_code == 200, response.content
+    assert int(response["Content-Length"]) == len(response.body)
+    initial_weights_slice_check(io.BytesIO(response.body), len(response.body), start, ref.layer_sha256)
+    return response.body, assignment
+
+
+def test_each_hosting_agent_downloads_only_its_stages_layers_under_the_pipelines_names(
+    api: APIClient, llama_job: Job, agents, checkpoint_dir: Path  # noqa: ANN001, F811
+) -> None:
+    data = weights_file(llama_job)
+    assert put(api, llama_job, data)["http"] == 200
+    job_start(job=llama_job)
+    reconcile_once()
+    spec = model_spec_from_config(llama_job.model_config)
+    uploaded = safetensors_load(data)
+    received: list[str] = []
+    for _, client in agents:
+        for raw in client.post("/api/agent/heartbeat", {"observed": []}, format="json").json()["assignments"]:
+            body, assignment = stage_slice(client, raw)
+            assert len(body) < len(data)
+            tensors = safetensors_load(body)
+            stage = build_layers(spec, assignment.layer_start, assignment.layer_end, seed=0)
+            assert sorted(tensors) == sorted(n for n, _ in named_global_parameters(stage))
+            for name, tensor in tensors.items():
+                assert torch.equal(tensor, uploaded[hf_name(spec, name)]), name
+            received += tensors
+    assert len(received) == len(set(received)) == len(uploaded)
+
+
+def test_only_a_host_of_those_layers_gets_them_and_a_bad_range_is_named(
+    api: APIClient, user, agents, checkpoint_dir: Path  # noqa: ANN001, F811
+) -> None:
+    llama_job = job_submit(
+        owner=user,
+        **{**DIGITS_JOB, "model_config": LLAMA, "dataset_config": {"name": "text", "batch_size": 4}, "stages": 2},
+    )
+    assert put(api, llama_job, weights_file(llama_job))["http"] == 200
+    job_start(job=llama_job)
+    reconcile_once()
+    url = f"/api/agent/jobs/{llama_job.id}/initial-weights"
+    stages = {str(s.node_id): s for s in llama_job.stages.filter(active=True)}
+    hosts = [(stages[str(n.id)], c) for n, c in agents if str(n.id) in stages]
+    idle = [c for n, c in agents if str(n.id) not in stages]
+    assert len(hosts) == 2 and len(idle) == 1
+    (stage, host), (other, _) = hosts[0], hosts[1]
+    ok = {"start": stage.layer_start, "end": stage.layer_end}
+    for client in idle:  # a node hosting none of the job's stages learns nothing, not even what it asked wrong
+        assert download(client, query(url, ok)).status_code == 404
+        assert download(client, query(url, {"start": "x"})).status_code == 404
+    assert download(host, query(f"/api/agent/jobs/{uuid.uuid4()}/initial-weights", ok)).status_code == 404
+    for params, field, message in [
+        ({"end": stage.layer_end}, "start", "must be a layer index"),
+        ({**ok, "start": "-1"}, "start", "must be a layer index"),
+        ({**ok, "end": "1e3"}, "end", "must be a layer index"),
+        ({"start": stage.layer_end, "end": stage.layer_start}, "end", "must be above start"),
+        ({"start": 0, "end": 99}, "end", "the model has 4 layers"),
+    ]:
+        response = host.get(url, params)
+        assert response.status_code == 400 and message in response.json()["errors"][field][0], (params, response.json())
+    other_layers = {"start": other.layer_start, "end": other.layer_end}
+    assert download(host, query(url, other_layers)).status_code == 404  # another stage's layers
+    assert download(host, query(url, ok)).status_code == 200
+    Stage.objects.filter(pk=stage.pk).update(generation=stage.generation - 1)  # no longer the current generation
+    assert download(host, query(url, ok)).status_code == 404
+
+
+def test_uploaded_weights_in_an_s3_bucket_are_read_by_range(
+    api: APIClient, llama_job: Job, agents, s3_bucket  # noqa: ANN001, F811
+) -> None:
+    data = weights_file(llama_job)
+    assert put(api, llama_job, data)["http"] == 200
+    llama_job.refresh_from_db()
+    assert [o["Key"] for o in s3_bucket.list_objects_v2(Bucket="arceus-checkpoints")["Contents"]] == [
+        llama_job.initial_weights.name
+    ]
+    job_start(job=llama_job)
+    reconcile_once()
+    client = next(c for n, c in agents if llama_job.stages.filter(node=n, active=True, index=0).exists())
+    [raw] = client.post("/api/agent/heartbeat", {"observed": []}, format="json").json()["assignments"]
+    body, assignment = stage_slice(client, raw)
+    stage = build_layers(model_spec_from_config(llama_job.model_config), 0, assignment.layer_end, seed=0)
+    assert len(body) < len(data)
+    assert sorted(safetensors_load(body)) == sorted(n for n, _ in named_global_parameters(stage))
 
 
 @pytest.mark.parametrize(
@@ -108,3 +206,17 @@ def test_a_model_without_a_hugging_face_format_and_anothers_job_are_refused(
     answer = put(api, mlp, b"x")
     assert answer["http"] == 400 and "a model of type 'mlp' cannot start from uploaded weights" in answer["detail"]
     assert put(other_api, llama_job, weights_file(llama_job))["http"] == 404
+
+
+def test_weights_uploaded_before_layer_digests_get_them_when_migrating(
+    api: APIClient, llama_job: Job, checkpoint_dir: Path  # noqa: F811
+) -> None:
+    data = weights_file(llama_job)
+    assert put(api, llama_job, data)["http"] == 200
+    llama_job.refresh_from_db()
+    kept = llama_job.initial_weights_layer_sha256
+    Job.objects.filter(pk=llama_job.pk).update(initial_weights_layer_sha256=[])
+    migration = importlib.import_module("controlplane.jobs.migrations.0014_job_initial_weights_layer_sha256")
+    migration.digest_uploaded_weights(django_apps, None)
+    llama_job.refresh_from_db()
+    assert llama_job.initial_weights_layer_sha256 == kept and len(kept) == 4
