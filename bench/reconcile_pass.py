@@ -238,10 +238,15 @@ def main() -> None:
     renew_leases(fleet, datetime.now(UTC))
     run_pass(timer)  # warm: the placements' conditions settle, caches (if any) fill
 
-    steady, everyone = [], []
-    per_pass = max(1, round(len(fleet) / args.heartbeat_interval))
-    for i in range(args.passes):
-        renew_leases(fleet[i * per_pass % len(fleet):][:per_pass], datetime.now(UTC))
+    steady, everyone, renewed, turn = [], [], [], 0
+    last = time.perf_counter()
+    for _ in range(args.passes):
+        # The agents whose heartbeat came since the previous pass (one a second at the least, as beat runs them),
+        # in turn: all heartbeat every `--heartbeat-interval` seconds however long a pass takes.
+        elapsed, last = max(1.0, time.perf_counter() - last), time.perf_counter()
+        due = min(len(fleet), round(len(fleet) * elapsed / args.heartbeat_interval))
+        renew_leases([fleet[(turn + k) % len(fleet)] for k in range(due)], datetime.now(UTC))
+        turn, renewed = turn + due, [*renewed, due]
         steady.append(run_pass(timer))
     for _ in range(args.passes):  # the worst case: every agent heartbeat since the previous pass
         renew_leases(fleet, datetime.now(UTC))
@@ -251,6 +256,8 @@ def main() -> None:
     grace = settings.ARCEUS_NODE_GRACE_SECONDS
     for round_ in range(args.silent_passes):
         hosts = hosting_nodes()
+        if not hosts:
+            raise SystemExit("no stage is placed any more: the steady passes lost them (see the log)")
         victims = hosts[round_ * 97 % len(hosts):][: args.silent]
         now = datetime.now(UTC)
         renew_leases(fleet, now)
@@ -267,7 +274,7 @@ def main() -> None:
     result = {
         "nodes": args.nodes, "jobs": args.jobs, "setup_s": round(setup_s, 1),
         "max_placements_per_pass": settings.ARCEUS_MAX_PLACEMENTS_PER_PASS,
-        "steady": {**summary(steady), "renewed_per_pass": per_pass},
+        "steady": {**summary(steady), "renewed_per_pass": round(statistics.median(renewed))},
         "steady_all_renewed": summary(everyone),
         "silent": {**summary(silent), "silent_per_pass": args.silent, "stages_moved": moved},
         "placing": {**summary(placing), "new_jobs": args.new_jobs, "submit_s": round(submit_s, 2)},
@@ -295,7 +302,7 @@ def print_and_write(r: dict[str, Any], *, write: bool) -> None:
         "| pass | passes | wall median / max s | CPU median s | database CPU median s | read / plan / apply "
         "median s | actions applied |",
         "| --- | --- | --- | --- | --- | --- | --- |",
-        row(f"steady: nothing changed but {r['steady']['renewed_per_pass']:,} leases renewed", r["steady"]),
+        row(f"steady: nothing changed but {r['steady']['renewed_per_pass']:,} leases renewed (median)", r["steady"]),
         row("steady, every lease renewed since the previous pass", r["steady_all_renewed"]),
         row(f"{r['silent']['silent_per_pass']} nodes silent ({r['silent']['stages_moved']} stages moved in all)",
             r["silent"]),
