@@ -70,6 +70,7 @@ def make_fleet(count: int, now: datetime) -> list[str]:
     from controlplane.nodes.services import _node_token_new, node_token_hash
 
     user_model = get_user_model()
+    forget_leases([str(i) for i in Node.objects.filter(owner__username=BENCH_USER).values_list("id", flat=True)])
     user_model.objects.filter(username=BENCH_USER).delete()  # a previous run's nodes and jobs
     user = user_model.objects.create_user(username=BENCH_USER, password=None)
     nodes = Node.objects.bulk_create(
@@ -87,6 +88,18 @@ def make_fleet(count: int, now: datetime) -> list[str]:
         batch_size=2000,
     )
     return [str(n.id) for n in nodes]
+
+
+def forget_leases(node_ids: list[str]) -> None:
+    """Drop nodes' liveness entries (a previous run's, whose rows go: Redis keeps a deleted node's for a week, and
+    every pass reads the whole set)."""
+    from controlplane.common.redis_client import redis_client
+    from controlplane.nodes.liveness import BUSY, LEASES
+
+    for start in range(0, len(node_ids), 5000):
+        chunk = node_ids[start:start + 5000]
+        redis_client().zrem(LEASES, *chunk)
+        redis_client().hdel(BUSY, *chunk)
 
 
 def renew_leases(node_ids: list[str], at: datetime) -> None:
