@@ -27,6 +27,13 @@ def consistent_snapshot() -> Iterator[None]:
         yield
 
 
+def row_versions_reliable() -> bool:
+    """Whether PostgreSQL's `xmin` tells a row's committed versions apart for a read starting now: every transaction
+    that writes a row gives it a new one, but two writes in one transaction share it, so not while the caller holds a
+    transaction open (a test's, which the reader would see its own uncommitted writes through), and not on SQLite."""
+    return connection.vendor == "postgresql" and not connection.in_atomic_block
+
+
 def reconnecting(call: Callable[[], R], *, what: str, for_seconds: float) -> R:
     """`call()`, retried with a fresh connection while the database is out of reach (a restart, a failover):
     a long-lived process (a training driver) outside any request would otherwise keep its dead connection and

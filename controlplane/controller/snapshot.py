@@ -1,49 +1,54 @@
-"""Reads the reconciler's view of the world from the database into plain snapshots."""
+"""Reads the reconciler's view of the world from the database into plain snapshots.
+
+A pass runs every second against 10,000 nodes (docs/architecture.md, "How the control plane grows"), so it reads in
+one consistent snapshot only what the plan uses, as plain values: node rows are kept between passes and re-read only
+where a row changed (`NodeRows`: PostgreSQL's row versions say which), and a model's layer costs are computed once
+per distinct model config (`job_layers`). Liveness, prices, links and jobs are read afresh every pass.
+"""
 
 from __future__ import annotations
 
+import json
 import math
-from collections.abc import Iterable
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
 from datetime import datetime
+from functools import lru_cache
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Prefetch, QuerySet
+from django.db import connection
+from django.db.models import QuerySet
 from django.utils import timezone
 
 from arceus.contracts.status import ACTIVE_STATUSES, JobStatus
 from arceus.errors import SpecError
 from arceus.model.registry import model_spec_from_config
 from arceus.placement.profiles import layer_profiles
+from arceus.placement.solver import LayerProfile
+from controlplane.common.db import consistent_snapshot, row_versions_reliable
 from controlplane.controller.placement import requirements, tensor_parallel_split, workload
 from controlplane.controller.rules import Desired, JobView, NodeView, Observed, PlacedStage, StageReport
 from controlplane.jobs.models import Job, Stage
 from controlplane.market.pricing import device_class
 from controlplane.market.services import price_in_force
-from controlplane.nodes.availability import unavailable_reason
+from controlplane.nodes.availability import in_windows, unavailable_reason
 from controlplane.nodes.links import nodes_worst_neighbour_link
 from controlplane.nodes.liveness import Liveness, leases_read
-from controlplane.nodes.models import Node, Reachability
+from controlplane.nodes.models import Node, NodeLease, Reachability
 
 
 def load_snapshot(now: datetime | None = None) -> tuple[Desired, Observed]:
-    """Everything one reconcile pass decides from; `now` is when the owners' working hours are judged."""
-    nodes = node_views(registered_nodes(), now)
-    jobs = (
-        Job.objects.filter(status__in=(JobStatus.QUEUED, *ACTIVE_STATUSES))
-        .prefetch_related(Prefetch("stages", queryset=Stage.objects.filter(active=True).order_by("index", "rank")))
-        .order_by("created_at")
-    )
-    views, reports = [], {}
-    for job in jobs:
-        views.append(_job_view(job))
-        for stage in job.stages.all():
-            reports[(str(job.id), stage.index, stage.rank)] = StageReport(
-                generation=stage.observed_generation,
-                state=stage.observed_state,
-                message=stage.observed_message,
-            )
-    return Desired(jobs=tuple(views)), Observed(nodes=nodes, stages=reports)
+    """Everything one reconcile pass decides from, as of one moment of the database; `now` is when the owners'
+    working hours are judged."""
+    now = now or timezone.now()
+    versioned = row_versions_reliable()  # asked before the snapshot's own transaction opens
+    with consistent_snapshot():
+        nodes = (_node_views(NODE_ROWS.read(), now, NODE_VIEWS) if versioned
+                 else _node_views(_prepared(registered_nodes()), now))
+        jobs = JOBS.read() if versioned else [job for _, job in _job_rows(None)]
+    reports = {key: report for _, job_reports in jobs for key, report in job_reports}
+    return Desired(jobs=tuple(view for view, _ in jobs)), Observed(nodes=nodes, stages=reports)
 
 
 # What the planner reads of a node: rows of plain values, not model instances (10,000 of those cost seconds).
@@ -63,17 +68,101 @@ def node_views(rows: Iterable[dict[str, Any]], now: datetime | None = None) -> t
     """Nodes (`registered_nodes()` rows) as the planner sees them: with their liveness (Redis, read in bulk),
     the posted price of their device class, the memory their owners offer, and whether their owners' controls
     let them work now."""
-    rows, now = list(rows), now or timezone.now()
+    return _node_views(_prepared(rows), now or timezone.now())
+
+
+def _prepared(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """`registered_nodes()` rows with their id as text and their device class."""
+    rows = list(rows)
     for row in rows:
         row["id"] = str(row["id"])
         row["device_class"] = device_class(row["flops_fp32"] or 0.0, row["memory_bytes"] or 0)
+    return rows
+
+
+def _node_views(rows: list[dict[str, Any]], now: datetime, kept: NodeViews | None = None) -> tuple[NodeView, ...]:
     liveness = leases_read({row["id"]: row["lease__renewed_at"] for row in rows}, now)
     prices = {klass: price_in_force(klass) for klass in {row["device_class"] for row in rows}}
-    neighbour_links = nodes_worst_neighbour_link((row["id"] for row in rows), now)
-    return tuple(
-        _node_view(row, liveness[row["id"]], prices[row["device_class"]], now, neighbour_links.get(row["id"]))
-        for row in rows
+    neighbour_links = nodes_worst_neighbour_link(None, now)
+    return (kept or NodeViews()).views(rows, liveness, prices, neighbour_links, now)
+
+
+class NodeViews:
+    """Nodes' views kept between passes: a node's view is built again only when something it is built from
+    differs (its row, its lease, its price, its link; its owner's working hours or host load where it has such
+    controls). With 10,000 nodes heartbeating every 10 s most are unchanged at each pass."""
+
+    def __init__(self) -> None:
+        self._kept: dict[str, tuple[tuple[Any, ...], NodeView]] = {}
+
+    def views(
+        self, rows: list[dict[str, Any]], liveness: dict[str, Liveness], prices: dict[str, float],
+        links: dict[str, tuple[float, float]], now: datetime,
+    ) -> tuple[NodeView, ...]:
+        kept, views = {}, []
+        for row in rows:
+            live, price, link = liveness[row["id"]], prices[row["device_class"]], links.get(row["id"])
+            key = (
+                row, live.renewed_at, price, link,
+                live.host_busy_fraction if row["idle_only"] else None,
+                in_windows(row["work_windows"], now),
+            )  # a row compares equal to itself at once, to a re-read one by content
+            hit = self._kept.get(row["id"])
+            view = hit[1] if hit is not None and hit[0] == key else _node_view(row, live, price, now, link)
+            kept[row["id"]] = (key, view)
+            views.append(view)
+        self._kept = kept
+        return tuple(views)
+
+
+class VersionedRows:
+    """Rows kept between passes, each under its version (PostgreSQL's `xmin` of the rows it was read from: any
+    committed write gives a row a new one, so a registration, a pause, a flag, a Ready change, an admin edit, a
+    stage's report, a deletion all change it). Each pass reads every version, one short column, and re-reads only
+    the rows whose version changed, in the same snapshot. Only for a reader that sees committed rows alone
+    (`row_versions_reliable`)."""
+
+    # Past this many changed rows one read of them all costs less than a list of ids.
+    READ_ALL_ABOVE = 1000
+
+    def __init__(
+        self, versions: Callable[[], dict[str, str]],
+        rows: Callable[[list[str] | None], Iterable[tuple[str, Any]]],
+    ) -> None:
+        self._versions, self._read_rows = versions, rows  # rows(ids or None: all) -> (id, value) pairs
+        self._kept: dict[str, tuple[str, Any]] = {}  # id -> (version, value)
+
+    def read(self) -> list[Any]:
+        """Every current row's value, in the versions' order."""
+        versions = self._versions()
+        changed = [key for key, version in versions.items() if self._kept.get(key, (None,))[0] != version]
+        if changed:
+            for key, value in self._read_rows(changed if len(changed) <= self.READ_ALL_ABOVE else None):
+                if key in versions:
+                    self._kept[key] = (versions[key], value)
+        if len(self._kept) > len(versions):  # rows gone since (deleted, deregistered, finished)
+            self._kept = {key: self._kept[key] for key in versions}
+        return [self._kept[key][1] for key in versions]
+
+
+def _registered_versions() -> dict[str, str]:
+    """Registered node id -> the versions of its node and lease rows, in `registered_nodes()`'s order."""
+    node, lease = Node._meta.db_table, NodeLease._meta.db_table
+    return _versions(
+        f'SELECT n.id::text, n.xmin::text || \'/\' || l.xmin::text FROM "{node}" n JOIN "{lease}" l '
+        f"ON l.node_id = n.id WHERE n.registered_at IS NOT NULL ORDER BY n.created_at, n.id"
     )
+
+
+def _registered_rows(ids: list[str] | None) -> Iterable[tuple[str, dict[str, Any]]]:
+    rows = registered_nodes() if ids is None else registered_nodes().filter(pk__in=ids)
+    return ((row["id"], row) for row in _prepared(rows))
+
+
+def _versions(sql: str, params: Sequence[Any] = ()) -> dict[str, str]:
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        return dict(cursor.fetchall())
 
 
 def _node_view(
@@ -113,37 +202,90 @@ def _node_view(
     )
 
 
-def _job_view(job: Job) -> JobView:
-    try:
-        layers, spec_error = layer_profiles(model_spec_from_config(job.model_config)), None
-    except SpecError as exc:  # validated at submit, but the library may have tightened since
-        layers, spec_error = (), f"{exc.field}: {exc.message}"
+SNAPSHOT_STATUSES = (JobStatus.QUEUED, *ACTIVE_STATUSES)
+# What the planner reads of a job and of its active stages.
+JOB_FIELDS = (
+    "id", "status", "generation", "stages_requested", "model_config", "dataset_config", "micro_batches", "schedule",
+    "requirements", "conditions", "driver_lease_expires_at", "driver_lease_owner", "node_grace_seconds", "restarts",
+    "handover_requested", "tensor_parallel",
+)
+STAGE_FIELDS = (
+    "job_id", "index", "rank", "layer_start", "layer_end", "node_id", "generation", "observed_generation",
+    "observed_state", "observed_message",
+)
+
+
+StageReports = tuple[tuple[tuple[str, int, int], StageReport], ...]  # ((job id, index, rank), report)
+
+
+def _job_versions() -> dict[str, str]:
+    """Queued and active job id -> the versions of its row and of its active stages' rows, oldest job first; and
+    the restart limit its view carries."""
+    job, stage = Job._meta.db_table, Stage._meta.db_table
+    return _versions(
+        f"SELECT j.id::text, j.xmin::text || ':' || coalesce(string_agg(s.xmin::text, ',' ORDER BY s.index, s.rank), "
+        f"'') || ':' || %s FROM \"{job}\" j LEFT JOIN \"{stage}\" s ON s.job_id = j.id AND s.active "
+        f"WHERE j.status = ANY(%s) GROUP BY j.id ORDER BY j.created_at, j.id",
+        [str(settings.ARCEUS_JOB_MAX_RESTARTS), list(SNAPSHOT_STATUSES)],
+    )
+
+
+def _job_rows(ids: list[str] | None) -> Iterable[tuple[str, tuple[JobView, StageReports]]]:
+    """Queued and active jobs (all, or those of `ids`), oldest first, each with its active stages' reports."""
+    jobs = Job.objects.filter(status__in=SNAPSHOT_STATUSES)
+    stage_rows = Stage.objects.filter(active=True, job__status__in=SNAPSHOT_STATUSES)
+    if ids is not None:
+        jobs, stage_rows = jobs.filter(pk__in=ids), stage_rows.filter(job_id__in=ids)
+    stages: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
+    for row in stage_rows.order_by("job_id", "index", "rank").values_list(*STAGE_FIELDS):
+        stages[str(row[0])].append(row)
+    for job in jobs.order_by("created_at", "id").values(*JOB_FIELDS):
+        job_id = str(job["id"])
+        rows = stages.get(job_id, [])
+        reports = tuple(((job_id, r[1], r[2]), StageReport(generation=r[7], state=r[8], message=r[9])) for r in rows)
+        yield job_id, (_job_view(job, rows), reports)
+
+
+def _job_view(job: dict[str, Any], stages: list[tuple[Any, ...]]) -> JobView:
+    layers, spec_error = job_layers(json.dumps(job["model_config"], sort_keys=True))
     return JobView(
-        id=str(job.id),
-        status=job.status,
-        generation=job.generation,
-        stages_requested=job.stages_requested,
+        id=str(job["id"]),
+        status=job["status"],
+        generation=job["generation"],
+        stages_requested=job["stages_requested"],
         layers=layers,
-        workload=workload(job.dataset_config, job.micro_batches, job.schedule),
-        requirements=requirements(job.requirements),
+        workload=workload(job["dataset_config"], job["micro_batches"], job["schedule"]),
+        requirements=requirements(job["requirements"]),
         stages=tuple(
             PlacedStage(
-                index=s.index,
-                layer_start=s.layer_start,
-                layer_end=s.layer_end,
-                node_id=str(s.node_id) if s.node_id else None,
-                generation=s.generation,
-                rank=s.rank,
+                index=index, layer_start=start, layer_end=end, node_id=str(node_id) if node_id else None,
+                generation=generation, rank=rank,
             )
-            for s in job.stages.all()
+            for _, index, rank, start, end, node_id, generation, *_ in stages
         ),
-        conditions=tuple(job.conditions),
-        driver_lease_expires_at=job.driver_lease_expires_at,
-        driver_claimed=bool(job.driver_lease_owner),
+        conditions=tuple(job["conditions"]),
+        driver_lease_expires_at=job["driver_lease_expires_at"],
+        driver_claimed=bool(job["driver_lease_owner"]),
         spec_error=spec_error,
-        node_grace_seconds=job.node_grace_seconds,
-        restarts=job.restarts,
-        handover_requested=job.handover_requested,
+        node_grace_seconds=job["node_grace_seconds"],
+        restarts=job["restarts"],
+        handover_requested=job["handover_requested"],
         max_restarts=settings.ARCEUS_JOB_MAX_RESTARTS,
-        tensor_parallel=tensor_parallel_split(job.tensor_parallel),
+        tensor_parallel=tensor_parallel_split(job["tensor_parallel"]),
     )
+
+
+@lru_cache(maxsize=4096)
+def job_layers(model_config: str) -> tuple[tuple[LayerProfile, ...], str | None]:
+    """A model config's (JSON, keys sorted) layer costs, or why it no longer validates: by the config's content, so
+    a config that changes is a new entry; the same for every pass and every job that trains the same model."""
+    try:
+        return layer_profiles(model_spec_from_config(json.loads(model_config))), None
+    except SpecError as exc:  # validated at submit, but the library may have tightened since
+        return (), f"{exc.field}: {exc.message}"
+
+
+# This process's (a worker runs one pass at a time).
+NODE_ROWS = VersionedRows(_registered_versions, _registered_rows)
+NODE_VIEWS = NodeViews()
+JOBS = VersionedRows(_job_versions, _job_rows)

@@ -52,13 +52,13 @@ def _neighbour_nodes(node: Node) -> dict[str, Any]:
     return {s.node.address_for(node): s.node_id for s in neighbours}  # where its agent dialled them
 
 
-def nodes_worst_neighbour_link(node_ids: Iterable[Any], now: datetime) -> dict[str, tuple[float, float]]:
+def nodes_worst_neighbour_link(node_ids: Iterable[Any] | None, now: datetime) -> dict[str, tuple[float, float]]:
     """Node id → (lowest bandwidth, highest RTT) among its fresh neighbour-link figures (measured within
-    ARCEUS_NEIGHBOUR_LINK_MAX_AGE_SECONDS); nodes with none are left out."""
+    ARCEUS_NEIGHBOUR_LINK_MAX_AGE_SECONDS); nodes with none are left out. `node_ids` None: every node's (the
+    reconciler's: no list of 10,000 ids to send)."""
     since = now - timedelta(seconds=settings.ARCEUS_NEIGHBOUR_LINK_MAX_AGE_SECONDS)
-    rows = (
-        NodeLink.objects.filter(from_node_id__in=list(node_ids), measured_at__gte=since)
-        .values("from_node_id")
-        .annotate(bandwidth=Min("bandwidth_bytes_per_second"), rtt=Max("rtt_seconds"))
-    )
+    links = NodeLink.objects.filter(measured_at__gte=since)
+    if node_ids is not None:
+        links = links.filter(from_node_id__in=list(node_ids))
+    rows = links.values("from_node_id").annotate(bandwidth=Min("bandwidth_bytes_per_second"), rtt=Max("rtt_seconds"))
     return {str(r["from_node_id"]): (r["bandwidth"], r["rtt"]) for r in rows}

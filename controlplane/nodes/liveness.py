@@ -11,10 +11,11 @@ live nodes look dead at once.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from functools import cache
+from typing import Any
 
 from redis.commands.core import Script
 
@@ -58,7 +59,7 @@ def leases_read(floors: Mapping[str, datetime], now: datetime) -> dict[str, Live
     client = redis_client()
     pipe = client.pipeline(transaction=False)
     pipe.zremrangebyscore(LEASES, "-inf", (now - FORGET_AFTER).timestamp())
-    pipe.zrange(LEASES, 0, -1, withscores=True)
+    pipe.execute_command("ZRANGE", LEASES, 0, -1, "WITHSCORES")  # raw: redis-py's pairs cost 10 ms per 10,000
     pipe.hgetall(BUSY)
     pipe.get(SINCE)
     _, scores, busy, since = pipe.execute()
@@ -66,7 +67,7 @@ def leases_read(floors: Mapping[str, datetime], now: datetime) -> dict[str, Live
         client.set(SINCE, now.timestamp(), nx=True)
         since = client.get(SINCE)
     since_at = datetime.fromtimestamp(float(since), UTC)
-    renewed = {member.decode(): score for member, score in scores}
+    renewed = {member.decode(): float(score) for member, score in _pairs(scores)}
     fractions = {k.decode(): float(v) for k, v in busy.items()}
     out = {}
     for node_id, floor in floors.items():
@@ -74,6 +75,13 @@ def leases_read(floors: Mapping[str, datetime], now: datetime) -> dict[str, Live
         at = datetime.fromtimestamp(score, UTC) if score is not None else max(floor, since_at)
         out[node_id] = Liveness(at, fractions.get(node_id))
     return out
+
+
+def _pairs(reply: list[Any]) -> Iterable[tuple[bytes, Any]]:
+    """A ZRANGE WITHSCORES reply's (member, score) pairs: nested under RESP3, flat under RESP2."""
+    if reply and isinstance(reply[0], list | tuple):
+        return reply
+    return zip(reply[::2], reply[1::2], strict=True)
 
 
 def lease_of(node_id: object, floor: datetime) -> Liveness:
