@@ -8,10 +8,21 @@ class NodesConfig(AppConfig):
 
     def ready(self) -> None:
         from django.conf import settings
+        from django.db import transaction
+        from django.db.models.signals import post_delete
 
         from arceus.relay.dialer import use_relays
         from controlplane.nodes import schema  # noqa: F401  registers the OpenAPI auth extension
+        from controlplane.nodes.liveness import leases_forget
+        from controlplane.nodes.models import Node
         from controlplane.nodes.relays import relay_certificate
 
         # The driver and samplers reach relayed agents through these.
         use_relays(settings.ARCEUS_RELAYS, relay_certificate())
+
+        # A node goes by the admin or with its owner (a cascade no service sees): its lease goes once that commits.
+        def forget_lease(instance: Node, **_: object) -> None:
+            node_id = instance.pk  # read now: the deletion sets it to None before the commit
+            transaction.on_commit(lambda: leases_forget([node_id]))
+
+        post_delete.connect(forget_lease, sender=Node, weak=False, dispatch_uid="nodes-forget-lease")

@@ -53,6 +53,16 @@ def _renew_script() -> Script:
     return redis_client().register_script(RENEW)
 
 
+def leases_forget(node_ids: Iterable[object]) -> None:
+    """Drop deleted nodes' entries, which every pass would otherwise read until FORGET_AFTER."""
+    members = [str(n) for n in node_ids]
+    if members:
+        pipe = redis_client().pipeline(transaction=False)
+        pipe.zrem(LEASES, *members)
+        pipe.hdel(BUSY, *members)
+        pipe.execute()
+
+
 def leases_read(floors: Mapping[str, datetime], now: datetime) -> dict[str, Liveness]:
     """The liveness of the nodes in `floors` (node id -> registration time), in two round trips whatever their
     number; old entries are pruned on the way (FORGET_AFTER)."""

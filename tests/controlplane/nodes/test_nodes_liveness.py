@@ -13,7 +13,7 @@ from django.utils import timezone
 from controlplane.common.redis_client import redis_client
 from controlplane.controller.executor import reconcile_once
 from controlplane.jobs.models import Stage
-from controlplane.nodes.liveness import LEASES, SINCE, lease_of, lease_renew
+from controlplane.nodes.liveness import BUSY, LEASES, SINCE, lease_of, lease_renew
 from controlplane.nodes.models import Node
 from tests.controlplane.nodes.test_agent_api import heartbeat, three_agents
 
@@ -77,3 +77,20 @@ def test_after_redis_loses_the_leases_every_node_gets_a_whole_lease_from_then(us
     assert all(Node.objects.get(pk=n.pk).ready_status == "True" for n, _ in agents)
     reconcile_once(now=later + timedelta(seconds=10))  # a whole lease (6 s) after the loss, still no heartbeat
     assert all(Node.objects.get(pk=n.pk).ready_status == "Unknown" for n, _ in agents)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_deleted_nodes_lease_leaves_redis_with_it_also_when_its_owner_goes(user) -> None:
+    """Every reconcile pass reads the whole lease set: deleted nodes' entries would cost each pass until pruned."""
+    (kept, _), (deleted, _), (owners, _) = three_agents(user)
+    other = type(user).objects.create_user(username="leaving-owner", password=None)
+    Node.objects.filter(pk=owners.pk).update(owner=other)
+    for node in (kept, deleted, owners):
+        lease_renew(node_id=node.pk, now=timezone.now(), host_busy_fraction=0.5)
+    gone = {str(deleted.pk), str(owners.pk)}
+    deleted.delete()
+    other.delete()  # its node goes in the cascade
+    members = {m.decode() for m in redis_client().zrange(LEASES, 0, -1)}
+    assert str(kept.pk) in members and not members & gone
+    busy = {k.decode() for k in redis_client().hkeys(BUSY)}
+    assert str(kept.pk) in busy and not busy & gone
