@@ -17,8 +17,9 @@ from datetime import UTC, datetime, timedelta
 from functools import cache
 
 from redis.commands.core import Script
+from redis.exceptions import NoScriptError
 
-from controlplane.common.redis_client import redis_client
+from controlplane.common.redis_client import async_redis_client, redis_client
 
 LEASES = "arceus:node-leases"
 BUSY = "arceus:node-busy"
@@ -43,8 +44,21 @@ if ARGV[3] == '' then redis.call('HDEL', KEYS[2], ARGV[1]) else redis.call('HSET
 
 def lease_renew(*, node_id: object, now: datetime, host_busy_fraction: float | None = None) -> None:
     """Record a heartbeat: one round trip, no database."""
+    _renew_script()(keys=[LEASES, BUSY], args=_renew_args(node_id, now, host_busy_fraction))
+
+
+async def lease_renew_async(*, node_id: object, now: datetime, host_busy_fraction: float | None = None) -> None:
+    """`lease_renew` on the running event loop's client (the web server's quiet heartbeats)."""
+    client, args = async_redis_client(), _renew_args(node_id, now, host_busy_fraction)
+    try:
+        await client.evalsha(_renew_script().sha, 2, LEASES, BUSY, *args)
+    except NoScriptError:  # a restarted Redis forgets its scripts
+        await client.eval(RENEW, 2, LEASES, BUSY, *args)
+
+
+def _renew_args(node_id: object, now: datetime, host_busy_fraction: float | None) -> list[str]:
     busy = "" if host_busy_fraction is None else repr(float(host_busy_fraction))
-    _renew_script()(keys=[LEASES, BUSY], args=[str(node_id), repr(now.timestamp()), busy])
+    return [str(node_id), repr(now.timestamp()), busy]
 
 
 @cache
