@@ -23,6 +23,7 @@ import json
 import math
 import time
 from collections.abc import Awaitable, Callable
+from datetime import datetime
 from functools import cache
 from typing import Any
 
@@ -32,11 +33,12 @@ from django.db import DatabaseError, connection
 from django.http.request import split_domain_port, validate_host
 from django.utils import timezone
 
+from controlplane.common.batching import Batched
 from controlplane.common.conditions import TRUE
 from controlplane.common.postgresql.async_connections import async_connections
 from controlplane.jobs.selectors import VERSION_COLUMNS, version_digest, version_order, version_rows_join
 from controlplane.monitoring import metrics
-from controlplane.nodes.liveness import lease_renew_async
+from controlplane.nodes.liveness import leases_renew_async
 from controlplane.nodes.models import Node
 from controlplane.nodes.relays import relay_assignment, relay_certificate
 from controlplane.nodes.services import node_token_hash
@@ -134,13 +136,13 @@ async def _answer_quiet(headers: dict[str, str], raw: bytes) -> bytes | None:
         return None
     started = time.perf_counter()
     try:
-        node = _quiet_node(await _quiet_rows(token_hash), beat["assignments_version"])
+        node = _quiet_node(await _ROWS(token_hash), beat["assignments_version"])
     except (DatabaseError, psycopg.Error):  # a broken connection: Django's path reconnects, or answers the error
         return None
     if node is None:
         return None
     node_id, reachability, max_threads, max_memory_bytes = node
-    await lease_renew_async(node_id=node_id, now=timezone.now(), host_busy_fraction=beat.get("host_busy_fraction"))
+    await _RENEWALS((node_id, timezone.now(), beat.get("host_busy_fraction")))
     metrics.HEARTBEATS.inc()
     body = heartbeat_body(node_id=node_id, version=beat["assignments_version"], max_threads=max_threads,
                           max_memory_bytes=max_memory_bytes, reachability=reachability, relay=beat.get("relay"))
@@ -218,34 +220,55 @@ def _plain_address(value: Any) -> bool:
     return True
 
 
-async def _quiet_rows(token_hash: str) -> list[tuple[Any, ...]]:
+async def _quiet_rows(token_hashes: list[str]) -> list[list[tuple[Any, ...]]]:
+    """Each token's rows (`_quiet_sql`), read together."""
     if connection.vendor != "postgresql":  # SQLite (the demo, tests): Django's connection, in a thread
-        return await asyncio.to_thread(_quiet_rows_django, token_hash)
-    # A prepared statement (each kept connection plans it once): planning it cost the server more than running it.
-    async with async_connections().connection() as conn, conn.cursor() as cursor:
-        await cursor.execute(_quiet_sql(), [token_hash], prepare=True)
-        return await cursor.fetchall()
+        rows = await asyncio.to_thread(_quiet_rows_django, token_hashes)
+    else:
+        # A prepared statement (each kept connection plans it once): planning it cost the server more than running it.
+        async with async_connections().connection() as conn, conn.cursor() as cursor:
+            await cursor.execute(_quiet_sql("= ANY(%s)"), [token_hashes], prepare=True)
+            rows = await cursor.fetchall()
+    by_token: dict[str, list[tuple[Any, ...]]] = {}
+    for row in rows:
+        by_token.setdefault(row[0], []).append(row[1:])
+    return [by_token.get(token_hash, []) for token_hash in token_hashes]
 
 
-def _quiet_rows_django(token_hash: str) -> list[tuple[Any, ...]]:
+def _quiet_rows_django(token_hashes: list[str]) -> list[tuple[Any, ...]]:
     # What Django does to a thread's kept connection around each request (close_old_connections).
     connection.close_if_unusable_or_obsolete()
     try:
         with connection.cursor() as cursor:
-            cursor.execute(_quiet_sql(), [token_hash])
+            cursor.execute(_quiet_sql(f"IN ({', '.join(['%s'] * len(token_hashes))})"), token_hashes)
             return cursor.fetchall()
     finally:
         connection.close_if_unusable_or_obsolete()
 
 
+async def _renew(renewals: list[tuple[str, datetime, float | None]]) -> list[None]:
+    await leases_renew_async(renewals)  # type: ignore[arg-type]
+    return [None] * len(renewals)
+
+
+# The heartbeats answered in one turn of the event loop share their database read and their lease renewal.
+_ROWS = Batched(_quiet_rows)
+_RENEWALS = Batched(_renew)
+
+
+def _quiet_sql(tokens: str) -> str:
+    """The rows of the nodes whose token hash is `tokens` (an SQL condition), the hash first."""
+    return _quiet_sql_template().format(tokens=tokens)
+
+
 @cache
-def _quiet_sql() -> str:
+def _quiet_sql_template() -> str:
     user = Node._meta.get_field("owner").related_model
     return (
-        f"SELECT n.id, u.is_active, n.registered_at IS NOT NULL, n.ready_status, n.reachability, "  # noqa: S608
-        f"n.max_threads, n.max_memory_bytes, {VERSION_COLUMNS} FROM {Node._meta.db_table} n "
+        f"SELECT n.token_hash, n.id, u.is_active, n.registered_at IS NOT NULL, n.ready_status, "  # noqa: S608
+        f"n.reachability, n.max_threads, n.max_memory_bytes, {VERSION_COLUMNS} FROM {Node._meta.db_table} n "
         f"JOIN {user._meta.db_table} u ON u.{user._meta.pk.column} = n.owner_id "
-        f"LEFT JOIN {version_rows_join('n.id')} WHERE n.token_hash = %s ORDER BY {version_order()}"
+        f"LEFT JOIN {version_rows_join('n.id')} WHERE n.token_hash {{tokens}} ORDER BY n.token_hash, {version_order()}"
     )
 
 

@@ -35,10 +35,15 @@ class Liveness:
 
 
 # One command, not a pipeline of two: a heartbeat's Redis work is most of what a quiet one costs the web server
-# (controlplane/nodes/heartbeat.py), and redis-py's pipeline machinery cost more than the commands.
+# (controlplane/nodes/heartbeat.py), and redis-py's pipeline machinery cost more than the commands. It renews any
+# number of leases (node id, time, busy fraction; "" for none): the web server's event loop renews those of the
+# heartbeats it answers together in one.
 RENEW = """
-redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
-if ARGV[3] == '' then redis.call('HDEL', KEYS[2], ARGV[1]) else redis.call('HSET', KEYS[2], ARGV[1], ARGV[3]) end
+for i = 1, #ARGV, 3 do
+  redis.call('ZADD', KEYS[1], ARGV[i + 1], ARGV[i])
+  if ARGV[i + 2] == '' then redis.call('HDEL', KEYS[2], ARGV[i])
+  else redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 2]) end
+end
 """
 
 
@@ -47,9 +52,11 @@ def lease_renew(*, node_id: object, now: datetime, host_busy_fraction: float | N
     _renew_script()(keys=[LEASES, BUSY], args=_renew_args(node_id, now, host_busy_fraction))
 
 
-async def lease_renew_async(*, node_id: object, now: datetime, host_busy_fraction: float | None = None) -> None:
-    """`lease_renew` on the running event loop's client (the web server's quiet heartbeats)."""
-    client, args = async_redis_client(), _renew_args(node_id, now, host_busy_fraction)
+async def leases_renew_async(renewals: list[tuple[object, datetime, float | None]]) -> None:
+    """`lease_renew` of each (node id, now, host busy fraction), in one round trip on the running event loop's
+    client (the web server's quiet heartbeats)."""
+    client = async_redis_client()
+    args = [arg for node_id, now, busy in renewals for arg in _renew_args(node_id, now, busy)]
     try:
         await client.evalsha(_renew_script().sha, 2, LEASES, BUSY, *args)
     except NoScriptError:  # a restarted Redis forgets its scripts
