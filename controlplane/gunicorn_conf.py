@@ -2,7 +2,21 @@
 `gunicorn controlplane.asgi -c python:controlplane.gunicorn_conf`. ARCEUS_WEB_WORKERS sizes it (processes) and
 ARCEUS_WEB_THREADS each process's Django threads (controlplane/asgi.py).
 
-TODO: the measured case for the asgi worker.
+Why gunicorn's asyncio worker (`asgi`, on uvloop) and not its gthread worker: nearly every request is a quiet
+heartbeat (10,000 agents, 1,000 a second), and under gthread each one paid for the worker's pure-Python request
+handling, a hand-off to a thread, and its own database and Redis round trips through synchronous clients. On the
+event loop the quiet path (controlplane/nodes/heartbeat.py) needs no thread, and the heartbeats that arrive in
+one turn of the loop share one database read and one lease renewal; the rest of the API, the admin and /metrics
+are unchanged synchronous Django, run in ARCEUS_WEB_THREADS threads per process (controlplane/asgi.py), so
+nothing else had to become async. Measured side by side on this 2-core machine (shared, load average 8-10;
+/tmp-free script: 300 agents, 32 keep-alive connections, 20 s of quiet heartbeats as fast as they are answered,
+CPU time of the web processes): gthread 0.655 ms of web CPU per heartbeat (822/s), this worker 0.181 ms (2,206/s);
+without the shared round trips this worker cost about as much as gthread (0.61-0.68 ms: the async psycopg and
+redis clients cost what the synchronous ones do), so the sharing is what the event loop buys. gunicorn's C
+parser (gunicorn[fast]) made no measurable difference under gthread and is not required. Kept from gthread:
+one process per core (the GIL), thousands of idle keep-alive connections per process, persistent database
+connections (Django's threads; the quiet path keeps a few async ones of its own), the same command-line shape,
+and child_exit for prometheus_client's multiprocess mode.
 """
 
 from __future__ import annotations
