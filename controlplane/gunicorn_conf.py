@@ -8,10 +8,11 @@ handling, a hand-off to a thread, and its own database and Redis round trips thr
 event loop the quiet path (controlplane/nodes/heartbeat.py) needs no thread, and the heartbeats that arrive in
 one turn of the loop share one database read and one lease renewal; the rest of the API, the admin and /metrics
 are unchanged synchronous Django, run in ARCEUS_WEB_THREADS threads per process (controlplane/asgi.py), so
-nothing else had to become async. Measured side by side on this 2-core machine (shared, load average 8-10;
-/tmp-free script: 300 agents, 32 keep-alive connections, 20 s of quiet heartbeats as fast as they are answered,
-CPU time of the web processes): gthread 0.655 ms of web CPU per heartbeat (822/s), this worker 0.181 ms (2,206/s);
-without the shared round trips this worker cost about as much as gthread (0.61-0.68 ms: the async psycopg and
+nothing else had to become async. Measured side by side on this 2-core machine (shared with other work, load
+average 6-8; `bench/heartbeat_cost.py --agents 500 --heartbeats 10000`, run on the gthread tree, then on this
+one): a quiet heartbeat cost 0.602 ms of web CPU under gthread and costs 0.228 ms here (1,167 vs 2,776 answered
+a second); one through Django and DRF 1.98 vs 2.10 ms (the WSGI bridge costs about what gthread's threads did).
+Without the shared round trips this worker cost about what gthread did (0.61-0.68 ms: the async psycopg and
 redis clients cost what the synchronous ones do), so the sharing is what the event loop buys. gunicorn's C
 parser (gunicorn[fast]) made no measurable difference under gthread and is not required. Kept from gthread:
 one process per core (the GIL), thousands of idle keep-alive connections per process, persistent database
