@@ -11,10 +11,15 @@ nothing listens, so the dial-backs (controlplane/nodes/reachability.py) are refu
 are coroutines of this process (aiohttp, no torch): each registers (`POST /api/agent/register`), then heartbeats
 every `--interval` seconds (`POST /api/agent/heartbeat`, starting at a random offset, sending back the
 assignments version it holds), reporting nothing about its stages, so placed jobs wait for them and no training
-driver runs. Nodes and jobs are made through the services (`node_create`'s token and row, `job_submit`,
+driver runs. The heartbeats travel over a light client of this bench (`Fleet`: uvloop, keep-alive connections of
+a pool, each agent's request bytes built once per assignments version) so that the load generator, which shares
+the machine's cores, is not what limits the run; a heartbeat's latency runs from its send to its whole answer,
+and every answer that is not 200, every timeout and every broken connection counts as an error. Nodes and jobs
+are made through the services (`node_create`'s token and row, `job_submit`,
 `job_start`): minting 10,000 tokens through the throttled API is not what is measured.
 
-Measured: heartbeats per second, their latency (p50, p99, max) and errors; the reconcile pass time (the control
+Measured: heartbeats per second, their latency (p50, p99, max) and errors; the bench process's CPU per
+heartbeat (the load generator's cost, with its once-a-second placement polls); the reconcile pass time (the control
 worker's own log of each `arceus.reconcile` task: under the same load); and, for `--silent` nodes hosting a
 stage whose heartbeats stop, the time from their last heartbeat to their stage's move, against the grace.
 A run that places nothing, or whose agents time out, still reports (nothing is measured that was not seen).
@@ -38,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -138,28 +144,94 @@ async def register(session: aiohttp.ClientSession, url: str, agent: SimAgent, ce
             raise RuntimeError(f"registration failed: HTTP {response.status} {await response.text()}")
 
 
-async def heartbeat_forever(
-    session: aiohttp.ClientSession, url: str, agent: SimAgent, interval: float, tally: Tally, stop: asyncio.Event
-) -> None:
+class Connection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection: a request's bytes out, (status, body) back; nothing else of HTTP."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.answer: asyncio.Future[tuple[int, bytes]] | None = None
+        self.closed = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.answer is not None and not self.answer.done():
+            self.answer.set_exception(ConnectionResetError("the server closed the connection"))
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        end = self.buffer.find(b"\r\n\r\n")
+        if end < 0 or self.answer is None or self.answer.done():  # done: its waiter timed out (then closed)
+            return
+        head = bytes(self.buffer[:end]).lower()
+        at = head.find(b"\r\ncontent-length:")
+        length = int(head[at + 17:].split(b"\r\n", 1)[0]) if at > 0 else 0
+        if len(self.buffer) < end + 4 + length:
+            return
+        body = bytes(self.buffer[end + 4:end + 4 + length])
+        del self.buffer[:end + 4 + length]
+        if b"\r\nconnection: close" in head:
+            self.closed = True
+        self.answer.set_result((int(head[9:12]), body))
+
+    async def request(self, raw: bytes) -> tuple[int, bytes]:
+        self.answer = asyncio.get_running_loop().create_future()
+        self.transport.write(raw)  # type: ignore[union-attr]
+        return await self.answer
+
+
+class Fleet:
+    """The agents' heartbeats over a pool of at most `size` keep-alive connections to `host:port`."""
+
+    def __init__(self, host: str, port: int, size: int) -> None:
+        self.host, self.port = host, port
+        self.idle: list[Connection] = []
+        self.slots = asyncio.Semaphore(size)
+
+    async def post(self, raw: bytes, timeout: float) -> tuple[int, bytes]:
+        async with self.slots:
+            conn = self.idle.pop() if self.idle else None
+            if conn is None or conn.closed:
+                _, conn = await asyncio.get_running_loop().create_connection(Connection, self.host, self.port)
+            try:
+                async with asyncio.timeout(timeout):
+                    answer = await conn.request(raw)
+            except BaseException:
+                conn.transport.close()  # type: ignore[union-attr] (its state is unknown)
+                raise
+            if not conn.closed:
+                self.idle.append(conn)
+            return answer
+
+
+def heartbeat_request(host: str, agent: SimAgent) -> bytes:
+    body = json.dumps({"observed": [], "assignments_version": agent.version}).encode()
+    return (f"POST /api/agent/heartbeat HTTP/1.1\r\nHost: {host}\r\nAuthorization: Node {agent.token}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+
+
+async def heartbeat_forever(fleet: Fleet, agent: SimAgent, interval: float, tally: Tally, stop: asyncio.Event) -> None:
     await asyncio.sleep(random.uniform(0, interval))
-    headers = {"Authorization": f"Node {agent.token}"}
+    host = f"{fleet.host}:{fleet.port}"
+    raw, held = heartbeat_request(host, agent), agent.version
     while not stop.is_set() and not agent.silenced:
         started = time.perf_counter()
         try:
-            body = {"observed": [], "assignments_version": agent.version}
-            async with session.post(f"{url}/api/agent/heartbeat", json=body, headers=headers) as response:
-                if response.status != 200:
-                    tally.error(f"HTTP {response.status}")
-                    await response.read()
-                else:
-                    answer = await response.json(content_type=None)
-                    agent.version = answer.get("assignments_version", "")
-                    agent.last_beat = time.time()
-        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            status, body = await fleet.post(raw, timeout=30)
+            if status != 200:
+                tally.error(f"HTTP {status}")
+            else:
+                agent.version = json.loads(body).get("assignments_version", "")
+                agent.last_beat = time.time()
+                if tally.counting:
+                    tally.latencies.append(time.perf_counter() - started)
+                if agent.version != held:
+                    raw, held = heartbeat_request(host, agent), agent.version
+        except (OSError, TimeoutError, ValueError) as exc:
             tally.error(type(exc).__name__)
-        else:
-            if tally.counting:
-                tally.latencies.append(time.perf_counter() - started)
         await asyncio.sleep(max(0.0, interval - (time.perf_counter() - started)))
 
 
@@ -182,13 +254,20 @@ async def run_fleet(cluster: LocalCluster, agents: list[SimAgent], args: argpars
         print(f"registered {len(agents)} agents in {registered_s:.1f} s", flush=True)
 
         tally, stop = Tally(), asyncio.Event()
-        beats = [asyncio.create_task(heartbeat_forever(session, cluster.api_url, a, args.interval, tally, stop))
-                 for a in agents]
+        host, port = cluster.api_url.removeprefix("http://").rsplit(":", 1)
+        fleet = Fleet(host, int(port), args.connections)
+        beats = [asyncio.create_task(heartbeat_forever(fleet, a, args.interval, tally, stop)) for a in agents]
         try:
-            await asyncio.sleep(args.interval)  # every agent has heartbeaten once: Ready
+            # Every agent's first heartbeat (through the API: it makes the node Ready) answered before the window
+            # opens: 10,000 agents starting within one interval are a start-up burst, not the steady state.
+            first_started = time.perf_counter()
+            while not all(a.last_beat for a in agents) and time.perf_counter() - first_started < 10 * args.interval:
+                await asyncio.sleep(0.5)
+            print(f"every agent's first heartbeat answered in {time.perf_counter() - first_started:.1f} s", flush=True)
             log = cluster.supervisor.log_dir / "worker-control.log"
             log_offset = log.stat().st_size
             tally.counting, window_start = True, time.perf_counter()  # the placement burst is measured too
+            cpu_start = time.process_time()
             jobs = await asyncio.to_thread(submit_jobs, args.jobs)
             print(f"submitted {len(jobs)} jobs", flush=True)
             placed = await _until_placed(args.jobs * JOB["stages"], args.place_timeout)
@@ -207,6 +286,7 @@ async def run_fleet(cluster: LocalCluster, agents: list[SimAgent], args: argpars
             reassigned = await _until_moved(victims, args.grace + 30)
             await asyncio.sleep(max(0.0, args.duration - (time.perf_counter() - window_start)))
             tally.counting, window = False, time.perf_counter() - window_start
+            bench_cpu = time.process_time() - cpu_start
         finally:  # the agents stop before the session closes, also when the run failed
             stop.set()
             for task in beats:
@@ -223,6 +303,7 @@ async def run_fleet(cluster: LocalCluster, agents: list[SimAgent], args: argpars
         "p99_ms": round(quantile(tally.latencies, 0.99) * 1e3, 1),
         "max_ms": round(max(tally.latencies, default=float("nan")) * 1e3, 1),
         "errors": sum(tally.errors.values()), "error_kinds": tally.errors,
+        "bench_cpu_ms_per_heartbeat": round(bench_cpu / max(1, len(tally.latencies)) * 1e3, 3),
         "reconcile_passes": len(passes),
         "reconcile_p50_s": round(quantile(passes, 0.5), 3), "reconcile_max_s": round(max(passes, default=0.0), 3),
         "grace_s": args.grace, "silent": len(victims), "reassigned": len(delays),
@@ -291,7 +372,7 @@ def main() -> None:
             cluster.crash("worker-training")  # no driver runs: the simulated agents never report ready
             _setup_django(cluster.env)
             agents = make_nodes(args.agents)
-            result = asyncio.run(run_fleet(cluster, agents, args))
+            result = uvloop.run(run_fleet(cluster, agents, args))
         finally:
             cluster.stop()
     print_and_write(result, write=not args.no_write)
@@ -308,6 +389,7 @@ def print_and_write(r: dict[str, Any], *, write: bool) -> None:
         f"| heartbeats/s | {r['heartbeats_per_s']:,} | {r['agents'] / r['interval_s']:,.0f} |",
         f"| heartbeat latency p50 / p99 / max | {r['p50_ms']} / {r['p99_ms']} / {r['max_ms']} ms | p99 < 100 ms |",
         f"| heartbeat errors | {r['errors']} {r['error_kinds'] or ''} | 0 |",
+        f"| the bench process's CPU per heartbeat (load generator) | {r['bench_cpu_ms_per_heartbeat']} ms | |",
         f"| reconcile pass p50 / max ({r['reconcile_passes']} passes) | {r['reconcile_p50_s']} / "
         f"{r['reconcile_max_s']} s | < 1 s |",
         f"| silent node → stage moved, max / median ({r['reassigned']}/{r['silent']} moved) | "

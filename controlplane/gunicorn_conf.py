@@ -1,12 +1,23 @@
 """The web server's settings, named by every start-up (deploy/Dockerfile, deploy/k8s, devtools/cluster.py):
-`gunicorn controlplane.wsgi -c python:controlplane.gunicorn_conf`. ARCEUS_WEB_WORKERS / ARCEUS_WEB_THREADS size it.
+`gunicorn controlplane.asgi -c python:controlplane.gunicorn_conf`. ARCEUS_WEB_WORKERS sizes it (processes) and
+ARCEUS_WEB_THREADS each process's Django threads (controlplane/asgi.py).
 
-Why gunicorn's gthread worker and not an ASGI server: every view is synchronous Django (the ORM has no async
-path we use), so under uvicorn each request would hop to a thread pool anyway, paying the hop on top. gthread
-parks idle keep-alive connections in a selector, not a thread: thousands of agents keep their connections open
-between heartbeats (no TCP set-up per beat) while a few threads per process do the work, and a process per core
-sidesteps the GIL. A quiet heartbeat is one prepared statement and one Redis command, answered before Django
-(controlplane/nodes/heartbeat.py; docs/architecture.md, "How the control plane grows").
+Why gunicorn's asyncio worker (`asgi`, on uvloop) and not its gthread worker: nearly every request is a quiet
+heartbeat (10,000 agents, 1,000 a second), and under gthread each one paid for the worker's pure-Python request
+handling, a hand-off to a thread, and its own database and Redis round trips through synchronous clients. On the
+event loop the quiet path (controlplane/nodes/heartbeat.py) needs no thread, and the heartbeats that arrive in
+one turn of the loop share one database read and one lease renewal; the rest of the API, the admin and /metrics
+are unchanged synchronous Django, run in ARCEUS_WEB_THREADS threads per process (controlplane/asgi.py), so
+nothing else had to become async. Measured side by side on this 2-core machine (shared with other work, load
+average 6-8; `bench/heartbeat_cost.py --agents 500 --heartbeats 10000`, run on the gthread tree, then on this
+one): a quiet heartbeat cost 0.602 ms of web CPU under gthread and costs 0.228 ms here (1,167 vs 2,776 answered
+a second); one through Django and DRF 1.98 vs 2.10 ms (the WSGI bridge costs about what gthread's threads did).
+Without the shared round trips this worker cost about what gthread did (0.61-0.68 ms: the async psycopg and
+redis clients cost what the synchronous ones do), so the sharing is what the event loop buys. gunicorn's C
+parser (gunicorn[fast]) made no measurable difference under gthread and is not required. Kept from gthread:
+one process per core (the GIL), thousands of idle keep-alive connections per process, persistent database
+connections (Django's threads; the quiet path keeps a few async ones of its own), the same command-line shape,
+and child_exit for prometheus_client's multiprocess mode.
 """
 
 from __future__ import annotations
@@ -20,9 +31,10 @@ from controlplane.monitoring.metrics import process_exited
 # opening one per heartbeat cost more than the heartbeat. Set before the workers fork and load Django.
 os.environ.setdefault("ARCEUS_DB_CONN_MAX_AGE", "60")
 
-worker_class = "gthread"
+worker_class = "asgi"  # gunicorn's own asyncio worker
+asgi_loop = "uvloop"
+asgi_lifespan = "off"  # nothing to start or stop: connections open at their first use
 workers = int(os.environ.get("ARCEUS_WEB_WORKERS", "2"))
-threads = int(os.environ.get("ARCEUS_WEB_THREADS", "8"))
 worker_connections = 5000  # open (mostly idle keep-alive) connections per process
 keepalive = 30  # seconds: above the agents' heartbeat interval, so a heartbeat reuses its connection
 timeout = 60

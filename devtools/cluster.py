@@ -148,7 +148,7 @@ class LocalCluster:
 
     @staticmethod
     def _web_command(bind: str) -> list[str]:
-        return [sys.executable, "-m", "gunicorn", "controlplane.wsgi", "-c", "python:controlplane.gunicorn_conf",
+        return [sys.executable, "-m", "gunicorn", "controlplane.asgi", "-c", "python:controlplane.gunicorn_conf",
                 "--bind", bind]
 
     def start_web(self, name: str, bind: str, *, prefix: Sequence[str] = (), env: dict[str, str] | None = None) -> str:

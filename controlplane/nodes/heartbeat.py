@@ -3,24 +3,27 @@
 10,000 agents heartbeat 1,000 times a second, and nearly every heartbeat changes nothing: nothing to report, the
 node already Ready, its assignments still the version the agent holds. Through Django and DRF such a heartbeat
 cost about 1.8 ms of web CPU (middleware, request and serializer machinery, content negotiation, two database
-round trips); `quiet_heartbeats` wraps the WSGI application and answers it with one database round trip (the
-node by its token, its owner's state and its assignments version's rows, read together: nothing is cached, so a
-rotated token, a deleted node or a disabled owner is refused at once) and one Redis round trip (the lease).
+round trips); `quiet_heartbeats` wraps the ASGI application (controlplane/asgi.py: Django runs in its WSGI threads)
+and answers it on the event loop with one database round trip (the node by its token, its owner's state and its
+assignments version's rows, read together: nothing is cached, so a rotated token, a deleted node or a disabled
+owner is refused at once) and one Redis round trip (the lease), without a thread hand-off.
 
 It only ever answers a heartbeat it is sure of, and hands every other request to Django untouched (its body
 replayed): a body that is not exactly the quiet shape (any report, link, an unusual type or value, a large or
-chunked body, a Host that ALLOWED_HOSTS refuses), a token no node has, a disabled owner, an unregistered or
-not-Ready node, or a changed version. So validation, error bodies and every change a heartbeat carries stay where
-they are (`AgentHeartbeatApi`, `node_heartbeat`), and the two paths answer the same body (`heartbeat_body`).
+chunked body, a repeated header it reads, a Host that ALLOWED_HOSTS refuses), a token no node has, a disabled
+owner, an unregistered or not-Ready node, or a changed version. So validation, error bodies and every change a
+heartbeat carries stay where they are (`AgentHeartbeatApi`, `node_heartbeat`), and the two paths answer the same
+body (`heartbeat_body`).
 """
 
 from __future__ import annotations
 
-import io
+import asyncio
 import json
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable
+from datetime import datetime
 from functools import cache
 from typing import Any
 
@@ -30,10 +33,12 @@ from django.db import DatabaseError, connection
 from django.http.request import split_domain_port, validate_host
 from django.utils import timezone
 
+from controlplane.common.batching import Batched
 from controlplane.common.conditions import TRUE
+from controlplane.common.postgresql.async_connections import async_connections
 from controlplane.jobs.selectors import VERSION_COLUMNS, version_digest, version_order, version_rows_join
 from controlplane.monitoring import metrics
-from controlplane.nodes.liveness import lease_renew
+from controlplane.nodes.liveness import leases_renew_async
 from controlplane.nodes.models import Node
 from controlplane.nodes.relays import relay_assignment, relay_certificate
 from controlplane.nodes.services import node_token_hash
@@ -45,11 +50,15 @@ JSON_TYPES = frozenset({"application/json", "application/json; charset=utf-8"})
 KEYS = frozenset({"observed", "neighbour_links", "link", "host_busy_fraction", "relay", "assignments_version"})
 MAX_RELAYS_REPORTED = 16  # as the API's RelayReportInput
 # What Django's middleware adds to every answer (SecurityMiddleware, XFrameOptionsMiddleware) and DRF's Vary.
-HEADERS = [("Content-Type", "application/json"), ("Vary", "Accept"), ("X-Frame-Options", "DENY"),
-           ("X-Content-Type-Options", "nosniff"), ("Referrer-Policy", "same-origin"),
-           ("Cross-Origin-Opener-Policy", "same-origin")]
+HEADERS = [(b"content-type", b"application/json"), (b"vary", b"Accept"), (b"x-frame-options", b"DENY"),
+           (b"x-content-type-options", b"nosniff"), (b"referrer-policy", b"same-origin"),
+           (b"cross-origin-opener-policy", b"same-origin")]
+READ_HEADERS = frozenset({"authorization", "content-length", "content-type", "host", "x-forwarded-host",
+                          "transfer-encoding"})
 
-WSGIApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+ASGIApp = Callable[[dict[str, Any], Receive, Send], Awaitable[None]]
 
 
 def heartbeat_body(*, node_id: str, version: str, max_threads: int | None, max_memory_bytes: int | None,
@@ -68,47 +77,72 @@ def heartbeat_body(*, node_id: str, version: str, max_threads: int | None, max_m
     }
 
 
-def quiet_heartbeats(django_app: WSGIApp) -> WSGIApp:
-    """`django_app`, with quiet heartbeats answered before it (the module's docstring)."""
+def quiet_heartbeats(app: ASGIApp) -> ASGIApp:
+    """`app` (Django, through the WSGI bridge: controlplane/asgi.py), with quiet heartbeats answered before it on
+    the event loop (the module's docstring)."""
 
-    def application(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-        if environ.get("PATH_INFO") not in PATHS or environ.get("REQUEST_METHOD") != "POST":
-            return django_app(environ, start_response)
-        length = environ.get("CONTENT_LENGTH") or ""
-        if (not length.isdigit() or int(length) > MAX_QUIET_BYTES
-                or environ.get("CONTENT_TYPE", "").lower() not in JSON_TYPES):
-            return django_app(environ, start_response)
-        body = environ["wsgi.input"].read(int(length))
-        environ["wsgi.input"] = io.BytesIO(body)  # Django reads it again when the heartbeat is not quiet
-        answer = _answer_quiet(environ, body) if _allowed_host(environ) else None
+    async def application(scope: dict[str, Any], receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in PATHS or scope["method"] != "POST":
+            return await app(scope, receive, send)
+        headers = _single_headers(scope)
+        length = headers.get("content-length", "") if headers is not None else ""
+        if (headers is None or not length.isdigit() or int(length) > MAX_QUIET_BYTES or "transfer-encoding" in headers
+                or headers.get("content-type", "").lower() not in JSON_TYPES):
+            return await app(scope, receive, send)
+        body, more = b"", True
+        while more and len(body) <= int(length):
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                return
+            body, more = body + message.get("body", b""), message.get("more_body", False)
+        whole = not more and len(body) == int(length)
+        answer = await _answer_quiet(headers, body) if whole and _allowed_host(headers) else None
         if answer is None:
-            return django_app(environ, start_response)
-        start_response("200 OK", [*HEADERS, ("Content-Length", str(len(answer)))])
-        return [answer]
+            return await app(scope, _replayed(body, more, receive), send)  # Django reads the body again
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [*HEADERS, (b"content-length", str(len(answer)).encode())]})
+        await send({"type": "http.response.body", "body": answer})
 
     return application
 
 
-def _answer_quiet(environ: dict[str, Any], raw: bytes) -> bytes | None:
+def _single_headers(scope: dict[str, Any]) -> dict[str, str] | None:
+    """The request's headers (lower-case names), or None when one the quiet path reads is repeated: WSGI joins
+    repeats with commas, so Django, not this path, judges them."""
+    headers: dict[str, str] = {}
+    for name, value in scope["headers"]:
+        key = name.decode("latin-1").lower()
+        if key in headers and key in READ_HEADERS:
+            return None
+        headers[key] = value.decode("latin-1")
+    return headers
+
+
+def _replayed(body: bytes, more: bool, receive: Receive) -> Receive:
+    """`receive`, the body already read coming first."""
+    pending = [{"type": "http.request", "body": body, "more_body": more}]
+
+    async def replay() -> dict[str, Any]:
+        return pending.pop() if pending else await receive()
+
+    return replay
+
+
+async def _answer_quiet(headers: dict[str, str], raw: bytes) -> bytes | None:
     """The answer's bytes, or None when Django must answer."""
-    token_hash = _token_hash(environ.get("HTTP_AUTHORIZATION", ""))
+    token_hash = _token_hash(headers.get("authorization", ""))
     beat = _quiet_body(raw)
     if token_hash is None or beat is None:
         return None
     started = time.perf_counter()
-    # What Django does to its kept connection around each request (close_old_connections, on the one database
-    # read here): closed when too old or broken, health-checked at its first use.
-    connection.close_if_unusable_or_obsolete()
     try:
-        node = _node_if_quiet(token_hash, beat["assignments_version"])
-    except DatabaseError:  # a broken kept connection: Django's path reconnects, or answers the error as it does
+        node = _quiet_node(await _ROWS(token_hash), beat["assignments_version"])
+    except (DatabaseError, psycopg.Error):  # a broken connection: Django's path reconnects, or answers the error
         return None
-    finally:
-        connection.close_if_unusable_or_obsolete()
     if node is None:
         return None
     node_id, reachability, max_threads, max_memory_bytes = node
-    lease_renew(node_id=node_id, now=timezone.now(), host_busy_fraction=beat.get("host_busy_fraction"))
+    await _RENEWALS((node_id, timezone.now(), beat.get("host_busy_fraction")))
     metrics.HEARTBEATS.inc()
     body = heartbeat_body(node_id=node_id, version=beat["assignments_version"], max_threads=max_threads,
                           max_memory_bytes=max_memory_bytes, reachability=reachability, relay=beat.get("relay"))
@@ -116,11 +150,11 @@ def _answer_quiet(environ: dict[str, Any], raw: bytes) -> bytes | None:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
 
-def _allowed_host(environ: dict[str, Any]) -> bool:
+def _allowed_host(headers: dict[str, str]) -> bool:
     """Whether Django would take the request's Host (ALLOWED_HOSTS); when not, or unsure, Django answers it."""
-    if settings.USE_X_FORWARDED_HOST and "HTTP_X_FORWARDED_HOST" in environ:
+    if settings.USE_X_FORWARDED_HOST and "x-forwarded-host" in headers:
         return False
-    domain, _ = split_domain_port(environ.get("HTTP_HOST", ""))
+    domain, _ = split_domain_port(headers.get("host", ""))
     allowed = settings.ALLOWED_HOSTS
     if settings.DEBUG and not allowed:
         allowed = [".localhost", "127.0.0.1", "[::1]"]
@@ -186,36 +220,61 @@ def _plain_address(value: Any) -> bool:
     return True
 
 
-def _quiet_rows(token_hash: str) -> list[tuple[Any, ...]]:
-    if connection.vendor != "postgresql":
+async def _quiet_rows(token_hashes: list[str]) -> list[list[tuple[Any, ...]]]:
+    """Each token's rows (`_quiet_sql`), read together."""
+    if connection.vendor != "postgresql":  # SQLite (the demo, tests): Django's connection, in a thread
+        rows = await asyncio.to_thread(_quiet_rows_django, token_hashes)
+    else:
+        # A prepared statement (each kept connection plans it once): planning it cost the server more than running it.
+        async with async_connections().connection() as conn, conn.cursor() as cursor:
+            await cursor.execute(_quiet_sql("= ANY(%s)"), [token_hashes], prepare=True)
+            rows = await cursor.fetchall()
+    by_token: dict[str, list[tuple[Any, ...]]] = {}
+    for row in rows:
+        by_token.setdefault(row[0], []).append(row[1:])
+    return [by_token.get(token_hash, []) for token_hash in token_hashes]
+
+
+def _quiet_rows_django(token_hashes: list[str]) -> list[tuple[Any, ...]]:
+    # What Django does to a thread's kept connection around each request (close_old_connections).
+    connection.close_if_unusable_or_obsolete()
+    try:
         with connection.cursor() as cursor:
-            cursor.execute(_quiet_sql(), [token_hash])
+            cursor.execute(_quiet_sql(f"IN ({', '.join(['%s'] * len(token_hashes))})"), token_hashes)
             return cursor.fetchall()
-    # A prepared statement on PostgreSQL (each kept connection plans it once): planning it cost the server more
-    # than running it. Django's cursors bind client-side and never prepare, so a psycopg cursor on Django's
-    # connection, checked as Django checks it, its errors Django's (and marking the connection for closing).
-    connection.close_if_health_check_failed()
-    connection.ensure_connection()
-    with connection.wrap_database_errors, psycopg.Cursor(connection.connection) as cursor:
-        cursor.execute(_quiet_sql(), [token_hash], prepare=True)
-        return cursor.fetchall()
+    finally:
+        connection.close_if_unusable_or_obsolete()
+
+
+async def _renew(renewals: list[tuple[str, datetime, float | None]]) -> list[None]:
+    await leases_renew_async(renewals)  # type: ignore[arg-type]
+    return [None] * len(renewals)
+
+
+# The heartbeats answered in one turn of the event loop share their database read and their lease renewal.
+_ROWS = Batched(_quiet_rows)
+_RENEWALS = Batched(_renew)
+
+
+def _quiet_sql(tokens: str) -> str:
+    """The rows of the nodes whose token hash is `tokens` (an SQL condition), the hash first."""
+    return _quiet_sql_template().format(tokens=tokens)
 
 
 @cache
-def _quiet_sql() -> str:
+def _quiet_sql_template() -> str:
     user = Node._meta.get_field("owner").related_model
     return (
-        f"SELECT n.id, u.is_active, n.registered_at IS NOT NULL, n.ready_status, n.reachability, "  # noqa: S608
-        f"n.max_threads, n.max_memory_bytes, {VERSION_COLUMNS} FROM {Node._meta.db_table} n "
+        f"SELECT n.token_hash, n.id, u.is_active, n.registered_at IS NOT NULL, n.ready_status, "  # noqa: S608
+        f"n.reachability, n.max_threads, n.max_memory_bytes, {VERSION_COLUMNS} FROM {Node._meta.db_table} n "
         f"JOIN {user._meta.db_table} u ON u.{user._meta.pk.column} = n.owner_id "
-        f"LEFT JOIN {version_rows_join('n.id')} WHERE n.token_hash = %s ORDER BY {version_order()}"
+        f"LEFT JOIN {version_rows_join('n.id')} WHERE n.token_hash {{tokens}} ORDER BY n.token_hash, {version_order()}"
     )
 
 
-def _node_if_quiet(token_hash: str, version: str) -> tuple[str, str, int | None, int | None] | None:
-    """(node id, reachability, max_threads, max_memory_bytes) of the node with this token when its heartbeat is
-    quiet: its owner active, registered, Ready, its assignments still `version`. One round trip."""
-    rows = _quiet_rows(token_hash)
+def _quiet_node(rows: list[tuple[Any, ...]], version: str) -> tuple[str, str, int | None, int | None] | None:
+    """(node id, reachability, max_threads, max_memory_bytes) of the node in `rows` (the token's: `_quiet_sql`) when
+    its heartbeat is quiet: its owner active, registered, Ready, its assignments still `version`."""
     if not rows:
         return None
     node_id, active, registered, ready, reachability, max_threads, max_memory_bytes = rows[0][:7]

@@ -18,8 +18,9 @@ from functools import cache
 from typing import Any
 
 from redis.commands.core import Script
+from redis.exceptions import NoScriptError
 
-from controlplane.common.redis_client import redis_client
+from controlplane.common.redis_client import async_redis_client, redis_client
 
 LEASES = "arceus:node-leases"
 BUSY = "arceus:node-busy"
@@ -35,17 +36,37 @@ class Liveness:
 
 
 # One command, not a pipeline of two: a heartbeat's Redis work is most of what a quiet one costs the web server
-# (controlplane/nodes/heartbeat.py), and redis-py's pipeline machinery cost more than the commands.
+# (controlplane/nodes/heartbeat.py), and redis-py's pipeline machinery cost more than the commands. It renews any
+# number of leases (node id, time, busy fraction; "" for none): the web server's event loop renews those of the
+# heartbeats it answers together in one.
 RENEW = """
-redis.call('ZADD', KEYS[1], ARGV[2], ARGV[1])
-if ARGV[3] == '' then redis.call('HDEL', KEYS[2], ARGV[1]) else redis.call('HSET', KEYS[2], ARGV[1], ARGV[3]) end
+for i = 1, #ARGV, 3 do
+  redis.call('ZADD', KEYS[1], ARGV[i + 1], ARGV[i])
+  if ARGV[i + 2] == '' then redis.call('HDEL', KEYS[2], ARGV[i])
+  else redis.call('HSET', KEYS[2], ARGV[i], ARGV[i + 2]) end
+end
 """
 
 
 def lease_renew(*, node_id: object, now: datetime, host_busy_fraction: float | None = None) -> None:
     """Record a heartbeat: one round trip, no database."""
+    _renew_script()(keys=[LEASES, BUSY], args=_renew_args(node_id, now, host_busy_fraction))
+
+
+async def leases_renew_async(renewals: list[tuple[object, datetime, float | None]]) -> None:
+    """`lease_renew` of each (node id, now, host busy fraction), in one round trip on the running event loop's
+    client (the web server's quiet heartbeats)."""
+    client = async_redis_client()
+    args = [arg for node_id, now, busy in renewals for arg in _renew_args(node_id, now, busy)]
+    try:
+        await client.evalsha(_renew_script().sha, 2, LEASES, BUSY, *args)
+    except NoScriptError:  # a restarted Redis forgets its scripts
+        await client.eval(RENEW, 2, LEASES, BUSY, *args)
+
+
+def _renew_args(node_id: object, now: datetime, host_busy_fraction: float | None) -> list[str]:
     busy = "" if host_busy_fraction is None else repr(float(host_busy_fraction))
-    _renew_script()(keys=[LEASES, BUSY], args=[str(node_id), repr(now.timestamp()), busy])
+    return [str(node_id), repr(now.timestamp()), busy]
 
 
 @cache

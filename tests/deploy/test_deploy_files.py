@@ -99,7 +99,7 @@ def test_the_readme_lists_the_operator_start_up_in_order() -> None:
         "python manage.py migrate --noinput",
         "python manage.py collectstatic --noinput",
         "python manage.py createsuperuser",
-        "gunicorn controlplane.wsgi -c python:controlplane.gunicorn_conf",
+        "gunicorn controlplane.asgi -c python:controlplane.gunicorn_conf",
         "celery -A controlplane.celery worker",
         "celery -A controlplane.celery worker",
         "celery -A controlplane.celery worker",

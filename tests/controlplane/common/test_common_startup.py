@@ -30,7 +30,7 @@ def without_a_key() -> dict[str, str]:
 
 
 def test_the_web_server_will_not_start_on_it() -> None:
-    load = [sys.executable, "-c", "import controlplane.wsgi"]  # what gunicorn does first
+    load = [sys.executable, "-c", "import controlplane.asgi"]  # what gunicorn does first
     refused = subprocess.run(load, cwd=ROOT, env=without_a_key(), capture_output=True, text=True, timeout=120)
     assert refused.returncode != 0 and "ARCEUS_SECRET_KEY is not set" in refused.stderr
     own = {**without_a_key(), "ARCEUS_SECRET_KEY": "an operator's own secret, long and random"}

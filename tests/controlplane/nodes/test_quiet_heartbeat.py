@@ -1,20 +1,24 @@
-"""The quiet heartbeat answered before Django (controlplane/nodes/heartbeat.py), through the real WSGI application:
+"""The quiet heartbeat answered before Django (controlplane/nodes/heartbeat.py), through the real ASGI application:
 it answers as the API does, reads the database once, and hands everything else to the API, which refuses a rotated
 token, a deleted node or a disabled owner at once and judges every hostile body as before."""
 
 from __future__ import annotations
 
-import io
+import asyncio
 import json
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from a2wsgi import WSGIMiddleware
 from django.core.wsgi import get_wsgi_application
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from rest_framework.test import APIClient
 
+from controlplane.common.postgresql.async_connections import async_connections
+from controlplane.common.redis_client import async_redis_client
 from controlplane.controller.executor import reconcile_once
 from controlplane.nodes.heartbeat import quiet_heartbeats
 from controlplane.nodes.liveness import lease_of
@@ -22,33 +26,53 @@ from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_create
 from devtools.pipeline import identity_for
 
-# The WSGI path does what Django does to its connection around a request: it would close one held in a test's
-# transaction.
+# The quiet path reads through connections of its own, and Django's threads close theirs around each request: what
+# a test writes must be committed to be seen.
 pytestmark = pytest.mark.django_db(transaction=True)
 
-# As controlplane/wsgi.py composes it (which also refuses the tests' development secret key).
-application = quiet_heartbeats(get_wsgi_application())
+# As controlplane/asgi.py composes it (whose import also refuses the tests' development secret key), on one event
+# loop as in a web server's process.
+application = quiet_heartbeats(WSGIMiddleware(get_wsgi_application(), workers=2))
+LOOP = asyncio.new_event_loop()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _loop_connections_closed() -> Iterator[None]:
+    yield
+
+    async def close() -> None:
+        await async_connections().close()
+        await async_redis_client().aclose()
+
+    LOOP.run_until_complete(close())
 CAPABILITIES = {"device_type": "cpu", "device_name": "Test CPU", "memory_bytes": 8 * 2**30, "flops_fp32": 5e10}
 
 
-def wsgi_post(token: str, body: Any, *, raw: bytes | None = None, host: str = "testserver") -> tuple[int, Any]:
-    """POST /api/agent/heartbeat through the WSGI application: (status, JSON body)."""
+def asgi_post(token: str, body: Any, *, raw: bytes | None = None, host: str = "testserver",
+              extra_headers: tuple[tuple[bytes, bytes], ...] = ()) -> tuple[int, Any]:
+    """POST /api/agent/heartbeat through the ASGI application, its body in two pieces: (status, JSON body)."""
     data = raw if raw is not None else json.dumps(body).encode()
-    environ = {
-        "REQUEST_METHOD": "POST", "PATH_INFO": "/api/agent/heartbeat", "SCRIPT_NAME": "", "QUERY_STRING": "",
-        "SERVER_NAME": "testserver", "SERVER_PORT": "80", "SERVER_PROTOCOL": "HTTP/1.1", "REMOTE_ADDR": "127.0.0.1",
-        "CONTENT_TYPE": "application/json", "CONTENT_LENGTH": str(len(data)), "HTTP_AUTHORIZATION": f"Node {token}",
-        "HTTP_HOST": host,
-        "wsgi.input": io.BytesIO(data), "wsgi.url_scheme": "http", "wsgi.errors": io.StringIO(),
-        "wsgi.version": (1, 0), "wsgi.multithread": True, "wsgi.multiprocess": True, "wsgi.run_once": False,
+    scope = {
+        "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+        "path": "/api/agent/heartbeat", "raw_path": b"/api/agent/heartbeat", "query_string": b"", "root_path": "",
+        "server": ("testserver", 80), "client": ("127.0.0.1", 40000),
+        "headers": [(b"host", host.encode()), (b"content-type", b"application/json"),
+                    (b"content-length", str(len(data)).encode()), (b"authorization", f"Node {token}".encode()),
+                    *extra_headers],
     }
-    status: list[str] = []
-    chunks = application(environ, lambda s, headers: status.append(s))
-    try:
-        content = b"".join(chunks)
-    finally:
-        getattr(chunks, "close", lambda: None)()
-    code = int(status[0].split()[0])
+    pieces = [{"type": "http.request", "body": data[:10], "more_body": True},
+              {"type": "http.request", "body": data[10:], "more_body": False}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return pieces.pop(0) if pieces else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    LOOP.run_until_complete(application(scope, receive, send))
+    code = sent[0]["status"]
+    content = b"".join(m.get("body", b"") for m in sent[1:])
     return code, json.loads(content) if code != 400 or content.startswith(b"{") else content
 
 
@@ -83,7 +107,7 @@ def test_a_quiet_heartbeat_is_answered_before_django_as_the_api_answers(user) ->
     before = lease_of(node.pk, timezone.now()).renewed_at
     beat = {"observed": [], "host_busy_fraction": 0.25, "relay": None, "assignments_version": version}
     with CaptureQueriesContext(connection) as queries:
-        status, body = wsgi_post(token, beat)
+        status, body = asgi_post(token, beat)
     assert status == 200
     # Not the API's path (three queries through Django's cursors): one prepared statement on PostgreSQL.
     assert len(queries) == (0 if connection.vendor == "postgresql" else 1)
@@ -91,27 +115,27 @@ def test_a_quiet_heartbeat_is_answered_before_django_as_the_api_answers(user) ->
     assert "assignments" not in body and body["node_id"] == str(node.id)
     liveness = lease_of(node.pk, timezone.now())
     assert liveness.renewed_at > before and liveness.host_busy_fraction == 0.25
-    assert wsgi_post(token, {"observed": [], "assignments_version": version})[0] == 200
+    assert asgi_post(token, {"observed": [], "assignments_version": version})[0] == 200
     assert lease_of(node.pk, timezone.now()).host_busy_fraction is None  # not measured this time: dropped
 
 
 def test_a_rotated_token_a_disabled_owner_and_a_deleted_node_are_refused_at_once(user, api) -> None:
     node, token, version = registered(user, "rotating")
     beat = {"observed": [], "assignments_version": version}
-    assert wsgi_post(token, beat)[0] == 200
+    assert asgi_post(token, beat)[0] == 200
     rotated = api.post(f"/api/nodes/{node.id}/token/rotate")
     assert rotated.status_code == 200
-    status, body = wsgi_post(token, beat)
+    status, body = asgi_post(token, beat)
     assert status == 401 and body["detail"].startswith("invalid node token: no node has it")
     token = rotated.json()["token"]
-    assert wsgi_post(token, beat)[0] == 200
+    assert asgi_post(token, beat)[0] == 200
     user.is_active = False
     user.save(update_fields=["is_active"])
-    assert wsgi_post(token, beat) == (401, {"detail": "the owner of this node is disabled"})
+    assert asgi_post(token, beat) == (401, {"detail": "the owner of this node is disabled"})
     user.is_active = True
     user.save(update_fields=["is_active"])
     Node.objects.filter(pk=node.pk).delete()
-    status, body = wsgi_post(token, beat)
+    status, body = asgi_post(token, beat)
     assert status == 401 and body["detail"].startswith("invalid node token: no node has it")
 
 
@@ -120,15 +144,15 @@ def test_changed_assignments_are_answered_in_full(user, queued_job, api) -> None
     queued_job()
     reconcile_once()  # each node gets a stage: the versions the agents hold are stale
     for _, token, version in agents:
-        status, body = wsgi_post(token, {"observed": [], "assignments_version": version})
+        status, body = asgi_post(token, {"observed": [], "assignments_version": version})
         assert status == 200 and len(body["assignments"]) == 1 and body["assignments_version"] != version
         held = body["assignments_version"]
-        assert "assignments" not in wsgi_post(token, {"observed": [], "assignments_version": held})[1]
+        assert "assignments" not in asgi_post(token, {"observed": [], "assignments_version": held})[1]
     node, token, _ = agents[0]
-    held = wsgi_post(token, {"observed": []})[1]["assignments_version"]
+    held = asgi_post(token, {"observed": []})[1]["assignments_version"]
     assert api.post(f"/api/nodes/{node.id}/pause").status_code == 200
     reconcile_once()  # the paused node's stage is handed back
-    status, body = wsgi_post(token, {"observed": [], "assignments_version": held})
+    status, body = asgi_post(token, {"observed": [], "assignments_version": held})
     assert status == 200 and body["assignments_version"] != held and body["assignments"] == []
 
 
@@ -156,13 +180,13 @@ def test_hostile_bodies_get_the_apis_answer(user, beat: Any) -> None:
     _, token, version = registered(user, "hostile")
     if isinstance(beat, dict) and beat.get("assignments_version") == "v":
         beat["assignments_version"] = version  # else only the version would keep it from being quiet
-    assert wsgi_post(token, beat) == api_post(token, beat)
+    assert asgi_post(token, beat) == api_post(token, beat)
 
 
 @pytest.mark.parametrize("raw", [b'{"observed": [], "host_busy_fraction": NaN}', b"{", b"\xff", b"x" * 9000])
 def test_bodies_that_are_not_json_or_too_large_get_the_apis_answer(user, raw: bytes) -> None:
     _, token, _ = registered(user, "raw")
-    status, body = wsgi_post(token, None, raw=raw)
+    status, body = asgi_post(token, None, raw=raw)
     assert status == 400 and body["detail"]
     assert (status, body) == api_post(token, None, raw=raw)
 
@@ -170,5 +194,12 @@ def test_bodies_that_are_not_json_or_too_large_get_the_apis_answer(user, raw: by
 def test_a_host_that_allowed_hosts_refuses_is_refused_as_django_refuses_it(user) -> None:
     _, token, version = registered(user, "host")
     beat = {"observed": [], "assignments_version": version}
-    assert wsgi_post(token, beat)[0] == 200
-    assert wsgi_post(token, beat, host="evil.example")[0] == 400
+    assert asgi_post(token, beat)[0] == 200
+    assert asgi_post(token, beat, host="evil.example")[0] == 400
+
+
+def test_a_repeated_header_is_judged_by_django(user) -> None:
+    _, token, version = registered(user, "twice")
+    beat = {"observed": [], "assignments_version": version}
+    status, body = asgi_post(token, beat, extra_headers=((b"authorization", f"Node {token}".encode()),))
+    assert status == 401 and body["detail"]  # WSGI joins the two with a comma: no such token

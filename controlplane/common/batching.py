@@ -1,0 +1,49 @@
+"""Calls made in one turn of an event loop, answered by one call on all their arguments (the quiet heartbeat's
+database read and lease renewal: controlplane/nodes/heartbeat.py). Heartbeats that arrive together (one epoll
+wake-up of the web server reads many connections) then share a round trip: a batch waits for nothing but the
+current turn, and grows only when the server is busy, which is when sharing pays."""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+from collections.abc import Awaitable, Callable
+from typing import Generic, TypeVar
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class Batched(Generic[K, V]):
+    def __init__(self, run: Callable[[list[K]], Awaitable[list[V]]]) -> None:
+        """`run`: the answers to a list of arguments, in their order."""
+        self._run = run
+        self._pending: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[tuple[K, asyncio.Future[V]]]] = (
+            weakref.WeakKeyDictionary())
+
+    async def __call__(self, key: K) -> V:
+        loop = asyncio.get_running_loop()
+        pending = self._pending.get(loop)
+        if pending is None:
+            pending = self._pending[loop] = []
+            loop.call_soon(self._flush, loop)  # after the calls this turn makes
+        future: asyncio.Future[V] = loop.create_future()
+        pending.append((key, future))
+        return await future
+
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        loop.create_task(self._answer(self._pending.pop(loop)))
+
+    async def _answer(self, batch: list[tuple[K, asyncio.Future[V]]]) -> None:
+        try:
+            answers = await self._run([key for key, _ in batch])
+        except BaseException as exc:  # every caller learns of it (a cancelled batch too)
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            for (_, future), answer in zip(batch, answers, strict=True):
+                if not future.done():
+                    future.set_result(answer)
