@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import re
@@ -38,6 +39,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import Executor, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -235,8 +237,15 @@ async def heartbeat_forever(fleet: Fleet, agent: SimAgent, interval: float, tall
         await asyncio.sleep(max(0.0, interval - (time.perf_counter() - started)))
 
 
-async def run_fleet(cluster: LocalCluster, agents: list[SimAgent], args: argparse.Namespace) -> dict[str, Any]:
+async def run_fleet(
+    cluster: LocalCluster, agents: list[SimAgent], args: argparse.Namespace, database: Executor
+) -> dict[str, Any]:
+    """`database` runs the bench's own queries and submissions: in another process, so that their Python work
+    never holds this one's GIL while heartbeats wait to be timed (a thread's 1,000 job submissions delayed every
+    heartbeat of the fleet by up to a minute)."""
     from arceus.wire.tls import new_identity
+
+    loop = asyncio.get_running_loop()
 
     certificate = new_identity().certificate  # one for all: nothing dials these agents
     connector = aiohttp.TCPConnector(limit=args.connections)
@@ -268,9 +277,9 @@ async def run_fleet(cluster: LocalCluster, agents: list[SimAgent], args: argpars
             log_offset = log.stat().st_size
             tally.counting, window_start = True, time.perf_counter()  # the placement burst is measured too
             cpu_start = time.process_time()
-            jobs = await asyncio.to_thread(submit_jobs, args.jobs)
+            jobs = await loop.run_in_executor(database, submit_jobs, args.jobs)
             print(f"submitted {len(jobs)} jobs", flush=True)
-            placed = await _until_placed(args.jobs * JOB["stages"], args.place_timeout)
+            placed = await _until_placed(database, args.jobs * JOB["stages"], args.place_timeout)
             placement_s = time.perf_counter() - window_start
             print(f"placed {len(placed)} stages in {placement_s:.0f} s", flush=True)
             by_id = {a.node_id: a for a in agents}
@@ -283,7 +292,7 @@ async def run_fleet(cluster: LocalCluster, agents: list[SimAgent], args: argpars
             await asyncio.sleep(args.duration / 3)
             for victim in victims:
                 victim.silenced = True
-            reassigned = await _until_moved(victims, args.grace + 30)
+            reassigned = await _until_moved(database, victims, args.grace + 30)
             await asyncio.sleep(max(0.0, args.duration - (time.perf_counter() - window_start)))
             tally.counting, window = False, time.perf_counter() - window_start
             bench_cpu = time.process_time() - cpu_start
@@ -292,7 +301,7 @@ async def run_fleet(cluster: LocalCluster, agents: list[SimAgent], args: argpars
             for task in beats:
                 task.cancel()
             await asyncio.gather(*beats, return_exceptions=True)
-    unknown = await asyncio.to_thread(nodes_unknown)
+    unknown = await loop.run_in_executor(database, nodes_unknown)
     passes = [float(m) for m in RECONCILE_LINE.findall(log.read_bytes()[log_offset:].decode(errors="replace"))]
     delays = [reassigned[v.node_id] - v.last_beat for v in victims if v.node_id in reassigned]
     return {
@@ -321,20 +330,22 @@ def nodes_unknown() -> int:
     return Node.objects.filter(owner__username=BENCH_USER, reachability=Reachability.UNKNOWN).count()
 
 
-async def _until_placed(count: int, timeout: float) -> dict[str, str]:
+async def _until_placed(database: Executor, count: int, timeout: float) -> dict[str, str]:
     """The placed stages once there are `count` of them, or those placed after `timeout` s (polled each second)."""
     deadline = time.monotonic() + timeout
-    while len(placed := await asyncio.to_thread(placed_nodes)) < count and time.monotonic() < deadline:
+    loop = asyncio.get_running_loop()
+    while len(placed := await loop.run_in_executor(database, placed_nodes)) < count and time.monotonic() < deadline:
         await asyncio.sleep(1.0)
     return placed
 
 
-async def _until_moved(victims: list[SimAgent], timeout: float) -> dict[str, float]:
+async def _until_moved(database: Executor, victims: list[SimAgent], timeout: float) -> dict[str, float]:
     """node id → wall-clock time its stage was seen on another node (polled every 0.2 s)."""
     moved: dict[str, float] = {}
     deadline = time.monotonic() + timeout
+    loop = asyncio.get_running_loop()
     while len(moved) < len(victims) and time.monotonic() < deadline:
-        hosting = await asyncio.to_thread(placed_nodes)
+        hosting = await loop.run_in_executor(database, placed_nodes)
         now = time.time()
         for victim in victims:
             if victim.node_id not in moved and victim.node_id not in hosting:
@@ -372,7 +383,9 @@ def main() -> None:
             cluster.crash("worker-training")  # no driver runs: the simulated agents never report ready
             _setup_django(cluster.env)
             agents = make_nodes(args.agents)
-            result = uvloop.run(run_fleet(cluster, agents, args))
+            spawn = multiprocessing.get_context("spawn")
+            with ProcessPoolExecutor(1, mp_context=spawn, initializer=_setup_django, initargs=(cluster.env,)) as db:
+                result = uvloop.run(run_fleet(cluster, agents, args, db))
         finally:
             cluster.stop()
     print_and_write(result, write=not args.no_write)
