@@ -8,7 +8,7 @@ from datetime import datetime
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Prefetch, QuerySet
+from django.db.models import Prefetch, Q, QuerySet
 from django.utils import timezone
 
 from arceus.contracts.status import ACTIVE_STATUSES, JobStatus
@@ -17,7 +17,7 @@ from arceus.model.registry import model_spec_from_config
 from arceus.placement.profiles import layer_profiles
 from controlplane.controller.placement import requirements, tensor_parallel_split, workload
 from controlplane.controller.rules import Desired, JobView, NodeView, Observed, PlacedStage, StageReport
-from controlplane.jobs.models import Job, Stage
+from controlplane.jobs.models import Job, Stage, StageCheckpoint
 from controlplane.market.pricing import device_class
 from controlplane.market.services import price_in_force
 from controlplane.nodes.availability import unavailable_reason
@@ -29,8 +29,11 @@ from controlplane.nodes.models import Node, Reachability
 def load_snapshot(now: datetime | None = None) -> tuple[Desired, Observed]:
     """Everything one reconcile pass decides from; `now` is when the owners' working hours are judged."""
     nodes = node_views(registered_nodes(), now)
+    # Served jobs: succeeded ones asked to be served, or still holding nodes for it.
+    holding = Stage.objects.filter(active=True).values("job")
+    served = Q(status=JobStatus.SUCCEEDED) & (Q(serving=True) | Q(pk__in=holding))
     jobs = (
-        Job.objects.filter(status__in=(JobStatus.QUEUED, *ACTIVE_STATUSES))
+        Job.objects.filter(Q(status__in=(JobStatus.QUEUED, *ACTIVE_STATUSES)) | served)
         .prefetch_related(Prefetch("stages", queryset=Stage.objects.filter(active=True).order_by("index", "rank")))
         .order_by("created_at")
     )
@@ -146,4 +149,16 @@ def _job_view(job: Job) -> JobView:
         handover_requested=job.handover_requested,
         max_restarts=settings.ARCEUS_JOB_MAX_RESTARTS,
         tensor_parallel=tensor_parallel_split(job.tensor_parallel),
+        serving=job.serving,
+        served_layers=_final_checkpoint_layers(job) if job.serving and job.status == JobStatus.SUCCEEDED else (),
+    )
+
+
+def _final_checkpoint_layers(job: Job) -> tuple[tuple[int, int, int], ...]:
+    """(index, layer_start, layer_end) of each stage of the job's newest checkpoint: what serving it places."""
+    newest = job.checkpoints.order_by("-step").values("pk")[:1]
+    return tuple(
+        StageCheckpoint.objects.filter(checkpoint__in=newest)
+        .order_by("stage_index")
+        .values_list("stage_index", "layer_start", "layer_end")
     )
