@@ -121,7 +121,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
             client.wait_served(args.job_id, timeout=args.timeout)
             print(f"job {args.job_id} is served: sample it with `arceus jobs sample {args.job_id}`")
         else:
-            print(f"job {args.job_id} will be served once its stages are ready (its Serving condition: arceus jobs show)")
+            print(f"job {args.job_id} will be served once its stages are ready: see its Serving condition "
+                  f"(arceus jobs show {args.job_id})")
     elif args.action == "sample":
         print(client.sample(
             args.job_id, prompt=args.prompt, length=args.length, temperature=args.temperature, seed=args.seed
