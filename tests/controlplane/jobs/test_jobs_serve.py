@@ -20,11 +20,17 @@ from arceus.v1 import stage_pb2
 from controlplane.controller.executor import reconcile_once
 from controlplane.jobs.models import Checkpoint, Job, Stage, StageCheckpoint
 from controlplane.jobs.selectors import assignments_for_node
+from controlplane.jobs.services import job_start, job_submit
 from controlplane.jobs.stages import stages_record_observed
 from devtools.pipeline import remember_identity
 from nodeagent.agent import Agent
 from tests.controlplane.jobs.test_jobs_checkpoints import checkpoint_dir  # noqa: F401 (a fixture)
-from tests.controlplane.jobs.test_jobs_sample import abcd_text, make_job, trained_on  # noqa: F401 (abcd_text: a fixture)
+from tests.controlplane.jobs.test_jobs_sample import (  # noqa: F401 (abcd_text: a fixture)
+    MODEL,
+    abcd_text,
+    make_job,
+    trained_on,
+)
 
 
 def stored_stage(ref: CheckpointRef) -> dict[str, torch.Tensor]:
@@ -53,7 +59,7 @@ def succeed(job: Job, *, step: int = 60, checkpoint_step: int = 60) -> Job:
                for key in ("exp_avg", "exp_avg_sq")}
     data = encode_checkpoint({**weights, **moments})
     checkpoint = Checkpoint.objects.create(job=job, step=checkpoint_step, epoch=1, generation=job.generation)
-    stage = job.stages.get()
+    stage = job.stages.get(rank=0)  # a checkpoint is of the unsplit stage, whatever its ranks
     stored = StageCheckpoint(
         checkpoint=checkpoint, stage_index=0, layer_start=stage.layer_start, layer_end=stage.layer_end,
         sha256=checkpoint_digest(data), size_bytes=len(data),
@@ -158,6 +164,32 @@ def test_only_ones_own_succeeded_text_job_with_a_final_checkpoint_is_served(
     # Stopping what is not served changes nothing (DELETE is idempotent).
     assert api.delete(f"/api/jobs/{job.id}/serve").status_code == 202
     assert not Job.objects.get(pk=job.pk).serving
+
+
+@pytest.mark.django_db
+def test_a_tensor_parallel_job_is_served_whole_on_one_agent_and_samples(
+    api: APIClient, user: User, abcd_text: Path, ready_node, agent: Agent, checkpoint_dir: Path  # noqa: F811
+) -> None:
+    fast = ready_node("fast", port=agent.grpc_port, flops=2e9)
+    ready_node("other", port=1)
+    job = job_start(job=job_submit(
+        owner=user, model_config=MODEL, dataset_config={"name": "text", "source": abcd_text.name}, stages=1,
+        tensor_parallel={"size": 2},
+    ))
+    reconcile_once()
+    assert sorted(job.stages.values_list("rank", flat=True)) == [0, 1]  # trained over a group of two
+    job = succeed(job)
+    api.post(f"/api/jobs/{job.id}/serve", {}, format="json")
+    reconcile_once()
+    assert list(job.stages.filter(active=True).values_list("rank", "node")) == [(0, fast.pk)]
+    (assignment,) = [Assignment.from_json(a) for a in assignments_for_node(node=fast)]
+    assert assignment.inference and assignment.tensor_parallel is None and assignment.num_stages == 1
+    agent.apply_assignments([assignment])
+    stages_record_observed(node=fast, reports=agent.registry.observed())
+    reconcile_once()
+    sampled = api.post(f"/api/jobs/{job.id}/sample", {"prompt": "bc", "length": 8, "temperature": 0}, format="json")
+    assert sampled.status_code == 200, sampled.json()
+    assert sampled.json()["text"] == "bc" + "dabcdabc"
 
 
 @pytest.mark.django_db
