@@ -122,6 +122,7 @@ def test_a_large_gpt_checkpoints_survives_a_killed_agent_samples_and_downloads(
         downloaded = {name: model.get_tensor(name) for name in model.keys()}  # noqa: SIM118 (safe_open has no iter)
 
     # Served after it finished: its two stages go back onto the two live agents, and sample as one process does.
+    serving_began = time.monotonic()
     assert client.serve_job(job["id"])["serving"] is True
     served = client.wait_served(job["id"], timeout=300)
     live = {a.node_id for a in agents if a is not victim}
@@ -139,6 +140,7 @@ def test_a_large_gpt_checkpoints_survives_a_killed_agent_samples_and_downloads(
     with pytest.raises(ApiError) as stopped:
         client.sample(job["id"], prompt="And God", length=1)
     assert stopped.value.status == 409 and "is not served" in str(stopped.value)
+    record_property("serving_seconds", round(time.monotonic() - serving_began, 1))  # what serving adds to the test
 
     peaks = {a.name: peak_rss(a.child.process.pid) // 2**20 for a in agents if a is not victim}
     for name, peak in peaks.items():
