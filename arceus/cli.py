@@ -8,7 +8,8 @@
     arceus jobs model JOB_ID -o model.safetensors   # the trained weights
     arceus jobs model JOB_ID --format hf -o my-llama  # a llama as a Hugging Face folder (from_pretrained)
     arceus jobs weights JOB_ID my-llama  # a llama job not yet started starts from these weights (fine-tuning)
-    arceus jobs sample JOB_ID --prompt "And God said"  # text from a running transformer job
+    arceus jobs serve JOB_ID --wait      # keep a succeeded text job on agents for sampling (--stop: release them)
+    arceus jobs sample JOB_ID --prompt "And God said"  # text from a running or served transformer job
     arceus datasets upload corpus.txt --format text   # resumable; prints the dataset (its id goes in dataset_config)
     arceus datasets list
     arceus nodes create my-laptop        # prints the agent token, once
@@ -111,6 +112,17 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     elif args.action == "weights":
         job = client.upload_initial_weights(args.job_id, Path(args.source))
         print(f"job {job['id']} starts from the uploaded weights ({job['initial_weights_sha256']})")
+    elif args.action == "serve" and args.stop:
+        client.stop_serving(args.job_id)
+        print(f"job {args.job_id} no longer served: its agents drop its stages")
+    elif args.action == "serve":
+        client.serve_job(args.job_id)
+        if args.wait:
+            client.wait_served(args.job_id, timeout=args.timeout)
+            print(f"job {args.job_id} is served: sample it with `arceus jobs sample {args.job_id}`")
+        else:
+            print(f"job {args.job_id} will be served once its stages are ready: see its Serving condition "
+                  f"(arceus jobs show {args.job_id})")
     elif args.action == "sample":
         print(client.sample(
             args.job_id, prompt=args.prompt, length=args.length, temperature=args.temperature, seed=args.seed
@@ -203,7 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     weights.add_argument("job_id")
     weights.add_argument("source")
-    sample = jobs_sub.add_parser("sample", help="generate text from a running transformer job")
+    serve = jobs_sub.add_parser("serve", help="serve a succeeded text job for sampling, or stop serving it")
+    serve.add_argument("job_id")
+    serve.add_argument("--stop", action="store_true", help="stop serving it: its nodes are released")
+    serve.add_argument("--wait", action="store_true", help="wait until every stage is ready to sample")
+    serve.add_argument("--timeout", type=float, default=300.0, help="seconds --wait waits (default 300)")
+    sample = jobs_sub.add_parser("sample", help="generate text from a running or served transformer job")
     sample.add_argument("job_id")
     sample.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     sample.add_argument("--length", type=int, default=300, help="tokens to generate (characters for a char vocabulary)")

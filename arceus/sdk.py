@@ -169,6 +169,31 @@ class ArceusClient:
     def job(self, job_id: str) -> dict[str, Any]:
         return self._request("GET", f"/api/jobs/{job_id}")
 
+    def serve_job(self, job_id: str, *, serving: bool = True) -> dict[str, Any]:
+        """Ask for a succeeded text job to be served for sampling (its stages on agents, from its final
+        checkpoint), or (`serving=False`) no longer; the job's detail. `wait_served` waits until it samples."""
+        return self._request("POST", f"/api/jobs/{job_id}/serve", {"serving": serving})
+
+    def stop_serving(self, job_id: str) -> dict[str, Any]:
+        """Stop serving the job: its agents drop its stages and its nodes are released."""
+        return self._request("DELETE", f"/api/jobs/{job_id}/serve")
+
+    def wait_served(self, job_id: str, *, poll_seconds: float = 0.5, timeout: float = 300.0) -> dict[str, Any]:
+        """Poll until every stage of a served job is ready to decode (its Serving condition True); the job's
+        detail. RuntimeError if serving stopped (the condition says why), TimeoutError past `timeout`."""
+        deadline = time.monotonic() + timeout
+        while True:
+            detail = self.job(job_id)
+            condition = next((c for c in detail["conditions"] if c["type"] == "Serving"), None)
+            if condition is not None and condition["status"] == "True":
+                return detail
+            if not detail["serving"]:
+                why = f"{condition['reason']}: {condition['message']}" if condition else "it was never asked for"
+                raise RuntimeError(f"job {job_id} is not served ({why})")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"job {job_id} not ready to sample after {timeout:.0f}s (Serving: {condition})")
+            time.sleep(poll_seconds)
+
     def jobs(self) -> list[dict[str, Any]]:
         return self._request("GET", "/api/jobs")
 
@@ -332,8 +357,8 @@ class ArceusClient:
     def sample(
         self, job_id: str, *, prompt: str = "\n", length: int = 300, temperature: float = 0.8, seed: int = 0
     ) -> dict[str, Any]:
-        """Text from a running transformer job, decoded through its agents: `{"text": prompt + generated
-        text, "step": the training step the weights had reached}`."""
+        """Text from a running or served (`serve_job`) text job, decoded through its agents: `{"text": prompt +
+        generated text, "step": the training step the weights had reached}`."""
         body = {"prompt": prompt, "length": length, "temperature": temperature, "seed": seed}
         return self._request("POST", f"/api/jobs/{job_id}/sample", body)
 

@@ -21,8 +21,9 @@ from prometheus_client import Histogram
 
 from arceus.contracts.assignment import Assignment
 from arceus.contracts.observed import ObservedStage, ObservedState
+from arceus.model.decoding import DECODE_SESSIONS
 from arceus.placement.profiles import layer_profiles
-from arceus.placement.solver import Workload, stage_memory
+from arceus.placement.solver import Workload, stage_inference_memory, stage_memory
 from arceus.v1 import stage_pb2
 from nodeagent.all_reduce import TensorParallelGroups, stage_group
 from nodeagent.callers import Guard
@@ -159,18 +160,24 @@ class HostedStages:
     def _over_budget(self, assignment: Assignment) -> str | None:
         """Why the stage would not fit the owner's memory budget beside what the agent itself holds, or None:
         the placement's own estimate (weights, gradients, optimizer state and the activations of the
-        micro-batches its schedule has in flight on this stage, `arceus.placement.solver.stage_memory`)."""
+        micro-batches its schedule has in flight on this stage, `arceus.placement.solver.stage_memory`); a stage
+        served for inference, its weights and decoding caches (`stage_inference_memory`)."""
         budget = self.memory_budget
         if budget is None:
             return None
         layers = layer_profiles(assignment.spec)[assignment.layer_start : assignment.layer_end]
-        ranks = assignment.tensor_parallel.size if assignment.tensor_parallel is not None else 1
-        workload = Workload(assignment.max_micro_batch_size, assignment.micro_batches, assignment.schedule)
-        need = stage_memory(layers, workload, ranks, workload.in_flight(assignment.stage_index, assignment.num_stages))
+        if assignment.inference:
+            need, held = stage_inference_memory(layers, DECODE_SESSIONS), "weights and decoding caches"
+        else:
+            ranks = assignment.tensor_parallel.size if assignment.tensor_parallel is not None else 1
+            workload = Workload(assignment.max_micro_batch_size, assignment.micro_batches, assignment.schedule)
+            in_flight = workload.in_flight(assignment.stage_index, assignment.num_stages)
+            need = stage_memory(layers, workload, ranks, in_flight)
+            held = "weights, gradients, optimizer state and activations"
         if need + self.runtime_bytes <= budget:
             return None
         return (
-            f"needs {need:,} bytes for its weights, gradients, optimizer state and activations beside the "
+            f"needs {need:,} bytes for its {held} beside the "
             f"{self.runtime_bytes:,} this agent holds, above the {budget:,} bytes this node's owner offers"
         )
 

@@ -1,7 +1,8 @@
 """The sequences a hosted stage decodes for text samplers (`Infer`), by the session key each sampler chose.
 
-Bounded: at most MAX_SESSIONS per stage, the least recently used dropped first, so no caller can make a stage
-keep caches without end; a session is taken out while it decodes, so two calls never share one.
+Bounded: at most MAX_SESSIONS (`arceus.model.decoding.DECODE_SESSIONS`) per stage, the least recently used
+dropped first, so no caller can make a stage keep caches without end; a session is taken out while it decodes,
+so two calls never share one.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ from collections import OrderedDict
 import grpc
 import torch
 
-from arceus.model.decoding import DecodeState
+from arceus.model.decoding import DECODE_SESSIONS, DecodeState
 from nodeagent.rpc import RpcFailure
 from nodeagent.runtime import StageRuntime
 
-MAX_SESSIONS = 4
+MAX_SESSIONS = DECODE_SESSIONS
 MAX_SESSION_KEY = 64
 
 

@@ -46,7 +46,7 @@ class StageRuntime:
         self,
         layers: nn.Sequential,
         *,
-        optimizer: OptimizerConfig,
+        optimizer: OptimizerConfig | None,
         is_first: bool,
         is_last: bool,
         input_layout: TensorLayout,
@@ -56,16 +56,20 @@ class StageRuntime:
         activation_checkpointing: bool = False,
     ) -> None:
         """`activation_checkpointing`: between a micro-batch's forward and backward keep only each layer's
-        input and recompute the layer's activations in the backward (less memory, a second forward)."""
+        input and recompute the layer's activations in the backward (less memory, a second forward).
+        `optimizer` None: a stage that only decodes (a served job's): no optimizer, its weights need no gradients,
+        and it loads only the weights of a checkpoint."""
         self.device = device
         self.precision = precision
         self.activation_checkpointing = activation_checkpointing
         self.layers = layers.to(device)
-        self.optimizer = make_optimizer(
+        if optimizer is None:
+            self.layers.requires_grad_(False)
+        self.optimizer = None if optimizer is None else make_optimizer(
             list(self.layers.parameters()), optimizer.name, optimizer.lr, momentum=optimizer.momentum,
             weight_decay=optimizer.weight_decay,
         )
-        self.optimizer_name = optimizer_kind(optimizer.name, optimizer.momentum)
+        self.optimizer_name = None if optimizer is None else optimizer_kind(optimizer.name, optimizer.momentum)
         self.is_first = is_first
         self.is_last = is_last
         self.input_layout = input_layout
@@ -115,6 +119,8 @@ class StageRuntime:
             return None if inp is None else inp.grad.detach().cpu()
 
     def optimizer_step(self, learning_rate: float | None = None) -> None:
+        if self.optimizer is None:
+            raise ValueError("this stage only decodes (it is served for inference): it has no optimizer to step")
         with self._timed():
             if learning_rate:
                 for group in self.optimizer.param_groups:
@@ -140,7 +146,8 @@ class StageRuntime:
         """Forget a failed step: its graphs and any partly accumulated gradients (a deferred optimizer step
         of an earlier step was taken before this one began)."""
         self._pending.clear()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
 
     # --- evaluation -----------------------------------------------------------------------------
     def eval_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -194,7 +201,7 @@ class StageRuntime:
         """
         params = list(named_global_parameters(self.layers))
         items = [(name, p.detach()) for name, p in params]
-        if include_optimizer_state:
+        if include_optimizer_state and self.optimizer is not None:
             for name, param in params:
                 for key, value in self.optimizer.state.get(param, {}).items():
                     if isinstance(value, torch.Tensor):
@@ -209,7 +216,8 @@ class StageRuntime:
         """Restore weights and optimizer state saved by `state_items` (of a stage with the same layers and
         optimizer); ValueError naming the first mismatch, before anything is changed. `tensors` may load
         lazily (`arceus.checkpoint.StateFile`): each tensor is then read once, copied into place and let go,
-        so loading takes one tensor's memory beside the stage's own."""
+        so loading takes one tensor's memory beside the stage's own. A stage without an optimizer (served for
+        inference) loads the weights alone: the optimizer entries are never read."""
         params = dict(named_global_parameters(self.layers))
         weights = [k for k in tensors if not k.startswith(OPTIMIZER_PREFIX)]
         if set(weights) != set(params):
@@ -221,6 +229,11 @@ class StageRuntime:
                 raise ValueError(
                     f"checkpoint tensor {name} is {dtype} {shape}; this stage has {param.dtype} {list(param.shape)}"
                 )
+        if self.optimizer is None:
+            with torch.no_grad():
+                for name, param in params.items():
+                    param.copy_(tensors[name].to(self.device))
+            return
         entries: dict[str, set[str]] = {}
         for key in tensors:
             if not key.startswith(OPTIMIZER_PREFIX):

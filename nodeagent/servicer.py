@@ -161,7 +161,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         """The addressed stage, if the caller is its driver (nodeagent.callers)."""
         guards = self._registry.guards()
         authorize(presented_digest(context), guards, target=target, allowed=DRIVER_ONLY, method=method)
-        return self._registry.resolve(target)
+        stage = self._registry.resolve(target)
+        if stage.assignment.inference and method != "Infer":
+            raise RpcFailure(
+                grpc.StatusCode.FAILED_PRECONDITION, f"{stage.name} is served for inference: it only decodes (Infer)"
+            )
+        return stage
 
     def _between_steps(self, stage: HostedStage, context: grpc.ServicerContext) -> HostedStage:
         """`stage` with its step lock held and its optimizer step applied: a checkpoint holds the state after the

@@ -192,7 +192,8 @@ def build_hosted_stage(
 ) -> HostedStage:
     """Build the stage from its declarative spec only: layers [start, end) initialised from the seed,
     then, if the assignment names a checkpoint, its weights and optimizer state loaded from it, else, if it
-    names the job's uploaded initial weights, the stage's layers of those (fetched alone). A rank of
+    names the job's uploaded initial weights, the stage's layers of those (fetched alone). A stage served for
+    inference (`assignment.inference`) has no optimizer and loads only the checkpoint's weights. A rank of
     a tensor-parallel stage (`tensor_parallel`) builds, and loads, its shard of the layers. An exported model's
     layers are built from their documents (`load_program`), each checked, operators included, before anything
     of it is built."""
@@ -217,7 +218,7 @@ def build_hosted_stage(
         )
     runtime = StageRuntime(
         layers,
-        optimizer=assignment.optimizer,
+        optimizer=None if assignment.inference else assignment.optimizer,
         is_first=assignment.is_first,
         is_last=assignment.is_last,
         input_layout=spec.input_layout(assignment.layer_start),

@@ -46,7 +46,7 @@ _FIELDS = frozenset(
 _OPTIONAL_FIELDS = frozenset(
     {
         "checkpoint", "initial_weights", "program", "transfer", "precision", "tensor_parallel",
-        "activation_checkpointing", "schedule",
+        "activation_checkpointing", "schedule", "inference",
     }
 )
 _OPTIMIZER_FIELDS = frozenset({"name", "lr", "momentum", "weight_decay"})
@@ -138,6 +138,9 @@ class Assignment:
     # Every rank of a tensor-parallel neighbour (rank 0's is prev/next_address); empty for a one-agent one.
     prev_ranks: tuple[str, ...] = ()
     next_ranks: tuple[str, ...] = ()
+    # A served job's stage: it decodes for samplers only, so it is built without an optimizer and loads only the
+    # weights of its checkpoint (never its optimizer state); nothing trains it. Never tensor-parallel.
+    inference: bool = False
 
     @property
     def is_first(self) -> bool:
@@ -218,6 +221,11 @@ class Assignment:
         if not isinstance(recompute, bool):
             raise SpecError("assignment.activation_checkpointing", f"must be true or false, got {recompute!r}")
         tensor_parallel = _tensor_parallel(data.get("tensor_parallel"), spec)
+        inference = data.get("inference", False)
+        if not isinstance(inference, bool):
+            raise SpecError("assignment.inference", f"must be true or false, got {inference!r}")
+        if inference and tensor_parallel is not None:
+            raise SpecError("assignment.inference", "a stage served for inference is one agent, never tensor-parallel")
         if recompute and tensor_parallel is not None:
             raise SpecError(
                 "assignment.activation_checkpointing", "a tensor-parallel stage cannot recompute its activations"
@@ -253,6 +261,7 @@ class Assignment:
             tensor_parallel=tensor_parallel,
             prev_ranks=prev_ranks,
             next_ranks=next_ranks,
+            inference=inference,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -291,6 +300,7 @@ class Assignment:
                 }
             ),
             **({} if self.program is None else {"program": self.program}),
+            **({"inference": True} if self.inference else {}),
             "transfer": self.transfer.to_json(),
             "precision": self.precision,
             "activation_checkpointing": self.activation_checkpointing,

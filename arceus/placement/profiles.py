@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from arceus.model.registry import architecture_of
 from arceus.model.spec import ModelSpec
 from arceus.placement.solver import LayerProfile
 
@@ -9,8 +10,10 @@ from arceus.placement.solver import LayerProfile
 def layer_profiles(spec: ModelSpec) -> tuple[LayerProfile, ...]:
     """Each layer's cost; its output (fp32 activations on the wire) as the spec lays it out; its stash, what its
     training forward keeps for the backward (its input, and what the spec says it keeps beside); its split
-    layers are what a tensor-parallel group divides."""
+    layers are what a tensor-parallel group divides. A text writer's blocks (its split layers: the attention
+    layers) cache keys and values when they decode, each no wider than the hidden state that enters them."""
     split = spec.split_layers()
+    decodes = architecture_of(spec).writes_text
     return tuple(
         LayerProfile(
             flops_per_sample=float(flops),
@@ -19,6 +22,7 @@ def layer_profiles(spec: ModelSpec) -> tuple[LayerProfile, ...]:
             stash_bytes_per_sample=spec.input_layout(i).nbytes + stash.beside,
             kept_output_bytes_per_sample=spec.output_layout(i).nbytes if stash.keeps_output else 0,
             tensor_parallel=i in split,
+            kv_cache_bytes_per_sequence=2 * spec.input_layout(i).nbytes if decodes and i in split else 0,
         )
         for i, (flops, params, stash) in enumerate(
             zip(spec.layer_flops_per_sample(), spec.layer_params(), spec.layer_stash(), strict=True)

@@ -96,6 +96,9 @@ class LayerProfile:
     stash_bytes_per_sample: int = 0  # what its training forward keeps for the backward, its input included
     kept_output_bytes_per_sample: int = 0  # its output, where the layer keeps that too (counted on a stage's last)
     tensor_parallel: bool = False  # a transformer block: its weights and compute split across a group
+    # What decoding one sequence keeps in this layer at most (an attention layer's keys and values over the whole
+    # window); 0 for a layer of a model that does not decode.
+    kv_cache_bytes_per_sequence: int = 0
 
 
 @dataclass(frozen=True)
@@ -178,6 +181,20 @@ class Placement:
 
 def layer_training_memory(params: int) -> int:
     return params * BYTES_PER_PARAMETER
+
+
+# Inference memory per parameter: the fp32 weight alone (a served stage has no gradients and no optimizer).
+BYTES_PER_SERVED_PARAMETER = 4
+
+
+def stage_inference_memory(layers: Sequence[LayerProfile], sequences: int) -> int:
+    """Bytes a stage holding `layers` needs to decode for samplers (a served job: one device, the stage whole):
+    its weights, the key/value caches of `sequences` sequences at once, and one sequence's forward as workspace
+    (what its training forward would stash for one sample bounds that)."""
+    weights = sum(layer.params for layer in layers) * BYTES_PER_SERVED_PARAMETER
+    caches = sequences * sum(layer.kv_cache_bytes_per_sequence for layer in layers)
+    workspace = sum(layer.stash_bytes_per_sample for layer in layers) + layers[-1].kept_output_bytes_per_sample
+    return weights + caches + workspace
 
 
 def stage_memory(

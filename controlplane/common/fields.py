@@ -17,6 +17,15 @@ class StrictIntegerField(serializers.IntegerField):
         return super().to_internal_value(data)
 
 
+class StrictBooleanField(serializers.BooleanField):
+    default_error_messages = {"invalid": "Must be a JSON boolean (true or false), got {input!r}."}
+
+    def to_internal_value(self, data: Any) -> bool:
+        if not isinstance(data, bool):
+            self.fail("invalid", input=data)
+        return data
+
+
 class StrictFloatField(serializers.FloatField):
     """A finite JSON number; `greater_than` and `less_than` are exclusive bounds (a learning rate > 0)."""
 

@@ -30,12 +30,22 @@ from controlplane.controller.rules import (
     RequestHandover,
     RequeueJob,
     RewindJob,
+    ServeJob,
     SetCondition,
     StartDriver,
+    StopServing,
     plan,
 )
 from controlplane.controller.snapshot import load_snapshot
-from controlplane.controller.transitions import job_fail, job_place, job_requeue, job_rewind, job_run
+from controlplane.controller.transitions import (
+    job_fail,
+    job_place,
+    job_requeue,
+    job_rewind,
+    job_run,
+    job_serve_place,
+    job_serve_release,
+)
 from controlplane.jobs.models import Job
 from controlplane.monitoring import metrics
 from controlplane.nodes.liveness import leases_read
@@ -170,4 +180,6 @@ _APPLY: dict[type, Callable[[Any, datetime], bool]] = {
     RequestHandover: _request_handover,
     RewindJob: _rewind_job,
     FailJob: _fail_job,
+    ServeJob: job_serve_place,
+    StopServing: job_serve_release,
 }

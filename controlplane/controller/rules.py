@@ -23,7 +23,13 @@ Rules, in order:
    to node fails the job once the restarts run out), or FailJob when no other node can take it; every
    stage reports ready at the job's generation → StartDriver; else a StagesReady=False condition;
 5. a running job whose driver lease expired: never claimed → StartDriver again; claimed (the driver
-   died or gave up) → RewindJob in place, or FailJob after too many restarts without progress.
+   died or gave up) → RewindJob in place, or FailJob after too many restarts without progress;
+6. a succeeded job its owner asked to serve (`JobView.serving`) → ServeJob placing its final checkpoint's
+   stages for inference, one whole stage per node (no tensor parallelism, no optimizer: weights and decoding
+   caches, `stage_inference_memory`), each on the fastest free node with room; a stage whose node is lost or
+   paused moves the same way (the others keep theirs); with no room for every stage → StopServing releases
+   what it holds and the Serving condition says what it waits for; a stage its node could not build →
+   StopServing, asked no more; every stage ready → Serving=True; a served job no longer asked for → StopServing.
 Every RewindJob bumps the generation, so all stages rebuild from the job's last checkpoint.
 Jobs are considered oldest first; a job that cannot be placed does not hold back a later one. At most
 `max_placements` queued jobs are searched a placement for per pass (ARCEUS_MAX_PLACEMENTS_PER_PASS).
@@ -40,6 +46,7 @@ from typing import Any
 
 from arceus.contracts.observed import ObservedState
 from arceus.contracts.status import ACTIVE_STATUSES, JobStatus
+from arceus.model.decoding import DECODE_SESSIONS
 from arceus.placement.solver import (
     MAX_CANDIDATES,
     Budget,
@@ -48,11 +55,13 @@ from arceus.placement.solver import (
     PlacementError,
     Workload,
     solve,
+    stage_inference_memory,
     stage_memory,
 )
 from controlplane.common.conditions import FALSE, TRUE, UNKNOWN, Condition, has_condition, set_conditions
 
 QUEUED, PLACING, PENDING, RUNNING = JobStatus.QUEUED, JobStatus.PLACING, JobStatus.PENDING, JobStatus.RUNNING
+SUCCEEDED = JobStatus.SUCCEEDED
 READY, FAILED = ObservedState.READY, ObservedState.FAILED
 
 Conditions = tuple[dict[str, Any], ...]
@@ -158,6 +167,9 @@ class JobView:
     max_restarts: int = 5
     handover_requested: bool = False  # the driver was asked to checkpoint and stop, to drain a node
     tensor_parallel: TensorParallel = TensorParallel()
+    serving: bool = False  # a succeeded job its owner asked to serve
+    # A succeeded job's final checkpoint, stage by stage: (index, layer_start, layer_end); what serving places.
+    served_layers: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -169,7 +181,7 @@ class StageReport:
 
 @dataclass(frozen=True)
 class Desired:
-    jobs: tuple[JobView, ...]  # queued, placing and running jobs, oldest first
+    jobs: tuple[JobView, ...]  # queued, placing, pending and running jobs, and served ones, oldest first
 
 
 @dataclass(frozen=True)
@@ -263,7 +275,32 @@ class FailJob:
     message: str
 
 
-Action = MarkNodeUnknown | PlaceJob | SetCondition | StartDriver | RequeueJob | RequestHandover | RewindJob | FailJob
+@dataclass(frozen=True)
+class ServeJob:
+    """Place a succeeded job's stages for inference (`stages`: all of them, rank 0 each; moved ones and kept
+    ones alike) at the next generation, from its final checkpoint."""
+
+    job_id: str
+    generation: int
+    stages: tuple[PlannedStage, ...]
+    conditions: Conditions
+
+
+@dataclass(frozen=True)
+class StopServing:
+    """Release a served job's nodes (a new generation); `serving`: whether the owner's wish stands (the job is
+    placed again once nodes have room) or is withdrawn."""
+
+    job_id: str
+    generation: int
+    serving: bool
+    conditions: Conditions
+
+
+Action = (
+    MarkNodeUnknown | PlaceJob | SetCondition | StartDriver | RequeueJob | RequestHandover | RewindJob | FailJob
+    | ServeJob | StopServing
+)
 
 
 # --- planning -------------------------------------------------------------------------------------
@@ -290,7 +327,7 @@ def plan(
         elif node.ready_status == TRUE:
             ready[node.id] = node
     nodes = {n.id: n for n in observed.nodes}
-    busy = {s.node_id for job in desired.jobs if job.status in ACTIVE_STATUSES for s in job.stages}
+    busy = {s.node_id for job in desired.jobs if job.status in (*ACTIVE_STATUSES, SUCCEEDED) for s in job.stages}
     free = sorted(
         (n for n in ready.values() if n.id not in busy and not n.paused),
         key=lambda n: (-n.flops, n.price_per_hour, n.id),  # the solver's order: fastest, then cheapest
@@ -319,6 +356,10 @@ def plan(
                 action = _check_driver(job, now)
             if isinstance(action, RewindJob):
                 taken = {node for _, _, node in action.moves}
+        elif job.status == SUCCEEDED:
+            action = _serve(job, observed, nodes, free, now)
+            if isinstance(action, ServeJob):
+                taken = {s.node_id for s in action.stages}
         if action is not None:
             actions.append(action)
             free = [n for n in free if n.id not in taken]
@@ -550,3 +591,86 @@ def _condition(job: JobView, condition: Condition, now: datetime) -> SetConditio
     if has_condition(job.conditions, condition):
         return None
     return SetCondition(job.id, job.generation, job.status, tuple(set_conditions(job.conditions, condition, now=now)))
+
+
+# --- serving --------------------------------------------------------------------------------------
+def _serve(
+    job: JobView, observed: Observed, nodes: Mapping[str, NodeView], free: list[NodeView], now: datetime
+) -> Action | None:
+    """A succeeded job: its served stages placed, moved, watched or released, as its owner asks."""
+    if not job.serving:
+        if not job.stages:
+            return None
+        stopped = Condition("Serving", FALSE, "Stopped", "serving stopped by its owner; its nodes were released")
+        return _stop_serving(job, stopped, serving=False, now=now)
+    if job.spec_error is not None:
+        return _stop_serving(job, Condition("Serving", FALSE, "InvalidModel", job.spec_error), serving=False, now=now)
+    lost = [s for s in job.stages if _is_lost(s, nodes, job, now) or nodes[s.node_id].paused]
+    if lost or not job.stages:
+        return _place_served(job, lost, nodes, free, now)
+    current = [observed.stages.get((job.id, s.index, s.rank)) for s in job.stages]
+    current = [r if r is not None and r.generation == job.generation else None for r in current]
+    for stage, report in zip(job.stages, current, strict=True):
+        if report is not None and report.state == FAILED:
+            failure = (
+                f"stage {stage.index} on {_node_label(nodes, stage.node_id)} could not be built: "
+                f"{report.message or 'no message'}; serving stopped (ask for it again to retry)"
+            )
+            return _stop_serving(job, Condition("Serving", FALSE, "StageFailed", failure), serving=False, now=now)
+    ready, total = sum(1 for r in current if r is not None and r.state == READY), len(job.stages)
+    if ready == total:
+        return _condition(job, Condition("Serving", TRUE, "Ready", f"{total}/{total} stages ready to decode"), now)
+    return _condition(job, Condition("Serving", FALSE, "WaitingForStages", f"{ready}/{total} stages ready"), now)
+
+
+def _place_served(
+    job: JobView, lost: list[PlacedStage], nodes: Mapping[str, NodeView], free: list[NodeView], now: datetime
+) -> Action | None:
+    """Every stage of the final checkpoint on a node: kept where it is unless `lost`, else on the fastest free
+    node meeting the job's requirements with room for its weights and decoding caches (the largest first)."""
+    kept = {s.index: s.node_id for s in job.stages if s not in lost and s.node_id is not None}
+    candidates = [n for n in free if job.requirements.allows(n)]
+    placed: dict[int, str] = dict(kept)
+    unplaceable: list[str] = []
+    layers = {index: job.layers[start:end] for index, start, end in job.served_layers}
+    for index, start, end in sorted(
+        (s for s in job.served_layers if s[0] not in kept), key=lambda s: (-_served_memory(layers[s[0]]), s[0])
+    ):
+        need = _served_memory(layers[index])
+        node = next((n for n in candidates if n.memory_bytes >= need), None)
+        if node is None:
+            unplaceable.append(f"stage {index} (layers {start}-{end - 1}, needs {need:,} bytes)")
+        else:
+            candidates.remove(node)
+            placed[index] = node.id
+    if not job.served_layers:
+        unplaceable.append("its final checkpoint, which has no stages")
+    if unplaceable:
+        message = (
+            f"waiting for a Ready node with room for {', '.join(unplaceable)} "
+            f"({len(free)} free Ready node{'s' if len(free) != 1 else ''} now)"
+        )
+        waiting = Condition("Serving", FALSE, "WaitingForNodes", message)
+        return _stop_serving(job, waiting, serving=True, now=now) if job.stages else _condition(job, waiting, now)
+    moved = {s.index: s for s in lost}
+    message = "; ".join(
+        f"stage {index} moved from {_node_label(nodes, moved[index].node_id)} to {_node_label(nodes, node_id)}"
+        if index in moved
+        else f"stage {index} on {_node_label(nodes, node_id)}"
+        for index, node_id in sorted(placed.items())
+        if index not in kept
+    )
+    stages = tuple(
+        PlannedStage(index=index, layer_start=start, layer_end=end, node_id=placed[index])
+        for index, start, end in job.served_layers
+    )
+    conditions = set_conditions(job.conditions, Condition("Serving", FALSE, "Placed", message), now=now)
+    return ServeJob(job.id, job.generation, stages, tuple(conditions))
+
+
+def _served_memory(layers: Sequence[LayerProfile]) -> int:
+    return stage_inference_memory(layers, DECODE_SESSIONS)
+
+
+def _stop_serving(job: JobView, condition: Condition, *, serving: bool, now: datetime) -> StopServing:
+    return StopServing(job.id, job.generation, serving, tuple(set_conditions(job.conditions, condition, now=now)))

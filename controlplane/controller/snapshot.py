@@ -18,7 +18,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import connection
-from django.db.models import QuerySet
+from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from arceus.contracts.status import ACTIVE_STATUSES, JobStatus
@@ -29,7 +29,7 @@ from arceus.placement.solver import LayerProfile
 from controlplane.common.db import consistent_snapshot, row_versions_reliable
 from controlplane.controller.placement import requirements, tensor_parallel_split, workload
 from controlplane.controller.rules import Desired, JobView, NodeView, Observed, PlacedStage, StageReport
-from controlplane.jobs.models import Job, Stage
+from controlplane.jobs.models import Checkpoint, Job, Stage, StageCheckpoint
 from controlplane.market.pricing import device_class
 from controlplane.market.services import price_in_force
 from controlplane.nodes.availability import in_windows, unavailable_reason
@@ -203,11 +203,22 @@ def _node_view(
 
 
 SNAPSHOT_STATUSES = (JobStatus.QUEUED, *ACTIVE_STATUSES)
+# Served jobs too: succeeded ones asked to be served, or still holding nodes for it (controlplane/jobs/serving.py).
+SERVED_SQL = (
+    "(j.status = %s AND (j.serving OR EXISTS (SELECT 1 FROM \"{stage}\" h WHERE h.job_id = j.id AND h.active)))"
+)
+
+
+def _snapshot_jobs() -> QuerySet[Job]:
+    holding = Stage.objects.filter(active=True).values("job")
+    served = Q(status=JobStatus.SUCCEEDED) & (Q(serving=True) | Q(pk__in=holding))
+    return Job.objects.filter(Q(status__in=SNAPSHOT_STATUSES) | served)
+
 # What the planner reads of a job and of its active stages.
 JOB_FIELDS = (
     "id", "status", "generation", "stages_requested", "model_config", "dataset_config", "micro_batches", "schedule",
     "requirements", "conditions", "driver_lease_expires_at", "driver_lease_owner", "node_grace_seconds", "restarts",
-    "handover_requested", "tensor_parallel",
+    "handover_requested", "tensor_parallel", "serving",
 )
 STAGE_FIELDS = (
     "job_id", "index", "rank", "layer_start", "layer_end", "node_id", "generation", "observed_generation",
@@ -225,15 +236,15 @@ def _job_versions() -> dict[str, str]:
     return _versions(
         f"SELECT j.id::text, j.xmin::text || ':' || coalesce(string_agg(s.xmin::text, ',' ORDER BY s.index, s.rank), "
         f"'') || ':' || %s FROM \"{job}\" j LEFT JOIN \"{stage}\" s ON s.job_id = j.id AND s.active "
-        f"WHERE j.status = ANY(%s) GROUP BY j.id ORDER BY j.created_at, j.id",
-        [str(settings.ARCEUS_JOB_MAX_RESTARTS), list(SNAPSHOT_STATUSES)],
+        f"WHERE j.status = ANY(%s) OR {SERVED_SQL.format(stage=stage)} GROUP BY j.id ORDER BY j.created_at, j.id",
+        [str(settings.ARCEUS_JOB_MAX_RESTARTS), list(SNAPSHOT_STATUSES), JobStatus.SUCCEEDED.value],
     )
 
 
 def _job_rows(ids: list[str] | None) -> Iterable[tuple[str, tuple[JobView, StageReports]]]:
     """Queued and active jobs (all, or those of `ids`), oldest first, each with its active stages' reports."""
-    jobs = Job.objects.filter(status__in=SNAPSHOT_STATUSES)
-    stage_rows = Stage.objects.filter(active=True, job__status__in=SNAPSHOT_STATUSES)
+    jobs = _snapshot_jobs()
+    stage_rows = Stage.objects.filter(active=True, job__in=_snapshot_jobs().values("pk"))
     if ids is not None:
         jobs, stage_rows = jobs.filter(pk__in=ids), stage_rows.filter(job_id__in=ids)
     stages: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
@@ -272,6 +283,19 @@ def _job_view(job: dict[str, Any], stages: list[tuple[Any, ...]]) -> JobView:
         handover_requested=job["handover_requested"],
         max_restarts=settings.ARCEUS_JOB_MAX_RESTARTS,
         tensor_parallel=tensor_parallel_split(job["tensor_parallel"]),
+        serving=job["serving"],
+        served_layers=_final_checkpoint_layers(job["id"]) if job["serving"] and job["status"] == JobStatus.SUCCEEDED
+        else (),
+    )
+
+
+def _final_checkpoint_layers(job_id: Any) -> tuple[tuple[int, int, int], ...]:
+    """(index, layer_start, layer_end) of each stage of the job's newest checkpoint: what serving it places."""
+    newest = Checkpoint.objects.filter(job_id=job_id).order_by("-step").values("pk")[:1]
+    return tuple(
+        StageCheckpoint.objects.filter(checkpoint__in=newest)
+        .order_by("stage_index")
+        .values_list("stage_index", "layer_start", "layer_end")
     )
 
 

@@ -1,7 +1,8 @@
 """Every job status transition, in one place: queue, place, run, requeue, rewind, and the terminal ones
-(succeed, fail, cancel). Each checks the state it moves from (the generation, status or lease it saw) and
-writes nothing when the job moved on meanwhile; each that frees or changes a placement bumps the job's
-generation, so stale agents and drivers are refused, and nudges the reconciler.
+(succeed, fail, cancel); and a succeeded job's placement for serving (placed, released). Each checks the
+state it moves from (the generation, status or lease it saw) and writes nothing when the job moved on
+meanwhile; each that frees or changes a placement bumps the job's generation, so stale agents and drivers
+are refused, and nudges the reconciler.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from django.db import transaction
-from django.db.models import Value
+from django.db.models import F, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
@@ -22,7 +23,7 @@ from controlplane.common.conditions import FALSE, TRUE, Condition, set_condition
 from controlplane.common.dispatch import enqueue_on_commit, reconcile_soon
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.leases import lease_end
-from controlplane.controller.rules import PlaceJob, StartDriver
+from controlplane.controller.rules import PlaceJob, ServeJob, StartDriver, StopServing
 from controlplane.jobs.checkpoints import checkpoints_delete
 from controlplane.jobs.models import Job, Stage
 from controlplane.market.services import ledger_roll_back
@@ -249,3 +250,47 @@ def job_succeed(job: Job, *, summary: str, now: datetime) -> None:
         Condition("Succeeded", TRUE, "Completed", summary),
         now=now,
     )
+
+
+@transaction.atomic
+def job_serve_place(action: ServeJob, now: datetime) -> bool:
+    """A served job's placement: its stages (rank 0 rows) on the planned nodes at the next generation, running
+    from its final checkpoint; False if the job moved on or its owner stopped serving it since the pass."""
+    job = (
+        Job.objects.select_for_update()
+        .filter(pk=action.job_id, generation=action.generation, status=JobStatus.SUCCEEDED, serving=True)
+        .first()
+    )
+    if job is None:
+        return False
+    job.generation += 1
+    job.resume_checkpoint = job.checkpoints.order_by("-step").first()
+    job.conditions = list(action.conditions)
+    job.save(update_fields=["generation", "resume_checkpoint", "conditions"])
+    # Off every node first: one active stage per node is a database constraint, and a stage may move onto the node
+    # another one leaves.
+    Stage.objects.filter(job=job, active=True).update(active=False, node=None)
+    for s in action.stages:
+        Stage.objects.update_or_create(
+            job=job, index=s.index, rank=0,
+            defaults={
+                "layer_start": s.layer_start, "layer_end": s.layer_end, "node_id": s.node_id, "active": True,
+                "generation": job.generation, "observed_generation": None, "observed_state": ObservedState.PENDING,
+                "observed_message": "",
+            },
+        )
+    return True
+
+
+@transaction.atomic
+def job_serve_release(action: StopServing, now: datetime) -> bool:
+    """Take a served job's stages off their nodes (a new generation, so its agents drop them); the owner's wish
+    to serve it becomes `action.serving`. False if the job moved on since the pass."""
+    updated = Job.objects.filter(pk=action.job_id, generation=action.generation, status=JobStatus.SUCCEEDED).update(
+        generation=F("generation") + 1, serving=action.serving, conditions=list(action.conditions)
+    )
+    if not updated:
+        return False
+    Stage.objects.filter(job_id=action.job_id, active=True).update(active=False)
+    reconcile_soon()  # the freed nodes may let another job in
+    return True

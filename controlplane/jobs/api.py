@@ -1,4 +1,5 @@
-"""Job endpoints: submit, list, detail, train (start), cancel, the trained model and text sampled from it."""
+"""Job endpoints: submit, list, detail, train (start), cancel, the trained model, serving it, and text sampled from
+it."""
 
 from __future__ import annotations
 
@@ -28,10 +29,12 @@ from controlplane.jobs.serializers import (
     JobListOutput,
     JobSampleInput,
     JobSampleOutput,
+    JobServeInput,
     JobStartInput,
     JobSubmitInput,
 )
 from controlplane.jobs.services import job_cancel, job_initialize, job_start, job_submit, job_train
+from controlplane.jobs.serving import job_serve
 
 JOB_ID = OpenApiParameter("job_id", str, OpenApiParameter.PATH, description="Job UUID")
 ESTIMATE_ID = OpenApiParameter("estimate_id", str, OpenApiParameter.PATH, description="Estimate UUID")
@@ -223,8 +226,27 @@ class JobProgramApi(APIView):
         return Response(JobDetailOutput(job_get_for_user(user=request.user, job_id=str(job.id))).data)
 
 
+class JobServeApi(APIView):
+    """Serve a succeeded text job for sampling (POST; `{"serving": false}` stops it), or stop serving it (DELETE):
+    its stages are placed on agents for inference from its final checkpoint, and released when it stops. Its
+    Serving condition says when it is ready to sample."""
+
+    @extend_schema(parameters=[JOB_ID], request=JobServeInput, responses={202: JobDetailOutput, 409: ErrorOutput})
+    def post(self, request: Request, job_id: str) -> Response:
+        job = job_get_for_user(user=request.user, job_id=job_id)
+        data = JobServeInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        job = job_serve(job=job, serving=data.validated_data["serving"])
+        return Response(JobDetailOutput(job).data, status=status.HTTP_202_ACCEPTED)
+
+    @extend_schema(parameters=[JOB_ID], request=None, responses={202: JobDetailOutput})
+    def delete(self, request: Request, job_id: str) -> Response:
+        job = job_serve(job=job_get_for_user(user=request.user, job_id=job_id), serving=False)
+        return Response(JobDetailOutput(job).data, status=status.HTTP_202_ACCEPTED)
+
+
 class JobSampleApi(APIView):
-    """Text continuing `prompt`, sampled through the agents that hold a running transformer job's stages."""
+    """Text continuing `prompt`, sampled through the agents that hold a running or served text job's stages."""
 
     throttle_classes = [ScopedRateThrottle]
     throttle_scope = "sample"  # every stage's agent decodes for it

@@ -116,6 +116,11 @@ class Job(BaseModel):
     # the model config's hashes and the operator allow-list when it arrived) and its hash; empty: none.
     program = models.FileField(storage=checkpoint_storage, max_length=300, blank=True)
     program_sha256 = models.CharField(max_length=64, blank=True)
+    # The owner's wish that the finished job be served: its stages placed on agents for inference (weights of its
+    # final checkpoint, no optimizer) so that it can be sampled; the reconciler places and releases them.
+    serving = models.BooleanField(
+        default=False, help_text="Serve the succeeded job for sampling (its stages placed for inference)."
+    )
     # Bumped on every placement change. Agents, stages and the driver carry it; every reconciler
     # write checks it (optimistic concurrency), so a decision made on an old view is never applied.
     generation = models.BigIntegerField(default=0)

@@ -52,10 +52,10 @@ def job_stages(*, job: Job) -> QuerySet[Stage]:
 
 
 def job_stage_endpoints(*, job: Job) -> tuple[StageEndpoint, ...]:
-    """Where the driver and samplers reach each stage, as its rows stand: a tensor-parallel stage is its
-    rank 0's endpoint, listing the other ranks in rank order."""
+    """Where the driver and samplers reach each stage, as its active rows stand: a tensor-parallel stage is its
+    rank 0's endpoint, listing the other ranks in rank order (a served stage is one rank)."""
     groups: dict[int, list[Stage]] = defaultdict(list)
-    for row in job_stages(job=job):
+    for row in job_stages(job=job).filter(active=True):
         groups[row.index].append(row)
     return tuple(
         StageEndpoint(
@@ -116,12 +116,18 @@ VERSION_COLUMNS = "s.id, s.generation, j.generation, j.status, j.resume_checkpoi
 
 
 def version_rows_join(node_column: str) -> str:
-    """`(stages s JOIN jobs j) ON s.node_id = <node_column>`: the hosted stage rows. The statuses are written in
-    (our own constants), so the only parameter is the node's."""
+    """`(stages s JOIN jobs j) ON s.node_id = <node_column>`: the hosted stage rows (`hosted_jobs`). The statuses
+    are written in (our own constants), so the only parameter is the node's."""
     assert all(status.isidentifier() for status in HOSTED_STATUSES)  # noqa: S101 (safe to write into SQL)
     statuses = ", ".join(f"'{status}'" for status in HOSTED_STATUSES)
-    return (f"({Stage._meta.db_table} s JOIN {Job._meta.db_table} j ON j.id = s.job_id AND j.status IN ({statuses})) "
+    hosted = f"(j.status IN ({statuses}) OR (j.status = '{JobStatus.SUCCEEDED}' AND j.serving))"
+    return (f"({Stage._meta.db_table} s JOIN {Job._meta.db_table} j ON j.id = s.job_id AND {hosted}) "
             f"ON s.node_id = {node_column} AND s.active")
+
+
+def hosted_jobs() -> Q:
+    """The jobs whose active stages agents host: placing or running ones, and succeeded ones being served."""
+    return Q(job__status__in=HOSTED_STATUSES) | Q(job__status=JobStatus.SUCCEEDED, job__serving=True)
 
 
 def version_order() -> str:
@@ -150,9 +156,10 @@ def assignments_version(*, node: Node) -> str:
 def assignments_for_node(*, node: Node) -> list[dict[str, Any]]:
     """The node's desired state (docs/architecture.md, "Assignment"): every stage it hosts for a job
     that is placing or running, with the checkpoint each resumes from; a tensor-parallel rank's with
-    its group (`tensor_parallel`), and a tensor-parallel neighbour's address as the list of its ranks'."""
+    its group (`tensor_parallel`), and a tensor-parallel neighbour's address as the list of its ranks'; a
+    served job's stage for inference, from its final checkpoint."""
     hosted = list(
-        Stage.objects.filter(node=node, active=True, job__status__in=HOSTED_STATUSES)
+        Stage.objects.filter(hosted_jobs(), node=node, active=True)
         .select_related("job")
         .order_by("job__created_at", "index")
     )
@@ -227,6 +234,7 @@ def _assignment(
         tensor_parallel=TensorParallelConfig(rank=stage.rank, peers=_addresses(group, viewer))
         if len(group) > 1
         else None,
+        inference=job.status == JobStatus.SUCCEEDED,
     ).to_json()
 
 

@@ -8,7 +8,12 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 from rest_framework.reverse import reverse
 
-from controlplane.common.fields import StrictFloatField, StrictInputSerializer, StrictIntegerField
+from controlplane.common.fields import (
+    StrictBooleanField,
+    StrictFloatField,
+    StrictInputSerializer,
+    StrictIntegerField,
+)
 from controlplane.jobs.models import DEFAULT_AUDIT_RATE, Job, Optimizer, PipelineSchedule, Precision, Stage
 from controlplane.jobs.selectors import job_contributions, job_loss_curve, job_stages
 from controlplane.market.selectors import job_cost
@@ -265,6 +270,10 @@ class JobDetailOutput(JobListOutput):
     contributions = serializers.SerializerMethodField(
         help_text="Each node's work per stage over the whole job, including stages it lost or handed over."
     )
+    serving = serializers.BooleanField(
+        help_text="Its owner asked for the succeeded job to be served for sampling (its Serving condition says "
+        "whether its stages are ready)."
+    )
     conditions = ConditionOutput(many=True)
     placements = serializers.SerializerMethodField()
     final_loss = serializers.FloatField(allow_null=True)
@@ -343,6 +352,10 @@ class JobSampleInput(StrictInputSerializer):
     length = StrictIntegerField(min_value=1, max_value=5_000, default=300, help_text="tokens to generate")
     temperature = StrictFloatField(min_value=0, max_value=10, default=0.8, help_text="0: always the likeliest")
     seed = StrictIntegerField(min_value=0, max_value=MAX_SEED, default=0)
+
+
+class JobServeInput(StrictInputSerializer):
+    serving = StrictBooleanField(default=True, help_text="true: serve the job; false: stop serving it")
 
 
 class JobSampleOutput(serializers.Serializer):

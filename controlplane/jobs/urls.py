@@ -12,6 +12,7 @@ from controlplane.jobs.api import (
     JobModelApi,
     JobProgramApi,
     JobSampleApi,
+    JobServeApi,
     JobTrainApi,
     NetworkInitializeApi,
     NetworkTrainApi,
@@ -31,6 +32,7 @@ urlpatterns = [
     re_path(r"^jobs/(?P<job_id>[^/]+)/cancel/?$", JobCancelApi.as_view(), name="job-cancel"),
     re_path(r"^jobs/(?P<job_id>[^/]+)/model(?:\.safetensors)?/?$", JobModelApi.as_view(), name="job-model"),
     re_path(r"^jobs/(?P<job_id>[^/]+)/sample/?$", JobSampleApi.as_view(), name="job-sample"),
+    re_path(r"^jobs/(?P<job_id>[^/]+)/serve/?$", JobServeApi.as_view(), name="job-serve"),
     re_path(
         r"^jobs/(?P<job_id>[^/]+)/initial-weights/?$", JobInitialWeightsApi.as_view(), name="job-initial-weights"
     ),

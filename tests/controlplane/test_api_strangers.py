@@ -42,7 +42,7 @@ PUBLIC = {
 # A tenant's own objects, addressed by id: anyone else gets 404, as for a missing one.
 TENANT_OBJECTS = {
     "job-detail", "job-estimate-detail", "job-train", "network-initialize", "network-train", "job-cancel",
-    "job-model", "job-sample", "job-initial-weights", "job-program",
+    "job-model", "job-sample", "job-serve", "job-initial-weights", "job-program",
     "dataset-detail", "dataset-data", "dataset-complete",
     "node-detail", "node-pause", "node-resume", "node-controls", "node-earnings", "node-token-rotate",
 }
@@ -70,6 +70,7 @@ BODIES: dict[str, Any] = {
     "job-train": {},
     "network-train": {},
     "job-sample": {"prompt": "hello", "max_new_tokens": 4},
+    "job-serve": {"serving": True},
     "node-list": {"name": "mine"},
     "dataset-list": {"name": "mine", "format": "text", "size_bytes": 10, "sha256": "ef" * 32},
     "node-controls": {"max_threads": 1},

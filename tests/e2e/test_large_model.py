@@ -4,12 +4,15 @@ Every stage holds more than 256 MiB of training state (weights and Adam's two mo
 (each agent uploads its own stage's state to the control plane), one stage's agent is killed with SIGKILL,
 the spare takes the stage over from the last checkpoint, the resumed losses equal an uninterrupted
 single-process run's, text is sampled through the agents while the job runs, and the downloaded model is the
-uninterrupted run's.
+uninterrupted run's. Then the owner serves the finished job: its stages are placed again, for inference, on the
+live agents (weights only, no training state), its greedy text through them is the one process's from the
+downloaded weights, and stopping releases the nodes.
 """
 
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,8 +22,11 @@ import torch
 from safetensors import safe_open
 
 from arceus.data import validate_dataset_config
+from arceus.data.text import dataset_tokenizer
 from arceus.data.text_config import BUNDLED_TEXT
+from arceus.model.generate import sample_text
 from arceus.model.registry import fit_model_to_dataset
+from arceus.sdk import ApiError
 from devtools.cluster import LocalCluster
 from devtools.cluster import stage_placement as placement
 from devtools.reference import reference_run
@@ -113,6 +119,29 @@ def test_a_large_gpt_checkpoints_survives_a_killed_agent_samples_and_downloads(
         assert sorted(model.keys()) == sorted(reference.weights)
         for name, want in reference.weights.items():
             torch.testing.assert_close(model.get_tensor(name), want, rtol=1e-4, atol=1e-4)
+        downloaded = {name: model.get_tensor(name) for name in model.keys()}  # noqa: SIM118 (safe_open has no iter)
+
+    # Served after it finished: its two stages go back onto the two live agents, and sample as one process does.
+    serving_began = time.monotonic()
+    assert client.serve_job(job["id"])["serving"] is True
+    served = client.wait_served(job["id"], timeout=300)
+    live = {a.node_id for a in agents if a is not victim}
+    active = [p for p in served["placements"] if p["generation"] == served["generation"]]
+    assert sorted(p["stage_index"] for p in active) == [0, 1] and {p["node_id"] for p in active} == live
+    greedy = client.sample(job["id"], prompt="And God", length=24, temperature=0.0)
+    tokenizer = dataset_tokenizer(validate_dataset_config(job_body["dataset_config"]))
+    want = sample_text(final["model_config"], downloaded, tokenizer, prompt="And God", length=24, temperature=0.0)
+    assert greedy == {"text": want, "step": final["step"]}
+    client.stop_serving(job["id"])
+    give_up = time.monotonic() + 60
+    while held := [n["name"] for n in client.nodes() if n["id"] in live and n["current_stage"] is not None]:
+        assert time.monotonic() < give_up, f"{held} still hold the served job's stages a minute after it stopped"
+        time.sleep(0.2)
+    with pytest.raises(ApiError) as stopped:
+        client.sample(job["id"], prompt="And God", length=1)
+    assert stopped.value.status == 409 and "is not served" in str(stopped.value)
+    record_property("serving_seconds", round(time.monotonic() - serving_began, 1))  # what serving adds to the test
+
     peaks = {a.name: peak_rss(a.child.process.pid) // 2**20 for a in agents if a is not victim}
     for name, peak in peaks.items():
         record_property(f"{name}_peak_rss_mib", peak)

@@ -168,6 +168,19 @@ def test_invalid_tensor_parallel_assignments(changes: dict[str, Any], field: str
     assert fragment in info.value.message
 
 
+def test_an_inference_assignment_is_one_agent_and_says_so() -> None:
+    served = Assignment.from_json(assignment(inference=True))
+    assert served.inference and Assignment.from_json(served.to_json()) == served
+    assert "inference" not in Assignment.from_json(assignment()).to_json()  # a training stage's JSON is unchanged
+    with pytest.raises(SpecError, match="true or false"):
+        Assignment.from_json(assignment(inference="yes"))
+    with pytest.raises(SpecError) as info:
+        Assignment.from_json(tensor_parallel(inference=True))
+    assert (info.value.field, info.value.message) == (
+        "assignment.inference", "a stage served for inference is one agent, never tensor-parallel"
+    )
+
+
 SHA = "0123456789abcdef" * 4
 CHECKPOINT = {"step": 40, "url": "/api/agent/checkpoints/7", "sha256": SHA}
 

@@ -19,9 +19,9 @@ from nodeagent.inference import MAX_SESSIONS
 GPT = {"type": "transformer", "n_layer": 2, "n_head": 2, "d_model": 16, "block_size": 8, "vocab_size": 5}
 
 
-def assignments(job_id: str, model: dict, boundaries: list[int]) -> list[Assignment]:
+def assignments(job_id: str, model: dict, boundaries: list[int], *, inference: bool = False) -> list[Assignment]:
     return [
-        Assignment.from_json(a)
+        Assignment.from_json({**a, "inference": inference})
         for a in pipeline_assignments(
             job_id=job_id, model_config=model, boundaries=boundaries, addresses=["127.0.0.1:1"] * (len(boundaries) - 1),
             optimizer={"name": "sgd", "lr": 0.1}, seed=0, micro_batches=1, max_micro_batch_size=2,
@@ -36,16 +36,22 @@ class Drivers:
         self.channels = {job: open_channel(address, token=driver_token(job), certificate=certificate) for job in jobs}
 
     def Infer(self, request: stage_pb2.InferRequest, timeout: float) -> stage_pb2.InferReply:  # noqa: N802
-        channel = self.channels.get(request.target.job_id, self.channels["gpt"])  # another job: gpt's driver tries
-        return stage_pb2_grpc.StageServiceStub(channel).Infer(request, timeout=timeout)
+        return self.stub(request.target.job_id).Infer(request, timeout=timeout)
+
+    def stub(self, job: str) -> stage_pb2_grpc.StageServiceStub:
+        channel = self.channels.get(job, self.channels["gpt"])  # another job: gpt's driver tries
+        return stage_pb2_grpc.StageServiceStub(channel)
 
 
 @pytest.fixture(scope="module")
 def stub() -> Iterator[Drivers]:
     agent = Agent(device=torch.device("cpu"))
     agent.start()
-    agent.apply_assignments(assignments("gpt", GPT, [0, 2, 4]) + assignments("mlp", {"layer_sizes": [4, 3]}, [0, 1]))
-    drivers = Drivers(agent.grpc_address, agent.identity.certificate, ["gpt", "mlp"])
+    agent.apply_assignments(
+        assignments("gpt", GPT, [0, 2, 4]) + assignments("mlp", {"layer_sizes": [4, 3]}, [0, 1])
+        + assignments("served", GPT, [0, 4], inference=True)
+    )
+    drivers = Drivers(agent.grpc_address, agent.identity.certificate, ["gpt", "mlp", "served"])
     try:
         yield drivers
     finally:
@@ -107,3 +113,14 @@ def test_a_stage_keeps_only_its_newest_sessions(stub) -> None:
         infer(stub, torch.tensor([[1]]), session=f"many-{i}")
     assert refused(stub, torch.tensor([[2]]), session="many-0", start=1).code() == grpc.StatusCode.NOT_FOUND
     infer(stub, torch.tensor([[2]]), session=f"many-{MAX_SESSIONS}", start=1)
+
+
+def test_a_served_stage_decodes_and_refuses_everything_else_its_driver_may_ask(stub) -> None:
+    assert infer(stub, torch.tensor([[1, 2, 3]]), job="served").shape == (1, 5)  # the whole model: logits
+    target = stage_pb2.StageRef(job_id="served", stage_index=0, generation=1)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.stub("served").SaveState(stage_pb2.SaveStateRequest(target=target), timeout=10)
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert info.value.details() == (
+        "stage 0 of job served (generation 1) is served for inference: it only decodes (Infer)"
+    )
