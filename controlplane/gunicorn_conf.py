@@ -35,7 +35,7 @@ worker_class = "asgi"  # gunicorn's own asyncio worker
 asgi_loop = "uvloop"
 asgi_lifespan = "off"  # nothing to start or stop: connections open at their first use
 workers = int(os.environ.get("ARCEUS_WEB_WORKERS", "2"))
-worker_connections = 5000  # open (mostly idle keep-alive) connections per process
+worker_connections = 10000  # open (mostly idle keep-alive) connections per process: agents hold one each
 keepalive = 30  # seconds: above the agents' heartbeat interval, so a heartbeat reuses its connection
 timeout = 60
 

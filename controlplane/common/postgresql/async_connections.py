@@ -11,7 +11,6 @@ closed and a new one opened; one that failed mid-query is closed, never reused.
 from __future__ import annotations
 
 import asyncio
-import select
 import weakref
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -20,6 +19,8 @@ from typing import Any
 import psycopg
 from django.db import connections
 from psycopg.pq import TransactionStatus
+
+from controlplane.common.postgresql.base import readable_now
 
 SIZE = 4  # queries in flight at once per web process: each takes well under a millisecond of the server
 
@@ -50,7 +51,7 @@ class AsyncConnections:
     async def _take(self) -> psycopg.AsyncConnection[Any]:
         while self._idle:
             conn = self._idle.pop()
-            if not conn.closed and not select.select([conn.fileno()], [], [], 0)[0]:
+            if not conn.closed and not readable_now(conn.fileno()):  # an idle one the server ended has input
                 return conn
             await conn.close()
         params = connections["default"].get_connection_params()

@@ -3,6 +3,7 @@ ended (controlplane/common/postgresql/base.py)."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import psycopg
@@ -46,3 +47,24 @@ def test_a_connection_the_server_ended_is_not_usable_and_the_next_request_reconn
     connection.health_check_done = False  # a new request's first query checks again
     connection.close_if_health_check_failed()
     assert _server_pid() != pid  # a fresh connection
+
+
+def test_the_check_works_on_a_descriptor_above_1024() -> None:
+    """A web process holding thousands of agents' connections opens its database connections above select()'s
+    limit: the check must not fail there (it did: "filedescriptor out of range in select()", a 500)."""
+    connection.close()
+    fillers = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        pid = _server_pid()  # connects on a descriptor above them all
+        assert connection.connection.fileno() > 1024
+        assert connection.is_usable()
+        with _other_connection() as other:
+            other.execute("SELECT pg_terminate_backend(%s)", [pid])
+        deadline = time.monotonic() + 5
+        while connection.is_usable() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not connection.is_usable()
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        connection.close()
