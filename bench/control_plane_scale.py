@@ -11,8 +11,9 @@ nothing listens, so the dial-backs (controlplane/nodes/reachability.py) are refu
 are coroutines of this process (aiohttp, no torch): each registers (`POST /api/agent/register`), then heartbeats
 every `--interval` seconds (`POST /api/agent/heartbeat`, starting at a random offset, sending back the
 assignments version it holds), reporting nothing about its stages, so placed jobs wait for them and no training
-driver runs. The heartbeats travel over a light client of this bench (`Fleet`: uvloop, keep-alive connections of
-a pool, each agent's request bytes built once per assignments version) so that the load generator, which shares
+driver runs. The heartbeats travel over a light client of this bench (`Fleet`: uvloop, keep-alive connections, by
+default as many as heartbeats in flight, up to one per agent as real agents hold, each agent's request bytes
+built once per assignments version) so that the load generator, which shares
 the machine's cores, is not what limits the run; a heartbeat's latency runs from its send to its whole answer,
 and every answer that is not 200, every timeout and every broken connection counts as an error. Nodes and jobs
 are made through the services (`node_create`'s token and row, `job_submit`,
@@ -60,6 +61,7 @@ JOB: dict[str, Any] = {
     "dataset_config": {"name": "digits", "batch_size": 32},
     "stages": 3,
 }
+REGISTERING_AT_ONCE = 512
 RECONCILE_LINE = re.compile(r"Task arceus\.reconcile\[[^\]]+\] succeeded in ([0-9.e-]+)s")
 
 
@@ -248,11 +250,13 @@ async def run_fleet(
     loop = asyncio.get_running_loop()
 
     certificate = new_identity().certificate  # one for all: nothing dials these agents
-    connector = aiohttp.TCPConnector(limit=args.connections)
+    # Registrations go through Django, each a few ms: 512 at a time, or 10,000 at once would wait past the timeout.
+    registering = min(args.connections, REGISTERING_AT_ONCE)
+    connector = aiohttp.TCPConnector(limit=registering)
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         started = time.perf_counter()
-        gate = asyncio.Semaphore(args.connections)
+        gate = asyncio.Semaphore(registering)
 
         async def gated(i: int, agent: SimAgent) -> None:
             async with gate:
@@ -363,7 +367,9 @@ def main() -> None:
     parser.add_argument("--grace", type=float, default=30.0, help="node lease (ARCEUS_NODE_GRACE_SECONDS)")
     parser.add_argument("--silent", type=int, default=5, help="nodes hosting a stage that stop heartbeating")
     parser.add_argument("--place-timeout", type=float, default=300.0, help="go on after this long placing")
-    parser.add_argument("--connections", type=int, default=512, help="the fleet's HTTP connections (keep-alive)")
+    parser.add_argument("--connections", type=int, default=10_000, help="the fleet's most HTTP connections open at "
+                        "once (keep-alive; by default one per agent, as real agents hold; registrations use at most "
+                        f"{REGISTERING_AT_ONCE})")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
     parser.add_argument("--workdir", type=Path, help="keep the cluster's files and logs here (default: a temporary "
                         "directory, removed after the run)")

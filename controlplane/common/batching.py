@@ -20,6 +20,8 @@ class Batched(Generic[K, V]):
         self._run = run
         self._pending: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, list[tuple[K, asyncio.Future[V]]]] = (
             weakref.WeakKeyDictionary())
+        self._running: set[asyncio.Task[None]] = set()  # the loop holds tasks weakly: one collected mid-batch
+        # would leave its callers waiting forever
 
     async def __call__(self, key: K) -> V:
         loop = asyncio.get_running_loop()
@@ -32,7 +34,9 @@ class Batched(Generic[K, V]):
         return await future
 
     def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
-        loop.create_task(self._answer(self._pending.pop(loop)))
+        task = loop.create_task(self._answer(self._pending.pop(loop)))
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
 
     async def _answer(self, batch: list[tuple[K, asyncio.Future[V]]]) -> None:
         try:
