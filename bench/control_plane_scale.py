@@ -310,6 +310,7 @@ async def run_fleet(
     delays = [reassigned[v.node_id] - v.last_beat for v in victims if v.node_id in reassigned]
     return {
         "agents": len(agents), "interval_s": args.interval, "jobs": len(jobs), "window_s": round(window, 1),
+        "placements_per_pass": args.placements_per_pass,
         "registration_s": round(registered_s, 1), "placed_stages": len(placed), "placement_s": round(placement_s),
         "heartbeats": len(tally.latencies), "heartbeats_per_s": round(len(tally.latencies) / window, 1),
         "p50_ms": round(quantile(tally.latencies, 0.5) * 1e3, 1),
@@ -366,6 +367,9 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=90.0, help="seconds measured once jobs are placed")
     parser.add_argument("--grace", type=float, default=30.0, help="node lease (ARCEUS_NODE_GRACE_SECONDS)")
     parser.add_argument("--silent", type=int, default=5, help="nodes hosting a stage that stop heartbeating")
+    parser.add_argument("--placements-per-pass", type=int, default=25, help="queued jobs one reconcile pass places "
+                        "(ARCEUS_MAX_PLACEMENTS_PER_PASS): each placed stage's node then fetches its assignments "
+                        "through Django, the expensive heartbeat")
     parser.add_argument("--place-timeout", type=float, default=300.0, help="go on after this long placing")
     parser.add_argument("--connections", type=int, default=10_000, help="the fleet's most HTTP connections open at "
                         "once (keep-alive; by default one per agent, as real agents hold; registrations use at most "
@@ -382,7 +386,8 @@ def main() -> None:
         cluster = LocalCluster(
             workdir, database_url=os.environ["DATABASE_URL"], redis_url=os.environ.get("REDIS_URL"),
             heartbeat_interval_seconds=args.interval, reconcile_interval_seconds=1.0,
-            extra_env={"ARCEUS_NODE_GRACE_SECONDS": str(args.grace), "ARCEUS_LOG_LEVEL": "WARNING"},
+            extra_env={"ARCEUS_NODE_GRACE_SECONDS": str(args.grace), "ARCEUS_LOG_LEVEL": "WARNING",
+                       "ARCEUS_MAX_PLACEMENTS_PER_PASS": str(args.placements_per_pass)},
         )
         cluster.start()
         try:
@@ -400,7 +405,7 @@ def main() -> None:
 def print_and_write(r: dict[str, Any], *, write: bool) -> None:
     lines = [
         f"{r['agents']:,} simulated agents heartbeating every {r['interval_s']:g} s, {r['jobs']:,} jobs of 3 stages "
-        f"submitted; measured over {r['window_s']:g} s from the submissions "
+        f"submitted, {r['placements_per_pass']} placed a pass; measured over {r['window_s']:g} s from the submissions "
         f"(load average at the end {r['load_average']}).",
         "",
         "| figure | measured | goal |",
