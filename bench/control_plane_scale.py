@@ -50,7 +50,7 @@ import uvloop
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report import machine_line, write_section  # noqa: E402
+from bench.report import report  # noqa: E402
 from devtools.cluster import LocalCluster  # noqa: E402
 
 BENCH_USER = "scale-bench"
@@ -423,11 +423,7 @@ def print_and_write(r: dict[str, Any], *, write: bool) -> None:
         f"| nodes not yet dialled back at the end | {r['reachability_unknown']:,} | 0 |",
     ]
     body = "\n".join(lines)
-    print(body)
-    if write:
-        write_section("control-plane-scale", f"## Control plane at scale (`bench/control_plane_scale.py`)\n\n"
-                      f"{machine_line()}\n\n{body}")
-    print(json.dumps(r))
+    report("control-plane-scale", "Control plane at scale (`bench/control_plane_scale.py`)", body, r, write=write)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import sys
 import tempfile
@@ -35,7 +34,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.control_plane_scale import SimAgent, _setup_django, make_nodes, register  # noqa: E402
-from bench.report import machine_line, write_section  # noqa: E402
+from bench.report import report  # noqa: E402
 from devtools.cluster import LocalCluster  # noqa: E402
 
 
@@ -142,11 +141,8 @@ def main() -> None:
         f"{result['api_heartbeats_per_s_wall']:,} |\n\n"
         f"Statuses: {result['statuses']}."
     )
-    print(body)
-    if not args.no_write:
-        write_section("heartbeat-cost", f"## A quiet heartbeat's cost (`bench/heartbeat_cost.py`)\n\n"
-                      f"{machine_line()}\n\n{body}")
-    print(json.dumps(result))
+    report("heartbeat-cost", "A quiet heartbeat's cost (`bench/heartbeat_cost.py`)", body, result,
+           write=not args.no_write)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ one after another. Prints a table, writes docs/BENCHMARKS.md's reconcile-pass se
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -38,7 +37,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report import machine_line, write_section  # noqa: E402
+from bench.report import report  # noqa: E402
 
 BENCH_USER = "reconcile-bench"
 MEMORY, FLOPS = 8 << 30, 1e11
@@ -325,11 +324,7 @@ def print_and_write(r: dict[str, Any], *, write: bool) -> None:
         "Goal: a steady pass well under 1 s (aim 0.3 s), a pass with silent nodes under 1 s.",
     ]
     body = "\n".join(lines)
-    print(body)
-    if write:
-        write_section("reconcile-pass", f"## Reconcile pass at scale (`bench/reconcile_pass.py`)\n\n"
-                      f"{machine_line()}\n\n{body}")
-    print(json.dumps(r))
+    report("reconcile-pass", "Reconcile pass at scale (`bench/reconcile_pass.py`)", body, r, write=write)
 
 
 if __name__ == "__main__":

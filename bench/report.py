@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
 import subprocess
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -53,3 +55,12 @@ def write_section(name: str, body: str) -> None:
     pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
     text = pattern.sub(lambda _: section, text) if pattern.search(text) else text.rstrip() + "\n\n" + section + "\n"
     BENCHMARKS.write_text(text)
+
+
+def report(name: str, title: str, body: str, result: dict[str, Any], *, write: bool) -> None:
+    """Print the figures; write them as section `name` of docs/BENCHMARKS.md (headed `title` and the machine line)
+    unless told not to; end with the one JSON line."""
+    print(body)
+    if write:
+        write_section(name, f"## {title}\n\n{machine_line()}\n\n{body}")
+    print(json.dumps(result))
