@@ -327,15 +327,8 @@ def job_model_file(*, job: Job, model_format: str = "safetensors") -> ModelFile:
             handle.close()
         raise
 
-    def stream() -> Iterator[bytes]:
-        try:
-            yield from chunks
-        finally:
-            for handle in handles:
-                handle.close()
-
     name = f"{job.id}-step-{checkpoint.step}" + (".tar" if model_format == "hf" else ".safetensors")
-    return ModelFile(checkpoint=checkpoint, size_bytes=size, chunks=stream(), filename=name)
+    return ModelFile(checkpoint=checkpoint, size_bytes=size, chunks=_closing(chunks, handles), filename=name)
 
 
 def job_initial_weights_receive(*, job: Job, body: BinaryIO, length: int | None) -> Job:
@@ -409,14 +402,7 @@ def job_initial_weights_slice_for_node(*, node_id: Any, job_id: str, start: Any,
     except BaseException:
         handle.close()
         raise
-
-    def stream() -> Iterator[bytes]:
-        try:
-            yield from chunks
-        finally:
-            handle.close()
-
-    return WeightsSlice(size_bytes=length, chunks=stream())
+    return WeightsSlice(size_bytes=length, chunks=_closing(chunks, [handle]))
 
 
 def hosted_layers(*, node_id: Any, job: Job | None, job_id: str, start: Any, end: Any, what: str) -> tuple[int, int]:
@@ -471,3 +457,12 @@ def _uuid_or_none(value: str) -> str | None:
         return str(uuid.UUID(value))
     except ValueError:
         return None
+
+
+def _closing(chunks: Iterator[bytes], handles: list[Any]) -> Iterator[bytes]:
+    """`chunks`, the stored files they are read from closed once consumed (or once the response is closed)."""
+    try:
+        yield from chunks
+    finally:
+        for handle in handles:
+            handle.close()
