@@ -203,16 +203,20 @@ class AgentCheckpointApi(AgentApi):
         return response
 
 
+# The layers an agent asks for (its stage's): initial weights and an exported model's program.
+LAYER_RANGE = [
+    OpenApiParameter("start", int, OpenApiParameter.QUERY, description="First layer"),
+    OpenApiParameter("end", int, OpenApiParameter.QUERY, description="One past the last layer"),
+]
+
+
 class AgentInitialWeightsApi(AgentApi):
     """Layers [start, end) of the uploaded initial weights of a job, for a node hosting a stage that holds them:
     a safetensors file of those layers' weights under the pipeline's names, cut from the upload as it streams;
     the agent checks each layer against the digest its assignment carries."""
 
     @extend_schema(
-        parameters=[
-            OpenApiParameter("start", int, OpenApiParameter.QUERY, description="First layer"),
-            OpenApiParameter("end", int, OpenApiParameter.QUERY, description="One past the last layer"),
-        ],
+        parameters=LAYER_RANGE,
         responses={(200, "application/octet-stream"): bytes, 409: ErrorOutput},
     )
     def get(self, request: Request, job_id: str) -> StreamingHttpResponse:
@@ -232,10 +236,7 @@ class AgentProgramApi(AgentApi):
     [document, ...]}`; the agent checks each against the hash its assignment's model config names."""
 
     @extend_schema(
-        parameters=[
-            OpenApiParameter("start", int, OpenApiParameter.QUERY, description="First layer"),
-            OpenApiParameter("end", int, OpenApiParameter.QUERY, description="One past the last layer"),
-        ],
+        parameters=LAYER_RANGE,
         responses={200: dict},
     )
     def get(self, request: Request, job_id: str) -> Response:
