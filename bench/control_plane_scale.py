@@ -11,15 +11,16 @@ nothing listens, so the dial-backs (controlplane/nodes/reachability.py) are refu
 are coroutines of this process (aiohttp, no torch): each registers (`POST /api/agent/register`), then heartbeats
 every `--interval` seconds (`POST /api/agent/heartbeat`, starting at a random offset, sending back the
 assignments version it holds), reporting nothing about its stages, so placed jobs wait for them and no training
-driver runs. The heartbeats travel over a light client of this bench (`Fleet`: uvloop, keep-alive connections, by
-default as many as heartbeats in flight, up to one per agent as real agents hold, each agent's request bytes
-built once per assignments version) so that the load generator, which shares
-the machine's cores, is not what limits the run; a heartbeat's latency runs from its send to its whole answer,
-and every answer that is not 200, every timeout and every broken connection counts as an error. Nodes and jobs
-are made through the services (`node_create`'s token and row, `job_submit`,
-`job_start`): minting 10,000 tokens through the throttled API is not what is measured.
+driver runs. The heartbeats travel over a light client of this bench (`Connection`: uvloop, each agent's own
+keep-alive connection as a real agent holds one, its request bytes built once per assignments version) so that
+the load generator, which shares the machine's cores, is not what limits the run; a heartbeat's latency runs
+from its send (connecting, when the server had closed the connection, included) to its whole answer, and every
+answer that is not 200, every timeout (a real agent's 10 s) and every broken connection counts as an error.
+Nodes and jobs are made through the services (`node_create`'s token and row, `job_submit`, `job_start`): minting
+10,000 tokens through the throttled API is not what is measured.
 
-Measured: heartbeats per second, their latency (p50, p99, max) and errors; the bench process's CPU per
+Measured: heartbeats per second, their latency (p50, p99, max) and errors; how many the control plane's quiet path
+handed to Django, and why (its /metrics: arceus_heartbeats_to_django_total); the bench process's CPU per
 heartbeat (the load generator's cost, with its once-a-second placement polls); the reconcile pass time (the control
 worker's own log of each `arceus.reconcile` task: under the same load); and, for `--silent` nodes hosting a
 stage whose heartbeats stop, the time from their last heartbeat to their stage's move, against the grace.
@@ -47,6 +48,7 @@ from typing import Any
 
 import aiohttp
 import uvloop
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -62,6 +64,7 @@ JOB: dict[str, Any] = {
     "stages": 3,
 }
 REGISTERING_AT_ONCE = 512
+TIMEOUT_S = 10.0  # a real agent's (nodeagent/control_plane.py: ControlPlane's timeout)
 RECONCILE_LINE = re.compile(r"Task arceus\.reconcile\[[^\]]+\] succeeded in ([0-9.e-]+)s")
 
 
@@ -71,6 +74,7 @@ class SimAgent:
     token: str
     version: str = ""  # the assignments version it holds (empty: none yet)
     silenced: bool = False
+    connection: Connection | None = None  # its one keep-alive connection, as a real agent's requests.Session
     last_beat: float = 0.0  # wall-clock time of its last answered heartbeat
 
 
@@ -127,6 +131,16 @@ def submit_jobs(count: int) -> list[str]:
         job_start(job=job)
         ids.append(str(job.id))
     return ids
+
+
+async def heartbeats_to_django(session: aiohttp.ClientSession, cluster: LocalCluster) -> dict[str, float]:
+    """The control plane's count of heartbeats its quiet path handed to Django, by reason (its /metrics)."""
+    async with session.get(f"{cluster.api_url}/metrics",
+                           headers={"Authorization": f"Bearer {cluster.metrics_token}"}) as response:
+        text = await response.text()
+    return {sample.labels["reason"]: sample.value for family in text_string_to_metric_families(text)
+            if family.name == "arceus_heartbeats_to_django" for sample in family.samples
+            if sample.name.endswith("_total")}
 
 
 def placed_nodes() -> dict[str, str]:
@@ -187,28 +201,17 @@ class Connection(asyncio.Protocol):
         return await self.answer
 
 
-class Fleet:
-    """The agents' heartbeats over a pool of at most `size` keep-alive connections to `host:port`."""
-
-    def __init__(self, host: str, port: int, size: int) -> None:
-        self.host, self.port = host, port
-        self.idle: list[Connection] = []
-        self.slots = asyncio.Semaphore(size)
-
-    async def post(self, raw: bytes, timeout: float) -> tuple[int, bytes]:
-        async with self.slots:
-            conn = self.idle.pop() if self.idle else None
-            if conn is None or conn.closed:
-                _, conn = await asyncio.get_running_loop().create_connection(Connection, self.host, self.port)
-            try:
-                async with asyncio.timeout(timeout):
-                    answer = await conn.request(raw)
-            except BaseException:
-                conn.transport.close()  # type: ignore[union-attr] (its state is unknown)
-                raise
-            if not conn.closed:
-                self.idle.append(conn)
-            return answer
+async def post(agent: SimAgent, host: str, port: int, raw: bytes) -> tuple[int, bytes]:
+    """One request on the agent's own keep-alive connection (opened again when the server closed it), answered
+    within the agents' own timeout, connecting included."""
+    async with asyncio.timeout(TIMEOUT_S):
+        if agent.connection is None or agent.connection.closed:
+            _, agent.connection = await asyncio.get_running_loop().create_connection(Connection, host, port)
+        try:
+            return await agent.connection.request(raw)
+        except BaseException:
+            agent.connection.transport.close()  # type: ignore[union-attr] (its state is unknown)
+            raise
 
 
 def heartbeat_request(host: str, agent: SimAgent) -> bytes:
@@ -217,14 +220,14 @@ def heartbeat_request(host: str, agent: SimAgent) -> bytes:
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
 
 
-async def heartbeat_forever(fleet: Fleet, agent: SimAgent, interval: float, tally: Tally, stop: asyncio.Event) -> None:
+async def heartbeat_forever(host: str, port: int, agent: SimAgent, interval: float, tally: Tally,
+                            stop: asyncio.Event) -> None:
     await asyncio.sleep(random.uniform(0, interval))
-    host = f"{fleet.host}:{fleet.port}"
-    raw, held = heartbeat_request(host, agent), agent.version
+    raw, held = heartbeat_request(f"{host}:{port}", agent), agent.version
     while not stop.is_set() and not agent.silenced:
         started = time.perf_counter()
         try:
-            status, body = await fleet.post(raw, timeout=30)
+            status, body = await post(agent, host, port, raw)
             if status != 200:
                 tally.error(f"HTTP {status}")
             else:
@@ -233,7 +236,7 @@ async def heartbeat_forever(fleet: Fleet, agent: SimAgent, interval: float, tall
                 if tally.counting:
                     tally.latencies.append(time.perf_counter() - started)
                 if agent.version != held:
-                    raw, held = heartbeat_request(host, agent), agent.version
+                    raw, held = heartbeat_request(f"{host}:{port}", agent), agent.version
         except (OSError, TimeoutError, ValueError) as exc:
             tally.error(type(exc).__name__)
         await asyncio.sleep(max(0.0, interval - (time.perf_counter() - started)))
@@ -251,12 +254,11 @@ async def run_fleet(
 
     certificate = new_identity().certificate  # one for all: nothing dials these agents
     # Registrations go through Django, each a few ms: 512 at a time, or 10,000 at once would wait past the timeout.
-    registering = min(args.connections, REGISTERING_AT_ONCE)
-    connector = aiohttp.TCPConnector(limit=registering)
+    connector = aiohttp.TCPConnector(limit=REGISTERING_AT_ONCE)
     timeout = aiohttp.ClientTimeout(total=30)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         started = time.perf_counter()
-        gate = asyncio.Semaphore(registering)
+        gate = asyncio.Semaphore(REGISTERING_AT_ONCE)
 
         async def gated(i: int, agent: SimAgent) -> None:
             async with gate:
@@ -268,8 +270,8 @@ async def run_fleet(
 
         tally, stop = Tally(), asyncio.Event()
         host, port = cluster.api_url.removeprefix("http://").rsplit(":", 1)
-        fleet = Fleet(host, int(port), args.connections)
-        beats = [asyncio.create_task(heartbeat_forever(fleet, a, args.interval, tally, stop)) for a in agents]
+        beats = [asyncio.create_task(heartbeat_forever(host, int(port), a, args.interval, tally, stop))
+                 for a in agents]
         try:
             # Every agent's first heartbeat (through the API: it makes the node Ready) answered before the window
             # opens: 10,000 agents starting within one interval are a start-up burst, not the steady state.
@@ -279,6 +281,7 @@ async def run_fleet(
             print(f"every agent's first heartbeat answered in {time.perf_counter() - first_started:.1f} s", flush=True)
             log = cluster.supervisor.log_dir / "worker-control.log"
             log_offset = log.stat().st_size
+            to_django_before = await heartbeats_to_django(session, cluster)
             tally.counting, window_start = True, time.perf_counter()  # the placement burst is measured too
             cpu_start = time.process_time()
             jobs = await loop.run_in_executor(database, submit_jobs, args.jobs)
@@ -300,6 +303,8 @@ async def run_fleet(
             await asyncio.sleep(max(0.0, args.duration - (time.perf_counter() - window_start)))
             tally.counting, window = False, time.perf_counter() - window_start
             bench_cpu = time.process_time() - cpu_start
+            to_django = {reason: int(n - to_django_before.get(reason, 0))
+                         for reason, n in (await heartbeats_to_django(session, cluster)).items()}
         finally:  # the agents stop before the session closes, also when the run failed
             stop.set()
             for task in beats:
@@ -317,6 +322,7 @@ async def run_fleet(
         "p99_ms": round(quantile(tally.latencies, 0.99) * 1e3, 1),
         "max_ms": round(max(tally.latencies, default=float("nan")) * 1e3, 1),
         "errors": sum(tally.errors.values()), "error_kinds": tally.errors,
+        "to_django": sum(to_django.values()), "to_django_reasons": to_django,
         "bench_cpu_ms_per_heartbeat": round(bench_cpu / max(1, len(tally.latencies)) * 1e3, 3),
         "reconcile_passes": len(passes),
         "reconcile_p50_s": round(quantile(passes, 0.5), 3), "reconcile_max_s": round(max(passes, default=0.0), 3),
@@ -371,9 +377,6 @@ def main() -> None:
                         "(ARCEUS_MAX_PLACEMENTS_PER_PASS): each placed stage's node then fetches its assignments "
                         "through Django, the expensive heartbeat")
     parser.add_argument("--place-timeout", type=float, default=300.0, help="go on after this long placing")
-    parser.add_argument("--connections", type=int, default=10_000, help="the fleet's most HTTP connections open at "
-                        "once (keep-alive; by default one per agent, as real agents hold; registrations use at most "
-                        f"{REGISTERING_AT_ONCE})")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
     parser.add_argument("--workdir", type=Path, help="keep the cluster's files and logs here (default: a temporary "
                         "directory, removed after the run)")
@@ -413,6 +416,7 @@ def print_and_write(r: dict[str, Any], *, write: bool) -> None:
         f"| heartbeats/s | {r['heartbeats_per_s']:,} | {r['agents'] / r['interval_s']:,.0f} |",
         f"| heartbeat latency p50 / p99 / max | {r['p50_ms']} / {r['p99_ms']} / {r['max_ms']} ms | p99 < 100 ms |",
         f"| heartbeat errors | {r['errors']} {r['error_kinds'] or ''} | 0 |",
+        f"| heartbeats the quiet path handed to Django, by reason | {r['to_django']:,} {r['to_django_reasons']} | |",
         f"| the bench process's CPU per heartbeat (load generator) | {r['bench_cpu_ms_per_heartbeat']} ms | |",
         f"| reconcile pass p50 / max ({r['reconcile_passes']} passes) | {r['reconcile_p50_s']} / "
         f"{r['reconcile_max_s']} s | < 1 s |",

@@ -25,17 +25,20 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from gunicorn.workers.gasgi import ASGIWorker
+
 from controlplane.monitoring.metrics import process_exited
 
 # A thread keeps its database connection between requests (Django's CONN_MAX_AGE, with health checks):
 # opening one per heartbeat cost more than the heartbeat. Set before the workers fork and load Django.
 os.environ.setdefault("ARCEUS_DB_CONN_MAX_AGE", "60")
 
-worker_class = "asgi"  # gunicorn's own asyncio worker
+worker_class = "controlplane.gunicorn_conf.BackloggedASGIWorker"  # gunicorn's own asyncio worker, as below
 asgi_loop = "uvloop"
 asgi_lifespan = "off"  # nothing to start or stop: connections open at their first use
 workers = int(os.environ.get("ARCEUS_WEB_WORKERS", "2"))
 worker_connections = 10000  # open (mostly idle keep-alive) connections per process: agents hold one each
+backlog = 2048  # gunicorn's default, said here because the worker below must restore it
 keepalive = 30  # seconds: above the agents' heartbeat interval, so a heartbeat reuses its connection
 timeout = 60
 
@@ -43,3 +46,22 @@ timeout = 60
 def child_exit(server: Any, worker: Any) -> None:
     """A worker died: its live gauges leave /metrics (prometheus_client's multiprocess mode)."""
     process_exited(worker.pid)
+
+
+class BackloggedASGIWorker(ASGIWorker):
+    """gunicorn's asyncio worker, listening with the `backlog` above. Its event loop's create_server listens
+    again on gunicorn's socket with asyncio's default backlog, 100 (gunicorn 27.0.1; uvicorn's worker had the
+    same bug, encode/uvicorn#544): when 10,000 agents connected, the kernel's accept queue overflowed (42,748
+    times in one `bench/control_plane_scale.py` run, `nstat` TcpExtListenOverflows), and a client whose last
+    handshake packet was dropped sent its request into a connection the server never accepted, then waited
+    out its timeout. `notify` runs first right after the servers start (and every second after): listening
+    again there only sets the queue's length."""
+
+    backlog_restored = False
+
+    def notify(self) -> None:
+        super().notify()
+        if self.servers and not self.backlog_restored:
+            for listener in self.sockets:
+                listener.sock.listen(self.cfg.backlog)
+            self.backlog_restored = True

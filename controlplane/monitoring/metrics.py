@@ -53,6 +53,15 @@ RECONCILE_COMPLETED = Gauge(
     multiprocess_mode="max",
 )
 HEARTBEATS = Counter("arceus_heartbeats_total", "Agent heartbeats accepted (each renewed a node's lease).")
+HEARTBEATS_TO_DJANGO = Counter(
+    "arceus_heartbeats_to_django_total",
+    "Heartbeats the quiet path (controlplane/nodes/heartbeat.py) handed to Django, by why: 'shape' (a report, "
+    "an unusual body or header), 'host' (one ALLOWED_HOSTS refuses), 'first' (the agent holds no assignments "
+    "version yet), 'token' (no node has it), 'owner' (disabled), 'unregistered', 'not_ready', 'version' (its "
+    "assignments changed) or 'database' (a broken connection). Beyond a start-up burst and placements, a "
+    "growing count is a heartbeat path that costs Django's price.",
+    ["reason"],
+)
 HEARTBEAT_SECONDS = Histogram(
     "arceus_heartbeat_handling_seconds", "Wall time the control plane took to handle one agent heartbeat.",
     buckets=FAST_BUCKETS,

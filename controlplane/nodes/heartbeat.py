@@ -88,6 +88,7 @@ def quiet_heartbeats(app: ASGIApp) -> ASGIApp:
         length = headers.get("content-length", "") if headers is not None else ""
         if (headers is None or not length.isdigit() or int(length) > MAX_QUIET_BYTES or "transfer-encoding" in headers
                 or headers.get("content-type", "").lower() not in JSON_TYPES):
+            metrics.HEARTBEATS_TO_DJANGO.labels("shape").inc()
             return await app(scope, receive, send)
         body, more = b"", True
         while more and len(body) <= int(length):
@@ -95,9 +96,12 @@ def quiet_heartbeats(app: ASGIApp) -> ASGIApp:
             if message["type"] != "http.request":  # the client went away
                 return
             body, more = body + message.get("body", b""), message.get("more_body", False)
-        whole = not more and len(body) == int(length)
-        answer = await _answer_quiet(headers, body) if whole and _allowed_host(headers) else None
-        if answer is None:
+        if more or len(body) != int(length):
+            answer: bytes | str = "shape"
+        else:
+            answer = await _answer_quiet(headers, body) if _allowed_host(headers) else "host"
+        if isinstance(answer, str):
+            metrics.HEARTBEATS_TO_DJANGO.labels(answer).inc()
             return await app(scope, _replayed(body, more, receive), send)  # Django reads the body again
         await send({"type": "http.response.start", "status": 200,
                     "headers": [*HEADERS, (b"content-length", str(len(answer)).encode())]})
@@ -128,19 +132,21 @@ def _replayed(body: bytes, more: bool, receive: Receive) -> Receive:
     return replay
 
 
-async def _answer_quiet(headers: dict[str, str], raw: bytes) -> bytes | None:
-    """The answer's bytes, or None when Django must answer."""
+async def _answer_quiet(headers: dict[str, str], raw: bytes) -> bytes | str:
+    """The answer's bytes, or why Django must answer (a reason of metrics.HEARTBEATS_TO_DJANGO)."""
     token_hash = _token_hash(headers.get("authorization", ""))
     beat = _quiet_body(raw)
     if token_hash is None or beat is None:
-        return None
+        return "shape"
+    if not beat.get("assignments_version"):
+        return "first"  # the agent holds no assignments yet: its first heartbeat, or its first since an error
     started = time.perf_counter()
     try:
         node = _quiet_node(await _ROWS(token_hash), beat["assignments_version"])
     except (DatabaseError, psycopg.Error):  # a broken connection: Django's path reconnects, or answers the error
-        return None
-    if node is None:
-        return None
+        return "database"
+    if isinstance(node, str):
+        return node
     node_id, reachability, max_threads, max_memory_bytes = node
     await _RENEWALS((node_id, timezone.now(), beat.get("host_busy_fraction")))
     metrics.HEARTBEATS.inc()
@@ -187,8 +193,8 @@ def _quiet_body(raw: bytes) -> dict[str, Any] | None:
         return None
     if beat.get("observed", []) != [] or beat.get("neighbour_links", []) != [] or beat.get("link") is not None:
         return None
-    version = beat.get("assignments_version")
-    if not isinstance(version, str) or not version or len(version) > 64 or version != version.strip():
+    version = beat.get("assignments_version")  # none held (a first heartbeat): Django answers, `_answer_quiet`
+    if version is not None and (not isinstance(version, str) or len(version) > 64 or version != version.strip()):
         return None
     fraction = beat.get("host_busy_fraction")
     if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, int | float)
@@ -272,14 +278,18 @@ def _quiet_sql_template() -> str:
     )
 
 
-def _quiet_node(rows: list[tuple[Any, ...]], version: str) -> tuple[str, str, int | None, int | None] | None:
+def _quiet_node(rows: list[tuple[Any, ...]], version: str) -> tuple[str, str, int | None, int | None] | str:
     """(node id, reachability, max_threads, max_memory_bytes) of the node in `rows` (the token's: `_quiet_sql`) when
-    its heartbeat is quiet: its owner active, registered, Ready, its assignments still `version`."""
+    its heartbeat is quiet: its owner active, registered, Ready, its assignments still `version`; else why not."""
     if not rows:
-        return None
+        return "token"
     node_id, active, registered, ready, reachability, max_threads, max_memory_bytes = rows[0][:7]
-    if not (active and registered and ready == TRUE):
-        return None
+    if not active:
+        return "owner"
+    if not registered:
+        return "unregistered"
+    if ready != TRUE:
+        return "not_ready"
     if version_digest([row[7:] for row in rows if row[7] is not None]) != version:
-        return None
+        return "version"
     return str(Node._meta.pk.to_python(node_id)), reachability, max_threads, max_memory_bytes

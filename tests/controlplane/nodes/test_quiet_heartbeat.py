@@ -15,6 +15,7 @@ from django.core.wsgi import get_wsgi_application
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
+from prometheus_client import REGISTRY
 from rest_framework.test import APIClient
 
 from controlplane.common.postgresql.async_connections import async_connections
@@ -87,8 +88,28 @@ def api_post(token: str, body: Any, *, raw: bytes | None = None) -> tuple[int, d
     return response.status_code, response.json()
 
 
+def to_django() -> dict[str, float]:
+    """The heartbeats handed to Django so far, by reason (metrics.HEARTBEATS_TO_DJANGO)."""
+    return {sample.labels["reason"]: sample.value for metric in REGISTRY.collect()
+            if metric.name == "arceus_heartbeats_to_django" for sample in metric.samples
+            if sample.name.endswith("_total")}
+
+
+def handed(before: dict[str, float]) -> dict[str, float]:
+    """The reasons counted since `before`, and how many times."""
+    return {reason: n - before.get(reason, 0) for reason, n in to_django().items() if n != before.get(reason, 0)}
+
+
 def registered(user: Any, name: str, port: int = 50051) -> tuple[Node, str, str]:
     """A node registered and Ready through the API: (node, token, the assignments version its agent holds)."""
+    node, token = unready(user, name, port)
+    status, body = api_post(token, {"observed": []})
+    assert status == 200 and "assignments" in body
+    return node, token, body["assignments_version"]
+
+
+def unready(user: Any, name: str, port: int = 50051) -> tuple[Node, str]:
+    """A node registered through the API, not heartbeating yet: (node, token)."""
     node, token = node_create(owner=user, name=name)
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Node {token}")
@@ -97,9 +118,18 @@ def registered(user: Any, name: str, port: int = 50051) -> tuple[Node, str, str]
                                                    "tls_certificate": identity_for(address).certificate},
                            format="json")
     assert response.status_code == 200, response.content
-    status, body = api_post(token, {"observed": []})
-    assert status == 200 and "assignments" in body
-    return node, token, body["assignments_version"]
+    return node, token
+
+
+def test_a_first_heartbeat_is_djangos_and_makes_the_node_ready(user) -> None:
+    node, token = unready(user, "first")
+    before = to_django()
+    status, body = asgi_post(token, {"observed": []})  # an agent holding no assignments sends no version
+    assert status == 200 and body["assignments"] == [] and body["node_id"] == str(node.id)
+    node.refresh_from_db()
+    assert node.ready_status == "True"
+    assert asgi_post(token, {"observed": [], "assignments_version": body["assignments_version"]})[0] == 200
+    assert handed(before) == {"first": 1}
 
 
 def test_a_quiet_heartbeat_is_answered_before_django_as_the_api_answers(user) -> None:
@@ -122,7 +152,9 @@ def test_a_quiet_heartbeat_is_answered_before_django_as_the_api_answers(user) ->
 def test_a_rotated_token_a_disabled_owner_and_a_deleted_node_are_refused_at_once(user, api) -> None:
     node, token, version = registered(user, "rotating")
     beat = {"observed": [], "assignments_version": version}
+    before = to_django()
     assert asgi_post(token, beat)[0] == 200
+    assert handed(before) == {}  # answered on the quiet path
     rotated = api.post(f"/api/nodes/{node.id}/token/rotate")
     assert rotated.status_code == 200
     status, body = asgi_post(token, beat)
@@ -137,17 +169,20 @@ def test_a_rotated_token_a_disabled_owner_and_a_deleted_node_are_refused_at_once
     Node.objects.filter(pk=node.pk).delete()
     status, body = asgi_post(token, beat)
     assert status == 401 and body["detail"].startswith("invalid node token: no node has it")
+    assert handed(before) == {"token": 2, "owner": 1}  # why each went to Django, for the operator
 
 
 def test_changed_assignments_are_answered_in_full(user, queued_job, api) -> None:
     agents = [registered(user, f"n{i}", 50061 + i) for i in range(3)]
     queued_job()
     reconcile_once()  # each node gets a stage: the versions the agents hold are stale
+    before = to_django()
     for _, token, version in agents:
         status, body = asgi_post(token, {"observed": [], "assignments_version": version})
         assert status == 200 and len(body["assignments"]) == 1 and body["assignments_version"] != version
         held = body["assignments_version"]
         assert "assignments" not in asgi_post(token, {"observed": [], "assignments_version": held})[1]
+    assert handed(before) == {"version": 3}
     node, token, _ = agents[0]
     held = asgi_post(token, {"observed": []})[1]["assignments_version"]
     assert api.post(f"/api/nodes/{node.id}/pause").status_code == 200
@@ -180,7 +215,10 @@ def test_hostile_bodies_get_the_apis_answer(user, beat: Any) -> None:
     _, token, version = registered(user, "hostile")
     if isinstance(beat, dict) and beat.get("assignments_version") == "v":
         beat["assignments_version"] = version  # else only the version would keep it from being quiet
+    before = to_django()
     assert asgi_post(token, beat) == api_post(token, beat)
+    holds_none = isinstance(beat, dict) and beat["assignments_version"] is None
+    assert handed(before) == {"first" if holds_none else "shape": 1}
 
 
 @pytest.mark.parametrize("raw", [b'{"observed": [], "host_busy_fraction": NaN}', b"{", b"\xff", b"x" * 9000])
@@ -195,7 +233,9 @@ def test_a_host_that_allowed_hosts_refuses_is_refused_as_django_refuses_it(user)
     _, token, version = registered(user, "host")
     beat = {"observed": [], "assignments_version": version}
     assert asgi_post(token, beat)[0] == 200
+    before = to_django()
     assert asgi_post(token, beat, host="evil.example")[0] == 400
+    assert handed(before) == {"host": 1}
 
 
 def test_a_repeated_header_is_judged_by_django(user) -> None:
