@@ -15,7 +15,8 @@ driver runs. The heartbeats travel over a light client of this bench (`Connectio
 keep-alive connection as a real agent holds one, its request bytes built once per assignments version) so that
 the load generator, which shares the machine's cores, is not what limits the run; a heartbeat's latency runs
 from its send (connecting, when the server had closed the connection, included) to its whole answer, and every
-answer that is not 200, every timeout (a real agent's 10 s) and every broken connection counts as an error.
+answer that is not 200, every timeout (a real agent's 10 s) and every broken connection counts as an error (and
+is retried after a real agent's backoff: 1 s, doubling up to 30 s).
 Nodes and jobs are made through the services (`node_create`'s token and row, `job_submit`, `job_start`): minting
 10,000 tokens through the throttled API is not what is measured.
 
@@ -64,7 +65,9 @@ JOB: dict[str, Any] = {
     "stages": 3,
 }
 REGISTERING_AT_ONCE = 512
-TIMEOUT_S = 10.0  # a real agent's (nodeagent/control_plane.py: ControlPlane's timeout)
+# A real agent's (nodeagent/control_plane.py: ControlPlaneClient's timeout, HeartbeatLoop's backoff after a failure).
+TIMEOUT_S = 10.0
+MIN_BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0
 RECONCILE_LINE = re.compile(r"Task arceus\.reconcile\[[^\]]+\] succeeded in ([0-9.e-]+)s")
 
 
@@ -81,11 +84,13 @@ class SimAgent:
 @dataclass
 class Tally:
     latencies: list[float] = field(default_factory=list)
-    errors: dict[str, int] = field(default_factory=dict)
+    errors: dict[str, int] = field(default_factory=dict)  # in the measured window
+    startup_errors: dict[str, int] = field(default_factory=dict)  # before it: registration's burst of first beats
     counting: bool = False
 
     def error(self, kind: str) -> None:
-        self.errors[kind] = self.errors.get(kind, 0) + 1
+        errors = self.errors if self.counting else self.startup_errors
+        errors[kind] = errors.get(kind, 0) + 1
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -224,12 +229,13 @@ async def heartbeat_forever(host: str, port: int, agent: SimAgent, interval: flo
                             stop: asyncio.Event) -> None:
     await asyncio.sleep(random.uniform(0, interval))
     raw, held = heartbeat_request(f"{host}:{port}", agent), agent.version
+    backoff = MIN_BACKOFF_S
     while not stop.is_set() and not agent.silenced:
-        started = time.perf_counter()
+        started, failure = time.perf_counter(), None
         try:
             status, body = await post(agent, host, port, raw)
             if status != 200:
-                tally.error(f"HTTP {status}")
+                failure = f"HTTP {status}"
             else:
                 agent.version = json.loads(body).get("assignments_version", "")
                 agent.last_beat = time.time()
@@ -238,8 +244,14 @@ async def heartbeat_forever(host: str, port: int, agent: SimAgent, interval: flo
                 if agent.version != held:
                     raw, held = heartbeat_request(f"{host}:{port}", agent), agent.version
         except (OSError, TimeoutError, ValueError) as exc:
-            tally.error(type(exc).__name__)
-        await asyncio.sleep(max(0.0, interval - (time.perf_counter() - started)))
+            failure = type(exc).__name__
+        if failure is None:
+            backoff = MIN_BACKOFF_S
+            await asyncio.sleep(max(0.0, interval - (time.perf_counter() - started)))
+        else:  # as a real agent backs off (nodeagent/control_plane.py: HeartbeatLoop)
+            tally.error(failure)
+            await asyncio.sleep(backoff)
+            backoff = min(2 * backoff, MAX_BACKOFF_S)
 
 
 async def run_fleet(
@@ -278,7 +290,8 @@ async def run_fleet(
             first_started = time.perf_counter()
             while not all(a.last_beat for a in agents) and time.perf_counter() - first_started < 10 * args.interval:
                 await asyncio.sleep(0.5)
-            print(f"every agent's first heartbeat answered in {time.perf_counter() - first_started:.1f} s", flush=True)
+            answered, first_s = sum(1 for a in agents if a.last_beat), time.perf_counter() - first_started
+            print(f"{answered:,} agents' first heartbeats answered in {first_s:.1f} s", flush=True)
             log = cluster.supervisor.log_dir / "worker-control.log"
             log_offset = log.stat().st_size
             to_django_before = await heartbeats_to_django(session, cluster)
@@ -287,7 +300,7 @@ async def run_fleet(
             jobs = await loop.run_in_executor(database, submit_jobs, args.jobs)
             print(f"submitted {len(jobs)} jobs", flush=True)
             placed = await _until_placed(database, args.jobs * JOB["stages"], args.place_timeout)
-            placement_s = time.perf_counter() - window_start
+            placement_s, while_placing = time.perf_counter() - window_start, len(tally.latencies)
             print(f"placed {len(placed)} stages in {placement_s:.0f} s", flush=True)
             by_id = {a.node_id: a for a in agents}
             # Hosts whose heartbeats were answered: the silence is timed from the last answered one.
@@ -316,12 +329,17 @@ async def run_fleet(
     return {
         "agents": len(agents), "interval_s": args.interval, "jobs": len(jobs), "window_s": round(window, 1),
         "placements_per_pass": args.placements_per_pass,
-        "registration_s": round(registered_s, 1), "placed_stages": len(placed), "placement_s": round(placement_s),
+        "registration_s": round(registered_s, 1),
+        "first_answered": answered, "first_heartbeats_s": round(first_s, 1),
+        "placed_stages": len(placed), "placement_s": round(placement_s),
         "heartbeats": len(tally.latencies), "heartbeats_per_s": round(len(tally.latencies) / window, 1),
         "p50_ms": round(quantile(tally.latencies, 0.5) * 1e3, 1),
         "p99_ms": round(quantile(tally.latencies, 0.99) * 1e3, 1),
         "max_ms": round(max(tally.latencies, default=float("nan")) * 1e3, 1),
+        "p99_placing_ms": round(quantile(tally.latencies[:while_placing], 0.99) * 1e3, 1),
+        "p99_placed_ms": round(quantile(tally.latencies[while_placing:], 0.99) * 1e3, 1),
         "errors": sum(tally.errors.values()), "error_kinds": tally.errors,
+        "startup_errors": sum(tally.startup_errors.values()), "startup_error_kinds": tally.startup_errors,
         "to_django": sum(to_django.values()), "to_django_reasons": to_django,
         "bench_cpu_ms_per_heartbeat": round(bench_cpu / max(1, len(tally.latencies)) * 1e3, 3),
         "reconcile_passes": len(passes),
@@ -415,7 +433,10 @@ def print_and_write(r: dict[str, Any], *, write: bool) -> None:
         "| --- | --- | --- |",
         f"| heartbeats/s | {r['heartbeats_per_s']:,} | {r['agents'] / r['interval_s']:,.0f} |",
         f"| heartbeat latency p50 / p99 / max | {r['p50_ms']} / {r['p99_ms']} / {r['max_ms']} ms | p99 < 100 ms |",
+        f"| heartbeat latency p99 while placing / once placed | {r['p99_placing_ms']} / {r['p99_placed_ms']} ms | |",
         f"| heartbeat errors | {r['errors']} {r['error_kinds'] or ''} | 0 |",
+        f"| heartbeat errors before the window (every agent's first heartbeat) | {r['startup_errors']} "
+        f"{r['startup_error_kinds'] or ''} | |",
         f"| heartbeats the quiet path handed to Django, by reason | {r['to_django']:,} {r['to_django_reasons']} | |",
         f"| the bench process's CPU per heartbeat (load generator) | {r['bench_cpu_ms_per_heartbeat']} ms | |",
         f"| reconcile pass p50 / max ({r['reconcile_passes']} passes) | {r['reconcile_p50_s']} / "
@@ -423,6 +444,8 @@ def print_and_write(r: dict[str, Any], *, write: bool) -> None:
         f"| silent node → stage moved, max / median ({r['reassigned']}/{r['silent']} moved) | "
         f"{r['reassign_max_s']} / {r['reassign_median_s']} s | < grace {r['grace_s']:g} + 2 s |",
         f"| registration of all agents | {r['registration_s']} s | |",
+        f"| every agent's first heartbeat answered (a node becomes Ready) | {r['first_answered']:,} agents in "
+        f"{r['first_heartbeats_s']} s | |",
         f"| stages placed (of {r['jobs'] * 3:,}) and time taken | {r['placed_stages']:,} in {r['placement_s']} s | |",
         f"| nodes not yet dialled back at the end | {r['reachability_unknown']:,} | 0 |",
     ]

@@ -163,6 +163,8 @@ def assignments_for_node(*, node: Node) -> list[dict[str, Any]]:
         .select_related("job")
         .order_by("job__created_at", "index")
     )
+    if not hosted:  # most nodes most of the time (a first heartbeat)
+        return []
     siblings: dict[uuid.UUID, dict[int, list[Stage]]] = defaultdict(lambda: defaultdict(list))
     rows = Stage.objects.filter(job_id__in={s.job_id for s in hosted}, active=True).select_related("node")
     for stage in rows.order_by("index", "rank"):

@@ -23,9 +23,12 @@ from prometheus_client.multiprocess import mark_process_dead
 MULTIPROCESS = "PROMETHEUS_MULTIPROC_DIR" in os.environ
 
 
+HOST = socket.gethostname()  # read once: prometheus_client asks for the identifier at every recorded value
+
+
 def process_identifier(pid: int | None = None) -> str:
     """Names this process's files (`pid`: another process on this host, for `process_exited`)."""
-    return f"{socket.gethostname()}_{os.getpid() if pid is None else pid}"
+    return f"{HOST}_{os.getpid() if pid is None else pid}"
 
 
 if MULTIPROCESS:
@@ -56,10 +59,10 @@ HEARTBEATS = Counter("arceus_heartbeats_total", "Agent heartbeats accepted (each
 HEARTBEATS_TO_DJANGO = Counter(
     "arceus_heartbeats_to_django_total",
     "Heartbeats the quiet path (controlplane/nodes/heartbeat.py) handed to Django, by why: 'shape' (a report, "
-    "an unusual body or header), 'host' (one ALLOWED_HOSTS refuses), 'first' (the agent holds no assignments "
-    "version yet), 'token' (no node has it), 'owner' (disabled), 'unregistered', 'not_ready', 'version' (its "
-    "assignments changed) or 'database' (a broken connection). Beyond a start-up burst and placements, a "
-    "growing count is a heartbeat path that costs Django's price.",
+    "an unusual body or header), 'host' (one ALLOWED_HOSTS refuses), 'token' (no node has it), 'owner' "
+    "(disabled), 'unregistered', 'first' (the agent holds no assignments yet, its node hosts stages), 'version' "
+    "(its assignments changed) or 'database' (a broken connection). Beyond placements, a growing count is a "
+    "heartbeat path that costs Django's price.",
     ["reason"],
 )
 HEARTBEAT_SECONDS = Histogram(

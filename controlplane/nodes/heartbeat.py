@@ -1,19 +1,25 @@
 """The heartbeat's answer, and the quiet heartbeat answered before Django.
 
 10,000 agents heartbeat 1,000 times a second, and nearly every heartbeat changes nothing: nothing to report, the
-node already Ready, its assignments still the version the agent holds. Through Django and DRF such a heartbeat
-cost about 1.8 ms of web CPU (middleware, request and serializer machinery, content negotiation, two database
-round trips); `quiet_heartbeats` wraps the ASGI application (controlplane/asgi.py: Django runs in its WSGI threads)
-and answers it on the event loop with one database round trip (the node by its token, its owner's state and its
-assignments version's rows, read together: nothing is cached, so a rotated token, a deleted node or a disabled
-owner is refused at once) and one Redis round trip (the lease), without a thread hand-off.
+node's assignments still the version the agent holds. Through Django and DRF such a heartbeat cost about 1.8 ms
+of web CPU (middleware, request and serializer machinery, content negotiation, two database round trips);
+`quiet_heartbeats` wraps the ASGI application (controlplane/asgi.py: Django runs in its WSGI threads) and answers
+it on the event loop with one database round trip (the node by its token, its owner's state and its assignments
+version's rows, read together: nothing is cached, so a rotated token, a deleted node or a disabled owner is
+refused at once) and one Redis round trip (the lease), without a thread hand-off.
+
+An agent's first heartbeat is quiet too when its node hosts nothing (the answer's assignments are then empty,
+built from the same read): a fleet of 10,000 starting at once made 10,000 first heartbeats, about 9 ms of
+Django's CPU each, and their queue outlived the agents' timeouts. A node that was not Ready becomes Ready here
+(`nodes_mark_ready`, in a thread, once for all the nodes of a batch).
 
 It only ever answers a heartbeat it is sure of, and hands every other request to Django untouched (its body
 replayed): a body that is not exactly the quiet shape (any report, link, an unusual type or value, a large or
 chunked body, a repeated header it reads, a Host that ALLOWED_HOSTS refuses), a token no node has, a disabled
-owner, an unregistered or not-Ready node, or a changed version. So validation, error bodies and every change a
-heartbeat carries stay where they are (`AgentHeartbeatApi`, `node_heartbeat`), and the two paths answer the same
-body (`heartbeat_body`).
+owner, an unregistered node, or a node hosting stages whose assignments are not the version the agent holds. So
+validation, error bodies and every change a heartbeat carries stay where they are (`AgentHeartbeatApi`,
+`node_heartbeat`), and the two paths answer the same body (`heartbeat_body`). Why each heartbeat went to Django
+is counted (metrics.HEARTBEATS_TO_DJANGO).
 """
 
 from __future__ import annotations
@@ -22,10 +28,11 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from datetime import datetime
 from functools import cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 from django.conf import settings
@@ -41,7 +48,7 @@ from controlplane.monitoring import metrics
 from controlplane.nodes.liveness import leases_renew_async
 from controlplane.nodes.models import Node
 from controlplane.nodes.relays import relay_assignment, relay_certificate
-from controlplane.nodes.services import node_token_hash
+from controlplane.nodes.services import node_token_hash, nodes_mark_ready
 from controlplane.nodes.validators import validate_grpc_address
 
 PATHS = frozenset({"/api/agent/heartbeat", "/api/agent/heartbeat/"})
@@ -138,20 +145,27 @@ async def _answer_quiet(headers: dict[str, str], raw: bytes) -> bytes | str:
     beat = _quiet_body(raw)
     if token_hash is None or beat is None:
         return "shape"
-    if not beat.get("assignments_version"):
-        return "first"  # the agent holds no assignments yet: its first heartbeat, or its first since an error
+    held = beat.get("assignments_version", "")
     started = time.perf_counter()
     try:
-        node = _quiet_node(await _ROWS(token_hash), beat["assignments_version"])
+        node = _quiet_node(await _ROWS(token_hash), held)
     except (DatabaseError, psycopg.Error):  # a broken connection: Django's path reconnects, or answers the error
         return "database"
     if isinstance(node, str):
         return node
-    node_id, reachability, max_threads, max_memory_bytes = node
-    await _RENEWALS((node_id, timezone.now(), beat.get("host_busy_fraction")))
+    now = timezone.now()
+    await _RENEWALS((node.id, now, beat.get("host_busy_fraction")))  # the lease first, as `node_heartbeat`
+    if not node.ready:
+        try:
+            await _READY((node.id, now))
+        except DatabaseError:  # a batch's rows deadlocked with another writer's (a reachability sweep's): each
+            return "database"  # node alone, through Django, locks one row and cannot
     metrics.HEARTBEATS.inc()
-    body = heartbeat_body(node_id=node_id, version=beat["assignments_version"], max_threads=max_threads,
-                          max_memory_bytes=max_memory_bytes, reachability=reachability, relay=beat.get("relay"))
+    body = heartbeat_body(node_id=node.id, version=node.version, max_threads=node.max_threads,
+                          max_memory_bytes=node.max_memory_bytes, reachability=node.reachability,
+                          relay=beat.get("relay"))
+    if node.version != held:
+        body["assignments"] = []  # `_quiet_node` leaves any other change to Django
     metrics.HEARTBEAT_SECONDS.observe(time.perf_counter() - started)
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
@@ -193,8 +207,8 @@ def _quiet_body(raw: bytes) -> dict[str, Any] | None:
         return None
     if beat.get("observed", []) != [] or beat.get("neighbour_links", []) != [] or beat.get("link") is not None:
         return None
-    version = beat.get("assignments_version")  # none held (a first heartbeat): Django answers, `_answer_quiet`
-    if version is not None and (not isinstance(version, str) or len(version) > 64 or version != version.strip()):
+    version = beat.get("assignments_version", "")  # left out or blank: the agent holds none (a first heartbeat)
+    if not isinstance(version, str) or len(version) > 64 or version != version.strip():
         return None
     fraction = beat.get("host_busy_fraction")
     if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, int | float)
@@ -242,12 +256,17 @@ async def _quiet_rows(token_hashes: list[str]) -> list[list[tuple[Any, ...]]]:
 
 
 def _quiet_rows_django(token_hashes: list[str]) -> list[tuple[Any, ...]]:
-    # What Django does to a thread's kept connection around each request (close_old_connections).
+    with _django_connection(), connection.cursor() as cursor:
+        cursor.execute(_quiet_sql(f"IN ({', '.join(['%s'] * len(token_hashes))})"), token_hashes)
+        return cursor.fetchall()
+
+
+@contextmanager
+def _django_connection() -> Iterator[None]:
+    """What Django does to a thread's kept connection around each request (close_old_connections)."""
     connection.close_if_unusable_or_obsolete()
     try:
-        with connection.cursor() as cursor:
-            cursor.execute(_quiet_sql(f"IN ({', '.join(['%s'] * len(token_hashes))})"), token_hashes)
-            return cursor.fetchall()
+        yield
     finally:
         connection.close_if_unusable_or_obsolete()
 
@@ -257,9 +276,23 @@ async def _renew(renewals: list[tuple[str, datetime, float | None]]) -> list[Non
     return [None] * len(renewals)
 
 
-# The heartbeats answered in one turn of the event loop share their database read and their lease renewal.
+async def _mark_ready(marks: list[tuple[str, datetime]]) -> list[None]:
+    """The nodes' Ready transition, in a thread: the first heartbeats of a fleet that starts, or that comes back
+    after the control plane was away, arrive together; rare otherwise."""
+
+    def mark() -> None:
+        with _django_connection():
+            nodes_mark_ready(node_ids=[node_id for node_id, _ in marks], now=max(now for _, now in marks))
+
+    await asyncio.to_thread(mark)
+    return [None] * len(marks)
+
+
+# The heartbeats answered in one turn of the event loop share their database read, their lease renewal and
+# their Ready transition.
 _ROWS = Batched(_quiet_rows)
 _RENEWALS = Batched(_renew)
+_READY = Batched(_mark_ready)
 
 
 def _quiet_sql(tokens: str) -> str:
@@ -278,9 +311,19 @@ def _quiet_sql_template() -> str:
     )
 
 
-def _quiet_node(rows: list[tuple[Any, ...]], version: str) -> tuple[str, str, int | None, int | None] | str:
-    """(node id, reachability, max_threads, max_memory_bytes) of the node in `rows` (the token's: `_quiet_sql`) when
-    its heartbeat is quiet: its owner active, registered, Ready, its assignments still `version`; else why not."""
+class QuietNode(NamedTuple):
+    id: str
+    reachability: str
+    max_threads: int | None
+    max_memory_bytes: int | None
+    ready: bool
+    version: str  # its assignments' current version
+
+
+def _quiet_node(rows: list[tuple[Any, ...]], held: str) -> QuietNode | str:
+    """The node in `rows` (the token's: `_quiet_sql`) when its heartbeat is quiet (its owner active, registered,
+    and its assignments still the version `held`, or none at all); else why not, a reason of
+    metrics.HEARTBEATS_TO_DJANGO."""
     if not rows:
         return "token"
     node_id, active, registered, ready, reachability, max_threads, max_memory_bytes = rows[0][:7]
@@ -288,8 +331,9 @@ def _quiet_node(rows: list[tuple[Any, ...]], version: str) -> tuple[str, str, in
         return "owner"
     if not registered:
         return "unregistered"
-    if ready != TRUE:
-        return "not_ready"
-    if version_digest([row[7:] for row in rows if row[7] is not None]) != version:
-        return "version"
-    return str(Node._meta.pk.to_python(node_id)), reachability, max_threads, max_memory_bytes
+    hosted = [row[7:] for row in rows if row[7] is not None]
+    version = version_digest(hosted)
+    if hosted and version != held:  # assignments to build: Django's
+        return "version" if held else "first"
+    return QuietNode(str(Node._meta.pk.to_python(node_id)), reachability, max_threads, max_memory_bytes,
+                     ready == TRUE, version)

@@ -158,20 +158,29 @@ def node_heartbeat(
     if observed:
         changed = stages_record_observed(node=node, reports=observed)
     if node.ready_status != TRUE:
-        Node.objects.filter(pk=node.pk).update(
-            ready_status=ReadyStatus.TRUE,
-            ready_reason="AgentReady",
-            ready_message="the node agent is heartbeating",
-            ready_transition_at=now,
-        )
-        metrics.NODE_READY_TRANSITIONS.labels(ready=TRUE).inc()
-        changed = True
+        nodes_mark_ready(node_ids=[node.pk], now=now)
     if changed:
         reconcile_soon()
     version = assignments_version_of(node=node)
     if version == assignments_version:
         return HeartbeatAnswer(version, None)
     return HeartbeatAnswer(version, assignments_for_node(node=node))
+
+
+def nodes_mark_ready(*, node_ids: Sequence[object], now: datetime) -> int:
+    """Ready for these registered nodes, whose agents heartbeat: the ones not Ready yet change (the others keep
+    their transition time), and the reconciler is nudged when any did. How many changed. Both heartbeat paths
+    call it (`node_heartbeat`, and the quiet one for many nodes at once: controlplane/nodes/heartbeat.py)."""
+    changed = (
+        Node.objects.filter(pk__in=node_ids, registered_at__isnull=False)
+        .exclude(ready_status=ReadyStatus.TRUE)
+        .update(ready_status=ReadyStatus.TRUE, ready_reason="AgentReady",
+                ready_message="the node agent is heartbeating", ready_transition_at=now)
+    )
+    if changed:
+        metrics.NODE_READY_TRANSITIONS.labels(ready=TRUE).inc(changed)
+        reconcile_soon()
+    return changed
 
 
 def _node_restarted(*, node: Node, stage: Stage, now: datetime) -> None:

@@ -95,6 +95,10 @@ def to_django() -> dict[str, float]:
             if sample.name.endswith("_total")}
 
 
+def ready_transitions() -> float:
+    return REGISTRY.get_sample_value("arceus_node_ready_transitions_total", {"ready": "True"}) or 0.0
+
+
 def handed(before: dict[str, float]) -> dict[str, float]:
     """The reasons counted since `before`, and how many times."""
     return {reason: n - before.get(reason, 0) for reason, n in to_django().items() if n != before.get(reason, 0)}
@@ -121,15 +125,32 @@ def unready(user: Any, name: str, port: int = 50051) -> tuple[Node, str]:
     return node, token
 
 
-def test_a_first_heartbeat_is_djangos_and_makes_the_node_ready(user) -> None:
+def test_a_first_heartbeat_of_a_node_hosting_nothing_is_quiet_and_makes_it_ready(user) -> None:
     node, token = unready(user, "first")
-    before = to_django()
+    _, twin_token = unready(user, "twin", 50052)
+    before, ready_before = to_django(), ready_transitions()
     status, body = asgi_post(token, {"observed": []})  # an agent holding no assignments sends no version
+    assert handed(before) == {}
     assert status == 200 and body["assignments"] == [] and body["node_id"] == str(node.id)
     node.refresh_from_db()
-    assert node.ready_status == "True"
-    assert asgi_post(token, {"observed": [], "assignments_version": body["assignments_version"]})[0] == 200
-    assert handed(before) == {"first": 1}
+    assert (node.ready_status, node.ready_reason) == ("True", "AgentReady")
+    assert ready_transitions() == ready_before + 1
+    twin_status, twin_body = api_post(twin_token, {"observed": []})  # the API's answer to the same heartbeat
+    per_node = ("node_id", "relay")
+    assert (status, {k: v for k, v in body.items() if k not in per_node}) == (
+        twin_status, {k: v for k, v in twin_body.items() if k not in per_node})
+    assert asgi_post(token, {"observed": [], "assignments_version": body["assignments_version"]})[1] == {
+        k: v for k, v in body.items() if k != "assignments"}  # then quiet as ever: no assignments
+
+
+def test_a_node_that_was_lost_is_ready_again_at_its_next_quiet_heartbeat(user) -> None:
+    node, token, version = registered(user, "lost")
+    Node.objects.filter(pk=node.pk).update(ready_status="Unknown", ready_reason="NodeStatusUnknown")
+    before = to_django()
+    assert asgi_post(token, {"observed": [], "assignments_version": version})[0] == 200
+    assert handed(before) == {}
+    node.refresh_from_db()
+    assert (node.ready_status, node.ready_reason) == ("True", "AgentReady")
 
 
 def test_a_quiet_heartbeat_is_answered_before_django_as_the_api_answers(user) -> None:
@@ -184,7 +205,9 @@ def test_changed_assignments_are_answered_in_full(user, queued_job, api) -> None
         assert "assignments" not in asgi_post(token, {"observed": [], "assignments_version": held})[1]
     assert handed(before) == {"version": 3}
     node, token, _ = agents[0]
+    before = to_django()
     held = asgi_post(token, {"observed": []})[1]["assignments_version"]
+    assert handed(before) == {"first": 1}  # it hosts a stage: Django builds its assignments
     assert api.post(f"/api/nodes/{node.id}/pause").status_code == 200
     reconcile_once()  # the paused node's stage is handed back
     status, body = asgi_post(token, {"observed": [], "assignments_version": held})
@@ -217,8 +240,7 @@ def test_hostile_bodies_get_the_apis_answer(user, beat: Any) -> None:
         beat["assignments_version"] = version  # else only the version would keep it from being quiet
     before = to_django()
     assert asgi_post(token, beat) == api_post(token, beat)
-    holds_none = isinstance(beat, dict) and beat["assignments_version"] is None
-    assert handed(before) == {"first" if holds_none else "shape": 1}
+    assert handed(before) == {"shape": 1}
 
 
 @pytest.mark.parametrize("raw", [b'{"observed": [], "host_busy_fraction": NaN}', b"{", b"\xff", b"x" * 9000])
