@@ -242,7 +242,7 @@ def _plain_address(value: Any) -> bool:
 
 async def _quiet_rows(token_hashes: list[str]) -> list[list[tuple[Any, ...]]]:
     """Each token's rows (`_quiet_sql`), read together."""
-    if connection.vendor != "postgresql":  # SQLite (the demo, tests): Django's connection, in a thread
+    if not _on_postgresql():  # SQLite (the demo, tests): Django's connection, in a thread
         rows = await asyncio.to_thread(_quiet_rows_django, token_hashes)
     else:
         # A prepared statement (each kept connection plans it once): planning it cost the server more than running it.
@@ -253,6 +253,13 @@ async def _quiet_rows(token_hashes: list[str]) -> list[list[tuple[Any, ...]]]:
     for row in rows:
         by_token.setdefault(row[0], []).append(row[1:])
     return [by_token.get(token_hash, []) for token_hash in token_hashes]
+
+
+@cache
+def _on_postgresql() -> bool:
+    # Read once: on the event loop, Django's `connection` is per task (asgiref's Local), and each batch's task
+    # would make, then drop, a database wrapper of its own (reference cycles for the collector).
+    return connection.vendor == "postgresql"
 
 
 def _quiet_rows_django(token_hashes: list[str]) -> list[tuple[Any, ...]]:
