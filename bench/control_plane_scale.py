@@ -84,6 +84,7 @@ class SimAgent:
 @dataclass
 class Tally:
     latencies: list[float] = field(default_factory=list)
+    changed: list[float] = field(default_factory=list)  # those of answers with new assignments (Django's)
     errors: dict[str, int] = field(default_factory=dict)  # in the measured window
     startup_errors: dict[str, int] = field(default_factory=dict)  # before it: registration's burst of first beats
     counting: bool = False
@@ -237,10 +238,12 @@ async def heartbeat_forever(host: str, port: int, agent: SimAgent, interval: flo
             if status != 200:
                 failure = f"HTTP {status}"
             else:
-                agent.version = json.loads(body).get("assignments_version", "")
-                agent.last_beat = time.time()
+                answer = json.loads(body)
+                agent.version, agent.last_beat = answer.get("assignments_version", ""), time.time()
                 if tally.counting:
                     tally.latencies.append(time.perf_counter() - started)
+                    if answer.get("assignments"):
+                        tally.changed.append(tally.latencies[-1])
                 if agent.version != held:
                     raw, held = heartbeat_request(f"{host}:{port}", agent), agent.version
         except (OSError, TimeoutError, ValueError) as exc:
@@ -338,6 +341,8 @@ async def run_fleet(
         "max_ms": round(max(tally.latencies, default=float("nan")) * 1e3, 1),
         "p99_placing_ms": round(quantile(tally.latencies[:while_placing], 0.99) * 1e3, 1),
         "p99_placed_ms": round(quantile(tally.latencies[while_placing:], 0.99) * 1e3, 1),
+        "changed": len(tally.changed), "changed_p50_ms": round(quantile(tally.changed, 0.5) * 1e3, 1),
+        "changed_p99_ms": round(quantile(tally.changed, 0.99) * 1e3, 1),
         "errors": sum(tally.errors.values()), "error_kinds": tally.errors,
         "startup_errors": sum(tally.startup_errors.values()), "startup_error_kinds": tally.startup_errors,
         "to_django": sum(to_django.values()), "to_django_reasons": to_django,
@@ -434,6 +439,8 @@ def print_and_write(r: dict[str, Any], *, write: bool) -> None:
         f"| heartbeats/s | {r['heartbeats_per_s']:,} | {r['agents'] / r['interval_s']:,.0f} |",
         f"| heartbeat latency p50 / p99 / max | {r['p50_ms']} / {r['p99_ms']} / {r['max_ms']} ms | p99 < 100 ms |",
         f"| heartbeat latency p99 while placing / once placed | {r['p99_placing_ms']} / {r['p99_placed_ms']} ms | |",
+        f"| latency p50 / p99 of the {r['changed']:,} answers with new assignments (built by Django) | "
+        f"{r['changed_p50_ms']} / {r['changed_p99_ms']} ms | |",
         f"| heartbeat errors | {r['errors']} {r['error_kinds'] or ''} | 0 |",
         f"| heartbeat errors before the window (every agent's first heartbeat) | {r['startup_errors']} "
         f"{r['startup_error_kinds'] or ''} | |",
