@@ -61,8 +61,8 @@ HEARTBEATS_TO_DJANGO = Counter(
     "Heartbeats the quiet path (controlplane/nodes/heartbeat.py) handed to Django, by why: 'shape' (a report, "
     "an unusual body or header), 'host' (one ALLOWED_HOSTS refuses), 'token' (no node has it), 'owner' "
     "(disabled), 'unregistered', 'first' (the agent holds no assignments yet, its node hosts stages), 'version' "
-    "(its assignments changed) or 'database' (a broken connection). Beyond placements, a growing count is a "
-    "heartbeat path that costs Django's price.",
+    "(its assignments changed) or 'database' (a broken connection, or a batch's Ready transition that "
+    "deadlocked). Beyond placements, a growing count is a heartbeat path that costs Django's price.",
     ["reason"],
 )
 HEARTBEAT_SECONDS = Histogram(
