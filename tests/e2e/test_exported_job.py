@@ -132,7 +132,12 @@ def test_captured_modules_train_through_distributed_trainer_on_three_agents_like
     initial = {name: p.detach().clone() for name, p in gpt2.named_parameters()}
     writer = DistributedTrainer(model=gpt2, url=cluster.api_url, token=token, discovery_method="url",
                                 example_input=torch.randint(0, vocab, (2, 16)), input_bound=vocab, progress=False)
-    fields = {"learning_rate": 0.01, "optimizer": "adam", "micro_batches": 2, "seed": 3}
+    # SGD, not Adam: the agents run the exported program's ATen ops and one process runs the module's, which round
+    # differently (about 1e-7 a step), and Adam turns a near-zero gradient's rounding into a step of the learning
+    # rate's size (m / (sqrt(v) + eps)). On an AMD EPYC machine Adam's losses agreed to 1e-6 for 7 steps, then
+    # parted by 2.3e-5 and 1.7e-4 by step 14; with SGD they agree to 3.6e-7 over all 14. Adam's own parity
+    # through agents is checked by the digits model above and tests/e2e/test_large_model.py.
+    fields = {"learning_rate": 0.1, "optimizer": "sgd", "momentum": 0.9, "micro_batches": 2, "seed": 3}
     history = writer.train(dataset=text, epochs=2, timeout=240, **fields)
     final = history.detail
     assert final["dataset_config"]["dataset_id"] and len({p["node_id"] for p in final["placements"]}) == 3
