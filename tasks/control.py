@@ -1,4 +1,5 @@
-"""The reconcile task (control queue): one level-triggered pass, short and safe to run concurrently."""
+"""The reconcile task (control queue): one level-triggered pass, short and safe to run concurrently, then the new
+assignments it gave nodes, built ahead of their agents' next heartbeats (controlplane/jobs/prepared_assignments.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import logging
 from controlplane.celery import RECONCILE_TASK, app
 from controlplane.common.dispatch import dequeued
 from controlplane.controller.executor import reconcile_once
+from controlplane.jobs.prepared_assignments import assignments_prepare
 
 log = logging.getLogger(__name__)
 
@@ -19,3 +21,6 @@ def reconcile() -> None:
     report = reconcile_once()
     if report.applied or report.skipped:
         log.info("reconcile: %s", report)
+    if report.reassigned:  # at once: an agent whose heartbeat comes first gets them from Django
+        log.info("prepared the assignments of %d nodes", assignments_prepare(job_ids=report.reassigned))
+

@@ -62,6 +62,12 @@ class ExecutionReport:
     def __str__(self) -> str:
         return f"applied {_names(self.applied)}; skipped {_names(self.skipped)}"
 
+    @property
+    def reassigned(self) -> list[str]:
+        """The jobs whose nodes this pass gave new assignments, to build ahead of their agents' next heartbeats
+        (controlplane/jobs/prepared_assignments.py)."""
+        return sorted({a.job_id for a in self.applied if _reassigns(a)})
+
 
 def _names(actions: list[Action]) -> str:
     return ", ".join(f"{type(a).__name__}({getattr(a, 'job_id', None) or a.node_id})" for a in actions) or "none"
@@ -98,6 +104,15 @@ def execute(actions: Sequence[Action], *, now: datetime) -> ExecutionReport:
                 log.info("skipped %s: the state changed since the snapshot", _names([action]))
         (report.applied if applied else report.skipped).append(action)
     return report
+
+
+def _reassigns(action: Action) -> bool:
+    """Whether `action`, applied, gave its job's nodes new assignments (changed an assignments version's columns:
+    stage rows, a generation or a status). A job requeued, failed or no longer served leaves its nodes hosting
+    fewer stages (often none: the quiet heartbeat answers those itself)."""
+    if isinstance(action, StartDriver):
+        return action.status == JobStatus.PLACING  # a driver restarted changes nothing its agents hold
+    return isinstance(action, PlaceJob | RewindJob | ServeJob)
 
 
 @transaction.atomic

@@ -6,6 +6,7 @@ import hashlib
 import math
 import uuid
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 from django.conf import settings
@@ -144,13 +145,24 @@ def assignments_version(*, node: Node) -> str:
     address or certificate changes only with a new generation: a node that registers again while hosting
     rewinds its job). One indexed query; the agent sends back the version it holds, and an unchanged one is
     answered without building the assignments."""
+    return assignments_versions(node_ids=[node.pk])[node.pk]
+
+
+def assignments_versions(*, node_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, str]:
+    """`assignments_version` of each of these nodes, in one query."""
+    if not node_ids:
+        return {}
+    pk = Node._meta.pk
+    rows: dict[uuid.UUID, list[tuple[Any, ...]]] = {node_id: [] for node_id in node_ids}
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT {VERSION_COLUMNS} FROM {Node._meta.db_table} n JOIN {version_rows_join('n.id')} "  # noqa: S608
-            f"WHERE n.id = %s ORDER BY {version_order()}",
-            [Node._meta.pk.get_db_prep_value(node.pk, connection)],
+            f"SELECT n.id, {VERSION_COLUMNS} FROM {Node._meta.db_table} n JOIN {version_rows_join('n.id')} "  # noqa: S608
+            f"WHERE n.id IN ({', '.join(['%s'] * len(rows))}) ORDER BY n.id, {version_order()}",
+            [pk.get_db_prep_value(node_id, connection) for node_id in rows],
         )
-        return version_digest(cursor.fetchall())
+        for node_id, *row in cursor.fetchall():
+            rows[pk.to_python(node_id)].append(tuple(row))
+    return {node_id: version_digest(hosted) for node_id, hosted in rows.items()}
 
 
 def assignments_for_node(*, node: Node) -> list[dict[str, Any]]:
@@ -158,13 +170,19 @@ def assignments_for_node(*, node: Node) -> list[dict[str, Any]]:
     that is placing or running, with the checkpoint each resumes from; a tensor-parallel rank's with
     its group (`tensor_parallel`), and a tensor-parallel neighbour's address as the list of its ranks'; a
     served job's stage for inference, from its final checkpoint."""
+    return assignments_for_nodes(nodes=[node])[node.pk]
+
+
+def assignments_for_nodes(*, nodes: Sequence[Node]) -> dict[uuid.UUID, list[dict[str, Any]]]:
+    """`assignments_for_node` of each of these nodes, built from three queries for them all."""
+    by_node: dict[uuid.UUID, list[dict[str, Any]]] = {node.pk: [] for node in nodes}
     hosted = list(
-        Stage.objects.filter(hosted_jobs(), node=node, active=True)
+        Stage.objects.filter(hosted_jobs(), node__in=list(by_node), active=True)
         .select_related("job")
         .order_by("job__created_at", "index")
     )
     if not hosted:  # most nodes most of the time (a first heartbeat)
-        return []
+        return by_node
     siblings: dict[uuid.UUID, dict[int, list[Stage]]] = defaultdict(lambda: defaultdict(list))
     rows = Stage.objects.filter(job_id__in={s.job_id for s in hosted}, active=True).select_related("node")
     for stage in rows.order_by("index", "rank"):
@@ -175,10 +193,11 @@ def assignments_for_node(*, node: Node) -> list[dict[str, Any]]:
             checkpoint_id__in={s.job.resume_checkpoint_id for s in hosted if s.job.resume_checkpoint_id}
         ).select_related("checkpoint")
     }
-    return [
-        _assignment(stage, siblings[stage.job_id], checkpoints.get((stage.job.resume_checkpoint_id, stage.index)), node)
-        for stage in hosted
-    ]
+    viewers = {node.pk: node for node in nodes}
+    for stage in hosted:
+        checkpoint = checkpoints.get((stage.job.resume_checkpoint_id, stage.index))
+        by_node[stage.node_id].append(_assignment(stage, siblings[stage.job_id], checkpoint, viewers[stage.node_id]))
+    return by_node
 
 
 def _assignment(

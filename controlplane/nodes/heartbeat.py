@@ -11,12 +11,15 @@ refused at once) and one Redis round trip (the lease), without a thread hand-off
 An agent's first heartbeat is quiet too when its node hosts nothing (the answer's assignments are then empty,
 built from the same read): a fleet of 10,000 starting at once made 10,000 first heartbeats, about 9 ms of
 Django's CPU each, and their queue outlived the agents' timeouts. A node that was not Ready becomes Ready here
-(`nodes_mark_ready`, in a thread, once for all the nodes of a batch).
+(`nodes_mark_ready`, in a thread, once for all the nodes of a batch). And a heartbeat whose node's assignments
+changed is answered here when the control worker built them ahead under the version just read
+(controlplane/jobs/prepared_assignments.py: one Redis round trip more).
 
 It only ever answers a heartbeat it is sure of, and hands every other request to Django untouched (its body
 replayed): a body that is not exactly the quiet shape (any report, link, an unusual type or value, a large or
 chunked body, a repeated header it reads, a Host that ALLOWED_HOSTS refuses), a token no node has, a disabled
-owner, an unregistered node, or a node hosting stages whose assignments are not the version the agent holds. So
+owner, an unregistered node, or a node hosting stages whose assignments are not the version the agent holds and
+were not built ahead. So
 validation, error bodies and every change a heartbeat carries stay where they are (`AgentHeartbeatApi`,
 `node_heartbeat`), and the two paths answer the same body (`heartbeat_body`). Why each heartbeat went to Django
 is counted (metrics.HEARTBEATS_TO_DJANGO).
@@ -43,6 +46,7 @@ from django.utils import timezone
 from controlplane.common.batching import Batched
 from controlplane.common.conditions import TRUE
 from controlplane.common.postgresql.async_connections import async_connections
+from controlplane.jobs.prepared_assignments import prepared_assignments_read
 from controlplane.jobs.selectors import VERSION_COLUMNS, version_digest, version_order, version_rows_join
 from controlplane.monitoring import metrics
 from controlplane.nodes.liveness import leases_renew_async
@@ -148,11 +152,16 @@ async def _answer_quiet(headers: dict[str, str], raw: bytes) -> bytes | str:
     held = beat.get("assignments_version", "")
     started = time.perf_counter()
     try:
-        node = _quiet_node(await _ROWS(token_hash), held)
+        node = _quiet_node(await _ROWS(token_hash))
     except (DatabaseError, psycopg.Error):  # a broken connection: Django's path reconnects, or answers the error
         return "database"
     if isinstance(node, str):
         return node
+    assignments: list[dict[str, Any]] | None = None
+    if node.version != held:
+        assignments = await _PREPARED((node.id, node.version)) if node.hosting else []
+        if assignments is None:  # not built ahead (or expired): Django builds them
+            return "version" if held else "first"
     now = timezone.now()
     await _RENEWALS((node.id, now, beat.get("host_busy_fraction")))  # the lease first, as `node_heartbeat`
     if not node.ready:
@@ -164,8 +173,8 @@ async def _answer_quiet(headers: dict[str, str], raw: bytes) -> bytes | str:
     body = heartbeat_body(node_id=node.id, version=node.version, max_threads=node.max_threads,
                           max_memory_bytes=node.max_memory_bytes, reachability=node.reachability,
                           relay=beat.get("relay"))
-    if node.version != held:
-        body["assignments"] = []  # `_quiet_node` leaves any other change to Django
+    if assignments is not None:
+        body["assignments"] = assignments
     metrics.HEARTBEAT_SECONDS.observe(time.perf_counter() - started)
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
@@ -300,6 +309,7 @@ async def _mark_ready(marks: list[tuple[str, datetime]]) -> list[None]:
 _ROWS = Batched(_quiet_rows)
 _RENEWALS = Batched(_renew)
 _READY = Batched(_mark_ready)
+_PREPARED = Batched(prepared_assignments_read)
 
 
 def _quiet_sql(tokens: str) -> str:
@@ -325,12 +335,12 @@ class QuietNode(NamedTuple):
     max_memory_bytes: int | None
     ready: bool
     version: str  # its assignments' current version
+    hosting: bool  # whether it hosts any stage (its assignments are not empty)
 
 
-def _quiet_node(rows: list[tuple[Any, ...]], held: str) -> QuietNode | str:
-    """The node in `rows` (the token's: `_quiet_sql`) when its heartbeat is quiet (its owner active, registered,
-    and its assignments still the version `held`, or none at all); else why not, a reason of
-    metrics.HEARTBEATS_TO_DJANGO."""
+def _quiet_node(rows: list[tuple[Any, ...]]) -> QuietNode | str:
+    """The node in `rows` (the token's: `_quiet_sql`) when its heartbeat may be quiet (its owner active, and it
+    registered); else why not, a reason of metrics.HEARTBEATS_TO_DJANGO."""
     if not rows:
         return "token"
     node_id, active, registered, ready, reachability, max_threads, max_memory_bytes = rows[0][:7]
@@ -339,8 +349,5 @@ def _quiet_node(rows: list[tuple[Any, ...]], held: str) -> QuietNode | str:
     if not registered:
         return "unregistered"
     hosted = [row[7:] for row in rows if row[7] is not None]
-    version = version_digest(hosted)
-    if hosted and version != held:  # assignments to build: Django's
-        return "version" if held else "first"
     return QuietNode(str(Node._meta.pk.to_python(node_id)), reachability, max_threads, max_memory_bytes,
-                     ready == TRUE, version)
+                     ready == TRUE, version_digest(hosted), bool(hosted))

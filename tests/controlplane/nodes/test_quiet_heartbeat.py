@@ -13,6 +13,7 @@ import pytest
 from a2wsgi import WSGIMiddleware
 from django.core.wsgi import get_wsgi_application
 from django.db import connection
+from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 from prometheus_client import REGISTRY
@@ -21,11 +22,13 @@ from rest_framework.test import APIClient
 from controlplane.common.postgresql.async_connections import async_connections
 from controlplane.common.redis_client import async_redis_client
 from controlplane.controller.executor import reconcile_once
+from controlplane.jobs.models import Stage
 from controlplane.nodes.heartbeat import quiet_heartbeats
 from controlplane.nodes.liveness import lease_of
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_create
 from devtools.pipeline import identity_for
+from tasks.control import reconcile
 
 # The quiet path reads through connections of its own, and Django's threads close theirs around each request: what
 # a test writes must be committed to be seen.
@@ -212,6 +215,25 @@ def test_changed_assignments_are_answered_in_full(user, queued_job, api) -> None
     reconcile_once()  # the paused node's stage is handed back
     status, body = asgi_post(token, {"observed": [], "assignments_version": held})
     assert status == 200 and body["assignments_version"] != held and body["assignments"] == []
+
+
+def test_assignments_built_ahead_are_answered_before_django_as_the_api_answers(user, queued_job) -> None:
+    agents = [registered(user, f"p{i}", 50071 + i) for i in range(3)]
+    job = queued_job()
+    reconcile()  # the control worker's task: a pass places the job, then its nodes' assignments are built ahead
+    before = to_django()
+    for _, token, version in agents:
+        beat = {"observed": [], "assignments_version": version}
+        status, body = asgi_post(token, beat)
+        assert status == 200 and len(body["assignments"]) == 1 and body["assignments_version"] != version
+        assert body == api_post(token, beat)[1]  # what Django builds now
+    assert handed(before) == {}
+    node, token, version = agents[0]
+    assert asgi_post(token, {"observed": []})[1]["assignments"]  # an agent that restarted: built ahead too
+    Stage.objects.filter(job=job).update(generation=F("generation") + 1)  # changed since they were built
+    status, body = asgi_post(token, {"observed": [], "assignments_version": version})
+    assert status == 200 and body["assignments"][0]["generation"] == Stage.objects.get(node=node).generation
+    assert handed(before) == {"version": 1}  # not the stale ones: Django built them
 
 
 @pytest.mark.parametrize(
