@@ -22,7 +22,8 @@ Nodes and jobs are made through the services (`node_create`'s token and row, `jo
 
 Measured: heartbeats per second, their latency (p50, p99, max) and errors; how many the control plane's quiet path
 handed to Django, and why (its /metrics: arceus_heartbeats_to_django_total); the bench process's CPU per
-heartbeat (the load generator's cost, with its once-a-second placement polls); the reconcile pass time (the control
+heartbeat (the load generator's cost, with its once-a-second placement polls) and how late its event loop ran
+(every heartbeat in flight meanwhile is timed that much slower); the reconcile pass time (the control
 worker's own log of each `arceus.reconcile` task: under the same load); and, for `--silent` nodes hosting a
 stage whose heartbeats stop, the time from their last heartbeat to their stage's move, against the grace.
 A run that places nothing, or whose agents time out, still reports (nothing is measured that was not seen).
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import multiprocessing
 import os
@@ -68,6 +70,7 @@ REGISTERING_AT_ONCE = 512
 # A real agent's (nodeagent/control_plane.py: ControlPlaneClient's timeout, HeartbeatLoop's backoff after a failure).
 TIMEOUT_S = 10.0
 MIN_BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0
+LAG_SAMPLE_S = 0.01
 RECONCILE_LINE = re.compile(r"Task arceus\.reconcile\[[^\]]+\] succeeded in ([0-9.e-]+)s")
 
 
@@ -84,9 +87,10 @@ class SimAgent:
 @dataclass
 class Tally:
     latencies: list[float] = field(default_factory=list)
-    changed: list[float] = field(default_factory=list)  # those of answers with new assignments (Django's)
+    changed: list[float] = field(default_factory=list)  # those of answers with new assignments
     errors: dict[str, int] = field(default_factory=dict)  # in the measured window
     startup_errors: dict[str, int] = field(default_factory=dict)  # before it: registration's burst of first beats
+    lags: list[float] = field(default_factory=list)  # the bench's own event loop's lateness, sampled (`loop_lag`)
     counting: bool = False
 
     def error(self, kind: str) -> None:
@@ -257,6 +261,25 @@ async def heartbeat_forever(host: str, port: int, agent: SimAgent, interval: flo
             backoff = min(2 * backoff, MAX_BACKOFF_S)
 
 
+async def loop_lag(tally: Tally, stop: asyncio.Event) -> None:
+    """How late this process's event loop wakes a 10 ms sleep, sampled through the window: every heartbeat in
+    flight while the loop is late is timed that much slower, though the server answered in time."""
+    while not stop.is_set():
+        started = time.perf_counter()
+        await asyncio.sleep(LAG_SAMPLE_S)
+        if tally.counting:
+            tally.lags.append(time.perf_counter() - started - LAG_SAMPLE_S)
+
+
+def quiet_collector() -> None:
+    """The load generator's cyclic garbage collector, tuned as the web server's (controlplane/gunicorn_conf.py):
+    this one process stands for 10,000 agents' machines, and with Django loaded (the bench's nodes are made
+    through it) a full collection of its heap stopped its loop, which timed as the server's latency."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
+
+
 async def run_fleet(
     cluster: LocalCluster, agents: list[SimAgent], args: argparse.Namespace, database: Executor
 ) -> dict[str, Any]:
@@ -284,6 +307,8 @@ async def run_fleet(
         print(f"registered {len(agents)} agents in {registered_s:.1f} s", flush=True)
 
         tally, stop = Tally(), asyncio.Event()
+        quiet_collector()
+        lag_probe = asyncio.create_task(loop_lag(tally, stop))
         host, port = cluster.api_url.removeprefix("http://").rsplit(":", 1)
         beats = [asyncio.create_task(heartbeat_forever(host, int(port), a, args.interval, tally, stop))
                  for a in agents]
@@ -325,7 +350,7 @@ async def run_fleet(
             stop.set()
             for task in beats:
                 task.cancel()
-            await asyncio.gather(*beats, return_exceptions=True)
+            await asyncio.gather(*beats, lag_probe, return_exceptions=True)
     unknown = await loop.run_in_executor(database, nodes_unknown)
     passes = [float(m) for m in RECONCILE_LINE.findall(log.read_bytes()[log_offset:].decode(errors="replace"))]
     delays = [reassigned[v.node_id] - v.last_beat for v in victims if v.node_id in reassigned]
@@ -347,6 +372,8 @@ async def run_fleet(
         "startup_errors": sum(tally.startup_errors.values()), "startup_error_kinds": tally.startup_errors,
         "to_django": sum(to_django.values()), "to_django_reasons": to_django,
         "bench_cpu_ms_per_heartbeat": round(bench_cpu / max(1, len(tally.latencies)) * 1e3, 3),
+        "bench_lag_p99_ms": round(quantile(tally.lags, 0.99) * 1e3, 1),
+        "bench_lag_max_ms": round(max(tally.lags, default=float("nan")) * 1e3, 1),
         "reconcile_passes": len(passes),
         "reconcile_p50_s": round(quantile(passes, 0.5), 3), "reconcile_max_s": round(max(passes, default=0.0), 3),
         "grace_s": args.grace, "silent": len(victims), "reassigned": len(delays),
@@ -439,13 +466,15 @@ def print_and_write(r: dict[str, Any], *, write: bool) -> None:
         f"| heartbeats/s | {r['heartbeats_per_s']:,} | {r['agents'] / r['interval_s']:,.0f} |",
         f"| heartbeat latency p50 / p99 / max | {r['p50_ms']} / {r['p99_ms']} / {r['max_ms']} ms | p99 < 100 ms |",
         f"| heartbeat latency p99 while placing / once placed | {r['p99_placing_ms']} / {r['p99_placed_ms']} ms | |",
-        f"| latency p50 / p99 of the {r['changed']:,} answers with new assignments (built by Django) | "
+        f"| latency p50 / p99 of the {r['changed']:,} answers with new assignments | "
         f"{r['changed_p50_ms']} / {r['changed_p99_ms']} ms | |",
         f"| heartbeat errors | {r['errors']} {r['error_kinds'] or ''} | 0 |",
         f"| heartbeat errors before the window (every agent's first heartbeat) | {r['startup_errors']} "
         f"{r['startup_error_kinds'] or ''} | |",
         f"| heartbeats the quiet path handed to Django, by reason | {r['to_django']:,} {r['to_django_reasons']} | |",
         f"| the bench process's CPU per heartbeat (load generator) | {r['bench_cpu_ms_per_heartbeat']} ms | |",
+        f"| the bench process's event loop: lateness p99 / max (in every latency above) | {r['bench_lag_p99_ms']} / "
+        f"{r['bench_lag_max_ms']} ms | |",
         f"| reconcile pass p50 / max ({r['reconcile_passes']} passes) | {r['reconcile_p50_s']} / "
         f"{r['reconcile_max_s']} s | < 1 s |",
         f"| silent node → stage moved, max / median ({r['reassigned']}/{r['silent']} moved) | "
