@@ -23,4 +23,3 @@ def reconcile() -> None:
         log.info("reconcile: %s", report)
     if report.reassigned:  # at once: an agent whose heartbeat comes first gets them from Django
         log.info("prepared the assignments of %d nodes", assignments_prepare(job_ids=report.reassigned))
-

@@ -19,10 +19,9 @@ It only ever answers a heartbeat it is sure of, and hands every other request to
 replayed): a body that is not exactly the quiet shape (any report, link, an unusual type or value, a large or
 chunked body, a repeated header it reads, a Host that ALLOWED_HOSTS refuses), a token no node has, a disabled
 owner, an unregistered node, or a node hosting stages whose assignments are not the version the agent holds and
-were not built ahead. So
-validation, error bodies and every change a heartbeat carries stay where they are (`AgentHeartbeatApi`,
-`node_heartbeat`), and the two paths answer the same body (`heartbeat_body`). Why each heartbeat went to Django
-is counted (metrics.HEARTBEATS_TO_DJANGO).
+were not built ahead. So validation, error bodies and every change a heartbeat carries stay where they are
+(`AgentHeartbeatApi`, `node_heartbeat`), and the two paths answer the same body (`heartbeat_body`). Why each
+heartbeat went to Django is counted (metrics.HEARTBEATS_TO_DJANGO).
 """
 
 from __future__ import annotations
