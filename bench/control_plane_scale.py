@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import multiprocessing
 import os
@@ -56,6 +55,7 @@ from prometheus_client.parser import text_string_to_metric_families
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import report  # noqa: E402
+from controlplane.common.garbage_collector import garbage_collector_tuned  # noqa: E402
 from devtools.cluster import LocalCluster  # noqa: E402
 
 BENCH_USER = "scale-bench"
@@ -271,15 +271,6 @@ async def loop_lag(tally: Tally, stop: asyncio.Event) -> None:
             tally.lags.append(time.perf_counter() - started - LAG_SAMPLE_S)
 
 
-def quiet_collector() -> None:
-    """The load generator's cyclic garbage collector, tuned as the web server's (controlplane/gunicorn_conf.py):
-    this one process stands for 10,000 agents' machines, and with Django loaded (the bench's nodes are made
-    through it) a full collection of its heap stopped its loop, which timed as the server's latency."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(50_000, 20, 100)
-
-
 async def run_fleet(
     cluster: LocalCluster, agents: list[SimAgent], args: argparse.Namespace, database: Executor
 ) -> dict[str, Any]:
@@ -307,7 +298,8 @@ async def run_fleet(
         print(f"registered {len(agents)} agents in {registered_s:.1f} s", flush=True)
 
         tally, stop = Tally(), asyncio.Event()
-        quiet_collector()
+        # This one process stands for 10,000 agents' machines: its collector tuned as the control plane's.
+        garbage_collector_tuned()
         lag_probe = asyncio.create_task(loop_lag(tally, stop))
         host, port = cluster.api_url.removeprefix("http://").rsplit(":", 1)
         beats = [asyncio.create_task(heartbeat_forever(host, int(port), a, args.interval, tally, stop))

@@ -240,6 +240,10 @@ def main() -> None:
     _setup_django(args.grace)
     from django.conf import settings
 
+    from controlplane.common.garbage_collector import garbage_collector_tuned
+
+    garbage_collector_tuned()  # as the control worker's pool process runs (controlplane/celery.py)
+
     started = time.perf_counter()
     fleet = make_fleet(args.nodes, datetime.now(UTC))
     submit_jobs(args.jobs)

@@ -83,6 +83,15 @@ app.conf.update(
 )
 
 
+@signals.worker_process_init.connect
+def _tune_collector(**_: object) -> None:
+    """A pool process has started, its tasks loaded: a reconcile pass over 10,000 nodes must not stop for a full
+    collection of the worker's heap (controlplane/common/garbage_collector.py)."""
+    from controlplane.common.garbage_collector import garbage_collector_tuned
+
+    garbage_collector_tuned()
+
+
 @signals.worker_process_shutdown.connect
 def _drop_live_metrics(pid: int, **_: object) -> None:
     """A pool process is ending: its live gauges leave /metrics (prometheus_client's multiprocess mode)."""

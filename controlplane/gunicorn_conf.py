@@ -22,12 +22,12 @@ and child_exit for prometheus_client's multiprocess mode.
 
 from __future__ import annotations
 
-import gc
 import os
 from typing import Any
 
 from gunicorn.workers.gasgi import ASGIWorker
 
+from controlplane.common.garbage_collector import garbage_collector_tuned
 from controlplane.monitoring.metrics import process_exited
 
 # A thread keeps its database connection between requests (Django's CONN_MAX_AGE, with health checks):
@@ -45,18 +45,9 @@ timeout = 60
 
 
 def post_worker_init(worker: Any) -> None:
-    """The cyclic garbage collector, tuned for an event loop that must not pause. What lives as long as the
-    process (Django, its apps, the URL and serializer machinery: about 385,000 objects once loaded) leaves its
-    view (`gc.freeze`). And a young collection waits for 50,000 new objects instead of 700: each request through
-    Django leaves about 160 objects in reference cycles (request, view, parsers, serializers), and at 700 a
-    request's objects were promoted to the old generation while it still ran, so only full collections freed
-    them. In one `bench/control_plane_scale.py` run, 54 full collections each paused a worker's event loop
-    (holding 5,000 agents) for 0.3-1.1 s, which was the heartbeats' p99; the freeze alone left 0.3 s pauses.
-    In-process, 12,000 heartbeats (a tenth through Django, 120,000 long-lived objects made meanwhile): 984
-    collections, 503 ms in all, longest 96 ms at the default thresholds; 10, 237 ms, longest 28 ms here."""
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(50_000, 20, 100)
+    """The garbage collector tuned for an event loop that must not pause (controlplane/common/garbage_collector.py),
+    once the worker has loaded Django."""
+    garbage_collector_tuned()
 
 
 def child_exit(server: Any, worker: Any) -> None:
