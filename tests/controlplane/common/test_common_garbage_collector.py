@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+from controlplane.common.garbage_collector import YOUNG_THRESHOLD
+
 # A process that holds a large heap (as a worker holds Django and 10,000 nodes' views), then makes 400,000 objects
 # in reference cycles, a third of them kept: how often its collections ran meanwhile, and of which generation.
 WORKLOAD = """
@@ -56,4 +58,4 @@ def test_celery_pool_processes_tune_their_collector_when_they_start() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     state = json.loads(out.stdout)
     assert state["before"] == 0 < state["after"]
-    assert state["threshold"][0] == 50_000
+    assert state["threshold"][0] == YOUNG_THRESHOLD
