@@ -61,10 +61,9 @@ def test_an_agent_builds_an_exported_stage_from_the_documents_it_fetches() -> No
         [observed] = registry.observed()
         assert observed.state == ObservedState.READY, observed.message
         assert fetched == [(PROGRAM, 0, len(layers))] and asked == [(0, len(layers))]
-        [stage] = registry.stages()
         x = torch.randn(4, 6)
-        with torch.no_grad():
-            torch.testing.assert_close(stage.runtime.eval_forward(x), module(x), rtol=0, atol=1e-6)
+        with torch.no_grad():  # no reference to the stage kept: the close below would wait for it to go
+            torch.testing.assert_close(registry.stages()[0].runtime.eval_forward(x), module(x), rtol=0, atol=1e-6)
     finally:
         registry.close()
 

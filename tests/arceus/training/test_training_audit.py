@@ -215,9 +215,11 @@ def test_a_retained_steps_optimizer_step_waits_and_training_ends_as_without_audi
     assert len(audited.steps) == 4 and all(c.passed for p in audited.steps for c in p.spot_checks)
     audited_weights = fetch_weights(plan_for(agents))
     for agent in agents:  # the same job again from its seeded weights, without audits
-        [stage] = agent.registry.stages()
+        # Only the assignment is kept: a reference to the hosted stage would hold it past its drop, which then
+        # waits out its grace (10 s on each agent) before the stage is built again.
+        assignment = agent.registry.stages()[0].assignment
         agent.apply_assignments([])
-        agent.apply_assignments([stage.assignment])
+        agent.apply_assignments([assignment])
     plain = LiveWeights(agents[0])
     train(plan_for(agents, max_steps=4, audit_rate=0.0), plain)
     # After audited step k the weights are still those of plain step k - 1: the optimizer step waited.
