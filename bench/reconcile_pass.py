@@ -38,6 +38,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.report import report  # noqa: E402
+from controlplane.common.garbage_collector import garbage_collector_tuned  # noqa: E402
 
 BENCH_USER = "reconcile-bench"
 MEMORY, FLOPS = 8 << 30, 1e11
@@ -239,8 +240,6 @@ def main() -> None:
         parser.error("--nodes must hold 3 stages of every job and --new-jobs, and the silent nodes' replacements")
     _setup_django(args.grace)
     from django.conf import settings
-
-    from controlplane.common.garbage_collector import garbage_collector_tuned
 
     garbage_collector_tuned()  # as the control worker's pool process runs (controlplane/celery.py)
 

@@ -16,6 +16,8 @@ from celery import Celery, signals
 from django.conf import settings
 from kombu import Queue
 
+from controlplane.common.garbage_collector import garbage_collector_tuned
+
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "controlplane.settings")
 
 # Task names: the task modules register them, the routes below and the control plane's enqueueing
@@ -87,8 +89,6 @@ app.conf.update(
 def _tune_collector(**_: object) -> None:
     """A pool process has started, its tasks loaded: a reconcile pass over 10,000 nodes must not stop for a full
     collection of the worker's heap (controlplane/common/garbage_collector.py)."""
-    from controlplane.common.garbage_collector import garbage_collector_tuned
-
     garbage_collector_tuned()
 
 

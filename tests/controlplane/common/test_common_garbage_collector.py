@@ -25,14 +25,15 @@ kept = []
 for i in range(200_000):
     a, b = {}, {}
     a["b"], b["a"] = b, a
-    kept.append(a) if i % 3 == 0 else None
+    if i % 3 == 0:
+        kept.append(a)
 gc.callbacks.remove(timed)
 print(json.dumps({"runs": len(runs), "full": runs.count(2),
                   "frozen": gc.get_freeze_count()}))
 """
 
 
-def _run(tune: str) -> dict[str, float]:
+def _run(tune: str) -> dict[str, int]:
     code = WORKLOAD.replace("{tune}", tune)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
     return json.loads(out.stdout)
