@@ -7,7 +7,7 @@ order in which its neighbours produce what it consumes; tests simulate that to p
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
@@ -65,6 +65,28 @@ def build_schedule(name: str, num_stages: int, num_micro_batches: int, train: bo
     except KeyError:
         raise ValueError(f"unknown pipeline schedule {name!r}; known: {', '.join(SCHEDULES)}") from None
     return factory(num_stages, num_micro_batches, train)
+
+
+def replica_schedule(
+    name: str, num_stages: int, stage: int, micro_batches: Sequence[int], train: bool = True
+) -> list[Action]:
+    """One replica's list for a step of a replicated stage (arceus.swarm.routing): the job's list for `stage`
+    restricted to the micro-batches routed to this replica (ascending). With one replica per stage it is
+    the stage's list. After a repair a replica runs the list of the new routes, skipping what it has done.
+    """
+    # Not the schedule over a replica's own micro-batches: 1F1B's warm-up counted in its own deadlocks (stage 0 runs
+    # B0 before F3, a stage-1 replica holding {0, 3} F3 before B0); a restriction of a deadlock-free order cannot.
+    if name not in SCHEDULES:
+        build_schedule(name, num_stages, 1)  # raises: the name is unknown
+    if not 0 <= stage < num_stages:
+        raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
+    ascending = all(a < b for a, b in zip(micro_batches, micro_batches[1:], strict=False))
+    if not ascending or any(m < 0 for m in micro_batches):
+        raise ValueError(f"a replica's micro-batches must be non-negative, unique and ascending, got {micro_batches}")
+    if not micro_batches:
+        return []
+    mine = set(micro_batches)
+    return [a for a in build_schedule(name, num_stages, micro_batches[-1] + 1, train)[stage] if a.micro_batch in mine]
 
 
 @lru_cache(maxsize=4096)

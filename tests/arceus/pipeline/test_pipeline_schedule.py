@@ -14,7 +14,9 @@ from arceus.pipeline.schedule import (
     gpipe,
     one_f_one_b,
     peak_in_flight,
+    replica_schedule,
 )
+from arceus.swarm.routing import Routes
 
 stages = st.integers(1, 8)
 micro_batches = st.integers(1, 16)
@@ -50,6 +52,105 @@ def simulate(schedule: Schedule) -> int:
         )
         rounds += 1
     return rounds
+
+
+@st.composite
+def routes(draw: st.DrawFn) -> Routes:
+    """Any routes: 1-4 replicas per stage (ids not from 0), each micro-batch to any member at each stage."""
+    n, m = draw(st.integers(1, 5)), draw(st.integers(1, 12))
+    members = tuple(
+        tuple(sorted(draw(st.sets(st.integers(0, 9), min_size=1, max_size=4)))) for _ in range(n)
+    )
+    return Routes(members, tuple(tuple(draw(st.sampled_from(ids)) for ids in members) for _ in range(m)))
+
+
+def simulate_replicas(
+    lists: dict[tuple[int, int], list[Action]], route: Routes
+) -> dict[tuple[int, int], list[Action]]:
+    """Run every replica's list as a sequential process that blocks until its input arrived (sends are
+    asynchronous): F(m) on (stage s, replica r) needs F(m) done by stage s-1's replica of m; B(m) needs
+    its own F(m) and the B(m) of stage s+1's replica of m. Returns what each ran; fails on a deadlock."""
+    n = route.num_stages
+    done: set[tuple[int, int, Action]] = set()
+    ran: dict[tuple[int, int], list[Action]] = {key: [] for key in lists}
+    cursor = dict.fromkeys(lists, 0)
+    while any(cursor[key] < len(lists[key]) for key in lists):
+        progressed = False
+        for (s, r), actions in lists.items():
+            if cursor[(s, r)] == len(actions):
+                continue
+            action = actions[cursor[(s, r)]]
+            mb = action.micro_batch
+            assert route.of[mb][s] == r
+            if action.kind == "F":
+                ready = s == 0 or (s - 1, route.of[mb][s - 1], Action("F", mb)) in done
+            else:
+                ready = (s, r, Action("F", mb)) in done and (
+                    s == n - 1 or (s + 1, route.of[mb][s + 1], Action("B", mb)) in done
+                )
+            if ready:
+                done.add((s, r, action))
+                ran[(s, r)].append(action)
+                cursor[(s, r)] += 1
+                progressed = True
+        waiting = {key: lists[key][cursor[key]] for key in lists if cursor[key] < len(lists[key])}
+        assert progressed, f"deadlock: replicas wait at {waiting}"
+    return ran
+
+
+@given(name=schedule_names, route=routes(), train=st.booleans())
+def test_replicas_never_deadlock_whatever_the_routes(name: str, route: Routes, train: bool) -> None:
+    lists = {
+        (s, r): replica_schedule(name, route.num_stages, s, route.micro_batches_of(s, r), train)
+        for s in range(route.num_stages)
+        for r in route.members[s]
+    }
+    ran = simulate_replicas(lists, route)
+    for s in range(route.num_stages):  # every micro-batch ran once per direction on its routed replica
+        assert sorted((a.kind, a.micro_batch) for r in route.members[s] for a in ran[(s, r)]) == sorted(
+            [("F", mb) for mb in range(route.num_micro_batches)]
+            + ([("B", mb) for mb in range(route.num_micro_batches)] if train else [])
+        )
+
+
+@given(name=schedule_names, n=stages, m=micro_batches, train=st.booleans(), data=st.data())
+def test_a_replica_runs_the_jobs_list_restricted_to_its_micro_batches(
+    name: str, n: int, m: int, train: bool, data: st.DataObject
+) -> None:
+    stage = data.draw(st.integers(0, n - 1))
+    assert replica_schedule(name, n, stage, range(m), train) == build_schedule(name, n, m, train)[stage]
+    mine = sorted(data.draw(st.sets(st.integers(0, m - 1))))
+    restricted = [a for a in build_schedule(name, n, m, train)[stage] if a.micro_batch in mine]
+    assert replica_schedule(name, n, stage, mine, train) == restricted  # whatever the step's micro-batch count
+    for kind in "FB":  # each direction in the job's order
+        in_order = [a.micro_batch for a in build_schedule(name, n, m, train)[stage] if a.kind == kind]
+        assert [a.micro_batch for a in restricted if a.kind == kind] == [mb for mb in in_order if mb in mine]
+
+
+def test_one_f_one_b_over_a_replicas_own_micro_batches_would_deadlock() -> None:
+    """Why replica_schedule restricts the job's list: 1F1B with its warm-up counted in each replica's own
+    micro-batches deadlocks on these routes (stage 0 runs B0 before F3, stage 1's replica 1 F3 before B0)."""
+    route = Routes(((0,), (0, 1), (0,)), ((0, 1, 0), (0, 0, 0), (0, 0, 0), (0, 1, 0)))
+    own = {
+        (s, r): [Action(a.kind, route.micro_batches_of(s, r)[a.micro_batch]) for a in one_f_one_b(3, len(mbs))[s]]
+        for s in range(3)
+        for r in route.members[s]
+        if (mbs := route.micro_batches_of(s, r))
+    }
+    with pytest.raises(AssertionError, match="deadlock"):
+        simulate_replicas(own, route)
+    lists = {key: replica_schedule("1f1b", 3, key[0], route.micro_batches_of(*key)) for key in own}
+    simulate_replicas(lists, route)
+
+
+def test_replica_schedule_checks_its_arguments() -> None:
+    assert replica_schedule("1f1b", 3, 1, []) == []
+    with pytest.raises(ValueError, match="unique and ascending"):
+        replica_schedule("1f1b", 3, 1, [2, 1])
+    with pytest.raises(ValueError, match=r"stage must be in \[0, 3\)"):
+        replica_schedule("gpipe", 3, 3, [0])
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'zigzag'"):
+        replica_schedule("zigzag", 3, 0, [])
 
 
 @given(name=schedule_names, n=stages, m=micro_batches, train=st.booleans())
