@@ -8,9 +8,9 @@ pointing one at a `ShapedLink` in front of the other:
         # connect to 127.0.0.1:<port> instead of 127.0.0.1:50051
 
 Each direction of each connection is its own link: a token bucket (GCRA) decides when each chunk has
-been serialised at `rate_bps`, and the chunk is delivered `delay_s` later, in order. What has been read
-but not delivered is bounded (`max_buffer_bytes`); past it the proxy stops reading, so TCP pushes back on
-the sender. The timing rule (`LinkPlan`) is pure and testable without sockets.
+been serialised at `rate_bps`, and the chunk is delivered `delay_s` later, in order (the timing rule,
+`LinkPlan`, is pure: arceus/swarm/link.py). What has been read but not delivered is bounded
+(`max_buffer_bytes`); past it the proxy stops reading, so TCP pushes back on the sender.
 """
 
 from __future__ import annotations
@@ -18,36 +18,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-CHUNK_BYTES = 16 * 1024
+from arceus.swarm.link import BURST_BYTES, LinkPlan
 
-
-@dataclass
-class LinkPlan:
-    """When each chunk sent into one direction of a link arrives at the other end.
-
-    A token bucket of `burst_bytes` filled at `rate_bps` (as tc's tbf; in GCRA form, `_tat` is when the
-    bucket would be full again) decides when a chunk leaves; it arrives `delay_s` later. Chunks leave in
-    order, so arrivals never reorder."""
-
-    delay_s: float
-    rate_bps: float
-    burst_bytes: int = CHUNK_BYTES
-    _tat: float = field(default=float("-inf"), init=False)  # when the bucket is full again
-
-    def __post_init__(self) -> None:
-        if self.delay_s < 0 or self.rate_bps <= 0 or self.burst_bytes <= 0:
-            raise ValueError("delay_s must be >= 0, rate_bps and burst_bytes > 0")
-
-    def arrival(self, now: float, nbytes: int) -> float:
-        """The time (same clock as `now`) at which `nbytes` handed to the link at `now` have arrived."""
-        cost = nbytes * 8 / self.rate_bps  # seconds of link time the chunk takes
-        tat = max(self._tat, now)
-        # The chunk may leave once the bucket holds nbytes of tokens, i.e. tat - burst_time + cost <= t.
-        leave = max(now, tat + cost - self.burst_bytes * 8 / self.rate_bps)
-        self._tat = tat + cost
-        return leave + self.delay_s  # `now` and `_tat` only grow, so arrivals keep the chunks' order
+CHUNK_BYTES = BURST_BYTES  # a read: one burst of an idle link
 
 
 async def _pump(

@@ -1,5 +1,5 @@
-"""The link shaper: its timing rule without sockets, then a real loopback proxy that delays, limits the
-rate, keeps byte order and passes a half-close through."""
+"""The link shaper: a real loopback proxy that delays, limits the rate, keeps byte order and passes a
+half-close through (its timing rule: tests/arceus/swarm/test_swarm_link.py)."""
 
 from __future__ import annotations
 
@@ -10,37 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from devtools.shaper import CHUNK_BYTES, LinkPlan, ShaperThread
+from devtools.shaper import CHUNK_BYTES, ShaperThread
 
 MBIT = 1e6
-
-
-def test_a_lone_chunk_arrives_after_the_delay() -> None:
-    plan = LinkPlan(delay_s=0.02, rate_bps=100 * MBIT)
-    assert plan.arrival(5.0, 1000) == pytest.approx(5.02)
-
-
-def test_a_backlog_drains_at_the_rate_then_arrives_after_the_delay() -> None:
-    plan = LinkPlan(delay_s=0.02, rate_bps=100 * MBIT)
-    arrivals = [plan.arrival(0.0, CHUNK_BYTES) for _ in range(100)]
-    assert arrivals == sorted(arrivals)
-    # The first chunk is the bucket's burst; each further one waits for its tokens.
-    assert arrivals[-1] == pytest.approx(0.02 + 99 * CHUNK_BYTES * 8 / (100 * MBIT))
-
-
-def test_an_idle_link_refills_its_bucket_and_no_more() -> None:
-    plan = LinkPlan(delay_s=0.0, rate_bps=8 * MBIT, burst_bytes=4000)
-    for _ in range(10):
-        plan.arrival(0.0, 4000)  # 40 ms of backlog
-    assert plan.arrival(0.01, 4000) == pytest.approx(0.04)  # still queued behind it
-    assert plan.arrival(10.0, 4000) == pytest.approx(10.0)  # idle: a full bucket
-    assert plan.arrival(10.0, 4000) == pytest.approx(10.004)  # but only one bucket's worth
-
-
-@pytest.mark.parametrize("args", [(-0.1, 1e6), (0.0, 0.0)])
-def test_nonsense_links_are_refused(args: tuple[float, float]) -> None:
-    with pytest.raises(ValueError):
-        LinkPlan(*args)
 
 
 @pytest.fixture
