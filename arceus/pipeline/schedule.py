@@ -68,25 +68,38 @@ def build_schedule(name: str, num_stages: int, num_micro_batches: int, train: bo
 
 
 def replica_schedule(
-    name: str, num_stages: int, stage: int, micro_batches: Sequence[int], train: bool = True
+    name: str, num_stages: int, stage: int, micro_batches: Sequence[int], train: bool = True, replicas: int = 1
 ) -> list[Action]:
-    """One replica's list for a step of a replicated stage (arceus.swarm.routing): the job's list for `stage`
-    restricted to the micro-batches routed to this replica (ascending). With one replica per stage it is
-    the stage's list. After a repair a replica runs the list of the new routes, skipping what it has done.
+    """One replica's list in a step of replicated stages (arceus.swarm.routing): its own micro-batches
+    (ascending) in the order the job's schedule runs them on one stage, with 1F1B's warm-up `replicas` (the
+    most members any stage has) times as deep, so that with micro-batches spread evenly each replica keeps
+    about `num_stages - stage` of its own in flight, as a stage does alone. With all micro-batches and
+    `replicas` = 1 it is `build_schedule`'s list. After a repair a replica runs the list of the new
+    routes, skipping what it has done.
     """
-    # Not the schedule over a replica's own micro-batches: 1F1B's warm-up counted in its own deadlocks (stage 0 runs
-    # B0 before F3, a stage-1 replica holding {0, 3} F3 before B0); a restriction of a deadlock-free order cannot.
-    if name not in SCHEDULES:
+    # Each replica runs a restriction of one order per stage, warm-ups not growing downstream: no deadlock, any routes.
+    # Not 1F1B over its own micro-batches: stage 0 would run B0 before F3 while a stage-1 replica of {0, 3} awaits F3.
+    if name not in _ORDER:
         build_schedule(name, num_stages, 1)  # raises: the name is unknown
     if not 0 <= stage < num_stages:
         raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
+    if replicas < 1:
+        raise ValueError(f"replicas must be at least 1, got {replicas}")
     ascending = all(a < b for a, b in zip(micro_batches, micro_batches[1:], strict=False))
     if not ascending or any(m < 0 for m in micro_batches):
         raise ValueError(f"a replica's micro-batches must be non-negative, unique and ascending, got {micro_batches}")
-    if not micro_batches:
-        return []
-    mine = set(micro_batches)
-    return [a for a in build_schedule(name, num_stages, micro_batches[-1] + 1, train)[stage] if a.micro_batch in mine]
+    forwards = [Action("F", m) for m in micro_batches]
+    if not train:
+        return forwards
+    warmup = replicas * (num_stages - stage - 1)
+    return sorted(forwards + [Action("B", m) for m in micro_batches], key=lambda a: _ORDER[name](a, warmup))
+
+
+# Where an action falls in its stage's order (warm-up: forwards run before the first backward, in micro-batches).
+_ORDER: dict[str, Callable[[Action, int], tuple[int, int]]] = {
+    "gpipe": lambda a, warmup: (0, a.micro_batch) if a.kind == "F" else (1, -a.micro_batch),
+    "1f1b": lambda a, warmup: (a.micro_batch, 0) if a.kind == "F" else (a.micro_batch + warmup, 1),
+}
 
 
 @lru_cache(maxsize=4096)

@@ -98,10 +98,10 @@ def simulate_replicas(
     return ran
 
 
-@given(name=schedule_names, route=routes(), train=st.booleans())
-def test_replicas_never_deadlock_whatever_the_routes(name: str, route: Routes, train: bool) -> None:
+@given(name=schedule_names, route=routes(), train=st.booleans(), deepest=st.integers(1, 4))
+def test_replicas_never_deadlock_whatever_the_routes(name: str, route: Routes, train: bool, deepest: int) -> None:
     lists = {
-        (s, r): replica_schedule(name, route.num_stages, s, route.micro_batches_of(s, r), train)
+        (s, r): replica_schedule(name, route.num_stages, s, route.micro_batches_of(s, r), train, replicas=deepest)
         for s in range(route.num_stages)
         for r in route.members[s]
     }
@@ -125,6 +125,19 @@ def test_a_replica_runs_the_jobs_list_restricted_to_its_micro_batches(
     for kind in "FB":  # each direction in the job's order
         in_order = [a.micro_batch for a in build_schedule(name, n, m, train)[stage] if a.kind == kind]
         assert [a.micro_batch for a in restricted if a.kind == kind] == [mb for mb in in_order if mb in mine]
+
+
+@given(n=stages, per_replica=st.integers(1, 6), r=st.integers(1, 4), data=st.data())
+def test_evenly_spread_replicas_each_run_one_f_one_b_over_their_own(
+    n: int, per_replica: int, r: int, data: st.DataObject
+) -> None:
+    """Micro-batch m on replica m mod R at every stage: R pipelines side by side, each replica a stage of
+    its own 1F1B, keeping as many micro-batches in flight as a stage alone does (so R replicas run R times
+    as fast, not as fast as one)."""
+    stage, k = data.draw(st.integers(0, n - 1)), data.draw(st.integers(0, r - 1))
+    mine = list(range(k, per_replica * r, r))
+    own = [Action(a.kind, mine[a.micro_batch]) for a in one_f_one_b(n, per_replica)[stage]]
+    assert replica_schedule("1f1b", n, stage, mine, replicas=r) == own
 
 
 def test_one_f_one_b_over_a_replicas_own_micro_batches_would_deadlock() -> None:
@@ -151,6 +164,9 @@ def test_replica_schedule_checks_its_arguments() -> None:
         replica_schedule("gpipe", 3, 3, [0])
     with pytest.raises(ValueError, match="unknown pipeline schedule 'zigzag'"):
         replica_schedule("zigzag", 3, 0, [])
+    with pytest.raises(ValueError, match="replicas must be at least 1"):
+        replica_schedule("1f1b", 3, 0, [0], replicas=0)
+    assert replica_schedule("1f1b", 2, 0, [3, 5], train=False) == [Action("F", 3), Action("F", 5)]
 
 
 @given(name=schedule_names, n=stages, m=micro_batches, train=st.booleans())

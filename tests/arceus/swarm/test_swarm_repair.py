@@ -65,8 +65,9 @@ class Step:
             self.in_flight.append(Message("labels", m, None, (self.last, route[self.last])))
 
     def _relist(self) -> None:
+        n, deepest = self.routes.num_stages, max(len(ids) for ids in self.routes.members)
         self.lists = {
-            (i, r): replica_schedule(self.schedule, self.routes.num_stages, i, self.routes.micro_batches_of(i, r))
+            (i, r): replica_schedule(self.schedule, n, i, self.routes.micro_batches_of(i, r), replicas=deepest)
             for i, r in self.alive
         }
 
