@@ -1,0 +1,177 @@
+"""A pure performance model of one synchronous step of a replicated pipeline, for placement (is one more
+replica worth its price?), estimates and the swarm's simulations.
+
+It replays the step as the agents run it: the routes by speed (arceus.swarm.routing), each replica's list
+(arceus.pipeline.schedule.replica_schedule), each boundary tensor sent when computed, then each stage's
+exchange (reduce-scatter, all-gather). Every tensor a replica sends leaves through its uplink, whose timing
+is the shaper's rule (arceus.swarm.link.LinkPlan): serialised by a token bucket at the link's rate, then
+delayed by its latency. What a replica receives is not limited; the driver's inputs and labels are there
+when the step starts, and the optimizer's step is not counted.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from arceus.pipeline.schedule import SCHEDULES, replica_schedule
+from arceus.swarm.link import LinkPlan
+from arceus.swarm.routing import route_step
+
+
+@dataclass(frozen=True)
+class Link:
+    """A device's uplink: one-way latency and rate."""
+
+    latency_s: float
+    bandwidth_bps: float
+
+    def __post_init__(self) -> None:
+        if self.latency_s < 0 or self.bandwidth_bps <= 0:
+            raise ValueError(f"a link needs latency_s >= 0 and bandwidth_bps > 0, got {self}")
+
+
+@dataclass(frozen=True)
+class Replica:
+    """A device as a replica of a stage: its compute seconds per sample of the stage (forward and backward)
+    and its uplink."""
+
+    seconds_per_sample: float
+    uplink: Link
+
+    def __post_init__(self) -> None:
+        if not self.seconds_per_sample > 0:
+            raise ValueError(f"seconds_per_sample must be > 0, got {self.seconds_per_sample}")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What a step moves: `batch_size` samples in `micro_batches`; `boundary_bytes_per_sample[i]` between
+    stage i and i + 1 (the activation forward, its gradient back); `gradient_bytes[i]`: what stage i's
+    exchange reduces (as sent: after the job's transfer compression); `forward_share`: of a sample's compute,
+    the forward's (a backward costs about two forwards)."""
+
+    micro_batches: int
+    batch_size: int
+    boundary_bytes_per_sample: tuple[float, ...]
+    gradient_bytes: tuple[float, ...]
+    schedule: str = "1f1b"
+    forward_share: float = 1 / 3
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "boundary_bytes_per_sample", tuple(self.boundary_bytes_per_sample))
+        object.__setattr__(self, "gradient_bytes", tuple(self.gradient_bytes))
+        if not 1 <= self.micro_batches <= self.batch_size:
+            raise ValueError(f"need 1 <= micro_batches <= batch_size, got {self.micro_batches}, {self.batch_size}")
+        if len(self.boundary_bytes_per_sample) != len(self.gradient_bytes) - 1:
+            raise ValueError("boundary_bytes_per_sample needs one entry per boundary: len(gradient_bytes) - 1")
+        if any(b < 0 for b in (*self.boundary_bytes_per_sample, *self.gradient_bytes)):
+            raise ValueError("byte counts must be >= 0")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown pipeline schedule {self.schedule!r}; known: {', '.join(SCHEDULES)}")
+        if not 0 < self.forward_share < 1:
+            raise ValueError(f"forward_share must be in (0, 1), got {self.forward_share}")
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """seconds: the step, until every stage's reduced gradient is everywhere; pipeline_seconds: until the
+    last backward; exchange_seconds[i]: stage i's exchange, from its last backward; micro_batches[i][k]:
+    how many micro-batches replica k of stage i took."""
+
+    seconds: float
+    pipeline_seconds: float
+    exchange_seconds: tuple[float, ...]
+    micro_batches: tuple[tuple[int, ...], ...]
+
+
+@dataclass(frozen=True)
+class ReplicaGain:
+    """Samples per second without and with one more replica at a stage."""
+
+    before: float
+    after: float
+
+    @property
+    def gain(self) -> float:
+        return self.after - self.before
+
+
+def step_time(stages: Sequence[Sequence[Replica]], workload: Workload) -> StepTime:
+    """The predicted time of one step of `workload` on these replicas (stage i's are `stages[i]`)."""
+    return _step_time(tuple(tuple(s) for s in stages), workload)
+
+
+def samples_per_second(stages: Sequence[Sequence[Replica]], workload: Workload) -> float:
+    """The predicted training throughput."""
+    return workload.batch_size / step_time(stages, workload).seconds
+
+
+def replica_gain(
+    stages: Sequence[Sequence[Replica]], workload: Workload, stage: int, replica: Replica
+) -> ReplicaGain:
+    """What one more replica at `stage` would do to samples/s: more compute for its share of micro-batches,
+    more exchange bytes (2(R-1)/R of the gradient per replica). Placement adds it when the gain is worth
+    its price; a stage cannot have more replicas than micro-batches."""
+    if not 0 <= stage < len(stages):
+        raise ValueError(f"stage must be in [0, {len(stages)}), got {stage}")
+    if len(stages[stage]) >= workload.micro_batches:
+        raise ValueError(
+            f"stage {stage} already has {len(stages[stage])} replicas for {workload.micro_batches} micro-batches"
+        )
+    grown = [list(s) for s in stages]
+    grown[stage].append(replica)
+    return ReplicaGain(samples_per_second(stages, workload), samples_per_second(grown, workload))
+
+
+@lru_cache(maxsize=4096)
+def _step_time(stages: tuple[tuple[Replica, ...], ...], w: Workload) -> StepTime:
+    n = len(stages)
+    if n != len(w.gradient_bytes) or any(not s for s in stages):
+        raise ValueError(f"{n} stages, each with replicas, for a workload of {len(w.gradient_bytes)} stages")
+    replicas = {(i, k): r for i, s in enumerate(stages) for k, r in enumerate(s)}
+    speeds = {key: 1 / r.seconds_per_sample for key, r in replicas.items()}
+    routes = route_step(w.micro_batches, [list(range(len(s))) for s in stages], speeds)
+    size, extra = divmod(w.batch_size, w.micro_batches)
+    samples = [size + (1 if m < extra else 0) for m in range(w.micro_batches)]  # torch.tensor_split's sizes
+    uplink = {key: LinkPlan(r.uplink.latency_s, r.uplink.bandwidth_bps) for key, r in replicas.items()}
+    deepest = max(len(s) for s in stages)
+    todo = {
+        (i, k): replica_schedule(w.schedule, n, i, routes.micro_batches_of(i, k), replicas=deepest) for i, k in replicas
+    }
+    free = dict.fromkeys(uplink, 0.0)
+    activation = {(0, m): 0.0 for m in range(w.micro_batches)}  # (stage, micro-batch) -> input there
+    # (stage, micro-batch) -> its output's gradient there; the last stage's follows its own forward (the loss)
+    gradient = {(n - 1, m): 0.0 for m in range(w.micro_batches)}
+    while any(todo.values()):
+        progressed = False
+        for (i, k), actions in todo.items():
+            while actions:
+                forward, m = actions[0].kind == "F", actions[0].micro_batch
+                ready = (activation if forward else gradient).get((i, m))
+                if ready is None:
+                    break
+                share = w.forward_share if forward else 1 - w.forward_share
+                end = free[(i, k)] = max(free[(i, k)], ready) + replicas[(i, k)].seconds_per_sample * samples[m] * share
+                if forward and i < n - 1:
+                    activation[(i + 1, m)] = uplink[(i, k)].arrival(end, w.boundary_bytes_per_sample[i] * samples[m])
+                elif not forward and i > 0:
+                    gradient[(i - 1, m)] = uplink[(i, k)].arrival(end, w.boundary_bytes_per_sample[i - 1] * samples[m])
+                actions.pop(0)
+                progressed = True
+        if not progressed:
+            raise RuntimeError("the replicas' schedules deadlocked")  # replica_schedule proves they cannot
+    pipeline = max(free.values())
+    exchange = []
+    for i, stage in enumerate(stages):
+        done = max(free[(i, k)] for k in range(len(stage)))
+        per_replica = (len(stage) - 1) / len(stage) * w.gradient_bytes[i]  # each phase, each replica
+        end = done
+        if per_replica > 0:
+            for _ in ("reduce-scatter", "all-gather"):
+                end = max(uplink[(i, k)].arrival(end, per_replica) for k in range(len(stage)))
+        exchange.append(end - done)
+    counts = tuple(tuple(len(routes.micro_batches_of(i, k)) for k in range(len(s))) for i, s in enumerate(stages))
+    seconds = max(max(free[(i, k)] for k in range(len(s))) + exchange[i] for i, s in enumerate(stages))
+    return StepTime(seconds, pipeline, tuple(exchange), counts)

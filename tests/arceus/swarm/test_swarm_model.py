@@ -1,0 +1,116 @@
+"""The step-time model: the pipeline's known closed forms, the link rule, the exchange's cost, and more
+replicas never slower where the exchange is free."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from arceus.swarm.link import BURST_BYTES
+from arceus.swarm.model import Link, Replica, Workload, replica_gain, samples_per_second, step_time
+
+FREE = Link(latency_s=0.0, bandwidth_bps=1e18)
+schedules = st.sampled_from(["gpipe", "1f1b"])
+
+
+def workload(
+    stages: int, m: int, batch: int, schedule: str = "1f1b", boundary: float = 0.0, gradient: float = 0.0
+) -> Workload:
+    return Workload(m, batch, (boundary,) * (stages - 1), (gradient,) * stages, schedule)
+
+
+@given(n=st.integers(1, 6), m=st.integers(1, 12), per=st.integers(1, 4), schedule=schedules)
+def test_one_replica_per_stage_takes_the_textbook_time(n: int, m: int, per: int, schedule: str) -> None:
+    """Equal stages, free links: (M + S - 1) micro-batch times, for GPipe and 1F1B alike."""
+    c = 0.01
+    t = step_time([[Replica(c, FREE)]] * n, workload(n, m, m * per, schedule))
+    assert t.seconds == pytest.approx((m + n - 1) * c * per)
+    assert t.exchange_seconds == (0.0,) * n and t.micro_batches == ((m,),) * n
+
+
+def test_a_boundary_costs_the_shapers_rule_each_way() -> None:
+    """Two stages, one micro-batch: F0, the activation over stage 0's uplink, F1 B1, the gradient over
+    stage 1's uplink, B0; a message leaves at the link's rate less one burst, and arrives a latency later."""
+    link = Link(latency_s=0.02, bandwidth_bps=8e6)
+    nbytes = 100_000
+    transfer = nbytes * 8 / 8e6 - BURST_BYTES * 8 / 8e6 + 0.02
+    t = step_time([[Replica(0.3, link)], [Replica(0.6, link)]], Workload(1, 1, (nbytes,), (0.0, 0.0)))
+    assert t.seconds == pytest.approx(0.3 + transfer + 0.6 + transfer)
+
+
+@given(r=st.integers(2, 8), gradient=st.floats(1e5, 1e9))
+def test_the_exchange_costs_two_phases_of_r_minus_one_chunks(r: int, gradient: float) -> None:
+    link = Link(latency_s=0.05, bandwidth_bps=1e8)
+    t = step_time([[Replica(1e-6, link)] * r], workload(1, r, r, gradient=gradient))
+    per_phase = max(0.0, (r - 1) / r * gradient * 8 / 1e8 - BURST_BYTES * 8 / 1e8) + 0.05
+    assert t.exchange_seconds[0] == pytest.approx(2 * per_phase)
+    assert t.seconds == pytest.approx(t.pipeline_seconds + t.exchange_seconds[0])
+
+
+@given(gradient=st.floats(1e6, 1e9), latency=st.floats(0, 0.1))
+def test_the_exchange_cost_grows_with_r(gradient: float, latency: float) -> None:
+    link = Link(latency_s=latency, bandwidth_bps=1e8)
+    costs = [step_time([[Replica(0.01, link)] * r], workload(1, 8, 64, gradient=gradient)).exchange_seconds[0]
+             for r in range(1, 9)]
+    assert costs[0] == 0.0
+    assert all(a < b for a, b in zip(costs, costs[1:], strict=False))
+
+
+@given(n=st.integers(1, 4), m=st.integers(2, 12), per=st.integers(1, 3), schedule=schedules,
+       latency=st.sampled_from([0.0, 0.005]), boundary=st.sampled_from([0.0, 1e4]), data=st.data())
+def test_more_replicas_everywhere_are_never_slower_when_the_exchange_is_free(
+    n: int, m: int, per: int, schedule: str, latency: float, boundary: float, data: st.DataObject
+) -> None:
+    link = Link(latency, 1e8)
+    speeds = data.draw(st.lists(st.sampled_from([0.01, 0.02, 0.05]), min_size=n, max_size=n))
+    w = workload(n, m, m * per, schedule, boundary)
+    rates = [samples_per_second([[Replica(c, link)] * r for c in speeds], w) for r in range(1, m + 1)]
+    assert all(b >= a * (1 - 1e-9) for a, b in zip(rates, rates[1:], strict=False)), rates
+
+
+@given(n=st.integers(1, 4), m=st.integers(2, 12), per=st.integers(1, 3), latency=st.sampled_from([0.0, 0.005]),
+       boundary=st.sampled_from([0.0, 1e4]), data=st.data())
+def test_gpipe_gains_from_one_more_equal_replica_at_any_stage(
+    n: int, m: int, per: int, latency: float, boundary: float, data: st.DataObject
+) -> None:
+    link = Link(latency, 1e8)
+    speeds = data.draw(st.lists(st.sampled_from([0.01, 0.02, 0.05]), min_size=n, max_size=n))
+    counts = data.draw(st.lists(st.integers(1, m - 1), min_size=n, max_size=n))
+    stage = data.draw(st.integers(0, n - 1))
+    stages = [[Replica(c, link)] * r for c, r in zip(speeds, counts, strict=True)]
+    gain = replica_gain(stages, workload(n, m, m * per, "gpipe", boundary), stage, Replica(speeds[stage], link))
+    assert gain.gain >= -1e-9 * gain.before
+
+
+def test_replica_gain_weighs_compute_against_the_exchange() -> None:
+    link = Link(latency_s=0.02, bandwidth_bps=100e6)
+    stages = [[Replica(0.01, link)], [Replica(0.01, link)]]
+    cheap = replica_gain(stages, workload(2, 8, 64, gradient=1e5), 1, Replica(0.01, link))
+    dear = replica_gain(stages, workload(2, 8, 64, gradient=1e9), 1, Replica(0.01, link))
+    assert cheap.gain > 0 > dear.gain
+    assert cheap.before == pytest.approx(samples_per_second(stages, workload(2, 8, 64, gradient=1e5)))
+
+
+def test_a_fast_replica_takes_the_larger_share() -> None:
+    t = step_time([[Replica(0.01, FREE), Replica(0.03, FREE)]], workload(1, 8, 64))
+    assert t.micro_batches == ((6, 2),)
+
+
+@pytest.mark.parametrize(
+    ("call", "fragment"),
+    [
+        (lambda: Workload(4, 2, (), (0.0,)), "micro_batches <= batch_size"),
+        (lambda: Workload(2, 2, (1.0,), (0.0,)), "one entry per boundary"),
+        (lambda: Workload(2, 2, (), (0.0,), schedule="zigzag"), "unknown pipeline schedule"),
+        (lambda: Link(-1.0, 1e6), "latency_s >= 0"),
+        (lambda: Replica(0.0, FREE), "seconds_per_sample must be > 0"),
+        (lambda: step_time([[Replica(1.0, FREE)]], Workload(2, 2, (0.0,), (0.0, 0.0))), "1 stages"),
+        (lambda: replica_gain([[Replica(1.0, FREE)] * 2], workload(1, 2, 2), 0, Replica(1.0, FREE)), "already has 2"),
+    ],
+)
+def test_nonsense_is_refused(call: Callable[[], object], fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        call()
