@@ -13,9 +13,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from arceus.swarm.holdings import StepHoldings
+from arceus.swarm.holdings import Holding, StepHoldings
 from arceus.swarm.json_fields import exact_object, integers, pairs
 from arceus.swarm.routing import Routes, Speeds, reroute
+
+# The repair's interface: what it plans from (the survivors' holdings) and what it plans.
+__all__ = ["Holding", "RepairPlan", "ReplicaInstructions", "StepHoldings", "repair_step"]
 
 
 @dataclass(frozen=True)

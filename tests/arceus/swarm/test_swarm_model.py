@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from arceus.swarm.link import BURST_BYTES
@@ -50,6 +50,7 @@ def test_the_exchange_costs_two_phases_of_r_minus_one_chunks(r: int, gradient: f
     assert t.seconds == pytest.approx(t.pipeline_seconds + t.exchange_seconds[0])
 
 
+@settings(deadline=None)  # each example replays up to a dozen steps
 @given(gradient=st.floats(1e6, 1e9), latency=st.floats(0, 0.1))
 def test_the_exchange_cost_grows_with_r(gradient: float, latency: float) -> None:
     link = Link(latency_s=latency, bandwidth_bps=1e8)
@@ -59,6 +60,7 @@ def test_the_exchange_cost_grows_with_r(gradient: float, latency: float) -> None
     assert all(a < b for a, b in zip(costs, costs[1:], strict=False))
 
 
+@settings(deadline=None)  # each example replays up to a dozen steps
 @given(n=st.integers(1, 4), m=st.integers(2, 12), per=st.integers(1, 3), schedule=schedules,
        latency=st.sampled_from([0.0, 0.005]), boundary=st.sampled_from([0.0, 1e4]), data=st.data())
 def test_more_replicas_everywhere_are_never_slower_when_the_exchange_is_free(
@@ -71,6 +73,7 @@ def test_more_replicas_everywhere_are_never_slower_when_the_exchange_is_free(
     assert all(b >= a * (1 - 1e-9) for a, b in zip(rates, rates[1:], strict=False)), rates
 
 
+@settings(deadline=None)  # each example replays up to a dozen steps
 @given(n=st.integers(1, 4), m=st.integers(2, 12), per=st.integers(1, 3), latency=st.sampled_from([0.0, 0.005]),
        boundary=st.sampled_from([0.0, 1e4]), data=st.data())
 def test_gpipe_gains_from_one_more_equal_replica_at_any_stage(
