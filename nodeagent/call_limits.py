@@ -1,12 +1,21 @@
 """What any caller can make this agent spend: threads, time and bytes, bounded before a servicer runs.
 
-Every call passes through `CallLimits`, a server interceptor, before it gets one of the server's worker threads:
-- A call whose token no hosted stage accepts is refused there (UNAUTHENTICATED, the words of
-  `nodeagent.callers`) by a handler that reads none of its messages, so an idle stream from a stranger holds
-  nothing.
+gRPC's sync server takes a worker thread for every call it hands on, and for a unary method that thread waits
+for the whole request message before any application code runs. So every decision here is made in `CallLimits`,
+a server interceptor, on the server's polling thread, from the call's metadata alone, before any message is read
+and before a worker is taken, and every handler it hands on takes the request as a stream (a unary call's one
+message is read by the handler itself, under a deadline):
+- A call whose token no hosted stage accepts (or that presents none) gets a handler that refuses it at once
+  (UNAUTHENTICATED, the words of `nodeagent.callers`) and reads none of its messages: a stranger holds a worker
+  for the moment the refusal takes, and the bytes it sent stay in gRPC's flow-control window (64 KiB), however
+  large its message. So does a known caller's call of a method none of its roles may call (PERMISSION_DENIED,
+  `nodeagent.callers.METHOD_ROLES`).
 - A known caller (one token digest) may hold at most `CALLS_PER_CALLER` calls at once, `STREAMS_PER_CALLER` of
-  them sending streams, and all callers together the worker threads but `HEALTH_RESERVE`: the health check
-  always finds a thread (RESOURCE_EXHAUSTED beyond, naming the bound).
+  them sending streams, and all callers together the worker threads but `HEALTH_RESERVE`: the health check and
+  the refusals always find a thread (RESOURCE_EXHAUSTED beyond, naming the bound).
+- A call waits for its first request message at most its method's `first_message_seconds` (cancelled after),
+  and a caller has at most `WAITING_PER_CALLER` calls waiting so: its newer call makes way by cancelling its
+  oldest waiting one, so calls stalled after their headers never keep the caller's own working calls out.
 - A method's call runs at most its `MethodLimits.seconds`, whatever deadline its caller set: the servicer sees
   a `time_remaining()` capped to that, and a watchdog cancels a call (a stream held open) that outlives it.
 - A unary request larger than its method's `request_bytes` is refused unparsed (RESOURCE_EXHAUSTED); a
@@ -29,7 +38,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from arceus.wire.push_stream import STREAM_SECONDS
-from nodeagent.callers import NOT_AUTHENTICATED, Guard, metadata_digest
+from nodeagent.callers import METHOD_ROLES, NOT_AUTHENTICATED, Guard, caller_roles, metadata_digest, not_allowed
 from nodeagent.link_probe import MAX_PROBE_BYTES
 from nodeagent.rpc import RpcFailure
 
@@ -37,35 +46,42 @@ log = logging.getLogger(__name__)
 
 CALLS_PER_CALLER = 16
 STREAMS_PER_CALLER = 8
-# Worker threads no data-plane call may take: the health check's.
+WAITING_PER_CALLER = 8
+# Worker threads no data-plane call may take: the health check's (and the refusals').
 HEALTH_RESERVE = 4
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
-_WATCHDOG_SECONDS = 1.0
+_WATCHDOG_SECONDS = 0.25
 _KiB = 1024
 _SMALL = 64 * _KiB  # a request that names a stage and a step, nothing more
+FIRST_MESSAGE_SECONDS = 5.0  # for a small request to arrive
+# For a first message that carries a tensor (at most the server's message limit, 256 MiB: 4.5 MB/s).
+TENSOR_FIRST_MESSAGE_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
 class MethodLimits:
     seconds: float  # the longest a call may run
     request_bytes: int | None = None  # the largest unary request; None: the server's message limit
+    first_message_seconds: float = FIRST_MESSAGE_SECONDS  # the longest its first request message may take
 
 
 _STAGE, _TP, _PROBE = "/arceus.v1.StageService/", "/arceus.v1.TensorParallelService/", "/arceus.v1.LinkProbeService/"
+_TENSOR = TENSOR_FIRST_MESSAGE_SECONDS
 # Generous to honest callers (the driver's own timeouts are shorter), finite for everyone.
 LIMITS: dict[str, MethodLimits] = {
-    _STAGE + "PushTensor": MethodLimits(600.0),
-    _STAGE + "PushStream": MethodLimits(STREAM_SECONDS + 60.0),  # a sender keeps one open for its lifetime
+    _STAGE + "PushTensor": MethodLimits(600.0, first_message_seconds=_TENSOR),
+    # A sender keeps one open for its lifetime.
+    _STAGE + "PushStream": MethodLimits(STREAM_SECONDS + 60.0, first_message_seconds=_TENSOR),
     _STAGE + "RunStep": MethodLimits(1800.0, _SMALL),
     _STAGE + "GetState": MethodLimits(3600.0, _SMALL),  # a large stage's state over a slow uplink
     _STAGE + "SaveState": MethodLimits(3600.0, _SMALL),
     _STAGE + "Audit": MethodLimits(600.0, _SMALL),
     _STAGE + "AuditWeights": MethodLimits(3600.0, _SMALL),
-    _STAGE + "VerifyForward": MethodLimits(1800.0),
-    _STAGE + "Infer": MethodLimits(600.0),
-    _TP + "PushPartial": MethodLimits(600.0),
-    _PROBE + "Probe": MethodLimits(60.0, MAX_PROBE_BYTES + _KiB),
+    _STAGE + "VerifyForward": MethodLimits(1800.0, first_message_seconds=_TENSOR),
+    _STAGE + "Infer": MethodLimits(600.0, first_message_seconds=_TENSOR),
+    _TP + "PushPartial": MethodLimits(600.0, first_message_seconds=_TENSOR),
+    _PROBE + "Probe": MethodLimits(60.0, MAX_PROBE_BYTES + _KiB, first_message_seconds=30.0),
 }
 
 
@@ -77,12 +93,20 @@ class _Unparsed:
     message: str
 
 
-@dataclass
+@dataclass(eq=False)
 class _Call:
+    """An admitted call, from its admission on the polling thread until its worker lets it go."""
+
+    order: int  # admissions counted: a caller's oldest waiting call makes way first
     caller: str
     streaming: bool
-    expires: float  # time.monotonic()
-    context: grpc.ServicerContext
+    limits: MethodLimits
+    ends: float  # time.monotonic() by which it must be over
+    expires: float  # when the watchdog cancels it: its first message's deadline while it waits, then `ends`
+    waiting: bool = True  # no request message has arrived yet
+    context: grpc.ServicerContext | None = None  # once a worker runs it
+    made_way: bool = False  # cancelled for its caller's newer call; no longer counted
+    cancelled: bool = False
 
 
 class _CappedContext:
@@ -108,14 +132,16 @@ class CallLimits(grpc.ServerInterceptor):
         self._guards = guards
         self._max_calls = max_workers - HEALTH_RESERVE
         self._lock = threading.Lock()
-        self._calls: dict[int, _Call] = {}
-        self._ids = itertools.count()
+        self._calls: set[_Call] = set()
+        self._admissions = itertools.count()
         self._stopped = threading.Event()
+        self._wake = threading.Event()
         self._watchdog = threading.Thread(target=self._watch, name="call-limits", daemon=True)
         self._watchdog.start()
 
     def stop(self) -> None:
         self._stopped.set()
+        self._wake.set()
         self._watchdog.join()
 
     def intercept_service(
@@ -134,102 +160,156 @@ class CallLimits(grpc.ServerInterceptor):
             log.error("%s has no call limits (nodeagent.call_limits.LIMITS); refused", method)
             return _refusal(handler, grpc.StatusCode.UNIMPLEMENTED, f"{method} is not served")
         caller = metadata_digest(handler_call_details.invocation_metadata)
-        if caller is None or not any(guard.credentials.roles_of(caller) for guard in self._guards()):
+        roles = caller_roles(caller, self._guards())
+        if caller is None or not roles:
             return _refusal(handler, grpc.StatusCode.UNAUTHENTICATED, NOT_AUTHENTICATED)
-        return self._bounded(handler, method, caller, limits)
+        if roles.isdisjoint(METHOD_ROLES.get(method, ())):
+            name = method.rsplit("/", 1)[-1]
+            return _refusal(handler, grpc.StatusCode.PERMISSION_DENIED, not_allowed(name), logged=method)
+        call = self._admit(caller, handler.request_streaming, limits)
+        if isinstance(call, str):
+            return _refusal(handler, grpc.StatusCode.RESOURCE_EXHAUSTED, call, logged=method)
+        return self._bounded(handler, method, call)
 
-    def _bounded(
-        self, handler: grpc.RpcMethodHandler, method: str, caller: str, limits: MethodLimits
-    ) -> grpc.RpcMethodHandler:
-        streaming = handler.request_streaming
+    def _admit(self, caller: str, streaming: bool, limits: MethodLimits) -> _Call | str:
+        """Count the call in (its caller's oldest waiting calls making way if need be), or say why not."""
+        with self._lock:
+            while True:
+                live = [c for c in self._calls if not c.made_way]
+                mine = [c for c in live if c.caller == caller]
+                streams = [c for c in mine if c.streaming]
+                if len(live) >= self._max_calls:
+                    bound, held = f"this agent is serving its most calls ({self._max_calls}); retry later", mine
+                elif len(mine) >= CALLS_PER_CALLER:
+                    bound = f"this caller already has {CALLS_PER_CALLER} calls open on this agent, the most it may"
+                    held = mine
+                elif streaming and len(streams) >= STREAMS_PER_CALLER:
+                    bound = f"this caller already has {STREAMS_PER_CALLER} streams open on this agent, the most it may"
+                    held = streams
+                elif sum(c.waiting for c in mine) >= WAITING_PER_CALLER:
+                    bound, held = "", mine  # always one to make way
+                else:
+                    now = time.monotonic()
+                    call = _Call(next(self._admissions), caller, streaming, limits, now + limits.seconds,
+                                 now + limits.first_message_seconds)
+                    self._calls.add(call)
+                    return call
+                waiting = [c for c in held if c.waiting]
+                if not waiting:
+                    return bound
+                oldest = min(waiting, key=lambda c: c.order)
+                oldest.made_way = True
+                oldest.expires = 0.0
+                self._wake.set()
+
+    def _bounded(self, handler: grpc.RpcMethodHandler, method: str, call: _Call) -> grpc.RpcMethodHandler:
+        """A request-streaming handler running `handler`'s behaviour within `call`'s limits."""
         name = method.rsplit("/", 1)[-1]
+        unary = not handler.request_streaming
+        behaviour = _behaviour(handler)
 
-        def admitted(request: Any, context: grpc.ServicerContext) -> tuple[int, Any, Any]:
-            if isinstance(request, _Unparsed):
-                log.warning("%s -> %s: %s", name, request.code.name, request.message)
-                context.abort(request.code, request.message)
-            call_id, expires = self._admit(caller, streaming, limits, context, name)
-            return call_id, _parsed_only(request) if streaming else request, _CappedContext(context, expires)
+        def opened(requests: Iterator[Any], context: grpc.ServicerContext) -> tuple[Any, Any]:
+            """The request (a unary method's one message, or the stream) and the servicer's context."""
+            self._started(call, context, name)
+            first = next(requests, None)  # a cancelled call raises its RpcError here, which ends it quietly
+            with self._lock:
+                call.waiting, made_way = False, call.made_way
+                if not made_way:
+                    call.expires = call.ends
+            if made_way:  # its message came just as a newer call took its place
+                _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, _MADE_WAY, name)
+            if unary and first is None:
+                _abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"a {name} call sends one request message", name)
+            if unary and isinstance(first, _Unparsed):
+                _abort(context, first.code, first.message, name)
+            capped = _CappedContext(context, call.ends)
+            if unary:
+                return first, capped
+            return _parsed_only(itertools.chain(() if first is None else (first,), requests)), capped
 
-        def unary_response(request: Any, context: grpc.ServicerContext) -> Any:
-            call_id, request, capped = admitted(request, context)
+        def unary_response(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
             try:
+                request, capped = opened(requests, context)
                 return behaviour(request, capped)
             finally:
-                self._release(call_id)
+                self._release(call)
 
-        def stream_response(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            call_id, request, capped = admitted(request, context)
+        def stream_response(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
             try:
+                request, capped = opened(requests, context)
                 yield from behaviour(request, capped)
             finally:
-                self._release(call_id)
+                self._release(call)
 
-        behaviour = _behaviour(handler)
-        parse = _checked_parse(handler.request_deserializer, None if streaming else limits.request_bytes, name)
-        return _handler_like(handler, stream_response if handler.response_streaming else unary_response, parse)
+        parse = _checked_parse(handler.request_deserializer, call.limits.request_bytes if unary else None, name)
+        if handler.response_streaming:
+            return grpc.stream_stream_rpc_method_handler(stream_response, parse, handler.response_serializer)
+        return grpc.stream_unary_rpc_method_handler(unary_response, parse, handler.response_serializer)
 
-    def _admit(
-        self, caller: str, streaming: bool, limits: MethodLimits, context: grpc.ServicerContext, name: str
-    ) -> tuple[int, float]:
-        """Count the call in, or refuse it; returns its id and when it must end."""
+    def _started(self, call: _Call, context: grpc.ServicerContext, name: str) -> None:
+        """A worker runs `call` now: its first message's time starts (a call that queued for a worker did not
+        stall), unless it already made way for a newer one."""
         with self._lock:
-            mine = [c for c in self._calls.values() if c.caller == caller]
-            if len(self._calls) >= self._max_calls:
-                refusal = f"this agent is serving its most calls ({self._max_calls}); retry later"
-            elif len(mine) >= CALLS_PER_CALLER:
-                refusal = f"this caller already has {CALLS_PER_CALLER} calls open on this agent, the most it may"
-            elif streaming and sum(c.streaming for c in mine) >= STREAMS_PER_CALLER:
-                refusal = f"this caller already has {STREAMS_PER_CALLER} streams open on this agent, the most it may"
-            else:
-                call_id, expires = next(self._ids), time.monotonic() + limits.seconds
-                self._calls[call_id] = _Call(caller, streaming, expires, context)
-                return call_id, expires
-        log.warning("%s -> RESOURCE_EXHAUSTED: %s", name, refusal)
-        context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
-        raise AssertionError("unreachable: abort raises")
+            call.context, made_way = context, call.made_way
+            if not made_way:
+                call.expires = min(call.ends, time.monotonic() + call.limits.first_message_seconds)
+        if made_way:
+            _abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, _MADE_WAY, name)
 
-    def _release(self, call_id: int) -> None:
+    def _release(self, call: _Call) -> None:
         with self._lock:
-            self._calls.pop(call_id, None)
+            self._calls.discard(call)
 
     def _watch(self) -> None:
-        while not self._stopped.wait(_WATCHDOG_SECONDS):
+        while not self._stopped.is_set():
+            self._wake.wait(_WATCHDOG_SECONDS)
+            self._wake.clear()
             now = time.monotonic()
             with self._lock:
-                overdue = [c for c in self._calls.values() if c.expires <= now]
-            for call in overdue:  # a stream's reader wakes and ends; the call's release follows
+                due = [c for c in self._calls if c.expires <= now and c.context is not None and not c.cancelled]
+                for call in due:
+                    call.cancelled = True
+            stalled = sum(c.waiting and not c.made_way for c in due)
+            if stalled:
+                log.warning("cancelled %d call(s) that sent no request message in time", stalled)
+            for call in due:  # a waiting or streaming reader wakes and ends; the call's release follows
+                assert call.context is not None
                 call.context.cancel()
+
+
+_MADE_WAY = (
+    f"this caller had {WAITING_PER_CALLER} calls waiting for their first message on this agent, the most it may: "
+    "its oldest made way for a newer one"
+)
+
+
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str, name: str) -> None:
+    log.warning("%s -> %s: %s", name, code.name, message)
+    context.abort(code, message)
 
 
 def _behaviour(handler: grpc.RpcMethodHandler) -> Callable[..., Any]:
     return handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
 
 
-def _handler_like(
-    handler: grpc.RpcMethodHandler, behaviour: Callable[..., Any], deserializer: Callable[[bytes], Any] | None
+def _refusal(
+    handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str, *, logged: str | None = None
 ) -> grpc.RpcMethodHandler:
-    """A handler of `handler`'s shape (streaming both ways as it is) running `behaviour`."""
-    make = {
-        (False, False): grpc.unary_unary_rpc_method_handler,
-        (False, True): grpc.unary_stream_rpc_method_handler,
-        (True, False): grpc.stream_unary_rpc_method_handler,
-        (True, True): grpc.stream_stream_rpc_method_handler,
-    }[(handler.request_streaming, handler.response_streaming)]
-    return make(behaviour, request_deserializer=deserializer, response_serializer=handler.response_serializer)
+    """A handler that refuses at once and reads nothing, whatever `handler`'s shape: one that takes its request
+    as a stream is run before any message arrives (a unary one would wait for its whole message first)."""
 
-
-def _refusal(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
-    """A handler of `handler`'s shape that refuses at once: it parses no request and reads no stream."""
-
-    def refuse(_request: Any, context: grpc.ServicerContext) -> Any:
+    def refuse(_requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        if logged is not None:
+            log.warning("%s -> %s: %s", logged.rsplit("/", 1)[-1], code.name, message)
         context.abort(code, message)
 
-    def refuse_streaming(_request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        context.abort(code, message)
+    def refuse_streaming(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        refuse(requests, context)
         yield  # a generator, as a response stream's behaviour must be
 
-    return _handler_like(handler, refuse_streaming if handler.response_streaming else refuse, None)
+    if handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse_streaming, None, handler.response_serializer)
+    return grpc.stream_unary_rpc_method_handler(refuse, None, handler.response_serializer)
 
 
 def _checked_parse(parse: Callable[[bytes], Any] | None, limit: int | None, name: str) -> Callable[[bytes], Any]:

@@ -22,6 +22,18 @@ from nodeagent.rpc import RpcFailure
 
 DRIVER_ONLY = frozenset({Role.DRIVER})
 NOT_AUTHENTICATED = "the call carries no credential this agent accepts"
+_STAGE, _TP, _PROBE = "/arceus.v1.StageService/", "/arceus.v1.TensorParallelService/", "/arceus.v1.LinkProbeService/"
+# The roles that may call each method at all, as a call's metadata shows them (its message may narrow them: a
+# push's kind and target, a partial's rank): a known caller in none of them is refused before its message is read.
+METHOD_ROLES: dict[str, frozenset[Role]] = {
+    _STAGE + "PushTensor": frozenset({Role.DRIVER, Role.PREV, Role.NEXT}),
+    _STAGE + "PushStream": frozenset({Role.DRIVER, Role.PREV, Role.NEXT}),
+    **{_STAGE + name: DRIVER_ONLY for name in (
+        "RunStep", "GetState", "SaveState", "Audit", "AuditWeights", "VerifyForward", "Infer"
+    )},
+    _TP + "PushPartial": frozenset({Role.PEER}),
+    _PROBE + "Probe": frozenset(Role),  # any principal of a job hosted here may time its link
+}
 # A token is 64 hex digits; anything much longer is not worth hashing.
 _MAX_TOKEN_CHARS = 256
 
@@ -60,6 +72,18 @@ def metadata_digest(metadata: Iterable[tuple[str, str | bytes]] | None) -> str |
     return None
 
 
+def caller_roles(digest: str | None, guards: Iterable[Guard]) -> frozenset[Role]:
+    """Every role the bearer of `digest` has on any stage hosted here (none: a stranger)."""
+    if digest is None:
+        return frozenset()
+    return frozenset().union(*(guard.credentials.roles_of(digest) for guard in guards))
+
+
+def not_allowed(method: str) -> str:
+    """Why a known caller is refused `method` (PERMISSION_DENIED): the same words whatever it addressed."""
+    return f"the call's credential does not allow {method} on the stage it addresses"
+
+
 def authorize(
     digest: str | None,
     guards: Iterable[Guard],
@@ -77,9 +101,7 @@ def authorize(
     for guard, roles in known:
         if (target is None or guard.covers(target)) and not roles.isdisjoint(allowed):
             return guard
-    raise RpcFailure(
-        grpc.StatusCode.PERMISSION_DENIED, f"the call's credential does not allow {method} on the stage it addresses"
-    )
+    raise RpcFailure(grpc.StatusCode.PERMISSION_DENIED, not_allowed(method))
 
 
 def push_roles(kind_name: str, stage_index: int) -> frozenset[Role]:
