@@ -25,6 +25,7 @@ from typing import Any
 import psutil
 import requests
 
+from arceus.contracts.scrape import agent_scrape_token
 from arceus.sdk import ArceusClient
 from devtools.supervisor import Child, ProcessError, Supervisor
 from nodeagent.node_token import TOKEN_ENV
@@ -54,6 +55,7 @@ class Agent:
     child: Child
     grpc_address: str
     metrics_address: str
+    metrics_token: str  # what its /metrics wants (the cluster's metrics token and its node id make it)
 
 
 class ManageCommand:
@@ -259,7 +261,8 @@ class LocalCluster:
         line = self.supervisor.wait_for_log_line(child, AGENT_READY_PREFIX, timeout=60, offset=offset)
         fields = dict(part.split("=", 1) for part in line.split()[2:])
         return Agent(name=name, node_id=node_id, token=token, child=child,
-                     grpc_address=fields["grpc"], metrics_address=fields["metrics"])
+                     grpc_address=fields["grpc"], metrics_address=fields["metrics"],
+                     metrics_token=agent_scrape_token(self.metrics_token, node_id))
 
     def stop(self) -> None:
         # Agents first, killed: a SIGTERM would have each drain its node, waiting for a handover that the

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -31,6 +32,7 @@ class AgentProcess:
     grpc_address: str
     metrics_address: str
     certificate: str = ""  # its TLS certificate, where the starter gave it its identity
+    metrics_token: str = ""  # what its /metrics wants, where the starter gave it one (a static agent)
     terminated: bool = False
 
     def terminate(self) -> None:
@@ -121,8 +123,9 @@ def spawn_static_agents(
 ) -> list[AgentProcess]:
     """Start one static-assignment agent per address (in parallel, they are slow to import torch), agent i
     hosting `assignments_per_agent[i]` and listening on `addresses[i]` with the TLS identity
-    `devtools.pipeline.identity_for(addresses[i])`, with `threads` torch threads (`solo_threads` while its stage
-    computes alone: see --solo-threads). All or none: on failure, the ones already started are killed."""
+    `devtools.pipeline.identity_for(addresses[i])` and a scrape token of its own (`metrics_token`), with `threads`
+    torch threads (`solo_threads` while its stage computes alone: see --solo-threads). All or none: on failure,
+    the ones already started are killed."""
     workdir.mkdir(parents=True, exist_ok=True)
 
     def start(i: int) -> AgentProcess:
@@ -133,12 +136,17 @@ def spawn_static_agents(
         key.touch(mode=0o600)
         key.write_bytes(identity.key_pem)
         certificate.write_bytes(identity.certificate_pem)
+        metrics_token = workdir / f"agent-{i}.metrics-token"
+        metrics_token.touch(mode=0o600)
+        metrics_token.write_text(secrets.token_hex(32))
         args = ["--static-assignment", str(path), "--listen", addresses[i], "--threads", str(threads),
-                "--tls-key-file", str(key), "--tls-cert-file", str(certificate)]
+                "--tls-key-file", str(key), "--tls-cert-file", str(certificate),
+                "--metrics-token-file", str(metrics_token)]
         if solo_threads is not None:
             args += ["--solo-threads", str(solo_threads)]
         started = spawn_agent(args, log_path=workdir / f"agent-{i}.log", ready_timeout=ready_timeout)
         started.certificate = identity.certificate
+        started.metrics_token = metrics_token.read_text()
         return started
 
     with ThreadPoolExecutor(max_workers=len(addresses)) as pool:

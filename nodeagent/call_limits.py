@@ -7,15 +7,15 @@ and before a worker is taken, and every handler it hands on takes the request as
 message is read by the handler itself, under a deadline):
 - A call whose token no hosted stage accepts (or that presents none) gets a handler that refuses it at once
   (UNAUTHENTICATED, the words of `nodeagent.callers`) and reads none of its messages: a stranger holds a worker
-  for the moment the refusal takes, and the bytes it sent stay in gRPC's flow-control window (64 KiB), however
+  for the moment the refusal takes, and nothing it sent beyond gRPC's flow-control window is received, however
   large its message. So does a known caller's call of a method none of its roles may call (PERMISSION_DENIED,
   `nodeagent.callers.METHOD_ROLES`).
 - A known caller (one token digest) may hold at most `CALLS_PER_CALLER` calls at once, `STREAMS_PER_CALLER` of
   them sending streams, and all callers together the worker threads but `HEALTH_RESERVE`: the health check and
   the refusals always find a thread (RESOURCE_EXHAUSTED beyond, naming the bound).
 - A call waits for its first request message at most its method's `first_message_seconds` (cancelled after),
-  and a caller has at most `WAITING_PER_CALLER` calls waiting so: its newer call makes way by cancelling its
-  oldest waiting one, so calls stalled after their headers never keep the caller's own working calls out.
+  and a caller has at most `WAITING_PER_CALLER` calls waiting so: a newer one makes its oldest waiting one give
+  way (cancelled), so calls stalled after their headers never keep the caller's own working calls out.
 - A method's call runs at most its `MethodLimits.seconds`, whatever deadline its caller set: the servicer sees
   a `time_remaining()` capped to that, and a watchdog cancels a call (a stream held open) that outlives it.
 - A unary request larger than its method's `request_bytes` is refused unparsed (RESOURCE_EXHAUSTED); a

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from arceus.contracts.credentials import token_digest
 from arceus.contracts.observed import ObservedState
 from arceus.discovery import DiscoveryError, discover_control_plane
 from arceus.errors import SpecError
@@ -154,6 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--tls-cert-file", type=Path, metavar="FILE", help="PEM certificate of --tls-key-file")
     parser.add_argument(
+        "--metrics-token-file",
+        type=Path,
+        metavar="FILE",
+        help="with --static-assignment: the token a scrape of /metrics must present (without it /metrics answers "
+        "nobody; with a control plane, the control plane sets it)",
+    )
+    parser.add_argument(
         "--link-probe-interval",
         type=_positive_float,
         default=DEFAULT_INTERVAL_SECONDS,
@@ -188,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.static_assignment is not None:
         if args.control_plane or args.token_file or args.config:
             parser.error("--static-assignment runs without a control plane; drop --control-plane/--token-file/--config")
+    elif args.metrics_token_file is not None:
+        parser.error("--metrics-token-file is for --static-assignment: the control plane sets the scrape token")
     elif args.control_plane is None and args.config is None and not default_settings_path().exists():
         discover = True  # once the token is known to be there: browsing takes seconds
     elif args.control_plane is None:
@@ -236,6 +246,15 @@ def main(argv: list[str] | None = None) -> int:
             identity = load_identity(args.tls_key_file.read_bytes(), args.tls_cert_file.read_bytes())
         except (OSError, ValueError) as exc:
             parser.error(f"--tls-key-file/--tls-cert-file: {exc}")
+    scrape_digest = None
+    if args.metrics_token_file is not None:
+        try:
+            scrape_token = args.metrics_token_file.read_text().strip()
+        except OSError as exc:
+            parser.error(f"--metrics-token-file: {exc}")
+        if not scrape_token:
+            parser.error(f"--metrics-token-file: {args.metrics_token_file} is empty")
+        scrape_digest = token_digest(scrape_token)
     assignments = None
     if args.static_assignment is not None:
         try:
@@ -273,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         solo_threads=args.solo_threads,
         identity=identity,
     )
+    agent.metrics.accept_scrapes(scrape_digest)  # with a control plane: each heartbeat answer says
     try:
         agent.start()
     except OSError as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import tempfile
 import threading
 import time
@@ -61,6 +62,7 @@ class HeartbeatReply:
     relay: dict[str, str] | None = None  # {"address", "ticket"}: the relay to attach to (None: dialled directly)
     relays: tuple[str, ...] = ()  # every relay, for calls to relayed neighbours
     relay_certificate: str = ""  # the relays' certificate (PEM), pinned by the attachment and those calls
+    metrics_token_sha256: str | None = None  # what a scrape of /metrics must present the preimage of (None: none)
 
 
 class ControlPlaneClient:
@@ -131,6 +133,7 @@ class ControlPlaneClient:
             relay=_relay(body),
             relays=tuple(r for r in body.get("relays") or () if isinstance(r, str)),
             relay_certificate=_relay_certificate(body),
+            metrics_token_sha256=_metrics_token_sha256(body),
         )
 
     def leave(self) -> int:
@@ -360,6 +363,13 @@ def _relay_certificate(body: dict[str, Any]) -> str:
     return certificate
 
 
+def _metrics_token_sha256(body: dict[str, Any]) -> str | None:
+    digest = body.get("metrics_token_sha256")
+    if digest is not None and not (isinstance(digest, str) and re.fullmatch(r"[0-9a-f]{64}", digest)):
+        raise ControlPlaneError(f"heartbeat response's 'metrics_token_sha256' is not a SHA-256: {_short(body)}")
+    return digest
+
+
 def _node_id(body: dict[str, Any]) -> str:
     node_id = body.get("node_id")
     if not isinstance(node_id, str | int) or isinstance(node_id, bool) or node_id == "":
@@ -464,6 +474,7 @@ class HeartbeatLoop:
                 self._unsent_links = {}
                 self._agent.follow_relay(reply.relay, reply.relays, reply.relay_certificate)
                 self._agent.metrics.heartbeat_succeeded()
+                self._agent.metrics.accept_scrapes(reply.metrics_token_sha256)
                 self._agent.limit_threads(reply.max_threads)
                 self._agent.registry.memory_budget = reply.max_memory_bytes
                 self._interval = reply.heartbeat_interval_seconds

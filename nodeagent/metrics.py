@@ -1,25 +1,42 @@
-"""The agent's Prometheus metrics, in their own registry, served on /metrics.
+"""The agent's Prometheus metrics, in their own registry, served on /metrics to the holder of its scrape token.
 
 Base units, no per-step or per-micro-batch labels; the only labels are the step mode and, on the
-stage info metric, the stages hosted here (a handful per agent).
+stage info metric, the stages hosted here (a handful per agent). Those name jobs, so a scrape must present the
+token whose SHA-256 the control plane sent (`accept_scrapes`; arceus/contracts/scrape.py), as a bearer token or
+as the `token` URL parameter (what Prometheus's service discovery can give each target): 401
+without it or with another, 403 while the agent has none. The server reads a request for at most
+`REQUEST_SECONDS` and serves `MAX_SCRAPES` at once (a connection beyond is closed unread).
 """
 
 from __future__ import annotations
 
+import hmac
+import json
 import math
+import re
 import socket
+import sys
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from socketserver import ThreadingMixIn
+from typing import Any
+from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 import torch
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
+from arceus.contracts.credentials import token_digest
+from arceus.contracts.scrape import SCRAPE_TOKEN_PARAMETER
 from nodeagent.device import memory_used_bytes
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+REQUEST_SECONDS = 10.0
+MAX_SCRAPES = 64
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+_MAX_TOKEN_CHARS = 256
+WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
 class AgentMetrics:
@@ -102,6 +119,13 @@ class AgentMetrics:
         self._last_heartbeat: float | None = None
         self.heartbeat_age.set_function(self._heartbeat_age)
         self._server: _MetricsServer | None = None
+        self._scrape_digest: str | None = None
+
+    def accept_scrapes(self, digest: str | None) -> None:
+        """Serve /metrics to the bearer of the token whose SHA-256 (hex) is `digest` (None: to nobody)."""
+        if digest is not None and not _DIGEST.fullmatch(digest):
+            raise ValueError(f"a scrape token digest is 64 lowercase hex digits, got {digest!r}")
+        self._scrape_digest = digest
 
     def heartbeat_succeeded(self) -> None:
         self._last_heartbeat = time.monotonic()
@@ -121,7 +145,8 @@ class AgentMetrics:
         """Start the /metrics HTTP server in a daemon thread; returns the port it listens on."""
         _MetricsServer.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._server = make_server(
-            host.strip("[]"), port, make_wsgi_app(self.registry), _MetricsServer, handler_class=_QuietHandler
+            host.strip("[]"), port, self._guarded(make_wsgi_app(self.registry)), _MetricsServer,
+            handler_class=_QuietHandler,
         )
         # A short poll interval makes shutdown quick (the default waits up to half a second).
         threading.Thread(
@@ -129,16 +154,75 @@ class AgentMetrics:
         ).start()
         return int(self._server.server_port)
 
+    def _guarded(self, app: WsgiApp) -> WsgiApp:
+        """`app`, for a request presenting the scrape token only."""
+
+        def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+            expected = self._scrape_digest
+            if expected is None:
+                return _refusal(start_response, "403 Forbidden", "metrics are off: this agent has no scrape token "
+                                "yet (its control plane sends one with each heartbeat answer)")
+            if not any(hmac.compare_digest(token_digest(t), expected) for t in _presented_tokens(environ)):
+                return _refusal(start_response, "401 Unauthorized", "send this agent's scrape token (GET "
+                                "/metrics/agents on the control plane lists it): Authorization: Bearer <token>")
+            return app(environ, start_response)
+
+        return guarded
+
     def stop(self) -> None:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
 
 
+def _presented_tokens(environ: dict[str, Any]) -> list[str]:
+    """The tokens a request presents: its bearer token and its `token` URL parameter."""
+    scheme, _, bearer = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
+    query = parse_qs(environ.get("QUERY_STRING", ""), max_num_fields=8)
+    tokens = [bearer if scheme.lower() == "bearer" else "", *query.get(SCRAPE_TOKEN_PARAMETER, ())[:1]]
+    return [t.strip() for t in tokens if 0 < len(t.strip()) <= _MAX_TOKEN_CHARS]
+
+
+def _refusal(start_response: Callable[..., Any], status: str, detail: str) -> list[bytes]:
+    headers = [("Content-Type", "application/json")]
+    if status.startswith("401"):
+        headers.append(("WWW-Authenticate", 'Bearer realm="arceus-agent-metrics"'))
+    start_response(status, headers)
+    return [json.dumps({"detail": detail}).encode()]
+
+
 class _MetricsServer(ThreadingMixIn, WSGIServer):
+    """A thread per scrape, at most MAX_SCRAPES at once: a connection beyond them is closed unread."""
+
     daemon_threads = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(MAX_SCRAPES)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if not isinstance(sys.exc_info()[1], OSError):  # a client that stalled or left is not news; a bug is
+            super().handle_error(request, client_address)
 
 
 class _QuietHandler(WSGIRequestHandler):
+    timeout = REQUEST_SECONDS  # a connection that sends no request in time is closed
+
     def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the base class's name
         pass  # a scrape every few seconds is not news

@@ -42,6 +42,7 @@ from django.db import DatabaseError, connection
 from django.http.request import split_domain_port, validate_host
 from django.utils import timezone
 
+from arceus.contracts.scrape import agent_scrape_digest
 from controlplane.common.batching import Batched
 from controlplane.common.conditions import TRUE
 from controlplane.common.postgresql.async_connections import async_connections
@@ -84,6 +85,7 @@ def heartbeat_body(*, node_id: str, version: str, max_threads: int | None, max_m
                                   failed=relay.get("failed", ()), now=time.time()),
         "relays": settings.ARCEUS_RELAYS,
         "relay_certificate": relay_certificate() or None,
+        "metrics_token_sha256": agent_scrape_digest(settings.ARCEUS_METRICS_TOKEN, str(node_id)),
     }
 
 

@@ -3,10 +3,12 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
 from django.db.models import Count, Prefetch, Q, QuerySet
 
+from arceus.contracts.scrape import SCRAPE_TOKEN_PARAMETER, agent_scrape_token
 from controlplane.common.errors import one_by_id
 from controlplane.jobs.models import Stage
 from controlplane.market.services import node_device_class
@@ -94,7 +96,9 @@ def node_unavailable_reason(node: Node, now: datetime, host_busy_fraction: float
 
 def node_metrics_targets(*, now: datetime) -> list[dict[str, Any]]:
     """Prometheus http_sd targets: each registered node's agent /metrics (the host of its gRPC address, the
-    metrics port it registered), while it is not gone; labelled with the node's name, id and device class."""
+    metrics port it registered), while it is not gone; labelled with the node's name, id and device class, and
+    carrying the token that agent's /metrics wants (arceus/contracts/scrape.py): only while metrics
+    are on (GET /metrics/agents refuses otherwise)."""
     registered = list(
         Node.objects.filter(registered_at__isnull=False, metrics_port__isnull=False, lease__isnull=False)
         .select_related("lease")
@@ -105,7 +109,11 @@ def node_metrics_targets(*, now: datetime) -> list[dict[str, Any]]:
     return [
         {
             "targets": [f"{node.grpc_address.rpartition(':')[0]}:{node.metrics_port}"],
-            "labels": {"node": node.name, "node_id": str(node.id), "device_class": node_device_class(node)},
+            "labels": {
+                "node": node.name, "node_id": str(node.id), "device_class": node_device_class(node),
+                # What opens this agent's /metrics (a `__` label: a parameter of the scrape URL, never stored).
+                f"__param_{SCRAPE_TOKEN_PARAMETER}": agent_scrape_token(settings.ARCEUS_METRICS_TOKEN, str(node.id)),
+            },
         }
         for node in nodes
     ]

@@ -376,3 +376,8 @@ class AgentHeartbeatOutput(serializers.Serializer):
     relay_certificate = serializers.CharField(
         allow_null=True, help_text="the relays' TLS certificate (PEM), which the agent pins; null without relays"
     )
+    metrics_token_sha256 = serializers.CharField(
+        allow_null=True,
+        help_text="SHA-256 (hex) of the token Prometheus presents to this agent's /metrics (from GET /metrics/agents); "
+        "the agent refuses any other scrape. Null while the operator has set no ARCEUS_METRICS_TOKEN",
+    )

@@ -72,7 +72,11 @@ def test_faster_agents_get_larger_stages_and_the_ledger_matches_their_counters(
     by_node = {p["node_id"]: p for p in final["contributions"]}
     credits = Decimal(0)
     for agent in agents.values():
-        exported = requests.get(f"http://{agent.metrics_address}/metrics", timeout=10).text
+        # An agent's /metrics is its scrape token's only: without it, nothing, not even which job it hosted.
+        refused = requests.get(f"http://{agent.metrics_address}/metrics", timeout=10)
+        assert refused.status_code == 401 and job["id"] not in refused.text
+        exported = requests.get(f"http://{agent.metrics_address}/metrics", params={"token": agent.metrics_token},
+                                timeout=10).text
         earned = cluster.client.session.get(f"{cluster.api_url}/api/nodes/{agent.node_id}/earnings", timeout=30)
         assert earned.status_code == 200, earned.text
         earnings = earned.json()
@@ -107,8 +111,8 @@ def prometheus_scrapes_the_cluster(cluster: LocalCluster, workdir: Path, agents,
         assert {labels[a.node_id]["node"] for a in agents} == {a.name for a in agents}
         assert all(t["device_class"] for t in labels.values())
 
-        for target in targets:
-            headers = {"Authorization": f"Bearer {cluster.metrics_token}"}
+        for target in targets:  # an agent's scrape URL carries its own token; the control plane wants the operator's
+            headers = {} if "token=" in target["scrapeUrl"] else {"Authorization": f"Bearer {cluster.metrics_token}"}
             body = requests.get(target["scrapeUrl"], headers=headers, timeout=10).text
             check = subprocess.run(["promtool", "check", "metrics"], input=body, capture_output=True, text=True,
                                    timeout=60)

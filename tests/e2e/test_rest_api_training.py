@@ -70,7 +70,8 @@ def test_a_newcomer_signs_up_and_trains_a_job_across_three_agents_to_success(clu
     nodes = {n["id"]: n for n in cluster.client.nodes()}
     for agent in agents:
         assert nodes[agent.node_id]["ready"]["status"] == "True"
-        metrics = requests.get(f"http://{agent.metrics_address}/metrics", timeout=10).text
+        metrics = requests.get(f"http://{agent.metrics_address}/metrics", params={"token": agent.metrics_token},
+                               timeout=10).text
         assert "arceus_samples_processed_total" in metrics
         # Each agent uploaded its own stage's checkpoints: the state never passed through the driver.
         name = "arceus_state_bytes_uploaded_total "

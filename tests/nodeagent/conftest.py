@@ -21,6 +21,7 @@ class FakeControlPlane:
     interval: float = 0.5
     assignments: list[Any] = field(default_factory=list)
     max_threads: int | None = None  # the owner's cap, sent in every heartbeat reply
+    scrape_digest: str | None = None  # what the agent's /metrics must be shown the preimage of, in every reply
     # (status, raw body) to answer heartbeats with instead of the normal reply, while set
     heartbeat_override: tuple[int, bytes] | None = None
     requests: list[tuple[str, dict[str, str], Any]] = field(default_factory=list)
@@ -51,6 +52,7 @@ class FakeControlPlane:
                     "assignments_version": version,
                     "heartbeat_interval_seconds": self.interval,
                     "controls": {"max_threads": self.max_threads},
+                    "metrics_token_sha256": self.scrape_digest,
                 }
                 if not isinstance(body, dict) or body.get("assignments_version") != version:
                     reply["assignments"] = self.assignments

@@ -15,6 +15,7 @@ import torch
 
 from arceus.checkpoint import checkpoint_digest, decode_checkpoint
 from arceus.contracts.assignment import Assignment
+from arceus.contracts.credentials import token_digest
 from arceus.contracts.observed import ObservedStage
 from arceus.placement.solver import WORKSPACE_MICRO_BATCHES
 from arceus.v1 import stage_pb2, stage_pb2_grpc
@@ -62,10 +63,31 @@ def states(agent: Agent) -> dict[str, tuple[int, str]]:
     return {o["stage_id"]: (o["generation"], o["state"]) for o in agent.observed()}
 
 
+SCRAPE_TOKEN = "s" * 32
+
+
+def scrape(agent: Agent) -> requests.Response:
+    """GET its /metrics as Prometheus does, with the token the agent was told to accept."""
+    agent.metrics.accept_scrapes(token_digest(SCRAPE_TOKEN))
+    return requests.get(f"http://{agent.metrics_address}/metrics", params={"token": SCRAPE_TOKEN}, timeout=5)
+
+
 def test_listens_on_ephemeral_ports(agent: Agent) -> None:
     assert agent.grpc_port > 0 and agent.metrics_port > 0
     assert agent.advertise_address == agent.grpc_address == f"127.0.0.1:{agent.grpc_port}"
-    assert requests.get(f"http://{agent.metrics_address}/metrics", timeout=5).status_code == 200
+    assert scrape(agent).status_code == 200
+
+
+def test_metrics_answer_only_the_scrape_token(agent: Agent) -> None:
+    agent.apply_assignments(stages())
+    url = f"http://{agent.metrics_address}/metrics"
+    off = requests.get(url, params={"token": SCRAPE_TOKEN}, timeout=5)  # before the control plane said any
+    assert off.status_code == 403 and "no scrape token yet" in off.json()["detail"]
+    assert scrape(agent).status_code == 200
+    for wrong in ({"params": {"token": "x" * 32}}, {"headers": {"Authorization": "Bearer " + "x" * 32}}, {}):
+        refused = requests.get(url, timeout=5, **wrong)  # type: ignore[arg-type]
+        assert refused.status_code == 401 and "job" not in refused.text
+        assert refused.headers["WWW-Authenticate"].startswith("Bearer")
 
 
 def test_apply_builds_keeps_rebuilds_and_drops(agent: Agent) -> None:
@@ -166,12 +188,12 @@ def test_a_new_assignment_cannot_take_the_slot_of_a_running_stage(agent: Agent) 
 
 def test_stage_metrics_follow_assignments(agent: Agent) -> None:
     agent.apply_assignments(stages())
-    text = requests.get(f"http://{agent.metrics_address}/metrics", timeout=5).text
+    text = scrape(agent).text
     assert "arceus_stage_assigned 2.0" in text
     assert 'arceus_stage_info{job_id="job",stage_index="1"} 1.0' in text
     assert "arceus_heartbeat_age_seconds NaN" in text
     agent.apply_assignments([])
-    text = requests.get(f"http://{agent.metrics_address}/metrics", timeout=5).text
+    text = scrape(agent).text
     assert "arceus_stage_assigned 0.0" in text and "arceus_stage_info{" not in text
 
 

@@ -9,11 +9,13 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import requests
 import torch
 from safetensors.torch import save_file
 
 from arceus.checkpoint import CheckpointError, StateFile, checkpoint_digest, encode_checkpoint
 from arceus.contracts.assignment import Assignment, CheckpointRef, InitialWeightsRef
+from arceus.contracts.credentials import token_digest
 from arceus.model.build import build_full_model, build_layers, named_global_parameters
 from arceus.model.hugging_face import initial_weights_layer_digests, initial_weights_slice, initial_weights_slice_bytes
 from arceus.model.llama.hf import hf_name
@@ -118,6 +120,22 @@ def test_heartbeat_applies_assignments_and_reports_readiness_at_once(control_pla
     assert agent.metrics._heartbeat_age() < 5
 
 
+def test_the_metrics_answer_the_scrape_token_the_heartbeat_answer_names(control_plane, agent: Agent) -> None:  # noqa: ANN001
+    url = f"http://{agent.metrics_address}/metrics"
+    assert requests.get(url, params={"token": "p" * 64}, timeout=5).status_code == 403  # none named yet
+    control_plane.scrape_digest = token_digest("p" * 64)
+    loop = HeartbeatLoop(ControlPlaneClient(control_plane.url, control_plane.token), agent, interval=0.05,
+                         on_fatal=lambda message: None)
+    loop.start()
+    try:
+        wait_for(lambda: requests.get(url, params={"token": "p" * 64}, timeout=5).status_code == 200)
+        control_plane.scrape_digest = token_digest("q" * 64)  # the operator rotated the metrics token
+        wait_for(lambda: requests.get(url, params={"token": "q" * 64}, timeout=5).status_code == 200)
+    finally:
+        loop.stop()
+    assert requests.get(url, params={"token": "p" * 64}, timeout=5).status_code == 401
+
+
 @pytest.mark.parametrize(
     "override",
     [
@@ -130,6 +148,8 @@ def test_heartbeat_applies_assignments_and_reports_readiness_at_once(control_pla
               b'{"max_threads": 0}}'),
         (200, b'{"node_id": "node-1", "assignments": [], "heartbeat_interval_seconds": 1, "controls": '
               b'{"max_memory_bytes": "1 GB"}}'),
+        (200, b'{"node_id": "node-1", "assignments": [], "heartbeat_interval_seconds": 1, '
+              b'"metrics_token_sha256": "secret"}'),
     ],
 )
 def test_bad_responses_keep_the_current_stages_and_the_loop_alive(

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import requests
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -254,6 +255,21 @@ def test_a_strangers_huge_message_is_refused_unread(agent: AgentProcess, health:
     after = _memory_kib(agent)
     assert after["VmHWM"] - before["VmRSS"] < 50 * 1024 and after["VmRSS"] - before["VmRSS"] < 50 * 1024, (
         before, after)
+
+
+def test_an_unauthenticated_scrape_of_the_metrics_learns_no_job(agent: AgentProcess) -> None:
+    """Once anyone could read the jobs an agent hosts from its /metrics (`arceus_stage_info{job_id=...}`)."""
+    url = f"http://{agent.metrics_address}/metrics"
+    for headers, params in (({}, {}), ({"Authorization": "Bearer " + "0" * 64}, {}), ({}, {"token": "guess"}),
+                            ({"Authorization": f"Basic {agent.metrics_token}"}, {})):
+        refused = requests.get(url, headers=headers, params=params, timeout=10)
+        assert refused.status_code == 401 and JOB not in refused.text, (headers, params, refused.text)
+        assert "scrape token" in refused.json()["detail"]
+    # The holder of the agent's scrape token reads them, as a bearer token or as Prometheus sends it.
+    token = agent.metrics_token
+    for headers, params in (({"Authorization": f"Bearer {token}"}, {}), ({}, {"token": token})):
+        scraped = requests.get(url, headers=headers, params=params, timeout=10)
+        assert scraped.status_code == 200 and f'job_id="{JOB}"' in scraped.text
 
 
 def every_method() -> list[tuple[str, bool]]:

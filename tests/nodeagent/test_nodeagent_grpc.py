@@ -339,7 +339,8 @@ def test_agent_still_trains_and_exports_metrics_after_bad_input(
     chunks = stub.GetState(stage_pb2.GetStateRequest(target=ref(1)), timeout=10)
     assert sorted(decode_checkpoint(b"".join(c.data for c in chunks))) == ["layers.1.bias", "layers.1.weight"]
 
-    text = requests.get(f"http://{agent.metrics_address}/metrics", timeout=10).text
+    scraped = requests.get(f"http://{agent.metrics_address}/metrics", params={"token": agent.metrics_token}, timeout=10)
+    text = scraped.text
     for name in (
         "arceus_stage_step_seconds_bucket",
         "arceus_samples_processed_total",

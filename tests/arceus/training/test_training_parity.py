@@ -142,7 +142,8 @@ def test_pipeline_training_matches_single_process(agents: list[AgentProcess], jo
     assert all(p.timings[2].wait_seconds > 0 for p in recorder.steps)
     # The agents export the same as Prometheus metrics: a counter and a per-step histogram.
     for agent in agents:
-        text = requests.get(f"http://{agent.metrics_address}/metrics", timeout=5).text
+        text = requests.get(f"http://{agent.metrics_address}/metrics", params={"token": agent.metrics_token},
+                            timeout=5).text
         families = {f.name: f for f in text_string_to_metric_families(text)}
         [waited] = families["arceus_stage_wait_seconds"].samples  # the counter's _total
         assert waited.value > 0

@@ -13,8 +13,11 @@ from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from arceus.contracts.counters import StageCounters
+from arceus.contracts.credentials import token_digest
+from arceus.contracts.scrape import agent_scrape_token
 from controlplane.controller.executor import reconcile_once
 from controlplane.market.services import ledger_record_work
+from controlplane.nodes.heartbeat import heartbeat_body
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_create, node_heartbeat, node_register, node_set_paused
 from devtools.pipeline import identity_for
@@ -148,12 +151,20 @@ def test_agent_targets_are_registered_nodes_that_are_not_gone(client: Client, me
     node_create(owner=user, name="never-registered")
     response = client.get("/metrics/agents", HTTP_AUTHORIZATION=f"Bearer {TOKEN}")
     assert response.status_code == 200
+    # Each target carries what opens its agent's /metrics, as a URL parameter of its scrape.
     assert response.json() == [
         {"targets": ["10.0.0.1:9400"], "labels": {"node": "laptop", "node_id": str(v4.id),
-                                                 "device_class": "standard-medium"}},
+                                                 "device_class": "standard-medium",
+                                                 "__param_token": agent_scrape_token(TOKEN, str(v4.id))}},
         {"targets": ["[2001:db8::1]:9401"], "labels": {"node": "desk", "node_id": str(v6.id),
-                                                      "device_class": "standard-medium"}},
+                                                      "device_class": "standard-medium",
+                                                      "__param_token": agent_scrape_token(TOKEN, str(v6.id))}},
     ]
+    # A heartbeat answer tells each agent the digest of its own token, and no other.
+    answer = heartbeat_body(node_id=str(v4.id), version="", max_threads=None, max_memory_bytes=None,
+                            reachability=v4.reachability, relay=None)
+    assert answer["metrics_token_sha256"] == token_digest(agent_scrape_token(TOKEN, str(v4.id)))
+    assert agent_scrape_token(TOKEN, str(v4.id)) != agent_scrape_token(TOKEN, str(v6.id))
 
 
 def test_a_dead_processs_live_gauges_leave_and_its_counters_stay(tmp_path) -> None:  # noqa: ANN001

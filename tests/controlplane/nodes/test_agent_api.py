@@ -146,6 +146,7 @@ def test_heartbeat_marks_the_node_ready_and_nudges_the_reconciler_only_on_change
         "relay": None,  # dialled directly
         "relays": [],
         "relay_certificate": None,
+        "metrics_token_sha256": None,  # the operator set no metrics token: nobody may scrape the agent
     }
     node.refresh_from_db()
     assert (node.ready_status, node.ready_reason) == ("True", "AgentReady")
