@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         cluster.start(username=DEMO_USER, password=DEMO_PASSWORD)
         print_status(f"control plane at {cluster.api_url} (API docs: {cluster.api_url}/api/docs/)")
         for agent in cluster.start_agents([f"agent-{index}" for index in range(args.agents)]):
-            print_status(f"node agent {agent.name}: gRPC {agent.grpc_address}, metrics http://{agent.metrics_address}/metrics")
+            print_status(f"node agent {agent.name}: gRPC {agent.grpc_address}, "
+                         f"metrics http://{agent.metrics_address}/metrics?token={agent.metrics_token}")
         job = cluster.client.submit_job({**DEMO_JOB, "epochs": args.epochs,
                                          "stages": min(args.agents, DEMO_JOB["stages"])})
         print_status(f"submitted job {job['id']}; training")

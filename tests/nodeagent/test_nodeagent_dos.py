@@ -339,7 +339,7 @@ def test_stalled_calls_on_every_method_leave_the_health_check_answering_and_the_
             try:
                 calls = stalled_calls(channel, count, release)
                 held = 0 if who == "stranger" else WAITING_PER_CALLER  # what a known caller may have waiting
-                still_open = settle(calls, refused=count - held)
+                still_open = settle(calls, refused=count - held, timeout=60)
                 assert len(still_open) == held, (who, count, len(still_open))
                 ended = {(c.code(), c.details() if who == "stranger" else "") for c in calls if c.done()}
                 if who == "stranger":
