@@ -34,7 +34,8 @@ FIRST_MESSAGE = 0.5
 @pytest.fixture
 def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
     for name, limits in (("Remaining", MethodLimits(CAP, 1024)), ("Hold", MethodLimits(CAP, 1024)),
-                         ("Wait", MethodLimits(30.0, 1024, FIRST_MESSAGE)), ("Peers", MethodLimits(CAP, 1024))):
+                         ("Wait", MethodLimits(30.0, 1024, FIRST_MESSAGE)), ("Peers", MethodLimits(CAP, 1024)),
+                         ("Idle", MethodLimits(30.0, 1024, 30.0))):
         monkeypatch.setitem(call_limits.LIMITS, f"/{SERVICE}/{name}", limits)
         monkeypatch.setitem(METHOD_ROLES, f"/{SERVICE}/{name}",
                             frozenset({Role.PEER}) if name == "Peers" else frozenset({Role.DRIVER}))
@@ -57,6 +58,7 @@ def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
         "Hold": grpc.stream_unary_rpc_method_handler(hold),
         "Wait": grpc.unary_unary_rpc_method_handler(remaining),
         "Peers": grpc.unary_unary_rpc_method_handler(remaining),
+        "Idle": grpc.stream_unary_rpc_method_handler(hold),
     })])
     identity = new_identity()
     port = grpc_server.add_secure_port(
@@ -134,15 +136,19 @@ def test_a_callers_oldest_waiting_call_makes_way_for_its_newer_ones(server: Serv
         yield
 
     with open_channel(address, token=TOKEN, certificate=certificate) as channel:
-        waiting = [channel.stream_unary(f"/{SERVICE}/Hold").future(nothing(), timeout=3600)
+        waiting = [channel.stream_unary(f"/{SERVICE}/Idle").future(nothing(), timeout=3600)
                    for _ in range(WAITING_PER_CALLER)]
         time.sleep(0.3)  # all waiting (the server takes calls in order)
         assert not any(c.done() for c in waiting)
-        channel.unary_unary(f"/{SERVICE}/Remaining")(b"", timeout=10)
-        with pytest.raises(grpc.RpcError) as info:
-            waiting[0].result(timeout=5)
-        assert info.value.code() == grpc.StatusCode.CANCELLED
-        assert not any(c.done() for c in waiting[1:])
+        channel.unary_unary(f"/{SERVICE}/Remaining")(b"", timeout=10)  # served
+        deadline = time.monotonic() + 10
+        while not any(c.done() for c in waiting):
+            assert time.monotonic() < deadline, "no waiting call made way"
+            time.sleep(0.02)
+        time.sleep(0.3)
+        # One of them (the first the server took) gave way; the rest wait on.
+        [gave_way] = [c for c in waiting if c.done()]
+        assert gave_way.code() == grpc.StatusCode.CANCELLED
         release.set()
     assert len(seen) == 1
 
