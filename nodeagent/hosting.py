@@ -2,7 +2,8 @@
 
 `apply` is level-triggered: the list it receives is the whole desired state. New (stage_id, generation)
 pairs are built from their spec, stages not listed are dropped, and a stage that failed to build stays
-failed (and reported) until a new generation replaces it.
+failed (and reported) until a new generation replaces it. What changes is planned by a pure function
+(nodeagent/hosting_plan.py); `HostedStages` carries the plan out.
 """
 
 from __future__ import annotations
@@ -21,14 +22,20 @@ from prometheus_client import Histogram
 
 from arceus.contracts.assignment import Assignment
 from arceus.contracts.observed import ObservedStage, ObservedState
-from arceus.model.decoding import DECODE_SESSIONS
-from arceus.placement.profiles import layer_profiles
-from arceus.placement.solver import Workload, stage_inference_memory, stage_memory
 from arceus.v1 import stage_pb2
 from nodeagent.all_reduce import TensorParallelGroups, stage_group
 from nodeagent.callers import Guard
 from nodeagent.device import memory_summary
 from nodeagent.heap import release_free_memory
+from nodeagent.hosting_plan import (
+    BuildStage,
+    DropStage,
+    HostingAction,
+    KeepStage,
+    MemoryBudget,
+    ReportFailed,
+    plan_changes,
+)
 from nodeagent.rpc import RpcFailure
 from nodeagent.stage import CheckpointLoader, HostedStage, InitialWeightsLoader, ProgramLoader, build_hosted_stage
 
@@ -70,116 +77,91 @@ class HostedStages:
 
     def apply(self, assignments: Sequence[Assignment], rejected: Sequence[ObservedStage] = ()) -> bool:
         """Make the hosted stages match `assignments`; `rejected` are listed stages that could not even be
-        parsed (reported as failed). Returns whether anything changed."""
+        parsed (reported as failed). Returns whether anything changed. The changes are planned
+        (nodeagent/hosting_plan.py), then carried out here."""
         with self._apply_lock:
             with self._lock:
-                current, failed = dict(self._stages), dict(self._failed)
-            before = {stage_id: id(stage) for stage_id, stage in current.items()}
-            desired = {a.stage_id: a for a in assignments}
-            stages: dict[str, HostedStage] = {}
-            new_failed: dict[str, ObservedStage] = {r.stage_id: r for r in rejected}
-            # Running stages first, so a new assignment cannot take the slot of one that stays.
-            stages.update(_still_hosted(current, desired))
-            # The rest go before anything is built: a stage rebuilt at a new generation must not hold its
-            # old weights, gradients and optimizer state beside the new ones (nor may `current` keep them).
-            dropped = [stage for stage_id, stage in current.items() if stages.get(stage_id) is not stage]
-            del current
-            self._drop(dropped)
-            for stage_id, assignment in desired.items():
-                if stage_id in stages:
-                    continue
-                earlier = failed.get(stage_id)
-                if earlier is not None and earlier.generation == assignment.generation:
-                    new_failed[stage_id] = earlier
-                    continue
-                clash = next((s for s in stages.values() if _same_slot(s.assignment, assignment)), None)
-                if clash is not None:
-                    new_failed[stage_id] = ObservedStage(
-                        stage_id,
-                        assignment.generation,
-                        ObservedState.FAILED,
-                        f"stage {assignment.stage_index} of job {assignment.job_id} is already hosted here "
-                        f"as {clash.assignment.stage_id}",
-                    )
-                    continue
-                refusal = self._over_budget(assignment)
-                if refusal is not None:
-                    new_failed[stage_id] = ObservedStage(stage_id, assignment.generation, ObservedState.FAILED, refusal)
-                    continue
-                group = None
-                try:
-                    group = stage_group(assignment, max_message_bytes=self._max_message_bytes)
-                    if group is not None:  # before the build: peers may push partials as soon as they run
-                        self.tensor_parallel.add(group)
-                    started = time.perf_counter()
-                    stages[stage_id] = build_hosted_stage(
-                        assignment,
-                        self._device,
-                        max_message_bytes=self._max_message_bytes,
-                        load_checkpoint=self._load_checkpoint,
-                        load_program=self._load_program,
-                        load_initial_weights=self._load_initial_weights,
-                        tensor_parallel=group,
-                    )
-                    seconds = time.perf_counter() - started
-                    if self._build_seconds is not None:
-                        source = "initial" if assignment.checkpoint is None else "checkpoint"
-                        self._build_seconds.labels(source=source).observe(seconds)
-                    log.info(
-                        "built %s (generation %d) in %.2f s: layers [%d, %d) on %s, %s; %s",
-                        stage_id,
-                        assignment.generation,
-                        seconds,
-                        assignment.layer_start,
-                        assignment.layer_end,
-                        self._device,
-                        "initial weights"
-                        if assignment.checkpoint is None
-                        else f"resumed from the checkpoint of step {assignment.checkpoint.step}",
-                        memory_summary(self._device),
-                    )
-                except Exception as exc:  # a stage that cannot be built is reported, not fatal
-                    # The traceback as text: a record holding the exception would hold this frame, and so the
-                    # stages in it, in any handler that keeps records.
-                    log.error("could not build %s\n%s", stage_id, traceback.format_exc())
-                    if group is not None:
-                        self.tensor_parallel.remove(group)
-                    new_failed[stage_id] = ObservedStage(
-                        stage_id,
-                        assignment.generation,
-                        ObservedState.FAILED,
-                        f"could not build the stage: {type(exc).__name__}: {exc}",
-                    )
-            with self._lock:
-                self._stages, self._failed = stages, new_failed
-            changed = {k: id(v) for k, v in stages.items()} != before
-            if changed:
-                release_free_memory()  # what the build used only while loading, and what the old stages left
-            return changed or new_failed != failed
+                hosted = {stage_id: stage.assignment for stage_id, stage in self._stages.items()}
+                failed = dict(self._failed)
+            memory = MemoryBudget(self.memory_budget, self.runtime_bytes)
+            actions = plan_changes(hosted, failed, assignments, rejected, memory)
+            return self._execute(actions, failed)
 
-    def _over_budget(self, assignment: Assignment) -> str | None:
-        """Why the stage would not fit the owner's memory budget beside what the agent itself holds, or None:
-        the placement's own estimate (weights, gradients, optimizer state and the activations of the
-        micro-batches its schedule has in flight on this stage, `arceus.placement.solver.stage_memory`); a stage
-        served for inference, its weights and decoding caches (`stage_inference_memory`)."""
-        budget = self.memory_budget
-        if budget is None:
-            return None
-        layers = layer_profiles(assignment.spec)[assignment.layer_start : assignment.layer_end]
-        if assignment.inference:
-            need, held = stage_inference_memory(layers, DECODE_SESSIONS), "weights and decoding caches"
-        else:
-            ranks = assignment.tensor_parallel.size if assignment.tensor_parallel is not None else 1
-            workload = Workload(assignment.max_micro_batch_size, assignment.micro_batches, assignment.schedule)
-            in_flight = workload.in_flight(assignment.stage_index, assignment.num_stages)
-            need = stage_memory(layers, workload, ranks, in_flight)
-            held = "weights, gradients, optimizer state and activations"
-        if need + self.runtime_bytes <= budget:
-            return None
-        return (
-            f"needs {need:,} bytes for its {held} beside the "
-            f"{self.runtime_bytes:,} this agent holds, above the {budget:,} bytes this node's owner offers"
-        )
+    def _execute(self, actions: Sequence[HostingAction], failed: dict[str, ObservedStage]) -> bool:
+        """Carry out a plan (in its order: keeps, drops, then reports and builds); whether anything changed."""
+        with self._lock:
+            stages = {a.stage_id: self._stages[a.stage_id] for a in actions if isinstance(a, KeepStage)}
+            dropped = [self._stages[a.stage_id] for a in actions if isinstance(a, DropStage)]
+        for stage_id in (a.stage_id for a in actions if isinstance(a, KeepStage) and a.changed):
+            log.warning(
+                "assignment %s changed within generation %d; keeping the running stage", stage_id,
+                stages[stage_id].assignment.generation,
+            )
+        changed = bool(dropped)
+        self._drop(dropped)  # its only references: the drop waits until no call holds them
+        new_failed: dict[str, ObservedStage] = {}
+        for action in actions:
+            if isinstance(action, ReportFailed):
+                new_failed[action.observed.stage_id] = action.observed
+            elif isinstance(action, BuildStage):
+                outcome = self._build(action.assignment)
+                if isinstance(outcome, HostedStage):
+                    stages[action.assignment.stage_id], changed = outcome, True
+                else:
+                    new_failed[outcome.stage_id] = outcome
+        with self._lock:
+            self._stages, self._failed = stages, new_failed
+        if changed:
+            release_free_memory()  # what the build used only while loading, and what the old stages left
+        return changed or new_failed != failed
+
+    def _build(self, assignment: Assignment) -> HostedStage | ObservedStage:
+        """The stage built from its assignment, or, if it cannot be built, its failure to report."""
+        group = None
+        try:
+            group = stage_group(assignment, max_message_bytes=self._max_message_bytes)
+            if group is not None:  # before the build: peers may push partials as soon as they run
+                self.tensor_parallel.add(group)
+            started = time.perf_counter()
+            stage = build_hosted_stage(
+                assignment,
+                self._device,
+                max_message_bytes=self._max_message_bytes,
+                load_checkpoint=self._load_checkpoint,
+                load_program=self._load_program,
+                load_initial_weights=self._load_initial_weights,
+                tensor_parallel=group,
+            )
+            seconds = time.perf_counter() - started
+            if self._build_seconds is not None:
+                source = "initial" if assignment.checkpoint is None else "checkpoint"
+                self._build_seconds.labels(source=source).observe(seconds)
+            log.info(
+                "built %s (generation %d) in %.2f s: layers [%d, %d) on %s, %s; %s",
+                assignment.stage_id,
+                assignment.generation,
+                seconds,
+                assignment.layer_start,
+                assignment.layer_end,
+                self._device,
+                "initial weights"
+                if assignment.checkpoint is None
+                else f"resumed from the checkpoint of step {assignment.checkpoint.step}",
+                memory_summary(self._device),
+            )
+            return stage
+        except Exception as exc:  # a stage that cannot be built is reported, not fatal
+            # The traceback as text: a record holding the exception would hold this frame, and so the
+            # stages in it, in any handler that keeps records.
+            log.error("could not build %s\n%s", assignment.stage_id, traceback.format_exc())
+            if group is not None:
+                self.tensor_parallel.remove(group)
+            return ObservedStage(
+                assignment.stage_id,
+                assignment.generation,
+                ObservedState.FAILED,
+                f"could not build the stage: {type(exc).__name__}: {exc}",
+            )
 
     def _drop(self, dropped: list[HostedStage]) -> None:
         """Stop hosting `dropped` and let their memory go: calls still running in them end with ABORTED, and
@@ -261,22 +243,3 @@ class HostedStages:
     def close(self) -> None:
         self.apply([])
 
-
-def _same_slot(a: Assignment, b: Assignment) -> bool:
-    return a.job_id == b.job_id and a.stage_index == b.stage_index
-
-
-def _still_hosted(current: dict[str, HostedStage], desired: dict[str, Assignment]) -> dict[str, HostedStage]:
-    """The hosted stages the desired state keeps at their generation. (A function of its own: a loop
-    variable left in `apply` would hold a replaced stage, and its memory, through the rebuild.)"""
-    kept = {}
-    for stage_id, assignment in desired.items():
-        stage = current.get(stage_id)
-        if stage is not None and stage.assignment.generation == assignment.generation:
-            if stage.assignment != assignment:
-                log.warning(
-                    "assignment %s changed within generation %d; keeping the running stage", stage_id,
-                    assignment.generation,
-                )
-            kept[stage_id] = stage
-    return kept
