@@ -182,6 +182,22 @@ class Agent:
         )
         return changed
 
+    def take_caps(self, *, max_threads: int | None, max_memory_bytes: int | None) -> None:
+        """The owner's caps from a heartbeat answer: compute threads, and the memory the stages may hold (a stage
+        that would not fit is refused when it is assigned; one already hosted stays)."""
+        self.limit_threads(max_threads)
+        self.registry.memory_budget = max_memory_bytes
+
+    def heartbeat_answered(self, *, metrics_token_sha256: str | None) -> None:
+        self.metrics.heartbeat_succeeded()
+        self.metrics.accept_scrapes(metrics_token_sha256)
+
+    def take_neighbour_links(self) -> list[dict[str, Any]]:
+        return self.neighbour_links.take()
+
+    def relay_report(self) -> dict[str, Any] | None:
+        return self.relay.report() if self.relay is not None else None
+
     def limit_threads(self, max_threads: int | None) -> None:
         """Take the owner's cap on compute threads (None: what the agent was started with). Thread counts
         are per OS thread in OpenMP, so each step sets it on the thread that computes."""

@@ -14,10 +14,10 @@ import re
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 import requests
 
@@ -27,7 +27,6 @@ from arceus.contracts.observed import ObservedStage
 from arceus.errors import SpecError
 from arceus.model.exported.program import MAX_PROGRAM_BYTES
 from arceus.model.hugging_face import initial_weights_slice_check
-from nodeagent.agent import Agent
 from nodeagent.host_load import HostLoad
 from nodeagent.stage import StateUploadError
 
@@ -406,6 +405,33 @@ def measure_link(client: ControlPlaneClient, rounds: int = 3) -> dict[str, float
     return {"rtt_seconds": rtt, "bandwidth_bytes_per_second": PROBE_BYTES / max(upload - rtt, 1e-6)}
 
 
+class HeartbeatAgent(Protocol):
+    """The agent as the heartbeat loop sees it (nodeagent.agent.Agent is one): what each heartbeat reports, and
+    the few things an answer tells it."""
+
+    def observed(self) -> list[dict[str, Any]]:
+        """Each assigned stage's state (arceus.contracts.observed)."""
+
+    def take_neighbour_links(self) -> list[dict[str, Any]]:
+        """The links to pipeline neighbours measured since the last call."""
+
+    def relay_report(self) -> dict[str, Any] | None:
+        """Where the agent is attached for relayed callers (None: not yet serving)."""
+
+    def heartbeat_answered(self, *, metrics_token_sha256: str | None) -> None:
+        """The control plane answered a heartbeat (the lease is renewed), naming the digest of the token a scrape
+        of /metrics must present (None: no scrapes)."""
+
+    def follow_relay(self, relay: dict[str, str] | None, relays: Sequence[str], certificate: str) -> None:
+        """The relay to attach to, and every relay (and their certificate) to reach relayed neighbours by."""
+
+    def take_caps(self, *, max_threads: int | None, max_memory_bytes: int | None) -> None:
+        """The owner's caps on compute threads and on the memory of the stages (None: no cap)."""
+
+    def apply_assignments(self, assignments: list[Assignment], rejected: Sequence[ObservedStage] = ()) -> bool:
+        """Host the desired state (the whole of it); whether anything changed."""
+
+
 class HeartbeatLoop:
     """A daemon thread: heartbeat every interval, back off on errors; another applies each answer's desired
     state, so a stage that takes long to build (a large checkpoint to download and load) never holds back the
@@ -418,7 +444,7 @@ class HeartbeatLoop:
     def __init__(
         self,
         client: ControlPlaneClient,
-        agent: Agent,
+        agent: HeartbeatAgent,
         *,
         interval: float,
         on_fatal: Callable[[str], None],
@@ -463,20 +489,18 @@ class HeartbeatLoop:
                 link = None
                 if time.monotonic() - self._link_measured >= REMEASURE_SECONDS:
                     link, self._link_measured = measure_link(self._client), time.monotonic()
-                self._unsent_links.update((f["address"], f) for f in self._agent.neighbour_links.take())
+                self._unsent_links.update((f["address"], f) for f in self._agent.take_neighbour_links())
                 reply = self._client.heartbeat(
                     self._agent.observed(),
                     self._host_load.others_busy_fraction(),
                     link,
                     list(self._unsent_links.values()),
-                    self._agent.relay.report() if self._agent.relay is not None else None,
+                    self._agent.relay_report(),
                 )
                 self._unsent_links = {}
                 self._agent.follow_relay(reply.relay, reply.relays, reply.relay_certificate)
-                self._agent.metrics.heartbeat_succeeded()
-                self._agent.metrics.accept_scrapes(reply.metrics_token_sha256)
-                self._agent.limit_threads(reply.max_threads)
-                self._agent.registry.memory_budget = reply.max_memory_bytes
+                self._agent.heartbeat_answered(metrics_token_sha256=reply.metrics_token_sha256)
+                self._agent.take_caps(max_threads=reply.max_threads, max_memory_bytes=reply.max_memory_bytes)
                 self._interval = reply.heartbeat_interval_seconds
                 backoff = self._min_backoff
                 with self._desired_lock:
