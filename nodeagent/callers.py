@@ -9,14 +9,13 @@ credential's, or a method its role may not call, gets PERMISSION_DENIED.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
-from arceus.contracts.credentials import METADATA_KEY, SCHEME, Role, StageCredentials
+from arceus.contracts.credentials import METADATA_KEY, SCHEME, Role, StageCredentials, token_digest
 from arceus.v1 import stage_pb2
 from nodeagent.rpc import RpcFailure
 
@@ -68,7 +67,7 @@ def metadata_digest(metadata: Iterable[tuple[str, str | bytes]] | None) -> str |
         if key == METADATA_KEY and isinstance(value, str) and value.startswith(SCHEME):
             token = value[len(SCHEME) :]
             if 0 < len(token) <= _MAX_TOKEN_CHARS:
-                return hashlib.sha256(token.encode()).hexdigest()
+                return token_digest(token)
     return None
 
 

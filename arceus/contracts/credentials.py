@@ -48,6 +48,8 @@ def mint_token(secret: bytes, job_id: str, generation: int, principal: str) -> s
 
 
 def token_digest(token: str) -> str:
+    """The SHA-256 (hex) a bearer token is known by where it is checked: data-plane tokens in assignments and
+    by agents, node tokens in the control plane's database."""
     return hashlib.sha256(token.encode()).hexdigest()
 
 

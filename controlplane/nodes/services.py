@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -13,6 +12,7 @@ from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 
+from arceus.contracts.credentials import token_digest
 from arceus.contracts.observed import ObservedStage
 from controlplane.common.conditions import TRUE
 from controlplane.common.dispatch import reconcile_soon
@@ -33,7 +33,8 @@ NODE_TOKEN_PREFIX = "arceus_node_"
 
 
 def node_token_hash(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
+    """What a node's row keeps of its agent token (the token itself is shown once and never stored)."""
+    return token_digest(token)
 
 
 def _node_token_new() -> str:
