@@ -98,7 +98,7 @@ class HostedStages:
                 stages[stage_id].assignment.generation,
             )
         changed = bool(dropped)
-        self._drop(dropped)  # its only references: the drop waits until no call holds them
+        self._drop(dropped)  # takes them out of `_stages`, so `dropped` holds their last references
         new_failed: dict[str, ObservedStage] = {}
         for action in actions:
             if isinstance(action, ReportFailed):
