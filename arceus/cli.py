@@ -12,7 +12,7 @@
     arceus jobs sample JOB_ID --prompt "And God said"  # text from a running or served transformer job
     arceus datasets upload corpus.txt --format text   # resumable; prints the dataset (its id goes in dataset_config)
     arceus datasets list
-    arceus nodes create my-laptop        # prints the agent token, once
+    arceus nodes create my-laptop        # prints the agent token, once, in the commands that start its agent
     arceus nodes pause NODE_ID           # drain it: its stages move elsewhere without losing work
 """
 
@@ -22,10 +22,12 @@ import argparse
 import getpass
 import json
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
+from arceus.contracts.credentials import NODE_TOKEN_ENV
 from arceus.contracts.status import JobStatus
 from arceus.progress_bar import JobProgressBar
 from arceus.sdk import TOKEN_ENV, URL_ENV, ApiError, ArceusClient
@@ -136,14 +138,27 @@ def cmd_nodes(args: argparse.Namespace) -> int:
     client = _client(args)
     if args.action == "create":
         created = client.create_node(args.name)
-        print(f"node {created['id']} created. Start its agent with (the token is shown only once):\n"
-              f"  python -m nodeagent --control-plane {args.url} --token {created['token']}")
+        print(f"node {created['id']} created; its agent token is shown only this once.\n"
+              f"{_agent_commands(args.url, created['token'])}")
     elif args.action in ("pause", "resume"):
         node = client.pause_node(args.node_id) if args.action == "pause" else client.resume_node(args.node_id)
         print(f"node {node['id']} {'paused: its stages move elsewhere' if node['paused'] else 'resumed'}")
     else:
         _print(client.nodes())
     return 0
+
+
+def _agent_commands(url: str, token: str) -> str:
+    """How the node's owner starts its agent (`arceus-agent`, nodeagent): the token goes by the environment or
+    standard input, never as an argument, which every local user sees in `ps`."""
+    url, token = shlex.quote(url), shlex.quote(token)
+    return (
+        "Start its agent on the machine it lends:\n"
+        f"  {NODE_TOKEN_ENV}={token} arceus-agent --control-plane {url}\n"
+        "or keep the token in a file only you can read, with settings `arceus-agent run` starts from:\n"
+        f"  echo {token} | arceus-agent init --control-plane {url} --token-stdin\n"
+        "  arceus-agent run"
+    )
 
 
 def cmd_datasets(args: argparse.Namespace) -> int:

@@ -11,7 +11,7 @@ import stat
 from collections.abc import Mapping
 from pathlib import Path
 
-TOKEN_ENV = "ARCEUS_NODE_TOKEN"
+from arceus.contracts.credentials import NODE_TOKEN_ENV as TOKEN_ENV
 
 
 class TokenError(ValueError):

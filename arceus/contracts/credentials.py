@@ -34,6 +34,8 @@ class Role(StrEnum):
 
 
 DRIVER = "driver"
+# Where an agent finds its node token (nodeagent.node_token): what `arceus nodes create` tells the owner to set.
+NODE_TOKEN_ENV = "ARCEUS_NODE_TOKEN"
 
 
 def stage_principal(stage_index: int, rank: int = 0) -> str:
