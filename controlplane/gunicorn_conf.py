@@ -2,22 +2,12 @@
 `gunicorn controlplane.asgi -c python:controlplane.gunicorn_conf`. ARCEUS_WEB_WORKERS sizes it (processes) and
 ARCEUS_WEB_THREADS each process's Django threads (controlplane/asgi.py).
 
-Why gunicorn's asyncio worker (`asgi`, on uvloop) and not its gthread worker: nearly every request is a quiet
-heartbeat (10,000 agents, 1,000 a second), and under gthread each one paid for the worker's pure-Python request
-handling, a hand-off to a thread, and its own database and Redis round trips through synchronous clients. On the
-event loop the quiet path (controlplane/nodes/heartbeat.py) needs no thread, and the heartbeats that arrive in
-one turn of the loop share one database read and one lease renewal; the rest of the API, the admin and /metrics
-are unchanged synchronous Django, run in ARCEUS_WEB_THREADS threads per process (controlplane/asgi.py), so
-nothing else had to become async. Measured side by side on this 2-core machine (shared with other work, load
-average 6-8; `bench/heartbeat_cost.py --agents 500 --heartbeats 10000`, run on the gthread tree, then on this
-one): a quiet heartbeat cost 0.602 ms of web CPU under gthread and costs 0.228 ms here (1,167 vs 2,776 answered
-a second); one through Django and DRF 1.98 vs 2.10 ms (the WSGI bridge costs about what gthread's threads did).
-Without the shared round trips this worker cost about what gthread did (0.61-0.68 ms: the async psycopg and
-redis clients cost what the synchronous ones do), so the sharing is what the event loop buys. gunicorn's C
-parser (gunicorn[fast]) made no measurable difference under gthread and is not required. Kept from gthread:
-one process per core (the GIL), thousands of idle keep-alive connections per process, persistent database
-connections (Django's threads; the quiet path keeps a few async ones of its own), the same command-line shape,
-and child_exit for prometheus_client's multiprocess mode.
+gunicorn's asyncio worker (on uvloop), not its gthread worker: nearly every request is a quiet heartbeat, which
+the event loop answers without a thread (controlplane/nodes/heartbeat.py), sharing one database read and one
+lease renewal among the heartbeats of one turn of the loop. The rest of the API, the admin and /metrics stay
+synchronous Django in ARCEUS_WEB_THREADS threads per process. One process per core (the GIL); thousands of
+idle keep-alive connections each. The side-by-side measurement behind the choice is in docs/BENCHMARKS.md
+("Why the web server runs gunicorn's asyncio worker").
 """
 
 from __future__ import annotations
@@ -57,12 +47,10 @@ def child_exit(server: Any, worker: Any) -> None:
 
 class BackloggedASGIWorker(ASGIWorker):
     """gunicorn's asyncio worker, listening with the `backlog` above. Its event loop's create_server listens
-    again on gunicorn's socket with asyncio's default backlog, 100 (gunicorn 27.0.1; uvicorn's worker had the
-    same bug, encode/uvicorn#544): when 10,000 agents connected, the kernel's accept queue overflowed (42,748
-    times in one `bench/control_plane_scale.py` run, `nstat` TcpExtListenOverflows), and a client whose last
-    handshake packet was dropped sent its request into a connection the server never accepted, then waited
-    out its timeout. `notify` runs first right after the servers start (and every second after): listening
-    again there only sets the queue's length."""
+    again on gunicorn's socket with asyncio's default backlog, 100 (gunicorn 27.0.1; encode/uvicorn#544 is the
+    same bug): with thousands of agents connecting, the accept queue overflowed and clients whose handshake was
+    dropped waited out their timeouts. `notify` runs first right after the servers start (and every second
+    after): listening again there only sets the queue's length."""
 
     backlog_restored = False
 
