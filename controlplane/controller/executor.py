@@ -22,7 +22,7 @@ from django.utils import timezone
 from arceus.contracts.status import JobStatus
 from arceus.placement.solver import Budget
 from controlplane.common.conditions import UNKNOWN
-from controlplane.controller.rules import (
+from controlplane.controller.actions import (
     Action,
     FailJob,
     MarkNodeUnknown,
@@ -34,8 +34,8 @@ from controlplane.controller.rules import (
     SetCondition,
     StartDriver,
     StopServing,
-    plan,
 )
+from controlplane.controller.rules import plan
 from controlplane.controller.snapshot import load_snapshot
 from controlplane.controller.transitions import (
     job_fail,

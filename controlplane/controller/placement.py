@@ -7,7 +7,7 @@ import math
 from typing import Any
 
 from arceus.placement.solver import Workload
-from controlplane.controller.rules import Requirements, TensorParallel
+from controlplane.controller.views import Requirements, TensorParallel
 
 
 def workload(dataset_config: dict[str, Any], micro_batches: int, schedule: str) -> Workload:

@@ -38,11 +38,8 @@ Jobs are considered oldest first; a job that cannot be placed does not hold back
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
 from arceus.contracts.observed import ObservedState
 from arceus.contracts.status import ACTIVE_STATUSES, JobStatus
@@ -50,260 +47,34 @@ from arceus.model.decoding import DECODE_SESSIONS
 from arceus.placement.solver import (
     MAX_CANDIDATES,
     Budget,
-    Device,
     LayerProfile,
     PlacementError,
-    Workload,
     solve,
     stage_inference_memory,
     stage_memory,
 )
 from controlplane.common.conditions import FALSE, TRUE, UNKNOWN, Condition, has_condition, set_conditions
+from controlplane.controller.actions import (
+    Action,
+    FailJob,
+    MarkNodeUnknown,
+    PlaceJob,
+    PlannedStage,
+    RequestHandover,
+    RequeueJob,
+    RewindJob,
+    ServeJob,
+    SetCondition,
+    StartDriver,
+    StopServing,
+)
+from controlplane.controller.views import Desired, JobView, NodeView, Observed, PlacedStage, StageReport, stage_bounds
 
 QUEUED, PLACING, PENDING, RUNNING = JobStatus.QUEUED, JobStatus.PLACING, JobStatus.PENDING, JobStatus.RUNNING
 SUCCEEDED = JobStatus.SUCCEEDED
 READY, FAILED = ObservedState.READY, ObservedState.FAILED
 
-Conditions = tuple[dict[str, Any], ...]
 
-
-# --- snapshots ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class NodeView:
-    id: str
-    ready_status: str
-    lease_renewed_at: datetime | None
-    lease_duration_seconds: float
-    flops: float
-    memory_bytes: int
-    name: str = ""
-    paused: bool = False  # may not work now (its owner's controls): no new stages, its stages handed back
-    pause_reason: str = "paused by its owner"
-    device_type: str = "cpu"
-    price_per_hour: float = 0.0  # the posted price of its device class
-    # Its measured link: the worst to a pipeline neighbour (LinkProbeService), else to the control plane
-    # (POST /api/agent/probe); unmeasured: unlimited.
-    bandwidth_bytes_per_s: float = math.inf
-    latency_s: float = 0.0
-    relayed: bool = False  # the control plane could not dial it back: callers reach it through a relay
-
-    def device(self) -> Device:
-        """The node in the placement solver's terms."""
-        return Device(
-            self.id, self.flops, self.memory_bytes, bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
-            latency_s=self.latency_s, price_per_hour=self.price_per_hour, relayed=self.relayed,
-        )
-
-
-@dataclass(frozen=True)
-class Requirements:
-    """What a job asks of the devices it runs on (all optional)."""
-
-    min_memory_bytes: int = 0
-    device_types: tuple[str, ...] = ()  # empty: any
-    min_devices: int | None = None  # devices, counting every rank of a tensor-parallel stage
-    max_devices: int | None = None
-    max_price_per_hour: float | None = None  # for all its devices together
-
-    def allows(self, node: NodeView) -> bool:
-        return node.memory_bytes >= self.min_memory_bytes and (
-            not self.device_types or node.device_type in self.device_types
-        )
-
-
-@dataclass(frozen=True)
-class TensorParallel:
-    """How a job's stages split over nodes: groups of `size` (1: none), for every stage or only `stages`."""
-
-    size: int = 1
-    stages: tuple[int, ...] | None = None  # the split stages' indices; None: every stage
-
-    def ranks(self, index: int) -> int:
-        """How many nodes stage `index` runs on."""
-        return self.size if self.stages is None or index in self.stages else 1
-
-    def nodes(self, stage_count: int) -> int:
-        return sum(self.ranks(i) for i in range(stage_count))
-
-
-def stage_bounds(
-    stages_requested: int | None, requirements: Requirements, split: TensorParallel
-) -> tuple[int, int | None]:
-    """The stage counts a job allows: the count it asked for, else what its device bounds allow."""
-    if stages_requested:
-        return stages_requested, stages_requested
-    low, high = requirements.min_devices, requirements.max_devices
-    return -(-(low or 1) // split.size), None if high is None else max(high // split.size, 1)
-
-
-@dataclass(frozen=True)
-class PlacedStage:
-    """One node's part of a stage: the whole stage, or rank `rank` of a tensor-parallel group."""
-
-    index: int
-    layer_start: int
-    layer_end: int
-    node_id: str | None
-    generation: int
-    rank: int = 0
-
-
-@dataclass(frozen=True)
-class JobView:
-    id: str
-    status: str
-    generation: int
-    stages_requested: int | None
-    layers: tuple[LayerProfile, ...]
-    workload: Workload = Workload(micro_batch_size=1, micro_batches=1)
-    requirements: Requirements = Requirements()
-    stages: tuple[PlacedStage, ...] = ()
-    conditions: Conditions = ()
-    driver_lease_expires_at: datetime | None = None
-    driver_claimed: bool = False  # a driver took the lease (else a started driver task is still queued)
-    spec_error: str | None = None  # the stored model_config no longer validates
-    node_grace_seconds: float | None = None  # the job's own tolerance for silent nodes
-    restarts: int = 0
-    max_restarts: int = 5
-    handover_requested: bool = False  # the driver was asked to checkpoint and stop, to drain a node
-    tensor_parallel: TensorParallel = TensorParallel()
-    serving: bool = False  # a succeeded job its owner asked to serve
-    # A succeeded job's final checkpoint, stage by stage: (index, layer_start, layer_end); what serving places.
-    served_layers: tuple[tuple[int, int, int], ...] = ()
-
-
-@dataclass(frozen=True)
-class StageReport:
-    generation: int | None
-    state: str
-    message: str = ""
-
-
-@dataclass(frozen=True)
-class Desired:
-    jobs: tuple[JobView, ...]  # queued, placing, pending and running jobs, and served ones, oldest first
-
-
-@dataclass(frozen=True)
-class Observed:
-    nodes: tuple[NodeView, ...]
-    stages: Mapping[tuple[str, int, int], StageReport] = field(default_factory=dict)  # (job id, index, rank)
-
-
-# --- actions --------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class MarkNodeUnknown:
-    node_id: str
-    renewed_at: datetime  # the lease as seen; a heartbeat since then cancels the action
-    reason: str
-    message: str
-
-
-@dataclass(frozen=True)
-class PlannedStage:
-    index: int
-    layer_start: int
-    layer_end: int
-    node_id: str
-    rank: int = 0
-
-
-@dataclass(frozen=True)
-class PlaceJob:
-    job_id: str
-    generation: int  # the queued job's; the placement gets generation + 1
-    stages: tuple[PlannedStage, ...]
-    conditions: Conditions
-
-
-@dataclass(frozen=True)
-class SetCondition:
-    """Write the job's conditions (one of them changed) without changing anything else."""
-
-    job_id: str
-    generation: int
-    status: str
-    conditions: Conditions
-
-
-@dataclass(frozen=True)
-class StartDriver:
-    job_id: str
-    generation: int
-    status: str  # PLACING for a first start, RUNNING for a restart
-    lease_expires_at: datetime | None  # as seen; another pass that restarted the driver changed it
-    conditions: Conditions
-
-
-@dataclass(frozen=True)
-class RequeueJob:
-    job_id: str
-    generation: int
-    reason: str
-    message: str
-
-
-@dataclass(frozen=True)
-class RequestHandover:
-    """Ask a running job's driver to checkpoint where it is and stop, so stages on draining nodes can
-    move without losing work (the move itself follows once the driver let go of its lease)."""
-
-    job_id: str
-    generation: int
-    conditions: Conditions
-
-
-@dataclass(frozen=True)
-class RewindJob:
-    """Bump the generation so every stage rebuilds from the last checkpoint; `moves` re-places stage
-    ranks: (index, rank, a node id, or None to unplace it: the job then waits as pending)."""
-
-    job_id: str
-    generation: int
-    status: str
-    moves: tuple[tuple[int, int, str | None], ...]
-    count_restart: bool
-    reason: str
-    message: str
-
-
-@dataclass(frozen=True)
-class FailJob:
-    job_id: str
-    generation: int
-    reason: str
-    message: str
-
-
-@dataclass(frozen=True)
-class ServeJob:
-    """Place a succeeded job's stages for inference (`stages`: all of them, rank 0 each; moved ones and kept
-    ones alike) at the next generation, from its final checkpoint."""
-
-    job_id: str
-    generation: int
-    stages: tuple[PlannedStage, ...]
-    conditions: Conditions
-
-
-@dataclass(frozen=True)
-class StopServing:
-    """Release a served job's nodes (a new generation); `serving`: whether the owner's wish stands (the job is
-    placed again once nodes have room) or is withdrawn."""
-
-    job_id: str
-    generation: int
-    serving: bool
-    conditions: Conditions
-
-
-Action = (
-    MarkNodeUnknown | PlaceJob | SetCondition | StartDriver | RequeueJob | RequestHandover | RewindJob | FailJob
-    | ServeJob | StopServing
-)
-
-
-# --- planning -------------------------------------------------------------------------------------
 def plan(
     desired: Desired, observed: Observed, now: datetime, solver_budget: Budget | None = None,
     max_placements: int | None = None,

@@ -28,7 +28,7 @@ from arceus.placement.profiles import layer_profiles
 from arceus.placement.solver import LayerProfile
 from controlplane.common.db import consistent_snapshot, row_versions_reliable
 from controlplane.controller.placement import requirements, tensor_parallel_split, workload
-from controlplane.controller.rules import Desired, JobView, NodeView, Observed, PlacedStage, StageReport
+from controlplane.controller.views import Desired, JobView, NodeView, Observed, PlacedStage, StageReport
 from controlplane.jobs.models import Checkpoint, Job, Stage, StageCheckpoint
 from controlplane.market.pricing import device_class
 from controlplane.market.services import price_in_force

@@ -22,8 +22,8 @@ from controlplane.celery import TRAIN_JOB_TASK
 from controlplane.common.conditions import FALSE, TRUE, Condition, set_conditions
 from controlplane.common.dispatch import enqueue_on_commit, reconcile_soon
 from controlplane.common.errors import ApplicationError
+from controlplane.controller.actions import PlaceJob, ServeJob, StartDriver, StopServing
 from controlplane.controller.leases import lease_end
-from controlplane.controller.rules import PlaceJob, ServeJob, StartDriver, StopServing
 from controlplane.jobs.checkpoints import checkpoints_delete
 from controlplane.jobs.models import Job, Stage
 from controlplane.market.services import ledger_roll_back

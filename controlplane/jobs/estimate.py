@@ -25,8 +25,8 @@ from controlplane.common.conditions import TRUE
 from controlplane.common.dispatch import enqueue_on_commit
 from controlplane.common.errors import ApplicationError, one_by_id
 from controlplane.controller.placement import requirements, tensor_parallel_split, workload
-from controlplane.controller.rules import stage_bounds
 from controlplane.controller.snapshot import node_views, registered_nodes
+from controlplane.controller.views import stage_bounds
 from controlplane.datasets.selectors import dataset_config_resolved
 from controlplane.jobs.models import EstimateStatus, JobEstimate, Stage
 from controlplane.jobs.services import job_validate

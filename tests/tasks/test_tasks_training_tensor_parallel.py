@@ -15,8 +15,8 @@ from django.db import connection
 from django.utils import timezone
 
 from arceus.data.text_config import BUNDLED_TEXT
+from controlplane.controller.actions import MarkNodeUnknown, RewindJob, StartDriver
 from controlplane.controller.executor import reconcile_once
-from controlplane.controller.rules import MarkNodeUnknown, RewindJob, StartDriver
 from controlplane.jobs.driving import train_plan
 from controlplane.jobs.models import (
     Checkpoint,

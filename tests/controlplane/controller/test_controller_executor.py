@@ -7,8 +7,9 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from controlplane.controller.actions import MarkNodeUnknown, PlaceJob, PlannedStage, RewindJob, StartDriver
 from controlplane.controller.executor import execute, reconcile_once
-from controlplane.controller.rules import MarkNodeUnknown, PlaceJob, PlannedStage, RewindJob, StartDriver, plan
+from controlplane.controller.rules import plan
 from controlplane.controller.snapshot import load_snapshot
 from controlplane.jobs.models import Job, Stage
 from controlplane.jobs.services import job_cancel

@@ -7,25 +7,19 @@ from datetime import UTC, datetime, timedelta
 
 from arceus.placement.solver import LayerProfile
 from controlplane.common.conditions import get_condition
-from controlplane.controller.rules import (
-    Desired,
+from controlplane.controller.actions import (
     FailJob,
-    JobView,
     MarkNodeUnknown,
-    NodeView,
-    Observed,
-    PlacedStage,
     PlaceJob,
     PlannedStage,
     RequestHandover,
     RequeueJob,
-    Requirements,
     RewindJob,
     SetCondition,
-    StageReport,
     StartDriver,
-    plan,
 )
+from controlplane.controller.rules import plan
+from controlplane.controller.views import Desired, JobView, NodeView, Observed, PlacedStage, Requirements, StageReport
 
 NOW = datetime(2025, 1, 1, 12, 0, tzinfo=UTC)
 # Three layers: forward FLOPs per sample, and parameters (16 bytes each to train: 1,000 and 100 bytes).

@@ -8,19 +8,9 @@ from datetime import timedelta
 
 from arceus.placement.solver import LayerProfile, stage_inference_memory, stage_state_bytes
 from controlplane.common.conditions import get_condition
-from controlplane.controller.rules import (
-    Desired,
-    JobView,
-    Observed,
-    PlacedStage,
-    PlaceJob,
-    PlannedStage,
-    ServeJob,
-    SetCondition,
-    StageReport,
-    StopServing,
-    plan,
-)
+from controlplane.controller.actions import PlaceJob, PlannedStage, ServeJob, SetCondition, StopServing
+from controlplane.controller.rules import plan
+from controlplane.controller.views import Desired, JobView, Observed, PlacedStage, StageReport
 from tests.controlplane.controller.test_controller_rules import NOW, job, node
 
 # Three layers of a text writer: two blocks keeping 100 bytes of keys and values per sequence, and a small head.

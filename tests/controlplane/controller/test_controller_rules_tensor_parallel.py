@@ -14,21 +14,9 @@ from hypothesis import strategies as st
 
 from arceus.placement.solver import LayerProfile, Workload, stage_memory
 from controlplane.common.conditions import get_condition
-from controlplane.controller.rules import (
-    Desired,
-    JobView,
-    MarkNodeUnknown,
-    NodeView,
-    Observed,
-    PlacedStage,
-    PlaceJob,
-    RewindJob,
-    SetCondition,
-    StageReport,
-    StartDriver,
-    TensorParallel,
-    plan,
-)
+from controlplane.controller.actions import MarkNodeUnknown, PlaceJob, RewindJob, SetCondition, StartDriver
+from controlplane.controller.rules import plan
+from controlplane.controller.views import Desired, JobView, NodeView, Observed, PlacedStage, StageReport, TensorParallel
 
 NOW = datetime(2025, 1, 1, 12, 0, tzinfo=UTC)
 WORKLOAD = Workload(micro_batch_size=2, micro_batches=2)

@@ -11,8 +11,8 @@ from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
+from controlplane.controller.actions import MarkNodeUnknown, RewindJob
 from controlplane.controller.executor import reconcile_once
-from controlplane.controller.rules import MarkNodeUnknown, RewindJob
 from controlplane.controller.snapshot import NODE_ROWS, job_layers, load_snapshot
 from controlplane.jobs.models import Job, Stage
 from controlplane.nodes.liveness import lease_renew

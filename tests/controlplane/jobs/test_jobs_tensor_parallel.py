@@ -13,8 +13,8 @@ from rest_framework.test import APIClient
 
 from arceus.contracts.assignment import Assignment
 from arceus.contracts.observed import ObservedStage
+from controlplane.controller.actions import PlaceJob, RewindJob, StartDriver
 from controlplane.controller.executor import reconcile_once
-from controlplane.controller.rules import PlaceJob, RewindJob, StartDriver
 from controlplane.jobs.estimate import job_estimate
 from controlplane.jobs.models import Job, Stage
 from controlplane.jobs.services import job_start, job_submit

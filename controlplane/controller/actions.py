@@ -1,0 +1,122 @@
+"""The reconciler's actions: what one pass decided (`rules.plan`), each naming the generation (and status) it was
+decided on, so the executor applies it only if the row still has them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from controlplane.controller.views import Conditions
+
+
+@dataclass(frozen=True)
+class MarkNodeUnknown:
+    node_id: str
+    renewed_at: datetime  # the lease as seen; a heartbeat since then cancels the action
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class PlannedStage:
+    index: int
+    layer_start: int
+    layer_end: int
+    node_id: str
+    rank: int = 0
+
+
+@dataclass(frozen=True)
+class PlaceJob:
+    job_id: str
+    generation: int  # the queued job's; the placement gets generation + 1
+    stages: tuple[PlannedStage, ...]
+    conditions: Conditions
+
+
+@dataclass(frozen=True)
+class SetCondition:
+    """Write the job's conditions (one of them changed) without changing anything else."""
+
+    job_id: str
+    generation: int
+    status: str
+    conditions: Conditions
+
+
+@dataclass(frozen=True)
+class StartDriver:
+    job_id: str
+    generation: int
+    status: str  # PLACING for a first start, RUNNING for a restart
+    lease_expires_at: datetime | None  # as seen; another pass that restarted the driver changed it
+    conditions: Conditions
+
+
+@dataclass(frozen=True)
+class RequeueJob:
+    job_id: str
+    generation: int
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class RequestHandover:
+    """Ask a running job's driver to checkpoint where it is and stop, so stages on draining nodes can
+    move without losing work (the move itself follows once the driver let go of its lease)."""
+
+    job_id: str
+    generation: int
+    conditions: Conditions
+
+
+@dataclass(frozen=True)
+class RewindJob:
+    """Bump the generation so every stage rebuilds from the last checkpoint; `moves` re-places stage
+    ranks: (index, rank, a node id, or None to unplace it: the job then waits as pending)."""
+
+    job_id: str
+    generation: int
+    status: str
+    moves: tuple[tuple[int, int, str | None], ...]
+    count_restart: bool
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class FailJob:
+    job_id: str
+    generation: int
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class ServeJob:
+    """Place a succeeded job's stages for inference (`stages`: all of them, rank 0 each; moved ones and kept
+    ones alike) at the next generation, from its final checkpoint."""
+
+    job_id: str
+    generation: int
+    stages: tuple[PlannedStage, ...]
+    conditions: Conditions
+
+
+@dataclass(frozen=True)
+class StopServing:
+    """Release a served job's nodes (a new generation); `serving`: whether the owner's wish stands (the job is
+    placed again once nodes have room) or is withdrawn."""
+
+    job_id: str
+    generation: int
+    serving: bool
+    conditions: Conditions
+
+
+Action = (
+    MarkNodeUnknown | PlaceJob | SetCondition | StartDriver | RequeueJob | RequestHandover | RewindJob | FailJob
+    | ServeJob | StopServing
+)
+

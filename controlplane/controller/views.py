@@ -1,0 +1,137 @@
+"""The snapshots the reconciler's rules read: plain, frozen values of what the database holds (filled by
+`snapshot.py`), so the rules stay pure and tests build them by hand."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+from arceus.placement.solver import Device, LayerProfile, Workload
+
+Conditions = tuple[dict[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class NodeView:
+    id: str
+    ready_status: str
+    lease_renewed_at: datetime | None
+    lease_duration_seconds: float
+    flops: float
+    memory_bytes: int
+    name: str = ""
+    paused: bool = False  # may not work now (its owner's controls): no new stages, its stages handed back
+    pause_reason: str = "paused by its owner"
+    device_type: str = "cpu"
+    price_per_hour: float = 0.0  # the posted price of its device class
+    # Its measured link: the worst to a pipeline neighbour (LinkProbeService), else to the control plane
+    # (POST /api/agent/probe); unmeasured: unlimited.
+    bandwidth_bytes_per_s: float = math.inf
+    latency_s: float = 0.0
+    relayed: bool = False  # the control plane could not dial it back: callers reach it through a relay
+
+    def device(self) -> Device:
+        """The node in the placement solver's terms."""
+        return Device(
+            self.id, self.flops, self.memory_bytes, bandwidth_bytes_per_s=self.bandwidth_bytes_per_s,
+            latency_s=self.latency_s, price_per_hour=self.price_per_hour, relayed=self.relayed,
+        )
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """What a job asks of the devices it runs on (all optional)."""
+
+    min_memory_bytes: int = 0
+    device_types: tuple[str, ...] = ()  # empty: any
+    min_devices: int | None = None  # devices, counting every rank of a tensor-parallel stage
+    max_devices: int | None = None
+    max_price_per_hour: float | None = None  # for all its devices together
+
+    def allows(self, node: NodeView) -> bool:
+        return node.memory_bytes >= self.min_memory_bytes and (
+            not self.device_types or node.device_type in self.device_types
+        )
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """How a job's stages split over nodes: groups of `size` (1: none), for every stage or only `stages`."""
+
+    size: int = 1
+    stages: tuple[int, ...] | None = None  # the split stages' indices; None: every stage
+
+    def ranks(self, index: int) -> int:
+        """How many nodes stage `index` runs on."""
+        return self.size if self.stages is None or index in self.stages else 1
+
+    def nodes(self, stage_count: int) -> int:
+        return sum(self.ranks(i) for i in range(stage_count))
+
+
+def stage_bounds(
+    stages_requested: int | None, requirements: Requirements, split: TensorParallel
+) -> tuple[int, int | None]:
+    """The stage counts a job allows: the count it asked for, else what its device bounds allow."""
+    if stages_requested:
+        return stages_requested, stages_requested
+    low, high = requirements.min_devices, requirements.max_devices
+    return -(-(low or 1) // split.size), None if high is None else max(high // split.size, 1)
+
+
+@dataclass(frozen=True)
+class PlacedStage:
+    """One node's part of a stage: the whole stage, or rank `rank` of a tensor-parallel group."""
+
+    index: int
+    layer_start: int
+    layer_end: int
+    node_id: str | None
+    generation: int
+    rank: int = 0
+
+
+@dataclass(frozen=True)
+class JobView:
+    id: str
+    status: str
+    generation: int
+    stages_requested: int | None
+    layers: tuple[LayerProfile, ...]
+    workload: Workload = Workload(micro_batch_size=1, micro_batches=1)
+    requirements: Requirements = Requirements()
+    stages: tuple[PlacedStage, ...] = ()
+    conditions: Conditions = ()
+    driver_lease_expires_at: datetime | None = None
+    driver_claimed: bool = False  # a driver took the lease (else a started driver task is still queued)
+    spec_error: str | None = None  # the stored model_config no longer validates
+    node_grace_seconds: float | None = None  # the job's own tolerance for silent nodes
+    restarts: int = 0
+    max_restarts: int = 5
+    handover_requested: bool = False  # the driver was asked to checkpoint and stop, to drain a node
+    tensor_parallel: TensorParallel = TensorParallel()
+    serving: bool = False  # a succeeded job its owner asked to serve
+    # A succeeded job's final checkpoint, stage by stage: (index, layer_start, layer_end); what serving places.
+    served_layers: tuple[tuple[int, int, int], ...] = ()
+
+
+@dataclass(frozen=True)
+class StageReport:
+    generation: int | None
+    state: str
+    message: str = ""
+
+
+@dataclass(frozen=True)
+class Desired:
+    jobs: tuple[JobView, ...]  # queued, placing, pending and running jobs, and served ones, oldest first
+
+
+@dataclass(frozen=True)
+class Observed:
+    nodes: tuple[NodeView, ...]
+    stages: Mapping[tuple[str, int, int], StageReport] = field(default_factory=dict)  # (job id, index, rank)
+
