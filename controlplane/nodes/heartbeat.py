@@ -1,27 +1,19 @@
 """The heartbeat's answer, and the quiet heartbeat answered before Django.
 
-10,000 agents heartbeat 1,000 times a second, and nearly every heartbeat changes nothing: nothing to report, the
-node's assignments still the version the agent holds. Through Django and DRF such a heartbeat cost about 1.8 ms
-of web CPU (middleware, request and serializer machinery, content negotiation, two database round trips);
-`quiet_heartbeats` wraps the ASGI application (controlplane/asgi.py: Django runs in its WSGI threads) and answers
-it on the event loop with one database round trip (the node by its token, its owner's state and its assignments
-version's rows, read together: nothing is cached, so a rotated token, a deleted node or a disabled owner is
-refused at once) and one Redis round trip (the lease), without a thread hand-off.
+Nearly every heartbeat changes nothing: nothing to report, the node's assignments still the version the agent
+holds. `quiet_heartbeats` wraps the ASGI application (controlplane/asgi.py: Django runs in its WSGI threads) and
+answers such a heartbeat on the event loop, without Django's request machinery or a thread hand-off: one database
+read (the node by its token, its owner's state and the rows its assignments version digests) and one Redis
+command (the lease), each shared by the heartbeats of one loop turn. Nothing is cached, so a rotated token, a
+deleted node or a disabled owner is refused at once. It also answers a node's first heartbeat when it hosts
+nothing (marking it Ready, `nodes_mark_ready`), and changed assignments the control worker built ahead under the
+version just read (controlplane/jobs/prepared_assignments.py). Its costs: docs/BENCHMARKS.md.
 
-An agent's first heartbeat is quiet too when its node hosts nothing (the answer's assignments are then empty,
-built from the same read): a fleet of 10,000 starting at once made 10,000 first heartbeats, about 9 ms of
-Django's CPU each, and their queue outlived the agents' timeouts. A node that was not Ready becomes Ready here
-(`nodes_mark_ready`, in a thread, once for all the nodes of a batch). And a heartbeat whose node's assignments
-changed is answered here when the control worker built them ahead under the version just read
-(controlplane/jobs/prepared_assignments.py: one Redis round trip more).
-
-It only ever answers a heartbeat it is sure of, and hands every other request to Django untouched (its body
-replayed): a body that is not exactly the quiet shape (any report, link, an unusual type or value, a large or
-chunked body, a repeated header it reads, a Host that ALLOWED_HOSTS refuses), a token no node has, a disabled
-owner, an unregistered node, or a node hosting stages whose assignments are not the version the agent holds and
-were not built ahead. So validation, error bodies and every change a heartbeat carries stay where they are
-(`AgentHeartbeatApi`, `node_heartbeat`), and the two paths answer the same body (`heartbeat_body`). Why each
-heartbeat went to Django is counted (metrics.HEARTBEATS_TO_DJANGO).
+It answers only heartbeats it is sure of and hands every other request to Django untouched (its body replayed):
+any report or link, an unusual body or header, a Host that ALLOWED_HOSTS refuses, an unknown token, a disabled
+owner, an unregistered node, or assignments that moved and were not built ahead. Validation, error bodies and
+every change a heartbeat carries stay in `AgentHeartbeatApi` and `node_heartbeat`; both paths answer the same
+body (`heartbeat_body`). Why each heartbeat went to Django is counted (metrics.HEARTBEATS_TO_DJANGO).
 """
 
 from __future__ import annotations
