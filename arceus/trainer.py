@@ -16,9 +16,13 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import tempfile
+import threading
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +50,22 @@ log = logging.getLogger("arceus.trainer")
 # Job fields the trainer sets itself from its own arguments; `train(**job_fields)` may set any other.
 _OWN_FIELDS = frozenset({"model_config", "dataset_config", "epochs", "stages", "tensor_parallel",
                          "checkpoint_interval_steps"})
+
+
+@contextmanager
+def interrupted_by_ctrl_c() -> Iterator[None]:
+    """Within, SIGINT raises KeyboardInterrupt also where the process inherited it ignored (as `cmd &` from a
+    script or some service managers start it; Python then installs no handler of its own), so Ctrl-C or `kill
+    -INT` cancels the job. Any other disposition is the program's own and is kept; so is everything off the
+    main thread, where no handler can be set."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) != signal.SIG_IGN:
+        yield
+        return
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class TrainingFailed(RuntimeError):
@@ -276,13 +296,14 @@ class DistributedTrainer:
         self.job_id = str(job["id"])
         log.info("job %s submitted: %d stages, tensor parallel %s", self.job_id, spec["stages"],
                  spec["tensor_parallel"])
-        try:
-            self.client.start_job(self.job_id)
-            final = self._wait(timeout)
-        except KeyboardInterrupt:
-            self.client.cancel_job(self.job_id)
-            print(f"cancelled job {self.job_id}", file=sys.stderr)
-            raise
+        with interrupted_by_ctrl_c():
+            try:
+                self.client.start_job(self.job_id)
+                final = self._wait(timeout)
+            except KeyboardInterrupt:
+                self.client.cancel_job(self.job_id)
+                print(f"cancelled job {self.job_id}", file=sys.stderr)
+                raise
         if final["status"] != JobStatus.SUCCEEDED:
             raise TrainingFailed(final)
         self._load_trained(final)

@@ -3,12 +3,14 @@ agents, discovered by mDNS, is tests/e2e/test_sdk_discovery.py."""
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
 
 from arceus import DistributedTrainer
 from arceus.sdk import TOKEN_ENV, URL_ENV
-from arceus.trainer import _layer_plan
+from arceus.trainer import _layer_plan, interrupted_by_ctrl_c
 
 MLP = {"type": "mlp", "layer_sizes": [64, 32, 10]}
 
@@ -52,3 +54,24 @@ def test_train_keeps_its_own_fields_and_checkpoints_only_with_fault_tolerance() 
 def test_a_text_model_is_partitioned_before_submission_fills_in_its_vocabulary() -> None:
     spec = _layer_plan({"type": "transformer", "n_layer": 3, "n_head": 4, "d_model": 32, "block_size": 16})
     assert spec.num_layers == 5  # embedding, three blocks, head
+
+
+def test_ctrl_c_interrupts_also_where_sigint_was_inherited_ignored() -> None:
+    inherited = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with pytest.raises(KeyboardInterrupt), interrupted_by_ctrl_c():
+            signal.raise_signal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN  # ignored again after the job
+    finally:
+        signal.signal(signal.SIGINT, inherited)
+
+
+def test_a_sigint_handler_of_the_programs_own_is_kept() -> None:
+    seen: list[int] = []
+    inherited = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+    try:
+        with interrupted_by_ctrl_c():
+            signal.raise_signal(signal.SIGINT)
+        assert seen == [signal.SIGINT]
+    finally:
+        signal.signal(signal.SIGINT, inherited)

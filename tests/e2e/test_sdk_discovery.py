@@ -6,7 +6,8 @@ the second, three agents started without `--control-plane` and the developer's s
 The agents find the control plane by mDNS and register through the URL they found; the script's trainer finds
 it the same way, sees the three ready devices, and trains a GPT partitioned "hybrid" (two pipeline stages, the
 second a tensor-parallel pair) like one process does; `trainer.model` holds the job's trained weights. A second
-run of the script is interrupted with SIGINT: its job is cancelled.
+run of the script is interrupted with SIGINT: its job is cancelled. The script starts with SIGINT ignored, as a
+service manager or `cmd &` from a script starts a program, whatever the disposition of the suite itself.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 MODEL = {"type": "transformer", "n_layer": 2, "n_head": 4, "d_model": 32, "block_size": 16}
 FIELDS = {"learning_rate": 0.003, "optimizer": "adam", "micro_batches": 2, "seed": 7}
+SIGINT_IGNORED = ["sh", "-c", 'trap "" INT; exec "$@"', "sh"]  # runs the rest with SIGINT ignored, as inherited
 
 
 @pytest.fixture
@@ -106,7 +108,8 @@ def test_agents_and_the_trainer_find_the_control_plane_by_mdns_and_train_like_on
         job = json.dumps({"model_config": MODEL, "dataset_config": dataset, **FIELDS})
         trained = tmp_path / "trained.safetensors"
         script = subprocess.Popen(
-            home.command([sys.executable, "-m", "tests.e2e.trainer_in_namespace", job, str(trained), "--again"]),
+            home.command([*SIGINT_IGNORED, sys.executable, "-m", "tests.e2e.trainer_in_namespace", job, str(trained),
+                          "--again"]),
             env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
         try:
             peers = json.loads(line(script, "PEERS", 60))
