@@ -201,6 +201,11 @@ REST_FRAMEWORK = {
         "rest_framework.authentication.SessionAuthentication",
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_PARSER_CLASSES": [
+        "controlplane.common.parsers.BoundedJSONParser",
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
+    ],
     "DEFAULT_SCHEMA_CLASS": "controlplane.common.schema.ArceusAutoSchema",
     "EXCEPTION_HANDLER": "controlplane.common.exception_handler.exception_handler",
     # Rates of the endpoints a stranger or a runaway script could make expensive (views name their scope:

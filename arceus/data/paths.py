@@ -1,11 +1,14 @@
 """Tenants' dataset files: named relative to the operator's data root, and confined to it.
 
 The control plane passes the root in (its ARCEUS_DATA_ROOT setting); this module reads no settings. A name
-that is absolute, climbs with `..`, resolves outside the root through a symlink, or is not a regular file
-(a directory for MNIST) is refused with a SpecError naming the field and the rule."""
+that holds a NUL character, is absolute or climbs with `..` is refused with a SpecError naming the field and the
+rule. Every other name the tenant may not read (missing, resolving outside the root through a symlink, not a
+regular file (a directory for MNIST), unreadable) gets one and the same refusal, so that refusals do not tell a
+tenant which files exist in the root or beside it."""
 
 from __future__ import annotations
 
+import os
 import stat
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -28,31 +31,34 @@ def dataset_config_confined(cfg: Any, root: Path) -> Any:
         for base in MNIST_FILES:
             found = idx_file(directory, base)
             if found is not None:
-                _inside(root, found, "dataset_config.path", f"{cfg['path']}/{found.name}")
+                _readable(root, found, "dataset_config.path", f"{cfg['path']}/{found.name}", directory=False)
         return {**cfg, "path": str(directory)}
     return cfg
 
 
 def _confined(root: Path, name: str, field: str, *, directory: bool) -> Path:
     rule = f"names a {'directory' if directory else 'file'} relative to the operator's data root"
+    if "\x00" in name:
+        raise SpecError(field, f"contains a NUL character: it {rule}, got {name!r}")
     relative = PurePosixPath(name)
     if relative.is_absolute() or name.startswith("~") or Path(name).is_absolute():
         raise SpecError(field, f"must be a relative path: it {rule}, got {name!r}")
     if ".." in relative.parts:
         raise SpecError(field, f"may not contain '..': it {rule}, got {name!r}")
-    resolved = _inside(root, root / relative, field, name)
+    return _readable(root, root / relative, field, name, directory=directory)
+
+
+def _readable(root: Path, path: Path, field: str, name: str, *, directory: bool) -> Path:
+    """`path` with its symlinks resolved, once it is a readable regular file (a directory) under `root`; the one
+    refusal otherwise, whatever the reason."""
+    kind = "directory" if directory else "file"
     try:
+        resolved = path.resolve()
         mode = resolved.stat().st_mode
-    except OSError:
-        raise SpecError(field, f"no {'directory' if directory else 'file'} {name!r} in the data root") from None
-    if not (stat.S_ISDIR(mode) if directory else stat.S_ISREG(mode)):
-        raise SpecError(field, f"{name!r} is not a {'directory' if directory else 'regular file'}; it {rule}")
-    return resolved
-
-
-def _inside(root: Path, path: Path, field: str, name: str) -> Path:
-    """`path` with its symlinks resolved, refused unless it stays under `root`."""
-    resolved = path.resolve()
-    if not resolved.is_relative_to(root.resolve()):
-        raise SpecError(field, f"{name!r} leads outside the data root (through a symbolic link); name a file in it")
+    except (OSError, RuntimeError):  # missing, not ours to look at, or a symlink loop (RuntimeError)
+        resolved, mode = path, 0
+    readable = (stat.S_ISDIR(mode) and os.access(resolved, os.R_OK | os.X_OK) if directory
+                else stat.S_ISREG(mode) and os.access(resolved, os.R_OK))
+    if not readable or not resolved.is_relative_to(root.resolve()):
+        raise SpecError(field, f"no readable {kind} {name!r} in the data root: name a {kind} under it")
     return resolved

@@ -8,6 +8,8 @@ from typing import Any
 
 from django import forms
 
+from arceus.errors import SpecError
+from arceus.json_input import json_loads_bounded
 from controlplane.jobs.models import PipelineSchedule
 
 MAX_JSON_CHARS = 20_000
@@ -28,7 +30,9 @@ class JsonObjectField(forms.CharField):
         if len(text) > MAX_JSON_CHARS:  # before parsing: the length validator runs after to_python
             raise forms.ValidationError(f"has {len(text)} characters; at most {MAX_JSON_CHARS} are accepted")
         try:
-            parsed = json.loads(text)
+            parsed = json_loads_bounded(text, where="")
+        except SpecError as exc:
+            raise forms.ValidationError(f"{exc.field}: {exc.message}" if exc.field else exc.message) from None
         except json.JSONDecodeError as exc:
             raise forms.ValidationError(f"is not JSON ({exc.msg} at character {exc.pos}); write an object like "
                                         '{"name": "digits"}') from None

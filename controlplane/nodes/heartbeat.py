@@ -35,6 +35,7 @@ from django.http.request import split_domain_port, validate_host
 from django.utils import timezone
 
 from arceus.contracts.scrape import agent_scrape_digest
+from arceus.json_input import json_loads_bounded
 from controlplane.common.batching import Batched
 from controlplane.common.conditions import TRUE
 from controlplane.common.postgresql.async_connections import async_connections
@@ -194,16 +195,12 @@ def _token_hash(header: str) -> str | None:
     return node_token_hash(parts[1].decode())
 
 
-def _reject_constant(name: str) -> None:
-    raise ValueError(name)  # NaN and Infinity are not JSON
-
-
 def _quiet_body(raw: bytes) -> dict[str, Any] | None:
     """The body when it is a quiet heartbeat's, exactly as the API's serializer would take it unchanged; else None
     (the serializer then judges it, and names what is wrong)."""
     try:
-        beat = json.loads(raw, parse_constant=_reject_constant)
-    except ValueError:
+        beat = json_loads_bounded(raw, where="")
+    except ValueError:  # malformed, nested too deep, a non-finite number or a NUL (a SpecError is a ValueError)
         return None
     if not isinstance(beat, dict) or not beat.keys() <= KEYS:
         return None

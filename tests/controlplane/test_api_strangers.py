@@ -18,6 +18,7 @@ from django.urls import URLPattern, URLResolver, get_resolver, reverse
 from django.utils import timezone
 from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
+from rest_framework.throttling import ScopedRateThrottle
 
 from controlplane.accounts.services import user_token_get_or_create
 from controlplane.datasets.models import Dataset
@@ -115,6 +116,7 @@ class Victim:
     estimate: JobEstimate
     dataset: Dataset
     secrets: list[str]
+    node_token: str
 
     def kwargs(self) -> dict[str, str]:
         return {
@@ -136,7 +138,7 @@ class Victim:
 @pytest.fixture
 def victim() -> Victim:
     user = User.objects.create_user("victim", password="victim-password")
-    node, _ = node_create(owner=user, name="victim-node-7f3a")
+    node, node_token = node_create(owner=user, name="victim-node-7f3a")
     now = timezone.now()
     node_register(
         node=node, grpc_address=VICTIM_ADDRESS, tls_certificate=identity_for(VICTIM_ADDRESS).certificate,
@@ -160,7 +162,7 @@ def victim() -> Victim:
         str(dataset.id), "victim-corpus-3b9d", "victim-estimate-e41c", VICTIM_ADDRESS,
         "victim-node-7f3a", "victim-job-5d2b", "victim cpu 9c1e", "victim", node.tls_certificate,
     ]
-    return Victim(user, job, node, stage_checkpoint, upload, estimate, dataset, secrets)
+    return Victim(user, job, node, stage_checkpoint, upload, estimate, dataset, secrets, node_token)
 
 
 def client(authorization: str | None) -> APIClient:
@@ -280,3 +282,77 @@ def test_only_the_metrics_token_opens_the_metrics(victim: Victim, attackers: dic
             response = c.get(reverse(name))
             assert response.status_code == 401, (who, name, response.status_code)
             assert not [s for s in victim.secrets if s.encode() in response.content], (who, name)
+
+
+# Bodies that are not the API's to take, for every endpoint that parses one (each is refused before any service).
+DEEP = "[" * 5_000 + "]" * 5_000
+DEEPEST = "[" * 50_000 + "]" * 50_000  # about 100 kB: under the body limit
+NUMBER = "__number__"
+ACCOUNT_BODIES = {
+    "token-obtain": {"username": "victim", "password": "victim-password"},
+    "register": {"username": "newcomer", "password": "a long enough password"},
+    "password-change": {"old_password": "victim-password", "new_password": "x" * 20},
+}
+
+
+def leaves(value: Any, path: str = "") -> list[tuple[str, Any]]:
+    """(dotted path as the API names a field, value) of each string and number in a body."""
+    if isinstance(value, dict):
+        return [leaf for key, item in value.items() for leaf in leaves(item, f"{path}.{key}" if path else key)]
+    if isinstance(value, list):
+        return [leaf for index, item in enumerate(value) for leaf in leaves(item, f"{path}[{index}]")]
+    return [(path, value)]
+
+
+def replaced(value: Any, path: str, new: Any, here: str = "") -> Any:
+    if isinstance(value, dict):
+        return {k: replaced(v, path, new, f"{here}.{k}" if here else k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [replaced(v, path, new, f"{here}[{i}]") for i, v in enumerate(value)]
+    return new if here == path else value
+
+
+def bad_bodies(body: dict[str, Any]) -> list[tuple[str, str]]:
+    """(raw JSON, the field its refusal must name) for each way `body` can be spoilt: a NUL character in each
+    string and in a key, NaN, Infinity and an out-of-range literal in each number, `true` for each integer, and
+    nesting 5,000 and 50,000 deep in its first field."""
+    first = next(iter(body))
+    spoilt = [
+        (json.dumps({**body, f"{first}\x00": 1}), "body"),
+        (f'{{"{first}": {DEEP}}}', "body"), (f'{{"{first}": {DEEPEST}}}', "body"),
+    ]
+    for path, value in leaves(body):
+        if isinstance(value, str):
+            spoilt.append((json.dumps(replaced(body, path, value + "\x00")), path))
+        elif isinstance(value, int | float) and not isinstance(value, bool):
+            for literal in ("NaN", "Infinity", "-Infinity", "1e999"):
+                spoilt.append((json.dumps(replaced(body, path, NUMBER)).replace(f'"{NUMBER}"', literal), path))
+            if isinstance(value, int):
+                spoilt.append((json.dumps(replaced(body, path, True)), path))
+    return spoilt
+
+
+def test_bad_bodies_are_400s_naming_the_field_at_every_json_endpoint(
+    victim: Victim, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Hundreds of requests: the rate limits (tests/controlplane/test_throttling.py) would answer 429.
+    unthrottled = dict.fromkeys(ScopedRateThrottle.THROTTLE_RATES, "1000000/s")
+    monkeypatch.setattr(ScopedRateThrottle, "THROTTLE_RATES", unthrottled)
+    owner = client(f"Token {user_token_get_or_create(user=victim.user)}")
+    node = client(f"Node {victim.node_token}")
+    kwargs, tried = victim.kwargs(), set()
+    for endpoint in endpoints():
+        body = BODIES.get(endpoint.name) or ACCOUNT_BODIES.get(endpoint.name)
+        if not body:
+            continue
+        route = get_resolver().reverse_dict.getlist(endpoint.name)[0][0][0][1]
+        path = reverse(endpoint.name, kwargs={k: kwargs[k] for k in route})
+        c = node if endpoint.name in AGENT_OWN | AGENT_OBJECTS else owner
+        for method in set(endpoint.methods) & {"post", "put", "patch"}:
+            for raw, field in bad_bodies(body):
+                response = getattr(c, method)(path, raw, content_type="application/json")
+                what = f"{method.upper()} {path} {raw[:120]!r}"
+                assert response.status_code == 400, (what, response.status_code, response.content[:300])
+                assert field in response.json()["errors"], (what, response.json())
+                tried.add(endpoint.name)
+    assert tried == (BODIES.keys() | ACCOUNT_BODIES.keys()) - {"job-train", "network-train", "agent-probe"}

@@ -14,6 +14,7 @@ import json
 from typing import Any
 
 from arceus.errors import SpecError
+from arceus.json_input import json_depth_check
 from arceus.model.exported.operators import graph_check
 
 FORMAT = "arceus.exported-program/1"
@@ -33,6 +34,7 @@ def program_layers(data: bytes, hashes: list[str]) -> list[str]:
     """The layer documents of an uploaded program, each checked against its hash in `hashes` (the model
     config's) and its graph against the operator allow-list; SpecError("program...") naming what is wrong."""
     try:
+        json_depth_check(data.decode(), where="program")
         document = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise SpecError("program", f"is not JSON: {exc}") from exc
@@ -51,6 +53,7 @@ def layer_parsed(layer: Any, sha256: str, where: str) -> tuple[dict[str, Any], b
     matches `sha256` and its graph passes the operator allow-list; SpecError(`where`, why) otherwise."""
     if not isinstance(layer, str) or hashlib.sha256(layer.encode()).hexdigest() != sha256:
         raise SpecError(where, "does not match the SHA-256 the model config names for it; capture the model again")
+    json_depth_check(layer, where=where)
     parsed = json.loads(layer)
     if not isinstance(parsed, dict) or not isinstance(parsed.get("tensors"), str):
         raise SpecError(where, "must be an object with a graph and its tensors")

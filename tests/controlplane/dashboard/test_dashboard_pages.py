@@ -179,6 +179,10 @@ def test_submitting_a_job_from_the_form(browser: Client, ready_node: Callable[..
         ({"micro_batches": "many"}, "Enter a whole number"),
         ({"schedule": "zigzag"}, "Select a valid choice"),
         ({"model_config": "x" * 20_001}, "at most 20000 are accepted"),
+        ({"model_config": "[" * 10_000 + "]" * 10_000}, "nests objects and arrays more than 32 deep"),
+        ({"model_config": json.dumps({"layer_sizes": [64, 32, 10], "type": "mlp\x00"})},
+         "type: contains a NUL character"),
+        ({"model_config": '{"layer_sizes": [64, 32, 1e999]}'}, "layer_sizes[2]: must be a finite number"),
     ],
 )
 def test_the_form_refuses_bad_jobs_naming_the_field(browser: Client, change: dict[str, str], message: str) -> None:

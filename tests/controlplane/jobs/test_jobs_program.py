@@ -4,6 +4,7 @@ served only the layers of the stage it hosts. Its job starts only with its progr
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -85,3 +86,12 @@ def test_a_program_that_is_not_the_jobs_or_runs_a_forbidden_operator_is_refused_
     mlp = job_submit(owner=user, **DIGITS_JOB)
     assert "has no program" in put(api, mlp, "program", b"{}")["detail"]
     assert put(other_api, job, "program", captured.program)["http"] == 404
+
+
+def test_a_program_nested_past_the_bound_is_a_400_not_a_crash(api: APIClient, user, captured: CapturedModel,  # noqa: ANN001
+                                                              checkpoint_dir: Path) -> None:  # noqa: F811
+    deep = b'{"format": "arceus.exported-program/1", "layers": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
+    job = submit(user, {**captured.model_config, "program_sha256": hashlib.sha256(deep).hexdigest()})
+    answer = put(api, job, "program", deep)
+    assert answer["http"] == 400 and "more than 32 deep" in answer["errors"]["program"][0]
+    assert not any(p.is_file() for p in checkpoint_dir.rglob("*"))

@@ -265,8 +265,12 @@ def test_hostile_bodies_get_the_apis_answer(user, beat: Any) -> None:
     assert handed(before) == {"shape": 1}
 
 
-@pytest.mark.parametrize("raw", [b'{"observed": [], "host_busy_fraction": NaN}', b"{", b"\xff", b"x" * 9000])
+@pytest.mark.parametrize("raw", [
+    b'{"observed": [], "host_busy_fraction": NaN}', b'{"observed": [], "host_busy_fraction": 1e999}', b"{", b"\xff",
+    b"x" * 9000, b"[" * 4000 + b"]" * 4000, b'{"observed": [], "assignments_version": "v\\u0000"}',
+])
 def test_bodies_that_are_not_json_or_too_large_get_the_apis_answer(user, raw: bytes) -> None:
+    # (4,000 levels of nesting in under the quiet path's 8 kB: its parser recursed until the stack ran out.)
     _, token, _ = registered(user, "raw")
     status, body = asgi_post(token, None, raw=raw)
     assert status == 400 and body["detail"]
