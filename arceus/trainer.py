@@ -39,9 +39,8 @@ from arceus.discovery import DEFAULT_BROWSE_SECONDS, DISCOVERY_METHODS, control_
 from arceus.errors import SpecError
 from arceus.model.build import build_full_model, global_param_name
 from arceus.model.exported.capture import CapturedModel, capture
-from arceus.model.registry import model_spec_from_config
+from arceus.model.registry import check_tensor_parallel, model_spec_from_config
 from arceus.model.spec import ModelSpec
-from arceus.model.tensor_parallel import check_tensor_parallel
 from arceus.partition import PARTITION_STRATEGIES, TENSOR_PARALLEL_WIDTH, Partition, partition_for
 from arceus.progress_bar import JobProgressBar
 from arceus.sdk import TOKEN_ENV, URL_ENV, ArceusClient

@@ -41,7 +41,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from arceus.data import epoch_batches, load_dataset, validate_dataset_config  # noqa: E402
+from arceus.data.batches import epoch_batches  # noqa: E402
+from arceus.data.config import validate_dataset_config  # noqa: E402
+from arceus.data.loader import load_dataset  # noqa: E402
 from arceus.data.text_config import BUNDLED_TEXT  # noqa: E402
 from arceus.model.build import build_full_model  # noqa: E402
 from arceus.model.optimizers import make_optimizer  # noqa: E402

@@ -43,8 +43,10 @@ import torch.nn.functional as F  # noqa: E402
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe  # noqa: E402
 
 from arceus.contracts.assignment import max_micro_batch_size  # noqa: E402
-from arceus.data import epoch_batches, load_dataset, validate_dataset_config  # noqa: E402
-from arceus.data.text import text_vocabulary  # noqa: E402
+from arceus.data.batches import epoch_batches  # noqa: E402
+from arceus.data.config import validate_dataset_config  # noqa: E402
+from arceus.data.loader import load_dataset  # noqa: E402
+from arceus.data.text_config import text_vocabulary  # noqa: E402
 from arceus.model.build import build_full_model, build_layers  # noqa: E402
 from arceus.model.registry import model_spec_from_config  # noqa: E402
 from arceus.training.driver import train  # noqa: E402

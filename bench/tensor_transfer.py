@@ -39,12 +39,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from arceus.contracts.transfer import TransferConfig  # noqa: E402
 from arceus.v1 import stage_pb2, stage_pb2_grpc  # noqa: E402
 from arceus.wire.channels import grpc_channel_options  # noqa: E402
 from arceus.wire.incoming_push import IncomingPush, MalformedPush  # noqa: E402
 from arceus.wire.proto_tensor import decode_tensor  # noqa: E402
 from arceus.wire.push_stream import PushStream, outgoing_push  # noqa: E402
-from arceus.wire.transfer import TransferConfig, TransferEncoder  # noqa: E402
+from arceus.wire.transfer import TransferEncoder  # noqa: E402
 from bench.report import machine_line, write_section  # noqa: E402
 from devtools.launch import free_ports  # noqa: E402
 from nodeagent.heap import retain_freed_blocks  # noqa: E402

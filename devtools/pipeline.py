@@ -16,9 +16,9 @@ from typing import Any
 from arceus.contracts.assignment import Assignment, OptimizerConfig
 from arceus.contracts.credentials import DRIVER, StageCredentials, mint_token, stage_credentials
 from arceus.contracts.stage_key import stage_key
+from arceus.contracts.transfer import transfer_config_from_json
 from arceus.training.plan import StageEndpoint
 from arceus.wire.tls import TlsIdentity, new_identity
-from arceus.wire.transfer import transfer_config_from_json
 
 STATIC_SECRET = secrets.token_bytes(32)
 _IDENTITIES: dict[str, TlsIdentity] = {}

@@ -14,7 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from arceus.checkpoint import StateFile
-from arceus.data import epoch_batches, load_dataset, validate_dataset_config
+from arceus.data.batches import epoch_batches
+from arceus.data.config import validate_dataset_config
+from arceus.data.loader import load_dataset
 from arceus.model.build import build_full_model
 from arceus.model.optimizers import make_optimizer
 from arceus.model.registry import model_spec_from_config

@@ -22,8 +22,8 @@ import torch
 from arceus.contracts.assignment import Assignment
 from arceus.contracts.credentials import StageCredentials
 from arceus.model.layout import TensorLayout
+from arceus.model.registry import reduced_layout
 from arceus.model.sharding import Shard
-from arceus.model.tensor_parallel import reduced_layout
 from arceus.v1 import stage_pb2, tensor_parallel_pb2, tensor_parallel_pb2_grpc
 from arceus.wire import codec
 from arceus.wire.channels import open_channel

@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
+from arceus.model.autocast import autocast
 from arceus.model.build import build_layers, named_global_parameters
-from arceus.model.precision import autocast
 from arceus.model.registry import model_spec_from_config
 
 

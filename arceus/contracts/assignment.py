@@ -12,15 +12,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from arceus.contracts.certificates import check_certificate
 from arceus.contracts.credentials import StageCredentials
+from arceus.contracts.transfer import TransferConfig, transfer_config_from_json
 from arceus.errors import SpecError
 from arceus.model.precision import check_precision
-from arceus.model.registry import model_spec_from_config
+from arceus.model.registry import check_tensor_parallel, model_spec_from_config
 from arceus.model.spec import ModelSpec
-from arceus.model.tensor_parallel import check_tensor_parallel
 from arceus.pipeline.schedule import SCHEDULES
-from arceus.wire.tls import check_certificate
-from arceus.wire.transfer import TransferConfig, transfer_config_from_json
 
 OPTIMIZERS = ("sgd", "adam")
 _FIELDS = frozenset(

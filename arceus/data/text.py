@@ -13,34 +13,9 @@ from typing import Any
 import torch
 
 from arceus.data.sources import Split
-from arceus.data.text_config import text_path
-from arceus.data.tokenizer import CharTokenizer, TextTokenizer, read_text, split_text, text_tokenizer
+from arceus.data.text_config import dataset_tokenizer, text_path
+from arceus.data.tokenizer import read_text, split_text
 from arceus.errors import SpecError
-
-
-def dataset_tokenizer(cfg: dict[str, Any]) -> TextTokenizer:
-    """The tokenizer of a validated `text` dataset config (of an upload: its characters only; its BPE trains on
-    the file, which the driver alone reads: arceus.data.streaming)."""
-    if "dataset_id" in cfg:
-        if cfg.get("vocab", "char") != "char":
-            raise SpecError(
-                "dataset_config.vocab",
-                f"the {cfg['vocab']} tokenizer of an uploaded text is rebuilt by its driver only",
-            )
-        return CharTokenizer(text_vocabulary(cfg))
-    return text_tokenizer(text_path(cfg), cfg.get("vocab", "char"), cfg.get("vocab_size"))
-
-
-def text_vocabulary(cfg: dict[str, Any]) -> str:
-    """The character vocabulary of the text a validated `text` dataset config names (an upload's: its facts)."""
-    if "dataset_id" in cfg:
-        if not cfg.get("vocabulary"):
-            raise SpecError(
-                "dataset_config.dataset_id",
-                f"dataset {cfg['dataset_id']} has too many distinct characters for a char vocabulary; use vocab bpe",
-            )
-        return cfg["vocabulary"]
-    return "".join(sorted(set(read_text(text_path(cfg)))))
 
 
 def load_text(cfg: dict[str, Any]) -> Split:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from arceus.data.formats import check_dataset_id
-from arceus.data.tokenizer import check_vocab
+from arceus.data.tokenizer import CharTokenizer, TextTokenizer, check_vocab, read_text, text_tokenizer
 from arceus.errors import SpecError
 
 TEXT_DATASET = "text"
@@ -73,3 +73,28 @@ def validate_text_config(cfg: dict[str, Any], batch_size: int, val_batch_size: i
 
 def text_path(cfg: dict[str, Any]) -> Path:
     return Path(cfg["source"]).expanduser() if cfg.get("source") else BUNDLED_TEXT
+
+
+def dataset_tokenizer(cfg: dict[str, Any]) -> TextTokenizer:
+    """The tokenizer of a validated `text` dataset config (of an upload: its characters only; its BPE trains on
+    the file, which the driver alone reads: arceus.data.streaming)."""
+    if "dataset_id" in cfg:
+        if cfg.get("vocab", "char") != "char":
+            raise SpecError(
+                "dataset_config.vocab",
+                f"the {cfg['vocab']} tokenizer of an uploaded text is rebuilt by its driver only",
+            )
+        return CharTokenizer(text_vocabulary(cfg))
+    return text_tokenizer(text_path(cfg), cfg.get("vocab", "char"), cfg.get("vocab_size"))
+
+
+def text_vocabulary(cfg: dict[str, Any]) -> str:
+    """The character vocabulary of the text a validated `text` dataset config names (an upload's: its facts)."""
+    if "dataset_id" in cfg:
+        if not cfg.get("vocabulary"):
+            raise SpecError(
+                "dataset_config.dataset_id",
+                f"dataset {cfg['dataset_id']} has too many distinct characters for a char vocabulary; use vocab bpe",
+            )
+        return cfg["vocabulary"]
+    return "".join(sorted(set(read_text(text_path(cfg)))))

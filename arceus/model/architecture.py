@@ -1,4 +1,6 @@
-"""What an architecture gives the registry: how to parse, build, fit and shard a model of its type."""
+"""What an architecture gives the registry, torch-free: how to parse, fit and split a model of its type, and its
+Hugging Face format. Its torch layers are `arceus.model.build`'s (`ArchitectureLayers`), so the control plane
+and the contracts reason about any model without loading torch."""
 
 from __future__ import annotations
 
@@ -6,23 +8,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch import nn
-
 from arceus.model.layout import TensorLayout
-from arceus.model.sharding import AllReduce, Shard, ShardRows
 from arceus.model.spec import ModelSpec
 
 
 @dataclass(frozen=True)
-class TensorParallelLayers:
-    """How an architecture splits its `split_layers()` over the ranks of a tensor-parallel group."""
+class TensorParallelSplit:
+    """Whether and how an architecture's `split_layers()` divide over the ranks of a tensor-parallel group."""
 
-    # Rank `shard.rank`'s part of split layer `index`, holding exactly its slice of the unsplit layer's
-    # initial weights, computing through `all_reduce`.
-    build_layer: Callable[[Any, int, torch.Generator, Shard, AllReduce], nn.Module]
-    # (dim, indices) of a rank's part of an unsplit parameter, or None where it is replicated.
-    shard_rows: ShardRows
     # What the ranks all-reduce, per sample.
     reduced_layout: Callable[[Any], TensorLayout]
     # SpecError("tensor_parallel.size", why) unless the split layers divide over that many ranks.
@@ -44,13 +37,11 @@ class Architecture:
     type: str  # model_config.type
     # Validate a model_config; SpecError naming the field ("model_config.<key>").
     from_config: Callable[[dict[str, Any]], ModelSpec]
-    # Layer `index` of the model, initialised from `generator` only.
-    build_layer: Callable[[Any, int, torch.Generator], nn.Module]
     # (spec, completed model_config, validated and completed dataset_config) for a submitted pair, each
     # completing what it takes from the other (a vocabulary, an image size); SpecError naming the field
     # that does not fit.
     fit_dataset: Callable[[dict[str, Any], Any], tuple[ModelSpec, dict[str, Any], dict[str, Any]]]
-    tensor_parallel: TensorParallelLayers | None = None
+    tensor_parallel: TensorParallelSplit | None = None
     # Its specs are `TextModelSpec`s: it reads and predicts tokens, so it can write text.
     writes_text: bool = False
     # Its trained weights download as a `transformers` folder (None: as our safetensors file only).

@@ -1,12 +1,10 @@
 """A job's compute precision: fp32, or bf16 autocast (matmuls in bfloat16, weights, optimizer state,
-reductions and everything sent between stages in float32)."""
+reductions and everything sent between stages in float32). Torch-free: the context a stage computes in is
+`arceus.model.autocast`."""
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
-
-import torch
 
 from arceus.errors import SpecError
 
@@ -20,10 +18,3 @@ def check_precision(value: Any, field: str) -> str:
     if value not in PRECISIONS:
         raise SpecError(field, f"must be one of {', '.join(PRECISIONS)}, got {value!r}")
     return value
-
-
-def autocast(device: torch.device, precision: str) -> AbstractContextManager[Any]:
-    """The context a stage's forward (and loss) runs in; autograd replays it in the backward."""
-    if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return nullcontext()

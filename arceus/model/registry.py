@@ -1,8 +1,8 @@
-"""The model registry: `model_config.type` → the architecture that parses, builds, fits and shards it.
+"""The model registry: `model_config.type` → the architecture that parses, fits and splits it (torch-free).
 
 This is the one place that knows which architectures exist. Everything else (the control plane, the
 driver, the agents) asks the registry or the spec, so a new architecture is one folder under
-`arceus/model/` plus one line in `ARCHITECTURES` below.
+`arceus/model/` plus one line in `ARCHITECTURES` below and one in `arceus.model.build.LAYERS` (its torch layers).
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ from typing import Any
 from arceus.data.text_config import TEXT_DATASET
 from arceus.errors import SpecError
 from arceus.model import convnet, exported, gpt, llama, mlp
-from arceus.model.architecture import Architecture
+from arceus.model.architecture import Architecture, TensorParallelSplit
+from arceus.model.layout import TensorLayout
 from arceus.model.spec import ModelSpec
 
 DEFAULT_TYPE = "mlp"  # what a model_config without "type" is
@@ -71,7 +72,31 @@ def fit_model_to_dataset(
     return architecture_for_config(model_config).fit_dataset(model_config, dataset_config)
 
 
-
 def text_writers() -> list[str]:
     """The model types that write text."""
     return sorted(a.type for a in ARCHITECTURES.values() if a.writes_text)
+
+
+def tensor_parallel_split(spec: ModelSpec) -> TensorParallelSplit:
+    """How `spec`'s architecture splits; SpecError("tensor_parallel") naming the ones that do when it cannot."""
+    split = architecture_of(spec).tensor_parallel
+    if split is None:
+        splittable = [a.type for a in ARCHITECTURES.values() if a.tensor_parallel is not None]
+        owners = " or ".join(f"a {t}'s" for t in splittable)
+        raise SpecError(
+            "tensor_parallel",
+            f"only {owners} blocks split across nodes; use model_config.type "
+            + " or ".join(f'"{t}"' for t in splittable)
+            + " or drop tensor_parallel",
+        )
+    return split
+
+
+def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
+    """SpecError ("tensor_parallel", or "tensor_parallel.size") unless `spec` splits over `size` ranks."""
+    tensor_parallel_split(spec).check_size(spec, size)
+
+
+def reduced_layout(spec: ModelSpec) -> TensorLayout:
+    """What the ranks of a split stage all-reduce, per sample."""
+    return tensor_parallel_split(spec).reduced_layout(spec)

@@ -1,5 +1,5 @@
-"""Tensor parallelism of any model whose architecture supports it, through the registry: check a split,
-build a rank's layers, and cut or gather a stage's checkpoint tensors (a checkpoint always holds the
+"""Tensor parallelism of any model whose architecture supports it (the registry checks a split): build a rank's
+layers, and cut or gather a stage's checkpoint tensors (a checkpoint always holds the
 unsplit stage, so any split resumes from any other)."""
 
 from __future__ import annotations
@@ -10,38 +10,18 @@ from collections.abc import Mapping, Sequence
 import torch
 from torch import nn
 
-from arceus.errors import SpecError
-from arceus.model.architecture import TensorParallelLayers
-from arceus.model.build import build_layer
-from arceus.model.layout import TensorLayout
-from arceus.model.registry import ARCHITECTURES, architecture_of
+from arceus.model.build import LAYERS, TensorParallelLayers, build_layer
+from arceus.model.registry import tensor_parallel_split
 from arceus.model.seeding import layer_generator
 from arceus.model.sharding import AllReduce, GatheredState, Shard, parameter_of, slice_state
 from arceus.model.spec import ModelSpec
 
 
 def _layers(spec: ModelSpec) -> TensorParallelLayers:
-    layers = architecture_of(spec).tensor_parallel
-    if layers is None:
-        splittable = [a.type for a in ARCHITECTURES.values() if a.tensor_parallel is not None]
-        owners = " or ".join(f"a {t}'s" for t in splittable)
-        raise SpecError(
-            "tensor_parallel",
-            f"only {owners} blocks split across nodes; use model_config.type "
-            + " or ".join(f'"{t}"' for t in splittable)
-            + " or drop tensor_parallel",
-        )
+    tensor_parallel_split(spec)  # SpecError naming the architectures that split
+    layers = LAYERS[spec.type].tensor_parallel
+    assert layers is not None, f"{spec.type} splits in the registry but has no tensor-parallel layers"
     return layers
-
-
-def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
-    """SpecError ("tensor_parallel", or "tensor_parallel.size") unless `spec` splits over `size` ranks."""
-    _layers(spec).check_size(spec, size)
-
-
-def reduced_layout(spec: ModelSpec) -> TensorLayout:
-    """What the ranks of a split stage all-reduce, per sample."""
-    return _layers(spec).reduced_layout(spec)
 
 
 def build_parallel_layers(

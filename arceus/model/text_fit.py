@@ -9,9 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from arceus.data import validate_dataset_config
-from arceus.data.text import text_vocabulary
-from arceus.data.text_config import TEXT_DATASET
+from arceus.data.config import validate_dataset_config
+from arceus.data.text_config import TEXT_DATASET, text_vocabulary
 from arceus.data.tokenizer import BPE_DEFAULT_VOCAB, check_vocab
 from arceus.errors import SpecError
 from arceus.model.spec import TextModelSpec

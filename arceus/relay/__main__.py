@@ -17,10 +17,11 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from arceus.contracts.certificates import RELAY_TLS_NAME, check_certificate
 from arceus.relay.server import RelayServicer, server_options
 from arceus.relay.tickets import check_secret
 from arceus.v1 import relay_pb2, relay_pb2_grpc
-from arceus.wire.tls import RELAY_TLS_NAME, TlsIdentity, check_certificate, load_identity, new_identity
+from arceus.wire.tls import TlsIdentity, load_identity, new_identity
 
 SECRET_ENV = "ARCEUS_RELAY_SECRET"
 

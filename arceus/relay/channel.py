@@ -9,7 +9,7 @@ from typing import Any
 
 import grpc
 
-from arceus.wire.tls import RELAY_TLS_NAME
+from arceus.contracts.certificates import RELAY_TLS_NAME
 
 
 def relay_channel(address: str, certificate: str, options: list[tuple[str, Any]] | None = None) -> grpc.Channel:

@@ -25,13 +25,13 @@ import grpc
 import torch
 
 from arceus.contracts.spot_check import SpotCheckResult
+from arceus.contracts.transfer import TransferConfig
 from arceus.model.precision import BF16_TOLERANCE
 from arceus.training.plan import StageEndpoint, TrainPlan
 from arceus.training.stage_client import StageClient
 from arceus.v1 import stage_pb2
 from arceus.verify.receipts import RECEIVED, SENT, ReceiptError, ReceiptFields, tensor_digest, verify_receipt
 from arceus.wire.compression import decode_payload, encode
-from arceus.wire.transfer import TransferConfig
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,8 @@ import torch
 from arceus.checkpoint import StageStateError, StateFile, state_chunks
 from arceus.contracts.counters import StageCounters
 from arceus.contracts.spot_check import SpotCheckResult
-from arceus.data import epoch_batches, validate_dataset_config
+from arceus.data.batches import epoch_batches
+from arceus.data.config import validate_dataset_config
 from arceus.data.streaming import Samples, dataset_samples
 from arceus.errors import SpecError
 from arceus.model.expected_state import expected_stage_state, stage_file_check

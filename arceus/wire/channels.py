@@ -13,10 +13,10 @@ import grpc
 from grpc_health.v1.health_pb2 import HealthCheckRequest
 from grpc_health.v1.health_pb2_grpc import HealthStub
 
+from arceus.contracts.certificates import AGENT_TLS_NAME
 from arceus.contracts.credentials import METADATA_KEY, SCHEME
 from arceus.relay import dialer
 from arceus.relay.address import relayed_node
-from arceus.wire.tls import AGENT_TLS_NAME
 
 MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 Continuation = Callable[..., Any]

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from arceus.contracts.transfer import MAX_BLOCK_SIZE, MIN_BLOCK_SIZE
 from arceus.wire.codec import DEFAULT_MAX_BYTES, MAX_RANK, Payload, TensorValidationError
 
 ENCODINGS = ("fp32", "fp16", "bf16", "int8", "topk")
-MIN_BLOCK_SIZE, MAX_BLOCK_SIZE = 8, 1 << 20
 _INT8_CHUNK = 1 << 19  # values the int8 encoder scales per pass
 _F32, _F16, _U16, _I32 = np.dtype("<f4"), np.dtype("<f2"), np.dtype("<u2"), np.dtype("<i4")
 

@@ -3,7 +3,7 @@ certificate with the control plane, and its callers (the driver, the sampler, ne
 peers) pin exactly that certificate: no certificate authority, and a certificate nobody registered is trusted by
 nobody. A relay's identity is the operator's (files made once by `python -m arceus.relay --new-identity`); the
 control plane is configured with its certificate and hands it to agents, which pin it like an agent's. The key
-and certificate are made with `cryptography` (here: no gRPC, so contracts may check certificates); grpcio does the
+and certificate are made with `cryptography`, and checked by `arceus.contracts.certificates`; grpcio does the
 TLS (arceus.wire.channels and arceus.relay.channel for callers, the agent's and the relay's servers).
 """
 
@@ -17,11 +17,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-# The name in every agent certificate, and the name callers check: the pinned certificate, not the name, is what
-# identifies an agent, and an agent's address (an IP behind a router, a relay) says nothing about it.
-AGENT_TLS_NAME = "arceus-agent"
-RELAY_TLS_NAME = "arceus-relay"  # the same, for relays
-MAX_CERTIFICATE_CHARS = 4096
+from arceus.contracts.certificates import AGENT_TLS_NAME
+
 VALIDITY = datetime.timedelta(days=365)
 
 
@@ -72,18 +69,3 @@ def load_identity(key_pem: bytes, certificate_pem: bytes) -> TlsIdentity:
     ):
         raise ValueError("the certificate is not the key's")
     return TlsIdentity(key_pem=key_pem, certificate_pem=certificate_pem)
-
-
-def check_certificate(pem: str, tls_name: str = AGENT_TLS_NAME) -> str:
-    """`pem` if it is one PEM certificate for `tls_name`; ValueError saying why not."""
-    if not isinstance(pem, str) or not pem or len(pem) > MAX_CERTIFICATE_CHARS:
-        raise ValueError(f"must be a PEM certificate of at most {MAX_CERTIFICATE_CHARS} characters")
-    try:
-        certificate = x509.load_pem_x509_certificate(pem.encode())
-        names = certificate.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    except (ValueError, x509.ExtensionNotFound) as exc:
-        raise ValueError(f"is not a PEM certificate with a subject alternative name: {exc}") from None
-    if tls_name not in names.get_values_for_type(x509.DNSName):
-        raise ValueError(f"must name {tls_name!r} (new_identity makes it so)")
-    return pem
-

@@ -21,10 +21,10 @@ from django.conf import settings
 from django.db import DatabaseError, connection
 from django.utils import timezone
 
+from arceus.contracts.transfer import transfer_config_from_json
 from arceus.errors import SpecError
 from arceus.model.expected_state import optimizer_kind
 from arceus.training import DriverError, TrainPlan, train
-from arceus.wire.transfer import transfer_config_from_json
 from controlplane.common.db import reconnecting
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.leases import job_driver_claim, job_driver_interrupted, job_driver_renew

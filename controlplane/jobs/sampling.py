@@ -9,7 +9,7 @@ from http import HTTPStatus
 from django.conf import settings
 
 from arceus.contracts.status import JobStatus
-from arceus.data.text import dataset_tokenizer
+from arceus.data.text_config import dataset_tokenizer
 from arceus.errors import SpecError
 from arceus.model.registry import architecture_of, model_spec_from_config, text_writers
 from arceus.training.sampling import SamplingError, sample_through_pipeline

@@ -23,8 +23,8 @@ from arceus.contracts.assignment import (
     max_micro_batch_size,
 )
 from arceus.contracts.status import HOSTED_STATUSES, JobStatus
+from arceus.contracts.transfer import transfer_config_from_json
 from arceus.training.plan import RankEndpoint, StageEndpoint
-from arceus.wire.transfer import transfer_config_from_json
 from controlplane.common.errors import one_by_id
 from controlplane.jobs.credentials import job_stage_credentials
 from controlplane.jobs.models import Job, LossPoint, Stage, StageCheckpoint, StageContribution

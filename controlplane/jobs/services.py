@@ -12,12 +12,16 @@ from django.db import transaction
 from django.utils import timezone
 
 from arceus.contracts.status import STARTABLE_STATUSES, JobStatus
+from arceus.contracts.transfer import transfer_config_from_json
 from arceus.data.paths import dataset_config_confined
 from arceus.errors import SpecError
-from arceus.model.registry import architecture_for_config, dataset_config_defaulted, fit_model_to_dataset
+from arceus.model.registry import (
+    architecture_for_config,
+    check_tensor_parallel,
+    dataset_config_defaulted,
+    fit_model_to_dataset,
+)
 from arceus.model.spec import ModelSpec
-from arceus.model.tensor_parallel import check_tensor_parallel
-from arceus.wire.transfer import transfer_config_from_json
 from controlplane.common.errors import ApplicationError
 from controlplane.controller import transitions
 from controlplane.controller.transitions import job_queue

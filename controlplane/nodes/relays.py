@@ -13,9 +13,9 @@ from typing import Any
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
+from arceus.contracts.certificates import RELAY_TLS_NAME, check_certificate
 from arceus.relay.address import relay_order
 from arceus.relay.tickets import check_secret, mint_ticket
-from arceus.wire.tls import RELAY_TLS_NAME, check_certificate
 from controlplane.nodes.models import Reachability
 
 

@@ -8,12 +8,12 @@ from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from arceus.contracts.certificates import MAX_CERTIFICATE_CHARS, check_certificate
 from arceus.contracts.observed import ObservedStage, ObservedState
+from arceus.contracts.transfer import ACTIVATION_ENCODINGS, GRADIENT_ENCODINGS
 from arceus.model.precision import PRECISIONS
 from arceus.pipeline.schedule import SCHEDULES
 from arceus.verify.receipts import ReceiptError, load_public_key
-from arceus.wire.tls import MAX_CERTIFICATE_CHARS, check_certificate
-from arceus.wire.transfer import ACTIVATION_ENCODINGS, GRADIENT_ENCODINGS
 from controlplane.common.fields import StrictFloatField, StrictInputSerializer, StrictIntegerField
 from controlplane.nodes.availability import parse_window
 from controlplane.nodes.models import DeviceType, Node, Reachability

@@ -22,7 +22,8 @@ from django.test import override_settings
 from safetensors.torch import load as safetensors_load
 
 from arceus.cli import main as cli_main
-from arceus.data import load_dataset, validate_dataset_config
+from arceus.data.config import validate_dataset_config
+from arceus.data.loader import load_dataset
 from arceus.v1 import stage_pb2, stage_pb2_grpc
 from arceus.wire.channels import open_channel
 from arceus.wire.proto_tensor import to_proto

@@ -21,9 +21,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from arceus.data import validate_dataset_config
-from arceus.data.text import dataset_tokenizer
-from arceus.data.text_config import BUNDLED_TEXT
+from arceus.data.config import validate_dataset_config
+from arceus.data.text_config import BUNDLED_TEXT, dataset_tokenizer
 from arceus.model.generate import sample_text
 from arceus.model.registry import fit_model_to_dataset
 from arceus.sdk import ApiError

@@ -13,7 +13,8 @@ import secrets
 import pytest
 import requests
 
-from arceus.data import load_dataset, validate_dataset_config
+from arceus.data.config import validate_dataset_config
+from arceus.data.loader import load_dataset
 from arceus.sdk import ApiError, ArceusClient
 from devtools.cluster import LocalCluster
 

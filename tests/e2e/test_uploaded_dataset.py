@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from arceus.data import load_dataset
+from arceus.data.loader import load_dataset
 from arceus.data.uploadable import uploadable
 from devtools.cluster import LocalCluster
 

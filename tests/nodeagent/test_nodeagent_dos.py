@@ -23,14 +23,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from arceus.checkpoint import decode_checkpoint
 from arceus.contracts.assignment import max_micro_batch_size
-from arceus.data import validate_dataset_config
+from arceus.contracts.certificates import AGENT_TLS_NAME
+from arceus.data.config import validate_dataset_config
 from arceus.training import TrainPlan, train
 from arceus.training.recording import RecordingSink
 from arceus.v1 import link_probe_pb2, link_probe_pb2_grpc, stage_pb2, stage_pb2_grpc, tensor_parallel_pb2
 from arceus.wire.channels import open_channel, pinned_channel_credentials
 from arceus.wire.proto_tensor import to_proto
 from arceus.wire.push_stream import raw_push, serialize
-from arceus.wire.tls import AGENT_TLS_NAME
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
 from devtools.pipeline import driver_token, pipeline_assignments, rank_credentials, stage_endpoints
 from nodeagent.call_limits import CALLS_PER_CALLER, STREAMS_PER_CALLER, WAITING_PER_CALLER

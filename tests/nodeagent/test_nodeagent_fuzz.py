@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from arceus.contracts.assignment import max_micro_batch_size
-from arceus.data import validate_dataset_config
+from arceus.data.config import validate_dataset_config
 from arceus.v1 import link_probe_pb2, stage_pb2, tensor_parallel_pb2
 from arceus.wire.channels import open_channel
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents

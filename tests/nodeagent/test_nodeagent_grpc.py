@@ -17,13 +17,13 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from arceus.checkpoint import decode_checkpoint
-from arceus.data import validate_dataset_config
+from arceus.contracts.certificates import AGENT_TLS_NAME
+from arceus.data.config import validate_dataset_config
 from arceus.training import DriverError, StageEndpoint, TrainPlan, train
 from arceus.training.recording import RecordingSink
 from arceus.v1 import stage_pb2, stage_pb2_grpc
 from arceus.wire.channels import open_channel
 from arceus.wire.proto_tensor import to_proto
-from arceus.wire.tls import AGENT_TLS_NAME
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
 from devtools.pipeline import driver_token, identity_for, pipeline_assignments
 

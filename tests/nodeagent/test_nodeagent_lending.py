@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from arceus.contracts.assignment import Assignment, max_micro_batch_size
-from arceus.data import load_dataset, validate_dataset_config
+from arceus.data.config import validate_dataset_config
+from arceus.data.loader import load_dataset
 from arceus.training import StageEndpoint, TrainPlan
 from arceus.training.driver import Pipeline
 from devtools.pipeline import driver_token, identity_for, pipeline_assignments, remember_identity

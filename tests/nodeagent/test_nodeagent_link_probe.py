@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from arceus.contracts.assignment import Assignment
+from arceus.contracts.certificates import AGENT_TLS_NAME
 from arceus.v1 import link_probe_pb2, link_probe_pb2_grpc
 from arceus.wire.channels import open_channel, pinned_channel_credentials
-from arceus.wire.tls import AGENT_TLS_NAME
 from devtools.pipeline import driver_token, identity_for, pipeline_assignments, remember_identity
 from nodeagent.agent import Agent
 from nodeagent.control_plane import ControlPlaneClient, HeartbeatLoop

@@ -12,12 +12,13 @@ import grpc
 import pytest
 import torch
 
+from arceus.contracts.transfer import TransferConfig
 from arceus.v1 import stage_pb2, stage_pb2_grpc
 from arceus.wire import codec
 from arceus.wire.channels import open_channel
 from arceus.wire.proto_tensor import write_encoded
 from arceus.wire.push_stream import OutgoingPush, PushError, PushStream, outgoing_push, raw_push, serialize
-from arceus.wire.transfer import TransferConfig, TransferEncoder
+from arceus.wire.transfer import TransferEncoder
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
 from devtools.pipeline import driver_token, pipeline_assignments
 

@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from arceus.contracts.assignment import max_micro_batch_size
-from arceus.data import validate_dataset_config
+from arceus.contracts.certificates import AGENT_TLS_NAME
+from arceus.data.config import validate_dataset_config
 from arceus.training import TrainPlan, train
 from arceus.training.recording import RecordingSink
 from arceus.v1 import (
@@ -31,7 +32,6 @@ from arceus.v1 import (
 )
 from arceus.wire.channels import open_channel, pinned_channel_credentials
 from arceus.wire.proto_tensor import to_proto
-from arceus.wire.tls import AGENT_TLS_NAME
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
 from devtools.pipeline import driver_token, pipeline_assignments, rank_credentials, stage_endpoints
 from devtools.reference import fetch_weights, reference_run

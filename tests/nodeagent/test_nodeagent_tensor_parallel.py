@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import load_file
 
 from arceus.contracts.assignment import Assignment
+from arceus.model.autocast import autocast
 from arceus.model.gpt.layers import gpt_layer
 from arceus.model.gpt.parallel import shard_tensor
 from arceus.model.gpt.spec import GPTSpec
-from arceus.model.precision import autocast
 from arceus.model.seeding import layer_generator
 from arceus.model.sharding import Shard
 from arceus.model.tensor_parallel import gather_state_tensors

@@ -15,9 +15,9 @@ import torch
 from safetensors.torch import save_file
 
 from arceus.contracts.credentials import StageCredentials, stage_credentials
+from arceus.model.autocast import autocast
 from arceus.model.gpt.parallel import build_parallel_block
 from arceus.model.gpt.spec import GPTSpec
-from arceus.model.precision import autocast
 from arceus.wire.tls import TlsIdentity, load_identity, new_identity
 from nodeagent.agent import Agent
 from nodeagent.all_reduce import TensorParallelGroup

@@ -3,9 +3,6 @@
 
 from arceus.model.architecture import Architecture
 from arceus.model.convnet.fit import fit_convnet_to_dataset
-from arceus.model.convnet.layers import convnet_layer
 from arceus.model.convnet.spec import convnet_from_config
 
-ARCHITECTURE = Architecture(
-    type="convnet", from_config=convnet_from_config, build_layer=convnet_layer, fit_dataset=fit_convnet_to_dataset
-)
+ARCHITECTURE = Architecture(type="convnet", from_config=convnet_from_config, fit_dataset=fit_convnet_to_dataset)

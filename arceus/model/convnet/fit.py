@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from arceus.data import DATASETS, validate_dataset_config
-from arceus.data.config import dataset_info
+from arceus.data.config import DATASETS, dataset_info, validate_dataset_config
 from arceus.data.text_config import TEXT_DATASET
 from arceus.errors import SpecError
 from arceus.model.convnet.spec import ConvNetSpec, convnet_from_config

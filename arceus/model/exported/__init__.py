@@ -4,13 +4,11 @@ an allow-list names. `{"type": "exported", ...}` is what `capture` writes (`arce
 
 from arceus.model.architecture import Architecture
 from arceus.model.exported.fit import fit_exported_to_dataset
-from arceus.model.exported.layers import exported_layer
 from arceus.model.exported.spec import SPEC_TYPE, exported_from_config
 
 ARCHITECTURE = Architecture(
     type=SPEC_TYPE,
     from_config=exported_from_config,
-    build_layer=exported_layer,
     fit_dataset=fit_exported_to_dataset,
     ships_program=True,
 )

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from arceus.data import validate_dataset_config
-from arceus.data.config import dataset_info
-from arceus.data.text import text_vocabulary
-from arceus.data.text_config import TEXT_DATASET
+from arceus.data.config import dataset_info, validate_dataset_config
+from arceus.data.text_config import TEXT_DATASET, text_vocabulary
 from arceus.errors import SpecError
 from arceus.model.exported.spec import ExportedSpec, exported_from_config
 

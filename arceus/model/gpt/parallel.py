@@ -16,10 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from arceus.errors import SpecError
 from arceus.model.gpt.layers import GPTBlock, gpt_layer
 from arceus.model.gpt.spec import GPTSpec
-from arceus.model.layout import TensorLayout
 from arceus.model.seeding import layer_generator
 from arceus.model.sharding import AllReduce, Shard, copy_to_group, reduce_from_group, slice_state
 
@@ -121,19 +119,3 @@ def build_parallel_block(
 ) -> ParallelBlock:
     """`parallel_layer` from the model's seed."""
     return parallel_layer(spec, layer_index, layer_generator(seed, layer_index), shard, all_reduce)
-
-
-def reduced_layout(spec: GPTSpec) -> TensorLayout:
-    """What the ranks all-reduce: a block's [block_size, d_model] hidden states."""
-    return spec.output_layout(1)
-
-
-def check_size(spec: GPTSpec, size: int) -> None:
-    """Whole heads per rank (its MLP then splits too: 4·d_model hidden units, and n_head divides d_model)."""
-    if spec.n_head % size:
-        divisors = [d for d in range(2, spec.n_head + 1) if spec.n_head % d == 0]
-        raise SpecError(
-            "tensor_parallel.size",
-            f"must divide the model's n_head ({spec.n_head}) so each node takes whole attention heads; "
-            + (f"use one of {', '.join(map(str, divisors))}" if divisors else "a single head cannot be split"),
-        )

@@ -11,6 +11,7 @@ from typing import Any, ClassVar
 
 from arceus.data.tokenizer import VOCABS
 from arceus.errors import SpecError
+from arceus.model.layout import TensorLayout
 from arceus.model.spec import LayerStash
 from arceus.model.text_layouts import TextDecoderLayouts
 
@@ -95,3 +96,19 @@ def _positive(config: dict[str, Any], key: str, default: int | None) -> int:
     if not 1 <= value <= _LIMITS[key]:
         raise SpecError(field, f"must be between 1 and {_LIMITS[key]:,}, got {value:,}")
     return value
+
+
+def tensor_parallel_reduced_layout(spec: GPTSpec) -> TensorLayout:
+    """What the ranks all-reduce: a block's [block_size, d_model] hidden states."""
+    return spec.output_layout(1)
+
+
+def tensor_parallel_check_size(spec: GPTSpec, size: int) -> None:
+    """Whole heads per rank (its MLP then splits too: 4·d_model hidden units, and n_head divides d_model)."""
+    if spec.n_head % size:
+        divisors = [d for d in range(2, spec.n_head + 1) if spec.n_head % d == 0]
+        raise SpecError(
+            "tensor_parallel.size",
+            f"must divide the model's n_head ({spec.n_head}) so each node takes whole attention heads; "
+            + (f"use one of {', '.join(map(str, divisors))}" if divisors else "a single head cannot be split"),
+        )

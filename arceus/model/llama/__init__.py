@@ -6,23 +6,17 @@
 
 from functools import partial
 
-from arceus.model.architecture import Architecture, HuggingFaceFormat, TensorParallelLayers
-from arceus.model.llama import parallel
+from arceus.model.architecture import Architecture, HuggingFaceFormat, TensorParallelSplit
 from arceus.model.llama.hf import hf_config, hf_name
-from arceus.model.llama.layers import llama_layer
-from arceus.model.llama.spec import llama_from_config
+from arceus.model.llama.spec import llama_from_config, tensor_parallel_check_size, tensor_parallel_reduced_layout
 from arceus.model.text_fit import fit_text_model
 
 ARCHITECTURE = Architecture(
     type="llama",
     from_config=llama_from_config,
-    build_layer=llama_layer,
     fit_dataset=partial(fit_text_model, from_config=llama_from_config, block_key="max_position_embeddings"),
-    tensor_parallel=TensorParallelLayers(
-        build_layer=parallel.parallel_layer,
-        shard_rows=parallel.shard_rows,
-        reduced_layout=parallel.reduced_layout,
-        check_size=parallel.check_size,
+    tensor_parallel=TensorParallelSplit(
+        reduced_layout=tensor_parallel_reduced_layout, check_size=tensor_parallel_check_size
     ),
     writes_text=True,
     hugging_face=HuggingFaceFormat(config=hf_config, name=hf_name),

@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from arceus.errors import SpecError
 from arceus.model.decoding import KVCache
-from arceus.model.layout import TensorLayout
 from arceus.model.llama.layers import LlamaAttention, LlamaDecoderLayer, LlamaMLP, llama_layer
-from arceus.model.llama.spec import LlamaSpec
+from arceus.model.llama.spec import LlamaSpec, tensor_parallel_check_size
 from arceus.model.sharding import AllReduce, Shard, copy_to_group, reduce_from_group, slice_state
 
 
@@ -47,7 +45,7 @@ class ParallelMLP(LlamaMLP):
 def shard_rows(spec: LlamaSpec, shard: Shard, name: str) -> tuple[int, torch.Tensor] | None:
     """(dim, indices) that cut rank `shard.rank`'s part of the unsplit layer's parameter `name` (a
     `LlamaDecoderLayer` state-dict name, optionally prefixed), or None where it is replicated."""
-    check_size(spec, shard.size)
+    tensor_parallel_check_size(spec, shard.size)
     r, w = shard.rank, shard.size
     q_rows = spec.hidden_size // w
     kv_rows = spec.kv_size // w
@@ -76,21 +74,3 @@ def parallel_layer(
     layer = LlamaDecoderLayer(spec, ParallelAttention(spec, shard, all_reduce), ParallelMLP(spec, shard, all_reduce))
     layer.load_state_dict(slice_state(shard_rows, spec, shard, full.state_dict()))
     return layer
-
-
-def reduced_layout(spec: LlamaSpec) -> TensorLayout:
-    """What the ranks all-reduce: a layer's [block_size, hidden_size] hidden states."""
-    return spec.output_layout(1)
-
-
-def check_size(spec: LlamaSpec, size: int) -> None:
-    """Whole key/value groups and an equal share of the MLP's units per rank."""
-    kv = spec.num_key_value_heads
-    if size < 1 or kv % size or spec.intermediate_size % size:
-        fits = [d for d in range(2, kv + 1) if kv % d == 0 and spec.intermediate_size % d == 0]
-        raise SpecError(
-            "tensor_parallel.size",
-            f"must divide the model's num_key_value_heads ({kv}) and intermediate_size ({spec.intermediate_size}) "
-            "so each node takes whole key/value head groups and an equal share of the MLP; "
-            + (f"use one of {', '.join(map(str, fits))}" if fits else "this model's layers cannot be split"),
-        )

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from arceus.data.tokenizer import VOCABS
 from arceus.errors import SpecError
+from arceus.model.layout import TensorLayout
 from arceus.model.spec import LayerStash
 from arceus.model.text_layouts import TextDecoderLayouts
 
@@ -151,3 +152,21 @@ def _float(config: dict[str, Any], key: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not low < value <= high:
         raise SpecError(f"model_config.{key}", f"must be a number above {low:g} and at most {high:g}, got {value!r}")
     return float(value)
+
+
+def tensor_parallel_reduced_layout(spec: LlamaSpec) -> TensorLayout:
+    """What the ranks all-reduce: a layer's [block_size, hidden_size] hidden states."""
+    return spec.output_layout(1)
+
+
+def tensor_parallel_check_size(spec: LlamaSpec, size: int) -> None:
+    """Whole key/value groups and an equal share of the MLP's units per rank."""
+    kv = spec.num_key_value_heads
+    if size < 1 or kv % size or spec.intermediate_size % size:
+        fits = [d for d in range(2, kv + 1) if kv % d == 0 and spec.intermediate_size % d == 0]
+        raise SpecError(
+            "tensor_parallel.size",
+            f"must divide the model's num_key_value_heads ({kv}) and intermediate_size ({spec.intermediate_size}) "
+            "so each node takes whole key/value head groups and an equal share of the MLP; "
+            + (f"use one of {', '.join(map(str, fits))}" if fits else "this model's layers cannot be split"),
+        )

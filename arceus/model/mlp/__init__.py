@@ -2,9 +2,6 @@
 
 from arceus.model.architecture import Architecture
 from arceus.model.mlp.fit import fit_mlp_to_dataset
-from arceus.model.mlp.layers import mlp_layer
 from arceus.model.mlp.spec import mlp_from_config
 
-ARCHITECTURE = Architecture(
-    type="mlp", from_config=mlp_from_config, build_layer=mlp_layer, fit_dataset=fit_mlp_to_dataset
-)
+ARCHITECTURE = Architecture(type="mlp", from_config=mlp_from_config, fit_dataset=fit_mlp_to_dataset)

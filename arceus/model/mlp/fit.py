@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from arceus.data import validate_dataset_config
-from arceus.data.config import dataset_info
+from arceus.data.config import dataset_info, validate_dataset_config
 from arceus.data.text_config import TEXT_DATASET
 from arceus.errors import SpecError
 from arceus.model.mlp.spec import MLPSpec, mlp_from_config

@@ -8,8 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from arceus.data import epoch_batches, load_dataset, validate_dataset_config
+from arceus.data.batches import epoch_batches
+from arceus.data.config import validate_dataset_config
 from arceus.data.idx import IdxError, read_idx_ubyte
+from arceus.data.loader import load_dataset
 from arceus.errors import SpecError
 
 

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from arceus.data import load_dataset, validate_dataset_config
-from arceus.data.text import dataset_tokenizer
+from arceus.data.config import validate_dataset_config
+from arceus.data.loader import load_dataset
+from arceus.data.text_config import dataset_tokenizer
 from arceus.data.tokenizer import BPE_DEFAULT_VOCAB, split_text, train_bpe
 from arceus.errors import SpecError
 from arceus.model.registry import fit_model_to_dataset

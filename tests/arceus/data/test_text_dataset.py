@@ -7,7 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from arceus.data import epoch_batches, load_dataset, validate_dataset_config
+from arceus.data.batches import epoch_batches
+from arceus.data.config import validate_dataset_config
+from arceus.data.loader import load_dataset
 from arceus.data.text_config import BUNDLED_TEXT
 from arceus.data.tokenizer import CharTokenizer
 from arceus.errors import SpecError

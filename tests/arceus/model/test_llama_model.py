@@ -17,8 +17,9 @@ from arceus.errors import SpecError
 from arceus.model.build import build_full_model, build_layers, named_global_parameters
 from arceus.model.decoding import DecodeState, decode
 from arceus.model.llama.hf import hf_config, hf_name
-from arceus.model.llama.parallel import check_size, shard_rows
+from arceus.model.llama.parallel import shard_rows
 from arceus.model.llama.spec import LlamaSpec
+from arceus.model.llama.spec import tensor_parallel_check_size as check_size
 from arceus.model.registry import fit_model_to_dataset, model_spec_from_config
 from arceus.model.sharding import Shard, slice_state
 from arceus.model.tensor_parallel import build_parallel_layers

@@ -16,11 +16,12 @@ import pytest
 from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 from grpc_health.v1.health_pb2_grpc import HealthStub
 
+from arceus.contracts.certificates import RELAY_TLS_NAME
 from arceus.relay.channel import relay_channel
 from arceus.relay.tickets import METADATA_KEY as TICKET_KEY
 from arceus.relay.tickets import mint_ticket
 from arceus.v1 import relay_pb2, relay_pb2_grpc
-from arceus.wire.tls import RELAY_TLS_NAME, new_identity
+from arceus.wire.tls import new_identity
 
 SERVICE = "arceus.v1.RelayService"
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from arceus.data import validate_dataset_config
+from arceus.data.config import validate_dataset_config
 from arceus.data.text_config import BUNDLED_TEXT
 from arceus.model.registry import fit_model_to_dataset
 

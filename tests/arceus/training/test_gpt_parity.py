@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from arceus.contracts.assignment import max_micro_batch_size
-from arceus.data.text import dataset_tokenizer
+from arceus.data.text_config import dataset_tokenizer
 from arceus.model.generate import sample_text
 from arceus.training import TrainPlan, train
 from arceus.training.recording import RecordingSink

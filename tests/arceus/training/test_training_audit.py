@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from arceus.contracts.assignment import Assignment, max_micro_batch_size
-from arceus.data import validate_dataset_config
+from arceus.contracts.transfer import transfer_config_from_json
+from arceus.data.config import validate_dataset_config
 from arceus.training import StageEndpoint, StepProgress, TrainPlan, train
 from arceus.training.audit import Auditor
 from arceus.training.recording import RecordingSink
 from arceus.training.stage_client import StageClient
 from arceus.v1 import stage_pb2
 from arceus.verify.receipts import RECEIVED, SENT, ReceiptError, ReceiptFields, ReceiptSigner, verify_receipt
-from arceus.wire.transfer import transfer_config_from_json
 from devtools.pipeline import driver_token, identity_for, pipeline_assignments, remember_identity
 from devtools.reference import fetch_weights
 from nodeagent import step

@@ -17,7 +17,7 @@ import torch
 
 from arceus.checkpoint import StateFile, checkpoint_digest
 from arceus.contracts.assignment import max_micro_batch_size
-from arceus.data import validate_dataset_config
+from arceus.data.config import validate_dataset_config
 from arceus.training import StageEndpoint, TrainPlan, train
 from arceus.training.recording import RecordingSink
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents

@@ -6,11 +6,12 @@ from google.protobuf.message import DecodeError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from arceus.contracts.transfer import TransferConfig
 from arceus.v1 import stage_pb2
 from arceus.wire.incoming_push import IncomingPush, MalformedPush, parse_push
 from arceus.wire.proto_tensor import decode_tensor
 from arceus.wire.push_stream import encode_varint, outgoing_push, serialize
-from arceus.wire.transfer import TransferConfig, TransferEncoder
+from arceus.wire.transfer import TransferEncoder
 
 Request = stage_pb2.PushTensorRequest
 

@@ -3,12 +3,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from arceus.contracts.transfer import TransferConfig, transfer_config_from_json
 from arceus.errors import SpecError
 from arceus.v1 import stage_pb2
 from arceus.wire.codec import TensorValidationError
 from arceus.wire.compression import decode_payload
 from arceus.wire.proto_tensor import encoded_to_proto, from_proto, to_proto
-from arceus.wire.transfer import TransferConfig, TransferEncoder, transfer_config_from_json
+from arceus.wire.transfer import TransferEncoder
 
 
 def test_defaults_and_round_trip() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from rest_framework.test import APIClient
 
-from arceus.data.text import text_vocabulary
+from arceus.data.text_config import text_vocabulary
 from arceus.model.registry import model_spec_from_config
 from arceus.placement.profiles import layer_profiles
 from controlplane.jobs.models import Job
