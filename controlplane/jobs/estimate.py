@@ -30,6 +30,7 @@ from controlplane.controller.views import stage_bounds
 from controlplane.datasets.selectors import dataset_config_resolved
 from controlplane.jobs.models import EstimateStatus, JobEstimate, Stage
 from controlplane.jobs.services import job_validate
+from controlplane.nodes.models import Node
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 # would have been planned on are old news by then); an owner's estimates are kept this long.
 ESTIMATE_WAIT = timedelta(seconds=60)
 ESTIMATE_KEPT = timedelta(days=1)
+OTHERS_NODE = "another contributor's node"  # an estimate names only its owner's nodes
 
 
 def estimate_request(
@@ -88,7 +90,7 @@ def estimate_run(*, estimate_id: str) -> None:
         return
     now = timezone.now()
     try:
-        result, error = job_estimate(**estimate.request, now=now), ""
+        result, error = job_estimate(**estimate.request, owner_id=estimate.owner_id, now=now), ""
     except (ApplicationError, SpecError) as exc:  # the world changed since the request was checked
         result, error = None, str(exc)
     except Exception:
@@ -124,11 +126,13 @@ def job_estimate(
     schedule: str,
     stages: int | None,
     requirements_config: dict[str, Any],
+    owner_id: int,
     now: datetime,
     tensor_parallel: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Plan the job on the free Ready nodes as the reconciler would, and price it at the posted prices.
-    A job that cannot be placed now is answered with `feasible: false` and the reason."""
+    A job that cannot be placed now is answered with `feasible: false` and the reason. Only the owner's own
+    nodes are named in the stages; another contributor's node is `OTHERS_NODE`, without its id."""
     tensor_parallel = tensor_parallel or {}
     spec, _, dataset = job_validate(
         model_config=model_config,
@@ -146,7 +150,8 @@ def job_estimate(
         for n in node_views(registered_nodes(), now)
         if n.ready_status == TRUE and not n.paused and n.id not in busy and req.allows(n)
     ]
-    names = {n.id: n.name for n in candidates}
+    own = {str(i) for i in Node.objects.filter(owner_id=owner_id).values_list("id", flat=True)}
+    named = {n.id: (n.id, n.name) if n.id in own else (None, OTHERS_NODE) for n in candidates}
     answer: dict[str, Any] = {
         "feasible": False, "reason": None, "candidates": len(candidates), "stages": [], "cut_short": False
     }
@@ -176,8 +181,8 @@ def job_estimate(
             {
                 "stage_index": i,
                 "rank": rank,
-                "node_id": node_id,
-                "node_name": names[node_id],
+                "node_id": named[node_id][0],
+                "node_name": named[node_id][1],
                 "layer_start": s.layer_start,
                 "layer_end": s.layer_end,
                 "seconds_per_micro_batch": s.seconds_per_micro_batch,

@@ -14,6 +14,7 @@ from controlplane.common.fields import (
     StrictInputSerializer,
     StrictIntegerField,
 )
+from controlplane.jobs.estimate import OTHERS_NODE
 from controlplane.jobs.models import DEFAULT_AUDIT_RATE, Job, Optimizer, PipelineSchedule, Precision, Stage
 from controlplane.jobs.selectors import job_contributions, job_loss_curve, job_stages
 from controlplane.market.selectors import job_cost
@@ -307,8 +308,8 @@ class JobDetailOutput(JobListOutput):
 class EstimateStageOutput(serializers.Serializer):
     stage_index = serializers.IntegerField()
     rank = serializers.IntegerField(help_text="rank in the stage's tensor-parallel group (0 for a one-node stage)")
-    node_id = serializers.UUIDField()
-    node_name = serializers.CharField()
+    node_id = serializers.UUIDField(allow_null=True, help_text="the node, when it is one of yours (else null)")
+    node_name = serializers.CharField(help_text=f"its name, when it is one of yours (else {OTHERS_NODE!r})")
     layer_start = serializers.IntegerField()
     layer_end = serializers.IntegerField()
     seconds_per_micro_batch = serializers.FloatField()

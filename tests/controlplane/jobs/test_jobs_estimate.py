@@ -3,6 +3,7 @@ computed by a worker; no job saved."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -97,6 +98,16 @@ def test_an_estimate_is_its_owners_alone(api, other_api, estimate_of, digits_job
     assert other_api.get("/api/jobs/estimates/00000000-0000-0000-0000-000000000000").status_code == 404
     assert api.get("/api/jobs/estimates/not-a-uuid").status_code == 404
     assert api.get(body["url"]).json() == body
+
+
+def test_an_estimate_names_only_its_owners_nodes(api, other_api, estimate_of, digits_job, offered) -> None:
+    body = estimate_of({**digits_job, "stages": None}, client=other_api)["result"]  # every node is alice's
+    assert body["feasible"] and body["stages"] and body["candidates"] == 3
+    assert {(s["node_id"], s["node_name"]) for s in body["stages"]} == {(None, "another contributor's node")}
+    text = json.dumps(body)
+    assert not [n for n in Node.objects.all() if str(n.id) in text or n.name in text]
+    mine = estimate_of({**digits_job, "stages": None})["result"]["stages"]  # alice's own are named
+    assert {s["node_name"] for s in mine} <= {"fast", "slow", "tiny"} and all(s["node_id"] for s in mine)
 
 
 def test_an_estimate_no_worker_took_in_time_is_answered_failed(api, digits_job, offered) -> None:

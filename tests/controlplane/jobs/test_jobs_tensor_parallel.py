@@ -93,7 +93,7 @@ def test_the_estimate_places_a_split_stage_on_a_group(user, ready_node) -> None:
     estimate = job_estimate(
         model_config=MODEL, dataset_config={"name": "text", "batch_size": 8}, epochs=1, micro_batches=2,
         schedule="gpipe", stages=2, requirements_config={},
-        tensor_parallel={"size": 2, "stages": [1]}, now=timezone.now(),
+        tensor_parallel={"size": 2, "stages": [1]}, owner_id=user.id, now=timezone.now(),
     )
     assert estimate["feasible"], estimate["reason"]
     assert [(s["stage_index"], s["rank"], s["node_name"]) for s in estimate["stages"]] == [
