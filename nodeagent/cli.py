@@ -15,13 +15,11 @@ from pathlib import Path
 
 from arceus.errors import SpecError
 from nodeagent.agent import split_host_port
-from nodeagent.device import DEVICE_TYPES
-from nodeagent.leaving import DEFAULT_LEAVE_TIMEOUT_SECONDS
 from nodeagent.neighbour_links import DEFAULT_INTERVAL_SECONDS
 from nodeagent.owner_commands import OWNER_COMMANDS, run_owner_command
 from nodeagent.run_options import UsageError, run_options
 from nodeagent.runner import run_agent
-from nodeagent.settings import default_settings_path
+from nodeagent.settings import DEFAULT_LEAVE_TIMEOUT_SECONDS, DEVICE_TYPES, default_settings_path
 
 
 def _address(value: str) -> str:

@@ -27,6 +27,7 @@ from arceus.contracts.observed import ObservedStage
 from arceus.errors import SpecError
 from arceus.model.exported.program import MAX_PROGRAM_BYTES
 from arceus.model.hugging_face import initial_weights_slice_check
+from nodeagent.control_plane_http import ControlPlaneError, ControlPlaneSession, Unauthorized
 from nodeagent.host_load import HostLoad
 from nodeagent.stage import StateUploadError
 
@@ -34,14 +35,6 @@ log = logging.getLogger(__name__)
 # A state upload the server failed is sent again after 1, 2, 4 s (its deadline permitting).
 UPLOAD_ATTEMPTS = 4
 UPLOAD_RETRY_SECONDS = 1.0
-
-
-class ControlPlaneError(RuntimeError):
-    """The control plane could not be reached or answered something unusable; worth retrying."""
-
-
-class Unauthorized(ControlPlaneError):
-    """The control plane rejected the node token; retrying cannot help."""
 
 
 @dataclass(frozen=True)
@@ -64,12 +57,9 @@ class HeartbeatReply:
     metrics_token_sha256: str | None = None  # what a scrape of /metrics must present the preimage of (None: none)
 
 
-class ControlPlaneClient:
+class ControlPlaneClient(ControlPlaneSession):
     def __init__(self, url: str, token: str, *, timeout: float = 10.0) -> None:
-        self.url = url.rstrip("/")
-        self.timeout = timeout
-        self._session = requests.Session()
-        self._session.headers["Authorization"] = f"Node {token}"
+        super().__init__(url, token, timeout=timeout)
         # The assignments of the last heartbeat answer and their version: sent back, so an unchanged desired
         # state is answered without its assignments (the control plane need not build them).
         self._held: tuple[str, list[Assignment], list[ObservedStage]] | None = None
@@ -141,10 +131,6 @@ class ControlPlaneClient:
         if not isinstance(stages, int) or isinstance(stages, bool) or stages < 0:
             raise ControlPlaneError(f"leave response has no 'stages' count: {stages!r}")
         return stages
-
-    def earnings(self) -> dict[str, Any]:
-        """What this node has earned (GET /api/agent/earnings): `credit_usd`, `withheld_usd`, `per_day`, ..."""
-        return self._call("GET", "/api/agent/earnings")
 
     def probe(self, payload: bytes) -> float:
         """Seconds for the control plane to receive `payload` and answer (POST /api/agent/probe)."""
@@ -260,33 +246,6 @@ class ControlPlaneClient:
                 raise StateUploadError(f"{failure} (attempt {attempt + 1})")
             log.warning("%s; sending it again in %.0f s", failure, pause)
             time.sleep(pause)
-
-    def _post(self, path: str, payload: dict[str, Any]) -> dict[str, Any]:
-        return self._call("POST", path, json=payload)
-
-    def _call(self, method: str, path: str, **kwargs: Any) -> dict[str, Any]:
-        """The JSON object the control plane answers `method path` with; ControlPlaneError (Unauthorized for a
-        refused token) otherwise."""
-        url = f"{self.url}{path}"
-        try:
-            response = self._session.request(method, url, timeout=self.timeout, **kwargs)
-        except requests.RequestException as exc:
-            raise ControlPlaneError(f"{method} {url} failed: {exc}") from exc
-        if response.status_code == 401:
-            raise Unauthorized(
-                f"the control plane at {self.url} rejected the node token (HTTP 401); "
-                "check the token (ARCEUS_NODE_TOKEN or the token file): it is shown once when the node is created "
-                "(POST /api/nodes)"
-            )
-        if response.status_code >= 300:
-            raise ControlPlaneError(f"{method} {url} → HTTP {response.status_code}: {response.text[:500]}")
-        try:
-            body = response.json()
-        except ValueError:
-            raise ControlPlaneError(f"{method} {url} answered non-JSON: {response.text[:200]!r}") from None
-        if not isinstance(body, dict):
-            raise ControlPlaneError(f"{method} {url} answered {type(body).__name__}, expected a JSON object")
-        return body
 
 
 def _parse_assignments(body: dict[str, Any]) -> tuple[list[Assignment], list[ObservedStage]]:

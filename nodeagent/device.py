@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-DEVICE_TYPES = ("cuda", "mps", "cpu")
+from nodeagent.settings import DEVICE_TYPES
 
 
 class DeviceError(RuntimeError):

@@ -1,12 +1,20 @@
-"""The `arceus-agent` command and `python -m nodeagent`: caps OpenMP's spinning before anything imports torch."""
+"""The `arceus-agent` command and `python -m nodeagent`. The owner's commands (init, status, service) load no torch:
+they are dispatched before `nodeagent.cli`, which runs an agent, is imported; before that import OpenMP's
+spinning is capped."""
 
 from __future__ import annotations
 
+import sys
+
 from nodeagent.openmp import cap_openmp_spin
+from nodeagent.owner_commands import OWNER_COMMANDS, run_owner_command
 
 
 def main() -> int:
+    argv = sys.argv[1:]
+    if argv and argv[0] in OWNER_COMMANDS:
+        return run_owner_command(argv)
     cap_openmp_spin()  # before nodeagent.cli imports torch
     from nodeagent.cli import main as cli_main
 
-    return cli_main()
+    return cli_main(argv)

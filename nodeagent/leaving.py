@@ -10,10 +10,10 @@ import threading
 import time
 from types import FrameType
 
-from nodeagent.control_plane import ControlPlaneClient, ControlPlaneError, HeartbeatReply
+from nodeagent.control_plane import ControlPlaneClient, HeartbeatReply
+from nodeagent.control_plane_http import ControlPlaneError
 
 log = logging.getLogger("nodeagent")
-DEFAULT_LEAVE_TIMEOUT_SECONDS = 120.0
 
 
 class Leaving:

@@ -14,11 +14,12 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-from nodeagent.device import DEVICE_TYPES
+from nodeagent.control_plane_http import ControlPlaneError, ControlPlaneSession
 from nodeagent.local_status import format_status, read_status
 from nodeagent.node_token import TOKEN_ENV, TokenError, check_token, read_token_file, write_token_file
 from nodeagent.service_unit import service_command
 from nodeagent.settings import (
+    DEVICE_TYPES,
     STATUS_FILE_NAME,
     TOKEN_FILE_NAME,
     AgentSettings,
@@ -128,10 +129,8 @@ def _earnings(control_plane: str, token: str | None) -> str:
     """Today's (UTC) and all-time credit, as the control plane has it; why not, where it cannot say."""
     if token is None:
         return "unknown (no usable node token)"
-    from nodeagent.control_plane import ControlPlaneClient, ControlPlaneError  # torch: only when asked
-
     try:
-        earned = ControlPlaneClient(control_plane, token, timeout=5.0).earnings()
+        earned = ControlPlaneSession(control_plane, token, timeout=5.0).earnings()
     except ControlPlaneError as exc:
         return f"unknown ({exc})"
     today = datetime.now(UTC).date().isoformat()

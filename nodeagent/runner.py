@@ -27,10 +27,10 @@ from nodeagent.control_plane import (
     HeartbeatLoop,
     HeartbeatReply,
     Registration,
-    Unauthorized,
     measure_link,
     register_until_accepted,
 )
+from nodeagent.control_plane_http import Unauthorized
 from nodeagent.device import capabilities
 from nodeagent.heap import retain_freed_blocks
 from nodeagent.lan import lan_address

@@ -17,8 +17,7 @@ from pathlib import Path
 
 import platformdirs
 
-from nodeagent.leaving import DEFAULT_LEAVE_TIMEOUT_SECONDS
-from nodeagent.settings import SettingsError, default_settings_path, load_settings
+from nodeagent.settings import DEFAULT_LEAVE_TIMEOUT_SECONDS, SettingsError, default_settings_path, load_settings
 
 UNIT_NAME = "arceus-agent.service"
 LAUNCHD_LABEL = "org.arceus.agent"

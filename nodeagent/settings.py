@@ -17,7 +17,9 @@ from typing import Any
 import platformdirs
 import tomli_w
 
-from nodeagent.device import DEVICE_TYPES
+DEVICE_TYPES = ("cuda", "mps", "cpu")  # what --device and `device` may name
+# How long a stopping agent waits for its node to drain (nodeagent.leaving); service units give it more.
+DEFAULT_LEAVE_TIMEOUT_SECONDS = 120.0
 
 APP_NAME = "arceus-agent"
 SETTINGS_FILE_NAME = "agent.toml"

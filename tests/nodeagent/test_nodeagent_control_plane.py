@@ -24,11 +24,10 @@ from devtools.pipeline import pipeline_assignments
 from nodeagent.agent import Agent
 from nodeagent.control_plane import (
     ControlPlaneClient,
-    ControlPlaneError,
     HeartbeatLoop,
-    Unauthorized,
     register_until_accepted,
 )
+from nodeagent.control_plane_http import ControlPlaneError, Unauthorized
 from tests.arceus.model.test_llama_model import SMALL
 
 ASSIGNMENT = pipeline_assignments(
