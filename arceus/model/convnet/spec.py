@@ -15,6 +15,7 @@ from arceus.errors import SpecError
 from arceus.model.activations import KEEPS_OUTPUT, activation_from_config
 from arceus.model.layout import TensorLayout
 from arceus.model.spec import LayerStash
+from arceus.model.spec_fields import known_keys_check
 
 DEFAULT_CHANNELS = (8, 16)
 MAX_CHANNELS = 4096
@@ -101,11 +102,7 @@ class ConvNetSpec:
 
 
 def convnet_from_config(config: dict[str, Any]) -> ConvNetSpec:
-    unknown = sorted(set(config) - _KEYS)
-    if unknown:
-        raise SpecError(
-            f"model_config.{unknown[0]}", f"unknown key for a convnet; allowed keys: {', '.join(sorted(_KEYS))}"
-        )
+    known_keys_check(config, _KEYS, "a convnet")
     channels = _channels(config.get("channels", list(DEFAULT_CHANNELS)))
     kernel_size = config.get("kernel_size", 3)
     if not _is_int(kernel_size) or not 1 <= kernel_size <= MAX_KERNEL_SIZE or kernel_size % 2 == 0:

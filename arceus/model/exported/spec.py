@@ -21,6 +21,7 @@ from typing import Any, ClassVar
 from arceus.errors import SpecError
 from arceus.model.layout import TensorLayout
 from arceus.model.spec import LayerStash
+from arceus.model.spec_fields import known_keys_check
 
 SPEC_TYPE = "exported"
 MAX_LAYERS = 1024
@@ -91,11 +92,7 @@ class ExportedSpec:
 
 
 def exported_from_config(config: dict[str, Any]) -> ExportedSpec:
-    unknown = sorted(set(config) - _KEYS)
-    if unknown:
-        raise SpecError(
-            f"model_config.{unknown[0]}", f"unknown key for an exported model; allowed: {', '.join(sorted(_KEYS))}"
-        )
+    known_keys_check(config, _KEYS, "an exported model")
     layers = config.get("layers")
     if not isinstance(layers, list) or not 1 <= len(layers) <= MAX_LAYERS:
         raise SpecError("model_config.layers", f"must list 1 to {MAX_LAYERS} layers (what capture() writes)")

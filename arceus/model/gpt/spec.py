@@ -9,10 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from arceus.data.tokenizer import VOCABS
 from arceus.errors import SpecError
 from arceus.model.layout import TensorLayout
 from arceus.model.spec import LayerStash
+from arceus.model.spec_fields import known_keys_check, positive_int, text_vocab
 from arceus.model.text_layouts import TextDecoderLayouts
 
 GPT_DEFAULTS = {"n_layer": 6, "n_head": 8, "d_model": 256, "block_size": 128}
@@ -64,38 +64,15 @@ class GPTSpec(TextDecoderLayouts):
 
 
 def gpt_from_config(config: dict[str, Any]) -> GPTSpec:
-    unknown = sorted(set(config) - _GPT_KEYS)
-    if unknown:
-        raise SpecError(
-            f"model_config.{unknown[0]}",
-            f"unknown key for a transformer; allowed keys: {', '.join(sorted(_GPT_KEYS))}",
-        )
-    sizes = {key: _positive(config, key, default) for key, default in GPT_DEFAULTS.items()}
+    known_keys_check(config, _GPT_KEYS, "a transformer")
+    sizes = {key: positive_int(config, key, default, _LIMITS[key]) for key, default in GPT_DEFAULTS.items()}
     if sizes["d_model"] % sizes["n_head"]:
         raise SpecError(
             "model_config.d_model",
             f"must be divisible by n_head ({sizes['n_head']}), got {sizes['d_model']}",
         )
-    vocab = config.get("vocab", "char")
-    if vocab not in VOCABS:
-        raise SpecError("model_config.vocab", f"must be one of {', '.join(VOCABS)}, got {vocab!r}")
-    if "vocab_size" not in config:
-        raise SpecError(
-            "model_config.vocab_size",
-            "is required; job submission fills it in (the text's distinct characters, or 1024 for bpe)",
-        )
-    return GPTSpec(**sizes, vocab_size=_positive(config, "vocab_size", None), vocab=vocab)
-
-
-def _positive(config: dict[str, Any], key: str, default: int | None) -> int:
-    value = config.get(key, default)
-    field = f"model_config.{key}"
-    # bool is an int subclass; `true` in JSON is never a size.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(field, f"must be a positive integer, got {value!r}")
-    if not 1 <= value <= _LIMITS[key]:
-        raise SpecError(field, f"must be between 1 and {_LIMITS[key]:,}, got {value:,}")
-    return value
+    vocab = text_vocab(config)
+    return GPTSpec(**sizes, vocab_size=positive_int(config, "vocab_size", None, _LIMITS["vocab_size"]), vocab=vocab)
 
 
 def tensor_parallel_reduced_layout(spec: GPTSpec) -> TensorLayout:

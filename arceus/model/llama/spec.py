@@ -12,10 +12,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-from arceus.data.tokenizer import VOCABS
 from arceus.errors import SpecError
 from arceus.model.layout import TensorLayout
 from arceus.model.spec import LayerStash
+from arceus.model.spec_fields import known_keys_check, positive_int, text_vocab
 from arceus.model.text_layouts import TextDecoderLayouts
 
 LLAMA_DEFAULTS = {
@@ -101,12 +101,8 @@ LLAMA_STASH_HIDDEN, LLAMA_STASH_KV, LLAMA_STASH_MLP = 7, 2, 4
 
 
 def llama_from_config(config: dict[str, Any]) -> LlamaSpec:
-    unknown = sorted(set(config) - _KEYS)
-    if unknown:
-        raise SpecError(
-            f"model_config.{unknown[0]}", f"unknown key for a llama; allowed keys: {', '.join(sorted(_KEYS))}"
-        )
-    sizes = {key: _positive(config, key, default) for key, default in LLAMA_DEFAULTS.items()}
+    known_keys_check(config, _KEYS, "a llama")
+    sizes = {key: positive_int(config, key, default, _LIMITS[key]) for key, default in LLAMA_DEFAULTS.items()}
     heads = sizes["num_attention_heads"]
     if sizes["hidden_size"] % heads or (sizes["hidden_size"] // heads) % 2:
         raise SpecError(
@@ -114,36 +110,19 @@ def llama_from_config(config: dict[str, Any]) -> LlamaSpec:
             f"must be num_attention_heads ({heads}) times an even head size (rotary embeddings rotate pairs), "
             f"got {sizes['hidden_size']}",
         )
-    kv_heads = _positive(config, "num_key_value_heads", heads)
+    kv_heads = positive_int(config, "num_key_value_heads", heads, _LIMITS["num_key_value_heads"])
     if heads % kv_heads:
         raise SpecError(
             "model_config.num_key_value_heads",
             f"must divide num_attention_heads ({heads}): each key/value head serves a whole group of query heads, "
             f"got {kv_heads}",
         )
-    vocab = config.get("vocab", "char")
-    if vocab not in VOCABS:
-        raise SpecError("model_config.vocab", f"must be one of {', '.join(VOCABS)}, got {vocab!r}")
-    if "vocab_size" not in config:
-        raise SpecError(
-            "model_config.vocab_size",
-            "is required; job submission fills it in (the text's distinct characters, or 1024 for bpe)",
-        )
+    vocab = text_vocab(config)
+    vocab_size = positive_int(config, "vocab_size", None, _LIMITS["vocab_size"])
     return LlamaSpec(
-        **sizes, num_key_value_heads=kv_heads, vocab_size=_positive(config, "vocab_size", None),
+        **sizes, num_key_value_heads=kv_heads, vocab_size=vocab_size,
         **{key: _float(config, key) for key in _FLOATS}, vocab=vocab,
     )
-
-
-def _positive(config: dict[str, Any], key: str, default: int | None) -> int:
-    value = config.get(key, default)
-    field = f"model_config.{key}"
-    # bool is an int subclass; `true` in JSON is never a size.
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise SpecError(field, f"must be a positive integer, got {value!r}")
-    if not 1 <= value <= _LIMITS[key]:
-        raise SpecError(field, f"must be between 1 and {_LIMITS[key]:,}, got {value:,}")
-    return value
 
 
 def _float(config: dict[str, Any], key: str) -> float:

@@ -9,6 +9,7 @@ from arceus.errors import SpecError
 from arceus.model.activations import KEEPS_OUTPUT, activation_from_config
 from arceus.model.layout import TensorLayout
 from arceus.model.spec import LayerStash
+from arceus.model.spec_fields import known_keys_check
 
 MAX_LAYER_WIDTH = 1_000_000
 _MLP_KEYS = frozenset({"type", "layer_sizes", "activation"})
@@ -84,12 +85,7 @@ class MLPSpec:
 
 
 def mlp_from_config(config: dict[str, Any]) -> MLPSpec:
-    unknown = sorted(set(config) - _MLP_KEYS)
-    if unknown:
-        raise SpecError(
-            f"model_config.{unknown[0]}",
-            f"unknown key for an mlp; allowed keys: {', '.join(sorted(_MLP_KEYS))}",
-        )
+    known_keys_check(config, _MLP_KEYS, "an mlp")
     if "layer_sizes" not in config:
         raise SpecError(
             "model_config.layer_sizes", "is required, e.g. [64, 128, 10] (input, hidden..., output)"
