@@ -1,10 +1,34 @@
-"""Fixtures shared across the test tree."""
+"""Fixtures shared across the test tree, and a Redis database of its own for each pytest-xdist worker."""
 
 from __future__ import annotations
 
+import os
+from urllib.parse import urlsplit, urlunsplit
+
 import pytest
+from django.conf import settings
 
 from devtools.agent_wheel import InstalledAgent, install_agent
+
+REDIS_DATABASES = 16  # a Redis server's default number of databases
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (`-n N`), worker gwI uses REDIS_URL's database + I (settings and the environment its
+    children inherit): pytest-django gives each worker a test database of its own, but the nodes' leases
+    (controlplane/nodes/liveness.py) live under fixed Redis keys that one worker's test empties while another's
+    relies on them. Runs before any test reads the settings or Celery's configuration."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        return
+    base = urlsplit(settings.REDIS_URL)
+    first, workers = int(base.path.strip("/") or 0), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    if first + workers > REDIS_DATABASES:
+        raise pytest.UsageError(
+            f"REDIS_URL {settings.REDIS_URL} names database {first}: {workers} xdist workers would use {first} to "
+            f"{first + workers - 1}, beyond Redis's {REDIS_DATABASES}; name one at most {REDIS_DATABASES - workers}")
+    url = urlunsplit(base._replace(path=f"/{first + int(worker.removeprefix('gw'))}"))
+    settings.REDIS_URL = settings.CELERY_BROKER_URL = settings.CELERY_RESULT_BACKEND = os.environ["REDIS_URL"] = url
 
 
 @pytest.fixture(scope="session")
