@@ -22,10 +22,9 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from django.conf import settings
 from django.core.files.base import File
 from django.db import transaction
-from django.db.models import F, Max, QuerySet
+from django.db.models import Max, QuerySet
 
 from arceus.checkpoint import (
     OPTIMIZER_PREFIX,
@@ -34,7 +33,6 @@ from arceus.checkpoint import (
     file_digest,
     merged_checkpoint,
 )
-from arceus.contracts.status import STARTABLE_STATUSES
 from arceus.errors import SpecError
 from arceus.model.expected_state import ExpectedState, expected_stage_state, optimizer_kind, stage_file_check
 from arceus.model.hugging_face import (
@@ -48,9 +46,16 @@ from arceus.model.hugging_face import (
 from arceus.model.registry import model_spec_from_config
 from arceus.training.plan import StageEndpoint, StageStateFile
 from controlplane.common.errors import ApplicationError
-from controlplane.common.uploads import HashingReader, storage_delete, storage_open_ranged
+from controlplane.common.uploads import HashingReader, storage_open_ranged
 from controlplane.controller.leases import held, job_checkpointed
 from controlplane.jobs.models import Checkpoint, CheckpointUpload, Job, Stage, StageCheckpoint, checkpoint_storage
+from controlplane.jobs.owner_files import (
+    files_delete,
+    hosted_file_layers,
+    job_file_receive,
+    upload_reader,
+    uuid_or_none,
+)
 from controlplane.monitoring import metrics
 
 log = logging.getLogger(__name__)
@@ -85,12 +90,12 @@ def checkpoint_upload_receive(*, node_id: Any, upload_id: str, body: BinaryIO, l
     """Store the `length` bytes of `body` as the state file of an open upload of this node's, a chunk at a
     time, hashing it as it arrives; the file must hold exactly the stage's state (checked from its header;
     refused, and nothing kept, otherwise). An upload is received once."""
-    upload = CheckpointUpload.objects.select_related("job").filter(pk=_uuid_or_none(upload_id), node_id=node_id).first()
+    upload = CheckpointUpload.objects.select_related("job").filter(pk=uuid_or_none(upload_id), node_id=node_id).first()
     if upload is None:
         raise ApplicationError.not_found("checkpoint upload", upload_id)
     if upload.file:
         raise ApplicationError.conflict(f"checkpoint upload {upload_id} was already received")
-    reader = _upload_reader(body, length, "the state file", "a stage's state file")
+    reader = upload_reader(body, length, "the state file", "a stage's state file")
     storage = checkpoint_storage()
     name = storage.save(
         f"checkpoints/{upload.job_id}/step-{upload.step:08d}/stage-{upload.stage_index}-{upload.pk}.safetensors",
@@ -110,10 +115,10 @@ def checkpoint_upload_receive(*, node_id: Any, upload_id: str, body: BinaryIO, l
         if not updated:  # received meanwhile, or withdrawn by a newer checkpoint
             raise ApplicationError.conflict(f"checkpoint upload {upload_id} is no longer open")
     except CheckpointError as exc:
-        _delete_files([name])
+        files_delete([name])
         raise ApplicationError.invalid("body", str(exc)) from exc
     except BaseException:
-        _delete_files([name])
+        files_delete([name])
         raise
     upload.refresh_from_db()
     return upload
@@ -174,10 +179,10 @@ def checkpoint_save(
             old = Checkpoint.objects.filter(job=job).exclude(pk__in=keep - {None}).order_by("-step")
             checkpoints_delete(old[KEEP_CHECKPOINTS - 1 :])
     except _LeaseLost:
-        _delete_files(name for _, name in stored)
+        files_delete(name for _, name in stored)
         return None
     except BaseException:
-        _delete_files(name for _, name in stored)
+        files_delete(name for _, name in stored)
         raise
     metrics.CHECKPOINT_BYTES.observe(sum(stage.size_bytes for stage in stages))
     return checkpoint
@@ -189,7 +194,7 @@ def _received_uploads(
     """The uploads these stages' agents say they sent, by id: each must be of this job's checkpoint of `step`
     in `generation`, for that stage and its layers, and have arrived with the hash and size the agent
     reports."""
-    ids = [_uuid_or_none(s.upload_id) for s in stages]
+    ids = [uuid_or_none(s.upload_id) for s in stages]
     found = {str(u.pk): u for u in CheckpointUpload.objects.filter(pk__in=[i for i in ids if i], job_id=job_id)}
     for stage in stages:
         upload = found.get(stage.upload_id)
@@ -222,7 +227,7 @@ def _uploads_delete(uploads: QuerySet[CheckpointUpload]) -> None:
     """Delete uploads and, once the transaction commits, their files."""
     names = [n for n in uploads.values_list("file", flat=True) if n]
     uploads.delete()
-    transaction.on_commit(lambda: _delete_files(names))
+    transaction.on_commit(lambda: files_delete(names))
 
 
 def checkpoint_trusted(*, job: Job, node_ids: Collection[str]) -> Checkpoint | None:
@@ -254,12 +259,12 @@ def checkpoints_delete(checkpoints: QuerySet[Checkpoint] | Iterable[Checkpoint])
         return
     names = list(StageCheckpoint.objects.filter(checkpoint__in=checkpoints).values_list("file", flat=True))
     Checkpoint.objects.filter(pk__in=[c.pk for c in checkpoints]).delete()
-    transaction.on_commit(lambda: _delete_files(names))
+    transaction.on_commit(lambda: files_delete(names))
 
 
 def stage_checkpoint_for_node(*, node_id: Any, stage_checkpoint_id: str) -> StageCheckpoint:
     """A stage checkpoint the node may download: the node must host that stage of that job now."""
-    sc = StageCheckpoint.objects.select_related("checkpoint").filter(pk=_uuid_or_none(stage_checkpoint_id)).first()
+    sc = StageCheckpoint.objects.select_related("checkpoint").filter(pk=uuid_or_none(stage_checkpoint_id)).first()
     if sc is None or not Stage.objects.filter(
         job_id=sc.checkpoint.job_id, index=sc.stage_index, node_id=node_id, active=True
     ).exists():
@@ -332,12 +337,11 @@ def job_model_file(*, job: Job, model_format: str = "safetensors") -> ModelFile:
 
 
 def job_initial_weights_receive(*, job: Job, body: BinaryIO, length: int | None) -> Job:
-    """Store the `length` bytes of `body` as the job's initial weights, a chunk at a time, hashing them as they
-    arrive: a Hugging Face `model.safetensors` (an exported model: the weights capture() wrote) holding exactly
-    the model's parameters (checked from its header; refused, and nothing kept, otherwise), and each layer's
-    digest (`arceus.model.hugging_face`), which the assignments carry so agents check the slices they fetch.
-    Only before the job trains (created, failed or cancelled: a start trains from them); a later upload
-    replaces an earlier one."""
+    """Store the `length` bytes of `body` as the job's initial weights (`job_file_receive`): a Hugging Face
+    `model.safetensors` (an exported model: the weights capture() wrote) holding exactly the model's parameters
+    (checked from its header), and each layer's digest (`arceus.model.hugging_face`), which the assignments carry
+    so agents check the slices they fetch. Only before the job trains (created, failed or cancelled: a start
+    trains from them); a later upload replaces an earlier one."""
     spec = model_spec_from_config(job.model_config)
     try:
         initial_weights_names(spec)
@@ -345,37 +349,22 @@ def job_initial_weights_receive(*, job: Job, body: BinaryIO, length: int | None)
         raise ApplicationError.invalid(
             "body", f"a model of type {spec.type!r} cannot start from uploaded weights: {exc.message.split(';')[0]}"
         ) from exc
-    if job.status not in STARTABLE_STATUSES:
-        raise ApplicationError.conflict(f"job {job.id} is {job.status}; upload its weights before starting it")
-    reader = _upload_reader(body, length, "the weights file", "a weights file")
-    storage = checkpoint_storage()
-    name = storage.save(f"initial-weights/{job.id}/{uuid.uuid4()}.safetensors", File(reader))
-    try:
-        if reader.received != length:
-            raise ApplicationError.invalid(
-                "body", f"the upload ended after {reader.received} of its {length} bytes; send it again"
-            )
-        handle, size = storage_open_ranged(storage, name)
-        with handle:
-            hugging_face_weights_check(spec, handle, size)
-            layer_digests = initial_weights_layer_digests(spec, handle, size)
-        with transaction.atomic():
-            locked = Job.objects.select_for_update().filter(pk=job.pk, status__in=STARTABLE_STATUSES).first()
-            if locked is None:
-                raise ApplicationError.conflict(f"job {job.id} started meanwhile; its weights were not replaced")
-            replaced = locked.initial_weights.name
-            locked.initial_weights, locked.initial_weights_sha256 = name, reader.digest.hexdigest()
-            locked.initial_weights_layer_sha256 = layer_digests
-            locked.save(update_fields=["initial_weights", "initial_weights_sha256", "initial_weights_layer_sha256"])
-            if replaced:
-                transaction.on_commit(lambda: _delete_files([replaced]))
-    except CheckpointError as exc:
-        _delete_files([name])
-        raise ApplicationError.invalid("body", str(exc)) from exc
-    except BaseException:
-        _delete_files([name])
-        raise
-    return locked
+
+    def check(name: str, reader: HashingReader) -> dict[str, Any]:
+        handle, size = storage_open_ranged(checkpoint_storage(), name)
+        try:
+            with handle:
+                hugging_face_weights_check(spec, handle, size)
+                layer_digests = initial_weights_layer_digests(spec, handle, size)
+        except CheckpointError as exc:
+            raise ApplicationError.invalid("body", str(exc)) from exc
+        return {"initial_weights_sha256": reader.digest.hexdigest(), "initial_weights_layer_sha256": layer_digests}
+
+    return job_file_receive(
+        job=job, body=body, length=length, field="initial_weights",
+        name=f"initial-weights/{job.id}/{uuid.uuid4()}.safetensors", what="the weights file", one="a weights file",
+        check=check,
+    )
 
 
 @dataclass(frozen=True)
@@ -390,9 +379,9 @@ def job_initial_weights_slice_for_node(*, node_id: Any, job_id: str, start: Any,
     """Layers [start, end) of a job's uploaded initial weights under the pipeline's names, for a node that hosts a
     stage holding them: cut from the stored file by range, so neither the web process nor the agent holds more
     than those layers (the agent checks each layer against its digest in the assignment)."""
-    job = Job.objects.filter(pk=_uuid_or_none(job_id)).exclude(initial_weights="").first()
-    first, last = hosted_layers(node_id=node_id, job=job, job_id=job_id, start=start, end=end, what="initial weights")
-    assert job is not None  # hosted_layers found a stage of it
+    job, first, last = hosted_file_layers(
+        node_id=node_id, job_id=job_id, field="initial_weights", start=start, end=end, what="initial weights"
+    )
     handle, size = storage_open_ranged(checkpoint_storage(), job.initial_weights.name)
     try:
         length, chunks = initial_weights_slice(model_spec_from_config(job.model_config), handle, size, first, last)
@@ -405,58 +394,8 @@ def job_initial_weights_slice_for_node(*, node_id: Any, job_id: str, start: Any,
     return WeightsSlice(size_bytes=length, chunks=_closing(chunks, [handle]))
 
 
-def hosted_layers(*, node_id: Any, job: Job | None, job_id: str, start: Any, end: Any, what: str) -> tuple[int, int]:
-    """Layers [start, end) of `job` (query parameters) that one of the node's stages of the job's current
-    generation holds. A stranger (no such job, or none of its stages on this node) gets a 404 before its query
-    is looked at, learning nothing; a host gets a 400 naming a malformed range and a 404 for layers it does not
-    host."""
-    hosted = Stage.objects.filter(job=job, node_id=node_id, active=True, generation=F("job__generation"))
-    if job is None or not hosted.exists():
-        raise ApplicationError.not_found(f"{what} of job", job_id)
-    first, last = _layer_index(start, "start"), _layer_index(end, "end")
-    layers = model_spec_from_config(job.model_config).num_layers
-    if last <= first:
-        raise ApplicationError.invalid("end", f"must be above start ({first}), got {last}")
-    if last > layers:
-        raise ApplicationError.invalid("end", f"the model has {layers} layers: end is at most {layers}, got {last}")
-    if not hosted.filter(layer_start__lte=first, layer_end__gte=last).exists():
-        raise ApplicationError.not_found(f"{what} layers of job", f"{job_id} [{first}, {last})")
-    return first, last
-
-
-def _layer_index(value: Any, name: str) -> int:
-    if not isinstance(value, str) or not value.isdigit() or len(value) > 9:
-        raise ApplicationError.invalid(name, f"must be a layer index (0, 1, ...), got {value!r}")
-    return int(value)
-
-
 class _LeaseLost(Exception):
     pass
-
-
-def _upload_reader(body: BinaryIO, length: int | None, what: str, one: str) -> HashingReader:
-    """A hashing reader of an upload's `length` bytes (its Content-Length) once that is within
-    ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES; `what` and `one` name the file in the refusals."""
-    limit = settings.ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES
-    if length is None or length <= 0:
-        raise ApplicationError.invalid("Content-Length", f"send {what}'s size in bytes (more than 0)")
-    if length > limit:
-        raise ApplicationError.invalid(
-            "Content-Length",
-            f"{length} bytes is more than the {limit} {one} may hold (ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES)",
-        )
-    return HashingReader(body, length)
-
-
-def _delete_files(names: Iterable[str]) -> None:
-    storage_delete(checkpoint_storage(), names)
-
-
-def _uuid_or_none(value: str) -> str | None:
-    try:
-        return str(uuid.UUID(value))
-    except ValueError:
-        return None
 
 
 def _closing(chunks: Iterator[bytes], handles: list[Any]) -> Iterator[bytes]:

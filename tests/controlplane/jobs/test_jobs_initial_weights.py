@@ -13,6 +13,7 @@ from urllib.parse import urlencode
 import pytest
 import torch
 from django.apps import apps as django_apps
+from django.utils import timezone
 from rest_framework.test import APIClient
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save
@@ -26,6 +27,7 @@ from arceus.model.registry import model_spec_from_config
 from controlplane.controller.executor import reconcile_once
 from controlplane.jobs.models import Job, Stage
 from controlplane.jobs.services import job_start, job_submit
+from controlplane.nodes.services import node_heartbeat
 from tests.controlplane.conftest import DIGITS_JOB
 from tests.controlplane.jobs.test_jobs_checkpoints import (  # noqa: F401 (fixtures)
     agents,
@@ -172,6 +174,8 @@ def test_uploaded_weights_in_an_s3_bucket_are_read_by_range(
         llama_job.initial_weights.name
     ]
     job_start(job=llama_job)
+    for node, _ in agents:  # the upload took seconds on a busy machine: the nodes are still alive
+        node_heartbeat(node=node, observed=[], now=timezone.now())
     reconcile_once()
     client = next(c for n, c in agents if llama_job.stages.filter(node=n, active=True, index=0).exists())
     [raw] = client.post("/api/agent/heartbeat", {"observed": []}, format="json").json()["assignments"]
