@@ -19,6 +19,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save
 
+from arceus.errors import SpecError
+from arceus.json_input import json_loads_bounded
+
 # Names of optimizer-state entries start with this; the rest of a stage checkpoint are its weights.
 OPTIMIZER_PREFIX = "optimizer."
 # safetensors refuses headers above 100 MB; a larger one is no checkpoint of ours.
@@ -72,7 +75,9 @@ def read_header(handle: BinaryIO) -> tuple[int, dict[str, Any]]:
     if length > MAX_HEADER_BYTES:
         raise CheckpointError(f"not a valid safetensors checkpoint: a {length:,}-byte header")
     try:
-        header = json.loads(handle.read(length))
+        header = json_loads_bounded(handle.read(length), where="header")
+    except SpecError as exc:
+        raise CheckpointError(f"not a valid safetensors checkpoint: its header {exc.message}") from exc
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(f"not a valid safetensors checkpoint: its header is no JSON ({exc})") from exc
     if not isinstance(header, dict):

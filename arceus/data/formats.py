@@ -26,6 +26,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from arceus.errors import SpecError
+from arceus.json_input import json_depth_check, json_loads_bounded
 
 TEXT_FORMATS = ("text", "jsonl", "parquet")
 TENSOR_FORMATS = ("safetensors", "npz")
@@ -151,7 +152,10 @@ def _jsonl_texts(handle: BinaryIO, column: str) -> Iterator[str]:
         if not line.strip():
             continue
         try:
+            json_depth_check(line.decode(), where=f"line {number}")
             record = json.loads(line)
+        except SpecError as exc:
+            raise DatasetFormatError(f"line {number} {exc.message}") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise DatasetFormatError(f"line {number} is not UTF-8 JSON: {exc}") from None
         if not isinstance(record, dict) or not isinstance(record.get(column), str):
@@ -231,7 +235,9 @@ def _safetensors_arrays(handle: BinaryIO, size: int) -> dict[str, StoredArray]:
     if header_bytes > min(MAX_HEADER_BYTES, size - 8):
         raise DatasetFormatError(f"not a safetensors file: a header of {header_bytes} bytes")
     try:
-        header = json.loads(handle.read(header_bytes))
+        header = json_loads_bounded(handle.read(header_bytes), where="header")
+    except SpecError as exc:
+        raise DatasetFormatError(f"not a safetensors file: its header {exc.message}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise DatasetFormatError(f"not a safetensors file: its header is not JSON ({exc})") from None
     if not isinstance(header, dict):

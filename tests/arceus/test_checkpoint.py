@@ -101,6 +101,7 @@ def pickled() -> bytes:
         pytest.param(b"not a checkpoint", id="garbage"),
         pytest.param(encode_checkpoint(tensors())[:-3], id="truncated"),
         pytest.param(struct.pack("<Q", 5) + b"{nope", id="bad-json-header"),
+        pytest.param(struct.pack("<Q", 100_000) + b"[" * 50_000 + b"]" * 50_000, id="header-nested-50000-deep"),
         pytest.param(pickled(), id="torch-pickle"),
     ],
 )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import struct
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -120,6 +121,8 @@ def npz_bytes(**arrays: Any) -> bytes:
         ("text", b"caf\xc3\xa9 \xff", "not UTF-8 at byte 6"),
         ("jsonl", b'{"text": "a"}\n{"txt": "b"}\n', "line 2 has no string field 'text'"),
         ("jsonl", b'{"text": "a"}\nnot json\n', "line 2 is not UTF-8 JSON"),
+        ("jsonl", b'{"text": "a"}\n' + b"[" * 5_000 + b"]" * 5_000 + b"\n", "line 2 nests objects and arrays more"),
+        ("safetensors", struct.pack("<Q", 10_000) + b"[" * 5_000 + b"]" * 5_000, "header nests objects and arrays"),
         ("parquet", b"PAR1 not really", "not a Parquet file"),
         ("npz", b"PK not a zip", "not an .npz file"),
         ("npz", npz_bytes(x=np.zeros((4, 2), np.float32)), "exactly x.npy and y.npy"),
