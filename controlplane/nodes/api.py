@@ -7,6 +7,7 @@ from django.http import FileResponse, StreamingHttpResponse
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import status
+from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.throttling import BaseThrottle, ScopedRateThrottle
@@ -21,11 +22,11 @@ from controlplane.jobs.checkpoints import (
 )
 from controlplane.jobs.models import checkpoint_storage
 from controlplane.jobs.programs import job_program_layers_for_node
+from controlplane.nodes import schema
 from controlplane.nodes.authentication import IsNodeAgent, NodeTokenAuthentication
 from controlplane.nodes.heartbeat import heartbeat_body
 from controlplane.nodes.selectors import node_get_for_user, node_list_for_user
 from controlplane.nodes.serializers import (
-    AgentHeartbeatInput,
     AgentHeartbeatOutput,
     AgentLeftOutput,
     AgentRegisteredOutput,
@@ -147,23 +148,27 @@ class AgentRegisterApi(AgentApi):
 
 
 class AgentHeartbeatApi(AgentApi):
-    @extend_schema(request=AgentHeartbeatInput, responses={200: AgentHeartbeatOutput, 409: ErrorOutput})
+    @extend_schema(
+        request={"application/json": schema.OPENAPI}, responses={200: AgentHeartbeatOutput, 409: ErrorOutput}
+    )
     def post(self, request: Request) -> Response:
-        data = AgentHeartbeatInput(data=request.data)
-        data.is_valid(raise_exception=True)
+        try:
+            beat = schema.heartbeat_parse(request.data)
+        except schema.HeartbeatInvalid as exc:
+            raise ValidationError(exc.errors) from None
         answer = node_heartbeat(
             node=request.auth,
-            observed=data.reports(),
+            observed=beat.observed,
             now=timezone.now(),
-            host_busy_fraction=data.validated_data.get("host_busy_fraction"),
-            link=data.validated_data.get("link"),
-            neighbour_links=data.validated_data["neighbour_links"],
-            assignments_version=data.validated_data.get("assignments_version"),
+            host_busy_fraction=beat.host_busy_fraction,
+            link=beat.link,
+            neighbour_links=beat.neighbour_links,
+            assignments_version=beat.assignments_version,
         )
         body = heartbeat_body(
             node_id=str(request.auth.id), version=answer.assignments_version, max_threads=request.auth.max_threads,
             max_memory_bytes=request.auth.max_memory_bytes, reachability=request.auth.reachability,
-            relay=data.validated_data["relay"],
+            relay=beat.relay,
         )
         if answer.assignments is not None:  # else unchanged from the version the agent sent
             body["assignments"] = answer.assignments

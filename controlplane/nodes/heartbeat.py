@@ -10,17 +10,17 @@ nothing (marking it Ready, `nodes_mark_ready`), and changed assignments the cont
 version just read (controlplane/jobs/prepared_assignments.py). Its costs: docs/BENCHMARKS.md.
 
 It answers only heartbeats it is sure of and hands every other request to Django untouched (its body replayed):
-any report or link, an unusual body or header, a Host that ALLOWED_HOSTS refuses, an unknown token, a disabled
-owner, an unregistered node, or assignments that moved and were not built ahead. Validation, error bodies and
-every change a heartbeat carries stay in `AgentHeartbeatApi` and `node_heartbeat`; both paths answer the same
-body (`heartbeat_body`). Why each heartbeat went to Django is counted (metrics.HEARTBEATS_TO_DJANGO).
+any report or link, a body the schema refuses, an unusual header, a Host that ALLOWED_HOSTS refuses, an unknown
+token, a disabled owner, an unregistered node, or assignments that moved and were not built ahead. Both paths parse
+the body with one schema (controlplane/nodes/schema.py); error bodies and every change a heartbeat carries stay in
+`AgentHeartbeatApi` and `node_heartbeat`; both paths answer the same body (`heartbeat_body`). Why each heartbeat
+went to Django is counted (metrics.HEARTBEATS_TO_DJANGO).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -45,14 +45,12 @@ from controlplane.monitoring import metrics
 from controlplane.nodes.liveness import leases_renew_async
 from controlplane.nodes.models import Node
 from controlplane.nodes.relays import relay_assignment, relay_certificate
+from controlplane.nodes.schema import Heartbeat, heartbeat_parse
 from controlplane.nodes.services import node_token_hash, nodes_mark_ready
-from controlplane.nodes.validators import validate_grpc_address
 
 PATHS = frozenset({"/api/agent/heartbeat", "/api/agent/heartbeat/"})
 MAX_QUIET_BYTES = 8192  # a quiet heartbeat's body is ~100 bytes (a relayed agent's ~1 kB at most)
 JSON_TYPES = frozenset({"application/json", "application/json; charset=utf-8"})
-KEYS = frozenset({"observed", "neighbour_links", "link", "host_busy_fraction", "relay", "assignments_version"})
-MAX_RELAYS_REPORTED = 16  # as the API's RelayReportInput
 # What Django's middleware adds to every answer (SecurityMiddleware, XFrameOptionsMiddleware) and DRF's Vary.
 HEADERS = [(b"content-type", b"application/json"), (b"vary", b"Accept"), (b"x-frame-options", b"DENY"),
            (b"x-content-type-options", b"nosniff"), (b"referrer-policy", b"same-origin"),
@@ -143,7 +141,7 @@ async def _answer_quiet(headers: dict[str, str], raw: bytes) -> bytes | str:
     beat = _quiet_body(raw)
     if token_hash is None or beat is None:
         return "shape"
-    held = beat.get("assignments_version", "")
+    held = beat.assignments_version or ""
     started = time.perf_counter()
     try:
         node = _quiet_node(await _ROWS(token_hash))
@@ -157,7 +155,7 @@ async def _answer_quiet(headers: dict[str, str], raw: bytes) -> bytes | str:
         if assignments is None:  # not built ahead (or expired): Django builds them
             return "version" if held else "first"
     now = timezone.now()
-    await _RENEWALS((node.id, now, beat.get("host_busy_fraction")))  # the lease first, as `node_heartbeat`
+    await _RENEWALS((node.id, now, beat.host_busy_fraction))  # the lease first, as `node_heartbeat`
     if not node.ready:
         try:
             await _READY((node.id, now))
@@ -166,7 +164,7 @@ async def _answer_quiet(headers: dict[str, str], raw: bytes) -> bytes | str:
     metrics.HEARTBEATS.inc()
     body = heartbeat_body(node_id=node.id, version=node.version, max_threads=node.max_threads,
                           max_memory_bytes=node.max_memory_bytes, reachability=node.reachability,
-                          relay=beat.get("relay"))
+                          relay=beat.relay)
     if assignments is not None:
         body["assignments"] = assignments
     metrics.HEARTBEAT_SECONDS.observe(time.perf_counter() - started)
@@ -195,48 +193,14 @@ def _token_hash(header: str) -> str | None:
     return node_token_hash(parts[1].decode())
 
 
-def _quiet_body(raw: bytes) -> dict[str, Any] | None:
-    """The body when it is a quiet heartbeat's, exactly as the API's serializer would take it unchanged; else None
-    (the serializer then judges it, and names what is wrong)."""
+def _quiet_body(raw: bytes) -> Heartbeat | None:
+    """The heartbeat when it is a quiet one the schema takes (controlplane/nodes/schema.py); else None (the API
+    then judges it, and names what is wrong)."""
     try:
-        beat = json_loads_bounded(raw, where="")
-    except ValueError:  # malformed, nested too deep, a non-finite number or a NUL (a SpecError is a ValueError)
+        beat = heartbeat_parse(json_loads_bounded(raw, where=""))
+    except ValueError:  # malformed JSON, nested too deep, a non-finite number or a NUL; or HeartbeatInvalid
         return None
-    if not isinstance(beat, dict) or not beat.keys() <= KEYS:
-        return None
-    if beat.get("observed", []) != [] or beat.get("neighbour_links", []) != [] or beat.get("link") is not None:
-        return None
-    version = beat.get("assignments_version", "")  # left out or blank: the agent holds none (a first heartbeat)
-    if not isinstance(version, str) or len(version) > 64 or version != version.strip():
-        return None
-    fraction = beat.get("host_busy_fraction")
-    if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, int | float)
-                                 or not math.isfinite(fraction) or not 0 <= fraction <= 1):
-        return None
-    relay = beat.get("relay")
-    if relay is not None and not _plain_relay_report(relay):
-        return None
-    return beat
-
-
-def _plain_relay_report(relay: Any) -> bool:
-    if not isinstance(relay, dict) or not relay.keys() <= {"attached", "failed"}:
-        return False
-    failed = relay.get("failed", [])
-    if not isinstance(failed, list) or len(failed) > MAX_RELAYS_REPORTED:
-        return False
-    attached = relay.get("attached")
-    return all(_plain_address(a) for a in failed) and (attached is None or _plain_address(attached))
-
-
-def _plain_address(value: Any) -> bool:
-    if not isinstance(value, str) or not value or len(value) > 255 or value != value.strip():
-        return False
-    try:
-        validate_grpc_address(value)
-    except Exception:  # noqa: BLE001 (whatever it raises, the serializer reports it)
-        return False
-    return True
+    return beat if beat.quiet else None
 
 
 async def _quiet_rows(token_hashes: list[str]) -> list[list[tuple[Any, ...]]]:

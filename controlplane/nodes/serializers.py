@@ -9,7 +9,6 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from arceus.contracts.certificates import MAX_CERTIFICATE_CHARS, check_certificate
-from arceus.contracts.observed import ObservedStage, ObservedState
 from arceus.contracts.transfer import ACTIVATION_ENCODINGS, GRADIENT_ENCODINGS
 from arceus.model.precision import PRECISIONS
 from arceus.pipeline.schedule import SCHEDULES
@@ -211,70 +210,6 @@ class AgentLeftOutput(serializers.Serializer):
         help_text="stages the node still hosts; they move away (the driver checkpoints first), and the agent "
         "may exit once its heartbeat's assignments are empty"
     )
-
-
-class ObservedStageInput(serializers.Serializer):
-    stage_id = serializers.CharField(max_length=200)
-    generation = StrictIntegerField(min_value=0)
-    state = serializers.ChoiceField(choices=[ObservedState.READY.value, ObservedState.FAILED.value])
-    message = serializers.CharField(allow_blank=True, default="", trim_whitespace=False)
-
-
-MAX_NEIGHBOUR_LINKS = 64  # an agent has two neighbours per hosted stage
-
-
-class NeighbourLinkInput(StrictInputSerializer):
-    """The agent's link to the neighbour it dials at `address`; both figures null: its probe failed."""
-
-    address = serializers.CharField(max_length=255, validators=[validate_grpc_address])
-    rtt_seconds = StrictFloatField(greater_than=0, max_value=600, allow_null=True)
-    bandwidth_bytes_per_second = StrictFloatField(greater_than=0, allow_null=True)
-
-    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
-        if (attrs["rtt_seconds"] is None) != (attrs["bandwidth_bytes_per_second"] is None):
-            raise serializers.ValidationError("rtt_seconds and bandwidth_bytes_per_second are both set or both null")
-        return attrs
-
-
-MAX_RELAYS_REPORTED = 16
-
-
-class RelayReportInput(StrictInputSerializer):
-    """A relayed agent's attachment: the relay it is attached to now (null: none) and those that failed it lately."""
-
-    attached = serializers.CharField(max_length=255, allow_null=True, default=None, validators=[validate_grpc_address])
-    failed = serializers.ListField(
-        child=serializers.CharField(max_length=255, validators=[validate_grpc_address]),
-        max_length=MAX_RELAYS_REPORTED, default=list,
-    )
-
-
-class AgentHeartbeatInput(serializers.Serializer):
-    observed = ObservedStageInput(many=True, default=list)
-    host_busy_fraction = StrictFloatField(
-        min_value=0, max_value=1, required=False, allow_null=True,
-        help_text="CPU share used by the machine's other processes since the last heartbeat",
-    )
-    link = LinkInput(required=False, allow_null=True, default=None)
-    neighbour_links = NeighbourLinkInput(
-        many=True, default=list, max_length=MAX_NEIGHBOUR_LINKS,
-        help_text="Links to pipeline neighbours measured since the last heartbeat",
-    )
-    relay = RelayReportInput(required=False, allow_null=True, default=None)
-    assignments_version = serializers.CharField(
-        required=False, allow_blank=True, max_length=64,
-        help_text="The assignments_version of the assignments the agent holds: if still current, the answer "
-        "leaves out `assignments`",
-    )
-
-    def validate_neighbour_links(self, links: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        addresses = [link["address"] for link in links]
-        if len(set(addresses)) != len(addresses):
-            raise serializers.ValidationError("each neighbour address may appear once")
-        return links
-
-    def reports(self) -> list[ObservedStage]:
-        return [ObservedStage(**item) for item in self.validated_data["observed"]]
 
 
 class OptimizerOutput(serializers.Serializer):

@@ -1,40 +1,16 @@
 from __future__ import annotations
 
 import ipaddress
-import re
 
 from django.core.exceptions import ValidationError
 
-_HOSTNAME = re.compile(
-    r"^(?=.{1,253}$)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$"
-)
-_WILDCARDS = {"0.0.0.0", "::"}
+from controlplane.nodes.addresses import grpc_address_problem
 
 
 def validate_grpc_address(value: str) -> None:
-    """A "host:port" (or "[v6]:port") other nodes can dial; a wildcard host is not such an address."""
-    host, sep, port = value.rpartition(":")
-    if not sep or not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ValidationError(f"Must be HOST:PORT with a port in 1..65535 (e.g. 10.0.0.5:50051), got {value!r}.")
-    if host.startswith("[") and host.endswith("]"):
-        host = host[1:-1]
-        valid = _is_ip(host, version=6)
-    else:
-        valid = _is_ip(host, version=4) or bool(_HOSTNAME.match(host))
-    if not valid:
-        raise ValidationError(f"{host!r} is not a hostname or IP address (IPv6 goes in brackets: [::1]:50051).")
-    if host in _WILDCARDS:
-        raise ValidationError(
-            f"{host} is a listen-everywhere address, not one other nodes can dial; advertise this "
-            "machine's reachable address instead."
-        )
-
-
-def _is_ip(host: str, *, version: int) -> bool:
-    try:
-        return ipaddress.ip_address(host).version == version
-    except ValueError:
-        return False
+    """A "host:port" (or "[v6]:port") other nodes can dial (`controlplane.nodes.addresses`)."""
+    if problem := grpc_address_problem(value):
+        raise ValidationError(problem)
 
 
 def validate_lan_address(value: str) -> None:
