@@ -6,18 +6,23 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+import schemathesis
 from a2wsgi import WSGIMiddleware
 from django.core.wsgi import get_wsgi_application
 from django.db import connection
 from django.db.models import F
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from prometheus_client import REGISTRY
 from rest_framework.test import APIClient
+from schemathesis.core import NOT_SET
 
 from controlplane.common.postgresql.async_connections import async_connections
 from controlplane.common.redis_client import async_redis_client
@@ -291,3 +296,44 @@ def test_a_repeated_header_is_judged_by_django(user) -> None:
     beat = {"observed": [], "assignments_version": version}
     status, body = asgi_post(token, beat, extra_headers=((b"authorization", f"Node {token}".encode()),))
     assert status == 401 and body["detail"]  # WSGI joins the two with a comma: no such token
+
+
+FUZZED_EXAMPLES = 60  # per source: the schema's valid and invalid bodies, and quiet-shaped ones
+
+
+def quiet_shaped() -> st.SearchStrategy[dict[str, Any]]:
+    """Bodies of the quiet heartbeat's shape with hostile values (non-finite numbers, NUL characters, odd types)."""
+    anything = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=80)
+    return st.fixed_dictionaries({"observed": st.just([])}, optional={
+        "assignments_version": anything, "host_busy_fraction": anything, "neighbour_links": st.just([]) | anything,
+        "relay": st.fixed_dictionaries({}, optional={"attached": anything, "failed": st.lists(anything, max_size=20)}),
+    })
+
+
+def test_fuzzed_heartbeats_through_the_asgi_front_are_never_server_errors(user) -> None:
+    """schemathesis's bodies for the heartbeat (from /api/schema, valid and invalid) and quiet-shaped hostile ones,
+    each through the ASGI front that answers quiet heartbeats itself: never a server error, always a JSON answer."""
+    _, token, _ = registered(user, "fuzzed")
+    schema = schemathesis.openapi.from_wsgi("/api/schema?format=json", get_wsgi_application())
+    [heartbeat] = [op.ok() for op in schema.get_all_operations() if op.ok().label == "POST /api/agent/heartbeat/"]
+    statuses: Counter[int] = Counter()
+    before = to_django()
+
+    def send(body: Any) -> None:  # sent as JSON, whatever media type a negative case meant its bytes for
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        status, answer = asgi_post(token, None, raw=raw)
+        assert status < 500 and isinstance(answer, dict), (body, status, answer)
+        statuses[status] += 1
+
+    for strategy in [*(heartbeat.as_strategy(generation_mode=mode) for mode in schemathesis.GenerationMode),
+                     quiet_shaped()]:
+        @settings(max_examples=FUZZED_EXAMPLES, derandomize=True, deadline=None, database=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(case=strategy)
+        def one(case: Any) -> None:
+            send(case if isinstance(case, dict) else case.body if case.body is not NOT_SET else {})
+
+        one()
+    handed_over = sum(handed(before).values())
+    assert statuses[200] > 0 and statuses[400] > 0, statuses
+    assert handed_over < sum(statuses.values())  # some were answered on the quiet path itself
