@@ -13,6 +13,7 @@ from typing import Any
 
 from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
+from rest_framework.request import Request
 
 
 class RequestBodyLimitMiddleware:
@@ -25,8 +26,7 @@ class RequestBodyLimitMiddleware:
     def process_view(
         self, request: HttpRequest, view: Callable[..., Any], args: Any, kwargs: Any
     ) -> HttpResponse | None:
-        declared = request.META.get("CONTENT_LENGTH") or "0"
-        length = int(declared) if declared.isdigit() else 0
+        length = declared_length(request) or 0
         bound = getattr(getattr(view, "cls", view), "max_request_bytes", None)
         limit = bound() if bound is not None else settings.ARCEUS_MAX_REQUEST_BYTES
         if length <= limit:
@@ -35,3 +35,10 @@ class RequestBodyLimitMiddleware:
             {"detail": f"the request body is {length:,} bytes; this endpoint takes at most {limit:,}"},
             status=413,
         )
+
+
+def declared_length(request: HttpRequest | Request) -> int | None:
+    """The body's length as its Content-Length declares it; None when there is none or it is no decimal number
+    (str.isdigit alone takes "²", which int() refuses)."""
+    declared = request.META.get("CONTENT_LENGTH") or ""
+    return int(declared) if declared.isascii() and declared.isdigit() else None

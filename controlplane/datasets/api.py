@@ -9,6 +9,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from controlplane.common.body_limit import declared_length
 from controlplane.common.schema import ErrorOutput
 from controlplane.datasets.selectors import dataset_get_for_user, dataset_list_for_user
 from controlplane.datasets.serializers import DatasetCreateInput, DatasetOutput, DatasetPartInput
@@ -62,12 +63,11 @@ class DatasetDataApi(APIView):
         dataset = dataset_get_for_user(user=request.user, dataset_id=dataset_id)
         query = DatasetPartInput(data=request.query_params.dict())
         query.is_valid(raise_exception=True)
-        length = request.META.get("CONTENT_LENGTH")
         dataset = dataset_part_receive(
             dataset=dataset,
             offset=query.validated_data["offset"],
             body=request._request,
-            length=int(length) if length and length.isdigit() else None,
+            length=declared_length(request),
         )
         return Response(DatasetOutput(dataset).data)
 

@@ -16,6 +16,7 @@ from rest_framework.throttling import ScopedRateThrottle
 from rest_framework.views import APIView
 
 from arceus.model.exported.program import MAX_PROGRAM_BYTES
+from controlplane.common.body_limit import declared_length
 from controlplane.common.db import consistent_snapshot
 from controlplane.common.schema import ErrorOutput
 from controlplane.jobs.checkpoints import MODEL_FORMATS, job_initial_weights_receive, job_model_file
@@ -196,9 +197,8 @@ class JobInitialWeightsApi(APIView):
     @extend_schema(request={"application/octet-stream": bytes}, responses={200: JobDetailOutput, 409: ErrorOutput})
     def put(self, request: Request, job_id: str) -> Response:
         job = job_get_for_user(user=request.user, job_id=job_id)
-        length = request.META.get("CONTENT_LENGTH")
         job = job_initial_weights_receive(
-            job=job, body=request._request, length=int(length) if length and length.isdigit() else None
+            job=job, body=request._request, length=declared_length(request)
         )
         return Response(JobDetailOutput(job_get_for_user(user=request.user, job_id=str(job.id))).data)
 
@@ -219,9 +219,8 @@ class JobProgramApi(APIView):
     @extend_schema(request={"application/octet-stream": bytes}, responses={200: JobDetailOutput, 409: ErrorOutput})
     def put(self, request: Request, job_id: str) -> Response:
         job = job_get_for_user(user=request.user, job_id=job_id)
-        length = request.META.get("CONTENT_LENGTH")
         job = job_program_receive(
-            job=job, body=request._request, length=int(length) if length and length.isdigit() else None
+            job=job, body=request._request, length=declared_length(request)
         )
         return Response(JobDetailOutput(job_get_for_user(user=request.user, job_id=str(job.id))).data)
 

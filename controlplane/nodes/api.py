@@ -13,6 +13,7 @@ from rest_framework.response import Response
 from rest_framework.throttling import BaseThrottle, ScopedRateThrottle
 from rest_framework.views import APIView
 
+from controlplane.common.body_limit import declared_length
 from controlplane.common.client_ip import client_ip
 from controlplane.common.schema import ErrorOutput
 from controlplane.jobs.checkpoints import (
@@ -266,11 +267,10 @@ class AgentCheckpointUploadApi(AgentApi):
 
     @extend_schema(request={"application/octet-stream": bytes}, responses={201: dict, 409: ErrorOutput})
     def put(self, request: Request, upload_id: str) -> Response:
-        length = request.META.get("CONTENT_LENGTH")
         upload = checkpoint_upload_receive(
             node_id=request.auth.id,
             upload_id=upload_id,
             body=request._request,
-            length=int(length) if length and length.isdigit() else None,
+            length=declared_length(request),
         )
         return Response({"sha256": upload.sha256, "size_bytes": upload.size_bytes}, status=201)

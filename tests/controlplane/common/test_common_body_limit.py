@@ -40,3 +40,14 @@ def test_cookies_headers_and_passwords_are_hardened_outside_debug(settings) -> N
     with pytest.raises(ValidationError, match="at least 12 characters"):
         validate_password("k7#pQ2!zx9")
     validate_password("k7#pQ2!zx9-Lm4")
+
+
+@pytest.mark.parametrize("declared", ["\u00b2", "\u00b9\u00b2", "1e3", "-5", " 12"])
+def test_a_content_length_that_is_no_decimal_number_is_a_4xx(api: APIClient, digits_job: dict, declared: str) -> None:
+    # "²" passes str.isdigit() but not int(): it was a ValueError (500) in the middleware and the upload views.
+    job = api.post("/api/jobs", digits_job, format="json").json()
+    for path, body in ((f"/api/jobs/{job['id']}/initial-weights", b"abc"), ("/api/jobs", json.dumps(digits_job))):
+        response = api.generic("PUT" if "weights" in path else "POST", path, body,
+                               content_type="application/octet-stream" if "weights" in path else "application/json",
+                               CONTENT_LENGTH=declared)
+        assert 400 <= response.status_code < 500, (path, declared, response.status_code)
