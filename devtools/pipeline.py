@@ -69,9 +69,7 @@ def pipeline_assignments(
             layer_start=boundaries[i],
             layer_end=boundaries[i + 1],
             seed=seed,
-            optimizer=OptimizerConfig(
-                optimizer["name"], optimizer["lr"], optimizer.get("momentum", 0.0), optimizer.get("weight_decay", 0.0)
-            ),
+            optimizer=_optimizer(optimizer),
             micro_batches=micro_batches,
             max_micro_batch_size=max_micro_batch_size,
             prev_address=addresses[i - 1] if i > 0 else None,
@@ -85,6 +83,72 @@ def pipeline_assignments(
         ).to_json()
         for i in range(n)
     ]
+
+
+def replicated_pipeline_assignments(
+    *,
+    job_id: str,
+    model_config: dict[str, Any],
+    boundaries: Sequence[int],
+    addresses: Sequence[Sequence[str]],
+    optimizer: dict[str, Any],
+    seed: int,
+    micro_batches: int,
+    max_micro_batch_size: int,
+    generation: int = 1,
+    schedule: str = "gpipe",
+) -> list[list[dict[str, Any]]]:
+    """Assignments (JSON) for replicated stages (arceus/swarm): stage i's replica r hosted at addresses[i][r],
+    replica ids 0, 1, ... per stage; a replica's neighbours and siblings are named by each RunStep, not here."""
+    if len(boundaries) != len(addresses) + 1:
+        raise ValueError(f"{len(addresses)} stages need {len(addresses) + 1} boundaries, got {len(boundaries)}")
+    n = len(addresses)
+    return [
+        [
+            Assignment(
+                stage_id=f"{stage_key(job_id, i)}-replica-{r}",
+                job_id=job_id,
+                stage_index=i,
+                num_stages=n,
+                generation=generation,
+                model=model_config,
+                layer_start=boundaries[i],
+                layer_end=boundaries[i + 1],
+                seed=seed,
+                optimizer=_optimizer(optimizer),
+                micro_batches=micro_batches,
+                max_micro_batch_size=max_micro_batch_size,
+                prev_address=None,
+                next_address=None,
+                credentials=stage_credentials(STATIC_SECRET, job_id, generation, i, 0, [1] * n, replicated=True),
+                certificates={},
+                schedule=schedule,
+                replica=r,
+            ).to_json()
+            for r in range(len(addresses[i]))
+        ]
+        for i in range(n)
+    ]
+
+
+def replica_endpoints(
+    addresses: Sequence[Sequence[str]], boundaries: Sequence[int]
+) -> tuple[tuple[StageEndpoint, ...], tuple[StageEndpoint, ...]]:
+    """The driver's view of `replicated_pipeline_assignments`' pipeline: (each stage's replica 0, every replica),
+    for TrainPlan's `stages` and `replicas`."""
+    replicas = tuple(
+        StageEndpoint(index=i, address=address, node_id=f"agent-{i}-{r}", layer_start=boundaries[i],
+                      layer_end=boundaries[i + 1], certificate=identity_for(address).certificate, replica=r)
+        for i, stage in enumerate(addresses)
+        for r, address in enumerate(stage)
+    )
+    return tuple(e for e in replicas if e.replica == 0), replicas
+
+
+def _optimizer(optimizer: dict[str, Any]) -> OptimizerConfig:
+    return OptimizerConfig(
+        optimizer["name"], optimizer["lr"], optimizer.get("momentum", 0.0), optimizer.get("weight_decay", 0.0)
+    )
 
 
 def driver_token(job_id: str, generation: int = 1) -> str:

@@ -37,6 +37,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from arceus.swarm.exchange import MAX_SHARD_BYTES
 from arceus.wire.push_stream import STREAM_SECONDS
 from nodeagent.callers import METHOD_ROLES, NOT_AUTHENTICATED, Guard, caller_roles, metadata_digest, not_allowed
 from nodeagent.link_probe import MAX_PROBE_BYTES
@@ -67,6 +68,7 @@ class MethodLimits:
 
 
 _STAGE, _TP, _PROBE = "/arceus.v1.StageService/", "/arceus.v1.TensorParallelService/", "/arceus.v1.LinkProbeService/"
+_REPLICA = "/arceus.v1.ReplicaService/"
 _TENSOR = TENSOR_FIRST_MESSAGE_SECONDS
 # Generous to honest callers (the driver's own timeouts are shorter), finite for everyone.
 LIMITS: dict[str, MethodLimits] = {
@@ -81,6 +83,8 @@ LIMITS: dict[str, MethodLimits] = {
     _STAGE + "VerifyForward": MethodLimits(1800.0, first_message_seconds=_TENSOR),
     _STAGE + "Infer": MethodLimits(600.0, first_message_seconds=_TENSOR),
     _TP + "PushPartial": MethodLimits(600.0, first_message_seconds=_TENSOR),
+    # One shard of the exchange: at most arceus.swarm.exchange.MAX_SHARD_BYTES of gradient.
+    _REPLICA + "PushShard": MethodLimits(600.0, MAX_SHARD_BYTES + _SMALL, first_message_seconds=_TENSOR),
     _PROBE + "Probe": MethodLimits(60.0, MAX_PROBE_BYTES + _KiB, first_message_seconds=30.0),
 }
 

@@ -22,6 +22,7 @@ from nodeagent.rpc import RpcFailure
 DRIVER_ONLY = frozenset({Role.DRIVER})
 NOT_AUTHENTICATED = "the call carries no credential this agent accepts"
 _STAGE, _TP, _PROBE = "/arceus.v1.StageService/", "/arceus.v1.TensorParallelService/", "/arceus.v1.LinkProbeService/"
+_REPLICA = "/arceus.v1.ReplicaService/"
 # The roles that may call each method at all, as a call's metadata shows them (its message may narrow them: a
 # push's kind and target, a partial's rank): a known caller in none of them is refused before its message is read.
 METHOD_ROLES: dict[str, frozenset[Role]] = {
@@ -31,6 +32,7 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
         "RunStep", "GetState", "SaveState", "Audit", "AuditWeights", "VerifyForward", "Infer"
     )},
     _TP + "PushPartial": frozenset({Role.PEER}),
+    _REPLICA + "PushShard": frozenset({Role.SIBLING}),
     _PROBE + "Probe": frozenset(Role),  # any principal of a job hosted here may time its link
 }
 # A token is 64 hex digits; anything much longer is not worth hashing.

@@ -205,12 +205,15 @@ class HostedStages:
             candidates = [
                 s
                 for s in self._stages.values()
-                if s.assignment.job_id == ref.job_id and s.assignment.stage_index == ref.stage_index
+                if s.assignment.job_id == ref.job_id
+                and s.assignment.stage_index == ref.stage_index
+                and (s.assignment.replica or 0) == ref.replica
             ]
         if not candidates:
+            replica = f" replica {ref.replica}" if ref.replica else ""
             raise RpcFailure(
                 grpc.StatusCode.NOT_FOUND,
-                f"this agent hosts no stage {ref.stage_index} of job {ref.job_id!r}",
+                f"this agent hosts no stage {ref.stage_index}{replica} of job {ref.job_id!r}",
             )
         stage = candidates[0]
         if stage.assignment.generation != ref.generation:

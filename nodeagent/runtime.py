@@ -129,6 +129,27 @@ class StageRuntime:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
 
+    def gradient_vector(self) -> torch.Tensor:
+        """The accumulated gradients of every parameter, flattened in parameter order into one float32 CPU
+        vector (zeros for a parameter without one): what the replicas of a stage exchange."""
+        return torch.cat([
+            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
+            for p in self.layers.parameters()
+        ])
+
+    def set_gradient_vector(self, flat: torch.Tensor) -> None:
+        """Replace the accumulated gradients with `flat` (`gradient_vector`'s layout); a parameter without a
+        gradient keeps none (no forward used it, on any replica: they run the same layers)."""
+        params = list(self.layers.parameters())
+        total = sum(p.numel() for p in params)
+        if flat.shape != (total,):
+            raise ValueError(f"a gradient vector of shape {list(flat.shape)} for {total} parameter elements")
+        offset = 0
+        for p in params:
+            if p.grad is not None:
+                p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.device, p.dtype, copy=True)
+            offset += p.numel()
+
     def defer_optimizer_step(self, learning_rate: float | None = None) -> None:
         """Keep the accumulated gradients and step later (`settle`): until then the weights are the ones
         this step's forwards used, so a spot check can read them without a copy of them being kept."""

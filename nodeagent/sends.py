@@ -34,19 +34,26 @@ class PushTracker:
         self.failure: RpcFailure | None = None
 
     def send(
-        self, links: Sequence[NeighbourLink], target_index: int, kind: int, micro_batch: int, tensor: torch.Tensor
+        self,
+        links: Sequence[NeighbourLink],
+        target_index: int,
+        kind: int,
+        micro_batch: int,
+        tensor: torch.Tensor,
+        *,
+        replica: int = 0,
     ) -> Encoded:
-        """Start the push to every rank of the neighbour (`links`); returns the payload as encoded (what
-        the receivers will decode)."""
+        """Start the push to every rank of the neighbour (`links`; `replica`: which replica of it, where the
+        stage is replicated); returns the payload as encoded (what the receivers will decode)."""
         # Encoded once, per the job's transfer setting; top-k error feedback is kept per micro-batch slot.
         encoded = self._stage.transfer.encode(tensor, gradient=kind == stage_pb2.GRADIENT, stream=micro_batch)
-        push = outgoing_push(self._stage.ref(target_index), kind, self._step, micro_batch, encoded)
+        push = outgoing_push(self._stage.ref(target_index, replica), kind, self._step, micro_batch, encoded)
         timeout = max(MIN_CALL_TIMEOUT, self._deadline - time.monotonic())
         nbytes = encoded.nbytes
         for link in links:
             what = (
                 f"the {stage_pb2.TensorKind.Name(kind)} of step {self._step} micro-batch {micro_batch} "
-                f"to stage {target_index} at {link.address}"
+                f"to stage {target_index}{f' replica {replica}' if replica else ''} at {link.address}"
             )
             with self._cond:
                 self._pending += 1

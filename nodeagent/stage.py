@@ -14,7 +14,7 @@ from arceus.model.hugging_face import initial_weights_slice_bytes
 from arceus.model.layout import TensorLayout
 from arceus.model.registry import architecture_of
 from arceus.model.tensor_parallel import build_parallel_layers, slice_state_tensors
-from arceus.v1 import stage_pb2
+from arceus.v1 import replica_pb2_grpc, stage_pb2
 from arceus.wire.channels import open_channel
 from arceus.wire.push_stream import PushStream
 from arceus.wire.transfer import TransferEncoder
@@ -23,6 +23,7 @@ from nodeagent.callers import Guard
 from nodeagent.inference import DecodeSessions
 from nodeagent.lending import LendingGauge
 from nodeagent.mailbox import Mailbox
+from nodeagent.replicas import ReplicaExchange
 from nodeagent.runtime import StageRuntime
 from nodeagent.verify import AuditRecord
 
@@ -58,6 +59,7 @@ class NeighbourLink:
             address, token=token, certificate=certificate, max_message_bytes=max_message_bytes
         )
         self.pushes = PushStream(self.channel)
+        self.replicas = replica_pb2_grpc.ReplicaServiceStub(self.channel)  # used between siblings only
 
     def close(self) -> None:
         self.pushes.close()
@@ -114,17 +116,39 @@ class HostedStage:
         a = assignment
         self.guard = Guard(a.job_id, a.stage_index, a.generation, a.credentials, a.model, a.max_micro_batch_size)
         self.decoding = DecodeSessions(runtime)  # the sequences samplers decode through this stage
+        # A replica of a replicated stage: links to the replicas its steps name, opened as they are first named
+        # (address, certificate) -> link, and its siblings' shards of the gradient exchange.
+        self._max_message_bytes = max_message_bytes
+        self._replica_links: dict[tuple[str, str], NeighbourLink] = {}
+        self._links_lock = threading.Lock()
+        self.exchange = None if a.replica is None else ReplicaExchange(
+            job_id=a.job_id, stage_index=a.stage_index, generation=a.generation, replica=a.replica,
+            total_elements=sum(p.numel() for p in runtime.layers.parameters()), max_replicas=a.micro_batches,
+        )
 
     @property
     def name(self) -> str:
         a = self.assignment
         return f"stage {a.stage_index} of job {a.job_id} (generation {a.generation})"
 
-    def ref(self, stage_index: int) -> stage_pb2.StageRef:
-        """The StageRef of stage `stage_index` of this stage's pipeline."""
+    def ref(self, stage_index: int, replica: int = 0) -> stage_pb2.StageRef:
+        """The StageRef of stage `stage_index` (its replica `replica`) of this stage's pipeline."""
         return stage_pb2.StageRef(
-            job_id=self.assignment.job_id, stage_index=stage_index, generation=self.assignment.generation
+            job_id=self.assignment.job_id, stage_index=stage_index, generation=self.assignment.generation,
+            replica=replica,
         )
+
+    def replica_link(self, peer: stage_pb2.ReplicaPeer) -> NeighbourLink:
+        """The link to a replica a step names (kept for the stage's lifetime: the same replicas serve step after
+        step)."""
+        key = (peer.address, peer.certificate)
+        with self._links_lock:
+            link = self._replica_links.get(key)
+            if link is None:
+                token = self.assignment.credentials.token
+                link = NeighbourLink(peer.address, self._max_message_bytes, token, peer.certificate)
+                self._replica_links[key] = link
+            return link
 
     def add_bytes_sent(self, n: int) -> None:
         with self._bytes_lock:
@@ -154,7 +178,11 @@ class HostedStage:
     def close(self) -> None:
         """Wake anyone waiting on this stage's mailbox and close its channels."""
         self.mailbox.close()
-        for link in (*self.next_links, *self.prev_links):
+        if self.exchange is not None:
+            self.exchange.close()
+        with self._links_lock:
+            replica_links = list(self._replica_links.values())
+        for link in (*self.next_links, *self.prev_links, *replica_links):
             link.close()
 
 

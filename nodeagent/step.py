@@ -18,15 +18,16 @@ from contextlib import contextmanager
 import grpc
 import torch
 
-from arceus.pipeline.schedule import Action, build_schedule
+from arceus.pipeline.schedule import Action, build_schedule, replica_schedule
 from arceus.pipeline.solo import solo_planner
 from arceus.v1 import stage_pb2
 from arceus.verify.receipts import ReceiptSigner
 from nodeagent.lending import ComputeThreads, StepLending
 from nodeagent.mailbox import MailboxCancelled, MailboxClosed, MailboxTimeout
+from nodeagent.replicas import ReplicaStepPlan, parse_replica_step
 from nodeagent.rpc import RpcFailure
 from nodeagent.sends import PushTracker
-from nodeagent.stage import HostedStage
+from nodeagent.stage import HostedStage, NeighbourLink
 from nodeagent.step_audit import StepAudit
 from nodeagent.validation import check_run_step
 
@@ -48,13 +49,25 @@ class StepRun:
         a = stage.assignment
         self.stage, self.request, self.abort = stage, request, abort
         self.step, self.train = request.step, request.mode == stage_pb2.TRAIN
-        self.actions = build_schedule(schedule, a.num_stages, request.num_micro_batches, self.train)[a.stage_index]
+        # A replica runs its share of the micro-batches, sends each to the replica its route names, and exchanges
+        # its gradients with its siblings before the optimizer step.
+        self.replicas = _replica_plan(stage, request)
+        if self.replicas is None:
+            self.actions = build_schedule(schedule, a.num_stages, request.num_micro_batches, self.train)[a.stage_index]
+        else:
+            plan = self.replicas
+            self.actions = replica_schedule(
+                schedule, a.num_stages, a.stage_index, plan.micro_batches, self.train, replicas=plan.most_replicas
+            )
         # Leave a little of the caller's deadline so our own explanation reaches it before its timer fires.
         self.wait_until = deadline - min(1.0, 0.05 * max(0.0, deadline - time.monotonic()))
         self.pushes = PushTracker(stage, request.step, deadline, abort)
         self.audit = StepAudit(stage, request.step, signer, retain=request.retain_for_audit and self.train)
         # The ranks of a tensor-parallel stage compute side by side: none of them computes alone.
-        borrows = threads is not None and threads.solo > threads.own and stage.tensor_parallel is None
+        borrows = (
+            threads is not None and threads.solo > threads.own and stage.tensor_parallel is None
+            and self.replicas is None  # its solo plan is of one agent per stage
+        )
         self.lending = StepLending(
             stage_index=a.stage_index,
             gauge=stage.lending,
@@ -65,6 +78,7 @@ class StepRun:
         self._forward_sizes: dict[int, int] = {}
         self.wait_seconds = 0.0  # waiting for inputs and for sends: the bubble this stage sees
         self._results: dict[int, tuple[float, int, int]] = {}
+        self.exchange_seconds = 0.0
 
     def run(self) -> stage_pb2.RunStepReply:
         runtime = self.stage.runtime
@@ -80,6 +94,8 @@ class StepRun:
                 self.pushes.raise_if_failed()
             with self._waiting():
                 self.pushes.wait_all()
+            if self.train and self.replicas is not None and len(self.replicas.members(self.stage.io.stage_index)) > 1:
+                self._exchange(self.replicas)
             if self.train:
                 self.lending.optimizer_step()
                 if self.audit.keep():
@@ -101,7 +117,25 @@ class StepRun:
             counters=self.stage.counters(),
             receipts=self.audit.receipts,
             sent_receipts=self.audit.sent_receipts,
+            micro_batches=() if self.replicas is None else self.replicas.micro_batches,
+            exchange_seconds=self.exchange_seconds,
         )
+
+    def _exchange(self, plan: ReplicaStepPlan) -> None:
+        """Replace this replica's gradients with the sum of every member's: the same bits on each."""
+        stage, started = self.stage, time.perf_counter()
+        index = stage.io.stage_index
+        reduced = stage.exchange.exchange(
+            stage.runtime.gradient_vector(),
+            step=self.step,
+            epoch=plan.epoch,
+            members=plan.members(index),
+            stub=lambda k: stage.replica_link(plan.peers[(index, k)]).replicas,
+            deadline=self.wait_until,
+            abort=self.abort,
+        )
+        stage.runtime.set_gradient_vector(reduced)
+        self.exchange_seconds = time.perf_counter() - started
 
     def _forward(self, index: int, action: Action) -> None:
         stage, runtime, m = self.stage, self.stage.runtime, action.micro_batch
@@ -127,7 +161,8 @@ class StepRun:
         with self._computing(index, len(x)):
             out = runtime.forward(key, x) if self.train else runtime.eval_forward(x)
         if a.sends_on:  # ranks 1.. of a tensor-parallel stage compute the same output as rank 0
-            encoded = self.pushes.send(stage.next_links, a.stage_index + 1, stage_pb2.ACTIVATION, m, out)
+            links, replica = self._links(a.stage_index + 1, m, stage.next_links)
+            encoded = self.pushes.send(links, a.stage_index + 1, stage_pb2.ACTIVATION, m, out, replica=replica)
             self.audit.sent(m, out, encoded)
 
     def _backward(self, index: int, action: Action) -> None:
@@ -145,7 +180,16 @@ class StepRun:
         with self._computing(index, self._forward_sizes[m]):
             grad_input = stage.runtime.backward((self.step, m), grad)
         if grad_input is not None and a.sends_on:
-            self.pushes.send(stage.prev_links, a.stage_index - 1, stage_pb2.GRADIENT, m, grad_input)
+            links, replica = self._links(a.stage_index - 1, m, stage.prev_links)
+            self.pushes.send(links, a.stage_index - 1, stage_pb2.GRADIENT, m, grad_input, replica=replica)
+
+    def _links(self, to_stage: int, m: int, neighbour: list[NeighbourLink]) -> tuple[list[NeighbourLink], int]:
+        """Where micro-batch m's tensor for stage `to_stage` goes: its neighbour's ranks, or the replica its route
+        names."""
+        if self.replicas is None:
+            return neighbour, 0
+        replica = self.replicas.routes.of[m][to_stage]
+        return [self.stage.replica_link(self.replicas.peers[(to_stage, replica)])], replica
 
     @contextmanager
     def _computing(self, index: int, samples: int) -> Iterator[None]:
@@ -186,6 +230,23 @@ class StepRun:
         return arrived
 
 
+def _replica_plan(stage: HostedStage, request: stage_pb2.RunStepRequest) -> ReplicaStepPlan | None:
+    """The step's routes for a replica (None for a stage that is not replicated); INVALID_ARGUMENT for a RunStep
+    that names routes to a stage that is not replicated, or none to one that is."""
+    a = stage.assignment
+    routed = request.HasField("replicas")
+    if a.replica is None:
+        if routed:
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, f"{stage.name} is not replicated: it takes no routes")
+        return None
+    if not routed:
+        raise RpcFailure(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"{stage.name} is replica {a.replica} of a replicated stage: RunStep must name the step's routes",
+        )
+    return parse_replica_step(request, stage_index=a.stage_index, num_stages=a.num_stages, replica=a.replica)
+
+
 def _receive(
     stage: HostedStage,
     step: int,
@@ -199,9 +260,9 @@ def _receive(
     a = stage.assignment
     kind_name = stage_pb2.TensorKind.Name(kind)
     if kind == stage_pb2.GRADIENT:
-        source = f"stage {a.stage_index + 1} at {a.next_address}"
+        source = f"stage {a.stage_index + 1} at {a.next_address or 'the replica its route names'}"
     elif kind == stage_pb2.ACTIVATION and not a.is_first:
-        source = f"stage {a.stage_index - 1} at {a.prev_address}"
+        source = f"stage {a.stage_index - 1} at {a.prev_address or 'the replica its route names'}"
     else:
         source = "the driver"
     timeout = max(0.0, wait_until - time.monotonic())

@@ -45,7 +45,7 @@ _FIELDS = frozenset(
 _OPTIONAL_FIELDS = frozenset(
     {
         "checkpoint", "initial_weights", "program", "transfer", "precision", "tensor_parallel",
-        "activation_checkpointing", "schedule", "inference",
+        "activation_checkpointing", "schedule", "inference", "replica",
     }
 )
 _OPTIMIZER_FIELDS = frozenset({"name", "lr", "momentum", "weight_decay"})
@@ -140,6 +140,9 @@ class Assignment:
     # A served job's stage: it decodes for samplers only, so it is built without an optimizer and loads only the
     # weights of its checkpoint (never its optimizer state); nothing trains it. Never tensor-parallel.
     inference: bool = False
+    # This stage's replica id where the stage is replicated (arceus/swarm): its neighbours and siblings are then
+    # named step by step (RunStep's routes and peers), not here, so prev/next_address are null. None: one agent.
+    replica: int | None = None
 
     @property
     def is_first(self) -> bool:
@@ -210,8 +213,14 @@ class Assignment:
             raise SpecError(
                 "assignment.layer_end", f"the last stage must end at layer {spec.num_layers}, got {layer_end}"
             )
-        prev_address, prev_ranks = _neighbour(data, "prev_address", required=stage_index > 0)
-        next_address, next_ranks = _neighbour(data, "next_address", required=stage_index < num_stages - 1)
+        replica = data.get("replica")
+        if replica is not None:
+            replica = _int(data, "replica", minimum=0)
+        routed = replica is not None  # a replica's neighbours come with each step
+        prev_address, prev_ranks = _neighbour(data, "prev_address", required=stage_index > 0 and not routed)
+        next_address, next_ranks = _neighbour(
+            data, "next_address", required=stage_index < num_stages - 1 and not routed
+        )
         precision = check_precision(data.get("precision", "fp32"), "assignment.precision")
         recompute = data.get("activation_checkpointing", False)
         schedule = data.get("schedule", "gpipe")
@@ -223,6 +232,12 @@ class Assignment:
         inference = data.get("inference", False)
         if not isinstance(inference, bool):
             raise SpecError("assignment.inference", f"must be true or false, got {inference!r}")
+        if replica is not None and tensor_parallel is not None:
+            raise SpecError(
+                "assignment.replica",
+                "a tensor-parallel stage cannot be replicated yet: use one tensor-parallel group per stage, or "
+                "replicas of unsplit stages",
+            )
         if inference and tensor_parallel is not None:
             raise SpecError("assignment.inference", "a stage served for inference is one agent, never tensor-parallel")
         if recompute and tensor_parallel is not None:
@@ -261,6 +276,7 @@ class Assignment:
             prev_ranks=prev_ranks,
             next_ranks=next_ranks,
             inference=inference,
+            replica=replica,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -300,6 +316,7 @@ class Assignment:
             ),
             **({} if self.program is None else {"program": self.program}),
             **({"inference": True} if self.inference else {}),
+            **({} if self.replica is None else {"replica": self.replica}),
             "transfer": self.transfer.to_json(),
             "precision": self.precision,
             "activation_checkpointing": self.activation_checkpointing,

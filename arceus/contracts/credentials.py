@@ -31,6 +31,7 @@ class Role(StrEnum):
     PREV = "prev"  # a rank of the previous stage: activations
     NEXT = "next"  # a rank of the next stage: gradients
     PEER = "peer"  # another rank of this tensor-parallel stage: partial sums
+    SIBLING = "sibling"  # another replica of this replicated stage (arceus/swarm): the gradient exchange
 
 
 DRIVER = "driver"
@@ -100,10 +101,19 @@ class StageCredentials:
 
 
 def stage_credentials(
-    secret: bytes, job_id: str, generation: int, stage_index: int, rank: int, ranks: Sequence[int]
+    secret: bytes,
+    job_id: str,
+    generation: int,
+    stage_index: int,
+    rank: int,
+    ranks: Sequence[int],
+    *,
+    replicated: bool = False,
 ) -> StageCredentials:
     """The credentials of rank `rank` of stage `stage_index` in a pipeline whose stage i has `ranks[i]`
-    ranks: it accepts the driver, every rank of its neighbours, and the ranks of its own stage (if split)."""
+    ranks: it accepts the driver, every rank of its neighbours, and the ranks of its own stage (if split).
+    The replicas of a stage share its principal (a newcomer needs no new token, and a neighbour accepts every
+    replica); a replicated stage's replicas accept each other as SIBLING."""
 
     def digests(index: int) -> tuple[str, ...]:
         if not 0 <= index < len(ranks):
@@ -117,6 +127,7 @@ def stage_credentials(
         Role.PREV: digests(stage_index - 1),
         Role.NEXT: digests(stage_index + 1),
         Role.PEER: digests(stage_index) if ranks[stage_index] > 1 else (),
+        Role.SIBLING: digests(stage_index) if replicated else (),
     }
     token = mint_token(secret, job_id, generation, stage_principal(stage_index, rank))
     return StageCredentials(token=token, accepts={role: d for role, d in accepts.items() if d})

@@ -32,6 +32,7 @@ from arceus.model.expected_state import expected_stage_state, stage_file_check
 from arceus.model.registry import model_spec_from_config
 from arceus.model.sharding import Shard
 from arceus.model.tensor_parallel import gather_state_tensors
+from arceus.swarm.routing import route_step
 from arceus.training.audit import Auditor
 from arceus.training.plan import (
     EpochResult,
@@ -44,6 +45,7 @@ from arceus.training.plan import (
     TrainResult,
     UploadTarget,
 )
+from arceus.training.replicas import ReplicaRoster
 from arceus.training.stage_client import StageClient
 from arceus.training.tally import WorkTally
 from arceus.v1 import stage_pb2
@@ -51,6 +53,7 @@ from arceus.wire.channels import MAX_MESSAGE_BYTES
 from arceus.wire.push_stream import PushError
 
 log = logging.getLogger(__name__)
+_ACTIVATION, _LABELS = stage_pb2.ACTIVATION, stage_pb2.LABELS
 
 
 class DriverError(RuntimeError):
@@ -106,6 +109,13 @@ class Pipeline:
             ]
             for s in plan.stages
         ]
+        # Replicated stages: a client per replica; the stage's lowest replica serves as the stage (its state).
+        self.roster = ReplicaRoster(plan.replicas, len(plan.stages)) if plan.replicas else None
+        self.replica_clients = {(e.index, e.replica): client(e) for e in plan.replicas}
+        if self.replica_clients:
+            for ranks in self.ranks:
+                ranks[0].close()
+            self.ranks = [[self.replica_clients[(s.index, s.replica)]] for s in plan.stages]
         self.clients = [ranks[0] for ranks in self.ranks]
         self._call_ids = itertools.count(1)  # unique per RunStep (train and eval) within this run
         self.auditor = Auditor(plan, self.clients) if plan.audit_rate > 0 else None
@@ -118,6 +128,8 @@ class Pipeline:
     def step(self, x: torch.Tensor, y: torch.Tensor, *, train: bool) -> StepOutcome:
         plan, last = self.plan, self.clients[-1]
         step = next(self._call_ids)
+        if self.roster is not None:
+            return self._replicated_step(self.roster, step, x, y, train=train)
         n = len(x)
         num_micro_batches = min(plan.micro_batches, n)
         calls: list[tuple[StageClient, str, grpc.Future | Future[None]]] = []
@@ -192,6 +204,92 @@ class Pipeline:
                 for i, (c, r) in enumerate(zip(agents, every_reply, strict=True))
                 if c in self.clients
             ],
+        )
+
+    def _replicated_step(
+        self, roster: ReplicaRoster, step: int, x: torch.Tensor, y: torch.Tensor, *, train: bool
+    ) -> StepOutcome:
+        """One step of replicated stages: inputs and labels to the replicas each micro-batch's route names, RunStep
+        to every member with the routes, then the loss in micro-batch order and the replicas' speeds learnt."""
+        plan, n = self.plan, len(x)
+        num_micro_batches = min(plan.micro_batches, n)
+        members = roster.members()
+        if train and num_micro_batches < max(len(ids) for ids in members):
+            raise DriverError(
+                f"a batch of {n} samples makes {num_micro_batches} micro-batches, fewer than the "
+                f"{max(len(ids) for ids in members)} replicas of a stage: every replica needs one to take the step"
+            )
+        if num_micro_batches < max(len(ids) for ids in members):  # evaluation: the first members suffice
+            members = [ids[:num_micro_batches] for ids in members]
+        routes = route_step(num_micro_batches, members, roster.speeds)
+        last = len(plan.stages) - 1
+        calls: list[tuple[StageClient, str, grpc.Future | Future[None]]] = []
+        inputs = torch.tensor_split(x, num_micro_batches)
+        for m, (xm, ym) in enumerate(zip(inputs, torch.tensor_split(y, num_micro_batches), strict=True)):
+            first, final = self.replica_clients[(0, routes.of[m][0])], self.replica_clients[(last, routes.of[m][last])]
+            calls.append((first, f"pushing the inputs of micro-batch {m}", first.push(_ACTIVATION, step, m, xm)))
+            calls.append((final, f"pushing the labels of micro-batch {m}", final.push(_LABELS, step, m, ym)))
+        mode = stage_pb2.TRAIN if train else stage_pb2.EVAL
+        agents = [self.replica_clients[(i, k)] for i, ids in enumerate(routes.members) for k in ids]
+        issued = time.perf_counter()
+        runs = [
+            (
+                c,
+                "RunStep",
+                c.run_step(
+                    step=step, mode=mode, num_micro_batches=num_micro_batches, schedule=plan.schedule, batch_size=n,
+                    learning_rate=plan.learning_rate, replicas=roster.replica_step(c.endpoint.index, routes),
+                ),
+            )
+            for c in agents
+        ]
+        answered: dict[int, float] = {}
+        for i, (_, _, future) in enumerate(runs):
+            future.add_done_callback(lambda _f, i=i: answered.setdefault(i, time.perf_counter()))
+        replies: list[stage_pb2.RunStepReply] = _await_all(calls + runs)[len(calls) :]
+        per_micro_batch: dict[int, tuple[float, int, int]] = {}
+        for c, r in zip(agents, replies, strict=True):
+            routed = routes.micro_batches_of(c.endpoint.index, c.endpoint.replica)
+            is_last = c.endpoint.index == last
+            results = (r.loss_sums, r.correct, r.sample_counts) if is_last else ((),) * 3
+            if tuple(r.micro_batches) != routed or (is_last and any(len(v) != len(routed) for v in results)):
+                raise DriverError(
+                    f"{c.describe()} reported micro-batches {list(r.micro_batches)} (and {len(r.loss_sums)} losses); "
+                    f"its route gave it {list(routed)}",
+                    stage_index=c.endpoint.index,
+                )
+            per_micro_batch.update(zip(routed, zip(*results, strict=True), strict=False))
+        if sum(v[2] for v in per_micro_batch.values()) != n:
+            raise DriverError(
+                f"the last stage's replicas reported {sum(v[2] for v in per_micro_batch.values())} samples for a "
+                f"batch of {n}",
+                stage_index=last,
+            )
+        sizes = [len(xm) for xm in inputs]
+        ran = [sum(sizes[m] for m in r.micro_batches) for r in replies]
+        if train:
+            roster.measured([((c.endpoint.index, c.endpoint.replica), s, r.compute_seconds)
+                             for c, r, s in zip(agents, replies, ran, strict=True)])
+        timings: dict[int, StageTiming] = {}
+        for i, (c, r) in enumerate(zip(agents, replies, strict=True)):
+            timing = _timing(c.endpoint.index, r, answered[i] - issued)
+            if c.endpoint.index not in timings or timing.compute_seconds > timings[c.endpoint.index].compute_seconds:
+                timings[c.endpoint.index] = timing  # a stage's slowest replica
+        return StepOutcome(
+            loss_sum=sum(per_micro_batch[m][0] for m in range(num_micro_batches)),
+            correct=sum(v[1] for v in per_micro_batch.values()),
+            samples=n,
+            labels=y.numel(),
+            stages=[
+                self.tally.record(
+                    index=c.endpoint.index, node_id=c.endpoint.node_id, samples=s, micro_batches=len(r.micro_batches),
+                    wall_seconds=answered[i] - issued, max_bytes=self._max_step_bytes * num_micro_batches,
+                    reported=r.counters,
+                )
+                for i, (c, r, s) in enumerate(zip(agents, replies, ran, strict=True))
+            ],
+            spot_checks=[],
+            timings=[timings[i] for i in sorted(timings)],
         )
 
     def evaluate(self, samples: Samples, batch_size: int) -> tuple[float, float, list[StageCounters]]:
@@ -284,7 +382,8 @@ class Pipeline:
         return digest.hexdigest(), size
 
     def close(self) -> None:
-        for client in (c for ranks in self.ranks for c in ranks):  # a tensor-parallel stage's other ranks too
+        clients = [*(c for ranks in self.ranks for c in ranks), *self.replica_clients.values()]
+        for client in {id(c): c for c in clients}.values():  # a tensor-parallel stage's other ranks, every replica
             client.close()
 
     def __enter__(self) -> Pipeline:

@@ -38,6 +38,7 @@ class StageEndpoint:
     owner_id: str = ""  # who contributes the node: a spot check's verifier is another owner's ("": unknown)
     # A tensor-parallel stage's ranks after rank 0 (this endpoint), in rank order; empty for one agent.
     tensor_parallel_ranks: tuple[RankEndpoint, ...] = ()
+    replica: int = 0  # which replica of its stage this agent hosts, where stages are replicated (TrainPlan.replicas)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,9 @@ class TrainPlan:
     # Opens an uploaded dataset's file by id (the control plane's storage) for a config naming one
     # (`dataset_id`, `tokenizer_id`); None where there is no control plane.
     open_dataset: DatasetOpener | None = None
+    # Replicated stages (arceus/swarm): every replica of every stage, each at least one; `stages` then names each
+    # stage's lowest replica. Empty: one agent (or tensor-parallel group) per stage, as `stages` says.
+    replicas: tuple[StageEndpoint, ...] = ()
 
     def check(self) -> None:
         """Raise SpecError if the plan cannot be run (the dataset is checked when it is loaded)."""
@@ -124,6 +128,31 @@ class TrainPlan:
             raise SpecError(
                 "plan.schedule", f"unknown schedule {self.schedule!r}; known: {', '.join(SCHEDULES)}"
             )
+        if self.replicas:
+            self._check_replicas()
+
+    def _check_replicas(self) -> None:
+        by_stage: dict[int, list[StageEndpoint]] = {}
+        for endpoint in self.replicas:
+            by_stage.setdefault(endpoint.index, []).append(endpoint)
+        if sorted(by_stage) != list(range(len(self.stages))):
+            raise SpecError("plan.replicas", f"every stage 0..{len(self.stages) - 1} needs at least one replica")
+        for index, endpoints in by_stage.items():
+            ids = [e.replica for e in endpoints]
+            if len(set(ids)) != len(ids):
+                raise SpecError("plan.replicas", f"stage {index} names replica ids {ids}: each once")
+            if len(ids) > self.micro_batches:
+                raise SpecError(
+                    "plan.replicas",
+                    f"stage {index} has {len(ids)} replicas for {self.micro_batches} micro-batches: every replica "
+                    "takes at least one, so use at most micro_batches replicas",
+                )
+            if min(endpoints, key=lambda e: e.replica) != self.stages[index]:
+                raise SpecError("plan.stages", f"stage {index} must be its lowest replica's endpoint")
+        if any(e.tensor_parallel_ranks for e in self.replicas):
+            raise SpecError("plan.replicas", "a tensor-parallel stage cannot be replicated yet")
+        if self.audit_rate:
+            raise SpecError("plan.audit_rate", "spot checks of replicated stages are not supported yet: use 0")
 
 
 @dataclass(frozen=True)

@@ -35,14 +35,17 @@ class StageClient:
         """`credential`: the driver's token of this job generation (arceus.contracts.credentials)."""
         self.endpoint = endpoint
         self.timeout = timeout
-        self.ref = stage_pb2.StageRef(job_id=job_id, stage_index=endpoint.index, generation=generation)
+        self.ref = stage_pb2.StageRef(
+            job_id=job_id, stage_index=endpoint.index, generation=generation, replica=endpoint.replica
+        )
         self._channel = open_channel(endpoint.address, token=credential, certificate=endpoint.certificate)
         self._stub = stage_pb2_grpc.StageServiceStub(self._channel)
         self._pushes = PushStream(self._channel)
 
     def describe(self) -> str:
         e = self.endpoint
-        return f"stage {e.index} (node {e.node_id} at {e.address})"
+        replica = f" replica {e.replica}" if e.replica else ""
+        return f"stage {e.index}{replica} (node {e.node_id} at {e.address})"
 
     def push(self, kind: int, step: int, micro_batch: int, tensor: torch.Tensor) -> Future[None]:
         """Send over this stage's push stream; the future fails with a PushError (a grpc.RpcError)."""
@@ -60,6 +63,7 @@ class StageClient:
         batch_size: int,
         learning_rate: float,
         retain_for_audit: bool = False,
+        replicas: stage_pb2.ReplicaStep | None = None,
     ) -> grpc.Future:
         request = stage_pb2.RunStepRequest(
             target=self.ref,
@@ -70,6 +74,7 @@ class StageClient:
             batch_size=batch_size,
             learning_rate=learning_rate,
             retain_for_audit=retain_for_audit,
+            replicas=replicas,
         )
         return self._stub.RunStep.future(request, timeout=self.timeout)
 

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from arceus.contracts.credentials import Role, StageCredentials, token_digest
-from arceus.v1 import link_probe_pb2, stage_pb2, tensor_parallel_pb2
+from arceus.v1 import link_probe_pb2, replica_pb2, stage_pb2, tensor_parallel_pb2
 from arceus.wire.channels import open_channel
 from arceus.wire.tls import new_identity
 from nodeagent import call_limits
@@ -175,7 +175,7 @@ def test_a_method_without_limits_is_not_served(server: Server, monkeypatch: pyte
 def test_every_method_the_agent_serves_has_limits() -> None:
     served = {
         f"/{service.full_name}/{method.name}"
-        for module in (stage_pb2, tensor_parallel_pb2, link_probe_pb2)
+        for module in (stage_pb2, tensor_parallel_pb2, link_probe_pb2, replica_pb2)
         for service in module.DESCRIPTOR.services_by_name.values()
         for method in service.methods
     }

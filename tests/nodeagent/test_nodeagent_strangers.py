@@ -25,6 +25,8 @@ from arceus.training.recording import RecordingSink
 from arceus.v1 import (
     link_probe_pb2,
     link_probe_pb2_grpc,
+    replica_pb2,
+    replica_pb2_grpc,
     stage_pb2,
     stage_pb2_grpc,
     tensor_parallel_pb2,
@@ -109,6 +111,8 @@ def every_method(channel: grpc.Channel, stage: int) -> dict[str, Callable[[], An
                                             layer_end=stage + 1, input=to_proto(torch.zeros(1, width)))
     partial = tensor_parallel_pb2.PushPartialRequest(target=target, step=1, micro_batch=0, op=0, source_rank=1,
                                                      tensor=to_proto(torch.zeros(1, 1, 1)))
+    shard = replica_pb2.PushShardRequest(target=target, step=1, epoch=0, source_replica=1, phase=replica_pb2.REDUCE,
+                                         start=0, tensor=to_proto(torch.zeros(4)))
     return {
         "PushTensor": lambda: stub.PushTensor(push, timeout=10),
         "PushStream (activation)": lambda: _first_ack(stub.PushStream(iter([push]), timeout=10)),
@@ -125,6 +129,7 @@ def every_method(channel: grpc.Channel, stage: int) -> dict[str, Callable[[], An
         "VerifyForward": lambda: stub.VerifyForward(iter([verify]), timeout=10),
         "PushPartial": lambda: tensor_parallel_pb2_grpc.TensorParallelServiceStub(channel).PushPartial(
             partial, timeout=10),
+        "PushShard": lambda: replica_pb2_grpc.ReplicaServiceStub(channel).PushShard(shard, timeout=10),
     }
 
 
@@ -210,7 +215,7 @@ def test_strangers_are_refused_every_method_while_the_job_trains_as_if_undisturb
     if failures:
         raise failures[0]
     # Every method on both agents, bar the probes of callers known there and the neighbour's gradient.
-    assert attacks and attacks[0] == len(CALLERS) * 2 * 12 - 4 - len(ALLOWED)
+    assert attacks and attacks[0] == len(CALLERS) * 2 * 13 - 4 - len(ALLOWED)
 
     expected = reference_run(
         {"model_config": MODEL, "dataset_config": DATASET, "epochs": 1, "learning_rate": OPTIMIZER["lr"],

@@ -1,0 +1,54 @@
+"""The driver's book of replicated stages (arceus/swarm): who the members of each stage are, how fast each
+replica ran its last steps, each step's routes from those speeds, and what RunStep tells a replica about them."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Sequence
+
+from arceus.swarm.routing import Routes, route_step, speeds_update
+from arceus.training.plan import StageEndpoint
+from arceus.v1 import stage_pb2
+
+# How much one step's measured speed moves a replica's routing speed (an EWMA): a replica that slows down
+# sheds micro-batches within a few steps, one noisy step moves little.
+SPEED_ALPHA = 0.5
+
+ReplicaKey = tuple[int, int]  # (stage index, replica id)
+
+
+class ReplicaRoster:
+    """The members of every stage and their speeds; `epoch` counts membership changes (every exchange message
+    names it, so a message of an older membership is never summed)."""
+
+    def __init__(self, endpoints: Iterable[StageEndpoint], num_stages: int) -> None:
+        self.endpoints: dict[ReplicaKey, StageEndpoint] = {(e.index, e.replica): e for e in endpoints}
+        self.num_stages = num_stages
+        self.speeds: dict[ReplicaKey, float] = {}
+        self.epoch = 0
+
+    def members(self) -> list[tuple[int, ...]]:
+        return [tuple(sorted(k for i, k in self.endpoints if i == stage)) for stage in range(self.num_stages)]
+
+    def routes(self, num_micro_batches: int) -> Routes:
+        """This step's routes: each stage's micro-batches shared by its replicas' measured speeds."""
+        return route_step(num_micro_batches, self.members(), self.speeds)
+
+    def replica_step(self, stage: int, routes: Routes) -> stage_pb2.ReplicaStep:
+        """What RunStep tells a replica of `stage`: the routes and where its siblings and neighbours listen."""
+        peers = [
+            stage_pb2.ReplicaPeer(stage_index=i, replica=k, address=e.address, certificate=e.certificate)
+            for (i, k), e in sorted(self.endpoints.items())
+            if abs(i - stage) <= 1 and k in routes.members[i]
+        ]
+        return stage_pb2.ReplicaStep(routes_json=json.dumps(routes.to_json()), epoch=self.epoch, peers=peers)
+
+    def measured(self, replies: Sequence[tuple[ReplicaKey, int, float]]) -> None:
+        """Learn from one train step: (replica, samples it ran, its compute seconds) each."""
+        measured = {
+            key: samples / seconds
+            for key, samples, seconds in replies
+            if samples > 0 and math.isfinite(seconds) and seconds > 0
+        }
+        self.speeds = speeds_update(self.speeds, measured, SPEED_ALPHA)

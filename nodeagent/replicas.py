@@ -1,0 +1,234 @@
+"""A replica of a replicated stage (arceus/swarm) on this agent: the step's routes and peers as RunStep names
+them, links to the replicas it sends to (opened as steps name them), and the exact gradient exchange with its
+siblings over `ReplicaService.PushShard` (cut and summed by arceus.swarm.exchange, so every replica holds the
+same bits before the same optimizer step). Nothing here touches the stage's model."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import grpc
+import torch
+
+from arceus.contracts.certificates import check_certificate
+from arceus.errors import SpecError
+from arceus.swarm.exchange import MAX_SHARD_BYTES, chunk_bounds, reduce_in_order, shard_bounds
+from arceus.swarm.routing import Routes
+from arceus.v1 import replica_pb2, replica_pb2_grpc, stage_pb2
+from arceus.wire import codec
+from arceus.wire.proto_tensor import from_proto, to_proto
+from nodeagent.mailbox import Mailbox, MailboxCancelled, MailboxClosed, MailboxFull, MailboxTimeout
+from nodeagent.rpc import RpcFailure, neighbour_failure_code
+
+_FLOAT32_BYTES = 4
+# Shards in flight from one replica at once: the siblings' agents take a few calls per caller at a time
+# (nodeagent.call_limits), and all replicas of a stage present the same credential.
+SENDS_IN_FLIGHT = 4
+_PHASES = {replica_pb2.REDUCE: "REDUCE", replica_pb2.GATHER: "GATHER"}
+
+
+@dataclass(frozen=True)
+class ReplicaStepPlan:
+    """One step of this replica: the routes, its own micro-batches and where every replica it talks to
+    listens ((stage, replica) -> ReplicaPeer)."""
+
+    routes: Routes
+    epoch: int
+    replica: int
+    micro_batches: tuple[int, ...]
+    peers: Mapping[tuple[int, int], stage_pb2.ReplicaPeer]
+
+    @property
+    def most_replicas(self) -> int:
+        return max(len(ids) for ids in self.routes.members)
+
+    def members(self, stage: int) -> tuple[int, ...]:
+        return self.routes.members[stage]
+
+
+def parse_replica_step(
+    request: stage_pb2.RunStepRequest, *, stage_index: int, num_stages: int, replica: int
+) -> ReplicaStepPlan:
+    """Check a RunStep's `replicas` against this replica (INVALID_ARGUMENT naming what is wrong)."""
+    swarm = request.replicas
+    try:
+        routes = Routes.from_json(json.loads(swarm.routes_json), "replicas.routes")
+    except json.JSONDecodeError as exc:
+        raise _invalid(f"replicas.routes_json is not JSON: {exc}") from None
+    except SpecError as exc:
+        raise _invalid(f"{exc.field}: {exc.message}") from None
+    if routes.num_stages != num_stages:
+        raise _invalid(f"replicas.routes name {routes.num_stages} stages; the pipeline has {num_stages}")
+    if routes.num_micro_batches != request.num_micro_batches:
+        raise _invalid(
+            f"replicas.routes route {routes.num_micro_batches} micro-batches; the step has {request.num_micro_batches}"
+        )
+    if replica not in routes.members[stage_index]:
+        raise _invalid(f"replica {replica} is not a member of stage {stage_index} in this step's routes")
+    if swarm.epoch < 0:
+        raise _invalid(f"replicas.epoch must be >= 0, got {swarm.epoch}")
+    peers: dict[tuple[int, int], stage_pb2.ReplicaPeer] = {}
+    for peer in swarm.peers:
+        key = (peer.stage_index, peer.replica)
+        if key in peers:
+            raise _invalid(f"replicas.peers names stage {key[0]} replica {key[1]} twice")
+        if ":" not in peer.address:
+            raise _invalid(f"replicas.peers: stage {key[0]} replica {key[1]} has no host:port address")
+        try:
+            check_certificate(peer.certificate)
+        except ValueError as exc:
+            raise _invalid(f"replicas.peers: stage {key[0]} replica {key[1]}: {exc}") from None
+        peers[key] = peer
+    needed = [
+        (i, k) for i in (stage_index - 1, stage_index, stage_index + 1) if 0 <= i < num_stages
+        for k in routes.members[i] if (i, k) != (stage_index, replica)
+    ]
+    if missing := [key for key in needed if key not in peers]:
+        raise _invalid(f"replicas.peers lacks stage/replica {missing}: every member of this stage and its neighbours")
+    return ReplicaStepPlan(routes, swarm.epoch, replica, routes.micro_batches_of(stage_index, replica), peers)
+
+
+class ReplicaExchange:
+    """The shards siblings push to this replica, waiting for its exchange, and its sends to them."""
+
+    def __init__(self, *, job_id: str, stage_index: int, generation: int, replica: int, total_elements: int,
+                 max_replicas: int) -> None:
+        self.job_id, self.stage_index, self.generation, self.replica = job_id, stage_index, generation, replica
+        self.total_elements = total_elements
+        # Per step a replica receives at most every member's shards of its own chunk and every owner's of the
+        # others: at most about two stages' worth of shards, plus one per member for the rounding.
+        per_stage = math.ceil(total_elements * _FLOAT32_BYTES / MAX_SHARD_BYTES) + max_replicas
+        self.shards: Mailbox[torch.Tensor] = Mailbox(capacity=2 * max_replicas * per_stage + 8)
+
+    @property
+    def name(self) -> str:
+        return f"stage {self.stage_index} replica {self.replica} of job {self.job_id}"
+
+    def accept(self, request: replica_pb2.PushShardRequest) -> None:
+        """Validate a sibling's shard (before torch sees it) and park it for `exchange`."""
+        if request.step < 0 or request.epoch < 0:
+            raise _invalid(f"step and epoch must be >= 0, got step {request.step}, epoch {request.epoch}")
+        if request.phase not in _PHASES:
+            raise _invalid(f"phase must be REDUCE or GATHER, got {request.phase}")
+        if request.source_replica < 0 or request.source_replica == self.replica:
+            raise _invalid(f"source_replica must be another replica than {self.replica}, got {request.source_replica}")
+        message = request.tensor
+        if message.encoding or message.dtype != "float32" or len(message.shape) != 1:
+            raise _invalid(f"a shard is an uncompressed float32 vector, got {message.dtype!r} {list(message.shape)}")
+        length = message.shape[0]
+        if not 1 <= length <= MAX_SHARD_BYTES // _FLOAT32_BYTES:
+            raise _invalid(f"a shard holds 1 to {MAX_SHARD_BYTES // _FLOAT32_BYTES} elements, got {length}")
+        if not 0 <= request.start <= self.total_elements - length:
+            raise _invalid(
+                f"elements [{request.start}, {request.start + length}) are outside this stage's {self.total_elements}"
+            )
+        try:
+            tensor = from_proto(message, max_bytes=length * _FLOAT32_BYTES)
+        except codec.TensorValidationError as exc:
+            raise _invalid(f"shard rejected: {exc}") from None
+        key = _mail_key(request.step, request.epoch, request.phase, request.source_replica, request.start)
+        try:
+            self.shards.put(key, tensor)
+        except MailboxFull as exc:
+            raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.name}: {exc}") from None
+        except MailboxClosed:
+            raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"{self.name} was just removed from this agent") from None
+
+    def exchange(
+        self,
+        flat: torch.Tensor,
+        *,
+        step: int,
+        epoch: int,
+        members: tuple[int, ...],
+        stub: Callable[[int], replica_pb2_grpc.ReplicaServiceStub],
+        deadline: float,
+        abort: threading.Event,
+    ) -> torch.Tensor:
+        """The sum over `members` of their `flat` gradients: reduce-scatter to each chunk's owner, which sums
+        in ascending replica id, then all-gather from the owners. `stub(replica)`: the sibling's service."""
+        chunks = chunk_bounds(flat.numel(), members)
+        sends: deque[tuple[int, grpc.Future]] = deque()
+
+        def settle(to: int, future: grpc.Future) -> None:
+            try:
+                future.result()
+            except grpc.RpcError as exc:
+                raise RpcFailure(
+                    neighbour_failure_code(exc.code()),
+                    f"{self.name}: pushing a shard of step {step} to replica {to} failed: "
+                    f"{exc.code().name}: {exc.details()}",
+                ) from None
+
+        def push(to: int, phase: int, start: int, values: torch.Tensor) -> None:
+            request = replica_pb2.PushShardRequest(
+                target=stage_pb2.StageRef(
+                    job_id=self.job_id, stage_index=self.stage_index, generation=self.generation, replica=to
+                ),
+                step=step, epoch=epoch, source_replica=self.replica, phase=phase, start=start,
+                tensor=to_proto(values),
+            )
+            if len(sends) >= SENDS_IN_FLIGHT:
+                settle(*sends.popleft())
+            sends.append((to, stub(to).PushShard.future(request, timeout=max(0.05, deadline - time.monotonic()))))
+
+        def receive(phase: int, source: int, start: int, end: int) -> torch.Tensor:
+            key = _mail_key(step, epoch, phase, source, start)
+            try:
+                part = self.shards.get(key, max(0.0, deadline - time.monotonic()), abort)
+            except MailboxTimeout:
+                raise RpcFailure(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"{self.name}: replica {source} sent no {_PHASES[phase]} shard at element {start} of step {step}",
+                ) from None
+            except MailboxClosed:
+                raise RpcFailure(grpc.StatusCode.ABORTED, f"{self.name} was removed mid-step") from None
+            except MailboxCancelled:
+                raise RpcFailure(grpc.StatusCode.CANCELLED, f"{self.name}: the step was cancelled") from None
+            if part.numel() != end - start:
+                raise RpcFailure(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{self.name}: replica {source}'s shard at element {start} holds {part.numel()} elements, "
+                    f"not {end - start}",
+                )
+            return part
+
+        for chunk in chunks:
+            if chunk.owner != self.replica:
+                for start, end in shard_bounds(chunk, _FLOAT32_BYTES):
+                    push(chunk.owner, replica_pb2.REDUCE, start, flat[start:end])
+        out = torch.empty_like(flat)
+        others = [k for k in members if k != self.replica]
+        for chunk in chunks:
+            if chunk.owner != self.replica:
+                continue
+            for start, end in shard_bounds(chunk, _FLOAT32_BYTES):
+                parts = {self.replica: flat[start:end]}
+                parts.update({k: receive(replica_pb2.REDUCE, k, start, end) for k in others})
+                out[start:end] = reduce_in_order(parts)
+                for k in others:
+                    push(k, replica_pb2.GATHER, start, out[start:end])
+        for chunk in chunks:
+            if chunk.owner != self.replica:
+                for start, end in shard_bounds(chunk, _FLOAT32_BYTES):
+                    out[start:end] = receive(replica_pb2.GATHER, chunk.owner, start, end)
+        while sends:
+            settle(*sends.popleft())
+        return out
+
+    def close(self) -> None:
+        self.shards.close()
+
+
+def _mail_key(step: int, epoch: int, phase: int, source: int, start: int) -> tuple[int, str, int]:
+    return (step, f"{_PHASES[phase]} of epoch {epoch} from replica {source}", start)
+
+
+def _invalid(message: str) -> RpcFailure:
+    return RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, message)

@@ -1,0 +1,149 @@
+"""A replica's side of a step (nodeagent/replicas.py): RunStep's routes checked against the replica, siblings'
+shards checked before torch sees them, and the exchange run by several replicas at once (threads of this process,
+each replica's shards delivered to the others' `accept` as PushShard would) ending with the same bits on every
+replica: the sum in ascending replica id, across several shards per chunk."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+
+from arceus.swarm.routing import Routes
+from arceus.v1 import replica_pb2, stage_pb2
+from arceus.wire.proto_tensor import to_proto
+from arceus.wire.tls import new_identity
+from nodeagent import replicas
+from nodeagent.replicas import ReplicaExchange, parse_replica_step
+from nodeagent.rpc import RpcFailure
+
+CERTIFICATE = new_identity().certificate
+ROUTES = Routes(((0, 1), (2,), (0, 3, 4)), ((0, 2, 0), (1, 2, 3), (0, 2, 4), (1, 2, 0)))
+
+
+def run_step(routes: Routes = ROUTES, peers: list[tuple[int, int]] | None = None, **fields) -> stage_pb2.RunStepRequest:
+    if peers is None:
+        peers = [(i, k) for i, ids in enumerate(routes.members) for k in ids]
+    step = stage_pb2.ReplicaStep(
+        routes_json=json.dumps(routes.to_json()), epoch=3,
+        peers=[stage_pb2.ReplicaPeer(stage_index=i, replica=k, address=f"10.0.0.{i}:{5000 + k}",
+                                     certificate=CERTIFICATE) for i, k in peers],
+    )
+    return stage_pb2.RunStepRequest(step=1, num_micro_batches=routes.num_micro_batches, replicas=step, **fields)
+
+
+def test_a_replica_takes_the_micro_batches_its_routes_give_it_and_knows_its_peers() -> None:
+    plan = parse_replica_step(run_step(), stage_index=2, num_stages=3, replica=0)
+    assert plan.micro_batches == (0, 3) and plan.epoch == 3 and plan.most_replicas == 3
+    assert plan.members(2) == (0, 3, 4)
+    assert plan.peers[(1, 2)].address == "10.0.0.1:5002"
+
+
+@pytest.mark.parametrize(
+    ("request_", "replica", "words"),
+    [
+        (run_step(), 1, "replica 1 is not a member of stage 2"),
+        (run_step(peers=[(2, 0), (2, 3), (2, 4)]), 0, "lacks stage/replica [(1, 2)]"),
+        (run_step(peers=[(1, 2), (2, 3), (2, 3), (2, 4)]), 0, "names stage 2 replica 3 twice"),
+        (stage_pb2.RunStepRequest(num_micro_batches=4, replicas=stage_pb2.ReplicaStep(routes_json="{")), 0,
+         "not JSON"),
+        (stage_pb2.RunStepRequest(num_micro_batches=2, replicas=stage_pb2.ReplicaStep(
+            routes_json=json.dumps(ROUTES.to_json()))), 0, "route 4 micro-batches; the step has 2"),
+        (stage_pb2.RunStepRequest(num_micro_batches=4, replicas=stage_pb2.ReplicaStep(
+            routes_json=json.dumps({"members": [[0], [0], [1, 0]], "of": [[0, 0, 0]] * 4}))), 0,
+         "replicas.routes.members[2]"),
+    ],
+)
+def test_routes_that_do_not_fit_the_replica_are_refused_naming_what_is_wrong(
+    request_: stage_pb2.RunStepRequest, replica: int, words: str
+) -> None:
+    with pytest.raises(RpcFailure) as info:
+        parse_replica_step(request_, stage_index=2, num_stages=3, replica=replica)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.message
+
+
+def exchange_of(replica: int, total: int = 10) -> ReplicaExchange:
+    return ReplicaExchange(job_id="j", stage_index=1, generation=1, replica=replica, total_elements=total,
+                           max_replicas=4)
+
+
+def shard(**fields) -> replica_pb2.PushShardRequest:
+    values = {"step": 1, "epoch": 0, "source_replica": 2, "phase": replica_pb2.REDUCE, "start": 0,
+              "tensor": to_proto(torch.zeros(4))}
+    return replica_pb2.PushShardRequest(**{**values, **fields})
+
+
+@pytest.mark.parametrize(
+    ("request_", "words"),
+    [
+        (shard(source_replica=0), "another replica than 0"),
+        (shard(phase=0), "phase must be REDUCE or GATHER"),
+        (shard(tensor=to_proto(torch.zeros(2, 2))), "uncompressed float32 vector"),
+        (shard(tensor=to_proto(torch.zeros(4, dtype=torch.int32))), "uncompressed float32 vector"),
+        (shard(start=7), "elements [7, 11) are outside this stage's 10"),
+        (shard(start=-1), "elements [-1, 3)"),
+        (shard(step=-1), "step and epoch must be >= 0"),
+    ],
+)
+def test_a_shard_that_does_not_fit_the_stage_is_refused_before_torch_sees_it(
+    request_: replica_pb2.PushShardRequest, words: str
+) -> None:
+    with pytest.raises(RpcFailure) as info:
+        exchange_of(0).accept(request_)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.message
+
+
+class _Delivered:
+    """A finished PushShard future: the shard is in the receiver's mailbox."""
+
+    def result(self) -> None:
+        return None
+
+
+class _Deliver:
+    """What a sibling's ReplicaService does with a PushShard: its exchange accepts the shard."""
+
+    def __init__(self, exchange: ReplicaExchange) -> None:
+        self.exchange = exchange
+        self.PushShard = self
+
+    def future(self, request: replica_pb2.PushShardRequest, timeout: float) -> _Delivered:
+        self.exchange.accept(request)
+        return _Delivered()
+
+
+def test_every_replica_ends_with_the_same_bits_the_ascending_sum_of_every_partial(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(replicas, "MAX_SHARD_BYTES", 64)  # (shard_bounds reads exchange's own)
+    monkeypatch.setattr("arceus.swarm.exchange.MAX_SHARD_BYTES", 64)  # 16 floats a shard: several per chunk
+    members, total = (1, 4, 6), 101
+    generator = torch.Generator().manual_seed(0)
+    # Values of very different magnitudes: floating-point addition in another order would give other bits.
+    partials = {k: torch.randn(total, generator=generator) * 10.0 ** torch.randint(-6, 6, (total,)) for k in members}
+    exchanges = {k: exchange_of(k, total) for k in members}
+    results: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def run(k: int) -> None:
+        try:
+            results[k] = exchanges[k].exchange(
+                partials[k], step=1, epoch=0, members=members, stub=lambda to: _Deliver(exchanges[to]),
+                deadline=time.monotonic() + 30, abort=threading.Event(),
+            )
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in members]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert not errors, errors
+    expected = partials[1].clone().add_(partials[4]).add_(partials[6])
+    for k in members:
+        assert torch.equal(results[k], expected), k
