@@ -1,0 +1,52 @@
+"""The driver's book of replicated stages (arceus/training/replicas.py): routes follow the replicas' measured
+speeds step by step, and what RunStep tells a replica names its siblings and neighbours only."""
+
+from __future__ import annotations
+
+import json
+
+from arceus.swarm.routing import Routes
+from arceus.training.plan import StageEndpoint
+from arceus.training.replicas import ReplicaRoster
+from arceus.wire.tls import new_identity
+
+CERTIFICATE = new_identity().certificate
+
+
+def roster(replicas: list[int]) -> ReplicaRoster:
+    return ReplicaRoster(
+        [
+            StageEndpoint(index=i, address=f"10.0.0.{i}:{7000 + r}", node_id=f"n{i}-{r}", layer_start=i,
+                          layer_end=i + 1, certificate=CERTIFICATE, replica=r)
+            for i, count in enumerate(replicas)
+            for r in range(count)
+        ],
+        len(replicas),
+    )
+
+
+def test_a_new_job_shares_micro_batches_evenly_and_a_measured_slow_replica_sheds_them() -> None:
+    book = roster([2, 1, 3])
+    assert book.members() == [(0, 1), (0,), (0, 1, 2)]
+    first = book.routes(12)
+    assert [len(first.micro_batches_of(2, k)) for k in (0, 1, 2)] == [4, 4, 4]
+    # Stage 2's replica 1 ran its 4 micro-batches of 8 samples 3 times slower than its siblings.
+    book.measured([((2, 0), 32, 1.0), ((2, 1), 32, 3.0), ((2, 2), 32, 1.0), ((0, 0), 48, 1.0), ((0, 1), 48, 1.0)])
+    later = book.routes(12)
+    shares = [len(later.micro_batches_of(2, k)) for k in (0, 1, 2)]
+    assert shares[1] < 4 < shares[0] and shares[0] == shares[2] and sum(shares) == 12
+    assert [len(later.micro_batches_of(0, k)) for k in (0, 1)] == [6, 6]
+    # A replica measured nothing this step (no samples, or no time) keeps its speed.
+    speeds = dict(book.speeds)
+    book.measured([((2, 1), 0, 1.0), ((2, 0), 8, 0.0)])
+    assert book.speeds == speeds
+
+
+def test_runstep_names_the_routes_the_epoch_and_the_replicas_of_the_stage_and_its_neighbours() -> None:
+    book = roster([2, 1, 3])
+    routes = book.routes(4)
+    step = book.replica_step(0, routes)
+    assert Routes.from_json(json.loads(step.routes_json)) == routes and step.epoch == 0
+    assert [(p.stage_index, p.replica) for p in step.peers] == [(0, 0), (0, 1), (1, 0)]
+    assert all(p.certificate == CERTIFICATE for p in step.peers)
+    assert [(p.stage_index, p.replica) for p in book.replica_step(2, routes).peers] == [(1, 0), (2, 0), (2, 1), (2, 2)]
