@@ -41,9 +41,10 @@ CHECKS = [
     content_type_conformance,
     response_schema_conformance,
 ]
-# Per operation and generation mode (valid, invalid): enough for every operation to answer, the seeded objects to be
-# reached and each refusal path to be tried; about 700 requests as a tenant, 300 as a node.
-EXAMPLES_PER_MODE = 15
+# Per operation and generation mode (valid, invalid). A tenant's many operations: enough for each to answer and the
+# seeded objects to be reached (about 700 requests). The node's few operations keep more.
+TENANT_EXAMPLES = 15
+NODE_EXAMPLES = 40
 UNTHROTTLED = dict.fromkeys(("login", "register", "estimate", "sample", "model", "node_create"), "1000000/min")
 # Rotating the caller's token retires the credentials every later request is made with: fuzzed last.
 RETIRES_CALLER = "POST /api/auth/token/rotate/"
@@ -93,7 +94,7 @@ def schema(world: World, monkeypatch: pytest.MonkeyPatch) -> Iterator[schemathes
         yield schemathesis.openapi.from_wsgi("/api/schema?format=json", get_wsgi_application())
 
 
-def fuzz(schema: schemathesis.BaseSchema, *, security: str, authorization: str, world: World) -> Tally:
+def fuzz(schema: schemathesis.BaseSchema, *, security: str, authorization: str, world: World, examples: int) -> Tally:
     tally = Tally()
     operations = [result.ok() for result in schema.get_all_operations()]
     operations.sort(key=lambda o: o.label == RETIRES_CALLER)
@@ -110,7 +111,7 @@ def fuzz(schema: schemathesis.BaseSchema, *, security: str, authorization: str, 
                     generation_mode=mode, path_parameters={name: world.path_values[name] for name in names}
                 ))
             try:
-                run_cases(st.one_of(strategies), authorization=authorization, tally=tally)
+                run_cases(st.one_of(strategies), authorization=authorization, tally=tally, examples=examples)
             except Unsatisfiable:  # nothing to make invalid: an operation without parameters, or whose only
                 # input besides its path (the world's, or a free string) is a body of bytes, which any bytes are
                 assert mode is schemathesis.GenerationMode.NEGATIVE and all(
@@ -119,9 +120,9 @@ def fuzz(schema: schemathesis.BaseSchema, *, security: str, authorization: str, 
     return tally
 
 
-def run_cases(strategy: st.SearchStrategy, *, authorization: str, tally: Tally) -> None:
+def run_cases(strategy: st.SearchStrategy, *, authorization: str, tally: Tally, examples: int) -> None:
     @settings(
-        max_examples=EXAMPLES_PER_MODE, derandomize=True, deadline=None, database=None,
+        max_examples=examples, derandomize=True, deadline=None, database=None,
         suppress_health_check=list(HealthCheck),
     )
     @given(case=strategy)
@@ -138,7 +139,8 @@ def run_cases(strategy: st.SearchStrategy, *, authorization: str, tally: Tally) 
 
 
 def test_the_api_as_a_tenant(schema: schemathesis.BaseSchema, world: World) -> None:
-    tally = fuzz(schema, security="tokenAuth", authorization=f"Token {world.tenant_token}", world=world)
+    tally = fuzz(schema, security="tokenAuth", authorization=f"Token {world.tenant_token}", world=world,
+                 examples=TENANT_EXAMPLES)
     assert not tally.failures, "\n".join(tally.failures)
     assert tally.requests >= 600
     assert {label for label, _ in tally.statuses} == tally.operations  # every operation answered
@@ -150,7 +152,8 @@ def test_the_api_as_a_tenant(schema: schemathesis.BaseSchema, world: World) -> N
 
 
 def test_the_api_as_a_node(schema: schemathesis.BaseSchema, world: World) -> None:
-    tally = fuzz(schema, security="nodeToken", authorization=f"Node {world.node_token}", world=world)
+    tally = fuzz(schema, security="nodeToken", authorization=f"Node {world.node_token}", world=world,
+                 examples=NODE_EXAMPLES)
     assert not tally.failures, "\n".join(tally.failures)
     assert tally.requests >= 250
     assert {label for label, _ in tally.statuses} == tally.operations
