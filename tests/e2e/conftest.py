@@ -37,6 +37,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
     return report
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The shared cluster starts within whichever test first asks for it, so on a loaded machine its start alone
+    could spend that test's pytest-timeout. Its start is bounded by its own timeouts (devtools.cluster); a test
+    using it keeps its timeout (the suite's, or its own marker's) for the test function alone. The merged marker
+    goes first: pytest-timeout reads only the closest one."""
+    for item in items:
+        if "cluster" in getattr(item, "fixturenames", ()):
+            marker = item.get_closest_marker("timeout")
+            args, kwargs = (marker.args, marker.kwargs) if marker else ((), {})
+            item.add_marker(pytest.mark.timeout(*args, **{**kwargs, "func_only": True}), append=False)
+
+
 def connect(database: str) -> psycopg.Connection:
     """An autocommit connection to `database` on the server the test settings point at."""
     db = settings.DATABASES["default"]
