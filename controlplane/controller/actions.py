@@ -83,6 +83,7 @@ class RewindJob:
     count_restart: bool
     reason: str
     message: str
+    culprits: tuple[str, ...] = ()  # the nodes that caused it: they lose their credit for the steps replayed
 
 
 @dataclass(frozen=True)
@@ -90,6 +91,27 @@ class FailJob:
     job_id: str
     generation: int
     reason: str
+    message: str
+    culprits: tuple[str, ...] = ()  # nodes that caused it: they lose their credit for the steps since the checkpoint
+
+
+@dataclass(frozen=True)
+class SucceedJob:
+    """The driver trained the job to the end: it succeeds and its nodes are released."""
+
+    job_id: str
+    generation: int
+    summary: str
+
+
+@dataclass(frozen=True)
+class RollBackJob:
+    """Spot checks caught `node_ids` wrong: rewind to the newest checkpoint their passed checks vouch for, deleting
+    the later ones, and move their stages off them (`controlplane/controller/rollback.py`)."""
+
+    job_id: str
+    generation: int
+    node_ids: tuple[str, ...]
     message: str
 
 
@@ -117,6 +139,6 @@ class StopServing:
 
 Action = (
     MarkNodeUnknown | PlaceJob | SetCondition | StartDriver | RequeueJob | RequestHandover | RewindJob | FailJob
-    | ServeJob | StopServing
+    | SucceedJob | RollBackJob | ServeJob | StopServing
 )
 

@@ -30,11 +30,14 @@ from controlplane.controller.actions import (
     RequestHandover,
     RequeueJob,
     RewindJob,
+    RollBackJob,
     ServeJob,
     SetCondition,
     StartDriver,
     StopServing,
+    SucceedJob,
 )
+from controlplane.controller.rollback import job_roll_back
 from controlplane.controller.rules import plan
 from controlplane.controller.snapshot import load_snapshot
 from controlplane.controller.transitions import (
@@ -45,6 +48,7 @@ from controlplane.controller.transitions import (
     job_run,
     job_serve_place,
     job_serve_release,
+    job_succeed,
 )
 from controlplane.jobs.models import Job
 from controlplane.monitoring import metrics
@@ -112,7 +116,7 @@ def _reassigns(action: Action) -> bool:
     fewer stages (often none: the quiet heartbeat answers those itself)."""
     if isinstance(action, StartDriver):
         return action.status == JobStatus.PLACING  # a driver restarted changes nothing its agents hold
-    return isinstance(action, PlaceJob | RewindJob | ServeJob)
+    return isinstance(action, PlaceJob | RewindJob | RollBackJob | ServeJob)
 
 
 @transaction.atomic
@@ -171,6 +175,7 @@ def _rewind_job(action: RewindJob, now: datetime) -> bool:
         generation=action.generation,
         moves={(index, rank): node for index, rank, node in action.moves},
         count_restart=action.count_restart,
+        culprits=action.culprits,
         reason=action.reason,
         message=action.message,
         now=now,
@@ -183,7 +188,18 @@ def _fail_job(action: FailJob, now: datetime) -> bool:
         generation=action.generation,
         reason=action.reason,
         message=action.message,
+        culprits=action.culprits,
         now=now,
+    )
+
+
+def _succeed_job(action: SucceedJob, now: datetime) -> bool:
+    return job_succeed(job_id=action.job_id, generation=action.generation, summary=action.summary, now=now)
+
+
+def _roll_back_job(action: RollBackJob, now: datetime) -> bool:
+    return job_roll_back(
+        job_id=action.job_id, generation=action.generation, node_ids=action.node_ids, message=action.message, now=now
     )
 
 
@@ -195,6 +211,8 @@ _APPLY: dict[type, Callable[[Any, datetime], bool]] = {
     RequestHandover: _request_handover,
     RewindJob: _rewind_job,
     FailJob: _fail_job,
+    SucceedJob: _succeed_job,
+    RollBackJob: _roll_back_job,
     ServeJob: job_serve_place,
     StopServing: job_serve_release,
 }

@@ -70,6 +70,16 @@ def job_driver_interrupted(*, job_id: Any, owner: str, message: str, now: dateti
     return True
 
 
+def job_driver_distrust(*, job_id: Any, owner: str, now: datetime) -> bool:
+    """A spot check caught a node of the job wrong: the driver's lease ends at once (its owner too), so the driver
+    stops at its next write and saves no checkpoint over the caught work; the reconciler rolls the job back from
+    the failed checks. False without the lease."""
+    ended = held(job_id, owner).update(driver_lease_owner="", driver_lease_expires_at=now)
+    if ended:
+        reconcile_soon()
+    return bool(ended)
+
+
 def held(job_id: Any, lease_owner: str) -> QuerySet[Job]:
     """The job, while `lease_owner` holds its driver lease (and it runs)."""
     return Job.objects.filter(pk=job_id, status=JobStatus.RUNNING, driver_lease_owner=lease_owner)

@@ -5,6 +5,9 @@ Each action names the generation (and status) it was decided on; the executor ap
 row still has them, so two passes planning from the same snapshot can never both win.
 
 Rules, in order:
+0. facts that services recorded at an active job's generation (`_recorded_facts`): failed spot checks →
+   RollBackJob; the driver's outcome → SucceedJob or FailJob; a node whose agent restarted while hosting a stage →
+   RewindJob counted as a restart (FailJob once the restarts run out);
 1. a registered node whose lease expired (no heartbeat for longer than its duration) → MarkNodeUnknown;
 2. a queued job → PlaceJob on free Ready nodes that meet its requirements (one stage per node, one
    active job per node), devices and cut points chosen by `arceus.placement.solver.solve` (fastest
@@ -63,10 +66,12 @@ from controlplane.controller.actions import (
     RequestHandover,
     RequeueJob,
     RewindJob,
+    RollBackJob,
     ServeJob,
     SetCondition,
     StartDriver,
     StopServing,
+    SucceedJob,
 )
 from controlplane.controller.views import Desired, JobView, NodeView, Observed, PlacedStage, StageReport, stage_bounds
 
@@ -115,16 +120,7 @@ def plan(
             if isinstance(action, PlaceJob):
                 taken = {s.node_id for s in action.stages}
         elif job.status in ACTIVE_STATUSES:
-            lost = [s for s in job.stages if _is_lost(s, nodes, job, now)]
-            draining = [s for s in job.stages if s not in lost and nodes[s.node_id].paused]
-            if draining and not lost and job.status == RUNNING and _driver_live(job, now):
-                action = None if job.handover_requested else _request_handover(job, draining, nodes, now)
-            elif lost or draining or not job.stages:
-                action = _replace_lost(job, lost + draining, nodes, free, now)
-            elif job.status == PLACING:
-                action = _check_stages(job, observed, nodes, free, now)
-            elif job.status == RUNNING:
-                action = _check_driver(job, now)
+            action = _recorded_facts(job, nodes) or _supervise(job, observed, nodes, free, now)
             if isinstance(action, RewindJob):
                 taken = {node for _, _, node in action.moves}
         elif job.status == SUCCEEDED:
@@ -135,6 +131,63 @@ def plan(
             actions.append(action)
             free = [n for n in free if n.id not in taken]
     return actions
+
+
+def _supervise(
+    job: JobView, observed: Observed, nodes: Mapping[str, NodeView], free: list[NodeView], now: datetime
+) -> Action | None:
+    """A placed job's stages and driver watched: lost or draining nodes, stages building, the driver's lease."""
+    lost = [s for s in job.stages if _is_lost(s, nodes, job, now)]
+    draining = [s for s in job.stages if s not in lost and nodes[s.node_id].paused]
+    if draining and not lost and job.status == RUNNING and _driver_live(job, now):
+        return None if job.handover_requested else _request_handover(job, draining, nodes, now)
+    if lost or draining or not job.stages:
+        return _replace_lost(job, lost + draining, nodes, free, now)
+    if job.status == PLACING:
+        return _check_stages(job, observed, nodes, free, now)
+    if job.status == RUNNING:
+        return _check_driver(job, now)
+    return None
+
+
+def _recorded_facts(job: JobView, nodes: Mapping[str, NodeView]) -> Action | None:
+    """What the facts recorded at the job's generation decide, in order: spot checks that caught a node wrong
+    roll the job back past its work; the driver's last word ends the job; a node whose agent restarted while
+    hosting a stage rewinds it. Each action starts a new generation (or ends the job), so the same facts decide
+    nothing again at the next pass."""
+    caught = [c for c in job.failed_checks if c.generation == job.generation]
+    if caught:
+        first: dict[str, str] = {}
+        for c in caught:
+            first.setdefault(c.node_id, f"{c.node_name or c.node_id} failed a spot check ({c.detail})")
+        return RollBackJob(job.id, job.generation, tuple(sorted(first)), "; ".join(first.values()))
+    outcome = job.driver_outcome
+    if job.status == RUNNING and outcome is not None and outcome.generation == job.generation:
+        if outcome.status == SUCCEEDED:
+            return SucceedJob(job.id, job.generation, outcome.message)
+        return FailJob(job.id, job.generation, outcome.reason, outcome.message)
+    return _restarted(job, nodes)
+
+
+def _restarted(job: JobView, nodes: Mapping[str, NodeView]) -> Action | None:
+    """A stage whose node's agent came back as a fresh process lost its state: the job rewinds to its last
+    checkpoint as a restart (failing once its restarts without a checkpoint run out), the node losing its credit
+    for the replayed steps; a stage on a node that may not work (flagged for restarting too often) is unplaced."""
+    restarted = [s for s in job.stages if s.restarted_generation == job.generation and s.node_id is not None]
+    if not restarted:
+        return None
+    message = "; ".join(
+        f"node {nodes[s.node_id].name if s.node_id in nodes else ''} ({s.node_id}) restarted while hosting stage "
+        f"{s.index}"
+        for s in restarted
+    )
+    culprits = tuple(sorted({s.node_id for s in restarted if s.node_id is not None}))
+    if job.restarts >= job.max_restarts:
+        message += f"; the job was restarted {job.restarts} times without saving a checkpoint in between"
+        return FailJob(job.id, job.generation, "BackoffLimitExceeded", message, culprits)
+    unplace = tuple(sorted((s.index, s.rank, None) for s in restarted if s.node_id not in nodes
+                           or nodes[s.node_id].paused))
+    return RewindJob(job.id, job.generation, PLACING, unplace, True, "NodeRestarted", message, culprits)
 
 
 def _is_lost(stage: PlacedStage, nodes: Mapping[str, NodeView], job: JobView, now: datetime) -> bool:

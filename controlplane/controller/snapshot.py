@@ -18,7 +18,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import connection
-from django.db.models import Q, QuerySet
+from django.db.models import F, Q, QuerySet
 from django.utils import timezone
 
 from arceus.contracts.status import ACTIVE_STATUSES, JobStatus
@@ -28,8 +28,18 @@ from arceus.placement.profiles import layer_profiles
 from arceus.placement.solver import LayerProfile
 from controlplane.common.db import consistent_snapshot, row_versions_reliable
 from controlplane.controller.placement import requirements, tensor_parallel_split, workload
-from controlplane.controller.views import Desired, JobView, NodeView, Observed, PlacedStage, StageReport
+from controlplane.controller.views import (
+    Desired,
+    DriverOutcome,
+    FailedCheck,
+    JobView,
+    NodeView,
+    Observed,
+    PlacedStage,
+    StageReport,
+)
 from controlplane.jobs.models import Checkpoint, Job, Stage, StageCheckpoint
+from controlplane.market.models import SpotCheck
 from controlplane.market.pricing import device_class
 from controlplane.market.services import price_in_force
 from controlplane.nodes.availability import in_windows, unavailable_reason
@@ -218,11 +228,12 @@ def _snapshot_jobs() -> QuerySet[Job]:
 JOB_FIELDS = (
     "id", "status", "generation", "stages_requested", "model_config", "dataset_config", "micro_batches", "schedule",
     "requirements", "conditions", "driver_lease_expires_at", "driver_lease_owner", "node_grace_seconds", "restarts",
-    "handover_requested", "tensor_parallel", "serving",
+    "handover_requested", "tensor_parallel", "serving", "driver_outcome", "driver_outcome_reason",
+    "driver_outcome_message", "driver_outcome_generation",
 )
 STAGE_FIELDS = (
     "job_id", "index", "rank", "layer_start", "layer_end", "node_id", "generation", "observed_generation",
-    "observed_state", "observed_message",
+    "observed_state", "observed_message", "restarted_generation",
 )
 
 
@@ -250,14 +261,29 @@ def _job_rows(ids: list[str] | None) -> Iterable[tuple[str, tuple[JobView, Stage
     stages: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
     for row in stage_rows.order_by("job_id", "index", "rank").values_list(*STAGE_FIELDS):
         stages[str(row[0])].append(row)
+    checks = _failed_checks(jobs)
     for job in jobs.order_by("created_at", "id").values(*JOB_FIELDS):
         job_id = str(job["id"])
         rows = stages.get(job_id, [])
         reports = tuple(((job_id, r[1], r[2]), StageReport(generation=r[7], state=r[8], message=r[9])) for r in rows)
-        yield job_id, (_job_view(job, rows), reports)
+        yield job_id, (_job_view(job, rows, checks.get(job_id, ())), reports)
 
 
-def _job_view(job: dict[str, Any], stages: list[tuple[Any, ...]]) -> JobView:
+def _failed_checks(jobs: QuerySet[Job]) -> dict[str, tuple[FailedCheck, ...]]:
+    """The jobs' spot checks that failed at their current generation, oldest first. Recording one also ends the
+    driver's lease (`job_driver_distrust`), a write to the job's row, so a kept job is read again with them."""
+    failed = SpotCheck.objects.filter(
+        job__in=jobs.filter(status__in=ACTIVE_STATUSES), passed=False, generation=F("job__generation")
+    )
+    checks: dict[str, list[FailedCheck]] = defaultdict(list)
+    for job_id, generation, node_id, name, detail in failed.order_by("created_at", "id").values_list(
+        "job_id", "generation", "node_id", "node__name", "detail"
+    ):
+        checks[str(job_id)].append(FailedCheck(generation, str(node_id), name, detail))
+    return {job_id: tuple(rows) for job_id, rows in checks.items()}
+
+
+def _job_view(job: dict[str, Any], stages: list[tuple[Any, ...]], failed_checks: tuple[FailedCheck, ...]) -> JobView:
     layers, spec_error = job_layers(json.dumps(job["model_config"], sort_keys=True))
     return JobView(
         id=str(job["id"]),
@@ -270,9 +296,9 @@ def _job_view(job: dict[str, Any], stages: list[tuple[Any, ...]]) -> JobView:
         stages=tuple(
             PlacedStage(
                 index=index, layer_start=start, layer_end=end, node_id=str(node_id) if node_id else None,
-                generation=generation, rank=rank,
+                generation=generation, rank=rank, restarted_generation=restarted,
             )
-            for _, index, rank, start, end, node_id, generation, *_ in stages
+            for _, index, rank, start, end, node_id, generation, *_, restarted in stages
         ),
         conditions=tuple(job["conditions"]),
         driver_lease_expires_at=job["driver_lease_expires_at"],
@@ -286,6 +312,11 @@ def _job_view(job: dict[str, Any], stages: list[tuple[Any, ...]]) -> JobView:
         serving=job["serving"],
         served_layers=_final_checkpoint_layers(job["id"]) if job["serving"] and job["status"] == JobStatus.SUCCEEDED
         else (),
+        driver_outcome=DriverOutcome(
+            job["driver_outcome_generation"], job["driver_outcome"], job["driver_outcome_reason"],
+            job["driver_outcome_message"],
+        ) if job["driver_outcome_generation"] is not None else None,
+        failed_checks=failed_checks,
     )
 
 

@@ -14,7 +14,6 @@ from typing import Any
 from django.db import transaction
 from django.db.models import F, Value
 from django.db.models.functions import Coalesce
-from django.utils import timezone
 
 from arceus.contracts.observed import ObservedState
 from arceus.contracts.status import ACTIVE_STATUSES, TERMINAL_STATUSES, JobStatus
@@ -201,30 +200,24 @@ def job_rewind(
 
 @transaction.atomic
 def job_fail(
-    *,
-    job_id: Any,
-    message: str,
-    reason: str = "DriverError",
-    generation: int | None = None,
-    lease_owner: str | None = None,
-    now: datetime | None = None,
+    *, job_id: Any, generation: int, reason: str, message: str, culprits: Collection[Any] = (), now: datetime
 ) -> bool:
     """Mark the job failed with `message`; False (and nothing written) if it already ended, or if its
-    placement changed since `generation`, or if `lease_owner` (a driver) no longer holds its lease."""
-    job = Job.objects.select_for_update().filter(pk=job_id).first()
+    placement changed since `generation`. The nodes in `culprits` caused it (a restart that used up the job's
+    restarts): its work recorded past the last checkpoint is refunded and they lose their credit for it."""
+    job = Job.objects.select_for_update().filter(pk=job_id, generation=generation).first()
     if job is None or job.status in TERMINAL_STATUSES:
         return False
-    if generation is not None and job.generation != generation:
-        return False
-    if lease_owner is not None and job.driver_lease_owner != lease_owner:
-        return False
+    if culprits:
+        newest = job.checkpoints.order_by("-step").values_list("step", flat=True).first()
+        ledger_roll_back(job_id=job.pk, after_step=newest or 0, culprits=culprits)
     job.error = message
     job_end(
         job,
         JobStatus.FAILED,
         Condition("Training", FALSE, reason, message),
         Condition("Failed", TRUE, reason, message),
-        now=now or timezone.now(),
+        now=now,
     )
     return True
 
@@ -241,8 +234,13 @@ def job_end(job: Job, status: JobStatus, *conditions: Condition, now: datetime) 
     reconcile_soon()  # the freed nodes may let a queued job in
 
 
-def job_succeed(job: Job, *, summary: str, now: datetime) -> None:
-    """Move a locked running job to succeeded and release its nodes."""
+@transaction.atomic
+def job_succeed(*, job_id: Any, generation: int, summary: str, now: datetime) -> bool:
+    """Move a running job to succeeded (its driver trained it to the end) and release its nodes; False if it moved
+    on since `generation`."""
+    job = Job.objects.select_for_update().filter(pk=job_id, generation=generation, status=JobStatus.RUNNING).first()
+    if job is None:
+        return False
     job_end(
         job,
         JobStatus.SUCCEEDED,
@@ -250,6 +248,7 @@ def job_succeed(job: Job, *, summary: str, now: datetime) -> None:
         Condition("Succeeded", TRUE, "Completed", summary),
         now=now,
     )
+    return True
 
 
 @transaction.atomic

@@ -92,6 +92,28 @@ class PlacedStage:
     node_id: str | None
     generation: int
     rank: int = 0
+    restarted_generation: int | None = None  # its node's agent came back as a fresh process at this generation
+
+
+@dataclass(frozen=True)
+class DriverOutcome:
+    """The driver's last word, recorded at `generation`: it trained to the end (`status` succeeded, `message` its
+    summary) or cannot train the job (`status` failed, with a reason)."""
+
+    generation: int
+    status: str
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class FailedCheck:
+    """A spot check of the job's driver, at `generation`, that caught node `node_id` wrong."""
+
+    generation: int
+    node_id: str
+    node_name: str
+    detail: str
 
 
 @dataclass(frozen=True)
@@ -116,6 +138,8 @@ class JobView:
     serving: bool = False  # a succeeded job its owner asked to serve
     # A succeeded job's final checkpoint, stage by stage: (index, layer_start, layer_end); what serving places.
     served_layers: tuple[tuple[int, int, int], ...] = ()
+    driver_outcome: DriverOutcome | None = None
+    failed_checks: tuple[FailedCheck, ...] = ()  # oldest first
 
 
 @dataclass(frozen=True)

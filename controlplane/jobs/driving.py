@@ -28,11 +28,10 @@ from arceus.training import DriverError, TrainPlan, train
 from controlplane.common.db import reconnecting
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.leases import job_driver_claim, job_driver_interrupted, job_driver_renew
-from controlplane.controller.transitions import job_fail
 from controlplane.datasets.selectors import dataset_open
 from controlplane.jobs.credentials import job_driver_token
 from controlplane.jobs.models import Job
-from controlplane.jobs.progress import job_finish
+from controlplane.jobs.progress import job_finish, job_record_failure
 from controlplane.jobs.selectors import job_stage_endpoints
 from controlplane.jobs.sink import DbProgressSink
 from controlplane.monitoring import metrics
@@ -59,8 +58,10 @@ def job_drive(*, job_id: str) -> str:
     except SpecError as exc:
         metrics.DRIVER_FAILURES.labels(reason="invalid").inc()
         message = str(exc)
-        if _recorded(lambda: job_fail(job_id=job.id, message=message, generation=job.generation, lease_owner=owner),
-                     f"job {job_id}: recording its failure"):
+        if _recorded(
+            lambda: job_record_failure(job_id=job.id, lease_owner=owner, reason="DriverError", message=message),
+            f"job {job_id}: recording its failure",
+        ):
             log.warning("job %s failed: %s", job_id, exc)
             return "failed"
         return "stopped"
@@ -81,12 +82,8 @@ def job_drive(*, job_id: str) -> str:
         metrics.DRIVER_FAILURES.labels(reason="crashed").inc()
         log.exception("job %s: the driver crashed", job_id)
         message = f"driver crashed: {exc!r}"
-        _recorded(lambda: job_fail(
-            job_id=job.id,
-            message=message,
-            reason="DriverCrashed",
-            generation=job.generation,
-            lease_owner=owner,
+        _recorded(lambda: job_record_failure(
+            job_id=job.id, lease_owner=owner, reason="DriverCrashed", message=message
         ), f"job {job_id}: recording its failure")
         return "failed"
     sink.flush()

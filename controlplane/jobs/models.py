@@ -121,6 +121,13 @@ class Job(BaseModel):
     serving = models.BooleanField(
         default=False, help_text="Serve the succeeded job for sampling (its stages placed for inference)."
     )
+    # The driver's last word on the job (facts the reconciler's rules act on while `driver_outcome_generation` is
+    # the job's generation): it trained to the end ("succeeded", with a summary) or cannot train it ("failed": the
+    # reason and message). controlplane/jobs/progress.py records it under the driver lease.
+    driver_outcome = models.CharField(max_length=16, blank=True)
+    driver_outcome_reason = models.CharField(max_length=64, blank=True)
+    driver_outcome_message = models.TextField(blank=True)
+    driver_outcome_generation = models.BigIntegerField(null=True, blank=True)
     # Bumped on every placement change. Agents, stages and the driver carry it; every reconciler
     # write checks it (optimistic concurrency), so a decision made on an old view is never applied.
     generation = models.BigIntegerField(default=0)
@@ -169,6 +176,9 @@ class Stage(BaseModel):
         max_length=8, choices=enum_choices(ObservedState), default=ObservedState.PENDING
     )
     observed_message = models.TextField(blank=True)
+    # The generation at which its node's agent registered again as a fresh process while hosting it (the stage's
+    # state was lost): a fact the reconciler's rules act on while it is the stage's generation.
+    restarted_generation = models.BigIntegerField(null=True, blank=True)
     samples = models.BigIntegerField(default=0)
     micro_batches = models.BigIntegerField(default=0)
     compute_seconds = models.FloatField(default=0.0)

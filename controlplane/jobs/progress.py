@@ -17,12 +17,13 @@ from typing import Any
 from django.db import transaction
 
 from arceus.contracts.counters import StageCounters
+from arceus.contracts.status import JobStatus
 from arceus.errors import SpecError
 from arceus.model.registry import model_spec_from_config
 from arceus.training.plan import StageTiming
+from controlplane.common.dispatch import reconcile_soon
 from controlplane.controller.leases import held, renewed
-from controlplane.controller.transitions import job_succeed
-from controlplane.jobs.models import EpochMetric, LossPoint, Stage, StageContribution
+from controlplane.jobs.models import EpochMetric, Job, LossPoint, Stage, StageContribution
 from controlplane.market.services import ledger_record_work
 
 # The work a stage's agent counts, as stage rows, contributions and ledger entries store it.
@@ -142,16 +143,40 @@ def job_finish(
     stages: Sequence[StageCounters],
     now: datetime,
 ) -> bool:
-    """Mark the job succeeded and release its nodes; False if the caller no longer holds the lease."""
+    """Record the end of training (final metrics and counters) and that the driver trained the job to the end,
+    from which the reconciler marks it succeeded and releases its nodes; False if the caller no longer holds the
+    lease."""
     job = held(job_id, lease_owner).select_for_update().first()
     if job is None:
         return False
     accuracy = _finite(val_accuracy)
     summary = f"trained {job.step} steps" + (f", val accuracy {accuracy:.4f}" if accuracy is not None else "")
     job.final_loss, job.val_loss, job.val_accuracy = _finite(final_loss), _finite(val_loss), accuracy
+    job.save(update_fields=["final_loss", "val_loss", "val_accuracy"])
     _record_counters(job_id, stages)
-    job_succeed(job, summary=summary, now=now)
+    _record_outcome(job, JobStatus.SUCCEEDED, "Completed", summary)
     return True
+
+
+@transaction.atomic
+def job_record_failure(*, job_id: Any, lease_owner: str, reason: str, message: str) -> bool:
+    """Record that the driver cannot train the job (an invalid spec, a crash of its own), from which the
+    reconciler fails it; False if the caller no longer holds the lease."""
+    job = held(job_id, lease_owner).select_for_update().first()
+    if job is None:
+        return False
+    _record_outcome(job, JobStatus.FAILED, reason, message)
+    return True
+
+
+def _record_outcome(job: Job, status: JobStatus, reason: str, message: str) -> None:
+    """The driver's last word on the locked job, at its generation: a fact for the reconciler's rules."""
+    job.driver_outcome, job.driver_outcome_reason, job.driver_outcome_message = status, reason, message
+    job.driver_outcome_generation = job.generation
+    job.save(update_fields=[
+        "driver_outcome", "driver_outcome_reason", "driver_outcome_message", "driver_outcome_generation"
+    ])
+    reconcile_soon()
 
 
 def _record_counters(job_id: Any, stages: Sequence[StageCounters]) -> None:

@@ -117,18 +117,26 @@ VERSION_COLUMNS = "s.id, s.generation, j.generation, j.status, j.resume_checkpoi
 
 
 def version_rows_join(node_column: str) -> str:
-    """`(stages s JOIN jobs j) ON s.node_id = <node_column>`: the hosted stage rows (`hosted_jobs`). The statuses
-    are written in (our own constants), so the only parameter is the node's."""
+    """`(stages s JOIN jobs j) ON s.node_id = <node_column>`: the hosted stage rows (`hosted_jobs`, `withheld`). The
+    statuses are written in (our own constants), so the only parameter is the node's."""
     assert all(status.isidentifier() for status in HOSTED_STATUSES)  # noqa: S101 (safe to write into SQL)
     statuses = ", ".join(f"'{status}'" for status in HOSTED_STATUSES)
     hosted = f"(j.status IN ({statuses}) OR (j.status = '{JobStatus.SUCCEEDED}' AND j.serving))"
     return (f"({Stage._meta.db_table} s JOIN {Job._meta.db_table} j ON j.id = s.job_id AND {hosted}) "
-            f"ON s.node_id = {node_column} AND s.active")
+            f"ON s.node_id = {node_column} AND s.active "
+            "AND (s.restarted_generation IS NULL OR s.restarted_generation <> s.generation)")
 
 
 def hosted_jobs() -> Q:
     """The jobs whose active stages agents host: placing or running ones, and succeeded ones being served."""
     return Q(job__status__in=HOSTED_STATUSES) | Q(job__status=JobStatus.SUCCEEDED, job__serving=True)
+
+
+def withheld() -> Q:
+    """Stages whose node's agent restarted at their generation: not sent to it until the reconciler rewinds the job
+    (a new generation), or the fresh process would rebuild a stage the others trained past, under credentials
+    the driver still accepts."""
+    return Q(restarted_generation=F("generation"))
 
 
 def version_order() -> str:
@@ -178,6 +186,7 @@ def assignments_for_nodes(*, nodes: Sequence[Node]) -> dict[uuid.UUID, list[dict
     by_node: dict[uuid.UUID, list[dict[str, Any]]] = {node.pk: [] for node in nodes}
     hosted = list(
         Stage.objects.filter(hosted_jobs(), node__in=list(by_node), active=True)
+        .exclude(withheld())
         .select_related("job")
         .order_by("job__created_at", "index")
     )

@@ -16,8 +16,7 @@ from django.db import transaction
 from arceus.contracts.spot_check import SpotCheckResult
 from arceus.verify.receipts import RECEIVED, SENT, ReceiptError, ReceiptFields, verify_receipt
 from controlplane.common.errors import ApplicationError
-from controlplane.controller.leases import held
-from controlplane.controller.rollback import job_roll_back
+from controlplane.controller.leases import held, job_driver_distrust
 from controlplane.jobs.models import Job, Stage
 from controlplane.market.models import SpotCheck
 from controlplane.market.services import ledger_withhold
@@ -29,10 +28,10 @@ from controlplane.nodes.services import node_flag
 def spot_checks_record(
     *, job_id: Any, lease_owner: str, generation: int, checks: Sequence[SpotCheckResult], now: datetime
 ) -> list[SpotCheck]:
-    """Store the checks of the driver holding the job's lease; each failed one flags its node, withholds
-    that node's credit for the job and rolls the job back to before its unchecked work
-    (`job_roll_back`), which ends this driver's lease. ApplicationError, with nothing stored, if the caller lost
-    the lease or a receipt does not verify against the receiving node's key."""
+    """Store the checks of the driver holding the job's lease; each failed one flags its node and withholds
+    that node's credit for the job, and ends this driver's lease (`job_driver_distrust`): the failed checks are the
+    facts from which the reconciler rolls the job back to before the caught work. ApplicationError, with nothing
+    stored, if the caller lost the lease or a receipt does not verify against the receiving node's key."""
     job = held(job_id, lease_owner).filter(generation=generation).first()
     if job is None:
         raise ApplicationError.conflict(
@@ -68,17 +67,13 @@ def spot_checks_record(
             )
         )
     SpotCheck.objects.bulk_create(rows)
-    caught: dict[str, str] = {}
-    for c in checks:
-        if not c.passed:
-            node_flag(node=nodes[c.node_id], reason=f"job {job.id}: stage {c.stage_index}: {c.detail}", now=now)
-            ledger_withhold(job_id=job.id, node=nodes[c.node_id])
-            caught.setdefault(c.node_id, f"{nodes[c.node_id].name or c.node_id} failed a spot check ({c.detail})")
-    if caught:
-        # Its perturbed activations already went into every stage's weights: rewind to before them.
-        job_roll_back(
-            job_id=job.id, generation=generation, node_ids=sorted(caught), message="; ".join(caught.values()), now=now
-        )
+    failed = [c for c in checks if not c.passed]
+    for c in failed:
+        node_flag(node=nodes[c.node_id], reason=f"job {job.id}: stage {c.stage_index}: {c.detail}", now=now)
+        ledger_withhold(job_id=job.id, node=nodes[c.node_id])
+    if failed:
+        # Its perturbed activations already went into every stage's weights: no more steps or checkpoints on them.
+        job_driver_distrust(job_id=job.id, owner=lease_owner, now=now)
     return rows
 
 

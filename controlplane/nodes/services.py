@@ -11,18 +11,18 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
+from django.db.models import F
 
 from arceus.contracts.credentials import token_digest
 from arceus.contracts.observed import ObservedStage
+from arceus.contracts.status import ACTIVE_STATUSES
 from controlplane.common.conditions import TRUE
 from controlplane.common.dispatch import reconcile_soon
 from controlplane.common.errors import ApplicationError
-from controlplane.controller.transitions import job_fail, job_rewind
 from controlplane.jobs.models import Stage
 from controlplane.jobs.selectors import assignments_for_node
 from controlplane.jobs.selectors import assignments_version as assignments_version_of
 from controlplane.jobs.stages import stages_record_observed
-from controlplane.market.services import ledger_roll_back
 from controlplane.monitoring import metrics
 from controlplane.nodes.links import node_links_record
 from controlplane.nodes.liveness import lease_renew
@@ -185,13 +185,12 @@ def nodes_mark_ready(*, node_ids: Sequence[object], now: datetime) -> int:
 
 
 def _node_restarted(*, node: Node, stage: Stage, now: datetime) -> None:
-    """The node's agent came back as a fresh process while hosting `stage`. Its job rewinds to its last
-    checkpoint (a new generation, so the agent rebuilds the stage from desired state and its neighbours
-    reload theirs), which counts as a restart of the job: the job fails once its restarts without a checkpoint
-    run out. The node is not paid for the lost steps (`ledger_roll_back`). And an agent that restarts again
-    and again, across jobs (to make them replay steps), is flagged once it restarted more than
-    ARCEUS_NODE_MAX_RESTARTS times within ARCEUS_NODE_RESTART_WINDOW_SECONDS; its stage then moves away.
-    A restart of an idle node costs nobody anything and is not counted."""
+    """The node's agent came back as a fresh process while hosting `stage`: recorded on the stage
+    (`restarted_generation`), from which the reconciler rewinds its job to its last checkpoint as a restart, the
+    node losing its credit for the lost steps. And an agent that restarts again and again, across jobs (to make
+    them replay steps), is flagged once it restarted more than ARCEUS_NODE_MAX_RESTARTS times within
+    ARCEUS_NODE_RESTART_WINDOW_SECONDS; its stage then moves away. A restart of an idle node costs nobody anything
+    and is not counted."""
     NodeRestart.objects.create(node=node, job=stage.job, stage_index=stage.index, restarted_at=now)
     window = settings.ARCEUS_NODE_RESTART_WINDOW_SECONDS
     since = now - timedelta(seconds=window)
@@ -205,30 +204,9 @@ def _node_restarted(*, node: Node, stage: Stage, now: datetime) -> None:
             f"(ARCEUS_NODE_MAX_RESTARTS allows {settings.ARCEUS_NODE_MAX_RESTARTS})",
             now=now,
         )
-    job = stage.job
-    restarted = f"node {node.name} ({node.id}) restarted while hosting stage {stage.index}"
-    if job.restarts >= settings.ARCEUS_JOB_MAX_RESTARTS:
-        failed = job_fail(
-            job_id=job.pk,
-            generation=job.generation,
-            reason="BackoffLimitExceeded",
-            message=f"{restarted}; the job was restarted {job.restarts} times without saving a checkpoint in between",
-            now=now,
-        )
-        if failed:
-            newest = job.checkpoints.order_by("-step").values_list("step", flat=True).first()
-            ledger_roll_back(job_id=job.pk, after_step=newest or 0, culprits=[node.pk])
-        return
-    job_rewind(
-        job_id=job.pk,
-        generation=job.generation,
-        moves={(stage.index, stage.rank): None} if node.flagged_at is not None else None,
-        count_restart=True,
-        culprits=[node.pk],
-        reason="NodeRestarted",
-        message=restarted,
-        now=now,
-    )
+    if stage.job.status in ACTIVE_STATUSES:  # a served stage is rebuilt from the same final checkpoint
+        Stage.objects.filter(pk=stage.pk).update(restarted_generation=F("generation"))
+        reconcile_soon()
 
 
 def _set_link(node: Node, link: dict[str, float], now: datetime) -> None:

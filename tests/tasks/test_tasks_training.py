@@ -54,6 +54,7 @@ def test_the_driver_trains_the_job_to_success(user, live_nodes, settings) -> Non
     settings.ARCEUS_DRIVER_LEASE_SECONDS = 1.5  # renewed from its thread every 0.5 s while it trains
     job = started_job(user, live_nodes)
     assert run_job(str(job.id)) == "succeeded"
+    reconcile_once()  # the pass the driver's last word nudged
     job.refresh_from_db()
     assert job.status == "succeeded", job.error
     steps_per_epoch = 23  # ceil(1437 digits training samples / 64)
@@ -75,6 +76,7 @@ def test_the_jobs_schedule_and_transfer_reach_the_driver_and_the_agents(user, li
     )
     assert train_plan(job).schedule == "1f1b"
     assert run_job(str(job.id)) == "succeeded"
+    reconcile_once()  # the pass the driver's last word nudged
     job.refresh_from_db()
     assert job.status == "succeeded", job.error
     losses = list(LossPoint.objects.filter(job=job).order_by("step").values_list("loss", flat=True))

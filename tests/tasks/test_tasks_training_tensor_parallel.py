@@ -105,6 +105,7 @@ def test_a_lost_rank_is_replaced_and_the_split_stage_resumes_from_its_checkpoint
     ready(job, [live for live in live_nodes if live is not lost])
 
     assert run_job(str(job.id)) == "succeeded"
+    reconcile_once()  # the pass the driver's last word nudged
     job.refresh_from_db()
     assert job.status == "succeeded", job.error
     assert job.step == job.total_steps == 66

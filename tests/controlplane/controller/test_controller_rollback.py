@@ -36,8 +36,10 @@ def check(job: Job, stage: Stage, *, train_step: int, passed: bool) -> SpotCheck
 
 
 def record(job: Job, *checks: SpotCheckResult) -> None:
+    """The driver records its checks; the reconciler's pass that they nudged follows."""
     spot_checks_record(job_id=job.id, lease_owner=DRIVER, generation=job.generation, checks=list(checks),
                        now=timezone.now())
+    reconcile_once()
 
 
 def stage(job: Job, index: int) -> Stage:

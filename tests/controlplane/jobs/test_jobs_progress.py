@@ -20,6 +20,7 @@ from controlplane.jobs.progress import (
     StepPoint,
     job_finish,
     job_record_epoch,
+    job_record_failure,
     job_record_steps,
     stage_timings_mean,
 )
@@ -103,6 +104,7 @@ def test_finish_succeeds_the_job_and_frees_its_nodes(running_job: Job) -> None:
     assert job_finish(
         job_id=running_job.id, lease_owner="a", final_loss=1.0, val_loss=0.5, val_accuracy=0.9, stages=[], now=now
     )
+    reconcile_once(now=now)  # the pass the driver's last word nudged
     job = Job.objects.get(pk=running_job.pk)
     assert (job.status, job.final_loss, job.finished_at) == ("succeeded", 1.0, now)
     assert job.driver_lease_owner == "" and job.driver_lease_expires_at is None
@@ -170,10 +172,13 @@ def test_a_long_loss_curve_is_thinned_keeping_the_newest_step(running_job: Job) 
 def test_a_driver_cannot_fail_a_job_it_no_longer_drives(running_job: Job) -> None:
     now = timezone.now()
     job_driver_claim(job_id=running_job.id, owner="a", now=now)
-    assert not job_fail(job_id=running_job.id, message="boom", lease_owner="b", now=now)
-    assert not job_fail(job_id=running_job.id, message="boom", generation=running_job.generation - 1, now=now)
+    assert not job_record_failure(job_id=running_job.id, lease_owner="b", reason="DriverError", message="boom")
+    assert not job_fail(job_id=running_job.id, generation=running_job.generation - 1, reason="DriverError",
+                        message="boom", now=now)
+    reconcile_once(now=now)
     assert Job.objects.get(pk=running_job.pk).status == "running"
-    assert job_fail(job_id=running_job.id, message="boom", lease_owner="a", generation=running_job.generation)
+    assert job_record_failure(job_id=running_job.id, lease_owner="a", reason="DriverError", message="boom")
+    reconcile_once(now=now)  # the pass the driver's last word nudged
     failed = Job.objects.get(pk=running_job.pk)
     assert (failed.status, failed.error) == ("failed", "boom")
     assert [(c["type"], c["status"], c["reason"]) for c in failed.conditions[-2:]] == [

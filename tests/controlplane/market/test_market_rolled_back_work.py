@@ -12,6 +12,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from arceus.contracts.counters import StageCounters
+from controlplane.controller.executor import reconcile_once
 from controlplane.controller.leases import job_driver_claim
 from controlplane.controller.transitions import job_rewind
 from controlplane.jobs.models import Job, Stage
@@ -59,12 +60,14 @@ def resume(job: Job, driver: str) -> Job:
 
 
 def restart(job: Job, agents: list[tuple[Node, APIClient]], *, index: int) -> Node:
-    """The agent hosting stage `index` registers again (a fresh process), through the agent API."""
+    """The agent hosting stage `index` registers again (a fresh process), through the agent API; the reconciler's
+    pass that the registration nudged follows."""
     node = Stage.objects.get(job=job, index=index).node
     [client] = [c for n, c in agents if n.pk == node.pk]
     body = {"grpc_address": node.grpc_address, "tls_certificate": identity_for(node.grpc_address).certificate,
             "capabilities": {"device_type": "cpu", "device_name": "test cpu", "memory_bytes": 2**30, "flops_fp32": 1e9}}
     assert client.post("/api/agent/register", body, format="json").status_code == 200
+    reconcile_once()
     return node
 
 

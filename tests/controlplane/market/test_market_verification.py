@@ -17,6 +17,7 @@ from arceus.contracts.spot_check import SpotCheckResult
 from arceus.contracts.status import JobStatus
 from arceus.verify.receipts import SENT, ReceiptFields, ReceiptSigner, tensor_digest
 from controlplane.common.errors import ApplicationError
+from controlplane.controller.executor import reconcile_once
 from controlplane.jobs.models import Stage
 from controlplane.market.models import LedgerEntry, SpotCheck
 from controlplane.market.services import ledger_record_work
@@ -69,6 +70,7 @@ def test_a_failed_spot_check_flags_the_node_and_withholds_its_credit(placed) -> 
 
     spot_checks_record(job_id=job.id, lease_owner="driver-1", generation=2, now=timezone.now(),
                        checks=[report(job, signer, producer, passed=False, digest_of=torch.ones(2, 3))])
+    reconcile_once()  # the pass the failed check nudged
     producer.refresh_from_db()
     assert "differs from the recomputation" in producer.flag_reason
     assert node_unavailable_reason(producer, timezone.now()).startswith("flagged: ")

@@ -276,6 +276,7 @@ def test_an_agent_that_re_registers_rewinds_its_job_and_keeps_its_stage(user, qu
     node, client = agents[1]
     index = Stage.objects.get(node=node).index
     register(client, "10.0.0.9:6000")  # a new process, perhaps on a new port: its stage's state is gone
+    reconcile_once()  # the pass the registration nudged
     job.refresh_from_db()
     assert (job.status, job.generation) == ("placing", generation + 1)
     assert job.driver_lease_owner == ""  # the old driver's writes are refused from now on
@@ -315,9 +316,11 @@ def test_re_registering_counts_as_a_restart_and_fails_the_job_once_they_run_out(
     _, client = agents[1]
     for restarts in (1, 2):
         register(client)
+        reconcile_once()  # the pass the registration nudged
         job.refresh_from_db()
         assert (job.status, job.restarts) == ("placing", restarts)
     register(client)
+    reconcile_once()
     job.refresh_from_db()
     assert job.status == "failed"
     failed = next(c for c in job.conditions if c["type"] == "Failed")
@@ -338,7 +341,22 @@ def test_an_agent_re_registering_too_often_is_flagged_and_its_owner_sees_why(use
     assert register(client).status_code == 200  # one restart while hosting: allowed
     assert Node.objects.get(pk=node.pk).flagged_at is None
     assert register(client).status_code == 200
+    reconcile_once()  # the pass the registrations nudged
     [shown] = [n for n in api.get("/api/nodes").json() if n["id"] == str(node.id)]
     assert shown["flag"]["reason"].startswith("restarted 2 times while hosting a stage within 3600 s")
     assert Node.objects.get(pk=idle.pk).flagged_at is None
     assert not Stage.objects.filter(job=job, node=node).exists()
+
+
+def test_a_restarted_agent_is_sent_nothing_of_its_stage_until_the_job_rewinds(user, queued_job) -> None:  # noqa: ANN001
+    """Between its registration and the reconciler's pass a fresh process must not rebuild its stage at the generation
+    its neighbours trained past (the driver would still accept it)."""
+    agents = three_agents(user)
+    job = queued_job()
+    reconcile_once()
+    _, client = agents[1]
+    register(client)
+    assert heartbeat(client).json()["assignments"] == []
+    reconcile_once()
+    [assignment] = heartbeat(client).json()["assignments"]
+    assert assignment["generation"] == Job.objects.get(pk=job.pk).generation

@@ -33,12 +33,14 @@ def nodes(ready_node, settings) -> list[Node]:  # noqa: ANN001
 
 
 def restart(node: Node, now: datetime) -> Node:
-    """The node's agent comes back as a fresh process (same address) and heartbeats."""
+    """The node's agent comes back as a fresh process (same address) and heartbeats; the reconciler's pass that
+    the registration nudged follows."""
     address = node.grpc_address
     registered = node_register(node=Node.objects.get(pk=node.pk), grpc_address=address, device_type="cpu",
                                device_name="test cpu", memory_bytes=2**30, flops_fp32=1e9, now=now,
                                tls_certificate=identity_for(address).certificate)
     node_heartbeat(node=registered, observed=[], now=now)
+    reconcile_once()
     return Node.objects.get(pk=node.pk)
 
 
@@ -120,3 +122,15 @@ def test_an_operator_clears_the_flag_and_the_restarts_before_it_are_forgiven(
     assert hosting(job, node) is not None
     restart(node, t0 + timedelta(minutes=4))  # one since the clearing
     assert Node.objects.get(pk=node.pk).flagged_at is None
+
+
+def test_a_restart_is_acted_on_once_however_many_passes_follow(nodes: list[Node], queued_job, t0) -> None:  # noqa: ANN001
+    job = queued_job()
+    reconcile_once()
+    generation = Job.objects.get(pk=job.pk).generation
+    restart(Stage.objects.filter(job=job).first().node, t0)
+    for _ in range(3):
+        reconcile_once()
+    job.refresh_from_db()
+    assert (job.generation, job.restarts) == (generation + 1, 1)
+    assert [c["reason"] for c in job.conditions if c["type"] == "Training"] == ["NodeRestarted"]
