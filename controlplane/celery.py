@@ -95,7 +95,7 @@ def _tune_collector(**_: object) -> None:
 @signals.worker_process_shutdown.connect
 def _drop_live_metrics(pid: int, **_: object) -> None:
     """A pool process is ending: its live gauges leave /metrics (prometheus_client's multiprocess mode)."""
-    from controlplane.monitoring.metrics import process_exited
+    from controlplane.common.metrics import process_exited
 
     process_exited(pid)
 

@@ -18,7 +18,7 @@ from typing import Any
 from gunicorn.workers.gasgi import ASGIWorker
 
 from controlplane.common.garbage_collector import garbage_collector_tuned
-from controlplane.monitoring.metrics import process_exited
+from controlplane.common.metrics import process_exited
 
 # A thread keeps its database connection between requests (Django's CONN_MAX_AGE, with health checks):
 # opening one per heartbeat cost more than the heartbeat. Set before the workers fork and load Django.

@@ -1,7 +1,6 @@
-"""The controller: the only code that changes a job's placement, generation, driver lease and status.
+"""The controller: the only code that changes a job's placement, generation and status.
 
 Level-triggered reconciliation (`snapshot` reads into `views`, `rules` decide purely on them and return `actions`,
-`executor` applies them with
-optimistic checks), job status transitions (`transitions`), the driver lease (`leases`), placement in the
-solver's terms (`placement`) and rollbacks (`rollback`). Services elsewhere record intent and nudge it.
+`executor` applies them with optimistic checks), job status transitions (`transitions`), placement in the solver's
+terms (`placement`) and rollbacks (`rollback`). Services elsewhere record intent or facts and nudge it.
 """

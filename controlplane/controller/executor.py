@@ -21,6 +21,7 @@ from django.utils import timezone
 
 from arceus.contracts.status import JobStatus
 from arceus.placement.solver import Budget
+from controlplane.common import metrics
 from controlplane.common.conditions import UNKNOWN
 from controlplane.controller.actions import (
     Action,
@@ -51,7 +52,6 @@ from controlplane.controller.transitions import (
     job_succeed,
 )
 from controlplane.jobs.models import Job
-from controlplane.monitoring import metrics
 from controlplane.nodes.liveness import leases_read
 from controlplane.nodes.models import Node, ReadyStatus
 

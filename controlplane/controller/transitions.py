@@ -22,8 +22,8 @@ from controlplane.common.conditions import FALSE, TRUE, Condition, set_condition
 from controlplane.common.dispatch import enqueue_on_commit, reconcile_soon
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.actions import PlaceJob, ServeJob, StartDriver, StopServing
-from controlplane.controller.leases import lease_end
 from controlplane.jobs.checkpoints import checkpoints_delete
+from controlplane.jobs.leases import lease_end
 from controlplane.jobs.models import Job, Stage
 from controlplane.market.services import ledger_roll_back
 

@@ -45,9 +45,10 @@ from arceus.model.hugging_face import (
 )
 from arceus.model.registry import model_spec_from_config
 from arceus.training.plan import StageEndpoint, StageStateFile
+from controlplane.common import metrics
 from controlplane.common.errors import ApplicationError
 from controlplane.common.uploads import HashingReader, storage_open_ranged
-from controlplane.controller.leases import held, job_checkpointed
+from controlplane.jobs.leases import held, job_checkpointed
 from controlplane.jobs.models import Checkpoint, CheckpointUpload, Job, Stage, StageCheckpoint, checkpoint_storage
 from controlplane.jobs.owner_files import (
     files_delete,
@@ -56,7 +57,6 @@ from controlplane.jobs.owner_files import (
     upload_reader,
     uuid_or_none,
 )
-from controlplane.monitoring import metrics
 
 log = logging.getLogger(__name__)
 # Checkpoints kept per job besides the one its stages resume from and those a rollback could need

@@ -25,16 +25,16 @@ from arceus.contracts.transfer import transfer_config_from_json
 from arceus.errors import SpecError
 from arceus.model.expected_state import optimizer_kind
 from arceus.training import DriverError, TrainPlan, train
+from controlplane.common import metrics
 from controlplane.common.db import reconnecting
 from controlplane.common.errors import ApplicationError
-from controlplane.controller.leases import job_driver_claim, job_driver_interrupted, job_driver_renew
 from controlplane.datasets.selectors import dataset_open
 from controlplane.jobs.credentials import job_driver_token
+from controlplane.jobs.leases import job_driver_claim, job_driver_interrupted, job_driver_renew
 from controlplane.jobs.models import Job
 from controlplane.jobs.progress import job_finish, job_record_failure
 from controlplane.jobs.selectors import job_stage_endpoints
 from controlplane.jobs.sink import DbProgressSink
-from controlplane.monitoring import metrics
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")

@@ -1,7 +1,7 @@
 """What the training driver records: steps, epochs, the stages' work counters (as contributions and
 priced ledger entries), and the end.
 
-Every write is guarded by the driver lease (`controlplane.controller.leases`), so a driver that lost its
+Every write is guarded by the driver lease (`controlplane.jobs.leases`), so a driver that lost its
 lease, or whose job was cancelled, learns it from a False return and stops; each write renews the lease.
 """
 
@@ -22,7 +22,7 @@ from arceus.errors import SpecError
 from arceus.model.registry import model_spec_from_config
 from arceus.training.plan import StageTiming
 from controlplane.common.dispatch import reconcile_soon
-from controlplane.controller.leases import held, renewed
+from controlplane.jobs.leases import held, renewed
 from controlplane.jobs.models import EpochMetric, Job, LossPoint, Stage, StageContribution
 from controlplane.market.services import ledger_record_work
 

@@ -23,13 +23,13 @@ from django.utils import timezone
 from arceus.contracts.counters import StageCounters
 from arceus.contracts.spot_check import SpotCheckResult
 from arceus.training import EpochResult, StageEndpoint, StageStateFile, StageTiming, StepProgress, UploadTarget
+from controlplane.common import metrics
 from controlplane.common.db import reconnecting
 from controlplane.common.errors import ApplicationError
-from controlplane.controller.leases import job_driver_handover, job_handover_requested
 from controlplane.jobs.checkpoints import checkpoint_save, checkpoint_uploads_open
+from controlplane.jobs.leases import job_driver_handover, job_handover_requested
 from controlplane.jobs.progress import StepPoint, job_record_epoch, job_record_steps, stage_timings_mean
 from controlplane.market.verification import spot_checks_record
-from controlplane.monitoring import metrics
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")

@@ -16,7 +16,7 @@ from django.db import transaction
 from arceus.contracts.spot_check import SpotCheckResult
 from arceus.verify.receipts import RECEIVED, SENT, ReceiptError, ReceiptFields, verify_receipt
 from controlplane.common.errors import ApplicationError
-from controlplane.controller.leases import held, job_driver_distrust
+from controlplane.jobs.leases import held, job_driver_distrust
 from controlplane.jobs.models import Job, Stage
 from controlplane.market.models import SpotCheck
 from controlplane.market.services import ledger_withhold

@@ -12,9 +12,9 @@ from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from controlplane.common.metrics import MULTIPROCESS, RECONCILE_COMPLETED_NAME
 from controlplane.jobs.selectors import job_counts_by_status
 from controlplane.market.selectors import ledger_totals
-from controlplane.monitoring.metrics import MULTIPROCESS, RECONCILE_COMPLETED_NAME
 from controlplane.nodes.selectors import node_counts
 
 

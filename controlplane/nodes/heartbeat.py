@@ -36,12 +36,12 @@ from django.utils import timezone
 
 from arceus.contracts.scrape import agent_scrape_digest
 from arceus.json_input import json_loads_bounded
+from controlplane.common import metrics
 from controlplane.common.batching import Batched
 from controlplane.common.conditions import TRUE
 from controlplane.common.postgresql.async_connections import async_connections
 from controlplane.jobs.prepared_assignments import prepared_assignments_read
 from controlplane.jobs.selectors import VERSION_COLUMNS, version_digest, version_order, version_rows_join
-from controlplane.monitoring import metrics
 from controlplane.nodes.liveness import leases_renew_async
 from controlplane.nodes.models import Node
 from controlplane.nodes.relays import relay_assignment, relay_certificate

@@ -16,6 +16,7 @@ from django.db.models import F
 from arceus.contracts.credentials import token_digest
 from arceus.contracts.observed import ObservedStage
 from arceus.contracts.status import ACTIVE_STATUSES
+from controlplane.common import metrics
 from controlplane.common.conditions import TRUE
 from controlplane.common.dispatch import reconcile_soon
 from controlplane.common.errors import ApplicationError
@@ -23,7 +24,6 @@ from controlplane.jobs.models import Stage
 from controlplane.jobs.selectors import assignments_for_node
 from controlplane.jobs.selectors import assignments_version as assignments_version_of
 from controlplane.jobs.stages import stages_record_observed
-from controlplane.monitoring import metrics
 from controlplane.nodes.links import node_links_record
 from controlplane.nodes.liveness import lease_renew
 from controlplane.nodes.models import Node, NodeLease, NodeRestart, Reachability, ReadyStatus

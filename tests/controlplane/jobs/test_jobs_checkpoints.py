@@ -31,7 +31,6 @@ from arceus.training.plan import StageStateFile
 from controlplane.accounts.services import user_token_get_or_create
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.executor import reconcile_once
-from controlplane.controller.leases import job_driver_claim
 from controlplane.controller.transitions import job_rewind
 from controlplane.jobs.checkpoints import (
     KEEP_CHECKPOINTS,
@@ -40,6 +39,7 @@ from controlplane.jobs.checkpoints import (
     job_model_file,
     stage_checkpoint_for_node,
 )
+from controlplane.jobs.leases import job_driver_claim
 from controlplane.jobs.models import (
     Checkpoint,
     CheckpointUpload,

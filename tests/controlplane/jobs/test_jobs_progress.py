@@ -13,8 +13,8 @@ from rest_framework.test import APIClient
 from arceus.contracts.counters import StageCounters
 from arceus.training.plan import StageTiming
 from controlplane.controller.executor import reconcile_once
-from controlplane.controller.leases import job_driver_claim
 from controlplane.controller.transitions import job_fail
+from controlplane.jobs.leases import job_driver_claim
 from controlplane.jobs.models import EpochMetric, Job, LossPoint, Stage
 from controlplane.jobs.progress import (
     StepPoint,

@@ -173,7 +173,7 @@ def test_a_dead_processs_live_gauges_leave_and_its_counters_stay(tmp_path) -> No
 import multiprocessing, os
 from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
-from controlplane.monitoring import metrics
+from controlplane.common import metrics
 
 def work():
     metrics.HEARTBEATS.inc()
