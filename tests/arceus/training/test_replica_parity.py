@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from arceus.contracts.assignment import max_micro_batch_size
-from arceus.data import validate_dataset_config
+from arceus.data.config import validate_dataset_config
 from arceus.training import TrainPlan, train
 from arceus.training.plan import StepProgress
 from arceus.training.recording import RecordingSink
