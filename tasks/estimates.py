@@ -4,7 +4,7 @@ web process. Running it twice is harmless: an answered estimate is left as it is
 from __future__ import annotations
 
 from controlplane.celery import ESTIMATE_TASK, app
-from controlplane.jobs.estimate import estimate_run
+from controlplane.controller.estimate import estimate_run
 
 
 @app.task(name=ESTIMATE_TASK, ignore_result=True)

@@ -1,8 +1,8 @@
-"""Every job status transition, in one place: queue, place, run, requeue, rewind, and the terminal ones
-(succeed, fail, cancel); and a succeeded job's placement for serving (placed, released). Each checks the
-state it moves from (the generation, status or lease it saw) and writes nothing when the job moved on
-meanwhile; each that frees or changes a placement bumps the job's generation, so stale agents and drivers
-are refused, and nudges the reconciler.
+"""Every job status transition the controller decides: place, run, requeue, rewind, succeed, fail; and a
+succeeded job's placement for serving (placed, released). The owner's own (queue, cancel) are
+`controlplane/jobs/owner_transitions.py`. Each checks the state it moves from (the generation, status or lease
+it saw) and writes nothing when the job moved on meanwhile; each that frees or changes a placement bumps the
+job's generation, so stale agents and drivers are refused, and nudges the reconciler.
 """
 
 from __future__ import annotations
@@ -20,40 +20,11 @@ from arceus.contracts.status import ACTIVE_STATUSES, TERMINAL_STATUSES, JobStatu
 from controlplane.celery import TRAIN_JOB_TASK
 from controlplane.common.conditions import FALSE, TRUE, Condition, set_conditions
 from controlplane.common.dispatch import enqueue_on_commit, reconcile_soon
-from controlplane.common.errors import ApplicationError
 from controlplane.controller.actions import PlaceJob, ServeJob, StartDriver, StopServing
-from controlplane.jobs.checkpoints import checkpoints_delete
 from controlplane.jobs.leases import lease_end
 from controlplane.jobs.models import Job, Stage
+from controlplane.jobs.owner_transitions import job_end
 from controlplane.market.services import ledger_roll_back
-
-
-def job_queue(*, job: Job, epochs: int | None, learning_rate: float | None, now: datetime) -> Job:
-    """Queue a locked, startable job for placement, dropping the previous attempt's placement, progress
-    and checkpoints: starting again trains from scratch."""
-    job.stages.all().delete()
-    job.loss_points.all().delete()
-    job.epoch_metrics.all().delete()
-    job.resume_checkpoint = None
-    checkpoints_delete(job.checkpoints.all())
-    job.restarts = 0
-    if epochs is not None:
-        job.epochs = epochs
-    if learning_rate is not None:
-        job.learning_rate = learning_rate
-    job.status = JobStatus.QUEUED
-    job.generation += 1
-    job.conditions = set_conditions(
-        [], Condition("Placed", FALSE, "Queued", "waiting for the reconciler to place the stages"), now=now
-    )
-    job.step, job.total_steps, job.epoch = 0, None, 0
-    job.last_loss = job.final_loss = job.val_loss = job.val_accuracy = job.samples_per_second = None
-    job.error = ""
-    job.driver_lease_owner, job.driver_lease_expires_at = "", None
-    job.started_at, job.finished_at = None, None
-    job.save()
-    reconcile_soon()
-    return job
 
 
 def job_place(action: PlaceJob, now: datetime) -> bool:
@@ -101,17 +72,6 @@ def job_run(action: StartDriver, now: datetime) -> bool:
     if updated:
         enqueue_on_commit(TRAIN_JOB_TASK, action.job_id)
     return bool(updated)
-
-
-@transaction.atomic
-def job_cancel(*, job: Job, now: datetime, by: str = "its owner") -> Job:
-    """Stop the job: agents drop its stages at their next heartbeat and its driver stops at its next
-    progress write. `by`: who cancelled it, for the job's Training condition."""
-    job = Job.objects.select_for_update().get(pk=job.pk)
-    if job.status in TERMINAL_STATUSES:
-        raise ApplicationError.conflict(f"job {job.id} already {job.status}; there is nothing to cancel")
-    job_end(job, JobStatus.CANCELLED, Condition("Training", FALSE, "Cancelled", f"cancelled by {by}"), now=now)
-    return job
 
 
 @transaction.atomic
@@ -220,18 +180,6 @@ def job_fail(
         now=now,
     )
     return True
-
-
-def job_end(job: Job, status: JobStatus, *conditions: Condition, now: datetime) -> None:
-    """Move a locked job to a terminal status and release its nodes (a placement change)."""
-    job.status = status
-    job.generation += 1
-    job.conditions = set_conditions(job.conditions, *conditions, now=now)
-    job.finished_at = now
-    job.driver_lease_owner, job.driver_lease_expires_at = "", None
-    job.save()
-    Stage.objects.filter(job=job).update(active=False)
-    reconcile_soon()  # the freed nodes may let a queued job in
 
 
 @transaction.atomic

@@ -1,38 +1,24 @@
 """Estimates: before submitting, what a job would get now: its placement, speed, time and price.
 
 The web process only validates the job and records the request (`estimate_request`); a Celery worker runs
-the placement solver, under its time budget (`estimate_run`, the task `arceus.estimate`), and the owner
-polls the result (`estimate_get_for_user`). `job_estimate` is the computation itself."""
+the placement solver (`controlplane/controller/estimate.py`, the task `arceus.estimate`), and the owner polls
+the result (`estimate_get_for_user`)."""
 
 from __future__ import annotations
 
-import logging
-from datetime import datetime, timedelta
-from decimal import Decimal
+from datetime import timedelta
 from typing import Any
 
-from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.utils import timezone
 
-from arceus.data.streaming import train_samples_estimate
-from arceus.errors import SpecError
-from arceus.placement.profiles import layer_profiles
-from arceus.placement.solver import Budget, PlacementError, solve
 from controlplane.celery import ESTIMATE_TASK
-from controlplane.common.conditions import TRUE
 from controlplane.common.dispatch import enqueue_on_commit
-from controlplane.common.errors import ApplicationError, one_by_id
-from controlplane.controller.placement import requirements, tensor_parallel_split, workload
-from controlplane.controller.snapshot import node_views, registered_nodes
-from controlplane.controller.views import stage_bounds
+from controlplane.common.errors import one_by_id
 from controlplane.datasets.selectors import dataset_config_resolved
-from controlplane.jobs.models import EstimateStatus, JobEstimate, Stage
+from controlplane.jobs.models import EstimateStatus, JobEstimate
 from controlplane.jobs.services import job_validate
-from controlplane.nodes.models import Node
-
-log = logging.getLogger(__name__)
 
 # An estimate no worker took within this long is answered "failed" (its message expires unrun: the nodes it
 # would have been planned on are old news by then); an owner's estimates are kept this long.
@@ -83,27 +69,6 @@ def estimate_request(
     return estimate
 
 
-def estimate_run(*, estimate_id: str) -> None:
-    """Compute a pending estimate and store its answer; one already answered is left as it is."""
-    estimate = JobEstimate.objects.filter(pk=estimate_id, status=EstimateStatus.PENDING).first()
-    if estimate is None:
-        return
-    now = timezone.now()
-    try:
-        result, error = job_estimate(**estimate.request, owner_id=estimate.owner_id, now=now), ""
-    except (ApplicationError, SpecError) as exc:  # the world changed since the request was checked
-        result, error = None, str(exc)
-    except Exception:
-        log.exception("estimate %s failed", estimate_id)
-        result, error = None, f"the estimate failed on the server; ask again, or report estimate {estimate_id}"
-    JobEstimate.objects.filter(pk=estimate.pk, status=EstimateStatus.PENDING).update(
-        status=EstimateStatus.FAILED if error else EstimateStatus.DONE,
-        result=result,
-        error=error,
-        finished_at=timezone.now(),
-    )
-
-
 def estimate_get_for_user(*, user: AbstractBaseUser, estimate_id: str) -> JobEstimate:
     """The user's estimate; 404 for a malformed id and for another user's estimate alike. One no worker took
     in time is answered as failed."""
@@ -115,88 +80,3 @@ def estimate_get_for_user(*, user: AbstractBaseUser, estimate_id: str) -> JobEst
             "workers are busy or down); ask again"
         )
     return estimate
-
-
-def job_estimate(
-    *,
-    model_config: dict[str, Any],
-    dataset_config: dict[str, Any],
-    epochs: int,
-    micro_batches: int,
-    schedule: str,
-    stages: int | None,
-    requirements_config: dict[str, Any],
-    owner_id: int,
-    now: datetime,
-    tensor_parallel: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Plan the job on the free Ready nodes as the reconciler would, and price it at the posted prices.
-    A job that cannot be placed now is answered with `feasible: false` and the reason. Only the owner's own
-    nodes are named in the stages; another contributor's node is `OTHERS_NODE`, without its id."""
-    tensor_parallel = tensor_parallel or {}
-    spec, _, dataset = job_validate(
-        model_config=model_config,
-        dataset_config=dataset_config,
-        stages=stages,
-        requirements=requirements_config,
-        tensor_parallel=tensor_parallel,
-    )
-    req = requirements(requirements_config)
-    split = tensor_parallel_split(tensor_parallel)
-    fewest, most = stage_bounds(stages, req, split)
-    busy = {str(node_id) for node_id in Stage.objects.filter(active=True).values_list("node_id", flat=True)}
-    candidates = [
-        n
-        for n in node_views(registered_nodes(), now)
-        if n.ready_status == TRUE and not n.paused and n.id not in busy and req.allows(n)
-    ]
-    own = {str(i) for i in Node.objects.filter(owner_id=owner_id).values_list("id", flat=True)}
-    named = {n.id: (n.id, n.name) if n.id in own else (None, OTHERS_NODE) for n in candidates}
-    answer: dict[str, Any] = {
-        "feasible": False, "reason": None, "candidates": len(candidates), "stages": [], "cut_short": False
-    }
-    try:
-        placement = solve(
-            layer_profiles(spec),
-            [n.device() for n in candidates],
-            workload(dataset, micro_batches, schedule),
-            min_stages=fewest,
-            max_stages=most,
-            max_price_per_hour=req.max_price_per_hour,
-            tensor_parallel=split.size,
-            split_stages=split.stages,
-            budget=Budget(settings.ARCEUS_SOLVER_SECONDS),
-        )
-    except PlacementError as exc:
-        answer["reason"] = str(exc)
-        return answer
-    train_samples = train_samples_estimate(dataset)
-    hours = epochs * train_samples / placement.samples_per_second / 3600
-    total = Decimal(str(round(placement.price_per_hour * hours, 6)))
-    deadline = requirements_config.get("deadline")
-    answer.update(
-        feasible=True,
-        cut_short=placement.cut_short,
-        stages=[
-            {
-                "stage_index": i,
-                "rank": rank,
-                "node_id": named[node_id][0],
-                "node_name": named[node_id][1],
-                "layer_start": s.layer_start,
-                "layer_end": s.layer_end,
-                "seconds_per_micro_batch": s.seconds_per_micro_batch,
-            }
-            for i, s in enumerate(placement.stages)
-            for rank, node_id in enumerate(s.device_ids)
-        ],
-        samples_per_second=placement.samples_per_second,
-        hours=hours,
-        price_per_hour=placement.price_per_hour,
-        total_usd=total,
-        within_budget=None if "max_total_usd" not in requirements_config
-        else float(total) <= requirements_config["max_total_usd"],
-        meets_deadline=None if deadline is None
-        else now.timestamp() + hours * 3600 <= datetime.fromisoformat(deadline).timestamp(),
-    )
-    return answer

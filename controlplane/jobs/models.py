@@ -321,7 +321,7 @@ class EstimateStatus(models.TextChoices):
 
 class JobEstimate(BaseModel):
     """A tenant's request for an estimate of a job (its fields as validated), answered by a Celery worker so
-    the placement solver never runs in the web process (controlplane/jobs/estimate.py)."""
+    the placement solver never runs in the web process (controlplane/controller/estimate.py)."""
 
     owner = models.ForeignKey(settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="estimates")
     request = models.JSONField(encoder=DjangoJSONEncoder)

@@ -1,5 +1,5 @@
 """A job as its owner drives it: submit (validated against its dataset), start, cancel. The status
-transitions themselves are the controller's (`controlplane.controller.transitions`)."""
+transitions they cause are `controlplane/jobs/owner_transitions.py`."""
 
 from __future__ import annotations
 
@@ -23,9 +23,8 @@ from arceus.model.registry import (
 )
 from arceus.model.spec import ModelSpec
 from controlplane.common.errors import ApplicationError
-from controlplane.controller import transitions
-from controlplane.controller.transitions import job_queue
 from controlplane.datasets.selectors import dataset_config_resolved
+from controlplane.jobs import owner_transitions
 from controlplane.jobs.models import DEFAULT_AUDIT_RATE, Job
 
 # Initialized (queued for placement, or placed and waiting for agents), training not begun.
@@ -206,7 +205,7 @@ def job_start(
             f"job {job.id} is an exported model: upload its program (PUT /api/jobs/{job.id}/program) and its initial "
             f"weights (PUT /api/jobs/{job.id}/initial-weights) before starting it"
         )
-    return job_queue(job=job, epochs=epochs, learning_rate=learning_rate, now=now or timezone.now())
+    return owner_transitions.job_queue(job=job, epochs=epochs, learning_rate=learning_rate, now=now or timezone.now())
 
 
 def job_initialize(*, job: Job, now: datetime | None = None) -> Job:
@@ -242,7 +241,7 @@ def job_train(
 def job_cancel(*, job: Job, now: datetime | None = None, by: str = "its owner") -> Job:
     """Stop the job: agents drop its stages at their next heartbeat and its driver stops at its next
     progress write. `by`: who cancelled it (its owner, or an operator in the admin)."""
-    return transitions.job_cancel(job=job, now=now or timezone.now(), by=by)
+    return owner_transitions.job_cancel(job=job, now=now or timezone.now(), by=by)
 
 
 def _check_model_size(spec: ModelSpec) -> None:
