@@ -40,9 +40,9 @@ from controlplane.controller.views import (
 )
 from controlplane.jobs.models import Checkpoint, Job, Stage, StageCheckpoint
 from controlplane.market.models import SpotCheck
-from controlplane.market.pricing import device_class
 from controlplane.market.services import price_in_force
 from controlplane.nodes.availability import in_windows, unavailable_reason
+from controlplane.nodes.device_class import device_class
 from controlplane.nodes.links import nodes_worst_neighbour_link
 from controlplane.nodes.liveness import Liveness, leases_read
 from controlplane.nodes.models import Node, NodeLease, Reachability

@@ -1,10 +1,10 @@
-"""Posted prices: pure functions from a device's measured capacity and the market's demand and supply.
+"""Posted prices: pure functions of a device's class and the market's demand and supply.
 
-A device class is a (compute tier, memory tier) pair from the agent's measured fp32 FLOP/s and memory.
-Each class has a base price relative to a typical laptop (`PricingPolicy.baseline_per_hour`, about
-$0.30/hour). The price in force moves with utilisation (demand / supply): up when jobs want more
-devices than are offered, down when devices sit idle, bounded to a band around the base price and
-smoothed so one busy minute does not whipsaw contributors.
+A device class is a (compute tier, memory tier) pair (`controlplane/nodes/device_class.py`). Each class has a
+base price relative to a typical laptop (`PricingPolicy.baseline_per_hour`, about $0.30/hour). The price in
+force moves with utilisation (demand / supply): up when jobs want more devices than are offered, down when
+devices sit idle, bounded to a band around the base price and smoothed so one busy minute does not whipsaw
+contributors.
 """
 
 from __future__ import annotations
@@ -12,10 +12,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-GIB = 2**30
-# (name, FLOP/s at or above which a device is in the tier, price factor vs. the standard tier)
-COMPUTE_TIERS = (("light", 0.0, 0.6), ("standard", 1e11, 1.0), ("fast", 1e12, 3.0), ("accelerator", 1e13, 10.0))
-MEMORY_TIERS = (("small", 0, 0.8), ("medium", 8 * GIB, 1.0), ("large", 32 * GIB, 1.3))
+# Each tier's price factor vs. the standard tier (the tiers: controlplane/nodes/device_class.py)
+COMPUTE_FACTORS = {"light": 0.6, "standard": 1.0, "fast": 3.0, "accelerator": 10.0}
+MEMORY_FACTORS = {"small": 0.8, "medium": 1.0, "large": 1.3}
 
 
 @dataclass(frozen=True)
@@ -27,17 +26,11 @@ class PricingPolicy:
     smoothing: float = 0.3  # each repricing moves this fraction of the way to the target
 
 
-def device_class(flops: float, memory_bytes: int) -> str:
-    """ "<compute tier>-<memory tier>", e.g. "standard-medium" for a laptop CPU with 16 GiB."""
-    return f"{_tier(COMPUTE_TIERS, flops)[0]}-{_tier(MEMORY_TIERS, memory_bytes)[0]}"
-
-
 def base_price(device_class_name: str, policy: PricingPolicy) -> float:
     """The class's price per hour when demand and supply balance."""
     compute, _, memory = device_class_name.partition("-")
-    factors = {name: f for name, _, f in COMPUTE_TIERS} | {f"mem:{name}": f for name, _, f in MEMORY_TIERS}
     try:
-        return policy.baseline_per_hour * factors[compute] * factors[f"mem:{memory}"]
+        return policy.baseline_per_hour * COMPUTE_FACTORS[compute] * MEMORY_FACTORS[memory]
     except KeyError:
         raise ValueError(f"unknown device class {device_class_name!r}") from None
 
@@ -67,10 +60,3 @@ def next_price(
     price = min(high, max(low, start + policy.smoothing * (target - start)))
     return round(price, 4)
 
-
-def _tier(tiers: tuple[tuple[str, float, float], ...], value: float) -> tuple[str, float, float]:
-    chosen = tiers[0]
-    for tier in tiers:
-        if value >= tier[1]:
-            chosen = tier
-    return chosen

@@ -13,7 +13,8 @@ from arceus.contracts.status import JobStatus
 from controlplane.jobs.models import Job
 from controlplane.market.models import LedgerEntry, PriceChange
 from controlplane.market.pricing import base_price
-from controlplane.market.services import MICROS_PER_DOLLAR, node_device_class, price_in_force, pricing_policy
+from controlplane.market.services import MICROS_PER_DOLLAR, price_in_force, pricing_policy
+from controlplane.nodes.device_class import node_device_class
 from controlplane.nodes.models import Node, ReadyStatus
 
 

@@ -16,7 +16,8 @@ from arceus.contracts.counters import StageCounters
 from arceus.contracts.status import ACTIVE_STATUSES, JobStatus
 from controlplane.jobs.models import Job
 from controlplane.market.models import LedgerEntry, LedgerHourly, PriceChange
-from controlplane.market.pricing import PricingPolicy, base_price, device_class, next_price
+from controlplane.market.pricing import PricingPolicy, base_price, next_price
+from controlplane.nodes.device_class import node_device_class
 from controlplane.nodes.models import Node, ReadyStatus
 
 MICROS_PER_DOLLAR = 1_000_000
@@ -26,10 +27,6 @@ ROLLUP_WINDOW = timedelta(hours=2)
 
 def pricing_policy() -> PricingPolicy:
     return PricingPolicy(baseline_per_hour=settings.ARCEUS_BASELINE_PRICE_PER_HOUR)
-
-
-def node_device_class(node: Node) -> str:
-    return device_class(node.flops_fp32 or 0.0, node.memory_bytes or 0)
 
 
 def price_in_force(device_class_name: str) -> float:

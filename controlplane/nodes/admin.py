@@ -12,7 +12,7 @@ from django.utils import timezone
 from django.utils.timesince import timesince
 
 from controlplane.common.admin import ReadOnlyAdminMixin, act_on_each
-from controlplane.market.services import node_device_class
+from controlplane.nodes.device_class import node_device_class
 from controlplane.nodes.models import Node, NodeLease, NodeRestart
 from controlplane.nodes.selectors import node_liveness
 from controlplane.nodes.services import node_flag_clear, node_set_paused

@@ -11,8 +11,8 @@ from django.db.models import Count, Prefetch, Q, QuerySet
 from arceus.contracts.scrape import SCRAPE_TOKEN_PARAMETER, agent_scrape_token
 from controlplane.common.errors import one_by_id
 from controlplane.jobs.models import Stage
-from controlplane.market.services import node_device_class
 from controlplane.nodes.availability import unavailable_reason
+from controlplane.nodes.device_class import node_device_class
 from controlplane.nodes.liveness import Liveness, lease_of, leases_read
 from controlplane.nodes.models import Node, ReadyStatus
 

@@ -18,7 +18,8 @@ from controlplane.jobs.leases import job_driver_claim
 from controlplane.jobs.models import Job, Stage
 from controlplane.jobs.progress import job_record_steps
 from controlplane.market.models import LedgerEntry, LedgerHourly, PriceChange
-from controlplane.market.services import ledger_rollup, node_device_class, prices_reprice
+from controlplane.market.services import ledger_rollup, prices_reprice
+from controlplane.nodes.device_class import node_device_class
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_token_rotate
 

@@ -6,14 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from controlplane.market.pricing import (
-    GIB,
-    PricingPolicy,
-    base_price,
-    device_class,
-    next_price,
-    target_multiplier,
-)
+from controlplane.market.pricing import PricingPolicy, base_price, next_price, target_multiplier
+from controlplane.nodes.device_class import GIB, device_class
 
 POLICY = PricingPolicy()
 CLASSES = [f"{c}-{m}" for c in ("light", "standard", "fast", "accelerator") for m in ("small", "medium", "large")]

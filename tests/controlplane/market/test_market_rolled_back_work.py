@@ -18,7 +18,7 @@ from controlplane.jobs.leases import job_driver_claim
 from controlplane.jobs.models import Job, Stage
 from controlplane.jobs.progress import StepPoint, job_finish, job_record_steps
 from controlplane.market.models import LedgerEntry, PriceChange
-from controlplane.market.services import node_device_class
+from controlplane.nodes.device_class import node_device_class
 from controlplane.nodes.models import Node
 from devtools.pipeline import identity_for
 from tests.controlplane.jobs import test_jobs_checkpoints as checkpoints
