@@ -161,13 +161,21 @@ def placed_nodes() -> dict[str, str]:
     return {str(n): str(j) for n, j in rows.values_list("node_id", "job_id")}
 
 
-async def register(session: aiohttp.ClientSession, url: str, agent: SimAgent, certificate: str, i: int) -> None:
+async def register(session: aiohttp.ClientSession, url: str, agent: SimAgent, i: int) -> None:
+    """As an agent registers: its own TLS key (one node each), proved by signing the control plane's challenge."""
+    from arceus.contracts.possession import possession_sign
+    from arceus.wire.tls import new_identity
+
+    identity = new_identity()
+    headers = {"Authorization": f"Node {agent.token}"}
+    async with session.post(f"{url}/api/agent/challenge", json={}, headers=headers) as response:
+        challenge = (await response.json())["challenge"]
     # A loopback address of its own where nothing listens: the control plane's dial-back after registration
     # (controlplane/nodes/reachability.py) is refused at once and stays on this machine.
     body = {"grpc_address": f"127.{1 + (i >> 16 & 254)}.{i >> 8 & 255}.{i & 255}:9", "capabilities": CAPABILITIES,
-            "tls_certificate": certificate}
-    async with session.post(f"{url}/api/agent/register", json=body,
-                            headers={"Authorization": f"Node {agent.token}"}) as response:
+            "tls_certificate": identity.certificate, "challenge": challenge,
+            "tls_proof": possession_sign(identity.key_pem, challenge, identity.certificate)}
+    async with session.post(f"{url}/api/agent/register", json=body, headers=headers) as response:
         if response.status != 200:
             raise RuntimeError(f"registration failed: HTTP {response.status} {await response.text()}")
 
@@ -277,11 +285,7 @@ async def run_fleet(
     """`database` runs the bench's own queries and submissions: in another process, so that their Python work
     never holds this one's GIL while heartbeats wait to be timed (a thread's 1,000 job submissions delayed every
     heartbeat of the fleet by up to a minute)."""
-    from arceus.wire.tls import new_identity
-
     loop = asyncio.get_running_loop()
-
-    certificate = new_identity().certificate  # one for all: nothing dials these agents
     # Registrations go through Django, each a few ms: 512 at a time, or 10,000 at once would wait past the timeout.
     connector = aiohttp.TCPConnector(limit=REGISTERING_AT_ONCE)
     timeout = aiohttp.ClientTimeout(total=30)
@@ -291,7 +295,7 @@ async def run_fleet(
 
         async def gated(i: int, agent: SimAgent) -> None:
             async with gate:
-                await register(session, cluster.api_url, agent, certificate, i)
+                await register(session, cluster.api_url, agent, i)
 
         await asyncio.gather(*(gated(i, a) for i, a in enumerate(agents)))
         registered_s = time.perf_counter() - started
@@ -432,7 +436,10 @@ def main() -> None:
             workdir, database_url=os.environ["DATABASE_URL"], redis_url=os.environ.get("REDIS_URL"),
             heartbeat_interval_seconds=args.interval, reconcile_interval_seconds=1.0,
             extra_env={"ARCEUS_NODE_GRACE_SECONDS": str(args.grace), "ARCEUS_LOG_LEVEL": "WARNING",
-                       "ARCEUS_MAX_PLACEMENTS_PER_PASS": str(args.placements_per_pass)},
+                       "ARCEUS_MAX_PLACEMENTS_PER_PASS": str(args.placements_per_pass),
+                       # One owner's fleet registering from one address at once: the limits are the bench's size.
+                       "ARCEUS_THROTTLE_AGENT_REGISTER_OWNER": f"{args.agents}/min",
+                       "ARCEUS_THROTTLE_AGENT_REGISTER_ADDRESS": f"{args.agents}/min"},
         )
         cluster.start()
         try:

@@ -220,6 +220,9 @@ REST_FRAMEWORK = {
             "sample": "30/min",
             "model": "30/hour",
             "node_create": "30/hour",
+            # An agent registers once per start; these allow a fleet's restart, not a script's flood.
+            "agent_register_owner": "30/min",
+            "agent_register_address": "60/min",
         }.items()
     },
 }

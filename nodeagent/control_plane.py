@@ -24,9 +24,11 @@ import requests
 from arceus.checkpoint import CHUNK_BYTES, StateFile
 from arceus.contracts.assignment import Assignment, CheckpointRef, InitialWeightsRef
 from arceus.contracts.observed import ObservedStage
+from arceus.contracts.possession import possession_sign
 from arceus.errors import SpecError
 from arceus.model.exported.program import MAX_PROGRAM_BYTES
 from arceus.model.hugging_face import initial_weights_slice_check
+from arceus.wire.tls import TlsIdentity
 from nodeagent.control_plane_http import ControlPlaneError, ControlPlaneSession, Unauthorized
 from nodeagent.host_load import HostLoad
 from nodeagent.stage import StateUploadError
@@ -69,19 +71,25 @@ class ControlPlaneClient(ControlPlaneSession):
         grpc_address: str,
         capabilities: dict[str, Any],
         public_key: str,
-        tls_certificate: str,
+        identity: TlsIdentity,
         metrics_port: int | None = None,
         lan_address: str | None = None,
     ) -> Registration:
-        """`public_key`: what its receipts verify against; `tls_certificate`: what its callers pin (PEM);
-        `metrics_port`: where Prometheus scrapes this agent, on the host of `grpc_address`; `lan_address`: where
-        agents on its LAN dial it (nodeagent/lan.py)."""
+        """`public_key`: what its receipts verify against; `identity`: the TLS key and the certificate its callers
+        pin, which it proves it holds by signing the control plane's challenge; `metrics_port`: where Prometheus
+        scrapes this agent, on the host of `grpc_address`; `lan_address`: where agents on its LAN dial it
+        (nodeagent/lan.py)."""
         self._held = None  # a registration starts afresh: the next heartbeat asks for the whole desired state
+        challenge = self._post("/api/agent/challenge", {}).get("challenge")
+        if not isinstance(challenge, str) or not challenge:
+            raise ControlPlaneError(f"the control plane answered no challenge to sign: {challenge!r}")
         payload: dict[str, Any] = {
             "grpc_address": grpc_address,
             "capabilities": capabilities,
             "public_key": public_key,
-            "tls_certificate": tls_certificate,
+            "tls_certificate": identity.certificate,
+            "challenge": challenge,
+            "tls_proof": possession_sign(identity.key_pem, challenge, identity.certificate),
         }
         if metrics_port is not None:
             payload["metrics_port"] = metrics_port
@@ -508,7 +516,7 @@ def register_until_accepted(
     grpc_address: str,
     capabilities: dict[str, Any],
     public_key: str,
-    tls_certificate: str,
+    identity: TlsIdentity,
     *,
     stop: threading.Event,
     metrics_port: int | None = None,
@@ -521,7 +529,7 @@ def register_until_accepted(
     backoff = min_backoff
     while not stop.is_set():
         try:
-            return client.register(grpc_address, capabilities, public_key, tls_certificate, metrics_port, lan_address)
+            return client.register(grpc_address, capabilities, public_key, identity, metrics_port, lan_address)
         except Unauthorized:
             raise
         except ControlPlaneError as exc:

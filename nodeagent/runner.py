@@ -172,7 +172,7 @@ def _register(
     caps["link"] = measure_link(client)
     log.info("registering with %s as %s: %s", url, agent.advertise_address, caps)
     registration = register_until_accepted(
-        client, agent.advertise_address, caps, agent.signer.public_key_hex, agent.identity.certificate,
+        client, agent.advertise_address, caps, agent.signer.public_key_hex, agent.identity,
         stop=stop, metrics_port=agent.metrics_port,
         lan_address=lan_address(url, agent.grpc_address.rpartition(":")[0], agent.grpc_port),
     )

@@ -10,7 +10,7 @@ from rest_framework import status
 from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
-from rest_framework.throttling import BaseThrottle, ScopedRateThrottle
+from rest_framework.throttling import BaseThrottle, ScopedRateThrottle, SimpleRateThrottle
 from rest_framework.views import APIView
 
 from controlplane.common.body_limit import declared_length
@@ -26,8 +26,11 @@ from controlplane.jobs.programs import job_program_layers_for_node
 from controlplane.nodes import schema
 from controlplane.nodes.authentication import IsNodeAgent, NodeTokenAuthentication
 from controlplane.nodes.heartbeat import heartbeat_body
+from controlplane.nodes.models import Node
+from controlplane.nodes.possession import CHALLENGE_SECONDS, registration_challenge_new, registration_possession_check
 from controlplane.nodes.selectors import node_get_for_user, node_list_for_user
 from controlplane.nodes.serializers import (
+    AgentChallengeOutput,
     AgentHeartbeatOutput,
     AgentLeftOutput,
     AgentRegisteredOutput,
@@ -124,11 +127,54 @@ class AgentApi(APIView):
     permission_classes = [IsNodeAgent]
 
 
+class _RegistrationThrottle(SimpleRateThrottle):
+    def get_cache_key(self, request: Request, view: APIView) -> str | None:
+        ident = self.ident(request)
+        return None if ident is None else self.cache_format % {"scope": self.scope, "ident": ident}
+
+    def ident(self, request: Request) -> str | None:
+        raise NotImplementedError
+
+
+class RegistrationOwnerThrottle(_RegistrationThrottle):
+    """Registrations of one owner's nodes (ARCEUS_THROTTLE_AGENT_REGISTER_OWNER)."""
+
+    scope = "agent_register_owner"
+
+    def ident(self, request: Request) -> str | None:
+        return str(request.auth.owner_id) if isinstance(request.auth, Node) else None
+
+
+class RegistrationAddressThrottle(_RegistrationThrottle):
+    """Registrations from one client address, any owner's (ARCEUS_THROTTLE_AGENT_REGISTER_ADDRESS)."""
+
+    scope = "agent_register_address"
+
+    def ident(self, request: Request) -> str | None:
+        return client_ip(request)
+
+
+class AgentChallengeApi(AgentApi):
+    """What the agent signs with its TLS key to register its certificate (arceus/contracts/possession.py)."""
+
+    @extend_schema(request=None, responses=AgentChallengeOutput)
+    def post(self, request: Request) -> Response:
+        challenge = registration_challenge_new(node=request.auth, now=timezone.now())
+        return Response({"challenge": challenge, "expires_in_seconds": CHALLENGE_SECONDS})
+
+
 class AgentRegisterApi(AgentApi):
-    @extend_schema(request=AgentRegisterInput, responses=AgentRegisteredOutput)
+    throttle_classes = [RegistrationOwnerThrottle, RegistrationAddressThrottle]
+
+    @extend_schema(request=AgentRegisterInput, responses={200: AgentRegisteredOutput, 409: ErrorOutput})
     def post(self, request: Request) -> Response:
         data = AgentRegisterInput(data=request.data)
         data.is_valid(raise_exception=True)
+        now = timezone.now()
+        registration_possession_check(
+            node=request.auth, challenge=data.validated_data["challenge"],
+            certificate=data.validated_data["tls_certificate"], proof=data.validated_data["tls_proof"], now=now,
+        )
         node = node_register(
             node=request.auth,
             grpc_address=data.validated_data["grpc_address"],
@@ -138,7 +184,7 @@ class AgentRegisterApi(AgentApi):
             lan_address=data.validated_data["lan_address"],
             public_ip=client_ip(request),
             **data.validated_data["capabilities"],
-            now=timezone.now(),
+            now=now,
         )
         return Response(
             {

@@ -53,6 +53,8 @@ class Node(BaseModel):
     # PEM certificate the agent's gRPC port serves TLS with, from its latest registration: its callers trust
     # exactly this one (arceus.wire.tls).
     tls_certificate = models.TextField(blank=True)
+    # SHA-256 of that certificate's public key (arceus.contracts.possession.key_sha256): a key belongs to one node.
+    tls_key_sha256 = models.CharField(max_length=64, blank=True, default="")
     # Set when a spot check caught the node's work wrong (its credit is withheld too), or when its agent restarted
     # while hosting a stage too often (`node_register`): it gets no new stage.
     flagged_at = models.DateTimeField(null=True, blank=True, db_index=True)
@@ -96,6 +98,11 @@ class Node(BaseModel):
 
     class Meta:
         ordering = ["created_at"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tls_key_sha256"], condition=~models.Q(tls_key_sha256=""), name="node_tls_key_unique"
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"{self.name} ({self.id})"

@@ -44,8 +44,11 @@ def nodes_check_reachability() -> dict[str, int]:
                                timeout=settings.ARCEUS_REACHABILITY_TIMEOUT_SECONDS,
                                concurrency=settings.ARCEUS_REACHABILITY_CONCURRENCY)
     found: dict[str, list[tuple[object, datetime]]] = {Reachability.DIRECT: [], Reachability.RELAYED: []}
-    for (node_id, _, _, registered_at), answered in zip(rows, answers, strict=True):
+    answered_at: set[str] = set()
+    for (node_id, address, _, registered_at), answered in zip(rows, answers, strict=True):
         found[Reachability.DIRECT if answered else Reachability.RELAYED].append((node_id, registered_at))
+        if answered:
+            answered_at.add(address)
     counts, now = {}, timezone.now()
     with transaction.atomic():
         for reachability, nodes in found.items():
@@ -53,9 +56,16 @@ def nodes_check_reachability() -> dict[str, int]:
                 Node.objects.filter(_any_of(chunk)).update(reachability=reachability, reachability_checked_at=now)
                 for chunk in _chunks(nodes, 500)
             )
+        # An address answers for one node at a time: the key that answered there now is the newest node's, so any
+        # other node found direct there before is dialled again (its own key no longer answers: relayed).
+        counts[Reachability.UNKNOWN] = Node.objects.filter(
+            grpc_address__in=answered_at, reachability=Reachability.DIRECT
+        ).exclude(pk__in=[node_id for node_id, _ in found[Reachability.DIRECT]]).update(
+            reachability=Reachability.UNKNOWN
+        )
         if any(counts.values()):
             reconcile_soon()  # its stages' neighbours now dial it elsewhere
-        if len(rows) == settings.ARCEUS_REACHABILITY_BATCH:
+        if len(rows) == settings.ARCEUS_REACHABILITY_BATCH or counts[Reachability.UNKNOWN]:
             reachability_check_soon()
     return counts
 

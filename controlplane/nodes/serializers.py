@@ -9,6 +9,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from arceus.contracts.certificates import MAX_CERTIFICATE_CHARS, check_certificate
+from arceus.contracts.possession import MAX_PROOF_CHARS
 from arceus.contracts.transfer import ACTIVATION_ENCODINGS, GRADIENT_ENCODINGS
 from arceus.model.precision import PRECISIONS
 from arceus.pipeline.schedule import SCHEDULES
@@ -162,6 +163,11 @@ class CapabilitiesInput(serializers.Serializer):
         return data
 
 
+class AgentChallengeOutput(serializers.Serializer):
+    challenge = serializers.CharField(help_text="Sign it with the TLS key and register with the signature")
+    expires_in_seconds = serializers.IntegerField()
+
+
 class AgentRegisterInput(serializers.Serializer):
     grpc_address = serializers.CharField(max_length=255, validators=[validate_grpc_address])
     lan_address = serializers.CharField(
@@ -182,6 +188,13 @@ class AgentRegisterInput(serializers.Serializer):
         max_length=MAX_CERTIFICATE_CHARS,
         trim_whitespace=False,
         help_text="PEM certificate the agent's gRPC port serves TLS with; its callers pin it",
+    )
+
+    challenge = serializers.CharField(max_length=200, help_text="From POST /api/agent/challenge, at most 5 minutes old")
+    tls_proof = serializers.CharField(
+        max_length=MAX_PROOF_CHARS,
+        help_text="Base64 signature by tls_certificate's key of the challenge (arceus/contracts/possession.py): "
+        "proves the agent holds the key",
     )
 
     def validate_tls_certificate(self, value: str) -> str:

@@ -15,6 +15,7 @@ from django.db.models import F
 
 from arceus.contracts.credentials import token_digest
 from arceus.contracts.observed import ObservedStage
+from arceus.contracts.possession import key_sha256
 from arceus.contracts.status import ACTIVE_STATUSES
 from controlplane.common import metrics
 from controlplane.common.conditions import TRUE
@@ -88,8 +89,15 @@ def node_register(
     """Record the agent's addresses and capabilities (inputs already validated by the API); `public_ip`: where the
     registration came from (agents behind the same one dial each other at their `lan_address`).
 
-    A registering agent is a fresh process: a stage it hosted lost its state (`_node_restarted`).
+    A registering agent is a fresh process: a stage it hosted lost its state (`_node_restarted`). The agent proved
+    it holds the certificate's key (controlplane/nodes/possession.py); a key another node registered is a 409.
     """
+    key = key_sha256(tls_certificate)
+    if Node.objects.filter(tls_key_sha256=key).exclude(pk=node.pk).exists():
+        raise ApplicationError.conflict(
+            "tls_certificate: its key is registered by another node; each node's agent needs its own key (leave "
+            "--tls-key-file out and the agent makes one)"
+        )
     hosted = Stage.objects.filter(node=node, active=True).select_related("job").first()  # one at most
     if hosted is not None:
         _node_restarted(node=node, stage=hosted, now=now)
@@ -102,7 +110,7 @@ def node_register(
     node.flops_fp32 = flops_fp32
     node.flops_fp16, node.flops_bf16 = flops_fp16, flops_bf16
     node.public_key = public_key  # a new process has a new key: older receipts verify only against the old
-    node.tls_certificate = tls_certificate
+    node.tls_certificate, node.tls_key_sha256 = tls_certificate, key
     if link is not None:
         _set_link(node, link, now)
     node.registered_at = now

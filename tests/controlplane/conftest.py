@@ -19,6 +19,8 @@ from django.utils import timezone
 from moto.server import ThreadedMotoServer
 from rest_framework.test import APIClient
 
+from arceus.contracts.possession import possession_sign
+from arceus.wire.tls import TlsIdentity, new_identity
 from controlplane.accounts.services import user_token_get_or_create
 from controlplane.celery import CONTROL_QUEUE, app
 from controlplane.jobs.models import Job
@@ -84,6 +86,18 @@ def uncollected_static_files(settings) -> None:  # noqa: ANN001
     collected, hashed files are served in the end-to-end tests (tests/e2e/test_operator_browser.py)."""
     plain = {"BACKEND": "django.contrib.staticfiles.storage.StaticFilesStorage"}
     settings.STORAGES = {**settings.STORAGES, "staticfiles": plain}
+
+
+def agent_register(client: APIClient, body: dict[str, Any], identity: TlsIdentity | None = None) -> Any:
+    """What an agent does to register: sign a fresh challenge with the TLS key of `body`'s certificate (`identity`;
+    by default the one devtools.pipeline made for its address) and post the registration with the proof."""
+    identity = identity or identity_for(body["grpc_address"])
+    answer = client.post("/api/agent/challenge", format="json")
+    if answer.status_code != 200:
+        return answer
+    challenge = answer.json()["challenge"]
+    proof = possession_sign(identity.key_pem, challenge, body["tls_certificate"])
+    return client.post("/api/agent/register", {**body, "challenge": challenge, "tls_proof": proof}, format="json")
 
 
 @pytest.fixture(autouse=True)
@@ -156,16 +170,19 @@ def ready_node(user: User) -> ReadyNode:
     def make(
         name: str,
         *,
-        port: int = 50051,
+        port: int | None = None,
         flops: float = 1e9,
         memory: int = 2**30,
         now: datetime | None = None,
     ) -> Node:
         now = now or timezone.now()
         node, _ = node_create(owner=user, name=name)
+        address = f"127.0.0.1:{port or 50051}"
+        # A key of its own (one key, one node), the address's static-pipeline one where the test names the port.
+        identity = identity_for(address) if port is not None else new_identity()
         node_register(
             node=node,
-            grpc_address=f"127.0.0.1:{port}", tls_certificate=identity_for(f"127.0.0.1:{port}").certificate,
+            grpc_address=address, tls_certificate=identity.certificate,
             device_type="cpu",
             device_name="test cpu",
             memory_bytes=memory,

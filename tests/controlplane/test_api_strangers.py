@@ -55,7 +55,7 @@ OWN_ACCOUNT = {"token-rotate", "password-change"}
 # The node-agent protocol (`Authorization: Node <token>`): objects addressed by id are the caller node's only.
 AGENT_OBJECTS = {"agent-checkpoint", "agent-checkpoint-upload", "agent-initial-weights", "agent-program"}
 # Act on (or read) the calling node itself.
-AGENT_OWN = {"agent-register", "agent-heartbeat", "agent-probe", "agent-leave", "agent-earnings"}
+AGENT_OWN = {"agent-challenge", "agent-register", "agent-heartbeat", "agent-probe", "agent-leave", "agent-earnings"}
 # The Django admin (staff sessions), the sign-up page, and the dashboard's pages and live documents (session
 # login; strangers and other tenants are tested in tests/controlplane/dashboard).
 NOT_REST = {"admin", "signup", "home"} | {
@@ -77,6 +77,7 @@ BODIES: dict[str, Any] = {
     "node-controls": {"max_threads": 1},
     "agent-heartbeat": {"observed": []},
     "agent-probe": {},
+    "agent-challenge": {},
 }
 
 
@@ -355,4 +356,5 @@ def test_bad_bodies_are_400s_naming_the_field_at_every_json_endpoint(
                 assert response.status_code == 400, (what, response.status_code, response.content[:300])
                 assert field in response.json()["errors"], (what, response.json())
                 tried.add(endpoint.name)
-    assert tried == (BODIES.keys() | ACCOUNT_BODIES.keys()) - {"job-train", "network-train", "agent-probe"}
+    assert tried == (BODIES.keys() | ACCOUNT_BODIES.keys()) - {"job-train", "network-train", "agent-probe",
+                                                              "agent-challenge"}  # no body to spoil

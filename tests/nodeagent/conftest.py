@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -12,6 +13,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+
+from arceus.contracts.possession import possession_check
 
 
 @dataclass
@@ -29,6 +32,7 @@ class FakeControlPlane:
     failed_uploads: int = 0  # the next this many PUTs are read whole, then answered 500 (and not kept)
     earnings: dict[str, Any] = field(default_factory=dict)  # what GET /api/agent/earnings answers
     downloads: dict[str, bytes] = field(default_factory=dict)  # path with its query -> what a GET of it answers
+    challenges: list[str] = field(default_factory=list)  # issued to registering agents, newest last
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def heartbeats(self) -> list[Any]:
@@ -40,7 +44,14 @@ class FakeControlPlane:
             self.requests.append((path, headers, body))
             if headers.get("Authorization") != f"Node {self.token}":
                 return 401, b'{"detail": "Invalid node token."}'
-            if path == "/api/agent/register":
+            if path == "/api/agent/challenge":
+                self.challenges.append(secrets.token_urlsafe(16))
+                reply = {"challenge": self.challenges[-1], "expires_in_seconds": 300}
+            elif path == "/api/agent/register":
+                try:  # as the control plane checks it
+                    possession_check(body["tls_certificate"], self.challenges[-1], body["tls_proof"])
+                except (ValueError, KeyError, IndexError) as exc:
+                    return 400, json.dumps({"detail": f"tls_proof: {exc}"}).encode()
                 reply = {"node_id": "node-1", "heartbeat_interval_seconds": self.interval}
             elif path == "/api/agent/heartbeat":
                 if self.heartbeat_override is not None:

@@ -16,10 +16,12 @@ from safetensors.torch import save_file
 from arceus.checkpoint import CheckpointError, StateFile, checkpoint_digest, encode_checkpoint
 from arceus.contracts.assignment import Assignment, CheckpointRef, InitialWeightsRef
 from arceus.contracts.credentials import token_digest
+from arceus.contracts.possession import possession_check
 from arceus.model.build import build_full_model, build_layers, named_global_parameters
 from arceus.model.hugging_face import initial_weights_layer_digests, initial_weights_slice, initial_weights_slice_bytes
 from arceus.model.llama.hf import hf_name
 from arceus.model.registry import model_spec_from_config
+from arceus.wire.tls import new_identity
 from devtools.pipeline import pipeline_assignments
 from nodeagent.agent import Agent
 from nodeagent.control_plane import (
@@ -59,25 +61,29 @@ def agent() -> Iterator[Agent]:
         a.stop(grace=1)
 
 
-def test_register_sends_the_contract(control_plane) -> None:  # noqa: ANN001 - fixture from conftest
+def test_register_sends_the_contract_with_a_proof_of_its_key(control_plane) -> None:  # noqa: ANN001 - conftest
     client = ControlPlaneClient(control_plane.url + "/", control_plane.token)
     caps = {"device_type": "cpu", "device_name": "x", "memory_bytes": 1, "flops_fp32": 2.0}
-    registration = client.register("127.0.0.1:5000", caps, "ab" * 32, "CERT")
+    identity = new_identity()
+    registration = client.register("127.0.0.1:5000", caps, "ab" * 32, identity)
     assert (registration.node_id, registration.heartbeat_interval_seconds) == ("node-1", 0.5)
-    path, headers, body = control_plane.requests[0]
-    assert path == "/api/agent/register"
+    assert [path for path, _, _ in control_plane.requests] == ["/api/agent/challenge", "/api/agent/register"]
+    _, headers, body = control_plane.requests[1]
     assert headers["Authorization"] == "Node good-token"
+    proof = body.pop("tls_proof")
     assert body == {
-        "grpc_address": "127.0.0.1:5000", "capabilities": caps, "public_key": "ab" * 32, "tls_certificate": "CERT"
+        "grpc_address": "127.0.0.1:5000", "capabilities": caps, "public_key": "ab" * 32,
+        "tls_certificate": identity.certificate, "challenge": control_plane.challenges[0],
     }
-    client.register("127.0.0.1:5000", caps, "ab" * 32, "CERT", metrics_port=9400)
-    assert control_plane.requests[1][2] == {**body, "metrics_port": 9400}  # where Prometheus scrapes it
+    possession_check(identity.certificate, control_plane.challenges[0], proof)  # the fake checks it too
+    client.register("127.0.0.1:5000", caps, "ab" * 32, identity, metrics_port=9400)
+    assert control_plane.requests[3][2]["metrics_port"] == 9400  # where Prometheus scrapes it
 
 
 def test_rejected_token_is_unauthorized(control_plane) -> None:  # noqa: ANN001
     client = ControlPlaneClient(control_plane.url, "wrong")
     with pytest.raises(Unauthorized, match="rejected the node token"):
-        register_until_accepted(client, "h:1", {}, "", "CERT", stop=threading.Event())
+        register_until_accepted(client, "h:1", {}, "", new_identity(), stop=threading.Event())
     with pytest.raises(Unauthorized, match=r"check the token \(ARCEUS_NODE_TOKEN or the token file\)"):
         client.heartbeat([])
 
@@ -85,10 +91,10 @@ def test_rejected_token_is_unauthorized(control_plane) -> None:  # noqa: ANN001
 def test_unreachable_control_plane_is_retried_until_stopped() -> None:
     client = ControlPlaneClient("http://127.0.0.1:9", "t", timeout=0.5)
     with pytest.raises(ControlPlaneError, match="failed"):
-        client.register("h:1", {}, "", "CERT")
+        client.register("h:1", {}, "", new_identity())
     stop = threading.Event()
     threading.Timer(0.3, stop.set).start()
-    assert register_until_accepted(client, "h:1", {}, "", "CERT", stop=stop, min_backoff=0.05) is None
+    assert register_until_accepted(client, "h:1", {}, "", new_identity(), stop=stop, min_backoff=0.05) is None
 
 
 def test_heartbeat_applies_assignments_and_reports_readiness_at_once(control_plane, agent: Agent) -> None:  # noqa: ANN001

@@ -20,7 +20,7 @@ def linked_node(user, name: str, bandwidth: float, rtt: float = 0.001) -> None: 
     node, _ = node_create(owner=user, name=name)
     now = timezone.now()
     node_register(node=node, grpc_address=f"10.0.0.{len(name)}:5005",
-                  tls_certificate=identity_for(f"10.0.0.{len(name)}:5005").certificate,
+                  tls_certificate=identity_for(f"10.0.0.{len(name)}:5005/{name}").certificate,  # a key each
                   device_type="cpu", device_name="cpu",
                   memory_bytes=2**30, flops_fp32=1e9, now=now,
                   link={"rtt_seconds": rtt, "bandwidth_bytes_per_second": bandwidth})

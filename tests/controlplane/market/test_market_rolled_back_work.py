@@ -21,6 +21,7 @@ from controlplane.market.models import LedgerEntry, PriceChange
 from controlplane.nodes.device_class import node_device_class
 from controlplane.nodes.models import Node
 from devtools.pipeline import identity_for
+from tests.controlplane.conftest import agent_register
 from tests.controlplane.jobs import test_jobs_checkpoints as checkpoints
 from tests.controlplane.jobs.test_jobs_checkpoints import DRIVER, save
 
@@ -66,7 +67,7 @@ def restart(job: Job, agents: list[tuple[Node, APIClient]], *, index: int) -> No
     [client] = [c for n, c in agents if n.pk == node.pk]
     body = {"grpc_address": node.grpc_address, "tls_certificate": identity_for(node.grpc_address).certificate,
             "capabilities": {"device_type": "cpu", "device_name": "test cpu", "memory_bytes": 2**30, "flops_fp32": 1e9}}
-    assert client.post("/api/agent/register", body, format="json").status_code == 200
+    assert agent_register(client, body).status_code == 200
     reconcile_once()
     return node
 

@@ -26,6 +26,7 @@ from controlplane.nodes.models import Node
 from controlplane.nodes.selectors import node_unavailable_reason
 from controlplane.nodes.services import node_create
 from devtools.pipeline import identity_for
+from tests.controlplane.conftest import agent_register
 
 pytestmark = pytest.mark.django_db
 
@@ -107,12 +108,12 @@ def test_agents_report_key_low_precision_rates_and_link(api: APIClient, user) ->
     caps = {"device_type": "cpu", "memory_bytes": 2**30, "flops_fp32": 1e10, "flops_fp16": 2e10, "flops_bf16": None,
             "link": {"rtt_seconds": 0.02, "bandwidth_bytes_per_second": 1e7}}
     certificate = identity_for("127.0.0.1:5").certificate
-    bad = agent.post("/api/agent/register", {"grpc_address": "127.0.0.1:5", "capabilities": caps,
-                                             "public_key": "not-a-key", "tls_certificate": certificate}, format="json")
+    bad = agent_register(agent, {"grpc_address": "127.0.0.1:5", "capabilities": caps,
+                                 "public_key": "not-a-key", "tls_certificate": certificate})
     assert bad.status_code == 400 and "public_key" in bad.json()["errors"]
     key = ReceiptSigner().public_key_hex
-    ok = agent.post("/api/agent/register", {"grpc_address": "127.0.0.1:5", "capabilities": caps, "public_key": key,
-                                            "tls_certificate": certificate}, format="json")
+    ok = agent_register(agent, {"grpc_address": "127.0.0.1:5", "capabilities": caps, "public_key": key,
+                                "tls_certificate": certificate})
     assert ok.status_code == 200, ok.json()
     shown = api.get(f"/api/nodes/{node.id}").json()
     assert (shown["public_key"], shown["flops_fp16"], shown["flops_bf16"], shown["flag"]) == (key, 2e10, None, None)

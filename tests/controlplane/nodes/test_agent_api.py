@@ -16,6 +16,7 @@ from controlplane.nodes.models import Node
 from controlplane.nodes.serializers import AssignmentOutput
 from controlplane.nodes.services import node_create
 from devtools.pipeline import identity_for, rank_credentials
+from tests.controlplane.conftest import agent_register
 
 pytestmark = pytest.mark.django_db
 
@@ -38,7 +39,7 @@ def register(client: APIClient, address: str = "127.0.0.1:50051", **caps: Any) -
     top = {name: caps.pop(name) for name in ("metrics_port",) if name in caps}
     body = {"grpc_address": address, "capabilities": {**CAPABILITIES, **caps},
             "tls_certificate": identity_for(address).certificate, **top}
-    return client.post("/api/agent/register", body, format="json")
+    return agent_register(client, body)
 
 
 def heartbeat(client: APIClient, observed: list[dict[str, Any]] | None = None) -> Any:
@@ -156,12 +157,13 @@ def test_heartbeat_marks_the_node_ready_and_nudges_the_reconciler_only_on_change
     assert steady == []  # nothing changed: no message
 
 
-def three_agents(user) -> list[tuple[Node, APIClient]]:
+def three_agents(user, first: int = 1) -> list[tuple[Node, APIClient]]:  # noqa: ANN001
+    """Three registered, heartbeating nodes at 10.0.0.<first>.. (each address its own agent's key)."""
     agents = []
     for i in range(3):
         node, token = node_create(owner=user, name=f"agent-{i}")
         client = agent_client(token)
-        assert register(client, f"10.0.0.{i + 1}:5005{i}").status_code == 200
+        assert register(client, f"10.0.0.{first + i}:5005{i}").status_code == 200
         assert heartbeat(client).status_code == 200
         agents.append((node, client))
     return agents

@@ -17,6 +17,7 @@ from controlplane.nodes.liveness import lease_of
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_create, node_heartbeat, node_register
 from devtools.pipeline import identity_for
+from tests.controlplane.conftest import agent_register
 
 AT = datetime(2026, 1, 1, 23, 30, tzinfo=UTC)
 
@@ -80,7 +81,7 @@ def test_agents_report_host_load_and_receive_the_thread_cap(user) -> None:
     caps = {"device_type": "cpu", "device_name": "cpu", "memory_bytes": 2**33, "flops_fp32": 1e11}
     body = {"grpc_address": "10.0.0.1:5000", "capabilities": caps,
             "tls_certificate": identity_for("10.0.0.1:5000").certificate}
-    assert client.post("/api/agent/register", body, format="json").status_code == 200
+    assert agent_register(client, body).status_code == 200
     reply = client.post("/api/agent/heartbeat", {"observed": [], "host_busy_fraction": 0.75}, format="json")
     assert reply.status_code == 200 and reply.json()["controls"] == {"max_threads": 2, "max_memory_bytes": 2**30}
     assert lease_of(node.pk, timezone.now()).host_busy_fraction == 0.75

@@ -16,6 +16,7 @@ from controlplane.nodes.links import _neighbour_nodes
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_create
 from devtools.pipeline import identity_for
+from tests.controlplane.conftest import agent_register
 
 pytestmark = pytest.mark.django_db
 HOME, ELSEWHERE = "203.0.113.7", "198.51.100.20"
@@ -30,7 +31,7 @@ def register(user: User, name: str, public_ip: str, lan_address: str | None, **h
     body = {"grpc_address": address, "capabilities": CAPABILITIES, "tls_certificate": identity_for(address).certificate}
     if lan_address is not None:
         body["lan_address"] = lan_address
-    response = client.post("/api/agent/register", body, format="json")
+    response = agent_register(client, body)
     assert response.status_code == 200, response.json()
     node.refresh_from_db()
     return node, client
@@ -89,7 +90,7 @@ def test_a_lan_address_must_be_a_private_ip(user: User, address: str) -> None:
     client.credentials(HTTP_AUTHORIZATION=f"Node {token}")
     body = {"grpc_address": "n.example.org:1", "capabilities": CAPABILITIES, "lan_address": address,
             "tls_certificate": identity_for("n.example.org:1").certificate}
-    response = client.post("/api/agent/register", body, format="json")
+    response = agent_register(client, body)
     assert response.status_code == 400 and "lan_address" in response.json()["errors"]
 
 

@@ -54,7 +54,7 @@ def test_a_node_silent_in_redis_loses_its_stage_and_a_late_heartbeat_does_not_un
     agents = dict(three_agents(user))
     job = queued_job()
     reconcile_once()
-    three_agents(user)  # spares
+    three_agents(user, first=4)  # spares
     silent = Stage.objects.get(job=job, index=1).node
     lease_renew(node_id=silent.pk, now=timezone.now() - timedelta(seconds=60))
     reconcile_once()

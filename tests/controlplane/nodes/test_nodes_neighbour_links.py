@@ -23,6 +23,7 @@ from controlplane.nodes.models import Node, NodeLink
 from controlplane.nodes.services import node_create, node_heartbeat, node_register
 from devtools.pipeline import identity_for
 from nodeagent.agent import Agent
+from tests.controlplane.conftest import agent_register
 
 pytestmark = pytest.mark.django_db
 CAPABILITIES = {"device_type": "cpu", "device_name": "cpu", "memory_bytes": 2**30, "flops_fp32": 1e9,
@@ -60,7 +61,7 @@ def pipeline(user, agents: list[Agent], queued_job) -> list[tuple[Node, APIClien
         client = agent_client(token)
         body = {"grpc_address": a.advertise_address, "capabilities": CAPABILITIES,
                 "tls_certificate": a.identity.certificate}
-        response = client.post("/api/agent/register", body, format="json")
+        response = agent_register(client, body, a.identity)
         assert response.status_code == 200, response.json()
         assert heartbeat(client).status_code == 200
         placed.append((node, client, a))
@@ -134,7 +135,7 @@ def test_malformed_link_reports_are_refused_and_change_nothing(user, links: Any,
     client = agent_client(token)
     body = {"grpc_address": "127.0.0.1:6002", "capabilities": CAPABILITIES,
             "tls_certificate": identity_for("127.0.0.1:6002").certificate}
-    assert client.post("/api/agent/register", body, format="json").status_code == 200
+    assert agent_register(client, body).status_code == 200
     renewed = lease_of(node.pk, timezone.now()).renewed_at
     response = heartbeat(client, neighbour_links=links)
     assert response.status_code == 400

@@ -64,14 +64,28 @@ def test_a_sweep_records_an_answering_agent_direct_and_a_silent_one_relayed(user
     impostor = register(user, "wrong-certificate", agent.advertise_address, identity_for("elsewhere").certificate)
     assert {n.reachability for n in (answering, silent, impostor)} == {Reachability.UNKNOWN}
 
-    assert nodes_check_reachability() == {Reachability.DIRECT: 1, Reachability.RELAYED: 2}
+    assert nodes_check_reachability() == {Reachability.DIRECT: 1, Reachability.RELAYED: 2, Reachability.UNKNOWN: 0}
     found = dict(Node.objects.filter(owner=user).values_list("name", "reachability"))
     # An agent that answers but not as the certificate its node registered is not the node's agent.
     assert found == {"open": Reachability.DIRECT, "behind-a-router": Reachability.RELAYED,
                      "wrong-certificate": Reachability.RELAYED}
-    assert nodes_check_reachability() == {Reachability.DIRECT: 0, Reachability.RELAYED: 0}  # nothing left unknown
+    nothing = {Reachability.DIRECT: 0, Reachability.RELAYED: 0, Reachability.UNKNOWN: 0}
+    assert nodes_check_reachability() == nothing  # nothing left unknown
     devices = {view.name: view.device() for view in node_views(registered_nodes())}
     assert not devices["open"].relayed and devices["behind-a-router"].relayed  # placement's view
+
+
+def test_an_address_answers_for_one_node_at_a_time(user: User, agent: Agent, settings) -> None:  # noqa: ANN001
+    """A node found direct at an address keeps it only while its own key answers there: when another node's agent
+    answers at that address, the older node is dialled again and, its key gone from there, found relayed."""
+    settings.ARCEUS_REACHABILITY_TIMEOUT_SECONDS = 1.0
+    earlier = register(user, "earlier", agent.advertise_address, identity_for("an earlier agent").certificate)
+    Node.objects.filter(pk=earlier.pk).update(reachability=Reachability.DIRECT)  # found there by an earlier sweep
+    register(user, "now", agent.advertise_address, agent.identity.certificate)
+    assert nodes_check_reachability() == {Reachability.DIRECT: 1, Reachability.RELAYED: 0, Reachability.UNKNOWN: 1}
+    assert nodes_check_reachability() == {Reachability.DIRECT: 0, Reachability.RELAYED: 1, Reachability.UNKNOWN: 0}
+    found = dict(Node.objects.filter(owner=user).values_list("name", "reachability"))
+    assert found == {"earlier": Reachability.RELAYED, "now": Reachability.DIRECT}
 
 
 def test_registrations_queue_one_sweep_until_it_starts(user: User, reachability_queue,  # noqa: ANN001

@@ -34,6 +34,7 @@ from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_create
 from devtools.pipeline import identity_for
 from tasks.control import reconcile
+from tests.controlplane.conftest import agent_register
 
 # The quiet path reads through connections of its own, and Django's threads close theirs around each request: what
 # a test writes must be committed to be seen.
@@ -126,9 +127,8 @@ def unready(user: Any, name: str, port: int = 50051) -> tuple[Node, str]:
     client = APIClient()
     client.credentials(HTTP_AUTHORIZATION=f"Node {token}")
     address = f"127.0.0.1:{port}"
-    response = client.post("/api/agent/register", {"grpc_address": address, "capabilities": CAPABILITIES,
-                                                   "tls_certificate": identity_for(address).certificate},
-                           format="json")
+    response = agent_register(client, {"grpc_address": address, "capabilities": CAPABILITIES,
+                                       "tls_certificate": identity_for(address).certificate})
     assert response.status_code == 200, response.content
     return node, token
 
