@@ -96,4 +96,6 @@ def test_the_seed_transformer_flow_names_only_its_text_file(user: User, data_roo
 def test_a_seed_source_the_data_root_lacks_is_a_400_naming_it(user: User, data_root: Path) -> None:
     response = logged_in(user).post("/api/jobs", SEED_TRANSFORMER_JOB, format="json")
     assert response.status_code == 400
-    assert response.json()["errors"] == {"dataset_config.source": ["no file 'gpt/data.txt' in the data root"]}
+    assert response.json()["errors"] == {
+        "dataset_config.source": ["no readable file 'gpt/data.txt' in the data root: name a file under it"]
+    }
