@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from controlplane.celery import TRAIN_JOB_TASK, app
-from controlplane.jobs.driving import job_drive
+from controlplane.driver.driving import job_drive
 
 
 @app.task(name=TRAIN_JOB_TASK)

@@ -123,7 +123,7 @@ class Job(BaseModel):
     )
     # The driver's last word on the job (facts the reconciler's rules act on while `driver_outcome_generation` is
     # the job's generation): it trained to the end ("succeeded", with a summary) or cannot train it ("failed": the
-    # reason and message). controlplane/jobs/progress.py records it under the driver lease.
+    # reason and message). controlplane/driver/progress.py records it under the driver lease.
     driver_outcome = models.CharField(max_length=16, blank=True)
     driver_outcome_reason = models.CharField(max_length=64, blank=True)
     driver_outcome_message = models.TextField(blank=True)

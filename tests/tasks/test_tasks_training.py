@@ -13,7 +13,7 @@ import pytest
 from django.utils import timezone
 
 from controlplane.controller.executor import reconcile_once
-from controlplane.jobs.driving import train_plan
+from controlplane.driver.driving import train_plan
 from controlplane.jobs.models import EpochMetric, Job, LossPoint, Stage
 from controlplane.jobs.services import job_start, job_submit
 from tasks.control import reconcile

@@ -17,7 +17,7 @@ from django.utils import timezone
 from arceus.data.text_config import BUNDLED_TEXT
 from controlplane.controller.actions import MarkNodeUnknown, RewindJob, StartDriver
 from controlplane.controller.executor import reconcile_once
-from controlplane.jobs.driving import train_plan
+from controlplane.driver.driving import train_plan
 from controlplane.jobs.models import (
     Checkpoint,
     Job,

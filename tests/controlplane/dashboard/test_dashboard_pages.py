@@ -17,9 +17,9 @@ from rest_framework.test import APIClient
 
 from arceus.training.plan import StageTiming
 from controlplane.controller.executor import reconcile_once
+from controlplane.driver.progress import StepPoint, job_record_steps
 from controlplane.jobs.leases import job_driver_claim
 from controlplane.jobs.models import Checkpoint, Job, Stage, StageContribution
-from controlplane.jobs.progress import StepPoint, job_record_steps
 from controlplane.market.models import PriceChange, SpotCheck
 from controlplane.market.services import prices_reprice
 from controlplane.nodes.models import Node, Reachability

@@ -14,9 +14,9 @@ from rest_framework.test import APIClient
 from arceus.contracts.counters import StageCounters
 from controlplane.controller.executor import reconcile_once
 from controlplane.controller.transitions import job_rewind
+from controlplane.driver.progress import StepPoint, job_finish, job_record_steps
 from controlplane.jobs.leases import job_driver_claim
 from controlplane.jobs.models import Job, Stage
-from controlplane.jobs.progress import StepPoint, job_finish, job_record_steps
 from controlplane.market.models import LedgerEntry, PriceChange
 from controlplane.nodes.device_class import node_device_class
 from controlplane.nodes.models import Node

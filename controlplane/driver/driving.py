@@ -29,12 +29,12 @@ from controlplane.common import metrics
 from controlplane.common.db import reconnecting
 from controlplane.common.errors import ApplicationError
 from controlplane.datasets.selectors import dataset_open
+from controlplane.driver.progress import job_finish, job_record_failure
+from controlplane.driver.sink import DbProgressSink
 from controlplane.jobs.credentials import job_driver_token
 from controlplane.jobs.leases import job_driver_claim, job_driver_interrupted, job_driver_renew
 from controlplane.jobs.models import Job
-from controlplane.jobs.progress import job_finish, job_record_failure
 from controlplane.jobs.selectors import job_stage_endpoints
-from controlplane.jobs.sink import DbProgressSink
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")

@@ -14,9 +14,7 @@ from arceus.contracts.counters import StageCounters
 from arceus.training.plan import StageTiming
 from controlplane.controller.executor import reconcile_once
 from controlplane.controller.transitions import job_fail
-from controlplane.jobs.leases import job_driver_claim
-from controlplane.jobs.models import EpochMetric, Job, LossPoint, Stage
-from controlplane.jobs.progress import (
+from controlplane.driver.progress import (
     StepPoint,
     job_finish,
     job_record_epoch,
@@ -24,6 +22,8 @@ from controlplane.jobs.progress import (
     job_record_steps,
     stage_timings_mean,
 )
+from controlplane.jobs.leases import job_driver_claim
+from controlplane.jobs.models import EpochMetric, Job, LossPoint, Stage
 from controlplane.jobs.selectors import job_loss_curve
 from controlplane.jobs.services import job_cancel
 

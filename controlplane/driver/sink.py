@@ -26,9 +26,9 @@ from arceus.training import EpochResult, StageEndpoint, StageStateFile, StageTim
 from controlplane.common import metrics
 from controlplane.common.db import reconnecting
 from controlplane.common.errors import ApplicationError
+from controlplane.driver.progress import StepPoint, job_record_epoch, job_record_steps, stage_timings_mean
 from controlplane.jobs.checkpoints import checkpoint_save, checkpoint_uploads_open
 from controlplane.jobs.leases import job_driver_handover, job_handover_requested
-from controlplane.jobs.progress import StepPoint, job_record_epoch, job_record_steps, stage_timings_mean
 from controlplane.market.verification import spot_checks_record
 
 log = logging.getLogger(__name__)
