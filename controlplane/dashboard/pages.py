@@ -24,8 +24,8 @@ from controlplane.common.errors import ApplicationError
 from controlplane.dashboard.forms import JobSubmitForm, NodeControlsForm
 from controlplane.dashboard.selectors import dashboard_job, dashboard_jobs, dashboard_market, dashboard_nodes
 from controlplane.jobs.selectors import job_get_for_user
-from controlplane.jobs.serializers import JobSubmitInput
 from controlplane.jobs.services import job_cancel, job_start, job_submit
+from controlplane.jobs_api.serializers import JobSubmitInput
 from controlplane.nodes.selectors import node_get_for_user
 from controlplane.nodes.serializers import NodeControlsInput
 from controlplane.nodes.services import node_set_controls, node_set_paused

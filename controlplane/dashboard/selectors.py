@@ -16,7 +16,7 @@ from arceus.errors import SpecError
 from arceus.model.registry import architecture_of, model_spec_from_config
 from controlplane.jobs.models import Job, StageContribution
 from controlplane.jobs.selectors import job_list_for_user, job_stages
-from controlplane.jobs.serializers import JobDetailOutput, JobListOutput
+from controlplane.jobs_api.serializers import JobDetailOutput, JobListOutput
 from controlplane.market.models import PriceChange, SpotCheck
 from controlplane.market.selectors import job_cost, node_earnings, prices_current
 from controlplane.market.serializers import EarningsOutput, JobCostOutput, PriceOutput

@@ -2,7 +2,7 @@
 
 from django.urls import re_path
 
-from controlplane.jobs.api import (
+from controlplane.jobs_api.api import (
     JobCancelApi,
     JobDetailApi,
     JobEstimateApi,

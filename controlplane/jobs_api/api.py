@@ -24,7 +24,9 @@ from controlplane.jobs.estimate import estimate_get_for_user, estimate_request
 from controlplane.jobs.programs import job_program_receive
 from controlplane.jobs.sampling import job_sample
 from controlplane.jobs.selectors import job_get_for_user, job_list_for_user
-from controlplane.jobs.serializers import (
+from controlplane.jobs.services import job_cancel, job_initialize, job_start, job_submit, job_train
+from controlplane.jobs.serving import job_serve
+from controlplane.jobs_api.serializers import (
     EstimateStatusOutput,
     JobDetailOutput,
     JobListOutput,
@@ -34,8 +36,6 @@ from controlplane.jobs.serializers import (
     JobStartInput,
     JobSubmitInput,
 )
-from controlplane.jobs.services import job_cancel, job_initialize, job_start, job_submit, job_train
-from controlplane.jobs.serving import job_serve
 
 JOB_ID = OpenApiParameter("job_id", str, OpenApiParameter.PATH, description="Job UUID")
 ESTIMATE_ID = OpenApiParameter("estimate_id", str, OpenApiParameter.PATH, description="Estimate UUID")
