@@ -4,6 +4,8 @@ spinning is capped."""
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 
 from nodeagent.openmp import cap_openmp_spin
@@ -17,4 +19,11 @@ def main() -> int:
     cap_openmp_spin()  # before nodeagent.cli imports torch
     from nodeagent.cli import main as cli_main
 
-    return cli_main(argv)
+    code = cli_main(argv)
+    # The agent has stopped: its server is down, its stages dropped, nothing is left to do. Python's own teardown
+    # (module by module, with full collections over every object torch and gRPC made) can take longer on a busy
+    # machine than a supervisor waits for a stopped process (devtools.launch, systemd) before it kills it.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -197,3 +197,20 @@ def test_a_second_signal_stops_at_once_and_a_stage_that_never_moves_times_out(co
     finally:
         agent.kill()
     assert "leaving timed out after 0.5s with a stage still assigned; stopping anyway" in agent.log_text()
+
+
+def test_a_stopped_agent_exits_without_waiting_for_the_interpreters_teardown(tmp_path: Path) -> None:
+    """Once stopped, the agent ends its process: a teardown that would outlast the supervisor's wait (here an
+    exit handler that sleeps, as a busy machine's collections over torch's objects did) is skipped."""
+    path = tmp_path / "static.json"
+    path.write_text(json.dumps([ASSIGNMENT]))
+    slow = tmp_path / "slow_teardown"
+    slow.mkdir()
+    (slow / "sitecustomize.py").write_text("import atexit, time\natexit.register(time.sleep, 60)\n")
+    python_path = os.pathsep.join(p for p in (str(slow), os.environ.get("PYTHONPATH", "")) if p)
+    agent = spawn_agent(["--static-assignment", str(path), "--threads", "1"], log_path=tmp_path / "agent.log",
+                        env={**os.environ, "PYTHONPATH": python_path})
+    started = time.monotonic()
+    assert stop_agents([agent], timeout=10.0) == [0]
+    assert time.monotonic() - started < 10.0
+    assert agent.log_text().rstrip().endswith("INFO nodeagent: stopped")
