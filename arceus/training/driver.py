@@ -498,7 +498,7 @@ def _timing(index: int, reply: stage_pb2.RunStepReply, wall_seconds: float) -> S
     def bounded(value: float) -> float:
         return min(max(value, 0.0), wall_seconds) if math.isfinite(value) else wall_seconds
 
-    return StageTiming(index, bounded(reply.compute_seconds), bounded(reply.wait_seconds))
+    return StageTiming(index, bounded(reply.compute_seconds), bounded(reply.wait_seconds), wall_seconds)
 
 
 def _await_all(calls: list[tuple[StageClient, str, grpc.Future | Future[None]]]) -> list:

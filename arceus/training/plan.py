@@ -158,11 +158,13 @@ class TrainPlan:
 @dataclass(frozen=True)
 class StageTiming:
     """How one stage (its rank 0) spent one step, as its agent reported it within the wall time the driver
-    measured: computing, and waiting for its inputs and sends (the pipeline bubble it saw)."""
+    measured: computing, and waiting for its inputs and sends (the pipeline bubble it saw); and that wall time,
+    the driver's own clock from the call to the reply (what the market measures speed by: no agent shortens it)."""
 
     index: int
     compute_seconds: float
     wait_seconds: float
+    wall_seconds: float = 0.0  # 0: not measured
 
 
 @dataclass

@@ -42,7 +42,7 @@ from controlplane.jobs.models import Checkpoint, Job, Stage, StageCheckpoint
 from controlplane.market.models import SpotCheck
 from controlplane.market.services import price_in_force
 from controlplane.nodes.availability import in_windows, unavailable_reason
-from controlplane.nodes.device_class import device_class
+from controlplane.nodes.device_class import device_class, market_flops
 from controlplane.nodes.links import nodes_worst_neighbour_link
 from controlplane.nodes.liveness import Liveness, leases_read
 from controlplane.nodes.models import Node, NodeLease, Reachability
@@ -63,10 +63,10 @@ def load_snapshot(now: datetime | None = None) -> tuple[Desired, Observed]:
 
 # What the planner reads of a node: rows of plain values, not model instances (10,000 of those cost seconds).
 NODE_FIELDS = (
-    "id", "name", "ready_status", "flops_fp32", "memory_bytes", "max_memory_bytes", "runtime_memory_bytes",
-    "device_type", "control_plane_bandwidth_bytes_per_second", "control_plane_rtt_seconds", "paused", "flagged_at",
-    "flag_reason", "leaving_at", "work_windows", "idle_only", "idle_cpu_threshold", "lease__renewed_at",
-    "lease__duration_seconds", "reachability",
+    "id", "name", "ready_status", "flops_fp32", "flops_measured", "memory_bytes", "max_memory_bytes",
+    "runtime_memory_bytes", "device_type", "control_plane_bandwidth_bytes_per_second", "control_plane_rtt_seconds",
+    "paused", "flagged_at", "flag_reason", "leaving_at", "work_windows", "idle_only", "idle_cpu_threshold",
+    "lease__renewed_at", "lease__duration_seconds", "reachability",
 )
 
 
@@ -86,7 +86,8 @@ def _prepared(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     rows = list(rows)
     for row in rows:
         row["id"] = str(row["id"])
-        row["device_class"] = device_class(row["flops_fp32"] or 0.0, row["memory_bytes"] or 0)
+        row["flops"] = market_flops(row["flops_fp32"], row["flops_measured"])  # measured, not declared
+        row["device_class"] = device_class(row["flops"], row["memory_bytes"] or 0)
     return rows
 
 
@@ -200,7 +201,7 @@ def _node_view(
         ready_status=row["ready_status"],
         lease_renewed_at=liveness.renewed_at,
         lease_duration_seconds=row["lease__duration_seconds"],
-        flops=row["flops_fp32"] or 0.0,
+        flops=row["flops"],
         memory_bytes=memory,
         paused=reason is not None,
         pause_reason=reason or "",

@@ -25,6 +25,7 @@ from controlplane.common.dispatch import reconcile_soon
 from controlplane.jobs.leases import held, renewed
 from controlplane.jobs.models import EpochMetric, Job, LossPoint, Stage, StageContribution
 from controlplane.market.services import ledger_record_work
+from controlplane.nodes.models import Node
 
 # The work a stage's agent counts, as stage rows, contributions and ledger entries store it.
 COUNTER_FIELDS = ("samples", "micro_batches", "compute_seconds", "bytes_sent", "bytes_received")
@@ -85,7 +86,30 @@ def job_record_steps(
         Stage.objects.filter(job_id=job_id, active=True, index=t.index, rank=0).update(
             step_compute_seconds=_finite(t.compute_seconds), step_wait_seconds=_finite(t.wait_seconds)
         )
+    _measure_nodes(job_id, timings, now)
     return True
+
+
+def _measure_nodes(job_id: Any, timings: Sequence[StageTiming], now: datetime) -> None:
+    """Each hosting node's speed as the driver measured it (what the market prices and places it by): its stage's
+    FLOPs per step over the step's wall time on the driver's clock, the longest of the stages' calls. No node can
+    shorten that time: a step ends only when every stage's forward and backward are done, so the figure is at most
+    the node's real speed (its share of the pipeline's bubble counts against it), whatever the node reports."""
+    wall = max((t.wall_seconds for t in timings if math.isfinite(t.wall_seconds)), default=0.0)
+    if wall <= 0:
+        return
+    rows = list(Stage.objects.filter(job_id=job_id, active=True, node__isnull=False).select_related("job"))
+    ranks = Counter(s.index for s in rows)
+    timed = {t.index for t in timings}
+    for stage in rows:
+        if stage.index in timed:
+            per_step = 3.0 * _batch_size(stage) * _stage_flops_per_sample(stage, ranks[stage.index])
+            if per_step > 0:
+                Node.objects.filter(pk=stage.node_id).update(flops_measured=per_step / wall, flops_measured_at=now)
+
+
+def _batch_size(stage: Stage) -> int:
+    return int((stage.job.dataset_config or {}).get("batch_size") or 0)
 
 
 def stage_timings_mean(steps: Sequence[Sequence[StageTiming]]) -> list[StageTiming]:
@@ -99,6 +123,7 @@ def stage_timings_mean(steps: Sequence[Sequence[StageTiming]]) -> list[StageTimi
             index,
             sum(t.compute_seconds for t in ts) / len(ts),
             sum(t.wait_seconds for t in ts) / len(ts),
+            sum(t.wall_seconds for t in ts) / len(ts),
         )
         for index, ts in sorted(by_index.items())
     ]

@@ -93,6 +93,11 @@ class NodeOutput(serializers.Serializer):
     flops_fp32 = serializers.FloatField(allow_null=True)
     flops_fp16 = serializers.FloatField(allow_null=True)
     flops_bf16 = serializers.FloatField(allow_null=True)
+    flops_measured = serializers.FloatField(
+        allow_null=True, help_text="fp32 FLOP/s the training driver measured; the node is priced and placed by it, "
+        "flops_fp32 (the agent's own figure) only bounding it; null: not measured yet (then priced and placed as at "
+        "most a laptop)",
+    )
     link = serializers.SerializerMethodField(
         help_text="Round trip and bandwidth to the control plane; null: not measured"
     )

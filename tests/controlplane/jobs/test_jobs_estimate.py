@@ -19,11 +19,16 @@ pytestmark = pytest.mark.django_db
 
 @pytest.fixture
 def offered(ready_node) -> list[Node]:
-    return [
+    nodes = [
         ready_node("fast", port=50051, flops=4e11, memory=16 * 2**30),
         ready_node("slow", port=50052, flops=1e11, memory=16 * 2**30),
         ready_node("tiny", port=50053, flops=1e11, memory=2**20),
     ]
+    # As earlier jobs' drivers measured them: the market goes by that, not by what the agents declared.
+    for node in nodes:
+        Node.objects.filter(pk=node.pk).update(flops_measured=node.flops_fp32)
+        node.refresh_from_db()
+    return nodes
 
 
 @pytest.fixture
