@@ -1,6 +1,6 @@
-"""Measured, not declared (controlplane/nodes/device_class.py `market_flops`, controlplane/jobs/progress.py): a device is
-priced and placed by the speed the training driver measured of it on its own clock; what its agent declares only
-bounds that from above, and before any measurement it counts as at most a laptop."""
+"""Measured, not declared (controlplane/nodes/device_class.py `market_flops`, controlplane/jobs/progress.py): a
+device is priced and placed by the speed the training driver measured of it on its own clock; what its agent
+declares only bounds that from above, and before any measurement it counts as at most a laptop."""
 
 from __future__ import annotations
 
