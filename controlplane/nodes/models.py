@@ -44,7 +44,7 @@ class Node(BaseModel):
     flops_fp32 = models.FloatField(null=True, blank=True)
     flops_fp16 = models.FloatField(null=True, blank=True, help_text="measured fp16 matmul FLOP/s; null: unsupported")
     flops_bf16 = models.FloatField(null=True, blank=True, help_text="measured bf16 matmul FLOP/s; null: unsupported")
-    # The fp32 FLOP/s the training driver measured (controlplane/jobs/progress.py): what the market prices and
+    # The fp32 FLOP/s the training driver measured (controlplane/driver/progress.py): what the market prices and
     # places the device by, the agent's own figures above only bounding it (controlplane/nodes/device_class.py).
     flops_measured = models.FloatField(null=True, blank=True)
     flops_measured_at = models.DateTimeField(null=True, blank=True)

@@ -1,4 +1,4 @@
-"""Measured, not declared (controlplane/nodes/device_class.py `market_flops`, controlplane/jobs/progress.py): a
+"""Measured, not declared (controlplane/nodes/device_class.py `market_flops`, controlplane/driver/progress.py): a
 device is priced and placed by the speed the training driver measured of it on its own clock; what its agent
 declares only bounds that from above, and before any measurement it counts as at most a laptop."""
 
@@ -13,9 +13,9 @@ from arceus.model.registry import model_spec_from_config
 from arceus.training.plan import StageTiming
 from controlplane.controller.executor import reconcile_once
 from controlplane.controller.snapshot import node_views, registered_nodes
+from controlplane.driver.progress import StepPoint, job_record_steps
 from controlplane.jobs.leases import job_driver_claim
 from controlplane.jobs.models import Job, Stage
-from controlplane.jobs.progress import StepPoint, job_record_steps
 from controlplane.nodes.device_class import UNMEASURED_FLOPS, device_class, market_flops, node_device_class
 from controlplane.nodes.models import Node
 
