@@ -82,7 +82,7 @@ INVALID: list[tuple[str, dict[str, Any], dict[str, Any], str, str]] = [
     ("dataset vocab clash", {"vocab": "bpe", "vocab_size": 300}, {"vocab": "bpe", "vocab_size": 400},
      "dataset_config.vocab_size", "is 400 but the model's is 300"),
     ("wrong vocab size", {"vocab_size": 100}, {}, "model_config.vocab_size", "62 distinct characters"),
-    ("missing source", {}, {"source": "nonexistent/book.txt"}, "dataset_config.source", "no file 'nonexistent/"),
+    ("missing source", {}, {"source": "nonexistent/book.txt"}, "dataset_config.source", "no readable file 'nonexistent/"),
     ("empty source", {}, {"source": ""}, "dataset_config.source", "non-empty path"),
     ("block mismatch", {}, {"block_size": 64}, "dataset_config.block_size", "model's block_size is 32"),
     ("mnist key on text", {}, {"path": "/data"}, "dataset_config.path", "does not apply to the text dataset"),
