@@ -1,5 +1,5 @@
-"""The Celery app "arceus": `celery -A controlplane.celery worker -Q control` (or `-Q training`, or
-`-Q reachability`), and `celery -A controlplane.celery beat`. Its task modules (`tasks/`) are named here, not
+"""The Celery app "arceus": `celery -A controlplane.celery worker -Q control` (or `-Q training -I tasks.training`,
+or `-Q reachability`), and `celery -A controlplane.celery beat`. Its task modules (`tasks/`) are named here, not
 imported: the control plane never imports them, it enqueues tasks by name (`controlplane.common.dispatch`).
 
 Environment-driven values (broker and result backend = REDIS_URL, the resync interval) come from the
@@ -35,7 +35,9 @@ TRAINING_QUEUE = "training"  # long-running training drivers, kept apart so they
 # burst of registrations never delays reconciles (controlplane/nodes/reachability.py).
 REACHABILITY_QUEUE = "reachability"
 
-app = Celery("arceus", include=["tasks.control", "tasks.estimates", "tasks.market", "tasks.nodes", "tasks.training"])
+# Every worker's task modules. The training tasks load torch and gRPC (the driver): only the training worker
+# imports them (`-I tasks.training` on its command line), so the control worker stays free of both.
+app = Celery("arceus", include=["tasks.control", "tasks.estimates", "tasks.market", "tasks.nodes"])
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.conf.update(
     # A task is acknowledged only after it ran, and one a dying worker held goes back to the queue;

@@ -140,7 +140,8 @@ class LocalCluster:
         self._commands["worker-control"] = [
             *celery, "worker", "-Q", "control", "-c", "1", "-n", "control@%h", "--loglevel", "INFO"]
         self._commands["worker-training"] = [
-            *celery, "worker", "-Q", "training", "-c", "1", "-n", "training@%h", "--loglevel", "INFO"]
+            *celery, "worker", "-Q", "training", "-I", "tasks.training", "-c", "1", "-n", "training@%h",
+            "--loglevel", "INFO"]
         self._commands["worker-reachability"] = [
             *celery, "worker", "-Q", "reachability", "-c", "1", "-n", "reachability@%h", "--loglevel", "INFO"]
         self._commands["beat"] = [

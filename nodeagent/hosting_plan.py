@@ -21,9 +21,8 @@ from dataclasses import dataclass
 
 from arceus.contracts.assignment import Assignment
 from arceus.contracts.observed import ObservedStage, ObservedState
-from arceus.model.decoding import DECODE_SESSIONS
 from arceus.placement.profiles import layer_profiles
-from arceus.placement.solver import Workload, stage_inference_memory, stage_memory
+from arceus.placement.solver import DECODE_SESSIONS, Workload, stage_inference_memory, stage_memory
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The sequences a hosted stage decodes for text samplers (`Infer`), by the session key each sampler chose.
 
-Bounded: at most MAX_SESSIONS (`arceus.model.decoding.DECODE_SESSIONS`) per stage, the least recently used
+Bounded: at most MAX_SESSIONS (`arceus.placement.solver.DECODE_SESSIONS`) per stage, the least recently used
 dropped first, so no caller can make a stage keep caches without end; a session is taken out while it decodes,
 so two calls never share one.
 """
@@ -13,7 +13,8 @@ from collections import OrderedDict
 import grpc
 import torch
 
-from arceus.model.decoding import DECODE_SESSIONS, DecodeState
+from arceus.model.decoding import DecodeState
+from arceus.placement.solver import DECODE_SESSIONS
 from nodeagent.rpc import RpcFailure
 from nodeagent.runtime import StageRuntime
 

@@ -13,10 +13,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-# Sequences a stage keeps caches for at once (the least recently used dropped first): what bounds its decoding
-# memory, which the placement of a served job reserves (`arceus.placement.solver.stage_inference_memory`).
-DECODE_SESSIONS = 4
-
 
 @dataclass
 class KVCache:

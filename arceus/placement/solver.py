@@ -185,6 +185,9 @@ def layer_training_memory(params: int) -> int:
 
 # Inference memory per parameter: the fp32 weight alone (a served stage has no gradients and no optimizer).
 BYTES_PER_SERVED_PARAMETER = 4
+# Sequences a served stage keeps decoding caches for at once (the least recently used dropped first,
+# `arceus.model.decoding`): what bounds its decoding memory, which `stage_inference_memory` reserves.
+DECODE_SESSIONS = 4
 
 
 def stage_inference_memory(layers: Sequence[LayerProfile], sequences: int) -> int:

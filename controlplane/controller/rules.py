@@ -46,8 +46,8 @@ from datetime import datetime
 
 from arceus.contracts.observed import ObservedState
 from arceus.contracts.status import ACTIVE_STATUSES, JobStatus
-from arceus.model.decoding import DECODE_SESSIONS
 from arceus.placement.solver import (
+    DECODE_SESSIONS,
     MAX_CANDIDATES,
     Budget,
     LayerProfile,

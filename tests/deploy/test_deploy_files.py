@@ -196,3 +196,17 @@ def test_kubernetes_runs_the_readme_commands_from_the_secret() -> None:
     assert init["command"][2] == "collectstatic"
     secret_keys = set(re.findall(r"--from-literal=(\w+)=", (DEPLOY / "k8s" / "controlplane.yaml").read_text()))
     assert {"ARCEUS_SECRET_KEY", "ARCEUS_CHECKPOINT_S3_BUCKET", "DATABASE_URL", "REDIS_URL"} <= secret_keys
+
+
+def test_only_the_training_workers_import_the_training_tasks() -> None:
+    """The training tasks load torch and gRPC: the worker of the training queue imports them (`-I`), the others
+    must not, and a training worker without them would drop every training job as an unknown task."""
+    workers = [c for c in _readme_operator_commands() if c[3:4] == ["worker"]]
+    workers += [service["command"] for service in _compose_config()["services"].values()
+                if service.get("command", [])[3:4] == ["worker"]]
+    workers += [c["command"] for c in _k8s_containers() if c.get("command", [])[3:4] == ["worker"]]
+    assert len(workers) == 9
+    for command in workers:
+        queue = command[command.index("-Q") + 1]
+        imports = command[command.index("-I") + 1] if "-I" in command else None
+        assert imports == ("tasks.training" if queue == "training" else None), command

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 from django.conf import settings
 
 from controlplane.celery import app
@@ -22,7 +24,10 @@ def test_broker_and_results_use_redis_url() -> None:
 
 def test_tasks_are_registered_by_name_and_routed_to_their_queue() -> None:
     app.loader.import_default_modules()
-    assert {"arceus.reconcile", "arceus.train_job", "arceus.estimate"} <= set(app.tasks)
+    assert {"arceus.reconcile", "arceus.estimate"} <= set(app.tasks)
+    assert "tasks.training" not in app.conf.include  # the training worker's own `-I tasks.training`
+    importlib.import_module("tasks.training")
+    assert "arceus.train_job" in app.tasks
     assert {q.name for q in app.conf.task_queues} == {"control", "reachability", "training"}
     router = app.amqp.router
     assert router.route({}, "arceus.reconcile")["queue"].name == "control"
