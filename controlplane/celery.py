@@ -1,6 +1,7 @@
-"""The Celery app "arceus": `celery -A controlplane.celery worker -Q control` (or `-Q training -I tasks.training`,
-or `-Q reachability`), and `celery -A controlplane.celery beat`. Its task modules (`tasks/`) are named here, not
-imported: the control plane never imports them, it enqueues tasks by name (`controlplane.common.dispatch`).
+"""The Celery app "arceus": `celery -A controlplane.celery worker -Q control` (or
+`-Q training,sampling -I tasks.training`, or `-Q reachability -I tasks.nodes`), and
+`celery -A controlplane.celery beat`. Its task modules (`tasks/`) are named here, not imported: the control plane
+never imports them, it enqueues tasks by name (`controlplane.common.dispatch`).
 
 Environment-driven values (broker and result backend = REDIS_URL, the resync interval) come from the
 Django settings; the delivery guarantees and the routing below are part of the design, so they are
@@ -26,18 +27,25 @@ RECONCILE_TASK = "arceus.reconcile"
 REPRICE_TASK = "arceus.reprice"
 ROLLUP_LEDGER_TASK = "arceus.rollup_ledger"
 TRAIN_JOB_TASK = "arceus.train_job"
+SAMPLE_TASK = "arceus.sample"
 ESTIMATE_TASK = "arceus.estimate"
 CHECK_REACHABILITY_TASK = "arceus.check_reachability"
 
 CONTROL_QUEUE = "control"  # short reconcile passes, and estimates (each bounded by ARCEUS_SOLVER_SECONDS)
 TRAINING_QUEUE = "training"  # long-running training drivers, kept apart so they never delay reconciles
+# Text sampled through a job's agents, by the training worker (it loads torch and dials agents too), in a queue of
+# its own so that a request waiting for it never waits behind queued training drivers.
+SAMPLING_QUEUE = "sampling"
 # Dial-backs after registrations: a sweep waits out the timeout of every agent behind a router, kept apart so a
 # burst of registrations never delays reconciles (controlplane/nodes/reachability.py).
 REACHABILITY_QUEUE = "reachability"
 
-# Every worker's task modules. The training tasks load torch and gRPC (the driver): only the training worker
-# imports them (`-I tasks.training` on its command line), so the control worker stays free of both.
-app = Celery("arceus", include=["tasks.control", "tasks.estimates", "tasks.market", "tasks.nodes"])
+# Every worker's task modules. The training tasks (the driver) and the reachability sweep (dial-backs) load
+# gRPC, the driver torch too: only the training worker imports tasks.training, and only the reachability worker
+# tasks.nodes (`-I` on their command lines), so the control worker (and the web server) load neither.
+app = Celery("arceus", include=["tasks.control", "tasks.estimates", "tasks.market"])
+# The task modules that only the worker of a queue imports: what its `-I` names.
+QUEUE_TASK_MODULES = {"training": "tasks.training", "sampling": "tasks.training", "reachability": "tasks.nodes"}
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.conf.update(
     # A task is acknowledged only after it ran, and one a dying worker held goes back to the queue;
@@ -47,7 +55,7 @@ app.conf.update(
     # A worker reserves one task at a time: a training driver can run for minutes and must not sit on
     # messages another worker could take.
     worker_prefetch_multiplier=1,
-    task_queues=(Queue(CONTROL_QUEUE), Queue(TRAINING_QUEUE), Queue(REACHABILITY_QUEUE)),
+    task_queues=(Queue(CONTROL_QUEUE), Queue(TRAINING_QUEUE), Queue(SAMPLING_QUEUE), Queue(REACHABILITY_QUEUE)),
     task_default_queue=CONTROL_QUEUE,
     task_routes={
         RECONCILE_TASK: {"queue": CONTROL_QUEUE},
@@ -56,6 +64,7 @@ app.conf.update(
         ESTIMATE_TASK: {"queue": CONTROL_QUEUE},
         CHECK_REACHABILITY_TASK: {"queue": REACHABILITY_QUEUE},
         TRAIN_JOB_TASK: {"queue": TRAINING_QUEUE},
+        SAMPLE_TASK: {"queue": SAMPLING_QUEUE},
     },
     broker_connection_retry_on_startup=True,
     result_expires=3600,

@@ -282,6 +282,8 @@ ARCEUS_RECONCILE_INTERVAL_SECONDS = float(os.environ.get("ARCEUS_RECONCILE_INTER
 # long a started but not yet picked-up driver task may wait before the reconciler enqueues another.
 ARCEUS_DRIVER_LEASE_SECONDS = float(os.environ.get("ARCEUS_DRIVER_LEASE_SECONDS", "10"))
 ARCEUS_RPC_TIMEOUT_SECONDS = float(os.environ.get("ARCEUS_RPC_TIMEOUT_SECONDS", "60"))
+# How long a sampling request waits for the training worker that samples through the agents (503 after).
+ARCEUS_SAMPLE_TIMEOUT_SECONDS = float(os.environ.get("ARCEUS_SAMPLE_TIMEOUT_SECONDS", "120"))
 # The largest stage state file (weights and optimizer state) an agent may upload for a checkpoint.
 ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES = int(os.environ.get("ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES", str(64 << 30)))
 # A job whose driver or stages fail this many times without a lost node to explain it fails for good.

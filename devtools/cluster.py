@@ -140,10 +140,11 @@ class LocalCluster:
         self._commands["worker-control"] = [
             *celery, "worker", "-Q", "control", "-c", "1", "-n", "control@%h", "--loglevel", "INFO"]
         self._commands["worker-training"] = [
-            *celery, "worker", "-Q", "training", "-I", "tasks.training", "-c", "1", "-n", "training@%h",
+            *celery, "worker", "-Q", "training,sampling", "-I", "tasks.training", "-c", "2", "-n", "training@%h",
             "--loglevel", "INFO"]
         self._commands["worker-reachability"] = [
-            *celery, "worker", "-Q", "reachability", "-c", "1", "-n", "reachability@%h", "--loglevel", "INFO"]
+            *celery, "worker", "-Q", "reachability", "-I", "tasks.nodes", "-c", "1", "-n", "reachability@%h",
+            "--loglevel", "INFO"]
         self._commands["beat"] = [
             *celery, "beat", "--loglevel", "INFO", "--schedule", str(self.workdir / "celerybeat-schedule")]
         for name in ("worker-control", "worker-training", "worker-reachability", "beat"):

@@ -21,13 +21,14 @@ from typing import Any, BinaryIO, Protocol
 
 import requests
 
-from arceus.checkpoint import CHUNK_BYTES, StateFile
+from arceus.checkpoint import StateFile
 from arceus.contracts.assignment import Assignment, CheckpointRef, InitialWeightsRef
 from arceus.contracts.observed import ObservedStage
 from arceus.contracts.possession import possession_sign
 from arceus.errors import SpecError
 from arceus.model.exported.program import MAX_PROGRAM_BYTES
 from arceus.model.hugging_face import initial_weights_slice_check
+from arceus.safetensors_file import CHUNK_BYTES
 from arceus.wire.tls import TlsIdentity
 from nodeagent.control_plane_http import ControlPlaneError, ControlPlaneSession, Unauthorized
 from nodeagent.host_load import HostLoad

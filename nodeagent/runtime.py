@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from arceus.checkpoint import OPTIMIZER_PREFIX, stored_layout
+from arceus.checkpoint import stored_layout
 from arceus.contracts.assignment import OptimizerConfig
 from arceus.model.autocast import autocast
 from arceus.model.build import named_global_parameters
@@ -29,6 +29,7 @@ from arceus.model.decoding import DecodeState, decode, decodes
 from arceus.model.expected_state import OPTIMIZER_STATE_KEYS, optimizer_kind
 from arceus.model.layout import TensorLayout
 from arceus.model.optimizers import make_optimizer
+from arceus.safetensors_file import OPTIMIZER_PREFIX
 from nodeagent.device import synchronize
 
 MicroBatchKey = tuple[int, int]  # (step, micro_batch)

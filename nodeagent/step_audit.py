@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from arceus.v1 import stage_pb2
-from arceus.verify.receipts import RECEIVED, SENT, ReceiptFields, ReceiptSigner, tensor_digest
+from arceus.verify.receipts import RECEIVED, SENT, ReceiptFields, ReceiptSigner
+from arceus.verify.tensor_digest import tensor_digest
 from arceus.wire.compression import Encoded, decode_payload
 from nodeagent.stage import HostedStage
 from nodeagent.verify import AuditRecord

@@ -1,11 +1,28 @@
-"""The training-driver task (training queue): one job's pipeline, run to the end under its driver lease."""
+"""The training queue's tasks: the training driver (one job's pipeline, run to the end under its driver lease)
+and sampling text through a job's agents. Only the training worker imports this module (`-I tasks.training`)."""
 
 from __future__ import annotations
 
-from controlplane.celery import TRAIN_JOB_TASK, app
+from typing import Any
+
+from django.conf import settings
+
+from arceus.relay.dialer import use_relays
+from controlplane.celery import SAMPLE_TASK, TRAIN_JOB_TASK, app
 from controlplane.driver.driving import job_drive
+from controlplane.jobs.sampler import job_sample_through_agents
+from controlplane.nodes.relays import relay_certificate
+
+# The driver and samplers reach relayed agents through these: this worker is the control plane's one that dials
+# agents, and the only one that imports this module.
+use_relays(settings.ARCEUS_RELAYS, relay_certificate())
 
 
 @app.task(name=TRAIN_JOB_TASK)
 def run_job(job_id: str) -> str:
     return job_drive(job_id=job_id)
+
+
+@app.task(name=SAMPLE_TASK)
+def sample(**request: Any) -> dict[str, Any]:
+    return job_sample_through_agents(**request)

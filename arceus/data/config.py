@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from arceus.data.formats import check_dataset_id
 from arceus.data.text_config import TEXT_DATASET, TEXT_KEYS, validate_text_config
 from arceus.errors import SpecError
+
+# Opens an uploaded file by its dataset id (the control plane's storage), for reading and seeking.
+DatasetOpener = Callable[[str], BinaryIO]
 
 
 @dataclass(frozen=True)

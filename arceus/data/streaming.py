@@ -12,20 +12,19 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 import torch
 
+from arceus.data.config import DatasetOpener
 from arceus.data.formats import DatasetFormatError, StoredArray, tensor_arrays, text_chunks
 from arceus.data.loader import load_dataset
+from arceus.data.sizes import UPLOADED_TRAIN_FRACTION
 from arceus.data.tokenizer import TRAIN_FRACTION, BPETokenizer, CharTokenizer, TextTokenizer, train_bpe_from
 from arceus.errors import SpecError
 
-# Opens an uploaded file by its dataset id (the control plane's storage), for reading and seeking.
-DatasetOpener = Callable[[str], BinaryIO]
-UPLOADED_TRAIN_FRACTION = 0.9
 _TOKEN_DTYPE = np.dtype("<i4")
 _PIECE_CHARS = 1 << 20
 
@@ -96,16 +95,6 @@ def dataset_samples(cfg: dict[str, Any], open_file: DatasetOpener | None) -> Ite
         return
     train_x, train_y, val_x, val_y = load_dataset(cfg)
     yield InMemorySamples(train_x, train_y), InMemorySamples(val_x, val_y)
-
-
-def train_samples_estimate(cfg: dict[str, Any]) -> int:
-    """How many training samples a validated config gives, without reading an upload (a BPE text's windows are
-    estimated as its characters')."""
-    if "dataset_id" not in cfg:
-        return len(load_dataset(cfg)[0])
-    if cfg.get("kind") == "tensors":
-        return int(cfg["samples"] * UPLOADED_TRAIN_FRACTION)
-    return int(cfg["characters"] * TRAIN_FRACTION) // cfg["block_size"]
 
 
 @contextlib.contextmanager

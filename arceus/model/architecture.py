@@ -13,6 +13,20 @@ from arceus.model.spec import ModelSpec
 
 
 @dataclass(frozen=True)
+class Shard:
+    """This rank's place in its tensor-parallel group."""
+
+    rank: int
+    size: int
+
+    def __post_init__(self) -> None:
+        if self.size < 1:
+            raise ValueError(f"a tensor-parallel group has at least 1 rank, got size {self.size}")
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"rank must be in [0, {self.size}), got {self.rank}")
+
+
+@dataclass(frozen=True)
 class TensorParallelSplit:
     """Whether and how an architecture's `split_layers()` divide over the ranks of a tensor-parallel group."""
 

@@ -1,13 +1,14 @@
 """What a stage's state file must hold, and the check of one against it: the names, dtypes and shapes of
 the stage's parameters (layers [layer_start, layer_end) of the job's model, or a tensor-parallel rank's
-part of them) and of the state its optimizer keeps per parameter ("optimizer.<parameter>.<key>").
+part of them: `arceus.model.tensor_parallel.rank_expected_state`) and of the state its optimizer keeps per
+parameter ("optimizer.<parameter>.<key>").
 
 An agent is a stranger's process: what it uploads or streams becomes the state every later host of the
 stage resumes from, the model its owner downloads and what sampling runs. So a state file is checked
-from its safetensors header alone (the tensors are never loaded) against layouts computed by building
-the stage's layers on torch's `meta` device (no weights are allocated), before it becomes part of a
-checkpoint. The control plane checks agents' uploads and the files the driver streams; the driver
-checks what each rank of a stage streams to it.
+from its safetensors header alone (the tensors are never loaded) against the layouts its spec declares
+(`layer_parameters`; a test holds them equal to the built layers'), before it becomes part of a checkpoint.
+No torch: the control plane checks agents' uploads and the files the driver streams; the driver checks
+what each rank of a stage streams to it.
 """
 
 from __future__ import annotations
@@ -16,15 +17,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import BinaryIO
 
-import torch
-
-from arceus.checkpoint import OPTIMIZER_PREFIX, CheckpointError, StageStateError, tensor_layouts
-from arceus.model.build import build_layers, named_global_parameters
-from arceus.model.sharding import Shard
+from arceus.model.architecture import Shard
 from arceus.model.spec import ModelSpec
-from arceus.model.tensor_parallel import sliced_shape
+from arceus.safetensors_file import OPTIMIZER_PREFIX, CheckpointError, StageStateError, tensor_layouts
 
-Layout = tuple[torch.dtype, list[int]]
+# (safetensors dtype name, shape)
+Layout = tuple[str, list[int]]
+# Every parameter is float32 (mixed precision casts in the forward only).
+PARAMETER_DTYPE = "F32"
 
 # What each optimizer keeps per parameter once it has stepped (plain SGD keeps nothing); a parameter that
 # has not stepped yet keeps nothing either.
@@ -36,7 +36,7 @@ OPTIMIZER_STATE_KEYS = {
 # Adam's step counter: a float32 scalar (torch keeps it as a tensor); every other entry is shaped like
 # its parameter.
 _STEP = "step"
-_STEP_LAYOUT: Layout = (torch.float32, [])
+_STEP_LAYOUT: Layout = ("F32", [])
 
 
 def optimizer_kind(name: str, momentum: float) -> str:
@@ -69,19 +69,20 @@ class ExpectedState:
 
 
 def expected_stage_state(
-    spec: ModelSpec, *, stage_index: int, layer_start: int, layer_end: int, optimizer: str, shard: Shard | None = None
+    spec: ModelSpec, *, stage_index: int, layer_start: int, layer_end: int, optimizer: str
 ) -> ExpectedState:
-    """The state of layers [layer_start, layer_end) of `spec` (with a shard: that rank's part of a tensor-
-    parallel stage, whose checkpoint names are the unsplit stage's), from layers built on the meta device."""
+    """The state of layers [layer_start, layer_end) of `spec`, under the model-wide names of
+    `arceus.model.build.named_global_parameters` ("layers.<index>.<name in the layer>")."""
     if optimizer not in OPTIMIZER_STATE_KEYS:
         raise ValueError(f"unknown optimizer kind {optimizer!r}; known: {', '.join(OPTIMIZER_STATE_KEYS)}")
-    with torch.device("meta"):
-        layers = build_layers(spec, layer_start, layer_end, seed=0)
+    if not 0 <= layer_start < layer_end <= spec.num_layers:
+        raise ValueError(f"layer range [{layer_start}, {layer_end}) is not inside the model's {spec.num_layers} layers")
     weights = {
-        name: (param.dtype, list(param.shape) if shard is None else sliced_shape(spec, shard, name, param.shape))
-        for name, param in named_global_parameters(layers)
+        f"layers.{index}.{name}": (PARAMETER_DTYPE, shape)
+        for index in range(layer_start, layer_end)
+        for name, shape in spec.layer_parameters(index).items()
     }
-    return ExpectedState(stage_index, layer_start, layer_end, optimizer, weights, shard)
+    return ExpectedState(stage_index, layer_start, layer_end, optimizer, weights)
 
 
 def stage_state_check(layouts: Mapping[str, Layout], expected: ExpectedState) -> None:
@@ -108,10 +109,10 @@ def stage_state_check(layouts: Mapping[str, Layout], expected: ExpectedState) ->
             want = _STEP_LAYOUT if key == _STEP else expected.weights[parameter]
             entries.setdefault(parameter, set()).add(key)
         if (got[0], list(got[1])) != want:
-            raise refuse(f"{name}: expected {_described(want)}, got {_described(got)}")
+            raise refuse(f"{name}: expected {layout_described(want)}, got {layout_described(got)}")
     for name, want in expected.weights.items():
         if name not in layouts:
-            raise refuse(f"missing tensor {name}: expected {_described(want)} ({expected.holds()})")
+            raise refuse(f"missing tensor {name}: expected {layout_described(want)} ({expected.holds()})")
     for parameter, keys in entries.items():
         if keys != keeps:
             missing = sorted(keeps - keys)[0]
@@ -132,9 +133,14 @@ def stage_file_check(handle: BinaryIO, file_size: int, expected: ExpectedState) 
     stage_state_check(layouts, expected)
 
 
-def _described(layout: Layout) -> str:
+# How messages name dtypes (torch's names, which developers know).
+_DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
+                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+
+def layout_described(layout: Layout) -> str:
     dtype, shape = layout
-    return f"{str(dtype).removeprefix('torch.')} {list(shape)}"
+    return f"{_DTYPE_NAMES.get(dtype, dtype)} {list(shape)}"
 
 
 def _listed(keys: frozenset[str]) -> str:

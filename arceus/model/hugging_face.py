@@ -22,14 +22,12 @@ import tarfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import BinaryIO
 
-import torch
-
-from arceus.checkpoint import CheckpointError, merged_checkpoint, sliced_checkpoint, tensor_layouts
 from arceus.errors import SpecError
 from arceus.model.architecture import HuggingFaceFormat
-from arceus.model.expected_state import expected_stage_state
+from arceus.model.expected_state import Layout, expected_stage_state, layout_described
 from arceus.model.registry import ARCHITECTURES, architecture_of
 from arceus.model.spec import ModelSpec
+from arceus.safetensors_file import DTYPE_BYTES, CheckpointError, merged_checkpoint, sliced_checkpoint, tensor_layouts
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 _BLOCK = tarfile.BLOCKSIZE  # 512: a tar member's header and data are padded to whole blocks
@@ -96,8 +94,9 @@ def hugging_face_weights_check(spec: ModelSpec, handle: BinaryIO, size: int) -> 
         raise CheckpointError(f"{extra[0]} is no parameter of this model ({len(extra)} unknown tensors)")
     for name, (dtype, shape) in expected.items():
         if actual[name] != (dtype, shape):
-            got_dtype, got_shape = actual[name]
-            raise CheckpointError(f"{name} is {got_dtype} {got_shape}; the model's is {dtype} {shape}")
+            raise CheckpointError(
+                f"{name} is {layout_described(actual[name])}; the model's is {layout_described((dtype, shape))}"
+            )
 
 
 def initial_weights_slice(
@@ -114,7 +113,7 @@ def initial_weights_slice_bytes(spec: ModelSpec, layer_start: int, layer_end: in
     """The most bytes `initial_weights_slice` of layers [layer_start, layer_end) may take: their tensors' data
     and a header of at most 1 KiB per tensor (what an agent allows the download)."""
     weights = _weights(spec, layer_start, layer_end)
-    return sum(math.prod(shape) * dtype.itemsize + 1024 for dtype, shape in weights.values()) + 8
+    return sum(math.prod(shape) * DTYPE_BYTES[dtype] + 1024 for dtype, shape in weights.values()) + 8
 
 
 def initial_weights_layer_digests(spec: ModelSpec, source: BinaryIO, size: int) -> list[str]:
@@ -168,7 +167,7 @@ def _digest(chunks: Iterable[bytes]) -> str:
     return digest.hexdigest()
 
 
-def _weights(spec: ModelSpec, layer_start: int, layer_end: int) -> dict[str, tuple[torch.dtype, list[int]]]:
+def _weights(spec: ModelSpec, layer_start: int, layer_end: int) -> dict[str, Layout]:
     return expected_stage_state(
         spec, stage_index=0, layer_start=layer_start, layer_end=layer_end, optimizer="sgd"
     ).weights

@@ -1,6 +1,6 @@
-"""Megatron-style tensor parallelism, the architecture-independent part: a rank's place in its group, the
-two autograd operators that join split compute (f and g), and cutting or gathering a stage's checkpoint
-tensors given an architecture's `shard_rows`.
+"""Megatron-style tensor parallelism, the architecture-independent part: a rank's place in its group (`Shard`,
+torch-free in `arceus.model.architecture`), the two autograd operators that join split compute (f and g), and
+cutting or gathering a stage's checkpoint tensors given an architecture's `shard_rows`.
 
 The collective is injected (`AllReduce`), so compute knows nothing of how the ranks talk. It must sum in
 the same (rank) order everywhere, so that replicated values stay bitwise equal across ranks.
@@ -9,28 +9,15 @@ the same (rank) order everywhere, so that replicated values stay bitwise equal a
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from arceus.checkpoint import OPTIMIZER_PREFIX, stored_layout
+from arceus.checkpoint import stored_layout
+from arceus.model.architecture import Shard
+from arceus.safetensors_file import OPTIMIZER_PREFIX
 
 AllReduce = Callable[[torch.Tensor], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class Shard:
-    """This rank's place in its tensor-parallel group."""
-
-    rank: int
-    size: int
-
-    def __post_init__(self) -> None:
-        if self.size < 1:
-            raise ValueError(f"a tensor-parallel group has at least 1 rank, got size {self.size}")
-        if not 0 <= self.rank < self.size:
-            raise ValueError(f"rank must be in [0, {self.size}), got {self.rank}")
 
 
 # (spec, shard, parameter name) -> (dim, indices) of the rank's part of the unsplit parameter, or None

@@ -39,6 +39,10 @@ class ModelSpec(Protocol):
         """Parameters of each layer."""
         ...
 
+    def layer_parameters(self, layer: int) -> dict[str, list[int]]:
+        """Each parameter's shape in `layer`, by its name in the layer's torch module (all float32)."""
+        ...
+
     def layer_flops_per_sample(self) -> list[int]:
         """Forward FLOPs per sample of each layer (a backward costs about twice as much)."""
         ...

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 import torch
 from torch import nn
 
 from arceus.model.build import LAYERS, TensorParallelLayers, build_layer
+from arceus.model.expected_state import ExpectedState
 from arceus.model.registry import tensor_parallel_split
 from arceus.model.seeding import layer_generator
 from arceus.model.sharding import AllReduce, GatheredState, Shard, parameter_of, slice_state
@@ -59,6 +61,15 @@ def sliced_shape(spec: ModelSpec, shard: Shard, name: str, shape: Sequence[int])
     if cut is not None:
         sliced[cut[0]] = cut[1].numel()
     return sliced
+
+
+def rank_expected_state(spec: ModelSpec, expected: ExpectedState, shard: Shard) -> ExpectedState:
+    """What rank `shard.rank` of the stage `expected` describes holds: its part of each tensor, under the unsplit
+    stage's checkpoint names."""
+    weights = {
+        name: (dtype, sliced_shape(spec, shard, name, shape)) for name, (dtype, shape) in expected.weights.items()
+    }
+    return replace(expected, weights=weights, shard=shard)
 
 
 def gather_state_tensors(spec: ModelSpec, shards: Sequence[Mapping[str, torch.Tensor]]) -> GatheredState:

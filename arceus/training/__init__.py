@@ -1,30 +1,3 @@
-"""The Django-free training driver: feeds a pipeline of stages over gRPC and reports progress."""
-
-from arceus.training.driver import DriverError, train
-from arceus.training.plan import (
-    EpochResult,
-    ProgressSink,
-    RankEndpoint,
-    StageEndpoint,
-    StageStateFile,
-    StageTiming,
-    StepProgress,
-    TrainPlan,
-    TrainResult,
-    UploadTarget,
-)
-
-__all__ = [
-    "DriverError",
-    "EpochResult",
-    "ProgressSink",
-    "RankEndpoint",
-    "StageEndpoint",
-    "StageStateFile",
-    "StageTiming",
-    "StepProgress",
-    "TrainPlan",
-    "TrainResult",
-    "UploadTarget",
-    "train",
-]
+"""The Django-free training driver (`driver.train`: feeds a pipeline of stages over gRPC and reports progress)
+and its plan (`plan`: what it trains, torch-free). Import the module you need: the plan's readers (the control
+plane's checkpoints) load neither torch nor gRPC."""

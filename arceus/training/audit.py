@@ -30,7 +30,8 @@ from arceus.model.precision import BF16_TOLERANCE
 from arceus.training.plan import StageEndpoint, TrainPlan
 from arceus.training.stage_client import StageClient
 from arceus.v1 import stage_pb2
-from arceus.verify.receipts import RECEIVED, SENT, ReceiptError, ReceiptFields, tensor_digest, verify_receipt
+from arceus.verify.receipts import RECEIVED, SENT, ReceiptError, ReceiptFields, verify_receipt
+from arceus.verify.tensor_digest import tensor_digest
 from arceus.wire.compression import decode_payload, encode
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from arceus.checkpoint import StageStateError, StateFile, state_chunks
+from arceus.checkpoint import StateFile, state_chunks
 from arceus.contracts.counters import StageCounters
 from arceus.contracts.spot_check import SpotCheckResult
 from arceus.data.batches import epoch_batches
@@ -31,7 +31,8 @@ from arceus.errors import SpecError
 from arceus.model.expected_state import expected_stage_state, stage_file_check
 from arceus.model.registry import model_spec_from_config
 from arceus.model.sharding import Shard
-from arceus.model.tensor_parallel import gather_state_tensors
+from arceus.model.tensor_parallel import gather_state_tensors, rank_expected_state
+from arceus.safetensors_file import StageStateError
 from arceus.swarm.routing import route_step
 from arceus.training.audit import Auditor
 from arceus.training.plan import (
@@ -354,10 +355,13 @@ class Pipeline:
         and optimizer the stages have; a plan without them is not checked)."""
         if not (self.plan.model and self.plan.optimizer):
             return
+        spec = model_spec_from_config(self.plan.model)
         expected = expected_stage_state(
-            model_spec_from_config(self.plan.model), stage_index=endpoint.index, layer_start=endpoint.layer_start,
-            layer_end=endpoint.layer_end, optimizer=self.plan.optimizer, shard=shard,
+            spec, stage_index=endpoint.index, layer_start=endpoint.layer_start, layer_end=endpoint.layer_end,
+            optimizer=self.plan.optimizer,
         )
+        if shard is not None:
+            expected = rank_expected_state(spec, expected, shard)
         try:
             with path.open("rb") as handle:
                 stage_file_check(handle, path.stat().st_size, expected)

@@ -10,7 +10,7 @@ from typing import Any, Protocol
 from arceus.contracts.counters import StageCounters
 from arceus.contracts.spot_check import SpotCheckResult
 from arceus.contracts.transfer import TransferConfig
-from arceus.data.streaming import DatasetOpener
+from arceus.data.config import DatasetOpener
 from arceus.errors import SpecError
 from arceus.model.expected_state import OPTIMIZER_STATE_KEYS
 from arceus.model.precision import check_precision

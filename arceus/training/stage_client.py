@@ -11,7 +11,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from arceus.checkpoint import CHUNK_BYTES
+from arceus.safetensors_file import CHUNK_BYTES
 from arceus.training.plan import StageEndpoint
 from arceus.v1 import stage_pb2, stage_pb2_grpc
 from arceus.wire import codec

@@ -3,15 +3,14 @@
 receiver's account can be held against its producer's.
 
 The payload is fixed text, so the agent, the driver and the control plane build the same bytes from the
-same fields; the key is the agent's per-registration key, whose public half the control plane stores.
+same fields; the key is the agent's per-registration key, whose public half the control plane stores. A
+receipt's digest is `arceus.verify.tensor_digest`'s (torch); the receipts themselves need none.
 """
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 
-import torch
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -21,14 +20,6 @@ RECEIVED, SENT = "received", "sent"
 
 class ReceiptError(ValueError):
     """A receipt or key that cannot be checked, or whose signature does not verify."""
-
-
-def tensor_digest(tensor: torch.Tensor) -> bytes:
-    """SHA-256 over dtype, shape and the C-order bytes of the tensor (independent of the wire encoding)."""
-    t = tensor.detach().cpu().contiguous()
-    h = hashlib.sha256(f"{str(t.dtype).removeprefix('torch.')}:{list(t.shape)}:".encode())
-    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.digest()
 
 
 @dataclass(frozen=True)

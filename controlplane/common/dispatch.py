@@ -15,9 +15,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from celery.exceptions import TimeoutError as ResultTimeout
+from django.conf import settings
 from django.db import transaction
 
-from controlplane.celery import RECONCILE_TASK, app
+from controlplane.celery import CHECK_REACHABILITY_TASK, RECONCILE_TASK, app
 from controlplane.common.redis_client import redis_client
 
 QUEUED_KEY = "arceus:queued:{}"  # set while a coalesced task is queued and not started
@@ -56,3 +58,22 @@ def reconcile_soon() -> None:
     """Nudge the reconciler after this transaction; it is level-triggered, so extra nudges are harmless
     and an old one is worthless (hence the expiry)."""
     enqueue_coalesced(RECONCILE_TASK, expires=30)
+
+
+def reachability_check_soon() -> None:
+    """Nudge a dial-back sweep (controlplane/nodes/reachability.py) after this transaction (coalesced: one queued
+    sweep serves every registration before it)."""
+    enqueue_coalesced(CHECK_REACHABILITY_TASK, expires=max(300.0, settings.ARCEUS_REACHABILITY_SWEEP_SECONDS))
+
+
+def task_result(task_name: str, *, timeout: float, **kwargs: Any) -> Any | None:
+    """Run `task_name` on a worker now and wait up to `timeout` seconds for what it returns; None if no worker
+    answered in time (the message expires then, so a late worker does not run it for nobody). Sent at once, not on
+    commit: the caller waits for it, and it reads only what is already committed."""
+    result = app.send_task(task_name, kwargs=kwargs, expires=timeout)
+    try:
+        return result.get(timeout=timeout)
+    except ResultTimeout:
+        return None
+    finally:
+        result.forget()

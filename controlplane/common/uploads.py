@@ -11,7 +11,7 @@ from typing import Any, BinaryIO
 
 from django.core.files.storage import Storage
 
-from arceus.checkpoint import CHUNK_BYTES
+from arceus.safetensors_file import CHUNK_BYTES
 
 
 class HashingReader(io.RawIOBase):

@@ -12,7 +12,7 @@ from typing import Any
 from django.conf import settings
 from django.utils import timezone
 
-from arceus.data.streaming import train_samples_estimate
+from arceus.data.sizes import train_samples_estimate
 from arceus.errors import SpecError
 from arceus.placement.profiles import layer_profiles
 from arceus.placement.solver import Budget, PlacementError, solve

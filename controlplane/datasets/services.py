@@ -23,9 +23,9 @@ from django.db import transaction
 from django.db.models import Count, Sum
 from django.utils import timezone
 
-from arceus.checkpoint import CHUNK_BYTES
 from arceus.contracts.status import TERMINAL_STATUSES
 from arceus.data.formats import DatasetFormatError, check_format, inspect_file
+from arceus.safetensors_file import CHUNK_BYTES
 from controlplane.common.errors import ApplicationError
 from controlplane.common.uploads import HashingReader, storage_delete
 from controlplane.datasets.models import Dataset, DatasetStatus, dataset_storage, part_name

@@ -24,7 +24,8 @@ from django.utils import timezone
 from arceus.contracts.transfer import transfer_config_from_json
 from arceus.errors import SpecError
 from arceus.model.expected_state import optimizer_kind
-from arceus.training import DriverError, TrainPlan, train
+from arceus.training.driver import DriverError, train
+from arceus.training.plan import TrainPlan
 from controlplane.common import metrics
 from controlplane.common.db import reconnecting
 from controlplane.common.errors import ApplicationError

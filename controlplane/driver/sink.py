@@ -22,7 +22,7 @@ from django.utils import timezone
 
 from arceus.contracts.counters import StageCounters
 from arceus.contracts.spot_check import SpotCheckResult
-from arceus.training import EpochResult, StageEndpoint, StageStateFile, StageTiming, StepProgress, UploadTarget
+from arceus.training.plan import EpochResult, StageEndpoint, StageStateFile, StageTiming, StepProgress, UploadTarget
 from controlplane.common import metrics
 from controlplane.common.db import reconnecting
 from controlplane.common.errors import ApplicationError

@@ -26,13 +26,6 @@ from django.core.files.base import File
 from django.db import transaction
 from django.db.models import Max, QuerySet
 
-from arceus.checkpoint import (
-    OPTIMIZER_PREFIX,
-    CheckpointError,
-    StageStateError,
-    file_digest,
-    merged_checkpoint,
-)
 from arceus.errors import SpecError
 from arceus.model.expected_state import ExpectedState, expected_stage_state, optimizer_kind, stage_file_check
 from arceus.model.hugging_face import (
@@ -44,6 +37,7 @@ from arceus.model.hugging_face import (
     initial_weights_slice,
 )
 from arceus.model.registry import model_spec_from_config
+from arceus.safetensors_file import OPTIMIZER_PREFIX, CheckpointError, StageStateError, file_digest, merged_checkpoint
 from arceus.training.plan import StageEndpoint, StageStateFile
 from controlplane.common import metrics
 from controlplane.common.errors import ApplicationError

@@ -1,5 +1,6 @@
-"""Text from a transformer job, sampled through the agents that hold its stages (`arceus.training.sampling`):
-this process holds token ids, never the model."""
+"""Text from a transformer job, sampled through the agents that hold its stages: checked here, then sampled by
+the training worker (`controlplane.jobs.sampler`, which loads torch and dials the agents) while the request waits,
+at most ARCEUS_SAMPLE_TIMEOUT_SECONDS."""
 
 from __future__ import annotations
 
@@ -12,12 +13,11 @@ from arceus.contracts.status import JobStatus
 from arceus.data.text_config import dataset_tokenizer
 from arceus.errors import SpecError
 from arceus.model.registry import architecture_of, model_spec_from_config, text_writers
-from arceus.training.sampling import SamplingError, sample_through_pipeline
+from controlplane.celery import SAMPLE_TASK
 from controlplane.common.conditions import TRUE, get_condition
+from controlplane.common.dispatch import task_result
 from controlplane.common.errors import ApplicationError
-from controlplane.jobs.credentials import job_driver_token
 from controlplane.jobs.models import Job
-from controlplane.jobs.selectors import job_stage_endpoints
 
 
 @dataclass(frozen=True)
@@ -48,27 +48,20 @@ def job_sample(*, job: Job, prompt: str, length: int, temperature: float, seed: 
             f"{tokenizer.decode(list(range(tokenizer.vocab_size)))!r}",
         )
     step = job.step
-    try:
-        text = sample_through_pipeline(
-            job_stage_endpoints(job=job),
-            job_id=str(job.id),
-            generation=job.generation,
-            credential=job_driver_token(job_id=str(job.id), generation=job.generation),
-            model_config=job.model_config,
-            tokenizer=tokenizer,
-            prompt=prompt,
-            length=length,
-            temperature=temperature,
-            seed=seed,
-            timeout=settings.ARCEUS_RPC_TIMEOUT_SECONDS,
-        )
-    except ValueError as exc:  # the text file changed since submission: another vocabulary size
-        raise ApplicationError.conflict(f"cannot sample from job {job.id}: {exc}") from exc
-    except SamplingError as exc:  # a stage moved or its agent went away meanwhile: worth trying again
+    timeout = settings.ARCEUS_SAMPLE_TIMEOUT_SECONDS
+    outcome = task_result(
+        SAMPLE_TASK, timeout=timeout, job_id=str(job.id), prompt=prompt, length=length, temperature=temperature,
+        seed=seed,
+    )
+    if outcome is None:
         raise ApplicationError(
-            f"sampling job {job.id} failed: {exc}; try again", status=HTTPStatus.SERVICE_UNAVAILABLE
-        ) from exc
-    return JobSample(text=text, step=step)
+            f"sampling job {job.id}: no training worker answered within {timeout:.0f}s (all busy, or none running); "
+            "try again",
+            status=HTTPStatus.SERVICE_UNAVAILABLE,
+        )
+    if "text" not in outcome:
+        raise ApplicationError(outcome["message"], status=outcome["status"])
+    return JobSample(text=outcome["text"], step=step)
 
 
 def _check_hosted(job: Job) -> None:

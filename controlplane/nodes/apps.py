@@ -7,18 +7,17 @@ class NodesConfig(AppConfig):
     verbose_name = "Nodes"
 
     def ready(self) -> None:
-        from django.conf import settings
         from django.db import transaction
         from django.db.models.signals import post_delete
 
-        from arceus.relay.dialer import use_relays
         from controlplane.nodes import schema  # noqa: F401  registers the OpenAPI auth extension
         from controlplane.nodes.liveness import leases_forget
         from controlplane.nodes.models import Node
         from controlplane.nodes.relays import relay_certificate
 
-        # The driver and samplers reach relayed agents through these.
-        use_relays(settings.ARCEUS_RELAYS, relay_certificate())
+        # A misconfigured relay certificate stops every process at start-up; the training worker, which dials
+        # agents (the driver, samplers), reaches relayed ones through the relays (tasks/training.py).
+        relay_certificate()
 
         # A node goes by the admin or with its owner (a cascade no service sees): its lease goes once that commits.
         def forget_lease(instance: Node, **_: object) -> None:

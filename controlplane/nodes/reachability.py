@@ -6,6 +6,7 @@ Dial-backs are sweeps, not one task per registration: a registration marks its n
 (coalesced, on the `reachability` queue and worker, never ahead of the reconcile passes), and a sweep dials every
 `unknown` node, many at once (`arceus.wire.channels.agents_answering`). An agent behind a router that drops the
 dial costs a whole timeout; 10,000 of them dialled one by one on the control queue held placement up for hours.
+The sweep speaks gRPC: only the reachability worker imports it (`-I tasks.nodes`).
 """
 
 from __future__ import annotations
@@ -20,14 +21,8 @@ from django.db.models import Q
 from django.utils import timezone
 
 from arceus.wire.channels import agents_answering
-from controlplane.celery import CHECK_REACHABILITY_TASK
-from controlplane.common.dispatch import enqueue_coalesced, reconcile_soon
+from controlplane.common.dispatch import reachability_check_soon, reconcile_soon
 from controlplane.nodes.models import Node, Reachability
-
-
-def reachability_check_soon() -> None:
-    """Nudge a sweep after this transaction (coalesced: one queued sweep serves every registration before it)."""
-    enqueue_coalesced(CHECK_REACHABILITY_TASK, expires=max(300.0, settings.ARCEUS_REACHABILITY_SWEEP_SECONDS))
 
 
 def nodes_check_reachability() -> dict[str, int]:

@@ -19,7 +19,7 @@ from arceus.contracts.possession import key_sha256
 from arceus.contracts.status import ACTIVE_STATUSES
 from controlplane.common import metrics
 from controlplane.common.conditions import TRUE
-from controlplane.common.dispatch import reconcile_soon
+from controlplane.common.dispatch import reachability_check_soon, reconcile_soon
 from controlplane.common.errors import ApplicationError
 from controlplane.jobs.models import Stage
 from controlplane.jobs.selectors import assignments_for_node
@@ -28,7 +28,6 @@ from controlplane.jobs.stages import stages_record_observed
 from controlplane.nodes.links import node_links_record
 from controlplane.nodes.liveness import lease_renew
 from controlplane.nodes.models import Node, NodeLease, NodeRestart, Reachability, ReadyStatus
-from controlplane.nodes.reachability import reachability_check_soon
 
 NODE_TOKEN_PREFIX = "arceus_node_"
 

@@ -11,17 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from arceus.checkpoint import (
-    CHUNK_BYTES,
-    CheckpointError,
-    StateFile,
-    checkpoint_digest,
-    decode_checkpoint,
-    encode_checkpoint,
-    file_digest,
-    merged_checkpoint,
-    sliced_checkpoint,
-)
+from arceus.checkpoint import StateFile, checkpoint_digest, decode_checkpoint, encode_checkpoint
+from arceus.safetensors_file import CHUNK_BYTES, CheckpointError, file_digest, merged_checkpoint, sliced_checkpoint
 
 
 def tensors() -> dict[str, torch.Tensor]:

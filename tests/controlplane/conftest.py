@@ -4,6 +4,7 @@ through the real services (the same path an agent takes)."""
 from __future__ import annotations
 
 import copy
+import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -12,6 +13,7 @@ from typing import Any
 
 import boto3
 import pytest
+from celery.contrib.testing.worker import start_worker
 from django.contrib.auth.models import Permission, User
 from django.core.cache import cache
 from django.test import Client
@@ -22,7 +24,7 @@ from rest_framework.test import APIClient
 from arceus.contracts.possession import possession_sign
 from arceus.wire.tls import TlsIdentity, new_identity
 from controlplane.accounts.services import user_token_get_or_create
-from controlplane.celery import CONTROL_QUEUE, app
+from controlplane.celery import CONTROL_QUEUE, QUEUE_TASK_MODULES, SAMPLING_QUEUE, app
 from controlplane.jobs.models import Job
 from controlplane.jobs.services import job_start, job_submit
 from controlplane.nodes.models import Node
@@ -242,3 +244,17 @@ def run_control_tasks(name: str) -> list[list[Any]]:
                     ran.append(list(args))
         finally:
             queue.close()
+
+
+@pytest.fixture
+def sampling_worker(settings) -> Iterator[None]:  # noqa: ANN001
+    """A real Celery worker (Celery's own, in a thread of this process) consuming the sampling queue with the
+    training worker's task module, as `celery worker -Q training,sampling -I tasks.training` does: what a sampling
+    request waits for. Its thread has its own database connection: the test's rows must be committed
+    (`django_db(transaction=True)`)."""
+    settings.SECRET_KEY = "a-test-secret-that-is-not-the-development-key"  # a worker refuses that key at start-up
+    importlib.import_module(QUEUE_TASK_MODULES[SAMPLING_QUEUE])
+    with app.connection_for_write() as connection:
+        connection.default_channel.queue_purge(SAMPLING_QUEUE)  # requests earlier tests left unanswered
+    with start_worker(app, pool="solo", queues=[SAMPLING_QUEUE], perform_ping_check=False, shutdown_timeout=30):
+        yield

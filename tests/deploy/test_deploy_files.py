@@ -15,6 +15,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from controlplane.celery import QUEUE_TASK_MODULES
+
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
 K8S_FILES = sorted((DEPLOY / "k8s").glob("*.yaml"))
@@ -198,15 +200,15 @@ def test_kubernetes_runs_the_readme_commands_from_the_secret() -> None:
     assert {"ARCEUS_SECRET_KEY", "ARCEUS_CHECKPOINT_S3_BUCKET", "DATABASE_URL", "REDIS_URL"} <= secret_keys
 
 
-def test_only_the_training_workers_import_the_training_tasks() -> None:
-    """The training tasks load torch and gRPC: the worker of the training queue imports them (`-I`), the others
-    must not, and a training worker without them would drop every training job as an unknown task."""
+def test_each_worker_imports_its_queues_own_task_modules_and_no_other() -> None:
+    """The training and reachability tasks load gRPC (the training ones torch too): only the worker of their
+    queue imports them (`-I`), and a worker without them would drop each of its tasks as an unknown one."""
     workers = [c for c in _readme_operator_commands() if c[3:4] == ["worker"]]
     workers += [service["command"] for service in _compose_config()["services"].values()
                 if service.get("command", [])[3:4] == ["worker"]]
     workers += [c["command"] for c in _k8s_containers() if c.get("command", [])[3:4] == ["worker"]]
     assert len(workers) == 9
     for command in workers:
-        queue = command[command.index("-Q") + 1]
-        imports = command[command.index("-I") + 1] if "-I" in command else None
-        assert imports == ("tasks.training" if queue == "training" else None), command
+        queues = command[command.index("-Q") + 1].split(",")
+        imports = set(command[command.index("-I") + 1].split(",")) if "-I" in command else set()
+        assert imports == {QUEUE_TASK_MODULES[q] for q in queues if q in QUEUE_TASK_MODULES}, command

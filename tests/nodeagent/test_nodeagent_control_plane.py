@@ -13,7 +13,7 @@ import requests
 import torch
 from safetensors.torch import save_file
 
-from arceus.checkpoint import CheckpointError, StateFile, checkpoint_digest, encode_checkpoint
+from arceus.checkpoint import StateFile, checkpoint_digest, encode_checkpoint
 from arceus.contracts.assignment import Assignment, CheckpointRef, InitialWeightsRef
 from arceus.contracts.credentials import token_digest
 from arceus.contracts.possession import possession_check
@@ -21,6 +21,7 @@ from arceus.model.build import build_full_model, build_layers, named_global_para
 from arceus.model.hugging_face import initial_weights_layer_digests, initial_weights_slice, initial_weights_slice_bytes
 from arceus.model.llama.hf import hf_name
 from arceus.model.registry import model_spec_from_config
+from arceus.safetensors_file import CheckpointError
 from arceus.wire.tls import new_identity
 from devtools.pipeline import pipeline_assignments
 from nodeagent.agent import Agent

@@ -25,7 +25,8 @@ from arceus.checkpoint import decode_checkpoint
 from arceus.contracts.assignment import max_micro_batch_size
 from arceus.contracts.certificates import AGENT_TLS_NAME
 from arceus.data.config import validate_dataset_config
-from arceus.training import TrainPlan, train
+from arceus.training.driver import train
+from arceus.training.plan import TrainPlan
 from arceus.training.recording import RecordingSink
 from arceus.v1 import link_probe_pb2, link_probe_pb2_grpc, stage_pb2, stage_pb2_grpc, tensor_parallel_pb2
 from arceus.wire.channels import open_channel, pinned_channel_credentials

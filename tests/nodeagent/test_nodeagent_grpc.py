@@ -19,7 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from arceus.checkpoint import decode_checkpoint
 from arceus.contracts.certificates import AGENT_TLS_NAME
 from arceus.data.config import validate_dataset_config
-from arceus.training import DriverError, StageEndpoint, TrainPlan, train
+from arceus.training.driver import DriverError, train
+from arceus.training.plan import StageEndpoint, TrainPlan
 from arceus.training.recording import RecordingSink
 from arceus.v1 import stage_pb2, stage_pb2_grpc
 from arceus.wire.channels import open_channel

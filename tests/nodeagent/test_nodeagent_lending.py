@@ -13,8 +13,8 @@ import torch
 from arceus.contracts.assignment import Assignment, max_micro_batch_size
 from arceus.data.config import validate_dataset_config
 from arceus.data.loader import load_dataset
-from arceus.training import StageEndpoint, TrainPlan
 from arceus.training.driver import Pipeline
+from arceus.training.plan import StageEndpoint, TrainPlan
 from devtools.pipeline import driver_token, identity_for, pipeline_assignments, remember_identity
 from nodeagent.agent import Agent
 from nodeagent.lending import KEPT, PROBE_EVERY, ComputeThreads, LendingGauge

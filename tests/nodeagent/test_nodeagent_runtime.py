@@ -4,10 +4,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from arceus.checkpoint import CheckpointError, decode_checkpoint, encode_checkpoint
+from arceus.checkpoint import decode_checkpoint, encode_checkpoint
 from arceus.contracts.assignment import Assignment, CheckpointRef, OptimizerConfig
 from arceus.model.build import build_full_model, build_layers
 from arceus.model.mlp.spec import MLPSpec
+from arceus.safetensors_file import CheckpointError
 from devtools.pipeline import certificates_for, rank_credentials
 from nodeagent.runtime import StageRuntime
 from nodeagent.stage import build_hosted_stage

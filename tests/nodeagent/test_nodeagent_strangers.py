@@ -20,7 +20,8 @@ import torch
 from arceus.contracts.assignment import max_micro_batch_size
 from arceus.contracts.certificates import AGENT_TLS_NAME
 from arceus.data.config import validate_dataset_config
-from arceus.training import TrainPlan, train
+from arceus.training.driver import train
+from arceus.training.plan import TrainPlan
 from arceus.training.recording import RecordingSink
 from arceus.v1 import (
     link_probe_pb2,

@@ -6,7 +6,7 @@ import importlib
 
 from django.conf import settings
 
-from controlplane.celery import app
+from controlplane.celery import QUEUE_TASK_MODULES, app
 
 
 def test_delivery_guarantees() -> None:
@@ -25,13 +25,16 @@ def test_broker_and_results_use_redis_url() -> None:
 def test_tasks_are_registered_by_name_and_routed_to_their_queue() -> None:
     app.loader.import_default_modules()
     assert {"arceus.reconcile", "arceus.estimate"} <= set(app.tasks)
-    assert "tasks.training" not in app.conf.include  # the training worker's own `-I tasks.training`
-    importlib.import_module("tasks.training")
-    assert "arceus.train_job" in app.tasks
-    assert {q.name for q in app.conf.task_queues} == {"control", "reachability", "training"}
+    # The training and reachability workers' own modules (their `-I`), which load torch or gRPC.
+    assert not set(QUEUE_TASK_MODULES.values()) & set(app.conf.include)
+    for module in QUEUE_TASK_MODULES.values():
+        importlib.import_module(module)
+    assert {"arceus.train_job", "arceus.check_reachability"} <= set(app.tasks)
+    assert {q.name for q in app.conf.task_queues} == {"control", "reachability", "training", "sampling"}
     router = app.amqp.router
     assert router.route({}, "arceus.reconcile")["queue"].name == "control"
     assert router.route({}, "arceus.train_job")["queue"].name == "training"
+    assert router.route({}, "arceus.sample")["queue"].name == "sampling"
     assert router.route({}, "arceus.estimate")["queue"].name == "control"  # bounded by ARCEUS_SOLVER_SECONDS
 
 

@@ -62,6 +62,13 @@ class ConvNetSpec:
         convs = [c_in * k2 * c_out + c_out for (c_in, _, _), c_out in self._convs()]
         return [*convs, math.prod(self.shapes()[-1]) * self.classes + self.classes]
 
+    def layer_parameters(self, layer: int) -> dict[str, list[int]]:
+        """Each parameter's shape in `layer`, by its name in the layer (`arceus.model.convnet.layers`)."""
+        if layer == self.num_layers - 1:
+            return {"linear.weight": [self.classes, math.prod(self.shapes()[-1])], "linear.bias": [self.classes]}
+        (c_in, _, _), c_out = self._convs()[layer]
+        return {"conv.weight": [c_out, c_in, self.kernel_size, self.kernel_size], "conv.bias": [c_out]}
+
     def layer_stash(self) -> list[LayerStash]:
         """A conv layer keeps its activation's output (which pooling keeps too) or, for GELU, its input and the
         output pooling keeps, and the pooling's argmax indices (int64, a quarter as many); the head the log-

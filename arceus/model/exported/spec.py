@@ -63,6 +63,10 @@ class ExportedSpec:
     def layer_params(self) -> list[int]:
         return [sum(math.prod(shape) for _, shape in layer.parameters) for layer in self.layers]
 
+    def layer_parameters(self, layer: int) -> dict[str, list[int]]:
+        """Each declared parameter's shape in `layer`, under the developer's name."""
+        return {name: list(shape) for name, shape in self.layers[layer].parameters}
+
     def layer_flops_per_sample(self) -> list[int]:
         return [layer.flops_per_sample for layer in self.layers]
 

@@ -44,6 +44,22 @@ class GPTSpec(TextDecoderLayouts):
         block = 12 * d * d + 13 * d
         return [v * d + t * d, *[block] * self.n_layer, 2 * d + d * v]  # the head has no bias
 
+    def layer_parameters(self, layer: int) -> dict[str, list[int]]:
+        """Each parameter's shape in `layer`, by its name in the layer (`arceus.model.gpt.layers`)."""
+        d, v = self.d_model, self.vocab_size
+        if layer == 0:
+            return {"wte.weight": [v, d], "wpe.weight": [self.block_size, d]}
+        if layer == self.num_layers - 1:
+            return {"ln_f.weight": [d], "ln_f.bias": [d], "lm_head.weight": [v, d]}
+        return {
+            "ln_1.weight": [d], "ln_1.bias": [d],
+            "attn.c_attn.weight": [3 * d, d], "attn.c_attn.bias": [3 * d],
+            "attn.c_proj.weight": [d, d], "attn.c_proj.bias": [d],
+            "ln_2.weight": [d], "ln_2.bias": [d],
+            "mlp.c_fc.weight": [4 * d, d], "mlp.c_fc.bias": [4 * d],
+            "mlp.c_proj.weight": [d, 4 * d], "mlp.c_proj.bias": [d],
+        }
+
     def layer_flops_per_sample(self) -> list[int]:
         """Forward FLOPs per sample (block_size tokens): 2 per multiply-add of each matmul, plus the
         attention scores and their weighted sum (2·T²·d each). Lookups, norms and softmax are ignored."""

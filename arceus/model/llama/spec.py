@@ -75,6 +75,21 @@ class LlamaSpec(TextDecoderLayouts):
         block = 2 * d + 2 * d * d + 2 * d * self.kv_size + 3 * d * i
         return [v * d, *[block] * self.num_hidden_layers, d + d * v]
 
+    def layer_parameters(self, layer: int) -> dict[str, list[int]]:
+        """Each parameter's shape in `layer`, by its name in the layer (`arceus.model.llama.layers`)."""
+        d, v, i = self.hidden_size, self.vocab_size, self.intermediate_size
+        if layer == 0:
+            return {"embed_tokens.weight": [v, d]}
+        if layer == self.num_layers - 1:
+            return {"norm.weight": [d], "lm_head.weight": [v, d]}
+        q = self.num_attention_heads * self.head_dim
+        return {
+            "self_attn.q_proj.weight": [q, d], "self_attn.k_proj.weight": [self.kv_size, d],
+            "self_attn.v_proj.weight": [self.kv_size, d], "self_attn.o_proj.weight": [d, q],
+            "mlp.gate_proj.weight": [i, d], "mlp.up_proj.weight": [i, d], "mlp.down_proj.weight": [d, i],
+            "input_layernorm.weight": [d], "post_attention_layernorm.weight": [d],
+        }
+
     def layer_flops_per_sample(self) -> list[int]:
         """Forward FLOPs per sample (block_size tokens): 2 per multiply-add of each matmul, plus the attention
         scores and their weighted sum (2·T²·d each). Lookups, norms, rotations and softmax are ignored."""

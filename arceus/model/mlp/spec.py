@@ -42,6 +42,11 @@ class MLPSpec:
         """Parameters (weight + bias) of each layer."""
         return [i * o + o for i, o in self._pairs()]
 
+    def layer_parameters(self, layer: int) -> dict[str, list[int]]:
+        """Each parameter's shape in `layer`, by its name in the layer (`arceus.model.mlp.layers`)."""
+        i, o = self._pairs()[layer]
+        return {"weight": [o, i], "bias": [o]}
+
     def layer_flops_per_sample(self) -> list[int]:
         """Forward FLOPs per sample of each layer: 2·in·out (one multiply and one add per weight).
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -11,19 +12,28 @@ import textwrap
 import pytest
 import torch
 
-from arceus.checkpoint import CheckpointError, StageStateError, encode_checkpoint, tensor_layouts
+from arceus.checkpoint import encode_checkpoint
 from arceus.contracts.assignment import OptimizerConfig
-from arceus.model.build import build_layers
+from arceus.model.build import build_layers, named_global_parameters
 from arceus.model.expected_state import expected_stage_state, optimizer_kind, stage_file_check
+from arceus.model.exported.capture import capture
 from arceus.model.registry import model_spec_from_config
 from arceus.model.sharding import Shard
 from arceus.model.spec import ModelSpec
-from arceus.model.tensor_parallel import gather_state_tensors, slice_state_tensors
+from arceus.model.tensor_parallel import (
+    build_parallel_layers,
+    gather_state_tensors,
+    rank_expected_state,
+    slice_state_tensors,
+)
+from arceus.safetensors_file import CheckpointError, StageStateError, tensor_layouts
 from nodeagent.runtime import StageRuntime
 
 MLP = {"type": "mlp", "layer_sizes": [64, 32, 16, 10]}
 GPT = {"type": "transformer", "n_layer": 3, "n_head": 2, "d_model": 16, "block_size": 8, "vocab_size": 11}
 CONVNET = {"type": "convnet", "input_shape": [1, 8, 8], "classes": 10}
+LLAMA = {"type": "llama", "hidden_size": 16, "intermediate_size": 24, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "max_position_embeddings": 8, "vocab_size": 11}
 SGD_MOMENTUM = OptimizerConfig(name="sgd", lr=0.1, momentum=0.9)
 SGD = OptimizerConfig(name="sgd", lr=0.1)
 ADAM = OptimizerConfig(name="adam", lr=0.01)
@@ -48,11 +58,50 @@ def check(tensors: dict[str, torch.Tensor], spec: ModelSpec, start: int, end: in
           *, stage_index: int = 1, shard: Shard | None = None) -> None:
     data = encode_checkpoint(tensors)
     expected = expected_stage_state(spec, stage_index=stage_index, layer_start=start, layer_end=end,
-                                    optimizer=optimizer_kind(optimizer.name, optimizer.momentum), shard=shard)
+                                    optimizer=optimizer_kind(optimizer.name, optimizer.momentum))
+    if shard is not None:
+        expected = rank_expected_state(spec, expected, shard)
     stage_file_check(io.BytesIO(data), len(data), expected)
 
 
-@pytest.mark.parametrize("config", [MLP, GPT, CONVNET], ids=["mlp", "gpt", "convnet"])
+def built_layouts(layers: torch.nn.Module) -> dict[str, tuple[str, list[int]]]:
+    """What a built stage's (or rank's) parameters are, as safetensors names their dtype."""
+    return {name: ({torch.float32: "F32"}[p.dtype], list(p.shape)) for name, p in named_global_parameters(layers)}
+
+
+def exported_config() -> dict:
+    module = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+    return capture(module, torch.rand(4, 64)).model_config
+
+
+@pytest.mark.parametrize("config", [MLP, GPT, CONVNET, LLAMA, "exported"],
+                         ids=["mlp", "transformer", "convnet", "llama", "exported"])
+def test_the_torch_free_expectation_is_what_the_built_layers_hold(config: dict | str) -> None:
+    """The control plane checks files against the specs' declared parameters, never building a layer: they
+    must be exactly the built stage's, for every range of layers (and its parameter count the spec's)."""
+    spec = model_spec_from_config(exported_config() if config == "exported" else config)
+    for start in range(spec.num_layers):
+        for end in range(start + 1, spec.num_layers + 1):
+            with torch.device("meta"):
+                layers = build_layers(spec, start, end, seed=0)
+            expected = expected_stage_state(spec, stage_index=0, layer_start=start, layer_end=end, optimizer="adam")
+            assert expected.weights == built_layouts(layers), (start, end)
+    for index in range(spec.num_layers):
+        assert sum(math.prod(shape) for shape in spec.layer_parameters(index).values()) == spec.layer_params()[index]
+
+
+@pytest.mark.parametrize("config", [GPT, LLAMA], ids=["transformer", "llama"])
+def test_a_tensor_parallel_ranks_expectation_is_what_its_built_layers_hold(config: dict) -> None:
+    spec = model_spec_from_config({**config, "n_head": 4} if config is GPT else config)
+    for rank in range(2):
+        shard = Shard(rank, 2)
+        with torch.device("meta"):
+            layers = build_parallel_layers(spec, 0, spec.num_layers, 0, shard, all_reduce=lambda t: t)
+        whole = expected_stage_state(spec, stage_index=0, layer_start=0, layer_end=spec.num_layers, optimizer="sgd")
+        assert rank_expected_state(spec, whole, shard).weights == built_layouts(layers)
+
+
+@pytest.mark.parametrize("config", [MLP, GPT, CONVNET, LLAMA], ids=["mlp", "gpt", "convnet", "llama"])
 @pytest.mark.parametrize("optimizer", [SGD_MOMENTUM, ADAM, SGD], ids=["sgd-momentum", "adam", "sgd"])
 def test_an_honest_stages_state_is_accepted(config: dict, optimizer: OptimizerConfig) -> None:
     spec = model_spec_from_config(config)
@@ -160,7 +209,7 @@ def test_checking_a_100m_parameter_stage_loads_no_weights(tmp_path) -> None:
     script = textwrap.dedent(
         """
         import json, resource, sys, torch
-        from arceus.model.build import build_layers
+        from arceus.model.build import build_layers, named_global_parameters
         from arceus.model.expected_state import expected_stage_state, stage_file_check
         from arceus.model.registry import model_spec_from_config
         spec = model_spec_from_config({"type": "transformer", "n_layer": 12, "n_head": 12, "d_model": 768,

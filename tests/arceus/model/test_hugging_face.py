@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaForCausalLM
 
-from arceus.checkpoint import OPTIMIZER_PREFIX, CheckpointError, StateFile, encode_checkpoint
+from arceus.checkpoint import StateFile, encode_checkpoint
 from arceus.errors import SpecError
 from arceus.model.build import build_full_model, build_layers, named_global_parameters
 from arceus.model.hugging_face import (
@@ -26,6 +26,7 @@ from arceus.model.hugging_face import (
 )
 from arceus.model.llama.hf import hf_name
 from arceus.model.registry import model_spec_from_config
+from arceus.safetensors_file import OPTIMIZER_PREFIX, CheckpointError
 from tests.arceus.model.test_llama_model import SMALL, ids
 
 SPEC = model_spec_from_config(SMALL)

@@ -17,7 +17,8 @@ import torch
 from arceus.contracts.assignment import max_micro_batch_size
 from arceus.data.config import validate_dataset_config
 from arceus.model.registry import fit_model_to_dataset
-from arceus.training import TrainPlan, train
+from arceus.training.driver import train
+from arceus.training.plan import TrainPlan
 from arceus.training.recording import RecordingSink
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
 from devtools.pipeline import driver_token, pipeline_assignments, stage_endpoints

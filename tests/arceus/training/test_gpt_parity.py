@@ -18,7 +18,8 @@ import torch
 from arceus.contracts.assignment import max_micro_batch_size
 from arceus.data.text_config import dataset_tokenizer
 from arceus.model.generate import sample_text
-from arceus.training import TrainPlan, train
+from arceus.training.driver import train
+from arceus.training.plan import TrainPlan
 from arceus.training.recording import RecordingSink
 from arceus.training.sampling import sample_through_pipeline
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents

@@ -24,8 +24,8 @@ import torch
 
 from arceus.contracts.assignment import max_micro_batch_size
 from arceus.data.config import validate_dataset_config
-from arceus.training import TrainPlan, train
-from arceus.training.plan import StepProgress
+from arceus.training.driver import train
+from arceus.training.plan import StepProgress, TrainPlan
 from arceus.training.recording import RecordingSink
 from arceus.training.stage_client import StageClient
 from arceus.v1 import replica_pb2, replica_pb2_grpc, stage_pb2

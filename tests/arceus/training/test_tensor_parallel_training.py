@@ -17,10 +17,11 @@ from typing import Any
 import pytest
 import torch
 
-from arceus.checkpoint import OPTIMIZER_PREFIX, StateFile
+from arceus.checkpoint import StateFile
 from arceus.contracts.assignment import max_micro_batch_size
-from arceus.training import RankEndpoint, StageEndpoint, TrainPlan, train
-from arceus.training.driver import Pipeline
+from arceus.safetensors_file import OPTIMIZER_PREFIX
+from arceus.training.driver import Pipeline, train
+from arceus.training.plan import RankEndpoint, StageEndpoint, TrainPlan
 from arceus.training.recording import RecordingSink
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
 from devtools.pipeline import certificates_for, driver_token, pipeline_assignments, rank_credentials

@@ -15,8 +15,9 @@ import torch
 from arceus.contracts.assignment import Assignment, max_micro_batch_size
 from arceus.contracts.transfer import transfer_config_from_json
 from arceus.data.config import validate_dataset_config
-from arceus.training import StageEndpoint, StepProgress, TrainPlan, train
 from arceus.training.audit import Auditor
+from arceus.training.driver import train
+from arceus.training.plan import StageEndpoint, StepProgress, TrainPlan
 from arceus.training.recording import RecordingSink
 from arceus.training.stage_client import StageClient
 from arceus.v1 import stage_pb2

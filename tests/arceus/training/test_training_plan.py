@@ -7,7 +7,7 @@ import pytest
 from arceus.contracts.assignment import max_micro_batch_size
 from arceus.data.config import validate_dataset_config
 from arceus.errors import SpecError
-from arceus.training import StageEndpoint, TrainPlan
+from arceus.training.plan import StageEndpoint, TrainPlan
 from devtools.pipeline import driver_token, identity_for
 
 

@@ -18,7 +18,8 @@ import torch
 from arceus.checkpoint import StateFile, checkpoint_digest
 from arceus.contracts.assignment import max_micro_batch_size
 from arceus.data.config import validate_dataset_config
-from arceus.training import StageEndpoint, TrainPlan, train
+from arceus.training.driver import train
+from arceus.training.plan import StageEndpoint, TrainPlan
 from arceus.training.recording import RecordingSink
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
 from devtools.pipeline import driver_token, identity_for, pipeline_assignments

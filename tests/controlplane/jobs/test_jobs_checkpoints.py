@@ -18,15 +18,10 @@ from django.db import IntegrityError
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from arceus.checkpoint import (
-    CheckpointError,
-    StageStateError,
-    checkpoint_digest,
-    decode_checkpoint,
-    encode_checkpoint,
-)
+from arceus.checkpoint import checkpoint_digest, decode_checkpoint, encode_checkpoint
 from arceus.cli import main as cli_main
 from arceus.contracts.assignment import Assignment
+from arceus.safetensors_file import CheckpointError, StageStateError
 from arceus.training.plan import StageStateFile
 from controlplane.accounts.services import user_token_get_or_create
 from controlplane.common.errors import ApplicationError

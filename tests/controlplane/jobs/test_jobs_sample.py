@@ -1,9 +1,10 @@
 """POST /api/jobs/<id>/sample: text from a running transformer job, sampled through the agent that hosts its
-stage (a real agent serving gRPC in this process), through the API, the SDK and the CLI (against a live
-server)."""
+stage (a real agent serving gRPC in this process) by a real Celery worker on the sampling queue (a thread of this
+process: `sampling_worker`), through the API, the SDK and the CLI (against a live server)."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -87,7 +88,8 @@ def abcd_text(tmp_path: Path, settings) -> Path:  # noqa: ANN001
     return source
 
 
-@pytest.mark.django_db
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("sampling_worker")
 def test_the_owner_samples_text_that_continues_what_the_model_learned(
     api: APIClient, user: User, abcd_text: Path, ready_node, agent: Agent
 ) -> None:
@@ -102,7 +104,8 @@ def test_the_owner_samples_text_that_continues_what_the_model_learned(
     assert api.post(f"/api/jobs/{job.id}/sample", body, format="json").json()["text"] == sampled  # seeded
 
 
-@pytest.mark.django_db
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("sampling_worker")
 def test_a_llama_job_samples_through_its_agent(
     api: APIClient, user: User, abcd_text: Path, ready_node, agent: Agent  # noqa: ANN001
 ) -> None:
@@ -116,7 +119,8 @@ def test_a_llama_job_samples_through_its_agent(
     assert greedy.json() == {"text": "bc" + "dabc" * 5, "step": 60}
 
 
-@pytest.mark.django_db
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("sampling_worker")
 def test_a_bpe_job_samples_through_its_own_tokenizer(
     api: APIClient, user: User, abcd_text: Path, ready_node, agent: Agent
 ) -> None:
@@ -171,6 +175,7 @@ def test_sampling_needs_a_trained_transformer_of_ones_own(
 
 
 @pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("sampling_worker")
 def test_the_cli_prints_a_sample_from_the_live_api(
     live_server, user: User, abcd_text: Path, ready_node, agent: Agent, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -183,7 +188,8 @@ def test_the_cli_prints_a_sample_from_the_live_api(
     assert "prompt" in capsys.readouterr().err
 
 
-@pytest.mark.django_db
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("sampling_worker")
 def test_a_stage_that_cannot_decode_is_a_503_naming_it(
     api: APIClient, user: User, abcd_text: Path, ready_node, agent: Agent
 ) -> None:
@@ -194,3 +200,15 @@ def test_a_stage_that_cannot_decode_is_a_503_naming_it(
     # It no longer knows the job's credentials either.
     stage = f"stage 0 (node {job.stages.get().node_id} at {agent.grpc_address})"
     assert f"{stage} could not decode: UNAUTHENTICATED" in response.json()["detail"]
+
+
+@pytest.mark.django_db
+def test_with_no_worker_to_sample_the_request_is_a_503_in_bounded_time(
+    api: APIClient, user: User, abcd_text: Path, ready_node, agent: Agent, settings  # noqa: ANN001
+) -> None:
+    settings.ARCEUS_SAMPLE_TIMEOUT_SECONDS = 1
+    job = make_job(user, abcd_text, ready_node, agent)
+    started = time.monotonic()
+    response = api.post(f"/api/jobs/{job.id}/sample", {"prompt": "ab", "length": 3}, format="json")
+    assert response.status_code == 503 and time.monotonic() - started < 10
+    assert f"sampling job {job.id}: no training worker answered within 1s" in response.json()["detail"]

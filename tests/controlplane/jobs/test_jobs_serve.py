@@ -14,9 +14,10 @@ from django.core.files.base import ContentFile
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from arceus.checkpoint import OPTIMIZER_PREFIX, checkpoint_digest, decode_checkpoint, encode_checkpoint
+from arceus.checkpoint import checkpoint_digest, decode_checkpoint, encode_checkpoint
 from arceus.contracts.assignment import Assignment, CheckpointRef
 from arceus.contracts.status import JobStatus
+from arceus.safetensors_file import OPTIMIZER_PREFIX
 from arceus.v1 import stage_pb2
 from controlplane.controller.executor import reconcile_once
 from controlplane.jobs.models import Checkpoint, Job, Stage, StageCheckpoint

@@ -15,7 +15,8 @@ from rest_framework.test import APIClient
 from arceus.contracts.counters import StageCounters
 from arceus.contracts.spot_check import SpotCheckResult
 from arceus.contracts.status import JobStatus
-from arceus.verify.receipts import SENT, ReceiptFields, ReceiptSigner, tensor_digest
+from arceus.verify.receipts import SENT, ReceiptFields, ReceiptSigner
+from arceus.verify.tensor_digest import tensor_digest
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.executor import reconcile_once
 from controlplane.jobs.models import Stage
