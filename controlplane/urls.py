@@ -23,6 +23,7 @@ urlpatterns = [
     re_path(r"^api/docs/?$", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
     path("api/", include("controlplane.accounts.urls")),
     path("api/", include("controlplane.nodes.urls")),
+    path("api/", include("controlplane.agents.urls")),
     path("api/", include("controlplane.jobs_api.urls")),
     path("api/", include("controlplane.datasets.urls")),
     path("api/", include("controlplane.market.urls")),

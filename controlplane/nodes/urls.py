@@ -4,13 +4,9 @@ from django.urls import re_path
 
 from controlplane.nodes.api import (
     AgentChallengeApi,
-    AgentCheckpointApi,
-    AgentCheckpointUploadApi,
     AgentHeartbeatApi,
-    AgentInitialWeightsApi,
     AgentLeaveApi,
     AgentProbeApi,
-    AgentProgramApi,
     AgentRegisterApi,
     NodeControlsApi,
     NodeDetailApi,
@@ -32,16 +28,4 @@ urlpatterns = [
     re_path(r"^agent/heartbeat/?$", AgentHeartbeatApi.as_view(), name="agent-heartbeat"),
     re_path(r"^agent/leave/?$", AgentLeaveApi.as_view(), name="agent-leave"),
     re_path(r"^agent/probe/?$", AgentProbeApi.as_view(), name="agent-probe"),
-    re_path(r"^agent/checkpoints/(?P<checkpoint_id>[^/]+)/?$", AgentCheckpointApi.as_view(), name="agent-checkpoint"),
-    re_path(
-        r"^agent/jobs/(?P<job_id>[^/]+)/initial-weights/?$",
-        AgentInitialWeightsApi.as_view(),
-        name="agent-initial-weights",
-    ),
-    re_path(r"^agent/jobs/(?P<job_id>[^/]+)/program/?$", AgentProgramApi.as_view(), name="agent-program"),
-    re_path(
-        r"^agent/checkpoint-uploads/(?P<upload_id>[^/]+)/?$",
-        AgentCheckpointUploadApi.as_view(),
-        name="agent-checkpoint-upload",
-    ),
 ]
