@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from django.utils.functional import SimpleLazyObject
+from drf_spectacular.extensions import OpenApiAuthenticationExtension
 from rest_framework import exceptions
 from rest_framework.authentication import BaseAuthentication, get_authorization_header
 from rest_framework.permissions import BasePermission
@@ -49,3 +50,18 @@ class IsNodeAgent(BasePermission):
         if not isinstance(request.auth, Node):
             raise exceptions.NotAuthenticated(f"node agent endpoint: {HOW_TO}")
         return True
+
+
+class NodeTokenScheme(OpenApiAuthenticationExtension):
+    """The node-token scheme in the OpenAPI schema (registered when this module loads: controlplane/nodes/apps.py)."""
+
+    target_class = "controlplane.nodes.authentication.NodeTokenAuthentication"
+    name = "nodeToken"
+
+    def get_security_definition(self, auto_schema: object) -> dict[str, str]:
+        return {
+            "type": "apiKey",
+            "in": "header",
+            "name": "Authorization",
+            "description": 'Node agents send "Node <token>" (the token minted by POST /api/nodes).',
+        }
