@@ -33,6 +33,8 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     )},
     _TP + "PushPartial": frozenset({Role.PEER}),
     _REPLICA + "PushShard": frozenset({Role.SIBLING}),
+    _REPLICA + "Snapshot": frozenset({Role.SIBLING}),
+    _REPLICA + "CopyState": DRIVER_ONLY,
     _PROBE + "Probe": frozenset(Role),  # any principal of a job hosted here may time its link
 }
 # A token is 64 hex digits; anything much longer is not worth hashing.

@@ -1,36 +1,129 @@
-"""`ReplicaService` over gRPC: authorize the caller as a sibling (a replica of the same stage, job and
-generation), resolve the addressed replica, let its exchange validate and park the shard. Nothing here touches
-torch."""
+"""`ReplicaService` over gRPC: authorize the caller (a sibling: a replica of the same stage, job and generation; or,
+for CopyState, the driver), resolve the addressed replica, and let it park a shard, stream its state between steps
+(Snapshot), or copy a live sibling's state (CopyState). Nothing here touches torch but loading a copied state."""
 
 from __future__ import annotations
 
+import hashlib
+import time
+from collections.abc import Iterator
+
 import grpc
 
+from arceus.checkpoint import decode_checkpoint, state_chunks
+from arceus.contracts.certificates import check_certificate
 from arceus.contracts.credentials import Role
-from arceus.v1 import replica_pb2, replica_pb2_grpc
-from nodeagent.callers import authorize, presented_digest
+from arceus.v1 import replica_pb2, replica_pb2_grpc, stage_pb2
+from nodeagent.callers import DRIVER_ONLY, authorize, presented_digest
 from nodeagent.hosting import HostedStages
-from nodeagent.rpc import RpcFailure, serve
+from nodeagent.rpc import RpcFailure, call_deadline, serve
+from nodeagent.stage import HostedStage
 
 SIBLINGS = frozenset({Role.SIBLING})
+# Room for a state file's safetensors header beside its tensors.
+HEADER_ALLOWANCE = 1 << 20
 
 
 class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
     def __init__(self, registry: HostedStages) -> None:
         self._registry = registry
 
+    def _replica(
+        self, context: grpc.ServicerContext, target: stage_pb2.StageRef, method: str, roles: frozenset[Role]
+    ) -> HostedStage:
+        authorize(presented_digest(context), self._registry.guards(), target=target, allowed=roles, method=method)
+        stage = self._registry.resolve(target)
+        if stage.exchange is None:
+            raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, f"{stage.name} is not replicated")
+        return stage
+
     def PushShard(
         self, request: replica_pb2.PushShardRequest, context: grpc.ServicerContext
     ) -> replica_pb2.PushShardReply:
         def push() -> replica_pb2.PushShardReply:
-            authorize(
-                presented_digest(context), self._registry.guards(), target=request.target, allowed=SIBLINGS,
-                method="PushShard",
-            )
-            stage = self._registry.resolve(request.target)
-            if stage.exchange is None:
-                raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, f"{stage.name} is not replicated")
-            stage.exchange.accept(request)
+            self._replica(context, request.target, "PushShard", SIBLINGS).exchange.accept(request)
             return replica_pb2.PushShardReply()
 
         return serve(context, "PushShard", push)
+
+    def Snapshot(
+        self, request: replica_pb2.SnapshotRequest, context: grpc.ServicerContext
+    ) -> Iterator[stage_pb2.StateChunk]:
+        """This replica's state (weights and optimizer state, after its last step's update) in chunks of a few MiB,
+        the step lock held until the last one."""
+
+        def settled() -> HostedStage:
+            stage = self._replica(context, request.target, "Snapshot", SIBLINGS)
+            stage.hold_between_steps(call_deadline(context) - time.monotonic())
+            return stage
+
+        stage = serve(context, "Snapshot", settled)
+        try:
+            _, chunks = state_chunks(dict(stage.runtime.state_items(include_optimizer_state=True)))
+            for chunk in chunks:
+                yield stage_pb2.StateChunk(data=bytes(chunk))
+        finally:
+            stage.step_lock.release()
+
+    def CopyState(
+        self, request: replica_pb2.CopyStateRequest, context: grpc.ServicerContext
+    ) -> replica_pb2.CopyStateReply:
+        """Replace this (joining) replica's state with a live sibling's, fetched from it peer to peer."""
+
+        def copy() -> replica_pb2.CopyStateReply:
+            stage = self._replica(context, request.target, "CopyState", DRIVER_ONLY)
+            source = request.source
+            if source.stage_index != request.target.stage_index or source.replica == request.target.replica:
+                raise RpcFailure(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"the source must be another replica of stage {request.target.stage_index}, got stage "
+                    f"{source.stage_index} replica {source.replica}",
+                )
+            try:
+                check_certificate(source.certificate)
+            except ValueError as exc:
+                raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, f"source.certificate: {exc}") from None
+            deadline = call_deadline(context)
+            stage.hold_between_steps(deadline - time.monotonic())
+            try:
+                data = _fetch_snapshot(stage, source, deadline)
+                try:
+                    stage.runtime.load_state_tensors(decode_checkpoint(data))
+                except ValueError as exc:  # a file that is no state of this stage
+                    raise RpcFailure(
+                        grpc.StatusCode.FAILED_PRECONDITION, f"replica {source.replica}'s state does not fit: {exc}"
+                    ) from None
+            finally:
+                stage.step_lock.release()
+            return replica_pb2.CopyStateReply(sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data))
+
+        return serve(context, "CopyState", copy)
+
+
+def _fetch_snapshot(stage: HostedStage, source: stage_pb2.ReplicaPeer, deadline: float) -> bytes:
+    """The source replica's state file, read only up to what this stage's state can take (weights and as many
+    tensors per weight as its optimizer keeps, and a header)."""
+    runtime = stage.runtime
+    weights = sum(p.numel() * p.element_size() for p in runtime.layers.parameters())
+    limit = weights * (1 + len(runtime.optimizer_state_keys())) + HEADER_ALLOWANCE
+    ref = stage.ref(stage.assignment.stage_index, source.replica)
+    chunks = stage.replica_link(source).replicas.Snapshot(
+        replica_pb2.SnapshotRequest(target=ref), timeout=max(0.05, deadline - time.monotonic())
+    )
+    data = bytearray()
+    try:
+        for chunk in chunks:
+            data += chunk.data
+            if len(data) > limit:
+                chunks.cancel()
+                raise RpcFailure(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"replica {source.replica}'s state exceeds the {limit:,} bytes this stage's state can take",
+                )
+    except grpc.RpcError as exc:
+        raise RpcFailure(
+            grpc.StatusCode.UNAVAILABLE,
+            f"copying the state of replica {source.replica} at {source.address} failed: "
+            f"{exc.code().name}: {exc.details()}",
+        ) from None
+    return bytes(data)

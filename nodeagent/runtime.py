@@ -130,6 +130,10 @@ class StageRuntime:
                 self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
 
+    def optimizer_state_keys(self) -> frozenset[str]:
+        """The per-parameter entries this stage's optimizer keeps (none without an optimizer)."""
+        return frozenset() if self.optimizer_name is None else OPTIMIZER_STATE_KEYS[self.optimizer_name]
+
     def gradient_vector(self) -> torch.Tensor:
         """The accumulated gradients of every parameter, flattened in parameter order into one float32 CPU
         vector (zeros for a parameter without one): what the replicas of a stage exchange."""
@@ -155,6 +159,12 @@ class StageRuntime:
         """Keep the accumulated gradients and step later (`settle`): until then the weights are the ones
         this step's forwards used, so a spot check can read them without a copy of them being kept."""
         self._deferred = (learning_rate,)
+
+    def discard_deferred(self) -> None:
+        """Forget a deferred optimizer step and its gradients: the step it belonged to is being run again."""
+        self._deferred = None
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
 
     def settle(self) -> bool:
         """Take a deferred optimizer step, if one waits; whether one did."""

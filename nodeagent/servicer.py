@@ -131,9 +131,14 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             def on_done() -> None:  # runs when the call ends, including when the caller cancels it
                 abort.set()
                 stage.mailbox.wake()
+                if stage.exchange is not None:
+                    stage.exchange.shards.wake()
 
             context.add_callback(on_done)
-            if not stage.step_lock.acquire(blocking=False):
+            # A replica's step run again after a loss may find the cancelled attempt still unwinding.
+            wait = min(10.0, max(0.0, deadline - time.monotonic())) if request.HasField("replicas") else 0.0
+            acquired = stage.step_lock.acquire(timeout=wait) if wait > 0 else stage.step_lock.acquire(blocking=False)
+            if not acquired:
                 raise RpcFailure(grpc.StatusCode.ABORTED, f"{stage.name} is already running a step")
             try:
                 threads = None if self._compute_threads is None else self._compute_threads()
@@ -171,13 +176,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     def _between_steps(self, stage: HostedStage, context: grpc.ServicerContext) -> HostedStage:
         """`stage` with its step lock held and its optimizer step applied: a checkpoint holds the state after the
         step's optimizer step, never half updated. The caller releases the lock."""
-        if not stage.step_lock.acquire(timeout=max(0.0, call_deadline(context) - time.monotonic())):
-            raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, f"{stage.name} stayed busy with a step")
-        try:
-            stage.settle()
-        except BaseException:
-            stage.step_lock.release()
-            raise
+        stage.hold_between_steps(call_deadline(context) - time.monotonic())
         return stage
 
     def GetState(

@@ -6,6 +6,7 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+import grpc
 import torch
 
 from arceus.contracts.assignment import Assignment, CheckpointRef, InitialWeightsRef
@@ -24,6 +25,7 @@ from nodeagent.inference import DecodeSessions
 from nodeagent.lending import LendingGauge
 from nodeagent.mailbox import Mailbox
 from nodeagent.replicas import ReplicaExchange
+from nodeagent.rpc import RpcFailure
 from nodeagent.runtime import StageRuntime
 from nodeagent.verify import AuditRecord
 
@@ -111,6 +113,7 @@ class HostedStage:
         self.bytes_received = 0
         # The last train step's activations and weights, kept for spot checks (retain_for_audit).
         self.audit_record: AuditRecord | None = None
+        self.deferred_step: int | None = None  # the step whose optimizer step waits (StepRun), where one does
         self.lending = LendingGauge()  # whether borrowing idle cores pays, learnt from this stage's steps
         # Whose calls the stage accepts (nodeagent.callers): made once, read on every call.
         a = assignment
@@ -158,9 +161,21 @@ class HostedStage:
         with self._bytes_lock:
             self.bytes_received += n
 
+    def hold_between_steps(self, timeout: float) -> None:
+        """Take the step lock (within `timeout` seconds) and apply any deferred optimizer step: the state is then
+        the one after the last step, never half updated. The caller releases the lock."""
+        if not self.step_lock.acquire(timeout=max(0.0, timeout)):
+            raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.name} stayed busy with a step")
+        try:
+            self.settle()
+        except BaseException:
+            self.step_lock.release()
+            raise
+
     def settle(self) -> None:
         """Apply a deferred optimizer step (see StepRun): the weights move on, so what an audit of the
         last step would read is gone. Called with the step lock held, before anything reads or trains."""
+        self.deferred_step = None
         if self.runtime.settle():
             self.audit_record = None
 

@@ -82,7 +82,11 @@ class StepRun:
 
     def run(self) -> stage_pb2.RunStepReply:
         runtime = self.stage.runtime
-        self.stage.settle()  # the previous step's optimizer step, if an audit kept it waiting
+        if self.replicas is not None and self.stage.deferred_step in self.request.replicas.discard_steps:
+            runtime.discard_deferred()  # the update of a failed attempt at this step, which this replica finished
+        else:
+            self.stage.settle()  # the previous step's optimizer step, if an audit (or replicas) kept it waiting
+        self.stage.deferred_step = None
         compute_before = runtime.counters.compute_seconds
         self.stage.mailbox.retain_step(self.step)
         try:
@@ -98,9 +102,11 @@ class StepRun:
                 self._exchange(self.replicas)
             if self.train:
                 self.lending.optimizer_step()
-                if self.audit.keep():
-                    # An audit reads the weights this step's forwards used: they stay until the next call.
+                if self.audit.keep() or self.replicas is not None:
+                    # An audit reads the weights this step's forwards used: they stay until the next call. Replicas
+                    # apply their update only once every replica took the step: the driver's next step commits it.
                     runtime.defer_optimizer_step(self.request.learning_rate or None)
+                    self.stage.deferred_step = self.step
                 else:
                     runtime.optimizer_step(self.request.learning_rate or None)
         except BaseException:

@@ -50,11 +50,13 @@ from arceus.training.replicas import ReplicaRoster
 from arceus.training.stage_client import StageClient
 from arceus.training.tally import WorkTally
 from arceus.v1 import stage_pb2
-from arceus.wire.channels import MAX_MESSAGE_BYTES
+from arceus.wire.channels import MAX_MESSAGE_BYTES, agents_answering
 from arceus.wire.push_stream import PushError
 
 log = logging.getLogger(__name__)
 _ACTIVATION, _LABELS = stage_pb2.ACTIVATION, stage_pb2.LABELS
+# How long a replica's agent has to answer a health check after a failed step before it counts as lost.
+LIVENESS_SECONDS = 3.0
 
 
 class DriverError(RuntimeError):
@@ -110,6 +112,7 @@ class Pipeline:
             ]
             for s in plan.stages
         ]
+        self._client = client
         # Replicated stages: a client per replica; the stage's lowest replica serves as the stage (its state).
         self.roster = ReplicaRoster(plan.replicas, len(plan.stages)) if plan.replicas else None
         self.replica_clients = {(e.index, e.replica): client(e) for e in plan.replicas}
@@ -210,8 +213,63 @@ class Pipeline:
     def _replicated_step(
         self, roster: ReplicaRoster, step: int, x: torch.Tensor, y: torch.Tensor, *, train: bool
     ) -> StepOutcome:
-        """One step of replicated stages: inputs and labels to the replicas each micro-batch's route names, RunStep
-        to every member with the routes, then the loss in micro-batch order and the replicas' speeds learnt."""
+        """One step of replicated stages. A replica lost meanwhile (its agent no longer answers) leaves the
+        roster and the step runs again on the others under a new call id, every replica discarding the update it
+        deferred from the failed attempt: no checkpoint is loaded and no finished step is replayed. A stage left
+        without replicas, or a failure with every replica alive, is the DriverError of an unreplicated pipeline."""
+        self._join(roster)
+        failed: list[int] = []
+        while True:
+            try:
+                return self._replicated_attempt(roster, step, x, y, train=train, failed=failed)
+            except DriverError as exc:
+                clients = list(self.replica_clients.values())
+                alive = agents_answering(
+                    [(c.endpoint.address, c.endpoint.certificate) for c in clients], timeout=LIVENESS_SECONDS,
+                    concurrency=len(clients),
+                )
+                lost = [(c.endpoint.index, c.endpoint.replica) for c, up in zip(clients, alive, strict=True) if not up]
+                if not lost:
+                    raise
+                try:
+                    roster.remove(lost)
+                except ValueError as gone:
+                    raise DriverError(f"{gone}; after: {exc}", stage_index=lost[0][0], code=exc.code) from exc
+                log.warning("job %s lost replicas %s in step %d (%s); running it again without them",
+                            self.plan.job_id, lost, step, exc)
+                for key in lost:
+                    self.replica_clients.pop(key).close()
+                self.ranks = [[self.replica_clients[(i, min(ids))]] for i, ids in enumerate(roster.members())]
+                self.clients = [ranks[0] for ranks in self.ranks]
+                failed.append(step)
+                step = next(self._call_ids)
+
+    def _join(self, roster: ReplicaRoster) -> None:
+        """Add the replicas ready to join (`plan.replica_joins`), each after copying its stage's state from the
+        stage's lowest live replica; one that cannot copy now is left for a later step."""
+        for endpoint in self.plan.replica_joins() if self.plan.replica_joins else ():
+            key = (endpoint.index, endpoint.replica)
+            if key in self.replica_clients:
+                continue
+            source = self.replica_clients[(endpoint.index, min(roster.members()[endpoint.index]))].endpoint
+            client = self._client(endpoint)
+            try:
+                sha256, size = client.copy_state(source)
+                roster.add(endpoint, self.plan.micro_batches)
+            except (grpc.RpcError, ValueError) as exc:
+                client.close()
+                log.warning("job %s: stage %d replica %d cannot join now: %s", self.plan.job_id, *key, exc)
+                continue
+            self.replica_clients[key] = client
+            log.info("job %s: stage %d replica %d joined with %d bytes of state (sha256 %s) from replica %d",
+                     self.plan.job_id, *key, size, sha256, source.replica)
+
+    def _replicated_attempt(
+        self, roster: ReplicaRoster, step: int, x: torch.Tensor, y: torch.Tensor, *, train: bool, failed: list[int]
+    ) -> StepOutcome:
+        """One attempt at a step of replicated stages: inputs and labels to the replicas each micro-batch's route
+        names, RunStep to every member with the routes, then the loss in micro-batch order and the replicas' speeds
+        learnt."""
         plan, n = self.plan, len(x)
         num_micro_batches = min(plan.micro_batches, n)
         members = roster.members()
@@ -239,7 +297,7 @@ class Pipeline:
                 "RunStep",
                 c.run_step(
                     step=step, mode=mode, num_micro_batches=num_micro_batches, schedule=plan.schedule, batch_size=n,
-                    learning_rate=plan.learning_rate, replicas=roster.replica_step(c.endpoint.index, routes),
+                    learning_rate=plan.learning_rate, replicas=roster.replica_step(c.endpoint.index, routes, failed),
                 ),
             )
             for c in agents

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -79,6 +80,9 @@ class TrainPlan:
     # Replicated stages (arceus/swarm): every replica of every stage, each at least one; `stages` then names each
     # stage's lowest replica. Empty: one agent (or tensor-parallel group) per stage, as `stages` says.
     replicas: tuple[StageEndpoint, ...] = ()
+    # Asked before every step of replicated stages: replicas ready to join (each hosted, not yet a member). Each
+    # copies its stage's state from a live replica, peer to peer, then takes micro-batches from that step on.
+    replica_joins: Callable[[], Sequence[StageEndpoint]] | None = None
 
     def check(self) -> None:
         """Raise SpecError if the plan cannot be run (the dataset is checked when it is loaded)."""

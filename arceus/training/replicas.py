@@ -27,22 +27,50 @@ class ReplicaRoster:
         self.num_stages = num_stages
         self.speeds: dict[ReplicaKey, float] = {}
         self.epoch = 0
+        self._ever = set(self.endpoints)  # replica ids are never reused within a job
+
+    def add(self, endpoint: StageEndpoint, most: int) -> None:
+        """Let a replica that copied its stage's state take micro-batches from the next step (a new epoch);
+        ValueError if its id was ever used in this job or its stage already has `most` replicas."""
+        key = (endpoint.index, endpoint.replica)
+        if key in self._ever:
+            raise ValueError(f"stage {key[0]} replica {key[1]} was a member before: a newcomer needs a fresh id")
+        if len(self.members()[endpoint.index]) >= most:
+            raise ValueError(f"stage {endpoint.index} already has {most} replicas, one per micro-batch")
+        self.endpoints[key] = endpoint
+        self._ever.add(key)
+        self.epoch += 1
 
     def members(self) -> list[tuple[int, ...]]:
         return [tuple(sorted(k for i, k in self.endpoints if i == stage)) for stage in range(self.num_stages)]
+
+    def remove(self, lost: Iterable[ReplicaKey]) -> None:
+        """Take lost replicas out of every later step (a new membership epoch); ValueError naming the stage when
+        one would be left without any (its state is gone: the job rewinds to its checkpoint)."""
+        lost = set(lost)
+        for stage, ids in enumerate(self.members()):
+            if ids and all((stage, k) in lost for k in ids):
+                raise ValueError(f"stage {stage} lost every replica ({list(ids)}): its state is gone")
+        for key in lost:
+            self.endpoints.pop(key, None)
+            self.speeds.pop(key, None)
+        self.epoch += 1
 
     def routes(self, num_micro_batches: int) -> Routes:
         """This step's routes: each stage's micro-batches shared by its replicas' measured speeds."""
         return route_step(num_micro_batches, self.members(), self.speeds)
 
-    def replica_step(self, stage: int, routes: Routes) -> stage_pb2.ReplicaStep:
-        """What RunStep tells a replica of `stage`: the routes and where its siblings and neighbours listen."""
+    def replica_step(self, stage: int, routes: Routes, failed: Sequence[int] = ()) -> stage_pb2.ReplicaStep:
+        """What RunStep tells a replica of `stage`: the routes and where its siblings and neighbours listen;
+        `failed`: the driver's failed attempts at this step (their deferred updates are discarded)."""
         peers = [
             stage_pb2.ReplicaPeer(stage_index=i, replica=k, address=e.address, certificate=e.certificate)
             for (i, k), e in sorted(self.endpoints.items())
             if abs(i - stage) <= 1 and k in routes.members[i]
         ]
-        return stage_pb2.ReplicaStep(routes_json=json.dumps(routes.to_json()), epoch=self.epoch, peers=peers)
+        return stage_pb2.ReplicaStep(
+            routes_json=json.dumps(routes.to_json()), epoch=self.epoch, peers=peers, discard_steps=failed
+        )
 
     def measured(self, replies: Sequence[tuple[ReplicaKey, int, float]]) -> None:
         """Learn from one train step: (replica, samples it ran, its compute seconds) each."""

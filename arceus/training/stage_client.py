@@ -13,7 +13,7 @@ import torch
 
 from arceus.safetensors_file import CHUNK_BYTES
 from arceus.training.plan import StageEndpoint
-from arceus.v1 import stage_pb2, stage_pb2_grpc
+from arceus.v1 import replica_pb2, replica_pb2_grpc, stage_pb2, stage_pb2_grpc
 from arceus.wire import codec
 from arceus.wire.channels import MAX_MESSAGE_BYTES, open_channel
 from arceus.wire.proto_tensor import from_proto, to_proto
@@ -40,6 +40,7 @@ class StageClient:
         )
         self._channel = open_channel(endpoint.address, token=credential, certificate=endpoint.certificate)
         self._stub = stage_pb2_grpc.StageServiceStub(self._channel)
+        self._replicas = replica_pb2_grpc.ReplicaServiceStub(self._channel)
         self._pushes = PushStream(self._channel)
 
     def describe(self) -> str:
@@ -77,6 +78,16 @@ class StageClient:
             replicas=replicas,
         )
         return self._stub.RunStep.future(request, timeout=self.timeout)
+
+    def copy_state(self, source: StageEndpoint) -> tuple[str, int]:
+        """Have this (joining) replica copy its stage's state from the live replica `source`, peer to peer; (the
+        SHA-256 in hex, the size) of what it copied."""
+        peer = stage_pb2.ReplicaPeer(
+            stage_index=source.index, replica=source.replica, address=source.address, certificate=source.certificate
+        )
+        request = replica_pb2.CopyStateRequest(target=self.ref, source=peer)
+        reply = self._replicas.CopyState(request, timeout=self.timeout)
+        return reply.sha256, reply.size_bytes
 
     def save_state(self, destination: Path, *, include_optimizer_state: bool = True) -> tuple[str, int]:
         """Stream this stage's state into the safetensors file `destination`, a chunk at a time; (its

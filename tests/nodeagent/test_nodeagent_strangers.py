@@ -131,6 +131,11 @@ def every_method(channel: grpc.Channel, stage: int) -> dict[str, Callable[[], An
         "PushPartial": lambda: tensor_parallel_pb2_grpc.TensorParallelServiceStub(channel).PushPartial(
             partial, timeout=10),
         "PushShard": lambda: replica_pb2_grpc.ReplicaServiceStub(channel).PushShard(shard, timeout=10),
+        "Snapshot": lambda: list(replica_pb2_grpc.ReplicaServiceStub(channel).Snapshot(
+            replica_pb2.SnapshotRequest(target=target), timeout=10)),
+        "CopyState": lambda: replica_pb2_grpc.ReplicaServiceStub(channel).CopyState(replica_pb2.CopyStateRequest(
+            target=target, source=stage_pb2.ReplicaPeer(stage_index=stage, replica=1, address="127.0.0.1:1")),
+            timeout=10),
     }
 
 
@@ -216,7 +221,7 @@ def test_strangers_are_refused_every_method_while_the_job_trains_as_if_undisturb
     if failures:
         raise failures[0]
     # Every method on both agents, bar the probes of callers known there and the neighbour's gradient.
-    assert attacks and attacks[0] == len(CALLERS) * 2 * 13 - 4 - len(ALLOWED)
+    assert attacks and attacks[0] == len(CALLERS) * 2 * 15 - 4 - len(ALLOWED)
 
     expected = reference_run(
         {"model_config": MODEL, "dataset_config": DATASET, "epochs": 1, "learning_rate": OPTIMIZER["lr"],

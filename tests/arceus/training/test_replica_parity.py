@@ -59,7 +59,7 @@ RUNS: dict[str, dict[str, Any]] = {
                        "optimizer": ADAM, "schedule": "1f1b", "steps": 6},
     "gpt-3x2-sgd": {"model": GPT, "boundaries": [0, 1, 3, 4], "agents": [[5, 4], [3, 2], [1, 0]],
                     "optimizer": {"name": "sgd", "lr": 0.3, "momentum": 0.9, "weight_decay": 1e-4},
-                    "schedule": "1f1b", "steps": 4},
+                    "schedule": "1f1b", "steps": 4, "digests": False},
 }
 
 
@@ -103,16 +103,20 @@ def addresses(
 class DigestingSink(RecordingSink):
     """Records progress and, after every step, the SHA-256 of every replica's state (weights and optimizer)."""
 
-    def __init__(self, plan: TrainPlan) -> None:
+    def __init__(self, plan: TrainPlan, digests: bool) -> None:
+        """`digests` False: none (a replica then applies each step's update when the next step begins, not when
+        GetState reads it)."""
         super().__init__()
         self.clients = [
             StageClient(e, job_id=plan.job_id, generation=plan.generation, credential=plan.credential, timeout=30.0)
             for e in plan.replicas
-        ]
+        ] if digests else []
         self.digests: list[dict[tuple[int, int], str]] = []
 
     def on_step(self, p: StepProgress) -> None:
         super().on_step(p)
+        if not self.clients:
+            return
         with tempfile.TemporaryDirectory() as directory:
             self.digests.append({
                 (c.endpoint.index, c.endpoint.replica): c.save_state(Path(directory) / "state")[0]
@@ -135,7 +139,7 @@ def test_replicated_training_matches_single_process(
         dataset=dataset, epochs=1, learning_rate=run["optimizer"]["lr"], micro_batches=MICRO_BATCHES, seed=SEED,
         rpc_timeout_seconds=30.0, max_steps=run["steps"], schedule=run["schedule"],
     )
-    sink = DigestingSink(plan)
+    sink = DigestingSink(plan, run.get("digests", True))
     try:
         result = train(plan, sink)
     finally:
@@ -159,7 +163,7 @@ def test_replicated_training_matches_single_process(
         torch.testing.assert_close(weights[name], want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
 
     # The replicas of each stage hold the same bits after every step: weights and optimizer state.
-    assert len(sink.digests) == run["steps"]
+    assert len(sink.digests) == (run["steps"] if run.get("digests", True) else 0)
     for step, digests in enumerate(sink.digests, 1):
         for index, stage in enumerate(run["agents"]):
             assert len({digests[(index, r)] for r in range(len(stage))}) == 1, f"step {step} stage {index}"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from arceus.swarm.routing import Routes
 from arceus.training.plan import StageEndpoint
 from arceus.training.replicas import ReplicaRoster
@@ -50,3 +52,14 @@ def test_runstep_names_the_routes_the_epoch_and_the_replicas_of_the_stage_and_it
     assert [(p.stage_index, p.replica) for p in step.peers] == [(0, 0), (0, 1), (1, 0)]
     assert all(p.certificate == CERTIFICATE for p in step.peers)
     assert [(p.stage_index, p.replica) for p in book.replica_step(2, routes).peers] == [(1, 0), (2, 0), (2, 1), (2, 2)]
+
+
+def test_a_lost_replica_leaves_the_routes_under_a_new_epoch_and_a_stage_losing_every_replica_is_an_error() -> None:
+    book = roster([2, 1, 3])
+    book.measured([((2, 1), 8, 1.0)])
+    book.remove([(2, 1)])
+    assert book.members() == [(0, 1), (0,), (0, 2)] and book.epoch == 1 and (2, 1) not in book.speeds
+    assert all(route[2] in (0, 2) for route in book.routes(4).of)
+    with pytest.raises(ValueError, match=r"stage 1 lost every replica \(\[0\]\)"):
+        book.remove([(1, 0), (2, 0)])
+    assert book.members() == [(0, 1), (0,), (0, 2)] and book.epoch == 1  # nothing removed
