@@ -27,9 +27,8 @@ import torch
 
 from arceus.contracts.assignment import max_micro_batch_size
 from arceus.data.config import validate_dataset_config
-from arceus.training import TrainPlan, train
-from arceus.training.driver import DriverError
-from arceus.training.plan import StageEndpoint, StepProgress
+from arceus.training.driver import DriverError, train
+from arceus.training.plan import StageEndpoint, StepProgress, TrainPlan
 from arceus.training.recording import RecordingSink
 from arceus.training.stage_client import StageClient
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
