@@ -43,7 +43,9 @@ REACHABILITY_QUEUE = "reachability"
 # Every worker's task modules. The training tasks (the driver) and the reachability sweep (dial-backs) load
 # gRPC, the driver torch too: only the training worker imports tasks.training, and only the reachability worker
 # tasks.nodes (`-I` on their command lines), so the control worker (and the web server) load neither.
-app = Celery("arceus", include=["tasks.control", "tasks.estimates", "tasks.market"])
+# The list is a constant of its own: a started worker adds its `-I` modules to `app.conf.include`.
+WORKER_TASK_MODULES = ("tasks.control", "tasks.estimates", "tasks.market")
+app = Celery("arceus", include=list(WORKER_TASK_MODULES))
 # The task modules that only the worker of a queue imports: what its `-I` names.
 QUEUE_TASK_MODULES = {"training": "tasks.training", "sampling": "tasks.training", "reachability": "tasks.nodes"}
 app.config_from_object("django.conf:settings", namespace="CELERY")

@@ -6,7 +6,7 @@ import importlib
 
 from django.conf import settings
 
-from controlplane.celery import QUEUE_TASK_MODULES, app
+from controlplane.celery import QUEUE_TASK_MODULES, WORKER_TASK_MODULES, app
 
 
 def test_delivery_guarantees() -> None:
@@ -26,7 +26,7 @@ def test_tasks_are_registered_by_name_and_routed_to_their_queue() -> None:
     app.loader.import_default_modules()
     assert {"arceus.reconcile", "arceus.estimate"} <= set(app.tasks)
     # The training and reachability workers' own modules (their `-I`), which load torch or gRPC.
-    assert not set(QUEUE_TASK_MODULES.values()) & set(app.conf.include)
+    assert not set(QUEUE_TASK_MODULES.values()) & set(WORKER_TASK_MODULES)
     for module in QUEUE_TASK_MODULES.values():
         importlib.import_module(module)
     assert {"arceus.train_job", "arceus.check_reachability"} <= set(app.tasks)
