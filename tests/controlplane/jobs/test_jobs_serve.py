@@ -89,7 +89,8 @@ def serving_condition(api: APIClient, job: Job) -> dict:
     return next(c for c in detail["conditions"] if c["type"] == "Serving")
 
 
-@pytest.mark.django_db
+@pytest.mark.django_db(transaction=True)  # the sampling worker's thread reads committed rows
+@pytest.mark.usefixtures("sampling_worker")
 def test_a_served_job_samples_through_its_agent_until_serving_stops(
     api: APIClient, user: User, abcd_text: Path, ready_node, agent: Agent, checkpoint_dir: Path  # noqa: F811
 ) -> None:
@@ -177,7 +178,8 @@ def test_only_ones_own_succeeded_text_job_with_a_final_checkpoint_is_served(
     assert not Job.objects.get(pk=job.pk).serving
 
 
-@pytest.mark.django_db
+@pytest.mark.django_db(transaction=True)  # the sampling worker's thread reads committed rows
+@pytest.mark.usefixtures("sampling_worker")
 def test_a_tensor_parallel_job_is_served_whole_on_one_agent_and_samples(
     api: APIClient, user: User, abcd_text: Path, ready_node, agent: Agent, checkpoint_dir: Path  # noqa: F811
 ) -> None:
