@@ -19,20 +19,23 @@ from arceus.swarm.model import Replica, Workload, step_time
 @dataclass(frozen=True)
 class Churn:
     """leaves_per_hour: each device's departure rate (0.1: a tenth of the devices leave per hour);
-    detection_s: until a loss is noticed; recovery_s: until the step resumes (a repair, or with a stage
-    left empty a restart from the checkpoint); join_s: until a spare joins a stage as a replica (state
-    copied from a peer); checkpoint_interval_steps: a rewind goes back to the last multiple of it."""
+    detection_s: until a loss is noticed; recovery_s: until the step resumes after a repair; rewind_s: until
+    training runs again after a stage was left empty (a new placement loads every stage's checkpoint);
+    join_s: until a spare joins a stage as a replica (state copied from a peer); checkpoint_interval_steps:
+    a rewind goes back to the last multiple of it."""
 
     leaves_per_hour: float
     detection_s: float
     recovery_s: float
+    rewind_s: float
     join_s: float
     checkpoint_interval_steps: int
     hours: float
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if min(self.leaves_per_hour, self.detection_s, self.recovery_s, self.join_s) < 0 or self.hours <= 0:
+        times = (self.detection_s, self.recovery_s, self.rewind_s, self.join_s)
+        if min(self.leaves_per_hour, *times) < 0 or self.hours <= 0:
             raise ValueError(f"rates and times must be >= 0 and hours > 0, got {self}")
         if self.checkpoint_interval_steps < 1:
             raise ValueError(f"checkpoint_interval_steps must be >= 1, got {self.checkpoint_interval_steps}")
@@ -60,7 +63,7 @@ def simulate_churn(
     keeps a replica delays that step by detection and recovery and at most one step's recompute (it is
     counted as a whole step at the reduced membership), and a spare (the fastest) joins join_s after the
     loss was noticed, at a step boundary. A stage losing its last replica rewinds: the steps since the
-    checkpoint are lost and the restart fills every stage from the spares."""
+    checkpoint are lost and the restart (rewind_s) fills every stage from the spares."""
     if not 1 <= replicas <= workload.micro_batches:
         raise ValueError(f"replicas must be in [1, micro_batches = {workload.micro_batches}], got {replicas}")
     if len(devices) < num_stages * replicas:
@@ -127,7 +130,7 @@ def simulate_churn(
             rewinds += 1
             replayed += steps - checkpoint
             steps = checkpoint
-            t = max(t, leave_at) + churn.detection_s + churn.recovery_s
+            t = max(t, leave_at) + churn.detection_s + churn.rewind_s
             joining.clear()
             for i in range(num_stages):
                 while len(members[i]) < replicas:

@@ -175,3 +175,39 @@ def _step_time(stages: tuple[tuple[Replica, ...], ...], w: Workload) -> StepTime
     counts = tuple(tuple(len(routes.micro_batches_of(i, k)) for k in range(len(s))) for i, s in enumerate(stages))
     seconds = max(max(free[(i, k)] for k in range(len(s))) + exchange[i] for i, s in enumerate(stages))
     return StepTime(seconds, pipeline, tuple(exchange), counts)
+
+
+@dataclass(frozen=True)
+class SharedHost:
+    """Every replica on one host (a bench machine): `cores` cores shared by all of them; `replica_overhead_s`:
+    each replica's CPU seconds per step beyond its compute (its RPCs, its optimizer step, which every replica
+    runs in full); `other_cpu_s`: CPU seconds per step of what else runs there (the driver, a link shaper)."""
+
+    cores: int
+    replica_overhead_s: float = 0.0
+    other_cpu_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.cores < 1 or min(self.replica_overhead_s, self.other_cpu_s) < 0:
+            raise ValueError(f"a host needs cores >= 1 and overheads >= 0, got {self}")
+
+
+def cpu_seconds_per_step(stages: Sequence[Sequence[Replica]], workload: Workload, host: SharedHost) -> float:
+    """The CPU seconds one step costs on `host`: each replica's compute for its micro-batches (of the mean
+    size), every replica's overhead, and the rest."""
+    taken = step_time(stages, workload).micro_batches
+    size = workload.batch_size / workload.micro_batches
+    compute = sum(
+        r.seconds_per_sample * size * n for stage, counts in zip(stages, taken, strict=True)
+        for r, n in zip(stage, counts, strict=True)
+    )
+    return compute + host.replica_overhead_s * sum(len(s) for s in stages) + host.other_cpu_s
+
+
+def shared_host_samples_per_second(
+    stages: Sequence[Sequence[Replica]], workload: Workload, host: SharedHost
+) -> float:
+    """Training throughput with every replica on `host`: a step takes its replay's time (step_time, each
+    replica as if it had a core of its own) or its CPU seconds spread over the host's cores, the longer."""
+    seconds = max(step_time(stages, workload).seconds, cpu_seconds_per_step(stages, workload, host) / host.cores)
+    return workload.batch_size / seconds

@@ -13,7 +13,8 @@ from arceus.swarm.model import Link, Replica, Workload, samples_per_second, step
 LINK = Link(latency_s=0.02, bandwidth_bps=100e6)
 DEVICES = [Replica(1.0 + 0.1 * (d % 4), LINK) for d in range(12)]  # four speeds, three of each
 WORK = Workload(micro_batches=4, batch_size=16, boundary_bytes_per_sample=(1e5, 1e5), gradient_bytes=(1e6,) * 3)
-CHURN = Churn(leaves_per_hour=0.5, detection_s=6, recovery_s=10, join_s=30, checkpoint_interval_steps=20, hours=20)
+CHURN = Churn(leaves_per_hour=0.5, detection_s=6, recovery_s=10, rewind_s=10, join_s=30, checkpoint_interval_steps=20,
+              hours=20)
 
 
 def test_without_churn_it_is_the_step_models_throughput() -> None:
@@ -55,6 +56,14 @@ def test_a_stage_that_loses_every_replica_rewinds() -> None:
     churn = dataclasses.replace(CHURN, join_s=10**9, leaves_per_hour=2.0, hours=30)
     result = simulate_churn(DEVICES, 3, 2, WORK, churn)
     assert result.rewinds > 0 and result.steps_replayed > 0 and result.joins == 0
+
+
+def test_a_rewind_costs_its_restart_and_a_repair_does_not() -> None:
+    """rewind_s slows one device per stage; with spares joining at once, replicas never rewind and never pay it."""
+    quick, slow = (dataclasses.replace(CHURN, join_s=0.0, hours=50, leaves_per_hour=1.0, rewind_s=s) for s in (1, 300))
+    assert simulate_churn(DEVICES, 3, 1, WORK, slow).samples_per_second < simulate_churn(
+        DEVICES, 3, 1, WORK, quick).samples_per_second
+    assert simulate_churn(DEVICES, 3, 2, WORK, slow) == simulate_churn(DEVICES, 3, 2, WORK, quick)
 
 
 def test_replicas_keep_more_of_their_throughput_under_churn() -> None:

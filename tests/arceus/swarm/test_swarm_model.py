@@ -10,7 +10,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from arceus.swarm.link import BURST_BYTES
-from arceus.swarm.model import Link, Replica, Workload, replica_gain, samples_per_second, step_time
+from arceus.swarm.model import (
+    Link,
+    Replica,
+    SharedHost,
+    Workload,
+    cpu_seconds_per_step,
+    replica_gain,
+    samples_per_second,
+    shared_host_samples_per_second,
+    step_time,
+)
 
 FREE = Link(latency_s=0.0, bandwidth_bps=1e18)
 schedules = st.sampled_from(["gpipe", "1f1b"])
@@ -102,6 +112,29 @@ def test_a_fast_replica_takes_the_larger_share() -> None:
     assert t.micro_batches == ((6, 2),)
 
 
+@given(n=st.integers(1, 4), r=st.integers(1, 4), per=st.integers(1, 3), overhead=st.floats(0, 1), other=st.floats(0, 1))
+def test_a_steps_cpu_is_its_compute_once_plus_each_replicas_overhead(
+    n: int, r: int, per: int, overhead: float, other: float
+) -> None:
+    """Replicas share a stage's samples: more of them add only their overhead (each runs the optimizer step)."""
+    w = workload(n, 4, 4 * per)
+    cpu = cpu_seconds_per_step([[Replica(0.01, FREE)] * r] * n, w, SharedHost(2, overhead, other))
+    assert cpu == pytest.approx(n * 4 * per * 0.01 + n * r * overhead + other)
+
+
+def test_a_faster_replica_costs_its_own_compute_for_its_larger_share() -> None:
+    cpu = cpu_seconds_per_step([[Replica(0.01, FREE), Replica(0.03, FREE)]], workload(1, 8, 64), SharedHost(1))
+    assert cpu == pytest.approx(6 * 8 * 0.01 + 2 * 8 * 0.03)
+
+
+def test_a_shared_host_is_bound_by_its_cores_or_by_the_pipeline() -> None:
+    """Nine replicas on two cores: the CPU bound; on as many cores as replicas: the replay's own time."""
+    stages, w = [[Replica(0.01, FREE)] * 3] * 3, workload(3, 6, 24)
+    host = SharedHost(2, replica_overhead_s=0.05, other_cpu_s=0.1)
+    assert shared_host_samples_per_second(stages, w, host) == pytest.approx(24 / ((3 * 24 * 0.01 + 9 * 0.05 + 0.1) / 2))
+    assert shared_host_samples_per_second(stages, w, SharedHost(9)) == pytest.approx(samples_per_second(stages, w))
+
+
 @pytest.mark.parametrize(
     ("call", "fragment"),
     [
@@ -112,6 +145,8 @@ def test_a_fast_replica_takes_the_larger_share() -> None:
         (lambda: Replica(0.0, FREE), "seconds_per_sample must be > 0"),
         (lambda: step_time([[Replica(1.0, FREE)]], Workload(2, 2, (0.0,), (0.0, 0.0))), "1 stages"),
         (lambda: replica_gain([[Replica(1.0, FREE)] * 2], workload(1, 2, 2), 0, Replica(1.0, FREE)), "already has 2"),
+        (lambda: SharedHost(0), "cores >= 1"),
+        (lambda: SharedHost(2, replica_overhead_s=-1.0), "overheads >= 0"),
     ],
 )
 def test_nonsense_is_refused(call: Callable[[], object], fragment: str) -> None:
