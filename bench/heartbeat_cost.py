@@ -8,7 +8,7 @@ controlplane/gunicorn_conf.py, the Celery workers and beat). `--agents` nodes ar
 bench/control_plane_scale.py and heartbeat once (Ready, and the assignments version each holds); then the load
 generator (aiohttp coroutines of this process, keep-alive connections) sends `--heartbeats` heartbeats round-robin
 over the agents, each sending back the version it holds, as fast as `--connections` connections carry them: once
-quiet (answered before Django, controlplane/nodes/heartbeat.py), then as many through the API view (the version
+quiet (answered before Django, controlplane/agents/heartbeat.py), then as many through the API view (the version
 with a space after it: the quiet path declines it, DRF's serializer trims it, and nothing changes).
 
 Measured: the user + system CPU time of the web server's processes (master and workers, from /proc/PID/stat
@@ -135,7 +135,7 @@ def main() -> None:
         f"taken in one run, side by side.\n\n"
         f"| heartbeat | web CPU per heartbeat | heartbeats/s (wall, this machine) |\n"
         f"| --- | --- | --- |\n"
-        f"| quiet, answered before Django (controlplane/nodes/heartbeat.py) | "
+        f"| quiet, answered before Django (controlplane/agents/heartbeat.py) | "
         f"{result['web_cpu_ms_per_heartbeat']} ms | {result['quiet_heartbeats_per_s_wall']:,} |\n"
         f"| the same through Django and DRF (the API view) | {result['api_web_cpu_ms_per_heartbeat']} ms | "
         f"{result['api_heartbeats_per_s_wall']:,} |\n\n"

@@ -3,7 +3,7 @@
 ARCEUS_WEB_THREADS each process's Django threads (controlplane/asgi.py).
 
 gunicorn's asyncio worker (on uvloop), not its gthread worker: nearly every request is a quiet heartbeat, which
-the event loop answers without a thread (controlplane/nodes/heartbeat.py), sharing one database read and one
+the event loop answers without a thread (controlplane/agents/heartbeat.py), sharing one database read and one
 lease renewal among the heartbeats of one turn of the loop. The rest of the API, the admin and /metrics stay
 synchronous Django in ARCEUS_WEB_THREADS threads per process. One process per core (the GIL); thousands of
 idle keep-alive connections each. The side-by-side measurement behind the choice is in docs/BENCHMARKS.md

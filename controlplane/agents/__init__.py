@@ -1,3 +1,2 @@
-"""The agent-facing API that serves and receives a job's files (checkpoints, uploaded initial weights, an exported
-model's program): it reads job state, so it sits above jobs (and below the market; no models). The agents'
-registration, heartbeat and leave are still `controlplane/nodes/api.py`."""
+"""The node agents' API: registration, heartbeats (the quiet ones answered before Django), leaving, and a job's
+files. It reads the stages and assignments of jobs, so it sits above jobs (and below the market; no models)."""

@@ -1,15 +1,25 @@
-"""Agent routes for a job's files under /api/ (each with or without a trailing slash)."""
+"""The agents' routes under /api/ (each with or without a trailing slash)."""
 
 from django.urls import re_path
 
 from controlplane.agents.api import (
+    AgentChallengeApi,
     AgentCheckpointApi,
     AgentCheckpointUploadApi,
+    AgentHeartbeatApi,
     AgentInitialWeightsApi,
+    AgentLeaveApi,
+    AgentProbeApi,
     AgentProgramApi,
+    AgentRegisterApi,
 )
 
 urlpatterns = [
+    re_path(r"^agent/challenge/?$", AgentChallengeApi.as_view(), name="agent-challenge"),
+    re_path(r"^agent/register/?$", AgentRegisterApi.as_view(), name="agent-register"),
+    re_path(r"^agent/heartbeat/?$", AgentHeartbeatApi.as_view(), name="agent-heartbeat"),
+    re_path(r"^agent/leave/?$", AgentLeaveApi.as_view(), name="agent-leave"),
+    re_path(r"^agent/probe/?$", AgentProbeApi.as_view(), name="agent-probe"),
     re_path(r"^agent/checkpoints/(?P<checkpoint_id>[^/]+)/?$", AgentCheckpointApi.as_view(), name="agent-checkpoint"),
     re_path(
         r"^agent/jobs/(?P<job_id>[^/]+)/initial-weights/?$",

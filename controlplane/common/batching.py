@@ -1,5 +1,5 @@
 """Calls made in one turn of an event loop, answered by one call on all their arguments (the quiet heartbeat's
-database read, lease renewal and Ready transition: controlplane/nodes/heartbeat.py). Heartbeats that arrive
+database read, lease renewal and Ready transition: controlplane/agents/heartbeat.py). Heartbeats that arrive
 together (one epoll wake-up of the web server reads many connections) then share a round trip: a batch waits for
 nothing but the current turn, and grows only when the server is busy, which is when sharing pays.
 

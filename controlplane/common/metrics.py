@@ -58,7 +58,7 @@ RECONCILE_COMPLETED = Gauge(
 HEARTBEATS = Counter("arceus_heartbeats_total", "Agent heartbeats accepted (each renewed a node's lease).")
 HEARTBEATS_TO_DJANGO = Counter(
     "arceus_heartbeats_to_django_total",
-    "Heartbeats the quiet path (controlplane/nodes/heartbeat.py) handed to Django, by why: 'shape' (a report, "
+    "Heartbeats the quiet path (controlplane/agents/heartbeat.py) handed to Django, by why: 'shape' (a report, "
     "an unusual body or header), 'host' (one ALLOWED_HOSTS refuses), 'token' (no node has it), 'owner' "
     "(disabled), 'unregistered', 'first' (the agent holds no assignments yet, its node hosts stages), 'version' "
     "(its assignments changed) or 'database' (a broken connection, or a batch's Ready transition that "

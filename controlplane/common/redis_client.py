@@ -1,6 +1,6 @@
 """The control plane's own Redis connection (REDIS_URL, the broker's server): one pool per process, shared by
 its threads (redis-py's client is thread-safe), and one per event loop for what the web server's event loop does
-itself (the quiet heartbeat's lease: controlplane/nodes/heartbeat.py). Holds state that changes too often for
+itself (the quiet heartbeat's lease: controlplane/agents/heartbeat.py). Holds state that changes too often for
 PostgreSQL and that the reconciler can rebuild or wait out when it is lost (nodes' liveness:
 `controlplane/nodes/liveness.py`)."""
 

@@ -5,7 +5,7 @@ them. Built by Django in the web process, each cost about 10 ms of CPU (7.7 ms o
 the web server's threads, where they queued behind each other and took the interpreter from the event loop that
 answers every other heartbeat: the 10,000-agent bench's p99 while placing. So the control worker builds them right
 after the pass (tasks/control.py; `assignments_prepare`: five queries for all of a pass's nodes) and stores each
-node's under the version it was built at; the quiet heartbeat (controlplane/nodes/heartbeat.py) reads the version
+node's under the version it was built at; the quiet heartbeat (controlplane/agents/heartbeat.py) reads the version
 anyway, and answers the assignments stored under it in one more Redis round trip. When none are stored (expired,
 not built yet, or the version moved on since), Django builds them as before: this only moves work, it never
 decides an answer.

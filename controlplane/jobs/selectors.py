@@ -109,9 +109,22 @@ def job_loss_curve(*, job: Job, max_points: int | None = None) -> list[dict[str,
     return list(points.order_by("step").values("step", "epoch", "loss"))
 
 
+def neighbour_nodes_by_address(*, node: Node) -> dict[str, Any]:
+    """Dialled address (as `node`'s agent dials it: `Node.address_for`) → id of each node hosting the stage before or
+    after one of `node`'s active stages: the links its heartbeat may report (controlplane/nodes/links.py)."""
+    hosted = Stage.objects.filter(node=node, active=True).values_list("job_id", "index")
+    around = Q()
+    for job_id, index in hosted:
+        around |= Q(job_id=job_id, index__in=(index - 1, index + 1))
+    if not around:
+        return {}
+    neighbours = Stage.objects.filter(around, active=True, node__isnull=False).exclude(node=node).select_related("node")
+    return {s.node.address_for(node): s.node_id for s in neighbours}  # where its agent dialled them
+
+
 # What an assignments version digests (`assignments_version`): each hosted stage row's columns, the join that
 # finds them from a node id column, and their order. Raw SQL, like the node's authentication: composing the ORM's
-# query cost more CPU than running it. The quiet heartbeat (controlplane/nodes/heartbeat.py) joins the same rows
+# query cost more CPU than running it. The quiet heartbeat (controlplane/agents/heartbeat.py) joins the same rows
 # to its node lookup.
 VERSION_COLUMNS = "s.id, s.generation, j.generation, j.status, j.resume_checkpoint_id"
 

@@ -7,9 +7,9 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from controlplane.agents.api import AgentApi
 from controlplane.market.selectors import node_earnings, prices_current
 from controlplane.market.serializers import EarningsOutput, PriceOutput
-from controlplane.nodes.api import AgentApi
 from controlplane.nodes.selectors import node_get_for_user
 
 

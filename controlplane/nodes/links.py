@@ -2,25 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Max, Min, Q
+from django.db.models import Max, Min
 
-from controlplane.jobs.models import Stage
 from controlplane.nodes.models import Node, NodeLink
 
 
-def node_links_record(*, node: Node, links: Sequence[dict[str, Any]], now: datetime) -> None:
+def node_links_record(
+    *, node: Node, links: Sequence[dict[str, Any]], neighbours: Mapping[str, Any], now: datetime
+) -> None:
     """Upsert the figures of `node`'s links (validated by the API, keyed by the neighbour's gRPC address).
-    Only addresses of the nodes hosting a neighbour of one of its active stages count, so a report that
-    raced a move names no stale node. Null figures (the probe failed) drop the pair's figures: unknown."""
-    peers = _neighbour_nodes(node)
+    Only the addresses in `neighbours` count (dialled address -> node id of each node hosting a neighbour of one of
+    its active stages: controlplane/jobs/selectors.py `neighbour_nodes_by_address`), so a report that raced a move
+    names no stale node. Null figures (the probe failed) drop the pair's figures: unknown."""
     measured, unknown = [], []
     for link in links:
-        peer = peers.get(link["address"])
+        peer = neighbours.get(link["address"])
         if peer is None:
             continue
         if link["rtt_seconds"] is None:
@@ -37,19 +38,6 @@ def node_links_record(*, node: Node, links: Sequence[dict[str, Any]], now: datet
             measured, update_conflicts=True, unique_fields=["from_node", "to_node"],
             update_fields=["rtt_seconds", "bandwidth_bytes_per_second", "measured_at"],
         )
-
-
-def _neighbour_nodes(node: Node) -> dict[str, Any]:
-    """Dialled address (as `node`'s agent dials it: `Node.address_for`) → id of each node hosting the stage before or
-    after one of `node`'s active stages."""
-    hosted = Stage.objects.filter(node=node, active=True).values_list("job_id", "index")
-    around = Q()
-    for job_id, index in hosted:
-        around |= Q(job_id=job_id, index__in=(index - 1, index + 1))
-    if not around:
-        return {}
-    neighbours = Stage.objects.filter(around, active=True, node__isnull=False).exclude(node=node).select_related("node")
-    return {s.node.address_for(node): s.node_id for s in neighbours}  # where its agent dialled them
 
 
 def nodes_worst_neighbour_link(node_ids: Iterable[Any] | None, now: datetime) -> dict[str, tuple[float, float]]:

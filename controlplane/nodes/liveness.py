@@ -36,7 +36,7 @@ class Liveness:
 
 
 # One command, not a pipeline of two: a heartbeat's Redis work is most of what a quiet one costs the web server
-# (controlplane/nodes/heartbeat.py), and redis-py's pipeline machinery cost more than the commands. It renews any
+# (controlplane/agents/heartbeat.py), and redis-py's pipeline machinery cost more than the commands. It renews any
 # number of leases (node id, time, busy fraction; "" for none): the web server's event loop renews those of the
 # heartbeats it answers together in one.
 RENEW = """

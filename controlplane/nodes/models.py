@@ -155,7 +155,7 @@ class NodeLease(BaseModel):
 class NodeRestart(BaseModel):
     """Append-only: the node's agent registered again while it hosted a stage (a fresh process, so the stage's
     state since its job's last checkpoint was lost and the job rewound). Too many within
-    ARCEUS_NODE_RESTART_WINDOW_SECONDS flag the node (`controlplane.nodes.services.node_register`)."""
+    ARCEUS_NODE_RESTART_WINDOW_SECONDS flag the node (`controlplane.agents.services.node_register`)."""
 
     node = models.ForeignKey(Node, on_delete=models.CASCADE, related_name="restarts")
     job = models.ForeignKey("jobs.Job", on_delete=models.SET_NULL, null=True, related_name="+")

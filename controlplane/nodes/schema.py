@@ -1,4 +1,4 @@
-"""The heartbeat body's one schema, Django-free: the quiet path (controlplane/nodes/heartbeat.py) parses with it on the
+"""The heartbeat body's one schema, Django-free: the quiet path (controlplane/agents/heartbeat.py) parses with it on the
 event loop and the API (`AgentHeartbeatApi`) with it in Django, so both take exactly the same bodies; the API answers
 a refused body's `errors` ({dotted field: [message]}).
 

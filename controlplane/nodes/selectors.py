@@ -6,11 +6,10 @@ from typing import Any
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
-from django.db.models import Count, Prefetch, Q, QuerySet
+from django.db.models import Count, F, FilteredRelation, Q, QuerySet
 
 from arceus.contracts.scrape import SCRAPE_TOKEN_PARAMETER, agent_scrape_token
 from controlplane.common.errors import one_by_id
-from controlplane.jobs.models import Stage
 from controlplane.nodes.availability import unavailable_reason
 from controlplane.nodes.device_class import node_device_class
 from controlplane.nodes.liveness import Liveness, lease_of, leases_read
@@ -22,10 +21,16 @@ METRICS_TARGET_GONE_AFTER = timedelta(minutes=10)
 
 
 def node_list_for_user(*, user: AbstractBaseUser) -> QuerySet[Node]:
-    """The user's own nodes, with their leases and the stages they host: a node's address, certificate and
-    current job are its owner's business (everyone sees the market's aggregates: GET /api/market/prices)."""
-    return Node.objects.filter(owner=user).select_related("owner", "lease").prefetch_related(
-        Prefetch("stages", queryset=Stage.objects.filter(active=True), to_attr="active_stages")
+    """The user's own nodes, with their leases and the stage each hosts (`current_job_id`, `current_stage_index`,
+    `current_rank`; None when idle): a node's address, certificate and current job are its owner's business
+    (everyone sees the market's aggregates: GET /api/market/prices). The stage is read through the jobs app's
+    foreign key to the node (a node hosts one active stage at most: `stage_one_active_per_node`), one join."""
+    return (
+        Node.objects.filter(owner=user)
+        .select_related("owner", "lease")
+        .annotate(hosted=FilteredRelation("stages", condition=Q(stages__active=True)))
+        .annotate(current_job_id=F("hosted__job_id"), current_stage_index=F("hosted__index"),
+                  current_rank=F("hosted__rank"))
     )
 
 
@@ -57,14 +62,14 @@ def node_by_token_hash(*, token_hash: str) -> Node | None:
 def node_status(node: Node, now: datetime) -> str:
     """One word for the owner: flagged, paused, unreachable (not Ready: silent, or never registered),
     draining (may not work now but still hosts a stage), training (hosts one), or ready. `node` as the
-    node selectors return it (its lease and active stages fetched)."""
+    node selectors return it (its lease and hosted stage read)."""
     if node.flagged_at:
         return "flagged"
     if node.paused:
         return "paused"
     if node.ready_status != ReadyStatus.TRUE:
         return "unreachable"
-    hosting = bool(node.active_stages)
+    hosting = node.current_job_id is not None
     liveness = node_liveness(node)
     if node_unavailable_reason(node, now, liveness.host_busy_fraction if liveness else None) is not None:
         return "draining" if hosting else "paused"

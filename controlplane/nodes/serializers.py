@@ -39,9 +39,13 @@ class ReadyOutput(serializers.Serializer):
 
 
 class CurrentStageOutput(serializers.Serializer):
-    job_id = serializers.UUIDField()
-    stage_index = serializers.IntegerField(source="index")
-    rank = serializers.IntegerField(help_text="rank in the stage's tensor-parallel group (0 for a one-node stage)")
+    """The stage a node hosts, as the node selectors read it (`node_list_for_user`)."""
+
+    job_id = serializers.UUIDField(source="current_job_id")
+    stage_index = serializers.IntegerField(source="current_stage_index")
+    rank = serializers.IntegerField(
+        source="current_rank", help_text="rank in the stage's tensor-parallel group (0 for a one-node stage)"
+    )
 
 
 class NodeControlsInput(StrictInputSerializer):
@@ -144,8 +148,7 @@ class NodeOutput(serializers.Serializer):
         return serializers.DateTimeField().to_representation(liveness.renewed_at) if liveness else None
 
     def get_current_stage(self, node: Node) -> dict[str, Any] | None:
-        stages = node.active_stages  # prefetched by the node selectors
-        return CurrentStageOutput(stages[0]).data if stages else None
+        return CurrentStageOutput(node).data if node.current_job_id is not None else None
 
 
 class CapabilitiesInput(serializers.Serializer):

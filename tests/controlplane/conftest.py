@@ -24,11 +24,12 @@ from rest_framework.test import APIClient
 from arceus.contracts.possession import possession_sign
 from arceus.wire.tls import TlsIdentity, new_identity
 from controlplane.accounts.services import user_token_get_or_create
+from controlplane.agents.services import node_heartbeat, node_register
 from controlplane.celery import CONTROL_QUEUE, QUEUE_TASK_MODULES, SAMPLING_QUEUE, app
 from controlplane.jobs.models import Job
 from controlplane.jobs.services import job_start, job_submit
 from controlplane.nodes.models import Node
-from controlplane.nodes.services import node_create, node_heartbeat, node_register
+from controlplane.nodes.services import node_create
 from devtools.cluster import free_port
 from devtools.pipeline import identity_for
 

@@ -27,9 +27,10 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from controlplane.accounts.services import user_token_get_or_create
+from controlplane.agents.services import node_register
 from controlplane.datasets.services import dataset_create
 from controlplane.jobs.services import job_submit
-from controlplane.nodes.services import node_create, node_register
+from controlplane.nodes.services import node_create
 from devtools.pipeline import identity_for
 from tests.controlplane.conftest import DIGITS_JOB
 

@@ -21,12 +21,13 @@ from rest_framework.test import APIClient
 from rest_framework.throttling import ScopedRateThrottle
 
 from controlplane.accounts.services import user_token_get_or_create
+from controlplane.agents.services import node_heartbeat, node_register
 from controlplane.datasets.models import Dataset
 from controlplane.datasets.services import dataset_create
 from controlplane.jobs.models import Checkpoint, CheckpointUpload, Job, JobEstimate, StageCheckpoint
 from controlplane.jobs.services import job_start, job_submit
 from controlplane.nodes.models import Node
-from controlplane.nodes.services import node_create, node_heartbeat, node_register
+from controlplane.nodes.services import node_create
 from devtools.pipeline import identity_for
 from tests.controlplane.conftest import DIGITS_JOB
 

@@ -14,10 +14,11 @@ from django.utils import timezone
 from arceus.checkpoint import decode_checkpoint
 from arceus.contracts.assignment import Assignment, CheckpointRef
 from arceus.contracts.observed import ObservedStage
+from controlplane.agents.services import node_heartbeat, node_register
 from controlplane.jobs.checkpoints import checkpoint_upload_receive, stage_checkpoint_for_node
 from controlplane.jobs.models import checkpoint_storage
 from controlplane.nodes.models import Node
-from controlplane.nodes.services import node_create, node_heartbeat, node_register
+from controlplane.nodes.services import node_create
 from nodeagent.agent import Agent
 
 

@@ -1,5 +1,5 @@
 """A web process's kept asynchronous PostgreSQL connections, for the one query the event loop runs itself (the
-quiet heartbeat: controlplane/nodes/heartbeat.py); everything else reaches the database through Django's own
+quiet heartbeat: controlplane/agents/heartbeat.py); everything else reaches the database through Django's own
 connections, in the WSGI threads.
 
 Made with Django's connection settings (the same database, user, TLS options and type adapters), in autocommit,

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from arceus.model.registry import model_spec_from_config
 from arceus.placement.profiles import layer_profiles
 from arceus.placement.solver import stage_memory
+from controlplane.agents.services import node_heartbeat, node_register
 from controlplane.controller.executor import execute, reconcile_once
 from controlplane.controller.placement import workload
 from controlplane.controller.rules import plan
@@ -28,7 +29,7 @@ from controlplane.controller.snapshot import load_snapshot
 from controlplane.jobs.models import Job, Stage
 from controlplane.jobs.services import job_start, job_submit
 from controlplane.nodes.liveness import lease_renew
-from controlplane.nodes.services import node_create, node_heartbeat, node_register
+from controlplane.nodes.services import node_create
 from devtools.pipeline import identity_for
 
 pytestmark = pytest.mark.django_db

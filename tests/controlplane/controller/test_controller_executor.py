@@ -7,6 +7,7 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from controlplane.agents.services import node_heartbeat
 from controlplane.controller.actions import MarkNodeUnknown, PlaceJob, PlannedStage, RewindJob, StartDriver
 from controlplane.controller.executor import execute, reconcile_once
 from controlplane.controller.rules import plan
@@ -14,7 +15,6 @@ from controlplane.controller.snapshot import load_snapshot
 from controlplane.jobs.models import Job, Stage
 from controlplane.jobs.services import job_cancel
 from controlplane.nodes.models import Node
-from controlplane.nodes.services import node_heartbeat
 
 pytestmark = pytest.mark.django_db
 

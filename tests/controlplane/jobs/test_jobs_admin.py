@@ -11,9 +11,9 @@ from django.test import Client
 from django.utils import timezone
 
 from arceus.contracts.status import JobStatus
+from controlplane.agents.services import node_heartbeat
 from controlplane.controller.executor import reconcile_once
 from controlplane.jobs.models import Job
-from controlplane.nodes.services import node_heartbeat
 
 pytestmark = pytest.mark.django_db
 CHANGELIST = "/admin/jobs/job/"

@@ -24,6 +24,7 @@ from arceus.contracts.assignment import Assignment
 from arceus.safetensors_file import CheckpointError, StageStateError
 from arceus.training.plan import StageStateFile
 from controlplane.accounts.services import user_token_get_or_create
+from controlplane.agents.services import node_heartbeat, node_register
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.executor import reconcile_once
 from controlplane.controller.transitions import job_rewind
@@ -46,7 +47,7 @@ from controlplane.jobs.models import (
 from controlplane.jobs.selectors import job_stage_endpoints
 from controlplane.jobs.services import job_cancel
 from controlplane.nodes.models import Node
-from controlplane.nodes.services import node_create, node_heartbeat, node_register
+from controlplane.nodes.services import node_create
 from controlplane.settings import checkpoint_storage_settings
 from devtools.pipeline import identity_for
 from tests.controlplane.conftest import S3Server

@@ -24,10 +24,10 @@ from arceus.model.build import build_full_model, build_layers, named_global_para
 from arceus.model.hugging_face import initial_weights_layer_digests, initial_weights_slice_check
 from arceus.model.llama.hf import hf_name
 from arceus.model.registry import model_spec_from_config
+from controlplane.agents.services import node_heartbeat
 from controlplane.controller.executor import reconcile_once
 from controlplane.jobs.models import Job, Stage
 from controlplane.jobs.services import job_start, job_submit
-from controlplane.nodes.services import node_heartbeat
 from tests.controlplane.conftest import DIGITS_JOB
 from tests.controlplane.jobs.test_jobs_checkpoints import (  # noqa: F401 (fixtures)
     agents,

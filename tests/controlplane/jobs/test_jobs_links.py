@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 from django.utils import timezone
 
+from controlplane.agents.services import node_heartbeat, node_register
 from controlplane.controller.executor import reconcile_once
 from controlplane.controller.snapshot import node_views, registered_nodes
 from controlplane.jobs.models import Stage
-from controlplane.nodes.services import node_create, node_heartbeat, node_register
+from controlplane.nodes.services import node_create
 from devtools.pipeline import identity_for
 
 pytestmark = pytest.mark.django_db

@@ -13,9 +13,9 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from arceus.contracts.observed import ObservedStage
+from controlplane.agents.services import node_heartbeat
 from controlplane.controller.executor import reconcile_once
 from controlplane.jobs.models import Job
-from controlplane.nodes.services import node_heartbeat
 from tests.arceus.data.test_data_datasets import write_mnist
 from tests.controlplane.conftest import ReadyNode
 

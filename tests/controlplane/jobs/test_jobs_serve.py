@@ -19,12 +19,12 @@ from arceus.contracts.assignment import Assignment, CheckpointRef
 from arceus.contracts.status import JobStatus
 from arceus.safetensors_file import OPTIMIZER_PREFIX
 from arceus.v1 import stage_pb2
+from controlplane.agents.services import node_heartbeat
 from controlplane.controller.executor import reconcile_once
 from controlplane.jobs.models import Checkpoint, Job, Stage, StageCheckpoint
 from controlplane.jobs.selectors import assignments_for_node
 from controlplane.jobs.services import job_start, job_submit
 from controlplane.nodes.models import Node
-from controlplane.nodes.services import node_heartbeat
 from devtools.pipeline import remember_identity
 from nodeagent.agent import Agent
 from tests.controlplane.jobs.test_jobs_checkpoints import checkpoint_dir  # noqa: F401 (a fixture)

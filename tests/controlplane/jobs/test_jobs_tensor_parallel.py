@@ -13,13 +13,13 @@ from rest_framework.test import APIClient
 
 from arceus.contracts.assignment import Assignment
 from arceus.contracts.observed import ObservedStage
+from controlplane.agents.services import node_heartbeat
 from controlplane.controller.actions import PlaceJob, RewindJob, StartDriver
 from controlplane.controller.estimate import job_estimate
 from controlplane.controller.executor import reconcile_once
 from controlplane.jobs.models import Job, Stage
 from controlplane.jobs.services import job_start, job_submit
 from controlplane.nodes.liveness import lease_renew
-from controlplane.nodes.services import node_heartbeat
 
 pytestmark = pytest.mark.django_db
 

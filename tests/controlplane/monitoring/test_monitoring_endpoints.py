@@ -15,11 +15,12 @@ from prometheus_client.parser import text_string_to_metric_families
 from arceus.contracts.counters import StageCounters
 from arceus.contracts.credentials import token_digest
 from arceus.contracts.scrape import agent_scrape_token
+from controlplane.agents.heartbeat import heartbeat_body
+from controlplane.agents.services import node_heartbeat, node_register
 from controlplane.controller.executor import reconcile_once
 from controlplane.market.services import ledger_record_work
-from controlplane.nodes.heartbeat import heartbeat_body
 from controlplane.nodes.models import Node
-from controlplane.nodes.services import node_create, node_heartbeat, node_register, node_set_paused
+from controlplane.nodes.services import node_create, node_set_paused
 from devtools.pipeline import identity_for
 
 TOKEN = "t" * 40

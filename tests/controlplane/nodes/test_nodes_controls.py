@@ -9,13 +9,14 @@ import pytest
 from django.utils import timezone
 from rest_framework.test import APIClient
 
+from controlplane.agents.services import node_heartbeat, node_register
 from controlplane.controller.executor import reconcile_once
 from controlplane.controller.snapshot import load_snapshot
 from controlplane.jobs.models import Job, Stage
 from controlplane.nodes.availability import in_windows, parse_window, unavailable_reason
 from controlplane.nodes.liveness import lease_of
 from controlplane.nodes.models import Node
-from controlplane.nodes.services import node_create, node_heartbeat, node_register
+from controlplane.nodes.services import node_create
 from devtools.pipeline import identity_for
 from tests.controlplane.conftest import agent_register
 

@@ -12,7 +12,7 @@ from django.contrib.auth.models import User
 from rest_framework.test import APIClient
 
 from controlplane.controller.executor import reconcile_once
-from controlplane.nodes.links import _neighbour_nodes
+from controlplane.jobs.selectors import neighbour_nodes_by_address
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_create
 from devtools.pipeline import identity_for
@@ -65,7 +65,7 @@ def test_neighbours_behind_one_public_address_dial_each_other_on_their_lan(user:
     assert neighbour_address(for_a) == "192.168.1.11:50051" and neighbour_address(for_b) == "192.168.1.10:50051"
     # Pinned where it is dialled, and what an agent measures there is mapped back to its neighbour.
     assert for_a["certificates"] == {"192.168.1.11:50051": b.tls_certificate}
-    assert _neighbour_nodes(a) == {"192.168.1.11:50051": b.pk}
+    assert neighbour_nodes_by_address(node=a) == {"192.168.1.11:50051": b.pk}
 
 
 def test_neighbours_in_different_homes_dial_the_usual_address(user: User, queued_job) -> None:  # noqa: ANN001

@@ -15,7 +15,7 @@ from controlplane.controller.executor import reconcile_once
 from controlplane.jobs.models import Stage
 from controlplane.nodes.liveness import BUSY, LEASES, SINCE, lease_of, lease_renew
 from controlplane.nodes.models import Node
-from tests.controlplane.nodes.test_agent_api import heartbeat, three_agents
+from tests.controlplane.agents.test_agent_api import heartbeat, three_agents
 
 pytestmark = pytest.mark.django_db
 

@@ -15,12 +15,13 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from arceus.contracts.assignment import Assignment
+from controlplane.agents.services import node_heartbeat, node_register
 from controlplane.controller.executor import reconcile_once
 from controlplane.controller.snapshot import node_views, registered_nodes
 from controlplane.jobs.models import Stage
 from controlplane.nodes.liveness import lease_of
 from controlplane.nodes.models import Node, NodeLink
-from controlplane.nodes.services import node_create, node_heartbeat, node_register
+from controlplane.nodes.services import node_create
 from devtools.pipeline import identity_for
 from nodeagent.agent import Agent
 from tests.controlplane.conftest import agent_register

@@ -11,12 +11,13 @@ import torch
 from django.contrib.auth.models import User
 from django.utils import timezone
 
+from controlplane.agents.services import node_register
 from controlplane.celery import CHECK_REACHABILITY_TASK, REACHABILITY_QUEUE, app
 from controlplane.common.dispatch import dequeued
 from controlplane.controller.snapshot import node_views, registered_nodes
 from controlplane.nodes.models import Node, Reachability
 from controlplane.nodes.reachability import nodes_check_reachability
-from controlplane.nodes.services import node_create, node_register
+from controlplane.nodes.services import node_create
 from devtools.cluster import free_port
 from devtools.pipeline import identity_for
 from nodeagent.agent import Agent

@@ -13,7 +13,7 @@ from controlplane.jobs.models import Job, Stage
 from controlplane.nodes.models import Node
 from controlplane.nodes.selectors import node_unavailable_reason
 from controlplane.nodes.services import node_create
-from tests.controlplane.nodes.test_agent_api import agent_client, heartbeat, register
+from tests.controlplane.agents.test_agent_api import agent_client, heartbeat, register
 
 pytestmark = pytest.mark.django_db
 

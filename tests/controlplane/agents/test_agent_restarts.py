@@ -9,12 +9,13 @@ import pytest
 from django.utils import timezone
 
 from arceus.contracts.status import JobStatus
+from controlplane.agents.services import node_heartbeat, node_register
 from controlplane.controller.executor import reconcile_once
 from controlplane.jobs.models import Job, Stage
 from controlplane.jobs.services import job_cancel
 from controlplane.nodes.models import Node, NodeRestart
 from controlplane.nodes.selectors import node_unavailable_reason
-from controlplane.nodes.services import node_flag_clear, node_heartbeat, node_register
+from controlplane.nodes.services import node_flag_clear
 from devtools.pipeline import identity_for
 
 pytestmark = pytest.mark.django_db

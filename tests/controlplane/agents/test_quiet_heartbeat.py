@@ -1,4 +1,4 @@
-"""The quiet heartbeat answered before Django (controlplane/nodes/heartbeat.py), through the real ASGI application:
+"""The quiet heartbeat answered before Django (controlplane/agents/heartbeat.py), through the real ASGI application:
 it answers as the API does, reads the database once, and hands everything else to the API, which refuses a rotated
 token, a deleted node or a disabled owner at once and judges every hostile body as before."""
 
@@ -24,11 +24,11 @@ from prometheus_client import REGISTRY
 from rest_framework.test import APIClient
 from schemathesis.core import NOT_SET
 
+from controlplane.agents.heartbeat import quiet_heartbeats
 from controlplane.common.postgresql.async_connections import async_connections
 from controlplane.common.redis_client import async_redis_client
 from controlplane.controller.executor import reconcile_once
 from controlplane.jobs.models import Stage
-from controlplane.nodes.heartbeat import quiet_heartbeats
 from controlplane.nodes.liveness import lease_of
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_create
