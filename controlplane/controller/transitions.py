@@ -44,6 +44,7 @@ def job_place(action: PlaceJob, now: datetime) -> bool:
             node_id=s.node_id,
             rank=s.rank,
             generation=generation,
+            held_since=now,
         )
         for s in action.stages
     )
@@ -123,13 +124,13 @@ def job_rewind(
     moved = [stage for stage in stages if (stage.index, stage.rank) in moves]
     for stage in stages:
         if stage in moved:
-            stage.node_id = moves[stage.index, stage.rank]
+            stage.node_id, stage.held_since = moves[stage.index, stage.rank], now  # the job pays the new node from now
         stage.generation = job.generation
         stage.observed_generation, stage.observed_state, stage.observed_message = None, ObservedState.PENDING, ""
     # Release the moved stages' old nodes first: one active stage per node is a database constraint.
     Stage.objects.filter(pk__in=[s.pk for s in moved]).update(node=None)
     Stage.objects.bulk_update(
-        stages, ["node", "generation", "observed_generation", "observed_state", "observed_message"]
+        stages, ["node", "held_since", "generation", "observed_generation", "observed_state", "observed_message"]
     )
     unplaced = any(stage.node_id is None for stage in stages)
     job.status = JobStatus.PENDING if unplaced else JobStatus.PLACING

@@ -24,7 +24,7 @@ from arceus.training.plan import StageTiming
 from controlplane.common.dispatch import reconcile_soon
 from controlplane.jobs.leases import held, renewed
 from controlplane.jobs.models import EpochMetric, Job, LossPoint, Stage, StageContribution
-from controlplane.market.services import ledger_record_work
+from controlplane.market.services import job_budget_micros, ledger_record_work
 from controlplane.nodes.models import Node
 
 # The work a stage's agent counts, as stage rows, contributions and ledger entries store it.
@@ -81,7 +81,7 @@ def job_record_steps(
         unique_fields=["job", "step"],
         update_fields=["epoch", "loss", "samples_per_second"],
     )
-    _record_counters(job_id, stages)
+    _record_counters(job_id, stages, now)
     for t in timings:
         Stage.objects.filter(job_id=job_id, active=True, index=t.index, rank=0).update(
             step_compute_seconds=_finite(t.compute_seconds), step_wait_seconds=_finite(t.wait_seconds)
@@ -153,7 +153,7 @@ def job_record_epoch(
         epoch=epoch,
         defaults={"val_loss": _finite(val_loss), "val_accuracy": _finite(val_accuracy)},
     )
-    _record_counters(job_id, stages)
+    _record_counters(job_id, stages, now)
     return True
 
 
@@ -178,7 +178,7 @@ def job_finish(
     summary = f"trained {job.step} steps" + (f", val accuracy {accuracy:.4f}" if accuracy is not None else "")
     job.final_loss, job.val_loss, job.val_accuracy = _finite(final_loss), _finite(val_loss), accuracy
     job.save(update_fields=["final_loss", "val_loss", "val_accuracy"])
-    _record_counters(job_id, stages)
+    _record_counters(job_id, stages, now)
     _record_outcome(job, JobStatus.SUCCEEDED, "Completed", summary)
     return True
 
@@ -204,10 +204,10 @@ def _record_outcome(job: Job, status: JobStatus, reason: str, message: str) -> N
     reconcile_soon()
 
 
-def _record_counters(job_id: Any, stages: Sequence[StageCounters]) -> None:
+def _record_counters(job_id: Any, stages: Sequence[StageCounters], now: datetime) -> None:
     """Store the stages' counters (cumulative within the current generation) on the stage rows, on each
-    node's contribution row for this generation, and as priced ledger entries; called only by the lease
-    holder, so the stage rows are the ones the counters came from."""
+    node's contribution row for this generation, and as priced ledger entries (the devices' time held until `now`);
+    called only by the lease holder, so the stage rows are the ones the counters came from."""
     if not stages:
         return
     rows = list(Stage.objects.filter(job_id=job_id, active=True).select_related("node", "job"))
@@ -232,6 +232,9 @@ def _record_counters(job_id: Any, stages: Sequence[StageCounters]) -> None:
             counters=s,
             flops_per_sample=_stage_flops_per_sample(stage, ranks[stage.index]),
             step=stage.job.step,  # already the newest recorded step: a rewind refunds what lies past its checkpoint
+            held_since=stage.held_since,
+            now=now,
+            budget_micros=job_budget_micros(stage.job.requirements),
         )
     StageContribution.objects.bulk_create(
         contributions,

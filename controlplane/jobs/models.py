@@ -7,6 +7,7 @@ from django.core.files.storage import Storage, storages
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import models
 from django.db.models import Q
+from django.utils import timezone
 
 from arceus.contracts.observed import ObservedState
 from arceus.contracts.stage_key import stage_key
@@ -179,6 +180,9 @@ class Stage(BaseModel):
     # The generation at which its node's agent registered again as a fresh process while hosting it (the stage's
     # state was lost): a fact the reconciler's rules act on while it is the stage's generation.
     restarted_generation = models.BigIntegerField(null=True, blank=True)
+    # When its node began to hold it (placed, or moved there): the job pays for the device from then, per second
+    # held (controlplane/market/services.py, `ledger_record_work`).
+    held_since = models.DateTimeField(default=timezone.now)
     samples = models.BigIntegerField(default=0)
     micro_batches = models.BigIntegerField(default=0)
     compute_seconds = models.FloatField(default=0.0)

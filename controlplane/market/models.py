@@ -28,8 +28,10 @@ class PriceChange(BaseModel):
 
 class LedgerEntry(BaseModel):
     """Append-only work done by one node on one stage generation of a job since the previous entry,
-    priced when it was recorded. `samples_total` (the stage's cumulative count at this entry) is in the
-    unique key, so a retried report of the same counters never counts twice.
+    priced when it was recorded: the job pays for each second it held the device (`held_seconds`, since the
+    node's previous entry on the job or since its stage was placed there) at the price in force. `samples_total`
+    (the stage's cumulative count at this entry) is in the unique key, so a retried report of the same counters
+    never counts twice.
 
     A reversal (`reverses` set) undoes the money of an entry whose steps the job rolled back
     (`controlplane.market.services.ledger_roll_back`): it refunds the charge and, unless the node caused the
@@ -44,7 +46,11 @@ class LedgerEntry(BaseModel):
     samples_total = models.BigIntegerField()
     samples = models.BigIntegerField()
     micro_batches = models.BigIntegerField()
-    compute_seconds = models.FloatField()
+    compute_seconds = models.FloatField(help_text="what the agent measured computing (metered, not billed)")
+    held_seconds = models.FloatField(
+        default=0.0, help_text="seconds the job held the device since its previous entry: what is billed"
+    )
+    held_until = models.DateTimeField(null=True, blank=True, help_text="when this entry's held time ends")
     flops = models.FloatField(help_text="estimated: forward + backward FLOPs of the samples on this stage")
     bytes_sent = models.BigIntegerField()
     bytes_received = models.BigIntegerField()

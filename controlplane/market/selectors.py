@@ -13,7 +13,7 @@ from arceus.contracts.status import JobStatus
 from controlplane.jobs.models import Job
 from controlplane.market.models import LedgerEntry, PriceChange
 from controlplane.market.pricing import base_price
-from controlplane.market.services import MICROS_PER_DOLLAR, price_in_force, pricing_policy
+from controlplane.market.services import MICROS_PER_DOLLAR, job_budget_micros, price_in_force, pricing_policy
 from controlplane.nodes.device_class import node_device_class
 from controlplane.nodes.models import Node, ReadyStatus
 
@@ -83,15 +83,20 @@ def node_earnings(*, node: Node) -> dict[str, Any]:
 
 
 def job_cost(*, job: Job) -> dict[str, Any]:
-    """What the job has been charged so far and the platform's share of it; while it trains, also the
-    time and money left at its current speed and the posted prices of the nodes it runs on."""
+    """What the job has been charged so far (per second each device was held, at the prices in force), the
+    platform's share of it, and what is left of its `max_total_usd`; while it trains, also the time left at its
+    current speed (the driver's wall clock per step: how long each step holds every device) and what that time
+    costs at the posted prices of the nodes it holds: the basis its charges are on."""
     total = LedgerEntry.objects.filter(job=job).aggregate(
         charge=Sum("charge_micros"), fee=Sum("fee_micros"), withheld=Sum("credit_micros", filter=Q(withheld=True))
     )
+    budget = job_budget_micros(job.requirements)
     cost: dict[str, Any] = {
         "charged_usd": dollars(total["charge"]),
         "platform_fee_usd": dollars(total["fee"]),
         "withheld_usd": dollars(total["withheld"]),
+        "budget_usd": None if budget is None else dollars(budget),
+        "budget_remaining_usd": None if budget is None else dollars(max(0, budget - (total["charge"] or 0))),
         "remaining_seconds": None,
         "estimate_to_finish_usd": None,
     }

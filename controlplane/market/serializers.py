@@ -49,7 +49,14 @@ class JobCostOutput(serializers.Serializer):
     withheld_usd = serializers.DecimalField(
         **MONEY, help_text="credit not paid to nodes caught wrong by spot checks: credits + fee + withheld = charged"
     )
+    budget_usd = serializers.DecimalField(
+        **MONEY, allow_null=True, help_text="the job's max_total_usd: it stops, checkpointed, before passing it"
+    )
+    budget_remaining_usd = serializers.DecimalField(
+        **MONEY, allow_null=True, help_text="max_total_usd less what was charged; null without a max_total_usd"
+    )
     remaining_seconds = serializers.FloatField(allow_null=True, help_text="at the current speed; null unless running")
     estimate_to_finish_usd = serializers.DecimalField(
-        **MONEY, allow_null=True, help_text="the rest of the training at the posted prices; null unless running"
+        **MONEY, allow_null=True, help_text="the rest of the training at the posted prices of the devices it holds, "
+        "per second held (the basis of its charges); null unless running"
     )

@@ -9,7 +9,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Count, F, Q, Sum
+from django.db.models import Count, F, Max, Q, Sum
 from django.db.models.functions import TruncHour
 
 from arceus.contracts.counters import StageCounters
@@ -33,6 +33,12 @@ def price_in_force(device_class_name: str) -> float:
     """The newest posted price of the class, else its base price (nothing posted yet)."""
     latest = PriceChange.objects.filter(device_class=device_class_name).order_by("-created_at").first()
     return latest.price_per_hour if latest else base_price(device_class_name, pricing_policy())
+
+
+def job_budget_micros(requirements: dict[str, Any]) -> int | None:
+    """A job's `max_total_usd` in whole micro-dollars (rounded down: never charged past it); None: no cap."""
+    cap = requirements.get("max_total_usd")
+    return None if cap is None else math.floor(cap * MICROS_PER_DOLLAR)
 
 
 def market_demand_and_supply() -> tuple[float, float]:
@@ -65,11 +71,17 @@ def prices_reprice() -> list[PriceChange]:
 
 
 def ledger_record_work(
-    *, job_id: Any, generation: int, node: Node, counters: StageCounters, flops_per_sample: float, step: int
+    *, job_id: Any, generation: int, node: Node, counters: StageCounters, flops_per_sample: float, step: int,
+    held_since: datetime, now: datetime, budget_micros: int | None = None,
 ) -> LedgerEntry | None:
     """Append what the node did since its previous entry for this stage generation, up to training step
-    `step` (the job's), priced now. Reports that add no samples (retries, late duplicates, a restarted
-    driver's replay within one generation) add nothing. Call inside the recording transaction.
+    `step` (the job's), priced now. The job pays for every second it held the device, from the later of
+    `held_since` (when its stage was placed on the node) and the end of the node's previous entry on the job,
+    until `now`, at the price in force of the class the node measured (`node_device_class`: a device slower than it
+    claimed is paid as what it delivered); the node's owner earns that less the platform fee. Reports that add no
+    samples (retries, late duplicates, a restarted driver's replay within one generation) add nothing: their time
+    is billed with the next entry. A job's charges never pass `budget_micros` (its `max_total_usd`): an entry that
+    would is cut to what is left. Call inside the recording transaction.
 
     Money is whole micro-dollars, but one report's work may be worth a fraction of one: each entry charges
     the rounded running total of the exact value minus what earlier entries charged, and the fee of the
@@ -77,7 +89,7 @@ def ledger_record_work(
     key = {"job_id": job_id, "stage_index": counters.index, "generation": generation, "node": node, "reverses": None}
     done = LedgerEntry.objects.filter(**key).aggregate(
         # First: a later alias named like a field would shadow the field in F().
-        dollar_seconds_per_hour=Sum(F("compute_seconds") * F("price_per_hour")),
+        dollar_seconds_per_hour=Sum(F("held_seconds") * F("price_per_hour")),
         samples=Sum("samples"),
         micro_batches=Sum("micro_batches"),
         compute_seconds=Sum("compute_seconds"),
@@ -89,12 +101,19 @@ def ledger_record_work(
     samples = counters.samples - (done["samples"] or 0)
     if samples <= 0:
         return None
-    seconds = max(0.0, counters.compute_seconds - (done["compute_seconds"] or 0.0))
+    billed_until = LedgerEntry.objects.filter(job_id=job_id, node=node, reverses=None).aggregate(
+        until=Max("held_until")
+    )["until"]
+    held_from = max(held_since, billed_until) if billed_until is not None else held_since
+    held = max(0.0, (now - held_from).total_seconds())
     klass = node_device_class(node)
     price = price_in_force(klass)
-    exact_total = ((done["dollar_seconds_per_hour"] or 0.0) + seconds * price) / 3600 * MICROS_PER_DOLLAR
+    exact_total = ((done["dollar_seconds_per_hour"] or 0.0) + held * price) / 3600 * MICROS_PER_DOLLAR
     charge_total = round(exact_total)
     charge = charge_total - (done["charge_micros"] or 0)
+    if budget_micros is not None:
+        charged = LedgerEntry.objects.filter(job_id=job_id).aggregate(c=Sum("charge_micros"))["c"] or 0
+        charge = min(charge, max(0, budget_micros - charged))
     # Never more fee than this entry's charge (no negative credit); a shortfall is made up by later entries.
     fee = min(charge, round(charge_total * settings.ARCEUS_PLATFORM_FEE) - (done["fee_micros"] or 0))
     entry, _ = LedgerEntry.objects.get_or_create(
@@ -104,7 +123,9 @@ def ledger_record_work(
             "step": step,
             "samples": samples,
             "micro_batches": counters.micro_batches - (done["micro_batches"] or 0),
-            "compute_seconds": seconds,
+            "compute_seconds": max(0.0, counters.compute_seconds - (done["compute_seconds"] or 0.0)),
+            "held_seconds": held,
+            "held_until": max(now, held_from),
             # Forward plus a backward of about twice its cost.
             "flops": 3.0 * samples * flops_per_sample,
             "bytes_sent": counters.bytes_sent - (done["bytes_sent"] or 0),
@@ -138,7 +159,8 @@ def ledger_roll_back(*, job_id: Any, after_step: int, culprits: Collection[Any])
             LedgerEntry(
                 job_id=entry.job_id, node_id=entry.node_id, stage_index=entry.stage_index,
                 generation=entry.generation, step=entry.step, samples_total=entry.samples_total,
-                samples=0, micro_batches=0, compute_seconds=0.0, flops=0.0, bytes_sent=0, bytes_received=0,
+                samples=0, micro_batches=0, compute_seconds=0.0, held_seconds=0.0, flops=0.0, bytes_sent=0,
+                bytes_received=0,
                 device_class=entry.device_class, price_per_hour=entry.price_per_hour,
                 charge_micros=-entry.charge_micros, fee_micros=-entry.charge_micros - credit, credit_micros=credit,
                 withheld=entry.withheld, reverses=entry,

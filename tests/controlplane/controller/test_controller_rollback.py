@@ -61,7 +61,8 @@ def test_a_flag_rewinds_to_the_newest_checkpoint_before_the_last_passed_check(
                check(job, stage(job, 0), train_step=29, passed=True))
         save(job, 30)
     ledger_record_work(job_id=job.id, generation=job.generation, node=cheat.node, flops_per_sample=1e3, step=33,
-                       counters=StageCounters(1, 64, 8, 1.0, 100, 100))
+                       counters=StageCounters(1, 64, 8, 1.0, 100, 100), held_since=cheat.held_since,
+                       now=timezone.now())
     with django_capture_on_commit_callbacks(execute=True):
         record(job, check(job, cheat, train_step=33, passed=False))
 

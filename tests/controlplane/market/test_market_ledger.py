@@ -27,6 +27,9 @@ pytestmark = pytest.mark.django_db
 DRIVER = "driver"
 
 
+PLACED = timezone.now()  # when the stages were placed: the clock the ledger's held time is read on
+
+
 @pytest.fixture
 def running_job(ready_node, queued_job) -> Job:
     for i in range(3):
@@ -34,21 +37,24 @@ def running_job(ready_node, queued_job) -> Job:
     job = queued_job()
     reconcile_once()
     Job.objects.filter(pk=job.pk).update(status="running")
+    Stage.objects.filter(job=job).update(held_since=PLACED)
     assert job_driver_claim(job_id=job.id, owner=DRIVER, now=timezone.now()) is not None
     job.refresh_from_db()
     return job
 
 
 def report(job: Job, samples: int, seconds: float) -> bool:
-    """The driver records the three stages' cumulative counters (as after a step)."""
+    """The driver records the three stages' cumulative counters (as after a step) `seconds` after the stages were
+    placed."""
     counters = [StageCounters(i, samples, samples // 8, seconds * (i + 1), 1000 * samples, 900 * samples)
                 for i in range(3)]
-    return job_record_steps(job_id=job.id, lease_owner=DRIVER, points=[], stages=counters, now=timezone.now())
+    return job_record_steps(job_id=job.id, lease_owner=DRIVER, points=[], stages=counters,
+                            now=PLACED + timedelta(seconds=seconds))
 
 
 def totals(**filters: object) -> dict:
     return LedgerEntry.objects.filter(**filters).aggregate(
-        samples=Sum("samples"), seconds=Sum("compute_seconds"), charge=Sum("charge_micros"),
+        samples=Sum("samples"), seconds=Sum("compute_seconds"), held=Sum("held_seconds"), charge=Sum("charge_micros"),
         fee=Sum("fee_micros"), credit=Sum("credit_micros"),
     )
 
@@ -71,7 +77,7 @@ def test_work_is_charged_at_the_price_in_force_and_credits_plus_fees_equal_charg
     report(running_job, samples=320, seconds=100.0)
     entry = LedgerEntry.objects.get(stage_index=0)
     assert (entry.device_class, entry.price_per_hour) == (klass, 0.36)
-    assert entry.charge_micros == 10_000  # 100 s at $0.36/h = $0.01
+    assert entry.held_seconds == 100.0 and entry.charge_micros == 10_000  # 100 s held at $0.36/h = $0.01
     assert (entry.fee_micros, entry.credit_micros) == (1_500, 8_500)
     PriceChange.objects.create(device_class=klass, price_per_hour=0.72, demand=6, supply=3)
     report(running_job, samples=640, seconds=200.0)
@@ -85,11 +91,11 @@ def test_reports_worth_less_than_a_micro_dollar_each_add_up_without_rounding_dri
     settings.ARCEUS_PLATFORM_FEE = 0.1
     klass = node_device_class(Node.objects.first())
     PriceChange.objects.create(device_class=klass, price_per_hour=0.36, demand=3, supply=3)
-    # Stage 0 reports 0.004 s more after each of 500 steps: $0.0000004 of work a report, 2 s in all.
+    # Stage 0 reports 0.004 s later after each of 500 steps: $0.0000004 of time held a report, 2 s in all.
     for step in range(1, 501):
         report(running_job, samples=32 * step, seconds=0.004 * step)
     t = totals(stage_index=0)
-    assert t["seconds"] == pytest.approx(2.0)
+    assert t["held"] == pytest.approx(2.0)
     assert t["charge"] == 200  # 2 s at $0.36/h: what one report of 2 s would be charged
     assert t["fee"] == 20 and t["credit"] == 180
     assert all(e.credit_micros >= 0 for e in LedgerEntry.objects.all())
@@ -102,8 +108,9 @@ def test_a_rewound_stage_starts_a_new_generation_and_the_old_work_stays_counted(
     Job.objects.filter(pk=running_job.pk).update(status="running")
     running_job.refresh_from_db()
     assert job_driver_claim(job_id=running_job.id, owner=DRIVER, now=timezone.now()) is not None
-    report(running_job, samples=96, seconds=3.0)  # the agents' counters start again at zero
+    report(running_job, samples=96, seconds=13.0)  # the agents' counters start again at zero
     assert totals(stage_index=0)["samples"] == 320 + 96
+    assert totals(stage_index=0)["held"] == 13.0  # the node was held all along, rewind included
     assert set(LedgerEntry.objects.values_list("generation", flat=True)) == {running_job.generation - 1,
                                                                              running_job.generation}
 
@@ -172,3 +179,51 @@ def test_a_running_job_shows_the_time_and_money_left(running_job: Job, api: APIC
     Job.objects.filter(pk=running_job.pk).update(status="succeeded")
     cost = api.get(f"/api/jobs/{running_job.id}").json()["cost"]
     assert cost["remaining_seconds"] is None and cost["estimate_to_finish_usd"] is None
+
+
+def test_a_job_pays_per_second_held_and_charges_equal_credits_plus_fees(running_job: Job, settings) -> None:
+    """Held time, not compute time: a stage that waits on its neighbours 90% of a step is paid for the whole step,
+    like the stage that computes all of it; a node moved onto the job is paid from its move."""
+    settings.ARCEUS_PLATFORM_FEE = 0.1
+    klass = node_device_class(Node.objects.first())
+    PriceChange.objects.create(device_class=klass, price_per_hour=0.36, demand=3, supply=3)
+    report(running_job, samples=320, seconds=10.0)  # whatever each stage computed of those 10 s
+    report(running_job, samples=640, seconds=30.0)
+    for index in range(3):
+        assert totals(stage_index=index)["held"] == 30.0 and totals(stage_index=index)["charge"] == 3_000
+    moved_to = Node.objects.create(owner=Node.objects.first().owner, name="n3", flops_fp32=1.2e11,
+                                   memory_bytes=16 * 2**30)
+    Stage.objects.filter(job=running_job, index=1).update(node=moved_to, held_since=PLACED + timedelta(seconds=50))
+    report(running_job, samples=960, seconds=60.0)
+    assert totals(node=moved_to)["held"] == 10.0 and totals(node=moved_to)["charge"] == 1_000
+    assert totals(stage_index=0)["held"] == 60.0
+    t = totals()
+    assert t["charge"] == 3 * 3_000 + 2 * 3_000 + 1_000  # 160 device-seconds at $0.36/h, to the micro-dollar
+    assert t["credit"] + t["fee"] == t["charge"] and t["fee"] == 1_600
+
+
+def test_what_is_left_to_pay_is_the_time_left_on_the_devices_held_at_their_prices(running_job: Job, api) -> None:
+    """Charged so far and "to finish" are on one basis: three devices held 100 s for 10 steps, at a pace of 10 s a
+    step; the 30 steps left hold them 300 s more."""
+    klass = node_device_class(Node.objects.first())
+    PriceChange.objects.create(device_class=klass, price_per_hour=0.36, demand=3, supply=3)
+    report(running_job, samples=320, seconds=100.0)
+    Job.objects.filter(pk=running_job.pk).update(step=10, total_steps=40, samples_per_second=3.2)
+    cost = api.get(f"/api/jobs/{running_job.id}").json()["cost"]
+    assert Decimal(cost["charged_usd"]) == Decimal("0.03")  # 3 x 100 s at $0.36/h
+    assert cost["remaining_seconds"] == pytest.approx(300.0)
+    assert Decimal(cost["estimate_to_finish_usd"]) == Decimal("0.09")  # 3 x 300 s at $0.36/h
+    assert cost["budget_usd"] is None and cost["budget_remaining_usd"] is None
+
+
+def test_a_job_is_never_charged_past_its_max_total_usd(running_job: Job, api) -> None:
+    klass = node_device_class(Node.objects.first())
+    PriceChange.objects.create(device_class=klass, price_per_hour=0.36, demand=3, supply=3)
+    Job.objects.filter(pk=running_job.pk).update(requirements={"max_total_usd": 0.025})
+    report(running_job, samples=320, seconds=50.0)  # 3 x $0.005
+    cost = api.get(f"/api/jobs/{running_job.id}").json()["cost"]
+    assert (Decimal(cost["budget_usd"]), Decimal(cost["budget_remaining_usd"])) == (Decimal("0.025"), Decimal("0.01"))
+    report(running_job, samples=640, seconds=100.0)  # 3 x $0.005 more would pass the cap: cut to it
+    t = totals()
+    assert t["charge"] == 25_000 and t["credit"] + t["fee"] == t["charge"]
+    assert Decimal(api.get(f"/api/jobs/{running_job.id}").json()["cost"]["budget_remaining_usd"]) == 0

@@ -4,6 +4,7 @@ rollback is not paid for the steps it lost."""
 
 from __future__ import annotations
 
+from datetime import datetime, timedelta
 from decimal import Decimal
 
 import pytest
@@ -34,23 +35,40 @@ MICROS_PER_SECOND = 1_000  # at $3.60 an hour
 FEE = Decimal("0.1")
 
 
+class Clock:
+    """The time the driver's records are made at: one second per step from the stages' placement."""
+
+    def __init__(self) -> None:
+        self.now = timezone.now()
+
+    def tick(self) -> datetime:
+        self.now += timedelta(seconds=1)
+        return self.now
+
+
 @pytest.fixture
-def priced(running_job: Job, settings) -> Job:  # noqa: ANN001
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def priced(running_job: Job, settings, clock: Clock) -> Job:  # noqa: ANN001
     settings.ARCEUS_PLATFORM_FEE = float(FEE)
     klass = node_device_class(Node.objects.first())
     PriceChange.objects.create(device_class=klass, price_per_hour=3.6, demand=3, supply=3)
+    Stage.objects.filter(job=running_job).update(held_since=clock.now)
     return running_job
 
 
-def train(job: Job, driver: str, steps: range, *, resumed_at: int = 0) -> None:
-    """The driver records each step (one second of compute on every stage) with the stages' counters,
-    cumulative within this run, which resumed after step `resumed_at` (a rewound run's agents count from
+def train(job: Job, driver: str, steps: range, clock: Clock, *, resumed_at: int = 0) -> None:
+    """The driver records each step (one second on the clock, one of compute on every stage) with the stages'
+    counters, cumulative within this run, which resumed after step `resumed_at` (a rewound run's agents count from
     zero again)."""
     for step in steps:
         done = step - resumed_at
         counters = [StageCounters(i, 32 * done, 4 * done, float(done), 0, 0) for i in range(3)]
         assert job_record_steps(job_id=job.id, lease_owner=driver, points=[StepPoint(1, step, 4, 1.0, 10.0)],
-                                stages=counters, now=timezone.now())
+                                stages=counters, now=clock.tick())
 
 
 def resume(job: Job, driver: str) -> Job:
@@ -81,18 +99,18 @@ def earned(node: Node) -> int:
 
 
 def test_a_node_that_restarts_mid_job_is_not_paid_for_the_lost_steps_and_the_owner_pays_each_step_once(
-    priced: Job, agents, api: APIClient  # noqa: ANN001
+    priced: Job, agents, api: APIClient, clock: Clock  # noqa: ANN001
 ) -> None:
     job = priced
-    train(job, DRIVER, range(1, 3))
+    train(job, DRIVER, range(1, 3), clock)
     save(job, 2)
-    train(job, DRIVER, range(3, 5))  # steps 3 and 4, lost when...
+    train(job, DRIVER, range(3, 5), clock)  # steps 3 and 4, lost when...
     restarted = restart(job, agents, index=1)  # ...stage 1's agent restarts
     job.refresh_from_db()
     assert job.step == 2 and job.resume_checkpoint.step == 2
 
     job = resume(job, "driver-b")
-    train(job, "driver-b", range(3, 5), resumed_at=2)  # steps 3 and 4 again
+    train(job, "driver-b", range(3, 5), clock, resumed_at=2)  # steps 3 and 4 again
     assert job_finish(job_id=job.id, lease_owner="driver-b", final_loss=1.0, val_loss=1.0, val_accuracy=0.5,
                       stages=[], now=timezone.now())
 
@@ -118,18 +136,18 @@ def test_a_node_that_restarts_mid_job_is_not_paid_for_the_lost_steps_and_the_own
     assert all(r.samples == 0 and r.compute_seconds == 0 for r in reversals)
 
 
-def test_a_rewind_nobody_caused_refunds_the_owner_and_pays_every_node(priced: Job) -> None:
+def test_a_rewind_nobody_caused_refunds_the_owner_and_pays_every_node(priced: Job, clock: Clock) -> None:
     """A driver that died (or a node lost to a crash) costs the platform the lost steps, not the owner."""
     job = priced
-    train(job, DRIVER, range(1, 4))
+    train(job, DRIVER, range(1, 4), clock)
     save(job, 3)
-    train(job, DRIVER, range(4, 6))
+    train(job, DRIVER, range(4, 6), clock)
     assert job_rewind(job_id=job.id, generation=job.generation, reason="DriverLost", message="test",
                       now=timezone.now())
     assert job_rewind(job_id=job.id, generation=job.generation + 1, reason="DriverLost", message="again",
                       now=timezone.now())  # nothing more was recorded: nothing more to reverse
     job = resume(job, "driver-b")
-    train(job, "driver-b", range(4, 6), resumed_at=3)
+    train(job, "driver-b", range(4, 6), clock, resumed_at=3)
 
     charged = LedgerEntry.objects.filter(job=job).aggregate(c=Sum("charge_micros"))["c"]
     assert charged == 5 * 3 * MICROS_PER_SECOND
@@ -139,13 +157,13 @@ def test_a_rewind_nobody_caused_refunds_the_owner_and_pays_every_node(priced: Jo
 
 
 def test_a_restart_that_fails_the_job_is_not_paid_and_the_owner_pays_only_what_was_saved(
-    priced: Job, agents, settings  # noqa: ANN001
+    priced: Job, agents, settings, clock: Clock  # noqa: ANN001
 ) -> None:
     settings.ARCEUS_JOB_MAX_RESTARTS = 2
     job = priced
-    train(job, DRIVER, range(1, 2))
+    train(job, DRIVER, range(1, 2), clock)
     save(job, 1)
-    train(job, DRIVER, range(2, 4))
+    train(job, DRIVER, range(2, 4), clock)
     Job.objects.filter(pk=job.pk).update(restarts=2)  # restarted twice since the checkpoint: no more allowed
     culprit = restart(job, agents, index=2)
     job.refresh_from_db()

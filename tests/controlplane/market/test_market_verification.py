@@ -5,6 +5,7 @@ nothing; agents report their key, fp16/bf16 rates and link on register and heart
 from __future__ import annotations
 
 from dataclasses import replace
+from datetime import timedelta
 
 import pytest
 import torch
@@ -58,8 +59,10 @@ def report(job, signer: ReceiptSigner, producer: Node, *, passed: bool, digest_o
 
 
 def work(job, node: Node, samples: int) -> None:  # noqa: ANN001
+    now = timezone.now()
     ledger_record_work(job_id=job.id, generation=2, node=node, flops_per_sample=1e3, step=7,
-                       counters=StageCounters(0, samples, samples // 8, samples / 10, 100, 100))
+                       counters=StageCounters(0, samples, samples // 8, samples / 10, 100, 100),
+                       held_since=now - timedelta(seconds=samples / 10), now=now)
 
 
 def test_a_failed_spot_check_flags_the_node_and_withholds_its_credit(placed) -> None:  # noqa: ANN001

@@ -88,6 +88,7 @@ def test_a_scrape_counts_jobs_nodes_and_the_ledger_without_naming_anyone(
     job = queued_job(name="secret-job-name")
     ledger_record_work(
         job_id=job.id, generation=job.generation, node=a, step=1, flops_per_sample=1e12,
+        held_since=timezone.now() - timedelta(hours=1), now=timezone.now(),
         counters=StageCounters(index=0, samples=10_000, micro_batches=4, compute_seconds=360.0, bytes_sent=0,
                                bytes_received=0),
     )

@@ -43,6 +43,8 @@
     $("stat-eta").textContent = Dashboard.duration(job.eta_seconds);
     $("stat-cost").textContent = `$${job.cost.charged_usd}`;
     $("stat-estimate").textContent = job.cost.estimate_to_finish_usd ? `$${job.cost.estimate_to_finish_usd}` : "–";
+    $("stat-budget").textContent = job.cost.budget_remaining_usd === null ? "–"
+      : `$${job.cost.budget_remaining_usd} of $${job.cost.budget_usd}`;
   }
 
   function curves(job) {
