@@ -224,6 +224,8 @@ def test_restarting_redis_mid_run_loses_nothing(cluster: LocalCluster, reference
     cluster.relaunch("redis")  # empty: no persistence, every queued message is gone
     final = cluster.client.wait(job["id"], timeout=240)
     assert_matches_reference(final, reference)
+    # The workers reconnected rather than died: the next job (next test) needs them.
+    cluster.supervisor.check_alive()
 
 
 def test_a_stale_agent_that_comes_back_cannot_write_into_the_job(cluster: LocalCluster, reference: Any) -> None:
