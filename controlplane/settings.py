@@ -293,6 +293,10 @@ ARCEUS_DATASET_QUOTA_BYTES = int(os.environ.get("ARCEUS_DATASET_QUOTA_BYTES", st
 ARCEUS_DATASET_QUOTA_COUNT = int(os.environ.get("ARCEUS_DATASET_QUOTA_COUNT", "100"))
 ARCEUS_DATASET_MAX_CHUNK_BYTES = int(os.environ.get("ARCEUS_DATASET_MAX_CHUNK_BYTES", str(64 << 20)))
 ARCEUS_JOB_MAX_RESTARTS = int(os.environ.get("ARCEUS_JOB_MAX_RESTARTS", "5"))
+# How long a running job takes to checkpoint and stop once asked (a reconcile pass, the driver's next write, the
+# step in progress, the checkpoint's upload): a job with a max_total_usd is asked that long before its charges
+# would reach it.
+ARCEUS_JOB_STOP_SECONDS = float(os.environ.get("ARCEUS_JOB_STOP_SECONDS", "30"))
 # A node whose agent registers again while hosting a stage (each time its job rewinds and replays the lost
 # steps) more than this many times within the window is flagged: it gets no new stage until an operator clears it.
 ARCEUS_NODE_MAX_RESTARTS = int(os.environ.get("ARCEUS_NODE_MAX_RESTARTS", "3"))

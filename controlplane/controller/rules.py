@@ -8,6 +8,10 @@ Rules, in order:
 0. facts that services recorded at an active job's generation (`_recorded_facts`): failed spot checks →
    RollBackJob; the driver's outcome → SucceedJob or FailJob; a node whose agent restarted while hosting a stage →
    RewindJob counted as a restart (FailJob once the restarts run out);
+0b. a placed job past its `deadline`, or whose charges with the time its nodes hold it until it could stop
+   (`JobView.stop_seconds`) would reach its `max_total_usd` (`_limits`): a live driver is first asked to checkpoint
+   where it is and let go (RequestHandover, a Stopping condition saying why), then FailJob with the reason
+   (DeadlineExceeded, BudgetExhausted), its model kept in that checkpoint;
 1. a registered node whose lease expired (no heartbeat for longer than its duration) → MarkNodeUnknown;
 2. a queued job → PlaceJob on free Ready nodes that meet its requirements (one stage per node, one
    active job per node), devices and cut points chosen by `arceus.placement.solver.solve` (fastest
@@ -42,7 +46,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 
 from arceus.contracts.observed import ObservedState
 from arceus.contracts.status import ACTIVE_STATUSES, JobStatus
@@ -74,6 +78,7 @@ from controlplane.controller.actions import (
     SucceedJob,
 )
 from controlplane.controller.views import Desired, JobView, NodeView, Observed, PlacedStage, StageReport, stage_bounds
+from controlplane.market.services import MICROS_PER_DOLLAR
 
 QUEUED, PLACING, PENDING, RUNNING = JobStatus.QUEUED, JobStatus.PLACING, JobStatus.PENDING, JobStatus.RUNNING
 SUCCEEDED = JobStatus.SUCCEEDED
@@ -120,7 +125,9 @@ def plan(
             if isinstance(action, PlaceJob):
                 taken = {s.node_id for s in action.stages}
         elif job.status in ACTIVE_STATUSES:
-            action = _recorded_facts(job, nodes) or _supervise(job, observed, nodes, free, now)
+            action = _recorded_facts(job, nodes) or _limits(job, nodes, now) or _supervise(
+                job, observed, nodes, free, now
+            )
             if isinstance(action, RewindJob):
                 taken = {node for _, _, node in action.moves}
         elif job.status == SUCCEEDED:
@@ -188,6 +195,44 @@ def _restarted(job: JobView, nodes: Mapping[str, NodeView]) -> Action | None:
     unplace = tuple(sorted((s.index, s.rank, None) for s in restarted if s.node_id not in nodes
                            or nodes[s.node_id].paused))
     return RewindJob(job.id, job.generation, PLACING, unplace, True, "NodeRestarted", message, culprits)
+
+
+def _limits(job: JobView, nodes: Mapping[str, NodeView], now: datetime) -> Action | None:
+    """A job past its deadline, or that could not stop before its charges reach its `max_total_usd`, stops: a live
+    driver checkpoints first (its model is then the job's newest checkpoint, to download), then the job fails saying
+    which limit it met."""
+    met = _limit_met(job, nodes, now)
+    if met is None:
+        return None
+    reason, message = met
+    if job.status == RUNNING and _driver_live(job, now):
+        if job.handover_requested:
+            return None  # checkpointing already; the lease let go decides the next pass
+        stopping = Condition("Stopping", TRUE, reason, f"{message}: checkpointing the current step to stop")
+        return RequestHandover(job.id, job.generation, tuple(set_conditions(job.conditions, stopping, now=now)))
+    return FailJob(job.id, job.generation, reason, f"{message}; stopped at its newest checkpoint")
+
+
+def _limit_met(job: JobView, nodes: Mapping[str, NodeView], now: datetime) -> tuple[str, str] | None:
+    if job.deadline is not None and now >= job.deadline:
+        return "DeadlineExceeded", f"its deadline {job.deadline.isoformat()} passed"
+    if job.max_total_micros is None:
+        return None
+    stop_by = now + timedelta(seconds=job.stop_seconds)
+    # The nodes' time held since their last entries, until it could stop, at their prices: billed with the next ones.
+    dollar_seconds_per_hour = sum(
+        max(0.0, (stop_by - s.held_from).total_seconds()) * nodes[s.node_id].price_per_hour
+        for s in job.stages
+        if s.held_from is not None and s.node_id in nodes
+    )
+    held = dollar_seconds_per_hour / 3600 * MICROS_PER_DOLLAR
+    if job.charged_micros + held < job.max_total_micros:
+        return None
+    return "BudgetExhausted", (
+        f"charged ${job.charged_micros / MICROS_PER_DOLLAR:.6f}, and ${held / MICROS_PER_DOLLAR:.6f} more for its "
+        f"devices until it could stop ({job.stop_seconds:g} s), would reach its max_total_usd "
+        f"${job.max_total_micros / MICROS_PER_DOLLAR:.6f}"
+    )
 
 
 def _is_lost(stage: PlacedStage, nodes: Mapping[str, NodeView], job: JobView, now: datetime) -> bool:

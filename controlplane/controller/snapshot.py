@@ -18,7 +18,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import connection
-from django.db.models import F, Q, QuerySet
+from django.db.models import F, Max, Q, QuerySet, Sum
 from django.utils import timezone
 
 from arceus.contracts.status import ACTIVE_STATUSES, JobStatus
@@ -39,8 +39,8 @@ from controlplane.controller.views import (
     StageReport,
 )
 from controlplane.jobs.models import Checkpoint, Job, Stage, StageCheckpoint
-from controlplane.market.models import SpotCheck
-from controlplane.market.services import price_in_force
+from controlplane.market.models import LedgerEntry, SpotCheck
+from controlplane.market.services import job_budget_micros, price_in_force
 from controlplane.nodes.availability import in_windows, unavailable_reason
 from controlplane.nodes.device_class import device_class, market_flops
 from controlplane.nodes.links import nodes_worst_neighbour_link
@@ -234,7 +234,7 @@ JOB_FIELDS = (
 )
 STAGE_FIELDS = (
     "job_id", "index", "rank", "layer_start", "layer_end", "node_id", "generation", "observed_generation",
-    "observed_state", "observed_message", "restarted_generation",
+    "observed_state", "observed_message", "restarted_generation", "held_since",
 )
 
 
@@ -243,13 +243,15 @@ StageReports = tuple[tuple[tuple[str, int, int], StageReport], ...]  # ((job id,
 
 def _job_versions() -> dict[str, str]:
     """Queued and active job id -> the versions of its row and of its active stages' rows, oldest job first; and
-    the restart limit its view carries."""
+    the settings its view carries (the restart limit, the time to stop). A ledger entry is written with a write to
+    its job's row (the driver's lease renewed, a rewind), so the row's version covers the charges too."""
     job, stage = Job._meta.db_table, Stage._meta.db_table
     return _versions(
         f"SELECT j.id::text, j.xmin::text || ':' || coalesce(string_agg(s.xmin::text, ',' ORDER BY s.index, s.rank), "
         f"'') || ':' || %s FROM \"{job}\" j LEFT JOIN \"{stage}\" s ON s.job_id = j.id AND s.active "
         f"WHERE j.status = ANY(%s) OR {SERVED_SQL.format(stage=stage)} GROUP BY j.id ORDER BY j.created_at, j.id",
-        [str(settings.ARCEUS_JOB_MAX_RESTARTS), list(SNAPSHOT_STATUSES), JobStatus.SUCCEEDED.value],
+        [f"{settings.ARCEUS_JOB_MAX_RESTARTS}/{settings.ARCEUS_JOB_STOP_SECONDS}", list(SNAPSHOT_STATUSES),
+         JobStatus.SUCCEEDED.value],
     )
 
 
@@ -263,11 +265,31 @@ def _job_rows(ids: list[str] | None) -> Iterable[tuple[str, tuple[JobView, Stage
     for row in stage_rows.order_by("job_id", "index", "rank").values_list(*STAGE_FIELDS):
         stages[str(row[0])].append(row)
     checks = _failed_checks(jobs)
+    billed = _billed(jobs)
     for job in jobs.order_by("created_at", "id").values(*JOB_FIELDS):
         job_id = str(job["id"])
         rows = stages.get(job_id, [])
         reports = tuple(((job_id, r[1], r[2]), StageReport(generation=r[7], state=r[8], message=r[9])) for r in rows)
-        yield job_id, (_job_view(job, rows, checks.get(job_id, ())), reports)
+        yield job_id, (_job_view(job, rows, checks.get(job_id, ()), billed.get(job_id)), reports)
+
+
+def _billed(jobs: QuerySet[Job]) -> dict[str, tuple[int, dict[str, datetime]]]:
+    """What the active jobs with a `max_total_usd` have been charged, and when each node's billed time on them ends
+    (its newest ledger entry's `held_until`)."""
+    capped = LedgerEntry.objects.filter(
+        job__in=jobs.filter(status__in=ACTIVE_STATUSES, requirements__has_key="max_total_usd")
+    )
+    billed: dict[str, tuple[int, dict[str, datetime]]] = {}
+    for job_id, charged in capped.values("job_id").annotate(charged=Sum("charge_micros")).values_list(
+        "job_id", "charged"
+    ):
+        billed[str(job_id)] = (charged or 0, {})
+    for job_id, node_id, until in (
+        capped.filter(reverses=None, held_until__isnull=False).values("job_id", "node_id")
+        .annotate(until=Max("held_until")).values_list("job_id", "node_id", "until")
+    ):
+        billed[str(job_id)][1][str(node_id)] = until
+    return billed
 
 
 def _failed_checks(jobs: QuerySet[Job]) -> dict[str, tuple[FailedCheck, ...]]:
@@ -284,8 +306,21 @@ def _failed_checks(jobs: QuerySet[Job]) -> dict[str, tuple[FailedCheck, ...]]:
     return {job_id: tuple(rows) for job_id, rows in checks.items()}
 
 
-def _job_view(job: dict[str, Any], stages: list[tuple[Any, ...]], failed_checks: tuple[FailedCheck, ...]) -> JobView:
+def _job_view(
+    job: dict[str, Any], stages: list[tuple[Any, ...]], failed_checks: tuple[FailedCheck, ...],
+    billed: tuple[int, dict[str, datetime]] | None,
+) -> JobView:
     layers, spec_error = job_layers(json.dumps(job["model_config"], sort_keys=True))
+    budget = job_budget_micros(job["requirements"])
+    deadline = job["requirements"].get("deadline")
+    charged, billed_until = billed or (0, {})
+
+    def held_from(node_id: Any, held_since: datetime) -> datetime | None:
+        if budget is None or node_id is None:
+            return None
+        until = billed_until.get(str(node_id))
+        return held_since if until is None else max(held_since, until)
+
     return JobView(
         id=str(job["id"]),
         status=job["status"],
@@ -298,8 +333,9 @@ def _job_view(job: dict[str, Any], stages: list[tuple[Any, ...]], failed_checks:
             PlacedStage(
                 index=index, layer_start=start, layer_end=end, node_id=str(node_id) if node_id else None,
                 generation=generation, rank=rank, restarted_generation=restarted,
+                held_from=held_from(node_id, held_since),
             )
-            for _, index, rank, start, end, node_id, generation, *_, restarted in stages
+            for _, index, rank, start, end, node_id, generation, *_, restarted, held_since in stages
         ),
         conditions=tuple(job["conditions"]),
         driver_lease_expires_at=job["driver_lease_expires_at"],
@@ -318,6 +354,10 @@ def _job_view(job: dict[str, Any], stages: list[tuple[Any, ...]], failed_checks:
             job["driver_outcome_message"],
         ) if job["driver_outcome_generation"] is not None else None,
         failed_checks=failed_checks,
+        max_total_micros=budget,
+        deadline=None if deadline is None else datetime.fromisoformat(deadline),
+        charged_micros=charged,
+        stop_seconds=settings.ARCEUS_JOB_STOP_SECONDS,
     )
 
 

@@ -93,6 +93,9 @@ class PlacedStage:
     generation: int
     rank: int = 0
     restarted_generation: int | None = None  # its node's agent came back as a fresh process at this generation
+    # Since when its node's time is held but not yet billed (placed there, or the end of its last ledger entry on
+    # the job): what the job's budget must still cover. None: not counted (no budget, or no node).
+    held_from: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -140,6 +143,13 @@ class JobView:
     served_layers: tuple[tuple[int, int, int], ...] = ()
     driver_outcome: DriverOutcome | None = None
     failed_checks: tuple[FailedCheck, ...] = ()  # oldest first
+    # Its limits while it trains (`requirements.max_total_usd` in micro-dollars, `requirements.deadline`), what it
+    # has been charged, and how long it takes to checkpoint and stop (ARCEUS_JOB_STOP_SECONDS): it is stopped that
+    # long before its charges would reach the cap.
+    max_total_micros: int | None = None
+    deadline: datetime | None = None
+    charged_micros: int = 0
+    stop_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
