@@ -16,7 +16,6 @@ import torch
 from torch import nn
 
 from arceus.model.convnet.layers import convnet_layer
-from arceus.model.exported.layers import exported_layer
 from arceus.model.gpt import parallel as gpt_parallel
 from arceus.model.gpt.layers import gpt_layer
 from arceus.model.llama import parallel as llama_parallel
@@ -46,6 +45,14 @@ class ArchitectureLayers:
     tensor_parallel: TensorParallelLayers | None = None
 
 
+def _exported_layer(spec: Any, index: int, generator: torch.Generator) -> nn.Module:
+    # Imported on first use: torch.export (and sympy beneath it) doubles the start-up CPU of every agent and
+    # driver, and only exported models need it.
+    from arceus.model.exported.layers import exported_layer
+
+    return exported_layer(spec, index, generator)
+
+
 # model_config.type -> its torch layers; the same keys as the registry's ARCHITECTURES.
 LAYERS: dict[str, ArchitectureLayers] = {
     "mlp": ArchitectureLayers(mlp_layer),
@@ -56,7 +63,7 @@ LAYERS: dict[str, ArchitectureLayers] = {
     "llama": ArchitectureLayers(
         llama_layer, TensorParallelLayers(llama_parallel.parallel_layer, llama_parallel.shard_rows)
     ),
-    "exported": ArchitectureLayers(exported_layer),
+    "exported": ArchitectureLayers(_exported_layer),
 }
 
 

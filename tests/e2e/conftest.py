@@ -125,7 +125,16 @@ class SharedCluster:
             if not unfinished:
                 tables = [name for (name,) in db.execute("SELECT tablename FROM pg_tables WHERE schemaname = 'public'")
                           if name.startswith(APP_TABLE_PREFIXES)]
-                db.execute("TRUNCATE {} RESTART IDENTITY CASCADE".format(", ".join(f'"{t}"' for t in tables)))
+                truncate = "TRUNCATE {} RESTART IDENTITY CASCADE".format(", ".join(f'"{t}"' for t in tables))
+                # The workers and beat still write (reconcile passes, ledger roll-ups): PostgreSQL may pick the
+                # TRUNCATE, which locks every table, as a deadlock's victim; the next try finds them done.
+                for attempt in range(3):
+                    try:
+                        db.execute(truncate)
+                        break
+                    except psycopg.errors.DeadlockDetected:
+                        if attempt == 2:
+                            raise
         if unfinished:
             self.stop()
 

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch import nn
@@ -66,3 +69,14 @@ def test_global_parameter_names() -> None:
 def test_invalid_layer_range(start: int, end: int) -> None:
     with pytest.raises(ValueError, match="layer range"):
         build_layers(SPEC, start, end, seed=0)
+
+
+def test_an_agent_loads_torch_export_only_for_an_exported_model() -> None:
+    """sympy and torch.export's serializer double a (re)joining agent's start-up CPU; an MLP's stage needs neither."""
+    probe = (
+        "import sys; from arceus.model.build import build_layers; from arceus.model.mlp.spec import MLPSpec; "
+        "import nodeagent.agent; build_layers(MLPSpec(layer_sizes=(4, 3, 2)), 0, 2, seed=0); "
+        "print(sorted(m for m in ('sympy', 'torch._export.serde.serialize') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.strip() == "[]"
