@@ -1,0 +1,372 @@
+"""Replicated stages on this machine (1, 2, 3 replicas per stage), on loopback and on shaped links, beside the
+step model's predictions; then the model at scale: a 1B-parameter model in 8 stages over 100 devices under churn.
+
+    .venv/bin/python bench/swarm_scaling.py [--replicas 1 2 3] [--steps 10] [--delay-ms 20] [--rate-mbit 100]
+                                            [--hours 24] [--no-write]
+
+Measured: the GPT of bench/pipeline_vs_torch.py in 3 stages (layer boundaries [0, 3, 5, 8]), batch 24 × 128
+tokens in 6 micro-batches, Adam, GPipe, every stage with R replicas (static agents, one process and one torch
+thread each, all started with the same job twice: once reached directly, once with every agent behind its own
+`devtools.shaper` link). Per run: samples/s after warm-up, the agents' CPU seconds per sample (utime + stime
+from /proc/PID/stat over the measured steps), this process's CPU per step (the driver, and on shaped runs the
+shaper), and each agent's peak resident memory (VmHWM, over both of its runs).
+
+Predicted: arceus.swarm.model with every replica on this host's cores (`SharedHost`), calibrated on the R=1 runs
+only: each stage's agent CPU per sample, this process's CPU per step (and, shaped, per byte sent), the links by
+the shaper's rule. R=2 and R=3 are the model's predictions from those.
+
+At scale: `arceus.swarm.churn.simulate_churn` over the step model; the devices and the 1B model are stated
+below (assumptions, not measurements); the repair, rewind and join times are the issue's and the benches' measured
+orders. Prints both tables, writes docs/BENCHMARKS.md, ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from arceus.contracts.assignment import max_micro_batch_size  # noqa: E402
+from arceus.data.config import validate_dataset_config  # noqa: E402
+from arceus.model.registry import model_spec_from_config  # noqa: E402
+from arceus.swarm.churn import Churn, simulate_churn  # noqa: E402
+from arceus.swarm.model import (  # noqa: E402
+    Link,
+    Replica,
+    SharedHost,
+    Workload,
+    cpu_seconds_per_step,
+    shared_host_samples_per_second,
+)
+from arceus.training.driver import train  # noqa: E402
+from arceus.training.plan import StageEndpoint, StepProgress, TrainPlan  # noqa: E402
+from bench.clock import Clock  # noqa: E402
+from bench.pipeline_vs_torch import LR, MODEL, SEED  # noqa: E402
+from bench.report import report  # noqa: E402
+from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents  # noqa: E402
+from devtools.pipeline import driver_token, identity_for, replicated_pipeline_assignments  # noqa: E402
+from devtools.shaper import ShaperThread  # noqa: E402
+
+DATASET = validate_dataset_config({"name": "text", "batch_size": 24, "val_batch_size": 64, "block_size": 128})
+MICRO_BATCHES, WARMUP, BOUNDS = 6, 2, [0, 3, 5, 8]
+CLOCK_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """A process's user + system CPU seconds so far (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICK
+
+
+def peak_rss_mib(pid: int) -> float:
+    """A process's peak resident memory (VmHWM) in MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"/proc/{pid}/status has no VmHWM")
+
+
+class Meter(Clock):
+    """Step end times and progress; the CPU seconds so far of the agents and of this process at the end of the
+    last warm-up step and of the last step; then it stops the run (no validation, no final checkpoint)."""
+
+    def __init__(self, pids: list[int], steps: int) -> None:
+        super().__init__()
+        self.pids, self.limit = pids, steps
+        self.steps: list[StepProgress] = []
+        self.cpu: list[tuple[list[float], float]] = []
+
+    def on_step(self, p: StepProgress) -> None:
+        super().on_step(p)
+        self.steps.append(p)
+        if len(self.steps) in (WARMUP, self.limit):
+            self.cpu.append(([cpu_seconds(pid) for pid in self.pids], time.process_time()))
+
+    def should_stop(self) -> bool:
+        return len(self.steps) >= self.limit
+
+
+@dataclass
+class Run:
+    replicas: int
+    shaped: bool
+    samples_per_s: float
+    agent_cpu_per_sample: float
+    agent_cpu_per_step: list[float]  # per agent
+    own_cpu_per_step: float  # this process: the driver, and the shaper on shaped runs
+    stage_cpu_per_sample: list[float]  # per stage, its replicas' CPU seconds over the samples
+    bytes_sent_per_step: float  # every replica's
+    loss: float
+    peak_rss_mib: list[float] = field(default_factory=list)  # per agent, over both runs of its R
+
+
+def run(job_id: str, replicas: int, endpoints: list[StageEndpoint], agents: list[AgentProcess], steps: int,
+        shaped: bool) -> Run:
+    plan = TrainPlan(
+        job_id=job_id, generation=1, credential=driver_token(job_id, 1),
+        stages=tuple(e for e in endpoints if e.replica == 0), replicas=tuple(endpoints), dataset=DATASET, epochs=1,
+        learning_rate=LR, micro_batches=MICRO_BATCHES, seed=SEED, schedule="gpipe",
+        rpc_timeout_seconds=120.0,
+    )
+    pids = [a.process.pid for a in agents]
+    meter = Meter(pids, steps)
+    train(plan, meter)
+    (agents_start, own_start), (agents_end, own_end) = meter.cpu
+    measured = len(meter.steps) - WARMUP
+    samples = measured * DATASET["batch_size"]
+    first, last = meter.steps[WARMUP - 1], meter.steps[-1]
+
+    sent = sum(c.bytes_sent for c in last.stages) - sum(c.bytes_sent for c in first.stages)
+    agent_cpu = [b - a for a, b in zip(agents_start, agents_end, strict=True)]
+    stage_cpu = [sum(agent_cpu[i * replicas:(i + 1) * replicas]) for i in range(len(BOUNDS) - 1)]  # agents by stage
+    return Run(
+        replicas=replicas, shaped=shaped,
+        samples_per_s=samples / (meter.times[-1] - meter.times[WARMUP - 1]),
+        agent_cpu_per_sample=sum(agent_cpu) / samples,
+        agent_cpu_per_step=[c / measured for c in agent_cpu],
+        own_cpu_per_step=(own_end - own_start) / measured,
+        stage_cpu_per_sample=[c / samples for c in stage_cpu],
+        bytes_sent_per_step=sent / measured,
+        loss=last.loss,
+    )
+
+
+def measure(replicas: int, steps: int, shape: dict[str, float], workdir: Path) -> list[Run]:
+    """Both runs (loopback, shaped) of R replicas per stage, on 3R fresh agents hosting both jobs."""
+    n = len(BOUNDS) - 1
+    flat = [f"127.0.0.1:{p}" for p in free_ports(n * replicas)]
+    addresses = [flat[i * replicas:(i + 1) * replicas] for i in range(n)]
+    per_agent: list[list[dict[str, Any]]] = [[] for _ in flat]
+    jobs = {False: f"scaling-r{replicas}", True: f"scaling-r{replicas}-shaped"}
+    for job_id in jobs.values():
+        stages = replicated_pipeline_assignments(
+            job_id=job_id, model_config=MODEL, boundaries=BOUNDS, addresses=addresses,
+            optimizer={"name": "adam", "lr": LR}, seed=SEED, micro_batches=MICRO_BATCHES,
+            max_micro_batch_size=max_micro_batch_size(DATASET, MICRO_BATCHES),
+        )
+        for i, stage in enumerate(stages):
+            for r, assignment in enumerate(stage):
+                per_agent[i * replicas + r].append(assignment)
+    agents = spawn_static_agents(per_agent, flat, workdir / f"r{replicas}", ready_timeout=240.0)
+    runs = []
+    try:
+        with ShaperThread() as shaper:
+            for shaped, job_id in jobs.items():
+                endpoints = [
+                    StageEndpoint(
+                        index=i, address=f"127.0.0.1:{shaper.link(a, **shape)}" if shaped else a,
+                        node_id=f"agent-{i}-{r}", layer_start=BOUNDS[i], layer_end=BOUNDS[i + 1],
+                        certificate=identity_for(a).certificate, replica=r,
+                    )
+                    for i, stage in enumerate(addresses) for r, a in enumerate(stage)
+                ]
+                runs.append(run(job_id, replicas, endpoints, agents, steps, shaped))
+                print(f"R={replicas} {'shaped' if shaped else 'loopback'}: {runs[-1]}", file=sys.stderr, flush=True)
+        peaks = [peak_rss_mib(a.process.pid) for a in agents]
+    finally:
+        stop_agents(agents)
+    for r in runs:
+        r.peak_rss_mib = peaks
+    return runs
+
+
+# --- the model ---------------------------------------------------------------------------------------------
+def bench_workload() -> Workload:
+    spec = model_spec_from_config(MODEL)
+    params = spec.layer_params()
+    boundary = DATASET["block_size"] * MODEL["d_model"] * 4  # fp32 activations (and their gradients) per sample
+    return Workload(
+        MICRO_BATCHES, DATASET["batch_size"], (boundary,) * (len(BOUNDS) - 2),
+        tuple(4.0 * sum(params[a:b]) for a, b in zip(BOUNDS, BOUNDS[1:], strict=False)), schedule="gpipe",
+    )
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """From the R=1 runs: each stage's CPU seconds per sample (its agent's, whole: with one replica its
+    overhead per step cannot be told apart from its compute, so the model charges more replicas none), this
+    process's CPU per step on loopback, and the shaper's CPU per byte it carried. (The agents' own compute
+    counters are wall time, stretched where processes outnumber cores.)"""
+
+    compute: list[float]
+    driver_cpu_s: float
+    shaper_cpu_per_byte: float
+
+    @classmethod
+    def of(cls, loopback: Run, shaped: Run) -> Calibration:
+        # Every byte a replica sends crosses the shaper once; the driver's own pushes and replies are few.
+        shaper = max(0.0, shaped.own_cpu_per_step - loopback.own_cpu_per_step) / shaped.bytes_sent_per_step
+        return cls(loopback.stage_cpu_per_sample, loopback.own_cpu_per_step, shaper)
+
+    def predict(self, replicas: int, shaped: bool, shape: dict[str, float]) -> tuple[float, float]:
+        """(samples/s, agent CPU seconds per sample) the model predicts for R replicas on this host."""
+        w = bench_workload()
+        link = Link(shape["delay_s"], shape["rate_bps"]) if shaped else Link(0.0, 1e18)
+        stages = [[Replica(c, link)] * replicas for c in self.compute]
+        boundary_bytes = 2 * sum(w.boundary_bytes_per_sample) * w.batch_size
+        exchange_bytes = sum(2 * (replicas - 1) * g for g in w.gradient_bytes)  # R replicas, 2(R-1)/R each
+        shaper = self.shaper_cpu_per_byte * (boundary_bytes + exchange_bytes) if shaped else 0.0
+        agents = SharedHost(os.cpu_count() or 1)
+        host = SharedHost(os.cpu_count() or 1, other_cpu_s=self.driver_cpu_s + shaper)
+        return (shared_host_samples_per_second(stages, w, host),
+                cpu_seconds_per_step(stages, w, agents) / w.batch_size)
+
+
+# --- at scale ----------------------------------------------------------------------------------------------
+SCALE_PARAMS, SCALE_STAGES, SCALE_DEVICES = 1.0e9, 8, 100
+SCALE_TOKENS, SCALE_D_MODEL = 512, 2048  # a sample's tokens; the width of the boundary activations
+SCALE_BATCH, SCALE_MICRO = 1024, 64  # samples per step (0.5M tokens), micro-batches
+SCALE_FLOPS = (4e12, 40e12)  # devices' achieved FLOP/s, log-uniform (a T4 to a 4090 at a realistic utilisation)
+BYTES_PER_VALUE = {"fp32": 4.0, "int8": 1.06}  # the job's transfer compression, as sent (bench/shaped_pipeline.py)
+STATE_VALUES_PER_PARAM = 3  # Adam: weights and two moments, what a joiner copies and a rewind loads
+
+
+def scale_devices(link: Link, seed: int) -> list[Replica]:
+    rng = random.Random(f"devices-{seed}")  # not the churn's stream (Random(seed)): fast devices would leave late
+    flops_per_sample = 6 * SCALE_PARAMS / SCALE_STAGES * SCALE_TOKENS
+    low, high = (math.log(f) for f in SCALE_FLOPS)
+    return [Replica(flops_per_sample / math.exp(rng.uniform(low, high)), link) for _ in range(SCALE_DEVICES)]
+
+
+def scale_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    link = Link(args.delay_ms / 1000, args.rate_mbit * 1e6)
+    devices = scale_devices(link, args.seed)
+    state_bytes = STATE_VALUES_PER_PARAM * 4 * SCALE_PARAMS / SCALE_STAGES
+    copy_s = state_bytes * 8 / link.bandwidth_bps  # a joiner's copy from a peer, a rewind's checkpoint load
+    rows = []
+    for transfer, per_value in BYTES_PER_VALUE.items():
+        w = Workload(SCALE_MICRO, SCALE_BATCH, (SCALE_TOKENS * SCALE_D_MODEL * per_value,) * (SCALE_STAGES - 1),
+                     (per_value * SCALE_PARAMS / SCALE_STAGES,) * SCALE_STAGES, schedule="1f1b")
+        calm_r1 = simulate_churn(devices, SCALE_STAGES, 1, w, churn(args, copy_s, 1, hours=1, leaving=0.0))
+        interval = max(1, round(1800 * calm_r1.samples_per_second / SCALE_BATCH))  # every ~30 minutes at R=1
+        for replicas in range(1, SCALE_DEVICES // SCALE_STAGES + 1):
+            calm = simulate_churn(devices, SCALE_STAGES, replicas, w, churn(args, copy_s, interval, args.hours, 0.0))
+            churned = simulate_churn(devices, SCALE_STAGES, replicas, w, churn(args, copy_s, interval, args.hours,
+                                                                             args.leaves_per_hour))
+            rows.append({"transfer": transfer, "replicas": replicas, "devices": replicas * SCALE_STAGES,
+                         "calm": calm.samples_per_second, "churn": churned.samples_per_second,
+                         "rewinds": churned.rewinds, "repairs": churned.repairs, "replayed": churned.steps_replayed,
+                         "interval": interval})
+    return rows
+
+
+def churn(args: argparse.Namespace, copy_s: float, interval: int, hours: float, leaving: float) -> Churn:
+    return Churn(leaves_per_hour=leaving, detection_s=args.repair_s, recovery_s=args.repair_s,
+                 rewind_s=args.rewind_s + copy_s, join_s=copy_s, checkpoint_interval_steps=interval, hours=hours,
+                 seed=args.seed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 3], help="R values to measure (1 first)")
+    parser.add_argument("--steps", type=int, default=10, help="training steps per run")
+    parser.add_argument("--delay-ms", type=float, default=20.0, help="one-way delay of a shaped link")
+    parser.add_argument("--rate-mbit", type=float, default=100.0, help="rate of a shaped link, per direction")
+    parser.add_argument("--hours", type=float, default=24.0, help="simulated hours at scale")
+    parser.add_argument("--leaves-per-hour", type=float, default=0.1, help="each device's departure rate at scale")
+    parser.add_argument("--repair-s", type=float, default=1.0,
+                        help="at scale: detection and recovery of a lost replica, each")
+    parser.add_argument("--rewind-s", type=float, default=16.0,
+                        help="at scale: a rewind's detection and re-placement (fault_trials: 5-7 s and 7-10 s), "
+                             "before its checkpoint loads")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-write", action="store_true", help="do not rewrite docs/BENCHMARKS.md")
+    args = parser.parse_args()
+    if args.steps <= WARMUP + 1:
+        parser.error(f"--steps must exceed the {WARMUP} warm-up steps")
+    if args.replicas[0] != 1 or any(not 1 <= r <= MICRO_BATCHES for r in args.replicas):
+        parser.error(f"--replicas must start with 1 (the calibration) and stay within 1..{MICRO_BATCHES}")
+    shape = {"delay_s": args.delay_ms / 1000, "rate_bps": args.rate_mbit * 1e6}
+
+    load = os.getloadavg()
+    runs: dict[tuple[int, bool], Run] = {}
+    with tempfile.TemporaryDirectory(prefix="arceus-swarm-scaling-") as workdir:
+        for replicas in args.replicas:
+            for r in measure(replicas, args.steps, shape, Path(workdir)):
+                runs[(r.replicas, r.shaped)] = r
+    load_after = os.getloadavg()
+    calibration = Calibration.of(runs[(1, False)], runs[(1, True)])
+
+    rows, figures = "", {}
+    for (replicas, shaped), r in runs.items():
+        rate, cpu = calibration.predict(replicas, shaped, shape)
+        ratio = r.agent_cpu_per_sample / runs[(1, shaped)].agent_cpu_per_sample
+        rows += (f"| {replicas} | {'shaped' if shaped else 'loopback'} | {r.samples_per_s:.2f} | {rate:.2f} | "
+                 f"{r.samples_per_s / rate - 1:+.0%} | {r.agent_cpu_per_sample * 1000:.1f} | {cpu * 1000:.1f} | "
+                 f"{ratio:.2f}× | {r.own_cpu_per_step:.2f} | {r.bytes_sent_per_step / 1e6:.1f} | "
+                 f"{max(r.peak_rss_mib):.0f} | {r.loss:.4f} |\n")
+        key = f"r{replicas}_{'shaped' if shaped else 'loopback'}"
+        figures[f"{key}_samples_per_s"] = round(r.samples_per_s, 3)
+        figures[f"{key}_predicted_samples_per_s"] = round(rate, 3)
+        figures[f"{key}_agent_cpu_ms_per_sample"] = round(r.agent_cpu_per_sample * 1000, 2)
+        figures[f"{key}_cpu_ratio_to_r1"] = round(ratio, 3)
+        figures[f"{key}_peak_rss_mib_max"] = round(max(r.peak_rss_mib), 1)
+    measured_table = (
+        "| R | links | samples/s | predicted | measured vs predicted | agent CPU ms/sample | predicted | "
+        "CPU/sample vs R=1 | driver (+shaper) CPU s/step | MB sent/step | peak RSS per agent, max MiB | "
+        "loss at last step |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n" + rows
+    )
+
+    scale = scale_rows(args)
+    scale_table = ("| exchange | R | devices | samples/s, no churn | samples/s, churn | rewinds | repairs | "
+                   "steps replayed |\n| --- | --- | --- | --- | --- | --- | --- | --- |\n")
+    for s in scale:
+        scale_table += (f"| {s['transfer']} | {s['replicas']} | {s['devices']} | {s['calm']:.2f} | {s['churn']:.2f} | "
+                        f"{s['rewinds']} | {s['repairs']} | {s['replayed']} |\n")
+    for transfer in BYTES_PER_VALUE:
+        mine = [s for s in scale if s["transfer"] == transfer]
+        best = max(mine, key=lambda s: s["churn"])
+        figures[f"scale_{transfer}_r1_churn_samples_per_s"] = round(mine[0]["churn"], 3)
+        figures[f"scale_{transfer}_best_r"] = best["replicas"]
+        figures[f"scale_{transfer}_best_churn_samples_per_s"] = round(best["churn"], 3)
+    figures.update(steps=args.steps, warmup_steps=WARMUP, delay_ms=args.delay_ms, rate_mbit=args.rate_mbit,
+                   load_average_1m=[round(load[0], 2), round(load_after[0], 2)])
+
+    params = sum(model_spec_from_config(MODEL).layer_params())
+    c = calibration
+    body = (
+        f"The machine was shared with other sessions (load average {load[0]:.2f} before, {load_after[0]:.2f} after; "
+        f"{os.cpu_count()} cores). GPT of `bench/pipeline_vs_torch.py` ({params / 1e6:.2f}M parameters) in 3 stages "
+        f"(boundaries {BOUNDS}), batch {DATASET['batch_size']} × {DATASET['block_size']} tokens, M={MICRO_BATCHES}, "
+        f"Adam, GPipe; R replicas per stage, each a static agent (one process, one torch thread); {args.steps} steps "
+        f"per run, {WARMUP} warm-up not timed. Shaped: every agent behind its own shaper link, {args.delay_ms:g} ms "
+        f"one way, {args.rate_mbit:g} Mbit/s per direction (each connection shaped on its own). Agent CPU: "
+        "utime + stime of every agent over the measured steps, over the samples. Peak RSS: VmHWM of each agent "
+        "after both of its runs.\n\n"
+        f"Predicted: `arceus.swarm.model` on one shared host of {os.cpu_count()} cores, calibrated on the R=1 "
+        f"runs only (agent CPU per sample of each stage {' / '.join(f'{x * 1000:.1f} ms' for x in c.compute)}, "
+        f"the driver's {c.driver_cpu_s:.3f} s/step, the shaper's {c.shaper_cpu_per_byte * 1e9:.1f} ns per byte "
+        "carried), each replica a core of its own in the replay, all of them bound by the host's cores. It "
+        "charges more replicas no CPU beyond R=1's (their exchange, each replica's optimizer step and RPCs): the "
+        "measured CPU/sample against R=1 is that overhead. Other sessions' load takes cores the model "
+        "counts as free.\n\n"
+        + measured_table
+        + f"\nAt scale (simulated, `arceus.swarm.churn` over `arceus.swarm.model`): a {SCALE_PARAMS / 1e9:g}B-"
+        f"parameter model in {SCALE_STAGES} stages, {SCALE_DEVICES} devices of {SCALE_FLOPS[0] / 1e12:g}-"
+        f"{SCALE_FLOPS[1] / 1e12:g} TFLOP/s achieved (log-uniform, seed {args.seed}; 6 × parameters × tokens "
+        f"FLOPs per sample), each with a {args.delay_ms:g} ms / {args.rate_mbit:g} Mbit/s uplink (the shaper's "
+        f"rule); batch {SCALE_BATCH} × {SCALE_TOKENS} tokens in {SCALE_MICRO} micro-batches, 1F1B; boundary "
+        f"activations {SCALE_TOKENS} × {SCALE_D_MODEL} values per sample; the exchange and the boundaries in "
+        "fp32 or int8 (1.06 bytes per value). Each device leaves at "
+        f"{args.leaves_per_hour:g}/hour (an equal one arrives as a spare) over {args.hours:g} hours. A lost "
+        f"replica: {args.repair_s:g} s detection + {args.repair_s:g} s recovery, its step recomputed; a spare "
+        "joins by copying the stage's state (weights + Adam, fp32) over its link; a stage left empty (always, "
+        f"at R=1) rewinds: {args.rewind_s:g} s then every stage loads its checkpoint over its link, and the "
+        f"steps since the checkpoint (every ~30 minutes at R=1: {scale[0]['interval']} steps) are replayed. "
+        "R=1 is today's one device per stage.\n\n" + scale_table
+    )
+    report("swarm_scaling", "Replicated stages: scaling on this machine and at scale (`bench/swarm_scaling.py`)",
+           body, figures, write=not args.no_write)
+
+
+if __name__ == "__main__":
+    main()
