@@ -287,7 +287,7 @@ def main() -> None:
         parser.error(f"--replicas must start with 1 (the calibration) and stay within 1..{MICRO_BATCHES}")
     shape = {"delay_s": args.delay_ms / 1000, "rate_bps": args.rate_mbit * 1e6}
 
-    load = os.getloadavg()
+    load, started = os.getloadavg(), time.perf_counter()
     runs: dict[tuple[int, bool], Run] = {}
     with tempfile.TemporaryDirectory(prefix="arceus-swarm-scaling-") as workdir:
         for replicas in args.replicas:
@@ -328,6 +328,7 @@ def main() -> None:
         figures[f"scale_{transfer}_r1_churn_samples_per_s"] = round(mine[0]["churn"], 3)
         figures[f"scale_{transfer}_best_r"] = best["replicas"]
         figures[f"scale_{transfer}_best_churn_samples_per_s"] = round(best["churn"], 3)
+    figures.update(bench_seconds=round(time.perf_counter() - started))
     figures.update(steps=args.steps, warmup_steps=WARMUP, delay_ms=args.delay_ms, rate_mbit=args.rate_mbit,
                    load_average_1m=[round(load[0], 2), round(load_after[0], 2)])
 
@@ -363,6 +364,7 @@ def main() -> None:
         f"at R=1) rewinds: {args.rewind_s:g} s then every stage loads its checkpoint over its link, and the "
         f"steps since the checkpoint (every ~30 minutes at R=1: {scale[0]['interval']} steps) are replayed. "
         "R=1 is today's one device per stage.\n\n" + scale_table
+        + f"\nThe bench took {figures['bench_seconds']} s.\n"
     )
     report("swarm_scaling", "Replicated stages: scaling on this machine and at scale (`bench/swarm_scaling.py`)",
            body, figures, write=not args.no_write)
