@@ -55,34 +55,20 @@ def pipeline_assignments(
     precision: str = "fp32",
 ) -> list[dict[str, Any]]:
     """Assignments (JSON) for stages [boundaries[i], boundaries[i+1]) hosted at addresses[i]."""
-    if len(boundaries) != len(addresses) + 1:
-        raise ValueError(f"{len(addresses)} stages need {len(addresses) + 1} boundaries, got {len(boundaries)}")
+    _check_boundaries(boundaries, addresses)
     n = len(addresses)
-    return [
-        Assignment(
-            stage_id=stage_key(job_id, i),
-            job_id=job_id,
-            stage_index=i,
-            num_stages=n,
-            generation=generation,
-            model=model_config,
-            layer_start=boundaries[i],
-            layer_end=boundaries[i + 1],
-            seed=seed,
-            optimizer=_optimizer(optimizer),
-            micro_batches=micro_batches,
-            max_micro_batch_size=max_micro_batch_size,
-            prev_address=addresses[i - 1] if i > 0 else None,
-            next_address=addresses[i + 1] if i < n - 1 else None,
-            credentials=stage_credentials(STATIC_SECRET, job_id, generation, i, 0, [1] * n),
-            certificates=certificates_for(
-                [addresses[i - 1] if i > 0 else None, addresses[i + 1] if i < n - 1 else None]
-            ),
-            transfer=transfer_config_from_json(transfer),
+    shared = dict(job_id=job_id, model_config=model_config, boundaries=boundaries, optimizer=optimizer, seed=seed,
+                  micro_batches=micro_batches, max_micro_batch_size=max_micro_batch_size, generation=generation)
+    assignments = []
+    for i in range(n):
+        prev, next_ = addresses[i - 1] if i > 0 else None, addresses[i + 1] if i < n - 1 else None
+        assignments.append(_stage_assignment(
+            **shared, stage_index=i, stage_id=stage_key(job_id, i), prev_address=prev,
+            next_address=next_, credentials=stage_credentials(STATIC_SECRET, job_id, generation, i, 0, [1] * n),
+            certificates=certificates_for([prev, next_]), transfer=transfer_config_from_json(transfer),
             precision=precision,
-        ).to_json()
-        for i in range(n)
-    ]
+        ))
+    return assignments
 
 
 def replicated_pipeline_assignments(
@@ -100,35 +86,58 @@ def replicated_pipeline_assignments(
 ) -> list[list[dict[str, Any]]]:
     """Assignments (JSON) for replicated stages (arceus/swarm): stage i's replica r hosted at addresses[i][r],
     replica ids 0, 1, ... per stage; a replica's neighbours and siblings are named by each RunStep, not here."""
-    if len(boundaries) != len(addresses) + 1:
-        raise ValueError(f"{len(addresses)} stages need {len(addresses) + 1} boundaries, got {len(boundaries)}")
+    _check_boundaries(boundaries, addresses)
     n = len(addresses)
+    shared = dict(job_id=job_id, model_config=model_config, boundaries=boundaries, optimizer=optimizer, seed=seed,
+                  micro_batches=micro_batches, max_micro_batch_size=max_micro_batch_size, generation=generation)
     return [
         [
-            Assignment(
-                stage_id=f"{stage_key(job_id, i)}-replica-{r}",
-                job_id=job_id,
-                stage_index=i,
-                num_stages=n,
-                generation=generation,
-                model=model_config,
-                layer_start=boundaries[i],
-                layer_end=boundaries[i + 1],
-                seed=seed,
-                optimizer=_optimizer(optimizer),
-                micro_batches=micro_batches,
-                max_micro_batch_size=max_micro_batch_size,
-                prev_address=None,
-                next_address=None,
+            _stage_assignment(
+                **shared, stage_index=i, stage_id=f"{stage_key(job_id, i)}-replica-{r}",
+                prev_address=None, next_address=None,
                 credentials=stage_credentials(STATIC_SECRET, job_id, generation, i, 0, [1] * n, replicated=True),
-                certificates={},
-                schedule=schedule,
-                replica=r,
-            ).to_json()
+                certificates={}, schedule=schedule, replica=r,
+            )
             for r in range(len(addresses[i]))
         ]
         for i in range(n)
     ]
+
+
+def _stage_assignment(
+    *,
+    job_id: str,
+    model_config: dict[str, Any],
+    boundaries: Sequence[int],
+    optimizer: dict[str, Any],
+    seed: int,
+    micro_batches: int,
+    max_micro_batch_size: int,
+    generation: int,
+    stage_index: int,
+    **fields: Any,
+) -> dict[str, Any]:
+    """Stage `stage_index`'s assignment (JSON): what every stage of a static pipeline shares, and `fields` (the
+    Assignment's own: its id, neighbours, credentials, certificates and options)."""
+    return Assignment(
+        job_id=job_id,
+        stage_index=stage_index,
+        num_stages=len(boundaries) - 1,
+        generation=generation,
+        model=model_config,
+        layer_start=boundaries[stage_index],
+        layer_end=boundaries[stage_index + 1],
+        seed=seed,
+        optimizer=_optimizer(optimizer),
+        micro_batches=micro_batches,
+        max_micro_batch_size=max_micro_batch_size,
+        **fields,
+    ).to_json()
+
+
+def _check_boundaries(boundaries: Sequence[int], stages: Sequence[object]) -> None:
+    if len(boundaries) != len(stages) + 1:
+        raise ValueError(f"{len(stages)} stages need {len(stages) + 1} boundaries, got {len(boundaries)}")
 
 
 def replica_endpoints(
@@ -166,8 +175,7 @@ def rank_credentials(
 def stage_endpoints(addresses: Sequence[str], boundaries: Sequence[int]) -> tuple[StageEndpoint, ...]:
     """The driver's view of the same pipeline: stage i at addresses[i] (node "agent-i"), layers
     [boundaries[i], boundaries[i+1])."""
-    if len(boundaries) != len(addresses) + 1:
-        raise ValueError(f"{len(addresses)} stages need {len(addresses) + 1} boundaries, got {len(boundaries)}")
+    _check_boundaries(boundaries, addresses)
     return tuple(
         StageEndpoint(index=i, address=address, node_id=f"agent-{i}", layer_start=boundaries[i],
                       layer_end=boundaries[i + 1], certificate=identity_for(address).certificate)
