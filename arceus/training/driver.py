@@ -14,6 +14,7 @@ import math
 import queue
 import tempfile
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -46,7 +47,7 @@ from arceus.training.plan import (
     TrainResult,
     UploadTarget,
 )
-from arceus.training.replicas import ReplicaRoster
+from arceus.training.replicas import ReplicaKey, ReplicaRoster
 from arceus.training.stage_client import StageClient
 from arceus.training.tally import WorkTally
 from arceus.v1 import stage_pb2
@@ -237,19 +238,38 @@ class Pipeline:
                     raise DriverError(f"{gone}; after: {exc}", stage_index=lost[0][0], code=exc.code) from exc
                 log.warning("job %s lost replicas %s in step %d (%s); running it again without them",
                             self.plan.job_id, lost, step, exc)
-                for key in lost:
-                    self.replica_clients.pop(key).close()
-                self.ranks = [[self.replica_clients[(i, min(ids))]] for i, ids in enumerate(roster.members())]
-                self.clients = [ranks[0] for ranks in self.ranks]
+                self._forget(roster, lost)
                 failed.append(step)
                 step = next(self._call_ids)
 
+    def _forget(self, roster: ReplicaRoster, gone: Sequence[ReplicaKey]) -> None:
+        """Close the clients of replicas `roster` no longer has; each stage is served by its lowest replica."""
+        for key in gone:
+            self.replica_clients.pop(key).close()
+        self.ranks = [[self.replica_clients[(i, min(ids))]] for i, ids in enumerate(roster.members())]
+        self.clients = [ranks[0] for ranks in self.ranks]
+
+    def endpoints(self) -> tuple[StageEndpoint, ...]:
+        """Where each stage is served now (a replicated stage: by its lowest live replica)."""
+        return tuple(ranks[0].endpoint for ranks in self.ranks)
+
     def _join(self, roster: ReplicaRoster) -> None:
-        """Add the replicas ready to join (`plan.replica_joins`), each after copying its stage's state from the
-        stage's lowest live replica; one that cannot copy now is left for a later step."""
+        """Let replicas the control plane took off the job leave (`plan.replica_placed`; a stage's last stays, as
+        the control plane rewinds a stage that lost every replica), then add the replicas ready to join
+        (`plan.replica_joins`), each after copying its stage's state from the stage's lowest live replica; one
+        that cannot copy now is left for a later step."""
+        if self.plan.replica_placed is not None:
+            placed = self.plan.replica_placed()
+            members = roster.members()
+            left = [(i, k) for i, ids in enumerate(members) for k in ids
+                    if (i, k) not in placed and any((i, other) in placed for other in ids)]
+            if left:
+                roster.remove(left)
+                self._forget(roster, left)
+                log.info("job %s: replicas %s were taken off the job; going on without them", self.plan.job_id, left)
         for endpoint in self.plan.replica_joins() if self.plan.replica_joins else ():
             key = (endpoint.index, endpoint.replica)
-            if key in self.replica_clients:
+            if roster.was_member(key):
                 continue
             source = self.replica_clients[(endpoint.index, min(roster.members()[endpoint.index]))].endpoint
             client = self._client(endpoint)
@@ -374,7 +394,7 @@ class Pipeline:
             self._uploaded_state(ranks[0], endpoint, uploads[endpoint.index])
             if endpoint.index in uploads and len(ranks) == 1
             else self._stage_state(ranks, endpoint, directory, include_optimizer_state)
-            for ranks, endpoint in zip(self.ranks, self.plan.stages, strict=True)
+            for ranks, endpoint in zip(self.ranks, self.endpoints(), strict=True)
         ]
 
     def _uploaded_state(self, client: StageClient, endpoint: StageEndpoint, target: UploadTarget) -> StageStateFile:
@@ -487,7 +507,7 @@ def _train(plan: TrainPlan, sink: ProgressSink, dataset: dict, train_set: Sample
     with Pipeline(plan) as pipeline:
 
         def checkpoint(epoch: int) -> None:
-            uploads = sink.checkpoint_uploads(step, plan.stages)
+            uploads = sink.checkpoint_uploads(step, pipeline.endpoints())
             with tempfile.TemporaryDirectory(prefix="arceus-checkpoint-") as directory:
                 try:
                     sink.on_checkpoint(step, epoch, pipeline.states(Path(directory), uploads=uploads))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -83,6 +83,9 @@ class TrainPlan:
     # Asked before every step of replicated stages: replicas ready to join (each hosted, not yet a member). Each
     # copies its stage's state from a live replica, peer to peer, then takes micro-batches from that step on.
     replica_joins: Callable[[], Sequence[StageEndpoint]] | None = None
+    # Asked before every step of replicated stages: (stage index, replica id) of every replica still placed. A
+    # member not among them leaves the roster (its node was taken off the job) unless it is its stage's last.
+    replica_placed: Callable[[], Collection[tuple[int, int]]] | None = None
 
     def check(self) -> None:
         """Raise SpecError if the plan cannot be run (the dataset is checked when it is loaded)."""

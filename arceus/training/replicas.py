@@ -41,6 +41,9 @@ class ReplicaRoster:
         self._ever.add(key)
         self.epoch += 1
 
+    def was_member(self, key: ReplicaKey) -> bool:
+        return key in self._ever
+
     def members(self) -> list[tuple[int, ...]]:
         return [tuple(sorted(k for i, k in self.endpoints if i == stage)) for stage in range(self.num_stages)]
 

@@ -24,6 +24,7 @@ class PlannedStage:
     layer_end: int
     node_id: str
     rank: int = 0
+    replica: int = 0  # its replica id where the job's stages are replicated
 
 
 @dataclass(frozen=True)
@@ -137,8 +138,32 @@ class StopServing:
     conditions: Conditions
 
 
+@dataclass(frozen=True)
+class DropReplicas:
+    """Take replicas of a replicated job's stages off their nodes without a rewind (each stage keeps another, whose
+    state the driver's roster goes on with): `replicas` are (index, replica) of its rows, deleted."""
+
+    job_id: str
+    generation: int
+    status: str
+    replicas: tuple[tuple[int, int], ...]
+    conditions: Conditions
+
+
+@dataclass(frozen=True)
+class AddReplicas:
+    """Place more replicas of a running replicated job's stages at its generation (no rewind): `stages` name their
+    replica ids from `next_replica` as seen on; each joins by copying a live replica's state."""
+
+    job_id: str
+    generation: int
+    next_replica: int
+    stages: tuple[PlannedStage, ...]
+    conditions: Conditions
+
+
 Action = (
     MarkNodeUnknown | PlaceJob | SetCondition | StartDriver | RequeueJob | RequestHandover | RewindJob | FailJob
-    | SucceedJob | RollBackJob | ServeJob | StopServing
+    | SucceedJob | RollBackJob | ServeJob | StopServing | DropReplicas | AddReplicas
 )
 

@@ -3,7 +3,7 @@
 Every job write is `UPDATE ... WHERE id = %s AND generation = <seen> AND status = <seen>`: if another
 pass (or a user, or the driver) changed the job since the snapshot, nothing matches and the action is
 skipped and logged. Never a lock held across passes, so no Redis lock is needed either. The database
-adds a second guard: unique (job, index, rank) stage rows and at most one active row per node.
+adds a second guard: unique (job, index, rank, replica) stage rows and at most one active row per node.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from controlplane.common import metrics
 from controlplane.common.conditions import UNKNOWN
 from controlplane.controller.actions import (
     Action,
+    AddReplicas,
+    DropReplicas,
     FailJob,
     MarkNodeUnknown,
     PlaceJob,
@@ -44,6 +46,8 @@ from controlplane.controller.snapshot import load_snapshot
 from controlplane.controller.transitions import (
     job_fail,
     job_place,
+    job_replicas_add,
+    job_replicas_drop,
     job_requeue,
     job_rewind,
     job_run,
@@ -116,7 +120,7 @@ def _reassigns(action: Action) -> bool:
     fewer stages (often none: the quiet heartbeat answers those itself)."""
     if isinstance(action, StartDriver):
         return action.status == JobStatus.PLACING  # a driver restarted changes nothing its agents hold
-    return isinstance(action, PlaceJob | RewindJob | RollBackJob | ServeJob)
+    return isinstance(action, PlaceJob | RewindJob | RollBackJob | ServeJob | AddReplicas | DropReplicas)
 
 
 @transaction.atomic
@@ -215,4 +219,6 @@ _APPLY: dict[type, Callable[[Any, datetime], bool]] = {
     RollBackJob: _roll_back_job,
     ServeJob: job_serve_place,
     StopServing: job_serve_release,
+    AddReplicas: job_replicas_add,
+    DropReplicas: job_replicas_drop,
 }

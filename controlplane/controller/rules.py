@@ -31,6 +31,13 @@ Rules, in order:
    stage reports ready at the job's generation → StartDriver; else a StagesReady=False condition;
 5. a running job whose driver lease expired: never claimed → StartDriver again; claimed (the driver
    died or gave up) → RewindJob in place, or FailJob after too many restarts without progress;
+A replicated job (`JobView.replicated`, arceus/swarm) is placed with `replicas_min` replicas of each stage on
+distinct nodes (rule 2); while one replica of a stage lives, its others that are lost, paused, restarted or
+failed are dropped (DropReplicas: no rewind, the driver's roster goes on without them), and a stage that lost every
+replica keeps one row, which rules 0, 3 and 4 move with a rewind as any stage's; a running job with no replica to
+drop gets one more replica per stage (AddReplicas, at most `replicas_max` and `micro_batches`) on the fastest free
+node with room, up to `replicas_min` always and beyond it while `arceus.swarm.model.replica_gain` predicts at
+least MIN_REPLICA_GAIN more samples/s within the job's price cap;
 6. a succeeded job its owner asked to serve (`JobView.serving`) → ServeJob placing its final checkpoint's
    stages for inference, one whole stage per node (no tensor parallelism, no optimizer: weights and decoding
    caches, `stage_inference_memory`), each on the fastest free node with room; a stage whose node is lost or
@@ -46,6 +53,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime, timedelta
 
 from arceus.contracts.observed import ObservedState
@@ -60,9 +68,13 @@ from arceus.placement.solver import (
     stage_inference_memory,
     stage_memory,
 )
+from arceus.swarm.model import Link, Replica, replica_gain
+from arceus.swarm.model import Workload as SwarmWorkload
 from controlplane.common.conditions import FALSE, TRUE, UNKNOWN, Condition, has_condition, set_conditions
 from controlplane.controller.actions import (
     Action,
+    AddReplicas,
+    DropReplicas,
     FailJob,
     MarkNodeUnknown,
     PlaceJob,
@@ -83,6 +95,9 @@ from controlplane.market.services import MICROS_PER_DOLLAR
 QUEUED, PLACING, PENDING, RUNNING = JobStatus.QUEUED, JobStatus.PLACING, JobStatus.PENDING, JobStatus.RUNNING
 SUCCEEDED = JobStatus.SUCCEEDED
 READY, FAILED = ObservedState.READY, ObservedState.FAILED
+# One more replica beyond `replicas_min` is placed only where the swarm model predicts at least this much more
+# samples/s (a relative gain): a replica that adds nothing but its exchange is not worth its price.
+MIN_REPLICA_GAIN = 0.01
 
 
 def plan(
@@ -130,6 +145,8 @@ def plan(
             )
             if isinstance(action, RewindJob):
                 taken = {node for _, _, node in action.moves}
+            elif isinstance(action, AddReplicas):
+                taken = {s.node_id for s in action.stages}
         elif job.status == SUCCEEDED:
             action = _serve(job, observed, nodes, free, now)
             if isinstance(action, ServeJob):
@@ -144,6 +161,10 @@ def _supervise(
     job: JobView, observed: Observed, nodes: Mapping[str, NodeView], free: list[NodeView], now: datetime
 ) -> Action | None:
     """A placed job's stages and driver watched: lost or draining nodes, stages building, the driver's lease."""
+    if job.replicated:
+        replicas = _replicas(job, observed, nodes, free, now)
+        if replicas is not None:
+            return replicas
     lost = [s for s in job.stages if _is_lost(s, nodes, job, now)]
     draining = [s for s in job.stages if s not in lost and nodes[s.node_id].paused]
     if draining and not lost and job.status == RUNNING and _driver_live(job, now):
@@ -181,6 +202,9 @@ def _restarted(job: JobView, nodes: Mapping[str, NodeView]) -> Action | None:
     checkpoint as a restart (failing once its restarts without a checkpoint run out), the node losing its credit
     for the replayed steps; a stage on a node that may not work (flagged for restarting too often) is unplaced."""
     restarted = [s for s in job.stages if s.restarted_generation == job.generation and s.node_id is not None]
+    fresh = {s.index for s in job.stages if s.restarted_generation != job.generation}
+    if job.replicated:  # a replica whose stage has another is dropped instead (`_replicas`)
+        restarted = [s for s in restarted if s.index not in fresh]
     if not restarted:
         return None
     message = "; ".join(
@@ -233,6 +257,114 @@ def _limit_met(job: JobView, nodes: Mapping[str, NodeView], now: datetime) -> tu
         f"devices until it could stop ({job.stop_seconds:g} s), would reach its max_total_usd "
         f"${job.max_total_micros / MICROS_PER_DOLLAR:.6f}"
     )
+
+
+def _replicas(
+    job: JobView, observed: Observed, nodes: Mapping[str, NodeView], free: list[NodeView], now: datetime
+) -> Action | None:
+    """A replicated job's replicas: those gone (lost, paused, restarted or failed) dropped where their stage keeps
+    another, and all but one where it keeps none (that one is moved by a rewind, as an unreplicated stage is); with
+    none to drop, a running job grows (`_grow`). None: nothing to do here."""
+    gone = [s for s in job.stages if _replica_gone(job, s, observed, nodes, now)]
+    drop: list[PlacedStage] = []
+    for index in sorted({s.index for s in gone}):
+        lost = [s for s in gone if s.index == index]
+        left = [s for s in job.stages if s.index == index and s not in lost]
+        drop += lost if left else sorted(lost, key=lambda s: s.replica)[1:]
+    if drop:
+        message = "; ".join(
+            f"stage {s.index} replica {s.replica} on {_node_label(nodes, s.node_id)} left: "
+            f"{_why_gone(job, s, observed, nodes, now)}"
+            for s in drop
+        )
+        conditions = set_conditions(job.conditions, Condition("Replicas", FALSE, "ReplicaLost", message), now=now)
+        return DropReplicas(job.id, job.generation, job.status, tuple((s.index, s.replica) for s in drop),
+                            tuple(conditions))
+    if job.status == RUNNING and not gone:
+        return _grow(job, nodes, free, now)
+    return None
+
+
+def _replica_gone(
+    job: JobView, stage: PlacedStage, observed: Observed, nodes: Mapping[str, NodeView], now: datetime
+) -> bool:
+    if _is_lost(stage, nodes, job, now) or nodes[stage.node_id].paused or stage.restarted_generation == job.generation:
+        return True
+    report = observed.stages.get((job.id, *stage.key))
+    return report is not None and report.generation == job.generation and report.state == FAILED
+
+
+def _why_gone(
+    job: JobView, stage: PlacedStage, observed: Observed, nodes: Mapping[str, NodeView], now: datetime
+) -> str:
+    if _is_lost(stage, nodes, job, now):
+        return "its node was lost"
+    if nodes[stage.node_id].paused:
+        return nodes[stage.node_id].pause_reason
+    if stage.restarted_generation == job.generation:
+        return "its agent restarted"
+    report = observed.stages[(job.id, *stage.key)]
+    return f"it failed: {report.message or 'no message'}"
+
+
+def _grow(job: JobView, nodes: Mapping[str, NodeView], free: list[NodeView], now: datetime) -> Action | None:
+    """One more replica for each stage below its most (`replicas_max`, at most one per micro-batch) on the fastest
+    free node with room: always below `replicas_min`, beyond it where it is worth it (`_worth`)."""
+    candidates = [n for n in free if job.requirements.allows(n)]
+    most = min(job.replicas_max, job.workload.micro_batches)
+    added: list[PlannedStage] = []
+    for index in sorted({s.index for s in job.stages}):
+        rows = [s for s in job.stages if s.index == index]
+        if len(rows) >= most:
+            continue
+        need = _stage_memory(job, rows[0])
+        node = next((n for n in candidates if n.memory_bytes >= need), None)
+        if node is None or (len(rows) >= job.replicas_min and not _worth(job, index, node, nodes)):
+            continue
+        candidates.remove(node)
+        added.append(PlannedStage(index, rows[0].layer_start, rows[0].layer_end, node.id,
+                                  replica=job.next_replica + len(added)))
+    if not added:
+        return None
+    message = "; ".join(
+        f"stage {s.index} replica {s.replica} placed on {_node_label(nodes, s.node_id)}, joining from a peer"
+        for s in added
+    )
+    conditions = set_conditions(job.conditions, Condition("Replicas", TRUE, "ReplicaAdded", message), now=now)
+    return AddReplicas(job.id, job.generation, job.next_replica, tuple(added), tuple(conditions))
+
+
+def _worth(job: JobView, index: int, node: NodeView, nodes: Mapping[str, NodeView]) -> bool:
+    """Whether one more replica of stage `index` on `node` is worth its price: within the job's price cap, and
+    `replica_gain` predicts at least MIN_REPLICA_GAIN more samples/s (from the nodes' measured speeds and links)."""
+    hosts = [nodes[s.node_id] for s in job.stages if s.node_id in nodes]
+    cap = job.requirements.max_price_per_hour
+    if cap is not None and sum(n.price_per_hour for n in hosts) + node.price_per_hour > cap:
+        return False
+    indices = sorted({s.index for s in job.stages})
+    if indices != list(range(len(indices))):
+        return False
+    bounds = {s.index: (s.layer_start, s.layer_end) for s in job.stages}
+    layers = [job.layers[start:end] for start, end in (bounds[i] for i in indices)]
+
+    def replica(n: NodeView, stage: int) -> Replica:
+        flops = 3 * sum(layer.flops_per_sample for layer in layers[stage])
+        return Replica(max(flops, 1.0) / max(n.flops, 1.0), Link(n.latency_s, n.bandwidth_bytes_per_s * 8))
+
+    stages = [[replica(nodes[s.node_id], i) for s in job.stages if s.index == i and s.node_id in nodes]
+              for i in indices]
+    if any(not s for s in stages):
+        return False
+    w = job.workload
+    workload = SwarmWorkload(
+        micro_batches=w.micro_batches,
+        batch_size=w.micro_batch_size * w.micro_batches,
+        boundary_bytes_per_sample=tuple(float(stage[-1].output_bytes_per_sample) for stage in layers[:-1]),
+        gradient_bytes=tuple(4.0 * sum(layer.params for layer in stage) for stage in layers),
+        schedule=w.schedule,
+    )
+    gain = replica_gain(stages, workload, index, replica(node, index))
+    return gain.after >= gain.before * (1 + MIN_REPLICA_GAIN)
 
 
 def _is_lost(stage: PlacedStage, nodes: Mapping[str, NodeView], job: JobView, now: datetime) -> bool:
@@ -326,7 +458,7 @@ def _place(job: JobView, free: list[NodeView], now: datetime, budget: Budget | N
         return FailJob(job.id, job.generation, "InvalidModel", job.spec_error)
     req = job.requirements
     fewest, most = stage_bounds(job.stages_requested, req, job.tensor_parallel)
-    needed = job.tensor_parallel.nodes(fewest)
+    needed = job.tensor_parallel.nodes(fewest) * job.replicas_min
     # The solver searches only the fastest few (cheaper first among equals: `free`'s order is its own), so only
     # those are handed to it: with 10,000 free nodes, building and sorting them all per job cost more than the
     # search. Enough for its candidate units: groups of the split size, then singles, and what the job needs.
@@ -351,12 +483,17 @@ def _place(job: JobView, free: list[NodeView], now: datetime, budget: Budget | N
         )
     except PlacementError as exc:
         return _condition(job, Condition("Placed", FALSE, "NoFeasiblePlacement", str(exc)), now)
-    names = {n.id: n.name or n.id for n in candidates}
     stages = tuple(
         PlannedStage(index=i, layer_start=s.layer_start, layer_end=s.layer_end, node_id=node_id, rank=rank)
         for i, s in enumerate(placement.stages)
         for rank, node_id in enumerate(s.device_ids)
     )
+    if job.replicas_min > 1:
+        replicated = _replicas_placed(job, stages, free)
+        if isinstance(replicated, str):
+            return _condition(job, Condition("Placed", FALSE, "WaitingForNodes", replicated), now)
+        stages = replicated
+    names = {n.id: n.name or n.id for n in free if n.id in {s.node_id for s in stages}}
     message = (
         f"{len(placement.stages)} stage{'s' if len(placement.stages) != 1 else ''} on "
         + ", ".join(
@@ -365,6 +502,8 @@ def _place(job: JobView, free: list[NodeView], now: datetime, budget: Budget | N
             + ")"
             for s in placement.stages
         )
+        + (f"; {job.replicas_min} replicas each on "
+           + ", ".join(names[s.node_id] for s in stages if s.replica) if job.replicas_min > 1 else "")
         + f"; ${placement.price_per_hour:.4f}/hour"
         + ("; the search was cut short at its time limit, so only the fastest nodes were tried"
            if placement.cut_short else "")
@@ -378,6 +517,28 @@ def _place(job: JobView, free: list[NodeView], now: datetime, budget: Budget | N
     return PlaceJob(job.id, job.generation, stages, tuple(conditions))
 
 
+def _replicas_placed(
+    job: JobView, stages: Sequence[PlannedStage], free: list[NodeView]
+) -> tuple[PlannedStage, ...] | str:
+    """The solver's one node per stage as replica 0, and replicas 1 .. `replicas_min` - 1 of each stage on the
+    fastest other free nodes with room (the stages needing most memory first); what is missing, if some cannot be
+    placed."""
+    used = {s.node_id for s in stages}
+    candidates = [n for n in free if n.id not in used and job.requirements.allows(n)]
+    placed = [replace(s, replica=0) for s in stages]
+    for stage in sorted(stages, key=lambda s: (-stage_memory(job.layers[s.layer_start : s.layer_end], job.workload),
+                                               s.index)):
+        need = stage_memory(job.layers[stage.layer_start : stage.layer_end], job.workload)
+        for replica in range(1, job.replicas_min):
+            node = next((n for n in candidates if n.memory_bytes >= need), None)
+            if node is None:
+                return (f"needs {job.replicas_min} replicas of each of {len(stages)} stages on distinct Ready nodes; "
+                        f"no free node has room ({need:,} bytes) for replica {replica} of stage {stage.index}")
+            candidates.remove(node)
+            placed.append(replace(stage, node_id=node.id, replica=replica))
+    return tuple(sorted(placed, key=lambda s: (s.index, s.rank, s.replica)))
+
+
 def _parts(stages: Sequence[PlannedStage | PlacedStage]) -> str:
     """What the ready count counts: stages, or stage ranks where some stage is a group."""
     return "stage ranks" if any(s.rank for s in stages) else "stages"
@@ -386,7 +547,7 @@ def _parts(stages: Sequence[PlannedStage | PlacedStage]) -> str:
 def _check_stages(
     job: JobView, observed: Observed, nodes: Mapping[str, NodeView], free: list[NodeView], now: datetime
 ) -> Action | None:
-    current = [observed.stages.get((job.id, s.index, s.rank)) for s in job.stages]
+    current = [observed.stages.get((job.id, *s.key)) for s in job.stages]
     current = [r if r is not None and r.generation == job.generation else None for r in current]
     for stage, report in zip(job.stages, current, strict=True):
         if report is not None and report.state == FAILED:
@@ -477,7 +638,7 @@ def _serve(
     lost = [s for s in job.stages if _is_lost(s, nodes, job, now) or nodes[s.node_id].paused]
     if lost or not job.stages:
         return _place_served(job, lost, nodes, free, now)
-    current = [observed.stages.get((job.id, s.index, s.rank)) for s in job.stages]
+    current = [observed.stages.get((job.id, *s.key)) for s in job.stages]
     current = [r if r is not None and r.generation == job.generation else None for r in current]
     for stage, report in zip(job.stages, current, strict=True):
         if report is not None and report.state == FAILED:

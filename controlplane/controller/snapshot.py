@@ -230,15 +230,15 @@ JOB_FIELDS = (
     "id", "status", "generation", "stages_requested", "model_config", "dataset_config", "micro_batches", "schedule",
     "requirements", "conditions", "driver_lease_expires_at", "driver_lease_owner", "node_grace_seconds", "restarts",
     "handover_requested", "tensor_parallel", "serving", "driver_outcome", "driver_outcome_reason",
-    "driver_outcome_message", "driver_outcome_generation",
+    "driver_outcome_message", "driver_outcome_generation", "replicas_min", "replicas_max", "next_replica",
 )
 STAGE_FIELDS = (
     "job_id", "index", "rank", "layer_start", "layer_end", "node_id", "generation", "observed_generation",
-    "observed_state", "observed_message", "restarted_generation", "held_since",
+    "observed_state", "observed_message", "restarted_generation", "held_since", "replica",
 )
 
 
-StageReports = tuple[tuple[tuple[str, int, int], StageReport], ...]  # ((job id, index, rank), report)
+StageReports = tuple[tuple[tuple[str, int, int, int], StageReport], ...]  # ((job id, index, rank, replica), report)
 
 
 def _job_versions() -> dict[str, str]:
@@ -247,8 +247,9 @@ def _job_versions() -> dict[str, str]:
     its job's row (the driver's lease renewed, a rewind), so the row's version covers the charges too."""
     job, stage = Job._meta.db_table, Stage._meta.db_table
     return _versions(
-        f"SELECT j.id::text, j.xmin::text || ':' || coalesce(string_agg(s.xmin::text, ',' ORDER BY s.index, s.rank), "
-        f"'') || ':' || %s FROM \"{job}\" j LEFT JOIN \"{stage}\" s ON s.job_id = j.id AND s.active "
+        f"SELECT j.id::text, j.xmin::text || ':' || coalesce(string_agg(s.xmin::text, ',' "
+        f"ORDER BY s.index, s.rank, s.replica), '') || ':' || %s "
+        f"FROM \"{job}\" j LEFT JOIN \"{stage}\" s ON s.job_id = j.id AND s.active "
         f"WHERE j.status = ANY(%s) OR {SERVED_SQL.format(stage=stage)} GROUP BY j.id ORDER BY j.created_at, j.id",
         [f"{settings.ARCEUS_JOB_MAX_RESTARTS}/{settings.ARCEUS_JOB_STOP_SECONDS}", list(SNAPSHOT_STATUSES),
          JobStatus.SUCCEEDED.value],
@@ -262,14 +263,16 @@ def _job_rows(ids: list[str] | None) -> Iterable[tuple[str, tuple[JobView, Stage
     if ids is not None:
         jobs, stage_rows = jobs.filter(pk__in=ids), stage_rows.filter(job_id__in=ids)
     stages: dict[str, list[tuple[Any, ...]]] = defaultdict(list)
-    for row in stage_rows.order_by("job_id", "index", "rank").values_list(*STAGE_FIELDS):
+    for row in stage_rows.order_by("job_id", "index", "rank", "replica").values_list(*STAGE_FIELDS):
         stages[str(row[0])].append(row)
     checks = _failed_checks(jobs)
     billed = _billed(jobs)
     for job in jobs.order_by("created_at", "id").values(*JOB_FIELDS):
         job_id = str(job["id"])
         rows = stages.get(job_id, [])
-        reports = tuple(((job_id, r[1], r[2]), StageReport(generation=r[7], state=r[8], message=r[9])) for r in rows)
+        reports = tuple(
+            ((job_id, r[1], r[2], r[12]), StageReport(generation=r[7], state=r[8], message=r[9])) for r in rows
+        )
         yield job_id, (_job_view(job, rows, checks.get(job_id, ()), billed.get(job_id)), reports)
 
 
@@ -332,10 +335,10 @@ def _job_view(
         stages=tuple(
             PlacedStage(
                 index=index, layer_start=start, layer_end=end, node_id=str(node_id) if node_id else None,
-                generation=generation, rank=rank, restarted_generation=restarted,
+                generation=generation, rank=rank, restarted_generation=restarted, replica=replica,
                 held_from=held_from(node_id, held_since),
             )
-            for _, index, rank, start, end, node_id, generation, *_, restarted, held_since in stages
+            for _, index, rank, start, end, node_id, generation, *_, restarted, held_since, replica in stages
         ),
         conditions=tuple(job["conditions"]),
         driver_lease_expires_at=job["driver_lease_expires_at"],
@@ -358,6 +361,9 @@ def _job_view(
         deadline=None if deadline is None else datetime.fromisoformat(deadline),
         charged_micros=charged,
         stop_seconds=settings.ARCEUS_JOB_STOP_SECONDS,
+        replicas_min=job["replicas_min"],
+        replicas_max=job["replicas_max"],
+        next_replica=job["next_replica"],
     )
 
 

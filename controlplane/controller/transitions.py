@@ -12,7 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from django.db import transaction
-from django.db.models import F, Value
+from django.db.models import F, Q, Value
 from django.db.models.functions import Coalesce
 
 from arceus.contracts.observed import ObservedState
@@ -20,7 +20,7 @@ from arceus.contracts.status import ACTIVE_STATUSES, TERMINAL_STATUSES, JobStatu
 from controlplane.celery import TRAIN_JOB_TASK
 from controlplane.common.conditions import FALSE, TRUE, Condition, set_conditions
 from controlplane.common.dispatch import enqueue_on_commit, reconcile_soon
-from controlplane.controller.actions import PlaceJob, ServeJob, StartDriver, StopServing
+from controlplane.controller.actions import AddReplicas, DropReplicas, PlaceJob, ServeJob, StartDriver, StopServing
 from controlplane.jobs.leases import lease_end
 from controlplane.jobs.models import Job, Stage
 from controlplane.jobs.owner_transitions import job_end
@@ -31,7 +31,8 @@ def job_place(action: PlaceJob, now: datetime) -> bool:
     """A queued job's placement: its stage rows at the next generation, status placing."""
     generation = action.generation + 1
     updated = Job.objects.filter(pk=action.job_id, generation=action.generation, status=JobStatus.QUEUED).update(
-        status=JobStatus.PLACING, generation=generation, conditions=list(action.conditions)
+        status=JobStatus.PLACING, generation=generation, conditions=list(action.conditions),
+        next_replica=F("next_replica") + max(s.replica for s in action.stages) + 1,
     )
     if not updated:
         return False
@@ -43,11 +44,52 @@ def job_place(action: PlaceJob, now: datetime) -> bool:
             layer_end=s.layer_end,
             node_id=s.node_id,
             rank=s.rank,
+            replica=s.replica,
             generation=generation,
             held_since=now,
         )
         for s in action.stages
     )
+    return True
+
+
+@transaction.atomic
+def job_replicas_add(action: AddReplicas, now: datetime) -> bool:
+    """More replicas of a running job's stages at its generation (no rewind): rows marked joining, so their agents
+    build them without the checkpoint and the driver copies a live replica's state into them. False if the job
+    moved on, or another pass gave out replica ids, since the snapshot."""
+    updated = Job.objects.filter(
+        pk=action.job_id, generation=action.generation, status=JobStatus.RUNNING, next_replica=action.next_replica
+    ).update(next_replica=action.next_replica + len(action.stages), conditions=list(action.conditions))
+    if not updated:
+        return False
+    Stage.objects.bulk_create(
+        Stage(
+            job_id=action.job_id, index=s.index, layer_start=s.layer_start, layer_end=s.layer_end, node_id=s.node_id,
+            replica=s.replica, generation=action.generation, joining=True, held_since=now,
+        )
+        for s in action.stages
+    )
+    return True
+
+
+@transaction.atomic
+def job_replicas_drop(action: DropReplicas, now: datetime) -> bool:
+    """Take replicas off their nodes without a rewind (their stage keeps another): their rows deleted, so their
+    agents drop them and the driver's roster lets them go. False if the job moved on since the snapshot."""
+    job = Job.objects.select_for_update().filter(
+        pk=action.job_id, generation=action.generation, status=action.status
+    ).first()
+    if job is None:
+        return False
+    rows = Stage.objects.filter(job=job, active=True)
+    gone = Q()
+    for index, replica in action.replicas:
+        gone |= Q(index=index, replica=replica)
+    rows.filter(gone).delete()
+    job.conditions = list(action.conditions)
+    job.save(update_fields=["conditions"])
+    reconcile_soon()  # their nodes are free again, and a new replica may take one
     return True
 
 
@@ -125,12 +167,13 @@ def job_rewind(
     for stage in stages:
         if stage in moved:
             stage.node_id, stage.held_since = moves[stage.index, stage.rank], now  # the job pays the new node from now
-        stage.generation = job.generation
+        stage.generation, stage.joining = job.generation, False
         stage.observed_generation, stage.observed_state, stage.observed_message = None, ObservedState.PENDING, ""
     # Release the moved stages' old nodes first: one active stage per node is a database constraint.
     Stage.objects.filter(pk__in=[s.pk for s in moved]).update(node=None)
     Stage.objects.bulk_update(
-        stages, ["node", "held_since", "generation", "observed_generation", "observed_state", "observed_message"]
+        stages,
+        ["node", "held_since", "generation", "joining", "observed_generation", "observed_state", "observed_message"],
     )
     unplaced = any(stage.node_id is None for stage in stages)
     job.status = JobStatus.PENDING if unplaced else JobStatus.PLACING

@@ -96,6 +96,12 @@ class PlacedStage:
     # Since when its node's time is held but not yet billed (placed there, or the end of its last ledger entry on
     # the job): what the job's budget must still cover. None: not counted (no budget, or no node).
     held_from: datetime | None = None
+    replica: int = 0  # its replica id where the job's stages are replicated
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        """(index, rank, replica): the row among its job's."""
+        return self.index, self.rank, self.replica
 
 
 @dataclass(frozen=True)
@@ -150,6 +156,15 @@ class JobView:
     deadline: datetime | None = None
     charged_micros: int = 0
     stop_seconds: float = 0.0
+    # Replicas per stage (arceus/swarm): at least `replicas_min` placed, more up to `replicas_max` added while it
+    # runs; `next_replica`: the id the next replica gets (ids are never reused within a job).
+    replicas_min: int = 1
+    replicas_max: int = 1
+    next_replica: int = 0
+
+    @property
+    def replicated(self) -> bool:
+        return self.replicas_max > 1
 
 
 @dataclass(frozen=True)
@@ -167,5 +182,6 @@ class Desired:
 @dataclass(frozen=True)
 class Observed:
     nodes: tuple[NodeView, ...]
-    stages: Mapping[tuple[str, int, int], StageReport] = field(default_factory=dict)  # (job id, index, rank)
+    # (job id, index, rank, replica) -> what the row's agent reports
+    stages: Mapping[tuple[str, int, int, int], StageReport] = field(default_factory=dict)
 

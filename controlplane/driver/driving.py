@@ -35,7 +35,7 @@ from controlplane.driver.sink import DbProgressSink
 from controlplane.jobs.credentials import job_driver_token
 from controlplane.jobs.leases import job_driver_claim, job_driver_interrupted, job_driver_renew
 from controlplane.jobs.models import Job
-from controlplane.jobs.selectors import job_stage_endpoints
+from controlplane.jobs.selectors import job_replica_endpoints, job_replicas_placed, job_stage_endpoints
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -110,10 +110,18 @@ def _recorded(call: Callable[[], R], what: str) -> R:
 
 
 def train_plan(job: Job) -> TrainPlan:
+    """The plan of the job's driver at its generation; a replicated job's roster starts from the replicas placed
+    with it, and learns between steps of those that join (`replica_joins`) or were taken off (`replica_placed`)."""
+    replicas = job_replica_endpoints(job=job, joining=False) if job.replicas_max > 1 else ()
+    lowest = {e.index: e for e in reversed(replicas)}
     return TrainPlan(
         job_id=str(job.id),
         generation=job.generation,
-        stages=job_stage_endpoints(job=job),
+        stages=tuple(lowest[i] for i in sorted(lowest)) if replicas else job_stage_endpoints(job=job),
+        replicas=replicas,
+        replica_joins=functools.partial(job_replica_endpoints, job=job, joining=True) if replicas else None,
+        replica_placed=functools.partial(job_replicas_placed, job_id=str(job.id), generation=job.generation)
+        if replicas else None,
         dataset=job.dataset_config,
         epochs=job.epochs,
         learning_rate=job.learning_rate,

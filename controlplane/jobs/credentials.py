@@ -23,7 +23,8 @@ def job_driver_token(*, job_id: str, generation: int) -> str:
 
 
 def job_stage_credentials(
-    *, job_id: str, generation: int, stage_index: int, rank: int, ranks: Sequence[int]
+    *, job_id: str, generation: int, stage_index: int, rank: int, ranks: Sequence[int], replicated: bool = False
 ) -> StageCredentials:
-    """The credentials sent to the agent of rank `rank` of stage `stage_index` (`ranks`: each stage's rank count)."""
-    return stage_credentials(_secret(), str(job_id), generation, stage_index, rank, ranks)
+    """The credentials sent to the agent of rank `rank` of stage `stage_index` (`ranks`: each stage's rank count;
+    `replicated`: a replica of a replicated stage, which accepts its siblings)."""
+    return stage_credentials(_secret(), str(job_id), generation, stage_index, rank, ranks, replicated=replicated)

@@ -97,6 +97,13 @@ class Job(BaseModel):
         help_text='Stages split over groups of nodes, normalised: {} (none), {"size": 2} (every stage), or '
         '{"size": 2, "stages": [1]} (only those).',
     )
+    # Replicas per stage (arceus/swarm): placement puts `replicas_min` on distinct nodes, the reconciler adds more
+    # up to `replicas_max` while the job runs; 1 and 1: one node (or tensor-parallel group) per stage.
+    replicas_min = models.PositiveIntegerField(default=1)
+    replicas_max = models.PositiveIntegerField(default=1)
+    # The next replica id to give out: a replicated stage's ids are never reused within a job (a driver's roster
+    # tells a newcomer from a member it lost by its id).
+    next_replica = models.PositiveIntegerField(default=0)
     # Rewinds to the last checkpoint that no lost node explains (driver or stage errors); past the
     # setting ARCEUS_JOB_MAX_RESTARTS the job fails instead of retrying forever.
     restarts = models.PositiveIntegerField(default=0)
@@ -159,13 +166,20 @@ class Job(BaseModel):
 
 class Stage(BaseModel):
     """One node's part of a pipeline stage of a job: a layer range on a node (desired) and what its agent
-    reports (observed). A tensor-parallel stage has one row per rank (0, 1, ...), each on its own node;
-    any other stage is one row, rank 0. Deterministic key `stage_id` so a rerun finds the row instead of
+    reports (observed). A tensor-parallel stage has one row per rank (0, 1, ...), each on its own node; a
+    replicated stage one row per replica (ids from `Job.next_replica`), each on its own node; any other stage
+    is one row, rank 0. Deterministic key `stage_id` so a rerun finds the row instead of
     duplicating it."""
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="stages")
     index = models.PositiveIntegerField()
     rank = models.PositiveIntegerField(default=0, help_text="The node's rank in a tensor-parallel stage.")
+    # Which replica of its stage the row is where the job's stages are replicated (`Job.replicas_max` > 1); else 0.
+    replica = models.PositiveIntegerField(default=0, help_text="The replica id in a replicated stage.")
+    # Placed while the job ran: the agent builds it without the job's checkpoint and the driver copies a live
+    # replica's state into it before it takes micro-batches. A rewind clears it (every row rebuilds from the
+    # checkpoint).
+    joining = models.BooleanField(default=False)
     layer_start = models.PositiveIntegerField()
     layer_end = models.PositiveIntegerField()
     node = models.ForeignKey(Node, on_delete=models.SET_NULL, null=True, blank=True, related_name="stages")
@@ -194,9 +208,11 @@ class Stage(BaseModel):
     step_wait_seconds = models.FloatField(null=True, blank=True)
 
     class Meta:
-        ordering = ["job", "index", "rank"]
+        ordering = ["job", "index", "rank", "replica"]
         constraints = [
-            models.UniqueConstraint(fields=["job", "index", "rank"], name="stage_unique_job_index_rank"),
+            models.UniqueConstraint(
+                fields=["job", "index", "rank", "replica"], name="stage_unique_job_index_rank_replica"
+            ),
             # One stage per node for now: the database refuses a second placement on a busy node even
             # if two reconcilers decided on it at once.
             models.UniqueConstraint(fields=["node"], condition=Q(active=True), name="stage_one_active_per_node"),
@@ -207,7 +223,7 @@ class Stage(BaseModel):
 
     @property
     def stage_id(self) -> str:
-        return stage_key(self.job_id, self.index, self.rank)
+        return stage_key(self.job_id, self.index, self.rank, self.replica if self.job.replicas_max > 1 else None)
 
 
 class StageContribution(BaseModel):

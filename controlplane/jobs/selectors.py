@@ -22,6 +22,7 @@ from arceus.contracts.assignment import (
     TensorParallelConfig,
     max_micro_batch_size,
 )
+from arceus.contracts.observed import ObservedState
 from arceus.contracts.status import HOSTED_STATUSES, JobStatus
 from arceus.contracts.transfer import transfer_config_from_json
 from arceus.training.plan import RankEndpoint, StageEndpoint
@@ -49,15 +50,17 @@ def job_counts_by_status() -> dict[str, int]:
 
 def job_stages(*, job: Job) -> QuerySet[Stage]:
     """The job's stage rows (one per rank of a tensor-parallel stage), in stage then rank order."""
-    return Stage.objects.filter(job=job).select_related("node").order_by("index", "rank")
+    return Stage.objects.filter(job=job).select_related("node").order_by("index", "rank", "replica")
 
 
 def job_stage_endpoints(*, job: Job) -> tuple[StageEndpoint, ...]:
     """Where the driver and samplers reach each stage, as its active rows stand: a tensor-parallel stage is its
-    rank 0's endpoint, listing the other ranks in rank order (a served stage is one rank)."""
+    rank 0's endpoint, listing the other ranks in rank order (a served stage is one rank); a replicated stage its
+    lowest replica's (`job_replica_endpoints` lists them all)."""
     groups: dict[int, list[Stage]] = defaultdict(list)
     for row in job_stages(job=job).filter(active=True):
-        groups[row.index].append(row)
+        if job.replicas_max == 1 or not groups[row.index]:
+            groups[row.index].append(row)
     return tuple(
         StageEndpoint(
             index=index,
@@ -79,6 +82,29 @@ def job_stage_endpoints(*, job: Job) -> tuple[StageEndpoint, ...]:
         )
         for index, (rank0, *others) in sorted(groups.items())
     )
+
+
+def job_replica_endpoints(*, job: Job, joining: bool) -> tuple[StageEndpoint, ...]:
+    """A replicated job's replicas at its generation, in stage then replica order: those placed with the job
+    (`joining` False: they built from its checkpoint), or those added while it ran whose agents report them ready
+    (`joining` True: each copies a live replica's state before it takes micro-batches)."""
+    rows = job_stages(job=job).filter(active=True, joining=joining, generation=job.generation, node__isnull=False)
+    if joining:
+        rows = rows.filter(observed_generation=job.generation, observed_state=ObservedState.READY)
+    return tuple(
+        StageEndpoint(
+            index=row.index, address=row.node.dial_address, node_id=str(row.node_id), layer_start=row.layer_start,
+            layer_end=row.layer_end, certificate=row.node.tls_certificate, public_key=row.node.public_key,
+            owner_id=str(row.node.owner_id), replica=row.replica,
+        )
+        for row in rows.order_by("index", "replica")
+    )
+
+
+def job_replicas_placed(*, job_id: str, generation: int) -> frozenset[tuple[int, int]]:
+    """(stage index, replica id) of each replica the control plane places for the job at `generation`."""
+    rows = Stage.objects.filter(job_id=job_id, active=True, generation=generation, node__isnull=False)
+    return frozenset(rows.values_list("index", "replica"))
 
 
 def job_contributions(*, job: Job) -> list[dict[str, Any]]:
@@ -153,7 +179,7 @@ def withheld() -> Q:
 
 
 def version_order() -> str:
-    return f"s.job_id, s.{connection.ops.quote_name('index')}, s.rank"  # "index": reserved in SQLite
+    return f"s.job_id, s.{connection.ops.quote_name('index')}, s.rank, s.replica"  # "index": reserved in SQLite
 
 
 def version_digest(rows: list[tuple[Any, ...]]) -> str:
@@ -207,7 +233,7 @@ def assignments_for_nodes(*, nodes: Sequence[Node]) -> dict[uuid.UUID, list[dict
         return by_node
     siblings: dict[uuid.UUID, dict[int, list[Stage]]] = defaultdict(lambda: defaultdict(list))
     rows = Stage.objects.filter(job_id__in={s.job_id for s in hosted}, active=True).select_related("node")
-    for stage in rows.order_by("index", "rank"):
+    for stage in rows.order_by("index", "rank", "replica"):
         siblings[stage.job_id][stage.index].append(stage)
     checkpoints = {
         (sc.checkpoint_id, sc.stage_index): sc
@@ -225,11 +251,17 @@ def assignments_for_nodes(*, nodes: Sequence[Node]) -> dict[uuid.UUID, list[dict
 def _assignment(
     stage: Stage, stages: dict[int, list[Stage]], checkpoint: StageCheckpoint | None, viewer: Node
 ) -> dict[str, Any]:
-    """`viewer`: the node the assignment is for; its neighbours' addresses are where it dials them (`address_for`)."""
+    """`viewer`: the node the assignment is for; its neighbours' addresses are where it dials them (`address_for`).
+    A replica of a replicated stage learns its neighbours and siblings from each RunStep (arceus/swarm), so its
+    assignment names none; one joining a running job is built without the checkpoint (it copies a live replica's
+    state)."""
     job = stage.job
-    group = stages[stage.index]
-    previous = _addresses(stages.get(stage.index - 1), viewer)
-    following = _addresses(stages.get(stage.index + 1), viewer)
+    replicated = job.replicas_max > 1
+    group = [] if replicated else stages[stage.index]
+    previous = () if replicated else _addresses(stages.get(stage.index - 1), viewer)
+    following = () if replicated else _addresses(stages.get(stage.index + 1), viewer)
+    if stage.joining:
+        checkpoint = None
     return Assignment(
         stage_id=stage.stage_id,
         job_id=str(job.id),
@@ -253,9 +285,10 @@ def _assignment(
             generation=stage.generation,
             stage_index=stage.index,
             rank=stage.rank,
-            ranks=[len(stages[i]) for i in range(len(stages))],
+            ranks=[len({s.rank for s in stages[i]}) for i in range(len(stages))],
+            replicated=replicated,
         ),
-        certificates=_certificates(
+        certificates={} if replicated else _certificates(
             viewer, stages.get(stage.index - 1), stages.get(stage.index + 1), [s for s in group if s.pk != stage.pk]
         ),
         checkpoint=None
@@ -278,6 +311,7 @@ def _assignment(
         if len(group) > 1
         else None,
         inference=job.status == JobStatus.SUCCEEDED,
+        replica=stage.replica if replicated else None,
     ).to_json()
 
 

@@ -53,6 +53,7 @@ def job_submit(
     activation_checkpointing: bool = False,
     requirements: dict[str, Any] | None = None,
     tensor_parallel: dict[str, Any] | None = None,
+    replicas: dict[str, int] | None = None,
     name: str = "",
 ) -> Job:
     """Validate the model and dataset against each other and save the job (status created).
@@ -73,8 +74,11 @@ def job_submit(
         raise ApplicationError.invalid(
             "audit_rate", "an exported model's stages cannot be spot-checked yet; use 0 (or leave it out)"
         )
+    replicas = replicas or {"min": 1, "max": 1}
+    if replicas["max"] > 1:
+        _check_replicas(replicas, micro_batches=micro_batches, tensor_parallel=tensor_parallel, audit_rate=audit_rate)
     if audit_rate is None:
-        audit_rate = 0.0 if tensor_parallel or ships_program else DEFAULT_AUDIT_RATE
+        audit_rate = 0.0 if tensor_parallel or ships_program or replicas["max"] > 1 else DEFAULT_AUDIT_RATE
     try:
         transfer_config = transfer_config_from_json(transfer or {})
     except SpecError as exc:
@@ -101,7 +105,30 @@ def job_submit(
         activation_checkpointing=activation_checkpointing,
         requirements=requirements or {},
         tensor_parallel=tensor_parallel,
+        replicas_min=replicas["min"],
+        replicas_max=replicas["max"],
     )
+
+
+def _check_replicas(
+    replicas: dict[str, int], *, micro_batches: int, tensor_parallel: dict[str, Any], audit_rate: float | None
+) -> None:
+    """A 400 naming `replicas` for replicated stages the job cannot have: every replica takes at least one of a
+    step's micro-batches, a tensor-parallel stage is not replicated, and replicas are not spot-checked yet."""
+    if replicas["max"] > micro_batches:
+        raise ApplicationError.invalid(
+            "replicas",
+            f"asks for up to {replicas['max']} replicas per stage but a step has {micro_batches} micro-batches and "
+            f"every replica takes at least one: use at most {micro_batches} replicas, or more micro_batches",
+        )
+    if tensor_parallel:
+        raise ApplicationError.invalid(
+            "replicas", "a tensor-parallel stage cannot be replicated yet: use replicas 1 or no tensor_parallel"
+        )
+    if audit_rate:
+        raise ApplicationError.invalid(
+            "replicas", "replicated stages cannot be spot-checked yet: use audit_rate 0 (or leave it out)"
+        )
 
 
 def job_validate(

@@ -22,13 +22,13 @@ def stages_record_observed(*, node: Node, reports: Sequence[ObservedStage]) -> b
     keys = {report.stage_id: parse_stage_key(report.stage_id) for report in reports}
     job_ids = {key[0] for key in keys.values() if key is not None}
     stages = {
-        (stage.job_id, stage.index, stage.rank): stage
+        (stage.job_id, stage.index, stage.rank, stage.replica): stage
         for stage in Stage.objects.filter(node=node, active=True, job_id__in=job_ids)
     }
     changed = False
     for report in reports:
         key = keys[report.stage_id]
-        stage = stages.get(key) if key is not None else None
+        stage = stages.get((key.job_id, key.index, key.rank, key.replica or 0)) if key is not None else None
         if stage is None or report.generation != stage.generation:
             continue
         observed = (report.generation, ObservedState(report.state), report.message[:MAX_MESSAGE_CHARS])

@@ -78,6 +78,36 @@ class JobTensorParallelInput(StrictInputSerializer):
         return data
 
 
+class JobReplicasInput(StrictInputSerializer):
+    """Elastic replicas per stage: at least `min` placed, more up to `max` while Ready nodes have room."""
+
+    min = StrictIntegerField(min_value=1, max_value=MAX_MICRO_BATCHES, default=1)
+    max = StrictIntegerField(min_value=1, max_value=MAX_MICRO_BATCHES)
+
+    def validate(self, data: dict[str, Any]) -> dict[str, Any]:
+        if data["min"] > data["max"]:
+            raise serializers.ValidationError({"max": ["Must be at least min."]})
+        return data
+
+
+@extend_schema_field({"oneOf": [{"type": "integer", "minimum": 1}, {"type": "object", "properties": {
+    "min": {"type": "integer", "minimum": 1}, "max": {"type": "integer", "minimum": 1}}, "required": ["max"]}]})
+class JobReplicasField(serializers.Field):
+    """A number of replicas per stage, or {"min": 1, "max": N}; normalised to {"min", "max"}."""
+
+    def to_internal_value(self, data: Any) -> dict[str, int]:
+        if isinstance(data, dict):
+            replicas = JobReplicasInput(data=data)
+            if not replicas.is_valid():
+                raise serializers.ValidationError(replicas.errors)
+            return dict(replicas.validated_data)
+        count = StrictIntegerField(min_value=1, max_value=MAX_MICRO_BATCHES).run_validation(data)
+        return {"min": count, "max": count}
+
+    def to_representation(self, value: Any) -> Any:
+        return value
+
+
 class JobSubmitInput(StrictInputSerializer):
     name = serializers.CharField(max_length=200, required=False, allow_blank=True, default="")
     model_config = serializers.JSONField(help_text='e.g. {"type": "mlp", "layer_sizes": [64, 128, 10]}')
@@ -141,6 +171,13 @@ class JobSubmitInput(StrictInputSerializer):
         default=dict,
         help_text='e.g. {"size": 2}: every stage on 2 nodes; {"size": 2, "stages": [1]}: only stage 1. {}: none.',
     )
+    replicas = JobReplicasField(
+        required=False,
+        default=lambda: {"min": 1, "max": 1},
+        help_text='Replicas per stage, each on its own node and taking a share of every step\'s micro-batches: a '
+        'number, or {"min": 1, "max": N} to add replicas while Ready nodes have room (at most micro_batches; not '
+        "with tensor_parallel or spot checks). 1: one node per stage.",
+    )
 
 
 class JobStartInput(StrictInputSerializer):
@@ -157,13 +194,18 @@ class ConditionOutput(serializers.Serializer):
 
 
 class PlacementOutput(serializers.Serializer):
-    """One node's part of a stage: the whole stage, or one rank of a tensor-parallel stage."""
+    """One node's part of a stage: the whole stage, one rank of a tensor-parallel stage, or one replica of a
+    replicated stage (its counters: the micro-batches the driver saw it process in the current generation)."""
 
     def get_relayed(self, stage: Stage) -> bool:
         return stage.node is not None and stage.node.relayed
 
     stage_index = serializers.IntegerField(source="index")
     rank = serializers.IntegerField(help_text="rank in the stage's tensor-parallel group (0 for a one-node stage)")
+    replica = serializers.IntegerField(help_text="replica id in a replicated stage (0 for a one-node stage)")
+    joining = serializers.BooleanField(
+        help_text="added while the job ran: it copies a live replica's state, then takes micro-batches"
+    )
     layer_start = serializers.IntegerField()
     layer_end = serializers.IntegerField()
     node_id = serializers.UUIDField(allow_null=True)
@@ -256,6 +298,7 @@ class JobDetailOutput(JobListOutput):
     precision = serializers.CharField()
     activation_checkpointing = serializers.BooleanField()
     tensor_parallel = serializers.JSONField()
+    replicas = serializers.SerializerMethodField(help_text="Replicas per stage: {min, max}.")
     restarts = serializers.IntegerField(help_text="Rewinds not explained by a lost node since the last checkpoint.")
     resumed_from_step = serializers.IntegerField(
         source="resume_checkpoint.step", default=None, allow_null=True, help_text="The checkpoint the stages run from."
@@ -283,6 +326,10 @@ class JobDetailOutput(JobListOutput):
     loss_curve = serializers.SerializerMethodField()
     epochs = EpochMetricOutput(source="epoch_metrics", many=True, help_text="Validation after each epoch.")
     error = serializers.CharField()
+
+    @extend_schema_field({"type": "object", "properties": {"min": {"type": "integer"}, "max": {"type": "integer"}}})
+    def get_replicas(self, job: Job) -> dict[str, int]:
+        return {"min": job.replicas_min, "max": job.replicas_max}
 
     @extend_schema_field(PlacementOutput(many=True))
     def get_placements(self, job: Job) -> list[dict[str, Any]]:

@@ -48,7 +48,7 @@ def placed(job_id: str, nodes: list[str], generation: int = 2) -> tuple[PlacedSt
 
 
 def reports(job_id: str, states: list[str], generation: int = 2) -> dict:
-    return {(job_id, i, 0): StageReport(generation, state, f"msg {i}") for i, state in enumerate(states)}
+    return {(job_id, i, 0, 0): StageReport(generation, state, f"msg {i}") for i, state in enumerate(states)}
 
 
 def test_a_node_silent_past_its_lease_is_marked_unknown_once() -> None:
@@ -147,7 +147,7 @@ def test_a_placing_job_starts_its_driver_once_every_stage_is_ready_at_its_genera
 def test_reports_about_an_older_generation_do_not_count() -> None:
     placing = job("j", "placing", generation=2, stages=placed("j", ["a", "b", "c"]))
     nodes = tuple(node(name) for name in "abc")
-    stale = {**reports("j", ["ready"] * 3), ("j", 2, 0): StageReport(1, "ready")}
+    stale = {**reports("j", ["ready"] * 3), ("j", 2, 0, 0): StageReport(1, "ready")}
     [action] = plan(Desired(jobs=(placing,)), Observed(nodes, stale), NOW)
     assert isinstance(action, SetCondition)
     assert get_condition(action.conditions, "StagesReady")["message"] == "2/3 stages ready"

@@ -80,18 +80,18 @@ def test_a_lost_stage_with_nowhere_to_go_releases_the_rest_and_the_wish_stands()
 
 def test_every_stage_ready_makes_it_servable_and_a_failed_one_stops_serving() -> None:
     nodes = (node("a"), node("b"), node("c"))
-    reports = {("s1", i, 0): StageReport(5, "ready") for i in range(3)}
+    reports = {("s1", i, 0, 0): StageReport(5, "ready") for i in range(3)}
     [ready] = plan(Desired(jobs=(served(on("a", "b", "c")),)), Observed(nodes=nodes, stages=reports), NOW)
     assert isinstance(ready, SetCondition)
     condition = get_condition(ready.conditions, "Serving")
     assert (condition["status"], condition["reason"], condition["message"]) == (
         "True", "Ready", "3/3 stages ready to decode"
     )
-    stale = {**reports, ("s1", 2, 0): StageReport(4, "ready")}  # a report of an earlier generation
+    stale = {**reports, ("s1", 2, 0, 0): StageReport(4, "ready")}  # a report of an earlier generation
     [waiting] = plan(Desired(jobs=(served(on("a", "b", "c")),)), Observed(nodes=nodes, stages=stale), NOW)
     assert get_condition(waiting.conditions, "Serving")["message"] == "2/3 stages ready"
 
-    failed = {**reports, ("s1", 1, 0): StageReport(5, "failed", "out of memory")}
+    failed = {**reports, ("s1", 1, 0, 0): StageReport(5, "failed", "out of memory")}
     [stop] = plan(Desired(jobs=(served(on("a", "b", "c")),)), Observed(nodes=nodes, stages=failed), NOW)
     assert isinstance(stop, StopServing) and stop.serving is False
     condition = get_condition(stop.conditions, "Serving")

@@ -110,7 +110,7 @@ def test_every_rank_gets_its_own_node_and_a_lost_rank_moves_alone(scenario, pick
     nodes = [replace(n, lease_renewed_at=silent_since) if n.id == lost.node_id else n for n in nodes]
     nodes += [node(f"spare{i}", flops=1e9, memory=m) for i, m in enumerate(spares)]
     running = replace(job, status="running", generation=generation, stages=rows)
-    ready = {("j", r.index, r.rank): StageReport(generation, "ready") for r in rows}
+    ready = {("j", *r.key): StageReport(generation, "ready") for r in rows}
     actions = plan(Desired(jobs=(running,)), Observed(nodes=tuple(nodes), stages=ready), NOW)
     assert actions[0] == MarkNodeUnknown(lost.node_id, silent_since, "NodeLeaseExpired", "no heartbeat for 20s")
     [rewind] = actions[1:]
@@ -142,6 +142,6 @@ def test_every_rank_gets_its_own_node_and_a_lost_rank_moves_alone(scenario, pick
     )
     assert len({r.node_id for r in moved}) == len(moved)
     placing = replace(running, status="placing", generation=generation + 1, stages=moved)
-    ready = {("j", r.index, r.rank): StageReport(generation + 1, "ready") for r in moved}
+    ready = {("j", *r.key): StageReport(generation + 1, "ready") for r in moved}
     [start] = plan(Desired(jobs=(placing,)), Observed(nodes=tuple(nodes), stages=ready), NOW)
     assert isinstance(start, StartDriver)

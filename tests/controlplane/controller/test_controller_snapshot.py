@@ -94,7 +94,7 @@ def test_a_jobs_config_status_and_stage_reports_are_seen_at_the_next_pass(ready_
     desired, observed = load_snapshot()
     [view] = desired.jobs
     assert view.status == "placing" and len(view.layers) == 3
-    key = (str(job.id), 0, 0)
+    key = (str(job.id), 0, 0, 0)
     assert observed.stages[key].state != "ready"
     Stage.objects.filter(job=job, index=0).update(observed_generation=view.generation, observed_state="ready")
     config = {**job.model_config, "layer_sizes": [64, 32, 32, 32, 10]}

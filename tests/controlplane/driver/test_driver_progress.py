@@ -142,6 +142,8 @@ def test_the_detail_shows_progress_placements_and_curves(running_job: Job, api: 
     assert placement == {
         "stage_index": 0,
         "rank": 0,
+        "replica": 0,
+        "joining": False,
         "layer_start": 0,
         "layer_end": 1,
         "node_id": str(stage.node_id),

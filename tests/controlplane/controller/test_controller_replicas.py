@@ -1,0 +1,98 @@
+"""Replicated stages through the control plane's database (arceus/swarm): submitted over REST, placed with
+`replicas.min` per stage, a lost replica dropped and a new one added at the same generation (no rewind), the
+assignments and driver plan each replica gets, and what GET /api/jobs/ID shows."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.utils import timezone
+
+from arceus.contracts.assignment import Assignment
+from controlplane.controller.executor import reconcile_once
+from controlplane.driver.driving import train_plan
+from controlplane.jobs.models import Job, Stage
+from controlplane.jobs.selectors import assignments_for_node
+from controlplane.jobs.services import job_start
+from controlplane.nodes.services import node_heartbeat
+from tests.controlplane.conftest import DIGITS_JOB
+
+
+def test_replicas_are_checked_at_submit_with_errors_naming_the_field(api) -> None:
+    def submit(**fields: object) -> dict:
+        response = api.post("/api/jobs", {**DIGITS_JOB, **fields}, format="json")
+        assert response.status_code == 400, response.content
+        return response.json()["errors"]
+
+    assert "at most 4 replicas" in submit(replicas=5)["replicas"][0]
+    assert "at most 4 replicas" in submit(replicas={"min": 1, "max": 8})["replicas"][0]
+    assert submit(replicas={"min": 3, "max": 2})["replicas.max"] == ["Must be at least min."]
+    assert "replicas" in submit(replicas=0)
+    assert "replicas" in submit(replicas="two")
+    assert "spot-checked" in submit(replicas=2, audit_rate=0.1)["replicas"][0]
+    response = api.post("/api/jobs", {**DIGITS_JOB, "replicas": {"min": 1, "max": 3}}, format="json")
+    assert response.status_code == 201, response.content
+    assert response.json()["replicas"] == {"min": 1, "max": 3} and response.json()["audit_rate"] == 0.0
+    default = api.post("/api/jobs", DIGITS_JOB, format="json").json()
+    assert default["replicas"] == {"min": 1, "max": 1}
+
+
+def test_a_lost_replica_is_replaced_at_the_same_generation_and_the_api_lists_replicas(
+    api, ready_node, django_capture_on_commit_callbacks
+) -> None:
+    start = timezone.now() - timedelta(seconds=30)
+    nodes = [ready_node(f"n{i}", port=50051 + i, now=start) for i in range(6)]
+    created = api.post("/api/jobs", {**DIGITS_JOB, "replicas": 2}, format="json").json()
+    job = job_start(job=Job.objects.get(pk=created["id"]))
+    reconcile_once(now=start)
+    job.refresh_from_db()
+    rows = list(Stage.objects.filter(job=job).order_by("index", "replica"))
+    assert [(s.index, s.replica) for s in rows] == [(i, r) for i in range(3) for r in range(2)]
+    assert len({s.node_id for s in rows}) == 6 and job.next_replica == 2
+
+    # each replica's assignment: its replica id, the siblings' credential, neighbours named step by step
+    by_id = {str(n.id): n for n in nodes}
+    middle = Assignment.from_json(assignments_for_node(node=by_id[str(rows[2].node_id)])[0])
+    assert (middle.stage_id, middle.replica) == (f"{job.id}-stage-1-replica-0", 0)
+    assert middle.prev_address is None and middle.next_address is None and middle.checkpoint is None
+    assert "sibling" in middle.credentials.accepts
+
+    # running; the driver's plan names every replica, each stage served by its lowest
+    generation = job.generation
+    Job.objects.filter(pk=job.pk).update(status="running", driver_lease_owner="d",
+                                         driver_lease_expires_at=timezone.now() + timedelta(seconds=60))
+    plan = train_plan(Job.objects.get(pk=job.pk))
+    assert [(e.index, e.replica) for e in plan.replicas] == [(i, r) for i in range(3) for r in range(2)]
+    assert [e.replica for e in plan.stages] == [0, 0, 0] and plan.replica_joins() == ()
+    assert plan.replica_placed() == {(i, r) for i in range(3) for r in range(2)}
+
+    # stage 1 replica 1's node goes silent; a spare registers
+    now = timezone.now()
+    lost = rows[3]
+    for node in nodes:
+        if node.id != lost.node_id:
+            node_heartbeat(node=node, observed=[], now=now)
+    spare = ready_node("spare", port=50061, now=now)
+    report = reconcile_once(now=now)
+    assert [type(a).__name__ for a in report.applied] == ["MarkNodeUnknown", "DropReplicas"]
+    assert plan.replica_placed() == {(i, r) for i in range(3) for r in range(2)} - {(1, 1)}
+    report = reconcile_once(now=now)
+    assert [type(a).__name__ for a in report.applied] == ["AddReplicas"]
+    job.refresh_from_db()
+    assert job.generation == generation and job.status == "running" and job.restarts == 0
+    joiner = Stage.objects.get(job=job, index=1, replica=2)
+    assert joiner.node_id == spare.id and joiner.joining and joiner.generation == generation
+    assignment = Assignment.from_json(assignments_for_node(node=spare)[0])
+    assert assignment.replica == 2 and assignment.checkpoint is None  # it copies its state from a peer
+
+    # the driver offers it to the roster once its agent reports it ready
+    assert plan.replica_joins() == ()
+    Stage.objects.filter(pk=joiner.pk).update(observed_generation=generation, observed_state="ready")
+    [offered] = plan.replica_joins()
+    assert (offered.index, offered.replica, offered.node_id) == (1, 2, str(spare.id))
+
+    detail = api.get(f"/api/jobs/{job.id}").json()
+    replicas = [(p["stage_index"], p["replica"], p["node_name"], p["joining"]) for p in detail["placements"]]
+    assert (1, 2, "spare", True) in replicas and len(replicas) == 6
+    assert all("micro_batches" in p and "state" in p for p in detail["placements"])
+    assert reconcile_once(now=now).applied == []  # at its max: steady

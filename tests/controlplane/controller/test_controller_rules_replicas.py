@@ -1,0 +1,152 @@
+"""plan() for replicated stages (arceus/swarm): placing `replicas_min` per stage on distinct nodes, dropping a lost
+replica without a rewind while its stage keeps another, rewinding only a stage that lost them all, and growing a
+running job up to `replicas_max` where a replica is worth it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import timedelta
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from arceus.placement.solver import Workload
+from controlplane.controller.actions import (
+    AddReplicas,
+    DropReplicas,
+    MarkNodeUnknown,
+    PlaceJob,
+    RewindJob,
+    SetCondition,
+    StartDriver,
+)
+from controlplane.controller.rules import plan
+from controlplane.controller.views import Desired, JobView, Observed, PlacedStage, StageReport
+from tests.controlplane.controller.test_controller_rules import NOW, job, node
+
+FOUR = Workload(micro_batch_size=1, micro_batches=4)
+
+
+def replicated(status: str = "running", *, rows: list[tuple[int, int, str]], **fields: object) -> JobView:
+    """A job of three one-layer stages whose rows are (index, replica, node)."""
+    stages = tuple(PlacedStage(i, i, i + 1, n, 2, replica=r) for i, r, n in rows)
+    defaults: dict = {
+        "generation": 2, "replicas_min": 2, "replicas_max": 2, "workload": FOUR, "stages": stages,
+        "next_replica": 1 + max(r for _, r, _ in rows), "driver_lease_expires_at": NOW + timedelta(seconds=5),
+    }
+    return job(status=status, **{**defaults, **fields})
+
+
+TWO_EACH = [(0, 0, "a"), (0, 1, "b"), (1, 0, "c"), (1, 1, "d"), (2, 0, "e"), (2, 1, "f")]
+
+
+def ready(view: JobView) -> dict:
+    return {(view.id, *s.key): StageReport(view.generation, "ready") for s in view.stages}
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    replicas=st.integers(1, 4),
+    memories=st.lists(st.sampled_from([500, 10**6]), min_size=3, max_size=18),
+)
+def test_placement_puts_min_replicas_of_every_stage_on_distinct_fitting_nodes(
+    replicas: int, memories: list[int]
+) -> None:
+    nodes = tuple(node(f"n{i}", flops=1e9 + i, memory=m) for i, m in enumerate(memories))
+    queued = job(replicas_min=replicas, replicas_max=4, workload=FOUR)
+    [action] = plan(Desired(jobs=(queued,)), Observed(nodes=nodes), NOW)
+    if isinstance(action, SetCondition):  # it waits, saying so, and places nothing
+        assert action.conditions[0]["status"] == "False"
+        assert memories.count(10**6) < 3 * replicas  # with enough large nodes it always places
+        return
+    assert isinstance(action, PlaceJob)
+    assert len({s.node_id for s in action.stages}) == len(action.stages) == 3 * replicas
+    for index in range(3):
+        assert sorted(s.replica for s in action.stages if s.index == index) == list(range(replicas))
+    memory = {n.id: n.memory_bytes for n in nodes}
+    # stages 0 and 1 hold 62 parameters each (992 bytes to train): a 500-byte node takes only stage 2
+    assert all(memory[s.node_id] == 10**6 for s in action.stages if s.index < 2)
+
+
+def test_too_few_nodes_for_min_replicas_waits_with_a_condition() -> None:
+    queued = job(replicas_min=2, replicas_max=2, workload=FOUR)
+    [action] = plan(Desired(jobs=(queued,)), Observed(nodes=tuple(node(n) for n in "abcde")), NOW)
+    assert isinstance(action, SetCondition)
+    assert action.conditions[0]["message"] == "needs 6 Ready nodes, 5 available"
+
+
+def test_a_lost_replica_is_dropped_without_a_rewind_while_its_stage_keeps_another() -> None:
+    running = replicated(rows=TWO_EACH)
+    nodes = [node(n) for n in "abcef"] + [node("d", silent=60.0), node("spare")]
+    mark, action = plan(Desired(jobs=(running,)), Observed(nodes=tuple(nodes), stages=ready(running)), NOW)
+    assert isinstance(mark, MarkNodeUnknown) and isinstance(action, DropReplicas)
+    assert action.replicas == ((1, 1),) and action.generation == running.generation
+    assert "stage 1 replica 1 on d left: its node was lost" in action.conditions[0]["message"]
+    # once dropped, the stage is below its min: a new replica (a fresh id) goes to the spare, still no rewind
+    dropped = replace(running, stages=tuple(s for s in running.stages if s.key != (1, 0, 1)))
+    live = tuple(n for n in nodes if n.id != "d")  # its lease gone too: nothing left to mark
+    [grow] = plan(Desired(jobs=(dropped,)), Observed(nodes=live, stages=ready(dropped)), NOW)
+    assert isinstance(grow, AddReplicas) and (grow.generation, grow.next_replica) == (2, 2)
+    assert [(s.index, s.replica, s.node_id) for s in grow.stages] == [(1, 2, "spare")]
+
+
+def test_a_restarted_or_failed_replica_is_dropped_too() -> None:
+    running = replicated(rows=TWO_EACH)
+    restarted = replace(running, stages=tuple(
+        replace(s, restarted_generation=2) if s.key == (0, 0, 0) else s for s in running.stages
+    ))
+    nodes = tuple(node(n) for n in "abcdef")
+    [action] = plan(Desired(jobs=(restarted,)), Observed(nodes=nodes, stages=ready(running)), NOW)
+    assert isinstance(action, DropReplicas) and action.replicas == ((0, 0),)
+    failed = {**ready(running), (running.id, 2, 0, 1): StageReport(2, "failed", "out of memory")}
+    [action] = plan(Desired(jobs=(running,)), Observed(nodes=nodes, stages=failed), NOW)
+    assert isinstance(action, DropReplicas) and action.replicas == ((2, 1),)
+
+
+def test_a_stage_that_lost_every_replica_keeps_one_row_which_a_rewind_moves() -> None:
+    running = replicated(rows=TWO_EACH)
+    nodes = [node(n) for n in "abef"] + [node("c", silent=60.0), node("d", silent=60.0), node("spare")]
+    *_, drop = plan(Desired(jobs=(running,)), Observed(nodes=tuple(nodes), stages=ready(running)), NOW)
+    assert isinstance(drop, DropReplicas) and drop.replicas == ((1, 1),)
+    left = replace(running, stages=tuple(s for s in running.stages if s.key != (1, 0, 1)))
+    live = tuple(n for n in nodes if n.id not in "cd")
+    [rewind] = plan(Desired(jobs=(left,)), Observed(nodes=live, stages=ready(left)), NOW)
+    assert isinstance(rewind, RewindJob) and rewind.moves == ((1, 0, "spare"),)
+
+
+def test_a_running_job_grows_to_its_max_only_where_a_replica_is_worth_it() -> None:
+    one_each = [(0, 0, "a"), (1, 0, "b"), (2, 0, "c")]
+    running = replicated(rows=one_each, replicas_min=1, replicas_max=3)
+    nodes = (node("a"), node("b"), node("c"), node("x", flops=2e9), node("y"))
+    [grow] = plan(Desired(jobs=(running,)), Observed(nodes=nodes, stages=ready(running)), NOW)
+    assert isinstance(grow, AddReplicas) and grow.next_replica == 1
+    # the fastest spare goes to stage 0; a replica of stage 1 would gain little while stage 0 is as slow
+    assert [(s.index, s.replica, s.node_id) for s in grow.stages] == [(0, 1, "x")]
+    grown = replace(running, next_replica=2, stages=(*running.stages, PlacedStage(0, 0, 1, "x", 2, replica=1)))
+    [again] = plan(Desired(jobs=(grown,)), Observed(nodes=nodes, stages=ready(grown)), NOW)
+    assert isinstance(again, AddReplicas) and [(s.index, s.replica, s.node_id) for s in again.stages] == [
+        (1, 2, "y")
+    ]
+    # a spare far slower than the stage's replicas adds almost nothing: not worth its price
+    slow = (node("a"), node("b"), node("c"), node("z", flops=1e5))
+    assert plan(Desired(jobs=(running,)), Observed(nodes=slow, stages=ready(running)), NOW) == []
+    # the job's price cap bounds it too
+    priced = tuple(replace(n, price_per_hour=1.0) for n in nodes)
+    capped = replace(running, requirements=replace(running.requirements, max_price_per_hour=3.5))
+    assert plan(Desired(jobs=(capped,)), Observed(nodes=priced, stages=ready(running)), NOW) == []
+
+
+def test_a_stage_never_grows_past_its_max_or_the_micro_batches() -> None:
+    full = replicated(rows=TWO_EACH, replicas_min=1, replicas_max=2)
+    nodes = tuple(node(n) for n in "abcdefxyz")
+    assert plan(Desired(jobs=(full,)), Observed(nodes=nodes, stages=ready(full)), NOW) == []
+    two_micro_batches = replace(full, replicas_max=4, workload=Workload(micro_batch_size=2, micro_batches=2))
+    assert plan(Desired(jobs=(two_micro_batches,)), Observed(nodes=nodes, stages=ready(full)), NOW) == []
+
+
+def test_a_placing_replicated_job_starts_its_driver_once_every_replica_is_ready() -> None:
+    placing = replicated("placing", rows=TWO_EACH, driver_lease_expires_at=None)
+    nodes = tuple(node(n) for n in "abcdefxy")
+    [start] = plan(Desired(jobs=(placing,)), Observed(nodes=nodes, stages=ready(placing)), NOW)
+    assert isinstance(start, StartDriver)
+
