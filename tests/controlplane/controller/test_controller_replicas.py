@@ -9,12 +9,12 @@ from datetime import timedelta
 from django.utils import timezone
 
 from arceus.contracts.assignment import Assignment
+from controlplane.agents.services import node_heartbeat
 from controlplane.controller.executor import reconcile_once
 from controlplane.driver.driving import train_plan
 from controlplane.jobs.models import Job, Stage
 from controlplane.jobs.selectors import assignments_for_node
 from controlplane.jobs.services import job_start
-from controlplane.nodes.services import node_heartbeat
 from tests.controlplane.conftest import DIGITS_JOB
 
 
