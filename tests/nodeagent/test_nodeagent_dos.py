@@ -28,7 +28,14 @@ from arceus.data.config import validate_dataset_config
 from arceus.training.driver import train
 from arceus.training.plan import TrainPlan
 from arceus.training.recording import RecordingSink
-from arceus.v1 import link_probe_pb2, link_probe_pb2_grpc, stage_pb2, stage_pb2_grpc, tensor_parallel_pb2
+from arceus.v1 import (
+    link_probe_pb2,
+    link_probe_pb2_grpc,
+    replica_pb2,
+    stage_pb2,
+    stage_pb2_grpc,
+    tensor_parallel_pb2,
+)
 from arceus.wire.channels import open_channel, pinned_channel_credentials
 from arceus.wire.proto_tensor import to_proto
 from arceus.wire.push_stream import raw_push, serialize
@@ -278,7 +285,7 @@ def every_method() -> list[tuple[str, bool]]:
     with a stream."""
     return [
         (f"/{service.full_name}/{method.name}", method.server_streaming)
-        for module in (stage_pb2, tensor_parallel_pb2, link_probe_pb2)
+        for module in (stage_pb2, tensor_parallel_pb2, replica_pb2, link_probe_pb2)
         for service in module.DESCRIPTOR.services_by_name.values()
         for method in service.methods
     ]
