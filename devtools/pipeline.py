@@ -15,6 +15,7 @@ from typing import Any
 
 from arceus.contracts.assignment import Assignment, OptimizerConfig
 from arceus.contracts.credentials import DRIVER, StageCredentials, mint_token, stage_credentials
+from arceus.contracts.replica_sync import replica_sync_from_json
 from arceus.contracts.stage_key import stage_key
 from arceus.contracts.transfer import transfer_config_from_json
 from arceus.training.plan import StageEndpoint
@@ -83,9 +84,11 @@ def replicated_pipeline_assignments(
     max_micro_batch_size: int,
     generation: int = 1,
     schedule: str = "gpipe",
+    replica_sync: dict[str, Any] | None = None,
 ) -> list[list[dict[str, Any]]]:
     """Assignments (JSON) for replicated stages (arceus/swarm): stage i's replica r hosted at addresses[i][r],
-    replica ids 0, 1, ... per stage; a replica's neighbours and siblings are named by each RunStep, not here."""
+    replica ids 0, 1, ... per stage; a replica's neighbours and siblings are named by each RunStep, not here.
+    `replica_sync`: how often the replicas agree (arceus.contracts.replica_sync; None: every step, exactly)."""
     _check_boundaries(boundaries, addresses)
     n = len(addresses)
     shared = dict(job_id=job_id, model_config=model_config, boundaries=boundaries, optimizer=optimizer, seed=seed,
@@ -97,6 +100,7 @@ def replicated_pipeline_assignments(
                 prev_address=None, next_address=None,
                 credentials=stage_credentials(STATIC_SECRET, job_id, generation, i, 0, [1] * n, replicated=True),
                 certificates={}, schedule=schedule, replica=r,
+                replica_sync=replica_sync_from_json(replica_sync),
             )
             for r in range(len(addresses[i]))
         ]

@@ -105,6 +105,7 @@ class ReplicaExchange:
         # others: at most about two stages' worth of shards, plus one per member for the rounding.
         per_stage = math.ceil(total_elements * _FLOAT32_BYTES / MAX_SHARD_BYTES) + max_replicas
         self.shards: Mailbox[torch.Tensor] = Mailbox(capacity=2 * max_replicas * per_stage + 8)
+        self.bytes_sent = 0  # tensor bytes pushed to siblings over the stage's life (only the step's thread adds)
 
     @property
     def name(self) -> str:
@@ -174,6 +175,7 @@ class ReplicaExchange:
                 step=step, epoch=epoch, source_replica=self.replica, phase=phase, start=start,
                 tensor=to_proto(values),
             )
+            self.bytes_sent += values.numel() * values.element_size()
             if len(sends) >= SENDS_IN_FLIGHT:
                 settle(*sends.popleft())
             sends.append((to, stub(to).PushShard.future(request, timeout=max(0.05, deadline - time.monotonic()))))

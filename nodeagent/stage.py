@@ -15,6 +15,7 @@ from arceus.model.hugging_face import initial_weights_slice_bytes
 from arceus.model.layout import TensorLayout
 from arceus.model.registry import architecture_of
 from arceus.model.tensor_parallel import build_parallel_layers, slice_state_tensors
+from arceus.swarm.outer import OuterSync, sync_elements
 from arceus.v1 import replica_pb2_grpc, stage_pb2
 from arceus.wire.channels import open_channel
 from arceus.wire.push_stream import PushStream
@@ -124,10 +125,15 @@ class HostedStage:
         self._max_message_bytes = max_message_bytes
         self._replica_links: dict[tuple[str, str], NeighbourLink] = {}
         self._links_lock = threading.Lock()
+        # Replicas that sync every H steps exchange their weight deltas and optimizer state (arceus.swarm.outer).
+        elements = sum(p.numel() for p in runtime.layers.parameters())
+        if not a.replica_sync.exact and runtime.optimizer_name is not None:
+            elements = sync_elements(elements, runtime.optimizer_name)
         self.exchange = None if a.replica is None else ReplicaExchange(
             job_id=a.job_id, stage_index=a.stage_index, generation=a.generation, replica=a.replica,
-            total_elements=sum(p.numel() for p in runtime.layers.parameters()), max_replicas=a.micro_batches,
+            total_elements=elements, max_replicas=a.micro_batches,
         )
+        self.outer_sync: OuterSync | None = None  # made at the first train step of replicas syncing every H steps
 
     @property
     def name(self) -> str:

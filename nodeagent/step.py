@@ -20,6 +20,7 @@ import torch
 
 from arceus.pipeline.schedule import Action, build_schedule, replica_schedule
 from arceus.pipeline.solo import solo_planner
+from arceus.swarm.outer import OuterSync
 from arceus.v1 import stage_pb2
 from arceus.verify.receipts import ReceiptSigner
 from nodeagent.lending import ComputeThreads, StepLending
@@ -87,7 +88,10 @@ class StepRun:
         else:
             self.stage.settle()  # the previous step's optimizer step, if an audit (or replicas) kept it waiting
         self.stage.deferred_step = None
+        if self.train and self.replicas is not None and not self.stage.assignment.replica_sync.exact:
+            self._start_sync_round()
         compute_before = runtime.counters.compute_seconds
+        sent_before = 0 if self.stage.exchange is None else self.stage.exchange.bytes_sent
         self.stage.mailbox.retain_step(self.step)
         try:
             for index, action in enumerate(self.actions):
@@ -98,11 +102,23 @@ class StepRun:
                 self.pushes.raise_if_failed()
             with self._waiting():
                 self.pushes.wait_all()
-            if self.train and self.replicas is not None and len(self.replicas.members(self.stage.io.stage_index)) > 1:
+            sync = self.stage.assignment.replica_sync
+            members = () if self.replicas is None else self.replicas.members(self.stage.io.stage_index)
+            if self.train and sync.exact and len(members) > 1:
                 self._exchange(self.replicas)
             if self.train:
                 self.lending.optimizer_step()
-                if self.audit.keep() or self.replicas is not None:
+                if self.replicas is not None and not sync.exact and sync.syncs_at(self.step):
+                    # Replicas that sync every H steps: this step's own update now, then the average, so they leave
+                    # the step equal. Nothing is deferred: an audit would read the weights after it.
+                    if self.audit.keep():
+                        raise RpcFailure(
+                            grpc.StatusCode.FAILED_PRECONDITION,
+                            f"{self.stage.name}: spot checks of replicas that sync every few steps are not supported",
+                        )
+                    runtime.optimizer_step(self.request.learning_rate or None)
+                    self._average(self.replicas)
+                elif self.audit.keep() or self.replicas is not None:
                     # An audit reads the weights this step's forwards used: they stay until the next call. Replicas
                     # apply their update only once every replica took the step: the driver's next step commits it.
                     runtime.defer_optimizer_step(self.request.learning_rate or None)
@@ -125,6 +141,7 @@ class StepRun:
             sent_receipts=self.audit.sent_receipts,
             micro_batches=() if self.replicas is None else self.replicas.micro_batches,
             exchange_seconds=self.exchange_seconds,
+            exchange_bytes=0 if self.stage.exchange is None else self.stage.exchange.bytes_sent - sent_before,
         )
 
     def _exchange(self, plan: ReplicaStepPlan) -> None:
@@ -141,6 +158,34 @@ class StepRun:
             abort=self.abort,
         )
         stage.runtime.set_gradient_vector(reduced)
+        self.exchange_seconds = time.perf_counter() - started
+
+    def _start_sync_round(self) -> None:
+        """The weights every replica starts from, kept at its first train step (the replicas are equal then:
+        built from the same weights or copied from a peer): what the first sync's deltas are measured from."""
+        stage = self.stage
+        if stage.outer_sync is None:
+            runtime = stage.runtime
+            stage.outer_sync = OuterSync(
+                list(runtime.layers.parameters()), runtime.optimizer, stage.assignment.replica_sync
+            )
+
+    def _average(self, plan: ReplicaStepPlan) -> None:
+        """Replicas that sync every H steps, at a sync: the same outer step from the members' mean on each."""
+        stage, started = self.stage, time.perf_counter()
+        index = stage.io.stage_index
+        members = plan.members(index)
+        local = stage.outer_sync.local_vector()
+        summed = local if len(members) == 1 else stage.exchange.exchange(
+            local,
+            step=self.step,
+            epoch=plan.epoch,
+            members=members,
+            stub=lambda k: stage.replica_link(plan.peers[(index, k)]).replicas,
+            deadline=self.wait_until,
+            abort=self.abort,
+        )
+        stage.outer_sync.apply(summed, len(members))
         self.exchange_seconds = time.perf_counter() - started
 
     def _forward(self, index: int, action: Action) -> None:

@@ -14,6 +14,7 @@ from typing import Any
 
 from arceus.contracts.certificates import check_certificate
 from arceus.contracts.credentials import StageCredentials
+from arceus.contracts.replica_sync import ReplicaSync, replica_sync_from_json
 from arceus.contracts.transfer import TransferConfig, transfer_config_from_json
 from arceus.errors import SpecError
 from arceus.model.precision import check_precision
@@ -45,7 +46,7 @@ _FIELDS = frozenset(
 _OPTIONAL_FIELDS = frozenset(
     {
         "checkpoint", "initial_weights", "program", "transfer", "precision", "tensor_parallel",
-        "activation_checkpointing", "schedule", "inference", "replica",
+        "activation_checkpointing", "schedule", "inference", "replica", "replica_sync",
     }
 )
 _OPTIMIZER_FIELDS = frozenset({"name", "lr", "momentum", "weight_decay"})
@@ -143,6 +144,8 @@ class Assignment:
     # This stage's replica id where the stage is replicated (arceus/swarm): its neighbours and siblings are then
     # named step by step (RunStep's routes and peers), not here, so prev/next_address are null. None: one agent.
     replica: int | None = None
+    # How often a replica agrees with its siblings (arceus.contracts.replica_sync): every step, exactly, by default.
+    replica_sync: ReplicaSync = ReplicaSync()
 
     @property
     def is_first(self) -> bool:
@@ -238,6 +241,9 @@ class Assignment:
                 "a tensor-parallel stage cannot be replicated yet: use one tensor-parallel group per stage, or "
                 "replicas of unsplit stages",
             )
+        replica_sync = replica_sync_from_json(data.get("replica_sync"), field="assignment.replica_sync")
+        if replica is None and not replica_sync.exact:
+            raise SpecError("assignment.replica_sync", "applies to a replica of a replicated stage only")
         if inference and tensor_parallel is not None:
             raise SpecError("assignment.inference", "a stage served for inference is one agent, never tensor-parallel")
         if recompute and tensor_parallel is not None:
@@ -277,6 +283,7 @@ class Assignment:
             next_ranks=next_ranks,
             inference=inference,
             replica=replica,
+            replica_sync=replica_sync,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -317,6 +324,7 @@ class Assignment:
             **({} if self.program is None else {"program": self.program}),
             **({"inference": True} if self.inference else {}),
             **({} if self.replica is None else {"replica": self.replica}),
+            **({} if self.replica_sync.exact else {"replica_sync": self.replica_sync.to_json()}),
             "transfer": self.transfer.to_json(),
             "precision": self.precision,
             "activation_checkpointing": self.activation_checkpointing,

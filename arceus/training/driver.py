@@ -78,6 +78,7 @@ class StepOutcome:
     stages: list[StageCounters]
     spot_checks: list[SpotCheckResult]
     timings: list[StageTiming]
+    exchange_bytes: int = 0  # replicated stages: what their replicas pushed to their siblings
 
 
 class Pipeline:
@@ -369,6 +370,7 @@ class Pipeline:
             ],
             spot_checks=[],
             timings=[timings[i] for i in sorted(timings)],
+            exchange_bytes=sum(r.exchange_bytes for r in replies),
         )
 
     def evaluate(self, samples: Samples, batch_size: int) -> tuple[float, float, list[StageCounters]]:
@@ -541,6 +543,7 @@ def _train(plan: TrainPlan, sink: ProgressSink, dataset: dict, train_set: Sample
                         stages=outcome.stages,
                         spot_checks=outcome.spot_checks,
                         timings=outcome.timings,
+                        exchange_bytes=outcome.exchange_bytes,
                     )
                 )
                 ends_epoch = step % steps_per_epoch == 0 or step >= total_steps

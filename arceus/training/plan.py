@@ -185,6 +185,8 @@ class StepProgress:
     stages: list[StageCounters] = field(default_factory=list)  # cumulative, after this step
     spot_checks: list[SpotCheckResult] = field(default_factory=list)  # of this step
     timings: list[StageTiming] = field(default_factory=list)  # of this step, one per stage
+    # Of this step: the tensor bytes replicas pushed to their siblings (their gradient exchange or sync).
+    exchange_bytes: int = 0
 
 
 @dataclass

@@ -24,6 +24,7 @@ import torch
 
 from arceus.contracts.assignment import max_micro_batch_size
 from arceus.data.config import validate_dataset_config
+from arceus.model.registry import model_spec_from_config
 from arceus.training.driver import train
 from arceus.training.plan import StepProgress, TrainPlan
 from arceus.training.recording import RecordingSink
@@ -61,6 +62,10 @@ RUNS: dict[str, dict[str, Any]] = {
                     "optimizer": {"name": "sgd", "lr": 0.3, "momentum": 0.9, "weight_decay": 1e-4},
                     "schedule": "1f1b", "steps": 4, "digests": False},
 }
+# Replicas that sync every H steps (DiLoCo): not one process's training, so apart from RUNS.
+SYNC_RUNS: dict[str, dict[str, Any]] = {
+    "mlp-3x2-sgd-sync3": {**RUNS["mlp-3x2-sgd"], "replica_sync": {"every_steps": 3, "outer_lr": 0.7}},
+}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +74,7 @@ def gpt_configs(small_text) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def configs(job_id: str, gpt_configs: tuple[dict[str, Any], dict[str, Any]]) -> tuple[dict[str, Any], dict[str, Any]]:
-    return gpt_configs if RUNS[job_id]["model"] is GPT else (MLP, DIGITS)
+    return gpt_configs if {**RUNS, **SYNC_RUNS}[job_id]["model"] is GPT else (MLP, DIGITS)
 
 
 @pytest.fixture(scope="module")
@@ -80,13 +85,14 @@ def addresses(
     ports = [f"127.0.0.1:{port}" for port in free_ports(AGENTS)]
     per_agent: list[list[dict[str, Any]]] = [[] for _ in range(AGENTS)]
     by_run = {}
-    for job_id, run in RUNS.items():
+    for job_id, run in {**RUNS, **SYNC_RUNS}.items():
         model, dataset = configs(job_id, gpt_configs)
         by_run[job_id] = [[ports[a] for a in stage] for stage in run["agents"]]
         stages = replicated_pipeline_assignments(
             job_id=job_id, model_config=model, boundaries=run["boundaries"], addresses=by_run[job_id],
             optimizer=run["optimizer"], seed=SEED, micro_batches=MICRO_BATCHES,
             max_micro_batch_size=max_micro_batch_size(dataset, MICRO_BATCHES), schedule=run["schedule"],
+            replica_sync=run.get("replica_sync"),
         )
         for stage, agents in zip(stages, run["agents"], strict=True):
             for assignment, agent in zip(stage, agents, strict=True):
@@ -128,17 +134,33 @@ class DigestingSink(RecordingSink):
             client.close()
 
 
+def _plan(job_id: str, run: dict[str, Any], dataset: dict[str, Any], addresses: list[list[str]]) -> TrainPlan:
+    stages, replicas = replica_endpoints(addresses, run["boundaries"])
+    return TrainPlan(
+        job_id=job_id, generation=1, credential=driver_token(job_id, 1), stages=stages, replicas=replicas,
+        dataset=dataset, epochs=1, learning_rate=run["optimizer"]["lr"], micro_batches=MICRO_BATCHES, seed=SEED,
+        rpc_timeout_seconds=30.0, max_steps=run["steps"], schedule=run["schedule"],
+    )
+
+
+def _exchanged_bytes(model: dict[str, Any], run: dict[str, Any], elements_per_parameter: int) -> int:
+    """The tensor bytes a step's exchange pushes: each stage's R replicas reduce-scatter and all-gather its
+    vector (the gradients, or weight deltas and optimizer state), 2 (R - 1) vectors' worth of float32."""
+    sizes = model_spec_from_config(model).layer_params()
+    bounds = run["boundaries"]
+    return sum(
+        2 * (len(agents) - 1) * 4 * elements_per_parameter * sum(sizes[bounds[i] : bounds[i + 1]])
+        for i, agents in enumerate(run["agents"])
+    )
+
+
 @pytest.mark.parametrize("job_id", list(RUNS))
 def test_replicated_training_matches_single_process(
     addresses: dict[str, list[list[str]]], gpt_configs: tuple[dict[str, Any], dict[str, Any]], job_id: str
 ) -> None:
     run, (model, dataset) = RUNS[job_id], configs(job_id, gpt_configs)
-    stages, replicas = replica_endpoints(addresses[job_id], run["boundaries"])
-    plan = TrainPlan(
-        job_id=job_id, generation=1, credential=driver_token(job_id, 1), stages=stages, replicas=replicas,
-        dataset=dataset, epochs=1, learning_rate=run["optimizer"]["lr"], micro_batches=MICRO_BATCHES, seed=SEED,
-        rpc_timeout_seconds=30.0, max_steps=run["steps"], schedule=run["schedule"],
-    )
+    plan = _plan(job_id, run, dataset, addresses[job_id])
+    replicas = plan.replicas
     sink = DigestingSink(plan, run.get("digests", True))
     try:
         result = train(plan, sink)
@@ -153,6 +175,8 @@ def test_replicated_training_matches_single_process(
     )
 
     assert result.steps == run["steps"] and not result.stopped
+    # The exact exchange carries every stage's gradients every step.
+    assert [p.exchange_bytes for p in sink.steps] == [_exchanged_bytes(model, run, 1)] * run["steps"]
     for step, (got, want) in enumerate(zip([p.loss for p in sink.steps], expected.losses, strict=True), 1):
         assert math.isclose(got, want, rel_tol=1e-5), f"step {step}: replicated loss {got!r} != reference {want!r}"
     assert expected.losses[-1] < expected.losses[0]
@@ -174,6 +198,32 @@ def test_replicated_training_matches_single_process(
         assert set(counted) == {e.node_id for e in replicas}
         assert all(counted[node] > before.get(node, 0) for node in counted), f"step {p.step}: {counted}"
         before = counted
+
+
+def test_replicas_syncing_every_h_steps_are_equal_after_each_sync(addresses: dict[str, list[list[str]]]) -> None:
+    """replica_sync every 3 steps (DiLoCo): between syncs the replicas of a stage train apart on their own
+    micro-batches and exchange nothing; at steps 3 and 6 they exchange their weight deltas and optimizer state
+    (momentum buffers: twice the gradients' bytes) and leave the step with the same bits."""
+    job_id = "mlp-3x2-sgd-sync3"
+    run = SYNC_RUNS[job_id]
+    plan = _plan(job_id, run, DIGITS, addresses[job_id])
+    sink = DigestingSink(plan, digests=True)
+    try:
+        result = train(plan, sink)
+    finally:
+        sink.close()
+
+    assert result.steps == run["steps"] and not result.stopped
+    synced = _exchanged_bytes(MLP, run, 2)  # the weight deltas and SGD's momentum buffers
+    assert [p.exchange_bytes for p in sink.steps] == [0, 0, synced, 0, 0, synced]
+    losses = [p.loss for p in sink.steps]
+    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
+    for step, digests in enumerate(sink.digests, 1):
+        equal = [len({digests[(i, r)] for r in range(len(stage))}) == 1 for i, stage in enumerate(run["agents"])]
+        if step % 3 == 0:
+            assert all(equal), f"step {step}: a stage's replicas differ after a sync"
+        else:
+            assert not any(equal), f"step {step}: replicas trained apart, yet a stage's are equal"
 
 
 def test_only_a_sibling_may_push_a_replica_a_shard(addresses: dict[str, list[list[str]]]) -> None:
