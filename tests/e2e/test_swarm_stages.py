@@ -83,3 +83,27 @@ def test_a_killed_replica_costs_no_rewind_and_a_spare_joins_from_its_peer(cluste
     for step, want in enumerate(reference.losses, start=1):
         assert math.isclose(curve[step], want, rel_tol=1e-5, abs_tol=1e-5), (step, curve[step], want)
     assert math.isclose(final["val_loss"], reference.val_loss, rel_tol=1e-5, abs_tol=1e-5)
+
+
+def test_a_stage_that_loses_every_replica_rewinds_to_its_checkpoint(cluster: LocalCluster) -> None:
+    reference = reference_run(JOB)
+    agents = cluster.start_agents([f"swarm-{i}" for i in range(7)])
+    job = cluster.client.submit_job(JOB)
+    cluster.client.start_job(job["id"])
+    before = cluster.wait_for_job(job["id"], lambda d: d["status"] == "running" and d["step"] >= KILL_AT_STEP, 120)
+    placed = replicas(before)
+    spare = next(a for a in agents if a.node_id not in {p["node_id"] for p in placed.values()})
+    for replica in (0, 1):
+        cluster.crash(next(a for a in agents if a.node_id == placed[(1, replica)]["node_id"]).child.name)
+    final = cluster.client.wait(job["id"], timeout=180)
+    assert final["status"] == "succeeded", (final["error"], final["conditions"])
+    assert final["resumed_from_step"] == 10 and final["generation"] > before["generation"] + 1
+    # the stage kept one row, moved to the spare; the other stages kept their replicas
+    now = replicas(final)
+    assert [p["node_id"] for k, p in now.items() if k[0] == 1] == [spare.node_id]
+    assert {k: p["node_id"] for k, p in now.items() if k[0] != 1} == {
+        k: p["node_id"] for k, p in placed.items() if k[0] != 1
+    }
+    curve = {p["step"]: p["loss"] for p in final["loss_curve"]}
+    for step, want in enumerate(reference.losses, start=1):
+        assert math.isclose(curve[step], want, rel_tol=1e-5, abs_tol=1e-5), (step, curve[step], want)

@@ -96,3 +96,26 @@ def test_a_lost_replica_is_replaced_at_the_same_generation_and_the_api_lists_rep
     assert (1, 2, "spare", True) in replicas and len(replicas) == 6
     assert all("micro_batches" in p and "state" in p for p in detail["placements"])
     assert reconcile_once(now=now).applied == []  # at its max: steady
+
+
+def test_a_running_elastic_job_gains_replicas_as_nodes_register_without_a_restart(api, ready_node) -> None:
+    for i in range(3):
+        ready_node(f"n{i}", port=50051 + i)
+    created = api.post("/api/jobs", {**DIGITS_JOB, "replicas": {"min": 1, "max": 3}}, format="json").json()
+    job = job_start(job=Job.objects.get(pk=created["id"]))
+    reconcile_once()
+    job.refresh_from_db()
+    assert sorted(Stage.objects.filter(job=job).values_list("index", "replica")) == [(0, 0), (1, 0), (2, 0)]
+    Job.objects.filter(pk=job.pk).update(status="running", driver_lease_owner="d",
+                                         driver_lease_expires_at=timezone.now() + timedelta(seconds=60))
+    generation = job.generation
+    assert reconcile_once().applied == []  # no free node: nothing to add
+    ready_node("late-0", port=50061)
+    ready_node("late-1", port=50062)
+    added = [a for _ in range(3) for a in reconcile_once().applied]
+    assert {type(a).__name__ for a in added} == {"AddReplicas"}
+    job.refresh_from_db()
+    assert (job.status, job.generation, job.restarts) == ("running", generation, 0)
+    joiners = Stage.objects.filter(job=job, joining=True)
+    assert joiners.count() == 2 and {s.node.name for s in joiners} == {"late-0", "late-1"}
+    assert len(set(joiners.values_list("replica", flat=True))) == 2 and job.next_replica == 3
