@@ -1,7 +1,7 @@
 """Replicated stages on this machine (1, 2, 3 replicas per stage), on loopback and on shaped links, beside the
 step model's predictions; then the model at scale: a 1B-parameter model in 8 stages over 100 devices under churn.
 
-    .venv/bin/python bench/swarm_scaling.py [--replicas 1 2 3] [--steps 10] [--delay-ms 20] [--rate-mbit 100]
+    .venv/bin/python bench/swarm_scaling.py [--replicas 1 2 3] [--steps 14] [--delay-ms 20] [--rate-mbit 100]
                                             [--hours 24] [--no-write]
 
 Measured: the GPT of bench/pipeline_vs_torch.py in 3 stages (layer boundaries [0, 3, 5, 8]), batch 24 × 128
@@ -26,6 +26,8 @@ import argparse
 import math
 import os
 import random
+import resource
+import subprocess
 import sys
 import tempfile
 import time
@@ -59,6 +61,18 @@ from devtools.shaper import ShaperThread  # noqa: E402
 DATASET = validate_dataset_config({"name": "text", "batch_size": 24, "val_batch_size": 64, "block_size": 128})
 MICRO_BATCHES, WARMUP, BOUNDS = 6, 2, [0, 3, 5, 8]
 CLOCK_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def free_cores(seconds: float = 1.0) -> float:
+    """How many cores this host's busy processes get now: one spinning child per core for `seconds`, their CPU
+    over the wall time (other sessions' load takes the rest)."""
+    before, started = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
+    spin = f"import time\nend = time.perf_counter() + {seconds}\nwhile time.perf_counter() < end: pass"
+    children = [subprocess.Popen([sys.executable, "-S", "-c", spin]) for _ in range(os.cpu_count() or 1)]
+    for child in children:
+        child.wait()
+    after, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - started
+    return (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / wall
 
 
 def cpu_seconds(pid: int) -> float:
@@ -106,6 +120,7 @@ class Run:
     stage_cpu_per_sample: list[float]  # per stage, its replicas' CPU seconds over the samples
     bytes_sent_per_step: float  # every replica's
     loss: float
+    free_cores: float  # measured just before and just after the run, the mean
     peak_rss_mib: list[float] = field(default_factory=list)  # per agent, over both runs of its R
 
 
@@ -118,8 +133,10 @@ def run(job_id: str, replicas: int, endpoints: list[StageEndpoint], agents: list
         rpc_timeout_seconds=120.0,
     )
     pids = [a.process.pid for a in agents]
+    cores = free_cores()
     meter = Meter(pids, steps)
     train(plan, meter)
+    cores = (cores + free_cores()) / 2  # other sessions' load comes and goes: the mean of before and after
     (agents_start, own_start), (agents_end, own_end) = meter.cpu
     measured = len(meter.steps) - WARMUP
     samples = measured * DATASET["batch_size"]
@@ -137,6 +154,7 @@ def run(job_id: str, replicas: int, endpoints: list[StageEndpoint], agents: list
         stage_cpu_per_sample=[c / samples for c in stage_cpu],
         bytes_sent_per_step=sent / measured,
         loss=last.loss,
+        free_cores=cores,
     )
 
 
@@ -207,16 +225,16 @@ class Calibration:
         shaper = max(0.0, shaped.own_cpu_per_step - loopback.own_cpu_per_step) / shaped.bytes_sent_per_step
         return cls(loopback.stage_cpu_per_sample, loopback.own_cpu_per_step, shaper)
 
-    def predict(self, replicas: int, shaped: bool, shape: dict[str, float]) -> tuple[float, float]:
-        """(samples/s, agent CPU seconds per sample) the model predicts for R replicas on this host."""
+    def predict(self, replicas: int, shaped: bool, shape: dict[str, float], cores: float) -> tuple[float, float]:
+        """(samples/s, agent CPU seconds per sample) the model predicts for R replicas on `cores` free cores."""
         w = bench_workload()
         link = Link(shape["delay_s"], shape["rate_bps"]) if shaped else Link(0.0, 1e18)
         stages = [[Replica(c, link)] * replicas for c in self.compute]
         boundary_bytes = 2 * sum(w.boundary_bytes_per_sample) * w.batch_size
         exchange_bytes = sum(2 * (replicas - 1) * g for g in w.gradient_bytes)  # R replicas, 2(R-1)/R each
         shaper = self.shaper_cpu_per_byte * (boundary_bytes + exchange_bytes) if shaped else 0.0
-        agents = SharedHost(os.cpu_count() or 1)
-        host = SharedHost(os.cpu_count() or 1, other_cpu_s=self.driver_cpu_s + shaper)
+        agents = SharedHost(cores)
+        host = SharedHost(cores, other_cpu_s=self.driver_cpu_s + shaper)
         return (shared_host_samples_per_second(stages, w, host),
                 cpu_seconds_per_step(stages, w, agents) / w.batch_size)
 
@@ -260,7 +278,7 @@ def scale_rows(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def churn(args: argparse.Namespace, copy_s: float, interval: int, hours: float, leaving: float) -> Churn:
-    return Churn(leaves_per_hour=leaving, detection_s=args.repair_s, recovery_s=args.repair_s,
+    return Churn(leaves_per_hour=leaving, detection_s=args.repair_s, recovery_s=0.0,
                  rewind_s=args.rewind_s + copy_s, join_s=copy_s, checkpoint_interval_steps=interval, hours=hours,
                  seed=args.seed)
 
@@ -268,16 +286,16 @@ def churn(args: argparse.Namespace, copy_s: float, interval: int, hours: float, 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 3], help="R values to measure (1 first)")
-    parser.add_argument("--steps", type=int, default=10, help="training steps per run")
+    parser.add_argument("--steps", type=int, default=14, help="training steps per run")
     parser.add_argument("--delay-ms", type=float, default=20.0, help="one-way delay of a shaped link")
     parser.add_argument("--rate-mbit", type=float, default=100.0, help="rate of a shaped link, per direction")
     parser.add_argument("--hours", type=float, default=24.0, help="simulated hours at scale")
     parser.add_argument("--leaves-per-hour", type=float, default=0.1, help="each device's departure rate at scale")
-    parser.add_argument("--repair-s", type=float, default=1.0,
-                        help="at scale: detection and recovery of a lost replica, each")
-    parser.add_argument("--rewind-s", type=float, default=16.0,
-                        help="at scale: a rewind's detection and re-placement (fault_trials: 5-7 s and 7-10 s), "
-                             "before its checkpoint loads")
+    parser.add_argument("--repair-s", type=float, default=3.1,
+                        help="at scale: a lost replica's kill until its step runs again (bench/swarm_churn.py)")
+    parser.add_argument("--rewind-s", type=float, default=7.0,
+                        help="at scale: a rewind's re-placement after that, before its checkpoint loads "
+                             "(bench/fault_trials.py: recovery 7-10 s from the kill)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-write", action="store_true", help="do not rewrite docs/BENCHMARKS.md")
     args = parser.parse_args()
@@ -298,10 +316,11 @@ def main() -> None:
 
     rows, figures = "", {}
     for (replicas, shaped), r in runs.items():
-        rate, cpu = calibration.predict(replicas, shaped, shape)
+        rate, cpu = calibration.predict(replicas, shaped, shape, r.free_cores)
         ratio = r.agent_cpu_per_sample / runs[(1, shaped)].agent_cpu_per_sample
         rows += (f"| {replicas} | {'shaped' if shaped else 'loopback'} | {r.samples_per_s:.2f} | {rate:.2f} | "
-                 f"{r.samples_per_s / rate - 1:+.0%} | {r.agent_cpu_per_sample * 1000:.1f} | {cpu * 1000:.1f} | "
+                 f"{r.samples_per_s / rate - 1:+.0%} | {r.free_cores:.2f} | {r.agent_cpu_per_sample * 1000:.1f} | "
+                 f"{cpu * 1000:.1f} | "
                  f"{ratio:.2f}× | {r.own_cpu_per_step:.2f} | {r.bytes_sent_per_step / 1e6:.1f} | "
                  f"{max(r.peak_rss_mib):.0f} | {r.loss:.4f} |\n")
         key = f"r{replicas}_{'shaped' if shaped else 'loopback'}"
@@ -311,9 +330,10 @@ def main() -> None:
         figures[f"{key}_cpu_ratio_to_r1"] = round(ratio, 3)
         figures[f"{key}_peak_rss_mib_max"] = round(max(r.peak_rss_mib), 1)
     measured_table = (
-        "| R | links | samples/s | predicted | measured vs predicted | agent CPU ms/sample | predicted | "
-        "CPU/sample vs R=1 | driver (+shaper) CPU s/step | MB sent/step | peak RSS per agent, max MiB | "
-        "loss at last step |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n" + rows
+        "| R | links | samples/s | predicted | measured vs predicted | free cores | agent CPU ms/sample | "
+        "predicted | CPU/sample vs R=1 | driver (+shaper) CPU s/step | MB sent/step | peak RSS per agent, max MiB | "
+        "loss at last step |\n| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n"
+        + rows
     )
 
     scale = scale_rows(args)
@@ -343,13 +363,14 @@ def main() -> None:
         f"one way, {args.rate_mbit:g} Mbit/s per direction (each connection shaped on its own). Agent CPU: "
         "utime + stime of every agent over the measured steps, over the samples. Peak RSS: VmHWM of each agent "
         "after both of its runs.\n\n"
-        f"Predicted: `arceus.swarm.model` on one shared host of {os.cpu_count()} cores, calibrated on the R=1 "
+        "Predicted: `arceus.swarm.model` on one shared host, with the cores free around each run (one spinning "
+        "process per core for 1 s, just before and just after it: the CPU they got over the wall time, the mean; "
+        "other sessions' load comes and goes within a run, so this is rough), calibrated on the R=1 "
         f"runs only (agent CPU per sample of each stage {' / '.join(f'{x * 1000:.1f} ms' for x in c.compute)}, "
         f"the driver's {c.driver_cpu_s:.3f} s/step, the shaper's {c.shaper_cpu_per_byte * 1e9:.1f} ns per byte "
         "carried), each replica a core of its own in the replay, all of them bound by the host's cores. It "
         "charges more replicas no CPU beyond R=1's (their exchange, each replica's optimizer step and RPCs): the "
-        "measured CPU/sample against R=1 is that overhead. Other sessions' load takes cores the model "
-        "counts as free.\n\n"
+        "measured CPU/sample against R=1 is that overhead.\n\n"
         + measured_table
         + f"\nAt scale (simulated, `arceus.swarm.churn` over `arceus.swarm.model`): a {SCALE_PARAMS / 1e9:g}B-"
         f"parameter model in {SCALE_STAGES} stages, {SCALE_DEVICES} devices of {SCALE_FLOPS[0] / 1e12:g}-"
@@ -359,9 +380,10 @@ def main() -> None:
         f"activations {SCALE_TOKENS} × {SCALE_D_MODEL} values per sample; the exchange and the boundaries in "
         "fp32 or int8 (1.06 bytes per value). Each device leaves at "
         f"{args.leaves_per_hour:g}/hour (an equal one arrives as a spare) over {args.hours:g} hours. A lost "
-        f"replica: {args.repair_s:g} s detection + {args.repair_s:g} s recovery, its step recomputed; a spare "
-        "joins by copying the stage's state (weights + Adam, fp32) over its link; a stage left empty (always, "
-        f"at R=1) rewinds: {args.rewind_s:g} s then every stage loads its checkpoint over its link, and the "
+        f"replica: its step runs again {args.repair_s:g} s later (measured: `bench/swarm_churn.py`), from its "
+        "start (the model's conservative rule); a spare joins by copying the stage's state (weights + Adam, fp32) "
+        f"over its link; a stage left empty (always, at R=1) rewinds: {args.repair_s:g} + {args.rewind_s:g} s "
+        "(`bench/fault_trials.py`), then every stage loads its checkpoint over its link, and the "
         f"steps since the checkpoint (every ~30 minutes at R=1: {scale[0]['interval']} steps) are replayed. "
         "R=1 is today's one device per stage.\n\n" + scale_table
         + f"\nThe bench took {figures['bench_seconds']} s.\n"

@@ -179,17 +179,18 @@ def _step_time(stages: tuple[tuple[Replica, ...], ...], w: Workload) -> StepTime
 
 @dataclass(frozen=True)
 class SharedHost:
-    """Every replica on one host (a bench machine): `cores` cores shared by all of them; `replica_overhead_s`:
+    """Every replica on one host (a bench machine): `cores` cores shared by all of them (fewer than it has where
+    other work takes some: a fraction counts); `replica_overhead_s`:
     each replica's CPU seconds per step beyond its compute (its RPCs, its optimizer step, which every replica
     runs in full); `other_cpu_s`: CPU seconds per step of what else runs there (the driver, a link shaper)."""
 
-    cores: int
+    cores: float
     replica_overhead_s: float = 0.0
     other_cpu_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if self.cores < 1 or min(self.replica_overhead_s, self.other_cpu_s) < 0:
-            raise ValueError(f"a host needs cores >= 1 and overheads >= 0, got {self}")
+        if not self.cores > 0 or min(self.replica_overhead_s, self.other_cpu_s) < 0:
+            raise ValueError(f"a host needs cores > 0 and overheads >= 0, got {self}")
 
 
 def cpu_seconds_per_step(stages: Sequence[Sequence[Replica]], workload: Workload, host: SharedHost) -> float:

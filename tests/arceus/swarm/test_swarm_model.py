@@ -133,6 +133,8 @@ def test_a_shared_host_is_bound_by_its_cores_or_by_the_pipeline() -> None:
     host = SharedHost(2, replica_overhead_s=0.05, other_cpu_s=0.1)
     assert shared_host_samples_per_second(stages, w, host) == pytest.approx(24 / ((3 * 24 * 0.01 + 9 * 0.05 + 0.1) / 2))
     assert shared_host_samples_per_second(stages, w, SharedHost(9)) == pytest.approx(samples_per_second(stages, w))
+    # Half a core free: twice the CPU bound's time.
+    assert shared_host_samples_per_second(stages, w, SharedHost(0.5)) == pytest.approx(24 / (3 * 24 * 0.01 / 0.5))
 
 
 @pytest.mark.parametrize(
@@ -145,7 +147,7 @@ def test_a_shared_host_is_bound_by_its_cores_or_by_the_pipeline() -> None:
         (lambda: Replica(0.0, FREE), "seconds_per_sample must be > 0"),
         (lambda: step_time([[Replica(1.0, FREE)]], Workload(2, 2, (0.0,), (0.0, 0.0))), "1 stages"),
         (lambda: replica_gain([[Replica(1.0, FREE)] * 2], workload(1, 2, 2), 0, Replica(1.0, FREE)), "already has 2"),
-        (lambda: SharedHost(0), "cores >= 1"),
+        (lambda: SharedHost(0), "cores > 0"),
         (lambda: SharedHost(2, replica_overhead_s=-1.0), "overheads >= 0"),
     ],
 )
