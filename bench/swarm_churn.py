@@ -50,7 +50,7 @@ from arceus.training.driver import DriverError, train  # noqa: E402
 from arceus.training.plan import StageEndpoint, StepProgress, TrainPlan  # noqa: E402
 from arceus.training.recording import RecordingSink  # noqa: E402
 from bench.report import report  # noqa: E402
-from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents  # noqa: E402
+from devtools.launch import AgentProcess, spawn_static_agents_on_free_ports, stop_agents  # noqa: E402
 from devtools.pipeline import driver_token, identity_for, replicated_pipeline_assignments  # noqa: E402
 from devtools.reference import reference_run  # noqa: E402
 
@@ -151,19 +151,26 @@ def replicated_trials(kills: list[Kill], args: argparse.Namespace, reference: li
                       workdir: Path) -> list[Trial]:
     """Every trial's agents start at once: a pool of 7 + (trials - 1); trial t runs on the first 7 still alive
     (6 replicas and the spare), and its victim is gone for the trials after it."""
-    pool = [f"127.0.0.1:{p}" for p in free_ports(7 + len(kills) - 1)]
-    hosted: dict[str, list[dict[str, Any]]] = {a: [] for a in pool}
-    layouts, alive = [], list(pool)
-    for t, kill in enumerate(kills):
+    slots, alive = [], list(range(7 + len(kills) - 1))  # each trial's agents, as indices into the pool
+    for kill in kills:
         members = [[alive[2 * i], alive[2 * i + 1]] for i in range(STAGES)]
-        spare = alive[6]
-        layout = [list(m) + ([spare] if i == kill.stage else []) for i, m in enumerate(members)]
-        for i, stage in enumerate(assignments(f"churn-r2-{t}", layout)):
-            for assignment, address in zip(stage, layout[i], strict=True):
-                hosted[address].append(assignment)
-        layouts.append(layout)
+        slots.append([m + ([alive[6]] if i == kill.stage else []) for i, m in enumerate(members)])
         alive.remove(members[kill.stage][kill.replica])
-    agents = spawn_static_agents([hosted[a] for a in pool], pool, workdir / "r2", ready_timeout=300.0)
+
+    def hosted(pool: list[str]) -> list[list[dict[str, Any]]]:
+        per_agent: list[list[dict[str, Any]]] = [[] for _ in pool]
+        for t, trial in enumerate(slots):
+            for stage, agents_of_stage in zip(assignments(f"churn-r2-{t}", layout_of(pool, trial)), trial,
+                                              strict=True):
+                for assignment, agent in zip(stage, agents_of_stage, strict=True):
+                    per_agent[agent].append(assignment)
+        return per_agent
+
+    def layout_of(pool: list[str], trial: list[list[int]]) -> list[list[str]]:
+        return [[pool[a] for a in stage] for stage in trial]
+
+    agents, pool = spawn_static_agents_on_free_ports(7 + len(kills) - 1, hosted, workdir / "r2", ready_timeout=300.0)
+    layouts = [layout_of(pool, trial) for trial in slots]
     by_address = dict(zip(pool, agents, strict=True))
     results = []
     try:
@@ -205,13 +212,15 @@ def unreplicated_trials(kills: list[Kill], args: argparse.Namespace, reference: 
 
     def start(jobs: list[tuple[str, int, list[dict[str, Any]] | None]], directory: str) -> tuple[
             list[AgentProcess], list[str]]:
-        addresses = [f"127.0.0.1:{p}" for p in free_ports(STAGES)]
-        hosted: list[list[dict[str, Any]]] = [[] for _ in range(STAGES)]
-        for job_id, generation, checkpoints in jobs:
-            for i, (assignment,) in enumerate(assignments(job_id, [[a] for a in addresses], generation)):
-                assignment["checkpoint"] = checkpoints[i] if checkpoints else None
-                hosted[i].append(assignment)
-        return spawn_static_agents(hosted, addresses, workdir / directory, ready_timeout=300.0), addresses
+        def hosted(addresses: list[str]) -> list[list[dict[str, Any]]]:
+            per_agent: list[list[dict[str, Any]]] = [[] for _ in range(STAGES)]
+            for job_id, generation, checkpoints in jobs:
+                for i, (assignment,) in enumerate(assignments(job_id, [[a] for a in addresses], generation)):
+                    assignment["checkpoint"] = checkpoints[i] if checkpoints else None
+                    per_agent[i].append(assignment)
+            return per_agent
+
+        return spawn_static_agents_on_free_ports(STAGES, hosted, workdir / directory, ready_timeout=300.0)
 
     agents, addresses = start([("churn-r1-0", 1, None)], "r1-0")
     results = []

@@ -54,7 +54,7 @@ from arceus.training.plan import StageEndpoint, StepProgress, TrainPlan  # noqa:
 from bench.clock import Clock  # noqa: E402
 from bench.pipeline_vs_torch import LR, MODEL, SEED  # noqa: E402
 from bench.report import report  # noqa: E402
-from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents  # noqa: E402
+from devtools.launch import AgentProcess, spawn_static_agents_on_free_ports, stop_agents  # noqa: E402
 from devtools.pipeline import driver_token, identity_for, replicated_pipeline_assignments  # noqa: E402
 from devtools.shaper import ShaperThread  # noqa: E402
 
@@ -161,20 +161,27 @@ def run(job_id: str, replicas: int, endpoints: list[StageEndpoint], agents: list
 def measure(replicas: int, steps: int, shape: dict[str, float], workdir: Path) -> list[Run]:
     """Both runs (loopback, shaped) of R replicas per stage, on 3R fresh agents hosting both jobs."""
     n = len(BOUNDS) - 1
-    flat = [f"127.0.0.1:{p}" for p in free_ports(n * replicas)]
-    addresses = [flat[i * replicas:(i + 1) * replicas] for i in range(n)]
-    per_agent: list[list[dict[str, Any]]] = [[] for _ in flat]
     jobs = {False: f"scaling-r{replicas}", True: f"scaling-r{replicas}-shaped"}
-    for job_id in jobs.values():
-        stages = replicated_pipeline_assignments(
-            job_id=job_id, model_config=MODEL, boundaries=BOUNDS, addresses=addresses,
-            optimizer={"name": "adam", "lr": LR}, seed=SEED, micro_batches=MICRO_BATCHES,
-            max_micro_batch_size=max_micro_batch_size(DATASET, MICRO_BATCHES),
-        )
-        for i, stage in enumerate(stages):
-            for r, assignment in enumerate(stage):
-                per_agent[i * replicas + r].append(assignment)
-    agents = spawn_static_agents(per_agent, flat, workdir / f"r{replicas}", ready_timeout=240.0)
+
+    def hosted(flat: list[str]) -> list[list[dict[str, Any]]]:
+        per_agent: list[list[dict[str, Any]]] = [[] for _ in flat]
+        for job_id in jobs.values():
+            stages = replicated_pipeline_assignments(
+                job_id=job_id, model_config=MODEL, boundaries=BOUNDS, addresses=layout(flat),
+                optimizer={"name": "adam", "lr": LR}, seed=SEED, micro_batches=MICRO_BATCHES,
+                max_micro_batch_size=max_micro_batch_size(DATASET, MICRO_BATCHES),
+            )
+            for i, stage in enumerate(stages):
+                for r, assignment in enumerate(stage):
+                    per_agent[i * replicas + r].append(assignment)
+        return per_agent
+
+    def layout(flat: list[str]) -> list[list[str]]:
+        return [flat[i * replicas:(i + 1) * replicas] for i in range(n)]
+
+    agents, flat = spawn_static_agents_on_free_ports(n * replicas, hosted, workdir / f"r{replicas}",
+                                                     ready_timeout=240.0)
+    addresses = layout(flat)
     runs = []
     try:
         with ShaperThread() as shaper:

@@ -10,11 +10,12 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from devtools.pipeline import identity_for
 
@@ -158,6 +159,29 @@ def spawn_static_agents(
             agent.kill()
         raise errors[0]
     return started
+
+
+def spawn_static_agents_on_free_ports(
+    count: int,
+    assignments_for: Callable[[list[str]], Sequence[Sequence[dict]]],
+    workdir: Path,
+    *,
+    attempts: int = 3,
+    **options: Any,
+) -> tuple[list[AgentProcess], list[str]]:
+    """`spawn_static_agents` on `count` loopback ports free a moment ago, agent i hosting
+    `assignments_for(addresses)[i]`; returns the agents and their addresses. A port taken between choosing and
+    binding (any outgoing connection may take it as its source port) costs a retry on new ports."""
+    attempt = 1
+    while True:
+        addresses = [f"127.0.0.1:{port}" for port in free_ports(count)]
+        try:
+            return spawn_static_agents(assignments_for(addresses), addresses, workdir / f"attempt-{attempt}",
+                                       **options), addresses
+        except AgentStartError as exc:
+            if "Failed to bind" not in str(exc) or attempt == attempts:
+                raise
+            attempt += 1
 
 
 def stop_agents(agents: Sequence[AgentProcess], timeout: float = 10.0) -> list[int]:
