@@ -65,7 +65,8 @@ def _text_positions(job: Job) -> tuple[bool, int]:
 
 
 def _pipeline(job: Job) -> dict[str, Any]:
-    """Stage by stage: layers, node, device, whether it is reached through a relay, time computing and waiting per
+    """Stage by stage (a replicated stage replica by replica: its id, whether it is still joining, the micro-batches
+    it processed): layers, node, device, whether it is reached through a relay, time computing and waiting per
     step (measured by the agents), bytes sent; with the schedule's ideal bubble (p-1)/(m+p-1) for p stages and m
     micro-batches."""
     rows = list(job_stages(job=job).filter(active=True) or job_stages(job=job))
@@ -77,6 +78,9 @@ def _pipeline(job: Job) -> dict[str, Any]:
         stages.append({
             "stage_index": r.index,
             "rank": r.rank,
+            "replica": r.replica if job.replicas_max > 1 else None,
+            "joining": r.joining,
+            "micro_batches": r.micro_batches,
             "layer_start": r.layer_start,
             "layer_end": r.layer_end,
             "node_name": r.node.name if r.node else None,
@@ -111,7 +115,8 @@ def job_events(*, job: Job) -> list[dict[str, Any]]:
     for row in StageContribution.objects.filter(job=job).select_related("node").order_by("generation", "created_at"):
         generation_began.setdefault(row.generation, row.created_at)
         before = hosts.get(row.stage_index)
-        if before is not None and before != row.node.name:
+        # (a replicated stage's nodes are its replicas, whose comings and goings its Replicas condition tells)
+        if before is not None and before != row.node.name and job.replicas_max == 1:
             events.append({"at": row.created_at, "kind": "moved",
                            "text": f"stage {row.stage_index} moved from {before} to {row.node.name} "
                                    f"(generation {row.generation})"})

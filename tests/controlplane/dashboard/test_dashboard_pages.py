@@ -259,3 +259,17 @@ def test_cancelling_a_job_from_its_page(browser: Client, stranger: Client, queue
     assert browser.get(f"/dashboard/jobs/{job.id}/live.json").json()["cancellable"] is False
     again = browser.post(f"/dashboard/jobs/{job.id}/cancel")
     assert again.status_code == 409 and "nothing to cancel" in again.content.decode()
+
+
+def test_the_pipeline_shows_each_replica_of_a_replicated_stage(
+    browser: Client, ready_node: Callable[..., Node], queued_job: Callable[..., Job]
+) -> None:
+    for i in range(6):
+        ready_node(f"r{i}", port=50051 + i)
+    job = queued_job(replicas={"min": 2, "max": 2})
+    reconcile_once()
+    Stage.objects.filter(job=job, index=1, replica=1).update(micro_batches=7)
+    stages = browser.get(f"/dashboard/jobs/{job.id}/live.json").json()["pipeline"]["stages"]
+    assert [(s["stage_index"], s["replica"]) for s in stages] == [(i, r) for i in range(3) for r in range(2)]
+    assert next(s for s in stages if (s["stage_index"], s["replica"]) == (1, 1))["micro_batches"] == 7
+    assert not any(s["joining"] for s in stages)

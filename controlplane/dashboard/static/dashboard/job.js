@@ -71,7 +71,7 @@
       div.dataset.index = s.stage_index;
       div.dataset.rank = s.rank;
       const lines = [
-        ["title", `Stage ${s.stage_index}${s.rank ? ` rank ${s.rank}` : ""}`],
+        ["title", `Stage ${s.stage_index}${s.rank ? ` rank ${s.rank}` : ""}${s.replica === null ? "" : ` replica ${s.replica}`}`],
         ["layers", s.layer_end - s.layer_start > 1 ? `layers ${s.layer_start}–${s.layer_end - 1}` : `layer ${s.layer_start}`],
         ["node", s.node_name ?? "(unplaced)"],
         ["device", s.device ?? ""],
@@ -79,6 +79,7 @@
         ["state", `${s.state}, generation ${s.generation}`],
         ["timing", `compute ${Dashboard.number(s.step_compute_seconds)} s, wait ${Dashboard.number(s.step_wait_seconds)} s per step`],
         ["sent", `sent ${Dashboard.bytes(s.bytes_sent)}`],
+        ["replica", s.replica === null ? "" : s.joining ? `joining: copying its state from a peer; ${s.micro_batches} micro-batches` : `${s.micro_batches} micro-batches`],
       ];
       for (const [cls, text] of lines) {
         const span = document.createElement("span");
