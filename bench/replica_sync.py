@@ -27,13 +27,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from arceus.contracts.assignment import max_micro_batch_size  # noqa: E402
 from arceus.contracts.replica_sync import replica_sync_from_json  # noqa: E402
 from arceus.data.config import validate_dataset_config  # noqa: E402
+from arceus.errors import SpecError  # noqa: E402
 from arceus.model.registry import model_spec_from_config  # noqa: E402
 from arceus.training.driver import train  # noqa: E402
 from arceus.training.plan import TrainPlan  # noqa: E402
 from arceus.training.recording import RecordingSink  # noqa: E402
 from bench.pipeline_vs_torch import LR, MODEL, SEED  # noqa: E402
 from bench.report import report  # noqa: E402
-from devtools.launch import free_ports, spawn_static_agents, stop_agents  # noqa: E402
+from devtools.launch import spawn_static_agents_on_free_ports, stop_agents  # noqa: E402
 from devtools.pipeline import driver_token, replica_endpoints, replicated_pipeline_assignments  # noqa: E402
 
 DATASET = validate_dataset_config({"name": "text", "batch_size": 24, "val_batch_size": 64, "block_size": 128})
@@ -53,31 +54,39 @@ def main() -> None:
     args = parser.parse_args()
     if args.every[0] != 1 or args.steps < LAST:
         parser.error(f"--every must start with 1 (the exact baseline) and --steps be at least {LAST}")
-    for every in args.every:
-        replica_sync_from_json(sync_setting(every, args.outer_lr), field="--every")  # a clear error before agents
+    for every in args.every:  # a clear error before any agent starts
+        try:
+            replica_sync_from_json(sync_setting(every, args.outer_lr), field="replica_sync")
+        except SpecError as exc:
+            parser.error(f"--every {every} --outer-lr {args.outer_lr}: {exc.field}: {exc.message}")
 
     n = len(BOUNDS) - 1
-    flat = [f"127.0.0.1:{p}" for p in free_ports(n * REPLICAS)]
-    addresses = [flat[i * REPLICAS:(i + 1) * REPLICAS] for i in range(n)]
-    per_agent: list[list[dict[str, Any]]] = [[] for _ in flat]
     jobs = {every: f"replica-sync-h{every}" for every in args.every}
-    for every, job_id in jobs.items():
-        stages = replicated_pipeline_assignments(
-            job_id=job_id, model_config=MODEL, boundaries=BOUNDS, addresses=addresses,
-            optimizer={"name": "adam", "lr": LR}, seed=SEED, micro_batches=MICRO_BATCHES,
-            max_micro_batch_size=max_micro_batch_size(DATASET, MICRO_BATCHES), schedule="gpipe",
-            replica_sync=sync_setting(every, args.outer_lr),
-        )
-        for i, stage in enumerate(stages):
-            for r, assignment in enumerate(stage):
-                per_agent[i * REPLICAS + r].append(assignment)
+
+    def layout(flat: list[str]) -> list[list[str]]:
+        return [flat[i * REPLICAS:(i + 1) * REPLICAS] for i in range(n)]
+
+    def hosted(flat: list[str]) -> list[list[dict[str, Any]]]:
+        """Agent i * REPLICAS + r hosts replica r of stage i of every run."""
+        per_agent: list[list[dict[str, Any]]] = [[] for _ in flat]
+        for every, job_id in jobs.items():
+            stages = replicated_pipeline_assignments(
+                job_id=job_id, model_config=MODEL, boundaries=BOUNDS, addresses=layout(flat),
+                optimizer={"name": "adam", "lr": LR}, seed=SEED, micro_batches=MICRO_BATCHES,
+                max_micro_batch_size=max_micro_batch_size(DATASET, MICRO_BATCHES), schedule="gpipe",
+                replica_sync=sync_setting(every, args.outer_lr),
+            )
+            for i, stage in enumerate(stages):
+                for r, assignment in enumerate(stage):
+                    per_agent[i * REPLICAS + r].append(assignment)
+        return per_agent
 
     rows: dict[int, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as workdir:
-        agents = spawn_static_agents(per_agent, flat, Path(workdir), ready_timeout=240.0)
+        agents, flat = spawn_static_agents_on_free_ports(n * REPLICAS, hosted, Path(workdir), ready_timeout=240.0)
         try:
             for every, job_id in jobs.items():
-                stages, replicas = replica_endpoints(addresses, BOUNDS)
+                stages, replicas = replica_endpoints(layout(flat), BOUNDS)
                 plan = TrainPlan(
                     job_id=job_id, generation=1, credential=driver_token(job_id, 1), stages=stages,
                     replicas=replicas, dataset=DATASET, epochs=1, learning_rate=LR, micro_batches=MICRO_BATCHES,
