@@ -263,7 +263,7 @@ def job_serve_place(action: ServeJob, now: datetime) -> bool:
     Stage.objects.filter(job=job, active=True).update(active=False, node=None)
     for s in action.stages:
         Stage.objects.update_or_create(
-            job=job, index=s.index, rank=0,
+            job=job, index=s.index, rank=0, replica=0,
             defaults={
                 "layer_start": s.layer_start, "layer_end": s.layer_end, "node_id": s.node_id, "active": True,
                 "generation": job.generation, "observed_generation": None, "observed_state": ObservedState.PENDING,

@@ -78,7 +78,7 @@ def _pipeline(job: Job) -> dict[str, Any]:
         stages.append({
             "stage_index": r.index,
             "rank": r.rank,
-            "replica": r.replica if job.replicas_max > 1 else None,
+            "replica": r.replica if job.replicated else None,
             "joining": r.joining,
             "micro_batches": r.micro_batches,
             "layer_start": r.layer_start,

@@ -112,7 +112,7 @@ def _recorded(call: Callable[[], R], what: str) -> R:
 def train_plan(job: Job) -> TrainPlan:
     """The plan of the job's driver at its generation; a replicated job's roster starts from the replicas placed
     with it, and learns between steps of those that join (`replica_joins`) or were taken off (`replica_placed`)."""
-    replicas = job_replica_endpoints(job=job, joining=False) if job.replicas_max > 1 else ()
+    replicas = job_replica_endpoints(job=job, joining=False) if job.replicated else ()
     lowest = {e.index: e for e in reversed(replicas)}
     return TrainPlan(
         job_id=str(job.id),

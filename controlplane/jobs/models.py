@@ -163,6 +163,12 @@ class Job(BaseModel):
     def __str__(self) -> str:
         return f"{self.name} ({self.id})"
 
+    @property
+    def replicated(self) -> bool:
+        """Whether its stages are replicated now: it asked for more than one replica of each, and it is not being
+        served (a served job's stages are one node each, for inference)."""
+        return self.replicas_max > 1 and self.status != JobStatus.SUCCEEDED
+
 
 class Stage(BaseModel):
     """One node's part of a pipeline stage of a job: a layer range on a node (desired) and what its agent
@@ -223,7 +229,7 @@ class Stage(BaseModel):
 
     @property
     def stage_id(self) -> str:
-        return stage_key(self.job_id, self.index, self.rank, self.replica if self.job.replicas_max > 1 else None)
+        return stage_key(self.job_id, self.index, self.rank, self.replica if self.job.replicated else None)
 
 
 class StageContribution(BaseModel):

@@ -59,7 +59,7 @@ def job_stage_endpoints(*, job: Job) -> tuple[StageEndpoint, ...]:
     lowest replica's (`job_replica_endpoints` lists them all)."""
     groups: dict[int, list[Stage]] = defaultdict(list)
     for row in job_stages(job=job).filter(active=True):
-        if job.replicas_max == 1 or not groups[row.index]:
+        if not job.replicated or not groups[row.index]:
             groups[row.index].append(row)
     return tuple(
         StageEndpoint(
@@ -256,7 +256,7 @@ def _assignment(
     assignment names none; one joining a running job is built without the checkpoint (it copies a live replica's
     state)."""
     job = stage.job
-    replicated = job.replicas_max > 1
+    replicated = job.replicated
     group = [] if replicated else stages[stage.index]
     previous = () if replicated else _addresses(stages.get(stage.index - 1), viewer)
     following = () if replicated else _addresses(stages.get(stage.index + 1), viewer)

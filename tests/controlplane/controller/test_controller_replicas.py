@@ -10,7 +10,9 @@ from django.utils import timezone
 
 from arceus.contracts.assignment import Assignment
 from controlplane.agents.services import node_heartbeat
+from controlplane.controller.actions import PlannedStage, ServeJob
 from controlplane.controller.executor import reconcile_once
+from controlplane.controller.transitions import job_serve_place
 from controlplane.driver.driving import train_plan
 from controlplane.jobs.models import Job, Stage
 from controlplane.jobs.selectors import assignments_for_node
@@ -119,3 +121,20 @@ def test_a_running_elastic_job_gains_replicas_as_nodes_register_without_a_restar
     joiners = Stage.objects.filter(job=job, joining=True)
     assert joiners.count() == 2 and {s.node.name for s in joiners} == {"late-0", "late-1"}
     assert len(set(joiners.values_list("replica", flat=True))) == 2 and job.next_replica == 3
+
+
+def test_a_succeeded_replicated_job_is_served_one_node_per_stage(api, ready_node) -> None:
+    nodes = [ready_node(f"n{i}", port=50051 + i) for i in range(6)]
+    created = api.post("/api/jobs", {**DIGITS_JOB, "replicas": 2}, format="json").json()
+    job = job_start(job=Job.objects.get(pk=created["id"]))
+    reconcile_once()
+    job.refresh_from_db()
+    Job.objects.filter(pk=job.pk).update(status="succeeded", serving=True, generation=job.generation + 1)
+    Stage.objects.filter(job=job).update(active=False)
+    job.refresh_from_db()
+    stages = tuple(PlannedStage(i, i, i + 1, str(nodes[i].id)) for i in range(3))
+    assert job_serve_place(ServeJob(str(job.id), job.generation, stages, ()), timezone.now())
+    served = Stage.objects.filter(job=job, active=True).order_by("index")
+    assert [(s.index, s.replica, s.node_id) for s in served] == [(i, 0, nodes[i].id) for i in range(3)]
+    [assignment] = [Assignment.from_json(a) for a in assignments_for_node(node=nodes[1])]
+    assert assignment.inference and assignment.replica is None and assignment.stage_id == f"{job.id}-stage-1"
