@@ -264,7 +264,7 @@ def _replicas(
 ) -> Action | None:
     """A replicated job's replicas: those gone (lost, paused, restarted or failed) dropped where their stage keeps
     another, and all but one where it keeps none (that one is moved by a rewind, as an unreplicated stage is); with
-    none to drop, a running job grows (`_grow`). None: nothing to do here."""
+    none to drop, a running job whose driver lives grows (`_grow`). None: nothing to do here."""
     gone = [s for s in job.stages if _replica_gone(job, s, observed, nodes, now)]
     drop: list[PlacedStage] = []
     for index in sorted({s.index for s in gone}):
@@ -280,7 +280,7 @@ def _replicas(
         conditions = set_conditions(job.conditions, Condition("Replicas", FALSE, "ReplicaLost", message), now=now)
         return DropReplicas(job.id, job.generation, job.status, tuple((s.index, s.replica) for s in drop),
                             tuple(conditions))
-    if job.status == RUNNING and not gone:
+    if job.status == RUNNING and not gone and _driver_live(job, now):  # a dead driver's rewind comes first
         return _grow(job, nodes, free, now)
     return None
 

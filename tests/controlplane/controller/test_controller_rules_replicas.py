@@ -127,6 +127,10 @@ def test_a_running_job_grows_to_its_max_only_where_a_replica_is_worth_it() -> No
     assert isinstance(again, AddReplicas) and [(s.index, s.replica, s.node_id) for s in again.stages] == [
         (1, 2, "y")
     ]
+    # a job whose driver died rewinds first (its rows rebuild from the checkpoint anyway)
+    dead = replace(running, driver_lease_expires_at=NOW - timedelta(seconds=1), driver_claimed=True)
+    [rewind] = plan(Desired(jobs=(dead,)), Observed(nodes=nodes, stages=ready(dead)), NOW)
+    assert isinstance(rewind, RewindJob) and rewind.reason == "DriverLost"
     # a spare far slower than the stage's replicas adds almost nothing: not worth its price
     slow = (node("a"), node("b"), node("c"), node("z", flops=1e5))
     assert plan(Desired(jobs=(running,)), Observed(nodes=slow, stages=ready(running)), NOW) == []
