@@ -65,6 +65,7 @@ JOB: dict[str, Any] = {
     "model_config": {"layer_sizes": [64, 128, 64, 10]},
     "dataset_config": {"name": "digits", "batch_size": 32},
     "stages": 3,
+    "requirements": {"owner_diversity": False},  # every node here is the bench user's
 }
 REGISTERING_AT_ONCE = 512
 # A real agent's (nodeagent/control_plane.py: ControlPlaneClient's timeout, HeartbeatLoop's backoff after a failure).

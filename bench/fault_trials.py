@@ -45,6 +45,7 @@ JOB: dict[str, Any] = {
     "seed": 0,
     "stages": 3,
     "checkpoint_interval_steps": 20,
+    "requirements": {"owner_diversity": False},  # every agent here is one owner's
 }
 POLL_SECONDS = 0.05
 

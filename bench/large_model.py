@@ -87,6 +87,7 @@ def large_job(args: argparse.Namespace, source: Path) -> dict[str, Any]:
         "stages": STAGES,
         "checkpoint_interval_steps": args.steps // 2,
         "audit_rate": 0.0,
+        "requirements": {"owner_diversity": False},  # every agent here is one owner's
     }
 
 
@@ -272,7 +273,8 @@ def main() -> None:
             small = {"name": "default-gpt", "model_config": {"type": "transformer"},
                      "dataset_config": {"name": "text", "source": job["dataset_config"]["source"],
                                         "batch_size": BATCH, "val_batch_size": BATCH},
-                     "epochs": 1, "learning_rate": 1e-3, "optimizer": "adam", "stages": STAGES, "seed": 0}
+                     "epochs": 1, "learning_rate": 1e-3, "optimizer": "adam", "stages": STAGES, "seed": 0,
+                     "requirements": job["requirements"]}
             print("training the default GPT ...", file=sys.stderr, flush=True)
             run_job(cluster, small, timeout=900)
             control_small = control_plane_peaks(cluster)

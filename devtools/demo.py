@@ -34,6 +34,7 @@ DEMO_JOB: dict[str, Any] = {
     "micro_batches": 4,
     "seed": 0,
     "stages": 3,
+    "requirements": {"owner_diversity": False},  # the demo's three agents are one owner's
 }
 
 

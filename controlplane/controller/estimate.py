@@ -5,6 +5,7 @@ nodes as the reconciler would plan it, priced at the posted prices. The request 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from datetime import datetime
 from decimal import Decimal
 from typing import Any
@@ -15,12 +16,13 @@ from django.utils import timezone
 from arceus.data.sizes import train_samples_estimate
 from arceus.errors import SpecError
 from arceus.placement.profiles import layer_profiles
-from arceus.placement.solver import Budget, PlacementError, solve
+from arceus.placement.solver import Budget, Placement, PlacementError, solve
 from controlplane.common.conditions import TRUE
 from controlplane.common.errors import ApplicationError
+from controlplane.controller.diversity import diverse_placement
 from controlplane.controller.placement import requirements, tensor_parallel_split, workload
 from controlplane.controller.snapshot import node_views, registered_nodes
-from controlplane.controller.views import stage_bounds
+from controlplane.controller.views import NodeView, stage_bounds
 from controlplane.jobs.estimate import OTHERS_NODE
 from controlplane.jobs.models import EstimateStatus, JobEstimate, Stage
 from controlplane.jobs.services import job_validate
@@ -88,18 +90,26 @@ def job_estimate(
     answer: dict[str, Any] = {
         "feasible": False, "reason": None, "candidates": len(candidates), "stages": [], "cut_short": False
     }
-    try:
-        placement = solve(
-            layer_profiles(spec),
-            [n.device() for n in candidates],
-            workload(dataset, micro_batches, schedule),
-            min_stages=fewest,
+    candidates.sort(key=lambda n: (-n.flops, n.price_per_hour, n.id))  # the reconciler's order
+    layers, steps = layer_profiles(spec), workload(dataset, micro_batches, schedule)
+
+    def solve_on(nodes: Sequence[NodeView], least: int) -> Placement:
+        return solve(
+            layers,
+            [n.device() for n in nodes],
+            steps,
+            min_stages=least,
             max_stages=most,
             max_price_per_hour=req.max_price_per_hour,
             tensor_parallel=split.size,
             split_stages=split.stages,
             budget=Budget(settings.ARCEUS_SOLVER_SECONDS),
         )
+
+    try:
+        # As the reconciler places it: unless it opts out, no single owner holds every stage.
+        placement = (diverse_placement(candidates, fewest, most, solve_on) if req.owner_diversity
+                     else solve_on(candidates, fewest))
     except PlacementError as exc:
         answer["reason"] = str(exc)
         return answer

@@ -24,6 +24,7 @@ def requirements(config: dict[str, Any]) -> Requirements:
         min_devices=config.get("min_devices"),
         max_devices=config.get("max_devices"),
         max_price_per_hour=config.get("max_price_per_hour"),
+        owner_diversity=config.get("owner_diversity", True),
     )
 
 

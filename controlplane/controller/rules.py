@@ -16,15 +16,17 @@ Rules, in order:
 2. a queued job → PlaceJob on free Ready nodes that meet its requirements (one stage per node, one
    active job per node), devices and cut points chosen by `arceus.placement.solver.solve` (fastest
    pipeline, cheaper devices among near-equals, within the job's budget); a tensor-parallel stage gets
-   a group of distinct nodes, one placed row per rank; too few nodes or no feasible placement → a
+   a group of distinct nodes, one placed row per rank; unless the job opts out, no single owner holds every
+   stage (`controlplane/controller/diversity.py`); too few nodes, too few owners or no feasible placement → a
    Placed=False condition saying why;
 3. a placed job (placing, pending or running) with stage ranks whose node is lost (silent longer than
    the job's tolerance, or the node's lease) or paused by its owner → RewindJob moving only those ranks
-   to free Ready nodes with room; if some cannot be moved, they are unplaced and the job waits as
-   pending. A running job's live driver is first asked to checkpoint where it is and let go
-   (RequestHandover), so a paused node's stage moves without losing work. A tensor-parallel group
-   keeps its healthy ranks: the rewind's new generation makes every rank rebuild from the unsplit
-   checkpoint with the group's new peer list anyway, so re-forming it needs only the lost rank's node;
+   to free Ready nodes with room (not leaving one owner holding every stage, unless the job opts out); if
+   some cannot be moved, they are unplaced and the job waits as pending. A running job's live driver is
+   first asked to checkpoint where it is and let go (RequestHandover), so a paused node's stage moves
+   without losing work. A tensor-parallel group keeps its healthy ranks: the rewind's new generation makes
+   every rank rebuild from the unsplit checkpoint with the group's new peer list anyway, so re-forming it
+   needs only the lost rank's node;
 4. a placing job: a stage reports failure (its node could not build it) → RewindJob moving that stage to
    the fastest free node with room, counted as a restart (so a failure that follows the stage from node
    to node fails the job once the restarts run out), or FailJob when no other node can take it; every
@@ -63,6 +65,7 @@ from arceus.placement.solver import (
     MAX_CANDIDATES,
     Budget,
     LayerProfile,
+    Placement,
     PlacementError,
     solve,
     stage_inference_memory,
@@ -89,6 +92,7 @@ from controlplane.controller.actions import (
     StopServing,
     SucceedJob,
 )
+from controlplane.controller.diversity import OwnerDiversityError, diverse_placement
 from controlplane.controller.views import Desired, JobView, NodeView, Observed, PlacedStage, StageReport, stage_bounds
 from controlplane.market.services import MICROS_PER_DOLLAR
 
@@ -396,6 +400,8 @@ def _replace_lost(
         else:
             candidates.remove(node)
             moves.append((stage.index, stage.rank, node.id))
+    if not unplaceable and job.requirements.owner_diversity:
+        unplaceable += _owners_apart(job, lost, moves, nodes, candidates)
     by_key = {(s.index, s.rank): s for s in lost}
     old = {key: _node_label(nodes, s.node_id) for key, s in by_key.items()}
     paused = {
@@ -420,6 +426,26 @@ def _replace_lost(
         unplace = tuple(sorted((s.index, s.rank, None) for s in lost))
         return RewindJob(job.id, job.generation, PENDING, unplace, False, "WaitingForNode", message)
     return _condition(job, Condition("Placed", FALSE, "WaitingForNode", message), now)
+
+
+def _owners_apart(
+    job: JobView, lost: list[PlacedStage], moves: list[tuple[int, int, str | None]], nodes: Mapping[str, NodeView],
+    spare: list[NodeView],
+) -> list[str]:
+    """When `moves` would leave one owner holding every stage, one of them goes to another owner's free node with
+    room instead; with none, what the job waits for."""
+    target = {(i, r): n for i, r, n in moves}
+    held = [target.get((s.index, s.rank), s.node_id) for s in job.stages]
+    if any(n not in nodes for n in held) or len(owners := {nodes[n].owner for n in held if n}) != 1:
+        return []
+    lost_by_key = {(s.index, s.rank): s for s in lost}
+    for k, (index, rank, _) in enumerate(moves):
+        need = _stage_memory(job, lost_by_key[index, rank])
+        other = next((n for n in spare if n.owner not in owners and n.memory_bytes >= need), None)
+        if other is not None:
+            moves[k] = (index, rank, other.id)
+            return []
+    return ["a stage on another owner's node (no single owner may hold every stage of the job)"]
 
 
 def _driver_live(job: JobView, now: datetime) -> bool:
@@ -464,23 +490,32 @@ def _place(job: JobView, free: list[NodeView], now: datetime, budget: Budget | N
     # search. Enough for its candidate units: groups of the split size, then singles, and what the job needs.
     offered = MAX_CANDIDATES * (job.tensor_parallel.size + 1) + needed
     candidates = list(itertools.islice((n for n in free if req.allows(n)), offered))
+    if req.owner_diversity and len({n.owner for n in candidates}) == 1:  # another owner's fastest, past the few
+        other = next((n for n in free if req.allows(n) and n.owner != candidates[0].owner), None)
+        candidates += [other] if other is not None else []
     if len(candidates) < needed:  # the whole of `free` was looked at: the count is exact
         meeting = " meeting its requirements" if len(candidates) < len(free) else ""
         message = f"needs {needed} Ready node{'s' if needed != 1 else ''}{meeting}, {len(candidates)} available"
         return _condition(job, Condition("Placed", FALSE, "WaitingForNodes", message), now)
-    devices = [n.device() for n in candidates]
-    try:
-        placement = solve(
+
+    def solve_on(nodes: Sequence[NodeView], least: int) -> Placement:
+        return solve(
             job.layers,
-            devices,
+            [n.device() for n in nodes],
             job.workload,
-            min_stages=fewest,
+            min_stages=least,
             max_stages=most,
             max_price_per_hour=req.max_price_per_hour,
             tensor_parallel=job.tensor_parallel.size,
             split_stages=job.tensor_parallel.stages,
             budget=budget,
         )
+
+    try:
+        placement = (diverse_placement(candidates, fewest, most, solve_on) if req.owner_diversity
+                     else solve_on(candidates, fewest))
+    except OwnerDiversityError as exc:
+        return _condition(job, Condition("Placed", FALSE, "WaitingForOwners", str(exc)), now)
     except PlacementError as exc:
         return _condition(job, Condition("Placed", FALSE, "NoFeasiblePlacement", str(exc)), now)
     stages = tuple(

@@ -32,6 +32,7 @@ class NodeView:
     bandwidth_bytes_per_s: float = math.inf
     latency_s: float = 0.0
     relayed: bool = False  # the control plane could not dial it back: callers reach it through a relay
+    owner: str = ""  # the contributor it belongs to (owner diversity: controlplane/controller/diversity.py)
 
     def device(self) -> Device:
         """The node in the placement solver's terms."""
@@ -50,6 +51,7 @@ class Requirements:
     min_devices: int | None = None  # devices, counting every rank of a tensor-parallel stage
     max_devices: int | None = None
     max_price_per_hour: float | None = None  # for all its devices together
+    owner_diversity: bool = True  # no single owner may hold every stage (controlplane/controller/diversity.py)
 
     def allows(self, node: NodeView) -> bool:
         return node.memory_bytes >= self.min_memory_bytes and (

@@ -58,11 +58,18 @@ class JobSubmitForm(forms.Form):
         initial=50, required=False, help_text="save every stage's state every N steps (0: only at the end)"
     )
     schedule = forms.ChoiceField(choices=PipelineSchedule.choices, initial=PipelineSchedule.GPIPE)
+    owner_diversity = forms.BooleanField(
+        required=False, initial=True,
+        help_text="no single owner's nodes hold every stage (no contributor receives the whole model)",
+    )
     start = forms.BooleanField(required=False, initial=True, help_text="queue it for training at once")
 
     def api_input(self) -> dict[str, Any]:
-        """Fields left empty take the API's defaults."""
-        return {k: v for k, v in self.cleaned_data.items() if k != "start" and v is not None}
+        """Fields left empty take the API's defaults; owner diversity unticked opts out of it."""
+        data = {k: v for k, v in self.cleaned_data.items() if k not in ("start", "owner_diversity") and v is not None}
+        if not self.cleaned_data.get("owner_diversity"):
+            data["requirements"] = {"owner_diversity": False}
+        return data
 
 
 class NodeControlsForm(forms.Form):

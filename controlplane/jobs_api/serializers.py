@@ -36,8 +36,18 @@ class JobRequirementsInput(StrictInputSerializer):
     min_devices = StrictIntegerField(min_value=1, required=False)
     max_devices = StrictIntegerField(min_value=1, required=False)
     max_price_per_hour = StrictFloatField(greater_than=0, required=False, help_text="US dollars, all devices")
-    max_total_usd = StrictFloatField(greater_than=0, required=False, help_text="checked by the estimate")
-    deadline = serializers.DateTimeField(required=False, help_text="checked by the estimate")
+    max_total_usd = StrictFloatField(
+        greater_than=0, required=False,
+        help_text="checked by the estimate; while it trains, the job stops (checkpointed) before its charges pass it",
+    )
+    deadline = serializers.DateTimeField(
+        required=False, help_text="checked by the estimate; while it trains, the job stops (checkpointed) at it"
+    )
+    owner_diversity = StrictBooleanField(
+        required=False,
+        help_text="true (the default): no single owner's nodes hold every stage of the job, so no contributor "
+        "receives the whole model; false: any placement",
+    )
 
     def validate(self, data: dict[str, Any]) -> dict[str, Any]:
         if data.get("min_devices", 1) > data.get("max_devices", data.get("min_devices", 1)):

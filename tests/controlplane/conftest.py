@@ -45,6 +45,7 @@ DIGITS_JOB = {
     "weight_decay": 0.0001,
     "seed": 3,
     "stages": 3,
+    "requirements": {"owner_diversity": False},  # the fixtures' nodes all belong to one owner (alice)
 }
 
 
@@ -168,7 +169,8 @@ ReadyNode = Callable[..., Node]
 
 @pytest.fixture
 def ready_node(user: User) -> ReadyNode:
-    """make(name, port=..., flops=..., memory=...) → a registered node that has heartbeated."""
+    """make(name, port=..., flops=..., memory=..., owner=...) → a registered node that has heartbeated (the user's,
+    unless `owner` is another)."""
 
     def make(
         name: str,
@@ -177,9 +179,10 @@ def ready_node(user: User) -> ReadyNode:
         flops: float = 1e9,
         memory: int = 2**30,
         now: datetime | None = None,
+        owner: User | None = None,
     ) -> Node:
         now = now or timezone.now()
-        node, _ = node_create(owner=user, name=name)
+        node, _ = node_create(owner=owner or user, name=name)
         address = f"127.0.0.1:{port or 50051}"
         # A key of its own (one key, one node), the address's static-pipeline one where the test names the port.
         identity = identity_for(address) if port is not None else new_identity()

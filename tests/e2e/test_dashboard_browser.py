@@ -77,6 +77,7 @@ def test_a_developer_and_contributor_watch_it_live(
         element = browser.find_element(By.ID, f"id_{field}")
         element.clear()
         element.send_keys(value)
+    browser.find_element(By.ID, "id_owner_diversity").click()  # unticked: the three agents are the demo user's
     browser.find_element(By.ID, "estimate-button").click()
     estimate = wait.until(expected_conditions.presence_of_element_located((By.ID, "estimate-result")))
     assert "samples/s" in estimate.text and "$" in estimate.text

@@ -88,6 +88,7 @@ def test_captured_modules_train_through_distributed_trainer_on_three_agents_like
         "micro_batches": 2,
         "seed": 3,
         "stages": 3,
+        "requirements": {"owner_diversity": False},  # every agent here is one owner's
     }
     # A forged program (hashes consistent, one operator swapped for aten::from_file) is refused on upload.
     forged_config, _, forged = forged_program(captured, 1, "torch.ops.aten.from_file.default")
@@ -108,7 +109,8 @@ def test_captured_modules_train_through_distributed_trainer_on_three_agents_like
     _wait_ready(trainer, 3)
     assert trainer.partition().stages == 3  # a stage per ready device
     history = trainer.train(dataset=spec["dataset_config"], epochs=1, timeout=180,
-                            **{k: spec[k] for k in ("learning_rate", "optimizer", "micro_batches", "seed")})
+                            **{k: spec[k] for k in ("learning_rate", "optimizer", "micro_batches", "seed",
+                                                    "requirements")})
     final = history.detail
     assert final["audit_rate"] == 0.0 and final["initial_weights_sha256"] and final["program_sha256"]
     assert len({p["node_id"] for p in final["placements"]}) == 3
@@ -137,7 +139,8 @@ def test_captured_modules_train_through_distributed_trainer_on_three_agents_like
     # rate's size (m / (sqrt(v) + eps)). On an AMD EPYC machine Adam's losses agreed to 1e-6 for 7 steps, then
     # parted by 2.3e-5 and 1.7e-4 by step 14; with SGD they agree to 3.6e-7 over all 14. Adam's own parity
     # through agents is checked by the digits model above and tests/e2e/test_large_model.py.
-    fields = {"learning_rate": 0.1, "optimizer": "sgd", "momentum": 0.9, "micro_batches": 2, "seed": 3}
+    fields = {"learning_rate": 0.1, "optimizer": "sgd", "momentum": 0.9, "micro_batches": 2, "seed": 3,
+              "requirements": {"owner_diversity": False}}
     history = writer.train(dataset=text, epochs=2, timeout=240, **fields)
     final = history.detail
     assert final["dataset_config"]["dataset_id"] and len({p["node_id"] for p in final["placements"]}) == 3
@@ -163,7 +166,8 @@ def test_captured_modules_train_through_distributed_trainer_on_three_agents_like
     torch.manual_seed(11)
     resnet = DigitsResNet()
     resnet_reference = copy.deepcopy(resnet)
-    fields = {"learning_rate": 0.01, "optimizer": "sgd", "momentum": 0.9, "micro_batches": 1, "seed": 3}
+    fields = {"learning_rate": 0.01, "optimizer": "sgd", "momentum": 0.9, "micro_batches": 1, "seed": 3,
+              "requirements": {"owner_diversity": False}}
     vision = DistributedTrainer(model=resnet, url=cluster.api_url, token=token, discovery_method="url",
                                 example_input=torch.rand(4, 64), progress=False)
     history = vision.train(dataset={"name": "digits", "batch_size": 64}, epochs=1, timeout=240, **fields)

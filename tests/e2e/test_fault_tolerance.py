@@ -48,6 +48,7 @@ JOB: dict[str, Any] = {
     "seed": 3,
     "stages": 3,
     "checkpoint_interval_steps": 10,
+    "requirements": {"owner_diversity": False},  # every agent here is one owner's
 }
 FAULT_AT_STEP = 30
 

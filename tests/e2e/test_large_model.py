@@ -57,6 +57,7 @@ def job_body(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         "stages": 2,
         "checkpoint_interval_steps": CHECKPOINT_EVERY,
         "audit_rate": 0.0,
+        "requirements": {"owner_diversity": False},  # every agent here is one owner's
     }
 
 

@@ -31,6 +31,7 @@ JOB = {
     "momentum": 0.9,
     "micro_batches": 4,
     "stages": 3,
+    "requirements": {"owner_diversity": False},  # every agent here is one owner's
 }
 
 

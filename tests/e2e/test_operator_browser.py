@@ -30,6 +30,7 @@ JOB = {
     "learning_rate": 0.05,
     "micro_batches": 2,
     "stages": 2,
+    "requirements": {"owner_diversity": False},  # every agent here is one owner's
 }
 
 

@@ -36,6 +36,7 @@ JOB: dict[str, Any] = {
     "seed": 5,
     "stages": 3,
     "checkpoint_interval_steps": 10,
+    "requirements": {"owner_diversity": False},  # every agent here is one owner's
 }
 KILL_AT_STEP = 12
 

@@ -31,6 +31,7 @@ JOB = {
     "micro_batches": 4,
     "seed": 0,
     "stages": 3,
+    "requirements": {"owner_diversity": False},  # every agent here is one owner's
 }
 
 

@@ -40,7 +40,8 @@ from nodeagent.node_token import TOKEN_ENV as NODE_TOKEN_ENV
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 MODEL = {"type": "transformer", "n_layer": 2, "n_head": 4, "d_model": 32, "block_size": 16}
-FIELDS = {"learning_rate": 0.003, "optimizer": "adam", "micro_batches": 2, "seed": 7}
+FIELDS = {"learning_rate": 0.003, "optimizer": "adam", "micro_batches": 2, "seed": 7,
+          "requirements": {"owner_diversity": False}}  # the three agents are one owner's
 SIGINT_IGNORED = ["sh", "-c", 'trap "" INT; exec "$@"', "sh"]  # runs the rest with SIGINT ignored, as inherited
 
 

@@ -47,6 +47,7 @@ def test_a_job_with_a_tensor_parallel_stage_trains_over_rest_like_one_process(
         "seed": 7,
         "stages": 2,
         "tensor_parallel": {"size": 2, "stages": [1]},
+        "requirements": {"owner_diversity": False},  # every agent here is one owner's
     }
     job = cluster.client.submit_job(spec)
     assert job["tensor_parallel"] == {"size": 2, "stages": [1]} and job["audit_rate"] == 0.0
@@ -91,6 +92,7 @@ def test_a_llama_fine_tunes_over_rest_split_like_one_process_and_downloads_as_a_
         "dataset_config": {"name": "text", "source": cluster.add_data_file(source), "batch_size": 16},
         "epochs": 1, "learning_rate": 0.003, "optimizer": "adam", "seed": 3, "stages": 2,
         "tensor_parallel": {"size": 2, "stages": [1]},
+        "requirements": {"owner_diversity": False},  # every agent here is one owner's
     }
     job = cluster.client.submit_job(spec)
     model_spec = model_spec_from_config(job["model_config"])

@@ -51,6 +51,7 @@ def test_an_interrupted_upload_resumes_and_a_job_trains_on_it(cluster: LocalClus
         "model_config": {"layer_sizes": [64, 64, 10]},
         "dataset_config": {"name": "uploaded", "dataset_id": dataset["id"], "batch_size": 64, "val_batch_size": 180},
         "epochs": 2, "learning_rate": 0.05, "optimizer": "sgd", "momentum": 0.9, "micro_batches": 2, "stages": 2,
+        "requirements": {"owner_diversity": False},  # both agents are one owner's
     })
     client.start_job(job["id"])
     final = client.wait(job["id"], timeout=240)

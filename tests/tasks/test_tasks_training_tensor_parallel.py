@@ -68,6 +68,7 @@ def test_a_lost_rank_is_replaced_and_the_split_stage_resumes_from_its_checkpoint
         stages=2,
         checkpoint_interval_steps=4,
         tensor_parallel={"size": 2, "stages": [1]},
+        requirements={"owner_diversity": False},  # the live nodes are all the user's
     ))
     ready(job, live_nodes)
     plan = train_plan(job)

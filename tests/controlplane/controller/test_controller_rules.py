@@ -35,6 +35,7 @@ def node(name: str, *, ready: str = "True", silent: float = 1.0, flops: float = 
         lease_duration_seconds=6.0,
         flops=flops,
         memory_bytes=memory,
+        owner=f"owner-of-{name}",  # every node another contributor's
     )
 
 
@@ -112,7 +113,7 @@ def test_nodes_of_active_jobs_are_not_reused_and_a_later_job_may_use_what_is_lef
         "old", "running", stages=placed("old", ["a", "b"]), driver_lease_expires_at=NOW + timedelta(seconds=60)
     )
     big = job("big", stages_requested=3)
-    small = job("small", stages_requested=1)
+    small = job("small", stages_requested=1, requirements=Requirements(owner_diversity=False))
     nodes = tuple(node(name) for name in "abcd")
     actions = plan(Desired(jobs=(running, big, small)), Observed(nodes=nodes), NOW)
     assert isinstance(actions[0], SetCondition) and actions[0].job_id == "big"
@@ -305,11 +306,11 @@ def test_placement_honours_the_jobs_requirements_and_budget() -> None:
         replace(node("small", memory=10**6), price_per_hour=0.3),
         replace(node("other"), price_per_hour=0.3),
     )
-    needs = Requirements(device_types=("cpu",), min_memory_bytes=2 * 10**6)
+    needs = Requirements(device_types=("cpu",), min_memory_bytes=2 * 10**6, owner_diversity=False)
     picky = job(stages_requested=None, requirements=needs)
     [action] = plan(Desired(jobs=(picky,)), Observed(nodes), NOW)
     assert isinstance(action, PlaceJob) and [s.node_id for s in action.stages] == ["big"]  # the only cpu ≥ 2 MB
-    frugal = job(stages_requested=None, requirements=Requirements(max_price_per_hour=0.7))
+    frugal = job(stages_requested=None, requirements=Requirements(max_price_per_hour=0.7, owner_diversity=False))
     [action] = plan(Desired(jobs=(frugal,)), Observed(nodes), NOW)
     assert isinstance(action, PlaceJob) and "gpu" not in {s.node_id for s in action.stages}
     assert len(action.stages) == 2  # two $0.30 devices fit the $0.70 budget, three would not

@@ -10,7 +10,7 @@ from arceus.placement.solver import LayerProfile, stage_inference_memory, stage_
 from controlplane.common.conditions import get_condition
 from controlplane.controller.actions import PlaceJob, PlannedStage, ServeJob, SetCondition, StopServing
 from controlplane.controller.rules import plan
-from controlplane.controller.views import Desired, JobView, Observed, PlacedStage, StageReport
+from controlplane.controller.views import Desired, JobView, Observed, PlacedStage, Requirements, StageReport
 from tests.controlplane.controller.test_controller_rules import NOW, job, node
 
 # Three layers of a text writer: two blocks keeping 100 bytes of keys and values per sequence, and a small head.
@@ -102,7 +102,7 @@ def test_every_stage_ready_makes_it_servable_and_a_failed_one_stops_serving() ->
 
 def test_serving_no_longer_asked_for_releases_the_nodes_for_a_queued_job() -> None:
     stopping = served(on("a", "b", "c"), serving=False)
-    queued = job("q", stages_requested=1)
+    queued = job("q", stages_requested=1, requirements=Requirements(owner_diversity=False))
     nodes = (node("a"), node("b"), node("c"))
     [release, waiting] = plan(Desired(jobs=(stopping, queued)), Observed(nodes=nodes), NOW)
     assert isinstance(release, StopServing) and release.serving is False

@@ -16,7 +16,16 @@ from arceus.placement.solver import LayerProfile, Workload, stage_memory
 from controlplane.common.conditions import get_condition
 from controlplane.controller.actions import MarkNodeUnknown, PlaceJob, RewindJob, SetCondition, StartDriver
 from controlplane.controller.rules import plan
-from controlplane.controller.views import Desired, JobView, NodeView, Observed, PlacedStage, StageReport, TensorParallel
+from controlplane.controller.views import (
+    Desired,
+    JobView,
+    NodeView,
+    Observed,
+    PlacedStage,
+    Requirements,
+    StageReport,
+    TensorParallel,
+)
 
 NOW = datetime(2025, 1, 1, 12, 0, tzinfo=UTC)
 WORKLOAD = Workload(micro_batch_size=2, micro_batches=2)
@@ -33,6 +42,7 @@ def node(name: str, *, flops: float, memory: int, silent: float = 1.0) -> NodeVi
         lease_duration_seconds=6.0,
         flops=flops,
         memory_bytes=memory,
+        owner=f"owner-of-{name}",  # every node another contributor's
     )
 
 
@@ -54,6 +64,7 @@ def scenarios(draw: st.DrawFn) -> tuple[JobView, list[NodeView]]:
         layers=layers,
         workload=WORKLOAD,
         tensor_parallel=TensorParallel(size=draw(st.integers(2, 3)), stages=split),
+        requirements=Requirements(owner_diversity=False),  # one-stage jobs too (owners: test_controller_rules_owners)
     )
     nodes = [
         node(f"n{i}", flops=draw(st.sampled_from([1e9, 2e9, 4e9])), memory=draw(st.sampled_from(MEMORIES)))

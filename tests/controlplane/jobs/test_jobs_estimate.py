@@ -43,7 +43,8 @@ def estimate(estimate_of) -> Callable[..., dict]:  # noqa: ANN001
 
 def test_the_estimate_plans_prices_and_times_the_job_without_saving_it(estimate, digits_job, offered) -> None:
     body = estimate(
-        digits_job, epochs=10, stages=None, requirements={"max_total_usd": 5, "min_memory_bytes": 2**30}
+        digits_job, epochs=10, stages=None,
+        requirements={"max_total_usd": 5, "min_memory_bytes": 2**30, "owner_diversity": False},
     )
     assert body["feasible"] and body["reason"] is None and body["candidates"] == 2  # "tiny" is too small
     assert [s["node_name"] for s in body["stages"]][0] == "fast"  # the fastest node leads
@@ -60,14 +61,15 @@ def test_a_job_that_cannot_be_placed_now_says_why(estimate, digits_job, offered)
     assert (body["feasible"], body["reason"], body["candidates"], body["stages"]) == (
         False, "no device is available", 0, []
     )
-    body = estimate(digits_job, stages=None, requirements={"max_price_per_hour": 0.1})
+    body = estimate(digits_job, stages=None, requirements={"max_price_per_hour": 0.1, "owner_diversity": False})
     assert not body["feasible"] and "costs more than the budget of $0.1000/hour" in body["reason"]
 
 
 def test_deadline_and_budget_verdicts(estimate, digits_job, offered) -> None:
     soon = (timezone.now() + timedelta(microseconds=1)).isoformat()  # passed before the estimate ends
     body = estimate(
-        digits_job, epochs=10_000, stages=None, requirements={"deadline": soon, "max_total_usd": 0.000001}
+        digits_job, epochs=10_000, stages=None,
+        requirements={"deadline": soon, "max_total_usd": 0.000001, "owner_diversity": False},
     )
     assert body["feasible"] and body["meets_deadline"] is False and body["within_budget"] is False
 

@@ -68,6 +68,7 @@ def make_job(
     node = ready_node("sampler-node", port=agent.grpc_port)
     job = job_start(job=job_submit(
         owner=user, model_config=model, dataset_config={"name": "text", "source": source.name}, stages=1,
+        requirements={"owner_diversity": False},  # one stage, on the user's own node
     ))
     reconcile_once()
     job.refresh_from_db()

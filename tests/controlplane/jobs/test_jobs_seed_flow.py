@@ -50,7 +50,9 @@ def test_the_seed_mlp_flow_submit_initialize_train(
     assert submitted.status_code == 201, submitted.json()
     job_id = submitted.json()["id"]
 
-    nodes = [ready_node(f"device-{i}", port=50071 + i) for i in range(3)]  # "now, register your devices"
+    # "Now, register your devices": contributors' (no single owner may hold every stage of a job).
+    nodes = [ready_node(f"device-{i}", port=50071 + i, owner=User.objects.create_user(f"contributor-{i}"))
+             for i in range(3)]
     initialized = api.post(f"/api/network/initialize/{job_id}")
     assert initialized.status_code == 202, initialized.json()
     assert initialized.json()["status"] == "queued"

@@ -187,7 +187,7 @@ def test_a_tensor_parallel_job_is_served_whole_on_one_agent_and_samples(
     other = ready_node("other", port=1)
     job = job_start(job=job_submit(
         owner=user, model_config=MODEL, dataset_config={"name": "text", "source": abcd_text.name}, stages=1,
-        tensor_parallel={"size": 2},
+        tensor_parallel={"size": 2}, requirements={"owner_diversity": False},  # on the user's own nodes
     ))
     reconcile_once()
     assert sorted(job.stages.values_list("rank", flat=True)) == [0, 1]  # trained over a group of two

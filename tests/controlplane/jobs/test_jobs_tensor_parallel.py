@@ -32,6 +32,7 @@ GPT_JOB: dict[str, Any] = {
     "micro_batches": 2,
     "stages": 2,
     "tensor_parallel": {"size": 2, "stages": [1]},
+    "requirements": {"owner_diversity": False},  # the nodes here are all the user's
 }
 
 
@@ -92,7 +93,7 @@ def test_the_estimate_places_a_split_stage_on_a_group(user, ready_node) -> None:
         ready_node(name, flops=flops)
     estimate = job_estimate(
         model_config=MODEL, dataset_config={"name": "text", "batch_size": 8}, epochs=1, micro_batches=2,
-        schedule="gpipe", stages=2, requirements_config={},
+        schedule="gpipe", stages=2, requirements_config={"owner_diversity": False},
         tensor_parallel={"size": 2, "stages": [1]}, owner_id=user.id, now=timezone.now(),
     )
     assert estimate["feasible"], estimate["reason"]

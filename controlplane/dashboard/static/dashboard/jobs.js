@@ -16,6 +16,7 @@
     for (const key of ["epochs", "micro_batches", "stages", "checkpoint_interval_steps"]) if (f.get(key)) parsed[key] = Number(f.get(key));
     if (f.get("learning_rate")) parsed.learning_rate = Number(f.get("learning_rate"));
     parsed.schedule = f.get("schedule");
+    if (!f.get("owner_diversity")) parsed.requirements = { owner_diversity: false };
     return parsed;
   }
 

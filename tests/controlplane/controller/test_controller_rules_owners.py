@@ -1,0 +1,65 @@
+"""plan() keeps every job's stages from a single owner unless the job opts out: a market where one owner holds every
+Ready node leaves the job waiting, saying why."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from datetime import timedelta
+
+from controlplane.common.conditions import get_condition
+from controlplane.controller.actions import PlaceJob, RewindJob, SetCondition
+from controlplane.controller.rules import plan
+from controlplane.controller.views import Desired, NodeView, Observed, Requirements
+from tests.controlplane.controller.test_controller_rules import NOW, job, node, placed
+
+
+def owned(name: str, owner: str, flops: float = 1e9) -> NodeView:
+    return replace(node(name, flops=flops), owner=owner)
+
+
+def test_a_job_on_a_market_where_one_owner_holds_every_ready_node_waits_saying_why() -> None:
+    nodes = tuple(owned(name, "alice") for name in "abcd")
+    [action] = plan(Desired(jobs=(job(),)), Observed(nodes=nodes), NOW)
+    assert isinstance(action, SetCondition)
+    placed = get_condition(action.conditions, "Placed")
+    assert (placed["status"], placed["reason"]) == ("False", "WaitingForOwners")
+    assert placed["message"] == (
+        "every free Ready node meeting its requirements (4) belongs to one owner, and no single owner may hold every "
+        "stage of a job: waiting for another owner's node, or submit it with requirements.owner_diversity false"
+    )
+    # The same market places a job that opted out.
+    [placed_anyway] = plan(Desired(jobs=(job(requirements=Requirements(owner_diversity=False)),)), Observed(nodes), NOW)
+    assert isinstance(placed_anyway, PlaceJob)
+
+
+def test_another_owners_node_takes_a_part_even_when_one_owner_has_the_fastest_nodes() -> None:
+    nodes = (*(owned(name, "alice", flops=4e9) for name in "abc"), owned("slow", "bob"))
+    [action] = plan(Desired(jobs=(job(),)), Observed(nodes=nodes), NOW)
+    assert isinstance(action, PlaceJob) and len(action.stages) == 3
+    assert "slow" in {s.node_id for s in action.stages}
+    # A job that lets the solver choose its stage count gets two stages or more, so that no owner holds it whole.
+    [action] = plan(Desired(jobs=(job(stages_requested=None),)), Observed(nodes=nodes), NOW)
+    assert isinstance(action, PlaceJob) and len({s.node_id for s in action.stages}) >= 2
+    assert "slow" in {s.node_id for s in action.stages}
+
+
+def test_a_job_of_one_stage_cannot_be_split_between_owners_and_says_how_to_go_on() -> None:
+    nodes = (owned("a", "alice"), owned("b", "bob"))
+    [action] = plan(Desired(jobs=(job(stages_requested=1),)), Observed(nodes=nodes), NOW)
+    placed = get_condition(action.conditions, "Placed")
+    assert placed["reason"] == "WaitingForOwners" and placed["message"].startswith("a job of one stage is held whole")
+
+
+def test_a_lost_stage_moves_to_another_owners_node_rather_than_hand_one_owner_the_whole_model() -> None:
+    running = job("j", "running", generation=2, stages=placed("j", ["a", "b"]), stages_requested=2,
+                  driver_lease_expires_at=NOW + timedelta(seconds=60), driver_claimed=True)
+    lost_b = replace(owned("b", "bob"), ready_status="False")
+    market = (owned("a", "alice"), lost_b, owned("fast", "alice", flops=9e9), owned("slow", "carol"))
+    [action] = plan(Desired(jobs=(running,)), Observed(nodes=market), NOW)
+    assert isinstance(action, RewindJob) and action.moves == ((1, 0, "slow"),)  # not alice's faster node
+    [action] = plan(Desired(jobs=(running,)), Observed(nodes=market[:3]), NOW)
+    assert isinstance(action, RewindJob) and action.moves == ((1, 0, None),) and action.status == "pending"
+    assert "another owner's node" in action.message
+    opted_out = replace(running, requirements=Requirements(owner_diversity=False))
+    [action] = plan(Desired(jobs=(opted_out,)), Observed(nodes=market[:3]), NOW)
+    assert action.moves == ((1, 0, "fast"),)
