@@ -1,10 +1,11 @@
-"""Owner diversity: by default no single owner holds every stage of a job (and so the whole model: contributors see
-only part of it). A job opts out with `requirements.owner_diversity: false`. Pure: the reconciler's rules and the
-estimate both place through `diverse_placement`."""
+"""Owner diversity: by default no single owner holds every stage of a job (with replicas: a replica of every stage;
+and so the whole model: contributors see only part of it). A job opts out with `requirements.owner_diversity: false`.
+Pure: the reconciler's rules and the estimate both place through `diverse_placement`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from arceus.placement.solver import Placement, PlacementError
 from controlplane.controller.views import NodeView
@@ -19,10 +20,17 @@ class OwnerDiversityError(PlacementError):
     """The market offers no placement in which no single owner holds every stage; the message says why."""
 
 
-def sole_owner(node_ids: Sequence[str], owners: Mapping[str, str]) -> str | None:
-    """The owner of every one of `node_ids`, when one owner holds them all (and so every stage's every part)."""
-    held = {owners[node_id] for node_id in node_ids}
-    return next(iter(held)) if len(held) == 1 else None
+def owner_of_every_stage(rows: Iterable[tuple[int, int, str]], owners: Mapping[str, str]) -> str | None:
+    """The owner who holds a whole copy of every stage, if one does: `rows` are (stage index, replica, node id) of
+    every rank of every replica of a job's stages; a copy is whole when one owner holds all of its ranks."""
+    copies: dict[tuple[int, int], set[str]] = defaultdict(set)
+    for index, replica, node_id in rows:
+        copies[index, replica].add(owners[node_id])
+    holders: dict[int, set[str]] = defaultdict(set)
+    for (index, _), held in copies.items():
+        holders[index] |= held if len(held) == 1 else set()
+    common = set.intersection(*holders.values()) if holders else set()
+    return min(common) if common else None
 
 
 def diverse_placement(
@@ -43,7 +51,10 @@ def diverse_placement(
                 raise  # the job's own: no placement at all
             raise OwnerDiversityError(f"no placement keeps every stage from a single owner ({exc}); {OPT_OUT}") from exc
         used = [node_id for stage in placement.stages for node_id in stage.device_ids]
-        owner = sole_owner(used, owners)
+        owner = owner_of_every_stage(
+            [(index, 0, node_id) for index, stage in enumerate(placement.stages) for node_id in stage.device_ids],
+            owners,
+        )
         if owner is None:
             return placement
         if len(set(owners.values())) < 2:

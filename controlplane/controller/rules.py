@@ -92,7 +92,7 @@ from controlplane.controller.actions import (
     StopServing,
     SucceedJob,
 )
-from controlplane.controller.diversity import OwnerDiversityError, diverse_placement
+from controlplane.controller.diversity import OwnerDiversityError, diverse_placement, owner_of_every_stage
 from controlplane.controller.views import Desired, JobView, NodeView, Observed, PlacedStage, StageReport, stage_bounds
 from controlplane.market.services import MICROS_PER_DOLLAR
 
@@ -313,8 +313,10 @@ def _why_gone(
 
 def _grow(job: JobView, nodes: Mapping[str, NodeView], free: list[NodeView], now: datetime) -> Action | None:
     """One more replica for each stage below its most (`replicas_max`, at most one per micro-batch) on the fastest
-    free node with room: always below `replicas_min`, beyond it where it is worth it (`_worth`)."""
+    free node with room that hands no owner a replica of every stage: always below `replicas_min`, beyond it where it
+    is worth it (`_worth`)."""
     candidates = [n for n in free if job.requirements.allows(n)]
+    owners = {n.id: n.owner for n in nodes.values()}
     most = min(job.replicas_max, job.workload.micro_batches)
     added: list[PlannedStage] = []
     for index in sorted({s.index for s in job.stages}):
@@ -322,7 +324,9 @@ def _grow(job: JobView, nodes: Mapping[str, NodeView], free: list[NodeView], now
         if len(rows) >= most:
             continue
         need = _stage_memory(job, rows[0])
-        node = next((n for n in candidates if n.memory_bytes >= need), None)
+        node = next((n for n in candidates if n.memory_bytes >= need and _keeps_owners_apart(
+            job, [*job.stages, *added, PlannedStage(index, 0, 0, n.id, replica=job.next_replica + len(added))],
+            owners)), None)
         if node is None or (len(rows) >= job.replicas_min and not _worth(job, index, node, nodes)):
             continue
         candidates.remove(node)
@@ -432,20 +436,33 @@ def _owners_apart(
     job: JobView, lost: list[PlacedStage], moves: list[tuple[int, int, str | None]], nodes: Mapping[str, NodeView],
     spare: list[NodeView],
 ) -> list[str]:
-    """When `moves` would leave one owner holding every stage, one of them goes to another owner's free node with
-    room instead; with none, what the job waits for."""
-    target = {(i, r): n for i, r, n in moves}
-    held = [target.get((s.index, s.rank), s.node_id) for s in job.stages]
-    if any(n not in nodes for n in held) or len(owners := {nodes[n].owner for n in held if n}) != 1:
+    """When `moves` would leave one owner holding (a replica of) every stage, one of them goes to another owner's
+    free node with room instead; with none, what the job waits for."""
+    def holder(moved: list[tuple[int, int, str | None]]) -> str | None:
+        target = {(i, r): n for i, r, n in moved}
+        rows = [(s.index, s.replica, target.get((s.index, s.rank), s.node_id)) for s in job.stages]
+        return None if any(n not in nodes for _, _, n in rows) else owner_of_every_stage(rows, owners)
+
+    owners = {n.id: n.owner for n in nodes.values()}
+    owner = holder(moves)
+    if owner is None:
         return []
     lost_by_key = {(s.index, s.rank): s for s in lost}
     for k, (index, rank, _) in enumerate(moves):
         need = _stage_memory(job, lost_by_key[index, rank])
-        other = next((n for n in spare if n.owner not in owners and n.memory_bytes >= need), None)
-        if other is not None:
-            moves[k] = (index, rank, other.id)
-            return []
+        for other in (n for n in spare if n.owner != owner and n.memory_bytes >= need):
+            if holder(moved := [*moves[:k], (index, rank, other.id), *moves[k + 1:]]) is None:
+                moves[:] = moved
+                return []
     return ["a stage on another owner's node (no single owner may hold every stage of the job)"]
+
+
+def _keeps_owners_apart(job: JobView, rows: Sequence[PlannedStage | PlacedStage], owners: Mapping[str, str]) -> bool:
+    """Whether `rows` (a job's placement, or one planned) leave no single owner holding a replica of every stage, or
+    the job opted out."""
+    return not job.requirements.owner_diversity or owner_of_every_stage(
+        [(s.index, s.replica, s.node_id) for s in rows if s.node_id is not None], owners
+    ) is None
 
 
 def _driver_live(job: JobView, now: datetime) -> bool:
@@ -556,16 +573,18 @@ def _replicas_placed(
     job: JobView, stages: Sequence[PlannedStage], free: list[NodeView]
 ) -> tuple[PlannedStage, ...] | str:
     """The solver's one node per stage as replica 0, and replicas 1 .. `replicas_min` - 1 of each stage on the
-    fastest other free nodes with room (the stages needing most memory first); what is missing, if some cannot be
-    placed."""
+    fastest other free nodes with room (the stages needing most memory first; none handing one owner a replica of every
+    stage); what is missing, if some cannot be placed."""
     used = {s.node_id for s in stages}
     candidates = [n for n in free if n.id not in used and job.requirements.allows(n)]
     placed = [replace(s, replica=0) for s in stages]
+    owners = {n.id: n.owner for n in free}
     for stage in sorted(stages, key=lambda s: (-stage_memory(job.layers[s.layer_start : s.layer_end], job.workload),
                                                s.index)):
         need = stage_memory(job.layers[stage.layer_start : stage.layer_end], job.workload)
         for replica in range(1, job.replicas_min):
-            node = next((n for n in candidates if n.memory_bytes >= need), None)
+            node = next((n for n in candidates if n.memory_bytes >= need and _keeps_owners_apart(
+                job, [*placed, replace(stage, node_id=n.id, replica=replica)], owners)), None)
             if node is None:
                 return (f"needs {job.replicas_min} replicas of each of {len(stages)} stages on distinct Ready nodes; "
                         f"no free node has room ({need:,} bytes) for replica {replica} of stage {stage.index}")

@@ -29,6 +29,7 @@ JOB: dict[str, Any] = {
     "replicas": 2,
     "checkpoint_interval_steps": 10,
     "node_grace_seconds": 2.0,  # the lost replica leaves the placement soon, so the spare joins well before the end
+    "requirements": {"owner_diversity": False},  # every agent here is one owner's
 }
 KILL_AT_STEP = 12
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import timedelta
 
+from arceus.placement.solver import Workload
 from controlplane.common.conditions import get_condition
 from controlplane.controller.actions import PlaceJob, RewindJob, SetCondition
+from controlplane.controller.diversity import owner_of_every_stage
 from controlplane.controller.rules import plan
-from controlplane.controller.views import Desired, NodeView, Observed, Requirements
+from controlplane.controller.views import Desired, NodeView, Observed, PlacedStage, Requirements
 from tests.controlplane.controller.test_controller_rules import NOW, job, node, placed
 
 
@@ -63,3 +65,23 @@ def test_a_lost_stage_moves_to_another_owners_node_rather_than_hand_one_owner_th
     opted_out = replace(running, requirements=Requirements(owner_diversity=False))
     [action] = plan(Desired(jobs=(opted_out,)), Observed(nodes=market[:3]), NOW)
     assert action.moves == ((1, 0, "fast"),)
+
+
+def test_no_owner_gets_a_replica_of_every_stage_when_placed_or_grown() -> None:
+    """Alice's fast nodes would take a replica of each of the three stages; each replica goes elsewhere instead."""
+    four = Workload(micro_batch_size=1, micro_batches=4)
+    alice = tuple(owned(f"a{i}", "alice", flops=9e9) for i in range(4))
+    others = (owned("b", "bob"), owned("c", "carol"), owned("e", "erin"))
+    queued = job(replicas_min=2, replicas_max=3, workload=four)
+    [action] = plan(Desired(jobs=(queued,)), Observed(nodes=(*alice, *others)), NOW)
+    assert isinstance(action, PlaceJob) and len(action.stages) == 6
+    owners = {n.id: n.owner for n in (*alice, *others)}
+    assert owner_of_every_stage([(s.index, s.replica, s.node_id) for s in action.stages], owners) is None
+    # Grown while it runs: alice's free node would complete her copy of the model; it is passed over.
+    rows = ((0, 0, "a0"), (0, 1, "b"), (1, 0, "a1"), (1, 1, "c"), (2, 0, "e"))
+    running = job("j", "running", generation=2, replicas_min=2, replicas_max=2, workload=four, next_replica=2,
+                  stages=tuple(PlacedStage(i, i, i + 1, n, 2, replica=r) for i, r, n in rows),
+                  driver_lease_expires_at=NOW + timedelta(seconds=5), driver_claimed=True)
+    assert plan(Desired(jobs=(running,)), Observed(nodes=(*alice, *others)), NOW) == []
+    [grown] = plan(Desired(jobs=(running,)), Observed(nodes=(*alice, *others, owned("d", "dave"))), NOW)
+    assert [(s.index, s.node_id) for s in grown.stages] == [(2, "d")]
