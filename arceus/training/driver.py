@@ -56,7 +56,8 @@ from arceus.wire.push_stream import PushError
 
 log = logging.getLogger(__name__)
 _ACTIVATION, _LABELS = stage_pb2.ACTIVATION, stage_pb2.LABELS
-# How long a replica's agent has to answer a health check after a failed step before it counts as lost.
+# How long a replica's agent has to answer a health check after a failed step before it counts as lost (one that
+# refuses the connection counts as lost at once: it was serving the step a moment ago).
 LIVENESS_SECONDS = 3.0
 
 
@@ -228,7 +229,7 @@ class Pipeline:
                 clients = list(self.replica_clients.values())
                 alive = agents_answering(
                     [(c.endpoint.address, c.endpoint.certificate) for c in clients], timeout=LIVENESS_SECONDS,
-                    concurrency=len(clients),
+                    concurrency=len(clients), refused_is_down=True,
                 )
                 lost = [(c.endpoint.index, c.endpoint.replica) for c, up in zip(clients, alive, strict=True) if not up]
                 if not lost:

@@ -44,15 +44,21 @@ def open_channel(
     return grpc.intercept_channel(channel, _BearerToken(token))
 
 
-def agents_answering(targets: Sequence[tuple[str, str]], *, timeout: float, concurrency: int) -> list[bool]:
+def agents_answering(
+    targets: Sequence[tuple[str, str]], *, timeout: float, concurrency: int, refused_is_down: bool = False
+) -> list[bool]:
     """Whether each agent, given as (address, its registered certificate), completes a TLS handshake pinned to that
     certificate and answers its health check (which takes no token) within `timeout` seconds. Dialled `concurrency`
     at a time on one event loop: agents behind routers that drop the dial cost a whole timeout each, so thousands
-    of them take count × timeout / concurrency seconds, not count × timeout."""
-    return asyncio.run(_answering(targets, timeout, concurrency))
+    of them take count × timeout / concurrency seconds, not count × timeout. A refused connection is retried
+    until the timeout (an agent starting up), or with `refused_is_down` answers False at once (an agent that was
+    serving a moment ago and now refuses has died)."""
+    return asyncio.run(_answering(targets, timeout, concurrency, not refused_is_down))
 
 
-async def _answering(targets: Sequence[tuple[str, str]], timeout: float, concurrency: int) -> list[bool]:
+async def _answering(
+    targets: Sequence[tuple[str, str]], timeout: float, concurrency: int, wait_for_ready: bool
+) -> list[bool]:
     gate = asyncio.Semaphore(concurrency)
 
     async def answers(address: str, certificate: str) -> bool:
@@ -61,7 +67,8 @@ async def _answering(targets: Sequence[tuple[str, str]], timeout: float, concurr
                 _check_pinned(address, certificate)
                 async with grpc.aio.secure_channel(address, pinned_channel_credentials(certificate),
                                                    options=_pinned_options(address, [])) as channel:
-                    await HealthStub(channel).Check(HealthCheckRequest(), timeout=timeout, wait_for_ready=True)
+                    check = HealthStub(channel).Check
+                    await check(HealthCheckRequest(), timeout=timeout, wait_for_ready=wait_for_ready)
                 return True
             except (grpc.RpcError, ValueError):
                 return False
