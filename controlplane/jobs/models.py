@@ -10,6 +10,7 @@ from django.db.models import Q
 from django.utils import timezone
 
 from arceus.contracts.observed import ObservedState
+from arceus.contracts.replica_sync import ReplicaSync, replica_sync_from_json
 from arceus.contracts.stage_key import stage_key
 from arceus.contracts.status import JobStatus
 from controlplane.common.models import BaseModel, enum_choices
@@ -101,6 +102,12 @@ class Job(BaseModel):
     # up to `replicas_max` while the job runs; 1 and 1: one node (or tensor-parallel group) per stage.
     replicas_min = models.PositiveIntegerField(default=1)
     replicas_max = models.PositiveIntegerField(default=1)
+    replica_sync = models.JSONField(
+        default=dict,
+        blank=True,
+        help_text='How often a replicated stage\'s replicas agree (arceus.contracts.replica_sync), normalised: '
+        '{"every_steps": 1} (exact) or {"every_steps": H, "outer_lr", "outer_momentum"}; {}: exact.',
+    )
     # The next replica id to give out: a replicated stage's ids are never reused within a job (a driver's roster
     # tells a newcomer from a member it lost by its id).
     next_replica = models.PositiveIntegerField(default=0)
@@ -168,6 +175,11 @@ class Job(BaseModel):
         """Whether its stages are replicated now: it asked for more than one replica of each, and it is not being
         served (a served job's stages are one node each, for inference)."""
         return self.replicas_max > 1 and self.status != JobStatus.SUCCEEDED
+
+    @property
+    def replica_sync_config(self) -> ReplicaSync:
+        """How its replicas agree (saved normalised by job_submit; rows from before the field hold {}: exact)."""
+        return replica_sync_from_json(self.replica_sync)
 
 
 class Stage(BaseModel):

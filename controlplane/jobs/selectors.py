@@ -23,6 +23,7 @@ from arceus.contracts.assignment import (
     max_micro_batch_size,
 )
 from arceus.contracts.observed import ObservedState
+from arceus.contracts.replica_sync import ReplicaSync
 from arceus.contracts.status import HOSTED_STATUSES, JobStatus
 from arceus.contracts.transfer import transfer_config_from_json
 from arceus.training.plan import RankEndpoint, StageEndpoint
@@ -312,6 +313,7 @@ def _assignment(
         else None,
         inference=job.status == JobStatus.SUCCEEDED,
         replica=stage.replica if replicated else None,
+        replica_sync=job.replica_sync_config if replicated else ReplicaSync(),
     ).to_json()
 
 

@@ -11,6 +11,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.utils import timezone
 
+from arceus.contracts.replica_sync import replica_sync_from_json
 from arceus.contracts.status import STARTABLE_STATUSES, JobStatus
 from arceus.contracts.transfer import transfer_config_from_json
 from arceus.data.paths import dataset_config_confined
@@ -54,6 +55,7 @@ def job_submit(
     requirements: dict[str, Any] | None = None,
     tensor_parallel: dict[str, Any] | None = None,
     replicas: dict[str, int] | None = None,
+    replica_sync: dict[str, Any] | None = None,
     name: str = "",
 ) -> Job:
     """Validate the model and dataset against each other and save the job (status created).
@@ -79,8 +81,13 @@ def job_submit(
         _check_replicas(replicas, micro_batches=micro_batches, tensor_parallel=tensor_parallel, audit_rate=audit_rate)
     if audit_rate is None:
         audit_rate = 0.0 if tensor_parallel or ships_program or replicas["max"] > 1 else DEFAULT_AUDIT_RATE
+    if replica_sync is not None and replicas["max"] == 1:
+        raise ApplicationError.invalid(
+            "replica_sync", "applies only to replicated stages: ask for replicas > 1, or leave replica_sync out"
+        )
     try:
         transfer_config = transfer_config_from_json(transfer or {})
+        sync = replica_sync_from_json(replica_sync)
     except SpecError as exc:
         raise ApplicationError.invalid(exc.field, exc.message) from exc
     return Job.objects.create(
@@ -107,6 +114,7 @@ def job_submit(
         tensor_parallel=tensor_parallel,
         replicas_min=replicas["min"],
         replicas_max=replicas["max"],
+        replica_sync=sync.to_json(),
     )
 
 

@@ -188,6 +188,14 @@ class JobSubmitInput(StrictInputSerializer):
         'number, or {"min": 1, "max": N} to add replicas while Ready nodes have room (at most micro_batches; not '
         "with tensor_parallel or spot checks). 1: one node per stage.",
     )
+    replica_sync = serializers.JSONField(
+        required=False,
+        default=None,
+        allow_null=True,
+        help_text='How often the replicas of a stage agree (only with replicas > 1): {"every_steps": 1} (the '
+        'default: gradients summed every step, equal to one process), or {"every_steps": 16, "outer_lr": 0.7, '
+        '"outer_momentum": 0.9}: local steps, weight deltas averaged every 16 (DiLoCo).',
+    )
 
 
 class JobStartInput(StrictInputSerializer):
@@ -309,6 +317,10 @@ class JobDetailOutput(JobListOutput):
     activation_checkpointing = serializers.BooleanField()
     tensor_parallel = serializers.JSONField()
     replicas = serializers.SerializerMethodField(help_text="Replicas per stage: {min, max}.")
+    replica_sync = serializers.SerializerMethodField(
+        help_text='How often the replicas of a stage agree: {"every_steps": 1} (exact) or {"every_steps": H, '
+        '"outer_lr", "outer_momentum"}.'
+    )
     restarts = serializers.IntegerField(help_text="Rewinds not explained by a lost node since the last checkpoint.")
     resumed_from_step = serializers.IntegerField(
         source="resume_checkpoint.step", default=None, allow_null=True, help_text="The checkpoint the stages run from."
@@ -340,6 +352,11 @@ class JobDetailOutput(JobListOutput):
     @extend_schema_field({"type": "object", "properties": {"min": {"type": "integer"}, "max": {"type": "integer"}}})
     def get_replicas(self, job: Job) -> dict[str, int]:
         return {"min": job.replicas_min, "max": job.replicas_max}
+
+    @extend_schema_field({"type": "object", "properties": {
+        "every_steps": {"type": "integer"}, "outer_lr": {"type": "number"}, "outer_momentum": {"type": "number"}}})
+    def get_replica_sync(self, job: Job) -> dict[str, Any]:
+        return job.replica_sync_config.to_json()
 
     @extend_schema_field(PlacementOutput(many=True))
     def get_placements(self, job: Job) -> list[dict[str, Any]]:

@@ -39,6 +39,39 @@ def test_replicas_are_checked_at_submit_with_errors_naming_the_field(api) -> Non
     assert default["replicas"] == {"min": 1, "max": 1}
 
 
+def test_replica_sync_is_checked_by_the_contract_shown_and_reaches_every_replica(api, ready_node) -> None:
+    def refused(**fields: object) -> dict:
+        response = api.post("/api/jobs", {**DIGITS_JOB, **fields}, format="json")
+        assert response.status_code == 400, response.content
+        return response.json()["errors"]
+
+    assert "replicas > 1" in refused(replica_sync={"every_steps": 4})["replica_sync"][0]
+    assert "integer" in refused(replicas=2, replica_sync={"every_steps": 0})["replica_sync.every_steps"][0]
+    assert "(0, 10]" in refused(replicas=2, replica_sync={"every_steps": 4, "outer_lr": -1})["replica_sync.outer_lr"][0]
+    momentum = refused(replicas=2, replica_sync={"outer_momentum": 0.5})
+    assert "every_steps > 1" in momentum["replica_sync.outer_momentum"][0]
+    assert "unknown" in refused(replicas=2, replica_sync={"every": 4})["replica_sync.every"][0]
+    assert "object" in refused(replicas=2, replica_sync=16)["replica_sync"][0]
+    assert api.post("/api/jobs", {**DIGITS_JOB, "replicas": 2}, format="json").json()["replica_sync"] == {
+        "every_steps": 1
+    }
+
+    nodes = [ready_node(f"n{i}", port=50051 + i) for i in range(6)]
+    created = api.post(
+        "/api/jobs", {**DIGITS_JOB, "replicas": 2, "replica_sync": {"every_steps": 8, "outer_lr": 0.5}}, format="json"
+    ).json()
+    assert created["replica_sync"] == {"every_steps": 8, "outer_lr": 0.5, "outer_momentum": 0.9}
+    job = job_start(job=Job.objects.get(pk=created["id"]))
+    reconcile_once()
+    assert Stage.objects.filter(job=job).count() == 6
+    syncs = {
+        (a.stage_index, a.replica, a.replica_sync.every_steps, a.replica_sync.outer_lr)
+        for node in nodes for a in map(Assignment.from_json, assignments_for_node(node=node))
+    }
+    assert syncs == {(i, r, 8, 0.5) for i in range(3) for r in range(2)}
+    assert api.get(f"/api/jobs/{job.id}").json()["replica_sync"]["every_steps"] == 8
+
+
 def test_a_lost_replica_is_replaced_at_the_same_generation_and_the_api_lists_replicas(
     api, ready_node, django_capture_on_commit_callbacks
 ) -> None:
