@@ -55,13 +55,15 @@ def prices_current() -> list[dict[str, Any]]:
 
 
 def node_earnings(*, node: Node) -> dict[str, Any]:
-    """What the node's owner has earned, in total, per UTC day and per job; credit withheld because a
-    spot check caught the node's work wrong is not earned, and shown apart."""
+    """What the node's owner has earned (per second a job held the node, at the price in force), in total, per UTC
+    day and per job, with the seconds held; credit withheld because a spot check caught the node's work wrong is not
+    earned, and shown apart."""
     entries = LedgerEntry.objects.filter(node=node)
     sums = {
         "credit": Sum("credit_micros", filter=Q(withheld=False)),
         "samples": Sum("samples"),
         "compute_seconds": Sum("compute_seconds"),
+        "held_seconds": Sum("held_seconds"),
     }
     total = entries.aggregate(**sums)
     per_day = entries.annotate(day=TruncDate("created_at")).values("day").annotate(**sums).order_by("day")
@@ -73,10 +75,11 @@ def node_earnings(*, node: Node) -> dict[str, Any]:
         "withheld_usd": dollars(entries.filter(withheld=True).aggregate(w=Sum("credit_micros"))["w"]),
         "samples": total["samples"] or 0,
         "compute_seconds": total["compute_seconds"] or 0.0,
+        "held_seconds": total["held_seconds"] or 0.0,
         "per_day": [{**row, "credit_usd": dollars(row.pop("credit"))} for row in per_day],
         "per_job": [
             {"job_id": row["job_id"], "job_name": row["job__name"], "credit_usd": dollars(row["credit"]),
-             "samples": row["samples"], "compute_seconds": row["compute_seconds"]}
+             "samples": row["samples"], "compute_seconds": row["compute_seconds"], "held_seconds": row["held_seconds"]}
             for row in per_job
         ],
     }

@@ -22,6 +22,7 @@ class EarningsDayOutput(serializers.Serializer):
     credit_usd = serializers.DecimalField(**MONEY)
     samples = serializers.IntegerField()
     compute_seconds = serializers.FloatField()
+    held_seconds = serializers.FloatField(help_text="seconds jobs held the node: what its credit pays for")
 
 
 class EarningsJobOutput(serializers.Serializer):
@@ -30,6 +31,7 @@ class EarningsJobOutput(serializers.Serializer):
     credit_usd = serializers.DecimalField(**MONEY)
     samples = serializers.IntegerField()
     compute_seconds = serializers.FloatField()
+    held_seconds = serializers.FloatField(help_text="seconds jobs held the node: what its credit pays for")
 
 
 class EarningsOutput(serializers.Serializer):
@@ -39,6 +41,7 @@ class EarningsOutput(serializers.Serializer):
     withheld_usd = serializers.DecimalField(**MONEY, help_text="credit withheld: a spot check caught the work wrong")
     samples = serializers.IntegerField()
     compute_seconds = serializers.FloatField()
+    held_seconds = serializers.FloatField(help_text="seconds jobs held the node: what its credit pays for")
     per_day = EarningsDayOutput(many=True)
     per_job = EarningsJobOutput(many=True)
 

@@ -149,6 +149,7 @@ def test_owners_see_their_earnings_and_developers_their_cost(running_job: Job, a
     expected = Decimal(LedgerEntry.objects.get(node=node).credit_micros) / 1_000_000
     assert Decimal(earnings["credit_usd"]) == expected > 0
     assert earnings["per_job"][0]["job_id"] == str(running_job.id) and earnings["per_day"][0]["samples"] == 320
+    assert earnings["held_seconds"] == earnings["per_job"][0]["held_seconds"] == 3600.0  # what the credit pays for
     refused = other_api.get(f"/api/nodes/{node.id}/earnings")
     assert refused.status_code == 404 and refused.json()["detail"] == f"node {node.id} not found"
     # Its agent reads the same with its node token (`arceus-agent status`); a user's token is not an agent's.
