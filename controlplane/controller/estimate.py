@@ -17,10 +17,13 @@ from arceus.data.sizes import train_samples_estimate
 from arceus.errors import SpecError
 from arceus.placement.profiles import layer_profiles
 from arceus.placement.solver import Budget, Placement, PlacementError, solve
+from arceus.swarm.model import samples_per_second
 from controlplane.common.conditions import TRUE
 from controlplane.common.errors import ApplicationError
+from controlplane.controller.actions import PlannedStage
 from controlplane.controller.diversity import diverse_placement
 from controlplane.controller.placement import requirements, tensor_parallel_split, workload
+from controlplane.controller.rules import replicas_placed, swarm_replica, swarm_workload
 from controlplane.controller.snapshot import node_views, registered_nodes
 from controlplane.controller.views import NodeView, stage_bounds
 from controlplane.jobs.estimate import OTHERS_NODE
@@ -64,11 +67,15 @@ def job_estimate(
     owner_id: int,
     now: datetime,
     tensor_parallel: dict[str, Any] | None = None,
+    replicas: dict[str, int] | None = None,
 ) -> dict[str, Any]:
     """Plan the job on the free Ready nodes as the reconciler would, and price it at the posted prices.
     A job that cannot be placed now is answered with `feasible: false` and the reason. Only the owner's own
-    nodes are named in the stages; another contributor's node is `OTHERS_NODE`, without its id."""
+    nodes are named in the stages; another contributor's node is `OTHERS_NODE`, without its id. A replicated
+    job is planned with `replicas.min` replicas of each stage (the reconciler adds more only while it runs), its
+    speed from the swarm model (arceus.swarm.model) and its price every replica's node's."""
     tensor_parallel = tensor_parallel or {}
+    count = (replicas or {"min": 1})["min"]
     spec, _, dataset = job_validate(
         model_config=model_config,
         dataset_config=dataset_config,
@@ -88,7 +95,8 @@ def job_estimate(
     own = {str(i) for i in Node.objects.filter(owner_id=owner_id).values_list("id", flat=True)}
     named = {n.id: (n.id, n.name) if n.id in own else (None, OTHERS_NODE) for n in candidates}
     answer: dict[str, Any] = {
-        "feasible": False, "reason": None, "candidates": len(candidates), "stages": [], "cut_short": False
+        "feasible": False, "reason": None, "candidates": len(candidates), "stages": [], "cut_short": False,
+        "replicas": count,
     }
     candidates.sort(key=lambda n: (-n.flops, n.price_per_hour, n.id))  # the reconciler's order
     layers, steps = layer_profiles(spec), workload(dataset, micro_batches, schedule)
@@ -113,29 +121,51 @@ def job_estimate(
     except PlacementError as exc:
         answer["reason"] = str(exc)
         return answer
+    rows = tuple(
+        PlannedStage(index=i, layer_start=s.layer_start, layer_end=s.layer_end, node_id=node_id, rank=rank)
+        for i, s in enumerate(placement.stages)
+        for rank, node_id in enumerate(s.device_ids)
+    )
+    seconds = {(i, rank, 0): s.seconds_per_micro_batch for i, s in enumerate(placement.stages)
+               for rank in range(len(s.device_ids))}
+    speed, price = placement.samples_per_second, placement.price_per_hour
+    if count > 1:
+        replicated = replicas_placed(rows, candidates, layers=layers, workload=steps, requirements=req, count=count)
+        if isinstance(replicated, str):
+            answer["reason"] = replicated
+            return answer
+        rows = replicated
+        by_id = {n.id: n for n in candidates}
+        bounds = [(s.layer_start, s.layer_end) for s in placement.stages]
+        swarm = [[swarm_replica(by_id[r.node_id], layers[start:end]) for r in rows if r.index == i]
+                 for i, (start, end) in enumerate(bounds)]
+        speed = samples_per_second(swarm, swarm_workload([layers[start:end] for start, end in bounds], steps))
+        price = sum(by_id[r.node_id].price_per_hour for r in rows)
+        seconds = {(r.index, r.rank, r.replica): swarm_replica(by_id[r.node_id], layers[r.layer_start : r.layer_end])
+                   .seconds_per_sample * steps.micro_batch_size for r in rows}
     train_samples = train_samples_estimate(dataset)
-    hours = epochs * train_samples / placement.samples_per_second / 3600
-    total = Decimal(str(round(placement.price_per_hour * hours, 6)))
+    hours = epochs * train_samples / speed / 3600
+    total = Decimal(str(round(price * hours, 6)))
     deadline = requirements_config.get("deadline")
     answer.update(
         feasible=True,
         cut_short=placement.cut_short,
         stages=[
             {
-                "stage_index": i,
-                "rank": rank,
-                "node_id": named[node_id][0],
-                "node_name": named[node_id][1],
-                "layer_start": s.layer_start,
-                "layer_end": s.layer_end,
-                "seconds_per_micro_batch": s.seconds_per_micro_batch,
+                "stage_index": r.index,
+                "rank": r.rank,
+                "replica": r.replica,
+                "node_id": named[r.node_id][0],
+                "node_name": named[r.node_id][1],
+                "layer_start": r.layer_start,
+                "layer_end": r.layer_end,
+                "seconds_per_micro_batch": seconds[(r.index, r.rank, r.replica)],
             }
-            for i, s in enumerate(placement.stages)
-            for rank, node_id in enumerate(s.device_ids)
+            for r in rows
         ],
-        samples_per_second=placement.samples_per_second,
+        samples_per_second=speed,
         hours=hours,
-        price_per_hour=placement.price_per_hour,
+        price_per_hour=price,
         total_usd=total,
         within_budget=None if "max_total_usd" not in requirements_config
         else float(total) <= requirements_config["max_total_usd"],

@@ -67,6 +67,7 @@ from arceus.placement.solver import (
     LayerProfile,
     Placement,
     PlacementError,
+    Workload,
     solve,
     stage_inference_memory,
     stage_memory,
@@ -93,7 +94,16 @@ from controlplane.controller.actions import (
     SucceedJob,
 )
 from controlplane.controller.diversity import OwnerDiversityError, diverse_placement, owner_of_every_stage
-from controlplane.controller.views import Desired, JobView, NodeView, Observed, PlacedStage, StageReport, stage_bounds
+from controlplane.controller.views import (
+    Desired,
+    JobView,
+    NodeView,
+    Observed,
+    PlacedStage,
+    Requirements,
+    StageReport,
+    stage_bounds,
+)
 from controlplane.market.services import MICROS_PER_DOLLAR
 
 QUEUED, PLACING, PENDING, RUNNING = JobStatus.QUEUED, JobStatus.PLACING, JobStatus.PENDING, JobStatus.RUNNING
@@ -325,8 +335,9 @@ def _grow(job: JobView, nodes: Mapping[str, NodeView], free: list[NodeView], now
             continue
         need = _stage_memory(job, rows[0])
         node = next((n for n in candidates if n.memory_bytes >= need and _keeps_owners_apart(
-            job, [*job.stages, *added, PlannedStage(index, 0, 0, n.id, replica=job.next_replica + len(added))],
-            owners)), None)
+            job.requirements,
+            [*job.stages, *added, PlannedStage(index, 0, 0, n.id, replica=job.next_replica + len(added))], owners)),
+            None)
         if node is None or (len(rows) >= job.replicas_min and not _worth(job, index, node, nodes)):
             continue
         candidates.remove(node)
@@ -354,25 +365,31 @@ def _worth(job: JobView, index: int, node: NodeView, nodes: Mapping[str, NodeVie
         return False
     bounds = {s.index: (s.layer_start, s.layer_end) for s in job.stages}
     layers = [job.layers[start:end] for start, end in (bounds[i] for i in indices)]
-
-    def replica(n: NodeView, stage: int) -> Replica:
-        flops = 3 * sum(layer.flops_per_sample for layer in layers[stage])
-        return Replica(max(flops, 1.0) / max(n.flops, 1.0), Link(n.latency_s, n.bandwidth_bytes_per_s * 8))
-
-    stages = [[replica(nodes[s.node_id], i) for s in job.stages if s.index == i and s.node_id in nodes]
+    stages = [[swarm_replica(nodes[s.node_id], layers[i]) for s in job.stages if s.index == i and s.node_id in nodes]
               for i in indices]
     if any(not s for s in stages):
         return False
-    w = job.workload
-    workload = SwarmWorkload(
-        micro_batches=w.micro_batches,
-        batch_size=w.micro_batch_size * w.micro_batches,
+    gain = replica_gain(stages, swarm_workload(layers, job.workload), index, swarm_replica(node, layers[index]))
+    return gain.after >= gain.before * (1 + MIN_REPLICA_GAIN)
+
+
+def swarm_replica(node: NodeView, layers: Sequence[LayerProfile]) -> Replica:
+    """`node` holding a replica of the stage of `layers`, as the swarm model (arceus.swarm.model) sees it: its
+    seconds per sample (forward and backward: 3x the forward's flops) and its uplink."""
+    flops = 3 * sum(layer.flops_per_sample for layer in layers)
+    return Replica(max(flops, 1.0) / max(node.flops, 1.0), Link(node.latency_s, node.bandwidth_bytes_per_s * 8))
+
+
+def swarm_workload(layers: Sequence[Sequence[LayerProfile]], workload: Workload) -> SwarmWorkload:
+    """A step of a pipeline of these stages' layers, as the swarm model sees it: what crosses each boundary and
+    what each stage's replicas exchange (fp32 gradients)."""
+    return SwarmWorkload(
+        micro_batches=workload.micro_batches,
+        batch_size=workload.micro_batch_size * workload.micro_batches,
         boundary_bytes_per_sample=tuple(float(stage[-1].output_bytes_per_sample) for stage in layers[:-1]),
         gradient_bytes=tuple(4.0 * sum(layer.params for layer in stage) for stage in layers),
-        schedule=w.schedule,
+        schedule=workload.schedule,
     )
-    gain = replica_gain(stages, workload, index, replica(node, index))
-    return gain.after >= gain.before * (1 + MIN_REPLICA_GAIN)
 
 
 def _is_lost(stage: PlacedStage, nodes: Mapping[str, NodeView], job: JobView, now: datetime) -> bool:
@@ -457,10 +474,12 @@ def _owners_apart(
     return ["a stage on another owner's node (no single owner may hold every stage of the job)"]
 
 
-def _keeps_owners_apart(job: JobView, rows: Sequence[PlannedStage | PlacedStage], owners: Mapping[str, str]) -> bool:
+def _keeps_owners_apart(
+    requirements: Requirements, rows: Sequence[PlannedStage | PlacedStage], owners: Mapping[str, str]
+) -> bool:
     """Whether `rows` (a job's placement, or one planned) leave no single owner holding a replica of every stage, or
     the job opted out."""
-    return not job.requirements.owner_diversity or owner_of_every_stage(
+    return not requirements.owner_diversity or owner_of_every_stage(
         [(s.index, s.replica, s.node_id) for s in rows if s.node_id is not None], owners
     ) is None
 
@@ -541,7 +560,9 @@ def _place(job: JobView, free: list[NodeView], now: datetime, budget: Budget | N
         for rank, node_id in enumerate(s.device_ids)
     )
     if job.replicas_min > 1:
-        replicated = _replicas_placed(job, stages, free)
+        replicated = replicas_placed(
+            stages, free, layers=job.layers, workload=job.workload, requirements=req, count=job.replicas_min
+        )
         if isinstance(replicated, str):
             return _condition(job, Condition("Placed", FALSE, "WaitingForNodes", replicated), now)
         stages = replicated
@@ -569,24 +590,25 @@ def _place(job: JobView, free: list[NodeView], now: datetime, budget: Budget | N
     return PlaceJob(job.id, job.generation, stages, tuple(conditions))
 
 
-def _replicas_placed(
-    job: JobView, stages: Sequence[PlannedStage], free: list[NodeView]
+def replicas_placed(
+    stages: Sequence[PlannedStage], free: Sequence[NodeView], *, layers: Sequence[LayerProfile], workload: Workload,
+    requirements: Requirements, count: int,
 ) -> tuple[PlannedStage, ...] | str:
-    """The solver's one node per stage as replica 0, and replicas 1 .. `replicas_min` - 1 of each stage on the
-    fastest other free nodes with room (the stages needing most memory first; none handing one owner a replica of every
-    stage); what is missing, if some cannot be placed."""
+    """The solver's one node per stage as replica 0, and replicas 1 .. `count` - 1 of each stage on the fastest
+    other free nodes with room (`free`'s order; the stages needing most memory first; none handing one owner a
+    replica of every stage); what is missing, if some cannot be placed. Placement and estimates alike."""
     used = {s.node_id for s in stages}
-    candidates = [n for n in free if n.id not in used and job.requirements.allows(n)]
+    candidates = [n for n in free if n.id not in used and requirements.allows(n)]
     placed = [replace(s, replica=0) for s in stages]
     owners = {n.id: n.owner for n in free}
-    for stage in sorted(stages, key=lambda s: (-stage_memory(job.layers[s.layer_start : s.layer_end], job.workload),
+    for stage in sorted(stages, key=lambda s: (-stage_memory(layers[s.layer_start : s.layer_end], workload),
                                                s.index)):
-        need = stage_memory(job.layers[stage.layer_start : stage.layer_end], job.workload)
-        for replica in range(1, job.replicas_min):
+        need = stage_memory(layers[stage.layer_start : stage.layer_end], workload)
+        for replica in range(1, count):
             node = next((n for n in candidates if n.memory_bytes >= need and _keeps_owners_apart(
-                job, [*placed, replace(stage, node_id=n.id, replica=replica)], owners)), None)
+                requirements, [*placed, replace(stage, node_id=n.id, replica=replica)], owners)), None)
             if node is None:
-                return (f"needs {job.replicas_min} replicas of each of {len(stages)} stages on distinct Ready nodes; "
+                return (f"needs {count} replicas of each of {len(stages)} stages on distinct Ready nodes; "
                         f"no free node has room ({need:,} bytes) for replica {replica} of stage {stage.index}")
             candidates.remove(node)
             placed.append(replace(stage, node_id=node.id, replica=replica))

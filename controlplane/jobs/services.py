@@ -78,7 +78,9 @@ def job_submit(
         )
     replicas = replicas or {"min": 1, "max": 1}
     if replicas["max"] > 1:
-        _check_replicas(replicas, micro_batches=micro_batches, tensor_parallel=tensor_parallel, audit_rate=audit_rate)
+        job_replicas_check(
+            replicas, micro_batches=micro_batches, tensor_parallel=tensor_parallel, audit_rate=audit_rate
+        )
     if audit_rate is None:
         audit_rate = 0.0 if tensor_parallel or ships_program or replicas["max"] > 1 else DEFAULT_AUDIT_RATE
     if replica_sync is not None and replicas["max"] == 1:
@@ -118,8 +120,8 @@ def job_submit(
     )
 
 
-def _check_replicas(
-    replicas: dict[str, int], *, micro_batches: int, tensor_parallel: dict[str, Any], audit_rate: float | None
+def job_replicas_check(
+    replicas: dict[str, int], *, micro_batches: int, tensor_parallel: dict[str, Any], audit_rate: float | None = None
 ) -> None:
     """A 400 naming `replicas` for replicated stages the job cannot have: every replica takes at least one of a
     step's micro-batches, a tensor-parallel stage is not replicated, and replicas are not spot-checked yet."""

@@ -76,6 +76,7 @@ class JobEstimateApi(APIView):
             stages=v["stages"],
             requirements_config=v["requirements"],
             tensor_parallel=v["tensor_parallel"],
+            replicas=v["replicas"],
         )
         body = EstimateStatusOutput(estimate, context={"request": request}).data
         return Response(body, status=status.HTTP_202_ACCEPTED, headers={"Location": body["url"]})

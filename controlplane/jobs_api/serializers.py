@@ -382,6 +382,9 @@ class JobDetailOutput(JobListOutput):
 class EstimateStageOutput(serializers.Serializer):
     stage_index = serializers.IntegerField()
     rank = serializers.IntegerField(help_text="rank in the stage's tensor-parallel group (0 for a one-node stage)")
+    replica = serializers.IntegerField(
+        required=False, help_text="replica id in a replicated stage (0 for a one-node stage)"
+    )
     node_id = serializers.UUIDField(allow_null=True, help_text="the node, when it is one of yours (else null)")
     node_name = serializers.CharField(help_text=f"its name, when it is one of yours (else {OTHERS_NODE!r})")
     layer_start = serializers.IntegerField()
@@ -393,10 +396,17 @@ class JobEstimateOutput(serializers.Serializer):
     feasible = serializers.BooleanField()
     reason = serializers.CharField(allow_null=True, help_text="why it cannot be placed now")
     candidates = serializers.IntegerField(help_text="free Ready nodes meeting the requirements")
+    replicas = serializers.IntegerField(
+        required=False, help_text="replicas planned per stage: the job's replicas.min (more are added while it runs)"
+    )
     stages = EstimateStageOutput(many=True)
-    samples_per_second = serializers.FloatField(required=False, help_text="expected, from measured FLOP/s")
+    samples_per_second = serializers.FloatField(
+        required=False, help_text="expected, from measured FLOP/s (replicated: the swarm model's, every replica)"
+    )
     hours = serializers.FloatField(required=False)
-    price_per_hour = serializers.FloatField(required=False, help_text="US dollars, all devices, posted prices")
+    price_per_hour = serializers.FloatField(
+        required=False, help_text="US dollars, all devices (every replica's node), posted prices"
+    )
     total_usd = serializers.DecimalField(max_digits=18, decimal_places=6, required=False)
     within_budget = serializers.BooleanField(required=False, allow_null=True)
     meets_deadline = serializers.BooleanField(required=False, allow_null=True)

@@ -140,3 +140,27 @@ def test_a_job_named_estimates_is_a_job_route_not_an_estimates(api) -> None:  # 
     missing = api.get("/api/jobs/estimates/not-an-estimate-id/")  # no route: still the API's JSON body
     assert missing.status_code == 404 and missing["Content-Type"] == "application/json"
     assert "no API route" in missing.json()["detail"]
+
+
+def test_a_replicated_job_is_estimated_with_its_min_replicas_each_priced(estimate, digits_job, ready_node) -> None:
+    for i in range(6):
+        node = ready_node(f"n{i}", port=50051 + i, flops=1e11, memory=16 * 2**30)
+        Node.objects.filter(pk=node.pk).update(flops_measured=node.flops_fp32)
+    one = estimate(digits_job, stages=2, requirements={"owner_diversity": False})
+    body = estimate(digits_job, stages=2, replicas={"min": 3, "max": 4}, requirements={"owner_diversity": False})
+    assert body["feasible"] and body["replicas"] == 3 and one["replicas"] == 1
+    rows = [(s["stage_index"], s["replica"]) for s in body["stages"]]
+    assert rows == [(i, r) for i in range(2) for r in range(3)]
+    assert len({s["node_name"] for s in body["stages"]}) == 6  # every replica on a node of its own
+    assert body["price_per_hour"] == pytest.approx(0.30 * 6)  # every replica's node at the base price
+    # three replicas a stage share each step's micro-batches: faster than one, if not 3x (they exchange gradients)
+    assert one["samples_per_second"] < body["samples_per_second"] < 3 * one["samples_per_second"]
+    assert float(body["total_usd"]) == pytest.approx(body["price_per_hour"] * body["hours"], abs=1e-6)
+
+    short = estimate(digits_job, stages=2, replicas=4, requirements={"owner_diversity": False})
+    assert not short["feasible"] and "needs 4 replicas of each of 2 stages" in short["reason"]
+
+
+def test_an_estimate_refuses_replicas_a_submission_would(api, digits_job) -> None:
+    response = api.post("/api/jobs/estimate", {**digits_job, "replicas": 5}, format="json")  # 4 micro-batches
+    assert response.status_code == 400 and "at most 4 replicas" in response.json()["errors"]["replicas"][0]
