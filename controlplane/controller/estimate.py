@@ -26,9 +26,9 @@ from controlplane.controller.placement import requirements, tensor_parallel_spli
 from controlplane.controller.rules import replicas_placed, swarm_replica, swarm_workload
 from controlplane.controller.snapshot import node_views, registered_nodes
 from controlplane.controller.views import NodeView, stage_bounds
-from controlplane.jobs.estimate import OTHERS_NODE
 from controlplane.jobs.models import EstimateStatus, JobEstimate, Stage
 from controlplane.jobs.services import job_validate
+from controlplane.nodes.labels import OTHERS_NODE
 from controlplane.nodes.models import Node
 
 log = logging.getLogger(__name__)

@@ -105,6 +105,7 @@ from controlplane.controller.views import (
     stage_bounds,
 )
 from controlplane.market.services import MICROS_PER_DOLLAR
+from controlplane.nodes.labels import node_label
 
 QUEUED, PLACING, PENDING, RUNNING = JobStatus.QUEUED, JobStatus.PLACING, JobStatus.PENDING, JobStatus.RUNNING
 SUCCEEDED = JobStatus.SUCCEEDED
@@ -201,7 +202,7 @@ def _recorded_facts(job: JobView, nodes: Mapping[str, NodeView]) -> Action | Non
     if caught:
         first: dict[str, str] = {}
         for c in caught:
-            first.setdefault(c.node_id, f"{c.node_name or c.node_id} failed a spot check ({c.detail})")
+            first.setdefault(c.node_id, f"{c.node_label} failed a spot check ({c.detail})")
         return RollBackJob(job.id, job.generation, tuple(sorted(first)), "; ".join(first.values()))
     outcome = job.driver_outcome
     if job.status == RUNNING and outcome is not None and outcome.generation == job.generation:
@@ -222,7 +223,7 @@ def _restarted(job: JobView, nodes: Mapping[str, NodeView]) -> Action | None:
     if not restarted:
         return None
     message = "; ".join(
-        f"node {nodes[s.node_id].name if s.node_id in nodes else ''} ({s.node_id}) restarted while hosting stage "
+        f"{_node_label(job, nodes, s.node_id)} restarted while hosting stage "
         f"{s.index}"
         for s in restarted
     )
@@ -287,7 +288,7 @@ def _replicas(
         drop += lost if left else sorted(lost, key=lambda s: s.replica)[1:]
     if drop:
         message = "; ".join(
-            f"stage {s.index} replica {s.replica} on {_node_label(nodes, s.node_id)} left: "
+            f"stage {s.index} replica {s.replica} on {_node_label(job, nodes, s.node_id)} left: "
             f"{_why_gone(job, s, observed, nodes, now)}"
             for s in drop
         )
@@ -346,7 +347,7 @@ def _grow(job: JobView, nodes: Mapping[str, NodeView], free: list[NodeView], now
     if not added:
         return None
     message = "; ".join(
-        f"stage {s.index} replica {s.replica} placed on {_node_label(nodes, s.node_id)}, joining from a peer"
+        f"stage {s.index} replica {s.replica} placed on {_node_label(job, nodes, s.node_id)}, joining from a peer"
         for s in added
     )
     conditions = set_conditions(job.conditions, Condition("Replicas", TRUE, "ReplicaAdded", message), now=now)
@@ -424,7 +425,7 @@ def _replace_lost(
     if not unplaceable and job.requirements.owner_diversity:
         unplaceable += _owners_apart(job, lost, moves, nodes, candidates)
     by_key = {(s.index, s.rank): s for s in lost}
-    old = {key: _node_label(nodes, s.node_id) for key, s in by_key.items()}
+    old = {key: _node_label(job, nodes, s.node_id) for key, s in by_key.items()}
     paused = {
         key: nodes[s.node_id].pause_reason
         for key, s in by_key.items()
@@ -434,7 +435,7 @@ def _replace_lost(
         moves.sort()
         message = "; ".join(
             f"{_stage_label(job, by_key[i, r])} moved from {old[i, r]}"
-            f"{f' ({paused[i, r]})' if (i, r) in paused else ''} to {_node_label(nodes, n)}"
+            f"{f' ({paused[i, r]})' if (i, r) in paused else ''} to {_node_label(job, nodes, n)}"
             for i, r, n in moves
         )
         reason = "NodeDrained" if {(i, r) for i, r, _ in moves} <= paused.keys() else "NodeLost"
@@ -492,7 +493,7 @@ def _request_handover(
     job: JobView, draining: list[PlacedStage], nodes: Mapping[str, NodeView], now: datetime
 ) -> RequestHandover:
     names = "; ".join(
-        f"{_stage_label(job, s)} on {_node_label(nodes, s.node_id)} ({nodes[s.node_id].pause_reason})"
+        f"{_stage_label(job, s)} on {_node_label(job, nodes, s.node_id)} ({nodes[s.node_id].pause_reason})"
         for s in draining
     )
     message = f"{names}: checkpointing the current step to hand it back"
@@ -510,9 +511,12 @@ def _stage_label(job: JobView, stage: PlacedStage) -> str:
     return f"stage {stage.index}" + (f" rank {stage.rank}" if job.tensor_parallel.ranks(stage.index) > 1 else "")
 
 
-def _node_label(nodes: Mapping[str, NodeView], node_id: str | None) -> str:
+def _node_label(job: JobView, nodes: Mapping[str, NodeView], node_id: str | None) -> str:
+    """A node as the job's conditions name it: the job's owner sees their own nodes by name, others' by their id."""
     node = nodes.get(node_id) if node_id is not None else None
-    return "no node" if node_id is None else f"{node.name or node_id}" if node else f"node {node_id}"
+    if node is None:
+        return "no node" if node_id is None else f"node {node_id}"
+    return node_label(node_id=node_id, name=node.name or node_id, owner_id=node.owner, viewer_id=job.owner)
 
 
 def _place(job: JobView, free: list[NodeView], now: datetime, budget: Budget | None) -> Action | None:
@@ -566,7 +570,8 @@ def _place(job: JobView, free: list[NodeView], now: datetime, budget: Budget | N
         if isinstance(replicated, str):
             return _condition(job, Condition("Placed", FALSE, "WaitingForNodes", replicated), now)
         stages = replicated
-    names = {n.id: n.name or n.id for n in free if n.id in {s.node_id for s in stages}}
+    placed = {n.id: n for n in free if n.id in {s.node_id for s in stages}}
+    names = {node_id: _node_label(job, placed, node_id) for node_id in placed}
     message = (
         f"{len(placement.stages)} stage{'s' if len(placement.stages) != 1 else ''} on "
         + ", ".join(
@@ -658,7 +663,7 @@ def _move_failed(
             job.id, job.generation, "BackoffLimitExceeded",
             f"{failure}; the job was restarted {job.restarts} times without saving a checkpoint in between",
         )
-    message = f"{failure}; moved from {_node_label(nodes, stage.node_id)} to {_node_label(nodes, target.id)}"
+    message = f"{failure}; moved from {_node_label(job, nodes, stage.node_id)} to {_node_label(job, nodes, target.id)}"
     return RewindJob(job.id, job.generation, PLACING, ((stage.index, stage.rank, target.id),), True, "StageFailed",
                      message)
 
@@ -719,7 +724,7 @@ def _serve(
     for stage, report in zip(job.stages, current, strict=True):
         if report is not None and report.state == FAILED:
             failure = (
-                f"stage {stage.index} on {_node_label(nodes, stage.node_id)} could not be built: "
+                f"stage {stage.index} on {_node_label(job, nodes, stage.node_id)} could not be built: "
                 f"{report.message or 'no message'}; serving stopped (ask for it again to retry)"
             )
             return _stop_serving(job, Condition("Serving", FALSE, "StageFailed", failure), serving=False, now=now)
@@ -759,10 +764,14 @@ def _place_served(
         waiting = Condition("Serving", FALSE, "WaitingForNodes", message)
         return _stop_serving(job, waiting, serving=True, now=now) if job.stages else _condition(job, waiting, now)
     moved = {s.index: s for s in lost}
+
+    def label(node_id: str | None) -> str:
+        return _node_label(job, nodes, node_id)
+
     message = "; ".join(
-        f"stage {index} moved from {_node_label(nodes, moved[index].node_id)} to {_node_label(nodes, node_id)}"
+        f"stage {index} moved from {label(moved[index].node_id)} to {label(node_id)}"
         if index in moved
-        else f"stage {index} on {_node_label(nodes, node_id)}"
+        else f"stage {index} on {label(node_id)}"
         for index, node_id in sorted(placed.items())
         if index not in kept
     )

@@ -43,6 +43,7 @@ from controlplane.market.models import LedgerEntry, SpotCheck
 from controlplane.market.services import job_budget_micros, price_in_force
 from controlplane.nodes.availability import in_windows, unavailable_reason
 from controlplane.nodes.device_class import device_class, market_flops
+from controlplane.nodes.labels import node_label
 from controlplane.nodes.links import nodes_worst_neighbour_link
 from controlplane.nodes.liveness import Liveness, leases_read
 from controlplane.nodes.models import Node, NodeLease, Reachability
@@ -231,7 +232,7 @@ JOB_FIELDS = (
     "id", "status", "generation", "stages_requested", "model_config", "dataset_config", "micro_batches", "schedule",
     "requirements", "conditions", "driver_lease_expires_at", "driver_lease_owner", "node_grace_seconds", "restarts",
     "handover_requested", "tensor_parallel", "serving", "driver_outcome", "driver_outcome_reason",
-    "driver_outcome_message", "driver_outcome_generation", "replicas_min", "replicas_max", "next_replica",
+    "driver_outcome_message", "driver_outcome_generation", "replicas_min", "replicas_max", "next_replica", "owner_id",
 )
 STAGE_FIELDS = (
     "job_id", "index", "rank", "layer_start", "layer_end", "node_id", "generation", "observed_generation",
@@ -303,10 +304,11 @@ def _failed_checks(jobs: QuerySet[Job]) -> dict[str, tuple[FailedCheck, ...]]:
         job__in=jobs.filter(status__in=ACTIVE_STATUSES), passed=False, generation=F("job__generation")
     )
     checks: dict[str, list[FailedCheck]] = defaultdict(list)
-    for job_id, generation, node_id, name, detail in failed.order_by("created_at", "id").values_list(
-        "job_id", "generation", "node_id", "node__name", "detail"
-    ):
-        checks[str(job_id)].append(FailedCheck(generation, str(node_id), name, detail))
+    for job_id, generation, node_id, name, node_owner, job_owner, detail in failed.order_by(
+        "created_at", "id"
+    ).values_list("job_id", "generation", "node_id", "node__name", "node__owner_id", "job__owner_id", "detail"):
+        label = node_label(node_id=node_id, name=name, owner_id=node_owner, viewer_id=job_owner)
+        checks[str(job_id)].append(FailedCheck(generation, str(node_id), label, detail))
     return {job_id: tuple(rows) for job_id, rows in checks.items()}
 
 
@@ -329,6 +331,7 @@ def _job_view(
         id=str(job["id"]),
         status=job["status"],
         generation=job["generation"],
+        owner=str(job["owner_id"]),
         stages_requested=job["stages_requested"],
         layers=layers,
         workload=workload(job["dataset_config"], job["micro_batches"], job["schedule"]),

@@ -123,7 +123,7 @@ class FailedCheck:
 
     generation: int
     node_id: str
-    node_name: str
+    node_label: str  # as the job's owner may see it (controlplane/nodes/labels.py)
     detail: str
 
 
@@ -135,6 +135,7 @@ class JobView:
     stages_requested: int | None
     layers: tuple[LayerProfile, ...]
     workload: Workload = Workload(micro_batch_size=1, micro_batches=1)
+    owner: str = ""  # who submitted it: its conditions name that user's nodes, and others' by their ids' start
     requirements: Requirements = Requirements()
     stages: tuple[PlacedStage, ...] = ()
     conditions: Conditions = ()

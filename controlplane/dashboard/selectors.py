@@ -20,6 +20,8 @@ from controlplane.jobs_api.serializers import JobDetailOutput, JobListOutput
 from controlplane.market.models import PriceChange, SpotCheck
 from controlplane.market.selectors import job_cost, node_earnings, prices_current
 from controlplane.market.serializers import EarningsOutput, JobCostOutput, PriceOutput
+from controlplane.nodes.labels import node_label
+from controlplane.nodes.models import Node
 from controlplane.nodes.selectors import node_list_for_user, node_status
 from controlplane.nodes.serializers import NodeOutput
 
@@ -83,7 +85,7 @@ def _pipeline(job: Job) -> dict[str, Any]:
             "micro_batches": r.micro_batches,
             "layer_start": r.layer_start,
             "layer_end": r.layer_end,
-            "node_name": r.node.name if r.node else None,
+            "node_name": _label(r.node, job) if r.node else None,
             "device": f"{r.node.device_type} {r.node.device_name}".strip() if r.node else None,
             "relayed": r.node is not None and r.node.relayed,  # its links run through a relay
             "state": r.observed_state,
@@ -115,12 +117,13 @@ def job_events(*, job: Job) -> list[dict[str, Any]]:
     for row in StageContribution.objects.filter(job=job).select_related("node").order_by("generation", "created_at"):
         generation_began.setdefault(row.generation, row.created_at)
         before = hosts.get(row.stage_index)
+        host = _label(row.node, job)
         # (a replicated stage's nodes are its replicas, whose comings and goings its Replicas condition tells)
-        if before is not None and before != row.node.name and job.replicas_max == 1:
+        if before is not None and before != host and job.replicas_max == 1:
             events.append({"at": row.created_at, "kind": "moved",
-                           "text": f"stage {row.stage_index} moved from {before} to {row.node.name} "
+                           "text": f"stage {row.stage_index} moved from {before} to {host} "
                                    f"(generation {row.generation})"})
-        hosts[row.stage_index] = row.node.name
+        hosts[row.stage_index] = host
     for cp in job.checkpoints.order_by("-step")[:MAX_EVENTS]:
         events.append({"at": cp.created_at, "kind": "checkpoint", "text": f"checkpoint at step {cp.step}"})
     if job.resume_checkpoint is not None:  # the current generation's: when its first work was recorded
@@ -128,11 +131,15 @@ def job_events(*, job: Job) -> list[dict[str, Any]]:
                        "text": f"resumed from the checkpoint of step {job.resume_checkpoint.step}"})
     for check in SpotCheck.objects.filter(job=job).select_related("node").order_by("-created_at")[:MAX_EVENTS]:
         events.append({"at": check.created_at, "kind": "spot_check_passed" if check.passed else "spot_check_failed",
-                       "text": f"spot check of stage {check.stage_index} on {check.node.name} at step "
+                       "text": f"spot check of stage {check.stage_index} on {_label(check.node, job)} at step "
                                f"{check.train_step}: {'passed' if check.passed else 'FAILED'}"})
     events = [e for e in events if e["at"] is not None]
     events.sort(key=lambda e: _when(e["at"]), reverse=True)
     return [{**e, "at": _when(e["at"]).isoformat()} for e in events[:MAX_EVENTS]]
+
+
+def _label(node: Node, job: Job) -> str:
+    return node_label(node_id=node.id, name=node.name, owner_id=node.owner_id, viewer_id=job.owner_id)
 
 
 def _when(value: datetime | str) -> datetime:

@@ -24,7 +24,6 @@ from controlplane.jobs.services import job_replicas_check, job_validate
 # would have been planned on are old news by then); an owner's estimates are kept this long.
 ESTIMATE_WAIT = timedelta(seconds=60)
 ESTIMATE_KEPT = timedelta(days=1)
-OTHERS_NODE = "another contributor's node"  # an estimate names only its owner's nodes
 
 
 def estimate_request(

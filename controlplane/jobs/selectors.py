@@ -115,6 +115,7 @@ def job_contributions(*, job: Job) -> list[dict[str, Any]]:
         .values("node_id", "stage_index")
         .annotate(
             node_name=F("node__name"),
+            node_owner_id=F("node__owner_id"),
             samples=Sum("samples"),
             micro_batches=Sum("micro_batches"),
             compute_seconds=Sum("compute_seconds"),

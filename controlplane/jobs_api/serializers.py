@@ -14,11 +14,11 @@ from controlplane.common.fields import (
     StrictInputSerializer,
     StrictIntegerField,
 )
-from controlplane.jobs.estimate import OTHERS_NODE
 from controlplane.jobs.models import DEFAULT_AUDIT_RATE, Job, Optimizer, PipelineSchedule, Precision, Stage
 from controlplane.jobs.selectors import job_contributions, job_loss_curve, job_stages
 from controlplane.market.selectors import job_cost
 from controlplane.market.serializers import JobCostOutput
+from controlplane.nodes.labels import OTHERS_NODE, node_label
 
 MAX_EPOCHS = 10_000
 MAX_MICRO_BATCHES = 1024
@@ -218,6 +218,12 @@ class PlacementOutput(serializers.Serializer):
     def get_relayed(self, stage: Stage) -> bool:
         return stage.node is not None and stage.node.relayed
 
+    def get_node_name(self, stage: Stage) -> str | None:
+        if stage.node is None:
+            return None
+        return node_label(node_id=stage.node_id, name=stage.node.name, owner_id=stage.node.owner_id,
+                          viewer_id=self.context["viewer_id"])
+
     stage_index = serializers.IntegerField(source="index")
     rank = serializers.IntegerField(help_text="rank in the stage's tensor-parallel group (0 for a one-node stage)")
     replica = serializers.IntegerField(help_text="replica id in a replicated stage (0 for a one-node stage)")
@@ -227,7 +233,9 @@ class PlacementOutput(serializers.Serializer):
     layer_start = serializers.IntegerField()
     layer_end = serializers.IntegerField()
     node_id = serializers.UUIDField(allow_null=True)
-    node_name = serializers.CharField(source="node.name", default=None, allow_null=True)
+    node_name = serializers.SerializerMethodField(
+        help_text=f"its name when it is one of yours; another contributor's node is {OTHERS_NODE!r} and its id's start"
+    )
     relayed = serializers.SerializerMethodField(
         help_text="its callers (the driver, neighbouring stages) reach the node through a relay"
     )
@@ -243,13 +251,19 @@ class PlacementOutput(serializers.Serializer):
 
 class ContributionOutput(serializers.Serializer):
     node_id = serializers.UUIDField()
-    node_name = serializers.CharField()
+    node_name = serializers.SerializerMethodField(
+        help_text=f"its name when it is one of yours; another contributor's node is {OTHERS_NODE!r} and its id's start"
+    )
     stage_index = serializers.IntegerField()
     samples = serializers.IntegerField()
     micro_batches = serializers.IntegerField()
     compute_seconds = serializers.FloatField()
     bytes_sent = serializers.IntegerField()
     bytes_received = serializers.IntegerField()
+
+    def get_node_name(self, row: dict[str, Any]) -> str:
+        return node_label(node_id=row["node_id"], name=row["node_name"], owner_id=row["node_owner_id"],
+                          viewer_id=self.context["viewer_id"])
 
 
 class StageCheckpointOutput(serializers.Serializer):
@@ -360,7 +374,7 @@ class JobDetailOutput(JobListOutput):
 
     @extend_schema_field(PlacementOutput(many=True))
     def get_placements(self, job: Job) -> list[dict[str, Any]]:
-        return PlacementOutput(job_stages(job=job), many=True).data
+        return PlacementOutput(job_stages(job=job), many=True, context={"viewer_id": job.owner_id}).data
 
     @extend_schema_field(JobCostOutput)
     def get_cost(self, job: Job) -> dict[str, Any]:
@@ -368,7 +382,7 @@ class JobDetailOutput(JobListOutput):
 
     @extend_schema_field(ContributionOutput(many=True))
     def get_contributions(self, job: Job) -> list[dict[str, Any]]:
-        return ContributionOutput(job_contributions(job=job), many=True).data
+        return ContributionOutput(job_contributions(job=job), many=True, context={"viewer_id": job.owner_id}).data
 
     @extend_schema_field(CheckpointOutput(many=True))
     def get_checkpoints(self, job: Job) -> list[dict[str, Any]]:

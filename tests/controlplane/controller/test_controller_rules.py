@@ -20,6 +20,7 @@ from controlplane.controller.actions import (
 )
 from controlplane.controller.rules import plan
 from controlplane.controller.views import Desired, JobView, NodeView, Observed, PlacedStage, Requirements, StageReport
+from controlplane.nodes.labels import OTHERS_NODE
 
 NOW = datetime(2025, 1, 1, 12, 0, tzinfo=UTC)
 # Three layers: forward FLOPs per sample, and parameters (16 bytes each to train: 1,000 and 100 bytes).
@@ -37,6 +38,11 @@ def node(name: str, *, ready: str = "True", silent: float = 1.0, flops: float = 
         memory_bytes=memory,
         owner=f"owner-of-{name}",  # every node another contributor's
     )
+
+
+def seen(name: str) -> str:
+    """A node of these tests as its job's owner sees it in conditions: every node is another contributor's."""
+    return f"{OTHERS_NODE} {name[:8]}"
 
 
 def job(job_id: str = "j1", status: str = "queued", **fields: object) -> JobView:
@@ -73,7 +79,8 @@ def test_a_queued_job_is_placed_one_stage_per_ready_node_fastest_first() -> None
     placed_condition = get_condition(action.conditions, "Placed")
     assert placed_condition["status"] == "True"
     assert placed_condition["message"] == (
-        "3 stages on fast (layers 0-0), mid (layers 1-1), slow (layers 2-2); $0.0000/hour"
+        f"3 stages on {seen('fast')} (layers 0-0), {seen('mid')} (layers 1-1), {seen('slow')} (layers 2-2); "
+        "$0.0000/hour"
     )
     assert placed_condition["last_transition_time"] == NOW.isoformat()
 
@@ -166,7 +173,8 @@ def test_a_stage_its_node_cannot_build_moves_to_a_free_node_as_a_restart() -> No
     nodes = (*(node(name) for name in "abc"), node("d", flops=2e9), node("tiny", flops=9e9, memory=10))
     [action] = plan(Desired(jobs=(placing,)), Observed(nodes, reports("j", ["ready", "failed", "ready"])), NOW)
     assert action == RewindJob(
-        "j", 2, "placing", ((1, 0, "d"),), True, "StageFailed", "stage 1 on node b failed: msg 1; moved from b to d"
+        "j", 2, "placing", ((1, 0, "d"),), True, "StageFailed",
+        f"stage 1 on node b failed: msg 1; moved from {seen('b')} to {seen('d')}"
     )
     # A failure that followed the stage to as many nodes as the job may restart fails the job.
     worn = replace(placing, restarts=5)
@@ -188,7 +196,7 @@ def test_a_lost_stage_moves_alone_to_the_fastest_free_node_with_room() -> None:
     actions = plan(Desired(jobs=(running,)), Observed(nodes, reports("j", ["ready"] * 3)), NOW)
     assert isinstance(actions[0], MarkNodeUnknown)
     assert actions[1] == RewindJob(
-        "j", 2, "placing", ((1, 0, "fast"),), False, "NodeLost", "stage 1 moved from b to fast"
+        "j", 2, "placing", ((1, 0, "fast"),), False, "NodeLost", f"stage 1 moved from {seen('b')} to {seen('fast')}"
     )
 
 
@@ -279,7 +287,8 @@ def test_a_running_job_on_a_paused_node_first_asks_its_driver_to_hand_over() -> 
     [action] = plan(Desired(jobs=(running,)), Observed(nodes), NOW)
     assert isinstance(action, RequestHandover) and (action.job_id, action.generation) == ("j", 2)
     draining = get_condition(action.conditions, "Draining")
-    assert draining["status"] == "True" and "stage 1 on b (paused by its owner): checkpointing" in draining["message"]
+    assert draining["status"] == "True"
+    assert f"stage 1 on {seen('b')} (paused by its owner): checkpointing" in draining["message"]
     # Asked already: nothing more until the driver lets go.
     asked = replace(running, handover_requested=True)
     assert plan(Desired(jobs=(asked,)), Observed(nodes), NOW) == []
@@ -288,7 +297,7 @@ def test_a_running_job_on_a_paused_node_first_asks_its_driver_to_hand_over() -> 
     [action] = plan(Desired(jobs=(handed,)), Observed(nodes), NOW)
     assert action == RewindJob(
         "j", 2, "placing", ((1, 0, "spare"),), False, "NodeDrained",
-        "stage 1 moved from b (paused by its owner) to spare",
+        f"stage 1 moved from {seen('b')} (paused by its owner) to {seen('spare')}",
     )
 
 

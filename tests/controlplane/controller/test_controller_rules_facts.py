@@ -10,7 +10,7 @@ from datetime import timedelta
 from controlplane.controller.actions import FailJob, RewindJob, RollBackJob, SucceedJob
 from controlplane.controller.rules import plan
 from controlplane.controller.views import Desired, DriverOutcome, FailedCheck, JobView, Observed
-from tests.controlplane.controller.test_controller_rules import NOW, job, node, placed
+from tests.controlplane.controller.test_controller_rules import NOW, job, node, placed, seen
 
 NODES = (node("a"), node("b"), node("c"), node("spare"))
 
@@ -34,7 +34,7 @@ def restarted(view: JobView, index: int, generation: int) -> JobView:
 def test_a_restart_at_the_jobs_generation_rewinds_it_in_place_as_a_restart_the_node_to_blame() -> None:
     [action] = decide(restarted(running(), 1, 2))
     assert action == RewindJob("j1", 2, "placing", (), True, "NodeRestarted",
-                               "node b (b) restarted while hosting stage 1", ("b",))
+                               f"{seen('b')} restarted while hosting stage 1", ("b",))
 
 
 def test_a_restart_of_an_earlier_generation_decides_nothing_again() -> None:
@@ -45,7 +45,7 @@ def test_a_restart_past_the_jobs_restarts_fails_it_and_blames_the_node() -> None
     [action] = decide(restarted(running(restarts=5, max_restarts=5), 0, 2))
     assert action == FailJob(
         "j1", 2, "BackoffLimitExceeded",
-        "node a (a) restarted while hosting stage 0; the job was restarted 5 times without saving a checkpoint in "
+        f"{seen('a')} restarted while hosting stage 0; the job was restarted 5 times without saving a checkpoint in "
         "between", ("a",),
     )
 
@@ -58,10 +58,10 @@ def test_a_restarted_stage_on_a_node_that_may_not_work_is_unplaced() -> None:
 
 def test_failed_spot_checks_roll_the_job_back_past_every_caught_node_before_anything_else() -> None:
     checks = (
-        FailedCheck(2, "c", "", "step 7: output differs"),
+        FailedCheck(2, "c", "c", "step 7: output differs"),
         FailedCheck(2, "a", "laptop", "step 7: receipt"),
-        FailedCheck(2, "c", "", "step 8: output differs"),
-        FailedCheck(1, "b", "", "an earlier generation's: already rolled back"),
+        FailedCheck(2, "c", "c", "step 8: output differs"),
+        FailedCheck(1, "b", "b", "an earlier generation's: already rolled back"),
     )
     view = restarted(running(failed_checks=checks), 1, 2)  # a restart too: the rollback rewinds anyway
     [action] = decide(view, (node("a"), node("b", ready="False"), node("c"), node("spare")))  # and b is lost

@@ -10,7 +10,7 @@ from datetime import timedelta
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from arceus.placement.solver import Workload
+from arceus.placement.solver import MAX_CANDIDATES, Workload
 from controlplane.controller.actions import (
     AddReplicas,
     DropReplicas,
@@ -22,7 +22,7 @@ from controlplane.controller.actions import (
 )
 from controlplane.controller.rules import plan
 from controlplane.controller.views import Desired, JobView, Observed, PlacedStage, StageReport
-from tests.controlplane.controller.test_controller_rules import NOW, job, node
+from tests.controlplane.controller.test_controller_rules import NOW, job, node, seen
 
 FOUR = Workload(micro_batch_size=1, micro_batches=4)
 
@@ -57,7 +57,9 @@ def test_placement_puts_min_replicas_of_every_stage_on_distinct_fitting_nodes(
     [action] = plan(Desired(jobs=(queued,)), Observed(nodes=nodes), NOW)
     if isinstance(action, SetCondition):  # it waits, saying so, and places nothing
         assert action.conditions[0]["status"] == "False"
-        assert memories.count(10**6) < 3 * replicas  # with enough large nodes it always places
+        # With enough large nodes it always places, as long as the two stages of a large layer find large nodes
+        # among the fastest few the solver searches (MAX_CANDIDATES; node i is the i-th slowest).
+        assert memories.count(10**6) < 3 * replicas or memories[-MAX_CANDIDATES:].count(10**6) < 2
         return
     assert isinstance(action, PlaceJob)
     assert len({s.node_id for s in action.stages}) == len(action.stages) == 3 * replicas
@@ -81,7 +83,7 @@ def test_a_lost_replica_is_dropped_without_a_rewind_while_its_stage_keeps_anothe
     mark, action = plan(Desired(jobs=(running,)), Observed(nodes=tuple(nodes), stages=ready(running)), NOW)
     assert isinstance(mark, MarkNodeUnknown) and isinstance(action, DropReplicas)
     assert action.replicas == ((1, 1),) and action.generation == running.generation
-    assert "stage 1 replica 1 on d left: its node was lost" in action.conditions[0]["message"]
+    assert f"stage 1 replica 1 on {seen('d')} left: its node was lost" in action.conditions[0]["message"]
     # once dropped, the stage is below its min: a new replica (a fresh id) goes to the spare, still no rewind
     dropped = replace(running, stages=tuple(s for s in running.stages if s.key != (1, 0, 1)))
     live = tuple(n for n in nodes if n.id != "d")  # its lease gone too: nothing left to mark

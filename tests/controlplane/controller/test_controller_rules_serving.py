@@ -11,7 +11,7 @@ from controlplane.common.conditions import get_condition
 from controlplane.controller.actions import PlaceJob, PlannedStage, ServeJob, SetCondition, StopServing
 from controlplane.controller.rules import plan
 from controlplane.controller.views import Desired, JobView, Observed, PlacedStage, Requirements, StageReport
-from tests.controlplane.controller.test_controller_rules import NOW, job, node
+from tests.controlplane.controller.test_controller_rules import NOW, job, node, seen
 
 # Three layers of a text writer: two blocks keeping 100 bytes of keys and values per sequence, and a small head.
 LAYERS = (
@@ -43,7 +43,7 @@ def test_the_final_checkpoints_stages_go_to_the_fastest_nodes_with_room_for_weig
     assert action.stages == (PlannedStage(0, 0, 1, "fast"), PlannedStage(1, 1, 2, "mid"), PlannedStage(2, 2, 3, "tiny"))
     condition = get_condition(action.conditions, "Serving")
     assert (condition["status"], condition["reason"]) == ("False", "Placed")
-    assert condition["message"] == "stage 0 on fast; stage 1 on mid; stage 2 on tiny"
+    assert condition["message"] == f"stage 0 on {seen('fast')}; stage 1 on {seen('mid')}; stage 2 on {seen('tiny')}"
 
 
 def test_without_room_for_every_stage_it_waits_and_says_for_what() -> None:
@@ -64,7 +64,8 @@ def test_a_stage_on_a_lost_node_moves_and_the_others_stay() -> None:
     [action] = plan(Desired(jobs=(served(on("a", "b", "c")),)), Observed(nodes=nodes), NOW)
     assert isinstance(action, ServeJob)
     assert [s.node_id for s in action.stages] == ["a", "spare", "c"]
-    assert get_condition(action.conditions, "Serving")["message"] == "stage 1 moved from b to spare"
+    moved = get_condition(action.conditions, "Serving")["message"]
+    assert moved == f"stage 1 moved from {seen('b')} to {seen('spare')}"
     # Paused by its owner: moved the same way (nothing trains, so there is nothing to hand over).
     paused = (node("a"), replace(node("b"), paused=True), node("c"), node("spare"))
     [moved] = plan(Desired(jobs=(served(on("a", "b", "c")),)), Observed(nodes=paused), NOW)
@@ -96,7 +97,8 @@ def test_every_stage_ready_makes_it_servable_and_a_failed_one_stops_serving() ->
     assert isinstance(stop, StopServing) and stop.serving is False
     condition = get_condition(stop.conditions, "Serving")
     assert (condition["reason"], condition["message"]) == (
-        "StageFailed", "stage 1 on b could not be built: out of memory; serving stopped (ask for it again to retry)"
+        "StageFailed",
+        f"stage 1 on {seen('b')} could not be built: out of memory; serving stopped (ask for it again to retry)",
     )
 
 

@@ -18,12 +18,14 @@ from rest_framework.test import APIClient
 from rest_framework.throttling import ScopedRateThrottle
 
 from arceus.training.plan import StageTiming
+from controlplane.common.conditions import get_condition
 from controlplane.controller.executor import reconcile_once
 from controlplane.driver.progress import StepPoint, job_record_steps
 from controlplane.jobs.leases import job_driver_claim
 from controlplane.jobs.models import Checkpoint, Job, Stage, StageContribution
 from controlplane.market.models import PriceChange, SpotCheck
 from controlplane.market.services import prices_reprice
+from controlplane.nodes.labels import OTHERS_NODE
 from controlplane.nodes.models import Node, Reachability
 
 pytestmark = pytest.mark.django_db
@@ -108,6 +110,29 @@ def test_every_page_renders_for_its_owner(browser: Client, training_job: Job) ->
         assert browser.get(url).status_code == 200, url
     jobs = browser.get("/dashboard/jobs/live.json").json()["jobs"]
     assert [j["id"] for j in jobs] == [str(training_job.id)] and jobs[0]["cost"]["charged_usd"] == "0.000000"
+
+
+def test_another_contributors_node_goes_unnamed_on_the_owners_pages(
+    browser: Client, api: APIClient, ready_node: Callable[..., Node], queued_job: Callable[..., Job], other_user: User
+) -> None:
+    """A node's name is its owner's to share: the job's owner sees another contributor's node by its id's start, in
+    the placements, contributions, conditions and the dashboard's pipeline and timeline."""
+    theirs = ready_node("bobs-attic-gpu", port=50061, flops=4e9, owner=other_user)  # the fastest: placed for sure
+    mine = [ready_node(f"mine-{i}", port=50062 + i) for i in range(2)]
+    job = queued_job()
+    reconcile_once()
+    StageContribution.objects.create(job=job, stage_index=0, generation=1, node=theirs, samples=32)
+    label = f"{OTHERS_NODE} {str(theirs.id)[:8]}"
+
+    detail = api.get(f"/api/jobs/{job.id}").json()
+    live = browser.get(f"/dashboard/jobs/{job.id}/live.json").json()
+    shown = json.dumps(detail) + json.dumps(live)
+    assert "bobs-attic-gpu" not in shown
+    assert label in [p["node_name"] for p in detail["placements"]]
+    assert label in [c["node_name"] for c in detail["contributions"]]
+    assert label in [s["node_name"] for s in live["pipeline"]["stages"]]
+    assert label in get_condition(detail["conditions"], "Placed")["message"]
+    assert {p["node_name"] for p in detail["placements"]} - {label} <= {n.name for n in mine}  # own nodes: named
 
 
 def test_the_live_job_shows_the_pipeline_bubble_speed_and_events(browser: Client, training_job: Job) -> None:
