@@ -341,8 +341,9 @@ def main() -> None:
         f"R=1: {figures['r1_steps_replayed_total']} steps replayed, the interrupted step done "
         f"{figures['r1_step_done_s_median']} s after the kill (the driver's error after "
         f"{figures['r1_detection_s_median']} s, the three agents started in {figures['r1_restart_s_median']} s). "
-        "Both wait out the driver's liveness probe (`LIVENESS_SECONDS`, 3 s): it dials with wait_for_ready, so a "
-        f"killed agent's refused connection costs the whole timeout. The bench took {figures['bench_seconds']} s.\n"
+        "A killed agent refuses the driver's liveness probe at once (`agents_answering(refused_is_down=True)`); "
+        "a silent one (SIGSTOP) would cost the probe's `LIVENESS_SECONDS` (3 s). "
+        f"The bench took {figures['bench_seconds']} s.\n"
     )
     report("swarm_churn", "Killing a replica mid-training: 2 replicas per stage against 1 (`bench/swarm_churn.py`)",
            body, figures, write=not args.no_write)
