@@ -299,7 +299,9 @@ def main() -> None:
     parser.add_argument("--hours", type=float, default=24.0, help="simulated hours at scale")
     parser.add_argument("--leaves-per-hour", type=float, default=0.1, help="each device's departure rate at scale")
     parser.add_argument("--repair-s", type=float, default=3.1,
-                        help="at scale: a lost replica's kill until its step runs again (bench/swarm_churn.py)")
+                        help="at scale: a lost replica's loss until its step runs again; a home device that vanishes "
+                             "sends no refusal, so the driver's 3 s liveness probe runs out (bench/swarm_churn.py: "
+                             "3.1 s so at a2c6b56; 0.1 s for a killed agent that refuses)")
     parser.add_argument("--rewind-s", type=float, default=7.0,
                         help="at scale: a rewind's re-placement after that, before its checkpoint loads "
                              "(bench/fault_trials.py: recovery 7-10 s from the kill)")
