@@ -93,7 +93,7 @@ from controlplane.controller.actions import (
     StopServing,
     SucceedJob,
 )
-from controlplane.controller.diversity import OwnerDiversityError, diverse_placement, owner_of_every_stage
+from controlplane.controller.diversity import OPT_OUT, OwnerDiversityError, diverse_placement, owner_of_every_stage
 from controlplane.controller.views import (
     Desired,
     JobView,
@@ -655,9 +655,19 @@ def _move_failed(
     for it, the job fails at once with the node's reason."""
     failure = f"{_stage_label(job, stage)} on node {stage.node_id} failed: {report.message or 'no message'}"
     need = _stage_memory(job, stage)
-    target = next((n for n in free if job.requirements.allows(n) and n.memory_bytes >= need), None)
+    owners = {**{n.id: n.owner for n in nodes.values()}, **{n.id: n.owner for n in free}}
+
+    def keeps_owners_apart(target: NodeView) -> bool:
+        rows = [(s.index, s.replica, target.id if s.key == stage.key else s.node_id) for s in job.stages]
+        if not job.requirements.owner_diversity or any(node_id not in owners for _, _, node_id in rows):
+            return True
+        return owner_of_every_stage(rows, owners) is None
+
+    fitting = [n for n in free if job.requirements.allows(n) and n.memory_bytes >= need]
+    target = next((n for n in fitting if keeps_owners_apart(n)), None)
     if target is None:
-        return FailJob(job.id, job.generation, "StageFailed", failure)
+        reason = "" if not fitting else " (no single owner may hold every stage of the job; " + OPT_OUT + ")"
+        return FailJob(job.id, job.generation, "StageFailed", failure + reason)
     if job.restarts >= job.max_restarts:
         return FailJob(
             job.id, job.generation, "BackoffLimitExceeded",

@@ -8,11 +8,11 @@ from datetime import timedelta
 
 from arceus.placement.solver import Workload
 from controlplane.common.conditions import get_condition
-from controlplane.controller.actions import PlaceJob, RewindJob, SetCondition
+from controlplane.controller.actions import FailJob, PlaceJob, RewindJob, SetCondition
 from controlplane.controller.diversity import owner_of_every_stage
 from controlplane.controller.rules import plan
 from controlplane.controller.views import Desired, NodeView, Observed, PlacedStage, Requirements
-from tests.controlplane.controller.test_controller_rules import NOW, job, node, placed
+from tests.controlplane.controller.test_controller_rules import NOW, job, node, placed, reports
 
 
 def owned(name: str, owner: str, flops: float = 1e9) -> NodeView:
@@ -85,3 +85,15 @@ def test_no_owner_gets_a_replica_of_every_stage_when_placed_or_grown() -> None:
     assert plan(Desired(jobs=(running,)), Observed(nodes=(*alice, *others)), NOW) == []
     [grown] = plan(Desired(jobs=(running,)), Observed(nodes=(*alice, *others, owned("d", "dave"))), NOW)
     assert [(s.index, s.node_id) for s in grown.stages] == [(2, "d")]
+
+
+def test_a_stage_that_failed_to_build_moves_to_another_owners_node_rather_than_hand_one_owner_the_model() -> None:
+    placing = job("j", "placing", generation=2, stages=placed("j", ["a", "b"]), stages_requested=2)
+    market = (owned("a", "alice"), owned("b", "bob"), owned("fast", "alice", flops=9e9), owned("slow", "carol"))
+    failed = reports("j", ["ready", "failed"])
+    [action] = plan(Desired(jobs=(placing,)), Observed(nodes=market, stages=failed), NOW)
+    assert isinstance(action, RewindJob) and action.moves == ((1, 0, "slow"),)
+    # With only the owner of the other stage's node left, the job fails saying why and how to go on.
+    [action] = plan(Desired(jobs=(placing,)), Observed(nodes=market[:3], stages=failed), NOW)
+    assert isinstance(action, FailJob) and "no single owner may hold every stage" in action.message
+    assert "requirements.owner_diversity false" in action.message
