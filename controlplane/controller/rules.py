@@ -37,9 +37,9 @@ A replicated job (`JobView.replicated`, arceus/swarm) is placed with `replicas_m
 distinct nodes (rule 2); while one replica of a stage lives, its others that are lost, paused, restarted or
 failed are dropped (DropReplicas: no rewind, the driver's roster goes on without them), and a stage that lost every
 replica keeps one row, which rules 0, 3 and 4 move with a rewind as any stage's; a running job with no replica to
-drop gets one more replica per stage (AddReplicas, at most `replicas_max` and `micro_batches`) on the fastest free
-node with room, up to `replicas_min` always and beyond it while `arceus.swarm.model.replica_gain` predicts at
-least MIN_REPLICA_GAIN more samples/s within the job's price cap;
+drop gets one more replica per stage (AddReplicas, at most `replicas_max` and `micro_batches`) on a free node with
+room: up to `replicas_min` the fastest, always; beyond it the cheapest for which `arceus.swarm.model.replica_gain`
+predicts at least MIN_REPLICA_GAIN more samples/s, within the job's price cap;
 6. a succeeded job its owner asked to serve (`JobView.serving`) → ServeJob placing its final checkpoint's
    stages for inference, one whole stage per node (no tensor parallelism, no optimizer: weights and decoding
    caches, `stage_inference_memory`), each on the fastest free node with room; a stage whose node is lost or
@@ -54,7 +54,7 @@ Jobs are considered oldest first; a job that cannot be placed does not hold back
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
 
@@ -323,25 +323,29 @@ def _why_gone(
 
 
 def _grow(job: JobView, nodes: Mapping[str, NodeView], free: list[NodeView], now: datetime) -> Action | None:
-    """One more replica for each stage below its most (`replicas_max`, at most one per micro-batch) on the fastest
-    free node with room that hands no owner a replica of every stage: always below `replicas_min`, beyond it where it
-    is worth it (`_worth`)."""
+    """One more replica for each stage below its most (`replicas_max`, at most one per micro-batch) on a free node
+    with room that hands no owner a replica of every stage: below `replicas_min`, the fastest; beyond it, the
+    cheapest whose replica is worth its price within the job's price cap (`_cheapest_worth`)."""
     candidates = [n for n in free if job.requirements.allows(n)]
+    by_price = sorted(candidates, key=lambda n: (n.price_per_hour, -n.flops, n.id))
     owners = {n.id: n.owner for n in nodes.values()}
     most = min(job.replicas_max, job.workload.micro_batches)
     added: list[PlannedStage] = []
+    spent = sum(nodes[s.node_id].price_per_hour for s in job.stages if s.node_id in nodes)
     for index in sorted({s.index for s in job.stages}):
         rows = [s for s in job.stages if s.index == index]
         if len(rows) >= most:
             continue
         need = _stage_memory(job, rows[0])
-        node = next((n for n in candidates if n.memory_bytes >= need and _keeps_owners_apart(
-            job.requirements,
-            [*job.stages, *added, PlannedStage(index, 0, 0, n.id, replica=job.next_replica + len(added))], owners)),
-            None)
-        if node is None or (len(rows) >= job.replicas_min and not _worth(job, index, node, nodes)):
+        taken = {s.node_id for s in added}
+        below_min = len(rows) < job.replicas_min
+        fits = (n for n in (candidates if below_min else by_price) if n.id not in taken and n.memory_bytes >= need
+                and _keeps_owners_apart(job.requirements, [*job.stages, *added, PlannedStage(
+                    index, 0, 0, n.id, replica=job.next_replica + len(added))], owners))
+        node = next(fits, None) if below_min else _cheapest_worth(job, index, fits, nodes, spent)
+        if node is None:
             continue
-        candidates.remove(node)
+        spent += node.price_per_hour
         added.append(PlannedStage(index, rows[0].layer_start, rows[0].layer_end, node.id,
                                   replica=job.next_replica + len(added)))
     if not added:
@@ -354,13 +358,29 @@ def _grow(job: JobView, nodes: Mapping[str, NodeView], free: list[NodeView], now
     return AddReplicas(job.id, job.generation, job.next_replica, tuple(added), tuple(conditions))
 
 
-def _worth(job: JobView, index: int, node: NodeView, nodes: Mapping[str, NodeView]) -> bool:
-    """Whether one more replica of stage `index` on `node` is worth its price: within the job's price cap, and
-    `replica_gain` predicts at least MIN_REPLICA_GAIN more samples/s (from the nodes' measured speeds and links)."""
-    hosts = [nodes[s.node_id] for s in job.stages if s.node_id in nodes]
+def _cheapest_worth(
+    job: JobView, index: int, by_price: Iterable[NodeView], nodes: Mapping[str, NodeView], spent: float
+) -> NodeView | None:
+    """The first of `by_price` (cheapest first) within the job's price cap, with `spent` an hour already, whose
+    replica of stage `index` `replica_gain` predicts to add at least MIN_REPLICA_GAIN more samples/s. A node no
+    faster and no better linked than one found not worth it is not modelled: it would gain no more."""
     cap = job.requirements.max_price_per_hour
-    if cap is not None and sum(n.price_per_hour for n in hosts) + node.price_per_hour > cap:
-        return False
+    refused: list[NodeView] = []
+    for node in by_price:
+        if cap is not None and spent + node.price_per_hour > cap:
+            return None  # every later node costs as much or more
+        if any(node.flops <= r.flops and node.latency_s >= r.latency_s
+               and node.bandwidth_bytes_per_s <= r.bandwidth_bytes_per_s for r in refused):
+            continue
+        if _gains(job, index, node, nodes):
+            return node
+        refused.append(node)
+    return None
+
+
+def _gains(job: JobView, index: int, node: NodeView, nodes: Mapping[str, NodeView]) -> bool:
+    """Whether `replica_gain` predicts at least MIN_REPLICA_GAIN more samples/s from one more replica of stage
+    `index` on `node` (from the nodes' measured speeds and links)."""
     indices = sorted({s.index for s in job.stages})
     if indices != list(range(len(indices))):
         return False

@@ -142,6 +142,43 @@ def test_a_running_job_grows_to_its_max_only_where_a_replica_is_worth_it() -> No
     assert plan(Desired(jobs=(capped,)), Observed(nodes=priced, stages=ready(running)), NOW) == []
 
 
+SPARE = st.tuples(
+    st.sampled_from([0.1, 0.5, 1.0, 2.0]),  # price per hour
+    st.sampled_from([1e5, 5e8, 1e9, 4e9]),  # FLOP/s
+    st.sampled_from([1e3, 1e6, 1e12]),  # bandwidth, bytes/s
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(spares=st.lists(SPARE, min_size=1, max_size=6), cap=st.sampled_from([None, 1.5, 3.0]))
+def test_a_stage_grows_on_the_cheapest_spare_worth_its_price_under_the_cap(
+    spares: list[tuple[float, float, float]], cap: float | None
+) -> None:
+    # only stage 1 may grow (the others are at their max of 2); its hosts cost 0.2 an hour each
+    rows = [(0, 0, "a"), (0, 1, "b"), (1, 0, "c"), (2, 0, "e"), (2, 1, "f")]
+    running = replicated(rows=rows, replicas_min=1, replicas_max=2)
+    running = replace(running, requirements=replace(running.requirements, max_price_per_hour=cap))
+    hosts = tuple(replace(node(n), price_per_hour=0.2) for n in "abcef")
+    offered = [replace(node(f"s{i}", flops=f), price_per_hour=p, bandwidth_bytes_per_s=b)
+               for i, (p, f, b) in enumerate(spares)]
+
+    def added(spare: list) -> list[str]:
+        actions = plan(Desired(jobs=(running,)), Observed(nodes=(*hosts, *spare), stages=ready(running)), NOW)
+        assert all(isinstance(a, AddReplicas) and [s.index for s in a.stages] == [1] for a in actions)
+        return [s.node_id for a in actions for s in a.stages]
+
+    # each spare on its own: is its replica worth its price (and within the cap)?
+    worth = [n for n in offered if added([n]) == [n.id]]
+    chosen = added(offered)
+    if not worth:
+        assert chosen == []
+        return
+    [node_id] = chosen
+    price = next(n.price_per_hour for n in offered if n.id == node_id)
+    assert node_id in {n.id for n in worth} and price == min(n.price_per_hour for n in worth)
+    assert cap is None or 5 * 0.2 + price <= cap
+
+
 def test_a_stage_never_grows_past_its_max_or_the_micro_batches() -> None:
     full = replicated(rows=TWO_EACH, replicas_min=1, replicas_max=2)
     nodes = tuple(node(n) for n in "abcdefxyz")
