@@ -98,7 +98,7 @@ def replicated_pipeline_assignments(
             _stage_assignment(
                 **shared, stage_index=i, stage_id=f"{stage_key(job_id, i)}-replica-{r}",
                 prev_address=None, next_address=None,
-                credentials=stage_credentials(STATIC_SECRET, job_id, generation, i, 0, [1] * n, replicated=True),
+                credentials=replica_credentials(job_id, i, r, n, generation),
                 certificates={}, schedule=schedule, replica=r,
                 replica_sync=replica_sync_from_json(replica_sync),
             )
@@ -167,6 +167,13 @@ def _optimizer(optimizer: dict[str, Any]) -> OptimizerConfig:
 def driver_token(job_id: str, generation: int = 1) -> str:
     """The driver's token for the pipelines `pipeline_assignments` builds."""
     return mint_token(STATIC_SECRET, job_id, generation, DRIVER)
+
+
+def replica_credentials(
+    job_id: str, stage_index: int, replica: int, num_stages: int, generation: int = 1
+) -> StageCredentials:
+    """What `replicated_pipeline_assignments` gives replica `replica` of stage `stage_index`."""
+    return stage_credentials(STATIC_SECRET, job_id, generation, stage_index, 0, [1] * num_stages, replica=replica)
 
 
 def rank_credentials(

@@ -65,11 +65,14 @@ def presented_digest(context: grpc.ServicerContext) -> str | None:
     return metadata_digest(context.invocation_metadata())
 
 
-def metadata_digest(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
-    """The SHA-256 (hex) of the bearer token in a call's metadata, or None."""
-    for key, value in metadata or ():
-        if key == METADATA_KEY and isinstance(value, str) and value.startswith(SCHEME):
-            token = value[len(SCHEME) :]
+def metadata_digest(
+    metadata: Iterable[tuple[str, str | bytes]] | None, *, key: str = METADATA_KEY, scheme: str = SCHEME
+) -> str | None:
+    """The SHA-256 (hex) of the bearer token in a call's metadata (or of the token under `key` after `scheme`),
+    or None."""
+    for name, value in metadata or ():
+        if name == key and isinstance(value, str) and value.startswith(scheme):
+            token = value[len(scheme) :]
             if 0 < len(token) <= _MAX_TOKEN_CHARS:
                 return token_digest(token)
     return None

@@ -1,10 +1,16 @@
 """`ReplicaService` over gRPC: authorize the caller (a sibling: a replica of the same stage, job and generation; or,
 for CopyState, the driver), resolve the addressed replica, and let it park a shard, stream its state between steps
-(Snapshot), or copy a live sibling's state (CopyState). Nothing here touches torch but loading a copied state."""
+(Snapshot), or copy a live sibling's state (CopyState). Nothing here touches torch but loading a copied state.
+
+A sibling also presents its own replica token (arceus.contracts.credentials.replica_token): a shard must come from
+the replica it names (nodeagent.replicas), and a replica's state goes only to the joiner the driver named, whose
+SnapshotRequest carries the driver's grant for that joiner's token (`join_grant`, checked with this replica's own
+token). A sibling without one is refused with the same words whatever it asked, learning nothing of the state."""
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import time
 from collections.abc import Iterator
 
@@ -12,9 +18,9 @@ import grpc
 
 from arceus.checkpoint import decode_checkpoint, state_chunks
 from arceus.contracts.certificates import check_certificate
-from arceus.contracts.credentials import Role
+from arceus.contracts.credentials import REPLICA_METADATA_KEY, Role, join_grant
 from arceus.v1 import replica_pb2, replica_pb2_grpc, stage_pb2
-from nodeagent.callers import DRIVER_ONLY, authorize, presented_digest
+from nodeagent.callers import DRIVER_ONLY, authorize, metadata_digest, not_allowed, presented_digest
 from nodeagent.hosting import HostedStages
 from nodeagent.rpc import RpcFailure, call_deadline, serve
 from nodeagent.stage import HostedStage
@@ -41,7 +47,8 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
         self, request: replica_pb2.PushShardRequest, context: grpc.ServicerContext
     ) -> replica_pb2.PushShardReply:
         def push() -> replica_pb2.PushShardReply:
-            self._replica(context, request.target, "PushShard", SIBLINGS).exchange.accept(request)
+            exchange = self._replica(context, request.target, "PushShard", SIBLINGS).exchange
+            exchange.accept(request, replica_digest(context))
             return replica_pb2.PushShardReply()
 
         return serve(context, "PushShard", push)
@@ -54,6 +61,10 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
 
         def settled() -> HostedStage:
             stage = self._replica(context, request.target, "Snapshot", SIBLINGS)
+            joiner = replica_digest(context)
+            own = stage.assignment.credentials.replica_token
+            if joiner is None or not hmac.compare_digest(request.grant, join_grant(own, joiner)):
+                raise RpcFailure(grpc.StatusCode.PERMISSION_DENIED, not_allowed("Snapshot"))
             stage.hold_between_steps(call_deadline(context) - time.monotonic())
             return stage
 
@@ -86,7 +97,7 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
             deadline = call_deadline(context)
             stage.hold_between_steps(deadline - time.monotonic())
             try:
-                data = _fetch_snapshot(stage, source, deadline)
+                data = _fetch_snapshot(stage, source, request.grant, deadline)
                 try:
                     stage.runtime.load_state_tensors(decode_checkpoint(data))
                 except ValueError as exc:  # a file that is no state of this stage
@@ -100,15 +111,22 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
         return serve(context, "CopyState", copy)
 
 
-def _fetch_snapshot(stage: HostedStage, source: stage_pb2.ReplicaPeer, deadline: float) -> bytes:
+def replica_digest(context: grpc.ServicerContext) -> str | None:
+    """The SHA-256 (hex) of the replica token a sibling's call presents, or None."""
+    return metadata_digest(context.invocation_metadata(), key=REPLICA_METADATA_KEY, scheme="")
+
+
+def _fetch_snapshot(stage: HostedStage, source: stage_pb2.ReplicaPeer, grant: str, deadline: float) -> bytes:
     """The source replica's state file, read only up to what this stage's state can take (weights and as many
-    tensors per weight as its optimizer keeps, and a header)."""
+    tensors per weight as its optimizer keeps, and a header), presenting this replica's token and the driver's
+    `grant` for it."""
     runtime = stage.runtime
     weights = sum(p.numel() * p.element_size() for p in runtime.layers.parameters())
     limit = weights * (1 + len(runtime.optimizer_state_keys())) + HEADER_ALLOWANCE
     ref = stage.ref(stage.assignment.stage_index, source.replica)
     chunks = stage.replica_link(source).replicas.Snapshot(
-        replica_pb2.SnapshotRequest(target=ref), timeout=max(0.05, deadline - time.monotonic())
+        replica_pb2.SnapshotRequest(target=ref, grant=grant), timeout=max(0.05, deadline - time.monotonic()),
+        metadata=((REPLICA_METADATA_KEY, stage.assignment.credentials.replica_token),),
     )
     data = bytearray()
     try:

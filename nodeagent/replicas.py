@@ -5,32 +5,37 @@ same bits before the same optimizer step). Nothing here touches the stage's mode
 
 from __future__ import annotations
 
+import hmac
 import json
 import math
+import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import grpc
 import torch
 
 from arceus.contracts.certificates import check_certificate
+from arceus.contracts.credentials import REPLICA_METADATA_KEY
 from arceus.errors import SpecError
 from arceus.swarm.exchange import MAX_SHARD_BYTES, chunk_bounds, reduce_in_order, shard_bounds
 from arceus.swarm.routing import Routes
 from arceus.v1 import replica_pb2, replica_pb2_grpc, stage_pb2
 from arceus.wire import codec
 from arceus.wire.proto_tensor import from_proto, to_proto
+from nodeagent.callers import not_allowed
 from nodeagent.mailbox import Mailbox, MailboxCancelled, MailboxClosed, MailboxFull, MailboxTimeout
 from nodeagent.rpc import RpcFailure, neighbour_failure_code
 
 _FLOAT32_BYTES = 4
 # Shards in flight from one replica at once: the siblings' agents take a few calls per caller at a time
-# (nodeagent.call_limits), and all replicas of a stage present the same credential.
+# (nodeagent.call_limits), and all replicas of a stage present the same bearer credential.
 SENDS_IN_FLIGHT = 4
 _PHASES = {replica_pb2.REDUCE: "REDUCE", replica_pb2.GATHER: "GATHER"}
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,8 @@ def parse_replica_step(
             check_certificate(peer.certificate)
         except ValueError as exc:
             raise _invalid(f"replicas.peers: stage {key[0]} replica {key[1]}: {exc}") from None
+        if not _HEX64.fullmatch(peer.token_digest):
+            raise _invalid(f"replicas.peers: stage {key[0]} replica {key[1]}'s token_digest is no SHA-256 (hex)")
         peers[key] = peer
     needed = [
         (i, k) for i in (stage_index - 1, stage_index, stage_index + 1) if 0 <= i < num_stages
@@ -95,24 +102,40 @@ def parse_replica_step(
 
 
 class ReplicaExchange:
-    """The shards siblings push to this replica, waiting for its exchange, and its sends to them."""
+    """The shards siblings push to this replica, waiting for its exchange, and its sends to them. Every shard
+    comes from the replica it names: the sender presents its own replica token (`token` is this one's), whose
+    digest the driver names for each member in every RunStep (`learn`)."""
 
-    def __init__(self, *, job_id: str, stage_index: int, generation: int, replica: int, total_elements: int,
-                 max_replicas: int) -> None:
+    def __init__(self, *, job_id: str, stage_index: int, generation: int, replica: int, token: str,
+                 total_elements: int, max_replicas: int) -> None:
         self.job_id, self.stage_index, self.generation, self.replica = job_id, stage_index, generation, replica
+        self._metadata = ((REPLICA_METADATA_KEY, token),)
+        # Sibling replica id -> the digest of its token, as RunSteps named them (ids are never reused in a job).
+        self._digests: dict[int, str] = {}
         self.total_elements = total_elements
         # Per step a replica receives at most every member's shards of its own chunk and every owner's of the
         # others: at most about two stages' worth of shards, plus one per member for the rounding.
         per_stage = math.ceil(total_elements * _FLOAT32_BYTES / MAX_SHARD_BYTES) + max_replicas
-        self.shards: Mailbox[torch.Tensor] = Mailbox(capacity=2 * max_replicas * per_stage + 8)
+        self.shards: Mailbox[tuple[str, torch.Tensor]] = Mailbox(capacity=2 * max_replicas * per_stage + 8)
         self.bytes_sent = 0  # tensor bytes pushed to siblings over the stage's life (only the step's thread adds)
 
     @property
     def name(self) -> str:
         return f"stage {self.stage_index} replica {self.replica} of job {self.job_id}"
 
-    def accept(self, request: replica_pb2.PushShardRequest) -> None:
-        """Validate a sibling's shard (before torch sees it) and park it for `exchange`."""
+    def learn(self, peers: Iterable[stage_pb2.ReplicaPeer]) -> None:
+        """Remember the token digests a step names for this stage's members."""
+        for peer in peers:
+            if peer.stage_index == self.stage_index:
+                self._digests[peer.replica] = peer.token_digest
+
+    def accept(self, request: replica_pb2.PushShardRequest, sender: str | None) -> None:
+        """Validate a sibling's shard (before torch sees it) and park it for `exchange`. `sender`: the digest of
+        the replica token the call presents; a shard whose claimed source is known by another is refused at once
+        (one from a replica no step has named here yet is checked when the exchange takes it)."""
+        known = self._digests.get(request.source_replica)
+        if sender is None or (known is not None and not hmac.compare_digest(known, sender)):
+            raise RpcFailure(grpc.StatusCode.PERMISSION_DENIED, not_allowed("PushShard"))
         if request.step < 0 or request.epoch < 0:
             raise _invalid(f"step and epoch must be >= 0, got step {request.step}, epoch {request.epoch}")
         if request.phase not in _PHASES:
@@ -135,7 +158,7 @@ class ReplicaExchange:
             raise _invalid(f"shard rejected: {exc}") from None
         key = _mail_key(request.step, request.epoch, request.phase, request.source_replica, request.start)
         try:
-            self.shards.put(key, tensor)
+            self.shards.put(key, (sender, tensor))
         except MailboxFull as exc:
             raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.name}: {exc}") from None
         except MailboxClosed:
@@ -178,12 +201,13 @@ class ReplicaExchange:
             self.bytes_sent += values.numel() * values.element_size()
             if len(sends) >= SENDS_IN_FLIGHT:
                 settle(*sends.popleft())
-            sends.append((to, stub(to).PushShard.future(request, timeout=max(0.05, deadline - time.monotonic()))))
+            timeout = max(0.05, deadline - time.monotonic())
+            sends.append((to, stub(to).PushShard.future(request, timeout=timeout, metadata=self._metadata)))
 
         def receive(phase: int, source: int, start: int, end: int) -> torch.Tensor:
             key = _mail_key(step, epoch, phase, source, start)
             try:
-                part = self.shards.get(key, max(0.0, deadline - time.monotonic()), abort)
+                sender, part = self.shards.get(key, max(0.0, deadline - time.monotonic()), abort)
             except MailboxTimeout:
                 raise RpcFailure(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -193,6 +217,12 @@ class ReplicaExchange:
                 raise RpcFailure(grpc.StatusCode.ABORTED, f"{self.name} was removed mid-step") from None
             except MailboxCancelled:
                 raise RpcFailure(grpc.StatusCode.CANCELLED, f"{self.name}: the step was cancelled") from None
+            if not hmac.compare_digest(sender, self._digests.get(source, "")):
+                raise RpcFailure(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"{self.name}: the shard at element {start} of step {step} claiming replica {source} came from "
+                    "another replica",
+                )
             if part.numel() != end - start:
                 raise RpcFailure(
                     grpc.StatusCode.FAILED_PRECONDITION,

@@ -131,7 +131,7 @@ class HostedStage:
             elements = sync_elements(elements, runtime.optimizer_name)
         self.exchange = None if a.replica is None else ReplicaExchange(
             job_id=a.job_id, stage_index=a.stage_index, generation=a.generation, replica=a.replica,
-            total_elements=elements, max_replicas=a.micro_batches,
+            token=a.credentials.replica_token, total_elements=elements, max_replicas=a.micro_batches,
         )
         self.outer_sync: OuterSync | None = None  # made at the first train step of replicas syncing every H steps
 

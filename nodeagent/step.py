@@ -295,7 +295,10 @@ def _replica_plan(stage: HostedStage, request: stage_pb2.RunStepRequest) -> Repl
             grpc.StatusCode.INVALID_ARGUMENT,
             f"{stage.name} is replica {a.replica} of a replicated stage: RunStep must name the step's routes",
         )
-    return parse_replica_step(request, stage_index=a.stage_index, num_stages=a.num_stages, replica=a.replica)
+    plan = parse_replica_step(request, stage_index=a.stage_index, num_stages=a.num_stages, replica=a.replica)
+    if stage.exchange is not None:
+        stage.exchange.learn(plan.peers.values())  # whose token each member's shards must present
+    return plan
 
 
 def _receive(

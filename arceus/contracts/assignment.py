@@ -244,6 +244,12 @@ class Assignment:
         replica_sync = replica_sync_from_json(data.get("replica_sync"), field="assignment.replica_sync")
         if replica is None and not replica_sync.exact:
             raise SpecError("assignment.replica_sync", "applies to a replica of a replicated stage only")
+        credentials = StageCredentials.from_json(data.get("credentials"))
+        if (replica is not None) != bool(credentials.replica_token):
+            raise SpecError(
+                "assignment.credentials.replica_token",
+                "a replica of a replicated stage needs its own replica token, and only a replica has one",
+            )
         if inference and tensor_parallel is not None:
             raise SpecError("assignment.inference", "a stage served for inference is one agent, never tensor-parallel")
         if recompute and tensor_parallel is not None:
@@ -269,7 +275,7 @@ class Assignment:
             max_micro_batch_size=_int(data, "max_micro_batch_size", minimum=1),
             prev_address=prev_address,
             next_address=next_address,
-            credentials=StageCredentials.from_json(data["credentials"]),
+            credentials=credentials,
             certificates=_certificates(data["certificates"], called),
             checkpoint=_checkpoint(data.get("checkpoint")),
             initial_weights=_initial_weights(data.get("initial_weights"), layer_end - layer_start),

@@ -6,6 +6,11 @@ A token is an HMAC-SHA256 of the principal's name under the control plane's secr
 a new generation's tokens share nothing with the last one's, so a rewound or moved stage's old callers are
 strangers at once. An assignment carries its stage's own token (presented to its neighbours and peers) and
 the SHA-256 digests of the tokens it accepts, by role: an agent never learns another principal's token.
+
+A replica of a replicated stage (arceus/swarm) also holds a token of its own, per replica id: the stage's token
+says "a replica of this stage", its replica token says which one. Replica tokens derive from the driver's token,
+so the driver (the control plane) names every replica's digest in each RunStep and grants a named joiner the
+copy of a live replica's state (`join_grant`) without asking the control plane, and no replica can mint another's.
 """
 
 from __future__ import annotations
@@ -23,7 +28,10 @@ from arceus.errors import SpecError
 # gRPC metadata key and scheme the token travels under (as grpc.access_token_call_credentials sends it).
 METADATA_KEY = "authorization"
 SCHEME = "Bearer "
+# gRPC metadata key a replica's own token travels under on ReplicaService calls, beside its stage's bearer token.
+REPLICA_METADATA_KEY = "arceus-replica"
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+_FIELDS = ("token", "accepts", "replica_token")
 
 
 class Role(StrEnum):
@@ -50,6 +58,18 @@ def mint_token(secret: bytes, job_id: str, generation: int, principal: str) -> s
     return hmac.new(secret, f"{job_id}/{generation}/{principal}".encode(), hashlib.sha256).hexdigest()
 
 
+def replica_token(driver_token: str, stage_index: int, replica: int) -> str:
+    """The token of replica `replica` of stage `stage_index`, derived from the job generation's driver token:
+    only the control plane (which holds that) mints it; the replica presents it to its siblings."""
+    return hmac.new(driver_token.encode(), f"replica/{stage_index}/{replica}".encode(), hashlib.sha256).hexdigest()
+
+
+def join_grant(source_replica_token: str, joiner_digest: str) -> str:
+    """The driver's leave for the replica whose token digest is `joiner_digest` to copy the state of the replica
+    holding `source_replica_token`: that replica checks it with its own token, so no other replica can forge one."""
+    return hmac.new(source_replica_token.encode(), f"join/{joiner_digest}".encode(), hashlib.sha256).hexdigest()
+
+
 def token_digest(token: str) -> str:
     """The SHA-256 (hex) a bearer token is known by where it is checked: data-plane tokens in assignments and
     by agents, node tokens in the control plane's database."""
@@ -59,10 +79,12 @@ def token_digest(token: str) -> str:
 @dataclass(frozen=True)
 class StageCredentials:
     """A stage rank's own token and the digests of the tokens it accepts, by role; a role's digests are in rank
-    order (PEER: every rank of this stage, this one's included), so a digest also says which rank calls."""
+    order (PEER: every rank of this stage, this one's included), so a digest also says which rank calls.
+    `replica_token`: a replica's own (`replica_token`), "" for an unreplicated stage."""
 
     token: str
     accepts: Mapping[Role, tuple[str, ...]]
+    replica_token: str = ""
 
     def roles_of(self, digest: str) -> frozenset[Role]:
         return frozenset(role for role, digests in self.accepts.items() if digest in digests)
@@ -72,15 +94,17 @@ class StageCredentials:
         return digests.index(digest) if digest in digests else None
 
     def to_json(self) -> dict[str, Any]:
-        return {"token": self.token, "accepts": {role.value: list(d) for role, d in self.accepts.items()}}
+        value: dict[str, Any] = {"token": self.token, "accepts": {r.value: list(d) for r, d in self.accepts.items()}}
+        return value | ({"replica_token": self.replica_token} if self.replica_token else {})
 
     @classmethod
     def from_json(cls, value: Any, field: str = "assignment.credentials") -> StageCredentials:
-        if not isinstance(value, dict) or set(value) != {"token", "accepts"}:
-            raise SpecError(field, "must be an object with exactly `token` and `accepts`")
+        if not isinstance(value, dict) or not {"token", "accepts"} <= set(value) <= {*_FIELDS}:
+            raise SpecError(field, "must be an object with `token`, `accepts` and, for a replica, `replica_token`")
+        for key in ("token", "replica_token"):
+            if key in value and not (isinstance(value[key], str) and _HEX64.fullmatch(value[key])):
+                raise SpecError(f"{field}.{key}", "must be 64 lowercase hex digits")
         token = value["token"]
-        if not isinstance(token, str) or not _HEX64.fullmatch(token):
-            raise SpecError(f"{field}.token", "must be 64 lowercase hex digits")
         accepts = value["accepts"]
         if not isinstance(accepts, dict):
             raise SpecError(f"{field}.accepts", "must be an object of role: [token digest, ...]")
@@ -97,7 +121,7 @@ class StageCredentials:
             parsed[role] = tuple(digests)
         if not parsed.get(Role.DRIVER):
             raise SpecError(f"{field}.accepts.driver", "is required: a stage nobody may drive cannot train")
-        return cls(token=token, accepts=parsed)
+        return cls(token=token, accepts=parsed, replica_token=value.get("replica_token", ""))
 
 
 def stage_credentials(
@@ -108,12 +132,13 @@ def stage_credentials(
     rank: int,
     ranks: Sequence[int],
     *,
-    replicated: bool = False,
+    replica: int | None = None,
 ) -> StageCredentials:
     """The credentials of rank `rank` of stage `stage_index` in a pipeline whose stage i has `ranks[i]`
     ranks: it accepts the driver, every rank of its neighbours, and the ranks of its own stage (if split).
     The replicas of a stage share its principal (a newcomer needs no new token, and a neighbour accepts every
-    replica); a replicated stage's replicas accept each other as SIBLING."""
+    replica); a replicated stage's replicas accept each other as SIBLING, and replica `replica` (None: the stage
+    is not replicated) also holds its own replica token, which says which sibling calls."""
 
     def digests(index: int) -> tuple[str, ...]:
         if not 0 <= index < len(ranks):
@@ -127,7 +152,8 @@ def stage_credentials(
         Role.PREV: digests(stage_index - 1),
         Role.NEXT: digests(stage_index + 1),
         Role.PEER: digests(stage_index) if ranks[stage_index] > 1 else (),
-        Role.SIBLING: digests(stage_index) if replicated else (),
+        Role.SIBLING: digests(stage_index) if replica is not None else (),
     }
     token = mint_token(secret, job_id, generation, stage_principal(stage_index, rank))
-    return StageCredentials(token=token, accepts={role: d for role, d in accepts.items() if d})
+    own = "" if replica is None else replica_token(mint_token(secret, job_id, generation, DRIVER), stage_index, replica)
+    return StageCredentials(token=token, accepts={role: d for role, d in accepts.items() if d}, replica_token=own)

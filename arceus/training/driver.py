@@ -117,7 +117,9 @@ class Pipeline:
         ]
         self._client = client
         # Replicated stages: a client per replica; the stage's lowest replica serves as the stage (its state).
-        self.roster = ReplicaRoster(plan.replicas, len(plan.stages)) if plan.replicas else None
+        self.roster = (
+            ReplicaRoster(plan.replicas, len(plan.stages), credential=plan.credential) if plan.replicas else None
+        )
         self.replica_clients = {(e.index, e.replica): client(e) for e in plan.replicas}
         if self.replica_clients:
             for ranks in self.ranks:

@@ -7,6 +7,7 @@ import json
 import math
 from collections.abc import Iterable, Sequence
 
+from arceus.contracts.credentials import replica_token, token_digest
 from arceus.swarm.routing import Routes, route_step, speeds_update
 from arceus.training.plan import StageEndpoint
 from arceus.v1 import stage_pb2
@@ -22,7 +23,9 @@ class ReplicaRoster:
     """The members of every stage and their speeds; `epoch` counts membership changes (every exchange message
     names it, so a message of an older membership is never summed)."""
 
-    def __init__(self, endpoints: Iterable[StageEndpoint], num_stages: int) -> None:
+    def __init__(self, endpoints: Iterable[StageEndpoint], num_stages: int, *, credential: str) -> None:
+        """`credential`: the driver's token of the job generation, from which every replica's own derives."""
+        self.credential = credential
         self.endpoints: dict[ReplicaKey, StageEndpoint] = {(e.index, e.replica): e for e in endpoints}
         self.num_stages = num_stages
         self.speeds: dict[ReplicaKey, float] = {}
@@ -67,7 +70,10 @@ class ReplicaRoster:
         """What RunStep tells a replica of `stage`: the routes and where its siblings and neighbours listen;
         `failed`: the driver's failed attempts at this step (their deferred updates are discarded)."""
         peers = [
-            stage_pb2.ReplicaPeer(stage_index=i, replica=k, address=e.address, certificate=e.certificate)
+            stage_pb2.ReplicaPeer(
+                stage_index=i, replica=k, address=e.address, certificate=e.certificate,
+                token_digest=token_digest(replica_token(self.credential, i, k)),
+            )
             for (i, k), e in sorted(self.endpoints.items())
             if abs(i - stage) <= 1 and k in routes.members[i]
         ]

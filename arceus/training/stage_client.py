@@ -11,6 +11,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from arceus.contracts.credentials import join_grant, replica_token, token_digest
 from arceus.safetensors_file import CHUNK_BYTES
 from arceus.training.plan import StageEndpoint
 from arceus.v1 import replica_pb2, replica_pb2_grpc, stage_pb2, stage_pb2_grpc
@@ -38,6 +39,7 @@ class StageClient:
         self.ref = stage_pb2.StageRef(
             job_id=job_id, stage_index=endpoint.index, generation=generation, replica=endpoint.replica
         )
+        self._credential = credential
         self._channel = open_channel(endpoint.address, token=credential, certificate=endpoint.certificate)
         self._stub = stage_pb2_grpc.StageServiceStub(self._channel)
         self._replicas = replica_pb2_grpc.ReplicaServiceStub(self._channel)
@@ -81,11 +83,14 @@ class StageClient:
 
     def copy_state(self, source: StageEndpoint) -> tuple[str, int]:
         """Have this (joining) replica copy its stage's state from the live replica `source`, peer to peer; (the
-        SHA-256 in hex, the size) of what it copied."""
+        SHA-256 in hex, the size) of what it copied. The request carries the driver's grant, which `source`
+        checks against the joiner's replica token: no other replica may copy it."""
         peer = stage_pb2.ReplicaPeer(
             stage_index=source.index, replica=source.replica, address=source.address, certificate=source.certificate
         )
-        request = replica_pb2.CopyStateRequest(target=self.ref, source=peer)
+        joiner = token_digest(replica_token(self._credential, self.endpoint.index, self.endpoint.replica))
+        grant = join_grant(replica_token(self._credential, source.index, source.replica), joiner)
+        request = replica_pb2.CopyStateRequest(target=self.ref, source=peer, grant=grant)
         reply = self._replicas.CopyState(request, timeout=self.timeout)
         return reply.sha256, reply.size_bytes
 

@@ -23,8 +23,8 @@ def job_driver_token(*, job_id: str, generation: int) -> str:
 
 
 def job_stage_credentials(
-    *, job_id: str, generation: int, stage_index: int, rank: int, ranks: Sequence[int], replicated: bool = False
+    *, job_id: str, generation: int, stage_index: int, rank: int, ranks: Sequence[int], replica: int | None = None
 ) -> StageCredentials:
     """The credentials sent to the agent of rank `rank` of stage `stage_index` (`ranks`: each stage's rank count;
-    `replicated`: a replica of a replicated stage, which accepts its siblings)."""
-    return stage_credentials(_secret(), str(job_id), generation, stage_index, rank, ranks, replicated=replicated)
+    `replica`: its replica id in a replicated stage, which accepts its siblings and holds its own replica token)."""
+    return stage_credentials(_secret(), str(job_id), generation, stage_index, rank, ranks, replica=replica)

@@ -288,7 +288,7 @@ def _assignment(
             stage_index=stage.index,
             rank=stage.rank,
             ranks=[len({s.rank for s in stages[i]}) for i in range(len(stages))],
-            replicated=replicated,
+            replica=stage.replica if replicated else None,
         ),
         certificates={} if replicated else _certificates(
             viewer, stages.get(stage.index - 1), stages.get(stage.index + 1), [s for s in group if s.pk != stage.pk]

@@ -298,7 +298,7 @@ def test_invalid_static_files(tmp_path: Path, content: str, fragment: str) -> No
         ),
         ({"certificates": ["127.0.0.1:5000"]}, "assignment.certificates", "address: PEM certificate"),
         ({"credentials": {"token": "abc", "accepts": {}}}, "assignment.credentials.token", "64 lowercase hex"),
-        ({"credentials": {"token": "a" * 64}}, "assignment.credentials", "exactly `token` and `accepts`"),
+        ({"credentials": {"token": "a" * 64}}, "assignment.credentials", "with `token`, `accepts` and, for a replica"),
         ({"credentials": {"token": "a" * 64, "accepts": {"x": []}}}, "assignment.credentials.accepts.x", "no role"),
         ({"credentials": {"token": "a" * 64, "accepts": {}}}, "assignment.credentials.accepts.driver", "required"),
         (

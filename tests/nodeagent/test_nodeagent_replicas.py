@@ -13,6 +13,7 @@ import grpc
 import pytest
 import torch
 
+from arceus.contracts.credentials import REPLICA_METADATA_KEY, replica_token, token_digest
 from arceus.swarm.routing import Routes
 from arceus.v1 import replica_pb2, stage_pb2
 from arceus.wire.proto_tensor import to_proto
@@ -22,6 +23,19 @@ from nodeagent.replicas import ReplicaExchange, parse_replica_step
 from nodeagent.rpc import RpcFailure
 
 CERTIFICATE = new_identity().certificate
+DRIVER_TOKEN = "d" * 64
+
+
+def token_of(replica: int, stage: int = 1) -> str:
+    return replica_token(DRIVER_TOKEN, stage, replica)
+
+
+def digest_of(replica: int, stage: int = 1) -> str:
+    return token_digest(token_of(replica, stage))
+
+
+def peer(replica: int, stage: int = 1) -> stage_pb2.ReplicaPeer:
+    return stage_pb2.ReplicaPeer(stage_index=stage, replica=replica, token_digest=digest_of(replica, stage))
 ROUTES = Routes(((0, 1), (2,), (0, 3, 4)), ((0, 2, 0), (1, 2, 3), (0, 2, 4), (1, 2, 0)))
 
 
@@ -31,7 +45,7 @@ def run_step(routes: Routes = ROUTES, peers: list[tuple[int, int]] | None = None
     step = stage_pb2.ReplicaStep(
         routes_json=json.dumps(routes.to_json()), epoch=3,
         peers=[stage_pb2.ReplicaPeer(stage_index=i, replica=k, address=f"10.0.0.{i}:{5000 + k}",
-                                     certificate=CERTIFICATE) for i, k in peers],
+                                     certificate=CERTIFICATE, token_digest=digest_of(k, i)) for i, k in peers],
     )
     return stage_pb2.RunStepRequest(step=1, num_micro_batches=routes.num_micro_batches, replicas=step, **fields)
 
@@ -49,6 +63,10 @@ def test_a_replica_takes_the_micro_batches_its_routes_give_it_and_knows_its_peer
         (run_step(), 1, "replica 1 is not a member of stage 2"),
         (run_step(peers=[(2, 0), (2, 3), (2, 4)]), 0, "lacks stage/replica [(1, 2)]"),
         (run_step(peers=[(1, 2), (2, 3), (2, 3), (2, 4)]), 0, "names stage 2 replica 3 twice"),
+        (stage_pb2.RunStepRequest(num_micro_batches=4, replicas=stage_pb2.ReplicaStep(
+            routes_json=json.dumps(ROUTES.to_json()), peers=[stage_pb2.ReplicaPeer(
+                stage_index=2, replica=3, address="10.0.0.2:5003", certificate=CERTIFICATE)])), 0,
+         "stage 2 replica 3's token_digest is no SHA-256"),
         (stage_pb2.RunStepRequest(num_micro_batches=4, replicas=stage_pb2.ReplicaStep(routes_json="{")), 0,
          "not JSON"),
         (stage_pb2.RunStepRequest(num_micro_batches=2, replicas=stage_pb2.ReplicaStep(
@@ -66,9 +84,12 @@ def test_routes_that_do_not_fit_the_replica_are_refused_naming_what_is_wrong(
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.message
 
 
-def exchange_of(replica: int, total: int = 10) -> ReplicaExchange:
-    return ReplicaExchange(job_id="j", stage_index=1, generation=1, replica=replica, total_elements=total,
-                           max_replicas=4)
+def exchange_of(replica: int, total: int = 10, members: tuple[int, ...] = (0, 2, 3)) -> ReplicaExchange:
+    """Replica `replica` of stage 1, knowing the tokens of `members` as a RunStep names them."""
+    exchange = ReplicaExchange(job_id="j", stage_index=1, generation=1, replica=replica, token=token_of(replica),
+                               total_elements=total, max_replicas=4)
+    exchange.learn([peer(k) for k in members] + [peer(k, stage=2) for k in members])
+    return exchange
 
 
 def shard(**fields) -> replica_pb2.PushShardRequest:
@@ -93,8 +114,28 @@ def test_a_shard_that_does_not_fit_the_stage_is_refused_before_torch_sees_it(
     request_: replica_pb2.PushShardRequest, words: str
 ) -> None:
     with pytest.raises(RpcFailure) as info:
-        exchange_of(0).accept(request_)
+        exchange_of(0).accept(request_, digest_of(request_.source_replica))
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.message
+
+
+def test_a_shard_from_another_replica_than_it_claims_is_refused() -> None:
+    receiver = exchange_of(0)
+    for presented in (digest_of(3), digest_of(2, stage=2), None):  # a sibling, a neighbour's replica 2, no token
+        with pytest.raises(RpcFailure) as info:
+            receiver.accept(shard(source_replica=2), presented)
+        assert info.value.code == grpc.StatusCode.PERMISSION_DENIED, presented
+        assert info.value.message == "the call's credential does not allow PushShard on the stage it addresses"
+    receiver.accept(shard(source_replica=2), digest_of(2))  # replica 2 itself
+
+
+def test_a_shard_claiming_a_replica_no_step_named_yet_is_refused_when_the_exchange_takes_it() -> None:
+    receiver = exchange_of(0, total=4, members=())
+    receiver.accept(shard(source_replica=2, tensor=to_proto(torch.zeros(2))), digest_of(3))  # parked: its chunk
+    receiver.learn([peer(2)])  # the step names replica 2's token
+    with pytest.raises(RpcFailure) as info:
+        receiver.exchange(torch.zeros(4), step=1, epoch=0, members=(0, 2), stub=lambda to: _Deliver(exchange_of(2)),
+                          deadline=time.monotonic() + 10, abort=threading.Event())
+    assert info.value.code == grpc.StatusCode.PERMISSION_DENIED and "claiming replica 2" in info.value.message
 
 
 class _Delivered:
@@ -111,8 +152,12 @@ class _Deliver:
         self.exchange = exchange
         self.PushShard = self
 
-    def future(self, request: replica_pb2.PushShardRequest, timeout: float) -> _Delivered:
-        self.exchange.accept(request)
+    def future(
+        self, request: replica_pb2.PushShardRequest, timeout: float, metadata: tuple[tuple[str, str], ...]
+    ) -> _Delivered:
+        (key, token), = metadata
+        assert key == REPLICA_METADATA_KEY
+        self.exchange.accept(request, token_digest(token))
         return _Delivered()
 
 
@@ -125,7 +170,7 @@ def test_every_replica_ends_with_the_same_bits_the_ascending_sum_of_every_partia
     generator = torch.Generator().manual_seed(0)
     # Values of very different magnitudes: floating-point addition in another order would give other bits.
     partials = {k: torch.randn(total, generator=generator) * 10.0 ** torch.randint(-6, 6, (total,)) for k in members}
-    exchanges = {k: exchange_of(k, total) for k in members}
+    exchanges = {k: exchange_of(k, total, members) for k in members}
     results: dict[int, torch.Tensor] = {}
     errors: list[BaseException] = []
 

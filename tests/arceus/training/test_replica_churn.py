@@ -6,7 +6,8 @@ is SIGKILLed. The driver finds it gone, runs the step again on the survivors (ea
 the failed attempt), and training goes on: the step counter never goes back, no checkpoint is loaded, losses
 and final weights equal one process on the same batches, and the surviving replicas of each stage hold the same
 bits after every step. After step 5 a spare agent joins stage 1 as replica 2: it copies the state from a live
-replica (peer to peer, not from checkpoint storage) and takes micro-batches from step 6 on. A second job that
+replica (peer to peer, not from checkpoint storage, with the driver's grant for it) and takes micro-batches from
+step 6 on; a sibling without that grant is refused the state. A second job that
 loses both replicas of its last stage fails as an unreplicated pipeline does (the control plane then rewinds it
 to its checkpoint).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import signal
 import tempfile
 import threading
@@ -22,17 +24,21 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import torch
 
 from arceus.contracts.assignment import max_micro_batch_size
+from arceus.contracts.credentials import REPLICA_METADATA_KEY, join_grant, replica_token, token_digest
 from arceus.data.config import validate_dataset_config
 from arceus.training.driver import DriverError, train
 from arceus.training.plan import StageEndpoint, StepProgress, TrainPlan
 from arceus.training.recording import RecordingSink
 from arceus.training.stage_client import StageClient
+from arceus.v1 import replica_pb2, replica_pb2_grpc, stage_pb2
+from arceus.wire.channels import open_channel
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
-from devtools.pipeline import driver_token, replica_endpoints, replicated_pipeline_assignments
+from devtools.pipeline import driver_token, replica_credentials, replica_endpoints, replicated_pipeline_assignments
 from devtools.reference import fetch_weights, reference_run
 
 pytestmark = pytest.mark.slow
@@ -171,3 +177,32 @@ def test_a_stage_that_loses_every_replica_fails_the_step_as_an_unreplicated_pipe
         sink.close()
     assert info.value.stage_index == 2
     assert [p.step for p in sink.steps] == [1, 2]
+
+
+def test_only_the_joiner_the_driver_named_may_copy_a_replicas_state(
+    agents: tuple[list[AgentProcess], dict[str, Any]],
+) -> None:
+    started, _ = agents
+    source = replica_pb2.SnapshotRequest(target=stage_pb2.StageRef(job_id="dead-stage", stage_index=0, generation=1))
+    sibling = replica_credentials("dead-stage", 0, 1, 3)
+    source_token = replica_token(driver_token("dead-stage"), 0, 0)
+    forged = join_grant(secrets.token_hex(32), token_digest(sibling.replica_token))
+    other = join_grant(source_token, token_digest(replica_token(driver_token("dead-stage"), 0, 5)))
+
+    def snapshot(grant: str, replica_token_: str | None) -> list[stage_pb2.StateChunk]:
+        metadata = () if replica_token_ is None else ((REPLICA_METADATA_KEY, replica_token_),)
+        with open_channel(started[0].grpc_address, token=sibling.token, certificate=started[0].certificate) as channel:
+            request = replica_pb2.SnapshotRequest(target=source.target, grant=grant)
+            return list(replica_pb2_grpc.ReplicaServiceStub(channel).Snapshot(request, timeout=30, metadata=metadata))
+
+    # A sibling of the stage (its bearer token and its own replica token) not named as a joiner, one presenting
+    # a grant made with another key, or one for another joiner: refused, learning nothing of the state.
+    for grant, token in (("", sibling.replica_token), (forged, sibling.replica_token), (other, sibling.replica_token),
+                         (join_grant(source_token, token_digest(sibling.replica_token)), None)):
+        with pytest.raises(grpc.RpcError) as info:
+            snapshot(grant, token)
+        assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert info.value.details() == "the call's credential does not allow Snapshot on the stage it addresses"
+    # The joiner the driver named (its grant for this sibling's replica token) is answered.
+    named = snapshot(join_grant(source_token, token_digest(sibling.replica_token)), sibling.replica_token)
+    assert sum(len(chunk.data) for chunk in named) > 0

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from arceus.contracts.assignment import max_micro_batch_size
+from arceus.contracts.credentials import REPLICA_METADATA_KEY
 from arceus.data.config import validate_dataset_config
 from arceus.model.registry import model_spec_from_config
 from arceus.training.driver import train
@@ -37,6 +38,7 @@ from devtools.pipeline import (
     driver_token,
     identity_for,
     rank_credentials,
+    replica_credentials,
     replica_endpoints,
     replicated_pipeline_assignments,
 )
@@ -228,24 +230,28 @@ def test_replicas_syncing_every_h_steps_are_equal_after_each_sync(addresses: dic
 
 def test_only_a_sibling_may_push_a_replica_a_shard(addresses: dict[str, list[list[str]]]) -> None:
     """PushShard on stage 1 replica 0 of the 3x2 MLP: a stranger is not authenticated, the driver and the
-    neighbouring stages' replicas are known but not allowed, and a sibling's call reaches the shard's checks."""
+    neighbouring stages' replicas are known but not allowed, nor is a sibling that does not say which replica it
+    is; replica 1's own call reaches the shard's checks."""
     job_id = "mlp-3x2-sgd"
     address = addresses[job_id][1][0]
     shard = replica_pb2.PushShardRequest(
         target=stage_pb2.StageRef(job_id=job_id, stage_index=1, generation=1, replica=0), step=1, epoch=0,
-        source_replica=0, phase=replica_pb2.REDUCE, start=0, tensor=to_proto(torch.zeros(4)),
+        source_replica=1, phase=replica_pb2.REDUCE, start=-1, tensor=to_proto(torch.zeros(4)),
     )
+    sibling = replica_credentials(job_id, 1, 1, 3)
     callers = {
         "stranger": (secrets.token_hex(32), grpc.StatusCode.UNAUTHENTICATED),
         "driver": (driver_token(job_id), grpc.StatusCode.PERMISSION_DENIED),
         "stage 0": (rank_credentials(job_id, 1, 0, 0, [1, 1, 1]).token, grpc.StatusCode.PERMISSION_DENIED),
         "stage 2": (rank_credentials(job_id, 1, 2, 0, [1, 1, 1]).token, grpc.StatusCode.PERMISSION_DENIED),
-        # A sibling passes: its shard, naming this replica as its source, is what is refused.
-        "sibling": (rank_credentials(job_id, 1, 1, 0, [1, 1, 1]).token, grpc.StatusCode.INVALID_ARGUMENT),
+        "sibling without its replica token": (sibling.token, grpc.StatusCode.PERMISSION_DENIED),
+        # Replica 1 as itself passes: its shard, outside the stage's elements, is what is refused.
+        "replica 1": (sibling.token, grpc.StatusCode.INVALID_ARGUMENT),
     }
     for caller, (token, code) in callers.items():
+        metadata = ((REPLICA_METADATA_KEY, sibling.replica_token),) if caller == "replica 1" else ()
         channel = open_channel(address, token=token, certificate=identity_for(address).certificate)
         with channel, pytest.raises(grpc.RpcError) as info:
-            replica_pb2_grpc.ReplicaServiceStub(channel).PushShard(shard, timeout=30)
+            replica_pb2_grpc.ReplicaServiceStub(channel).PushShard(shard, timeout=30, metadata=metadata)
         assert info.value.code() == code, (caller, info.value.details())
         assert job_id not in (info.value.details() or ""), caller

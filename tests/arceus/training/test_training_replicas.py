@@ -24,6 +24,7 @@ def roster(replicas: list[int]) -> ReplicaRoster:
             for r in range(count)
         ],
         len(replicas),
+        credential="d" * 64,
     )
 
 

@@ -9,11 +9,13 @@ from datetime import timedelta
 from django.utils import timezone
 
 from arceus.contracts.assignment import Assignment
+from arceus.contracts.credentials import replica_token
 from controlplane.agents.services import node_heartbeat
 from controlplane.controller.actions import PlannedStage, ServeJob
 from controlplane.controller.executor import reconcile_once
 from controlplane.controller.transitions import job_serve_place
 from controlplane.driver.driving import train_plan
+from controlplane.jobs.credentials import job_driver_token
 from controlplane.jobs.models import Job, Stage
 from controlplane.jobs.selectors import assignments_for_node
 from controlplane.jobs.services import job_start
@@ -91,6 +93,12 @@ def test_a_lost_replica_is_replaced_at_the_same_generation_and_the_api_lists_rep
     assert (middle.stage_id, middle.replica) == (f"{job.id}-stage-1-replica-0", 0)
     assert middle.prev_address is None and middle.next_address is None and middle.checkpoint is None
     assert "sibling" in middle.credentials.accepts
+    # the replicas of a stage share its bearer token; each holds its own replica token, which the driver derives
+    sibling = Assignment.from_json(assignments_for_node(node=by_id[str(rows[3].node_id)])[0])
+    driver = job_driver_token(job_id=str(job.id), generation=job.generation)
+    assert sibling.credentials.token == middle.credentials.token
+    assert (middle.credentials.replica_token, sibling.credentials.replica_token) == (
+        replica_token(driver, 1, 0), replica_token(driver, 1, 1))
 
     # running; the driver's plan names every replica, each stage served by its lowest
     generation = job.generation
