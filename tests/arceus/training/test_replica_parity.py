@@ -218,8 +218,9 @@ def test_replicas_syncing_every_h_steps_are_equal_after_each_sync(addresses: dic
     assert result.steps == run["steps"] and not result.stopped
     synced = _exchanged_bytes(MLP, run, 2)  # the weight deltas and SGD's momentum buffers
     assert [p.exchange_bytes for p in sink.steps] == [0, 0, synced, 0, 0, synced]
-    losses = [p.loss for p in sink.steps]
-    assert all(math.isfinite(loss) for loss in losses) and losses[-1] < losses[0]
+    # (What H costs in loss is bench/replica_sync.py's to measure: six steps of it are noise; the outer step's
+    # arithmetic is tests/arceus/swarm/test_swarm_outer.py's.)
+    assert all(math.isfinite(p.loss) for p in sink.steps)
     for step, digests in enumerate(sink.digests, 1):
         equal = [len({digests[(i, r)] for r in range(len(stage))}) == 1 for i, stage in enumerate(run["agents"])]
         if step % 3 == 0:
