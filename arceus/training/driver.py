@@ -228,23 +228,36 @@ class Pipeline:
             try:
                 return self._replicated_attempt(roster, step, x, y, train=train, failed=failed)
             except DriverError as exc:
-                clients = list(self.replica_clients.values())
-                alive = agents_answering(
-                    [(c.endpoint.address, c.endpoint.certificate) for c in clients], timeout=LIVENESS_SECONDS,
-                    concurrency=len(clients), refused_is_down=True,
-                )
-                lost = [(c.endpoint.index, c.endpoint.replica) for c, up in zip(clients, alive, strict=True) if not up]
-                if not lost:
-                    raise
-                try:
-                    roster.remove(lost)
-                except ValueError as gone:
-                    raise DriverError(f"{gone}; after: {exc}", stage_index=lost[0][0], code=exc.code) from exc
+                lost = self._drop_lost(roster, exc)
                 log.warning("job %s lost replicas %s in step %d (%s); running it again without them",
                             self.plan.job_id, lost, step, exc)
-                self._forget(roster, lost)
                 failed.append(step)
                 step = next(self._call_ids)
+
+    def _drop_lost(self, roster: ReplicaRoster, exc: DriverError) -> list[ReplicaKey]:
+        """After `exc`, the replicas whose agents no longer answer, taken off the roster; `exc` again when every
+        replica answers (the failure was not a loss), a DriverError when a stage lost every replica."""
+        clients = list(self.replica_clients.values())
+        alive = agents_answering(
+            [(c.endpoint.address, c.endpoint.certificate) for c in clients], timeout=LIVENESS_SECONDS,
+            concurrency=len(clients), refused_is_down=True,
+        )
+        lost = [(c.endpoint.index, c.endpoint.replica) for c, up in zip(clients, alive, strict=True) if not up]
+        if not lost:
+            raise exc
+        try:
+            roster.remove(lost)
+        except ValueError as gone:
+            raise DriverError(f"{gone}; after: {exc}", stage_index=lost[0][0], code=exc.code) from exc
+        self._forget(roster, lost)
+        return lost
+
+    def drop_lost_replicas(self, exc: DriverError) -> list[ReplicaKey]:
+        """After a failed call between steps (a checkpoint's), the replicas whose agents no longer answer, taken off
+        the roster, so the call can be made again on the others; `exc` again when nothing was lost."""
+        if self.roster is None:
+            raise exc
+        return self._drop_lost(self.roster, exc)
 
     def _forget(self, roster: ReplicaRoster, gone: Sequence[ReplicaKey]) -> None:
         """Close the clients of replicas `roster` no longer has; each stage is served by its lowest replica."""
@@ -512,12 +525,17 @@ def _train(plan: TrainPlan, sink: ProgressSink, dataset: dict, train_set: Sample
     with Pipeline(plan) as pipeline:
 
         def checkpoint(epoch: int) -> None:
-            uploads = sink.checkpoint_uploads(step, pipeline.endpoints())
-            with tempfile.TemporaryDirectory(prefix="arceus-checkpoint-") as directory:
-                try:
-                    sink.on_checkpoint(step, epoch, pipeline.states(Path(directory), uploads=uploads))
-                except StageStateError as exc:  # a stage's state refused (or never uploaded): its failure
-                    raise DriverError(str(exc), stage_index=exc.stage_index) from exc
+            while True:  # a replica lost since the last step: its stage's state comes from another (they are equal)
+                uploads = sink.checkpoint_uploads(step, pipeline.endpoints())
+                with tempfile.TemporaryDirectory(prefix="arceus-checkpoint-") as directory:
+                    try:
+                        sink.on_checkpoint(step, epoch, pipeline.states(Path(directory), uploads=uploads))
+                        return
+                    except StageStateError as exc:  # a stage's state refused (or never uploaded): its failure
+                        raise DriverError(str(exc), stage_index=exc.stage_index) from exc
+                    except DriverError as exc:  # re-raised unless a replica was lost
+                        log.warning("job %s lost replicas %s before the checkpoint of step %d (%s); saving from "
+                                    "the others", plan.job_id, pipeline.drop_lost_replicas(exc), step, exc)
 
         for epoch in range(first_epoch, plan.epochs + 1):
             batches = epoch_batches(len(train_set), batch_size, plan.seed, epoch)

@@ -39,10 +39,18 @@ def replicas(detail: dict[str, Any]) -> dict[tuple[int, int], dict[str, Any]]:
     return {(p["stage_index"], p["replica"]): p for p in detail["placements"]}
 
 
+# Long enough after the kill for the spare to join, whatever the machine's load: the lost node's detection
+# (node_grace_seconds), a reconcile pass, the spare's build and ready report take seconds; two epochs ended within
+# them once the driver stopped waiting on the killed agent's refused connection. Not much longer: replicas sum their
+# partial gradients in another order than one process does, and the rounding compounds (a run of five epochs left
+# the 1e-5 tolerance at step 216 of 225, where the loss is smallest).
+LONG_JOB = {**JOB, "epochs": 4}
+
+
 def test_a_killed_replica_costs_no_rewind_and_a_spare_joins_from_its_peer(cluster: LocalCluster) -> None:
-    reference = reference_run(JOB)
+    reference = reference_run(LONG_JOB)
     agents = cluster.start_agents([f"swarm-{i}" for i in range(7)])
-    job = cluster.client.submit_job(JOB)
+    job = cluster.client.submit_job(LONG_JOB)
     cluster.client.start_job(job["id"])
     before = cluster.wait_for_job(job["id"], lambda d: d["status"] == "running" and d["step"] >= KILL_AT_STEP, 120)
     placed = replicas(before)
@@ -98,7 +106,8 @@ def test_a_stage_that_loses_every_replica_rewinds_to_its_checkpoint(cluster: Loc
         cluster.crash(next(a for a in agents if a.node_id == placed[(1, replica)]["node_id"]).child.name)
     final = cluster.client.wait(job["id"], timeout=180)
     assert final["status"] == "succeeded", (final["error"], final["conditions"])
-    assert final["resumed_from_step"] == 10 and final["generation"] > before["generation"] + 1
+    # the last checkpoint before the kills (every 10 steps; the kills land a few steps after `before`)
+    assert final["resumed_from_step"] in (10, 20) and final["generation"] > before["generation"] + 1
     # the stage kept one row, moved to the spare; the other stages kept their replicas
     now = replicas(final)
     assert [p["node_id"] for k, p in now.items() if k[0] == 1] == [spare.node_id]
