@@ -774,11 +774,24 @@ def _place_served(
     placed: dict[int, str] = dict(kept)
     unplaceable: list[str] = []
     layers = {index: job.layers[start:end] for index, start, end in job.served_layers}
-    for index, start, end in sorted(
+    owners = {**{n.id: n.owner for n in nodes.values()}, **{n.id: n.owner for n in free}}
+    pending = sorted(
         (s for s in job.served_layers if s[0] not in kept), key=lambda s: (-_served_memory(layers[s[0]]), s[0])
-    ):
+    )
+    apart: str | None = None  # why owner diversity keeps the last stage off the nodes that fit it
+    for k, (index, start, end) in enumerate(pending):
         need = _served_memory(layers[index])
-        node = next((n for n in candidates if n.memory_bytes >= need), None)
+        fitting = [n for n in candidates if n.memory_bytes >= need]
+        # The last stage placed decides whether one owner would hold the whole model: not that owner's node.
+        held = {owners.get(node_id) for node_id in placed.values()}
+        if job.requirements.owner_diversity and k == len(pending) - 1 and len(held) <= 1 and fitting:
+            if not placed:
+                apart = f"a model served as one stage is held whole by one owner ({OPT_OUT})"
+                fitting = []
+            elif not (fitting := [n for n in fitting if n.owner not in held]):
+                apart = (f"stage {index} needs another owner's node: no single owner may hold every stage of the job "
+                         f"(waiting for one, {OPT_OUT})")
+        node = fitting[0] if fitting else None
         if node is None:
             unplaceable.append(f"stage {index} (layers {start}-{end - 1}, needs {need:,} bytes)")
         else:
@@ -787,11 +800,11 @@ def _place_served(
     if not job.served_layers:
         unplaceable.append("its final checkpoint, which has no stages")
     if unplaceable:
-        message = (
+        waiting = Condition("Serving", FALSE, "WaitingForOwners", apart) if apart else Condition(
+            "Serving", FALSE, "WaitingForNodes",
             f"waiting for a Ready node with room for {', '.join(unplaceable)} "
-            f"({len(free)} free Ready node{'s' if len(free) != 1 else ''} now)"
+            f"({len(free)} free Ready node{'s' if len(free) != 1 else ''} now)",
         )
-        waiting = Condition("Serving", FALSE, "WaitingForNodes", message)
         return _stop_serving(job, waiting, serving=True, now=now) if job.stages else _condition(job, waiting, now)
     moved = {s.index: s for s in lost}
 

@@ -8,11 +8,12 @@ from datetime import timedelta
 
 from arceus.placement.solver import Workload
 from controlplane.common.conditions import get_condition
-from controlplane.controller.actions import FailJob, PlaceJob, RewindJob, SetCondition
-from controlplane.controller.diversity import owner_of_every_stage
+from controlplane.controller.actions import FailJob, PlaceJob, RewindJob, ServeJob, SetCondition
+from controlplane.controller.diversity import OPT_OUT, owner_of_every_stage
 from controlplane.controller.rules import plan
 from controlplane.controller.views import Desired, NodeView, Observed, PlacedStage, Requirements
 from tests.controlplane.controller.test_controller_rules import NOW, job, node, placed, reports
+from tests.controlplane.controller.test_controller_rules_serving import served
 
 
 def owned(name: str, owner: str, flops: float = 1e9) -> NodeView:
@@ -97,3 +98,19 @@ def test_a_stage_that_failed_to_build_moves_to_another_owners_node_rather_than_h
     [action] = plan(Desired(jobs=(placing,)), Observed(nodes=market[:3], stages=failed), NOW)
     assert isinstance(action, FailJob) and "no single owner may hold every stage" in action.message
     assert "requirements.owner_diversity false" in action.message
+
+
+def test_a_served_job_keeps_owners_apart_and_waits_when_only_one_owner_has_room() -> None:
+    # The fastest three are alice's: the last stage placed goes to bob's slower node instead.
+    market = (owned("a", "alice", 9e9), owned("b", "alice", 8e9), owned("c", "alice", 7e9), owned("d", "bob"))
+    [action] = plan(Desired(jobs=(served(),)), Observed(nodes=market), NOW)
+    assert isinstance(action, ServeJob) and "d" in {s.node_id for s in action.stages}
+    # Only alice's nodes free: it waits, saying why and how to go on.
+    [waiting] = plan(Desired(jobs=(served(),)), Observed(nodes=market[:3]), NOW)
+    condition = get_condition(waiting.conditions, "Serving")
+    assert (condition["status"], condition["reason"]) == ("False", "WaitingForOwners")
+    assert "no single owner may hold every stage" in condition["message"] and OPT_OUT in condition["message"]
+    # A job that opted out is served on them.
+    opted_out = served(requirements=Requirements(owner_diversity=False))
+    [action] = plan(Desired(jobs=(opted_out,)), Observed(nodes=market[:3]), NOW)
+    assert isinstance(action, ServeJob)
