@@ -29,6 +29,8 @@ JOB = {
     "stages": 2,
     "audit_rate": 1.0,
     "checkpoint_interval_steps": 2,
+    # Once the cheat is flagged, the honest nodes left are one owner's (the job's): its stage moves there.
+    "requirements": {"owner_diversity": False},
 }
 HONEST_STEPS = 5  # every step is checked: steps 1-5 pass, step 6 fails; checkpoint 4 is the last one vouched for
 
