@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
+import torch
 from django.conf import settings
 
 from devtools.agent_wheel import InstalledAgent, install_agent
+from nodeagent.agent import Agent
 
 REDIS_DATABASES = 16  # a Redis server's default number of databases
 
@@ -44,6 +47,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.path.relative_to(root).as_posix().startswith(SERIAL_PATHS):
             item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
+
+
+@pytest.fixture
+def agent() -> Iterator[Agent]:
+    """A node agent started in this process on CPU (its gRPC server on a free port), stopped afterwards."""
+    started = Agent(device=torch.device("cpu"))
+    started.start()
+    try:
+        yield started
+    finally:
+        started.stop(grace=1)
 
 
 @pytest.fixture(scope="session")

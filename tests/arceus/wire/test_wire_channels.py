@@ -5,10 +5,6 @@ refused connection rather than after the whole timeout."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-
-import pytest
-import torch
 
 from arceus.wire.channels import agents_answering
 from devtools.cluster import free_port
@@ -16,16 +12,6 @@ from devtools.pipeline import identity_for
 from nodeagent.agent import Agent
 
 TIMEOUT = 60.0
-
-
-@pytest.fixture
-def agent() -> Iterator[Agent]:
-    started = Agent(device=torch.device("cpu"))
-    started.start()
-    try:
-        yield started
-    finally:
-        started.stop(grace=1)
 
 
 def test_a_refused_connection_is_down_at_once_when_asked(agent: Agent) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-import torch
 from django.contrib.auth.models import User
 from django.utils import timezone
 
@@ -23,16 +22,6 @@ from devtools.pipeline import identity_for
 from nodeagent.agent import Agent
 
 pytestmark = pytest.mark.django_db
-
-
-@pytest.fixture
-def agent() -> Iterator[Agent]:
-    started = Agent(device=torch.device("cpu"))
-    started.start()
-    try:
-        yield started
-    finally:
-        started.stop(grace=1)
 
 
 @pytest.fixture
