@@ -14,7 +14,10 @@ devices.
 
 The search is exact for this cost model: dynamic programming over (layers placed, set of devices used),
 O(n² · d · 2^d) for n layers and d candidate devices, so only the `max_candidates` best devices by speed
-are considered (8 by default: under a second in Python for 16 layers).
+are considered (8 by default: under a second in Python for 16 layers), among those with memory for some stage:
+a device that cannot hold even the smallest layer with one micro-batch in flight (`holds_a_layer`) can never
+be used, so it is dropped before the fastest are taken (a market of small fast devices does not crowd out the
+big ones a large model needs).
 
 It is time-bounded (`Budget`: seconds on a clock the caller passes in, so the solver stays pure). The search
 runs on growing prefixes of the candidates (the fewest that can hold the stages, then twice as many, ...,
@@ -290,13 +293,20 @@ def solve(
             f"needs {needed} devices for {min_stages} stage{'s' if min_stages != 1 else ''} "
             f"(split ones on {tensor_parallel} devices each), {len(devices)} offered"
         )
-    units = _units(devices, tensor_parallel, split_stages, max_candidates)
+    units = _units(devices, tensor_parallel, split_stages, max_candidates, layers, workload)
+    if not units:  # not even the smallest layer fits anywhere, so none does: the first is named
+        need = stage_memory(layers[:1], workload, tensor_parallel, in_flight=1)
+        raise PlacementError(
+            f"layer 0 needs {_gib(need)} to train (weights, optimizer state and activations of at least one "
+            f"micro-batch) but the largest device has {_gib(max(d.memory_bytes for d in devices))}; use fewer or "
+            "smaller micro-batches, smaller layers, or devices with more memory"
+        )
     max_stages = min(max_stages or n, n, len(units))
     if min_stages > max_stages:
         unit = "devices (one stage each)" if tensor_parallel == 1 else f"stages (groups of {tensor_parallel} devices)"
         raise PlacementError(
             f"needs at least {min_stages} {unit} but only {min(len(units), n)} can be used "
-            f"({len(devices)} devices offered for {n} layers)"
+            f"({len(devices)} devices offered for {n} layers{_without_room(layers, workload, devices)})"
         )
     watch = _Watch(budget)
     # cost[s][e][k]: seconds of layers [s, e) on unit k (inf if not even one micro-batch in flight fits its
@@ -415,20 +425,44 @@ def _stage_widths(
     return lambda index: size if index in split else 1
 
 
+def smallest_stage_memory(layers: Sequence[LayerProfile], workload: Workload, ranks: int = 1) -> int:
+    """The least memory any stage of `layers` can need on each of its `ranks` devices: its smallest layer alone,
+    with one micro-batch in flight (the fewest a stage ever holds). A device with less can hold no stage."""
+    return min(stage_memory([layer], workload, ranks, in_flight=1) for layer in layers)
+
+
+def holds_a_layer(layers: Sequence[LayerProfile], workload: Workload, memory_bytes: int, ranks: int = 1) -> bool:
+    """Whether a device of `memory_bytes` could hold some stage of `layers` (`smallest_stage_memory`): those that
+    cannot are no candidates, and are dropped before the fastest few are taken."""
+    return memory_bytes >= smallest_stage_memory(layers, workload, ranks)
+
+
+def _without_room(layers: Sequence[LayerProfile], workload: Workload, devices: Sequence[Device]) -> str:
+    """", N of them without room for any stage" where some devices hold no layer (else nothing)."""
+    small = sum(not holds_a_layer(layers, workload, d.memory_bytes) for d in devices)
+    return f", {small} of them without room for any stage" if small else ""
+
+
 def _units(
-    devices: Sequence[Device], size: int, split_stages: Collection[int] | None, max_candidates: int
+    devices: Sequence[Device], size: int, split_stages: Collection[int] | None, max_candidates: int,
+    layers: Sequence[LayerProfile], workload: Workload,
 ) -> list[_Unit]:
     """The candidates, fastest first: single devices, or groups of `size` consecutive devices in speed
     order (all of them, or with `split_stages` as many groups as split stages, from the fastest devices,
-    and the rest single). At most `max_candidates`, the groups that split stages need always among them."""
+    and the rest single). At most `max_candidates`, the groups that split stages need always among them. Only
+    devices with memory for some stage count (`holds_a_layer`: as a rank of a group, or alone)."""
     ordered = sorted(devices, key=lambda d: (-d.flops, d.price_per_hour, d.id))
+    alone = smallest_stage_memory(layers, workload)
     if size == 1:
-        return [_Unit.of([d]) for d in ordered[:max_candidates]]
-    count = len(ordered) // size if split_stages is None else min(len(set(split_stages)), len(ordered) // size)
-    groups = [_Unit.of(ordered[g * size : (g + 1) * size]) for g in range(count)]
+        return [_Unit.of([d]) for d in ordered if d.memory_bytes >= alone][:max_candidates]
+    as_rank = smallest_stage_memory(layers, workload, size)
+    ranked = [d for d in ordered if d.memory_bytes >= as_rank]
+    count = len(ranked) // size if split_stages is None else min(len(set(split_stages)), len(ranked) // size)
+    groups = [_Unit.of(ranked[g * size : (g + 1) * size]) for g in range(count)]
     if split_stages is None:
         return groups[:max_candidates]
-    singles = [_Unit.of([d]) for d in ordered[count * size :]]
+    grouped = {member for g in groups for member in g.members}
+    singles = [_Unit.of([d]) for d in ordered if d.id not in grouped and d.memory_bytes >= alone]
     return groups + singles[: max(max_candidates - len(groups), 0)]
 
 

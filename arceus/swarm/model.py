@@ -12,7 +12,7 @@ when the step starts, and the optimizer's step is not counted.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 from arceus.pipeline.schedule import SCHEDULES, replica_schedule
@@ -50,7 +50,8 @@ class Workload:
     """What a step moves: `batch_size` samples in `micro_batches`; `boundary_bytes_per_sample[i]` between
     stage i and i + 1 (the activation forward, its gradient back); `gradient_bytes[i]`: what stage i's
     exchange reduces (as sent: after the job's transfer compression); `forward_share`: of a sample's compute,
-    the forward's (a backward costs about two forwards)."""
+    the forward's (a backward costs about two forwards); `sync_every`: the replicas exchange every this many
+    steps (replica_sync's H: DiLoCo's weight deltas are as many bytes as the gradients; 1: every step, exact)."""
 
     micro_batches: int
     batch_size: int
@@ -58,6 +59,7 @@ class Workload:
     gradient_bytes: tuple[float, ...]
     schedule: str = "1f1b"
     forward_share: float = 1 / 3
+    sync_every: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "boundary_bytes_per_sample", tuple(self.boundary_bytes_per_sample))
@@ -72,6 +74,8 @@ class Workload:
             raise ValueError(f"unknown pipeline schedule {self.schedule!r}; known: {', '.join(SCHEDULES)}")
         if not 0 < self.forward_share < 1:
             raise ValueError(f"forward_share must be in (0, 1), got {self.forward_share}")
+        if isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int) or self.sync_every < 1:
+            raise ValueError(f"sync_every must be an integer >= 1, got {self.sync_every!r}")
 
 
 @dataclass(frozen=True)
@@ -103,9 +107,19 @@ def step_time(stages: Sequence[Sequence[Replica]], workload: Workload) -> StepTi
     return _step_time(tuple(tuple(s) for s in stages), workload)
 
 
+def mean_step_seconds(stages: Sequence[Sequence[Replica]], workload: Workload) -> float:
+    """A step's mean time: every step's pipeline, and the exchange every `sync_every` steps (step_time is a step
+    that exchanges; the others end at their last backward)."""
+    exchanging = step_time(stages, workload).seconds
+    if workload.sync_every == 1:
+        return exchanging
+    local = step_time(stages, replace(workload, gradient_bytes=(0.0,) * len(workload.gradient_bytes))).seconds
+    return (exchanging + (workload.sync_every - 1) * local) / workload.sync_every
+
+
 def samples_per_second(stages: Sequence[Sequence[Replica]], workload: Workload) -> float:
     """The predicted training throughput."""
-    return workload.batch_size / step_time(stages, workload).seconds
+    return workload.batch_size / mean_step_seconds(stages, workload)
 
 
 def replica_gain(
@@ -210,5 +224,5 @@ def shared_host_samples_per_second(
 ) -> float:
     """Training throughput with every replica on `host`: a step takes its replay's time (step_time, each
     replica as if it had a core of its own) or its CPU seconds spread over the host's cores, the longer."""
-    seconds = max(step_time(stages, workload).seconds, cpu_seconds_per_step(stages, workload, host) / host.cores)
+    seconds = max(mean_step_seconds(stages, workload), cpu_seconds_per_step(stages, workload, host) / host.cores)
     return workload.batch_size / seconds

@@ -13,19 +13,28 @@ from typing import Any
 from django.conf import settings
 from django.utils import timezone
 
+from arceus.contracts.replica_sync import replica_sync_from_json
 from arceus.data.sizes import train_samples_estimate
 from arceus.errors import SpecError
 from arceus.placement.profiles import layer_profiles
-from arceus.placement.solver import Budget, Placement, PlacementError, solve
+from arceus.placement.solver import Budget, LayerProfile, Placement, PlacementError, solve
+from arceus.swarm.model import Workload as SwarmWorkload
 from arceus.swarm.model import samples_per_second
 from controlplane.common.conditions import TRUE
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.actions import PlannedStage
 from controlplane.controller.diversity import diverse_placement
 from controlplane.controller.placement import requirements, tensor_parallel_split, workload
-from controlplane.controller.rules import replicas_placed, swarm_replica, swarm_workload
+from controlplane.controller.rules import (
+    replica_share,
+    replicas_grown,
+    replicas_placed,
+    share_note,
+    swarm_replica,
+    swarm_workload,
+)
 from controlplane.controller.snapshot import node_views, registered_nodes
-from controlplane.controller.views import NodeView, stage_bounds
+from controlplane.controller.views import JobView, NodeView, PlacedStage, stage_bounds
 from controlplane.jobs.models import EstimateStatus, JobEstimate, Stage
 from controlplane.jobs.services import job_validate
 from controlplane.nodes.labels import OTHERS_NODE
@@ -68,14 +77,18 @@ def job_estimate(
     now: datetime,
     tensor_parallel: dict[str, Any] | None = None,
     replicas: dict[str, int] | None = None,
+    replica_sync: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Plan the job on the free Ready nodes as the reconciler would, and price it at the posted prices.
     A job that cannot be placed now is answered with `feasible: false` and the reason. Only the owner's own
     nodes are named in the stages; another contributor's node is `OTHERS_NODE`, without its id. A replicated
-    job is planned with `replicas.min` replicas of each stage (the reconciler adds more only while it runs), its
-    speed from the swarm model (arceus.swarm.model) and its price every replica's node's."""
+    job is planned with `replicas.min` replicas of each stage (one copy of the pipeline within its share of the price
+    cap, the others within the rest), its speed from the swarm model (arceus.swarm.model, the exchange every
+    `replica_sync.every_steps` steps) and its price every replica's node's; `grown`: with `replicas.max` above its
+    min, what the reconciler would grow it to on the nodes left free (`replicas_grown`), or None."""
     tensor_parallel = tensor_parallel or {}
-    count = (replicas or {"min": 1})["min"]
+    count, top = (replicas or {"min": 1, "max": 1})["min"], (replicas or {"min": 1, "max": 1})["max"]
+    sync_every = replica_sync_from_json(replica_sync).every_steps
     spec, _, dataset = job_validate(
         model_config=model_config,
         dataset_config=dataset_config,
@@ -96,7 +109,7 @@ def job_estimate(
     named = {n.id: (n.id, n.name) if n.id in own else (None, OTHERS_NODE) for n in candidates}
     answer: dict[str, Any] = {
         "feasible": False, "reason": None, "candidates": len(candidates), "stages": [], "cut_short": False,
-        "replicas": count,
+        "replicas": count, "grown": None,
     }
     candidates.sort(key=lambda n: (-n.flops, n.price_per_hour, n.id))  # the reconciler's order
     layers, steps = layer_profiles(spec), workload(dataset, micro_batches, schedule)
@@ -108,7 +121,7 @@ def job_estimate(
             steps,
             min_stages=least,
             max_stages=most,
-            max_price_per_hour=req.max_price_per_hour,
+            max_price_per_hour=replica_share(req, count),
             tensor_parallel=split.size,
             split_stages=split.stages,
             budget=Budget(settings.ARCEUS_SOLVER_SECONDS),
@@ -119,7 +132,7 @@ def job_estimate(
         placement = (diverse_placement(candidates, fewest, most, solve_on) if req.owner_diversity
                      else solve_on(candidates, fewest))
     except PlacementError as exc:
-        answer["reason"] = str(exc)
+        answer["reason"] = str(exc) + share_note(req, count)
         return answer
     rows = tuple(
         PlannedStage(index=i, layer_start=s.layer_start, layer_end=s.layer_end, node_id=node_id, rank=rank)
@@ -129,21 +142,41 @@ def job_estimate(
     seconds = {(i, rank, 0): s.seconds_per_micro_batch for i, s in enumerate(placement.stages)
                for rank in range(len(s.device_ids))}
     speed, price = placement.samples_per_second, placement.price_per_hour
+    by_id = {n.id: n for n in candidates}
+    bounds = [(s.layer_start, s.layer_end) for s in placement.stages]
+    swarm_steps = swarm_workload([layers[start:end] for start, end in bounds], steps, sync_every)
     if count > 1:
         replicated = replicas_placed(rows, candidates, layers=layers, workload=steps, requirements=req, count=count)
         if isinstance(replicated, str):
             answer["reason"] = replicated
             return answer
         rows = replicated
-        by_id = {n.id: n for n in candidates}
-        bounds = [(s.layer_start, s.layer_end) for s in placement.stages]
-        swarm = [[swarm_replica(by_id[r.node_id], layers[start:end]) for r in rows if r.index == i]
-                 for i, (start, end) in enumerate(bounds)]
-        speed = samples_per_second(swarm, swarm_workload([layers[start:end] for start, end in bounds], steps))
+        speed = _swarm_speed(rows, by_id, layers, bounds, swarm_steps)
         price = sum(by_id[r.node_id].price_per_hour for r in rows)
         seconds = {(r.index, r.rank, r.replica): swarm_replica(by_id[r.node_id], layers[r.layer_start : r.layer_end])
                    .seconds_per_sample * steps.micro_batch_size for r in rows}
     train_samples = train_samples_estimate(dataset)
+    if top > count:
+        view = JobView(
+            id="estimate", status="running", generation=1, stages_requested=len(bounds), layers=tuple(layers),
+            workload=steps, requirements=req, replicas_min=count, replicas_max=top, next_replica=count,
+            replica_sync_every=sync_every,
+            stages=tuple(PlacedStage(r.index, r.layer_start, r.layer_end, r.node_id, 1, replica=r.replica)
+                         for r in rows),
+        )
+        used = {r.node_id for r in rows}
+        grown = replicas_grown(view, by_id, [n for n in candidates if n.id not in used], now)
+        if len(grown.stages) > len(rows):
+            grown_speed = _swarm_speed(grown.stages, by_id, layers, bounds, swarm_steps)
+            grown_price = sum(by_id[r.node_id].price_per_hour for r in grown.stages)
+            grown_hours = epochs * train_samples / grown_speed / 3600
+            answer["grown"] = {
+                "replicas": [sum(1 for r in grown.stages if r.index == i) for i in range(len(bounds))],
+                "samples_per_second": grown_speed,
+                "price_per_hour": grown_price,
+                "hours": grown_hours,
+                "total_usd": Decimal(str(round(grown_price * grown_hours, 6))),
+            }
     hours = epochs * train_samples / speed / 3600
     total = Decimal(str(round(price * hours, 6)))
     deadline = requirements_config.get("deadline")
@@ -173,3 +206,13 @@ def job_estimate(
         else now.timestamp() + hours * 3600 <= datetime.fromisoformat(deadline).timestamp(),
     )
     return answer
+
+
+def _swarm_speed(
+    rows: Sequence[PlannedStage | PlacedStage], by_id: dict[str, NodeView], layers: Sequence[LayerProfile],
+    bounds: Sequence[tuple[int, int]], swarm_steps: SwarmWorkload,
+) -> float:
+    """Samples/s of replicated stages on these rows' nodes, by the swarm model."""
+    swarm = [[swarm_replica(by_id[r.node_id], layers[start:end]) for r in rows if r.index == i]
+             for i, (start, end) in enumerate(bounds)]
+    return samples_per_second(swarm, swarm_steps)

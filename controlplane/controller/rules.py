@@ -53,6 +53,7 @@ Jobs are considered oldest first; a job that cannot be placed does not hold back
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -68,6 +69,7 @@ from arceus.placement.solver import (
     Placement,
     PlacementError,
     Workload,
+    smallest_stage_memory,
     solve,
     stage_inference_memory,
     stage_memory,
@@ -113,6 +115,9 @@ READY, FAILED = ObservedState.READY, ObservedState.FAILED
 # One more replica beyond `replicas_min` is placed only where the swarm model predicts at least this much more
 # samples/s (a relative gain): a replica that adds nothing but its exchange is not worth its price.
 MIN_REPLICA_GAIN = 0.01
+# What replicas that sync every H > 1 steps average per parameter (arceus/swarm/outer.py): the weight delta and the
+# optimizer's state, Adam's two moments (the optimizer placement's memory assumes: BYTES_PER_PARAMETER).
+SYNC_VALUES_PER_PARAMETER = 3
 
 
 def plan(
@@ -324,8 +329,8 @@ def _why_gone(
 
 def _grow(job: JobView, nodes: Mapping[str, NodeView], free: list[NodeView], now: datetime) -> Action | None:
     """One more replica for each stage below its most (`replicas_max`, at most one per micro-batch) on a free node
-    with room that hands no owner a replica of every stage: below `replicas_min`, the fastest; beyond it, the
-    cheapest whose replica is worth its price within the job's price cap (`_cheapest_worth`)."""
+    with room that hands no owner a replica of every stage: below `replicas_min`, the fastest within the job's price
+    cap; beyond it, the cheapest whose replica is worth its price within the cap (`_cheapest_worth`)."""
     candidates = [n for n in free if job.requirements.allows(n)]
     by_price = sorted(candidates, key=lambda n: (n.price_per_hour, -n.flops, n.id))
     owners = {n.id: n.owner for n in nodes.values()}
@@ -342,7 +347,9 @@ def _grow(job: JobView, nodes: Mapping[str, NodeView], free: list[NodeView], now
         fits = (n for n in (candidates if below_min else by_price) if n.id not in taken and n.memory_bytes >= need
                 and _keeps_owners_apart(job.requirements, [*job.stages, *added, PlannedStage(
                     index, 0, 0, n.id, replica=job.next_replica + len(added))], owners))
-        node = next(fits, None) if below_min else _cheapest_worth(job, index, fits, nodes, spent)
+        cap = job.requirements.max_price_per_hour
+        node = (next((n for n in fits if cap is None or spent + n.price_per_hour <= cap + 1e-9), None) if below_min
+                else _cheapest_worth(job, index, fits, nodes, spent))
         if node is None:
             continue
         spent += node.price_per_hour
@@ -356,6 +363,20 @@ def _grow(job: JobView, nodes: Mapping[str, NodeView], free: list[NodeView], now
     )
     conditions = set_conditions(job.conditions, Condition("Replicas", TRUE, "ReplicaAdded", message), now=now)
     return AddReplicas(job.id, job.generation, job.next_replica, tuple(added), tuple(conditions))
+
+
+def replicas_grown(job: JobView, nodes: Mapping[str, NodeView], free: Sequence[NodeView], now: datetime) -> JobView:
+    """`job` (running, every replica Ready) as its growth would leave it if `free` stayed free and no replica left:
+    `_grow`'s replicas added round after round until none is worth adding or every stage is at its most. What an
+    estimate expects a job with `replicas.max` above its min to reach. `nodes`: every node by id, the job's too."""
+    free = list(free)
+    while (action := _grow(job, nodes, free, now)) is not None:
+        added = tuple(PlacedStage(s.index, s.layer_start, s.layer_end, s.node_id, job.generation, replica=s.replica)
+                      for s in action.stages)
+        job = replace(job, stages=(*job.stages, *added), next_replica=job.next_replica + len(added))
+        taken = {s.node_id for s in added}
+        free = [n for n in free if n.id not in taken]
+    return job
 
 
 def _cheapest_worth(
@@ -390,7 +411,8 @@ def _gains(job: JobView, index: int, node: NodeView, nodes: Mapping[str, NodeVie
               for i in indices]
     if any(not s for s in stages):
         return False
-    gain = replica_gain(stages, swarm_workload(layers, job.workload), index, swarm_replica(node, layers[index]))
+    gain = replica_gain(stages, swarm_workload(layers, job.workload, job.replica_sync_every), index,
+                        swarm_replica(node, layers[index]))
     return gain.after >= gain.before * (1 + MIN_REPLICA_GAIN)
 
 
@@ -401,15 +423,20 @@ def swarm_replica(node: NodeView, layers: Sequence[LayerProfile]) -> Replica:
     return Replica(max(flops, 1.0) / max(node.flops, 1.0), Link(node.latency_s, node.bandwidth_bytes_per_s * 8))
 
 
-def swarm_workload(layers: Sequence[Sequence[LayerProfile]], workload: Workload) -> SwarmWorkload:
+def swarm_workload(
+    layers: Sequence[Sequence[LayerProfile]], workload: Workload, sync_every: int = 1
+) -> SwarmWorkload:
     """A step of a pipeline of these stages' layers, as the swarm model sees it: what crosses each boundary and
-    what each stage's replicas exchange (fp32 gradients)."""
+    what each stage's replicas exchange: fp32 gradients every step, or every `sync_every` steps (the job's
+    replica_sync) the weight deltas and the optimizer's state (`SYNC_VALUES_PER_PARAMETER`)."""
+    values = 1 if sync_every == 1 else SYNC_VALUES_PER_PARAMETER
     return SwarmWorkload(
         micro_batches=workload.micro_batches,
         batch_size=workload.micro_batch_size * workload.micro_batches,
         boundary_bytes_per_sample=tuple(float(stage[-1].output_bytes_per_sample) for stage in layers[:-1]),
-        gradient_bytes=tuple(4.0 * sum(layer.params for layer in stage) for stage in layers),
+        gradient_bytes=tuple(4.0 * values * sum(layer.params for layer in stage) for stage in layers),
         schedule=workload.schedule,
+        sync_every=sync_every,
     )
 
 
@@ -548,13 +575,18 @@ def _place(job: JobView, free: list[NodeView], now: datetime, budget: Budget | N
     # The solver searches only the fastest few (cheaper first among equals: `free`'s order is its own), so only
     # those are handed to it: with 10,000 free nodes, building and sorting them all per job cost more than the
     # search. Enough for its candidate units: groups of the split size, then singles, and what the job needs.
+    # A node without room for even the smallest layer (as a rank of a split stage, the least) can hold no stage: it is
+    # passed over before the few are taken, or a market of small fast nodes would crowd out the big ones.
+    room = smallest_stage_memory(job.layers, job.workload, job.tensor_parallel.size)
     offered = MAX_CANDIDATES * (job.tensor_parallel.size + 1) + needed
-    candidates = list(itertools.islice((n for n in free if req.allows(n)), offered))
+    candidates = list(itertools.islice((n for n in free if req.allows(n) and n.memory_bytes >= room), offered))
     if req.owner_diversity and len({n.owner for n in candidates}) == 1:  # another owner's fastest, past the few
-        other = next((n for n in free if req.allows(n) and n.owner != candidates[0].owner), None)
+        other = next((n for n in free if req.allows(n) and n.memory_bytes >= room
+                      and n.owner != candidates[0].owner), None)
         candidates += [other] if other is not None else []
     if len(candidates) < needed:  # the whole of `free` was looked at: the count is exact
-        meeting = " meeting its requirements" if len(candidates) < len(free) else ""
+        meeting = (" meeting its requirements" if any(not req.allows(n) for n in free) else "") + (
+            " with room for a stage" if any(req.allows(n) and n.memory_bytes < room for n in free) else "")
         message = f"needs {needed} Ready node{'s' if needed != 1 else ''}{meeting}, {len(candidates)} available"
         return _condition(job, Condition("Placed", FALSE, "WaitingForNodes", message), now)
 
@@ -565,7 +597,7 @@ def _place(job: JobView, free: list[NodeView], now: datetime, budget: Budget | N
             job.workload,
             min_stages=least,
             max_stages=most,
-            max_price_per_hour=req.max_price_per_hour,
+            max_price_per_hour=replica_share(req, job.replicas_min),
             tensor_parallel=job.tensor_parallel.size,
             split_stages=job.tensor_parallel.stages,
             budget=budget,
@@ -577,7 +609,8 @@ def _place(job: JobView, free: list[NodeView], now: datetime, budget: Budget | N
     except OwnerDiversityError as exc:
         return _condition(job, Condition("Placed", FALSE, "WaitingForOwners", str(exc)), now)
     except PlacementError as exc:
-        return _condition(job, Condition("Placed", FALSE, "NoFeasiblePlacement", str(exc)), now)
+        message = str(exc) + share_note(req, job.replicas_min)
+        return _condition(job, Condition("Placed", FALSE, "NoFeasiblePlacement", message), now)
     stages = tuple(
         PlannedStage(index=i, layer_start=s.layer_start, layer_end=s.layer_end, node_id=node_id, rank=rank)
         for i, s in enumerate(placement.stages)
@@ -621,23 +654,69 @@ def replicas_placed(
 ) -> tuple[PlannedStage, ...] | str:
     """The solver's one node per stage as replica 0, and replicas 1 .. `count` - 1 of each stage on the fastest
     other free nodes with room (`free`'s order; the stages needing most memory first; none handing one owner a
-    replica of every stage); what is missing, if some cannot be placed. Placement and estimates alike."""
+    replica of every stage), every node's price together within the job's `max_price_per_hour`: a node is taken
+    only where the cheapest free nodes could still fill the replicas left after it; what is missing, if some
+    cannot be placed. Placement and estimates alike."""
     used = {s.node_id for s in stages}
     candidates = [n for n in free if n.id not in used and requirements.allows(n)]
     placed = [replace(s, replica=0) for s in stages]
     owners = {n.id: n.owner for n in free}
+    price = {n.id: n.price_per_hour for n in free}
+    cap = requirements.max_price_per_hour
+    spent = sum(price[node_id] for node_id in used)
+    left = len(stages) * (count - 1)  # replicas still to place
+
+    def affordable(node: NodeView, cheapest: list[float]) -> bool:
+        """Within the cap, with the cheapest other candidates (`cheapest`: the `left` lowest prices of all) for the
+        replicas left after this one."""
+        if cap is None:
+            return True
+        others = sum(cheapest) - node.price_per_hour if node.price_per_hour <= cheapest[-1] else sum(cheapest[:-1])
+        return spent + node.price_per_hour + others <= cap + 1e-9
+
     for stage in sorted(stages, key=lambda s: (-stage_memory(layers[s.layer_start : s.layer_end], workload),
                                                s.index)):
         need = stage_memory(layers[stage.layer_start : stage.layer_end], workload)
         for replica in range(1, count):
-            node = next((n for n in candidates if n.memory_bytes >= need and _keeps_owners_apart(
-                requirements, [*placed, replace(stage, node_id=n.id, replica=replica)], owners)), None)
+            cheapest = heapq.nsmallest(left, (n.price_per_hour for n in candidates)) if cap is not None else []
+            fitting = (n for n in candidates if n.memory_bytes >= need and _keeps_owners_apart(
+                requirements, [*placed, replace(stage, node_id=n.id, replica=replica)], owners))
+            node, priced_out = None, False
+            for n in fitting:
+                if affordable(n, cheapest):
+                    node = n
+                    break
+                priced_out = True
+            if node is None and priced_out:
+                return (f"needs {count} replicas of each of {len(stages)} stages within the price cap of "
+                        f"${cap:.4f}/hour; the nodes free now cost more (${spent:.4f}/hour placed, replica {replica} "
+                        f"of stage {stage.index} next); raise the cap, ask for fewer replicas, or wait for cheaper "
+                        "nodes")
             if node is None:
                 return (f"needs {count} replicas of each of {len(stages)} stages on distinct Ready nodes; "
                         f"no free node has room ({need:,} bytes) for replica {replica} of stage {stage.index}")
             candidates.remove(node)
+            spent += node.price_per_hour
+            left -= 1
             placed.append(replace(stage, node_id=node.id, replica=replica))
     return tuple(sorted(placed, key=lambda s: (s.index, s.rank, s.replica)))
+
+
+def replica_share(requirements: Requirements, count: int) -> float | None:
+    """The price cap the solver places one copy of the pipeline (replica 0 of every stage) under when a job asks
+    for `count` replicas of each: its equal share of `max_price_per_hour`, so the cap leaves room for the others
+    (`replicas_placed` keeps the whole within it)."""
+    cap = requirements.max_price_per_hour
+    return None if cap is None else cap / count
+
+
+def share_note(requirements: Requirements, count: int) -> str:
+    """What a solver's refusal under `replica_share` adds: whose budget it was."""
+    cap = requirements.max_price_per_hour
+    if cap is None or count == 1:
+        return ""
+    return (f" (the budget of one copy of the pipeline: its share of the job's ${cap:.4f}/hour cap over {count} "
+            "replicas of each stage)")
 
 
 def _parts(stages: Sequence[PlannedStage | PlacedStage]) -> str:

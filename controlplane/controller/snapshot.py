@@ -21,6 +21,7 @@ from django.db import connection
 from django.db.models import F, Max, Q, QuerySet, Sum
 from django.utils import timezone
 
+from arceus.contracts.replica_sync import replica_sync_from_json
 from arceus.contracts.status import ACTIVE_STATUSES, JobStatus
 from arceus.errors import SpecError
 from arceus.model.registry import model_spec_from_config
@@ -233,6 +234,7 @@ JOB_FIELDS = (
     "requirements", "conditions", "driver_lease_expires_at", "driver_lease_owner", "node_grace_seconds", "restarts",
     "handover_requested", "tensor_parallel", "serving", "driver_outcome", "driver_outcome_reason",
     "driver_outcome_message", "driver_outcome_generation", "replicas_min", "replicas_max", "next_replica", "owner_id",
+    "replica_sync",
 )
 STAGE_FIELDS = (
     "job_id", "index", "rank", "layer_start", "layer_end", "node_id", "generation", "observed_generation",
@@ -368,6 +370,7 @@ def _job_view(
         replicas_min=job["replicas_min"],
         replicas_max=job["replicas_max"],
         next_replica=job["next_replica"],
+        replica_sync_every=replica_sync_from_json(job["replica_sync"]).every_steps,
     )
 
 

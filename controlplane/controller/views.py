@@ -164,6 +164,7 @@ class JobView:
     replicas_min: int = 1
     replicas_max: int = 1
     next_replica: int = 0
+    replica_sync_every: int = 1  # its replicas exchange every this many steps (replica_sync: 1, exact, every step)
 
     @property
     def replicated(self) -> bool:

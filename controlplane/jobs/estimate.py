@@ -18,7 +18,7 @@ from controlplane.common.dispatch import enqueue_on_commit
 from controlplane.common.errors import one_by_id
 from controlplane.datasets.selectors import dataset_config_resolved
 from controlplane.jobs.models import EstimateStatus, JobEstimate
-from controlplane.jobs.services import job_replicas_check, job_validate
+from controlplane.jobs.services import job_replica_sync_check, job_replicas_check, job_validate
 
 # An estimate no worker took within this long is answered "failed" (its message expires unrun: the nodes it
 # would have been planned on are old news by then); an owner's estimates are kept this long.
@@ -38,6 +38,7 @@ def estimate_request(
     requirements_config: dict[str, Any],
     tensor_parallel: dict[str, Any],
     replicas: dict[str, int] | None = None,
+    replica_sync: dict[str, Any] | None = None,
 ) -> JobEstimate:
     """Check the job as a submission would be checked (a 400 naming the field), record the request and
     enqueue its computation (the uploads the dataset config names resolved: the worker needs no owner)."""
@@ -52,6 +53,7 @@ def estimate_request(
     replicas = replicas or {"min": 1, "max": 1}
     if replicas["max"] > 1:
         job_replicas_check(replicas, micro_batches=micro_batches, tensor_parallel=tensor_parallel)
+    sync = job_replica_sync_check(replica_sync, replicas)
     now = timezone.now()
     with transaction.atomic():
         JobEstimate.objects.filter(owner=owner, created_at__lt=now - ESTIMATE_KEPT).delete()
@@ -67,6 +69,7 @@ def estimate_request(
                 "requirements_config": requirements_config,
                 "tensor_parallel": tensor_parallel,
                 "replicas": replicas,
+                "replica_sync": sync.to_json(),
             },
         )
         enqueue_on_commit(ESTIMATE_TASK, str(estimate.pk), expires=ESTIMATE_WAIT.total_seconds())

@@ -11,7 +11,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.utils import timezone
 
-from arceus.contracts.replica_sync import replica_sync_from_json
+from arceus.contracts.replica_sync import ReplicaSync, replica_sync_from_json
 from arceus.contracts.status import STARTABLE_STATUSES, JobStatus
 from arceus.contracts.transfer import transfer_config_from_json
 from arceus.data.paths import dataset_config_confined
@@ -83,13 +83,9 @@ def job_submit(
         )
     if audit_rate is None:
         audit_rate = 0.0 if tensor_parallel or ships_program or replicas["max"] > 1 else DEFAULT_AUDIT_RATE
-    if replica_sync is not None and replicas["max"] == 1:
-        raise ApplicationError.invalid(
-            "replica_sync", "applies only to replicated stages: ask for replicas > 1, or leave replica_sync out"
-        )
+    sync = job_replica_sync_check(replica_sync, replicas)
     try:
         transfer_config = transfer_config_from_json(transfer or {})
-        sync = replica_sync_from_json(replica_sync)
     except SpecError as exc:
         raise ApplicationError.invalid(exc.field, exc.message) from exc
     return Job.objects.create(
@@ -118,6 +114,18 @@ def job_submit(
         replicas_max=replicas["max"],
         replica_sync=sync.to_json(),
     )
+
+
+def job_replica_sync_check(replica_sync: dict[str, Any] | None, replicas: dict[str, int]) -> ReplicaSync:
+    """A job's `replica_sync`, parsed (None: exact); a 400 naming the field for a bad one, or one without replicas."""
+    if replica_sync is not None and replicas["max"] == 1:
+        raise ApplicationError.invalid(
+            "replica_sync", "applies only to replicated stages: ask for replicas > 1, or leave replica_sync out"
+        )
+    try:
+        return replica_sync_from_json(replica_sync)
+    except SpecError as exc:
+        raise ApplicationError.invalid(exc.field, exc.message) from exc
 
 
 def job_replicas_check(

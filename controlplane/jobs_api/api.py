@@ -77,6 +77,7 @@ class JobEstimateApi(APIView):
             requirements_config=v["requirements"],
             tensor_parallel=v["tensor_parallel"],
             replicas=v["replicas"],
+            replica_sync=v["replica_sync"],
         )
         body = EstimateStatusOutput(estimate, context={"request": request}).data
         return Response(body, status=status.HTTP_202_ACCEPTED, headers={"Location": body["url"]})

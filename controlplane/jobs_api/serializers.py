@@ -406,14 +406,31 @@ class EstimateStageOutput(serializers.Serializer):
     seconds_per_micro_batch = serializers.FloatField()
 
 
+class EstimateGrownOutput(serializers.Serializer):
+    """What a job with replicas.max above its min is expected to grow to while it runs, on the nodes free now."""
+
+    replicas = serializers.ListField(child=serializers.IntegerField(), help_text="replicas of each stage, in order")
+    samples_per_second = serializers.FloatField(help_text="expected, by the swarm model, with every replica")
+    price_per_hour = serializers.FloatField(help_text="US dollars, every replica's node, posted prices")
+    hours = serializers.FloatField(help_text="the whole run at that speed")
+    total_usd = serializers.DecimalField(max_digits=18, decimal_places=6)
+
+
 class JobEstimateOutput(serializers.Serializer):
     feasible = serializers.BooleanField()
     reason = serializers.CharField(allow_null=True, help_text="why it cannot be placed now")
     candidates = serializers.IntegerField(help_text="free Ready nodes meeting the requirements")
     replicas = serializers.IntegerField(
-        required=False, help_text="replicas planned per stage: the job's replicas.min (more are added while it runs)"
+        required=False, help_text="replicas planned per stage: the job's replicas.min (more are added while it runs: "
+        "`grown`)"
     )
     stages = EstimateStageOutput(many=True)
+    grown = EstimateGrownOutput(
+        required=False, allow_null=True,
+        help_text="with replicas.max above replicas.min: the replicas the reconciler would add on the nodes free now "
+        "(each where it predicts a gain worth its price, within the cap) and what the job would then get; null when "
+        "none would be added",
+    )
     samples_per_second = serializers.FloatField(
         required=False, help_text="expected, from measured FLOP/s (replicated: the swarm model's, every replica)"
     )

@@ -186,9 +186,9 @@ def test_a_slow_link_makes_fewer_stages_faster() -> None:
          r"costs more than the budget of \$0.3000/hour \(the cheapest is \$0.5000/hour\)"),
         ([Device("a", 1e9, 10**9)], {"min_stages": 2}, "needs at least 2 devices"),
         ([], {}, "no device is available"),
-        # Placements fit only with fewer stages than required, and a budget is set: memory is what binds.
-        ([Device("big", 1e9, 200_000), Device("tiny", 1e9, 100)], {"min_stages": 2, "max_price_per_hour": 1.0},
-         "no split of 2 layers over 2 or more of the 2 devices fits"),
+        # A device without room for even the smallest layer is no candidate: the error counts it.
+        ([Device("big", 1e9, 200_000), Device("tiny", 1e9, 100)], {"min_stages": 2},
+         r"only 1 can be used \(2 devices offered for 2 layers, 1 of them without room for any stage\)"),
     ],
 )
 def test_when_nothing_fits_the_error_says_what_binds(devices, kwargs, message) -> None:
@@ -210,3 +210,33 @@ def test_under_1f1b_a_later_stage_needs_room_for_fewer_micro_batches() -> None:
     assert [s.memory_bytes for s in placement.stages] == [
         stage_memory(layers[:1], one_f_one_b, in_flight=2), small.memory_bytes
     ]
+
+
+def test_small_fast_devices_do_not_crowd_out_the_big_ones_a_large_model_needs() -> None:
+    # Twenty fast devices too small for any layer, and two slow big ones: only the big ones can hold the model,
+    # and they are slower than every small one (the fastest MAX_CANDIDATES are all small).
+    layers = [LayerProfile(1e6, 100_000, 8) for _ in range(4)]  # 1.6 MB of training state per layer
+    small = [Device(f"fast{i}", 1e12, 1_000_000) for i in range(20)]
+    big = [Device("big0", 1e9, 10**9), Device("big1", 1e9, 10**9)]
+    placement = solve(layers, small + big, WORKLOAD)
+    assert {d for s in placement.stages for d in s.device_ids} <= {"big0", "big1"}
+    assert not placement.cut_short
+
+
+@settings(max_examples=200, deadline=None)
+@given(problem=problems(), small=st.integers(0, 12), workload=st.sampled_from([WORKLOAD, ONE_F_ONE_B]))
+def test_devices_without_room_for_any_stage_never_change_the_placement(problem, small, workload) -> None:
+    """However many fast devices too small for any layer the market holds, the placement is the one found without
+    them: the fastest few the search looks at are taken among devices that can hold a stage."""
+    layers, devices, low, high, budget = problem
+    need = min(stage_memory([layer], workload, in_flight=1) for layer in layers)
+    tiny = [Device(f"tiny{i}", 1e15, need - 1, price_per_hour=0.0) for i in range(small)]
+    kwargs = {"min_stages": low, "max_stages": high, "max_price_per_hour": budget, "max_candidates": 4}
+    try:
+        alone = solve(layers, devices, workload, **kwargs)
+    except PlacementError:
+        with pytest.raises(PlacementError):
+            solve(layers, tiny + devices, workload, **kwargs)
+        return
+    crowded = solve(layers, tiny + devices, workload, **kwargs)
+    assert crowded == alone

@@ -4,6 +4,7 @@ replicas never slower where the exchange is free."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -16,6 +17,7 @@ from arceus.swarm.model import (
     SharedHost,
     Workload,
     cpu_seconds_per_step,
+    mean_step_seconds,
     replica_gain,
     samples_per_second,
     shared_host_samples_per_second,
@@ -58,6 +60,20 @@ def test_the_exchange_costs_two_phases_of_r_minus_one_chunks(r: int, gradient: f
     per_phase = max(0.0, (r - 1) / r * gradient * 8 / 1e8 - BURST_BYTES * 8 / 1e8) + 0.05
     assert t.exchange_seconds[0] == pytest.approx(2 * per_phase)
     assert t.seconds == pytest.approx(t.pipeline_seconds + t.exchange_seconds[0])
+
+
+@settings(deadline=None)
+@given(r=st.integers(2, 6), h=st.integers(1, 64), gradient=st.floats(1e5, 1e9))
+def test_replicas_that_sync_every_h_steps_pay_the_exchange_once_in_h(r: int, h: int, gradient: float) -> None:
+    """replica_sync every H steps: H - 1 steps end at their last backward, one pays the exchange too."""
+    link = Link(latency_s=0.05, bandwidth_bps=1e8)
+    stages = [[Replica(0.01, link)] * r] * 2
+    every = Workload(r, 4 * r, (1000.0,), (gradient, gradient), "1f1b", sync_every=h)
+    t = step_time(stages, every)
+    assert mean_step_seconds(stages, every) == pytest.approx((t.seconds + (h - 1) * t.pipeline_seconds) / h)
+    assert samples_per_second(stages, every) == pytest.approx(4 * r / mean_step_seconds(stages, every))
+    if h > 1:
+        assert samples_per_second(stages, every) > samples_per_second(stages, replace(every, sync_every=1))
 
 
 @settings(deadline=None)  # each example replays up to a dozen steps
@@ -143,6 +159,7 @@ def test_a_shared_host_is_bound_by_its_cores_or_by_the_pipeline() -> None:
         (lambda: Workload(4, 2, (), (0.0,)), "micro_batches <= batch_size"),
         (lambda: Workload(2, 2, (1.0,), (0.0,)), "one entry per boundary"),
         (lambda: Workload(2, 2, (), (0.0,), schedule="zigzag"), "unknown pipeline schedule"),
+        (lambda: Workload(2, 2, (), (0.0,), sync_every=0), "sync_every must be an integer >= 1"),
         (lambda: Link(-1.0, 1e6), "latency_s >= 0"),
         (lambda: Replica(0.0, FREE), "seconds_per_sample must be > 0"),
         (lambda: step_time([[Replica(1.0, FREE)]], Workload(2, 2, (0.0,), (0.0, 0.0))), "1 stages"),

@@ -327,3 +327,17 @@ def test_placement_honours_the_jobs_requirements_and_budget() -> None:
     [action] = plan(Desired(jobs=(wide,)), Observed(nodes), NOW)
     condition = get_condition(action.conditions, "Placed")
     assert condition["message"] == "needs 3 Ready nodes meeting its requirements, 1 available"
+
+
+def test_small_fast_nodes_do_not_crowd_out_the_big_slow_ones_a_job_needs() -> None:
+    # Far more fast nodes than the solver searches, none with room for even the smallest layer (96 bytes to
+    # train), and three slow ones that hold the model: the job goes to those, not waiting for room.
+    tiny = tuple(node(f"fast{i:02}", flops=1e12, memory=50) for i in range(40))
+    big = (node("big0"), node("big1"), node("big2"))
+    [action] = plan(Desired(jobs=(job(),)), Observed(nodes=tiny + big), NOW)
+    assert isinstance(action, PlaceJob)
+    assert sorted(s.node_id for s in action.stages) == ["big0", "big1", "big2"]
+    # With too few that fit, it waits, saying the others have no room.
+    [action] = plan(Desired(jobs=(job(),)), Observed(nodes=tiny + big[:2]), NOW)
+    condition = get_condition(action.conditions, "Placed")
+    assert condition["message"] == "needs 3 Ready nodes with room for a stage, 2 available"

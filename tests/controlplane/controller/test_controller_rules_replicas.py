@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import timedelta
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -193,3 +194,84 @@ def test_a_placing_replicated_job_starts_its_driver_once_every_replica_is_ready(
     [start] = plan(Desired(jobs=(placing,)), Observed(nodes=nodes, stages=ready(placing)), NOW)
     assert isinstance(start, StartDriver)
 
+
+@settings(max_examples=80, deadline=None)
+@given(
+    prices=st.lists(st.sampled_from([0.1, 0.3, 1.0, 3.0]), min_size=6, max_size=12),
+    cap=st.sampled_from([0.6, 1.2, 2.5, 6.0, None]),
+    replicas=st.integers(2, 3),
+)
+def test_min_replicas_are_placed_within_the_jobs_price_cap(
+    prices: list[float], cap: float | None, replicas: int
+) -> None:
+    # Node i is faster the dearer it is (flops grow with the price): the fastest are the dearest.
+    nodes = tuple(replace(node(f"n{i}", flops=1e9 * (1 + p) + i), price_per_hour=p) for i, p in enumerate(prices))
+    price = {n.id: n.price_per_hour for n in nodes}
+    needs = replace(job().requirements, max_price_per_hour=cap, owner_diversity=False)
+    queued = job(replicas_min=replicas, replicas_max=replicas, workload=FOUR, requirements=needs)
+    [action] = plan(Desired(jobs=(queued,)), Observed(nodes=nodes), NOW)
+    if isinstance(action, SetCondition):  # it waits, saying why: too few nodes, or the cap
+        message = action.conditions[0]["message"]
+        assert len(prices) < 3 * replicas or (cap is not None and ("price cap" in message or "budget" in message))
+        return
+    assert isinstance(action, PlaceJob) and len(action.stages) == 3 * replicas
+    assert cap is None or sum(price[s.node_id] for s in action.stages) <= cap + 1e-9
+    # It never waits where the cheapest nodes fit the cap with a copy of the pipeline in each share of it.
+
+
+def test_a_capped_job_takes_the_fastest_replicas_its_cap_affords() -> None:
+    # Three stages, two replicas each, a cap of $2/hour: three fast nodes cost $1 each, five slow ones $0.1. One
+    # copy of the pipeline is placed within its share of the cap ($1: three slow nodes), the replicas on the
+    # fastest nodes the rest affords while the cheapest could still fill the others: one fast node, two slow.
+    fast = tuple(replace(node(f"fast{i}", flops=4e9), price_per_hour=1.0) for i in range(3))
+    slow = tuple(replace(node(f"slow{i}", flops=1e9), price_per_hour=0.1) for i in range(5))
+    needs = replace(job().requirements, max_price_per_hour=2.0, owner_diversity=False)
+    queued = job(replicas_min=2, replicas_max=2, workload=FOUR, requirements=needs)
+    [action] = plan(Desired(jobs=(queued,)), Observed(nodes=fast + slow), NOW)
+    assert isinstance(action, PlaceJob)
+    spent = sum(1.0 if s.node_id.startswith("fast") else 0.1 for s in action.stages)
+    assert spent == pytest.approx(1.5) and sum(s.node_id.startswith("fast") for s in action.stages) == 1
+    # Without a cap, every fast node is used.
+    free = job(replicas_min=2, replicas_max=2, workload=FOUR,
+               requirements=replace(needs, max_price_per_hour=None))
+    [action] = plan(Desired(jobs=(free,)), Observed(nodes=fast + slow), NOW)
+    assert {f"fast{i}" for i in range(3)} <= {s.node_id for s in action.stages}
+    # A cap the cheapest six cannot meet: it waits, saying so.
+    poor = job(replicas_min=2, replicas_max=2, workload=FOUR, requirements=replace(needs, max_price_per_hour=0.5))
+    [action] = plan(Desired(jobs=(poor,)), Observed(nodes=fast + slow), NOW)
+    assert isinstance(action, SetCondition)
+    assert action.conditions[0]["message"] == (
+        "every placement that fits costs more than the budget of $0.2500/hour (the cheapest is $0.3000/hour); raise "
+        "the budget or wait for cheaper devices (the budget of one copy of the pipeline: its share of the job's "
+        "$0.5000/hour cap over 2 replicas of each stage)"
+    )
+    # A cap whose share places one copy, but that leaves too little for the replicas: it waits, saying so.
+    tight = job(replicas_min=2, replicas_max=2, workload=FOUR, requirements=replace(needs, max_price_per_hour=0.62))
+    nodes = (*fast, *slow[:3], *(replace(node(f"dear{i}", flops=1e9), price_per_hour=0.5) for i in range(3)))
+    [action] = plan(Desired(jobs=(tight,)), Observed(nodes=nodes), NOW)
+    assert isinstance(action, SetCondition)
+    assert "within the price cap of $0.6200/hour" in action.conditions[0]["message"]
+
+
+def test_a_replica_below_the_min_is_added_only_within_the_price_cap() -> None:
+    # Stage 1 lost its second replica; the only spare would take the job past its cap of $3.5/hour.
+    rows = [(0, 0, "a"), (0, 1, "b"), (1, 0, "c"), (2, 0, "e"), (2, 1, "f")]
+    running = replicated(rows=rows)
+    nodes = tuple(replace(node(n), price_per_hour=0.6) for n in ["a", "b", "c", "e", "f", "spare"])
+    capped = replace(running, requirements=replace(running.requirements, max_price_per_hour=3.5))
+    assert plan(Desired(jobs=(capped,)), Observed(nodes=nodes, stages=ready(capped)), NOW) == []
+    roomy = replace(running, requirements=replace(running.requirements, max_price_per_hour=3.6))
+    [grow] = plan(Desired(jobs=(roomy,)), Observed(nodes=nodes, stages=ready(roomy)), NOW)
+    assert isinstance(grow, AddReplicas) and [(s.index, s.node_id) for s in grow.stages] == [(1, "spare")]
+
+
+def test_a_replica_on_a_distant_node_is_worth_it_only_where_the_replicas_sync_rarely() -> None:
+    # One stage, 0.3 s a sample on each node, 4 one-sample micro-batches: a second replica halves the compute (1.2 s
+    # to 0.6 s) but exchanges over 0.5 s links, 1 s a step: a loss every step, a gain when it happens every 16th.
+    far = tuple(replace(node(n, flops=1e3), latency_s=0.5) for n in ("a", "spare"))
+    running = replicated(rows=[(0, 0, "a")], replicas_min=1, replicas_max=2)
+    running = replace(running, requirements=replace(running.requirements, owner_diversity=False))  # one stage
+    assert plan(Desired(jobs=(running,)), Observed(nodes=far, stages=ready(running)), NOW) == []
+    rarely = replace(running, replica_sync_every=16)
+    [grow] = plan(Desired(jobs=(rarely,)), Observed(nodes=far, stages=ready(rarely)), NOW)
+    assert isinstance(grow, AddReplicas) and [(s.index, s.node_id) for s in grow.stages] == [(0, "spare")]

@@ -102,6 +102,9 @@ def test_a_jobs_config_status_and_stage_reports_are_seen_at_the_next_pass(ready_
     desired, observed = load_snapshot()
     assert observed.stages[key].state == "ready"
     assert len(desired.jobs[0].layers) == 4
+    assert desired.jobs[0].replica_sync_every == 1  # {}: exact, every step
+    Job.objects.filter(pk=job.pk).update(replica_sync={"every_steps": 8, "outer_lr": 0.7, "outer_momentum": 0.9})
+    assert load_snapshot()[0].jobs[0].replica_sync_every == 8
     Job.objects.filter(pk=job.pk).update(status="cancelled")
     assert load_snapshot()[0].jobs == ()
 

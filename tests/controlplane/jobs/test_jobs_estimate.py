@@ -164,3 +164,42 @@ def test_a_replicated_job_is_estimated_with_its_min_replicas_each_priced(estimat
 def test_an_estimate_refuses_replicas_a_submission_would(api, digits_job) -> None:
     response = api.post("/api/jobs/estimate", {**digits_job, "replicas": 5}, format="json")  # 4 micro-batches
     assert response.status_code == 400 and "at most 4 replicas" in response.json()["errors"]["replicas"][0]
+
+
+def test_an_elastic_job_is_estimated_with_the_replicas_it_would_grow_to(estimate, digits_job, ready_node) -> None:
+    for i in range(6):
+        node = ready_node(f"n{i}", port=50051 + i, flops=1e11, memory=16 * 2**30)
+        Node.objects.filter(pk=node.pk).update(flops_measured=node.flops_fp32)
+    fixed = estimate(digits_job, stages=2, replicas=2, requirements={"owner_diversity": False})
+    assert fixed["grown"] is None  # min = max: nothing to grow
+    elastic = estimate(digits_job, stages=2, replicas={"min": 1, "max": 3}, requirements={"owner_diversity": False})
+    assert elastic["replicas"] == 1 and len(elastic["stages"]) == 2  # it starts with one node per stage
+    grown = elastic["grown"]
+    # The reconciler adds replicas where the model predicts a gain worth it: more nodes, more samples/s.
+    assert grown is not None and 2 < sum(grown["replicas"]) <= 6 and max(grown["replicas"]) <= 3
+    assert grown["samples_per_second"] > elastic["samples_per_second"]
+    assert grown["price_per_hour"] == pytest.approx(0.30 * sum(grown["replicas"]))
+    assert float(grown["total_usd"]) == pytest.approx(grown["price_per_hour"] * grown["hours"], abs=1e-6)
+    # Within a price cap it grows only as far as the cap allows.
+    capped = estimate(digits_job, stages=2, replicas={"min": 1, "max": 3},
+                      requirements={"owner_diversity": False, "max_price_per_hour": 0.9})
+    assert capped["grown"] is None or capped["grown"]["price_per_hour"] <= 0.9 + 1e-9
+
+
+def test_replicas_that_sync_every_few_steps_are_estimated_faster(estimate, digits_job, ready_node) -> None:
+    for i in range(4):
+        node = ready_node(f"n{i}", port=50051 + i, flops=1e11, memory=16 * 2**30)
+        Node.objects.filter(pk=node.pk).update(flops_measured=node.flops_fp32)
+        # a distant link: the exchange every step is what replica_sync saves
+        Node.objects.filter(pk=node.pk).update(control_plane_bandwidth_bytes_per_second=1e5,
+                                               control_plane_rtt_seconds=0.1)
+    exact = estimate(digits_job, stages=2, replicas=2, requirements={"owner_diversity": False})
+    local = estimate(digits_job, stages=2, replicas=2, replica_sync={"every_steps": 16},
+                     requirements={"owner_diversity": False})
+    assert local["samples_per_second"] > exact["samples_per_second"]
+
+
+def test_an_estimate_refuses_replica_sync_without_replicas(api, digits_job) -> None:
+    response = api.post("/api/jobs/estimate", {**digits_job, "replica_sync": {"every_steps": 4}}, format="json")
+    assert response.status_code == 400 and "applies only to replicated stages" in response.json()["errors"][
+        "replica_sync"][0]
