@@ -87,6 +87,7 @@ LIMITS: dict[str, MethodLimits] = {
     _REPLICA + "PushShard": MethodLimits(600.0, MAX_SHARD_BYTES + _SMALL, first_message_seconds=_TENSOR),
     _REPLICA + "Snapshot": MethodLimits(3600.0, _SMALL),  # a large stage's state over a slow uplink
     _REPLICA + "CopyState": MethodLimits(3600.0, _SMALL),
+    _REPLICA + "Holdings": MethodLimits(600.0, _SMALL),
     _PROBE + "Probe": MethodLimits(60.0, MAX_PROBE_BYTES + _KiB, first_message_seconds=30.0),
 }
 

@@ -35,6 +35,7 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     _REPLICA + "PushShard": frozenset({Role.SIBLING}),
     _REPLICA + "Snapshot": frozenset({Role.SIBLING}),
     _REPLICA + "CopyState": DRIVER_ONLY,
+    _REPLICA + "Holdings": DRIVER_ONLY,
     _PROBE + "Probe": frozenset(Role),  # any principal of a job hosted here may time its link
 }
 # A token is 64 hex digits; anything much longer is not worth hashing.

@@ -83,6 +83,11 @@ class Mailbox(Generic[T]):
         with self._cond:
             return self._drop_where(lambda k: k[0] != step)
 
+    def discard(self, predicate: Callable[[MailKey], bool]) -> int:
+        """Drop what `predicate` picks (how many)."""
+        with self._cond:
+            return self._drop_where(predicate)
+
     def clear(self) -> None:
         with self._cond:
             self._items.clear()

@@ -1,6 +1,7 @@
 """`ReplicaService` over gRPC: authorize the caller (a sibling: a replica of the same stage, job and generation; or,
-for CopyState, the driver), resolve the addressed replica, and let it park a shard, stream its state between steps
-(Snapshot), or copy a live sibling's state (CopyState). Nothing here touches torch but loading a copied state.
+for CopyState and Holdings, the driver), resolve the addressed replica, and let it park a shard, stream its state
+between steps (Snapshot), copy a live sibling's state (CopyState), or tell the driver what it holds of a step that
+lost replicas (Holdings). Nothing here touches torch but loading a copied state.
 
 A sibling also presents its own replica token (arceus.contracts.credentials.replica_token): a shard must come from
 the replica it names (nodeagent.replicas), and a replica's state goes only to the joiner the driver named, whose
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import time
 from collections.abc import Iterator
 
@@ -109,6 +111,37 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
             return replica_pb2.CopyStateReply(sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data))
 
         return serve(context, "CopyState", copy)
+
+
+    def Holdings(
+        self, request: replica_pb2.HoldingsRequest, context: grpc.ServicerContext
+    ) -> replica_pb2.HoldingsReply:
+        """What this replica holds of step `request.step` (nodeagent.repair), once its step stopped and its sends
+        settled: the driver plans a repair from every survivor's. Nothing (`[]`) where it holds no record of it."""
+
+        def holdings() -> replica_pb2.HoldingsReply:
+            stage = self._replica(context, request.target, "Holdings", DRIVER_ONLY)
+            if not stage.assignment.replica_sync.exact:
+                raise RpcFailure(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{stage.name} syncs with its siblings every few steps: what a lost sibling trained alone is gone "
+                    "with it, and no repair brings it back",
+                )
+            if not stage.step_lock.acquire(timeout=max(0.0, call_deadline(context) - time.monotonic())):
+                raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, f"{stage.name} stayed busy with a step")
+            try:
+                held = stage.held_step
+                if held is None or held.step != request.step:
+                    return replica_pb2.HoldingsReply(holdings_json="[]")
+                a = stage.assignment
+                arrived = set(stage.mailbox.arrived(request.step))
+                return replica_pb2.HoldingsReply(
+                    holdings_json=json.dumps(held.holdings(a.stage_index, a.replica, arrived).to_json())
+                )
+            finally:
+                stage.step_lock.release()
+
+        return serve(context, "Holdings", holdings)
 
 
 def replica_digest(context: grpc.ServicerContext) -> str | None:

@@ -22,6 +22,7 @@ from arceus.contracts.certificates import check_certificate
 from arceus.contracts.credentials import REPLICA_METADATA_KEY
 from arceus.errors import SpecError
 from arceus.swarm.exchange import MAX_SHARD_BYTES, chunk_bounds, reduce_in_order, shard_bounds
+from arceus.swarm.repair import ReplicaInstructions
 from arceus.swarm.routing import Routes
 from arceus.v1 import replica_pb2, replica_pb2_grpc, stage_pb2
 from arceus.wire import codec
@@ -48,6 +49,8 @@ class ReplicaStepPlan:
     replica: int
     micro_batches: tuple[int, ...]
     peers: Mapping[tuple[int, int], stage_pb2.ReplicaPeer]
+    # Set when the driver resumes a step that lost replicas (arceus.swarm.repair): what this replica does then.
+    repair: ReplicaInstructions | None = None
 
     @property
     def most_replicas(self) -> int:
@@ -98,7 +101,32 @@ def parse_replica_step(
     ]
     if missing := [key for key in needed if key not in peers]:
         raise _invalid(f"replicas.peers lacks stage/replica {missing}: every member of this stage and its neighbours")
-    return ReplicaStepPlan(routes, swarm.epoch, replica, routes.micro_batches_of(stage_index, replica), peers)
+    mine = routes.micro_batches_of(stage_index, replica)
+    repair = _repair(swarm.repair_json, routes, stage_index, mine) if swarm.repair_json else None
+    if repair is not None and request.mode != stage_pb2.TRAIN:
+        raise _invalid("replicas.repair_json: only a train step is repaired")
+    return ReplicaStepPlan(routes, swarm.epoch, replica, mine, peers, repair)
+
+
+def _repair(text: str, routes: Routes, stage: int, mine: tuple[int, ...]) -> ReplicaInstructions:
+    """A repair's instructions for this replica, checked against the step's routes: each micro-batch named is
+    routed to it, and each re-send goes to the neighbour's replica its route names."""
+    try:
+        repair = ReplicaInstructions.from_json(json.loads(text), "replicas.repair")
+    except json.JSONDecodeError as exc:
+        raise _invalid(f"replicas.repair_json is not JSON: {exc}") from None
+    except SpecError as exc:
+        raise _invalid(f"{exc.field}: {exc.message}") from None
+    named = [*repair.recompute, *repair.skip_output, *repair.skip_input_gradient,
+             *(m for m, _ in repair.resend_outputs), *(m for m, _ in repair.resend_input_gradients)]
+    if stray := sorted({m for m in named if m not in mine}):
+        raise _invalid(f"replicas.repair names micro-batches {stray}, which the routes do not give this replica")
+    for field, pairs, to_stage in (("resend_outputs", repair.resend_outputs, stage + 1),
+                                   ("resend_input_gradients", repair.resend_input_gradients, stage - 1)):
+        for m, to in pairs:
+            if not 0 <= to_stage < routes.num_stages or routes.of[m][to_stage] != to:
+                raise _invalid(f"replicas.repair.{field}: micro-batch {m} to replica {to} is not where its route goes")
+    return repair
 
 
 class ReplicaExchange:
@@ -178,6 +206,9 @@ class ReplicaExchange:
         """The sum over `members` of their `flat` gradients: reduce-scatter to each chunk's owner, which sums
         in ascending replica id, then all-gather from the owners. `stub(replica)`: the sibling's service."""
         chunks = chunk_bounds(flat.numel(), members)
+        # Shards of an earlier membership of this step (a repaired step exchanges again) are never summed.
+        current = f" of epoch {epoch} from "
+        self.shards.discard(lambda key: key[0] == step and current not in key[1])
         sends: deque[tuple[int, grpc.Future]] = deque()
 
         def settle(to: int, future: grpc.Future) -> None:

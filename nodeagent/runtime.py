@@ -166,6 +166,11 @@ class StageRuntime:
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
 
+    def take_back_deferred(self) -> None:
+        """Forget a deferred optimizer step but keep the gradients: the step it belonged to is being repaired (its
+        exchange runs again among the replicas left), and the update waits for the repaired step's end."""
+        self._deferred = None
+
     def settle(self) -> bool:
         """Take a deferred optimizer step, if one waits; whether one did."""
         if self._deferred is None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 import grpc
@@ -42,11 +42,28 @@ class PushTracker:
         tensor: torch.Tensor,
         *,
         replica: int = 0,
+        delivered: Callable[[], None] | None = None,
     ) -> Encoded:
         """Start the push to every rank of the neighbour (`links`; `replica`: which replica of it, where the
-        stage is replicated); returns the payload as encoded (what the receivers will decode)."""
+        stage is replicated); returns the payload as encoded (what the receivers will decode). `delivered`: called
+        once the neighbour accepted it."""
         # Encoded once, per the job's transfer setting; top-k error feedback is kept per micro-batch slot.
         encoded = self._stage.transfer.encode(tensor, gradient=kind == stage_pb2.GRADIENT, stream=micro_batch)
+        self.send_encoded(links, target_index, kind, micro_batch, encoded, replica=replica, delivered=delivered)
+        return encoded
+
+    def send_encoded(
+        self,
+        links: Sequence[NeighbourLink],
+        target_index: int,
+        kind: int,
+        micro_batch: int,
+        encoded: Encoded,
+        *,
+        replica: int = 0,
+        delivered: Callable[[], None] | None = None,
+    ) -> None:
+        """`send` of a payload already encoded (a kept tensor sent again)."""
         push = outgoing_push(self._stage.ref(target_index, replica), kind, self._step, micro_batch, encoded)
         timeout = max(MIN_CALL_TIMEOUT, self._deadline - time.monotonic())
         nbytes = encoded.nbytes
@@ -59,16 +76,17 @@ class PushTracker:
                 self._pending += 1
             future = link.pushes.push(push, timeout)
             self._futures.append(future)
-            future.add_done_callback(lambda f, what=what: self._done(f, what, nbytes))
-        return encoded
+            future.add_done_callback(lambda f, what=what: self._done(f, what, nbytes, delivered))
 
-    def _done(self, future: Future[None], what: str, nbytes: int) -> None:
+    def _done(self, future: Future[None], what: str, nbytes: int, delivered: Callable[[], None] | None) -> None:
         try:
             if future.cancelled():
                 return
             error = future.exception()
             if error is None:
                 self._stage.add_bytes_sent(nbytes)
+                if delivered is not None:
+                    delivered()
                 return
             code = error.code() if isinstance(error, PushError) else None
             status = f"{code.name}: {error.details()}" if code is not None else str(error)
@@ -103,6 +121,13 @@ class PushTracker:
                     f"{self._stage.name}: {self._pending} pushes did not finish by the deadline",
                 )
         self.raise_if_failed()
+
+    def settle(self, seconds: float) -> None:
+        """After a failed step: wait up to `seconds` for the pushes in flight to be delivered or refused, then
+        cancel the rest (a replica reports what it holds only once none of its sends is in flight)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._pending == 0, timeout=max(0.0, seconds))
+        self.cancel_all()
 
     def cancel_all(self) -> None:
         for future in self._futures:

@@ -134,7 +134,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 if stage.exchange is not None:
                     stage.exchange.shards.wake()
 
-            context.add_callback(on_done)
+            if not context.add_callback(on_done):  # the caller gave up before the step began: it never runs
+                raise RpcFailure(grpc.StatusCode.CANCELLED, f"RunStep of step {request.step} was cancelled")
             # A replica's step run again after a loss may find the cancelled attempt still unwinding.
             wait = min(10.0, max(0.0, deadline - time.monotonic())) if request.HasField("replicas") else 0.0
             acquired = stage.step_lock.acquire(timeout=wait) if wait > 0 else stage.step_lock.acquire(blocking=False)

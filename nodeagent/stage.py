@@ -25,6 +25,7 @@ from nodeagent.callers import Guard
 from nodeagent.inference import DecodeSessions
 from nodeagent.lending import LendingGauge
 from nodeagent.mailbox import Mailbox
+from nodeagent.repair import HeldStep
 from nodeagent.replicas import ReplicaExchange
 from nodeagent.rpc import RpcFailure
 from nodeagent.runtime import StageRuntime
@@ -115,6 +116,8 @@ class HostedStage:
         # The last train step's activations and weights, kept for spot checks (retain_for_audit).
         self.audit_record: AuditRecord | None = None
         self.deferred_step: int | None = None  # the step whose optimizer step waits (StepRun), where one does
+        # A replica's train step, kept until the next step commits it: what a repair after a loss resumes from.
+        self.held_step: HeldStep | None = None
         self.lending = LendingGauge()  # whether borrowing idle cores pays, learnt from this stage's steps
         # Whose calls the stage accepts (nodeagent.callers): made once, read on every call.
         a = assignment
@@ -182,8 +185,16 @@ class HostedStage:
         """Apply a deferred optimizer step (see StepRun): the weights move on, so what an audit of the
         last step would read is gone. Called with the step lock held, before anything reads or trains."""
         self.deferred_step = None
+        self.drop_held_step()
         if self.runtime.settle():
             self.audit_record = None
+
+    def drop_held_step(self) -> None:
+        """Let go of a replica's held step (nodeagent.repair): committed, or abandoned. One that stopped unfinished
+        takes its graphs and partial gradient with it (the driver runs the step again under another id)."""
+        held, self.held_step = self.held_step, None
+        if held is not None and not held.finished:
+            self.runtime.abort_step()
 
     def counters(self) -> stage_pb2.StageCounters:
         c = self.runtime.counters

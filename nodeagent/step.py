@@ -21,16 +21,22 @@ import torch
 from arceus.pipeline.schedule import Action, build_schedule, replica_schedule
 from arceus.pipeline.solo import solo_planner
 from arceus.swarm.outer import OuterSync
+from arceus.swarm.repair import ReplicaInstructions
 from arceus.v1 import stage_pb2
 from arceus.verify.receipts import ReceiptSigner
 from nodeagent.lending import ComputeThreads, StepLending
 from nodeagent.mailbox import MailboxCancelled, MailboxClosed, MailboxTimeout
+from nodeagent.repair import HeldStep
 from nodeagent.replicas import ReplicaStepPlan, parse_replica_step
 from nodeagent.rpc import RpcFailure
 from nodeagent.sends import PushTracker
 from nodeagent.stage import HostedStage, NeighbourLink
 from nodeagent.step_audit import StepAudit
 from nodeagent.validation import check_run_step
+
+# After a failed step, how long a replica keeping it for a repair waits for its sends in flight to be delivered or
+# refused before it cancels them (a send to a peer that went silent would otherwise hold its report until the deadline).
+SETTLE_SECONDS = 5.0
 
 
 class StepRun:
@@ -80,21 +86,26 @@ class StepRun:
         self.wait_seconds = 0.0  # waiting for inputs and for sends: the bubble this stage sees
         self._results: dict[int, tuple[float, int, int]] = {}
         self.exchange_seconds = 0.0
+        self.held: HeldStep | None = None  # a replica's record of this step, kept for a repair (nodeagent.repair)
+        self._skip_output: frozenset[int] = frozenset()
+        self._skip_input_gradient: frozenset[int] = frozenset()
 
     def run(self) -> stage_pb2.RunStepReply:
         runtime = self.stage.runtime
-        if self.replicas is not None and self.stage.deferred_step in self.request.replicas.discard_steps:
-            runtime.discard_deferred()  # the update of a failed attempt at this step, which this replica finished
-        else:
-            self.stage.settle()  # the previous step's optimizer step, if an audit (or replicas) kept it waiting
-        self.stage.deferred_step = None
+        held = self._held_step()
         if self.train and self.replicas is not None and not self.stage.assignment.replica_sync.exact:
             self._start_sync_round()
         compute_before = runtime.counters.compute_seconds
         sent_before = 0 if self.stage.exchange is None else self.stage.exchange.bytes_sent
         self.stage.mailbox.retain_step(self.step)
         try:
+            if self.replicas is not None and self.replicas.repair is not None:
+                self._resend(self.replicas, self.replicas.repair)
             for index, action in enumerate(self.actions):
+                if held is not None and held.done(action):
+                    continue  # done in an earlier attempt at this step: it counts once
+                if self.abort.is_set():
+                    raise RpcFailure(grpc.StatusCode.CANCELLED, f"step {self.step} on {self.stage.name} was cancelled")
                 if action.kind == "F":
                     self._forward(index, action)
                 else:
@@ -104,6 +115,8 @@ class StepRun:
                 self.pushes.wait_all()
             sync = self.stage.assignment.replica_sync
             members = () if self.replicas is None else self.replicas.members(self.stage.io.stage_index)
+            if held is not None:
+                held.partial = runtime.gradient_vector()  # what a repair of this step exchanges again
             if self.train and sync.exact and len(members) > 1:
                 self._exchange(self.replicas)
             if self.train:
@@ -125,9 +138,14 @@ class StepRun:
                     self.stage.deferred_step = self.step
                 else:
                     runtime.optimizer_step(self.request.learning_rate or None)
+            if held is not None:
+                held.finished = True
         except BaseException:
-            runtime.abort_step()
-            self.pushes.cancel_all()
+            if held is None:
+                runtime.abort_step()
+                self.pushes.cancel_all()
+            else:  # kept for a repair: its graphs, gradient and tensors stay; its sends settle before it reports
+                self.pushes.settle(min(SETTLE_SECONDS, max(0.0, self.wait_until - time.monotonic())))
             raise
         ordered = [self._results[m] for m in sorted(self._results)]
         return stage_pb2.RunStepReply(
@@ -144,12 +162,70 @@ class StepRun:
             exchange_bytes=0 if self.stage.exchange is None else self.stage.exchange.bytes_sent - sent_before,
         )
 
+    def _held_step(self) -> HeldStep | None:
+        """Commit or discard what the previous step left (or take back this step's own, when the driver repairs
+        it), and the record this step keeps: a replica's train step that exchanges every step keeps one until the
+        next step commits it (nodeagent.repair); other steps keep none."""
+        stage, plan, runtime = self.stage, self.replicas, self.stage.runtime
+        keeps = self.train and plan is not None and stage.assignment.replica_sync.exact
+        held = stage.held_step
+        if plan is not None and plan.repair is not None and not keeps:
+            raise RpcFailure(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{stage.name}: only the train steps of replicas that exchange gradients every step are repaired",
+            )
+        if keeps and plan.repair is not None and held is not None and held.step == self.step:
+            # The same step, resumed after a loss: its update (if it finished) waits again, and its own partial
+            # gradient (if it exchanged) comes back, to take the micro-batches it recomputes and be exchanged anew.
+            runtime.take_back_deferred()
+            stage.deferred_step = None
+            if held.partial is not None:
+                runtime.set_gradient_vector(held.partial)
+                held.partial = None
+            held.finished = False
+        else:
+            if plan is not None and stage.deferred_step in self.request.replicas.discard_steps:
+                stage.drop_held_step()
+                runtime.discard_deferred()  # the update of a failed attempt at this step, which this replica finished
+            else:
+                stage.settle()  # the previous step's optimizer step, if an audit (or replicas) kept it waiting
+            stage.deferred_step = None
+            held = HeldStep(self.step) if keeps else None
+            stage.held_step = held
+        if held is not None:
+            held.micro_batches = plan.micro_batches
+            self._forward_sizes, self._results = held.forward_sizes, held.results
+            self._skip_output = frozenset(plan.repair.skip_output if plan.repair else ())
+            self._skip_input_gradient = frozenset(plan.repair.skip_input_gradient if plan.repair else ())
+        self.held = held
+        return held
+
+    def _resend(self, plan: ReplicaStepPlan, repair: ReplicaInstructions) -> None:
+        """Push again the kept tensors a repair names, to the replicas that lack them now."""
+        stage, held, index = self.stage, self.held, self.stage.io.stage_index
+        for pairs, kept, to_stage, kind, sent in (
+            (repair.resend_outputs, held.outputs, index + 1, stage_pb2.ACTIVATION, held.output_sent),
+            (repair.resend_input_gradients, held.input_gradients, index - 1, stage_pb2.GRADIENT,
+             held.input_gradient_sent),
+        ):
+            for m, to in pairs:
+                if m not in kept:
+                    raise RpcFailure(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"{stage.name} holds no {stage_pb2.TensorKind.Name(kind)} of micro-batch {m} of step "
+                        f"{self.step} to send again",
+                    )
+                link = stage.replica_link(plan.peers[(to_stage, to)])
+                self.pushes.send_encoded([link], to_stage, kind, m, kept[m], replica=to,
+                                         delivered=lambda m=m, to=to, sent=sent: sent(m, to))
+
     def _exchange(self, plan: ReplicaStepPlan) -> None:
         """Replace this replica's gradients with the sum of every member's: the same bits on each."""
         stage, started = self.stage, time.perf_counter()
         index = stage.io.stage_index
+        own = self.held.partial if self.held is not None else None  # kept for a repair: the same vector
         reduced = stage.exchange.exchange(
-            stage.runtime.gradient_vector(),
+            stage.runtime.gradient_vector() if own is None else own,
             step=self.step,
             epoch=plan.epoch,
             members=plan.members(index),
@@ -192,6 +268,10 @@ class StepRun:
         stage, runtime, m = self.stage, self.stage.runtime, action.micro_batch
         a, io, key = stage.assignment, stage.io, (self.step, m)
         x = self._receive(stage_pb2.ACTIVATION, m)
+        held = self.held
+        record = None if held is None else held.record(m)
+        if record is not None:
+            record.input_received = True
         self._forward_sizes[m] = len(x)
         if not io.is_first:
             self.audit.received(m, x)
@@ -208,20 +288,34 @@ class StepRun:
                 else:
                     loss_sum, correct = runtime.eval_loss(x, labels)
             self._results[m] = (loss_sum, correct, len(x))
+            if record is not None:
+                record.forwarded = True
             return
         with self._computing(index, len(x)):
             out = runtime.forward(key, x) if self.train else runtime.eval_forward(x)
+        if record is not None:
+            record.forwarded = True
         if a.sends_on:  # ranks 1.. of a tensor-parallel stage compute the same output as rank 0
             links, replica = self._links(a.stage_index + 1, m, stage.next_links)
-            encoded = self.pushes.send(links, a.stage_index + 1, stage_pb2.ACTIVATION, m, out, replica=replica)
+            if held is None:
+                encoded = self.pushes.send(links, a.stage_index + 1, stage_pb2.ACTIVATION, m, out, replica=replica)
+            elif m in self._skip_output:  # the next stage already holds it (from a lost replica): kept, not sent
+                encoded = stage.transfer.encode(out, gradient=False, stream=m)
+            else:
+                encoded = self.pushes.send(links, a.stage_index + 1, stage_pb2.ACTIVATION, m, out, replica=replica,
+                                           delivered=lambda: held.output_sent(m, replica))
+            if held is not None:
+                held.outputs[m] = encoded
             self.audit.sent(m, out, encoded)
 
     def _backward(self, index: int, action: Action) -> None:
         stage, m = self.stage, action.micro_batch
         a = stage.assignment
-        grad = None
+        grad, held = None, self.held
         if not stage.io.is_last:
             grad = self._receive(stage_pb2.GRADIENT, m)
+            if held is not None:
+                held.record(m).gradient_received = True
             if len(grad) != self._forward_sizes[m]:
                 raise RpcFailure(
                     grpc.StatusCode.INVALID_ARGUMENT,
@@ -230,9 +324,19 @@ class StepRun:
                 )
         with self._computing(index, self._forward_sizes[m]):
             grad_input = stage.runtime.backward((self.step, m), grad)
+        if held is not None:
+            held.record(m).backwarded = True
         if grad_input is not None and a.sends_on:
             links, replica = self._links(a.stage_index - 1, m, stage.prev_links)
-            self.pushes.send(links, a.stage_index - 1, stage_pb2.GRADIENT, m, grad_input, replica=replica)
+            if held is None:
+                self.pushes.send(links, a.stage_index - 1, stage_pb2.GRADIENT, m, grad_input, replica=replica)
+                return
+            if m in self._skip_input_gradient:  # the previous stage already holds it: kept, not sent
+                encoded = stage.transfer.encode(grad_input, gradient=True, stream=m)
+            else:
+                encoded = self.pushes.send(links, a.stage_index - 1, stage_pb2.GRADIENT, m, grad_input,
+                                           replica=replica, delivered=lambda: held.input_gradient_sent(m, replica))
+            held.input_gradients[m] = encoded
 
     def _links(self, to_stage: int, m: int, neighbour: list[NeighbourLink]) -> tuple[list[NeighbourLink], int]:
         """Where micro-batch m's tensor for stage `to_stage` goes: its neighbour's ranks, or the replica its route

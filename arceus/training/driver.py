@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import logging
 import math
 import queue
@@ -34,7 +35,9 @@ from arceus.model.registry import model_spec_from_config
 from arceus.model.sharding import Shard
 from arceus.model.tensor_parallel import gather_state_tensors, rank_expected_state
 from arceus.safetensors_file import StageStateError
-from arceus.swarm.routing import route_step
+from arceus.swarm.holdings import StepHoldings
+from arceus.swarm.repair import RepairPlan, repair_step
+from arceus.swarm.routing import Routes, route_step
 from arceus.training.audit import Auditor
 from arceus.training.plan import (
     EpochResult,
@@ -218,21 +221,87 @@ class Pipeline:
     def _replicated_step(
         self, roster: ReplicaRoster, step: int, x: torch.Tensor, y: torch.Tensor, *, train: bool
     ) -> StepOutcome:
-        """One step of replicated stages. A replica lost meanwhile (its agent no longer answers) leaves the
-        roster and the step runs again on the others under a new call id, every replica discarding the update it
-        deferred from the failed attempt: no checkpoint is loaded and no finished step is replayed. A stage left
-        without replicas, or a failure with every replica alive, is the DriverError of an unreplicated pipeline."""
+        """One step of replicated stages. A replica lost meanwhile (its agent no longer answers) leaves the roster
+        (a new membership epoch) and the survivors repair the step (arceus.swarm.repair): each reports what it
+        holds of it, only the lost replicas' micro-batches are recomputed, by survivors of their stages, from the
+        boundary tensors their neighbours kept, and the exchange commits among the survivors; every micro-batch
+        counts once in each stage's gradient. Where no repair applies (an evaluation step, replicas that sync every
+        few steps, a survivor that cannot report) the step runs again on the others under a new call id, every
+        replica discarding what it deferred from the failed attempt; either way no checkpoint is loaded and no
+        finished step is replayed. A stage left without replicas, or a failure with every replica alive, is the
+        DriverError of an unreplicated pipeline."""
         self._join(roster)
         failed: list[int] = []
+        repair: RepairPlan | None = None
+        delivered: set[tuple[int, int, int]] = set()  # (kind, micro-batch, replica) the driver's pushes reached
         while True:
+            routes = repair.routes if repair is not None else self._routes(roster, len(x), train=train)
             try:
-                return self._replicated_attempt(roster, step, x, y, train=train, failed=failed)
+                outcome = self._replicated_attempt(
+                    roster, step, routes, x, y, train=train, failed=failed, repair=repair, delivered=delivered
+                )
+                if repair is not None:
+                    log.info("job %s: step %d repaired without a rerun (membership epoch %d)",
+                             self.plan.job_id, step, roster.epoch)
+                return outcome
             except DriverError as exc:
+                epoch = roster.epoch
                 lost = self._drop_lost(roster, exc)
-                log.warning("job %s lost replicas %s in step %d (%s); running it again without them",
-                            self.plan.job_id, lost, step, exc)
-                failed.append(step)
-                step = next(self._call_ids)
+                repair, why = self._plan_repair(step, routes, lost, epoch, train=train)
+                if repair is None:
+                    log.warning("job %s lost replicas %s in step %d (%s); running it again without them: %s",
+                                self.plan.job_id, lost, step, exc, why)
+                    failed.append(step)
+                    step, delivered = next(self._call_ids), set()
+                    continue
+                moved = sum(len(i.recompute) for i in repair.instructions.values())
+                log.warning("job %s lost replicas %s in step %d (%s); the survivors repair it: %d micro-batches "
+                            "recomputed, nothing else", self.plan.job_id, lost, step, exc, moved)
+
+    def _routes(self, roster: ReplicaRoster, n: int, *, train: bool) -> Routes:
+        """A step's routes over the roster's members, by their speeds (an evaluation of a batch with fewer
+        micro-batches than a stage's replicas uses the first members)."""
+        num_micro_batches = min(self.plan.micro_batches, n)
+        members = roster.members()
+        if train and num_micro_batches < max(len(ids) for ids in members):
+            raise DriverError(
+                f"a batch of {n} samples makes {num_micro_batches} micro-batches, fewer than the "
+                f"{max(len(ids) for ids in members)} replicas of a stage: every replica needs one to take the step"
+            )
+        if num_micro_batches < max(len(ids) for ids in members):  # evaluation: the first members suffice
+            members = [ids[:num_micro_batches] for ids in members]
+        return route_step(num_micro_batches, members, roster.speeds)
+
+    def _plan_repair(
+        self, step: int, routes: Routes, lost: Sequence[ReplicaKey], epoch: int, *, train: bool
+    ) -> tuple[RepairPlan | None, str]:
+        """The repair of `step` (run on `routes` at membership `epoch`) after `lost` left the roster, from every
+        survivor's holdings; (None, why) where none applies, and the step runs again as a whole."""
+        if not train:
+            return None, "an evaluation step keeps no gradients to repair"
+        lost = [key for key in lost if key[1] in routes.members[key[0]]]
+        if not lost:
+            return None, "no replica of the step's routes was lost"
+        survivors = [(i, k) for i, ids in enumerate(routes.members) for k in ids if (i, k) not in lost]
+        asked = [(key, self.replica_clients[key].holdings(step)) for key in survivors]
+        entries = {}
+        for (i, k), future in asked:
+            try:
+                reply = future.result()
+                entries.update(StepHoldings.from_json(json.loads(reply.holdings_json)))
+            except grpc.RpcError as exc:
+                return None, f"stage {i} replica {k} could not report what it holds: {exc.code().name}: {exc.details()}"
+            except (json.JSONDecodeError, SpecError) as exc:
+                return None, f"stage {i} replica {k} reported holdings that do not parse: {exc}"
+        try:
+            plan = repair_step(routes, lost, StepHoldings(entries), self.roster.speeds, epoch)
+        except ValueError as exc:  # a survivor's report does not fit the step (SpecError is a ValueError)
+            return None, f"the survivors' holdings make no repair: {exc}"
+        if plan.rewind:
+            return None, f"stages {list(plan.rewind_stages)} lost every replica"
+        if plan.epoch != self.roster.epoch:
+            return None, f"the repair's epoch {plan.epoch} is not the roster's {self.roster.epoch}"
+        return plan, ""
 
     def _drop_lost(self, roster: ReplicaRoster, exc: DriverError) -> list[ReplicaKey]:
         """After `exc`, the replicas whose agents no longer answer, taken off the roster; `exc` again when every
@@ -302,39 +371,51 @@ class Pipeline:
                      self.plan.job_id, *key, size, sha256, source.replica)
 
     def _replicated_attempt(
-        self, roster: ReplicaRoster, step: int, x: torch.Tensor, y: torch.Tensor, *, train: bool, failed: list[int]
+        self, roster: ReplicaRoster, step: int, routes: Routes, x: torch.Tensor, y: torch.Tensor, *, train: bool,
+        failed: list[int], repair: RepairPlan | None, delivered: set[tuple[int, int, int]],
     ) -> StepOutcome:
         """One attempt at a step of replicated stages: inputs and labels to the replicas each micro-batch's route
         names, RunStep to every member with the routes, then the loss in micro-batch order and the replicas' speeds
-        learnt."""
+        learnt. A repair (`repair`, the same step resumed) pushes only the inputs and labels the survivors lack
+        (the lost replicas' and any earlier push did not deliver: `delivered`), and names each survivor's
+        instructions."""
         plan, n = self.plan, len(x)
-        num_micro_batches = min(plan.micro_batches, n)
-        members = roster.members()
-        if train and num_micro_batches < max(len(ids) for ids in members):
-            raise DriverError(
-                f"a batch of {n} samples makes {num_micro_batches} micro-batches, fewer than the "
-                f"{max(len(ids) for ids in members)} replicas of a stage: every replica needs one to take the step"
-            )
-        if num_micro_batches < max(len(ids) for ids in members):  # evaluation: the first members suffice
-            members = [ids[:num_micro_batches] for ids in members]
-        routes = route_step(num_micro_batches, members, roster.speeds)
+        num_micro_batches = routes.num_micro_batches
         last = len(plan.stages) - 1
         calls: list[tuple[StageClient, str, grpc.Future | Future[None]]] = []
         inputs = torch.tensor_split(x, num_micro_batches)
+        repush = set() if repair is None else {
+            *((_ACTIVATION, m, r) for m, r in repair.driver_repush_inputs),
+            *((_LABELS, m, r) for m, r in repair.driver_repush_labels),
+        }
         for m, (xm, ym) in enumerate(zip(inputs, torch.tensor_split(y, num_micro_batches), strict=True)):
-            first, final = self.replica_clients[(0, routes.of[m][0])], self.replica_clients[(last, routes.of[m][last])]
-            calls.append((first, f"pushing the inputs of micro-batch {m}", first.push(_ACTIVATION, step, m, xm)))
-            calls.append((final, f"pushing the labels of micro-batch {m}", final.push(_LABELS, step, m, ym)))
+            for kind, stage, tensor, what in ((_ACTIVATION, 0, xm, "inputs"), (_LABELS, last, ym, "labels")):
+                key = (kind, m, routes.of[m][stage])
+                if repair is not None and key not in repush and key in delivered:
+                    continue
+                client = self.replica_clients[(stage, key[2])]
+                future = client.push(kind, step, m, tensor)
+                future.add_done_callback(
+                    lambda f, key=key: delivered.add(key) if not f.cancelled() and f.exception() is None else None
+                )
+                calls.append((client, f"pushing the {what} of micro-batch {m}", future))
         mode = stage_pb2.TRAIN if train else stage_pb2.EVAL
         agents = [self.replica_clients[(i, k)] for i, ids in enumerate(routes.members) for k in ids]
         issued = time.perf_counter()
+
+        def replica_step(c: StageClient) -> stage_pb2.ReplicaStep:
+            swarm = roster.replica_step(c.endpoint.index, routes, failed)
+            if repair is not None:
+                swarm.repair_json = json.dumps(repair.instructions[(c.endpoint.index, c.endpoint.replica)].to_json())
+            return swarm
+
         runs = [
             (
                 c,
                 "RunStep",
                 c.run_step(
                     step=step, mode=mode, num_micro_batches=num_micro_batches, schedule=plan.schedule, batch_size=n,
-                    learning_rate=plan.learning_rate, replicas=roster.replica_step(c.endpoint.index, routes, failed),
+                    learning_rate=plan.learning_rate, replicas=replica_step(c),
                 ),
             )
             for c in agents
@@ -363,7 +444,7 @@ class Pipeline:
             )
         sizes = [len(xm) for xm in inputs]
         ran = [sum(sizes[m] for m in r.micro_batches) for r in replies]
-        if train:
+        if train and repair is None:  # a repaired step's replies time only what was left of it
             roster.measured([((c.endpoint.index, c.endpoint.replica), s, r.compute_seconds)
                              for c, r, s in zip(agents, replies, ran, strict=True)])
         timings: dict[int, StageTiming] = {}

@@ -94,6 +94,11 @@ class StageClient:
         reply = self._replicas.CopyState(request, timeout=self.timeout)
         return reply.sha256, reply.size_bytes
 
+    def holdings(self, step: int) -> grpc.Future:
+        """What this replica holds of `step` (a future of its HoldingsReply), answered once its step stopped."""
+        return self._replicas.Holdings.future(replica_pb2.HoldingsRequest(target=self.ref, step=step),
+                                              timeout=self.timeout)
+
     def save_state(self, destination: Path, *, include_optimizer_state: bool = True) -> tuple[str, int]:
         """Stream this stage's state into the safetensors file `destination`, a chunk at a time; (its
         SHA-256 in hex, its size). The whole stream shares the call's deadline."""

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from arceus.contracts.credentials import REPLICA_METADATA_KEY, replica_token, token_digest
+from arceus.swarm.repair import ReplicaInstructions
 from arceus.swarm.routing import Routes
 from arceus.v1 import replica_pb2, stage_pb2
 from arceus.wire.proto_tensor import to_proto
@@ -192,3 +193,35 @@ def test_every_replica_ends_with_the_same_bits_the_ascending_sum_of_every_partia
     expected = partials[1].clone().add_(partials[4]).add_(partials[6])
     for k in members:
         assert torch.equal(results[k], expected), k
+
+
+def repair_json(**fields) -> str:
+    return json.dumps({**ReplicaInstructions().to_json(), **fields})
+
+
+def test_a_resumed_step_names_the_replicas_repair_instructions() -> None:
+    # Stage 1 replica 2 takes micro-batches 0..3; their routes go on to stage 2's replicas 0, 3, 4 and 0.
+    request = run_step(mode=stage_pb2.TRAIN)
+    request.replicas.repair_json = repair_json(recompute=[1, 3], resend_outputs=[[0, 0]], skip_input_gradient=[3])
+    plan = parse_replica_step(request, stage_index=1, num_stages=3, replica=2)
+    assert plan.repair == ReplicaInstructions(recompute=(1, 3), resend_outputs=((0, 0),), skip_input_gradient=(3,))
+    assert parse_replica_step(run_step(), stage_index=1, num_stages=3, replica=2).repair is None
+
+
+@pytest.mark.parametrize(
+    ("fields", "mode", "words"),
+    [
+        ({"recompute": [1]}, stage_pb2.EVAL, "only a train step is repaired"),
+        ({"recompute": [9]}, stage_pb2.TRAIN, "names micro-batches [9], which the routes do not give this replica"),
+        ({"resend_outputs": [[1, 0]]}, stage_pb2.TRAIN, "micro-batch 1 to replica 0 is not where its route goes"),
+        ({"resend_input_gradients": [[0, 1]]}, stage_pb2.TRAIN, "resend_input_gradients: micro-batch 0 to replica 1"),
+        ({"recompute": [-1]}, stage_pb2.TRAIN, "replicas.repair.recompute[0]"),
+        ({"skip": [1]}, stage_pb2.TRAIN, "unknown keys ['skip']"),
+    ],
+)
+def test_repair_instructions_that_do_not_fit_the_routes_are_refused(fields: dict, mode: int, words: str) -> None:
+    request = run_step(mode=mode)
+    request.replicas.repair_json = repair_json(**fields)
+    with pytest.raises(RpcFailure) as info:
+        parse_replica_step(request, stage_index=1, num_stages=3, replica=2)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.message

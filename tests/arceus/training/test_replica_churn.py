@@ -2,8 +2,9 @@
 
 Seven `python -m nodeagent` processes host an MLP in 3 stages x 2 replicas and a spare. During step 4 (the kill
 lands a few milliseconds after step 3 ends, in whatever phase the step is then) the agent of stage 1's replica 1
-is SIGKILLed. The driver finds it gone, runs the step again on the survivors (each discarding what it deferred from
-the failed attempt), and training goes on: the step counter never goes back, no checkpoint is loaded, losses
+is SIGKILLed. The driver finds it gone, the survivors repair the step (only the lost replica's micro-batches are
+recomputed, by its sibling; tests/arceus/training/test_replica_repair.py checks that part closely), and training goes
+on: the step counter never goes back, no checkpoint is loaded, losses
 and final weights equal one process on the same batches, and the surviving replicas of each stage hold the same
 bits after every step. After step 5 a spare agent joins stage 1 as replica 2: it copies the state from a live
 replica (peer to peer, not from checkpoint storage, with the driver's grant for it) and takes micro-batches from
