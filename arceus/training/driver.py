@@ -16,6 +16,7 @@ import queue
 import tempfile
 import time
 from collections.abc import Sequence
+from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -236,9 +237,11 @@ class Pipeline:
         delivered: set[tuple[int, int, int]] = set()  # (kind, micro-batch, replica) the driver's pushes reached
         while True:
             routes = repair.routes if repair is not None else self._routes(roster, len(x), train=train)
+            pushes: list[tuple[tuple[int, int, int], Future[None]]] = []
             try:
                 outcome = self._replicated_attempt(
-                    roster, step, routes, x, y, train=train, failed=failed, repair=repair, delivered=delivered
+                    roster, step, routes, x, y, train=train, failed=failed, repair=repair, delivered=delivered,
+                    pushes=pushes,
                 )
                 if repair is not None:
                     log.info("job %s: step %d repaired without a rerun (membership epoch %d)",
@@ -247,6 +250,9 @@ class Pipeline:
             except DriverError as exc:
                 epoch = roster.epoch
                 lost = self._drop_lost(roster, exc)
+                # What the driver's pushes delivered is known once they settle (one to a silent replica may not).
+                futures.wait([future for _, future in pushes], timeout=LIVENESS_SECONDS)
+                delivered |= {key for key, f in pushes if f.done() and not f.cancelled() and f.exception() is None}
                 repair, why = self._plan_repair(step, routes, lost, epoch, train=train)
                 if repair is None:
                     log.warning("job %s lost replicas %s in step %d (%s); running it again without them: %s",
@@ -373,12 +379,13 @@ class Pipeline:
     def _replicated_attempt(
         self, roster: ReplicaRoster, step: int, routes: Routes, x: torch.Tensor, y: torch.Tensor, *, train: bool,
         failed: list[int], repair: RepairPlan | None, delivered: set[tuple[int, int, int]],
+        pushes: list[tuple[tuple[int, int, int], Future[None]]],
     ) -> StepOutcome:
         """One attempt at a step of replicated stages: inputs and labels to the replicas each micro-batch's route
         names, RunStep to every member with the routes, then the loss in micro-batch order and the replicas' speeds
         learnt. A repair (`repair`, the same step resumed) pushes only the inputs and labels the survivors lack
         (the lost replicas' and any earlier push did not deliver: `delivered`), and names each survivor's
-        instructions."""
+        instructions. `pushes`: each push it makes, by (kind, micro-batch, replica)."""
         plan, n = self.plan, len(x)
         num_micro_batches = routes.num_micro_batches
         last = len(plan.stages) - 1
@@ -395,9 +402,7 @@ class Pipeline:
                     continue
                 client = self.replica_clients[(stage, key[2])]
                 future = client.push(kind, step, m, tensor)
-                future.add_done_callback(
-                    lambda f, key=key: delivered.add(key) if not f.cancelled() and f.exception() is None else None
-                )
+                pushes.append((key, future))
                 calls.append((client, f"pushing the {what} of micro-batch {m}", future))
         mode = stage_pb2.TRAIN if train else stage_pb2.EVAL
         agents = [self.replica_clients[(i, k)] for i, ids in enumerate(routes.members) for k in ids]
@@ -423,7 +428,8 @@ class Pipeline:
         answered: dict[int, float] = {}
         for i, (_, _, future) in enumerate(runs):
             future.add_done_callback(lambda _f, i=i: answered.setdefault(i, time.perf_counter()))
-        replies: list[stage_pb2.RunStepReply] = _await_all(calls + runs)[len(calls) :]
+        # The driver's own pushes are left to finish when a call fails: a repair then knows what they delivered.
+        replies: list[stage_pb2.RunStepReply] = _await_all(calls + runs, cancel_from=len(calls))[len(calls) :]
         per_micro_batch: dict[int, tuple[float, int, int]] = {}
         for c, r in zip(agents, replies, strict=True):
             routed = routes.micro_batches_of(c.endpoint.index, c.endpoint.replica)
@@ -688,8 +694,9 @@ def _timing(index: int, reply: stage_pb2.RunStepReply, wall_seconds: float) -> S
     return StageTiming(index, bounded(reply.compute_seconds), bounded(reply.wait_seconds), wall_seconds)
 
 
-def _await_all(calls: list[tuple[StageClient, str, grpc.Future | Future[None]]]) -> list:
-    """Results of all calls in order; the first failure cancels the others and raises DriverError."""
+def _await_all(calls: list[tuple[StageClient, str, grpc.Future | Future[None]]], *, cancel_from: int = 0) -> list:
+    """Results of all calls in order; the first failure cancels the others from index `cancel_from` on (those
+    before it are left to finish) and raises DriverError."""
     done: queue.SimpleQueue[int] = queue.SimpleQueue()
     for index, (_, _, future) in enumerate(calls):
         future.add_done_callback(lambda _f, i=index: done.put(i))
@@ -699,7 +706,7 @@ def _await_all(calls: list[tuple[StageClient, str, grpc.Future | Future[None]]])
         client, what, future = calls[index]
         error = future.exception()
         if error is not None:
-            for _, _, other in calls:
+            for _, _, other in calls[cancel_from:]:
                 other.cancel()
             raise _driver_error(client, what, error)
         results[index] = future.result()

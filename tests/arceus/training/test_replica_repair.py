@@ -38,6 +38,11 @@ DIGITS = validate_dataset_config({"name": "digits", "batch_size": 32})
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4}
 MICRO_BATCHES, SEED, STEPS = 4, 5, 4
 Key = tuple[int, int]  # (stage, replica)
+# Bytes a replica of each stage receives per micro-batch of 8 samples: its input (float32: the model's 64 features,
+# then the widths 32 and 16) and the gradient of its output (float32), or the last stage's labels (int64).
+SAMPLES = DIGITS["batch_size"] // MICRO_BATCHES
+RECEIVED_PER_MICRO_BATCH = {0: SAMPLES * (64 + 32) * 4, 1: SAMPLES * (32 + 16) * 4, 2: SAMPLES * (16 * 4 + 8)}
+SENT_PER_MICRO_BATCH = {0: SAMPLES * 32 * 4, 1: SAMPLES * (16 + 32) * 4, 2: SAMPLES * 16 * 4}  # output, input gradient
 
 
 @pytest.fixture
@@ -115,14 +120,22 @@ def refusing(address: str, timeout: float = 30.0) -> None:
 
 
 class Sink(RecordingSink):
-    def __init__(self, killer: Killer) -> None:
+    """Records, after every step, the micro-batches each replica has computed and the tensor bytes each live one
+    has received (activations, gradients, the driver's inputs and labels)."""
+
+    def __init__(self, killer: Killer, agents: dict[Key, Agent]) -> None:
         super().__init__()
-        self.killer = killer
+        self.killer, self.agents = killer, agents
         self.computed = [killer.computed()]
+        self.received = [self._received()]
+
+    def _received(self) -> dict[Key, int]:
+        return {key: hosted(agent).bytes_received for key, agent in self.agents.items() if agent.registry.stages()}
 
     def on_step(self, p: StepProgress) -> None:
         super().on_step(p)
         self.computed.append(self.killer.computed())
+        self.received.append(self._received())
         if p.step == self.killer.step - 1:
             self.killer.armed = True
 
@@ -154,7 +167,7 @@ def test_a_replica_lost_mid_step_costs_only_its_own_micro_batches_and_the_step_e
     agents: dict[Key, Agent], victim: Key, method: str, nth: int, killed_in: int, caplog: pytest.LogCaptureFixture
 ) -> None:
     killer = Killer(agents, victim, method, nth, killed_in)
-    sink = Sink(killer)
+    sink = Sink(killer, agents)
     caplog.set_level(logging.INFO, logger="arceus.training.driver")
     result = train(plan_of(agents), sink)
 
@@ -198,6 +211,19 @@ def test_a_replica_lost_mid_step_costs_only_its_own_micro_batches_and_the_step_e
         for stage in range(3):
             assert sum(n for (i, _), n in ran.items() if i == stage) == MICRO_BATCHES, (step, stage, ran)
         assert ran == counted, (step, ran, counted)
+        # Nothing was sent twice: each replica received, once, the input and the gradient (or labels) of each
+        # micro-batch it ran, whatever it had received before the loss and whatever was sent again after it. Only
+        # what the dying replica itself had on its way may land after the survivors reported (as after a SIGKILL):
+        # a copy of what the repair sent, never used twice.
+        got = {key: sink.received[step][key] - sink.received[step - 1][key] for key in live}
+        expected = {key: n * RECEIVED_PER_MICRO_BATCH[key[0]] for key, n in ran.items()}
+        if step != killed_in:
+            assert got == expected, (step, got, expected)
+            continue
+        surplus = {key: got[key] - expected[key] for key in live}
+        victim_forwards = sink.computed[step][victim] - sink.computed[step - 1][victim]
+        assert all(v >= 0 for v in surplus.values()), (step, got, expected)
+        assert sum(surplus.values()) <= victim_forwards * SENT_PER_MICRO_BATCH[victim[0]], (step, got, expected)
     lost_share = sink.computed[killed_in][victim] - sink.computed[killed_in - 1][victim]
     assert lost_share < MICRO_BATCHES  # the victim's own work before the kill, lost with it
 
@@ -209,7 +235,7 @@ def test_replicas_that_sync_every_few_steps_run_the_step_again_without_the_lost_
     # What a replica trained alone since the last sync is gone with it: no repair brings it back, so the step runs
     # again on the others under a new call id, as before repairs existed (no rewind either).
     killer = Killer(agents, (1, 1), "backward", 1, 2)
-    sink = Sink(killer)
+    sink = Sink(killer, agents)
     result = train(plan_of(agents), sink)
     assert killer.killed.is_set()
     assert result.steps == STEPS and [p.step for p in sink.steps] == list(range(1, STEPS + 1))
