@@ -32,6 +32,8 @@ from nodeagent.mailbox import Mailbox, MailboxCancelled, MailboxClosed, MailboxF
 from nodeagent.rpc import RpcFailure, neighbour_failure_code
 
 _FLOAT32_BYTES = 4
+# How often a wait for a shard's push looks whether its step was aborted.
+ABORT_POLL_SECONDS = 0.05
 # Shards in flight from one replica at once: the siblings' agents take a few calls per caller at a time
 # (nodeagent.call_limits), and all replicas of a stage present the same bearer credential.
 SENDS_IN_FLIGHT = 4
@@ -213,7 +215,16 @@ class ReplicaExchange:
 
         def settle(to: int, future: grpc.Future) -> None:
             try:
-                future.result()
+                while True:  # a sibling that went silent holds a push until the deadline: an abort ends the wait
+                    try:
+                        future.result(timeout=ABORT_POLL_SECONDS)
+                        return
+                    except grpc.FutureTimeoutError:
+                        if abort.is_set():
+                            future.cancel()
+                            raise RpcFailure(
+                                grpc.StatusCode.CANCELLED, f"{self.name}: the step was cancelled"
+                            ) from None
             except grpc.RpcError as exc:
                 raise RpcFailure(
                     neighbour_failure_code(exc.code()),

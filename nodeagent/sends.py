@@ -18,6 +18,8 @@ from nodeagent.rpc import RpcFailure, neighbour_failure_code
 from nodeagent.stage import HostedStage, NeighbourLink
 
 MIN_CALL_TIMEOUT = 0.05
+# How often a wait for sends looks whether its step was aborted (the abort wakes no condition of its own).
+ABORT_POLL_SECONDS = 0.05
 
 
 class PushTracker:
@@ -110,17 +112,21 @@ class PushTracker:
 
     def wait_all(self) -> None:
         """Wait until every push is delivered and counted (each has its own deadline); raise the first
-        failure."""
+        failure, or CANCELLED once the step is aborted (a push to a peer that went silent would hold it until the
+        deadline)."""
+        give_up = self._deadline + 1
         with self._cond:
-            self._cond.wait_for(
-                lambda: self._pending == 0, timeout=max(0.0, self._deadline - time.monotonic()) + 1
-            )
-            if self._pending:
-                raise RpcFailure(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"{self._stage.name}: {self._pending} pushes did not finish by the deadline",
-                )
+            while self._pending and not self._abort.is_set() and time.monotonic() < give_up:
+                self._cond.wait(min(ABORT_POLL_SECONDS, max(0.0, give_up - time.monotonic())))
+            pending = self._pending
         self.raise_if_failed()
+        if pending and self._abort.is_set():
+            raise RpcFailure(grpc.StatusCode.CANCELLED, f"{self._stage.name}: the step was cancelled")
+        if pending:
+            raise RpcFailure(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"{self._stage.name}: {pending} pushes did not finish by the deadline",
+            )
 
     def settle(self, seconds: float) -> None:
         """After a failed step: wait up to `seconds` for the pushes in flight to be delivered or refused, then

@@ -142,7 +142,7 @@ def test_a_shard_claiming_a_replica_no_step_named_yet_is_refused_when_the_exchan
 class _Delivered:
     """A finished PushShard future: the shard is in the receiver's mailbox."""
 
-    def result(self) -> None:
+    def result(self, timeout: float | None = None) -> None:
         return None
 
 
@@ -225,3 +225,34 @@ def test_repair_instructions_that_do_not_fit_the_routes_are_refused(fields: dict
     with pytest.raises(RpcFailure) as info:
         parse_replica_step(request, stage_index=1, num_stages=3, replica=2)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.message
+
+
+class _Silent:
+    """A PushShard to a sibling that went silent (SIGSTOP): it never completes before its deadline."""
+
+    def __init__(self) -> None:
+        self.PushShard, self.cancelled = self, False
+
+    def future(self, request: replica_pb2.PushShardRequest, timeout: float, metadata: object) -> _Silent:
+        return self
+
+    def result(self, timeout: float | None = None) -> None:
+        time.sleep(timeout or 0)
+        raise grpc.FutureTimeoutError()
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+
+def test_a_replica_pushing_to_a_silent_sibling_stops_as_soon_as_its_step_is_aborted() -> None:
+    # One element: replica 0 owns it, has replica 2's part already, and pushes the sum back to 2, which never answers.
+    silent, abort, receiver = _Silent(), threading.Event(), exchange_of(0, total=1, members=(0, 2))
+    receiver.accept(shard(source_replica=2, tensor=to_proto(torch.ones(1))), digest_of(2))
+    threading.Timer(0.2, abort.set).start()
+    started = time.monotonic()
+    with pytest.raises(RpcFailure) as info:
+        receiver.exchange(torch.zeros(1), step=1, epoch=0, members=(0, 2), stub=lambda to: silent,
+                          deadline=time.monotonic() + 60, abort=abort)
+    assert info.value.code == grpc.StatusCode.CANCELLED and silent.cancelled
+    assert time.monotonic() - started < 5  # not the minute its deadline allowed
