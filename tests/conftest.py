@@ -24,7 +24,17 @@ SERIAL_PATHS = ("tests/e2e/", "tests/test_packaging.py", "tests/nodeagent/test_n
                 "tests/nodeagent/test_nodeagent_strangers.py", "tests/nodeagent/test_nodeagent_memory.py")
 
 
+# Hashing a password is slow by design (PBKDF2, about half a second on a busy core) and the tests hash hundreds: the
+# test process uses Django's fast hasher. Clusters started as processes (tests/e2e) hash with the shipped settings.
+TEST_PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    settings.PASSWORD_HASHERS = TEST_PASSWORD_HASHERS
+    _worker_redis_database()
+
+
+def _worker_redis_database() -> None:
     """Under pytest-xdist (`-n N`), worker gwI uses REDIS_URL's database + I (settings and the environment its
     children inherit): pytest-django gives each worker a test database of its own, but the nodes' leases
     (controlplane/nodes/liveness.py) live under fixed Redis keys that one worker's test empties while another's

@@ -13,7 +13,6 @@ import pytest
 import schemathesis
 from django.contrib.auth.models import User
 from django.core.wsgi import get_wsgi_application
-from django.test import override_settings
 from django.utils import timezone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -89,10 +88,8 @@ def world(transactional_db: None) -> World:
 def schema(world: World, monkeypatch: pytest.MonkeyPatch) -> Iterator[schemathesis.BaseSchema]:
     # Fuzzing is a flood by design: the rate limits (tests/controlplane/test_throttling.py) would answer 429.
     monkeypatch.setattr(ScopedRateThrottle, "THROTTLE_RATES", UNTHROTTLED)
-    # Login, sign-up and password changes each hash a password, slow by design (about a second here): a fast
-    # hasher keeps hundreds of them within the test's time.
-    with override_settings(PASSWORD_HASHERS=["django.contrib.auth.hashers.MD5PasswordHasher"]):
-        yield schemathesis.openapi.from_wsgi("/api/schema?format=json", get_wsgi_application())
+    # (Login, sign-up and password changes each hash a password: tests/conftest.py gives the tests a fast hasher.)
+    yield schemathesis.openapi.from_wsgi("/api/schema?format=json", get_wsgi_application())
 
 
 def fuzz(schema: schemathesis.BaseSchema, *, security: str, authorization: str, world: World, examples: int) -> Tally:

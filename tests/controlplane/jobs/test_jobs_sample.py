@@ -4,6 +4,8 @@ process: `sampling_worker`), through the API, the SDK and the CLI (against a liv
 
 from __future__ import annotations
 
+import functools
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,7 +36,14 @@ MODEL = {"type": "transformer", "n_layer": 1, "n_head": 2, "d_model": 16, "block
 
 
 def trained_on(config: dict[str, Any], pattern: tuple[int, ...]) -> dict[str, torch.Tensor]:
-    """Weights of the job's model after learning the token sequence `pattern` repeated."""
+    """Weights of the job's model after learning the token sequence `pattern` repeated: trained once per model and
+    pattern in a session (60 Adam steps cost seconds, and most tests here train the same one), copied for each."""
+    return {name: t.clone() for name, t in _trained_on(json.dumps(config, sort_keys=True), pattern).items()}
+
+
+@functools.cache
+def _trained_on(config_json: str, pattern: tuple[int, ...]) -> dict[str, torch.Tensor]:
+    config = json.loads(config_json)
     model = build_full_model(model_spec_from_config(config), seed=0)
     block = model_spec_from_config(config).block_size
     ids = torch.tensor([pattern[i % len(pattern)] for i in range((block + 1) * 32)]).view(32, block + 1)

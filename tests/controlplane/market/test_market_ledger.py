@@ -91,13 +91,13 @@ def test_reports_worth_less_than_a_micro_dollar_each_add_up_without_rounding_dri
     settings.ARCEUS_PLATFORM_FEE = 0.1
     klass = node_device_class(Node.objects.first())
     PriceChange.objects.create(device_class=klass, price_per_hour=0.36, demand=3, supply=3)
-    # Stage 0 reports 0.004 s later after each of 500 steps: $0.0000004 of time held a report, 2 s in all.
-    for step in range(1, 501):
-        report(running_job, samples=32 * step, seconds=0.004 * step)
+    # Stage 0 reports 0.005 s later after each of 100 steps: $0.0000005 of time held a report, 0.5 s in all.
+    for step in range(1, 101):
+        report(running_job, samples=32 * step, seconds=0.005 * step)
     t = totals(stage_index=0)
-    assert t["held"] == pytest.approx(2.0)
-    assert t["charge"] == 200  # 2 s at $0.36/h: what one report of 2 s would be charged
-    assert t["fee"] == 20 and t["credit"] == 180
+    assert t["held"] == pytest.approx(0.5)
+    assert t["charge"] == 50  # 0.5 s at $0.36/h: what one report of 0.5 s would be charged
+    assert t["fee"] == 5 and t["credit"] == 45
     assert all(e.credit_micros >= 0 for e in LedgerEntry.objects.all())
 
 
