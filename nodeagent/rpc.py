@@ -15,6 +15,7 @@ log = logging.getLogger(__name__)
 R = TypeVar("R")
 # A call without a deadline (ours always set one) reports as "infinite"; its waits still end at this.
 MAX_CALL_SECONDS = 3600.0
+REPLY_MARGIN_SECONDS = 1.0
 
 
 class RpcFailure(Exception):
@@ -52,8 +53,11 @@ def neighbour_failure_code(code: grpc.StatusCode | None) -> grpc.StatusCode:
 
 
 def call_deadline(context: grpc.ServicerContext) -> float:
-    """The call's deadline as a time.monotonic() value."""
-    return time.monotonic() + min(context.time_remaining(), MAX_CALL_SECONDS)
+    """When the agent stops waiting within a call, as a time.monotonic() value: a quarter of the call's time (at most
+    a second) before its deadline, so that the answer saying what it waited for reaches the caller before the
+    caller's own deadline does, on a busy machine too (a bare DEADLINE_EXCEEDED names nothing)."""
+    remaining = min(context.time_remaining(), MAX_CALL_SECONDS)
+    return time.monotonic() + remaining - min(REPLY_MARGIN_SECONDS, remaining / 4)
 
 
 def serve(context: grpc.ServicerContext, method: str, handler: Callable[[], R]) -> R:  # type: ignore[return]

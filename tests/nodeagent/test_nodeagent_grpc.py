@@ -297,7 +297,8 @@ def test_a_missing_input_times_out_naming_what_it_waited_for(stub: stage_pb2_grp
     request = stage_pb2.RunStepRequest(
         target=ref(), step=2000, mode=stage_pb2.TRAIN, num_micro_batches=1, batch_size=2
     )
-    error = rpc_error(stub.RunStep, request, timeout=2.0)
+    error = rpc_error(stub.RunStep, request, timeout=4.0)
+    # the agent's answer, sent before the caller's deadline (nodeagent.rpc.call_deadline), not the caller's own
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "ACTIVATION of step 2000 micro-batch 0 from the driver" in error.details()
 
