@@ -28,6 +28,8 @@ import requests
 from arceus.contracts.scrape import agent_scrape_token
 from arceus.sdk import ArceusClient
 from devtools.supervisor import Child, ProcessError, Supervisor
+from nodeagent import faults
+from nodeagent.faults import ENABLE_ENV, FAULT_ENV
 from nodeagent.node_token import TOKEN_ENV
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -193,11 +195,14 @@ class LocalCluster:
     def start_agents(
         self, names: Sequence[str], *extra_args: str, module: str = "nodeagent", owner: str | None = None,
         installed: Path | None = None, prefix: Sequence[str] = (), discover: bool = False,
+        fault: str | None = None,
     ) -> list[Agent]:
         """Start several agents at once, then wait until every one is ready: their start-ups (mostly importing
         torch) overlap instead of queueing one behind another. `prefix`: what runs the command (e.g.
         `ip netns exec NAME`, devtools.netns). `discover`: no `--control-plane` and no settings file, so the
-        agent finds the control plane advertised on its network (mDNS)."""
+        agent finds the control plane advertised on its network (mDNS). `fault`: arm the agents' fault hook
+        (nodeagent.faults, `SIGNAL:PHASE:STEP`): each kills or stops itself there (a restart starts it unarmed)."""
+        armed = {} if fault is None else {FAULT_ENV: faults.parse_fault(fault).spec, ENABLE_ENV: "1"}
         client = self.client if owner is None else self.owner_client(owner)
         spawned = []
         for name in names:
@@ -209,7 +214,9 @@ class LocalCluster:
                 program = [str(installed), "run", "--config", str(self._init_installed(installed, name, created))]
             self._commands[f"agent-{name}"] = [
                 *prefix, *program, "--device", "cpu", "--threads", str(self.agent_threads), *extra_args]
-            spawned.append((name, str(created["id"]), created["token"], *self._spawn_agent(name, created["token"])))
+            spawned.append(
+                (name, str(created["id"]), created["token"], *self._spawn_agent(name, created["token"], armed))
+            )
         agents = [self._await_agent(*args) for args in spawned]
         self.agents.extend(agents)
         return agents
@@ -246,10 +253,10 @@ class LocalCluster:
             self.supervisor.kill(child)
         self.agents.clear()
 
-    def _spawn_agent(self, name: str, token: str) -> tuple[Child, int]:
+    def _spawn_agent(self, name: str, token: str, extra_env: dict[str, str] | None = None) -> tuple[Child, int]:
         """Start an agent's process, its token in the environment (never in argv: `ps` shows that to every
-        user); return it, and the offset in its log where this run's lines begin (logs are appended across
-        restarts)."""
+        user), with `extra_env` on top; return it, and the offset in its log where this run's lines begin (logs
+        are appended across restarts)."""
         log_name = f"agent-{name}"
         log_path = self.supervisor.log_dir / f"{log_name}.log"
         offset = log_path.stat().st_size if log_path.exists() else 0
@@ -257,6 +264,9 @@ class LocalCluster:
         # Its settings folder of its own: an agent started without --control-plane finds no settings file there.
         env["XDG_CONFIG_HOME"] = str(self.workdir / log_name / "config")
         env.pop(MULTIPROC_ENV)  # an agent's metrics are its own, not summed into the control plane's
+        for key in (FAULT_ENV, ENABLE_ENV):  # the fault hook is armed for the agents it is asked for only
+            env.pop(key, None)
+        env.update(extra_env or {})
         return self.supervisor.start(log_name, self._commands[log_name], env=env, cwd=REPO_ROOT), offset
 
     def _await_agent(self, name: str, node_id: str, token: str, child: Child, offset: int) -> Agent:

@@ -27,6 +27,7 @@ from arceus.swarm.routing import Routes
 from arceus.v1 import replica_pb2, replica_pb2_grpc, stage_pb2
 from arceus.wire import codec
 from arceus.wire.proto_tensor import from_proto, to_proto
+from nodeagent import faults
 from nodeagent.callers import not_allowed
 from nodeagent.mailbox import Mailbox, MailboxCancelled, MailboxClosed, MailboxFull, MailboxTimeout
 from nodeagent.rpc import RpcFailure, neighbour_failure_code
@@ -277,6 +278,7 @@ class ReplicaExchange:
             if chunk.owner != self.replica:
                 for start, end in shard_bounds(chunk, _FLOAT32_BYTES):
                     push(chunk.owner, replica_pb2.REDUCE, start, flat[start:end])
+        faults.reached("exchange", step)  # a test hook: this replica's shards are out, the sums not yet back
         out = torch.empty_like(flat)
         others = [k for k in members if k != self.replica]
         for chunk in chunks:

@@ -11,6 +11,7 @@ with no control plane, stops it at once (exit code 0).
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import threading
@@ -21,6 +22,7 @@ import torch
 
 from arceus.contracts.assignment import Assignment
 from arceus.contracts.observed import ObservedState
+from nodeagent import faults
 from nodeagent.agent import Agent
 from nodeagent.control_plane import (
     ControlPlaneClient,
@@ -49,6 +51,11 @@ POLL_SECONDS = 0.2
 def run_agent(options: RunOptions) -> int:
     """Run the agent until it is stopped; the process's exit code."""
     _take_process_settings(options)
+    try:
+        faults.arm(os.environ)  # a test hook (devtools only): read once, here
+    except faults.FaultSpecError as exc:
+        print(f"nodeagent: {exc}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     leaving = Leaving(stop, options.leave_timeout)
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -24,6 +24,7 @@ from arceus.swarm.outer import OuterSync
 from arceus.swarm.repair import ReplicaInstructions
 from arceus.v1 import stage_pb2
 from arceus.verify.receipts import ReceiptSigner
+from nodeagent import faults
 from nodeagent.lending import ComputeThreads, StepLending
 from nodeagent.mailbox import MailboxCancelled, MailboxClosed, MailboxTimeout
 from nodeagent.repair import HeldStep
@@ -113,6 +114,8 @@ class StepRun:
                 self.pushes.raise_if_failed()
             with self._waiting():
                 self.pushes.wait_all()
+            if self.train:
+                faults.reached("gradient-sent", self.step)
             sync = self.stage.assignment.replica_sync
             members = () if self.replicas is None else self.replicas.members(self.stage.io.stage_index)
             if held is not None:
@@ -290,11 +293,15 @@ class StepRun:
             self._results[m] = (loss_sum, correct, len(x))
             if record is not None:
                 record.forwarded = True
+            if self.train:
+                faults.reached("forward", self.step)
             return
         with self._computing(index, len(x)):
             out = runtime.forward(key, x) if self.train else runtime.eval_forward(x)
         if record is not None:
             record.forwarded = True
+        if self.train:
+            faults.reached("forward", self.step)
         if a.sends_on:  # ranks 1.. of a tensor-parallel stage compute the same output as rank 0
             links, replica = self._links(a.stage_index + 1, m, stage.next_links)
             if held is None:

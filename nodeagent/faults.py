@@ -1,0 +1,116 @@
+"""A fault-injection hook for the churn tests: this agent SIGKILLs or SIGSTOPs itself when one of its stages reaches
+a named phase of a named step, so a test loses a replica at a point of the step it chose, not at a moment it guessed.
+
+It is armed by two environment variables, read once when the agent starts (`arm`, from nodeagent.runner):
+- `ARCEUS_AGENT_FAULT=SIGNAL:PHASE:STEP`, e.g. `kill:forward:12` or `stop:exchange:5`. SIGNAL is `kill` (SIGKILL:
+  the agent vanishes) or `stop` (SIGSTOP: it falls silent, keeping its state, until someone sends SIGCONT). STEP is
+  the RunStep's step (the driver's call id: the job's training step while no evaluation or retried attempt came
+  before it). PHASE is one of `PHASES`: `forward` (a train micro-batch's forward computed, its output not yet sent
+  on), `gradient-sent` (every activation and gradient of the step delivered to the neighbours, before the replicas'
+  gradient exchange and the optimizer step), `exchange` (a replica's gradient exchange: its own shards pushed to
+  its siblings, their reduced sums not yet received).
+- `ARCEUS_DEVTOOLS_FAULTS=1`: the second key, which only devtools (devtools.cluster.LocalCluster.start_agents with
+  `fault=`) sets. A fault without it is refused: the agent does not start.
+
+An armed agent logs a CRITICAL line at start and another just before it signals itself; it fires once. Nothing else
+in the agent changes. The call sites are one line each (`reached(phase, step)`), in nodeagent.step and
+nodeagent.replicas.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+FAULT_ENV = "ARCEUS_AGENT_FAULT"
+ENABLE_ENV = "ARCEUS_DEVTOOLS_FAULTS"
+PHASES = ("forward", "gradient-sent", "exchange")
+SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP}
+
+
+class FaultSpecError(ValueError):
+    """ARCEUS_AGENT_FAULT is malformed, or set without ARCEUS_DEVTOOLS_FAULTS=1."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    signal_name: str  # a key of SIGNALS
+    phase: str  # one of PHASES
+    step: int
+
+    @property
+    def spec(self) -> str:
+        return f"{self.signal_name}:{self.phase}:{self.step}"
+
+
+def parse_fault(spec: str) -> Fault:
+    """`SIGNAL:PHASE:STEP` as a Fault; FaultSpecError naming what is wrong."""
+    parts = spec.strip().split(":")
+    if len(parts) != 3:
+        raise FaultSpecError(f"{FAULT_ENV} must be SIGNAL:PHASE:STEP (e.g. kill:forward:12), got {spec!r}")
+    name, phase, step = parts
+    if name not in SIGNALS:
+        raise FaultSpecError(f"{FAULT_ENV}: the signal must be one of {', '.join(SIGNALS)}, got {name!r}")
+    if phase not in PHASES:
+        raise FaultSpecError(f"{FAULT_ENV}: the phase must be one of {', '.join(PHASES)}, got {phase!r}")
+    if not step.isdigit() or int(step) < 1:
+        raise FaultSpecError(f"{FAULT_ENV}: the step must be a positive integer, got {step!r}")
+    return Fault(name, phase, int(step))
+
+
+def fault_from_environ(environ: Mapping[str, str]) -> Fault | None:
+    """The fault `environ` arms (None when ARCEUS_AGENT_FAULT is unset or empty); FaultSpecError when it is
+    malformed or lacks ARCEUS_DEVTOOLS_FAULTS=1."""
+    spec = environ.get(FAULT_ENV, "")
+    if not spec:
+        return None
+    if environ.get(ENABLE_ENV) != "1":
+        raise FaultSpecError(
+            f"{FAULT_ENV} is set ({spec!r}) but {ENABLE_ENV} is not 1: it makes this agent kill or stop itself "
+            f"mid-step, a test hook only devtools arms; unset {FAULT_ENV} to run the agent"
+        )
+    return parse_fault(spec)
+
+
+class _Armed:
+    """The process's one armed fault; cleared as it fires, so it fires once."""
+
+    fault: Fault | None = None
+
+
+def arm(environ: Mapping[str, str]) -> Fault | None:
+    """Read the fault from `environ` once, at the agent's start, and arm it (logged at CRITICAL); None when none."""
+    fault = fault_from_environ(environ)
+    _Armed.fault = fault
+    if fault is not None:
+        log.critical(
+            "TEST HOOK ARMED (%s=%s): this agent will %s itself at phase %r of step %d; never set it outside tests",
+            FAULT_ENV, fault.spec, SIGNALS[fault.signal_name].name, fault.phase, fault.step,
+        )
+    return fault
+
+
+def disarm() -> None:
+    _Armed.fault = None
+
+
+def reached(phase: str, step: int) -> None:
+    """A stage of this agent is at `phase` of `step`: if that is the armed fault's, signal this process (a SIGSTOP
+    returns once someone sends SIGCONT). Nothing otherwise."""
+    fault = _Armed.fault
+    if fault is None or fault.phase != phase or fault.step != step:
+        return
+    _Armed.fault = None
+    sig = SIGNALS[fault.signal_name]
+    log.critical("TEST HOOK FIRES: %s at phase %r of step %d", sig.name, phase, step)
+    for handler in logging.getLogger().handlers:  # the line must reach the log before the process is gone
+        handler.flush()
+    sys.stderr.flush()
+    os.kill(os.getpid(), sig)
+    log.critical("TEST HOOK: continued after %s at phase %r of step %d", sig.name, phase, step)

@@ -1,0 +1,107 @@
+"""The fault-injection test hook (nodeagent/faults.py): armed only with its devtools key, it signals its own process
+once, at the phase and step it names; a malformed or unkeyed fault stops the agent from starting."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from nodeagent import faults
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# A process that arms the hook from its environment and walks through phases, saying where it is.
+WALKER = """
+import os, sys
+from nodeagent import faults
+faults.arm(os.environ)
+for step in (1, 2, 3):
+    for phase in faults.PHASES:
+        faults.reached(phase, step)
+        print(phase, step, flush=True)
+faults.reached("exchange", 2)  # the fault fired once: reaching it again does nothing
+print("done", flush=True)
+"""
+
+
+def walker(spec: str | None, *, enabled: bool = True) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if k not in (faults.FAULT_ENV, faults.ENABLE_ENV)}
+    env["PYTHONPATH"] = str(REPO_ROOT)
+    if spec is not None:
+        env[faults.FAULT_ENV] = spec
+    if enabled:
+        env[faults.ENABLE_ENV] = "1"
+    return subprocess.Popen([sys.executable, "-c", WALKER], env=env, cwd=REPO_ROOT, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def test_a_fault_parses_from_signal_phase_and_step() -> None:
+    assert faults.parse_fault("kill:forward:12") == faults.Fault("kill", "forward", 12)
+    assert faults.parse_fault("stop:exchange:1").spec == "stop:exchange:1"
+    for bad, words in [("kill:forward", "SIGNAL:PHASE:STEP"), ("term:forward:3", "signal"),
+                       ("kill:backward:3", "phase"), ("kill:forward:0", "step"), ("kill:forward:x", "step")]:
+        with pytest.raises(faults.FaultSpecError, match=words):
+            faults.parse_fault(bad)
+
+
+def test_a_fault_is_honoured_only_with_the_devtools_key() -> None:
+    assert faults.fault_from_environ({}) is None
+    assert faults.fault_from_environ({faults.FAULT_ENV: ""}) is None
+    with pytest.raises(faults.FaultSpecError, match=f"{faults.ENABLE_ENV} is not 1"):
+        faults.fault_from_environ({faults.FAULT_ENV: "kill:forward:3"})
+    with pytest.raises(faults.FaultSpecError, match=f"{faults.ENABLE_ENV} is not 1"):
+        faults.fault_from_environ({faults.FAULT_ENV: "kill:forward:3", faults.ENABLE_ENV: "yes"})
+    armed = {faults.FAULT_ENV: "kill:forward:3", faults.ENABLE_ENV: "1"}
+    assert faults.fault_from_environ(armed) == faults.Fault("kill", "forward", 3)
+
+
+def test_without_a_fault_every_phase_passes() -> None:
+    out, err = walker(None, enabled=False).communicate(timeout=60)
+    assert out.splitlines()[-1] == "done" and len(out.splitlines()) == 10, (out, err)
+
+
+def test_kill_ends_the_process_at_the_named_phase_and_step() -> None:
+    process = walker("kill:gradient-sent:2")
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGKILL
+    assert out.splitlines() == ["forward 1", "gradient-sent 1", "exchange 1", "forward 2"], err
+    assert "TEST HOOK ARMED" in err and "TEST HOOK FIRES: SIGKILL at phase 'gradient-sent' of step 2" in err
+
+
+def test_stop_freezes_the_process_until_it_is_continued_and_fires_once() -> None:
+    process = walker("stop:exchange:2")
+    try:
+        watched = psutil.Process(process.pid)
+        deadline = time.monotonic() + 60
+        while watched.status() != psutil.STATUS_STOPPED:
+            assert process.poll() is None and time.monotonic() < deadline, "the process never stopped itself"
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert watched.status() == psutil.STATUS_STOPPED  # it stays silent: nothing else wakes it
+        os.kill(process.pid, signal.SIGCONT)
+        out, err = process.communicate(timeout=60)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, err
+    lines = out.splitlines()
+    assert lines[lines.index("gradient-sent 2") + 1] == "exchange 2" and lines[-1] == "done"
+    assert len(lines) == 10  # every phase passed once, and "exchange 2" again without stopping
+    assert "continued after SIGSTOP at phase 'exchange' of step 2" in err
+
+
+def test_an_agent_with_an_unkeyed_fault_refuses_to_start(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != faults.ENABLE_ENV}
+    env.update({faults.FAULT_ENV: "kill:forward:3", "ARCEUS_NODE_TOKEN": "t" * 32, "PYTHONPATH": str(REPO_ROOT),
+                "XDG_CONFIG_HOME": str(tmp_path)})
+    result = subprocess.run([sys.executable, "-m", "nodeagent", "--control-plane", "http://127.0.0.1:9",
+                             "--device", "cpu"], env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert f"{faults.ENABLE_ENV} is not 1" in result.stderr
