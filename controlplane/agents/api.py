@@ -24,8 +24,8 @@ from controlplane.jobs.checkpoints import (
     checkpoint_upload_receive,
     job_initial_weights_slice_for_node,
     stage_checkpoint_for_node,
+    stage_checkpoint_open,
 )
-from controlplane.jobs.models import checkpoint_storage
 from controlplane.jobs.programs import job_program_layers_for_node
 from controlplane.nodes import schema
 from controlplane.nodes.authentication import IsNodeAgent, NodeTokenAuthentication
@@ -170,7 +170,7 @@ class AgentCheckpointApi(AgentApi):
     @extend_schema(responses={(200, "application/octet-stream"): bytes})
     def get(self, request: Request, checkpoint_id: str) -> FileResponse:
         sc = stage_checkpoint_for_node(node_id=request.auth.id, stage_checkpoint_id=checkpoint_id)
-        response = FileResponse(checkpoint_storage().open(sc.file.name, "rb"), content_type="application/octet-stream")
+        response = FileResponse(stage_checkpoint_open(sc), content_type="application/octet-stream")
         response["X-Checkpoint-SHA256"] = sc.sha256
         return response
 

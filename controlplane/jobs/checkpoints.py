@@ -266,6 +266,27 @@ def stage_checkpoint_for_node(*, node_id: Any, stage_checkpoint_id: str) -> Stag
     return sc
 
 
+def stage_checkpoint_open(sc: StageCheckpoint) -> BinaryIO:
+    """A stage checkpoint's file from the checkpoint storage, for the agent that loads it; every byte read from it
+    counts in arceus_checkpoint_bytes_read_total (a replica that joins from its peer reads none)."""
+    return _CountedReads(checkpoint_storage().open(sc.file.name, "rb"))  # type: ignore[return-value]
+
+
+class _CountedReads:
+    """A storage file whose reads add to arceus_checkpoint_bytes_read_total; anything else is the file's own."""
+
+    def __init__(self, file: Any) -> None:
+        self._file = file
+
+    def read(self, size: int = -1) -> bytes:
+        data = self._file.read(size)
+        metrics.CHECKPOINT_BYTES_READ.inc(len(data))
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._file, name)
+
+
 # What the model downloads as: our safetensors file, or a Hugging Face folder (a tar of it).
 MODEL_FORMATS = ("safetensors", "hf")
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 from django.db import IntegrityError
 from django.utils import timezone
+from prometheus_client import REGISTRY
 from rest_framework.test import APIClient
 
 from arceus.checkpoint import checkpoint_digest, decode_checkpoint, encode_checkpoint
@@ -340,6 +341,10 @@ def download(client: APIClient, url: str) -> Any:
     return response
 
 
+def bytes_read() -> float:
+    return REGISTRY.get_sample_value("arceus_checkpoint_bytes_read_total") or 0.0
+
+
 def test_the_hosting_agent_downloads_its_stage_checkpoint(running_job: Job, agents) -> None:
     checkpoint = save(running_job, 10)
     by_node = {node.id: client for node, client in agents}
@@ -347,8 +352,11 @@ def test_the_hosting_agent_downloads_its_stage_checkpoint(running_job: Job, agen
     files = stage_files(10)
     for index in range(3):
         sc = StageCheckpoint.objects.get(checkpoint=checkpoint, stage_index=index)
+        read_before = bytes_read()
         response = download(by_node[host[index]], f"/api/agent/checkpoints/{sc.id}")
         assert response.status_code == 200
+        # every byte served was read from the checkpoint storage, and counted
+        assert bytes_read() - read_before == files[index].path.stat().st_size
         assert response["Content-Type"] == "application/octet-stream"
         assert response["X-Checkpoint-SHA256"] == sc.sha256 == files[index].sha256
         assert response.body == files[index].path.read_bytes()
