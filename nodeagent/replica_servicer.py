@@ -106,9 +106,15 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
                     raise RpcFailure(
                         grpc.StatusCode.FAILED_PRECONDITION, f"replica {source.replica}'s state does not fit: {exc}"
                     ) from None
+                copied, held = hashlib.sha256(data).hexdigest(), state_digest(stage)
             finally:
                 stage.step_lock.release()
-            return replica_pb2.CopyStateReply(sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data))
+            if held != copied:
+                raise RpcFailure(
+                    grpc.StatusCode.DATA_LOSS,
+                    f"{stage.name} loaded replica {source.replica}'s state (sha256 {copied}) but holds sha256 {held}",
+                )
+            return replica_pb2.CopyStateReply(sha256=copied, size_bytes=len(data), state_sha256=held)
 
         return serve(context, "CopyState", copy)
 
@@ -142,6 +148,15 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
                 stage.step_lock.release()
 
         return serve(context, "Holdings", holdings)
+
+
+def state_digest(stage: HostedStage) -> str:
+    """The SHA-256 (hex) of the stage's state (weights and optimizer state) as Snapshot streams it."""
+    digest = hashlib.sha256()
+    _, chunks = state_chunks(dict(stage.runtime.state_items(include_optimizer_state=True)))
+    for chunk in chunks:
+        digest.update(chunk)
+    return digest.hexdigest()
 
 
 def replica_digest(context: grpc.ServicerContext) -> str | None:

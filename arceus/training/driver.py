@@ -43,6 +43,7 @@ from arceus.training.audit import Auditor
 from arceus.training.plan import (
     EpochResult,
     ProgressSink,
+    ReplicaJoin,
     StageEndpoint,
     StageStateFile,
     StageTiming,
@@ -366,7 +367,9 @@ class Pipeline:
             source = self.replica_clients[(endpoint.index, min(roster.members()[endpoint.index]))].endpoint
             client = self._client(endpoint)
             try:
-                sha256, size = client.copy_state(source)
+                sha256, size, held = client.copy_state(source)
+                if held != sha256:
+                    raise ValueError(f"it copied state of sha256 {sha256} but holds sha256 {held}")
                 roster.add(endpoint, self.plan.micro_batches)
             except (grpc.RpcError, ValueError) as exc:
                 client.close()
@@ -375,6 +378,8 @@ class Pipeline:
             self.replica_clients[key] = client
             log.info("job %s: stage %d replica %d joined with %d bytes of state (sha256 %s) from replica %d",
                      self.plan.job_id, *key, size, sha256, source.replica)
+            if self.plan.replica_joined is not None:
+                self.plan.replica_joined(ReplicaJoin(*key, source.replica, size, sha256, held))
 
     def _replicated_attempt(
         self, roster: ReplicaRoster, step: int, routes: Routes, x: torch.Tensor, y: torch.Tensor, *, train: bool,

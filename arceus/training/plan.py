@@ -19,6 +19,19 @@ from arceus.pipeline.schedule import SCHEDULES
 
 
 @dataclass(frozen=True)
+class ReplicaJoin:
+    """A replica that joined a running job's stage: the live replica it copied the stage's state from, the bytes
+    copied, their SHA-256, and the SHA-256 of the state the joiner then held (equal: it starts as its peer is)."""
+
+    index: int
+    replica: int
+    source_replica: int
+    size_bytes: int
+    sha256: str
+    state_sha256: str
+
+
+@dataclass(frozen=True)
 class RankEndpoint:
     """Another agent of a tensor-parallel stage: rank 1, 2, ... (the stage's endpoint is its rank 0)."""
 
@@ -86,6 +99,8 @@ class TrainPlan:
     # Asked before every step of replicated stages: (stage index, replica id) of every replica still placed. A
     # member not among them leaves the roster (its node was taken off the job) unless it is its stage's last.
     replica_placed: Callable[[], Collection[tuple[int, int]]] | None = None
+    # Told of every replica that joined: what it copied from which live replica (the control plane shows it).
+    replica_joined: Callable[[ReplicaJoin], object] | None = None
 
     def check(self) -> None:
         """Raise SpecError if the plan cannot be run (the dataset is checked when it is loaded)."""

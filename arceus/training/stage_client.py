@@ -81,10 +81,11 @@ class StageClient:
         )
         return self._stub.RunStep.future(request, timeout=self.timeout)
 
-    def copy_state(self, source: StageEndpoint) -> tuple[str, int]:
+    def copy_state(self, source: StageEndpoint) -> tuple[str, int, str]:
         """Have this (joining) replica copy its stage's state from the live replica `source`, peer to peer; (the
-        SHA-256 in hex, the size) of what it copied. The request carries the driver's grant, which `source`
-        checks against the joiner's replica token: no other replica may copy it."""
+        SHA-256 in hex, the size) of what it copied, and the SHA-256 of the state it then holds. The request carries
+        the driver's grant, which `source` checks against the joiner's replica token: no other replica may copy
+        it."""
         peer = stage_pb2.ReplicaPeer(
             stage_index=source.index, replica=source.replica, address=source.address, certificate=source.certificate
         )
@@ -92,7 +93,7 @@ class StageClient:
         grant = join_grant(replica_token(self._credential, source.index, source.replica), joiner)
         request = replica_pb2.CopyStateRequest(target=self.ref, source=peer, grant=grant)
         reply = self._replicas.CopyState(request, timeout=self.timeout)
-        return reply.sha256, reply.size_bytes
+        return reply.sha256, reply.size_bytes, reply.state_sha256
 
     def holdings(self, step: int) -> grpc.Future:
         """What this replica holds of `step` (a future of its HoldingsReply), answered once its step stopped."""

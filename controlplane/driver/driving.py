@@ -25,12 +25,12 @@ from arceus.contracts.transfer import transfer_config_from_json
 from arceus.errors import SpecError
 from arceus.model.expected_state import optimizer_kind
 from arceus.training.driver import DriverError, train
-from arceus.training.plan import TrainPlan
+from arceus.training.plan import ReplicaJoin, TrainPlan
 from controlplane.common import metrics
 from controlplane.common.db import reconnecting
 from controlplane.common.errors import ApplicationError
 from controlplane.datasets.selectors import dataset_open
-from controlplane.driver.progress import job_finish, job_record_failure
+from controlplane.driver.progress import job_finish, job_record_failure, stage_record_joined
 from controlplane.driver.sink import DbProgressSink
 from controlplane.jobs.credentials import job_driver_token
 from controlplane.jobs.leases import job_driver_claim, job_driver_interrupted, job_driver_renew
@@ -55,7 +55,7 @@ def job_drive(*, job_id: str) -> str:
             LeaseRenewer(job_id=str(job.id), owner=owner, on_lost=sink.lose_lease),
             metrics.DRIVERS_RUNNING.track_inprogress(),
         ):
-            result = train(train_plan(job), sink)
+            result = train(train_plan(job, lease_owner=owner), sink)
     except SpecError as exc:
         metrics.DRIVER_FAILURES.labels(reason="invalid").inc()
         message = str(exc)
@@ -103,15 +103,22 @@ def job_drive(*, job_id: str) -> str:
     return "succeeded" if finished else "stopped"
 
 
+def _record_join(join: ReplicaJoin, *, job_id: str, lease_owner: str, generation: int) -> None:
+    """What a joining replica copied, on its placement row (through a database restart, as the driver's progress)."""
+    reconnecting(lambda: stage_record_joined(job_id=job_id, lease_owner=lease_owner, generation=generation, join=join),
+                 what=f"job {job_id}: recording a replica's join", for_seconds=settings.ARCEUS_DRIVER_LEASE_SECONDS)
+
+
 def _recorded(call: Callable[[], R], what: str) -> R:
     """The driver's last word on its job (its end, failure or interruption), written through a database
     restart: retried with a fresh connection for as long as its lease could still be held."""
     return reconnecting(call, what=what, for_seconds=settings.ARCEUS_DRIVER_LEASE_SECONDS)
 
 
-def train_plan(job: Job) -> TrainPlan:
+def train_plan(job: Job, *, lease_owner: str | None = None) -> TrainPlan:
     """The plan of the job's driver at its generation; a replicated job's roster starts from the replicas placed
-    with it, and learns between steps of those that join (`replica_joins`) or were taken off (`replica_placed`)."""
+    with it, and learns between steps of those that join (`replica_joins`) or were taken off (`replica_placed`).
+    With `lease_owner` (the driver's), what each joiner copied is recorded on its placement row."""
     replicas = job_replica_endpoints(job=job, joining=False) if job.replicated else ()
     lowest = {e.index: e for e in reversed(replicas)}
     return TrainPlan(
@@ -122,6 +129,8 @@ def train_plan(job: Job) -> TrainPlan:
         replica_joins=functools.partial(job_replica_endpoints, job=job, joining=True) if replicas else None,
         replica_placed=functools.partial(job_replicas_placed, job_id=str(job.id), generation=job.generation)
         if replicas else None,
+        replica_joined=functools.partial(_record_join, job_id=str(job.id), lease_owner=lease_owner,
+                                         generation=job.generation) if replicas and lease_owner else None,
         dataset=job.dataset_config,
         epochs=job.epochs,
         learning_rate=job.learning_rate,

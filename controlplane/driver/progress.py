@@ -20,7 +20,7 @@ from arceus.contracts.counters import StageCounters
 from arceus.contracts.status import JobStatus
 from arceus.errors import SpecError
 from arceus.model.registry import model_spec_from_config
-from arceus.training.plan import StageTiming
+from arceus.training.plan import ReplicaJoin, StageTiming
 from controlplane.common.dispatch import reconcile_soon
 from controlplane.jobs.leases import held, renewed
 from controlplane.jobs.models import EpochMetric, Job, LossPoint, Stage, StageContribution
@@ -154,6 +154,18 @@ def job_record_epoch(
         defaults={"val_loss": _finite(val_loss), "val_accuracy": _finite(val_accuracy)},
     )
     _record_counters(job_id, stages, now)
+    return True
+
+
+def stage_record_joined(*, job_id: Any, lease_owner: str, generation: int, join: ReplicaJoin) -> bool:
+    """Record, on its placement row, that a joining replica copied its stage's state from a live replica (the
+    driver's word: bytes and digests); False without the lease."""
+    if not held(job_id, lease_owner).filter(generation=generation).exists():
+        return False
+    Stage.objects.filter(
+        job_id=job_id, index=join.index, replica=join.replica, generation=generation, active=True
+    ).update(joined={"from_replica": join.source_replica, "size_bytes": join.size_bytes, "sha256": join.sha256,
+                     "state_sha256": join.state_sha256})
     return True
 
 

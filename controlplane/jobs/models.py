@@ -198,6 +198,13 @@ class Stage(BaseModel):
     # replica's state into it before it takes micro-batches. A rewind clears it (every row rebuilds from the
     # checkpoint).
     joining = models.BooleanField(default=False)
+    # Once a joining replica copied its stage's state from a live one (the driver's record): {"from_replica",
+    # "size_bytes", "sha256" (of what it copied), "state_sha256" (of the state it then held)}; None before.
+    joined = models.JSONField(
+        null=True, blank=True,
+        help_text="A joining replica's copy of its stage's state from a live replica: from_replica, size_bytes, "
+        "sha256, state_sha256.",
+    )
     layer_start = models.PositiveIntegerField()
     layer_end = models.PositiveIntegerField()
     node = models.ForeignKey(Node, on_delete=models.SET_NULL, null=True, blank=True, related_name="stages")

@@ -211,6 +211,13 @@ class ConditionOutput(serializers.Serializer):
     last_transition_time = serializers.DateTimeField()
 
 
+class JoinedOutput(serializers.Serializer):
+    from_replica = serializers.IntegerField(help_text="the live replica whose state it copied, peer to peer")
+    size_bytes = serializers.IntegerField(help_text="bytes of state copied (weights and optimizer state)")
+    sha256 = serializers.CharField(help_text="of the state copied")
+    state_sha256 = serializers.CharField(help_text="of the state it held once loaded")
+
+
 class PlacementOutput(serializers.Serializer):
     """One node's part of a stage: the whole stage, one rank of a tensor-parallel stage, or one replica of a
     replicated stage (its counters: the micro-batches the driver saw it process in the current generation)."""
@@ -229,6 +236,11 @@ class PlacementOutput(serializers.Serializer):
     replica = serializers.IntegerField(help_text="replica id in a replicated stage (0 for a one-node stage)")
     joining = serializers.BooleanField(
         help_text="added while the job ran: it copies a live replica's state, then takes micro-batches"
+    )
+    joined = JoinedOutput(
+        allow_null=True,
+        help_text="a replica added while the job ran, once it copied its stage's state from a live replica: from "
+        "which, how many bytes, their SHA-256 and that of the state it then held (equal); null otherwise",
     )
     layer_start = serializers.IntegerField()
     layer_end = serializers.IntegerField()

@@ -22,6 +22,7 @@ import signal
 import tempfile
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from arceus.contracts.assignment import max_micro_batch_size
 from arceus.contracts.credentials import REPLICA_METADATA_KEY, join_grant, replica_token, token_digest
 from arceus.data.config import validate_dataset_config
 from arceus.training.driver import DriverError, train
-from arceus.training.plan import StageEndpoint, StepProgress, TrainPlan
+from arceus.training.plan import ReplicaJoin, StageEndpoint, StepProgress, TrainPlan
 from arceus.training.recording import RecordingSink
 from arceus.training.stage_client import StageClient
 from arceus.v1 import replica_pb2, replica_pb2_grpc, stage_pb2
@@ -132,7 +133,8 @@ def test_a_replica_killed_mid_run_costs_no_rewind_and_training_ends_where_one_pr
 ) -> None:
     started, addresses = agents
     sink = KillingSink({(1, 1): started[3]}, KILLED_AFTER)
-    plan = plan_of("churn", addresses, sink.steps)
+    joins: list[ReplicaJoin] = []
+    plan = replace(plan_of("churn", addresses, sink.steps), replica_joined=joins.append)
     sink.watch(plan, replica_endpoints(addresses["churn"], [0, 1, 2, 3])[1])
     try:
         result = train(plan, sink)
@@ -162,6 +164,12 @@ def test_a_replica_killed_mid_run_costs_no_rewind_and_training_ends_where_one_pr
     taken = [next(c.micro_batches for c in p.stages if c.node_id == "agent-1-2") for p in sink.steps[JOINS_AFTER:]]
     assert taken[0] > 0 and all(b > a for a, b in zip(taken, taken[1:], strict=False)), taken
     assert all(SPARE in digests for digests in sink.digests[JOINS_AFTER:])
+    # what the driver was told of the join: the whole stage's state (weights and momentum) from its live peer, and
+    # the joiner then held exactly what it copied
+    [join] = joins
+    weights = sum(t.numel() * t.element_size() for name, t in expected.weights.items() if name.startswith("layers.1."))
+    assert (join.index, join.replica, join.source_replica) == (*SPARE, 0) and join.size_bytes >= 2 * weights
+    assert join.sha256 == join.state_sha256 and len(join.sha256) == 64
 
 
 def test_a_stage_that_loses_every_replica_fails_the_step_as_an_unreplicated_pipeline_does(

@@ -4,12 +4,14 @@ assignments and driver plan each replica gets, and what GET /api/jobs/ID shows."
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 
 from django.utils import timezone
 
 from arceus.contracts.assignment import Assignment
 from arceus.contracts.credentials import replica_token
+from arceus.training.plan import ReplicaJoin
 from controlplane.agents.services import node_heartbeat
 from controlplane.controller.actions import PlannedStage, ServeJob
 from controlplane.controller.executor import reconcile_once
@@ -104,7 +106,7 @@ def test_a_lost_replica_is_replaced_at_the_same_generation_and_the_api_lists_rep
     generation = job.generation
     Job.objects.filter(pk=job.pk).update(status="running", driver_lease_owner="d",
                                          driver_lease_expires_at=timezone.now() + timedelta(seconds=60))
-    plan = train_plan(Job.objects.get(pk=job.pk))
+    plan = train_plan(Job.objects.get(pk=job.pk), lease_owner="d")
     assert [(e.index, e.replica) for e in plan.replicas] == [(i, r) for i in range(3) for r in range(2)]
     assert [e.replica for e in plan.stages] == [0, 0, 0] and plan.replica_joins() == ()
     assert plan.replica_placed() == {(i, r) for i in range(3) for r in range(2)}
@@ -138,6 +140,18 @@ def test_a_lost_replica_is_replaced_at_the_same_generation_and_the_api_lists_rep
     replicas = [(p["stage_index"], p["replica"], p["node_name"], p["joining"]) for p in detail["placements"]]
     assert (1, 2, "spare", True) in replicas and len(replicas) == 6
     assert all("micro_batches" in p and "state" in p for p in detail["placements"])
+    assert all(p["joined"] is None for p in detail["placements"])
+
+    # once it copied a live replica's state, the driver records what it copied on its row; a driver that lost the
+    # lease records nothing
+    copied = ReplicaJoin(1, 2, source_replica=0, size_bytes=4096, sha256="a" * 64, state_sha256="a" * 64)
+    train_plan(Job.objects.get(pk=job.pk), lease_owner="another").replica_joined(replace(copied, size_bytes=1))
+    assert Stage.objects.get(pk=joiner.pk).joined is None
+    plan.replica_joined(copied)
+    detail = api.get(f"/api/jobs/{job.id}").json()
+    joined = {(p["stage_index"], p["replica"]): p["joined"] for p in detail["placements"]}
+    assert joined.pop((1, 2)) == {"from_replica": 0, "size_bytes": 4096, "sha256": "a" * 64, "state_sha256": "a" * 64}
+    assert set(joined.values()) == {None}
     assert reconcile_once(now=now).applied == []  # at its max: steady
 
 

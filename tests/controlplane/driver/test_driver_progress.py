@@ -144,6 +144,7 @@ def test_the_detail_shows_progress_placements_and_curves(running_job: Job, api: 
         "rank": 0,
         "replica": 0,
         "joining": False,
+        "joined": None,
         "layer_start": 0,
         "layer_end": 1,
         "node_id": str(stage.node_id),
