@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import io
 import json
 import time
 from collections.abc import Iterator
@@ -21,10 +22,12 @@ import grpc
 from arceus.checkpoint import decode_checkpoint, state_chunks
 from arceus.contracts.certificates import check_certificate
 from arceus.contracts.credentials import REPLICA_METADATA_KEY, Role, join_grant
+from arceus.safetensors_file import tensor_layouts
 from arceus.v1 import replica_pb2, replica_pb2_grpc, stage_pb2
 from nodeagent.callers import DRIVER_ONLY, authorize, metadata_digest, not_allowed, presented_digest
 from nodeagent.hosting import HostedStages
 from nodeagent.rpc import RpcFailure, call_deadline, serve
+from nodeagent.runtime import StageRuntime
 from nodeagent.stage import HostedStage
 
 SIBLINGS = frozenset({Role.SIBLING})
@@ -106,7 +109,7 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
                     raise RpcFailure(
                         grpc.StatusCode.FAILED_PRECONDITION, f"replica {source.replica}'s state does not fit: {exc}"
                     ) from None
-                copied, held = hashlib.sha256(data).hexdigest(), state_digest(stage)
+                copied, held = hashlib.sha256(data).hexdigest(), state_digest(stage.runtime, order=data)
             finally:
                 stage.step_lock.release()
             if held != copied:
@@ -117,7 +120,6 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
             return replica_pb2.CopyStateReply(sha256=copied, size_bytes=len(data), state_sha256=held)
 
         return serve(context, "CopyState", copy)
-
 
     def Holdings(
         self, request: replica_pb2.HoldingsRequest, context: grpc.ServicerContext
@@ -150,10 +152,16 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
         return serve(context, "Holdings", holdings)
 
 
-def state_digest(stage: HostedStage) -> str:
-    """The SHA-256 (hex) of the stage's state (weights and optimizer state) as Snapshot streams it."""
+def state_digest(runtime: StageRuntime, *, order: bytes) -> str:
+    """The SHA-256 (hex) of a stage's state (weights and optimizer state) written as Snapshot writes it, its
+    tensors in the order of the state file `order` (a loaded optimizer may keep its entries in another order than
+    the one that wrote them): the file's own digest exactly when this stage holds every tensor of it, bit for bit."""
+    held = dict(runtime.state_items(include_optimizer_state=True))
+    names = list(tensor_layouts(io.BytesIO(order), len(order)))
+    if set(names) == set(held):
+        held = {name: held[name] for name in names}
     digest = hashlib.sha256()
-    _, chunks = state_chunks(dict(stage.runtime.state_items(include_optimizer_state=True)))
+    _, chunks = state_chunks(held)
     for chunk in chunks:
         digest.update(chunk)
     return digest.hexdigest()
