@@ -2,18 +2,21 @@
 a named phase of a named step, so a test loses a replica at a point of the step it chose, not at a moment it guessed.
 
 It is armed by two environment variables, read once when the agent starts (`arm`, from nodeagent.runner):
-- `ARCEUS_AGENT_FAULT=SIGNAL:PHASE:STEP`, e.g. `kill:forward:12` or `stop:exchange:5`. SIGNAL is `kill` (SIGKILL:
-  the agent vanishes) or `stop` (SIGSTOP: it falls silent, keeping its state, until someone sends SIGCONT). STEP is
-  the RunStep's step (the driver's call id: the job's training step while no evaluation or retried attempt came
-  before it). PHASE is one of `PHASES`: `forward` (a train micro-batch's forward computed, its output not yet sent
-  on), `gradient-sent` (every activation and gradient of the step delivered to the neighbours, before the replicas'
-  gradient exchange and the optimizer step), `exchange` (a replica's gradient exchange: its own shards pushed to
-  its siblings, their reduced sums not yet received).
+- `ARCEUS_AGENT_FAULT=SIGNAL:PHASE:STEP[:STAGE:REPLICA]`, e.g. `kill:forward:12` or `stop:exchange:5:1:0`.
+  SIGNAL is `kill` (SIGKILL: the agent vanishes) or `stop` (SIGSTOP: it falls silent, keeping its state, until
+  someone sends SIGCONT). STEP is the RunStep's step (the driver's call id: the job's training step while no
+  evaluation or retried attempt came before it). PHASE is one of `PHASES`: `forward` (a train micro-batch's forward
+  computed, its output not yet sent on), `gradient-sent` (every activation and gradient of the step delivered to the
+  neighbours, before the replicas' gradient exchange and the optimizer step), `exchange` (a replica's gradient
+  exchange: its own shards pushed to its siblings, their reduced sums not yet received). STAGE and REPLICA
+  (optional, together): only where the agent hosts that replica of that stage (replica 0 for a stage that is not
+  replicated), so every agent of a test may be armed alike before the control plane places them, and only the one
+  placed there fires.
 - `ARCEUS_DEVTOOLS_FAULTS=1`: the second key, which only devtools (devtools.cluster.LocalCluster.start_agents with
   `fault=`) sets. A fault without it is refused: the agent does not start.
 
 An armed agent logs a CRITICAL line at start and another just before it signals itself; it fires once. Nothing else
-in the agent changes. The call sites are one line each (`reached(phase, step)`), in nodeagent.step and
+in the agent changes. The call sites are one line each (`reached(phase, step, stage=, replica=)`), in nodeagent.step and
 nodeagent.replicas.
 """
 
@@ -43,25 +46,35 @@ class Fault:
     signal_name: str  # a key of SIGNALS
     phase: str  # one of PHASES
     step: int
+    stage: int | None = None  # with `replica`: only there
+    replica: int | None = None
 
     @property
     def spec(self) -> str:
-        return f"{self.signal_name}:{self.phase}:{self.step}"
+        where = "" if self.stage is None else f":{self.stage}:{self.replica}"
+        return f"{self.signal_name}:{self.phase}:{self.step}{where}"
 
 
 def parse_fault(spec: str) -> Fault:
-    """`SIGNAL:PHASE:STEP` as a Fault; FaultSpecError naming what is wrong."""
+    """`SIGNAL:PHASE:STEP[:STAGE:REPLICA]` as a Fault; FaultSpecError naming what is wrong."""
     parts = spec.strip().split(":")
-    if len(parts) != 3:
-        raise FaultSpecError(f"{FAULT_ENV} must be SIGNAL:PHASE:STEP (e.g. kill:forward:12), got {spec!r}")
-    name, phase, step = parts
+    if len(parts) not in (3, 5):
+        raise FaultSpecError(
+            f"{FAULT_ENV} must be SIGNAL:PHASE:STEP[:STAGE:REPLICA] (e.g. kill:forward:12:1:0), got {spec!r}"
+        )
+    name, phase, step = parts[:3]
     if name not in SIGNALS:
         raise FaultSpecError(f"{FAULT_ENV}: the signal must be one of {', '.join(SIGNALS)}, got {name!r}")
     if phase not in PHASES:
         raise FaultSpecError(f"{FAULT_ENV}: the phase must be one of {', '.join(PHASES)}, got {phase!r}")
     if not step.isdigit() or int(step) < 1:
         raise FaultSpecError(f"{FAULT_ENV}: the step must be a positive integer, got {step!r}")
-    return Fault(name, phase, int(step))
+    if len(parts) == 3:
+        return Fault(name, phase, int(step))
+    stage, replica = parts[3:]
+    if not (stage.isdigit() and replica.isdigit()):
+        raise FaultSpecError(f"{FAULT_ENV}: the stage and replica must be integers >= 0, got {stage!r}, {replica!r}")
+    return Fault(name, phase, int(step), int(stage), int(replica))
 
 
 def fault_from_environ(environ: Mapping[str, str]) -> Fault | None:
@@ -90,8 +103,9 @@ def arm(environ: Mapping[str, str]) -> Fault | None:
     _Armed.fault = fault
     if fault is not None:
         log.critical(
-            "TEST HOOK ARMED (%s=%s): this agent will %s itself at phase %r of step %d; never set it outside tests",
+            "TEST HOOK ARMED (%s=%s): this agent will %s itself at phase %r of step %d%s; never set it outside tests",
             FAULT_ENV, fault.spec, SIGNALS[fault.signal_name].name, fault.phase, fault.step,
+            "" if fault.stage is None else f" of stage {fault.stage} replica {fault.replica}",
         )
     return fault
 
@@ -100,15 +114,18 @@ def disarm() -> None:
     _Armed.fault = None
 
 
-def reached(phase: str, step: int) -> None:
-    """A stage of this agent is at `phase` of `step`: if that is the armed fault's, signal this process (a SIGSTOP
-    returns once someone sends SIGCONT). Nothing otherwise."""
+def reached(phase: str, step: int, *, stage: int, replica: int) -> None:
+    """Replica `replica` of stage `stage` (0: not replicated) on this agent is at `phase` of `step`: if that is the
+    armed fault's, signal this process (a SIGSTOP returns once someone sends SIGCONT). Nothing otherwise."""
     fault = _Armed.fault
     if fault is None or fault.phase != phase or fault.step != step:
         return
+    if fault.stage is not None and (fault.stage, fault.replica) != (stage, replica):
+        return
     _Armed.fault = None
     sig = SIGNALS[fault.signal_name]
-    log.critical("TEST HOOK FIRES: %s at phase %r of step %d", sig.name, phase, step)
+    log.critical("TEST HOOK FIRES: %s at phase %r of step %d (stage %d replica %d)", sig.name, phase, step, stage,
+                 replica)
     for handler in logging.getLogger().handlers:  # the line must reach the log before the process is gone
         handler.flush()
     sys.stderr.flush()

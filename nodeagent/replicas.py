@@ -278,7 +278,8 @@ class ReplicaExchange:
             if chunk.owner != self.replica:
                 for start, end in shard_bounds(chunk, _FLOAT32_BYTES):
                     push(chunk.owner, replica_pb2.REDUCE, start, flat[start:end])
-        faults.reached("exchange", step)  # a test hook: this replica's shards are out, the sums not yet back
+        # A test hook (nodeagent.faults): this replica's shards are out, the sums not yet back.
+        faults.reached("exchange", step, stage=self.stage_index, replica=self.replica)
         out = torch.empty_like(flat)
         others = [k for k in members if k != self.replica]
         for chunk in chunks:

@@ -83,6 +83,7 @@ class StepRun:
             planner=solo_planner(schedule, a.num_stages, request.num_micro_batches, self.train) if borrows else None,
             arrived=self._arrived,
         )
+        self._where = {"stage": a.stage_index, "replica": a.replica or 0}  # for the fault hook (nodeagent.faults)
         self._forward_sizes: dict[int, int] = {}
         self.wait_seconds = 0.0  # waiting for inputs and for sends: the bubble this stage sees
         self._results: dict[int, tuple[float, int, int]] = {}
@@ -115,7 +116,7 @@ class StepRun:
             with self._waiting():
                 self.pushes.wait_all()
             if self.train:
-                faults.reached("gradient-sent", self.step)
+                faults.reached("gradient-sent", self.step, **self._where)
             sync = self.stage.assignment.replica_sync
             members = () if self.replicas is None else self.replicas.members(self.stage.io.stage_index)
             if held is not None:
@@ -294,14 +295,14 @@ class StepRun:
             if record is not None:
                 record.forwarded = True
             if self.train:
-                faults.reached("forward", self.step)
+                faults.reached("forward", self.step, **self._where)
             return
         with self._computing(index, len(x)):
             out = runtime.forward(key, x) if self.train else runtime.eval_forward(x)
         if record is not None:
             record.forwarded = True
         if self.train:
-            faults.reached("forward", self.step)
+            faults.reached("forward", self.step, **self._where)
         if a.sends_on:  # ranks 1.. of a tensor-parallel stage compute the same output as rank 0
             links, replica = self._links(a.stage_index + 1, m, stage.next_links)
             if held is None:

@@ -23,9 +23,10 @@ from nodeagent import faults
 faults.arm(os.environ)
 for step in (1, 2, 3):
     for phase in faults.PHASES:
-        faults.reached(phase, step)
+        faults.reached(phase, step, stage=0, replica=1)  # another replica than a fault for one names
+        faults.reached(phase, step, stage=1, replica=0)
         print(phase, step, flush=True)
-faults.reached("exchange", 2)  # the fault fired once: reaching it again does nothing
+faults.reached("exchange", 2, stage=1, replica=0)  # the fault fired once: reaching it again does nothing
 print("done", flush=True)
 """
 
@@ -44,8 +45,11 @@ def walker(spec: str | None, *, enabled: bool = True) -> subprocess.Popen[str]:
 def test_a_fault_parses_from_signal_phase_and_step() -> None:
     assert faults.parse_fault("kill:forward:12") == faults.Fault("kill", "forward", 12)
     assert faults.parse_fault("stop:exchange:1").spec == "stop:exchange:1"
+    assert faults.parse_fault("stop:exchange:4:1:0") == faults.Fault("stop", "exchange", 4, stage=1, replica=0)
+    assert faults.parse_fault("stop:exchange:4:1:0").spec == "stop:exchange:4:1:0"
     for bad, words in [("kill:forward", "SIGNAL:PHASE:STEP"), ("term:forward:3", "signal"),
-                       ("kill:backward:3", "phase"), ("kill:forward:0", "step"), ("kill:forward:x", "step")]:
+                       ("kill:backward:3", "phase"), ("kill:forward:0", "step"), ("kill:forward:x", "step"),
+                       ("kill:forward:3:1", "SIGNAL:PHASE:STEP"), ("kill:forward:3:1:-1", "stage and replica")]:
         with pytest.raises(faults.FaultSpecError, match=words):
             faults.parse_fault(bad)
 
@@ -71,11 +75,11 @@ def test_kill_ends_the_process_at_the_named_phase_and_step() -> None:
     out, err = process.communicate(timeout=60)
     assert process.returncode == -signal.SIGKILL
     assert out.splitlines() == ["forward 1", "gradient-sent 1", "exchange 1", "forward 2"], err
-    assert "TEST HOOK ARMED" in err and "TEST HOOK FIRES: SIGKILL at phase 'gradient-sent' of step 2" in err
+    assert "TEST HOOK ARMED" in err and "TEST HOOK FIRES: SIGKILL at phase 'gradient-sent' of step 2 (stage 0" in err
 
 
 def test_stop_freezes_the_process_until_it_is_continued_and_fires_once() -> None:
-    process = walker("stop:exchange:2")
+    process = walker("stop:exchange:2:1:0")
     try:
         watched = psutil.Process(process.pid)
         deadline = time.monotonic() + 60
