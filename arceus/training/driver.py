@@ -15,7 +15,7 @@ import math
 import queue
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -64,6 +64,10 @@ _ACTIVATION, _LABELS = stage_pb2.ACTIVATION, stage_pb2.LABELS
 # How long a replica's agent has to answer a health check after a failed step before it counts as lost (one that
 # refuses the connection counts as lost at once: it was serving the step a moment ago).
 LIVENESS_SECONDS = 3.0
+# While a step of replicated stages is outstanding, how often the driver asks whether the control plane still places
+# every member (`TrainPlan.replica_placed`): a member whose agent fell silent (SIGSTOP, a frozen host) answers no
+# refusal, and its node's loss is found sooner than the step's RPC deadline.
+WATCH_SECONDS = 1.0
 
 
 class DriverError(RuntimeError):
@@ -310,6 +314,31 @@ class Pipeline:
             return None, f"the repair's epoch {plan.epoch} is not the roster's {self.roster.epoch}"
         return plan, ""
 
+    def _placed_watch(self, members: Sequence[StageClient]) -> Callable[[], DriverError | None] | None:
+        """What `_await_all` asks while a step of `members` is outstanding: a DriverError once the control plane no
+        longer places one of them and its agent does not answer either (a silent node, lost), so the step is given up
+        and the replica dropped. One taken off that still answers (a paused node's) finishes the step."""
+        placed_now = self.plan.replica_placed
+        if placed_now is None:
+            return None
+
+        def watch() -> DriverError | None:
+            placed = placed_now()
+            gone = [c for c in members if (c.endpoint.index, c.endpoint.replica) not in placed]
+            if not gone:
+                return None
+            answering = agents_answering([(c.endpoint.address, c.endpoint.certificate) for c in gone],
+                                         timeout=LIVENESS_SECONDS, concurrency=len(gone), refused_is_down=True)
+            silent = [c for c, up in zip(gone, answering, strict=True) if not up]
+            if not silent:
+                return None
+            return DriverError(
+                f"{silent[0].describe()} fell silent mid-step and the control plane took it off the job (its node "
+                "was lost)", stage_index=silent[0].endpoint.index, code="UNAVAILABLE",
+            )
+
+        return watch
+
     def _drop_lost(self, roster: ReplicaRoster, exc: DriverError) -> list[ReplicaKey]:
         """After `exc`, the replicas whose agents no longer answer, taken off the roster; `exc` again when every
         replica answers (the failure was not a loss), a DriverError when a stage lost every replica."""
@@ -434,7 +463,9 @@ class Pipeline:
         for i, (_, _, future) in enumerate(runs):
             future.add_done_callback(lambda _f, i=i: answered.setdefault(i, time.perf_counter()))
         # The driver's own pushes are left to finish when a call fails: a repair then knows what they delivered.
-        replies: list[stage_pb2.RunStepReply] = _await_all(calls + runs, cancel_from=len(calls))[len(calls) :]
+        replies: list[stage_pb2.RunStepReply] = _await_all(
+            calls + runs, cancel_from=len(calls), watch=self._placed_watch(agents)
+        )[len(calls) :]
         per_micro_batch: dict[int, tuple[float, int, int]] = {}
         for c, r in zip(agents, replies, strict=True):
             routed = routes.micro_batches_of(c.endpoint.index, c.endpoint.replica)
@@ -699,15 +730,30 @@ def _timing(index: int, reply: stage_pb2.RunStepReply, wall_seconds: float) -> S
     return StageTiming(index, bounded(reply.compute_seconds), bounded(reply.wait_seconds), wall_seconds)
 
 
-def _await_all(calls: list[tuple[StageClient, str, grpc.Future | Future[None]]], *, cancel_from: int = 0) -> list:
+def _await_all(
+    calls: list[tuple[StageClient, str, grpc.Future | Future[None]]],
+    *,
+    cancel_from: int = 0,
+    watch: Callable[[], DriverError | None] | None = None,
+) -> list:
     """Results of all calls in order; the first failure cancels the others from index `cancel_from` on (those
-    before it are left to finish) and raises DriverError."""
+    before it are left to finish) and raises DriverError. `watch`: asked every WATCH_SECONDS while calls are
+    outstanding; a DriverError it returns cancels them (from `cancel_from` on) and is raised."""
     done: queue.SimpleQueue[int] = queue.SimpleQueue()
     for index, (_, _, future) in enumerate(calls):
         future.add_done_callback(lambda _f, i=index: done.put(i))
     results: list = [None] * len(calls)
     for _ in calls:
-        index = done.get()  # every call has a deadline, so each completes
+        while True:
+            try:
+                index = done.get(timeout=None if watch is None else WATCH_SECONDS)  # every call has a deadline
+                break
+            except queue.Empty:
+                given_up = watch() if watch is not None else None
+                if given_up is not None:
+                    for _, _, other in calls[cancel_from:]:
+                        other.cancel()
+                    raise given_up from None
         client, what, future = calls[index]
         error = future.exception()
         if error is not None:
