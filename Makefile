@@ -35,9 +35,9 @@ demo: install
 
 # The suite runs against the real PostgreSQL and Redis of the machine (override by URL). The fast tests run on two
 # pytest-xdist workers (each with a test database and a Redis database of its own, tests/conftest.py: 14 and 15
-# here); then the slow ones, which start processes of their own (agents, clusters), also on two workers: the
-# end-to-end tests and the agent's timing-sensitive ones one after another on one (tests/conftest.py SERIAL_PATHS),
-# the rest beside them. Both parts always run; `make test PYTEST_ARGS=tests/x` passes arguments to both.
+# here); then the slow ones, which start processes of their own (agents, clusters), also on two workers, a file's
+# tests on one (its module fixtures built once; each worker's end-to-end tests share one cluster, tests/e2e/conftest.py).
+# Both parts always run; `make test PYTEST_ARGS=tests/x` passes arguments to both.
 TEST_DATABASE_URL ?= postgres://postgres@127.0.0.1:5432/arceus
 TEST_REDIS_URL ?= redis://127.0.0.1:6379/14
 TEST_WORKERS ?= 2
@@ -47,7 +47,7 @@ TEST_ENV = DATABASE_URL=$(TEST_DATABASE_URL) REDIS_URL=$(TEST_REDIS_URL)
 # pytest exits 5 when a part selects no test (PYTEST_ARGS naming only slow or only fast ones): not a failure.
 test: install
 	$(TEST_ENV) $(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) $(PYTEST_ARGS); fast=$$?; \
-	$(TEST_ENV) $(BIN)/python -m pytest -m slow -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS); slow=$$?; \
+	$(TEST_ENV) $(BIN)/python -m pytest -m slow -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); slow=$$?; \
 	for code in $$fast $$slow; do [ $$code = 0 ] || [ $$code = 5 ] || exit $$code; done
 
 lint: install

@@ -15,15 +15,6 @@ from nodeagent.agent import Agent
 
 REDIS_DATABASES = 16  # a Redis server's default number of databases
 
-# The slow tests that run one after another on one pytest-xdist worker (`--dist loadgroup`): the end-to-end tests
-# share one cluster (tests/e2e/conftest.py) and the wheel-installed agent; the agent's denial-of-service, stranger
-# and memory tests time its answers and read its peak memory, which a neighbour's load would blur. The other slow
-# tests (agents started by a test module of its own) run beside them on the other worker.
-SERIAL_GROUP = "serial"
-SERIAL_PATHS = ("tests/e2e/", "tests/test_packaging.py", "tests/nodeagent/test_nodeagent_dos.py",
-                "tests/nodeagent/test_nodeagent_strangers.py", "tests/nodeagent/test_nodeagent_memory.py")
-
-
 # Hashing a password is slow by design (PBKDF2, about half a second on a busy core) and the tests hash hundreds: the
 # test process uses Django's fast hasher. Clusters started as processes (tests/e2e) hash with the shipped settings.
 TEST_PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
@@ -50,13 +41,6 @@ def _worker_redis_database() -> None:
             f"{first + workers - 1}, beyond Redis's {REDIS_DATABASES}; name one at most {REDIS_DATABASES - workers}")
     url = urlunsplit(base._replace(path=f"/{first + int(worker.removeprefix('gw'))}"))
     settings.REDIS_URL = settings.CELERY_BROKER_URL = settings.CELERY_RESULT_BACKEND = os.environ["REDIS_URL"] = url
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    root = config.rootpath
-    for item in items:
-        if item.path.relative_to(root).as_posix().startswith(SERIAL_PATHS):
-            item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP))
 
 
 @pytest.fixture
