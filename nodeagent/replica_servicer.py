@@ -26,6 +26,7 @@ from arceus.safetensors_file import tensor_layouts
 from arceus.v1 import replica_pb2, replica_pb2_grpc, stage_pb2
 from nodeagent.callers import DRIVER_ONLY, authorize, metadata_digest, not_allowed, presented_digest
 from nodeagent.hosting import HostedStages
+from nodeagent.replicas import MEMBERS_WAIT_SECONDS
 from nodeagent.rpc import RpcFailure, call_deadline, serve
 from nodeagent.runtime import StageRuntime
 from nodeagent.stage import HostedStage
@@ -53,7 +54,8 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
     ) -> replica_pb2.PushShardReply:
         def push() -> replica_pb2.PushShardReply:
             exchange = self._replica(context, request.target, "PushShard", SIBLINGS).exchange
-            exchange.accept(request, replica_digest(context))
+            wait = min(MEMBERS_WAIT_SECONDS, max(0.0, call_deadline(context) - time.monotonic()))
+            exchange.accept(request, replica_digest(context), wait=wait)
             return replica_pb2.PushShardReply()
 
         return serve(context, "PushShard", push)
@@ -68,7 +70,11 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
             stage = self._replica(context, request.target, "Snapshot", SIBLINGS)
             joiner = replica_digest(context)
             own = stage.assignment.credentials.replica_token
-            if joiner is None or not hmac.compare_digest(request.grant, join_grant(own, joiner)):
+            # A grant of an older membership than the newest this replica's steps named is spent: refused alike.
+            current = request.epoch >= stage.exchange.epoch
+            if joiner is None or not current or not hmac.compare_digest(
+                request.grant, join_grant(own, joiner, request.epoch)
+            ):
                 raise RpcFailure(grpc.StatusCode.PERMISSION_DENIED, not_allowed("Snapshot"))
             stage.hold_between_steps(call_deadline(context) - time.monotonic())
             return stage
@@ -102,7 +108,7 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
             deadline = call_deadline(context)
             stage.hold_between_steps(deadline - time.monotonic())
             try:
-                data = _fetch_snapshot(stage, source, request.grant, deadline)
+                data = _fetch_snapshot(stage, source, request.grant, request.epoch, deadline)
                 try:
                     stage.runtime.load_state_tensors(decode_checkpoint(data))
                 except ValueError as exc:  # a file that is no state of this stage
@@ -172,16 +178,19 @@ def replica_digest(context: grpc.ServicerContext) -> str | None:
     return metadata_digest(context.invocation_metadata(), key=REPLICA_METADATA_KEY, scheme="")
 
 
-def _fetch_snapshot(stage: HostedStage, source: stage_pb2.ReplicaPeer, grant: str, deadline: float) -> bytes:
+def _fetch_snapshot(
+    stage: HostedStage, source: stage_pb2.ReplicaPeer, grant: str, epoch: int, deadline: float
+) -> bytes:
     """The source replica's state file, read only up to what this stage's state can take (weights and as many
     tensors per weight as its optimizer keeps, and a header), presenting this replica's token and the driver's
-    `grant` for it."""
+    `grant` for it at membership `epoch`."""
     runtime = stage.runtime
     weights = sum(p.numel() * p.element_size() for p in runtime.layers.parameters())
     limit = weights * (1 + len(runtime.optimizer_state_keys())) + HEADER_ALLOWANCE
     ref = stage.ref(stage.assignment.stage_index, source.replica)
     chunks = stage.replica_link(source).replicas.Snapshot(
-        replica_pb2.SnapshotRequest(target=ref, grant=grant), timeout=max(0.05, deadline - time.monotonic()),
+        replica_pb2.SnapshotRequest(target=ref, grant=grant, epoch=epoch),
+        timeout=max(0.05, deadline - time.monotonic()),
         metadata=((REPLICA_METADATA_KEY, stage.assignment.credentials.replica_token),),
     )
     data = bytearray()

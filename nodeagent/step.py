@@ -409,7 +409,7 @@ def _replica_plan(stage: HostedStage, request: stage_pb2.RunStepRequest) -> Repl
         )
     plan = parse_replica_step(request, stage_index=a.stage_index, num_stages=a.num_stages, replica=a.replica)
     if stage.exchange is not None:
-        stage.exchange.learn(plan.peers.values())  # whose token each member's shards must present
+        stage.exchange.learn(plan.epoch, plan.peers.values())  # who may push shards of this epoch, by their tokens
     return plan
 
 

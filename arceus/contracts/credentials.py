@@ -64,10 +64,16 @@ def replica_token(driver_token: str, stage_index: int, replica: int) -> str:
     return hmac.new(driver_token.encode(), f"replica/{stage_index}/{replica}".encode(), hashlib.sha256).hexdigest()
 
 
-def join_grant(source_replica_token: str, joiner_digest: str) -> str:
+def join_grant(source_replica_token: str, joiner_digest: str, epoch: int) -> str:
     """The driver's leave for the replica whose token digest is `joiner_digest` to copy the state of the replica
-    holding `source_replica_token`: that replica checks it with its own token, so no other replica can forge one."""
-    return hmac.new(source_replica_token.encode(), f"join/{joiner_digest}".encode(), hashlib.sha256).hexdigest()
+    holding `source_replica_token`, at the roster's membership epoch `epoch`: that replica checks it with its own
+    token, so no other replica can forge one, and refuses it once a step of a later epoch has named its members
+    (a grant is not replayed by a replica that left, or one that never joined)."""
+    if epoch < 0:
+        raise ValueError(f"a membership epoch is >= 0, got {epoch}")
+    return hmac.new(
+        source_replica_token.encode(), f"join/{epoch}/{joiner_digest}".encode(), hashlib.sha256
+    ).hexdigest()
 
 
 def token_digest(token: str) -> str:

@@ -396,7 +396,7 @@ class Pipeline:
             source = self.replica_clients[(endpoint.index, min(roster.members()[endpoint.index]))].endpoint
             client = self._client(endpoint)
             try:
-                sha256, size, held = client.copy_state(source)
+                sha256, size, held = client.copy_state(source, roster.epoch)
                 if held != sha256:
                     raise ValueError(f"it copied state of sha256 {sha256} but holds sha256 {held}")
                 roster.add(endpoint, self.plan.micro_batches)

@@ -81,17 +81,18 @@ class StageClient:
         )
         return self._stub.RunStep.future(request, timeout=self.timeout)
 
-    def copy_state(self, source: StageEndpoint) -> tuple[str, int, str]:
+    def copy_state(self, source: StageEndpoint, epoch: int) -> tuple[str, int, str]:
         """Have this (joining) replica copy its stage's state from the live replica `source`, peer to peer; (the
         SHA-256 in hex, the size) of what it copied, and the SHA-256 of the state it then holds. The request carries
-        the driver's grant, which `source` checks against the joiner's replica token: no other replica may copy
-        it."""
+        the driver's grant for the roster's membership `epoch`, which `source` checks against the joiner's replica
+        token (no other replica may copy it) and against the newest epoch its steps named (a grant of an older
+        membership is spent)."""
         peer = stage_pb2.ReplicaPeer(
             stage_index=source.index, replica=source.replica, address=source.address, certificate=source.certificate
         )
         joiner = token_digest(replica_token(self._credential, self.endpoint.index, self.endpoint.replica))
-        grant = join_grant(replica_token(self._credential, source.index, source.replica), joiner)
-        request = replica_pb2.CopyStateRequest(target=self.ref, source=peer, grant=grant)
+        grant = join_grant(replica_token(self._credential, source.index, source.replica), joiner, epoch)
+        request = replica_pb2.CopyStateRequest(target=self.ref, source=peer, grant=grant, epoch=epoch)
         reply = self._replicas.CopyState(request, timeout=self.timeout)
         return reply.sha256, reply.size_bytes, reply.state_sha256
 

@@ -89,7 +89,7 @@ def exchange_of(replica: int, total: int = 10, members: tuple[int, ...] = (0, 2,
     """Replica `replica` of stage 1, knowing the tokens of `members` as a RunStep names them."""
     exchange = ReplicaExchange(job_id="j", stage_index=1, generation=1, replica=replica, token=token_of(replica),
                                total_elements=total, max_replicas=4)
-    exchange.learn([peer(k) for k in members] + [peer(k, stage=2) for k in members])
+    exchange.learn(0, [peer(k) for k in members] + [peer(k, stage=2) for k in members])
     return exchange
 
 
@@ -129,14 +129,90 @@ def test_a_shard_from_another_replica_than_it_claims_is_refused() -> None:
     receiver.accept(shard(source_replica=2), digest_of(2))  # replica 2 itself
 
 
-def test_a_shard_claiming_a_replica_no_step_named_yet_is_refused_when_the_exchange_takes_it() -> None:
-    receiver = exchange_of(0, total=4, members=())
-    receiver.accept(shard(source_replica=2, tensor=to_proto(torch.zeros(2))), digest_of(3))  # parked: its chunk
-    receiver.learn([peer(2)])  # the step names replica 2's token
-    with pytest.raises(RpcFailure) as info:
-        receiver.exchange(torch.zeros(4), step=1, epoch=0, members=(0, 2), stub=lambda to: _Deliver(exchange_of(2)),
-                          deadline=time.monotonic() + 10, abort=threading.Event())
-    assert info.value.code == grpc.StatusCode.PERMISSION_DENIED and "claiming replica 2" in info.value.message
+def test_a_shard_from_a_replica_that_is_not_a_member_of_its_epoch_is_refused_at_once() -> None:
+    receiver = exchange_of(0, members=(0, 2, 3))
+    receiver.learn(1, [peer(0), peer(3)])  # epoch 1: replica 2 left
+    # A replica id no step named (with any token it may hold), and replica 2 in the epoch it is no longer a member
+    # of (its own token still valid for the generation): refused at once, before anything is parked.
+    for request_, presented in ((shard(source_replica=7, epoch=1), digest_of(7)),
+                                (shard(source_replica=7, epoch=1), digest_of(3)),
+                                (shard(source_replica=2, epoch=1), digest_of(2))):
+        started = time.monotonic()
+        with pytest.raises(RpcFailure) as info:
+            receiver.accept(request_, presented, wait=5.0)
+        assert info.value.code == grpc.StatusCode.PERMISSION_DENIED, request_
+        assert time.monotonic() - started < 1.0
+    assert len(receiver.shards) == 0
+    receiver.accept(shard(source_replica=2, epoch=0), digest_of(2))  # as a member of epoch 0 it was one
+    receiver.accept(shard(source_replica=3, epoch=1), digest_of(3))
+    assert len(receiver.shards) == 2
+
+
+def test_a_shard_of_an_epoch_no_step_named_yet_waits_for_it_and_is_then_judged_by_its_members() -> None:
+    receiver = exchange_of(0, members=(0, 2))
+    with pytest.raises(RpcFailure) as info:  # no RunStep of epoch 1 comes: refused after the wait
+        receiver.accept(shard(source_replica=2, epoch=1), digest_of(2), wait=0.2)
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and "epoch 1" in info.value.message
+    outcomes: dict[int, str] = {}
+
+    def push(source: int, presented: str) -> None:
+        try:
+            receiver.accept(shard(source_replica=source, epoch=1), presented, wait=10.0)
+            outcomes[source] = "accepted"
+        except RpcFailure as exc:
+            outcomes[source] = exc.code.name
+
+    # A joiner (replica 5) and a forger claiming replica 6 push before this replica's RunStep of epoch 1 names the
+    # members (0, 2, 5): both wait; then the joiner's shard is taken and the forger's refused.
+    pushes = [threading.Thread(target=push, args=(5, digest_of(5))),
+              threading.Thread(target=push, args=(6, digest_of(2)))]
+    for thread in pushes:
+        thread.start()
+    time.sleep(0.2)
+    assert not outcomes
+    receiver.learn(1, [peer(0), peer(2), peer(5)])
+    for thread in pushes:
+        thread.join(10)
+    assert outcomes == {5: "accepted", 6: "PERMISSION_DENIED"}
+
+
+def test_a_forger_among_the_siblings_cannot_fail_the_exchange_or_change_its_sum(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Replica 9 held a valid replica token of this generation (it was a member once); while 1 and 4 exchange, it
+    pushes shards claiming to be replica 4, and as itself, for every element: each is refused, and the exchange
+    ends with the members' sum."""
+    monkeypatch.setattr("arceus.swarm.exchange.MAX_SHARD_BYTES", 64)
+    members, total = (1, 4), 48
+    partials = {k: torch.full((total,), float(k)) for k in members}
+    exchanges = {k: exchange_of(k, total, members) for k in members}
+    refused: list[str] = []
+
+    def forge() -> None:
+        for start in range(0, total, 16):
+            for source, presented in ((4, digest_of(9)), (9, digest_of(9))):
+                request_ = shard(source_replica=source, start=start, tensor=to_proto(torch.full((16,), 1e6)))
+                try:
+                    exchanges[1].accept(request_, presented, wait=0.1)
+                except RpcFailure as exc:
+                    refused.append(exc.code.name)
+
+    results: dict[int, torch.Tensor] = {}
+
+    def run(k: int) -> None:
+        results[k] = exchanges[k].exchange(
+            partials[k], step=1, epoch=0, members=members, stub=lambda to: _Deliver(exchanges[to]),
+            deadline=time.monotonic() + 30, abort=threading.Event(),
+        )
+
+    threads = [threading.Thread(target=forge), *(threading.Thread(target=run, args=(k,)) for k in members)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert len(refused) == 2 * 3 and set(refused) == {"PERMISSION_DENIED"}
+    for k in members:
+        assert torch.equal(results[k], torch.full((total,), 5.0)), k
 
 
 class _Delivered:

@@ -195,8 +195,8 @@ def test_only_the_joiner_the_driver_named_may_copy_a_replicas_state(
     source = replica_pb2.SnapshotRequest(target=stage_pb2.StageRef(job_id="dead-stage", stage_index=0, generation=1))
     sibling = replica_credentials("dead-stage", 0, 1, 3)
     source_token = replica_token(driver_token("dead-stage"), 0, 0)
-    forged = join_grant(secrets.token_hex(32), token_digest(sibling.replica_token))
-    other = join_grant(source_token, token_digest(replica_token(driver_token("dead-stage"), 0, 5)))
+    forged = join_grant(secrets.token_hex(32), token_digest(sibling.replica_token), 0)
+    other = join_grant(source_token, token_digest(replica_token(driver_token("dead-stage"), 0, 5)), 0)
 
     def snapshot(grant: str, replica_token_: str | None) -> list[stage_pb2.StateChunk]:
         metadata = () if replica_token_ is None else ((REPLICA_METADATA_KEY, replica_token_),)
@@ -207,11 +207,11 @@ def test_only_the_joiner_the_driver_named_may_copy_a_replicas_state(
     # A sibling of the stage (its bearer token and its own replica token) not named as a joiner, one presenting
     # a grant made with another key, or one for another joiner: refused, learning nothing of the state.
     for grant, token in (("", sibling.replica_token), (forged, sibling.replica_token), (other, sibling.replica_token),
-                         (join_grant(source_token, token_digest(sibling.replica_token)), None)):
+                         (join_grant(source_token, token_digest(sibling.replica_token), 0), None)):
         with pytest.raises(grpc.RpcError) as info:
             snapshot(grant, token)
         assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
         assert info.value.details() == "the call's credential does not allow Snapshot on the stage it addresses"
     # The joiner the driver named (its grant for this sibling's replica token) is answered.
-    named = snapshot(join_grant(source_token, token_digest(sibling.replica_token)), sibling.replica_token)
+    named = snapshot(join_grant(source_token, token_digest(sibling.replica_token), 0), sibling.replica_token)
     assert sum(len(chunk.data) for chunk in named) > 0
