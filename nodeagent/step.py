@@ -70,7 +70,11 @@ class StepRun:
         # Leave a little of the caller's deadline so our own explanation reaches it before its timer fires.
         self.wait_until = deadline - min(1.0, 0.05 * max(0.0, deadline - time.monotonic()))
         self.pushes = PushTracker(stage, request.step, deadline, abort)
-        self.audit = StepAudit(stage, request.step, signer, retain=request.retain_for_audit and self.train)
+        routes = None if self.replicas is None else self.replicas.routes
+        self.audit = StepAudit(
+            stage, request.step, signer, retain=request.retain_for_audit and self.train,
+            replica_of=None if routes is None else (lambda i, m: routes.of[m][i]),
+        )
         # The ranks of a tensor-parallel stage compute side by side: none of them computes alone.
         borrows = (
             threads is not None and threads.solo > threads.own and stage.tensor_parallel is None

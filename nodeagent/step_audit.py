@@ -1,8 +1,11 @@
 """What a step signs and keeps for spot checks: a receipt for every activation the stage accepts from its
 previous stage (role "received"), and, on a retained train step, one for every activation it sends on
-(role "sent", as the receiver decodes it) plus the activations an audit may ask for."""
+(role "sent", as the receiver decodes it) plus the activations an audit may ask for. A replicated stage's receipts
+name the producing and the receiving replica of each activation, as the step's routes give them."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -15,8 +18,15 @@ from nodeagent.verify import AuditRecord
 
 
 class StepAudit:
-    def __init__(self, stage: HostedStage, step: int, signer: ReceiptSigner, *, retain: bool) -> None:
+    def __init__(
+        self, stage: HostedStage, step: int, signer: ReceiptSigner, *, retain: bool,
+        replica_of: Callable[[int, int], int] | None = None,
+    ) -> None:
+        """`replica_of(stage_index, micro_batch)`: which replica of a neighbouring stage the step's routes give the
+        micro-batch (replicated stages; None: stages that are not replicated, replica 0 each)."""
         self._stage, self._step, self._signer = stage, step, signer
+        self._replica_of = replica_of or (lambda _stage, _m: 0)
+        self._own = stage.assignment.replica or 0
         self.receipts: list[stage_pb2.Receipt] = []
         self.sent_receipts: list[stage_pb2.Receipt] = []
         self.record = AuditRecord(step) if retain else None
@@ -25,7 +35,8 @@ class StepAudit:
     def received(self, micro_batch: int, x: torch.Tensor) -> None:
         """An activation accepted from the previous stage."""
         index = self._stage.assignment.stage_index
-        self.receipts.append(self._receipt(micro_batch, x, index, RECEIVED))
+        producer = self._replica_of(index - 1, micro_batch)
+        self.receipts.append(self._receipt(micro_batch, x, index, RECEIVED, producer, self._own))
         if self.record is not None:
             self.record.received[micro_batch] = x
 
@@ -35,8 +46,9 @@ class StepAudit:
             return
         delivered = out.detach() if encoded.encoding == "fp32" else decode_payload(encoded)
         self.record.sent[micro_batch] = delivered
+        receiver = self._stage.assignment.stage_index + 1
         self.sent_receipts.append(
-            self._receipt(micro_batch, delivered, self._stage.assignment.stage_index + 1, SENT)
+            self._receipt(micro_batch, delivered, receiver, SENT, self._own, self._replica_of(receiver, micro_batch))
         )
 
     def keep(self) -> bool:
@@ -47,13 +59,22 @@ class StepAudit:
         self._stage.audit_record = self.record
         return True
 
-    def _receipt(self, micro_batch: int, x: torch.Tensor, receiver: int, role: str) -> stage_pb2.Receipt:
+    def _receipt(
+        self, micro_batch: int, x: torch.Tensor, receiver: int, role: str, producer_replica: int,
+        receiver_replica: int,
+    ) -> stage_pb2.Receipt:
+        """A signed receipt of activation `x` of `micro_batch`, from replica `producer_replica` of stage
+        `receiver - 1` to replica `receiver_replica` of stage `receiver`."""
         a = self._stage.assignment
-        fields = ReceiptFields(a.job_id, receiver, a.generation, self._step, micro_batch, tensor_digest(x), role)
+        fields = ReceiptFields(
+            a.job_id, receiver, a.generation, self._step, micro_batch, tensor_digest(x), role,
+            producer_replica=producer_replica, receiver_replica=receiver_replica,
+        )
         return stage_pb2.Receipt(
-            stage=self._stage.ref(receiver),
+            stage=self._stage.ref(receiver, receiver_replica),
             step=self._step,
             micro_batch=micro_batch,
             sha256=fields.sha256,
             signature=self._signer.sign(fields),
+            producer_replica=producer_replica,
         )

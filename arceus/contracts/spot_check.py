@@ -24,3 +24,8 @@ class SpotCheckResult:
     sent_signature: str = ""  # hex
     producer_index: int | None = None  # the stage whose output the receipts are about (None: stage_index)
     train_step: int = 0  # the job's step once the checked step ran (the control plane's sink adds it)
+    # Replicated stages (arceus/swarm): the checked replica of `stage_index`, and the replicas the compared output
+    # went from (of `producer_index`) and to (of the next stage), as the receipts name them; 0 where not replicated.
+    replica: int = 0
+    producer_replica: int = 0
+    receiver_replica: int = 0

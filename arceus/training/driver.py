@@ -136,7 +136,7 @@ class Pipeline:
             self.ranks = [[self.replica_clients[(s.index, s.replica)]] for s in plan.stages]
         self.clients = [ranks[0] for ranks in self.ranks]
         self._call_ids = itertools.count(1)  # unique per RunStep (train and eval) within this run
-        self.auditor = Auditor(plan, self.clients) if plan.audit_rate > 0 else None
+        self.auditor = Auditor(plan) if plan.audit_rate > 0 else None
         # The counters the control plane bills (arceus.training.tally): what the driver can vouch for. Per
         # micro-batch an agent sends at most an activation and a gradient, each to every rank of a neighbour.
         self.tally = WorkTally()
@@ -196,7 +196,8 @@ class Pipeline:
         spot_checks = []
         if train and self.auditor is not None:
             try:
-                spot_checks = self.auditor.check(step, replies, list(inputs))
+                parties = {(c.endpoint.index, 0): (c, r) for c, r in zip(self.clients, replies, strict=True)}
+                spot_checks = self.auditor.check(step, parties, list(inputs))
             except grpc.RpcError as exc:
                 raise DriverError(f"a spot check of step {step} failed: {exc}") from exc
         return StepOutcome(
@@ -455,6 +456,8 @@ class Pipeline:
                 c.run_step(
                     step=step, mode=mode, num_micro_batches=num_micro_batches, schedule=plan.schedule, batch_size=n,
                     learning_rate=plan.learning_rate, replicas=replica_step(c),
+                    # A repair resumes the step: what it re-runs is no whole step to audit (nor is it audited).
+                    retain_for_audit=train and self.auditor is not None and repair is None,
                 ),
             )
             for c in agents
@@ -484,6 +487,13 @@ class Pipeline:
                 f"batch of {n}",
                 stage_index=last,
             )
+        spot_checks = []
+        if train and self.auditor is not None and repair is None:
+            parties = {(c.endpoint.index, c.endpoint.replica): (c, r) for c, r in zip(agents, replies, strict=True)}
+            try:
+                spot_checks = self.auditor.check(step, parties, list(inputs), routes)
+            except grpc.RpcError as exc:
+                raise DriverError(f"a spot check of step {step} failed: {exc}") from exc
         sizes = [len(xm) for xm in inputs]
         ran = [sum(sizes[m] for m in r.micro_batches) for r in replies]
         if train and repair is None:  # a repaired step's replies time only what was left of it
@@ -507,7 +517,7 @@ class Pipeline:
                 )
                 for i, (c, r, s) in enumerate(zip(agents, replies, ran, strict=True))
             ],
-            spot_checks=[],
+            spot_checks=spot_checks,
             timings=[timings[i] for i in sorted(timings)],
             exchange_bytes=sum(r.exchange_bytes for r in replies),
         )

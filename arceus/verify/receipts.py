@@ -31,11 +31,16 @@ class ReceiptFields:
     micro_batch: int
     sha256: bytes
     role: str = RECEIVED  # signed too: a producer's "sent" receipt cannot pass for a receiver's
+    # Replicated stages (arceus/swarm): which replica of the producing stage (stage_index - 1) made the activation
+    # and which replica of the receiving stage took it; 0 and 0 where the stages are not replicated. With the
+    # signing node's key they name the producing replica: stage, replica id and node.
+    producer_replica: int = 0
+    receiver_replica: int = 0
 
     def payload(self) -> bytes:
         return (
-            f"arceus-receipt-v2\n{self.role}\n{self.job_id}\n{self.stage_index}\n{self.generation}\n{self.step}\n"
-            f"{self.micro_batch}\n{self.sha256.hex()}"
+            f"arceus-receipt-v3\n{self.role}\n{self.job_id}\n{self.stage_index}\n{self.generation}\n{self.step}\n"
+            f"{self.micro_batch}\n{self.sha256.hex()}\n{self.producer_replica}\n{self.receiver_replica}"
         ).encode()
 
 

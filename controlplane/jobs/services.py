@@ -60,7 +60,8 @@ def job_submit(
 ) -> Job:
     """Validate the model and dataset against each other and save the job (status created).
     `audit_rate` None: DEFAULT_AUDIT_RATE, or 0 for a tensor-parallel job or an exported model (no spot checks of
-    those yet: a checking agent would need the program of a stage it does not host)."""
+    those yet: a checking agent would need the program of a stage it does not host) and for replicas that sync
+    every few steps (their weights differ between syncs)."""
     tensor_parallel = tensor_parallel or {}
     spec, model_config, dataset = job_validate(
         model_config=model_config,
@@ -77,17 +78,20 @@ def job_submit(
             "audit_rate", "an exported model's stages cannot be spot-checked yet; use 0 (or leave it out)"
         )
     replicas = replicas or {"min": 1, "max": 1}
-    if replicas["max"] > 1:
-        job_replicas_check(
-            replicas, micro_batches=micro_batches, tensor_parallel=tensor_parallel, audit_rate=audit_rate
-        )
-    if audit_rate is None:
-        audit_rate = 0.0 if tensor_parallel or ships_program or replicas["max"] > 1 else DEFAULT_AUDIT_RATE
     sync = job_replica_sync_check(replica_sync, replicas)
     try:
         transfer_config = transfer_config_from_json(transfer or {})
     except SpecError as exc:
         raise ApplicationError.invalid(exc.field, exc.message) from exc
+    if replicas["max"] > 1:
+        job_replicas_check(
+            replicas, micro_batches=micro_batches, tensor_parallel=tensor_parallel, audit_rate=audit_rate,
+            exact=sync.exact,
+        )
+    if audit_rate is None:
+        # Replicas that sync every step are spot-checked like any stage; replicas that sync every H steps are not.
+        unchecked = tensor_parallel or ships_program or (replicas["max"] > 1 and not sync.exact)
+        audit_rate = 0.0 if unchecked else DEFAULT_AUDIT_RATE
     return Job.objects.create(
         owner=owner,
         name=name or f"{dataset['name']}-{spec.type}-{spec.num_layers}-layers",
@@ -129,10 +133,12 @@ def job_replica_sync_check(replica_sync: dict[str, Any] | None, replicas: dict[s
 
 
 def job_replicas_check(
-    replicas: dict[str, int], *, micro_batches: int, tensor_parallel: dict[str, Any], audit_rate: float | None = None
+    replicas: dict[str, int], *, micro_batches: int, tensor_parallel: dict[str, Any], audit_rate: float | None = None,
+    exact: bool = True,
 ) -> None:
     """A 400 naming `replicas` for replicated stages the job cannot have: every replica takes at least one of a
-    step's micro-batches, a tensor-parallel stage is not replicated, and replicas are not spot-checked yet."""
+    step's micro-batches, a tensor-parallel stage is not replicated, and replicas that sync every few steps
+    (`exact` False) are not spot-checked."""
     if replicas["max"] > micro_batches:
         raise ApplicationError.invalid(
             "replicas",
@@ -143,9 +149,11 @@ def job_replicas_check(
         raise ApplicationError.invalid(
             "replicas", "a tensor-parallel stage cannot be replicated yet: use replicas 1 or no tensor_parallel"
         )
-    if audit_rate:
+    if audit_rate and not exact:
         raise ApplicationError.invalid(
-            "replicas", "replicated stages cannot be spot-checked yet: use audit_rate 0 (or leave it out)"
+            "audit_rate",
+            "replicas that sync every few steps (replica_sync.every_steps > 1) cannot be spot-checked yet: use "
+            "audit_rate 0 (or leave it out)",
         )
 
 

@@ -148,7 +148,8 @@ class JobSubmitInput(StrictInputSerializer):
         allow_null=True,
         default=None,
         help_text=f"Chance that a train step is spot-checked: one micro-batch's forward re-run on another node. "
-        f"null: {DEFAULT_AUDIT_RATE}, or 0 for a tensor-parallel job (its stages cannot be spot-checked yet).",
+        f"null: {DEFAULT_AUDIT_RATE}, or 0 for a tensor-parallel job, an exported model, or replicas that sync "
+        "every few steps (those cannot be spot-checked yet).",
     )
     node_grace_seconds = StrictFloatField(
         greater_than=0,

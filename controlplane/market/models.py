@@ -101,7 +101,8 @@ class LedgerHourly(BaseModel):
 
 class SpotCheck(BaseModel):
     """Append-only: one check of a node's work by the training driver (arceus.training.audit): a forward
-    recomputed on another node and compared within tolerance, or the receipts a node signed."""
+    recomputed on another node and compared within tolerance, or the receipts a node signed; of a replicated
+    stage, the replica's (`replica`) on its node."""
 
     job = models.ForeignKey(Job, on_delete=models.CASCADE, related_name="spot_checks")
     node = models.ForeignKey(Node, on_delete=models.PROTECT, related_name="spot_checks")
@@ -119,6 +120,11 @@ class SpotCheck(BaseModel):
     receipt_signature = models.CharField(max_length=128, blank=True)
     sent_sha256 = models.CharField(max_length=64, blank=True, help_text="the producer's signed digest of what it sent")
     sent_signature = models.CharField(max_length=128, blank=True)
+    # Replicated stages (arceus/swarm): the checked replica of `stage_index`, and the replicas the compared output
+    # went from and to, as the receipts name them; 0 where the job's stages are not replicated.
+    replica = models.PositiveIntegerField(default=0, help_text="the replica of the stage whose work was checked")
+    producer_replica = models.PositiveIntegerField(default=0, help_text="the replica that produced the output")
+    receiver_replica = models.PositiveIntegerField(default=0, help_text="the replica that received the output")
     detail = models.TextField()
 
     class Meta:

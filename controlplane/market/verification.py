@@ -63,6 +63,9 @@ def spot_checks_record(
                 receipt_signature=c.receipt_signature,
                 sent_sha256=c.sent_sha256,
                 sent_signature=c.sent_signature,
+                replica=c.replica,
+                producer_replica=c.producer_replica,
+                receiver_replica=c.receiver_replica,
                 detail=c.detail,
             )
         )
@@ -79,15 +82,21 @@ def spot_checks_record(
 
 def _verify_receipt(job: Job, generation: int, c: SpotCheckResult, role: str, sha256: str, signature: str) -> None:
     """The compared output of stage `producer` (for stage `producer + 1`) carries the receiver's receipt
-    and the producer's "sent" one: check the one of `role` against its signer's key."""
+    and the producer's "sent" one: check the one of `role` against its signer's key (a replicated stage's: the
+    key of the node holding the replica the receipt names)."""
     producer = c.stage_index if c.producer_index is None else c.producer_index
     signer = producer + 1 if role == RECEIVED else producer
-    stage = Stage.objects.filter(job=job, index=signer, rank=0, active=True).select_related("node").first()
+    replica = c.receiver_replica if role == RECEIVED else c.producer_replica
+    stage = (
+        Stage.objects.filter(job=job, index=signer, rank=0, replica=replica, active=True).select_related("node").first()
+    )
     if stage is None or stage.node is None:
-        raise ApplicationError.invalid("checks", f"job {job.id} has no placed stage {signer}")
+        where = f" replica {replica}" if job.replicated else ""
+        raise ApplicationError.invalid("checks", f"job {job.id} has no placed stage {signer}{where}")
     try:
         fields = ReceiptFields(
-            str(job.id), producer + 1, generation, c.step, c.micro_batch, bytes.fromhex(sha256), role
+            str(job.id), producer + 1, generation, c.step, c.micro_batch, bytes.fromhex(sha256), role,
+            producer_replica=c.producer_replica, receiver_replica=c.receiver_replica,
         )
         verify_receipt(stage.node.public_key, fields, bytes.fromhex(signature))
     except (ReceiptError, ValueError) as exc:

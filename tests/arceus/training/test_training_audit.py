@@ -237,7 +237,7 @@ def test_the_verifier_is_never_of_the_producers_owner() -> None:
     """No contributor checks its own work: with nodes of one owner only, nothing is recomputed."""
     addresses = [f"127.0.0.1:{port}" for port in (1, 2, 3)]
 
-    def auditor(owners: list[str]) -> Auditor:
+    def auditor(owners: list[str]) -> tuple[Auditor, list[StageClient]]:
         stages = tuple(
             StageEndpoint(i, a, f"node-{i}", i, i + 1, certificate=identity_for(a).certificate, owner_id=owner)
             for i, (a, owner) in enumerate(zip(addresses, owners, strict=True))
@@ -245,13 +245,14 @@ def test_the_verifier_is_never_of_the_producers_owner() -> None:
         plan = TrainPlan(job_id="j", generation=1, credential=driver_token("j"), stages=stages,
                          dataset=DATASET, epochs=1, learning_rate=0.1, micro_batches=1, seed=0)
         clients = [StageClient(s, job_id="j", generation=1, credential=plan.credential, timeout=1) for s in stages]
-        return Auditor(plan, clients, rng=random.Random(0))
+        return Auditor(plan, rng=random.Random(0)), clients
 
-    mixed = auditor(["alice", "alice", "bob"])
-    first, second, third = (c.endpoint for c in mixed.clients)
+    mixed, clients = auditor(["alice", "alice", "bob"])
+    first, second, third = (c.endpoint for c in clients)
     for _ in range(20):
-        assert mixed._verifier(first, second).endpoint.node_id == "node-2"
-        assert mixed._verifier(second, third).endpoint.node_id == "node-2"  # the receiver, rather than alice's
-        assert mixed._verifier(third, first).endpoint.node_id in ("node-0", "node-1")
-    lone = auditor(["alice"] * 3)
-    assert lone._verifier(*(c.endpoint for c in lone.clients[:2])) is None
+        assert mixed._verifier(first, second, clients).endpoint.node_id == "node-2"
+        # the receiver, rather than alice's
+        assert mixed._verifier(second, third, clients).endpoint.node_id == "node-2"
+        assert mixed._verifier(third, first, clients).endpoint.node_id in ("node-0", "node-1")
+    lone, clients = auditor(["alice"] * 3)
+    assert lone._verifier(*(c.endpoint for c in clients[:2]), clients) is None

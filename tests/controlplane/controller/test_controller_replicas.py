@@ -18,7 +18,7 @@ from controlplane.controller.executor import reconcile_once
 from controlplane.controller.transitions import job_serve_place
 from controlplane.driver.driving import train_plan
 from controlplane.jobs.credentials import job_driver_token
-from controlplane.jobs.models import Job, Stage
+from controlplane.jobs.models import DEFAULT_AUDIT_RATE, Job, Stage
 from controlplane.jobs.selectors import assignments_for_node
 from controlplane.jobs.services import job_start
 from tests.controlplane.conftest import DIGITS_JOB
@@ -35,10 +35,18 @@ def test_replicas_are_checked_at_submit_with_errors_naming_the_field(api) -> Non
     assert submit(replicas={"min": 3, "max": 2})["replicas.max"] == ["Must be at least min."]
     assert "replicas" in submit(replicas=0)
     assert "replicas" in submit(replicas="two")
-    assert "spot-checked" in submit(replicas=2, audit_rate=0.1)["replicas"][0]
+    diloco = {"every_steps": 4}
+    assert "spot-checked" in submit(replicas=2, replica_sync=diloco, audit_rate=0.1)["audit_rate"][0]
+    # Replicas that sync every step are spot-checked like any stage, by default too; those that sync every few
+    # steps are not.
     response = api.post("/api/jobs", {**DIGITS_JOB, "replicas": {"min": 1, "max": 3}}, format="json")
     assert response.status_code == 201, response.content
-    assert response.json()["replicas"] == {"min": 1, "max": 3} and response.json()["audit_rate"] == 0.0
+    assert response.json()["replicas"] == {"min": 1, "max": 3}
+    assert response.json()["audit_rate"] == DEFAULT_AUDIT_RATE > 0
+    checked = api.post("/api/jobs", {**DIGITS_JOB, "replicas": 2, "audit_rate": 1.0}, format="json")
+    assert checked.status_code == 201 and checked.json()["audit_rate"] == 1.0
+    unchecked = api.post("/api/jobs", {**DIGITS_JOB, "replicas": 2, "replica_sync": diloco}, format="json")
+    assert unchecked.status_code == 201 and unchecked.json()["audit_rate"] == 0.0
     default = api.post("/api/jobs", DIGITS_JOB, format="json").json()
     assert default["replicas"] == {"min": 1, "max": 1}
 

@@ -105,6 +105,48 @@ def test_a_receipt_that_does_not_verify_stores_nothing(placed) -> None:  # noqa:
     assert producer.flagged_at is None and not SpotCheck.objects.exists()
 
 
+def test_a_replicas_check_is_verified_against_the_key_of_the_replica_its_receipt_names(
+    ready_node, queued_job  # noqa: ANN001 - fixtures from conftest
+) -> None:
+    """Stage 1 of a replicated job has replicas 0 and 3 on two nodes: the receipt of replica 3 verifies only against
+    its own node's key, and the stored check names the producing and receiving replicas and the checked one."""
+    producer = ready_node("producer-1", port=50071)
+    receivers = {0: ready_node("receiver-0", port=50072), 3: ready_node("receiver-3", port=50073)}
+    signers = {replica: ReceiptSigner() for replica in receivers}
+    for replica, node in receivers.items():
+        node.public_key = signers[replica].public_key_hex
+        node.save()
+    job = queued_job()
+    job.status, job.generation, job.driver_lease_owner, job.replicas_max = JobStatus.RUNNING, 2, "driver-1", 2
+    job.save()
+    Stage.objects.create(job=job, index=0, replica=1, layer_start=0, layer_end=1, node=producer, generation=2)
+    for replica, node in receivers.items():
+        Stage.objects.create(job=job, index=1, replica=replica, layer_start=1, layer_end=2, node=node, generation=2)
+    digest = tensor_digest(torch.ones(2, 3))
+
+    def check(signed_by: int, named: int) -> SpotCheckResult:
+        fields = ReceiptFields(str(job.id), 1, 2, 7, 0, digest, producer_replica=1, receiver_replica=named)
+        return SpotCheckResult(
+            step=7, micro_batch=0, stage_index=0, node_id=str(producer.id), passed=False,
+            detail="step 7 micro-batch 0 (stage 0 replica 1): output differs from the recomputation",
+            receipt_sha256=digest.hex(), receipt_signature=signers[signed_by].sign(fields).hex(),
+            replica=1, producer_replica=1, receiver_replica=named,
+        )
+
+    # Signed by replica 0's node but naming replica 3 (or the reverse): no key verifies it, nothing is stored.
+    for signed_by, named in ((0, 3), (3, 0)):
+        with pytest.raises(ApplicationError, match="does not verify against the node's public key"):
+            spot_checks_record(job_id=job.id, lease_owner="driver-1", generation=2, now=timezone.now(),
+                               checks=[check(signed_by, named)])
+    assert not SpotCheck.objects.exists()
+    [row] = spot_checks_record(job_id=job.id, lease_owner="driver-1", generation=2, now=timezone.now(),
+                               checks=[check(3, 3)])
+    assert (row.stage_index, row.replica, row.producer_replica, row.receiver_replica) == (0, 1, 1, 3)
+    assert row.node_id == producer.id
+    producer.refresh_from_db()
+    assert "(stage 0 replica 1)" in producer.flag_reason  # flagged through the usual path
+
+
 def test_agents_report_key_low_precision_rates_and_link(api: APIClient, user) -> None:  # noqa: ANN001
     node, token = node_create(owner=user, name="laptop")
     agent = APIClient()

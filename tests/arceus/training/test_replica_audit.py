@@ -1,0 +1,186 @@
+"""Spot checks of replicated stages (arceus/training/audit.py over arceus/swarm) through real agents on loopback.
+
+Six agents of six owners host an MLP in 3 stages: stage 0 and stage 1 with two replicas each, stage 2 with one
+and a spare that joins it after the first step. Every train step is audited: every replica signs a receipt for
+each micro-batch its route gave it, naming the replicas the activation went from and to, and one sampled
+micro-batch's forward is recomputed, by a sibling of the producing replica where it has one. A replica that
+perturbs its activations is caught and named (stage, replica id, node); a replica whose receipts name other
+replicas than the routes is failed; and a join grant of an earlier membership epoch is refused.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from dataclasses import replace
+
+import grpc
+import pytest
+import torch
+
+from arceus.contracts.assignment import Assignment, max_micro_batch_size
+from arceus.contracts.credentials import REPLICA_METADATA_KEY, join_grant, replica_token, token_digest
+from arceus.data.config import validate_dataset_config
+from arceus.training import audit
+from arceus.training.driver import train
+from arceus.training.plan import StageEndpoint, TrainPlan
+from arceus.training.recording import RecordingSink
+from arceus.v1 import replica_pb2, replica_pb2_grpc, stage_pb2
+from arceus.wire.channels import open_channel
+from devtools.pipeline import (
+    driver_token,
+    remember_identity,
+    replica_credentials,
+    replica_endpoints,
+    replicated_pipeline_assignments,
+)
+from nodeagent import step_audit
+from nodeagent.agent import Agent
+
+MODEL = {"type": "mlp", "layer_sizes": [64, 32, 16, 10]}
+BOUNDARIES = [0, 1, 2, 3]
+DATASET = validate_dataset_config({"name": "digits", "batch_size": 32})
+MICRO_BATCHES = 4
+JOB = "audited-replicas"
+# Which agent hosts each stage's replicas 0, 1, ...; stage 2's replica 1 (agent 5) is a spare that joins after step 1.
+PLACEMENT = [[0, 1], [2, 3], [4, 5]]
+SPARE = (2, 1)
+
+
+@pytest.fixture
+def agents() -> Iterator[list[Agent]]:
+    started = [Agent(device=torch.device("cpu")) for _ in range(6)]
+    for agent in started:
+        agent.start()
+        remember_identity(agent.advertise_address, agent.identity)
+    stages = replicated_pipeline_assignments(
+        job_id=JOB, model_config=MODEL, boundaries=BOUNDARIES,
+        addresses=[[started[a].advertise_address for a in stage] for stage in PLACEMENT],
+        optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0}, seed=3,
+        micro_batches=MICRO_BATCHES, max_micro_batch_size=max_micro_batch_size(DATASET, MICRO_BATCHES),
+    )
+    for stage, hosts in zip(stages, PLACEMENT, strict=True):
+        for assignment, host in zip(stage, hosts, strict=True):
+            started[host].apply_assignments([Assignment.from_json(assignment)])
+    try:
+        yield started
+    finally:
+        for agent in started:
+            agent.stop(1)
+
+
+def endpoints(agents: list[Agent]) -> list[StageEndpoint]:
+    """Every replica (the spare too), each on a node of its own owner with the agent's receipt key."""
+    _, every = replica_endpoints([[agents[a].advertise_address for a in stage] for stage in PLACEMENT], BOUNDARIES)
+    hosts = [a for stage in PLACEMENT for a in stage]
+    return [replace(e, public_key=agents[a].signer.public_key_hex, owner_id=f"owner-{a}") for e, a in zip(every, hosts,
+                                                                                                        strict=True)]
+
+
+def plan_for(agents: list[Agent], sink: RecordingSink, **overrides: object) -> TrainPlan:
+    every = endpoints(agents)
+    replicas = tuple(e for e in every if (e.index, e.replica) != SPARE)
+    spare = [e for e in every if (e.index, e.replica) == SPARE]
+    plan = TrainPlan(
+        job_id=JOB, generation=1, credential=driver_token(JOB, 1), stages=tuple(e for e in replicas if not e.replica),
+        replicas=replicas, dataset=DATASET, epochs=1, learning_rate=0.05, micro_batches=MICRO_BATCHES, seed=3,
+        rpc_timeout_seconds=20.0, max_steps=6, audit_rate=1.0, model=MODEL,
+        replica_joins=lambda: spare if sink.steps else [],
+    )
+    return replace(plan, **overrides)
+
+
+def node_of(agents: list[Agent], stage: int, replica: int) -> str:
+    return f"agent-{stage}-{replica}"
+
+
+@pytest.fixture
+def seeded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The auditor's samples from a seeded generator: the same steps and micro-batches every run."""
+    monkeypatch.setattr(audit.random, "SystemRandom", lambda: random.Random(11))
+
+
+def test_honest_replicas_pass_every_check_whose_receipts_name_the_replicas_of_each_route(
+    agents: list[Agent], seeded: None
+) -> None:
+    sink = RecordingSink()
+    train(plan_for(agents, sink), sink)
+    checks = [c for p in sink.steps for c in p.spot_checks]
+    assert len(checks) == 6 and all(c.passed for c in checks), [c.detail for c in checks if not c.passed]
+    for c in checks:
+        assert c.producer_index == c.stage_index in (0, 1) and c.replica == c.producer_replica
+        assert c.node_id == node_of(agents, c.stage_index, c.replica)
+        assert c.sent_sha256 == c.receipt_sha256 and c.max_abs_diff <= 1e-5
+        # A sibling of the producing replica recomputes it: the replica on the other node of its stage.
+        assert c.verifier_node_id == node_of(agents, c.stage_index, 1 - c.replica), c
+    assert {c.replica for c in checks} == {0, 1}  # both replicas of a stage produced a checked micro-batch
+    # The spare joined stage 2 after step 1 and took micro-batches from step 2 on, its receipts checked as its
+    # sibling's are (a receipt that did not verify or cover its route would have failed a check).
+    assert all(any(c.node_id == "agent-2-1" and c.micro_batches for c in p.stages) for p in sink.steps[1:])
+
+
+def test_a_replica_that_perturbs_its_activations_is_caught_and_named(agents: list[Agent], seeded: None) -> None:
+    cheat = agents[PLACEMENT[1][1]]  # stage 1, replica 1
+    runtime = cheat.registry.stages()[0].runtime
+    honest = runtime.forward
+    runtime.forward = lambda key, x, f=honest: f(key, x) + 0.01 * (1 + torch.rand(1))  # type: ignore[method-assign]
+    try:
+        sink = RecordingSink()
+        train(plan_for(agents, sink, max_steps=10), sink)
+    finally:
+        runtime.forward = honest  # type: ignore[method-assign]
+    checks = [c for p in sink.steps for c in p.spot_checks]
+    failed = [c for c in checks if not c.passed]
+    assert failed, [c.detail for c in checks]
+    for c in failed:
+        assert (c.stage_index, c.replica, c.node_id) == (1, 1, node_of(agents, 1, 1)), c
+        assert "differs from the recomputation" in c.detail and "(stage 1 replica 1)" in c.detail
+        assert c.verifier_node_id == node_of(agents, 1, 0)  # its sibling
+    # Every other check (another stage, or stage 1's honest replica) passed.
+    assert all(c.passed for c in checks if (c.stage_index, c.replica) != (1, 1))
+
+
+def test_a_replica_whose_receipts_name_another_producer_than_its_route_fails(
+    agents: list[Agent], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Stage 2's replica 0 signs every received activation as if stage 1's replica 0 had produced it.
+    honest_receipt = step_audit.StepAudit._receipt
+
+    def misnamed(self: step_audit.StepAudit, m: int, x: torch.Tensor, receiver: int, role: str, producer: int,
+                 receiver_replica: int) -> stage_pb2.Receipt:
+        if receiver == 2 and role == "received":
+            producer = 0
+        return honest_receipt(self, m, x, receiver, role, producer, receiver_replica)
+
+    monkeypatch.setattr(step_audit.StepAudit, "_receipt", misnamed)
+    sink = RecordingSink()
+    train(plan_for(agents, sink, max_steps=1, audit_rate=0.0001), sink)
+    checks = [c for p in sink.steps for c in p.spot_checks]
+    assert checks and not any(c.passed for c in checks)
+    assert {(c.stage_index, c.replica, c.node_id) for c in checks} == {(2, 0, node_of(agents, 2, 0))}
+    assert all("names replicas 0 -> 0; its route went 1 -> 0" in c.detail for c in checks), checks[0].detail
+
+
+def test_a_join_grant_of_an_earlier_membership_epoch_is_refused(agents: list[Agent]) -> None:
+    sink = RecordingSink()
+    train(plan_for(agents, sink, max_steps=2, audit_rate=0.0), sink)  # the spare joins: the roster's epoch is 1
+    source = agents[PLACEMENT[2][0]]
+    target = stage_pb2.StageRef(job_id=JOB, stage_index=2, generation=1, replica=0)
+    joiner = replica_credentials(JOB, 2, 7, 3)  # a replica the driver never added
+    source_token = replica_token(driver_token(JOB, 1), 2, 0)
+
+    def snapshot(epoch: int) -> int:
+        grant = join_grant(source_token, token_digest(joiner.replica_token), epoch)
+        with open_channel(source.advertise_address, token=joiner.token, certificate=source.identity.certificate) as ch:
+            chunks = replica_pb2_grpc.ReplicaServiceStub(ch).Snapshot(
+                replica_pb2.SnapshotRequest(target=target, grant=grant, epoch=epoch), timeout=30,
+                metadata=((REPLICA_METADATA_KEY, joiner.replica_token),),
+            )
+            return sum(len(chunk.data) for chunk in chunks)
+
+    # A grant made while the roster was at epoch 0 (before the spare joined) is spent: refused, learning nothing.
+    with pytest.raises(grpc.RpcError) as info:
+        snapshot(0)
+    assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert info.value.details() == "the call's credential does not allow Snapshot on the stage it addresses"
+    assert snapshot(1) > 0  # the driver's grant at the current epoch is honoured
