@@ -82,6 +82,8 @@ LIMITS: dict[str, MethodLimits] = {
     _STAGE + "AuditWeights": MethodLimits(3600.0, _SMALL),
     _STAGE + "VerifyForward": MethodLimits(1800.0, first_message_seconds=_TENSOR),
     _STAGE + "Infer": MethodLimits(600.0, first_message_seconds=_TENSOR),
+    _STAGE + "AuditPartial": MethodLimits(3600.0, _SMALL),  # a large stage's gradient over a slow uplink
+    _STAGE + "VerifyPartial": MethodLimits(1800.0, first_message_seconds=_TENSOR),
     _TP + "PushPartial": MethodLimits(600.0, first_message_seconds=_TENSOR),
     # One shard of the exchange: at most arceus.swarm.exchange.MAX_SHARD_BYTES of gradient.
     _REPLICA + "PushShard": MethodLimits(600.0, MAX_SHARD_BYTES + _SMALL, first_message_seconds=_TENSOR),

@@ -29,7 +29,8 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     _STAGE + "PushTensor": frozenset({Role.DRIVER, Role.PREV, Role.NEXT}),
     _STAGE + "PushStream": frozenset({Role.DRIVER, Role.PREV, Role.NEXT}),
     **{_STAGE + name: DRIVER_ONLY for name in (
-        "RunStep", "GetState", "SaveState", "Audit", "AuditWeights", "VerifyForward", "Infer"
+        "RunStep", "GetState", "SaveState", "Audit", "AuditWeights", "VerifyForward", "Infer", "AuditPartial",
+        "VerifyPartial",
     )},
     _TP + "PushPartial": frozenset({Role.PEER}),
     _REPLICA + "PushShard": frozenset({Role.SIBLING}),

@@ -25,6 +25,8 @@ from arceus.swarm.exchange import MAX_SHARD_BYTES, chunk_bounds, reduce_in_order
 from arceus.swarm.repair import ReplicaInstructions
 from arceus.swarm.routing import Routes
 from arceus.v1 import replica_pb2, replica_pb2_grpc, stage_pb2
+from arceus.verify.receipts import ReceiptError, ShardFields, verify_shard
+from arceus.verify.tensor_digest import tensor_digest
 from arceus.wire import codec
 from arceus.wire.proto_tensor import from_proto, to_proto
 from nodeagent import faults
@@ -101,6 +103,8 @@ def parse_replica_step(
             raise _invalid(f"replicas.peers: stage {key[0]} replica {key[1]}: {exc}") from None
         if not _HEX64.fullmatch(peer.token_digest):
             raise _invalid(f"replicas.peers: stage {key[0]} replica {key[1]}'s token_digest is no SHA-256 (hex)")
+        if peer.public_key and not _HEX64.fullmatch(peer.public_key):
+            raise _invalid(f"replicas.peers: stage {key[0]} replica {key[1]}'s public_key is no Ed25519 key (hex)")
         peers[key] = peer
     needed = [
         (i, k) for i in (stage_index - 1, stage_index, stage_index + 1) if 0 <= i < num_stages
@@ -154,7 +158,7 @@ class ReplicaExchange:
         # Per step a replica receives at most every member's shards of its own chunk and every owner's of the
         # others: at most about two stages' worth of shards, plus one per member for the rounding.
         per_stage = math.ceil(total_elements * _FLOAT32_BYTES / MAX_SHARD_BYTES) + max_replicas
-        self.shards: Mailbox[tuple[str, torch.Tensor]] = Mailbox(capacity=2 * max_replicas * per_stage + 8)
+        self.shards: Mailbox[tuple[str, torch.Tensor, bytes]] = Mailbox(capacity=2 * max_replicas * per_stage + 8)
         self.bytes_sent = 0  # tensor bytes pushed to siblings over the stage's life (only the step's thread adds)
 
     @property
@@ -230,7 +234,7 @@ class ReplicaExchange:
             raise _invalid(f"shard rejected: {exc}") from None
         key = _mail_key(request.step, request.epoch, request.phase, request.source_replica, request.start)
         try:
-            self.shards.put(key, (sender, tensor))
+            self.shards.put(key, (sender, tensor, request.signature))
         except MailboxFull as exc:
             raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.name}: {exc}") from None
         except MailboxClosed:
@@ -246,9 +250,15 @@ class ReplicaExchange:
         stub: Callable[[int], replica_pb2_grpc.ReplicaServiceStub],
         deadline: float,
         abort: threading.Event,
+        sign: Callable[[ShardFields], bytes] | None = None,
+        keys: Mapping[int, str] | None = None,
+        kept: list[stage_pb2.ShardReceipt] | None = None,
     ) -> torch.Tensor:
         """The sum over `members` of their `flat` gradients: reduce-scatter to each chunk's owner, which sums
-        in ascending replica id, then all-gather from the owners. `stub(replica)`: the sibling's service."""
+        in ascending replica id, then all-gather from the owners. `stub(replica)`: the sibling's service.
+        An audited step (arceus.training.audit) signs each shard it pushes with `sign`, and keeps in `kept` each
+        shard a sibling pushed here, with the signature checked against the sibling's key in `keys` (a shard that
+        carries none, or one that does not verify, fails the step: PERMISSION_DENIED naming the sibling)."""
         chunks = chunk_bounds(flat.numel(), members)
         # Shards of an earlier membership of this step (a repaired step exchanges again) are never summed.
         current = f" of epoch {epoch} from "
@@ -282,6 +292,8 @@ class ReplicaExchange:
                 step=step, epoch=epoch, source_replica=self.replica, phase=phase, start=start,
                 tensor=to_proto(values),
             )
+            if sign is not None and phase == replica_pb2.REDUCE:
+                request.signature = sign(self._shard_fields(step, epoch, self.replica, start, values))
             self.bytes_sent += values.numel() * values.element_size()
             if len(sends) >= SENDS_IN_FLIGHT:
                 settle(*sends.popleft())
@@ -291,7 +303,7 @@ class ReplicaExchange:
         def receive(phase: int, source: int, start: int, end: int) -> torch.Tensor:
             key = _mail_key(step, epoch, phase, source, start)
             try:
-                sender, part = self.shards.get(key, max(0.0, deadline - time.monotonic()), abort)
+                sender, part, signature = self.shards.get(key, max(0.0, deadline - time.monotonic()), abort)
             except MailboxTimeout:
                 raise RpcFailure(
                     grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -313,6 +325,8 @@ class ReplicaExchange:
                     f"{self.name}: replica {source}'s shard at element {start} holds {part.numel()} elements, "
                     f"not {end - start}",
                 )
+            if kept is not None and phase == replica_pb2.REDUCE:
+                kept.append(self._evidence(step, epoch, source, start, part, signature, (keys or {}).get(source)))
             return part
 
         for chunk in chunks:
@@ -339,6 +353,28 @@ class ReplicaExchange:
         while sends:
             settle(*sends.popleft())
         return out
+
+    def _shard_fields(self, step: int, epoch: int, source: int, start: int, values: torch.Tensor) -> ShardFields:
+        return ShardFields(self.job_id, self.stage_index, self.generation, step, epoch, source, start, values.numel(),
+                           tensor_digest(values))
+
+    def _evidence(
+        self, step: int, epoch: int, source: int, start: int, part: torch.Tensor, signature: bytes, key: str | None
+    ) -> stage_pb2.ShardReceipt:
+        """A sibling's signed shard as this replica summed it, once its signature verifies against `key`."""
+        fields = self._shard_fields(step, epoch, source, start, part)
+        try:
+            if not key:
+                raise ReceiptError("the step names no key for it")
+            verify_shard(key, fields, signature)
+        except ReceiptError as exc:
+            raise RpcFailure(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"{self.name}: replica {source}'s shard at element {start} of audited step {step} is not signed "
+                f"by it: {exc}",
+            ) from None
+        return stage_pb2.ShardReceipt(source_replica=source, epoch=epoch, start=start, length=part.numel(),
+                                      sha256=fields.sha256, signature=signature)
 
     def close(self) -> None:
         self.shards.close()

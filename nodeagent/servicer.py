@@ -21,8 +21,10 @@ from arceus.checkpoint import decode_checkpoint, state_chunks
 from arceus.errors import SpecError
 from arceus.model.precision import check_precision
 from arceus.model.registry import model_spec_from_config
+from arceus.swarm.exchange import MAX_SHARD_BYTES
 from arceus.v1 import stage_pb2, stage_pb2_grpc
 from arceus.verify.receipts import ReceiptSigner
+from arceus.wire.channels import MAX_MESSAGE_BYTES
 from arceus.wire.codec import TensorValidationError
 from arceus.wire.incoming_push import IncomingPush, MalformedPush, parse_push
 from arceus.wire.proto_tensor import from_proto, to_proto
@@ -36,7 +38,7 @@ from nodeagent.rpc import RpcFailure, call_deadline, serve
 from nodeagent.stage import HostedStage, StateUploader, StateUploadError
 from nodeagent.step import StepRun
 from nodeagent.validation import KIND_NAMES, check_layout, decode_push
-from nodeagent.verify import AuditRecord, recompute_forward
+from nodeagent.verify import AuditRecord, recompute_forward, recompute_partial
 
 log = logging.getLogger(__name__)
 
@@ -277,9 +279,80 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 reply.received.CopyFrom(to_proto(record.received[request.micro_batch]))
             if request.micro_batch in record.sent:
                 reply.sent.CopyFrom(to_proto(record.sent[request.micro_batch]))
+            if request.micro_batch in record.gradients:
+                reply.gradient.CopyFrom(to_proto(record.gradients[request.micro_batch]))
             return reply
 
         return serve(context, "Audit", audit)
+
+    def AuditPartial(
+        self, request: stage_pb2.AuditRequest, context: grpc.ServicerContext
+    ) -> Iterator[stage_pb2.GradientChunk]:
+        """A replica's partial gradient of a retained step, before its exchange, in chunks."""
+
+        def partial() -> torch.Tensor:
+            stage, record = self._audit_record(request, context, "AuditPartial")
+            if record.partial is None:
+                raise RpcFailure(
+                    grpc.StatusCode.NOT_FOUND, f"{stage.name} kept no partial gradient of step {request.step}"
+                )
+            return record.partial
+
+        yield from _gradient_chunks(serve(context, "AuditPartial", partial))
+
+    def VerifyPartial(
+        self, request_iterator: Iterator[stage_pb2.VerifyPartialRequest], context: grpc.ServicerContext
+    ) -> Iterator[stage_pb2.GradientChunk]:
+        """Recompute a sibling replica's partial gradient of retained step `step` with this replica's own weights of
+        that step (the replicas of a stage hold the same bits), from the micro-batches the driver sends: the step
+        lock is held throughout, so the weights are the step's."""
+
+        def settled() -> tuple[HostedStage, stage_pb2.VerifyPartialRequest]:
+            first = next(request_iterator, None)
+            if first is None:
+                raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, "VerifyPartial needs a first message")
+            stage = self._driven(context, first.target, "VerifyPartial")
+            if stage.exchange is None:
+                raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, f"{stage.name} is not replicated")
+            if not stage.step_lock.acquire(timeout=max(0.0, call_deadline(context) - time.monotonic())):
+                raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, f"{stage.name} stayed busy with a step")
+            if stage.audit_record is None or stage.audit_record.step != first.step:
+                stage.step_lock.release()
+                raise RpcFailure(
+                    grpc.StatusCode.NOT_FOUND,
+                    f"{stage.name} kept nothing of step {first.step}: its weights are not that step's",
+                )
+            return stage, first
+
+        stage, first = serve(context, "VerifyPartial", settled)
+        try:
+            def recompute() -> torch.Tensor:
+                runtime, a = stage.runtime, stage.assignment
+                if not 1 <= first.batch_size <= a.micro_batches * a.max_micro_batch_size:
+                    raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT,
+                                     f"batch_size must be in [1, {a.micro_batches * a.max_micro_batch_size}]")
+                items = []
+                try:
+                    for message in request_iterator:
+                        if len(items) == a.micro_batches:
+                            raise ValueError(f"more than the job's {a.micro_batches} micro-batches")
+                        x = from_proto(message.input, max_bytes=check_layout(
+                            "input", message.input, runtime.input_layout, a.max_micro_batch_size
+                        ))
+                        target = message.labels if stage.io.is_last else message.gradient
+                        items.append((x, from_proto(target, max_bytes=MAX_MESSAGE_BYTES)))
+                    if not items:
+                        raise ValueError("no micro-batch to recompute")
+                    return recompute_partial(
+                        runtime.layers, items, is_last=stage.io.is_last, batch_size=first.batch_size,
+                        device=runtime.device, precision=runtime.precision,
+                    )
+                except (ValueError, TensorValidationError) as exc:
+                    raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, f"cannot verify: {exc}") from None
+
+            yield from _gradient_chunks(serve(context, "VerifyPartial", recompute))
+        finally:
+            stage.step_lock.release()
 
     def AuditWeights(
         self, request: stage_pb2.AuditRequest, context: grpc.ServicerContext
@@ -386,6 +459,13 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             return stage_pb2.VerifyForwardReply(output=to_proto(out))
 
         return serve(context, "VerifyForward", verify)
+
+
+def _gradient_chunks(flat: torch.Tensor) -> Iterator[stage_pb2.GradientChunk]:
+    """A flattened gradient in chunks of at most one exchange shard each."""
+    step = MAX_SHARD_BYTES // 4
+    for start in range(0, flat.numel(), step):
+        yield stage_pb2.GradientChunk(start=start, values=to_proto(flat[start : start + step]))
 
 
 def add_stage_service(servicer: stage_pb2_grpc.StageServiceServicer, server: grpc.Server) -> None:

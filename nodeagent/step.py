@@ -168,6 +168,9 @@ class StepRun:
             micro_batches=() if self.replicas is None else self.replicas.micro_batches,
             exchange_seconds=self.exchange_seconds,
             exchange_bytes=0 if self.stage.exchange is None else self.stage.exchange.bytes_sent - sent_before,
+            partial_receipt=self.audit.partial_receipt,
+            shard_receipts=self.audit.shard_receipts or (),
+            gradient_receipts=self.audit.gradient_receipts,
         )
 
     def _held_step(self) -> HeldStep | None:
@@ -228,18 +231,26 @@ class StepRun:
                                          delivered=lambda m=m, to=to, sent=sent: sent(m, to))
 
     def _exchange(self, plan: ReplicaStepPlan) -> None:
-        """Replace this replica's gradients with the sum of every member's: the same bits on each."""
+        """Replace this replica's gradients with the sum of every member's: the same bits on each. On a retained
+        step the partial gradient is kept and its digest signed, every shard pushed is signed, and the siblings'
+        signed shards are kept as the evidence of what each put into the sum."""
         stage, started = self.stage, time.perf_counter()
         index = stage.io.stage_index
         own = self.held.partial if self.held is not None else None  # kept for a repair: the same vector
+        partial = stage.runtime.gradient_vector() if own is None else own
+        self.audit.partial(partial)
+        retained = self.audit.record is not None
         reduced = stage.exchange.exchange(
-            stage.runtime.gradient_vector() if own is None else own,
+            partial,
             step=self.step,
             epoch=plan.epoch,
             members=plan.members(index),
             stub=lambda k: stage.replica_link(plan.peers[(index, k)]).replicas,
             deadline=self.wait_until,
             abort=self.abort,
+            sign=self.audit.sign_shard if retained else None,
+            keys={k: plan.peers[(index, k)].public_key for k in plan.members(index) if (index, k) in plan.peers},
+            kept=self.audit.shard_receipts if retained else None,
         )
         stage.runtime.set_gradient_vector(reduced)
         self.exchange_seconds = time.perf_counter() - started
@@ -334,6 +345,7 @@ class StepRun:
                     f"the GRADIENT of step {self.step} micro-batch {m} has {len(grad)} "
                     f"rows but its forward had {self._forward_sizes[m]}",
                 )
+            self.audit.gradient_received(m, grad)
         with self._computing(index, self._forward_sizes[m]):
             grad_input = stage.runtime.backward((self.step, m), grad)
         if held is not None:
@@ -341,13 +353,16 @@ class StepRun:
         if grad_input is not None and a.sends_on:
             links, replica = self._links(a.stage_index - 1, m, stage.prev_links)
             if held is None:
-                self.pushes.send(links, a.stage_index - 1, stage_pb2.GRADIENT, m, grad_input, replica=replica)
+                encoded = self.pushes.send(links, a.stage_index - 1, stage_pb2.GRADIENT, m, grad_input,
+                                           replica=replica)
+                self.audit.gradient_sent(m, grad_input, encoded)
                 return
             if m in self._skip_input_gradient:  # the previous stage already holds it: kept, not sent
                 encoded = stage.transfer.encode(grad_input, gradient=True, stream=m)
             else:
                 encoded = self.pushes.send(links, a.stage_index - 1, stage_pb2.GRADIENT, m, grad_input,
                                            replica=replica, delivered=lambda: held.input_gradient_sent(m, replica))
+                self.audit.gradient_sent(m, grad_input, encoded)
             held.input_gradients[m] = encoded
 
     def _links(self, to_stage: int, m: int, neighbour: list[NeighbourLink]) -> tuple[list[NeighbourLink], int]:

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 from arceus.v1 import stage_pb2
-from arceus.verify.receipts import RECEIVED, SENT, ReceiptFields, ReceiptSigner
+from arceus.verify.receipts import GRADIENT, PARTIAL, RECEIVED, SENT, ReceiptFields, ReceiptSigner, ShardFields
 from arceus.verify.tensor_digest import tensor_digest
 from arceus.wire.compression import Encoded, decode_payload
 from nodeagent.stage import HostedStage
@@ -29,6 +29,11 @@ class StepAudit:
         self._own = stage.assignment.replica or 0
         self.receipts: list[stage_pb2.Receipt] = []
         self.sent_receipts: list[stage_pb2.Receipt] = []
+        # Replicated stages on a retained step: the partial gradient's receipt, the signed shards siblings pushed
+        # here (the exchange fills it), and a receipt per gradient sent upstream.
+        self.partial_receipt: stage_pb2.Receipt | None = None
+        self.shard_receipts: list[stage_pb2.ShardReceipt] | None = [] if retain else None
+        self.gradient_receipts: list[stage_pb2.Receipt] = []
         self.record = AuditRecord(step) if retain else None
         stage.audit_record = None  # the previous step's is no longer auditable
 
@@ -50,6 +55,47 @@ class StepAudit:
         self.sent_receipts.append(
             self._receipt(micro_batch, delivered, receiver, SENT, self._own, self._replica_of(receiver, micro_batch))
         )
+
+    def gradient_received(self, micro_batch: int, grad: torch.Tensor) -> None:
+        """The gradient the output of `micro_batch` received from the next stage (kept for an audit of the partial
+        gradient it went into)."""
+        if self.record is not None:
+            self.record.gradients[micro_batch] = grad
+
+    def gradient_sent(self, micro_batch: int, grad: torch.Tensor, encoded: Encoded) -> None:
+        """A gradient sent upstream, as `encoded` for the wire: a retained replicated step signs what the
+        receiving replica decodes, naming both replicas."""
+        if self.record is None or self._stage.assignment.replica is None:
+            return
+        delivered = grad.detach() if encoded.encoding == "fp32" else decode_payload(encoded)
+        receiver = self._stage.assignment.stage_index - 1
+        a = self._stage.assignment
+        fields = ReceiptFields(
+            a.job_id, receiver, a.generation, self._step, micro_batch, tensor_digest(delivered), GRADIENT,
+            producer_replica=self._own, receiver_replica=self._replica_of(receiver, micro_batch),
+        )
+        self.gradient_receipts.append(stage_pb2.Receipt(
+            stage=self._stage.ref(receiver, fields.receiver_replica), step=self._step, micro_batch=micro_batch,
+            sha256=fields.sha256, signature=self._signer.sign(fields), producer_replica=self._own,
+        ))
+
+    def partial(self, flat: torch.Tensor) -> None:
+        """A replica's partial gradient of a retained step, before the exchange: kept, and its digest signed."""
+        if self.record is None:
+            return
+        a = self._stage.assignment
+        self.record.partial = flat
+        fields = ReceiptFields(
+            a.job_id, a.stage_index, a.generation, self._step, -1, tensor_digest(flat), PARTIAL,
+            producer_replica=self._own, receiver_replica=self._own,
+        )
+        self.partial_receipt = stage_pb2.Receipt(
+            stage=self._stage.ref(a.stage_index, self._own), step=self._step, micro_batch=-1, sha256=fields.sha256,
+            signature=self._signer.sign(fields), producer_replica=self._own,
+        )
+
+    def sign_shard(self, fields: ShardFields) -> bytes:
+        return self._signer.sign(fields)
 
     def keep(self) -> bool:
         """The step ran: keep it for an audit if it is retained (its weights are read in place: the

@@ -24,6 +24,7 @@ import logging
 import random
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -32,11 +33,23 @@ import torch
 from arceus.contracts.spot_check import SpotCheckResult
 from arceus.contracts.transfer import TransferConfig
 from arceus.model.precision import BF16_TOLERANCE
+from arceus.model.registry import model_spec_from_config
+from arceus.swarm.exchange import chunk_bounds, shard_bounds
 from arceus.swarm.routing import Routes
 from arceus.training.plan import StageEndpoint, TrainPlan
 from arceus.training.stage_client import StageClient
 from arceus.v1 import stage_pb2
-from arceus.verify.receipts import RECEIVED, SENT, ReceiptError, ReceiptFields, verify_receipt
+from arceus.verify.receipts import (
+    GRADIENT,
+    PARTIAL,
+    RECEIVED,
+    SENT,
+    ReceiptError,
+    ReceiptFields,
+    ShardFields,
+    verify_receipt,
+    verify_shard,
+)
 from arceus.verify.tensor_digest import tensor_digest
 from arceus.wire.compression import decode_payload, encode
 
@@ -53,14 +66,17 @@ class Auditor:
         self._model_json = json.dumps(plan.model)
 
     def check(
-        self, step: int, parties: Parties, inputs: list[torch.Tensor], routes: Routes | None = None
+        self, step: int, parties: Parties, inputs: list[torch.Tensor], routes: Routes | None = None,
+        labels: list[torch.Tensor] | None = None,
     ) -> list[SpotCheckResult]:
         """Check the receipts of a train step (each receiver's against its producer's: hashes only, every
         micro-batch), recompute a forward where the two disagree, else one sampled forward with
         probability `audit_rate`. `parties`: every agent that took the step, by (stage, replica), with its reply;
-        `routes`: which replica of each stage took each micro-batch (None: one agent per stage, replica 0). A
-        producer or receiver that answers its audit with an error fails the check; a stage out of reach, or the
-        verifier failing, raises grpc.RpcError (the driver's usual error path)."""
+        `routes`: which replica of each stage took each micro-batch (None: one agent per stage, replica 0); and,
+        replicated, with probability `audit_rate` one sampled replica's partial gradient recomputed by a sibling
+        (`labels`: the step's, per micro-batch, for the last stage's). A producer or receiver that answers its audit
+        with an error fails the check; a stage out of reach, or the verifier failing, raises grpc.RpcError (the
+        driver's usual error path)."""
         n = len(self.plan.stages)
         routes = routes or Routes.single(n, len(inputs))
         received: list[dict[int, stage_pb2.Receipt]] = [{} for _ in range(n)]  # by receiving stage
@@ -75,6 +91,9 @@ class Auditor:
                 got, failure = self._receipts(step, client, k, SENT, reply.sent_receipts, routes)
                 sent[i].update(got)
                 checks += [failure] if failure is not None else []
+        evidence = self._exchange_evidence(step, parties, routes) if self.plan.replicas else None
+        if evidence is not None:
+            checks += evidence.failures
         if checks:
             return checks  # a receipt that does not verify is news enough
         nodes = {client.endpoint.node_id for client, _ in parties.values()}
@@ -89,7 +108,151 @@ class Auditor:
             i, m = self.rng.randrange(n - 1), self.rng.randrange(len(inputs))
             check = self._recompute(step, i, m, inputs[m], received, sent, parties, routes)
             checks += [check] if check is not None else []
+        replicated = [i for i, ids in enumerate(routes.members) if len(ids) > 1]
+        if evidence is not None and replicated and self.rng.random() < self.plan.audit_rate:
+            i, m = self.rng.choice(replicated), self.rng.randrange(len(inputs))
+            check = self._partial(step, i, m, inputs, labels or [], received, evidence, parties, routes)
+            checks += [check] if check is not None else []
         return checks
+
+    def _exchange_evidence(self, step: int, parties: Parties, routes: Routes) -> _Evidence:
+        """The signed evidence of a replicated step's exchanges: each member's partial-gradient digest, the gradients
+        each replica signed for sending upstream (by receiving stage and micro-batch), and the shards each member
+        kept of its siblings' (each signature checked against its sender's key: the member checked it on receipt).
+        Whatever does not verify is a failed check of its signer (a kept shard's: of the member that kept it)."""
+        evidence = _Evidence()
+        for (i, k), (client, reply) in sorted(parties.items()):
+            e = client.endpoint
+            try:
+                if len(routes.members[i]) > 1:
+                    r = reply.partial_receipt
+                    if not reply.HasField("partial_receipt") or (
+                        r.stage.job_id, r.stage.stage_index, r.stage.generation, r.stage.replica, r.step
+                    ) != (self.plan.job_id, i, self.plan.generation, k, step):
+                        raise ReceiptError("no partial-gradient receipt of this step")
+                    verify_receipt(e.public_key, ReceiptFields(
+                        self.plan.job_id, i, self.plan.generation, step, -1, r.sha256, PARTIAL, k, k
+                    ), r.signature)
+                    evidence.partials[(i, k)] = r.sha256
+                if i > 0:
+                    own = routes.micro_batches_of(i, k)
+                    for r in reply.gradient_receipts:
+                        m = r.micro_batch
+                        if r.step != step or m not in own or (r.stage.stage_index, r.stage.replica) != (
+                            i - 1, routes.of[m][i - 1]
+                        ) or r.producer_replica != k:
+                            raise ReceiptError(f"a gradient receipt names micro-batch {m} of stage "
+                                               f"{r.stage.stage_index} replica {r.stage.replica}, not its route's")
+                        verify_receipt(e.public_key, ReceiptFields(
+                            self.plan.job_id, i - 1, self.plan.generation, step, m, r.sha256, GRADIENT, k,
+                            r.stage.replica,
+                        ), r.signature)
+                        evidence.gradients[(i - 1, m)] = r.sha256
+                    if sorted(m for (s, m) in evidence.gradients if s == i - 1 and m in own) != list(own):
+                        raise ReceiptError(f"gradient receipts do not cover its micro-batches {list(own)}")
+            except ReceiptError as exc:
+                evidence.failures.append(SpotCheckResult(step, -1, i, e.node_id, False, f"bad receipts: {exc}",
+                                                         replica=k))
+                continue
+            for shard in reply.shard_receipts:
+                sender = parties.get((i, shard.source_replica))
+                try:
+                    if sender is None:
+                        raise ReceiptError(f"replica {shard.source_replica} took no part in this step")
+                    verify_shard(sender[0].endpoint.public_key, ShardFields(
+                        self.plan.job_id, i, self.plan.generation, step, shard.epoch, shard.source_replica,
+                        shard.start, shard.length, shard.sha256,
+                    ), shard.signature)
+                except ReceiptError as exc:
+                    evidence.failures.append(SpotCheckResult(
+                        step, -1, i, e.node_id, False, f"kept a gradient shard its sender did not sign: {exc}",
+                        replica=k,
+                    ))
+                    break
+                evidence.shards.setdefault((i, k), []).append(shard)
+        return evidence
+
+    def _partial(
+        self, step: int, i: int, m: int, inputs: list[torch.Tensor], labels: list[torch.Tensor],
+        received: list[dict[int, stage_pb2.Receipt]], evidence: _Evidence, parties: Parties, routes: Routes,
+    ) -> SpotCheckResult | None:
+        """Check the partial gradient of the replica of stage i that took micro-batch m: what it kept matches the
+        digest it signed, every shard it pushed to a sibling (as the sibling kept it, under its signature) is that
+        partial's, and a sibling replica of another owner, recomputing it with its own weights of the step from the
+        inputs and gradients it signed for, gets the same within tolerance. None where no such sibling is."""
+        k = routes.of[m][i]
+        client = parties[(i, k)][0]
+        e, node, last = client.endpoint, client.endpoint.node_id, i == len(self.plan.stages) - 1
+        own = routes.micro_batches_of(i, k)
+        ids = {"replica": k, "producer_replica": k, "receiver_replica": k}
+        where = f"step {step} stage {i} replica {k}"
+
+        def failed(what: str, stage_node: str = node, **replicas: int) -> SpotCheckResult:
+            return SpotCheckResult(step, m, i, stage_node, False, f"{where}: {what}", **(replicas or ids))
+
+        elements = sum(model_spec_from_config(self.plan.model).layer_params()[e.layer_start : e.layer_end])
+        try:
+            partial = client.audit_partial(step, elements)
+        except grpc.RpcError as exc:
+            return _refused(exc, step, m, i, node, ids)
+        except ValueError as exc:
+            return failed(f"returned a malformed partial gradient: {exc}")
+        if tensor_digest(partial) != evidence.partials[(i, k)]:
+            return failed("returned a partial gradient other than the one it signed for")
+        members = routes.members[i]
+        for chunk in chunk_bounds(elements, members):
+            if chunk.owner == k:
+                continue
+            kept = sorted((s for s in evidence.shards.get((i, chunk.owner), []) if s.source_replica == k),
+                          key=lambda s: s.start)
+            spans = [(s.start, s.start + s.length) for s in kept]
+            if spans != list(shard_bounds(chunk, 4)):
+                owner = parties[(i, chunk.owner)][0].endpoint.node_id
+                return failed(f"replica {chunk.owner} kept no full signed account of the shards replica {k} pushed to "
+                              "it", owner, replica=chunk.owner, producer_replica=k, receiver_replica=chunk.owner)
+            for s in kept:
+                if tensor_digest(partial[s.start : s.start + s.length]) != s.sha256:
+                    return failed(f"pushed replica {chunk.owner} a gradient shard at element {s.start} other than the "
+                                  "partial gradient it signed for")
+        items = []
+        for mb in own:
+            try:
+                kept_step = client.audit(step, mb) if i > 0 or not last else None
+            except grpc.RpcError as exc:
+                return _refused(exc, step, mb, i, node, ids)
+            x = inputs[mb] if i == 0 else kept_step.received
+            if i > 0 and (x is None or tensor_digest(x) != received[i][mb].sha256):
+                return failed(f"returned an input of micro-batch {mb} other than the one it signed for")
+            if last:
+                target = labels[mb]
+            else:
+                target = kept_step.gradient
+                if target is None or tensor_digest(target) != evidence.gradients[(i, mb)]:
+                    return failed(f"returned a gradient of micro-batch {mb} other than the one stage {i + 1} "
+                                  f"replica {routes.of[mb][i + 1]} signed for sending it")
+            items.append((x, target))
+        siblings = [c for (s, r), (c, _) in parties.items() if s == i and r != k and not _same_party(c.endpoint, e)]
+        if not siblings:
+            log.warning("step %d: no sibling of stage %d replica %d on another owner's node can recompute it",
+                        step, i, k)
+            return None
+        verifier = self.rng.choice(siblings)
+        expected = verifier.verify_partial(step, sum(len(x) for x in inputs), items, elements, last=last)
+        diff = float((expected - partial).abs().max()) if elements else 0.0
+        rtol, atol = self.plan.audit_rtol, self.plan.audit_atol
+        if self.plan.precision == "bf16":
+            rtol, atol = max(rtol, BF16_TOLERANCE), max(atol, BF16_TOLERANCE)
+        honest = bool(torch.allclose(partial, expected, rtol=rtol, atol=atol))
+        v = verifier.endpoint
+        on = f"sibling replica {v.replica} on node {v.node_id}"
+        detail = (
+            f"{where}: partial gradient of micro-batches {list(own)} matches the recomputation by {on} "
+            f"(max |diff| {diff:.3g})"
+            if honest
+            else f"{where}: partial gradient of micro-batches {list(own)} differs from the recomputation by {on} by "
+            f"up to {diff:.3g} (rtol {rtol}, atol {atol})"
+        )
+        return SpotCheckResult(step, m, i, node, honest, detail, verifier_node_id=v.node_id, max_abs_diff=diff, **ids)
 
     def _receipts(
         self, step: int, signer: StageClient, replica: int, role: str, signed: Iterable[stage_pb2.Receipt],
@@ -232,6 +395,16 @@ class Auditor:
         preferred = [c for c in independent if not _same_party(c.endpoint, receiver)]
         pool = siblings or preferred or independent
         return self.rng.choice(pool) if pool else None
+
+
+@dataclass
+class _Evidence:
+    """What a replicated step's members signed about their exchanges (Auditor._exchange_evidence)."""
+
+    partials: dict[tuple[int, int], bytes] = field(default_factory=dict)  # (stage, replica) -> partial's digest
+    gradients: dict[tuple[int, int], bytes] = field(default_factory=dict)  # (receiving stage, micro-batch) -> digest
+    shards: dict[tuple[int, int], list[stage_pb2.ShardReceipt]] = field(default_factory=dict)  # by keeping member
+    failures: list[SpotCheckResult] = field(default_factory=list)
 
 
 def _same_party(a: StageEndpoint, b: StageEndpoint) -> bool:

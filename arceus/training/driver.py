@@ -491,7 +491,8 @@ class Pipeline:
         if train and self.auditor is not None and repair is None:
             parties = {(c.endpoint.index, c.endpoint.replica): (c, r) for c, r in zip(agents, replies, strict=True)}
             try:
-                spot_checks = self.auditor.check(step, parties, list(inputs), routes)
+                labels = list(torch.tensor_split(y, num_micro_batches))
+                spot_checks = self.auditor.check(step, parties, list(inputs), routes, labels)
             except grpc.RpcError as exc:
                 raise DriverError(f"a spot check of step {step} failed: {exc}") from exc
         sizes = [len(xm) for xm in inputs]

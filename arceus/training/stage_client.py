@@ -27,6 +27,7 @@ class AuditedStep:
 
     received: torch.Tensor | None
     sent: torch.Tensor | None
+    gradient: torch.Tensor | None = None  # a replica's: the gradient its output received (None on the last stage)
 
 
 class StageClient:
@@ -123,7 +124,31 @@ class StageClient:
         reply = self._stub.Audit(request, timeout=self.timeout)
         received = from_proto(reply.received, max_bytes=MAX_MESSAGE_BYTES) if reply.HasField("received") else None
         sent = from_proto(reply.sent, max_bytes=MAX_MESSAGE_BYTES) if reply.HasField("sent") else None
-        return AuditedStep(received, sent)
+        gradient = from_proto(reply.gradient, max_bytes=MAX_MESSAGE_BYTES) if reply.HasField("gradient") else None
+        return AuditedStep(received, sent, gradient)
+
+    def audit_partial(self, step: int, elements: int) -> torch.Tensor:
+        """This replica's partial gradient of retained step `step`, before its exchange: `elements` float32
+        values (ValueError for chunks that do not tile exactly that many)."""
+        request = stage_pb2.AuditRequest(target=self.ref, step=step)
+        return _gradient(self._stub.AuditPartial(request, timeout=self.timeout), elements)
+
+    def verify_partial(
+        self, step: int, batch_size: int, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]], elements: int,
+        *, last: bool,
+    ) -> torch.Tensor:
+        """This (sibling) replica recomputes, with its own weights of retained step `step`, the partial gradient of
+        `micro_batches` ((input, the gradient its output received) each; (input, labels) on the `last` stage) of a
+        step of `batch_size` samples: `elements` float32 values."""
+
+        def requests() -> Iterator[stage_pb2.VerifyPartialRequest]:
+            yield stage_pb2.VerifyPartialRequest(target=self.ref, step=step, batch_size=batch_size)
+            for x, target in micro_batches:
+                yield stage_pb2.VerifyPartialRequest(
+                    input=to_proto(x), **{"labels" if last else "gradient": to_proto(target)}
+                )
+
+        return _gradient(self._stub.VerifyPartial(requests(), timeout=self.timeout), elements)
 
     def save_audit_weights(self, step: int, destination: Path) -> tuple[str, int]:
         """Stream the weights this stage's forwards used in `step` into a safetensors file, a chunk at a
@@ -174,3 +199,20 @@ def _write_chunks(chunks: Iterable[stage_pb2.StateChunk], destination: Path) -> 
             digest.update(chunk.data)
             size += len(chunk.data)
     return digest.hexdigest(), size
+
+
+def _gradient(chunks: Iterable[stage_pb2.GradientChunk], elements: int) -> torch.Tensor:
+    """A flattened gradient of `elements` float32 values from its chunks, in order and without gaps."""
+    out = torch.empty(elements, dtype=torch.float32)
+    filled = 0
+    for chunk in chunks:
+        if chunk.start != filled or list(chunk.values.shape)[:1] == [] or chunk.values.dtype != "float32":
+            raise ValueError(f"a gradient chunk at element {chunk.start}; expected one at {filled}")
+        length = chunk.values.shape[0]
+        if filled + length > elements:
+            raise ValueError(f"gradient chunks hold more than the stage's {elements} elements")
+        out[filled : filled + length] = from_proto(chunk.values, max_bytes=4 * length).reshape(-1)
+        filled += length
+    if filled != elements:
+        raise ValueError(f"gradient chunks hold {filled} of the stage's {elements} elements")
+    return out

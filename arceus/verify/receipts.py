@@ -16,6 +16,10 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 PUBLIC_KEY_HEX_LENGTH = 64  # raw 32-byte Ed25519 key
 RECEIVED, SENT = "received", "sent"
+# Replicated stages, audited steps: a replica's partial gradient before the exchange (signed by that replica;
+# stage_index its own stage, micro_batch -1, both replicas its own), and a gradient a replica of stage
+# `stage_index + 1` (`producer_replica`) sent upstream to replica `receiver_replica` of stage `stage_index`.
+PARTIAL, GRADIENT = "partial", "gradient"
 
 
 class ReceiptError(ValueError):
@@ -44,6 +48,28 @@ class ReceiptFields:
         ).encode()
 
 
+@dataclass(frozen=True)
+class ShardFields:
+    """What a replica signs for each gradient shard it pushes to a sibling on an audited step: elements
+    [start, start + length) of its partial gradient, whose float32 bytes hash to `sha256`."""
+
+    job_id: str
+    stage_index: int
+    generation: int
+    step: int
+    epoch: int
+    source_replica: int
+    start: int
+    length: int
+    sha256: bytes
+
+    def payload(self) -> bytes:
+        return (
+            f"arceus-shard-v1\n{self.job_id}\n{self.stage_index}\n{self.generation}\n{self.step}\n{self.epoch}\n"
+            f"{self.source_replica}\n{self.start}\n{self.length}\n{self.sha256.hex()}"
+        ).encode()
+
+
 class ReceiptSigner:
     """A fresh key pair; the agent makes one per registration (a restarted agent gets a new one)."""
 
@@ -51,7 +77,7 @@ class ReceiptSigner:
         self._key = Ed25519PrivateKey.generate()
         self.public_key_hex = self._key.public_key().public_bytes_raw().hex()
 
-    def sign(self, fields: ReceiptFields) -> bytes:
+    def sign(self, fields: ReceiptFields | ShardFields) -> bytes:
         return self._key.sign(fields.payload())
 
 
@@ -64,6 +90,19 @@ def load_public_key(public_key_hex: str) -> Ed25519PublicKey:
     if len(raw) != 32:
         raise ReceiptError(f"a public key is {PUBLIC_KEY_HEX_LENGTH} hex digits (raw Ed25519), got {public_key_hex!r}")
     return Ed25519PublicKey.from_public_bytes(raw)
+
+
+def verify_shard(public_key_hex: str, fields: ShardFields, signature: bytes) -> None:
+    """ReceiptError saying why unless `signature` is the key's signature of the shard `fields` names."""
+    if len(fields.sha256) != 32:
+        raise ReceiptError(f"shard digest is {len(fields.sha256)} bytes, expected 32")
+    try:
+        load_public_key(public_key_hex).verify(signature, fields.payload())
+    except InvalidSignature:
+        raise ReceiptError(
+            f"the shard at element {fields.start} of step {fields.step} from replica {fields.source_replica} "
+            "does not verify against its node's public key"
+        ) from None
 
 
 def verify_receipt(public_key_hex: str, fields: ReceiptFields, signature: bytes) -> None:

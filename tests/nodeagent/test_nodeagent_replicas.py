@@ -17,6 +17,8 @@ from arceus.contracts.credentials import REPLICA_METADATA_KEY, replica_token, to
 from arceus.swarm.repair import ReplicaInstructions
 from arceus.swarm.routing import Routes
 from arceus.v1 import replica_pb2, stage_pb2
+from arceus.verify.receipts import ReceiptSigner, ShardFields, verify_shard
+from arceus.verify.tensor_digest import tensor_digest
 from arceus.wire.proto_tensor import to_proto
 from arceus.wire.tls import new_identity
 from nodeagent import replicas
@@ -332,3 +334,53 @@ def test_a_replica_pushing_to_a_silent_sibling_stops_as_soon_as_its_step_is_abor
                           deadline=time.monotonic() + 60, abort=abort)
     assert info.value.code == grpc.StatusCode.CANCELLED and silent.cancelled
     assert time.monotonic() - started < 5  # not the minute its deadline allowed
+
+
+def test_an_audited_exchange_keeps_each_siblings_signed_shards_and_refuses_an_unsigned_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("arceus.swarm.exchange.MAX_SHARD_BYTES", 64)
+    members, total = (1, 4), 40
+    signers = {k: ReceiptSigner() for k in members}
+    keys = {k: s.public_key_hex for k, s in signers.items()}
+    partials = {k: torch.randn(total) for k in members}
+    exchanges = {k: exchange_of(k, total, members) for k in members}
+    kept: dict[int, list[stage_pb2.ShardReceipt]] = {k: [] for k in members}
+    errors: dict[int, BaseException] = {}
+
+    def run(k: int, signed: bool) -> None:
+        try:
+            exchanges[k].exchange(
+                partials[k], step=1, epoch=0, members=members, stub=lambda to: _Deliver(exchanges[to]),
+                deadline=time.monotonic() + 10, abort=threading.Event(),
+                sign=signers[k].sign if signed else None, keys=keys, kept=kept[k],
+            )
+        except BaseException as exc:
+            errors[k] = exc
+
+    threads = [threading.Thread(target=run, args=(k, True)) for k in members]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert not errors, errors
+    # Replica 1 owns elements [0, 20), replica 4 [20, 40): each kept the other's shards of its chunk, each signed
+    # by the sender over the values it summed.
+    for k, other, (start, end) in ((1, 4, (0, 20)), (4, 1, (20, 40))):
+        shards = sorted(kept[k], key=lambda s: s.start)
+        assert [(s.source_replica, s.start, s.start + s.length) for s in shards] == [(other, start, 16 + start),
+                                                                                    (other, 16 + start, end)]
+        for s in shards:
+            fields = ShardFields("j", 1, 1, 1, 0, other, s.start, s.length, s.sha256)
+            verify_shard(keys[other], fields, s.signature)
+            assert s.sha256 == tensor_digest(partials[other][s.start : s.start + s.length])
+    # A sibling that pushes its shards unsigned on an audited step fails the step at the replica that keeps them.
+    exchanges = {k: exchange_of(k, total, members) for k in members}
+    errors.clear()
+    threads = [threading.Thread(target=run, args=(1, True)), threading.Thread(target=run, args=(4, False))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert isinstance(errors.get(1), RpcFailure) and errors[1].code == grpc.StatusCode.PERMISSION_DENIED
+    assert "replica 4's shard at element 0 of audited step 1 is not signed by it" in errors[1].message

@@ -45,6 +45,8 @@ JOB = "audited-replicas"
 # Which agent hosts each stage's replicas 0, 1, ...; stage 2's replica 1 (agent 5) is a spare that joins after step 1.
 PLACEMENT = [[0, 1], [2, 3], [4, 5]]
 SPARE = (2, 1)
+# A cheat's runs: one replica of a stage is caught once a sampled micro-batch reaches it (at least 1 in 6 steps).
+MAX_STEPS = 40
 
 
 @pytest.fixture
@@ -94,6 +96,14 @@ def node_of(agents: list[Agent], stage: int, replica: int) -> str:
     return f"agent-{stage}-{replica}"
 
 
+class UntilCaught(RecordingSink):
+    """Stops training at the first failed check: which replica a sampled micro-batch reaches depends on the
+    replicas' measured speeds, so a cheat is caught within some steps, not at a given one."""
+
+    def should_stop(self) -> bool:
+        return any(not c.passed for p in self.steps for c in p.spot_checks)
+
+
 @pytest.fixture
 def seeded(monkeypatch: pytest.MonkeyPatch) -> None:
     """The auditor's samples from a seeded generator: the same steps and micro-batches every run."""
@@ -105,8 +115,18 @@ def test_honest_replicas_pass_every_check_whose_receipts_name_the_replicas_of_ea
 ) -> None:
     sink = RecordingSink()
     train(plan_for(agents, sink), sink)
-    checks = [c for p in sink.steps for c in p.spot_checks]
-    assert len(checks) == 6 and all(c.passed for c in checks), [c.detail for c in checks if not c.passed]
+    every = [c for p in sink.steps for c in p.spot_checks]
+    assert all(c.passed for c in every), [c.detail for c in every if not c.passed]
+    checks = [c for c in every if c.producer_index is not None]  # forwards
+    partials = [c for c in every if c.producer_index is None]
+    assert len(checks) == 6 and len(partials) == 6  # each step: a forward and a partial gradient
+    for c in partials:
+        # A sibling replica recomputed the partial gradient with its own weights: fp32 rounding apart, the same.
+        assert "partial gradient of micro-batches" in c.detail, c
+        assert c.node_id == node_of(agents, c.stage_index, c.replica) and c.max_abs_diff <= 1e-6
+        assert c.verifier_node_id == node_of(agents, c.stage_index, 1 - c.replica)
+    # The last stage's replicas too, once the spare joined it (their partials start from the labels).
+    assert {c.stage_index for c in partials} == {0, 1, 2}
     for c in checks:
         assert c.producer_index == c.stage_index in (0, 1) and c.replica == c.producer_replica
         assert c.node_id == node_of(agents, c.stage_index, c.replica)
@@ -125,11 +145,11 @@ def test_a_replica_that_perturbs_its_activations_is_caught_and_named(agents: lis
     honest = runtime.forward
     runtime.forward = lambda key, x, f=honest: f(key, x) + 0.01 * (1 + torch.rand(1))  # type: ignore[method-assign]
     try:
-        sink = RecordingSink()
-        train(plan_for(agents, sink, max_steps=10), sink)
+        sink = UntilCaught()
+        train(plan_for(agents, sink, max_steps=MAX_STEPS), sink)
     finally:
         runtime.forward = honest  # type: ignore[method-assign]
-    checks = [c for p in sink.steps for c in p.spot_checks]
+    checks = [c for p in sink.steps for c in p.spot_checks if c.producer_index is not None]  # forwards
     failed = [c for c in checks if not c.passed]
     assert failed, [c.detail for c in checks]
     for c in failed:
@@ -138,6 +158,54 @@ def test_a_replica_that_perturbs_its_activations_is_caught_and_named(agents: lis
         assert c.verifier_node_id == node_of(agents, 1, 0)  # its sibling
     # Every other check (another stage, or stage 1's honest replica) passed.
     assert all(c.passed for c in checks if (c.stage_index, c.replica) != (1, 1))
+
+
+def test_a_replica_that_computes_a_dishonest_partial_gradient_is_caught_by_a_sibling(
+    agents: list[Agent], seeded: None
+) -> None:
+    """Stage 0's replica 1 adds noise to its partial gradient before the exchange (and signs it): every replica
+    applies the poisoned sum alike, so only a recomputation catches it; its sibling's names it."""
+    runtime = agents[PLACEMENT[0][1]].registry.stages()[0].runtime
+    honest = runtime.gradient_vector
+    runtime.gradient_vector = lambda f=honest: f() + 1e-3  # type: ignore[method-assign]
+    try:
+        sink = UntilCaught()
+        train(plan_for(agents, sink, max_steps=MAX_STEPS), sink)
+    finally:
+        runtime.gradient_vector = honest  # type: ignore[method-assign]
+    partials = [c for p in sink.steps for c in p.spot_checks if c.producer_index is None]
+    failed = [c for c in partials if not c.passed]
+    assert failed, [c.detail for c in partials]
+    for c in failed:
+        assert (c.stage_index, c.replica, c.node_id) == (0, 1, node_of(agents, 0, 1)), c
+        assert "partial gradient of micro-batches" in c.detail and "differs from the recomputation" in c.detail
+        assert c.verifier_node_id == node_of(agents, 0, 0) and c.max_abs_diff >= 1e-3 * 0.99
+    assert all(c.passed for c in partials if (c.stage_index, c.replica) != (0, 1))
+    # The forwards it computed were honest: every forward check passed.
+    assert all(c.passed for p in sink.steps for c in p.spot_checks if c.producer_index is not None)
+
+
+def test_a_replica_that_pushes_other_shards_than_the_partial_it_signed_is_caught(
+    agents: list[Agent], seeded: None
+) -> None:
+    """Stage 1's replica 0 signs its honest partial gradient but pushes its siblings a perturbed one: the shards
+    they kept, under its signature, contradict what it signed for."""
+    exchange = agents[PLACEMENT[1][0]].registry.stages()[0].exchange
+    honest = exchange.exchange
+    exchange.exchange = lambda flat, **kw: honest(flat + 1e-3, **kw)  # type: ignore[method-assign]
+    try:
+        sink = UntilCaught()
+        train(plan_for(agents, sink, max_steps=MAX_STEPS), sink)
+    finally:
+        exchange.exchange = honest  # type: ignore[method-assign]
+    partials = [c for p in sink.steps for c in p.spot_checks if c.producer_index is None]
+    failed = [c for c in partials if not c.passed]
+    assert failed, [c.detail for c in partials]
+    for c in failed:
+        assert (c.stage_index, c.replica, c.node_id) == (1, 0, node_of(agents, 1, 0)), c
+        # Replica 0 owns the first half of the stage's gradient and pushes the second, from element 264, to replica 1.
+        assert "pushed replica 1 a gradient shard at element 264 other than the partial gradient it signed" in c.detail
+    assert all(c.passed for c in partials if (c.stage_index, c.replica) != (1, 0))
 
 
 def test_a_replica_whose_receipts_name_another_producer_than_its_route_fails(
