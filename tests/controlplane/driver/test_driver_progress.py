@@ -7,11 +7,15 @@ from datetime import timedelta
 
 import pytest
 from django.conf import settings
+from django.db.models import Sum
 from django.utils import timezone
 from rest_framework.test import APIClient
 
 from arceus.contracts.counters import StageCounters
+from arceus.swarm.routing import Routes
 from arceus.training.plan import StageTiming
+from arceus.training.tally import WorkTally
+from arceus.v1 import stage_pb2
 from controlplane.controller.executor import reconcile_once
 from controlplane.controller.transitions import job_fail
 from controlplane.driver.progress import (
@@ -26,6 +30,7 @@ from controlplane.jobs.leases import job_driver_claim
 from controlplane.jobs.models import EpochMetric, Job, LossPoint, Stage
 from controlplane.jobs.selectors import job_loss_curve
 from controlplane.jobs.services import job_cancel
+from controlplane.market.models import LedgerEntry
 
 pytestmark = pytest.mark.django_db
 
@@ -201,3 +206,46 @@ def test_steps_record_each_stages_time_computing_and_waiting(running_job: Job) -
     assert [(round(s.step_compute_seconds, 6), round(s.step_wait_seconds, 6)) for s in rows] == [
         (0.02, 0.02), (0.04, 0.02), (0.06, 0.02)
     ]
+
+
+def test_each_replica_is_billed_on_its_node_for_the_micro_batches_the_driver_routed_to_it(
+    ready_node, queued_job
+) -> None:
+    """A job of 3 stages x 2 replicas: the driver's tally (arceus.training.tally) counts each replica's micro-batches
+    as the routes gave them, and the ledger bills each replica's node for its own work and the time it held the
+    device: one entry per replica, its micro-batches and samples those the job saw it process."""
+    start = timezone.now() - timedelta(seconds=60)
+    for i in range(6):
+        ready_node(f"n{i}", port=50051 + i, now=start)
+    job = queued_job(replicas={"min": 2, "max": 2})
+    reconcile_once(now=start)
+    Stage.objects.filter(job=job).update(held_since=start)
+    Job.objects.filter(pk=job.pk).update(
+        status="running", driver_lease_owner="d", driver_lease_expires_at=timezone.now() + timedelta(seconds=60)
+    )
+    node_of = {(s.index, s.replica): str(s.node_id) for s in Stage.objects.filter(job=job)}
+    assert len(set(node_of.values())) == 6
+    # Stage 1's replica 0 is faster: it takes 3 of the 4 micro-batches (8 samples each); the others share evenly.
+    routes = Routes(((0, 1),) * 3, ((0, 0, 0), (1, 0, 1), (0, 0, 0), (1, 1, 1)))
+    tally, now = WorkTally(), timezone.now()
+    for step in (1, 2):
+        counters = []
+        for (i, k), node in sorted(node_of.items()):
+            routed = routes.micro_batches_of(i, k)
+            counters.append(tally.record(index=i, node_id=node, samples=8 * len(routed), micro_batches=len(routed),
+                                         wall_seconds=0.1, max_bytes=1 << 20, reported=stage_pb2.StageCounters()))
+        assert job_record_steps(job_id=job.id, lease_owner="d", points=points(1.0, start=step), stages=counters,
+                                now=now + timedelta(seconds=step))
+    entries = {(e.stage_index, str(e.node_id)): e for e in LedgerEntry.objects.filter(job=job, reverses=None)
+               .order_by("created_at")}
+    expected = {(0, 0): 2, (0, 1): 2, (1, 0): 3, (1, 1): 1, (2, 0): 2, (2, 1): 2}  # micro-batches per step
+    for (i, k), per_step in expected.items():
+        rows = LedgerEntry.objects.filter(job=job, stage_index=i, node_id=node_of[(i, k)], reverses=None)
+        assert sum(r.micro_batches for r in rows) == 2 * per_step, (i, k)
+        assert sum(r.samples for r in rows) == 2 * 8 * per_step, (i, k)
+        # Each replica's node is paid for the time it held the device: from placement to the second report.
+        assert math.isclose(sum(r.held_seconds for r in rows), 62.0, abs_tol=1.0) and rows[0].charge_micros > 0
+    assert len(entries) == 6
+    totals = LedgerEntry.objects.filter(job=job).aggregate(c=Sum("charge_micros"), f=Sum("fee_micros"),
+                                                           k=Sum("credit_micros"))
+    assert totals["k"] + totals["f"] == totals["c"] > 0
