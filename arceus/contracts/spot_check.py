@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# What a check covers: a recomputed forward (or the receipts of one), or a replica's partial gradient.
+FORWARD, PARTIAL_GRADIENT = "forward", "partial"
+
 
 @dataclass(frozen=True)
 class SpotCheckResult:
@@ -29,3 +32,4 @@ class SpotCheckResult:
     replica: int = 0
     producer_replica: int = 0
     receiver_replica: int = 0
+    kind: str = "forward"  # what was checked: FORWARD (a forward, or the receipts of one), PARTIAL (a gradient)

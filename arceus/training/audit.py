@@ -30,7 +30,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from arceus.contracts.spot_check import SpotCheckResult
+from arceus.contracts.spot_check import PARTIAL_GRADIENT, SpotCheckResult
 from arceus.contracts.transfer import TransferConfig
 from arceus.model.precision import BF16_TOLERANCE
 from arceus.model.registry import model_spec_from_config
@@ -188,7 +188,8 @@ class Auditor:
         where = f"step {step} stage {i} replica {k}"
 
         def failed(what: str, stage_node: str = node, **replicas: int) -> SpotCheckResult:
-            return SpotCheckResult(step, m, i, stage_node, False, f"{where}: {what}", **(replicas or ids))
+            return SpotCheckResult(step, m, i, stage_node, False, f"{where}: {what}", kind=PARTIAL_GRADIENT,
+                                   **(replicas or ids))
 
         elements = sum(model_spec_from_config(self.plan.model).layer_params()[e.layer_start : e.layer_end])
         try:
@@ -252,7 +253,8 @@ class Auditor:
             else f"{where}: partial gradient of micro-batches {list(own)} differs from the recomputation by {on} by "
             f"up to {diff:.3g} (rtol {rtol}, atol {atol})"
         )
-        return SpotCheckResult(step, m, i, node, honest, detail, verifier_node_id=v.node_id, max_abs_diff=diff, **ids)
+        return SpotCheckResult(step, m, i, node, honest, detail, verifier_node_id=v.node_id, max_abs_diff=diff,
+                               kind=PARTIAL_GRADIENT, **ids)
 
     def _receipts(
         self, step: int, signer: StageClient, replica: int, role: str, signed: Iterable[stage_pb2.Receipt],

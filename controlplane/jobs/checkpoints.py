@@ -26,6 +26,7 @@ from django.core.files.base import File
 from django.db import transaction
 from django.db.models import Max, QuerySet
 
+from arceus.contracts.spot_check import PARTIAL_GRADIENT
 from arceus.errors import SpecError
 from arceus.model.expected_state import ExpectedState, expected_stage_state, optimizer_kind, stage_file_check
 from arceus.model.hugging_face import (
@@ -227,14 +228,25 @@ def _uploads_delete(uploads: QuerySet[CheckpointUpload]) -> None:
 def checkpoint_trusted(*, job: Job, node_ids: Collection[str]) -> Checkpoint | None:
     """The newest checkpoint that each of these nodes' work up to has passed a spot check: one of the
     node's checks passed at the checkpoint's step or later, in the checkpoint's generation or later (a
-    check of a run that was rewound past it does not vouch for the replay). None: nothing is vouched
-    for, so a rollback trains from the initial weights (uploaded, else seeded)."""
-    reach: dict[str, list[tuple[int, int]]] = defaultdict(list)  # node -> [(generation, newest step)]
+    check of a run that was rewound past it does not vouch for the replay); of a replicated job, also one of
+    its partial gradients. None: nothing is vouched for, so a rollback trains from the initial weights
+    (uploaded, else seeded)."""
     passed = job.spot_checks.filter(node_id__in=list(node_ids), passed=True)
-    for row in passed.values("node_id", "generation").annotate(newest=Max("train_step")):
-        reach[str(row["node_id"])].append((row["generation"], row["newest"]))
+    kinds = [passed]
+    if job.replicated:
+        # A replica's partial gradient went into every replica's weights: only a check of it vouches for them.
+        kinds.append(passed.filter(kind=PARTIAL_GRADIENT))
+    reaches = []
+    for checks in kinds:
+        reach: dict[str, list[tuple[int, int]]] = defaultdict(list)  # node -> [(generation, newest step)]
+        for row in checks.values("node_id", "generation").annotate(newest=Max("train_step")):
+            reach[str(row["node_id"])].append((row["generation"], row["newest"]))
+        reaches.append(reach)
     for checkpoint in job.checkpoints.order_by("-step"):
-        if all(any(g >= checkpoint.generation and s >= checkpoint.step for g, s in reach[str(n)]) for n in node_ids):
+        if all(
+            any(g >= checkpoint.generation and s >= checkpoint.step for g, s in reach[str(n)])
+            for reach in reaches for n in node_ids
+        ):
             return checkpoint
     return None
 

@@ -125,6 +125,10 @@ class SpotCheck(BaseModel):
     replica = models.PositiveIntegerField(default=0, help_text="the replica of the stage whose work was checked")
     producer_replica = models.PositiveIntegerField(default=0, help_text="the replica that produced the output")
     receiver_replica = models.PositiveIntegerField(default=0, help_text="the replica that received the output")
+    kind = models.CharField(
+        max_length=16, default="forward",
+        help_text="forward: a recomputed forward or receipts; partial: a replica's partial gradient",
+    )
     detail = models.TextField()
 
     class Meta:

@@ -66,6 +66,7 @@ def spot_checks_record(
                 replica=c.replica,
                 producer_replica=c.producer_replica,
                 receiver_replica=c.receiver_replica,
+                kind=c.kind,
                 detail=c.detail,
             )
         )

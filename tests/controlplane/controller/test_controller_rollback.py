@@ -4,18 +4,19 @@ checkpoint such a rollback needs survives pruning."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from django.utils import timezone
 
 from arceus.contracts.counters import StageCounters
-from arceus.contracts.spot_check import SpotCheckResult
+from arceus.contracts.spot_check import PARTIAL_GRADIENT, SpotCheckResult
 from arceus.contracts.status import JobStatus
 from controlplane.controller.executor import reconcile_once
 from controlplane.jobs.checkpoints import checkpoint_trusted
 from controlplane.jobs.models import Job, Stage
-from controlplane.market.models import LedgerEntry
+from controlplane.market.models import LedgerEntry, SpotCheck
 from controlplane.market.services import ledger_record_work
 from controlplane.market.verification import spot_checks_record
 from controlplane.nodes.models import Node
@@ -130,3 +131,25 @@ def test_a_passed_check_vouches_only_for_checkpoints_of_its_generation_or_before
     save(job, 20)  # saved by the replay, which no check of this node has vouched for yet
     assert checkpoint_trusted(job=job, node_ids=[node]).step == 10
     assert checkpoint_trusted(job=job, node_ids=[]).step == 20
+
+
+def test_a_replicated_jobs_node_is_vouched_for_only_as_far_as_a_check_of_its_partial_gradient(
+    running_job: Job,
+) -> None:
+    """A replica's partial gradient went into every replica's weights: a passed forward check at step 25 does not
+    vouch for the checkpoint of step 20 unless a check of its partial gradient passed at 20 or later too."""
+    job, node = running_job, str(stage(running_job, 0).node_id)
+    Job.objects.filter(pk=job.pk).update(replicas_max=2)
+    job.refresh_from_db()
+    for step in (10, 20):
+        save(job, step)
+    partial = replace(check(job, stage(job, 0), train_step=12, passed=True), kind=PARTIAL_GRADIENT)
+    record(job, check(job, stage(job, 0), train_step=25, passed=True), partial)
+    assert checkpoint_trusted(job=job, node_ids=[node]).step == 10
+    record(job, replace(partial, step=22, train_step=22))
+    assert checkpoint_trusted(job=job, node_ids=[node]).step == 20
+    # Of a job whose stages are not replicated, the forward check alone vouches for step 20.
+    Job.objects.filter(pk=job.pk).update(replicas_max=1)
+    job.refresh_from_db()
+    SpotCheck.objects.filter(kind=PARTIAL_GRADIENT).delete()
+    assert checkpoint_trusted(job=job, node_ids=[node]).step == 20
