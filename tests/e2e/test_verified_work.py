@@ -1,7 +1,8 @@
 """Verified work end to end: a dishonest agent (honest for 5 steps, then it perturbs the activations it
 sends) is caught by spot checks, flagged with the reason, its credit withheld, its stage moved to an
 honest spare node, and the job rolled back to before its first unchecked step: the final model is the
-one an honest run trains."""
+one an honest run trains. A replica of a replicated job that perturbs its partial gradient (which every replica
+applies alike) is caught by a sibling's recomputation, flagged and its credit withheld the same way."""
 
 from __future__ import annotations
 
@@ -79,3 +80,46 @@ def test_a_dishonest_agent_is_caught_flagged_and_its_credit_withheld(cluster: Lo
     cost = final["cost"]
     credits = sum(Decimal(e["credit_usd"]) for e in [cheated, *paid])
     assert credits + Decimal(cost["platform_fee_usd"]) + Decimal(cost["withheld_usd"]) == Decimal(cost["charged_usd"])
+
+
+REPLICATED_JOB = {
+    "name": "verified-replicas",
+    "model_config": {"layer_sizes": [64, 128, 64, 10]},
+    "dataset_config": {"name": "digits", "batch_size": 32, "val_batch_size": 360},
+    "epochs": 1,
+    "learning_rate": 0.05,
+    "micro_batches": 4,
+    "stages": 2,
+    "replicas": 2,
+    "audit_rate": 1.0,
+    "checkpoint_interval_steps": 4,
+    "requirements": {"owner_diversity": False},  # once the cheat is flagged, the honest nodes left are one owner's
+}
+
+
+def test_a_replica_with_a_dishonest_partial_gradient_is_caught_by_a_sibling_and_flagged(cluster: LocalCluster) -> None:
+    # Four nodes for 2 stages x 2 replicas, the cheat (mallory's) among them; a spare joins once the job runs.
+    cheat = cluster.start_agent("replica-cheat", "--cheat", "partial", "--honest-steps", "3",
+                                module="tests.e2e.dishonest_agent", owner="mallory")
+    mallory = cluster.owner_client("mallory")
+    honest = cluster.start_agents([f"replica-honest-{i}" for i in range(3)])
+    job = cluster.client.submit_job(REPLICATED_JOB)
+    cluster.client.start_job(job["id"])
+    running = cluster.wait_for_job(job["id"], lambda d: d["status"] == "running" and d["step"] >= 1, 120)
+    assert cheat.node_id in {p["node_id"] for p in running["placements"]}
+    honest.append(cluster.start_agent("replica-honest-spare"))
+    final = cluster.client.wait(job["id"], timeout=240)
+    assert final["status"] == "succeeded", (final["error"], final["conditions"])
+
+    nodes = {n["id"]: n for client in (cluster.client, mallory) for n in client.nodes()}
+    flag = nodes[cheat.node_id]["flag"]
+    assert flag is not None and "partial gradient" in flag["reason"], flag
+    assert "differs from the recomputation by sibling replica" in flag["reason"]
+    assert all(nodes[a.node_id]["flag"] is None for a in honest)
+    assert cheat.node_id not in {p["node_id"] for p in final["placements"]}
+    earned = mallory.session.get(f"{cluster.api_url}/api/nodes/{cheat.node_id}/earnings", timeout=30).json()
+    assert Decimal(earned["credit_usd"]) == 0 < Decimal(earned["withheld_usd"])
+    # The rollback went back before the poisoned steps: the model is an honest run's (to the replicas' rounding).
+    reference = reference_run(REPLICATED_JOB)
+    assert final["step"] == len(reference.losses)
+    assert math.isclose(final["val_loss"], reference.val_loss, rel_tol=1e-3)

@@ -128,6 +128,12 @@ def every_method(channel: grpc.Channel, stage: int) -> dict[str, Callable[[], An
         "Audit": lambda: stub.Audit(audit, timeout=10),
         "AuditWeights": lambda: list(stub.AuditWeights(audit, timeout=10)),
         "VerifyForward": lambda: stub.VerifyForward(iter([verify]), timeout=10),
+        "AuditPartial": lambda: list(stub.AuditPartial(audit, timeout=10)),
+        "VerifyPartial": lambda: list(stub.VerifyPartial(iter([
+            stage_pb2.VerifyPartialRequest(target=target, step=1, batch_size=2),
+            stage_pb2.VerifyPartialRequest(input=to_proto(torch.zeros(1, width)),
+                                           gradient=to_proto(torch.zeros(1, 32))),
+        ]), timeout=10)),
         "PushPartial": lambda: tensor_parallel_pb2_grpc.TensorParallelServiceStub(channel).PushPartial(
             partial, timeout=10),
         "PushShard": lambda: replica_pb2_grpc.ReplicaServiceStub(channel).PushShard(shard, timeout=10),
