@@ -15,6 +15,7 @@ from arceus.contracts.spot_check import PARTIAL_GRADIENT, SpotCheckResult
 from arceus.contracts.status import JobStatus
 from controlplane.controller.executor import reconcile_once
 from controlplane.jobs.checkpoints import checkpoint_trusted
+from controlplane.jobs.leases import job_driver_claim
 from controlplane.jobs.models import Job, Stage
 from controlplane.market.models import LedgerEntry, SpotCheck
 from controlplane.market.services import ledger_record_work
@@ -153,3 +154,31 @@ def test_a_replicated_jobs_node_is_vouched_for_only_as_far_as_a_check_of_its_par
     job.refresh_from_db()
     SpotCheck.objects.filter(kind=PARTIAL_GRADIENT).delete()
     assert checkpoint_trusted(job=job, node_ids=[node]).step == 20
+
+
+def test_a_caught_replica_leaves_its_stage_and_its_sibling_keeps_its_node(
+    ready_node, queued_job, checkpoint_dir: Path, django_capture_on_commit_callbacks  # noqa: ANN001
+) -> None:
+    """A replicated job rolls back as any job does, but only the caught replica leaves: its sibling stays where it
+    is (a rewind's moves name a stage, so moving the caught one would have unplaced every replica of its stage); once
+    the job trains again, the reconciler adds a replica from a free node to make up the stage's minimum."""
+    for i in range(4):
+        ready_node(f"r{i}", port=50081 + i)
+    job = queued_job(stages=2, replicas={"min": 2, "max": 2})
+    reconcile_once()
+    Job.objects.filter(pk=job.pk).update(status="running")
+    assert job_driver_claim(job_id=job.id, owner=DRIVER, now=timezone.now()) is not None
+    job.refresh_from_db()
+    rows = {(s.index, s.replica): s for s in Stage.objects.filter(job=job, active=True)}
+    assert sorted(rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    cheat, sibling = rows[(1, 1)], rows[(1, 0)]
+    caught = replace(check(job, cheat, train_step=3, passed=False), replica=1, kind=PARTIAL_GRADIENT)
+    with django_capture_on_commit_callbacks(execute=True):
+        record(job, caught)
+    job.refresh_from_db()
+    left = {(s.index, s.replica): s.node_id for s in Stage.objects.filter(job=job, active=True)}
+    assert sorted(left) == [(0, 0), (0, 1), (1, 0)] and left[(1, 0)] == sibling.node_id
+    assert all(node is not None for node in left.values()) and job.step == 0
+    training = next(c for c in job.conditions if c["type"] == "Training")
+    assert training["reason"] == "NodeFlagged"
+    assert job.status == JobStatus.PLACING  # every row placed: it rebuilds from the checkpoint and trains on
