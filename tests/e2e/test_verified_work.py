@@ -117,8 +117,17 @@ def test_a_replica_with_a_dishonest_partial_gradient_is_caught_by_a_sibling_and_
     assert "differs from the recomputation by sibling replica" in flag["reason"]
     assert all(nodes[a.node_id]["flag"] is None for a in honest)
     assert cheat.node_id not in {p["node_id"] for p in final["placements"]}
+    # Nothing of its work is paid: no passed check of its partial gradient vouched for any checkpoint, so the job
+    # went back to its start, reversing every entry of the cheat's (culprit: credit lost), and any later one is
+    # withheld. Credits, fees and what is withheld still add up to the charges.
     earned = mallory.session.get(f"{cluster.api_url}/api/nodes/{cheat.node_id}/earnings", timeout=30).json()
-    assert Decimal(earned["credit_usd"]) == 0 < Decimal(earned["withheld_usd"])
+    assert Decimal(earned["credit_usd"]) == 0, earned
+    assert final["resumed_from_step"] in (None, 0), final["conditions"]  # its 4th exchanged step was dishonest
+    cost = final["cost"]
+    credits = sum(Decimal(cluster.client.session.get(f"{cluster.api_url}/api/nodes/{a.node_id}/earnings",
+                                                     timeout=30).json()["credit_usd"]) for a in honest)
+    assert credits > 0
+    assert credits + Decimal(cost["platform_fee_usd"]) + Decimal(cost["withheld_usd"]) == Decimal(cost["charged_usd"])
     # The rollback went back before the poisoned steps: the model is an honest run's (to the replicas' rounding).
     reference = reference_run(REPLICATED_JOB)
     assert final["step"] == len(reference.losses)
