@@ -227,7 +227,7 @@ def test_strangers_are_refused_every_method_while_the_job_trains_as_if_undisturb
     if failures:
         raise failures[0]
     # Every method on both agents, bar the probes of callers known there and the neighbour's gradient.
-    assert attacks and attacks[0] == len(CALLERS) * 2 * 15 - 4 - len(ALLOWED)
+    assert attacks and attacks[0] == len(CALLERS) * 2 * 17 - 4 - len(ALLOWED)
 
     expected = reference_run(
         {"model_config": MODEL, "dataset_config": DATASET, "epochs": 1, "learning_rate": OPTIMIZER["lr"],
