@@ -20,6 +20,7 @@ import torch
 
 from arceus.pipeline.schedule import Action, build_schedule, replica_schedule
 from arceus.pipeline.solo import solo_planner
+from arceus.swarm.exchange import chunk_bounds
 from arceus.swarm.outer import OuterSync
 from arceus.swarm.repair import ReplicaInstructions
 from arceus.v1 import stage_pb2
@@ -171,6 +172,7 @@ class StepRun:
             partial_receipt=self.audit.partial_receipt,
             shard_receipts=self.audit.shard_receipts or (),
             gradient_receipts=self.audit.gradient_receipts,
+            reduced_receipts=self.audit.reduced_receipts,
         )
 
     def _held_step(self) -> HeldStep | None:
@@ -253,6 +255,7 @@ class StepRun:
             kept=self.audit.shard_receipts if retained else None,
         )
         stage.runtime.set_gradient_vector(reduced)
+        self.audit.reduced(reduced, chunk_bounds(reduced.numel(), plan.members(index)))
         self.exchange_seconds = time.perf_counter() - started
 
     def _start_sync_round(self) -> None:

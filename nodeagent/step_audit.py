@@ -5,12 +5,22 @@ name the producing and the receiving replica of each activation, as the step's r
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
+from arceus.swarm.exchange import Chunk
 from arceus.v1 import stage_pb2
-from arceus.verify.receipts import GRADIENT, PARTIAL, RECEIVED, SENT, ReceiptFields, ReceiptSigner, ShardFields
+from arceus.verify.receipts import (
+    GRADIENT,
+    PARTIAL,
+    RECEIVED,
+    REDUCED,
+    SENT,
+    ReceiptFields,
+    ReceiptSigner,
+    ShardFields,
+)
 from arceus.verify.tensor_digest import tensor_digest
 from arceus.wire.compression import Encoded, decode_payload
 from nodeagent.stage import HostedStage
@@ -34,6 +44,7 @@ class StepAudit:
         self.partial_receipt: stage_pb2.Receipt | None = None
         self.shard_receipts: list[stage_pb2.ShardReceipt] | None = [] if retain else None
         self.gradient_receipts: list[stage_pb2.Receipt] = []
+        self.reduced_receipts: list[stage_pb2.Receipt] = []
         self.record = AuditRecord(step) if retain else None
         stage.audit_record = None  # the previous step's is no longer auditable
 
@@ -93,6 +104,22 @@ class StepAudit:
             stage=self._stage.ref(a.stage_index, self._own), step=self._step, micro_batch=-1, sha256=fields.sha256,
             signature=self._signer.sign(fields), producer_replica=self._own,
         )
+
+    def reduced(self, reduced: torch.Tensor, chunks: Sequence[Chunk]) -> None:
+        """The summed gradient a replica applies after its exchange, on a retained step: a signed digest of each
+        chunk, naming the chunk's owner (which summed it)."""
+        if self.record is None:
+            return
+        a = self._stage.assignment
+        for c, chunk in enumerate(chunks):
+            fields = ReceiptFields(
+                a.job_id, a.stage_index, a.generation, self._step, c, tensor_digest(reduced[chunk.start : chunk.end]),
+                REDUCED, producer_replica=chunk.owner, receiver_replica=self._own,
+            )
+            self.reduced_receipts.append(stage_pb2.Receipt(
+                stage=self._stage.ref(a.stage_index, self._own), step=self._step, micro_batch=c, sha256=fields.sha256,
+                signature=self._signer.sign(fields), producer_replica=chunk.owner,
+            ))
 
     def sign_shard(self, fields: ShardFields) -> bytes:
         return self._signer.sign(fields)

@@ -34,7 +34,7 @@ from arceus.contracts.spot_check import PARTIAL_GRADIENT, SpotCheckResult
 from arceus.contracts.transfer import TransferConfig
 from arceus.model.precision import BF16_TOLERANCE
 from arceus.model.registry import model_spec_from_config
-from arceus.swarm.exchange import chunk_bounds, shard_bounds
+from arceus.swarm.exchange import chunk_bounds, reduce_in_order, shard_bounds
 from arceus.swarm.routing import Routes
 from arceus.training.plan import StageEndpoint, TrainPlan
 from arceus.training.stage_client import StageClient
@@ -43,6 +43,7 @@ from arceus.verify.receipts import (
     GRADIENT,
     PARTIAL,
     RECEIVED,
+    REDUCED,
     SENT,
     ReceiptError,
     ReceiptFields,
@@ -134,6 +135,22 @@ class Auditor:
                         self.plan.job_id, i, self.plan.generation, step, -1, r.sha256, PARTIAL, k, k
                     ), r.signature)
                     evidence.partials[(i, k)] = r.sha256
+                    members = routes.members[i]
+                    reduced = {}
+                    for chunk in reply.reduced_receipts:
+                        c = chunk.micro_batch
+                        if chunk.step != step or not 0 <= c < len(members) or chunk.producer_replica != members[c] or (
+                            chunk.stage.stage_index, chunk.stage.replica) != (i, k):
+                            raise ReceiptError(f"a receipt of the summed gradient names chunk {c} of replica "
+                                               f"{chunk.producer_replica}, not one of this step's exchange")
+                        verify_receipt(e.public_key, ReceiptFields(
+                            self.plan.job_id, i, self.plan.generation, step, c, chunk.sha256, REDUCED, members[c], k
+                        ), chunk.signature)
+                        reduced[c] = chunk.sha256
+                    if sorted(reduced) != list(range(len(members))):
+                        raise ReceiptError(f"receipts of the summed gradient cover chunks {sorted(reduced)} of "
+                                           f"{len(members)}")
+                    evidence.reduced[(i, k)] = reduced
                 if i > 0:
                     own = routes.micro_batches_of(i, k)
                     for r in reply.gradient_receipts:
@@ -215,6 +232,41 @@ class Auditor:
                 if tensor_digest(partial[s.start : s.start + s.length]) != s.sha256:
                     return failed(f"pushed replica {chunk.owner} a gradient shard at element {s.start} other than the "
                                   "partial gradient it signed for")
+        owned = [(c, chunk) for c, chunk in enumerate(chunk_bounds(elements, members)) if chunk.owner == k]
+        if any(chunk.end > chunk.start for _, chunk in owned):
+            # Its own chunk it summed itself: its siblings' signed partials, as they pushed them to it, must add up
+            # (in ascending replica id, as the exchange adds) to what it signed for applying.
+            partials = {k: partial}
+            for s in members:
+                if s == k:
+                    continue
+                sibling = parties[(i, s)][0]
+                s_ids = {"replica": s, "producer_replica": s, "receiver_replica": s}
+                try:
+                    partials[s] = sibling.audit_partial(step, elements)
+                except grpc.RpcError as exc:
+                    return _refused(exc, step, m, i, sibling.endpoint.node_id, s_ids)
+                except ValueError as exc:
+                    return failed(f"replica {s} returned a malformed partial gradient: {exc}",
+                                  sibling.endpoint.node_id, **s_ids)
+                if tensor_digest(partials[s]) != evidence.partials[(i, s)]:
+                    return failed(f"replica {s} returned a partial gradient other than the one it signed for",
+                                  sibling.endpoint.node_id, **s_ids)
+                for shard in evidence.shards.get((i, k), []):
+                    if shard.source_replica == s and tensor_digest(
+                        partials[s][shard.start : shard.start + shard.length]
+                    ) != shard.sha256:
+                        return failed(f"replica {s} pushed replica {k} a gradient shard at element {shard.start} "
+                                      "other than the partial gradient it signed for", sibling.endpoint.node_id,
+                                      **s_ids)
+            for c, chunk in owned:
+                total = reduce_in_order({s: p[chunk.start : chunk.end] for s, p in partials.items()})
+                if evidence.reduced[(i, k)][c] != tensor_digest(total):
+                    return failed(f"summed chunk {c} (elements [{chunk.start}, {chunk.end})) of the exchange other "
+                                  "than its members' signed partial gradients add up to")
+                if differing := [s for s in members if evidence.reduced[(i, s)][c] != tensor_digest(total)]:
+                    log.warning("step %d stage %d: replicas %s applied another chunk %d than replica %d summed",
+                                step, i, differing, c, k)
         items = []
         for mb in own:
             try:
@@ -406,6 +458,7 @@ class _Evidence:
     partials: dict[tuple[int, int], bytes] = field(default_factory=dict)  # (stage, replica) -> partial's digest
     gradients: dict[tuple[int, int], bytes] = field(default_factory=dict)  # (receiving stage, micro-batch) -> digest
     shards: dict[tuple[int, int], list[stage_pb2.ShardReceipt]] = field(default_factory=dict)  # by keeping member
+    reduced: dict[tuple[int, int], dict[int, bytes]] = field(default_factory=dict)  # member -> chunk -> digest
     failures: list[SpotCheckResult] = field(default_factory=list)
 
 

@@ -20,6 +20,9 @@ RECEIVED, SENT = "received", "sent"
 # stage_index its own stage, micro_batch -1, both replicas its own), and a gradient a replica of stage
 # `stage_index + 1` (`producer_replica`) sent upstream to replica `receiver_replica` of stage `stage_index`.
 PARTIAL, GRADIENT = "partial", "gradient"
+# ... and chunk `micro_batch` of the summed gradient a replica (`receiver_replica`) applies, whose chunk's owner (which
+# summed it) is `producer_replica`.
+REDUCED = "reduced"
 
 
 class ReceiptError(ValueError):

@@ -10,6 +10,7 @@ replicas than the routes is failed; and a join grant of an earlier membership ep
 
 from __future__ import annotations
 
+import inspect
 import random
 from collections.abc import Iterator
 from dataclasses import replace
@@ -34,7 +35,7 @@ from devtools.pipeline import (
     replica_endpoints,
     replicated_pipeline_assignments,
 )
-from nodeagent import step_audit
+from nodeagent import replicas, step_audit
 from nodeagent.agent import Agent
 
 MODEL = {"type": "mlp", "layer_sizes": [64, 32, 16, 10]}
@@ -205,6 +206,30 @@ def test_a_replica_that_pushes_other_shards_than_the_partial_it_signed_is_caught
         assert (c.stage_index, c.replica, c.node_id) == (1, 0, node_of(agents, 1, 0)), c
         # Replica 0 owns the first half of the stage's gradient and pushes the second, from element 264, to replica 1.
         assert "pushed replica 1 a gradient shard at element 264 other than the partial gradient it signed" in c.detail
+    assert all(c.passed for c in partials if (c.stage_index, c.replica) != (1, 0))
+
+
+def test_a_replica_that_sums_its_own_chunk_of_the_exchange_wrongly_is_caught(
+    agents: list[Agent], seeded: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stage 1's replica 0 owns the first chunk of the stage's exchange and adds to the sum it sends back: every
+    replica applies the same poisoned chunk, whose signed digest its siblings' signed partials do not add up to."""
+    cheat = agents[PLACEMENT[1][0]].registry.stages()[0].exchange
+    honest_sum = replicas.reduce_in_order
+
+    def dishonest_sum(parts: dict[int, torch.Tensor]) -> torch.Tensor:
+        total = honest_sum(parts)
+        return total + 1e-3 if inspect.currentframe().f_back.f_locals.get("self") is cheat else total
+
+    monkeypatch.setattr(replicas, "reduce_in_order", dishonest_sum)
+    sink = UntilCaught()
+    train(plan_for(agents, sink, max_steps=MAX_STEPS), sink)
+    partials = [c for p in sink.steps for c in p.spot_checks if c.producer_index is None]
+    failed = [c for c in partials if not c.passed]
+    assert failed, [c.detail for c in partials]
+    for c in failed:
+        assert (c.stage_index, c.replica, c.node_id) == (1, 0, node_of(agents, 1, 0)), c
+        assert "summed chunk 0 (elements [0, 264)) of the exchange other than its members' signed partial" in c.detail
     assert all(c.passed for c in partials if (c.stage_index, c.replica) != (1, 0))
 
 
