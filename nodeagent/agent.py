@@ -181,7 +181,7 @@ class Agent:
         if changed:
             self.neighbour_links.wake()
         self.metrics.set_stages(
-            (s.assignment.job_id, s.assignment.stage_index) for s in self.registry.stages()
+            (s.assignment.job_id, s.assignment.stage_index, s.assignment.replica) for s in self.registry.stages()
         )
         return changed
 

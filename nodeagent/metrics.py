@@ -1,7 +1,8 @@
 """The agent's Prometheus metrics, in their own registry, served on /metrics to the holder of its scrape token.
 
-Base units, no per-step or per-micro-batch labels; the only labels are the step mode and, on the
-stage info metric, the stages hosted here (a handful per agent). Those name jobs, so a scrape must present the
+Base units, no per-step or per-micro-batch labels; the only labels are the step mode, the stage and replica id of
+each replica of a replicated stage hosted here, and, on the stage info metric, the stages hosted here (a handful
+per agent). Those name jobs, so a scrape must present the
 token whose SHA-256 the control plane sent (`accept_scrapes`; arceus/contracts/scrape.py), as a bearer token or
 as the `token` URL parameter (what Prometheus's service discovery can give each target): 401
 without it or with another, 403 while the agent has none. The server reads a request for at most
@@ -109,8 +110,34 @@ class AgentMetrics:
         self.device_memory.set_function(lambda: memory_used_bytes(device))
         self.stage_assigned = Gauge("arceus_stage_assigned", "Number of stages this agent hosts.", registry=r)
         self.stage_info = Gauge(
-            "arceus_stage_info", "1 for each stage this agent hosts.", ["job_id", "stage_index"], registry=r
+            "arceus_stage_info",
+            "1 for each stage this agent hosts (replica: its replica id in a replicated stage, else empty).",
+            ["job_id", "stage_index", "replica"],
+            registry=r,
         )
+        # A replicated stage's replica hosted here, by its stage index and replica id (arceus/swarm): the part of each
+        # step's micro-batches the driver routed to it, and how fast it ran them.
+        self.replica_micro_batches = Counter(
+            "arceus_replica_micro_batches_total",
+            "Micro-batches run forward by a replica of a replicated stage hosted here (its share of each step's).",
+            ["stage", "replica"],
+            registry=r,
+        )
+        self.replica_samples = Counter(
+            "arceus_replica_samples_total",
+            "Samples run forward by a replica of a replicated stage hosted here.",
+            ["stage", "replica"],
+            registry=r,
+        )
+        self.replica_compute_seconds = Counter(
+            "arceus_replica_compute_seconds_total",
+            "Seconds a replica of a replicated stage hosted here spent in forward, backward and optimizer compute "
+            "(its samples over these: its speed).",
+            ["stage", "replica"],
+            registry=r,
+        )
+        self._replicas: set[tuple[str, str]] = set()
+        self._replicas_lock = threading.Lock()
         self.heartbeat_age = Gauge(
             "arceus_heartbeat_age_seconds",
             "Seconds since the last successful heartbeat (NaN before the first, and in static mode).",
@@ -133,13 +160,38 @@ class AgentMetrics:
     def _heartbeat_age(self) -> float:
         return math.nan if self._last_heartbeat is None else time.monotonic() - self._last_heartbeat
 
-    def set_stages(self, stages: Iterable[tuple[str, int]]) -> None:
-        """The (job_id, stage_index) pairs hosted now."""
+    def set_stages(self, stages: Iterable[tuple[str, int, int | None]]) -> None:
+        """The (job_id, stage_index, replica id or None) of the stages hosted now; the series of replicas no longer
+        hosted go (a replica id is never reused within a job, so an agent's replicas would otherwise pile up)."""
         stages = list(stages)
         self.stage_info.clear()
-        for job_id, stage_index in stages:
-            self.stage_info.labels(job_id=job_id, stage_index=str(stage_index)).set(1)
+        for job_id, stage_index, replica in stages:
+            self.stage_info.labels(job_id=job_id, stage_index=str(stage_index),
+                                   replica="" if replica is None else str(replica)).set(1)
         self.stage_assigned.set(len(stages))
+        hosted = {(str(index), str(replica)) for _, index, replica in stages if replica is not None}
+        with self._replicas_lock:
+            for labels in self._replicas - hosted:
+                for counter in self._replica_counters():
+                    counter.remove(*labels)
+            for labels in hosted - self._replicas:  # exported from 0 at once, before the replica's first step
+                for counter in self._replica_counters():
+                    counter.labels(*labels)
+            self._replicas = hosted
+
+    def _replica_counters(self) -> tuple[Counter, ...]:
+        return self.replica_micro_batches, self.replica_samples, self.replica_compute_seconds
+
+    def replica_step(self, stage_index: int, replica: int, *, samples: int, micro_batches: int,
+                     compute_seconds: float) -> None:
+        """Count one step's work of the replica `replica` of stage `stage_index` (hosted here)."""
+        labels = (str(stage_index), str(replica))
+        with self._replicas_lock:
+            if labels not in self._replicas:  # dropped while its step ran: its series went with it
+                return
+            self.replica_micro_batches.labels(*labels).inc(micro_batches)
+            self.replica_samples.labels(*labels).inc(samples)
+            self.replica_compute_seconds.labels(*labels).inc(compute_seconds)
 
     def serve(self, host: str, port: int) -> int:
         """Start the /metrics HTTP server in a daemon thread; returns the port it listens on."""

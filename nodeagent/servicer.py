@@ -161,6 +161,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             self._metrics.micro_batches.inc(after.micro_batches - before.micro_batches)
             self._metrics.compute_seconds.inc(after.compute_seconds - before.compute_seconds)
             self._metrics.bytes_sent.inc(after.bytes_sent - before.bytes_sent)
+            if stage.assignment.replica is not None:
+                self._metrics.replica_step(
+                    stage.assignment.stage_index, stage.assignment.replica,
+                    samples=after.samples - before.samples, micro_batches=after.micro_batches - before.micro_batches,
+                    compute_seconds=after.compute_seconds - before.compute_seconds,
+                )
             return reply
 
         return serve(context, "RunStep", step)

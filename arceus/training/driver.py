@@ -219,7 +219,7 @@ class Pipeline:
             ],
             spot_checks=spot_checks,
             timings=[
-                _timing(c.endpoint.index, r, answered[i] - issued)
+                _timing(c.endpoint.index, r, answered[i] - issued, samples=n, micro_batches=num_micro_batches)
                 for i, (c, r) in enumerate(zip(agents, every_reply, strict=True))
                 if c in self.clients
             ],
@@ -500,11 +500,11 @@ class Pipeline:
         if train and repair is None:  # a repaired step's replies time only what was left of it
             roster.measured([((c.endpoint.index, c.endpoint.replica), s, r.compute_seconds)
                              for c, r, s in zip(agents, replies, ran, strict=True)])
-        timings: dict[int, StageTiming] = {}
-        for i, (c, r) in enumerate(zip(agents, replies, strict=True)):
-            timing = _timing(c.endpoint.index, r, answered[i] - issued)
-            if c.endpoint.index not in timings or timing.compute_seconds > timings[c.endpoint.index].compute_seconds:
-                timings[c.endpoint.index] = timing  # a stage's slowest replica
+        timings = [  # each replica's own: its speed and its share of the step, as the dashboard shows them
+            _timing(c.endpoint.index, r, answered[i] - issued, samples=s, micro_batches=len(r.micro_batches),
+                    node_id=c.endpoint.node_id)
+            for i, (c, r, s) in enumerate(zip(agents, replies, ran, strict=True))
+        ]
         return StepOutcome(
             loss_sum=sum(per_micro_batch[m][0] for m in range(num_micro_batches)),
             correct=sum(v[1] for v in per_micro_batch.values()),
@@ -519,7 +519,7 @@ class Pipeline:
                 for i, (c, r, s) in enumerate(zip(agents, replies, ran, strict=True))
             ],
             spot_checks=spot_checks,
-            timings=[timings[i] for i in sorted(timings)],
+            timings=timings,
             exchange_bytes=sum(r.exchange_bytes for r in replies),
         )
 
@@ -731,14 +731,19 @@ def _train(plan: TrainPlan, sink: ProgressSink, dataset: dict, train_set: Sample
     )
 
 
-def _timing(index: int, reply: stage_pb2.RunStepReply, wall_seconds: float) -> StageTiming:
-    """A stage's own account of its step, each figure kept within the wall time the driver measured (an agent
-    is a stranger's process: NaN or a claimed hour reads as the whole call)."""
+def _timing(
+    index: int, reply: stage_pb2.RunStepReply, wall_seconds: float, *, samples: int, micro_batches: int,
+    node_id: str = "",
+) -> StageTiming:
+    """A stage's (or replica's) own account of its step, each figure kept within the wall time the driver measured
+    (an agent is a stranger's process: NaN or a claimed hour reads as the whole call), with the samples and
+    micro-batches the driver routed to it."""
 
     def bounded(value: float) -> float:
         return min(max(value, 0.0), wall_seconds) if math.isfinite(value) else wall_seconds
 
-    return StageTiming(index, bounded(reply.compute_seconds), bounded(reply.wait_seconds), wall_seconds)
+    return StageTiming(index, bounded(reply.compute_seconds), bounded(reply.wait_seconds), wall_seconds,
+                       node_id=node_id, samples=samples, micro_batches=micro_batches)
 
 
 def _await_all(

@@ -177,14 +177,19 @@ class TrainPlan:
 
 @dataclass(frozen=True)
 class StageTiming:
-    """How one stage (its rank 0) spent one step, as its agent reported it within the wall time the driver
-    measured: computing, and waiting for its inputs and sends (the pipeline bubble it saw); and that wall time,
-    the driver's own clock from the call to the reply (what the market measures speed by: no agent shortens it)."""
+    """How one stage (its rank 0, or one replica of a replicated stage) spent one step, as its agent reported it
+    within the wall time the driver measured: computing, and waiting for its inputs and sends (the pipeline bubble
+    it saw); that wall time, the driver's own clock from the call to the reply (what the market measures speed by:
+    no agent shortens it); and the samples and micro-batches the driver routed to it."""
 
     index: int
     compute_seconds: float
     wait_seconds: float
     wall_seconds: float = 0.0  # 0: not measured
+    # A replica's own (a replicated stage has one timing per replica): its node; "": the stage's (its rank 0's).
+    node_id: str = ""
+    samples: float = 0.0  # the samples it ran forward and backward in the step (0: not counted)
+    micro_batches: float = 0.0  # the step's micro-batches it took (a replica: its share of them)
 
 
 @dataclass

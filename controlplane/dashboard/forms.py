@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from django import forms
@@ -27,6 +28,8 @@ class JsonObjectField(forms.CharField):
 
     def to_python(self, value: Any) -> Any:
         text = super().to_python(value)
+        if not text and not self.required:
+            return None
         if len(text) > MAX_JSON_CHARS:  # before parsing: the length validator runs after to_python
             raise forms.ValidationError(f"has {len(text)} characters; at most {MAX_JSON_CHARS} are accepted")
         try:
@@ -44,6 +47,28 @@ class JsonObjectField(forms.CharField):
         return json.dumps(value) if isinstance(value, dict) else value
 
 
+class ReplicasField(forms.CharField):
+    """Replicas per stage as REST takes them: a number ("2": `2`) or a range ("1-3": `{"min": 1, "max": 3}`);
+    the API's serializer checks the numbers."""
+
+    _RANGE = re.compile(r"(\d{1,6})\s*(?:-\s*(\d{1,6}))?")
+
+    widget = forms.TextInput(attrs={"maxlength": 40, "placeholder": "1"})
+
+    def to_python(self, value: Any) -> int | dict[str, int] | None:
+        text = super().to_python(value).strip()
+        if not text:
+            return None
+        match = self._RANGE.fullmatch(text) if len(text) <= 40 else None
+        if match is None:
+            raise forms.ValidationError(f"{text[:40]!r} is neither a number of replicas (2) nor a range min-max (1-3)")
+        low, high = match.groups()
+        return int(low) if high is None else {"min": int(low), "max": int(high)}
+
+    def prepare_value(self, value: Any) -> Any:
+        return f"{value['min']}-{value['max']}" if isinstance(value, dict) else value
+
+
 class JobSubmitForm(forms.Form):
     """The fields a browser sends; `api_input()` is the POST /api/jobs body they make."""
 
@@ -58,6 +83,16 @@ class JobSubmitForm(forms.Form):
         initial=50, required=False, help_text="save every stage's state every N steps (0: only at the end)"
     )
     schedule = forms.ChoiceField(choices=PipelineSchedule.choices, initial=PipelineSchedule.GPIPE)
+    replicas = ReplicasField(
+        required=False,
+        help_text="replicas per stage, each on its own node: a number (2), or min-max (1-3) to add replicas while "
+        "Ready nodes have room; empty: 1",
+    )
+    replica_sync = JsonObjectField(
+        required=False,
+        help_text='with replicas: empty or {"every_steps": 1} sums gradients every step (equal to one process); '
+        '{"every_steps": 16, "outer_lr": 0.7, "outer_momentum": 0.9} averages weight deltas every 16 (DiLoCo)',
+    )
     owner_diversity = forms.BooleanField(
         required=False, initial=True,
         help_text="no single owner's nodes hold every stage (no contributor receives the whole model)",

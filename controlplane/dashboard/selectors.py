@@ -11,11 +11,11 @@ from typing import Any
 from django.contrib.auth.models import AbstractBaseUser
 from django.utils import timezone
 
-from arceus.contracts.status import TERMINAL_STATUSES
+from arceus.contracts.status import TERMINAL_STATUSES, JobStatus
 from arceus.errors import SpecError
 from arceus.model.registry import architecture_of, model_spec_from_config
 from controlplane.jobs.models import Job, StageContribution
-from controlplane.jobs.selectors import job_list_for_user, job_stages
+from controlplane.jobs.selectors import job_list_for_user, job_stages, stage_activity, stage_shares
 from controlplane.jobs_api.serializers import JobDetailOutput, JobListOutput
 from controlplane.market.models import PriceChange, SpotCheck
 from controlplane.market.selectors import job_cost, node_earnings, prices_current
@@ -67,12 +67,15 @@ def _text_positions(job: Job) -> tuple[bool, int]:
 
 
 def _pipeline(job: Job) -> dict[str, Any]:
-    """Stage by stage (a replicated stage replica by replica: its id, whether it is still joining, the micro-batches
-    it processed): layers, node, device, whether it is reached through a relay, time computing and waiting per
-    step (measured by the agents), bytes sent; with the schedule's ideal bubble (p-1)/(m+p-1) for p stages and m
+    """Stage by stage (a replicated stage replica by replica: its id, what it does (joining, training, leaving),
+    its share of the step's micro-batches and its measured speed, the micro-batches it processed): layers, node,
+    device, whether it is reached through a relay, time computing and waiting per step (measured by the agents),
+    bytes sent; each stage's replica count; with the schedule's ideal bubble (p-1)/(m+p-1) for p stages and m
     micro-batches."""
     rows = list(job_stages(job=job).filter(active=True) or job_stages(job=job))
     p, m = len({r.index for r in rows}), job.micro_batches
+    running = job.status == JobStatus.RUNNING
+    shares = stage_shares(rows)
     stages = []
     for r in rows:
         compute, wait = r.step_compute_seconds, r.step_wait_seconds
@@ -82,6 +85,9 @@ def _pipeline(job: Job) -> dict[str, Any]:
             "rank": r.rank,
             "replica": r.replica if job.replicated else None,
             "joining": r.joining,
+            "activity": stage_activity(r, running=running),
+            "share": shares[r.pk],
+            "samples_per_second": r.step_samples_per_second,
             "micro_batches": r.micro_batches,
             "layer_start": r.layer_start,
             "layer_end": r.layer_end,
@@ -95,11 +101,14 @@ def _pipeline(job: Job) -> dict[str, Any]:
             "bubble": wait / busy if wait is not None and busy > 0 else None,
             "bytes_sent": r.bytes_sent,
         })
+    replicas = [sum(1 for r in rows if r.index == i and r.rank == 0) for i in sorted({r.index for r in rows})]
     return {
         "schedule": job.schedule,
         "micro_batches": m,
         "ideal_bubble": (p - 1) / (m + p - 1) if p else None,
         "transfer": job.transfer,
+        "replicas": {"min": job.replicas_min, "max": job.replicas_max, "per_stage": replicas,
+                     "training": sum(1 for s in stages if s["activity"] == "training" and s["rank"] == 0)},
         "stages": stages,
     }
 

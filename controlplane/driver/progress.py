@@ -83,8 +83,14 @@ def job_record_steps(
     )
     _record_counters(job_id, stages, now)
     for t in timings:
-        Stage.objects.filter(job_id=job_id, active=True, index=t.index, rank=0).update(
-            step_compute_seconds=_finite(t.compute_seconds), step_wait_seconds=_finite(t.wait_seconds)
+        # a replica's timing is its own row's (by its node); a stage's, its rank 0's
+        row = {"node_id": t.node_id} if t.node_id else {"rank": 0}
+        Stage.objects.filter(job_id=job_id, active=True, index=t.index, **row).update(
+            step_compute_seconds=_finite(t.compute_seconds), step_wait_seconds=_finite(t.wait_seconds),
+            step_micro_batches=_finite(t.micro_batches) if t.micro_batches > 0 else None,
+            step_samples_per_second=(
+                _finite(t.samples / t.compute_seconds) if t.samples > 0 and t.compute_seconds > 0 else None
+            ),
         )
     _measure_nodes(job_id, timings, now)
     return True
@@ -113,19 +119,23 @@ def _batch_size(stage: Stage) -> int:
 
 
 def stage_timings_mean(steps: Sequence[Sequence[StageTiming]]) -> list[StageTiming]:
-    """Each stage's mean time per step over `steps` (each step's timings, one per stage)."""
-    by_index: dict[int, list[StageTiming]] = {}
+    """Each stage's (each replica's) mean time, samples and micro-batches per step over `steps` (each step's
+    timings, one per stage or replica); a replica is averaged over the steps it took part in."""
+    by_key: dict[tuple[int, str], list[StageTiming]] = {}
     for step in steps:
         for t in step:
-            by_index.setdefault(t.index, []).append(t)
+            by_key.setdefault((t.index, t.node_id), []).append(t)
     return [
         StageTiming(
             index,
             sum(t.compute_seconds for t in ts) / len(ts),
             sum(t.wait_seconds for t in ts) / len(ts),
             sum(t.wall_seconds for t in ts) / len(ts),
+            node_id=node_id,
+            samples=sum(t.samples for t in ts) / len(ts),
+            micro_batches=sum(t.micro_batches for t in ts) / len(ts),
         )
-        for index, ts in sorted(by_index.items())
+        for (index, node_id), ts in sorted(by_key.items())
     ]
 
 

@@ -228,9 +228,14 @@ class Stage(BaseModel):
     bytes_sent = models.BigIntegerField(default=0)
     bytes_received = models.BigIntegerField(default=0)
     # Seconds a recent train step spent computing and waiting (inputs, sends) on this stage, as its agent
-    # measured them (averaged over the driver's last write; rank 0): the bubble the pipeline drawing shows.
+    # measured them (averaged over the driver's last write; rank 0, or each replica): the bubble the pipeline
+    # drawing shows.
     step_compute_seconds = models.FloatField(null=True, blank=True)
     step_wait_seconds = models.FloatField(null=True, blank=True)
+    # A replica's share and speed over the same steps: the micro-batches per step the driver routed to it, and the
+    # samples it ran per second of its compute (what the driver's routing weighs it by); null until measured.
+    step_micro_batches = models.FloatField(null=True, blank=True)
+    step_samples_per_second = models.FloatField(null=True, blank=True)
 
     class Meta:
         ordering = ["job", "index", "rank", "replica"]

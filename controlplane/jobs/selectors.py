@@ -30,7 +30,7 @@ from arceus.training.plan import RankEndpoint, StageEndpoint
 from controlplane.common.errors import one_by_id
 from controlplane.jobs.credentials import job_stage_credentials
 from controlplane.jobs.models import Job, LossPoint, Stage, StageCheckpoint, StageContribution
-from controlplane.nodes.models import Node
+from controlplane.nodes.models import Node, ReadyStatus
 
 
 def job_list_for_user(*, user: AbstractBaseUser) -> QuerySet[Job]:
@@ -52,6 +52,37 @@ def job_counts_by_status() -> dict[str, int]:
 def job_stages(*, job: Job) -> QuerySet[Stage]:
     """The job's stage rows (one per rank of a tensor-parallel stage), in stage then rank order."""
     return Stage.objects.filter(job=job).select_related("node").order_by("index", "rank", "replica")
+
+
+def stage_activity(stage: Stage, *, running: bool) -> str:
+    """What a stage row (a replica, a rank) does for its job now, in one word: `leaving` (its node is paused,
+    leaving or not Ready, or its agent failed it: the reconciler drops the replica, or moves the stage), `joining`
+    (placed while the job ran, it has neither copied a live replica's state, as the driver records in `joined`, nor
+    taken a micro-batch), `training` (its job is `running` and its agent reported it built), or else its agent's
+    report for its generation (`pending`, `ready`)."""
+    node = stage.node
+    reported = stage.observed_state if stage.observed_generation == stage.generation else ObservedState.PENDING
+    if node is not None and (node.paused or node.leaving_at is not None or node.ready_status != ReadyStatus.TRUE):
+        return "leaving"
+    if reported == ObservedState.FAILED:
+        return "leaving"
+    if stage.joining and stage.joined is None and stage.micro_batches == 0:
+        return "joining"
+    if node is not None and reported == ObservedState.READY and running:
+        return "training"
+    return str(reported)
+
+
+def stage_shares(rows: Sequence[Stage]) -> dict[Any, float | None]:
+    """Each row's share of its stage's micro-batches per step (by primary key), from the micro-batches the driver
+    routed to each replica in recent steps (`Stage.step_micro_batches`); None where the row has no measure yet."""
+    totals: dict[tuple[int, int], float] = defaultdict(float)
+    for row in rows:
+        totals[(row.index, row.rank)] += row.step_micro_batches or 0.0
+    return {
+        row.pk: row.step_micro_batches / totals[(row.index, row.rank)] if row.step_micro_batches else None
+        for row in rows
+    }
 
 
 def job_stage_endpoints(*, job: Job) -> tuple[StageEndpoint, ...]:

@@ -8,6 +8,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 from rest_framework.reverse import reverse
 
+from arceus.contracts.status import JobStatus
 from controlplane.common.fields import (
     StrictBooleanField,
     StrictFloatField,
@@ -15,7 +16,7 @@ from controlplane.common.fields import (
     StrictIntegerField,
 )
 from controlplane.jobs.models import DEFAULT_AUDIT_RATE, Job, Optimizer, PipelineSchedule, Precision, Stage
-from controlplane.jobs.selectors import job_contributions, job_loss_curve, job_stages
+from controlplane.jobs.selectors import job_contributions, job_loss_curve, job_stages, stage_activity, stage_shares
 from controlplane.market.selectors import job_cost
 from controlplane.market.serializers import JobCostOutput
 from controlplane.nodes.labels import OTHERS_NODE, node_label
@@ -260,6 +261,29 @@ class PlacementOutput(serializers.Serializer):
     compute_seconds = serializers.FloatField()
     bytes_sent = serializers.IntegerField()
     bytes_received = serializers.IntegerField()
+    activity = serializers.SerializerMethodField(
+        help_text="joining (copying a live replica's state, no micro-batch taken yet), training, leaving (its node "
+        "paused, left or went silent: it is dropped or moved), or its agent's report before it trains (pending, "
+        "ready)"
+    )
+    step_micro_batches = serializers.FloatField(
+        allow_null=True, help_text="micro-batches per step the driver routed to it in recent steps (null: not measured)"
+    )
+    share = serializers.SerializerMethodField(
+        help_text="its part of its stage's micro-batches per step, 0 to 1 (1 for a one-node stage; null: not measured)"
+    )
+    samples_per_second = serializers.FloatField(
+        source="step_samples_per_second", allow_null=True,
+        help_text="its measured speed: samples per second of its compute in recent steps (what routing weighs)",
+    )
+
+    @extend_schema_field(serializers.CharField())
+    def get_activity(self, stage: Stage) -> str:
+        return stage_activity(stage, running=self.context["running"])
+
+    @extend_schema_field(serializers.FloatField(allow_null=True))
+    def get_share(self, stage: Stage) -> float | None:
+        return self.context["shares"].get(stage.pk)
 
 
 class ContributionOutput(serializers.Serializer):
@@ -387,7 +411,9 @@ class JobDetailOutput(JobListOutput):
 
     @extend_schema_field(PlacementOutput(many=True))
     def get_placements(self, job: Job) -> list[dict[str, Any]]:
-        return PlacementOutput(job_stages(job=job), many=True, context={"viewer_id": job.owner_id}).data
+        rows = list(job_stages(job=job))
+        context = {"viewer_id": job.owner_id, "running": job.status == JobStatus.RUNNING, "shares": stage_shares(rows)}
+        return PlacementOutput(rows, many=True, context=context).data
 
     @extend_schema_field(JobCostOutput)
     def get_cost(self, job: Job) -> dict[str, Any]:

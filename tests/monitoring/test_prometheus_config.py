@@ -31,6 +31,9 @@ AGENT_METRICS = {
     "arceus_stage_info",
     "arceus_stage_wait_seconds_total",
     "arceus_stage_step_wait_seconds",
+    "arceus_replica_micro_batches_total",
+    "arceus_replica_samples_total",
+    "arceus_replica_compute_seconds_total",
 }
 # Every metric the control plane exports (controlplane/monitoring/).
 CONTROLPLANE_METRICS = {

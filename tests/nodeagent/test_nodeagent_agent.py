@@ -20,7 +20,7 @@ from arceus.contracts.observed import ObservedStage
 from arceus.placement.solver import WORKSPACE_MICRO_BATCHES
 from arceus.v1 import stage_pb2, stage_pb2_grpc
 from arceus.wire.channels import open_channel
-from devtools.pipeline import driver_token, pipeline_assignments
+from devtools.pipeline import driver_token, pipeline_assignments, replicated_pipeline_assignments
 from nodeagent.agent import Agent, split_host_port
 from nodeagent.control_plane import ControlPlaneClient
 from nodeagent.mailbox import MailboxClosed
@@ -190,11 +190,38 @@ def test_stage_metrics_follow_assignments(agent: Agent) -> None:
     agent.apply_assignments(stages())
     text = scrape(agent).text
     assert "arceus_stage_assigned 2.0" in text
-    assert 'arceus_stage_info{job_id="job",stage_index="1"} 1.0' in text
+    assert 'arceus_stage_info{job_id="job",replica="",stage_index="1"} 1.0' in text
     assert "arceus_heartbeat_age_seconds NaN" in text
+    assert "arceus_replica_micro_batches_total{" not in text  # no replicated stage here
     agent.apply_assignments([])
     text = scrape(agent).text
     assert "arceus_stage_assigned 0.0" in text and "arceus_stage_info{" not in text
+
+
+def test_replica_metrics_follow_assignments_and_count_by_stage_and_replica(agent: Agent) -> None:
+    """A replicated stage's replica is exported by its stage and replica id from its assignment on (at 0 before its
+    first step), counts what its steps report, and goes with its assignment."""
+    [[first], [second]] = replicated_pipeline_assignments(
+        job_id="job", model_config=MODEL, boundaries=[0, 1, 2], addresses=[["127.0.0.1:1"], ["127.0.0.1:2"]],
+        optimizer={"name": "sgd", "lr": 0.1}, seed=0, micro_batches=2, max_micro_batch_size=4,
+    )
+    second = {**second, "stage_id": "job-stage-1-replica-5", "replica": 5}
+    agent.apply_assignments([Assignment.from_json(first), Assignment.from_json(second)])
+    text = scrape(agent).text
+    assert 'arceus_stage_info{job_id="job",replica="5",stage_index="1"} 1.0' in text
+    for name in ("arceus_replica_micro_batches_total", "arceus_replica_samples_total",
+                 "arceus_replica_compute_seconds_total"):
+        assert f'{name}{{replica="0",stage="0"}} 0.0' in text and f'{name}{{replica="5",stage="1"}} 0.0' in text
+    agent.metrics.replica_step(1, 5, samples=12, micro_batches=3, compute_seconds=0.5)
+    text = scrape(agent).text
+    assert 'arceus_replica_micro_batches_total{replica="5",stage="1"} 3.0' in text
+    assert 'arceus_replica_samples_total{replica="5",stage="1"} 12.0' in text
+    assert 'arceus_replica_compute_seconds_total{replica="5",stage="1"} 0.5' in text
+    agent.apply_assignments([Assignment.from_json(first)])
+    text = scrape(agent).text
+    assert 'replica="5"' not in text and 'arceus_replica_micro_batches_total{replica="0",stage="0"} 0.0' in text
+    agent.metrics.replica_step(1, 5, samples=4, micro_batches=1, compute_seconds=0.1)  # a step ending after its drop
+    assert 'replica="5"' not in scrape(agent).text
 
 
 def test_served_stages_follow_assignments(agent: Agent) -> None:

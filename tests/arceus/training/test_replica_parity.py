@@ -200,6 +200,14 @@ def test_replicated_training_matches_single_process(
         assert set(counted) == {e.node_id for e in replicas}
         assert all(counted[node] > before.get(node, 0) for node in counted), f"step {p.step}: {counted}"
         before = counted
+    # Each step's timings are each replica's own (what the dashboard shows): its node, and the micro-batches and
+    # samples routed to it, which add up to the step's in every stage.
+    for p in sink.steps:
+        assert sorted(t.node_id for t in p.timings) == sorted(e.node_id for e in replicas)
+        for index in range(len(run["agents"])):
+            mine = [t for t in p.timings if t.index == index]
+            assert sum(t.micro_batches for t in mine) == MICRO_BATCHES and min(t.micro_batches for t in mine) >= 1
+            assert sum(t.samples for t in mine) == dataset["batch_size"] and all(t.compute_seconds > 0 for t in mine)
 
 
 def test_replicas_syncing_every_h_steps_are_equal_after_each_sync(addresses: dict[str, list[list[str]]]) -> None:

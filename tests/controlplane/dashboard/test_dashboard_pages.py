@@ -17,10 +17,11 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 from rest_framework.throttling import ScopedRateThrottle
 
+from arceus.contracts.replica_sync import replica_sync_from_json
 from arceus.training.plan import StageTiming
 from controlplane.common.conditions import get_condition
 from controlplane.controller.executor import reconcile_once
-from controlplane.driver.progress import StepPoint, job_record_steps
+from controlplane.driver.progress import StepPoint, job_record_steps, stage_timings_mean
 from controlplane.jobs.leases import job_driver_claim
 from controlplane.jobs.models import Checkpoint, Job, Stage, StageContribution
 from controlplane.market.models import PriceChange, SpotCheck
@@ -197,6 +198,33 @@ def test_submitting_a_job_from_the_form(browser: Client, ready_node: Callable[..
     assert job.status == "queued" and job.micro_batches == 2 and job.model_config["layer_sizes"] == [64, 32, 10]
     kept = browser.post("/dashboard/", {**form, "name": "kept", "start": ""})
     assert kept.status_code == 302 and Job.objects.get(name="kept").status == "created"
+    assert (job.replicas_min, job.replicas_max) == (1, 1)
+
+
+def test_the_form_takes_replicas_and_replica_sync_as_rest_does(browser: Client) -> None:
+    form = {"model_config": json.dumps({"layer_sizes": [64, 32, 10]}),
+            "dataset_config": json.dumps({"name": "digits", "batch_size": 32}), "epochs": "1",
+            "learning_rate": "0.05", "micro_batches": "4", "schedule": "gpipe"}
+    for name, replicas, sync, want in [
+        ("elastic", "1-3", "", (1, 3, {"every_steps": 1})),
+        ("fixed", " 2 ", '{"every_steps": 8, "outer_lr": 0.7}',  # normalised as REST saves it
+         (2, 2, replica_sync_from_json({"every_steps": 8, "outer_lr": 0.7}).to_json())),
+    ]:
+        response = browser.post("/dashboard/", {**form, "name": name, "replicas": replicas, "replica_sync": sync})
+        assert response.status_code == 302, response.content.decode()
+        job = Job.objects.get(name=name)
+        assert (job.replicas_min, job.replicas_max, job.replica_sync_config.to_json()) == want
+    for replicas, sync, message in [
+        ("two", "", "neither a number of replicas (2) nor a range min-max (1-3)"),
+        ("3-1", "", "replicas.max: Must be at least min."),
+        ("8", "", "at most 4 replicas"),
+        ("", '{"every_steps": 4}', "replicas &gt; 1"),
+        ("2", '{"every": 4}', "replica_sync.every"),
+        ("2", "[4]", "must be a JSON object"),
+    ]:
+        refused = browser.post("/dashboard/", {**form, "name": "refused", "replicas": replicas, "replica_sync": sync})
+        assert refused.status_code == 400 and message in refused.content.decode(), (replicas, sync)
+    assert not Job.objects.filter(name="refused").exists()
 
 
 @pytest.mark.parametrize(
@@ -289,12 +317,60 @@ def test_cancelling_a_job_from_its_page(browser: Client, stranger: Client, queue
 def test_the_pipeline_shows_each_replica_of_a_replicated_stage(
     browser: Client, ready_node: Callable[..., Node], queued_job: Callable[..., Job]
 ) -> None:
-    for i in range(6):
-        ready_node(f"r{i}", port=50051 + i)
-    job = queued_job(replicas={"min": 2, "max": 2})
+    """Each replica with what it does, its share of its stage's micro-batches and its speed, as the driver measured
+    them (its timings of the replicas' steps, through the service it writes them with); the replica counts."""
+    nodes = {n.pk: n for n in (ready_node(f"r{i}", port=50051 + i) for i in range(7))}
+    job = queued_job(replicas={"min": 2, "max": 3})
     reconcile_once()
+    placing = browser.get(f"/dashboard/jobs/{job.id}/live.json").json()["pipeline"]
+    assert {s["activity"] for s in placing["stages"]} == {"pending"}  # no agent has reported a build yet
+    assert [s["share"] for s in placing["stages"]] == [None] * 6
+    now = timezone.now()
+    Job.objects.filter(pk=job.pk).update(status="running", driver_lease_owner="",
+                                         driver_lease_expires_at=now + timedelta(seconds=60))
+    job_driver_claim(job_id=job.id, owner="driver", now=now)
+    rows = list(Stage.objects.filter(job=job).order_by("index", "replica"))
+    Stage.objects.filter(job=job).update(observed_generation=rows[0].generation, observed_state="ready")
+    # replica 1 of stage 1 is three times as fast as replica 0 and took 3 of the 4 micro-batches of each step
+    taken = {(1, 0): (1, 8, 0.04), (1, 1): (3, 24, 0.04)}
+    step = [StageTiming(r.index, taken.get((r.index, r.replica), (2, 16, 0.02))[2], 0.001, 0.05,
+                        node_id=str(r.node_id), samples=taken.get((r.index, r.replica), (2, 16))[1],
+                        micro_batches=taken.get((r.index, r.replica), (2,))[0]) for r in rows]
+    points = [StepPoint(1, s, 90, 2.0, 800.0) for s in (1, 2)]
+    assert job_record_steps(job_id=job.id, lease_owner="driver", points=points,
+                            timings=stage_timings_mean([step, step]), now=now)
     Stage.objects.filter(job=job, index=1, replica=1).update(micro_batches=7)
-    stages = browser.get(f"/dashboard/jobs/{job.id}/live.json").json()["pipeline"]["stages"]
-    assert [(s["stage_index"], s["replica"]) for s in stages] == [(i, r) for i in range(3) for r in range(2)]
-    assert next(s for s in stages if (s["stage_index"], s["replica"]) == (1, 1))["micro_batches"] == 7
-    assert not any(s["joining"] for s in stages)
+    live = browser.get(f"/dashboard/jobs/{job.id}/live.json").json()
+    stages = {(s["stage_index"], s["replica"]): s for s in live["pipeline"]["stages"]}
+    assert sorted(stages) == [(i, r) for i in range(3) for r in range(2)]
+    assert stages[(1, 1)]["micro_batches"] == 7
+    assert (stages[(1, 0)]["share"], stages[(1, 1)]["share"]) == (0.25, 0.75)
+    assert (stages[(1, 0)]["samples_per_second"], stages[(1, 1)]["samples_per_second"]) == pytest.approx((200, 600))
+    assert {stages[(i, r)]["share"] for i in (0, 2) for r in (0, 1)} == {0.5}
+    assert {s["activity"] for s in stages.values()} == {"training"} and not any(s["joining"] for s in stages.values())
+    assert live["pipeline"]["replicas"] == {"min": 2, "max": 3, "per_stage": [2, 2, 2], "training": 6}
+    assert live["samples_per_second"] == 800.0
+    # the API lists the same replicas with the same figures
+    placements = APIClient()
+    placements.force_authenticate(job.owner)
+    detail = {(p["stage_index"], p["replica"]): p for p in placements.get(f"/api/jobs/{job.id}").json()["placements"]}
+    for key, shown in stages.items():
+        assert (detail[key]["activity"], detail[key]["share"], detail[key]["samples_per_second"],
+                detail[key]["step_micro_batches"]) == (
+            shown["activity"], shown["share"], shown["samples_per_second"], taken.get(key, (2,))[0])
+
+    # a replica added while the job runs is joining until it takes a micro-batch; one whose node is paused leaves
+    spare = next(n for pk, n in nodes.items() if pk not in {r.node_id for r in rows})
+    Stage.objects.create(job=job, index=2, replica=9, layer_start=rows[-1].layer_start, layer_end=rows[-1].layer_end,
+                         node=spare, generation=rows[0].generation, joining=True)
+    Node.objects.filter(pk=rows[0].node_id).update(paused=True)
+    pipeline = browser.get(f"/dashboard/jobs/{job.id}/live.json").json()["pipeline"]
+    activity = {(s["stage_index"], s["replica"]): s["activity"] for s in pipeline["stages"]}
+    assert (activity[(2, 9)], activity[(0, 0)], activity[(0, 1)]) == ("joining", "leaving", "training")
+    assert pipeline["replicas"]["per_stage"] == [2, 2, 3] and pipeline["replicas"]["training"] == 5
+    Stage.objects.filter(job=job, index=2, replica=9).update(  # built, copied its peer's state, took two
+        observed_generation=rows[0].generation, observed_state="ready", micro_batches=2)
+    pipeline = browser.get(f"/dashboard/jobs/{job.id}/live.json").json()["pipeline"]
+    assert next(s for s in pipeline["stages"] if s["replica"] == 9)["activity"] == "training"
+    page = browser.get(f"/dashboard/jobs/{job.id}/").content.decode()
+    assert 'id="stat-replicas"' in page

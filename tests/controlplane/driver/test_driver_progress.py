@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import uuid
 from datetime import timedelta
 
 import pytest
@@ -132,7 +133,8 @@ def test_a_cancelled_job_stops_its_driver(running_job: Job) -> None:
 def test_the_detail_shows_progress_placements_and_curves(running_job: Job, api: APIClient) -> None:
     now = timezone.now()
     job_driver_claim(job_id=running_job.id, owner="a", now=now)
-    job_record_steps(job_id=running_job.id, lease_owner="a", points=points(2.0, 1.0), now=now)
+    timings = [StageTiming(i, 0.25, 0.0, 0.3, samples=32, micro_batches=4) for i in range(3)]
+    job_record_steps(job_id=running_job.id, lease_owner="a", points=points(2.0, 1.0), timings=timings, now=now)
     counters = [StageCounters(i, 64, 8, 0.25, 4096, 2048) for i in range(3)]
     job_record_epoch(
         job_id=running_job.id, lease_owner="a", epoch=1, val_loss=0.7, val_accuracy=0.8, stages=counters, now=now
@@ -163,6 +165,10 @@ def test_the_detail_shows_progress_placements_and_curves(running_job: Job, api: 
         "bytes_sent": 4096,
         "bytes_received": 2048,
         "relayed": False,
+        "activity": "pending",  # its agent has not reported it built
+        "step_micro_batches": 4.0,
+        "share": 1.0,  # a one-node stage takes every micro-batch
+        "samples_per_second": 128.0,  # 32 samples in 0.25 s of compute
     }
     assert {c["type"] for c in detail["conditions"]} == {"Placed", "StagesReady"}
 
@@ -206,6 +212,7 @@ def test_steps_record_each_stages_time_computing_and_waiting(running_job: Job) -
     assert [(round(s.step_compute_seconds, 6), round(s.step_wait_seconds, 6)) for s in rows] == [
         (0.02, 0.02), (0.04, 0.02), (0.06, 0.02)
     ]
+    assert [(s.step_micro_batches, s.step_samples_per_second) for s in rows] == [(None, None)] * 3  # not counted
 
 
 def test_each_replica_is_billed_on_its_node_for_the_micro_batches_the_driver_routed_to_it(
@@ -249,3 +256,33 @@ def test_each_replica_is_billed_on_its_node_for_the_micro_batches_the_driver_rou
     totals = LedgerEntry.objects.filter(job=job).aggregate(c=Sum("charge_micros"), f=Sum("fee_micros"),
                                                            k=Sum("credit_micros"))
     assert totals["k"] + totals["f"] == totals["c"] > 0
+
+
+def test_a_replicated_stage_records_each_replicas_share_and_speed(ready_node, queued_job) -> None:
+    """Each replica's timings are its own (by its node), averaged over the steps it took part in."""
+    for i in range(5):
+        ready_node(f"n{i}", port=50051 + i)
+    job = queued_job(stages=1, replicas={"min": 2, "max": 3})
+    reconcile_once()
+    now = timezone.now()
+    Job.objects.filter(pk=job.pk).update(status="running", driver_lease_owner="",
+                                         driver_lease_expires_at=now + timedelta(seconds=60))
+    job_driver_claim(job_id=job.id, owner="a", now=now)
+    a, b = (str(n) for n in Stage.objects.filter(job=job).order_by("replica").values_list("node_id", flat=True))
+    gone = str(uuid.uuid4())  # a replica that joined for the second step and was dropped since: no row to write
+    steps = [
+        [StageTiming(0, 0.1, 0.0, 0.2, node_id=a, samples=16, micro_batches=2),
+         StageTiming(0, 0.1, 0.0, 0.2, node_id=b, samples=16, micro_batches=2)],
+        [StageTiming(0, 0.1, 0.0, 0.2, node_id=a, samples=8, micro_batches=1),
+         StageTiming(0, 0.3, 0.0, 0.4, node_id=b, samples=24, micro_batches=3),
+         StageTiming(0, 0.1, 0.0, 0.4, node_id=gone, samples=8, micro_batches=1)],
+    ]
+    timings = stage_timings_mean(steps)
+    assert [(t.node_id, t.samples, t.micro_batches) for t in timings] == sorted(
+        [(a, 12, 1.5), (b, 20, 2.5), (gone, 8, 1)])
+    assert job_record_steps(job_id=job.id, lease_owner="a", points=points(1.0), timings=timings, now=now)
+    rows = {str(s.node_id): s for s in Stage.objects.filter(job=job)}
+    assert (rows[a].step_micro_batches, rows[b].step_micro_batches) == (1.5, 2.5)
+    assert rows[a].step_samples_per_second == pytest.approx(12 / 0.1)
+    assert rows[b].step_samples_per_second == pytest.approx(20 / 0.2)
+    assert rows[b].step_compute_seconds == pytest.approx(0.2) and rows[a].step_compute_seconds == pytest.approx(0.1)

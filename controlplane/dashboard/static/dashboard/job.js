@@ -1,5 +1,6 @@
-// A job, live: its loss curves, speed, ETA and cost; the pipeline stage by stage with each stage's compute and
-// wait per step against the schedule's ideal bubble; its events and checkpoints; a prompt box for a text model.
+// A job, live: its loss curves, speed, replicas, ETA and cost; the pipeline stage by stage (replica by replica:
+// what each does, its share of the micro-batches and its speed) with each one's compute and wait per step against
+// the schedule's ideal bubble; its events and checkpoints; a prompt box for a text model.
 "use strict";
 
 (() => {
@@ -37,6 +38,10 @@
     $("stat-step").textContent = `${job.step}/${job.total_steps ?? "?"}`;
     $("stat-epoch").textContent = `${job.epoch}/${job.epochs_requested}`;
     $("stat-samples").textContent = Dashboard.number(job.samples_per_second);
+    const r = job.pipeline.replicas;
+    $("stat-replicas").textContent = r.per_stage.length ? r.per_stage.join(" · ") : "–";
+    $("stat-replicas").dataset.training = r.training;
+    $("stat-replicas-range").textContent = r.min === r.max ? "" : ` (${r.min}–${r.max})`;
     $("stat-tokens").textContent = Dashboard.number(job.tokens_per_second);
     $("stat-quality-label").textContent = job.writes_text ? "Perplexity" : "Val accuracy";
     $("stat-quality").textContent = Dashboard.number(job.writes_text ? job.perplexity : job.val_accuracy);
@@ -63,13 +68,16 @@
     $("pipeline-summary").textContent = `${p.schedule}, ${p.micro_batches} micro-batches; transfer: ` +
       `activations ${p.transfer.activations ?? "fp32"}, gradients ${p.transfer.gradients ?? "fp32"}. ` +
       `Bubble measured ${mean === null ? "–" : `${(100 * mean).toFixed(1)}%`}, ` +
-      `ideal ${p.ideal_bubble === null ? "–" : `${(100 * p.ideal_bubble).toFixed(1)}%`} = (p−1)/(m+p−1).`;
+      `ideal ${p.ideal_bubble === null ? "–" : `${(100 * p.ideal_bubble).toFixed(1)}%`} = (p−1)/(m+p−1).` +
+      (p.replicas.max > 1 ? ` Replicas per stage: ${p.replicas.per_stage.join(", ")} (${p.replicas.min} to ` +
+        `${p.replicas.max}), ${p.replicas.training} training.` : "");
     const box = $("pipeline");
     box.replaceChildren(...p.stages.map((s) => {
       const div = document.createElement("div");
-      div.className = `stage state-${s.state}${s.relayed ? " relayed" : ""}`;
+      div.className = `stage state-${s.state} activity-${s.activity}${s.relayed ? " relayed" : ""}`;
       div.dataset.index = s.stage_index;
       div.dataset.rank = s.rank;
+      if (s.replica !== null) div.dataset.replica = s.replica;
       const lines = [
         ["title", `Stage ${s.stage_index}${s.rank ? ` rank ${s.rank}` : ""}${s.replica === null ? "" : ` replica ${s.replica}`}`],
         ["layers", s.layer_end - s.layer_start > 1 ? `layers ${s.layer_start}–${s.layer_end - 1}` : `layer ${s.layer_start}`],
@@ -79,7 +87,10 @@
         ["state", `${s.state}, generation ${s.generation}`],
         ["timing", `compute ${Dashboard.number(s.step_compute_seconds)} s, wait ${Dashboard.number(s.step_wait_seconds)} s per step`],
         ["sent", `sent ${Dashboard.bytes(s.bytes_sent)}`],
-        ["replica", s.replica === null ? "" : s.joining ? `joining: copying its state from a peer; ${s.micro_batches} micro-batches` : `${s.micro_batches} micro-batches`],
+        ["activity", s.activity === "joining" ? "joining: copying its state from a peer" : s.activity],
+        ["share", s.replica === null ? "" : `${s.share === null ? "–" : `${(100 * s.share).toFixed(0)}%`} of the ` +
+          `stage's micro-batches per step; ${s.micro_batches} processed`],
+        ["speed", `${Dashboard.number(s.samples_per_second)} samples/s computing`],
       ];
       for (const [cls, text] of lines) {
         const span = document.createElement("span");
@@ -89,7 +100,8 @@
       }
       return div;
     }));
-    Dashboard.update(bubbleChart, p.stages.map((s) => `stage ${s.stage_index}${s.rank ? `.${s.rank}` : ""} (${s.node_name ?? "?"})`), [
+    Dashboard.update(bubbleChart, p.stages.map((s) => `stage ${s.stage_index}${s.rank ? `.${s.rank}` : ""}` +
+      `${s.replica === null ? "" : ` r${s.replica}`} (${s.node_name ?? "?"})`), [
       p.stages.map((s) => s.step_compute_seconds),
       p.stages.map((s) => s.step_wait_seconds),
     ]);

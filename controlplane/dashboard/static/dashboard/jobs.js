@@ -16,6 +16,15 @@
     for (const key of ["epochs", "micro_batches", "stages", "checkpoint_interval_steps"]) if (f.get(key)) parsed[key] = Number(f.get(key));
     if (f.get("learning_rate")) parsed.learning_rate = Number(f.get("learning_rate"));
     parsed.schedule = f.get("schedule");
+    const replicas = (f.get("replicas") || "").trim();
+    if (replicas) {
+      const range = replicas.match(/^(\d+)\s*(?:-\s*(\d+))?$/);
+      if (!range) throw new Error(`replicas: "${replicas}" is neither a number of replicas (2) nor a range min-max (1-3)`);
+      parsed.replicas = range[2] === undefined ? Number(range[1]) : { min: Number(range[1]), max: Number(range[2]) };
+    }
+    if ((f.get("replica_sync") || "").trim()) {
+      try { parsed.replica_sync = JSON.parse(f.get("replica_sync")); } catch (e) { throw new Error(`replica_sync: not JSON (${e.message})`); }
+    }
     if (!f.get("owner_diversity")) parsed.requirements = { owner_diversity: false };
     return parsed;
   }
@@ -25,7 +34,8 @@
       out.textContent = `Cannot be placed now: ${result.reason} (${result.candidates} candidate nodes).`;
       return;
     }
-    const nodes = result.stages.map((s) => `stage ${s.stage_index} (layers ${s.layer_start} to ${s.layer_end - 1}) on ${s.node_name}`);
+    const nodes = result.stages.map((s) => `stage ${s.stage_index}${s.replica ? ` replica ${s.replica}` : ""} ` +
+      `(layers ${s.layer_start} to ${s.layer_end - 1}) on ${s.node_name}`);
     out.replaceChildren();
     const summary = document.createElement("p");
     summary.id = "estimate-result";
