@@ -16,6 +16,8 @@ from arceus.json_input import json_loads_bounded
 
 # Names of optimizer-state entries start with this; the rest of a stage checkpoint are its weights.
 OPTIMIZER_PREFIX = "optimizer."
+# A buffer training updates (arceus.model.buffers), in what a joining replica copies from a sibling.
+BUFFER_PREFIX = "buffer."
 # safetensors refuses headers above 100 MB; a larger one is no checkpoint of ours.
 MAX_HEADER_BYTES = 100_000_000
 

@@ -4,6 +4,7 @@ training of a job, batch for batch what the pipeline does, and the weights a run
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Sequence
 from copy import deepcopy
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,12 +15,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from arceus.checkpoint import StateFile
+from arceus.contracts.assignment import OptimizerConfig
 from arceus.data.batches import epoch_batches
 from arceus.data.config import validate_dataset_config
 from arceus.data.loader import load_dataset
+from arceus.model.buffers import BufferSteps, persistent_buffers
 from arceus.model.build import build_full_model
 from arceus.model.optimizers import make_optimizer
 from arceus.model.registry import model_spec_from_config
+from arceus.model.seeding import draw_seed, draws_random, seeded_draws
 from arceus.training.driver import Pipeline
 from arceus.training.plan import TrainPlan
 
@@ -73,6 +77,60 @@ def reference_run(
         val_accuracy = (logits.argmax(dim=-1) == val_y).float().mean().item()
     weights = {f"layers.{name}": t.detach().clone() for name, t in model.state_dict().items()}
     return ReferenceRun(losses=losses, val_loss=val_loss, val_accuracy=val_accuracy, weights=weights)
+
+
+@dataclass(frozen=True)
+class MicroBatchedRun:
+    losses: list[float]  # per training step
+    weights: dict[str, torch.Tensor]  # model-wide names
+    buffers: dict[str, torch.Tensor]  # model-wide names ("layers.<i>.<buffer>")
+
+
+def micro_batched_run(
+    layers: nn.Sequential,
+    batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    *,
+    micro_batches: int,
+    optimizer: OptimizerConfig,
+    seed: int,
+) -> MicroBatchedRun:
+    """What one process computes for a model whose layers draw random numbers or keep buffers that training
+    updates (dropout, BatchNorm), where a pipeline's micro-batches make a difference: `layers` (children named by
+    their model-wide index, as `build_layers` names them; trained in place) train on `batches`, step t (1, 2, ...)
+    cutting its batch into `micro_batches` as the driver does and, for each micro-batch m in order, running each
+    layer with its draws seeded by (seed, t, m, layer) (arceus.model.seeding) and the loss at the global batch's
+    scale; gradients add up, the optimizer steps once a step and the buffers move by the mean of the micro-batches'
+    changes, each forward starting from the step's start (arceus.model.buffers)."""
+    params = list(layers.parameters())
+    step_optimizer = make_optimizer(
+        params, optimizer.name, optimizer.lr, momentum=optimizer.momentum, weight_decay=optimizer.weight_decay
+    )
+    buffers = BufferSteps(layers)
+    losses: list[float] = []
+    for step, (x, y) in enumerate(batches, 1):
+        total = 0.0
+        for m, (xm, ym) in enumerate(zip(torch.tensor_split(x, micro_batches), torch.tensor_split(y, micro_batches),
+                                         strict=True)):
+            h = xm
+            for name, layer in layers.named_children():
+                if draws_random(layer):
+                    with seeded_draws(draw_seed(seed, step, m, int(name)), torch.device("cpu")):
+                        h = layer(h)
+                else:
+                    h = layer(h)
+            buffers.forwarded()
+            loss = F.cross_entropy(h.flatten(0, -2), ym.flatten(), reduction="sum") / y.numel()
+            loss.backward()
+            total += loss.item()
+        step_optimizer.step()
+        buffers.apply()
+        step_optimizer.zero_grad(set_to_none=True)
+        losses.append(total)
+    return MicroBatchedRun(
+        losses=losses,
+        weights={f"layers.{name}": p.detach().clone() for name, p in layers.named_parameters()},
+        buffers={f"layers.{name}": b.detach().clone() for name, b in persistent_buffers(layers)},
+    )
 
 
 def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -63,7 +63,8 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
     def Snapshot(
         self, request: replica_pb2.SnapshotRequest, context: grpc.ServicerContext
     ) -> Iterator[stage_pb2.StateChunk]:
-        """This replica's state (weights and optimizer state, after its last step's update) in chunks of a few MiB,
+        """This replica's state (weights, optimizer state and the buffers training updates, after its last step's
+        update) in chunks of a few MiB,
         the step lock held until the last one."""
 
         def settled() -> HostedStage:
@@ -81,7 +82,8 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
 
         stage = serve(context, "Snapshot", settled)
         try:
-            _, chunks = state_chunks(dict(stage.runtime.state_items(include_optimizer_state=True)))
+            state = stage.runtime.state_items(include_optimizer_state=True, include_buffers=True)
+            _, chunks = state_chunks(dict(state))
             for chunk in chunks:
                 yield stage_pb2.StateChunk(data=bytes(chunk))
         finally:
@@ -182,11 +184,12 @@ def _fetch_snapshot(
     stage: HostedStage, source: stage_pb2.ReplicaPeer, grant: str, epoch: int, deadline: float
 ) -> bytes:
     """The source replica's state file, read only up to what this stage's state can take (weights and as many
-    tensors per weight as its optimizer keeps, and a header), presenting this replica's token and the driver's
-    `grant` for it at membership `epoch`."""
+    tensors per weight as its optimizer keeps, its buffers, and a header), presenting this replica's token and the
+    driver's `grant` for it at membership `epoch`."""
     runtime = stage.runtime
     weights = sum(p.numel() * p.element_size() for p in runtime.layers.parameters())
-    limit = weights * (1 + len(runtime.optimizer_state_keys())) + HEADER_ALLOWANCE
+    buffers = sum(b.numel() * b.element_size() for b in runtime.buffers.buffers)
+    limit = weights * (1 + len(runtime.optimizer_state_keys())) + buffers + HEADER_ALLOWANCE
     ref = stage.ref(stage.assignment.stage_index, source.replica)
     chunks = stage.replica_link(source).replicas.Snapshot(
         replica_pb2.SnapshotRequest(target=ref, grant=grant, epoch=epoch),

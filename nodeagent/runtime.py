@@ -5,6 +5,9 @@ Training keeps each micro-batch's autograd graph between its forward and its bac
 The last stage's loss is CrossEntropy(sum) / (batch_size × labels per sample: 1, or a GPT's block_size),
 so the summed micro-batch gradients equal the gradient of the whole batch's mean loss over every label.
 With bf16 precision the forward (and so the backward) runs under autocast; what leaves a stage is float32.
+A layer that draws random numbers (dropout) draws them seeded by (seed, training step, micro-batch, layer)
+(arceus.model.seeding); buffers that training updates (BatchNorm's) move once a step, by the mean of the
+micro-batches' changes, each forward starting from the step's start (arceus.model.buffers).
 """
 
 from __future__ import annotations
@@ -24,12 +27,14 @@ from torch.utils.checkpoint import checkpoint
 from arceus.checkpoint import stored_layout
 from arceus.contracts.assignment import OptimizerConfig
 from arceus.model.autocast import autocast
-from arceus.model.build import named_global_parameters
+from arceus.model.buffers import BufferSteps
+from arceus.model.build import global_param_name, named_global_parameters
 from arceus.model.decoding import DecodeState, decode, decodes
 from arceus.model.expected_state import OPTIMIZER_STATE_KEYS, optimizer_kind
 from arceus.model.layout import TensorLayout
 from arceus.model.optimizers import make_optimizer
-from arceus.safetensors_file import OPTIMIZER_PREFIX
+from arceus.model.seeding import draw_seed, draws_random, seeded_draws
+from arceus.safetensors_file import BUFFER_PREFIX, OPTIMIZER_PREFIX
 from nodeagent.device import synchronize
 
 MicroBatchKey = tuple[int, int]  # (step, micro_batch)
@@ -55,8 +60,10 @@ class StageRuntime:
         device: torch.device,
         precision: str = "fp32",
         activation_checkpointing: bool = False,
+        seed: int = 0,
     ) -> None:
-        """`activation_checkpointing`: between a micro-batch's forward and backward keep only each layer's
+        """`seed`: the job's, which (with the training step, micro-batch and layer) seeds dropout's masks.
+        `activation_checkpointing`: between a micro-batch's forward and backward keep only each layer's
         input and recompute the layer's activations in the backward (less memory, a second forward).
         `optimizer` None: a stage that only decodes (a served job's): no optimizer, its weights need no gradients,
         and it loads only the weights of a checkpoint."""
@@ -64,6 +71,10 @@ class StageRuntime:
         self.precision = precision
         self.activation_checkpointing = activation_checkpointing
         self.layers = layers.to(device)
+        self.seed = seed
+        # (the layer's index in the model, or None for one that draws no random numbers) per layer
+        self._draws = [int(name) if draws_random(layer) else None for name, layer in layers.named_children()]
+        self.buffers = BufferSteps(self.layers)
         if optimizer is None:
             self.layers.requires_grad_(False)
         self.optimizer = None if optimizer is None else make_optimizer(
@@ -84,21 +95,22 @@ class StageRuntime:
         self._pending: dict[MicroBatchKey, tuple[torch.Tensor | None, torch.Tensor]] = {}
 
     # --- training -------------------------------------------------------------------------------
-    def forward(self, key: MicroBatchKey, x: torch.Tensor) -> torch.Tensor:
-        """Forward one micro-batch keeping its graph; returns the output (detached, on CPU) to send on."""
+    def forward(self, key: MicroBatchKey, x: torch.Tensor, train_step: int | None = None) -> torch.Tensor:
+        """Forward one micro-batch keeping its graph; returns the output (detached, on CPU) to send on.
+        `train_step`: the training step it belongs to, which seeds its draws (default: the key's step)."""
         with self._timed(samples=len(x)), self._autocast():
             inp = self._input(x)
-            out = self._train_forward(inp)
+            out = self._train_forward(inp, key, train_step)
             self._pending[key] = (None if self.is_first else inp, out)
             return out.detach().float().cpu()  # activations travel as float32 whatever the compute dtype
 
     def forward_loss(
-        self, key: MicroBatchKey, x: torch.Tensor, labels: torch.Tensor, batch_size: int
+        self, key: MicroBatchKey, x: torch.Tensor, labels: torch.Tensor, batch_size: int, train_step: int | None = None
     ) -> tuple[float, int]:
         """Last stage: forward and loss; returns (sum of per-label losses, correct predictions)."""
         with self._timed(samples=len(x)), self._autocast():
             inp = self._input(x)
-            loss_sum, correct = _loss_sum(self._train_forward(inp), labels.to(self.device))
+            loss_sum, correct = _loss_sum(self._train_forward(inp, key, train_step), labels.to(self.device))
             labels_per_sample = labels[0].numel()
             self._pending[key] = (None if self.is_first else inp, loss_sum / (batch_size * labels_per_sample))
             return float(loss_sum.detach()), correct
@@ -117,6 +129,7 @@ class StageRuntime:
                         f"{list(out.shape)}"
                     )
                 out.backward(grad_output.to(self.device, out.dtype))
+            self.buffers.restore()  # activation checkpointing's recompute ran the layers' forward again
             return None if inp is None else inp.grad.detach().cpu()
 
     def optimizer_step(self, learning_rate: float | None = None) -> None:
@@ -128,32 +141,40 @@ class StageRuntime:
                     group["lr"] = learning_rate
             with self._weights_lock:
                 self.optimizer.step()
+                self.buffers.apply()
             self.optimizer.zero_grad(set_to_none=True)
 
     def optimizer_state_keys(self) -> frozenset[str]:
         """The per-parameter entries this stage's optimizer keeps (none without an optimizer)."""
         return frozenset() if self.optimizer_name is None else OPTIMIZER_STATE_KEYS[self.optimizer_name]
 
+    def exchange_elements(self) -> int:
+        """Elements of `gradient_vector`."""
+        return sum(p.numel() for p in self.layers.parameters()) + self.buffers.elements
+
     def gradient_vector(self) -> torch.Tensor:
         """The accumulated gradients of every parameter, flattened in parameter order into one float32 CPU
-        vector (zeros for a parameter without one): what the replicas of a stage exchange."""
+        vector (zeros for a parameter without one), then the step's buffer changes and its micro-batch count
+        where the layers have buffers (arceus.model.buffers): what the replicas of a stage exchange (sum)."""
         return torch.cat([
-            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
-            for p in self.layers.parameters()
+            *((p.grad if p.grad is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
+              for p in self.layers.parameters()),
+            self.buffers.vector(),
         ])
 
     def set_gradient_vector(self, flat: torch.Tensor) -> None:
         """Replace the accumulated gradients with `flat` (`gradient_vector`'s layout); a parameter without a
         gradient keeps none (no forward used it, on any replica: they run the same layers)."""
         params = list(self.layers.parameters())
-        total = sum(p.numel() for p in params)
+        total = self.exchange_elements()
         if flat.shape != (total,):
-            raise ValueError(f"a gradient vector of shape {list(flat.shape)} for {total} parameter elements")
+            raise ValueError(f"a gradient vector of shape {list(flat.shape)} for {total} parameter and buffer elements")
         offset = 0
         for p in params:
             if p.grad is not None:
                 p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.device, p.dtype, copy=True)
             offset += p.numel()
+        self.buffers.set_vector(flat[offset:])
 
     def defer_optimizer_step(self, learning_rate: float | None = None) -> None:
         """Keep the accumulated gradients and step later (`settle`): until then the weights are the ones
@@ -163,6 +184,7 @@ class StageRuntime:
     def discard_deferred(self) -> None:
         """Forget a deferred optimizer step and its gradients: the step it belonged to is being run again."""
         self._deferred = None
+        self.buffers.discard()
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
 
@@ -183,18 +205,24 @@ class StageRuntime:
         """Forget a failed step: its graphs and any partly accumulated gradients (a deferred optimizer step
         of an earlier step was taken before this one began)."""
         self._pending.clear()
+        self.buffers.discard()
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
 
     # --- evaluation -----------------------------------------------------------------------------
+    # Evaluating changes no buffer: an exported layer captured in train mode updates its BatchNorm's statistics
+    # in any forward, so they are put back after.
     def eval_forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.no_grad(), self._timed(samples=len(x)), self._autocast():
-            return self.layers(self._checked(x).to(self.device)).float().cpu()
+            out = self.layers(self._checked(x).to(self.device)).float().cpu()
+        self.buffers.restore()
+        return out
 
     def eval_loss(self, x: torch.Tensor, labels: torch.Tensor) -> tuple[float, int]:
         with torch.no_grad(), self._timed(samples=len(x)), self._autocast():
             loss_sum, correct = _loss_sum(self.layers(self._checked(x).to(self.device)), labels.to(self.device))
-            return float(loss_sum), correct
+        self.buffers.restore()
+        return float(loss_sum), correct
 
     # --- decoding (sampling text through the pipeline) --------------------------------------------
     def decode(self, x: torch.Tensor, state: DecodeState) -> torch.Tensor:
@@ -229,9 +257,13 @@ class StageRuntime:
         """CPU copies of this stage's parameters under their model-wide names ("layers.2.weight")."""
         return {name: p.detach().cpu().clone() for name, p in named_global_parameters(self.layers)}
 
-    def state_items(self, *, include_optimizer_state: bool = True) -> list[tuple[str, torch.Tensor]]:
+    def state_items(
+        self, *, include_optimizer_state: bool = True, include_buffers: bool = False
+    ) -> list[tuple[str, torch.Tensor]]:
         """This stage's weights and (optionally) optimizer state as named tensors, the tensors themselves
-        (no copies): what a checkpoint of the stage holds. They change with the next step.
+        (no copies): what a checkpoint of the stage holds. They change with the next step. `include_buffers`: and
+        the buffers training updates, as "buffer.<model-wide name>" (what a joining replica copies from a sibling;
+        checkpoints do not hold them yet).
 
         Optimizer entries are "optimizer.<parameter name>.<state key>" (e.g. "...weight.exp_avg"), so a
         checkpoint is plain tensors (safetensors) and never a pickled optimizer object.
@@ -243,6 +275,8 @@ class StageRuntime:
                 for key, value in self.optimizer.state.get(param, {}).items():
                     if isinstance(value, torch.Tensor):
                         items.append((f"{OPTIMIZER_PREFIX}{name}.{key}", value.detach()))
+        if include_buffers:
+            items.extend((f"{BUFFER_PREFIX}{global_param_name(n)}", b.detach()) for n, b in self.buffers.named())
         return items
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
@@ -256,7 +290,7 @@ class StageRuntime:
         so loading takes one tensor's memory beside the stage's own. A stage without an optimizer (served for
         inference) loads the weights alone: the optimizer entries are never read."""
         params = dict(named_global_parameters(self.layers))
-        weights = [k for k in tensors if not k.startswith(OPTIMIZER_PREFIX)]
+        weights = [k for k in tensors if not k.startswith((OPTIMIZER_PREFIX, BUFFER_PREFIX))]
         if set(weights) != set(params):
             missing, extra = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
             raise ValueError(f"checkpoint does not match this stage: missing {missing}, unexpected {extra}")
@@ -266,10 +300,12 @@ class StageRuntime:
                 raise ValueError(
                     f"checkpoint tensor {name} is {dtype} {shape}; this stage has {param.dtype} {list(param.shape)}"
                 )
+        buffers = self._buffers_check(tensors)
         if self.optimizer is None:
             with torch.no_grad():
                 for name, param in params.items():
                     param.copy_(tensors[name].to(self.device))
+            self._load_buffers(tensors, buffers)
             return
         entries: dict[str, set[str]] = {}
         for key in tensors:
@@ -304,6 +340,30 @@ class StageRuntime:
                     beside = value.dim() or defaults.get("fused") or defaults.get("capturable")
                     device = self.device if beside else value.device
                     self.optimizer.state[param][entry] = value.to(device, copy=True)
+        self._load_buffers(tensors, buffers)
+
+    def _buffers_check(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The stage's buffers by the names `tensors` gives them, if it holds any ("buffer.<name>", a sibling's
+        snapshot): then exactly this stage's, each its dtype and shape (ValueError naming the first that is not)."""
+        given = [k for k in tensors if k.startswith(BUFFER_PREFIX)]
+        if not given:
+            return {}
+        own = {f"{BUFFER_PREFIX}{global_param_name(n)}": b for n, b in self.buffers.named()}
+        if set(given) != set(own):
+            missing, extra = sorted(set(own) - set(given)), sorted(set(given) - set(own))
+            raise ValueError(f"state does not match this stage's buffers: missing {missing}, unexpected {extra}")
+        for name, buffer in own.items():
+            dtype, shape = stored_layout(tensors, name)
+            if shape != list(buffer.shape) or dtype != buffer.dtype:
+                raise ValueError(f"state tensor {name} is {dtype} {shape}; this stage has {buffer.dtype} "
+                                 f"{list(buffer.shape)}")
+        return own
+
+    def _load_buffers(self, tensors: Mapping[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
+        for name, buffer in buffers.items():
+            buffer.data.copy_(tensors[name])
+        if buffers:
+            self.buffers.rebind()  # the loaded values are the next step's start
 
     def _checked(self, x: torch.Tensor) -> torch.Tensor:
         # The transport validates first; this guards callers that skip it (benchmarks, tests).
@@ -323,13 +383,16 @@ class StageRuntime:
         # Later stages need the gradient w.r.t. their input to send it upstream.
         return inp if self.is_first else inp.detach().requires_grad_(True)
 
-    def _train_forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _train_forward(self, x: torch.Tensor, key: MicroBatchKey, train_step: int | None) -> torch.Tensor:
         """The layers' forward, keeping its graph for the backward; with activation checkpointing each layer
-        keeps only its input and runs again in the backward (same ops on the same input: same result)."""
-        if not self.activation_checkpointing:
-            return self.layers(x)
-        for layer in self.layers:
-            x = checkpoint(layer, x, use_reentrant=False)
+        keeps only its input and runs again in the backward (same ops on the same input, the same draws:
+        same result). The buffers' change is taken and they are put back (`BufferSteps.forwarded`)."""
+        step, micro_batch = (key[0] if train_step is None else train_step), key[1]
+        for layer, index in zip(self.layers, self._draws, strict=True):
+            seed = None if index is None else draw_seed(self.seed, step, micro_batch, index)
+            run = layer if seed is None else _Seeded(layer, seed, self.device)
+            x = checkpoint(run, x, use_reentrant=False) if self.activation_checkpointing else run(x)
+        self.buffers.forwarded()
         return x
 
     def _autocast(self) -> AbstractContextManager[Any]:
@@ -344,6 +407,18 @@ class StageRuntime:
         if samples:
             self.counters.samples += samples
             self.counters.micro_batches += 1
+
+
+class _Seeded:
+    """A layer called with its draws seeded (arceus.model.seeding.seeded_draws): on each call, so a recompute draws
+    the same."""
+
+    def __init__(self, layer: nn.Module, seed: int, device: torch.device) -> None:
+        self.layer, self.seed, self.device = layer, seed, device
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        with seeded_draws(self.seed, self.device):
+            return self.layer(x)
 
 
 def _loss_sum(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:

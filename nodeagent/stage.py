@@ -129,9 +129,10 @@ class HostedStage:
         self._replica_links: dict[tuple[str, str], NeighbourLink] = {}
         self._links_lock = threading.Lock()
         # Replicas that sync every H steps exchange their weight deltas and optimizer state (arceus.swarm.outer).
-        elements = sum(p.numel() for p in runtime.layers.parameters())
+        # The exact exchange sums gradients and buffer changes (StageRuntime.gradient_vector).
+        elements = runtime.exchange_elements()
         if not a.replica_sync.exact and runtime.optimizer_name is not None:
-            elements = sync_elements(elements, runtime.optimizer_name)
+            elements = sync_elements(sum(p.numel() for p in runtime.layers.parameters()), runtime.optimizer_name)
         self.exchange = None if a.replica is None else ReplicaExchange(
             job_id=a.job_id, stage_index=a.stage_index, generation=a.generation, replica=a.replica,
             token=a.credentials.replica_token, total_elements=elements, max_replicas=a.micro_batches,
@@ -286,6 +287,7 @@ def build_hosted_stage(
         device=device,
         precision=assignment.precision,
         activation_checkpointing=assignment.activation_checkpointing,
+        seed=assignment.seed,
     )
     tensors: Mapping[str, torch.Tensor] | None = None
     if assignment.checkpoint is not None:

@@ -306,7 +306,9 @@ class StepRun:
                 )
             with self._computing(index, len(x)):
                 if self.train:
-                    loss_sum, correct = runtime.forward_loss(key, x, labels, self.request.batch_size)
+                    loss_sum, correct = runtime.forward_loss(
+                        key, x, labels, self.request.batch_size, self.request.train_step or None
+                    )
                 else:
                     loss_sum, correct = runtime.eval_loss(x, labels)
             self._results[m] = (loss_sum, correct, len(x))
@@ -316,7 +318,7 @@ class StepRun:
                 faults.reached("forward", self.step, **self._where)
             return
         with self._computing(index, len(x)):
-            out = runtime.forward(key, x) if self.train else runtime.eval_forward(x)
+            out = runtime.forward(key, x, self.request.train_step or None) if self.train else runtime.eval_forward(x)
         if record is not None:
             record.forwarded = True
         if self.train:

@@ -65,6 +65,8 @@ def decode_push(io: StageIO, push: IncomingPush) -> torch.Tensor:
     request = push.header
     if request.step < 0:
         raise _invalid(f"step must be >= 0, got {request.step}")
+    if request.train_step < 0:
+        raise _invalid(f"train_step must be >= 0, got {request.train_step}")
     if not 0 <= request.micro_batch < io.micro_batches:
         raise _invalid(f"micro_batch must be in [0, {io.micro_batches}), got {request.micro_batch}")
     if not request.HasField("tensor"):
@@ -89,6 +91,8 @@ def check_run_step(io: StageIO, request: stage_pb2.RunStepRequest) -> str:
     """Validate a RunStep request; returns the schedule name."""
     if request.step < 0:
         raise _invalid(f"step must be >= 0, got {request.step}")
+    if request.train_step < 0:
+        raise _invalid(f"train_step must be >= 0, got {request.train_step}")
     if request.mode not in (stage_pb2.TRAIN, stage_pb2.EVAL):
         raise _invalid(f"mode must be TRAIN or EVAL, got {request.mode}")
     if not 1 <= request.num_micro_batches <= io.micro_batches:

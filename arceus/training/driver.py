@@ -136,6 +136,7 @@ class Pipeline:
             self.ranks = [[self.replica_clients[(s.index, s.replica)]] for s in plan.stages]
         self.clients = [ranks[0] for ranks in self.ranks]
         self._call_ids = itertools.count(1)  # unique per RunStep (train and eval) within this run
+        self._train_step = 0  # the training step being run (Pipeline.step)
         self.auditor = Auditor(plan) if plan.audit_rate > 0 else None
         # The counters the control plane bills (arceus.training.tally): what the driver can vouch for. Per
         # micro-batch an agent sends at most an activation and a gradient, each to every rank of a neighbour.
@@ -143,9 +144,12 @@ class Pipeline:
         fanout = max(len(ranks) for ranks in self.ranks)
         self._max_step_bytes = 2 * fanout * MAX_MESSAGE_BYTES
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, *, train: bool) -> StepOutcome:
+    def step(self, x: torch.Tensor, y: torch.Tensor, *, train: bool, train_step: int = 0) -> StepOutcome:
+        """`train_step`: the job's training step (1, 2, ...) a train step computes, which seeds dropout's masks on
+        every attempt at it (0: each RunStep's call id does)."""
         plan, last = self.plan, self.clients[-1]
         step = next(self._call_ids)
+        self._train_step = train_step if train else 0
         if self.roster is not None:
             return self._replicated_step(self.roster, step, x, y, train=train)
         n = len(x)
@@ -175,6 +179,7 @@ class Pipeline:
                     batch_size=n,
                     learning_rate=plan.learning_rate,
                     retain_for_audit=train and self.auditor is not None,
+                    train_step=self._train_step,
                 ),
             )
             for ranks in self.ranks
@@ -458,6 +463,7 @@ class Pipeline:
                     learning_rate=plan.learning_rate, replicas=replica_step(c),
                     # A repair resumes the step: what it re-runs is no whole step to audit (nor is it audited).
                     retain_for_audit=train and self.auditor is not None and repair is None,
+                    train_step=self._train_step,
                 ),
             )
             for c in agents
@@ -683,7 +689,7 @@ def _train(plan: TrainPlan, sink: ProgressSink, dataset: dict, train_set: Sample
                     stopped = True
                     break
                 started = time.perf_counter()
-                outcome = pipeline.step(*train_set.take(indices), train=True)
+                outcome = pipeline.step(*train_set.take(indices), train=True, train_step=step + 1)
                 elapsed = time.perf_counter() - started
                 step += 1
                 final_loss, stages = outcome.loss_sum / outcome.labels, outcome.stages

@@ -68,6 +68,7 @@ class StageClient:
         learning_rate: float,
         retain_for_audit: bool = False,
         replicas: stage_pb2.ReplicaStep | None = None,
+        train_step: int = 0,
     ) -> grpc.Future:
         request = stage_pb2.RunStepRequest(
             target=self.ref,
@@ -79,6 +80,7 @@ class StageClient:
             learning_rate=learning_rate,
             retain_for_audit=retain_for_audit,
             replicas=replicas,
+            train_step=train_step,
         )
         return self._stub.RunStep.future(request, timeout=self.timeout)
 

@@ -38,3 +38,15 @@ def test_a_schedule_holding_more_than_the_assignments_is_invalid() -> None:
         "schedule 'gpipe' holds 2 micro-batches at once on this stage, more than the 1 of its assignment's "
         "'1f1b', which its memory was checked for"
     )
+
+
+def test_a_negative_training_step_is_invalid() -> None:
+    """The training step seeds dropout's masks (arceus.model.seeding): 0 (unset) or a step of the job."""
+    request = run_step("1f1b")
+    request.train_step = 7
+    assert check_run_step(FIRST_OF_THREE, request) == "1f1b"
+    request.train_step = -1
+    with pytest.raises(RpcFailure) as info:
+        check_run_step(FIRST_OF_THREE, request)
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert info.value.message == "train_step must be >= 0, got -1"

@@ -12,8 +12,13 @@ from safetensors.torch import load as safetensors_load
 from torch import nn
 
 from arceus.errors import SpecError
+from arceus.model.buffers import persistent_buffers
 from arceus.model.exported.program import layer_parsed
 from arceus.model.exported.spec import ExportedSpec
+
+# The allowed operators (arceus.model.exported.operators) that draw random numbers: seeded per training step,
+# micro-batch and layer (arceus.model.seeding.draw_seed) by whoever runs the layer.
+_RANDOM_OPERATORS = frozenset({"torch.ops.aten.dropout.default", "torch.ops.aten.native_dropout.default"})
 
 
 class ExportedLayerModule(nn.Module):
@@ -28,8 +33,11 @@ class ExportedLayerModule(nn.Module):
             owner, _, leaf = name.rpartition(".")
             _module_at(self, owner).register_parameter(leaf, nn.Parameter(torch.empty(shape)))
         document = spec.attached.get(index)
-        graph = None if document is None else _graph(spec, index, document, dict(self.named_parameters()))
+        graph, self.draws_random = (
+            (None, False) if document is None else _graph(spec, index, document, dict(self.named_parameters()))
+        )
         object.__setattr__(self, "_graph", graph)  # not a child: its parameters are these ones
+        self._share_buffers()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._graph is None:
@@ -41,7 +49,17 @@ class ExportedLayerModule(nn.Module):
         super()._apply(fn, recurse)
         if self._graph is not None:
             self._graph._apply(fn, recurse)
+            self._share_buffers()
         return self
+
+    def _share_buffers(self) -> None:
+        """The graph's persistent buffers (a BatchNorm's running statistics: state its forward updates) as this
+        layer's own, the very tensors, so whatever handles a layer's buffers (arceus.model.buffers) finds them."""
+        if self._graph is None:
+            return
+        for name, buffer in persistent_buffers(self._graph):
+            owner, _, leaf = name.rpartition(".")
+            _module_at(self, owner).register_buffer(leaf, buffer)
 
 
 def exported_layer(spec: ExportedSpec, index: int, generator: torch.Generator) -> nn.Module:
@@ -49,11 +67,16 @@ def exported_layer(spec: ExportedSpec, index: int, generator: torch.Generator) -
     return ExportedLayerModule(spec, index)
 
 
-def _graph(spec: ExportedSpec, index: int, document: str, params: dict[str, nn.Parameter]) -> nn.Module:
+def _graph(
+    spec: ExportedSpec, index: int, document: str, params: dict[str, nn.Parameter]
+) -> tuple[nn.Module, bool]:
+    """The layer's graph as a module computing with `params`, and whether its forward draws random numbers."""
     where = f"layer {index}"
     graph, tensor_bytes = layer_parsed(document, spec.layers[index].sha256, where)
+    draws = False
     for node in graph["graph_module"]["graph"]["nodes"]:
         node["metadata"] = {}  # only names and traces; nothing an agent needs
+        draws = draws or node.get("target") in _RANDOM_OPERATORS
     tensors = safetensors_load(tensor_bytes) if tensor_bytes else {}
     serialized = serde._dict_to_dataclass(serde.ExportedProgram, graph)
     signature = serialized.graph_module.signature
@@ -77,7 +100,7 @@ def _graph(spec: ExportedSpec, index: int, document: str, params: dict[str, nn.P
     for name, param in params.items():
         owner, _, leaf = name.rpartition(".")
         setattr(_module_at(module, owner), leaf, param)
-    return module
+    return module, draws
 
 
 def _tensor(tensors: dict[str, torch.Tensor], name: str, where: str) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """Replicated stages (arceus/swarm) over real agent processes train like one process on the same global batch.
 
-Six `python -m nodeagent` processes host each replica of each stage of an MLP (3 stages x 2 replicas, SGD; and
-2, 1, 3 replicas with Adam, 4 micro-batches: not divisible by 3) and of a small GPT (3 x 2, SGD). Every step each
+Six `python -m nodeagent` processes host each replica of each stage of an MLP (3 stages x 2 replicas, SGD;
+2, 1, 3 replicas with Adam; one stage x 3, SGD; 4 micro-batches: not divisible by 3) and of a small GPT (3 x 2,
+SGD; one stage x 3, Adam). Every step each
 micro-batch goes through the replicas its route names, the replicas of a stage exchange their gradients over
 ReplicaService and apply the same optimizer step. Losses and final weights equal plain torch on the same
 batches to fp32 rounding (the standard of the unreplicated parity tests), every replica takes at least one
@@ -63,6 +64,11 @@ RUNS: dict[str, dict[str, Any]] = {
     "gpt-3x2-sgd": {"model": GPT, "boundaries": [0, 1, 3, 4], "agents": [[5, 4], [3, 2], [1, 0]],
                     "optimizer": {"name": "sgd", "lr": 0.3, "momentum": 0.9, "weight_decay": 1e-4},
                     "schedule": "1f1b", "steps": 4, "digests": False},
+    # One stage of 3 replicas, 4 micro-batches a step (not divisible by 3).
+    "mlp-1x3-sgd": {"model": MLP, "boundaries": [0, 3], "agents": [[1, 3, 5]], "optimizer": SGD,
+                    "schedule": "gpipe", "steps": 4},
+    "gpt-1x3-adam": {"model": GPT, "boundaries": [0, 4], "agents": [[0, 2, 4]], "optimizer": ADAM,
+                     "schedule": "1f1b", "steps": 4},
 }
 # Replicas that sync every H steps (DiLoCo): not one process's training, so apart from RUNS.
 SYNC_RUNS: dict[str, dict[str, Any]] = {

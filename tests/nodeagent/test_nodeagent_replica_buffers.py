@@ -1,0 +1,240 @@
+"""Replicas of a model with BatchNorm and dropout (a developer's module captured as an exported model: the
+architecture whose layers have buffers and draw random numbers) train like one process on the same micro-batches.
+
+The stages are the agents' `StageRuntime`s, rebuilt from the shipped program: 2 stages, of 2 and 3 replicas,
+4 micro-batches a step (not divisible by 3), each micro-batch's forward and backward on the replicas its route
+names (SGD keeping activations; Adam recomputing them in the backward); each stage's replicas then replace their
+partial vectors (gradients, buffer changes and micro-batch count) with their ascending sum, which the exchange
+computes (tests/nodeagent/test_nodeagent_replicas.py). Losses, weights and buffers equal
+`devtools.reference.micro_batched_run` (one process) to 1e-5, and the replicas of a stage hold the same bits
+(weights, optimizer state, buffers) after every step. A joiner's copy of a sibling's state carries the buffers."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+from safetensors.torch import load as safetensors_load
+from torch import nn
+
+from arceus.contracts.assignment import OptimizerConfig
+from arceus.model.buffers import persistent_buffers
+from arceus.model.build import build_layers
+from arceus.model.exported.capture import CapturedModel, capture
+from arceus.model.exported.program import program_layers
+from arceus.model.registry import model_spec_from_config
+from devtools.reference import micro_batched_run
+from nodeagent.runtime import StageRuntime
+
+BATCH, MICRO_BATCHES, STEPS, SEED = 16, 4, 4, 11
+OPTIMIZERS = {
+    "sgd": OptimizerConfig("sgd", lr=0.1, momentum=0.9, weight_decay=1e-4),
+    "adam": OptimizerConfig("adam", lr=0.01),
+}
+STAGES = [(0, 2, 2), (2, 5, 3)]  # (layer_start, layer_end, replicas)
+
+
+class NormedNet(nn.Module):
+    """Digits-shaped rows in, 10 classes out: Linear, BatchNorm, ReLU, Dropout, then again, then a head. (No bias
+    before a BatchNorm, as is usual: its gradient would be 0 but for rounding, which Adam divides by its own size.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Linear(64, 32, bias=False), nn.BatchNorm1d(32), nn.ReLU(), nn.Dropout(0.25))
+        self.mid = nn.Sequential(nn.Linear(32, 32, bias=False), nn.BatchNorm1d(32), nn.ReLU())
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.mid(self.stem(x)))
+
+
+@pytest.fixture(scope="module")
+def captured() -> CapturedModel:
+    torch.manual_seed(0)
+    return capture(NormedNet(), torch.randn(BATCH, 64))
+
+
+_BUILT: dict[tuple[bytes, int, int], nn.Sequential] = {}
+
+
+def _layers(cap: CapturedModel, start: int, end: int) -> nn.Sequential:
+    """Layers [start, end) rebuilt from the shipped bytes alone, as an agent builds them, with the uploaded weights
+    (a copy of the ones built the first time: the graphs and buffers of a copy are its own)."""
+    key = (cap.program, start, end)
+    if key not in _BUILT:
+        spec = model_spec_from_config(json.loads(json.dumps(cap.model_config)))
+        documents = program_layers(cap.program, [layer.sha256 for layer in spec.layers])
+        layers = build_layers(spec.with_documents(dict(enumerate(documents))), start, end, seed=0)
+        weights = {k.removeprefix("layers."): v for k, v in safetensors_load(cap.weights).items()
+                   if start <= int(k.split(".")[1]) < end}
+        layers.load_state_dict(weights, strict=False)  # the buffers come with the program
+        _BUILT[key] = layers
+    layers = copy.deepcopy(_BUILT[key])
+    assert all(layer._graph.get_parameter(name) is param  # the copy's graph computes with the copy's parameters
+               for layer in layers for name, param in layer.named_parameters())
+    return layers
+
+
+def _runtime(cap: CapturedModel, start: int, end: int, optimizer: OptimizerConfig, recompute: bool) -> StageRuntime:
+    spec = model_spec_from_config(cap.model_config)
+    return StageRuntime(
+        _layers(cap, start, end), optimizer=optimizer, is_first=start == 0, is_last=end == spec.num_layers,
+        input_layout=spec.input_layout(start), max_micro_batch_size=BATCH, device=torch.device("cpu"),
+        activation_checkpointing=recompute, seed=SEED,
+    )
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One batch, every step (so the loss falls)."""
+    generator = torch.Generator().manual_seed(3)
+    x, y = torch.randn(BATCH, 64, generator=generator), torch.randint(0, 10, (BATCH,), generator=generator)
+    return [(x, y)] * STEPS
+
+
+def _state(runtime: StageRuntime) -> dict[str, torch.Tensor]:
+    """Weights, optimizer state and buffers."""
+    return {**dict(runtime.state_items()), **{f"buffer.{n}": b for n, b in persistent_buffers(runtime.layers)}}
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "recompute"), [("sgd", False), ("adam", True)], ids=["sgd-kept", "adam-recomputed"]
+)
+def test_replicas_with_batchnorm_and_dropout_train_as_one_process(
+    captured: CapturedModel, optimizer: str, recompute: bool
+) -> None:
+    config, batches = OPTIMIZERS[optimizer], _batches()
+    stages = [[_runtime(captured, start, end, config, recompute) for _ in range(r)] for start, end, r in STAGES]
+    first_buffers = {n: b.clone() for n, b in persistent_buffers(_layers(captured, 0, 5))}
+    losses = []
+    for step, (x, y) in enumerate(batches, 1):
+        # Call ids as the driver's: every RunStep has its own, and the training step seeds the draws.
+        key_step, total = 100 + 2 * step, 0.0
+        for m, (xm, ym) in enumerate(zip(torch.tensor_split(x, MICRO_BATCHES), torch.tensor_split(y, MICRO_BATCHES),
+                                         strict=True)):
+            first, last = stages[0][m % len(stages[0])], stages[1][m % len(stages[1])]
+            h = first.forward((key_step, m), xm, train_step=step)
+            loss_sum, _ = last.forward_loss((key_step, m), h, ym, BATCH, train_step=step)
+            total += loss_sum / BATCH
+            first.backward((key_step, m), last.backward((key_step, m)))
+        for replicas in stages:
+            partials = [r.gradient_vector() for r in replicas]
+            summed = partials[0].clone()
+            for partial in partials[1:]:
+                summed.add_(partial)
+            for r in replicas:
+                r.set_gradient_vector(summed)
+                r.optimizer_step()
+        losses.append(total)
+        for index, replicas in enumerate(stages):
+            states = [_state(r) for r in replicas]
+            for k, state in enumerate(states[1:], 1):
+                assert state.keys() == states[0].keys()
+                unequal = [n for n in state if not torch.equal(state[n], states[0][n])]
+                assert not unequal, f"step {step}: stage {index} replica {k} differs from replica 0 in {unequal}"
+
+    expected = micro_batched_run(_layers(captured, 0, 5), batches, micro_batches=MICRO_BATCHES, optimizer=config,
+                                 seed=SEED)
+    for step, (got, want) in enumerate(zip(losses, expected.losses, strict=True), 1):
+        assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: {got!r} != {want!r}"
+    assert expected.losses[-1] < expected.losses[0]
+    weights = {name: t for replicas in stages for name, t in replicas[0].state_tensors().items()
+               if not name.startswith("optimizer.")}
+    assert weights.keys() == expected.weights.keys()
+    for name, want in expected.weights.items():
+        torch.testing.assert_close(weights[name], want, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    buffers = {f"layers.{n}": b for replicas in stages for n, b in persistent_buffers(replicas[0].layers)}
+    assert buffers.keys() == expected.buffers.keys() and len(buffers) == 6
+    for name, want in expected.buffers.items():
+        torch.testing.assert_close(buffers[name], want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        if name.endswith("num_batches_tracked"):
+            assert int(buffers[name]) == int(first_buffers[name.removeprefix("layers.")]) + STEPS  # once a step
+        else:
+            assert not torch.equal(buffers[name], first_buffers[name.removeprefix("layers.")]), name  # they moved
+
+
+def test_the_running_statistics_move_once_a_step_by_the_micro_batches_mean(captured: CapturedModel) -> None:
+    """One step of 4 equal micro-batches: BatchNorm's running mean moves as torch's own BatchNorm does in one
+    forward over the whole batch, its running variance by the mean of the micro-batches' variances, its batch count
+    by 1; an evaluation between steps changes none of them."""
+    runtime = _runtime(captured, 0, 2, OPTIMIZERS["sgd"], recompute=False)
+    (x, _), *_ = _batches()
+    bn_input = runtime.layers[0](x).detach()
+    bn = nn.BatchNorm1d(32)
+    named = dict(persistent_buffers(runtime.layers))
+    with torch.no_grad():
+        bn.running_mean.copy_(named["1.stem.1.running_mean"])
+        bn.running_var.copy_(named["1.stem.1.running_var"])
+    before_var, before_count = bn.running_var.clone(), int(named["1.stem.1.num_batches_tracked"])
+    bn.train()(bn_input)  # torch's one forward over the whole batch
+    for m, xm in enumerate(torch.tensor_split(x, MICRO_BATCHES)):
+        runtime.forward((1, m), xm)
+        runtime.backward((1, m), torch.ones(len(xm), 32))
+        assert int(named["1.stem.1.num_batches_tracked"]) == before_count  # the buffers wait for the step's end
+    runtime.optimizer_step()
+
+    torch.testing.assert_close(named["1.stem.1.running_mean"], bn.running_mean, rtol=1e-6, atol=1e-6)
+    variances = torch.stack([part.var(dim=0) for part in torch.tensor_split(bn_input, MICRO_BATCHES)])
+    torch.testing.assert_close(named["1.stem.1.running_var"], 0.9 * before_var + 0.1 * variances.mean(dim=0))
+    assert int(named["1.stem.1.num_batches_tracked"]) == before_count + 1
+    after = {n: b.clone() for n, b in named.items()}
+    runtime.eval_forward(x)
+    assert all(torch.equal(named[n], after[n]) for n in named)
+
+
+def test_a_micro_batch_draws_the_same_masks_on_any_replica_and_in_a_recompute(captured: CapturedModel) -> None:
+    """Micro-batch 2 of training step 5 on two replicas, under other RunStep ids and other global random states,
+    and with its activations recomputed in the backward: the same output and the same input gradient, bit for bit;
+    another micro-batch or step draws other masks; the global random state is as if nothing had drawn."""
+    (x, _), *_ = _batches()
+    xm, grad = x[:4], torch.randn(4, 32, generator=torch.Generator().manual_seed(9))
+    results = []
+    for key_step, recompute, global_seed in ((7, False, 1), (8, True, 2), (30, False, 3)):
+        runtime = _runtime(captured, 0, 3, OPTIMIZERS["adam"], recompute)  # layer 2 holds the dropout
+        torch.manual_seed(global_seed)
+        out = runtime.forward((key_step, 2), xm, train_step=5)
+        runtime.backward((key_step, 2), grad)
+        results.append((out, runtime.gradient_vector()))
+        after = torch.rand(3)
+        torch.manual_seed(global_seed)
+        assert torch.equal(after, torch.rand(3))
+    for out, gradients in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(gradients, results[0][1])
+    others = [_runtime(captured, 0, 3, OPTIMIZERS["adam"], False) for _ in range(2)]
+    assert not torch.equal(others[0].forward((7, 3), xm, train_step=5), results[0][0])  # another micro-batch
+    assert not torch.equal(others[1].forward((7, 2), xm, train_step=6), results[0][0])  # another step
+
+
+def test_a_joiner_copies_a_siblings_buffers_and_then_steps_as_it_does(captured: CapturedModel) -> None:
+    """What a sibling's Snapshot holds (weights, optimizer state, buffers) loaded into a fresh replica: the same
+    state, bit for bit, and after the next step (the same summed vector) still the same; a snapshot lacking a
+    buffer, or with one of another shape, is refused naming it."""
+    config = OPTIMIZERS["adam"]
+    live, joiner = (_runtime(captured, 0, 2, config, False) for _ in range(2))
+    (x, _), *_ = _batches()
+    for step in (1, 2):
+        live.forward((step, 0), x, train_step=step)
+        live.backward((step, 0), torch.ones(len(x), 32))
+        live.optimizer_step()
+    snapshot = {n: t.clone() for n, t in live.state_items(include_buffers=True)}
+    assert "buffer.layers.1.stem.1.running_mean" in snapshot
+    assert not any(n.startswith("buffer.") for n, _ in live.state_items())  # checkpoints hold none yet
+    joiner.load_state_tensors(snapshot)
+    assert _state(joiner).keys() == _state(live).keys()
+    assert all(torch.equal(t, _state(live)[n]) for n, t in _state(joiner).items())
+    for runtime in (live, joiner):
+        runtime.forward((3, 0), x, train_step=3)
+        runtime.backward((3, 0), torch.ones(len(x), 32))
+    summed = live.gradient_vector()
+    for runtime in (live, joiner):
+        runtime.set_gradient_vector(summed)
+        runtime.optimizer_step()
+    assert all(torch.equal(t, _state(live)[n]) for n, t in _state(joiner).items())
+
+    lacking = {n: t for n, t in snapshot.items() if n != "buffer.layers.1.stem.1.running_var"}
+    with pytest.raises(ValueError, match=r"missing \['buffer.layers.1.stem.1.running_var'\]"):
+        joiner.load_state_tensors(lacking)
+    reshaped = {**snapshot, "buffer.layers.1.stem.1.running_var": torch.ones(3)}
+    with pytest.raises(ValueError, match="buffer.layers.1.stem.1.running_var is torch.float32 \\[3\\]"):
+        joiner.load_state_tensors(reshaped)
