@@ -7,26 +7,35 @@ names (SGD keeping activations; Adam recomputing them in the backward); each sta
 partial vectors (gradients, buffer changes and micro-batch count) with their ascending sum, which the exchange
 computes (tests/nodeagent/test_nodeagent_replicas.py). Losses, weights and buffers equal
 `devtools.reference.micro_batched_run` (one process) to 1e-5, and the replicas of a stage hold the same bits
-(weights, optimizer state, buffers) after every step. A joiner's copy of a sibling's state carries the buffers."""
+(weights, optimizer state, buffers) after every step. A joiner's copy of a sibling's state carries the buffers, and a
+RunStep's draws follow its training step, not its call id."""
 
 from __future__ import annotations
 
 import copy
 import json
+import threading
+import time
+from dataclasses import replace
 
 import pytest
 import torch
 from safetensors.torch import load as safetensors_load
 from torch import nn
 
-from arceus.contracts.assignment import OptimizerConfig
+from arceus.contracts.assignment import Assignment, InitialWeightsRef, OptimizerConfig
 from arceus.model.buffers import persistent_buffers
 from arceus.model.build import build_layers
 from arceus.model.exported.capture import CapturedModel, capture
 from arceus.model.exported.program import program_layers
 from arceus.model.registry import model_spec_from_config
+from arceus.v1 import stage_pb2
+from arceus.verify.receipts import ReceiptSigner
+from devtools.pipeline import pipeline_assignments
 from devtools.reference import micro_batched_run
 from nodeagent.runtime import StageRuntime
+from nodeagent.stage import build_hosted_stage
+from nodeagent.step import StepRun
 
 BATCH, MICRO_BATCHES, STEPS, SEED = 16, 4, 4, 11
 OPTIMIZERS = {
@@ -238,3 +247,39 @@ def test_a_joiner_copies_a_siblings_buffers_and_then_steps_as_it_does(captured: 
     reshaped = {**snapshot, "buffer.layers.1.stem.1.running_var": torch.ones(3)}
     with pytest.raises(ValueError, match="buffer.layers.1.stem.1.running_var is torch.float32 \\[3\\]"):
         joiner.load_state_tensors(reshaped)
+
+
+def test_a_runstep_seeds_the_draws_by_its_training_step_not_its_call_id(captured: CapturedModel) -> None:
+    """A hosted stage of the whole model runs RunStep as an agent does: two attempts at training step 5 under other
+    call ids (a step run again after a lost replica) draw the same masks, so the same losses and weights; step 6
+    draws others."""
+    documents = program_layers(captured.program, [layer["sha256"] for layer in captured.model_config["layers"]])
+    n = len(documents)
+    [stage_json] = pipeline_assignments(
+        job_id="drops", model_config=captured.model_config, boundaries=[0, n], addresses=["127.0.0.1:1"],
+        optimizer={"name": "sgd", "lr": 0.1}, seed=SEED, micro_batches=2, max_micro_batch_size=BATCH,
+    )
+    assignment = replace(Assignment.from_json(stage_json), program="/program",
+                         initial_weights=InitialWeightsRef(url="/weights", layer_sha256=("0" * 64,) * n))
+    (x, y), *_ = _batches()
+
+    def attempt(call_id: int, train_step: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+        stage = build_hosted_stage(
+            assignment, torch.device("cpu"), max_message_bytes=2**20, load_program=lambda _p, a, b: documents[a:b],
+            load_initial_weights=lambda _r, _a, _b, _n: safetensors_load(captured.weights),
+        )
+        try:
+            for m, (xm, ym) in enumerate(zip(x.chunk(2), y.chunk(2), strict=True)):
+                stage.mailbox.put((call_id, "ACTIVATION", m), xm)
+                stage.mailbox.put((call_id, "LABELS", m), ym)
+            request = stage_pb2.RunStepRequest(step=call_id, mode=stage_pb2.TRAIN, num_micro_batches=2,
+                                               schedule="gpipe", batch_size=BATCH, train_step=train_step)
+            reply = StepRun(stage, request, deadline=time.monotonic() + 60, abort=threading.Event(),
+                            signer=ReceiptSigner()).run()
+            return list(reply.loss_sums), stage.runtime.named_weights()
+        finally:
+            stage.close()
+
+    first, again, later = attempt(3, 5), attempt(9, 5), attempt(3, 6)
+    assert first[0] == again[0] and first[0] != later[0]
+    assert all(torch.equal(t, again[1][name]) for name, t in first[1].items())
