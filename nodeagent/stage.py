@@ -15,7 +15,7 @@ from arceus.model.hugging_face import initial_weights_slice_bytes
 from arceus.model.layout import TensorLayout
 from arceus.model.registry import architecture_of
 from arceus.model.tensor_parallel import build_parallel_layers, slice_state_tensors
-from arceus.swarm.outer import OuterSync, sync_elements
+from arceus.swarm.outer import OuterSync, sync_elements, synced_buffers
 from arceus.v1 import replica_pb2_grpc, stage_pb2
 from arceus.wire.channels import open_channel
 from arceus.wire.push_stream import PushStream
@@ -132,7 +132,10 @@ class HostedStage:
         # The exact exchange sums gradients and buffer changes (StageRuntime.gradient_vector).
         elements = runtime.exchange_elements()
         if not a.replica_sync.exact and runtime.optimizer_name is not None:
-            elements = sync_elements(sum(p.numel() for p in runtime.layers.parameters()), runtime.optimizer_name)
+            buffers = sum(b.numel() for b in synced_buffers(runtime.buffers.buffers))
+            elements = sync_elements(
+                sum(p.numel() for p in runtime.layers.parameters()), runtime.optimizer_name, buffers
+            )
         self.exchange = None if a.replica is None else ReplicaExchange(
             job_id=a.job_id, stage_index=a.stage_index, generation=a.generation, replica=a.replica,
             token=a.credentials.replica_token, total_elements=elements, max_replicas=a.micro_batches,

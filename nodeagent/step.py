@@ -265,7 +265,8 @@ class StepRun:
         if stage.outer_sync is None:
             runtime = stage.runtime
             stage.outer_sync = OuterSync(
-                list(runtime.layers.parameters()), runtime.optimizer, stage.assignment.replica_sync
+                list(runtime.layers.parameters()), runtime.optimizer, stage.assignment.replica_sync,
+                runtime.buffers.buffers,
             )
 
     def _average(self, plan: ReplicaStepPlan) -> None:
@@ -284,6 +285,7 @@ class StepRun:
             abort=self.abort,
         )
         stage.outer_sync.apply(summed, len(members))
+        stage.runtime.buffers.rebind()  # the mean buffers are the next step's start
         self.exchange_seconds = time.perf_counter() - started
 
     def _forward(self, index: int, action: Action) -> None:

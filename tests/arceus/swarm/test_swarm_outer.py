@@ -111,3 +111,36 @@ def test_replicas_leave_a_sync_equal_with_the_outer_nesterov_step(optimizer: str
         replicas[0][2].apply(summed[:-1], 3)
     with pytest.raises(ValueError, match="no outer optimizer"):
         OuterSync(list(replicas[0][0].parameters()), replicas[0][1], ReplicaSync())
+
+
+def test_a_sync_sets_every_replicas_floating_point_buffers_to_their_mean() -> None:
+    """BatchNorm's running statistics, which each replica's own micro-batches moved, are averaged like the
+    optimizer state; its batch count (an integer, the same on every replica) is not sent."""
+    config = ReplicaSync(every_steps=2)
+    replicas = []
+    for seed in (1, 2):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(5, 4), nn.BatchNorm1d(4), nn.Linear(4, 3))
+        inner = make_optimizer(list(model.parameters()), "sgd", 0.05, momentum=0.0, weight_decay=0.0)
+        sync = OuterSync(list(model.parameters()), inner, config, list(model.buffers()))
+        torch.manual_seed(seed)
+        for _ in range(2):
+            inner.zero_grad()
+            model(torch.randn(6, 5)).square().sum().backward()
+            inner.step()
+        replicas.append((model, sync))
+    norms = [model[1] for model, _ in replicas]
+    mean, var = (sum(getattr(n, key).clone() for n in norms) / 2 for key in ("running_mean", "running_var"))
+    assert not torch.equal(norms[0].running_mean, norms[1].running_mean)
+    vectors = {k: sync.local_vector() for k, (_, sync) in enumerate(replicas)}
+    parameters = sum(p.numel() for p in replicas[0][0].parameters())
+    assert all(len(v) == sync_elements(parameters, "sgd", buffer_elements=8) for v in vectors.values())
+    summed = reduce_in_order(vectors)
+    for _, sync in replicas:
+        sync.apply(summed, 2)
+    for norm in norms:
+        torch.testing.assert_close(norm.running_mean, mean)
+        torch.testing.assert_close(norm.running_var, var)
+        assert int(norm.num_batches_tracked) == 2
+    assert torch.equal(norms[0].running_mean, norms[1].running_mean)
+    assert torch.equal(norms[0].running_var, norms[1].running_var)
