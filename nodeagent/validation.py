@@ -65,8 +65,6 @@ def decode_push(io: StageIO, push: IncomingPush) -> torch.Tensor:
     request = push.header
     if request.step < 0:
         raise _invalid(f"step must be >= 0, got {request.step}")
-    if request.train_step < 0:
-        raise _invalid(f"train_step must be >= 0, got {request.train_step}")
     if not 0 <= request.micro_batch < io.micro_batches:
         raise _invalid(f"micro_batch must be in [0, {io.micro_batches}), got {request.micro_batch}")
     if not request.HasField("tensor"):

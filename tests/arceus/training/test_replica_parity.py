@@ -67,8 +67,10 @@ RUNS: dict[str, dict[str, Any]] = {
     # One stage of 3 replicas, 4 micro-batches a step (not divisible by 3).
     "mlp-1x3-sgd": {"model": MLP, "boundaries": [0, 3], "agents": [[1, 3, 5]], "optimizer": SGD,
                     "schedule": "gpipe", "steps": 4},
+    # Weights to 1e-5 absolute: attention's key bias has no gradient but rounding (softmax ignores it), which Adam
+    # divides by its own size, so replicas summing in another order than one process move it by ~1e-6.
     "gpt-1x3-adam": {"model": GPT, "boundaries": [0, 4], "agents": [[0, 2, 4]], "optimizer": ADAM,
-                     "schedule": "1f1b", "steps": 4},
+                     "schedule": "1f1b", "steps": 4, "atol": 1e-5},
 }
 # Replicas that sync every H steps (DiLoCo): not one process's training, so apart from RUNS.
 SYNC_RUNS: dict[str, dict[str, Any]] = {
@@ -192,7 +194,8 @@ def test_replicated_training_matches_single_process(
     weights = fetch_weights(plan)  # each stage's lowest replica
     assert sorted(weights) == sorted(expected.weights)
     for name, want in expected.weights.items():
-        torch.testing.assert_close(weights[name], want, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+        torch.testing.assert_close(weights[name], want, rtol=1e-5, atol=run.get("atol", 1e-6),
+                                   msg=lambda m, n=name: f"{n}: {m}")
 
     # The replicas of each stage hold the same bits after every step: weights and optimizer state.
     assert len(sink.digests) == (run["steps"] if run.get("digests", True) else 0)
