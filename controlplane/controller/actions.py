@@ -75,12 +75,13 @@ class RequestHandover:
 @dataclass(frozen=True)
 class RewindJob:
     """Bump the generation so every stage rebuilds from the last checkpoint; `moves` re-places stage
-    ranks: (index, rank, a node id, or None to unplace it: the job then waits as pending)."""
+    rows: (index, rank, replica, a node id, or None to unplace it: the job then waits as pending). A move names
+    one replica: its siblings (a replicated job's other rows of the stage rank) keep their nodes."""
 
     job_id: str
     generation: int
     status: str
-    moves: tuple[tuple[int, int, str | None], ...]
+    moves: tuple[tuple[int, int, int, str | None], ...]
     count_restart: bool
     reason: str
     message: str

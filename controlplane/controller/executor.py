@@ -177,7 +177,7 @@ def _rewind_job(action: RewindJob, now: datetime) -> bool:
     return job_rewind(
         job_id=action.job_id,
         generation=action.generation,
-        moves={(index, rank): node for index, rank, node in action.moves},
+        moves={(index, rank, replica): node for index, rank, replica, node in action.moves},
         count_restart=action.count_restart,
         culprits=action.culprits,
         reason=action.reason,

@@ -25,9 +25,9 @@ def job_roll_back(*, job_id: Any, generation: int, node_ids: Collection[str], me
     """Rewind the job to the newest checkpoint every one of `node_ids` passed a spot check at or after
     (none: the initial weights, uploaded or seeded), delete the newer checkpoints, and unplace the nodes'
     stages so the reconciler moves them to other nodes (a caught replica whose stage keeps another is dropped
-    instead: `job_rewind`'s moves name a stage, every replica of it alike). The nodes are not paid for the
-    rolled-back steps, and the job's owner is charged for them once (`job_rewind`). False if the job moved on since
-    `generation`."""
+    instead; each unplaced row is named by its replica, so no sibling is unplaced with it). The nodes are not paid
+    for the rolled-back steps, and the job's owner is charged for them once (`job_rewind`). False if the job moved on
+    since `generation`."""
     job = Job.objects.select_for_update().filter(pk=job_id, generation=generation, status__in=ACTIVE_STATUSES).first()
     if job is None:
         return False
@@ -40,7 +40,7 @@ def job_roll_back(*, job_id: Any, generation: int, node_ids: Collection[str], me
     kept = {s.index for s in job.stages.filter(active=True, node__isnull=False).exclude(node_id__in=list(node_ids))}
     dropped = [s.pk for s in caught if job.replicated and s.index in kept]
     Stage.objects.filter(pk__in=dropped).delete()
-    moves = {(s.index, s.rank): None for s in caught if s.pk not in dropped}
+    moves = {(s.index, s.rank, s.replica): None for s in caught if s.pk not in dropped}
     return job_rewind(
         job_id=job.pk, generation=generation, moves=moves, culprits=node_ids, reason="NodeFlagged", message=message,
         now=now,

@@ -36,7 +36,8 @@ Rules, in order:
 A replicated job (`JobView.replicated`, arceus/swarm) is placed with `replicas_min` replicas of each stage on
 distinct nodes (rule 2); while one replica of a stage lives, its others that are lost, paused, restarted or
 failed are dropped (DropReplicas: no rewind, the driver's roster goes on without them), and a stage that lost every
-replica keeps one row, which rules 0, 3 and 4 move with a rewind as any stage's; a running job with no replica to
+replica keeps one row, which rules 0, 3 and 4 move with a rewind as any stage's (each move names its replica, so a
+sibling of the same stage rank keeps its node); a running job with no replica to
 drop gets one more replica per stage (AddReplicas, at most `replicas_max` and `micro_batches`) on a free node with
 room: up to `replicas_min` the fastest, always; beyond it the cheapest for which `arceus.swarm.model.replica_gain`
 predicts at least MIN_REPLICA_GAIN more samples/s, within the job's price cap;
@@ -164,7 +165,7 @@ def plan(
                 job, observed, nodes, free, now
             )
             if isinstance(action, RewindJob):
-                taken = {node for _, _, node in action.moves}
+                taken = {node for *_, node in action.moves}
             elif isinstance(action, AddReplicas):
                 taken = {s.node_id for s in action.stages}
         elif job.status == SUCCEEDED:
@@ -236,8 +237,7 @@ def _restarted(job: JobView, nodes: Mapping[str, NodeView]) -> Action | None:
     if job.restarts >= job.max_restarts:
         message += f"; the job was restarted {job.restarts} times without saving a checkpoint in between"
         return FailJob(job.id, job.generation, "BackoffLimitExceeded", message, culprits)
-    unplace = tuple(sorted((s.index, s.rank, None) for s in restarted if s.node_id not in nodes
-                           or nodes[s.node_id].paused))
+    unplace = tuple(sorted((*s.key, None) for s in restarted if s.node_id not in nodes or nodes[s.node_id].paused))
     return RewindJob(job.id, job.generation, PLACING, unplace, True, "NodeRestarted", message, culprits)
 
 
@@ -458,7 +458,7 @@ def _replace_lost(
     if not job.stages:  # e.g. deleted by hand in the admin
         return RequeueJob(job.id, job.generation, "StagesMissing", "the placement has no stages")
     candidates = [n for n in free if job.requirements.allows(n)]
-    moves: list[tuple[int, int, str | None]] = []
+    moves: list[tuple[int, int, int, str | None]] = []
     unplaceable: list[str] = []
     for stage in sorted(lost, key=lambda s: (-_stage_memory(job, s), s.index, s.rank)):
         need = _stage_memory(job, stage)
@@ -468,10 +468,10 @@ def _replace_lost(
             unplaceable.append(f"{_stage_label(job, stage)} ({layers}, needs {need:,} bytes)")
         else:
             candidates.remove(node)
-            moves.append((stage.index, stage.rank, node.id))
+            moves.append((*stage.key, node.id))
     if not unplaceable and job.requirements.owner_diversity:
         unplaceable += _owners_apart(job, lost, moves, nodes, candidates)
-    by_key = {(s.index, s.rank): s for s in lost}
+    by_key = {s.key: s for s in lost}
     old = {key: _node_label(job, nodes, s.node_id) for key, s in by_key.items()}
     paused = {
         key: nodes[s.node_id].pause_reason
@@ -481,42 +481,43 @@ def _replace_lost(
     if not unplaceable:
         moves.sort()
         message = "; ".join(
-            f"{_stage_label(job, by_key[i, r])} moved from {old[i, r]}"
-            f"{f' ({paused[i, r]})' if (i, r) in paused else ''} to {_node_label(job, nodes, n)}"
-            for i, r, n in moves
+            f"{_stage_label(job, by_key[i, r, p])} moved from {old[i, r, p]}"
+            f"{f' ({paused[i, r, p]})' if (i, r, p) in paused else ''} to {_node_label(job, nodes, n)}"
+            for i, r, p, n in moves
         )
-        reason = "NodeDrained" if {(i, r) for i, r, _ in moves} <= paused.keys() else "NodeLost"
+        reason = "NodeDrained" if {(i, r, p) for i, r, p, _ in moves} <= paused.keys() else "NodeLost"
         return RewindJob(job.id, job.generation, PLACING, tuple(moves), False, reason, message)
     message = (
         f"waiting for a Ready node with room for {', '.join(unplaceable)} "
         f"({len(free)} free Ready node{'s' if len(free) != 1 else ''} now)"
     )
     if job.status != PENDING or any(s.node_id is not None for s in lost):
-        unplace = tuple(sorted((s.index, s.rank, None) for s in lost))
+        unplace = tuple(sorted((*s.key, None) for s in lost))
         return RewindJob(job.id, job.generation, PENDING, unplace, False, "WaitingForNode", message)
     return _condition(job, Condition("Placed", FALSE, "WaitingForNode", message), now)
 
 
 def _owners_apart(
-    job: JobView, lost: list[PlacedStage], moves: list[tuple[int, int, str | None]], nodes: Mapping[str, NodeView],
+    job: JobView, lost: list[PlacedStage], moves: list[tuple[int, int, int, str | None]],
+    nodes: Mapping[str, NodeView],
     spare: list[NodeView],
 ) -> list[str]:
     """When `moves` would leave one owner holding (a replica of) every stage, one of them goes to another owner's
     free node with room instead; with none, what the job waits for."""
-    def holder(moved: list[tuple[int, int, str | None]]) -> str | None:
-        target = {(i, r): n for i, r, n in moved}
-        rows = [(s.index, s.replica, target.get((s.index, s.rank), s.node_id)) for s in job.stages]
+    def holder(moved: list[tuple[int, int, int, str | None]]) -> str | None:
+        target = {(i, r, p): n for i, r, p, n in moved}
+        rows = [(s.index, s.replica, target.get(s.key, s.node_id)) for s in job.stages]
         return None if any(n not in nodes for _, _, n in rows) else owner_of_every_stage(rows, owners)
 
     owners = {n.id: n.owner for n in nodes.values()}
     owner = holder(moves)
     if owner is None:
         return []
-    lost_by_key = {(s.index, s.rank): s for s in lost}
-    for k, (index, rank, _) in enumerate(moves):
-        need = _stage_memory(job, lost_by_key[index, rank])
+    lost_by_key = {s.key: s for s in lost}
+    for k, (index, rank, replica, _) in enumerate(moves):
+        need = _stage_memory(job, lost_by_key[index, rank, replica])
         for other in (n for n in spare if n.owner != owner and n.memory_bytes >= need):
-            if holder(moved := [*moves[:k], (index, rank, other.id), *moves[k + 1:]]) is None:
+            if holder(moved := [*moves[:k], (index, rank, replica, other.id), *moves[k + 1:]]) is None:
                 moves[:] = moved
                 return []
     return ["a stage on another owner's node (no single owner may hold every stage of the job)"]
@@ -773,8 +774,7 @@ def _move_failed(
             f"{failure}; the job was restarted {job.restarts} times without saving a checkpoint in between",
         )
     message = f"{failure}; moved from {_node_label(job, nodes, stage.node_id)} to {_node_label(job, nodes, target.id)}"
-    return RewindJob(job.id, job.generation, PLACING, ((stage.index, stage.rank, target.id),), True, "StageFailed",
-                     message)
+    return RewindJob(job.id, job.generation, PLACING, ((*stage.key, target.id),), True, "StageFailed", message)
 
 
 def _check_driver(job: JobView, now: datetime) -> Action | None:

@@ -143,7 +143,7 @@ def job_rewind(
     *,
     job_id: Any,
     generation: int,
-    moves: Mapping[tuple[int, int], Any] | None = None,
+    moves: Mapping[tuple[int, int, int], Any] | None = None,
     count_restart: bool = False,
     culprits: Collection[Any] = (),
     reason: str,
@@ -151,11 +151,12 @@ def job_rewind(
     now: datetime,
 ) -> bool:
     """Send a placed job back to its last checkpoint: a new generation for every stage (so each rebuilds
-    from that checkpoint and stale RPCs are refused), with the stage ranks in `moves` ((index, rank) ->
-    a node id, or None to unplace: the job then waits as pending) re-placed. Ranks not moved keep their
-    node. The work recorded past the checkpoint is refunded to the job's owner, who pays for its replay
-    instead (`ledger_roll_back`); the nodes in `culprits` caused the rewind and lose their credit for it. False
-    if the job moved on since `generation`; IntegrityError if a target node took another stage meanwhile."""
+    from that checkpoint and stale RPCs are refused), with the stage rows in `moves` ((index, rank, replica) ->
+    a node id, or None to unplace: the job then waits as pending) re-placed. Rows not moved keep their node: a
+    move of one replica leaves its siblings where they are. The work recorded past the checkpoint is refunded to
+    the job's owner, who pays for its replay instead (`ledger_roll_back`); the nodes in `culprits` caused the rewind
+    and lose their credit for it. False if the job moved on since `generation`; IntegrityError if a target node
+    took another stage meanwhile."""
     job = Job.objects.select_for_update().filter(pk=job_id, generation=generation, status__in=ACTIVE_STATUSES).first()
     if job is None:
         return False
@@ -163,10 +164,10 @@ def job_rewind(
     job.generation += 1
     checkpoint = job.checkpoints.order_by("-step").first()
     stages = list(job.stages.filter(active=True))
-    moved = [stage for stage in stages if (stage.index, stage.rank) in moves]
+    moved = [stage for stage in stages if (stage.index, stage.rank, stage.replica) in moves]
     for stage in stages:
         if stage in moved:
-            stage.node_id, stage.held_since = moves[stage.index, stage.rank], now  # the job pays the new node from now
+            stage.node_id, stage.held_since = moves[stage.index, stage.rank, stage.replica], now  # paid from now
         stage.generation, stage.joining = job.generation, False
         stage.observed_generation, stage.observed_state, stage.observed_message = None, ObservedState.PENDING, ""
     # Release the moved stages' old nodes first: one active stage per node is a database constraint.

@@ -13,8 +13,8 @@ from arceus.contracts.assignment import Assignment
 from arceus.contracts.credentials import replica_token
 from arceus.training.plan import ReplicaJoin
 from controlplane.agents.services import node_heartbeat
-from controlplane.controller.actions import PlannedStage, ServeJob
-from controlplane.controller.executor import reconcile_once
+from controlplane.controller.actions import PlannedStage, RewindJob, ServeJob
+from controlplane.controller.executor import execute, reconcile_once
 from controlplane.controller.transitions import job_serve_place
 from controlplane.driver.driving import train_plan
 from controlplane.jobs.credentials import job_driver_token
@@ -201,3 +201,21 @@ def test_a_succeeded_replicated_job_is_served_one_node_per_stage(api, ready_node
     assert [(s.index, s.replica, s.node_id) for s in served] == [(i, 0, nodes[i].id) for i in range(3)]
     [assignment] = [Assignment.from_json(a) for a in assignments_for_node(node=nodes[1])]
     assert assignment.inference and assignment.replica is None and assignment.stage_id == f"{job.id}-stage-1"
+
+
+def test_a_rewind_moves_only_the_replica_it_names_and_its_sibling_keeps_its_node(api, ready_node) -> None:
+    """A move planned for one replica (the only one left of its stage when the pass looked, or one its node failed)
+    re-places that row alone: a sibling of the same stage rank, added since at the same generation, stays put."""
+    nodes = [ready_node(f"n{i}", port=50051 + i) for i in range(6)]
+    created = api.post("/api/jobs", {**DIGITS_JOB, "replicas": 2}, format="json").json()
+    job = job_start(job=Job.objects.get(pk=created["id"]))
+    reconcile_once()
+    job.refresh_from_db()
+    before = {(s.index, s.replica): str(s.node_id) for s in Stage.objects.filter(job=job, active=True)}
+    assert len(before) == 6 and {str(n.id) for n in nodes} == set(before.values())
+    spare = ready_node("spare", port=50060)
+    moved = RewindJob(str(job.id), job.generation, "placing", ((1, 0, 1, str(spare.id)),), True, "StageFailed", "t")
+    assert execute([moved], now=timezone.now()).applied == [moved]
+    job.refresh_from_db()
+    after = {(s.index, s.replica): str(s.node_id) for s in Stage.objects.filter(job=job, active=True)}
+    assert after == {**before, (1, 1): str(spare.id)} and job.status == "placing" and job.restarts == 1

@@ -160,7 +160,7 @@ def test_a_caught_replica_leaves_its_stage_and_its_sibling_keeps_its_node(
     ready_node, queued_job, checkpoint_dir: Path, django_capture_on_commit_callbacks  # noqa: ANN001
 ) -> None:
     """A replicated job rolls back as any job does, but only the caught replica leaves: its sibling stays where it
-    is (a rewind's moves name a stage, so moving the caught one would have unplaced every replica of its stage); once
+    is (it is dropped, not unplaced: its stage keeps a replica to train with); once
     the job trains again, the reconciler adds a replica from a free node to make up the stage's minimum."""
     for i in range(4):
         ready_node(f"r{i}", port=50081 + i)

@@ -173,7 +173,7 @@ def test_a_stage_its_node_cannot_build_moves_to_a_free_node_as_a_restart() -> No
     nodes = (*(node(name) for name in "abc"), node("d", flops=2e9), node("tiny", flops=9e9, memory=10))
     [action] = plan(Desired(jobs=(placing,)), Observed(nodes, reports("j", ["ready", "failed", "ready"])), NOW)
     assert action == RewindJob(
-        "j", 2, "placing", ((1, 0, "d"),), True, "StageFailed",
+        "j", 2, "placing", ((1, 0, 0, "d"),), True, "StageFailed",
         f"stage 1 on node b failed: msg 1; moved from {seen('b')} to {seen('d')}"
     )
     # A failure that followed the stage to as many nodes as the job may restart fails the job.
@@ -196,7 +196,7 @@ def test_a_lost_stage_moves_alone_to_the_fastest_free_node_with_room() -> None:
     actions = plan(Desired(jobs=(running,)), Observed(nodes, reports("j", ["ready"] * 3)), NOW)
     assert isinstance(actions[0], MarkNodeUnknown)
     assert actions[1] == RewindJob(
-        "j", 2, "placing", ((1, 0, "fast"),), False, "NodeLost", f"stage 1 moved from {seen('b')} to {seen('fast')}"
+        "j", 2, "placing", ((1, 0, 0, "fast"),), False, "NodeLost", f"stage 1 moved from {seen('b')} to {seen('fast')}"
     )
 
 
@@ -207,7 +207,7 @@ def test_a_job_tolerates_silence_up_to_its_own_grace() -> None:
     assert plan(Desired(jobs=(patient,)), Observed(nodes), NOW) == []
     nodes = (node("a"), node("b", silent=31, ready="Unknown"), node("c"), node("spare"))
     [action] = plan(Desired(jobs=(patient,)), Observed(nodes), NOW)
-    assert isinstance(action, RewindJob) and action.moves == ((1, 0, "spare"),)
+    assert isinstance(action, RewindJob) and action.moves == ((1, 0, 0, "spare"),)
 
 
 def test_a_lost_stage_with_no_room_anywhere_unplaces_and_waits_pending() -> None:
@@ -215,7 +215,7 @@ def test_a_lost_stage_with_no_room_anywhere_unplaces_and_waits_pending() -> None
     nodes = (node("a"), node("b", silent=20, ready="Unknown"), node("c"), node("tiny", memory=10))
     [action] = plan(Desired(jobs=(running,)), Observed(nodes), NOW)
     assert isinstance(action, RewindJob)
-    assert (action.status, action.moves, action.reason) == ("pending", ((1, 0, None),), "WaitingForNode")
+    assert (action.status, action.moves, action.reason) == ("pending", ((1, 0, 0, None),), "WaitingForNode")
     assert action.message == (
         "waiting for a Ready node with room for stage 1 (layers 1-1, needs 992 bytes) "
         "(1 free Ready node now)"
@@ -228,7 +228,7 @@ def test_a_lost_stage_with_no_room_anywhere_unplaces_and_waits_pending() -> None
     assert get_condition(action.conditions, "Placed")["reason"] == "WaitingForNode"
     # A node with room registers: the stage is placed and the job rewinds onto it.
     [action] = plan(Desired(jobs=(pending,)), Observed((*nodes, node("new"))), NOW)
-    assert isinstance(action, RewindJob) and (action.status, action.moves) == ("placing", ((1, 0, "new"),))
+    assert isinstance(action, RewindJob) and (action.status, action.moves) == ("placing", ((1, 0, 0, "new"),))
 
 
 def test_two_lost_stages_never_share_a_replacement() -> None:
@@ -236,7 +236,7 @@ def test_two_lost_stages_never_share_a_replacement() -> None:
     nodes = (node("a", silent=20, ready="Unknown"), node("b", silent=20, ready="Unknown"), node("c"), node("d"))
     [action] = plan(Desired(jobs=(running,)), Observed(nodes), NOW)
     assert isinstance(action, RewindJob) and action.status == "pending"
-    assert action.moves == ((0, 0, None), (1, 0, None))
+    assert action.moves == ((0, 0, 0, None), (1, 0, 0, None))
 
 
 def test_a_running_job_gets_a_new_driver_only_when_its_lease_expired() -> None:
@@ -296,7 +296,7 @@ def test_a_running_job_on_a_paused_node_first_asks_its_driver_to_hand_over() -> 
     handed = replace(asked, driver_lease_expires_at=NOW - timedelta(seconds=1))
     [action] = plan(Desired(jobs=(handed,)), Observed(nodes), NOW)
     assert action == RewindJob(
-        "j", 2, "placing", ((1, 0, "spare"),), False, "NodeDrained",
+        "j", 2, "placing", ((1, 0, 0, "spare"),), False, "NodeDrained",
         f"stage 1 moved from {seen('b')} (paused by its owner) to {seen('spare')}",
     )
 
@@ -305,7 +305,7 @@ def test_a_placing_job_on_a_paused_node_moves_at_once() -> None:
     placing = job("j", "placing", generation=2, stages=placed("j", ["a", "b", "c"]))
     nodes = (node("a"), node("b"), replace(node("c"), paused=True), node("spare"))
     [action] = plan(Desired(jobs=(placing,)), Observed(nodes, reports("j", ["ready"] * 3)), NOW)
-    assert isinstance(action, RewindJob) and action.moves == ((2, 0, "spare"),) and action.reason == "NodeDrained"
+    assert isinstance(action, RewindJob) and action.moves == ((2, 0, 0, "spare"),) and action.reason == "NodeDrained"
 
 
 def test_placement_honours_the_jobs_requirements_and_budget() -> None:

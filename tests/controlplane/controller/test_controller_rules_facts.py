@@ -53,7 +53,7 @@ def test_a_restart_past_the_jobs_restarts_fails_it_and_blames_the_node() -> None
 def test_a_restarted_stage_on_a_node_that_may_not_work_is_unplaced() -> None:
     flagged = replace(NODES[2], paused=True, pause_reason="flagged: restarted 3 times")
     [action] = decide(restarted(running(), 2, 2), (NODES[0], NODES[1], flagged, NODES[3]))
-    assert isinstance(action, RewindJob) and action.moves == ((2, 0, None),) and action.culprits == ("c",)
+    assert isinstance(action, RewindJob) and action.moves == ((2, 0, 0, None),) and action.culprits == ("c",)
 
 
 def test_failed_spot_checks_roll_the_job_back_past_every_caught_node_before_anything_else() -> None:

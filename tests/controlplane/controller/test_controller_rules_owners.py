@@ -59,13 +59,13 @@ def test_a_lost_stage_moves_to_another_owners_node_rather_than_hand_one_owner_th
     lost_b = replace(owned("b", "bob"), ready_status="False")
     market = (owned("a", "alice"), lost_b, owned("fast", "alice", flops=9e9), owned("slow", "carol"))
     [action] = plan(Desired(jobs=(running,)), Observed(nodes=market), NOW)
-    assert isinstance(action, RewindJob) and action.moves == ((1, 0, "slow"),)  # not alice's faster node
+    assert isinstance(action, RewindJob) and action.moves == ((1, 0, 0, "slow"),)  # not alice's faster node
     [action] = plan(Desired(jobs=(running,)), Observed(nodes=market[:3]), NOW)
-    assert isinstance(action, RewindJob) and action.moves == ((1, 0, None),) and action.status == "pending"
+    assert isinstance(action, RewindJob) and action.moves == ((1, 0, 0, None),) and action.status == "pending"
     assert "another owner's node" in action.message
     opted_out = replace(running, requirements=Requirements(owner_diversity=False))
     [action] = plan(Desired(jobs=(opted_out,)), Observed(nodes=market[:3]), NOW)
-    assert action.moves == ((1, 0, "fast"),)
+    assert action.moves == ((1, 0, 0, "fast"),)
 
 
 def test_no_owner_gets_a_replica_of_every_stage_when_placed_or_grown() -> None:
@@ -93,7 +93,7 @@ def test_a_stage_that_failed_to_build_moves_to_another_owners_node_rather_than_h
     market = (owned("a", "alice"), owned("b", "bob"), owned("fast", "alice", flops=9e9), owned("slow", "carol"))
     failed = reports("j", ["ready", "failed"])
     [action] = plan(Desired(jobs=(placing,)), Observed(nodes=market, stages=failed), NOW)
-    assert isinstance(action, RewindJob) and action.moves == ((1, 0, "slow"),)
+    assert isinstance(action, RewindJob) and action.moves == ((1, 0, 0, "slow"),)
     # With only the owner of the other stage's node left, the job fails saying why and how to go on.
     [action] = plan(Desired(jobs=(placing,)), Observed(nodes=market[:3], stages=failed), NOW)
     assert isinstance(action, FailJob) and "no single owner may hold every stage" in action.message

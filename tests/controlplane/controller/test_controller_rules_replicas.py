@@ -114,7 +114,7 @@ def test_a_stage_that_lost_every_replica_keeps_one_row_which_a_rewind_moves() ->
     left = replace(running, stages=tuple(s for s in running.stages if s.key != (1, 0, 1)))
     live = tuple(n for n in nodes if n.id not in "cd")
     [rewind] = plan(Desired(jobs=(left,)), Observed(nodes=live, stages=ready(left)), NOW)
-    assert isinstance(rewind, RewindJob) and rewind.moves == ((1, 0, "spare"),)
+    assert isinstance(rewind, RewindJob) and rewind.moves == ((1, 0, 0, "spare"),)
 
 
 def test_a_running_job_grows_to_its_max_only_where_a_replica_is_worth_it() -> None:
@@ -275,3 +275,41 @@ def test_a_replica_on_a_distant_node_is_worth_it_only_where_the_replicas_sync_ra
     rarely = replace(running, replica_sync_every=16)
     [grow] = plan(Desired(jobs=(rarely,)), Observed(nodes=far, stages=ready(rarely)), NOW)
     assert isinstance(grow, AddReplicas) and [(s.index, s.node_id) for s in grow.stages] == [(0, "spare")]
+
+
+# A move names the replica it moves (index, rank, replica, node): the executor re-places that row alone, so a sibling
+# added since the snapshot (AddReplicas keeps the generation) is never carried along to the same node.
+ONE_LEFT_OF_STAGE_1 = [(0, 0, "a"), (0, 1, "b"), (1, 1, "d"), (2, 0, "e"), (2, 1, "f")]  # its replica 0 dropped
+
+
+def test_a_failed_build_moves_only_the_replica_that_failed() -> None:
+    placing = replicated("placing", rows=ONE_LEFT_OF_STAGE_1)
+    failed = {**ready(placing), (placing.id, 1, 0, 1): StageReport(2, "failed", "out of memory")}
+    nodes = tuple(node(n) for n in "abdef") + (node("spare"),)
+    [action] = plan(Desired(jobs=(placing,)), Observed(nodes=nodes, stages=failed), NOW)
+    assert isinstance(action, RewindJob) and action.reason == "StageFailed" and action.count_restart
+    assert action.moves == ((1, 0, 1, "spare"),)
+
+
+def test_a_lost_or_paused_node_moves_only_its_replica() -> None:
+    running = replicated(rows=ONE_LEFT_OF_STAGE_1)
+    nodes = [node(n) for n in "abef"] + [node("spare")]
+    lost = (*nodes, node("d", silent=60.0))
+    *_, action = plan(Desired(jobs=(running,)), Observed(nodes=lost, stages=ready(running)), NOW)
+    assert isinstance(action, RewindJob) and action.moves == ((1, 0, 1, "spare"),) and action.reason == "NodeLost"
+    placing = replace(running, status="placing")
+    paused = (*nodes, replace(node("d"), paused=True, pause_reason="paused by its owner"))
+    [action] = plan(Desired(jobs=(placing,)), Observed(nodes=paused, stages=ready(placing)), NOW)
+    assert isinstance(action, RewindJob) and action.moves == ((1, 0, 1, "spare"),) and action.reason == "NodeDrained"
+
+
+def test_a_stage_whose_replicas_all_restarted_unplaces_only_the_one_on_a_paused_node() -> None:
+    running = replicated(rows=TWO_EACH)
+    restarted = replace(running, stages=tuple(
+        replace(s, restarted_generation=2) if s.index == 1 else s for s in running.stages
+    ))
+    nodes = (*(node(n) for n in "abcef"), replace(node("d"), paused=True, pause_reason="paused by its owner"))
+    [action] = plan(Desired(jobs=(restarted,)), Observed(nodes=nodes, stages=ready(running)), NOW)
+    # every replica of stage 1 rebuilds from the checkpoint; only replica 1 leaves its (paused) node, replica 0 stays
+    assert isinstance(action, RewindJob) and action.reason == "NodeRestarted"
+    assert action.moves == ((1, 0, 1, None),)

@@ -134,17 +134,17 @@ def test_every_rank_gets_its_own_node_and_a_lost_rank_moves_alone(scenario, pick
     label = f"stage {lost.index}" + (f" rank {lost.rank}" if split.ranks(lost.index) > 1 else "")
     if not room:
         # Nowhere to go: only that rank is unplaced, and the job waits, saying for what.
-        assert (rewind.status, rewind.moves, rewind.reason) == ("pending", ((lost.index, lost.rank, None),),
+        assert (rewind.status, rewind.moves, rewind.reason) == ("pending", ((lost.index, lost.rank, 0, None),),
                                                                 "WaitingForNode")
         assert label in rewind.message
         arrival = node("late", flops=1e9, memory=BIG)
         pending = replace(running, status="pending", generation=generation + 1, stages=tuple(
             replace(r, node_id=None) if r == lost else replace(r, generation=generation + 1) for r in rows))
         [placed] = plan(Desired(jobs=(pending,)), Observed(nodes=(*nodes, arrival)), NOW)
-        assert isinstance(placed, RewindJob) and placed.moves == ((lost.index, lost.rank, "late"),)
+        assert isinstance(placed, RewindJob) and placed.moves == ((lost.index, lost.rank, 0, "late"),)
         return
     # Only the lost rank moves, to the fastest free node with room, never one of the group's others.
-    assert (rewind.status, rewind.moves, rewind.reason) == ("placing", ((lost.index, lost.rank, room[0].id),),
+    assert (rewind.status, rewind.moves, rewind.reason) == ("placing", ((lost.index, lost.rank, 0, room[0].id),),
                                                             "NodeLost")
     assert label in rewind.message
     # The re-formed job rebuilds at the next generation; once every rank reports ready, training resumes.
