@@ -11,9 +11,11 @@ thread each, all started with the same job twice: once reached directly, once wi
 from /proc/PID/stat over the measured steps), this process's CPU per step (the driver, and on shaped runs the
 shaper), and each agent's peak resident memory (VmHWM, over both of its runs).
 
-Predicted: arceus.swarm.model with every replica on this host's cores (`SharedHost`), calibrated on the R=1 runs
-only: each stage's agent CPU per sample, this process's CPU per step (and, shaped, per byte sent), the links by
-the shaper's rule. R=2 and R=3 are the model's predictions from those.
+Predicted: arceus.swarm.model with every replica a process sharing this host's cores (`SharedHost`, processor
+sharing), calibrated on the R=1 runs and on this machine only: each stage's compute per sample (its agent's CPU,
+less its optimizer step), one optimizer step's CPU (timed here), the exchange's CPU per byte (bench/exchange_cost.py,
+timed here), this process's CPU per step (and, shaped, per byte sent), the links by the shaper's rule. R=2 and R=3
+are the model's predictions from those.
 
 At scale: `arceus.swarm.churn.simulate_churn` over the step model; the devices and the 1B model are stated
 below (assumptions, not measurements); the repair, rewind and join times are the issue's and the benches' measured
@@ -31,14 +33,17 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arceus.contracts.assignment import max_micro_batch_size  # noqa: E402
 from arceus.data.config import validate_dataset_config  # noqa: E402
+from arceus.model.optimizers import make_optimizer  # noqa: E402
 from arceus.model.registry import model_spec_from_config  # noqa: E402
 from arceus.swarm.churn import Churn, simulate_churn  # noqa: E402
 from arceus.swarm.model import (  # noqa: E402
@@ -52,6 +57,7 @@ from arceus.swarm.model import (  # noqa: E402
 from arceus.training.driver import train  # noqa: E402
 from arceus.training.plan import StageEndpoint, StepProgress, TrainPlan  # noqa: E402
 from bench.clock import Clock  # noqa: E402
+from bench.exchange_cost import exchange_cpu_per_byte  # noqa: E402
 from bench.pipeline_vs_torch import LR, MODEL, SEED  # noqa: E402
 from bench.report import report  # noqa: E402
 from devtools.launch import AgentProcess, spawn_static_agents_on_free_ports, stop_agents  # noqa: E402
@@ -215,22 +221,50 @@ def bench_workload() -> Workload:
     )
 
 
+def optimizer_step_cpu(params: int, repeats: int = 5) -> float:
+    """CPU seconds of one Adam step (the agents' fused one, `arceus.model.optimizers`) over `params` parameters:
+    what every replica of a stage runs in full."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each agent
+    try:
+        return _optimizer_step_cpu(params, repeats)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _optimizer_step_cpu(params: int, repeats: int) -> float:
+    weights = torch.nn.Parameter(torch.zeros(params))
+    weights.grad = torch.randn(params, generator=torch.Generator().manual_seed(0))
+    optimizer = make_optimizer([weights], "adam", LR)
+    optimizer.step()  # its state
+    before = time.process_time()
+    for _ in range(repeats):
+        optimizer.step()
+    return (time.process_time() - before) / repeats
+
+
 @dataclass(frozen=True)
 class Calibration:
-    """From the R=1 runs: each stage's CPU seconds per sample (its agent's, whole: with one replica its
-    overhead per step cannot be told apart from its compute, so the model charges more replicas none), this
-    process's CPU per step on loopback, and the shaper's CPU per byte it carried. (The agents' own compute
-    counters are wall time, stretched where processes outnumber cores.)"""
+    """From the R=1 runs and this machine: each stage's compute CPU seconds per sample (its agent's CPU over the
+    samples, less its optimizer step), each replica's CPU per step beyond that (its optimizer step, measured here
+    on the stage's mean size: every replica runs it), the exchange's CPU per byte sent or received
+    (bench/exchange_cost.py: real exchanges over TLS on loopback, here), this process's CPU per step on loopback,
+    and the shaper's CPU per byte it carried. (The agents' own compute counters are wall time, stretched where
+    processes outnumber cores.)"""
 
     compute: list[float]
+    replica_overhead_s: float
+    exchange_cpu_per_byte: float
     driver_cpu_s: float
     shaper_cpu_per_byte: float
 
     @classmethod
-    def of(cls, loopback: Run, shaped: Run) -> Calibration:
+    def of(cls, loopback: Run, shaped: Run, overhead: float, exchange_cpu_per_byte: float) -> Calibration:
         # Every byte a replica sends crosses the shaper once; the driver's own pushes and replies are few.
         shaper = max(0.0, shaped.own_cpu_per_step - loopback.own_cpu_per_step) / shaped.bytes_sent_per_step
-        return cls(loopback.stage_cpu_per_sample, loopback.own_cpu_per_step, shaper)
+        batch = DATASET["batch_size"]
+        compute = [max(c - overhead / batch, 1e-6) for c in loopback.stage_cpu_per_sample]
+        return cls(compute, overhead, exchange_cpu_per_byte, loopback.own_cpu_per_step, shaper)
 
     def predict(self, replicas: int, shaped: bool, shape: dict[str, float], cores: float) -> tuple[float, float]:
         """(samples/s, agent CPU seconds per sample) the model predicts for R replicas on `cores` free cores."""
@@ -240,8 +274,8 @@ class Calibration:
         boundary_bytes = 2 * sum(w.boundary_bytes_per_sample) * w.batch_size
         exchange_bytes = sum(2 * (replicas - 1) * g for g in w.gradient_bytes)  # R replicas, 2(R-1)/R each
         shaper = self.shaper_cpu_per_byte * (boundary_bytes + exchange_bytes) if shaped else 0.0
-        agents = SharedHost(cores)
-        host = SharedHost(cores, other_cpu_s=self.driver_cpu_s + shaper)
+        agents = SharedHost(cores, self.replica_overhead_s, exchange_cpu_per_byte=self.exchange_cpu_per_byte)
+        host = replace(agents, other_cpu_s=self.driver_cpu_s + shaper)
         return (shared_host_samples_per_second(stages, w, host),
                 cpu_seconds_per_step(stages, w, agents) / w.batch_size)
 
@@ -321,7 +355,12 @@ def main() -> None:
             for r in measure(replicas, args.steps, shape, Path(workdir)):
                 runs[(r.replicas, r.shaped)] = r
     load_after = os.getloadavg()
-    calibration = Calibration.of(runs[(1, False)], runs[(1, True)])
+    stage_params = [sum(model_spec_from_config(MODEL).layer_params()[a:b]) for a, b in zip(BOUNDS, BOUNDS[1:],
+                                                                                            strict=False)]
+    mean_params = round(sum(stage_params) / len(stage_params))
+    overhead = optimizer_step_cpu(mean_params)
+    per_byte = exchange_cpu_per_byte(mean_params, replicas=2)
+    calibration = Calibration.of(runs[(1, False)], runs[(1, True)], overhead, per_byte)
 
     rows, figures = "", {}
     for (replicas, shaped), r in runs.items():
@@ -372,14 +411,19 @@ def main() -> None:
         f"one way, {args.rate_mbit:g} Mbit/s per direction (each connection shaped on its own). Agent CPU: "
         "utime + stime of every agent over the measured steps, over the samples. Peak RSS: VmHWM of each agent "
         "after both of its runs.\n\n"
-        "Predicted: `arceus.swarm.model` on one shared host, with the cores free around each run (one spinning "
-        "process per core for 1 s, just before and just after it: the CPU they got over the wall time, the mean; "
-        "other sessions' load comes and goes within a run, so this is rough), calibrated on the R=1 "
-        f"runs only (agent CPU per sample of each stage {' / '.join(f'{x * 1000:.1f} ms' for x in c.compute)}, "
-        f"the driver's {c.driver_cpu_s:.3f} s/step, the shaper's {c.shaper_cpu_per_byte * 1e9:.1f} ns per byte "
-        "carried), each replica a core of its own in the replay, all of them bound by the host's cores. It "
-        "charges more replicas no CPU beyond R=1's (their exchange, each replica's optimizer step and RPCs): the "
-        "measured CPU/sample against R=1 is that overhead.\n\n"
+        "Predicted: `arceus.swarm.model.shared_host_samples_per_second`: the step replayed with every replica a "
+        "process sharing the host's cores (processor sharing: n computing at once on c cores each run at "
+        "min(1, c/n)), with the cores free around each run (one spinning process per core for 1 s, just before "
+        "and just after it: the CPU they got over the wall time, the mean; other sessions' load comes and goes "
+        "within a run, so this is rough), calibrated on the R=1 runs and on this machine only: each stage's "
+        f"compute {' / '.join(f'{x * 1000:.1f} ms' for x in c.compute)} CPU per sample (its agent's CPU at R=1 "
+        f"less one optimizer step), every replica's optimizer step {c.replica_overhead_s * 1000:.1f} ms (Adam over "
+        "a stage's mean size, timed here: each replica runs it in full), the exchange's "
+        f"{c.exchange_cpu_per_byte * 1e9:.2f} ns of CPU per byte each replica sends or receives "
+        "(`bench/exchange_cost.py`: two replicas' real exchange over TLS on loopback, timed here before the runs), "
+        f"the driver's {c.driver_cpu_s:.3f} s/step and the shaper's {c.shaper_cpu_per_byte * 1e9:.1f} ns per byte "
+        "carried taking their share of the cores. Predicted CPU/sample: the compute, every replica's optimizer "
+        "step and its exchange's bytes.\n\n"
         + measured_table
         + f"\nAt scale (simulated, `arceus.swarm.churn` over `arceus.swarm.model`): a {SCALE_PARAMS / 1e9:g}B-"
         f"parameter model in {SCALE_STAGES} stages, {SCALE_DEVICES} devices of {SCALE_FLOPS[0] / 1e12:g}-"

@@ -164,7 +164,9 @@ class StageRuntime:
 
     def set_gradient_vector(self, flat: torch.Tensor) -> None:
         """Replace the accumulated gradients with `flat` (`gradient_vector`'s layout); a parameter without a
-        gradient keeps none (no forward used it, on any replica: they run the same layers)."""
+        gradient keeps none (no forward used it, on any replica: they run the same layers). The stage takes `flat`
+        over: where its device and dtype are the parameters', the gradients are views of it (no copy), so the
+        caller must not change it after."""
         params = list(self.layers.parameters())
         total = self.exchange_elements()
         if flat.shape != (total,):
@@ -172,7 +174,7 @@ class StageRuntime:
         offset = 0
         for p in params:
             if p.grad is not None:
-                p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.device, p.dtype, copy=True)
+                p.grad = flat[offset : offset + p.numel()].view_as(p).to(p.device, p.dtype)
             offset += p.numel()
         self.buffers.set_vector(flat[offset:])
 

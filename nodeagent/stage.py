@@ -26,7 +26,7 @@ from nodeagent.inference import DecodeSessions
 from nodeagent.lending import LendingGauge
 from nodeagent.mailbox import Mailbox
 from nodeagent.repair import HeldStep
-from nodeagent.replicas import ReplicaExchange
+from nodeagent.replicas import ReplicaExchange, push_shard_call
 from nodeagent.rpc import RpcFailure
 from nodeagent.runtime import StageRuntime
 from nodeagent.verify import AuditRecord
@@ -64,6 +64,7 @@ class NeighbourLink:
         )
         self.pushes = PushStream(self.channel)
         self.replicas = replica_pb2_grpc.ReplicaServiceStub(self.channel)  # used between siblings only
+        self.push_shard = push_shard_call(self.channel)  # the exchange's shards, as bytes (nodeagent.replicas)
 
     def close(self) -> None:
         self.pushes.close()

@@ -247,7 +247,7 @@ class StepRun:
             step=self.step,
             epoch=plan.epoch,
             members=plan.members(index),
-            stub=lambda k: stage.replica_link(plan.peers[(index, k)]).replicas,
+            link=lambda k: stage.replica_link(plan.peers[(index, k)]),
             deadline=self.wait_until,
             abort=self.abort,
             sign=self.audit.sign_shard if retained else None,
@@ -280,7 +280,7 @@ class StepRun:
             step=self.step,
             epoch=plan.epoch,
             members=members,
-            stub=lambda k: stage.replica_link(plan.peers[(index, k)]).replicas,
+            link=lambda k: stage.replica_link(plan.peers[(index, k)]),
             deadline=self.wait_until,
             abort=self.abort,
         )

@@ -194,35 +194,180 @@ def _step_time(stages: tuple[tuple[Replica, ...], ...], w: Workload) -> StepTime
 @dataclass(frozen=True)
 class SharedHost:
     """Every replica on one host (a bench machine): `cores` cores shared by all of them (fewer than it has where
-    other work takes some: a fraction counts); `replica_overhead_s`:
-    each replica's CPU seconds per step beyond its compute (its RPCs, its optimizer step, which every replica
-    runs in full); `other_cpu_s`: CPU seconds per step of what else runs there (the driver, a link shaper)."""
+    other work takes some: a fraction counts); `replica_overhead_s`: each replica's CPU seconds per step beyond its
+    compute and its exchange (its RunStep, its optimizer step, which every replica runs in full);
+    `exchange_cpu_per_byte`: CPU seconds per byte a replica sends or receives in its stage's exchange (building,
+    encrypting, decrypting and parsing the shards, summing them); `other_cpu_s`: CPU seconds per step of what else
+    runs there (the driver, a link shaper)."""
 
     cores: float
     replica_overhead_s: float = 0.0
     other_cpu_s: float = 0.0
+    exchange_cpu_per_byte: float = 0.0
 
     def __post_init__(self) -> None:
-        if not self.cores > 0 or min(self.replica_overhead_s, self.other_cpu_s) < 0:
+        if not self.cores > 0 or min(self.replica_overhead_s, self.other_cpu_s, self.exchange_cpu_per_byte) < 0:
             raise ValueError(f"a host needs cores > 0 and overheads >= 0, got {self}")
 
 
+def exchange_bytes_per_replica(stages: Sequence[Sequence[Replica]], workload: Workload) -> tuple[float, ...]:
+    """What each replica of stage i sends (and as much it receives) in one exchange: 2 (R - 1) / R of the
+    stage's gradient bytes, over reduce-scatter and all-gather; 0 for a stage of one replica."""
+    return tuple(2 * (len(s) - 1) / len(s) * g for s, g in zip(stages, workload.gradient_bytes, strict=True))
+
+
 def cpu_seconds_per_step(stages: Sequence[Sequence[Replica]], workload: Workload, host: SharedHost) -> float:
-    """The CPU seconds one step costs on `host`: each replica's compute for its micro-batches (of the mean
-    size), every replica's overhead, and the rest."""
+    """The CPU seconds one step costs on `host` (a mean step, with the exchange every `sync_every`): each replica's
+    compute for its micro-batches (of the mean size), every replica's overhead and its exchange's bytes (sent and
+    received), and the rest."""
     taken = step_time(stages, workload).micro_batches
     size = workload.batch_size / workload.micro_batches
     compute = sum(
         r.seconds_per_sample * size * n for stage, counts in zip(stages, taken, strict=True)
         for r, n in zip(stage, counts, strict=True)
     )
-    return compute + host.replica_overhead_s * sum(len(s) for s in stages) + host.other_cpu_s
+    exchange = sum(2 * b * len(s) for s, b in zip(stages, exchange_bytes_per_replica(stages, workload), strict=True))
+    return (compute + host.replica_overhead_s * sum(len(s) for s in stages)
+            + host.exchange_cpu_per_byte * exchange / workload.sync_every + host.other_cpu_s)
 
 
 def shared_host_samples_per_second(
     stages: Sequence[Sequence[Replica]], workload: Workload, host: SharedHost
 ) -> float:
-    """Training throughput with every replica on `host`: a step takes its replay's time (step_time, each
-    replica as if it had a core of its own) or its CPU seconds spread over the host's cores, the longer."""
-    seconds = max(mean_step_seconds(stages, workload), cpu_seconds_per_step(stages, workload, host) / host.cores)
-    return workload.batch_size / seconds
+    """Training throughput with every replica on `host`: the mean of `shared_host_step_seconds` over a sync
+    period (the exchange every `sync_every` steps)."""
+    exchanging = shared_host_step_seconds(stages, workload, host)
+    if workload.sync_every == 1:
+        return workload.batch_size / exchanging
+    local = shared_host_step_seconds(stages, replace(workload, gradient_bytes=(0.0,) * len(stages)), host)
+    return workload.batch_size / ((exchanging + (workload.sync_every - 1) * local) / workload.sync_every)
+
+
+def shared_host_step_seconds(stages: Sequence[Sequence[Replica]], workload: Workload, host: SharedHost) -> float:
+    """One step with every replica a process on `host`: the replay of `step_time` (the same routes, lists and
+    links), but the replicas computing at one moment share the host's cores (processor sharing: n of them on
+    c cores each run at min(1, c / n) of a core), the exchange's CPU (`exchange_cpu_per_byte` of each phase's
+    bytes sent and received, before its bytes leave) and each replica's overhead (after its stage's exchange)
+    computed likewise, and what else runs there (`other_cpu_s` per step) taking its share of the cores
+    throughout. Until the last replica's overhead is done."""
+    return _shared_step(tuple(tuple(s) for s in stages), workload, host)
+
+
+@lru_cache(maxsize=1024)
+def _shared_step(stages: tuple[tuple[Replica, ...], ...], w: Workload, host: SharedHost) -> float:
+    if host.other_cpu_s == 0:
+        return _shared_replay(stages, w, host, host.cores)
+    # The others take other_cpu_s / T of the cores over a step of T seconds, which depends on the cores left: T is
+    # the fixed point, found by bisection (the replay's time only grows as the cores it gets shrink).
+    low = _shared_replay(stages, w, host, host.cores)
+    high = low + host.other_cpu_s / host.cores
+    while _shared_replay(stages, w, host, _left(host, high)) > high:
+        high *= 2
+    for _ in range(60):
+        mid = (low + high) / 2
+        if _shared_replay(stages, w, host, _left(host, mid)) > mid:
+            low = mid
+        else:
+            high = mid
+        if high - low <= 1e-9 * high:
+            break
+    return high
+
+
+def _left(host: SharedHost, seconds: float) -> float:
+    """The cores the replicas get in a step of `seconds` while the others take other_cpu_s of it."""
+    return max(1e-3 * host.cores, host.cores - host.other_cpu_s / seconds)
+
+
+def _shared_replay(stages: tuple[tuple[Replica, ...], ...], w: Workload, host: SharedHost, cores: float) -> float:
+    n = len(stages)
+    if n != len(w.gradient_bytes) or any(not s for s in stages):
+        raise ValueError(f"{n} stages, each with replicas, for a workload of {len(w.gradient_bytes)} stages")
+    replicas = {(i, k): r for i, s in enumerate(stages) for k, r in enumerate(s)}
+    routes = route_step(w.micro_batches, [list(range(len(s))) for s in stages],
+                        {key: 1 / r.seconds_per_sample for key, r in replicas.items()})
+    size, extra = divmod(w.batch_size, w.micro_batches)
+    samples = [size + (1 if m < extra else 0) for m in range(w.micro_batches)]
+    uplink = {key: LinkPlan(r.uplink.latency_s, r.uplink.bandwidth_bps) for key, r in replicas.items()}
+    deepest = max(len(s) for s in stages)
+    todo = {(i, k): list(replica_schedule(w.schedule, n, i, routes.micro_batches_of(i, k), replicas=deepest))
+            for i, k in replicas}
+    shard = exchange_bytes_per_replica(stages, w)  # sent (and received) over both phases
+    ready: dict[tuple[str, int, int], float] = {("F", 0, m): 0.0 for m in range(w.micro_batches)}
+    ready.update({("B", n - 1, m): 0.0 for m in range(w.micro_batches)})  # the last stage's follows its forward
+    # Each replica: what it computes now (remaining CPU seconds, and what to do when done), or None.
+    running: dict[tuple[int, int], list] = {}
+    waiting: dict[tuple[int, int], float] = {}  # replica -> when its next CPU task may start (exchange phases)
+    phase = dict.fromkeys(replicas, "actions")
+    arrived: dict[tuple[int, str], dict[int, float]] = {}  # (stage, phase) -> replica -> its bytes' arrival
+    now, end = 0.0, 0.0
+
+    def start(key: tuple[int, int]) -> None:
+        """Give `key` its next CPU task, if it can start now."""
+        i, k = key
+        if key in running or waiting.get(key, 0.0) > now:
+            return
+        if phase[key] == "actions":
+            actions = todo[key]
+            if actions:
+                a = actions[0]
+                at = ready.get((a.kind, i, a.micro_batch))
+                if at is not None and at <= now:
+                    share = w.forward_share if a.kind == "F" else 1 - w.forward_share
+                    running[key] = [replicas[key].seconds_per_sample * samples[a.micro_batch] * share, "action"]
+                return
+            phase[key] = "computed"
+        if phase[key] == "computed":
+            if any(phase[(i, j)] == "actions" for j in range(len(stages[i]))):
+                return  # the exchange starts once every replica of the stage took its last backward
+            phase[key] = "reduce" if shard[i] > 0 else "overhead"
+        if phase[key] in ("reduce", "gather"):
+            running[key] = [host.exchange_cpu_per_byte * shard[i], phase[key]]  # half sent, half received per phase
+        elif phase[key] == "overhead":
+            running[key] = [host.replica_overhead_s, "overhead"]
+
+    def finish(key: tuple[int, int], what: str) -> None:
+        nonlocal end
+        i, k = key
+        if what == "action":
+            a = todo[key].pop(0)
+            m = a.micro_batch
+            if a.kind == "F" and i < n - 1:  # (the last stage's backward follows its forward: its list's order)
+                ready[("F", i + 1, m)] = uplink[key].arrival(now, w.boundary_bytes_per_sample[i] * samples[m])
+            elif a.kind == "B" and i > 0:
+                ready[("B", i - 1, m)] = uplink[key].arrival(now, w.boundary_bytes_per_sample[i - 1] * samples[m])
+        elif what in ("reduce", "gather"):
+            sent = arrived.setdefault((i, what), {})
+            sent[k] = uplink[key].arrival(now, shard[i] / 2)
+            phase[key] = f"{what} sent"
+            members = range(len(stages[i]))
+            if len(sent) == len(stages[i]):  # every member's bytes are on their way: the phase ends when all arrived
+                done = max(sent.values())
+                for j in members:
+                    phase[(i, j)] = "gather" if what == "reduce" else "overhead"
+                    waiting[(i, j)] = done
+        else:
+            phase[key] = "done"
+            end = max(end, now)
+
+    while True:
+        for key in replicas:
+            start(key)
+        if not running:
+            later = [t for t in (*ready.values(), *waiting.values()) if t > now]
+            if all(p == "done" for p in phase.values()):
+                return max(end, now)
+            if not later:
+                raise RuntimeError("the replicas' schedules deadlocked")  # replica_schedule proves they cannot
+            now = min(later)
+            continue
+        rate = min(1.0, cores / len(running))
+        step = min(rem / rate for rem, _ in running.values())
+        later = [t for t in (*ready.values(), *waiting.values()) if t > now]
+        step = min([step, *(t - now for t in later)])
+        now += step
+        for key in list(running):
+            running[key][0] -= step * rate
+            if running[key][0] <= 1e-12:
+                _, what = running.pop(key)
+                finish(key, what)

@@ -19,7 +19,7 @@ from arceus.swarm.routing import Routes
 from arceus.v1 import replica_pb2, stage_pb2
 from arceus.verify.receipts import ReceiptSigner, ShardFields, verify_shard
 from arceus.verify.tensor_digest import tensor_digest
-from arceus.wire.proto_tensor import to_proto
+from arceus.wire.proto_tensor import from_proto, to_proto
 from arceus.wire.tls import new_identity
 from nodeagent import replicas
 from nodeagent.replicas import ReplicaExchange, parse_replica_step
@@ -203,7 +203,7 @@ def test_a_forger_among_the_siblings_cannot_fail_the_exchange_or_change_its_sum(
 
     def run(k: int) -> None:
         results[k] = exchanges[k].exchange(
-            partials[k], step=1, epoch=0, members=members, stub=lambda to: _Deliver(exchanges[to]),
+            partials[k], step=1, epoch=0, members=members, link=lambda to: _Deliver(exchanges[to]),
             deadline=time.monotonic() + 30, abort=threading.Event(),
         )
 
@@ -225,18 +225,17 @@ class _Delivered:
 
 
 class _Deliver:
-    """What a sibling's ReplicaService does with a PushShard: its exchange accepts the shard."""
+    """What a sibling's ReplicaService does with a PushShard's bytes: parses them, and its exchange accepts the
+    shard."""
 
     def __init__(self, exchange: ReplicaExchange) -> None:
         self.exchange = exchange
-        self.PushShard = self
+        self.push_shard = self
 
-    def future(
-        self, request: replica_pb2.PushShardRequest, timeout: float, metadata: tuple[tuple[str, str], ...]
-    ) -> _Delivered:
+    def future(self, request: bytes, timeout: float, metadata: tuple[tuple[str, str], ...]) -> _Delivered:
         (key, token), = metadata
         assert key == REPLICA_METADATA_KEY
-        self.exchange.accept(request, token_digest(token))
+        self.exchange.accept(replica_pb2.PushShardRequest.FromString(request), token_digest(token))
         return _Delivered()
 
 
@@ -256,7 +255,7 @@ def test_every_replica_ends_with_the_same_bits_the_ascending_sum_of_every_partia
     def run(k: int) -> None:
         try:
             results[k] = exchanges[k].exchange(
-                partials[k], step=1, epoch=0, members=members, stub=lambda to: _Deliver(exchanges[to]),
+                partials[k], step=1, epoch=0, members=members, link=lambda to: _Deliver(exchanges[to]),
                 deadline=time.monotonic() + 30, abort=threading.Event(),
             )
         except BaseException as exc:
@@ -309,9 +308,9 @@ class _Silent:
     """A PushShard to a sibling that went silent (SIGSTOP): it never completes before its deadline."""
 
     def __init__(self) -> None:
-        self.PushShard, self.cancelled = self, False
+        self.push_shard, self.cancelled = self, False
 
-    def future(self, request: replica_pb2.PushShardRequest, timeout: float, metadata: object) -> _Silent:
+    def future(self, request: bytes, timeout: float, metadata: object) -> _Silent:
         return self
 
     def result(self, timeout: float | None = None) -> None:
@@ -330,7 +329,7 @@ def test_a_replica_pushing_to_a_silent_sibling_stops_as_soon_as_its_step_is_abor
     threading.Timer(0.2, abort.set).start()
     started = time.monotonic()
     with pytest.raises(RpcFailure) as info:
-        receiver.exchange(torch.zeros(1), step=1, epoch=0, members=(0, 2), stub=lambda to: silent,
+        receiver.exchange(torch.zeros(1), step=1, epoch=0, members=(0, 2), link=lambda to: silent,
                           deadline=time.monotonic() + 60, abort=abort)
     assert info.value.code == grpc.StatusCode.CANCELLED and silent.cancelled
     assert time.monotonic() - started < 5  # not the minute its deadline allowed
@@ -351,7 +350,7 @@ def test_an_audited_exchange_keeps_each_siblings_signed_shards_and_refuses_an_un
     def run(k: int, signed: bool) -> None:
         try:
             exchanges[k].exchange(
-                partials[k], step=1, epoch=0, members=members, stub=lambda to: _Deliver(exchanges[to]),
+                partials[k], step=1, epoch=0, members=members, link=lambda to: _Deliver(exchanges[to]),
                 deadline=time.monotonic() + 10, abort=threading.Event(),
                 sign=signers[k].sign if signed else None, keys=keys, kept=kept[k],
             )
@@ -384,3 +383,19 @@ def test_an_audited_exchange_keeps_each_siblings_signed_shards_and_refuses_an_un
         thread.join(30)
     assert isinstance(errors.get(1), RpcFailure) and errors[1].code == grpc.StatusCode.PERMISSION_DENIED
     assert "replica 4's shard at element 0 of audited step 1 is not signed by it" in errors[1].message
+
+
+def test_a_shards_wire_bytes_parse_as_the_request_carrying_its_values() -> None:
+    """The exchange sends a shard's values copied once into the request's bytes: any parser sees the message a
+    PushShardRequest with that tensor would be (its values bit for bit, from a slice of a larger vector too)."""
+    header = replica_pb2.PushShardRequest(
+        target=stage_pb2.StageRef(job_id="j", stage_index=1, generation=2, replica=3), step=7, epoch=1,
+        source_replica=4, phase=replica_pb2.GATHER, start=5,
+    )
+    values = torch.randn(300, generator=torch.Generator().manual_seed(0))[5:205]
+    parsed = replica_pb2.PushShardRequest.FromString(replicas.shard_request_bytes(header, values))
+    expected = replica_pb2.PushShardRequest()
+    expected.CopyFrom(header)
+    expected.tensor.CopyFrom(to_proto(values))
+    assert parsed == expected
+    assert torch.equal(from_proto(parsed.tensor), values)

@@ -21,6 +21,7 @@ from arceus.swarm.model import (
     replica_gain,
     samples_per_second,
     shared_host_samples_per_second,
+    shared_host_step_seconds,
     step_time,
 )
 
@@ -144,13 +145,54 @@ def test_a_faster_replica_costs_its_own_compute_for_its_larger_share() -> None:
 
 
 def test_a_shared_host_is_bound_by_its_cores_or_by_the_pipeline() -> None:
-    """Nine replicas on two cores: the CPU bound; on as many cores as replicas: the replay's own time."""
+    """Nine replicas on two cores: at least the CPU bound; on as many cores as replicas: the replay's own time."""
     stages, w = [[Replica(0.01, FREE)] * 3] * 3, workload(3, 6, 24)
     host = SharedHost(2, replica_overhead_s=0.05, other_cpu_s=0.1)
-    assert shared_host_samples_per_second(stages, w, host) == pytest.approx(24 / ((3 * 24 * 0.01 + 9 * 0.05 + 0.1) / 2))
+    cpu = 3 * 24 * 0.01 + 9 * 0.05 + 0.1
+    assert cpu_seconds_per_step(stages, w, host) == pytest.approx(cpu)
+    rate = shared_host_samples_per_second(stages, w, host)
+    assert 24 / (cpu / 2) > rate > 24 / (cpu / 2 + step_time(stages, w).seconds)
     assert shared_host_samples_per_second(stages, w, SharedHost(9)) == pytest.approx(samples_per_second(stages, w))
-    # Half a core free: twice the CPU bound's time.
+    # Half a core, free links: some replica can always compute, so the CPU bound exactly.
     assert shared_host_samples_per_second(stages, w, SharedHost(0.5)) == pytest.approx(24 / (3 * 24 * 0.01 / 0.5))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(1, 3), r=st.integers(1, 3), per=st.integers(1, 3), schedule=schedules,
+    latency=st.sampled_from([0.0, 0.01]), boundary=st.sampled_from([0.0, 1e5]), gradient=st.sampled_from([0.0, 1e6]),
+    cores=st.sampled_from([0.5, 1.0, 1.5, 2.0]), overhead=st.sampled_from([0.0, 0.01]),
+    per_byte=st.sampled_from([0.0, 1e-8]), other=st.sampled_from([0.0, 0.05]),
+)
+def test_processes_sharing_cores_take_at_least_both_bounds_and_at_most_their_sum(
+    n: int, r: int, per: int, schedule: str, latency: float, boundary: float, gradient: float, cores: float,
+    overhead: float, per_byte: float, other: float,
+) -> None:
+    """Processor sharing: a step on a shared host takes at least its replay on free cores and its CPU over the
+    cores, and at most the CPU over the cores plus the replay of its longest chain at full speed (Graham's bound)."""
+    link = Link(latency, 1e8)
+    stages = [[Replica(0.01, link)] * r] * n
+    w = workload(n, 2 * r, 2 * r * per, schedule, boundary, gradient)
+    host = SharedHost(cores, overhead, other, per_byte)
+    shared = shared_host_step_seconds(stages, w, host)
+    alone = shared_host_step_seconds(stages, w, SharedHost(100, overhead, 0.0, per_byte))
+    cpu = cpu_seconds_per_step(stages, w, host)
+    assert shared >= max(alone, cpu / cores) * (1 - 1e-9)
+    assert shared <= (cpu / cores + alone) * (1 + 1e-9) + 1e-9
+    if overhead == per_byte == 0:
+        assert alone == pytest.approx(step_time(stages, w).seconds)  # on free cores, the replay itself
+
+
+def test_the_exchange_costs_cpu_per_byte_each_replica_sends_and_receives() -> None:
+    """Two replicas of one stage exchange 2 (R - 1) / R of its gradient each, as much again received."""
+    stages, w = [[Replica(0.01, FREE)] * 2], workload(1, 2, 2, gradient=1e6)
+    plain = cpu_seconds_per_step(stages, w, SharedHost(2))
+    assert cpu_seconds_per_step(stages, w, SharedHost(2, exchange_cpu_per_byte=1e-9)) == pytest.approx(
+        plain + 2 * (2 * 1e6 * 1e-9))
+    # Every 4th step only: a quarter of it per step on average.
+    every = replace(w, sync_every=4)
+    assert cpu_seconds_per_step(stages, every, SharedHost(2, exchange_cpu_per_byte=1e-9)) == pytest.approx(
+        plain + 2 * (2 * 1e6 * 1e-9) / 4)
 
 
 @pytest.mark.parametrize(
@@ -166,6 +208,7 @@ def test_a_shared_host_is_bound_by_its_cores_or_by_the_pipeline() -> None:
         (lambda: replica_gain([[Replica(1.0, FREE)] * 2], workload(1, 2, 2), 0, Replica(1.0, FREE)), "already has 2"),
         (lambda: SharedHost(0), "cores > 0"),
         (lambda: SharedHost(2, replica_overhead_s=-1.0), "overheads >= 0"),
+        (lambda: SharedHost(2, exchange_cpu_per_byte=-1.0), "overheads >= 0"),
     ],
 )
 def test_nonsense_is_refused(call: Callable[[], object], fragment: str) -> None:
