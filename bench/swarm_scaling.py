@@ -269,7 +269,8 @@ class Calibration:
     def predict(self, replicas: int, shaped: bool, shape: dict[str, float], cores: float) -> tuple[float, float]:
         """(samples/s, agent CPU seconds per sample) the model predicts for R replicas on `cores` free cores."""
         w = bench_workload()
-        link = Link(shape["delay_s"], shape["rate_bps"]) if shaped else Link(0.0, 1e18)
+        # The shaper shapes each connection on its own: each peer a replica sends to is a link of its own.
+        link = Link(shape["delay_s"], shape["rate_bps"], per_peer=True) if shaped else Link(0.0, 1e18)
         stages = [[Replica(c, link)] * replicas for c in self.compute]
         boundary_bytes = 2 * sum(w.boundary_bytes_per_sample) * w.batch_size
         exchange_bytes = sum(2 * (replicas - 1) * g for g in w.gradient_bytes)  # R replicas, 2(R-1)/R each
@@ -278,6 +279,27 @@ class Calibration:
         host = replace(agents, other_cpu_s=self.driver_cpu_s + shaper)
         return (shared_host_samples_per_second(stages, w, host),
                 cpu_seconds_per_step(stages, w, agents) / w.batch_size)
+
+
+def overhead_note(runs: dict[tuple[int, bool], Run], c: Calibration) -> str:
+    """The CPU/sample goal (R > 1 within 1.1x of R=1), met or not, and what the calibrated costs put the extra
+    at: the exchange's bytes (sent and received, every replica) and the optimizer steps of the replicas beyond one."""
+    w = bench_workload()
+    parts = []
+    for (replicas, shaped), r in sorted(runs.items()):
+        if replicas == 1:
+            continue
+        ratio = r.agent_cpu_per_sample / runs[(1, shaped)].agent_cpu_per_sample
+        handled = sum(2 * replicas * 2 * (replicas - 1) / replicas * g for g in w.gradient_bytes)
+        exchange = c.exchange_cpu_per_byte * handled / w.batch_size
+        optimizer = c.replica_overhead_s * (replicas - 1) * len(w.gradient_bytes) / w.batch_size
+        extra = r.agent_cpu_per_sample - runs[(1, shaped)].agent_cpu_per_sample
+        parts.append(
+            f"R={replicas} {'shaped' if shaped else 'loopback'} {ratio:.2f}× ({'met' if ratio <= 1.1 else 'not met'}: "
+            f"{extra * 1000:+.1f} ms/sample, of which the exchange {exchange * 1000:.1f} and the extra optimizer "
+            f"steps {optimizer * 1000:.1f} by the calibration)"
+        )
+    return "CPU/sample against R=1 (goal: within 1.1×): " + "; ".join(parts) + "."
 
 
 # --- at scale ----------------------------------------------------------------------------------------------
@@ -423,8 +445,10 @@ def main() -> None:
         "(`bench/exchange_cost.py`: two replicas' real exchange over TLS on loopback, timed here before the runs), "
         f"the driver's {c.driver_cpu_s:.3f} s/step and the shaper's {c.shaper_cpu_per_byte * 1e9:.1f} ns per byte "
         "carried taking their share of the cores. Predicted CPU/sample: the compute, every replica's optimizer "
-        "step and its exchange's bytes.\n\n"
+        "step and its exchange's bytes. Shaped links as the shaper makes them: each connection, so each peer a "
+        "replica sends to, a link of its own.\n\n"
         + measured_table
+        + "\n" + overhead_note(runs, calibration) + "\n"
         + f"\nAt scale (simulated, `arceus.swarm.churn` over `arceus.swarm.model`): a {SCALE_PARAMS / 1e9:g}B-"
         f"parameter model in {SCALE_STAGES} stages, {SCALE_DEVICES} devices of {SCALE_FLOPS[0] / 1e12:g}-"
         f"{SCALE_FLOPS[1] / 1e12:g} TFLOP/s achieved (log-uniform, seed {args.seed}; 6 × parameters × tokens "

@@ -22,10 +22,12 @@ from arceus.swarm.routing import route_step
 
 @dataclass(frozen=True)
 class Link:
-    """A device's uplink: one-way latency and rate."""
+    """A device's uplink: one-way latency and rate; `per_peer`: each peer it sends to is reached over a link of
+    its own of that rate (as the bench's shaper shapes each connection apart), not all through one uplink."""
 
     latency_s: float
     bandwidth_bps: float
+    per_peer: bool = False
 
     def __post_init__(self) -> None:
         if self.latency_s < 0 or self.bandwidth_bps <= 0:
@@ -102,6 +104,30 @@ class ReplicaGain:
         return self.after - self.before
 
 
+class _Uplinks:
+    """The replicas' links as the shaper's rule times them (LinkPlan): one uplink a replica sends everything
+    through, or one per peer (`Link.per_peer`)."""
+
+    def __init__(self, replicas: dict[tuple[int, int], Replica]) -> None:
+        self._replicas = replicas
+        self._plans: dict[object, LinkPlan] = {}
+
+    def arrival(self, source: tuple[int, int], to: tuple[int, int], now: float, nbytes: float) -> float:
+        """When `nbytes` that `source` hands its link to `to` at `now` have arrived."""
+        link = self._replicas[source].uplink
+        key = (source, to) if link.per_peer else source
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = LinkPlan(link.latency_s, link.bandwidth_bps)
+        return plan.arrival(now, nbytes)
+
+    def spread(self, source: tuple[int, int], peers: Sequence[tuple[int, int]], now: float, nbytes: float) -> float:
+        """When `nbytes` handed at `now` in equal parts to `peers` (an exchange phase) have all arrived."""
+        if not peers:
+            return now
+        return max(self.arrival(source, to, now, nbytes / len(peers)) for to in peers)
+
+
 def step_time(stages: Sequence[Sequence[Replica]], workload: Workload) -> StepTime:
     """The predicted time of one step of `workload` on these replicas (stage i's are `stages[i]`)."""
     return _step_time(tuple(tuple(s) for s in stages), workload)
@@ -149,12 +175,12 @@ def _step_time(stages: tuple[tuple[Replica, ...], ...], w: Workload) -> StepTime
     routes = route_step(w.micro_batches, [list(range(len(s))) for s in stages], speeds)
     size, extra = divmod(w.batch_size, w.micro_batches)
     samples = [size + (1 if m < extra else 0) for m in range(w.micro_batches)]  # torch.tensor_split's sizes
-    uplink = {key: LinkPlan(r.uplink.latency_s, r.uplink.bandwidth_bps) for key, r in replicas.items()}
+    uplink = _Uplinks(replicas)
     deepest = max(len(s) for s in stages)
     todo = {
         (i, k): replica_schedule(w.schedule, n, i, routes.micro_batches_of(i, k), replicas=deepest) for i, k in replicas
     }
-    free = dict.fromkeys(uplink, 0.0)
+    free = dict.fromkeys(replicas, 0.0)
     activation = {(0, m): 0.0 for m in range(w.micro_batches)}  # (stage, micro-batch) -> input there
     # (stage, micro-batch) -> its output's gradient there; the last stage's follows its own forward (the loss)
     gradient = {(n - 1, m): 0.0 for m in range(w.micro_batches)}
@@ -169,9 +195,11 @@ def _step_time(stages: tuple[tuple[Replica, ...], ...], w: Workload) -> StepTime
                 share = w.forward_share if forward else 1 - w.forward_share
                 end = free[(i, k)] = max(free[(i, k)], ready) + replicas[(i, k)].seconds_per_sample * samples[m] * share
                 if forward and i < n - 1:
-                    activation[(i + 1, m)] = uplink[(i, k)].arrival(end, w.boundary_bytes_per_sample[i] * samples[m])
+                    activation[(i + 1, m)] = uplink.arrival(
+                        (i, k), (i + 1, routes.of[m][i + 1]), end, w.boundary_bytes_per_sample[i] * samples[m])
                 elif not forward and i > 0:
-                    gradient[(i - 1, m)] = uplink[(i, k)].arrival(end, w.boundary_bytes_per_sample[i - 1] * samples[m])
+                    gradient[(i - 1, m)] = uplink.arrival(
+                        (i, k), (i - 1, routes.of[m][i - 1]), end, w.boundary_bytes_per_sample[i - 1] * samples[m])
                 actions.pop(0)
                 progressed = True
         if not progressed:
@@ -184,7 +212,8 @@ def _step_time(stages: tuple[tuple[Replica, ...], ...], w: Workload) -> StepTime
         end = done
         if per_replica > 0:
             for _ in ("reduce-scatter", "all-gather"):
-                end = max(uplink[(i, k)].arrival(end, per_replica) for k in range(len(stage)))
+                end = max(uplink.spread((i, k), [(i, j) for j in range(len(stage)) if j != k], end, per_replica)
+                          for k in range(len(stage)))
         exchange.append(end - done)
     counts = tuple(tuple(len(routes.micro_batches_of(i, k)) for k in range(len(s))) for i, s in enumerate(stages))
     seconds = max(max(free[(i, k)] for k in range(len(s))) + exchange[i] for i, s in enumerate(stages))
@@ -288,7 +317,7 @@ def _shared_replay(stages: tuple[tuple[Replica, ...], ...], w: Workload, host: S
                         {key: 1 / r.seconds_per_sample for key, r in replicas.items()})
     size, extra = divmod(w.batch_size, w.micro_batches)
     samples = [size + (1 if m < extra else 0) for m in range(w.micro_batches)]
-    uplink = {key: LinkPlan(r.uplink.latency_s, r.uplink.bandwidth_bps) for key, r in replicas.items()}
+    uplink = _Uplinks(replicas)
     deepest = max(len(s) for s in stages)
     todo = {(i, k): list(replica_schedule(w.schedule, n, i, routes.micro_batches_of(i, k), replicas=deepest))
             for i, k in replicas}
@@ -333,12 +362,14 @@ def _shared_replay(stages: tuple[tuple[Replica, ...], ...], w: Workload, host: S
             a = todo[key].pop(0)
             m = a.micro_batch
             if a.kind == "F" and i < n - 1:  # (the last stage's backward follows its forward: its list's order)
-                ready[("F", i + 1, m)] = uplink[key].arrival(now, w.boundary_bytes_per_sample[i] * samples[m])
+                ready[("F", i + 1, m)] = uplink.arrival(
+                    key, (i + 1, routes.of[m][i + 1]), now, w.boundary_bytes_per_sample[i] * samples[m])
             elif a.kind == "B" and i > 0:
-                ready[("B", i - 1, m)] = uplink[key].arrival(now, w.boundary_bytes_per_sample[i - 1] * samples[m])
+                ready[("B", i - 1, m)] = uplink.arrival(
+                    key, (i - 1, routes.of[m][i - 1]), now, w.boundary_bytes_per_sample[i - 1] * samples[m])
         elif what in ("reduce", "gather"):
             sent = arrived.setdefault((i, what), {})
-            sent[k] = uplink[key].arrival(now, shard[i] / 2)
+            sent[k] = uplink.spread(key, [(i, j) for j in range(len(stages[i])) if j != k], now, shard[i] / 2)
             phase[key] = f"{what} sent"
             members = range(len(stages[i]))
             if len(sent) == len(stages[i]):  # every member's bytes are on their way: the phase ends when all arrived

@@ -63,6 +63,18 @@ def test_the_exchange_costs_two_phases_of_r_minus_one_chunks(r: int, gradient: f
     assert t.seconds == pytest.approx(t.pipeline_seconds + t.exchange_seconds[0])
 
 
+@given(r=st.integers(2, 8), gradient=st.floats(1e6, 1e9))
+def test_a_link_per_peer_carries_each_siblings_part_side_by_side(r: int, gradient: float) -> None:
+    """Links per peer (each connection shaped apart, as the bench's shaper does): a phase sends 1/R of the
+    gradient to each sibling at once, R - 1 times sooner than through one uplink."""
+    link = Link(latency_s=0.05, bandwidth_bps=1e8, per_peer=True)
+    t = step_time([[Replica(1e-6, link)] * r], workload(1, r, r, gradient=gradient))
+    per_phase = max(0.0, gradient / r * 8 / 1e8 - BURST_BYTES * 8 / 1e8) + 0.05
+    assert t.exchange_seconds[0] == pytest.approx(2 * per_phase)
+    shared = step_time([[Replica(1e-6, replace(link, per_peer=False))] * r], workload(1, r, r, gradient=gradient))
+    assert t.seconds <= shared.seconds
+
+
 @settings(deadline=None)
 @given(r=st.integers(2, 6), h=st.integers(1, 64), gradient=st.floats(1e5, 1e9))
 def test_replicas_that_sync_every_h_steps_pay_the_exchange_once_in_h(r: int, h: int, gradient: float) -> None:
