@@ -7,9 +7,10 @@ step model's predictions; then the model at scale: a 1B-parameter model in 8 sta
 Measured: the GPT of bench/pipeline_vs_torch.py in 3 stages (layer boundaries [0, 3, 5, 8]), batch 24 × 128
 tokens in 6 micro-batches, Adam, GPipe, every stage with R replicas (static agents, one process and one torch
 thread each, all started with the same job twice: once reached directly, once with every agent behind its own
-`devtools.shaper` link). Per run: samples/s after warm-up, the agents' CPU seconds per sample (utime + stime
-from /proc/PID/stat over the measured steps), this process's CPU per step (the driver, and on shaped runs the
-shaper), and each agent's peak resident memory (VmHWM, over both of its runs).
+`devtools.shaper` link). Per run, medians over the steps after warm-up: samples/s (the batch over a step's wall
+time), the agents' CPU seconds per sample (utime + stime from /proc/PID/stat, every agent, over each step), this
+process's CPU per step (the driver, and on shaped runs the shaper); and each agent's peak resident memory (VmHWM,
+over both of its runs).
 
 Predicted: arceus.swarm.model with every replica a process sharing this host's cores (`SharedHost`, processor
 sharing), calibrated on the R=1 runs and on this machine only: each stage's compute per sample (its agent's CPU,
@@ -29,6 +30,7 @@ import math
 import os
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -97,7 +99,7 @@ def peak_rss_mib(pid: int) -> float:
 
 class Meter(Clock):
     """Step end times and progress; the CPU seconds so far of the agents and of this process at the end of the
-    last warm-up step and of the last step; then it stops the run (no validation, no final checkpoint)."""
+    last warm-up step and of every step after; then it stops the run (no validation, no final checkpoint)."""
 
     def __init__(self, pids: list[int], steps: int) -> None:
         super().__init__()
@@ -108,7 +110,7 @@ class Meter(Clock):
     def on_step(self, p: StepProgress) -> None:
         super().on_step(p)
         self.steps.append(p)
-        if len(self.steps) in (WARMUP, self.limit):
+        if len(self.steps) >= WARMUP:
             self.cpu.append(([cpu_seconds(pid) for pid in self.pids], time.process_time()))
 
     def should_stop(self) -> bool:
@@ -143,21 +145,24 @@ def run(job_id: str, replicas: int, endpoints: list[StageEndpoint], agents: list
     meter = Meter(pids, steps)
     train(plan, meter)
     cores = (cores + free_cores()) / 2  # other sessions' load comes and goes: the mean of before and after
-    (agents_start, own_start), (agents_end, own_end) = meter.cpu
     measured = len(meter.steps) - WARMUP
-    samples = measured * DATASET["batch_size"]
+    batch = DATASET["batch_size"]
     first, last = meter.steps[WARMUP - 1], meter.steps[-1]
-
     sent = sum(c.bytes_sent for c in last.stages) - sum(c.bytes_sent for c in first.stages)
-    agent_cpu = [b - a for a, b in zip(agents_start, agents_end, strict=True)]
-    stage_cpu = [sum(agent_cpu[i * replicas:(i + 1) * replicas]) for i in range(len(BOUNDS) - 1)]  # agents by stage
+    # Per measured step: its wall time, every agent's CPU, this process's; the run's figures are their medians.
+    walls = [b - a for a, b in zip(meter.times[WARMUP - 1:], meter.times[WARMUP:], strict=False)]
+    agents = [[b - a for a, b in zip(before, after, strict=True)]
+              for (before, _), (after, _) in zip(meter.cpu, meter.cpu[1:], strict=False)]
+    own = [b - a for (_, a), (_, b) in zip(meter.cpu, meter.cpu[1:], strict=False)]
+    n = len(BOUNDS) - 1
     return Run(
         replicas=replicas, shaped=shaped,
-        samples_per_s=samples / (meter.times[-1] - meter.times[WARMUP - 1]),
-        agent_cpu_per_sample=sum(agent_cpu) / samples,
-        agent_cpu_per_step=[c / measured for c in agent_cpu],
-        own_cpu_per_step=(own_end - own_start) / measured,
-        stage_cpu_per_sample=[c / samples for c in stage_cpu],
+        samples_per_s=batch / statistics.median(walls),
+        agent_cpu_per_sample=statistics.median(sum(step) for step in agents) / batch,
+        agent_cpu_per_step=[statistics.median(step[j] for step in agents) for j in range(len(pids))],
+        own_cpu_per_step=statistics.median(own),
+        stage_cpu_per_sample=[statistics.median(sum(step[i * replicas:(i + 1) * replicas]) for step in agents) / batch
+                              for i in range(n)],  # agents by stage
         bytes_sent_per_step=sent / measured,
         loss=last.loss,
         free_cores=cores,
@@ -431,7 +436,8 @@ def main() -> None:
         f"Adam, GPipe; R replicas per stage, each a static agent (one process, one torch thread); {args.steps} steps "
         f"per run, {WARMUP} warm-up not timed. Shaped: every agent behind its own shaper link, {args.delay_ms:g} ms "
         f"one way, {args.rate_mbit:g} Mbit/s per direction (each connection shaped on its own). Agent CPU: "
-        "utime + stime of every agent over the measured steps, over the samples. Peak RSS: VmHWM of each agent "
+        "utime + stime of every agent over each measured step, over its samples. Every figure the median of the "
+        "measured steps'. Peak RSS: VmHWM of each agent "
         "after both of its runs.\n\n"
         "Predicted: `arceus.swarm.model.shared_host_samples_per_second`: the step replayed with every replica a "
         "process sharing the host's cores (processor sharing: n computing at once on c cores each run at "
