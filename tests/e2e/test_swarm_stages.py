@@ -5,20 +5,28 @@ gradient exchange; or SIGSTOPped there (a silent peer, found when the control pl
 woken once the job went on without it. Each time the job's step counter never goes back, no checkpoint is loaded
 (nothing read from checkpoint storage), a spare node joins as the new replica by copying the stage's whole state
 from its live peer, bit for bit, the other stages do an undisturbed run's work, and the job ends with the losses of
-one process on the same global batches. A stage that loses both replicas rewinds to its checkpoint."""
+one process on the same global batches. A stage that loses both replicas rewinds to its checkpoint. An elastic job
+({"min": 1, "max": 3}) gains replicas without a restart as two more nodes register, and its job page in a real
+browser shows them with the job's samples/s."""
 
 from __future__ import annotations
 
 import functools
 import math
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
+from selenium import webdriver
+from selenium.webdriver.common.by import By
+from selenium.webdriver.support import expected_conditions
+from selenium.webdriver.support.ui import WebDriverWait
 
 from devtools.cluster import Agent, LocalCluster
 from devtools.reference import ReferenceRun, reference_run
+from tests.e2e.browser import console_errors
 
 pytestmark = pytest.mark.slow
 
@@ -200,3 +208,84 @@ def test_a_stage_that_loses_every_replica_rewinds_to_its_checkpoint(cluster: Loc
     curve = {p["step"]: p["loss"] for p in final["loss_curve"]}
     for step, want in enumerate(expected.losses, start=1):
         assert math.isclose(curve[step], want, rel_tol=1e-5, abs_tol=1e-5), (step, curve[step], want)
+
+
+GROWING: dict[str, Any] = {
+    "name": "swarm-grows",
+    "model_config": {"layer_sizes": [64, 128, 64, 10]},
+    "dataset_config": {"name": "digits", "batch_size": 32, "val_batch_size": 360},
+    "epochs": 200,  # far more than the test waits for: it is cancelled once its page shows the replicas
+    "learning_rate": 0.05,
+    "micro_batches": 4,
+    "stages": 1,  # the smallest job that grows: one stage, its replicas one per node
+    "replicas": {"min": 1, "max": 3},
+    "requirements": {"owner_diversity": False},  # every agent here is one owner's
+}
+
+
+def page_text(browser: webdriver.Chrome, selector: str) -> list[str]:
+    """The text of every element `selector` finds, read in one script (the page redraws on every poll)."""
+    return browser.execute_script(
+        "return [...document.querySelectorAll(arguments[0])].map(e => e.innerText);", selector
+    )
+
+
+def test_an_elastic_job_gains_replicas_as_nodes_register_and_its_page_shows_them(
+    cluster: LocalCluster, browser: webdriver.Chrome, tmp_path: Path
+) -> None:
+    [first] = cluster.start_agents(["grow-0"])
+    job = cluster.client.submit_job(GROWING)
+    cluster.client.start_job(job["id"])
+    before = cluster.wait_for_job(job["id"], lambda d: d["status"] == "running" and d["step"] >= 3, 120)
+    assert [(p["stage_index"], p["replica"], p["node_id"]) for p in before["placements"]] == [(0, 0, first.node_id)]
+
+    base = cluster.api_url.replace("127.0.0.1", "localhost")  # a secure context keeps the Secure session cookie
+    browser.get(f"{base}/dashboard/jobs/{job['id']}/")
+    browser.find_element(By.ID, "id_username").send_keys("demo")
+    browser.find_element(By.ID, "id_password").send_keys("arceus-demo")
+    browser.find_element(By.ID, "login-submit").click()
+    wait = WebDriverWait(browser, 60, poll_frequency=0.2)
+    wait.until(expected_conditions.url_matches(rf"/dashboard/jobs/{job['id']}/$"))
+    wait.until(lambda b: page_text(b, "#stat-replicas") == ["1"])
+
+    # Two more nodes register while it trains: the reconciler adds a replica on each, which copies its state from
+    # the live one and takes micro-batches, at the same generation.
+    late = cluster.start_agents(["grow-1", "grow-2"])
+    steps, generations = [before["step"]], {before["generation"]}
+
+    def grown(detail: dict[str, Any]) -> bool:
+        steps.append(detail["step"])
+        generations.add(detail["generation"])
+        return len(detail["placements"]) == 3 and all(
+            p["activity"] == "training" and p["micro_batches"] > 0 for p in detail["placements"])
+
+    after = cluster.wait_for_job(job["id"], grown, 120, poll_seconds=0.3)
+    assert steps == sorted(steps) and generations == {before["generation"]}, (steps, generations)
+    assert (after["restarts"], after["resumed_from_step"], after["status"]) == (0, None, "running")
+    placements = {p["node_id"]: p for p in after["placements"]}
+    assert set(placements) == {a.node_id for a in (first, *late)} and placements[first.node_id]["replica"] == 0
+    assert not placements[first.node_id]["joining"] and all(placements[a.node_id]["joining"] for a in late)
+    assert {p["replica"] for p in placements.values()} == {0, 1, 2}
+
+    # The page shows the three replicas training, each with its share of the micro-batches and its speed, and the
+    # job's samples/s; the joined agents export their replica's micro-batches by stage and replica.
+    wait.until(lambda b: page_text(b, "#stat-replicas") == ["3"]
+               and b.find_element(By.ID, "stat-replicas").get_attribute("data-training") == "3")
+    wait.until(lambda b: len(page_text(b, "#pipeline .stage.activity-training .share")) == 3
+               and all("% of the stage's micro-batches" in t for t in page_text(b, "#pipeline .share")))
+    wait.until(lambda b: all(t.split()[0] not in ("–", "0.00") for t in page_text(b, "#pipeline .speed")))
+    samples_per_second = float(page_text(browser, "#stat-samples")[0])
+    assert samples_per_second > 0
+    assert "Replicas per stage: 3 (1 to 3), 3 training." in page_text(browser, "#pipeline-summary")[0]
+    browser.save_screenshot(str(tmp_path / "swarm-grows.png"))
+    print(f"swarm job page: {tmp_path / 'swarm-grows.png'}")
+    assert console_errors(browser) == []
+    for agent in late:
+        replica = placements[agent.node_id]["replica"]
+        metrics = requests.get(f"http://{agent.metrics_address}/metrics", params={"token": agent.metrics_token},
+                               timeout=10).text
+        name = f'arceus_replica_micro_batches_total{{replica="{replica}",stage="0"}} '
+        assert float(next(line for line in metrics.splitlines() if line.startswith(name)).split()[1]) > 0
+
+    cluster.client.cancel_job(job["id"])
+    assert cluster.client.wait(job["id"], timeout=60)["status"] == "cancelled"
