@@ -19,8 +19,10 @@ honest_steps = 0
 exchanged = 0  # partial gradients taken so far (one per exchanged train step)
 
 
-def perturbed_forward(self: StageRuntime, key: tuple[int, int], x: torch.Tensor) -> torch.Tensor:
-    out = honest_forward(self, key, x)
+def perturbed_forward(
+    self: StageRuntime, key: tuple[int, int], x: torch.Tensor, train_step: int | None = None
+) -> torch.Tensor:
+    out = honest_forward(self, key, x, train_step)
     step, _ = key  # the driver's RunStep id: train steps 1, 2, ... until the first validation
     return out if step <= honest_steps else out + 0.01 * torch.randn_like(out)
 

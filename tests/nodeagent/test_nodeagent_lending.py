@@ -50,7 +50,7 @@ def record_threads(agent: Agent) -> list[str]:
             log.append(f"F{torch.get_num_threads()}")
             output.register_hook(lambda _grad: log.append(f"B{torch.get_num_threads()}"))
 
-    stage.runtime.layers.register_forward_hook(on_forward)
+    stage.runtime.layers[-1].register_forward_hook(on_forward)  # the stage's output: its forward is done
     return log
 
 

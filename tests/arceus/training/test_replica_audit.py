@@ -144,7 +144,7 @@ def test_a_replica_that_perturbs_its_activations_is_caught_and_named(agents: lis
     cheat = agents[PLACEMENT[1][1]]  # stage 1, replica 1
     runtime = cheat.registry.stages()[0].runtime
     honest = runtime.forward
-    runtime.forward = lambda key, x, f=honest: f(key, x) + 0.01 * (1 + torch.rand(1))  # type: ignore[method-assign]
+    runtime.forward = lambda key, x, train_step=None, f=honest: f(key, x, train_step) + 0.01 * (1 + torch.rand(1))  # type: ignore[method-assign]
     try:
         sink = UntilCaught()
         train(plan_for(agents, sink, max_steps=MAX_STEPS), sink)

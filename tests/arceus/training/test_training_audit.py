@@ -124,7 +124,7 @@ def test_honest_stages_pass_through_lossy_transfers_and_a_cheat_is_still_caught(
     for agent in agents[:2]:
         runtime = agent.registry.stages()[0].runtime
         honest = runtime.forward
-        runtime.forward = lambda key, x, f=honest: f(key, x) + 0.05  # type: ignore[method-assign]
+        runtime.forward = lambda key, x, train_step=None, f=honest: f(key, x, train_step) + 0.05  # type: ignore[method-assign]
     checks = spot_checks(plan_for(agents, transfer=transfer, precision=precision))
     assert checks and not any(c.passed for c in checks)
 
@@ -134,7 +134,7 @@ def test_a_stage_that_perturbs_its_activations_fails_its_spot_checks(agents: lis
     for agent in agents[:2]:
         runtime = agent.registry.stages()[0].runtime
         honest = runtime.forward
-        runtime.forward = lambda key, x, f=honest: f(key, x) + 0.01 * (1 + torch.rand(1))  # type: ignore[method-assign]
+        runtime.forward = lambda key, x, train_step=None, f=honest: f(key, x, train_step) + 0.01 * (1 + torch.rand(1))  # type: ignore[method-assign]
     checks = spot_checks(plan_for(agents))
     assert len(checks) == 6 and not any(c.passed for c in checks)
     for c in checks:
