@@ -97,25 +97,33 @@ def load_public_key(public_key_hex: str) -> Ed25519PublicKey:
 
 def verify_shard(public_key_hex: str, fields: ShardFields, signature: bytes) -> None:
     """ReceiptError saying why unless `signature` is the key's signature of the shard `fields` names."""
-    if len(fields.sha256) != 32:
-        raise ReceiptError(f"shard digest is {len(fields.sha256)} bytes, expected 32")
-    try:
-        load_public_key(public_key_hex).verify(signature, fields.payload())
-    except InvalidSignature:
-        raise ReceiptError(
-            f"the shard at element {fields.start} of step {fields.step} from replica {fields.source_replica} "
-            "does not verify against its node's public key"
-        ) from None
+    _verify(
+        public_key_hex,
+        fields,
+        signature,
+        "shard",
+        f"the shard at element {fields.start} of step {fields.step} from replica {fields.source_replica} "
+        "does not verify against its node's public key",
+    )
 
 
 def verify_receipt(public_key_hex: str, fields: ReceiptFields, signature: bytes) -> None:
     """ReceiptError saying why unless `signature` is the key's signature of `fields`."""
+    _verify(
+        public_key_hex,
+        fields,
+        signature,
+        "receipt",
+        f"receipt for step {fields.step} micro-batch {fields.micro_batch} of stage {fields.stage_index} "
+        "does not verify against the node's public key",
+    )
+
+
+def _verify(public_key_hex: str, fields: ReceiptFields | ShardFields, signature: bytes, what: str, forged: str) -> None:
+    """ReceiptError naming `what` if its digest is not 32 bytes, `forged` if `signature` does not verify."""
     if len(fields.sha256) != 32:
-        raise ReceiptError(f"receipt digest is {len(fields.sha256)} bytes, expected 32")
+        raise ReceiptError(f"{what} digest is {len(fields.sha256)} bytes, expected 32")
     try:
         load_public_key(public_key_hex).verify(signature, fields.payload())
     except InvalidSignature:
-        raise ReceiptError(
-            f"receipt for step {fields.step} micro-batch {fields.micro_batch} of stage {fields.stage_index} "
-            "does not verify against the node's public key"
-        ) from None
+        raise ReceiptError(forged) from None
