@@ -293,15 +293,7 @@ class StageRuntime:
         inference) loads the weights alone: the optimizer entries are never read."""
         params = dict(named_global_parameters(self.layers))
         weights = [k for k in tensors if not k.startswith((OPTIMIZER_PREFIX, BUFFER_PREFIX))]
-        if set(weights) != set(params):
-            missing, extra = sorted(set(params) - set(weights)), sorted(set(weights) - set(params))
-            raise ValueError(f"checkpoint does not match this stage: missing {missing}, unexpected {extra}")
-        for name, param in params.items():
-            dtype, shape = stored_layout(tensors, name)
-            if shape != list(param.shape) or dtype != param.dtype:
-                raise ValueError(
-                    f"checkpoint tensor {name} is {dtype} {shape}; this stage has {param.dtype} {list(param.shape)}"
-                )
+        _check_layouts(tensors, weights, params, "checkpoint", "this stage")
         buffers = self._buffers_check(tensors)
         if self.optimizer is None:
             with torch.no_grad():
@@ -351,14 +343,7 @@ class StageRuntime:
         if not given:
             return {}
         own = {f"{BUFFER_PREFIX}{global_param_name(n)}": b for n, b in self.buffers.named()}
-        if set(given) != set(own):
-            missing, extra = sorted(set(own) - set(given)), sorted(set(given) - set(own))
-            raise ValueError(f"state does not match this stage's buffers: missing {missing}, unexpected {extra}")
-        for name, buffer in own.items():
-            dtype, shape = stored_layout(tensors, name)
-            if shape != list(buffer.shape) or dtype != buffer.dtype:
-                raise ValueError(f"state tensor {name} is {dtype} {shape}; this stage has {buffer.dtype} "
-                                 f"{list(buffer.shape)}")
+        _check_layouts(tensors, given, own, "state", "this stage's buffers")
         return own
 
     def _load_buffers(self, tensors: Mapping[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> None:
@@ -421,6 +406,22 @@ class _Seeded:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         with seeded_draws(self.seed, self.device):
             return self.layer(x)
+
+
+def _check_layouts(
+    tensors: Mapping[str, torch.Tensor], given: list[str], own: Mapping[str, torch.Tensor], source: str, what: str
+) -> None:
+    """ValueError naming the first mismatch unless the names `given` (of `tensors`, from `source`) are exactly `own`'s
+    (`what`: the part of this stage they load into), each stored with its dtype and shape."""
+    if set(given) != set(own):
+        missing, extra = sorted(set(own) - set(given)), sorted(set(given) - set(own))
+        raise ValueError(f"{source} does not match {what}: missing {missing}, unexpected {extra}")
+    for name, tensor in own.items():
+        dtype, shape = stored_layout(tensors, name)
+        if shape != list(tensor.shape) or dtype != tensor.dtype:
+            raise ValueError(
+                f"{source} tensor {name} is {dtype} {shape}; this stage has {tensor.dtype} {list(tensor.shape)}"
+            )
 
 
 def _loss_sum(logits: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, int]:
