@@ -30,7 +30,7 @@ from arceus.wire.channels import open_channel
 from arceus.wire.proto_tensor import from_proto, to_proto
 from nodeagent.callers import Guard
 from nodeagent.mailbox import Mailbox, MailboxCancelled, MailboxClosed, MailboxFull, MailboxTimeout
-from nodeagent.rpc import RpcFailure, neighbour_failure_code
+from nodeagent.rpc import RpcFailure, neighbour_failure
 
 # A peer blocks on each all-reduce until it has every partial, so it runs at most one op ahead of us:
 # a few partials per peer is all that can legitimately be waiting.
@@ -138,11 +138,7 @@ class TensorParallelGroup:
             try:
                 sent.result()
             except grpc.RpcError as exc:
-                raise RpcFailure(
-                    neighbour_failure_code(exc.code()),
-                    f"{self.name}: pushing a partial to rank {r} ({self.peers[r]}) failed: "
-                    f"{exc.code().name}: {exc.details()}",
-                ) from None
+                raise neighbour_failure(exc, f"{self.name}: pushing a partial to rank {r} ({self.peers[r]})") from None
         # Summed in float32 whatever the compute dtype: under bf16 autocast this rank's own partial is
         # bfloat16 while its peers' arrive as float32 (exactly the same values), and an in-place sum that
         # started from a bfloat16 partial would round where a rank starting from a peer's would not. In

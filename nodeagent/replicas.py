@@ -34,7 +34,7 @@ from arceus.wire.push_stream import encode_varint
 from nodeagent import faults
 from nodeagent.callers import not_allowed
 from nodeagent.mailbox import Mailbox, MailboxCancelled, MailboxClosed, MailboxFull, MailboxTimeout
-from nodeagent.rpc import RpcFailure, neighbour_failure_code
+from nodeagent.rpc import RpcFailure, neighbour_failure
 
 _FLOAT32_BYTES = 4
 # How often a wait for a shard's push looks whether its step was aborted.
@@ -315,11 +315,7 @@ class ReplicaExchange:
                                 grpc.StatusCode.CANCELLED, f"{self.name}: the step was cancelled"
                             ) from None
             except grpc.RpcError as exc:
-                raise RpcFailure(
-                    neighbour_failure_code(exc.code()),
-                    f"{self.name}: pushing a shard of step {step} to replica {to} failed: "
-                    f"{exc.code().name}: {exc.details()}",
-                ) from None
+                raise neighbour_failure(exc, f"{self.name}: pushing a shard of step {step} to replica {to}") from None
 
         def push(to: int, phase: int, start: int, values: torch.Tensor) -> None:
             header = replica_pb2.PushShardRequest(

@@ -52,6 +52,12 @@ def neighbour_failure_code(code: grpc.StatusCode | None) -> grpc.StatusCode:
     return grpc.StatusCode.INTERNAL
 
 
+def neighbour_failure(exc: grpc.RpcError, what: str) -> RpcFailure:
+    """What a stage raises when `what` (a push to a neighbour) failed with `exc`: its code as
+    `neighbour_failure_code` maps it, the message "<what> failed: <code>: <details>"."""
+    return RpcFailure(neighbour_failure_code(exc.code()), f"{what} failed: {exc.code().name}: {exc.details()}")
+
+
 def call_deadline(context: grpc.ServicerContext) -> float:
     """When the agent stops waiting within a call, as a time.monotonic() value: a quarter of the call's time (at most
     a second) before its deadline, so that the answer saying what it waited for reaches the caller before the
