@@ -29,6 +29,7 @@ from nodeagent.hosting import HostedStages
 from nodeagent.replicas import MEMBERS_WAIT_SECONDS
 from nodeagent.rpc import RpcFailure, call_deadline, serve
 from nodeagent.runtime import StageRuntime
+from nodeagent.servicer import state_stream
 from nodeagent.stage import HostedStage
 
 SIBLINGS = frozenset({Role.SIBLING})
@@ -81,13 +82,7 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
             return stage
 
         stage = serve(context, "Snapshot", settled)
-        try:
-            state = stage.runtime.state_items(include_optimizer_state=True, include_buffers=True)
-            _, chunks = state_chunks(dict(state))
-            for chunk in chunks:
-                yield stage_pb2.StateChunk(data=bytes(chunk))
-        finally:
-            stage.step_lock.release()
+        yield from state_stream(stage, include_optimizer_state=True, include_buffers=True)
 
     def CopyState(
         self, request: replica_pb2.CopyStateRequest, context: grpc.ServicerContext

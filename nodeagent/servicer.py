@@ -197,13 +197,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             return self._between_steps(self._driven(context, request.target, "GetState"), context)
 
         stage = serve(context, "GetState", settled)
-        try:
-            items = stage.runtime.state_items(include_optimizer_state=request.include_optimizer_state)
-            _, chunks = state_chunks(dict(items))
-            for chunk in chunks:
-                yield stage_pb2.StateChunk(data=bytes(chunk))
-        finally:
-            stage.step_lock.release()
+        yield from state_stream(stage, include_optimizer_state=request.include_optimizer_state)
 
     def SaveState(
         self, request: stage_pb2.SaveStateRequest, context: grpc.ServicerContext
@@ -376,12 +370,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             return stage
 
         stage = serve(context, "AuditWeights", retained)
-        try:
-            _, chunks = state_chunks(dict(stage.runtime.state_items(include_optimizer_state=False)))
-            for chunk in chunks:
-                yield stage_pb2.StateChunk(data=bytes(chunk))
-        finally:
-            stage.step_lock.release()
+        yield from state_stream(stage, include_optimizer_state=False)
 
     def _audit_record(
         self, request: stage_pb2.AuditRequest, context: grpc.ServicerContext, method: str
@@ -465,6 +454,17 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             return stage_pb2.VerifyForwardReply(output=to_proto(out))
 
         return serve(context, "VerifyForward", verify)
+
+
+def state_stream(stage: HostedStage, **include: bool) -> Iterator[stage_pb2.StateChunk]:
+    """The stage's state (`StageRuntime.state_items(**include)`) as one safetensors file in chunks of a few MiB. The
+    caller holds the stage's step lock: released after the last chunk, or when the stream ends early."""
+    try:
+        _, chunks = state_chunks(dict(stage.runtime.state_items(**include)))
+        for chunk in chunks:
+            yield stage_pb2.StateChunk(data=bytes(chunk))
+    finally:
+        stage.step_lock.release()
 
 
 def _gradient_chunks(flat: torch.Tensor) -> Iterator[stage_pb2.GradientChunk]:
