@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 import pytest
@@ -199,22 +201,44 @@ def test_a_forger_among_the_siblings_cannot_fail_the_exchange_or_change_its_sum(
                 except RpcFailure as exc:
                     refused.append(exc.code.name)
 
-    results: dict[int, torch.Tensor] = {}
-
-    def run(k: int) -> None:
-        results[k] = exchanges[k].exchange(
-            partials[k], step=1, epoch=0, members=members, link=lambda to: _Deliver(exchanges[to]),
-            deadline=time.monotonic() + 30, abort=threading.Event(),
-        )
-
-    threads = [threading.Thread(target=forge), *(threading.Thread(target=run, args=(k,)) for k in members)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    results, errors = exchange_together(exchanges, partials, beside=forge)
+    assert not errors, errors
     assert len(refused) == 2 * 3 and set(refused) == {"PERMISSION_DENIED"}
     for k in members:
         assert torch.equal(results[k], torch.full((total,), 5.0)), k
+
+
+def exchange_together(
+    exchanges: dict[int, ReplicaExchange],
+    partials: dict[int, torch.Tensor],
+    *,
+    options: Callable[[int], dict[str, Any]] = lambda _k: {},
+    beside: Callable[[], None] | None = None,
+    seconds: float = 30.0,
+) -> tuple[dict[int, torch.Tensor], dict[int, BaseException]]:
+    """Every replica of `exchanges` sums its partial with its siblings' at once (step 1, epoch 0), each in a thread of
+    its own (`beside`, if given, started first in one more), its shards delivered straight to the sibling's exchange within
+    `seconds`; `options(k)`: replica k's other arguments of ReplicaExchange.exchange. Their sums and their errors."""
+    members = tuple(sorted(exchanges))
+    results: dict[int, torch.Tensor] = {}
+    errors: dict[int, BaseException] = {}
+
+    def run(k: int) -> None:
+        try:
+            results[k] = exchanges[k].exchange(
+                partials[k], step=1, epoch=0, members=members, link=lambda to: _Deliver(exchanges[to]),
+                deadline=time.monotonic() + seconds, abort=threading.Event(), **options(k),
+            )
+        except BaseException as exc:
+            errors[k] = exc
+
+    threads = [] if beside is None else [threading.Thread(target=beside)]
+    threads += [threading.Thread(target=run, args=(k,)) for k in members]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(2 * seconds)
+    return results, errors
 
 
 class _Delivered:
@@ -248,24 +272,7 @@ def test_every_replica_ends_with_the_same_bits_the_ascending_sum_of_every_partia
     generator = torch.Generator().manual_seed(0)
     # Values of very different magnitudes: floating-point addition in another order would give other bits.
     partials = {k: torch.randn(total, generator=generator) * 10.0 ** torch.randint(-6, 6, (total,)) for k in members}
-    exchanges = {k: exchange_of(k, total, members) for k in members}
-    results: dict[int, torch.Tensor] = {}
-    errors: list[BaseException] = []
-
-    def run(k: int) -> None:
-        try:
-            results[k] = exchanges[k].exchange(
-                partials[k], step=1, epoch=0, members=members, link=lambda to: _Deliver(exchanges[to]),
-                deadline=time.monotonic() + 30, abort=threading.Event(),
-            )
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in members]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    results, errors = exchange_together({k: exchange_of(k, total, members) for k in members}, partials)
     assert not errors, errors
     expected = partials[1].clone().add_(partials[4]).add_(partials[6])
     for k in members:
@@ -343,25 +350,17 @@ def test_an_audited_exchange_keeps_each_siblings_signed_shards_and_refuses_an_un
     signers = {k: ReceiptSigner() for k in members}
     keys = {k: s.public_key_hex for k, s in signers.items()}
     partials = {k: torch.randn(total) for k in members}
-    exchanges = {k: exchange_of(k, total, members) for k in members}
     kept: dict[int, list[stage_pb2.ShardReceipt]] = {k: [] for k in members}
-    errors: dict[int, BaseException] = {}
 
-    def run(k: int, signed: bool) -> None:
-        try:
-            exchanges[k].exchange(
-                partials[k], step=1, epoch=0, members=members, link=lambda to: _Deliver(exchanges[to]),
-                deadline=time.monotonic() + 10, abort=threading.Event(),
-                sign=signers[k].sign if signed else None, keys=keys, kept=kept[k],
-            )
-        except BaseException as exc:
-            errors[k] = exc
+    def audited(unsigned: int | None) -> dict[int, BaseException]:
+        """Both replicas exchange on an audited step, `unsigned` pushing its shards without signing them."""
+        _, errors = exchange_together(
+            {k: exchange_of(k, total, members) for k in members}, partials, seconds=10,
+            options=lambda k: {"sign": None if k == unsigned else signers[k].sign, "keys": keys, "kept": kept[k]},
+        )
+        return errors
 
-    threads = [threading.Thread(target=run, args=(k, True)) for k in members]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
+    errors = audited(unsigned=None)
     assert not errors, errors
     # Replica 1 owns elements [0, 20), replica 4 [20, 40): each kept the other's shards of its chunk, each signed
     # by the sender over the values it summed.
@@ -374,13 +373,7 @@ def test_an_audited_exchange_keeps_each_siblings_signed_shards_and_refuses_an_un
             verify_shard(keys[other], fields, s.signature)
             assert s.sha256 == tensor_digest(partials[other][s.start : s.start + s.length])
     # A sibling that pushes its shards unsigned on an audited step fails the step at the replica that keeps them.
-    exchanges = {k: exchange_of(k, total, members) for k in members}
-    errors.clear()
-    threads = [threading.Thread(target=run, args=(1, True)), threading.Thread(target=run, args=(4, False))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(30)
+    errors = audited(unsigned=4)
     assert isinstance(errors.get(1), RpcFailure) and errors[1].code == grpc.StatusCode.PERMISSION_DENIED
     assert "replica 4's shard at element 0 of audited step 1 is not signed by it" in errors[1].message
 
