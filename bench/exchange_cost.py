@@ -1,10 +1,11 @@
 """What one replica's gradient exchange costs in CPU per byte on this machine, for the step model's shared host
 (`arceus.swarm.model.SharedHost.exchange_cpu_per_byte`, bench/swarm_scaling.py).
 
-R `nodeagent.replicas.ReplicaExchange`s in this process, each behind a gRPC server with TLS on loopback that hands
-the shards it receives to `accept` as an agent's ReplicaService does, exchange a vector of a stage's size at once
-(one thread each), over the same TLS channels the agents open (`arceus.wire.channels.open_channel`). The cost is
-this process's CPU (every thread: the exchanges, gRPC's own) over the bytes every replica sent and received.
+R `nodeagent.replicas.ReplicaExchange`s in this process, each behind a gRPC server with TLS on loopback that parses
+the shards it receives and hands them to `accept` as an agent's ReplicaService does (`add_replica_service`), exchange
+a vector of a stage's size at once (one thread each), over the same TLS channels the agents open
+(`arceus.wire.channels.open_channel`), with the agent's malloc settings (`nodeagent.heap.retain_freed_blocks`). The
+cost is this process's CPU (every thread: the exchanges, gRPC's own) over the bytes every replica sent and received.
 
     .venv/bin/python bench/exchange_cost.py [--elements 1600000] [--replicas 2] [--rounds 6]
 """
@@ -12,10 +13,11 @@ this process's CPU (every thread: the exchanges, gRPC's own) over the bytes ever
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -28,8 +30,11 @@ from arceus.contracts.credentials import REPLICA_METADATA_KEY, token_digest  # n
 from arceus.swarm.exchange import MAX_SHARD_BYTES  # noqa: E402
 from arceus.v1 import replica_pb2, replica_pb2_grpc, stage_pb2  # noqa: E402
 from arceus.wire.channels import grpc_channel_options, open_channel  # noqa: E402
+from arceus.wire.incoming_push import IncomingPush, MalformedPush  # noqa: E402
 from devtools.launch import free_ports  # noqa: E402
 from devtools.pipeline import identity_for  # noqa: E402
+from nodeagent.heap import retain_freed_blocks  # noqa: E402
+from nodeagent.replica_servicer import add_replica_service  # noqa: E402
 from nodeagent.replicas import ReplicaExchange, push_shard_call  # noqa: E402
 
 _MESSAGE_BYTES = 2 * MAX_SHARD_BYTES
@@ -49,7 +54,7 @@ class _Sink(replica_pb2_grpc.ReplicaServiceServicer):
         self.exchange = exchange
 
     def PushShard(  # noqa: N802 (gRPC's name)
-        self, request: replica_pb2.PushShardRequest, context: grpc.ServicerContext
+        self, request: IncomingPush[replica_pb2.PushShardRequest] | MalformedPush, context: grpc.ServicerContext
     ) -> replica_pb2.PushShardReply:
         token = dict(context.invocation_metadata()).get(REPLICA_METADATA_KEY)
         self.exchange.accept(request, None if token is None else token_digest(token))
@@ -76,7 +81,7 @@ def exchange_cpu_per_byte(elements: int, replicas: int = 2, rounds: int = 6) -> 
         for k, address in enumerate(addresses):
             exchanges[k].learn(0, peers)
             server = grpc.server(ThreadPoolExecutor(max_workers=8), options=grpc_channel_options(_MESSAGE_BYTES))
-            replica_pb2_grpc.add_ReplicaServiceServicer_to_server(_Sink(exchanges[k]), server)
+            add_replica_service(_Sink(exchanges[k]), server)
             identity = identity_for(address)
             credentials = grpc.ssl_server_credentials([(identity.key_pem, identity.certificate_pem)])
             server.add_secure_port(address, credentials)
@@ -125,14 +130,28 @@ def exchange_cpu_per_byte(elements: int, replicas: int = 2, rounds: int = 6) -> 
     return cpu / (rounds * replicas * 2 * sent)
 
 
+def agent_exchange_cpu_per_byte(elements: int, replicas: int = 2, rounds: int = 6) -> float:
+    """`exchange_cpu_per_byte` in a fresh process set up as an agent is: one torch thread, the agent's malloc
+    settings (which must be made before its threads allocate)."""
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(_as_agent, elements, replicas, rounds).result()
+
+
+def _as_agent(elements: int, replicas: int, rounds: int) -> float:
+    torch.set_num_threads(1)
+    if not retain_freed_blocks():
+        raise RuntimeError("the agent's malloc settings did not take (glibc on Linux, no MALLOC_ or GLIBC_TUNABLES "
+                           "settings of the operator's): this would time another allocator than the agents'")
+    return exchange_cpu_per_byte(elements, replicas, rounds)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--elements", type=int, default=1_600_000, help="float32 values exchanged (a stage's size)")
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    cost = exchange_cpu_per_byte(args.elements, args.replicas, args.rounds)
+    cost = agent_exchange_cpu_per_byte(args.elements, args.replicas, args.rounds)
     print(f"{cost * 1e9:.2f} ns of CPU per byte sent or received ({args.replicas} replicas, {args.elements:,} values)")
 
 

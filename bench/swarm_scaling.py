@@ -59,7 +59,7 @@ from arceus.swarm.model import (  # noqa: E402
 from arceus.training.driver import train  # noqa: E402
 from arceus.training.plan import StageEndpoint, StepProgress, TrainPlan  # noqa: E402
 from bench.clock import Clock  # noqa: E402
-from bench.exchange_cost import exchange_cpu_per_byte  # noqa: E402
+from bench.exchange_cost import agent_exchange_cpu_per_byte  # noqa: E402
 from bench.pipeline_vs_torch import LR, MODEL, SEED  # noqa: E402
 from bench.report import report  # noqa: E402
 from devtools.launch import AgentProcess, spawn_static_agents_on_free_ports, stop_agents  # noqa: E402
@@ -386,7 +386,7 @@ def main() -> None:
                                                                                             strict=False)]
     mean_params = round(sum(stage_params) / len(stage_params))
     overhead = optimizer_step_cpu(mean_params)
-    per_byte = exchange_cpu_per_byte(mean_params, replicas=2)
+    per_byte = agent_exchange_cpu_per_byte(mean_params, replicas=2)
     calibration = Calibration.of(runs[(1, False)], runs[(1, True)], overhead, per_byte)
 
     rows, figures = "", {}

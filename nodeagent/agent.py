@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from arceus.contracts.assignment import Assignment
 from arceus.contracts.observed import ObservedStage
 from arceus.relay.dialer import use_relays
-from arceus.v1 import link_probe_pb2_grpc, replica_pb2_grpc, stage_pb2, tensor_parallel_pb2_grpc
+from arceus.v1 import link_probe_pb2_grpc, stage_pb2, tensor_parallel_pb2_grpc
 from arceus.verify.receipts import ReceiptSigner
 from arceus.wire.channels import grpc_channel_options
 from arceus.wire.tls import TlsIdentity, new_identity
@@ -28,7 +28,7 @@ from nodeagent.link_probe import LinkProbeServicer
 from nodeagent.metrics import AgentMetrics
 from nodeagent.neighbour_links import Neighbour, NeighbourLinks
 from nodeagent.relay_attachment import RelayAttachment
-from nodeagent.replica_servicer import ReplicaServicer
+from nodeagent.replica_servicer import ReplicaServicer, add_replica_service
 from nodeagent.servicer import StageServicer, add_stage_service
 from nodeagent.stage import CheckpointLoader, InitialWeightsLoader, ProgramLoader, StateUploader
 from nodeagent.tp_servicer import TensorParallelServicer
@@ -115,7 +115,7 @@ class Agent:
             TensorParallelServicer(self.tensor_parallel, self.registry.guards), self._server
         )
         # The gradient exchange between the replicas of the replicated stages hosted here.
-        replica_pb2_grpc.add_ReplicaServiceServicer_to_server(ReplicaServicer(self.registry), self._server)
+        add_replica_service(ReplicaServicer(self.registry), self._server)
         # Neighbours time their links to this agent with it; `neighbour_links` times this agent's links to
         # them (every `link_probe_interval` seconds and after the stages change; None: never).
         link_probe_pb2_grpc.add_LinkProbeServiceServicer_to_server(

@@ -24,6 +24,7 @@ from arceus.contracts.certificates import check_certificate
 from arceus.contracts.credentials import REPLICA_METADATA_KEY, Role, join_grant
 from arceus.safetensors_file import tensor_layouts
 from arceus.v1 import replica_pb2, replica_pb2_grpc, stage_pb2
+from arceus.wire.incoming_push import IncomingPush, MalformedPush, parse_shard
 from nodeagent.callers import DRIVER_ONLY, authorize, metadata_digest, not_allowed, presented_digest
 from nodeagent.hosting import HostedStages
 from nodeagent.replicas import MEMBERS_WAIT_SECONDS
@@ -51,10 +52,12 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
         return stage
 
     def PushShard(
-        self, request: replica_pb2.PushShardRequest, context: grpc.ServicerContext
+        self, request: IncomingPush[replica_pb2.PushShardRequest] | MalformedPush, context: grpc.ServicerContext
     ) -> replica_pb2.PushShardReply:
         def push() -> replica_pb2.PushShardReply:
-            exchange = self._replica(context, request.target, "PushShard", SIBLINGS).exchange
+            if isinstance(request, MalformedPush):
+                raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
+            exchange = self._replica(context, request.header.target, "PushShard", SIBLINGS).exchange
             wait = min(MEMBERS_WAIT_SECONDS, max(0.0, call_deadline(context) - time.monotonic()))
             exchange.accept(request, replica_digest(context), wait=wait)
             return replica_pb2.PushShardReply()
@@ -153,6 +156,18 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
                 stage.step_lock.release()
 
         return serve(context, "Holdings", holdings)
+
+
+def add_replica_service(servicer: replica_pb2_grpc.ReplicaServiceServicer, server: grpc.Server) -> None:
+    """Register `servicer` with shards parsed by `parse_shard` instead of the generated FromString: their values
+    stay views of the received bytes (no copy on parsing nor on decoding)."""
+    replica_pb2_grpc.add_ReplicaServiceServicer_to_server(servicer, server)
+    # Registered again, this replaces the generated handler (a later registration wins).
+    server.add_registered_method_handlers("arceus.v1.ReplicaService", {
+        "PushShard": grpc.unary_unary_rpc_method_handler(
+            servicer.PushShard, parse_shard, replica_pb2.PushShardReply.SerializeToString
+        ),
+    })
 
 
 def state_digest(runtime: StageRuntime, *, order: bytes) -> str:

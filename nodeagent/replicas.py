@@ -29,7 +29,8 @@ from arceus.v1 import replica_pb2, stage_pb2
 from arceus.verify.receipts import ReceiptError, ShardFields, verify_shard
 from arceus.verify.tensor_digest import tensor_digest
 from arceus.wire import codec
-from arceus.wire.proto_tensor import from_proto
+from arceus.wire.incoming_push import IncomingPush, MalformedPush
+from arceus.wire.proto_tensor import decode_tensor
 from arceus.wire.push_stream import encode_varint
 from nodeagent import faults
 from nodeagent.callers import not_allowed
@@ -237,15 +238,23 @@ class ReplicaExchange:
             raise RpcFailure(grpc.StatusCode.PERMISSION_DENIED, not_allowed("PushShard"))
 
     def accept(
-        self, request: replica_pb2.PushShardRequest, sender: str | None, *, wait: float = MEMBERS_WAIT_SECONDS
+        self,
+        shard: IncomingPush[replica_pb2.PushShardRequest] | MalformedPush,
+        sender: str | None,
+        *,
+        wait: float = MEMBERS_WAIT_SECONDS,
     ) -> None:
-        """Validate a sibling's shard (before torch sees it) and park it for `exchange`. `sender`: the digest of
+        """Validate a sibling's shard (before torch sees it) and park it for `exchange`: its values stay a view of the
+        received bytes (`arceus.wire.incoming_push.parse_shard`). `sender`: the digest of
         the replica token the call presents. Only a member of the shard's membership epoch, as this replica's
         RunSteps name them, presenting its own token, may push a shard (PERMISSION_DENIED otherwise): a replica no
         longer (or never) a member, or one claiming another's id, can neither have its shard summed nor take the
         place of a member's. A shard of an epoch no RunStep named here yet waits up to `wait` seconds for it."""
         if sender is None:
             raise RpcFailure(grpc.StatusCode.PERMISSION_DENIED, not_allowed("PushShard"))
+        if isinstance(shard, MalformedPush):
+            raise _invalid(shard.reason)
+        request = shard.header
         if request.step < 0 or request.epoch < 0:
             raise _invalid(f"step and epoch must be >= 0, got step {request.step}, epoch {request.epoch}")
         if request.phase not in _PHASES:
@@ -264,9 +273,10 @@ class ReplicaExchange:
             )
         self._sender_is_member(request, sender, wait)
         try:
-            # A read-only view of the message's bytes, not a copy: the exchange only reads it (sums it, or copies it
+            # A read-only view of the received bytes, not a copy: the exchange only reads it (sums it, or copies it
             # into its result).
-            tensor = from_proto(message, max_bytes=length * _FLOAT32_BYTES, copy=False)
+            tensor = decode_tensor(message, shard.data, shard.scales, shard.indices,
+                                   max_bytes=length * _FLOAT32_BYTES, copy=False)
         except codec.TensorValidationError as exc:
             raise _invalid(f"shard rejected: {exc}") from None
         key = _mail_key(request.step, request.epoch, request.phase, request.source_replica, request.start)
@@ -376,7 +386,7 @@ class ReplicaExchange:
             for start, end in shard_bounds(chunk, _FLOAT32_BYTES):
                 parts = {self.replica: flat[start:end]}
                 parts.update({k: receive(replica_pb2.REDUCE, k, start, end) for k in others})
-                out[start:end] = reduce_in_order(parts)
+                reduce_in_order(parts, out=out[start:end])
                 for k in others:
                     push(k, replica_pb2.GATHER, start, out[start:end])
         for chunk in chunks:

@@ -47,10 +47,12 @@ def shard_bounds(chunk: Chunk, itemsize: int) -> tuple[tuple[int, int], ...]:
     return tuple((s, min(s + per_shard, chunk.end)) for s in range(chunk.start, chunk.end, per_shard))
 
 
-def reduce_in_order(parts: Mapping[int, torch.Tensor]) -> torch.Tensor:
+def reduce_in_order(parts: Mapping[int, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
     """Sum the members' parts (replica id -> tensor) left to right in ascending replica id, whatever order
     they arrived in: floating-point addition is not associative, and this is the one place its order is
-    fixed, so every owner and every replica it sends the sum to hold the same bits. A new tensor."""
+    fixed, so every owner and every replica it sends the sum to hold the same bits. Written into `out` where
+    given (the parts' shape, dtype and device, sharing memory with none of them: the exchange's result, so the
+    sum is not copied there after), else into a new tensor; returned."""
     if not parts:
         raise ValueError("nothing to reduce: no member's part")
     ids = sorted(parts)
@@ -62,7 +64,16 @@ def reduce_in_order(parts: Mapping[int, torch.Tensor]) -> torch.Tensor:
                 f"replica {k}'s part is {part.dtype} {tuple(part.shape)} on {part.device}; replica {ids[0]}'s is "
                 f"{first.dtype} {tuple(first.shape)} on {first.device}: members must send the same chunk"
             )
-    total = first.clone()
-    for k in ids[1:]:
-        total.add_(parts[k])
-    return total
+    if out is None:
+        out = torch.empty_like(first)
+    elif out.shape != first.shape or out.dtype != first.dtype or out.device != first.device:
+        raise ValueError(
+            f"the sum goes into a {out.dtype} {tuple(out.shape)} tensor on {out.device}; the parts are "
+            f"{first.dtype} {tuple(first.shape)} on {first.device}"
+        )
+    if len(ids) == 1:
+        return out.copy_(first)
+    torch.add(first, parts[ids[1]], out=out)
+    for k in ids[2:]:
+        out.add_(parts[k])
+    return out

@@ -11,5 +11,6 @@ def tensor_digest(tensor: torch.Tensor) -> bytes:
     """SHA-256 over dtype, shape and the C-order bytes of the tensor (independent of the wire encoding)."""
     t = tensor.detach().cpu().contiguous()
     h = hashlib.sha256(f"{str(t.dtype).removeprefix('torch.')}:{list(t.shape)}:".encode())
-    h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    if t.numel():
+        h.update(t.reshape(-1).view(torch.uint8).numpy())  # hashed where it lies: no copy into bytes
     return h.digest()

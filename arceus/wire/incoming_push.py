@@ -1,8 +1,9 @@
-"""Parse a received PushTensorRequest keeping its tensor payloads as views of the received bytes.
+"""Parse a received tensor push (a stage's PushTensorRequest, a replica's PushShardRequest) keeping its tensor
+payloads as views of the received bytes.
 
 gRPC hands a server each message as one `bytes`. `PushTensorRequest.FromString` would copy the tensor's
-`data` out of it, and reading `request.tensor.data` copies it again. `parse_push` walks the protobuf wire
-format instead: the Tensor's payload fields (data, scales, indices) stay memoryview slices of the received
+`data` out of it, and reading `request.tensor.data` copies it again. `parse_push` (and `parse_shard`) walk the
+protobuf wire format instead: the Tensor's payload fields (data, scales, indices) stay memoryview slices of the received
 bytes, so decoding float32 is a `torch.frombuffer` of them, and every other record goes to protobuf, which
 parses and validates it as usual.
 
@@ -17,23 +18,26 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 from google.protobuf.message import DecodeError
 
-from arceus.v1 import stage_pb2
+from arceus.v1 import replica_pb2, stage_pb2
 from arceus.wire.push_stream import encode_varint
 
-_TENSOR = 0x2A  # PushTensorRequest.tensor: field 5, length-delimited
+Request = TypeVar("Request", stage_pb2.PushTensorRequest, replica_pb2.PushShardRequest)
+_PUSH_TENSOR = 0x2A  # PushTensorRequest.tensor: field 5, length-delimited
+_SHARD_TENSOR = 0x3A  # PushShardRequest.tensor: field 7, length-delimited
 _DATA, _SCALES, _INDICES = 0x1A, 0x2A, 0x3A  # Tensor.data, .scales, .indices: fields 3, 5, 7, length-delimited
 _MAX_RECORDS = 64  # per message level; a real push has about ten
 _MAX_LENGTH = 0x7FFFFFFF  # protobuf's bound on a length-delimited field
 
 
 @dataclass(frozen=True)
-class IncomingPush:
+class IncomingPush(Generic[Request]):
     """A received request: `header` is all of it but the tensor's payloads, which are read-only views."""
 
-    header: stage_pb2.PushTensorRequest
+    header: Request
     data: memoryview
     scales: memoryview
     indices: memoryview
@@ -46,7 +50,7 @@ class IncomingPush:
 
 @dataclass(frozen=True)
 class MalformedPush:
-    """Received bytes that are not a PushTensorRequest."""
+    """Received bytes that are not the request they were sent as."""
 
     reason: str
 
@@ -55,26 +59,35 @@ class _Unwalkable(Exception):
     """Input outside what the walk takes; protobuf parses it whole."""
 
 
-def parse_push(wire: bytes) -> IncomingPush | MalformedPush:
-    """A gRPC request deserializer: never raises, so the servicer answers bad bytes itself."""
+def parse_push(wire: bytes) -> IncomingPush[stage_pb2.PushTensorRequest] | MalformedPush:
+    """A gRPC request deserializer of PushTensorRequest: never raises, so the servicer answers bad bytes itself."""
+    return _parse(wire, stage_pb2.PushTensorRequest, _PUSH_TENSOR)
+
+
+def parse_shard(wire: bytes) -> IncomingPush[replica_pb2.PushShardRequest] | MalformedPush:
+    """A gRPC request deserializer of PushShardRequest: never raises, so the servicer answers bad bytes itself."""
+    return _parse(wire, replica_pb2.PushShardRequest, _SHARD_TENSOR)
+
+
+def _parse(wire: bytes, message: type[Request], tensor_tag: int) -> IncomingPush[Request] | MalformedPush:
     view = memoryview(wire)
     try:
-        header, payloads = _split(wire)
+        header, payloads = _split(wire, tensor_tag)
     except _Unwalkable:
-        return _parse_whole(wire)
+        return _parse_whole(wire, message)
     try:
-        request = stage_pb2.PushTensorRequest.FromString(header)
+        request = message.FromString(header)
     except DecodeError as exc:
-        return MalformedPush(f"the message is not a PushTensorRequest: {exc}")
+        return MalformedPush(f"the message is not a {message.__name__}: {exc}")
     data, scales, indices = (view[start:end] for start, end in payloads)
     return IncomingPush(request, data, scales, indices)
 
 
-def _parse_whole(wire: bytes) -> IncomingPush | MalformedPush:
+def _parse_whole(wire: bytes, message: type[Request]) -> IncomingPush[Request] | MalformedPush:
     try:
-        request = stage_pb2.PushTensorRequest.FromString(wire)
+        request = message.FromString(wire)
     except DecodeError as exc:
-        return MalformedPush(f"the message is not a PushTensorRequest: {exc}")
+        return MalformedPush(f"the message is not a {message.__name__}: {exc}")
     if not request.HasField("tensor"):
         return IncomingPush(request, memoryview(b""), memoryview(b""), memoryview(b""))
     tensor = request.tensor
@@ -84,12 +97,13 @@ def _parse_whole(wire: bytes) -> IncomingPush | MalformedPush:
     return IncomingPush(request, data, scales, indices)
 
 
-def _split(wire: bytes) -> tuple[bytes, list[tuple[int, int]]]:
-    """The message without the tensor payload records, and each payload's (start, end) in `wire`."""
+def _split(wire: bytes, tensor_tag: int) -> tuple[bytes, list[tuple[int, int]]]:
+    """The message without the tensor payload records (the tensor's record tagged `tensor_tag`), and each
+    payload's (start, end) in `wire`."""
     payloads = {_DATA: (0, 0), _SCALES: (0, 0), _INDICES: (0, 0)}
     pieces: list[bytes] = []
     for tag, start, value, end in _records(wire, 0, len(wire)):
-        if tag != _TENSOR:
+        if tag != tensor_tag:
             pieces.append(wire[start:end])
             continue
         fields: list[bytes] = []
@@ -99,7 +113,7 @@ def _split(wire: bytes) -> tuple[bytes, list[tuple[int, int]]]:
             else:
                 fields.append(wire[inner_start:inner_end])
         tensor = b"".join(fields)
-        pieces += (b"\x2a", encode_varint(len(tensor)), tensor)
+        pieces += (bytes((tensor_tag,)), encode_varint(len(tensor)), tensor)
     return b"".join(pieces), [payloads[_DATA], payloads[_SCALES], payloads[_INDICES]]
 
 

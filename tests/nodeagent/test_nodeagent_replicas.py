@@ -21,7 +21,8 @@ from arceus.swarm.routing import Routes
 from arceus.v1 import replica_pb2, stage_pb2
 from arceus.verify.receipts import ReceiptSigner, ShardFields, verify_shard
 from arceus.verify.tensor_digest import tensor_digest
-from arceus.wire.proto_tensor import from_proto, to_proto
+from arceus.wire.incoming_push import IncomingPush, MalformedPush, parse_shard
+from arceus.wire.proto_tensor import decode_tensor, from_proto, to_proto
 from arceus.wire.tls import new_identity
 from nodeagent import replicas
 from nodeagent.replicas import ReplicaExchange, parse_replica_step
@@ -97,10 +98,11 @@ def exchange_of(replica: int, total: int = 10, members: tuple[int, ...] = (0, 2,
     return exchange
 
 
-def shard(**fields) -> replica_pb2.PushShardRequest:
+def shard(**fields) -> IncomingPush[replica_pb2.PushShardRequest] | MalformedPush:
+    """A PushShard's request as the sibling's ReplicaService parses its bytes."""
     values = {"step": 1, "epoch": 0, "source_replica": 2, "phase": replica_pb2.REDUCE, "start": 0,
               "tensor": to_proto(torch.zeros(4))}
-    return replica_pb2.PushShardRequest(**{**values, **fields})
+    return parse_shard(replica_pb2.PushShardRequest(**{**values, **fields}).SerializeToString())
 
 
 @pytest.mark.parametrize(
@@ -116,10 +118,10 @@ def shard(**fields) -> replica_pb2.PushShardRequest:
     ],
 )
 def test_a_shard_that_does_not_fit_the_stage_is_refused_before_torch_sees_it(
-    request_: replica_pb2.PushShardRequest, words: str
+    request_: IncomingPush[replica_pb2.PushShardRequest], words: str
 ) -> None:
     with pytest.raises(RpcFailure) as info:
-        exchange_of(0).accept(request_, digest_of(request_.source_replica))
+        exchange_of(0).accept(request_, digest_of(request_.header.source_replica))
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.message
 
 
@@ -259,7 +261,7 @@ class _Deliver:
     def future(self, request: bytes, timeout: float, metadata: tuple[tuple[str, str], ...]) -> _Delivered:
         (key, token), = metadata
         assert key == REPLICA_METADATA_KEY
-        self.exchange.accept(replica_pb2.PushShardRequest.FromString(request), token_digest(token))
+        self.exchange.accept(parse_shard(request), token_digest(token))
         return _Delivered()
 
 
@@ -386,9 +388,24 @@ def test_a_shards_wire_bytes_parse_as_the_request_carrying_its_values() -> None:
         source_replica=4, phase=replica_pb2.GATHER, start=5,
     )
     values = torch.randn(300, generator=torch.Generator().manual_seed(0))[5:205]
-    parsed = replica_pb2.PushShardRequest.FromString(replicas.shard_request_bytes(header, values))
+    wire = replicas.shard_request_bytes(header, values)
+    parsed = replica_pb2.PushShardRequest.FromString(wire)
     expected = replica_pb2.PushShardRequest()
     expected.CopyFrom(header)
     expected.tensor.CopyFrom(to_proto(values))
     assert parsed == expected
     assert torch.equal(from_proto(parsed.tensor), values)
+    # As the receiver parses them: the header apart, the values a view of the received bytes.
+    received = parse_shard(wire)
+    assert isinstance(received, IncomingPush) and received.data.obj is wire
+    expected.tensor.ClearField("data")
+    assert received.header == expected
+    assert torch.equal(decode_tensor(received.header.tensor, received.data, received.scales, received.indices,
+                                     copy=False), values)
+
+
+def test_bytes_that_are_no_shard_are_refused_as_invalid() -> None:
+    with pytest.raises(RpcFailure) as info:
+        exchange_of(0).accept(parse_shard(b"\x3a\x05\x1a\x09"), digest_of(2))  # a tensor record cut short
+    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "the message is not a PushShardRequest" in info.value.message

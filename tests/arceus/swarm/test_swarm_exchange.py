@@ -65,6 +65,8 @@ def test_reduce_is_bitwise_the_same_whatever_the_arrival_order(args: tuple) -> N
     arrived = {ids[j]: tensors[ids[j]] for j in order}
     reduced = reduce_in_order(arrived)
     assert torch.equal(reduced, reduce_in_order(tensors))
+    into = torch.full((n,), float("nan"))  # into a given tensor (the exchange's result): the same bits
+    assert reduce_in_order(arrived, out=into) is into and torch.equal(into, reduced)
     expected = tensors[min(ids)].clone()
     for k in sorted(ids)[1:]:
         expected = expected + tensors[k]  # the definition: left to right in ascending replica id
@@ -89,3 +91,5 @@ def test_reduce_leaves_the_parts_alone_and_refuses_mismatches() -> None:
         reduce_in_order({1: a, 2: torch.ones(4)})
     with pytest.raises(ValueError, match="nothing to reduce"):
         reduce_in_order({})
+    with pytest.raises(ValueError, match="the sum goes into a torch.float64 \\(3,\\) tensor"):
+        reduce_in_order({1: a, 2: b}, out=torch.zeros(3, dtype=torch.float64))
