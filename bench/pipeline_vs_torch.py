@@ -72,13 +72,13 @@ def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(x[i], y[i]) for i in epoch_batches(len(x), DATASET["batch_size"], SEED, 1)[:steps]]
 
 
-def _rate(times: list[float]) -> float:
+def step_rate(times: list[float]) -> float:
     """Samples/s between the end of the last warm-up step and the end of the last step."""
     measured = times[WARMUP - 1 :]
     return (len(measured) - 1) * DATASET["batch_size"] / (measured[-1] - measured[0])
 
 
-def _loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def gpt_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, -2), target.flatten())
 
 
@@ -91,10 +91,10 @@ def _single_worker(steps: int, threads: int, out: Any) -> None:
     times = []
     for x, y in batches(steps):
         optimizer.zero_grad()
-        _loss(model(x), y).backward()
+        gpt_loss(model(x), y).backward()
         optimizer.step()
         times.append(time.perf_counter())
-    out.put(_rate(times))
+    out.put(step_rate(times))
 
 
 def run_single(steps: int, threads: int) -> float:
@@ -127,7 +127,7 @@ def _torch_stage_worker(rank: int, port: int, schedule: str, steps: int, threads
             else torch.zeros(micro, MODEL["block_size"], MODEL["d_model"])
         )
         stage = PipelineStage(module, rank, 2, torch.device("cpu"), input_args=(example,))
-        runner = TORCH_SCHEDULES[schedule](stage, n_microbatches=MICRO_BATCHES, loss_fn=_loss)
+        runner = TORCH_SCHEDULES[schedule](stage, n_microbatches=MICRO_BATCHES, loss_fn=gpt_loss)
         optimizer = torch.optim.Adam(module.parameters(), lr=LR)
         times = []
         for x, y in batches(steps):
@@ -139,7 +139,7 @@ def _torch_stage_worker(rank: int, port: int, schedule: str, steps: int, threads
             optimizer.step()
             times.append(time.perf_counter())
         if rank == 1:
-            out.put(_rate(times))
+            out.put(step_rate(times))
     finally:
         dist.destroy_process_group()
 
@@ -174,7 +174,7 @@ def run_arceus(addresses: list[str], steps: int, job_id: str, schedule: str) -> 
     )
     clock = Clock()
     train(plan, clock)
-    return _rate(clock.times)
+    return step_rate(clock.times)
 
 
 def main() -> None:

@@ -31,7 +31,7 @@ from arceus.model.registry import model_spec_from_config  # noqa: E402
 from arceus.training.driver import train  # noqa: E402
 from arceus.training.plan import StageEndpoint, StepProgress, TrainPlan  # noqa: E402
 from bench.clock import Clock  # noqa: E402
-from bench.pipeline_vs_torch import DATASET, LR, MICRO_BATCHES, MODEL, SEED, SPLIT, WARMUP, _rate  # noqa: E402
+from bench.pipeline_vs_torch import DATASET, LR, MICRO_BATCHES, MODEL, SEED, SPLIT, WARMUP, step_rate  # noqa: E402
 from bench.report import machine_line, write_section  # noqa: E402
 from devtools.launch import free_ports, spawn_static_agents, stop_agents  # noqa: E402
 from devtools.pipeline import driver_token, identity_for, pipeline_assignments  # noqa: E402
@@ -119,7 +119,7 @@ def run(
     pairs = list(zip(log.steps[WARMUP - 1].stages, log.steps[-1].stages, strict=True))
     measured = len(log.steps) - WARMUP
     return Run(
-        samples_per_s=_rate(log.times),
+        samples_per_s=step_rate(log.times),
         loss=log.steps[-1].loss,
         seconds_per_step=(log.times[-1] - log.times[WARMUP - 1]) / measured,
         bytes_sent_per_step=[(b.bytes_sent - a.bytes_sent) / measured for a, b in pairs],

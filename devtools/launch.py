@@ -120,12 +120,14 @@ def spawn_static_agents(
     *,
     threads: int = 1,
     solo_threads: int | None = None,
+    device: str | None = None,
     ready_timeout: float = 60.0,
 ) -> list[AgentProcess]:
     """Start one static-assignment agent per address (in parallel, they are slow to import torch), agent i
     hosting `assignments_per_agent[i]` and listening on `addresses[i]` with the TLS identity
     `devtools.pipeline.identity_for(addresses[i])` and a scrape token of its own (`metrics_token`), with `threads`
-    torch threads (`solo_threads` while its stage computes alone: see --solo-threads). All or none: on failure,
+    torch threads (`solo_threads` while its stage computes alone: see --solo-threads), computing on `device` (None: the
+    agent's choice, a GPU where there is one). All or none: on failure,
     the ones already started are killed."""
     workdir.mkdir(parents=True, exist_ok=True)
 
@@ -145,6 +147,8 @@ def spawn_static_agents(
                 "--metrics-token-file", str(metrics_token)]
         if solo_threads is not None:
             args += ["--solo-threads", str(solo_threads)]
+        if device is not None:
+            args += ["--device", device]
         started = spawn_agent(args, log_path=workdir / f"agent-{i}.log", ready_timeout=ready_timeout)
         started.certificate = identity.certificate
         started.metrics_token = metrics_token.read_text()

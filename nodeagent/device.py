@@ -113,6 +113,13 @@ def memory_peak_bytes() -> int:
     return int(peak if platform.system() == "Darwin" else peak * 1024)
 
 
+def device_memory_peak_bytes(device: torch.device) -> int:
+    """The most tensor memory a GPU has held since the process started; the peak resident set on CPU (and MPS)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return memory_peak_bytes()
+
+
 def memory_summary(device: torch.device) -> str:
     """The process's memory now and at its peak, for the log (what an owner's budget is about)."""
     return f"memory {memory_used_bytes(device) / 2**20:.0f} MiB, peak {memory_peak_bytes() / 2**20:.0f} MiB"

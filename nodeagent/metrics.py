@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 
 from arceus.contracts.credentials import token_digest
 from arceus.contracts.scrape import SCRAPE_TOKEN_PARAMETER
-from nodeagent.device import memory_used_bytes
+from nodeagent.device import device_memory_peak_bytes, memory_used_bytes
 
 STEP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 REQUEST_SECONDS = 10.0
@@ -108,6 +108,13 @@ class AgentMetrics:
             registry=r,
         )
         self.device_memory.set_function(lambda: memory_used_bytes(device))
+        self.device_memory_peak = Gauge(
+            "arceus_device_memory_peak_bytes",
+            "The most CUDA tensor memory allocated since the agent started, or the process's peak resident set "
+            "(VmHWM) on CPU.",
+            registry=r,
+        )
+        self.device_memory_peak.set_function(lambda: device_memory_peak_bytes(device))
         self.stage_assigned = Gauge("arceus_stage_assigned", "Number of stages this agent hosts.", registry=r)
         self.stage_info = Gauge(
             "arceus_stage_info",

@@ -25,6 +25,7 @@ AGENT_METRICS = {
     "arceus_tensor_bytes_sent_total",
     "arceus_tensor_bytes_received_total",
     "arceus_device_memory_used_bytes",
+    "arceus_device_memory_peak_bytes",
     "arceus_stage_assigned",
     "arceus_heartbeat_age_seconds",
     "arceus_compute_seconds_total",

@@ -9,6 +9,7 @@ from nodeagent.device import (
     DeviceError,
     capabilities,
     check_device_computes,
+    device_memory_peak_bytes,
     measure_matmul_flops,
     memory_used_bytes,
     select_device,
@@ -53,6 +54,7 @@ def test_cpu_capabilities_are_plausible() -> None:
     cpu = torch.device("cpu")
     assert total_memory_bytes(cpu) > 100 * 2**20
     assert 0 < memory_used_bytes(cpu) < total_memory_bytes(cpu)
+    assert 0 < device_memory_peak_bytes(cpu) < total_memory_bytes(cpu)
     started = time.perf_counter()
     flops = measure_matmul_flops(cpu, budget_seconds=0.1)
     assert time.perf_counter() - started < 0.5

@@ -350,6 +350,7 @@ def test_agent_still_trains_and_exports_metrics_after_bad_input(
         "arceus_tensor_bytes_sent_total",
         "arceus_tensor_bytes_received_total",
         "arceus_device_memory_used_bytes",
+        "arceus_device_memory_peak_bytes",
         "arceus_stage_assigned",
         "arceus_heartbeat_age_seconds",
         "arceus_compute_seconds_total",
@@ -365,6 +366,7 @@ def test_agent_still_trains_and_exports_metrics_after_bad_input(
     assert values["arceus_samples_processed_total"] > 0
     assert values["arceus_tensor_bytes_sent_total"] > 0
     assert values["arceus_device_memory_used_bytes"] > 0
+    assert values["arceus_device_memory_peak_bytes"] > 0
 
 
 def test_health_service_reports_serving_over_tls_to_anyone(agent: AgentProcess) -> None:
