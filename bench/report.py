@@ -20,14 +20,19 @@ HEADER = (
 )
 
 
-def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], capture_output=True, text=True, cwd=BENCHMARKS.parent).stdout
+def _git(*args: str) -> str | None:
+    """git's output; None where this tree is no git checkout (or there is no git), as a copy on a lent machine."""
+    try:
+        done = subprocess.run(["git", *args], capture_output=True, text=True, cwd=BENCHMARKS.parent)
+    except FileNotFoundError:
+        return None
+    return done.stdout if done.returncode == 0 else None
 
 
 def _changed_files() -> list[str]:
     """Tracked files changed and untracked files (not ignored), but this report, which the benchmarks
     themselves rewrite: if any, the figures are not the commit's."""
-    entries = iter(_git("status", "--porcelain", "-z").split("\0"))
+    entries = iter((_git("status", "--porcelain", "-z") or "").split("\0"))
     changed = []
     for entry in entries:
         if not entry:
@@ -41,9 +46,13 @@ def _changed_files() -> list[str]:
 
 
 def machine_line() -> str:
-    commit = _git("rev-parse", "--short", "HEAD").strip() or "uncommitted"
-    if changed := _changed_files():
-        commit += f" with uncommitted changes to {', '.join(changed)}"
+    head = _git("rev-parse", "--short", "HEAD")
+    if head is None:
+        commit = "unknown (not run in a git checkout)"
+    elif changed := _changed_files():
+        commit = f"{head.strip()} with uncommitted changes to {', '.join(changed)}"
+    else:
+        commit = head.strip()
     return (f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC, commit {commit}, {platform.machine()}, "
             f"{os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}")
 
