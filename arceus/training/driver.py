@@ -246,13 +246,14 @@ class Pipeline:
         failed: list[int] = []
         repair: RepairPlan | None = None
         delivered: set[tuple[int, int, int]] = set()  # (kind, micro-batch, replica) the driver's pushes reached
+        started = time.perf_counter()  # a replica computes the step within its attempts' calls, all since then
         while True:
             routes = repair.routes if repair is not None else self._routes(roster, len(x), train=train)
             pushes: list[tuple[tuple[int, int, int], Future[None]]] = []
             try:
                 outcome = self._replicated_attempt(
                     roster, step, routes, x, y, train=train, failed=failed, repair=repair, delivered=delivered,
-                    pushes=pushes,
+                    pushes=pushes, started=started,
                 )
                 if repair is not None:
                     log.info("job %s: step %d repaired without a rerun (membership epoch %d)",
@@ -419,13 +420,15 @@ class Pipeline:
     def _replicated_attempt(
         self, roster: ReplicaRoster, step: int, routes: Routes, x: torch.Tensor, y: torch.Tensor, *, train: bool,
         failed: list[int], repair: RepairPlan | None, delivered: set[tuple[int, int, int]],
-        pushes: list[tuple[tuple[int, int, int], Future[None]]],
+        pushes: list[tuple[tuple[int, int, int], Future[None]]], started: float,
     ) -> StepOutcome:
         """One attempt at a step of replicated stages: inputs and labels to the replicas each micro-batch's route
         names, RunStep to every member with the routes, then the loss in micro-batch order and the replicas' speeds
         learnt. A repair (`repair`, the same step resumed) pushes only the inputs and labels the survivors lack
         (the lost replicas' and any earlier push did not deliver: `delivered`), and names each survivor's
-        instructions. `pushes`: each push it makes, by (kind, micro-batch, replica)."""
+        instructions. `pushes`: each push it makes, by (kind, micro-batch, replica). `started`: when the step's first
+        attempt was issued; a replica's compute is credited up to the wall time since (a survivor of a repaired step
+        did its own share in the attempts before, the lost replicas' in this one)."""
         plan, n = self.plan, len(x)
         num_micro_batches = routes.num_micro_batches
         last = len(plan.stages) - 1
@@ -519,7 +522,7 @@ class Pipeline:
             stages=[
                 self.tally.record(
                     index=c.endpoint.index, node_id=c.endpoint.node_id, samples=s, micro_batches=len(r.micro_batches),
-                    wall_seconds=answered[i] - issued, max_bytes=self._max_step_bytes * num_micro_batches,
+                    wall_seconds=answered[i] - started, max_bytes=self._max_step_bytes * num_micro_batches,
                     reported=r.counters,
                 )
                 for i, (c, r, s) in enumerate(zip(agents, replies, ran, strict=True))

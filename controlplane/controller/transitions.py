@@ -21,6 +21,7 @@ from controlplane.celery import TRAIN_JOB_TASK
 from controlplane.common.conditions import FALSE, TRUE, Condition, set_conditions
 from controlplane.common.dispatch import enqueue_on_commit, reconcile_soon
 from controlplane.controller.actions import AddReplicas, DropReplicas, PlaceJob, ServeJob, StartDriver, StopServing
+from controlplane.driver.progress import contributions_release
 from controlplane.jobs.leases import lease_end
 from controlplane.jobs.models import Job, Stage
 from controlplane.jobs.owner_transitions import job_end
@@ -86,6 +87,7 @@ def job_replicas_drop(action: DropReplicas, now: datetime) -> bool:
     gone = Q()
     for index, replica in action.replicas:
         gone |= Q(index=index, replica=replica)
+    contributions_release(rows=list(rows.filter(gone)), now=now)  # their measured work is still billed
     rows.filter(gone).delete()
     job.conditions = list(action.conditions)
     job.save(update_fields=["conditions"])

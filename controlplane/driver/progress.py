@@ -15,6 +15,7 @@ from datetime import datetime
 from typing import Any
 
 from django.db import transaction
+from django.db.models import F, Q
 
 from arceus.contracts.counters import StageCounters
 from arceus.contracts.status import JobStatus
@@ -226,19 +227,50 @@ def _record_outcome(job: Job, status: JobStatus, reason: str, message: str) -> N
     reconcile_soon()
 
 
+def contributions_release(*, rows: Sequence[Stage], now: datetime) -> None:
+    """Replicas' rows about to be deleted while their job runs (`DropReplicas`): each node's contribution for the
+    generation keeps what billing them needs (the counters written so far, when the node began to hold the replica and
+    that it held it until `now`), so counters the driver measured before the loss and writes after it are billed."""
+    StageContribution.objects.bulk_create(
+        [
+            StageContribution(
+                job_id=s.job_id, stage_index=s.index, generation=s.generation, node_id=s.node_id,
+                held_since=s.held_since, released_at=now, **{name: getattr(s, name) for name in COUNTER_FIELDS},
+            )
+            for s in rows
+            if s.node_id is not None
+        ],
+        update_conflicts=True,
+        unique_fields=["job", "stage_index", "generation", "node"],
+        update_fields=["held_since", "released_at", "updated_at"],
+    )
+
+
 def _record_counters(job_id: Any, stages: Sequence[StageCounters], now: datetime) -> None:
     """Store the stages' counters (cumulative within the current generation) on the stage rows, on each
     node's contribution row for this generation, and as priced ledger entries (the devices' time held until `now`);
-    called only by the lease holder, so the stage rows are the ones the counters came from."""
+    called only by the lease holder, so the stage rows are the ones the counters came from. A replica dropped since
+    (`contributions_release`) is billed on its contribution for the time it held its node until it was dropped."""
     if not stages:
         return
     rows = list(Stage.objects.filter(job_id=job_id, active=True).select_related("node", "job"))
     placed = {(s.index, str(s.node_id)): s for s in rows} | {(s.index, ""): s for s in rows if s.rank == 0}
     ranks = Counter(s.index for s in rows)
+    released = _released(job_id, [s for s in stages if s.node_id and (s.index, s.node_id) not in placed], rows)
     contributions = []
     for s in stages:
         counters = {name: getattr(s, name) for name in COUNTER_FIELDS}
         stage = placed.get((s.index, s.node_id))
+        if stage is None and (s.index, s.node_id) in released:
+            contribution, sibling = released[(s.index, s.node_id)]
+            StageContribution.objects.filter(pk=contribution.pk).update(**counters, updated_at=now)
+            ledger_record_work(
+                job_id=job_id, generation=contribution.generation, node=contribution.node, counters=s,
+                flops_per_sample=_stage_flops_per_sample(sibling, ranks[s.index]), step=sibling.job.step,
+                held_since=contribution.held_since, now=min(now, contribution.released_at),
+                budget_micros=job_budget_micros(sibling.job.requirements),
+            )
+            continue
         if stage is None or stage.node is None:
             continue
         Stage.objects.filter(pk=stage.pk).update(**counters)
@@ -264,6 +296,23 @@ def _record_counters(job_id: Any, stages: Sequence[StageCounters], now: datetime
         unique_fields=["job", "stage_index", "generation", "node"],
         update_fields=[*COUNTER_FIELDS, "updated_at"],
     )
+
+
+def _released(
+    job_id: Any, stages: Sequence[StageCounters], rows: Sequence[Stage]
+) -> dict[tuple[int, str], tuple[StageContribution, Stage]]:
+    """Of `stages` (counters without a placed row), those of replicas dropped at the job's generation: each with its
+    contribution and a live sibling row (its stage's layers and job; a stage without one has rewound)."""
+    if not stages:
+        return {}
+    siblings = {s.index: s for s in rows}
+    wanted = Q()
+    for s in stages:
+        wanted |= Q(stage_index=s.index, node_id=s.node_id)
+    found = StageContribution.objects.filter(
+        wanted, job_id=job_id, generation=F("job__generation"), released_at__isnull=False
+    ).select_related("node")
+    return {(c.stage_index, str(c.node_id)): (c, siblings[c.stage_index]) for c in found if c.stage_index in siblings}
 
 
 def _stage_flops_per_sample(stage: Stage, ranks: int) -> float:

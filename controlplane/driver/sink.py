@@ -48,7 +48,9 @@ class DbProgressSink:
         self.generation = generation
         self.flush_seconds = flush_seconds
         self._pending: list[StepPoint] = []
-        self._counters: list[StageCounters] = []  # the newest step's, not yet written
+        # Each agent's newest counters not yet written, by (stage, node): a replica that left since its last step
+        # (lost, or let go) is written with the others, its measured work billed though no later step names it.
+        self._counters: dict[tuple[int, str], StageCounters] = {}
         self._spot_checks: list[SpotCheckResult] = []
         self._timings: list[list[StageTiming]] = []  # per pending step
         self._last_flush = time.monotonic()
@@ -58,7 +60,7 @@ class DbProgressSink:
     def on_step(self, p: StepProgress) -> None:
         metrics.DRIVER_STEP_SECONDS.observe(p.seconds)
         self._pending.append(StepPoint(p.epoch, p.step, p.total_steps, p.loss, p.samples_per_second))
-        self._counters = p.stages
+        self._counters.update(((c.index, c.node_id), c) for c in p.stages)
         self._timings.append(p.timings)
         self._spot_checks += [replace(c, train_step=p.step) for c in p.spot_checks]
         # A failed check is written at once: the node must stop getting credit and work now.
@@ -128,7 +130,7 @@ class DbProgressSink:
 
     def flush(self) -> None:
         points, self._pending = self._pending, []
-        counters, self._counters = self._counters, []
+        counters, self._counters = list(self._counters.values()), {}
         checks, self._spot_checks = self._spot_checks, []
         timings, self._timings = stage_timings_mean(self._timings), []
         self._last_flush = time.monotonic()

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import math
 import uuid
-from datetime import timedelta
+from dataclasses import replace
+from datetime import datetime, timedelta
 
 import pytest
 from django.conf import settings
@@ -14,11 +15,12 @@ from rest_framework.test import APIClient
 
 from arceus.contracts.counters import StageCounters
 from arceus.swarm.routing import Routes
-from arceus.training.plan import StageTiming
+from arceus.training.plan import StageTiming, StepProgress
 from arceus.training.tally import WorkTally
 from arceus.v1 import stage_pb2
+from controlplane.controller.actions import DropReplicas
 from controlplane.controller.executor import reconcile_once
-from controlplane.controller.transitions import job_fail
+from controlplane.controller.transitions import job_fail, job_replicas_drop
 from controlplane.driver.progress import (
     StepPoint,
     job_finish,
@@ -27,8 +29,9 @@ from controlplane.driver.progress import (
     job_record_steps,
     stage_timings_mean,
 )
+from controlplane.driver.sink import DbProgressSink
 from controlplane.jobs.leases import job_driver_claim
-from controlplane.jobs.models import EpochMetric, Job, LossPoint, Stage
+from controlplane.jobs.models import EpochMetric, Job, LossPoint, Stage, StageContribution
 from controlplane.jobs.selectors import job_loss_curve
 from controlplane.jobs.services import job_cancel
 from controlplane.market.models import LedgerEntry
@@ -286,3 +289,63 @@ def test_a_replicated_stage_records_each_replicas_share_and_speed(ready_node, qu
     assert rows[a].step_samples_per_second == pytest.approx(12 / 0.1)
     assert rows[b].step_samples_per_second == pytest.approx(20 / 0.2)
     assert rows[b].step_compute_seconds == pytest.approx(0.2) and rows[a].step_compute_seconds == pytest.approx(0.1)
+
+
+def replicated_running_job(ready_node, queued_job, start: datetime) -> tuple[Job, dict[tuple[int, int], str]]:
+    """A job of 3 stages x 2 replicas placed at `start`, its driver lease held by "d"; the node of each replica."""
+    for i in range(6):
+        ready_node(f"n{i}", port=50051 + i, now=start)
+    job = queued_job(replicas={"min": 2, "max": 2})
+    reconcile_once(now=start)
+    Stage.objects.filter(job=job).update(held_since=start)
+    Job.objects.filter(pk=job.pk).update(
+        status="running", driver_lease_owner="d", driver_lease_expires_at=timezone.now() + timedelta(seconds=60)
+    )
+    job.refresh_from_db()
+    return job, {(s.index, s.replica): str(s.node_id) for s in Stage.objects.filter(job=job)}
+
+
+def test_a_replica_dropped_before_its_first_counter_write_is_billed_for_what_the_driver_measured(
+    ready_node, queued_job
+) -> None:
+    """We bill only what we measured: the driver counted a replica's finished steps before it was lost, and writes them
+    after the control plane dropped its row. They are stored on its node's contribution and billed for the time it
+    held its node until the drop, not after; counters naming a node that held no replica of the job add nothing."""
+    start = timezone.now() - timedelta(seconds=60)
+    job, node_of = replicated_running_job(ready_node, queued_job, start)
+    dropped_at = start + timedelta(seconds=30)
+    assert job_replicas_drop(DropReplicas(job.id, job.generation, job.status, ((1, 1),), ()), dropped_at)
+    assert not Stage.objects.filter(job=job, index=1, replica=1).exists()
+    stranger = str(uuid.uuid4())
+    counters = [StageCounters(i, 16, 2, 0.1, 100, 100, node_id=node) for (i, _), node in sorted(node_of.items())]
+    counters.append(StageCounters(1, 16, 2, 0.1, 100, 100, node_id=stranger))
+    assert job_record_steps(job_id=job.id, lease_owner="d", points=points(1.0), stages=counters,
+                            now=start + timedelta(seconds=40))
+
+    lost = StageContribution.objects.get(job=job, stage_index=1, node_id=node_of[(1, 1)])
+    assert (lost.samples, lost.micro_batches, lost.released_at) == (16, 2, dropped_at)
+    [entry] = LedgerEntry.objects.filter(job=job, node_id=node_of[(1, 1)], reverses=None)
+    assert (entry.micro_batches, entry.samples) == (2, 16) and entry.charge_micros > 0
+    assert math.isclose(entry.held_seconds, 30.0, abs_tol=0.01)  # placement to drop: the seconds after it are not its
+    assert entry.held_until == dropped_at
+    live = LedgerEntry.objects.get(job=job, node_id=node_of[(1, 0)], reverses=None)
+    assert math.isclose(live.held_seconds, 40.0, abs_tol=0.01)
+    assert not StageContribution.objects.filter(job=job, node_id=stranger).exists()
+    assert not LedgerEntry.objects.filter(job=job, node_id=stranger).exists()
+
+
+def test_the_driver_writes_a_replica_that_left_since_its_last_step_with_the_others(
+    ready_node, queued_job
+) -> None:
+    """The sink writes every agent's newest counters since its last write, not only the newest step's: a replica lost
+    after a step that no write covered is billed for that step."""
+    job, node_of = replicated_running_job(ready_node, queued_job, timezone.now() - timedelta(seconds=60))
+    sink = DbProgressSink(job_id=str(job.id), lease_owner="d", generation=job.generation, flush_seconds=3600.0)
+    everyone = {key: StageCounters(key[0], 16, 2, 0.1, 100, 100, node_id=node) for key, node in node_of.items()}
+    survivors = [replace(c, samples=48, micro_batches=6) for key, c in everyone.items() if key != (1, 1)]
+    for step, stages in ((1, list(everyone.values())), (2, survivors)):
+        sink.on_step(StepProgress(epoch=1, step=step, total_steps=90, loss=1.0, samples_per_second=1.0, seconds=0.1,
+                                  stages=stages))
+    sink.flush()
+    written = {(c.stage_index, str(c.node_id)): c.micro_batches for c in StageContribution.objects.filter(job=job)}
+    assert written == {(i, node): 2 if (i, k) == (1, 1) else 6 for (i, k), node in node_of.items()}
