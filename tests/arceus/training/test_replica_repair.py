@@ -105,6 +105,10 @@ class Killer:
         """Micro-batches each replica's runtime has run forward, in training and evaluation."""
         return {key: counters.micro_batches for key, counters in self.counters.items()}
 
+    def compute_seconds(self) -> dict[Key, float]:
+        """Seconds each replica's runtime has computed (what its agent reports)."""
+        return {key: counters.compute_seconds for key, counters in self.counters.items()}
+
 
 def refusing(address: str, timeout: float = 30.0) -> None:
     """Wait until nothing listens at `address` any more."""
@@ -127,6 +131,7 @@ class Sink(RecordingSink):
         super().__init__()
         self.killer, self.agents = killer, agents
         self.computed = [killer.computed()]
+        self.compute_seconds = [killer.compute_seconds()]
         self.received = [self._received()]
 
     def _received(self) -> dict[Key, int]:
@@ -135,6 +140,7 @@ class Sink(RecordingSink):
     def on_step(self, p: StepProgress) -> None:
         super().on_step(p)
         self.computed.append(self.killer.computed())
+        self.compute_seconds.append(self.killer.compute_seconds())
         self.received.append(self._received())
         if p.step == self.killer.step - 1:
             self.killer.armed = True
@@ -226,6 +232,39 @@ def test_a_replica_lost_mid_step_costs_only_its_own_micro_batches_and_the_step_e
         assert sum(surplus.values()) <= victim_forwards * SENT_PER_MICRO_BATCH[victim[0]], (step, got, expected)
     lost_share = sink.computed[killed_in][victim] - sink.computed[killed_in - 1][victim]
     assert lost_share < MICRO_BATCHES  # the victim's own work before the kill, lost with it
+
+
+def test_a_repaired_step_credits_each_survivor_all_the_compute_it_did_in_it(agents: dict[Key, Agent]) -> None:
+    # The middle stage's survivor is slow (each forward takes 0.25 s more): before the loss it computed its own share,
+    # and in the repair the lost replica's; the driver credits both, as its agent counted them, and every other
+    # replica's compute too (each step's within the wall time the driver measured since the step's first attempt).
+    runtime = hosted(agents[(1, 0)]).runtime
+    real_forward = runtime._train_forward
+
+    def slow_forward(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.25)
+        return real_forward(*args, **kwargs)
+
+    runtime._train_forward = slow_forward
+    victim = (1, 1)
+    killer = Killer(agents, victim, "gradient_vector", 1, 2)
+    sink = Sink(killer, agents)
+    train(plan_of(agents), sink)
+    assert killer.killed.is_set()
+
+    credited_before: dict[Key, float] = {}
+    for step, (p, before, after) in enumerate(
+        zip(sink.steps, sink.compute_seconds, sink.compute_seconds[1:], strict=False), 1
+    ):
+        credited_now = {(c.index, int(c.node_id.rsplit("-", 1)[1])): c.compute_seconds for c in p.stages}
+        credited = {key: s - credited_before.get(key, 0.0) for key, s in credited_now.items()}
+        credited_before = credited_now
+        did = {key: after[key] - before[key] for key in agents if key != victim or step < 2}
+        assert credited.keys() == did.keys(), step
+        for key, seconds in did.items():
+            assert math.isclose(credited[key], seconds, rel_tol=1e-9, abs_tol=1e-9), (step, key, credited, did)
+    repaired = sink.compute_seconds[2][(1, 0)] - sink.compute_seconds[1][(1, 0)]
+    assert repaired >= MICRO_BATCHES * 0.25  # the forwards of its own share and of the lost replica's: all 4
 
 
 @pytest.mark.parametrize("agents", [{"every_steps": 2}], indirect=True)
