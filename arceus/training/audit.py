@@ -23,7 +23,7 @@ import json
 import logging
 import random
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -115,6 +115,49 @@ class Auditor:
             check = self._partial(step, i, m, inputs, labels or [], received, evidence, parties, routes)
             checks += [check] if check is not None else []
         return checks
+
+    def check_repair(
+        self, step: int, parties: Parties, inputs: list[torch.Tensor], routes: Routes,
+        recomputed: Collection[tuple[int, int]],
+    ) -> list[SpotCheckResult]:
+        """Check a repaired step's own work (arceus.swarm.repair): the forwards of the lost replicas' micro-batches
+        `recomputed` ((stage, micro-batch)s) that the survivors ran in the repair and sent on, as `check` checks any
+        step's on `routes` (the repair's): each such activation's "sent" receipt of its producer and "received" receipt
+        of its receiver verified and compared, a disagreement recomputed, else one sampled with probability
+        `audit_rate`. Not checked: what the survivors did before the loss (its receipts went with the failed attempt),
+        a recomputed activation its receiver already held from the lost replica (it signed for that one), and the
+        repaired step's partial gradients."""
+        n = len(self.plan.stages)
+        received: list[dict[int, stage_pb2.Receipt]] = [{} for _ in range(n)]
+        sent: list[dict[int, stage_pb2.Receipt]] = [{} for _ in range(n)]
+        checkable = sorted(
+            (i, m) for i, m in recomputed if i < n - 1
+            and m in {r.micro_batch for r in parties[(i + 1, routes.of[m][i + 1])][1].receipts}
+        )
+        checks = []
+        for (i, k), (client, reply) in sorted(parties.items()):
+            mine = [(j, m) for j, m in checkable if routes.of[m][i] == k]
+            # what it signed for receiving (as the producer's receiver, or as a producer past stage 0, its input) and
+            # for sending (as the producer), of the checkable micro-batches
+            for role, signed, own, into in (
+                (RECEIVED, reply.receipts, sorted({m for j, m in mine if j == i - 1 or j == i > 0}), received),
+                (SENT, reply.sent_receipts, sorted({m for j, m in mine if j == i}), sent),
+            ):
+                if own:
+                    got, failure = self._receipts(step, client, k, role, [r for r in signed if r.micro_batch in own],
+                                                  routes, tuple(own))
+                    into[i].update(got)
+                    checks += [failure] if failure is not None else []
+        if checks:
+            return checks
+        disputes = [(i, m) for i, m in checkable if sent[i][m].sha256 != received[i + 1][m].sha256]
+        if disputes:
+            i, m = disputes[0]
+            return [c for c in [self._recompute(step, i, m, inputs[m], received, sent, parties, routes)] if c]
+        if checkable and self.rng.random() < self.plan.audit_rate:
+            i, m = self.rng.choice(checkable)
+            return [c for c in [self._recompute(step, i, m, inputs[m], received, sent, parties, routes)] if c]
+        return []
 
     def _exchange_evidence(self, step: int, parties: Parties, routes: Routes) -> _Evidence:
         """The signed evidence of a replicated step's exchanges: each member's partial-gradient digest, the gradients
@@ -310,14 +353,14 @@ class Auditor:
 
     def _receipts(
         self, step: int, signer: StageClient, replica: int, role: str, signed: Iterable[stage_pb2.Receipt],
-        routes: Routes,
+        routes: Routes, own: tuple[int, ...] | None = None,
     ) -> tuple[dict[int, stage_pb2.Receipt], SpotCheckResult | None]:
         """The receipts of role `role` of replica `replica` of stage `signer.endpoint.index`, one per micro-batch its
-        route gave it, each naming the replicas the routes say the activation went from and to, verified against
-        the signer's key; else a failed check of the signer."""
+        route gave it (or of `own`), each naming the replicas the routes say the activation went from and to, verified
+        against the signer's key; else a failed check of the signer."""
         endpoint = signer.endpoint
         receiver = endpoint.index + (1 if role == SENT else 0)
-        own = routes.micro_batches_of(endpoint.index, replica)
+        own = routes.micro_batches_of(endpoint.index, replica) if own is None else own
         by_micro_batch: dict[int, stage_pb2.Receipt] = {}
         try:
             for r in signed:

@@ -464,8 +464,7 @@ class Pipeline:
                 c.run_step(
                     step=step, mode=mode, num_micro_batches=num_micro_batches, schedule=plan.schedule, batch_size=n,
                     learning_rate=plan.learning_rate, replicas=replica_step(c),
-                    # A repair resumes the step: what it re-runs is no whole step to audit (nor is it audited).
-                    retain_for_audit=train and self.auditor is not None and repair is None,
+                    retain_for_audit=train and self.auditor is not None,
                     train_step=self._train_step,
                 ),
             )
@@ -497,11 +496,15 @@ class Pipeline:
                 stage_index=last,
             )
         spot_checks = []
-        if train and self.auditor is not None and repair is None:
+        if train and self.auditor is not None:
             parties = {(c.endpoint.index, c.endpoint.replica): (c, r) for c, r in zip(agents, replies, strict=True)}
             try:
-                labels = list(torch.tensor_split(y, num_micro_batches))
-                spot_checks = self.auditor.check(step, parties, list(inputs), routes, labels)
+                if repair is None:
+                    labels = list(torch.tensor_split(y, num_micro_batches))
+                    spot_checks = self.auditor.check(step, parties, list(inputs), routes, labels)
+                else:  # the repair's own work: the lost replicas' micro-batches the survivors recomputed
+                    recomputed = {(i, m) for (i, _), todo in repair.instructions.items() for m in todo.recompute}
+                    spot_checks = self.auditor.check_repair(step, parties, list(inputs), routes, recomputed)
             except grpc.RpcError as exc:
                 raise DriverError(f"a spot check of step {step} failed: {exc}") from exc
         sizes = [len(xm) for xm in inputs]

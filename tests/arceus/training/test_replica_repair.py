@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -265,6 +266,43 @@ def test_a_repaired_step_credits_each_survivor_all_the_compute_it_did_in_it(agen
             assert math.isclose(credited[key], seconds, rel_tol=1e-9, abs_tol=1e-9), (step, key, credited, did)
     repaired = sink.compute_seconds[2][(1, 0)] - sink.compute_seconds[1][(1, 0)]
     assert repaired >= MICRO_BATCHES * 0.25  # the forwards of its own share and of the lost replica's: all 4
+
+
+@pytest.mark.parametrize("cheat", [False, True], ids=["honest", "perturbed-recompute"])
+def test_a_repaired_steps_recomputed_micro_batches_are_spot_checked_like_any_others(
+    agents: dict[Key, Agent], cheat: bool
+) -> None:
+    # Every step audited (audit_rate 1): the middle stage's replica 1 is lost at its first forward of step 2, so its
+    # survivor recomputes all its share in the repair and sends each on. One of them is checked as any step's forward
+    # is: recomputed on another node from what the survivor and its receiver signed for. A survivor that perturbs
+    # what it recomputes (after the loss, honest before) is caught and named.
+    victim, survivor = (1, 1), (1, 0)
+    killer = Killer(agents, victim, "forward", 1, 2)
+    runtime = hosted(agents[survivor]).runtime
+    honest = runtime.forward
+
+    def forward(key: Any, x: torch.Tensor, train_step: int | None = None) -> torch.Tensor:
+        out = honest(key, x, train_step)
+        return out + 0.01 if cheat and killer.killed.is_set() else out
+
+    runtime.forward = forward
+    keys = {(i, r): agent.signer.public_key_hex for (i, r), agent in agents.items()}
+    plan = plan_of(agents)
+    plan = replace(
+        plan, audit_rate=1.0, model=MLP, max_steps=2,
+        stages=tuple(replace(e, public_key=keys[(e.index, e.replica)]) for e in plan.stages),
+        replicas=tuple(replace(e, public_key=keys[(e.index, e.replica)]) for e in plan.replicas),
+    )
+    sink = Sink(killer, agents)
+    train(plan, sink)
+    assert killer.killed.is_set()
+
+    # In step 2 only what the repair recomputed can be checked: a forward of the survivor's, on another node.
+    [check] = [c for c in sink.steps[1].spot_checks if c.producer_index is not None]
+    assert (check.stage_index, check.replica, check.node_id) == (1, 0, "agent-1-0"), check
+    assert check.verifier_node_id not in ("agent-1-0", "agent-1-1")
+    assert check.passed is not cheat, check.detail
+    assert ("differs from the recomputation" if cheat else "matches the recomputation") in check.detail
 
 
 @pytest.mark.parametrize("agents", [{"every_steps": 2}], indirect=True)
