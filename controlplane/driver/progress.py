@@ -98,21 +98,28 @@ def job_record_steps(
 
 
 def _measure_nodes(job_id: Any, timings: Sequence[StageTiming], now: datetime) -> None:
-    """Each hosting node's speed as the driver measured it (what the market prices and places it by): its stage's
-    FLOPs per step over the step's wall time on the driver's clock, the longest of the stages' calls. No node can
-    shorten that time: a step ends only when every stage's forward and backward are done, so the figure is at most
-    the node's real speed (its share of the pipeline's bubble counts against it), whatever the node reports."""
+    """Each hosting node's speed as the driver measured it (what the market prices and places it by): the FLOPs of
+    the samples it ran in the step (a replica's own share, as the driver routed them; an unreplicated stage's, the
+    batch) over the step's wall time on the driver's clock, the longest of the stages' calls. No node can shorten
+    that time: a step ends only when every stage's forward and backward are done, so the figure is at most the
+    node's real speed (its share of the pipeline's bubble counts against it), whatever the node reports."""
     wall = max((t.wall_seconds for t in timings if math.isfinite(t.wall_seconds)), default=0.0)
     if wall <= 0:
         return
     rows = list(Stage.objects.filter(job_id=job_id, active=True, node__isnull=False).select_related("job"))
-    ranks = Counter(s.index for s in rows)
-    timed = {t.index for t in timings}
-    for stage in rows:
-        if stage.index in timed:
-            per_step = 3.0 * _batch_size(stage) * _stage_flops_per_sample(stage, ranks[stage.index])
+    ranks = _group_ranks(rows)
+    for t in timings:
+        # a replica's timing is its own node's; a stage's (node_id ""), every rank's of its tensor-parallel group
+        for stage in (s for s in rows if s.index == t.index and t.node_id in ("", str(s.node_id))):
+            samples = t.samples if t.samples > 0 else _batch_size(stage)
+            per_step = 3.0 * samples * _stage_flops_per_sample(stage, ranks[(stage.index, stage.replica)])
             if per_step > 0:
                 Node.objects.filter(pk=stage.node_id).update(flops_measured=per_step / wall, flops_measured_at=now)
+
+
+def _group_ranks(rows: Sequence[Stage]) -> Counter[tuple[int, int]]:
+    """The ranks of each (stage, replica): a tensor-parallel group's size; a replica holds its whole stage."""
+    return Counter((s.index, s.replica) for s in rows)
 
 
 def _batch_size(stage: Stage) -> int:
@@ -255,7 +262,7 @@ def _record_counters(job_id: Any, stages: Sequence[StageCounters], now: datetime
         return
     rows = list(Stage.objects.filter(job_id=job_id, active=True).select_related("node", "job"))
     placed = {(s.index, str(s.node_id)): s for s in rows} | {(s.index, ""): s for s in rows if s.rank == 0}
-    ranks = Counter(s.index for s in rows)
+    ranks = _group_ranks(rows)
     released = _released(job_id, [s for s in stages if s.node_id and (s.index, s.node_id) not in placed], rows)
     contributions = []
     for s in stages:
@@ -266,7 +273,8 @@ def _record_counters(job_id: Any, stages: Sequence[StageCounters], now: datetime
             StageContribution.objects.filter(pk=contribution.pk).update(**counters, updated_at=now)
             ledger_record_work(
                 job_id=job_id, generation=contribution.generation, node=contribution.node, counters=s,
-                flops_per_sample=_stage_flops_per_sample(sibling, ranks[s.index]), step=sibling.job.step,
+                flops_per_sample=_stage_flops_per_sample(sibling, ranks[(sibling.index, sibling.replica)]),
+                step=sibling.job.step,
                 held_since=contribution.held_since, now=min(now, contribution.released_at),
                 budget_micros=job_budget_micros(sibling.job.requirements),
             )
@@ -284,7 +292,7 @@ def _record_counters(job_id: Any, stages: Sequence[StageCounters], now: datetime
             generation=stage.generation,
             node=stage.node,
             counters=s,
-            flops_per_sample=_stage_flops_per_sample(stage, ranks[stage.index]),
+            flops_per_sample=_stage_flops_per_sample(stage, ranks[(stage.index, stage.replica)]),
             step=stage.job.step,  # already the newest recorded step: a rewind refunds what lies past its checkpoint
             held_since=stage.held_since,
             now=now,

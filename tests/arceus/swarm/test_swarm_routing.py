@@ -71,6 +71,17 @@ def test_shares_follow_speed_within_one_micro_batch(p: tuple) -> None:
                     assert counts[a] >= counts[b]  # faster never takes fewer
 
 
+@given(st.lists(speed, min_size=1, max_size=8), st.integers(0, 24))
+def test_shares_give_each_replica_one_sum_to_the_step_and_never_fewer_to_the_faster(
+    weights: list[float], extra: int
+) -> None:
+    m = len(weights) + extra  # R <= micro_batches
+    counts = shares(m, weights)
+    assert sum(counts) == m and min(counts) >= 1
+    for a, b in zip(weights, counts, strict=True):
+        assert all(b >= d for c, d in zip(weights, counts, strict=True) if a > c)
+
+
 @given(pipelines())
 def test_routing_is_deterministic(p: tuple) -> None:
     m, members, speeds = p

@@ -63,3 +63,31 @@ def test_a_declared_figure_only_lowers_the_measured_one(declared: float, measure
     assert flops <= declared  # the owner may offer less than the device does ...
     assert flops <= (UNMEASURED_FLOPS if measured is None else measured)  # ... never more than was measured
     assert flops == min(declared, UNMEASURED_FLOPS if measured is None else measured)
+
+
+def test_each_replica_is_measured_by_its_own_share_of_the_step(ready_node, queued_job) -> None:  # noqa: ANN001
+    """A replica ran only the micro-batches the driver routed to it: its node is measured by those samples over the
+    step's wall time, not by the whole batch (which would make every replica of a stage look R times faster)."""
+    for i in range(3):
+        ready_node(f"n{i}", flops=1e12, memory=2**30)
+    job = queued_job(stages=1, replicas={"min": 2, "max": 2})
+    reconcile_once()
+    Job.objects.filter(pk=job.pk).update(status="running")
+    now = timezone.now()
+    assert job_driver_claim(job_id=job.id, owner="driver", now=now) is not None
+    fast, slow = Stage.objects.filter(job=job, active=True).order_by("replica")
+    # The driver routed 3 of 4 micro-batches (24 of 32 samples) to the fast replica; the step took 0.5 s.
+    timings = [StageTiming(0, 0.3, 0.1, 0.5, node_id=str(fast.node_id), samples=24, micro_batches=3),
+               StageTiming(0, 0.3, 0.1, 0.4, node_id=str(slow.node_id), samples=8, micro_batches=1)]
+    assert job_record_steps(job_id=job.id, lease_owner="driver", points=[StepPoint(1, 1, 10, 1.0, 64.0)],
+                            timings=timings, now=now)
+
+    costs = model_spec_from_config(job.model_config).layer_flops_per_sample()
+    per_sample = sum(costs[fast.layer_start:fast.layer_end])
+    measured = {name: Node.objects.get(pk=s.node_id).flops_measured for name, s in (("fast", fast), ("slow", slow))}
+    assert measured == {
+        "fast": pytest.approx(3 * 24 * per_sample / 0.5),
+        "slow": pytest.approx(3 * 8 * per_sample / 0.5),
+    }
+    # Together the replicas did the batch's work in the step: no more than one node doing it all would have.
+    assert sum(measured.values()) == pytest.approx(3 * 32 * per_sample / 0.5)
