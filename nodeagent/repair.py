@@ -13,25 +13,13 @@ here touches torch but holding tensors."""
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 
 from arceus.pipeline.schedule import Action
-from arceus.swarm.holdings import Holding, StepHoldings
+from arceus.swarm.holdings import NOTHING, Holding, StepHoldings
 from arceus.wire.compression import Encoded
-
-
-@dataclass
-class Record:
-    """One micro-batch as this replica saw it (the mutable form of arceus.swarm.holdings.Holding)."""
-
-    input_received: bool = False
-    forwarded: bool = False
-    output_sent_to: int | None = None
-    gradient_received: bool = False
-    backwarded: bool = False
-    input_gradient_sent_to: int | None = None
 
 
 class HeldStep:
@@ -42,7 +30,7 @@ class HeldStep:
     def __init__(self, step: int) -> None:
         self.step = step
         self.micro_batches: tuple[int, ...] = ()  # routed to this replica by the latest attempt's routes
-        self.records: dict[int, Record] = {}
+        self.records: dict[int, Holding] = {}
         self.outputs: dict[int, Encoded] = {}
         self.input_gradients: dict[int, Encoded] = {}
         self.forward_sizes: dict[int, int] = {}
@@ -51,9 +39,10 @@ class HeldStep:
         self.finished = False
         self._lock = threading.Lock()  # sends are recorded from the push streams' threads
 
-    def record(self, micro_batch: int) -> Record:
+    def mark(self, micro_batch: int, **changes: bool | int) -> None:
+        """This micro-batch's record with `changes` (Holding's fields) made."""
         with self._lock:
-            return self.records.setdefault(micro_batch, Record())
+            self.records[micro_batch] = replace(self.records.get(micro_batch, NOTHING), **changes)
 
     def done(self, action: Action) -> bool:
         """Whether this replica already ran `action` in an earlier attempt of the step."""
@@ -63,13 +52,11 @@ class HeldStep:
 
     def output_sent(self, micro_batch: int, to: int) -> None:
         """The next stage's replica `to` accepted this micro-batch's activation."""
-        with self._lock:
-            self.records.setdefault(micro_batch, Record()).output_sent_to = to
+        self.mark(micro_batch, output_sent_to=to)
 
     def input_gradient_sent(self, micro_batch: int, to: int) -> None:
         """The previous stage's replica `to` accepted this micro-batch's input gradient."""
-        with self._lock:
-            self.records.setdefault(micro_batch, Record()).input_gradient_sent_to = to
+        self.mark(micro_batch, input_gradient_sent_to=to)
 
     def holdings(self, stage: int, replica: int, arrived: set[tuple[str, int]]) -> StepHoldings:
         """What this replica holds of its micro-batches: its records, with what waits unread in its mailbox
@@ -77,15 +64,12 @@ class HeldStep:
         entries = {}
         with self._lock:
             for m in self.micro_batches:
-                r = self.records.get(m, Record())
-                holding = Holding(
+                r = self.records.get(m, NOTHING)
+                holding = replace(
+                    r,
                     input_received=r.input_received or ("ACTIVATION", m) in arrived,
-                    forwarded=r.forwarded,
-                    output_sent_to=r.output_sent_to,
                     gradient_received=r.gradient_received or ("GRADIENT", m) in arrived,
-                    backwarded=r.backwarded,
-                    input_gradient_sent_to=r.input_gradient_sent_to,
                 )
-                if holding != Holding():
+                if holding != NOTHING:
                     entries[(stage, replica, m)] = holding
         return StepHoldings(entries)

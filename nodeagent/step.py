@@ -293,9 +293,8 @@ class StepRun:
         a, io, key = stage.assignment, stage.io, (self.step, m)
         x = self._receive(stage_pb2.ACTIVATION, m)
         held = self.held
-        record = None if held is None else held.record(m)
-        if record is not None:
-            record.input_received = True
+        if held is not None:
+            held.mark(m, input_received=True)
         self._forward_sizes[m] = len(x)
         if not io.is_first:
             self.audit.received(m, x)
@@ -314,15 +313,15 @@ class StepRun:
                 else:
                     loss_sum, correct = runtime.eval_loss(x, labels)
             self._results[m] = (loss_sum, correct, len(x))
-            if record is not None:
-                record.forwarded = True
+            if held is not None:
+                held.mark(m, forwarded=True)
             if self.train:
                 faults.reached("forward", self.step, **self._where)
             return
         with self._computing(index, len(x)):
             out = runtime.forward(key, x, self.request.train_step or None) if self.train else runtime.eval_forward(x)
-        if record is not None:
-            record.forwarded = True
+        if held is not None:
+            held.mark(m, forwarded=True)
         if self.train:
             faults.reached("forward", self.step, **self._where)
         if a.sends_on:  # ranks 1.. of a tensor-parallel stage compute the same output as rank 0
@@ -345,7 +344,7 @@ class StepRun:
         if not stage.io.is_last:
             grad = self._receive(stage_pb2.GRADIENT, m)
             if held is not None:
-                held.record(m).gradient_received = True
+                held.mark(m, gradient_received=True)
             if len(grad) != self._forward_sizes[m]:
                 raise RpcFailure(
                     grpc.StatusCode.INVALID_ARGUMENT,
@@ -356,7 +355,7 @@ class StepRun:
         with self._computing(index, self._forward_sizes[m]):
             grad_input = stage.runtime.backward((self.step, m), grad)
         if held is not None:
-            held.record(m).backwarded = True
+            held.mark(m, backwarded=True)
         if grad_input is not None and a.sends_on:
             links, replica = self._links(a.stage_index - 1, m, stage.prev_links)
             if held is None:

@@ -14,13 +14,11 @@ from nodeagent.repair import HeldStep
 def test_the_holdings_are_the_records_with_the_unread_arrivals_counted_as_received() -> None:
     held = HeldStep(7)
     held.micro_batches = (0, 2, 3)
-    done = held.record(0)
-    done.input_received = done.forwarded = done.gradient_received = done.backwarded = True
+    held.mark(0, input_received=True, forwarded=True, gradient_received=True, backwarded=True)
     held.output_sent(0, 1)
     held.input_gradient_sent(0, 0)
-    forwarded = held.record(2)
-    forwarded.input_received = forwarded.forwarded = True
-    held.record(5).forwarded = True  # a micro-batch the latest routes no longer give it: not reported
+    held.mark(2, input_received=True, forwarded=True)
+    held.mark(5, input_received=True, forwarded=True)  # a micro-batch the latest routes no longer give it: not reported
     arrived = {("GRADIENT", 2), ("ACTIVATION", 3), ("ACTIVATION", 4)}
     assert held.holdings(1, 2, arrived) == StepHoldings({
         (1, 2, 0): Holding(True, True, 1, True, True, 0),
@@ -33,8 +31,9 @@ def test_the_holdings_are_the_records_with_the_unread_arrivals_counted_as_receiv
 
 def test_what_it_ran_is_done_and_sends_recorded_from_other_threads_land_in_its_records() -> None:
     held = HeldStep(1)
-    held.record(4).forwarded = True
-    assert held.done(Action("F", 4)) and not held.done(Action("B", 4)) and not held.done(Action("F", 5))
+    for m in range(50):
+        held.mark(m, input_received=True, forwarded=True)
+    assert held.done(Action("F", 4)) and not held.done(Action("B", 4)) and not held.done(Action("F", 50))
     threads = [threading.Thread(target=held.output_sent, args=(m, m % 2)) for m in range(50)]
     for thread in threads:
         thread.start()

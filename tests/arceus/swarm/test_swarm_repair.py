@@ -9,30 +9,18 @@ from __future__ import annotations
 
 import random
 from collections import Counter
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from arceus.pipeline.schedule import Action, replica_schedule
-from arceus.swarm.holdings import Holding, StepHoldings
+from arceus.swarm.holdings import NOTHING, Holding, StepHoldings
 from arceus.swarm.repair import RepairPlan, ReplicaInstructions, repair_step
 from arceus.swarm.routing import Routes
 
 Key = tuple[int, int]  # (stage, replica)
-
-
-@dataclass
-class Record:
-    """A replica's mutable record of one micro-batch (what it reports as a Holding)."""
-
-    input_received: bool = False
-    forwarded: bool = False
-    output_sent_to: int | None = None
-    gradient_received: bool = False
-    backwarded: bool = False
-    input_gradient_sent_to: int | None = None
 
 
 @dataclass(frozen=True)
@@ -50,7 +38,7 @@ class Step:
         self.routes, self.schedule = routes, schedule
         self.last = routes.num_stages - 1
         self.alive = {(i, r) for i, ids in enumerate(routes.members) for r in ids}
-        self.records: dict[tuple[int, int, int], Record] = {}
+        self.records: dict[tuple[int, int, int], Holding] = {}
         self.labels: set[tuple[int, int]] = set()  # (replica of the last stage, micro-batch)
         self.in_flight: list[Message] = []
         self.skip_output: dict[Key, set[int]] = {key: set() for key in self.alive}
@@ -71,8 +59,11 @@ class Step:
             for i, r in self.alive
         }
 
-    def record(self, i: int, r: int, m: int) -> Record:
-        return self.records.setdefault((i, r, m), Record())
+    def record(self, i: int, r: int, m: int) -> Holding:
+        return self.records.get((i, r, m), NOTHING)
+
+    def mark(self, i: int, r: int, m: int, **changes: bool | int) -> None:
+        self.records[(i, r, m)] = replace(self.record(i, r, m), **changes)
 
     def next_action(self, key: Key) -> Action | None:
         for action in self.lists[key]:
@@ -99,14 +90,13 @@ class Step:
         action = self.next_action(key)
         assert action is not None
         (i, r), m = key, action.micro_batch
-        held = self.record(i, r, m)
         if action.kind == "F":
-            held.forwarded = True
+            self.mark(i, r, m, forwarded=True)
             self.forwards[i] += 1
             if i < self.last and m not in self.skip_output[key]:
                 self.send("act", m, key, (i + 1, self.routes.of[m][i + 1]))
         else:
-            held.backwarded = True
+            self.mark(i, r, m, backwarded=True)
             self.gradient[key].append(m)
             if i > 0 and m not in self.skip_input_gradient[key]:
                 self.send("grad", m, key, (i - 1, self.routes.of[m][i - 1]))
@@ -122,14 +112,14 @@ class Step:
             return
         if message.kind in ("input", "act"):
             assert not held.input_received, f"{message}: sent to a replica that already holds it"
-            held.input_received = True
+            self.mark(i, r, m, input_received=True)
             if message.source:
-                self.record(*message.source, m).output_sent_to = r
+                self.mark(*message.source, m, output_sent_to=r)
         else:
             assert not held.gradient_received, f"{message}: sent to a replica that already holds it"
-            held.gradient_received = True
+            self.mark(i, r, m, gradient_received=True)
             assert message.source
-            self.record(*message.source, m).input_gradient_sent_to = r
+            self.mark(*message.source, m, input_gradient_sent_to=r)
 
     def events(self) -> list[tuple[str, int | Key]]:
         return [("run", key) for key in sorted(self.alive) if self.ready(key)] + [
@@ -163,7 +153,7 @@ class Step:
             self.deliver(0)
 
     def holdings(self) -> StepHoldings:
-        return StepHoldings({key: Holding(**vars(record)) for key, record in self.records.items()})
+        return StepHoldings(self.records)
 
     def apply(self, plan: RepairPlan) -> None:
         old = self.routes
