@@ -11,18 +11,15 @@ import sys
 import torch
 
 from nodeagent.cli import main
-from nodeagent.runtime import StageRuntime
+from nodeagent.runtime import MicroBatchKey, StageRuntime
+from tests.nodeagent.dishonest_forward import dishonest_forward
 
-honest_forward = StageRuntime.forward
 honest_gradient = StageRuntime.gradient_vector
 honest_steps = 0
 exchanged = 0  # partial gradients taken so far (one per exchanged train step)
 
 
-def perturbed_forward(
-    self: StageRuntime, key: tuple[int, int], x: torch.Tensor, train_step: int | None = None
-) -> torch.Tensor:
-    out = honest_forward(self, key, x, train_step)
+def perturbed_output(out: torch.Tensor, key: MicroBatchKey) -> torch.Tensor:
     step, _ = key  # the driver's RunStep id: train steps 1, 2, ... until the first validation
     return out if step <= honest_steps else out + 0.01 * torch.randn_like(out)
 
@@ -48,7 +45,7 @@ if __name__ == "__main__":
     if cheat == "partial":
         StageRuntime.gradient_vector = perturbed_gradient  # type: ignore[method-assign]
     elif cheat == "forward":
-        StageRuntime.forward = perturbed_forward  # type: ignore[method-assign]
+        StageRuntime.forward = dishonest_forward(StageRuntime.forward, perturbed_output)  # type: ignore[method-assign]
     else:
         sys.exit(f"--cheat must be forward or partial, got {cheat!r}")
     sys.exit(main(args))

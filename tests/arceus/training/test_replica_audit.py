@@ -37,6 +37,7 @@ from devtools.pipeline import (
 )
 from nodeagent import replicas, step_audit
 from nodeagent.agent import Agent
+from tests.nodeagent.dishonest_forward import dishonest_forward, noise
 
 MODEL = {"type": "mlp", "layer_sizes": [64, 32, 16, 10]}
 BOUNDARIES = [0, 1, 2, 3]
@@ -140,16 +141,13 @@ def test_honest_replicas_pass_every_check_whose_receipts_name_the_replicas_of_ea
     assert all(any(c.node_id == "agent-2-1" and c.micro_batches for c in p.stages) for p in sink.steps[1:])
 
 
-def test_a_replica_that_perturbs_its_activations_is_caught_and_named(agents: list[Agent], seeded: None) -> None:
-    cheat = agents[PLACEMENT[1][1]]  # stage 1, replica 1
-    runtime = cheat.registry.stages()[0].runtime
-    honest = runtime.forward
-    runtime.forward = lambda key, x, train_step=None, f=honest: f(key, x, train_step) + 0.01 * (1 + torch.rand(1))  # type: ignore[method-assign]
-    try:
-        sink = UntilCaught()
-        train(plan_for(agents, sink, max_steps=MAX_STEPS), sink)
-    finally:
-        runtime.forward = honest  # type: ignore[method-assign]
+def test_a_replica_that_perturbs_its_activations_is_caught_and_named(
+    agents: list[Agent], seeded: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime = agents[PLACEMENT[1][1]].registry.stages()[0].runtime  # stage 1, replica 1
+    monkeypatch.setattr(runtime, "forward", dishonest_forward(runtime.forward, noise))
+    sink = UntilCaught()
+    train(plan_for(agents, sink, max_steps=MAX_STEPS), sink)
     checks = [c for p in sink.steps for c in p.spot_checks if c.producer_index is not None]  # forwards
     failed = [c for c in checks if not c.passed]
     assert failed, [c.detail for c in checks]
