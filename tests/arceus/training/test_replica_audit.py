@@ -21,6 +21,7 @@ import torch
 
 from arceus.contracts.assignment import Assignment, max_micro_batch_size
 from arceus.contracts.credentials import REPLICA_METADATA_KEY, join_grant, replica_token, token_digest
+from arceus.contracts.spot_check import SpotCheckResult
 from arceus.data.config import validate_dataset_config
 from arceus.training import audit
 from arceus.training.driver import train
@@ -106,6 +107,24 @@ class UntilCaught(RecordingSink):
         return any(not c.passed for p in self.steps for c in p.spot_checks)
 
 
+def until_caught(agents: list[Agent]) -> tuple[list[SpotCheckResult], list[SpotCheckResult]]:
+    """Train until a check fails (MAX_STEPS steps at most): the checks of forwards, and of partial gradients."""
+    sink = UntilCaught()
+    train(plan_for(agents, sink, max_steps=MAX_STEPS), sink)
+    every = [c for p in sink.steps for c in p.spot_checks]
+    return [c for c in every if c.producer_index is not None], [c for c in every if c.producer_index is None]
+
+
+def caught(checks: list[SpotCheckResult], agents: list[Agent], stage: int, replica: int) -> list[SpotCheckResult]:
+    """The failed checks, at least one, each naming the cheat (`stage`, `replica` and its node); all others passed."""
+    failed = [c for c in checks if not c.passed]
+    assert failed, [c.detail for c in checks]
+    for c in failed:
+        assert (c.stage_index, c.replica, c.node_id) == (stage, replica, node_of(agents, stage, replica)), c
+    assert all(c.passed for c in checks if (c.stage_index, c.replica) != (stage, replica))
+    return failed
+
+
 @pytest.fixture
 def seeded(monkeypatch: pytest.MonkeyPatch) -> None:
     """The auditor's samples from a seeded generator: the same steps and micro-batches every run."""
@@ -146,65 +165,40 @@ def test_a_replica_that_perturbs_its_activations_is_caught_and_named(
 ) -> None:
     runtime = agents[PLACEMENT[1][1]].registry.stages()[0].runtime  # stage 1, replica 1
     monkeypatch.setattr(runtime, "forward", dishonest_forward(runtime.forward, noise))
-    sink = UntilCaught()
-    train(plan_for(agents, sink, max_steps=MAX_STEPS), sink)
-    checks = [c for p in sink.steps for c in p.spot_checks if c.producer_index is not None]  # forwards
-    failed = [c for c in checks if not c.passed]
-    assert failed, [c.detail for c in checks]
-    for c in failed:
-        assert (c.stage_index, c.replica, c.node_id) == (1, 1, node_of(agents, 1, 1)), c
+    forwards, _ = until_caught(agents)
+    for c in caught(forwards, agents, 1, 1):
         assert "differs from the recomputation" in c.detail and "(stage 1 replica 1)" in c.detail
         assert c.verifier_node_id == node_of(agents, 1, 0)  # its sibling
-    # Every other check (another stage, or stage 1's honest replica) passed.
-    assert all(c.passed for c in checks if (c.stage_index, c.replica) != (1, 1))
 
 
 def test_a_replica_that_computes_a_dishonest_partial_gradient_is_caught_by_a_sibling(
-    agents: list[Agent], seeded: None
+    agents: list[Agent], seeded: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Stage 0's replica 1 adds noise to its partial gradient before the exchange (and signs it): every replica
     applies the poisoned sum alike, so only a recomputation catches it; its sibling's names it."""
     runtime = agents[PLACEMENT[0][1]].registry.stages()[0].runtime
     honest = runtime.gradient_vector
-    runtime.gradient_vector = lambda f=honest: f() + 1e-3  # type: ignore[method-assign]
-    try:
-        sink = UntilCaught()
-        train(plan_for(agents, sink, max_steps=MAX_STEPS), sink)
-    finally:
-        runtime.gradient_vector = honest  # type: ignore[method-assign]
-    partials = [c for p in sink.steps for c in p.spot_checks if c.producer_index is None]
-    failed = [c for c in partials if not c.passed]
-    assert failed, [c.detail for c in partials]
-    for c in failed:
-        assert (c.stage_index, c.replica, c.node_id) == (0, 1, node_of(agents, 0, 1)), c
+    monkeypatch.setattr(runtime, "gradient_vector", lambda: honest() + 1e-3)
+    forwards, partials = until_caught(agents)
+    for c in caught(partials, agents, 0, 1):
         assert "partial gradient of micro-batches" in c.detail and "differs from the recomputation" in c.detail
         assert c.verifier_node_id == node_of(agents, 0, 0) and c.max_abs_diff >= 1e-3 * 0.99
-    assert all(c.passed for c in partials if (c.stage_index, c.replica) != (0, 1))
     # The forwards it computed were honest: every forward check passed.
-    assert all(c.passed for p in sink.steps for c in p.spot_checks if c.producer_index is not None)
+    assert all(c.passed for c in forwards)
 
 
 def test_a_replica_that_pushes_other_shards_than_the_partial_it_signed_is_caught(
-    agents: list[Agent], seeded: None
+    agents: list[Agent], seeded: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Stage 1's replica 0 signs its honest partial gradient but pushes its siblings a perturbed one: the shards
     they kept, under its signature, contradict what it signed for."""
     exchange = agents[PLACEMENT[1][0]].registry.stages()[0].exchange
     honest = exchange.exchange
-    exchange.exchange = lambda flat, **kw: honest(flat + 1e-3, **kw)  # type: ignore[method-assign]
-    try:
-        sink = UntilCaught()
-        train(plan_for(agents, sink, max_steps=MAX_STEPS), sink)
-    finally:
-        exchange.exchange = honest  # type: ignore[method-assign]
-    partials = [c for p in sink.steps for c in p.spot_checks if c.producer_index is None]
-    failed = [c for c in partials if not c.passed]
-    assert failed, [c.detail for c in partials]
-    for c in failed:
-        assert (c.stage_index, c.replica, c.node_id) == (1, 0, node_of(agents, 1, 0)), c
+    monkeypatch.setattr(exchange, "exchange", lambda flat, **kw: honest(flat + 1e-3, **kw))
+    _, partials = until_caught(agents)
+    for c in caught(partials, agents, 1, 0):
         # Replica 0 owns the first half of the stage's gradient and pushes the second, from element 264, to replica 1.
         assert "pushed replica 1 a gradient shard at element 264 other than the partial gradient it signed" in c.detail
-    assert all(c.passed for c in partials if (c.stage_index, c.replica) != (1, 0))
 
 
 def test_a_replica_that_sums_its_own_chunk_of_the_exchange_wrongly_is_caught(
@@ -220,15 +214,9 @@ def test_a_replica_that_sums_its_own_chunk_of_the_exchange_wrongly_is_caught(
         return total + 1e-3 if inspect.currentframe().f_back.f_locals.get("self") is cheat else total
 
     monkeypatch.setattr(replicas, "reduce_in_order", dishonest_sum)
-    sink = UntilCaught()
-    train(plan_for(agents, sink, max_steps=MAX_STEPS), sink)
-    partials = [c for p in sink.steps for c in p.spot_checks if c.producer_index is None]
-    failed = [c for c in partials if not c.passed]
-    assert failed, [c.detail for c in partials]
-    for c in failed:
-        assert (c.stage_index, c.replica, c.node_id) == (1, 0, node_of(agents, 1, 0)), c
+    _, partials = until_caught(agents)
+    for c in caught(partials, agents, 1, 0):
         assert "summed chunk 0 (elements [0, 264)) of the exchange other than its members' signed partial" in c.detail
-    assert all(c.passed for c in partials if (c.stage_index, c.replica) != (1, 0))
 
 
 def test_a_replica_whose_receipts_name_another_producer_than_its_route_fails(
