@@ -19,7 +19,7 @@ import grpc
 import pytest
 import torch
 
-from arceus.contracts.assignment import Assignment, max_micro_batch_size
+from arceus.contracts.assignment import max_micro_batch_size
 from arceus.contracts.credentials import REPLICA_METADATA_KEY, join_grant, replica_token, token_digest
 from arceus.contracts.spot_check import SpotCheckResult
 from arceus.data.config import validate_dataset_config
@@ -31,13 +31,12 @@ from arceus.v1 import replica_pb2, replica_pb2_grpc, stage_pb2
 from arceus.wire.channels import open_channel
 from devtools.pipeline import (
     driver_token,
-    remember_identity,
     replica_credentials,
     replica_endpoints,
-    replicated_pipeline_assignments,
 )
 from nodeagent import replicas, step_audit
 from nodeagent.agent import Agent
+from tests.arceus.training.replicated_agents import agents_hosting
 from tests.nodeagent.dishonest_forward import dishonest_forward, noise
 
 MODEL = {"type": "mlp", "layer_sizes": [64, 32, 16, 10]}
@@ -54,24 +53,12 @@ MAX_STEPS = 40
 
 @pytest.fixture
 def agents() -> Iterator[list[Agent]]:
-    started = [Agent(device=torch.device("cpu")) for _ in range(6)]
-    for agent in started:
-        agent.start()
-        remember_identity(agent.advertise_address, agent.identity)
-    stages = replicated_pipeline_assignments(
-        job_id=JOB, model_config=MODEL, boundaries=BOUNDARIES,
-        addresses=[[started[a].advertise_address for a in stage] for stage in PLACEMENT],
+    with agents_hosting(
+        PLACEMENT, job_id=JOB, model_config=MODEL, boundaries=BOUNDARIES,
         optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0}, seed=3,
         micro_batches=MICRO_BATCHES, max_micro_batch_size=max_micro_batch_size(DATASET, MICRO_BATCHES),
-    )
-    for stage, hosts in zip(stages, PLACEMENT, strict=True):
-        for assignment, host in zip(stage, hosts, strict=True):
-            started[host].apply_assignments([Assignment.from_json(assignment)])
-    try:
+    ) as started:
         yield started
-    finally:
-        for agent in started:
-            agent.stop(1)
 
 
 def endpoints(agents: list[Agent]) -> list[StageEndpoint]:

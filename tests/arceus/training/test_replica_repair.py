@@ -23,15 +23,16 @@ from typing import Any
 import pytest
 import torch
 
-from arceus.contracts.assignment import Assignment, max_micro_batch_size
+from arceus.contracts.assignment import max_micro_batch_size
 from arceus.data.config import validate_dataset_config
 from arceus.training.driver import train
 from arceus.training.plan import StepProgress, TrainPlan
 from arceus.training.recording import RecordingSink
-from devtools.pipeline import driver_token, remember_identity, replica_endpoints, replicated_pipeline_assignments
+from devtools.pipeline import driver_token, replica_endpoints
 from devtools.reference import reference_run
 from nodeagent.agent import Agent
 from nodeagent.stage import HostedStage
+from tests.arceus.training.replicated_agents import agents_hosting
 
 MLP = {"type": "mlp", "layer_sizes": [64, 32, 16, 10]}
 BOUNDARIES = [0, 1, 2, 3]
@@ -49,26 +50,13 @@ SENT_PER_MICRO_BATCH = {0: SAMPLES * 32 * 4, 1: SAMPLES * (16 + 32) * 4, 2: SAMP
 @pytest.fixture
 def agents(request: pytest.FixtureRequest) -> Iterator[dict[Key, Agent]]:
     """One agent per replica of each stage, in this process; an indirect parameter may set the job's replica_sync."""
-    keys = [(i, r) for i in range(3) for r in range(2)]
-    started = {key: Agent(device=torch.device("cpu")) for key in keys}
-    for agent in started.values():
-        agent.start()
-        remember_identity(agent.advertise_address, agent.identity)
-    stages = replicated_pipeline_assignments(
-        job_id="repaired", model_config=MLP, boundaries=BOUNDARIES,
-        addresses=[[started[(i, r)].advertise_address for r in range(2)] for i in range(3)], optimizer=SGD, seed=SEED,
+    placement = [[2 * i, 2 * i + 1] for i in range(3)]
+    with agents_hosting(
+        placement, job_id="repaired", model_config=MLP, boundaries=BOUNDARIES, optimizer=SGD, seed=SEED,
         micro_batches=MICRO_BATCHES, max_micro_batch_size=max_micro_batch_size(DIGITS, MICRO_BATCHES),
         replica_sync=getattr(request, "param", None),
-    )
-    for i, replicas in enumerate(stages):
-        for r, assignment in enumerate(replicas):
-            started[(i, r)].apply_assignments([Assignment.from_json(assignment)])
-    try:
-        yield started
-    finally:
-        for agent in started.values():
-            if agent.registry.stages():  # a killed one has stopped already
-                agent.stop(0)
+    ) as started:
+        yield {(i, r): started[a] for i, hosts in enumerate(placement) for r, a in enumerate(hosts)}
 
 
 def hosted(agent: Agent) -> HostedStage:
