@@ -14,6 +14,7 @@ import inspect
 import random
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import Any
 
 import grpc
 import pytest
@@ -196,9 +197,11 @@ def test_a_replica_that_sums_its_own_chunk_of_the_exchange_wrongly_is_caught(
     cheat = agents[PLACEMENT[1][0]].registry.stages()[0].exchange
     honest_sum = replicas.reduce_in_order
 
-    def dishonest_sum(parts: dict[int, torch.Tensor]) -> torch.Tensor:
-        total = honest_sum(parts)
-        return total + 1e-3 if inspect.currentframe().f_back.f_locals.get("self") is cheat else total
+    def dishonest_sum(*args: Any, **kwargs: Any) -> torch.Tensor:
+        total = honest_sum(*args, **kwargs)
+        if inspect.currentframe().f_back.f_locals.get("self") is cheat:
+            total += 1e-3  # in place: the exchange reads the sum from the `out` it passed
+        return total
 
     monkeypatch.setattr(replicas, "reduce_in_order", dishonest_sum)
     _, partials = until_caught(agents)
