@@ -166,6 +166,13 @@ def test_a_replica_lost_mid_step_costs_no_rewind_and_a_spare_joins_from_its_peer
     undisturbed = CHURN_JOB["micro_batches"] * (len(expected.losses) + CHURN_JOB["epochs"])
     for index in (0, 2):
         assert sum(p["micro_batches"] for k, p in now.items() if k[0] == index) == undisturbed, (index, now)
+    # and the middle stage's replicas were billed for it, every node that served it summed (a lost replica's row is
+    # gone, its contribution stays): each lost replica for the steps it finished and nothing of the one it was lost
+    # in, whose share its survivor recomputed and was credited for with its own
+    middle = [c for c in final["contributions"] if c["stage_index"] == 1]
+    assert sum(c["micro_batches"] for c in middle) == undisturbed, middle
+    first_victim = [c["micro_batches"] for c in middle if c["node_id"] == placed[(1, 0)]["node_id"]]
+    assert first_victim and first_victim[0] >= 2, middle  # a micro-batch at least in each of steps 1 and 2
 
     if signal_name == "kill":
         assert victim.child.process.wait(10) == -9
