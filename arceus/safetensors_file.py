@@ -16,7 +16,7 @@ from arceus.json_input import json_loads_bounded
 
 # Names of optimizer-state entries start with this; the rest of a stage checkpoint are its weights.
 OPTIMIZER_PREFIX = "optimizer."
-# A buffer training updates (arceus.model.buffers), in what a joining replica copies from a sibling.
+# A buffer training updates (arceus.model.buffers), in a stage's state (checkpoints, a joiner's copy of a sibling's).
 BUFFER_PREFIX = "buffer."
 # safetensors refuses headers above 100 MB; a larger one is no checkpoint of ours.
 MAX_HEADER_BYTES = 100_000_000

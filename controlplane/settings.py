@@ -284,7 +284,7 @@ ARCEUS_DRIVER_LEASE_SECONDS = float(os.environ.get("ARCEUS_DRIVER_LEASE_SECONDS"
 ARCEUS_RPC_TIMEOUT_SECONDS = float(os.environ.get("ARCEUS_RPC_TIMEOUT_SECONDS", "60"))
 # How long a sampling request waits for the training worker that samples through the agents (503 after).
 ARCEUS_SAMPLE_TIMEOUT_SECONDS = float(os.environ.get("ARCEUS_SAMPLE_TIMEOUT_SECONDS", "120"))
-# The largest stage state file (weights and optimizer state) an agent may upload for a checkpoint.
+# The largest stage state file (weights, optimizer state and buffers) an agent may upload for a checkpoint.
 ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES = int(os.environ.get("ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES", str(64 << 30)))
 # A job whose driver or stages fail this many times without a lost node to explain it fails for good.
 # Uploaded datasets: per tenant at most this many bytes and datasets (those whose upload failed not counted),

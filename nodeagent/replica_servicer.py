@@ -85,7 +85,7 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
             return stage
 
         stage = serve(context, "Snapshot", settled)
-        yield from state_stream(stage, include_optimizer_state=True, include_buffers=True)
+        yield from state_stream(stage)
 
     def CopyState(
         self, request: replica_pb2.CopyStateRequest, context: grpc.ServicerContext
@@ -171,10 +171,10 @@ def add_replica_service(servicer: replica_pb2_grpc.ReplicaServiceServicer, serve
 
 
 def state_digest(runtime: StageRuntime, *, order: bytes) -> str:
-    """The SHA-256 (hex) of a stage's state (weights and optimizer state) written as Snapshot writes it, its
+    """The SHA-256 (hex) of a stage's state (weights, optimizer state and buffers) written as Snapshot writes it, its
     tensors in the order of the state file `order` (a loaded optimizer may keep its entries in another order than
     the one that wrote them): the file's own digest exactly when this stage holds every tensor of it, bit for bit."""
-    held = dict(runtime.state_items(include_optimizer_state=True))
+    held = dict(runtime.state_items())
     names = list(tensor_layouts(io.BytesIO(order), len(order)))
     if set(names) == set(held):
         held = {name: held[name] for name in names}

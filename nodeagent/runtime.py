@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -178,6 +178,42 @@ class StageRuntime:
             offset += p.numel()
         self.buffers.set_vector(flat[offset:])
 
+    def recompute_partial(
+        self, micro_batches: Sequence[tuple[int, torch.Tensor, torch.Tensor]], *, batch_size: int, train_step: int
+    ) -> torch.Tensor:
+        """The partial vector (`gradient_vector`'s layout) a replica of this stage computes from `micro_batches` of
+        training step `train_step` (a sibling's, recomputed for an audit with this replica's weights of the step),
+        each (micro-batch index, input, the gradient its output received) or, on the last stage, (index, input,
+        labels) scaled as `forward_loss` scales the loss. Each forward draws what the step's did (seeded by the
+        step, micro-batch and layer) and starts from the buffers as the step found them, as the audited replica's
+        did. The stage's own gradients, graphs and buffer changes of the step stay as they were (nothing is written
+        to `.grad`). ValueError for inputs, gradients or labels that do not fit the layers."""
+        params = list(self.layers.parameters())
+        total = torch.zeros(sum(p.numel() for p in params), dtype=torch.float32)
+        with self.buffers.set_aside():
+            for micro_batch, x, target in micro_batches:
+                try:
+                    with self._autocast():
+                        out = self._train_forward(self._input(x), (train_step, micro_batch), train_step)
+                        if self.is_last:
+                            loss_sum, _ = _loss_sum(out, target.to(self.device))
+                            root, grad = loss_sum / (batch_size * target[0].numel()), None
+                        else:
+                            if target.shape != out.shape:
+                                raise ValueError(
+                                    f"a gradient of shape {list(target.shape)} for an output of {list(out.shape)}"
+                                )
+                            root, grad = out, target.to(self.device, out.dtype)
+                    grads = torch.autograd.grad(root, params, grad_outputs=grad, allow_unused=True)
+                except RuntimeError as exc:  # torch's shape and dtype errors: the micro-batch does not fit the layers
+                    raise ValueError(f"cannot recompute the partial gradient: {exc}") from None
+                self.buffers.restore()  # activation checkpointing's recompute ran the layers' forward again
+                total += torch.cat([
+                    (g if g is not None else torch.zeros_like(p)).detach().reshape(-1).float().cpu()
+                    for g, p in zip(grads, params, strict=True)
+                ])
+            return torch.cat([total, self.buffers.vector()])
+
     def defer_optimizer_step(self, learning_rate: float | None = None) -> None:
         """Keep the accumulated gradients and step later (`settle`): until then the weights are the ones
         this step's forwards used, so a spot check can read them without a copy of them being kept."""
@@ -260,12 +296,12 @@ class StageRuntime:
         return {name: p.detach().cpu().clone() for name, p in named_global_parameters(self.layers)}
 
     def state_items(
-        self, *, include_optimizer_state: bool = True, include_buffers: bool = False
+        self, *, include_optimizer_state: bool = True, include_buffers: bool = True
     ) -> list[tuple[str, torch.Tensor]]:
-        """This stage's weights and (optionally) optimizer state as named tensors, the tensors themselves
-        (no copies): what a checkpoint of the stage holds. They change with the next step. `include_buffers`: and
-        the buffers training updates, as "buffer.<model-wide name>" (what a joining replica copies from a sibling;
-        checkpoints do not hold them yet).
+        """This stage's state as named tensors, the tensors themselves (no copies): its weights, (optionally) its
+        optimizer state, and (optionally) the buffers training updates, as "buffer.<model-wide name>". With both,
+        the one state of a stage: what its checkpoints hold, what a joining replica copies from a sibling and what
+        the replicas' state digests cover. They change with the next step.
 
         Optimizer entries are "optimizer.<parameter name>.<state key>" (e.g. "...weight.exp_avg"), so a
         checkpoint is plain tensors (safetensors) and never a pickled optimizer object.
@@ -286,11 +322,13 @@ class StageRuntime:
         return {name: t.cpu().clone() for name, t in self.state_items()}
 
     def load_state_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Restore weights and optimizer state saved by `state_items` (of a stage with the same layers and
-        optimizer); ValueError naming the first mismatch, before anything is changed. `tensors` may load
-        lazily (`arceus.checkpoint.StateFile`): each tensor is then read once, copied into place and let go,
-        so loading takes one tensor's memory beside the stage's own. A stage without an optimizer (served for
-        inference) loads the weights alone: the optimizer entries are never read."""
+        """Restore weights, optimizer state and buffers saved by `state_items` (of a stage with the same layers and
+        optimizer); ValueError naming the first mismatch, before anything is changed. A state without any buffer
+        (the job's uploaded initial weights, or a checkpoint saved before stages kept their buffers) leaves the
+        buffers as the layers were built with them (an exported model's: as captured); one with some holds exactly
+        this stage's. `tensors` may load lazily (`arceus.checkpoint.StateFile`): each tensor is then read once,
+        copied into place and let go, so loading takes one tensor's memory beside the stage's own. A stage without
+        an optimizer (served for inference) loads the weights alone: the optimizer entries are never read."""
         params = dict(named_global_parameters(self.layers))
         weights = [k for k in tensors if not k.startswith((OPTIMIZER_PREFIX, BUFFER_PREFIX))]
         _check_layouts(tensors, weights, params, "checkpoint", "this stage")

@@ -38,7 +38,7 @@ from nodeagent.rpc import RpcFailure, call_deadline, serve
 from nodeagent.stage import HostedStage, StateUploader, StateUploadError
 from nodeagent.step import StepRun
 from nodeagent.validation import KIND_NAMES, check_layout, decode_push
-from nodeagent.verify import AuditRecord, recompute_forward, recompute_partial
+from nodeagent.verify import AuditRecord, recompute_forward
 
 log = logging.getLogger(__name__)
 
@@ -303,9 +303,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     def VerifyPartial(
         self, request_iterator: Iterator[stage_pb2.VerifyPartialRequest], context: grpc.ServicerContext
     ) -> Iterator[stage_pb2.GradientChunk]:
-        """Recompute a sibling replica's partial gradient of retained step `step` with this replica's own weights of
-        that step (the replicas of a stage hold the same bits), from the micro-batches the driver sends: the step
-        lock is held throughout, so the weights are the step's."""
+        """Recompute a sibling replica's partial gradient of retained step `step` with this replica's own weights and
+        buffers of that step (the replicas of a stage hold the same bits), from the micro-batches the driver sends
+        (each naming its index, which with the step seeds its draws): the step lock is held throughout, so the
+        weights are the step's."""
 
         def settled() -> tuple[HostedStage, stage_pb2.VerifyPartialRequest]:
             first = next(request_iterator, None)
@@ -336,16 +337,20 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                     for message in request_iterator:
                         if len(items) == a.micro_batches:
                             raise ValueError(f"more than the job's {a.micro_batches} micro-batches")
+                        if not 0 <= message.micro_batch < a.micro_batches or any(
+                            message.micro_batch == m for m, _, _ in items
+                        ):
+                            raise ValueError(f"micro_batch {message.micro_batch} is not one of the job's "
+                                             f"{a.micro_batches} or came twice")
                         x = from_proto(message.input, max_bytes=check_layout(
                             "input", message.input, runtime.input_layout, a.max_micro_batch_size
                         ))
                         target = message.labels if stage.io.is_last else message.gradient
-                        items.append((x, from_proto(target, max_bytes=MAX_MESSAGE_BYTES)))
+                        items.append((message.micro_batch, x, from_proto(target, max_bytes=MAX_MESSAGE_BYTES)))
                     if not items:
                         raise ValueError("no micro-batch to recompute")
-                    return recompute_partial(
-                        runtime.layers, items, is_last=stage.io.is_last, batch_size=first.batch_size,
-                        device=runtime.device, precision=runtime.precision,
+                    return runtime.recompute_partial(
+                        items, batch_size=first.batch_size, train_step=stage.audit_record.train_step
                     )
                 except (ValueError, TensorValidationError) as exc:
                     raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, f"cannot verify: {exc}") from None
@@ -370,7 +375,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             return stage
 
         stage = serve(context, "AuditWeights", retained)
-        yield from state_stream(stage, include_optimizer_state=False)
+        yield from state_stream(stage, include_optimizer_state=False, include_buffers=False)
 
     def _audit_record(
         self, request: stage_pb2.AuditRequest, context: grpc.ServicerContext, method: str

@@ -74,6 +74,7 @@ class StepRun:
         routes = None if self.replicas is None else self.replicas.routes
         self.audit = StepAudit(
             stage, request.step, signer, retain=request.retain_for_audit and self.train,
+            train_step=request.train_step or request.step,
             replica_of=None if routes is None else (lambda i, m: routes.of[m][i]),
         )
         # The ranks of a tensor-parallel stage compute side by side: none of them computes alone.

@@ -29,10 +29,11 @@ from nodeagent.verify import AuditRecord
 
 class StepAudit:
     def __init__(
-        self, stage: HostedStage, step: int, signer: ReceiptSigner, *, retain: bool,
+        self, stage: HostedStage, step: int, signer: ReceiptSigner, *, retain: bool, train_step: int,
         replica_of: Callable[[int, int], int] | None = None,
     ) -> None:
-        """`replica_of(stage_index, micro_batch)`: which replica of a neighbouring stage the step's routes give the
+        """`train_step`: the training step the call `step` runs (a retained record keeps it: it seeds the draws).
+        `replica_of(stage_index, micro_batch)`: which replica of a neighbouring stage the step's routes give the
         micro-batch (replicated stages; None: stages that are not replicated, replica 0 each)."""
         self._stage, self._step, self._signer = stage, step, signer
         self._replica_of = replica_of or (lambda _stage, _m: 0)
@@ -45,7 +46,7 @@ class StepAudit:
         self.shard_receipts: list[stage_pb2.ShardReceipt] | None = [] if retain else None
         self.gradient_receipts: list[stage_pb2.Receipt] = []
         self.reduced_receipts: list[stage_pb2.Receipt] = []
-        self.record = AuditRecord(step) if retain else None
+        self.record = AuditRecord(step, train_step) if retain else None
         stage.audit_record = None  # the previous step's is no longer auditable
 
     def received(self, micro_batch: int, x: torch.Tensor) -> None:

@@ -17,6 +17,9 @@ with the same bits; one process running the same micro-batches computes the same
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -115,6 +118,20 @@ class BufferSteps:
                 else:
                     s.add_(torch.div(total.round().to(torch.int64), self.count, rounding_mode="floor"))
         self.discard()
+
+    @contextmanager
+    def set_aside(self) -> Iterator[None]:
+        """Inside: the step's sums and count set aside and the buffers at the step's start, so forwards run again
+        (a sibling's micro-batches recomputed for an audit) sum changes of their own into `vector`; after: the
+        step's sums and count back, and the buffers at its start."""
+        sums, count = self.sums, self.count
+        self.sums, self.count = torch.zeros_like(sums), 0
+        self.restore()
+        try:
+            yield
+        finally:
+            self.sums, self.count = sums, count
+            self.restore()
 
     def discard(self) -> None:
         """Forget the step's changes: the buffers stay as it found them."""

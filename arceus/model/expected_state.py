@@ -1,7 +1,8 @@
 """What a stage's state file must hold, and the check of one against it: the names, dtypes and shapes of
 the stage's parameters (layers [layer_start, layer_end) of the job's model, or a tensor-parallel rank's
-part of them: `arceus.model.tensor_parallel.rank_expected_state`) and of the state its optimizer keeps per
-parameter ("optimizer.<parameter>.<key>").
+part of them: `arceus.model.tensor_parallel.rank_expected_state`), of the state its optimizer keeps per
+parameter ("optimizer.<parameter>.<key>") and of its layers' persistent buffers ("buffer.<model-wide name>": state
+training updates, a BatchNorm's running statistics; `layer_buffers`).
 
 An agent is a stranger's process: what it uploads or streams becomes the state every later host of the
 stage resumes from, the model its owner downloads and what sampling runs. So a state file is checked
@@ -14,12 +15,12 @@ what each rank of a stage streams to it.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from arceus.model.architecture import Shard
 from arceus.model.spec import ModelSpec
-from arceus.safetensors_file import OPTIMIZER_PREFIX, CheckpointError, StageStateError, tensor_layouts
+from arceus.safetensors_file import BUFFER_PREFIX, OPTIMIZER_PREFIX, CheckpointError, StageStateError, tensor_layouts
 
 # (safetensors dtype name, shape)
 Layout = tuple[str, list[int]]
@@ -49,8 +50,8 @@ def optimizer_kind(name: str, momentum: float) -> str:
 
 @dataclass(frozen=True)
 class ExpectedState:
-    """What stage `stage_index` (or rank `shard.rank` of it) holds: `weights` by model-wide name, and the
-    `optimizer` kind whose per-parameter state may accompany them."""
+    """What stage `stage_index` (or rank `shard.rank` of it) holds: `weights` by model-wide name, the
+    `optimizer` kind whose per-parameter state may accompany them, and its layers' `buffers` ("buffer.<name>")."""
 
     stage_index: int
     layer_start: int
@@ -58,6 +59,7 @@ class ExpectedState:
     optimizer: str
     weights: dict[str, Layout]
     shard: Shard | None = None
+    buffers: dict[str, Layout] = field(default_factory=dict)
 
     def holds(self) -> str:
         if self.shard is None:
@@ -82,13 +84,20 @@ def expected_stage_state(
         for index in range(layer_start, layer_end)
         for name, shape in spec.layer_parameters(index).items()
     }
-    return ExpectedState(stage_index, layer_start, layer_end, optimizer, weights)
+    buffers = {
+        f"{BUFFER_PREFIX}layers.{index}.{name}": (_SAFETENSORS_DTYPES[dtype], shape)
+        for index in range(layer_start, layer_end)
+        for name, (dtype, shape) in spec.layer_buffers(index).items()
+    }
+    return ExpectedState(stage_index, layer_start, layer_end, optimizer, weights, buffers=buffers)
 
 
 def stage_state_check(layouts: Mapping[str, Layout], expected: ExpectedState) -> None:
     """StageStateError naming the first tensor (in `layouts`' order) that the stage does not hold as
     `layouts` describes it, or the first it holds that is missing. Optimizer state is optional per
-    parameter (none before its first step), but a parameter that has some has all its optimizer keeps."""
+    parameter (none before its first step), but a parameter that has some has all its optimizer keeps; every
+    buffer is required (a state file saved before stages kept their buffers was checked before it was kept, and
+    loads as `nodeagent.runtime.StageRuntime.load_state_tensors` says)."""
     keeps = OPTIMIZER_STATE_KEYS[expected.optimizer]
 
     def refuse(message: str) -> StageStateError:
@@ -96,7 +105,11 @@ def stage_state_check(layouts: Mapping[str, Layout], expected: ExpectedState) ->
 
     entries: dict[str, set[str]] = {}
     for name, got in layouts.items():
-        if not name.startswith(OPTIMIZER_PREFIX):
+        if name.startswith(BUFFER_PREFIX):
+            want = expected.buffers.get(name)
+            if want is None:
+                raise refuse(f"unexpected tensor {name}: no buffer of the layers it holds ({expected.holds()})")
+        elif not name.startswith(OPTIMIZER_PREFIX):
             want = expected.weights.get(name)
             if want is None:
                 raise refuse(f"unexpected tensor {name}: {expected.holds()}")
@@ -110,7 +123,7 @@ def stage_state_check(layouts: Mapping[str, Layout], expected: ExpectedState) ->
             entries.setdefault(parameter, set()).add(key)
         if (got[0], list(got[1])) != want:
             raise refuse(f"{name}: expected {layout_described(want)}, got {layout_described(got)}")
-    for name, want in expected.weights.items():
+    for name, want in (expected.weights | expected.buffers).items():
         if name not in layouts:
             raise refuse(f"missing tensor {name}: expected {layout_described(want)} ({expected.holds()})")
     for parameter, keys in entries.items():
@@ -133,9 +146,10 @@ def stage_file_check(handle: BinaryIO, file_size: int, expected: ExpectedState) 
     stage_state_check(layouts, expected)
 
 
-# How messages name dtypes (torch's names, which developers know).
+# How messages name dtypes (torch's names, which developers know), and how a safetensors header names a torch one.
 _DTYPE_NAMES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64", "I64": "int64",
                 "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+_SAFETENSORS_DTYPES = {torch_name: name for name, torch_name in _DTYPE_NAMES.items()}
 
 
 def layout_described(layout: Layout) -> str:

@@ -43,6 +43,11 @@ class ModelSpec(Protocol):
         """Each parameter's shape in `layer`, by its name in the layer's torch module (all float32)."""
         ...
 
+    def layer_buffers(self, layer: int) -> dict[str, tuple[str, list[int]]]:
+        """Each persistent buffer of `layer` (state its training forward updates, arceus.model.buffers): (torch dtype
+        name, shape), by its name in the layer's torch module; a stage's state holds them beside its weights."""
+        ...
+
     def layer_flops_per_sample(self) -> list[int]:
         """Forward FLOPs per sample of each layer (a backward costs about twice as much)."""
         ...

@@ -4,10 +4,13 @@ in, so every replica ends with the same bits (reduce-scatter to the owners, then
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from arceus.model.spec import ModelSpec
 
 MAX_SHARD_BYTES = 4 * 1024 * 1024  # one exchange message at most: bounded like every other data-plane message
 
@@ -19,6 +22,16 @@ class Chunk:
     owner: int
     start: int
     end: int
+
+
+def exchange_elements(spec: ModelSpec, layer_start: int, layer_end: int) -> int:
+    """The length of a replica's partial vector for layers [layer_start, layer_end) of `spec`, from the spec alone
+    (`nodeagent.runtime.StageRuntime.gradient_vector` lays it out): every parameter's gradient, then, where the
+    layers have persistent buffers (arceus.model.buffers), each buffer's summed change and the micro-batch count."""
+    layers = range(layer_start, layer_end)
+    buffers = sum(math.prod(shape) for i in layers for _, shape in spec.layer_buffers(i).values())
+    parameters = sum(spec.layer_params()[layer_start:layer_end])
+    return parameters + (buffers + 1 if any(spec.layer_buffers(i) for i in layers) else 0)
 
 
 def chunk_bounds(total_elements: int, members: Sequence[int]) -> tuple[Chunk, ...]:

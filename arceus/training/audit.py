@@ -34,7 +34,7 @@ from arceus.contracts.spot_check import PARTIAL_GRADIENT, SpotCheckResult
 from arceus.contracts.transfer import TransferConfig
 from arceus.model.precision import BF16_TOLERANCE
 from arceus.model.registry import model_spec_from_config
-from arceus.swarm.exchange import chunk_bounds, reduce_in_order, shard_bounds
+from arceus.swarm.exchange import chunk_bounds, exchange_elements, reduce_in_order, shard_bounds
 from arceus.swarm.routing import Routes
 from arceus.training.plan import StageEndpoint, TrainPlan
 from arceus.training.stage_client import StageClient
@@ -251,7 +251,7 @@ class Auditor:
             return SpotCheckResult(step, m, i, stage_node, False, f"{where}: {what}", kind=PARTIAL_GRADIENT,
                                    **(replicas or ids))
 
-        elements = sum(model_spec_from_config(self.plan.model).layer_params()[e.layer_start : e.layer_end])
+        elements = exchange_elements(model_spec_from_config(self.plan.model), e.layer_start, e.layer_end)
         try:
             partial = client.audit_partial(step, elements)
         except grpc.RpcError as exc:
@@ -326,7 +326,7 @@ class Auditor:
                 if target is None or tensor_digest(target) != evidence.gradients[(i, mb)]:
                     return failed(f"returned a gradient of micro-batch {mb} other than the one stage {i + 1} "
                                   f"replica {routes.of[mb][i + 1]} signed for sending it")
-            items.append((x, target))
+            items.append((mb, x, target))
         siblings = [c for (s, r), (c, _) in parties.items() if s == i and r != k and not _same_party(c.endpoint, e)]
         if not siblings:
             log.warning("step %d: no sibling of stage %d replica %d on another owner's node can recompute it",

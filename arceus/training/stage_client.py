@@ -136,18 +136,19 @@ class StageClient:
         return _gradient(self._stub.AuditPartial(request, timeout=self.timeout), elements)
 
     def verify_partial(
-        self, step: int, batch_size: int, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]], elements: int,
-        *, last: bool,
+        self, step: int, batch_size: int, micro_batches: Iterable[tuple[int, torch.Tensor, torch.Tensor]],
+        elements: int, *, last: bool,
     ) -> torch.Tensor:
-        """This (sibling) replica recomputes, with its own weights of retained step `step`, the partial gradient of
-        `micro_batches` ((input, the gradient its output received) each; (input, labels) on the `last` stage) of a
-        step of `batch_size` samples: `elements` float32 values."""
+        """This (sibling) replica recomputes, with its own weights and buffers of retained step `step`, the partial
+        vector (gradients, and buffer changes where the layers have buffers) of `micro_batches` ((index, input, the
+        gradient its output received) each; (index, input, labels) on the `last` stage) of a step of `batch_size`
+        samples: `elements` float32 values."""
 
         def requests() -> Iterator[stage_pb2.VerifyPartialRequest]:
             yield stage_pb2.VerifyPartialRequest(target=self.ref, step=step, batch_size=batch_size)
-            for x, target in micro_batches:
+            for micro_batch, x, target in micro_batches:
                 yield stage_pb2.VerifyPartialRequest(
-                    input=to_proto(x), **{"labels" if last else "gradient": to_proto(target)}
+                    micro_batch=micro_batch, input=to_proto(x), **{"labels" if last else "gradient": to_proto(target)}
                 )
 
         return _gradient(self._stub.VerifyPartial(requests(), timeout=self.timeout), elements)

@@ -38,7 +38,14 @@ from arceus.model.hugging_face import (
     initial_weights_slice,
 )
 from arceus.model.registry import model_spec_from_config
-from arceus.safetensors_file import OPTIMIZER_PREFIX, CheckpointError, StageStateError, file_digest, merged_checkpoint
+from arceus.safetensors_file import (
+    BUFFER_PREFIX,
+    OPTIMIZER_PREFIX,
+    CheckpointError,
+    StageStateError,
+    file_digest,
+    merged_checkpoint,
+)
 from arceus.training.plan import StageEndpoint, StageStateFile
 from controlplane.common import metrics
 from controlplane.common.errors import ApplicationError
@@ -349,7 +356,7 @@ def job_model_file(*, job: Job, model_format: str = "safetensors") -> ModelFile:
             "epoch": str(checkpoint.epoch),
             "model_config": json.dumps(job.model_config, sort_keys=True),
         }
-        weights = lambda name: not name.startswith(OPTIMIZER_PREFIX)  # noqa: E731
+        weights = lambda name: not name.startswith((OPTIMIZER_PREFIX, BUFFER_PREFIX))  # noqa: E731
         if model_format == "hf":
             size, chunks = hugging_face_folder(spec, handles, keep=weights, metadata=metadata)
         else:

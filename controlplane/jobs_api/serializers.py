@@ -215,7 +215,7 @@ class ConditionOutput(serializers.Serializer):
 
 class JoinedOutput(serializers.Serializer):
     from_replica = serializers.IntegerField(help_text="the live replica whose state it copied, peer to peer")
-    size_bytes = serializers.IntegerField(help_text="bytes of state copied (weights and optimizer state)")
+    size_bytes = serializers.IntegerField(help_text="bytes of state copied (weights, optimizer state and buffers)")
     sha256 = serializers.CharField(help_text="of the state copied")
     state_sha256 = serializers.CharField(help_text="of the state it held once loaded")
 

@@ -7,12 +7,14 @@ names (SGD keeping activations; Adam recomputing them in the backward); each sta
 partial vectors (gradients, buffer changes and micro-batch count) with their ascending sum, which the exchange
 computes (tests/nodeagent/test_nodeagent_replicas.py). Losses, weights and buffers equal
 `devtools.reference.micro_batched_run` (one process) to 1e-5, and the replicas of a stage hold the same bits
-(weights, optimizer state, buffers) after every step. A joiner's copy of a sibling's state carries the buffers, and a
-RunStep's draws follow its training step, not its call id."""
+(weights, optimizer state, buffers) after every step. A joiner's copy of a sibling's state carries the buffers, and so
+do a stage's checkpoints and its state digest; a RunStep's draws follow its training step, not its call id; and a
+sibling recomputing a replica's partial vector for an audit draws the same masks and starts from the same buffers."""
 
 from __future__ import annotations
 
 import copy
+import io
 import json
 import threading
 import time
@@ -23,16 +25,21 @@ import torch
 from safetensors.torch import load as safetensors_load
 from torch import nn
 
+from arceus.checkpoint import decode_checkpoint, encode_checkpoint
 from arceus.contracts.assignment import Assignment, InitialWeightsRef, OptimizerConfig
 from arceus.model.buffers import persistent_buffers
 from arceus.model.build import build_layers
+from arceus.model.expected_state import expected_stage_state, optimizer_kind, stage_file_check
 from arceus.model.exported.capture import CapturedModel, capture
 from arceus.model.exported.program import program_layers
 from arceus.model.registry import model_spec_from_config
+from arceus.safetensors_file import StageStateError
+from arceus.swarm.exchange import exchange_elements
 from arceus.v1 import stage_pb2
 from arceus.verify.receipts import ReceiptSigner
 from devtools.pipeline import pipeline_assignments
 from devtools.reference import micro_batched_run
+from nodeagent.replica_servicer import state_digest
 from nodeagent.runtime import StageRuntime
 from nodeagent.stage import build_hosted_stage
 from nodeagent.step import StepRun
@@ -104,7 +111,7 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _state(runtime: StageRuntime) -> dict[str, torch.Tensor]:
     """Weights, optimizer state and buffers."""
-    return {**dict(runtime.state_items()), **{f"buffer.{n}": b for n, b in persistent_buffers(runtime.layers)}}
+    return dict(runtime.state_items())
 
 
 @pytest.mark.parametrize(
@@ -149,7 +156,7 @@ def test_replicas_with_batchnorm_and_dropout_train_as_one_process(
         assert abs(got - want) <= 1e-5 * abs(want), f"step {step}: {got!r} != {want!r}"
     assert expected.losses[-1] < expected.losses[0]
     weights = {name: t for replicas in stages for name, t in replicas[0].state_tensors().items()
-               if not name.startswith("optimizer.")}
+               if not name.startswith(("optimizer.", "buffer."))}
     assert weights.keys() == expected.weights.keys()
     for name, want in expected.weights.items():
         torch.testing.assert_close(weights[name], want, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
@@ -226,9 +233,8 @@ def test_a_joiner_copies_a_siblings_buffers_and_then_steps_as_it_does(captured: 
         live.forward((step, 0), x, train_step=step)
         live.backward((step, 0), torch.ones(len(x), 32))
         live.optimizer_step()
-    snapshot = {n: t.clone() for n, t in live.state_items(include_buffers=True)}
+    snapshot = {n: t.clone() for n, t in live.state_items()}
     assert "buffer.layers.1.stem.1.running_mean" in snapshot
-    assert not any(n.startswith("buffer.") for n, _ in live.state_items())  # checkpoints hold none yet
     joiner.load_state_tensors(snapshot)
     assert _state(joiner).keys() == _state(live).keys()
     assert all(torch.equal(t, _state(live)[n]) for n, t in _state(joiner).items())
@@ -283,3 +289,102 @@ def test_a_runstep_seeds_the_draws_by_its_training_step_not_its_call_id(captured
     first, again, later = attempt(3, 5), attempt(9, 5), attempt(3, 6)
     assert first[0] == again[0] and first[0] != later[0]
     assert all(torch.equal(t, again[1][name]) for name, t in first[1].items())
+
+
+def _trained(cap: CapturedModel, start: int, end: int, steps: int = 2) -> StageRuntime:
+    """A stage of layers [start, end) after `steps` training steps (its buffers moved from the captured ones)."""
+    runtime = _runtime(cap, start, end, OPTIMIZERS["adam"], recompute=False)
+    (x, y), *_ = _batches()
+    for step in range(1, steps + 1):
+        h = _runtime(cap, 0, start, OPTIMIZERS["sgd"], False).layers(x).detach() if start else x
+        if runtime.is_last:
+            runtime.forward_loss((step, 0), h, y, BATCH, train_step=step)
+            runtime.backward((step, 0))
+        else:
+            out = runtime.forward((step, 0), h, train_step=step)
+            runtime.backward((step, 0), torch.ones_like(out))
+        runtime.optimizer_step()
+    return runtime
+
+
+def test_a_stages_checkpoint_holds_its_buffers_and_resumes_them(captured: CapturedModel) -> None:
+    """The state GetState and SaveState write (a checkpoint) holds the stage's buffers beside its weights and
+    optimizer state; the control plane's check, from the spec alone, accepts it and refuses one lacking a buffer; a
+    stage resumed from it holds the same state, bit for bit. A checkpoint saved before stages kept buffers still
+    loads, as a stage's uploaded initial weights do: the buffers stay as captured."""
+    live = _trained(captured, 0, 2)
+    state = dict(live.state_items())
+    assert {n for n in state if n.startswith("buffer.")} == {
+        f"buffer.layers.1.stem.1.{b}" for b in ("running_mean", "running_var", "num_batches_tracked")
+    }
+    spec = model_spec_from_config(captured.model_config)
+    expected = expected_stage_state(spec, stage_index=0, layer_start=0, layer_end=2,
+                                    optimizer=optimizer_kind("adam", 0.0))
+    data = encode_checkpoint(state)
+    stage_file_check(io.BytesIO(data), len(data), expected)
+    lacking = encode_checkpoint({n: t for n, t in state.items() if n != "buffer.layers.1.stem.1.running_var"})
+    with pytest.raises(StageStateError, match="missing tensor buffer.layers.1.stem.1.running_var: expected float32"):
+        stage_file_check(io.BytesIO(lacking), len(lacking), expected)
+
+    resumed = _runtime(captured, 0, 2, OPTIMIZERS["adam"], recompute=False)
+    resumed.load_state_tensors(decode_checkpoint(data))
+    assert all(torch.equal(t, _state(resumed)[n]) for n, t in _state(live).items())
+
+    old = _runtime(captured, 0, 2, OPTIMIZERS["adam"], recompute=False)
+    captured_buffers = {n: b.clone() for n, b in persistent_buffers(old.layers)}
+    old.load_state_tensors({n: t for n, t in state.items() if not n.startswith("buffer.")})
+    assert all(torch.equal(b, captured_buffers[n]) for n, b in persistent_buffers(old.layers))
+    assert all(torch.equal(p, state[n]) for n, p in old.state_items(include_buffers=False))
+
+
+def test_replicas_whose_buffers_differ_have_different_state_digests(captured: CapturedModel) -> None:
+    """The state digest a joiner's copy is checked by (and replicas compare) covers the buffers: two replicas of
+    the same weights and optimizer state whose running statistics differ do not digest alike."""
+    live = _trained(captured, 0, 2)
+    twin = _runtime(captured, 0, 2, OPTIMIZERS["adam"], recompute=False)
+    twin.load_state_tensors({n: t.clone() for n, t in live.state_items()})
+    order = encode_checkpoint(dict(live.state_items()))
+    assert state_digest(twin, order=order) == state_digest(live, order=order)
+    dict(persistent_buffers(twin.layers))["1.stem.1.running_mean"].add_(1e-3)
+    assert state_digest(twin, order=order) != state_digest(live, order=order)
+
+
+@pytest.mark.parametrize(("start", "end"), [(0, 3), (2, 5)], ids=["first-stage", "last-stage"])
+def test_a_sibling_recomputes_a_replicas_partial_with_the_steps_buffers_and_masks(
+    captured: CapturedModel, start: int, end: int
+) -> None:
+    """Two replicas of a stage with a BatchNorm and a dropout (layer 2), their buffers moved by earlier steps: replica
+    A takes micro-batches 1 and 3 of training step 3 (under its own call id), its sibling B micro-batches 0 and 2.
+    B's recomputation of A's micro-batches (for an audit) equals A's partial vector (gradients, buffer changes and
+    count: as many elements as the driver counts from the spec), and leaves B's own step as it was. With another
+    training step (other masks) it differs."""
+    a, b = _trained(captured, start, end), _trained(captured, start, end)
+    (x, y), *_ = _batches()
+    h = _runtime(captured, 0, start, OPTIMIZERS["sgd"], False).layers(x).detach() if start else x
+    xs, ys = torch.tensor_split(h, MICRO_BATCHES), torch.tensor_split(y, MICRO_BATCHES)
+    grads = [torch.randn(len(xm), 32, generator=torch.Generator().manual_seed(m)) for m, xm in enumerate(xs)]
+
+    def run(runtime: StageRuntime, call: int, micro_batches: list[int]) -> None:
+        for m in micro_batches:
+            if runtime.is_last:
+                runtime.forward_loss((call, m), xs[m], ys[m], BATCH, train_step=3)
+                runtime.backward((call, m))
+            else:
+                runtime.forward((call, m), xs[m], train_step=3)
+                runtime.backward((call, m), grads[m])
+
+    run(a, 40, [1, 3])
+    run(b, 41, [0, 2])
+    partial, own = a.gradient_vector(), b.gradient_vector()
+    items = [(m, xs[m], ys[m] if b.is_last else grads[m]) for m in (1, 3)]
+    recomputed = b.recompute_partial(items, batch_size=BATCH, train_step=3)
+
+    spec = model_spec_from_config(captured.model_config)
+    assert recomputed.shape == partial.shape == (exchange_elements(spec, start, end),)
+    assert exchange_elements(spec, start, end) == b.exchange_elements()
+    torch.testing.assert_close(recomputed, partial, rtol=1e-5, atol=1e-6)
+    assert torch.equal(b.gradient_vector(), own)  # B's own step: its gradients and buffer changes as they were
+    assert all(torch.equal(buffer, start_value) for buffer, start_value in zip(b.buffers.buffers, b.buffers.start,
+                                                                                   strict=True))
+    other_masks = b.recompute_partial(items, batch_size=BATCH, train_step=4)
+    assert not torch.allclose(other_masks, partial, rtol=1e-5, atol=1e-6)

@@ -69,6 +69,10 @@ class ConvNetSpec:
         (c_in, _, _), c_out = self._convs()[layer]
         return {"conv.weight": [c_out, c_in, self.kernel_size, self.kernel_size], "conv.bias": [c_out]}
 
+    def layer_buffers(self, layer: int) -> dict[str, tuple[str, list[int]]]:
+        """None: its layers hold no persistent buffer."""
+        return {}
+
     def layer_stash(self) -> list[LayerStash]:
         """A conv layer keeps its activation's output (which pooling keeps too) or, for GELU, its input and the
         output pooling keeps, and the pooling's argmax indices (int64, a quarter as many); the head the log-

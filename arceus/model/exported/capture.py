@@ -49,8 +49,8 @@ class CapturedModel:
 
     def module_weights(self, trained: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A trained job's weights (its model download: pipeline names) under the module's own names, for
-        `module.load_state_dict(..., strict=False)` (buffers such as BatchNorm's running statistics are not
-        trained state: a stage's checkpoint holds parameters). KeyError for a name the capture did not write."""
+        `module.load_state_dict(..., strict=False)` (the download holds the parameters: buffers such as
+        BatchNorm's running statistics stay the module's own). KeyError for a name the capture did not write."""
         return {self.names[name]: tensor for name, tensor in trained.items()}
 
 
@@ -289,6 +289,8 @@ def _layer(layer: fx.GraphModule, value: torch.Tensor, batch: Any) -> tuple[torc
         "sha256": hashlib.sha256(document.encode()).hexdigest(),
         "output": _layout(output.detach(), None),
         "parameters": {name: list(p.shape) for name, p in layer.named_parameters()},
+        "buffers": {name: {"dtype": str(state[name].dtype).removeprefix("torch."), "shape": list(state[name].shape)}
+                    for name in signature.buffers if name in state},  # persistent ones: a stage's state
         "flops_per_sample": max(1, flops.get_total_flops() // samples),
         "stash_bytes_per_sample": sum(saved.values()) // samples,
     }

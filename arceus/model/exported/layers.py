@@ -38,6 +38,8 @@ class ExportedLayerModule(nn.Module):
         )
         object.__setattr__(self, "_graph", graph)  # not a child: its parameters are these ones
         self._share_buffers()
+        if graph is not None:
+            _buffers_check(spec, index, graph)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._graph is None:
@@ -101,6 +103,19 @@ def _graph(
         owner, _, leaf = name.rpartition(".")
         setattr(_module_at(module, owner), leaf, param)
     return module, draws
+
+
+def _buffers_check(spec: ExportedSpec, index: int, graph: nn.Module) -> None:
+    """SpecError unless the graph's persistent buffers are the ones the spec declares (a stage's state holds them,
+    and what checks a state file, or counts a replica's partial gradient, knows them from the spec alone)."""
+    held = {name: (str(b.dtype).removeprefix("torch."), list(b.shape)) for name, b in persistent_buffers(graph)}
+    declared = spec.layer_buffers(index)
+    if held != declared:
+        raise SpecError(
+            f"model_config.layers[{index}].buffers",
+            f"declares {declared} but the layer's graph holds persistent buffers {held}; capture the model again "
+            "(arceus.model.exported.capture declares them)",
+        )
 
 
 def _tensor(tensors: dict[str, torch.Tensor], name: str, where: str) -> torch.Tensor:

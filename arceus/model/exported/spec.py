@@ -7,7 +7,11 @@ reach only the agents that build the layers (`attached`).
      "labels": {"dtype": "int64", "shape": [], "bound": 10}, "program_sha256": "<hex>",
      "layers": [{"sha256": "<hex>", "output": {"dtype": "float32", "shape": [32]},
                  "parameters": {"fc.weight": [32, 64], "fc.bias": [32]},
+                 "buffers": {"bn.running_mean": {"dtype": "float32", "shape": [32]}, ...},
                  "flops_per_sample": 4096, "stash_bytes_per_sample": 256}, ...]}
+
+`buffers`: the layer's persistent buffers (state its forward updates, a BatchNorm's running statistics), which a
+stage's state holds beside its weights; a layer without any may leave the key out.
 """
 
 from __future__ import annotations
@@ -27,10 +31,13 @@ SPEC_TYPE = "exported"
 MAX_LAYERS = 1024
 MAX_DIMS = 8
 MAX_SIDE = 1 << 24
-MAX_PARAMETERS_PER_LAYER = 4096  # parameter tensors
+MAX_PARAMETERS_PER_LAYER = 4096  # parameter tensors (and as many buffers)
+# The dtypes a buffer may have (torch's names).
+BUFFER_DTYPES = frozenset({"float32", "float64", "float16", "bfloat16", "int64", "int32"})
 MAX_COST = 1 << 62
 _KEYS = frozenset({"type", "input", "labels", "layers", "program_sha256"})
 _LAYER_KEYS = frozenset({"sha256", "output", "parameters", "flops_per_sample", "stash_bytes_per_sample"})
+_OPTIONAL_LAYER_KEYS = frozenset({"buffers"})
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 # A parameter's name in the developer's module: dotted identifiers (and ModuleList indices).
 _NAME = re.compile(r"[A-Za-z0-9_]+(\.[A-Za-z0-9_]+)*")
@@ -43,6 +50,7 @@ class ExportedLayer:
     parameters: tuple[tuple[str, tuple[int, ...]], ...]  # (name, shape), float32
     flops_per_sample: int
     stash_bytes_per_sample: int
+    buffers: tuple[tuple[str, str, tuple[int, ...]], ...] = ()  # (name, torch dtype name, shape)
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,10 @@ class ExportedSpec:
     def layer_parameters(self, layer: int) -> dict[str, list[int]]:
         """Each declared parameter's shape in `layer`, under the developer's name."""
         return {name: list(shape) for name, shape in self.layers[layer].parameters}
+
+    def layer_buffers(self, layer: int) -> dict[str, tuple[str, list[int]]]:
+        """Each declared persistent buffer of `layer`: (dtype, shape), under the developer's name."""
+        return {name: (dtype, list(shape)) for name, dtype, shape in self.layers[layer].buffers}
 
     def layer_flops_per_sample(self) -> list[int]:
         return [layer.flops_per_sample for layer in self.layers]
@@ -120,8 +132,10 @@ def exported_from_config(config: dict[str, Any]) -> ExportedSpec:
 
 
 def _layer(value: Any, where: str) -> ExportedLayer:
-    if not isinstance(value, dict) or set(value) != _LAYER_KEYS:
-        raise SpecError(where, f"must be an object with exactly {', '.join(sorted(_LAYER_KEYS))}")
+    if not isinstance(value, dict) or not _LAYER_KEYS <= set(value) <= _LAYER_KEYS | _OPTIONAL_LAYER_KEYS:
+        raise SpecError(
+            where, f"must be an object with exactly {', '.join(sorted(_LAYER_KEYS))} (and optionally buffers)"
+        )
     output = _layout(value["output"], f"{where}.output", ids=False)
     parameters = value["parameters"]
     if not isinstance(parameters, dict) or len(parameters) > MAX_PARAMETERS_PER_LAYER:
@@ -135,7 +149,23 @@ def _layer(value: Any, where: str) -> ExportedLayer:
         parameters=tuple((name, _shape(shape, f"{where}.parameters.{name}")) for name, shape in parameters.items()),
         flops_per_sample=_count(value["flops_per_sample"], f"{where}.flops_per_sample"),
         stash_bytes_per_sample=_count(value["stash_bytes_per_sample"], f"{where}.stash_bytes_per_sample"),
+        buffers=_buffers(value.get("buffers", {}), f"{where}.buffers"),
     )
+
+
+def _buffers(value: Any, where: str) -> tuple[tuple[str, str, tuple[int, ...]], ...]:
+    if not isinstance(value, dict) or len(value) > MAX_PARAMETERS_PER_LAYER:
+        raise SpecError(where, f"must map at most {MAX_PARAMETERS_PER_LAYER} names to {{dtype, shape}}")
+    parsed = []
+    for name, layout in value.items():
+        if not _NAME.fullmatch(name):
+            raise SpecError(where, f"{name[:80]!r} is not a buffer name")
+        if not isinstance(layout, dict) or set(layout) != {"dtype", "shape"}:
+            raise SpecError(f"{where}.{name}", "must be {dtype, shape}")
+        if layout["dtype"] not in BUFFER_DTYPES:
+            raise SpecError(f"{where}.{name}.dtype", f"must be one of {', '.join(sorted(BUFFER_DTYPES))}")
+        parsed.append((name, layout["dtype"], _shape(layout["shape"], f"{where}.{name}.shape")))
+    return tuple(parsed)
 
 
 def _layout(value: Any, where: str, *, ids: bool) -> TensorLayout:

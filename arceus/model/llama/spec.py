@@ -90,6 +90,10 @@ class LlamaSpec(TextDecoderLayouts):
             "input_layernorm.weight": [d], "post_attention_layernorm.weight": [d],
         }
 
+    def layer_buffers(self, layer: int) -> dict[str, tuple[str, list[int]]]:
+        """None: its layers hold no persistent buffer."""
+        return {}
+
     def layer_flops_per_sample(self) -> list[int]:
         """Forward FLOPs per sample (block_size tokens): 2 per multiply-add of each matmul, plus the attention
         scores and their weighted sum (2·T²·d each). Lookups, norms, rotations and softmax are ignored."""

@@ -47,6 +47,10 @@ class MLPSpec:
         i, o = self._pairs()[layer]
         return {"weight": [o, i], "bias": [o]}
 
+    def layer_buffers(self, layer: int) -> dict[str, tuple[str, list[int]]]:
+        """None: its layers hold no persistent buffer."""
+        return {}
+
     def layer_flops_per_sample(self) -> list[int]:
         """Forward FLOPs per sample of each layer: 2·in·out (one multiply and one add per weight).
 

@@ -17,6 +17,7 @@ from arceus.contracts.assignment import OptimizerConfig
 from arceus.model.build import build_layers, named_global_parameters
 from arceus.model.expected_state import expected_stage_state, optimizer_kind, stage_file_check
 from arceus.model.exported.capture import capture
+from arceus.model.exported.program import program_layers
 from arceus.model.registry import model_spec_from_config
 from arceus.model.sharding import Shard
 from arceus.model.spec import ModelSpec
@@ -162,6 +163,35 @@ def test_each_kind_of_mismatch_is_refused_naming_the_tensor(change, message: str
     with pytest.raises(StageStateError) as refused:
         check(tensors, SPEC, 1, 2, SGD_MOMENTUM)
     assert str(refused.value) == message and refused.value.stage_index == 1
+
+
+def test_a_stage_with_batchnorm_holds_exactly_its_declared_buffers() -> None:
+    """An exported model's BatchNorm buffers ("buffer.<name>") are part of its stage's state, checked from the spec's
+    declaration as weights are: its honest state passes; a buffer of another layer, of another layout or missing is
+    refused by name (a buffer is never optional: the stage always writes its own)."""
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(torch.nn.Linear(64, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 10))
+    cap = capture(module, torch.rand(4, 64), split_points=["2"])
+    spec = model_spec_from_config(cap.model_config)
+    documents = program_layers(cap.program, [layer["sha256"] for layer in cap.model_config["layers"]])
+    runtime = StageRuntime(
+        build_layers(spec.with_documents(dict(enumerate(documents))), 0, 2, seed=0), optimizer=SGD, is_first=True,
+        is_last=True, input_layout=spec.input_layout(0), max_micro_batch_size=4, device=torch.device("cpu"),
+    )
+    honest = runtime.state_tensors()
+    assert "buffer.layers.0.1.running_var" in honest
+    check(honest, spec, 0, 2, SGD)
+    refusals = {
+        "buffer.layers.1.1.running_var": "unexpected tensor buffer.layers.1.1.running_var: no buffer of the layers "
+                                         "it holds (the stage holds layers [0, 2))",
+        "buffer.layers.0.1.running_mean": "buffer.layers.0.1.running_mean: expected float32 [16], got float32 [17]",
+    }
+    for name, message in refusals.items():
+        with pytest.raises(StageStateError) as refused:
+            check({**honest, name: torch.zeros(17)}, spec, 0, 2, SGD)
+        assert str(refused.value) == f"stage 1: {message}"
+    with pytest.raises(StageStateError, match="missing tensor buffer.layers.0.1.num_batches_tracked: expected int64 "):
+        check({n: t for n, t in honest.items() if not n.endswith("num_batches_tracked")}, spec, 0, 2, SGD)
 
 
 def test_adam_state_needs_a_scalar_step_and_all_its_entries() -> None:

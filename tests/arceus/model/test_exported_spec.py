@@ -11,7 +11,10 @@ import torch
 from torch import nn
 
 from arceus.errors import SpecError
+from arceus.model.buffers import persistent_buffers
+from arceus.model.build import build_layers
 from arceus.model.exported.capture import CapturedModel, capture
+from arceus.model.exported.program import program_layers
 from arceus.model.registry import fit_model_to_dataset, model_spec_from_config
 
 
@@ -54,6 +57,11 @@ def test_the_spec_answers_from_the_config_alone(captured: CapturedModel) -> None
         (lambda c: c["layers"][0]["parameters"].update(w=[0]), "model_config.layers[0].parameters.w"),
         (lambda c: c["layers"][0]["output"].update(dtype="int64"), "model_config.layers[0].output.dtype"),
         (lambda c: c["labels"].update(bound=7), "model_config.labels"),
+        (lambda c: c["layers"][0].update(buffers=[]), "model_config.layers[0].buffers"),
+        (lambda c: c["layers"][0].update(buffers={"bn.m": {"dtype": "uint8", "shape": [2]}}),
+         "model_config.layers[0].buffers.bn.m.dtype"),
+        (lambda c: c["layers"][0].update(buffers={"bn.m": {"dtype": "float32", "shape": [0]}}),
+         "model_config.layers[0].buffers.bn.m.shape"),
         (lambda c: c.update(program_sha256=None), "model_config.program_sha256"),
     ],
 )
@@ -110,3 +118,31 @@ def test_a_named_cut_that_cannot_carry_one_tensor_is_refused() -> None:
     assert refused.value.field == "split_points['mid']"
     with pytest.raises(SpecError, match="names no module"):
         capture(TwoHeads(), torch.rand(4, 64), split_points=["nowhere"])
+
+
+def test_a_captured_batchnorms_buffers_are_declared_and_held_by_the_built_layers() -> None:
+    """capture() declares each layer's persistent buffers (what a stage's state holds beside its weights, known to
+    the control plane from the spec alone); the layers built from the program hold exactly those. A config that
+    declares other buffers than its graph holds (one captured before buffers were declared) is refused at build,
+    naming the field and how to fix it."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(64, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10))
+    cap = capture(module, torch.rand(4, 64), split_points=["3"])
+    spec = model_spec_from_config(cap.model_config)
+    documents = program_layers(cap.program, [layer["sha256"] for layer in cap.model_config["layers"]])
+    built = build_layers(spec.with_documents(dict(enumerate(documents))), 0, spec.num_layers, seed=0)
+    held = {name: (str(b.dtype).removeprefix("torch."), list(b.shape)) for name, b in persistent_buffers(built)}
+    declared = {f"{i}.{name}": layout for i in range(spec.num_layers) for name, layout in spec.layer_buffers(i).items()}
+    assert held == declared and {n.rpartition(".")[2] for n in declared} == {
+        "running_mean", "running_var", "num_batches_tracked"
+    }
+    assert declared["0.1.num_batches_tracked"] == ("int64", [])
+
+    old = copy.deepcopy(cap.model_config)
+    for layer in old["layers"]:
+        del layer["buffers"]
+    stale = model_spec_from_config(old)
+    assert all(stale.layer_buffers(i) == {} for i in range(stale.num_layers))
+    with pytest.raises(SpecError, match="capture the model again") as refused:
+        build_layers(stale.with_documents(dict(enumerate(documents))), 0, stale.num_layers, seed=0)
+    assert refused.value.field == "model_config.layers[0].buffers"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -14,10 +14,15 @@ from nodeagent.agent import Agent
 
 
 @contextmanager
-def agents_hosting(placement: list[list[int]], **job: Any) -> Iterator[list[Agent]]:
+def agents_hosting(
+    placement: list[list[int]], *, agent: Mapping[str, Any] | None = None,
+    adapt: Callable[[Assignment], Assignment] = lambda assignment: assignment, **job: Any,
+) -> Iterator[list[Agent]]:
     """Agents on CPU, started here, stage i's replica r on agent `placement[i][r]`; `job`: the other arguments of
-    devtools.pipeline.replicated_pipeline_assignments. Those still serving are stopped afterwards."""
-    started = [Agent(device=torch.device("cpu")) for _ in range(1 + max(a for stage in placement for a in stage))]
+    devtools.pipeline.replicated_pipeline_assignments. `agent`: the agents' other arguments (an exported model's
+    loaders), `adapt`: what each assignment becomes before it is applied. Those still serving are stopped afterwards."""
+    hosts = 1 + max(a for stage in placement for a in stage)
+    started = [Agent(device=torch.device("cpu"), **(agent or {})) for _ in range(hosts)]
     for agent in started:
         agent.start()
         remember_identity(agent.advertise_address, agent.identity)
@@ -26,7 +31,7 @@ def agents_hosting(placement: list[list[int]], **job: Any) -> Iterator[list[Agen
     )
     for stage, hosts in zip(stages, placement, strict=True):
         for assignment, host in zip(stage, hosts, strict=True):
-            started[host].apply_assignments([Assignment.from_json(assignment)])
+            started[host].apply_assignments([adapt(Assignment.from_json(assignment))])
     try:
         yield started
     finally:

@@ -5,7 +5,8 @@ and a spare that joins it after the first step. Every train step is audited: eve
 each micro-batch its route gave it, naming the replicas the activation went from and to, and one sampled
 micro-batch's forward is recomputed, by a sibling of the producing replica where it has one. A replica that
 perturbs its activations is caught and named (stage, replica id, node); a replica whose receipts name other
-replicas than the routes is failed; and a join grant of an earlier membership epoch is refused.
+replicas than the routes is failed; and a join grant of an earlier membership epoch is refused. An exported model
+with BatchNorm and dropout (buffers training updates, draws seeded per step and micro-batch) passes every check too.
 """
 
 from __future__ import annotations
@@ -19,11 +20,14 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from safetensors.torch import load as safetensors_load
 
-from arceus.contracts.assignment import max_micro_batch_size
+from arceus.contracts.assignment import Assignment, InitialWeightsRef, max_micro_batch_size
 from arceus.contracts.credentials import REPLICA_METADATA_KEY, join_grant, replica_token, token_digest
 from arceus.contracts.spot_check import SpotCheckResult
 from arceus.data.config import validate_dataset_config
+from arceus.model.exported.capture import capture
+from arceus.model.exported.program import program_layers
 from arceus.training import audit
 from arceus.training.driver import train
 from arceus.training.plan import StageEndpoint, TrainPlan
@@ -39,6 +43,7 @@ from nodeagent import replicas, step_audit
 from nodeagent.agent import Agent
 from tests.arceus.training.replicated_agents import agents_hosting
 from tests.nodeagent.dishonest_forward import dishonest_forward, noise
+from tests.nodeagent.test_nodeagent_replica_buffers import NormedNet
 
 MODEL = {"type": "mlp", "layer_sizes": [64, 32, 16, 10]}
 BOUNDARIES = [0, 1, 2, 3]
@@ -253,3 +258,48 @@ def test_a_join_grant_of_an_earlier_membership_epoch_is_refused(agents: list[Age
     assert info.value.code() == grpc.StatusCode.PERMISSION_DENIED
     assert info.value.details() == "the call's credential does not allow Snapshot on the stage it addresses"
     assert snapshot(1) > 0  # the driver's grant at the current epoch is honoured
+
+
+def test_replicas_of_a_model_with_batchnorm_and_dropout_pass_every_partial_gradient_check(seeded: None) -> None:
+    """An exported model (a captured module: BatchNorm, whose running statistics a step moves, and dropout) in one
+    stage of 2 replicas on two owners' agents, every step audited: each sampled replica's partial vector (its
+    gradients, buffer changes and micro-batch count, as many elements as the driver counts from the spec) is
+    recomputed by its sibling from the buffers as the step found them and with the step's masks, and matches. (One
+    stage: a forward check of an exported model recomputes on a node that may not hold its program; the partials of
+    a stage that is not the last are checked in tests/nodeagent/test_nodeagent_replica_buffers.py.)"""
+    torch.manual_seed(0)
+    captured = capture(NormedNet(), torch.randn(8, 64))
+    documents = program_layers(captured.program, [layer["sha256"] for layer in captured.model_config["layers"]])
+    weights = safetensors_load(captured.weights)
+    boundaries, placement = [0, len(documents)], [[0, 1]]
+
+    def stage_weights(_ref: InitialWeightsRef, start: int, end: int, _bound: int) -> dict[str, torch.Tensor]:
+        return {k: v for k, v in weights.items() if start <= int(k.split(".")[1]) < end}
+
+    def from_upload(assignment: Assignment) -> Assignment:
+        layers = assignment.layer_end - assignment.layer_start
+        return replace(assignment, program="/program",
+                       initial_weights=InitialWeightsRef(url="/weights", layer_sha256=("0" * 64,) * layers))
+
+    with agents_hosting(
+        placement, agent={"load_program": lambda _p, a, b: documents[a:b], "load_initial_weights": stage_weights},
+        adapt=from_upload, job_id=JOB, model_config=captured.model_config, boundaries=boundaries,
+        optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0}, seed=3,
+        micro_batches=MICRO_BATCHES, max_micro_batch_size=max_micro_batch_size(DATASET, MICRO_BATCHES),
+    ) as started:
+        _, every = replica_endpoints([[started[a].advertise_address for a in stage] for stage in placement],
+                                     boundaries)
+        every = tuple(replace(e, public_key=started[e.replica].signer.public_key_hex, owner_id=f"owner-{e.replica}")
+                      for e in every)
+        sink = RecordingSink()
+        train(TrainPlan(
+            job_id=JOB, generation=1, credential=driver_token(JOB, 1), stages=tuple(e for e in every if not e.replica),
+            replicas=every, dataset=DATASET, epochs=1, learning_rate=0.05, micro_batches=MICRO_BATCHES, seed=3,
+            rpc_timeout_seconds=20.0, max_steps=6, audit_rate=1.0, model=captured.model_config,
+        ), sink)
+    partials = [c for p in sink.steps for c in p.spot_checks if c.producer_index is None]
+    assert len(sink.steps) == 6 and len(partials) == 6
+    assert all(c.passed for p in sink.steps for c in p.spot_checks), [
+        c.detail for p in sink.steps for c in p.spot_checks if not c.passed
+    ]
+    assert all("partial gradient of micro-batches" in c.detail and c.max_abs_diff <= 1e-5 for c in partials)
