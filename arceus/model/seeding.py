@@ -6,10 +6,13 @@ machine holds exactly the weights layers 1 and 2 have in the single-process mode
 A training forward's draws (dropout's masks): each layer's, for micro-batch m of training step t, from the
 global generators seeded by (seed, t, m, layer index) only. So a micro-batch draws the same masks on whichever
 replica runs it, in a recompute (the repair of a lost replica's micro-batch, activation checkpointing's second
-forward) and in one process running the same micro-batches, however the model is cut into stages."""
+forward) and in one process running the same micro-batches, however the model is cut into stages. Those generators
+are the process's: seeded draws on two threads at once (an agent's stages, a sibling's recompute beside them, agents
+sharing a process) take turns, else one's seed would move the other's draws."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -18,6 +21,7 @@ from torch import nn
 
 _SEED_STRIDE = 1_000_003  # a prime, so (seed, layer) pairs do not collide for any realistic depth
 _MASK = 2**63
+_DRAWING = threading.RLock()  # one seeded draw at a time per process: the generators are global
 
 
 def layer_generator(seed: int, layer_index: int) -> torch.Generator:
@@ -44,9 +48,9 @@ def draws_random(layer: nn.Module) -> bool:
 
 @contextmanager
 def seeded_draws(seed: int, device: torch.device) -> Iterator[None]:
-    """Inside: the CPU's generator (and `device`'s, when it is an accelerator) seeded by `seed`; after: the
-    generators as they were, so nothing else's draws depend on how many this one took."""
+    """Inside: the CPU's generator (and `device`'s, when it is an accelerator) seeded by `seed`, held by this thread
+    alone; after: the generators as they were, so nothing else's draws depend on how many this one took."""
     devices = [torch.cuda.current_device() if device.index is None else device.index] if device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
+    with _DRAWING, torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield
