@@ -33,6 +33,7 @@ from devtools.reference import reference_run
 from nodeagent.agent import Agent
 from nodeagent.stage import HostedStage
 from tests.arceus.training.replicated_agents import agents_hosting
+from tests.nodeagent.dishonest_forward import dishonest_forward
 
 MLP = {"type": "mlp", "layer_sizes": [64, 32, 16, 10]}
 BOUNDARIES = [0, 1, 2, 3]
@@ -258,7 +259,7 @@ def test_a_repaired_step_credits_each_survivor_all_the_compute_it_did_in_it(agen
 
 @pytest.mark.parametrize("cheat", [False, True], ids=["honest", "perturbed-recompute"])
 def test_a_repaired_steps_recomputed_micro_batches_are_spot_checked_like_any_others(
-    agents: dict[Key, Agent], cheat: bool
+    agents: dict[Key, Agent], cheat: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Every step audited (audit_rate 1): the middle stage's replica 1 is lost at its first forward of step 2, so its
     # survivor recomputes all its share in the repair and sends each on. One of them is checked as any step's forward
@@ -267,13 +268,11 @@ def test_a_repaired_steps_recomputed_micro_batches_are_spot_checked_like_any_oth
     victim, survivor = (1, 1), (1, 0)
     killer = Killer(agents, victim, "forward", 1, 2)
     runtime = hosted(agents[survivor]).runtime
-    honest = runtime.forward
 
-    def forward(key: Any, x: torch.Tensor, train_step: int | None = None) -> torch.Tensor:
-        out = honest(key, x, train_step)
+    def perturbed(out: torch.Tensor, _key: tuple[int, int]) -> torch.Tensor:
         return out + 0.01 if cheat and killer.killed.is_set() else out
 
-    runtime.forward = forward
+    monkeypatch.setattr(runtime, "forward", dishonest_forward(runtime.forward, perturbed))
     keys = {(i, r): agent.signer.public_key_hex for (i, r), agent in agents.items()}
     plan = plan_of(agents)
     plan = replace(
