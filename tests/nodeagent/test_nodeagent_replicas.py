@@ -219,8 +219,9 @@ def exchange_together(
     seconds: float = 30.0,
 ) -> tuple[dict[int, torch.Tensor], dict[int, BaseException]]:
     """Every replica of `exchanges` sums its partial with its siblings' at once (step 1, epoch 0), each in a thread of
-    its own (`beside`, if given, started first in one more), its shards delivered straight to the sibling's exchange within
-    `seconds`; `options(k)`: replica k's other arguments of ReplicaExchange.exchange. Their sums and their errors."""
+    its own (`beside`, if given, started first in one more), its shards delivered straight to the sibling's exchange
+    within `seconds`; `options(k)`: replica k's other arguments of ReplicaExchange.exchange. Their sums and their
+    errors."""
     members = tuple(sorted(exchanges))
     results: dict[int, torch.Tensor] = {}
     errors: dict[int, BaseException] = {}
