@@ -57,7 +57,7 @@ class _Sink(replica_pb2_grpc.ReplicaServiceServicer):
         self, request: IncomingPush[replica_pb2.PushShardRequest] | MalformedPush, context: grpc.ServicerContext
     ) -> replica_pb2.PushShardReply:
         token = dict(context.invocation_metadata()).get(REPLICA_METADATA_KEY)
-        self.exchange.accept(request, None if token is None else token_digest(token))
+        self.exchange.accept(request, None if token is None else token_digest(token), wait=0.0)
         return replica_pb2.PushShardReply()
 
 
@@ -79,7 +79,7 @@ def exchange_cpu_per_byte(elements: int, replicas: int = 2, rounds: int = 6) -> 
     servers, channels = [], []
     try:
         for k, address in enumerate(addresses):
-            exchanges[k].learn(0, peers)
+            exchanges[k].members.learn(0, peers)
             server = grpc.server(ThreadPoolExecutor(max_workers=8), options=grpc_channel_options(_MESSAGE_BYTES))
             add_replica_service(_Sink(exchanges[k]), server)
             identity = identity_for(address)

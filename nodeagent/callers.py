@@ -15,7 +15,14 @@ from typing import Any
 
 import grpc
 
-from arceus.contracts.credentials import METADATA_KEY, SCHEME, Role, StageCredentials, token_digest
+from arceus.contracts.credentials import (
+    METADATA_KEY,
+    REPLICA_METADATA_KEY,
+    SCHEME,
+    Role,
+    StageCredentials,
+    token_digest,
+)
 from arceus.v1 import stage_pb2
 from nodeagent.rpc import RpcFailure
 
@@ -65,6 +72,12 @@ class Guard:
 def presented_digest(context: grpc.ServicerContext) -> str | None:
     """The SHA-256 (hex) of the bearer token the call presents, or None."""
     return metadata_digest(context.invocation_metadata())
+
+
+def replica_digest(context: grpc.ServicerContext) -> str | None:
+    """The SHA-256 (hex) of the replica token (arceus.contracts.credentials.replica_token) the call presents beside
+    its bearer token, or None: which replica of its stage a sibling or neighbour is."""
+    return metadata_digest(context.invocation_metadata(), key=REPLICA_METADATA_KEY, scheme="")
 
 
 def metadata_digest(

@@ -25,9 +25,8 @@ from arceus.contracts.credentials import REPLICA_METADATA_KEY, Role, join_grant
 from arceus.safetensors_file import tensor_layouts
 from arceus.v1 import replica_pb2, replica_pb2_grpc, stage_pb2
 from arceus.wire.incoming_push import IncomingPush, MalformedPush, parse_shard
-from nodeagent.callers import DRIVER_ONLY, authorize, metadata_digest, not_allowed, presented_digest
+from nodeagent.callers import DRIVER_ONLY, authorize, not_allowed, presented_digest, replica_digest
 from nodeagent.hosting import HostedStages
-from nodeagent.replicas import MEMBERS_WAIT_SECONDS
 from nodeagent.rpc import RpcFailure, call_deadline, serve
 from nodeagent.runtime import StageRuntime
 from nodeagent.servicer import state_stream
@@ -58,8 +57,7 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
             if isinstance(request, MalformedPush):
                 raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
             exchange = self._replica(context, request.header.target, "PushShard", SIBLINGS).exchange
-            wait = min(MEMBERS_WAIT_SECONDS, max(0.0, call_deadline(context) - time.monotonic()))
-            exchange.accept(request, replica_digest(context), wait=wait)
+            exchange.accept(request, replica_digest(context), wait=max(0.0, call_deadline(context) - time.monotonic()))
             return replica_pb2.PushShardReply()
 
         return serve(context, "PushShard", push)
@@ -76,7 +74,7 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
             joiner = replica_digest(context)
             own = stage.assignment.credentials.replica_token
             # A grant of an older membership than the newest this replica's steps named is spent: refused alike.
-            current = request.epoch >= stage.exchange.epoch
+            current = request.epoch >= stage.exchange.members.newest
             if joiner is None or not current or not hmac.compare_digest(
                 request.grant, join_grant(own, joiner, request.epoch)
             ):
@@ -131,10 +129,12 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
         self, request: replica_pb2.HoldingsRequest, context: grpc.ServicerContext
     ) -> replica_pb2.HoldingsReply:
         """What this replica holds of step `request.step` (nodeagent.repair), once its step stopped and its sends
-        settled: the driver plans a repair from every survivor's. Nothing (`[]`) where it holds no record of it."""
+        settled: the driver plans a repair from every survivor's. Nothing (`[]`) where it holds no record of it. Nothing
+        of an epoch before `request.epoch` is taken from the call on (nodeagent.membership.Membership.fence)."""
 
         def holdings() -> replica_pb2.HoldingsReply:
             stage = self._replica(context, request.target, "Holdings", DRIVER_ONLY)
+            stage.exchange.members.fence(request.epoch)  # a late tensor of the step's old epoch is refused from now
             if not stage.assignment.replica_sync.exact:
                 raise RpcFailure(
                     grpc.StatusCode.FAILED_PRECONDITION,
@@ -183,11 +183,6 @@ def state_digest(runtime: StageRuntime, *, order: bytes) -> str:
     for chunk in chunks:
         digest.update(chunk)
     return digest.hexdigest()
-
-
-def replica_digest(context: grpc.ServicerContext) -> str | None:
-    """The SHA-256 (hex) of the replica token a sibling's call presents, or None."""
-    return metadata_digest(context.invocation_metadata(), key=REPLICA_METADATA_KEY, scheme="")
 
 
 def _fetch_snapshot(

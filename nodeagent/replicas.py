@@ -12,7 +12,7 @@ import re
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -35,6 +35,7 @@ from arceus.wire.push_stream import encode_varint
 from nodeagent import faults
 from nodeagent.callers import not_allowed
 from nodeagent.mailbox import Mailbox, MailboxCancelled, MailboxClosed, MailboxFull, MailboxTimeout
+from nodeagent.membership import Membership
 from nodeagent.rpc import RpcFailure, neighbour_failure
 
 _FLOAT32_BYTES = 4
@@ -45,10 +46,6 @@ ABORT_POLL_SECONDS = 0.05
 SENDS_IN_FLIGHT = 4
 _PHASES = {replica_pb2.REDUCE: "REDUCE", replica_pb2.GATHER: "GATHER"}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-# The membership epochs a replica remembers (a shard of an older one is refused: its step was abandoned).
-KEPT_EPOCHS = 4
-# How long a sibling's shard of a membership epoch no RunStep has named here yet waits for that RunStep.
-MEMBERS_WAIT_SECONDS = 15.0
 
 
 @dataclass(frozen=True)
@@ -185,11 +182,8 @@ class ReplicaExchange:
                  total_elements: int, max_replicas: int) -> None:
         self.job_id, self.stage_index, self.generation, self.replica = job_id, stage_index, generation, replica
         self._metadata = ((REPLICA_METADATA_KEY, token),)
-        # Membership epoch -> {member replica id: the digest of its token}, as this replica's RunSteps named them
-        # (ids are never reused in a job); only the newest KEPT_EPOCHS epochs are remembered.
-        self._members: dict[int, dict[int, str]] = {}
-        self._known = threading.Condition()
-        self.epoch = -1  # the newest membership epoch a RunStep named here (-1: none yet)
+        # Who may push shards (and boundary tensors) to this replica, by their tokens, as its RunSteps name them.
+        self.members = Membership(self.name)
         self.total_elements = total_elements
         # Per step a replica receives at most every member's shards of its own chunk and every owner's of the
         # others: at most about two stages' worth of shards, plus one per member for the rounding.
@@ -201,55 +195,16 @@ class ReplicaExchange:
     def name(self) -> str:
         return f"stage {self.stage_index} replica {self.replica} of job {self.job_id}"
 
-    def learn(self, epoch: int, peers: Iterable[stage_pb2.ReplicaPeer]) -> None:
-        """Remember the members a step of membership `epoch` names for this stage, with their token digests (a
-        membership never shrinks within an epoch: an evaluation step names only some of them), and wake the shards
-        of that epoch waiting to be checked."""
-        with self._known:
-            members = self._members.setdefault(epoch, {})
-            members.update({p.replica: p.token_digest for p in peers if p.stage_index == self.stage_index})
-            self.epoch = max(self.epoch, epoch)
-            for old in [e for e in self._members if e <= self.epoch - KEPT_EPOCHS]:
-                del self._members[old]
-            self._known.notify_all()
-
-    def member_digest(self, epoch: int, replica: int) -> str | None:
-        """The token digest of `replica` as a member of `epoch`; None if it is none (or the epoch is forgotten)."""
-        with self._known:
-            return self._members.get(epoch, {}).get(replica)
-
-    def _sender_is_member(self, request: replica_pb2.PushShardRequest, sender: str, wait: float) -> None:
-        """PERMISSION_DENIED unless `sender` is the token digest of `request.source_replica` as a member of the
-        shard's epoch; a shard of an epoch newer than any RunStep named here waits up to `wait` seconds for its
-        RunStep (a sibling may start its exchange first), then is refused (FAILED_PRECONDITION)."""
-        deadline = time.monotonic() + wait
-        with self._known:
-            while self.epoch < request.epoch:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise RpcFailure(
-                        grpc.StatusCode.FAILED_PRECONDITION,
-                        f"{self.name}: no step of membership epoch {request.epoch} was named here (newest: "
-                        f"{self.epoch}): its members are unknown",
-                    )
-                self._known.wait(remaining)
-            known = self._members.get(request.epoch, {}).get(request.source_replica)
-        if known is None or not hmac.compare_digest(known, sender):
-            raise RpcFailure(grpc.StatusCode.PERMISSION_DENIED, not_allowed("PushShard"))
-
     def accept(
-        self,
-        shard: IncomingPush[replica_pb2.PushShardRequest] | MalformedPush,
-        sender: str | None,
-        *,
-        wait: float = MEMBERS_WAIT_SECONDS,
+        self, shard: IncomingPush[replica_pb2.PushShardRequest] | MalformedPush, sender: str | None, *, wait: float
     ) -> None:
         """Validate a sibling's shard (before torch sees it) and park it for `exchange`: its values stay a view of the
-        received bytes (`arceus.wire.incoming_push.parse_shard`). `sender`: the digest of
-        the replica token the call presents. Only a member of the shard's membership epoch, as this replica's
-        RunSteps name them, presenting its own token, may push a shard (PERMISSION_DENIED otherwise): a replica no
+        received bytes (`arceus.wire.incoming_push.parse_shard`). `sender`: the digest of the replica token the call
+        presents. Only a member of the shard's membership epoch, the newest this replica's RunSteps named,
+        presenting its own token, may push a shard (nodeagent.membership): a replica no
         longer (or never) a member, or one claiming another's id, can neither have its shard summed nor take the
-        place of a member's. A shard of an epoch no RunStep named here yet waits up to `wait` seconds for it."""
+        place of a member's. A shard of an epoch no RunStep named here yet waits up to `wait` seconds (at most
+        nodeagent.membership.EPOCH_WAIT_SECONDS) for one."""
         if sender is None:
             raise RpcFailure(grpc.StatusCode.PERMISSION_DENIED, not_allowed("PushShard"))
         if isinstance(shard, MalformedPush):
@@ -271,7 +226,9 @@ class ReplicaExchange:
             raise _invalid(
                 f"elements [{request.start}, {request.start + length}) are outside this stage's {self.total_elements}"
             )
-        self._sender_is_member(request, sender, wait)
+        what = f"a {_PHASES[request.phase]} shard of step {request.step} from replica {request.source_replica}"
+        self.members.check(request.epoch, self.stage_index, request.source_replica, sender, what=what,
+                           method="PushShard", wait=wait)
         try:
             # A read-only view of the received bytes, not a copy: the exchange only reads it (sums it, or copies it
             # into its result).
@@ -356,7 +313,7 @@ class ReplicaExchange:
                 raise RpcFailure(grpc.StatusCode.ABORTED, f"{self.name} was removed mid-step") from None
             except MailboxCancelled:
                 raise RpcFailure(grpc.StatusCode.CANCELLED, f"{self.name}: the step was cancelled") from None
-            if not hmac.compare_digest(sender, self.member_digest(epoch, source) or ""):
+            if not hmac.compare_digest(sender, self.members.digest(epoch, self.stage_index, source) or ""):
                 raise RpcFailure(
                     grpc.StatusCode.PERMISSION_DENIED,
                     f"{self.name}: the shard at element {start} of step {step} claiming replica {source} came from "

@@ -25,9 +25,12 @@ ABORT_POLL_SECONDS = 0.05
 class PushTracker:
     """Outstanding pushes of one step. The first failure sets `abort` so waits stop early."""
 
-    def __init__(self, stage: HostedStage, step: int, deadline: float, abort: threading.Event) -> None:
+    def __init__(self, stage: HostedStage, step: int, deadline: float, abort: threading.Event, *, epoch: int) -> None:
+        """`epoch`: a replica's membership epoch in this step, which its pushes name (0: the stage is not
+        replicated)."""
         self._stage = stage
         self._step = step
+        self._epoch = epoch
         self._deadline = deadline
         self._abort = abort
         self._futures: list[Future[None]] = []
@@ -66,7 +69,9 @@ class PushTracker:
         delivered: Callable[[], None] | None = None,
     ) -> None:
         """`send` of a payload already encoded (a kept tensor sent again)."""
-        push = outgoing_push(self._stage.ref(target_index, replica), kind, self._step, micro_batch, encoded)
+        push = outgoing_push(
+            self._stage.ref(target_index, replica), kind, self._step, micro_batch, encoded, epoch=self._epoch
+        )
         timeout = max(MIN_CALL_TIMEOUT, self._deadline - time.monotonic())
         nbytes = encoded.nbytes
         for link in links:

@@ -18,6 +18,7 @@ import grpc
 import torch
 
 from arceus.checkpoint import decode_checkpoint, state_chunks
+from arceus.contracts.credentials import Role
 from arceus.errors import SpecError
 from arceus.model.precision import check_precision
 from arceus.model.registry import model_spec_from_config
@@ -28,7 +29,7 @@ from arceus.wire.channels import MAX_MESSAGE_BYTES
 from arceus.wire.codec import TensorValidationError
 from arceus.wire.incoming_push import IncomingPush, MalformedPush, parse_push
 from arceus.wire.proto_tensor import from_proto, to_proto
-from nodeagent.callers import DRIVER_ONLY, authorize, presented_digest, push_roles
+from nodeagent.callers import DRIVER_ONLY, authorize, presented_digest, push_roles, replica_digest
 from nodeagent.device import memory_summary
 from nodeagent.hosting import HostedStages
 from nodeagent.lending import ComputeThreads
@@ -36,7 +37,7 @@ from nodeagent.mailbox import MailboxClosed, MailboxFull
 from nodeagent.metrics import AgentMetrics
 from nodeagent.rpc import RpcFailure, call_deadline, serve
 from nodeagent.stage import HostedStage, StateUploader, StateUploadError
-from nodeagent.step import StepRun
+from nodeagent.step import StepRun, replica_plan
 from nodeagent.validation import KIND_NAMES, check_layout, decode_push
 from nodeagent.verify import AuditRecord, recompute_forward
 
@@ -73,7 +74,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self, request: IncomingPush | MalformedPush, context: grpc.ServicerContext
     ) -> stage_pb2.PushTensorReply:
         def push() -> stage_pb2.PushTensorReply:
-            self._deliver(request, presented_digest(context), "PushTensor")
+            self._deliver(request, context, "PushTensor")
             return stage_pb2.PushTensorReply()
 
         return serve(context, "PushTensor", push)
@@ -85,7 +86,6 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         # goes on. The stream ends when the sender half-closes, cancels, or the call's deadline passes,
         # or with INVALID_ARGUMENT at bytes that are no request (nothing to ack them by). Each message is
         # authorized on its own: one stream may carry several kinds, to several stages.
-        digest = presented_digest(context)
         for request in request_iterator:
             if isinstance(request, MalformedPush):
                 log.warning("PushStream -> INVALID_ARGUMENT: %s", request.reason)
@@ -93,7 +93,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             header = request.header
             ack = stage_pb2.PushAck(kind=header.kind, step=header.step, micro_batch=header.micro_batch)
             try:
-                self._deliver(request, digest, "PushStream")
+                self._deliver(request, context, "PushStream")
             except RpcFailure as failure:
                 log.warning("PushStream message -> %s: %s", failure.code.name, failure.message)
                 ack.code, ack.message = failure.code.value[0], failure.message
@@ -103,14 +103,23 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 ack.message = f"PushStream failed unexpectedly: {type(exc).__name__}: {exc}"
             yield ack
 
-    def _deliver(self, request: IncomingPush | MalformedPush, digest: str | None, method: str) -> None:
-        """Authorize (by the tensor's kind), resolve, validate, decode and park one pushed tensor."""
+    def _deliver(self, request: IncomingPush | MalformedPush, context: grpc.ServicerContext, method: str) -> None:
+        """Authorize (by the tensor's kind), resolve, validate, decode and park one pushed tensor. A replica takes a
+        neighbour's tensor only from a member of the push's membership epoch (nodeagent.membership): one from a
+        replica taken off the job is refused before it is decoded, parked or counted."""
         if isinstance(request, MalformedPush):
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
         header = request.header
-        roles = push_roles(KIND_NAMES.get(header.kind, ""), header.target.stage_index)
-        authorize(digest, self._registry.guards(), target=header.target, allowed=roles, method=method)
+        kind = KIND_NAMES.get(header.kind, "")
+        roles = push_roles(kind, header.target.stage_index)
+        authorize(presented_digest(context), self._registry.guards(), target=header.target, allowed=roles,
+                  method=method)
         stage = self._registry.resolve(header.target)
+        if stage.exchange is not None and Role.DRIVER not in roles:  # a neighbour replica's activation or gradient
+            producer = header.target.stage_index + (-1 if kind == "ACTIVATION" else 1)
+            what = f"the {kind} of step {header.step} micro-batch {header.micro_batch} from stage {producer}"
+            stage.exchange.members.check(header.epoch, producer, None, replica_digest(context), what=what,
+                                         method=method, wait=max(0.0, call_deadline(context) - time.monotonic()))
         tensor = decode_push(stage.io, request)
         try:
             stage.mailbox.put((header.step, KIND_NAMES[header.kind], header.micro_batch), tensor)
@@ -138,6 +147,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
             if not context.add_callback(on_done):  # the caller gave up before the step began: it never runs
                 raise RpcFailure(grpc.StatusCode.CANCELLED, f"RunStep of step {request.step} was cancelled")
+            replicas = replica_plan(stage, request)
             # A replica's step run again after a loss may find the cancelled attempt still unwinding.
             wait = min(10.0, max(0.0, deadline - time.monotonic())) if request.HasField("replicas") else 0.0
             acquired = stage.step_lock.acquire(timeout=wait) if wait > 0 else stage.step_lock.acquire(blocking=False)
@@ -148,7 +158,8 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 before = stage.counters()
                 started = time.perf_counter()
                 reply = StepRun(
-                    stage, request, deadline=deadline, abort=abort, signer=self._signer, threads=threads
+                    stage, request, replicas=replicas, deadline=deadline, abort=abort, signer=self._signer,
+                    threads=threads,
                 ).run()
                 mode = "train" if request.mode == stage_pb2.TRAIN else "eval"
                 self._metrics.step_seconds.labels(mode=mode).observe(time.perf_counter() - started)

@@ -10,6 +10,7 @@ import grpc
 import torch
 
 from arceus.contracts.assignment import Assignment, CheckpointRef, InitialWeightsRef
+from arceus.contracts.credentials import REPLICA_METADATA_KEY
 from arceus.model.build import build_layers
 from arceus.model.hugging_face import initial_weights_slice_bytes
 from arceus.model.layout import TensorLayout
@@ -55,14 +56,18 @@ class NeighbourLink:
     """One channel to a neighbouring stage and one long-lived push stream on it, for this stage's
     lifetime."""
 
-    def __init__(self, address: str, max_message_bytes: int, token: str, certificate: str) -> None:
+    def __init__(
+        self, address: str, max_message_bytes: int, token: str, certificate: str, replica_token: str = ""
+    ) -> None:
         """`token`: this stage's own (arceus.contracts.credentials), which the neighbour accepts; `certificate`: the
-        one the neighbour's agent registered, the only one trusted at `address`."""
+        one the neighbour's agent registered, the only one trusted at `address`; `replica_token`: a replica's own,
+        which its pushes present too, so the replica they reach knows which replica sent them (nodeagent.membership)."""
         self.address = address
         self.channel = open_channel(
             address, token=token, certificate=certificate, max_message_bytes=max_message_bytes
         )
-        self.pushes = PushStream(self.channel)
+        metadata = ((REPLICA_METADATA_KEY, replica_token),) if replica_token else ()
+        self.pushes = PushStream(self.channel, metadata=metadata)
         self.replicas = replica_pb2_grpc.ReplicaServiceStub(self.channel)  # used between siblings only
         self.push_shard = push_shard_call(self.channel)  # the exchange's shards, as bytes (nodeagent.replicas)
 
@@ -162,8 +167,9 @@ class HostedStage:
         with self._links_lock:
             link = self._replica_links.get(key)
             if link is None:
-                token = self.assignment.credentials.token
-                link = NeighbourLink(peer.address, self._max_message_bytes, token, peer.certificate)
+                credentials = self.assignment.credentials
+                link = NeighbourLink(peer.address, self._max_message_bytes, credentials.token, peer.certificate,
+                                     credentials.replica_token)
                 self._replica_links[key] = link
             return link
 

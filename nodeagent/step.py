@@ -47,20 +47,22 @@ class StepRun:
         stage: HostedStage,
         request: stage_pb2.RunStepRequest,
         *,
+        replicas: ReplicaStepPlan | None,
         deadline: float,
         abort: threading.Event,
         signer: ReceiptSigner,
         threads: ComputeThreads | None = None,
     ) -> None:
-        """`deadline` is a time.monotonic() value. `threads`: None leaves the calling thread's torch
-        thread count as it is."""
+        """`replicas`: the step's plan for a replica (`replica_plan`), None for a stage that is not replicated.
+        `deadline` is a time.monotonic() value. `threads`: None leaves the calling thread's torch thread count as it
+        is."""
         schedule = check_run_step(stage.io, request)
         a = stage.assignment
         self.stage, self.request, self.abort = stage, request, abort
         self.step, self.train = request.step, request.mode == stage_pb2.TRAIN
         # A replica runs its share of the micro-batches, sends each to the replica its route names, and exchanges
         # its gradients with its siblings before the optimizer step.
-        self.replicas = _replica_plan(stage, request)
+        self.replicas = replicas
         if self.replicas is None:
             self.actions = build_schedule(schedule, a.num_stages, request.num_micro_batches, self.train)[a.stage_index]
         else:
@@ -70,7 +72,7 @@ class StepRun:
             )
         # Leave a little of the caller's deadline so our own explanation reaches it before its timer fires.
         self.wait_until = deadline - min(1.0, 0.05 * max(0.0, deadline - time.monotonic()))
-        self.pushes = PushTracker(stage, request.step, deadline, abort)
+        self.pushes = PushTracker(stage, request.step, deadline, abort, epoch=0 if replicas is None else replicas.epoch)
         routes = None if self.replicas is None else self.replicas.routes
         self.audit = StepAudit(
             stage, request.step, signer, retain=request.retain_for_audit and self.train,
@@ -419,9 +421,11 @@ class StepRun:
         return arrived
 
 
-def _replica_plan(stage: HostedStage, request: stage_pb2.RunStepRequest) -> ReplicaStepPlan | None:
+def replica_plan(stage: HostedStage, request: stage_pb2.RunStepRequest) -> ReplicaStepPlan | None:
     """The step's routes for a replica (None for a stage that is not replicated); INVALID_ARGUMENT for a RunStep
-    that names routes to a stage that is not replicated, or none to one that is."""
+    that names routes to a stage that is not replicated, or none to one that is. The replica learns the step's
+    membership epoch here (nodeagent.membership), before the step waits for its step lock: a sibling or neighbour
+    that started the epoch first is then not kept waiting while a cancelled attempt unwinds."""
     a = stage.assignment
     routed = request.HasField("replicas")
     if a.replica is None:
@@ -435,7 +439,7 @@ def _replica_plan(stage: HostedStage, request: stage_pb2.RunStepRequest) -> Repl
         )
     plan = parse_replica_step(request, stage_index=a.stage_index, num_stages=a.num_stages, replica=a.replica)
     if stage.exchange is not None:
-        stage.exchange.learn(plan.epoch, plan.peers.values())  # who may push shards of this epoch, by their tokens
+        stage.exchange.members.learn(plan.epoch, plan.peers.values())  # who may push to it in this epoch
     return plan
 
 

@@ -301,7 +301,7 @@ class Pipeline:
         if not lost:
             return None, "no replica of the step's routes was lost"
         survivors = [(i, k) for i, ids in enumerate(routes.members) for k in ids if (i, k) not in lost]
-        asked = [(key, self.replica_clients[key].holdings(step)) for key in survivors]
+        asked = [(key, self.replica_clients[key].holdings(step, self.roster.epoch)) for key in survivors]
         entries = {}
         for (i, k), future in asked:
             try:

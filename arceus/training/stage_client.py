@@ -99,9 +99,10 @@ class StageClient:
         reply = self._replicas.CopyState(request, timeout=self.timeout)
         return reply.sha256, reply.size_bytes, reply.state_sha256
 
-    def holdings(self, step: int) -> grpc.Future:
-        """What this replica holds of `step` (a future of its HoldingsReply), answered once its step stopped."""
-        return self._replicas.Holdings.future(replica_pb2.HoldingsRequest(target=self.ref, step=step),
+    def holdings(self, step: int, epoch: int) -> grpc.Future:
+        """What this replica holds of `step` (a future of its HoldingsReply), answered once its step stopped; from
+        the call on it takes nothing of a membership epoch before `epoch` (the roster's, after the loss)."""
+        return self._replicas.Holdings.future(replica_pb2.HoldingsRequest(target=self.ref, step=step, epoch=epoch),
                                               timeout=self.timeout)
 
     def save_state(self, destination: Path, *, include_optimizer_state: bool = True) -> tuple[str, int]:

@@ -60,9 +60,10 @@ class OutgoingPush:
 
 
 def outgoing_push(
-    target: stage_pb2.StageRef, kind: int, step: int, micro_batch: int, encoded: Encoded
+    target: stage_pb2.StageRef, kind: int, step: int, micro_batch: int, encoded: Encoded, *, epoch: int = 0
 ) -> OutgoingPush:
-    header = stage_pb2.PushTensorRequest(target=target, kind=kind, step=step, micro_batch=micro_batch)
+    """`epoch`: a replica's membership epoch (PushTensorRequest.epoch; 0 for a stage that is not replicated)."""
+    header = stage_pb2.PushTensorRequest(target=target, kind=kind, step=step, micro_batch=micro_batch, epoch=epoch)
     write_encoded_header(header.tensor, encoded)
     return OutgoingPush(header, encoded.data)
 
@@ -105,14 +106,16 @@ class _Pending:
 class _Call:
     """One open PushStream call: a request queue, a thread reading acks, one watching deadlines."""
 
-    def __init__(self, method: grpc.StreamStreamMultiCallable, lifetime: float) -> None:
+    def __init__(
+        self, method: grpc.StreamStreamMultiCallable, lifetime: float, metadata: tuple[tuple[str, str], ...]
+    ) -> None:
         self._requests: queue.SimpleQueue[OutgoingPush | None] = queue.SimpleQueue()
         self._pending: deque[_Pending] = deque()
         self._cond = threading.Condition()
         self._ends = time.monotonic() + lifetime
         self._closing = False
         self.broken = False
-        self._responses = method(self._request_iterator(), timeout=lifetime)
+        self._responses = method(self._request_iterator(), timeout=lifetime, metadata=metadata)
         for target, name in ((self._read, "push-acks"), (self._watch, "push-deadlines")):
             threading.Thread(target=target, name=name, daemon=True).start()
 
@@ -216,7 +219,11 @@ def _settle(future: Future[None], error: BaseException | None) -> None:
 class PushStream:
     """Pushes to one agent over one channel; thread-safe."""
 
-    def __init__(self, channel: grpc.Channel, *, lifetime: float = STREAM_SECONDS) -> None:
+    def __init__(
+        self, channel: grpc.Channel, *, lifetime: float = STREAM_SECONDS, metadata: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        """`metadata`: sent with every call beside the channel's own (a replica's token: nodeagent.stage)."""
+        self._metadata = metadata
         self._method = channel.stream_stream(
             METHOD, request_serializer=serialize, response_deserializer=stage_pb2.PushAck.FromString
         )
@@ -236,7 +243,7 @@ class PushStream:
                 if self._call is None or not self._call.usable(timeout):
                     if self._call is not None:
                         self._call.finish()
-                    self._call = _Call(self._method, self._lifetime)
+                    self._call = _Call(self._method, self._lifetime, self._metadata)
                 if self._call.send(push, future, timeout):
                     return future
         _settle(future, PushError(grpc.StatusCode.UNAVAILABLE, "the push stream broke while sending"))

@@ -280,7 +280,7 @@ def test_a_runstep_seeds_the_draws_by_its_training_step_not_its_call_id(captured
                 stage.mailbox.put((call_id, "LABELS", m), ym)
             request = stage_pb2.RunStepRequest(step=call_id, mode=stage_pb2.TRAIN, num_micro_batches=2,
                                                schedule="gpipe", batch_size=BATCH, train_step=train_step)
-            reply = StepRun(stage, request, deadline=time.monotonic() + 60, abort=threading.Event(),
+            reply = StepRun(stage, request, replicas=None, deadline=time.monotonic() + 60, abort=threading.Event(),
                             signer=ReceiptSigner()).run()
             return list(reply.loss_sums), stage.runtime.named_weights()
         finally:

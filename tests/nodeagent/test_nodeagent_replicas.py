@@ -94,7 +94,7 @@ def exchange_of(replica: int, total: int = 10, members: tuple[int, ...] = (0, 2,
     """Replica `replica` of stage 1, knowing the tokens of `members` as a RunStep names them."""
     exchange = ReplicaExchange(job_id="j", stage_index=1, generation=1, replica=replica, token=token_of(replica),
                                total_elements=total, max_replicas=4)
-    exchange.learn(0, [peer(k) for k in members] + [peer(k, stage=2) for k in members])
+    exchange.members.learn(0, [peer(k) for k in members] + [peer(k, stage=2) for k in members])
     return exchange
 
 
@@ -121,7 +121,7 @@ def test_a_shard_that_does_not_fit_the_stage_is_refused_before_torch_sees_it(
     request_: IncomingPush[replica_pb2.PushShardRequest], words: str
 ) -> None:
     with pytest.raises(RpcFailure) as info:
-        exchange_of(0).accept(request_, digest_of(request_.header.source_replica))
+        exchange_of(0).accept(request_, digest_of(request_.header.source_replica), wait=0.0)
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.message
 
 
@@ -129,15 +129,16 @@ def test_a_shard_from_another_replica_than_it_claims_is_refused() -> None:
     receiver = exchange_of(0)
     for presented in (digest_of(3), digest_of(2, stage=2), None):  # a sibling, a neighbour's replica 2, no token
         with pytest.raises(RpcFailure) as info:
-            receiver.accept(shard(source_replica=2), presented)
+            receiver.accept(shard(source_replica=2), presented, wait=0.0)
         assert info.value.code == grpc.StatusCode.PERMISSION_DENIED, presented
         assert info.value.message == "the call's credential does not allow PushShard on the stage it addresses"
-    receiver.accept(shard(source_replica=2), digest_of(2))  # replica 2 itself
+    receiver.accept(shard(source_replica=2), digest_of(2), wait=0.0)  # replica 2 itself
 
 
-def test_a_shard_from_a_replica_that_is_not_a_member_of_its_epoch_is_refused_at_once() -> None:
+def test_a_shard_from_a_replica_that_is_not_a_member_of_its_epoch_or_of_an_epoch_that_is_over_is_refused_at_once(
+) -> None:
     receiver = exchange_of(0, members=(0, 2, 3))
-    receiver.learn(1, [peer(0), peer(3)])  # epoch 1: replica 2 left
+    receiver.members.learn(1, [peer(0), peer(3)])  # epoch 1: replica 2 left
     # A replica id no step named (with any token it may hold), and replica 2 in the epoch it is no longer a member
     # of (its own token still valid for the generation): refused at once, before anything is parked.
     for request_, presented in ((shard(source_replica=7, epoch=1), digest_of(7)),
@@ -148,10 +149,14 @@ def test_a_shard_from_a_replica_that_is_not_a_member_of_its_epoch_is_refused_at_
             receiver.accept(request_, presented, wait=5.0)
         assert info.value.code == grpc.StatusCode.PERMISSION_DENIED, request_
         assert time.monotonic() - started < 1.0
+    # Epoch 0 is over: replica 2 was a member of it, but its late shard is refused, naming the epoch.
+    with pytest.raises(RpcFailure) as info:
+        receiver.accept(shard(source_replica=2, epoch=0), digest_of(2), wait=5.0)
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "names membership epoch 0, which is over (epoch 1 is the newest here)" in info.value.message
     assert len(receiver.shards) == 0
-    receiver.accept(shard(source_replica=2, epoch=0), digest_of(2))  # as a member of epoch 0 it was one
-    receiver.accept(shard(source_replica=3, epoch=1), digest_of(3))
-    assert len(receiver.shards) == 2
+    receiver.accept(shard(source_replica=3, epoch=1), digest_of(3), wait=0.0)
+    assert len(receiver.shards) == 1
 
 
 def test_a_shard_of_an_epoch_no_step_named_yet_waits_for_it_and_is_then_judged_by_its_members() -> None:
@@ -176,7 +181,7 @@ def test_a_shard_of_an_epoch_no_step_named_yet_waits_for_it_and_is_then_judged_b
         thread.start()
     time.sleep(0.2)
     assert not outcomes
-    receiver.learn(1, [peer(0), peer(2), peer(5)])
+    receiver.members.learn(1, [peer(0), peer(2), peer(5)])
     for thread in pushes:
         thread.join(10)
     assert outcomes == {5: "accepted", 6: "PERMISSION_DENIED"}
@@ -262,7 +267,7 @@ class _Deliver:
     def future(self, request: bytes, timeout: float, metadata: tuple[tuple[str, str], ...]) -> _Delivered:
         (key, token), = metadata
         assert key == REPLICA_METADATA_KEY
-        self.exchange.accept(parse_shard(request), token_digest(token))
+        self.exchange.accept(parse_shard(request), token_digest(token), wait=0.0)
         return _Delivered()
 
 
@@ -335,7 +340,7 @@ class _Silent:
 def test_a_replica_pushing_to_a_silent_sibling_stops_as_soon_as_its_step_is_aborted() -> None:
     # One element: replica 0 owns it, has replica 2's part already, and pushes the sum back to 2, which never answers.
     silent, abort, receiver = _Silent(), threading.Event(), exchange_of(0, total=1, members=(0, 2))
-    receiver.accept(shard(source_replica=2, tensor=to_proto(torch.ones(1))), digest_of(2))
+    receiver.accept(shard(source_replica=2, tensor=to_proto(torch.ones(1))), digest_of(2), wait=0.0)
     threading.Timer(0.2, abort.set).start()
     started = time.monotonic()
     with pytest.raises(RpcFailure) as info:
@@ -407,6 +412,6 @@ def test_a_shards_wire_bytes_parse_as_the_request_carrying_its_values() -> None:
 
 def test_bytes_that_are_no_shard_are_refused_as_invalid() -> None:
     with pytest.raises(RpcFailure) as info:
-        exchange_of(0).accept(parse_shard(b"\x3a\x05\x1a\x09"), digest_of(2))  # a tensor record cut short
+        exchange_of(0).accept(parse_shard(b"\x3a\x05\x1a\x09"), digest_of(2), wait=0.0)  # a tensor record cut short
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert "the message is not a PushShardRequest" in info.value.message
