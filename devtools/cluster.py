@@ -201,7 +201,8 @@ class LocalCluster:
         torch) overlap instead of queueing one behind another. `prefix`: what runs the command (e.g.
         `ip netns exec NAME`, devtools.netns). `discover`: no `--control-plane` and no settings file, so the
         agent finds the control plane advertised on its network (mDNS). `fault`: arm the agents' fault hook
-        (nodeagent.faults, `SIGNAL:PHASE:STEP`): each kills or stops itself there (a restart starts it unarmed)."""
+        (nodeagent.faults, `SIGNAL:PHASE:STEP[:STAGE:REPLICA]`): each kills or stops itself there (a restart starts
+        it unarmed)."""
         armed = {} if fault is None else {FAULT_ENV: faults.parse_fault(fault).spec, ENABLE_ENV: "1"}
         client = self.client if owner is None else self.owner_client(owner)
         spawned = []

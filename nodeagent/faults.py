@@ -4,20 +4,21 @@ a named phase of a named step, so a test loses a replica at a point of the step 
 It is armed by two environment variables, read once when the agent starts (`arm`, from nodeagent.runner):
 - `ARCEUS_AGENT_FAULT=SIGNAL:PHASE:STEP[:STAGE:REPLICA]`, e.g. `kill:forward:12` or `stop:exchange:5:1:0`.
   SIGNAL is `kill` (SIGKILL: the agent vanishes) or `stop` (SIGSTOP: it falls silent, keeping its state, until
-  someone sends SIGCONT). STEP is the RunStep's step (the driver's call id: the job's training step while no
-  evaluation or retried attempt came before it). PHASE is one of `PHASES`: `forward` (a train micro-batch's forward
-  computed, its output not yet sent on), `gradient-sent` (every activation and gradient of the step delivered to the
-  neighbours, before the replicas' gradient exchange and the optimizer step), `exchange` (a replica's gradient
-  exchange: its own shards pushed to its siblings, their reduced sums not yet received). STAGE and REPLICA
-  (optional, together): only where the agent hosts that replica of that stage (replica 0 for a stage that is not
-  replicated), so every agent of a test may be armed alike before the control plane places them, and only the one
-  placed there fires.
+  someone sends SIGCONT). PHASE is one of `PHASES`: `forward` (a train micro-batch's forward computed, its output not
+  yet sent on), `gradient-sent` (every activation and gradient of the step delivered to the neighbours, before the
+  replicas' gradient exchange and the optimizer step), `exchange` (a replica's gradient exchange: its own shards
+  pushed to its siblings, their reduced sums not yet received). It fires at the first step numbered STEP or later
+  at which the agent reaches PHASE; a step is the RunStep's step (the driver's call id: the job's training step
+  while no evaluation or retried attempt came before it). STAGE and REPLICA (optional, together): only where the
+  agent hosts that replica of that stage (replica 0 for a stage that is not replicated), so every agent of a test
+  may be armed alike before the control plane places them, and only the one placed there fires. An agent that
+  starts hosting late (a spare that joins a running job) fires at the first such step it takes part in.
 - `ARCEUS_DEVTOOLS_FAULTS=1`: the second key, which only devtools (devtools.cluster.LocalCluster.start_agents with
   `fault=`) sets. A fault without it is refused: the agent does not start.
 
 An armed agent logs a CRITICAL line at start and another just before it signals itself; it fires once. Nothing else
-in the agent changes. The call sites are one line each (`reached(phase, step, stage=, replica=)`), in nodeagent.step and
-nodeagent.replicas.
+in the agent changes. The call sites are one line each (`reached(phase, step, stage=, replica=)`), in nodeagent.step
+and nodeagent.replicas.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -45,7 +47,7 @@ class FaultSpecError(ValueError):
 class Fault:
     signal_name: str  # a key of SIGNALS
     phase: str  # one of PHASES
-    step: int
+    step: int  # the first step it may fire at
     stage: int | None = None  # with `replica`: only there
     replica: int | None = None
 
@@ -53,6 +55,11 @@ class Fault:
     def spec(self) -> str:
         where = "" if self.stage is None else f":{self.stage}:{self.replica}"
         return f"{self.signal_name}:{self.phase}:{self.step}{where}"
+
+    def due(self, phase: str, step: int, *, stage: int, replica: int) -> bool:
+        """Whether it fires where replica `replica` of stage `stage` reaches `phase` of `step`."""
+        here = self.stage is None or (self.stage, self.replica) == (stage, replica)
+        return here and self.phase == phase and step >= self.step
 
 
 def parse_fault(spec: str) -> Fault:
@@ -92,9 +99,11 @@ def fault_from_environ(environ: Mapping[str, str]) -> Fault | None:
 
 
 class _Armed:
-    """The process's one armed fault; cleared as it fires, so it fires once."""
+    """The process's one armed fault; cleared as it fires, so it fires once (steps' threads reach phases
+    concurrently: the lock lets one of them take it)."""
 
     fault: Fault | None = None
+    lock = threading.Lock()
 
 
 def arm(environ: Mapping[str, str]) -> Fault | None:
@@ -103,29 +112,33 @@ def arm(environ: Mapping[str, str]) -> Fault | None:
     _Armed.fault = fault
     if fault is not None:
         log.critical(
-            "TEST HOOK ARMED (%s=%s): this agent will %s itself at phase %r of step %d%s; never set it outside tests",
-            FAULT_ENV, fault.spec, SIGNALS[fault.signal_name].name, fault.phase, fault.step,
-            "" if fault.stage is None else f" of stage {fault.stage} replica {fault.replica}",
+            "TEST HOOK ARMED (%s=%s): this agent will %s itself at phase %r of its first step >= %d%s; never set it "
+            "outside tests",
+            FAULT_ENV,
+            fault.spec,
+            SIGNALS[fault.signal_name].name,
+            fault.phase,
+            fault.step,
+            "" if fault.stage is None else f" as stage {fault.stage} replica {fault.replica}",
         )
     return fault
 
 
-def disarm() -> None:
-    _Armed.fault = None
-
-
 def reached(phase: str, step: int, *, stage: int, replica: int) -> None:
-    """Replica `replica` of stage `stage` (0: not replicated) on this agent is at `phase` of `step`: if that is the
-    armed fault's, signal this process (a SIGSTOP returns once someone sends SIGCONT). Nothing otherwise."""
-    fault = _Armed.fault
-    if fault is None or fault.phase != phase or fault.step != step:
+    """Replica `replica` of stage `stage` (0: not replicated) on this agent is at `phase` of `step`: if the armed
+    fault is due there, disarm it and signal this process (a SIGSTOP returns once someone sends SIGCONT). Nothing
+    otherwise."""
+    if _Armed.fault is None:
         return
-    if fault.stage is not None and (fault.stage, fault.replica) != (stage, replica):
-        return
-    _Armed.fault = None
+    with _Armed.lock:
+        fault = _Armed.fault
+        if fault is None or not fault.due(phase, step, stage=stage, replica=replica):
+            return
+        _Armed.fault = None
     sig = SIGNALS[fault.signal_name]
-    log.critical("TEST HOOK FIRES: %s at phase %r of step %d (stage %d replica %d)", sig.name, phase, step, stage,
-                 replica)
+    log.critical(
+        "TEST HOOK FIRES: %s at phase %r of step %d (stage %d replica %d)", sig.name, phase, step, stage, replica
+    )
     for handler in logging.getLogger().handlers:  # the line must reach the log before the process is gone
         handler.flush()
     sys.stderr.flush()

@@ -1,5 +1,6 @@
 """The fault-injection test hook (nodeagent/faults.py): armed only with its devtools key, it signals its own process
-once, at the phase and step it names; a malformed or unkeyed fault stops the agent from starting."""
+once, at the phase it names of the first step at or past the one it names; a malformed or unkeyed fault stops the
+agent from starting."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ for step in (1, 2, 3):
     for phase in faults.PHASES:
         faults.reached(phase, step, stage=0, replica=1)  # another replica than a fault for one names
         faults.reached(phase, step, stage=1, replica=0)
+        if step >= 2:  # a replica it hosts from step 2 on, as a spare that joined
+            faults.reached(phase, step, stage=1, replica=2)
         print(phase, step, flush=True)
 faults.reached("exchange", 2, stage=1, replica=0)  # the fault fired once: reaching it again does nothing
 print("done", flush=True)
@@ -54,6 +57,15 @@ def test_a_fault_parses_from_signal_phase_and_step() -> None:
             faults.parse_fault(bad)
 
 
+def test_a_fault_is_due_at_its_phase_from_its_step_on_where_it_names() -> None:
+    fault = faults.Fault("kill", "exchange", 5, stage=1, replica=2)
+    assert fault.due("exchange", 5, stage=1, replica=2) and fault.due("exchange", 9, stage=1, replica=2)
+    assert not fault.due("exchange", 4, stage=1, replica=2)  # not before its step
+    assert not fault.due("forward", 5, stage=1, replica=2)
+    assert not fault.due("exchange", 5, stage=1, replica=0) and not fault.due("exchange", 5, stage=0, replica=2)
+    assert faults.Fault("stop", "forward", 2).due("forward", 7, stage=3, replica=1)  # anywhere when none named
+
+
 def test_a_fault_is_honoured_only_with_the_devtools_key() -> None:
     assert faults.fault_from_environ({}) is None
     assert faults.fault_from_environ({faults.FAULT_ENV: ""}) is None
@@ -78,8 +90,9 @@ def test_kill_ends_the_process_at_the_named_phase_and_step() -> None:
     assert "TEST HOOK ARMED" in err and "TEST HOOK FIRES: SIGKILL at phase 'gradient-sent' of step 2 (stage 0" in err
 
 
-def test_stop_freezes_the_process_until_it_is_continued_and_fires_once() -> None:
-    process = walker("stop:exchange:2:1:0")
+def wake_once_stopped(process: subprocess.Popen[str]) -> tuple[str, str]:
+    """Wait until `process` stopped itself, check that it stays stopped, SIGCONT it; its stdout and stderr once it
+    ended."""
     try:
         watched = psutil.Process(process.pid)
         deadline = time.monotonic() + 60
@@ -89,16 +102,29 @@ def test_stop_freezes_the_process_until_it_is_continued_and_fires_once() -> None
         time.sleep(0.3)
         assert watched.status() == psutil.STATUS_STOPPED  # it stays silent: nothing else wakes it
         os.kill(process.pid, signal.SIGCONT)
-        out, err = process.communicate(timeout=60)
+        return process.communicate(timeout=60)
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_stop_freezes_the_process_until_it_is_continued_and_fires_once() -> None:
+    process = walker("stop:exchange:2:1:0")
+    out, err = wake_once_stopped(process)
     assert process.returncode == 0, err
     lines = out.splitlines()
     assert lines[lines.index("gradient-sent 2") + 1] == "exchange 2" and lines[-1] == "done"
     assert len(lines) == 10  # every phase passed once, and "exchange 2" again without stopping
     assert "continued after SIGSTOP at phase 'exchange' of step 2" in err
+
+
+def test_a_replica_hosted_from_a_later_step_on_fires_at_its_first_step_due() -> None:
+    process = walker("kill:forward:1:1:2")  # due from step 1, but the walker hosts stage 1's replica 2 from step 2 on
+    out, err = process.communicate(timeout=60)
+    assert process.returncode == -signal.SIGKILL
+    assert out.splitlines() == ["forward 1", "gradient-sent 1", "exchange 1"], err
+    assert "TEST HOOK FIRES: SIGKILL at phase 'forward' of step 2 (stage 1 replica 2)" in err
 
 
 def test_an_agent_with_an_unkeyed_fault_refuses_to_start(tmp_path: Path) -> None:
