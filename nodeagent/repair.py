@@ -7,8 +7,9 @@ A step that lost replicas stops where it is on every survivor (the driver cancel
 and its accumulated gradient stay, its sends settle, and it waits here. The driver reads the survivors' holdings
 (ReplicaService.Holdings), plans the repair and runs the step again under the same id with each survivor's
 instructions: a survivor then re-sends the kept tensors they name, runs only the actions it has not done (the lost
-replicas' micro-batches it took over among them), and exchanges its partial with the surviving members only. Nothing
-here touches torch but holding tensors."""
+replicas' micro-batches it took over among them), and exchanges its partial with the surviving members only; a
+replica of a stage that lost no member, whose members all completed their exchange, keeps its reduced gradient and
+exchanges nothing again. Nothing here touches torch but holding tensors."""
 
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ class HeldStep:
         self.forward_sizes: dict[int, int] = {}
         self.results: dict[int, tuple[float, int, int]] = {}  # last stage: (loss sum, correct, samples)
         self.partial: torch.Tensor | None = None
+        # The membership epoch whose reduced gradient it holds (its exchange completed among that epoch's members).
+        self.exchanged_epoch: int | None = None
         self.finished = False
         self._lock = threading.Lock()  # sends are recorded from the push streams' threads
 

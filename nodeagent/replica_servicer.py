@@ -150,7 +150,8 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
                 a = stage.assignment
                 arrived = set(stage.mailbox.arrived(request.step))
                 return replica_pb2.HoldingsReply(
-                    holdings_json=json.dumps(held.holdings(a.stage_index, a.replica, arrived).to_json())
+                    holdings_json=json.dumps(held.holdings(a.stage_index, a.replica, arrived).to_json()),
+                    exchanged_epoch=held.exchanged_epoch,
                 )
             finally:
                 stage.step_lock.release()

@@ -97,6 +97,7 @@ class StepRun:
         self._results: dict[int, tuple[float, int, int]] = {}
         self.exchange_seconds = 0.0
         self.held: HeldStep | None = None  # a replica's record of this step, kept for a repair (nodeagent.repair)
+        self._keeps_exchange = False  # a repair left this replica's stage its completed exchange
         self._skip_output: frozenset[int] = frozenset()
         self._skip_input_gradient: frozenset[int] = frozenset()
 
@@ -127,9 +128,9 @@ class StepRun:
                 faults.reached("gradient-sent", self.step, **self._where)
             sync = self.stage.assignment.replica_sync
             members = () if self.replicas is None else self.replicas.members(self.stage.io.stage_index)
-            if held is not None:
+            if held is not None and not self._keeps_exchange:
                 held.partial = runtime.gradient_vector()  # what a repair of this step exchanges again
-            if self.train and sync.exact and len(members) > 1:
+            if self.train and sync.exact and len(members) > 1 and not self._keeps_exchange:
                 self._exchange(self.replicas)
             if self.train:
                 self.lending.optimizer_step()
@@ -192,12 +193,21 @@ class StepRun:
             )
         if keeps and plan.repair is not None and held is not None and held.step == self.step:
             # The same step, resumed after a loss: its update (if it finished) waits again, and its own partial
-            # gradient (if it exchanged) comes back, to take the micro-batches it recomputes and be exchanged anew.
+            # gradient (if it exchanged) comes back, to take the micro-batches it recomputes and be exchanged anew;
+            # unless its stage keeps its exchange (no member lost, every one done): its reduced gradient stands.
             runtime.take_back_deferred()
             stage.deferred_step = None
-            if held.partial is not None:
+            if plan.repair.keep_exchange:
+                if held.exchanged_epoch is None:
+                    raise RpcFailure(
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"{stage.name} is told to keep the exchange of step {self.step}, which it did not complete",
+                    )
+                held.exchanged_epoch = plan.epoch  # the same members: the sum stands in the new epoch
+                self._keeps_exchange = True
+            elif held.partial is not None:
                 runtime.set_gradient_vector(held.partial)
-                held.partial = None
+                held.partial = held.exchanged_epoch = None
             held.finished = False
         else:
             if plan is not None and stage.deferred_step in self.request.replicas.discard_steps:
@@ -258,6 +268,8 @@ class StepRun:
             kept=self.audit.shard_receipts if retained else None,
         )
         stage.runtime.set_gradient_vector(reduced)
+        if self.held is not None:
+            self.held.exchanged_epoch = plan.epoch
         self.audit.reduced(reduced, chunk_bounds(reduced.numel(), plan.members(index)))
         self.exchange_seconds = time.perf_counter() - started
 

@@ -4,17 +4,19 @@ Only the lost replicas' micro-batches move, each to a surviving member of its st
 anew (forward and backward: the lost replica's partial gradient is gone with it). Every other boundary
 tensor is where it was or is re-sent from the neighbour that kept it, and never to a replica that already
 holds it, so each micro-batch counts once in each stage's gradient and no stage without a loss recomputes
-anything. A stage that lost every replica cannot be repaired: the plan says rewind (the job's checkpoint).
+anything; such a stage whose members all completed their gradient exchange keeps it (`keep_exchange`): only
+the stages whose membership changed exchange again. A stage that lost every replica cannot be repaired: the
+plan says rewind (the job's checkpoint).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 from arceus.swarm.holdings import Holding, StepHoldings
-from arceus.swarm.json_fields import exact_object, integers, pairs
+from arceus.swarm.json_fields import boolean, exact_object, integers, pairs
 from arceus.swarm.routing import Routes, Speeds, reroute
 
 # The repair's interface: what it plans from (the survivors' holdings) and what it plans.
@@ -28,25 +30,30 @@ class ReplicaInstructions:
     resend_outputs / resend_input_gradients: (micro_batch, to_replica) of kept tensors to push again;
     skip_output / skip_input_gradient: micro-batches still to run whose activation (downstream) or input
     gradient (upstream) the neighbour already holds from a lost replica, so the run keeps it unsent.
-    A replica keeps every tensor it computes, sent or not, until commit; a later plan's instructions
-    replace an earlier one's."""
+    keep_exchange: its stage lost no member and every member completed its exchange: the reduced gradient it
+    holds stands, and it exchanges nothing again. A replica keeps every tensor it computes, sent or not, until
+    commit; a later plan's instructions replace an earlier one's."""
 
     recompute: tuple[int, ...] = ()
     resend_outputs: tuple[tuple[int, int], ...] = ()
     resend_input_gradients: tuple[tuple[int, int], ...] = ()
     skip_output: tuple[int, ...] = ()
     skip_input_gradient: tuple[int, ...] = ()
+    keep_exchange: bool = False
 
     def to_json(self) -> dict[str, Any]:
-        return {f.name: [list(v) if isinstance(v, tuple) else v for v in getattr(self, f.name)] for f in fields(self)}
+        return {
+            f.name: v if isinstance(v := getattr(self, f.name), bool) else [list(e) if isinstance(e, tuple) else e
+                                                                          for e in v]
+            for f in fields(self)
+        }
 
     @classmethod
     def from_json(cls, data: Any, field: str = "repair") -> ReplicaInstructions:
         names = tuple(f.name for f in fields(cls))
         data = exact_object(data, field, names)
-        return cls(
-            **{n: (pairs if n.startswith("resend") else integers)(data[n], f"{field}.{n}") for n in names}
-        )
+        parse = {n: boolean if n == "keep_exchange" else pairs if n.startswith("resend") else integers for n in names}
+        return cls(**{n: parse[n](data[n], f"{field}.{n}") for n in names})
 
 
 @dataclass(frozen=True)
@@ -66,11 +73,14 @@ class RepairPlan:
 
 
 def repair_step(
-    routes: Routes, lost: Iterable[tuple[int, int]], holdings: StepHoldings, speeds: Speeds, epoch: int
+    routes: Routes, lost: Iterable[tuple[int, int]], holdings: StepHoldings, speeds: Speeds, epoch: int,
+    exchanged: Collection[tuple[int, int]] = (),
 ) -> RepairPlan:
     """Plan the repair of the step running on `routes` at `epoch` that lost the (stage, replica)s `lost`.
     `holdings`: every survivor's, once each waits with no send in flight (a lost replica's are ignored);
-    `speeds` share the moved micro-batches (arceus.swarm.routing.reroute)."""
+    `speeds` share the moved micro-batches (arceus.swarm.routing.reroute); `exchanged`: the survivors holding
+    the reduced gradient of `epoch`'s members. A stage that lost no member and whose every member is in
+    `exchanged` keeps its exchange: only the stages whose membership changed exchange again."""
     lost = set(lost)
     if not lost:
         raise ValueError("nothing was lost: a repair needs at least one lost replica")
@@ -86,8 +96,11 @@ def repair_step(
             raise ValueError(f"stage {stage} replica {replica} reports micro-batch {m}, which is not routed to it")
     new = reroute(routes, lost, speeds)
     moved = {(i, m) for m, route in enumerate(routes.of) for i, r in enumerate(route) if (i, r) in lost}
+    settled = {i for i, ids in enumerate(routes.members)
+               if all((i, k) not in lost and (i, k) in exchanged for k in ids)}
     instructions = {
-        (i, r): _instructions(i, r, new, moved, kept) for i, ids in enumerate(new.members) for r in ids
+        (i, r): _instructions(i, r, new, moved, kept, keep_exchange=i in settled)
+        for i, ids in enumerate(new.members) for r in ids
     }
     last, ms = routes.num_stages - 1, range(routes.num_micro_batches)
     return RepairPlan(
@@ -102,7 +115,7 @@ def repair_step(
 
 
 def _instructions(
-    stage: int, replica: int, new: Routes, moved: set[tuple[int, int]], kept: StepHoldings
+    stage: int, replica: int, new: Routes, moved: set[tuple[int, int]], kept: StepHoldings, *, keep_exchange: bool
 ) -> ReplicaInstructions:
     last = new.num_stages - 1
     mine = new.micro_batches_of(stage, replica)
@@ -129,4 +142,5 @@ def _instructions(
         resend_input_gradients=tuple(resend_input_gradients),
         skip_output=tuple(skip_output),
         skip_input_gradient=tuple(skip_input_gradient),
+        keep_exchange=keep_exchange,
     )

@@ -302,17 +302,19 @@ class Pipeline:
             return None, "no replica of the step's routes was lost"
         survivors = [(i, k) for i, ids in enumerate(routes.members) for k in ids if (i, k) not in lost]
         asked = [(key, self.replica_clients[key].holdings(step, self.roster.epoch)) for key in survivors]
-        entries = {}
+        entries, exchanged = {}, set()
         for (i, k), future in asked:
             try:
                 reply = future.result()
                 entries.update(StepHoldings.from_json(json.loads(reply.holdings_json)))
+                if reply.HasField("exchanged_epoch") and reply.exchanged_epoch == epoch:
+                    exchanged.add((i, k))  # it holds the reduced gradient of the step's members
             except grpc.RpcError as exc:
                 return None, f"stage {i} replica {k} could not report what it holds: {exc.code().name}: {exc.details()}"
             except (json.JSONDecodeError, SpecError) as exc:
                 return None, f"stage {i} replica {k} reported holdings that do not parse: {exc}"
         try:
-            plan = repair_step(routes, lost, StepHoldings(entries), self.roster.speeds, epoch)
+            plan = repair_step(routes, lost, StepHoldings(entries), self.roster.speeds, epoch, exchanged)
         except ValueError as exc:  # a survivor's report does not fit the step (SpecError is a ValueError)
             return None, f"the survivors' holdings make no repair: {exc}"
         if plan.rewind:

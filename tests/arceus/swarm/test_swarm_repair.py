@@ -258,6 +258,22 @@ def test_a_middle_replica_lost_after_its_neighbours_used_its_tensors() -> None:
     assert plan.driver_repush_inputs == plan.driver_repush_labels == ()
 
 
+def test_only_a_stage_whose_membership_changed_exchanges_again() -> None:
+    """Stage 1 lost a replica as its exchange started, after every tensor was sent: stages 0 and 2 lost no member,
+    and where every member completed its exchange of the step's epoch, the reduced gradient it holds stands."""
+    routes = Routes(((0, 1), (0, 1), (0, 1)), ((0, 0, 0), (1, 1, 1), (0, 0, 0), (1, 1, 1)))
+    done = Holding(True, True, None, True, True, None)
+    holdings = StepHoldings({(i, r, m): done for i in (0, 2) for m in range(4) for r in (routes.of[m][i],)})
+    everyone = {(i, r) for i in range(3) for r in (0, 1)} - {(1, 1)}
+    plan = repair_step(routes, {(1, 1)}, holdings, {}, epoch=3, exchanged=everyone)
+    assert {key: todo.keep_exchange for key, todo in plan.instructions.items()} == {
+        (0, 0): True, (0, 1): True, (1, 0): False, (2, 0): True, (2, 1): True,
+    }
+    # A member that had not completed it (its exchange was cut short): its whole stage exchanges again.
+    plan = repair_step(routes, {(1, 1)}, holdings, {}, epoch=3, exchanged=everyone - {(2, 1)})
+    assert [key for key, todo in plan.instructions.items() if todo.keep_exchange] == [(0, 0), (0, 1)]
+
+
 def test_a_first_and_last_stage_loss_has_the_driver_push_again() -> None:
     routes = Routes(((0, 1), (2, 3)), ((0, 2), (1, 3), (1, 2)))
     plan = repair_step(routes, {(0, 1), (1, 3)}, StepHoldings(), {}, epoch=0)
@@ -285,6 +301,8 @@ def test_bad_repair_inputs_are_named() -> None:
 def test_instructions_round_trip_and_refuse_bad_json() -> None:
     todo = ReplicaInstructions((1, 4), ((2, 3),), ((0, 1), (5, 2)), (4,), ())
     assert ReplicaInstructions.from_json(todo.to_json()) == todo
+    kept = ReplicaInstructions(resend_outputs=((2, 3),), keep_exchange=True)
+    assert ReplicaInstructions.from_json(kept.to_json()) == kept and kept.to_json()["keep_exchange"] is True
     assert todo.to_json()["resend_input_gradients"] == [[0, 1], [5, 2]]
     bad = {f.name: [] for f in fields(ReplicaInstructions)} | {"resend_outputs": [[1]]}
     with pytest.raises(ValueError, match=r"repair.resend_outputs\[0\]: must be a \[micro_batch, replica\] pair"):

@@ -16,6 +16,7 @@ import math
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -307,3 +308,63 @@ def test_replicas_that_sync_every_few_steps_run_the_step_again_without_the_lost_
     assert any("in step 2 " in m and "running it again without them" in m and "syncs with its siblings every few "
                "steps" in m for m in messages), messages
     assert not any("the survivors repair it" in m for m in messages), messages
+
+
+def test_a_repaired_step_exchanges_again_only_in_the_stage_that_lost_a_replica(
+    agents: dict[Key, Agent], caplog: pytest.LogCaptureFixture
+) -> None:
+    # The middle stage's replica 1 is lost as its exchange starts (every tensor sent), once the other stages completed
+    # theirs: their members are all alive and summed the same partials, so their reduced gradients stand and they
+    # exchange nothing again; the middle stage's survivor, alone now, has nothing to exchange with.
+    victim = (1, 1)
+    killer = Killer(agents, victim, "gradient_vector", 1, 2)
+    started: Counter[tuple[Key, int]] = Counter()
+    completed: Counter[tuple[Key, int]] = Counter()
+    others = {key for key in agents if key[0] != victim[0]}
+    finished_armed: set[Key] = set()
+    settled, lock = threading.Event(), threading.Lock()
+    for key, agent in agents.items():
+        exchange = hosted(agent).exchange
+
+        def counted(flat: torch.Tensor, *, step: int, key: Key = key, real: Any = exchange.exchange,
+                    **kwargs: Any) -> torch.Tensor:
+            with lock:
+                started[(key, step)] += 1
+            reduced = real(flat, step=step, **kwargs)
+            with lock:
+                completed[(key, step)] += 1
+                if killer.armed:
+                    finished_armed.add(key)
+                    if others <= finished_armed:
+                        settled.set()
+            return reduced
+
+        exchange.exchange = counted
+    runtime = hosted(agents[victim]).runtime
+    kill = runtime.gradient_vector  # the Killer's
+
+    def after_the_others(*args: Any, **kwargs: Any) -> Any:
+        if killer.armed and not killer.killed.is_set() and not settled.wait(30.0):
+            raise AssertionError("the other stages did not complete their exchanges of the step")
+        return kill(*args, **kwargs)
+
+    runtime.gradient_vector = after_the_others
+    sink = Sink(killer, agents)
+    caplog.set_level(logging.INFO, logger="arceus.training.driver")
+    train(plan_of(agents), sink)
+
+    assert killer.killed.is_set()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("in step 2 " in m and "the survivors repair it" in m for m in messages), messages
+    assert {step for _, step in started} == set(range(1, STEPS + 1))  # no step ran again under a new id
+    for step in range(1, STEPS + 1):
+        for key in others:  # once per step, the repaired one too
+            assert (started[(key, step)], completed[(key, step)]) == (1, 1), (step, key, started, completed)
+    assert (started[((1, 0), 2)], completed[((1, 0), 2)]) == (1, 0)  # cut short by the loss, never redone alone
+    expected = reference_run(
+        {"model_config": MLP, "dataset_config": DIGITS, "epochs": 1, "learning_rate": SGD["lr"], "optimizer": "sgd",
+         "momentum": SGD["momentum"], "weight_decay": SGD["weight_decay"], "seed": SEED},
+        max_steps=STEPS,
+    )
+    for step, (got, want) in enumerate(zip([p.loss for p in sink.steps], expected.losses, strict=True), 1):
+        assert math.isclose(got, want, rel_tol=1e-5), f"step {step}: loss {got!r} != reference {want!r}"
