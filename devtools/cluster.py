@@ -205,14 +205,15 @@ class LocalCluster:
         it unarmed)."""
         armed = {} if fault is None else {FAULT_ENV: faults.parse_fault(fault).spec, ENABLE_ENV: "1"}
         client = self.client if owner is None else self.owner_client(owner)
+        nodes = {name: client.create_node(name) for name in names}
+        configs = {} if installed is None else self._init_installed(installed, nodes)
         spawned = []
-        for name in names:
-            created = client.create_node(name)
+        for name, created in nodes.items():
             if installed is None:
                 program = [sys.executable, "-m", module, *(() if discover else ("--control-plane", self.api_url))]
                 self._configured.discard(f"agent-{name}")  # a name an installed agent had: the token by environment
             else:
-                program = [str(installed), "run", "--config", str(self._init_installed(installed, name, created))]
+                program = [str(installed), "run", "--config", str(configs[name])]
             self._commands[f"agent-{name}"] = [
                 *prefix, *program, "--device", "cpu", "--threads", str(self.agent_threads), *extra_args]
             spawned.append(
@@ -222,16 +223,28 @@ class LocalCluster:
         self.agents.extend(agents)
         return agents
 
-    def _init_installed(self, installed: Path, name: str, created: dict[str, Any]) -> Path:
-        """`arceus-agent init` for agent `name`, its token on standard input (kept in a 0600 file beside the
-        settings); the settings file."""
-        config = self.workdir / f"agent-{name}" / "agent.toml"
+    def _init_installed(self, installed: Path, nodes: dict[str, dict[str, Any]]) -> dict[str, Path]:
+        """`arceus-agent init` for each agent (name -> its created node), its token on standard input (kept in a
+        0600 file beside the settings), all started at once: their start-ups (importing torch) overlap. Each
+        agent's settings file."""
         env = {k: v for k, v in self.env.items() if k != TOKEN_ENV}
-        subprocess.run([str(installed), "init", "--control-plane", self.api_url, "--token-stdin", "--config",
-                        str(config)], input=f"{created['token']}\n", text=True, env=env, check=True,
-                       capture_output=True, timeout=120)
-        self._configured.add(f"agent-{name}")
-        return config
+        configs = {name: self.workdir / f"agent-{name}" / "agent.toml" for name in nodes}
+        inits = {name: subprocess.Popen(
+            [str(installed), "init", "--control-plane", self.api_url, "--token-stdin", "--config", str(config)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+        ) for name, config in configs.items()}
+        try:
+            for name, init in inits.items():
+                stdout, stderr = init.communicate(f"{nodes[name]['token']}\n", timeout=120)
+                if init.returncode != 0:
+                    raise subprocess.CalledProcessError(init.returncode, init.args, stdout, stderr)
+                self._configured.add(f"agent-{name}")
+        finally:
+            for init in inits.values():
+                if init.poll() is None:
+                    init.kill()
+                    init.wait()
+        return configs
 
     def owner_client(self, username: str) -> ArceusClient:
         """The API client of contributor `username` (made on first use): a node is its owner's business."""
@@ -281,8 +294,11 @@ class LocalCluster:
         # Agents first, killed: a SIGTERM would have each drain its node, waiting for a handover that the
         # stopping control plane never makes. The web server only once nothing heartbeats to it, the broker
         # last, after everyone who may still enqueue or acknowledge: else those calls hang in retries until the
-        # grace runs out.
+        # grace runs out. Our clients' idle keep-alive connections are closed first: gunicorn's graceful stop
+        # waits for every open connection, and would spend the whole grace on them.
         self.kill_agents()
+        for client in [*([self.client] if hasattr(self, "client") else []), *self._owners.values()]:
+            client.session.close()
         self.supervisor.stop_all(wave=lambda name: {"web": 1, "redis": 2}.get(name, 0))
 
     def wait_for_job(

@@ -69,6 +69,7 @@ def test_demo_trains_digits_to_95_percent_and_prints_summary(tmp_path: Path) -> 
                                  timeout=30)
         assert logged_in.status_code == 302 and logged_in.headers["Location"] == "/dashboard/"
         assert demo.poll() is None  # still serving
+        session.close()  # as a browser's tab closes: the web server's graceful stop would wait for the connection
         demo.send_signal(signal.SIGINT)
         assert demo.wait(timeout=60) == 0
         stdout = demo.stdout.read()
