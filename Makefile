@@ -47,7 +47,7 @@ TEST_ENV = DATABASE_URL=$(TEST_DATABASE_URL) REDIS_URL=$(TEST_REDIS_URL)
 # pytest exits 5 when a part selects no test (PYTEST_ARGS naming only slow or only fast ones): not a failure.
 test: install
 	$(TEST_ENV) $(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) $(PYTEST_ARGS); fast=$$?; \
-	$(TEST_ENV) $(BIN)/python -m pytest -m slow -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS); slow=$$?; \
+	$(TEST_ENV) $(BIN)/python -m pytest -m slow -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS); slow=$$?; \
 	for code in $$fast $$slow; do [ $$code = 0 ] || [ $$code = 5 ] || exit $$code; done
 
 lint: install

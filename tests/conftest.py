@@ -14,6 +14,8 @@ from devtools.agent_wheel import InstalledAgent, install_agent
 from nodeagent.agent import Agent
 
 REDIS_DATABASES = 16  # a Redis server's default number of databases
+# Files whose tests each run a whole system for a minute or more (clusters of processes, the wheel's install).
+WHOLE_SYSTEM_FILES = ("tests/e2e/", "tests/test_packaging.py")
 
 # Hashing a password is slow by design (PBKDF2, about half a second on a busy core) and the tests hash hundreds: the
 # test process uses Django's fast hasher. Clusters started as processes (tests/e2e) hash with the shipped settings.
@@ -23,6 +25,21 @@ TEST_PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 def pytest_configure(config: pytest.Config) -> None:
     settings.PASSWORD_HASHERS = TEST_PASSWORD_HASHERS
     _worker_redis_database()
+
+
+@pytest.hookimpl(trylast=True)  # after `-m` deselected what will not run
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under `--dist loadfile --no-loadscope-reorder` (the slow part of `make test`), xdist hands out whole files in
+    the order collected, each to the next worker that runs short of work. The whole-system files go first, then the
+    rest, each group's files by their number of tests, most first: the many short files come last, so both workers
+    run out of work within seconds of each other, not one still running a long file that was handed out last."""
+    if config.getoption("dist", None) != "loadfile":
+        return
+    files: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        files.setdefault(item.path.relative_to(config.rootpath).as_posix(), []).append(item)
+    ordered = sorted(files.items(), key=lambda entry: (not entry[0].startswith(WHOLE_SYSTEM_FILES), -len(entry[1])))
+    items[:] = [item for _, in_file in ordered for item in in_file]
 
 
 def _worker_redis_database() -> None:
