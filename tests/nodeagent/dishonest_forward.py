@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from nodeagent.runtime import MicroBatchKey
+from nodeagent.runtime import MicroBatchKey, StageRuntime
 
 Perturb = Callable[[torch.Tensor, MicroBatchKey], torch.Tensor]
 
@@ -25,6 +25,13 @@ def dishonest_forward(honest: Callable[..., torch.Tensor], perturb: Perturb) -> 
         return perturb(honest(*args, **kwargs), key)
 
     return forward
+
+
+def make_dishonest(runtime: StageRuntime, perturb: Perturb) -> None:
+    """`runtime` returns `perturb(output, key)` from now on. Set on the instance, not through pytest's monkeypatch,
+    whose undo list would hold the runtime past its agent's stop: the stage's drop then waits its whole grace for a
+    runtime nothing else holds. The runtime goes with its agent at the test's end."""
+    runtime.forward = dishonest_forward(runtime.forward, perturb)  # type: ignore[method-assign]
 
 
 def noise(out: torch.Tensor, _key: MicroBatchKey) -> torch.Tensor:

@@ -42,7 +42,7 @@ from devtools.pipeline import (
 from nodeagent import replicas, step_audit
 from nodeagent.agent import Agent
 from tests.arceus.training.replicated_agents import agents_hosting
-from tests.nodeagent.dishonest_forward import dishonest_forward, noise
+from tests.nodeagent.dishonest_forward import make_dishonest, noise
 from tests.nodeagent.test_nodeagent_replica_buffers import NormedNet
 
 MODEL = {"type": "mlp", "layer_sizes": [64, 32, 16, 10]}
@@ -154,10 +154,10 @@ def test_honest_replicas_pass_every_check_whose_receipts_name_the_replicas_of_ea
 
 
 def test_a_replica_that_perturbs_its_activations_is_caught_and_named(
-    agents: list[Agent], seeded: None, monkeypatch: pytest.MonkeyPatch
+    agents: list[Agent], seeded: None
 ) -> None:
     runtime = agents[PLACEMENT[1][1]].registry.stages()[0].runtime  # stage 1, replica 1
-    monkeypatch.setattr(runtime, "forward", dishonest_forward(runtime.forward, noise))
+    make_dishonest(runtime, noise)
     forwards, _ = until_caught(agents)
     for c in caught(forwards, agents, 1, 1):
         assert "differs from the recomputation" in c.detail and "(stage 1 replica 1)" in c.detail
@@ -165,13 +165,13 @@ def test_a_replica_that_perturbs_its_activations_is_caught_and_named(
 
 
 def test_a_replica_that_computes_a_dishonest_partial_gradient_is_caught_by_a_sibling(
-    agents: list[Agent], seeded: None, monkeypatch: pytest.MonkeyPatch
+    agents: list[Agent], seeded: None
 ) -> None:
     """Stage 0's replica 1 adds noise to its partial gradient before the exchange (and signs it): every replica
     applies the poisoned sum alike, so only a recomputation catches it; its sibling's names it."""
     runtime = agents[PLACEMENT[0][1]].registry.stages()[0].runtime
     honest = runtime.gradient_vector
-    monkeypatch.setattr(runtime, "gradient_vector", lambda: honest() + 1e-3)
+    runtime.gradient_vector = lambda: honest() + 1e-3  # (as make_dishonest does: no monkeypatch holding the runtime)
     forwards, partials = until_caught(agents)
     for c in caught(partials, agents, 0, 1):
         assert "partial gradient of micro-batches" in c.detail and "differs from the recomputation" in c.detail

@@ -34,7 +34,7 @@ from devtools.reference import reference_run
 from nodeagent.agent import Agent
 from nodeagent.stage import HostedStage
 from tests.arceus.training.replicated_agents import agents_hosting
-from tests.nodeagent.dishonest_forward import dishonest_forward
+from tests.nodeagent.dishonest_forward import make_dishonest
 
 MLP = {"type": "mlp", "layer_sizes": [64, 32, 16, 10]}
 BOUNDARIES = [0, 1, 2, 3]
@@ -260,7 +260,7 @@ def test_a_repaired_step_credits_each_survivor_all_the_compute_it_did_in_it(agen
 
 @pytest.mark.parametrize("cheat", [False, True], ids=["honest", "perturbed-recompute"])
 def test_a_repaired_steps_recomputed_micro_batches_are_spot_checked_like_any_others(
-    agents: dict[Key, Agent], cheat: bool, monkeypatch: pytest.MonkeyPatch
+    agents: dict[Key, Agent], cheat: bool
 ) -> None:
     # Every step audited (audit_rate 1): the middle stage's replica 1 is lost at its first forward of step 2, so its
     # survivor recomputes all its share in the repair and sends each on. One of them is checked as any step's forward
@@ -273,7 +273,7 @@ def test_a_repaired_steps_recomputed_micro_batches_are_spot_checked_like_any_oth
     def perturbed(out: torch.Tensor, _key: tuple[int, int]) -> torch.Tensor:
         return out + 0.01 if cheat and killer.killed.is_set() else out
 
-    monkeypatch.setattr(runtime, "forward", dishonest_forward(runtime.forward, perturbed))
+    make_dishonest(runtime, perturbed)
     keys = {(i, r): agent.signer.public_key_hex for (i, r), agent in agents.items()}
     plan = plan_of(agents)
     plan = replace(

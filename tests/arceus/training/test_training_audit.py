@@ -29,7 +29,7 @@ from nodeagent.agent import Agent
 from nodeagent.rpc import RpcFailure
 from nodeagent.servicer import StageServicer
 from nodeagent.stage import HostedStage
-from tests.nodeagent.dishonest_forward import dishonest_forward, noise
+from tests.nodeagent.dishonest_forward import make_dishonest, noise
 
 MODEL = {"type": "mlp", "layer_sizes": [64, 32, 16, 10]}
 BOUNDARIES = [0, 1, 2, 3]
@@ -113,7 +113,7 @@ def test_honest_stages_pass_every_spot_check(agents: list[Agent]) -> None:
     indirect=True,
 )
 def test_honest_stages_pass_through_lossy_transfers_and_a_cheat_is_still_caught(
-    agents: list[Agent], request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+    agents: list[Agent], request: pytest.FixtureRequest
 ) -> None:
     # The receiver holds the rounded activation: the check rounds the recomputation the same way; with bf16
     # compute the verifier recomputes under bf16 autocast too.
@@ -124,18 +124,18 @@ def test_honest_stages_pass_through_lossy_transfers_and_a_cheat_is_still_caught(
     assert len(checks) == 6 and all(c.passed for c in checks), [c.detail for c in checks if not c.passed]
     for agent in agents[:2]:
         runtime = agent.registry.stages()[0].runtime
-        monkeypatch.setattr(runtime, "forward", dishonest_forward(runtime.forward, lambda out, _key: out + 0.05))
+        make_dishonest(runtime, lambda out, _key: out + 0.05)
     checks = spot_checks(plan_for(agents, transfer=transfer, precision=precision))
     assert checks and not any(c.passed for c in checks)
 
 
 def test_a_stage_that_perturbs_its_activations_fails_its_spot_checks(
-    agents: list[Agent], monkeypatch: pytest.MonkeyPatch
+    agents: list[Agent]
 ) -> None:
     # Both producers cheat, so whichever the driver samples is caught.
     for agent in agents[:2]:
         runtime = agent.registry.stages()[0].runtime
-        monkeypatch.setattr(runtime, "forward", dishonest_forward(runtime.forward, noise))
+        make_dishonest(runtime, noise)
     checks = spot_checks(plan_for(agents))
     assert len(checks) == 6 and not any(c.passed for c in checks)
     for c in checks:
