@@ -30,7 +30,7 @@ from arceus.training.driver import train
 from arceus.training.plan import StepProgress, TrainPlan
 from arceus.training.recording import RecordingSink
 from devtools.pipeline import driver_token, replica_endpoints
-from devtools.reference import reference_run
+from devtools.reference import ReferenceRun, reference_run
 from nodeagent.agent import Agent
 from nodeagent.stage import HostedStage
 from tests.arceus.training.replicated_agents import agents_hosting
@@ -99,6 +99,18 @@ class Killer:
     def compute_seconds(self) -> dict[Key, float]:
         """Seconds each replica's runtime has computed (what its agent reports)."""
         return {key: counters.compute_seconds for key, counters in self.counters.items()}
+
+
+def assert_losses_of_one_process(sink: Any) -> ReferenceRun:
+    """Every step's loss `sink` saw is one process's on the same batches (to 1e-5); returns that reference run."""
+    expected = reference_run(
+        {"model_config": MLP, "dataset_config": DIGITS, "epochs": 1, "learning_rate": SGD["lr"], "optimizer": "sgd",
+         "momentum": SGD["momentum"], "weight_decay": SGD["weight_decay"], "seed": SEED},
+        max_steps=STEPS,
+    )
+    for step, (got, want) in enumerate(zip([p.loss for p in sink.steps], expected.losses, strict=True), 1):
+        assert math.isclose(got, want, rel_tol=1e-5), f"step {step}: loss {got!r} != reference {want!r}"
+    return expected
 
 
 def refusing(address: str, timeout: float = 30.0) -> None:
@@ -175,13 +187,7 @@ def test_a_replica_lost_mid_step_costs_only_its_own_micro_batches_and_the_step_e
     assert any(f"in step {killed_in} " in m and "the survivors repair it" in m for m in messages), messages
     assert not any("running it again" in m for m in messages), messages
 
-    expected = reference_run(
-        {"model_config": MLP, "dataset_config": DIGITS, "epochs": 1, "learning_rate": SGD["lr"], "optimizer": "sgd",
-         "momentum": SGD["momentum"], "weight_decay": SGD["weight_decay"], "seed": SEED},
-        max_steps=STEPS,
-    )
-    for step, (got, want) in enumerate(zip([p.loss for p in sink.steps], expected.losses, strict=True), 1):
-        assert math.isclose(got, want, rel_tol=1e-5), f"step {step}: loss {got!r} != reference {want!r}"
+    expected = assert_losses_of_one_process(sink)
     for key, agent in agents.items():
         if key == victim:
             continue
@@ -361,10 +367,4 @@ def test_a_repaired_step_exchanges_again_only_in_the_stage_that_lost_a_replica(
         for key in others:  # once per step, the repaired one too
             assert (started[(key, step)], completed[(key, step)]) == (1, 1), (step, key, started, completed)
     assert (started[((1, 0), 2)], completed[((1, 0), 2)]) == (1, 0)  # cut short by the loss, never redone alone
-    expected = reference_run(
-        {"model_config": MLP, "dataset_config": DIGITS, "epochs": 1, "learning_rate": SGD["lr"], "optimizer": "sgd",
-         "momentum": SGD["momentum"], "weight_decay": SGD["weight_decay"], "seed": SEED},
-        max_steps=STEPS,
-    )
-    for step, (got, want) in enumerate(zip([p.loss for p in sink.steps], expected.losses, strict=True), 1):
-        assert math.isclose(got, want, rel_tol=1e-5), f"step {step}: loss {got!r} != reference {want!r}"
+    assert_losses_of_one_process(sink)

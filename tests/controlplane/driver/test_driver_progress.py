@@ -225,15 +225,7 @@ def test_each_replica_is_billed_on_its_node_for_the_micro_batches_the_driver_rou
     as the routes gave them, and the ledger bills each replica's node for its own work and the time it held the
     device: one entry per replica, its micro-batches and samples those the job saw it process."""
     start = timezone.now() - timedelta(seconds=60)
-    for i in range(6):
-        ready_node(f"n{i}", port=50051 + i, now=start)
-    job = queued_job(replicas={"min": 2, "max": 2})
-    reconcile_once(now=start)
-    Stage.objects.filter(job=job).update(held_since=start)
-    Job.objects.filter(pk=job.pk).update(
-        status="running", driver_lease_owner="d", driver_lease_expires_at=timezone.now() + timedelta(seconds=60)
-    )
-    node_of = {(s.index, s.replica): str(s.node_id) for s in Stage.objects.filter(job=job)}
+    job, node_of = replicated_running_job(ready_node, queued_job, start)
     assert len(set(node_of.values())) == 6
     # Stage 1's replica 0 is faster: it takes 3 of the 4 micro-batches (8 samples each); the others share evenly.
     routes = Routes(((0, 1),) * 3, ((0, 0, 0), (1, 0, 1), (0, 0, 0), (1, 1, 1)))
