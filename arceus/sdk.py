@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import requests
 
 from arceus.contracts.status import TERMINAL_STATUSES
+from arceus.model.hugging_face import folder_weights
 
 if TYPE_CHECKING:
     from arceus.model.exported.capture import CapturedModel
@@ -72,6 +73,20 @@ class _ChunkReader(io.RawIOBase):
         buffer[:n] = self._rest[:n]
         self._rest = self._rest[n:]
         return n
+
+
+class _SizedChunks:
+    """A request body streamed from chunks whose total length is known: requests sends it as the Content-Length
+    (the API refuses a body without one) and sends the chunks as they come."""
+
+    def __init__(self, size: int, chunks: Iterator[bytes]) -> None:
+        self._size, self._chunks = size, chunks
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __iter__(self) -> Iterator[bytes]:
+        return self._chunks
 
 
 def _describe(body: Any) -> str:
@@ -245,14 +260,17 @@ class ArceusClient:
         return received
 
     def upload_initial_weights(self, job_id: str, source: Path | bytes) -> dict[str, Any]:
-        """Stream a Hugging Face model (`source`: its folder, or its `model.safetensors`; an exported model's
-        weights: the bytes capture() wrote) to a job that has not started as the weights it starts from; the
-        job's detail."""
+        """Stream a Hugging Face model (`source`: its folder, its `model.safetensors` sharded or not, fp32, bf16 or
+        fp16; or that file; an exported model's weights: the bytes capture() wrote) to a job that has not started
+        as the weights it starts from; the job's detail."""
+        path = f"/api/jobs/{job_id}/initial-weights"
         if isinstance(source, bytes):
-            return self._put_bytes(f"/api/jobs/{job_id}/initial-weights", source)
-        weights = source / "model.safetensors" if source.is_dir() else source
-        with weights.open("rb") as body:  # requests sends a file's size as its Content-Length and streams it
-            return self._put_bytes(f"/api/jobs/{job_id}/initial-weights", body)
+            return self._put_bytes(path, source)
+        if not source.is_dir():
+            with source.open("rb") as body:  # requests sends a file's size as its Content-Length and streams it
+                return self._put_bytes(path, body)
+        with folder_weights(source) as (size, chunks):
+            return self._put_bytes(path, _SizedChunks(size, chunks))
 
     def upload_program(self, job_id: str, program: bytes) -> dict[str, Any]:
         """An exported model's program (`CapturedModel.program`) for a job that has not started; the job's detail."""
@@ -265,7 +283,7 @@ class ArceusClient:
         self.upload_program(job["id"], captured.program)
         return self.upload_initial_weights(job["id"], captured.weights)
 
-    def _put_bytes(self, path: str, body: bytes | BinaryIO) -> dict[str, Any]:
+    def _put_bytes(self, path: str, body: bytes | BinaryIO | _SizedChunks) -> dict[str, Any]:
         response = self.session.put(
             self.base_url + path, data=body, timeout=self.timeout, headers={"Content-Type": "application/octet-stream"}
         )

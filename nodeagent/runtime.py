@@ -321,9 +321,11 @@ class StageRuntime:
         """CPU copies of `state_items()`."""
         return {name: t.cpu().clone() for name, t in self.state_items()}
 
-    def load_state_tensors(self, tensors: Mapping[str, torch.Tensor]) -> None:
+    def load_state_tensors(self, tensors: Mapping[str, torch.Tensor], *, widen: bool = False) -> None:
         """Restore weights, optimizer state and buffers saved by `state_items` (of a stage with the same layers and
-        optimizer); ValueError naming the first mismatch, before anything is changed. A state without any buffer
+        optimizer); ValueError naming the first mismatch, before anything is changed. `widen`: a float32 weight may
+        be stored as bfloat16 or float16 (uploaded initial weights: a Hugging Face checkpoint's), widened exactly as
+        it is copied in. A state without any buffer
         (the job's uploaded initial weights, or a checkpoint saved before stages kept their buffers) leaves the
         buffers as the layers were built with them (an exported model's: as captured); one with some holds exactly
         this stage's. `tensors` may load lazily (`arceus.checkpoint.StateFile`): each tensor is then read once,
@@ -331,7 +333,7 @@ class StageRuntime:
         an optimizer (served for inference) loads the weights alone: the optimizer entries are never read."""
         params = dict(named_global_parameters(self.layers))
         weights = [k for k in tensors if not k.startswith((OPTIMIZER_PREFIX, BUFFER_PREFIX))]
-        _check_layouts(tensors, weights, params, "checkpoint", "this stage")
+        _check_layouts(tensors, weights, params, "checkpoint", "this stage", widen=widen)
         buffers = self._buffers_check(tensors)
         if self.optimizer is None:
             with torch.no_grad():
@@ -447,16 +449,19 @@ class _Seeded:
 
 
 def _check_layouts(
-    tensors: Mapping[str, torch.Tensor], given: list[str], own: Mapping[str, torch.Tensor], source: str, what: str
+    tensors: Mapping[str, torch.Tensor], given: list[str], own: Mapping[str, torch.Tensor], source: str, what: str,
+    *, widen: bool = False,
 ) -> None:
     """ValueError naming the first mismatch unless the names `given` (of `tensors`, from `source`) are exactly `own`'s
-    (`what`: the part of this stage they load into), each stored with its dtype and shape."""
+    (`what`: the part of this stage they load into), each stored with its dtype (`widen`: a float32 one may be
+    stored as bfloat16 or float16) and shape."""
     if set(given) != set(own):
         missing, extra = sorted(set(own) - set(given)), sorted(set(given) - set(own))
         raise ValueError(f"{source} does not match {what}: missing {missing}, unexpected {extra}")
     for name, tensor in own.items():
         dtype, shape = stored_layout(tensors, name)
-        if shape != list(tensor.shape) or dtype != tensor.dtype:
+        widens = widen and tensor.dtype == torch.float32 and dtype in (torch.bfloat16, torch.float16)
+        if shape != list(tensor.shape) or dtype != tensor.dtype and not widens:
             raise ValueError(
                 f"{source} tensor {name} is {dtype} {shape}; this stage has {tensor.dtype} {list(tensor.shape)}"
             )

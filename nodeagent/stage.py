@@ -300,6 +300,7 @@ def build_hosted_stage(
         seed=assignment.seed,
     )
     tensors: Mapping[str, torch.Tensor] | None = None
+    uploaded = False  # the job's uploaded weights, which may be a Hugging Face checkpoint's bf16 or fp16
     if assignment.checkpoint is not None:
         if load_checkpoint is None:
             raise ValueError(f"{assignment.stage_id} resumes from a checkpoint, but this agent cannot fetch one")
@@ -308,9 +309,9 @@ def build_hosted_stage(
         if load_initial_weights is None:
             raise ValueError(f"{assignment.stage_id} starts from uploaded weights, but this agent cannot fetch them")
         bound = initial_weights_slice_bytes(spec, start, end)
-        tensors = load_initial_weights(assignment.initial_weights, start, end, bound)
+        tensors, uploaded = load_initial_weights(assignment.initial_weights, start, end, bound), True
     if tensors is not None:  # both are of the unsplit stage
         if tensor_parallel is not None:
             tensors = slice_state_tensors(spec, tensor_parallel.shard, tensors)
-        runtime.load_state_tensors(tensors)
+        runtime.load_state_tensors(tensors, widen=uploaded)
     return HostedStage(assignment, runtime, max_message_bytes=max_message_bytes, tensor_parallel=tensor_parallel)

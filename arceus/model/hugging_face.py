@@ -5,6 +5,11 @@ does not grow with the model; `tar -xf` (or `tarfile`) gives the folder `from_pr
 `model.safetensors` as a job's starting weights (fine-tuning), checked from its header, and each stage's
 layers cut from it under the pipeline's names (`initial_weights_slice`): an agent receives only its layers.
 
+Uploaded weights may be a Hugging Face checkpoint as it is shipped: bf16 or fp16 (each agent widens its layers to
+the model's fp32 as it loads them, exactly: the bytes travel and are stored at half the size), and sharded
+(`model.safetensors.index.json` naming `model-0000i-of-0000n.safetensors` files): `folder_weights` streams the
+shards as the one file the upload is, a range at a time, so the uploader holds no tensor.
+
 A slice is checked layer by layer: each layer's digest is the SHA-256 of the safetensors file of that layer's
 weights alone under the pipeline's names (as `sliced_checkpoint` lays it out, so it is the same bytes cut from
 the upload or from a slice). The control plane computes every layer's digest when the weights are uploaded and
@@ -20,6 +25,8 @@ import math
 import re
 import tarfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
 from typing import BinaryIO
 
 from arceus.errors import SpecError
@@ -27,9 +34,20 @@ from arceus.model.architecture import HuggingFaceFormat
 from arceus.model.expected_state import Layout, expected_stage_state, layout_described
 from arceus.model.registry import ARCHITECTURES, architecture_of
 from arceus.model.spec import ModelSpec
-from arceus.safetensors_file import DTYPE_BYTES, CheckpointError, merged_checkpoint, sliced_checkpoint, tensor_layouts
+from arceus.safetensors_file import (
+    CHUNK_BYTES,
+    DTYPE_BYTES,
+    CheckpointError,
+    merged_checkpoint,
+    sliced_checkpoint,
+    tensor_layouts,
+)
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+SHARDS_INDEX = "model.safetensors.index.json"  # a sharded checkpoint's: {"weight_map": {tensor: shard file}}
+# The dtypes uploaded weights of a float32 parameter may have (safetensors' names): Hugging Face checkpoints ship
+# bf16 or fp16; either widens to float32 exactly.
+_WIDENING = frozenset({"F32", "BF16", "F16"})
 _BLOCK = tarfile.BLOCKSIZE  # 512: a tar member's header and data are padded to whole blocks
 
 
@@ -82,8 +100,8 @@ def hugging_face_folder(
 
 def hugging_face_weights_check(spec: ModelSpec, handle: BinaryIO, size: int) -> None:
     """CheckpointError unless the safetensors file (`size` bytes) holds exactly the whole model's parameters
-    under their uploaded names (`initial_weights_names`), each with the model's dtype (float32) and shape: read
-    from its header alone."""
+    under their uploaded names (`initial_weights_names`), each with the model's shape and its dtype (float32)
+    or one that widens to it (bfloat16, float16): read from its header alone."""
     named = initial_weights_names(spec)
     actual = tensor_layouts(handle, size)
     expected = {named(name): layout for name, layout in _weights(spec, 0, spec.num_layers).items()}
@@ -93,10 +111,54 @@ def hugging_face_weights_check(spec: ModelSpec, handle: BinaryIO, size: int) -> 
     if extra:
         raise CheckpointError(f"{extra[0]} is no parameter of this model ({len(extra)} unknown tensors)")
     for name, (dtype, shape) in expected.items():
-        if actual[name] != (dtype, shape):
+        given, given_shape = actual[name]
+        if given_shape != shape or given != dtype and not (dtype == "F32" and given in _WIDENING):
             raise CheckpointError(
                 f"{name} is {layout_described(actual[name])}; the model's is {layout_described((dtype, shape))}"
+                + (" (or bfloat16, float16)" if dtype == "F32" else "")
             )
+
+
+@contextmanager
+def folder_weights(folder: Path) -> Iterator[tuple[int, Iterator[bytes]]]:
+    """A Hugging Face folder's weights as the one safetensors file an upload is, within: its length and a stream
+    of chunks. Its `model.safetensors` as it is, or its shards (`SHARDS_INDEX`) merged range by range, so no
+    tensor is ever held (`merged_checkpoint`). CheckpointError for a folder that has neither, or an index whose
+    weight map its shards do not hold exactly."""
+    index = folder / SHARDS_INDEX
+    with ExitStack() as files:
+        if not index.exists():
+            single = folder / WEIGHTS_FILE
+            if not single.exists():
+                raise CheckpointError(f"{folder} holds neither {WEIGHTS_FILE} nor {SHARDS_INDEX}")
+            handle = files.enter_context(single.open("rb"))
+            size = single.stat().st_size
+            yield size, iter(lambda: handle.read(CHUNK_BYTES), b"")
+            return
+        weight_map = _weight_map(index)
+        shards = list(dict.fromkeys(weight_map.values()))  # in the index's order, each once
+        handles = [files.enter_context((folder / shard).open("rb")) for shard in shards]
+        for shard, handle in zip(shards, handles, strict=True):
+            held = set(tensor_layouts(handle, (folder / shard).stat().st_size))
+            named = {name for name, owner in weight_map.items() if owner == shard}
+            if held != named:
+                odd = sorted(held ^ named)[0]
+                raise CheckpointError(f"{shard} and {SHARDS_INDEX} disagree on {odd}")
+        yield merged_checkpoint(handles, keep=lambda name: True, metadata={"format": "pt"})
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """An index's tensor -> shard file map; CheckpointError unless each shard is a plain file name."""
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(f"{SHARDS_INDEX} has no weight_map: {exc}") from exc
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(shard, str) and Path(shard).name == shard and shard not in ("", ".", "..")
+        for shard in weight_map.values()
+    ):
+        raise CheckpointError(f"{SHARDS_INDEX}'s weight_map must name shard files in its folder")
+    return weight_map
 
 
 def initial_weights_slice(

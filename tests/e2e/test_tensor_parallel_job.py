@@ -8,19 +8,21 @@ heads each. The job succeeds with the losses of single-process training, step fo
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-from transformers import LlamaForCausalLM
+from safetensors.torch import load_file
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from arceus.cli import main as cli_main
 from arceus.data.text_config import BUNDLED_TEXT
 from arceus.model.build import build_full_model, named_global_parameters
-from arceus.model.llama.hf import hf_name
+from arceus.model.hugging_face import SHARDS_INDEX
+from arceus.model.llama.hf import hf_config, hf_name
 from arceus.model.registry import model_spec_from_config
 from devtools.cluster import LocalCluster
 from devtools.reference import reference_run
@@ -75,9 +77,9 @@ def test_a_llama_fine_tunes_over_rest_split_like_one_process_and_downloads_as_a_
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
     """A grouped-query Llama, its decoder layers a tensor-parallel pair (one key/value head each), starts from
-    weights uploaded in the Hugging Face format (`arceus jobs weights`): the losses are single-process
-    training's from those weights, and `arceus jobs model --format hf` gives a folder `transformers` loads
-    whose logits are those of the trained weights in our own model."""
+    a Hugging Face folder as `transformers` ships one, bf16 and sharded (`arceus jobs weights`): the losses are
+    single-process training's from those weights widened to fp32, and `arceus jobs model --format hf` gives a
+    folder `transformers` loads whose logits are those of the trained weights in our own model."""
     source = tmp_path / "genesis.txt"
     source.write_text(BUNDLED_TEXT.read_text(encoding="utf-8")[:2000], encoding="utf-8")
     for i in range(3):
@@ -96,11 +98,18 @@ def test_a_llama_fine_tunes_over_rest_split_like_one_process_and_downloads_as_a_
     }
     job = cluster.client.submit_job(spec)
     model_spec = model_spec_from_config(job["model_config"])
-    # The starting weights: another seed's, written as transformers names them.
-    start = {n: p.detach() for n, p in named_global_parameters(build_full_model(model_spec, seed=11))}
-    save_file({hf_name(model_spec, n): t for n, t in start.items()}, tmp_path / "model.safetensors")
+    # The starting weights: a transformers model of the job's config, saved in bf16 in shards with their index.
+    torch.manual_seed(11)
+    shipped = LlamaForCausalLM(LlamaConfig(**hf_config(model_spec))).to(torch.bfloat16)
+    shipped.save_pretrained(tmp_path / "shipped", max_shard_size="20KB")
+    assert len(set(json.loads((tmp_path / "shipped" / SHARDS_INDEX).read_text())["weight_map"].values())) > 1
+    theirs_start = shipped.state_dict()
+    start = {
+        n: theirs_start[hf_name(model_spec, n)].float()
+        for n, _ in named_global_parameters(build_full_model(model_spec, seed=0))
+    }
     argv = ["--url", cluster.api_url, "--token", cluster.client.session.headers["Authorization"].removeprefix("Token ")]
-    assert cli_main([*argv, "jobs", "weights", job["id"], str(tmp_path)]) == 0
+    assert cli_main([*argv, "jobs", "weights", job["id"], str(tmp_path / "shipped")]) == 0
     cluster.client.start_job(job["id"])
     final = cluster.client.wait(job["id"], timeout=120)
 

@@ -272,6 +272,23 @@ def test_loading_replaces_optimizer_state_rather_than_merging() -> None:
     assert not target.optimizer.state  # Adam starts its moments (and step count) from zero again
 
 
+def test_uploaded_weights_in_bf16_or_fp16_widen_exactly_and_a_checkpoint_may_not() -> None:
+    """A Hugging Face checkpoint's half-precision weights (the job's uploaded initial weights) load into the fp32
+    stage as exactly the values they hold; a checkpoint of the stage's own is its dtype or refused."""
+    for half in (torch.bfloat16, torch.float16):
+        weights = {k: t.to(half) for k, t in seeded_runtime(0, 2, ADAM, seed=3).state_tensors().items()}
+        stage = seeded_runtime(0, 2, ADAM, seed=1)
+        with pytest.raises(ValueError, match=f"layers.0.weight is {half} \\[16, 8\\]; this stage has torch.float32"):
+            stage.load_state_tensors(weights)
+        stage.load_state_tensors(weights, widen=True)
+        assert_same_tensors(stage.state_tensors(), {k: t.float() for k, t in weights.items()})
+        train_step([stage], 1)  # and it trains in fp32
+        assert all(t.dtype == torch.float32 for t in stage.state_tensors().values() if t.dim())
+    wider = {k: t.double() for k, t in seeded_runtime(0, 2, ADAM, seed=3).state_tensors().items()}
+    with pytest.raises(ValueError, match="is torch.float64"):  # widening only: nothing is narrowed
+        seeded_runtime(0, 2, ADAM, seed=1).load_state_tensors(wider, widen=True)
+
+
 # --- build_hosted_stage with a checkpoint --------------------------------------------------------
 def middle_assignment(checkpoint: dict | None) -> Assignment:
     spec = MLPSpec((8, 16, 16, 4))

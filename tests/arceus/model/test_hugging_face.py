@@ -1,6 +1,7 @@
 """A Llama's stage checkpoint files assembled into a Hugging Face folder (a tar stream): `transformers`
 loads it with `LlamaForCausalLM.from_pretrained`, and its logits are the pipeline's; and the other way,
-uploaded Hugging Face weights give each stage its layers, cut from the upload and checked layer by layer."""
+uploaded Hugging Face weights (fp32, or bf16/fp16 and sharded as `transformers` saves them) give each stage its
+layers, cut from the upload and checked layer by layer."""
 
 from __future__ import annotations
 
@@ -12,19 +13,21 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from arceus.checkpoint import StateFile, encode_checkpoint
 from arceus.errors import SpecError
 from arceus.model.build import build_full_model, build_layers, named_global_parameters
 from arceus.model.hugging_face import (
+    SHARDS_INDEX,
+    folder_weights,
     hugging_face_folder,
     hugging_face_weights_check,
     initial_weights_layer_digests,
     initial_weights_slice,
     initial_weights_slice_check,
 )
-from arceus.model.llama.hf import hf_name
+from arceus.model.llama.hf import hf_config, hf_name
 from arceus.model.registry import model_spec_from_config
 from arceus.safetensors_file import OPTIMIZER_PREFIX, CheckpointError
 from tests.arceus.model.test_llama_model import SMALL, ids
@@ -112,3 +115,68 @@ def test_a_slice_that_is_not_its_layers_as_uploaded_is_refused_naming_the_layer(
     extra = encode_checkpoint({"lm_head.weight": torch.zeros(2)})
     with pytest.raises(CheckpointError, match="lm_head.weight is no layer's parameter"):
         initial_weights_slice_check(io.BytesIO(extra), len(extra), 1, digests[1:2])
+
+
+def shipped_folder(tmp_path: Path, dtype: torch.dtype) -> tuple[Path, LlamaForCausalLM]:
+    """A Llama of SPEC's config as Hugging Face ships one: saved by `transformers` in `dtype`, sharded (an index
+    and several files)."""
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(LlamaConfig(**hf_config(SPEC))).to(dtype)
+    folder = tmp_path / "shipped"
+    model.save_pretrained(folder, max_shard_size="20KB")
+    return folder, model
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_sharded_half_precision_checkpoint_uploads_as_one_file_each_stage_gets_its_layers(
+    tmp_path: Path, dtype: torch.dtype
+) -> None:
+    """A checkpoint as shipped (bf16 or fp16, in shards named by model.safetensors.index.json) streams as the one
+    file an upload is; it passes the control plane's check as it is (half the bytes of fp32), and the stages
+    built from their slices, their weights widened to fp32, give the logits of `transformers`' own model."""
+    folder, shipped = shipped_folder(tmp_path, dtype)
+    assert len(list(folder.glob("model-*-of-*.safetensors"))) >= 2 and not (folder / "model.safetensors").exists()
+    upload = tmp_path / "upload.safetensors"
+    with folder_weights(folder) as (length, chunks), upload.open("wb") as out:
+        for chunk in chunks:
+            out.write(chunk)
+    size = upload.stat().st_size
+    assert size == length < sum(p.numel() for p in shipped.parameters()) * 2 + 8192  # 2 bytes a parameter
+    stages = [build_layers(SPEC, 0, 2, seed=0), build_layers(SPEC, 2, 4, seed=0)]
+    with upload.open("rb") as handle:
+        hugging_face_weights_check(SPEC, handle, size)
+        digests = initial_weights_layer_digests(SPEC, handle, size)
+        for stage, (start, end) in zip(stages, [(0, 2), (2, 4)], strict=True):
+            sliced = tmp_path / f"slice-{start}.safetensors"
+            sliced.write_bytes(b"".join(initial_weights_slice(SPEC, handle, size, start, end)[1]))
+            with sliced.open("rb") as received:  # what the agent checks before it loads a tensor
+                initial_weights_slice_check(received, sliced.stat().st_size, start, digests[start:end])
+            weights = StateFile(sliced)
+            assert {weights.dtype_of(n) for n in weights} == {dtype}
+            stage.load_state_dict({n.removeprefix("layers."): t for n, t in weights.items()})  # copied, widened
+    theirs = shipped.float().eval()  # the shipped values exactly, computed in fp32
+    with torch.no_grad():
+        torch.testing.assert_close(stages[1](stages[0](ids())), theirs(ids()).logits, rtol=0, atol=1e-5)
+
+
+def test_a_shard_the_index_does_not_describe_and_a_folder_without_weights_are_refused(tmp_path: Path) -> None:
+    folder, _ = shipped_folder(tmp_path, torch.bfloat16)
+    index = json.loads((folder / SHARDS_INDEX).read_text())
+    name, shard = next(iter(index["weight_map"].items()))
+    other = next(s for s in index["weight_map"].values() if s != shard)
+    (folder / SHARDS_INDEX).write_text(json.dumps({"weight_map": {**index["weight_map"], name: other}}))
+    with pytest.raises(CheckpointError, match=f"and {SHARDS_INDEX} disagree on {name}"), folder_weights(folder):
+        pass
+    (folder / SHARDS_INDEX).write_text(json.dumps({"weight_map": {name: "../model.safetensors"}}))
+    with pytest.raises(CheckpointError, match="must name shard files in its folder"), folder_weights(folder):
+        pass
+    with pytest.raises(CheckpointError, match="holds neither model.safetensors nor"), folder_weights(tmp_path):
+        pass
+
+
+def test_weights_of_another_float_dtype_are_refused_naming_the_ones_taken(tmp_path: Path) -> None:
+    path, full = uploaded(tmp_path)
+    save_file({hf_name(SPEC, n): p.detach().double() for n, p in named_global_parameters(full)}, path)
+    with path.open("rb") as handle, pytest.raises(CheckpointError, match=r"float64 \[23, 32\]; the model's is "
+                                                    r"float32 \[23, 32\] \(or bfloat16, float16\)"):
+        hugging_face_weights_check(SPEC, handle, path.stat().st_size)
