@@ -1,7 +1,8 @@
 """A model as a Hugging Face `transformers` folder (`config.json` + `model.safetensors`), for any architecture
 that has that format (`Architecture.hugging_face`). Out: a trained model streamed as an uncompressed tar built
 from the stage checkpoint files range by range, so its length is known up front and the memory it takes
-does not grow with the model; `tar -xf` (or `tarfile`) gives the folder `from_pretrained` loads. In: such a
+does not grow with the model; `tar -xf` (or `tarfile`) gives the folder `from_pretrained` loads (with the job's
+uploaded `tokenizer.json`, if it has one: `AutoTokenizer`'s too). In: such a
 `model.safetensors` as a job's starting weights (fine-tuning), checked from its header, and each stage's
 layers cut from it under the pipeline's names (`initial_weights_slice`): an agent receives only its layers.
 
@@ -43,7 +44,7 @@ from arceus.safetensors_file import (
     tensor_layouts,
 )
 
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE = "config.json", "model.safetensors", "tokenizer.json"
 SHARDS_INDEX = "model.safetensors.index.json"  # a sharded checkpoint's: {"weight_map": {tensor: shard file}}
 # The dtypes uploaded weights of a float32 parameter may have (safetensors' names): Hugging Face checkpoints ship
 # bf16 or fp16; either widens to float32 exactly.
@@ -75,10 +76,17 @@ def initial_weights_names(spec: ModelSpec) -> Callable[[str], str]:
 
 
 def hugging_face_folder(
-    spec: ModelSpec, sources: Sequence[BinaryIO], *, keep: Callable[[str], bool], metadata: dict[str, str]
+    spec: ModelSpec,
+    sources: Sequence[BinaryIO],
+    *,
+    keep: Callable[[str], bool],
+    metadata: dict[str, str],
+    tokenizer: BinaryIO | None = None,
 ) -> tuple[int, Iterator[bytes]]:
     """The tar of the folder holding `spec`'s config and the tensors `keep` selects from the (seekable, already
-    verified) stage files `sources`, renamed to `transformers`' names: its length and a stream of chunks."""
+    verified) stage files `sources`, renamed to `transformers`' names, and the job's `tokenizer.json` when it
+    has one (`tokenizer`, seekable: `AutoTokenizer.from_pretrained` loads the folder): its length and a stream
+    of chunks."""
     found = hugging_face_format(spec)
     config = json.dumps(found.config(spec), indent=2, sort_keys=True).encode()
     size, weights = merged_checkpoint(
@@ -86,6 +94,10 @@ def hugging_face_folder(
     )
     members = [(_header(CONFIG_FILE, len(config)), len(config), iter([config])),
                (_header(WEIGHTS_FILE, size), size, weights)]
+    if tokenizer is not None:
+        length = tokenizer.seek(0, 2)
+        tokenizer.seek(0)
+        members.append((_header(TOKENIZER_FILE, length), length, iter(lambda: tokenizer.read(CHUNK_BYTES), b"")))
     total = sum(len(header) + _padded(n) for header, n, _ in members) + 2 * _BLOCK  # two zero blocks end it
 
     def chunks() -> Iterator[bytes]:

@@ -50,6 +50,7 @@ from arceus.training.plan import StageEndpoint, StageStateFile
 from controlplane.common import metrics
 from controlplane.common.errors import ApplicationError
 from controlplane.common.uploads import HashingReader, storage_open_ranged
+from controlplane.datasets.selectors import dataset_open
 from controlplane.jobs.leases import held, job_checkpointed
 from controlplane.jobs.models import Checkpoint, CheckpointUpload, Job, Stage, StageCheckpoint, checkpoint_storage
 from controlplane.jobs.owner_files import (
@@ -323,7 +324,8 @@ class ModelFile:
 def job_model_file(*, job: Job, model_format: str = "safetensors") -> ModelFile:
     """Every stage's weights (no optimizer state) from the job's newest checkpoint as one safetensors file,
     with the model config and step in its metadata; with `model_format` "hf", as the tar of a Hugging Face folder
-    (`config.json` and that file under `transformers`' names) for a model that has that format. Each stage
+    (`config.json` and that file under `transformers`' names, and the job's uploaded `tokenizer.json` if it has
+    one) for a model that has that format. Each stage
     file is checked against its hash first, then the file streams from them a chunk at a time: the web
     process never holds the model."""
     if model_format not in MODEL_FORMATS:
@@ -358,7 +360,10 @@ def job_model_file(*, job: Job, model_format: str = "safetensors") -> ModelFile:
         }
         weights = lambda name: not name.startswith((OPTIMIZER_PREFIX, BUFFER_PREFIX))  # noqa: E731
         if model_format == "hf":
-            size, chunks = hugging_face_folder(spec, handles, keep=weights, metadata=metadata)
+            stage_files, tokenizer = list(handles), _tokenizer_file(job)
+            if tokenizer is not None:
+                handles.append(tokenizer)  # closed with the stage files
+            size, chunks = hugging_face_folder(spec, stage_files, keep=weights, metadata=metadata, tokenizer=tokenizer)
         else:
             size, chunks = merged_checkpoint(handles, keep=weights, metadata=metadata)
     except BaseException:
@@ -430,6 +435,18 @@ def job_initial_weights_slice_for_node(*, node_id: Any, job_id: str, start: Any,
 
 class _LeaseLost(Exception):
     pass
+
+
+def _tokenizer_file(job: Job) -> BinaryIO | None:
+    """The job's uploaded tokenizer.json (`dataset_config.tokenizer_id`) opened, or None: it has none, or its owner
+    deleted it once the job ended (the model downloads without it)."""
+    tokenizer_id = job.dataset_config.get("tokenizer_id")
+    if tokenizer_id is None:
+        return None
+    try:
+        return dataset_open(owner_id=job.owner_id, dataset_id=tokenizer_id)
+    except ApplicationError:
+        return None
 
 
 def _closing(chunks: Iterator[bytes], handles: list[Any]) -> Iterator[bytes]:

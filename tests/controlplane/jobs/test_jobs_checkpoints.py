@@ -3,9 +3,11 @@ stage, and assembled into the whole model for the job's owner."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import struct
+import tarfile
 import tempfile
 from dataclasses import replace
 from datetime import timedelta
@@ -18,10 +20,14 @@ from django.db import IntegrityError
 from django.utils import timezone
 from prometheus_client import REGISTRY
 from rest_framework.test import APIClient
+from transformers import AutoTokenizer
 
 from arceus.checkpoint import checkpoint_digest, decode_checkpoint, encode_checkpoint
 from arceus.cli import main as cli_main
 from arceus.contracts.assignment import Assignment
+from arceus.data.tokenizer import train_bpe
+from arceus.model.build import build_layers, named_global_parameters
+from arceus.model.registry import model_spec_from_config
 from arceus.safetensors_file import CheckpointError, StageStateError
 from arceus.training.plan import StageStateFile
 from controlplane.accounts.services import user_token_get_or_create
@@ -29,6 +35,7 @@ from controlplane.agents.services import node_heartbeat, node_register
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.executor import reconcile_once
 from controlplane.controller.transitions import job_rewind
+from controlplane.datasets.models import Dataset, dataset_storage
 from controlplane.jobs.checkpoints import (
     KEEP_CHECKPOINTS,
     checkpoint_save,
@@ -52,6 +59,7 @@ from controlplane.nodes.services import node_create
 from controlplane.settings import checkpoint_storage_settings
 from devtools.pipeline import identity_for
 from tests.controlplane.conftest import S3Server
+from tests.controlplane.datasets.test_datasets_api import upload as upload_dataset
 
 pytestmark = pytest.mark.django_db
 
@@ -448,6 +456,49 @@ def test_a_model_format_the_job_lacks_is_a_400_naming_format(
     response = api.get(f"/api/jobs/{running_job.id}/model", {"format": model_format})
     assert response.status_code == 400
     assert message in response.json()["errors"]["format"][0]
+
+
+def test_a_llama_with_an_uploaded_tokenizer_downloads_as_a_folder_transformers_loads_whole(
+    agents, queued_job, checkpoint_dir: Path, api: APIClient, settings, monkeypatch: pytest.MonkeyPatch  # noqa: ANN001
+) -> None:
+    """`?format=hf` of a job whose text is tokenized by an uploaded tokenizer.json: the folder holds it beside the
+    config and weights, and `AutoTokenizer.from_pretrained` reads it as the job tokenized its text."""
+    settings.STORAGES = {
+        **settings.STORAGES,
+        "datasets": {"BACKEND": "django.core.files.storage.FileSystemStorage",
+                     "OPTIONS": {"location": str(checkpoint_dir / "datasets")}},
+    }
+    monkeypatch.setattr(Dataset._meta.get_field("file"), "storage", dataset_storage())
+    text = "some words to learn merges from, " * 300
+    tokenizer = train_bpe(text, 300)
+    corpus = upload_dataset(api, text.encode(), "text", piece=1 << 20)
+    uploaded = upload_dataset(api, tokenizer.to_json().encode(), "tokenizer", piece=1 << 20)
+    job = queued_job(
+        model_config={"type": "llama", "vocab": "bpe", "hidden_size": 16, "intermediate_size": 24,
+                      "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 8},
+        dataset_config={"dataset_id": corpus["id"], "tokenizer_id": uploaded["id"], "batch_size": 4},
+    )
+    reconcile_once()
+    Job.objects.filter(pk=job.pk).update(status="running")
+    assert job_driver_claim(job_id=job.id, owner=DRIVER, now=timezone.now()) is not None
+    job.refresh_from_db()
+    spec = model_spec_from_config(job.model_config)
+    stages = Stage.objects.filter(job=job, active=True).order_by("index")
+    save(job, 5, files=[
+        state_file(s.index, s.layer_start, s.layer_end, encode_checkpoint(
+            {n: p.detach() for n, p in named_global_parameters(build_layers(spec, s.layer_start, s.layer_end, 3))}
+        ))
+        for s in stages
+    ])
+
+    response = api.get(f"/api/jobs/{job.id}/model", {"format": "hf"})
+    assert response.status_code == 200
+    folder = checkpoint_dir / "folder"
+    with tarfile.open(fileobj=io.BytesIO(b"".join(response.streaming_content)), mode="r|") as tar:
+        tar.extractall(folder, filter="data")
+    assert sorted(p.name for p in folder.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    theirs = AutoTokenizer.from_pretrained(folder)
+    assert theirs(text[:40], add_special_tokens=False)["input_ids"] == tokenizer.encode(text[:40])
 
 
 def test_the_model_endpoint_without_a_checkpoint_is_a_409(running_job: Job, api: APIClient) -> None:
