@@ -40,7 +40,8 @@ replica keeps one row, which rules 0, 3 and 4 move with a rewind as any stage's 
 sibling of the same stage rank keeps its node); a running job with no replica to
 drop gets one more replica per stage (AddReplicas, at most `replicas_max` and `micro_batches`) on a free node with
 room: up to `replicas_min` the fastest, always; beyond it the cheapest for which `arceus.swarm.model.replica_gain`
-predicts at least MIN_REPLICA_GAIN more samples/s, within the job's price cap;
+predicts at least MIN_REPLICA_GAIN more samples/s, within the job's price cap; a node a replica of the job was dropped
+from is no candidate for the job's stages (grown or moved) until it heartbeats after the drop;
 6. a succeeded job its owner asked to serve (`JobView.serving`) → ServeJob placing its final checkpoint's
    stages for inference, one whole stage per node (no tensor parallelism, no optimizer: weights and decoding
    caches, `stage_inference_memory`), each on the fastest free node with room; a stage whose node is lost or
@@ -182,6 +183,7 @@ def _supervise(
     job: JobView, observed: Observed, nodes: Mapping[str, NodeView], free: list[NodeView], now: datetime
 ) -> Action | None:
     """A placed job's stages and driver watched: lost or draining nodes, stages building, the driver's lease."""
+    free = _heard_since_released(job, free)
     if job.replicated:
         replicas = _replicas(job, observed, nodes, free, now)
         if replicas is not None:
@@ -325,6 +327,18 @@ def _why_gone(
         return "its agent restarted"
     report = observed.stages[(job.id, *stage.key)]
     return f"it failed: {report.message or 'no message'}"
+
+
+def _heard_since_released(job: JobView, free: list[NodeView]) -> list[NodeView]:
+    """`free` without the nodes a replica of `job` was taken off (`JobView.released`) that have not heartbeat since:
+    such a node's agent may be dead though its lease has not run out yet (a lost replica is dropped after the job's
+    shorter `node_grace_seconds`), so a stage of the job placed there would fail again, its replica id spent and the
+    spare kept waiting. One heartbeat after the drop (the agent alive, or a new one) makes it a candidate again."""
+    if not job.released:
+        return free
+    released = dict(job.released)
+    return [n for n in free if n.id not in released or (
+        n.lease_renewed_at is not None and n.lease_renewed_at > released[n.id])]
 
 
 def _grow(job: JobView, nodes: Mapping[str, NodeView], free: list[NodeView], now: datetime) -> Action | None:

@@ -39,7 +39,7 @@ from controlplane.controller.views import (
     PlacedStage,
     StageReport,
 )
-from controlplane.jobs.models import Checkpoint, Job, Stage, StageCheckpoint
+from controlplane.jobs.models import Checkpoint, Job, Stage, StageCheckpoint, StageContribution
 from controlplane.market.models import LedgerEntry, SpotCheck
 from controlplane.market.services import job_budget_micros, price_in_force
 from controlplane.nodes.availability import in_windows, unavailable_reason
@@ -271,13 +271,15 @@ def _job_rows(ids: list[str] | None) -> Iterable[tuple[str, tuple[JobView, Stage
         stages[str(row[0])].append(row)
     checks = _failed_checks(jobs)
     billed = _billed(jobs)
+    released = _replicas_released(jobs)
     for job in jobs.order_by("created_at", "id").values(*JOB_FIELDS):
         job_id = str(job["id"])
         rows = stages.get(job_id, [])
         reports = tuple(
             ((job_id, r[1], r[2], r[12]), StageReport(generation=r[7], state=r[8], message=r[9])) for r in rows
         )
-        yield job_id, (_job_view(job, rows, checks.get(job_id, ()), billed.get(job_id)), reports)
+        view = _job_view(job, rows, checks.get(job_id, ()), billed.get(job_id), released.get(job_id, ()))
+        yield job_id, (view, reports)
 
 
 def _billed(jobs: QuerySet[Job]) -> dict[str, tuple[int, dict[str, datetime]]]:
@@ -299,6 +301,18 @@ def _billed(jobs: QuerySet[Job]) -> dict[str, tuple[int, dict[str, datetime]]]:
     return billed
 
 
+def _replicas_released(jobs: QuerySet[Job]) -> dict[str, tuple[tuple[str, datetime], ...]]:
+    """Each active replicated job's (node id, when the newest replica of it was taken off that node). A drop writes
+    its job's row too (`job_replicas_drop`), so a kept job is read again with them."""
+    released = StageContribution.objects.filter(
+        job__in=jobs.filter(status__in=ACTIVE_STATUSES, replicas_max__gt=1), released_at__isnull=False
+    ).values("job_id", "node_id").annotate(at=Max("released_at")).order_by("job_id", "node_id")
+    by_job: dict[str, list[tuple[str, datetime]]] = defaultdict(list)
+    for job_id, node_id, at in released.values_list("job_id", "node_id", "at"):
+        by_job[str(job_id)].append((str(node_id), at))
+    return {job_id: tuple(rows) for job_id, rows in by_job.items()}
+
+
 def _failed_checks(jobs: QuerySet[Job]) -> dict[str, tuple[FailedCheck, ...]]:
     """The jobs' spot checks that failed at their current generation, oldest first. Recording one also ends the
     driver's lease (`job_driver_distrust`), a write to the job's row, so a kept job is read again with them."""
@@ -316,7 +330,7 @@ def _failed_checks(jobs: QuerySet[Job]) -> dict[str, tuple[FailedCheck, ...]]:
 
 def _job_view(
     job: dict[str, Any], stages: list[tuple[Any, ...]], failed_checks: tuple[FailedCheck, ...],
-    billed: tuple[int, dict[str, datetime]] | None,
+    billed: tuple[int, dict[str, datetime]] | None, released: tuple[tuple[str, datetime], ...],
 ) -> JobView:
     layers, spec_error = job_layers(json.dumps(job["model_config"], sort_keys=True))
     budget = job_budget_micros(job["requirements"])
@@ -371,6 +385,7 @@ def _job_view(
         replicas_max=job["replicas_max"],
         next_replica=job["next_replica"],
         replica_sync_every=replica_sync_from_json(job["replica_sync"]).every_steps,
+        released=released,
     )
 
 

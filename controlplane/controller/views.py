@@ -165,6 +165,9 @@ class JobView:
     replicas_max: int = 1
     next_replica: int = 0
     replica_sync_every: int = 1  # its replicas exchange every this many steps (replica_sync: 1, exact, every step)
+    # (node id, when) each node last had a replica of the job taken off it (DropReplicas: lost, paused, restarted or
+    # failed; `StageContribution.released_at`): a node not heard from since is no place for its replicas.
+    released: tuple[tuple[str, datetime], ...] = ()
 
     @property
     def replicated(self) -> bool:

@@ -18,7 +18,7 @@ from controlplane.controller.executor import execute, reconcile_once
 from controlplane.controller.transitions import job_serve_place
 from controlplane.driver.driving import train_plan
 from controlplane.jobs.credentials import job_driver_token
-from controlplane.jobs.models import DEFAULT_AUDIT_RATE, Job, Stage
+from controlplane.jobs.models import DEFAULT_AUDIT_RATE, Job, Stage, StageContribution
 from controlplane.jobs.selectors import assignments_for_node
 from controlplane.jobs.services import job_start
 from tests.controlplane.conftest import DIGITS_JOB
@@ -161,6 +161,28 @@ def test_a_lost_replica_is_replaced_at_the_same_generation_and_the_api_lists_rep
     assert joined.pop((1, 2)) == {"from_replica": 0, "size_bytes": 4096, "sha256": "a" * 64, "state_sha256": "a" * 64}
     assert set(joined.values()) == {None}
     assert reconcile_once(now=now).applied == []  # at its max: steady
+
+
+def test_a_replica_lost_within_its_nodes_lease_is_replaced_on_a_spare_not_on_that_node(api, ready_node) -> None:
+    """The job's tolerance for a silent node (2 s) drops a replica while its node's lease (6 s) still holds: the node
+    looks Ready and free, the fastest too, but the drop is on record (its contribution's `released_at`), so the new
+    replica goes to the spare at the next pass, and not to the node until it heartbeats again."""
+    now = timezone.now()
+    nodes = [ready_node(f"n{i}", port=50051 + i, now=now - timedelta(seconds=3)) for i in range(6)]
+    created = api.post("/api/jobs", {**DIGITS_JOB, "replicas": 2, "node_grace_seconds": 2.0}, format="json").json()
+    job = job_start(job=Job.objects.get(pk=created["id"]))
+    reconcile_once(now=now - timedelta(seconds=3))
+    Job.objects.filter(pk=job.pk).update(status="running", driver_lease_owner="d",
+                                         driver_lease_expires_at=now + timedelta(seconds=60))
+    lost = Stage.objects.get(job=job, index=1, replica=1)
+    for node in nodes:
+        if node.id != lost.node_id:
+            node_heartbeat(node=node, observed=[], now=now)
+    spare = ready_node("spare", port=50061, flops=5e8, now=now)  # slower than the lost replica's node
+    assert [type(a).__name__ for a in reconcile_once(now=now).applied] == ["DropReplicas"]  # no lease ran out
+    assert StageContribution.objects.get(job=job, node_id=lost.node_id).released_at == now
+    [grow] = reconcile_once(now=now).applied
+    assert [(s.index, s.replica, s.node_id) for s in grow.stages] == [(1, 2, str(spare.id))]
 
 
 def test_a_running_elastic_job_gains_replicas_as_nodes_register_without_a_restart(api, ready_node) -> None:

@@ -117,6 +117,70 @@ def test_a_stage_that_lost_every_replica_keeps_one_row_which_a_rewind_moves() ->
     assert isinstance(rewind, RewindJob) and rewind.moves == ((1, 0, 0, "spare"),)
 
 
+# Stage 1 replica 1 was on node "d" and was dropped: the job's tolerance for a silent node (2 s) ran out before the
+# node's lease (6 s), so "d" still looks Ready and free.
+DROPPED = [r for r in TWO_EACH if r[2] != "d"]
+
+
+def test_a_node_a_replica_was_dropped_from_takes_none_of_the_jobs_stages_until_it_heartbeats_again() -> None:
+    dropped_at = NOW - timedelta(seconds=0.5)
+    running = replicated(rows=DROPPED, node_grace_seconds=2.0, released=(("d", dropped_at),))
+    dead = node("d", silent=3.0, flops=4e9)  # the fastest free node, silent since before the drop
+    nodes = (*(node(n) for n in "abcef"), dead, node("spare"))
+    [grow] = plan(Desired(jobs=(running,)), Observed(nodes=nodes, stages=ready(running)), NOW)
+    assert isinstance(grow, AddReplicas) and (grow.generation, grow.next_replica) == (2, 2)
+    assert [(s.index, s.replica, s.node_id) for s in grow.stages] == [(1, 2, "spare")]
+    # with no other node, nothing is added rather than a replica bound to fail
+    alone = tuple(n for n in nodes if n.id != "spare")
+    assert plan(Desired(jobs=(running,)), Observed(nodes=alone, stages=ready(running)), NOW) == []
+    # a heartbeat after the drop (its agent alive, or a new one registered) makes it a candidate again
+    heard = (*alone, node("d", silent=0.2, flops=4e9), node("spare"))
+    [grow] = plan(Desired(jobs=(running,)), Observed(nodes=heard, stages=ready(running)), NOW)
+    assert [(s.index, s.replica, s.node_id) for s in grow.stages] == [(1, 2, "d")]
+    # another job's dropped replica says nothing about this one's
+    other = replace(running, released=(("x", dropped_at),))
+    [grow] = plan(Desired(jobs=(other,)), Observed(nodes=nodes, stages=ready(other)), NOW)
+    assert [(s.index, s.replica, s.node_id) for s in grow.stages] == [(1, 2, "d")]
+
+
+def test_a_stage_that_lost_its_last_replica_is_not_moved_onto_the_node_its_other_left() -> None:
+    running = replicated(rows=DROPPED, node_grace_seconds=2.0, released=(("d", NOW - timedelta(seconds=0.5)),))
+    nodes = (*(node(n) for n in "abef"), node("c", silent=3.0), node("d", silent=3.0, flops=4e9), node("spare"))
+    [rewind] = plan(Desired(jobs=(running,)), Observed(nodes=nodes, stages=ready(running)), NOW)
+    assert isinstance(rewind, RewindJob) and rewind.moves == ((1, 0, 0, "spare"),)
+
+
+# A free node: seconds since its last heartbeat (within its 6 s lease: Ready), seconds since a replica of the job was
+# dropped from it (None: never), FLOP/s.
+FREED = st.tuples(st.sampled_from([0.1, 1.0, 3.0, 5.0]), st.sampled_from([None, 0.5, 2.0, 4.0]),
+                  st.sampled_from([5e8, 1e9, 4e9]))
+
+
+@settings(max_examples=80, deadline=None)
+@given(free=st.lists(FREED, min_size=1, max_size=5), lost=st.booleans(), memory=st.sampled_from([500, 10**6]))
+def test_a_node_not_heard_from_since_a_replica_left_it_is_to_the_job_as_if_absent(
+    free: list[tuple[float, float | None, float]], lost: bool, memory: int
+) -> None:
+    """Whether the job grows its stage or moves it (its last replica lost too), whatever else is free: the plan is the
+    one made without the nodes not heard from since a replica of the job was dropped from them, and a drop its node
+    heartbeat after changes nothing."""
+    names = [f"s{i}" for i in range(len(free))]
+    released = tuple((name, NOW - timedelta(seconds=ago)) for name, (_, ago, _) in zip(names, free, strict=True)
+                     if ago is not None)
+    running = replicated(rows=DROPPED, node_grace_seconds=2.0, released=released)
+    hosts = (*(node(n) for n in "abef"), node("c", silent=3.0 if lost else 1.0))
+    spares = tuple(node(name, silent=silent, flops=flops, memory=memory)
+                   for name, (silent, _, flops) in zip(names, free, strict=True))
+    unheard = {n.id for n in spares for name, at in released if n.id == name and n.lease_renewed_at <= at}
+    actions = plan(Desired(jobs=(running,)), Observed(nodes=(*hosts, *spares), stages=ready(running)), NOW)
+    targets = {s.node_id for a in actions if isinstance(a, AddReplicas) for s in a.stages} | {
+        node_id for a in actions if isinstance(a, RewindJob) for *_, node_id in a.moves}
+    assert not targets & unheard
+    without = plan(Desired(jobs=(replace(running, released=()),)),
+                   Observed(nodes=(*hosts, *(n for n in spares if n.id not in unheard)), stages=ready(running)), NOW)
+    assert actions == without
+
+
 def test_a_running_job_grows_to_its_max_only_where_a_replica_is_worth_it() -> None:
     one_each = [(0, 0, "a"), (1, 0, "b"), (2, 0, "c")]
     running = replicated(rows=one_each, replicas_min=1, replicas_max=3)

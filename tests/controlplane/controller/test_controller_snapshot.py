@@ -11,8 +11,8 @@ from django.db import connection, transaction
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from controlplane.controller.actions import MarkNodeUnknown, RewindJob
-from controlplane.controller.executor import reconcile_once
+from controlplane.controller.actions import DropReplicas, MarkNodeUnknown, RewindJob
+from controlplane.controller.executor import execute, reconcile_once
 from controlplane.controller.snapshot import NODE_ROWS, job_layers, load_snapshot
 from controlplane.jobs.models import Job, Stage
 from controlplane.nodes.liveness import lease_renew
@@ -107,6 +107,20 @@ def test_a_jobs_config_status_and_stage_reports_are_seen_at_the_next_pass(ready_
     assert load_snapshot()[0].jobs[0].replica_sync_every == 8
     Job.objects.filter(pk=job.pk).update(status="cancelled")
     assert load_snapshot()[0].jobs == ()
+
+
+def test_a_dropped_replica_is_seen_at_the_next_pass(ready_node, queued_job) -> None:
+    for i in range(6):
+        ready_node(f"n{i}", port=50051 + i)
+    job = queued_job(replicas={"min": 2, "max": 2})
+    reconcile_once()
+    [view] = load_snapshot()[0].jobs  # kept from here on
+    assert view.released == ()
+    row = Stage.objects.get(job=job, index=1, replica=1)
+    now = timezone.now()
+    drop = DropReplicas(str(job.id), view.generation, view.status, ((1, 1),), view.conditions)
+    assert execute([drop], now=now).applied == [drop]
+    assert load_snapshot()[0].jobs[0].released == ((str(row.node_id), now),)
 
 
 def test_layer_costs_are_kept_by_the_configs_content() -> None:
