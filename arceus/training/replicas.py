@@ -24,11 +24,16 @@ class ReplicaRoster:
     names it, so a message of an older membership is never summed)."""
 
     def __init__(self, endpoints: Iterable[StageEndpoint], num_stages: int, *, credential: str) -> None:
-        """`credential`: the driver's token of the job generation, from which every replica's own derives."""
+        """`credential`: the driver's token of the job generation, from which every replica's own derives; the
+        replicas' speeds start from those the endpoints carry."""
         self.credential = credential
         self.endpoints: dict[ReplicaKey, StageEndpoint] = {(e.index, e.replica): e for e in endpoints}
         self.num_stages = num_stages
-        self.speeds: dict[ReplicaKey, float] = {}
+        # What an earlier driver measured, where it is known (finite and positive, as `measured` keeps).
+        self.speeds: dict[ReplicaKey, float] = {
+            key: e.samples_per_second for key, e in self.endpoints.items()
+            if e.samples_per_second is not None and math.isfinite(e.samples_per_second) and e.samples_per_second > 0
+        }
         self.epoch = 0
         self._ever = set(self.endpoints)  # replica ids are never reused within a job
 

@@ -27,6 +27,9 @@ from controlplane.jobs.models import Job, Stage
 from controlplane.jobs.owner_transitions import job_end
 from controlplane.market.services import ledger_roll_back
 
+# A stage row's timings of its recent steps, as its node measured them (controlplane/driver/progress.py).
+STEP_MEASURES = ("step_compute_seconds", "step_wait_seconds", "step_micro_batches", "step_samples_per_second")
+
 
 def job_place(action: PlaceJob, now: datetime) -> bool:
     """A queued job's placement: its stage rows at the next generation, status placing."""
@@ -170,13 +173,17 @@ def job_rewind(
     for stage in stages:
         if stage in moved:
             stage.node_id, stage.held_since = moves[stage.index, stage.rank, stage.replica], now  # paid from now
+            # what the old node measured is not the new one's (a driver routes a replica by its speed)
+            for name in STEP_MEASURES:
+                setattr(stage, name, None)
         stage.generation, stage.joining = job.generation, False
         stage.observed_generation, stage.observed_state, stage.observed_message = None, ObservedState.PENDING, ""
     # Release the moved stages' old nodes first: one active stage per node is a database constraint.
     Stage.objects.filter(pk__in=[s.pk for s in moved]).update(node=None)
     Stage.objects.bulk_update(
         stages,
-        ["node", "held_since", "generation", "joining", "observed_generation", "observed_state", "observed_message"],
+        ["node", "held_since", "generation", "joining", "observed_generation", "observed_state", "observed_message",
+         *STEP_MEASURES],
     )
     unplaced = any(stage.node_id is None for stage in stages)
     job.status = JobStatus.PENDING if unplaced else JobStatus.PLACING

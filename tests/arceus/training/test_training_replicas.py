@@ -4,6 +4,7 @@ speeds step by step, and what RunStep tells a replica names its siblings and nei
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
@@ -43,6 +44,19 @@ def test_a_new_job_shares_micro_batches_evenly_and_a_measured_slow_replica_sheds
     speeds = dict(book.speeds)
     book.measured([((2, 1), 0, 1.0), ((2, 0), 8, 0.0)])
     assert book.speeds == speeds
+
+
+def test_a_driver_that_takes_over_routes_its_first_step_by_the_speeds_measured_before() -> None:
+    """The replicas' speeds an earlier driver of the job measured come with their endpoints: a new driver's first step
+    already sheds micro-batches from the slow one; a replica never measured (or with no usable figure) is routed at
+    its stage's median, as a newcomer."""
+    speeds = {(2, 0): 30.0, (2, 1): 10.0, (2, 2): 30.0, (0, 0): float("nan")}
+    endpoints = [replace(e, samples_per_second=speeds.get(key)) for key, e in roster([2, 1, 3]).endpoints.items()]
+    book = ReplicaRoster(endpoints, 3, credential="d" * 64)
+    assert book.speeds == {(2, 0): 30.0, (2, 1): 10.0, (2, 2): 30.0}
+    first = book.routes(12)
+    assert [len(first.micro_batches_of(2, k)) for k in (0, 1, 2)] == [5, 2, 5]
+    assert [len(first.micro_batches_of(0, k)) for k in (0, 1)] == [6, 6]
 
 
 def test_runstep_names_the_routes_the_epoch_and_the_replicas_of_the_stage_and_its_neighbours() -> None:

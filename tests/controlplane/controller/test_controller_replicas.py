@@ -235,9 +235,14 @@ def test_a_rewind_moves_only_the_replica_it_names_and_its_sibling_keeps_its_node
     job.refresh_from_db()
     before = {(s.index, s.replica): str(s.node_id) for s in Stage.objects.filter(job=job, active=True)}
     assert len(before) == 6 and {str(n.id) for n in nodes} == set(before.values())
+    Stage.objects.filter(job=job).update(step_samples_per_second=100.0, step_compute_seconds=0.5)  # measured
     spare = ready_node("spare", port=50060)
     moved = RewindJob(str(job.id), job.generation, "placing", ((1, 0, 1, str(spare.id)),), True, "StageFailed", "t")
     assert execute([moved], now=timezone.now()).applied == [moved]
     job.refresh_from_db()
     after = {(s.index, s.replica): str(s.node_id) for s in Stage.objects.filter(job=job, active=True)}
     assert after == {**before, (1, 1): str(spare.id)} and job.status == "placing" and job.restarts == 1
+    # the next driver routes each replica by the speed its node measured; the moved one's node measured nothing yet
+    speeds = {(e.index, e.replica): e.samples_per_second for e in train_plan(job).replicas}
+    assert speeds == {**{key: 100.0 for key in before}, (1, 1): None}
+    assert Stage.objects.get(job=job, index=1, replica=1).step_compute_seconds is None
