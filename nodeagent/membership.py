@@ -8,9 +8,10 @@ repair names) is over: its sender was taken off the job (fenced: stopped, then w
 abandoned, and what it sends is refused. An epoch after the newest is one a sibling or neighbour may start a moment
 before this replica's own RunStep names it (the driver sends its RunSteps side by side, and may skip epochs here: a
 replica that leaves and one that joins before the same step make two): a call naming it waits for that RunStep at
-most `EPOCH_WAIT_SECONDS`, and at most `WAITING_CALLS` calls wait at once (beyond: refused at once), so a holder of
-the stage's token naming epochs that never come holds no more than that many server threads for that long, and never
-its caller's share of the agent's calls (nodeagent.call_limits), which its siblings' own calls need."""
+most `EPOCH_WAIT_SECONDS`, and at most as many calls wait at once as its siblings and neighbours may legitimately
+send ahead of it (`Membership.waiting_calls`, nodeagent.replicas.epoch_waits; beyond: refused at once), so a holder
+of the stage's token naming epochs that never come holds no more than that many server threads for that long, and
+never its caller's share of the agent's calls (nodeagent.call_limits), which its siblings' own calls need."""
 
 from __future__ import annotations
 
@@ -28,16 +29,15 @@ from nodeagent.rpc import RpcFailure
 # the driver's RunSteps to two replicas take to arrive apart (each replica learns its epoch before it waits for its
 # step lock), far shorter than the threads a hostile sender could hold with it are worth.
 EPOCH_WAIT_SECONDS = 2.0
-# Calls waiting at once for an epoch no RunStep named yet: a sibling has at most nodeagent.replicas.SENDS_IN_FLIGHT
-# shards in flight, and a neighbour's pushes wait on their stream one at a time.
-WAITING_CALLS = 8
 
 
 class Membership:
-    """The newest membership epoch of one replica (`name` in errors) and its members."""
+    """The newest membership epoch of one replica (`name` in errors) and its members; at most `waiting_calls` calls
+    wait at once for an epoch no RunStep named yet."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, *, waiting_calls: int) -> None:
         self._name = name
+        self.waiting_calls = waiting_calls
         self._known = threading.Condition()
         self.newest = -1  # the newest membership epoch a RunStep named here (-1: none yet)
         self._members: dict[tuple[int, int], str] = {}  # (stage, replica) -> token digest, in epoch `newest`
@@ -84,7 +84,7 @@ class Membership:
         (`replica` of it, where the call names one): PERMISSION_DENIED if not; FAILED_PRECONDITION, naming the
         epoch, for an epoch that is over (older than the newest a RunStep or a repair named here); an epoch no
         RunStep named yet waits for one at most `wait` seconds (capped at EPOCH_WAIT_SECONDS), then is refused
-        alike, and UNAVAILABLE at once while WAITING_CALLS calls wait. `what`: the refused message, for its error."""
+        alike, and UNAVAILABLE at once while `waiting_calls` calls wait. `what`: the refused message, for its error."""
         if sender is None:
             raise RpcFailure(grpc.StatusCode.PERMISSION_DENIED, not_allowed(method))
         with self._known:
@@ -101,12 +101,12 @@ class Membership:
             raise RpcFailure(grpc.StatusCode.PERMISSION_DENIED, not_allowed(method))
 
     def _await(self, epoch: int, wait: float, what: str) -> None:
-        """Wait (the condition held) up to `wait` seconds for a RunStep to name `epoch`, one of WAITING_CALLS."""
-        if self._waiting >= WAITING_CALLS:
+        """Wait (the condition held) up to `wait` seconds for a RunStep to name `epoch`, one of `waiting_calls`."""
+        if self._waiting >= self.waiting_calls:
             raise RpcFailure(
                 grpc.StatusCode.UNAVAILABLE,
                 f"{self._name}: {what} names membership epoch {epoch}, which no step named here yet, and "
-                f"{WAITING_CALLS} calls already wait for it, the most that may; retry once its step started",
+                f"{self.waiting_calls} calls already wait for it, the most that may; retry once its step started",
             )
         self._waiting += 1
         try:

@@ -33,6 +33,7 @@ from arceus.wire.incoming_push import IncomingPush, MalformedPush
 from arceus.wire.proto_tensor import decode_tensor
 from arceus.wire.push_stream import encode_varint
 from nodeagent import faults
+from nodeagent.call_limits import CALLS_PER_CALLER, STREAMS_PER_CALLER
 from nodeagent.callers import not_allowed
 from nodeagent.mailbox import Mailbox, MailboxCancelled, MailboxClosed, MailboxFull, MailboxTimeout
 from nodeagent.membership import Membership
@@ -45,6 +46,15 @@ ABORT_POLL_SECONDS = 0.05
 # (nodeagent.call_limits), and all replicas of a stage present the same bearer credential.
 SENDS_IN_FLIGHT = 4
 _PHASES = {replica_pb2.REDUCE: "REDUCE", replica_pb2.GATHER: "GATHER"}
+
+
+def epoch_waits(max_replicas: int) -> int:
+    """How many calls may legitimately wait at once at one replica for a membership epoch its own RunStep has not
+    named yet, where a stage has at most `max_replicas` (the job's micro_batches): every sibling's shards in flight
+    (SENDS_IN_FLIGHT each; the siblings are one caller, so at most CALLS_PER_CALLER), and one push on the stream of
+    each replica of either neighbouring stage (each stage one caller, at most STREAMS_PER_CALLER streams)."""
+    siblings = min((max_replicas - 1) * SENDS_IN_FLIGHT, CALLS_PER_CALLER)
+    return siblings + 2 * min(max_replicas, STREAMS_PER_CALLER)
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -183,7 +193,7 @@ class ReplicaExchange:
         self.job_id, self.stage_index, self.generation, self.replica = job_id, stage_index, generation, replica
         self._metadata = ((REPLICA_METADATA_KEY, token),)
         # Who may push shards (and boundary tensors) to this replica, by their tokens, as its RunSteps name them.
-        self.members = Membership(self.name)
+        self.members = Membership(self.name, waiting_calls=epoch_waits(max_replicas))
         self.total_elements = total_elements
         # Per step a replica receives at most every member's shards of its own chunk and every owner's of the
         # others: at most about two stages' worth of shards, plus one per member for the rounding.

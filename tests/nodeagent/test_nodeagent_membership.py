@@ -28,8 +28,9 @@ from arceus.wire.proto_tensor import to_proto
 from arceus.wire.tls import new_identity
 from devtools.pipeline import driver_token, remember_identity, replica_credentials, replicated_pipeline_assignments
 from nodeagent.agent import Agent
-from nodeagent.call_limits import CALLS_PER_CALLER
-from nodeagent.membership import EPOCH_WAIT_SECONDS, WAITING_CALLS, Membership
+from nodeagent.call_limits import CALLS_PER_CALLER, STREAMS_PER_CALLER
+from nodeagent.membership import EPOCH_WAIT_SECONDS, Membership
+from nodeagent.replicas import SENDS_IN_FLIGHT, epoch_waits
 from nodeagent.rpc import RpcFailure
 from nodeagent.stage import HostedStage
 
@@ -161,10 +162,13 @@ def shard(epoch: int, step: int = 1) -> replica_pb2.PushShardRequest:
 
 
 def test_shards_of_epochs_no_step_named_end_promptly_and_hold_no_threads(agent: Agent) -> None:
-    """A sibling's full share of calls pushing shards of epochs no step named (which never come): at most
-    WAITING_CALLS of them wait, each at most EPOCH_WAIT_SECONDS, the others are refused at once, every one naming
-    its epoch; meanwhile the sibling's shard of the current epoch is taken, and the health check answers."""
+    """A sibling's full share of calls pushing shards of epochs no step named (which never come): at most as many
+    as may legitimately wait (here 8: one sibling's shards in flight and a push from each replica of the other
+    stage, counted as two neighbours') wait, each at most EPOCH_WAIT_SECONDS, the others are refused at once, every
+    one naming its epoch; meanwhile the sibling's shard of the current epoch is taken, and the health check answers."""
     stage = hosted(agent)
+    waiting = stage.exchange.members.waiting_calls
+    assert waiting == epoch_waits(2) == 8 < CALLS_PER_CALLER
     sibling = credentials(1, 1)
     metadata = ((REPLICA_METADATA_KEY, sibling.replica_token),)
     with channel(agent, driver_token(JOB)) as driver_channel, channel(agent, sibling.token) as sibling_channel:
@@ -185,15 +189,15 @@ def test_shards_of_epochs_no_step_named_end_promptly_and_hold_no_threads(agent: 
     outcomes = [(error.code(), error.details()) for error in ended]
     waited = [d for code, d in outcomes if code == grpc.StatusCode.FAILED_PRECONDITION]
     refused = [d for code, d in outcomes if code == grpc.StatusCode.UNAVAILABLE]
-    assert len(waited) == WAITING_CALLS and len(refused) == CALLS_PER_CALLER - WAITING_CALLS
+    assert len(waited) == waiting and len(refused) == CALLS_PER_CALLER - waiting
     assert all(f"which no step named here within {EPOCH_WAIT_SECONDS:.1f} s (newest: 0)" in d for d in waited)
-    assert all(f"{WAITING_CALLS} calls already wait for it, the most that may" in d for d in refused)
+    assert all(f"{waiting} calls already wait for it, the most that may" in d for d in refused)
     assert {epoch for d in waited + refused for epoch in (1, 7) if f"names membership epoch {epoch}," in d} == {1, 7}
     assert len(stage.exchange.shards) == 1  # the sibling's shard of epoch 0, nothing else
 
 
 def test_an_epoch_no_step_named_waits_for_its_step_briefly_and_one_that_is_over_is_refused_at_once() -> None:
-    members = Membership("replica 0")
+    members = Membership("replica 0", waiting_calls=8)
     digest = token_digest("t")
     members.learn(3, [stage_pb2.ReplicaPeer(stage_index=1, replica=2, token_digest=digest)])
     started = time.monotonic()
@@ -229,7 +233,7 @@ def _judged(members: Membership, epoch: int, sender: str) -> str:
 def test_once_a_repair_names_the_drivers_new_epoch_nothing_of_the_old_one_is_taken() -> None:
     """The driver asks a survivor what it holds of a step that lost replicas (Holdings) before its RunStep of the
     new epoch comes: from then on a late tensor of the old epoch is refused, so the survivor's report stays true."""
-    members = Membership("replica 0")
+    members = Membership("replica 0", waiting_calls=8)
     digest = token_digest("t")
     members.learn(3, [stage_pb2.ReplicaPeer(stage_index=1, replica=2, token_digest=digest)])
     assert _judged(members, 3, digest) == "accepted"
@@ -246,3 +250,14 @@ def test_once_a_repair_names_the_drivers_new_epoch_nothing_of_the_old_one_is_tak
     members.learn(4, [stage_pb2.ReplicaPeer(stage_index=1, replica=2, token_digest=digest)])
     waiting.join(5)
     assert outcome == ["accepted"]
+
+
+def test_as_many_calls_may_wait_for_an_epoch_as_a_legitimate_membership_sends_ahead_of_a_replica() -> None:
+    """Replicas of a stage are at most the job's micro_batches: with R of them, the R - 1 siblings' shards in flight
+    and one push from each of R replicas of either neighbouring stage may all come before this replica's RunStep
+    names their epoch, and none is refused for it; the siblings are one caller, and each neighbouring stage another,
+    so the agent's bounds per caller cap it (and keep it within its threads)."""
+    for replicas in range(1, 65):
+        siblings, neighbours = (replicas - 1) * SENDS_IN_FLIGHT, replicas
+        assert epoch_waits(replicas) == min(siblings, CALLS_PER_CALLER) + 2 * min(neighbours, STREAMS_PER_CALLER)
+    assert epoch_waits(3) == 14 > 8  # three replicas a stage: more than the eight that used to wait at most
