@@ -6,8 +6,8 @@
     arceus jobs train JOB_ID --watch     # starts it and draws a live progress bar
     arceus jobs show JOB_ID
     arceus jobs model JOB_ID -o model.safetensors   # the trained weights
-    arceus jobs model JOB_ID --format hf -o my-llama  # a llama as a Hugging Face folder (from_pretrained)
-    arceus jobs weights JOB_ID my-llama  # a llama job not yet started starts from these weights (fine-tuning)
+    arceus jobs model JOB_ID --format hf -o my-llama  # a llama (or transformer) as a Hugging Face folder
+    arceus jobs weights JOB_ID my-llama  # a llama (transformer) job not yet started starts from these weights
     arceus jobs serve JOB_ID --wait      # keep a succeeded text job on agents for sampling (--stop: release them)
     arceus jobs sample JOB_ID --prompt "And God said"  # text from a running or served transformer job
     arceus datasets upload corpus.txt --format text   # resumable; prints the dataset (its id goes in dataset_config)
@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     model = jobs_sub.add_parser("model", help="download the trained weights as a safetensors file")
     model.add_argument("job_id")
     model.add_argument("--format", choices=("safetensors", "hf"), default="safetensors",
-                       help="hf: a llama as a Hugging Face folder (config.json, model.safetensors)")
+                       help="hf: a llama or transformer as a Hugging Face folder (config.json, model.safetensors)")
     model.add_argument("-o", "--output",
                        help="file (folder for --format hf) to write (default: JOB_ID.safetensors, JOB_ID-hf)")
     weights = jobs_sub.add_parser(

@@ -11,6 +11,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+import numpy as np
+
 from arceus.errors import SpecError
 from arceus.json_input import json_loads_bounded
 
@@ -74,11 +76,13 @@ def merged_checkpoint(
     keep: Callable[[str], bool],
     metadata: dict[str, str],
     rename: Callable[[str], str] = lambda name: name,
+    transposed: Callable[[str], bool] = lambda name: False,
 ) -> tuple[int, Iterator[bytes]]:
     """One safetensors file holding the tensors `keep` selects from several (seekable, already verified)
-    files, each under its `rename`d name, as its length and a stream of chunks. The header is built from the
-    sources' headers and the data copied range by range, so the memory it takes does not grow with the
-    model."""
+    files, each under its `rename`d name, the 2-D ones `transposed` names (by their names in the sources)
+    transposed, as its length and a stream of chunks. The header is built from the sources' headers and the data
+    copied range by range, so the memory it takes does not grow with the model (a transposed tensor is held
+    whole while it is copied)."""
     entries: list[tuple[BinaryIO, int, str, dict[str, Any]]] = []
     for handle in sources:
         start, header = read_header(handle)
@@ -89,52 +93,90 @@ def merged_checkpoint(
         entries += [(handle, start, name, info) for name, info in tensors]
     merged: dict[str, Any] = {"__metadata__": metadata}
     offset = 0
-    for _, _, name, info in entries:
+    spans: list[_Span] = []
+    for handle, start, name, info in entries:
         begin, end = info["data_offsets"]
+        entry = Entry(info["dtype"], info["shape"], start + begin, start + end)
+        span = _span(handle, entry, transposed(name))
         merged[rename(name)] = {
-            "dtype": info["dtype"], "shape": info["shape"], "data_offsets": [offset, offset + end - begin]
+            "dtype": entry.dtype, "shape": span.shape, "data_offsets": [offset, offset + end - begin]
         }
         offset += end - begin
+        spans.append(span)
     prefix = header_prefix(merged)
-    spans = [(handle, start + info["data_offsets"][0], start + info["data_offsets"][1]) for handle, start, _, info
-             in entries]
     return len(prefix) + offset, _copied(prefix, spans)
 
 
 def sliced_checkpoint(
-    source: BinaryIO, size: int, names: Mapping[str, str], metadata: dict[str, str] | None = None
+    source: BinaryIO,
+    size: int,
+    names: Mapping[str, str],
+    metadata: dict[str, str] | None = None,
+    transposed: Callable[[str], bool] = lambda name: False,
 ) -> tuple[int, Iterator[bytes]]:
     """A safetensors file holding some tensors of the (seekable) safetensors file `source` of `size` bytes, each
-    under a new name (`names`: new name -> its name in `source`), as its length and a stream of chunks. Laid out
-    as safetensors' own `save` lays out tensors of one dtype (in the order of their names), so the same tensors
-    give the same bytes whichever file they are cut from. The source's header is checked (`file_entries`) and each
-    tensor's bytes are read by range, a chunk at a time: the memory it takes does not grow with either file."""
+    under a new name (`names`: new name -> its name in `source`), the 2-D ones `transposed` names (by new name)
+    transposed, as its length and a stream of chunks. Laid out as safetensors' own `save` lays out tensors of one
+    dtype (in the order of their names), so the same tensors give the same bytes whichever file they are cut from.
+    The source's header is checked (`file_entries`) and each tensor's bytes are read by range, a chunk at a time:
+    the memory it takes does not grow with either file (a transposed tensor is held whole while it is copied)."""
     entries = file_entries(source, size)
     absent = sorted(old for old in names.values() if old not in entries)
     if absent:
         raise CheckpointError(f"the weights lack {absent[0]} ({len(absent)} tensors missing)")
     header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
     offset = 0
+    spans: list[_Span] = []
     for new, old in sorted(names.items()):
         entry = entries[old]
+        span = _span(source, entry, transposed(new))
         header[new] = {
-            "dtype": entry.dtype, "shape": entry.shape,
-            "data_offsets": [offset, offset + entry.end - entry.begin],
+            "dtype": entry.dtype, "shape": span.shape, "data_offsets": [offset, offset + entry.end - entry.begin]
         }
         offset += entry.end - entry.begin
+        spans.append(span)
     prefix = header_prefix(header)
-    spans = [(source, entries[old].begin, entries[old].end) for _, old in sorted(names.items())]
     return len(prefix) + offset, _copied(prefix, spans)
 
 
-def _copied(prefix: bytes, spans: Sequence[tuple[BinaryIO, int, int]]) -> Iterator[bytes]:
-    """`prefix`, then the bytes [begin, end) of each (handle, begin, end), read a chunk at a time."""
+@dataclass(frozen=True)
+class _Span:
+    """A tensor's bytes [begin, end) in `handle`, copied as they are, or (`rows` set) as a [rows, len / rows]
+    matrix transposed: then `shape` is the transposed one."""
+
+    handle: BinaryIO
+    begin: int
+    end: int
+    shape: list[int]
+    itemsize: int
+    rows: int | None = None
+
+
+def _span(handle: BinaryIO, entry: Entry, transpose: bool) -> _Span:
+    if not transpose:
+        return _Span(handle, entry.begin, entry.end, entry.shape, DTYPE_BYTES[entry.dtype])
+    if len(entry.shape) != 2:
+        raise CheckpointError(f"a {entry.shape} tensor is to be transposed; only a matrix can be")
+    rows, columns = entry.shape
+    return _Span(handle, entry.begin, entry.end, [columns, rows], DTYPE_BYTES[entry.dtype], rows)
+
+
+def _copied(prefix: bytes, spans: Sequence[_Span]) -> Iterator[bytes]:
+    """`prefix`, then each span's bytes, read a chunk at a time (a transposed one whole)."""
     yield prefix
-    for handle, begin, end in spans:
-        handle.seek(begin)
-        remaining = end - begin
+    for span in spans:
+        span.handle.seek(span.begin)
+        remaining = span.end - span.begin
+        if span.rows is not None:
+            data = span.handle.read(remaining)
+            if len(data) != remaining:
+                raise CheckpointError("a checkpoint file ended before its tensor data did")
+            # Only the elements' order changes: they move as unsigned integers of their width, bits untouched.
+            matrix = np.frombuffer(data, dtype=f"<u{span.itemsize}").reshape(span.rows, -1)
+            yield np.ascontiguousarray(matrix.T).tobytes()
+            continue
         while remaining:
-            chunk = handle.read(min(CHUNK_BYTES, remaining))
+            chunk = span.handle.read(min(CHUNK_BYTES, remaining))
             if not chunk:
                 raise CheckpointError("a checkpoint file ended before its tensor data did")
             remaining -= len(chunk)

@@ -232,8 +232,9 @@ class ArceusClient:
         return written
 
     def save_hugging_face_model(self, job_id: str, destination: Path) -> int:
-        """Stream a job's trained Llama into the folder `destination` as Hugging Face `transformers` loads it
-        (`config.json`, `model.safetensors`: `LlamaForCausalLM.from_pretrained(destination)`), unpacking the
+        """Stream a job's trained Llama or GPT into the folder `destination` as Hugging Face `transformers` loads it
+        (`config.json`, `model.safetensors`: `LlamaForCausalLM.from_pretrained(destination)`, `GPT2LMHeadModel`'s;
+        the job's uploaded `tokenizer.json`, if any), unpacking the
         tar the control plane sends as it arrives; the bytes received. A failed download leaves no folder."""
         partial = destination.with_name(destination.name + ".partial")
         shutil.rmtree(partial, ignore_errors=True)

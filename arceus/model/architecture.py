@@ -44,6 +44,9 @@ class HuggingFaceFormat:
     # (spec, pipeline parameter name "layers.<i>.<name>") -> its `transformers` name; ValueError for a name
     # the model lacks.
     name: Callable[[Any, str], str]
+    # (spec, pipeline parameter name) -> whether `transformers` stores that matrix transposed (GPT-2's Conv1D
+    # weights are [in, out], a torch Linear's [out, in]).
+    transposed: Callable[[Any, str], bool] = lambda spec, name: False
 
 
 @dataclass(frozen=True)

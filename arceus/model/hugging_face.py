@@ -5,6 +5,7 @@ does not grow with the model; `tar -xf` (or `tarfile`) gives the folder `from_pr
 uploaded `tokenizer.json`, if it has one: `AutoTokenizer`'s too). In: such a
 `model.safetensors` as a job's starting weights (fine-tuning), checked from its header, and each stage's
 layers cut from it under the pipeline's names (`initial_weights_slice`): an agent receives only its layers.
+A matrix `transformers` stores transposed (GPT-2's Conv1D weights) is transposed on the way, out and in.
 
 Uploaded weights may be a Hugging Face checkpoint as it is shipped: bf16 or fp16 (each agent widens its layers to
 the model's fp32 as it loads them, exactly: the bytes travel and are stored at half the size), and sharded
@@ -75,6 +76,15 @@ def initial_weights_names(spec: ModelSpec) -> Callable[[str], str]:
     return lambda name: found.name(spec, name)
 
 
+def _transposed(spec: ModelSpec) -> Callable[[str], bool]:
+    """Which pipeline parameters the uploaded weights hold transposed (`HuggingFaceFormat.transposed`): none of an
+    exported model's, which are uploaded under the pipeline's own names and layouts."""
+    if architecture_of(spec).ships_program:
+        return lambda name: False
+    found = hugging_face_format(spec)
+    return lambda name: found.transposed(spec, name)
+
+
 def hugging_face_folder(
     spec: ModelSpec,
     sources: Sequence[BinaryIO],
@@ -90,7 +100,8 @@ def hugging_face_folder(
     found = hugging_face_format(spec)
     config = json.dumps(found.config(spec), indent=2, sort_keys=True).encode()
     size, weights = merged_checkpoint(
-        sources, keep=keep, metadata={"format": "pt", **metadata}, rename=lambda name: found.name(spec, name)
+        sources, keep=keep, metadata={"format": "pt", **metadata}, rename=lambda name: found.name(spec, name),
+        transposed=lambda name: found.transposed(spec, name),
     )
     members = [(_header(CONFIG_FILE, len(config)), len(config), iter([config])),
                (_header(WEIGHTS_FILE, size), size, weights)]
@@ -114,9 +125,12 @@ def hugging_face_weights_check(spec: ModelSpec, handle: BinaryIO, size: int) -> 
     """CheckpointError unless the safetensors file (`size` bytes) holds exactly the whole model's parameters
     under their uploaded names (`initial_weights_names`), each with the model's shape and its dtype (float32)
     or one that widens to it (bfloat16, float16): read from its header alone."""
-    named = initial_weights_names(spec)
+    named, transposed = initial_weights_names(spec), _transposed(spec)
     actual = tensor_layouts(handle, size)
-    expected = {named(name): layout for name, layout in _weights(spec, 0, spec.num_layers).items()}
+    expected = {
+        named(name): (dtype, shape[::-1] if transposed(name) else shape)
+        for name, (dtype, shape) in _weights(spec, 0, spec.num_layers).items()
+    }
     missing, extra = sorted(set(expected) - set(actual)), sorted(set(actual) - set(expected))
     if missing:
         raise CheckpointError(f"the weights lack {missing[0]} ({len(missing)} of the model's parameters missing)")
@@ -180,7 +194,8 @@ def initial_weights_slice(
     (`source`, `size` bytes, checked by `hugging_face_weights_check`) by range: a safetensors file as its length
     and a stream of chunks."""
     named = initial_weights_names(spec)
-    return sliced_checkpoint(source, size, {name: named(name) for name in _weights(spec, layer_start, layer_end)})
+    names = {name: named(name) for name in _weights(spec, layer_start, layer_end)}
+    return sliced_checkpoint(source, size, names, transposed=_transposed(spec))
 
 
 def initial_weights_slice_bytes(spec: ModelSpec, layer_start: int, layer_end: int) -> int:
@@ -193,12 +208,10 @@ def initial_weights_slice_bytes(spec: ModelSpec, layer_start: int, layer_end: in
 def initial_weights_layer_digests(spec: ModelSpec, source: BinaryIO, size: int) -> list[str]:
     """Each layer's digest (the module docstring) of the uploaded weights `source` (`size` bytes, checked by
     `hugging_face_weights_check`), in layer order: read once, a chunk at a time."""
-    named = initial_weights_names(spec)
+    named, transposed = initial_weights_names(spec), _transposed(spec)
     by_layer = _by_layer(_weights(spec, 0, spec.num_layers))
-    return [
-        _digest(sliced_checkpoint(source, size, {name: named(name) for name in by_layer.get(i, ())})[1])
-        for i in range(spec.num_layers)
-    ]
+    layers = ({name: named(name) for name in by_layer.get(i, ())} for i in range(spec.num_layers))
+    return [_digest(sliced_checkpoint(source, size, names, transposed=transposed)[1]) for names in layers]
 
 
 def initial_weights_slice_check(handle: BinaryIO, size: int, layer_start: int, digests: Sequence[str]) -> None:

@@ -143,8 +143,9 @@ class JobCancelApi(APIView):
 
 MODEL_FORMAT = OpenApiParameter(
     "format", str, OpenApiParameter.QUERY, enum=list(MODEL_FORMATS), default="safetensors",
-    description="safetensors: one file of our parameter names; hf (a llama): the tar of a Hugging Face folder "
-    "(config.json, model.safetensors) that transformers' from_pretrained loads",
+    description="safetensors: one file of our parameter names; hf (a llama or a transformer): the tar of a Hugging "
+    "Face folder (config.json, model.safetensors, the job's uploaded tokenizer.json) that transformers' "
+    "from_pretrained loads",
 )
 
 
@@ -183,7 +184,8 @@ class JobModelApi(APIView):
 
 class JobInitialWeightsApi(APIView):
     """The weights a job starts from (fine-tuning): a Hugging Face `model.safetensors` of the job's model (a
-    llama: every `LlamaForCausalLM` parameter, float32), uploaded with a Content-Length before the job trains
+    llama: every `LlamaForCausalLM` parameter, a transformer: every `GPT2LMHeadModel` one; float32, bfloat16 or
+    float16), uploaded with a Content-Length before the job trains
     and streamed into storage; checked from its header before it is kept."""
 
     parser_classes: list = []  # the body is read as a stream, never parsed or held whole

@@ -1,5 +1,6 @@
 """A GPT (and a Llama) whose stage 1 is a tensor-parallel pair, submitted over REST and trained by the real
-system.
+system, each from a Hugging Face checkpoint as `transformers` saves one (bf16, sharded) and back out as a folder
+`from_pretrained` loads.
 
 Gunicorn on PostgreSQL, a Celery worker and beat on Redis, and three node agents: the reconciler puts
 stage 0 on one agent and splits stage 1 (the last block and the head) over the other two, 2 of the 4
@@ -16,11 +17,14 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from arceus.cli import main as cli_main
 from arceus.data.text_config import BUNDLED_TEXT
 from arceus.model.build import build_full_model, named_global_parameters
+from arceus.model.gpt.hf import hf_config as gpt_hf_config
+from arceus.model.gpt.hf import hf_name as gpt_hf_name
+from arceus.model.gpt.hf import hf_transposed as gpt_hf_transposed
 from arceus.model.hugging_face import SHARDS_INDEX
 from arceus.model.llama.hf import hf_config, hf_name
 from arceus.model.registry import model_spec_from_config
@@ -53,6 +57,18 @@ def test_a_job_with_a_tensor_parallel_stage_trains_over_rest_like_one_process(
     }
     job = cluster.client.submit_job(spec)
     assert job["tensor_parallel"] == {"size": 2, "stages": [1]} and job["audit_rate"] == 0.0
+    # It starts from a GPT-2 as transformers ships one: bf16, sharded (its Conv1D weights transposed on the way in).
+    model_spec = model_spec_from_config(job["model_config"])
+    torch.manual_seed(13)
+    shipped = GPT2LMHeadModel(GPT2Config(**gpt_hf_config(model_spec))).to(torch.bfloat16)
+    shipped.save_pretrained(tmp_path / "gpt2", max_shard_size="40KB")
+    assert len(set(json.loads((tmp_path / "gpt2" / SHARDS_INDEX).read_text())["weight_map"].values())) > 1
+    cluster.client.upload_initial_weights(job["id"], tmp_path / "gpt2")
+    start = {n: p.detach().float() for n, p in named_global_parameters(build_full_model(model_spec, seed=0))}
+    theirs_start = shipped.state_dict()
+    for name in start:
+        weight = theirs_start[gpt_hf_name(model_spec, name)].float()
+        start[name] = weight.T.contiguous() if gpt_hf_transposed(model_spec, name) else weight
     cluster.client.start_job(job["id"])
 
     final = cluster.client.wait(job["id"], timeout=120)
@@ -65,12 +81,23 @@ def test_a_job_with_a_tensor_parallel_stage_trains_over_rest_like_one_process(
     losses = [point["loss"] for point in final["loss_curve"]]
     assert final["step"] == final["total_steps"] == len(losses) > 5
     assert losses[-1] < losses[0] - 0.2
-    expected = reference_run({**spec, "model_config": final["model_config"], "dataset_config": final["dataset_config"]})
+    trained = {**spec, "model_config": final["model_config"], "dataset_config": final["dataset_config"]}
+    expected = reference_run(trained, initial_weights=start)
     for step, (got, want) in enumerate(zip(losses, expected.losses, strict=True), 1):
         assert math.isclose(got, want, rel_tol=1e-5), f"step {step}: {got!r} != single-process {want!r}"
     # Both ranks of the split stage are metered and billed as contributors.
     contributors = {(c["stage_index"], c["node_id"]) for c in final["contributions"]}
     assert contributors == {(i, n) for i, _, n in placements}
+    # Out again as a GPT-2 folder: transformers' logits are the trained pipeline's.
+    cluster.client.save_hugging_face_model(job["id"], tmp_path / "gpt2-trained")
+    cluster.client.save_model(job["id"], tmp_path / "trained.safetensors")
+    ours = build_full_model(model_spec, seed=0)
+    ours.load_state_dict({n.removeprefix("layers."): t for n, t in load_file(tmp_path / "trained.safetensors").items()})
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, model_spec.vocab_size, (2, model_spec.block_size), generator=generator)
+    with torch.no_grad():
+        exported = GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2-trained").eval()
+        torch.testing.assert_close(exported(tokens).logits, ours(tokens), rtol=0, atol=1e-5)
 
 
 def test_a_llama_fine_tunes_over_rest_split_like_one_process_and_downloads_as_a_hugging_face_folder(

@@ -1,9 +1,11 @@
 """The GPT (nanoGPT-style decoder): `{"type": "transformer", "n_layer", "n_head", "d_model", "block_size",
-"vocab", "vocab_size"}`; its blocks split over tensor-parallel groups."""
+"vocab", "vocab_size"}`; its blocks split over tensor-parallel groups, and its weights export as a `transformers`
+`GPT2LMHeadModel` folder."""
 
 from functools import partial
 
-from arceus.model.architecture import Architecture, TensorParallelSplit
+from arceus.model.architecture import Architecture, HuggingFaceFormat, TensorParallelSplit
+from arceus.model.gpt.hf import hf_config, hf_name, hf_transposed
 from arceus.model.gpt.spec import gpt_from_config, tensor_parallel_check_size, tensor_parallel_reduced_layout
 from arceus.model.text_fit import fit_text_model
 
@@ -15,4 +17,5 @@ ARCHITECTURE = Architecture(
         reduced_layout=tensor_parallel_reduced_layout, check_size=tensor_parallel_check_size
     ),
     writes_text=True,
+    hugging_face=HuggingFaceFormat(config=hf_config, name=hf_name, transposed=hf_transposed),
 )

@@ -1,5 +1,6 @@
-"""A Llama's stage checkpoint files assembled into a Hugging Face folder (a tar stream): `transformers`
-loads it with `LlamaForCausalLM.from_pretrained`, and its logits are the pipeline's; and the other way,
+"""A Llama's (and a GPT's) stage checkpoint files assembled into a Hugging Face folder (a tar stream):
+`transformers` loads it with `LlamaForCausalLM.from_pretrained` (`GPT2LMHeadModel`), and its logits are the
+pipeline's; and the other way,
 uploaded Hugging Face weights (fp32, or bf16/fp16 and sharded as `transformers` saves them) give each stage its
 layers, cut from the upload and checked layer by layer."""
 
@@ -12,8 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load as safetensors_load
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from arceus.checkpoint import StateFile, encode_checkpoint
 from arceus.errors import SpecError
@@ -66,7 +68,7 @@ def test_a_model_without_the_format_is_refused_naming_format() -> None:
     mlp = model_spec_from_config({"layer_sizes": [4, 3, 2]})
     with pytest.raises(SpecError) as info:
         hugging_face_folder(mlp, [], keep=lambda n: True, metadata={})
-    assert info.value.field == "format" and "no Hugging Face format (only llama)" in info.value.message
+    assert info.value.field == "format" and "no Hugging Face format (only transformer, llama)" in info.value.message
 
 
 def uploaded(tmp_path: Path) -> tuple[Path, torch.nn.Module]:
@@ -180,3 +182,40 @@ def test_weights_of_another_float_dtype_are_refused_naming_the_ones_taken(tmp_pa
     with path.open("rb") as handle, pytest.raises(CheckpointError, match=r"float64 \[23, 32\]; the model's is "
                                                     r"float32 \[23, 32\] \(or bfloat16, float16\)"):
         hugging_face_weights_check(SPEC, handle, path.stat().st_size)
+
+
+GPT = model_spec_from_config({"type": "transformer", "n_layer": 2, "n_head": 2, "d_model": 16, "block_size": 8,
+                              "vocab_size": 19})
+
+
+def test_a_gpt_exports_as_a_gpt2_folder_and_a_gpt2_checkpoint_starts_one(tmp_path: Path) -> None:
+    """Out: a GPT's stage files as the folder `GPT2LMHeadModel.from_pretrained` loads, its Conv1D weights
+    transposed, with the pipeline's logits. In: that model saved by `transformers` in bf16, sharded, cut into
+    stages whose logits are its own."""
+    tokens = torch.randint(0, GPT.vocab_size, (3, GPT.block_size), generator=torch.Generator().manual_seed(1))
+    stage_files = []
+    for start, end in [(0, 2), (2, 4)]:
+        layers = build_layers(GPT, start, end, seed=7)
+        stage_files.append(io.BytesIO(encode_checkpoint({n: p.detach() for n, p in named_global_parameters(layers)})))
+    size, chunks = hugging_face_folder(GPT, stage_files, keep=lambda n: True, metadata={})
+    with tarfile.open(fileobj=io.BytesIO(b"".join(chunks)), mode="r|") as tar:
+        tar.extractall(tmp_path / "exported", filter="data")
+    theirs = GPT2LMHeadModel.from_pretrained(tmp_path / "exported").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, build_full_model(GPT, seed=7)(tokens), rtol=0, atol=1e-5)
+
+    theirs.to(torch.bfloat16).save_pretrained(tmp_path / "shipped", max_shard_size="6KB")
+    assert len(list((tmp_path / "shipped").glob("model-*-of-*.safetensors"))) >= 2
+    with folder_weights(tmp_path / "shipped") as (length, chunks):
+        upload = io.BytesIO(b"".join(chunks))
+    hugging_face_weights_check(GPT, upload, length)
+    digests = initial_weights_layer_digests(GPT, upload, length)
+    stages = []
+    for start, end in [(0, 3), (3, 4)]:
+        sliced = b"".join(initial_weights_slice(GPT, upload, length, start, end)[1])
+        initial_weights_slice_check(io.BytesIO(sliced), len(sliced), start, digests[start:end])
+        stage = build_layers(GPT, start, end, seed=0)
+        stage.load_state_dict({n.removeprefix("layers."): t for n, t in safetensors_load(sliced).items()})
+        stages.append(stage)
+    with torch.no_grad():
+        torch.testing.assert_close(stages[1](stages[0](tokens)), theirs.float()(tokens).logits, rtol=0, atol=1e-5)

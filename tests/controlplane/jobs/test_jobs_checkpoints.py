@@ -445,7 +445,7 @@ def test_the_cli_streams_the_model_into_a_file(live_server, running_job: Job, us
 @pytest.mark.parametrize(
     ("model_format", "message"),
     [
-        ("hf", "a model of type 'mlp' has no Hugging Face format (only llama)"),
+        ("hf", "a model of type 'mlp' has no Hugging Face format (only transformer, llama)"),
         ("pickle", "must be one of safetensors, hf"),
     ],
 )
