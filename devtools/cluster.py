@@ -43,6 +43,20 @@ def stage_placement(detail: dict[str, Any]) -> dict[int, str]:
     return {p["stage_index"]: p["node_id"] for p in detail["placements"]}
 
 
+def job_summary(detail: dict[str, Any]) -> str:
+    """A job detail in one line, enough to tell from a CI log's tail why a wait ended: its status and step, each
+    placement (stage, replica, node, activity, micro-batches) and each condition."""
+    placements = "; ".join(
+        f"stage {p['stage_index']} replica {p['replica']} on {p['node_name'] or p['node_id']}: {p['activity']}, "
+        f"{p['micro_batches']} micro-batches" for p in detail["placements"]
+    )
+    conditions = "; ".join(
+        f"{c['type']}={c['status']} {c['reason']}: {c['message']}" for c in detail["conditions"]
+    )
+    return (f"{detail['status']} at step {detail['step']} (generation {detail['generation']}); "
+            f"placements: {placements or 'none'}; conditions: {conditions or 'none'}")
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -318,11 +332,9 @@ class LocalCluster:
             if ready(detail):
                 return detail
             if detail["status"] in give_up_on:
-                raise RuntimeError(f"job {job_id} {detail['status']}: {detail['error']} {detail['conditions']}")
+                raise RuntimeError(f"job {job_id} {detail['status']}: {detail['error']}; {job_summary(detail)}")
             if time.monotonic() >= deadline:
-                raise TimeoutError(
-                    f"job {job_id}: not ready in {timeout:.0f}s ({detail['status']} {detail['conditions']})"
-                )
+                raise TimeoutError(f"job {job_id}: not ready in {timeout:.0f}s; {job_summary(detail)}")
             time.sleep(poll_seconds)
 
     # --- faults, for the fault-tolerance tests and benchmarks ------------------------------------

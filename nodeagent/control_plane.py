@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import socket
 import tempfile
 import threading
 import time
@@ -18,6 +19,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
+from urllib.parse import urlsplit
 
 import requests
 
@@ -155,6 +157,28 @@ class ControlPlaneClient(ControlPlaneSession):
         if response.status_code >= 300:
             raise ControlPlaneError(f"POST {url} → HTTP {response.status_code}: {response.text[:200]}")
         return elapsed
+
+    def handshake(self) -> float:
+        """Seconds for a TCP handshake with the control plane's host (its name resolved first, untimed): the
+        network's round trip alone, which the hosts' kernels answer without the web server taking a request."""
+        parts = urlsplit(self.url)
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        try:
+            addresses = socket.getaddrinfo(parts.hostname, port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            raise ControlPlaneError(f"could not resolve {parts.hostname}: {exc}") from exc
+        failure: OSError | None = None
+        for family, kind, proto, _, address in addresses:  # as a connection tries them: the first that answers
+            with socket.socket(family, kind, proto) as sock:
+                sock.settimeout(self.timeout)
+                started = time.perf_counter()
+                try:
+                    sock.connect(address)
+                except OSError as exc:
+                    failure = exc
+                    continue
+                return time.perf_counter() - started
+        raise ControlPlaneError(f"TCP handshake with {parts.hostname}:{port} failed: {failure}")
 
     def fetch_checkpoint(self, ref: CheckpointRef) -> StateFile:
         """Download a stage checkpoint named by an assignment into a temporary file, a chunk at a time, and
@@ -362,15 +386,20 @@ REMEASURE_SECONDS = 300.0
 
 
 def measure_link(client: ControlPlaneClient, rounds: int = 3) -> dict[str, float] | None:
-    """{"rtt_seconds", "bandwidth_bytes_per_second"} to the control plane: the best of `rounds` empty
-    probes, and the best PROBE_BYTES upload less that round trip. None (logged) if probing fails."""
+    """{"rtt_seconds", "bandwidth_bytes_per_second"} to the control plane. The round trip: the best of `rounds` TCP
+    handshakes, the network's alone. An empty probe's would also count the web server's handling of a request (ms
+    when idle, more when busy), which every round pays, so no best-of-N removes it, and which replicas exchanging
+    with each other never pay: placement charged it to each replica's exchange and refused replicas worth adding.
+    The bandwidth: PROBE_BYTES over the best of `rounds` uploads less the best empty probe (the same request's
+    handling). None (logged) if probing fails."""
     try:
-        rtt = min(client.probe(b"") for _ in range(rounds))
+        rtt = min(client.handshake() for _ in range(rounds))
+        handled = min(client.probe(b"") for _ in range(rounds))
         upload = min(client.probe(bytes(PROBE_BYTES)) for _ in range(rounds))
     except ControlPlaneError as exc:
         log.warning("could not measure the link to the control plane: %s", exc)
         return None
-    return {"rtt_seconds": rtt, "bandwidth_bytes_per_second": PROBE_BYTES / max(upload - rtt, 1e-6)}
+    return {"rtt_seconds": rtt, "bandwidth_bytes_per_second": PROBE_BYTES / max(upload - handled, 1e-6)}
 
 
 class HeartbeatAgent(Protocol):

@@ -7,6 +7,7 @@ import hashlib
 import json
 import secrets
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -33,6 +34,7 @@ class FakeControlPlane:
     earnings: dict[str, Any] = field(default_factory=dict)  # what GET /api/agent/earnings answers
     downloads: dict[str, bytes] = field(default_factory=dict)  # path with its query -> what a GET of it answers
     challenges: list[str] = field(default_factory=list)  # issued to registering agents, newest last
+    probe_seconds: float = 0.0  # how long it takes to answer a link probe (a busy web server's handling)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def heartbeats(self) -> list[Any]:
@@ -67,6 +69,8 @@ class FakeControlPlane:
                 }
                 if not isinstance(body, dict) or body.get("assignments_version") != version:
                     reply["assignments"] = self.assignments
+            elif path == "/api/agent/probe":
+                reply = {"bytes": len(body)}
             elif path == "/api/agent/leave":  # the stages move once a test empties `assignments`
                 reply = {"node_id": "node-1", "stages": len(self.assignments)}
             else:
@@ -81,7 +85,10 @@ def control_plane() -> Iterator[FakeControlPlane]:
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self) -> None:  # noqa: N802 - http.server's naming
             raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-            status, body = fake.handle(self.path, dict(self.headers), json.loads(raw or b"null"))
+            probe = self.path == "/api/agent/probe"  # filler bytes, not JSON
+            if probe:
+                time.sleep(fake.probe_seconds)
+            status, body = fake.handle(self.path, dict(self.headers), raw if probe else json.loads(raw or b"null"))
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(body)))

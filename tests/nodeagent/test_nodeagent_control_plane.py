@@ -26,8 +26,10 @@ from arceus.wire.tls import new_identity
 from devtools.pipeline import pipeline_assignments
 from nodeagent.agent import Agent
 from nodeagent.control_plane import (
+    PROBE_BYTES,
     ControlPlaneClient,
     HeartbeatLoop,
+    measure_link,
     register_until_accepted,
 )
 from nodeagent.control_plane_http import ControlPlaneError, Unauthorized
@@ -96,6 +98,18 @@ def test_unreachable_control_plane_is_retried_until_stopped() -> None:
     stop = threading.Event()
     threading.Timer(0.3, stop.set).start()
     assert register_until_accepted(client, "h:1", {}, "", new_identity(), stop=stop, min_backoff=0.05) is None
+
+
+def test_the_link_is_the_networks_round_trip_not_the_web_servers_handling(control_plane) -> None:  # noqa: ANN001
+    # A busy web server answers each probe 0.1 s late: the round trip is the network's (TCP handshakes, here on
+    # loopback), not that handling, which placement would charge every replica's exchange; the bandwidth is the
+    # upload's time less the same handling, not less the round trip.
+    control_plane.probe_seconds = 0.1
+    link = measure_link(ControlPlaneClient(control_plane.url, control_plane.token))
+    assert link is not None and link["rtt_seconds"] < 0.01, link
+    assert link["bandwidth_bytes_per_second"] > PROBE_BYTES / 0.1, link
+    assert [path for path, *_ in control_plane.requests] == ["/api/agent/probe"] * 6  # 3 empty, 3 uploads
+    assert measure_link(ControlPlaneClient("http://127.0.0.1:9", "t", timeout=0.5)) is None  # unreachable: unknown
 
 
 def test_heartbeat_applies_assignments_and_reports_readiness_at_once(control_plane, agent: Agent) -> None:  # noqa: ANN001
