@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import shutil
 import tarfile
 import time
@@ -28,7 +29,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 import requests
 
 from arceus.contracts.status import TERMINAL_STATUSES
-from arceus.model.hugging_face import folder_weights
+from arceus.model.hugging_face import CONFIG_FILE, folder_weights, hugging_face_config_check
+from arceus.model.registry import model_spec_from_config
 
 if TYPE_CHECKING:
     from arceus.model.exported.capture import CapturedModel
@@ -263,13 +265,18 @@ class ArceusClient:
     def upload_initial_weights(self, job_id: str, source: Path | bytes) -> dict[str, Any]:
         """Stream a Hugging Face model (`source`: its folder, its `model.safetensors` sharded or not, fp32, bf16 or
         fp16; or that file; an exported model's weights: the bytes capture() wrote) to a job that has not started
-        as the weights it starts from; the job's detail."""
+        as the weights it starts from; the job's detail. A folder's config.json is checked against the job's model
+        first (`hugging_face_config_check`: CheckpointError)."""
         path = f"/api/jobs/{job_id}/initial-weights"
         if isinstance(source, bytes):
             return self._put_bytes(path, source)
         if not source.is_dir():
             with source.open("rb") as body:  # requests sends a file's size as its Content-Length and streams it
                 return self._put_bytes(path, body)
+        config = source / CONFIG_FILE
+        if config.exists():  # before any byte is sent: weights of another function are refused here
+            spec = model_spec_from_config(self.job(job_id)["model_config"])
+            hugging_face_config_check(spec, json.loads(config.read_text(encoding="utf-8")))
         with folder_weights(source) as (size, chunks):
             return self._put_bytes(path, _SizedChunks(size, chunks))
 

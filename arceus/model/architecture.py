@@ -4,8 +4,8 @@ and the contracts reason about any model without loading torch."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from arceus.model.layout import TensorLayout
@@ -47,6 +47,10 @@ class HuggingFaceFormat:
     # (spec, pipeline parameter name) -> whether `transformers` stores that matrix transposed (GPT-2's Conv1D
     # weights are [in, out], a torch Linear's [out, in]).
     transposed: Callable[[Any, str], bool] = lambda spec, name: False
+    # The config.json keys that change what the model computes but no tensor's shape (an activation, an epsilon,
+    # tied embeddings), each with `transformers`' default where a config.json leaves it out: a checkpoint whose
+    # config differs from `config(spec)` in one of them is another function, whatever its tensors.
+    computes: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,10 @@ import json
 import math
 import re
 import tarfile
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from arceus.errors import SpecError
 from arceus.model.architecture import HuggingFaceFormat
@@ -143,6 +143,20 @@ def hugging_face_weights_check(spec: ModelSpec, handle: BinaryIO, size: int) -> 
                 f"{name} is {layout_described(actual[name])}; the model's is {layout_described((dtype, shape))}"
                 + (" (or bfloat16, float16)" if dtype == "F32" else "")
             )
+
+
+def hugging_face_config_check(spec: ModelSpec, config: Mapping[str, Any]) -> None:
+    """CheckpointError unless a checkpoint's config.json (`config`) describes the function `spec` computes in every
+    key that changes it without changing a tensor's shape (`HuggingFaceFormat.computes`): weights of GPT-2's own
+    tanh GELU, or of tied embeddings, would load here and compute something else. What the tensors' names and
+    shapes say is the weights check's (`hugging_face_weights_check`)."""
+    found = hugging_face_format(spec)
+    ours = found.config(spec)
+    for key, default in found.computes.items():
+        theirs = config.get(key, default)
+        if theirs != ours[key]:
+            why = " (tied input and output embeddings are not supported yet)" if key == "tie_word_embeddings" else ""
+            raise CheckpointError(f"config.json's {key} is {theirs!r}; this job's {spec.type} has {ours[key]!r}{why}")
 
 
 @contextmanager

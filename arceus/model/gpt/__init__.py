@@ -5,7 +5,7 @@
 from functools import partial
 
 from arceus.model.architecture import Architecture, HuggingFaceFormat, TensorParallelSplit
-from arceus.model.gpt.hf import hf_config, hf_name, hf_transposed
+from arceus.model.gpt.hf import HF_COMPUTES, hf_config, hf_name, hf_transposed
 from arceus.model.gpt.spec import gpt_from_config, tensor_parallel_check_size, tensor_parallel_reduced_layout
 from arceus.model.text_fit import fit_text_model
 
@@ -17,5 +17,5 @@ ARCHITECTURE = Architecture(
         reduced_layout=tensor_parallel_reduced_layout, check_size=tensor_parallel_check_size
     ),
     writes_text=True,
-    hugging_face=HuggingFaceFormat(config=hf_config, name=hf_name, transposed=hf_transposed),
+    hugging_face=HuggingFaceFormat(config=hf_config, name=hf_name, transposed=hf_transposed, computes=HF_COMPUTES),
 )

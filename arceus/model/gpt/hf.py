@@ -17,6 +17,13 @@ from arceus.model.gpt.spec import GPTSpec
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
+# `HuggingFaceFormat.computes`: GPT2Config's defaults of the keys that change the function but no shape.
+HF_COMPUTES = {
+    "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "tie_word_embeddings": True,
+    "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False, "reorder_and_upcast_attn": False,
+}
+
+
 def hf_config(spec: GPTSpec) -> dict[str, Any]:
     """`config.json` of the model as `GPT2Config` reads it."""
     return {
@@ -34,6 +41,8 @@ def hf_config(spec: GPTSpec) -> dict[str, Any]:
         "embd_pdrop": 0.0,
         "attn_pdrop": 0.0,
         "scale_attn_weights": True,
+        "scale_attn_by_inverse_layer_idx": False,
+        "reorder_and_upcast_attn": False,
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
     }

@@ -7,7 +7,7 @@
 from functools import partial
 
 from arceus.model.architecture import Architecture, HuggingFaceFormat, TensorParallelSplit
-from arceus.model.llama.hf import hf_config, hf_name
+from arceus.model.llama.hf import HF_COMPUTES, hf_config, hf_name
 from arceus.model.llama.spec import llama_from_config, tensor_parallel_check_size, tensor_parallel_reduced_layout
 from arceus.model.text_fit import fit_text_model
 
@@ -19,5 +19,5 @@ ARCHITECTURE = Architecture(
         reduced_layout=tensor_parallel_reduced_layout, check_size=tensor_parallel_check_size
     ),
     writes_text=True,
-    hugging_face=HuggingFaceFormat(config=hf_config, name=hf_name),
+    hugging_face=HuggingFaceFormat(config=hf_config, name=hf_name, computes=HF_COMPUTES),
 )

@@ -11,6 +11,12 @@ from typing import Any
 
 from arceus.model.llama.spec import LlamaSpec
 
+# `HuggingFaceFormat.computes`: LlamaConfig's defaults of the keys that change the function but no shape.
+HF_COMPUTES = {
+    "hidden_act": "silu", "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "attention_bias": False,
+    "mlp_bias": False,
+}
+
 
 def hf_config(spec: LlamaSpec) -> dict[str, Any]:
     """`config.json` of the model as `LlamaConfig` reads it."""

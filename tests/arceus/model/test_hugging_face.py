@@ -15,14 +15,16 @@ import pytest
 import torch
 from safetensors.torch import load as safetensors_load
 from safetensors.torch import save_file
-from transformers import GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from arceus.checkpoint import StateFile, encode_checkpoint
 from arceus.errors import SpecError
 from arceus.model.build import build_full_model, build_layers, named_global_parameters
+from arceus.model.gpt.hf import hf_config as gpt_hf_config
 from arceus.model.hugging_face import (
     SHARDS_INDEX,
     folder_weights,
+    hugging_face_config_check,
     hugging_face_folder,
     hugging_face_weights_check,
     initial_weights_layer_digests,
@@ -219,3 +221,22 @@ def test_a_gpt_exports_as_a_gpt2_folder_and_a_gpt2_checkpoint_starts_one(tmp_pat
         stages.append(stage)
     with torch.no_grad():
         torch.testing.assert_close(stages[1](stages[0](tokens)), theirs.float()(tokens).logits, rtol=0, atol=1e-5)
+
+
+def test_a_checkpoint_config_that_computes_another_function_is_refused_naming_the_key(tmp_path: Path) -> None:
+    """What transformers saves of our own configs passes; GPT-2's defaults (its tanh GELU, tied embeddings), a
+    tied Llama or another epsilon compute something else from tensors of the very same shapes: refused."""
+    for spec, config in ((SPEC, LlamaConfig(**hf_config(SPEC))), (GPT, GPT2Config(**gpt_hf_config(GPT)))):
+        config.save_pretrained(tmp_path / spec.type)
+        hugging_face_config_check(spec, json.loads((tmp_path / spec.type / "config.json").read_text()))
+    gpt2 = GPT2Config(n_layer=2, n_head=2, n_embd=16, n_positions=8, vocab_size=19).to_dict()
+    with pytest.raises(CheckpointError, match="config.json's activation_function is 'gelu_new'; this job's "
+                                              "transformer has 'gelu'"):
+        hugging_face_config_check(GPT, gpt2)
+    with pytest.raises(CheckpointError, match="activation_function is 'gelu_new'"):  # left out: transformers' default
+        hugging_face_config_check(GPT, {k: v for k, v in gpt_hf_config(GPT).items() if k != "activation_function"})
+    with pytest.raises(CheckpointError, match="tie_word_embeddings is True; this job's llama has False \\(tied input "
+                                              "and output embeddings are not supported yet\\)"):
+        hugging_face_config_check(SPEC, {**hf_config(SPEC), "tie_word_embeddings": True})
+    with pytest.raises(CheckpointError, match="rms_norm_eps is 1e-06; this job's llama has 1e-05"):
+        hugging_face_config_check(SPEC, {**hf_config(SPEC), "rms_norm_eps": 1e-6})
