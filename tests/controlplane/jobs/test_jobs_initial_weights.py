@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import importlib
 import io
+import json
+import subprocess
+import sys
 import uuid
 from pathlib import Path
 from urllib.parse import urlencode
@@ -16,14 +19,16 @@ from django.apps import apps as django_apps
 from django.utils import timezone
 from rest_framework.test import APIClient
 from safetensors.torch import load as safetensors_load
-from safetensors.torch import save
+from safetensors.torch import save, save_file
 
 from arceus.checkpoint import checkpoint_digest
 from arceus.contracts.assignment import Assignment
 from arceus.model.build import build_full_model, build_layers, named_global_parameters
-from arceus.model.hugging_face import initial_weights_layer_digests, initial_weights_slice_check
-from arceus.model.llama.hf import hf_name
+from arceus.model.hugging_face import SHARDS_INDEX, initial_weights_layer_digests, initial_weights_slice_check
+from arceus.model.llama.hf import hf_config, hf_name
 from arceus.model.registry import model_spec_from_config
+from arceus.safetensors_file import tensor_layouts
+from controlplane.accounts.services import user_token_get_or_create
 from controlplane.agents.services import node_heartbeat
 from controlplane.controller.executor import reconcile_once
 from controlplane.jobs.models import Job, Stage
@@ -183,6 +188,58 @@ def test_uploaded_weights_in_an_s3_bucket_are_read_by_range(
     stage = build_layers(model_spec_from_config(llama_job.model_config), 0, assignment.layer_end, seed=0)
     assert len(body) < len(data)
     assert sorted(safetensors_load(body)) == sorted(n for n, _ in named_global_parameters(stage))
+
+
+# The uploader's code, run as its own process: its peak RSS (VmHWM) after the imports and after the upload.
+_MEASURED_CLI = """
+import re, sys
+from arceus.cli import main
+def peak(): return int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read())[1]) * 1024
+before = peak()
+code = main(sys.argv[1:])
+print(before, peak(), code)
+"""
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_sharded_bf16_folder_uploads_streaming_the_uploader_never_holds_it(
+    live_server, user, tmp_path: Path, checkpoint_dir: Path  # noqa: ANN001, F811
+) -> None:
+    """`arceus jobs weights` of a 42 MB sharded bf16 folder (a llama of 21M parameters): the job keeps one file
+    of exactly its shards' tensors, and the uploading process's peak memory grows by well under the upload's
+    size (it sends shards range by range, never the file)."""
+    job = job_submit(owner=user, **{**DIGITS_JOB, "dataset_config": {"name": "text", "batch_size": 4}, "model_config": {
+        "type": "llama", "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 8,
+        "num_attention_heads": 8, "max_position_embeddings": 8,
+    }})
+    spec = model_spec_from_config(job.model_config)
+    folder, weight_map = tmp_path / "shipped", {}
+    folder.mkdir()
+    names = [f"layers.{i}.{n}" for i in range(spec.num_layers) for n in spec.layer_parameters(i)]
+    for shard, start in enumerate(range(0, len(names), 20)):
+        file = f"model-{shard:05d}.safetensors"
+        tensors = {hf_name(spec, n): torch.full(spec.layer_parameters(int(n.split(".")[1]))[n.split(".", 2)[2]],
+                                                 float(i), dtype=torch.bfloat16)
+                   for i, n in enumerate(names[start : start + 20], start)}
+        save_file(tensors, folder / file)
+        weight_map |= dict.fromkeys(tensors, file)
+    (folder / SHARDS_INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / "config.json").write_text(json.dumps(hf_config(spec)))
+    size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    assert size > 40e6
+
+    argv = ["--url", live_server.url, "--token", user_token_get_or_create(user=user), "jobs", "weights", str(job.id),
+            str(folder)]
+    run = subprocess.run([sys.executable, "-c", _MEASURED_CLI, *argv], capture_output=True, text=True, timeout=300)
+    before, after, code = (int(v) for v in run.stdout.split()[-3:])
+    assert code == 0, run.stdout + run.stderr
+    assert after - before < size / 4, f"the uploader's peak grew by {(after - before) / 1e6:.1f} MB"
+    job.refresh_from_db()
+    stored = checkpoint_dir / job.initial_weights.name
+    with stored.open("rb") as handle:
+        layouts = tensor_layouts(handle, stored.stat().st_size)
+    assert set(layouts) == set(weight_map) and {dtype for dtype, _ in layouts.values()} == {"BF16"}
+    assert safetensors_load(stored.read_bytes())[hf_name(spec, names[-1])][0, 0] == len(names) - 1
 
 
 @pytest.mark.parametrize(
