@@ -1,16 +1,19 @@
 """The heartbeat's answer, and the quiet heartbeat answered before Django.
 
-Nearly every heartbeat changes nothing: nothing to report, the node's assignments still the version the agent
-holds. `quiet_heartbeats` wraps the ASGI application (controlplane/asgi.py: Django runs in its WSGI threads) and
-answers such a heartbeat on the event loop, without Django's request machinery or a thread hand-off: one database
-read (the node by its token, its owner's state and the rows its assignments version digests) and one Redis
-command (the lease), each shared by the heartbeats of one loop turn. Nothing is cached, so a rotated token, a
-deleted node or a disabled owner is refused at once. It also answers a node's first heartbeat when it hosts
-nothing (marking it Ready, `nodes_mark_ready`), and changed assignments the control worker built ahead under the
-version just read (controlplane/jobs/prepared_assignments.py). Its costs: docs/BENCHMARKS.md.
+Nearly every heartbeat changes nothing: its stage reports what is recorded already (or nothing, hosting none), the
+node's assignments still the version the agent holds. `quiet_heartbeats` wraps the ASGI application
+(controlplane/asgi.py: Django runs in its WSGI threads) and answers such a heartbeat on the event loop, without
+Django's request machinery or a thread hand-off: one database read (the node by its token, its owner's state, the
+rows its assignments version digests and what is recorded of those stages) and one Redis command (the lease), each
+shared by the heartbeats of one loop turn. Nothing is cached, so a rotated token, a deleted node or a disabled owner
+is refused at once. It also answers a node's first heartbeat when it hosts nothing (marking it Ready,
+`nodes_mark_ready`), and changed assignments the control worker built ahead under the version just read
+(controlplane/jobs/prepared_assignments.py). Its costs: docs/BENCHMARKS.md.
 
-It answers only heartbeats it is sure of and hands every other request to Django untouched (its body replayed):
-any report or link, a body the schema refuses, an unusual header, a Host that ALLOWED_HOSTS refuses, an unknown
+It answers only heartbeats it is sure of and hands every other request to Django untouched (its body replayed): a
+stage report that would change what is recorded, or that names a stage outside the node's assignments (one rule
+with the API's: controlplane/jobs/stages.py), a measured link or any other field the API records
+(schema.QUIET_FIELDS), a body the schema refuses, an unusual header, a Host that ALLOWED_HOSTS refuses, an unknown
 token, a disabled owner, an unregistered node, or assignments that moved and were not built ahead. Both paths parse
 the body with one schema (controlplane/nodes/schema.py); error bodies and every change a heartbeat carries stay in
 `AgentHeartbeatApi` and `node_heartbeat`; both paths answer the same body (`heartbeat_body`). Why each heartbeat
@@ -40,8 +43,10 @@ from controlplane.common import metrics
 from controlplane.common.batching import Batched
 from controlplane.common.conditions import TRUE
 from controlplane.common.postgresql.async_connections import async_connections
+from controlplane.jobs.models import Stage
 from controlplane.jobs.prepared_assignments import prepared_assignments_read
 from controlplane.jobs.selectors import VERSION_COLUMNS, version_digest, version_order, version_rows_join
+from controlplane.jobs.stages import StageRowKey, observed_unchanged
 from controlplane.nodes.liveness import leases_renew_async
 from controlplane.nodes.models import Node
 from controlplane.nodes.relays import relay_assignment, relay_certificate
@@ -149,9 +154,11 @@ async def _answer_quiet(headers: dict[str, str], raw: bytes) -> bytes | str:
         return "database"
     if isinstance(node, str):
         return node
+    if not observed_unchanged(beat.observed, node.hosted):
+        return "observed"
     assignments: list[dict[str, Any]] | None = None
     if node.version != held:
-        assignments = await _PREPARED((node.id, node.version)) if node.hosting else []
+        assignments = await _PREPARED((node.id, node.version)) if node.hosted else []
         if assignments is None:  # not built ahead (or expired): Django builds them
             return "version" if held else "first"
     now = timezone.now()
@@ -194,8 +201,8 @@ def _token_hash(header: str) -> str | None:
 
 
 def _quiet_body(raw: bytes) -> Heartbeat | None:
-    """The heartbeat when it is a quiet one the schema takes (controlplane/nodes/schema.py); else None (the API
-    then judges it, and names what is wrong)."""
+    """The heartbeat when the schema takes it (controlplane/nodes/schema.py) and it carries nothing but what the
+    quiet path judges; else None (the API then judges it, and names what is wrong)."""
     try:
         beat = heartbeat_parse(json_loads_bounded(raw, where=""))
     except ValueError:  # malformed JSON, nested too deep, a non-finite number or a NUL; or HeartbeatInvalid
@@ -274,12 +281,24 @@ def _quiet_sql(tokens: str) -> str:
 @cache
 def _quiet_sql_template() -> str:
     user = Node._meta.get_field("owner").related_model
+    observed = (f"s.job_id, s.{connection.ops.quote_name('index')}, s.rank, s.replica, s.observed_generation, "
+                "s.observed_state, s.observed_message")  # `QuietStage`, after the columns the version digests
     return (
         f"SELECT n.token_hash, n.id, u.is_active, n.registered_at IS NOT NULL, n.ready_status, "  # noqa: S608
-        f"n.reachability, n.max_threads, n.max_memory_bytes, {VERSION_COLUMNS} FROM {Node._meta.db_table} n "
+        f"n.reachability, n.max_threads, n.max_memory_bytes, {VERSION_COLUMNS}, {observed} "
+        f"FROM {Node._meta.db_table} n "
         f"JOIN {user._meta.db_table} u ON u.{user._meta.pk.column} = n.owner_id "
         f"LEFT JOIN {version_rows_join('n.id')} WHERE n.token_hash {{tokens}} ORDER BY n.token_hash, {version_order()}"
     )
+
+
+class QuietStage(NamedTuple):
+    """What is recorded of a stage the node hosts (an `ObservedRow` of controlplane/jobs/stages.py)."""
+
+    generation: int
+    observed_generation: int | None
+    observed_state: str
+    observed_message: str
 
 
 class QuietNode(NamedTuple):
@@ -289,7 +308,7 @@ class QuietNode(NamedTuple):
     max_memory_bytes: int | None
     ready: bool
     version: str  # its assignments' current version
-    hosting: bool  # whether it hosts any stage (its assignments are not empty)
+    hosted: dict[StageRowKey, QuietStage]  # the stages its assignments name (none: they are empty)
 
 
 def _quiet_node(rows: list[tuple[Any, ...]]) -> QuietNode | str:
@@ -303,5 +322,7 @@ def _quiet_node(rows: list[tuple[Any, ...]]) -> QuietNode | str:
     if not registered:
         return "unregistered"
     hosted = [row[7:] for row in rows if row[7] is not None]
+    job_id = Stage._meta.get_field("job").to_python  # a UUID from PostgreSQL, its hex from SQLite
+    stages = {(job_id(row[5]), *row[6:9]): QuietStage(row[1], *row[9:]) for row in hosted}
     return QuietNode(str(Node._meta.pk.to_python(node_id)), reachability, max_threads, max_memory_bytes,
-                     ready == TRUE, version_digest(hosted), bool(hosted))
+                     ready == TRUE, version_digest([row[:5] for row in hosted]), stages)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import MISSING, Field, dataclass, field, fields
 from typing import Any
 
 from arceus.contracts.observed import ObservedStage, ObservedState
@@ -29,6 +29,9 @@ _LINK_KEYS = ("rtt_seconds", "bandwidth_bytes_per_second")
 _NEIGHBOUR_KEYS = ("address", *_LINK_KEYS)
 _RELAY_KEYS = ("attached", "failed")
 _STATES = (ObservedState.READY.value, ObservedState.FAILED.value)
+# What the quiet path (controlplane/agents/heartbeat.py) answers itself: the lease's host load, the relay its answer
+# names, the version held, and stage reports it compares with the recorded ones (changed: the API records them).
+QUIET_FIELDS = frozenset({"observed", "host_busy_fraction", "relay", "assignments_version"})
 REQUIRED = "This field is required."
 NOT_NULL = "This field may not be null."
 
@@ -52,8 +55,14 @@ class Heartbeat:
 
     @property
     def quiet(self) -> bool:
-        """Nothing to record: no stage reports and no measured links (the quiet path may answer it)."""
-        return not self.observed and not self.neighbour_links and self.link is None
+        """Whether the quiet path may answer it: every field but QUIET_FIELDS at its default, so a measured link,
+        or any field added later (counters the ledger bills from, say), is recorded by the API unless the quiet
+        path is taught it."""
+        return all(getattr(self, f.name) == _default(f) for f in fields(self) if f.name not in QUIET_FIELDS)
+
+
+def _default(item: Field[Any]) -> Any:
+    return item.default_factory() if item.default is MISSING else item.default
 
 
 def heartbeat_parse(body: Any) -> Heartbeat:

@@ -241,6 +241,53 @@ def test_assignments_built_ahead_are_answered_before_django_as_the_api_answers(u
     assert handed(before) == {"version": 1}  # not the stale ones: Django built them
 
 
+def test_a_hosting_agents_unchanged_report_is_quiet_and_a_changed_one_is_recorded_by_the_api(user, queued_job) -> None:
+    agents = [registered(user, f"h{i}", 50081 + i) for i in range(3)]
+    job = queued_job()
+    reconcile_once()
+    (node, token, _), (other, _, _) = agents[:2]
+    version = asgi_post(token, {"observed": []})[1]["assignments_version"]
+    stage, elsewhere = Stage.objects.get(node=node), Stage.objects.get(node=other)
+
+    def beat(state: str, message: str = "", generation: int | None = None) -> dict[str, Any]:
+        report = {"stage_id": stage.stage_id, "generation": stage.generation if generation is None else generation,
+                  "state": state, "message": message}
+        return {"observed": [report], "assignments_version": version, "host_busy_fraction": 0.5}
+
+    def recorded() -> tuple[int | None, str, str]:
+        stage.refresh_from_db()
+        return stage.observed_generation, stage.observed_state, stage.observed_message
+
+    for report, stored in [(beat("ready"), (stage.generation, "ready", "")),  # each a change the API records
+                           (beat("failed", "out of memory"), (stage.generation, "failed", "out of memory")),
+                           (beat("failed", "killed"), (stage.generation, "failed", "killed"))]:
+        before = to_django()
+        assert asgi_post(token, report)[0] == 200
+        assert handed(before) == {"observed": 1} and recorded() == stored
+        with CaptureQueriesContext(connection) as queries:  # the same report again: answered before Django
+            status, body = asgi_post(token, report)
+        assert status == 200 and handed(before) == {"observed": 1} and recorded() == stored
+        assert len(queries) == (0 if connection.vendor == "postgresql" else 1)
+        assert body == api_post(token, report)[1]  # as the API answers it
+    before = to_django()
+    garbage = {"stage_id": "garbage", "generation": 0, "state": "ready"}  # names no stage: ignored by both paths
+    for quiet in [beat("ready", generation=stage.generation + 1),  # about another placement: ignored by both
+                  {**beat("failed", "killed"), "observed": [*beat("failed", "killed")["observed"], garbage]}]:
+        assert asgi_post(token, quiet)[0] == 200
+    assert handed(before) == {} and recorded() == (stage.generation, "failed", "killed")
+    foreign = {"observed": [{"stage_id": elsewhere.stage_id, "generation": elsewhere.generation, "state": "ready"}],
+               "assignments_version": version}
+    assert asgi_post(token, foreign)[0] == 200  # another node's stage: the API reads the rows and ignores it
+    assert handed(before) == {"observed": 1}
+    elsewhere.refresh_from_db()
+    assert elsewhere.observed_state == "pending"
+    measured = {**beat("failed", "killed"), "link": {"rtt_seconds": 0.03, "bandwidth_bytes_per_second": 2e6}}
+    assert asgi_post(token, measured)[0] == 200  # a measured link is the API's to record, reports unchanged or not
+    assert handed(before) == {"observed": 1, "shape": 1}
+    node.refresh_from_db()
+    assert node.control_plane_rtt_seconds == 0.03 and job.stages.filter(observed_state="failed").count() == 1
+
+
 @pytest.mark.parametrize(
     "beat",
     [
@@ -302,9 +349,12 @@ FUZZED_EXAMPLES = 60  # per source: the schema's valid and invalid bodies, and q
 
 
 def quiet_shaped() -> st.SearchStrategy[dict[str, Any]]:
-    """Bodies of the quiet heartbeat's shape with hostile values (non-finite numbers, NUL characters, odd types)."""
+    """Bodies of the quiet heartbeat's shape with hostile values (non-finite numbers, NUL characters, odd types),
+    stage reports among them."""
     anything = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=80)
-    return st.fixed_dictionaries({"observed": st.just([])}, optional={
+    report = st.fixed_dictionaries({"stage_id": anything, "generation": anything, "state": anything},
+                                    optional={"message": anything})
+    return st.fixed_dictionaries({"observed": st.lists(report, max_size=3)}, optional={
         "assignments_version": anything, "host_busy_fraction": anything, "neighbour_links": st.just([]) | anything,
         "relay": st.fixed_dictionaries({}, optional={"attached": anything, "failed": st.lists(anything, max_size=20)}),
     })
