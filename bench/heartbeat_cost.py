@@ -176,7 +176,9 @@ def main() -> None:
         cluster = LocalCluster(Path(workdir), database_url=os.environ["DATABASE_URL"],
                                redis_url=os.environ.get("REDIS_URL"), heartbeat_interval_seconds=10.0,
                                reconcile_interval_seconds=1.0,
-                               extra_env={"ARCEUS_LOG_LEVEL": "WARNING", "ARCEUS_NODE_GRACE_SECONDS": "30",
+                               # Each row's agents are silent while the others' rows are measured (a minute or
+                               # more): a lease that ran out then would move stages in the middle of a row.
+                               extra_env={"ARCEUS_LOG_LEVEL": "WARNING", "ARCEUS_NODE_GRACE_SECONDS": "600",
                                           # One owner's fleet registering from one address at once.
                                           "ARCEUS_THROTTLE_AGENT_REGISTER_OWNER": f"{args.agents}/min",
                                           "ARCEUS_THROTTLE_AGENT_REGISTER_ADDRESS": f"{args.agents}/min"})
