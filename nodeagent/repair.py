@@ -9,18 +9,24 @@ and its accumulated gradient stay, its sends settle, and it waits here. The driv
 instructions: a survivor then re-sends the kept tensors they name, runs only the actions it has not done (the lost
 replicas' micro-batches it took over among them), and exchanges its partial with the surviving members only; a
 replica of a stage that lost no member, whose members all completed their exchange, keeps its reduced gradient and
-exchanges nothing again. Nothing here touches torch but holding tensors."""
+exchanges nothing again. A retained step's audit evidence (nodeagent.step_audit) is held too: the repaired step's
+reply signs for the whole step, what the survivor did before the loss included. Nothing here touches torch but
+holding tensors."""
 
 from __future__ import annotations
 
 import threading
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from arceus.pipeline.schedule import Action
 from arceus.swarm.holdings import NOTHING, Holding, StepHoldings
 from arceus.wire.compression import Encoded
+
+if TYPE_CHECKING:  # the step's audit is StepRun's (nodeagent.step); held here across its attempts
+    from nodeagent.step_audit import StepAudit
 
 
 class HeldStep:
@@ -40,6 +46,7 @@ class HeldStep:
         # The membership epoch whose reduced gradient it holds (its exchange completed among that epoch's members).
         self.exchanged_epoch: int | None = None
         self.finished = False
+        self.audit: StepAudit | None = None  # every attempt's receipts and audit record of the step, as one
         self._lock = threading.Lock()  # sends are recorded from the push streams' threads
 
     def mark(self, micro_batch: int, **changes: bool | int) -> None:

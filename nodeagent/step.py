@@ -25,6 +25,7 @@ from arceus.swarm.outer import OuterSync
 from arceus.swarm.repair import ReplicaInstructions
 from arceus.v1 import stage_pb2
 from arceus.verify.receipts import ReceiptSigner
+from arceus.wire.compression import decode_payload
 from nodeagent import faults
 from nodeagent.lending import ComputeThreads, StepLending
 from nodeagent.mailbox import MailboxCancelled, MailboxClosed, MailboxTimeout
@@ -197,6 +198,9 @@ class StepRun:
             # unless its stage keeps its exchange (no member lost, every one done): its reduced gradient stands.
             runtime.take_back_deferred()
             stage.deferred_step = None
+            if held.audit is not None:  # the step's evidence goes on from its earlier attempts
+                self.audit = held.audit
+                self.audit.resume(lambda i, m: plan.routes.of[m][i], keep_exchange=plan.repair.keep_exchange)
             if plan.repair.keep_exchange:
                 if held.exchanged_epoch is None:
                     raise RpcFailure(
@@ -217,6 +221,8 @@ class StepRun:
                 stage.settle()  # the previous step's optimizer step, if an audit (or replicas) kept it waiting
             stage.deferred_step = None
             held = HeldStep(self.step) if keeps else None
+            if held is not None:
+                held.audit = self.audit
             stage.held_step = held
         if held is not None:
             held.micro_batches = plan.micro_batches
@@ -227,12 +233,13 @@ class StepRun:
         return held
 
     def _resend(self, plan: ReplicaStepPlan, repair: ReplicaInstructions) -> None:
-        """Push again the kept tensors a repair names, to the replicas that lack them now."""
+        """Push again the kept tensors a repair names, to the replicas that lack them now, each signed for again
+        (naming its new receiver)."""
         stage, held, index = self.stage, self.held, self.stage.io.stage_index
-        for pairs, kept, to_stage, kind, sent in (
-            (repair.resend_outputs, held.outputs, index + 1, stage_pb2.ACTIVATION, held.output_sent),
+        for pairs, kept, to_stage, kind, sent, sign in (
+            (repair.resend_outputs, held.outputs, index + 1, stage_pb2.ACTIVATION, held.output_sent, self.audit.sent),
             (repair.resend_input_gradients, held.input_gradients, index - 1, stage_pb2.GRADIENT,
-             held.input_gradient_sent),
+             held.input_gradient_sent, self.audit.gradient_sent),
         ):
             for m, to in pairs:
                 if m not in kept:
@@ -244,6 +251,8 @@ class StepRun:
                 link = stage.replica_link(plan.peers[(to_stage, to)])
                 self.pushes.send_encoded([link], to_stage, kind, m, kept[m], replica=to,
                                          delivered=lambda m=m, to=to, sent=sent: sent(m, to))
+                if self.audit.record is not None:
+                    sign(m, decode_payload(kept[m]), kept[m])
 
     def _exchange(self, plan: ReplicaStepPlan) -> None:
         """Replace this replica's gradients with the sum of every member's: the same bits on each. On a retained
@@ -383,7 +392,8 @@ class StepRun:
             else:
                 encoded = self.pushes.send(links, a.stage_index - 1, stage_pb2.GRADIENT, m, grad_input,
                                            replica=replica, delivered=lambda: held.input_gradient_sent(m, replica))
-                self.audit.gradient_sent(m, grad_input, encoded)
+            # Signed even unsent: what the previous stage's replica holds (from a lost replica) is checked against it.
+            self.audit.gradient_sent(m, grad_input, encoded)
             held.input_gradients[m] = encoded
 
     def _links(self, to_stage: int, m: int, neighbour: list[NeighbourLink]) -> tuple[list[NeighbourLink], int]:

@@ -1,7 +1,9 @@
 """What a step signs and keeps for spot checks: a receipt for every activation the stage accepts from its
 previous stage (role "received"), and, on a retained train step, one for every activation it sends on
 (role "sent", as the receiver decodes it) plus the activations an audit may ask for. A replicated stage's receipts
-name the producing and the receiving replica of each activation, as the step's routes give them."""
+name the producing and the receiving replica of each activation, as the step's routes give them. A repaired step
+(nodeagent.repair) goes on with its first attempt's StepAudit (`resume`): its reply signs for the whole step, and a
+tensor signed again (sent again to another replica, or exchanged again among the survivors) replaces its receipt."""
 
 from __future__ import annotations
 
@@ -49,6 +51,17 @@ class StepAudit:
         self.record = AuditRecord(step, train_step) if retain else None
         stage.audit_record = None  # the previous step's is no longer auditable
 
+    def resume(self, replica_of: Callable[[int, int], int], *, keep_exchange: bool) -> None:
+        """Go on signing for the same step, repaired on new routes (`replica_of` theirs): what the earlier attempts
+        signed and kept stays, so the repaired reply accounts for all the replica did in the step; the evidence of
+        an exchange too where its stage keeps it (`keep_exchange`), else the survivors exchange anew (or not at all,
+        one left alone)."""
+        self._replica_of = replica_of
+        self._stage.audit_record = None  # auditable again once the repaired step ends (`keep`)
+        if not keep_exchange and self.record is not None:
+            self.record.partial, self.partial_receipt = None, None
+            self.shard_receipts, self.reduced_receipts = [], []
+
     def received(self, micro_batch: int, x: torch.Tensor) -> None:
         """An activation accepted from the previous stage."""
         index = self._stage.assignment.stage_index
@@ -64,9 +77,9 @@ class StepAudit:
         delivered = out.detach() if encoded.encoding == "fp32" else decode_payload(encoded)
         self.record.sent[micro_batch] = delivered
         receiver = self._stage.assignment.stage_index + 1
-        self.sent_receipts.append(
-            self._receipt(micro_batch, delivered, receiver, SENT, self._own, self._replica_of(receiver, micro_batch))
-        )
+        _replace(self.sent_receipts, self._receipt(
+            micro_batch, delivered, receiver, SENT, self._own, self._replica_of(receiver, micro_batch)
+        ))
 
     def gradient_received(self, micro_batch: int, grad: torch.Tensor) -> None:
         """The gradient the output of `micro_batch` received from the next stage (kept for an audit of the partial
@@ -86,17 +99,19 @@ class StepAudit:
             a.job_id, receiver, a.generation, self._step, micro_batch, tensor_digest(delivered), GRADIENT,
             producer_replica=self._own, receiver_replica=self._replica_of(receiver, micro_batch),
         )
-        self.gradient_receipts.append(stage_pb2.Receipt(
+        _replace(self.gradient_receipts, stage_pb2.Receipt(
             stage=self._stage.ref(receiver, fields.receiver_replica), step=self._step, micro_batch=micro_batch,
             sha256=fields.sha256, signature=self._signer.sign(fields), producer_replica=self._own,
         ))
 
     def partial(self, flat: torch.Tensor) -> None:
-        """A replica's partial gradient of a retained step, before the exchange: kept, and its digest signed."""
+        """A replica's partial gradient of a retained step, before the exchange: kept, and its digest signed (an
+        exchange of a repaired step, among the survivors, replaces the evidence of an earlier attempt's)."""
         if self.record is None:
             return
         a = self._stage.assignment
         self.record.partial = flat
+        self.shard_receipts, self.reduced_receipts = [], []
         fields = ReceiptFields(
             a.job_id, a.stage_index, a.generation, self._step, -1, tensor_digest(flat), PARTIAL,
             producer_replica=self._own, receiver_replica=self._own,
@@ -152,3 +167,9 @@ class StepAudit:
             signature=self._signer.sign(fields),
             producer_replica=producer_replica,
         )
+
+
+def _replace(receipts: list[stage_pb2.Receipt], receipt: stage_pb2.Receipt) -> None:
+    """Add `receipt` to `receipts`, in place of one of its micro-batch signed before (a repair sent it again)."""
+    receipts[:] = [r for r in receipts if r.micro_batch != receipt.micro_batch]
+    receipts.append(receipt)

@@ -14,7 +14,9 @@ i's recompute the forward from the declarative spec, and compares within `audit_
 Replicated stages (arceus/swarm) are checked the same way, replica by replica: each replica signs for the
 micro-batches its route gave it, naming the replica each activation came from and went to, so a receipt names
 the producing replica (stage, replica id and, by its key, node); the sampled micro-batch is checked on the
-replicas that took it, recomputed preferably by a sibling of the producer on another owner's node.
+replicas that took it, recomputed preferably by a sibling of the producer on another owner's node. A repaired step
+(arceus.swarm.repair) is checked the same way: each survivor's reply signs for everything it did in the step, in the
+attempt the loss cut short too.
 """
 
 from __future__ import annotations
@@ -68,28 +70,32 @@ class Auditor:
 
     def check(
         self, step: int, parties: Parties, inputs: list[torch.Tensor], routes: Routes | None = None,
-        labels: list[torch.Tensor] | None = None,
+        labels: list[torch.Tensor] | None = None, moved: Collection[tuple[int, int]] = (),
     ) -> list[SpotCheckResult]:
         """Check the receipts of a train step (each receiver's against its producer's: hashes only, every
         micro-batch), recompute a forward where the two disagree, else one sampled forward with
         probability `audit_rate`. `parties`: every agent that took the step, by (stage, replica), with its reply;
         `routes`: which replica of each stage took each micro-batch (None: one agent per stage, replica 0); and,
         replicated, with probability `audit_rate` one sampled replica's partial gradient recomputed by a sibling
-        (`labels`: the step's, per micro-batch, for the last stage's). A producer or receiver that answers its audit
-        with an error fails the check; a stage out of reach, or the verifier failing, raises grpc.RpcError (the
-        driver's usual error path)."""
+        (`labels`: the step's, per micro-batch, for the last stage's). A repaired step (arceus.swarm.repair) is
+        checked the same way on the repair's `routes`: each survivor signs for all it did in the step, before the
+        loss too, and `moved` names the (stage, micro-batch)s of the lost replicas that survivors recomputed; an
+        activation its receiver held from a lost replica (it signed for that one) is compared with no survivor's.
+        A producer or receiver that answers its audit with an error fails the check; a stage out of reach, or the
+        verifier failing, raises grpc.RpcError (the driver's usual error path)."""
         n = len(self.plan.stages)
         routes = routes or Routes.single(n, len(inputs))
+        moved = frozenset(moved)
         received: list[dict[int, stage_pb2.Receipt]] = [{} for _ in range(n)]  # by receiving stage
         sent: list[dict[int, stage_pb2.Receipt]] = [{} for _ in range(n)]  # by producing stage
         checks = []
         for (i, k), (client, reply) in sorted(parties.items()):
             if i > 0:
-                got, failure = self._receipts(step, client, k, RECEIVED, reply.receipts, routes)
+                got, failure = self._receipts(step, client, k, RECEIVED, reply.receipts, routes, moved)
                 received[i].update(got)
                 checks += [failure] if failure is not None else []
             if i < n - 1:
-                got, failure = self._receipts(step, client, k, SENT, reply.sent_receipts, routes)
+                got, failure = self._receipts(step, client, k, SENT, reply.sent_receipts, routes, moved)
                 sent[i].update(got)
                 checks += [failure] if failure is not None else []
         evidence = self._exchange_evidence(step, parties, routes) if self.plan.replicas else None
@@ -98,66 +104,27 @@ class Auditor:
         if checks:
             return checks  # a receipt that does not verify is news enough
         nodes = {client.endpoint.node_id for client, _ in parties.values()}
-        disputes = [(i, m) for i in range(n - 1) for m in range(len(inputs))
-                    if sent[i][m].sha256 != received[i + 1][m].sha256]
+        # Where the receiver signed for its route's producer, the two accounts are of one activation.
+        pairs = [(i, m) for i in range(n - 1) for m in range(len(inputs))
+                 if received[i + 1][m].producer_replica == routes.of[m][i]]
+        disputes = [(i, m) for i, m in pairs if sent[i][m].sha256 != received[i + 1][m].sha256]
         if disputes:
             # The producer and the receiver give different accounts: the recomputation says who is right.
             i, m = disputes[0]
             return [c for c in [self._recompute(step, i, m, inputs[m], received, sent, parties, routes)] if c]
         # A recomputation needs a node other than the producer's.
-        if n > 1 and len(nodes) > 1 and self.rng.random() < self.plan.audit_rate:
+        if pairs and len(nodes) > 1 and self.rng.random() < self.plan.audit_rate:
             i, m = self.rng.randrange(n - 1), self.rng.randrange(len(inputs))
+            if (i, m) not in pairs:
+                i, m = self.rng.choice(pairs)  # each of `pairs` is as likely as the others still
             check = self._recompute(step, i, m, inputs[m], received, sent, parties, routes)
             checks += [check] if check is not None else []
         replicated = [i for i, ids in enumerate(routes.members) if len(ids) > 1]
         if evidence is not None and replicated and self.rng.random() < self.plan.audit_rate:
             i, m = self.rng.choice(replicated), self.rng.randrange(len(inputs))
-            check = self._partial(step, i, m, inputs, labels or [], received, evidence, parties, routes)
+            check = self._partial(step, i, m, inputs, labels or [], received, evidence, parties, routes, moved)
             checks += [check] if check is not None else []
         return checks
-
-    def check_repair(
-        self, step: int, parties: Parties, inputs: list[torch.Tensor], routes: Routes,
-        recomputed: Collection[tuple[int, int]],
-    ) -> list[SpotCheckResult]:
-        """Check a repaired step's own work (arceus.swarm.repair): the forwards of the lost replicas' micro-batches
-        `recomputed` ((stage, micro-batch)s) that the survivors ran in the repair and sent on, as `check` checks any
-        step's on `routes` (the repair's): each such activation's "sent" receipt of its producer and "received" receipt
-        of its receiver verified and compared, a disagreement recomputed, else one sampled with probability
-        `audit_rate`. Not checked: what the survivors did before the loss (its receipts went with the failed attempt),
-        a recomputed activation its receiver already held from the lost replica (it signed for that one), and the
-        repaired step's partial gradients."""
-        n = len(self.plan.stages)
-        received: list[dict[int, stage_pb2.Receipt]] = [{} for _ in range(n)]
-        sent: list[dict[int, stage_pb2.Receipt]] = [{} for _ in range(n)]
-        checkable = sorted(
-            (i, m) for i, m in recomputed if i < n - 1
-            and m in {r.micro_batch for r in parties[(i + 1, routes.of[m][i + 1])][1].receipts}
-        )
-        checks = []
-        for (i, k), (client, reply) in sorted(parties.items()):
-            mine = [(j, m) for j, m in checkable if routes.of[m][i] == k]
-            # what it signed for receiving (as the producer's receiver, or as a producer past stage 0, its input) and
-            # for sending (as the producer), of the checkable micro-batches
-            for role, signed, own, into in (
-                (RECEIVED, reply.receipts, sorted({m for j, m in mine if j == i - 1 or j == i > 0}), received),
-                (SENT, reply.sent_receipts, sorted({m for j, m in mine if j == i}), sent),
-            ):
-                if own:
-                    got, failure = self._receipts(step, client, k, role, [r for r in signed if r.micro_batch in own],
-                                                  routes, tuple(own))
-                    into[i].update(got)
-                    checks += [failure] if failure is not None else []
-        if checks:
-            return checks
-        disputes = [(i, m) for i, m in checkable if sent[i][m].sha256 != received[i + 1][m].sha256]
-        if disputes:
-            i, m = disputes[0]
-            return [c for c in [self._recompute(step, i, m, inputs[m], received, sent, parties, routes)] if c]
-        if checkable and self.rng.random() < self.plan.audit_rate:
-            i, m = self.rng.choice(checkable)
-            return [c for c in [self._recompute(step, i, m, inputs[m], received, sent, parties, routes)] if c]
-        return []
 
     def _exchange_evidence(self, step: int, parties: Parties, routes: Routes) -> _Evidence:
         """The signed evidence of a replicated step's exchanges: each member's partial-gradient digest, the gradients
@@ -235,11 +202,14 @@ class Auditor:
     def _partial(
         self, step: int, i: int, m: int, inputs: list[torch.Tensor], labels: list[torch.Tensor],
         received: list[dict[int, stage_pb2.Receipt]], evidence: _Evidence, parties: Parties, routes: Routes,
+        moved: Collection[tuple[int, int]],
     ) -> SpotCheckResult | None:
         """Check the partial gradient of the replica of stage i that took micro-batch m: what it kept matches the
         digest it signed, every shard it pushed to a sibling (as the sibling kept it, under its signature) is that
         partial's, and a sibling replica of another owner, recomputing it with its own weights of the step from the
-        inputs and gradients it signed for, gets the same within tolerance. None where no such sibling is."""
+        inputs and gradients it signed for, gets the same within tolerance. None where no such sibling is, or where
+        a gradient it holds came from a replica lost since (a repaired step: `moved`) and is not bit for bit the one
+        its recomputation sent (only the lost replica signed for what it sent)."""
         k = routes.of[m][i]
         client = parties[(i, k)][0]
         e, node, last = client.endpoint, client.endpoint.node_id, i == len(self.plan.stages) - 1
@@ -323,6 +293,11 @@ class Auditor:
                 target = labels[mb]
             else:
                 target = kept_step.gradient
+                if target is not None and (i + 1, mb) in moved and tensor_digest(target) != evidence.gradients[(i, mb)]:
+                    log.warning("step %d: stage %d replica %d holds a gradient of micro-batch %d from a replica lost "
+                                "since, not the one its recomputation sent: its partial gradient is not checked",
+                                step, i, k, mb)
+                    return None
                 if target is None or tensor_digest(target) != evidence.gradients[(i, mb)]:
                     return failed(f"returned a gradient of micro-batch {mb} other than the one stage {i + 1} "
                                   f"replica {routes.of[mb][i + 1]} signed for sending it")
@@ -353,14 +328,15 @@ class Auditor:
 
     def _receipts(
         self, step: int, signer: StageClient, replica: int, role: str, signed: Iterable[stage_pb2.Receipt],
-        routes: Routes, own: tuple[int, ...] | None = None,
+        routes: Routes, moved: Collection[tuple[int, int]],
     ) -> tuple[dict[int, stage_pb2.Receipt], SpotCheckResult | None]:
         """The receipts of role `role` of replica `replica` of stage `signer.endpoint.index`, one per micro-batch its
-        route gave it (or of `own`), each naming the replicas the routes say the activation went from and to, verified
-        against the signer's key; else a failed check of the signer."""
+        route gave it, each naming the replicas the routes say the activation went from and to (a received one of a
+        micro-batch `moved` off the producing stage may name the lost replica it came from), verified against the
+        signer's key; else a failed check of the signer."""
         endpoint = signer.endpoint
         receiver = endpoint.index + (1 if role == SENT else 0)
-        own = routes.micro_batches_of(endpoint.index, replica) if own is None else own
+        own = routes.micro_batches_of(endpoint.index, replica)
         by_micro_batch: dict[int, stage_pb2.Receipt] = {}
         try:
             for r in signed:
@@ -373,7 +349,8 @@ class Auditor:
                         f"a receipt names micro-batch {r.micro_batch}, not one of its route's {list(own)}"
                     )
                 route = routes.of[r.micro_batch]
-                if (r.producer_replica, r.stage.replica) != (route[receiver - 1], route[receiver]):
+                from_lost = role == RECEIVED and (receiver - 1, r.micro_batch) in moved
+                if r.stage.replica != route[receiver] or (r.producer_replica != route[receiver - 1] and not from_lost):
                     raise ReceiptError(
                         f"the receipt of micro-batch {r.micro_batch} names replicas {r.producer_replica} -> "
                         f"{r.stage.replica}; its route went {route[receiver - 1]} -> {route[receiver]}"

@@ -501,12 +501,13 @@ class Pipeline:
         if train and self.auditor is not None:
             parties = {(c.endpoint.index, c.endpoint.replica): (c, r) for c, r in zip(agents, replies, strict=True)}
             try:
-                if repair is None:
-                    labels = list(torch.tensor_split(y, num_micro_batches))
-                    spot_checks = self.auditor.check(step, parties, list(inputs), routes, labels)
-                else:  # the repair's own work: the lost replicas' micro-batches the survivors recomputed
-                    recomputed = {(i, m) for (i, _), todo in repair.instructions.items() for m in todo.recompute}
-                    spot_checks = self.auditor.check_repair(step, parties, list(inputs), routes, recomputed)
+                # A repaired step's survivors sign for the whole step: it is checked as any (the lost replicas'
+                # micro-batches the survivors recomputed named, whose tensors may come from a lost replica).
+                moved = () if repair is None else [
+                    (i, m) for (i, _), todo in repair.instructions.items() for m in todo.recompute
+                ]
+                labels = list(torch.tensor_split(y, num_micro_batches))
+                spot_checks = self.auditor.check(step, parties, list(inputs), routes, labels, moved)
             except grpc.RpcError as exc:
                 raise DriverError(f"a spot check of step {step} failed: {exc}") from exc
         sizes = [len(xm) for xm in inputs]

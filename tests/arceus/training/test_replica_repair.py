@@ -6,18 +6,21 @@ was in raises right there, so nothing more leaves it. The survivors report what 
 repair, and the step completes under the same id: only the lost replica's micro-batches are recomputed, by the
 survivor of its stage, from the boundary tensors its neighbours kept; no other stage computes anything twice, nothing
 runs again and nothing rewinds. Losses and every surviving replica's final weights equal plain torch on the same
-batches to fp32 rounding.
+batches to fp32 rounding. A repaired step is spot-checked like any other, the survivors' work before the loss included:
+a survivor that falsifies what it recomputes, forward or gradient, is caught (the latter with 3 replicas of the last
+stage, so that two survivors exchange).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import random
 import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -26,6 +29,7 @@ import torch
 
 from arceus.contracts.assignment import max_micro_batch_size
 from arceus.data.config import validate_dataset_config
+from arceus.training import audit
 from arceus.training.driver import train
 from arceus.training.plan import StepProgress, TrainPlan
 from arceus.training.recording import RecordingSink
@@ -51,12 +55,15 @@ SENT_PER_MICRO_BATCH = {0: SAMPLES * 32 * 4, 1: SAMPLES * (16 + 32) * 4, 2: SAMP
 
 @pytest.fixture
 def agents(request: pytest.FixtureRequest) -> Iterator[dict[Key, Agent]]:
-    """One agent per replica of each stage, in this process; an indirect parameter may set the job's replica_sync."""
-    placement = [[2 * i, 2 * i + 1] for i in range(3)]
+    """One agent per replica of each stage (2 each), in this process; an indirect parameter may set the job's
+    `replica_sync` and the stages' `replicas`."""
+    options = getattr(request, "param", {})
+    counts = options.get("replicas", (2, 2, 2))
+    placement = [list(range(sum(counts[:i]), sum(counts[: i + 1]))) for i in range(len(counts))]
     with agents_hosting(
         placement, job_id="repaired", model_config=MLP, boundaries=BOUNDARIES, optimizer=SGD, seed=SEED,
         micro_batches=MICRO_BATCHES, max_micro_batch_size=max_micro_batch_size(DIGITS, MICRO_BATCHES),
-        replica_sync=getattr(request, "param", None),
+        replica_sync=options.get("replica_sync"),
     ) as started:
         yield {(i, r): started[a] for i, hosts in enumerate(placement) for r, a in enumerate(hosts)}
 
@@ -150,13 +157,44 @@ class Sink(RecordingSink):
 
 
 def plan_of(agents: dict[Key, Agent]) -> TrainPlan:
-    addresses = [[agents[(i, r)].advertise_address for r in range(2)] for i in range(3)]
+    addresses = [[agents[(i, r)].advertise_address for r in range(len([k for k in agents if k[0] == i]))]
+                 for i in range(3)]
     stages, replicas = replica_endpoints(addresses, BOUNDARIES)
     return TrainPlan(
         job_id="repaired", generation=1, credential=driver_token("repaired", 1), stages=stages, replicas=replicas,
         dataset=DIGITS, epochs=1, learning_rate=SGD["lr"], micro_batches=MICRO_BATCHES, seed=SEED,
         rpc_timeout_seconds=30.0, max_steps=STEPS,
     )
+
+
+def audited_plan(agents: dict[Key, Agent], **overrides: Any) -> TrainPlan:
+    """`plan_of`'s, every train step audited: each replica with its agent's receipt key."""
+    keys = {key: agent.signer.public_key_hex for key, agent in agents.items()}
+    plan = plan_of(agents)
+    return replace(
+        plan, audit_rate=1.0, model=MLP,
+        stages=tuple(replace(e, public_key=keys[(e.index, e.replica)]) for e in plan.stages),
+        replicas=tuple(replace(e, public_key=keys[(e.index, e.replica)]) for e in plan.replicas), **overrides,
+    )
+
+
+class Last(random.Random):
+    """The auditor's draws, aimed: every step is audited, and each pick is the last there is (the last boundary's
+    forward of the last micro-batch, the partial gradient of the last replicated stage's replica that took it)."""
+
+    def random(self) -> float:
+        return 0.0
+
+    def randrange(self, stop: int, *_: Any, **__: Any) -> int:  # type: ignore[override]
+        return stop - 1
+
+    def choice(self, seq: Sequence[Any]) -> Any:
+        return seq[-1]
+
+
+@pytest.fixture
+def aimed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(audit.random, "SystemRandom", Last)
 
 
 # Step 1's routes give each replica 2 of the 4 micro-batches (no speed is known yet); later ones follow the measured
@@ -265,41 +303,76 @@ def test_a_repaired_step_credits_each_survivor_all_the_compute_it_did_in_it(agen
 
 
 @pytest.mark.parametrize("cheat", [False, True], ids=["honest", "perturbed-recompute"])
-def test_a_repaired_steps_recomputed_micro_batches_are_spot_checked_like_any_others(
-    agents: dict[Key, Agent], cheat: bool
+def test_a_repaired_step_is_spot_checked_like_any_other_and_a_perturbed_recompute_is_caught(
+    agents: dict[Key, Agent], aimed: None, cheat: bool
 ) -> None:
-    # Every step audited (audit_rate 1): the middle stage's replica 1 is lost at its first forward of step 2, so its
-    # survivor recomputes all its share in the repair and sends each on. One of them is checked as any step's forward
-    # is: recomputed on another node from what the survivor and its receiver signed for. A survivor that perturbs
-    # what it recomputes (after the loss, honest before) is caught and named.
+    # The middle stage's replica 1 is lost at its first forward of step 1, so its survivor recomputes its share (2 of
+    # the 4 micro-batches: 1 and 3) in the repair. The repaired step is audited like any: every survivor's receipts
+    # cover all it did in the step (a reply lacking those of its work before the loss fails), the last boundary's
+    # forward of micro-batch 3 (the survivor's, recomputed) is recomputed on another node, and the partial gradient
+    # of the last stage's replica that took micro-batch 3 by its sibling. A survivor that perturbs what it recomputes
+    # (honest before the loss) is caught and named.
     victim, survivor = (1, 1), (1, 0)
-    killer = Killer(agents, victim, "forward", 1, 2)
-    runtime = hosted(agents[survivor]).runtime
+    killer = Killer(agents, victim, "forward", 1, 1)
 
-    def perturbed(out: torch.Tensor, _key: tuple[int, int]) -> torch.Tensor:
+    def perturbed(out: torch.Tensor, key: tuple[int, int]) -> torch.Tensor:
         return out + 0.01 if cheat and killer.killed.is_set() else out
 
-    make_dishonest(runtime, perturbed)
-    keys = {(i, r): agent.signer.public_key_hex for (i, r), agent in agents.items()}
-    plan = plan_of(agents)
-    plan = replace(
-        plan, audit_rate=1.0, model=MLP, max_steps=2,
-        stages=tuple(replace(e, public_key=keys[(e.index, e.replica)]) for e in plan.stages),
-        replicas=tuple(replace(e, public_key=keys[(e.index, e.replica)]) for e in plan.replicas),
-    )
+    make_dishonest(hosted(agents[survivor]).runtime, perturbed)
     sink = Sink(killer, agents)
-    train(plan, sink)
+    train(audited_plan(agents, max_steps=1), sink)
     assert killer.killed.is_set()
 
-    # In step 2 only what the repair recomputed can be checked: a forward of the survivor's, on another node.
-    [check] = [c for c in sink.steps[1].spot_checks if c.producer_index is not None]
-    assert (check.stage_index, check.replica, check.node_id) == (1, 0, "agent-1-0"), check
-    assert check.verifier_node_id not in ("agent-1-0", "agent-1-1")
-    assert check.passed is not cheat, check.detail
-    assert ("differs from the recomputation" if cheat else "matches the recomputation") in check.detail
+    [forward] = [c for c in sink.steps[0].spot_checks if c.producer_index is not None]
+    assert (forward.stage_index, forward.replica, forward.node_id, forward.micro_batch) == (1, 0, "agent-1-0", 3)
+    assert forward.verifier_node_id not in ("agent-1-0", "agent-1-1")
+    assert forward.passed is not cheat, forward.detail
+    assert ("differs from the recomputation" if cheat else "matches the recomputation") in forward.detail
+    [partial] = [c for c in sink.steps[0].spot_checks if c.producer_index is None]
+    assert (partial.stage_index, partial.replica, partial.node_id) == (2, 1, "agent-2-1"), partial
+    assert partial.passed and "partial gradient of micro-batches [1, 3] matches" in partial.detail, partial.detail
 
 
-@pytest.mark.parametrize("agents", [{"every_steps": 2}], indirect=True)
+@pytest.mark.parametrize("agents", [{"replicas": (2, 2, 3)}], indirect=True)
+@pytest.mark.parametrize("cheat", [False, True], ids=["honest", "dishonest-recomputed-gradient"])
+def test_a_survivor_that_falsifies_the_gradient_of_what_it_recomputes_is_caught_by_a_sibling(
+    agents: dict[Key, Agent], aimed: None, cheat: bool
+) -> None:
+    # The last stage has 3 replicas: replica 0 (micro-batches 0 and 3 of step 1) is lost at its first forward, and
+    # the repair gives micro-batch 0 to replica 1, 3 to replica 2, each computing it anew beside its own (1, 2). The
+    # survivors exchange their partials; replica 2 adds to the gradient of the micro-batch it recomputes (its forward,
+    # its own micro-batch and all it signs are consistent with it): the repaired step's partial gradient check, by its
+    # sibling replica 1 from the inputs and labels it signed for, catches it and names it.
+    killer = Killer(agents, (2, 0), "forward_loss", 1, 1)
+    runtime = hosted(agents[(2, 2)]).runtime
+    honest_backward = runtime.backward
+
+    def backward(key: tuple[int, int], grad_output: torch.Tensor | None = None) -> torch.Tensor | None:
+        grad_input = honest_backward(key, grad_output)
+        if cheat and killer.killed.is_set() and key[1] == 3:
+            next(runtime.layers.parameters()).grad.add_(1e-3)
+        return grad_input
+
+    runtime.backward = backward  # on the instance (as make_dishonest does: no monkeypatch holding the runtime)
+    sink = Sink(killer, agents)
+    train(audited_plan(agents, max_steps=1), sink)
+    assert killer.killed.is_set()
+
+    checks = sink.steps[0].spot_checks
+    assert all(c.passed for c in checks if c.producer_index is not None), [c.detail for c in checks]
+    [partial] = [c for c in checks if c.producer_index is None]
+    assert (partial.stage_index, partial.replica, partial.node_id) == (2, 2, "agent-2-2"), partial
+    assert partial.verifier_node_id == "agent-2-1"
+    assert "partial gradient of micro-batches [2, 3]" in partial.detail, partial.detail
+    assert partial.passed is not cheat, partial.detail
+    if cheat:
+        assert "differs from the recomputation by sibling replica 1" in partial.detail
+        assert partial.max_abs_diff >= 1e-3 * 0.99
+    else:
+        assert partial.max_abs_diff <= 1e-6
+
+
+@pytest.mark.parametrize("agents", [{"replica_sync": {"every_steps": 2}}], indirect=True)
 def test_replicas_that_sync_every_few_steps_run_the_step_again_without_the_lost_one_saying_why(
     agents: dict[Key, Agent], caplog: pytest.LogCaptureFixture
 ) -> None:
