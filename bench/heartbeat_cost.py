@@ -211,7 +211,7 @@ def main() -> None:
         + row("hosting a stage, its report unchanged, as agents send it", "hosting_quiet")
         + row("hosting a stage, the same through Django and DRF (every such heartbeat's path before it was judged "
               "on the quiet path)", "hosting_api")
-        + f"\nStatuses: {r['statuses']}."
+        + f"\nStatuses: {r['statuses']}. Command: `bench/heartbeat_cost.py {' '.join(sys.argv[1:])}`."
     )
     report("heartbeat-cost", "A heartbeat's cost (`bench/heartbeat_cost.py`)", body, result, write=not args.no_write)
 
