@@ -15,6 +15,7 @@ import hmac
 import json
 import math
 import re
+import selectors
 import socket
 import sys
 import threading
@@ -153,6 +154,7 @@ class AgentMetrics:
         self._last_heartbeat: float | None = None
         self.heartbeat_age.set_function(self._heartbeat_age)
         self._server: _MetricsServer | None = None
+        self._thread: threading.Thread | None = None
         self._scrape_digest: str | None = None
 
     def accept_scrapes(self, digest: str | None) -> None:
@@ -207,10 +209,8 @@ class AgentMetrics:
             host.strip("[]"), port, self._guarded(make_wsgi_app(self.registry)), _MetricsServer,
             handler_class=_QuietHandler,
         )
-        # A short poll interval makes shutdown quick (the default waits up to half a second).
-        threading.Thread(
-            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, name="metrics", daemon=True
-        ).start()
+        self._thread = threading.Thread(target=self._server.serve_until_stopped, name="metrics", daemon=True)
+        self._thread.start()
         return int(self._server.server_port)
 
     def _guarded(self, app: WsgiApp) -> WsgiApp:
@@ -229,8 +229,9 @@ class AgentMetrics:
         return guarded
 
     def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
+        if self._server is not None and self._thread is not None:
+            self._server.stop()
+            self._thread.join()
             self._server.server_close()
 
 
@@ -258,6 +259,29 @@ class _MetricsServer(ThreadingMixIn, WSGIServer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._slots = threading.BoundedSemaphore(MAX_SCRAPES)
+        self._stopping = False
+        self._wake_reader, self._wake_writer = socket.socketpair()
+
+    def serve_until_stopped(self) -> None:
+        """Accept scrapes until `stop`. The thread sleeps until a connection or `stop` arrives: serve_forever's
+        poll (every 0.05 s, for a quick shutdown) woke every agent 20 times a second, idle or training, about
+        60% of an idle agent's CPU (1.0 of 1.7 ms per second, bench/swarm_scaling.py's agents)."""
+        with selectors.DefaultSelector() as selector:
+            selector.register(self, selectors.EVENT_READ)
+            selector.register(self._wake_reader, selectors.EVENT_READ)
+            while not self._stopping:
+                if any(key.fileobj is self for key, _ in selector.select()) and not self._stopping:
+                    self._handle_request_noblock()
+
+    def stop(self) -> None:
+        """End `serve_until_stopped` now (its thread returns after the scrape it is accepting, if any)."""
+        self._stopping = True
+        self._wake_writer.send(b"\0")
+
+    def server_close(self) -> None:
+        super().server_close()
+        self._wake_reader.close()
+        self._wake_writer.close()
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
