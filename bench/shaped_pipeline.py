@@ -35,7 +35,7 @@ from bench.pipeline_vs_torch import DATASET, LR, MICRO_BATCHES, MODEL, SEED, SPL
 from bench.report import machine_line, write_section  # noqa: E402
 from devtools.launch import free_ports, spawn_static_agents, stop_agents  # noqa: E402
 from devtools.pipeline import driver_token, identity_for, pipeline_assignments  # noqa: E402
-from devtools.shaper import ShaperThread  # noqa: E402
+from devtools.shaper import ShaperThread, add_link_arguments, link_shape  # noqa: E402
 
 SETUPS: dict[str, tuple[str, dict[str, Any] | None]] = {
     "fp32_gpipe": ("gpipe", None),
@@ -132,8 +132,7 @@ def main() -> None:
     parser.add_argument("--stages", type=int, choices=[2, 3], default=2)
     parser.add_argument("--steps", type=int, default=8, help="training steps per run")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each setup, alternating")
-    parser.add_argument("--delay-ms", type=float, default=20.0, help="one-way delay added per direction")
-    parser.add_argument("--rate-mbit", type=float, default=100.0, help="rate limit per direction")
+    add_link_arguments(parser)
     args = parser.parse_args()
     if args.steps <= WARMUP + 1:
         parser.error(f"--steps must exceed the {WARMUP} warm-up steps")
@@ -142,11 +141,11 @@ def main() -> None:
     agents = [f"127.0.0.1:{p}" for p in free_ports(n)]
     jobs = [(name, r) for r in range(args.rounds) for name in SETUPS]
     results: dict[str, list[Run]] = {name: [] for name in SETUPS}
-    shape = {"delay_s": args.delay_ms / 1000, "rate_bps": args.rate_mbit * 1e6}
+    shape = link_shape(args)
     with tempfile.TemporaryDirectory() as workdir, ShaperThread() as shaper:
-        links = {(i, j): f"127.0.0.1:{shaper.link(agents[j], **shape)}" for i in range(n) for j in (i - 1, i + 1)
+        links = {(i, j): shaper.address(agents[j], **shape) for i in range(n) for j in (i - 1, i + 1)
                  if 0 <= j < n}
-        driver_links = [f"127.0.0.1:{shaper.link(a, **shape)}" for a in agents]
+        driver_links = [shaper.address(a, **shape) for a in agents]
         per_job = [
             shaped_assignments(f"shaped-{name}-{r}", bounds, agents, links, SETUPS[name][1]) for name, r in jobs
         ]

@@ -64,7 +64,7 @@ from bench.pipeline_vs_torch import LR, MODEL, SEED  # noqa: E402
 from bench.report import report  # noqa: E402
 from devtools.launch import AgentProcess, spawn_static_agents_on_free_ports, stop_agents  # noqa: E402
 from devtools.pipeline import driver_token, identity_for, replicated_pipeline_assignments  # noqa: E402
-from devtools.shaper import ShaperThread  # noqa: E402
+from devtools.shaper import ShaperThread, add_link_arguments, link_shape  # noqa: E402
 
 DATASET = validate_dataset_config({"name": "text", "batch_size": 24, "val_batch_size": 64, "block_size": 128})
 MICRO_BATCHES, WARMUP, BOUNDS = 6, 2, [0, 3, 5, 8]
@@ -199,7 +199,7 @@ def measure(replicas: int, steps: int, shape: dict[str, float], workdir: Path) -
             for shaped, job_id in jobs.items():
                 endpoints = [
                     StageEndpoint(
-                        index=i, address=f"127.0.0.1:{shaper.link(a, **shape)}" if shaped else a,
+                        index=i, address=shaper.address(a, **shape) if shaped else a,
                         node_id=f"agent-{i}-{r}", layer_start=BOUNDS[i], layer_end=BOUNDS[i + 1],
                         certificate=identity_for(a).certificate, replica=r,
                     )
@@ -355,8 +355,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 3], help="R values to measure (1 first)")
     parser.add_argument("--steps", type=int, default=14, help="training steps per run")
-    parser.add_argument("--delay-ms", type=float, default=20.0, help="one-way delay of a shaped link")
-    parser.add_argument("--rate-mbit", type=float, default=100.0, help="rate of a shaped link, per direction")
+    add_link_arguments(parser)
     parser.add_argument("--hours", type=float, default=24.0, help="simulated hours at scale")
     parser.add_argument("--leaves-per-hour", type=float, default=0.1, help="each device's departure rate at scale")
     parser.add_argument("--repair-s", type=float, default=3.1,
@@ -373,7 +372,7 @@ def main() -> None:
         parser.error(f"--steps must exceed the {WARMUP} warm-up steps")
     if args.replicas[0] != 1 or any(not 1 <= r <= MICRO_BATCHES for r in args.replicas):
         parser.error(f"--replicas must start with 1 (the calibration) and stay within 1..{MICRO_BATCHES}")
-    shape = {"delay_s": args.delay_ms / 1000, "rate_bps": args.rate_mbit * 1e6}
+    shape = link_shape(args)
 
     load, started = os.getloadavg(), time.perf_counter()
     runs: dict[tuple[int, bool], Run] = {}

@@ -15,6 +15,7 @@ been serialised at `rate_bps`, and the chunk is delivered `delay_s` later, in or
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import threading
@@ -23,6 +24,18 @@ from dataclasses import dataclass
 from arceus.swarm.link import BURST_BYTES, LinkPlan
 
 CHUNK_BYTES = BURST_BYTES  # a read: one burst of an idle link
+
+
+def add_link_arguments(parser: argparse.ArgumentParser) -> None:
+    """A bench's --delay-ms and --rate-mbit: its shaped links, by default a home uplink's 20 ms one way and
+    100 Mbit/s per direction (the issue's WAN)."""
+    parser.add_argument("--delay-ms", type=float, default=20.0, help="one-way delay of a shaped link")
+    parser.add_argument("--rate-mbit", type=float, default=100.0, help="rate of a shaped link, per direction")
+
+
+def link_shape(args: argparse.Namespace) -> dict[str, float]:
+    """`ShaperThread.link`'s delay_s and rate_bps from add_link_arguments' options."""
+    return {"delay_s": args.delay_ms / 1000, "rate_bps": args.rate_mbit * 1e6}
 
 
 async def _pump(
@@ -123,6 +136,10 @@ class ShaperThread:
         server = asyncio.run_coroutine_threadsafe(start(), self._loop).result(timeout=10)
         self._servers.append(server)
         return int(server.sockets[0].getsockname()[1])
+
+    def address(self, target: str, *, delay_s: float, rate_bps: float) -> str:
+        """A shaped link to `target` ("host:port"), as the address to dial instead ("127.0.0.1:<port>")."""
+        return f"127.0.0.1:{self.link(target, delay_s=delay_s, rate_bps=rate_bps)}"
 
     def close(self) -> None:
         if not self._thread.is_alive():

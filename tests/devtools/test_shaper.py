@@ -3,6 +3,7 @@ half-close through (its timing rule: tests/arceus/swarm/test_swarm_link.py)."""
 
 from __future__ import annotations
 
+import argparse
 import socket
 import threading
 import time
@@ -10,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from devtools.shaper import CHUNK_BYTES, ShaperThread
+from devtools.shaper import CHUNK_BYTES, ShaperThread, add_link_arguments, link_shape
 
 MBIT = 1e6
 
@@ -48,8 +49,8 @@ def test_the_proxy_delays_limits_keeps_order_and_closes_cleanly(echo_server: str
     delay, rate = 0.05, 8 * MBIT  # 1 MB/s each way
     payload = bytes(range(256)) * 2048  # 512 KiB, position-dependent so reordering would show
     with ShaperThread() as shaper:
-        port = shaper.link(echo_server, delay_s=delay, rate_bps=rate)
-        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+        host, _, port = shaper.address(echo_server, delay_s=delay, rate_bps=rate).rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=10) as conn:
             start = time.perf_counter()
             conn.sendall(b"ping")
             assert recv_exactly(conn, 4) == b"ping"
@@ -67,3 +68,10 @@ def test_the_proxy_delays_limits_keeps_order_and_closes_cleanly(echo_server: str
     # Both directions are limited, but pipelined: ~0.5 s at 1 MB/s plus the round trip.
     floor = (len(payload) - CHUNK_BYTES) * 8 / rate
     assert floor <= elapsed < floor + 2 * delay + 0.6
+
+
+def test_a_bench_s_links_default_to_a_home_uplink() -> None:
+    parser = argparse.ArgumentParser()
+    add_link_arguments(parser)
+    assert link_shape(parser.parse_args([])) == {"delay_s": 0.02, "rate_bps": 100e6}
+    assert link_shape(parser.parse_args(["--delay-ms", "5", "--rate-mbit", "8"])) == {"delay_s": 0.005, "rate_bps": 8e6}
