@@ -27,11 +27,11 @@ interrupted step done on the new agents) and after, the time until the replaceme
 step; the new agents started), the spare's copy of the stage (bytes, seconds), and the largest relative
 difference of any step's loss from one process trained on the same batches.
 
-`--large`: one R=2 trial of a GPT of ~300M parameters (bench/large_model.py's widths and batch: 8 windows of
-128 tokens in 8 micro-batches; SGD with momentum, so that 5 agents of half the model fit in this machine's
-memory) in 2 stages, one replica killed half-way through a step, the spare joining from its peer; each process's
-peak resident memory (VmHWM), the join's bytes and seconds, and the losses against one process, trained after the
-agents stopped.
+`--large`: one R=2 trial of a GPT of ~200M parameters (16 blocks of bench/large_model.py's width, its batch: 8
+windows of 128 tokens in 8 micro-batches; SGD with momentum) in 2 stages (5 agents of half the model: its 24
+blocks, 300M, ran this 24 GiB machine out of memory, a surviving replica killed at 6.2 GB), one replica killed
+half-way through a step, the spare joining from its peer; each process's peak resident memory (VmHWM), the
+join's bytes and seconds, and the losses against one process, trained after the agents stopped.
 
 Prints a table, writes docs/BENCHMARKS.md, ends with one JSON line.
 """
@@ -278,6 +278,10 @@ def replicated_trials(setup: Setup, kills: list[Kill], args: argparse.Namespace,
                 raise RuntimeError(f"trial {t}: the spare joined {len(copies)} times")
             joined_at = next(at for p, at in zip(sink.steps, sink.times, strict=True)
                              if any(c.node_id == spare.node_id and c.micro_batches for c in p.stages))
+            dead = [f"{i}.{r}" for i, stage in enumerate(layout) for r, a in enumerate(stage)
+                    if (i, r) != (kill.stage, kill.replica) and by_address[a].process.poll() is not None]
+            if dead:  # the job may survive it (the stage's other replica repairs again), the trial does not count
+                raise RuntimeError(f"trial {t}: agents of replicas {dead} died beside the victim (out of memory?)")
             done = sink.times[kill.after_step]  # the interrupted step's end (steps never repeat here)
             before, during, after = rates(setup.dataset["batch_size"], steps, sink.times, sink.killed_at, joined_at)
             peaks = {f"stage {i} replica {r}" + (" (killed; read before the kill)" if (i, r) == (kill.stage,
@@ -501,7 +505,8 @@ def large(args: argparse.Namespace) -> None:
         f"{args.n_layer}, d_model {args.d_model}, block {BLOCK}; bench/large_model.py's) in 2 stages (layers "
         f"{list(setup.bounds)}) × 2 replicas, static agents of one torch thread each and a spare; batch {BATCH} in "
         f"{setup.micro_batches} micro-batches, GPipe, SGD (momentum 0.9: Adam's two moments would not fit 5 agents "
-        f"of half the model beside the other sessions' tests in this machine's 24 GiB); {args.steps} steps, no "
+        f"of half the model beside the other sessions' tests in this machine's 24 GiB, nor did 24 blocks with SGD: "
+        f"an agent was killed out of memory); {args.steps} steps, no "
         f"checkpoint. Stage {kill.stage}'s replica {kill.replica} SIGKILLed half a step's time into step "
         f"{kill.after_step + 1}; the spare offered from the next step boundary copied the stage (weights and "
         f"momentum) from the live replica and trained from the step after.\n\n"
@@ -517,8 +522,8 @@ def large(args: argparse.Namespace) -> None:
         f"| this process after the one-process run | {reference_peak / MIB:.0f} |\n\n"
         f"The bench took {figures['bench_seconds']} s.\n"
     )
-    report("swarm_churn_large", "A 300M GPT losing a replica (`bench/swarm_churn.py --large`)", body, figures,
-           write=not args.no_write)
+    report("swarm_churn_large", f"A {params / 1e6:.0f}M GPT losing a replica (`bench/swarm_churn.py --large`)", body,
+           figures, write=not args.no_write)
 
 
 def _params(setup: Setup) -> list[int]:
@@ -535,7 +540,7 @@ def main() -> None:
     parser.add_argument("--shaped", action="store_true", help="run every trial also over shaped links")
     add_link_arguments(parser)
     parser.add_argument("--large", action="store_true", help="one trial of a ~300M GPT instead (see above)")
-    parser.add_argument("--n-layer", type=int, default=24, help="--large: the GPT's blocks")
+    parser.add_argument("--n-layer", type=int, default=16, help="--large: the GPT's blocks")
     parser.add_argument("--d-model", type=int, default=1024, help="--large: the GPT's width")
     parser.add_argument("--no-write", action="store_true", help="do not rewrite docs/BENCHMARKS.md")
     args = parser.parse_args()
