@@ -472,6 +472,7 @@ def large(args: argparse.Namespace) -> None:
     load, started = os.getloadavg(), time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="arceus-swarm-churn-large-") as workdir:
         setup = large_setup(args, Path(workdir))
+        params = sum(_params(setup))  # while its text file is there
         rng = random.Random(args.seed)
         kill = Kill(rng.randrange(setup.stages), rng.randrange(2), rng.randint(2, args.steps - 3))
         args.checkpoint_interval = 0  # nothing rewinds: no checkpoint is needed (a 300M one costs minutes here)
@@ -482,7 +483,6 @@ def large(args: argparse.Namespace) -> None:
         reference_s = time.perf_counter() - trained_at
         reference_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     load_after = os.getloadavg()
-    params = sum(_params(setup))
     rows = "".join(f"| {part} | {peak / MIB:.0f} |\n" for part, peak in trial.peaks.items())
     losses = " / ".join(f"{trial.losses[s]:.6f}" for s in sorted(trial.losses))
     reference_losses = " / ".join(f"{x:.6f}" for x in reference)
