@@ -8,6 +8,7 @@ safetensors holds only raw tensors and a JSON header, so loading a checkpoint ca
 from __future__ import annotations
 
 import hashlib
+import io
 import math
 import threading
 from collections.abc import Iterator, Mapping
@@ -39,6 +40,22 @@ def decode_checkpoint(data: bytes, *, sha256: str | None = None) -> dict[str, to
         return load(data)
     except (SafetensorError, ValueError) as exc:
         raise CheckpointError(f"not a valid safetensors checkpoint: {exc}") from exc
+
+
+def checkpoint_views(data: bytearray) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in `data` as views of its bytes, not copies (a joining replica loads
+    its sibling's state from the one buffer it received it into: decode_checkpoint's copy of every tensor would take
+    a second state's memory). The header is checked against the bytes as a file's is (`file_entries`); the views
+    live as long as they, and change with `data`."""
+    entries = file_entries(io.BytesIO(data), len(data))
+    views = {}
+    for name, entry in entries.items():
+        dtype = _TORCH_DTYPES[entry.dtype]
+        count = math.prod(entry.shape)
+        empty = torch.empty(0, dtype=dtype)  # frombuffer refuses a count of 0
+        flat = torch.frombuffer(data, dtype=dtype, count=count, offset=entry.begin) if count else empty
+        views[name] = flat.reshape(entry.shape)
+    return views
 
 
 # torch dtype -> safetensors dtype name

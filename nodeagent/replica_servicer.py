@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from arceus.checkpoint import decode_checkpoint, state_chunks
+from arceus.checkpoint import checkpoint_views, state_chunks
 from arceus.contracts.certificates import check_certificate
 from arceus.contracts.credentials import REPLICA_METADATA_KEY, Role, join_grant
 from arceus.safetensors_file import tensor_layouts
@@ -108,7 +108,7 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
             try:
                 data = _fetch_snapshot(stage, source, request.grant, request.epoch, deadline)
                 try:
-                    stage.runtime.load_state_tensors(decode_checkpoint(data))
+                    stage.runtime.load_state_tensors(checkpoint_views(data))  # copied into place from `data`
                 except ValueError as exc:  # a file that is no state of this stage
                     raise RpcFailure(
                         grpc.StatusCode.FAILED_PRECONDITION, f"replica {source.replica}'s state does not fit: {exc}"
@@ -188,10 +188,12 @@ def state_digest(runtime: StageRuntime, *, order: bytes) -> str:
 
 def _fetch_snapshot(
     stage: HostedStage, source: stage_pb2.ReplicaPeer, grant: str, epoch: int, deadline: float
-) -> bytes:
+) -> bytearray:
     """The source replica's state file, read only up to what this stage's state can take (weights and as many
     tensors per weight as its optimizer keeps, its buffers, and a header), presenting this replica's token and the
-    driver's `grant` for it at membership `epoch`."""
+    driver's `grant` for it at membership `epoch`. The one buffer it arrived into: the stage loads its tensors as
+    views of it (a copy would take another state's memory beside the stage's own, a GB per 100M parameters with
+    momentum)."""
     runtime = stage.runtime
     weights = sum(p.numel() * p.element_size() for p in runtime.layers.parameters())
     buffers = sum(b.numel() * b.element_size() for b in runtime.buffers.buffers)
@@ -218,4 +220,4 @@ def _fetch_snapshot(
             f"copying the state of replica {source.replica} at {source.address} failed: "
             f"{exc.code().name}: {exc.details()}",
         ) from None
-    return bytes(data)
+    return data

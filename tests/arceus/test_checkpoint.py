@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from arceus.checkpoint import StateFile, checkpoint_digest, decode_checkpoint, encode_checkpoint
+from arceus.checkpoint import StateFile, checkpoint_digest, checkpoint_views, decode_checkpoint, encode_checkpoint
 from arceus.safetensors_file import CHUNK_BYTES, CheckpointError, file_digest, merged_checkpoint, sliced_checkpoint
 
 
@@ -38,6 +38,20 @@ def test_round_trip_keeps_names_shapes_dtypes_and_values() -> None:
         assert decoded[name].dtype == tensor.dtype, name
         assert decoded[name].shape == tensor.shape, name
         assert torch.equal(decoded[name], tensor), name
+
+
+def test_views_of_a_received_file_are_its_tensors_without_a_copy() -> None:
+    original = {**tensors(), "empty": torch.zeros(0, 3)}
+    data = bytearray(encode_checkpoint(original))
+    views = checkpoint_views(data)
+    assert set(views) == set(original)
+    for name, tensor in original.items():
+        assert views[name].dtype == tensor.dtype and views[name].shape == tensor.shape, name
+        assert torch.equal(views[name], tensor), name
+    (length,) = struct.unpack("<Q", data[:8])
+    begin = 8 + length + header(bytes(data))["layers.0.bias"]["data_offsets"][0]
+    data[begin : begin + 4] = struct.pack("<f", 9.0)  # a view sees a change of the buffer: it is no copy
+    assert views["layers.0.bias"].tolist() == [9.0, -1.5, 2.25]
 
 
 def test_non_contiguous_tensors_are_saved_by_value() -> None:
@@ -102,6 +116,8 @@ def test_corrupt_bytes_are_a_checkpoint_error(data: bytes) -> None:
     # With the right hash the content check passes, and the parse still fails cleanly.
     with pytest.raises(CheckpointError, match="not a valid safetensors checkpoint"):
         decode_checkpoint(data, sha256=checkpoint_digest(data))
+    with pytest.raises(CheckpointError, match="not a valid safetensors checkpoint"):
+        checkpoint_views(bytearray(data))
 
 
 
