@@ -17,12 +17,13 @@ from arceus.contracts.replica_sync import replica_sync_from_json
 from arceus.data.sizes import train_samples_estimate
 from arceus.errors import SpecError
 from arceus.placement.profiles import layer_profiles
-from arceus.placement.solver import Budget, LayerProfile, Placement, PlacementError, solve
+from arceus.placement.solver import Budget, Placement, PlacementError, solve
 from arceus.swarm.model import Workload as SwarmWorkload
 from arceus.swarm.model import samples_per_second
 from controlplane.common.conditions import TRUE
 from controlplane.common.errors import ApplicationError
 from controlplane.controller.actions import PlannedStage
+from controlplane.controller.calibration import Calibration, calibration
 from controlplane.controller.diversity import diverse_placement
 from controlplane.controller.placement import requirements, tensor_parallel_split, workload
 from controlplane.controller.rules import (
@@ -30,7 +31,6 @@ from controlplane.controller.rules import (
     replicas_grown,
     replicas_placed,
     share_note,
-    swarm_replica,
     swarm_workload,
 )
 from controlplane.controller.snapshot import node_views, registered_nodes
@@ -145,29 +145,36 @@ def job_estimate(
     by_id = {n.id: n for n in candidates}
     bounds = [(s.layer_start, s.layer_end) for s in placement.stages]
     swarm_steps = swarm_workload([layers[start:end] for start, end in bounds], steps, sync_every)
+
+    def running(placed: Sequence[PlannedStage]) -> JobView:
+        """The job as the reconciler would see it running on `placed`."""
+        return JobView(
+            id="estimate", status="running", generation=1, stages_requested=len(bounds), layers=tuple(layers),
+            workload=steps, requirements=req, replicas_min=count, replicas_max=top, next_replica=count,
+            replica_sync_every=sync_every,
+            stages=tuple(PlacedStage(r.index, r.layer_start, r.layer_end, r.node_id, 1, replica=r.replica)
+                         for r in placed),
+        )
+
     if count > 1:
         replicated = replicas_placed(rows, candidates, layers=layers, workload=steps, requirements=req, count=count)
         if isinstance(replicated, str):
             answer["reason"] = replicated
             return answer
-        rows = replicated
-        speed = _swarm_speed(rows, by_id, layers, bounds, swarm_steps)
+        rows, view = replicated, running(replicated)
+        # the nodes' speeds as the reconciler sees them for the job (none timed yet: their market figures)
+        speeds = calibration(view, by_id)
+        speed = _swarm_speed(view, speeds, by_id, swarm_steps)
         price = sum(by_id[r.node_id].price_per_hour for r in rows)
-        seconds = {(r.index, r.rank, r.replica): swarm_replica(by_id[r.node_id], layers[r.layer_start : r.layer_end])
+        seconds = {(r.index, r.rank, r.replica): speeds.replica(by_id[r.node_id], r.index,
+                                                                 layers[r.layer_start : r.layer_end])
                    .seconds_per_sample * steps.micro_batch_size for r in rows}
     train_samples = train_samples_estimate(dataset)
     if top > count:
-        view = JobView(
-            id="estimate", status="running", generation=1, stages_requested=len(bounds), layers=tuple(layers),
-            workload=steps, requirements=req, replicas_min=count, replicas_max=top, next_replica=count,
-            replica_sync_every=sync_every,
-            stages=tuple(PlacedStage(r.index, r.layer_start, r.layer_end, r.node_id, 1, replica=r.replica)
-                         for r in rows),
-        )
         used = {r.node_id for r in rows}
-        grown = replicas_grown(view, by_id, [n for n in candidates if n.id not in used], now)
+        grown = replicas_grown(running(rows), by_id, [n for n in candidates if n.id not in used], now)
         if len(grown.stages) > len(rows):
-            grown_speed = _swarm_speed(grown.stages, by_id, layers, bounds, swarm_steps)
+            grown_speed = _swarm_speed(grown, calibration(grown, by_id), by_id, swarm_steps)
             grown_price = sum(by_id[r.node_id].price_per_hour for r in grown.stages)
             grown_hours = epochs * train_samples / grown_speed / 3600
             answer["grown"] = {
@@ -209,10 +216,11 @@ def job_estimate(
 
 
 def _swarm_speed(
-    rows: Sequence[PlannedStage | PlacedStage], by_id: dict[str, NodeView], layers: Sequence[LayerProfile],
-    bounds: Sequence[tuple[int, int]], swarm_steps: SwarmWorkload,
+    job: JobView, speeds: Calibration, by_id: dict[str, NodeView], swarm_steps: SwarmWorkload
 ) -> float:
-    """Samples/s of replicated stages on these rows' nodes, by the swarm model."""
-    swarm = [[swarm_replica(by_id[r.node_id], layers[start:end]) for r in rows if r.index == i]
-             for i, (start, end) in enumerate(bounds)]
+    """Samples/s of the job's replicated stages on their rows' nodes, each at its speed for the job, by the swarm
+    model."""
+    stages = sorted({s.index for s in job.stages})
+    swarm = [[speeds.replica(by_id[s.node_id], i, job.layers[s.layer_start : s.layer_end])
+              for s in job.stages if s.index == i and s.node_id is not None] for i in stages]
     return samples_per_second(swarm, swarm_steps)

@@ -40,8 +40,10 @@ replica keeps one row, which rules 0, 3 and 4 move with a rewind as any stage's 
 sibling of the same stage rank keeps its node); a running job with no replica to
 drop gets one more replica per stage (AddReplicas, at most `replicas_max` and `micro_batches`) on a free node with
 room: up to `replicas_min` the fastest, always; beyond it the cheapest for which `arceus.swarm.model.replica_gain`
-predicts at least MIN_REPLICA_GAIN more samples/s, within the job's price cap; a node a replica of the job was dropped
-from is no candidate for the job's stages (grown or moved) until it heartbeats after the drop;
+predicts at least MIN_REPLICA_GAIN more samples/s (each node at its speed for the job: measured where the driver
+timed it, else calibrated by the timed ones, controlplane/controller/calibration.py), within the job's price cap; a
+node a replica of the job was dropped from is no candidate for the job's stages (grown or moved) until it heartbeats
+after the drop;
 6. a succeeded job its owner asked to serve (`JobView.serving`) → ServeJob placing its final checkpoint's
    stages for inference, one whole stage per node (no tensor parallelism, no optimizer: weights and decoding
    caches, `stage_inference_memory`), each on the fastest free node with room; a stage whose node is lost or
@@ -76,8 +78,8 @@ from arceus.placement.solver import (
     stage_inference_memory,
     stage_memory,
 )
-from arceus.swarm.model import Link, Replica, replica_gain
 from arceus.swarm.model import Workload as SwarmWorkload
+from arceus.swarm.model import replica_gain
 from controlplane.common.conditions import FALSE, TRUE, UNKNOWN, Condition, has_condition, set_conditions
 from controlplane.controller.actions import (
     Action,
@@ -97,6 +99,7 @@ from controlplane.controller.actions import (
     StopServing,
     SucceedJob,
 )
+from controlplane.controller.calibration import Calibration, calibration
 from controlplane.controller.diversity import OPT_OUT, OwnerDiversityError, diverse_placement, owner_of_every_stage
 from controlplane.controller.views import (
     Desired,
@@ -398,43 +401,40 @@ def _cheapest_worth(
 ) -> NodeView | None:
     """The first of `by_price` (cheapest first) within the job's price cap, with `spent` an hour already, whose
     replica of stage `index` `replica_gain` predicts to add at least MIN_REPLICA_GAIN more samples/s. A node no
-    faster and no better linked than one found not worth it is not modelled: it would gain no more."""
+    faster (as the job's calibration sees it) and no better linked than one found not worth it is not modelled: it
+    would gain no more."""
     cap = job.requirements.max_price_per_hour
-    refused: list[NodeView] = []
+    speeds = calibration(job, nodes)
+    refused: list[tuple[float, NodeView]] = []
     for node in by_price:
         if cap is not None and spent + node.price_per_hour > cap:
             return None  # every later node costs as much or more
-        if any(node.flops <= r.flops and node.latency_s >= r.latency_s
-               and node.bandwidth_bytes_per_s <= r.bandwidth_bytes_per_s for r in refused):
+        flops = speeds.flops(node, index)
+        if any(flops <= f and node.latency_s >= r.latency_s
+               and node.bandwidth_bytes_per_s <= r.bandwidth_bytes_per_s for f, r in refused):
             continue
-        if _gains(job, index, node, nodes):
+        if _gains(job, index, node, nodes, speeds):
             return node
-        refused.append(node)
+        refused.append((flops, node))
     return None
 
 
-def _gains(job: JobView, index: int, node: NodeView, nodes: Mapping[str, NodeView]) -> bool:
+def _gains(job: JobView, index: int, node: NodeView, nodes: Mapping[str, NodeView], speeds: Calibration) -> bool:
     """Whether `replica_gain` predicts at least MIN_REPLICA_GAIN more samples/s from one more replica of stage
-    `index` on `node` (from the nodes' measured speeds and links)."""
+    `index` on `node`, every node at its speed for the job (`speeds`: measured where the driver timed it, else its
+    benchmark calibrated by the job's timed nodes)."""
     indices = sorted({s.index for s in job.stages})
     if indices != list(range(len(indices))):
         return False
     bounds = {s.index: (s.layer_start, s.layer_end) for s in job.stages}
     layers = [job.layers[start:end] for start, end in (bounds[i] for i in indices)]
-    stages = [[swarm_replica(nodes[s.node_id], layers[i]) for s in job.stages if s.index == i and s.node_id in nodes]
-              for i in indices]
+    stages = [[speeds.replica(nodes[s.node_id], i, layers[i]) for s in job.stages
+               if s.index == i and s.node_id in nodes] for i in indices]
     if any(not s for s in stages):
         return False
     gain = replica_gain(stages, swarm_workload(layers, job.workload, job.replica_sync_every), index,
-                        swarm_replica(node, layers[index]))
+                        speeds.replica(node, index, layers[index]))
     return gain.after >= gain.before * (1 + MIN_REPLICA_GAIN)
-
-
-def swarm_replica(node: NodeView, layers: Sequence[LayerProfile]) -> Replica:
-    """`node` holding a replica of the stage of `layers`, as the swarm model (arceus.swarm.model) sees it: its
-    seconds per sample (forward and backward: 3x the forward's flops) and its uplink."""
-    flops = 3 * sum(layer.flops_per_sample for layer in layers)
-    return Replica(max(flops, 1.0) / max(node.flops, 1.0), Link(node.latency_s, node.bandwidth_bytes_per_s * 8))
 
 
 def swarm_workload(

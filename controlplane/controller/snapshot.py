@@ -213,6 +213,7 @@ def _node_view(
         latency_s=(rtt or 0.0) / 2,  # one way
         relayed=row["reachability"] == Reachability.RELAYED,
         owner=str(row["owner_id"]),
+        declared_flops=row["flops_fp32"] or 0.0,
     )
 
 
@@ -238,7 +239,7 @@ JOB_FIELDS = (
 )
 STAGE_FIELDS = (
     "job_id", "index", "rank", "layer_start", "layer_end", "node_id", "generation", "observed_generation",
-    "observed_state", "observed_message", "restarted_generation", "held_since", "replica",
+    "observed_state", "observed_message", "restarted_generation", "held_since", "replica", "step_samples_per_second",
 )
 
 
@@ -356,9 +357,9 @@ def _job_view(
             PlacedStage(
                 index=index, layer_start=start, layer_end=end, node_id=str(node_id) if node_id else None,
                 generation=generation, rank=rank, restarted_generation=restarted, replica=replica,
-                held_from=held_from(node_id, held_since),
+                held_from=held_from(node_id, held_since), timed=speed is not None,
             )
-            for _, index, rank, start, end, node_id, generation, *_, restarted, held_since, replica in stages
+            for _, index, rank, start, end, node_id, generation, *_, restarted, held_since, replica, speed in stages
         ),
         conditions=tuple(job["conditions"]),
         driver_lease_expires_at=job["driver_lease_expires_at"],

@@ -20,7 +20,7 @@ class NodeView:
     ready_status: str
     lease_renewed_at: datetime | None
     lease_duration_seconds: float
-    flops: float
+    flops: float  # what it is priced and placed by (controlplane/nodes/device_class.py `market_flops`)
     memory_bytes: int
     name: str = ""
     paused: bool = False  # may not work now (its owner's controls): no new stages, its stages handed back
@@ -33,6 +33,9 @@ class NodeView:
     latency_s: float = 0.0
     relayed: bool = False  # the control plane could not dial it back: callers reach it through a relay
     owner: str = ""  # the contributor it belongs to (owner diversity: controlplane/controller/diversity.py)
+    # Its agent's own matmul benchmark (`flops_fp32`; 0: none): what a job's timed nodes calibrate an untimed one's
+    # speed by (controlplane/controller/calibration.py).
+    declared_flops: float = 0.0
 
     def device(self) -> Device:
         """The node in the placement solver's terms."""
@@ -99,6 +102,9 @@ class PlacedStage:
     # the job): what the job's budget must still cover. None: not counted (no budget, or no node).
     held_from: datetime | None = None
     replica: int = 0  # its replica id where the job's stages are replicated
+    # The job's driver has timed its node on this stage (its step measures are recorded; a move clears them): the
+    # node's measured FLOP/s are this job's (controlplane/controller/calibration.py).
+    timed: bool = False
 
     @property
     def key(self) -> tuple[int, int, int]:

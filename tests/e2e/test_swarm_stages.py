@@ -265,7 +265,9 @@ GROWING: dict[str, Any] = {
     "dataset_config": {"name": "digits", "batch_size": 32, "val_batch_size": 360},
     "epochs": 200,  # far more than the test waits for: it is cancelled once its page shows the replicas
     "learning_rate": 0.05,
-    "micro_batches": 4,
+    # 6 split 3 + 3 over two replicas and 2 + 2 + 2 over three: a third replica takes work off the other two (of 4,
+    # one replica of three would still take 2, as each of two does, and the reconciler rightly adds none)
+    "micro_batches": 6,
     "stages": 1,  # the smallest job that grows: one stage, its replicas one per node
     "replicas": {"min": 1, "max": 3},
     "requirements": {"owner_diversity": False},  # every agent here is one owner's

@@ -47,7 +47,9 @@ def test_an_owners_controls_and_capabilities_are_seen_at_the_next_pass(ready_nod
     assert _views()["n0"].pause_reason == "its agent is leaving"
     Node.objects.filter(pk=node.pk).update(leaving_at=None, flops_fp32=7e9, memory_bytes=2**31)
     view = _views()["n0"]
-    assert (view.paused, view.flops, view.memory_bytes) == (False, 7e9, 2**31)
+    assert (view.paused, view.flops, view.declared_flops, view.memory_bytes) == (False, 7e9, 7e9, 2**31)
+    Node.objects.filter(pk=node.pk).update(flops_measured=7e7)  # a driver timed it: its benchmark stays beside
+    assert (_views()["n0"].flops, _views()["n0"].declared_flops) == (7e7, 7e9)
     Node.objects.filter(pk=node.pk).update(work_windows=["00:00-00:01"] if timezone.now().hour else ["12:00-12:01"])
     assert "working hours" in _views()["n0"].pause_reason
 
@@ -102,6 +104,9 @@ def test_a_jobs_config_status_and_stage_reports_are_seen_at_the_next_pass(ready_
     desired, observed = load_snapshot()
     assert observed.stages[key].state == "ready"
     assert len(desired.jobs[0].layers) == 4
+    assert not any(s.timed for s in desired.jobs[0].stages)
+    Stage.objects.filter(job=job, index=1).update(step_samples_per_second=250.0)  # the driver timed its node
+    assert [s.timed for s in load_snapshot()[0].jobs[0].stages] == [False, True, False]
     assert desired.jobs[0].replica_sync_every == 1  # {}: exact, every step
     Job.objects.filter(pk=job.pk).update(replica_sync={"every_steps": 8, "outer_lr": 0.7, "outer_momentum": 0.9})
     assert load_snapshot()[0].jobs[0].replica_sync_every == 8
