@@ -8,6 +8,7 @@ quickly. Errors back off; only a rejected token (401) is fatal.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
@@ -15,7 +16,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
@@ -208,7 +209,12 @@ class ControlPlaneClient(ControlPlaneSession):
         url = f"{self.url}{path}"
         written = 0
         try:
-            with self._session.get(url, params=params, timeout=self.timeout, stream=True) as response:
+            response = self._session.get(url, params=params, timeout=self.timeout, stream=True, allow_redirects=False)
+            if response.is_redirect:
+                # Stored in an S3 bucket: the control plane answers a presigned URL, fetched without the node token.
+                response.close()
+                response = requests.get(response.headers["Location"], timeout=self.timeout, stream=True)
+            with response:
                 if response.status_code >= 300:
                     raise ControlPlaneError(f"GET {url} → HTTP {response.status_code}: {response.text[:500]}")
                 for chunk in response.iter_content(chunk_size=CHUNK_BYTES):
@@ -245,40 +251,131 @@ class ControlPlaneClient(ControlPlaneSession):
 
     def upload_state(
         self, path: str, size: int, chunks: Callable[[], Iterable[bytes | memoryview]], seconds: float
-    ) -> None:
-        """PUT a stage's state file (`size` bytes, as `chunks()`) to `path` on this control plane, streamed: the
-        agent holds one chunk of it at a time. Only paths on this control plane: the node token never goes
-        to another host. An attempt the server failed (a 5xx: its database restarting under it) or that lost
-        its connection is sent again, afresh, while `seconds` last: the upload stays open until one arrives
-        whole. Raises StateUploadError."""
+    ) -> str:
+        """Upload a stage's state file (`size` bytes, as `chunks()`) for the checkpoint upload at `path` on this
+        control plane, while `seconds` last; the SHA-256 (hex) of the bytes sent. With an S3 bucket behind the
+        control plane the file goes straight there, a part at a time (`_upload_direct`); otherwise it is PUT to
+        `path`, streamed. Only paths on this control plane: the node token never goes to another host. Raises
+        StateUploadError."""
         if not path.startswith("/"):
             raise StateUploadError(f"upload path {path!r} is not a path on the control plane")
         url = f"{self.url}{path}"
         deadline = time.monotonic() + seconds
-        for attempt in range(UPLOAD_ATTEMPTS):
-            remaining = max(1.0, deadline - time.monotonic())
-            try:
-                response = self._session.put(
-                    url,
-                    data=_ChunkReader(size, chunks()),
-                    headers={"Content-Type": "application/octet-stream"},
-                    timeout=(self.timeout, remaining),
+        response = _retried(
+            f"POST {url}/parts",
+            lambda remaining: self._session.post(
+                f"{url}/parts", json={"size_bytes": size}, timeout=(self.timeout, remaining)
+            ),
+            deadline,
+        )
+        if response.status_code >= 300:
+            raise StateUploadError(f"POST {url}/parts → HTTP {response.status_code}: {_text(response)}")
+        started = response.json()
+        if started.get("multipart_id") is None:
+            return self._upload_through(url, size, chunks, deadline)
+        return self._upload_direct(url, size, chunks(), started, deadline)
+
+    def _upload_through(
+        self, url: str, size: int, chunks: Callable[[], Iterable[bytes | memoryview]], deadline: float
+    ) -> str:
+        """PUT the file to the control plane, streamed: the agent holds one chunk of it at a time. An attempt the
+        server failed (a 5xx: its database restarting under it) or that lost its connection is sent again, afresh:
+        the upload stays open until one arrives whole."""
+        digests: list[Any] = []  # one per attempt: the last one's was sent
+
+        def hashed() -> Iterator[bytes | memoryview]:
+            digests.append(digest := hashlib.sha256())
+            for chunk in chunks():
+                digest.update(chunk)
+                yield chunk
+
+        sent = 0
+
+        def put(remaining: float) -> requests.Response:
+            nonlocal sent
+            sent += 1
+            return self._session.put(
+                url, data=_ChunkReader(size, hashed()), headers={"Content-Type": "application/octet-stream"},
+                timeout=(self.timeout, remaining),
+            )
+
+        response = _retried(f"PUT {url}", put, deadline)
+        if response.status_code >= 300 and not (
+            sent > 1 and response.status_code == 409 and "already received" in response.text
+        ):  # an earlier attempt arrived after all; the driver checks its hash against ours
+            raise StateUploadError(f"PUT {url} → HTTP {response.status_code}: {_text(response)}")
+        return digests[-1].hexdigest()
+
+    def _upload_direct(
+        self, url: str, size: int, chunks: Iterable[bytes | memoryview], started: dict[str, Any], deadline: float
+    ) -> str:
+        """PUT the file's parts to the presigned URLs the control plane answered (`started`), one part in memory at
+        a time, each sent again while it fails; then ask the control plane to complete the upload. On failure the
+        multipart upload is aborted: no parts are left in the bucket."""
+        multipart_id, part_bytes, urls = started["multipart_id"], int(started["part_bytes"]), started["part_urls"]
+        digest = hashlib.sha256()
+        reader = _ChunkReader(size, chunks)
+        bucket = requests.Session()  # no node token: these requests go to the storage
+        try:
+            for number, part_url in enumerate(urls, start=1):
+                part = reader.read_exact(min(part_bytes, size - (number - 1) * part_bytes))
+                digest.update(part)
+                response = _retried(
+                    f"PUT part {number} of {len(urls)}",
+                    lambda remaining, u=part_url, p=part: bucket.put(u, data=p, timeout=(self.timeout, remaining)),
+                    deadline,
                 )
-            except requests.RequestException as exc:
-                failure = f"PUT {url} failed: {exc}"
-            else:
-                if response.status_code < 300:
-                    return
-                if attempt and response.status_code == 409 and "already received" in response.text:
-                    return  # an earlier attempt arrived after all; the driver checks its hash against ours
-                failure = f"PUT {url} → HTTP {response.status_code}: {' '.join(response.text[:500].split())}"
-                if response.status_code < 500:
-                    raise StateUploadError(failure)
-            pause = UPLOAD_RETRY_SECONDS * 2**attempt
-            if time.monotonic() + pause >= deadline or attempt + 1 >= UPLOAD_ATTEMPTS:
-                raise StateUploadError(f"{failure} (attempt {attempt + 1})")
-            log.warning("%s; sending it again in %.0f s", failure, pause)
-            time.sleep(pause)
+                if response.status_code >= 300:
+                    raise StateUploadError(
+                        f"PUT part {number} of {len(urls)} → HTTP {response.status_code}: {_text(response)}"
+                    )
+            sha256 = digest.hexdigest()
+            body = {"multipart_id": multipart_id, "sha256": sha256, "size_bytes": size}
+            response = _retried(
+                f"POST {url}/parts/complete",
+                lambda remaining: self._session.post(
+                    f"{url}/parts/complete", json=body, timeout=(self.timeout, remaining)
+                ),
+                deadline,
+            )
+            if response.status_code >= 300 and "already received" not in response.text:
+                raise StateUploadError(f"POST {url}/parts/complete → HTTP {response.status_code}: {_text(response)}")
+        except BaseException:
+            try:
+                self._session.delete(f"{url}/parts", params={"multipart_id": multipart_id}, timeout=self.timeout)
+            except requests.RequestException as exc:  # the control plane aborts it with the next checkpoint
+                log.warning("could not abort multipart upload %s: %s", multipart_id, exc)
+            raise
+        finally:
+            bucket.close()
+        log.info("sent %d bytes in %d parts straight to the checkpoint storage", size, len(urls))
+        return sha256
+
+
+def _retried(what: str, send: Callable[[float], requests.Response], deadline: float) -> requests.Response:
+    """`send(seconds left)`'s first answer below 500; an answer of 500 or more (the server failing: its database
+    restarting under it) or a lost connection is sent again after 1, 2, 4 s while `deadline` allows. Raises
+    StateUploadError."""
+    attempt = 0
+    while True:
+        try:
+            response = send(max(1.0, deadline - time.monotonic()))
+        except requests.RequestException as exc:
+            failure = f"{what} failed: {exc}"
+        else:
+            if response.status_code < 500:
+                return response
+            failure = f"{what} → HTTP {response.status_code}: {_text(response)}"
+        pause = UPLOAD_RETRY_SECONDS * 2**attempt
+        if time.monotonic() + pause >= deadline or attempt + 1 >= UPLOAD_ATTEMPTS:
+            raise StateUploadError(f"{failure} (attempt {attempt + 1})")
+        log.warning("%s; sending it again in %.0f s", failure, pause)
+        time.sleep(pause)
+        attempt += 1
+
+
+def _text(response: requests.Response) -> str:
+    return " ".join(response.text[:500].split())
 
 
 def _parse_assignments(body: dict[str, Any]) -> tuple[list[Assignment], list[ObservedStage]]:
@@ -336,6 +433,14 @@ class _ChunkReader:
         n = len(self._pending) if n is None or n < 0 else n
         out, self._pending = self._pending[:n], self._pending[n:]
         return out.tobytes()
+
+    def read_exact(self, n: int) -> bytes:
+        """The next `n` bytes (fewer only at the end)."""
+        pieces, left = [], n
+        while left and (piece := self.read(left)):
+            pieces.append(piece)
+            left -= len(piece)
+        return b"".join(pieces)
 
 
 def _relay(body: dict[str, Any]) -> dict[str, str] | None:

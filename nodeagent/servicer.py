@@ -6,13 +6,11 @@ Every failure leaves as a gRPC status with a message; nothing a client sends can
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import grpc
 import torch
@@ -230,19 +228,11 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 )
             started = time.perf_counter()
             self._between_steps(stage, context)
-            digests: list[Any] = []  # one per attempt: the reply names the last
-
-            def hashed_chunks() -> Iterator[memoryview]:
-                digests.append(digest := hashlib.sha256())
-                for chunk in state_chunks(state)[1]:
-                    digest.update(chunk)
-                    yield chunk
-
             try:
                 state = dict(stage.runtime.state_items(include_optimizer_state=request.include_optimizer_state))
                 size = state_chunks(state)[0]
                 seconds = max(0.0, call_deadline(context) - time.monotonic())
-                self._upload_state(request.upload_path, size, hashed_chunks, seconds)
+                sha256 = self._upload_state(request.upload_path, size, lambda: state_chunks(state)[1], seconds)
             except StateUploadError as exc:
                 raise RpcFailure(grpc.StatusCode.UNAVAILABLE, f"{stage.name}: {exc}") from None
             finally:
@@ -252,7 +242,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             self._metrics.state_save_seconds.observe(took)
             log.info("uploaded the state of %s (%d bytes) in %.1f s; %s", stage.name, size, took,
                      memory_summary(self._device))
-            return stage_pb2.SaveStateReply(sha256=digests[-1].hexdigest(), size_bytes=size)
+            return stage_pb2.SaveStateReply(sha256=sha256, size_bytes=size)
 
         return serve(context, "SaveState", save)
 

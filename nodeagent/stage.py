@@ -245,10 +245,10 @@ class StateUploadError(RuntimeError):
     """A stage's state could not be uploaded to the control plane (the message says why)."""
 
 
-# Upload a stage's state file to a path on the agent's control plane: (path, size in bytes, a function giving
-# the file's chunks afresh on each call (an upload the server failed is sent again), seconds allowed). Raises
-# StateUploadError.
-StateUploader = Callable[[str, int, Callable[[], Iterable[bytes | memoryview]], float], None]
+# Upload a stage's state file for a checkpoint upload at a path on the agent's control plane: (path, size in bytes,
+# a function giving the file's chunks afresh on each call (an upload the server failed is sent again), seconds
+# allowed) → the SHA-256 (hex) of the bytes sent. Raises StateUploadError.
+StateUploader = Callable[[str, int, Callable[[], Iterable[bytes | memoryview]], float], str]
 
 
 def build_hosted_stage(

@@ -6,7 +6,7 @@ assignments name."""
 from __future__ import annotations
 
 from django.conf import settings
-from django.http import FileResponse, StreamingHttpResponse
+from django.http import FileResponse, HttpResponse, StreamingHttpResponse
 from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework.exceptions import ValidationError
@@ -21,10 +21,14 @@ from controlplane.common.body_limit import declared_length
 from controlplane.common.client_ip import client_ip
 from controlplane.common.schema import ErrorOutput
 from controlplane.jobs.checkpoints import (
+    checkpoint_upload_direct_abort,
+    checkpoint_upload_direct_complete,
+    checkpoint_upload_direct_start,
     checkpoint_upload_receive,
     job_initial_weights_slice_for_node,
     stage_checkpoint_for_node,
     stage_checkpoint_open,
+    stage_checkpoint_url,
 )
 from controlplane.jobs.programs import job_program_layers_for_node
 from controlplane.nodes import schema
@@ -165,12 +169,18 @@ class AgentProbeApi(AgentApi):
 
 
 class AgentCheckpointApi(AgentApi):
-    """A stage checkpoint named in one of this node's assignments (safetensors bytes)."""
+    """A stage checkpoint named in one of this node's assignments (safetensors bytes); from an S3 bucket, a 307
+    to a presigned URL of it instead: the agent GETs it from the bucket (without its node token)."""
 
-    @extend_schema(responses={(200, "application/octet-stream"): bytes})
-    def get(self, request: Request, checkpoint_id: str) -> FileResponse:
+    @extend_schema(responses={(200, "application/octet-stream"): bytes, 307: None})
+    def get(self, request: Request, checkpoint_id: str) -> HttpResponse:
         sc = stage_checkpoint_for_node(node_id=request.auth.id, stage_checkpoint_id=checkpoint_id)
-        response = FileResponse(stage_checkpoint_open(sc), content_type="application/octet-stream")
+        url = stage_checkpoint_url(sc)
+        if url is None:
+            response: HttpResponse = FileResponse(stage_checkpoint_open(sc), content_type="application/octet-stream")
+        else:
+            response = HttpResponse(status=307)
+            response["Location"] = url
         response["X-Checkpoint-SHA256"] = sc.sha256
         return response
 
@@ -238,5 +248,44 @@ class AgentCheckpointUploadApi(AgentApi):
             upload_id=upload_id,
             body=request._request,
             length=declared_length(request),
+        )
+        return Response({"sha256": upload.sha256, "size_bytes": upload.size_bytes}, status=201)
+
+
+class AgentCheckpointPartsApi(AgentApi):
+    """An agent's state file for a checkpoint upload, straight into the S3 bucket: POST `{"size_bytes"}` answers
+    `{"multipart_id", "part_bytes", "part_urls"}` (PUT part i+1 to part_urls[i]), or `{"multipart_id": null}` when
+    the storage is no S3 bucket (PUT the file to the upload itself); DELETE `?multipart_id=` aborts one."""
+
+    @extend_schema(request=dict, responses={201: dict, 200: dict, 409: ErrorOutput})
+    def post(self, request: Request, upload_id: str) -> Response:
+        started = checkpoint_upload_direct_start(
+            node_id=request.auth.id, upload_id=upload_id, size_bytes=request.data.get("size_bytes")
+        )
+        if started is None:
+            return Response({"multipart_id": None})
+        body = {"multipart_id": started.upload_id, "part_bytes": started.part_bytes, "part_urls": started.part_urls}
+        return Response(body, status=201)
+
+    @extend_schema(parameters=[OpenApiParameter("multipart_id", str, OpenApiParameter.QUERY)], responses={204: None})
+    def delete(self, request: Request, upload_id: str) -> Response:
+        checkpoint_upload_direct_abort(
+            node_id=request.auth.id, upload_id=upload_id, multipart_id=request.query_params.get("multipart_id", "")
+        )
+        return Response(status=204)
+
+
+class AgentCheckpointPartsCompleteApi(AgentApi):
+    """The agent has sent every part: `{"multipart_id", "sha256", "size_bytes"}`; the control plane completes the
+    multipart upload and checks the object (its size, its header) before it takes it as the stage's state."""
+
+    @extend_schema(request=dict, responses={201: dict, 400: ErrorOutput, 409: ErrorOutput})
+    def post(self, request: Request, upload_id: str) -> Response:
+        upload = checkpoint_upload_direct_complete(
+            node_id=request.auth.id,
+            upload_id=upload_id,
+            multipart_id=request.data.get("multipart_id"),
+            sha256=request.data.get("sha256"),
+            size_bytes=request.data.get("size_bytes"),
         )
         return Response({"sha256": upload.sha256, "size_bytes": upload.size_bytes}, status=201)

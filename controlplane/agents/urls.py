@@ -5,6 +5,8 @@ from django.urls import re_path
 from controlplane.agents.api import (
     AgentChallengeApi,
     AgentCheckpointApi,
+    AgentCheckpointPartsApi,
+    AgentCheckpointPartsCompleteApi,
     AgentCheckpointUploadApi,
     AgentHeartbeatApi,
     AgentInitialWeightsApi,
@@ -27,6 +29,16 @@ urlpatterns = [
         name="agent-initial-weights",
     ),
     re_path(r"^agent/jobs/(?P<job_id>[^/]+)/program/?$", AgentProgramApi.as_view(), name="agent-program"),
+    re_path(
+        r"^agent/checkpoint-uploads/(?P<upload_id>[^/]+)/parts/?$",
+        AgentCheckpointPartsApi.as_view(),
+        name="agent-checkpoint-upload-parts",
+    ),
+    re_path(
+        r"^agent/checkpoint-uploads/(?P<upload_id>[^/]+)/parts/complete/?$",
+        AgentCheckpointPartsCompleteApi.as_view(),
+        name="agent-checkpoint-upload-parts-complete",
+    ),
     re_path(
         r"^agent/checkpoint-uploads/(?P<upload_id>[^/]+)/?$",
         AgentCheckpointUploadApi.as_view(),

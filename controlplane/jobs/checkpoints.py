@@ -3,9 +3,11 @@ uploaded initial weights (fine-tuning), which its agents fetch as they would a c
 
 Files go through the "checkpoints" storage (settings.STORAGES). An unsplit stage's agent uploads its own
 file (the driver opens a CheckpointUpload for it, the agent PUTs the file to the control plane, which
-stores it as it arrives): the state never passes through the driver. Rows are written only once every
-stage's file is stored, in one transaction guarded by the driver lease, so a checkpoint in the database
-is always complete and always from the driver that owned the job at the time.
+stores it as it arrives; with an S3 bucket the agent sends it there in presigned parts and the control plane
+only signs, completes and checks it, and a resuming agent downloads it by a presigned URL): the state never
+passes through the driver. Rows are written only once every stage's file is stored, in one transaction guarded
+by the driver lease, so a checkpoint in the database is always complete and always from the driver that owned
+the job at the time.
 
 An agent is a stranger's process: every stage file, uploaded or streamed by the driver, is checked from its
 header against exactly what that stage holds (`arceus.model.expected_state`) before it is kept, so what a
@@ -16,12 +18,14 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from collections import defaultdict
 from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+from django.conf import settings
 from django.core.files.base import File
 from django.db import transaction
 from django.db.models import Max, QuerySet
@@ -48,6 +52,14 @@ from arceus.safetensors_file import (
 )
 from arceus.training.plan import StageEndpoint, StageStateFile
 from controlplane.common import metrics
+from controlplane.common.direct_transfer import (
+    MultipartUpload,
+    multipart_abort,
+    multipart_complete,
+    multipart_start,
+    presigned_get,
+    s3_of,
+)
 from controlplane.common.errors import ApplicationError
 from controlplane.common.uploads import HashingReader, storage_open_ranged
 from controlplane.datasets.selectors import dataset_open
@@ -93,30 +105,87 @@ def checkpoint_upload_receive(*, node_id: Any, upload_id: str, body: BinaryIO, l
     """Store the `length` bytes of `body` as the state file of an open upload of this node's, a chunk at a
     time, hashing it as it arrives; the file must hold exactly the stage's state (checked from its header;
     refused, and nothing kept, otherwise). An upload is received once."""
+    upload = _upload_of_node(node_id, upload_id)
+    reader = upload_reader(body, length, "the state file", "a stage's state file")
+    storage = checkpoint_storage()
+    name = storage.save(_upload_name(upload), File(reader))
+    return _upload_keep(upload, name, length, reader.digest.hexdigest(), arrived=reader.received)
+
+
+def checkpoint_upload_direct_start(*, node_id: Any, upload_id: str, size_bytes: Any) -> MultipartUpload | None:
+    """Where the agent PUTs the parts of its `size_bytes`-byte state file for an open upload of its node's,
+    straight into the S3 bucket (`controlplane.common.direct_transfer`); None when the checkpoint storage is
+    no S3 bucket: the agent then PUTs the file to the control plane (checkpoint_upload_receive)."""
+    upload = _upload_of_node(node_id, upload_id)
+    if not isinstance(size_bytes, int) or not 0 < size_bytes <= settings.ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES:
+        raise ApplicationError.invalid(
+            "size_bytes", f"a stage's state file has 1 to {settings.ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES} bytes"
+        )
+    target = s3_of(checkpoint_storage(), _upload_name(upload))
+    return None if target is None else multipart_start(target, size_bytes)
+
+
+def checkpoint_upload_direct_complete(
+    *, node_id: Any, upload_id: str, multipart_id: Any, sha256: Any, size_bytes: Any
+) -> CheckpointUpload:
+    """Complete the multipart upload the agent sent its parts to and keep the object as the upload's state file,
+    checked as a PUT one is: its size as the bucket answers it must be the `size_bytes` the agent declares, its
+    header exactly the stage's state (both read from the bucket by range: a few KiB). The bytes never reach the
+    control plane, so their digest is the agent's `sha256`; the driver checks it against what the agent reported
+    to it, and the agent that loads the checkpoint checks the bytes against it."""
+    upload = _upload_of_node(node_id, upload_id)
+    if not isinstance(sha256, str) or not re.fullmatch(r"[0-9a-f]{64}", sha256):
+        raise ApplicationError.invalid("sha256", "the file's SHA-256 is 64 lowercase hex digits")
+    if not isinstance(multipart_id, str) or not multipart_id:
+        raise ApplicationError.invalid("multipart_id", "name the multipart upload this upload's start answered")
+    name = _upload_name(upload)
+    target = s3_of(checkpoint_storage(), name)
+    if target is None:
+        raise ApplicationError.conflict("the checkpoint storage is no S3 bucket: PUT the file to this upload")
+    size = multipart_complete(target, multipart_id)
+    return _upload_keep(upload, name, size_bytes, sha256, arrived=size)
+
+
+def checkpoint_upload_direct_abort(*, node_id: Any, upload_id: str, multipart_id: str) -> None:
+    """Abort a multipart upload of an open upload of this node's: its parts go from the bucket."""
+    upload = _upload_of_node(node_id, upload_id)
+    target = s3_of(checkpoint_storage(), _upload_name(upload))
+    if target is not None:
+        multipart_abort(target, multipart_id)
+
+
+def _upload_of_node(node_id: Any, upload_id: str) -> CheckpointUpload:
+    """An upload this node may send: opened for it and not yet received (a stranger's does not exist for it)."""
     upload = CheckpointUpload.objects.select_related("job").filter(pk=uuid_or_none(upload_id), node_id=node_id).first()
     if upload is None:
         raise ApplicationError.not_found("checkpoint upload", upload_id)
     if upload.file:
         raise ApplicationError.conflict(f"checkpoint upload {upload_id} was already received")
-    reader = upload_reader(body, length, "the state file", "a stage's state file")
+    return upload
+
+
+def _upload_name(upload: CheckpointUpload) -> str:
+    return f"checkpoints/{upload.job_id}/step-{upload.step:08d}/stage-{upload.stage_index}-{upload.pk}.safetensors"
+
+
+def _upload_keep(upload: CheckpointUpload, name: str, length: Any, sha256: str, *, arrived: int) -> CheckpointUpload:
+    """Keep the stored file `name` (`arrived` bytes, hashing to `sha256`) as the upload's, if it is the `length`
+    bytes declared and holds exactly the stage's state (checked from its header); deleted otherwise."""
     storage = checkpoint_storage()
-    name = storage.save(
-        f"checkpoints/{upload.job_id}/step-{upload.step:08d}/stage-{upload.stage_index}-{upload.pk}.safetensors",
-        File(reader),
-    )
     try:
-        if reader.received != length:
+        if arrived != length:
             raise ApplicationError.invalid(
-                "body", f"the upload ended after {reader.received} of its {length} bytes; send it again"
+                "body", f"{arrived} bytes arrived of the {length} declared; send it again"
             )
         expected = _expected_state(upload.job, upload.stage_index, upload.layer_start, upload.layer_end)
-        with storage.open(name, "rb") as handle:
-            stage_file_check(handle, length, expected)
+        handle, _ = storage_open_ranged(storage, name)
+        with handle:
+            stage_file_check(handle, arrived, expected)
         updated = CheckpointUpload.objects.filter(pk=upload.pk, file="").update(
-            file=name, sha256=reader.digest.hexdigest(), size_bytes=length
+            file=name, sha256=sha256, size_bytes=arrived
         )
         if not updated:  # received meanwhile, or withdrawn by a newer checkpoint
-            raise ApplicationError.conflict(f"checkpoint upload {upload_id} is no longer open")
+            raise ApplicationError.conflict(f"checkpoint upload {upload.pk} is no longer open")
     except CheckpointError as exc:
         files_delete([name])
         raise ApplicationError.invalid("body", str(exc)) from exc
@@ -227,10 +296,20 @@ def _expected_state(job: Job, stage_index: int, layer_start: int, layer_end: int
 
 
 def _uploads_delete(uploads: QuerySet[CheckpointUpload]) -> None:
-    """Delete uploads and, once the transaction commits, their files."""
+    """Delete uploads and, once the transaction commits, their files and the multipart uploads their agents left
+    open in an S3 bucket (an agent that died mid-upload)."""
     names = [n for n in uploads.values_list("file", flat=True) if n]
+    unreceived = [_upload_name(u) for u in uploads.filter(file="")]
     uploads.delete()
     transaction.on_commit(lambda: files_delete(names))
+    transaction.on_commit(lambda: _multipart_uploads_abort(unreceived))
+
+
+def _multipart_uploads_abort(names: list[str]) -> None:
+    storage = checkpoint_storage()
+    for name in names:
+        if (target := s3_of(storage, name)) is not None:
+            multipart_abort(target)
 
 
 def checkpoint_trusted(*, job: Job, node_ids: Collection[str]) -> Checkpoint | None:
@@ -284,6 +363,13 @@ def stage_checkpoint_for_node(*, node_id: Any, stage_checkpoint_id: str) -> Stag
     ).exists():
         raise ApplicationError.not_found("checkpoint", stage_checkpoint_id)
     return sc
+
+
+def stage_checkpoint_url(sc: StageCheckpoint) -> str | None:
+    """A presigned URL the agent GETs the stage checkpoint's file from, straight from the S3 bucket; None when
+    the checkpoint storage is no S3 bucket (the control plane then serves it: stage_checkpoint_open)."""
+    target = s3_of(checkpoint_storage(), sc.file.name)
+    return None if target is None else presigned_get(target)
 
 
 def stage_checkpoint_open(sc: StageCheckpoint) -> BinaryIO:

@@ -54,7 +54,10 @@ TENANT_COLLECTIONS = {"job-list", "job-estimate", "node-list", "market-prices", 
 # rotation replaces the very credentials the attacker calls with).
 OWN_ACCOUNT = {"token-rotate", "password-change"}
 # The node-agent protocol (`Authorization: Node <token>`): objects addressed by id are the caller node's only.
-AGENT_OBJECTS = {"agent-checkpoint", "agent-checkpoint-upload", "agent-initial-weights", "agent-program"}
+AGENT_OBJECTS = {
+    "agent-checkpoint", "agent-checkpoint-upload", "agent-checkpoint-upload-parts",
+    "agent-checkpoint-upload-parts-complete", "agent-initial-weights", "agent-program",
+}
 # Act on (or read) the calling node itself.
 AGENT_OWN = {"agent-challenge", "agent-register", "agent-heartbeat", "agent-probe", "agent-leave", "agent-earnings"}
 # The Django admin (staff sessions), the sign-up page, and the dashboard's pages and live documents (session

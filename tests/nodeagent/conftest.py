@@ -73,6 +73,8 @@ class FakeControlPlane:
                 reply = {"bytes": len(body)}
             elif path == "/api/agent/leave":  # the stages move once a test empties `assignments`
                 reply = {"node_id": "node-1", "stages": len(self.assignments)}
+            elif path.endswith("/parts"):  # a checkpoint storage that is no S3 bucket: the file is PUT here
+                reply = {"multipart_id": None}
             else:
                 return 404, b"{}"
         return 200, json.dumps(reply).encode()

@@ -62,12 +62,14 @@ class LiveNode:
 
     def upload_state(
         self, path: str, size: int, chunks: Callable[[], Iterable[bytes | memoryview]], seconds: float
-    ) -> None:
+    ) -> str:
         """What the agent's PUT of its state does, through the service behind that endpoint (the state of these
         tests' small models held in memory here)."""
         body = io.BytesIO(b"".join(bytes(chunk) for chunk in chunks()))
-        checkpoint_upload_receive(node_id=self.node.pk, upload_id=path.rstrip("/").rsplit("/", 1)[-1], body=body,
-                                  length=size)
+        upload = checkpoint_upload_receive(
+            node_id=self.node.pk, upload_id=path.rstrip("/").rsplit("/", 1)[-1], body=body, length=size
+        )
+        return upload.sha256
 
     def sync(self) -> None:
         observed = [ObservedStage(**o) for o in self.agent.observed()]

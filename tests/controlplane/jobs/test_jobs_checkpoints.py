@@ -6,15 +6,18 @@ from __future__ import annotations
 import io
 import json
 import os
+import socket
 import struct
 import tarfile
 import tempfile
+import threading
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 import torch
 from django.db import IntegrityError
 from django.utils import timezone
@@ -22,9 +25,9 @@ from prometheus_client import REGISTRY
 from rest_framework.test import APIClient
 from transformers import AutoTokenizer
 
-from arceus.checkpoint import checkpoint_digest, decode_checkpoint, encode_checkpoint
+from arceus.checkpoint import checkpoint_digest, decode_checkpoint, encode_checkpoint, state_chunks
 from arceus.cli import main as cli_main
-from arceus.contracts.assignment import Assignment
+from arceus.contracts.assignment import Assignment, CheckpointRef
 from arceus.data.tokenizer import train_bpe
 from arceus.model.build import build_layers, named_global_parameters
 from arceus.model.registry import model_spec_from_config
@@ -55,9 +58,10 @@ from controlplane.jobs.models import (
 from controlplane.jobs.selectors import job_stage_endpoints
 from controlplane.jobs.services import job_cancel
 from controlplane.nodes.models import Node
-from controlplane.nodes.services import node_create
+from controlplane.nodes.services import node_create, node_token_rotate
 from controlplane.settings import checkpoint_storage_settings
 from devtools.pipeline import identity_for
+from nodeagent.control_plane import ControlPlaneClient
 from tests.controlplane.conftest import S3Server
 from tests.controlplane.datasets.test_datasets_api import upload as upload_dataset
 
@@ -697,8 +701,8 @@ def test_checkpoints_live_in_an_s3_bucket_when_one_is_configured(running_job: Jo
     node = Stage.objects.get(job=running_job, index=0).node
     client = next(c for n, c in agents if n.pk == node.pk)
     response = client.get(f"/api/agent/checkpoints/{sc.id}")
-    assert response.status_code == 200
-    data = b"".join(response.streaming_content)
+    assert response.status_code == 307  # to the bucket itself: the control plane signs, it does not carry
+    data = requests.get(response["Location"], timeout=10).content
     assert checkpoint_digest(data) == sc.sha256 == response["X-Checkpoint-SHA256"]
     torch.testing.assert_close(decode_checkpoint(data)["layers.0.weight"], stage_tensors(0, 10)["layers.0.weight"])
     model = b"".join(job_model_file(job=running_job).chunks)
@@ -712,3 +716,150 @@ def test_agents_upload_their_state_into_the_s3_bucket(running_job: Job, agents, 
     assert keys == sorted(sc.file.name for sc in checkpoint.stages.all()) and len(keys) == 3
     model = b"".join(job_model_file(job=running_job).chunks)
     torch.testing.assert_close(decode_checkpoint(model)["layers.2.weight"], stage_tensors(2, 10)["layers.2.weight"])
+
+
+def multipart_uploads(bucket: Any) -> list[str]:
+    return [u["Key"] for u in bucket.list_multipart_uploads(Bucket="arceus-checkpoints").get("Uploads", [])]
+
+
+def start_parts(client: APIClient, upload: CheckpointUpload, size: int) -> Any:
+    return client.post(f"/api/agent/checkpoint-uploads/{upload.pk}/parts", {"size_bytes": size}, format="json")
+
+
+def complete_parts(client: APIClient, upload: CheckpointUpload, **body: Any) -> Any:
+    return client.post(f"/api/agent/checkpoint-uploads/{upload.pk}/parts/complete", body, format="json")
+
+
+def test_an_agent_sends_its_parts_to_the_bucket_and_the_control_plane_checks_what_arrived(
+    running_job: Job, agents, s3_bucket
+) -> None:
+    uploads = open_uploads(running_job, 10)
+    upload = uploads[1]
+    owner, stranger = client_of(agents, upload.node_id), client_of(agents, uploads[0].node_id)
+    data = encode_checkpoint(stage_tensors(1, 10))
+    assert start_parts(stranger, upload, len(data)).status_code == 404  # nobody touches what is not theirs
+    assert start_parts(owner, upload, 0).status_code == 400
+    started = start_parts(owner, upload, len(data)).json()
+    assert len(started["part_urls"]) == 1 and requests.put(started["part_urls"][0], data=data, timeout=10).ok
+    digest = checkpoint_digest(data)
+    complete = {"multipart_id": started["multipart_id"], "sha256": digest}
+    assert complete_parts(stranger, upload, **complete, size_bytes=len(data)).status_code == 404
+    refused = complete_parts(owner, upload, **complete, size_bytes=len(data) + 1)  # not what the bucket holds
+    assert refused.status_code == 400
+    assert f"{len(data)} bytes arrived of the {len(data) + 1}" in refused.json()["detail"]
+    assert "Contents" not in s3_bucket.list_objects_v2(Bucket="arceus-checkpoints")  # nothing refused is kept
+
+    bad = encode_checkpoint(tampered("a wrong shape"))
+    started = start_parts(owner, upload, len(bad)).json()
+    requests.put(started["part_urls"][0], data=bad, timeout=10)
+    refused = complete_parts(owner, upload, multipart_id=started["multipart_id"], sha256=digest, size_bytes=len(bad))
+    assert refused.status_code == 400 and "layers.1.weight: expected float32 [16, 32]" in refused.json()["detail"]
+
+    started = start_parts(owner, upload, len(data)).json()
+    requests.put(started["part_urls"][0], data=data, timeout=10)
+    another = start_parts(client_of(agents, uploads[0].node_id), uploads[0], 64).json()["multipart_id"]
+    wrong = complete_parts(owner, upload, multipart_id=another, sha256=digest, size_bytes=len(data))  # not its own
+    assert wrong.status_code == 409 and f"no multipart upload {another} is open" in wrong.json()["detail"]
+    done = complete_parts(owner, upload, multipart_id=started["multipart_id"], sha256=digest, size_bytes=len(data))
+    assert done.status_code == 201 and done.json() == {"sha256": digest, "size_bytes": len(data)}
+    assert "already received" in complete_parts(owner, upload, **complete, size_bytes=len(data)).json()["detail"]
+    owner.delete(f"/api/agent/checkpoint-uploads/{upload.pk}/parts?multipart_id={another}")  # not its upload's
+    assert len(multipart_uploads(s3_bucket)) == 1
+    stranger.delete(f"/api/agent/checkpoint-uploads/{uploads[0].pk}/parts?multipart_id={another}")
+    assert multipart_uploads(s3_bucket) == []
+
+
+def test_a_failed_direct_upload_is_aborted_and_a_dead_agents_is_aborted_by_the_next_checkpoint(
+    running_job: Job, agents, s3_bucket, django_capture_on_commit_callbacks
+) -> None:
+    uploads = open_uploads(running_job, 10)
+    owner = client_of(agents, uploads[0].node_id)
+    started = start_parts(owner, uploads[0], 1000).json()
+    assert owner.delete(
+        f"/api/agent/checkpoint-uploads/{uploads[0].pk}/parts?multipart_id={started['multipart_id']}"
+    ).status_code == 204
+    start_parts(owner, uploads[0], 1000)  # its agent dies before it completes
+    assert len(multipart_uploads(s3_bucket)) == 1
+    with django_capture_on_commit_callbacks(execute=True):
+        assert open_uploads(running_job, 20) is not None
+    assert multipart_uploads(s3_bucket) == []
+
+
+class CountingRelay:
+    """A TCP relay on loopback in front of a server: every byte either way passes it and is counted."""
+
+    def __init__(self, url: str) -> None:
+        self._target = ("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self.bytes = 0
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(self._target)
+            for source, sink in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(1 << 16):
+                with self._lock:
+                    self.bytes += len(data)
+                sink.sendall(data)
+        except OSError:
+            pass
+        finally:
+            sink.close()
+            source.close()
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_stage_over_256_mib_checkpoints_through_the_bucket_with_under_1_mib_through_the_web_server(
+    live_server, user, agents, queued_job, s3_bucket
+) -> None:
+    width = 600_000  # stage 0: a 64 -> 600,000 layer, its weights and SGD momentum: 312 MB
+    job = queued_job(model_config={"type": "mlp", "layer_sizes": [64, width, 1, 10]})
+    reconcile_once()
+    Job.objects.filter(pk=job.pk).update(status="running")
+    assert job_driver_claim(job_id=job.id, owner=DRIVER, now=timezone.now()) is not None
+    job.refresh_from_db()
+    uploads = open_uploads(job, 10)
+    upload = uploads[0]
+    token = node_token_rotate(node=Node.objects.get(pk=upload.node_id), user=user)
+
+    def stage_state(index: int, rows: int, cols: int, value: float) -> dict[str, torch.Tensor]:
+        weight, bias = torch.full((rows, cols), value), torch.full((rows,), -value)
+        return {f"layers.{index}.weight": weight, f"layers.{index}.bias": bias,
+                f"optimizer.layers.{index}.weight.momentum_buffer": weight.clone(),
+                f"optimizer.layers.{index}.bias.momentum_buffer": bias.clone()}
+
+    state = stage_state(0, width, 64, 0.25)
+    size = state_chunks(state)[0]
+    assert size > 256 << 20
+    others = [state_file(i, i, i + 1, encode_checkpoint(stage_state(i, *shape, 0.0)))
+              for i, shape in ((1, (1, width)), (2, (10, 1)))]
+
+    relay = CountingRelay(live_server.url)  # the agent reaches the web server only through it
+    try:
+        agent = ControlPlaneClient(relay.url, token, timeout=60)
+        path = f"/api/agent/checkpoint-uploads/{upload.pk}"
+        sha256 = agent.upload_state(path, size, lambda: state_chunks(state)[1], 300)
+        reported = StageStateFile(0, 0, 1, None, sha256, size, upload_id=str(upload.pk))
+        checkpoint = save(job, 10, files=[reported, *others])
+        sc = checkpoint.stages.get(stage_index=0)
+        loaded = agent.fetch_checkpoint(CheckpointRef(10, f"/api/agent/checkpoints/{sc.pk}", sc.sha256))
+    finally:
+        relay.close()
+    assert relay.bytes < 1 << 20, f"{relay.bytes} bytes went through the web server"
+    assert (sc.size_bytes, sc.sha256) == (size, sha256)
+    torch.testing.assert_close(loaded["layers.0.bias"], state["layers.0.bias"])
+    assert multipart_uploads(s3_bucket) == []

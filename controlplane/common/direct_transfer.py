@@ -1,0 +1,120 @@
+"""Files that move between an agent and an S3-compatible storage directly: the control plane signs each
+request (presigned URLs, valid for TRANSFER_SECONDS, each for one object and one operation), it never carries
+the bytes. A multipart upload is started, completed and aborted by the control plane; the agent PUTs its parts
+to their presigned URLs (a failed part is sent again to the same URL). With any other storage (the filesystem)
+nothing is signed: `s3_of` is None and callers keep streaming through the control plane.
+
+The URLs name the storage's endpoint (AWS_S3_ENDPOINT_URL): agents must reach it."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from botocore.exceptions import ClientError
+from django.core.files.storage import Storage
+
+from controlplane.common.errors import ApplicationError
+
+# How long a presigned URL works: one stage's upload or download, at a slow node's bandwidth.
+TRANSFER_SECONDS = 6 * 3600
+# Parts of a multipart upload: S3 takes at most 10,000, each but the last at least 5 MiB; 64 MiB bounds the
+# uploader's buffer (one part) and keeps a 16 GB stage at 256 requests.
+PART_BYTES = 64 << 20
+MAX_PARTS = 10_000
+
+
+@dataclass(frozen=True)
+class S3Object:
+    client: Any  # boto3's S3 client, with the storage's endpoint and credentials
+    bucket: str
+    key: str
+
+
+@dataclass(frozen=True)
+class MultipartUpload:
+    upload_id: str
+    part_bytes: int  # every part's size but the last's
+    part_urls: list[str]  # PUT part i+1's bytes to part_urls[i]
+
+
+def s3_of(storage: Storage, name: str) -> S3Object | None:
+    """The S3 object a storage keeps `name` in, or None for a storage that is no S3 bucket (django-storages'
+    S3Storage is recognised by its boto3 connection, so a deployment without django-storages still loads)."""
+    connection = getattr(storage, "connection", None)
+    bucket = getattr(storage, "bucket_name", None)
+    if connection is None or not bucket:
+        return None
+    location = getattr(storage, "location", "").strip("/")
+    return S3Object(connection.meta.client, bucket, f"{location}/{name}" if location else name)
+
+
+def multipart_start(target: S3Object, size_bytes: int) -> MultipartUpload:
+    """A multipart upload of `size_bytes` bytes into `target`, with a presigned URL for each part."""
+    part_bytes = max(PART_BYTES, math.ceil(size_bytes / MAX_PARTS))
+    parts = max(1, math.ceil(size_bytes / part_bytes))
+    upload_id = _s3(lambda: target.client.create_multipart_upload(Bucket=target.bucket, Key=target.key))["UploadId"]
+    urls = [
+        target.client.generate_presigned_url(
+            "upload_part",
+            Params={"Bucket": target.bucket, "Key": target.key, "UploadId": upload_id, "PartNumber": number},
+            ExpiresIn=TRANSFER_SECONDS,
+        )
+        for number in range(1, parts + 1)
+    ]
+    return MultipartUpload(upload_id, part_bytes, urls)
+
+
+def multipart_complete(target: S3Object, upload_id: str) -> int:
+    """Complete the multipart upload `upload_id` of `target` from the parts the storage holds (listed there,
+    never taken from the uploader's word); the object's size as the storage answers it. An id of another
+    object's upload is refused here (not every S3-compatible server binds an upload id to its key)."""
+    if upload_id not in _open_uploads(target):
+        raise ApplicationError.conflict(f"no multipart upload {upload_id} is open for this file")
+
+    def parts() -> list[dict[str, Any]]:
+        pages = target.client.get_paginator("list_parts").paginate(
+            Bucket=target.bucket, Key=target.key, UploadId=upload_id
+        )
+        return [{"PartNumber": p["PartNumber"], "ETag": p["ETag"]} for page in pages for p in page.get("Parts", [])]
+
+    listed = _s3(parts)
+    if not listed:
+        raise ApplicationError.conflict(f"multipart upload {upload_id} holds no part: send its parts first")
+    _s3(lambda: target.client.complete_multipart_upload(
+        Bucket=target.bucket, Key=target.key, UploadId=upload_id, MultipartUpload={"Parts": listed}
+    ))
+    return int(_s3(lambda: target.client.head_object(Bucket=target.bucket, Key=target.key))["ContentLength"])
+
+
+def multipart_abort(target: S3Object, upload_id: str | None = None) -> None:
+    """Abort the multipart upload `upload_id` of `target`, or (None) every one still open for it, so no parts
+    are left stored (and billed) unseen."""
+    ids = _open_uploads(target)
+    for each in ids if upload_id is None else [upload_id] if upload_id in ids else []:
+        _s3(lambda each=each: target.client.abort_multipart_upload(Bucket=target.bucket, Key=target.key, UploadId=each))
+
+
+def _open_uploads(target: S3Object) -> list[str]:
+    """The ids of the multipart uploads open for `target`'s key."""
+    listed = _s3(lambda: target.client.list_multipart_uploads(Bucket=target.bucket, Prefix=target.key))
+    return [u["UploadId"] for u in listed.get("Uploads", []) if u["Key"] == target.key]
+
+
+def presigned_get(target: S3Object) -> str:
+    """A URL that GETs `target`'s bytes straight from the storage."""
+    return target.client.generate_presigned_url(
+        "get_object", Params={"Bucket": target.bucket, "Key": target.key}, ExpiresIn=TRANSFER_SECONDS
+    )
+
+
+def _s3(call: Any) -> Any:
+    """`call()`, an S3 request; the storage's refusal of it (no such upload, a part too small) as a 409."""
+    try:
+        return call()
+    except ClientError as exc:
+        error = exc.response.get("Error", {})
+        raise ApplicationError.conflict(
+            f"the checkpoint storage refused it: {error.get('Code', '?')}: {error.get('Message', '')}".rstrip(": ")
+        ) from exc
