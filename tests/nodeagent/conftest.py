@@ -31,6 +31,10 @@ class FakeControlPlane:
     requests: list[tuple[str, dict[str, str], Any]] = field(default_factory=list)
     uploads: dict[str, bytes] = field(default_factory=dict)  # path -> body of each PUT
     failed_uploads: int = 0  # the next this many PUTs are read whole, then answered 500 (and not kept)
+    # Set: the checkpoint storage is an S3 bucket, parts of this many bytes go to presigned URLs /bucket/<n>
+    # (here: PUTs without the node token), which fail the next `failed_parts` times.
+    part_bytes: int | None = None
+    failed_parts: int = 0
     earnings: dict[str, Any] = field(default_factory=dict)  # what GET /api/agent/earnings answers
     downloads: dict[str, bytes] = field(default_factory=dict)  # path with its query -> what a GET of it answers
     challenges: list[str] = field(default_factory=list)  # issued to registering agents, newest last
@@ -73,8 +77,14 @@ class FakeControlPlane:
                 reply = {"bytes": len(body)}
             elif path == "/api/agent/leave":  # the stages move once a test empties `assignments`
                 reply = {"node_id": "node-1", "stages": len(self.assignments)}
-            elif path.endswith("/parts"):  # a checkpoint storage that is no S3 bucket: the file is PUT here
+            elif path.endswith("/parts") and self.part_bytes is None:  # no S3 bucket: the file is PUT to the upload
                 reply = {"multipart_id": None}
+            elif path.endswith("/parts"):
+                parts = -(-body["size_bytes"] // self.part_bytes)
+                urls = [f"{self.url}/bucket/{n}" for n in range(1, parts + 1)]
+                reply = {"multipart_id": "m-1", "part_bytes": self.part_bytes, "part_urls": urls}
+            elif path.endswith("/parts/complete"):
+                reply = {"sha256": body["sha256"], "size_bytes": body["size_bytes"]}
             else:
                 return 404, b"{}"
         return 200, json.dumps(reply).encode()
@@ -116,13 +126,23 @@ def control_plane() -> Iterator[FakeControlPlane]:
             with fake.lock:
                 fake.requests.append((self.path, dict(self.headers), None))
                 authorized = self.headers.get("Authorization") == f"Node {fake.token}"
-                failing = authorized and fake.failed_uploads > 0
-                if failing:
-                    fake.failed_uploads -= 1
-                elif authorized:
+                if self.path.startswith("/bucket/"):  # a presigned URL: the signature is its authority
+                    authorized = "Authorization" not in self.headers
+                    failing = fake.failed_parts > 0
+                    fake.failed_parts -= failing
+                else:
+                    failing = authorized and fake.failed_uploads > 0
+                    fake.failed_uploads -= failing
+                if authorized and not failing:
                     fake.uploads[self.path] = body
             self.send_response(500 if failing else 201 if authorized else 401)
             self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_DELETE(self) -> None:  # noqa: N802 - http.server's naming
+            with fake.lock:
+                fake.requests.append((self.path, dict(self.headers), None))
+            self.send_response(204)
             self.end_headers()
 
         def log_message(self, *args: object) -> None:

@@ -33,6 +33,7 @@ from nodeagent.control_plane import (
     register_until_accepted,
 )
 from nodeagent.control_plane_http import ControlPlaneError, Unauthorized
+from nodeagent.stage import StateUploadError
 from tests.arceus.model.test_llama_model import SMALL
 
 ASSIGNMENT = pipeline_assignments(
@@ -309,3 +310,24 @@ def test_the_agent_downloads_only_its_layers_of_uploaded_weights_and_checks_each
         client.fetch_initial_weights(forged, 1, 3, bound)
     with pytest.raises(ControlPlaneError, match="more than the 100 bytes expected"):
         client.fetch_initial_weights(ref, 1, 3, 100)
+
+
+def test_a_state_goes_to_the_bucket_in_parts_a_failed_part_sent_again_without_the_node_token(control_plane) -> None:  # noqa: ANN001
+    control_plane.part_bytes, control_plane.failed_parts = 1000, 1
+    data = bytes(range(256)) * 10  # 2,560 bytes: three parts
+    client = ControlPlaneClient(control_plane.url, control_plane.token)
+    sha256 = client.upload_state("/api/agent/checkpoint-uploads/u-1", len(data), lambda: [data[:700], data[700:]], 30)
+    assert sha256 == checkpoint_digest(data)
+    sent = [path for path, _, _ in control_plane.requests]
+    assert sent == ["/api/agent/checkpoint-uploads/u-1/parts", "/bucket/1", "/bucket/1", "/bucket/2", "/bucket/3",
+                    "/api/agent/checkpoint-uploads/u-1/parts/complete"]
+    assert b"".join(control_plane.uploads[f"/bucket/{n}"] for n in (1, 2, 3)) == data
+    assert all(path.startswith("/bucket/") for path in control_plane.uploads)  # the node token went nowhere else
+
+
+def test_a_direct_upload_that_keeps_failing_is_aborted(control_plane) -> None:  # noqa: ANN001
+    control_plane.part_bytes, control_plane.failed_parts = 1000, 100
+    client = ControlPlaneClient(control_plane.url, control_plane.token)
+    with pytest.raises(StateUploadError, match="PUT part 1 of 1 → HTTP 500"):
+        client.upload_state("/api/agent/checkpoint-uploads/u-1", 10, lambda: [b"0123456789"], 2)
+    assert control_plane.requests[-1][0] == "/api/agent/checkpoint-uploads/u-1/parts?multipart_id=m-1"
