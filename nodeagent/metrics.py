@@ -229,10 +229,12 @@ class AgentMetrics:
         return guarded
 
     def stop(self) -> None:
-        if self._server is not None and self._thread is not None:
-            self._server.stop()
-            self._thread.join()
-            self._server.server_close()
+        """Stop serving scrapes; a second call (an agent stopped twice) does nothing."""
+        server, thread, self._server, self._thread = self._server, self._thread, None, None
+        if server is not None and thread is not None:
+            server.stop()
+            thread.join()
+            server.server_close()
 
 
 def _presented_tokens(environ: dict[str, Any]) -> list[str]:

@@ -51,3 +51,12 @@ def test_connections_beyond_the_most_are_closed_and_idle_ones_time_out(served: i
             connection.close()
     scraped = requests.get(f"http://127.0.0.1:{served}/metrics", params={"token": TOKEN}, timeout=5)
     assert scraped.status_code == 200 and "arceus_stage_assigned" in scraped.text
+
+
+def test_stopping_twice_stops_once_and_frees_the_port() -> None:
+    metrics = AgentMetrics(torch.device("cpu"))
+    port = metrics.serve("127.0.0.1", 0)
+    metrics.stop()
+    metrics.stop()  # an agent stopped by its fixture after its own stop: no error
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
