@@ -8,9 +8,11 @@ tensor signed again (sent again to another replica, or exchanged again among the
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
+from arceus.contracts.assignment import Assignment
 from arceus.swarm.exchange import Chunk
 from arceus.v1 import stage_pb2
 from arceus.verify.receipts import (
@@ -25,13 +27,22 @@ from arceus.verify.receipts import (
 )
 from arceus.verify.tensor_digest import tensor_digest
 from arceus.wire.compression import Encoded, decode_payload
-from nodeagent.stage import HostedStage
 from nodeagent.verify import AuditRecord
+
+
+class AuditedStage(Protocol):
+    """What a step's audit reads and resets of its stage (nodeagent.stage.HostedStage): named here, not imported,
+    as the stage holds a repaired step's audit (nodeagent.repair) and would import this module back."""
+
+    assignment: Assignment
+    audit_record: AuditRecord | None
+
+    def ref(self, stage_index: int, replica: int = 0) -> stage_pb2.StageRef: ...
 
 
 class StepAudit:
     def __init__(
-        self, stage: HostedStage, step: int, signer: ReceiptSigner, *, retain: bool, train_step: int,
+        self, stage: AuditedStage, step: int, signer: ReceiptSigner, *, retain: bool, train_step: int,
         replica_of: Callable[[int, int], int] | None = None,
     ) -> None:
         """`train_step`: the training step the call `step` runs (a retained record keeps it: it seeds the draws).
