@@ -10,6 +10,7 @@ import json
 import logging
 import threading
 import time
+import traceback
 from collections.abc import Callable, Iterator
 
 import grpc
@@ -96,7 +97,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 log.warning("PushStream message -> %s: %s", failure.code.name, failure.message)
                 ack.code, ack.message = failure.code.value[0], failure.message
             except Exception as exc:
-                log.exception("PushStream message failed unexpectedly")
+                log.error("PushStream message failed unexpectedly\n%s", traceback.format_exc())  # (as rpc.serve)
                 ack.code = grpc.StatusCode.INTERNAL.value[0]
                 ack.message = f"PushStream failed unexpectedly: {type(exc).__name__}: {exc}"
             yield ack

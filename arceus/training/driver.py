@@ -260,7 +260,9 @@ class Pipeline:
                              self.plan.job_id, step, roster.epoch)
                 return outcome
             except DriverError as exc:
-                epoch = roster.epoch
+                # Logged as text: a record holding the exception would hold, through its traceback, this step's
+                # frames (and the caller's) in any handler that keeps records (pytest's), and so what they hold.
+                epoch, failure = roster.epoch, str(exc)
                 lost = self._drop_lost(roster, exc)
                 # What the driver's pushes delivered is known once they settle (one to a silent replica may not).
                 futures.wait([future for _, future in pushes], timeout=LIVENESS_SECONDS)
@@ -268,13 +270,13 @@ class Pipeline:
                 repair, why = self._plan_repair(step, routes, lost, epoch, train=train)
                 if repair is None:
                     log.warning("job %s lost replicas %s in step %d (%s); running it again without them: %s",
-                                self.plan.job_id, lost, step, exc, why)
+                                self.plan.job_id, lost, step, failure, why)
                     failed.append(step)
                     step, delivered = next(self._call_ids), set()
                     continue
                 moved = sum(len(i.recompute) for i in repair.instructions.values())
                 log.warning("job %s lost replicas %s in step %d (%s); the survivors repair it: %d micro-batches "
-                            "recomputed, nothing else", self.plan.job_id, lost, step, exc, moved)
+                            "recomputed, nothing else", self.plan.job_id, lost, step, failure, moved)
 
     def _routes(self, roster: ReplicaRoster, n: int, *, train: bool) -> Routes:
         """A step's routes over the roster's members, by their speeds (an evaluation of a batch with fewer
@@ -411,7 +413,7 @@ class Pipeline:
                 roster.add(endpoint, self.plan.micro_batches)
             except (grpc.RpcError, ValueError) as exc:
                 client.close()
-                log.warning("job %s: stage %d replica %d cannot join now: %s", self.plan.job_id, *key, exc)
+                log.warning("job %s: stage %d replica %d cannot join now: %s", self.plan.job_id, *key, str(exc))
                 continue
             self.replica_clients[key] = client
             log.info("job %s: stage %d replica %d joined with %d bytes of state (sha256 %s) from replica %d",
@@ -684,7 +686,7 @@ def _train(plan: TrainPlan, sink: ProgressSink, dataset: dict, train_set: Sample
                         raise DriverError(str(exc), stage_index=exc.stage_index) from exc
                     except DriverError as exc:  # re-raised unless a replica was lost
                         log.warning("job %s lost replicas %s before the checkpoint of step %d (%s); saving from "
-                                    "the others", plan.job_id, pipeline.drop_lost_replicas(exc), step, exc)
+                                    "the others", plan.job_id, pipeline.drop_lost_replicas(exc), step, str(exc))
 
         for epoch in range(first_epoch, plan.epochs + 1):
             batches = epoch_batches(len(train_set), batch_size, plan.seed, epoch)
