@@ -262,6 +262,10 @@ class StepRun:
         index = stage.io.stage_index
         own = self.held.partial if self.held is not None else None  # kept for a repair: the same vector
         partial = stage.runtime.gradient_vector() if own is None else own
+        # The gradients become views of the partial (theirs freed; the same values) until the sum replaces them:
+        # the exchange holds two gradient-sized vectors (the partial, the sum), not three. Nothing writes the
+        # gradients in between, so the partial a repair or an audit keeps stays as it was.
+        stage.runtime.set_gradient_vector(partial)
         self.audit.partial(partial)
         retained = self.audit.record is not None
         reduced = stage.exchange.exchange(
