@@ -41,6 +41,8 @@ from controlplane.nodes.serializers import (
     AgentLeftOutput,
     AgentRegisteredOutput,
     AgentRegisterInput,
+    CheckpointPartsCompleteInput,
+    CheckpointPartsStartInput,
 )
 
 
@@ -257,10 +259,12 @@ class AgentCheckpointPartsApi(AgentApi):
     `{"multipart_id", "part_bytes", "part_urls"}` (PUT part i+1 to part_urls[i]), or `{"multipart_id": null}` when
     the storage is no S3 bucket (PUT the file to the upload itself); DELETE `?multipart_id=` aborts one."""
 
-    @extend_schema(request=dict, responses={201: dict, 200: dict, 409: ErrorOutput})
+    @extend_schema(request=CheckpointPartsStartInput, responses={201: dict, 200: dict, 409: ErrorOutput})
     def post(self, request: Request, upload_id: str) -> Response:
+        data = CheckpointPartsStartInput(data=request.data)
+        data.is_valid(raise_exception=True)
         started = checkpoint_upload_direct_start(
-            node_id=request.auth.id, upload_id=upload_id, size_bytes=request.data.get("size_bytes")
+            node_id=request.auth.id, upload_id=upload_id, size_bytes=data.validated_data["size_bytes"]
         )
         if started is None:
             return Response({"multipart_id": None})
@@ -279,13 +283,9 @@ class AgentCheckpointPartsCompleteApi(AgentApi):
     """The agent has sent every part: `{"multipart_id", "sha256", "size_bytes"}`; the control plane completes the
     multipart upload and checks the object (its size, its header) before it takes it as the stage's state."""
 
-    @extend_schema(request=dict, responses={201: dict, 400: ErrorOutput, 409: ErrorOutput})
+    @extend_schema(request=CheckpointPartsCompleteInput, responses={201: dict, 400: ErrorOutput, 409: ErrorOutput})
     def post(self, request: Request, upload_id: str) -> Response:
-        upload = checkpoint_upload_direct_complete(
-            node_id=request.auth.id,
-            upload_id=upload_id,
-            multipart_id=request.data.get("multipart_id"),
-            sha256=request.data.get("sha256"),
-            size_bytes=request.data.get("size_bytes"),
-        )
+        data = CheckpointPartsCompleteInput(data=request.data)
+        data.is_valid(raise_exception=True)
+        upload = checkpoint_upload_direct_complete(node_id=request.auth.id, upload_id=upload_id, **data.validated_data)
         return Response({"sha256": upload.sha256, "size_bytes": upload.size_bytes}, status=201)

@@ -176,6 +176,17 @@ class AgentChallengeOutput(serializers.Serializer):
     expires_in_seconds = serializers.IntegerField()
 
 
+class CheckpointPartsStartInput(StrictInputSerializer):
+    size_bytes = StrictIntegerField(min_value=1, help_text="The size of the stage's state file the agent will send")
+
+
+class CheckpointPartsCompleteInput(StrictInputSerializer):
+    multipart_id = serializers.CharField(max_length=1024, help_text="What the upload's start answered")
+    sha256 = serializers.RegexField(
+        r"^[0-9a-f]{64}$", help_text="The SHA-256 of the file sent: 64 lowercase hex digits")
+    size_bytes = StrictIntegerField(min_value=1)
+
+
 class AgentRegisterInput(serializers.Serializer):
     grpc_address = serializers.CharField(max_length=255, validators=[validate_grpc_address])
     lan_address = serializers.CharField(

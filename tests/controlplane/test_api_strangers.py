@@ -78,6 +78,9 @@ BODIES: dict[str, Any] = {
     "job-serve": {"serving": True},
     "node-list": {"name": "mine"},
     "dataset-list": {"name": "mine", "format": "text", "size_bytes": 10, "sha256": "ef" * 32},
+    # Valid bodies, so that only the upload's owner can be why a stranger's call is refused.
+    "agent-checkpoint-upload-parts": {"size_bytes": 10},
+    "agent-checkpoint-upload-parts-complete": {"multipart_id": "theirs", "sha256": "ab" * 32, "size_bytes": 10},
     "node-controls": {"max_threads": 1},
     "agent-heartbeat": {"observed": []},
     "agent-probe": {},
