@@ -83,3 +83,13 @@ class TextModelSpec(ModelSpec, Protocol):
 
     @property
     def block_size(self) -> int: ...
+
+
+def split_global_param_name(name: str) -> tuple[int, str]:
+    """A model-wide parameter name ("layers.2.weight", arceus.model.build.global_param_name) as its layer index and
+    its name in the layer (2, "weight"); ValueError for a name of another form. Here, torch-free, for the
+    architectures' Hugging Face name maps."""
+    prefix, layer, rest = (name.split(".", 2) + ["", ""])[:3]
+    if prefix != "layers" or not layer.isdigit() or not rest:
+        raise ValueError(f"{name!r} is not a pipeline parameter name (layers.<i>.<name>)")
+    return int(layer), rest

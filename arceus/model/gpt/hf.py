@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from arceus.model.gpt.spec import GPTSpec
+from arceus.model.spec import split_global_param_name
 
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
@@ -50,10 +51,7 @@ def hf_config(spec: GPTSpec) -> dict[str, Any]:
 
 def hf_name(spec: GPTSpec, name: str) -> str:
     """The `GPT2LMHeadModel` name of the pipeline parameter `name`; ValueError for a name the model lacks."""
-    prefix, layer, rest = (name.split(".", 2) + ["", ""])[:3]
-    if prefix != "layers" or not layer.isdigit() or not rest:
-        raise ValueError(f"{name!r} is not a pipeline parameter name (layers.<i>.<name>)")
-    index = int(layer)
+    index, rest = split_global_param_name(name)
     if index == 0 and rest in ("wte.weight", "wpe.weight"):
         return f"transformer.{rest}"
     if index == spec.num_layers - 1 and rest in ("ln_f.weight", "ln_f.bias", "lm_head.weight"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from arceus.model.llama.spec import LlamaSpec
+from arceus.model.spec import split_global_param_name
 
 # `HuggingFaceFormat.computes`: LlamaConfig's defaults of the keys that change the function but no shape.
 HF_COMPUTES = {
@@ -44,10 +45,7 @@ def hf_config(spec: LlamaSpec) -> dict[str, Any]:
 
 def hf_name(spec: LlamaSpec, name: str) -> str:
     """The `LlamaForCausalLM` name of the pipeline parameter `name`; ValueError for a name the model lacks."""
-    prefix, layer, rest = (name.split(".", 2) + ["", ""])[:3]
-    if prefix != "layers" or not layer.isdigit() or not rest:
-        raise ValueError(f"{name!r} is not a pipeline parameter name (layers.<i>.<name>)")
-    index = int(layer)
+    index, rest = split_global_param_name(name)
     if index == 0 and rest == "embed_tokens.weight":
         return f"model.{rest}"
     if index == spec.num_layers - 1 and rest in ("norm.weight", "lm_head.weight"):
