@@ -9,7 +9,9 @@ from pathlib import Path
 
 import requests
 from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException
 from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.support.ui import WebDriverWait
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 
@@ -29,6 +31,12 @@ def chromium(profile: Path) -> Iterator[webdriver.Chrome]:
         yield driver
     finally:
         driver.quit()
+
+
+def live_wait(browser: webdriver.Chrome, seconds: float, poll: float = 0.2) -> WebDriverWait:
+    """A wait for pages that re-render while it polls (the live job page redraws its lists; a form post reloads
+    the page): an element found by one poll and replaced before it is read is looked up again by the next."""
+    return WebDriverWait(browser, seconds, poll_frequency=poll, ignored_exceptions=(StaleElementReferenceException,))
 
 
 def console_errors(browser: webdriver.Chrome) -> list[str]:

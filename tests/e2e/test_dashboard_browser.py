@@ -13,10 +13,9 @@ import pytest
 from selenium import webdriver
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions
-from selenium.webdriver.support.ui import WebDriverWait
 
 from devtools.cluster import LocalCluster, ManageCommand
-from tests.e2e.browser import assert_styled, console_errors
+from tests.e2e.browser import assert_styled, console_errors, live_wait
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +55,7 @@ def test_a_developer_and_contributor_watch_it_live(
     shots = tmp_path / "screenshots"
     shots.mkdir()
     print(f"dashboard screenshots: {shots}")
-    wait = WebDriverWait(browser, 60, poll_frequency=0.2)
+    wait = live_wait(browser, 60)
 
     def snap(name: str) -> None:
         browser.save_screenshot(str(shots / f"{name}.png"))
@@ -99,8 +98,8 @@ def test_a_developer_and_contributor_watch_it_live(
     victim = stage_node(browser, 1)
     spare = next(name for name in agents if name not in {victim, stage_node(browser, 0)})
     cluster.crash(f"agent-{victim}")
-    WebDriverWait(browser, 90, poll_frequency=0.3).until(lambda b: stage_node(b, 1) == spare)
-    WebDriverWait(browser, 60, poll_frequency=0.3).until(
+    live_wait(browser, 90, poll=0.3).until(lambda b: stage_node(b, 1) == spare)
+    live_wait(browser, 60, poll=0.3).until(
         lambda b: any(f"stage 1 moved from {victim} to {spare}" in e.text
                       for e in b.find_elements(By.CSS_SELECTOR, "#events .event-moved")))
     snap("job-moved")

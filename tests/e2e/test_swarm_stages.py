@@ -25,11 +25,10 @@ import requests
 from selenium import webdriver
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support import expected_conditions
-from selenium.webdriver.support.ui import WebDriverWait
 
 from devtools.cluster import Agent, LocalCluster
 from devtools.reference import ReferenceRun, reference_run
-from tests.e2e.browser import console_errors
+from tests.e2e.browser import console_errors, live_wait
 
 pytestmark = pytest.mark.slow
 
@@ -295,7 +294,7 @@ def test_an_elastic_job_gains_replicas_as_nodes_register_and_its_page_shows_them
     browser.find_element(By.ID, "id_username").send_keys("demo")
     browser.find_element(By.ID, "id_password").send_keys("arceus-demo")
     browser.find_element(By.ID, "login-submit").click()
-    wait = WebDriverWait(browser, 60, poll_frequency=0.2)
+    wait = live_wait(browser, 60)
     wait.until(expected_conditions.url_matches(rf"/dashboard/jobs/{job['id']}/$"))
     wait.until(lambda b: page_text(b, "#stat-replicas") == ["1"])
 
