@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from arceus.contracts.assignment import Assignment
 from arceus.contracts.observed import ObservedStage, ObservedState
+from arceus.model.expected_state import optimizer_kind
 from arceus.placement.profiles import layer_profiles
 from arceus.placement.solver import DECODE_SESSIONS, Workload, stage_inference_memory, stage_memory
 
@@ -123,7 +124,11 @@ def stage_memory_need(assignment: Assignment) -> tuple[int, str]:
     if assignment.inference:
         return stage_inference_memory(layers, DECODE_SESSIONS), "weights and decoding caches"
     ranks = assignment.tensor_parallel.size if assignment.tensor_parallel is not None else 1
-    workload = Workload(assignment.max_micro_batch_size, assignment.micro_batches, assignment.schedule)
+    workload = Workload(
+        assignment.max_micro_batch_size, assignment.micro_batches, assignment.schedule,
+        optimizer=optimizer_kind(assignment.optimizer.name, assignment.optimizer.momentum),
+        activation_checkpointing=assignment.activation_checkpointing,
+    )
     in_flight = workload.in_flight(assignment.stage_index, assignment.num_stages)
     return stage_memory(layers, workload, ranks, in_flight), "weights, gradients, optimizer state and activations"
 

@@ -30,9 +30,9 @@ from arceus.model.autocast import autocast
 from arceus.model.buffers import BufferSteps
 from arceus.model.build import global_param_name, named_global_parameters
 from arceus.model.decoding import DecodeState, decode, decodes
-from arceus.model.expected_state import OPTIMIZER_STATE_KEYS, optimizer_kind
+from arceus.model.expected_state import OPTIMIZER_STATE_KEYS, optimizer_entry_layout, optimizer_kind
 from arceus.model.layout import TensorLayout
-from arceus.model.optimizers import make_optimizer
+from arceus.model.optimizers import load_saved_state, make_optimizer, saved_state
 from arceus.model.seeding import draw_seed, draws_random, seeded_draws
 from arceus.safetensors_file import BUFFER_PREFIX, OPTIMIZER_PREFIX
 from nodeagent.device import synchronize
@@ -310,9 +310,8 @@ class StageRuntime:
         items = [(name, p.detach()) for name, p in params]
         if include_optimizer_state and self.optimizer is not None:
             for name, param in params:
-                for key, value in self.optimizer.state.get(param, {}).items():
-                    if isinstance(value, torch.Tensor):
-                        items.append((f"{OPTIMIZER_PREFIX}{name}.{key}", value.detach()))
+                for key, value in saved_state(self.optimizer, param).items():
+                    items.append((f"{OPTIMIZER_PREFIX}{name}.{key}", value.detach()))
         if include_buffers:
             items.extend((f"{BUFFER_PREFIX}{global_param_name(n)}", b.detach()) for n, b in self.buffers.named())
         return items
@@ -348,12 +347,14 @@ class StageRuntime:
             name, _, entry = key.removeprefix(OPTIMIZER_PREFIX).rpartition(".")
             if name not in params:
                 raise ValueError(f"checkpoint optimizer entry {key} names no parameter of this stage")
-            # SGD's and Adam's per-parameter state is a 0-dim step or a tensor shaped like the parameter.
             _, shape = stored_layout(tensors, key)
-            if shape and shape != list(params[name].shape):
-                raise ValueError(
-                    f"checkpoint optimizer entry {key} is {shape}; parameter {name} is {list(params[name].shape)}"
-                )
+            if entry in OPTIMIZER_STATE_KEYS[self.optimizer_name]:
+                _, want = optimizer_entry_layout(self.optimizer_name, entry, list(params[name].shape))
+                if shape != want:
+                    raise ValueError(
+                        f"checkpoint optimizer entry {key} is {shape}; parameter {name} is "
+                        f"{list(params[name].shape)}, of which a {self.optimizer_name} optimizer keeps {entry} {want}"
+                    )
             entries.setdefault(name, set()).add(entry)
         expected = OPTIMIZER_STATE_KEYS[self.optimizer_name]
         for name, keys in entries.items():
@@ -366,14 +367,10 @@ class StageRuntime:
         with torch.no_grad():
             for name, param in params.items():
                 param.copy_(tensors[name].to(self.device))
+                # A copy of its own, one tensor at a time: the caller's mapping may share its tensors.
                 for entry in sorted(entries.get(name, ())):
                     value = tensors[f"{OPTIMIZER_PREFIX}{name}.{entry}"]
-                    # A copy of its own (one tensor at a time): the caller's mapping may share its tensors.
-                    # Adam keeps its step on the CPU unless fused or capturable: then beside its parameter.
-                    defaults = self.optimizer.defaults
-                    beside = value.dim() or defaults.get("fused") or defaults.get("capturable")
-                    device = self.device if beside else value.device
-                    self.optimizer.state[param][entry] = value.to(device, copy=True)
+                    load_saved_state(self.optimizer, param, {entry: value})
         self._load_buffers(tensors, buffers)
 
     def _buffers_check(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -22,7 +22,7 @@ from arceus.model.registry import check_tensor_parallel, model_spec_from_config
 from arceus.model.spec import ModelSpec
 from arceus.pipeline.schedule import SCHEDULES
 
-OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("sgd", "adam", "adam8bit")  # arceus.model.optimizers
 _FIELDS = frozenset(
     {
         "stage_id",
@@ -252,6 +252,12 @@ class Assignment:
             )
         if inference and tensor_parallel is not None:
             raise SpecError("assignment.inference", "a stage served for inference is one agent, never tensor-parallel")
+        optimizer = _optimizer(data["optimizer"])
+        quantized_refusal = quantized_state_refusal(
+            optimizer.name, tensor_parallel=tensor_parallel is not None, averaged=not replica_sync.exact
+        )
+        if quantized_refusal:
+            raise SpecError("assignment.optimizer.name", quantized_refusal)
         if recompute and tensor_parallel is not None:
             raise SpecError(
                 "assignment.activation_checkpointing", "a tensor-parallel stage cannot recompute its activations"
@@ -270,7 +276,7 @@ class Assignment:
             layer_start=layer_start,
             layer_end=layer_end,
             seed=_int(data, "seed", minimum=0),
-            optimizer=_optimizer(data["optimizer"]),
+            optimizer=optimizer,
             micro_batches=_int(data, "micro_batches", minimum=1),
             max_micro_batch_size=_int(data, "max_micro_batch_size", minimum=1),
             prev_address=prev_address,
@@ -437,6 +443,18 @@ def _tensor_parallel(value: Any, spec: ModelSpec) -> TensorParallelConfig | None
     except SpecError as exc:
         raise SpecError(f"assignment.{exc.field}", exc.message) from exc
     return TensorParallelConfig(rank=rank, peers=tuple(peers))
+
+
+def quantized_state_refusal(optimizer: str, *, tensor_parallel: bool, averaged: bool) -> str | None:
+    """Why a stage cannot train with `optimizer`, or None: 8-bit Adam's moments are blockwise quantized, so they
+    can neither be cut into tensor-parallel ranks' rows nor averaged between replicas that sync every few steps."""
+    if optimizer != "adam8bit":
+        return None
+    if tensor_parallel:
+        return "adam8bit keeps its moments quantized in blocks that a tensor-parallel split would cut: use adam"
+    if averaged:
+        return "adam8bit's quantized moments cannot be averaged between replicas that sync every few steps: use adam"
+    return None
 
 
 def _optimizer(value: Any) -> OptimizerConfig:

@@ -33,18 +33,36 @@ OPTIMIZER_STATE_KEYS = {
     "sgd": frozenset(),
     "sgd-momentum": frozenset({"momentum_buffer"}),
     "adam": frozenset({"step", "exp_avg", "exp_avg_sq"}),
+    # bitsandbytes' blockwise 8-bit Adam (`arceus.model.optimizers`): each moment one byte an element
+    # ("state1", "state2") and a float32 scale per block ("absmax1", "absmax2").
+    "adam8bit": frozenset({"step", "state1", "state2", "absmax1", "absmax2"}),
 }
+ADAM8BIT_BLOCK = 256  # elements per float32 scale of an 8-bit moment
 # Adam's step counter: a float32 scalar (torch keeps it as a tensor); every other entry is shaped like
-# its parameter.
+# its parameter, float32 (8-bit Adam's: `optimizer_entry_layout`).
 _STEP = "step"
 _STEP_LAYOUT: Layout = ("F32", [])
+
+
+def optimizer_entry_layout(kind: str, key: str, parameter_shape: list[int]) -> Layout:
+    """The layout of optimizer entry `key` (one of `OPTIMIZER_STATE_KEYS[kind]`) kept for a parameter of that shape."""
+    if key == _STEP:
+        return _STEP_LAYOUT
+    if kind == "adam8bit":
+        if key.startswith("absmax"):
+            elements = 1
+            for size in parameter_shape:
+                elements *= size
+            return ("F32", [-(-elements // ADAM8BIT_BLOCK)])
+        return ("U8", list(parameter_shape))
+    return ("F32", list(parameter_shape))
 
 
 def optimizer_kind(name: str, momentum: float) -> str:
     """The OPTIMIZER_STATE_KEYS entry of an optimizer config: SGD keeps a buffer only with momentum."""
     kind = "sgd-momentum" if name == "sgd" and momentum else name
     if kind not in OPTIMIZER_STATE_KEYS:
-        raise ValueError(f"unknown optimizer {name!r}; known: sgd, adam")
+        raise ValueError(f"unknown optimizer {name!r}; known: sgd, adam, adam8bit")
     return kind
 
 
@@ -119,7 +137,7 @@ def stage_state_check(layouts: Mapping[str, Layout], expected: ExpectedState) ->
                 raise refuse(f"unexpected tensor {name}: optimizer state of no parameter it holds ({expected.holds()})")
             if key not in keeps:
                 raise refuse(f"unexpected tensor {name}: a {expected.optimizer} optimizer keeps {_listed(keeps)}")
-            want = _STEP_LAYOUT if key == _STEP else expected.weights[parameter]
+            want = optimizer_entry_layout(expected.optimizer, key, expected.weights[parameter][1])
             entries.setdefault(parameter, set()).add(key)
         if (got[0], list(got[1])) != want:
             raise refuse(f"{name}: expected {layout_described(want)}, got {layout_described(got)}")

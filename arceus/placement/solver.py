@@ -42,10 +42,14 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 
+from arceus.model.expected_state import ADAM8BIT_BLOCK
 from arceus.pipeline.schedule import peak_in_flight
 
-# Training memory per parameter: an fp32 weight, its gradient and two optimizer moments (Adam's m and v).
-BYTES_PER_PARAMETER = 4 * 4
+# Training memory per parameter, by optimizer kind (`arceus.model.expected_state.optimizer_kind`): an fp32
+# weight and its gradient, and what the optimizer keeps: SGD's momentum buffer, Adam's two fp32 moments, 8-bit
+# Adam's two one-byte moments (plus a float32 scale per ADAM8BIT_BLOCK elements each: `layer_training_memory`).
+TRAINING_BYTES_PER_PARAMETER = {"sgd": 8, "sgd-momentum": 12, "adam": 16, "adam8bit": 10}
+BYTES_PER_PARAMETER = TRAINING_BYTES_PER_PARAMETER["adam"]
 BACKWARD_FACTOR = 3.0  # forward + backward ≈ 3 × forward FLOPs
 PRICE_TOLERANCE = 0.02  # a placement this much slower than the fastest may win by being cheaper
 # Besides the stashes of the micro-batches in flight, a training stage's peak holds about this many more
@@ -120,6 +124,15 @@ class Workload:
     micro_batch_size: int
     micro_batches: int  # per step
     schedule: str = "gpipe"  # which decides how many a stage holds at once (`in_flight`)
+    optimizer: str = "adam"  # a TRAINING_BYTES_PER_PARAMETER kind: the state each parameter trains with
+    # Each micro-batch in flight keeps its layers' inputs only; one layer's activations are recomputed at a time.
+    activation_checkpointing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in TRAINING_BYTES_PER_PARAMETER:
+            raise ValueError(
+                f"unknown optimizer kind {self.optimizer!r}; known: {', '.join(TRAINING_BYTES_PER_PARAMETER)}"
+            )
 
     def in_flight(self, stage: int, num_stages: int) -> int:
         """Micro-batches whose activations stage `stage` of `num_stages` holds at once: every one under
@@ -182,8 +195,10 @@ class Placement:
         return self.micro_batch_size / self.bottleneck_seconds if self.bottleneck_seconds > 0 else math.inf
 
 
-def layer_training_memory(params: int) -> int:
-    return params * BYTES_PER_PARAMETER
+def layer_training_memory(params: int, optimizer: str = "adam") -> int:
+    """Bytes `params` parameters train with under `optimizer` (a TRAINING_BYTES_PER_PARAMETER kind)."""
+    scales = 2 * 4 * -(-params // ADAM8BIT_BLOCK) if optimizer == "adam8bit" else 0
+    return params * TRAINING_BYTES_PER_PARAMETER[optimizer] + scales
 
 
 # Inference memory per parameter: the fp32 weight alone (a served stage has no gradients and no optimizer).
@@ -210,15 +225,30 @@ def stage_memory(
     optimizer state (a tensor-parallel rank's share of the split ones), plus the stash of each of the
     `in_flight` micro-batches it holds at once (`Workload.in_flight`; None: all of a step's) whole on every
     rank: what each layer keeps for its backward, and the last one's output if it keeps that (inside the
-    stage the next layer's input is that same tensor); plus the compute's workspace (`WORKSPACE_MICRO_BATCHES`)."""
+    stage the next layer's input is that same tensor); plus the compute's workspace (`WORKSPACE_MICRO_BATCHES`).
+    With activation checkpointing a micro-batch in flight keeps each layer's output only (the next one's input),
+    and the workspace is that of the largest layer's recomputed forward and backward."""
     held = workload.micro_batches if in_flight is None else in_flight
-    return stage_state_bytes(layers, ranks) + (held + WORKSPACE_MICRO_BATCHES) * _stash_bytes(layers, workload)
+    return (stage_state_bytes(layers, ranks, workload.optimizer) + held * _stash_bytes(layers, workload)
+            + WORKSPACE_MICRO_BATCHES * _workspace_bytes(layers, workload))
 
 
 def _stash_bytes(layers: Sequence[LayerProfile], workload: Workload) -> int:
     """What one micro-batch's forward through `layers` keeps for its backward."""
-    per_sample = sum(layer.stash_bytes_per_sample for layer in layers) + layers[-1].kept_output_bytes_per_sample
+    if workload.activation_checkpointing:
+        per_sample = sum(layer.output_bytes_per_sample for layer in layers)
+    else:
+        per_sample = sum(layer.stash_bytes_per_sample for layer in layers) + layers[-1].kept_output_bytes_per_sample
     return workload.micro_batch_size * per_sample
+
+
+def _workspace_bytes(layers: Sequence[LayerProfile], workload: Workload) -> int:
+    """One micro-batch's worth of the compute's temporaries: its whole stash, or with activation checkpointing
+    the largest layer's (the one forward recomputed at a time)."""
+    if not workload.activation_checkpointing:
+        return _stash_bytes(layers, workload)
+    largest = max(layer.stash_bytes_per_sample + layer.kept_output_bytes_per_sample for layer in layers)
+    return workload.micro_batch_size * largest
 
 
 def _room(layers: Sequence[LayerProfile], workload: Workload, unit: _Unit) -> int:
@@ -231,11 +261,14 @@ def _room(layers: Sequence[LayerProfile], workload: Workload, unit: _Unit) -> in
     return workload.micro_batches if stash == 0 else min(workload.micro_batches, free // stash)
 
 
-def stage_state_bytes(layers: Sequence[LayerProfile], ranks: int = 1) -> int:
+def stage_state_bytes(layers: Sequence[LayerProfile], ranks: int = 1, optimizer: str = "adam") -> int:
     """Bytes a stage holding `layers` needs on each of its `ranks` devices for weights, gradients and
-    optimizer state (a tensor-parallel rank's share of the split layers), before any activation: the
+    `optimizer`'s state (a tensor-parallel rank's share of the split layers), before any activation: the
     least an agent must be able to give it."""
-    return sum(-(-layer_training_memory(layer.params) // (ranks if layer.tensor_parallel else 1)) for layer in layers)
+    return sum(
+        -(-layer_training_memory(layer.params, optimizer) // (ranks if layer.tensor_parallel else 1))
+        for layer in layers
+    )
 
 
 def stage_seconds(

@@ -10,10 +10,17 @@ from arceus.placement.solver import Workload
 from controlplane.controller.views import Requirements, TensorParallel
 
 
-def workload(dataset_config: dict[str, Any], micro_batches: int, schedule: str) -> Workload:
+def workload(
+    dataset_config: dict[str, Any], micro_batches: int, schedule: str, *, optimizer: str = "adam",
+    activation_checkpointing: bool = False,
+) -> Workload:
     """A training step's micro-batches: `micro_batches` of ceil(batch_size / micro_batches) samples, run by
-    `schedule`."""
-    return Workload(math.ceil(dataset_config["batch_size"] / micro_batches), micro_batches, schedule)
+    `schedule`, trained with `optimizer` (an `arceus.model.expected_state.optimizer_kind`; an estimate assumes
+    Adam's state) with or without activation checkpointing."""
+    return Workload(
+        math.ceil(dataset_config["batch_size"] / micro_batches), micro_batches, schedule, optimizer=optimizer,
+        activation_checkpointing=activation_checkpointing,
+    )
 
 
 def requirements(config: dict[str, Any]) -> Requirements:

@@ -24,6 +24,7 @@ from django.utils import timezone
 from arceus.contracts.replica_sync import replica_sync_from_json
 from arceus.contracts.status import ACTIVE_STATUSES, JobStatus
 from arceus.errors import SpecError
+from arceus.model.expected_state import optimizer_kind
 from arceus.model.registry import model_spec_from_config
 from arceus.placement.profiles import layer_profiles
 from arceus.placement.solver import LayerProfile
@@ -235,7 +236,7 @@ JOB_FIELDS = (
     "requirements", "conditions", "driver_lease_expires_at", "driver_lease_owner", "node_grace_seconds", "restarts",
     "handover_requested", "tensor_parallel", "serving", "driver_outcome", "driver_outcome_reason",
     "driver_outcome_message", "driver_outcome_generation", "replicas_min", "replicas_max", "next_replica", "owner_id",
-    "replica_sync",
+    "replica_sync", "optimizer", "momentum", "activation_checkpointing",
 )
 STAGE_FIELDS = (
     "job_id", "index", "rank", "layer_start", "layer_end", "node_id", "generation", "observed_generation",
@@ -351,7 +352,11 @@ def _job_view(
         owner=str(job["owner_id"]),
         stages_requested=job["stages_requested"],
         layers=layers,
-        workload=workload(job["dataset_config"], job["micro_batches"], job["schedule"]),
+        workload=workload(
+            job["dataset_config"], job["micro_batches"], job["schedule"],
+            optimizer=optimizer_kind(job["optimizer"], job["momentum"]),
+            activation_checkpointing=job["activation_checkpointing"],
+        ),
         requirements=requirements(job["requirements"]),
         stages=tuple(
             PlacedStage(

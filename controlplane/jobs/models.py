@@ -28,6 +28,7 @@ DEFAULT_AUDIT_RATE = 0.05
 class Optimizer(models.TextChoices):
     SGD = "sgd"
     ADAM = "adam"
+    ADAM8BIT = "adam8bit", "Adam with 8-bit moments (bitsandbytes)"
 
 
 class PipelineSchedule(models.TextChoices):

@@ -11,6 +11,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.utils import timezone
 
+from arceus.contracts.assignment import quantized_state_refusal
 from arceus.contracts.replica_sync import ReplicaSync, replica_sync_from_json
 from arceus.contracts.status import STARTABLE_STATUSES, JobStatus
 from arceus.contracts.transfer import transfer_config_from_json
@@ -83,6 +84,11 @@ def job_submit(
         transfer_config = transfer_config_from_json(transfer or {})
     except SpecError as exc:
         raise ApplicationError.invalid(exc.field, exc.message) from exc
+    refusal = quantized_state_refusal(
+        optimizer, tensor_parallel=bool(tensor_parallel), averaged=replicas["max"] > 1 and not sync.exact
+    )
+    if refusal:
+        raise ApplicationError.invalid("optimizer", refusal)
     if replicas["max"] > 1:
         job_replicas_check(
             replicas, micro_batches=micro_batches, tensor_parallel=tensor_parallel, audit_rate=audit_rate,

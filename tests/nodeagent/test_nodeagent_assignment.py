@@ -78,7 +78,7 @@ def test_first_and_last_stages() -> None:
         ({"prev_address": None}, "assignment.prev_address", '"host:port" of the neighbouring stage'),
         ({"next_address": "nohost"}, "assignment.next_address", "host:port"),
         ({"model": {"layer_sizes": [64]}}, "assignment.model.layer_sizes", "at least 2 entries"),
-        ({"optimizer": {"name": "rmsprop", "lr": 0.1}}, "assignment.optimizer.name", "sgd, adam"),
+        ({"optimizer": {"name": "rmsprop", "lr": 0.1}}, "assignment.optimizer.name", "sgd, adam, adam8bit"),
         ({"optimizer": {"name": "sgd"}}, "assignment.optimizer.lr", "is required"),
         ({"optimizer": {"name": "sgd", "lr": 0}}, "assignment.optimizer.lr", "greater than 0"),
         ({"optimizer": {"name": "sgd", "lr": 0.1, "momentum": -1}}, "assignment.optimizer.momentum", ">= 0"),
@@ -152,6 +152,11 @@ def test_a_tensor_parallel_rank() -> None:
         ),
         ({"prev_address": ["a:1"]}, "assignment.prev_address", "2 or more distinct ranks"),
         ({"activation_checkpointing": True}, "assignment.activation_checkpointing", "cannot recompute"),
+        (
+            {"optimizer": {"name": "adam8bit", "lr": 0.1}},
+            "assignment.optimizer.name",
+            "adam8bit keeps its moments quantized in blocks that a tensor-parallel split would cut",
+        ),
         ({"prev_address": ["a:1", "a:1"]}, "assignment.prev_address", "2 or more distinct ranks"),
         ({"prev_address": ["a:1", 5]}, "assignment.prev_address", "host:port"),
         (

@@ -116,7 +116,11 @@ def test_inputs_are_checked_against_the_stage() -> None:
 # --- checkpoints: state_tensors / load_state_tensors ---------------------------------------------
 SGD_MOMENTUM = OptimizerConfig(name="sgd", lr=0.1, momentum=0.9, weight_decay=0.01)
 ADAM = OptimizerConfig(name="adam", lr=0.01, weight_decay=0.01)
-OPTIMIZER_ENTRIES = {"sgd": {"momentum_buffer"}, "adam": {"step", "exp_avg", "exp_avg_sq"}}
+ADAM8BIT = OptimizerConfig(name="adam8bit", lr=0.01, weight_decay=0.01)
+OPTIMIZER_ENTRIES = {
+    "sgd": {"momentum_buffer"}, "adam": {"step", "exp_avg", "exp_avg_sq"},
+    "adam8bit": {"step", "state1", "state2", "absmax1", "absmax2"},
+}
 
 
 def seeded_runtime(start: int, end: int, optimizer: OptimizerConfig, seed: int) -> StageRuntime:
@@ -165,7 +169,7 @@ def test_a_fresh_runtime_has_weights_only_and_state_tensors_are_copies() -> None
     assert not torch.equal(stage.named_weights()["layers.1.bias"], state["layers.1.bias"])
 
 
-@pytest.mark.parametrize("optimizer", [SGD_MOMENTUM, ADAM], ids=["sgd-momentum", "adam"])
+@pytest.mark.parametrize("optimizer", [SGD_MOMENTUM, ADAM, ADAM8BIT], ids=["sgd-momentum", "adam", "adam8bit"])
 def test_a_runtime_restored_from_state_tensors_continues_exactly_like_the_original(
     optimizer: OptimizerConfig,
 ) -> None:

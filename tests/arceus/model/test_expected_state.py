@@ -15,7 +15,13 @@ import torch
 from arceus.checkpoint import encode_checkpoint
 from arceus.contracts.assignment import OptimizerConfig
 from arceus.model.build import build_layers, named_global_parameters
-from arceus.model.expected_state import expected_stage_state, optimizer_kind, stage_file_check
+from arceus.model.expected_state import (
+    ADAM8BIT_BLOCK,
+    expected_stage_state,
+    optimizer_entry_layout,
+    optimizer_kind,
+    stage_file_check,
+)
 from arceus.model.exported.capture import capture
 from arceus.model.exported.program import program_layers
 from arceus.model.registry import model_spec_from_config
@@ -38,6 +44,7 @@ LLAMA = {"type": "llama", "hidden_size": 16, "intermediate_size": 24, "num_hidde
 SGD_MOMENTUM = OptimizerConfig(name="sgd", lr=0.1, momentum=0.9)
 SGD = OptimizerConfig(name="sgd", lr=0.1)
 ADAM = OptimizerConfig(name="adam", lr=0.01)
+ADAM8BIT = OptimizerConfig(name="adam8bit", lr=0.01)
 
 
 def stepped_state(spec: ModelSpec, start: int, end: int, optimizer: OptimizerConfig, *, steps: int = 1,
@@ -103,7 +110,9 @@ def test_a_tensor_parallel_ranks_expectation_is_what_its_built_layers_hold(confi
 
 
 @pytest.mark.parametrize("config", [MLP, GPT, CONVNET, LLAMA], ids=["mlp", "gpt", "convnet", "llama"])
-@pytest.mark.parametrize("optimizer", [SGD_MOMENTUM, ADAM, SGD], ids=["sgd-momentum", "adam", "sgd"])
+@pytest.mark.parametrize(
+    "optimizer", [SGD_MOMENTUM, ADAM, SGD, ADAM8BIT], ids=["sgd-momentum", "adam", "sgd", "adam8bit"]
+)
 def test_an_honest_stages_state_is_accepted(config: dict, optimizer: OptimizerConfig) -> None:
     spec = model_spec_from_config(config)
     start, end = 1, spec.num_layers - 1
@@ -205,6 +214,22 @@ def test_adam_state_needs_a_scalar_step_and_all_its_entries() -> None:
     del tensors["optimizer.layers.1.ln_1.weight.exp_avg_sq"]
     with pytest.raises(StageStateError, match="missing tensor optimizer.layers.1.ln_1.weight.exp_avg_sq: a adam"):
         check(tensors, spec, 1, 2, ADAM)
+
+
+def test_8bit_adam_state_is_one_byte_an_element_and_a_scale_per_block() -> None:
+    spec = model_spec_from_config(GPT)
+    tensors = stepped_state(spec, 1, 2, ADAM8BIT)
+    weight = "layers.1.mlp.c_fc.weight"  # 64 x 16: 1024 elements, 4 blocks of 256
+    assert tensors[f"optimizer.{weight}.state1"].dtype == torch.uint8
+    assert tensors[f"optimizer.{weight}.state1"].shape == tensors[weight].shape
+    assert tensors[f"optimizer.{weight}.absmax2"].shape == (-(-tensors[weight].numel() // ADAM8BIT_BLOCK),)
+    assert optimizer_entry_layout("adam8bit", "absmax1", [64, 16]) == ("F32", [4])
+    assert optimizer_entry_layout("adam8bit", "state2", [64, 16]) == ("U8", [64, 16])
+    tensors[f"optimizer.{weight}.state1"] = tensors[f"optimizer.{weight}.state1"].float()  # a full-width moment
+    with pytest.raises(StageStateError, match=rf"optimizer.{weight}.state1: expected uint8 \[64, 16\], got float32"):
+        check(tensors, spec, 1, 2, ADAM8BIT)
+    with pytest.raises(StageStateError, match="a adam optimizer keeps exp_avg, exp_avg_sq, step"):
+        check(stepped_state(spec, 1, 2, ADAM8BIT), spec, 1, 2, ADAM)
 
 
 def raw_file(header: dict, data: bytes) -> bytes:

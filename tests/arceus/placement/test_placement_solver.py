@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from arceus.placement.solver import (
     PRICE_TOLERANCE,
+    WORKSPACE_MICRO_BATCHES,
     Device,
     LayerProfile,
     PlacementError,
@@ -240,3 +241,30 @@ def test_devices_without_room_for_any_stage_never_change_the_placement(problem, 
         return
     crowded = solve(layers, tiny + devices, workload, **kwargs)
     assert crowded == alone
+
+
+def test_the_memory_model_counts_each_optimizers_state_and_a_device_fits_what_it_allows() -> None:
+    # One layer of 1M parameters: fp32 weight and gradient (8 bytes), plus SGD's momentum (4), Adam's moments (8)
+    # or 8-bit Adam's (2, and a float32 scale per 256 elements of each moment).
+    layer = [LayerProfile(1e6, 1_000_000, 8)]
+    state = {kind: stage_memory(layer, Workload(1, 1, optimizer=kind), in_flight=0)
+             for kind in ("sgd", "sgd-momentum", "adam", "adam8bit")}
+    workspace = stage_memory(layer, Workload(1, 1), in_flight=0) - 16_000_000
+    assert {k: v - workspace for k, v in state.items()} == {
+        "sgd": 8_000_000, "sgd-momentum": 12_000_000, "adam": 16_000_000, "adam8bit": 10_000_000 + 2 * 4 * 3907,
+    }
+    device = Device("d", 1e9, stage_memory(layer, Workload(1, 1, optimizer="adam8bit")))
+    assert solve(layer, [device], Workload(1, 1, optimizer="adam8bit")).stages[0].device_id == "d"
+    with pytest.raises(PlacementError):
+        solve(layer, [device], Workload(1, 1))
+    with pytest.raises(ValueError, match="unknown optimizer kind 'lamb'; known: sgd, sgd-momentum, adam, adam8bit"):
+        Workload(1, 1, optimizer="lamb")
+
+
+def test_with_activation_checkpointing_a_micro_batch_keeps_its_layers_outputs_and_one_layer_recomputes() -> None:
+    # Four layers that each stash 10 MB per sample and hand on 1 MB; 8 micro-batches of one sample in flight.
+    layers = [LayerProfile(1e6, 0, 10**6, stash_bytes_per_sample=10 * 10**6) for _ in range(4)]
+    full = stage_memory(layers, Workload(1, 8))
+    recomputed = stage_memory(layers, Workload(1, 8, activation_checkpointing=True))
+    assert full == (8 + WORKSPACE_MICRO_BATCHES) * 40 * 10**6
+    assert recomputed == 8 * 4 * 10**6 + WORKSPACE_MICRO_BATCHES * 10 * 10**6
