@@ -1,10 +1,17 @@
-"""A GPT of 300M parameters trained over REST on four agents whose owners cap their memory below what one
-process needs, side by side with the same model trained in one process.
+"""A GPT of 300M parameters (or `--params`, such as 1e9) trained over REST on four agents whose owners cap their
+memory below what one process needs, side by side with the same model trained in one process.
 
     .venv/bin/python bench/large_model.py [--n-layer 24] [--d-model 1024] [--steps 8]
+    .venv/bin/python bench/large_model.py --params 1e9 --optimizer adam8bit --steps 4
 
-1. One process (a child of this script, 2 torch threads) trains the whole model with Adam for `--steps`
-   steps on the same windows in the same order: its peak RSS (VmHWM) and seconds per step.
+`--params N` picks a GPT of about N parameters (`gpt_shape`: d_model 1024 below 600M, else 2048; as many layers
+as make N), `--optimizer` the job's optimizer (adam, adam8bit, sgd), `--activation-checkpointing` makes every
+stage recompute its activations, `--precision bf16` computes under bfloat16 autocast.
+
+1. One process (a child of this script, 2 torch threads, run first and alone) trains the whole model for
+   `--steps` steps on the same windows in the same order, exactly as the stages do: the same optimizer, the same
+   micro-batches (gradients accumulated), the same activation checkpointing (each layer recomputed) and
+   precision: its peak RSS (VmHWM) and seconds per step.
 2. A whole deployment on this machine (gunicorn, Celery workers and beat, by DATABASE_URL / REDIS_URL or
    SQLite and an embedded redis-server) with five agents of one torch thread each (two while a stage computes
    alone: `--solo-threads 2`), declared equally fast (their measured speeds differ on a shared machine), each
@@ -38,6 +45,7 @@ from typing import Any
 import requests
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -45,7 +53,9 @@ from arceus.data.batches import epoch_batches  # noqa: E402
 from arceus.data.config import validate_dataset_config  # noqa: E402
 from arceus.data.loader import load_dataset  # noqa: E402
 from arceus.data.text_config import BUNDLED_TEXT  # noqa: E402
+from arceus.model.autocast import autocast  # noqa: E402
 from arceus.model.build import build_full_model  # noqa: E402
+from arceus.model.expected_state import optimizer_kind  # noqa: E402
 from arceus.model.optimizers import make_optimizer  # noqa: E402
 from arceus.model.registry import fit_model_to_dataset, model_spec_from_config  # noqa: E402
 from arceus.placement.profiles import layer_profiles  # noqa: E402
@@ -72,6 +82,15 @@ def text_source(directory: Path, steps: int) -> Path:
     return path
 
 
+def gpt_shape(params: float) -> tuple[int, int]:
+    """(n_layer, d_model) of a GPT of about `params` parameters: a block holds 12 d_model² of them (the
+    character vocabulary's embeddings are negligible)."""
+    if params < 1e7:
+        raise ValueError(f"--params must be at least 1e7, got {params:g}")
+    d_model = 1024 if params < 6e8 else 2048
+    return max(1, round(params / (12 * d_model**2))), d_model
+
+
 def large_job(args: argparse.Namespace, source: Path) -> dict[str, Any]:
     return {
         "name": "large-model-bench",
@@ -80,7 +99,9 @@ def large_job(args: argparse.Namespace, source: Path) -> dict[str, Any]:
         "dataset_config": {"name": "text", "source": str(source), "batch_size": BATCH, "val_batch_size": BATCH},
         "epochs": 1,
         "learning_rate": 1e-4,
-        "optimizer": "adam",
+        "optimizer": args.optimizer,
+        "precision": args.precision,
+        "activation_checkpointing": args.activation_checkpointing,
         "micro_batches": MICRO_BATCHES,
         "schedule": "1f1b",
         "seed": 0,
@@ -92,20 +113,29 @@ def large_job(args: argparse.Namespace, source: Path) -> dict[str, Any]:
 
 
 def one_process(job: dict[str, Any]) -> None:
-    """(In a child process.) Train the job's model whole for one epoch; print its peak RSS and step times."""
+    """(In a child process.) Train the job's model whole for one epoch as its stages do (optimizer, micro-batches,
+    activation checkpointing, precision); print its peak RSS and step times."""
     torch.set_num_threads(2)
     _, model_config, dataset = fit_model_to_dataset(job["model_config"], validate_dataset_config(job["dataset_config"]))
     model = build_full_model(model_spec_from_config(model_config), job["seed"])
     optimizer = make_optimizer(model.parameters(), job["optimizer"], job["learning_rate"])  # as the agents' stages
     train_x, train_y, _, _ = load_dataset(dataset)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        for layer in model:  # layer by layer, recomputed in the backward where the stages recompute
+            x = checkpoint(layer, x, use_reentrant=False) if job["activation_checkpointing"] else layer(x)
+        return x
+
     seconds = []
     for indices in epoch_batches(len(train_x), dataset["batch_size"], job["seed"], 1):
         started = time.perf_counter()
-        logits = model(train_x[indices])
-        loss = F.cross_entropy(logits.flatten(0, 1), train_y[indices].flatten())
-        optimizer.zero_grad()
-        loss.backward()
+        for part in indices.tensor_split(job["micro_batches"]):  # gradients accumulate, as across micro-batches
+            with autocast(torch.device("cpu"), job["precision"]):
+                logits = forward(train_x[part])
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), train_y[part].flatten(), reduction="sum")
+            (loss / train_y[indices].numel()).backward()
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         seconds.append(time.perf_counter() - started)
     params = sum(p.numel() for p in model.parameters())
     print(json.dumps({"params": params, "peak_rss": peak_rss(os.getpid()), "step_seconds": seconds}))
@@ -229,7 +259,9 @@ def solver_estimates(job: dict[str, Any], detail: dict[str, Any]) -> list[int]:
     _, model_config, dataset = fit_model_to_dataset(job["model_config"], validate_dataset_config(job["dataset_config"]))
     spec = model_spec_from_config(model_config)
     layers = layer_profiles(spec)
-    workload = Workload(-(-BATCH // MICRO_BATCHES), MICRO_BATCHES, job["schedule"])
+    workload = Workload(-(-BATCH // MICRO_BATCHES), MICRO_BATCHES, job["schedule"],
+                        optimizer=optimizer_kind(job["optimizer"], 0.0),
+                        activation_checkpointing=job["activation_checkpointing"])
     ranges = [(p["layer_start"], p["layer_end"]) for p in sorted(detail["placements"], key=lambda p: p["stage_index"])]
     return [stage_memory(layers[s:e], workload, in_flight=workload.in_flight(i, len(ranges)))
             for i, (s, e) in enumerate(ranges)]
@@ -239,6 +271,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n-layer", type=int, default=24)
     parser.add_argument("--d-model", type=int, default=1024)
+    parser.add_argument("--params", type=float, help="about this many parameters (overrides --n-layer, --d-model)")
+    parser.add_argument("--optimizer", choices=("adam", "adam8bit", "sgd"), default="adam")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--steps", type=int, default=8, help="steps of the large job (one epoch); at least 4")
     parser.add_argument("--keep-logs", type=Path, metavar="DIR",
                         help="copy the deployment's logs (agents, web, workers) here before cleaning up")
@@ -249,6 +285,11 @@ def main() -> None:
         return
     if args.steps < 4:
         parser.error("--steps must be at least 4: a checkpoint, a kill after it, and steps to time")
+    if args.params is not None:
+        try:
+            args.n_layer, args.d_model = gpt_shape(args.params)
+        except ValueError as exc:
+            parser.error(str(exc))
 
     with tempfile.TemporaryDirectory(prefix="arceus-large-model-") as workdir:
         job = large_job(args, text_source(Path(workdir), args.steps))
@@ -302,6 +343,9 @@ def main() -> None:
     pipeline_step = statistics.median(large["step_seconds"])
     figures = {
         "params": single["params"],
+        "optimizer": args.optimizer,
+        "precision": args.precision,
+        "activation_checkpointing": args.activation_checkpointing,
         "one_process_peak_mib": one_peak // MIB,
         "agent_cap_mib": cap // MIB,
         "agent_peaks_mib": {name: peak // MIB for name, peak in sorted(peaks.items())},
@@ -342,15 +386,22 @@ def main() -> None:
         f"{(control_large[part] - control_small[part]) // MIB} |"
         for part in CONTROL_PLANE
     )
-    body = f"""## Large model over REST (bench/large_model.py)
+    command = "python bench/large_model.py " + " ".join(sys.argv[1:])
+    title = "bench/large_model.py" + ("" if args.params is None else f", --params {args.params:.0e}")
+    body = f"""## Large model over REST ({title})
 
 {machine_line()}
 
+`{command}`
+
 GPT of {single['params'] / 1e6:.0f}M parameters (n_layer {args.n_layer}, d_model {args.d_model}, block {BLOCK}),
-Adam, batch {BATCH} in {MICRO_BATCHES} micro-batches (1F1B), {detail['step']} steps over {STAGES} agents of one
-torch thread each (two while its stage alone computes: `--solo-threads 2`), every owner's `max_memory_bytes`
-at {AGENT_SHARE}x the one-process peak ({cap // MIB} MiB); the one process uses 2 threads. Stage 1's agent
-was killed after the first checkpoint; the spare resumed it from step {large['resumed_from']}.
+optimizer {args.optimizer}, precision {args.precision}, activation checkpointing
+{'on' if args.activation_checkpointing else 'off'}, batch {BATCH} in {MICRO_BATCHES} micro-batches (1F1B),
+{detail['step']} steps over {STAGES} agents of one torch thread each (two while its stage alone computes:
+`--solo-threads 2`), every owner's `max_memory_bytes` at {AGENT_SHARE}x the one-process peak ({cap // MIB} MiB).
+The one process (2 threads, run first and alone) trains the same model with the same optimizer, precision,
+micro-batches (gradients accumulated) and activation checkpointing. Stage 1's agent was killed after the first
+checkpoint; the spare resumed it from step {large['resumed_from']}.
 
 | process | peak RSS (MiB) | / one process | memory model (MiB, error) |
 | --- | ---: | ---: | ---: |
@@ -361,7 +412,7 @@ Largest agent {figures['agent_peak_max_ratio']}x the one-process peak (goal 0.35
 the stages at the end together {figures['stage_agents_peak_sum_ratio']}x (goal 1.3x). The memory model's
 prediction of an agent's peak is what the agent held before any stage (its `runtime_bytes`) plus the solver's
 estimate for its stage (`stage_memory`, per stage in MiB: {figures['solver_stage_estimates_mib']}); its largest
-error {figures['prediction_error_max']:.0%} (goal 20%).
+error {figures['prediction_error_max']:.0%} (goal 15%).
 
 | control-plane part | peak after the 5M GPT (MiB) | after the large GPT (MiB) | growth (MiB) |
 | --- | ---: | ---: | ---: |
@@ -376,7 +427,7 @@ above 2, other programs competed for them): {load_single:.1f} around the one pro
 {load_after:.1f} at the start and end of the large job.
 """
     print(body)
-    write_section("large-model", body)
+    write_section("large-model" if args.params is None else f"large-model-{args.params:.0e}", body)
     print(json.dumps(figures))
 
 
