@@ -33,6 +33,8 @@ class PlaceJob:
     generation: int  # the queued job's; the placement gets generation + 1
     stages: tuple[PlannedStage, ...]
     conditions: Conditions
+    # The placement needs the stages to recompute their activations (the job did not ask; without, one would not fit).
+    activation_checkpointing: bool = False
 
 
 @dataclass(frozen=True)

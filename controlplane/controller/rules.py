@@ -592,7 +592,10 @@ def _place(job: JobView, free: list[NodeView], now: datetime, budget: Budget | N
     # search. Enough for its candidate units: groups of the split size, then singles, and what the job needs.
     # A node without room for even the smallest layer (as a rank of a split stage, the least) can hold no stage: it is
     # passed over before the few are taken, or a market of small fast nodes would crowd out the big ones.
-    room = smallest_stage_memory(job.layers, job.workload, job.tensor_parallel.size)
+    # Where a stage would not fit, its activations are recomputed (`_recomputing`): nodes with room for a stage that
+    # recomputes are candidates too.
+    recomputing = _recomputing(job)
+    room = smallest_stage_memory(job.layers, recomputing or job.workload, job.tensor_parallel.size)
     offered = MAX_CANDIDATES * (job.tensor_parallel.size + 1) + needed
     candidates = list(itertools.islice((n for n in free if req.allows(n) and n.memory_bytes >= room), offered))
     if req.owner_diversity and len({n.owner for n in candidates}) == 1:  # another owner's fastest, past the few
@@ -605,22 +608,31 @@ def _place(job: JobView, free: list[NodeView], now: datetime, budget: Budget | N
         message = f"needs {needed} Ready node{'s' if needed != 1 else ''}{meeting}, {len(candidates)} available"
         return _condition(job, Condition("Placed", FALSE, "WaitingForNodes", message), now)
 
-    def solve_on(nodes: Sequence[NodeView], least: int) -> Placement:
-        return solve(
-            job.layers,
-            [n.device() for n in nodes],
-            job.workload,
-            min_stages=least,
-            max_stages=most,
-            max_price_per_hour=replica_share(req, job.replicas_min),
-            tensor_parallel=job.tensor_parallel.size,
-            split_stages=job.tensor_parallel.stages,
-            budget=budget,
-        )
+    def placed_with(workload: Workload) -> Placement:
+        def solve_on(nodes: Sequence[NodeView], least: int) -> Placement:
+            return solve(
+                job.layers,
+                [n.device() for n in nodes],
+                workload,
+                min_stages=least,
+                max_stages=most,
+                max_price_per_hour=replica_share(req, job.replicas_min),
+                tensor_parallel=job.tensor_parallel.size,
+                split_stages=job.tensor_parallel.stages,
+                budget=budget,
+            )
 
+        return (diverse_placement(candidates, fewest, most, solve_on) if req.owner_diversity
+                else solve_on(candidates, fewest))
+
+    workload = job.workload
     try:
-        placement = (diverse_placement(candidates, fewest, most, solve_on) if req.owner_diversity
-                     else solve_on(candidates, fewest))
+        try:
+            placement = placed_with(workload)
+        except PlacementError:
+            if recomputing is None:
+                raise
+            placement, workload = placed_with(recomputing), recomputing
     except OwnerDiversityError as exc:
         return _condition(job, Condition("Placed", FALSE, "WaitingForOwners", str(exc)), now)
     except PlacementError as exc:
@@ -633,7 +645,7 @@ def _place(job: JobView, free: list[NodeView], now: datetime, budget: Budget | N
     )
     if job.replicas_min > 1:
         replicated = replicas_placed(
-            stages, free, layers=job.layers, workload=job.workload, requirements=req, count=job.replicas_min
+            stages, free, layers=job.layers, workload=workload, requirements=req, count=job.replicas_min
         )
         if isinstance(replicated, str):
             return _condition(job, Condition("Placed", FALSE, "WaitingForNodes", replicated), now)
@@ -653,6 +665,8 @@ def _place(job: JobView, free: list[NodeView], now: datetime, budget: Budget | N
         + f"; ${placement.price_per_hour:.4f}/hour"
         + ("; the search was cut short at its time limit, so only the fastest nodes were tried"
            if placement.cut_short else "")
+        + ("; its stages recompute their activations (activation checkpointing): without, a stage would not fit"
+           if workload is recomputing else "")
     )
     conditions = set_conditions(
         job.conditions,
@@ -660,7 +674,16 @@ def _place(job: JobView, free: list[NodeView], now: datetime, budget: Budget | N
         Condition("StagesReady", FALSE, "WaitingForStages", f"0/{len(stages)} {_parts(stages)} ready"),
         now=now,
     )
-    return PlaceJob(job.id, job.generation, stages, tuple(conditions))
+    return PlaceJob(job.id, job.generation, stages, tuple(conditions), activation_checkpointing=workload is recomputing)
+
+
+def _recomputing(job: JobView) -> Workload | None:
+    """The job's workload with activation checkpointing, where placement may choose it for a job whose stages would
+    not fit otherwise: None for a job that already recomputes, and for a tensor-parallel one (its recomputed forward
+    would run its all-reduces again)."""
+    if job.workload.activation_checkpointing or job.tensor_parallel.size > 1:
+        return None
+    return replace(job.workload, activation_checkpointing=True)
 
 
 def replicas_placed(

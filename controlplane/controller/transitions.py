@@ -32,11 +32,13 @@ STEP_MEASURES = ("step_compute_seconds", "step_wait_seconds", "step_micro_batche
 
 
 def job_place(action: PlaceJob, now: datetime) -> bool:
-    """A queued job's placement: its stage rows at the next generation, status placing."""
+    """A queued job's placement: its stage rows at the next generation, status placing; activation checkpointing
+    on from now where the placement chose it (the job's every later placement and assignment then has it)."""
     generation = action.generation + 1
+    chosen = {"activation_checkpointing": True} if action.activation_checkpointing else {}
     updated = Job.objects.filter(pk=action.job_id, generation=action.generation, status=JobStatus.QUEUED).update(
         status=JobStatus.PLACING, generation=generation, conditions=list(action.conditions),
-        next_replica=F("next_replica") + max(s.replica for s in action.stages) + 1,
+        next_replica=F("next_replica") + max(s.replica for s in action.stages) + 1, **chosen,
     )
     if not updated:
         return False

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
-from arceus.placement.solver import LayerProfile
+from arceus.placement.solver import LayerProfile, Workload, stage_memory
 from controlplane.common.conditions import get_condition
 from controlplane.controller.actions import (
     FailJob,
@@ -341,3 +341,24 @@ def test_small_fast_nodes_do_not_crowd_out_the_big_slow_ones_a_job_needs() -> No
     [action] = plan(Desired(jobs=(job(),)), Observed(nodes=tiny + big[:2]), NOW)
     condition = get_condition(action.conditions, "Placed")
     assert condition["message"] == "needs 3 Ready nodes with room for a stage, 2 available"
+
+
+def test_where_a_stage_would_not_fit_placement_has_the_job_recompute_its_activations() -> None:
+    # Three layers of 1,000 parameters (16 KB to train with Adam) that stash 1 MB per sample and hand on 10 KB;
+    # one micro-batch of one sample. Whole, a one-layer stage needs 16 KB + 4 MB; recomputing, 16 KB + 10 KB + 3 MB.
+    layers = tuple(LayerProfile(100.0, 1000, 10_000, stash_bytes_per_sample=10**6) for _ in range(3))
+    workload = Workload(1, 1)
+    whole = stage_memory(layers[:1], workload)
+    recomputing = stage_memory(layers[:1], replace(workload, activation_checkpointing=True))
+    assert recomputing < whole
+    nodes = tuple(node(name, memory=recomputing) for name in "abc")
+    [action] = plan(Desired(jobs=(job(layers=layers, workload=workload),)), Observed(nodes=nodes), NOW)
+    assert isinstance(action, PlaceJob) and action.activation_checkpointing
+    assert "recompute their activations" in get_condition(action.conditions, "Placed")["message"]
+    roomy = tuple(node(name, memory=whole) for name in "abc")
+    [action] = plan(Desired(jobs=(job(layers=layers, workload=workload),)), Observed(nodes=roomy), NOW)
+    assert isinstance(action, PlaceJob) and not action.activation_checkpointing  # it fits whole: no recompute
+    small = tuple(node(name, memory=recomputing - 1) for name in "abc")  # no room even recomputing
+    [action] = plan(Desired(jobs=(job(layers=layers, workload=workload),)), Observed(nodes=small), NOW)
+    message = get_condition(action.conditions, "Placed")["message"]
+    assert message == "needs 3 Ready nodes with room for a stage, 0 available"
