@@ -50,6 +50,9 @@ from arceus.pipeline.schedule import peak_in_flight
 # Adam's two one-byte moments (plus a float32 scale per ADAM8BIT_BLOCK elements each: `layer_training_memory`).
 TRAINING_BYTES_PER_PARAMETER = {"sgd": 8, "sgd-momentum": 12, "adam": 16, "adam8bit": 10}
 BYTES_PER_PARAMETER = TRAINING_BYTES_PER_PARAMETER["adam"]
+# What an optimizer's library adds to the agent that first builds a stage with it: importing bitsandbytes 0.50.2
+# beside torch 2.13 (it loads torch's custom-op machinery: sympy, networkx, jinja2) raised a process's RSS by 124 MiB.
+OPTIMIZER_LIBRARY_BYTES = {"adam8bit": 124 * 2**20}
 BACKWARD_FACTOR = 3.0  # forward + backward ≈ 3 × forward FLOPs
 PRICE_TOLERANCE = 0.02  # a placement this much slower than the fastest may win by being cheaper
 # Besides the stashes of the micro-batches in flight, a training stage's peak holds about this many more
@@ -225,12 +228,13 @@ def stage_memory(
     optimizer state (a tensor-parallel rank's share of the split ones), plus the stash of each of the
     `in_flight` micro-batches it holds at once (`Workload.in_flight`; None: all of a step's) whole on every
     rank: what each layer keeps for its backward, and the last one's output if it keeps that (inside the
-    stage the next layer's input is that same tensor); plus the compute's workspace (`WORKSPACE_MICRO_BATCHES`).
+    stage the next layer's input is that same tensor); plus the compute's workspace (`WORKSPACE_MICRO_BATCHES`)
+    and the optimizer's library (`OPTIMIZER_LIBRARY_BYTES`).
     With activation checkpointing a micro-batch in flight keeps each layer's output only (the next one's input),
     and the workspace is that of the largest layer's recomputed forward and backward."""
     held = workload.micro_batches if in_flight is None else in_flight
-    return (stage_state_bytes(layers, ranks, workload.optimizer) + held * _stash_bytes(layers, workload)
-            + WORKSPACE_MICRO_BATCHES * _workspace_bytes(layers, workload))
+    return (stage_state_bytes(layers, ranks, workload.optimizer) + OPTIMIZER_LIBRARY_BYTES.get(workload.optimizer, 0)
+            + held * _stash_bytes(layers, workload) + WORKSPACE_MICRO_BATCHES * _workspace_bytes(layers, workload))
 
 
 def _stash_bytes(layers: Sequence[LayerProfile], workload: Workload) -> int:

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from arceus.placement.solver import (
+    OPTIMIZER_LIBRARY_BYTES,
     PRICE_TOLERANCE,
     WORKSPACE_MICRO_BATCHES,
     Device,
@@ -244,14 +245,15 @@ def test_devices_without_room_for_any_stage_never_change_the_placement(problem, 
 
 
 def test_the_memory_model_counts_each_optimizers_state_and_a_device_fits_what_it_allows() -> None:
-    # One layer of 1M parameters: fp32 weight and gradient (8 bytes), plus SGD's momentum (4), Adam's moments (8)
-    # or 8-bit Adam's (2, and a float32 scale per 256 elements of each moment).
-    layer = [LayerProfile(1e6, 1_000_000, 8)]
+    # One layer of 100M parameters: fp32 weight and gradient (8 bytes), plus SGD's momentum (4), Adam's moments (8)
+    # or 8-bit Adam's (2, and a float32 scale per 256 elements of each moment, and its library's import).
+    layer = [LayerProfile(1e6, 100_000_000, 8)]
     state = {kind: stage_memory(layer, Workload(1, 1, optimizer=kind), in_flight=0)
              for kind in ("sgd", "sgd-momentum", "adam", "adam8bit")}
-    workspace = stage_memory(layer, Workload(1, 1), in_flight=0) - 16_000_000
+    workspace = stage_memory(layer, Workload(1, 1), in_flight=0) - 1_600_000_000
     assert {k: v - workspace for k, v in state.items()} == {
-        "sgd": 8_000_000, "sgd-momentum": 12_000_000, "adam": 16_000_000, "adam8bit": 10_000_000 + 2 * 4 * 3907,
+        "sgd": 800_000_000, "sgd-momentum": 1_200_000_000, "adam": 1_600_000_000,
+        "adam8bit": 1_000_000_000 + 2 * 4 * 390_625 + OPTIMIZER_LIBRARY_BYTES["adam8bit"],
     }
     device = Device("d", 1e9, stage_memory(layer, Workload(1, 1, optimizer="adam8bit")))
     assert solve(layer, [device], Workload(1, 1, optimizer="adam8bit")).stages[0].device_id == "d"
