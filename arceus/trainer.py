@@ -329,7 +329,7 @@ class DistributedTrainer:
         assert self.job_id is not None and self._source is not None
         if self.model is None:
             self.model = build_full_model(model_spec_from_config(final["model_config"]), final["seed"])
-        own = dict(self.model.named_parameters())
+        own = dict(self.model.named_parameters(remove_duplicate=False))  # a tied parameter under each of its names
         captured = self._source.captured
         params = ({global_param_name(name): p for name, p in own.items()} if captured is None
                   else {pipeline: own[name] for pipeline, name in captured.names.items()})

@@ -57,11 +57,12 @@ class ResNet18(nn.Module):
 class GPT2Logits(nn.Module):
     """A Hugging Face GPT-2 built from a config (no download), returning its logits."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int, *, tied: bool = False) -> None:
+        """`tied`: its LM head is its token embedding (GPT-2's default)."""
         super().__init__()
         config = transformers.GPT2Config(
             vocab_size=vocab_size, n_positions=16, n_embd=32, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, tie_word_embeddings=False, use_cache=False, bos_token_id=0, eos_token_id=0,
+            attn_pdrop=0.0, tie_word_embeddings=tied, use_cache=False, bos_token_id=0, eos_token_id=0,
         )
         self.model = transformers.GPT2LMHeadModel(config)
 

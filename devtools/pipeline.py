@@ -13,11 +13,13 @@ import secrets
 from collections.abc import Sequence
 from typing import Any
 
-from arceus.contracts.assignment import Assignment, OptimizerConfig
+from arceus.contracts.assignment import Assignment, OptimizerConfig, TiedPeer
 from arceus.contracts.credentials import DRIVER, StageCredentials, mint_token, stage_credentials
 from arceus.contracts.replica_sync import replica_sync_from_json
 from arceus.contracts.stage_key import stage_key
 from arceus.contracts.transfer import transfer_config_from_json
+from arceus.model.registry import model_spec_from_config
+from arceus.model.tied import stages_sharing
 from arceus.training.plan import StageEndpoint
 from arceus.wire.tls import TlsIdentity, new_identity
 
@@ -61,13 +63,18 @@ def pipeline_assignments(
     shared = dict(job_id=job_id, model_config=model_config, boundaries=boundaries, optimizer=optimizer, seed=seed,
                   micro_batches=micro_batches, max_micro_batch_size=max_micro_batch_size, generation=generation)
     assignments = []
+    ranges = list(zip(boundaries, boundaries[1:], strict=False))
+    spec = model_spec_from_config(model_config)
     for i in range(n):
         prev, next_ = addresses[i - 1] if i > 0 else None, addresses[i + 1] if i < n - 1 else None
+        tied = stages_sharing(spec, ranges, i)  # the stages it shares tied weights with (arceus.model.tied)
         assignments.append(_stage_assignment(
             **shared, stage_index=i, stage_id=stage_key(job_id, i), prev_address=prev,
-            next_address=next_, credentials=stage_credentials(STATIC_SECRET, job_id, generation, i, 0, [1] * n),
-            certificates=certificates_for([prev, next_]), transfer=transfer_config_from_json(transfer),
-            precision=precision,
+            next_address=next_,
+            credentials=stage_credentials(STATIC_SECRET, job_id, generation, i, 0, [1] * n, tied=tied),
+            certificates=certificates_for([prev, next_, *(addresses[j] for j in tied)]),
+            transfer=transfer_config_from_json(transfer), precision=precision,
+            tied=tuple(TiedPeer(j, *ranges[j], (addresses[j],)) for j in tied),
         ))
     return assignments
 

@@ -33,8 +33,8 @@ _REPLICA = "/arceus.v1.ReplicaService/"
 # The roles that may call each method at all, as a call's metadata shows them (its message may narrow them: a
 # push's kind and target, a partial's rank): a known caller in none of them is refused before its message is read.
 METHOD_ROLES: dict[str, frozenset[Role]] = {
-    _STAGE + "PushTensor": frozenset({Role.DRIVER, Role.PREV, Role.NEXT}),
-    _STAGE + "PushStream": frozenset({Role.DRIVER, Role.PREV, Role.NEXT}),
+    _STAGE + "PushTensor": frozenset({Role.DRIVER, Role.PREV, Role.NEXT, Role.TIED}),
+    _STAGE + "PushStream": frozenset({Role.DRIVER, Role.PREV, Role.NEXT, Role.TIED}),
     **{_STAGE + name: DRIVER_ONLY for name in (
         "RunStep", "GetState", "SaveState", "Audit", "AuditWeights", "VerifyForward", "Infer", "AuditPartial",
         "VerifyPartial",
@@ -127,11 +127,14 @@ def authorize(
 
 def push_roles(kind_name: str, stage_index: int) -> frozenset[Role]:
     """Who may push a tensor of this kind to stage `stage_index`: the first stage's inputs and the labels come
-    from the driver, other activations from the previous stage, gradients from the next."""
+    from the driver, other activations from the previous stage, gradients from the next, a tied weight's copy's
+    gradient from a stage sharing that weight."""
     if kind_name == "ACTIVATION":
         return frozenset({Role.DRIVER if stage_index == 0 else Role.PREV})
     if kind_name == "GRADIENT":
         return frozenset({Role.NEXT})
     if kind_name == "LABELS":
         return frozenset({Role.DRIVER})
+    if kind_name == "TIED_GRADIENT":
+        return frozenset({Role.TIED})
     return frozenset()

@@ -162,6 +162,20 @@ class StageRuntime:
             self.buffers.vector(),
         ])
 
+    def parameter_gradient(self, name: str) -> torch.Tensor:
+        """The accumulated gradient of the pipeline parameter `name` ("layers.<i>.<name>") as float32 on CPU (zeros
+        where it has none): a tied weight's copy's share of its group's sum (arceus.model.tied)."""
+        param = self.layers.get_parameter(name.removeprefix("layers."))
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        return grad.detach().float().cpu()
+
+    def set_parameter_gradient(self, name: str, grad: torch.Tensor) -> None:
+        """Make `grad` (its shape) the gradient the pipeline parameter `name` steps with."""
+        param = self.layers.get_parameter(name.removeprefix("layers."))
+        if grad.shape != param.shape:
+            raise ValueError(f"a gradient of shape {list(grad.shape)} for {name} of shape {list(param.shape)}")
+        param.grad = grad.to(param.device, param.dtype)
+
     def set_gradient_vector(self, flat: torch.Tensor) -> None:
         """Replace the accumulated gradients with `flat` (`gradient_vector`'s layout); a parameter without a
         gradient keeps none (no forward used it, on any replica: they run the same layers). The stage takes `flat`

@@ -114,12 +114,13 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         authorize(presented_digest(context), self._registry.guards(), target=header.target, allowed=roles,
                   method=method)
         stage = self._registry.resolve(header.target)
-        if stage.exchange is not None and Role.DRIVER not in roles:  # a neighbour replica's activation or gradient
+        if stage.exchange is not None and kind in ("ACTIVATION", "GRADIENT") and Role.DRIVER not in roles:
+            # a neighbour replica's activation or gradient
             producer = header.target.stage_index + (-1 if kind == "ACTIVATION" else 1)
             what = f"the {kind} of step {header.step} micro-batch {header.micro_batch} from stage {producer}"
             stage.exchange.members.check(header.epoch, producer, None, replica_digest(context), what=what,
                                          method=method, wait=max(0.0, call_deadline(context) - time.monotonic()))
-        tensor = decode_push(stage.io, request)
+        tensor = stage.tied.decode(request) if kind == "TIED_GRADIENT" else decode_push(stage.io, request)
         try:
             stage.mailbox.put((header.step, KIND_NAMES[header.kind], header.micro_batch), tensor)
         except MailboxFull as exc:

@@ -30,6 +30,7 @@ from nodeagent.repair import HeldStep
 from nodeagent.replicas import ReplicaExchange, push_shard_call
 from nodeagent.rpc import RpcFailure
 from nodeagent.runtime import StageRuntime
+from nodeagent.tied import TiedGradients
 from nodeagent.verify import AuditRecord
 
 
@@ -104,7 +105,11 @@ class HostedStage:
         )
         # A step holds at most one activation, gradient and label per micro-batch; the rest is slack
         # for early arrivals of the next step. The cap bounds what a misbehaving peer can park here.
-        self.mailbox: Mailbox[torch.Tensor] = Mailbox(capacity=4 * assignment.micro_batches + 8)
+        # The tied weights' gradients it exchanges with the stages sharing them (nodeagent.tied), one a copy a step.
+        self.tied = TiedGradients(assignment, spec)
+        self.mailbox: Mailbox[torch.Tensor] = Mailbox(
+            capacity=4 * assignment.micro_batches + 8 + 2 * self.tied.mailbox_slots()
+        )
         self.step_lock = threading.Lock()
         # A link to every rank of each neighbour: each rank of a tensor-parallel stage takes its inputs.
         token, certificates = assignment.credentials.token, assignment.certificates
@@ -116,6 +121,12 @@ class HostedStage:
             NeighbourLink(address, max_message_bytes, token, certificates[address])
             for address in assignment.prev_addresses
         ]
+        self.tied_links = {
+            peer.stage_index: [
+                NeighbourLink(address, max_message_bytes, token, certificates[address]) for address in peer.addresses
+            ]
+            for peer in assignment.tied
+        }
         self._bytes_lock = threading.Lock()
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -225,7 +236,8 @@ class HostedStage:
             self.exchange.close()
         with self._links_lock:
             replica_links = list(self._replica_links.values())
-        for link in (*self.next_links, *self.prev_links, *replica_links):
+        tied_links = [link for links in self.tied_links.values() for link in links]
+        for link in (*self.next_links, *self.prev_links, *tied_links, *replica_links):
             link.close()
 
 

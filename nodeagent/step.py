@@ -133,6 +133,8 @@ class StepRun:
                 held.partial = runtime.gradient_vector()  # what a repair of this step exchanges again
             if self.train and sync.exact and len(members) > 1 and not self._keeps_exchange:
                 self._exchange(self.replicas)
+            if self.train and self.stage.tied and not self._keeps_exchange:
+                self._tied_sum()
             if self.train:
                 self.lending.optimizer_step()
                 if self.replicas is not None and not sync.exact and sync.syncs_at(self.step):
@@ -285,6 +287,24 @@ class StepRun:
             self.held.exchanged_epoch = plan.epoch
         self.audit.reduced(reduced, chunk_bounds(reduced.numel(), plan.members(index)))
         self.exchange_seconds = time.perf_counter() - started
+
+    def _tied_sum(self) -> None:
+        """Step each tied weight's copy held here with its group's sum (nodeagent.tied): this stage's copies' final
+        gradients pushed to the stages sharing them (rank 0 of a tensor-parallel stage), theirs taken here."""
+        stage, runtime = self.stage, self.stage.runtime
+        if stage.assignment.sends_on:
+            stage.tied.send(
+                runtime.parameter_gradient,
+                lambda to, index, encoded: self.pushes.send_encoded(
+                    stage.tied_links[to], to, stage_pb2.TIED_GRADIENT, index, encoded
+                ),
+            )
+        stage.tied.sum(
+            runtime.parameter_gradient, lambda index: self._receive(stage_pb2.TIED_GRADIENT, index),
+            runtime.set_parameter_gradient,
+        )
+        with self._waiting():
+            self.pushes.wait_all()
 
     def _start_sync_round(self) -> None:
         """The weights every replica starts from, kept at its first train step (the replicas are equal then:
@@ -481,7 +501,9 @@ def _receive(
     """The tensor of `kind` for (step, micro_batch), waiting for it to arrive until `wait_until`."""
     a = stage.assignment
     kind_name = stage_pb2.TensorKind.Name(kind)
-    if kind == stage_pb2.GRADIENT:
+    if kind == stage_pb2.TIED_GRADIENT:
+        source = f"the stages sharing its tied weights ({', '.join(str(p.stage_index) for p in a.tied)})"
+    elif kind == stage_pb2.GRADIENT:
         source = f"stage {a.stage_index + 1} at {a.next_address or 'the replica its route names'}"
     elif kind == stage_pb2.ACTIVATION and not a.is_first:
         source = f"stage {a.stage_index - 1} at {a.prev_address or 'the replica its route names'}"

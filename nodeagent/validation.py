@@ -19,7 +19,10 @@ from arceus.wire.proto_tensor import decode_tensor
 from nodeagent.rpc import RpcFailure
 from nodeagent.stage import StageIO
 
-KIND_NAMES = {stage_pb2.ACTIVATION: "ACTIVATION", stage_pb2.GRADIENT: "GRADIENT", stage_pb2.LABELS: "LABELS"}
+KIND_NAMES = {
+    stage_pb2.ACTIVATION: "ACTIVATION", stage_pb2.GRADIENT: "GRADIENT", stage_pb2.LABELS: "LABELS",
+    stage_pb2.TIED_GRADIENT: "TIED_GRADIENT",  # checked by the stage's TiedGradients (nodeagent.tied)
+}
 
 
 def _invalid(message: str) -> RpcFailure:

@@ -46,13 +46,14 @@ _FIELDS = frozenset(
 _OPTIONAL_FIELDS = frozenset(
     {
         "checkpoint", "initial_weights", "program", "transfer", "precision", "tensor_parallel",
-        "activation_checkpointing", "schedule", "inference", "replica", "replica_sync",
+        "activation_checkpointing", "schedule", "inference", "replica", "replica_sync", "tied",
     }
 )
 _OPTIMIZER_FIELDS = frozenset({"name", "lr", "momentum", "weight_decay"})
 _CHECKPOINT_FIELDS = frozenset({"step", "url", "sha256"})
 _INITIAL_WEIGHTS_FIELDS = frozenset({"url", "layer_sha256"})
 _TENSOR_PARALLEL_FIELDS = frozenset({"rank", "size", "peers"})
+_TIED_FIELDS = frozenset({"stage_index", "layer_start", "layer_end", "addresses"})
 
 
 def max_micro_batch_size(dataset_config: dict[str, Any], micro_batches: int) -> int:
@@ -92,6 +93,16 @@ class TensorParallelConfig:
     @property
     def size(self) -> int:
         return len(self.peers)
+
+
+@dataclass(frozen=True)
+class TiedPeer:
+    """Another stage holding a copy of a tied weight this stage holds: its layers and every rank's address."""
+
+    stage_index: int
+    layer_start: int
+    layer_end: int
+    addresses: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -146,6 +157,10 @@ class Assignment:
     replica: int | None = None
     # How often a replica agrees with its siblings (arceus.contracts.replica_sync): every step, exactly, by default.
     replica_sync: ReplicaSync = ReplicaSync()
+    # The other stages that hold a copy of a tied weight this stage holds a copy of (arceus.model.tied), by index:
+    # where it sends its copies' gradients each train step and whose it takes. Empty: it shares none (or holds
+    # every copy itself).
+    tied: tuple[TiedPeer, ...] = ()
 
     @property
     def is_first(self) -> bool:
@@ -262,10 +277,15 @@ class Assignment:
             raise SpecError(
                 "assignment.activation_checkpointing", "a tensor-parallel stage cannot recompute its activations"
             )
-        # Every agent this one calls: the neighbours' ranks, and the other ranks of its own stage.
+        tied = _tied(data.get("tied", []), stage_index, num_stages)
+        if tied and replica is not None:
+            raise SpecError("assignment.tied", "a replicated stage cannot share tied weights with another stage yet")
+        # Every agent this one calls: the neighbours' ranks, the other ranks of its own stage, the ranks of the
+        # stages it shares tied weights with.
         peers = () if tensor_parallel is None else tensor_parallel.peers
         others = tuple(p for r, p in enumerate(peers) if tensor_parallel is None or r != tensor_parallel.rank)
-        called = (*(prev_ranks or (prev_address,)), *(next_ranks or (next_address,)), *others)
+        called = (*(prev_ranks or (prev_address,)), *(next_ranks or (next_address,)), *others,
+                  *(address for peer in tied for address in peer.addresses))
         return cls(
             stage_id=stage_id,
             job_id=job_id,
@@ -296,6 +316,7 @@ class Assignment:
             inference=inference,
             replica=replica,
             replica_sync=replica_sync,
+            tied=tied,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -337,6 +358,8 @@ class Assignment:
             **({"inference": True} if self.inference else {}),
             **({} if self.replica is None else {"replica": self.replica}),
             **({} if self.replica_sync.exact else {"replica_sync": self.replica_sync.to_json()}),
+            **({"tied": [{"stage_index": p.stage_index, "layer_start": p.layer_start, "layer_end": p.layer_end,
+                          "addresses": list(p.addresses)} for p in self.tied]} if self.tied else {}),
             "transfer": self.transfer.to_json(),
             "precision": self.precision,
             "activation_checkpointing": self.activation_checkpointing,
@@ -400,6 +423,32 @@ def _neighbour(data: dict[str, Any], key: str, *, required: bool) -> tuple[str |
     if len(ranks) < 2 or len(set(ranks)) != len(ranks):
         raise SpecError(f"assignment.{key}", f"a list must name 2 or more distinct ranks, got {value!r}")
     return ranks[0], ranks
+
+
+def _tied(value: Any, stage_index: int, num_stages: int) -> tuple[TiedPeer, ...]:
+    """`[{stage_index, layer_start, layer_end, addresses: ["host:port", ...]}, ...]`: other stages, ascending."""
+    field = "assignment.tied"
+    if not isinstance(value, list):
+        raise SpecError(field, f"must be a list of {{{', '.join(sorted(_TIED_FIELDS))}}}, got {type(value).__name__}")
+    parsed: list[TiedPeer] = []
+    for i, entry in enumerate(value):
+        where = f"{field}[{i}]"
+        if not isinstance(entry, dict) or set(entry) != _TIED_FIELDS:
+            raise SpecError(where, f"must have exactly the fields {', '.join(sorted(_TIED_FIELDS))}")
+        index = _int(entry, "stage_index", minimum=0, parent=where)
+        if index >= num_stages or index == stage_index or parsed and index <= parsed[-1].stage_index:
+            raise SpecError(f"{where}.stage_index", f"must name another of the {num_stages} stages, ascending")
+        start = _int(entry, "layer_start", minimum=0, parent=where)
+        end = _int(entry, "layer_end", minimum=1, parent=where)
+        if start >= end:
+            raise SpecError(f"{where}.layer_end", f"must be above layer_start ({start}), got {end}")
+        addresses = entry["addresses"]
+        if not isinstance(addresses, list) or not addresses or not all(
+            isinstance(a, str) and ":" in a for a in addresses
+        ) or len(set(addresses)) != len(addresses):
+            raise SpecError(f"{where}.addresses", 'must list each rank\'s distinct "host:port", in rank order')
+        parsed.append(TiedPeer(index, start, end, tuple(addresses)))
+    return tuple(parsed)
 
 
 def _certificates(value: Any, called: tuple[str | None, ...]) -> dict[str, str]:

@@ -40,6 +40,7 @@ class Role(StrEnum):
     NEXT = "next"  # a rank of the next stage: gradients
     PEER = "peer"  # another rank of this tensor-parallel stage: partial sums
     SIBLING = "sibling"  # another replica of this replicated stage (arceus/swarm): the gradient exchange
+    TIED = "tied"  # a rank of another stage holding a copy of a tied weight this stage holds (arceus.model.tied)
 
 
 DRIVER = "driver"
@@ -139,12 +140,14 @@ def stage_credentials(
     ranks: Sequence[int],
     *,
     replica: int | None = None,
+    tied: Sequence[int] = (),
 ) -> StageCredentials:
     """The credentials of rank `rank` of stage `stage_index` in a pipeline whose stage i has `ranks[i]`
     ranks: it accepts the driver, every rank of its neighbours, and the ranks of its own stage (if split).
     The replicas of a stage share its principal (a newcomer needs no new token, and a neighbour accepts every
     replica); a replicated stage's replicas accept each other as SIBLING, and replica `replica` (None: the stage
-    is not replicated) also holds its own replica token, which says which sibling calls."""
+    is not replicated) also holds its own replica token, which says which sibling calls. `tied`: the other stages
+    holding a copy of a tied weight this one holds, whose ranks it accepts as TIED (their copies' gradients)."""
 
     def digests(index: int) -> tuple[str, ...]:
         if not 0 <= index < len(ranks):
@@ -159,6 +162,7 @@ def stage_credentials(
         Role.NEXT: digests(stage_index + 1),
         Role.PEER: digests(stage_index) if ranks[stage_index] > 1 else (),
         Role.SIBLING: digests(stage_index) if replica is not None else (),
+        Role.TIED: tuple(d for index in tied for d in digests(index)),
     }
     token = mint_token(secret, job_id, generation, stage_principal(stage_index, rank))
     own = "" if replica is None else replica_token(mint_token(secret, job_id, generation, DRIVER), stage_index, replica)

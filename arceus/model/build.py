@@ -23,7 +23,8 @@ from arceus.model.llama.layers import llama_layer
 from arceus.model.mlp.layers import mlp_layer
 from arceus.model.seeding import layer_generator
 from arceus.model.sharding import AllReduce, Shard, ShardRows
-from arceus.model.spec import ModelSpec
+from arceus.model.spec import ModelSpec, split_global_param_name
+from arceus.model.tied import tied_groups
 
 
 @dataclass(frozen=True)
@@ -73,15 +74,46 @@ def build_layer(spec: ModelSpec, index: int, seed: int) -> nn.Module:
 
 
 def build_layers(spec: ModelSpec, start: int, end: int, seed: int) -> nn.Sequential:
-    """Layers [start, end); children are named by their global layer index."""
+    """Layers [start, end); children are named by their global layer index. A copy of a tied weight
+    (arceus.model.tied) starts as its group's first member does, built here where another stage holds that."""
     if not 0 <= start < end <= spec.num_layers:
         raise ValueError(f"layer range [{start}, {end}) is not inside the model's {spec.num_layers} layers")
-    return nn.Sequential(OrderedDict((str(i), build_layer(spec, i, seed)) for i in range(start, end)))
+    layers = nn.Sequential(OrderedDict((str(i), build_layer(spec, i, seed)) for i in range(start, end)))
+    tied_copies_initialised(spec, layers, start, end, seed)
+    return layers
+
+
+def tied_copies_initialised(spec: ModelSpec, layers: nn.Sequential, start: int, end: int, seed: int) -> None:
+    """Set the copies of tied weights (arceus.model.tied) that layers [start, end) hold to their group's first
+    member as seeded, that layer built here where another stage holds it: every copy starts equal."""
+    for group in tied_groups(spec):
+        copies = [m for m in group.held(start, end) if m != group.members[0]]
+        if not copies:
+            continue
+        first, name = split_global_param_name(group.members[0])
+        source = layers if start <= first < end else nn.Sequential(OrderedDict([(str(first),
+                                                                                  build_layer(spec, first, seed))]))
+        value = source.get_parameter(f"{first}.{name}")
+        with torch.no_grad():
+            for member in copies:
+                layers.get_parameter(member.removeprefix("layers.")).copy_(value)
 
 
 def build_full_model(spec: ModelSpec, seed: int) -> nn.Sequential:
-    """The single-process reference: every layer, initialised exactly as any split would be."""
-    return build_layers(spec, 0, spec.num_layers, seed)
+    """The single-process reference: every layer, initialised exactly as any split would be; the members of a tied
+    group are one parameter here (its first's, under every member's name), so autograd sums their gradients."""
+    model = build_layers(spec, 0, spec.num_layers, seed)
+    for group in tied_groups(spec):
+        shared = model.get_parameter(group.members[0].removeprefix("layers."))
+        for member in group.members[1:]:
+            layer, name = split_global_param_name(member)
+            module = model.get_submodule(str(layer))
+            if hasattr(module, "share_parameter"):  # a captured layer's graph computes with the shared one too
+                module.share_parameter(name, shared)
+            else:
+                owner, _, leaf = name.rpartition(".")
+                setattr(module.get_submodule(owner), leaf, shared)
+    return model
 
 
 def global_param_name(local_name: str) -> str:

@@ -36,6 +36,7 @@ from arceus.model.architecture import HuggingFaceFormat
 from arceus.model.expected_state import Layout, expected_stage_state, layout_described
 from arceus.model.registry import ARCHITECTURES, architecture_of
 from arceus.model.spec import ModelSpec
+from arceus.model.tied import tied_groups
 from arceus.safetensors_file import (
     CHUNK_BYTES,
     DTYPE_BYTES,
@@ -99,8 +100,10 @@ def hugging_face_folder(
     of chunks."""
     found = hugging_face_format(spec)
     config = json.dumps(found.config(spec), indent=2, sort_keys=True).encode()
+    copies = {name for group in tied_groups(spec) for name in group.members[1:]}  # stored once, as the first
     size, weights = merged_checkpoint(
-        sources, keep=keep, metadata={"format": "pt", **metadata}, rename=lambda name: found.name(spec, name),
+        sources, keep=lambda name: keep(name) and name not in copies, metadata={"format": "pt", **metadata},
+        rename=lambda name: found.name(spec, name),
         transposed=lambda name: found.transposed(spec, name),
     )
     members = [(_header(CONFIG_FILE, len(config)), len(config), iter([config])),
@@ -155,7 +158,7 @@ def hugging_face_config_check(spec: ModelSpec, config: Mapping[str, Any]) -> Non
     for key, default in found.computes.items():
         theirs = config.get(key, default)
         if theirs != ours[key]:
-            why = " (tied input and output embeddings are not supported yet)" if key == "tie_word_embeddings" else ""
+            why = " (set model_config.tie_word_embeddings to match)" if key == "tie_word_embeddings" else ""
             raise CheckpointError(f"config.json's {key} is {theirs!r}; this job's {spec.type} has {ours[key]!r}{why}")
 
 

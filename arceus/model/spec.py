@@ -73,6 +73,11 @@ class ModelSpec(Protocol):
         """The layers whose weights and compute a tensor-parallel group divides (empty: none can)."""
         ...
 
+    def tied_parameters(self) -> tuple[tuple[str, ...], ...]:
+        """Groups of pipeline parameter names that are one weight (`arceus.model.tied`), each by layer; () for a
+        model without tied weights."""
+        ...
+
 
 @runtime_checkable
 class TextModelSpec(ModelSpec, Protocol):

@@ -11,7 +11,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from arceus.model.build import LAYERS, TensorParallelLayers, build_layer
+from arceus.model.build import LAYERS, TensorParallelLayers, build_layer, tied_copies_initialised
 from arceus.model.expected_state import ExpectedState
 from arceus.model.registry import tensor_parallel_split
 from arceus.model.seeding import layer_generator
@@ -35,7 +35,7 @@ def build_parallel_layers(
     if not 0 <= start < end <= spec.num_layers:
         raise ValueError(f"layer range [{start}, {end}) is not inside the model's {spec.num_layers} layers")
     layers, split = _layers(spec), spec.split_layers()
-    return nn.Sequential(
+    built = nn.Sequential(
         OrderedDict(
             (
                 str(i),
@@ -46,6 +46,8 @@ def build_parallel_layers(
             for i in range(start, end)
         )
     )
+    tied_copies_initialised(spec, built, start, end, seed)  # tied weights are in the replicated layers
+    return built
 
 
 def slice_state_tensors(spec: ModelSpec, shard: Shard, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -14,6 +14,8 @@ class TextDecoderLayouts:
     vocab_size: int
     num_layers: int
     width: int  # the hidden state's size per token
+    tie_word_embeddings: bool  # the LM head is the token embedding (arceus.model.tied)
+    embedding_weight: str  # the token embedding's name in layer 0
 
     def input_layout(self, layer: int) -> TensorLayout:
         if layer == 0:
@@ -32,6 +34,12 @@ class TextDecoderLayouts:
     def split_layers(self) -> frozenset[int]:
         """The blocks between the embedding and the head: a tensor-parallel group splits their heads and MLP units."""
         return frozenset(range(1, self.num_layers - 1))
+
+    def tied_parameters(self) -> tuple[tuple[str, ...], ...]:
+        """With `tie_word_embeddings`, the LM head's weight is the token embedding's."""
+        if not self.tie_word_embeddings:
+            return ()
+        return ((f"layers.0.{self.embedding_weight}", f"layers.{self.num_layers - 1}.lm_head.weight"),)
 
     def _hidden(self) -> TensorLayout:
         return TensorLayout("float32", (self.block_size, self.width))

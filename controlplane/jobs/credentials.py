@@ -23,8 +23,10 @@ def job_driver_token(*, job_id: str, generation: int) -> str:
 
 
 def job_stage_credentials(
-    *, job_id: str, generation: int, stage_index: int, rank: int, ranks: Sequence[int], replica: int | None = None
+    *, job_id: str, generation: int, stage_index: int, rank: int, ranks: Sequence[int], replica: int | None = None,
+    tied: Sequence[int] = (),
 ) -> StageCredentials:
     """The credentials sent to the agent of rank `rank` of stage `stage_index` (`ranks`: each stage's rank count;
-    `replica`: its replica id in a replicated stage, which accepts its siblings and holds its own replica token)."""
-    return stage_credentials(_secret(), str(job_id), generation, stage_index, rank, ranks, replica=replica)
+    `replica`: its replica id in a replicated stage, which accepts its siblings and holds its own replica token;
+    `tied`: the stages it shares tied weights with, whose ranks it accepts)."""
+    return stage_credentials(_secret(), str(job_id), generation, stage_index, rank, ranks, replica=replica, tied=tied)

@@ -13,6 +13,7 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.utils import timezone
 
+from arceus.model.tied import tied_groups
 from controlplane.celery import ESTIMATE_TASK
 from controlplane.common.dispatch import enqueue_on_commit
 from controlplane.common.errors import one_by_id
@@ -43,7 +44,7 @@ def estimate_request(
     """Check the job as a submission would be checked (a 400 naming the field), record the request and
     enqueue its computation (the uploads the dataset config names resolved: the worker needs no owner)."""
     dataset_config = dataset_config_resolved(owner=owner, dataset_config=dataset_config)
-    job_validate(
+    spec, _, _ = job_validate(
         model_config=model_config,
         dataset_config=dataset_config,
         stages=stages,
@@ -52,7 +53,8 @@ def estimate_request(
     )
     replicas = replicas or {"min": 1, "max": 1}
     if replicas["max"] > 1:
-        job_replicas_check(replicas, micro_batches=micro_batches, tensor_parallel=tensor_parallel)
+        job_replicas_check(replicas, micro_batches=micro_batches, tensor_parallel=tensor_parallel,
+                           tied=bool(tied_groups(spec)))
     sync = job_replica_sync_check(replica_sync, replicas)
     now = timezone.now()
     with transaction.atomic():

@@ -20,12 +20,15 @@ from arceus.contracts.assignment import (
     InitialWeightsRef,
     OptimizerConfig,
     TensorParallelConfig,
+    TiedPeer,
     max_micro_batch_size,
 )
 from arceus.contracts.observed import ObservedState
 from arceus.contracts.replica_sync import ReplicaSync
 from arceus.contracts.status import HOSTED_STATUSES, JobStatus
 from arceus.contracts.transfer import transfer_config_from_json
+from arceus.model.registry import model_spec_from_config
+from arceus.model.tied import stages_sharing
 from arceus.training.plan import RankEndpoint, StageEndpoint
 from controlplane.common.errors import one_by_id
 from controlplane.jobs.credentials import job_stage_credentials
@@ -295,6 +298,12 @@ def _assignment(
     following = () if replicated else _addresses(stages.get(stage.index + 1), viewer)
     if stage.joining:
         checkpoint = None
+    # The stages holding a copy of a tied weight this one holds a copy of (arceus.model.tied) and their ranks.
+    tied = () if replicated else stages_sharing(
+        model_spec_from_config(job.model_config),
+        [(stages[i][0].layer_start, stages[i][0].layer_end) for i in range(len(stages))], stage.index,
+    )
+    tied_ranks = {i: stages[i] for i in tied}  # in rank order
     return Assignment(
         stage_id=stage.stage_id,
         job_id=str(job.id),
@@ -320,9 +329,11 @@ def _assignment(
             rank=stage.rank,
             ranks=[len({s.rank for s in stages[i]}) for i in range(len(stages))],
             replica=stage.replica if replicated else None,
+            tied=tied,
         ),
         certificates={} if replicated else _certificates(
-            viewer, stages.get(stage.index - 1), stages.get(stage.index + 1), [s for s in group if s.pk != stage.pk]
+            viewer, stages.get(stage.index - 1), stages.get(stage.index + 1), [s for s in group if s.pk != stage.pk],
+            *tied_ranks.values(),
         ),
         checkpoint=None
         if checkpoint is None
@@ -346,6 +357,10 @@ def _assignment(
         inference=job.status == JobStatus.SUCCEEDED,
         replica=stage.replica if replicated else None,
         replica_sync=job.replica_sync_config if replicated else ReplicaSync(),
+        tied=tuple(
+            TiedPeer(i, ranks[0].layer_start, ranks[0].layer_end, _addresses(ranks, viewer))
+            for i, ranks in tied_ranks.items()
+        ),
     ).to_json()
 
 

@@ -24,6 +24,7 @@ from arceus.model.registry import (
     fit_model_to_dataset,
 )
 from arceus.model.spec import ModelSpec
+from arceus.model.tied import tied_groups
 from controlplane.common.errors import ApplicationError
 from controlplane.datasets.selectors import dataset_config_resolved
 from controlplane.jobs import owner_transitions
@@ -92,7 +93,7 @@ def job_submit(
     if replicas["max"] > 1:
         job_replicas_check(
             replicas, micro_batches=micro_batches, tensor_parallel=tensor_parallel, audit_rate=audit_rate,
-            exact=sync.exact,
+            exact=sync.exact, tied=bool(tied_groups(spec)),
         )
     if audit_rate is None:
         # Replicas that sync every step are spot-checked like any stage; replicas that sync every H steps are not.
@@ -140,11 +141,12 @@ def job_replica_sync_check(replica_sync: dict[str, Any] | None, replicas: dict[s
 
 def job_replicas_check(
     replicas: dict[str, int], *, micro_batches: int, tensor_parallel: dict[str, Any], audit_rate: float | None = None,
-    exact: bool = True,
+    exact: bool = True, tied: bool = False,
 ) -> None:
     """A 400 naming `replicas` for replicated stages the job cannot have: every replica takes at least one of a
-    step's micro-batches, a tensor-parallel stage is not replicated, and replicas that sync every few steps
-    (`exact` False) are not spot-checked."""
+    step's micro-batches, a tensor-parallel stage is not replicated, nor a model with tied weights (`tied`: the
+    stages sharing one do not sum its gradient over replicas yet), and replicas that sync every few steps (`exact`
+    False) are not spot-checked."""
     if replicas["max"] > micro_batches:
         raise ApplicationError.invalid(
             "replicas",
@@ -154,6 +156,12 @@ def job_replicas_check(
     if tensor_parallel:
         raise ApplicationError.invalid(
             "replicas", "a tensor-parallel stage cannot be replicated yet: use replicas 1 or no tensor_parallel"
+        )
+    if tied:
+        raise ApplicationError.invalid(
+            "replicas",
+            "a model with tied weights (model_config.tie_word_embeddings, or a captured module's shared parameters) "
+            "cannot have replicated stages yet: use replicas 1",
         )
     if audit_rate and not exact:
         raise ApplicationError.invalid(

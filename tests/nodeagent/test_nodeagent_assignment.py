@@ -319,3 +319,34 @@ def test_invalid_credentials_and_certificates_name_the_field(
     with pytest.raises(SpecError) as info:
         Assignment.from_json(assignment(**changes))
     assert (info.value.field, fragment in info.value.message) == (field, True), info.value.message
+
+
+def test_a_stage_sharing_tied_weights_names_the_other_stages_layers_and_ranks() -> None:
+    tied = [{"stage_index": 2, "layer_start": 2, "layer_end": 3, "addresses": ["c:1"]}]
+    a = Assignment.from_json(assignment(tied=tied))
+    assert a.tied[0].stage_index == 2 and a.tied[0].addresses == ("c:1",)
+    assert Assignment.from_json(a.to_json()) == a
+    assert "tied" not in Assignment.from_json(assignment()).to_json()  # sharing none: no field
+
+
+@pytest.mark.parametrize(
+    ("tied", "field", "fragment"),
+    [
+        ({"stage_index": 2}, "assignment.tied", "must be a list"),
+        ([{"stage_index": 2, "addresses": ["c:1"]}], "assignment.tied[0]", "exactly the fields"),
+        ([{"stage_index": 1, "layer_start": 1, "layer_end": 2, "addresses": ["c:1"]}], "assignment.tied[0].stage_index",
+         "another of the 3 stages"),
+        ([{"stage_index": 3, "layer_start": 2, "layer_end": 3, "addresses": ["c:1"]}], "assignment.tied[0].stage_index",
+         "another of the 3 stages"),
+        ([{"stage_index": 2, "layer_start": 3, "layer_end": 3, "addresses": ["c:1"]}], "assignment.tied[0].layer_end",
+         "above layer_start"),
+        ([{"stage_index": 2, "layer_start": 2, "layer_end": 3, "addresses": []}], "assignment.tied[0].addresses",
+         "host:port"),
+        ([{"stage_index": 2, "layer_start": 2, "layer_end": 3, "addresses": ["d:1"]}], "assignment.certificates",
+         "no certificate for d:1"),
+    ],
+)
+def test_invalid_tied_peers_name_the_field(tied: Any, field: str, fragment: str) -> None:
+    with pytest.raises(SpecError) as info:
+        Assignment.from_json(assignment(tied=tied))
+    assert info.value.field == field and fragment in info.value.message

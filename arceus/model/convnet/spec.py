@@ -107,6 +107,9 @@ class ConvNetSpec:
         """A tensor-parallel group splits none of a CNN's layers."""
         return frozenset()
 
+    def tied_parameters(self) -> tuple[tuple[str, ...], ...]:
+        return ()
+
     def _convs(self) -> list[tuple[Shape, int]]:
         """(input image, output channels) of each conv layer."""
         return list(zip(self.shapes()[:-1], self.channels, strict=True))

@@ -4,9 +4,11 @@ cut at module boundaries into pipeline layers, each layer its own exported progr
 The cut follows `torch.distributed.pipelining`: a layer begins where a module begins (its `SplitPoint.BEGINNING`),
 by default at every "block" (the root's children, descending into containers such as `nn.Sequential` and
 `nn.ModuleList` and into any module holding one), or at the module names the developer gives. A cut is kept
-only where the stage boundary is one tensor (the wire carries one tensor per boundary), batch first, and no
-parameter is used on both sides of it (tied weights stay in one layer); a developer-named cut that is not such a
-place is refused, naming why. Symbolic batch sizes a later layer needs are read again from its input there.
+only where the stage boundary is one tensor (the wire carries one tensor per boundary), batch first; a
+developer-named cut that is not such a place is refused, naming why. A parameter used on both sides of a cut (tied
+weights: a GPT-2's embedding and LM head) is a copy in each layer that uses it, the copies a tied group of the
+model config (`tied`, arceus.model.tied), kept equal in training by summing their gradients. Symbolic batch sizes
+a later layer needs are read again from its input there.
 
 What runs here is the developer's own code, on the developer's machine: contributors get only the JSON.
 """
@@ -79,7 +81,8 @@ def capture(
     # placed: each layer that needs one computes it again from its own input.
     recomputable = _recomputable(graph)
     nodes = [n for n in graph.nodes if n.op == "call_function" and n not in recomputable]
-    cuts = _weighted(nodes, _cuts(nodes, module, split_points, recomputable), {n for n, _ in module.named_parameters()})
+    names_of_parameters = {n for n, _ in module.named_parameters(remove_duplicate=False)}  # a tied one by any name
+    cuts = _weighted(nodes, _cuts(nodes, module, split_points, recomputable), names_of_parameters)
     (model_input,) = [n for n in graph.nodes if n.op == "placeholder"]
     (model_output,) = _single_output(graph)
     boundaries = [model_input, *(_crossing(nodes, at, recomputable)[0] for at in cuts), model_output]
@@ -99,12 +102,16 @@ def capture(
         raise SpecError("module", f"must return float32 logits [batch, classes] or [batch, positions, classes], got "
                         f"{value.dtype} {list(value.shape)}")
     program_bytes = program_document(layers)
+    copies: dict[str, list[str]] = {}  # the module's parameter -> its pipeline names, by layer
+    for pipeline, name in names.items():
+        copies.setdefault(name, []).append(pipeline)
     model_config = {
         "type": SPEC_TYPE,
         "input": _layout(example_input, input_bound),
         "labels": {"dtype": "int64", "shape": list(value.shape[1:-1]), "bound": value.shape[-1]},
         "layers": layer_configs,
         "program_sha256": hashlib.sha256(program_bytes).hexdigest(),
+        **({"tied": tied} if (tied := [group for group in copies.values() if len(group) > 1]) else {}),
     }
     exported_from_config(model_config)  # what the control plane will check, checked here first
     return CapturedModel(model_config, program_bytes, safetensors_save(weights), names)
@@ -154,7 +161,6 @@ def _weighted(nodes: list[fx.Node], cuts: list[int], parameters: set[str]) -> li
 def _not_cuttable(nodes: list[fx.Node], at: int, recomputable: set[fx.Node]) -> str | None:
     """Why no layer may begin at `nodes[at]`, or None."""
     crossing = _crossing(nodes, at, recomputable)
-    after = nodes[at:]
     tensors = [n for n in crossing if isinstance(n.meta.get("val"), torch.Tensor)]
     if len(crossing) != 1 or len(tensors) != 1:
         return f"{len(crossing)} values cross it ({', '.join(sorted(n.name for n in crossing))}); a stage boundary " \
@@ -167,9 +173,6 @@ def _not_cuttable(nodes: list[fx.Node], at: int, recomputable: set[fx.Node]) -> 
             f"{tensors[0].name} crosses it as {value.dtype}; a boundary between layers carries float32 (its "
             "gradient flows back)"
         )
-    for attribute in {a for node in after for a in node.all_input_nodes if a.op == "get_attr"}:
-        if any(attribute in node.all_input_nodes for node in nodes[:at]):
-            return f"{attribute.target} is used on both sides (a tied weight stays in one layer)"
     return None
 
 

@@ -46,6 +46,13 @@ class ExportedLayerModule(nn.Module):
             raise RuntimeError(f"layer {self.index}'s graph is not attached; build it from the job's program")
         return self._graph(x)
 
+    def share_parameter(self, name: str, param: nn.Parameter) -> None:
+        """Compute with `param` as its parameter `name` (a tied weight the one-process reference shares)."""
+        owner, _, leaf = name.rpartition(".")
+        setattr(_module_at(self, owner), leaf, param)
+        if self._graph is not None:
+            setattr(_module_at(self._graph, owner), leaf, param)
+
     def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
         """Moves (or casts) the graph's buffers and constants along with the parameters it shares."""
         super()._apply(fn, recurse)

@@ -26,6 +26,7 @@ from arceus.errors import SpecError
 from arceus.model.layout import TensorLayout
 from arceus.model.spec import LayerStash
 from arceus.model.spec_fields import known_keys_check
+from arceus.model.tied import tied_groups_check
 
 SPEC_TYPE = "exported"
 MAX_LAYERS = 1024
@@ -35,7 +36,7 @@ MAX_PARAMETERS_PER_LAYER = 4096  # parameter tensors (and as many buffers)
 # The dtypes a buffer may have (torch's names).
 BUFFER_DTYPES = frozenset({"float32", "float64", "float16", "bfloat16", "int64", "int32"})
 MAX_COST = 1 << 62
-_KEYS = frozenset({"type", "input", "labels", "layers", "program_sha256"})
+_KEYS = frozenset({"type", "input", "labels", "layers", "program_sha256", "tied"})
 _LAYER_KEYS = frozenset({"sha256", "output", "parameters", "flops_per_sample", "stash_bytes_per_sample"})
 _OPTIONAL_LAYER_KEYS = frozenset({"buffers"})
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -60,6 +61,9 @@ class ExportedSpec:
     labels: TensorLayout
     layers: tuple[ExportedLayer, ...]
     program_sha256: str
+    # Groups of pipeline names that are one weight of the developer's module, used in several layers
+    # (arceus.model.tied); capture writes them where a cut falls between two uses of one parameter.
+    tied: tuple[tuple[str, ...], ...] = ()
     # Layer index -> its shipped document (checked), on an agent that fetched its stage's layers; building a
     # layer's forward needs it, describing its parameters does not.
     attached: Mapping[int, str] = field(default_factory=dict, compare=False, hash=False, repr=False)
@@ -102,6 +106,9 @@ class ExportedSpec:
         """A captured graph is not split over a tensor-parallel group."""
         return frozenset()
 
+    def tied_parameters(self) -> tuple[tuple[str, ...], ...]:
+        return self.tied
+
     def with_documents(self, documents: Mapping[int, str]) -> ExportedSpec:
         """This spec with layers' shipped documents attached (each checked when its layer is built)."""
         return replace(self, attached={**self.attached, **documents})
@@ -123,11 +130,17 @@ def exported_from_config(config: dict[str, Any]) -> ExportedSpec:
             "model_config.labels",
             f"{list(labels.shape)} with {labels.bound} classes does not fit logits {list(logits.shape)} per sample",
         )
+    tied = config.get("tied", [])
+    if not isinstance(tied, list) or len(tied) > MAX_LAYERS * MAX_PARAMETERS_PER_LAYER:
+        raise SpecError("model_config.tied", "must list groups of tied parameters' pipeline names")
+    tied_groups_check(tied, lambda i: {name: list(shape) for name, shape in parsed[i].parameters}, len(parsed),
+                      "model_config.tied")
     return ExportedSpec(
         input=inp,
         labels=labels,
         layers=parsed,
         program_sha256=_sha256(config.get("program_sha256"), "model_config.program_sha256"),
+        tied=tuple(tuple(group) for group in tied),
     )
 
 

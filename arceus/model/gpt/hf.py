@@ -3,9 +3,11 @@ weights load with `transformers.GPT2LMHeadModel.from_pretrained` (and such weigh
 
 The blocks are GPT-2's (pre-LayerNorm, fused query/key/value, a 4x MLP) with the exact GELU (`activation_function`
 "gelu"; GPT-2's own checkpoints use its tanh approximation, "gelu_new", which this model does not compute) and an
-LM head of its own (`tie_word_embeddings` false). Pipeline names are "layers.<i>.<name in layer i>": layer 0 holds
-`transformer.wte` and `transformer.wpe`, layer i in 1..n_layer is `transformer.h.<i-1>`, and the head holds
-`transformer.ln_f` and `lm_head`. GPT-2's Conv1D stores its weights as [in, out]: those are transposed.
+LM head of its own, or with `tie_word_embeddings` the head's weight is `transformer.wte.weight` (the folder stores
+that one tensor; arceus.model.tied keeps the two pipeline copies equal). Pipeline names are "layers.<i>.<name in
+layer i>": layer 0 holds `transformer.wte` and `transformer.wpe`, layer i in 1..n_layer is `transformer.h.<i-1>`,
+and the head holds `transformer.ln_f` and `lm_head`. GPT-2's Conv1D stores its weights as [in, out]: those are
+transposed.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def hf_config(spec: GPTSpec) -> dict[str, Any]:
         "scale_attn_weights": True,
         "scale_attn_by_inverse_layer_idx": False,
         "reorder_and_upcast_attn": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": spec.tie_word_embeddings,
         "torch_dtype": "float32",
     }
 
@@ -54,6 +56,8 @@ def hf_name(spec: GPTSpec, name: str) -> str:
     index, rest = split_global_param_name(name)
     if index == 0 and rest in ("wte.weight", "wpe.weight"):
         return f"transformer.{rest}"
+    if index == spec.num_layers - 1 and rest == "lm_head.weight" and spec.tie_word_embeddings:
+        return "transformer.wte.weight"
     if index == spec.num_layers - 1 and rest in ("ln_f.weight", "ln_f.bias", "lm_head.weight"):
         return rest if rest.startswith("lm_head") else f"transformer.{rest}"
     if 1 <= index <= spec.n_layer:

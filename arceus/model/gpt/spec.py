@@ -14,10 +14,11 @@ from arceus.model.layout import TensorLayout
 from arceus.model.spec import LayerStash
 from arceus.model.spec_fields import known_keys_check, positive_int, text_vocab
 from arceus.model.text_layouts import TextDecoderLayouts
+from arceus.model.tied import tied_config
 
 GPT_DEFAULTS = {"n_layer": 6, "n_head": 8, "d_model": 256, "block_size": 128}
 _LIMITS = {"n_layer": 256, "n_head": 1024, "d_model": 65536, "block_size": 65536, "vocab_size": 1_000_000}
-_GPT_KEYS = frozenset({"type", "vocab", "vocab_size", *GPT_DEFAULTS})
+_GPT_KEYS = frozenset({"type", "vocab", "vocab_size", "tie_word_embeddings", *GPT_DEFAULTS})
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class GPTSpec(TextDecoderLayouts):
     block_size: int
     vocab_size: int
     vocab: str = "char"  # "char": the dataset's distinct characters, sorted; "bpe": byte-level BPE
+    tie_word_embeddings: bool = False  # the LM head's weight is wte's (arceus.model.tied)
+    embedding_weight: ClassVar[str] = "wte.weight"
 
     @property
     def num_layers(self) -> int:
@@ -92,7 +95,10 @@ def gpt_from_config(config: dict[str, Any]) -> GPTSpec:
             f"must be divisible by n_head ({sizes['n_head']}), got {sizes['d_model']}",
         )
     vocab = text_vocab(config)
-    return GPTSpec(**sizes, vocab_size=positive_int(config, "vocab_size", None, _LIMITS["vocab_size"]), vocab=vocab)
+    return GPTSpec(
+        **sizes, vocab_size=positive_int(config, "vocab_size", None, _LIMITS["vocab_size"]), vocab=vocab,
+        tie_word_embeddings=tied_config(config.get("tie_word_embeddings", False), "model_config.tie_word_embeddings"),
+    )
 
 
 def tensor_parallel_reduced_layout(spec: GPTSpec) -> TensorLayout:

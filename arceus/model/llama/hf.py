@@ -2,7 +2,8 @@
 the trained weights load with `transformers.LlamaForCausalLM.from_pretrained` (and such weights load here).
 
 Pipeline names are "layers.<i>.<name in layer i>"; layer 0 is `model.embed_tokens`, layer i in
-1..num_hidden_layers is `model.layers.<i-1>`, and the head holds `model.norm` and `lm_head`.
+1..num_hidden_layers is `model.layers.<i-1>`, and the head holds `model.norm` and `lm_head` (with
+`tie_word_embeddings`, `lm_head.weight` is `model.embed_tokens.weight`: one tensor in the folder).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def hf_config(spec: LlamaSpec) -> dict[str, Any]:
         "hidden_act": "silu",
         "attention_bias": False,
         "mlp_bias": False,
-        "tie_word_embeddings": False,
+        "tie_word_embeddings": spec.tie_word_embeddings,
         "torch_dtype": "float32",
     }
 
@@ -48,6 +49,8 @@ def hf_name(spec: LlamaSpec, name: str) -> str:
     index, rest = split_global_param_name(name)
     if index == 0 and rest == "embed_tokens.weight":
         return f"model.{rest}"
+    if index == spec.num_layers - 1 and rest == "lm_head.weight" and spec.tie_word_embeddings:
+        return "model.embed_tokens.weight"
     if index == spec.num_layers - 1 and rest in ("norm.weight", "lm_head.weight"):
         return rest if rest.startswith("lm_head") else f"model.{rest}"
     if 1 <= index <= spec.num_hidden_layers:

@@ -17,6 +17,7 @@ from arceus.model.layout import TensorLayout
 from arceus.model.spec import LayerStash
 from arceus.model.spec_fields import known_keys_check, positive_int, text_vocab
 from arceus.model.text_layouts import TextDecoderLayouts
+from arceus.model.tied import tied_config
 
 LLAMA_DEFAULTS = {
     "hidden_size": 256,
@@ -30,7 +31,9 @@ _LIMITS = {
     "num_key_value_heads": 1024, "max_position_embeddings": 65536, "vocab_size": 1_000_000,
 }
 _FLOATS = {"rms_norm_eps": (1e-6, 0.0, 1.0), "rope_theta": (10000.0, 1.0, 1e9)}  # default, exclusive low, high
-_KEYS = frozenset({"type", "vocab", "vocab_size", "num_key_value_heads", *LLAMA_DEFAULTS, *_FLOATS})
+_KEYS = frozenset(
+    {"type", "vocab", "vocab_size", "num_key_value_heads", "tie_word_embeddings", *LLAMA_DEFAULTS, *_FLOATS}
+)
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,8 @@ class LlamaSpec(TextDecoderLayouts):
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     vocab: str = "char"  # the tokenizer: "char" (the text's distinct characters) or "bpe"
+    tie_word_embeddings: bool = False  # the LM head's weight is embed_tokens' (arceus.model.tied)
+    embedding_weight: ClassVar[str] = "embed_tokens.weight"
 
     @property
     def num_layers(self) -> int:
@@ -141,6 +146,7 @@ def llama_from_config(config: dict[str, Any]) -> LlamaSpec:
     return LlamaSpec(
         **sizes, num_key_value_heads=kv_heads, vocab_size=vocab_size,
         **{key: _float(config, key) for key in _FLOATS}, vocab=vocab,
+        tie_word_embeddings=tied_config(config.get("tie_word_embeddings", False), "model_config.tie_word_embeddings"),
     )
 
 

@@ -89,6 +89,9 @@ class MLPSpec:
         """A tensor-parallel group splits none of an MLP's layers."""
         return frozenset()
 
+    def tied_parameters(self) -> tuple[tuple[str, ...], ...]:
+        return ()
+
     def _pairs(self) -> list[tuple[int, int]]:
         return list(zip(self.layer_sizes[:-1], self.layer_sizes[1:], strict=True))
 

@@ -2,8 +2,9 @@
 of torchvision's shape at small width, a Hugging Face GPT-2 built from a config) are captured with torch.export,
 cut into layers, shipped as JSON + safetensors, rebuilt from those bytes alone into pipeline stages (the agents'
 `StageRuntime`, micro-batched) and trained 10 steps: every step's loss and the final weights match training the
-original module in one process to 1e-5 (fp32, SGD with momentum and Adam). A graph naming a forbidden operator is
-refused, with the operator's name, before anything is built."""
+original module in one process to 1e-5 (fp32, SGD with momentum and Adam). A GPT-2 with its default tied embeddings
+splits as its untied twin does: the first and last layers each hold a copy, their gradients summed every step. A
+graph naming a forbidden operator is refused, with the operator's name, before anything is built."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ from arceus.model.exported.operators import graph_check
 from arceus.model.exported.program import program_layers
 from arceus.model.optimizers import make_optimizer
 from arceus.model.registry import model_spec_from_config
+from arceus.model.spec import ModelSpec
+from arceus.model.tied import tied_groups, tied_sum
 from devtools.foreign_models import GPT2Logits, ResNet18
 from devtools.hostile_program import forged_program
 from nodeagent.runtime import StageRuntime
@@ -74,6 +77,7 @@ MODELS: dict[str, tuple[Callable[[], nn.Module], Callable[[torch.Generator], Any
     "test-file-net": (ResidualNet, _digits_rows, None, 2),
     "resnet18": (ResNet18, _images, None, 1),
     "hf-gpt2": (lambda: GPT2Logits(vocab_size=50), _tokens, 50, 2),
+    "hf-gpt2-tied": (lambda: GPT2Logits(vocab_size=50, tied=True), _tokens, 50, 2),
 }
 
 
@@ -98,10 +102,10 @@ def _reference(module: nn.Module, config: OptimizerConfig, batches: list[Any]) -
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    return losses, {name: p.detach() for name, p in model.named_parameters()}
+    return losses, {name: p.detach() for name, p in model.named_parameters(remove_duplicate=False)}
 
 
-def _stages(cap: CapturedModel, config: OptimizerConfig, micro_batches: int) -> list[StageRuntime]:
+def _stages(cap: CapturedModel, config: OptimizerConfig) -> list[StageRuntime]:
     """The model rebuilt from its shipped bytes only, in three stages, as agents build theirs."""
     spec = model_spec_from_config(json.loads(json.dumps(cap.model_config)))
     documents = program_layers(cap.program, [layer.sha256 for layer in spec.layers])
@@ -126,7 +130,15 @@ def _stages(cap: CapturedModel, config: OptimizerConfig, micro_batches: int) -> 
     return runtimes
 
 
-def _pipeline(runtimes: list[StageRuntime], batches: list[Any], micro_batches: int) -> list[float]:
+def _holds(runtime: StageRuntime, name: str) -> bool:
+    try:
+        runtime.layers.get_parameter(name.removeprefix("layers."))
+    except AttributeError:
+        return False
+    return True
+
+
+def _pipeline(runtimes: list[StageRuntime], batches: list[Any], micro_batches: int, spec: ModelSpec) -> list[float]:
     losses = []
     for step, (x, y) in enumerate(batches):
         total = 0.0
@@ -139,6 +151,11 @@ def _pipeline(runtimes: list[StageRuntime], batches: list[Any], micro_batches: i
             grad = runtimes[-1].backward(key)
             for runtime in reversed(runtimes[:-1]):
                 grad = runtime.backward(key, grad)
+        for group in tied_groups(spec):  # as the agents' TIED_GRADIENT pushes do (nodeagent.tied)
+            holder = {m: next(r for r in runtimes if _holds(r, m)) for m in group.members}
+            summed = tied_sum([holder[m].parameter_gradient(m) for m in group.members])
+            for m in group.members:
+                holder[m].set_parameter_gradient(m, summed.clone())
         for runtime in runtimes:
             runtime.optimizer_step()
         losses.append(total)
@@ -152,15 +169,15 @@ def test_rebuilt_stages_train_as_the_original_module(
     name, module, cap, batches = captured
     config = OPTIMIZERS[optimizer]
     expected, expected_weights = _reference(module, config, batches)
-    runtimes = _stages(cap, config, MODELS[name][3])
-    losses = _pipeline(runtimes, batches, MODELS[name][3])
+    runtimes = _stages(cap, config)
+    losses = _pipeline(runtimes, batches, MODELS[name][3], model_spec_from_config(cap.model_config))
     assert max(abs(a - b) for a, b in zip(losses, expected, strict=True)) <= 1e-5, (losses, expected)
     trained = {cap.names[k]: v for r in runtimes for k, v in r.state_tensors().items() if k in cap.names}
-    assert trained.keys() == expected_weights.keys()
+    assert trained.keys() <= expected_weights.keys() and len(trained) == len(list(module.parameters()))
     # Weights to 1e-4: micro-batches sum a gradient in another order, and Adam divides a near-zero gradient
     # by its own size, so a rounding difference in one can move a weight by a fraction of the learning rate.
     assert max((trained[k] - expected_weights[k]).abs().max().item() for k in trained) <= 1e-4
-    initial = dict(module.named_parameters())
+    initial = dict(module.named_parameters(remove_duplicate=False))
     assert max((trained[k] - initial[k]).abs().max().item() for k in trained) > 1e-3  # it trained
 
 
@@ -173,13 +190,19 @@ def test_a_model_is_cut_at_module_boundaries_into_several_layers(
         "test-file-net": [f"blocks.{i}." for i in range(3)],
         "resnet18": [f"layer{i}.{j}." for i in range(1, 5) for j in (0, 1)],
         "hf-gpt2": [f"model.transformer.h.{i}." for i in range(2)],
+        "hf-gpt2-tied": [f"model.transformer.h.{i}." for i in range(2)],
     }[name]
     layers = [set(layer["parameters"]) for layer in cap.model_config["layers"]]
     for block in blocks:
         holding = [i for i, names in enumerate(layers) if any(n.startswith(block) for n in names)]
         assert len(holding) == 1, f"{block} is cut across layers {holding}"
     assert len(layers) >= len(blocks) + 2
-    assert sum(len(names) for names in layers) == len(list(module.parameters()))
+    tied = cap.model_config.get("tied", [])
+    assert sum(len(names) for names in layers) == len(list(module.parameters())) + sum(len(g) - 1 for g in tied)
+    if name == "hf-gpt2-tied":  # as many layers as untied, the embedding's copy in the first and the last
+        untied = capture(GPT2Logits(vocab_size=50), torch.zeros(2, 16, dtype=torch.int64), input_bound=50)
+        assert len(layers) == len(untied.model_config["layers"])
+        assert tied == [["layers.0.model.lm_head.weight", f"layers.{len(layers) - 1}.model.lm_head.weight"]]
     safetensors_load(cap.weights)  # the weights are safetensors, the program JSON: nothing is pickled
     assert json.loads(cap.program)["format"] == "arceus.exported-program/1"
 

@@ -21,8 +21,22 @@ def test_layers_are_embedding_blocks_and_head_with_the_params_the_spec_counts() 
     model = build_full_model(spec, seed=3)
     assert [type(layer).__name__ for layer in model] == ["GPTEmbedding", "GPTBlock", "GPTBlock", "GPTBlock", "GPTHead"]
     assert [sum(p.numel() for p in layer.parameters()) for layer in model] == spec.layer_params()
-    # The head is not tied to the embedding: they live on different stages.
+    # The head is not tied to the embedding unless the config says so (tie_word_embeddings).
     assert model[0].wte.weight.data_ptr() != model[4].lm_head.weight.data_ptr()
+    assert spec.tied_parameters() == ()
+
+
+def test_tied_embeddings_are_one_parameter_in_one_process_and_equal_copies_in_any_split() -> None:
+    spec = model_spec_from_config({**SMALL, "tie_word_embeddings": True})
+    assert spec.tied_parameters() == (("layers.0.wte.weight", "layers.4.lm_head.weight"),)
+    model = build_full_model(spec, seed=3)
+    assert model[4].lm_head.weight is model[0].wte.weight
+    assert sum(p.numel() for p in model.parameters()) == sum(spec.layer_params()) - 11 * 16
+    assert set(model.state_dict()) >= {"0.wte.weight", "4.lm_head.weight"}  # a checkpoint names both copies
+    head = build_layers(spec, 3, 5, seed=3)  # the last stage builds layer 0's embedding to start its copy
+    assert torch.equal(head.get_parameter("4.lm_head.weight"), model[0].wte.weight)
+    assert not torch.equal(build_layers(model_spec_from_config(SMALL), 3, 5, seed=3).get_parameter(
+        "4.lm_head.weight"), model[0].wte.weight)
 
 
 def test_layouts_and_costs() -> None:
@@ -73,6 +87,7 @@ def test_attention_is_causal() -> None:
         ({"block_size": "8"}, "model_config.block_size", "positive integer"),
         ({"vocab": "word"}, "model_config.vocab", "must be one of char"),
         ({"tie_weights": True}, "model_config.tie_weights", "unknown key for a transformer"),
+        ({"tie_word_embeddings": "yes"}, "model_config.tie_word_embeddings", "must be true or false"),
     ],
 )
 def test_invalid_gpt_configs_name_the_field(change: dict, field: str, fragment: str) -> None:

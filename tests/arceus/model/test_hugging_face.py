@@ -235,8 +235,71 @@ def test_a_checkpoint_config_that_computes_another_function_is_refused_naming_th
         hugging_face_config_check(GPT, gpt2)
     with pytest.raises(CheckpointError, match="activation_function is 'gelu_new'"):  # left out: transformers' default
         hugging_face_config_check(GPT, {k: v for k, v in gpt_hf_config(GPT).items() if k != "activation_function"})
-    with pytest.raises(CheckpointError, match="tie_word_embeddings is True; this job's llama has False \\(tied input "
-                                              "and output embeddings are not supported yet\\)"):
+    with pytest.raises(CheckpointError, match="tie_word_embeddings is True; this job's llama has False \\(set "
+                                              "model_config.tie_word_embeddings to match\\)"):
         hugging_face_config_check(SPEC, {**hf_config(SPEC), "tie_word_embeddings": True})
     with pytest.raises(CheckpointError, match="rms_norm_eps is 1e-06; this job's llama has 1e-05"):
         hugging_face_config_check(SPEC, {**hf_config(SPEC), "rms_norm_eps": 1e-6})
+
+
+TIED = {
+    "llama": model_spec_from_config({**SMALL, "tie_word_embeddings": True}),
+    "transformer": model_spec_from_config({"type": "transformer", "n_layer": 2, "n_head": 2, "d_model": 16,
+                                           "block_size": 8, "vocab_size": 19, "tie_word_embeddings": True}),
+}
+HF_MODELS = {"llama": (LlamaForCausalLM, LlamaConfig, hf_config), "transformer": (GPT2LMHeadModel, GPT2Config,
+                                                                                   gpt_hf_config)}
+
+
+@pytest.mark.parametrize("kind", list(TIED))
+def test_tied_embeddings_export_as_one_tensor_and_a_tied_sharded_bf16_checkpoint_gives_both_stages_its_copy(
+    kind: str, tmp_path: Path
+) -> None:
+    """Out: a tied model's stage files (stage 0 holds the embedding, stage 1 the head's copy) as a folder holding the
+    one tensor, which `from_pretrained` ties again: the pipeline's logits. In: a tied model as `transformers` saves
+    it, bf16 and sharded (the head is not in the files): each stage's slice holds its copy, the same bits."""
+    spec = TIED[kind]
+    model_class, config_class, config_of = HF_MODELS[kind]
+    tokens = torch.randint(0, spec.vocab_size, (3, spec.block_size), generator=torch.Generator().manual_seed(1))
+    files = [io.BytesIO(encode_checkpoint({n: p.detach() for n, p in named_global_parameters(
+        build_layers(spec, start, end, seed=7))})) for start, end in [(0, 2), (2, spec.num_layers)]]
+    head = f"layers.{spec.num_layers - 1}.lm_head.weight"
+    embedding = f"layers.0.{spec.embedding_weight}"
+    size, chunks = hugging_face_folder(spec, files, keep=lambda n: True, metadata={})
+    with tarfile.open(fileobj=io.BytesIO(b"".join(chunks)), mode="r|") as tar:
+        tar.extractall(tmp_path / "exported", filter="data")
+    stored = safetensors_load((tmp_path / "exported" / "model.safetensors").read_bytes())
+    assert "lm_head.weight" not in stored and len(stored) == sum(len(spec.layer_parameters(i))
+                                                                 for i in range(spec.num_layers)) - 1
+    theirs = model_class.from_pretrained(tmp_path / "exported").eval()
+    assert theirs.config.tie_word_embeddings and theirs.lm_head.weight is theirs.get_input_embeddings().weight
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(tokens).logits, build_full_model(spec, seed=7)(tokens), rtol=0, atol=1e-5)
+
+    torch.manual_seed(5)
+    shipped = model_class(config_class(**config_of(spec))).to(torch.bfloat16)
+    shipped.save_pretrained(tmp_path / "shipped", max_shard_size="6KB")
+    assert len(list((tmp_path / "shipped").glob("model-*-of-*.safetensors"))) >= 2
+    hugging_face_config_check(spec, json.loads((tmp_path / "shipped" / "config.json").read_text()))
+    with folder_weights(tmp_path / "shipped") as (length, chunks):
+        upload = io.BytesIO(b"".join(chunks))
+    hugging_face_weights_check(spec, upload, length)
+    digests = initial_weights_layer_digests(spec, upload, length)
+    slices = []
+    for start, end in [(0, 1), (1, spec.num_layers)]:
+        sliced = b"".join(initial_weights_slice(spec, upload, length, start, end)[1])
+        initial_weights_slice_check(io.BytesIO(sliced), len(sliced), start, digests[start:end])
+        slices.append(safetensors_load(sliced))
+    assert torch.equal(slices[0][embedding], slices[1][head])
+    assert torch.equal(slices[1][head], shipped.get_input_embeddings().weight)
+    untied = model_spec_from_config({**spec_config(kind), "tie_word_embeddings": False})
+    with pytest.raises(CheckpointError, match="tie_word_embeddings is True; this job's .* has False"):
+        hugging_face_config_check(untied, json.loads((tmp_path / "shipped" / "config.json").read_text()))
+    with pytest.raises(CheckpointError, match="the weights lack lm_head.weight"):  # an untied job needs its own head
+        hugging_face_weights_check(untied, upload, length)
+
+
+def spec_config(kind: str) -> dict[str, object]:
+    if kind == "llama":
+        return {**SMALL}
+    return {"type": "transformer", "n_layer": 2, "n_head": 2, "d_model": 16, "block_size": 8, "vocab_size": 19}

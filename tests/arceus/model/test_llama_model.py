@@ -81,7 +81,8 @@ def test_layouts_and_costs() -> None:
         ({"rope_theta": float("nan")}, "model_config.rope_theta", "must be a number"),
         ({"rope_theta": "1e4"}, "model_config.rope_theta", "must be a number"),
         ({"vocab": "word"}, "model_config.vocab", "must be one of char"),
-        ({"tie_word_embeddings": True}, "model_config.tie_word_embeddings", "unknown key for a llama"),
+        ({"tie_word_embeddings": 1}, "model_config.tie_word_embeddings", "must be true or false"),
+        ({"tie_weights": True}, "model_config.tie_weights", "unknown key for a llama"),
     ],
 )
 def test_invalid_configs_name_the_field(change: dict, field: str, fragment: str) -> None:

@@ -41,7 +41,14 @@ RUNS: dict[str, dict[str, Any]] = {
     "gpt-2-1f1b": {"boundaries": [0, 2, 4], "schedule": "1f1b", "optimizer": SGD},
     "gpt-3-gpipe": {"boundaries": [0, 1, 3, 4], "schedule": "gpipe", "optimizer": SGD},
     "gpt-3-1f1b": {"boundaries": [0, 1, 3, 4], "schedule": "1f1b", "optimizer": ADAM},
+    # The LM head is the token embedding (tie_word_embeddings): stages 0 and 2 hold a copy each and sum their
+    # gradients every step, as one process's one parameter gets both.
+    "gpt-3-tied": {"boundaries": [0, 1, 3, 4], "schedule": "1f1b", "optimizer": ADAM, "tied": True},
 }
+
+
+def run_model(model: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    return {**model, "tie_word_embeddings": True} if run.get("tied") else model
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +68,7 @@ def agents(
         num_stages = len(run["boundaries"]) - 1
         stages = pipeline_assignments(
             job_id=job_id,
-            model_config=model,
+            model_config=run_model(model, run),
             boundaries=run["boundaries"],
             addresses=addresses[:num_stages],
             optimizer=run["optimizer"],
@@ -84,6 +91,7 @@ def test_gpt_pipeline_training_matches_single_process(
 ) -> None:
     model, dataset = configs
     run = RUNS[job_id]
+    model = run_model(model, run)
     boundaries = run["boundaries"]
     plan = TrainPlan(
         job_id=job_id,
@@ -135,6 +143,8 @@ def test_gpt_pipeline_training_matches_single_process(
     assert sorted(weights) == sorted(expected.weights)
     for name, want in expected.weights.items():
         torch.testing.assert_close(weights[name], want, rtol=1e-5, atol=atol, msg=lambda m, n=name: f"{n}: {m}")
+    if run.get("tied"):  # the two stages' copies stepped with the same bits
+        assert torch.equal(weights["layers.0.wte.weight"], weights["layers.3.lm_head.weight"])
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

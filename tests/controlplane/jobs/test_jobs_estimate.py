@@ -203,3 +203,13 @@ def test_an_estimate_refuses_replica_sync_without_replicas(api, digits_job) -> N
     response = api.post("/api/jobs/estimate", {**digits_job, "replica_sync": {"every_steps": 4}}, format="json")
     assert response.status_code == 400 and "applies only to replicated stages" in response.json()["errors"][
         "replica_sync"][0]
+
+
+def test_a_model_with_tied_weights_is_refused_replicas_naming_why(api, digits_job) -> None:
+    tied = {"type": "transformer", "n_layer": 1, "n_head": 2, "d_model": 16, "block_size": 8,
+            "tie_word_embeddings": True}
+    job = {**digits_job, "model_config": tied, "dataset_config": {"name": "text", "batch_size": 8}, "replicas": 2}
+    for path in ("/api/jobs/estimate", "/api/jobs"):
+        response = api.post(path, job, format="json")
+        assert response.status_code == 400, response.json()
+        assert "tied weights" in response.json()["errors"]["replicas"][0]
