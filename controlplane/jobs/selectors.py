@@ -299,10 +299,8 @@ def _assignment(
     if stage.joining:
         checkpoint = None
     # The stages holding a copy of a tied weight this one holds a copy of (arceus.model.tied) and their ranks.
-    tied = () if replicated else stages_sharing(
-        model_spec_from_config(job.model_config),
-        [(stages[i][0].layer_start, stages[i][0].layer_end) for i in range(len(stages))], stage.index,
-    )
+    ranges = [(g[0].layer_start, g[0].layer_end) if (g := stages.get(i)) else (0, 0) for i in range(len(stages))]
+    tied = () if replicated else stages_sharing(model_spec_from_config(job.model_config), ranges, stage.index)
     tied_ranks = {i: stages[i] for i in tied}  # in rank order
     return Assignment(
         stage_id=stage.stage_id,
