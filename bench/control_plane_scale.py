@@ -9,10 +9,18 @@ control and reachability workers and beat, against the PostgreSQL and Redis the 
 size; `--workdir` keeps its logs). Each simulated agent registers at a loopback address of its own where
 nothing listens, so the dial-backs (controlplane/nodes/reachability.py) are refused here and mark it relayed. The agents
 are coroutines of this process (aiohttp, no torch): each registers (`POST /api/agent/register`), then heartbeats
-every `--interval` seconds (`POST /api/agent/heartbeat`, starting at a random offset, sending back the
-assignments version it holds), reporting nothing about its stages, so placed jobs wait for them and no training
-driver runs. The heartbeats travel over a light client of this bench (`Connection`: uvloop, each agent's own
-keep-alive connection as a real agent holds one, its request bytes built once per assignments version) so that
+every `--interval` seconds (`POST /api/agent/heartbeat`, starting at a random offset), its body a real agent's
+(nodeagent/control_plane.py: the observed stages, the host's load, the relay report, the assignments version it
+holds; not the link it measures every 5 minutes): an agent given assignments reports every stage ready at its
+generation at once, in one more heartbeat (as a real agent reports a change it applied), then in every heartbeat,
+so the hosting agents' unchanged reports take the quiet path (controlplane/agents/heartbeat.py) and the jobs start.
+No training driver runs (the training worker is stopped once its idle pool process is measured): the bench stands
+in for each running job's driver (`drive_jobs`, in a process of its own), claiming its lease and writing one step
+of progress per job every interval through the driver's own service (`job_record_steps`: the step and its loss,
+the stages' counters billed to the ledger, their time per step, the node speeds they give), with a driver lease
+(`--driver-lease`) outlasting the writers' slowest round. The heartbeats travel over a light client of this
+bench (`Connection`: uvloop, each agent's own keep-alive connection as a real agent holds one, its request bytes
+built once per assignments version) so that
 the load generator, which shares the machine's cores, is not what limits the run; a heartbeat's latency runs
 from its send (connecting, when the server had closed the connection, included) to its whole answer, and every
 answer that is not 200, every timeout (a real agent's 10 s) and every broken connection counts as an error (and
@@ -25,7 +33,11 @@ handed to Django, and why (its /metrics: arceus_heartbeats_to_django_total); the
 heartbeat (the load generator's cost, with its once-a-second placement polls) and how late its event loop ran
 (every heartbeat in flight meanwhile is timed that much slower); the reconcile pass time (the control
 worker's own log of each `arceus.reconcile` task: under the same load); and, for `--silent` nodes hosting a
-stage whose heartbeats stop, the time from their last heartbeat to their stage's move, against the grace.
+stage whose heartbeats stop, the time from their last heartbeat to their stage's move, against the grace; the
+nodes hosting stages and the jobs running; the progress writes (per second, their latency); and the control
+plane's resident memory once the jobs run (every process but the training worker's: RSS and PSS summed, per
+running job), beside what it would be with a training worker process held per running job as today (the idle
+pool process measured at start-up, per job).
 A run that places nothing, or whose agents time out, still reports (nothing is measured that was not seen).
 Prints a table, writes docs/BENCHMARKS.md, and ends with one JSON line.
 """
@@ -49,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import psutil
 import uvloop
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -59,6 +72,7 @@ from controlplane.common.garbage_collector import garbage_collector_tuned  # noq
 from devtools.cluster import LocalCluster  # noqa: E402
 
 BENCH_USER = "scale-bench"
+DRIVER = "scale-bench-driver"  # the driver lease's owner the bench's stand-in drivers write progress as
 CAPABILITIES = {"device_type": "cpu", "device_name": "simulated", "memory_bytes": 8 << 30, "flops_fp32": 1e11,
                 "runtime_bytes": 0}
 JOB: dict[str, Any] = {
@@ -72,6 +86,7 @@ REGISTERING_AT_ONCE = 512
 TIMEOUT_S = 10.0
 MIN_BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0
 LAG_SAMPLE_S = 0.01
+MIB = 1 << 20
 RECONCILE_LINE = re.compile(r"Task arceus\.reconcile\[[^\]]+\] succeeded in ([0-9.e-]+)s")
 
 
@@ -83,6 +98,10 @@ class SimAgent:
     silenced: bool = False
     connection: Connection | None = None  # its one keep-alive connection, as a real agent's requests.Session
     last_beat: float = 0.0  # wall-clock time of its last answered heartbeat
+    # What it reports of its assigned stages, as a real agent's registry does once it built them (every one
+    # ready at its assignment's generation): arceus.contracts.observed.
+    observed: list[dict[str, Any]] = field(default_factory=list)
+    busy: float = 0.0  # the host's load beside the agent it reports (`host_busy_fraction`)
 
 
 @dataclass
@@ -99,14 +118,26 @@ class Tally:
         errors[kind] = errors.get(kind, 0) + 1
 
 
+@dataclass
+class Progress:
+    """The stand-in drivers' writes (`drive_jobs`)."""
+
+    claimed: set[str] = field(default_factory=set)  # jobs whose driver lease they hold
+    steps: dict[str, int] = field(default_factory=dict)  # job → the last step recorded
+    lost: set[str] = field(default_factory=set)  # jobs whose lease was gone at a write
+    written: int = 0  # in the measured window
+    seconds: list[float] = field(default_factory=list)  # each write's, in the window
+    counting: bool = False
+
+
 def quantile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
 
 
 def _setup_django(env: dict[str, str]) -> None:
-    os.environ.update({k: env[k] for k in ("DATABASE_URL", "REDIS_URL", "ARCEUS_SECRET_KEY",
-                                           "DJANGO_SETTINGS_MODULE", "ARCEUS_NODE_GRACE_SECONDS")})
+    os.environ.update({k: env[k] for k in ("DATABASE_URL", "REDIS_URL", "ARCEUS_SECRET_KEY", "DJANGO_SETTINGS_MODULE",
+                                           "ARCEUS_NODE_GRACE_SECONDS", "ARCEUS_DRIVER_LEASE_SECONDS")})
     import django
 
     django.setup()
@@ -127,7 +158,7 @@ def make_nodes(count: int) -> list[SimAgent]:
         [Node(owner=user, name=f"sim-{i}", token_hash=node_token_hash(t)) for i, t in enumerate(tokens)],
         batch_size=2000,
     )
-    return [SimAgent(str(n.id), t) for n, t in zip(nodes, tokens, strict=True)]
+    return [SimAgent(str(n.id), t, busy=round(random.uniform(0.0, 0.3), 3)) for n, t in zip(nodes, tokens, strict=True)]
 
 
 def submit_jobs(count: int) -> list[str]:
@@ -142,6 +173,76 @@ def submit_jobs(count: int) -> list[str]:
         job_start(job=job)
         ids.append(str(job.id))
     return ids
+
+
+def drivers_claim() -> list[str]:
+    """Claim the driver lease of each running job of the bench's that nobody holds, as its training driver task
+    would (`job_driver_claim`); the ids claimed."""
+    from django.utils import timezone
+
+    from arceus.contracts.status import JobStatus
+    from controlplane.jobs.leases import job_driver_claim
+    from controlplane.jobs.models import Job
+
+    now = timezone.now()
+    pending = Job.objects.filter(owner__username=BENCH_USER, status=JobStatus.RUNNING,
+                                 driver_lease_owner="").values_list("pk", flat=True)
+    return [str(pk) for pk in pending if job_driver_claim(job_id=pk, owner=DRIVER, now=now)]
+
+
+def progress_record(due: list[tuple[str, int]]) -> tuple[list[str], list[float]]:
+    """One training step's progress for each (job, step), written as the driver writes it (`job_record_steps`:
+    the step and its loss, the stages' cumulative counters and time per step, the node speeds they measure, the
+    lease renewed); the jobs whose lease was gone, and each write's seconds."""
+    from django.utils import timezone
+
+    from arceus.contracts.counters import StageCounters
+    from arceus.training.plan import StageTiming
+    from controlplane.driver.progress import StepPoint, job_record_steps
+
+    batch = JOB["dataset_config"]["batch_size"]
+    lost, seconds = [], []
+    for job_id, step in due:
+        started = time.perf_counter()
+        point = StepPoint(epoch=step // 50, step=step, total_steps=10_000, loss=2.3 / (1 + step / 100),
+                          samples_per_second=320.0)
+        counters = [StageCounters(index=i, samples=batch * step, micro_batches=4 * step, compute_seconds=0.02 * step,
+                                  bytes_sent=40_000 * step, bytes_received=40_000 * step)
+                    for i in range(JOB["stages"])]
+        timings = [StageTiming(i, 0.02, 0.01, 0.1, samples=batch, micro_batches=4) for i in range(JOB["stages"])]
+        if not job_record_steps(job_id=job_id, lease_owner=DRIVER, points=[point], now=timezone.now(),
+                                stages=counters, timings=timings):
+            lost.append(job_id)
+        seconds.append(time.perf_counter() - started)
+    return lost, seconds
+
+
+async def drive_jobs(drivers: Executor, interval: float, progress: Progress, stop: asyncio.Event) -> None:
+    """Stand in for the running jobs' drivers (none runs here: the training worker is stopped): claim each
+    running job's lease, then record one step of progress per job every `interval` s (the agents' heartbeat
+    interval), each job at an offset of its own. In `drivers`, another process: their Python work must not
+    hold this one's GIL."""
+    loop = asyncio.get_running_loop()
+    due: dict[str, float] = {}  # job → when its next progress is due
+    while not stop.is_set():
+        now = time.monotonic()
+        for job_id in await loop.run_in_executor(drivers, drivers_claim):
+            due[job_id] = now + random.uniform(0, interval)
+            progress.claimed.add(job_id)
+        ready = [job_id for job_id, at in due.items() if at <= now]
+        if ready:
+            steps = [(job_id, progress.steps.get(job_id, 0) + 1) for job_id in ready]
+            lost, seconds = await loop.run_in_executor(drivers, progress_record, steps)
+            for job_id, step in steps:
+                progress.steps[job_id] = step
+                due[job_id] += interval
+            for job_id in lost:
+                due.pop(job_id, None)
+            progress.lost.update(lost)
+            if progress.counting:
+                progress.written += len(steps) - len(lost)
+                progress.seconds += seconds
+        await asyncio.sleep(max(0.0, 0.2 - (time.monotonic() - now)))
 
 
 async def heartbeats_to_django(session: aiohttp.ClientSession, cluster: LocalCluster) -> dict[str, float]:
@@ -234,7 +335,13 @@ async def post(agent: SimAgent, host: str, port: int, raw: bytes) -> tuple[int, 
 
 
 def heartbeat_request(host: str, agent: SimAgent) -> bytes:
-    body = json.dumps({"observed": [], "assignments_version": agent.version}).encode()
+    """The body a real agent sends (nodeagent/control_plane.py: ControlPlaneClient.heartbeat): its stages'
+    observed states, the host's load, its relay report (none: no relays here) and the version it holds (once it
+    holds one). Not sent: the link it measures every 5 minutes (REMEASURE_SECONDS) and neighbour links."""
+    payload: dict[str, Any] = {"observed": agent.observed, "host_busy_fraction": agent.busy, "relay": None}
+    if agent.version:
+        payload["assignments_version"] = agent.version
+    body = json.dumps(payload).encode()
     return (f"POST /api/agent/heartbeat HTTP/1.1\r\nHost: {host}\r\nAuthorization: Node {agent.token}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
 
@@ -243,9 +350,9 @@ async def heartbeat_forever(host: str, port: int, agent: SimAgent, interval: flo
                             stop: asyncio.Event) -> None:
     await asyncio.sleep(random.uniform(0, interval))
     raw, held = heartbeat_request(f"{host}:{port}", agent), agent.version
-    backoff = MIN_BACKOFF_S
+    backoff, resend = MIN_BACKOFF_S, False
     while not stop.is_set() and not agent.silenced:
-        started, failure = time.perf_counter(), None
+        started, failure, applied = time.perf_counter(), None, False
         try:
             status, body = await post(agent, host, port, raw)
             if status != 200:
@@ -257,13 +364,20 @@ async def heartbeat_forever(host: str, port: int, agent: SimAgent, interval: flo
                     tally.latencies.append(time.perf_counter() - started)
                     if answer.get("assignments"):
                         tally.changed.append(tally.latencies[-1])
-                if agent.version != held:
+                if "assignments" in answer:  # a new desired state: its stages built at once, all ready
+                    observed = [{"stage_id": a["stage_id"], "generation": a["generation"], "state": "ready",
+                                 "message": ""} for a in answer["assignments"]]
+                    applied, agent.observed = observed != agent.observed, observed
+                if agent.version != held or applied:
                     raw, held = heartbeat_request(f"{host}:{port}", agent), agent.version
         except (OSError, TimeoutError, ValueError) as exc:
             failure = type(exc).__name__
         if failure is None:
             backoff = MIN_BACKOFF_S
-            await asyncio.sleep(max(0.0, interval - (time.perf_counter() - started)))
+            # As a real agent (HeartbeatLoop._run): a change applied is reported at once, but not twice in a row.
+            resend = applied and not resend
+            if not resend:
+                await asyncio.sleep(max(0.0, interval - (time.perf_counter() - started)))
         else:  # as a real agent backs off (nodeagent/control_plane.py: HeartbeatLoop)
             tally.error(failure)
             await asyncio.sleep(backoff)
@@ -281,11 +395,11 @@ async def loop_lag(tally: Tally, stop: asyncio.Event) -> None:
 
 
 async def run_fleet(
-    cluster: LocalCluster, agents: list[SimAgent], args: argparse.Namespace, database: Executor
+    cluster: LocalCluster, agents: list[SimAgent], args: argparse.Namespace, database: Executor, drivers: Executor
 ) -> dict[str, Any]:
-    """`database` runs the bench's own queries and submissions: in another process, so that their Python work
-    never holds this one's GIL while heartbeats wait to be timed (a thread's 1,000 job submissions delayed every
-    heartbeat of the fleet by up to a minute)."""
+    """`database` runs the bench's own queries and submissions, `drivers` the stand-in drivers' writes
+    (`drive_jobs`): each in another process, so that their Python work never holds this one's GIL while heartbeats
+    wait to be timed (a thread's 1,000 job submissions delayed every heartbeat of the fleet by up to a minute)."""
     loop = asyncio.get_running_loop()
     # Registrations go through Django, each a few ms: 512 at a time, or 10,000 at once would wait past the timeout.
     connector = aiohttp.TCPConnector(limit=REGISTERING_AT_ONCE)
@@ -302,13 +416,14 @@ async def run_fleet(
         registered_s = time.perf_counter() - started
         print(f"registered {len(agents)} agents in {registered_s:.1f} s", flush=True)
 
-        tally, stop = Tally(), asyncio.Event()
+        tally, progress, stop = Tally(), Progress(), asyncio.Event()
         # This one process stands for 10,000 agents' machines: its collector tuned as the control plane's.
         garbage_collector_tuned()
         lag_probe = asyncio.create_task(loop_lag(tally, stop))
         host, port = cluster.api_url.removeprefix("http://").rsplit(":", 1)
         beats = [asyncio.create_task(heartbeat_forever(host, int(port), a, args.interval, tally, stop))
                  for a in agents]
+        driving = asyncio.create_task(drive_jobs(drivers, args.interval, progress, stop))
         try:
             # Every agent's first heartbeat (through the API: it makes the node Ready) answered before the window
             # opens: 10,000 agents starting within one interval are a start-up burst, not the steady state.
@@ -321,12 +436,17 @@ async def run_fleet(
             log_offset = log.stat().st_size
             to_django_before = await heartbeats_to_django(session, cluster)
             tally.counting, window_start = True, time.perf_counter()  # the placement burst is measured too
+            progress.counting = True
             cpu_start = time.process_time()
             jobs = await loop.run_in_executor(database, submit_jobs, args.jobs)
             print(f"submitted {len(jobs)} jobs", flush=True)
             placed = await _until_placed(database, args.jobs * JOB["stages"], args.place_timeout)
             placement_s, while_placing = time.perf_counter() - window_start, len(tally.latencies)
             print(f"placed {len(placed)} stages in {placement_s:.0f} s", flush=True)
+            while len(progress.claimed) < len(jobs) and time.perf_counter() - window_start < args.place_timeout:
+                await asyncio.sleep(0.5)  # every job running: its stages reported ready, its lease claimed
+            running_s = time.perf_counter() - window_start
+            print(f"{len(progress.claimed)} jobs running after {running_s:.0f} s", flush=True)
             by_id = {a.node_id: a for a in agents}
             # Hosts whose heartbeats were answered: the silence is timed from the last answered one.
             hosts = sorted(n for n in placed if by_id[n].last_beat)
@@ -339,15 +459,17 @@ async def run_fleet(
                 victim.silenced = True
             reassigned = await _until_moved(database, victims, args.grace + 30)
             await asyncio.sleep(max(0.0, args.duration - (time.perf_counter() - window_start)))
-            tally.counting, window = False, time.perf_counter() - window_start
+            tally.counting, progress.counting, window = False, False, time.perf_counter() - window_start
             bench_cpu = time.process_time() - cpu_start
+            memory = control_plane_memory(cluster)
+            running = await loop.run_in_executor(database, jobs_running)
             to_django = {reason: int(n - to_django_before.get(reason, 0))
                          for reason, n in (await heartbeats_to_django(session, cluster)).items()}
         finally:  # the agents stop before the session closes, also when the run failed
             stop.set()
             for task in beats:
                 task.cancel()
-            await asyncio.gather(*beats, lag_probe, return_exceptions=True)
+            await asyncio.gather(*beats, lag_probe, driving, return_exceptions=True)
     unknown = await loop.run_in_executor(database, nodes_unknown)
     passes = [float(m) for m in RECONCILE_LINE.findall(log.read_bytes()[log_offset:].decode(errors="replace"))]
     delays = [reassigned[v.node_id] - v.last_beat for v in victims if v.node_id in reassigned]
@@ -377,8 +499,56 @@ async def run_fleet(
         "reassign_max_s": round(max(delays, default=float("nan")), 1),
         "reassign_median_s": round(statistics.median(delays), 1) if delays else None,
         "reachability_unknown": unknown,
+        "hosts": len(set(placed)), "running_jobs": running, "running_s": round(running_s),
+        "progress_writes": progress.written, "progress_per_s": round(progress.written / window, 1),
+        "progress_p50_ms": round(quantile(progress.seconds, 0.5) * 1e3, 1),
+        "progress_p99_ms": round(quantile(progress.seconds, 0.99) * 1e3, 1),
+        "progress_lost_leases": len(progress.lost),
+        **memory, **per_job_memory(memory, running, args.training_process_mib),
         "load_average": [round(x, 2) for x in os.getloadavg()],
     }
+
+
+def jobs_running() -> int:
+    from arceus.contracts.status import JobStatus
+    from controlplane.jobs.models import Job
+
+    return Job.objects.filter(owner__username=BENCH_USER, status=JobStatus.RUNNING).count()
+
+
+CONTROL_PLANE = ("web", "worker-control", "worker-reachability", "beat")  # every part but the training worker
+
+
+def control_plane_memory(cluster: LocalCluster) -> dict[str, float]:
+    """The resident memory of the control plane's processes (gunicorn's and the Celery workers' children
+    included) in MiB: RSS summed, and PSS summed (pages shared after a fork counted once)."""
+    processes = [psutil.Process(pid) for name in CONTROL_PLANE for pid in cluster.process_ids(name)]
+    infos = [p.memory_full_info() for p in processes]
+    return {"control_plane_processes": len(processes),
+            "control_plane_rss_mib": round(sum(i.rss for i in infos) / MIB, 1),
+            "control_plane_pss_mib": round(sum(i.pss for i in infos) / MIB, 1)}
+
+
+def training_process_mib(cluster: LocalCluster) -> float:
+    """The RSS of one pool process of the training worker, idle after start-up, in MiB: today each running job
+    holds one such process for its driver (more once it trains: it imports torch and holds the job's data)."""
+    worker, deadline = psutil.Process(cluster.process_ids("worker-training")[0]), time.monotonic() + 60
+    while not (pool := worker.children()) and time.monotonic() < deadline:  # forked once the worker is up
+        time.sleep(0.5)
+    if not pool:
+        raise RuntimeError("the training worker started no pool process within 60 s")
+    return round(min(p.memory_info().rss for p in pool) / MIB, 1)
+
+
+def per_job_memory(memory: dict[str, float], running: int, process_mib: float) -> dict[str, float]:
+    """The control plane's memory per running job: with no process per job (as measured), and with a training
+    worker process held per job as today (the measured control plane plus one idle pool process per job)."""
+    jobs = max(1, running)
+    return {"training_process_mib": process_mib,
+            "rss_per_job_mib": round(memory["control_plane_rss_mib"] / jobs, 3),
+            "pss_per_job_mib": round(memory["control_plane_pss_mib"] / jobs, 3),
+            "rss_with_processes_mib": round(memory["control_plane_rss_mib"] + running * process_mib, 1),
+            "rss_per_job_with_processes_mib": round(memory["control_plane_rss_mib"] / jobs + process_mib, 1)}
 
 
 def nodes_unknown() -> int:
@@ -419,6 +589,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1000)
     parser.add_argument("--duration", type=float, default=90.0, help="seconds measured once jobs are placed")
     parser.add_argument("--grace", type=float, default=30.0, help="node lease (ARCEUS_NODE_GRACE_SECONDS)")
+    parser.add_argument("--driver-lease", type=float, default=300.0, help="ARCEUS_DRIVER_LEASE_SECONDS: the "
+                        "stand-in drivers renew it only with each job's progress, once an interval (a real driver "
+                        "every 0.5 s), so it must outlast their slowest round of writes")
     parser.add_argument("--silent", type=int, default=5, help="nodes hosting a stage that stop heartbeating")
     parser.add_argument("--placements-per-pass", type=int, default=25, help="queued jobs one reconcile pass places "
                         "(ARCEUS_MAX_PLACEMENTS_PER_PASS): each placed stage's node then fetches its assignments "
@@ -437,6 +610,7 @@ def main() -> None:
             workdir, database_url=os.environ["DATABASE_URL"], redis_url=os.environ.get("REDIS_URL"),
             heartbeat_interval_seconds=args.interval, reconcile_interval_seconds=1.0,
             extra_env={"ARCEUS_NODE_GRACE_SECONDS": str(args.grace), "ARCEUS_LOG_LEVEL": "WARNING",
+                       "ARCEUS_DRIVER_LEASE_SECONDS": str(args.driver_lease),
                        "ARCEUS_MAX_PLACEMENTS_PER_PASS": str(args.placements_per_pass),
                        # One owner's fleet registering from one address at once: the limits are the bench's size.
                        "ARCEUS_THROTTLE_AGENT_REGISTER_OWNER": f"{args.agents}/min",
@@ -444,12 +618,16 @@ def main() -> None:
         )
         cluster.start()
         try:
-            cluster.crash("worker-training")  # no driver runs: the simulated agents never report ready
+            # No driver runs (the bench's stand-ins write their progress: `drive_jobs`); what one would hold first.
+            args.training_process_mib = training_process_mib(cluster)
+            cluster.crash("worker-training")
             _setup_django(cluster.env)
             agents = make_nodes(args.agents)
             spawn = multiprocessing.get_context("spawn")
-            with ProcessPoolExecutor(1, mp_context=spawn, initializer=_setup_django, initargs=(cluster.env,)) as db:
-                result = uvloop.run(run_fleet(cluster, agents, args, db))
+            with (ProcessPoolExecutor(1, mp_context=spawn, initializer=_setup_django, initargs=(cluster.env,)) as db,
+                  ProcessPoolExecutor(1, mp_context=spawn, initializer=_setup_django,
+                                      initargs=(cluster.env,)) as drivers):
+                result = uvloop.run(run_fleet(cluster, agents, args, db, drivers))
         finally:
             cluster.stop()
     print_and_write(result, write=not args.no_write)
@@ -484,6 +662,17 @@ def print_and_write(r: dict[str, Any], *, write: bool) -> None:
         f"{r['first_heartbeats_s']} s | |",
         f"| stages placed (of {r['jobs'] * 3:,}) and time taken | {r['placed_stages']:,} in {r['placement_s']} s | |",
         f"| nodes not yet dialled back at the end | {r['reachability_unknown']:,} | 0 |",
+        f"| nodes hosting a stage, reporting it ready in every heartbeat | {r['hosts']:,} | >= 3,000 |",
+        f"| jobs running at the end (every one's lease claimed after {r['running_s']} s) | {r['running_jobs']:,} | "
+        f"{r['jobs']:,} |",
+        f"| progress writes (`job_record_steps`, one per job per {r['interval_s']:g} s) | "
+        f"{r['progress_per_s']}/s, p50 / p99 {r['progress_p50_ms']} / {r['progress_p99_ms']} ms; "
+        f"{r['progress_lost_leases']} leases lost | {r['jobs'] / r['interval_s']:,.0f}/s |",
+        f"| control plane's memory, {r['control_plane_processes']} processes (no process per job): RSS / PSS | "
+        f"{r['control_plane_rss_mib']:,} / {r['control_plane_pss_mib']:,} MiB | |",
+        f"| the same per running job: RSS / PSS | {r['rss_per_job_mib']} / {r['pss_per_job_mib']} MiB | < 1 MiB |",
+        f"| with a training worker process per running job as today ({r['training_process_mib']} MiB each, idle): "
+        f"RSS, per job | {r['rss_with_processes_mib']:,} MiB, {r['rss_per_job_with_processes_mib']} MiB | |",
     ]
     body = "\n".join(lines)
     report("control-plane-scale", "Control plane at scale (`bench/control_plane_scale.py`)", body, r, write=write)
