@@ -178,7 +178,8 @@ def plan(
                 taken = {s.node_id for s in action.stages}
         if action is not None:
             actions.append(action)
-            free = [n for n in free if n.id not in taken]
+            if taken:  # most actions take no node (a condition, a driver started): `free` is 10,000 long
+                free = [n for n in free if n.id not in taken]
     return actions
 
 
@@ -650,7 +651,8 @@ def _place(job: JobView, free: list[NodeView], now: datetime, budget: Budget | N
         if isinstance(replicated, str):
             return _condition(job, Condition("Placed", FALSE, "WaitingForNodes", replicated), now)
         stages = replicated
-    placed = {n.id: n for n in free if n.id in {s.node_id for s in stages}}
+    chosen = {s.node_id for s in stages}
+    placed = {n.id: n for n in free if n.id in chosen}
     names = {node_id: _node_label(job, placed, node_id) for node_id in placed}
     message = (
         f"{len(placement.stages)} stage{'s' if len(placement.stages) != 1 else ''} on "
