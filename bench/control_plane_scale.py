@@ -445,6 +445,7 @@ async def run_fleet(
             log = cluster.supervisor.log_dir / "worker-control.log"
             log_offset = log.stat().st_size
             to_django_before = await heartbeats_to_django(session, cluster)
+            memory_before = control_plane_memory(cluster)  # the fleet heartbeating, no job yet
             tally.counting, window_start = True, time.perf_counter()  # the placement burst is measured too
             progress.counting = True
             cpu_start = time.process_time()
@@ -514,7 +515,7 @@ async def run_fleet(
         "progress_p50_ms": round(quantile(progress.seconds, 0.5) * 1e3, 1),
         "progress_p99_ms": round(quantile(progress.seconds, 0.99) * 1e3, 1),
         "progress_lost_leases": len(progress.lost),
-        **memory, **per_job_memory(memory, running, args.training_process_mib),
+        **memory, **per_job_memory(memory, memory_before, running, args.training_process_mib),
         "load_average": [round(x, 2) for x in os.getloadavg()],
     }
 
@@ -550,11 +551,16 @@ def training_process_mib(cluster: LocalCluster) -> float:
     return round(min(p.memory_info().rss for p in pool) / MIB, 1)
 
 
-def per_job_memory(memory: dict[str, float], running: int, process_mib: float) -> dict[str, float]:
-    """The control plane's memory per running job: with no process per job (as measured), and with a training
-    worker process held per job as today (the measured control plane plus one idle pool process per job)."""
+def per_job_memory(memory: dict[str, float], before: dict[str, float], running: int,
+                   process_mib: float) -> dict[str, float]:
+    """The control plane's memory per running job: with no process per job (as measured: all of it, and what it
+    grew by since the jobs came), and with a training worker process held per job as today (the measured control
+    plane plus one idle pool process per job)."""
     jobs = max(1, running)
     return {"training_process_mib": process_mib,
+            "rss_before_jobs_mib": before["control_plane_rss_mib"],
+            "rss_growth_per_job_mib": round((memory["control_plane_rss_mib"] - before["control_plane_rss_mib"]) / jobs,
+                                            3),
             "rss_per_job_mib": round(memory["control_plane_rss_mib"] / jobs, 3),
             "pss_per_job_mib": round(memory["control_plane_pss_mib"] / jobs, 3),
             "rss_with_processes_mib": round(memory["control_plane_rss_mib"] + running * process_mib, 1),
@@ -681,6 +687,8 @@ def print_and_write(r: dict[str, Any], *, write: bool) -> None:
         f"| control plane's memory, {r['control_plane_processes']} processes (no process per job): RSS / PSS | "
         f"{r['control_plane_rss_mib']:,} / {r['control_plane_pss_mib']:,} MiB | |",
         f"| the same per running job: RSS / PSS | {r['rss_per_job_mib']} / {r['pss_per_job_mib']} MiB | < 1 MiB |",
+        f"| RSS growth per running job (from {r['rss_before_jobs_mib']:,} MiB with the fleet and no job) | "
+        f"{r['rss_growth_per_job_mib']} MiB | |",
         f"| with a training worker process per running job as today ({r['training_process_mib']} MiB each, idle): "
         f"RSS, per job | {r['rss_with_processes_mib']:,} MiB, {r['rss_per_job_with_processes_mib']} MiB | |",
     ]
