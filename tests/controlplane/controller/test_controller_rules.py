@@ -152,6 +152,15 @@ def test_a_placing_job_starts_its_driver_once_every_stage_is_ready_at_its_genera
     assert get_condition(action.conditions, "Training")["reason"] == "DriverStarting"
 
 
+def test_actions_that_take_no_node_leave_every_free_node_to_the_jobs_after_them() -> None:
+    placing = job("j", "placing", generation=2, stages=placed("j", ["a", "b", "c"]))
+    nodes = tuple(node(name, flops=flops) for name, flops in zip("abcdef", (1e9, 1e9, 1e9, 3e9, 2e9, 1e9), strict=True))
+    start, place = plan(Desired(jobs=(placing, job("q"))), Observed(nodes, reports("j", ["ready"] * 3)), NOW)
+    assert isinstance(start, StartDriver)
+    assert isinstance(place, PlaceJob) and [s.node_id for s in place.stages] == ["d", "e", "f"]
+    assert get_condition(place.conditions, "Placed")["message"].startswith(f"3 stages on {seen('d')} (layers 0-0)")
+
+
 def test_reports_about_an_older_generation_do_not_count() -> None:
     placing = job("j", "placing", generation=2, stages=placed("j", ["a", "b", "c"]))
     nodes = tuple(node(name) for name in "abc")
