@@ -137,7 +137,8 @@ def quantile(values: list[float], q: float) -> float:
 
 def _setup_django(env: dict[str, str]) -> None:
     os.environ.update({k: env[k] for k in ("DATABASE_URL", "REDIS_URL", "ARCEUS_SECRET_KEY", "DJANGO_SETTINGS_MODULE",
-                                           "ARCEUS_NODE_GRACE_SECONDS", "ARCEUS_DRIVER_LEASE_SECONDS")})
+                                           "ARCEUS_NODE_GRACE_SECONDS", "ARCEUS_DRIVER_LEASE_SECONDS",
+                                           "ARCEUS_MAX_PLACEMENTS_PER_PASS") if k in env})
     import django
 
     django.setup()
@@ -609,9 +610,8 @@ def main() -> None:
                         "stand-in drivers renew it only with each job's progress, once an interval (a real driver "
                         "every 0.5 s), so it must outlast their slowest round of writes")
     parser.add_argument("--silent", type=int, default=5, help="nodes hosting a stage that stop heartbeating")
-    parser.add_argument("--placements-per-pass", type=int, default=25, help="queued jobs one reconcile pass places "
-                        "(ARCEUS_MAX_PLACEMENTS_PER_PASS): each placed stage's node then fetches its assignments "
-                        "through Django, the expensive heartbeat")
+    parser.add_argument("--placements-per-pass", type=int, help="queued jobs one reconcile pass places "
+                        "(ARCEUS_MAX_PLACEMENTS_PER_PASS; default: the control plane's)")
     parser.add_argument("--place-timeout", type=float, default=300.0, help="go on after this long placing")
     parser.add_argument("--no-write", action="store_true", help="print only; leave docs/BENCHMARKS.md alone")
     parser.add_argument("--workdir", type=Path, help="keep the cluster's files and logs here (default: a temporary "
@@ -622,12 +622,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="arceus-scale-") as temporary:
         workdir = args.workdir or Path(temporary)
         workdir.mkdir(parents=True, exist_ok=True)
+        placements = ({} if args.placements_per_pass is None
+                      else {"ARCEUS_MAX_PLACEMENTS_PER_PASS": str(args.placements_per_pass)})
         cluster = LocalCluster(
             workdir, database_url=os.environ["DATABASE_URL"], redis_url=os.environ.get("REDIS_URL"),
             heartbeat_interval_seconds=args.interval, reconcile_interval_seconds=1.0,
-            extra_env={"ARCEUS_NODE_GRACE_SECONDS": str(args.grace), "ARCEUS_LOG_LEVEL": "WARNING",
+            extra_env={**placements, "ARCEUS_NODE_GRACE_SECONDS": str(args.grace), "ARCEUS_LOG_LEVEL": "WARNING",
                        "ARCEUS_DRIVER_LEASE_SECONDS": str(args.driver_lease),
-                       "ARCEUS_MAX_PLACEMENTS_PER_PASS": str(args.placements_per_pass),
                        # One owner's fleet registering from one address at once: the limits are the bench's size.
                        "ARCEUS_THROTTLE_AGENT_REGISTER_OWNER": f"{args.agents}/min",
                        "ARCEUS_THROTTLE_AGENT_REGISTER_ADDRESS": f"{args.agents}/min"},
@@ -638,6 +639,9 @@ def main() -> None:
             args.training_process_mib = training_process_mib(cluster)
             cluster.crash("worker-training")
             _setup_django(cluster.env)
+            from django.conf import settings
+
+            args.placements_per_pass = settings.ARCEUS_MAX_PLACEMENTS_PER_PASS  # the cluster's, from its environment
             agents = make_nodes(args.agents)
             spawn = multiprocessing.get_context("spawn")
             with (ProcessPoolExecutor(1, mp_context=spawn, initializer=_setup_django, initargs=(cluster.env,)) as db,
