@@ -17,7 +17,7 @@ from arceus.contracts.status import ACTIVE_STATUSES, JobStatus
 from controlplane.jobs.models import Job
 from controlplane.market.models import LedgerEntry, LedgerHourly, PriceChange
 from controlplane.market.pricing import PricingPolicy, base_price, next_price
-from controlplane.nodes.device_class import node_device_class
+from controlplane.nodes.device_class import device_class, market_flops, node_device_class
 from controlplane.nodes.models import Node, ReadyStatus
 
 MICROS_PER_DOLLAR = 1_000_000
@@ -47,7 +47,8 @@ def market_demand_and_supply() -> tuple[float, float]:
     jobs = Job.objects.filter(status__in=(JobStatus.QUEUED, *ACTIVE_STATUSES)).annotate(
         placed=Count("stages", filter=Q(stages__active=True))
     )
-    demand = sum(job.stages_requested or job.placed or 1 for job in jobs)
+    # Two numbers per job, not model instances: a thousand running jobs' rows cost the control worker a second.
+    demand = sum(requested or placed or 1 for requested, placed in jobs.values_list("stages_requested", "placed"))
     supply = Node.objects.filter(
         registered_at__isnull=False, ready_status=ReadyStatus.TRUE, paused=False
     ).count()
@@ -59,7 +60,12 @@ def prices_reprice() -> list[PriceChange]:
     """Post a new price for every class of registered device whose price moves (every change is kept)."""
     policy = pricing_policy()
     demand, supply = market_demand_and_supply()
-    classes = {node_device_class(n) for n in Node.objects.filter(registered_at__isnull=False)}
+    # Each distinct (declared, measured, memory) once, not 10,000 node instances (the control worker's, every 30 s).
+    classes = {
+        device_class(market_flops(declared, measured), memory or 0)
+        for declared, measured, memory in Node.objects.filter(registered_at__isnull=False)
+        .values_list("flops_fp32", "flops_measured", "memory_bytes").distinct()
+    }
     classes |= set(PriceChange.objects.values_list("device_class", flat=True).distinct())
     changes = []
     for name in sorted(classes):

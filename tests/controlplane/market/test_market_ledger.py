@@ -131,6 +131,14 @@ def test_prices_follow_demand_and_supply_and_every_change_is_kept(running_job: J
     assert PriceChange.objects.count() == 2
 
 
+def test_every_class_of_registered_device_is_priced_as_measured(running_job: Job) -> None:
+    Node.objects.filter(name="n1").update(flops_measured=1e9)  # timed far slower than it declared
+    changes = prices_reprice()
+    classes = {node_device_class(n) for n in Node.objects.filter(registered_at__isnull=False)}
+    assert sorted(c.device_class for c in changes) == sorted(classes) == ["light-medium", "standard-medium"]
+    assert {(c.demand, c.supply) for c in changes} == {(3.0, 3.0)}
+
+
 def test_the_hourly_rollup_matches_the_ledger_and_can_run_again(running_job: Job) -> None:
     report(running_job, samples=320, seconds=36.0)
     report(running_job, samples=640, seconds=72.0)
