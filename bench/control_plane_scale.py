@@ -531,14 +531,17 @@ def jobs_running() -> int:
 CONTROL_PLANE = ("web", "worker-control", "worker-reachability", "beat")  # every part but the training worker
 
 
-def control_plane_memory(cluster: LocalCluster) -> dict[str, float]:
+def control_plane_memory(cluster: LocalCluster) -> dict[str, Any]:
     """The resident memory of the control plane's processes (gunicorn's and the Celery workers' children
-    included) in MiB: RSS summed, and PSS summed (pages shared after a fork counted once)."""
-    processes = [psutil.Process(pid) for name in CONTROL_PLANE for pid in cluster.process_ids(name)]
-    infos = [p.memory_full_info() for p in processes]
-    return {"control_plane_processes": len(processes),
+    included) in MiB: RSS summed, and PSS summed (pages shared after a fork counted once); and the RSS of each
+    part."""
+    parts = {name: [psutil.Process(pid).memory_full_info() for pid in cluster.process_ids(name)]
+             for name in CONTROL_PLANE}
+    infos = [info for part in parts.values() for info in part]
+    return {"control_plane_processes": len(infos),
             "control_plane_rss_mib": round(sum(i.rss for i in infos) / MIB, 1),
-            "control_plane_pss_mib": round(sum(i.pss for i in infos) / MIB, 1)}
+            "control_plane_pss_mib": round(sum(i.pss for i in infos) / MIB, 1),
+            "rss_by_part_mib": {name: round(sum(i.rss for i in part) / MIB, 1) for name, part in parts.items()}}
 
 
 def training_process_mib(cluster: LocalCluster) -> float:
@@ -552,14 +555,15 @@ def training_process_mib(cluster: LocalCluster) -> float:
     return round(min(p.memory_info().rss for p in pool) / MIB, 1)
 
 
-def per_job_memory(memory: dict[str, float], before: dict[str, float], running: int,
-                   process_mib: float) -> dict[str, float]:
+def per_job_memory(memory: dict[str, Any], before: dict[str, Any], running: int,
+                   process_mib: float) -> dict[str, Any]:
     """The control plane's memory per running job: with no process per job (as measured: all of it, and what it
     grew by since the jobs came), and with a training worker process held per job as today (the measured control
     plane plus one idle pool process per job)."""
     jobs = max(1, running)
     return {"training_process_mib": process_mib,
             "rss_before_jobs_mib": before["control_plane_rss_mib"],
+            "rss_by_part_before_jobs_mib": before["rss_by_part_mib"],
             "rss_growth_per_job_mib": round((memory["control_plane_rss_mib"] - before["control_plane_rss_mib"]) / jobs,
                                             3),
             "rss_per_job_mib": round(memory["control_plane_rss_mib"] / jobs, 3),
@@ -693,6 +697,9 @@ def print_and_write(r: dict[str, Any], *, write: bool) -> None:
         f"| the same per running job: RSS / PSS | {r['rss_per_job_mib']} / {r['pss_per_job_mib']} MiB | < 1 MiB |",
         f"| RSS growth per running job (from {r['rss_before_jobs_mib']:,} MiB with the fleet and no job) | "
         f"{r['rss_growth_per_job_mib']} MiB | |",
+        "| RSS by part, with the fleet and no job → at the end | "
+        + ", ".join(f"{name} {r['rss_by_part_before_jobs_mib'][name]:,} → {mib:,} MiB"
+                    for name, mib in r["rss_by_part_mib"].items()) + " | |",
         f"| with a training worker process per running job as today ({r['training_process_mib']} MiB each, idle): "
         f"RSS, per job | {r['rss_with_processes_mib']:,} MiB, {r['rss_per_job_with_processes_mib']} MiB | |",
     ]
