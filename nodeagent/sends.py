@@ -82,7 +82,8 @@ class PushTracker:
             with self._cond:
                 self._pending += 1
             future = link.pushes.push(push, timeout)
-            self._futures.append(future)
+            with self._cond:
+                self._futures.append(future)
             future.add_done_callback(lambda f, what=what: self._done(f, what, nbytes, delivered))
 
     def _done(self, future: Future[None], what: str, nbytes: int, delivered: Callable[[], None] | None) -> None:
@@ -107,6 +108,9 @@ class PushTracker:
         finally:
             with self._cond:
                 self._pending -= 1
+                # A finished future keeps its callbacks, and they this tracker and `delivered` (a replica's HeldStep):
+                # kept in the list, they would make a cycle that only Python's cycle collector frees.
+                self._futures.remove(future)
                 self._cond.notify_all()
 
     def raise_if_failed(self) -> None:
@@ -141,5 +145,7 @@ class PushTracker:
         self.cancel_all()
 
     def cancel_all(self) -> None:
-        for future in self._futures:
+        with self._cond:
+            futures = list(self._futures)
+        for future in futures:
             future.cancel()

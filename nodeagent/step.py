@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 
 import grpc
 import torch
@@ -90,7 +91,9 @@ class StepRun:
             gauge=stage.lending,
             threads=threads,
             planner=solo_planner(schedule, a.num_stages, request.num_micro_batches, self.train) if borrows else None,
-            arrived=self._arrived,
+            # Not a method of this step: the lending lives as long as the step, and a step in a reference cycle would
+            # keep its HeldStep (a whole gradient) until Python's cycle collector ran.
+            arrived=partial(_arrived, stage, request.step),
         )
         self._where = {"stage": a.stage_index, "replica": a.replica or 0}  # for the fault hook (nodeagent.faults)
         self._forward_sizes: dict[int, int] = {}
@@ -455,16 +458,16 @@ class StepRun:
         with self._waiting():
             return _receive(self.stage, self.step, kind, micro_batch, self.wait_until, self.abort, self.pushes)
 
-    def _arrived(self) -> list[Action]:
-        """The neighbours' actions of this step whose outputs wait in the mailbox: the previous stage's
-        forwards (not the driver's inputs to the first stage) and the next stage's backwards."""
-        arrived = []
-        for kind, micro_batch in self.stage.mailbox.arrived(self.step):
-            if kind == "ACTIVATION" and not self.stage.io.is_first:
-                arrived.append(Action("F", micro_batch))
-            elif kind == "GRADIENT":
-                arrived.append(Action("B", micro_batch))
-        return arrived
+def _arrived(stage: HostedStage, step: int) -> list[Action]:
+    """The neighbours' actions of `step` whose outputs wait in the stage's mailbox: the previous stage's forwards (not
+    the driver's inputs to the first stage) and the next stage's backwards."""
+    arrived = []
+    for kind, micro_batch in stage.mailbox.arrived(step):
+        if kind == "ACTIVATION" and not stage.io.is_first:
+            arrived.append(Action("F", micro_batch))
+        elif kind == "GRADIENT":
+            arrived.append(Action("B", micro_batch))
+    return arrived
 
 
 def replica_plan(stage: HostedStage, request: stage_pb2.RunStepRequest) -> ReplicaStepPlan | None:

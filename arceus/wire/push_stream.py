@@ -164,6 +164,9 @@ class _Call:
                     _settle(pending.future, None)
                 else:
                     _settle(pending.future, PushError(_CODES.get(ack.code, grpc.StatusCode.UNKNOWN), ack.message))
+                # Not kept while the next ack is awaited: a settled future keeps its callbacks, and through them what
+                # the sender keeps of its step (a replica's HeldStep, with a whole partial gradient).
+                pending = None
             else:
                 with self._cond:
                     if self._closing and not self._pending:
