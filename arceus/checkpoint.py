@@ -8,7 +8,6 @@ safetensors holds only raw tensors and a JSON header, so loading a checkpoint ca
 from __future__ import annotations
 
 import hashlib
-import io
 import math
 import threading
 from collections.abc import Iterator, Mapping
@@ -19,7 +18,14 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load, save
 
-from arceus.safetensors_file import CHUNK_BYTES, CheckpointError, file_digest, file_entries, header_prefix
+from arceus.safetensors_file import (
+    CHUNK_BYTES,
+    CheckpointError,
+    file_digest,
+    file_entries,
+    header_handle,
+    header_prefix,
+)
 
 
 def encode_checkpoint(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> bytes:
@@ -47,7 +53,7 @@ def checkpoint_views(data: bytearray) -> dict[str, torch.Tensor]:
     its sibling's state from the one buffer it received it into: decode_checkpoint's copy of every tensor would take
     a second state's memory). The header is checked against the bytes as a file's is (`file_entries`); the views
     live as long as they, and change with `data`."""
-    entries = file_entries(io.BytesIO(data), len(data))
+    entries = file_entries(header_handle(data), len(data))
     views = {}
     for name, entry in entries.items():
         dtype = _TORCH_DTYPES[entry.dtype]

@@ -5,6 +5,7 @@ copying tensors' byte ranges. No torch: the control plane checks and serves chec
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -59,6 +60,14 @@ def read_header(handle: BinaryIO) -> tuple[int, dict[str, Any]]:
     if not isinstance(header, dict):
         raise CheckpointError("not a valid safetensors checkpoint: its header is no JSON object")
     return _HEADER_LENGTH + length, header
+
+
+def header_handle(data: bytes | bytearray) -> BinaryIO:
+    """A handle on the header of a safetensors file held in `data` (its bytes up to the tensors' data, for
+    `read_header` and `file_entries`, given len(data) as the file's size): not a copy of the file, as io.BytesIO(data)
+    is of a bytearray (a joining replica's received state: its second copy of a whole stage's state)."""
+    length = int.from_bytes(data[:_HEADER_LENGTH], "little")
+    return io.BytesIO(memoryview(data)[: _HEADER_LENGTH + (length if length <= MAX_HEADER_BYTES else 0)])
 
 
 def file_digest(handle: BinaryIO) -> str:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import io
 import json
 import time
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ import grpc
 from arceus.checkpoint import checkpoint_views, state_chunks
 from arceus.contracts.certificates import check_certificate
 from arceus.contracts.credentials import REPLICA_METADATA_KEY, Role, join_grant
-from arceus.safetensors_file import tensor_layouts
+from arceus.safetensors_file import header_handle, tensor_layouts
 from arceus.v1 import replica_pb2, replica_pb2_grpc, stage_pb2
 from arceus.wire.incoming_push import IncomingPush, MalformedPush, parse_shard
 from nodeagent.callers import DRIVER_ONLY, authorize, not_allowed, presented_digest, replica_digest
@@ -176,7 +175,7 @@ def state_digest(runtime: StageRuntime, *, order: bytes) -> str:
     tensors in the order of the state file `order` (a loaded optimizer may keep its entries in another order than
     the one that wrote them): the file's own digest exactly when this stage holds every tensor of it, bit for bit."""
     held = dict(runtime.state_items())
-    names = list(tensor_layouts(io.BytesIO(order), len(order)))
+    names = list(tensor_layouts(header_handle(order), len(order)))
     if set(names) == set(held):
         held = {name: held[name] for name in names}
     digest = hashlib.sha256()

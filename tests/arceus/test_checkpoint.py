@@ -12,7 +12,15 @@ import torch
 from safetensors.torch import save
 
 from arceus.checkpoint import StateFile, checkpoint_digest, checkpoint_views, decode_checkpoint, encode_checkpoint
-from arceus.safetensors_file import CHUNK_BYTES, CheckpointError, file_digest, merged_checkpoint, sliced_checkpoint
+from arceus.safetensors_file import (
+    CHUNK_BYTES,
+    CheckpointError,
+    file_digest,
+    header_handle,
+    merged_checkpoint,
+    sliced_checkpoint,
+    tensor_layouts,
+)
 
 
 def tensors() -> dict[str, torch.Tensor]:
@@ -52,6 +60,21 @@ def test_views_of_a_received_file_are_its_tensors_without_a_copy() -> None:
     begin = 8 + length + header(bytes(data))["layers.0.bias"]["data_offsets"][0]
     data[begin : begin + 4] = struct.pack("<f", 9.0)  # a view sees a change of the buffer: it is no copy
     assert views["layers.0.bias"].tolist() == [9.0, -1.5, 2.25]
+
+
+def test_reading_a_received_files_header_copies_no_tensor() -> None:
+    """A joining replica's received state: its views and its header's layouts come without a second copy of it
+    (io.BytesIO of a bytearray copied the whole file: a stage's state twice over, in the joiner's peak)."""
+    data = bytearray(encode_checkpoint({"weight": torch.ones(2**20), "optimizer.weight.momentum": torch.ones(2**20)}))
+    tracemalloc.start()
+    try:
+        views = checkpoint_views(data)
+        layouts = tensor_layouts(header_handle(data), len(data))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert list(layouts) == ["optimizer.weight.momentum", "weight"] and views["weight"].sum() == 2**20
+    assert peak < len(data) // 8, f"{peak:,} bytes allocated reading a {len(data):,}-byte file"
 
 
 def test_non_contiguous_tensors_are_saved_by_value() -> None:
