@@ -8,6 +8,7 @@ from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from arceus.contracts.assignment import OPTIMIZERS
 from arceus.contracts.certificates import MAX_CERTIFICATE_CHARS, check_certificate
 from arceus.contracts.possession import MAX_PROOF_CHARS
 from arceus.contracts.transfer import ACTIVATION_ENCODINGS, GRADIENT_ENCODINGS
@@ -245,7 +246,7 @@ class AgentLeftOutput(serializers.Serializer):
 
 
 class OptimizerOutput(serializers.Serializer):
-    name = serializers.ChoiceField(choices=["sgd", "adam"])
+    name = serializers.ChoiceField(choices=list(OPTIMIZERS))
     lr = serializers.FloatField()
     momentum = serializers.FloatField()
     weight_decay = serializers.FloatField()
