@@ -1,6 +1,8 @@
 """A GPT (and a Llama) whose stage 1 is a tensor-parallel pair, submitted over REST and trained by the real
-system, each from a Hugging Face checkpoint as `transformers` saves one (bf16, sharded) and back out as a folder
-`from_pretrained` loads.
+system, each from a Hugging Face checkpoint as `transformers` saves one (bf16, sharded, its LM head tied to its token
+embedding) and back out as a folder `from_pretrained` loads. The tied weight has a copy on stage 0 (the embedding)
+and on both ranks of stage 1 (the head): their gradients are summed between the stages every step, so the copies
+stay equal and the losses are one process's, whose one parameter gets both gradients.
 
 Gunicorn on PostgreSQL, a Celery worker and beat on Redis, and three node agents: the reconciler puts
 stage 0 on one agent and splits stage 1 (the last block and the head) over the other two, 2 of the 4
@@ -21,7 +23,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 
 from arceus.cli import main as cli_main
 from arceus.data.text_config import BUNDLED_TEXT
-from arceus.model.build import build_full_model, named_global_parameters
+from arceus.model.build import build_full_model
 from arceus.model.gpt.hf import hf_config as gpt_hf_config
 from arceus.model.gpt.hf import hf_name as gpt_hf_name
 from arceus.model.gpt.hf import hf_transposed as gpt_hf_transposed
@@ -42,7 +44,8 @@ def test_a_job_with_a_tensor_parallel_stage_trains_over_rest_like_one_process(
     agents = [cluster.start_agent(f"node-{i}") for i in range(3)]
     spec: dict[str, Any] = {
         "name": "e2e-tensor-parallel",
-        "model_config": {"type": "transformer", "n_layer": 2, "n_head": 4, "d_model": 32, "block_size": 16},
+        "model_config": {"type": "transformer", "n_layer": 2, "n_head": 4, "d_model": 32, "block_size": 16,
+                         "tie_word_embeddings": True},
         "dataset_config": {
             "name": "text", "source": cluster.add_data_file(source), "batch_size": 16, "val_batch_size": 64
         },
@@ -57,14 +60,17 @@ def test_a_job_with_a_tensor_parallel_stage_trains_over_rest_like_one_process(
     }
     job = cluster.client.submit_job(spec)
     assert job["tensor_parallel"] == {"size": 2, "stages": [1]} and job["audit_rate"] == 0.0
-    # It starts from a GPT-2 as transformers ships one: bf16, sharded (its Conv1D weights transposed on the way in).
+    # It starts from a GPT-2 as transformers ships one: bf16, sharded, tied (its Conv1D weights transposed on the way
+    # in; the head's copy is the one stored embedding).
     model_spec = model_spec_from_config(job["model_config"])
     torch.manual_seed(13)
     shipped = GPT2LMHeadModel(GPT2Config(**gpt_hf_config(model_spec))).to(torch.bfloat16)
+    assert shipped.lm_head.weight is shipped.transformer.wte.weight
     shipped.save_pretrained(tmp_path / "gpt2", max_shard_size="40KB")
-    assert len(set(json.loads((tmp_path / "gpt2" / SHARDS_INDEX).read_text())["weight_map"].values())) > 1
+    weight_map = json.loads((tmp_path / "gpt2" / SHARDS_INDEX).read_text())["weight_map"]
+    assert len(set(weight_map.values())) > 1 and "lm_head.weight" not in weight_map
     cluster.client.upload_initial_weights(job["id"], tmp_path / "gpt2")
-    start = {n: p.detach().float() for n, p in named_global_parameters(build_full_model(model_spec, seed=0))}
+    start = {f"layers.{n}": t.float() for n, t in build_full_model(model_spec, seed=0).state_dict().items()}
     theirs_start = shipped.state_dict()
     for name in start:
         weight = theirs_start[gpt_hf_name(model_spec, name)].float()
@@ -91,12 +97,15 @@ def test_a_job_with_a_tensor_parallel_stage_trains_over_rest_like_one_process(
     # Out again as a GPT-2 folder: transformers' logits are the trained pipeline's.
     cluster.client.save_hugging_face_model(job["id"], tmp_path / "gpt2-trained")
     cluster.client.save_model(job["id"], tmp_path / "trained.safetensors")
+    trained_weights = load_file(tmp_path / "trained.safetensors")
+    assert torch.equal(trained_weights["layers.0.wte.weight"], trained_weights["layers.3.lm_head.weight"])
     ours = build_full_model(model_spec, seed=0)
-    ours.load_state_dict({n.removeprefix("layers."): t for n, t in load_file(tmp_path / "trained.safetensors").items()})
+    ours.load_state_dict({n.removeprefix("layers."): t for n, t in trained_weights.items()})
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model_spec.vocab_size, (2, model_spec.block_size), generator=generator)
     with torch.no_grad():
         exported = GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2-trained").eval()
+        assert exported.lm_head.weight is exported.transformer.wte.weight
         torch.testing.assert_close(exported(tokens).logits, ours(tokens), rtol=0, atol=1e-5)
 
 
@@ -104,7 +113,7 @@ def test_a_llama_fine_tunes_over_rest_split_like_one_process_and_downloads_as_a_
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
     """A grouped-query Llama, its decoder layers a tensor-parallel pair (one key/value head each), starts from
-    a Hugging Face folder as `transformers` ships one, bf16 and sharded (`arceus jobs weights`): the losses are
+    a Hugging Face folder as `transformers` ships one, bf16, sharded and tied (`arceus jobs weights`): the losses are
     single-process training's from those weights widened to fp32, and `arceus jobs model --format hf` gives a
     folder `transformers` loads whose logits are those of the trained weights in our own model."""
     source = tmp_path / "genesis.txt"
@@ -113,7 +122,7 @@ def test_a_llama_fine_tunes_over_rest_split_like_one_process_and_downloads_as_a_
         cluster.start_agent(f"node-{i}")
     model_config = {
         "type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16, "tie_word_embeddings": True,
     }
     spec: dict[str, Any] = {
         "name": "e2e-llama",
@@ -129,11 +138,12 @@ def test_a_llama_fine_tunes_over_rest_split_like_one_process_and_downloads_as_a_
     torch.manual_seed(11)
     shipped = LlamaForCausalLM(LlamaConfig(**hf_config(model_spec))).to(torch.bfloat16)
     shipped.save_pretrained(tmp_path / "shipped", max_shard_size="20KB")
-    assert len(set(json.loads((tmp_path / "shipped" / SHARDS_INDEX).read_text())["weight_map"].values())) > 1
+    weight_map = json.loads((tmp_path / "shipped" / SHARDS_INDEX).read_text())["weight_map"]
+    assert len(set(weight_map.values())) > 1 and "lm_head.weight" not in weight_map
     theirs_start = shipped.state_dict()
     start = {
-        n: theirs_start[hf_name(model_spec, n)].float()
-        for n, _ in named_global_parameters(build_full_model(model_spec, seed=0))
+        f"layers.{n}": theirs_start[hf_name(model_spec, f"layers.{n}")].float()
+        for n in build_full_model(model_spec, seed=0).state_dict()
     }
     argv = ["--url", cluster.api_url, "--token", cluster.client.session.headers["Authorization"].removeprefix("Token ")]
     assert cli_main([*argv, "jobs", "weights", job["id"], str(tmp_path / "shipped")]) == 0
@@ -153,8 +163,11 @@ def test_a_llama_fine_tunes_over_rest_split_like_one_process_and_downloads_as_a_
     weights = tmp_path / "trained.safetensors"
     cluster.client.save_model(job["id"], weights)
     ours = build_full_model(model_spec, seed=0)
-    ours.load_state_dict({name.removeprefix("layers."): t for name, t in load_file(weights).items()})
+    trained_weights = load_file(weights)
+    assert torch.equal(trained_weights["layers.0.embed_tokens.weight"], trained_weights["layers.3.lm_head.weight"])
+    ours.load_state_dict({name.removeprefix("layers."): t for name, t in trained_weights.items()})
     theirs = LlamaForCausalLM.from_pretrained(folder).eval()
+    assert theirs.lm_head.weight is theirs.model.embed_tokens.weight
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, model_spec.vocab_size, (2, model_spec.block_size), generator=generator)
     with torch.no_grad():
