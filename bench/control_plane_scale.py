@@ -147,7 +147,7 @@ def _setup_django(env: dict[str, str]) -> None:
 def make_nodes(count: int) -> list[SimAgent]:
     """`count` nodes of the bench's own user, their tokens minted as `node_create` mints them (in bulk)."""
     from django.contrib.auth import get_user_model
-    from django.db import connection
+    from django.db import OperationalError, connection, transaction
 
     from controlplane.jobs.models import Job, StageContribution
     from controlplane.market.models import LedgerEntry
@@ -156,13 +156,23 @@ def make_nodes(count: int) -> list[SimAgent]:
 
     user_model = get_user_model()
     # A previous run's nodes and jobs; first what their progress billed (its rows PROTECT nodes, jobs and each
-    # other: one DELETE each, in SQL, as the collector refuses them).
-    jobs = Job.objects.filter(owner__username=BENCH_USER).values("pk")
-    for model in (LedgerEntry, StageContribution):
-        sql, params = jobs.query.sql_with_params()
-        with connection.cursor() as cursor:
-            cursor.execute(f"DELETE FROM {model._meta.db_table} WHERE job_id IN ({sql})", params)  # noqa: S608
-    user_model.objects.filter(username=BENCH_USER).delete()
+    # other: one DELETE each, in SQL, as the collector refuses them). The control plane already runs, and its
+    # passes may write those jobs meanwhile: a deadlock with one is tried again.
+    for attempt in range(5):
+        try:
+            with transaction.atomic():
+                jobs = Job.objects.filter(owner__username=BENCH_USER).values("pk")
+                for model in (LedgerEntry, StageContribution):
+                    sql, params = jobs.query.sql_with_params()
+                    with connection.cursor() as cursor:
+                        cursor.execute(f"DELETE FROM {model._meta.db_table} WHERE job_id IN ({sql})",  # noqa: S608
+                                       params)
+                user_model.objects.filter(username=BENCH_USER).delete()
+            break
+        except OperationalError:
+            if attempt == 4:
+                raise
+            time.sleep(1.0)
     user = user_model.objects.create_user(username=BENCH_USER, password=None)
     tokens = [_node_token_new() for _ in range(count)]
     nodes = Node.objects.bulk_create(
