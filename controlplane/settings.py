@@ -286,6 +286,11 @@ ARCEUS_RPC_TIMEOUT_SECONDS = float(os.environ.get("ARCEUS_RPC_TIMEOUT_SECONDS", 
 ARCEUS_SAMPLE_TIMEOUT_SECONDS = float(os.environ.get("ARCEUS_SAMPLE_TIMEOUT_SECONDS", "120"))
 # The largest stage state file (weights, optimizer state and buffers) an agent may upload for a checkpoint.
 ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES = int(os.environ.get("ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES", str(64 << 30)))
+# With an S3 bucket, agents send that file straight there in parts of this size (S3's least is 5 MiB): each part
+# is an agent's buffer, and what an interrupted upload resends at most.
+ARCEUS_CHECKPOINT_PART_BYTES = int(os.environ.get("ARCEUS_CHECKPOINT_PART_BYTES", str(64 << 20)))
+if ARCEUS_CHECKPOINT_PART_BYTES < 5 << 20:
+    raise ImproperlyConfigured(f"ARCEUS_CHECKPOINT_PART_BYTES is {ARCEUS_CHECKPOINT_PART_BYTES}: S3 parts are >= 5 MiB")
 # A job whose driver or stages fail this many times without a lost node to explain it fails for good.
 # Uploaded datasets: per tenant at most this many bytes and datasets (those whose upload failed not counted),
 # each sent in pieces of at most ARCEUS_DATASET_MAX_CHUNK_BYTES (a request the web server streams to storage).

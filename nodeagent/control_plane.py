@@ -8,6 +8,7 @@ quickly. Errors back off; only a rejected token (401) is fatal.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import logging
@@ -38,9 +39,12 @@ from nodeagent.host_load import HostLoad
 from nodeagent.stage import StateUploadError
 
 log = logging.getLogger(__name__)
-# A state upload the server failed is sent again after 1, 2, 4 s (its deadline permitting).
+# A state upload the server failed is sent again after 1, 2, 4 s (its deadline permitting); a direct upload whose
+# part failed every attempt is resumed up to this many times (its deadline permitting), sending only what the storage
+# lacks.
 UPLOAD_ATTEMPTS = 4
 UPLOAD_RETRY_SECONDS = 1.0
+UPLOAD_RESUMES = 3
 
 
 @dataclass(frozen=True)
@@ -203,25 +207,20 @@ class ControlPlaneClient(ControlPlaneSession):
         self, path: str, file: BinaryIO, *, params: dict[str, Any] | None = None, max_bytes: int | None = None
     ) -> int:
         """GET `path` on this control plane (the node token never goes to another host) into `file`, a chunk at a
-        time, refusing more than `max_bytes`; the bytes written."""
+        time, refusing more than `max_bytes`; the bytes written. A file the control plane answers from an S3 bucket
+        (a 307 to a presigned URL) is fetched from there, resumed where a transfer broke off (`_download_ranged`)."""
         if not path.startswith("/"):
             raise ControlPlaneError(f"download path {path!r} is not a path on the control plane")
         url = f"{self.url}{path}"
-        written = 0
         try:
             response = self._session.get(url, params=params, timeout=self.timeout, stream=True, allow_redirects=False)
             if response.is_redirect:
                 # Stored in an S3 bucket: the control plane answers a presigned URL, fetched without the node token.
                 response.close()
-                response = requests.get(response.headers["Location"], timeout=self.timeout, stream=True)
-            with response:
-                if response.status_code >= 300:
-                    raise ControlPlaneError(f"GET {url} → HTTP {response.status_code}: {response.text[:500]}")
-                for chunk in response.iter_content(chunk_size=CHUNK_BYTES):
-                    written += len(chunk)
-                    if max_bytes is not None and written > max_bytes:
-                        raise ControlPlaneError(f"GET {url} answered more than the {max_bytes} bytes expected")
-                    file.write(chunk)
+                written = _download_ranged(response.headers["Location"], file, max_bytes, self.timeout)
+            else:
+                with response:
+                    written = _write_body(url, response, file, 0, max_bytes)
         except requests.RequestException as exc:
             raise ControlPlaneError(f"GET {url} failed: {exc}") from exc
         file.flush()
@@ -254,26 +253,37 @@ class ControlPlaneClient(ControlPlaneSession):
     ) -> str:
         """Upload a stage's state file (`size` bytes, as `chunks()`) for the checkpoint upload at `path` on this
         control plane, while `seconds` last; the SHA-256 (hex) of the bytes sent. With an S3 bucket behind the
-        control plane the file goes straight there, a part at a time (`_upload_direct`); otherwise it is PUT to
-        `path`, streamed. Only paths on this control plane: the node token never goes to another host. Raises
-        StateUploadError."""
+        control plane the file goes straight there, a part at a time (`_upload_direct`); an attempt interrupted (a
+        part that failed every retry) is resumed while time is left: the control plane answers which parts the
+        bucket holds and only the others are sent. Otherwise the file is PUT to `path`, streamed. Only paths on
+        this control plane: the node token never goes to another host. Raises StateUploadError."""
         if not path.startswith("/"):
             raise StateUploadError(f"upload path {path!r} is not a path on the control plane")
         url = f"{self.url}{path}"
         deadline = time.monotonic() + seconds
-        response = _retried(
-            f"POST {url}/parts",
-            lambda remaining: self._session.post(
-                f"{url}/parts", json={"size_bytes": size}, timeout=(self.timeout, remaining)
-            ),
-            deadline,
-        )
-        if response.status_code >= 300:
-            raise StateUploadError(f"POST {url}/parts → HTTP {response.status_code}: {_text(response)}")
-        started = response.json()
-        if started.get("multipart_id") is None:
-            return self._upload_through(url, size, chunks, deadline)
-        return self._upload_direct(url, size, chunks(), started, deadline)
+        for attempt in range(1, UPLOAD_RESUMES + 2):
+            response = _retried(
+                f"POST {url}/parts",
+                lambda remaining: self._session.post(
+                    f"{url}/parts", json={"size_bytes": size}, timeout=(self.timeout, remaining)
+                ),
+                deadline,
+            )
+            if response.status_code >= 300:
+                raise StateUploadError(f"POST {url}/parts → HTTP {response.status_code}: {_text(response)}")
+            started = response.json()
+            if started.get("multipart_id") is None:
+                return self._upload_through(url, size, chunks, deadline)
+            try:
+                return self._upload_direct(url, size, chunks(), started, deadline)
+            except _PartsInterrupted as exc:
+                if attempt > UPLOAD_RESUMES or time.monotonic() + UPLOAD_RETRY_SECONDS >= deadline:
+                    raise StateUploadError(
+                        f"{exc}; multipart upload {started['multipart_id']} is left for a resume (the control "
+                        "plane aborts it if the upload is withdrawn)"
+                    ) from None
+                log.warning("%s; resuming the upload: the parts the storage holds are not sent again", exc)
+        raise AssertionError("unreachable: the last attempt returns or raises")
 
     def _upload_through(
         self, url: str, size: int, chunks: Callable[[], Iterable[bytes | memoryview]], deadline: float
@@ -310,25 +320,41 @@ class ControlPlaneClient(ControlPlaneSession):
         self, url: str, size: int, chunks: Iterable[bytes | memoryview], started: dict[str, Any], deadline: float
     ) -> str:
         """PUT the file's parts to the presigned URLs the control plane answered (`started`), one part in memory at
-        a time, each sent again while it fails; then ask the control plane to complete the upload. On failure the
-        multipart upload is aborted: no parts are left in the bucket."""
+        a time, each sent again while it fails (with its MD5, which the storage checks); a part the storage already
+        holds (`started["stored_parts"]`: a resumed upload) is skipped when its size and ETag are this part's, sent
+        again otherwise. Then ask the control plane to complete the upload. _PartsInterrupted when a part or the
+        completion failed every retry: the multipart upload stays open for a resume. On any other failure (the state
+        itself could not be read) it is aborted: no parts are left in the bucket."""
         multipart_id, part_bytes, urls = started["multipart_id"], int(started["part_bytes"]), started["part_urls"]
+        stored = {int(p["number"]): p for p in started.get("stored_parts") or []}
         digest = hashlib.sha256()
         reader = _ChunkReader(size, chunks)
         bucket = requests.Session()  # no node token: these requests go to the storage
+        sent = 0
         try:
             for number, part_url in enumerate(urls, start=1):
                 part = reader.read_exact(min(part_bytes, size - (number - 1) * part_bytes))
                 digest.update(part)
+                md5 = hashlib.md5(part, usedforsecurity=False)
+                held = stored.get(number)
+                if held is not None and int(held["size_bytes"]) == len(part) and (
+                    str(held["etag"]).strip('"') == md5.hexdigest()
+                ):
+                    continue
+                headers = {"Content-MD5": base64.b64encode(md5.digest()).decode()}
                 response = _retried(
                     f"PUT part {number} of {len(urls)}",
-                    lambda remaining, u=part_url, p=part: bucket.put(u, data=p, timeout=(self.timeout, remaining)),
+                    lambda remaining, u=part_url, p=part, h=headers: bucket.put(
+                        u, data=p, headers=h, timeout=(self.timeout, remaining)
+                    ),
                     deadline,
+                    failure=_PartsInterrupted,
                 )
                 if response.status_code >= 300:
-                    raise StateUploadError(
+                    raise _PartsInterrupted(
                         f"PUT part {number} of {len(urls)} → HTTP {response.status_code}: {_text(response)}"
                     )
+                sent += len(part)
             sha256 = digest.hexdigest()
             body = {"multipart_id": multipart_id, "sha256": sha256, "size_bytes": size}
             response = _retried(
@@ -337,41 +363,104 @@ class ControlPlaneClient(ControlPlaneSession):
                     f"{url}/parts/complete", json=body, timeout=(self.timeout, remaining)
                 ),
                 deadline,
+                failure=_PartsInterrupted,
             )
+            if response.status_code == 409 and "lacks parts" in response.text:
+                raise _PartsInterrupted(f"POST {url}/parts/complete → {_text(response)}")
             if response.status_code >= 300 and "already received" not in response.text:
                 raise StateUploadError(f"POST {url}/parts/complete → HTTP {response.status_code}: {_text(response)}")
+        except StateUploadError:  # interrupted (resumable), or refused: completed and dropped, or withdrawn and aborted
+            raise
         except BaseException:
             try:
                 self._session.delete(f"{url}/parts", params={"multipart_id": multipart_id}, timeout=self.timeout)
-            except requests.RequestException as exc:  # the control plane aborts it with the next checkpoint
+            except requests.RequestException as exc:  # the control plane aborts it when it withdraws the upload
                 log.warning("could not abort multipart upload %s: %s", multipart_id, exc)
             raise
         finally:
             bucket.close()
-        log.info("sent %d bytes in %d parts straight to the checkpoint storage", size, len(urls))
+        log.info("sent %d of %d bytes in %d parts straight to the checkpoint storage (the rest it held already)",
+                 sent, size, len(urls))
         return sha256
 
 
-def _retried(what: str, send: Callable[[float], requests.Response], deadline: float) -> requests.Response:
+def _retried(
+    what: str, send: Callable[[float], requests.Response], deadline: float,
+    failure: type[StateUploadError] = StateUploadError,
+) -> requests.Response:
     """`send(seconds left)`'s first answer below 500; an answer of 500 or more (the server failing: its database
     restarting under it) or a lost connection is sent again after 1, 2, 4 s while `deadline` allows. Raises
-    StateUploadError."""
+    `failure` (a StateUploadError) once it gave up."""
     attempt = 0
     while True:
         try:
             response = send(max(1.0, deadline - time.monotonic()))
         except requests.RequestException as exc:
-            failure = f"{what} failed: {exc}"
+            failed = f"{what} failed: {exc}"
         else:
             if response.status_code < 500:
                 return response
-            failure = f"{what} → HTTP {response.status_code}: {_text(response)}"
+            failed = f"{what} → HTTP {response.status_code}: {_text(response)}"
         pause = UPLOAD_RETRY_SECONDS * 2**attempt
         if time.monotonic() + pause >= deadline or attempt + 1 >= UPLOAD_ATTEMPTS:
-            raise StateUploadError(f"{failure} (attempt {attempt + 1})")
-        log.warning("%s; sending it again in %.0f s", failure, pause)
+            raise failure(f"{failed} (attempt {attempt + 1})")
+        log.warning("%s; sending it again in %.0f s", failed, pause)
         time.sleep(pause)
         attempt += 1
+
+
+def _download_ranged(url: str, file: BinaryIO, max_bytes: int | None, timeout: float) -> int:
+    """GET `url` (a presigned storage URL) into `file`; the bytes written. A transfer that breaks off is resumed from
+    the last byte written, by a ranged GET of the same object (If-Match its ETag: one replaced meanwhile is refused,
+    never spliced), after 1, 2, 4 s, while bytes keep arriving; the caller checks the whole file's digest."""
+    origin, written, etag, failures = file.tell(), 0, None, 0
+    while True:
+        headers = {} if etag is None else {"Range": f"bytes={written}-", "If-Match": etag}
+        try:
+            with requests.get(url, headers=headers, timeout=timeout, stream=True) as response:
+                if etag is None:
+                    if response.status_code >= 300:
+                        raise ControlPlaneError(f"GET the stored file → HTTP {response.status_code}: {_text(response)}")
+                    etag = response.headers.get("ETag")
+                elif response.status_code != 206 or not response.headers.get("Content-Range", "").startswith(
+                    f"bytes {written}-"
+                ):
+                    raise ControlPlaneError(
+                        f"resuming the stored file at byte {written} → HTTP {response.status_code} "
+                        f"({response.headers.get('Content-Range', 'no Content-Range')}): {_text(response)}"
+                    )
+                before = written
+                try:
+                    return _write_body("the stored file", response, file, written, max_bytes)
+                finally:
+                    written = file.tell() - origin
+                    failures = 0 if written > before else failures
+        except requests.RequestException as exc:
+            if etag is None or failures + 1 >= UPLOAD_ATTEMPTS:
+                raise
+            pause = UPLOAD_RETRY_SECONDS * 2**failures
+            log.warning("the download of a stored file broke off at byte %d (%s); resuming it in %.0f s",
+                        written, exc, pause)
+            time.sleep(pause)
+            failures += 1
+
+
+def _write_body(what: str, response: requests.Response, file: BinaryIO, written: int, max_bytes: int | None) -> int:
+    """Write `response`'s body to `file` after its first `written` bytes, refusing more than `max_bytes` in all; the
+    bytes written in all."""
+    if response.status_code >= 300:
+        raise ControlPlaneError(f"GET {what} → HTTP {response.status_code}: {_text(response)}")
+    for chunk in response.iter_content(chunk_size=CHUNK_BYTES):
+        written += len(chunk)
+        if max_bytes is not None and written > max_bytes:
+            raise ControlPlaneError(f"GET {what} answered more than the {max_bytes} bytes expected")
+        file.write(chunk)
+    return written
+
+
+class _PartsInterrupted(StateUploadError):
+    """A direct upload stopped short of completing (a part, or its completion, failed every retry); its multipart
+    upload stays open, so a resume sends only the parts the storage lacks."""
 
 
 def _text(response: requests.Response) -> str:

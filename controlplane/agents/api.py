@@ -256,8 +256,10 @@ class AgentCheckpointUploadApi(AgentApi):
 
 class AgentCheckpointPartsApi(AgentApi):
     """An agent's state file for a checkpoint upload, straight into the S3 bucket: POST `{"size_bytes"}` answers
-    `{"multipart_id", "part_bytes", "part_urls"}` (PUT part i+1 to part_urls[i]), or `{"multipart_id": null}` when
-    the storage is no S3 bucket (PUT the file to the upload itself); DELETE `?multipart_id=` aborts one."""
+    `{"multipart_id", "part_bytes", "part_urls", "stored_parts"}` (PUT part i+1 to part_urls[i]; `stored_parts`:
+    `[{"number", "size_bytes", "etag"}]`, what the bucket holds of an upload resumed (200) rather than started
+    (201): the agent sends only the other parts), or `{"multipart_id": null}` when the storage is no S3 bucket (PUT
+    the file to the upload itself); DELETE `?multipart_id=` aborts one."""
 
     @extend_schema(request=CheckpointPartsStartInput, responses={201: dict, 200: dict, 409: ErrorOutput})
     def post(self, request: Request, upload_id: str) -> Response:
@@ -268,8 +270,11 @@ class AgentCheckpointPartsApi(AgentApi):
         )
         if started is None:
             return Response({"multipart_id": None})
-        body = {"multipart_id": started.upload_id, "part_bytes": started.part_bytes, "part_urls": started.part_urls}
-        return Response(body, status=201)
+        body = {
+            "multipart_id": started.upload_id, "part_bytes": started.part_bytes, "part_urls": started.part_urls,
+            "stored_parts": [{"number": p.number, "size_bytes": p.size_bytes, "etag": p.etag} for p in started.stored],
+        }
+        return Response(body, status=200 if started.resumed else 201)
 
     @extend_schema(parameters=[OpenApiParameter("multipart_id", str, OpenApiParameter.QUERY)], responses={204: None})
     def delete(self, request: Request, upload_id: str) -> Response:

@@ -101,7 +101,8 @@ CHECKPOINT_SECONDS = Histogram(
 CHECKPOINT_BYTES_READ = Counter(
     "arceus_checkpoint_bytes_read_total",
     "Bytes of stage checkpoints read from the checkpoint storage for agents that load them (a rewind, a moved or "
-    "rebuilt stage); a replica that joins a running job copies its peer's state instead and reads none.",
+    "rebuilt stage; from an S3 bucket, a file's size as its URL is signed); a replica that joins a running job "
+    "copies its peer's state instead and reads none.",
 )
 for _reason in ("interrupted", "crashed", "invalid"):
     DRIVER_FAILURES.labels(reason=_reason)  # exported at 0 from the start: rate() and increase() see the first one

@@ -4,7 +4,9 @@ uploaded initial weights (fine-tuning), which its agents fetch as they would a c
 Files go through the "checkpoints" storage (settings.STORAGES). An unsplit stage's agent uploads its own
 file (the driver opens a CheckpointUpload for it, the agent PUTs the file to the control plane, which
 stores it as it arrives; with an S3 bucket the agent sends it there in presigned parts and the control plane
-only signs, completes and checks it, and a resuming agent downloads it by a presigned URL): the state never
+only signs, completes and checks it (an interrupted upload resumes: a start answers the parts stored, and the
+agent sends the others; one abandoned is aborted when its upload is withdrawn: by the job's next checkpoint or
+its end), and a resuming agent downloads it by a presigned URL): the state never
 passes through the driver. Rows are written only once every stage's file is stored, in one transaction guarded
 by the driver lease, so a checkpoint in the database is always complete and always from the driver that owned
 the job at the time.
@@ -84,21 +86,34 @@ def checkpoint_uploads_open(
 ) -> dict[int, CheckpointUpload] | None:
     """An upload by stage index for each of these (unsplit) stages, from the node that hosts it, for the
     checkpoint of `step`; None (and nothing opened) if the caller no longer holds the job's driver lease at
-    `generation`. Uploads left by an earlier checkpoint that never completed (its driver died) go, with
-    their files."""
+    `generation`. An upload still open for the same stage on the same node at this step (the driver tries the
+    checkpoint again after losing a replica) is kept, so its agent resumes what it sent of it; every other upload
+    of the job (an earlier checkpoint's that never completed: its driver died) goes, with its files."""
     with transaction.atomic():
         job = held(job_id, lease_owner).filter(generation=generation).select_for_update().first()
         if job is None:
             return None
-        _uploads_delete(CheckpointUpload.objects.filter(job=job))
-        uploads = CheckpointUpload.objects.bulk_create(
+        wanted = {(s.index, s.node_id, s.layer_start, s.layer_end): s for s in stages}
+        kept = {
+            u.stage_index: u
+            for u in CheckpointUpload.objects.filter(job=job, file="", step=step, generation=generation)
+            if (u.stage_index, str(u.node_id), u.layer_start, u.layer_end) in wanted
+        }
+        _uploads_delete(CheckpointUpload.objects.filter(job=job).exclude(pk__in=[u.pk for u in kept.values()]))
+        created = CheckpointUpload.objects.bulk_create(
             CheckpointUpload(
                 job=job, node_id=stage.node_id, stage_index=stage.index, layer_start=stage.layer_start,
                 layer_end=stage.layer_end, step=step, generation=generation,
             )
-            for stage in sorted(stages, key=lambda s: s.index)
+            for stage in sorted(stages, key=lambda s: s.index) if stage.index not in kept
         )
-    return {u.stage_index: u for u in uploads}
+    return {**kept, **{u.stage_index: u for u in created}}
+
+
+def checkpoint_uploads_withdraw(*, job: Job) -> None:
+    """Withdraw the job's open uploads (it ended): their files go, and the multipart uploads their agents left
+    open in an S3 bucket are aborted, so no part stays stored unseen."""
+    _uploads_delete(CheckpointUpload.objects.filter(job=job))
 
 
 def checkpoint_upload_receive(*, node_id: Any, upload_id: str, body: BinaryIO, length: int | None) -> CheckpointUpload:
@@ -114,7 +129,8 @@ def checkpoint_upload_receive(*, node_id: Any, upload_id: str, body: BinaryIO, l
 
 def checkpoint_upload_direct_start(*, node_id: Any, upload_id: str, size_bytes: Any) -> MultipartUpload | None:
     """Where the agent PUTs the parts of its `size_bytes`-byte state file for an open upload of its node's,
-    straight into the S3 bucket (`controlplane.common.direct_transfer`); None when the checkpoint storage is
+    straight into the S3 bucket (`controlplane.common.direct_transfer`), and which parts the bucket already holds
+    of it when its agent was interrupted before (it sends only the others); None when the checkpoint storage is
     no S3 bucket: the agent then PUTs the file to the control plane (checkpoint_upload_receive)."""
     upload = _upload_of_node(node_id, upload_id)
     if not isinstance(size_bytes, int) or not 0 < size_bytes <= settings.ARCEUS_MAX_CHECKPOINT_UPLOAD_BYTES:
@@ -129,8 +145,9 @@ def checkpoint_upload_direct_complete(
     *, node_id: Any, upload_id: str, multipart_id: Any, sha256: Any, size_bytes: Any
 ) -> CheckpointUpload:
     """Complete the multipart upload the agent sent its parts to and keep the object as the upload's state file,
-    checked as a PUT one is: its size as the bucket answers it must be the `size_bytes` the agent declares, its
-    header exactly the stage's state (both read from the bucket by range: a few KiB). The bytes never reach the
+    checked as a PUT one is: every part of a file of `size_bytes` stored (a 409 names those missing), its size as
+    the bucket answers it the `size_bytes` the agent declares, its header exactly the stage's state (both read from
+    the bucket by range: a few KiB). The bytes never reach the
     control plane, so their digest is the agent's `sha256`; the driver checks it against what the agent reported
     to it, and the agent that loads the checkpoint checks the bytes against it."""
     upload = _upload_of_node(node_id, upload_id)
@@ -142,7 +159,9 @@ def checkpoint_upload_direct_complete(
     target = s3_of(checkpoint_storage(), name)
     if target is None:
         raise ApplicationError.conflict("the checkpoint storage is no S3 bucket: PUT the file to this upload")
-    size = multipart_complete(target, multipart_id)
+    if not isinstance(size_bytes, int) or size_bytes < 1:
+        raise ApplicationError.invalid("size_bytes", "the size of the file sent, in bytes")
+    size = multipart_complete(target, multipart_id, size_bytes)
     return _upload_keep(upload, name, size_bytes, sha256, arrived=size)
 
 
@@ -367,9 +386,13 @@ def stage_checkpoint_for_node(*, node_id: Any, stage_checkpoint_id: str) -> Stag
 
 def stage_checkpoint_url(sc: StageCheckpoint) -> str | None:
     """A presigned URL the agent GETs the stage checkpoint's file from, straight from the S3 bucket; None when
-    the checkpoint storage is no S3 bucket (the control plane then serves it: stage_checkpoint_open)."""
+    the checkpoint storage is no S3 bucket (the control plane then serves it: stage_checkpoint_open). The file's
+    bytes count in arceus_checkpoint_bytes_read_total as the URL is signed: the control plane never sees them."""
     target = s3_of(checkpoint_storage(), sc.file.name)
-    return None if target is None else presigned_get(target)
+    if target is None:
+        return None
+    metrics.CHECKPOINT_BYTES_READ.inc(sc.size_bytes)
+    return presigned_get(target)
 
 
 def stage_checkpoint_open(sc: StageCheckpoint) -> BinaryIO:

@@ -12,7 +12,7 @@ from arceus.contracts.status import TERMINAL_STATUSES, JobStatus
 from controlplane.common.conditions import FALSE, Condition, set_conditions
 from controlplane.common.dispatch import reconcile_soon
 from controlplane.common.errors import ApplicationError
-from controlplane.jobs.checkpoints import checkpoints_delete
+from controlplane.jobs.checkpoints import checkpoint_uploads_withdraw, checkpoints_delete
 from controlplane.jobs.models import Job, Stage
 
 
@@ -64,4 +64,5 @@ def job_end(job: Job, status: JobStatus, *conditions: Condition, now: datetime) 
     job.driver_lease_owner, job.driver_lease_expires_at = "", None
     job.save()
     Stage.objects.filter(job=job).update(active=False)
+    checkpoint_uploads_withdraw(job=job)  # a checkpoint its driver never completed
     reconcile_soon()  # the freed nodes may let a queued job in

@@ -325,9 +325,26 @@ def test_a_state_goes_to_the_bucket_in_parts_a_failed_part_sent_again_without_th
     assert all(path.startswith("/bucket/") for path in control_plane.uploads)  # the node token went nowhere else
 
 
-def test_a_direct_upload_that_keeps_failing_is_aborted(control_plane) -> None:  # noqa: ANN001
+def test_a_direct_upload_whose_part_keeps_failing_is_left_open_for_a_resume(control_plane) -> None:  # noqa: ANN001
     control_plane.part_bytes, control_plane.failed_parts = 1000, 100
     client = ControlPlaneClient(control_plane.url, control_plane.token)
-    with pytest.raises(StateUploadError, match="PUT part 1 of 1 → HTTP 500"):
+    with pytest.raises(StateUploadError, match=r"PUT part 1 of 1 → HTTP 500.*left for a resume"):
         client.upload_state("/api/agent/checkpoint-uploads/u-1", 10, lambda: [b"0123456789"], 2)
+    assert [path for path, _, _ in control_plane.requests] == [
+        "/api/agent/checkpoint-uploads/u-1/parts", "/bucket/1", "/bucket/1"  # sent again after 1 s; never aborted
+    ]
+
+
+def test_a_direct_upload_whose_state_cannot_be_read_is_aborted(control_plane) -> None:  # noqa: ANN001
+    control_plane.part_bytes = 1000
+
+    def chunks() -> Iterator[bytes]:
+        yield b"0" * 1000
+        raise RuntimeError("the stage's tensors are gone")
+
+    client = ControlPlaneClient(control_plane.url, control_plane.token)
+    with pytest.raises(RuntimeError, match="tensors are gone"):
+        client.upload_state("/api/agent/checkpoint-uploads/u-1", 2000, chunks, 30)
     assert control_plane.requests[-1][0] == "/api/agent/checkpoint-uploads/u-1/parts?multipart_id=m-1"
+
+

@@ -3,14 +3,19 @@ stage, and assembled into the whole model for the job's owner."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
+import signal
 import socket
 import struct
+import subprocess
+import sys
 import tarfile
 import tempfile
 import threading
+import time
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
@@ -31,7 +36,7 @@ from arceus.contracts.assignment import Assignment, CheckpointRef
 from arceus.data.tokenizer import train_bpe
 from arceus.model.build import build_layers, named_global_parameters
 from arceus.model.registry import model_spec_from_config
-from arceus.safetensors_file import CheckpointError, StageStateError
+from arceus.safetensors_file import CHUNK_BYTES, CheckpointError, StageStateError
 from arceus.training.plan import StageStateFile
 from controlplane.accounts.services import user_token_get_or_create
 from controlplane.agents.services import node_heartbeat, node_register
@@ -700,8 +705,10 @@ def test_checkpoints_live_in_an_s3_bucket_when_one_is_configured(running_job: Jo
     sc = checkpoint.stages.get(stage_index=0)
     node = Stage.objects.get(job=running_job, index=0).node
     client = next(c for n, c in agents if n.pk == node.pk)
+    read_before = bytes_read()
     response = client.get(f"/api/agent/checkpoints/{sc.id}")
     assert response.status_code == 307  # to the bucket itself: the control plane signs, it does not carry
+    assert bytes_read() - read_before == sc.size_bytes  # read from storage all the same: counted as it is signed
     data = requests.get(response["Location"], timeout=10).content
     assert checkpoint_digest(data) == sc.sha256 == response["X-Checkpoint-SHA256"]
     torch.testing.assert_close(decode_checkpoint(data)["layers.0.weight"], stage_tensors(0, 10)["layers.0.weight"])
@@ -785,16 +792,72 @@ def test_a_failed_direct_upload_is_aborted_and_a_dead_agents_is_aborted_by_the_n
     assert multipart_uploads(s3_bucket) == []
 
 
+def test_an_upload_left_open_is_resumed_only_by_its_own_agent_and_withdrawn_with_its_job(
+    running_job: Job, agents, s3_bucket, other_user, settings, django_capture_on_commit_callbacks
+) -> None:
+    settings.ARCEUS_CHECKPOINT_PART_BYTES = 5 << 20
+    uploads = open_uploads(running_job, 10)
+    upload = uploads[1]
+    owner = client_of(agents, upload.node_id)
+    node, token = node_create(owner=other_user, name="another-tenants")  # an agent of another tenant, and of no job
+    node_register(node=node, grpc_address="10.0.9.9:50059", tls_certificate=identity_for("10.0.9.9:50059").certificate,
+                  device_type="cpu", device_name="test cpu", memory_bytes=2**30, flops_fp32=1e9, now=timezone.now())
+    strangers = [agent_client(token), client_of(agents, uploads[0].node_id)]  # and one of another stage
+    size = (5 << 20) + 10
+    started = start_parts(owner, upload, size)
+    assert started.status_code == 201 and len(started.json()["part_urls"]) == 2
+    multipart_id = started.json()["multipart_id"]
+    assert requests.put(started.json()["part_urls"][0], data=b"x" * (5 << 20), timeout=10).ok
+    for stranger in strangers:  # neither lists the parts, completes, nor aborts the upload
+        listed = start_parts(stranger, upload, size)
+        assert listed.status_code == 404 and multipart_id not in listed.text and "etag" not in listed.text
+        done = complete_parts(stranger, upload, multipart_id=multipart_id, sha256="ab" * 32, size_bytes=size)
+        assert done.status_code == 404
+        aborted = stranger.delete(f"/api/agent/checkpoint-uploads/{upload.pk}/parts?multipart_id={multipart_id}")
+        assert aborted.status_code == 404
+    assert len(multipart_uploads(s3_bucket)) == 1
+    lacking = complete_parts(owner, upload, multipart_id=multipart_id, sha256="ab" * 32, size_bytes=size)
+    assert lacking.status_code == 409 and "lacks parts 2 of 2" in lacking.json()["detail"]
+
+    resumed = start_parts(owner, upload, size)  # its own agent, back: the same upload, part 1 held
+    assert resumed.status_code == 200 and resumed.json()["multipart_id"] == multipart_id
+    assert [(p["number"], p["size_bytes"]) for p in resumed.json()["stored_parts"]] == [(1, 5 << 20)]
+    # The driver tries the checkpoint again (a replica lost): the stages' open uploads are kept, to be resumed.
+    again = open_uploads(running_job, 10)
+    assert again is not None and {i: u.pk for i, u in again.items()} == {i: u.pk for i, u in uploads.items()}
+    assert len(multipart_uploads(s3_bucket)) == 1
+    with django_capture_on_commit_callbacks(execute=True):  # the job ends: what was left open is aborted
+        job_cancel(job=running_job, now=timezone.now())
+    assert multipart_uploads(s3_bucket) == [] and not CheckpointUpload.objects.filter(job=running_job).exists()
+
+
+def stage_state(index: int, rows: int, cols: int, value: float) -> dict[str, torch.Tensor]:
+    """An MLP stage's state with SGD momentum: a rows x cols layer, every value fixed."""
+    weight, bias = torch.full((rows, cols), value), torch.full((rows,), -value)
+    return {f"layers.{index}.weight": weight, f"layers.{index}.bias": bias,
+            f"optimizer.layers.{index}.weight.momentum_buffer": weight.clone(),
+            f"optimizer.layers.{index}.bias.momentum_buffer": bias.clone()}
+
+
 class CountingRelay:
-    """A TCP relay on loopback in front of a server: every byte either way passes it and is counted."""
+    """A TCP relay on loopback in front of a server: every byte either way passes it and is counted (`bytes`; `up`
+    toward the server, `down` back). `cut_up_after` / `cut_down_after`: the next connection to carry more than that
+    many bytes that way is cut there (once), as a network failure would."""
 
     def __init__(self, url: str) -> None:
         self._target = ("127.0.0.1", int(url.rsplit(":", 1)[1]))
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.url = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
-        self.bytes = 0
+        self.up = self.down = 0
+        self.cut_up_after: int | None = None
+        self.cut_down_after: int | None = None
+        self.cuts = 0
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
+
+    @property
+    def bytes(self) -> int:
+        return self.up + self.down
 
     def _accept(self) -> None:
         while True:
@@ -803,20 +866,34 @@ class CountingRelay:
             except OSError:
                 return
             server = socket.create_connection(self._target)
-            for source, sink in ((client, server), (server, client)):
-                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+            for source, sink, way in ((client, server, "up"), (server, client, "down")):
+                threading.Thread(target=self._pump, args=(source, sink, way), daemon=True).start()
 
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+    def _pump(self, source: socket.socket, sink: socket.socket, way: str) -> None:
+        carried = 0
         try:
             while data := source.recv(1 << 16):
                 with self._lock:
-                    self.bytes += len(data)
+                    limit = getattr(self, f"cut_{way}_after")
+                    if limit is not None and carried + len(data) > limit:
+                        data = data[: limit - carried]
+                        setattr(self, f"cut_{way}_after", None)
+                        self.cuts += 1
+                        cut = True
+                    else:
+                        cut = False
+                    carried += len(data)
+                    setattr(self, way, getattr(self, way) + len(data))
                 sink.sendall(data)
+                if cut:
+                    break
         except OSError:
             pass
         finally:
-            sink.close()
-            source.close()
+            for end in (sink, source):
+                with contextlib.suppress(OSError):
+                    end.shutdown(socket.SHUT_RDWR)
+                end.close()
 
     def close(self) -> None:
         self._listener.close()
@@ -835,12 +912,6 @@ def test_a_stage_over_256_mib_checkpoints_through_the_bucket_with_under_1_mib_th
     uploads = open_uploads(job, 10)
     upload = uploads[0]
     token = node_token_rotate(node=Node.objects.get(pk=upload.node_id), user=user)
-
-    def stage_state(index: int, rows: int, cols: int, value: float) -> dict[str, torch.Tensor]:
-        weight, bias = torch.full((rows, cols), value), torch.full((rows,), -value)
-        return {f"layers.{index}.weight": weight, f"layers.{index}.bias": bias,
-                f"optimizer.layers.{index}.weight.momentum_buffer": weight.clone(),
-                f"optimizer.layers.{index}.bias.momentum_buffer": bias.clone()}
 
     state = stage_state(0, width, 64, 0.25)
     size = state_chunks(state)[0]
@@ -863,3 +934,94 @@ def test_a_stage_over_256_mib_checkpoints_through_the_bucket_with_under_1_mib_th
     assert (sc.size_bytes, sc.sha256) == (size, sha256)
     torch.testing.assert_close(loaded["layers.0.bias"], state["layers.0.bias"])
     assert multipart_uploads(s3_bucket) == []
+
+
+# An agent that uploads stage 0's state of a 64 -> width layer with its SGD momentum (every value fixed, so this test
+# makes the same bytes) in parts, and stops for good after `stop_after` bytes: the test SIGKILLs it there.
+KILLED_AGENT = """
+import sys, time, torch
+from arceus.checkpoint import state_chunks
+from nodeagent.control_plane import ControlPlaneClient
+url, token, path, width, stop_after = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+weight, bias = torch.full((width, 64), 0.25), torch.full((width,), -0.25)
+state = {"layers.0.weight": weight, "layers.0.bias": bias, "optimizer.layers.0.weight.momentum_buffer": weight,
+         "optimizer.layers.0.bias.momentum_buffer": bias}
+def chunks():
+    sent = 0
+    for chunk in state_chunks(state)[1]:
+        yield chunk
+        sent += len(chunk)
+        if sent >= stop_after:
+            time.sleep(3600)
+ControlPlaneClient(url, token).upload_state(path, state_chunks(state)[0], chunks, 3600)
+"""
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_upload_killed_after_some_parts_resumes_sending_only_the_others_and_a_broken_download_resumes(
+    live_server, user, agents, queued_job, s3_server, settings, monkeypatch
+) -> None:
+    part = 5 << 20  # S3's least
+    settings.ARCEUS_CHECKPOINT_PART_BYTES = part
+    storage = CountingRelay(s3_server.env["AWS_S3_ENDPOINT_URL"])  # agents and control plane reach the bucket here
+    settings.STORAGES = {
+        **settings.STORAGES,
+        "checkpoints": checkpoint_storage_settings({**s3_server.env, "AWS_S3_ENDPOINT_URL": storage.url}),
+    }
+    for model in (StageCheckpoint, CheckpointUpload):
+        monkeypatch.setattr(model._meta.get_field("file"), "storage", checkpoint_storage())
+    width = 36_000  # stage 0: 18.4 MB, 4 parts (the last short)
+    job = queued_job(model_config={"type": "mlp", "layer_sizes": [64, width, 1, 10]})
+    reconcile_once()
+    Job.objects.filter(pk=job.pk).update(status="running")
+    assert job_driver_claim(job_id=job.id, owner=DRIVER, now=timezone.now()) is not None
+    job.refresh_from_db()
+    upload = open_uploads(job, 10)[0]
+    token = node_token_rotate(node=Node.objects.get(pk=upload.node_id), user=user)
+    path = f"/api/agent/checkpoint-uploads/{upload.pk}"
+    state = stage_state(0, width, 64, 0.25)  # what KILLED_AGENT sends
+    size = state_chunks(state)[0]
+    assert 3 * part < size < 4 * part
+    key = f"checkpoints/{job.id}/step-00000010/stage-0-{upload.pk}.safetensors"
+
+    def stored_parts() -> list[int]:
+        uploads = s3_server.client.list_multipart_uploads(Bucket="arceus-checkpoints").get("Uploads", [])
+        return [p["Size"] for u in uploads if u["Key"] == key for p in s3_server.client.list_parts(
+            Bucket="arceus-checkpoints", Key=key, UploadId=u["UploadId"]).get("Parts", [])]
+
+    killed = subprocess.Popen(
+        [sys.executable, "-c", KILLED_AGENT, live_server.url, token, path, str(width), str(2 * part + 1)],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3])},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while stored_parts() != [part, part]:  # it sent two parts and reads the third of its state
+            assert killed.poll() is None and time.monotonic() < deadline, stored_parts()
+            time.sleep(0.2)
+    finally:
+        killed.kill()
+    assert killed.wait(10) == -signal.SIGKILL
+
+    agent = ControlPlaneClient(live_server.url, token, timeout=60)  # the agent again (restarted)
+    storage.up = 0
+    storage.cut_up_after = 1 << 20  # part 3's first attempt breaks off after 1 MiB: it is sent again
+    sha256 = agent.upload_state(path, size, lambda: state_chunks(state)[1], 300)
+    missing = size - 2 * part
+    assert storage.cuts == 1
+    assert missing + (1 << 20) <= storage.up < missing + (1 << 20) + (256 << 10), (storage.up, missing)
+    assert sha256 == checkpoint_digest(b"".join(bytes(c) for c in state_chunks(state)[1]))
+    others = [state_file(i, i, i + 1, encode_checkpoint(stage_state(i, *shape, 0.0)))
+              for i, shape in ((1, (1, width)), (2, (10, 1)))]
+    checkpoint = save(job, 10, files=[StageStateFile(0, 0, 1, None, sha256, size, upload_id=str(upload.pk)), *others])
+    sc = checkpoint.stages.get(stage_index=0)
+    assert (sc.size_bytes, sc.sha256) == (size, sha256)
+    assert multipart_uploads(s3_server.client) == []
+
+    storage.down = 0
+    storage.cut_down_after = size // 2  # the download breaks off halfway: it resumes there, by range
+    loaded = agent.fetch_checkpoint(CheckpointRef(10, f"/api/agent/checkpoints/{sc.pk}", sc.sha256))
+    assert storage.cuts == 2
+    # Not sent again from its start: at most the chunk the agent was reading when it broke off comes twice.
+    assert size <= storage.down < size + CHUNK_BYTES + (64 << 10), (storage.down, size)
+    torch.testing.assert_close(loaded["optimizer.layers.0.bias.momentum_buffer"], state["layers.0.bias"])
+    storage.close()
