@@ -138,12 +138,14 @@ def test_a_drop_waits_until_a_call_running_in_the_stage_lets_go_of_it(agent: Age
 
 
 def test_a_stage_over_the_owners_memory_budget_is_refused_with_what_it_needs(agent: Agent) -> None:
-    [stage] = stages(model={"layer_sizes": [64, 1024, 10]})[:1]  # 64·1024 + 1024 parameters, 16 bytes each
+    # 64·1024 + 1024 parameters trained by plain SGD: a weight and a gradient, 8 bytes each.
+    [stage] = stages(model={"layer_sizes": [64, 1024, 10]})[:1]
+    assert (stage.optimizer.name, stage.optimizer.momentum) == ("sgd", 0.0)
     # Its state, plus the stash of its in-flight micro-batches (GPipe's: all of them) and its compute's workspace:
     # each keeps its input and the ReLU's output.
     held = stage.micro_batches + WORKSPACE_MICRO_BATCHES
     stash = held * stage.max_micro_batch_size * 4 * (64 + 1024)
-    need = 16 * (64 * 1024 + 1024) + stash
+    need = 8 * (64 * 1024 + 1024) + stash
     agent.registry.runtime_bytes = 5_000  # what the agent held before any stage counts too
     agent.registry.memory_budget = need + 5_000 - 1
     assert agent.apply_assignments([stage]) is True
