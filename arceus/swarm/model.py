@@ -347,8 +347,10 @@ def _shared_replay(stages: tuple[tuple[Replica, ...], ...], w: Workload, host: S
                 return
             phase[key] = "computed"
         if phase[key] == "computed":
-            if any(phase[(i, j)] == "actions" for j in range(len(stages[i]))):
-                return  # the exchange starts once every replica of the stage took its last backward
+            # The exchange starts once every replica of the stage took its last backward: asked of their lists, not
+            # of their phases, which a replica visited before this one in this pass has not yet updated.
+            if any(todo[(i, j)] for j in range(len(stages[i]))):
+                return
             phase[key] = "reduce" if shard[i] > 0 else "overhead"
         if phase[key] in ("reduce", "gather"):
             running[key] = [host.exchange_cpu_per_byte * shard[i], phase[key]]  # half sent, half received per phase
