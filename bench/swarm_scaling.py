@@ -54,6 +54,7 @@ from arceus.swarm.model import (  # noqa: E402
     SharedHost,
     Workload,
     cpu_seconds_per_step,
+    exchange_bytes_per_replica,
     shared_host_samples_per_second,
 )
 from arceus.training.driver import train  # noqa: E402
@@ -278,7 +279,7 @@ class Calibration:
         link = Link(shape["delay_s"], shape["rate_bps"], per_peer=True) if shaped else Link(0.0, 1e18)
         stages = [[Replica(c, link)] * replicas for c in self.compute]
         boundary_bytes = 2 * sum(w.boundary_bytes_per_sample) * w.batch_size
-        exchange_bytes = sum(2 * (replicas - 1) * g for g in w.gradient_bytes)  # R replicas, 2(R-1)/R each
+        exchange_bytes = replicas * sum(exchange_bytes_per_replica(stages, w))  # every replica's, shaped once
         shaper = self.shaper_cpu_per_byte * (boundary_bytes + exchange_bytes) if shaped else 0.0
         agents = SharedHost(cores, self.replica_overhead_s, exchange_cpu_per_byte=self.exchange_cpu_per_byte)
         host = replace(agents, other_cpu_s=self.driver_cpu_s + shaper)
@@ -295,7 +296,8 @@ def overhead_note(runs: dict[tuple[int, bool], Run], c: Calibration) -> str:
         if replicas == 1:
             continue
         ratio = r.agent_cpu_per_sample / runs[(1, shaped)].agent_cpu_per_sample
-        handled = sum(2 * replicas * 2 * (replicas - 1) / replicas * g for g in w.gradient_bytes)
+        stages = [[Replica(x, Link(0.0, 1e18))] * replicas for x in c.compute]
+        handled = 2 * replicas * sum(exchange_bytes_per_replica(stages, w))  # sent and received, every replica
         exchange = c.exchange_cpu_per_byte * handled / w.batch_size
         optimizer = c.replica_overhead_s * (replicas - 1) * len(w.gradient_bytes) / w.batch_size
         extra = r.agent_cpu_per_sample - runs[(1, shaped)].agent_cpu_per_sample
