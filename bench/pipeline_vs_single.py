@@ -5,7 +5,9 @@
 Both sides train the digits MLP [64, 128, 64, 10] with the same batches, seed and SGD settings;
 rounds alternate pipeline and single process so that machine noise hits both alike. The pipeline's
 three agents are separate processes (static assignments, no control plane) on loopback; the driver
-runs in this process. Prints a table, writes docs/BENCHMARKS.md, and ends with one JSON line.
+runs in this process. Per-step overhead: a step's wall time (from the end of the step before to its own, as the
+driver sees them) minus the busiest stage's compute (as the agents measure it), the median over the timed steps.
+Prints a table, writes docs/BENCHMARKS.md, and ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from arceus.data.loader import load_dataset  # noqa: E402
 from arceus.model.build import build_full_model  # noqa: E402
 from arceus.model.registry import model_spec_from_config  # noqa: E402
 from arceus.training.driver import train  # noqa: E402
-from arceus.training.plan import StageEndpoint, TrainPlan  # noqa: E402
+from arceus.training.plan import StageEndpoint, StepProgress, TrainPlan  # noqa: E402
 from bench.clock import Clock  # noqa: E402
 from bench.report import machine_line, write_section  # noqa: E402
 from devtools.launch import free_ports, spawn_static_agents, stop_agents  # noqa: E402
@@ -47,16 +49,30 @@ def _rate(times: list[float], steps: int) -> float:
     return (len(measured) - 1) * DATASET["batch_size"] / (measured[-1] - measured[0])
 
 
-def run_pipeline(addresses: list[str], steps: int, job_id: str) -> float:
+class OverheadClock(Clock):
+    """Each step's end and its overhead: the time since the step before ended beyond the busiest stage's compute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.overheads: list[float] = []
+
+    def on_step(self, p: StepProgress) -> None:
+        super().on_step(p)
+        if len(self.times) > 1:
+            self.overheads.append(self.times[-1] - self.times[-2] - max(t.compute_seconds for t in p.timings))
+
+
+def run_pipeline(addresses: list[str], steps: int, job_id: str) -> tuple[float, float]:
+    """(samples/s, median per-step overhead in seconds) after warm-up."""
     plan = TrainPlan(
         job_id=job_id, generation=1, credential=driver_token(job_id, 1),
         stages=tuple(StageEndpoint(i, a, f"agent-{i}", i, i + 1,
             certificate=identity_for(a).certificate) for i, a in enumerate(addresses)),
         dataset=DATASET, epochs=1, learning_rate=LR, micro_batches=MICRO_BATCHES, seed=SEED, max_steps=steps,
     )
-    clock = Clock()
+    clock = OverheadClock()
     train(plan, clock)
-    return _rate(clock.times, steps)
+    return _rate(clock.times, steps), statistics.median(clock.overheads[WARMUP - 1 : steps - 1])
 
 
 def run_single(steps: int) -> float:
@@ -82,7 +98,7 @@ def main() -> None:
         parser.error(f"--steps must exceed the {WARMUP} warm-up steps")
 
     addresses = [f"127.0.0.1:{p}" for p in free_ports(3)]
-    pipeline, single = [], []
+    pipeline, single, overheads = [], [], []
     with tempfile.TemporaryDirectory() as workdir:
         # One agent process per stage; each round is its own job, so every round starts from the seed.
         jobs = [f"bench-{r}" for r in range(args.rounds)]
@@ -97,7 +113,9 @@ def main() -> None:
         agents = spawn_static_agents(per_agent, addresses, Path(workdir))
         try:
             for job_id in jobs:
-                pipeline.append(run_pipeline(addresses, args.steps, job_id))
+                rate, overhead = run_pipeline(addresses, args.steps, job_id)
+                pipeline.append(rate)
+                overheads.append(overhead * 1000)
                 single.append(run_single(args.steps))
         finally:
             stop_agents(agents)
@@ -105,6 +123,7 @@ def main() -> None:
     figures = {
         "pipeline_samples_per_s": round(statistics.median(pipeline), 1),
         "single_process_samples_per_s": round(statistics.median(single), 1),
+        "pipeline_step_overhead_ms": round(statistics.median(overheads), 2),
         "rounds": args.rounds, "steps_per_round": args.steps, "micro_batches": MICRO_BATCHES,
         "batch_size": DATASET["batch_size"], "stages": 3,
     }
@@ -116,7 +135,9 @@ def main() -> None:
         f"| 3 agents over gRPC, GPipe M={MICRO_BATCHES} | {figures['pipeline_samples_per_s']} | "
         f"{', '.join(f'{v:.0f}' for v in pipeline)} |\n"
         f"| one process | {figures['single_process_samples_per_s']} | {', '.join(f'{v:.0f}' for v in single)} |\n"
-        f"\nRatio pipeline / one process: **{figures['ratio_pipeline_to_single']}**\n"
+        f"\nRatio pipeline / one process: **{figures['ratio_pipeline_to_single']}**; per-step overhead of the "
+        "pipeline (step wall time minus the busiest stage's compute, median): "
+        f"**{figures['pipeline_step_overhead_ms']} ms** (per round: {', '.join(f'{v:.2f}' for v in overheads)})\n"
     )
     write_section("pipeline_vs_single", (
         "## MLP pipeline vs one process (`bench/pipeline_vs_single.py`)\n\n"

@@ -37,6 +37,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from arceus.data.config import MAX_BATCH_SIZE
 from arceus.swarm.exchange import MAX_SHARD_BYTES
 from arceus.wire.push_stream import STREAM_SECONDS
 from nodeagent.callers import METHOD_ROLES, NOT_AUTHENTICATED, Guard, caller_roles, metadata_digest, not_allowed
@@ -55,6 +56,8 @@ HEALTH_WATCH = "/grpc.health.v1.Health/Watch"
 _WATCHDOG_SECONDS = 0.25
 _KiB = 1024
 _SMALL = 64 * _KiB  # a request that names a stage and a step, nothing more
+# A RunStep may also name its batch's samples (StepData): up to MAX_BATCH_SIZE indices of at most 10 bytes each.
+_RUN_STEP = _SMALL + 10 * MAX_BATCH_SIZE
 FIRST_MESSAGE_SECONDS = 5.0  # for a small request to arrive
 # For a first message that carries a tensor (at most the server's message limit, 256 MiB: 4.5 MB/s).
 TENSOR_FIRST_MESSAGE_SECONDS = 60.0
@@ -75,7 +78,7 @@ LIMITS: dict[str, MethodLimits] = {
     _STAGE + "PushTensor": MethodLimits(600.0, first_message_seconds=_TENSOR),
     # A sender keeps one open for its lifetime.
     _STAGE + "PushStream": MethodLimits(STREAM_SECONDS + 60.0, first_message_seconds=_TENSOR),
-    _STAGE + "RunStep": MethodLimits(1800.0, _SMALL),
+    _STAGE + "RunStep": MethodLimits(1800.0, _RUN_STEP),
     _STAGE + "GetState": MethodLimits(3600.0, _SMALL),  # a large stage's state over a slow uplink
     _STAGE + "SaveState": MethodLimits(3600.0, _SMALL),
     _STAGE + "Audit": MethodLimits(600.0, _SMALL),

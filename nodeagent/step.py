@@ -36,6 +36,7 @@ from nodeagent.rpc import RpcFailure
 from nodeagent.sends import PushTracker
 from nodeagent.stage import HostedStage, NeighbourLink
 from nodeagent.step_audit import StepAudit
+from nodeagent.step_samples import read_step_samples
 from nodeagent.validation import check_run_step
 
 # After a failed step, how long a replica keeping it for a repair waits for its sends in flight to be delivered or
@@ -114,6 +115,9 @@ class StepRun:
         sent_before = 0 if self.stage.exchange is None else self.stage.exchange.bytes_sent
         self.stage.mailbox.retain_step(self.step)
         try:
+            if self.request.HasField("data"):
+                own = range(self.request.num_micro_batches) if self.replicas is None else self.replicas.micro_batches
+                read_step_samples(self.stage, self.request, own)
             if self.replicas is not None and self.replicas.repair is not None:
                 self._resend(self.replicas, self.replicas.repair)
             for index, action in enumerate(self.actions):

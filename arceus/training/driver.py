@@ -1,8 +1,9 @@
 """`train(plan, sink)`: drive a pipeline of stages through epochs of steps, with validation after each.
 
-One step: split the batch into micro-batches, push the inputs to stage 0 and the labels to the last
-stage, and ask every stage to run its schedule, all concurrently. The first failed call cancels the
-rest and becomes a DriverError naming the stage and the gRPC status.
+One step: ask every stage to run its schedule, naming the batch's samples by position to stage 0 and the last
+stage, which read them themselves (a bundled dataset: arceus.data.step_data); for other data, split the batch into
+micro-batches and push the inputs to stage 0 and the labels to the last stage, all concurrently. The first failed
+call cancels the rest and becomes a DriverError naming the stage and the gRPC status.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from arceus.contracts.counters import StageCounters
 from arceus.contracts.spot_check import SpotCheckResult
 from arceus.data.batches import epoch_batches
 from arceus.data.config import validate_dataset_config
+from arceus.data.step_data import labels_per_sample, micro_batch_indices, stages_read
 from arceus.data.streaming import Samples, dataset_samples
 from arceus.errors import SpecError
 from arceus.model.expected_state import expected_stage_state, stage_file_check
@@ -91,11 +93,29 @@ class StepOutcome:
     exchange_bytes: int = 0  # replicated stages: what their replicas pushed to their siblings
 
 
+@dataclass(frozen=True)
+class Batch:
+    """A step's samples: their positions in a split, in `epoch_batches`' order. The driver reads them (`take`) only
+    where it pushes them or spot-checks the step."""
+
+    samples: Samples
+    indices: torch.Tensor
+    validation: bool = False
+
+    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.samples.take(self.indices)
+
+
 class Pipeline:
     """The driver's view of the stages of one job generation: one channel per stage, reused."""
 
-    def __init__(self, plan: TrainPlan) -> None:
+    def __init__(self, plan: TrainPlan, *, dataset: dict | None = None) -> None:
+        """`dataset`: the plan's dataset config validated (None: validated here); where the stages read it
+        themselves (arceus.data.step_data.stages_read) the driver sends positions, not samples."""
         self.plan = plan
+        dataset = validate_dataset_config(plan.dataset) if dataset is None else dataset
+        self._stage_data = dataset if stages_read(dataset) else None
+        self._labels_per_sample = labels_per_sample(dataset)
 
         def client(endpoint: StageEndpoint) -> StageClient:
             timeout = plan.rpc_timeout_seconds
@@ -144,27 +164,32 @@ class Pipeline:
         fanout = max(len(ranks) for ranks in self.ranks)
         self._max_step_bytes = 2 * fanout * MAX_MESSAGE_BYTES
 
-    def step(self, x: torch.Tensor, y: torch.Tensor, *, train: bool, train_step: int = 0) -> StepOutcome:
+    def step(self, batch: Batch, *, train: bool, train_step: int = 0) -> StepOutcome:
         """`train_step`: the job's training step (1, 2, ...) a train step computes, which seeds dropout's masks on
         every attempt at it (0: each RunStep's call id does)."""
         plan, last = self.plan, self.clients[-1]
         step = next(self._call_ids)
         self._train_step = train_step if train else 0
         if self.roster is not None:
-            return self._replicated_step(self.roster, step, x, y, train=train)
-        n = len(x)
+            return self._replicated_step(self.roster, step, batch, train=train)
+        n = len(batch.indices)
         num_micro_batches = min(plan.micro_batches, n)
         calls: list[tuple[StageClient, str, grpc.Future | Future[None]]] = []
-        inputs = torch.tensor_split(x, num_micro_batches)
-        for m, (xm, ym) in enumerate(zip(inputs, torch.tensor_split(y, num_micro_batches), strict=True)):
-            calls.extend(
-                (c, f"pushing the inputs of micro-batch {m}", c.push(stage_pb2.ACTIVATION, step, m, xm))
-                for c in self.ranks[0]
-            )
-            calls.extend(
-                (c, f"pushing the labels of micro-batch {m}", c.push(stage_pb2.LABELS, step, m, ym))
-                for c in self.ranks[-1]
-            )
+        data = self._data(batch)
+        if data is None:
+            x, y = batch.take()
+            for m, (xm, ym) in enumerate(
+                zip(torch.tensor_split(x, num_micro_batches), torch.tensor_split(y, num_micro_batches), strict=True)
+            ):
+                calls.extend(
+                    (c, f"pushing the inputs of micro-batch {m}", c.push(stage_pb2.ACTIVATION, step, m, xm))
+                    for c in self.ranks[0]
+                )
+                calls.extend(
+                    (c, f"pushing the labels of micro-batch {m}", c.push(stage_pb2.LABELS, step, m, ym))
+                    for c in self.ranks[-1]
+                )
+        reads = {0, len(self.ranks) - 1}
         mode = stage_pb2.TRAIN if train else stage_pb2.EVAL
         issued = time.perf_counter()
         runs = [
@@ -180,9 +205,10 @@ class Pipeline:
                     learning_rate=plan.learning_rate,
                     retain_for_audit=train and self.auditor is not None,
                     train_step=self._train_step,
+                    data=data if index in reads else None,
                 ),
             )
-            for ranks in self.ranks
+            for index, ranks in enumerate(self.ranks)
             for c in ranks
         ]
         answered: dict[int, float] = {}
@@ -202,14 +228,15 @@ class Pipeline:
         if train and self.auditor is not None:
             try:
                 parties = {(c.endpoint.index, 0): (c, r) for c, r in zip(self.clients, replies, strict=True)}
-                spot_checks = self.auditor.check(step, parties, list(inputs))
+                inputs = list(torch.tensor_split(batch.take()[0], num_micro_batches))
+                spot_checks = self.auditor.check(step, parties, inputs)
             except grpc.RpcError as exc:
                 raise DriverError(f"a spot check of step {step} failed: {exc}") from exc
         return StepOutcome(
             loss_sum=sum(final.loss_sums),
             correct=sum(final.correct),
             samples=n,
-            labels=y.numel(),
+            labels=self._labels(n),
             stages=[
                 self.tally.record(
                     index=c.endpoint.index,
@@ -230,9 +257,19 @@ class Pipeline:
             ],
         )
 
-    def _replicated_step(
-        self, roster: ReplicaRoster, step: int, x: torch.Tensor, y: torch.Tensor, *, train: bool
-    ) -> StepOutcome:
+    def _data(self, batch: Batch) -> stage_pb2.StepData | None:
+        """What stage 0 and the last stage are told of `batch` where they read it themselves; None where the driver
+        pushes it."""
+        if self._stage_data is None:
+            return None
+        return stage_pb2.StepData(dataset_json=json.dumps(self._stage_data), validation=batch.validation,
+                                  indices=batch.indices.tolist())
+
+    def _labels(self, n: int) -> int:
+        """Loss terms in a batch of `n` samples (the mean loss divides by them)."""
+        return n * self._labels_per_sample
+
+    def _replicated_step(self, roster: ReplicaRoster, step: int, batch: Batch, *, train: bool) -> StepOutcome:
         """One step of replicated stages. A replica lost meanwhile (its agent no longer answers) leaves the roster
         (a new membership epoch) and the survivors repair the step (arceus.swarm.repair): each reports what it
         holds of it, only the lost replicas' micro-batches are recomputed, by survivors of their stages, from the
@@ -248,11 +285,11 @@ class Pipeline:
         delivered: set[tuple[int, int, int]] = set()  # (kind, micro-batch, replica) the driver's pushes reached
         started = time.perf_counter()  # a replica computes the step within its attempts' calls, all since then
         while True:
-            routes = repair.routes if repair is not None else self._routes(roster, len(x), train=train)
+            routes = repair.routes if repair is not None else self._routes(roster, len(batch.indices), train=train)
             pushes: list[tuple[tuple[int, int, int], Future[None]]] = []
             try:
                 outcome = self._replicated_attempt(
-                    roster, step, routes, x, y, train=train, failed=failed, repair=repair, delivered=delivered,
+                    roster, step, routes, batch, train=train, failed=failed, repair=repair, delivered=delivered,
                     pushes=pushes, started=started,
                 )
                 if repair is not None:
@@ -422,7 +459,7 @@ class Pipeline:
                 self.plan.replica_joined(ReplicaJoin(*key, source.replica, size, sha256, held))
 
     def _replicated_attempt(
-        self, roster: ReplicaRoster, step: int, routes: Routes, x: torch.Tensor, y: torch.Tensor, *, train: bool,
+        self, roster: ReplicaRoster, step: int, routes: Routes, batch: Batch, *, train: bool,
         failed: list[int], repair: RepairPlan | None, delivered: set[tuple[int, int, int]],
         pushes: list[tuple[tuple[int, int, int], Future[None]]], started: float,
     ) -> StepOutcome:
@@ -433,16 +470,19 @@ class Pipeline:
         instructions. `pushes`: each push it makes, by (kind, micro-batch, replica). `started`: when the step's first
         attempt was issued; a replica's compute is credited up to the wall time since (a survivor of a repaired step
         did its own share in the attempts before, the lost replicas' in this one)."""
-        plan, n = self.plan, len(x)
+        plan, n = self.plan, len(batch.indices)
         num_micro_batches = routes.num_micro_batches
         last = len(plan.stages) - 1
         calls: list[tuple[StageClient, str, grpc.Future | Future[None]]] = []
-        inputs = torch.tensor_split(x, num_micro_batches)
+        data = self._data(batch)
         repush = set() if repair is None else {
             *((_ACTIVATION, m, r) for m, r in repair.driver_repush_inputs),
             *((_LABELS, m, r) for m, r in repair.driver_repush_labels),
         }
-        for m, (xm, ym) in enumerate(zip(inputs, torch.tensor_split(y, num_micro_batches), strict=True)):
+        pushed = () if data is not None else zip(
+            *(torch.tensor_split(t, num_micro_batches) for t in batch.take()), strict=True
+        )
+        for m, (xm, ym) in enumerate(pushed):  # a survivor that reads its samples reads a lost replica's too
             for kind, stage, tensor, what in ((_ACTIVATION, 0, xm, "inputs"), (_LABELS, last, ym, "labels")):
                 key = (kind, m, routes.of[m][stage])
                 if repair is not None and key not in repush and key in delivered:
@@ -469,7 +509,7 @@ class Pipeline:
                     step=step, mode=mode, num_micro_batches=num_micro_batches, schedule=plan.schedule, batch_size=n,
                     learning_rate=plan.learning_rate, replicas=replica_step(c),
                     retain_for_audit=train and self.auditor is not None,
-                    train_step=self._train_step,
+                    train_step=self._train_step, data=data if c.endpoint.index in (0, last) else None,
                 ),
             )
             for c in agents
@@ -508,11 +548,12 @@ class Pipeline:
                 moved = () if repair is None else [
                     (i, m) for (i, _), todo in repair.instructions.items() for m in todo.recompute
                 ]
-                labels = list(torch.tensor_split(y, num_micro_batches))
-                spot_checks = self.auditor.check(step, parties, list(inputs), routes, labels, moved)
+                x, y = batch.take()
+                inputs, labels = (list(torch.tensor_split(t, num_micro_batches)) for t in (x, y))
+                spot_checks = self.auditor.check(step, parties, inputs, routes, labels, moved)
             except grpc.RpcError as exc:
                 raise DriverError(f"a spot check of step {step} failed: {exc}") from exc
-        sizes = [len(xm) for xm in inputs]
+        sizes = [len(part) for part in micro_batch_indices(batch.indices, num_micro_batches)]
         ran = [sum(sizes[m] for m in r.micro_batches) for r in replies]
         if train and repair is None:  # a repaired step's replies time only what was left of it
             roster.measured([((c.endpoint.index, c.endpoint.replica), s, r.compute_seconds)
@@ -526,7 +567,7 @@ class Pipeline:
             loss_sum=sum(per_micro_batch[m][0] for m in range(num_micro_batches)),
             correct=sum(v[1] for v in per_micro_batch.values()),
             samples=n,
-            labels=y.numel(),
+            labels=self._labels(n),
             stages=[
                 self.tally.record(
                     index=c.endpoint.index, node_id=c.endpoint.node_id, samples=s, micro_batches=len(r.micro_batches),
@@ -545,10 +586,10 @@ class Pipeline:
         loss_sum, correct, labels = 0.0, 0, 0
         stages: list[StageCounters] = []
         for start in range(0, len(samples), batch_size):
-            x, y = samples.take(torch.arange(start, min(start + batch_size, len(samples))))
-            outcome = self.step(x, y, train=False)
+            batch = Batch(samples, torch.arange(start, min(start + batch_size, len(samples))), validation=True)
+            outcome = self.step(batch, train=False)
             loss_sum, correct, stages = loss_sum + outcome.loss_sum, correct + outcome.correct, outcome.stages
-            labels += y.numel()
+            labels += self._labels(len(batch.indices))
         n = max(labels, 1)  # mean over labels: samples, or a GPT's tokens
         return loss_sum / n, correct / n, stages
 
@@ -673,7 +714,7 @@ def _train(plan: TrainPlan, sink: ProgressSink, dataset: dict, train_set: Sample
     # Resuming from the final checkpoint re-runs only the last validation (the driver died before it
     # could report the end).
     first_epoch = min(plan.start_step // steps_per_epoch + 1, plan.epochs)
-    with Pipeline(plan) as pipeline:
+    with Pipeline(plan, dataset=dataset) as pipeline:
 
         def checkpoint(epoch: int) -> None:
             while True:  # a replica lost since the last step: its stage's state comes from another (they are equal)
@@ -700,7 +741,7 @@ def _train(plan: TrainPlan, sink: ProgressSink, dataset: dict, train_set: Sample
                     stopped = True
                     break
                 started = time.perf_counter()
-                outcome = pipeline.step(*train_set.take(indices), train=True, train_step=step + 1)
+                outcome = pipeline.step(Batch(train_set, indices), train=True, train_step=step + 1)
                 elapsed = time.perf_counter() - started
                 step += 1
                 final_loss, stages = outcome.loss_sum / outcome.labels, outcome.stages

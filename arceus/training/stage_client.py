@@ -69,7 +69,9 @@ class StageClient:
         retain_for_audit: bool = False,
         replicas: stage_pb2.ReplicaStep | None = None,
         train_step: int = 0,
+        data: stage_pb2.StepData | None = None,
     ) -> grpc.Future:
+        """`data`: the step's samples by position, for a first or last stage that reads them itself."""
         request = stage_pb2.RunStepRequest(
             target=self.ref,
             step=step,
@@ -81,6 +83,7 @@ class StageClient:
             retain_for_audit=retain_for_audit,
             replicas=replicas,
             train_step=train_step,
+            data=data,
         )
         return self._stub.RunStep.future(request, timeout=self.timeout)
 

@@ -223,6 +223,14 @@ def test_a_stage_outside_the_callers_credential_is_denied(
         ({"mode": stage_pb2.STEP_MODE_UNSPECIFIED}, "mode must be TRAIN or EVAL"),
         ({"batch_size": 2 * MAX_MB + 1}, "batch_size must be in [1, 32] for 2 micro-batches"),
         ({"learning_rate": -1.0}, "learning_rate"),
+        # samples a stage reads itself (arceus.data.step_data)
+        ({"data": stage_pb2.StepData(dataset_json=json.dumps(DATASET), indices=range(3))},
+         "data.indices names 3 samples for a batch_size of 8"),
+        ({"data": stage_pb2.StepData(dataset_json=json.dumps(DATASET), indices=[0, 1, 2, 3, 4, 5, 6, 99999])},
+         "data.indices: index 99999 is outside the split's 1438 samples"),
+        ({"data": stage_pb2.StepData(dataset_json="{", indices=range(8))}, "data.dataset_json: is not JSON"),
+        ({"data": stage_pb2.StepData(dataset_json=json.dumps({"name": "uploaded", "dataset_id": "a" * 32}),
+                                     indices=range(8))}, "names 'uploaded' data that only the driver reads"),
     ],
 )
 def test_invalid_run_step_is_rejected(

@@ -13,7 +13,8 @@ import torch
 from arceus.contracts.assignment import Assignment, max_micro_batch_size
 from arceus.data.config import validate_dataset_config
 from arceus.data.loader import load_dataset
-from arceus.training.driver import Pipeline
+from arceus.data.streaming import InMemorySamples
+from arceus.training.driver import Batch, Pipeline
 from arceus.training.plan import StageEndpoint, TrainPlan
 from devtools.pipeline import driver_token, identity_for, pipeline_assignments, remember_identity
 from nodeagent.agent import Agent
@@ -95,7 +96,7 @@ def test_solo_actions_compute_with_the_solo_threads(agents: list[Agent]) -> None
         f"F{either} F{either} F{either} F{SOLO} B{SOLO} B{OWN} B{OWN} B{OWN}",
     ]
     with Pipeline(plan) as pipeline:
-        pipeline.step(x[:32], y[:32], train=True)
+        pipeline.step(Batch(InMemorySamples(x, y), torch.arange(32)), train=True)
     for log, pattern in zip(logs, expected, strict=True):
         assert re.fullmatch(pattern, " ".join(log)), log
 

@@ -46,10 +46,10 @@ DIGITS = validate_dataset_config({"name": "digits", "batch_size": 32})
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4}
 MICRO_BATCHES, SEED, STEPS = 4, 5, 4
 Key = tuple[int, int]  # (stage, replica)
-# Bytes a replica of each stage receives per micro-batch of 8 samples: its input (float32: the model's 64 features,
-# then the widths 32 and 16) and the gradient of its output (float32), or the last stage's labels (int64).
+# Bytes a replica of each stage receives per micro-batch of 8 samples: its input (float32: the widths 32 and 16; the
+# first stage reads its own) and the gradient of its output (float32; the last stage reads its own labels).
 SAMPLES = DIGITS["batch_size"] // MICRO_BATCHES
-RECEIVED_PER_MICRO_BATCH = {0: SAMPLES * (64 + 32) * 4, 1: SAMPLES * (32 + 16) * 4, 2: SAMPLES * (16 * 4 + 8)}
+RECEIVED_PER_MICRO_BATCH = {0: SAMPLES * 32 * 4, 1: SAMPLES * (32 + 16) * 4, 2: SAMPLES * 16 * 4}
 SENT_PER_MICRO_BATCH = {0: SAMPLES * 32 * 4, 1: SAMPLES * (16 + 32) * 4, 2: SAMPLES * 16 * 4}  # output, input gradient
 
 
@@ -135,7 +135,7 @@ def refusing(address: str, timeout: float = 30.0) -> None:
 
 class Sink(RecordingSink):
     """Records, after every step, the micro-batches each replica has computed and the tensor bytes each live one
-    has received (activations, gradients, the driver's inputs and labels)."""
+    has received (activations, gradients)."""
 
     def __init__(self, killer: Killer, agents: dict[Key, Agent]) -> None:
         super().__init__()
@@ -205,8 +205,8 @@ def aimed(monkeypatch: pytest.MonkeyPatch) -> None:
         ((1, 1), "forward", 1, 2),  # mid-forward: as its first forward of the step starts
         ((1, 1), "backward", 2, 1),  # its first input gradient sent upstream, before its second backward
         ((1, 1), "gradient_vector", 1, 2),  # every tensor sent, as its gradient exchange starts
-        ((0, 1), "forward", 2, 1),  # the first stage: the driver pushes the lost replica's inputs again
-        ((2, 1), "backward", 1, 2),  # the last stage: the driver pushes the lost replica's labels again
+        ((0, 1), "forward", 2, 1),  # the first stage: its survivor reads the lost replica's inputs
+        ((2, 1), "backward", 1, 2),  # the last stage: its survivor reads the lost replica's labels
     ],
     ids=["middle-forward", "middle-backward", "middle-exchange", "first-forward", "last-backward"],
 )
