@@ -2,7 +2,9 @@
 program and initial weights uploaded as JSON and safetensors), and trained by the real system on three agents that
 rebuild their layers from those bytes alone, every step's loss the one of training the module itself in one
 process. The developer's way in is `DistributedTrainer(model=module)`: a small conv net on digits, a Hugging Face
-GPT-2 (built from a config) on a text file the trainer uploads first, and torchvision's ResNet-18 on digits.
+GPT-2 (built from a config, its LM head tied to its embedding as GPT-2's default is: split as an untied one is, a
+copy on the first and the last agent, their gradients summed every step) on a text file the trainer uploads first,
+and torchvision's ResNet-18 on digits.
 A program naming a forbidden operator is refused with the operator's name, and the job cannot start: nothing
 runs."""
 
@@ -130,8 +132,8 @@ def test_captured_modules_train_through_distributed_trainer_on_three_agents_like
     text.write_text(BUNDLED_TEXT.read_text(encoding="utf-8")[:4000], encoding="utf-8")
     vocab = len(set(text.read_text(encoding="utf-8")))
     torch.manual_seed(7)
-    gpt2 = GPT2Logits(vocab)
-    initial = {name: p.detach().clone() for name, p in gpt2.named_parameters()}
+    gpt2 = GPT2Logits(vocab, tied=True)
+    initial = {name: t.clone() for name, t in gpt2.state_dict().items()}
     writer = DistributedTrainer(model=gpt2, url=cluster.api_url, token=token, discovery_method="url",
                                 example_input=torch.randint(0, vocab, (2, 16)), input_bound=vocab, progress=False)
     # SGD, not Adam: the agents run the exported program's ATen ops and one process runs the module's, which round
@@ -144,7 +146,10 @@ def test_captured_modules_train_through_distributed_trainer_on_three_agents_like
     history = writer.train(dataset=text, epochs=2, timeout=240, **fields)
     final = history.detail
     assert final["dataset_config"]["dataset_id"] and len({p["node_id"] for p in final["placements"]}) == 3
-    gpt2_reference = GPT2Logits(vocab)
+    last_layer = len(final["model_config"]["layers"]) - 1
+    assert final["model_config"]["tied"] == [["layers.0.model.lm_head.weight",
+                                              f"layers.{last_layer}.model.lm_head.weight"]]
+    gpt2_reference = GPT2Logits(vocab, tied=True)
     gpt2_reference.load_state_dict(initial)
     served = {"name": "text", "source": str(text), "block_size": final["dataset_config"]["block_size"],
               "batch_size": final["dataset_config"]["batch_size"]}
@@ -156,11 +161,15 @@ def test_captured_modules_train_through_distributed_trainer_on_three_agents_like
     # trainer.model is the developer's module holding exactly the job's weights. (Against one process's weights
     # Adam amplifies float rounding in near-zero gradients to ~1e-4 over 14 steps: the losses are the check.)
     # The download names each tensor `layers.<layer>.<the module's name>`.
-    downloaded = {name.split(".", 2)[2]: tensor for name, tensor in
-                  safetensors_load(cluster.client.download_model(history.job_id)).items()}
-    assert writer.model is gpt2 and downloaded.keys() == dict(gpt2.named_parameters()).keys()
-    for name, param in gpt2.named_parameters():
-        assert torch.equal(param.detach(), downloaded[name]), name
+    # (The tied weight's two copies, one name: the same bits, or the later would differ from the module's.)
+    copies = safetensors_load(cluster.client.download_model(history.job_id))
+    assert torch.equal(copies["layers.0.model.lm_head.weight"], copies[f"layers.{last_layer}.model.lm_head.weight"])
+    downloaded = {name.split(".", 2)[2]: tensor for name, tensor in copies.items()}
+    params = dict(gpt2.named_parameters(remove_duplicate=False))  # the tied one under both its names
+    assert writer.model is gpt2 and downloaded.keys() <= params.keys()
+    assert len(downloaded) == len(list(gpt2.parameters()))
+    for name, tensor in downloaded.items():
+        assert torch.equal(params[name].detach(), tensor), name
 
     # torchvision's ResNet-18 (BatchNorm: one micro-batch, as its statistics are over what one forward sees).
     torch.manual_seed(11)
