@@ -16,11 +16,12 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from arceus.contracts.assignment import Assignment
 from arceus.contracts.observed import ObservedStage
 from arceus.relay.dialer import use_relays
-from arceus.v1 import link_probe_pb2_grpc, stage_pb2, tensor_parallel_pb2_grpc
+from arceus.v1 import link_probe_pb2_grpc, replica_pb2_grpc, stage_pb2, tensor_parallel_pb2_grpc
 from arceus.verify.receipts import ReceiptSigner
 from arceus.wire.channels import grpc_channel_options
 from arceus.wire.tls import TlsIdentity, new_identity
 from nodeagent.call_limits import CallLimits
+from nodeagent.exchange_stream import ExchangeStreams
 from nodeagent.hosting import HostedStages
 from nodeagent.lan import WILDCARD_HOSTS
 from nodeagent.lending import ComputeThreads
@@ -28,7 +29,7 @@ from nodeagent.link_probe import LinkProbeServicer
 from nodeagent.metrics import AgentMetrics
 from nodeagent.neighbour_links import Neighbour, NeighbourLinks
 from nodeagent.relay_attachment import RelayAttachment
-from nodeagent.replica_servicer import ReplicaServicer, add_replica_service
+from nodeagent.replica_servicer import ReplicaServicer
 from nodeagent.servicer import StageServicer, add_stage_service
 from nodeagent.stage import CheckpointLoader, InitialWeightsLoader, ProgramLoader, StateUploader
 from nodeagent.tp_servicer import TensorParallelServicer
@@ -81,6 +82,8 @@ class Agent:
         # Signs receipts for received activations; its public half is sent when the agent registers.
         self.signer = ReceiptSigner()
         self.identity = identity or new_identity()
+        # The replicas' exact exchange runs over streams of their own between siblings (started with the server).
+        self.exchange_streams = ExchangeStreams(self.identity)
         self.registry = HostedStages(
             device,
             max_message_bytes=max_message_bytes,
@@ -88,6 +91,7 @@ class Agent:
             load_program=load_program,
             load_initial_weights=load_initial_weights,
             build_seconds=self.metrics.stage_build_seconds,
+            streams=self.exchange_streams,
         )
         # RunStep holds a worker for the whole step while the pushes it waits for need others. No caller may
         # hold more than its share of the workers, and none may hold the health check's.
@@ -115,7 +119,9 @@ class Agent:
             TensorParallelServicer(self.tensor_parallel, self.registry.guards), self._server
         )
         # The gradient exchange between the replicas of the replicated stages hosted here.
-        add_replica_service(ReplicaServicer(self.registry), self._server)
+        replica_pb2_grpc.add_ReplicaServiceServicer_to_server(
+            ReplicaServicer(self.registry, self.exchange_streams), self._server
+        )
         # Neighbours time their links to this agent with it; `neighbour_links` times this agent's links to
         # them (every `link_probe_interval` seconds and after the stages change; None: never).
         link_probe_pb2_grpc.add_LinkProbeServiceServicer_to_server(
@@ -141,6 +147,7 @@ class Agent:
         if bound == 0:
             raise OSError(f"cannot listen for gRPC on {host}:{port} (address in use or not local?)")
         self.grpc_port = bound
+        self.exchange_streams.listen(host, self.registry.adopt_stream)
         self._server.start()
         local_host = "127.0.0.1" if host in WILDCARD_HOSTS else host
         self.relay = RelayAttachment(f"{local_host}:{bound}")
@@ -248,6 +255,7 @@ class Agent:
         self._health.enter_graceful_shutdown()
         self._wait_for_steps_in_flight(grace)
         self._server.stop(None).wait()
+        self.exchange_streams.close()
         self._call_limits.stop()
         self.registry.close()
         self.tensor_parallel.close()

@@ -38,7 +38,6 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from arceus.data.config import MAX_BATCH_SIZE
-from arceus.swarm.exchange import MAX_SHARD_BYTES
 from arceus.wire.push_stream import STREAM_SECONDS
 from nodeagent.callers import METHOD_ROLES, NOT_AUTHENTICATED, Guard, caller_roles, metadata_digest, not_allowed
 from nodeagent.link_probe import MAX_PROBE_BYTES
@@ -88,8 +87,7 @@ LIMITS: dict[str, MethodLimits] = {
     _STAGE + "AuditPartial": MethodLimits(3600.0, _SMALL),  # a large stage's gradient over a slow uplink
     _STAGE + "VerifyPartial": MethodLimits(1800.0, first_message_seconds=_TENSOR),
     _TP + "PushPartial": MethodLimits(600.0, first_message_seconds=_TENSOR),
-    # One shard of the exchange: at most arceus.swarm.exchange.MAX_SHARD_BYTES of gradient.
-    _REPLICA + "PushShard": MethodLimits(600.0, MAX_SHARD_BYTES + _SMALL, first_message_seconds=_TENSOR),
+    _REPLICA + "ExchangePort": MethodLimits(60.0, _SMALL),
     _REPLICA + "Snapshot": MethodLimits(3600.0, _SMALL),  # a large stage's state over a slow uplink
     _REPLICA + "CopyState": MethodLimits(3600.0, _SMALL),
     _REPLICA + "Holdings": MethodLimits(600.0, _SMALL),

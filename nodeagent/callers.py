@@ -40,7 +40,7 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
         "VerifyPartial",
     )},
     _TP + "PushPartial": frozenset({Role.PEER}),
-    _REPLICA + "PushShard": frozenset({Role.SIBLING}),
+    _REPLICA + "ExchangePort": frozenset({Role.SIBLING}),
     _REPLICA + "Snapshot": frozenset({Role.SIBLING}),
     _REPLICA + "CopyState": DRIVER_ONLY,
     _REPLICA + "Holdings": DRIVER_ONLY,

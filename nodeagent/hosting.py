@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import ssl
 import threading
 import time
 import traceback
@@ -26,6 +27,7 @@ from arceus.v1 import stage_pb2
 from nodeagent.all_reduce import TensorParallelGroups, stage_group
 from nodeagent.callers import Guard
 from nodeagent.device import memory_summary
+from nodeagent.exchange_stream import ExchangeStreams, Hello
 from nodeagent.heap import release_free_memory
 from nodeagent.hosting_plan import (
     BuildStage,
@@ -55,8 +57,11 @@ class HostedStages:
         build_seconds: Histogram | None = None,
         load_program: ProgramLoader | None = None,
         load_initial_weights: InitialWeightsLoader | None = None,
+        streams: ExchangeStreams | None = None,
     ) -> None:
-        """`build_seconds`: observes each stage build's wall time, labelled by `source` (initial or checkpoint)."""
+        """`build_seconds`: observes each stage build's wall time, labelled by `source` (initial or checkpoint);
+        `streams`: the agent's exchange streams, which its replicas of replicated stages exchange over."""
+        self._streams = streams
         self._device = device
         self._build_seconds = build_seconds
         self._load_checkpoint = load_checkpoint
@@ -131,6 +136,7 @@ class HostedStages:
                 load_program=self._load_program,
                 load_initial_weights=self._load_initial_weights,
                 tensor_parallel=group,
+                streams=self._streams,
             )
             seconds = time.perf_counter() - started
             if self._build_seconds is not None:
@@ -223,6 +229,15 @@ class HostedStages:
                 f"{stage.assignment.generation} here; the request is for generation {ref.generation}",
             )
         return stage
+
+    def adopt_stream(self, hello: Hello, sock: ssl.SSLSocket) -> None:
+        """Hand a sibling's exchange stream (nodeagent.exchange_stream) to the hosted replica its hello names;
+        RpcFailure (the stream is closed) where none is hosted here."""
+        stage = self.resolve(stage_pb2.StageRef(job_id=hello.job_id, stage_index=hello.stage_index,
+                                                generation=hello.generation, replica=hello.target))
+        if stage.exchange is None or stage.assignment.replica is None:
+            raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, f"{stage.name} is not replicated")
+        stage.exchange.offer(hello, sock)
 
     def guards(self) -> list[Guard]:
         """Whose calls this agent accepts: its hosted stages' credentials, and those of the tensor-parallel

@@ -1,12 +1,13 @@
 """`ReplicaService` over gRPC: authorize the caller (a sibling: a replica of the same stage, job and generation; or,
-for CopyState and Holdings, the driver), resolve the addressed replica, and let it park a shard, stream its state
+for CopyState and Holdings, the driver), resolve the addressed replica, and tell a sibling where the exchange's
+streams are taken (ExchangePort; the exchange itself runs outside gRPC: nodeagent.exchange_stream), stream its state
 between steps (Snapshot), copy a live sibling's state (CopyState), or tell the driver what it holds of a step that
 lost replicas (Holdings). Nothing here touches torch but loading a copied state.
 
-A sibling also presents its own replica token (arceus.contracts.credentials.replica_token): a shard must come from
-the replica it names (nodeagent.replicas), and a replica's state goes only to the joiner the driver named, whose
-SnapshotRequest carries the driver's grant for that joiner's token (`join_grant`, checked with this replica's own
-token). A sibling without one is refused with the same words whatever it asked, learning nothing of the state."""
+A sibling also presents its own replica token (arceus.contracts.credentials.replica_token): a replica's state goes
+only to the joiner the driver named, whose SnapshotRequest carries the driver's grant for that joiner's token
+(`join_grant`, checked with this replica's own token). A sibling without one is refused with the same words whatever
+it asked, learning nothing of the state."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ from arceus.contracts.certificates import check_certificate
 from arceus.contracts.credentials import REPLICA_METADATA_KEY, Role, join_grant
 from arceus.safetensors_file import header_handle, tensor_layouts
 from arceus.v1 import replica_pb2, replica_pb2_grpc, stage_pb2
-from arceus.wire.incoming_push import IncomingPush, MalformedPush, parse_shard
 from nodeagent.callers import DRIVER_ONLY, authorize, not_allowed, presented_digest, replica_digest
+from nodeagent.exchange_stream import ExchangeStreams
 from nodeagent.hosting import HostedStages
 from nodeagent.rpc import RpcFailure, call_deadline, serve
 from nodeagent.runtime import StageRuntime
@@ -37,8 +38,9 @@ HEADER_ALLOWANCE = 1 << 20
 
 
 class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
-    def __init__(self, registry: HostedStages) -> None:
+    def __init__(self, registry: HostedStages, streams: ExchangeStreams) -> None:
         self._registry = registry
+        self._streams = streams
 
     def _replica(
         self, context: grpc.ServicerContext, target: stage_pb2.StageRef, method: str, roles: frozenset[Role]
@@ -49,17 +51,14 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
             raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, f"{stage.name} is not replicated")
         return stage
 
-    def PushShard(
-        self, request: IncomingPush[replica_pb2.PushShardRequest] | MalformedPush, context: grpc.ServicerContext
-    ) -> replica_pb2.PushShardReply:
-        def push() -> replica_pb2.PushShardReply:
-            if isinstance(request, MalformedPush):
-                raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
-            exchange = self._replica(context, request.header.target, "PushShard", SIBLINGS).exchange
-            exchange.accept(request, replica_digest(context), wait=max(0.0, call_deadline(context) - time.monotonic()))
-            return replica_pb2.PushShardReply()
+    def ExchangePort(
+        self, request: replica_pb2.ExchangePortRequest, context: grpc.ServicerContext
+    ) -> replica_pb2.ExchangePortReply:
+        def port() -> replica_pb2.ExchangePortReply:
+            self._replica(context, request.target, "ExchangePort", SIBLINGS)
+            return replica_pb2.ExchangePortReply(port=self._streams.port)
 
-        return serve(context, "PushShard", push)
+        return serve(context, "ExchangePort", port)
 
     def Snapshot(
         self, request: replica_pb2.SnapshotRequest, context: grpc.ServicerContext
@@ -156,18 +155,6 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
                 stage.step_lock.release()
 
         return serve(context, "Holdings", holdings)
-
-
-def add_replica_service(servicer: replica_pb2_grpc.ReplicaServiceServicer, server: grpc.Server) -> None:
-    """Register `servicer` with shards parsed by `parse_shard` instead of the generated FromString: their values
-    stay views of the received bytes (no copy on parsing nor on decoding)."""
-    replica_pb2_grpc.add_ReplicaServiceServicer_to_server(servicer, server)
-    # Registered again, this replaces the generated handler (a later registration wins).
-    server.add_registered_method_handlers("arceus.v1.ReplicaService", {
-        "PushShard": grpc.unary_unary_rpc_method_handler(
-            servicer.PushShard, parse_shard, replica_pb2.PushShardReply.SerializeToString
-        ),
-    })
 
 
 def state_digest(runtime: StageRuntime, *, order: bytes) -> str:

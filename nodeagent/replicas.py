@@ -1,60 +1,58 @@
 """A replica of a replicated stage (arceus/swarm) on this agent: the step's routes and peers as RunStep names
-them, links to the replicas it sends to (opened as steps name them), and the exact gradient exchange with its
-siblings over `ReplicaService.PushShard` (cut and summed by arceus.swarm.exchange, so every replica holds the
-same bits before the same optimizer step). Nothing here touches the stage's model."""
+them, and the exact gradient exchange with its siblings over one stream per sibling (nodeagent.exchange_stream; cut
+and summed by arceus.swarm.exchange, so every replica holds the same bits before the same optimizer step). Nothing
+here touches the stage's model."""
 
 from __future__ import annotations
 
+import functools
 import hmac
 import json
-import math
 import re
+import ssl
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Protocol
 
 import grpc
 import torch
 
 from arceus.contracts.certificates import check_certificate
-from arceus.contracts.credentials import REPLICA_METADATA_KEY
 from arceus.errors import SpecError
-from arceus.swarm.exchange import MAX_SHARD_BYTES, chunk_bounds, reduce_in_order, shard_bounds
+from arceus.swarm.exchange import chunk_bounds, reduce_in_order, shard_bounds
 from arceus.swarm.repair import ReplicaInstructions
 from arceus.swarm.routing import Routes
-from arceus.v1 import replica_pb2, stage_pb2
+from arceus.v1 import stage_pb2
 from arceus.verify.receipts import ReceiptError, ShardFields, verify_shard
 from arceus.verify.tensor_digest import tensor_digest
-from arceus.wire import codec
-from arceus.wire.incoming_push import IncomingPush, MalformedPush
-from arceus.wire.proto_tensor import decode_tensor
-from arceus.wire.push_stream import encode_varint
 from nodeagent import faults
-from nodeagent.call_limits import CALLS_PER_CALLER, STREAMS_PER_CALLER
-from nodeagent.callers import not_allowed
-from nodeagent.mailbox import Mailbox, MailboxCancelled, MailboxClosed, MailboxFull, MailboxTimeout
+from nodeagent.call_limits import STREAMS_PER_CALLER
+from nodeagent.exchange_stream import (
+    GATHER,
+    PHASES,
+    POLL_SECONDS,
+    REDUCE,
+    ExchangeStreams,
+    Expected,
+    Hello,
+    Stream,
+    pump_all,
+)
 from nodeagent.membership import Membership
-from nodeagent.rpc import RpcFailure, neighbour_failure
+from nodeagent.rpc import RpcFailure
 
 _FLOAT32_BYTES = 4
-# How often a wait for a shard's push looks whether its step was aborted.
-ABORT_POLL_SECONDS = 0.05
-# Shards in flight from one replica at once: the siblings' agents take a few calls per caller at a time
-# (nodeagent.call_limits), and all replicas of a stage present the same bearer credential.
-SENDS_IN_FLIGHT = 4
-_PHASES = {replica_pb2.REDUCE: "REDUCE", replica_pb2.GATHER: "GATHER"}
 
 
 def epoch_waits(max_replicas: int) -> int:
     """How many calls may legitimately wait at once at one replica for a membership epoch its own RunStep has not
-    named yet, where a stage has at most `max_replicas` (the job's micro_batches): every sibling's shards in flight
-    (SENDS_IN_FLIGHT each; the siblings are one caller, so at most CALLS_PER_CALLER), and one push on the stream of
-    each replica of either neighbouring stage (each stage one caller, at most STREAMS_PER_CALLER streams)."""
-    siblings = min((max_replicas - 1) * SENDS_IN_FLIGHT, CALLS_PER_CALLER)
-    return siblings + 2 * min(max_replicas, STREAMS_PER_CALLER)
+    named yet, where a stage has at most `max_replicas` (the job's micro_batches): one push on the stream of each
+    replica of either neighbouring stage (each stage one caller, at most STREAMS_PER_CALLER streams). (Siblings'
+    exchange streams wait in no call: nodeagent.exchange_stream.)"""
+    return 2 * min(max_replicas, STREAMS_PER_CALLER)
+
+
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -150,109 +148,60 @@ def _repair(text: str, routes: Routes, stage: int, mine: tuple[int, ...]) -> Rep
     return repair
 
 
-PUSH_SHARD_METHOD = "/arceus.v1.ReplicaService/PushShard"
-_TENSOR_FIELD, _DATA_FIELD = b"\x3a", b"\x1a"  # PushShardRequest.tensor (7) and Tensor.data (3), length-delimited
-
-
-class ShardLink(Protocol):
-    """A sibling's `ReplicaService.PushShard` taking a request's wire bytes (`shard_request_bytes`): the link's
-    `push_shard` (nodeagent.stage.NeighbourLink)."""
-
-    push_shard: grpc.UnaryUnaryMultiCallable
-
-
-def push_shard_call(channel: grpc.Channel) -> grpc.UnaryUnaryMultiCallable:
-    """PushShard on `channel`, its requests sent as the bytes `shard_request_bytes` made."""
-    return channel.unary_unary(PUSH_SHARD_METHOD, request_serializer=None,
-                               response_deserializer=replica_pb2.PushShardReply.FromString)
-
-
-def shard_request_bytes(header: replica_pb2.PushShardRequest, values: torch.Tensor) -> bytes:
-    """The wire bytes of `header` (a PushShardRequest without its tensor) carrying `values` as its float32 tensor:
-    the header, then a `tensor` record with dtype and shape, then one holding only `data` (protobuf merges a
-    message's repeated records, so the receiver parses one tensor). `values` are copied once, into these bytes:
-    set into the message and serialized, they were copied three times (and a Tensor built apart and passed to the
-    constructor is merged field by field: 7.5 ms of CPU for a 3.2 MB shard, against 0.7 ms)."""
-    values = values.detach().float().contiguous()
-    data = memoryview(values.numpy()).cast("B")
-    meta = stage_pb2.Tensor(dtype="float32", shape=[values.numel()]).SerializeToString()
-    data_field = _DATA_FIELD + encode_varint(len(data))
-    return b"".join((
-        header.SerializeToString(), _TENSOR_FIELD, encode_varint(len(meta)), meta,
-        _TENSOR_FIELD, encode_varint(len(data_field) + len(data)), data_field, data,
-    ))
-
-
 class ReplicaExchange:
-    """The shards siblings push to this replica, waiting for its exchange, and its sends to them. Every shard
-    comes from the replica it names: the sender presents its own replica token (`token` is this one's), whose
-    digest the driver names for each member in every RunStep (`learn`)."""
+    """This replica's exact exchange with its siblings over one stream per sibling (nodeagent.exchange_stream), opened
+    once per membership epoch. Every stream comes from the replica it names: the sibling's hello presents its own
+    replica token (`token` is this one's), whose digest the driver names for each member in every RunStep (`learn`),
+    over TLS from the certificate the step names for it."""
 
     def __init__(self, *, job_id: str, stage_index: int, generation: int, replica: int, token: str,
-                 total_elements: int, max_replicas: int) -> None:
+                 total_elements: int, max_replicas: int, streams: ExchangeStreams) -> None:
         self.job_id, self.stage_index, self.generation, self.replica = job_id, stage_index, generation, replica
-        self._metadata = ((REPLICA_METADATA_KEY, token),)
-        # Who may push shards (and boundary tensors) to this replica, by their tokens, as its RunSteps name them.
+        self._token = token
+        self._wire = streams
+        self._max_replicas = max_replicas
+        # Who may send shards (and boundary tensors) to this replica, by their tokens, as its RunSteps name them.
         self.members = Membership(self.name, waiting_calls=epoch_waits(max_replicas))
         self.total_elements = total_elements
-        # Per step a replica receives at most every member's shards of its own chunk and every owner's of the
-        # others: at most about two stages' worth of shards, plus one per member for the rounding.
-        per_stage = math.ceil(total_elements * _FLOAT32_BYTES / MAX_SHARD_BYTES) + max_replicas
-        self.shards: Mailbox[tuple[str, torch.Tensor, bytes]] = Mailbox(capacity=2 * max_replicas * per_stage + 8)
-        self.bytes_sent = 0  # tensor bytes pushed to siblings over the stage's life (only the step's thread adds)
+        self.bytes_sent = 0  # tensor bytes sent to siblings over the stage's life (only the step's thread adds)
+        self._streams: dict[int, Stream] = {}  # sibling -> its stream, of membership epoch `_streams_epoch`
+        self._streams_epoch = -1
+        # Streams siblings opened to this replica, until its exchange takes them: sibling -> (epoch, token digest,
+        # socket), one each (a newer replaces an older).
+        self._offers = threading.Condition()
+        self._offered: dict[int, tuple[int, str, ssl.SSLSocket]] = {}
+        self._closed = False
+        self._inbox: dict[int, torch.Tensor] = {}  # sibling -> where its REDUCE shards of this replica's chunk land
 
     @property
     def name(self) -> str:
         return f"stage {self.stage_index} replica {self.replica} of job {self.job_id}"
 
-    def accept(
-        self, shard: IncomingPush[replica_pb2.PushShardRequest] | MalformedPush, sender: str | None, *, wait: float
-    ) -> None:
-        """Validate a sibling's shard (before torch sees it) and park it for `exchange`: its values stay a view of the
-        received bytes (`arceus.wire.incoming_push.parse_shard`). `sender`: the digest of the replica token the call
-        presents. Only a member of the shard's membership epoch, the newest this replica's RunSteps named,
-        presenting its own token, may push a shard (nodeagent.membership): a replica no
-        longer (or never) a member, or one claiming another's id, can neither have its shard summed nor take the
-        place of a member's. A shard of an epoch no RunStep named here yet waits up to `wait` seconds (at most
-        nodeagent.membership.EPOCH_WAIT_SECONDS) for one."""
-        if sender is None:
-            raise RpcFailure(grpc.StatusCode.PERMISSION_DENIED, not_allowed("PushShard"))
-        if isinstance(shard, MalformedPush):
-            raise _invalid(shard.reason)
-        request = shard.header
-        if request.step < 0 or request.epoch < 0:
-            raise _invalid(f"step and epoch must be >= 0, got step {request.step}, epoch {request.epoch}")
-        if request.phase not in _PHASES:
-            raise _invalid(f"phase must be REDUCE or GATHER, got {request.phase}")
-        if request.source_replica < 0 or request.source_replica == self.replica:
-            raise _invalid(f"source_replica must be another replica than {self.replica}, got {request.source_replica}")
-        message = request.tensor
-        if message.encoding or message.dtype != "float32" or len(message.shape) != 1:
-            raise _invalid(f"a shard is an uncompressed float32 vector, got {message.dtype!r} {list(message.shape)}")
-        length = message.shape[0]
-        if not 1 <= length <= MAX_SHARD_BYTES // _FLOAT32_BYTES:
-            raise _invalid(f"a shard holds 1 to {MAX_SHARD_BYTES // _FLOAT32_BYTES} elements, got {length}")
-        if not 0 <= request.start <= self.total_elements - length:
-            raise _invalid(
-                f"elements [{request.start}, {request.start + length}) are outside this stage's {self.total_elements}"
-            )
-        what = f"a {_PHASES[request.phase]} shard of step {request.step} from replica {request.source_replica}"
-        self.members.check(request.epoch, self.stage_index, request.source_replica, sender, what=what,
-                           method="PushShard", wait=wait)
-        try:
-            # A read-only view of the received bytes, not a copy: the exchange only reads it (sums it, or copies it
-            # into its result).
-            tensor = decode_tensor(message, shard.data, shard.scales, shard.indices,
-                                   max_bytes=length * _FLOAT32_BYTES, copy=False)
-        except codec.TensorValidationError as exc:
-            raise _invalid(f"shard rejected: {exc}") from None
-        key = _mail_key(request.step, request.epoch, request.phase, request.source_replica, request.start)
-        try:
-            self.shards.put(key, (sender, tensor, request.signature))
-        except MailboxFull as exc:
-            raise RpcFailure(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{self.name}: {exc}") from None
-        except MailboxClosed:
-            raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"{self.name} was just removed from this agent") from None
+    def learn(self, epoch: int, peers: Iterable[stage_pb2.ReplicaPeer]) -> None:
+        """A RunStep's membership: who may send to this replica in `epoch` (nodeagent.membership), and the
+        certificates its siblings' streams may present."""
+        peers = list(peers)
+        self.members.learn(epoch, peers)
+        self._wire.trust(p.certificate for p in peers if p.stage_index == self.stage_index)
+
+    def offer(self, hello: Hello, sock: ssl.SSLSocket) -> None:
+        """A stream a sibling opened (the listener's thread): kept for the exchange of its epoch, or refused (an
+        RpcFailure; the listener closes it). A stream of an epoch this replica's RunSteps named is checked at once;
+        one of an epoch still to come is kept (one per sibling) and checked when the exchange takes it."""
+        source = hello.source
+        if source == self.replica or not 0 <= source < self._max_replicas:
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, f"{self.name}: no stream from replica {source}")
+        if hello.epoch <= self.members.newest:
+            self.members.check(hello.epoch, self.stage_index, source, hello.token_digest,
+                               what=f"a stream from replica {source}", method="exchange stream", wait=0.0)
+        with self._offers:
+            if self._closed:
+                raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"{self.name} was just removed from this agent")
+            old = self._offered.pop(source, None)
+            self._offered[source] = (hello.epoch, hello.token_digest, sock)
+            self._offers.notify_all()
+        if old is not None:
+            old[2].close()
 
     def exchange(
         self,
@@ -261,108 +210,165 @@ class ReplicaExchange:
         step: int,
         epoch: int,
         members: tuple[int, ...],
-        link: Callable[[int], ShardLink],
+        peers: Mapping[int, stage_pb2.ReplicaPeer],
+        port_of: Callable[[int], int],
         deadline: float,
         abort: threading.Event,
         sign: Callable[[ShardFields], bytes] | None = None,
         keys: Mapping[int, str] | None = None,
         kept: list[stage_pb2.ShardReceipt] | None = None,
     ) -> torch.Tensor:
-        """The sum over `members` of their `flat` gradients: reduce-scatter to each chunk's owner, which sums
-        in ascending replica id, then all-gather from the owners. `link(replica)`: the link to the sibling.
-        An audited step (arceus.training.audit) signs each shard it pushes with `sign`, and keeps in `kept` each
-        shard a sibling pushed here, with the signature checked against the sibling's key in `keys` (a shard that
-        carries none, or one that does not verify, fails the step: PERMISSION_DENIED naming the sibling)."""
+        """The sum over `members` of their `flat` gradients (float32, on the CPU): reduce-scatter to each chunk's
+        owner, which sums in ascending replica id, then all-gather from the owners. `peers`: each sibling as the step
+        names it; `port_of(sibling)`: its exchange listener's port (asked only when this replica dials it).
+        An audited step (arceus.training.audit) signs each shard it sends with `sign`, and keeps in `kept` each
+        shard a sibling sent here, with the signature checked against the sibling's key in `keys` (a shard that
+        carries none, or one that does not verify, fails the step: PERMISSION_DENIED naming the sibling).
+        Any failure closes this replica's streams: the next exchange opens them anew."""
+        if flat.dtype != torch.float32 or flat.device.type != "cpu" or flat.dim() != 1:
+            raise ValueError(f"the exchange takes a float32 vector on the CPU, got {flat.dtype} {list(flat.shape)} "
+                             f"on {flat.device}")
+        if epoch != self._streams_epoch:  # a new membership: new streams
+            self._close_streams()
+            self._streams_epoch = epoch
+        try:
+            return self._exchange(flat.detach().contiguous(), step, epoch, members, peers, port_of, deadline, abort,
+                                  sign, keys or {}, kept)
+        except RpcFailure as exc:
+            self._close_streams()
+            raise RpcFailure(exc.code, exc.message if exc.message.startswith(self.name) else
+                             f"{self.name}: {exc.message}") from None
+        except BaseException:
+            self._close_streams()
+            raise
+
+    def _exchange(
+        self, flat: torch.Tensor, step: int, epoch: int, members: tuple[int, ...],
+        peers: Mapping[int, stage_pb2.ReplicaPeer], port_of: Callable[[int], int], deadline: float,
+        abort: threading.Event, sign: Callable[[ShardFields], bytes] | None, keys: Mapping[int, str],
+        kept: list[stage_pb2.ShardReceipt] | None,
+    ) -> torch.Tensor:
         chunks = chunk_bounds(flat.numel(), members)
-        # Shards of an earlier membership of this step (a repaired step exchanges again) are never summed.
-        current = f" of epoch {epoch} from "
-        self.shards.discard(lambda key: key[0] == step and current not in key[1])
-        sends: deque[tuple[int, grpc.Future]] = deque()
-
-        def settle(to: int, future: grpc.Future) -> None:
-            try:
-                while True:  # a sibling that went silent holds a push until the deadline: an abort ends the wait
-                    try:
-                        future.result(timeout=ABORT_POLL_SECONDS)
-                        return
-                    except grpc.FutureTimeoutError:
-                        if abort.is_set():
-                            future.cancel()
-                            raise RpcFailure(
-                                grpc.StatusCode.CANCELLED, f"{self.name}: the step was cancelled"
-                            ) from None
-            except grpc.RpcError as exc:
-                raise neighbour_failure(exc, f"{self.name}: pushing a shard of step {step} to replica {to}") from None
-
-        def push(to: int, phase: int, start: int, values: torch.Tensor) -> None:
-            header = replica_pb2.PushShardRequest(
-                target=stage_pb2.StageRef(
-                    job_id=self.job_id, stage_index=self.stage_index, generation=self.generation, replica=to
-                ),
-                step=step, epoch=epoch, source_replica=self.replica, phase=phase, start=start,
-            )
-            if sign is not None and phase == replica_pb2.REDUCE:
-                header.signature = sign(self._shard_fields(step, epoch, self.replica, start, values))
-            request = shard_request_bytes(header, values)
-            self.bytes_sent += values.numel() * values.element_size()
-            if len(sends) >= SENDS_IN_FLIGHT:
-                settle(*sends.popleft())
-            timeout = max(0.05, deadline - time.monotonic())
-            sends.append((to, link(to).push_shard.future(request, timeout=timeout, metadata=self._metadata)))
-
-        def receive(phase: int, source: int, start: int, end: int) -> torch.Tensor:
-            key = _mail_key(step, epoch, phase, source, start)
-            try:
-                sender, part, signature = self.shards.get(key, max(0.0, deadline - time.monotonic()), abort)
-            except MailboxTimeout:
-                raise RpcFailure(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"{self.name}: replica {source} sent no {_PHASES[phase]} shard at element {start} of step {step}",
-                ) from None
-            except MailboxClosed:
-                raise RpcFailure(grpc.StatusCode.ABORTED, f"{self.name} was removed mid-step") from None
-            except MailboxCancelled:
-                raise RpcFailure(grpc.StatusCode.CANCELLED, f"{self.name}: the step was cancelled") from None
-            if not hmac.compare_digest(sender, self.members.digest(epoch, self.stage_index, source) or ""):
-                raise RpcFailure(
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"{self.name}: the shard at element {start} of step {step} claiming replica {source} came from "
-                    "another replica",
-                )
-            if part.numel() != end - start:
-                raise RpcFailure(
-                    grpc.StatusCode.FAILED_PRECONDITION,
-                    f"{self.name}: replica {source}'s shard at element {start} holds {part.numel()} elements, "
-                    f"not {end - start}",
-                )
-            if kept is not None and phase == replica_pb2.REDUCE:
-                kept.append(self._evidence(step, epoch, source, start, part, signature, (keys or {}).get(source)))
-            return part
-
-        for chunk in chunks:
-            if chunk.owner != self.replica:
-                for start, end in shard_bounds(chunk, _FLOAT32_BYTES):
-                    push(chunk.owner, replica_pb2.REDUCE, start, flat[start:end])
-        # A test hook (nodeagent.faults): this replica's shards are out, the sums not yet back.
-        faults.reached("exchange", step, stage=self.stage_index, replica=self.replica)
-        out = torch.empty_like(flat)
         others = [k for k in members if k != self.replica]
-        for chunk in chunks:
-            if chunk.owner != self.replica:
-                continue
-            for start, end in shard_bounds(chunk, _FLOAT32_BYTES):
-                parts = {self.replica: flat[start:end]}
-                parts.update({k: receive(replica_pb2.REDUCE, k, start, end) for k in others})
-                reduce_in_order(parts, out=out[start:end])
+        streams = {k: self._stream(k, epoch, peers[k], port_of, deadline, abort) for k in others}
+        out = torch.empty_like(flat)
+        mine = next(c for c in chunks if c.owner == self.replica)
+        inbox = self._inbox_of(others, mine.end - mine.start)
+        shards = shard_bounds(mine, _FLOAT32_BYTES)
+        arrived = [0] * len(shards)
+        signatures: dict[tuple[int, int], bytes] = {}
+
+        def reduced_in(j: int, source: int, signature: bytes) -> None:
+            """A sibling's REDUCE shard `j` of this replica's chunk is in: once every sibling's is, its sum goes
+            back to each of them."""
+            signatures[(j, source)] = signature
+            arrived[j] += 1
+            if arrived[j] < len(others):
+                return
+            start, end = shards[j]
+            parts = {self.replica: flat[start:end]}
+            parts.update({k: inbox[k][start - mine.start:end - mine.start] for k in others})
+            if kept is not None:
                 for k in others:
-                    push(k, replica_pb2.GATHER, start, out[start:end])
+                    kept.append(self._evidence(step, epoch, k, start, parts[k], signatures[(j, k)], keys.get(k)))
+            reduce_in_order(parts, out=out[start:end])
+            for k in others:
+                self._send(streams[k], step, epoch, GATHER, start, out[start:end])
+
+        for k in others:
+            for j, (start, end) in enumerate(shards):
+                streams[k].expect(Expected(step, epoch, REDUCE, start, end - start,
+                                           _bytes(inbox[k][start - mine.start:end - mine.start]),
+                                           functools.partial(reduced_in, j, k)))
+            for start, end in shard_bounds(chunks[members.index(k)], _FLOAT32_BYTES):
+                streams[k].expect(Expected(step, epoch, GATHER, start, end - start, _bytes(out[start:end]), _nothing))
         for chunk in chunks:
             if chunk.owner != self.replica:
                 for start, end in shard_bounds(chunk, _FLOAT32_BYTES):
-                    out[start:end] = receive(replica_pb2.GATHER, chunk.owner, start, end)
-        while sends:
-            settle(*sends.popleft())
+                    values = flat[start:end]
+                    signature = sign(self._shard_fields(step, epoch, self.replica, start, values)) if sign else b""
+                    self._send(streams[chunk.owner], step, epoch, REDUCE, start, values, signature)
+        # A test hook (nodeagent.faults): this replica's shards are on their way, the sums not yet back.
+        faults.reached("exchange", step, stage=self.stage_index, replica=self.replica)
+
+        def waiting_for() -> str:
+            for k, stream in streams.items():
+                frame = stream.next_expected()
+                if frame is not None:
+                    return (f"replica {k} sent no {PHASES[frame.phase]} shard at element {frame.start} of step "
+                            f"{step}")
+            return f"replicas {[k for k, s in streams.items() if s.sending]} took no more of this replica's shards"
+
+        pump_all(streams.values(), deadline=deadline, abort=abort,
+                 done=lambda: all(s.idle for s in streams.values()), waiting_for=waiting_for)
         return out
+
+    def _send(self, stream: Stream, step: int, epoch: int, phase: int, start: int, values: torch.Tensor,
+              signature: bytes = b"") -> None:
+        stream.send(step, epoch, phase, start, _bytes(values), signature)
+        self.bytes_sent += values.numel() * _FLOAT32_BYTES
+
+    def _stream(self, sibling: int, epoch: int, peer: stage_pb2.ReplicaPeer, port_of: Callable[[int], int],
+                deadline: float, abort: threading.Event) -> Stream:
+        """The stream to `sibling` in `epoch`: dialled where this replica's id is the lower, else the one the sibling
+        opened, checked to be the sibling's (its token and certificate as the step names them)."""
+        stream = self._streams.get(sibling)
+        if stream is not None:
+            return stream
+        if self.replica < sibling:
+            hello = Hello(self.job_id, self.stage_index, self.generation, sibling, self.replica, epoch, self._token)
+            sock = self._wire.dial(peer.address, port_of(sibling), peer.certificate, hello, deadline)
+        else:
+            sock = self._take_offer(sibling, epoch, peer, deadline, abort)
+        stream = self._streams[sibling] = Stream(sock, sibling, self.name)
+        return stream
+
+    def _take_offer(self, sibling: int, epoch: int, peer: stage_pb2.ReplicaPeer, deadline: float,
+                    abort: threading.Event) -> ssl.SSLSocket:
+        with self._offers:
+            while True:
+                offered = self._offered.get(sibling)
+                if offered is not None and offered[0] < epoch:  # a stream of an earlier membership: over
+                    offered[2].close()
+                    del self._offered[sibling]
+                elif offered is not None:
+                    break
+                if self._closed:
+                    raise RpcFailure(grpc.StatusCode.ABORTED, f"{self.name} was removed mid-step")
+                if abort.is_set():
+                    raise RpcFailure(grpc.StatusCode.CANCELLED, "the step was cancelled")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                     f"replica {sibling} opened no exchange stream of epoch {epoch}")
+                self._offers.wait(min(remaining, POLL_SECONDS))
+            offered_epoch, digest, sock = self._offered.pop(sibling)
+        member = self.members.digest(epoch, self.stage_index, sibling) or ""
+        try:
+            certificate = ssl.PEM_cert_to_DER_cert(peer.certificate)
+        except ValueError:
+            certificate = b""
+        if offered_epoch != epoch or not hmac.compare_digest(digest, member) or \
+                sock.getpeercert(binary_form=True) != certificate:
+            sock.close()
+            raise RpcFailure(
+                grpc.StatusCode.PERMISSION_DENIED,
+                f"the exchange stream claiming replica {sibling} of epoch {epoch} came from another replica "
+                f"(or epoch {offered_epoch})",
+            )
+        return sock
+
+    def _inbox_of(self, others: list[int], elements: int) -> dict[int, torch.Tensor]:
+        """Where each sibling's REDUCE shards of this replica's chunk land: allocated once, kept step after step."""
+        for k in others:
+            if k not in self._inbox or self._inbox[k].numel() != elements:
+                self._inbox[k] = torch.empty(elements, dtype=torch.float32)
+        return self._inbox
+
+    def _close_streams(self) -> None:
+        streams, self._streams = list(self._streams.values()), {}
+        for stream in streams:
+            stream.close()
 
     def _shard_fields(self, step: int, epoch: int, source: int, start: int, values: torch.Tensor) -> ShardFields:
         return ShardFields(self.job_id, self.stage_index, self.generation, step, epoch, source, start, values.numel(),
@@ -387,11 +393,22 @@ class ReplicaExchange:
                                       sha256=fields.sha256, signature=signature)
 
     def close(self) -> None:
-        self.shards.close()
+        with self._offers:
+            self._closed = True
+            offered, self._offered = list(self._offered.values()), {}
+            self._offers.notify_all()
+        for _, _, sock in offered:
+            sock.close()
+        self._close_streams()
 
 
-def _mail_key(step: int, epoch: int, phase: int, source: int, start: int) -> tuple[int, str, int]:
-    return (step, f"{_PHASES[phase]} of epoch {epoch} from replica {source}", start)
+def _bytes(values: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous float32 vector, shared with it."""
+    return memoryview(values.numpy()).cast("B")
+
+
+def _nothing(signature: bytes) -> None:
+    """A GATHER shard needs nothing once in: it was read into the result."""
 
 
 def _invalid(message: str) -> RpcFailure:

@@ -141,9 +141,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
 
             def on_done() -> None:  # runs when the call ends, including when the caller cancels it
                 abort.set()
-                stage.mailbox.wake()
-                if stage.exchange is not None:
-                    stage.exchange.shards.wake()
+                stage.mailbox.wake()  # (an exchange under way looks at `abort` itself)
 
             if not context.add_callback(on_done):  # the caller gave up before the step began: it never runs
                 raise RpcFailure(grpc.StatusCode.CANCELLED, f"RunStep of step {request.step} was cancelled")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -17,18 +18,19 @@ from arceus.model.layout import TensorLayout
 from arceus.model.registry import architecture_of
 from arceus.model.tensor_parallel import build_parallel_layers, slice_state_tensors
 from arceus.swarm.outer import OuterSync, sync_elements, synced_buffers
-from arceus.v1 import replica_pb2_grpc, stage_pb2
+from arceus.v1 import replica_pb2, replica_pb2_grpc, stage_pb2
 from arceus.wire.channels import open_channel
 from arceus.wire.push_stream import PushStream
 from arceus.wire.transfer import TransferEncoder
 from nodeagent.all_reduce import TensorParallelGroup
 from nodeagent.callers import Guard
+from nodeagent.exchange_stream import ExchangeStreams
 from nodeagent.inference import DecodeSessions
 from nodeagent.lending import LendingGauge
 from nodeagent.mailbox import Mailbox
 from nodeagent.repair import HeldStep
-from nodeagent.replicas import ReplicaExchange, push_shard_call
-from nodeagent.rpc import RpcFailure
+from nodeagent.replicas import ReplicaExchange
+from nodeagent.rpc import RpcFailure, neighbour_failure
 from nodeagent.runtime import StageRuntime
 from nodeagent.tied import TiedGradients
 from nodeagent.verify import AuditRecord
@@ -70,7 +72,6 @@ class NeighbourLink:
         metadata = ((REPLICA_METADATA_KEY, replica_token),) if replica_token else ()
         self.pushes = PushStream(self.channel, metadata=metadata)
         self.replicas = replica_pb2_grpc.ReplicaServiceStub(self.channel)  # used between siblings only
-        self.push_shard = push_shard_call(self.channel)  # the exchange's shards, as bytes (nodeagent.replicas)
 
     def close(self) -> None:
         self.pushes.close()
@@ -85,7 +86,9 @@ class HostedStage:
         *,
         max_message_bytes: int,
         tensor_parallel: TensorParallelGroup | None = None,
+        streams: ExchangeStreams | None = None,
     ) -> None:
+        """`streams`: the agent's exchange streams, which a replica of a replicated stage exchanges over."""
         self.assignment = assignment
         self.tensor_parallel = tensor_parallel
         self.runtime = runtime
@@ -153,9 +156,11 @@ class HostedStage:
             elements = sync_elements(
                 sum(p.numel() for p in runtime.layers.parameters()), runtime.optimizer_name, buffers
             )
-        self.exchange = None if a.replica is None else ReplicaExchange(
+        if a.replica is not None and streams is None:
+            raise ValueError(f"{a.stage_id} is a replica: it needs the agent's exchange streams")
+        self.exchange = None if a.replica is None or streams is None else ReplicaExchange(
             job_id=a.job_id, stage_index=a.stage_index, generation=a.generation, replica=a.replica,
-            token=a.credentials.replica_token, total_elements=elements, max_replicas=a.micro_batches,
+            token=a.credentials.replica_token, total_elements=elements, max_replicas=a.micro_batches, streams=streams,
         )
         self.outer_sync: OuterSync | None = None  # made at the first train step of replicas syncing every H steps
 
@@ -183,6 +188,18 @@ class HostedStage:
                                      credentials.replica_token)
                 self._replica_links[key] = link
             return link
+
+    def exchange_port(self, peer: stage_pb2.ReplicaPeer, deadline: float) -> int:
+        """The port of the exchange listener of the sibling `peer` (ReplicaService.ExchangePort)."""
+        ref = self.ref(self.assignment.stage_index, peer.replica)
+        try:
+            reply = self.replica_link(peer).replicas.ExchangePort(
+                replica_pb2.ExchangePortRequest(target=ref), timeout=max(0.05, deadline - time.monotonic()),
+                metadata=((REPLICA_METADATA_KEY, self.assignment.credentials.replica_token),),
+            )
+        except grpc.RpcError as exc:
+            raise neighbour_failure(exc, f"{self.name}: asking replica {peer.replica} for its exchange port") from None
+        return reply.port
 
     def add_bytes_sent(self, n: int) -> None:
         with self._bytes_lock:
@@ -272,6 +289,7 @@ def build_hosted_stage(
     tensor_parallel: TensorParallelGroup | None = None,
     load_program: ProgramLoader | None = None,
     load_initial_weights: InitialWeightsLoader | None = None,
+    streams: ExchangeStreams | None = None,
 ) -> HostedStage:
     """Build the stage from its declarative spec only: layers [start, end) initialised from the seed,
     then, if the assignment names a checkpoint, its weights and optimizer state loaded from it, else, if it
@@ -326,4 +344,5 @@ def build_hosted_stage(
         if tensor_parallel is not None:
             tensors = slice_state_tensors(spec, tensor_parallel.shard, tensors)
         runtime.load_state_tensors(tensors, widen=uploaded)
-    return HostedStage(assignment, runtime, max_message_bytes=max_message_bytes, tensor_parallel=tensor_parallel)
+    return HostedStage(assignment, runtime, max_message_bytes=max_message_bytes, tensor_parallel=tensor_parallel,
+                       streams=streams)

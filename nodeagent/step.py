@@ -282,7 +282,8 @@ class StepRun:
             step=self.step,
             epoch=plan.epoch,
             members=plan.members(index),
-            link=lambda k: stage.replica_link(plan.peers[(index, k)]),
+            peers={k: plan.peers[(index, k)] for k in plan.members(index) if k != stage.assignment.replica},
+            port_of=lambda k: stage.exchange_port(plan.peers[(index, k)], self.wait_until),
             deadline=self.wait_until,
             abort=self.abort,
             sign=self.audit.sign_shard if retained else None,
@@ -335,7 +336,8 @@ class StepRun:
             step=self.step,
             epoch=plan.epoch,
             members=members,
-            link=lambda k: stage.replica_link(plan.peers[(index, k)]),
+            peers={k: plan.peers[(index, k)] for k in members if k != stage.assignment.replica},
+            port_of=lambda k: stage.exchange_port(plan.peers[(index, k)], self.wait_until),
             deadline=self.wait_until,
             abort=self.abort,
         )
@@ -492,7 +494,7 @@ def replica_plan(stage: HostedStage, request: stage_pb2.RunStepRequest) -> Repli
         )
     plan = parse_replica_step(request, stage_index=a.stage_index, num_stages=a.num_stages, replica=a.replica)
     if stage.exchange is not None:
-        stage.exchange.members.learn(plan.epoch, plan.peers.values())  # who may push to it in this epoch
+        stage.exchange.learn(plan.epoch, plan.peers.values())  # who may send to it in this epoch
     return plan
 
 

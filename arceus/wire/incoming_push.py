@@ -1,8 +1,8 @@
-"""Parse a received tensor push (a stage's PushTensorRequest, a replica's PushShardRequest) keeping its tensor
-payloads as views of the received bytes.
+"""Parse a received tensor push (a stage's PushTensorRequest) keeping its tensor payloads as views of the received
+bytes.
 
 gRPC hands a server each message as one `bytes`. `PushTensorRequest.FromString` would copy the tensor's
-`data` out of it, and reading `request.tensor.data` copies it again. `parse_push` (and `parse_shard`) walk the
+`data` out of it, and reading `request.tensor.data` copies it again. `parse_push` walks the
 protobuf wire format instead: the Tensor's payload fields (data, scales, indices) stay memoryview slices of the received
 bytes, so decoding float32 is a `torch.frombuffer` of them, and every other record goes to protobuf, which
 parses and validates it as usual.
@@ -22,12 +22,11 @@ from typing import Generic, TypeVar
 
 from google.protobuf.message import DecodeError
 
-from arceus.v1 import replica_pb2, stage_pb2
+from arceus.v1 import stage_pb2
 from arceus.wire.push_stream import encode_varint
 
-Request = TypeVar("Request", stage_pb2.PushTensorRequest, replica_pb2.PushShardRequest)
+Request = TypeVar("Request", bound=stage_pb2.PushTensorRequest)
 _PUSH_TENSOR = 0x2A  # PushTensorRequest.tensor: field 5, length-delimited
-_SHARD_TENSOR = 0x3A  # PushShardRequest.tensor: field 7, length-delimited
 _DATA, _SCALES, _INDICES = 0x1A, 0x2A, 0x3A  # Tensor.data, .scales, .indices: fields 3, 5, 7, length-delimited
 _MAX_RECORDS = 64  # per message level; a real push has about ten
 _MAX_LENGTH = 0x7FFFFFFF  # protobuf's bound on a length-delimited field
@@ -62,11 +61,6 @@ class _Unwalkable(Exception):
 def parse_push(wire: bytes) -> IncomingPush[stage_pb2.PushTensorRequest] | MalformedPush:
     """A gRPC request deserializer of PushTensorRequest: never raises, so the servicer answers bad bytes itself."""
     return _parse(wire, stage_pb2.PushTensorRequest, _PUSH_TENSOR)
-
-
-def parse_shard(wire: bytes) -> IncomingPush[replica_pb2.PushShardRequest] | MalformedPush:
-    """A gRPC request deserializer of PushShardRequest: never raises, so the servicer answers bad bytes itself."""
-    return _parse(wire, replica_pb2.PushShardRequest, _SHARD_TENSOR)
 
 
 def _parse(wire: bytes, message: type[Request], tensor_tag: int) -> IncomingPush[Request] | MalformedPush:

@@ -4,8 +4,7 @@ An agent in this process hosts replica 0 of stage 1 of a 2-stage job; the driver
 sibling are clients with the credentials their assignments carry, over real gRPC. A replica of stage 0 taken off the
 job (stopped, then woken with its epoch gone) still pushes the activation of a step it was routed: it is refused,
 naming its stale epoch, and is never counted, parked or used, while the member's push of the same micro-batch makes
-the step. A holder of the stage's token pushing shards of epochs no step named yet holds no server thread for long:
-every such call ends within the short wait for the next epoch, and the sibling's own shard goes through meanwhile."""
+the step."""
 
 from __future__ import annotations
 
@@ -17,20 +16,19 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from arceus.contracts.assignment import Assignment
 from arceus.contracts.credentials import REPLICA_METADATA_KEY, StageCredentials, token_digest
 from arceus.swarm.routing import Routes
-from arceus.v1 import replica_pb2, replica_pb2_grpc, stage_pb2, stage_pb2_grpc
+from arceus.v1 import stage_pb2, stage_pb2_grpc
 from arceus.wire.channels import open_channel
 from arceus.wire.proto_tensor import to_proto
 from arceus.wire.tls import new_identity
 from devtools.pipeline import driver_token, remember_identity, replica_credentials, replicated_pipeline_assignments
 from nodeagent.agent import Agent
-from nodeagent.call_limits import CALLS_PER_CALLER, STREAMS_PER_CALLER
-from nodeagent.membership import EPOCH_WAIT_SECONDS, Membership
-from nodeagent.replicas import SENDS_IN_FLIGHT, epoch_waits
+from nodeagent.call_limits import STREAMS_PER_CALLER
+from nodeagent.membership import Membership
+from nodeagent.replicas import epoch_waits
 from nodeagent.rpc import RpcFailure
 from nodeagent.stage import HostedStage
 
@@ -156,46 +154,6 @@ def test_a_fenced_replicas_late_activation_is_refused_naming_its_epoch_and_never
     assert list(reply.sample_counts) == [SAMPLES] and reply.loss_sums[0] == pytest.approx(expected, rel=1e-6)
 
 
-def shard(epoch: int, step: int = 1) -> replica_pb2.PushShardRequest:
-    return replica_pb2.PushShardRequest(target=target(), step=step, epoch=epoch, source_replica=1,
-                                        phase=replica_pb2.REDUCE, start=0, tensor=to_proto(torch.ones(4)))
-
-
-def test_shards_of_epochs_no_step_named_end_promptly_and_hold_no_threads(agent: Agent) -> None:
-    """A sibling's full share of calls pushing shards of epochs no step named (which never come): at most as many
-    as may legitimately wait (here 8: one sibling's shards in flight and a push from each replica of the other
-    stage, counted as two neighbours') wait, each at most EPOCH_WAIT_SECONDS, the others are refused at once, every
-    one naming its epoch; meanwhile the sibling's shard of the current epoch is taken, and the health check answers."""
-    stage = hosted(agent)
-    waiting = stage.exchange.members.waiting_calls
-    assert waiting == epoch_waits(2) == 8 < CALLS_PER_CALLER
-    sibling = credentials(1, 1)
-    metadata = ((REPLICA_METADATA_KEY, sibling.replica_token),)
-    with channel(agent, driver_token(JOB)) as driver_channel, channel(agent, sibling.token) as sibling_channel:
-        driver = stage_pb2_grpc.StageServiceStub(driver_channel)
-        step = driver.RunStep.future(eval_step(1, 0, ((0,), (0, 1)), ((0, 0), (0, 1))), timeout=20)
-        learnt(stage, 0)
-        replicas = replica_pb2_grpc.ReplicaServiceStub(sibling_channel)
-        hostile = [shard(epoch=1)] * (CALLS_PER_CALLER // 2) + [shard(epoch=7)] * (CALLS_PER_CALLER // 2)
-        started = time.monotonic()
-        calls = [replicas.PushShard.future(request, timeout=60, metadata=metadata) for request in hostile]
-        time.sleep(0.3)
-        replicas.PushShard(shard(epoch=0), timeout=EPOCH_WAIT_SECONDS, metadata=metadata)
-        health = health_pb2_grpc.HealthStub(driver_channel)
-        assert health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == health_pb2.HealthCheckResponse.SERVING
-        ended = [call.exception(timeout=max(0.0, started + EPOCH_WAIT_SECONDS + 2 - time.monotonic()))
-                 for call in calls]  # a call still waiting raises grpc.FutureTimeoutError
-        step.cancel()
-    outcomes = [(error.code(), error.details()) for error in ended]
-    waited = [d for code, d in outcomes if code == grpc.StatusCode.FAILED_PRECONDITION]
-    refused = [d for code, d in outcomes if code == grpc.StatusCode.UNAVAILABLE]
-    assert len(waited) == waiting and len(refused) == CALLS_PER_CALLER - waiting
-    assert all(f"which no step named here within {EPOCH_WAIT_SECONDS:.1f} s (newest: 0)" in d for d in waited)
-    assert all(f"{waiting} calls already wait for it, the most that may" in d for d in refused)
-    assert {epoch for d in waited + refused for epoch in (1, 7) if f"names membership epoch {epoch}," in d} == {1, 7}
-    assert len(stage.exchange.shards) == 1  # the sibling's shard of epoch 0, nothing else
-
-
 def test_an_epoch_no_step_named_waits_for_its_step_briefly_and_one_that_is_over_is_refused_at_once() -> None:
     members = Membership("replica 0", waiting_calls=8)
     digest = token_digest("t")
@@ -253,11 +211,9 @@ def test_once_a_repair_names_the_drivers_new_epoch_nothing_of_the_old_one_is_tak
 
 
 def test_as_many_calls_may_wait_for_an_epoch_as_a_legitimate_membership_sends_ahead_of_a_replica() -> None:
-    """Replicas of a stage are at most the job's micro_batches: with R of them, the R - 1 siblings' shards in flight
-    and one push from each of R replicas of either neighbouring stage may all come before this replica's RunStep
-    names their epoch, and none is refused for it; the siblings are one caller, and each neighbouring stage another,
-    so the agent's bounds per caller cap it (and keep it within its threads)."""
+    """Replicas of a stage are at most the job's micro_batches: with R of them, one push from each of R replicas of
+    either neighbouring stage may come before this replica's RunStep names their epoch, and none is refused for it;
+    each neighbouring stage is one caller, so the agent's bounds per caller cap it (and keep it within its threads).
+    Siblings' exchange streams wait in no call (nodeagent.exchange_stream: one kept per sibling)."""
     for replicas in range(1, 65):
-        siblings, neighbours = (replicas - 1) * SENDS_IN_FLIGHT, replicas
-        assert epoch_waits(replicas) == min(siblings, CALLS_PER_CALLER) + 2 * min(neighbours, STREAMS_PER_CALLER)
-    assert epoch_waits(3) == 14 > 8  # three replicas a stage: more than the eight that used to wait at most
+        assert epoch_waits(replicas) == 2 * min(replicas, STREAMS_PER_CALLER)

@@ -1,30 +1,30 @@
 """A replica's side of a step (nodeagent/replicas.py): RunStep's routes checked against the replica, siblings'
-shards checked before torch sees them, and the exchange run by several replicas at once (threads of this process,
-each replica's shards delivered to the others' `accept` as PushShard would) ending with the same bits on every
-replica: the sum in ascending replica id, across several shards per chunk."""
+streams checked before they reach the exchange and their frames before a payload is read, and the exchange run by
+several replicas at once (threads of this process, each with an agent's listener of its own, over real mutual-TLS
+streams on loopback) ending with the same bits on every replica: the sum in ascending replica id, across several
+shards per chunk; a silent, aborted or dead sibling fails it in time."""
 
 from __future__ import annotations
 
 import json
+import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 import pytest
 import torch
 
-from arceus.contracts.credentials import REPLICA_METADATA_KEY, replica_token, token_digest
+from arceus.contracts.credentials import replica_token, token_digest
 from arceus.swarm.repair import ReplicaInstructions
 from arceus.swarm.routing import Routes
-from arceus.v1 import replica_pb2, stage_pb2
+from arceus.v1 import stage_pb2
 from arceus.verify.receipts import ReceiptSigner, ShardFields, verify_shard
 from arceus.verify.tensor_digest import tensor_digest
-from arceus.wire.incoming_push import IncomingPush, MalformedPush, parse_shard
-from arceus.wire.proto_tensor import decode_tensor, from_proto, to_proto
-from arceus.wire.tls import new_identity
-from nodeagent import replicas
+from arceus.wire.tls import TlsIdentity, new_identity
+from nodeagent.exchange_stream import FRAME, REDUCE, ExchangeStreams, Hello
 from nodeagent.replicas import ReplicaExchange, parse_replica_step
 from nodeagent.rpc import RpcFailure
 
@@ -90,203 +90,6 @@ def test_routes_that_do_not_fit_the_replica_are_refused_naming_what_is_wrong(
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.message
 
 
-def exchange_of(replica: int, total: int = 10, members: tuple[int, ...] = (0, 2, 3)) -> ReplicaExchange:
-    """Replica `replica` of stage 1, knowing the tokens of `members` as a RunStep names them."""
-    exchange = ReplicaExchange(job_id="j", stage_index=1, generation=1, replica=replica, token=token_of(replica),
-                               total_elements=total, max_replicas=4)
-    exchange.members.learn(0, [peer(k) for k in members] + [peer(k, stage=2) for k in members])
-    return exchange
-
-
-def shard(**fields) -> IncomingPush[replica_pb2.PushShardRequest] | MalformedPush:
-    """A PushShard's request as the sibling's ReplicaService parses its bytes."""
-    values = {"step": 1, "epoch": 0, "source_replica": 2, "phase": replica_pb2.REDUCE, "start": 0,
-              "tensor": to_proto(torch.zeros(4))}
-    return parse_shard(replica_pb2.PushShardRequest(**{**values, **fields}).SerializeToString())
-
-
-@pytest.mark.parametrize(
-    ("request_", "words"),
-    [
-        (shard(source_replica=0), "another replica than 0"),
-        (shard(phase=0), "phase must be REDUCE or GATHER"),
-        (shard(tensor=to_proto(torch.zeros(2, 2))), "uncompressed float32 vector"),
-        (shard(tensor=to_proto(torch.zeros(4, dtype=torch.int32))), "uncompressed float32 vector"),
-        (shard(start=7), "elements [7, 11) are outside this stage's 10"),
-        (shard(start=-1), "elements [-1, 3)"),
-        (shard(step=-1), "step and epoch must be >= 0"),
-    ],
-)
-def test_a_shard_that_does_not_fit_the_stage_is_refused_before_torch_sees_it(
-    request_: IncomingPush[replica_pb2.PushShardRequest], words: str
-) -> None:
-    with pytest.raises(RpcFailure) as info:
-        exchange_of(0).accept(request_, digest_of(request_.header.source_replica), wait=0.0)
-    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.message
-
-
-def test_a_shard_from_another_replica_than_it_claims_is_refused() -> None:
-    receiver = exchange_of(0)
-    for presented in (digest_of(3), digest_of(2, stage=2), None):  # a sibling, a neighbour's replica 2, no token
-        with pytest.raises(RpcFailure) as info:
-            receiver.accept(shard(source_replica=2), presented, wait=0.0)
-        assert info.value.code == grpc.StatusCode.PERMISSION_DENIED, presented
-        assert info.value.message == "the call's credential does not allow PushShard on the stage it addresses"
-    receiver.accept(shard(source_replica=2), digest_of(2), wait=0.0)  # replica 2 itself
-
-
-def test_a_shard_from_a_replica_that_is_not_a_member_of_its_epoch_or_of_an_epoch_that_is_over_is_refused_at_once(
-) -> None:
-    receiver = exchange_of(0, members=(0, 2, 3))
-    receiver.members.learn(1, [peer(0), peer(3)])  # epoch 1: replica 2 left
-    # A replica id no step named (with any token it may hold), and replica 2 in the epoch it is no longer a member
-    # of (its own token still valid for the generation): refused at once, before anything is parked.
-    for request_, presented in ((shard(source_replica=7, epoch=1), digest_of(7)),
-                                (shard(source_replica=7, epoch=1), digest_of(3)),
-                                (shard(source_replica=2, epoch=1), digest_of(2))):
-        started = time.monotonic()
-        with pytest.raises(RpcFailure) as info:
-            receiver.accept(request_, presented, wait=5.0)
-        assert info.value.code == grpc.StatusCode.PERMISSION_DENIED, request_
-        assert time.monotonic() - started < 1.0
-    # Epoch 0 is over: replica 2 was a member of it, but its late shard is refused, naming the epoch.
-    with pytest.raises(RpcFailure) as info:
-        receiver.accept(shard(source_replica=2, epoch=0), digest_of(2), wait=5.0)
-    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
-    assert "names membership epoch 0, which is over (epoch 1 is the newest here)" in info.value.message
-    assert len(receiver.shards) == 0
-    receiver.accept(shard(source_replica=3, epoch=1), digest_of(3), wait=0.0)
-    assert len(receiver.shards) == 1
-
-
-def test_a_shard_of_an_epoch_no_step_named_yet_waits_for_it_and_is_then_judged_by_its_members() -> None:
-    receiver = exchange_of(0, members=(0, 2))
-    with pytest.raises(RpcFailure) as info:  # no RunStep of epoch 1 comes: refused after the wait
-        receiver.accept(shard(source_replica=2, epoch=1), digest_of(2), wait=0.2)
-    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and "epoch 1" in info.value.message
-    outcomes: dict[int, str] = {}
-
-    def push(source: int, presented: str) -> None:
-        try:
-            receiver.accept(shard(source_replica=source, epoch=1), presented, wait=10.0)
-            outcomes[source] = "accepted"
-        except RpcFailure as exc:
-            outcomes[source] = exc.code.name
-
-    # A joiner (replica 5) and a forger claiming replica 6 push before this replica's RunStep of epoch 1 names the
-    # members (0, 2, 5): both wait; then the joiner's shard is taken and the forger's refused.
-    pushes = [threading.Thread(target=push, args=(5, digest_of(5))),
-              threading.Thread(target=push, args=(6, digest_of(2)))]
-    for thread in pushes:
-        thread.start()
-    time.sleep(0.2)
-    assert not outcomes
-    receiver.members.learn(1, [peer(0), peer(2), peer(5)])
-    for thread in pushes:
-        thread.join(10)
-    assert outcomes == {5: "accepted", 6: "PERMISSION_DENIED"}
-
-
-def test_a_forger_among_the_siblings_cannot_fail_the_exchange_or_change_its_sum(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Replica 9 held a valid replica token of this generation (it was a member once); while 1 and 4 exchange, it
-    pushes shards claiming to be replica 4, and as itself, for every element: each is refused, and the exchange
-    ends with the members' sum."""
-    monkeypatch.setattr("arceus.swarm.exchange.MAX_SHARD_BYTES", 64)
-    members, total = (1, 4), 48
-    partials = {k: torch.full((total,), float(k)) for k in members}
-    exchanges = {k: exchange_of(k, total, members) for k in members}
-    refused: list[str] = []
-
-    def forge() -> None:
-        for start in range(0, total, 16):
-            for source, presented in ((4, digest_of(9)), (9, digest_of(9))):
-                request_ = shard(source_replica=source, start=start, tensor=to_proto(torch.full((16,), 1e6)))
-                try:
-                    exchanges[1].accept(request_, presented, wait=0.1)
-                except RpcFailure as exc:
-                    refused.append(exc.code.name)
-
-    results, errors = exchange_together(exchanges, partials, beside=forge)
-    assert not errors, errors
-    assert len(refused) == 2 * 3 and set(refused) == {"PERMISSION_DENIED"}
-    for k in members:
-        assert torch.equal(results[k], torch.full((total,), 5.0)), k
-
-
-def exchange_together(
-    exchanges: dict[int, ReplicaExchange],
-    partials: dict[int, torch.Tensor],
-    *,
-    options: Callable[[int], dict[str, Any]] = lambda _k: {},
-    beside: Callable[[], None] | None = None,
-    seconds: float = 30.0,
-) -> tuple[dict[int, torch.Tensor], dict[int, BaseException]]:
-    """Every replica of `exchanges` sums its partial with its siblings' at once (step 1, epoch 0), each in a thread of
-    its own (`beside`, if given, started first in one more), its shards delivered straight to the sibling's exchange
-    within `seconds`; `options(k)`: replica k's other arguments of ReplicaExchange.exchange. Their sums and their
-    errors."""
-    members = tuple(sorted(exchanges))
-    results: dict[int, torch.Tensor] = {}
-    errors: dict[int, BaseException] = {}
-
-    def run(k: int) -> None:
-        try:
-            results[k] = exchanges[k].exchange(
-                partials[k], step=1, epoch=0, members=members, link=lambda to: _Deliver(exchanges[to]),
-                deadline=time.monotonic() + seconds, abort=threading.Event(), **options(k),
-            )
-        except BaseException as exc:
-            errors[k] = exc
-
-    threads = [] if beside is None else [threading.Thread(target=beside)]
-    threads += [threading.Thread(target=run, args=(k,)) for k in members]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(2 * seconds)
-    return results, errors
-
-
-class _Delivered:
-    """A finished PushShard future: the shard is in the receiver's mailbox."""
-
-    def result(self, timeout: float | None = None) -> None:
-        return None
-
-
-class _Deliver:
-    """What a sibling's ReplicaService does with a PushShard's bytes: parses them, and its exchange accepts the
-    shard."""
-
-    def __init__(self, exchange: ReplicaExchange) -> None:
-        self.exchange = exchange
-        self.push_shard = self
-
-    def future(self, request: bytes, timeout: float, metadata: tuple[tuple[str, str], ...]) -> _Delivered:
-        (key, token), = metadata
-        assert key == REPLICA_METADATA_KEY
-        self.exchange.accept(parse_shard(request), token_digest(token), wait=0.0)
-        return _Delivered()
-
-
-def test_every_replica_ends_with_the_same_bits_the_ascending_sum_of_every_partial(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(replicas, "MAX_SHARD_BYTES", 64)  # (shard_bounds reads exchange's own)
-    monkeypatch.setattr("arceus.swarm.exchange.MAX_SHARD_BYTES", 64)  # 16 floats a shard: several per chunk
-    members, total = (1, 4, 6), 101
-    generator = torch.Generator().manual_seed(0)
-    # Values of very different magnitudes: floating-point addition in another order would give other bits.
-    partials = {k: torch.randn(total, generator=generator) * 10.0 ** torch.randint(-6, 6, (total,)) for k in members}
-    results, errors = exchange_together({k: exchange_of(k, total, members) for k in members}, partials)
-    assert not errors, errors
-    expected = partials[1].clone().add_(partials[4]).add_(partials[6])
-    for k in members:
-        assert torch.equal(results[k], expected), k
-
-
 def repair_json(**fields) -> str:
     return json.dumps({**ReplicaInstructions().to_json(), **fields})
 
@@ -319,39 +122,105 @@ def test_repair_instructions_that_do_not_fit_the_routes_are_refused(fields: dict
     assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT and words in info.value.message
 
 
-class _Silent:
-    """A PushShard to a sibling that went silent (SIGSTOP): it never completes before its deadline."""
-
-    def __init__(self) -> None:
-        self.push_shard, self.cancelled = self, False
-
-    def future(self, request: bytes, timeout: float, metadata: object) -> _Silent:
-        return self
-
-    def result(self, timeout: float | None = None) -> None:
-        time.sleep(timeout or 0)
-        raise grpc.FutureTimeoutError()
-
-    def cancel(self) -> bool:
-        self.cancelled = True
-        return True
+IDENTITIES = {k: new_identity() for k in range(8)}
 
 
-def test_a_replica_pushing_to_a_silent_sibling_stops_as_soon_as_its_step_is_aborted() -> None:
-    # One element: replica 0 owns it, has replica 2's part already, and pushes the sum back to 2, which never answers.
-    silent, abort, receiver = _Silent(), threading.Event(), exchange_of(0, total=1, members=(0, 2))
-    receiver.accept(shard(source_replica=2, tensor=to_proto(torch.ones(1))), digest_of(2), wait=0.0)
-    threading.Timer(0.2, abort.set).start()
-    started = time.monotonic()
-    with pytest.raises(RpcFailure) as info:
-        receiver.exchange(torch.zeros(1), step=1, epoch=0, members=(0, 2), link=lambda to: silent,
-                          deadline=time.monotonic() + 60, abort=abort)
-    assert info.value.code == grpc.StatusCode.CANCELLED and silent.cancelled
-    assert time.monotonic() - started < 5  # not the minute its deadline allowed
+def sibling(k: int, stage: int = 1) -> stage_pb2.ReplicaPeer:
+    """Replica k of `stage` as a RunStep names it: its agent's certificate and its token's digest."""
+    return stage_pb2.ReplicaPeer(stage_index=stage, replica=k, address=f"127.0.0.1:{5000 + k}",
+                                 certificate=IDENTITIES[k].certificate, token_digest=digest_of(k, stage))
+
+
+@pytest.fixture
+def replicas_of() -> Iterator[Callable[..., dict[int, ReplicaExchange]]]:
+    """Replicas of stage 1 of job "j", each on an agent of its own (its own ExchangeStreams listening on loopback,
+    handing streams to it as an agent's registry does), knowing `members`' tokens and certificates at epoch 0."""
+    opened: list[tuple[ReplicaExchange, ExchangeStreams]] = []
+
+    def make(members: tuple[int, ...], total: int, known: tuple[int, ...] | None = None,
+             ) -> dict[int, ReplicaExchange]:
+        exchanges = {}
+        for k in members:
+            wire = ExchangeStreams(IDENTITIES[k])
+            exchange = ReplicaExchange(job_id="j", stage_index=1, generation=1, replica=k, token=token_of(k),
+                                       total_elements=total, max_replicas=8, streams=wire)
+            wire.listen("127.0.0.1", lambda hello, sock, exchange=exchange: adopt(exchange, hello, sock))
+            exchange.learn(0, [sibling(j) for j in (members if known is None else known)])
+            exchanges[k] = exchange
+            opened.append((exchange, wire))
+        return exchanges
+
+    yield make
+    for exchange, wire in opened:
+        exchange.close()
+        wire.close()
+
+
+def adopt(exchange: ReplicaExchange, hello: Hello, sock: ssl.SSLSocket) -> None:
+    """What an agent's registry does with a stream (nodeagent.hosting.HostedStages.adopt_stream)."""
+    if (hello.job_id, hello.stage_index, hello.generation, hello.target) != ("j", 1, 1, exchange.replica):
+        raise RpcFailure(grpc.StatusCode.NOT_FOUND, "no such replica here")
+    exchange.offer(hello, sock)
+
+
+def port(exchange: ReplicaExchange) -> int:
+    return exchange._wire.port
+
+
+def exchange_together(
+    exchanges: dict[int, ReplicaExchange],
+    partials: dict[int, torch.Tensor],
+    *,
+    options: Callable[[int], dict[str, Any]] = lambda _k: {},
+    seconds: float = 30.0,
+    step: int = 1,
+) -> tuple[dict[int, torch.Tensor], dict[int, BaseException]]:
+    """Every replica of `exchanges` sums its partial with its siblings' at once (epoch 0), each in a thread of its
+    own, over their streams, within `seconds`; `options(k)`: replica k's other arguments of ReplicaExchange.exchange.
+    Their sums and their errors."""
+    members = tuple(sorted(exchanges))
+    results: dict[int, torch.Tensor] = {}
+    errors: dict[int, BaseException] = {}
+
+    def run(k: int) -> None:
+        try:
+            results[k] = exchanges[k].exchange(
+                partials[k], step=step, epoch=0, members=members,
+                peers={j: sibling(j) for j in members if j != k}, port_of=lambda j: port(exchanges[j]),
+                deadline=time.monotonic() + seconds, abort=threading.Event(), **options(k),
+            )
+        except BaseException as exc:
+            errors[k] = exc
+
+    threads = [threading.Thread(target=run, args=(k,)) for k in members]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(2 * seconds)
+    return results, errors
+
+
+def test_every_replica_ends_with_the_same_bits_the_ascending_sum_of_every_partial_step_after_step(
+    monkeypatch: pytest.MonkeyPatch, replicas_of: Callable[..., dict[int, ReplicaExchange]],
+) -> None:
+    monkeypatch.setattr("arceus.swarm.exchange.MAX_SHARD_BYTES", 64)  # 16 floats a shard: several per chunk
+    members, total = (1, 4, 6), 101
+    exchanges = replicas_of(members, total)
+    generator = torch.Generator().manual_seed(0)
+    for step in (1, 2):  # the second step over the same streams
+        # Values of very different magnitudes: floating-point addition in another order would give other bits.
+        partials = {k: torch.randn(total, generator=generator) * 10.0 ** torch.randint(-6, 6, (total,))
+                    for k in members}
+        results, errors = exchange_together(exchanges, partials, step=step)
+        assert not errors, errors
+        expected = partials[1].clone().add_(partials[4]).add_(partials[6])
+        for k in members:
+            assert torch.equal(results[k], expected), (step, k)
+    assert all(e.bytes_sent > 0 for e in exchanges.values())
 
 
 def test_an_audited_exchange_keeps_each_siblings_signed_shards_and_refuses_an_unsigned_one(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, replicas_of: Callable[..., dict[int, ReplicaExchange]],
 ) -> None:
     monkeypatch.setattr("arceus.swarm.exchange.MAX_SHARD_BYTES", 64)
     members, total = (1, 4), 40
@@ -359,16 +228,17 @@ def test_an_audited_exchange_keeps_each_siblings_signed_shards_and_refuses_an_un
     keys = {k: s.public_key_hex for k, s in signers.items()}
     partials = {k: torch.randn(total) for k in members}
     kept: dict[int, list[stage_pb2.ShardReceipt]] = {k: [] for k in members}
+    exchanges = replicas_of(members, total)
 
-    def audited(unsigned: int | None) -> dict[int, BaseException]:
-        """Both replicas exchange on an audited step, `unsigned` pushing its shards without signing them."""
+    def audited(unsigned: int | None, step: int) -> dict[int, BaseException]:
+        """Both replicas exchange on an audited step, `unsigned` sending its shards without signing them."""
         _, errors = exchange_together(
-            {k: exchange_of(k, total, members) for k in members}, partials, seconds=10,
+            exchanges, partials, seconds=10, step=step,
             options=lambda k: {"sign": None if k == unsigned else signers[k].sign, "keys": keys, "kept": kept[k]},
         )
         return errors
 
-    errors = audited(unsigned=None)
+    errors = audited(unsigned=None, step=1)
     assert not errors, errors
     # Replica 1 owns elements [0, 20), replica 4 [20, 40): each kept the other's shards of its chunk, each signed
     # by the sender over the values it summed.
@@ -380,38 +250,127 @@ def test_an_audited_exchange_keeps_each_siblings_signed_shards_and_refuses_an_un
             fields = ShardFields("j", 1, 1, 1, 0, other, s.start, s.length, s.sha256)
             verify_shard(keys[other], fields, s.signature)
             assert s.sha256 == tensor_digest(partials[other][s.start : s.start + s.length])
-    # A sibling that pushes its shards unsigned on an audited step fails the step at the replica that keeps them.
-    errors = audited(unsigned=4)
+    # A sibling that sends its shards unsigned on an audited step fails the step at the replica that keeps them.
+    errors = audited(unsigned=4, step=2)
     assert isinstance(errors.get(1), RpcFailure) and errors[1].code == grpc.StatusCode.PERMISSION_DENIED
-    assert "replica 4's shard at element 0 of audited step 1 is not signed by it" in errors[1].message
+    assert "replica 4's shard at element 0 of audited step 2 is not signed by it" in errors[1].message
 
 
-def test_a_shards_wire_bytes_parse_as_the_request_carrying_its_values() -> None:
-    """The exchange sends a shard's values copied once into the request's bytes: any parser sees the message a
-    PushShardRequest with that tensor would be (its values bit for bit, from a slice of a larger vector too)."""
-    header = replica_pb2.PushShardRequest(
-        target=stage_pb2.StageRef(job_id="j", stage_index=1, generation=2, replica=3), step=7, epoch=1,
-        source_replica=4, phase=replica_pb2.GATHER, start=5,
-    )
-    values = torch.randn(300, generator=torch.Generator().manual_seed(0))[5:205]
-    wire = replicas.shard_request_bytes(header, values)
-    parsed = replica_pb2.PushShardRequest.FromString(wire)
-    expected = replica_pb2.PushShardRequest()
-    expected.CopyFrom(header)
-    expected.tensor.CopyFrom(to_proto(values))
-    assert parsed == expected
-    assert torch.equal(from_proto(parsed.tensor), values)
-    # As the receiver parses them: the header apart, the values a view of the received bytes.
-    received = parse_shard(wire)
-    assert isinstance(received, IncomingPush) and received.data.obj is wire
-    expected.tensor.ClearField("data")
-    assert received.header == expected
-    assert torch.equal(decode_tensor(received.header.tensor, received.data, received.scales, received.indices,
-                                     copy=False), values)
+def dial_raw(exchange: ReplicaExchange, identity: TlsIdentity, hello: Hello) -> ssl.SSLSocket:
+    """A stream to `exchange`'s listener as a sibling's agent holding `identity` dials it."""
+    return ExchangeStreams(identity).dial("127.0.0.1:1", port(exchange), IDENTITIES[exchange.replica].certificate,
+                                          hello, time.monotonic() + 10)
 
 
-def test_bytes_that_are_no_shard_are_refused_as_invalid() -> None:
+def hello(source: int, *, epoch: int = 0, token: str | None = None, job: str = "j", target: int = 0) -> Hello:
+    return Hello(job, 1, 1, target, source, epoch, token_of(source) if token is None else token)
+
+
+def closed_by_listener(sock: ssl.SSLSocket, within: float = 10.0) -> bool:
+    """Whether the other end closed `sock` (after whatever it sent) within `within` seconds."""
+    sock.settimeout(within)
+    try:
+        while sock.recv(1 << 16):
+            pass
+    except TimeoutError:
+        return False
+    except (ssl.SSLError, OSError):
+        pass
+    return True
+
+
+def test_a_stream_from_a_stranger_another_job_or_a_replica_that_is_not_what_it_claims_is_refused(
+    replicas_of: Callable[..., dict[int, ReplicaExchange]],
+) -> None:
+    """Anyone can reach the listener's port: a stranger's certificate fails the handshake, and a sibling's agent
+    naming another job, an epoch that is over, or a token that is not the replica's it names is closed before its
+    stream reaches the exchange."""
+    receiver = replicas_of((0,), 10, known=(0, 2, 3))[0]
+    with pytest.raises((RpcFailure, ssl.SSLError)):  # a certificate no step named: the handshake fails
+        stranger = dial_raw(receiver, new_identity(), hello(2))  # (TLS 1.3: the dialer may learn it on its first read)
+        stranger.settimeout(10)
+        stranger.recv(1)
+    for refused in (hello(2, job="other"), hello(2, token=token_of(3)), hello(0), hello(9, token=token_of(9))):
+        assert closed_by_listener(dial_raw(receiver, IDENTITIES[2], refused)), refused
+    receiver.learn(1, [sibling(0), sibling(3)])  # epoch 1: replica 2 left
+    assert closed_by_listener(dial_raw(receiver, IDENTITIES[2], hello(2, epoch=0)))
+    assert closed_by_listener(dial_raw(receiver, IDENTITIES[2], hello(2, epoch=1)))
+    assert receiver._offered == {}
+
+
+def test_a_stream_of_an_epoch_still_to_come_waits_for_it_and_is_then_judged_by_its_members(
+    replicas_of: Callable[..., dict[int, ReplicaExchange]],
+) -> None:
+    """A joiner's stream may come before this replica's RunStep names the epoch: it is kept, one per replica id, and
+    the exchange takes it only as the member the epoch names (its token and its certificate)."""
+    receiver = replicas_of((2,), 8, known=(0, 2))[2]
+    forged = dial_raw(receiver, IDENTITIES[0], hello(0, epoch=1, token=token_of(5), target=2))  # kept for now
+    time.sleep(0.3)
+    receiver.learn(1, [sibling(0), sibling(2)])
     with pytest.raises(RpcFailure) as info:
-        exchange_of(0).accept(parse_shard(b"\x3a\x05\x1a\x09"), digest_of(2), wait=0.0)  # a tensor record cut short
-    assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert "the message is not a PushShardRequest" in info.value.message
+        receiver.exchange(torch.zeros(8), step=1, epoch=1, members=(0, 2), peers={0: sibling(0)},
+                          port_of=lambda _k: 0, deadline=time.monotonic() + 5, abort=threading.Event())
+    assert info.value.code == grpc.StatusCode.PERMISSION_DENIED and "claiming replica 0" in info.value.message
+    assert closed_by_listener(forged)
+
+
+def test_streams_of_epochs_no_step_named_hold_one_slot_per_sibling_and_no_thread(
+    replicas_of: Callable[..., dict[int, ReplicaExchange]],
+) -> None:
+    """A holder of a sibling's certificate and token opening stream after stream of epochs that never come: each
+    newer one replaces the one kept before (closed), so the replica keeps at most one per sibling id, and no call or
+    thread waits for any of them."""
+    receiver = replicas_of((2,), 8, known=(0, 2))[2]
+    threads = threading.active_count()
+    streams = [dial_raw(receiver, IDENTITIES[0], hello(0, epoch=epoch, target=2)) for epoch in range(1, 9)]
+    deadline = time.monotonic() + 10
+    while receiver._offered.get(0, (0,))[0] != 8 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list(receiver._offered) == [0] and receiver._offered[0][0] == 8
+    assert all(closed_by_listener(stream) for stream in streams[:-1])
+    assert threading.active_count() == threads
+
+
+def test_a_frame_other_than_the_one_due_is_refused_before_its_payload_is_read(
+    replicas_of: Callable[..., dict[int, ReplicaExchange]],
+) -> None:
+    receiver = replicas_of((1,), 8, known=(0, 1))[1]
+    sock = dial_raw(receiver, IDENTITIES[0], hello(0, target=1))
+    # Replica 1 owns elements [4, 8): replica 0's REDUCE shard of them is due; this one claims 2**40 elements.
+    sock.sendall(FRAME.pack(b"AXF1", 1, 0, REDUCE, 4, 2**40, 0))
+    with pytest.raises(RpcFailure) as info:
+        receiver.exchange(torch.zeros(8), step=1, epoch=0, members=(0, 1), peers={0: sibling(0)},
+                          port_of=lambda _k: 0, deadline=time.monotonic() + 10, abort=threading.Event())
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "of 1099511627776 elements where its REDUCE shard of step 1 epoch 0 at element 4 of 4 elements was due" \
+        in info.value.message
+    assert closed_by_listener(sock)
+
+
+def test_a_silent_sibling_fails_the_exchange_at_its_deadline_or_as_soon_as_the_step_is_aborted_and_a_dead_one_at_once(
+    replicas_of: Callable[..., dict[int, ReplicaExchange]],
+) -> None:
+    receiver = replicas_of((1,), 8, known=(0, 1))[1]
+
+    def exchange(abort: threading.Event, seconds: float) -> RpcFailure:
+        with pytest.raises(RpcFailure) as info:
+            receiver.exchange(torch.zeros(8), step=1, epoch=0, members=(0, 1), peers={0: sibling(0)},
+                              port_of=lambda _k: 0, deadline=time.monotonic() + seconds, abort=abort)
+        return info.value
+
+    silent = dial_raw(receiver, IDENTITIES[0], hello(0, target=1))  # opens its stream, then sends nothing (SIGSTOP)
+    failure = exchange(threading.Event(), 0.5)
+    assert failure.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "replica 0 sent no REDUCE shard at element 4 of step 1" in failure.message
+    assert closed_by_listener(silent)  # a failed exchange closes its streams: the next opens them anew
+    silent = dial_raw(receiver, IDENTITIES[0], hello(0, target=1))
+    abort = threading.Event()
+    threading.Timer(0.3, abort.set).start()
+    started = time.monotonic()
+    assert exchange(abort, 60).code == grpc.StatusCode.CANCELLED
+    assert time.monotonic() - started < 5  # not the minute its deadline allowed
+    dead = dial_raw(receiver, IDENTITIES[0], hello(0, target=1))
+    dead.close()  # (SIGKILL)
+    started = time.monotonic()
+    failure = exchange(threading.Event(), 60)
+    assert failure.code == grpc.StatusCode.UNAVAILABLE and time.monotonic() - started < 5

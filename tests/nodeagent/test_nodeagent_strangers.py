@@ -112,8 +112,6 @@ def every_method(channel: grpc.Channel, stage: int) -> dict[str, Callable[[], An
                                             layer_end=stage + 1, input=to_proto(torch.zeros(1, width)))
     partial = tensor_parallel_pb2.PushPartialRequest(target=target, step=1, micro_batch=0, op=0, source_rank=1,
                                                      tensor=to_proto(torch.zeros(1, 1, 1)))
-    shard = replica_pb2.PushShardRequest(target=target, step=1, epoch=0, source_replica=1, phase=replica_pb2.REDUCE,
-                                         start=0, tensor=to_proto(torch.zeros(4)))
     return {
         "PushTensor": lambda: stub.PushTensor(push, timeout=10),
         "PushStream (activation)": lambda: _first_ack(stub.PushStream(iter([push]), timeout=10)),
@@ -136,7 +134,8 @@ def every_method(channel: grpc.Channel, stage: int) -> dict[str, Callable[[], An
         ]), timeout=10)),
         "PushPartial": lambda: tensor_parallel_pb2_grpc.TensorParallelServiceStub(channel).PushPartial(
             partial, timeout=10),
-        "PushShard": lambda: replica_pb2_grpc.ReplicaServiceStub(channel).PushShard(shard, timeout=10),
+        "ExchangePort": lambda: replica_pb2_grpc.ReplicaServiceStub(channel).ExchangePort(
+            replica_pb2.ExchangePortRequest(target=target), timeout=10),
         "Snapshot": lambda: list(replica_pb2_grpc.ReplicaServiceStub(channel).Snapshot(
             replica_pb2.SnapshotRequest(target=target), timeout=10)),
         "CopyState": lambda: replica_pb2_grpc.ReplicaServiceStub(channel).CopyState(replica_pb2.CopyStateRequest(

@@ -24,7 +24,6 @@ import pytest
 import torch
 
 from arceus.contracts.assignment import max_micro_batch_size
-from arceus.contracts.credentials import REPLICA_METADATA_KEY
 from arceus.data.config import validate_dataset_config
 from arceus.model.registry import model_spec_from_config
 from arceus.training.driver import train
@@ -33,7 +32,6 @@ from arceus.training.recording import RecordingSink
 from arceus.training.stage_client import StageClient
 from arceus.v1 import replica_pb2, replica_pb2_grpc, stage_pb2
 from arceus.wire.channels import open_channel
-from arceus.wire.proto_tensor import to_proto
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
 from devtools.pipeline import (
     driver_token,
@@ -246,30 +244,27 @@ def test_replicas_syncing_every_h_steps_are_equal_after_each_sync(addresses: dic
             assert not any(equal), f"step {step}: replicas trained apart, yet a stage's are equal"
 
 
-def test_only_a_sibling_may_push_a_replica_a_shard(addresses: dict[str, list[list[str]]]) -> None:
-    """PushShard on stage 1 replica 0 of the 3x2 MLP: a stranger is not authenticated, the driver and the
-    neighbouring stages' replicas are known but not allowed, nor is a sibling that does not say which replica it
-    is; replica 1's own call reaches the shard's checks."""
+def test_only_a_sibling_may_ask_a_replica_where_its_exchange_streams_are_taken(
+    addresses: dict[str, list[list[str]]],
+) -> None:
+    """ExchangePort on stage 1 replica 0 of the 3x2 MLP: a stranger is not authenticated, the driver and the
+    neighbouring stages' replicas are known but not allowed; a sibling learns the port (its stream is then judged by
+    its certificate, its replica token and its epoch: tests/nodeagent/test_nodeagent_replicas.py)."""
     job_id = "mlp-3x2-sgd"
     address = addresses[job_id][1][0]
-    shard = replica_pb2.PushShardRequest(
-        target=stage_pb2.StageRef(job_id=job_id, stage_index=1, generation=1, replica=0), step=1, epoch=0,
-        source_replica=1, phase=replica_pb2.REDUCE, start=-1, tensor=to_proto(torch.zeros(4)),
-    )
-    sibling = replica_credentials(job_id, 1, 1, 3)
+    request = replica_pb2.ExchangePortRequest(target=stage_pb2.StageRef(job_id=job_id, stage_index=1, generation=1))
     callers = {
         "stranger": (secrets.token_hex(32), grpc.StatusCode.UNAUTHENTICATED),
         "driver": (driver_token(job_id), grpc.StatusCode.PERMISSION_DENIED),
         "stage 0": (rank_credentials(job_id, 1, 0, 0, [1, 1, 1]).token, grpc.StatusCode.PERMISSION_DENIED),
         "stage 2": (rank_credentials(job_id, 1, 2, 0, [1, 1, 1]).token, grpc.StatusCode.PERMISSION_DENIED),
-        "sibling without its replica token": (sibling.token, grpc.StatusCode.PERMISSION_DENIED),
-        # Replica 1 as itself passes: its shard, outside the stage's elements, is what is refused.
-        "replica 1": (sibling.token, grpc.StatusCode.INVALID_ARGUMENT),
     }
     for caller, (token, code) in callers.items():
-        metadata = ((REPLICA_METADATA_KEY, sibling.replica_token),) if caller == "replica 1" else ()
         channel = open_channel(address, token=token, certificate=identity_for(address).certificate)
         with channel, pytest.raises(grpc.RpcError) as info:
-            replica_pb2_grpc.ReplicaServiceStub(channel).PushShard(shard, timeout=30, metadata=metadata)
+            replica_pb2_grpc.ReplicaServiceStub(channel).ExchangePort(request, timeout=30)
         assert info.value.code() == code, (caller, info.value.details())
         assert job_id not in (info.value.details() or ""), caller
+    sibling = replica_credentials(job_id, 1, 1, 3)
+    with open_channel(address, token=sibling.token, certificate=identity_for(address).certificate) as channel:
+        assert replica_pb2_grpc.ReplicaServiceStub(channel).ExchangePort(request, timeout=30).port > 0

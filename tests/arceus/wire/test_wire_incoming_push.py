@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from arceus.contracts.transfer import TransferConfig
-from arceus.v1 import replica_pb2, stage_pb2
-from arceus.wire.incoming_push import IncomingPush, MalformedPush, parse_push, parse_shard
+from arceus.v1 import stage_pb2
+from arceus.wire.incoming_push import IncomingPush, MalformedPush, parse_push
 from arceus.wire.proto_tensor import decode_tensor
 from arceus.wire.push_stream import encode_varint, outgoing_push, serialize
 from arceus.wire.transfer import TransferEncoder
@@ -43,8 +43,8 @@ def assert_parses_as_protobuf(wire: bytes) -> None:
     assert_same(expected, got)
 
 
-def assert_same(expected: Request | replica_pb2.PushShardRequest | None,
-                got: Request | replica_pb2.PushShardRequest | None) -> None:
+def assert_same(expected: Request | None,
+                got: Request | None) -> None:
     if expected is None:
         assert got is None
         return
@@ -92,39 +92,11 @@ request_records = st.one_of(
     unknown_records,
 )
 messages = st.lists(request_records, max_size=8).map(b"".join)
-shard_records = st.one_of(  # PushShardRequest: the tensor is field 7, field 5 the phase
-    st.builds(lambda rs: record(7, 2, b"".join(rs)), st.lists(tensor_records, max_size=8)),
-    st.builds(lambda n: record(5, 0, n), st.integers(0, 3)),
-    st.builds(lambda n: record(6, 0, n), st.integers(0, 2**64 - 1)),
-    st.builds(lambda b: record(8, 2, b), blobs),
-    request_records,
-)
-
-
 @settings(max_examples=400, deadline=None)
 @given(wire=messages)
 def test_any_encoding_parses_as_protobuf_parses_it(wire: bytes) -> None:
     """Fields in any order, repeated tensor records merged, unknown fields kept."""
     assert_parses_as_protobuf(wire)
-
-
-@settings(max_examples=300, deadline=None)
-@given(wire=st.lists(shard_records, max_size=8).map(b"".join))
-def test_any_shard_parses_as_protobuf_parses_it(wire: bytes) -> None:
-    try:
-        expected = replica_pb2.PushShardRequest.FromString(wire)
-    except DecodeError:
-        expected = None
-    shard = parse_shard(wire)
-    got = None
-    if isinstance(shard, IncomingPush):
-        got = replica_pb2.PushShardRequest()
-        got.CopyFrom(shard.header)
-        if shard.header.HasField("tensor"):
-            got.tensor.data, got.tensor.scales, got.tensor.indices = (
-                bytes(shard.data), bytes(shard.scales), bytes(shard.indices)
-            )
-    assert_same(expected, got)
 
 
 @settings(max_examples=400, deadline=None)
