@@ -145,7 +145,12 @@ class ExchangeStreams:
 
     def listen(self, host: str, adopt: Adopt) -> None:
         """Listen on `host` (a port the system picks, `port`), handing each authenticated stream to `adopt`."""
-        self._listener = socket.create_server((host, 0), backlog=PENDING_HANDSHAKES)
+        host = host.strip("[]")
+        if ":" in host:  # IPv6 ("::": every interface, IPv4 too where the system allows)
+            self._listener = socket.create_server((host, 0), family=socket.AF_INET6, backlog=PENDING_HANDSHAKES,
+                                                  dualstack_ipv6=host == "::" and socket.has_dualstack_ipv6())
+        else:
+            self._listener = socket.create_server((host, 0), backlog=PENDING_HANDSHAKES)
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
         self._adopt = adopt
@@ -437,6 +442,16 @@ class Stream:
                 f"{self._name}: replica {self.peer}'s {PHASES[phase]} shard carries a signature of {signature} bytes",
             )
         return signature
+
+    def closed_by_peer(self) -> bool:
+        """Whether the sibling closed its end (between exchanges: nothing of this one was read yet). Peeks at the
+        connection itself: a closed end reads as nothing, a live one has no bytes yet or this exchange's first."""
+        try:
+            return socket.socket.recv(self.sock, 1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

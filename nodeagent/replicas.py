@@ -313,8 +313,12 @@ class ReplicaExchange:
         """The stream to `sibling` in `epoch`: dialled where this replica's id is the lower, else the one the sibling
         opened, checked to be the sibling's (its token and certificate as the step names them)."""
         stream = self._streams.get(sibling)
-        if stream is not None:
+        if stream is not None and not stream.closed_by_peer() and not (
+            sibling < self.replica and self._redialled(sibling, epoch)
+        ):
             return stream
+        if stream is not None:  # the sibling's exchange failed on its side alone: it closed its end, or dialled anew
+            stream.close()
         if self.replica < sibling:
             hello = Hello(self.job_id, self.stage_index, self.generation, sibling, self.replica, epoch, self._token)
             sock = self._wire.dial(peer.address, port_of(sibling), peer.certificate, hello, deadline)
@@ -322,6 +326,11 @@ class ReplicaExchange:
             sock = self._take_offer(sibling, epoch, peer, deadline, abort)
         stream = self._streams[sibling] = Stream(sock, sibling, self.name)
         return stream
+
+    def _redialled(self, sibling: int, epoch: int) -> bool:
+        with self._offers:
+            offered = self._offered.get(sibling)
+        return offered is not None and offered[0] == epoch
 
     def _take_offer(self, sibling: int, epoch: int, peer: stage_pb2.ReplicaPeer, deadline: float,
                     abort: threading.Event) -> ssl.SSLSocket:

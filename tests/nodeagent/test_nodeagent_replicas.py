@@ -219,6 +219,18 @@ def test_every_replica_ends_with_the_same_bits_the_ascending_sum_of_every_partia
     assert all(e.bytes_sent > 0 for e in exchanges.values())
 
 
+def test_a_sibling_whose_exchange_failed_on_its_side_alone_dials_anew_and_the_next_exchange_goes_through(
+    replicas_of: Callable[..., dict[int, ReplicaExchange]],
+) -> None:
+    exchanges = replicas_of((0, 1), 10)
+    partials = {k: torch.full((10,), float(k + 1)) for k in (0, 1)}
+    assert not exchange_together(exchanges, partials, step=1)[1]
+    exchanges[0]._close_streams()  # what a failure of replica 0's exchange alone does; replica 1 still holds its end
+    results, errors = exchange_together(exchanges, partials, step=2, seconds=10)
+    assert not errors, errors
+    assert all(torch.equal(results[k], torch.full((10,), 3.0)) for k in (0, 1))
+
+
 def test_an_audited_exchange_keeps_each_siblings_signed_shards_and_refuses_an_unsigned_one(
     monkeypatch: pytest.MonkeyPatch, replicas_of: Callable[..., dict[int, ReplicaExchange]],
 ) -> None:
