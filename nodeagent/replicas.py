@@ -288,6 +288,8 @@ class ReplicaExchange:
                     values = flat[start:end]
                     signature = sign(self._shard_fields(step, epoch, self.replica, start, values)) if sign else b""
                     self._send(streams[chunk.owner], step, epoch, REDUCE, start, values, signature)
+        for stream in streams.values():  # as much as the sockets take at once
+            stream.pump()
         # A test hook (nodeagent.faults): this replica's shards are on their way, the sums not yet back.
         faults.reached("exchange", step, stage=self.stage_index, replica=self.replica)
 
