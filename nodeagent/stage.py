@@ -144,7 +144,7 @@ class HostedStage:
         self.guard = Guard(a.job_id, a.stage_index, a.generation, a.credentials, a.model, a.max_micro_batch_size)
         self.decoding = DecodeSessions(runtime)  # the sequences samplers decode through this stage
         # A replica of a replicated stage: links to the replicas its steps name, opened as they are first named
-        # (address, certificate) -> link, and its siblings' shards of the gradient exchange.
+        # (address, certificate) -> link (its siblings' exchange runs over streams of its own: `exchange`).
         self._max_message_bytes = max_message_bytes
         self._replica_links: dict[tuple[str, str], NeighbourLink] = {}
         self._links_lock = threading.Lock()
