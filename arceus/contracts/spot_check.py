@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# What a check covers: a recomputed forward (or the receipts of one), or a replica's partial gradient.
-FORWARD, PARTIAL_GRADIENT = "forward", "partial"
+# What a check covers: a recomputed forward (or the receipts of one), a replica's partial gradient, or a verifier's
+# recomputation that other owners' nodes overruled (arceus.training.audit: who checks the checker).
+FORWARD, PARTIAL_GRADIENT, VERIFICATION = "forward", "partial", "verification"
 
 
 @dataclass(frozen=True)
@@ -32,4 +33,5 @@ class SpotCheckResult:
     replica: int = 0
     producer_replica: int = 0
     receiver_replica: int = 0
-    kind: str = "forward"  # what was checked: FORWARD (a forward, or the receipts of one), PARTIAL (a gradient)
+    kind: str = "forward"  # what was checked: FORWARD (a forward, or the receipts of one), PARTIAL (a gradient),
+    # VERIFICATION (the node's recomputation as another's verifier)

@@ -16,7 +16,11 @@ micro-batches its route gave it, naming the replica each activation came from an
 the producing replica (stage, replica id and, by its key, node); the sampled micro-batch is checked on the
 replicas that took it, recomputed preferably by a sibling of the producer on another owner's node. A repaired step
 (arceus.swarm.repair) is checked the same way: each survivor's reply signs for everything it did in the step, in the
-attempt the loss cut short too.
+attempt the loss cut short too. The partial checked is drawn replica by replica (`sampled_partial`).
+
+Who checks the checker: a verdict that would fail anyone needs a second verifier of yet another owner where there is
+one (`Auditor._votes`); verifiers are asked until two agree, and each verifier overruled fails a check of kind
+VERIFICATION.
 """
 
 from __future__ import annotations
@@ -25,14 +29,14 @@ import json
 import logging
 import random
 import tempfile
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 import torch
 
-from arceus.contracts.spot_check import PARTIAL_GRADIENT, SpotCheckResult
+from arceus.contracts.spot_check import PARTIAL_GRADIENT, VERIFICATION, SpotCheckResult
 from arceus.contracts.transfer import TransferConfig
 from arceus.model.precision import BF16_TOLERANCE
 from arceus.model.registry import model_spec_from_config
@@ -111,19 +115,17 @@ class Auditor:
         if disputes:
             # The producer and the receiver give different accounts: the recomputation says who is right.
             i, m = disputes[0]
-            return [c for c in [self._recompute(step, i, m, inputs[m], received, sent, parties, routes)] if c]
+            return self._recompute(step, i, m, inputs[m], received, sent, parties, routes)
         # A recomputation needs a node other than the producer's.
         if pairs and len(nodes) > 1 and self.rng.random() < self.plan.audit_rate:
             i, m = self.rng.randrange(n - 1), self.rng.randrange(len(inputs))
             if (i, m) not in pairs:
                 i, m = self.rng.choice(pairs)  # each of `pairs` is as likely as the others still
-            check = self._recompute(step, i, m, inputs[m], received, sent, parties, routes)
-            checks += [check] if check is not None else []
-        replicated = [i for i, ids in enumerate(routes.members) if len(ids) > 1]
+            checks += self._recompute(step, i, m, inputs[m], received, sent, parties, routes)
+        replicated = any(len(ids) > 1 for ids in routes.members)
         if evidence is not None and replicated and self.rng.random() < self.plan.audit_rate:
-            i, m = self.rng.choice(replicated), self.rng.randrange(len(inputs))
-            check = self._partial(step, i, m, inputs, labels or [], received, evidence, parties, routes, moved)
-            checks += [check] if check is not None else []
+            i, _, m = sampled_partial(routes, self.rng)
+            checks += self._partial(step, i, m, inputs, labels or [], received, evidence, parties, routes, moved)
         return checks
 
     def _exchange_evidence(self, step: int, parties: Parties, routes: Routes) -> _Evidence:
@@ -203,7 +205,7 @@ class Auditor:
         self, step: int, i: int, m: int, inputs: list[torch.Tensor], labels: list[torch.Tensor],
         received: list[dict[int, stage_pb2.Receipt]], evidence: _Evidence, parties: Parties, routes: Routes,
         moved: Collection[tuple[int, int]],
-    ) -> SpotCheckResult | None:
+    ) -> list[SpotCheckResult]:
         """Check the partial gradient of the replica of stage i that took micro-batch m: what it kept matches the
         digest it signed, every shard it pushed to a sibling (as the sibling kept it, under its signature) is that
         partial's, and a sibling replica of another owner, recomputing it with its own weights of the step from the
@@ -225,11 +227,11 @@ class Auditor:
         try:
             partial = client.audit_partial(step, elements)
         except grpc.RpcError as exc:
-            return _refused(exc, step, m, i, node, ids)
+            return [_refused(exc, step, m, i, node, ids)]
         except ValueError as exc:
-            return failed(f"returned a malformed partial gradient: {exc}")
+            return [failed(f"returned a malformed partial gradient: {exc}")]
         if tensor_digest(partial) != evidence.partials[(i, k)]:
-            return failed("returned a partial gradient other than the one it signed for")
+            return [failed("returned a partial gradient other than the one it signed for")]
         members = routes.members[i]
         for chunk in chunk_bounds(elements, members):
             if chunk.owner == k:
@@ -239,12 +241,12 @@ class Auditor:
             spans = [(s.start, s.start + s.length) for s in kept]
             if spans != list(shard_bounds(chunk, 4)):
                 owner = parties[(i, chunk.owner)][0].endpoint.node_id
-                return failed(f"replica {chunk.owner} kept no full signed account of the shards replica {k} pushed to "
-                              "it", owner, replica=chunk.owner, producer_replica=k, receiver_replica=chunk.owner)
+                return [failed(f"replica {chunk.owner} kept no full signed account of the shards replica {k} pushed to "
+                              "it", owner, replica=chunk.owner, producer_replica=k, receiver_replica=chunk.owner)]
             for s in kept:
                 if tensor_digest(partial[s.start : s.start + s.length]) != s.sha256:
-                    return failed(f"pushed replica {chunk.owner} a gradient shard at element {s.start} other than the "
-                                  "partial gradient it signed for")
+                    return [failed(f"pushed replica {chunk.owner} a gradient shard at element {s.start} other than the "
+                                  "partial gradient it signed for")]
         owned = [(c, chunk) for c, chunk in enumerate(chunk_bounds(elements, members)) if chunk.owner == k]
         if any(chunk.end > chunk.start for _, chunk in owned):
             # Its own chunk it summed itself: its siblings' signed partials, as they pushed them to it, must add up
@@ -258,25 +260,25 @@ class Auditor:
                 try:
                     partials[s] = sibling.audit_partial(step, elements)
                 except grpc.RpcError as exc:
-                    return _refused(exc, step, m, i, sibling.endpoint.node_id, s_ids)
+                    return [_refused(exc, step, m, i, sibling.endpoint.node_id, s_ids)]
                 except ValueError as exc:
-                    return failed(f"replica {s} returned a malformed partial gradient: {exc}",
-                                  sibling.endpoint.node_id, **s_ids)
+                    return [failed(f"replica {s} returned a malformed partial gradient: {exc}",
+                                  sibling.endpoint.node_id, **s_ids)]
                 if tensor_digest(partials[s]) != evidence.partials[(i, s)]:
-                    return failed(f"replica {s} returned a partial gradient other than the one it signed for",
-                                  sibling.endpoint.node_id, **s_ids)
+                    return [failed(f"replica {s} returned a partial gradient other than the one it signed for",
+                                  sibling.endpoint.node_id, **s_ids)]
                 for shard in evidence.shards.get((i, k), []):
                     if shard.source_replica == s and tensor_digest(
                         partials[s][shard.start : shard.start + shard.length]
                     ) != shard.sha256:
-                        return failed(f"replica {s} pushed replica {k} a gradient shard at element {shard.start} "
+                        return [failed(f"replica {s} pushed replica {k} a gradient shard at element {shard.start} "
                                       "other than the partial gradient it signed for", sibling.endpoint.node_id,
-                                      **s_ids)
+                                      **s_ids)]
             for c, chunk in owned:
                 total = reduce_in_order({s: p[chunk.start : chunk.end] for s, p in partials.items()})
                 if evidence.reduced[(i, k)][c] != tensor_digest(total):
-                    return failed(f"summed chunk {c} (elements [{chunk.start}, {chunk.end})) of the exchange other "
-                                  "than its members' signed partial gradients add up to")
+                    return [failed(f"summed chunk {c} (elements [{chunk.start}, {chunk.end})) of the exchange other "
+                                  "than its members' signed partial gradients add up to")]
                 if differing := [s for s in members if evidence.reduced[(i, s)][c] != tensor_digest(total)]:
                     log.warning("step %d stage %d: replicas %s applied another chunk %d than replica %d summed",
                                 step, i, differing, c, k)
@@ -285,10 +287,10 @@ class Auditor:
             try:
                 kept_step = client.audit(step, mb) if i > 0 or not last else None
             except grpc.RpcError as exc:
-                return _refused(exc, step, mb, i, node, ids)
+                return [_refused(exc, step, mb, i, node, ids)]
             x = inputs[mb] if i == 0 else kept_step.received
             if i > 0 and (x is None or tensor_digest(x) != received[i][mb].sha256):
-                return failed(f"returned an input of micro-batch {mb} other than the one it signed for")
+                return [failed(f"returned an input of micro-batch {mb} other than the one it signed for")]
             if last:
                 target = labels[mb]
             else:
@@ -297,25 +299,34 @@ class Auditor:
                     log.warning("step %d: stage %d replica %d holds a gradient of micro-batch %d from a replica lost "
                                 "since, not the one its recomputation sent: its partial gradient is not checked",
                                 step, i, k, mb)
-                    return None
+                    return []
                 if target is None or tensor_digest(target) != evidence.gradients[(i, mb)]:
-                    return failed(f"returned a gradient of micro-batch {mb} other than the one stage {i + 1} "
-                                  f"replica {routes.of[mb][i + 1]} signed for sending it")
+                    return [failed(f"returned a gradient of micro-batch {mb} other than the one stage {i + 1} "
+                                  f"replica {routes.of[mb][i + 1]} signed for sending it")]
             items.append((mb, x, target))
         siblings = [c for (s, r), (c, _) in parties.items() if s == i and r != k and not _same_party(c.endpoint, e)]
         if not siblings:
             log.warning("step %d: no sibling of stage %d replica %d on another owner's node can recompute it",
                         step, i, k)
-            return None
-        verifier = self.rng.choice(siblings)
-        expected = verifier.verify_partial(step, sum(len(x) for x in inputs), items, elements, last=last)
-        diff = float((expected - partial).abs().max()) if elements else 0.0
+            return []
         rtol, atol = self.plan.audit_rtol, self.plan.audit_atol
         if self.plan.precision == "bf16":
             rtol, atol = max(rtol, BF16_TOLERANCE), max(atol, BF16_TOLERANCE)
-        honest = bool(torch.allclose(partial, expected, rtol=rtol, atol=atol))
-        v = verifier.endpoint
-        on = f"sibling replica {v.replica} on node {v.node_id}"
+
+        def judge(verifier: StageClient) -> _Vote:
+            expected = verifier.verify_partial(step, sum(len(x) for x in inputs), items, elements, last=last)
+            diff = float((expected - partial).abs().max()) if elements else 0.0
+            return _Vote(verifier, bool(torch.allclose(partial, expected, rtol=rtol, atol=atol)), diff)
+
+        def pick(voters: list[StageClient]) -> StageClient | None:
+            pool = [c for c in siblings if not any(_same_party(c.endpoint, v.endpoint) for v in voters)]
+            return self.rng.choice(pool) if pool else None
+
+        # A verdict that fails the replica needs a second sibling of another owner, where it has one.
+        votes = self._votes(judge, pick, settled=lambda v: v.agrees)
+        honest, vote, overruled = _decided(votes)
+        v, diff = vote.verifier.endpoint, vote.diff
+        on = f"sibling replica {v.replica} on node {v.node_id}" + _confirmed(votes, vote)
         detail = (
             f"{where}: partial gradient of micro-batches {list(own)} matches the recomputation by {on} "
             f"(max |diff| {diff:.3g})"
@@ -323,8 +334,9 @@ class Auditor:
             else f"{where}: partial gradient of micro-batches {list(own)} differs from the recomputation by {on} by "
             f"up to {diff:.3g} (rtol {rtol}, atol {atol})"
         )
-        return SpotCheckResult(step, m, i, node, honest, detail, verifier_node_id=v.node_id, max_abs_diff=diff,
-                               kind=PARTIAL_GRADIENT, **ids)
+        return [SpotCheckResult(step, m, i, node, honest, detail, verifier_node_id=v.node_id, max_abs_diff=diff,
+                                kind=PARTIAL_GRADIENT, **ids),
+                *self._overruled(step, m, overruled, vote, f"{where}'s partial gradient")]
 
     def _receipts(
         self, step: int, signer: StageClient, replica: int, role: str, signed: Iterable[stage_pb2.Receipt],
@@ -380,9 +392,10 @@ class Auditor:
         sent: list[dict[int, stage_pb2.Receipt]],
         parties: Parties,
         routes: Routes,
-    ) -> SpotCheckResult | None:
+    ) -> list[SpotCheckResult]:
         """Recompute the forward of micro-batch m by the replica of stage i that took it, on an independent node (a
-        sibling replica of the producer's where one is); None where there is none."""
+        sibling replica of the producer's where one is), and on more where its verdict would fail anyone (`_votes`):
+        the check, and a failed one of each verifier overruled; none where no node can recompute it."""
         k, k_next = routes.of[m][i], routes.of[m][i + 1]
         (producer, _), (receiver, _) = parties[(i, k)], parties[(i + 1, k_next)]
         node, receiver_node = producer.endpoint.node_id, receiver.endpoint.node_id
@@ -391,84 +404,174 @@ class Auditor:
         try:
             kept = producer.audit(step, m)
         except grpc.RpcError as exc:
-            return _refused(exc, step, m, i, node, of_producer)
+            return [_refused(exc, step, m, i, node, of_producer)]
         x = driver_input if i == 0 else kept.received
         if i > 0 and (x is None or tensor_digest(x) != received[i][m].sha256):
-            return SpotCheckResult(step, m, i, node, False, "returned an input other than the one it signed for",
-                                   **of_producer)
+            return [SpotCheckResult(step, m, i, node, False, "returned an input other than the one it signed for",
+                                    **of_producer)]
         if kept.sent is None or tensor_digest(kept.sent) != sent[i][m].sha256:
-            return SpotCheckResult(
+            return [SpotCheckResult(
                 step, m, i, node, False, "returned a sent activation other than the one it signed for", **of_producer
-            )
+            )]
         try:
             got = receiver.audit(step, m).received
         except grpc.RpcError as exc:
-            return _refused(exc, step, m, i + 1, receiver_node, of_receiver)
+            return [_refused(exc, step, m, i + 1, receiver_node, of_receiver)]
         receipt, sent_receipt = received[i + 1][m], sent[i][m]
         if got is None or tensor_digest(got) != receipt.sha256:
             # The receiver kept something else than it signed for: its word is worthless, not the producer's.
-            return SpotCheckResult(step, m, i + 1, receiver_node, False,
-                                   "returned an activation other than the one it signed for", **of_receiver)
-        verifier = self._verifier(producer.endpoint, receiver.endpoint, [c for c, _ in parties.values()])
-        if verifier is None:
+            return [SpotCheckResult(step, m, i + 1, receiver_node, False,
+                                    "returned an activation other than the one it signed for", **of_receiver)]
+        clients = [c for c, _ in parties.values()]
+        disputed = receipt.sha256 != sent_receipt.sha256
+        first = self._verifier(producer.endpoint, receiver.endpoint, clients)
+        if first is None:
             log.warning("step %d: no node of another owner than stage %d's can recompute its forward", step, i)
-            return None
+            return []
         e = producer.endpoint
-        # The producer's weights go from it to the verifier through a file: no message or buffer here
+        rtol, atol = self.plan.audit_rtol, self.plan.audit_atol
+        if self.plan.precision == "bf16":  # another summation order moves bf16 results by a few roundings
+            rtol, atol = max(rtol, BF16_TOLERANCE), max(atol, BF16_TOLERANCE)
+        # The producer's weights go from it to the verifiers through a file: no message or buffer here
         # holds the stage.
         with tempfile.TemporaryDirectory(prefix="arceus-audit-") as directory:
             weights = Path(directory) / "weights.safetensors"
             try:
                 producer.save_audit_weights(step, weights)
             except grpc.RpcError as exc:
-                return _refused(exc, step, m, i, node, of_producer)
-            expected = verifier.verify_forward(
-                self._model_json, e.layer_start, e.layer_end, weights, x, self.plan.precision
+                return [_refused(exc, step, m, i, node, of_producer)]
+
+            def judge(verifier: StageClient) -> _Vote:
+                expected = verifier.verify_forward(
+                    self._model_json, e.layer_start, e.layer_end, weights, x, self.plan.precision
+                )
+                if expected.shape != kept.sent.shape:
+                    return _Vote(verifier, False, float("inf"), f"sent shape {list(kept.sent.shape)}; the "
+                                 f"recomputed forward is {list(expected.shape)}")
+                expected, slack = _as_sent(expected, self.plan.transfer)
+                diff = float((expected - kept.sent).abs().max()) if expected.numel() else 0.0
+                return _Vote(verifier, bool(torch.allclose(kept.sent, expected, rtol=rtol, atol=atol + slack)), diff)
+
+            # A verdict that fails anyone (the producer, or in a dispute the receiver) needs a second verifier.
+            votes = self._votes(
+                judge, lambda voters: self._verifier(producer.endpoint, receiver.endpoint, clients, voters)
+                if voters else first, settled=lambda v: v.agrees and not disputed,
             )
+        honest, vote, overruled = _decided(votes)
         signed = {"receipt_sha256": receipt.sha256.hex(), "receipt_signature": receipt.signature.hex(),
                   "sent_sha256": sent_receipt.sha256.hex(), "sent_signature": sent_receipt.signature.hex(),
-                  "verifier_node_id": verifier.endpoint.node_id, "producer_index": i}
+                  "verifier_node_id": vote.verifier.endpoint.node_id, "producer_index": i}
         where = f"step {step} micro-batch {m}" + (f" (stage {i} replica {k})" if self.plan.replicas else "")
-        if expected.shape != kept.sent.shape:
-            return SpotCheckResult(step, m, i, node, False,
-                                   f"{where}: sent shape {list(kept.sent.shape)}; the recomputed forward is "
-                                   f"{list(expected.shape)}", max_abs_diff=float("inf"), **signed, **of_producer)
-        expected, slack = _as_sent(expected, self.plan.transfer)
-        diff = float((expected - kept.sent).abs().max()) if expected.numel() else 0.0
-        rtol, atol = self.plan.audit_rtol, self.plan.audit_atol
-        if self.plan.precision == "bf16":  # another summation order moves bf16 results by a few roundings
-            rtol, atol = max(rtol, BF16_TOLERANCE), max(atol, BF16_TOLERANCE)
-        honest = torch.allclose(kept.sent, expected, rtol=rtol, atol=atol + slack)
+        checks = self._overruled(step, m, overruled, vote, f"{where}'s forward")
+        on = _on(vote.verifier, self.plan.replicas) + _confirmed(votes, vote)
+        diff = vote.diff
+        if vote.shape:
+            return [SpotCheckResult(step, m, i, node, False, f"{where}: {vote.shape}", max_abs_diff=diff, **signed,
+                                    **of_producer), *checks]
         tolerance = f"(rtol {rtol}, atol {atol})"
-        on = f"node {verifier.endpoint.node_id}" + (
-            f" (stage {verifier.endpoint.index} replica {verifier.endpoint.replica})" if self.plan.replicas else ""
-        )
-        if receipt.sha256 != sent_receipt.sha256 and honest:
+        if disputed and honest:
             # The producer's account holds up against the recomputation: the receiver's does not.
-            return SpotCheckResult(step, m, i + 1, receiver_node, False,
-                                   f"{where}: signed for an activation other than the one stage {i} sent, which "
-                                   f"matches the recomputation on {on} (max |diff| {diff:.3g})",
-                                   max_abs_diff=diff, **signed, **of_receiver)
+            return [SpotCheckResult(step, m, i + 1, receiver_node, False,
+                                    f"{where}: signed for an activation other than the one stage {i} sent, which "
+                                    f"matches the recomputation on {on} (max |diff| {diff:.3g})",
+                                    max_abs_diff=diff, **signed, **of_receiver), *checks]
         detail = (
             f"{where}: output matches the recomputation on {on} (max |diff| {diff:.3g})"
             if honest
             else f"{where}: output differs from the recomputation on {on} by up to "
             f"{diff:.3g} {tolerance}"
-            + (f"; stage {i + 1} signed for another activation" if receipt.sha256 != sent_receipt.sha256 else "")
+            + (f"; stage {i + 1} signed for another activation" if disputed else "")
         )
-        return SpotCheckResult(step, m, i, node, bool(honest), detail, max_abs_diff=diff, **signed, **of_producer)
+        return [SpotCheckResult(step, m, i, node, honest, detail, max_abs_diff=diff, **signed, **of_producer), *checks]
+
+    def _votes(
+        self, judge: Callable[[StageClient], _Vote], pick: Callable[[list[StageClient]], StageClient | None],
+        settled: Callable[[_Vote], bool],
+    ) -> list[_Vote]:
+        """Independent recomputations of one output, each on a node of another owner than the checked one's and than
+        every earlier verifier's (`pick`, given the verifiers so far): the first alone where it `settled` (it passes
+        the output, and nothing is disputed), else more until two agree or no such node is left. No verifier's word
+        alone fails a contributor where another owner's node can recompute it."""
+        votes = [judge(pick([]))]
+        while not settled(votes[0]) and not any(sum(v.agrees == w.agrees for w in votes) >= 2 for v in votes):
+            verifier = pick([v.verifier for v in votes])
+            if verifier is None:
+                break
+            votes.append(judge(verifier))
+        return votes
+
+    def _overruled(self, step: int, m: int, overruled: list[_Vote], vote: _Vote, what: str) -> list[SpotCheckResult]:
+        """A failed check of each verifier whose recomputation the decided verdict (`vote`'s) overruled."""
+        replicated = bool(self.plan.replicas)
+        return [
+            SpotCheckResult(
+                step, m, v.verifier.endpoint.index, v.verifier.endpoint.node_id, False,
+                f"as the verifier of {what}, {'passed' if v.agrees else 'failed'} it against the recomputation on "
+                f"{_on(vote.verifier, replicated)} (its max |diff| {v.diff:.3g})",
+                verifier_node_id=vote.verifier.endpoint.node_id, max_abs_diff=v.diff, kind=VERIFICATION,
+                replica=v.verifier.endpoint.replica,
+            )
+            for v in overruled
+        ]
 
     def _verifier(
-        self, producer: StageEndpoint, receiver: StageEndpoint, clients: Sequence[StageClient]
+        self, producer: StageEndpoint, receiver: StageEndpoint, clients: Sequence[StageClient],
+        voters: Sequence[StageClient] = (),
     ) -> StageClient | None:
-        """A stage on a node of another owner than the producer's (no contributor checks its own work): a sibling
-        replica of the producer's where one is (it holds the same stage), else preferably of neither the producer's
-        nor the receiver's owner; None where every other node is the producer's owner's."""
-        independent = [c for c in clients if not _same_party(c.endpoint, producer)]
+        """A stage on a node of another owner than the producer's (no contributor checks its own work) and than each
+        of `voters` (the verifiers asked already): a sibling replica of the producer's where one is (it holds the
+        same stage), else preferably of neither the producer's nor the receiver's owner; None where there is none."""
+        independent = [c for c in clients if not _same_party(c.endpoint, producer)
+                       and not any(_same_party(c.endpoint, v.endpoint) for v in voters)]
         siblings = [c for c in independent if c.endpoint.index == producer.index]
         preferred = [c for c in independent if not _same_party(c.endpoint, receiver)]
         pool = siblings or preferred or independent
         return self.rng.choice(pool) if pool else None
+
+
+def sampled_partial(routes: Routes, rng: random.Random) -> tuple[int, int, int]:
+    """The partial gradient a step's check recomputes: (stage, replica, one of the replica's micro-batches), every
+    replica of a replicated stage as likely as another. Each puts its whole partial into the sum, whatever its share
+    of the micro-batches: sampling by micro-batch checked a replica taking 1 of 8 (a slow one, or one posing as slow)
+    one time in 8 instead of one in 2. ValueError where no stage is replicated."""
+    partials = [(i, k) for i, ids in enumerate(routes.members) if len(ids) > 1 for k in ids]
+    if not partials:
+        raise ValueError("no stage of the step is replicated: it exchanges no partial gradient")
+    i, k = rng.choice(partials)
+    return i, k, rng.choice(routes.micro_batches_of(i, k))
+
+
+@dataclass(frozen=True)
+class _Vote:
+    """One verifier's recomputation of a checked output: whether the output `agrees` with it, by how much they differ,
+    and (forwards) why they could not be compared."""
+
+    verifier: StageClient
+    agrees: bool
+    diff: float
+    shape: str = ""
+
+
+def _decided(votes: Sequence[_Vote]) -> tuple[bool, _Vote, list[_Vote]]:
+    """The verdict of `votes` (`Auditor._votes`'), a vote that gave it, and the votes it overruled: two that agree
+    decide; one alone stands; where two disagree and no third owner's node is left, the recomputation that agrees with
+    the checked output stands (two parties of different owners against one)."""
+    for_it = [v for v in votes if v.agrees]
+    against = [v for v in votes if not v.agrees]
+    honest = len(for_it) >= 2 or (len(against) < 2 and bool(for_it))
+    winners, losers = (for_it, against) if honest else (against, for_it)
+    return honest, winners[0], losers
+
+
+def _on(verifier: StageClient, replicated: bool) -> str:
+    e = verifier.endpoint
+    return f"node {e.node_id}" + (f" (stage {e.index} replica {e.replica})" if replicated else "")
+
+
+def _confirmed(votes: Sequence[_Vote], vote: _Vote) -> str:
+    """", or the other nodes whose recomputations agree with `vote`'s."""
+    others = [v.verifier.endpoint.node_id for v in votes if v is not vote and v.agrees == vote.agrees]
+    return f", confirmed by node {', '.join(others)}" if others else ""
 
 
 @dataclass

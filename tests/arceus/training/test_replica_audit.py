@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import random
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
@@ -24,11 +25,13 @@ from safetensors.torch import load as safetensors_load
 
 from arceus.contracts.assignment import Assignment, InitialWeightsRef, max_micro_batch_size
 from arceus.contracts.credentials import REPLICA_METADATA_KEY, join_grant, replica_token, token_digest
-from arceus.contracts.spot_check import SpotCheckResult
+from arceus.contracts.spot_check import VERIFICATION, SpotCheckResult
 from arceus.data.config import validate_dataset_config
 from arceus.model.exported.capture import capture
 from arceus.model.exported.program import program_layers
+from arceus.swarm.routing import Routes
 from arceus.training import audit
+from arceus.training.audit import sampled_partial
 from arceus.training.driver import train
 from arceus.training.plan import StageEndpoint, TrainPlan
 from arceus.training.recording import RecordingSink
@@ -39,7 +42,7 @@ from devtools.pipeline import (
     replica_credentials,
     replica_endpoints,
 )
-from nodeagent import replicas, step_audit
+from nodeagent import replicas, servicer, step_audit
 from nodeagent.agent import Agent
 from tests.arceus.training.replicated_agents import agents_hosting
 from tests.nodeagent.dishonest_forward import make_dishonest, noise
@@ -212,6 +215,96 @@ def test_a_replica_that_sums_its_own_chunk_of_the_exchange_wrongly_is_caught(
     _, partials = until_caught(agents)
     for c in caught(partials, agents, 1, 0):
         assert "summed chunk 0 (elements [0, 264)) of the exchange other than its members' signed partial" in c.detail
+
+
+def test_a_verifier_that_lies_is_overruled_by_another_owners_node_and_named_not_the_producer(
+    agents: list[Agent], seeded: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stage 1's replica 0 recomputes the forwards it verifies dishonestly (adds 1e-2), so its sibling's honest output
+    would fail on its word alone. A verdict that fails anyone needs a second verifier of another owner: that one's
+    recomputation agrees with the output, so the liar fails (a check of kind "verification") and the producer
+    passes."""
+    liar = agents[PLACEMENT[1][0]].registry
+    honest = servicer.recompute_forward
+
+    def lying(*args: Any, **kwargs: Any) -> torch.Tensor:
+        out = honest(*args, **kwargs)
+        return out + 1e-2 if inspect.currentframe().f_back.f_locals["self"]._registry is liar else out
+
+    monkeypatch.setattr(servicer, "recompute_forward", lying)
+    sink = UntilCaught()
+    train(plan_for(agents, sink, max_steps=MAX_STEPS), sink)
+    every = [c for p in sink.steps for c in p.spot_checks]
+    failed = [c for c in every if not c.passed]
+    assert failed, [c.detail for c in every]
+    for c in failed:
+        assert (c.kind, c.stage_index, c.replica, c.node_id) == (VERIFICATION, 1, 0, node_of(agents, 1, 0)), c
+        assert "as the verifier of step" in c.detail and "(stage 1 replica 1)'s forward" in c.detail, c.detail
+        assert c.max_abs_diff >= 1e-2 * 0.99
+        # The forward it lied about passed, on the word of the other owner's node that recomputed it too.
+        [forward] = [f for f in every if (f.step, f.micro_batch, f.producer_index) == (c.step, c.micro_batch, 1)]
+        assert forward.passed and (forward.replica, forward.node_id) == (1, node_of(agents, 1, 1)), forward
+        assert forward.verifier_node_id == c.verifier_node_id not in (node_of(agents, 1, 0), node_of(agents, 1, 1))
+    assert all(c.passed for c in every if c.kind != VERIFICATION)
+
+
+def test_a_sibling_that_lies_as_a_verifier_is_overruled_by_another_and_named_not_the_checked_replica(
+    seeded: None
+) -> None:
+    """One stage of 3 replicas on three owners' agents, every step audited. Replica 1 recomputes its siblings' partial
+    gradients dishonestly (adds 1e-3): a verdict that fails a replica needs a second sibling of another owner, whose
+    recomputation agrees with the checked partial, so the liar fails (kind "verification"), the checked replica
+    passes."""
+    placement = [[0, 1, 2]]
+    with agents_hosting(
+        placement, job_id=JOB, model_config=MODEL, boundaries=[0, 3],
+        optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 0.0}, seed=3,
+        micro_batches=MICRO_BATCHES, max_micro_batch_size=max_micro_batch_size(DATASET, MICRO_BATCHES),
+    ) as started:
+        _, every = replica_endpoints([[started[a].advertise_address for a in placement[0]]], [0, 3])
+        every = tuple(replace(e, public_key=started[e.replica].signer.public_key_hex, owner_id=f"owner-{e.replica}")
+                      for e in every)
+        runtime = started[1].registry.stages()[0].runtime
+        honest = runtime.recompute_partial
+        runtime.recompute_partial = lambda *args, **kwargs: honest(*args, **kwargs) + 1e-3  # on the instance
+        sink = UntilCaught()
+        train(TrainPlan(
+            job_id=JOB, generation=1, credential=driver_token(JOB, 1), stages=every[:1], replicas=every,
+            dataset=DATASET, epochs=1, learning_rate=0.05, micro_batches=MICRO_BATCHES, seed=3,
+            rpc_timeout_seconds=20.0, max_steps=MAX_STEPS, audit_rate=1.0, model=MODEL,
+        ), sink)
+    checks = [c for p in sink.steps for c in p.spot_checks]
+    failed = [c for c in checks if not c.passed]
+    assert failed, [c.detail for c in checks]
+    for c in failed:
+        assert (c.kind, c.stage_index, c.replica, c.node_id) == (VERIFICATION, 0, 1, "agent-0-1"), c
+        assert "as the verifier of step" in c.detail and "'s partial gradient" in c.detail, c.detail
+        assert c.max_abs_diff >= 1e-3 * 0.99
+        # The partial it lied about passed, on the word of the third replica, which recomputed it too.
+        [partial] = [p for p in checks if p.step == c.step and p.kind != VERIFICATION]
+        assert partial.passed and partial.replica not in (1, c.replica) and partial.max_abs_diff <= 1e-6, partial
+        assert partial.verifier_node_id == c.verifier_node_id == f"agent-0-{3 - partial.replica - 1}"
+        assert "confirmed by" not in partial.detail  # one recomputation for it, one against: the output's side
+    assert all(c.passed for c in checks if c.kind != VERIFICATION)
+
+
+def test_every_replica_of_a_replicated_stage_is_as_likely_to_have_its_partial_checked() -> None:
+    """A replica puts its whole partial into the sum whatever its share: one that takes 1 of 4 micro-batches (slow, or
+    posing as slow) is sampled as often as its sibling that takes 3, and in a step with two replicated stages every
+    replica of either (a stage of one replica exchanges nothing)."""
+    routes = Routes(members=((0, 1), (0,), (0, 1, 2)), of=((0, 0, 0), (0, 0, 1), (1, 0, 2), (0, 0, 0)))
+    rng = random.Random(5)
+    draws = Counter(sampled_partial(routes, rng) for _ in range(10_000))
+    by_replica: Counter[tuple[int, int]] = Counter()
+    for (i, k, _), n in draws.items():
+        by_replica[(i, k)] += n
+    assert set(by_replica) == {(0, 0), (0, 1), (2, 0), (2, 1), (2, 2)}
+    for n in by_replica.values():
+        assert abs(n / 10_000 - 1 / 5) < 0.02, by_replica
+    # The micro-batch named is one the sampled replica took.
+    assert all(routes.of[m][i] == k for i, k, m in draws)
+    with pytest.raises(ValueError, match="no stage of the step is replicated"):
+        sampled_partial(Routes.single(2, 4), rng)
 
 
 def test_a_replica_whose_receipts_name_another_producer_than_its_route_fails(

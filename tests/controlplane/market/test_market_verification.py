@@ -14,7 +14,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from arceus.contracts.counters import StageCounters
-from arceus.contracts.spot_check import SpotCheckResult
+from arceus.contracts.spot_check import VERIFICATION, SpotCheckResult
 from arceus.contracts.status import JobStatus
 from arceus.verify.receipts import SENT, ReceiptFields, ReceiptSigner
 from arceus.verify.tensor_digest import tensor_digest
@@ -89,6 +89,33 @@ def test_a_failed_spot_check_flags_the_node_and_withholds_its_credit(placed) -> 
     totals = LedgerEntry.objects.aggregate(c=Sum("charge_micros"), f=Sum("fee_micros"), k=Sum("credit_micros"))
     assert totals["k"] + totals["f"] == totals["c"] > 0
     assert SpotCheck.objects.filter(node=producer).count() == 2
+
+
+def test_a_verifier_overruled_by_another_owners_node_is_flagged_and_the_checked_producer_is_not(
+    placed, ready_node  # noqa: ANN001
+) -> None:
+    # The receiver's node verified the producer's forward and failed it; a third owner's node recomputed it too and
+    # agreed with the output (arceus.training.audit's votes): the producer's check passed, the verifier's failed.
+    job, producer, receiver, signer = placed
+    third = ready_node("third", port=50063)
+    work(job, producer, 64)
+    work(job, receiver, 64)
+    passed = replace(report(job, signer, producer, passed=True, digest_of=torch.ones(2, 3)),
+                     verifier_node_id=str(third.id))
+    overruled = SpotCheckResult(
+        step=7, micro_batch=0, stage_index=1, node_id=str(receiver.id), passed=False, kind=VERIFICATION,
+        detail=f"as the verifier of step 7 micro-batch 0's forward, recomputed what node {third.id} and the checked "
+        "output contradict (failed it; max |diff| 0.01)", verifier_node_id=str(third.id), max_abs_diff=0.01,
+    )
+    spot_checks_record(job_id=job.id, lease_owner="driver-1", generation=2, now=timezone.now(),
+                       checks=[passed, overruled])
+    producer.refresh_from_db()
+    receiver.refresh_from_db()
+    assert producer.flagged_at is None and not LedgerEntry.objects.filter(node=producer, withheld=True).exists()
+    assert "as the verifier of step 7" in receiver.flag_reason
+    assert LedgerEntry.objects.filter(node=receiver).exists()
+    assert all(e.withheld for e in LedgerEntry.objects.filter(node=receiver))
+    assert SpotCheck.objects.get(node=receiver).kind == VERIFICATION
 
 
 def test_a_receipt_that_does_not_verify_stores_nothing(placed) -> None:  # noqa: ANN001
