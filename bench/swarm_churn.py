@@ -10,7 +10,8 @@ in 3 stages, batch 32 in 4 micro-batches, SGD with momentum, a checkpoint every 
 Each trial trains a fresh job for `--steps` steps and SIGKILLs one agent 5 ms after a random step ends (in
 whatever phase the next step then is); victims, stages and steps are drawn from `--seed` up front. `--shaped`
 runs every trial a second time with the driver reaching every agent, and every agent its neighbours and
-siblings, through its own `devtools.shaper` link (20 ms one way, 100 Mbit/s per direction by default).
+siblings, through its own `devtools.shaper` links (its gRPC port and its replicas' exchange listener each behind
+one; 20 ms one way, 100 Mbit/s per direction by default).
 
 - R=2: 3 stages × 2 replicas and one spare agent standing by for the victim's stage. The driver repairs the
   step around the lost replica; the spare is offered from the first step boundary after the kill, copies the
@@ -101,10 +102,12 @@ class Setup:
             max_micro_batch_size=max_micro_batch_size(self.dataset, self.micro_batches), generation=generation,
         )
 
-    def endpoint(self, stage: int, replica: int, address: str, via: Via) -> StageEndpoint:
+    def endpoint(self, stage: int, replica: int, address: str, via: Via, exchange: str = "") -> StageEndpoint:
+        """`exchange`: the agent's exchange listener, dialled through `via` too (a shaped link of its own)."""
         return StageEndpoint(index=stage, address=via(address), node_id=f"{address}#{stage}.{replica}",
                              layer_start=self.bounds[stage], layer_end=self.bounds[stage + 1],
-                             certificate=identity_for(address).certificate, replica=replica)
+                             certificate=identity_for(address).certificate, replica=replica,
+                             exchange_address=via(exchange) if exchange else "")
 
     def plan(self, job_id: str, replicas: list[StageEndpoint], generation: int = 1, start_step: int = 0,
              joins: Any = None, joined: Any = None, checkpoint_interval: int = 0) -> TrainPlan:
@@ -251,8 +254,10 @@ def replicated_trials(setup: Setup, kills: list[Kill], args: argparse.Namespace,
         for t, (kill, layout) in enumerate(zip(kills, layouts, strict=True)):
             victim = by_address[layout[kill.stage][kill.replica]]
             sink = TrialSink(args.steps, kill.after_step, victim.process.pid, setup.kill_mid_step)
-            spare = setup.endpoint(kill.stage, 2, layout[kill.stage][2], via)
-            replicas = [setup.endpoint(i, r, a, via) for i, stage in enumerate(layout) for r, a in enumerate(stage[:2])]
+            spare_address = layout[kill.stage][2]
+            spare = setup.endpoint(kill.stage, 2, spare_address, via, by_address[spare_address].exchange_address)
+            replicas = [setup.endpoint(i, r, a, via, by_address[a].exchange_address)
+                        for i, stage in enumerate(layout) for r, a in enumerate(stage[:2])]
             copies: list[tuple[float, float, ReplicaJoin]] = []  # (asked, held, what)
             asked: list[float] = []
 

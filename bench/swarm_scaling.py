@@ -4,13 +4,13 @@ step model's predictions; then the model at scale: a 1B-parameter model in 8 sta
     .venv/bin/python bench/swarm_scaling.py [--replicas 1 2 3] [--steps 14] [--delay-ms 20] [--rate-mbit 100]
                                             [--hours 24] [--no-write]
 
-Measured: the GPT of bench/pipeline_vs_torch.py in 3 stages (layer boundaries [0, 3, 5, 8]), batch 24 × 128
-tokens in 6 micro-batches, Adam, GPipe, every stage with R replicas (static agents, one process and one torch
-thread each, all started with the same job twice: once reached directly, once with every agent behind its own
-`devtools.shaper` link). Per run, medians over the steps after warm-up: samples/s (the batch over a step's wall
-time), the agents' CPU seconds per sample (utime + stime from /proc/PID/stat, every agent, over each step), this
-process's CPU per step (the driver, and on shaped runs the shaper); and each agent's peak resident memory (VmHWM,
-over both of its runs).
+Measured: the GPT of bench/pipeline_vs_torch.py in 3 stages (layer boundaries [0, 3, 5, 8]), batch 24 × 128 tokens
+in 6 micro-batches, Adam, GPipe, every stage with R replicas (static agents, one process and one torch thread each,
+all started with the same job twice: once reached directly, once with every agent behind its own `devtools.shaper`
+links, one in front of its gRPC port and one in front of its replicas' exchange listener). Per run, medians over the
+steps after warm-up: samples/s (the batch over a step's wall time), the agents' CPU seconds per sample (utime +
+stime from /proc/PID/stat, every agent, over each step), this process's CPU per step (the driver, and on shaped runs
+the shaper); and each agent's peak resident memory (VmHWM, over both of its runs).
 
 Predicted: arceus.swarm.model with every replica a process sharing this host's cores (`SharedHost`, processor
 sharing), calibrated on the R=1 runs and on this machine only: each stage's compute per sample (its agent's CPU,
@@ -194,6 +194,7 @@ def measure(replicas: int, steps: int, shape: dict[str, float], workdir: Path) -
     agents, flat = spawn_static_agents_on_free_ports(n * replicas, hosted, workdir / f"r{replicas}",
                                                      ready_timeout=240.0)
     addresses = layout(flat)
+    exchange_of = {a: agent.exchange_address for a, agent in zip(flat, agents, strict=True)}
     runs = []
     try:
         with ShaperThread() as shaper:
@@ -203,6 +204,8 @@ def measure(replicas: int, steps: int, shape: dict[str, float], workdir: Path) -
                         index=i, address=shaper.address(a, **shape) if shaped else a,
                         node_id=f"agent-{i}-{r}", layer_start=BOUNDS[i], layer_end=BOUNDS[i + 1],
                         certificate=identity_for(a).certificate, replica=r,
+                        # The exchange streams go to the agent's exchange listener: shaped by a link of their own.
+                        exchange_address=shaper.address(exchange_of[a], **shape) if shaped else "",
                     )
                     for i, stage in enumerate(addresses) for r, a in enumerate(stage)
                 ]

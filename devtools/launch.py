@@ -34,6 +34,7 @@ class AgentProcess:
     metrics_address: str
     certificate: str = ""  # its TLS certificate, where the starter gave it its identity
     metrics_token: str = ""  # what its /metrics wants, where the starter gave it one (a static agent)
+    exchange_address: str = ""  # its replicas' exchange listener (READY's exchange=)
     terminated: bool = False
 
     def terminate(self) -> None:
@@ -95,7 +96,8 @@ def spawn_agent(
             for line in log_path.read_text(errors="replace").splitlines():
                 if line.startswith(READY_PREFIX):
                     fields = dict(part.split("=", 1) for part in line.split()[2:])
-                    return AgentProcess(process, log_path, fields["grpc"], fields["metrics"])
+                    return AgentProcess(process, log_path, fields["grpc"], fields["metrics"],
+                                        exchange_address=fields["exchange"])
             if process.poll() is not None:
                 raise AgentStartError(
                     f"agent exited with code {process.returncode} before READY:\n"

@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from arceus.contracts.assignment import Assignment
 from arceus.contracts.observed import ObservedStage
 from arceus.relay.dialer import use_relays
-from arceus.v1 import link_probe_pb2_grpc, replica_pb2_grpc, stage_pb2, tensor_parallel_pb2_grpc
+from arceus.v1 import link_probe_pb2_grpc, relay_pb2, replica_pb2_grpc, stage_pb2, tensor_parallel_pb2_grpc
 from arceus.verify.receipts import ReceiptSigner
 from arceus.wire.channels import grpc_channel_options
 from arceus.wire.tls import TlsIdentity, new_identity
@@ -150,7 +150,8 @@ class Agent:
         self.exchange_streams.listen(host, self.registry.adopt_stream)
         self._server.start()
         local_host = "127.0.0.1" if host in WILDCARD_HOSTS else host
-        self.relay = RelayAttachment(f"{local_host}:{bound}")
+        self.relay = RelayAttachment(
+            local_host, {relay_pb2.GRPC: bound, relay_pb2.EXCHANGE: self.exchange_streams.port})
         for service in ("", SERVICE_NAME):
             self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self.metrics_port = self.metrics.serve(*self._metrics_listen)
@@ -166,6 +167,12 @@ class Agent:
     @property
     def grpc_address(self) -> str:
         return f"{self._listen[0]}:{self.grpc_port}"
+
+    @property
+    def exchange_address(self) -> str:
+        """Where its replicas' exchange listener is reached: the advertised host at the listener's port (what
+        siblings dial unless the step names another address: stage.proto's ReplicaPeer.exchange_address)."""
+        return f"{self.advertise_address.rsplit(':', 1)[0]}:{self.exchange_streams.port}"
 
     @property
     def advertise_address(self) -> str:

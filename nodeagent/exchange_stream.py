@@ -8,13 +8,14 @@ cost no more CPU per sample than one (docs/BENCHMARKS.md, swarm_scaling). Here t
 reads every frame: `recv_into` the vector it belongs in, no copy and no other thread.
 
 Opening: the lower replica id dials the higher one's exchange listener (its port from `ReplicaService.ExchangePort`,
-its host the sibling's address), TLS 1.3 pinned both ways: the dialer trusts only the certificate its step names
-for the sibling, the listener only certificates its agent's steps named for siblings (`ExchangeStreams.trust`), and
-the exchange adopting a stream checks it is exactly the sibling's. The dialer's first bytes are a fixed-size hello
-naming job, stage, generation, both replicas, the epoch and the dialer's replica token. The listener runs every
-handshake and hello on one thread without blocking (at most `PENDING_HANDSHAKES` at once, each within
-`HANDSHAKE_SECONDS`), and hands a stream only to the hosted replica it names; a stranger costs a bounded slot for
-a few seconds, never a thread or a buffer of its choosing.
+its host the sibling's address; a relayed sibling's through its relay, arceus.relay.dialer.connect, which splices
+the bytes onto that listener and sees only ciphertext), TLS 1.3 pinned both ways: the dialer trusts only the
+certificate its step names for the sibling, the listener only certificates its agent's steps named for siblings
+(`ExchangeStreams.trust`), and the exchange adopting a stream checks it is exactly the sibling's. The dialer's first
+bytes are a fixed-size hello naming job, stage, generation, both replicas, the epoch and the dialer's replica token.
+The listener runs every handshake and hello on one thread without blocking (at most `PENDING_HANDSHAKES` at once,
+each within `HANDSHAKE_SECONDS`), and hands a stream only to the hosted replica it names; a stranger costs a bounded
+slot for a few seconds, never a thread or a buffer of its choosing.
 
 Frames: a fixed header (step, epoch, phase, start element, element count, signature length) checked against the
 one frame the exchange expects next from that sibling before a byte of payload is read, so a sibling cannot make
@@ -39,7 +40,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from arceus.relay.address import relayed_node
+from arceus.relay import dialer as relay_dialer
+from arceus.relay.address import EXCHANGE, relayed_address, relayed_node
 from arceus.wire.tls import TlsIdentity
 from nodeagent.rpc import RpcFailure
 
@@ -164,25 +166,30 @@ class ExchangeStreams:
         if self._listener is not None:
             self._listener.close()
 
-    def dial(self, address: str, port: int, certificate: str, hello: Hello, deadline: float) -> ssl.SSLSocket:
-        """A stream to the sibling at `address`'s host and `port` (its listener), pinned to `certificate`, its hello
-        sent. UNAVAILABLE (or DEADLINE_EXCEEDED) naming the sibling where it cannot be opened."""
-        if relayed_node(address) is not None:
-            raise RpcFailure(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"replica {hello.target} is reached through a relay ({address}): the exact exchange needs a direct "
-                "route between siblings",
-            )
-        host = address.rsplit(":", 1)[0].strip("[]")
+    def dial(self, address: str, exchange_address: str, port_of: Callable[[], int], certificate: str, hello: Hello,
+             deadline: float) -> ssl.SSLSocket:
+        """A stream to the sibling at `address` (at `exchange_address` where the step names one, else its host at
+        `port_of()`, its listener; a relayed sibling's through its relay), pinned to `certificate`, its hello sent.
+        UNAVAILABLE (or DEADLINE_EXCEEDED) naming the sibling where it cannot be opened."""
+        node = None if exchange_address else relayed_node(address)
+        if node is not None:
+            where = relayed_address(node, EXCHANGE)
+        else:
+            where = exchange_address or f"{address.rsplit(':', 1)[0]}:{port_of()}"
+            host, _, port = where.rpartition(":")
+            if not host or not port.isdigit():
+                raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"replica {hello.target}'s exchange address {where!r} is not HOST:PORT")
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
                              f"no time left to open the stream to replica {hello.target}")
         try:
-            raw = socket.create_connection((host, port), timeout=remaining)
+            raw = (socket.create_connection((host.strip("[]"), int(port)), timeout=remaining) if node is None
+                   else relay_dialer.connect(where, remaining))
         except OSError as exc:
             raise RpcFailure(
-                grpc.StatusCode.UNAVAILABLE, f"cannot reach replica {hello.target}'s exchange at {host}:{port}: {exc}"
+                grpc.StatusCode.UNAVAILABLE, f"cannot reach replica {hello.target}'s exchange at {where}: {exc}"
             ) from None
         try:
             raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -195,7 +202,7 @@ class ExchangeStreams:
             raw.close()
             raise RpcFailure(
                 grpc.StatusCode.UNAVAILABLE,
-                f"the TLS stream to replica {hello.target} at {host}:{port} failed to open: {exc}",
+                f"the TLS stream to replica {hello.target} at {where} failed to open: {exc}",
             ) from None
 
     def _client(self, certificate: str) -> ssl.SSLContext:

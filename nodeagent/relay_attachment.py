@@ -1,7 +1,9 @@
 """An agent that cannot be dialled keeps one outbound stream to the relay the control plane assigned it
 (`RelayAttachment.assign`, from each heartbeat answer). Each caller's connection the relay announces becomes a
-Carry stream spliced onto a new loopback connection to the agent's own gRPC port: the agent's server sees the
-caller's TLS as if it had dialled directly, and checks its token as it would (nodeagent/callers.py)."""
+Carry stream spliced onto a new loopback connection to the agent's own gRPC port, or to its exchange listener for
+a sibling replica's exchange stream (the listener the caller named): the agent sees the caller's TLS as if it had
+dialled directly, and checks its token or pinned certificate as it would (nodeagent/callers.py,
+nodeagent/exchange_stream.py)."""
 
 from __future__ import annotations
 
@@ -24,10 +26,11 @@ FAILURE_MEMORY_SECONDS = 30.0  # how long a relay it could not attach to is repo
 
 
 class RelayAttachment:
-    def __init__(self, local_address: str) -> None:
-        """`local_address`: where the agent's own gRPC server is reached from this machine."""
-        host, _, port = local_address.rpartition(":")
-        self._local = (host.strip("[]"), int(port))
+    def __init__(self, local_host: str, ports: dict[int, int]) -> None:
+        """`local_host`: where the agent's listeners are reached from this machine; `ports`: each listener's port
+        (relay_pb2.Listener -> port)."""
+        self._local_host = local_host.strip("[]")
+        self._ports = dict(ports)
         self._lock = threading.Lock()
         self._relay: str | None = None
         self._ticket = ""
@@ -100,7 +103,7 @@ class RelayAttachment:
                     self._attached = relay
                     self._failed.pop(relay, None)
                 if incoming.connection_id:  # the first, empty one says the relay took the attachment
-                        threading.Thread(target=self._carry, args=(stub, incoming.connection_id), daemon=True).start()
+                    threading.Thread(target=self._carry, args=(stub, incoming), daemon=True).start()
             raise grpc.RpcError("the relay ended the attachment")
         except grpc.RpcError as exc:
             with self._lock:
@@ -114,9 +117,13 @@ class RelayAttachment:
         finally:
             channel.close()
 
-    def _carry(self, stub: relay_pb2_grpc.RelayServiceStub, connection_id: str) -> None:
+    def _carry(self, stub: relay_pb2_grpc.RelayServiceStub, incoming: relay_pb2.Incoming) -> None:
+        connection_id, port = incoming.connection_id, self._ports.get(incoming.listener)
+        if port is None:
+            log.warning("relayed connection %s: no listener %d here", connection_id, incoming.listener)
+            return
         try:
-            sock = socket.create_connection(self._local, timeout=5)
+            sock = socket.create_connection((self._local_host, port), timeout=5)
             sock.settimeout(None)
         except OSError as exc:
             log.warning("relayed connection %s: own server unreachable: %s", connection_id, exc)

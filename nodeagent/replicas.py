@@ -323,7 +323,8 @@ class ReplicaExchange:
             stream.close()
         if self.replica < sibling:
             hello = Hello(self.job_id, self.stage_index, self.generation, sibling, self.replica, epoch, self._token)
-            sock = self._wire.dial(peer.address, port_of(sibling), peer.certificate, hello, deadline)
+            sock = self._wire.dial(peer.address, peer.exchange_address, lambda: port_of(sibling),
+                                   peer.certificate, hello, deadline)
         else:
             sock = self._take_offer(sibling, epoch, peer, deadline, abort)
         stream = self._streams[sibling] = Stream(sock, sibling, self.name)

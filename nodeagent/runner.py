@@ -1,8 +1,9 @@
 """Running a node agent with its checked options (nodeagent.run_options): against a control plane (register,
 heartbeat, report for `arceus-agent status`) or from static assignments, until a signal stops it.
 
-Once it serves, it prints exactly one stdout line, `AGENT READY grpc=HOST:PORT metrics=HOST:PORT` (the
-advertised gRPC address and the metrics address); everything else goes to stderr.
+Once it serves, it prints exactly one stdout line, `AGENT READY grpc=HOST:PORT metrics=HOST:PORT exchange=HOST:PORT`
+(the advertised gRPC address, the metrics address and its replicas' exchange listener); everything else goes to
+stderr.
 SIGTERM or SIGINT against a control plane drain it first: it says it is leaving, so its stage moves without
 losing work, and exits 0 once nothing is assigned to it (or after --leave-timeout); a second signal, or one
 with no control plane, stops it at once (exit code 0).
@@ -214,4 +215,5 @@ def _write_status(path: Path, url: str, agent: Agent, reply: HeartbeatReply) -> 
 
 
 def _say_ready(agent: Agent) -> None:
-    print(f"AGENT READY grpc={agent.advertise_address} metrics={agent.metrics_address}", flush=True)
+    print(f"AGENT READY grpc={agent.advertise_address} metrics={agent.metrics_address} "
+          f"exchange={agent.exchange_address}", flush=True)

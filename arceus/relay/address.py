@@ -1,5 +1,6 @@
 """Where a relayed agent is dialled: a name that resolves nowhere (RFC 6761 `.invalid`) and that only the relay
-dialer (arceus.relay.dialer) understands, so it stays the same whichever relay the agent is attached to; and the
+dialer (arceus.relay.dialer) understands, so it stays the same whichever relay the agent is attached to; its port
+names the agent's listener reached (`LISTENER_PORTS`: its gRPC server, or its replicas' exchange listener); and the
 order in which callers and the control plane try the relays for one node (rendezvous hashing)."""
 
 from __future__ import annotations
@@ -9,11 +10,20 @@ from collections.abc import Iterable
 
 RELAYED_DOMAIN = "relayed.invalid"
 _SUFFIX = "." + RELAYED_DOMAIN
+GRPC, EXCHANGE = "grpc", "exchange"  # the agent's listeners a relay splices onto (relay.proto's Listener)
+LISTENER_PORTS = {1: GRPC, 2: EXCHANGE}  # a relayed address's port: which listener (never dialled as a port)
 
 
-def relayed_address(node_id: str) -> str:
-    """The address callers dial to reach node `node_id` through a relay (the port is never used)."""
-    return f"{node_id}{_SUFFIX}:1"
+def relayed_address(node_id: str, listener: str = GRPC) -> str:
+    """The address callers dial to reach node `node_id`'s `listener` through a relay."""
+    port = next(p for p, name in LISTENER_PORTS.items() if name == listener)
+    return f"{node_id}{_SUFFIX}:{port}"
+
+
+def relayed_listener(address: str) -> str | None:
+    """The listener a relayed address names; None for an address that names none."""
+    port = address.rpartition(":")[2]
+    return LISTENER_PORTS.get(int(port)) if port.isdigit() and relayed_node(address) is not None else None
 
 
 def relayed_node(address: str) -> str | None:

@@ -1,7 +1,8 @@
 """The caller's side of relays: a loopback HTTP CONNECT proxy, one per process, that gRPC channels to relayed
 addresses (arceus.relay.address) go through (`grpc.http_proxy`, set by arceus.wire.channels.open_channel).
 For each connection it tries the relays in the node's order until one has the agent attached, then splices the
-channel's bytes (its TLS to the agent, end to end) onto that relay's Dial stream. A relay that died or lost the
+channel's bytes (its TLS to the agent, end to end) onto that relay's Dial stream. The replicas' exchange streams,
+outside gRPC, come through it too (`connect`), to the agent's exchange listener. A relay that died or lost the
 agent fails the connection; gRPC reconnects through here and finds where the agent attached next."""
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from collections.abc import Sequence
 
 import grpc
 
-from arceus.relay.address import relay_order, relayed_node
+from arceus.relay.address import relay_order, relayed_listener, relayed_node
 from arceus.relay.channel import relay_channel
-from arceus.relay.server import TARGET_KEY
+from arceus.relay.server import LISTENER_KEY, TARGET_KEY
 from arceus.relay.splice import close, socket_chunks, write_replies
 from arceus.v1 import relay_pb2_grpc
 
@@ -45,6 +46,30 @@ def proxy_url() -> str:
         if _proxy is None:
             _proxy = _ConnectProxy()
         return f"http://127.0.0.1:{_proxy.port}"
+
+
+def connect(address: str, timeout: float) -> socket.socket:
+    """A TCP connection to the listener the relayed `address` names, through whichever relay has its agent
+    attached: the caller's bytes reach the agent's listener as they are (run TLS over it). OSError where no relay
+    reaches the agent within `timeout` seconds."""
+    if relayed_listener(address) is None:
+        raise ValueError(f"{address} is not a relayed address")
+    sock = socket.create_connection(("127.0.0.1", int(proxy_url().rpartition(":")[2])), timeout=timeout)
+    try:
+        sock.sendall(f"CONNECT {address} HTTP/1.1\r\nHost: {address}\r\n\r\n".encode())
+        answer = b""
+        while not answer.endswith(b"\r\n\r\n"):  # byte by byte: what follows is the agent's
+            data = sock.recv(1)
+            if not data or len(answer) >= MAX_REQUEST_BYTES:
+                raise ConnectionError(f"the relay dialer closed the connection to {address}")
+            answer += data
+        if answer != ESTABLISHED:
+            status = answer.split(b"\r\n", 1)[0].decode("latin-1")
+            raise ConnectionError(f"no relay reaches {address}: {status}")
+        return sock
+    except BaseException:
+        sock.close()
+        raise
 
 
 class _Gate:
@@ -77,7 +102,7 @@ class _ConnectProxy:
 
     def _serve(self, sock: socket.socket) -> None:
         try:
-            node_id = self._read_connect(sock)
+            node_id, listener = self._read_connect(sock)
         except (OSError, ValueError) as exc:
             log.warning("relay dialer: refused a connection: %s", exc)
             _answer(sock, b"HTTP/1.1 400 Bad Request\r\n\r\n")
@@ -89,7 +114,8 @@ class _ConnectProxy:
             except ValueError as exc:  # no relay certificate to pin: no relay can be trusted
                 log.warning("relay dialer: %s", exc)
                 break
-            replies = stub.Dial(socket_chunks(sock, before=gate.wait), metadata=((TARGET_KEY, node_id),))
+            replies = stub.Dial(socket_chunks(sock, before=gate.wait),
+                                metadata=((TARGET_KEY, node_id), (LISTENER_KEY, listener)))
             try:
                 next(replies)  # the empty "connected": the agent took the connection
             except grpc.RpcError as exc:
@@ -111,8 +137,8 @@ class _ConnectProxy:
             return self._channels[key]
 
     @staticmethod
-    def _read_connect(sock: socket.socket) -> str:
-        """The node a CONNECT request (from this process's own gRPC) names."""
+    def _read_connect(sock: socket.socket) -> tuple[str, str]:
+        """The node and its listener a CONNECT request (from this process's own gRPC, or `connect`) names."""
         request = b""
         while b"\r\n\r\n" not in request:
             data = sock.recv(1024)
@@ -121,9 +147,10 @@ class _ConnectProxy:
             request += data
         method, target, *_ = request.split(b"\r\n", 1)[0].decode("latin-1").split(" ")
         node_id = relayed_node(target) if method == "CONNECT" else None
-        if node_id is None:
+        listener = relayed_listener(target)
+        if node_id is None or listener is None:
             raise ValueError(f"expected CONNECT to a relayed address, got {method} {target}")
-        return node_id
+        return node_id, listener
 
 
 def _answer(sock: socket.socket, status: bytes) -> None:

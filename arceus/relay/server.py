@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from arceus.relay.address import EXCHANGE, GRPC
 from arceus.relay.splice import MAX_CHUNK_BYTES
 from arceus.relay.tickets import METADATA_KEY as TICKET_KEY
 from arceus.relay.tickets import TicketError, verify_ticket
@@ -19,6 +20,8 @@ from arceus.v1 import relay_pb2, relay_pb2_grpc
 
 log = logging.getLogger(__name__)
 TARGET_KEY = "arceus-relay-target"
+LISTENER_KEY = "arceus-relay-listener"  # which of the agent's listeners a Dial is for (GRPC where absent)
+LISTENERS = {GRPC: relay_pb2.GRPC, EXCHANGE: relay_pb2.EXCHANGE}
 CONNECTION_KEY = "arceus-relay-connection"
 PAIRING_SECONDS = 5.0  # an agent that does not take a caller's connection within this is not answering
 MAX_WAITING_PER_NODE = 64  # callers waiting for one agent to take their connection
@@ -62,7 +65,7 @@ class _Connection:
 
 class _Attachment:
     def __init__(self) -> None:
-        self.incoming: asyncio.Queue[str | None] = asyncio.Queue()
+        self.incoming: asyncio.Queue[relay_pb2.Incoming | None] = asyncio.Queue()
         self.waiting = 0
 
 
@@ -101,8 +104,8 @@ class RelayServicer(relay_pb2_grpc.RelayServiceServicer):
         log.info("node %s attached", node_id)
         try:
             yield relay_pb2.Incoming()  # attached: an empty id
-            while (connection_id := await attachment.incoming.get()) is not None:
-                yield relay_pb2.Incoming(connection_id=connection_id)
+            while (incoming := await attachment.incoming.get()) is not None:
+                yield incoming
         finally:
             if self._attached.get(node_id) is attachment:
                 del self._attached[node_id]
@@ -111,7 +114,11 @@ class RelayServicer(relay_pb2_grpc.RelayServiceServicer):
     async def Dial(  # noqa: N802
         self, requests: AsyncIterator[relay_pb2.Bytes], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[relay_pb2.Bytes]:
-        node_id = str(dict(context.invocation_metadata() or ()).get(TARGET_KEY, ""))
+        metadata = dict(context.invocation_metadata() or ())
+        node_id = str(metadata.get(TARGET_KEY, ""))
+        listener = LISTENERS.get(str(metadata.get(LISTENER_KEY, GRPC)))
+        if listener is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{LISTENER_KEY} names no listener of an agent")
         attachment = self._attached.get(node_id)
         if attachment is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no agent of node {node_id!r} is attached to this relay")
@@ -120,7 +127,7 @@ class RelayServicer(relay_pb2_grpc.RelayServiceServicer):
         connection_id = secrets.token_hex(16)
         conn = self._waiting[connection_id] = _Connection(node_id)
         attachment.waiting += 1
-        attachment.incoming.put_nowait(connection_id)
+        attachment.incoming.put_nowait(relay_pb2.Incoming(connection_id=connection_id, listener=listener))
         try:
             await asyncio.wait_for(asyncio.shield(conn.taken), PAIRING_SECONDS)
         except TimeoutError:

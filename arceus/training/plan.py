@@ -53,6 +53,9 @@ class StageEndpoint:
     # A tensor-parallel stage's ranks after rank 0 (this endpoint), in rank order; empty for one agent.
     tensor_parallel_ranks: tuple[RankEndpoint, ...] = ()
     replica: int = 0  # which replica of its stage this agent hosts, where stages are replicated (TrainPlan.replicas)
+    # Where its replica's exchange listener is dialled, where not at `address`'s host and the port the agent names
+    # (stage.proto's ReplicaPeer.exchange_address; a bench's shaped link); "": there.
+    exchange_address: str = ""
     # A replica's samples per second of compute as last measured on its node (None: not yet): a driver that takes
     # over the job routes by it from its first step instead of evenly.
     samples_per_second: float | None = None

@@ -78,6 +78,7 @@ class ReplicaRoster:
             stage_pb2.ReplicaPeer(
                 stage_index=i, replica=k, address=e.address, certificate=e.certificate,
                 token_digest=token_digest(replica_token(self.credential, i, k)), public_key=e.public_key,
+                exchange_address=e.exchange_address,
             )
             for (i, k), e in sorted(self.endpoints.items())
             if abs(i - stage) <= 1 and k in routes.members[i]

@@ -24,6 +24,7 @@ from arceus.v1 import stage_pb2
 from arceus.verify.receipts import ReceiptSigner, ShardFields, verify_shard
 from arceus.verify.tensor_digest import tensor_digest
 from arceus.wire.tls import TlsIdentity, new_identity
+from devtools.shaper import ShaperThread
 from nodeagent.exchange_stream import FRAME, REDUCE, ExchangeStreams, Hello
 from nodeagent.replicas import ReplicaExchange, parse_replica_step
 from nodeagent.rpc import RpcFailure
@@ -174,10 +175,13 @@ def exchange_together(
     options: Callable[[int], dict[str, Any]] = lambda _k: {},
     seconds: float = 30.0,
     step: int = 1,
+    peer_of: Callable[[int], stage_pb2.ReplicaPeer] = sibling,
+    port_of: Callable[[int], int] | None = None,
 ) -> tuple[dict[int, torch.Tensor], dict[int, BaseException]]:
     """Every replica of `exchanges` sums its partial with its siblings' at once (epoch 0), each in a thread of its
-    own, over their streams, within `seconds`; `options(k)`: replica k's other arguments of ReplicaExchange.exchange.
-    Their sums and their errors."""
+    own, over their streams, within `seconds`; `options(k)`: replica k's other arguments of ReplicaExchange.exchange;
+    `peer_of(k)`: replica k as the step names it; `port_of`: where siblings' listeners are (theirs here). Their sums
+    and their errors."""
     members = tuple(sorted(exchanges))
     results: dict[int, torch.Tensor] = {}
     errors: dict[int, BaseException] = {}
@@ -186,7 +190,7 @@ def exchange_together(
         try:
             results[k] = exchanges[k].exchange(
                 partials[k], step=step, epoch=0, members=members,
-                peers={j: sibling(j) for j in members if j != k}, port_of=lambda j: port(exchanges[j]),
+                peers={j: peer_of(j) for j in members if j != k}, port_of=port_of or (lambda j: port(exchanges[j])),
                 deadline=time.monotonic() + seconds, abort=threading.Event(), **options(k),
             )
         except BaseException as exc:
@@ -231,6 +235,33 @@ def test_a_sibling_whose_exchange_failed_on_its_side_alone_dials_anew_and_the_ne
     assert all(torch.equal(results[k], torch.full((10,), 3.0)) for k in (0, 1))
 
 
+def test_a_sibling_whose_step_names_an_exchange_address_is_dialled_there_and_not_asked_for_its_port(
+    replicas_of: Callable[..., dict[int, ReplicaExchange]],
+) -> None:
+    exchanges = replicas_of((0, 1), 10)
+    partials = {k: torch.full((10,), float(k + 1)) for k in (0, 1)}
+    with ShaperThread() as shaper:
+        # A link of 0.3 s one way in front of replica 1's listener (what a shaped bench puts there).
+        link = shaper.address(f"127.0.0.1:{port(exchanges[1])}", delay_s=0.3, rate_bps=1e9)
+
+        def peer_of(k: int) -> stage_pb2.ReplicaPeer:
+            named = sibling(k)
+            if k == 1:
+                named.exchange_address = link
+                named.address = "127.0.0.1:1"  # nothing listens at its host's ports: only the link leads to it
+            return named
+
+        started = time.monotonic()
+        results, errors = exchange_together(exchanges, partials, peer_of=peer_of, port_of=unasked)
+    assert not errors, errors
+    assert all(torch.equal(results[k], torch.full((10,), 3.0)) for k in (0, 1))
+    assert time.monotonic() - started >= 0.6  # the link's delay, both ways: the stream went through it
+
+
+def unasked(sibling: int) -> int:
+    raise AssertionError(f"replica {sibling}'s exchange port was asked for")
+
+
 def test_an_audited_exchange_keeps_each_siblings_signed_shards_and_refuses_an_unsigned_one(
     monkeypatch: pytest.MonkeyPatch, replicas_of: Callable[..., dict[int, ReplicaExchange]],
 ) -> None:
@@ -270,8 +301,8 @@ def test_an_audited_exchange_keeps_each_siblings_signed_shards_and_refuses_an_un
 
 def dial_raw(exchange: ReplicaExchange, identity: TlsIdentity, hello: Hello) -> ssl.SSLSocket:
     """A stream to `exchange`'s listener as a sibling's agent holding `identity` dials it."""
-    return ExchangeStreams(identity).dial("127.0.0.1:1", port(exchange), IDENTITIES[exchange.replica].certificate,
-                                          hello, time.monotonic() + 10)
+    return ExchangeStreams(identity).dial("127.0.0.1:1", "", lambda: port(exchange),
+                                          IDENTITIES[exchange.replica].certificate, hello, time.monotonic() + 10)
 
 
 def hello(source: int, *, epoch: int = 0, token: str | None = None, job: str = "j", target: int = 0) -> Hello:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from arceus.relay.address import relay_order, relayed_address, relayed_node
+from arceus.relay.address import EXCHANGE, GRPC, relay_order, relayed_address, relayed_listener, relayed_node
 from arceus.relay.tickets import TicketError, mint_ticket, verify_ticket
 
 SECRET = b"s" * 32
@@ -38,6 +38,14 @@ def test_relayed_addresses_name_their_node_and_nothing_else_does() -> None:
     assert relayed_node(relayed_address(NODE)) == NODE
     assert relayed_node("10.0.0.5:50051") is None
     assert relayed_node(".relayed.invalid:1") is None
+
+
+def test_a_relayed_address_names_the_listener_reached_and_only_a_known_one() -> None:
+    assert relayed_listener(relayed_address(NODE)) == GRPC
+    assert relayed_listener(relayed_address(NODE, EXCHANGE)) == EXCHANGE
+    assert relayed_node(relayed_address(NODE, EXCHANGE)) == NODE
+    assert relayed_listener(f"{NODE}.relayed.invalid:22") is None
+    assert relayed_listener("10.0.0.5:1") is None
 
 
 def test_removing_a_relay_moves_only_the_nodes_it_held() -> None:

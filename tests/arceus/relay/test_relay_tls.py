@@ -1,6 +1,8 @@
 """A relay serves TLS only, as the operator's identity: a client pinned to its certificate is served, a client
 pinned to any other certificate, or speaking plaintext, is refused (arceus/relay/__main__.py,
-arceus/relay/channel.py)."""
+arceus/relay/channel.py). Replicas both behind it exchange exactly over their exchange streams, which it splices
+onto the agents' exchange listeners (arceus/relay/dialer.py, nodeagent/relay_attachment.py); a Dial naming no
+listener of an agent is refused before anything is held for it."""
 
 from __future__ import annotations
 
@@ -8,20 +10,30 @@ import os
 import secrets
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+import torch
 from grpc_health.v1.health_pb2 import HealthCheckRequest, HealthCheckResponse
 from grpc_health.v1.health_pb2_grpc import HealthStub
 
 from arceus.contracts.certificates import RELAY_TLS_NAME
+from arceus.contracts.credentials import replica_token, token_digest
+from arceus.relay import dialer
+from arceus.relay.address import relayed_address
 from arceus.relay.channel import relay_channel
+from arceus.relay.server import LISTENER_KEY, TARGET_KEY
 from arceus.relay.tickets import METADATA_KEY as TICKET_KEY
 from arceus.relay.tickets import mint_ticket
-from arceus.v1 import relay_pb2, relay_pb2_grpc
+from arceus.v1 import relay_pb2, relay_pb2_grpc, stage_pb2
 from arceus.wire.tls import new_identity
+from nodeagent.exchange_stream import ExchangeStreams
+from nodeagent.relay_attachment import RelayAttachment
+from nodeagent.replicas import ReplicaExchange
 
 SERVICE = "arceus.v1.RelayService"
 
@@ -99,3 +111,76 @@ def test_a_relay_without_its_identity_files_does_not_start(tmp_path: Path) -> No
                          env={**os.environ, "ARCEUS_RELAY_SECRET": secrets.token_hex(32)})
     assert run.returncode == 2
     assert "--new-identity" in run.stderr
+
+
+def test_replicas_both_behind_relays_exchange_exactly_through_them(relay: tuple[str, str, bytes]) -> None:
+    address, certificate, secret = relay
+    members, total = (0, 1), 257
+    identities = {k: new_identity() for k in members}
+    tokens = {k: replica_token("d" * 64, 1, k) for k in members}
+    peers = {k: stage_pb2.ReplicaPeer(stage_index=1, replica=k, address=relayed_address(f"home-{k}"),
+                                      certificate=identities[k].certificate, token_digest=token_digest(tokens[k]))
+             for k in members}
+    wires = {k: ExchangeStreams(identities[k]) for k in members}
+    exchanges = {k: ReplicaExchange(job_id="j", stage_index=1, generation=1, replica=k, token=tokens[k],
+                                    total_elements=total, max_replicas=2, streams=wires[k]) for k in members}
+    attachments = []
+    dialer.use_relays([address], certificate)
+    try:
+        for k in members:
+            wires[k].trust([identities[j].certificate for j in members if j != k])
+            wires[k].listen("127.0.0.1", lambda hello, sock, k=k: exchanges[k].offer(hello, sock))
+            exchanges[k].learn(0, peers.values())
+            # Only the exchange listener: nothing else of these agents is reachable, through the relay or not.
+            attachment = RelayAttachment("127.0.0.1", {relay_pb2.EXCHANGE: wires[k].port})
+            attachment.assign(address, mint_ticket(secret, f"home-{k}", 2**40), certificate)
+            attachments.append(attachment)
+        deadline = time.monotonic() + 20
+        while any(a.report()["attached"] != address for a in attachments):
+            assert time.monotonic() < deadline, [a.report() for a in attachments]
+            time.sleep(0.05)
+
+        generator = torch.Generator().manual_seed(3)
+        # Magnitudes far apart: a sum in another order, or a byte changed on the way, gives other bits.
+        partials = {k: torch.randn(total, generator=generator) * 10.0 ** torch.randint(-6, 6, (total,))
+                    for k in members}
+        results: dict[int, torch.Tensor] = {}
+        errors: dict[int, BaseException] = {}
+
+        def unasked(_sibling: int) -> int:
+            raise AssertionError("a relayed sibling's exchange port is not asked for: the relay picks its listener")
+
+        def run(k: int) -> None:
+            try:
+                results[k] = exchanges[k].exchange(
+                    partials[k], step=1, epoch=0, members=members, peers={j: peers[j] for j in members if j != k},
+                    port_of=unasked, deadline=time.monotonic() + 30, abort=threading.Event())
+            except BaseException as exc:
+                errors[k] = exc
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in members]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        assert not errors, errors
+        expected = partials[0].clone().add_(partials[1])
+        for k in members:
+            assert torch.equal(results[k], expected), k
+    finally:
+        dialer.use_relays((), "")
+        for attachment in attachments:
+            attachment.stop()
+        for k in members:
+            exchanges[k].close()
+            wires[k].close()
+
+
+def test_a_dial_naming_no_listener_of_an_agent_is_refused(relay: tuple[str, str, bytes]) -> None:
+    address, certificate, _ = relay
+    with relay_channel(address, certificate) as channel:
+        replies = relay_pb2_grpc.RelayServiceStub(channel).Dial(
+            iter(()), metadata=((TARGET_KEY, "home-0"), (LISTENER_KEY, "ssh")), timeout=5)
+        with pytest.raises(grpc.RpcError) as refused:
+            next(replies)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
