@@ -72,6 +72,7 @@ class Agent:
     grpc_address: str
     metrics_address: str
     metrics_token: str  # what its /metrics wants (the cluster's metrics token and its node id make it)
+    exchange_address: str = ""  # its replicas' exchange listener (READY's exchange=)
 
 
 class ManageCommand:
@@ -302,7 +303,8 @@ class LocalCluster:
         fields = dict(part.split("=", 1) for part in line.split()[2:])
         return Agent(name=name, node_id=node_id, token=token, child=child,
                      grpc_address=fields["grpc"], metrics_address=fields["metrics"],
-                     metrics_token=agent_scrape_token(self.metrics_token, node_id))
+                     metrics_token=agent_scrape_token(self.metrics_token, node_id),
+                     exchange_address=fields["exchange"])
 
     def stop(self) -> None:
         # Agents first, killed: a SIGTERM would have each drain its node, waiting for a handover that the

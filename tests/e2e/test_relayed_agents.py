@@ -2,7 +2,9 @@
 are dropped (devtools.netns). The control plane's dial-back finds them `relayed`; they attach to a relay, the
 driver and their neighbours reach them through it, and the job trains to the weights of a single-process run.
 The relay they use is killed mid-training: they attach to the other one (the control plane assigns it) and the
-job still finishes with those weights."""
+job still finishes with those weights. Then a job of one stage replicated on all three: the two relayed replicas
+exchange their gradients with each other (both through the relay) and with the direct one, and the job trains to
+the weights of a single-process run."""
 
 from __future__ import annotations
 
@@ -39,6 +41,10 @@ JOB: dict[str, Any] = {
     "requirements": {"owner_diversity": False},  # every agent here is one owner's
 }
 KILL_AT_STEP = 12
+# One stage, a replica on every agent: each pair of siblings opens an exchange stream, the homes' pair through the
+# relay at both ends.
+REPLICATED: dict[str, Any] = {**JOB, "name": "relayed-replicas", "stages": 1, "replicas": 3, "micro_batches": 3,
+                              "epochs": 1}
 
 
 @pytest.fixture
@@ -77,10 +83,12 @@ def test_agents_behind_routers_train_through_relays_and_survive_a_relay_dying(
 ) -> None:
     with ThreadPoolExecutor(1) as pool:
         reference = pool.submit(reference_run, JOB)  # computed while the agents start
+        replicated_reference = pool.submit(reference_run, REPLICATED)
         [direct] = cluster.start_agents(["direct"])
-        # What a home reaches outbound: the control plane, the relays and the directly dialled agent.
+        # What a home reaches outbound: the control plane, the relays and the directly dialled agent (its gRPC port
+        # and its replicas' exchange listener, which a home's replica dials).
         ports = [int(a.rpartition(":")[2]) for a in
-                 (cluster.api_url, *cluster.relay_addresses, direct.grpc_address)]
+                 (cluster.api_url, *cluster.relay_addresses, direct.grpc_address, direct.exchange_address)]
         for ns in homes:
             for port in ports:
                 ns.bridge(port)
@@ -114,6 +122,22 @@ def test_agents_behind_routers_train_through_relays_and_survive_a_relay_dying(
             assert curve[step] == pytest.approx(want.losses[step - 1], rel=1e-4), step
         weights = safetensors_load(cluster.client.download_model(job["id"]))
         assert sorted(weights) == sorted(want.weights)
+        for name, expected in want.weights.items():
+            torch.testing.assert_close(weights[name], expected, rtol=1e-3, atol=2e-4)
+
+        job = cluster.client.submit_job(REPLICATED)
+        cluster.client.start_job(job["id"])
+        final = cluster.client.wait(job["id"], timeout=90)
+        assert final["status"] == "succeeded", final["error"]
+        rows = {(p["replica"], p["node_id"], p["relayed"]) for p in final["placements"]}
+        assert {(n, r) for _, n, r in rows} == {(direct.node_id, False), (home[0].node_id, True),
+                                                 (home[1].node_id, True)}
+        want = replicated_reference.result()
+        curve = {p["step"]: p["loss"] for p in final["loss_curve"]}
+        assert final["step"] == len(want.losses)
+        for step, loss in enumerate(want.losses, start=1):
+            assert curve[step] == pytest.approx(loss, rel=1e-4), step
+        weights = safetensors_load(cluster.client.download_model(job["id"]))
         for name, expected in want.weights.items():
             torch.testing.assert_close(weights[name], expected, rtol=1e-3, atol=2e-4)
     cluster.relaunch(f"relay-{cluster.relay_addresses.index(victim)}")  # the next test finds both relays
