@@ -41,7 +41,7 @@ from arceus.wire.proto_tensor import to_proto
 from arceus.wire.push_stream import raw_push, serialize
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
 from devtools.pipeline import driver_token, pipeline_assignments, rank_credentials, stage_endpoints
-from nodeagent.call_limits import CALLS_PER_CALLER, STREAMS_PER_CALLER, WAITING_PER_CALLER
+from nodeagent.call_limits import CALLS_PER_CALLER, LIMITS, STREAMS_PER_CALLER, WAITING_PER_CALLER
 from nodeagent.callers import NOT_AUTHENTICATED
 
 pytestmark = pytest.mark.slow
@@ -214,7 +214,9 @@ def test_an_oversized_request_is_refused_unread(agent: AgentProcess, health: Cal
         with pytest.raises(grpc.RpcError) as info:
             stub.RunStep(huge, timeout=30)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "a RunStep request may be at most 65,536 bytes" in info.value.details()
+        bound = LIMITS["/arceus.v1.StageService/RunStep"].request_bytes
+        assert bound is not None and bound < (8 << 20)  # a step's indices, never megabytes
+        assert f"a RunStep request may be at most {bound:,} bytes" in info.value.details()
     health()
 
 
