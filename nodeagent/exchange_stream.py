@@ -115,6 +115,7 @@ class ExchangeStreams:
         self._listener: socket.socket | None = None
         self._adopt: Adopt | None = None
         self._stop = threading.Event()
+        self._wake_reader, self._wake_writer = socket.socketpair()  # `close` wakes the listener's poll at once
         self._thread: threading.Thread | None = None
         self.port = 0
 
@@ -160,11 +161,16 @@ class ExchangeStreams:
         self._thread.start()
 
     def close(self) -> None:
+        if self._stop.is_set():
+            return
         self._stop.set()
+        self._wake_writer.send(b"\0")
         if self._thread is not None:
             self._thread.join(timeout=5)
         if self._listener is not None:
             self._listener.close()
+        self._wake_reader.close()
+        self._wake_writer.close()
 
     def dial(self, address: str, exchange_address: str, port_of: Callable[[], int], certificate: str, hello: Hello,
              deadline: float) -> ssl.SSLSocket:
@@ -221,6 +227,7 @@ class ExchangeStreams:
         assert self._listener is not None and self._adopt is not None
         poller = select.poll()
         poller.register(self._listener, select.POLLIN)
+        poller.register(self._wake_reader, select.POLLIN)
         pending: dict[int, _Handshake] = {}
         while not self._stop.is_set():
             now = time.monotonic()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import os
 import sys
@@ -45,10 +46,8 @@ def retain_freed_blocks() -> bool:
         return False
     if not sys.platform.startswith("linux"):
         return False
-    name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        mallopt = libc.mallopt
+        mallopt = _libc().mallopt
     except (OSError, AttributeError):
         log.info("no glibc mallopt here; the allocator keeps its defaults")
         return False
@@ -65,8 +64,15 @@ def release_free_memory() -> bool:
     if not sys.platform.startswith("linux"):
         return False
     try:
-        malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        malloc_trim = _libc().malloc_trim
     except (OSError, AttributeError):
         return False
     malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
     return malloc_trim(0) == 1
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    """The C library, found once: find_library runs ldconfig in a subprocess (~0.1 s), and the agent trims its
+    heap at every change of its stages. OSError where there is none to load."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
