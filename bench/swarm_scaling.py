@@ -1,8 +1,9 @@
 """Replicated stages on this machine (1, 2, 3 replicas per stage), on loopback and on shaped links, beside the
 step model's predictions; then the model at scale: a 1B-parameter model in 8 stages over 100 devices under churn.
 
-    .venv/bin/python bench/swarm_scaling.py [--replicas 1 2 3] [--steps 14] [--delay-ms 20] [--rate-mbit 100]
-                                            [--hours 24] [--no-write]
+    .venv/bin/python bench/swarm_scaling.py [--replicas 1 2 3] [--steps 14] [--batch-size 24]
+                                            [--links loopback shaped] [--delay-ms 20] [--rate-mbit 100]
+                                            [--hours 24] [--section swarm_scaling] [--no-write]
 
 Measured: the GPT of bench/pipeline_vs_torch.py in 3 stages (layer boundaries [0, 3, 5, 8]), batch 24 × 128 tokens
 in 6 micro-batches, Adam, GPipe, every stage with R replicas (static agents, one process and one torch thread each,
@@ -67,7 +68,7 @@ from devtools.launch import AgentProcess, spawn_static_agents_on_free_ports, sto
 from devtools.pipeline import driver_token, identity_for, replicated_pipeline_assignments  # noqa: E402
 from devtools.shaper import ShaperThread, add_link_arguments, link_shape  # noqa: E402
 
-DATASET = validate_dataset_config({"name": "text", "batch_size": 24, "val_batch_size": 64, "block_size": 128})
+DATASET = {"name": "text", "batch_size": 24, "val_batch_size": 64, "block_size": 128}  # --batch-size sets the batch
 MICRO_BATCHES, WARMUP, BOUNDS = 6, 2, [0, 3, 5, 8]
 CLOCK_TICK = os.sysconf("SC_CLK_TCK")
 
@@ -134,10 +135,10 @@ class Run:
 
 
 def run(job_id: str, replicas: int, endpoints: list[StageEndpoint], agents: list[AgentProcess], steps: int,
-        shaped: bool) -> Run:
+        shaped: bool, dataset: dict[str, Any]) -> Run:
     plan = TrainPlan(
         job_id=job_id, generation=1, credential=driver_token(job_id, 1),
-        stages=tuple(e for e in endpoints if e.replica == 0), replicas=tuple(endpoints), dataset=DATASET, epochs=1,
+        stages=tuple(e for e in endpoints if e.replica == 0), replicas=tuple(endpoints), dataset=dataset, epochs=1,
         learning_rate=LR, micro_batches=MICRO_BATCHES, seed=SEED, schedule="gpipe",
         rpc_timeout_seconds=120.0,
     )
@@ -147,7 +148,7 @@ def run(job_id: str, replicas: int, endpoints: list[StageEndpoint], agents: list
     train(plan, meter)
     cores = (cores + free_cores()) / 2  # other sessions' load comes and goes: the mean of before and after
     measured = len(meter.steps) - WARMUP
-    batch = DATASET["batch_size"]
+    batch = dataset["batch_size"]
     first, last = meter.steps[WARMUP - 1], meter.steps[-1]
     sent = sum(c.bytes_sent for c in last.stages) - sum(c.bytes_sent for c in first.stages)
     # Per measured step: its wall time, every agent's CPU, this process's; the run's figures are their medians.
@@ -170,10 +171,13 @@ def run(job_id: str, replicas: int, endpoints: list[StageEndpoint], agents: list
     )
 
 
-def measure(replicas: int, steps: int, shape: dict[str, float], workdir: Path) -> list[Run]:
-    """Both runs (loopback, shaped) of R replicas per stage, on 3R fresh agents hosting both jobs."""
+def measure(replicas: int, steps: int, shape: dict[str, float], workdir: Path, dataset: dict[str, Any],
+            links: list[str]) -> list[Run]:
+    """The runs (loopback, shaped, as `links` names them) of R replicas per stage, on 3R fresh agents hosting
+    every job."""
     n = len(BOUNDS) - 1
-    jobs = {False: f"scaling-r{replicas}", True: f"scaling-r{replicas}-shaped"}
+    jobs = {shaped: f"scaling-r{replicas}{'-shaped' if shaped else ''}"
+            for shaped in (False, True) if ("shaped" if shaped else "loopback") in links}
 
     def hosted(flat: list[str]) -> list[list[dict[str, Any]]]:
         per_agent: list[list[dict[str, Any]]] = [[] for _ in flat]
@@ -181,7 +185,7 @@ def measure(replicas: int, steps: int, shape: dict[str, float], workdir: Path) -
             stages = replicated_pipeline_assignments(
                 job_id=job_id, model_config=MODEL, boundaries=BOUNDS, addresses=layout(flat),
                 optimizer={"name": "adam", "lr": LR}, seed=SEED, micro_batches=MICRO_BATCHES,
-                max_micro_batch_size=max_micro_batch_size(DATASET, MICRO_BATCHES),
+                max_micro_batch_size=max_micro_batch_size(dataset, MICRO_BATCHES),
             )
             for i, stage in enumerate(stages):
                 for r, assignment in enumerate(stage):
@@ -209,7 +213,7 @@ def measure(replicas: int, steps: int, shape: dict[str, float], workdir: Path) -
                     )
                     for i, stage in enumerate(addresses) for r, a in enumerate(stage)
                 ]
-                runs.append(run(job_id, replicas, endpoints, agents, steps, shaped))
+                runs.append(run(job_id, replicas, endpoints, agents, steps, shaped, dataset))
                 print(f"R={replicas} {'shaped' if shaped else 'loopback'}: {runs[-1]}", file=sys.stderr, flush=True)
         peaks = [peak_rss_mib(a.process.pid) for a in agents]
     finally:
@@ -220,12 +224,12 @@ def measure(replicas: int, steps: int, shape: dict[str, float], workdir: Path) -
 
 
 # --- the model ---------------------------------------------------------------------------------------------
-def bench_workload() -> Workload:
+def bench_workload(batch_size: int) -> Workload:
     spec = model_spec_from_config(MODEL)
     params = spec.layer_params()
     boundary = DATASET["block_size"] * MODEL["d_model"] * 4  # fp32 activations (and their gradients) per sample
     return Workload(
-        MICRO_BATCHES, DATASET["batch_size"], (boundary,) * (len(BOUNDS) - 2),
+        MICRO_BATCHES, batch_size, (boundary,) * (len(BOUNDS) - 2),
         tuple(4.0 * sum(params[a:b]) for a, b in zip(BOUNDS, BOUNDS[1:], strict=False)), schedule="gpipe",
     )
 
@@ -261,6 +265,7 @@ class Calibration:
     and the shaper's CPU per byte it carried. (The agents' own compute counters are wall time, stretched where
     processes outnumber cores.)"""
 
+    batch_size: int
     compute: list[float]
     replica_overhead_s: float
     exchange_cpu_per_byte: float
@@ -268,16 +273,17 @@ class Calibration:
     shaper_cpu_per_byte: float
 
     @classmethod
-    def of(cls, loopback: Run, shaped: Run, overhead: float, exchange_cpu_per_byte: float) -> Calibration:
+    def of(cls, batch: int, loopback: Run, shaped: Run | None, overhead: float,
+           exchange_cpu_per_byte: float) -> Calibration:
         # Every byte a replica sends crosses the shaper once; the driver's own pushes and replies are few.
-        shaper = max(0.0, shaped.own_cpu_per_step - loopback.own_cpu_per_step) / shaped.bytes_sent_per_step
-        batch = DATASET["batch_size"]
+        shaper = (0.0 if shaped is None else
+                  max(0.0, shaped.own_cpu_per_step - loopback.own_cpu_per_step) / shaped.bytes_sent_per_step)
         compute = [max(c - overhead / batch, 1e-6) for c in loopback.stage_cpu_per_sample]
-        return cls(compute, overhead, exchange_cpu_per_byte, loopback.own_cpu_per_step, shaper)
+        return cls(batch, compute, overhead, exchange_cpu_per_byte, loopback.own_cpu_per_step, shaper)
 
     def predict(self, replicas: int, shaped: bool, shape: dict[str, float], cores: float) -> tuple[float, float]:
         """(samples/s, agent CPU seconds per sample) the model predicts for R replicas on `cores` free cores."""
-        w = bench_workload()
+        w = bench_workload(self.batch_size)
         # The shaper shapes each connection on its own: each peer a replica sends to is a link of its own.
         link = Link(shape["delay_s"], shape["rate_bps"], per_peer=True) if shaped else Link(0.0, 1e18)
         stages = [[Replica(c, link)] * replicas for c in self.compute]
@@ -293,7 +299,7 @@ class Calibration:
 def overhead_note(runs: dict[tuple[int, bool], Run], c: Calibration) -> str:
     """The CPU/sample goal (R > 1 within 1.1x of R=1), met or not, and what the calibrated costs put the extra
     at: the exchange's bytes (sent and received, every replica) and the optimizer steps of the replicas beyond one."""
-    w = bench_workload()
+    w = bench_workload(c.batch_size)
     parts = []
     for (replicas, shaped), r in sorted(runs.items()):
         if replicas == 1:
@@ -360,6 +366,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 3], help="R values to measure (1 first)")
     parser.add_argument("--steps", type=int, default=14, help="training steps per run")
+    parser.add_argument("--batch-size", type=int, default=DATASET["batch_size"],
+                        help="sequences per step (the exchange's bytes per step do not grow with it)")
+    parser.add_argument("--links", nargs="+", choices=["loopback", "shaped"], default=["loopback", "shaped"],
+                        help="which runs of each R (loopback first: it calibrates the model)")
+    parser.add_argument("--section", default="swarm_scaling",
+                        help="the docs/BENCHMARKS.md section written (another keeps the default run's figures)")
     add_link_arguments(parser)
     parser.add_argument("--hours", type=float, default=24.0, help="simulated hours at scale")
     parser.add_argument("--leaves-per-hour", type=float, default=0.1, help="each device's departure rate at scale")
@@ -377,13 +389,19 @@ def main() -> None:
         parser.error(f"--steps must exceed the {WARMUP} warm-up steps")
     if args.replicas[0] != 1 or any(not 1 <= r <= MICRO_BATCHES for r in args.replicas):
         parser.error(f"--replicas must start with 1 (the calibration) and stay within 1..{MICRO_BATCHES}")
+    if "loopback" not in args.links:
+        parser.error("--links must include loopback: the R=1 loopback run calibrates the model")
     shape = link_shape(args)
+    try:
+        dataset = validate_dataset_config({**DATASET, "batch_size": args.batch_size})
+    except ValueError as exc:
+        parser.error(f"--batch-size {args.batch_size}: {exc}")
 
     load, started = os.getloadavg(), time.perf_counter()
     runs: dict[tuple[int, bool], Run] = {}
     with tempfile.TemporaryDirectory(prefix="arceus-swarm-scaling-") as workdir:
         for replicas in args.replicas:
-            for r in measure(replicas, args.steps, shape, Path(workdir)):
+            for r in measure(replicas, args.steps, shape, Path(workdir), dataset, args.links):
                 runs[(r.replicas, r.shaped)] = r
     load_after = os.getloadavg()
     stage_params = [sum(model_spec_from_config(MODEL).layer_params()[a:b]) for a, b in zip(BOUNDS, BOUNDS[1:],
@@ -391,7 +409,7 @@ def main() -> None:
     mean_params = round(sum(stage_params) / len(stage_params))
     overhead = optimizer_step_cpu(mean_params)
     per_byte = agent_exchange_cpu_per_byte(mean_params, replicas=2)
-    calibration = Calibration.of(runs[(1, False)], runs[(1, True)], overhead, per_byte)
+    calibration = Calibration.of(args.batch_size, runs[(1, False)], runs.get((1, True)), overhead, per_byte)
 
     rows, figures = "", {}
     for (replicas, shaped), r in runs.items():
@@ -436,7 +454,7 @@ def main() -> None:
     body = (
         f"The machine was shared with other sessions (load average {load[0]:.2f} before, {load_after[0]:.2f} after; "
         f"{os.cpu_count()} cores). GPT of `bench/pipeline_vs_torch.py` ({params / 1e6:.2f}M parameters) in 3 stages "
-        f"(boundaries {BOUNDS}), batch {DATASET['batch_size']} × {DATASET['block_size']} tokens, M={MICRO_BATCHES}, "
+        f"(boundaries {BOUNDS}), batch {args.batch_size} × {DATASET['block_size']} tokens, M={MICRO_BATCHES}, "
         f"Adam, GPipe; R replicas per stage, each a static agent (one process, one torch thread); {args.steps} steps "
         f"per run, {WARMUP} warm-up not timed. Shaped: every agent behind its own shaper link, {args.delay_ms:g} ms "
         f"one way, {args.rate_mbit:g} Mbit/s per direction (each connection shaped on its own). Agent CPU: "
@@ -476,7 +494,8 @@ def main() -> None:
         "R=1 is today's one device per stage.\n\n" + scale_table
         + f"\nThe bench took {figures['bench_seconds']} s.\n"
     )
-    report("swarm_scaling", "Replicated stages: scaling on this machine and at scale (`bench/swarm_scaling.py`)",
+    report(args.section, "Replicated stages: scaling on this machine and at scale (`bench/swarm_scaling.py`"
+           + ("" if args.section == "swarm_scaling" else f" {' '.join(sys.argv[1:])}") + ")",
            body, figures, write=not args.no_write)
 
 
