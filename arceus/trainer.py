@@ -118,9 +118,9 @@ class _ModelSource:
 
 def _model_source(model: Any, example_input: torch.Tensor | None, **capture_options: Any) -> _ModelSource | None:
     """The one place that decides what `model` may be: an Arceus model config (`{"type": "mlp", "layer_sizes":
-    [...]}`, a GPT, a Llama, a convnet: docs/architecture.md "Model spec"), or any `nn.Module`, captured with
-    torch.export on `example_input` (arceus.model.exported); None for a module whose example batch is still to
-    come from the dataset given to `train`."""
+    [...]}`, a GPT, a Llama, a convnet: docs/architecture.md "Model spec and datasets"), or any `nn.Module`,
+    captured with torch.export on `example_input` (arceus.model.exported); None for a module whose example batch
+    is still to come from the dataset given to `train`."""
     if isinstance(model, dict):
         return _ModelSource(model_config=model)
     if isinstance(model, nn.Module):
@@ -144,9 +144,10 @@ def _example_batch(dataset: Any) -> torch.Tensor:
 
 def dataset_config_for(dataset: Any, client: ArceusClient) -> dict[str, Any]:
     """The one place that decides what `dataset` may be: a dataset config the control plane knows (`{"name":
-    "digits"}`, `{"name": "text", "source": ...}`: docs/architecture.md "Datasets"), an uploaded dataset's id, or
-    what `arceus.data.uploadable` converts (a pair of tensors, a torch Dataset of (x, y) samples, a text, JSONL,
-    Parquet, safetensors or npz file), which is uploaded first (resuming an unfinished upload of the same file)."""
+    "digits"}`, `{"name": "text", "source": ...}`: docs/architecture.md "Model spec and datasets"), an uploaded
+    dataset's id, or what `arceus.data.uploadable` converts (a pair of tensors, a torch Dataset of (x, y) samples,
+    a text, JSONL, Parquet, safetensors or npz file), which is uploaded first (resuming an unfinished upload of the
+    same file)."""
     if isinstance(dataset, dict):
         return dataset
     if isinstance(dataset, str) and _is_dataset_id(dataset) and not Path(dataset).exists():
