@@ -317,10 +317,8 @@ ARCEUS_DATA_ROOT = Path(os.environ.get("ARCEUS_DATA_ROOT", BASE_DIR / "data"))
 # placement over the fastest nodes found so far, or "ran out" when none was.
 ARCEUS_SOLVER_SECONDS = float(os.environ.get("ARCEUS_SOLVER_SECONDS", "3"))
 # Queued jobs one reconcile pass places (oldest first; the rest wait for the next pass): with 10,000 nodes a
-# placement search costs tens of ms, and a pass must stay short enough to notice silent nodes in time. Each placed
-# stage's agent then reports it (through Django, once) and the pass after it starts the job. At 25 a pass of the
-# 10,000-agent bench took up to 1.56 s and the heartbeats' p99 was 276 ms; at 10, 0.6 s and 36-43 ms
-# (docs/BENCHMARKS.md, bench/control_plane_scale.py): 1,000 jobs are placed in about 100 passes.
+# placement search costs tens of ms, and a pass must stay short enough to notice silent nodes in time (why 10:
+# docs/BENCHMARKS.md, "The training fleet").
 ARCEUS_MAX_PLACEMENTS_PER_PASS = int(os.environ.get("ARCEUS_MAX_PLACEMENTS_PER_PASS", "10"))
 # The market: a standard-medium device (a typical laptop) earns about this per hour when demand and
 # supply balance; the platform keeps this fraction of every charge; prices are recomputed this often.

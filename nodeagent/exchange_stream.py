@@ -3,9 +3,8 @@ opened once per membership epoch, whose frames are read straight into the exchan
 
 Why not gRPC: a shard pushed over gRPC Python crossed gRPC core's threads, was copied into Python `bytes` by its
 server loop, handed to the step's thread through a mailbox, and acknowledged through a reader polled ten times a
-second; in real agents that cost ~15 ms of CPU per sample at three replicas, ten times the budget of replicas that
-cost no more CPU per sample than one (docs/BENCHMARKS.md, swarm_scaling). Here the step's own thread sends and
-reads every frame: `recv_into` the vector it belongs in, no copy and no other thread.
+second, far more CPU per sample than the replicas' budget (docs/BENCHMARKS.md, swarm_scaling). Here the step's own
+thread sends and reads every frame: `recv_into` the vector it belongs in, no copy and no other thread.
 
 Opening: the lower replica id dials the higher one's exchange listener (its port from `ReplicaService.ExchangePort`,
 its host the sibling's address; a relayed sibling's through its relay, arceus.relay.dialer.connect, which splices

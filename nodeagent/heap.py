@@ -2,12 +2,11 @@
 
 Every micro-batch moves megabytes through fresh buffers: gRPC's message buffers, decoded tensors,
 activations and their gradients. glibc serves blocks above its mmap threshold (128 KiB at first; it
-adapts, but trims the heap again) with fresh pages, and the kernel zero-fills each page on first touch:
-decoding a 4 MiB int8 push cost 1.1 ms that way against 0.18 ms in reused memory. The price: each malloc
-arena (the main one, and one per thread that allocates concurrently, up to 8 per core) stays near its
-high-water mark, since a thread arena's heap (64 MiB at most) never reaches the trim threshold. So the
-arenas are capped at ARENA_MAX: with up to 16 on two cores, an agent of a 300M-parameter pipeline kept
-600 MiB more than its neighbour hosting a stage of the same size.
+adapts, but trims the heap again) with fresh pages, which the kernel zero-fills on first touch, several
+times slower than reused memory. The price: each malloc arena (the main one, and one per thread that
+allocates concurrently, up to 8 per core) stays near its high-water mark, since a thread arena's heap
+(64 MiB at most) never reaches the trim threshold; so the arenas are capped at ARENA_MAX. Measurements:
+docs/BENCHMARKS.md ("Figures moved from code comments").
 """
 
 from __future__ import annotations
@@ -25,9 +24,8 @@ log = logging.getLogger(__name__)
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
 ARENA_MAX = 2  # the main heap and one more: the threads that move tensors share them
 # Blocks above this still get a mapping of their own, returned on free: a large stage's weights, gradients and
-# optimizer moments (a 1024-wide GPT's are 12-16 MiB each). Kept in the heap (32 MiB, and 512 MiB of free top
-# before a trim), they left it fragmented near its high-water mark: bench/large_model.py's largest agent peaked
-# at 0.40x the one-process peak, 0.33x with these two values (the same bench under MALLOC_ environment settings).
+# optimizer moments (a 1024-wide GPT's are 12-16 MiB each), which kept in the heap left it fragmented near its
+# high-water mark.
 MMAP_THRESHOLD = 8 << 20
 TRIM_THRESHOLD = 64 << 20  # free memory at the top of the main heap before it shrinks
 # How an operator tunes glibc's malloc; any of them set, the agent leaves the allocator alone.

@@ -266,8 +266,7 @@ class _MetricsServer(ThreadingMixIn, WSGIServer):
 
     def serve_until_stopped(self) -> None:
         """Accept scrapes until `stop`. The thread sleeps until a connection or `stop` arrives: serve_forever's
-        poll (every 0.05 s, for a quick shutdown) woke every agent 20 times a second, idle or training, about
-        60% of an idle agent's CPU (1.0 of 1.7 ms per second, bench/swarm_scaling.py's agents)."""
+        poll (every 0.05 s, for a quick shutdown) woke every agent 20 times a second, most of an idle agent's CPU."""
         with selectors.DefaultSelector() as selector:
             selector.register(self, selectors.EVENT_READ)
             selector.register(self._wake_reader, selectors.EVENT_READ)

@@ -2,17 +2,15 @@
 process training a job's model (each stage's agent, the single-process reference) steps identically.
 
 Adam runs torch's fused kernel on the devices torch has one for (CPU, CUDA): one pass over each
-parameter's memory instead of a dozen elementwise passes. On a CPU it takes about a fifth of the default
-implementation's time (measured on GPT blocks of width 1024: 0.03 vs 0.16 core-seconds per 25M
-parameters), which on the large-model benchmark was about a tenth of every stage's step.
+parameter's memory instead of a dozen elementwise passes (on a CPU about a fifth of the default
+implementation's time: docs/BENCHMARKS.md, "Where the pipeline's step time goes").
 
 "adam8bit" is bitsandbytes' blockwise 8-bit Adam (Dettmers et al. 2022), which has a CPU backend: both
 moments kept as one byte per element with a float32 scale per block of
 `arceus.model.expected_state.ADAM8BIT_BLOCK` elements, the update
 computed in float32. Training state is 10 bytes a parameter instead of fp32 Adam's 16 (weights and gradients
 stay float32). Every parameter, however small, is quantized (`min_8bit_size=0`), so its state has one layout
-(`arceus.model.expected_state.optimizer_entry_layout`). Its step on a CPU is slower than fused Adam (measured
-with bitsandbytes 0.50.2, one thread, a 4096x4096 parameter: 0.70 s against 0.05 s).
+(`arceus.model.expected_state.optimizer_entry_layout`). Its step on a CPU is slower than fused Adam.
 
 bf16 weights with float32 master copies are not offered: on a CPU they save nothing (a bfloat16 weight and
 gradient plus a float32 master copy are the 8 bytes a float32 weight and gradient are) while making every

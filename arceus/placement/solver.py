@@ -57,8 +57,7 @@ BACKWARD_FACTOR = 3.0  # forward + backward ≈ 3 × forward FLOPs
 PRICE_TOLERANCE = 0.02  # a placement this much slower than the fastest may win by being cheaper
 # Besides the stashes of the micro-batches in flight, a training stage's peak holds about this many more
 # micro-batches' worth: the forward's and backward's temporaries, freed but kept by the allocator for the
-# next micro-batch. Measured with torch 2.13 on CPU (six 1024-wide GPT blocks, one sample of 128 tokens per
-# micro-batch): the peak rose 53 MiB per micro-batch in flight (the stash says 48) on top of 130-156 MiB.
+# next micro-batch (measured: docs/BENCHMARKS.md, "Figures moved from code comments").
 WORKSPACE_MICRO_BATCHES = 3
 MAX_CANDIDATES = 8  # candidate units searched by default (the search is exponential in them)
 _CHECK_EVERY = 256  # search steps (one candidate set extended by one stage) between two reads of the clock

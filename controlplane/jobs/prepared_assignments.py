@@ -1,14 +1,13 @@
 """Nodes' assignments built ahead, when a reconcile pass changed them, for the quiet heartbeat to answer.
 
-A pass that places 10 jobs changes 30 nodes' assignments, and each of their agents' next heartbeat must carry
-them. Built by Django in the web process, each cost about 10 ms of CPU (7.7 ms of it `assignments_for_node`), in
-the web server's threads, where they queued behind each other and took the interpreter from the event loop that
-answers every other heartbeat: the 10,000-agent bench's p99 while placing. So the control worker builds them right
-after the pass (tasks/control.py; `assignments_prepare`: five queries for all of a pass's nodes) and stores each
-node's under the version it was built at; the quiet heartbeat (controlplane/agents/heartbeat.py) reads the version
-anyway, and answers the assignments stored under it in one more Redis round trip. When none are stored (expired,
-not built yet, or the version moved on since), Django builds them as before: this only moves work, it never
-decides an answer.
+A pass that places jobs changes many nodes' assignments, and each of their agents' next heartbeat must carry
+them. Built by Django in the web server's threads, they queued behind each other and took the interpreter from the
+event loop that answers every other heartbeat (docs/BENCHMARKS.md, "Figures moved from docs/architecture.md"). So
+the control worker builds them right after the pass (tasks/control.py; `assignments_prepare`: five queries for all
+of a pass's nodes) and stores each node's under the version it was built at; the quiet heartbeat
+(controlplane/agents/heartbeat.py) reads the version anyway, and answers the assignments stored under it in one
+more Redis round trip. When none are stored (expired, not built yet, or the version moved on since), Django builds
+them as before: this only moves work, it never decides an answer.
 
 An answer is stored under a version only when the version read before building it and the one read after are the
 same, so the stored assignments are those of that version (a generation only grows, so a version does not come
