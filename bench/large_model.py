@@ -65,9 +65,8 @@ from devtools.cluster import Agent, LocalCluster  # noqa: E402
 from devtools.supervisor import peak_rss  # noqa: E402
 
 # Twice as many micro-batches as stages (one sample each): no stage holds more than 4 samples' activations.
-# Four micro-batches of two cost ~25% less CPU per step (bench/pipeline_step_cost.py: 128-row matrix products
-# run slower per row than 256-row ones) but, measured here, took stage 0's agent to 0.36x the one-process peak,
-# 25% above the memory model's prediction: over the goal of 0.35x.
+# Four of two cost less CPU but more memory than the goal allows (docs/BENCHMARKS.md, "Where the pipeline's
+# step time goes").
 BATCH, MICRO_BATCHES, BLOCK, STAGES = 8, 8, 128, 4
 AGENT_SHARE = 0.35  # each owner's max_memory_bytes, as a fraction of the one-process peak
 CONTROL_PLANE = ("web", "worker-control", "worker-training", "beat")
