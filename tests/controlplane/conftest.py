@@ -7,7 +7,7 @@ import copy
 import importlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ from arceus.wire.tls import TlsIdentity, new_identity
 from controlplane.accounts.services import user_token_get_or_create
 from controlplane.agents.services import node_heartbeat, node_register
 from controlplane.celery import CONTROL_QUEUE, QUEUE_TASK_MODULES, SAMPLING_QUEUE, app
+from controlplane.controller.executor import reconcile_once
 from controlplane.jobs.models import Job
 from controlplane.jobs.services import job_start, job_submit
 from controlplane.nodes.models import Node
@@ -208,6 +209,21 @@ def queued_job(user: User) -> Callable[..., Job]:
         return job_start(job=job_submit(owner=user, **{**DIGITS_JOB, **overrides}))
 
     return make
+
+
+@pytest.fixture
+def running_job(ready_node: ReadyNode, queued_job: Callable[..., Job]) -> Job:
+    """A job placed on three nodes whose driver was just enqueued (lease pending, no owner). Tests that need a
+    running job of another kind define their own."""
+    for i in range(3):
+        ready_node(f"n{i}", port=50051 + i)
+    job = queued_job()
+    reconcile_once()
+    Job.objects.filter(pk=job.pk).update(
+        status="running", driver_lease_owner="", driver_lease_expires_at=timezone.now() + timedelta(seconds=60)
+    )
+    job.refresh_from_db()
+    return job
 
 
 @pytest.fixture

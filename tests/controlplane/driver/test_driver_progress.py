@@ -39,20 +39,6 @@ from controlplane.market.models import LedgerEntry
 pytestmark = pytest.mark.django_db
 
 
-@pytest.fixture
-def running_job(ready_node, queued_job) -> Job:
-    """A placed job whose driver was just enqueued (lease pending, no owner)."""
-    for i in range(3):
-        ready_node(f"n{i}", port=50051 + i)
-    job = queued_job()
-    reconcile_once()
-    Job.objects.filter(pk=job.pk).update(
-        status="running", driver_lease_owner="", driver_lease_expires_at=timezone.now() + timedelta(seconds=60)
-    )
-    job.refresh_from_db()
-    return job
-
-
 def points(*losses: float, start: int = 1) -> list[StepPoint]:
     return [StepPoint(1, start + i, 90, loss, 100.0 + i) for i, loss in enumerate(losses)]
 

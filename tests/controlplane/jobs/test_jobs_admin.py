@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 import pytest
 from django.contrib.admin.models import LogEntry
 from django.contrib.auth.models import Permission, User
@@ -17,19 +15,6 @@ from controlplane.jobs.models import Job
 
 pytestmark = pytest.mark.django_db
 CHANGELIST = "/admin/jobs/job/"
-
-
-@pytest.fixture
-def running_job(ready_node, queued_job) -> Job:  # noqa: ANN001
-    for i in range(3):
-        ready_node(f"n{i}", port=50051 + i)
-    job = queued_job()
-    reconcile_once()
-    Job.objects.filter(pk=job.pk).update(
-        status="running", driver_lease_owner="", driver_lease_expires_at=timezone.now() + timedelta(seconds=60)
-    )
-    job.refresh_from_db()
-    return job
 
 
 def act(client: Client, action: str, *jobs: Job) -> list[str]:
