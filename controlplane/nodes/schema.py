@@ -144,14 +144,8 @@ def _string(data: dict[str, Any], key: str, at: str, errors: dict[str, list[str]
             blank: bool = False, required: bool = True, nullable: bool = False, trim: bool = True,
             path: str | None = None) -> str | None:
     where = path or _join(at, key)
-    if key not in data:
-        if required:
-            errors.setdefault(where, []).append(REQUIRED)
-        return None
-    value = data[key]
+    value = _given(data, key, where, errors, required=required, nullable=nullable)
     if value is None:
-        if not nullable:
-            errors.setdefault(where, []).append(NOT_NULL)
         return None
     if not isinstance(value, str):
         errors.setdefault(where, []).append("Not a valid string.")
@@ -165,6 +159,19 @@ def _string(data: dict[str, Any], key: str, at: str, errors: dict[str, list[str]
     if max_chars is not None and len(value) > max_chars:
         errors.setdefault(where, []).append(f"Ensure this field has no more than {max_chars} characters.")
         return None
+    return value
+
+
+def _given(data: dict[str, Any], key: str, where: str, errors: dict[str, list[str]], *, required: bool,
+           nullable: bool) -> Any:
+    """`data[key]`, or None: absent (an error where `required`) or null (an error unless `nullable`)."""
+    if key not in data:
+        if required:
+            errors.setdefault(where, []).append(REQUIRED)
+        return None
+    value = data[key]
+    if value is None and not nullable:
+        errors.setdefault(where, []).append(NOT_NULL)
     return value
 
 
@@ -187,14 +194,9 @@ def _number(data: dict[str, Any], key: str, at: str, errors: dict[str, list[str]
             maximum: float | None = None, greater_than: float | None = None, nullable: bool = False,
             required: bool | None = None) -> float | None:
     where = _join(at, key)
-    if key not in data:
-        if required if required is not None else not nullable:
-            errors.setdefault(where, []).append(REQUIRED)
-        return None
-    value = data[key]
+    value = _given(data, key, where, errors, required=required if required is not None else not nullable,
+                   nullable=nullable)
     if value is None:
-        if not nullable:
-            errors.setdefault(where, []).append(NOT_NULL)
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         errors.setdefault(where, []).append(f"Must be a finite JSON number (e.g. 0.01), got {value!r}.")
