@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 from urllib.parse import urlsplit, urlunsplit
@@ -25,6 +26,21 @@ TEST_PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 def pytest_configure(config: pytest.Config) -> None:
     settings.PASSWORD_HASHERS = TEST_PASSWORD_HASHERS
     _worker_redis_database()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection(session: pytest.Session) -> Iterator[object]:
+    """Collection imports every test module and all they import (~600,000 objects the collector tracks), which live as
+    long as the session: the cycle collector waits until they are all created, then leaves them out of its view
+    (`gc.freeze`, as controlplane/common/garbage_collector.py does for a server's code). Otherwise every later full
+    collection scans them again, the one an agent's dropped stage runs (nodeagent.hosting) too: docs/BENCHMARKS.md."""
+    gc.disable()
+    try:
+        return (yield)
+    finally:
+        gc.collect()
+        gc.freeze()
+        gc.enable()
 
 
 @pytest.hookimpl(trylast=True)  # after `-m` deselected what will not run
