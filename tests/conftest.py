@@ -5,11 +5,13 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import Iterator
+from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 import torch
 from django.conf import settings
+from django.db.backends.postgresql.operations import DatabaseOperations
 
 from devtools.agent_wheel import InstalledAgent, install_agent
 from nodeagent.agent import Agent
@@ -26,6 +28,7 @@ TEST_PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 def pytest_configure(config: pytest.Config) -> None:
     settings.PASSWORD_HASHERS = TEST_PASSWORD_HASHERS
     _worker_redis_database()
+    _flush_by_delete()
 
 
 @pytest.hookimpl(wrapper=True)
@@ -56,6 +59,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         files.setdefault(item.path.relative_to(config.rootpath).as_posix(), []).append(item)
     ordered = sorted(files.items(), key=lambda entry: (not entry[0].startswith(WHOLE_SYSTEM_FILES), -len(entry[1])))
     items[:] = [item for _, in_file in ordered for item in in_file]
+
+
+def _flush_by_delete() -> None:
+    """After each transactional test Django empties every table with one TRUNCATE, which PostgreSQL carries out file
+    by file (new files for each table and index, its buffers dropped): 0.6-0.8 s for our ~30 nearly empty tables,
+    where DELETE takes milliseconds. The tests' flushes delete instead, in one transaction: every foreign key Django
+    creates is checked at commit (DEFERRABLE INITIALLY DEFERRED), so the order does not matter. A flush that resets
+    sequences still truncates."""
+    truncate = DatabaseOperations.sql_flush
+
+    def sql_flush(self: DatabaseOperations, style: Any, tables: list[str], *, reset_sequences: bool = False,
+                  allow_cascade: bool = False) -> list[str]:
+        if reset_sequences:
+            return truncate(self, style, tables, reset_sequences=True, allow_cascade=allow_cascade)
+        return [f"{style.SQL_KEYWORD('DELETE FROM')} {style.SQL_FIELD(self.quote_name(table))};" for table in tables]
+
+    DatabaseOperations.sql_flush = sql_flush
 
 
 def _worker_redis_database() -> None:
