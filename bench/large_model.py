@@ -260,7 +260,7 @@ def solver_estimates(job: dict[str, Any], detail: dict[str, Any]) -> list[int]:
     layers = layer_profiles(spec)
     workload = Workload(-(-BATCH // MICRO_BATCHES), MICRO_BATCHES, job["schedule"],
                         optimizer=optimizer_kind(job["optimizer"], 0.0),
-                        activation_checkpointing=job["activation_checkpointing"])
+                        activation_checkpointing=job["activation_checkpointing"], precision=job["precision"])
     ranges = [(p["layer_start"], p["layer_end"]) for p in sorted(detail["placements"], key=lambda p: p["stage_index"])]
     return [stage_memory(layers[s:e], workload, in_flight=workload.in_flight(i, len(ranges)))
             for i, (s, e) in enumerate(ranges)]

@@ -127,7 +127,7 @@ def stage_memory_need(assignment: Assignment) -> tuple[int, str]:
     workload = Workload(
         assignment.max_micro_batch_size, assignment.micro_batches, assignment.schedule,
         optimizer=optimizer_kind(assignment.optimizer.name, assignment.optimizer.momentum),
-        activation_checkpointing=assignment.activation_checkpointing,
+        activation_checkpointing=assignment.activation_checkpointing, precision=assignment.precision,
     )
     in_flight = workload.in_flight(assignment.stage_index, assignment.num_stages)
     return stage_memory(layers, workload, ranks, in_flight), "weights, gradients, optimizer state and activations"

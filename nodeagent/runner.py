@@ -42,6 +42,7 @@ from nodeagent.local_status import write_status
 from nodeagent.openmp import describe_openmp_spin
 from nodeagent.run_options import RunOptions
 from nodeagent.static import load_local_checkpoint
+from nodeagent.warm_up import warm_up_training
 
 log = logging.getLogger("nodeagent")
 STOP_GRACE_SECONDS = 5.0
@@ -173,7 +174,9 @@ def _register(
     agent: Agent, client: ControlPlaneClient, url: str, declared_flops: float | None, stop: threading.Event
 ) -> Registration | None:
     """Measure the device and the link to the control plane at `url`, and register (retrying while it cannot be
-    reached); None if stopped first. Raises Unauthorized."""
+    reached); None if stopped first. Raises Unauthorized. What it holds is measured after it loaded what training
+    any stage loads (`warm_up_training`)."""
+    warm_up_training(agent.device)
     measured = capabilities(agent.device, declared_flops=declared_flops)
     agent.registry.runtime_bytes = measured.runtime_bytes
     caps = measured.to_json()

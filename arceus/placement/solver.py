@@ -6,8 +6,8 @@ receiving the gradient back over the device's link; a device reached through a r
 link for its inputs too (the previous stage's activations in, their gradients back), since every byte to or from it
 crosses the relay, so placement keeps relayed devices off the stages whose links bind and uses their measured link
 (through the relay) for both. The pipeline runs at the pace of its slowest stage,
-so the solver minimises that bottleneck; a stage never needs more memory than its device has (weights,
-gradients and optimizer state, plus the activations stashed for each micro-batch it holds at once: all of
+so the solver minimises that bottleneck; a stage never needs more memory than its device has (`stage_memory`:
+weights, gradients and optimizer state, plus what autograd keeps for each micro-batch it holds at once: all of
 a step's under GPipe, fewer the later the stage under 1F1B); and among placements within `PRICE_TOLERANCE`
 of the fastest, the cheapest per hour wins, within the budget, and among those the one with the fewest relayed
 devices.
@@ -45,20 +45,22 @@ from dataclasses import dataclass, replace
 from arceus.model.expected_state import ADAM8BIT_BLOCK
 from arceus.pipeline.schedule import peak_in_flight
 
+MIB = 2**20
 # Training memory per parameter, by optimizer kind (`arceus.model.expected_state.optimizer_kind`): an fp32
 # weight and its gradient, and what the optimizer keeps: SGD's momentum buffer, Adam's two fp32 moments, 8-bit
 # Adam's two one-byte moments (plus a float32 scale per ADAM8BIT_BLOCK elements each: `layer_training_memory`).
 TRAINING_BYTES_PER_PARAMETER = {"sgd": 8, "sgd-momentum": 12, "adam": 16, "adam8bit": 10}
 BYTES_PER_PARAMETER = TRAINING_BYTES_PER_PARAMETER["adam"]
-# What an optimizer's library adds to the agent that first builds a stage with it: importing bitsandbytes 0.50.2
-# beside torch 2.13 (it loads torch's custom-op machinery: sympy, networkx, jinja2) raised a process's RSS by 124 MiB.
-OPTIMIZER_LIBRARY_BYTES = {"adam8bit": 124 * 2**20}
+# What an optimizer's library adds to the agent that first builds a stage with it, beyond what every agent loads
+# before it measures its own memory (`nodeagent.warm_up`: torch.optim's torch._dynamo and the training kernels):
+# bitsandbytes 0.50.2 beside torch 2.13, measured in such a process by bench/stage_peak_memory.py.
+OPTIMIZER_LIBRARY_BYTES = {"adam8bit": 50 * MIB}
+PRECISIONS = ("fp32", "bf16")
+# Under bf16 autocast a layer keeps its matmuls' inputs and outputs in bfloat16: what it keeps beside its input
+# takes half its fp32 bytes; each micro-batch's forward also casts the matmuls' weights, and its graph keeps them.
+BF16_BYTES_PER_CAST_PARAMETER = 2
 BACKWARD_FACTOR = 3.0  # forward + backward ≈ 3 × forward FLOPs
 PRICE_TOLERANCE = 0.02  # a placement this much slower than the fastest may win by being cheaper
-# Besides the stashes of the micro-batches in flight, a training stage's peak holds about this many more
-# micro-batches' worth: the forward's and backward's temporaries, freed but kept by the allocator for the
-# next micro-batch (measured: docs/BENCHMARKS.md, "Figures moved from code comments").
-WORKSPACE_MICRO_BATCHES = 3
 MAX_CANDIDATES = 8  # candidate units searched by default (the search is exponential in them)
 _CHECK_EVERY = 256  # search steps (one candidate set extended by one stage) between two reads of the clock
 
@@ -108,6 +110,12 @@ class LayerProfile:
     # What decoding one sequence keeps in this layer at most (an attention layer's keys and values over the whole
     # window); 0 for a layer of a model that does not decode.
     kv_cache_bytes_per_sequence: int = 0
+    input_bytes_per_sample: int = 0  # what enters it: all activation checkpointing keeps of it
+    # Parameters bf16 autocast casts: a layer's matmul weights, counted as all its parameters (its norms' are few);
+    # none of a lookup table's.
+    cast_params: int = 0
+    # Of its stash, what the loss keeps of the model's last layer's output: float32 log-probabilities at any precision.
+    loss_bytes_per_sample: int = 0
 
 
 @dataclass(frozen=True)
@@ -129,12 +137,15 @@ class Workload:
     optimizer: str = "adam"  # a TRAINING_BYTES_PER_PARAMETER kind: the state each parameter trains with
     # Each micro-batch in flight keeps its layers' inputs only; one layer's activations are recomputed at a time.
     activation_checkpointing: bool = False
+    precision: str = "fp32"  # or bf16, which keeps activations narrower and casts weights for each micro-batch
 
     def __post_init__(self) -> None:
         if self.optimizer not in TRAINING_BYTES_PER_PARAMETER:
             raise ValueError(
                 f"unknown optimizer kind {self.optimizer!r}; known: {', '.join(TRAINING_BYTES_PER_PARAMETER)}"
             )
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; known: {', '.join(PRECISIONS)}")
 
     def in_flight(self, stage: int, num_stages: int) -> int:
         """Micro-batches whose activations stage `stage` of `num_stages` holds at once: every one under
@@ -223,35 +234,67 @@ def stage_inference_memory(layers: Sequence[LayerProfile], sequences: int) -> in
 def stage_memory(
     layers: Sequence[LayerProfile], workload: Workload, ranks: int = 1, in_flight: int | None = None
 ) -> int:
-    """Bytes a stage holding `layers` needs on each of its `ranks` devices: weights with gradients and
-    optimizer state (a tensor-parallel rank's share of the split ones), plus the stash of each of the
-    `in_flight` micro-batches it holds at once (`Workload.in_flight`; None: all of a step's) whole on every
-    rank: what each layer keeps for its backward, and the last one's output if it keeps that (inside the
-    stage the next layer's input is that same tensor); plus the compute's workspace (`WORKSPACE_MICRO_BATCHES`)
-    and the optimizer's library (`OPTIMIZER_LIBRARY_BYTES`).
-    With activation checkpointing a micro-batch in flight keeps each layer's output only (the next one's input),
-    and the workspace is that of the largest layer's recomputed forward and backward."""
+    """Bytes a training stage holding `layers` adds to its agent at its peak, on each of its `ranks` devices, beyond
+    what the agent measured it holds (`nodeagent.warm_up`): its optimizer's library (`OPTIMIZER_LIBRARY_BYTES`);
+    weights with gradients and optimizer state (a tensor-parallel rank's share of the split ones,
+    `stage_state_bytes`); what each of the `in_flight` micro-batches it holds at once keeps (`Workload.in_flight`;
+    None: all of a step's; `micro_batch_bytes`); and one micro-batch's backward (`backward_workspace_bytes`). The
+    peak is in a backward: every in-flight micro-batch's activations, the gradients, and the moments of the steps
+    before. Not counted (measured by bench/stage_peak_memory.py: docs/BENCHMARKS.md): without recompute, what glibc's
+    heap keeps of the temporaries each forward frees; 8-bit Adam's step's float32 temporaries, the peak where little
+    is in flight."""
     held = workload.micro_batches if in_flight is None else in_flight
-    return (stage_state_bytes(layers, ranks, workload.optimizer) + OPTIMIZER_LIBRARY_BYTES.get(workload.optimizer, 0)
-            + held * _stash_bytes(layers, workload) + WORKSPACE_MICRO_BATCHES * _workspace_bytes(layers, workload))
+    return (OPTIMIZER_LIBRARY_BYTES.get(workload.optimizer, 0) + stage_state_bytes(layers, ranks, workload.optimizer)
+            + held * micro_batch_bytes(layers, workload, ranks) + backward_workspace_bytes(layers, workload, ranks))
 
 
-def _stash_bytes(layers: Sequence[LayerProfile], workload: Workload) -> int:
-    """What one micro-batch's forward through `layers` keeps for its backward."""
+def micro_batch_bytes(layers: Sequence[LayerProfile], workload: Workload, ranks: int = 1) -> int:
+    """What one micro-batch holds between its forward through `layers` and its backward. Without activation
+    checkpointing, what autograd keeps: each layer's stash (`_layer_stash`) and the last one's output where it keeps
+    that, and under bf16 the weights its forward cast (a tensor-parallel rank's share of the split layers'). With it,
+    each layer's input and the last one's output (the stage's output, or the loss's log-probabilities), and the heap
+    one layer's forward took: the forward frees each layer's activations (and under bf16 its cast weights) after
+    the next layer's input, which it keeps, was allocated above them, and glibc's heap cannot shrink below a kept
+    block (measured by bench/stage_peak_memory.py: docs/BENCHMARKS.md)."""
+    size = workload.micro_batch_size
     if workload.activation_checkpointing:
-        per_sample = sum(layer.output_bytes_per_sample for layer in layers)
-    else:
-        per_sample = sum(layer.stash_bytes_per_sample for layer in layers) + layers[-1].kept_output_bytes_per_sample
-    return workload.micro_batch_size * per_sample
+        kept = sum(layer.input_bytes_per_sample for layer in layers) + layers[-1].output_bytes_per_sample
+        stranded = max(size * _layer_stash(layer, workload.precision) + _cast_bytes(layer, workload.precision, ranks)
+                       for layer in layers)
+        return size * kept + stranded
+    stash = sum(_layer_stash(layer, workload.precision) for layer in layers) + layers[-1].kept_output_bytes_per_sample
+    return size * stash + sum(_cast_bytes(layer, workload.precision, ranks) for layer in layers)
 
 
-def _workspace_bytes(layers: Sequence[LayerProfile], workload: Workload) -> int:
-    """One micro-batch's worth of the compute's temporaries: its whole stash, or with activation checkpointing
-    the largest layer's (the one forward recomputed at a time)."""
+def backward_workspace_bytes(layers: Sequence[LayerProfile], workload: Workload, ranks: int = 1) -> int:
+    """What one micro-batch's backward holds beside the kept activations, at most: the gradients of one layer's
+    stash (autograd frees them layer by layer); with activation checkpointing also the recomputed layer's stash
+    and cast weights, or under bf16 the forward's autocast cache (every cast weight of the stage, held until
+    the forward ends) where that is larger."""
+    size = workload.micro_batch_size
     if not workload.activation_checkpointing:
-        return _stash_bytes(layers, workload)
-    largest = max(layer.stash_bytes_per_sample + layer.kept_output_bytes_per_sample for layer in layers)
-    return workload.micro_batch_size * largest
+        return size * max(_layer_stash(layer, workload.precision) for layer in layers)
+    recompute = max(
+        2 * size * _layer_stash(layer, workload.precision) + _cast_bytes(layer, workload.precision, ranks)
+        for layer in layers
+    )
+    return max(recompute, sum(_cast_bytes(layer, workload.precision, ranks) for layer in layers))
+
+
+def _layer_stash(layer: LayerProfile, precision: str) -> int:
+    """What one sample's forward through `layer` keeps for its backward: its input and the loss's log-probabilities
+    at their width, and what it keeps beside (halved under bf16 autocast, `BF16_BYTES_PER_CAST_PARAMETER`'s comment)."""
+    if precision == "fp32":
+        return layer.stash_bytes_per_sample
+    whole = layer.input_bytes_per_sample + layer.loss_bytes_per_sample
+    return whole + -(-(layer.stash_bytes_per_sample - whole) // 2)
+
+
+def _cast_bytes(layer: LayerProfile, precision: str, ranks: int) -> int:
+    """The bf16 copies of `layer`'s weights one forward makes on one of `ranks` devices (none in fp32)."""
+    if precision == "fp32":
+        return 0
+    return -(-BF16_BYTES_PER_CAST_PARAMETER * layer.cast_params // (ranks if layer.tensor_parallel else 1))
 
 
 def _room(layers: Sequence[LayerProfile], workload: Workload, unit: _Unit) -> int:
@@ -260,7 +303,7 @@ def _room(layers: Sequence[LayerProfile], workload: Workload, unit: _Unit) -> in
     free = unit.device.memory_bytes - stage_memory(layers, workload, unit.ranks, in_flight=0)
     if free < 0:
         return 0
-    stash = _stash_bytes(layers, workload)
+    stash = micro_batch_bytes(layers, workload, unit.ranks)
     return workload.micro_batches if stash == 0 else min(workload.micro_batches, free // stash)
 
 

@@ -236,7 +236,7 @@ JOB_FIELDS = (
     "requirements", "conditions", "driver_lease_expires_at", "driver_lease_owner", "node_grace_seconds", "restarts",
     "handover_requested", "tensor_parallel", "serving", "driver_outcome", "driver_outcome_reason",
     "driver_outcome_message", "driver_outcome_generation", "replicas_min", "replicas_max", "next_replica", "owner_id",
-    "replica_sync", "optimizer", "momentum", "activation_checkpointing",
+    "replica_sync", "optimizer", "momentum", "activation_checkpointing", "precision",
 )
 STAGE_FIELDS = (
     "job_id", "index", "rank", "layer_start", "layer_end", "node_id", "generation", "observed_generation",
@@ -355,7 +355,7 @@ def _job_view(
         workload=workload(
             job["dataset_config"], job["micro_batches"], job["schedule"],
             optimizer=optimizer_kind(job["optimizer"], job["momentum"]),
-            activation_checkpointing=job["activation_checkpointing"],
+            activation_checkpointing=job["activation_checkpointing"], precision=job["precision"],
         ),
         requirements=requirements(job["requirements"]),
         stages=tuple(

@@ -17,7 +17,6 @@ from arceus.checkpoint import checkpoint_digest, decode_checkpoint
 from arceus.contracts.assignment import Assignment
 from arceus.contracts.credentials import token_digest
 from arceus.contracts.observed import ObservedStage
-from arceus.placement.solver import WORKSPACE_MICRO_BATCHES
 from arceus.v1 import stage_pb2, stage_pb2_grpc
 from arceus.wire.channels import open_channel
 from devtools.pipeline import driver_token, pipeline_assignments, replicated_pipeline_assignments
@@ -141,10 +140,9 @@ def test_a_stage_over_the_owners_memory_budget_is_refused_with_what_it_needs(age
     # 64·1024 + 1024 parameters trained by plain SGD: a weight and a gradient, 8 bytes each.
     [stage] = stages(model={"layer_sizes": [64, 1024, 10]})[:1]
     assert (stage.optimizer.name, stage.optimizer.momentum) == ("sgd", 0.0)
-    # Its state, plus the stash of its in-flight micro-batches (GPipe's: all of them) and its compute's workspace:
-    # each keeps its input and the ReLU's output.
-    held = stage.micro_batches + WORKSPACE_MICRO_BATCHES
-    stash = held * stage.max_micro_batch_size * 4 * (64 + 1024)
+    # Its state, plus the stash of its in-flight micro-batches (GPipe's: all of them; each keeps its input and the
+    # ReLU's output) and the backward's gradients of the layer's own stash (its input).
+    stash = stage.micro_batches * stage.max_micro_batch_size * 4 * (64 + 1024) + stage.max_micro_batch_size * 4 * 64
     need = 8 * (64 * 1024 + 1024) + stash
     agent.registry.runtime_bytes = 5_000  # what the agent held before any stage counts too
     agent.registry.memory_budget = need + 5_000 - 1

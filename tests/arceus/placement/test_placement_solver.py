@@ -15,14 +15,17 @@ from hypothesis import strategies as st
 from arceus.placement.solver import (
     OPTIMIZER_LIBRARY_BYTES,
     PRICE_TOLERANCE,
-    WORKSPACE_MICRO_BATCHES,
+    TRAINING_BYTES_PER_PARAMETER,
     Device,
     LayerProfile,
     PlacementError,
     Workload,
+    backward_workspace_bytes,
+    micro_batch_bytes,
     solve,
     stage_memory,
     stage_seconds,
+    stage_state_bytes,
 )
 
 WORKLOAD = Workload(micro_batch_size=8, micro_batches=4)
@@ -250,8 +253,7 @@ def test_the_memory_model_counts_each_optimizers_state_and_a_device_fits_what_it
     layer = [LayerProfile(1e6, 100_000_000, 8)]
     state = {kind: stage_memory(layer, Workload(1, 1, optimizer=kind), in_flight=0)
              for kind in ("sgd", "sgd-momentum", "adam", "adam8bit")}
-    workspace = stage_memory(layer, Workload(1, 1), in_flight=0) - 1_600_000_000
-    assert {k: v - workspace for k, v in state.items()} == {
+    assert state == {
         "sgd": 800_000_000, "sgd-momentum": 1_200_000_000, "adam": 1_600_000_000,
         "adam8bit": 1_000_000_000 + 2 * 4 * 390_625 + OPTIMIZER_LIBRARY_BYTES["adam8bit"],
     }
@@ -261,12 +263,82 @@ def test_the_memory_model_counts_each_optimizers_state_and_a_device_fits_what_it
         solve(layer, [device], Workload(1, 1))
     with pytest.raises(ValueError, match="unknown optimizer kind 'lamb'; known: sgd, sgd-momentum, adam, adam8bit"):
         Workload(1, 1, optimizer="lamb")
+    with pytest.raises(ValueError, match="unknown precision 'fp8'; known: fp32, bf16"):
+        Workload(1, 1, precision="fp8")
 
 
-def test_with_activation_checkpointing_a_micro_batch_keeps_its_layers_outputs_and_one_layer_recomputes() -> None:
-    # Four layers that each stash 10 MB per sample and hand on 1 MB; 8 micro-batches of one sample in flight.
-    layers = [LayerProfile(1e6, 0, 10**6, stash_bytes_per_sample=10 * 10**6) for _ in range(4)]
-    full = stage_memory(layers, Workload(1, 8))
-    recomputed = stage_memory(layers, Workload(1, 8, activation_checkpointing=True))
-    assert full == (8 + WORKSPACE_MICRO_BATCHES) * 40 * 10**6
-    assert recomputed == 8 * 4 * 10**6 + WORKSPACE_MICRO_BATCHES * 10 * 10**6
+# Four layers that each take 1 MB per sample in and hand 1 MB on, and stash 10 MB per sample (their input included).
+FOUR = [LayerProfile(1e6, 0, 10**6, stash_bytes_per_sample=10 * 10**6, input_bytes_per_sample=10**6)] * 4
+
+
+def test_with_activation_checkpointing_a_micro_batch_keeps_its_layers_inputs_and_the_heap_one_layers_forward() -> None:
+    # 8 micro-batches of one sample in flight. Without recompute each keeps every layer's stash, and the backward
+    # holds one layer's gradients beside them.
+    full, recomputed = Workload(1, 8), Workload(1, 8, activation_checkpointing=True)
+    assert stage_memory(FOUR, full) == 8 * 40 * 10**6 + 10 * 10**6
+    # With it each keeps the four inputs and the last output, and the heap keeps one layer's forward (10 MB) it
+    # freed below them; the backward recomputes one layer (its stash and that stash's gradients).
+    assert stage_memory(FOUR, recomputed) == 8 * (5 + 10) * 10**6 + 2 * 10 * 10**6
+
+
+def test_under_bf16_a_micro_batch_keeps_narrower_activations_and_its_own_cast_of_the_weights() -> None:
+    # The four layers with 1M parameters each, cast for their matmuls: every micro-batch's forward casts them anew
+    # (2 bytes each) and its graph keeps the casts; what a layer keeps beside its input is bfloat16, half as wide.
+    layers = [replace(layer, params=10**6, cast_params=10**6) for layer in FOUR]
+    bf16, fp32 = Workload(1, 8, precision="bf16"), Workload(1, 8)
+    assert micro_batch_bytes(layers, fp32) == 40 * 10**6
+    assert micro_batch_bytes(layers, bf16) == 4 * 5_500_000 + 4 * 2 * 10**6
+    # A lookup table (an embedding taking token ids) is not cast.
+    assert micro_batch_bytes([replace(layers[0], cast_params=0)], bf16) == 5_500_000
+    # With recompute, nothing is cast ahead; the forward's autocast cache holds every cast weight at once, which the
+    # backward's workspace counts where it is larger than one layer's recompute.
+    recomputed = replace(bf16, activation_checkpointing=True)
+    assert micro_batch_bytes(layers, recomputed) == 5 * 10**6 + 5_500_000 + 2 * 10**6
+    assert backward_workspace_bytes(layers, recomputed) == 2 * 5_500_000 + 2 * 10**6
+    wide = [replace(layer, params=10**7, cast_params=10**7) for layer in FOUR]
+    assert backward_workspace_bytes(wide, recomputed) == 4 * 2 * 10**7
+    # A tensor-parallel rank casts its share of a split layer.
+    split = [replace(layer, tensor_parallel=True) for layer in layers]
+    assert micro_batch_bytes(split, bf16, ranks=2) == micro_batch_bytes(layers, bf16) - 4 * 10**6
+
+
+@st.composite
+def stages(draw: st.DrawFn) -> tuple[list[LayerProfile], Workload]:
+    layers = []
+    for _ in range(draw(st.integers(1, 5))):
+        inp = draw(st.integers(0, 10**4))
+        params = draw(st.integers(0, 10**6))
+        layers.append(LayerProfile(
+            1e6, params, draw(st.integers(0, 10**4)), stash_bytes_per_sample=inp + draw(st.integers(0, 10**5)),
+            input_bytes_per_sample=inp, cast_params=draw(st.sampled_from([0, params])),
+            tensor_parallel=draw(st.booleans()),
+        ))
+    workload = Workload(
+        draw(st.integers(1, 16)), draw(st.integers(1, 8)), draw(st.sampled_from(["gpipe", "1f1b"])),
+        optimizer=draw(st.sampled_from(sorted(TRAINING_BYTES_PER_PARAMETER))),
+        activation_checkpointing=draw(st.booleans()), precision=draw(st.sampled_from(["fp32", "bf16"])),
+    )
+    return layers, workload
+
+
+@settings(max_examples=300, deadline=None)
+@given(stage=stages(), ranks=st.sampled_from([1, 2, 4]))
+def test_a_stage_needs_its_fixed_part_plus_the_same_bytes_for_each_micro_batch_in_flight(stage, ranks) -> None:
+    layers, workload = stage
+    fixed = stage_memory(layers, workload, ranks, in_flight=0)
+    assert fixed >= stage_state_bytes(layers, ranks, workload.optimizer)
+    each = micro_batch_bytes(layers, workload, ranks)
+    for held in range(1, workload.micro_batches + 1):
+        assert stage_memory(layers, workload, ranks, in_flight=held) == fixed + held * each
+    assert stage_memory(layers, workload, ranks) == fixed + workload.micro_batches * each
+    # More ranks never need more of each; bf16 keeps activations at most as wide as fp32 and at least half as
+    # wide, and the weights' casts besides.
+    assert micro_batch_bytes(layers, workload, 2 * ranks) <= each
+    fp32 = micro_batch_bytes(layers, replace(workload, precision="fp32"), ranks)
+    bf16 = micro_batch_bytes(layers, replace(workload, precision="bf16"), ranks)
+    assert fp32 <= 2 * bf16 and bf16 <= fp32 + sum(2 * layer.cast_params for layer in layers)
+    # Without recompute or casts, a micro-batch's bytes are its samples' (twice the samples, twice the bytes).
+    if workload.precision == "fp32":
+        assert micro_batch_bytes(layers, replace(workload, micro_batch_size=2 * workload.micro_batch_size), ranks) == (
+            2 * each
+        )

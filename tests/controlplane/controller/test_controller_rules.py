@@ -353,12 +353,15 @@ def test_small_fast_nodes_do_not_crowd_out_the_big_slow_ones_a_job_needs() -> No
 
 
 def test_where_a_stage_would_not_fit_placement_has_the_job_recompute_its_activations() -> None:
-    # Three layers of 1,000 parameters (16 KB to train with Adam) that stash 1 MB per sample and hand on 10 KB;
-    # one micro-batch of one sample. Whole, a one-layer stage needs 16 KB + 4 MB; recomputing, 16 KB + 10 KB + 3 MB.
-    layers = tuple(LayerProfile(100.0, 1000, 10_000, stash_bytes_per_sample=10**6) for _ in range(3))
-    workload = Workload(1, 1)
-    whole = stage_memory(layers[:1], workload)
-    recomputing = stage_memory(layers[:1], replace(workload, activation_checkpointing=True))
+    # Six layers of 1,000 parameters (16 KB to train with Adam) that take in and hand on 10 KB per sample and stash
+    # 1 MB; eight micro-batches of one sample in flight, two layers a stage. Whole, a stage needs 16 MB for them;
+    # recomputing, 8 x 20 KB of inputs and outputs and 8 MB of heap that one layer's forward each left.
+    layers = tuple(
+        LayerProfile(100.0, 1000, 10_000, stash_bytes_per_sample=10**6, input_bytes_per_sample=10_000) for _ in range(6)
+    )
+    workload = Workload(1, 8)
+    whole = stage_memory(layers[:2], workload)
+    recomputing = stage_memory(layers[:2], replace(workload, activation_checkpointing=True))
     assert recomputing < whole
     nodes = tuple(node(name, memory=recomputing) for name in "abc")
     [action] = plan(Desired(jobs=(job(layers=layers, workload=workload),)), Observed(nodes=nodes), NOW)
@@ -370,4 +373,4 @@ def test_where_a_stage_would_not_fit_placement_has_the_job_recompute_its_activat
     small = tuple(node(name, memory=recomputing - 1) for name in "abc")  # no room even recomputing
     [action] = plan(Desired(jobs=(job(layers=layers, workload=workload),)), Observed(nodes=small), NOW)
     message = get_condition(action.conditions, "Placed")["message"]
-    assert message == "needs 3 Ready nodes with room for a stage, 0 available"
+    assert message.startswith("no split of 6 layers over 3 or more of the 3 devices fits their memory")

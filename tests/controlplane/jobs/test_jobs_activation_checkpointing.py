@@ -44,7 +44,8 @@ def test_a_tensor_parallel_job_cannot_recompute(api: APIClient) -> None:
 
 
 def test_a_job_whose_stage_fits_only_recomputing_is_placed_recomputing(api: APIClient, ready_node) -> None:
-    body = {"model_config": {"type": "transformer", "n_layer": 2, "n_head": 2, "d_model": 32, "block_size": 128},
+    # Eight blocks, whose stash (16 MiB each for the batch) recomputing trades for their inputs and one block's.
+    body = {"model_config": {"type": "transformer", "n_layer": 8, "n_head": 2, "d_model": 64, "block_size": 128},
             "dataset_config": {"name": "text", "batch_size": 32}, "stages": 1, "optimizer": "adam",
             "requirements": {"owner_diversity": False}}
     response = api.post("/api/jobs", body, format="json")
