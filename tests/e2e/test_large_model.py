@@ -6,7 +6,9 @@ the spare takes the stage over from the last checkpoint, the resumed losses equa
 single-process run's, text is sampled through the agents while the job runs, and the downloaded model is the
 uninterrupted run's. Then the owner serves the finished job: its stages are placed again, for inference, on the
 live agents (weights only, no training state), its greedy text through them is the one process's from the
-downloaded weights, and stopping releases the nodes.
+downloaded weights, and stopping releases the nodes. Every agent's peak memory (VmHWM, the killed one's read
+just before the kill) is what the memory model predicts: what the agent held at registration plus its stage's
+`stage_memory`, within PEAK_TOLERANCE.
 """
 
 from __future__ import annotations
@@ -23,8 +25,11 @@ from safetensors import safe_open
 
 from arceus.data.config import validate_dataset_config
 from arceus.data.text_config import BUNDLED_TEXT, dataset_tokenizer
+from arceus.model.expected_state import optimizer_kind
 from arceus.model.generate import sample_text
-from arceus.model.registry import fit_model_to_dataset
+from arceus.model.registry import fit_model_to_dataset, model_spec_from_config
+from arceus.placement.profiles import layer_profiles
+from arceus.placement.solver import Workload, stage_memory
 from arceus.sdk import ApiError
 from devtools.cluster import LocalCluster
 from devtools.cluster import stage_placement as placement
@@ -39,6 +44,12 @@ CHECKPOINT_EVERY = 5
 FAULT_AFTER_STEP = CHECKPOINT_EVERY + 1
 STAGE_STATE_FLOOR = 256 * 2**20
 ENDED = ("failed", "cancelled", "succeeded")  # waiting for a step of the run: an ended job will not reach it
+# The memory model against an agent's measured peak: the issue's goal. The model leaves out (bench/stage_peak_memory.py,
+# GPT stages of this width) what glibc's heap keeps of the activations each micro-batch's forward frees (about 3 MiB
+# per micro-batch in flight) and the kernels of shapes the agent's warm-up did not run; and, not yet traced, the
+# transport's buffers and whatever else an agent's process accumulates over a run: the model was 4%, 12% and 13%
+# under the three agents' peaks (905, 996, 985 MiB) when this was first run, the last two ~125 MiB above it.
+PEAK_TOLERANCE = 0.15
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +102,7 @@ def test_a_large_gpt_checkpoints_survives_a_killed_agent_samples_and_downloads(
     placed = placement(checkpointed)
     victim = next(a for a in agents if a.node_id == placed[1])
     spare = next(a for a in agents if a.node_id not in placed.values())
+    peaks = {victim.name: peak_rss(victim.child.process.pid)}
     cluster.crash(victim.child.name)
 
     def training_on_the_spare(d: dict[str, Any]) -> bool:
@@ -142,8 +154,36 @@ def test_a_large_gpt_checkpoints_survives_a_killed_agent_samples_and_downloads(
     assert stopped.value.status == 409 and "is not served" in str(stopped.value)
     record_property("serving_seconds", round(time.monotonic() - serving_began, 1))  # what serving adds to the test
 
-    peaks = {a.name: peak_rss(a.child.process.pid) // 2**20 for a in agents if a is not victim}
+    peaks.update({a.name: peak_rss(a.child.process.pid) for a in agents if a is not victim})
+    trained = {victim.name: 1, spare.name: 1, **{a.name: 0 for a in agents if a.node_id == placed[0]}}
+    predicted = predicted_peaks(final, trained, {a.name: a.node_id for a in agents}, client.nodes())
     for name, peak in peaks.items():
-        record_property(f"{name}_peak_rss_mib", peak)
-    print(f"agents' peak RSS (MiB): {peaks}")
+        record_property(f"{name}_peak_rss_mib", peak // 2**20)
+        record_property(f"{name}_predicted_peak_mib", predicted[name] // 2**20)
+    print(f"agents' peak RSS (MiB): { {n: p // 2**20 for n, p in peaks.items()} }, "
+          f"the memory model's: { {n: p // 2**20 for n, p in predicted.items()} }, stages: {trained}, "
+          f"killed: {victim.name}, spare: {spare.name}")
+    for name, peak in peaks.items():
+        assert abs(predicted[name] / peak - 1) <= PEAK_TOLERANCE, (name, peak, predicted[name])
+
+
+def predicted_peaks(
+    final: dict[str, Any], stage_of: dict[str, int], node_of: dict[str, str], nodes: list[dict[str, Any]]
+) -> dict[str, int]:
+    """The memory model's peak of each agent that trained a stage: what it held at registration (its runtime
+    bytes) plus `stage_memory` of its stage's layers, holding what the job's schedule has in flight there."""
+    layers = layer_profiles(model_spec_from_config(final["model_config"]))
+    ranges = {p["stage_index"]: (p["layer_start"], p["layer_end"]) for p in final["placements"]}
+    batch = final["dataset_config"]["batch_size"]
+    workload = Workload(-(-batch // final["micro_batches"]), final["micro_batches"], final["schedule"],
+                        optimizer=optimizer_kind(final["optimizer"], final["momentum"]), precision=final["precision"],
+                        activation_checkpointing=final["activation_checkpointing"])
+    runtime = {node["id"]: node["runtime_memory_bytes"] for node in nodes}
+    return {
+        name: runtime[node_of[name]] + stage_memory(
+            layers[ranges[stage][0] : ranges[stage][1]], workload,
+            in_flight=workload.in_flight(stage, len(ranges)),
+        )
+        for name, stage in stage_of.items()
+    }
 
