@@ -11,7 +11,6 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import grpc
 import pytest
@@ -28,6 +27,7 @@ from devtools.shaper import ShaperThread
 from nodeagent.exchange_stream import FRAME, REDUCE, ExchangeStreams, Hello
 from nodeagent.replicas import ReplicaExchange, parse_replica_step
 from nodeagent.rpc import RpcFailure
+from tests.nodeagent.replica_exchanges import exchange_together, port
 
 CERTIFICATE = new_identity().certificate
 DRIVER_TOKEN = "d" * 64
@@ -164,46 +164,6 @@ def adopt(exchange: ReplicaExchange, hello: Hello, sock: ssl.SSLSocket) -> None:
     exchange.offer(hello, sock)
 
 
-def port(exchange: ReplicaExchange) -> int:
-    return exchange._wire.port
-
-
-def exchange_together(
-    exchanges: dict[int, ReplicaExchange],
-    partials: dict[int, torch.Tensor],
-    *,
-    options: Callable[[int], dict[str, Any]] = lambda _k: {},
-    seconds: float = 30.0,
-    step: int = 1,
-    peer_of: Callable[[int], stage_pb2.ReplicaPeer] = sibling,
-    port_of: Callable[[int], int] | None = None,
-) -> tuple[dict[int, torch.Tensor], dict[int, BaseException]]:
-    """Every replica of `exchanges` sums its partial with its siblings' at once (epoch 0), each in a thread of its
-    own, over their streams, within `seconds`; `options(k)`: replica k's other arguments of ReplicaExchange.exchange;
-    `peer_of(k)`: replica k as the step names it; `port_of`: where siblings' listeners are (theirs here). Their sums
-    and their errors."""
-    members = tuple(sorted(exchanges))
-    results: dict[int, torch.Tensor] = {}
-    errors: dict[int, BaseException] = {}
-
-    def run(k: int) -> None:
-        try:
-            results[k] = exchanges[k].exchange(
-                partials[k], step=step, epoch=0, members=members,
-                peers={j: peer_of(j) for j in members if j != k}, port_of=port_of or (lambda j: port(exchanges[j])),
-                deadline=time.monotonic() + seconds, abort=threading.Event(), **options(k),
-            )
-        except BaseException as exc:
-            errors[k] = exc
-
-    threads = [threading.Thread(target=run, args=(k,)) for k in members]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(2 * seconds)
-    return results, errors
-
-
 def test_every_replica_ends_with_the_same_bits_the_ascending_sum_of_every_partial_step_after_step(
     monkeypatch: pytest.MonkeyPatch, replicas_of: Callable[..., dict[int, ReplicaExchange]],
 ) -> None:
@@ -215,7 +175,7 @@ def test_every_replica_ends_with_the_same_bits_the_ascending_sum_of_every_partia
         # Values of very different magnitudes: floating-point addition in another order would give other bits.
         partials = {k: torch.randn(total, generator=generator) * 10.0 ** torch.randint(-6, 6, (total,))
                     for k in members}
-        results, errors = exchange_together(exchanges, partials, step=step)
+        results, errors = exchange_together(exchanges, partials, peer_of=sibling, step=step)
         assert not errors, errors
         expected = partials[1].clone().add_(partials[4]).add_(partials[6])
         for k in members:
@@ -228,9 +188,9 @@ def test_a_sibling_whose_exchange_failed_on_its_side_alone_dials_anew_and_the_ne
 ) -> None:
     exchanges = replicas_of((0, 1), 10)
     partials = {k: torch.full((10,), float(k + 1)) for k in (0, 1)}
-    assert not exchange_together(exchanges, partials, step=1)[1]
+    assert not exchange_together(exchanges, partials, peer_of=sibling, step=1)[1]
     exchanges[0]._close_streams()  # what a failure of replica 0's exchange alone does; replica 1 still holds its end
-    results, errors = exchange_together(exchanges, partials, step=2, seconds=10)
+    results, errors = exchange_together(exchanges, partials, peer_of=sibling, step=2, seconds=10)
     assert not errors, errors
     assert all(torch.equal(results[k], torch.full((10,), 3.0)) for k in (0, 1))
 
@@ -276,7 +236,7 @@ def test_an_audited_exchange_keeps_each_siblings_signed_shards_and_refuses_an_un
     def audited(unsigned: int | None, step: int) -> dict[int, BaseException]:
         """Both replicas exchange on an audited step, `unsigned` sending its shards without signing them."""
         _, errors = exchange_together(
-            exchanges, partials, seconds=10, step=step,
+            exchanges, partials, peer_of=sibling, seconds=10, step=step,
             options=lambda k: {"sign": None if k == unsigned else signers[k].sign, "keys": keys, "kept": kept[k]},
         )
         return errors

@@ -10,7 +10,6 @@ import os
 import secrets
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -34,6 +33,7 @@ from arceus.wire.tls import new_identity
 from nodeagent.exchange_stream import ExchangeStreams
 from nodeagent.relay_attachment import RelayAttachment
 from nodeagent.replicas import ReplicaExchange
+from tests.nodeagent.replica_exchanges import exchange_together
 
 SERVICE = "arceus.v1.RelayService"
 
@@ -144,25 +144,11 @@ def test_replicas_both_behind_relays_exchange_exactly_through_them(relay: tuple[
         # Magnitudes far apart: a sum in another order, or a byte changed on the way, gives other bits.
         partials = {k: torch.randn(total, generator=generator) * 10.0 ** torch.randint(-6, 6, (total,))
                     for k in members}
-        results: dict[int, torch.Tensor] = {}
-        errors: dict[int, BaseException] = {}
 
         def unasked(_sibling: int) -> int:
             raise AssertionError("a relayed sibling's exchange port is not asked for: the relay picks its listener")
 
-        def run(k: int) -> None:
-            try:
-                results[k] = exchanges[k].exchange(
-                    partials[k], step=1, epoch=0, members=members, peers={j: peers[j] for j in members if j != k},
-                    port_of=unasked, deadline=time.monotonic() + 30, abort=threading.Event())
-            except BaseException as exc:
-                errors[k] = exc
-
-        threads = [threading.Thread(target=run, args=(k,)) for k in members]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
+        results, errors = exchange_together(exchanges, partials, peer_of=peers.__getitem__, port_of=unasked)
         assert not errors, errors
         expected = partials[0].clone().add_(partials[1])
         for k in members:
