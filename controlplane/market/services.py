@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
+from uuid import UUID
 
 from django.conf import settings
 from django.db import transaction
@@ -80,72 +82,135 @@ def ledger_record_work(
     *, job_id: Any, generation: int, node: Node, counters: StageCounters, flops_per_sample: float, step: int,
     held_since: datetime, now: datetime, budget_micros: int | None = None,
 ) -> LedgerEntry | None:
-    """Append what the node did since its previous entry for this stage generation, up to training step
-    `step` (the job's), priced now. The job pays for every second it held the device, from the later of
-    `held_since` (when its stage was placed on the node) and the end of the node's previous entry on the job,
-    until `now`, at the price in force of the class the node measured (`node_device_class`: a device slower than it
-    claimed is paid as what it delivered); the node's owner earns that less the platform fee. Reports that add no
-    samples (retries, late duplicates, a restarted driver's replay within one generation) add nothing: their time
-    is billed with the next entry. A job's charges never pass `budget_micros` (its `max_total_usd`): an entry that
-    would is cut to what is left. Call inside the recording transaction.
-
-    Money is whole micro-dollars, but one report's work may be worth a fraction of one: each entry charges
-    the rounded running total of the exact value minus what earlier entries charged, and the fee of the
-    running total minus earlier fees, so rounding never drifts however small and frequent the reports."""
-    key = {"job_id": job_id, "stage_index": counters.index, "generation": generation, "node": node, "reverses": None}
-    done = LedgerEntry.objects.filter(**key).aggregate(
-        # First: a later alias named like a field would shadow the field in F().
-        dollar_seconds_per_hour=Sum(F("held_seconds") * F("price_per_hour")),
-        samples=Sum("samples"),
-        micro_batches=Sum("micro_batches"),
-        compute_seconds=Sum("compute_seconds"),
-        bytes_sent=Sum("bytes_sent"),
-        bytes_received=Sum("bytes_received"),
-        charge_micros=Sum("charge_micros"),
-        fee_micros=Sum("fee_micros"),
+    """Append what the node did since its previous entry for this stage generation (`LedgerBook.record_work`, on
+    the job's ledger read now), and save it. Call inside the recording transaction."""
+    book = ledger_book(job_ids=[job_id])
+    entry = book.record_work(
+        job_id=job_id, generation=generation, node=node, counters=counters, flops_per_sample=flops_per_sample,
+        step=step, held_since=held_since, now=now, budget_micros=budget_micros,
     )
-    samples = counters.samples - (done["samples"] or 0)
-    if samples <= 0:
-        return None
-    billed_until = LedgerEntry.objects.filter(job_id=job_id, node=node, reverses=None).aggregate(
-        until=Max("held_until")
-    )["until"]
-    held_from = max(held_since, billed_until) if billed_until is not None else held_since
-    held = max(0.0, (now - held_from).total_seconds())
-    klass = node_device_class(node)
-    price = price_in_force(klass)
-    exact_total = ((done["dollar_seconds_per_hour"] or 0.0) + held * price) / 3600 * MICROS_PER_DOLLAR
-    charge_total = round(exact_total)
-    charge = charge_total - (done["charge_micros"] or 0)
-    if budget_micros is not None:
-        charged = LedgerEntry.objects.filter(job_id=job_id).aggregate(c=Sum("charge_micros"))["c"] or 0
-        charge = min(charge, max(0, budget_micros - charged))
-    # Never more fee than this entry's charge (no negative credit); a shortfall is made up by later entries.
-    fee = min(charge, round(charge_total * settings.ARCEUS_PLATFORM_FEE) - (done["fee_micros"] or 0))
-    entry, _ = LedgerEntry.objects.get_or_create(
-        **key,
-        samples_total=counters.samples,
-        defaults={
-            "step": step,
-            "samples": samples,
-            "micro_batches": counters.micro_batches - (done["micro_batches"] or 0),
-            "compute_seconds": max(0.0, counters.compute_seconds - (done["compute_seconds"] or 0.0)),
-            "held_seconds": held,
-            "held_until": max(now, held_from),
-            # Forward plus a backward of about twice its cost.
-            "flops": 3.0 * samples * flops_per_sample,
-            "bytes_sent": counters.bytes_sent - (done["bytes_sent"] or 0),
-            "bytes_received": counters.bytes_received - (done["bytes_received"] or 0),
-            "device_class": klass,
-            "price_per_hour": price,
-            "charge_micros": charge,
-            "fee_micros": fee,
-            "credit_micros": charge - fee,
-            # A flagged node's work is unverified: recorded and charged, but its credit is not paid out.
-            "withheld": node.flagged_at is not None,
-        },
-    )
+    book.save()
     return entry
+
+
+# The sums of a stage generation's entries on one node (not its reversals) that pricing the next entry needs.
+_DONE_FIELDS = ("samples", "micro_batches", "compute_seconds", "bytes_sent", "bytes_received", "charge_micros",
+                "fee_micros")
+
+
+@dataclass
+class _Done:
+    dollar_seconds_per_hour: float = 0.0
+    samples: int = 0
+    micro_batches: int = 0
+    compute_seconds: float = 0.0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    charge_micros: int = 0
+    fee_micros: int = 0
+
+
+@dataclass
+class LedgerBook:
+    """Some jobs' ledgers as far as pricing their next entries needs (`ledger_book`: one query for all of them),
+    kept current in memory as entries are priced, so that many reports are priced in one transaction exactly as
+    one at a time would be; `save` writes the new entries in one INSERT. Prices are read once per device class."""
+
+    done: dict[tuple[UUID, int, int, UUID], _Done]  # (job, stage, generation, node) → its entries' sums
+    billed_until: dict[tuple[UUID, UUID], datetime]  # (job, node) → the end of its latest entry's held time
+    charged: dict[UUID, int]  # job → its charges, reversals included
+    prices: dict[str, float] = field(default_factory=dict)
+    entries: list[LedgerEntry] = field(default_factory=list)
+
+    def record_work(
+        self, *, job_id: Any, generation: int, node: Node, counters: StageCounters, flops_per_sample: float,
+        step: int, held_since: datetime, now: datetime, budget_micros: int | None = None,
+    ) -> LedgerEntry | None:
+        """Price what the node did since its previous entry for this stage generation, up to training step
+        `step` (the job's), as a new entry (saved by `save`). The job pays for every second it held the device,
+        from the later of `held_since` (when its stage was placed on the node) and the end of the node's previous
+        entry on the job, until `now`, at the price in force of the class the node measured (`node_device_class`:
+        a device slower than it claimed is paid as what it delivered); the node's owner earns that less the
+        platform fee. Reports that add no samples (retries, late duplicates, a restarted driver's replay within one
+        generation) add nothing: their time is billed with the next entry. A job's charges never pass
+        `budget_micros` (its `max_total_usd`): an entry that would is cut to what is left.
+
+        Money is whole micro-dollars, but one report's work may be worth a fraction of one: each entry charges
+        the rounded running total of the exact value minus what earlier entries charged, and the fee of the
+        running total minus earlier fees, so rounding never drifts however small and frequent the reports."""
+        job, node_key = UUID(str(job_id)), UUID(str(node.pk))
+        done = self.done.setdefault((job, counters.index, generation, node_key), _Done())
+        samples = counters.samples - done.samples
+        if samples <= 0:
+            return None
+        billed_until = self.billed_until.get((job, node_key))
+        held_from = max(held_since, billed_until) if billed_until is not None else held_since
+        held = max(0.0, (now - held_from).total_seconds())
+        klass = node_device_class(node)
+        if klass not in self.prices:
+            self.prices[klass] = price_in_force(klass)
+        price = self.prices[klass]
+        exact_total = (done.dollar_seconds_per_hour + held * price) / 3600 * MICROS_PER_DOLLAR
+        charge_total = round(exact_total)
+        charge = charge_total - done.charge_micros
+        if budget_micros is not None:
+            charge = min(charge, max(0, budget_micros - self.charged.get(job, 0)))
+        # Never more fee than this entry's charge (no negative credit); a shortfall is made up by later entries.
+        fee = min(charge, round(charge_total * settings.ARCEUS_PLATFORM_FEE) - done.fee_micros)
+        entry = LedgerEntry(
+            job_id=job_id, stage_index=counters.index, generation=generation, node=node,
+            samples_total=counters.samples, step=step, samples=samples,
+            micro_batches=counters.micro_batches - done.micro_batches,
+            compute_seconds=max(0.0, counters.compute_seconds - done.compute_seconds),
+            held_seconds=held, held_until=max(now, held_from),
+            # Forward plus a backward of about twice its cost.
+            flops=3.0 * samples * flops_per_sample,
+            bytes_sent=counters.bytes_sent - done.bytes_sent,
+            bytes_received=counters.bytes_received - done.bytes_received,
+            device_class=klass, price_per_hour=price, charge_micros=charge, fee_micros=fee,
+            credit_micros=charge - fee,
+            # A flagged node's work is unverified: recorded and charged, but its credit is not paid out.
+            withheld=node.flagged_at is not None,
+        )
+        self.entries.append(entry)
+        done.dollar_seconds_per_hour += held * price
+        for name in _DONE_FIELDS:
+            setattr(done, name, getattr(done, name) + getattr(entry, name))
+        self.billed_until[(job, node_key)] = entry.held_until
+        self.charged[job] = self.charged.get(job, 0) + charge
+        return entry
+
+    def save(self) -> None:
+        LedgerEntry.objects.bulk_create(self.entries)
+        self.entries = []
+
+
+def ledger_book(*, job_ids: Collection[Any]) -> LedgerBook:
+    """The jobs' ledgers as pricing their next entries needs them (one query). Call inside the recording
+    transaction, holding the jobs' rows."""
+    not_reversal = Q(reverses__isnull=True)
+    rows = (
+        LedgerEntry.objects.filter(job_id__in=list(job_ids))
+        .values("job_id", "stage_index", "generation", "node_id")
+        .annotate(
+            # First: a later alias named like a field would shadow the field in F().
+            done_dollar_seconds_per_hour=Sum(F("held_seconds") * F("price_per_hour"), filter=not_reversal),
+            **{f"done_{name}": Sum(name, filter=not_reversal) for name in _DONE_FIELDS},
+            done_until=Max("held_until", filter=not_reversal),
+            all_charge_micros=Sum("charge_micros"),
+        )
+        .order_by()
+    )
+    book = LedgerBook(done={}, billed_until={}, charged={})
+    for row in rows:
+        job, node = row["job_id"], row["node_id"]
+        book.done[(job, row["stage_index"], row["generation"], node)] = _Done(
+            row["done_dollar_seconds_per_hour"] or 0.0, *(row[f"done_{name}"] or 0 for name in _DONE_FIELDS)
+        )
+        if (until := row["done_until"]) is not None:
+            book.billed_until[(job, node)] = max(until, book.billed_until.get((job, node), until))
+        book.charged[job] = book.charged.get(job, 0) + (row["all_charge_micros"] or 0)
+    return book
 
 
 def ledger_roll_back(*, job_id: Any, after_step: int, culprits: Collection[Any]) -> int:
