@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TypeVar
 
 from django.db import InterfaceError, OperationalError, connection, transaction
+from django.db.models import Model
 
 log = logging.getLogger(__name__)
 R = TypeVar("R")
@@ -52,3 +53,26 @@ def reconnecting(call: Callable[[], R], *, what: str, for_seconds: float) -> R:
             connection.close()
             time.sleep(delay)
             delay = min(2 * delay, 4.0)
+
+
+def rows_update(model: type[Model], rows: Sequence[Model], fields: Sequence[str]) -> None:
+    """Write `fields` of each of `rows` (instances of `model`, by primary key) in one statement: on PostgreSQL an
+    UPDATE from a VALUES list, as Django's `bulk_update` builds a CASE per field and row, whose compiling took more
+    CPU than the rest of recording a batch of running jobs' progress; elsewhere `bulk_update`."""
+    if not rows:
+        return
+    if connection.vendor != "postgresql":
+        model._default_manager.bulk_update(rows, fields)
+        return
+    meta, quote = model._meta, connection.ops.quote_name
+    columns = [meta.pk, *(meta.get_field(name) for name in fields)]
+    values = "(" + ", ".join(f"%s::{column.db_type(connection)}" for column in columns) + ")"
+    names = [quote(column.column) for column in columns]
+    table, key = quote(meta.db_table), names[0]
+    sql = (
+        f"UPDATE {table} SET {', '.join(f'{name} = v.{name}' for name in names[1:])} "  # noqa: S608 (names quoted)
+        f"FROM (VALUES {', '.join([values] * len(rows))}) AS v ({', '.join(names)}) WHERE {table}.{key} = v.{key}"
+    )
+    params = [column.get_db_prep_save(getattr(row, column.attname), connection) for row in rows for column in columns]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)

@@ -1,7 +1,7 @@
 """A node's speed on one job's stage, as the swarm model (arceus.swarm.model) is given it when the reconciler weighs
 one more replica (`rules._gains`) and when an estimate predicts a replicated job's samples/s.
 
-The training driver times every node that hosts a stage of a job (controlplane/driver/progress.py `_measure_nodes`):
+The training driver times every node that hosts a stage of a job (controlplane/driver/recording.py `_measure_nodes`):
 the FLOPs of the samples it ran over the step's wall time. For a small model that is far below the node's own matmul
 benchmark (its agent's `flops_fp32`), the figure a node no driver has timed is priced and placed by
 (controlplane/nodes/device_class.py `market_flops`). Set side by side, an untimed node would look as many times faster

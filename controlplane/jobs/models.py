@@ -273,7 +273,7 @@ class StageContribution(BaseModel):
     bytes_received = models.BigIntegerField(default=0)
     # A replica dropped while its job ran (its Stage row deleted): when its node began to hold it and when the
     # control plane took it off, so work the driver measured before the loss and reports after it is still billed
-    # for the time held, and no longer (`controlplane/driver/progress.py`). Null for any other contribution.
+    # for the time held, and no longer (`controlplane/driver/recording.py`). Null for any other contribution.
     held_since = models.DateTimeField(null=True, blank=True)
     released_at = models.DateTimeField(null=True, blank=True)
     updated_at = models.DateTimeField(auto_now=True)
