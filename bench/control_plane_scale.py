@@ -16,8 +16,9 @@ generation at once, in one more heartbeat (as a real agent reports a change it a
 so the hosting agents' unchanged reports take the quiet path (controlplane/agents/heartbeat.py) and the jobs start.
 No training driver runs (the training worker is stopped once its idle pool process is measured): the bench stands
 in for each running job's driver (`drive_jobs`, in a process of its own), claiming its lease and writing one step
-of progress per job every interval through the driver's own service (`job_record_steps`: the step and its loss,
-the stages' counters billed to the ledger, their time per step, the node speeds they give), with a driver lease
+of progress per job every interval, the reports that fall due together recorded in one transaction
+(`jobs_record_progress`, the batched form of the driver's own `job_record_steps`: the step and its loss, the stages'
+counters billed to the ledger, their time per step, the node speeds they give), with a driver lease
 (`--driver-lease`) outlasting the writers' slowest round. The heartbeats travel over a light client of this
 bench (`Connection`: uvloop, each agent's own keep-alive connection as a real agent holds one, its request bytes
 built once per assignments version) so that
@@ -212,30 +213,30 @@ def drivers_claim() -> list[str]:
 
 
 def progress_record(due: list[tuple[str, int]]) -> tuple[list[str], list[float]]:
-    """One training step's progress for each (job, step), written as the driver writes it (`job_record_steps`:
-    the step and its loss, the stages' cumulative counters and time per step, the node speeds they measure, the
-    lease renewed); the jobs whose lease was gone, and each write's seconds."""
+    """One training step's progress for each (job, step), as a driver reports it (the step and its loss, the stages'
+    cumulative counters and time per step, the node speeds they measure, the lease renewed), all in one
+    `jobs_record_progress`; the jobs whose lease was gone, and the latency each report saw (its batch's seconds)."""
     from django.utils import timezone
 
     from arceus.contracts.counters import StageCounters
     from arceus.training.plan import StageTiming
-    from controlplane.driver.progress import StepPoint, job_record_steps
+    from controlplane.driver.recording import ProgressReport, StepPoint, jobs_record_progress
 
     batch = JOB["dataset_config"]["batch_size"]
-    lost, seconds = [], []
+    reports = []
     for job_id, step in due:
-        started = time.perf_counter()
         point = StepPoint(epoch=step // 50, step=step, total_steps=10_000, loss=2.3 / (1 + step / 100),
                           samples_per_second=320.0)
         counters = [StageCounters(index=i, samples=batch * step, micro_batches=4 * step, compute_seconds=0.02 * step,
                                   bytes_sent=40_000 * step, bytes_received=40_000 * step)
                     for i in range(JOB["stages"])]
         timings = [StageTiming(i, 0.02, 0.01, 0.1, samples=batch, micro_batches=4) for i in range(JOB["stages"])]
-        if not job_record_steps(job_id=job_id, lease_owner=DRIVER, points=[point], now=timezone.now(),
-                                stages=counters, timings=timings):
-            lost.append(job_id)
-        seconds.append(time.perf_counter() - started)
-    return lost, seconds
+        reports.append(ProgressReport(job_id=job_id, lease_owner=DRIVER, points=[point], stages=counters,
+                                      timings=timings))
+    started = time.perf_counter()
+    held = jobs_record_progress(reports=reports, now=timezone.now())
+    seconds = time.perf_counter() - started
+    return [job_id for (job_id, _), ok in zip(due, held, strict=True) if not ok], [seconds] * len(due)
 
 
 async def drive_jobs(drivers: Executor, interval: float, progress: Progress, stop: asyncio.Event) -> None:
@@ -700,7 +701,8 @@ def print_and_write(r: dict[str, Any], *, write: bool) -> None:
         f"| nodes hosting a stage, reporting it ready in every heartbeat | {r['hosts']:,} | >= 3,000 |",
         f"| jobs running at the end (the stand-in drivers claimed {r['claimed']:,} leases in the {r['running_s']} s "
         f"they waited for all) | {r['running_jobs']:,} | {r['jobs']:,} |",
-        f"| progress writes (`job_record_steps`, one per job per {r['interval_s']:g} s) | "
+        f"| progress reports (one per job per {r['interval_s']:g} s, those due together in one `jobs_record_progress`;"
+        f" latency: the batch's) | "
         f"{r['progress_per_s']}/s, p50 / p99 {r['progress_p50_ms']} / {r['progress_p99_ms']} ms; "
         f"{r['progress_lost_leases']} leases lost | {r['jobs'] / r['interval_s']:,.0f}/s |",
         f"| control plane's memory, {r['control_plane_processes']} processes (no process per job): RSS / PSS | "
