@@ -68,16 +68,18 @@ class ProgressReport:
 def jobs_record_progress(*, reports: Sequence[ProgressReport], now: datetime) -> list[bool]:
     """Record each report (at most one per job) as `job_record_steps` describes, all in one transaction, and renew
     the leases; whether each report's caller held its job's lease (a report without it records nothing)."""
-    if len({str(r.job_id) for r in reports}) != len(reports):
+    keys = [Job._meta.pk.to_python(r.job_id) for r in reports]  # as the rows' ids, whatever form the callers use
+    if len(set(keys)) != len(reports):
         raise ValueError("a batch holds at most one report per job")
     jobs = {
-        str(job.pk): job
-        for job in Job.objects.filter(pk__in=[r.job_id for r in reports], status=JobStatus.RUNNING)
+        job.pk: job
+        for job in Job.objects.filter(pk__in=keys, status=JobStatus.RUNNING)
         .select_for_update(of=("self",))
         .only(*JOB_FIELDS)
         .order_by("pk")  # one lock order for every batch
     }
-    held = [(r, job) for r in reports if (job := jobs.get(str(r.job_id))) and job.driver_lease_owner == r.lease_owner]
+    held = [(r, job) for r, key in zip(reports, keys, strict=True)
+            if (job := jobs.get(key)) is not None and job.driver_lease_owner == r.lease_owner]
     if not held:
         return [False] * len(reports)
     recorder = _Recorder.of([job for _, job in held], now)

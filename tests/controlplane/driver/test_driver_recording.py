@@ -4,6 +4,7 @@ the same rows, ledger entries and amounts, node speeds; and its queries do not g
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -176,7 +177,10 @@ def test_a_batch_makes_as_many_queries_for_many_jobs_as_for_one(ready_node, queu
     assert LedgerEntry.objects.filter(job__in=jobs.values()).aggregate(s=Sum("samples"))["s"] == 3 * 3 * 32 * 3
 
 
-def test_a_batch_holds_one_report_per_job(fleet: dict[str, Job]) -> None:
+def test_a_batch_holds_one_report_per_job_whatever_form_its_id_takes(fleet: dict[str, Job]) -> None:
     report = reports({"plain": fleet["plain"]}, {}, 1)[0]
+    as_hex = replace(report, job_id=fleet["plain"].pk.hex)
     with pytest.raises(ValueError, match="one report per job"):
-        jobs_record_progress(reports=[report, report], now=timezone.now())
+        jobs_record_progress(reports=[report, as_hex], now=timezone.now())
+    assert jobs_record_progress(reports=[as_hex], now=timezone.now()) == [True]
+    assert Job.objects.get(pk=fleet["plain"].pk).step == 1
