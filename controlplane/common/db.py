@@ -55,24 +55,28 @@ def reconnecting(call: Callable[[], R], *, what: str, for_seconds: float) -> R:
             delay = min(2 * delay, 4.0)
 
 
-def rows_update(model: type[Model], rows: Sequence[Model], fields: Sequence[str]) -> None:
-    """Write `fields` of each of `rows` (instances of `model`, by primary key) in one statement: on PostgreSQL an
-    UPDATE from a VALUES list, as Django's `bulk_update` builds a CASE per field and row, whose compiling took more
+def rows_update(model: type[Model], rows: Sequence[Model], fields: Sequence[str], *, batch: int = 1000) -> None:
+    """Write `fields` of each of `rows` (instances of `model`, by primary key), `batch` rows a statement: on PostgreSQL
+    an UPDATE from a VALUES list, as Django's `bulk_update` builds a CASE per field and row, whose compiling took more
     CPU than the rest of recording a batch of running jobs' progress; elsewhere `bulk_update`."""
     if not rows:
         return
     if connection.vendor != "postgresql":
-        model._default_manager.bulk_update(rows, fields)
+        model._default_manager.bulk_update(rows, fields, batch_size=batch)
         return
     meta, quote = model._meta, connection.ops.quote_name
     columns = [meta.pk, *(meta.get_field(name) for name in fields)]
     values = "(" + ", ".join(f"%s::{column.db_type(connection)}" for column in columns) + ")"
     names = [quote(column.column) for column in columns]
     table, key = quote(meta.db_table), names[0]
-    sql = (
-        f"UPDATE {table} SET {', '.join(f'{name} = v.{name}' for name in names[1:])} "  # noqa: S608 (names quoted)
-        f"FROM (VALUES {', '.join([values] * len(rows))}) AS v ({', '.join(names)}) WHERE {table}.{key} = v.{key}"
-    )
-    params = [column.get_db_prep_save(getattr(row, column.attname), connection) for row in rows for column in columns]
-    with connection.cursor() as cursor:
-        cursor.execute(sql, params)
+    for start in range(0, len(rows), batch):
+        chunk = rows[start:start + batch]
+        sql = (
+            f"UPDATE {table} SET {', '.join(f'{name} = v.{name}' for name in names[1:])} "  # noqa: S608 (quoted names)
+            f"FROM (VALUES {', '.join([values] * len(chunk))}) AS v ({', '.join(names)}) "
+            f"WHERE {table}.{key} = v.{key}"
+        )
+        params = [column.get_db_prep_save(getattr(row, column.attname), connection) for row in chunk
+                  for column in columns]
+        with connection.cursor() as cursor:
+            cursor.execute(sql, params)
