@@ -216,6 +216,7 @@ def progress_record(due: list[tuple[str, int]]) -> tuple[list[str], list[float]]
     """One training step's progress for each (job, step), as a driver reports it (the step and its loss, the stages'
     cumulative counters and time per step, the node speeds they measure, the lease renewed), all in one
     `jobs_record_progress`; the jobs whose lease was gone, and the latency each report saw (its batch's seconds)."""
+    from django.db import OperationalError
     from django.utils import timezone
 
     from arceus.contracts.counters import StageCounters
@@ -234,7 +235,13 @@ def progress_record(due: list[tuple[str, int]]) -> tuple[list[str], list[float]]
         reports.append(ProgressReport(job_id=job_id, lease_owner=DRIVER, points=[point], stages=counters,
                                       timings=timings))
     started = time.perf_counter()
-    held = jobs_record_progress(reports=reports, now=timezone.now())
+    for attempt in range(3):  # a deadlock with a reconcile pass's transaction is tried again
+        try:
+            held = jobs_record_progress(reports=reports, now=timezone.now())
+            break
+        except OperationalError:
+            if attempt == 2:
+                raise
     seconds = time.perf_counter() - started
     return [job_id for (job_id, _), ok in zip(due, held, strict=True) if not ok], [seconds] * len(due)
 
