@@ -84,10 +84,21 @@ def make_jobs(count: int) -> list[str]:
     now = datetime.now(UTC)
     nodes = Node.objects.bulk_create(
         [
-            Node(owner=user, name=f"bench-{i}", token_hash=node_token_hash(_node_token_new()), device_type="cpu",
-                 device_name="simulated", memory_bytes=8 << 30, flops_fp32=1e11, grpc_address=f"127.0.0.1:{i}",
-                 registered_at=now, ready_status=ReadyStatus.TRUE, ready_reason="Heartbeat", ready_transition_at=now,
-                 reachability=Reachability.RELAYED)
+            Node(
+                owner=user,
+                name=f"bench-{i}",
+                token_hash=node_token_hash(_node_token_new()),
+                device_type="cpu",
+                device_name="simulated",
+                memory_bytes=8 << 30,
+                flops_fp32=1e11,
+                grpc_address=f"127.0.0.1:{i}",
+                registered_at=now,
+                ready_status=ReadyStatus.TRUE,
+                ready_reason="Heartbeat",
+                ready_transition_at=now,
+                reachability=Reachability.RELAYED,
+            )
             for i in range(3 * count)
         ],
         batch_size=2000,
@@ -119,10 +130,20 @@ def report_of(job_id: str, step: int) -> tuple[Any, list[Any], list[Any]]:
     from controlplane.driver.progress import StepPoint
 
     batch = JOB["dataset_config"]["batch_size"]
-    point = StepPoint(epoch=step // 50, step=step, total_steps=10_000, loss=2.3 / (1 + step / 100),
-                      samples_per_second=320.0)
-    counters = [StageCounters(index=i, samples=batch * step, micro_batches=4 * step, compute_seconds=0.02 * step,
-                              bytes_sent=40_000 * step, bytes_received=40_000 * step) for i in range(JOB["stages"])]
+    point = StepPoint(
+        epoch=step // 50, step=step, total_steps=10_000, loss=2.3 / (1 + step / 100), samples_per_second=320.0
+    )
+    counters = [
+        StageCounters(
+            index=i,
+            samples=batch * step,
+            micro_batches=4 * step,
+            compute_seconds=0.02 * step,
+            bytes_sent=40_000 * step,
+            bytes_received=40_000 * step,
+        )
+        for i in range(JOB["stages"])
+    ]
     timings = [StageTiming(i, 0.02, 0.01, 0.1, samples=batch, micro_batches=4) for i in range(JOB["stages"])]
     return point, counters, timings
 
@@ -160,26 +181,38 @@ def measure(way: str, job_ids: list[str], rounds: int, start: datetime) -> dict[
             db_cpu += sum(backend.cpu_times()[:2]) - db_before
             counted += queries[0]
     per = len(job_ids) * (rounds - 1)
-    return {"reports": per, "cpu_ms": round(cpu / per * 1e3, 3), "wall_ms": round(wall / per * 1e3, 3),
-            "queries": round(counted / per, 2), "db_cpu_ms": round(db_cpu / per * 1e3, 3)}
+    return {
+        "reports": per,
+        "cpu_ms": round(cpu / per * 1e3, 3),
+        "wall_ms": round(wall / per * 1e3, 3),
+        "queries": round(counted / per, 2),
+        "db_cpu_ms": round(db_cpu / per * 1e3, 3),
+    }
 
 
 def _recorder(way: str) -> Any:
     from controlplane.driver.progress import job_record_steps
 
     def one_at_a_time(reports: list[tuple[Any, ...]], now: datetime) -> list[bool]:
-        return [job_record_steps(job_id=job_id, lease_owner=DRIVER, points=[point], now=now, stages=counters,
-                                 timings=timings) for job_id, point, counters, timings in reports]
+        return [
+            job_record_steps(
+                job_id=job_id, lease_owner=DRIVER, points=[point], now=now, stages=counters, timings=timings
+            )
+            for job_id, point, counters, timings in reports
+        ]
 
     if way != "batched":
         return one_at_a_time
     from controlplane.driver.recording import ProgressReport, jobs_record_progress
 
     def batched(reports: list[tuple[Any, ...]], now: datetime) -> list[bool]:
-        return jobs_record_progress(reports=[
-            ProgressReport(job_id=job_id, lease_owner=DRIVER, points=[point], stages=counters, timings=timings)
-            for job_id, point, counters, timings in reports
-        ], now=now)
+        return jobs_record_progress(
+            reports=[
+                ProgressReport(job_id=job_id, lease_owner=DRIVER, points=[point], stages=counters, timings=timings)
+                for job_id, point, counters, timings in reports
+            ],
+            now=now,
+        )
 
     return batched
 
@@ -196,9 +229,17 @@ def measure_before(rev: str, job_ids: list[str], rounds: int, start: datetime) -
         script = Path(tree) / "bench" / Path(__file__).name
         script.write_text(Path(__file__).read_text())
         done = subprocess.run(
-            [sys.executable, str(script), "--measure-before", json.dumps({"jobs": job_ids, "rounds": rounds,
-                                                                          "start": start.isoformat()})],
-            cwd=tree, env=env, check=True, capture_output=True, text=True,
+            [
+                sys.executable,
+                str(script),
+                "--measure-before",
+                json.dumps({"jobs": job_ids, "rounds": rounds, "start": start.isoformat()}),
+            ],
+            cwd=tree,
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
         )
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -230,9 +271,14 @@ def main() -> None:
     start = datetime.now(UTC)
     results = {"before": measure_before(args.before, ids[: args.jobs], args.rounds, start)}
     for k, way in enumerate(WAYS[1:], start=1):
-        results[way] = measure(way, ids[k * args.jobs: (k + 1) * args.jobs], args.rounds, start)
-    result = {"jobs": args.jobs, "rounds": args.rounds, "before_commit": args.before, **results,
-              "load_average": [round(x, 2) for x in os.getloadavg()]}
+        results[way] = measure(way, ids[k * args.jobs : (k + 1) * args.jobs], args.rounds, start)
+    result = {
+        "jobs": args.jobs,
+        "rounds": args.rounds,
+        "before_commit": args.before,
+        **results,
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }
     print_and_write(result, write=not args.no_write)
 
 
@@ -242,8 +288,10 @@ def print_and_write(r: dict[str, Any], *, write: bool) -> None:
     def row(way: str, name: str) -> str:
         w = r[way]
         cores = 100 * w["cpu_ms"] / 1e3  # 1,000 jobs reporting every 10 s
-        return (f"| {name} | {w['cpu_ms']:.2f} | {w['queries']:.2f} | {w['db_cpu_ms']:.2f} | {w['wall_ms']:.2f} | "
-                f"{cores:.2f} |")
+        return (
+            f"| {name} | {w['cpu_ms']:.2f} | {w['queries']:.2f} | {w['db_cpu_ms']:.2f} | {w['wall_ms']:.2f} | "
+            f"{cores:.2f} |"
+        )
 
     lines = [
         f"{r['jobs']} running jobs of 3 stages recorded each way, {r['rounds'] - 1} reports each counted (a step, 3 "

@@ -70,13 +70,14 @@ def rows_update(model: type[Model], rows: Sequence[Model], fields: Sequence[str]
     names = [quote(column.column) for column in columns]
     table, key = quote(meta.db_table), names[0]
     for start in range(0, len(rows), batch):
-        chunk = rows[start:start + batch]
+        chunk = rows[start : start + batch]
         sql = (
             f"UPDATE {table} SET {', '.join(f'{name} = v.{name}' for name in names[1:])} "  # noqa: S608 (quoted names)
             f"FROM (VALUES {', '.join([values] * len(chunk))}) AS v ({', '.join(names)}) "
             f"WHERE {table}.{key} = v.{key}"
         )
-        params = [column.get_db_prep_save(getattr(row, column.attname), connection) for row in chunk
-                  for column in columns]
+        params = [
+            column.get_db_prep_save(getattr(row, column.attname), connection) for row in chunk for column in columns
+        ]
         with connection.cursor() as cursor:
             cursor.execute(sql, params)

@@ -29,6 +29,7 @@ from controlplane.driver.recording import (
 from controlplane.jobs.leases import held, renewed
 from controlplane.jobs.models import EpochMetric, Job, Stage, StageContribution
 
+
 def job_record_steps(
     *,
     job_id: Any,

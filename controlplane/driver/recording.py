@@ -36,8 +36,15 @@ COUNTER_FIELDS = ("samples", "micro_batches", "compute_seconds", "bytes_sent", "
 TIMING_FIELDS = ("step_compute_seconds", "step_wait_seconds", "step_micro_batches", "step_samples_per_second")
 PROGRESS_FIELDS = ("step", "total_steps", "epoch", "last_loss", "samples_per_second")
 # What recording needs of a job's row (and no more: its configuration's other fields are large).
-JOB_FIELDS = ("id", "driver_lease_owner", "generation", "requirements", "model_config", "dataset_config",
-              *PROGRESS_FIELDS)
+JOB_FIELDS = (
+    "id",
+    "driver_lease_owner",
+    "generation",
+    "requirements",
+    "model_config",
+    "dataset_config",
+    *PROGRESS_FIELDS,
+)
 # What pricing and measuring need of a hosting node's row.
 NODE_FIELDS = ("node__id", "node__flops_fp32", "node__flops_measured", "node__memory_bytes", "node__flagged_at")
 
@@ -78,8 +85,11 @@ def jobs_record_progress(*, reports: Sequence[ProgressReport], now: datetime) ->
         .only(*JOB_FIELDS)
         .order_by("pk")  # one lock order for every batch
     }
-    held = [(r, job) for r, key in zip(reports, keys, strict=True)
-            if (job := jobs.get(key)) is not None and job.driver_lease_owner == r.lease_owner]
+    held = [
+        (r, job)
+        for r, key in zip(reports, keys, strict=True)
+        if (job := jobs.get(key)) is not None and job.driver_lease_owner == r.lease_owner
+    ]
     if not held:
         return [False] * len(reports)
     recorder = _Recorder.of([job for _, job in held], now)
@@ -130,8 +140,10 @@ class _Recorder:
         by_id = {str(job.pk): job for job in jobs}
         rows: dict[str, list[Stage]] = {job_id: [] for job_id in by_id}
         nodes: dict[Any, Node] = {}
-        for stage in Stage.objects.filter(job_id__in=list(by_id), active=True).select_related("node").only(
-            *(f.name for f in Stage._meta.concrete_fields), *NODE_FIELDS
+        for stage in (
+            Stage.objects.filter(job_id__in=list(by_id), active=True)
+            .select_related("node")
+            .only(*(f.name for f in Stage._meta.concrete_fields), *NODE_FIELDS)
         ):
             stage.job = by_id[str(stage.job_id)]
             if stage.node is not None:
@@ -141,8 +153,13 @@ class _Recorder:
 
     def losses(self, job: Job, points: Sequence[StepPoint]) -> None:
         self.points += [
-            LossPoint(job_id=job.pk, step=p.step, epoch=p.epoch, loss=finite(p.loss),
-                      samples_per_second=finite(p.samples_per_second))
+            LossPoint(
+                job_id=job.pk,
+                step=p.step,
+                epoch=p.epoch,
+                loss=finite(p.loss),
+                samples_per_second=finite(p.samples_per_second),
+            )
             for p in points
         ]
 
@@ -163,9 +180,14 @@ class _Recorder:
                 contribution, sibling = released[(s.index, s.node_id)]
                 self.released.append((contribution, s))
                 self.book.record_work(
-                    job_id=job.pk, generation=contribution.generation, node=contribution.node, counters=s,
+                    job_id=job.pk,
+                    generation=contribution.generation,
+                    node=contribution.node,
+                    counters=s,
                     flops_per_sample=self._flops_per_sample(sibling, ranks[(sibling.index, sibling.replica)]),
-                    step=job.step, held_since=contribution.held_since, now=min(self.now, contribution.released_at),
+                    step=job.step,
+                    held_since=contribution.held_since,
+                    now=min(self.now, contribution.released_at),
                     budget_micros=job_budget_micros(job.requirements),
                 )
                 continue
@@ -173,14 +195,20 @@ class _Recorder:
                 continue
             self._set(stage, COUNTER_FIELDS, counters)
             self.contributions.append(
-                StageContribution(job_id=job.pk, stage_index=s.index, generation=stage.generation,
-                                  node_id=stage.node_id, **counters)
+                StageContribution(
+                    job_id=job.pk, stage_index=s.index, generation=stage.generation, node_id=stage.node_id, **counters
+                )
             )
             self.book.record_work(
-                job_id=job.pk, generation=stage.generation, node=stage.node, counters=s,
+                job_id=job.pk,
+                generation=stage.generation,
+                node=stage.node,
+                counters=s,
                 flops_per_sample=self._flops_per_sample(stage, ranks[(stage.index, stage.replica)]),
                 step=job.step,  # already the newest recorded step: a rewind refunds what lies past its checkpoint
-                held_since=stage.held_since, now=self.now, budget_micros=job_budget_micros(job.requirements),
+                held_since=stage.held_since,
+                now=self.now,
+                budget_micros=job_budget_micros(job.requirements),
             )
 
     def timings(self, job: Job, timings: Sequence[StageTiming]) -> None:
@@ -189,7 +217,8 @@ class _Recorder:
         rows = self.rows[str(job.pk)]
         for t in timings:
             values = {
-                "step_compute_seconds": finite(t.compute_seconds), "step_wait_seconds": finite(t.wait_seconds),
+                "step_compute_seconds": finite(t.compute_seconds),
+                "step_wait_seconds": finite(t.wait_seconds),
                 "step_micro_batches": finite(t.micro_batches) if t.micro_batches > 0 else None,
                 "step_samples_per_second": (
                     finite(t.samples / t.compute_seconds) if t.samples > 0 and t.compute_seconds > 0 else None
@@ -228,8 +257,9 @@ class _Recorder:
                 setattr(stage, name, value)
             self.changed[fields][stage.pk] = stage
 
-    def _released(self, job: Job, stages: Sequence[StageCounters]) -> dict[tuple[int, str], tuple[StageContribution,
-                                                                                               Stage]]:
+    def _released(
+        self, job: Job, stages: Sequence[StageCounters]
+    ) -> dict[tuple[int, str], tuple[StageContribution, Stage]]:
         """Of `stages` (counters without a placed row), those of replicas dropped at the job's generation: each with
         its contribution and a live sibling row (its stage's layers; a stage without one has rewound)."""
         if not stages:
@@ -266,13 +296,17 @@ class _Recorder:
     def save(self) -> None:
         # Upsert: a restarted driver replays steps it recorded before.
         LossPoint.objects.bulk_create(
-            self.points, update_conflicts=True, unique_fields=["job", "step"],
+            self.points,
+            update_conflicts=True,
+            unique_fields=["job", "step"],
             update_fields=["epoch", "loss", "samples_per_second"],
         )
         for fields, stages in self.changed.items():
             rows_update(Stage, list(stages.values()), fields)
         StageContribution.objects.bulk_create(
-            self.contributions, update_conflicts=True, unique_fields=["job", "stage_index", "generation", "node"],
+            self.contributions,
+            update_conflicts=True,
+            unique_fields=["job", "stage_index", "generation", "node"],
             update_fields=[*COUNTER_FIELDS, "updated_at"],
         )
         for contribution, s in self.released:

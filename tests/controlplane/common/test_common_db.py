@@ -45,6 +45,9 @@ def test_rows_update_writes_each_rows_own_values_and_only_the_fields_named() -> 
     assert len(queries) == 3  # 2 + 2 + 1 rows
     written = User.objects.order_by("username").values_list("last_name", "is_active", "last_login", "first_name")
     assert list(written) == [
-        ("n0", True, when, "kept"), ("n1", False, when, "kept"), ("n2", True, when, "kept"),
-        ("n3", False, None, "kept"), ("n4", True, when, "kept"),
+        ("n0", True, when, "kept"),
+        ("n1", False, when, "kept"),
+        ("n2", True, when, "kept"),
+        ("n3", False, None, "kept"),
+        ("n4", True, when, "kept"),
     ]

@@ -41,8 +41,9 @@ def fleet(ready_node, queued_job) -> dict[str, Job]:  # noqa: ANN001
     for i in range(15):
         ready_node(f"n{i}", port=50051 + i, now=start, flops=1e11)  # a standard device until measured
     # a posted price above the base one, so that amounts are whole micro-dollars many times over
-    PriceChange.objects.create(device_class=node_device_class(Node.objects.first()), price_per_hour=3.6, demand=1,
-                               supply=1)
+    PriceChange.objects.create(
+        device_class=node_device_class(Node.objects.first()), price_per_hour=3.6, demand=1, supply=1
+    )
     jobs = {
         "plain": queued_job(),
         "capped": queued_job(),
@@ -53,8 +54,10 @@ def fleet(ready_node, queued_job) -> dict[str, Job]:  # noqa: ANN001
         reconcile_once(now=start)
     Stage.objects.filter(job__in=jobs.values()).update(held_since=start)
     replicated = Job.objects.get(pk=jobs["replicated"].pk)
-    assert job_replicas_drop(DropReplicas(replicated.id, replicated.generation, replicated.status, ((1, 1),), ()),
-                             start + timedelta(seconds=30))
+    assert job_replicas_drop(
+        DropReplicas(replicated.id, replicated.generation, replicated.status, ((1, 1),), ()),
+        start + timedelta(seconds=30),
+    )
     Job.objects.filter(pk=replicated.pk).update(replicas_min=1, replicas_max=1)  # not replaced: the node is free
     jobs = {"late": queued_job(stages=1), **jobs}
     reconcile_once(now=start)  # the nodes heartbeat at `start`
@@ -77,15 +80,37 @@ def reports(jobs: dict[str, Job], dropped: dict[int, str], n: int) -> list[Progr
     for job in jobs.values():
         rows = list(Stage.objects.filter(job=job, active=True).order_by("index", "replica"))
         replicated = job.stages.filter(replica__gt=0).exists()
-        stages = [StageCounters(s.index, 32 * n, 4 * n, 0.02 * n, 1000 * n, 1000 * n,
-                                node_id=str(s.node_id) if replicated else "") for s in rows]
-        timings = [StageTiming(s.index, 0.02, 0.01 * n, 0.1, node_id=str(s.node_id) if replicated else "",
-                               samples=16 if replicated else 32, micro_batches=2 if replicated else 4) for s in rows]
+        stages = [
+            StageCounters(
+                s.index, 32 * n, 4 * n, 0.02 * n, 1000 * n, 1000 * n, node_id=str(s.node_id) if replicated else ""
+            )
+            for s in rows
+        ]
+        timings = [
+            StageTiming(
+                s.index,
+                0.02,
+                0.01 * n,
+                0.1,
+                node_id=str(s.node_id) if replicated else "",
+                samples=16 if replicated else 32,
+                micro_batches=2 if replicated else 4,
+            )
+            for s in rows
+        ]
         if replicated:
-            stages += [StageCounters(index, 32 * n, 4 * n, 0.02 * n, 0, 0, node_id=node) for index, node in
-                       dropped.items()]
-        out.append(ProgressReport(job_id=job.id, lease_owner=DRIVER, points=[StepPoint(1, n, 90, 2.0 / n, 320.0)],
-                                  stages=stages, timings=timings))
+            stages += [
+                StageCounters(index, 32 * n, 4 * n, 0.02 * n, 0, 0, node_id=node) for index, node in dropped.items()
+            ]
+        out.append(
+            ProgressReport(
+                job_id=job.id,
+                lease_owner=DRIVER,
+                points=[StepPoint(1, n, 90, 2.0 / n, 320.0)],
+                stages=stages,
+                timings=timings,
+            )
+        )
     return out
 
 
@@ -93,26 +118,77 @@ def recorded(jobs: dict[str, Job]) -> dict[str, Any]:
     """What recording wrote, without the ids and creation times the database gives each row."""
     mine = {"job__in": list(jobs.values())}
     return {
-        "jobs": sorted(Job.objects.filter(pk__in=[j.pk for j in jobs.values()]).values_list(
-            "id", "step", "total_steps", "epoch", "last_loss", "samples_per_second", "driver_lease_expires_at")),
-        "losses": sorted(LossPoint.objects.filter(**mine).values_list("job", "step", "epoch", "loss",
-                                                                      "samples_per_second")),
-        "stages": sorted(Stage.objects.filter(**mine).values_list(
-            "id", "samples", "micro_batches", "compute_seconds", "bytes_sent", "bytes_received", "step_compute_seconds",
-            "step_wait_seconds", "step_micro_batches", "step_samples_per_second")),
-        "contributions": sorted(StageContribution.objects.filter(**mine).values_list(
-            "job", "stage_index", "generation", "node", "samples", "micro_batches", "compute_seconds", "bytes_sent",
-            "bytes_received", "held_since", "released_at")),
-        "ledger": sorted(LedgerEntry.objects.filter(**mine).values_list(
-            "job", "node", "stage_index", "generation", "step", "samples_total", "samples", "micro_batches",
-            "compute_seconds", "held_seconds", "held_until", "flops", "bytes_sent", "bytes_received", "device_class",
-            "price_per_hour", "charge_micros", "fee_micros", "credit_micros", "withheld")),
+        "jobs": sorted(
+            Job.objects.filter(pk__in=[j.pk for j in jobs.values()]).values_list(
+                "id", "step", "total_steps", "epoch", "last_loss", "samples_per_second", "driver_lease_expires_at"
+            )
+        ),
+        "losses": sorted(
+            LossPoint.objects.filter(**mine).values_list("job", "step", "epoch", "loss", "samples_per_second")
+        ),
+        "stages": sorted(
+            Stage.objects.filter(**mine).values_list(
+                "id",
+                "samples",
+                "micro_batches",
+                "compute_seconds",
+                "bytes_sent",
+                "bytes_received",
+                "step_compute_seconds",
+                "step_wait_seconds",
+                "step_micro_batches",
+                "step_samples_per_second",
+            )
+        ),
+        "contributions": sorted(
+            StageContribution.objects.filter(**mine).values_list(
+                "job",
+                "stage_index",
+                "generation",
+                "node",
+                "samples",
+                "micro_batches",
+                "compute_seconds",
+                "bytes_sent",
+                "bytes_received",
+                "held_since",
+                "released_at",
+            )
+        ),
+        "ledger": sorted(
+            LedgerEntry.objects.filter(**mine).values_list(
+                "job",
+                "node",
+                "stage_index",
+                "generation",
+                "step",
+                "samples_total",
+                "samples",
+                "micro_batches",
+                "compute_seconds",
+                "held_seconds",
+                "held_until",
+                "flops",
+                "bytes_sent",
+                "bytes_received",
+                "device_class",
+                "price_per_hour",
+                "charge_micros",
+                "fee_micros",
+                "credit_micros",
+                "withheld",
+            )
+        ),
         "speeds": sorted(Node.objects.values_list("id", "flops_measured", "flops_measured_at")),
     }
 
 
-def recorded_by(record: Callable[[list[ProgressReport], datetime], list[bool]], jobs: dict[str, Job],
-                dropped: dict[int, str], now: datetime) -> tuple[dict[str, Any], list[list[bool]]]:
+def recorded_by(
+    record: Callable[[list[ProgressReport], datetime], list[bool]],
+    jobs: dict[str, Job],
+    dropped: dict[int, str],
+    now: datetime,
+) -> tuple[dict[str, Any], list[list[bool]]]:
     """Three rounds of reports recorded by `record`, what they wrote, and what each round returned; rolled back."""
     point = transaction.savepoint()
     held = [record(reports(jobs, dropped, n), now + timedelta(seconds=10 * n)) for n in (1, 2, 3)]
@@ -122,16 +198,21 @@ def recorded_by(record: Callable[[list[ProgressReport], datetime], list[bool]], 
 
 
 def one_at_a_time(batch: list[ProgressReport], now: datetime) -> list[bool]:
-    return [job_record_steps(job_id=r.job_id, lease_owner=r.lease_owner, points=r.points, stages=r.stages,
-                             timings=r.timings, now=now) for r in batch]
+    return [
+        job_record_steps(
+            job_id=r.job_id, lease_owner=r.lease_owner, points=r.points, stages=r.stages, timings=r.timings, now=now
+        )
+        for r in batch
+    ]
 
 
 def test_a_batch_records_what_each_report_alone_records(fleet: dict[str, Job]) -> None:
     gone = StageContribution.objects.get(job=fleet["replicated"], released_at__isnull=False)
     dropped, now = {gone.stage_index: str(gone.node_id)}, timezone.now()
     alone, held_alone = recorded_by(one_at_a_time, fleet, dropped, now)
-    batched, held_batched = recorded_by(lambda batch, at: jobs_record_progress(reports=batch, now=at), fleet,
-                                        dropped, now)
+    batched, held_batched = recorded_by(
+        lambda batch, at: jobs_record_progress(reports=batch, now=at), fleet, dropped, now
+    )
 
     assert held_alone == held_batched == [[True, True, True, True, False]] * 3
     assert batched == alone
