@@ -49,16 +49,22 @@ def pytest_collection(session: pytest.Session) -> Iterator[object]:
 @pytest.hookimpl(trylast=True)  # after `-m` deselected what will not run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under `--dist loadfile --no-loadscope-reorder` (the slow part of `make test`), xdist hands out whole files in
-    the order collected, each to the next worker that runs short of work. The whole-system files go first, then the
-    rest, each group's files by their number of tests, most first: the many short files come last, so both workers
-    run out of work within seconds of each other, not one still running a long file that was handed out last."""
-    if config.getoption("dist", None) != "loadfile":
+    the order collected, each to the next worker that runs short of work. The whole-system files go first, those
+    with the most tests first, then the rest as collected (the training parity files, then the agent's shorter
+    ones): both workers run out of work within seconds of each other, not one still running a long file that was
+    handed out last. The workers collect, and pytest-xdist sets their `dist` option to "no": the command line's
+    value is read."""
+    if getattr(config.known_args_namespace, "dist", None) != "loadfile":
         return
     files: dict[str, list[pytest.Item]] = {}
     for item in items:
         files.setdefault(item.path.relative_to(config.rootpath).as_posix(), []).append(item)
-    ordered = sorted(files.items(), key=lambda entry: (not entry[0].startswith(WHOLE_SYSTEM_FILES), -len(entry[1])))
-    items[:] = [item for _, in_file in ordered for item in in_file]
+
+    def whole_system_first(entry: tuple[str, list[pytest.Item]]) -> tuple[bool, int]:
+        path, in_file = entry
+        return (False, -len(in_file)) if path.startswith(WHOLE_SYSTEM_FILES) else (True, 0)
+
+    items[:] = [item for _, in_file in sorted(files.items(), key=whole_system_first) for item in in_file]
 
 
 def _flush_by_delete() -> None:
