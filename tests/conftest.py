@@ -28,6 +28,7 @@ TEST_PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 def pytest_configure(config: pytest.Config) -> None:
     settings.PASSWORD_HASHERS = TEST_PASSWORD_HASHERS
     _worker_redis_database()
+    _worker_threads()
     _flush_by_delete()
 
 
@@ -65,6 +66,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return (False, -len(in_file)) if path.startswith(WHOLE_SYSTEM_FILES) else (True, 0)
 
     items[:] = [item for _, in_file in sorted(files.items(), key=whole_system_first) for item in in_file]
+
+
+def _worker_threads() -> None:
+    """Under pytest-xdist the workers share the machine's cores: each computes with its share. torch's default is
+    every core, so two workers on two cores ran four threads whose OpenMP waits spin on a core another one needs:
+    beside one busy process, the 60 Adam steps of a tiny GPT (tests/arceus/model/test_gpt_generate.py) took 7 s on
+    two threads and 1.6-2.5 s on one."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers is not None:
+        torch.set_num_threads(max(1, torch.get_num_threads() // int(workers)))
 
 
 def _flush_by_delete() -> None:

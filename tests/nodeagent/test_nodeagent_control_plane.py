@@ -216,8 +216,25 @@ def test_rejected_token_during_heartbeats_is_fatal(control_plane, agent: Agent) 
     assert "rejected the node token" in fatal[0]
 
 
-def test_the_owners_thread_cap_is_taken_and_lifted(control_plane, agent: Agent) -> None:  # noqa: ANN001
+@pytest.fixture
+def agent_of_two_threads() -> Iterator[Agent]:
+    """An agent started with 2 torch threads, whatever this process computes with (one under pytest-xdist on two
+    cores), so that a cap of 1 changes something."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    a = Agent(device=torch.device("cpu"))
+    a.start()
+    try:
+        yield a
+    finally:
+        a.stop(grace=1)
+        torch.set_num_threads(before)
+
+
+def test_the_owners_thread_cap_is_taken_and_lifted(control_plane, agent_of_two_threads: Agent) -> None:  # noqa: ANN001
+    agent = agent_of_two_threads
     started_with = agent.compute_threads
+    assert started_with == 2
     control_plane.interval = 0.05
     control_plane.max_threads = 1
     loop = HeartbeatLoop(
