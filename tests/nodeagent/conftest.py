@@ -1,5 +1,6 @@
 """A stand-in for the control plane's agent API (the Django app is another package), speaking the
-HTTP/JSON contract of docs/architecture.md so the agent's client can be tested against real HTTP."""
+HTTP/JSON contract of docs/architecture.md so the agent's client can be tested against real HTTP; an agent in
+this process; the one-stage assignment the agent tests host."""
 
 from __future__ import annotations
 
@@ -14,8 +15,23 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
+import torch
 
 from arceus.contracts.possession import possession_check
+from devtools.pipeline import pipeline_assignments
+from nodeagent.agent import Agent
+
+# One stage of a two-layer MLP, as the control plane would assign it.
+ASSIGNMENT = pipeline_assignments(
+    job_id="job",
+    model_config={"layer_sizes": [8, 4]},
+    boundaries=[0, 1],
+    addresses=["127.0.0.1:1"],
+    optimizer={"name": "sgd", "lr": 0.1},
+    seed=0,
+    micro_batches=2,
+    max_micro_batch_size=4,
+)[0]
 
 
 @dataclass
@@ -157,3 +173,14 @@ def control_plane() -> Iterator[FakeControlPlane]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture
+def agent() -> Iterator[Agent]:
+    """An agent on CPU in this process, started and stopped around the test (files that need another define theirs)."""
+    a = Agent(device=torch.device("cpu"))
+    a.start()
+    try:
+        yield a
+    finally:
+        a.stop(grace=1)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -41,16 +40,6 @@ def stages(job_id: str = "job", generation: int = 1, model: dict[str, Any] = MOD
         generation=generation,
     )
     return [Assignment.from_json(a) for a in raw]
-
-
-@pytest.fixture
-def agent() -> Iterator[Agent]:
-    a = Agent(device=torch.device("cpu"))
-    a.start()
-    try:
-        yield a
-    finally:
-        a.stop(grace=1)
 
 
 def driver_channel(agent: Agent) -> grpc.Channel:

@@ -13,21 +13,10 @@ from pathlib import Path
 import pytest
 
 from devtools.launch import spawn_agent, stop_agents
-from devtools.pipeline import pipeline_assignments
 from nodeagent.cli import main
+from tests.nodeagent.conftest import ASSIGNMENT
 
 pytestmark = pytest.mark.slow
-
-ASSIGNMENT = pipeline_assignments(
-    job_id="job",
-    model_config={"layer_sizes": [8, 4]},
-    boundaries=[0, 1],
-    addresses=["127.0.0.1:1"],
-    optimizer={"name": "sgd", "lr": 0.1},
-    seed=0,
-    micro_batches=2,
-    max_micro_batch_size=4,
-)[0]
 
 
 def run_agent(*args: str, token: str | None = None) -> subprocess.CompletedProcess[str]:

@@ -23,7 +23,6 @@ from arceus.model.llama.hf import hf_name
 from arceus.model.registry import model_spec_from_config
 from arceus.safetensors_file import CheckpointError
 from arceus.wire.tls import new_identity
-from devtools.pipeline import pipeline_assignments
 from nodeagent.agent import Agent
 from nodeagent.control_plane import (
     PROBE_BYTES,
@@ -35,17 +34,7 @@ from nodeagent.control_plane import (
 from nodeagent.control_plane_http import ControlPlaneError, Unauthorized
 from nodeagent.stage import StateUploadError
 from tests.arceus.model.test_llama_model import SMALL
-
-ASSIGNMENT = pipeline_assignments(
-    job_id="job",
-    model_config={"layer_sizes": [8, 4]},
-    boundaries=[0, 1],
-    addresses=["127.0.0.1:1"],
-    optimizer={"name": "sgd", "lr": 0.1},
-    seed=0,
-    micro_batches=2,
-    max_micro_batch_size=4,
-)[0]
+from tests.nodeagent.conftest import ASSIGNMENT
 
 
 def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
@@ -53,16 +42,6 @@ def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         time.sleep(0.02)
-
-
-@pytest.fixture
-def agent() -> Iterator[Agent]:
-    a = Agent(device=torch.device("cpu"))
-    a.start()
-    try:
-        yield a
-    finally:
-        a.stop(grace=1)
 
 
 def test_register_sends_the_contract_with_a_proof_of_its_key(control_plane) -> None:  # noqa: ANN001 - conftest
