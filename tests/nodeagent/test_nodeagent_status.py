@@ -15,7 +15,7 @@ import pytest
 
 from devtools.launch import spawn_agent, stop_agents
 from nodeagent.cli import main
-from tests.nodeagent.test_nodeagent_cli import ASSIGNMENT
+from tests.nodeagent.conftest import ASSIGNMENT
 
 pytestmark = pytest.mark.slow
 
