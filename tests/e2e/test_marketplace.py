@@ -46,8 +46,8 @@ def test_faster_agents_get_larger_stages_and_the_ledger_matches_their_counters(
 ) -> None:
     # Declared rates low enough that a stage's compute (tens of ms per micro-batch) outweighs the latency the
     # solver takes from each agent's measured link to the control plane (a few ms on a busy loopback).
-    declared = {"fast": "4e8", "slow-a": "1e8", "slow-b": "1e8"}
-    agents = {name: cluster.start_agent(name, "--declare-flops", flops) for name, flops in declared.items()}
+    slow = cluster.start_agents(["slow-a", "slow-b"], "--declare-flops", "1e8")
+    agents = {agent.name: agent for agent in [*cluster.start_agents(["fast"], "--declare-flops", "4e8"), *slow]}
     # The estimate is computed by the control queue's Celery worker (never the web process) and polled, once
     # every agent's first heartbeat has made its node Ready (an agent says READY when it has registered).
     ids = {agent.node_id for agent in agents.values()}

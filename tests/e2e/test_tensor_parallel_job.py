@@ -41,7 +41,7 @@ def test_a_job_with_a_tensor_parallel_stage_trains_over_rest_like_one_process(
 ) -> None:
     source = tmp_path / "genesis.txt"
     source.write_text(BUNDLED_TEXT.read_text(encoding="utf-8")[:4000], encoding="utf-8")
-    agents = [cluster.start_agent(f"node-{i}") for i in range(3)]
+    agents = cluster.start_agents([f"node-{i}" for i in range(3)])
     spec: dict[str, Any] = {
         "name": "e2e-tensor-parallel",
         "model_config": {"type": "transformer", "n_layer": 2, "n_head": 4, "d_model": 32, "block_size": 16,
@@ -118,8 +118,7 @@ def test_a_llama_fine_tunes_over_rest_split_like_one_process_and_downloads_as_a_
     folder `transformers` loads whose logits are those of the trained weights in our own model."""
     source = tmp_path / "genesis.txt"
     source.write_text(BUNDLED_TEXT.read_text(encoding="utf-8")[:2000], encoding="utf-8")
-    for i in range(3):
-        cluster.start_agent(f"node-{i}")
+    cluster.start_agents([f"node-{i}" for i in range(3)])
     model_config = {
         "type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 16, "tie_word_embeddings": True,

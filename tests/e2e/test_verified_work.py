@@ -45,7 +45,7 @@ def test_a_dishonest_agent_is_caught_flagged_and_its_credit_withheld(cluster: Lo
         owner="mallory",
     )
     mallory = cluster.owner_client("mallory")
-    honest = [cluster.start_agent(name, "--declare-flops", "1e8") for name in ("honest-a", "honest-b")]
+    honest = cluster.start_agents(["honest-a", "honest-b"], "--declare-flops", "1e8")
     job = cluster.client.submit_job(JOB)
     cluster.client.start_job(job["id"])
     final = cluster.client.wait(job["id"], timeout=120)
