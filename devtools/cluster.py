@@ -36,6 +36,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 AGENT_READY_PREFIX = "AGENT READY"
 RELAY_READY_PREFIX = "RELAY READY"
+WEB_STOP_GRACE_SECONDS = 3.0  # gunicorn's own stop, once nothing talks to it, takes about a second
 
 
 def stage_placement(detail: dict[str, Any]) -> dict[int, str]:
@@ -311,11 +312,15 @@ class LocalCluster:
         # stopping control plane never makes. The web server only once nothing heartbeats to it, the broker
         # last, after everyone who may still enqueue or acknowledge: else those calls hang in retries until the
         # grace runs out. Our clients' idle keep-alive connections are closed first: gunicorn's graceful stop
-        # waits for every open connection, and would spend the whole grace on them.
+        # waits for every open connection, and would spend the whole grace on them. By the web server's wave no
+        # client of it is left, yet gunicorn may still count one (seen after a job ended: 1 connection, the whole
+        # 10 s): its grace is short.
         self.kill_agents()
         for client in [*([self.client] if hasattr(self, "client") else []), *self._owners.values()]:
             client.session.close()
-        self.supervisor.stop_all(wave=lambda name: {"web": 1, "redis": 2}.get(name, 0))
+        waves = {"web": 1, "redis": 2}
+        self.supervisor.stop_all(grace=lambda number: WEB_STOP_GRACE_SECONDS if number == 1 else 10.0,
+                                 wave=lambda name: waves.get(name, 0))
 
     def wait_for_job(
         self,

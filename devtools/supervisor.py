@@ -120,12 +120,15 @@ class Supervisor:
         child.process.wait()
         self.children.remove(child)
 
-    def stop_all(self, grace: float = 10.0, *, wave: Callable[[str], int] = lambda name: 0) -> None:
-        """SIGTERM every child, wait (up to `grace`) for them to exit, then SIGKILL what is left of their
-        groups; in waves by `wave(name)`, lowest first: a server outlives the clients that still talk to it
-        while they shut down."""
+    def stop_all(
+        self, grace: float | Callable[[int], float] = 10.0, *, wave: Callable[[str], int] = lambda name: 0
+    ) -> None:
+        """SIGTERM every child, wait (up to `grace`, or `grace(wave number)`) for them to exit, then SIGKILL what is
+        left of their groups; in waves by `wave(name)`, lowest first: a server outlives the clients that still talk
+        to it while they shut down."""
         for number in sorted({wave(c.name) for c in self.children}):
-            self._stop_wave([c for c in self.children if wave(c.name) == number], grace)
+            self._stop_wave([c for c in self.children if wave(c.name) == number],
+                            grace(number) if callable(grace) else grace)
 
     @staticmethod
     def _stop_wave(children: Sequence[Child], grace: float) -> None:

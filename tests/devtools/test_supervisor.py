@@ -1,5 +1,5 @@
 """The supervisor stops its children in waves: a later wave gets SIGTERM only once the earlier ones are gone,
-and a child that ignores SIGTERM is killed when the grace runs out."""
+and a child that ignores SIGTERM is killed when its wave's grace runs out."""
 
 from __future__ import annotations
 
@@ -50,4 +50,16 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_grace(tmp_path: Path) 
     supervisor.stop_all(grace=0.5, wave=lambda name: 1 if name == "last" else 0)
     assert record.read_text().split() == ["stubborn", "last"]
     assert time.monotonic() - began < 5
+    assert not any(child.alive() for child in supervisor.children)
+
+
+def test_a_wave_may_have_a_grace_of_its_own(tmp_path: Path) -> None:
+    supervisor, record = Supervisor(tmp_path / "logs"), tmp_path / "terms"
+    start(supervisor, "first", record)
+    start(supervisor, "stubborn", record, mode="ignore")
+    began = time.monotonic()
+    supervisor.stop_all(grace=lambda number: 0.5 if number == 1 else 60.0,
+                        wave=lambda name: 1 if name == "stubborn" else 0)
+    assert record.read_text().split() == ["first", "stubborn"]
+    assert time.monotonic() - began < 30  # the stubborn one's 0.5 s, not the 60 s of the wave before
     assert not any(child.alive() for child in supervisor.children)
