@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import pytest
-import torch
-import torch.nn.functional as F
 
 from arceus.data.tokenizer import CharTokenizer
-from arceus.model.build import build_full_model, named_global_parameters
 from arceus.model.generate import sample_text
-from arceus.model.registry import model_spec_from_config
+from tests.arceus.model.pattern_training import trained_on
 
 VOCAB = CharTokenizer("abcd")
 CONFIG = {"type": "transformer", "n_layer": 1, "n_head": 2, "d_model": 16, "block_size": 8, "vocab_size": 4}
@@ -19,21 +16,9 @@ LLAMA = {
 }
 
 
-def trained_weights(config: dict = CONFIG) -> dict[str, torch.Tensor]:
-    model = build_full_model(model_spec_from_config(config), seed=0)
-    ids = torch.tensor([i % 4 for i in range(9 * 32)]).view(32, 9)  # "abcdabcd..." windows
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(60):
-        loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return {name: p.detach().clone() for name, p in named_global_parameters(model)}
-
-
 @pytest.mark.parametrize("config", [CONFIG, LLAMA], ids=["gpt", "llama"])
 def test_a_model_that_learned_a_pattern_continues_it(config: dict) -> None:
-    weights = trained_weights(config)
+    weights = trained_on(config, (0, 1, 2, 3))
     text = sample_text(config, weights, VOCAB, prompt="bc", length=20, temperature=0)
     assert text == "bc" + "dabc" * 5
     sampled = sample_text(config, weights, VOCAB, prompt="a", length=30, temperature=1.0, seed=3)
@@ -42,7 +27,7 @@ def test_a_model_that_learned_a_pattern_continues_it(config: dict) -> None:
 
 
 def test_mismatches_are_value_errors() -> None:
-    weights = trained_weights()
+    weights = trained_on(CONFIG, (0, 1, 2, 3))
     with pytest.raises(ValueError, match="the tokenizer 5"):
         sample_text(CONFIG, weights, CharTokenizer("abcde"), prompt="a")
     with pytest.raises(ValueError, match="'z' is not in the vocabulary"):

@@ -4,8 +4,6 @@ process: `sampling_worker`), through the API, the SDK and the CLI (against a liv
 
 from __future__ import annotations
 
-import functools
-import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,7 +11,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from django.contrib.auth.models import User
 from rest_framework.test import APIClient
 
@@ -21,8 +18,6 @@ from arceus.cli import main as cli_main
 from arceus.contracts.assignment import Assignment
 from arceus.contracts.status import JobStatus
 from arceus.data.tokenizer import split_text, train_bpe
-from arceus.model.build import build_full_model, named_global_parameters
-from arceus.model.registry import model_spec_from_config
 from arceus.v1 import stage_pb2
 from controlplane.accounts.services import user_token_get_or_create
 from controlplane.controller.executor import reconcile_once
@@ -31,29 +26,9 @@ from controlplane.jobs.selectors import assignments_for_node
 from controlplane.jobs.services import job_start, job_submit
 from devtools.pipeline import remember_identity
 from nodeagent.agent import Agent
+from tests.arceus.model.pattern_training import trained_on
 
 MODEL = {"type": "transformer", "n_layer": 1, "n_head": 2, "d_model": 16, "block_size": 8}
-
-
-def trained_on(config: dict[str, Any], pattern: tuple[int, ...]) -> dict[str, torch.Tensor]:
-    """Weights of the job's model after learning the token sequence `pattern` repeated: trained once per model and
-    pattern in a session (60 Adam steps cost seconds, and most tests here train the same one), copied for each."""
-    return {name: t.clone() for name, t in _trained_on(json.dumps(config, sort_keys=True), pattern).items()}
-
-
-@functools.cache
-def _trained_on(config_json: str, pattern: tuple[int, ...]) -> dict[str, torch.Tensor]:
-    config = json.loads(config_json)
-    model = build_full_model(model_spec_from_config(config), seed=0)
-    block = model_spec_from_config(config).block_size
-    ids = torch.tensor([pattern[i % len(pattern)] for i in range((block + 1) * 32)]).view(32, block + 1)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
-    for _ in range(60):
-        loss = F.cross_entropy(model(ids[:, :-1]).flatten(0, 1), ids[:, 1:].flatten())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    return {name: p.detach().clone() for name, p in named_global_parameters(model)}
 
 
 @pytest.fixture

@@ -27,12 +27,12 @@ from controlplane.jobs.services import job_start, job_submit
 from controlplane.nodes.models import Node
 from devtools.pipeline import remember_identity
 from nodeagent.agent import Agent
+from tests.arceus.model.pattern_training import trained_on
 from tests.controlplane.jobs.test_jobs_checkpoints import checkpoint_dir  # noqa: F401 (a fixture)
 from tests.controlplane.jobs.test_jobs_sample import (  # noqa: F401 (abcd_text: a fixture)
     MODEL,
     abcd_text,
     make_job,
-    trained_on,
 )
 
 
