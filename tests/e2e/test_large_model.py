@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from arceus.placement.solver import Workload, stage_memory
 from arceus.sdk import ApiError
 from devtools.cluster import LocalCluster
 from devtools.cluster import stage_placement as placement
-from devtools.reference import ReferenceRun, reference_run
+from devtools.reference import reference_run
 from devtools.supervisor import peak_rss
 
 pytestmark = pytest.mark.slow
@@ -76,17 +75,15 @@ def job_body(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def reference_soon(job_body: dict[str, Any]) -> Iterator[Future[ReferenceRun]]:
-    """The same job trained in this process without interruption (its configs completed as submission does), in a
-    thread beside the test: as long as the whole job on the cluster, and mostly waiting where that job waits."""
+def reference(job_body: dict[str, Any]) -> Any:
+    """The same job trained in this process without interruption (its configs completed as submission does)."""
     dataset = validate_dataset_config(job_body["dataset_config"])
     _, model, dataset = fit_model_to_dataset(job_body["model_config"], dataset)
-    with ThreadPoolExecutor(1) as pool:
-        yield pool.submit(reference_run, {**job_body, "model_config": model, "dataset_config": dataset})
+    return reference_run({**job_body, "model_config": model, "dataset_config": dataset})
 
 
 def test_a_large_gpt_checkpoints_survives_a_killed_agent_samples_and_downloads(
-    cluster: LocalCluster, job_body: dict[str, Any], reference_soon: Future[ReferenceRun], tmp_path: Path,
+    cluster: LocalCluster, job_body: dict[str, Any], reference: Any, tmp_path: Path,
     record_property: Callable[[str, object], None],
 ) -> None:
     # Declared equal speeds: measured ones differ on a shared machine, and the solver would split by them.
@@ -122,7 +119,6 @@ def test_a_large_gpt_checkpoints_survives_a_killed_agent_samples_and_downloads(
     final = client.wait(job["id"], timeout=600)
     assert final["status"] == "succeeded", final["error"]
     assert placement(final) == {**placed, 1: spare.node_id}
-    reference = reference_soon.result()
     curve = {p["step"]: p["loss"] for p in final["loss_curve"]}
     assert sorted(curve) == list(range(1, len(reference.losses) + 1))  # every step once, the replays included
     for step, want in enumerate(reference.losses, 1):
