@@ -22,7 +22,8 @@ from arceus.training.plan import TrainPlan
 from arceus.training.recording import RecordingSink
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
 from devtools.pipeline import driver_token, pipeline_assignments, stage_endpoints
-from devtools.reference import fetch_weights, reference_run
+from devtools.reference import fetch_weights
+from tests.arceus.training.reference_jobs import reference_of
 
 pytestmark = pytest.mark.slow
 
@@ -82,19 +83,7 @@ def test_cnn_pipeline_training_matches_single_process(agents: list[AgentProcess]
     )
     recorder = RecordingSink()
     result = train(plan, recorder)
-    expected = reference_run(
-        {
-            "model_config": MODEL,
-            "dataset_config": DATASET,
-            "epochs": 1,
-            "learning_rate": optimizer["lr"],
-            "optimizer": optimizer["name"],
-            "momentum": optimizer.get("momentum", 0.0),
-            "weight_decay": optimizer["weight_decay"],
-            "seed": SEED,
-        },
-        max_steps=STEPS,
-    )
+    expected = reference_of(MODEL, DATASET, optimizer, epochs=1, seed=SEED, max_steps=STEPS)
 
     assert result.steps == STEPS and not result.stopped
     losses = [p.loss for p in recorder.steps]

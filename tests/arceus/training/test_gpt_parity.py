@@ -24,7 +24,8 @@ from arceus.training.recording import RecordingSink
 from arceus.training.sampling import sample_through_pipeline
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
 from devtools.pipeline import driver_token, pipeline_assignments, stage_endpoints
-from devtools.reference import fetch_weights, reference_run
+from devtools.reference import fetch_weights
+from tests.arceus.training.reference_jobs import reference_of
 
 pytestmark = pytest.mark.slow
 
@@ -109,19 +110,7 @@ def test_gpt_pipeline_training_matches_single_process(
     recorder = RecordingSink()
     result = train(plan, recorder)
     optimizer = run["optimizer"]
-    expected = reference_run(
-        {
-            "model_config": model,
-            "dataset_config": dataset,
-            "epochs": 3,
-            "learning_rate": optimizer["lr"],
-            "optimizer": optimizer["name"],
-            "momentum": optimizer.get("momentum", 0.0),
-            "weight_decay": optimizer["weight_decay"],
-            "seed": SEED,
-        },
-        max_steps=STEPS,
-    )
+    expected = reference_of(model, dataset, optimizer, epochs=3, seed=SEED, max_steps=STEPS)
 
     assert result.steps == STEPS and not result.stopped
     assert [p.epoch for p in recorder.steps] == [1] * 22 + [2] * 2

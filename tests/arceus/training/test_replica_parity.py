@@ -41,7 +41,8 @@ from devtools.pipeline import (
     replica_endpoints,
     replicated_pipeline_assignments,
 )
-from devtools.reference import fetch_weights, reference_run
+from devtools.reference import fetch_weights
+from tests.arceus.training.reference_jobs import reference_of
 
 pytestmark = pytest.mark.slow
 
@@ -174,13 +175,7 @@ def test_replicated_training_matches_single_process(
         result = train(plan, sink)
     finally:
         sink.close()
-    optimizer = run["optimizer"]
-    expected = reference_run(
-        {"model_config": model, "dataset_config": dataset, "epochs": 1, "learning_rate": optimizer["lr"],
-         "optimizer": optimizer["name"], "momentum": optimizer.get("momentum", 0.0),
-         "weight_decay": optimizer["weight_decay"], "seed": SEED},
-        max_steps=run["steps"],
-    )
+    expected = reference_of(model, dataset, run["optimizer"], epochs=1, seed=SEED, max_steps=run["steps"])
 
     assert result.steps == run["steps"] and not result.stopped
     # The exact exchange carries every stage's gradients every step.

@@ -25,7 +25,8 @@ from arceus.training.plan import RankEndpoint, StageEndpoint, TrainPlan
 from arceus.training.recording import RecordingSink
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
 from devtools.pipeline import certificates_for, driver_token, pipeline_assignments, rank_credentials
-from devtools.reference import fetch_weights, reference_run
+from devtools.reference import fetch_weights
+from tests.arceus.training.reference_jobs import reference_of
 
 pytestmark = pytest.mark.slow
 
@@ -109,20 +110,6 @@ def agents(
         stop_agents(started)
 
 
-def reference(model: dict[str, Any], dataset: dict[str, Any], optimizer: dict[str, Any]) -> Any:
-    job = {
-        "model_config": model,
-        "dataset_config": dataset,
-        "epochs": 3,
-        "learning_rate": optimizer["lr"],
-        "optimizer": optimizer["name"],
-        "momentum": optimizer.get("momentum", 0.0),
-        "weight_decay": optimizer["weight_decay"],
-        "seed": SEED,
-    }
-    return reference_run(job, max_steps=STEPS)
-
-
 def plan_for(job_id: str, agents: list[AgentProcess], model: dict[str, Any], dataset: dict[str, Any]) -> TrainPlan:
     run = RUNS[job_id]
     boundaries, hosts = run["boundaries"], run["agents"]
@@ -176,7 +163,7 @@ def test_a_tensor_parallel_stage_trains_like_single_process_torch(
     plan = plan_for(job_id, agents, model, dataset)
     recorder = RecordingSink()
     result = train(plan, recorder)
-    expected = reference(model, dataset, run["optimizer"])
+    expected = reference_of(model, dataset, run["optimizer"], epochs=3, seed=SEED, max_steps=STEPS)
 
     assert result.steps == STEPS and [r.epoch for r in recorder.epochs] == [1, 2]
     losses = [p.loss for p in recorder.steps]
@@ -226,7 +213,7 @@ def test_a_bf16_tensor_parallel_stage_trains_like_fp32_and_its_ranks_stay_identi
     plan = plan_for("tp-bf16", agents, model, dataset)
     recorder = RecordingSink()
     result = train(plan, recorder)
-    expected = reference(model, dataset, ADAM)
+    expected = reference_of(model, dataset, ADAM, epochs=3, seed=SEED, max_steps=STEPS)
 
     losses = [p.loss for p in recorder.steps]
     assert result.steps == STEPS and len(losses) == len(expected.losses)

@@ -23,7 +23,8 @@ from arceus.training.plan import TrainPlan
 from arceus.training.recording import RecordingSink
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
 from devtools.pipeline import driver_token, pipeline_assignments, stage_endpoints
-from devtools.reference import ReferenceRun, fetch_weights, reference_run
+from devtools.reference import fetch_weights
+from tests.arceus.training.reference_jobs import reference_of
 
 pytestmark = pytest.mark.slow
 
@@ -70,21 +71,6 @@ def agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[AgentProce
         stop_agents(started)
 
 
-def reference(optimizer: dict[str, Any]) -> ReferenceRun:
-    """Single-process training on the same batches (`devtools.reference`)."""
-    job = {
-        "model_config": MODEL,
-        "dataset_config": DATASET,
-        "epochs": 5,
-        "learning_rate": optimizer["lr"],
-        "optimizer": optimizer["name"],
-        "momentum": optimizer.get("momentum", 0.0),
-        "weight_decay": optimizer.get("weight_decay", 0.0),
-        "seed": SEED,
-    }
-    return reference_run(job, max_steps=STEPS)
-
-
 @pytest.mark.parametrize("job_id", list(RUNS))
 def test_pipeline_training_matches_single_process(agents: list[AgentProcess], job_id: str) -> None:
     run = RUNS[job_id]
@@ -103,7 +89,7 @@ def test_pipeline_training_matches_single_process(agents: list[AgentProcess], jo
     )
     recorder = RecordingSink()
     result = train(plan, recorder)
-    expected = reference(run["optimizer"])
+    expected = reference_of(MODEL, DATASET, run["optimizer"], epochs=5, seed=SEED, max_steps=STEPS)
     expected_losses, expected_weights, expected_val_loss = expected.losses, expected.weights, expected.val_loss
 
     assert result.steps == STEPS and not result.stopped
