@@ -108,6 +108,8 @@ class AgentRegisterApi(AgentApi):
             public_key=data.validated_data["public_key"],
             tls_certificate=data.validated_data["tls_certificate"],
             lan_address=data.validated_data["lan_address"],
+            exchange_port=data.validated_data["exchange_port"],
+            exchange_address=data.validated_data["exchange_address"],
             public_ip=client_ip(request),
             **data.validated_data["capabilities"],
             now=now,

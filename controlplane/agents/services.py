@@ -49,9 +49,13 @@ def node_register(
     metrics_port: int | None = None,
     lan_address: str = "",
     public_ip: str | None = None,
+    exchange_port: int | None = None,
+    exchange_address: str = "",
 ) -> Node:
     """Record the agent's addresses and capabilities (inputs already validated by the API); `public_ip`: where the
-    registration came from (agents behind the same one dial each other at their `lan_address`).
+    registration came from (agents behind the same one dial each other at their `lan_address`); `exchange_address`:
+    where siblings dial its replicas' exchange listener as the agent advertised it, else the host of `grpc_address`
+    at `exchange_port`.
 
     A registering agent is a fresh process: a stage it hosted lost its state (`_node_restarted`). The agent proved
     it holds the certificate's key (controlplane/nodes/possession.py); a key another node registered is a 409.
@@ -66,6 +70,9 @@ def node_register(
     if hosted is not None:
         _node_restarted(node=node, stage=hosted, now=now)
     node.grpc_address, node.metrics_port = grpc_address, metrics_port
+    if not exchange_address and exchange_port is not None:
+        exchange_address = f"{grpc_address.rpartition(':')[0]}:{exchange_port}"
+    node.exchange_address = exchange_address
     node.lan_address, node.public_ip = lan_address, public_ip
     node.device_type = device_type
     node.device_name = device_name

@@ -131,6 +131,7 @@ def job_replica_endpoints(*, job: Job, joining: bool) -> tuple[StageEndpoint, ..
             index=row.index, address=row.node.dial_address, node_id=str(row.node_id), layer_start=row.layer_start,
             layer_end=row.layer_end, certificate=row.node.tls_certificate, public_key=row.node.public_key,
             owner_id=str(row.node.owner_id), replica=row.replica, samples_per_second=row.step_samples_per_second,
+            exchange_address=row.node.exchange_dial_address,
         )
         for row in rows.order_by("index", "replica")
     )

@@ -74,6 +74,10 @@ class Node(BaseModel):
     # The port of the agent's /metrics on the host of `grpc_address`, from its latest registration (Prometheus
     # finds it through GET /metrics/agents); null: the agent did not say.
     metrics_port = models.PositiveIntegerField(null=True, blank=True)
+    # Where its replicas' exchange listener is dialled (nodeagent/exchange_stream.py), from its latest registration:
+    # the address its agent advertised (a router's port forward), else the host of `grpc_address` at the listener's
+    # port; blank: the agent did not say (siblings ask its gRPC port for the listener's).
+    exchange_address = models.CharField(max_length=255, blank=True, default="")
     # Measured after each registration by dialling the agent back (controlplane/nodes/reachability.py).
     reachability = models.CharField(max_length=8, choices=Reachability, default=Reachability.UNKNOWN)
     reachability_checked_at = models.DateTimeField(null=True, blank=True)
@@ -124,6 +128,12 @@ class Node(BaseModel):
     def dial_address(self) -> str:
         """Where its callers (the driver, neighbouring stages) dial the agent."""
         return dial_address(str(self.id), self.grpc_address, self.reachability)
+
+    @property
+    def exchange_dial_address(self) -> str:
+        """Where its siblings dial its replicas' exchange (stage.proto's ReplicaPeer.exchange_address): blank for a
+        relayed node, which is reached through its relay, as its gRPC port is."""
+        return "" if self.relayed else self.exchange_address
 
     def address_for(self, viewer: Node) -> str:
         """Where `viewer`'s agent dials this node's: its LAN address when both registered from one public address

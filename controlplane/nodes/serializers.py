@@ -107,6 +107,10 @@ class NodeOutput(serializers.Serializer):
         help_text="Round trip and bandwidth to the control plane; null: not measured"
     )
     grpc_address = serializers.CharField()
+    exchange_address = serializers.CharField(
+        help_text="Where other agents dial its replica exchange listener (its relay's instead when relayed); "
+        "blank: its agent did not say"
+    )
     reachability = serializers.ChoiceField(
         choices=Reachability.choices,
         help_text="direct: the control plane dialled the agent back; relayed: callers reach it through a relay; "
@@ -198,6 +202,16 @@ class AgentRegisterInput(serializers.Serializer):
     capabilities = CapabilitiesInput()
     public_key = serializers.CharField(
         required=False, default="", help_text="Hex Ed25519 key (64 digits) that signs the agent's receipts"
+    )
+    exchange_port = serializers.IntegerField(
+        min_value=1, max_value=65535, required=False, allow_null=True, default=None,
+        help_text="Port of the agent's replica exchange listener on the host of grpc_address, where siblings dial it "
+        "unless exchange_address says otherwise",
+    )
+    exchange_address = serializers.CharField(
+        max_length=255, required=False, default="", validators=[validate_grpc_address],
+        help_text="Where other agents dial the agent's replica exchange listener, as it advertises it (a router's "
+        "port forward to exchange_port); default: the host of grpc_address at exchange_port",
     )
 
     metrics_port = serializers.IntegerField(
