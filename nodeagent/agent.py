@@ -55,6 +55,8 @@ class Agent:
         listen: str = "127.0.0.1:0",
         metrics_listen: str = "127.0.0.1:0",
         advertise: str | None = None,
+        exchange_port: int = 0,
+        advertise_exchange: str | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_workers: int = 64,
         load_checkpoint: CheckpointLoader | None = None,
@@ -68,7 +70,10 @@ class Agent:
         """`solo_threads`: torch threads for what a stage computes while every other stage of its pipeline
         waits (its fill and drain), for agents that share one machine and so may borrow each other's
         idle cores; None: the agent's own count. `identity`: the TLS key and certificate it serves with (None:
-        a new one, made now; its certificate is registered with the control plane, which tells callers)."""
+        a new one, made now; its certificate is registered with the control plane, which tells callers).
+        `exchange_port`: where its replicas' exchange listener listens, on the gRPC listen host (0: a free port);
+        `advertise_exchange`: the address siblings dial it at (a router's port forward to that port; None: the
+        advertised gRPC host at the listener's port)."""
         self._max_threads = torch.get_num_threads()  # what the agent was started with: the most it uses
         if solo_threads is not None and solo_threads < self._max_threads:
             raise ValueError(f"solo_threads ({solo_threads}) is below the agent's {self._max_threads} threads")
@@ -76,8 +81,11 @@ class Agent:
         self._listen = split_host_port(listen)
         self._metrics_listen = split_host_port(metrics_listen)
         self._advertise = advertise
-        if advertise is not None:
-            split_host_port(advertise)
+        self._exchange_port = exchange_port
+        self._advertise_exchange = advertise_exchange
+        for address in (advertise, advertise_exchange):
+            if address is not None:
+                split_host_port(address)
         self.metrics = AgentMetrics(device)
         # Signs receipts for received activations; its public half is sent when the agent registers.
         self.signer = ReceiptSigner()
@@ -147,7 +155,10 @@ class Agent:
         if bound == 0:
             raise OSError(f"cannot listen for gRPC on {host}:{port} (address in use or not local?)")
         self.grpc_port = bound
-        self.exchange_streams.listen(host, self.registry.adopt_stream)
+        try:
+            self.exchange_streams.listen(host, self.registry.adopt_stream, self._exchange_port)
+        except OSError as exc:
+            raise OSError(f"cannot listen for the replicas' exchange on {host}:{self._exchange_port}: {exc}") from None
         self._server.start()
         local_host = "127.0.0.1" if host in WILDCARD_HOSTS else host
         self.relay = RelayAttachment(
@@ -170,8 +181,10 @@ class Agent:
 
     @property
     def exchange_address(self) -> str:
-        """Where its replicas' exchange listener is reached: the advertised host at the listener's port (what
-        siblings dial unless the step names another address: stage.proto's ReplicaPeer.exchange_address)."""
+        """Where its replicas' exchange listener is reached: `advertise_exchange`, else the advertised host at the
+        listener's port (what it registers, and the control plane names to siblings: ReplicaPeer.exchange_address)."""
+        if self._advertise_exchange is not None:
+            return self._advertise_exchange
         return f"{self.advertise_address.rsplit(':', 1)[0]}:{self.exchange_streams.port}"
 
     @property

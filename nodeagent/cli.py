@@ -30,6 +30,12 @@ def _address(value: str) -> str:
     return value
 
 
+def _port(value: str) -> int:
+    if not value.isdigit() or int(value) > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in 0..65535 (0: a free one), got {value!r}")
+    return int(value)
+
+
 def _positive_int(value: str) -> int:
     if not value.isdigit() or int(value) < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
@@ -90,6 +96,21 @@ def build_parser() -> argparse.ArgumentParser:
         type=_address,
         metavar="HOST:PORT",
         help="gRPC address others should dial (default: the listen address)",
+    )
+    parser.add_argument(
+        "--exchange-port",
+        type=_port,
+        default=0,
+        metavar="PORT",
+        help="port of the replicas' exchange listener, on the --listen host: the second port a router forwards "
+        "to this agent (default: a free one at every start)",
+    )
+    parser.add_argument(
+        "--advertise-exchange",
+        type=_address,
+        metavar="HOST:PORT",
+        help="address other agents dial for the replicas' exchange: the router's port forwarded to --exchange-port "
+        "(default: the --advertise host at the exchange listener's port)",
     )
     parser.add_argument(
         "--metrics-listen",

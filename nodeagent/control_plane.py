@@ -82,11 +82,14 @@ class ControlPlaneClient(ControlPlaneSession):
         identity: TlsIdentity,
         metrics_port: int | None = None,
         lan_address: str | None = None,
+        exchange_port: int | None = None,
+        exchange_address: str | None = None,
     ) -> Registration:
         """`public_key`: what its receipts verify against; `identity`: the TLS key and the certificate its callers
         pin, which it proves it holds by signing the control plane's challenge; `metrics_port`: where Prometheus
         scrapes this agent, on the host of `grpc_address`; `lan_address`: where agents on its LAN dial it
-        (nodeagent/lan.py)."""
+        (nodeagent/lan.py); `exchange_port`: its replicas' exchange listener's, on the host of `grpc_address` unless
+        `exchange_address` (advertised: a router's port forward to that listener) says where siblings dial it."""
         self._held = None  # a registration starts afresh: the next heartbeat asks for the whole desired state
         challenge = self._post("/api/agent/challenge", {}).get("challenge")
         if not isinstance(challenge, str) or not challenge:
@@ -103,6 +106,10 @@ class ControlPlaneClient(ControlPlaneSession):
             payload["metrics_port"] = metrics_port
         if lan_address is not None:
             payload["lan_address"] = lan_address
+        if exchange_port is not None:
+            payload["exchange_port"] = exchange_port
+        if exchange_address is not None:
+            payload["exchange_address"] = exchange_address
         body = self._post("/api/agent/register", payload)
         return Registration(node_id=_node_id(body), heartbeat_interval_seconds=_interval(body))
 
@@ -745,6 +752,8 @@ def register_until_accepted(
     stop: threading.Event,
     metrics_port: int | None = None,
     lan_address: str | None = None,
+    exchange_port: int | None = None,
+    exchange_address: str | None = None,
     min_backoff: float = 1.0,
     max_backoff: float = 30.0,
 ) -> Registration | None:
@@ -753,7 +762,8 @@ def register_until_accepted(
     backoff = min_backoff
     while not stop.is_set():
         try:
-            return client.register(grpc_address, capabilities, public_key, identity, metrics_port, lan_address)
+            return client.register(grpc_address, capabilities, public_key, identity, metrics_port, lan_address,
+                                   exchange_port, exchange_address)
         except Unauthorized:
             raise
         except ControlPlaneError as exc:

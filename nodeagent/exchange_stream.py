@@ -145,14 +145,15 @@ class ExchangeStreams:
             with self._trust_lock:
                 self._trusted[name] = context
 
-    def listen(self, host: str, adopt: Adopt) -> None:
-        """Listen on `host` (a port the system picks, `port`), handing each authenticated stream to `adopt`."""
+    def listen(self, host: str, adopt: Adopt, port: int = 0) -> None:
+        """Listen on `host` at `port` (0: one the system picks; a router's port forward needs a fixed one), handing
+        each authenticated stream to `adopt`; the port listened on is `self.port`."""
         host = host.strip("[]")
         if ":" in host:  # IPv6 ("::": every interface, IPv4 too where the system allows)
-            self._listener = socket.create_server((host, 0), family=socket.AF_INET6, backlog=PENDING_HANDSHAKES,
+            self._listener = socket.create_server((host, port), family=socket.AF_INET6, backlog=PENDING_HANDSHAKES,
                                                   dualstack_ipv6=host == "::" and socket.has_dualstack_ipv6())
         else:
-            self._listener = socket.create_server((host, 0), backlog=PENDING_HANDSHAKES)
+            self._listener = socket.create_server((host, port), backlog=PENDING_HANDSHAKES)
         self._listener.setblocking(False)
         self.port = self._listener.getsockname()[1]
         self._adopt = adopt

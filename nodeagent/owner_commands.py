@@ -49,6 +49,11 @@ def _init_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", choices=DEVICE_TYPES, help="compute device (default: cuda, else mps, else cpu)")
     parser.add_argument("--listen", metavar="HOST:PORT", help="gRPC listen address (default: 127.0.0.1:0)")
     parser.add_argument("--advertise", metavar="HOST:PORT", help="gRPC address others dial (default: --listen)")
+    parser.add_argument("--exchange-port", type=int, metavar="PORT",
+                        help="the replicas' exchange listener's port (default: a free one at every start)")
+    parser.add_argument("--advertise-exchange", metavar="HOST:PORT",
+                        help="address others dial for the replicas' exchange (default: --advertise's host at the "
+                        "exchange port)")
     parser.add_argument("--threads", type=int, metavar="N", help="torch compute threads (default: all cores)")
     parser.add_argument(
         "--config", type=Path, metavar="FILE", help=f"settings file (default: {default_settings_path()})"
@@ -74,7 +79,8 @@ def _init(argv: list[str]) -> int:
             else:
                 parser.error(f"give the node token by --token-stdin (e.g. `arceus-agent init ... --token-stdin < "
                              f"token.txt`), --token-file FILE (chmod 600) or {TOKEN_ENV}")
-        given = {key: getattr(args, key) for key in ("device", "listen", "advertise", "threads")}
+        keys = ("device", "listen", "advertise", "exchange_port", "advertise_exchange", "threads")
+        given = {key: getattr(args, key) for key in keys}
         settings = settings_from_mapping(
             {"control_plane": args.control_plane, "token_file": str(token_file),
              **{key: value for key, value in given.items() if value is not None}},

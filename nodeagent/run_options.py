@@ -45,6 +45,8 @@ class RunOptions:
     declare_flops: float | None
     listen: str
     advertise: str | None
+    exchange_port: int  # 0: a free one
+    advertise_exchange: str | None
     metrics_listen: str
     identity: TlsIdentity | None  # None: a new key and self-signed certificate
     # With static assignments, the digest of the token a scrape of /metrics must present (None: /metrics answers
@@ -61,6 +63,11 @@ def run_options(parser: argparse.ArgumentParser, argv: list[str]) -> RunOptions:
     token = None if args.static_assignment is not None else _token(args.token_file)
     if discover:  # once the token is known to be there: browsing takes seconds
         args.control_plane = _control_plane_on_the_network()
+    if args.advertise_exchange is not None and args.exchange_port == 0:
+        raise UsageError(
+            f"--advertise-exchange {args.advertise_exchange} needs --exchange-port PORT: a router forwards to a fixed "
+            "port, and without one the exchange listener takes a free port at every start"
+        )
     threads = args.threads or torch.get_num_threads()
     if args.solo_threads is not None and args.solo_threads < threads:
         raise UsageError(f"--solo-threads {args.solo_threads} is below the {threads} threads the agent runs with")
@@ -78,6 +85,8 @@ def run_options(parser: argparse.ArgumentParser, argv: list[str]) -> RunOptions:
         declare_flops=args.declare_flops,
         listen=args.listen,
         advertise=args.advertise,
+        exchange_port=args.exchange_port,
+        advertise_exchange=args.advertise_exchange,
         metrics_listen=args.metrics_listen,
         identity=identity,
         scrape_digest=scrape_digest,

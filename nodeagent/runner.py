@@ -100,6 +100,8 @@ def _new_agent(options: RunOptions, client: ControlPlaneClient | None) -> Agent:
         listen=options.listen,
         metrics_listen=options.metrics_listen,
         advertise=options.advertise,
+        exchange_port=options.exchange_port,
+        advertise_exchange=options.advertise_exchange,
         load_checkpoint=load_local_checkpoint if client is None else client.fetch_checkpoint,
         load_program=None if client is None else client.fetch_program,
         load_initial_weights=None if client is None else client.fetch_initial_weights,
@@ -144,7 +146,7 @@ def _serve_control_plane(
         stop.set()
 
     try:
-        registration = _register(agent, client, url, options.declare_flops, stop)
+        registration = _register(agent, client, url, options, stop)
         if registration is None:
             return 0  # stopped before the control plane answered
         heartbeats = HeartbeatLoop(
@@ -171,13 +173,13 @@ def _serve_control_plane(
 
 
 def _register(
-    agent: Agent, client: ControlPlaneClient, url: str, declared_flops: float | None, stop: threading.Event
+    agent: Agent, client: ControlPlaneClient, url: str, options: RunOptions, stop: threading.Event
 ) -> Registration | None:
     """Measure the device and the link to the control plane at `url`, and register (retrying while it cannot be
     reached); None if stopped first. Raises Unauthorized. What it holds is measured after it loaded what training
     any stage loads (`warm_up_training`)."""
     warm_up_training(agent.device)
-    measured = capabilities(agent.device, declared_flops=declared_flops)
+    measured = capabilities(agent.device, declared_flops=options.declare_flops)
     agent.registry.runtime_bytes = measured.runtime_bytes
     caps = measured.to_json()
     caps["link"] = measure_link(client)
@@ -186,6 +188,7 @@ def _register(
         client, agent.advertise_address, caps, agent.signer.public_key_hex, agent.identity,
         stop=stop, metrics_port=agent.metrics_port,
         lan_address=lan_address(url, agent.grpc_address.rpartition(":")[0], agent.grpc_port),
+        exchange_port=agent.exchange_streams.port, exchange_address=options.advertise_exchange,
     )
     if registration is not None:
         log.info("registered as node %s", registration.node_id)

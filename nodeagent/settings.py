@@ -38,6 +38,8 @@ class AgentSettings:
     device: str | None = None
     listen: str | None = None
     advertise: str | None = None
+    exchange_port: int | None = None
+    advertise_exchange: str | None = None
     metrics_listen: str | None = None
     threads: int | None = None
     declare_flops: float | None = None
@@ -57,6 +59,11 @@ def _address(value: Any) -> str | None:
     if isinstance(value, str) and value.rpartition(":")[0] and value.rpartition(":")[2].isdigit():
         return None
     return "must be HOST:PORT, e.g. 0.0.0.0:50051"
+
+
+def _port(value: Any) -> str | None:
+    ok = isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 65535
+    return None if ok else "must be a port in 1..65535 (leave it out for a free one)"
 
 
 def _device(value: Any) -> str | None:
@@ -80,6 +87,8 @@ _CHECKS = {
     "device": _device,
     "listen": _address,
     "advertise": _address,
+    "exchange_port": _port,
+    "advertise_exchange": _address,
     "metrics_listen": _address,
     "threads": _positive_int,
     "declare_flops": _positive_number,

@@ -36,6 +36,12 @@ def run_agent(*args: str, token: str | None = None) -> subprocess.CompletedProce
         (["--control-plane", "http://127.0.0.1:1", "--token", "t"], "--token is gone: a token on the command line"),
         (["--static-assignment", "x.json", "--control-plane", "http://h"], "drop --control-plane/--token-file"),
         (["--static-assignment", "x.json", "--listen", "localhost"], "is not HOST:PORT"),
+        (["--static-assignment", "x.json", "--advertise-exchange", "203.0.113.7"],
+         "argument --advertise-exchange: '203.0.113.7' is not HOST:PORT"),
+        (["--static-assignment", "x.json", "--exchange-port", "70000"],
+         "argument --exchange-port: must be a port in 0..65535"),
+        (["--static-assignment", "x.json", "--advertise-exchange", "203.0.113.7:17000"],
+         "--advertise-exchange 203.0.113.7:17000 needs --exchange-port PORT: a router forwards to a fixed port"),
         (["--static-assignment", "x.json", "--threads", "0"], "must be a positive integer"),
         (["--static-assignment", "x.json", "--threads", "3", "--solo-threads", "2"], "--solo-threads 2 is below the 3"),
         (["--static-assignment", "x.json", "--device", "tpu"], "invalid choice: 'tpu'"),
@@ -89,6 +95,9 @@ def test_control_plane_mode_registers_reports_ready_and_stops_cleanly(control_pl
         path, headers, body = registers[0]
         assert headers["Authorization"] == "Node good-token"
         assert body["grpc_address"] == agent.grpc_address  # the READY line's address is what it registered
+        # The exchange listener's port, on that host: no --advertise-exchange, so no address of its own.
+        assert f"{agent.grpc_address.rpartition(':')[0]}:{body['exchange_port']}" == agent.exchange_address
+        assert "exchange_address" not in body
         assert body["capabilities"]["device_type"] == "cpu" and body["capabilities"]["flops_fp32"] > 0
         deadline = time.monotonic() + 20
         while not any(o["state"] == "ready" for hb in control_plane.heartbeats() for o in hb["observed"]):

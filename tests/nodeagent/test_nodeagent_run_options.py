@@ -32,6 +32,15 @@ def test_the_settings_file_gives_the_defaults_and_a_flag_given_wins(settings: Pa
     assert options.static_assignments == []
 
 
+def test_a_router_forwarding_the_exchange_listener_is_set_in_the_settings_file_or_by_flags(settings: Path) -> None:
+    with settings.open("a") as file:
+        file.write('exchange_port = 7002\nadvertise_exchange = "203.0.113.7:17002"\n')
+    options = run_options(build_parser(), ["--config", str(settings)])
+    assert (options.exchange_port, options.advertise_exchange) == (7002, "203.0.113.7:17002")
+    options = run_options(build_parser(), ["--config", str(settings), "--exchange-port", "7003"])
+    assert (options.exchange_port, options.advertise_exchange) == (7003, "203.0.113.7:17002")
+
+
 def test_the_environment_token_and_a_given_control_plane_need_no_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ARCEUS_NODE_TOKEN", "from-env")
     options = run_options(build_parser(), ["--control-plane", "http://127.0.0.1:1", "--device", "cpu"])

@@ -28,13 +28,18 @@ def user(db: None) -> User:
 
 
 class LiveNode:
-    """A real Agent (gRPC server and stage runtime) and its Node row; `sync()` is one heartbeat."""
+    """A real Agent (gRPC server and stage runtime) and its Node row; `sync()` is one heartbeat. `advertise`,
+    `exchange_port`, `advertise_exchange`: the agent's (nodeagent.cli's flags), registered as nodeagent.runner does."""
 
-    def __init__(self, user: User, name: str) -> None:
+    def __init__(self, user: User, name: str, *, advertise: str | None = None, exchange_port: int = 0,
+                 advertise_exchange: str | None = None) -> None:
         self.agent = Agent(
             device=torch.device("cpu"),
             listen="127.0.0.1:0",
             metrics_listen="127.0.0.1:0",
+            advertise=advertise,
+            exchange_port=exchange_port,
+            advertise_exchange=advertise_exchange,
             load_checkpoint=self.load_checkpoint,
             upload_state=self.upload_state,
         )
@@ -42,7 +47,7 @@ class LiveNode:
         self.node, _ = node_create(owner=user, name=name)
         node_register(
             node=self.node,
-            grpc_address=self.agent.grpc_address,
+            grpc_address=self.agent.advertise_address,
             device_type="cpu",
             device_name="cpu",
             memory_bytes=2**30,
@@ -50,6 +55,8 @@ class LiveNode:
             now=timezone.now(),
             public_key=self.agent.signer.public_key_hex,  # receipts verify, so no node is flagged
             tls_certificate=self.agent.identity.certificate,
+            exchange_port=self.agent.exchange_streams.port,  # what nodeagent.runner registers
+            exchange_address=advertise_exchange or "",
         )
         self.node.refresh_from_db()
 
