@@ -6,9 +6,11 @@ server loop, handed to the step's thread through a mailbox, and acknowledged thr
 second, far more CPU per sample than the replicas' budget (docs/BENCHMARKS.md, swarm_scaling). Here the step's own
 thread sends and reads every frame: `recv_into` the vector it belongs in, no copy and no other thread.
 
-Opening: the lower replica id dials the higher one's exchange listener (its port from `ReplicaService.ExchangePort`,
-its host the sibling's address; a relayed sibling's through its relay, arceus.relay.dialer.connect, which splices
-the bytes onto that listener and sees only ciphertext), TLS 1.3 pinned both ways: the dialer trusts only the
+Opening: the lower replica id asks the higher one `ReplicaService.ExchangePort` (answered once a RunStep of the
+epoch reached it, so it trusts the dialer's certificate) and dials its exchange listener (at the sibling's
+`ReplicaPeer.exchange_address`, the address its agent registered, else at that port on the host of its address; a
+relayed sibling's through its relay, arceus.relay.dialer.connect, which splices the bytes onto that listener and sees
+only ciphertext), TLS 1.3 pinned both ways: the dialer trusts only the
 certificate its step names for the sibling, the listener only certificates its agent's steps named for siblings
 (`ExchangeStreams.trust`), and the exchange adopting a stream checks it is exactly the sibling's. The dialer's first
 bytes are a fixed-size hello naming job, stage, generation, both replicas, the epoch and the dialer's replica token.
@@ -172,18 +174,18 @@ class ExchangeStreams:
         self._wake_reader.close()
         self._wake_writer.close()
 
-    def dial(self, address: str, exchange_address: str, port_of: Callable[[], int], certificate: str, hello: Hello,
+    def dial(self, address: str, exchange_address: str, port: int, certificate: str, hello: Hello,
              deadline: float) -> ssl.SSLSocket:
         """A stream to the sibling at `address` (at `exchange_address` where the step names one, else its host at
-        `port_of()`, its listener; a relayed sibling's through its relay), pinned to `certificate`, its hello sent.
+        `port`, its listener; a relayed sibling's through its relay), pinned to `certificate`, its hello sent.
         UNAVAILABLE (or DEADLINE_EXCEEDED) naming the sibling where it cannot be opened."""
         node = None if exchange_address else relayed_node(address)
         if node is not None:
             where = relayed_address(node, EXCHANGE)
         else:
-            where = exchange_address or f"{address.rsplit(':', 1)[0]}:{port_of()}"
-            host, _, port = where.rpartition(":")
-            if not host or not port.isdigit():
+            where = exchange_address or f"{address.rsplit(':', 1)[0]}:{port}"
+            host, _, at = where.rpartition(":")
+            if not host or not at.isdigit():
                 raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT,
                                  f"replica {hello.target}'s exchange address {where!r} is not HOST:PORT")
         remaining = deadline - time.monotonic()
@@ -191,7 +193,7 @@ class ExchangeStreams:
             raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
                              f"no time left to open the stream to replica {hello.target}")
         try:
-            raw = (socket.create_connection((host.strip("[]"), int(port)), timeout=remaining) if node is None
+            raw = (socket.create_connection((host.strip("[]"), int(at)), timeout=remaining) if node is None
                    else relay_dialer.connect(where, remaining))
         except OSError as exc:
             raise RpcFailure(

@@ -100,6 +100,13 @@ class Membership:
         if not any(hmac.compare_digest(d, sender) for d in members):
             raise RpcFailure(grpc.StatusCode.PERMISSION_DENIED, not_allowed(method))
 
+    def wait_for(self, epoch: int, *, wait: float, what: str) -> None:
+        """Return once a RunStep named `epoch` (or a later one) here, waiting at most `wait` seconds (capped at
+        EPOCH_WAIT_SECONDS) as `check` does; FAILED_PRECONDITION if none did, UNAVAILABLE while too many wait."""
+        with self._known:
+            if epoch > self.newest and epoch >= self._floor:
+                self._await(epoch, min(wait, EPOCH_WAIT_SECONDS), what)
+
     def _await(self, epoch: int, wait: float, what: str) -> None:
         """Wait (the condition held) up to `wait` seconds for a RunStep to name `epoch`, one of `waiting_calls`."""
         if self._waiting >= self.waiting_calls:

@@ -55,7 +55,11 @@ class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
         self, request: replica_pb2.ExchangePortRequest, context: grpc.ServicerContext
     ) -> replica_pb2.ExchangePortReply:
         def port() -> replica_pb2.ExchangePortReply:
-            self._replica(context, request.target, "ExchangePort", SIBLINGS)
+            stage = self._replica(context, request.target, "ExchangePort", SIBLINGS)
+            assert stage.exchange is not None  # noqa: S101 (_replica refused a stage that is not replicated)
+            # The caller dials next: wait for this replica to learn the caller's epoch, and with it its certificate.
+            stage.exchange.members.wait_for(request.epoch, wait=context.time_remaining() or 0.0,
+                                            what="a request for the exchange port")
             return replica_pb2.ExchangePortReply(port=self._streams.port)
 
         return serve(context, "ExchangePort", port)

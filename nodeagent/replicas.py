@@ -220,7 +220,8 @@ class ReplicaExchange:
     ) -> torch.Tensor:
         """The sum over `members` of their `flat` gradients (float32, on the CPU): reduce-scatter to each chunk's
         owner, which sums in ascending replica id, then all-gather from the owners. `peers`: each sibling as the step
-        names it; `port_of(sibling)`: its exchange listener's port (asked only when this replica dials it).
+        names it; `port_of(sibling)`: its exchange listener's port, asked before this replica dials it wherever the
+        stream goes (answered once the sibling learnt `epoch`, and so trusts this replica's certificate).
         An audited step (arceus.training.audit) signs each shard it sends with `sign`, and keeps in `kept` each
         shard a sibling sent here, with the signature checked against the sibling's key in `keys` (a shard that
         carries none, or one that does not verify, fails the step: PERMISSION_DENIED naming the sibling).
@@ -323,8 +324,10 @@ class ReplicaExchange:
             stream.close()
         if self.replica < sibling:
             hello = Hello(self.job_id, self.stage_index, self.generation, sibling, self.replica, epoch, self._token)
-            sock = self._wire.dial(peer.address, peer.exchange_address, lambda: port_of(sibling),
-                                   peer.certificate, hello, deadline)
+            # Asked wherever the stream goes: the sibling answers once a RunStep of `epoch` reached it, so it trusts
+            # this replica's certificate by the time the stream's handshake comes.
+            port = port_of(sibling)
+            sock = self._wire.dial(peer.address, peer.exchange_address, port, peer.certificate, hello, deadline)
         else:
             sock = self._take_offer(sibling, epoch, peer, deadline, abort)
         stream = self._streams[sibling] = Stream(sock, sibling, self.name)

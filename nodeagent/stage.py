@@ -189,12 +189,14 @@ class HostedStage:
                 self._replica_links[key] = link
             return link
 
-    def exchange_port(self, peer: stage_pb2.ReplicaPeer, deadline: float) -> int:
-        """The port of the exchange listener of the sibling `peer` (ReplicaService.ExchangePort)."""
+    def exchange_port(self, peer: stage_pb2.ReplicaPeer, deadline: float, epoch: int) -> int:
+        """The port of the exchange listener of the sibling `peer` (ReplicaService.ExchangePort), answered once the
+        sibling learnt membership `epoch`."""
         ref = self.ref(self.assignment.stage_index, peer.replica)
         try:
             reply = self.replica_link(peer).replicas.ExchangePort(
-                replica_pb2.ExchangePortRequest(target=ref), timeout=max(0.05, deadline - time.monotonic()),
+                replica_pb2.ExchangePortRequest(target=ref, epoch=epoch),
+                timeout=max(0.05, deadline - time.monotonic()),
                 metadata=((REPLICA_METADATA_KEY, self.assignment.credentials.replica_token),),
             )
         except grpc.RpcError as exc:

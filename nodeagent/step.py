@@ -283,7 +283,7 @@ class StepRun:
             epoch=plan.epoch,
             members=plan.members(index),
             peers={k: plan.peers[(index, k)] for k in plan.members(index) if k != stage.assignment.replica},
-            port_of=lambda k: stage.exchange_port(plan.peers[(index, k)], self.wait_until),
+            port_of=lambda k: stage.exchange_port(plan.peers[(index, k)], self.wait_until, plan.epoch),
             deadline=self.wait_until,
             abort=self.abort,
             sign=self.audit.sign_shard if retained else None,
@@ -337,7 +337,7 @@ class StepRun:
             epoch=plan.epoch,
             members=members,
             peers={k: plan.peers[(index, k)] for k in members if k != stage.assignment.replica},
-            port_of=lambda k: stage.exchange_port(plan.peers[(index, k)], self.wait_until),
+            port_of=lambda k: stage.exchange_port(plan.peers[(index, k)], self.wait_until, plan.epoch),
             deadline=self.wait_until,
             abort=self.abort,
         )

@@ -180,6 +180,28 @@ def test_an_epoch_no_step_named_waits_for_its_step_briefly_and_one_that_is_over_
     assert _judged(members, 4, token_digest("someone else")) == "PERMISSION_DENIED"
 
 
+def test_a_sibling_asking_for_the_exchange_port_is_answered_once_a_step_of_its_epoch_arrived() -> None:
+    """What ExchangePort waits for before it answers the dialling sibling: this replica then trusts its certificate
+    (nodeagent.replicas.ReplicaExchange.learn), so the stream it opens next is not refused for want of it."""
+    members = Membership("replica 1", waiting_calls=8)
+    answered: list[float] = []
+    what = "a request for the exchange port"
+    waiting = threading.Thread(target=lambda: (members.wait_for(0, wait=30.0, what=what),
+                                               answered.append(time.monotonic())))
+    waiting.start()
+    time.sleep(0.2)
+    assert not answered  # its RunStep has not come
+    members.learn(0, [stage_pb2.ReplicaPeer(stage_index=1, replica=0, token_digest=token_digest("t"))])
+    waiting.join(5)
+    assert answered
+    members.wait_for(0, wait=0.0, what=what)  # known: at once
+    with pytest.raises(RpcFailure) as info:
+        members.wait_for(3, wait=0.1, what=what)
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+    assert "a request for the exchange port names membership epoch 3, which no step named here within 0.1 s" in (
+        info.value.message)
+
+
 def _judged(members: Membership, epoch: int, sender: str) -> str:
     try:
         members.check(epoch, 1, 2, sender, what="a shard", method="PushShard", wait=30.0)

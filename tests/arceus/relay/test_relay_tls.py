@@ -146,7 +146,7 @@ def test_replicas_both_behind_relays_exchange_exactly_through_them(relay: tuple[
                     for k in members}
 
         def unasked(_sibling: int) -> int:
-            raise AssertionError("a relayed sibling's exchange port is not asked for: the relay picks its listener")
+            return 1  # the relay picks the listener: a port answered is not dialled (nothing listens at 1)
 
         results, errors = exchange_together(exchanges, partials, peer_of=peers.__getitem__, port_of=unasked)
         assert not errors, errors
