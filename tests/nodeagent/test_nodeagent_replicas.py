@@ -262,7 +262,7 @@ def test_an_audited_exchange_keeps_each_siblings_signed_shards_and_refuses_an_un
 
 def dial_raw(exchange: ReplicaExchange, identity: TlsIdentity, hello: Hello) -> ssl.SSLSocket:
     """A stream to `exchange`'s listener as a sibling's agent holding `identity` dials it."""
-    return ExchangeStreams(identity).dial("127.0.0.1:1", "", lambda: port(exchange),
+    return ExchangeStreams(identity).dial("127.0.0.1:1", "", port(exchange),
                                           IDENTITIES[exchange.replica].certificate, hello, time.monotonic() + 10)
 
 
