@@ -15,11 +15,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
-import torch
 
 from arceus.contracts.possession import possession_check
 from devtools.pipeline import pipeline_assignments
-from nodeagent.agent import Agent
 
 # One stage of a two-layer MLP, as the control plane would assign it.
 ASSIGNMENT = pipeline_assignments(
@@ -173,14 +171,3 @@ def control_plane() -> Iterator[FakeControlPlane]:
     finally:
         server.shutdown()
         server.server_close()
-
-
-@pytest.fixture
-def agent() -> Iterator[Agent]:
-    """An agent on CPU in this process, started and stopped around the test (files that need another define theirs)."""
-    a = Agent(device=torch.device("cpu"))
-    a.start()
-    try:
-        yield a
-    finally:
-        a.stop(grace=1)
