@@ -88,21 +88,23 @@ def control_worker(env: dict[str, str]) -> dict[str, Any]:
         [sys.executable, "-m", "celery", "-A", "controlplane.celery", "worker", "-Q", "control", "--pool", "solo",
          "-n", f"bench-memory-{os.getpid()}@%h", "--without-heartbeat", "--without-gossip", "--without-mingle",
          "--loglevel", "INFO"],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
     )
     try:
+        # Raw reads of the pipe: select() sees only what is still in the pipe, so lines a buffered readline()
+        # had already pulled into Python (the banner and "ready." in one chunk with the warning) would never wake it.
         deadline = time.monotonic() + START_SECONDS
-        output = []
+        output = b""
         while time.monotonic() < deadline:
             if not select.select([worker.stdout], [], [], 1.0)[0]:
                 continue
-            line = worker.stdout.readline()
-            output.append(line)
-            if " ready." in line:
+            chunk = os.read(worker.stdout.fileno(), 65536)
+            output += chunk
+            if b" ready." in output:
                 return loaded(worker.pid)
-            if not line:
+            if not chunk:
                 break
-        raise RuntimeError(f"the control worker did not start: {''.join(output)[-2000:]}")
+        raise RuntimeError(f"the control worker did not start: {output[-2000:].decode(errors='replace')}")
     finally:
         os.killpg(worker.pid, signal.SIGTERM)
         worker.wait(30)
