@@ -16,6 +16,7 @@ from django.utils import timezone
 from arceus.contracts.replica_sync import replica_sync_from_json
 from arceus.data.sizes import train_samples_estimate
 from arceus.errors import SpecError
+from arceus.model.expected_state import optimizer_kind
 from arceus.placement.profiles import layer_profiles
 from arceus.placement.solver import Budget, Placement, PlacementError, solve
 from arceus.swarm.model import Workload as SwarmWorkload
@@ -75,6 +76,10 @@ def job_estimate(
     requirements_config: dict[str, Any],
     owner_id: int,
     now: datetime,
+    optimizer: str,
+    momentum: float,
+    precision: str,
+    activation_checkpointing: bool,
     tensor_parallel: dict[str, Any] | None = None,
     replicas: dict[str, int] | None = None,
     replica_sync: dict[str, Any] | None = None,
@@ -112,7 +117,11 @@ def job_estimate(
         "replicas": count, "grown": None,
     }
     candidates.sort(key=lambda n: (-n.flops, n.price_per_hour, n.id))  # the reconciler's order
-    layers, steps = layer_profiles(spec), workload(dataset, micro_batches, schedule)
+    layers = layer_profiles(spec)
+    steps = workload(  # the memory the job's stages would train with, as the reconciler plans it (snapshot._job_view)
+        dataset, micro_batches, schedule, optimizer=optimizer_kind(optimizer, momentum),
+        activation_checkpointing=activation_checkpointing, precision=precision,
+    )
 
     def solve_on(nodes: Sequence[NodeView], least: int) -> Placement:
         return solve(

@@ -15,8 +15,8 @@ def workload(
     activation_checkpointing: bool = False, precision: str = "fp32",
 ) -> Workload:
     """A training step's micro-batches: `micro_batches` of ceil(batch_size / micro_batches) samples, run by
-    `schedule`, trained with `optimizer` (an `arceus.model.expected_state.optimizer_kind`; an estimate assumes
-    Adam's state) with or without activation checkpointing, computing in `precision`."""
+    `schedule`, trained with `optimizer` (an `arceus.model.expected_state.optimizer_kind`) with or without
+    activation checkpointing, computing in `precision`."""
     return Workload(
         math.ceil(dataset_config["batch_size"] / micro_batches), micro_batches, schedule, optimizer=optimizer,
         activation_checkpointing=activation_checkpointing, precision=precision,

@@ -76,6 +76,10 @@ class JobEstimateApi(APIView):
             stages=v["stages"],
             requirements_config=v["requirements"],
             tensor_parallel=v["tensor_parallel"],
+            optimizer=v["optimizer"],
+            momentum=v["momentum"],
+            precision=v["precision"],
+            activation_checkpointing=v["activation_checkpointing"],
             replicas=v["replicas"],
             replica_sync=v["replica_sync"],
         )

@@ -10,6 +10,9 @@ from datetime import timedelta
 import pytest
 from django.utils import timezone
 
+from arceus.model.registry import model_spec_from_config
+from arceus.placement.profiles import layer_profiles
+from arceus.placement.solver import Workload, stage_memory
 from controlplane.jobs.estimate import ESTIMATE_WAIT
 from controlplane.jobs.models import Job, JobEstimate
 from controlplane.nodes.models import Node
@@ -213,3 +216,20 @@ def test_a_model_with_tied_weights_is_refused_replicas_naming_why(api, digits_jo
         response = api.post(path, job, format="json")
         assert response.status_code == 400, response.json()
         assert "tied weights" in response.json()["errors"]["replicas"][0]
+
+
+def test_the_estimate_plans_with_the_jobs_optimizer_and_precision(estimate, digits_job, ready_node) -> None:
+    """A node with memory for the model's one stage under 8-bit Adam (10 bytes a parameter) but not under Adam
+    (16): the estimate places the job that asks for 8-bit Adam, not the Adam one, as the reconciler would."""
+    model = {"type": "mlp", "layer_sizes": [64, 4096, 4096, 10]}
+    layers = layer_profiles(model_spec_from_config(model))
+    need = {name: stage_memory(layers, Workload(8, 4, "gpipe", optimizer=name, activation_checkpointing=True,
+                                                precision="bf16"))
+            for name in ("adam", "adam8bit")}
+    assert need["adam8bit"] < need["adam"] - 2**25  # (its library included)
+    ready_node("one", memory=(need["adam8bit"] + need["adam"]) // 2)
+    job = {**digits_job, "model_config": model, "stages": 1, "momentum": 0.0, "precision": "bf16",
+           "activation_checkpointing": True}
+    assert estimate(job, optimizer="adam8bit")["feasible"]
+    refused = estimate(job, optimizer="adam")
+    assert not refused["feasible"] and "memory" in refused["reason"], refused["reason"]

@@ -94,7 +94,8 @@ def test_the_estimate_places_a_split_stage_on_a_group(user, ready_node) -> None:
     estimate = job_estimate(
         model_config=MODEL, dataset_config={"name": "text", "batch_size": 8}, epochs=1, micro_batches=2,
         schedule="gpipe", stages=2, requirements_config={"owner_diversity": False},
-        tensor_parallel={"size": 2, "stages": [1]}, owner_id=user.id, now=timezone.now(),
+        tensor_parallel={"size": 2, "stages": [1]}, owner_id=user.id, now=timezone.now(), optimizer="adam",
+        momentum=0.0, precision="fp32", activation_checkpointing=False,
     )
     assert estimate["feasible"], estimate["reason"]
     assert [(s["stage_index"], s["rank"], s["node_name"]) for s in estimate["stages"]] == [
