@@ -6,19 +6,24 @@ of one.
 A batch records exactly what its reports recorded one at a time, in order: the rows, the ledger's entries and their
 amounts (priced in memory from one read of the jobs' ledgers, `LedgerBook`), and the node speeds a report measures,
 seen by the reports after it. What a report leaves unchanged (a stage row's counters and times) is not rewritten.
+
+The training drivers of one process record through one `ProgressRecorder` (`PROGRESS`): the reports their threads
+flush at once are written as one batch (a group commit), however many drivers the process runs.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from django.db import transaction
+from django.db import InterfaceError, OperationalError, transaction
 from django.db.models import F, Q
+from django.utils import timezone
 
 from arceus.contracts.counters import StageCounters
 from arceus.contracts.status import JobStatus
@@ -107,6 +112,95 @@ def jobs_record_progress(*, reports: Sequence[ProgressReport], now: datetime) ->
     recorder.save()
     recorded = {id(report) for report, _ in held}
     return [id(r) in recorded for r in reports]
+
+
+class ProgressRecorder:
+    """Writes the reports that threads of one process hand it together as one `jobs_record_progress` (a group
+    commit). A caller blocks until its report is written and learns what a batch of one would tell it: whether it
+    held the lease, or the error. No thread of its own: the first caller to find no batch being written writes one
+    of everything queued (one report per job; a job's later report waits for the next batch), then hands the
+    writing to the first caller still queued. So a batch takes what arrived while the one before it was written,
+    and one caller alone writes at once, as `job_record_steps` would.
+
+    A database error (a lost connection, a deadlock) reaches every caller of its batch, each of which retries as
+    it would its own write (the driver: `reconnecting`). Any other error may be one report's (a malformed one): the
+    batch's reports are then written one at a time, so only the callers whose own report fails see it."""
+
+    def __init__(self, write: Callable[..., list[bool]] = jobs_record_progress) -> None:
+        self._write = write  # `jobs_record_progress` or a function of its signature
+        self._lock = threading.Lock()
+        self._queued: list[_Call] = []
+        self._writing = False  # a caller writes a batch; while none does, nothing is queued
+
+    def record(self, report: ProgressReport) -> bool:
+        """Write `report` (with those of other threads that come meanwhile); whether its caller held the lease."""
+        call = _Call(report, Job._meta.pk.to_python(report.job_id))
+        with self._lock:
+            self._queued.append(call)
+            call.leads = not self._writing
+            self._writing = True
+        if not call.leads:
+            call.woken.wait()  # written, or handed the writing
+        if call.leads:
+            self._write_batch()
+        if call.error is not None:
+            raise call.error
+        return call.held is True
+
+    def _write_batch(self) -> None:
+        with self._lock:
+            batch, jobs, later = [], set(), []
+            for queued in self._queued:  # the writer's own call is first: it queued when nothing else was
+                (later if queued.job in jobs else batch).append(queued)
+                jobs.add(queued.job)
+            self._queued = later
+        try:
+            self._answer(batch)
+        except BaseException as exc:  # interrupted (the worker stopping): nobody waits for a batch never written
+            for c in batch:
+                if c.held is None and c.error is None:
+                    c.error = exc
+                c.woken.set()
+            raise
+        finally:
+            with self._lock:
+                if self._queued:  # the next batch is the first waiting caller's to write
+                    self._queued[0].leads = True
+                    self._queued[0].woken.set()
+                else:
+                    self._writing = False
+
+    def _answer(self, batch: list[_Call]) -> None:
+        try:
+            held = self._write(reports=[c.report for c in batch], now=timezone.now())
+        except (OperationalError, InterfaceError) as exc:
+            for c in batch:
+                c.error = exc
+        except Exception as exc:
+            if len(batch) == 1:
+                batch[0].error = exc
+            else:
+                for c in batch:
+                    self._answer([c])
+        else:
+            for c, ok in zip(batch, held, strict=True):
+                c.held = ok
+        for c in batch:
+            if not c.leads:
+                c.woken.set()
+
+
+@dataclass(eq=False)
+class _Call:
+    report: ProgressReport
+    job: Any  # the report's job id, as the rows' ids
+    leads: bool = False  # this caller writes the batch its report is in
+    woken: threading.Event = field(default_factory=threading.Event)
+    held: bool | None = None
+    error: BaseException | None = None
+
+
+PROGRESS = ProgressRecorder()  # the process's: every training driver's sink records through it
 
 
 def jobs_record_counters(*, jobs: Sequence[Job], stages: Sequence[Sequence[StageCounters]], now: datetime) -> None:

@@ -2,7 +2,8 @@
 
 Every write goes through `_db`: a database restart costs the driver a reconnect, not the job.
 Step records and the stages' work counters are batched (written at most every `flush_seconds`, and
-at each epoch end) so fast steps do not turn into one transaction each; each write also renews the
+at each epoch end) so fast steps do not turn into one transaction each, and written with the other drivers' of the
+process that flush at the same time (`PROGRESS`, controlplane/driver/recording.py); each write also renews the
 driver lease. Frequent counter writes bound what a crash takes from the accounting to about
 `flush_seconds` of work. A write that finds the
 lease gone (job cancelled, or another driver took over) makes `should_stop` true.
@@ -26,7 +27,8 @@ from arceus.training.plan import EpochResult, StageEndpoint, StageStateFile, Sta
 from controlplane.common import metrics
 from controlplane.common.db import reconnecting
 from controlplane.common.errors import ApplicationError
-from controlplane.driver.progress import StepPoint, job_record_epoch, job_record_steps, stage_timings_mean
+from controlplane.driver.progress import StepPoint, job_record_epoch, stage_timings_mean
+from controlplane.driver.recording import PROGRESS, ProgressReport
 from controlplane.jobs.checkpoints import checkpoint_save, checkpoint_uploads_open
 from controlplane.jobs.leases import job_driver_handover, job_handover_requested
 from controlplane.market.verification import spot_checks_record
@@ -135,10 +137,9 @@ class DbProgressSink:
         timings, self._timings = stage_timings_mean(self._timings), []
         self._last_flush = time.monotonic()
         if not self._lost_lease:
-            self._lost_lease = not _db("recording steps", lambda: job_record_steps(
-                job_id=self.job_id, lease_owner=self.lease_owner, points=points, stages=counters,
-                timings=timings, now=timezone.now(),
-            ))
+            report = ProgressReport(job_id=self.job_id, lease_owner=self.lease_owner, points=points,
+                                    stages=counters, timings=timings)
+            self._lost_lease = not _db("recording steps", lambda: PROGRESS.record(report))
         if checks and not self._lost_lease:
             try:
                 _db("recording spot checks", lambda: spot_checks_record(

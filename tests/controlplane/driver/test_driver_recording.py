@@ -1,8 +1,11 @@
 """Many jobs' progress recorded in one batch (`jobs_record_progress`) records exactly what one report at a time does:
-the same rows, ledger entries and amounts, node speeds; and its queries do not grow with the jobs in it."""
+the same rows, ledger entries and amounts, node speeds; and its queries do not grow with the jobs in it. The
+drivers of one process that flush together are written as one batch (`ProgressRecorder`)."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import datetime, timedelta
@@ -20,7 +23,7 @@ from controlplane.controller.actions import DropReplicas
 from controlplane.controller.executor import reconcile_once
 from controlplane.controller.transitions import job_replicas_drop
 from controlplane.driver.progress import job_record_steps
-from controlplane.driver.recording import ProgressReport, StepPoint, jobs_record_progress
+from controlplane.driver.recording import ProgressRecorder, ProgressReport, StepPoint, jobs_record_progress
 from controlplane.jobs.models import Job, LossPoint, Stage, StageContribution
 from controlplane.market.models import LedgerEntry, PriceChange
 from controlplane.nodes.device_class import node_device_class
@@ -265,3 +268,93 @@ def test_a_batch_holds_one_report_per_job_whatever_form_its_id_takes(fleet: dict
         jobs_record_progress(reports=[report, as_hex], now=timezone.now())
     assert jobs_record_progress(reports=[as_hex], now=timezone.now()) == [True]
     assert Job.objects.get(pk=fleet["plain"].pk).step == 1
+
+
+class Gated:
+    """`jobs_record_progress`, whose first batch waits until the test opens the gate; the sizes of the batches."""
+
+    def __init__(self) -> None:
+        self.entered, self.gate, self.batches = threading.Event(), threading.Event(), []
+
+    def __call__(self, *, reports: list[ProgressReport], now: datetime) -> list[bool]:
+        if not self.batches:
+            self.entered.set()
+            self.gate.wait(10)
+        self.batches.append([r.points[-1].step if r.points else None for r in reports])
+        return jobs_record_progress(reports=reports, now=now)
+
+
+def record_in_threads(recorder: ProgressRecorder, write: Gated, batch: list[ProgressReport]) -> list[Any]:
+    """Each report recorded from a thread of its own, the threads started in order, each once the one before it
+    queued its report (the first is writing its own batch, held at the gate); what each call returned or raised."""
+    out: list[Any] = [None] * len(batch)
+
+    def record(i: int) -> None:
+        try:
+            out[i] = recorder.record(batch[i])
+        except Exception as exc:  # noqa: BLE001 (what the caller sees)
+            out[i] = exc
+        finally:
+            connection.close()  # this thread's own
+
+    threads = [threading.Thread(target=record, args=(i,)) for i in range(len(batch))]
+    threads[0].start()
+    assert write.entered.wait(10)
+    for i, thread in enumerate(threads[1:], start=1):
+        thread.start()
+        deadline = time.monotonic() + 10
+        while len(recorder._queued) < i and time.monotonic() < deadline:  # the first is writing, not queued
+            time.sleep(0.005)
+    write.gate.set()
+    for thread in threads:
+        thread.join(10)
+    return out
+
+
+@pytest.fixture
+def running_jobs(ready_node, queued_job) -> list[Job]:  # noqa: ANN001
+    """Three running jobs under DRIVER's lease, and one under another driver's."""
+    for i in range(12):
+        ready_node(f"n{i}", port=50051 + i)
+    jobs = [queued_job() for _ in range(4)]
+    for _ in jobs:
+        reconcile_once()
+    Job.objects.filter(pk__in=[j.pk for j in jobs]).update(
+        status="running", driver_lease_owner=DRIVER, driver_lease_expires_at=timezone.now() + timedelta(seconds=60)
+    )
+    Job.objects.filter(pk=jobs[3].pk).update(driver_lease_owner="another driver")
+    return jobs
+
+
+def step(job: Job, n: int, loss: Any = 1.0) -> ProgressReport:
+    return ProgressReport(job_id=str(job.id), lease_owner=DRIVER, points=[StepPoint(1, n, 90, loss, 320.0)])
+
+
+@pytest.mark.django_db(transaction=True)  # the drivers' threads write through connections of their own
+def test_drivers_that_flush_together_are_written_as_one_batch(running_jobs: list[Job]) -> None:
+    write = Gated()
+    recorder = ProgressRecorder(write)
+    a, b, c, taken = running_jobs
+    held = record_in_threads(recorder, write, [step(a, 1), step(b, 1), step(taken, 1), step(c, 1), step(b, 2)])
+
+    # The first wrote alone; the rest queued while it wrote and went together, but for b's second report, which
+    # waits for the batch after the one holding b's first.
+    assert write.batches == [[1], [1, 1, 1], [2]]
+    assert held == [True, True, False, True, True]  # each caller learns whether it held its own job's lease
+    steps = dict(Job.objects.filter(pk__in=[j.pk for j in running_jobs]).values_list("pk", "step"))
+    assert [steps[j.pk] for j in running_jobs] == [1, 2, 1, 0]
+    assert not recorder._queued and not recorder._writing
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_report_that_cannot_be_written_fails_only_its_own_caller(running_jobs: list[Job]) -> None:
+    write = Gated()
+    recorder = ProgressRecorder(write)
+    a, b, c, _ = running_jobs
+    held = record_in_threads(recorder, write, [step(a, 1), step(b, 1), step(c, 1, loss="not a number")])
+
+    assert held[:2] == [True, True]
+    assert isinstance(held[2], TypeError)
+    assert write.batches == [[1], [1, 1], [1], [1]]  # the failed batch, then each of its reports alone
+    steps = dict(Job.objects.filter(pk__in=[j.pk for j in running_jobs]).values_list("pk", "step"))
+    assert [steps[j.pk] for j in (a, b, c)] == [1, 1, 0]
