@@ -65,7 +65,8 @@ def capture(
 ) -> CapturedModel:
     """Capture `module` (train mode, as it trains) on `example_input` (a batch: dim 0 is the batch, at least 2
     samples), float32 or int64 (token ids in [0, `input_bound`)). Its output must be one float32 tensor of
-    logits, [batch, classes] or [batch, positions, classes]. SpecError naming what does not fit."""
+    logits, [batch, classes] or [batch, positions, classes], or a Hugging Face model's output holding them (its
+    key/value cache turned off). SpecError naming what does not fit."""
     if not isinstance(example_input, torch.Tensor) or example_input.dtype not in _WIRE_DTYPES:
         raise SpecError("example_input", "must be one float32 or int64 tensor whose dim 0 is the batch")
     if example_input.dim() < 1 or len(example_input) < 2:
@@ -73,6 +74,9 @@ def capture(
     if (example_input.dtype == torch.int64) != (input_bound is not None):
         raise SpecError("input_bound", "is required for int64 inputs (ids are in [0, input_bound)), and only for them")
     module = copy.deepcopy(module).train()  # tracing and the example runs must not touch the developer's module
+    if getattr(getattr(module, "config", None), "use_cache", False):
+        module.config.use_cache = False  # a Hugging Face model training keeps no key/value cache (and returns none)
+    module.register_forward_hook(_logits_of)
     batch = Dim("batch", min=1, max=1 << 20)
     program = export(module, (example_input,), dynamic_shapes=({0: batch},))
     graph_module = program.module()
@@ -115,6 +119,12 @@ def capture(
     }
     exported_from_config(model_config)  # what the control plane will check, checked here first
     return CapturedModel(model_config, program_bytes, safetensors_save(weights), names)
+
+
+def _logits_of(module: nn.Module, args: Any, output: Any) -> Any:
+    """A Hugging Face model's output (a `ModelOutput`, a mapping holding its logits) as its logits alone, so
+    `GPT2LMHeadModel(config)` is captured as it is, not only behind a wrapper returning `.logits`."""
+    return output["logits"] if isinstance(output, Mapping) and "logits" in output else output
 
 
 def _cuts(

@@ -19,7 +19,9 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load as safetensors_load
 from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel
 
+from arceus import DistributedTrainer
 from arceus.contracts.assignment import OptimizerConfig
 from arceus.errors import SpecError
 from arceus.model.build import build_layers
@@ -30,6 +32,7 @@ from arceus.model.optimizers import make_optimizer
 from arceus.model.registry import model_spec_from_config
 from arceus.model.spec import ModelSpec
 from arceus.model.tied import tied_groups, tied_sum
+from arceus.trainer import DeviceClass, Peers
 from devtools.foreign_models import GPT2Logits, ResNet18
 from devtools.hostile_program import forged_program
 from nodeagent.runtime import StageRuntime
@@ -205,6 +208,24 @@ def test_a_model_is_cut_at_module_boundaries_into_several_layers(
         assert tied == [["layers.0.model.lm_head.weight", f"layers.{len(layers) - 1}.model.lm_head.weight"]]
     safetensors_load(cap.weights)  # the weights are safetensors, the program JSON: nothing is pickled
     assert json.loads(cap.program)["format"] == "arceus.exported-program/1"
+
+
+def test_a_hugging_face_gpt2_as_it_comes_splits_under_the_trainer_as_its_untied_twin() -> None:
+    """`DistributedTrainer(model=GPT2LMHeadModel(GPT2Config(...)))`: the bare model (its output a `ModelOutput`, a
+    key/value cache kept by default, its LM head tied to its embedding) is captured into as many layers as its
+    untied twin, so it spreads over as many devices; the tied weight's copies are the first and last layers'."""
+    config = {"vocab_size": 50, "n_positions": 16, "n_embd": 32, "n_layer": 2, "n_head": 2}
+    tokens = torch.zeros(2, 16, dtype=torch.int64)
+    gpt2 = GPT2LMHeadModel(GPT2Config(**config))
+    assert gpt2.lm_head.weight is gpt2.transformer.wte.weight and gpt2.config.use_cache
+    trainer = DistributedTrainer(model=gpt2, example_input=tokens, input_bound=50, url="http://127.0.0.1:9", token="t")
+    trainer.peers = Peers("http://127.0.0.1:9", "given", [DeviceClass("cpu-small", ready_nodes=8, price_per_hour=0.0)])
+    untied = capture(GPT2LMHeadModel(GPT2Config(**config, tie_word_embeddings=False)), tokens, input_bound=50)
+    layers = len(untied.model_config["layers"])
+    assert trainer.partition().stages == layers >= 4
+    tied = capture(gpt2, tokens, input_bound=50).model_config["tied"]
+    assert tied == [["layers.0.lm_head.weight", f"layers.{layers - 1}.lm_head.weight"]]
+    assert gpt2.config.use_cache  # the developer's model is left as it was
 
 
 @pytest.mark.parametrize(
