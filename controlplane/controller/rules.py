@@ -34,16 +34,19 @@ Rules, in order:
 5. a running job whose driver lease expired: never claimed → StartDriver again; claimed (the driver
    died or gave up) → RewindJob in place, or FailJob after too many restarts without progress;
 A replicated job (`JobView.replicated`, arceus/swarm) is placed with `replicas_min` replicas of each stage on
-distinct nodes (rule 2); while one replica of a stage lives, its others that are lost, paused, restarted or
-failed are dropped (DropReplicas: no rewind, the driver's roster goes on without them), and a stage that lost every
-replica keeps one row, which rules 0, 3 and 4 move with a rewind as any stage's (each move names its replica, so a
-sibling of the same stage rank keeps its node); a running job with no replica to
+distinct nodes (rule 2); while a replica of a stage that holds its state lives (a joiner still copying it holds
+none), its others that are lost, paused, restarted or failed are dropped (DropReplicas: no rewind, the driver's roster
+goes on without them), and a stage that lost every such replica, in one pass or over several, keeps one row: a live
+joiner, which a rewind rebuilds from the checkpoint where it is (ReplicasLost), else a gone replica, which rules 0, 3
+and 4 move with a rewind as any stage's (each move names its replica, so a sibling of the same stage rank keeps its
+node); a running job with no replica to
 drop gets one more replica per stage (AddReplicas, at most `replicas_max` and `micro_batches`) on a free node with
 room: up to `replicas_min` the fastest, always; beyond it the cheapest for which `arceus.swarm.model.replica_gain`
 predicts at least MIN_REPLICA_GAIN more samples/s (each node at its speed for the job: measured where the driver
 timed it, else calibrated by the timed ones, controlplane/controller/calibration.py), within the job's price cap; a
 node a replica of the job was dropped from is no candidate for the job's stages (grown or moved) until it heartbeats
-after the drop;
+after the drop. No stage of a job is moved or added onto a node the job would count lost (silent past its
+`node_grace_seconds`, though within the node's longer lease: the node a lost stage just left);
 6. a succeeded job its owner asked to serve (`JobView.serving`) → ServeJob placing its final checkpoint's
    stages for inference, one whole stage per node (no tensor parallelism, no optimizer: weights and decoding
    caches, `stage_inference_memory`), each on the fastest free node with room; a stage whose node is lost or
@@ -289,26 +292,49 @@ def _replicas(
     job: JobView, observed: Observed, nodes: Mapping[str, NodeView], free: list[NodeView], now: datetime
 ) -> Action | None:
     """A replicated job's replicas: those gone (lost, paused, restarted or failed) dropped where their stage keeps
-    another, and all but one where it keeps none (that one is moved by a rewind, as an unreplicated stage is); with
-    none to drop, a running job whose driver lives grows (`_grow`). None: nothing to do here."""
+    a replica that holds its state; where it keeps none (a joiner still copying holds none), every row but one, the
+    lowest live joiner, else the lowest gone replica, which a rewind then rebuilds from the checkpoint: in place
+    (`_stage_lost`), or moved as an unreplicated stage is. With none to drop, a running job whose driver lives grows
+    (`_grow`). None: nothing to do here."""
     gone = [s for s in job.stages if _replica_gone(job, s, observed, nodes, now)]
     drop: list[PlacedStage] = []
-    for index in sorted({s.index for s in gone}):
-        lost = [s for s in gone if s.index == index]
-        left = [s for s in job.stages if s.index == index and s not in lost]
-        drop += lost if left else sorted(lost, key=lambda s: s.replica)[1:]
+    for index in sorted({s.index for s in job.stages}):
+        rows = sorted((s for s in job.stages if s.index == index), key=lambda s: s.replica)
+        if any(s not in gone and not s.joining for s in rows):
+            drop += [s for s in rows if s in gone]
+        else:  # the stage lost every replica that held its state, whichever passes found them gone
+            kept = next((s for s in rows if s not in gone), rows[0])
+            drop += [s for s in rows if s is not kept]
     if drop:
         message = "; ".join(
             f"stage {s.index} replica {s.replica} on {_node_label(job, nodes, s.node_id)} left: "
-            f"{_why_gone(job, s, observed, nodes, now)}"
+            + (_why_gone(job, s, observed, nodes, now) if s in gone else
+               "its stage lost every replica that held its state, and one joiner stays for the rewind")
             for s in drop
         )
         conditions = set_conditions(job.conditions, Condition("Replicas", FALSE, "ReplicaLost", message), now=now)
         return DropReplicas(job.id, job.generation, job.status, tuple((s.index, s.replica) for s in drop),
                             tuple(conditions))
-    if job.status == RUNNING and not gone and _driver_live(job, now):  # a dead driver's rewind comes first
+    if gone:
+        return None  # a stage's last replica: moved or rebuilt by the rules any stage follows
+    holding = {s.index for s in job.stages if not s.joining}
+    orphans = [s for s in job.stages if s.index not in holding]  # each its stage's only row now (see above)
+    if orphans:
+        return _stage_lost(job, orphans, nodes)
+    if job.status == RUNNING and _driver_live(job, now):  # a dead driver's rewind comes first
         return _grow(job, nodes, free, now)
     return None
+
+
+def _stage_lost(job: JobView, joiners: list[PlacedStage], nodes: Mapping[str, NodeView]) -> RewindJob:
+    """The stages of `joiners` lost every replica that held their state while the joiners copied it: the job
+    rewinds, each joiner rebuilding its stage from the checkpoint where it is (no move: its node lives)."""
+    message = "; ".join(
+        f"stage {s.index} lost every replica that held its state; replica {s.replica} on "
+        f"{_node_label(job, nodes, s.node_id)}, which was still copying it, rebuilds it from the checkpoint"
+        for s in joiners
+    )
+    return RewindJob(job.id, job.generation, PLACING, (), False, "ReplicasLost", message)
 
 
 def _replica_gone(
@@ -349,7 +375,7 @@ def _grow(job: JobView, nodes: Mapping[str, NodeView], free: list[NodeView], now
     """One more replica for each stage below its most (`replicas_max`, at most one per micro-batch) on a free node
     with room that hands no owner a replica of every stage: below `replicas_min`, the fastest within the job's price
     cap; beyond it, the cheapest whose replica is worth its price within the cap (`_cheapest_worth`)."""
-    candidates = [n for n in free if job.requirements.allows(n)]
+    candidates = _candidates(job, free, now)
     by_price = sorted(candidates, key=lambda n: (n.price_per_hour, -n.flops, n.id))
     owners = {n.id: n.owner for n in nodes.values()}
     most = min(job.replicas_max, job.workload.micro_batches)
@@ -459,7 +485,19 @@ def _is_lost(stage: PlacedStage, nodes: Mapping[str, NodeView], job: JobView, no
     """The stage has no node, or its node is gone: deregistered, or silent past the job's tolerance (by
     default the node's lease)."""
     node = nodes.get(stage.node_id) if stage.node_id is not None else None
-    if node is None or node.lease_renewed_at is None:
+    return node is None or _silent(node, job, now)
+
+
+def _candidates(job: JobView, free: Iterable[NodeView], now: datetime) -> list[NodeView]:
+    """The free nodes that may take `job`'s stages: those meeting its requirements that it would not count gone at
+    once. A free node is Ready, within its lease, but a job's tolerance may be shorter: the node a lost stage just
+    moved off, its agent dead, stays Ready until its lease runs out, and a stage placed there would be lost again."""
+    return [n for n in free if job.requirements.allows(n) and not _silent(n, job, now)]
+
+
+def _silent(node: NodeView, job: JobView, now: datetime) -> bool:
+    """Whether `job` counts `node` gone: never registered, not Ready, or silent past the job's tolerance."""
+    if node.lease_renewed_at is None:
         return True
     grace = job.node_grace_seconds if job.node_grace_seconds is not None else node.lease_duration_seconds
     return (now - node.lease_renewed_at).total_seconds() > grace or node.ready_status == FALSE
@@ -472,7 +510,7 @@ def _replace_lost(
     move, unplace the lost ranks (releasing dead nodes) and wait as pending."""
     if not job.stages:  # e.g. deleted by hand in the admin
         return RequeueJob(job.id, job.generation, "StagesMissing", "the placement has no stages")
-    candidates = [n for n in free if job.requirements.allows(n)]
+    candidates = _candidates(job, free, now)
     moves: list[tuple[int, int, int, str | None]] = []
     unplaceable: list[str] = []
     for stage in sorted(lost, key=lambda s: (-_stage_memory(job, s), s.index, s.rank)):
@@ -771,7 +809,7 @@ def _check_stages(
     current = [r if r is not None and r.generation == job.generation else None for r in current]
     for stage, report in zip(job.stages, current, strict=True):
         if report is not None and report.state == FAILED:
-            return _move_failed(job, stage, report, nodes, free)
+            return _move_failed(job, stage, report, nodes, free, now)
     ready_count = sum(1 for r in current if r is not None and r.state == READY)
     total, parts = len(job.stages), _parts(job.stages)
     if total and ready_count == total:
@@ -787,7 +825,8 @@ def _check_stages(
 
 
 def _move_failed(
-    job: JobView, stage: PlacedStage, report: StageReport, nodes: Mapping[str, NodeView], free: list[NodeView]
+    job: JobView, stage: PlacedStage, report: StageReport, nodes: Mapping[str, NodeView], free: list[NodeView],
+    now: datetime,
 ) -> Action:
     """A stage its node could not build moves to the fastest free node with room, as a restart: a failure
     that follows the stage from node to node fails the job once the restarts run out; with no other node
@@ -802,7 +841,7 @@ def _move_failed(
             return True
         return owner_of_every_stage(rows, owners) is None
 
-    fitting = [n for n in free if job.requirements.allows(n) and n.memory_bytes >= need]
+    fitting = [n for n in _candidates(job, free, now) if n.memory_bytes >= need]
     target = next((n for n in fitting if keeps_owners_apart(n)), None)
     if target is None:
         reason = "" if not fitting else " (no single owner may hold every stage of the job; " + OPT_OUT + ")"

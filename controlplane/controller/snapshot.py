@@ -241,6 +241,7 @@ JOB_FIELDS = (
 STAGE_FIELDS = (
     "job_id", "index", "rank", "layer_start", "layer_end", "node_id", "generation", "observed_generation",
     "observed_state", "observed_message", "restarted_generation", "held_since", "replica", "step_samples_per_second",
+    "joining", "joined",
 )
 
 
@@ -363,8 +364,10 @@ def _job_view(
                 index=index, layer_start=start, layer_end=end, node_id=str(node_id) if node_id else None,
                 generation=generation, rank=rank, restarted_generation=restarted, replica=replica,
                 held_from=held_from(node_id, held_since), timed=speed is not None,
+                joining=joining and joined is None,
             )
-            for _, index, rank, start, end, node_id, generation, *_, restarted, held_since, replica, speed in stages
+            for _, index, rank, start, end, node_id, generation, *_, restarted, held_since, replica, speed, joining,
+            joined in stages
         ),
         conditions=tuple(job["conditions"]),
         driver_lease_expires_at=job["driver_lease_expires_at"],

@@ -105,6 +105,9 @@ class PlacedStage:
     # The job's driver has timed its node on this stage (its step measures are recorded; a move clears them): the
     # node's measured FLOP/s are this job's (controlplane/controller/calibration.py).
     timed: bool = False
+    # A replica added while its job runs that has not copied its stage's state from a sibling yet (`Stage.joining`
+    # without `joined`): it holds none of the stage's state, so it cannot stand in for replicas that are gone.
+    joining: bool = False
 
     @property
     def key(self) -> tuple[int, int, int]:

@@ -5,7 +5,7 @@ assignments and driver plan each replica gets, and what GET /api/jobs/ID shows."
 from __future__ import annotations
 
 from dataclasses import replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.utils import timezone
 
@@ -15,6 +15,7 @@ from arceus.training.plan import ReplicaJoin
 from controlplane.agents.services import node_heartbeat
 from controlplane.controller.actions import PlannedStage, RewindJob, ServeJob
 from controlplane.controller.executor import execute, reconcile_once
+from controlplane.controller.snapshot import load_snapshot
 from controlplane.controller.transitions import job_serve_place
 from controlplane.driver.driving import train_plan
 from controlplane.jobs.credentials import job_driver_token
@@ -135,6 +136,7 @@ def test_a_lost_replica_is_replaced_at_the_same_generation_and_the_api_lists_rep
     assert job.generation == generation and job.status == "running" and job.restarts == 0
     joiner = Stage.objects.get(job=job, index=1, replica=2)
     assert joiner.node_id == spare.id and joiner.joining and joiner.generation == generation
+    assert still_copying(job, now) == {(1, 0, 2)}  # the reconciler sees it holds none of the stage's state yet
     assignment = Assignment.from_json(assignments_for_node(node=spare)[0])
     assert assignment.replica == 2 and assignment.checkpoint is None  # it copies its state from a peer
 
@@ -160,7 +162,14 @@ def test_a_lost_replica_is_replaced_at_the_same_generation_and_the_api_lists_rep
     joined = {(p["stage_index"], p["replica"]): p["joined"] for p in detail["placements"]}
     assert joined.pop((1, 2)) == {"from_replica": 0, "size_bytes": 4096, "sha256": "a" * 64, "state_sha256": "a" * 64}
     assert set(joined.values()) == {None}
+    assert still_copying(job, now) == set()
     assert reconcile_once(now=now).applied == []  # at its max: steady
+
+
+def still_copying(job: Job, now: datetime) -> set[tuple[int, int, int]]:
+    """The rows of `job` the reconciler's snapshot sees as joiners that have not copied their stage's state yet."""
+    [view] = [j for j in load_snapshot(now)[0].jobs if j.id == str(job.id)]
+    return {s.key for s in view.stages if s.joining}
 
 
 def test_a_replica_lost_within_its_nodes_lease_is_replaced_on_a_spare_not_on_that_node(api, ready_node) -> None:

@@ -5,7 +5,7 @@ running job up to `replicas_max` where a replica is worth it."""
 from __future__ import annotations
 
 from dataclasses import replace
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import pytest
 from hypothesis import given, settings
@@ -125,7 +125,9 @@ DROPPED = [r for r in TWO_EACH if r[2] != "d"]
 def test_a_node_a_replica_was_dropped_from_takes_none_of_the_jobs_stages_until_it_heartbeats_again() -> None:
     dropped_at = NOW - timedelta(seconds=0.5)
     running = replicated(rows=DROPPED, node_grace_seconds=2.0, released=(("d", dropped_at),))
-    dead = node("d", silent=3.0, flops=4e9)  # the fastest free node, silent since before the drop
+    # the fastest free node, silent since before the drop (yet within the job's 2 s tolerance: only the drop rules it
+    # out)
+    dead = node("d", silent=1.0, flops=4e9)
     nodes = (*(node(n) for n in "abcef"), dead, node("spare"))
     [grow] = plan(Desired(jobs=(running,)), Observed(nodes=nodes, stages=ready(running)), NOW)
     assert isinstance(grow, AddReplicas) and (grow.generation, grow.next_replica) == (2, 2)
@@ -148,6 +150,122 @@ def test_a_stage_that_lost_its_last_replica_is_not_moved_onto_the_node_its_other
     nodes = (*(node(n) for n in "abef"), node("c", silent=3.0), node("d", silent=3.0, flops=4e9), node("spare"))
     [rewind] = plan(Desired(jobs=(running,)), Observed(nodes=nodes, stages=ready(running)), NOW)
     assert isinstance(rewind, RewindJob) and rewind.moves == ((1, 0, 0, "spare"),)
+
+
+def test_a_joiner_left_alone_in_its_stage_is_rebuilt_from_the_checkpoint_where_it_is() -> None:
+    """Stage 1 lost replica 1, and replica 2 joined on the spare; then replica 0 is lost too, before the joiner
+    copied its state: the stage holds its state nowhere. The joiner stays, the lost replica goes, and the job rewinds
+    with the joiner in place (not as a restart: no driver had to give up first)."""
+    joining = replace(replicated(rows=[*DROPPED, (1, 2, "spare")], node_grace_seconds=2.0), stages=tuple(
+        replace(PlacedStage(i, i, i + 1, n, 2, replica=r), joining=r == 2) for i, r, n in [*DROPPED, (1, 2, "spare")]))
+    nodes = (*(node(n) for n in "abef"), node("c", silent=3.0), node("spare"))
+    [drop] = plan(Desired(jobs=(joining,)), Observed(nodes=nodes, stages=ready(joining)), NOW)
+    assert isinstance(drop, DropReplicas) and drop.replicas == ((1, 0),)
+    # of two joiners, the lower stays: the rewind intends one row for the stage
+    third = replace(PlacedStage(1, 1, 2, "x", 2, replica=3), joining=True)
+    two = replace(joining, stages=(*joining.stages, third), next_replica=4)
+    [drop] = plan(Desired(jobs=(two,)), Observed(nodes=(*nodes, node("x")), stages=ready(two)), NOW)
+    assert isinstance(drop, DropReplicas) and drop.replicas == ((1, 0), (1, 3))
+    assert f"replica 3 on {seen('x')} left: its stage lost every replica" in drop.conditions[0]["message"]
+    alone = replace(joining, stages=tuple(s for s in joining.stages if s.key != (1, 0, 0)))
+    [rewind] = plan(Desired(jobs=(alone,)), Observed(nodes=nodes, stages=ready(alone)), NOW)
+    assert isinstance(rewind, RewindJob) and (rewind.moves, rewind.count_restart) == ((), False)
+    assert (rewind.status, rewind.reason) == ("placing", "ReplicasLost")
+    # once it copied a live replica's state, it is a replica like any other: a lost sibling is dropped, no rewind
+    copied = replace(joining, stages=tuple(replace(s, joining=False) for s in joining.stages))
+    [drop] = plan(Desired(jobs=(copied,)), Observed(nodes=nodes, stages=ready(copied)), NOW)
+    assert isinstance(drop, DropReplicas) and drop.replicas == ((1, 0),)
+    kept = replace(copied, stages=tuple(s for s in copied.stages if s.key != (1, 0, 0)))
+    assert plan(Desired(jobs=(kept,)), Observed(nodes=nodes, stages=ready(kept)), NOW) == []
+
+
+# Agents heartbeat every second (as tests/e2e's clusters); the job's tolerance of a silent node is 2 s, within the 6 s
+# node lease, and its driver's lease runs 10 s past each renewal.
+HEARTBEAT, GRACE, DRIVER_LEASE = 1.0, 2.0, 10.0
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    index=st.integers(0, 2),
+    heard=st.tuples(st.floats(0.0, HEARTBEAT, exclude_max=True), st.floats(0.0, HEARTBEAT, exclude_max=True)),
+    every=st.sampled_from([0.25, 0.5, 1.0]),
+    phase=st.floats(0.0, 1.0, exclude_max=True),
+)
+def test_a_stage_that_loses_every_replica_ends_with_one_row_on_the_spare_whichever_passes_find_them_gone(
+    index: int, heard: tuple[float, float], every: float, phase: float
+) -> None:
+    """Both replicas of one stage die at once (SIGKILL); each agent's last heartbeat came a while before, so the
+    passes (every `every` s) may find them gone in one pass or in two, with others between. Pass after pass, each
+    action applied as the executor does: no replica is ever placed on a dead node (the job could end meanwhile with
+    that row in its placement), and once it settles the stage has one row, on the spare, rebuilt from the checkpoint
+    by a rewind the rules decided (no restart counted, as a driver that stopped would be), the others untouched."""
+    running = replicated(rows=TWO_EACH, node_grace_seconds=GRACE, driver_claimed=True)
+    victims = [s.node_id for s in running.stages if s.index == index]
+    last_heard = dict(zip(victims, heard, strict=True))  # seconds before the kill at 0
+    unknown: set[str] = set()
+    names = [*"abcdef", "spare"]
+    view, t = running, phase
+    while t < 30.0:
+        now = NOW + timedelta(seconds=t)
+        nodes = tuple(replace(
+            node(n), ready_status="Unknown" if n in unknown else "True",
+            lease_renewed_at=NOW - timedelta(seconds=last_heard[n]) if n in last_heard
+            else now - timedelta(seconds=t % HEARTBEAT),
+        ) for n in names)
+        view = _driver_step(view, set(victims), now)
+        reports = {(view.id, *s.key): StageReport(view.generation, "ready") for s in view.stages
+                   if s.node_id not in victims}
+        for action in plan(Desired(jobs=(view,)), Observed(nodes=nodes, stages=reports), now):
+            targets = {s.node_id for s in action.stages} if isinstance(action, AddReplicas) else (
+                {n for *_, n in action.moves} if isinstance(action, RewindJob) else set())
+            assert not targets & set(victims), (t, action)
+            if isinstance(action, MarkNodeUnknown):
+                unknown.add(action.node_id)
+            else:
+                view = _applied(view, action, now)
+        t += every
+    assert view.status == "running" and view.generation > running.generation and view.restarts == 0
+    assert [(s.node_id, s.joining) for s in view.stages if s.index == index] == [("spare", False)]
+    assert {s.key: s.node_id for s in view.stages if s.index != index} == {
+        s.key: s.node_id for s in running.stages if s.index != index}
+
+
+def _driver_step(view: JobView, dead: set[str], now: datetime) -> JobView:
+    """What the job's driver does between two passes: a joiner copies its stage's state from a live replica that
+    holds it; the driver renews its lease while every stage has one, else it is stuck and lets its lease run out."""
+    if view.status != "running" or view.driver_lease_expires_at is None:
+        return view
+    holders = {s.index for s in view.stages if not s.joining and s.node_id not in dead}
+    stages = tuple(replace(s, joining=s.joining and s.index not in holders) for s in view.stages)
+    lease = now + timedelta(seconds=DRIVER_LEASE) if len(holders) == 3 else view.driver_lease_expires_at
+    return replace(view, stages=stages, driver_lease_expires_at=lease)
+
+
+def _applied(view: JobView, action: object, now: datetime) -> JobView:
+    """`view` as the executor leaves it after `action` (controlplane/controller/transitions.py), its driver claiming
+    the lease at once when started."""
+    if isinstance(action, DropReplicas):
+        dropped = [s for s in view.stages if (s.index, s.replica) in action.replicas]
+        return replace(view, stages=tuple(s for s in view.stages if s not in dropped), conditions=action.conditions,
+                       released=(*view.released, *((s.node_id, now) for s in dropped)))
+    if isinstance(action, AddReplicas):
+        added = tuple(PlacedStage(s.index, s.layer_start, s.layer_end, s.node_id, view.generation,
+                                  replica=s.replica, joining=True) for s in action.stages)
+        return replace(view, stages=(*view.stages, *added), next_replica=view.next_replica + len(added),
+                       conditions=action.conditions)
+    if isinstance(action, RewindJob):
+        moves = {(i, r, p): n for i, r, p, n in action.moves}
+        generation = view.generation + 1
+        stages = tuple(replace(s, node_id=moves.get(s.key, s.node_id), generation=generation, joining=False)
+                       for s in view.stages)
+        return replace(view, status=action.status, generation=generation, stages=stages,
+                       restarts=view.restarts + action.count_restart, driver_lease_expires_at=None,
+                       driver_claimed=False)
+    if isinstance(action, StartDriver):
+        return replace(view, status="running", conditions=action.conditions, driver_claimed=True,
+                       driver_lease_expires_at=now + timedelta(seconds=DRIVER_LEASE))
+    assert isinstance(action, SetCondition), action
+    return replace(view, conditions=action.conditions)
 
 
 # A free node: seconds since its last heartbeat (within its 6 s lease: Ready), seconds since a replica of the job was
