@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import ssl
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -72,6 +74,42 @@ async def _answering(
                 return True
             except (grpc.RpcError, ValueError):
                 return False
+
+    return list(await asyncio.gather(*(answers(address, certificate) for address, certificate in targets)))
+
+
+def exchanges_answering(targets: Sequence[tuple[str, str]], *, timeout: float, concurrency: int) -> list[bool]:
+    """Whether each agent's replicas' exchange listener, given as (HOST:PORT, the agent's registered certificate),
+    completes a TLS 1.3 handshake presenting exactly that certificate within `timeout` seconds, `concurrency` at a
+    time. The dialer shows no certificate of its own: the listener lets in only siblings that one of its steps named
+    (nodeagent/exchange_stream.py) and drops it once the handshake is done, but only the node's agent holds the key of
+    the certificate it presented by then. A refused connection answers False at once: the agent it belongs to
+    answered on its gRPC port, so its listener is up, just not there."""
+    return asyncio.run(_exchanges(targets, timeout, concurrency))
+
+
+async def _exchanges(targets: Sequence[tuple[str, str]], timeout: float, concurrency: int) -> list[bool]:
+    gate = asyncio.Semaphore(concurrency)
+
+    async def answers(address: str, certificate: str) -> bool:
+        async with gate:
+            host, _, port = address.rpartition(":")
+            try:
+                _check_pinned(address, certificate)
+                context = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+                context.minimum_version = ssl.TLSVersion.TLSv1_3
+                context.check_hostname = False  # pinned: exactly this certificate is trusted
+                context.load_verify_locations(cadata=certificate)
+                async with asyncio.timeout(timeout):
+                    _, writer = await asyncio.open_connection(host.strip("[]"), int(port), ssl=context,
+                                                              server_hostname="")
+            except (OSError, ValueError, TimeoutError):  # ssl.SSLError is an OSError
+                return False
+            presented = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
+            writer.close()
+            with contextlib.suppress(OSError, TimeoutError):  # the listener's alert: it lets no stranger in
+                await asyncio.wait_for(writer.wait_closed(), timeout)
+            return presented == ssl.PEM_cert_to_DER_cert(certificate)
 
     return list(await asyncio.gather(*(answers(address, certificate) for address, certificate in targets)))
 

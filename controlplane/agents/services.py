@@ -86,7 +86,7 @@ def node_register(
         _set_link(node, link, now)
     node.registered_at = now
     node.leaving_at = None  # a process that registers stays
-    node.reachability = Reachability.UNKNOWN  # until the dial-back below answers
+    node.reachability, node.exchange_reachable = Reachability.UNKNOWN, None  # until the dial-back below answers
     node.ready_status = ReadyStatus.UNKNOWN
     node.ready_reason = "Registered"
     node.ready_message = "registered; waiting for the first heartbeat"

@@ -109,6 +109,7 @@ def job_estimate(
         n
         for n in node_views(registered_nodes(), now)
         if n.ready_status == TRUE and not n.paused and n.id not in busy and req.allows(n)
+        and (n.exchange_reachable or top == 1)  # as the reconciler places replicas (rules._takes)
     ]
     own = {str(i) for i in Node.objects.filter(owner_id=owner_id).values_list("id", flat=True)}
     named = {n.id: (n.id, n.name) if n.id in own else (None, OTHERS_NODE) for n in candidates}

@@ -492,7 +492,14 @@ def _candidates(job: JobView, free: Iterable[NodeView], now: datetime) -> list[N
     """The free nodes that may take `job`'s stages: those meeting its requirements that it would not count gone at
     once. A free node is Ready, within its lease, but a job's tolerance may be shorter: the node a lost stage just
     moved off, its agent dead, stays Ready until its lease runs out, and a stage placed there would be lost again."""
-    return [n for n in free if job.requirements.allows(n) and not _silent(n, job, now)]
+    return [n for n in free if _takes(job, n) and not _silent(n, job, now)]
+
+
+def _takes(job: JobView, node: NodeView) -> bool:
+    """Whether `node` may host `job`'s stages: it meets the job's requirements, and where the job's stages are
+    replicated, siblings can open its exchange (a node whose registered exchange listener did not answer the
+    dial-back could take part in no exchange, and each step would lose it)."""
+    return job.requirements.allows(node) and (node.exchange_reachable or not job.replicated)
 
 
 def _silent(node: NodeView, job: JobView, now: datetime) -> bool:
@@ -636,14 +643,15 @@ def _place(job: JobView, free: list[NodeView], now: datetime, budget: Budget | N
     recomputing = _recomputing(job)
     room = smallest_stage_memory(job.layers, recomputing or job.workload, job.tensor_parallel.size)
     offered = MAX_CANDIDATES * (job.tensor_parallel.size + 1) + needed
-    candidates = list(itertools.islice((n for n in free if req.allows(n) and n.memory_bytes >= room), offered))
+    candidates = list(itertools.islice((n for n in free if _takes(job, n) and n.memory_bytes >= room), offered))
     if req.owner_diversity and len({n.owner for n in candidates}) == 1:  # another owner's fastest, past the few
-        other = next((n for n in free if req.allows(n) and n.memory_bytes >= room
+        other = next((n for n in free if _takes(job, n) and n.memory_bytes >= room
                       and n.owner != candidates[0].owner), None)
         candidates += [other] if other is not None else []
     if len(candidates) < needed:  # the whole of `free` was looked at: the count is exact
         meeting = (" meeting its requirements" if any(not req.allows(n) for n in free) else "") + (
-            " with room for a stage" if any(req.allows(n) and n.memory_bytes < room for n in free) else "")
+            " with room for a stage" if any(req.allows(n) and n.memory_bytes < room for n in free) else "") + (
+            " whose replicas' exchange answers" if any(not _takes(job, n) and req.allows(n) for n in free) else "")
         message = f"needs {needed} Ready node{'s' if needed != 1 else ''}{meeting}, {len(candidates)} available"
         return _condition(job, Condition("Placed", FALSE, "WaitingForNodes", message), now)
 
@@ -684,7 +692,8 @@ def _place(job: JobView, free: list[NodeView], now: datetime, budget: Budget | N
     )
     if job.replicas_min > 1:
         replicated = replicas_placed(
-            stages, free, layers=job.layers, workload=workload, requirements=req, count=job.replicas_min
+            stages, [n for n in free if n.exchange_reachable], layers=job.layers, workload=workload,
+            requirements=req, count=job.replicas_min,
         )
         if isinstance(replicated, str):
             return _condition(job, Condition("Placed", FALSE, "WaitingForNodes", replicated), now)

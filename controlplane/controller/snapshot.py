@@ -69,7 +69,7 @@ NODE_FIELDS = (
     "id", "name", "ready_status", "flops_fp32", "flops_measured", "memory_bytes", "max_memory_bytes",
     "runtime_memory_bytes", "device_type", "control_plane_bandwidth_bytes_per_second", "control_plane_rtt_seconds",
     "paused", "flagged_at", "flag_reason", "leaving_at", "work_windows", "idle_only", "idle_cpu_threshold",
-    "lease__renewed_at", "lease__duration_seconds", "reachability", "owner_id",
+    "lease__renewed_at", "lease__duration_seconds", "reachability", "exchange_reachable", "owner_id",
 )
 
 
@@ -213,6 +213,7 @@ def _node_view(
         bandwidth_bytes_per_s=bandwidth or math.inf,
         latency_s=(rtt or 0.0) / 2,  # one way
         relayed=row["reachability"] == Reachability.RELAYED,
+        exchange_reachable=row["exchange_reachable"] is not False,
         owner=str(row["owner_id"]),
         declared_flops=row["flops_fp32"] or 0.0,
     )

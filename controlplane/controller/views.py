@@ -32,6 +32,9 @@ class NodeView:
     bandwidth_bytes_per_s: float = math.inf
     latency_s: float = 0.0
     relayed: bool = False  # the control plane could not dial it back: callers reach it through a relay
+    # Its siblings can open its replicas' exchange: False where the dial-back reached the agent directly but not the
+    # exchange listener it registered (`Node.exchange_reachable`); it hosts no replica of a replicated job's stage.
+    exchange_reachable: bool = True
     owner: str = ""  # the contributor it belongs to (owner diversity: controlplane/controller/diversity.py)
     # Its agent's own matmul benchmark (`flops_fp32`; 0: none): what a job's timed nodes calibrate an untimed one's
     # speed by (controlplane/controller/calibration.py).

@@ -81,6 +81,10 @@ class Node(BaseModel):
     # Measured after each registration by dialling the agent back (controlplane/nodes/reachability.py).
     reachability = models.CharField(max_length=8, choices=Reachability, default=Reachability.UNKNOWN)
     reachability_checked_at = models.DateTimeField(null=True, blank=True)
+    # Whether that dial-back also reached its exchange listener at `exchange_address` (only a direct node's is
+    # dialled there: a relayed node's siblings reach it through its relay). False: no replica of a stage is placed on
+    # it. None: not dialled (no address registered, relayed, or not yet).
+    exchange_reachable = models.BooleanField(null=True, blank=True)
     # Where agents on the same LAN dial it (the agent's private address, as it reported it), and its public address
     # as the control plane saw its registration: two nodes behind one public address dial each other at their LAN
     # addresses (`address_for`), not through their router or a relay.

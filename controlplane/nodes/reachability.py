@@ -1,6 +1,9 @@
 """Reachability, measured: after a registration the control plane dials the agent back at the address it
 registered (TLS pinned to its registered certificate; its health check, which needs no token) and records
-`direct` or `relayed` (callers then reach it through a relay: controlplane/nodes/relays.py).
+`direct` or `relayed` (callers then reach it through a relay: controlplane/nodes/relays.py). A direct node that
+registered an exchange address is dialled there too (a TLS handshake pinned to the same certificate): siblings dial
+its replicas' exchange listener there, so where it does not answer (a port not forwarded, a firewall) the node hosts
+no replica of a stage (`Node.exchange_reachable`). A relayed node's siblings reach its listener through its relay.
 
 Dial-backs are sweeps, not one task per registration: a registration marks its node `unknown` and nudges a sweep
 (coalesced, on the `reachability` queue and worker, never ahead of the reconcile passes), and a sweep dials every
@@ -20,7 +23,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
-from arceus.wire.channels import agents_answering
+from arceus.wire.channels import agents_answering, exchanges_answering
 from controlplane.common.dispatch import reachability_check_soon, reconcile_soon
 from controlplane.nodes.models import Node, Reachability
 
@@ -33,24 +36,38 @@ def nodes_check_reachability() -> dict[str, int]:
     rows = list(
         Node.objects.filter(reachability=Reachability.UNKNOWN, registered_at__isnull=False)
         .order_by("registered_at")
-        .values_list("id", "grpc_address", "tls_certificate", "registered_at")[: settings.ARCEUS_REACHABILITY_BATCH]
+        .values_list("id", "grpc_address", "tls_certificate", "registered_at", "exchange_address")
+        [: settings.ARCEUS_REACHABILITY_BATCH]
     )
-    answers = agents_answering([(address, certificate) for _, address, certificate, _ in rows],
-                               timeout=settings.ARCEUS_REACHABILITY_TIMEOUT_SECONDS,
-                               concurrency=settings.ARCEUS_REACHABILITY_CONCURRENCY)
+    dial = {"timeout": settings.ARCEUS_REACHABILITY_TIMEOUT_SECONDS,
+            "concurrency": settings.ARCEUS_REACHABILITY_CONCURRENCY}
+    answers = agents_answering([(address, certificate) for _, address, certificate, *_ in rows], **dial)
     found: dict[str, list[tuple[object, datetime]]] = {Reachability.DIRECT: [], Reachability.RELAYED: []}
     answered_at: set[str] = set()
-    for (node_id, address, _, registered_at), answered in zip(rows, answers, strict=True):
+    for (node_id, address, _, registered_at, _), answered in zip(rows, answers, strict=True):
         found[Reachability.DIRECT if answered else Reachability.RELAYED].append((node_id, registered_at))
         if answered:
             answered_at.add(address)
+    # Where the agent answered directly, its siblings dial its exchange listener at the address it registered too
+    # (a relayed node's they reach through its relay): a node whose listener is not there hosts no replica.
+    listeners = [(node_id, registered_at, exchange, certificate)
+                 for (node_id, _, certificate, registered_at, exchange), answered in zip(rows, answers, strict=True)
+                 if answered and exchange]
+    exchanges = exchanges_answering([(exchange, certificate) for *_, exchange, certificate in listeners], **dial)
+    exchanged: dict[bool, list[tuple[object, datetime]]] = {True: [], False: []}
+    for (node_id, registered_at, *_), answered in zip(listeners, exchanges, strict=True):
+        exchanged[answered].append((node_id, registered_at))
     counts, now = {}, timezone.now()
     with transaction.atomic():
         for reachability, nodes in found.items():
             counts[reachability] = sum(
-                Node.objects.filter(_any_of(chunk)).update(reachability=reachability, reachability_checked_at=now)
+                Node.objects.filter(_any_of(chunk)).update(reachability=reachability, reachability_checked_at=now,
+                                                           exchange_reachable=None)
                 for chunk in _chunks(nodes, 500)
             )
+        for reachable, nodes in exchanged.items():
+            for chunk in _chunks(nodes, 500):
+                Node.objects.filter(_any_of(chunk)).update(exchange_reachable=reachable)
         # An address answers for one node at a time: the key that answered there now is the newest node's, so any
         # other node found direct there before is dialled again (its own key no longer answers: relayed).
         counts[Reachability.UNKNOWN] = Node.objects.filter(

@@ -116,6 +116,11 @@ class NodeOutput(serializers.Serializer):
         help_text="direct: the control plane dialled the agent back; relayed: callers reach it through a relay; "
         "unknown: not measured since it registered",
     )
+    exchange_reachable = serializers.BooleanField(
+        allow_null=True, help_text="Whether the dial-back reached its exchange listener at exchange_address (false: "
+        "it hosts no replica of a stage: check the port forward); null: not dialled (relayed: reached through its "
+        "relay; no exchange_address; or not measured since it registered)",
+    )
     public_key = serializers.CharField(help_text="Hex Ed25519 key of the agent: its receipts verify against it")
     tls_certificate = serializers.CharField(help_text="PEM certificate its gRPC port serves; callers trust no other")
     flag = serializers.SerializerMethodField(

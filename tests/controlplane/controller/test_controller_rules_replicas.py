@@ -179,6 +179,25 @@ def test_a_joiner_left_alone_in_its_stage_is_rebuilt_from_the_checkpoint_where_i
     assert plan(Desired(jobs=(kept,)), Observed(nodes=nodes, stages=ready(kept)), NOW) == []
 
 
+def test_a_node_whose_exchange_did_not_answer_hosts_no_replica_but_may_host_an_unreplicated_stage() -> None:
+    closed = replace(node("closed", flops=4e9), exchange_reachable=False)  # the fastest node
+    nodes = (closed, *(node(f"n{i}") for i in range(6)))
+    [placed] = plan(Desired(jobs=(job(replicas_min=2, replicas_max=2, workload=FOUR),)), Observed(nodes=nodes), NOW)
+    assert isinstance(placed, PlaceJob) and "closed" not in {s.node_id for s in placed.stages}
+    [single] = plan(Desired(jobs=(job(),)), Observed(nodes=nodes), NOW)
+    assert isinstance(single, PlaceJob) and "closed" in {s.node_id for s in single.stages}
+    [waits] = plan(Desired(jobs=(job(replicas_min=2, replicas_max=2, workload=FOUR),)), Observed(nodes=nodes[:6]),
+                   NOW)
+    assert isinstance(waits, SetCondition)
+    assert waits.conditions[0]["message"] == "needs 6 Ready nodes whose replicas' exchange answers, 5 available"
+    # nor grown onto it, though it is the fastest free node
+    running = replicated(rows=DROPPED)
+    hosts = (*(node(n) for n in "abcef"), closed)
+    [grow] = plan(Desired(jobs=(running,)), Observed(nodes=(*hosts, node("spare")), stages=ready(running)), NOW)
+    assert isinstance(grow, AddReplicas) and [s.node_id for s in grow.stages] == ["spare"]
+    assert plan(Desired(jobs=(running,)), Observed(nodes=hosts, stages=ready(running)), NOW) == []
+
+
 # Agents heartbeat every second (as tests/e2e's clusters); the job's tolerance of a silent node is 2 s, within the 6 s
 # node lease, and its driver's lease runs 10 s past each renewal.
 HEARTBEAT, GRACE, DRIVER_LEASE = 1.0, 2.0, 10.0

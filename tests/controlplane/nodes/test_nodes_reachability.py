@@ -4,11 +4,14 @@ and registrations queue one sweep on the reachability queue, not one each."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
+import torch
 from django.contrib.auth.models import User
 from django.utils import timezone
+from rest_framework.test import APIClient
 
 from controlplane.agents.services import node_register
 from controlplane.celery import CHECK_REACHABILITY_TASK, REACHABILITY_QUEUE, app
@@ -39,10 +42,11 @@ def reachability_queue() -> Iterator[object]:
             queue.close()
 
 
-def register(user: User, name: str, address: str, certificate: str) -> Node:
+def register(user: User, name: str, address: str, certificate: str, exchange_address: str = "") -> Node:
     node, _ = node_create(owner=user, name=name)
     return node_register(node=node, grpc_address=address, tls_certificate=certificate, device_type="cpu",
-                         device_name="cpu", memory_bytes=2**30, flops_fp32=1e9, now=timezone.now())
+                         device_name="cpu", memory_bytes=2**30, flops_fp32=1e9, now=timezone.now(),
+                         exchange_address=exchange_address)
 
 
 def test_a_sweep_records_an_answering_agent_direct_and_a_silent_one_relayed(user: User, agent: Agent,
@@ -91,3 +95,50 @@ def test_registrations_queue_one_sweep_until_it_starts(user: User, reachability_
     with django_capture_on_commit_callbacks(execute=True):
         register(user, "late", "127.0.0.1:5009", identity_for("127.0.0.1:5009").certificate)
     assert reachability_queue.qsize() == 1
+
+
+def test_a_direct_nodes_exchange_listener_is_dialled_too_and_one_that_does_not_answer_hosts_no_replica(
+    user: User, api: APIClient, agent: Agent, settings  # noqa: ANN001
+) -> None:
+    """Siblings dial a direct node's replicas' exchange at the address it registered: the sweep dials it there too
+    (a TLS handshake pinned to its certificate). An agent whose advertised exchange address leads nowhere (a router
+    port forward never set up), or to another agent's listener, is direct but hosts no replica; a relayed node's
+    exchange is reached through its relay, so it is not dialled."""
+    settings.ARCEUS_REACHABILITY_TIMEOUT_SECONDS = 1.0
+    with contextlib.ExitStack() as stack:
+        unforwarded, elsewhere, unsaid = (
+            Agent(device=torch.device("cpu"), exchange_port=free_port(),
+                  advertise_exchange=f"127.0.0.1:{free_port()}"),  # nothing listens there
+            Agent(device=torch.device("cpu")), Agent(device=torch.device("cpu")))
+        for started in (unforwarded, elsewhere, unsaid):
+            started.start()
+            stack.callback(started.stop, grace=1)
+        register(user, "open", agent.advertise_address, agent.identity.certificate, agent.exchange_address)
+        node = register(user, "unforwarded", unforwarded.advertise_address, unforwarded.identity.certificate,
+                        unforwarded.exchange_address)
+        # a listener indeed, but the first agent's: not this node's
+        register(user, "elsewhere", elsewhere.advertise_address, elsewhere.identity.certificate,
+                 agent.exchange_address)
+        register(user, "unsaid", unsaid.advertise_address, unsaid.identity.certificate)  # an agent that does not say
+        silent = f"127.0.0.1:{free_port()}"
+        register(user, "relayed", silent, identity_for(silent).certificate, agent.exchange_address)
+        assert nodes_check_reachability() == {Reachability.DIRECT: 4, Reachability.RELAYED: 1,
+                                              Reachability.UNKNOWN: 0}
+    found = {name: (reachability, exchange) for name, reachability, exchange in Node.objects.filter(owner=user)
+             .values_list("name", "reachability", "exchange_reachable")}
+    assert found == {
+        "open": (Reachability.DIRECT, True),
+        "unforwarded": (Reachability.DIRECT, False),
+        "elsewhere": (Reachability.DIRECT, False),
+        "unsaid": (Reachability.DIRECT, None),  # siblings ask its gRPC port where its listener is
+        "relayed": (Reachability.RELAYED, None),
+    }
+    views = {view.name: view for view in node_views(registered_nodes())}  # placement's view
+    assert {name for name, view in views.items() if not view.exchange_reachable} == {"unforwarded", "elsewhere"}
+    assert api.get(f"/api/nodes/{node.id}").json()["exchange_reachable"] is False  # its owner sees why
+    # its agent registering again (a new process, its port forward perhaps fixed) is dialled afresh
+    again = node_register(node=node, grpc_address=unforwarded.advertise_address,
+                          tls_certificate=unforwarded.identity.certificate, device_type="cpu", device_name="cpu",
+                          memory_bytes=2**30, flops_fp32=1e9, now=timezone.now(),
+                          exchange_address=unforwarded.exchange_address)
+    assert (again.reachability, again.exchange_reachable) == (Reachability.UNKNOWN, None)
