@@ -219,6 +219,15 @@ def test_a_job_tolerates_silence_up_to_its_own_grace() -> None:
     assert isinstance(action, RewindJob) and action.moves == ((1, 0, 0, "spare"),)
 
 
+def test_a_lost_stage_is_not_moved_onto_a_node_silent_past_the_jobs_grace() -> None:
+    """A node silent past the job's tolerance but within its own lease is Ready and free (the node a lost stage of
+    the job just left, its agent dead), yet the job would count it lost at once: no place for the stage."""
+    hasty = job("j", "running", generation=2, stages=placed("j", ["a", "b", "c"]), node_grace_seconds=2.0)
+    nodes = (node("a"), node("b", silent=3), node("c"), node("left", silent=3, flops=4e9), node("spare"))
+    [action] = plan(Desired(jobs=(hasty,)), Observed(nodes, reports("j", ["ready"] * 3)), NOW)
+    assert isinstance(action, RewindJob) and action.moves == ((1, 0, 0, "spare"),)
+
+
 def test_a_lost_stage_with_no_room_anywhere_unplaces_and_waits_pending() -> None:
     running = job("j", "running", generation=2, stages=placed("j", ["a", "b", "c"]))
     nodes = (node("a"), node("b", silent=20, ready="Unknown"), node("c"), node("tiny", memory=10))
