@@ -181,8 +181,11 @@ class ReplicaExchange:
         """A RunStep's membership: who may send to this replica in `epoch` (nodeagent.membership), and the
         certificates its siblings' streams may present."""
         peers = list(peers)
-        self.members.learn(epoch, peers)
+        # Trusted first: ExchangePort answers a sibling as soon as the epoch is known here, and the sibling dials at
+        # once. (A RunStep refused for an epoch that is over comes from the driver all the same, and a stream's
+        # hello is still judged by the membership.)
         self._wire.trust(p.certificate for p in peers if p.stage_index == self.stage_index)
+        self.members.learn(epoch, peers)
 
     def offer(self, hello: Hello, sock: ssl.SSLSocket) -> None:
         """A stream a sibling opened (the listener's thread): kept for the exchange of its epoch, or refused (an

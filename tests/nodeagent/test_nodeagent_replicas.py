@@ -302,6 +302,31 @@ def test_a_stream_from_a_stranger_another_job_or_a_replica_that_is_not_what_it_c
     assert receiver._offered == {}
 
 
+def test_a_sibling_that_waited_for_the_epoch_dials_at_once_and_its_stream_is_taken(
+    monkeypatch: pytest.MonkeyPatch, replicas_of: Callable[..., dict[int, ReplicaExchange]],
+) -> None:
+    """ExchangePort answers a joiner's sibling once this replica knows the epoch, and the sibling dials at once: its
+    certificate must already be trusted then, however long trusting it takes (a new agent's first step)."""
+    receiver = replicas_of((2,), 8, known=(2,))[2]
+    trust = receiver._wire.trust
+    monkeypatch.setattr(receiver._wire, "trust", lambda certificates: (time.sleep(0.3), trust(certificates)))
+    dialled: list[ssl.SSLSocket] = []
+
+    def sibling_asks_then_dials() -> None:
+        receiver.members.wait_for(1, wait=10, what="the test's ExchangePort")
+        dialled.append(dial_raw(receiver, IDENTITIES[0], hello(0, epoch=1, target=2)))
+
+    dialler = threading.Thread(target=sibling_asks_then_dials)
+    dialler.start()
+    receiver.learn(1, [sibling(0), sibling(2)])
+    dialler.join(10)
+    deadline = time.monotonic() + 5
+    while 0 not in receiver._offered and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert 0 in receiver._offered, "the listener refused the stream of a sibling the epoch names"
+    assert not closed_by_listener(dialled[0], within=0.3)
+
+
 def test_a_stream_of_an_epoch_still_to_come_waits_for_it_and_is_then_judged_by_its_members(
     replicas_of: Callable[..., dict[int, ReplicaExchange]],
 ) -> None:
