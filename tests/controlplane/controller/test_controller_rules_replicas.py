@@ -209,15 +209,19 @@ HEARTBEAT, GRACE, DRIVER_LEASE = 1.0, 2.0, 10.0
     heard=st.tuples(st.floats(0.0, HEARTBEAT, exclude_max=True), st.floats(0.0, HEARTBEAT, exclude_max=True)),
     every=st.sampled_from([0.25, 0.5, 1.0]),
     phase=st.floats(0.0, 1.0, exclude_max=True),
+    gives_up=st.booleans(),
 )
 def test_a_stage_that_loses_every_replica_ends_with_one_row_on_the_spare_whichever_passes_find_them_gone(
-    index: int, heard: tuple[float, float], every: float, phase: float
+    index: int, heard: tuple[float, float], every: float, phase: float, gives_up: bool
 ) -> None:
     """Both replicas of one stage die at once (SIGKILL); each agent's last heartbeat came a while before, so the
-    passes (every `every` s) may find them gone in one pass or in two, with others between. Pass after pass, each
-    action applied as the executor does: no replica is ever placed on a dead node (the job could end meanwhile with
-    that row in its placement), and once it settles the stage has one row, on the spare, rebuilt from the checkpoint
-    by a rewind the rules decided (no restart counted, as a driver that stopped would be), the others untouched."""
+    passes (every `every` s) may find them gone in one pass or in two, with others between. The driver gives up at
+    its next step (it lets its lease go: the job rewinds in place, a restart, before the losses are found), or it is
+    stuck where it does not notice (between steps) and its lease runs out. Pass after pass, each action applied as the
+    executor does: no replica is ever placed on a dead node (the job could end meanwhile with that row in its
+    placement), and once it settles the stage has one row, on the spare, rebuilt from the checkpoint, the others
+    untouched, and the only restart counted is the driver's that gave up (a stuck one's lease never runs out: the
+    rules rewind first)."""
     running = replicated(rows=TWO_EACH, node_grace_seconds=GRACE, driver_claimed=True)
     victims = [s.node_id for s in running.stages if s.index == index]
     last_heard = dict(zip(victims, heard, strict=True))  # seconds before the kill at 0
@@ -231,7 +235,7 @@ def test_a_stage_that_loses_every_replica_ends_with_one_row_on_the_spare_whichev
             lease_renewed_at=NOW - timedelta(seconds=last_heard[n]) if n in last_heard
             else now - timedelta(seconds=t % HEARTBEAT),
         ) for n in names)
-        view = _driver_step(view, set(victims), now)
+        view = _driver_step(view, set(victims), now, gives_up)
         reports = {(view.id, *s.key): StageReport(view.generation, "ready") for s in view.stages
                    if s.node_id not in victims}
         for action in plan(Desired(jobs=(view,)), Observed(nodes=nodes, stages=reports), now):
@@ -243,20 +247,22 @@ def test_a_stage_that_loses_every_replica_ends_with_one_row_on_the_spare_whichev
             else:
                 view = _applied(view, action, now)
         t += every
-    assert view.status == "running" and view.generation > running.generation and view.restarts == 0
+    assert view.status == "running" and view.generation > running.generation and view.restarts == int(gives_up)
     assert [(s.node_id, s.joining) for s in view.stages if s.index == index] == [("spare", False)]
     assert {s.key: s.node_id for s in view.stages if s.index != index} == {
         s.key: s.node_id for s in running.stages if s.index != index}
 
 
-def _driver_step(view: JobView, dead: set[str], now: datetime) -> JobView:
+def _driver_step(view: JobView, dead: set[str], now: datetime, gives_up: bool) -> JobView:
     """What the job's driver does between two passes: a joiner copies its stage's state from a live replica that
-    holds it; the driver renews its lease while every stage has one, else it is stuck and lets its lease run out."""
+    holds it; the driver renews its lease while every stage has one, else it lets the lease go (`gives_up`, as
+    arceus.training.driver does at a step that finds a stage without replicas) or, stuck, lets it run out."""
     if view.status != "running" or view.driver_lease_expires_at is None:
         return view
     holders = {s.index for s in view.stages if not s.joining and s.node_id not in dead}
     stages = tuple(replace(s, joining=s.joining and s.index not in holders) for s in view.stages)
-    lease = now + timedelta(seconds=DRIVER_LEASE) if len(holders) == 3 else view.driver_lease_expires_at
+    lease = now + timedelta(seconds=DRIVER_LEASE) if len(holders) == 3 else (
+        None if gives_up else view.driver_lease_expires_at)
     return replace(view, stages=stages, driver_lease_expires_at=lease)
 
 
