@@ -7,9 +7,13 @@ from __future__ import annotations
 import importlib
 import io
 import json
+import math
+import re
+import shutil
 import subprocess
 import sys
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from urllib.parse import urlencode
 
@@ -18,8 +22,9 @@ import torch
 from django.apps import apps as django_apps
 from django.utils import timezone
 from rest_framework.test import APIClient
+from safetensors import safe_open
 from safetensors.torch import load as safetensors_load
-from safetensors.torch import save, save_file
+from safetensors.torch import save
 
 from arceus.checkpoint import checkpoint_digest
 from arceus.contracts.assignment import Assignment
@@ -33,6 +38,8 @@ from controlplane.agents.services import node_heartbeat
 from controlplane.controller.executor import reconcile_once
 from controlplane.jobs.models import Job, Stage
 from controlplane.jobs.services import job_start, job_submit
+from controlplane.nodes.models import Node
+from controlplane.nodes.services import node_token_rotate
 from tests.controlplane.conftest import DIGITS_JOB
 from tests.controlplane.jobs.test_jobs_checkpoints import (  # noqa: F401 (fixtures)
     agents,
@@ -190,56 +197,153 @@ def test_uploaded_weights_in_an_s3_bucket_are_read_by_range(
     assert sorted(safetensors_load(body)) == sorted(n for n, _ in named_global_parameters(stage))
 
 
-# The uploader's code, run as its own process: its peak RSS (VmHWM) after the imports and after the upload.
-_MEASURED_CLI = """
-import re, sys
+# Peak memory of a process from a point on: /proc's VmHWM set back to what it holds now (clear_refs 5), then read.
+_PEAK = """
+import re
+def status(field): return int(re.search(field + r":\\s+(\\d+) kB", open("/proc/self/status").read())[1]) * 1024
+def peak_from_now():
+    open("/proc/self/clear_refs", "w").write("5")
+    return status("VmRSS")
+"""
+
+# A random ~1B Llama as transformers ships one, written shard by shard (this process never holds more than one).
+_SHIPPED = """
+import json, sys, torch
+from pathlib import Path
+from safetensors.torch import save_file
+folder, shards = Path(sys.argv[1]), json.loads(sys.argv[2])
+generator = torch.Generator().manual_seed(5)
+for file, shapes in shards.items():
+    save_file({n: torch.randn(s, generator=generator, dtype=torch.bfloat16) * 0.02 for n, s in shapes.items()},
+              folder / file)
+"""
+
+# The uploader: `arceus jobs weights JOB FOLDER`; prints its peak's growth over what it held after its imports.
+_UPLOADER = _PEAK + """
+import sys
 from arceus.cli import main
-def peak(): return int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read())[1]) * 1024
-before = peak()
+before = peak_from_now()
 code = main(sys.argv[1:])
-print(before, peak(), code)
+print(status("VmHWM") - before, code)
+"""
+
+# An agent building its stage of an assignment from the job's initial weights as agents do (build_hosted_stage with
+# the control plane client's fetch); prints its peak's growth and its stage's parameters' sums.
+_AGENT = _PEAK + """
+import json, sys, torch
+from arceus.contracts.assignment import Assignment
+from arceus.model.build import named_global_parameters
+from nodeagent.control_plane import ControlPlaneClient
+from nodeagent.stage import build_hosted_stage
+url, token, raw = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+fetch = ControlPlaneClient(url, token, timeout=300).fetch_initial_weights
+before = peak_from_now()
+stage = build_hosted_stage(Assignment.from_json(raw), torch.device("cpu"), max_message_bytes=4 << 20,
+                           load_initial_weights=fetch)
+grown = status("VmHWM") - before
+sums = {n: p.double().sum().item() for n, p in named_global_parameters(stage.runtime.layers)}
+print(json.dumps({"grown": grown, "sums": sums}))
 """
 
 
+def peak_from_now() -> int:
+    """This process's VmRSS, its VmHWM set back to it (what the process holds from now on is measured against it)."""
+    Path("/proc/self/clear_refs").write_text("5")
+    return vm_bytes("VmRSS")
+
+
+def vm_bytes(field: str) -> int:
+    return int(re.search(field + r":\s+(\d+) kB", Path("/proc/self/status").read_text())[1]) * 1024
+
+
+@pytest.fixture
+def emptied_tmp_path(tmp_path: Path) -> Iterator[Path]:
+    """tmp_path, emptied once the test ends: pytest keeps the last runs' folders, and this one fills 4 GB."""
+    yield tmp_path
+    shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
-def test_a_sharded_bf16_folder_uploads_streaming_the_uploader_never_holds_it(
-    live_server, user, tmp_path: Path, checkpoint_dir: Path  # noqa: ANN001, F811
+def test_a_random_1b_llama_shipped_sharded_in_bf16_imports_with_no_process_holding_more_than_a_stage(
+    live_server, user, agents, emptied_tmp_path: Path, checkpoint_dir: Path,  # noqa: ANN001, F811
+    record_property: Callable[[str, object], None],
 ) -> None:
-    """`arceus jobs weights` of a 42 MB sharded bf16 folder (a llama of 21M parameters): the job keeps one file
-    of exactly its shards' tensors, and the uploading process's peak memory grows by well under the upload's
-    size (it sends shards range by range, never the file)."""
+    """A Llama of 0.97B parameters (22 decoder layers of width 2048, 4 key/value heads), random, saved as
+    transformers ships one (bf16, sharded, with its index): `arceus jobs weights` uploads it, the job's three
+    agents each build their stage from it. The uploader, the web server (this process) and each agent hold at most
+    one stage's tensors at their peak (VmHWM): the uploader and the web server less than the smallest stage's bf16
+    bytes, an agent its stage's float32 weights and what its code takes beside them."""
     job = job_submit(owner=user, **{**DIGITS_JOB, "dataset_config": {"name": "text", "batch_size": 4}, "model_config": {
-        "type": "llama", "hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 8,
-        "num_attention_heads": 8, "max_position_embeddings": 8,
+        "type": "llama", "hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 22,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "max_position_embeddings": 8,
     }})
     spec = model_spec_from_config(job.model_config)
-    folder, weight_map = tmp_path / "shipped", {}
+    shapes = {n: spec.layer_parameters(i)[n.split(".", 2)[2]]
+              for i in range(spec.num_layers) for n in (f"layers.{i}.{p}" for p in spec.layer_parameters(i))}
+    parameters = sum(math.prod(s) for s in shapes.values())
+    assert 0.95e9 < parameters < 1.05e9
+    shards: dict[str, dict[str, list[int]]] = {}
+    filled = 0
+    for name, shape in shapes.items():  # shards of about 400 MB, as save_pretrained(max_shard_size=...) cuts
+        if not shards or filled > 400e6:
+            shard, filled = shards.setdefault(f"model-{len(shards) + 1:05d}", {}), 0
+        shard[hf_name(spec, name)] = shape
+        filled += math.prod(shape) * 2
+    shards = {f"{stem}-of-{len(shards):05d}.safetensors": tensors for stem, tensors in shards.items()}
+    folder = emptied_tmp_path / "shipped"
     folder.mkdir()
-    names = [f"layers.{i}.{n}" for i in range(spec.num_layers) for n in spec.layer_parameters(i)]
-    for shard, start in enumerate(range(0, len(names), 20)):
-        file = f"model-{shard:05d}.safetensors"
-        tensors = {hf_name(spec, n): torch.full(spec.layer_parameters(int(n.split(".")[1]))[n.split(".", 2)[2]],
-                                                 float(i), dtype=torch.bfloat16)
-                   for i, n in enumerate(names[start : start + 20], start)}
-        save_file(tensors, folder / file)
-        weight_map |= dict.fromkeys(tensors, file)
-    (folder / SHARDS_INDEX).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (folder / "config.json").write_text(json.dumps(hf_config(spec)))
-    size = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-    assert size > 40e6
+    subprocess.run([sys.executable, "-c", _SHIPPED, str(folder), json.dumps(shards)], check=True, timeout=600)
+    weight_map = {name: file for file, tensors in shards.items() for name in tensors}
+    (folder / SHARDS_INDEX).write_text(json.dumps({"metadata": {"total_size": 2 * parameters},
+                                                   "weight_map": weight_map}))
+    (folder / "config.json").write_text(json.dumps({**hf_config(spec), "torch_dtype": "bfloat16"}))
 
+    for node, _ in agents:  # room for a third of the model each
+        Node.objects.filter(pk=node.pk).update(memory_bytes=64 << 30)
+    server_before = peak_from_now()
     argv = ["--url", live_server.url, "--token", user_token_get_or_create(user=user), "jobs", "weights", str(job.id),
             str(folder)]
-    run = subprocess.run([sys.executable, "-c", _MEASURED_CLI, *argv], capture_output=True, text=True, timeout=300)
-    before, after, code = (int(v) for v in run.stdout.split()[-3:])
+    run = subprocess.run([sys.executable, "-c", _UPLOADER, *argv], capture_output=True, text=True, timeout=600)
+    uploader_grown, code = (int(v) for v in run.stdout.split()[-2:])
     assert code == 0, run.stdout + run.stderr
-    assert after - before < size / 4, f"the uploader's peak grew by {(after - before) / 1e6:.1f} MB"
     job.refresh_from_db()
     stored = checkpoint_dir / job.initial_weights.name
-    with stored.open("rb") as handle:
+    with stored.open("rb") as handle:  # one file of exactly the shards' tensors, kept in bf16
         layouts = tensor_layouts(handle, stored.stat().st_size)
     assert set(layouts) == set(weight_map) and {dtype for dtype, _ in layouts.values()} == {"BF16"}
-    assert safetensors_load(stored.read_bytes())[hf_name(spec, names[-1])][0, 0] == len(names) - 1
+
+    job_start(job=job)
+    for node, _ in agents:  # the upload took a while: the nodes are still alive
+        node_heartbeat(node=node, observed=[], now=timezone.now())
+    reconcile_once()
+    hosts = []
+    for node, client in agents:
+        [raw] = client.post("/api/agent/heartbeat", {"observed": []}, format="json").json()["assignments"]
+        token = node_token_rotate(node=node, user=user)
+        hosts.append((raw, subprocess.Popen([sys.executable, "-c", _AGENT, live_server.url, token, json.dumps(raw)],
+                                            stdout=subprocess.PIPE, text=True)))
+    built = [(raw, json.loads(agent.communicate(timeout=600)[0].splitlines()[-1])) for raw, agent in hosts]
+    assert all(agent.returncode == 0 for _, agent in hosts)
+    server_grown = vm_bytes("VmHWM") - server_before
+
+    stage_layers = [range(raw["layer_start"], raw["layer_end"]) for raw, _ in built]
+    assert sorted(i for layers in stage_layers for i in layers) == list(range(spec.num_layers))  # three stages, whole
+    stage_bytes = [sum(math.prod(s) for n, s in shapes.items() if int(n.split(".")[1]) in layers) * 4
+                   for layers in stage_layers]  # float32, as a stage holds them
+    figures = f"uploader +{uploader_grown >> 20} MiB, web server +{server_grown >> 20} MiB, agents " + ", ".join(
+        f"+{b['grown'] >> 20} MiB (stage {s >> 20} MiB)" for (_, b), s in zip(built, stage_bytes, strict=True))
+    print(figures)
+    record_property("peaks", figures)
+    smallest_stage_bf16 = min(stage_bytes) // 2
+    assert uploader_grown < smallest_stage_bf16 and server_grown < smallest_stage_bf16, figures
+    for (raw, agent), held in zip(built, stage_bytes, strict=True):
+        # Beside its tensors, what its code takes (torch's first use, its optimizer's imports, one tensor read in
+        # bf16 at a time): 82 MiB on a 2 MiB stage, 130-174 MiB beside these stages of 1176-1344 MiB in two runs.
+        assert agent["grown"] < held + (256 << 20), figures
+        with safe_open(str(folder / weight_map[hf_name(spec, name := next(iter(agent["sums"])))]), "pt") as shard:
+            want = shard.get_tensor(hf_name(spec, name)).double().sum().item()
+        assert agent["sums"][name] == pytest.approx(want, rel=1e-9, abs=1e-9), (raw["layer_start"], name)
 
 
 @pytest.mark.parametrize(
