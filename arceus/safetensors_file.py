@@ -12,8 +12,6 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-import numpy as np
-
 from arceus.errors import SpecError
 from arceus.json_input import json_loads_bounded
 
@@ -181,6 +179,8 @@ def _copied(prefix: bytes, spans: Sequence[_Span]) -> Iterator[bytes]:
             if len(data) != remaining:
                 raise CheckpointError("a checkpoint file ended before its tensor data did")
             # Only the elements' order changes: they move as unsigned integers of their width, bits untouched.
+            import numpy as np  # here: the control plane's processes import this module, and seldom transpose
+
             matrix = np.frombuffer(data, dtype=f"<u{span.itemsize}").reshape(span.rows, -1)
             yield np.ascontiguousarray(matrix.T).tobytes()
             continue

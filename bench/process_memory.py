@@ -37,12 +37,14 @@ START_SECONDS = 120.0
 
 
 def loaded(pid: int) -> dict[str, Any]:
-    """{"rss_mib", "torch", "grpc"} of a running process."""
+    """{"rss_mib", "torch", "grpc", "numpy", "tokenizers"} of a running process: its RSS, and whether it mapped each
+    library's extension."""
     status = Path(f"/proc/{pid}/status").read_text()
     rss_kib = int(re.search(r"^VmRSS:\s+(\d+) kB", status, re.M).group(1))
     maps = Path(f"/proc/{pid}/maps").read_text()
     return {"rss_mib": round(rss_kib / 1024, 1), "torch": "libtorch" in maps,
-            "grpc": bool(re.search(r"grpc[^/\n]*\.so", maps))}
+            "grpc": bool(re.search(r"grpc[^/\n]*\.so", maps)), "numpy": "_multiarray_umath" in maps,
+            "tokenizers": "tokenizers.abi3" in maps}
 
 
 def free_port() -> int:

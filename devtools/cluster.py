@@ -161,7 +161,7 @@ class LocalCluster:
             *celery, "worker", "-Q", "training,sampling", "-I", "tasks.training", "-c", "2", "-n", "training@%h",
             "--loglevel", "INFO"]
         self._commands["worker-reachability"] = [
-            *celery, "worker", "-Q", "reachability", "-I", "tasks.nodes", "-c", "1", "-n", "reachability@%h",
+            *celery, "worker", "-Q", "reachability", "-I", "tasks.nodes", "-P", "solo", "-n", "reachability@%h",
             "--loglevel", "INFO"]
         self._commands["beat"] = [
             *celery, "beat", "--loglevel", "INFO", "--schedule", str(self.workdir / "celerybeat-schedule")]

@@ -16,17 +16,19 @@ from __future__ import annotations
 import codecs
 import io
 import json
+import math
 import struct
 import uuid
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, BinaryIO
-
-import numpy as np
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from arceus.errors import SpecError
 from arceus.json_input import json_depth_check, json_loads_bounded
+
+if TYPE_CHECKING:
+    import numpy as np
 
 TEXT_FORMATS = ("text", "jsonl", "parquet")
 TENSOR_FORMATS = ("safetensors", "npz")
@@ -38,8 +40,10 @@ MAX_VOCABULARY = 65536  # distinct characters kept as facts (a char vocabulary);
 MAX_HEADER_BYTES = 1 << 20  # a safetensors or .npy header
 MAX_JSONL_LINE_BYTES = 16 << 20
 MAX_TOKENIZER_BYTES = 64 << 20
-_FLOAT_DTYPES = {"F32": np.float32, "F64": np.float64, "F16": np.float16, "U8": np.uint8}
-_LABEL_DTYPES = {"I64": np.int64, "I32": np.int32, "I16": np.int16, "U8": np.uint8}
+# numpy's names: numpy is imported where an array is read, not with this module, which every control-plane process
+# imports (the datasets' models) and few use to read one.
+_FLOAT_DTYPES = {"F32": "float32", "F64": "float64", "F16": "float16", "U8": "uint8"}
+_LABEL_DTYPES = {"I64": "int64", "I32": "int32", "I16": "int16", "U8": "uint8"}
 
 
 class DatasetFormatError(ValueError):
@@ -56,9 +60,11 @@ class StoredArray:
 
     @property
     def row_bytes(self) -> int:
-        return int(np.prod(self.shape[1:], dtype=np.int64)) * self.dtype.itemsize
+        return math.prod(self.shape[1:]) * self.dtype.itemsize
 
     def rows(self, handle: BinaryIO, start: int, stop: int) -> np.ndarray:
+        import numpy as np
+
         handle.seek(self.offset + start * self.row_bytes)
         data = handle.read((stop - start) * self.row_bytes)
         if len(data) != (stop - start) * self.row_bytes:
@@ -108,7 +114,7 @@ def inspect_file(handle: BinaryIO, size: int, fmt: str, column: str = DEFAULT_TE
     return {
         "kind": "tensors",
         "samples": x.shape[0],
-        "features": int(np.prod(x.shape[1:])),
+        "features": math.prod(x.shape[1:]),
         "image_shape": list(x.shape[1:]) if len(x.shape) == 4 else None,
         "classes": classes,
     }
@@ -210,9 +216,9 @@ def tensor_arrays(handle: BinaryIO, size: int, fmt: str) -> tuple[StoredArray, S
     """Where `x` and `y` lie in a tensor file, checked: dtypes, shapes, one label per sample, inside the file."""
     arrays = _safetensors_arrays(handle, size) if fmt == "safetensors" else _npz_arrays(handle, size)
     x, y = arrays["x"], arrays["y"]
-    if x.dtype.type not in _FLOAT_DTYPES.values():
+    if x.dtype.name not in _FLOAT_DTYPES.values():
         raise DatasetFormatError(f"x is {x.dtype}; use float32 (or float16, float64, uint8)")
-    if y.dtype.type not in _LABEL_DTYPES.values():
+    if y.dtype.name not in _LABEL_DTYPES.values():
         raise DatasetFormatError(f"y is {y.dtype}; labels are integers (int64, int32, int16 or uint8)")
     if len(x.shape) not in (2, 4) or 0 in x.shape:
         raise DatasetFormatError(f"x has shape {list(x.shape)}; use [samples, features] or [samples, C, H, W]")
@@ -245,6 +251,8 @@ def _safetensors_arrays(handle: BinaryIO, size: int) -> dict[str, StoredArray]:
     header.pop("__metadata__", None)
     if set(header) != {"x", "y"}:
         raise DatasetFormatError(f"holds tensors {sorted(header)}; it must hold exactly x and y")
+    import numpy as np
+
     out = {}
     dtypes = {**_FLOAT_DTYPES, **_LABEL_DTYPES}
     for name, entry in header.items():
@@ -263,6 +271,8 @@ def _safetensors_arrays(handle: BinaryIO, size: int) -> dict[str, StoredArray]:
 
 
 def _npz_arrays(handle: BinaryIO, size: int) -> dict[str, StoredArray]:
+    import numpy as np
+
     handle.seek(0)
     try:
         archive = zipfile.ZipFile(handle)

@@ -13,11 +13,12 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Protocol
-
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from typing import TYPE_CHECKING, Any, Protocol
 
 from arceus.errors import SpecError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 VOCABS = ("char", "bpe")  # how a text becomes tokens: its characters, or byte-level BPE
 TRAIN_FRACTION = 0.9
@@ -91,6 +92,9 @@ def train_bpe(text: str, vocab_size: int) -> BPETokenizer:
 
 def train_bpe_from(texts: Iterable[str], vocab_size: int) -> BPETokenizer:
     """A BPE trained on `texts` as they come (an uploaded text streams in pieces, never whole)."""
+    # Imported here: every control-plane process imports this module (job specs name a vocabulary) and few train.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

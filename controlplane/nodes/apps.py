@@ -10,7 +10,6 @@ class NodesConfig(AppConfig):
         from django.db import transaction
         from django.db.models.signals import post_delete
 
-        from controlplane.nodes import authentication  # noqa: F401  registers the OpenAPI auth extension
         from controlplane.nodes.liveness import leases_forget
         from controlplane.nodes.models import Node
         from controlplane.nodes.relays import relay_certificate

@@ -53,7 +53,9 @@ class IsNodeAgent(BasePermission):
 
 
 class NodeTokenScheme(OpenApiAuthenticationExtension):
-    """The node-token scheme in the OpenAPI schema (registered when this module loads: controlplane/nodes/apps.py)."""
+    """The node-token scheme in the OpenAPI schema, registered when this module loads: with the agents' API views
+    (controlplane/agents/api.py), which the schema is generated from. Not at every process's start-up: drf-spectacular
+    loads DRF's and Django's test clients, ~25 MiB in each Celery process, which serves no API."""
 
     target_class = "controlplane.nodes.authentication.NodeTokenAuthentication"
     name = "nodeToken"
