@@ -109,6 +109,9 @@ class SimAgent:
 class Tally:
     latencies: list[float] = field(default_factory=list)
     changed: list[float] = field(default_factory=list)  # those of answers with new assignments
+    reports: list[float] = field(default_factory=list)  # those of heartbeats reporting a change the agent applied
+    placing: int = 0  # how many of `latencies`, and of `reports`, were taken while the jobs were being placed
+    reports_placing: int = 0
     errors: dict[str, int] = field(default_factory=dict)  # in the measured window
     startup_errors: dict[str, int] = field(default_factory=dict)  # before it: registration's burst of first beats
     lags: list[float] = field(default_factory=list)  # the bench's own event loop's lateness, sampled (`loop_lag`)
@@ -393,6 +396,8 @@ async def heartbeat_forever(host: str, port: int, agent: SimAgent, interval: flo
                     tally.latencies.append(time.perf_counter() - started)
                     if answer.get("assignments"):
                         tally.changed.append(tally.latencies[-1])
+                    if resend:
+                        tally.reports.append(tally.latencies[-1])
                 if "assignments" in answer:  # a new desired state: its stages built at once, all ready
                     observed = [{"stage_id": a["stage_id"], "generation": a["generation"], "state": "ready",
                                  "message": ""} for a in answer["assignments"]]
@@ -471,7 +476,9 @@ async def run_fleet(
             jobs = await loop.run_in_executor(database, submit_jobs, args.jobs)
             print(f"submitted {len(jobs)} jobs", flush=True)
             placed = await _until_placed(database, args.jobs * JOB["stages"], args.place_timeout)
-            placement_s, while_placing = time.perf_counter() - window_start, len(tally.latencies)
+            placement_s, tally.placing, tally.reports_placing = (time.perf_counter() - window_start,
+                                                                  len(tally.latencies), len(tally.reports))
+            while_placing = tally.placing
             print(f"placed {len(placed)} stages in {placement_s:.0f} s", flush=True)
             while len(progress.claimed) < len(jobs) and time.perf_counter() - window_start < args.place_timeout:
                 await asyncio.sleep(0.5)  # every job running: its stages reported ready, its lease claimed
@@ -517,6 +524,10 @@ async def run_fleet(
         "p99_placed_ms": round(quantile(tally.latencies[while_placing:], 0.99) * 1e3, 1),
         "changed": len(tally.changed), "changed_p50_ms": round(quantile(tally.changed, 0.5) * 1e3, 1),
         "changed_p99_ms": round(quantile(tally.changed, 0.99) * 1e3, 1),
+        "reports": len(tally.reports), "reports_p50_ms": round(quantile(tally.reports, 0.5) * 1e3, 1),
+        "reports_p99_ms": round(quantile(tally.reports, 0.99) * 1e3, 1),
+        "reports_placing": tally.reports_placing,
+        "reports_p99_placing_ms": round(quantile(tally.reports[:tally.reports_placing], 0.99) * 1e3, 1),
         "errors": sum(tally.errors.values()), "error_kinds": tally.errors,
         "startup_errors": sum(tally.startup_errors.values()), "startup_error_kinds": tally.startup_errors,
         "to_django": sum(to_django.values()), "to_django_reasons": to_django,
@@ -689,6 +700,9 @@ def print_and_write(r: dict[str, Any], *, write: bool) -> None:
         f"| heartbeat latency p99 while placing / once placed | {r['p99_placing_ms']} / {r['p99_placed_ms']} ms | |",
         f"| latency p50 / p99 of the {r['changed']:,} answers with new assignments | "
         f"{r['changed_p50_ms']} / {r['changed_p99_ms']} ms | |",
+        f"| latency p50 / p99 of the {r['reports']:,} heartbeats reporting a change the agent applied (p99 of the "
+        f"{r['reports_placing']:,} while placing) | {r['reports_p50_ms']} / {r['reports_p99_ms']} "
+        f"({r['reports_p99_placing_ms']}) ms | |",
         f"| heartbeat errors | {r['errors']} {r['error_kinds'] or ''} | 0 |",
         f"| heartbeat errors before the window (every agent's first heartbeat) | {r['startup_errors']} "
         f"{r['startup_error_kinds'] or ''} | |",
