@@ -1,4 +1,5 @@
-"""Applies the reconciler's actions, each in its own transaction with an optimistic check.
+"""Applies the reconciler's actions, each in its own transaction with an optimistic check (those that write only
+their job's row share one, a savepoint each).
 
 Every job write is `UPDATE ... WHERE id = %s AND generation = <seen> AND status = <seen>`: if another
 pass (or a user, or the driver) changed the job since the snapshot, nothing matches and the action is
@@ -98,20 +99,33 @@ def execute(actions: Sequence[Action], *, now: datetime) -> ExecutionReport:
         marked = _mark_nodes_unknown(marks, now)
         for action in marks:
             (report.applied if action.node_id in marked else report.skipped).append(action)
+    # A pass placing jobs sets dozens of conditions and starts dozens of drivers, each one UPDATE of its job's row:
+    # one transaction for them all (a savepoint each), in the jobs' id order (the order `jobs_record_progress` locks
+    # running jobs in), not a commit each.
+    rows = sorted((a for a in actions if isinstance(a, ONE_ROW)), key=lambda a: str(a.job_id))
+    if rows:
+        with transaction.atomic():
+            for action in rows:
+                _apply(action, now, report)
     for action in actions:
-        if isinstance(action, MarkNodeUnknown):
-            continue
-        try:
+        if not isinstance(action, (MarkNodeUnknown, *ONE_ROW)):
             with transaction.atomic():
-                applied = _APPLY[type(action)](action, now)
-        except IntegrityError as exc:
-            log.info("skipped %s: the database refused it (%s)", _names([action]), exc)
-            applied = False
-        else:
-            if not applied:
-                log.info("skipped %s: the state changed since the snapshot", _names([action]))
-        (report.applied if applied else report.skipped).append(action)
+                _apply(action, now, report)
     return report
+
+
+def _apply(action: Action, now: datetime, report: ExecutionReport) -> None:
+    """`action` in a transaction (or a savepoint) of its own, recorded as applied or skipped."""
+    try:
+        with transaction.atomic():
+            applied = _APPLY[type(action)](action, now)
+    except IntegrityError as exc:
+        log.info("skipped %s: the database refused it (%s)", _names([action]), exc)
+        applied = False
+    else:
+        if not applied:
+            log.info("skipped %s: the state changed since the snapshot", _names([action]))
+    (report.applied if applied else report.skipped).append(action)
 
 
 def _reassigns(action: Action) -> bool:
@@ -207,6 +221,8 @@ def _roll_back_job(action: RollBackJob, now: datetime) -> bool:
     )
 
 
+# Actions that write only their job's row, with its optimistic check (`execute` applies them together).
+ONE_ROW = (SetCondition, StartDriver, RequestHandover)
 _APPLY: dict[type, Callable[[Any, datetime], bool]] = {
     PlaceJob: job_place,
     SetCondition: _set_condition,

@@ -8,7 +8,14 @@ import pytest
 from django.utils import timezone
 
 from controlplane.agents.services import node_heartbeat
-from controlplane.controller.actions import MarkNodeUnknown, PlaceJob, PlannedStage, RewindJob, StartDriver
+from controlplane.controller.actions import (
+    MarkNodeUnknown,
+    PlaceJob,
+    PlannedStage,
+    RewindJob,
+    SetCondition,
+    StartDriver,
+)
 from controlplane.controller.executor import execute, reconcile_once
 from controlplane.controller.rules import plan
 from controlplane.controller.snapshot import load_snapshot
@@ -114,6 +121,31 @@ def test_an_unclaimed_driver_start_is_enqueued_again_by_exactly_one_of_two_passe
     assert len(enqueued) == 1
     job.refresh_from_db()
     assert job.driver_lease_owner == "" and job.driver_lease_expires_at > now
+
+
+def test_one_row_writes_applied_together_are_each_checked_against_what_the_pass_saw(
+    ready_node, queued_job, django_capture_on_commit_callbacks
+) -> None:
+    for i in range(9):
+        ready_node(f"n{i}", port=50051 + i)
+    jobs = [queued_job() for _ in range(3)]
+    for _ in jobs:
+        reconcile_once()
+    placing = [Job.objects.get(pk=j.pk) for j in jobs]
+    now = timezone.now()
+    condition = [{"type": "Note", "status": "True", "reason": "Test", "message": "", "last_transition": ""}]
+    stale = placing[1].generation - 1
+    actions = [
+        SetCondition(str(placing[0].id), placing[0].generation, "placing", tuple(condition)),
+        StartDriver(str(placing[1].id), stale, "placing", None, ()),  # another pass moved it on since
+        StartDriver(str(placing[2].id), placing[2].generation, "placing", None, ()),
+    ]
+    with django_capture_on_commit_callbacks() as enqueued:
+        report = execute(actions, now=now)
+    assert sorted(report.applied, key=actions.index) == [actions[0], actions[2]] and report.skipped == [actions[1]]
+    assert len(enqueued) == 1  # the one driver started, once the writes committed
+    assert [Job.objects.get(pk=j.pk).status for j in jobs] == ["placing", "placing", "running"]
+    assert Job.objects.get(pk=jobs[0].pk).conditions == condition
 
 
 def test_a_dead_driver_rewinds_the_job_in_place_once_and_counts_a_restart(ready_node, queued_job) -> None:
