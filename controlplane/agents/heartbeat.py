@@ -7,12 +7,15 @@ Django's request machinery or a thread hand-off: one database read (the node by 
 rows its assignments version digests and what is recorded of those stages) and one Redis command (the lease), each
 shared by the heartbeats of one loop turn. Nothing is cached, so a rotated token, a deleted node or a disabled owner
 is refused at once. It also answers a node's first heartbeat when it hosts nothing (marking it Ready,
-`nodes_mark_ready`), and changed assignments the control worker built ahead under the version just read
-(controlplane/jobs/prepared_assignments.py). Its costs: docs/BENCHMARKS.md.
+`nodes_mark_ready`), changed assignments the control worker built ahead under the version just read
+(controlplane/jobs/prepared_assignments.py), and the report of a change to the stages it names (a stage built or
+failed: every placement brings one per stage, ~3,000 heartbeats while 1,000 jobs start), recorded in one
+transaction for the heartbeats of a loop turn (`stages_record_changes`, by the API's rule). Its costs:
+docs/BENCHMARKS.md.
 
 It answers only heartbeats it is sure of and hands every other request to Django untouched (its body replayed): a
-stage report that would change what is recorded, or that names a stage outside the node's assignments (one rule
-with the API's: controlplane/jobs/stages.py), a measured link or any other field the API records
+stage report that names a stage outside the node's assignments (one rule with the API's:
+controlplane/jobs/stages.py), a measured link or any other field the API records
 (schema.QUIET_FIELDS), a body the schema refuses, an unusual header, a Host that ALLOWED_HOSTS refuses, an unknown
 token, a disabled owner, an unregistered node, or assignments that moved and were not built ahead. Both paths parse
 the body with one schema (controlplane/nodes/schema.py); error bodies and every change a heartbeat carries stay in
@@ -46,7 +49,7 @@ from controlplane.common.postgresql.async_connections import async_connections
 from controlplane.jobs.models import Stage
 from controlplane.jobs.prepared_assignments import prepared_assignments_read
 from controlplane.jobs.selectors import VERSION_COLUMNS, version_digest, version_order, version_rows_join
-from controlplane.jobs.stages import StageRowKey, observed_unchanged
+from controlplane.jobs.stages import StageRowKey, observed_changes, stages_record_changes
 from controlplane.nodes.liveness import leases_renew_async
 from controlplane.nodes.models import Node
 from controlplane.nodes.relays import relay_assignment, relay_certificate
@@ -154,7 +157,8 @@ async def _answer_quiet(headers: dict[str, str], raw: bytes) -> bytes | str:
         return "database"
     if isinstance(node, str):
         return node
-    if not observed_unchanged(beat.observed, node.hosted):
+    changes = observed_changes(beat.observed, node.hosted)
+    if changes is None:
         return "observed"
     assignments: list[dict[str, Any]] | None = None
     if node.version != held:
@@ -163,6 +167,11 @@ async def _answer_quiet(headers: dict[str, str], raw: bytes) -> bytes | str:
             return "version" if held else "first"
     now = timezone.now()
     await _RENEWALS((node.id, now, beat.host_busy_fraction))  # the lease first, as `node_heartbeat`
+    if changes:
+        try:
+            await _OBSERVED([(node.id, *change) for change in changes])
+        except DatabaseError:  # as a Ready transition's
+            return "database"
     if not node.ready:
         try:
             await _READY((node.id, now))
@@ -253,6 +262,18 @@ async def _renew(renewals: list[tuple[str, datetime, float | None]]) -> list[Non
     return [None] * len(renewals)
 
 
+async def _record_observed(changes: list[list[tuple[Any, ...]]]) -> list[None]:
+    """The stage reports that changed what is recorded (a stage built, or failed: one heartbeat per stage placed or
+    moved), in a thread, in one transaction for the heartbeats of a loop turn."""
+
+    def record() -> None:
+        with _django_connection():
+            stages_record_changes([change for node_changes in changes for change in node_changes])
+
+    await asyncio.to_thread(record)
+    return [None] * len(changes)
+
+
 async def _mark_ready(marks: list[tuple[str, datetime]]) -> list[None]:
     """The nodes' Ready transition, in a thread: the first heartbeats of a fleet that starts, or that comes back
     after the control plane was away, arrive together; rare otherwise."""
@@ -270,6 +291,7 @@ async def _mark_ready(marks: list[tuple[str, datetime]]) -> list[None]:
 _ROWS = Batched(_quiet_rows)
 _RENEWALS = Batched(_renew)
 _READY = Batched(_mark_ready)
+_OBSERVED = Batched(_record_observed)
 _PREPARED = Batched(prepared_assignments_read)
 
 

@@ -59,11 +59,11 @@ HEARTBEATS = Counter("arceus_heartbeats_total", "Agent heartbeats accepted (each
 HEARTBEATS_TO_DJANGO = Counter(
     "arceus_heartbeats_to_django_total",
     "Heartbeats the quiet path (controlplane/agents/heartbeat.py) handed to Django, by why: 'shape' (a measured "
-    "link, an unusual body or header), 'observed' (a stage report that changes what is recorded, or names a stage "
-    "outside the node's assignments), 'host' (one ALLOWED_HOSTS refuses), 'token' (no node has it), 'owner' "
+    "link, an unusual body or header), 'observed' (a stage report that names a stage outside the node's "
+    "assignments), 'host' (one ALLOWED_HOSTS refuses), 'token' (no node has it), 'owner' "
     "(disabled), 'unregistered', 'first' (the agent holds no assignments yet, its node hosts stages), 'version' "
-    "(its assignments changed) or 'database' (a broken connection, or a batch's Ready transition that "
-    "deadlocked). Beyond placements, a growing count is a heartbeat path that costs Django's price.",
+    "(its assignments changed) or 'database' (a broken connection, or a batch's Ready transition or stage "
+    "reports that deadlocked). Beyond placements, a growing count is a heartbeat path that costs Django's price.",
     ["reason"],
 )
 HEARTBEAT_SECONDS = Histogram(

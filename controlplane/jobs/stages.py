@@ -1,6 +1,7 @@
 """What agents report about the stages they host (the observed half of a Stage), and the one rule both heartbeat
-paths judge a report by (`observed_update`): the API records what it changes (`stages_record_observed`), the quiet
-heartbeat answers without Django only when it changes nothing (`observed_unchanged`)."""
+paths judge a report by (`observed_update`): the API records what it changes (`stages_record_observed`); the quiet
+heartbeat records what changes on the stages the node's assignments name (`observed_changes`,
+`stages_record_changes`), and hands Django any report about another stage."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import uuid
 from collections.abc import Mapping, Sequence
 from typing import Protocol
 
+from django.db import transaction
+
 from arceus.contracts.observed import ObservedStage, ObservedState
 from arceus.contracts.stage_key import parse_stage_key
+from controlplane.common.dispatch import reconcile_soon
 from controlplane.jobs.models import Stage
 from controlplane.nodes.models import Node
 
@@ -50,17 +54,40 @@ def observed_update(report: ObservedStage, stage: ObservedRow | None) -> Observe
     return observed
 
 
-def observed_unchanged(reports: Sequence[ObservedStage], hosted: Mapping[StageRowKey, ObservedRow]) -> bool:
-    """Whether `stages_record_observed` would record nothing of `reports`, judged from `hosted` alone (the rows of
-    the stages the node's assignments name). A report about a stage outside them (of a job no longer hosted, or
-    withheld) may still name an active row of the node's: not judged here (False), the API reads it."""
+def observed_changes(
+    reports: Sequence[ObservedStage], hosted: Mapping[StageRowKey, ObservedRow]
+) -> list[tuple[StageRowKey, int, Observed]] | None:
+    """What `stages_record_observed` would record of `reports`, judged from `hosted` alone (the rows of the stages the
+    node's assignments name): each changed row's key, the generation it is recorded at, and what it records. None
+    when a report names a stage outside them (of a job no longer hosted, or withheld): it may still name an active
+    row of the node's, which only the API reads."""
+    changes = []
     for report in reports:
         key = stage_row_key(report.stage_id)
         if key is None:  # names no stage: the API ignores it as well
             continue
-        if key not in hosted or observed_update(report, hosted[key]) is not None:
-            return False
-    return True
+        if key not in hosted:
+            return None
+        observed = observed_update(report, hosted[key])
+        if observed is not None:
+            changes.append((key, report.generation, observed))
+    return changes
+
+
+def stages_record_changes(changes: Sequence[tuple[object, StageRowKey, int, Observed]]) -> int:
+    """Record `observed_changes` of many nodes (each change with its node's id), as `stages_record_observed` would:
+    on the node's active row of that stage, still at the generation reported. How many rows changed; the reconciler
+    is nudged when any did."""
+    changed = 0
+    with transaction.atomic():
+        for node_id, (job_id, index, rank, replica), generation, observed in changes:
+            changed += Stage.objects.filter(
+                node_id=node_id, job_id=job_id, index=index, rank=rank, replica=replica, active=True,
+                generation=generation,
+            ).update(observed_generation=observed[0], observed_state=observed[1], observed_message=observed[2])
+        if changed:
+            reconcile_soon()
+    return changed
 
 
 def stages_record_observed(*, node: Node, reports: Sequence[ObservedStage]) -> bool:

@@ -25,8 +25,10 @@ from rest_framework.test import APIClient
 from schemathesis.core import NOT_SET
 
 from controlplane.agents.heartbeat import quiet_heartbeats
+from controlplane.celery import RECONCILE_TASK
+from controlplane.common.dispatch import QUEUED_KEY
 from controlplane.common.postgresql.async_connections import async_connections
-from controlplane.common.redis_client import async_redis_client
+from controlplane.common.redis_client import async_redis_client, redis_client
 from controlplane.controller.executor import reconcile_once
 from controlplane.jobs.models import Stage
 from controlplane.nodes.liveness import lease_of
@@ -241,7 +243,7 @@ def test_assignments_built_ahead_are_answered_before_django_as_the_api_answers(u
     assert handed(before) == {"version": 1}  # not the stale ones: Django built them
 
 
-def test_a_hosting_agents_unchanged_report_is_quiet_and_a_changed_one_is_recorded_by_the_api(user, queued_job) -> None:
+def test_a_hosting_agents_report_is_quiet_and_recorded_as_the_api_records_it(user, queued_job) -> None:
     agents = [registered(user, f"h{i}", 50081 + i) for i in range(3)]
     job = queued_job()
     reconcile_once()
@@ -258,17 +260,20 @@ def test_a_hosting_agents_unchanged_report_is_quiet_and_a_changed_one_is_recorde
         stage.refresh_from_db()
         return stage.observed_generation, stage.observed_state, stage.observed_message
 
-    for report, stored in [(beat("ready"), (stage.generation, "ready", "")),  # each a change the API records
+    for report, stored in [(beat("ready"), (stage.generation, "ready", "")),  # each a change, recorded before Django
                            (beat("failed", "out of memory"), (stage.generation, "failed", "out of memory")),
                            (beat("failed", "killed"), (stage.generation, "failed", "killed"))]:
-        before = to_django()
-        assert asgi_post(token, report)[0] == 200
-        assert handed(before) == {"observed": 1} and recorded() == stored
-        with CaptureQueriesContext(connection) as queries:  # the same report again: answered before Django
-            status, body = asgi_post(token, report)
-        assert status == 200 and handed(before) == {"observed": 1} and recorded() == stored
+        before, untouched = to_django(), Stage.objects.get(pk=elsewhere.pk).observed_state
+        redis_client().delete(QUEUED_KEY.format(RECONCILE_TASK))
+        status, body = asgi_post(token, report)
+        assert status == 200 and handed(before) == {} and recorded() == stored
+        assert redis_client().get(QUEUED_KEY.format(RECONCILE_TASK))  # the reconciler nudged, as by the API
+        assert Stage.objects.get(pk=elsewhere.pk).observed_state == untouched  # the node's own row only
+        with CaptureQueriesContext(connection) as queries:  # the same report again: nothing to record
+            status, again = asgi_post(token, report)
+        assert status == 200 and handed(before) == {} and recorded() == stored
         assert len(queries) == (0 if connection.vendor == "postgresql" else 1)
-        assert body == api_post(token, report)[1]  # as the API answers it
+        assert body == again == api_post(token, report)[1]  # as the API answers it
     before = to_django()
     garbage = {"stage_id": "garbage", "generation": 0, "state": "ready"}  # names no stage: ignored by both paths
     for quiet in [beat("ready", generation=stage.generation + 1),  # about another placement: ignored by both

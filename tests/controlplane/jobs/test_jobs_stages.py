@@ -1,12 +1,14 @@
 """What agents report about their stages (controlplane/jobs/stages.py): the one rule both heartbeat paths judge a
-report by. The quiet path answers without Django only when `observed_unchanged` holds; these check that it holds
-exactly when the API's `stages_record_observed` would record nothing, so no change is answered and dropped."""
+report by. The quiet path records the changes `observed_changes` finds (`stages_record_changes`) and hands the rest
+to the API; these check that it records exactly what the API's `stages_record_observed` would, so no change is
+answered and dropped, or recorded differently."""
 
 from __future__ import annotations
 
 import uuid
 from typing import NamedTuple
 
+from django.db import transaction
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -17,9 +19,10 @@ from controlplane.jobs.models import Stage
 from controlplane.jobs.stages import (
     MAX_MESSAGE_CHARS,
     StageRowKey,
-    observed_unchanged,
+    observed_changes,
     observed_update,
     stage_row_key,
+    stages_record_changes,
     stages_record_observed,
 )
 
@@ -51,11 +54,13 @@ def row_key(index: int, replica: int) -> StageRowKey:
 
 
 @given(hosted=st.dictionaries(KEYS, ROWS, max_size=4), reports=st.lists(report_strategy(KEYS), max_size=4))
-def test_unchanged_exactly_when_every_report_names_a_hosted_stage_and_changes_nothing(hosted, reports) -> None:
+def test_the_changes_are_the_reports_updates_unless_one_names_a_stage_not_hosted(hosted, reports) -> None:
     rows = {row_key(*key): row for key, row in hosted.items()}
-    changes = [observed_update(report, rows.get(stage_row_key(report.stage_id))) for report in reports]
     outside = [report for report in reports if stage_row_key(report.stage_id) not in rows]
-    assert observed_unchanged(reports, rows) == (not outside and all(change is None for change in changes))
+    updates = [(stage_row_key(report.stage_id), report.generation, observed_update(report, rows[key]))
+               for report in reports if (key := stage_row_key(report.stage_id)) in rows]
+    expected = None if outside else [update for update in updates if update[2] is not None]
+    assert observed_changes(reports, rows) == expected
 
 
 @given(row=ROWS, report=report_strategy(st.just((0, 0))))
@@ -69,22 +74,22 @@ def test_a_report_changes_a_stage_only_at_its_generation_and_once(row: Row, repo
                       else recorded)
     stored = Row(row.generation, *recorded)  # what the API records: the same report again changes nothing
     assert observed_update(report, stored) is None
-    assert observed_unchanged([report], {row_key(0, 0): stored})
+    assert observed_changes([report], {row_key(0, 0): stored}) == []
 
 
 def test_a_report_naming_no_stage_changes_nothing_and_one_naming_another_stage_is_the_apis() -> None:
     ready = Row(1, 1, "ready", "")
-    assert observed_unchanged([ObservedStage("garbage", 1, "ready")], {})  # the API ignores it too
+    assert observed_changes([ObservedStage("garbage", 1, "ready")], {}) == []  # the API ignores it too
     other = ObservedStage(stage_key(JOB, 5), 1, "ready")  # not in the node's assignments: maybe an active row
-    assert not observed_unchanged([other], {row_key(0, 0): ready})
-    assert observed_unchanged([ObservedStage(stage_key(JOB, 0), 1, "ready")], {row_key(0, 0): ready})
+    assert observed_changes([other], {row_key(0, 0): ready}) is None
+    assert observed_changes([ObservedStage(stage_key(JOB, 0), 1, "ready")], {row_key(0, 0): ready}) == []
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(recorded=ROWS, reports=st.lists(report_strategy(st.just((0, 0))), min_size=1, max_size=2))
-def test_the_quiet_paths_rule_agrees_with_what_the_api_records(ready_node, queued_job, recorded, reports) -> None:
-    """On a real stage row, whatever was recorded before: where `observed_unchanged` holds (the quiet path answers)
-    the API records nothing; where it does not, the API records what the reports change."""
+def test_the_quiet_path_records_what_the_api_records(ready_node, queued_job, recorded, reports) -> None:
+    """On a real stage row, whatever was recorded before: the quiet path's changes, recorded, leave the row as the
+    API's recording of the reports does, and both say alike whether anything changed."""
     if not Stage.objects.exists():
         nodes = [ready_node(f"n{i}") for i in range(3)]
         queued_job()
@@ -97,9 +102,17 @@ def test_the_quiet_paths_rule_agrees_with_what_the_api_records(ready_node, queue
         observed_state=recorded.observed_state, observed_message=recorded.observed_message)
     stage.refresh_from_db()
     reports = [ObservedStage(stage.stage_id, r.generation, r.state, r.message) for r in reports]
-    unchanged = observed_unchanged(reports, {stage_row_key(stage.stage_id): stage})
+    quiet = observed_changes(reports, {stage_row_key(stage.stage_id): stage})
+    assert quiet is not None  # the node's own stage
     changes = [change for report in reports if (change := observed_update(report, recorded)) is not None]
-    assert stages_record_observed(node=stage.node, reports=reports) == (not unchanged) == bool(changes)
-    after = Stage.objects.get(pk=stage.pk)
-    assert (after.observed_generation, after.observed_state, after.observed_message) == (
-        changes[-1] if changes else recorded[1:])
+
+    def observed() -> tuple[int | None, str, str]:
+        after = Stage.objects.get(pk=stage.pk)
+        return after.observed_generation, after.observed_state, after.observed_message
+
+    point = transaction.savepoint()
+    assert stages_record_observed(node=stage.node, reports=reports) == bool(changes)
+    by_api = observed()
+    transaction.savepoint_rollback(point)
+    assert bool(stages_record_changes([(stage.node_id, *change) for change in quiet])) == bool(changes)
+    assert observed() == by_api == (changes[-1] if changes else recorded[1:])
