@@ -11,7 +11,8 @@ stage recompute its activations, `--precision bf16` computes under bfloat16 auto
 1. One process (a child of this script, 2 torch threads, run first and alone) trains the whole model for
    `--steps` steps on the same windows in the same order, exactly as the stages do: the same optimizer, the same
    micro-batches (gradients accumulated), the same activation checkpointing (each layer recomputed) and
-   precision: its peak RSS (VmHWM) and seconds per step.
+   precision, and the same malloc settings as an agent (`nodeagent.heap.retain_freed_blocks`): its peak RSS
+   (VmHWM) and seconds per step.
 2. A whole deployment on this machine (gunicorn, Celery workers and beat, by DATABASE_URL / REDIS_URL or
    SQLite and an embedded redis-server) with five agents of one torch thread each (two while a stage computes
    alone: `--solo-threads 2`), declared equally fast (their measured speeds differ on a shared machine), each
@@ -63,6 +64,7 @@ from arceus.placement.solver import Workload, stage_memory  # noqa: E402
 from bench.report import machine_line, write_section  # noqa: E402
 from devtools.cluster import Agent, LocalCluster  # noqa: E402
 from devtools.supervisor import peak_rss  # noqa: E402
+from nodeagent.heap import retain_freed_blocks  # noqa: E402
 
 # Twice as many micro-batches as stages (one sample each): no stage holds more than 4 samples' activations.
 # Four of two cost less CPU but more memory than the goal allows (docs/BENCHMARKS.md, "Where the pipeline's
@@ -113,8 +115,9 @@ def large_job(args: argparse.Namespace, source: Path) -> dict[str, Any]:
 
 def one_process(job: dict[str, Any]) -> None:
     """(In a child process.) Train the job's model whole for one epoch as its stages do (optimizer, micro-batches,
-    activation checkpointing, precision); print its peak RSS and step times."""
+    activation checkpointing, precision, the agents' malloc settings); print its peak RSS and step times."""
     torch.set_num_threads(2)
+    retain_freed_blocks()  # as every agent does (nodeagent.runner): the heap behaves alike on both sides
     _, model_config, dataset = fit_model_to_dataset(job["model_config"], validate_dataset_config(job["dataset_config"]))
     model = build_full_model(model_spec_from_config(model_config), job["seed"])
     optimizer = make_optimizer(model.parameters(), job["optimizer"], job["learning_rate"])  # as the agents' stages
@@ -147,9 +150,17 @@ def metric(agent: Agent, name: str) -> float:
                if line.split("{", 1)[0].split(" ", 1)[0] == name)
 
 
-def control_plane_peaks(cluster: LocalCluster) -> dict[str, int]:
-    """Each control-plane part's largest VmHWM among its processes."""
-    return {part: max(peak_rss(pid) for pid in cluster.process_ids(part)) for part in CONTROL_PLANE}
+def control_plane_peaks(cluster: LocalCluster) -> dict[str, dict[int, int]]:
+    """Each control-plane part's processes' VmHWM by process id (web: gunicorn and its workers; a Celery worker
+    and its pool)."""
+    return {part: {pid: peak_rss(pid) for pid in sorted(cluster.process_ids(part))} for part in CONTROL_PLANE}
+
+
+def control_plane_growth(small: dict[str, dict[int, int]], large: dict[str, dict[int, int]]) -> dict[str, int]:
+    """Each control-plane process's peak after the large job above its peak after the small one ("part/pid");
+    a process started since (a pool's replacement) against its part's largest peak after the small job."""
+    return {f"{part}/{pid}": peak - small[part].get(pid, max(small[part].values()))
+            for part in CONTROL_PLANE for pid, peak in large[part].items()}
 
 
 def set_memory_cap(cluster: LocalCluster, agent: Agent, max_memory_bytes: int) -> None:
@@ -324,6 +335,10 @@ def main() -> None:
             load_after = os.getloadavg()[0]
             control_large = control_plane_peaks(cluster)
             estimates = solver_estimates(job, large["detail"])  # while the text file is there
+            print("measured:", json.dumps({"one_process": single, "peaks": large["peaks"], "runtime": large["runtime"],
+                                           "stage_of": large["stage_of"], "estimates": estimates,
+                                           "control_small": control_small, "control_large": control_large}),
+                  file=sys.stderr, flush=True)
         finally:
             cluster.stop()
             if args.keep_logs is not None:
@@ -337,6 +352,7 @@ def main() -> None:
     # The memory model's prediction of each agent's peak: what it held before any stage, and its stage's estimate.
     predicted = {name: large["runtime"][name] + estimates[stage] for name, stage in large["stage_of"].items()}
     errors = {name: predicted[name] / peaks[name] - 1 for name in predicted}
+    growth = control_plane_growth(control_small, control_large)
     hosting = [name for name in large["stage_of"] if name != large["killed"]]
     one_step = statistics.median(single["step_seconds"][1:])
     pipeline_step = statistics.median(large["step_seconds"])
@@ -353,9 +369,11 @@ def main() -> None:
         "solver_stage_estimates_mib": [e // MIB for e in estimates],
         "predicted_peaks_mib": {name: p // MIB for name, p in sorted(predicted.items())},
         "prediction_error_max": round(max(abs(e) for e in errors.values()), 3),
-        "control_plane_peak_mib_5m": {k: v // MIB for k, v in control_small.items()},
-        "control_plane_peak_mib_large": {k: v // MIB for k, v in control_large.items()},
-        "control_plane_growth_max_mib": max(control_large[k] - control_small[k] for k in CONTROL_PLANE) // MIB,
+        "control_plane_peak_mib_5m": {f"{part}/{pid}": peak // MIB for part, by_pid in control_small.items()
+                                      for pid, peak in by_pid.items()},
+        "control_plane_peak_mib_large": {f"{part}/{pid}": peak // MIB for part, by_pid in control_large.items()
+                                         for pid, peak in by_pid.items()},
+        "control_plane_growth_max_mib": max(growth.values()) // MIB,
         "checkpoint_bytes": checkpoint_bytes,
         "checkpoint_save_seconds_mean_per_stage": round(large["save_seconds"], 2),
         "checkpoint_load_seconds_stage1": round(large["load_seconds"], 2),
@@ -381,9 +399,10 @@ def main() -> None:
         for name, peak in sorted(peaks.items())
     )
     control_rows = "\n".join(
-        f"| {part} | {control_small[part] // MIB} | {control_large[part] // MIB} | "
-        f"{(control_large[part] - control_small[part]) // MIB} |"
-        for part in CONTROL_PLANE
+        f"| {part} (pid {pid}) | "
+        + (f"{control_small[part][pid] // MIB}" if pid in control_small[part] else "(started since)")
+        + f" | {peak // MIB} | {growth[f'{part}/{pid}'] // MIB} |"
+        for part in CONTROL_PLANE for pid, peak in control_large[part].items()
     )
     command = "python bench/large_model.py " + " ".join(sys.argv[1:])
     title = "bench/large_model.py" + ("" if args.params is None else f", --params {args.params:.0e}")
@@ -413,7 +432,10 @@ prediction of an agent's peak is what the agent held before any stage (its `runt
 estimate for its stage (`stage_memory`, per stage in MiB: {figures['solver_stage_estimates_mib']}); its largest
 error {figures['prediction_error_max']:.0%} (goal 15%).
 
-| control-plane part | peak after the 5M GPT (MiB) | after the large GPT (MiB) | growth (MiB) |
+Every control-plane process (goal: within 100 MB of its peak after the 5M GPT; largest growth
+{figures['control_plane_growth_max_mib']} MiB):
+
+| control-plane process | peak after the 5M GPT (MiB) | after the large GPT (MiB) | growth (MiB) |
 | --- | ---: | ---: | ---: |
 {control_rows}
 
