@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from arceus.model.registry import architecture_of
 from arceus.model.spec import ModelSpec
 from arceus.placement.solver import LayerProfile
@@ -28,6 +30,7 @@ def layer_profiles(spec: ModelSpec) -> tuple[LayerProfile, ...]:
             input_bytes_per_sample=spec.input_layout(i).nbytes,
             cast_params=0 if spec.input_layout(i).dtype.startswith(("int", "uint")) else params,
             loss_bytes_per_sample=spec.output_layout(i).nbytes if i == spec.num_layers - 1 else 0,
+            largest_tensor_params=max((math.prod(shape) for shape in spec.layer_parameters(i).values()), default=0),
         )
         for i, (flops, params, stash) in enumerate(
             zip(spec.layer_flops_per_sample(), spec.layer_params(), spec.layer_stash(), strict=True)

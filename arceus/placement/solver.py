@@ -55,6 +55,10 @@ BYTES_PER_PARAMETER = TRAINING_BYTES_PER_PARAMETER["adam"]
 # before it measures its own memory (`nodeagent.warm_up`: torch.optim's torch._dynamo and the training kernels):
 # bitsandbytes 0.50.2 beside torch 2.13, measured in such a process by bench/stage_peak_memory.py.
 OPTIMIZER_LIBRARY_BYTES = {"adam8bit": 50 * MIB}
+# Float32 tensors as large as one parameter that an optimizer's step holds at once beside the state, one parameter
+# at a time: bitsandbytes 0.50.2's CPU step of 8-bit Adam dequantizes both moments, scales the gradient into a new
+# tensor, and takes the second moment's root and its quotient (torch's fused Adam updates in place).
+OPTIMIZER_STEP_FLOATS = {"adam8bit": 5}
 PRECISIONS = ("fp32", "bf16")
 # Under bf16 autocast a layer keeps its matmuls' inputs and outputs in bfloat16: what it keeps beside its input
 # takes half its fp32 bytes; each micro-batch's forward also casts the matmuls' weights, and its graph keeps them.
@@ -116,6 +120,7 @@ class LayerProfile:
     cast_params: int = 0
     # Of its stash, what the loss keeps of the model's last layer's output: float32 log-probabilities at any precision.
     loss_bytes_per_sample: int = 0
+    largest_tensor_params: int = 0  # elements of its largest parameter tensor (what an optimizer's step works on)
 
 
 @dataclass(frozen=True)
@@ -238,14 +243,25 @@ def stage_memory(
     what the agent measured it holds (`nodeagent.warm_up`): its optimizer's library (`OPTIMIZER_LIBRARY_BYTES`);
     weights with gradients and optimizer state (a tensor-parallel rank's share of the split ones,
     `stage_state_bytes`); what each of the `in_flight` micro-batches it holds at once keeps (`Workload.in_flight`;
-    None: all of a step's; `micro_batch_bytes`); and one micro-batch's backward (`backward_workspace_bytes`). The
-    peak is in a backward: every in-flight micro-batch's activations, the gradients, and the moments of the steps
-    before. Not counted (measured by bench/stage_peak_memory.py: docs/BENCHMARKS.md): without recompute, what glibc's
-    heap keeps of the temporaries each forward frees; 8-bit Adam's step's float32 temporaries, the peak where little
-    is in flight."""
+    None: all of a step's; `micro_batch_bytes`); one micro-batch's backward (`backward_workspace_bytes`); and the
+    optimizer step's temporaries (`optimizer_step_bytes`), which the heap's blocks that the micro-batches freed do
+    not hold (they are larger than the agent's mmap threshold, `nodeagent.heap`). Not counted (measured by
+    bench/stage_peak_memory.py: docs/BENCHMARKS.md): without recompute, what glibc's heap keeps of the temporaries
+    each forward frees."""
     held = workload.micro_batches if in_flight is None else in_flight
     return (OPTIMIZER_LIBRARY_BYTES.get(workload.optimizer, 0) + stage_state_bytes(layers, ranks, workload.optimizer)
-            + held * micro_batch_bytes(layers, workload, ranks) + backward_workspace_bytes(layers, workload, ranks))
+            + held * micro_batch_bytes(layers, workload, ranks) + backward_workspace_bytes(layers, workload, ranks)
+            + optimizer_step_bytes(layers, workload.optimizer, ranks))
+
+
+def optimizer_step_bytes(layers: Sequence[LayerProfile], optimizer: str, ranks: int = 1) -> int:
+    """What `optimizer`'s step holds beside the state at most, on one of `ranks` devices: OPTIMIZER_STEP_FLOATS
+    float32 tensors the size of the largest parameter (a tensor-parallel rank's share of a split layer's)."""
+    floats = OPTIMIZER_STEP_FLOATS.get(optimizer, 0)
+    if not floats:
+        return 0
+    return 4 * floats * max((-(-layer.largest_tensor_params // (ranks if layer.tensor_parallel else 1))
+                             for layer in layers), default=0)
 
 
 def micro_batch_bytes(layers: Sequence[LayerProfile], workload: Workload, ranks: int = 1) -> int:

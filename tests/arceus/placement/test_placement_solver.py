@@ -21,7 +21,9 @@ from arceus.placement.solver import (
     PlacementError,
     Workload,
     backward_workspace_bytes,
+    layer_training_memory,
     micro_batch_bytes,
+    optimizer_step_bytes,
     solve,
     stage_memory,
     stage_seconds,
@@ -261,6 +263,22 @@ def test_the_memory_model_counts_each_optimizers_state_and_a_device_fits_what_it
     assert solve(layer, [device], Workload(1, 1, optimizer="adam8bit")).stages[0].device_id == "d"
     with pytest.raises(PlacementError):
         solve(layer, [device], Workload(1, 1))
+    # 8-bit Adam's step (on a CPU) holds five float32 copies of the largest parameter it updates beside the state;
+    # fused Adam's step, none; a tensor-parallel rank steps its share of a split layer's. One parameter at a time:
+    # a second, smaller layer adds its state only.
+    blocks = [LayerProfile(1e6, 12 * 1024**2, 8, largest_tensor_params=4 * 1024**2, tensor_parallel=True),
+              LayerProfile(1e6, 1024**2, 8, largest_tensor_params=1024**2)]
+    for kind, floats in (("adam8bit", 5), ("adam", 0), ("sgd", 0)):
+        workload = Workload(1, 1, optimizer=kind)
+        assert stage_memory(blocks, workload, in_flight=0) - stage_memory(blocks[:1], workload, in_flight=0) == (
+            layer_training_memory(1024**2, kind)
+        )
+        assert optimizer_step_bytes(blocks, kind) == floats * 4 * 4 * 1024**2
+        assert optimizer_step_bytes(blocks, kind, ranks=4) == floats * 4 * 1024**2
+        assert stage_memory(blocks, workload, in_flight=0) == (
+            OPTIMIZER_LIBRARY_BYTES.get(kind, 0) + stage_state_bytes(blocks, 1, kind)
+            + backward_workspace_bytes(blocks, workload) + floats * 4 * 4 * 1024**2
+        )
     with pytest.raises(ValueError, match="unknown optimizer kind 'lamb'; known: sgd, sgd-momentum, adam, adam8bit"):
         Workload(1, 1, optimizer="lamb")
     with pytest.raises(ValueError, match="unknown precision 'fp8'; known: fp32, bf16"):
