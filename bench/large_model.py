@@ -143,11 +143,14 @@ def one_process(job: dict[str, Any]) -> None:
     print(json.dumps({"params": params, "peak_rss": peak_rss(os.getpid()), "step_seconds": seconds}))
 
 
-def metric(agent: Agent, name: str) -> float:
-    """The sum of a metric's samples named exactly `name` (with any labels) on an agent's /metrics."""
-    text = requests.get(f"http://{agent.metrics_address}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.split("{", 1)[0].split(" ", 1)[0] == name)
+def metric(agent: Agent, name: str, labels: str = "") -> float:
+    """The sum of a metric's samples named exactly `name` on an agent's /metrics (scraped with its token), of those
+    whose labels include `labels` ('source="checkpoint"'; "": any)."""
+    response = requests.get(f"http://{agent.metrics_address}/metrics", timeout=10,
+                            headers={"Authorization": f"Bearer {agent.metrics_token}"})
+    response.raise_for_status()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in response.text.splitlines()
+               if line.split("{", 1)[0].split(" ", 1)[0] == name and labels in line.rsplit(" ", 1)[0])
 
 
 def control_plane_peaks(cluster: LocalCluster) -> dict[str, dict[int, int]]:
@@ -253,14 +256,10 @@ def train_large(cluster: LocalCluster, agents: list[Agent], job: dict[str, Any],
         "spare": spare.name,
         "resumed_from": resumed_from,
         "save_seconds": sum(metric(a, "arceus_state_save_seconds_sum") for a in live) / saves,
-        "load_seconds": metric(spare, "arceus_stage_build_seconds_sum") - _initial_builds(spare),
+        # per build from the checkpoint (a resume may rebuild every stage, the spare's more than once)
+        "load_seconds": metric(spare, "arceus_stage_build_seconds_sum", 'source="checkpoint"')
+        / metric(spare, "arceus_stage_build_seconds_count", 'source="checkpoint"'),
     }
-
-
-def _initial_builds(agent: Agent) -> float:
-    text = requests.get(f"http://{agent.metrics_address}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith('arceus_stage_build_seconds_sum{source="initial"}'))
 
 
 def solver_estimates(job: dict[str, Any], detail: dict[str, Any]) -> list[int]:
@@ -441,7 +440,7 @@ Every control-plane process (goal: within 100 MB of its peak after the 5M GPT; l
 
 Checkpoint of step {large['resumed_from']}: {checkpoint_bytes / 1e9:.2f} GB in all; a stage's save (state written
 and uploaded by its agent) took {large['save_seconds']:.1f} s on average; the spare's load of stage 1
-({stage1_bytes / 1e9:.2f} GB, downloaded and loaded) took {large['load_seconds']:.1f} s.
+({stage1_bytes / 1e9:.2f} GB, downloaded and loaded) took {large['load_seconds']:.1f} s a build.
 Seconds per step (median, no checkpoint or recovery in the interval): one process {one_step:.1f}, pipeline
 {pipeline_step:.1f} ({figures['step_time_ratio']}x; goal 1.25x). The machine's 1-minute load average (2 cores;
 above 2, other programs competed for them): {load_single:.1f} around the one process, {load_before:.1f} and
