@@ -221,7 +221,7 @@ def test_a_model_with_tied_weights_is_refused_replicas_naming_why(api, digits_jo
 def test_the_estimate_plans_with_the_jobs_optimizer_and_precision(estimate, digits_job, ready_node) -> None:
     """A node with memory for the model's one stage under 8-bit Adam (10 bytes a parameter) but not under Adam
     (16): the estimate places the job that asks for 8-bit Adam, not the Adam one, as the reconciler would."""
-    model = {"type": "mlp", "layer_sizes": [64, 4096, 4096, 10]}
+    model = {"type": "mlp", "layer_sizes": [64, *[1024] * 33, 10]}  # 34M parameters, none over 1M: a light step
     layers = layer_profiles(model_spec_from_config(model))
     need = {name: stage_memory(layers, Workload(8, 4, "gpipe", optimizer=name, activation_checkpointing=True,
                                                 precision="bf16"))
