@@ -30,9 +30,7 @@ import argparse
 import math
 import os
 import random
-import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -73,16 +71,12 @@ MICRO_BATCHES, WARMUP, BOUNDS = 6, 2, [0, 3, 5, 8]
 CLOCK_TICK = os.sysconf("SC_CLK_TCK")
 
 
-def free_cores(seconds: float = 1.0) -> float:
-    """How many cores this host's busy processes get now: one spinning child per core for `seconds`, their CPU
-    over the wall time (other sessions' load takes the rest)."""
-    before, started = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-    spin = f"import time\nend = time.perf_counter() + {seconds}\nwhile time.perf_counter() < end: pass"
-    children = [subprocess.Popen([sys.executable, "-S", "-c", spin]) for _ in range(os.cpu_count() or 1)]
-    for child in children:
-        child.wait()
-    after, wall = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter() - started
-    return (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / wall
+def host_busy_seconds() -> float:
+    """CPU seconds this host's cores were busy so far, by every process, and taken by the hypervisor (steal): the
+    first line of /proc/stat."""
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in Path("/proc/stat").read_text().split(
+        "\n", 1)[0].split()[1:9])
+    return (user + nice + system + irq + softirq + steal) / CLOCK_TICK
 
 
 def cpu_seconds(pid: int) -> float:
@@ -100,20 +94,23 @@ def peak_rss_mib(pid: int) -> float:
 
 
 class Meter(Clock):
-    """Step end times and progress; the CPU seconds so far of the agents and of this process at the end of the
-    last warm-up step and of every step after; then it stops the run (no validation, no final checkpoint)."""
+    """Step end times and progress; the CPU seconds so far of the agents, of this process and of the whole host at
+    the end of the last warm-up step and of every step after; then it stops the run (no validation, no final
+    checkpoint)."""
 
     def __init__(self, pids: list[int], steps: int) -> None:
         super().__init__()
         self.pids, self.limit = pids, steps
         self.steps: list[StepProgress] = []
         self.cpu: list[tuple[list[float], float]] = []
+        self.host_busy: list[float] = []
 
     def on_step(self, p: StepProgress) -> None:
         super().on_step(p)
         self.steps.append(p)
         if len(self.steps) >= WARMUP:
             self.cpu.append(([cpu_seconds(pid) for pid in self.pids], time.process_time()))
+            self.host_busy.append(host_busy_seconds())
 
     def should_stop(self) -> bool:
         return len(self.steps) >= self.limit
@@ -130,7 +127,7 @@ class Run:
     stage_cpu_per_sample: list[float]  # per stage, its replicas' CPU seconds over the samples
     bytes_sent_per_step: float  # every replica's
     loss: float
-    free_cores: float  # measured just before and just after the run, the mean
+    free_cores: float  # the cores less what other processes used over the measured steps
     peak_rss_mib: list[float] = field(default_factory=list)  # per agent, over both runs of its R
 
 
@@ -143,10 +140,8 @@ def run(job_id: str, replicas: int, endpoints: list[StageEndpoint], agents: list
         rpc_timeout_seconds=120.0,
     )
     pids = [a.process.pid for a in agents]
-    cores = free_cores()
     meter = Meter(pids, steps)
     train(plan, meter)
-    cores = (cores + free_cores()) / 2  # other sessions' load comes and goes: the mean of before and after
     measured = len(meter.steps) - WARMUP
     batch = dataset["batch_size"]
     first, last = meter.steps[WARMUP - 1], meter.steps[-1]
@@ -156,6 +151,13 @@ def run(job_id: str, replicas: int, endpoints: list[StageEndpoint], agents: list
     agents = [[b - a for a, b in zip(before, after, strict=True)]
               for (before, _), (after, _) in zip(meter.cpu, meter.cpu[1:], strict=False)]
     own = [b - a for (_, a), (_, b) in zip(meter.cpu, meter.cpu[1:], strict=False)]
+    # What other processes (other sessions) and the hypervisor took of the cores over the very steps measured: the
+    # host's busy CPU less the agents' and this process's.
+    (agents_first, own_first), (agents_last, own_last) = meter.cpu[0], meter.cpu[-1]
+    others = (meter.host_busy[-1] - meter.host_busy[0] - (sum(agents_last) - sum(agents_first))
+              - (own_last - own_first))
+    host_cores = os.cpu_count() or 1
+    cores = min(host_cores, max(0.05 * host_cores, host_cores - others / (meter.times[-1] - meter.times[WARMUP - 1])))
     n = len(BOUNDS) - 1
     return Run(
         replicas=replicas, shaped=shaped,
@@ -463,9 +465,9 @@ def main() -> None:
         "after both of its runs.\n\n"
         "Predicted: `arceus.swarm.model.shared_host_samples_per_second`: the step replayed with every replica a "
         "process sharing the host's cores (processor sharing: n computing at once on c cores each run at "
-        "min(1, c/n)), with the cores free around each run (one spinning process per core for 1 s, just before "
-        "and just after it: the CPU they got over the wall time, the mean; other sessions' load comes and goes "
-        "within a run, so this is rough), calibrated on the R=1 runs and on this machine only: each stage's "
+        "min(1, c/n)), with the cores free during each run's measured steps (the cores less what other processes "
+        "and the hypervisor took of them then: the host's busy CPU in /proc/stat, steal included, less the agents' "
+        "and this process's), calibrated on the R=1 runs and on this machine only: each stage's "
         f"compute {' / '.join(f'{x * 1000:.1f} ms' for x in c.compute)} CPU per sample (its agent's CPU at R=1 "
         f"less one optimizer step), every replica's optimizer step {c.replica_overhead_s * 1000:.1f} ms (Adam over "
         "a stage's mean size, timed here: each replica runs it in full), the exchange's "
