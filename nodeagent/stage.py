@@ -35,6 +35,9 @@ from nodeagent.runtime import StageRuntime
 from nodeagent.tied import TiedGradients
 from nodeagent.verify import AuditRecord
 
+# How often a RunStep waiting for the step it is chained after looks whether its own call was cancelled.
+CHAIN_POLL_SECONDS = 0.05
+
 
 @dataclass(frozen=True)
 class StageIO:
@@ -114,6 +117,10 @@ class HostedStage:
             capacity=4 * assignment.micro_batches + 8 + 2 * self.tied.mailbox_slots()
         )
         self.step_lock = threading.Lock()
+        # The RunStep that ended here last (its call id, and whether it finished): what a step chained after it waits
+        # for (`wait_for_step`).
+        self._ended = threading.Condition()
+        self._last_step: tuple[int, bool] | None = None
         # A link to every rank of each neighbour: each rank of a tensor-parallel stage takes its inputs.
         token, certificates = assignment.credentials.token, assignment.certificates
         self.next_links = [
@@ -210,6 +217,32 @@ class HostedStage:
     def add_bytes_received(self, n: int) -> None:
         with self._bytes_lock:
             self.bytes_received += n
+
+    def step_ended(self, step: int, finished: bool) -> None:
+        """RunStep `step` ended here (`finished`: its update done; else it failed): a step chained after it may run."""
+        with self._ended:
+            self._last_step = (step, finished)
+            self._ended.notify_all()
+
+    def wait_for_step(self, step: int, deadline: float, abort: threading.Event) -> None:
+        """Return once RunStep `step` finished here (for a step chained after it: `RunStepRequest.after_step`; call ids
+        are a driver's own, so any other step that ran here says nothing of it). ABORTED if it failed here, CANCELLED
+        once `abort` is set, DEADLINE_EXCEEDED at `deadline` (a time.monotonic() value)."""
+        with self._ended:
+            while True:
+                last = self._last_step
+                if last is not None and last[0] == step:
+                    if last[1]:
+                        return
+                    raise RpcFailure(grpc.StatusCode.ABORTED,
+                                     f"step {step} failed on {self.name}: the step chained after it does not run")
+                if abort.is_set():
+                    raise RpcFailure(grpc.StatusCode.CANCELLED, f"a step chained after step {step} was cancelled")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                     f"{self.name} waited for step {step}, which a step is chained after; it never ran")
+                self._ended.wait(min(remaining, CHAIN_POLL_SECONDS))
 
     def hold_between_steps(self, timeout: float) -> None:
         """Take the step lock (within `timeout` seconds) and apply any deferred optimizer step: the state is then

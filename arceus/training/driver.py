@@ -106,6 +106,27 @@ class Batch:
         return self.samples.take(self.indices)
 
 
+@dataclass
+class _Sent:
+    """An unreplicated step whose calls are out (`Pipeline._send`): the driver's pushes, then every agent's RunStep."""
+
+    step: int  # its call id
+    batch: Batch
+    train: bool
+    num_micro_batches: int
+    calls: list[tuple[StageClient, str, grpc.Future | Future[None]]]
+    pushes: int  # how many of `calls` are pushes
+    issued: float  # time.perf_counter() when its RunSteps went out
+    answered: dict[int, float]  # when the driver had each agent's answer, by the agent's place among the RunSteps
+    after: _Sent | None  # the step it is chained after
+
+    def wall_seconds(self, agent: int) -> float:
+        """How long the step took on an agent as the driver saw it: from its RunStep, or for a chained step from the
+        agent's answer to the step before (it starts no sooner), to its answer."""
+        start = self.issued if self.after is None else max(self.issued, self.after.answered[agent])
+        return self.answered[agent] - start
+
+
 class Pipeline:
     """The driver's view of the stages of one job generation: one channel per stage, reused."""
 
@@ -157,6 +178,7 @@ class Pipeline:
         self.clients = [ranks[0] for ranks in self.ranks]
         self._call_ids = itertools.count(1)  # unique per RunStep (train and eval) within this run
         self._train_step = 0  # the training step being run (Pipeline.step)
+        self._ahead: _Sent | None = None  # the next train step, sent with the one before (`step`'s `then`)
         self.auditor = Auditor(plan) if plan.audit_rate > 0 else None
         # The counters the control plane bills (arceus.training.tally): what the driver can vouch for. Per
         # micro-batch an agent sends at most an activation and a gradient, each to every rank of a neighbour.
@@ -164,14 +186,47 @@ class Pipeline:
         fanout = max(len(ranks) for ranks in self.ranks)
         self._max_step_bytes = 2 * fanout * MAX_MESSAGE_BYTES
 
-    def step(self, batch: Batch, *, train: bool, train_step: int = 0) -> StepOutcome:
+    @property
+    def chains(self) -> bool:
+        """Whether `step` sends the next train step with this one (`then`): where stage 0 and the last stage read their
+        samples themselves (nothing is pushed ahead of a step), no replica is repaired, no step is spot-checked (an
+        audit reads a step's weights before the next step moves them) and no stage is split over tensor-parallel
+        ranks (not measured chained)."""
+        return (self.roster is None and self.auditor is None and self._stage_data is not None
+                and all(len(ranks) == 1 for ranks in self.ranks))
+
+    def step(self, batch: Batch, *, train: bool, train_step: int = 0, then: Batch | None = None) -> StepOutcome:
         """`train_step`: the job's training step (1, 2, ...) a train step computes, which seeds dropout's masks on
-        every attempt at it (0: each RunStep's call id does)."""
-        plan, last = self.plan, self.clients[-1]
-        step = next(self._call_ids)
+        every attempt at it (0: each RunStep's call id does). `then`: the next train step's batch, sent now (where the
+        pipeline `chains`) chained after this one (`RunStepRequest.after_step`): each stage starts it as soon as its
+        own part of this one is done, with no round trip to the driver in between. The next call must be that step's;
+        a failure of this one cancels it."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and (ahead.batch.indices is not batch.indices or not train):
+            _cancel(ahead.calls)
+            raise ValueError(f"step {ahead.step} was sent ahead for another batch than the one asked for")
         self._train_step = train_step if train else 0
         if self.roster is not None:
-            return self._replicated_step(self.roster, step, batch, train=train)
+            return self._replicated_step(self.roster, next(self._call_ids), batch, train=train)
+        sent = ahead or self._send(batch, train=train, train_step=self._train_step, after=None)
+        if then is not None and train and self.chains:
+            self._ahead = self._send(then, train=True, train_step=train_step + 1 if train_step else 0, after=sent)
+        try:
+            return self._outcome(sent)
+        except BaseException:
+            self.cancel_ahead()
+            raise
+
+    def cancel_ahead(self) -> None:
+        """Cancel the step sent ahead (`step`'s `then`), if one is outstanding."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            _cancel(ahead.calls)
+
+    def _send(self, batch: Batch, *, train: bool, train_step: int, after: _Sent | None) -> _Sent:
+        """Start an unreplicated step's calls (`after`: the step it is chained after)."""
+        plan = self.plan
+        step = next(self._call_ids)
         n = len(batch.indices)
         num_micro_batches = min(plan.micro_batches, n)
         calls: list[tuple[StageClient, str, grpc.Future | Future[None]]] = []
@@ -204,8 +259,9 @@ class Pipeline:
                     batch_size=n,
                     learning_rate=plan.learning_rate,
                     retain_for_audit=train and self.auditor is not None,
-                    train_step=self._train_step,
+                    train_step=train_step,
                     data=data if index in reads else None,
+                    after_step=0 if after is None else after.step,
                 ),
             )
             for index, ranks in enumerate(self.ranks)
@@ -214,8 +270,14 @@ class Pipeline:
         answered: dict[int, float] = {}
         for i, (_, _, future) in enumerate(runs):
             future.add_done_callback(lambda _f, i=i: answered.setdefault(i, time.perf_counter()))
-        results = _await_all(calls + runs)
-        every_reply: list[stage_pb2.RunStepReply] = results[len(calls) :]
+        return _Sent(step, batch, train, num_micro_batches, calls + runs, len(calls), issued, answered, after)
+
+    def _outcome(self, sent: _Sent) -> StepOutcome:
+        """Wait for a step's calls (`_send`) and check and count what they answered."""
+        last, step, batch, num_micro_batches = self.clients[-1], sent.step, sent.batch, sent.num_micro_batches
+        n = len(batch.indices)
+        results = _await_all(sent.calls)
+        every_reply: list[stage_pb2.RunStepReply] = results[sent.pushes :]
         agents = [c for ranks in self.ranks for c in ranks]
         replies = [r for c, r in zip(agents, every_reply, strict=True) if c in self.clients]  # rank 0s
         final = replies[-1]
@@ -225,13 +287,14 @@ class Pipeline:
                 stage_index=last.endpoint.index,
             )
         spot_checks = []
-        if train and self.auditor is not None:
+        if sent.train and self.auditor is not None:
             try:
                 parties = {(c.endpoint.index, 0): (c, r) for c, r in zip(self.clients, replies, strict=True)}
                 inputs = list(torch.tensor_split(batch.take()[0], num_micro_batches))
                 spot_checks = self.auditor.check(step, parties, inputs)
             except grpc.RpcError as exc:
                 raise DriverError(f"a spot check of step {step} failed: {exc}") from exc
+        walls = [sent.wall_seconds(i) for i in range(len(agents))]
         return StepOutcome(
             loss_sum=sum(final.loss_sums),
             correct=sum(final.correct),
@@ -243,7 +306,7 @@ class Pipeline:
                     node_id=c.endpoint.node_id,
                     samples=n,
                     micro_batches=num_micro_batches,
-                    wall_seconds=answered[i] - issued,
+                    wall_seconds=walls[i],
                     max_bytes=self._max_step_bytes * num_micro_batches,
                     reported=r.counters,
                 )
@@ -251,7 +314,7 @@ class Pipeline:
             ],
             spot_checks=spot_checks,
             timings=[
-                _timing(c.endpoint.index, r, answered[i] - issued, samples=n, micro_batches=num_micro_batches)
+                _timing(c.endpoint.index, r, walls[i], samples=n, micro_batches=num_micro_batches)
                 for i, (c, r) in enumerate(zip(agents, every_reply, strict=True))
                 if c in self.clients
             ],
@@ -674,6 +737,7 @@ class Pipeline:
         return digest.hexdigest(), size
 
     def close(self) -> None:
+        self.cancel_ahead()
         clients = [*(c for ranks in self.ranks for c in ranks), *self.replica_clients.values()]
         for client in {id(c): c for c in clients}.values():  # a tensor-parallel stage's other ranks, every replica
             client.close()
@@ -694,7 +758,9 @@ def train(plan: TrainPlan, sink: ProgressSink) -> TrainResult:
     `sink.wants_checkpoint()`, and at the end, every stage's state goes to `sink.on_checkpoint` (after
     the epoch's validation when both fall on one step, so a resumed run never needs to validate an
     epoch again). A stop requested by the sink skips validation; the result then carries the last
-    validation's numbers (NaN if there was none).
+    validation's numbers (NaN if there was none). Where the pipeline chains its steps (`Pipeline.chains`), a train
+    step goes out with the one before it, so the sink is asked for a checkpoint or a stop before that one runs: what
+    it asks applies a step later.
     """
     plan.check()
     dataset = validate_dataset_config(plan.dataset)
@@ -732,16 +798,28 @@ def _train(plan: TrainPlan, sink: ProgressSink, dataset: dict, train_set: Sample
         for epoch in range(first_epoch, plan.epochs + 1):
             batches = epoch_batches(len(train_set), batch_size, plan.seed, epoch)
             skip = plan.start_step - (epoch - 1) * steps_per_epoch if epoch == first_epoch else 0
-            for indices in batches[skip:]:
+            todo = batches[skip:]
+            sent_ahead = False  # this step went out with the one before: what comes between them was decided then
+            for i, indices in enumerate(todo):
                 if step >= total_steps:
                     break
-                if sink.wants_checkpoint():
-                    checkpoint(epoch)
-                if sink.should_stop():
-                    stopped = True
-                    break
+                if not sent_ahead:
+                    if sink.wants_checkpoint():
+                        checkpoint(epoch)
+                    if sink.should_stop():
+                        stopped = True
+                        break
+                # The next step goes out with this one where nothing comes between them: it is of this epoch, no
+                # checkpoint follows this step, and the sink asks for no checkpoint and no stop now.
+                current = step + 1
+                sent_ahead = (
+                    pipeline.chains and i + 1 < len(todo) and current < total_steps
+                    and not (plan.checkpoint_interval and current % plan.checkpoint_interval == 0)
+                    and not sink.wants_checkpoint() and not sink.should_stop()
+                )
                 started = time.perf_counter()
-                outcome = pipeline.step(Batch(train_set, indices), train=True, train_step=step + 1)
+                outcome = pipeline.step(Batch(train_set, indices), train=True, train_step=step + 1,
+                                        then=Batch(train_set, todo[i + 1]) if sent_ahead else None)
                 elapsed = time.perf_counter() - started
                 step += 1
                 final_loss, stages = outcome.loss_sum / outcome.labels, outcome.stages
@@ -836,6 +914,11 @@ def _await_all(
             raise _driver_error(client, what, error)
         results[index] = future.result()
     return results
+
+
+def _cancel(calls: Sequence[tuple[StageClient, str, grpc.Future | Future[None]]]) -> None:
+    for _, _, future in calls:
+        future.cancel()
 
 
 def _driver_error(client: StageClient, what: str, error: BaseException) -> DriverError:

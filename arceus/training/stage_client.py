@@ -70,8 +70,10 @@ class StageClient:
         replicas: stage_pb2.ReplicaStep | None = None,
         train_step: int = 0,
         data: stage_pb2.StepData | None = None,
+        after_step: int = 0,
     ) -> grpc.Future:
-        """`data`: the step's samples by position, for a first or last stage that reads them itself."""
+        """`data`: the step's samples by position, for a first or last stage that reads them itself; `after_step`: the
+        step this one is chained after (RunStepRequest.after_step)."""
         request = stage_pb2.RunStepRequest(
             target=self.ref,
             step=step,
@@ -84,6 +86,7 @@ class StageClient:
             replicas=replicas,
             train_step=train_step,
             data=data,
+            after_step=after_step,
         )
         return self._stub.RunStep.future(request, timeout=self.timeout)
 
