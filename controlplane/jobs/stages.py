@@ -80,7 +80,10 @@ def stages_record_changes(changes: Sequence[tuple[object, StageRowKey, int, Obse
     is nudged when any did."""
     changed = 0
     with transaction.atomic():
-        for node_id, (job_id, index, rank, replica), generation, observed in changes:
+        # In the rows' key order, whatever order the heartbeats came in: two batches lock rows they share alike.
+        for node_id, (job_id, index, rank, replica), generation, observed in sorted(
+            changes, key=lambda change: (str(change[1][0]), *change[1][1:])
+        ):
             changed += Stage.objects.filter(
                 node_id=node_id, job_id=job_id, index=index, rank=rank, replica=replica, active=True,
                 generation=generation,
