@@ -23,7 +23,7 @@ from arceus.contracts.assignment import Assignment
 from arceus.contracts.observed import ObservedStage, ObservedState
 from arceus.model.expected_state import optimizer_kind
 from arceus.placement.profiles import layer_profiles
-from arceus.placement.solver import DECODE_SESSIONS, Workload, stage_inference_memory, stage_memory
+from arceus.placement.solver import DECODE_SESSIONS, Workload, placed_stage_memory, stage_inference_memory
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def plan_changes(
 def memory_refusal(assignment: Assignment, memory: MemoryBudget) -> str | None:
     """Why the stage would not fit the owner's memory budget beside what the agent itself holds, or None:
     the placement's own estimate (weights, gradients, optimizer state and the activations of the micro-batches
-    its schedule has in flight on this stage, `arceus.placement.solver.stage_memory`); a stage served for
+    its schedule has in flight on this stage, `arceus.placement.solver.placed_stage_memory`); a stage served for
     inference, its weights and decoding caches (`stage_inference_memory`)."""
     if memory.max_bytes is None:
         return None
@@ -129,8 +129,8 @@ def stage_memory_need(assignment: Assignment) -> tuple[int, str]:
         optimizer=optimizer_kind(assignment.optimizer.name, assignment.optimizer.momentum),
         activation_checkpointing=assignment.activation_checkpointing, precision=assignment.precision,
     )
-    in_flight = workload.in_flight(assignment.stage_index, assignment.num_stages)
-    return stage_memory(layers, workload, ranks, in_flight), "weights, gradients, optimizer state and activations"
+    need = placed_stage_memory(layers, workload, assignment.stage_index, assignment.num_stages, ranks)
+    return need, "weights, gradients, optimizer state and activations"
 
 
 def _slot(assignment: Assignment) -> tuple[str, int]:

@@ -254,6 +254,17 @@ def stage_memory(
             + optimizer_step_bytes(layers, workload.optimizer, ranks))
 
 
+def placed_stage_memory(
+    layers: Sequence[LayerProfile], workload: Workload, index: int, num_stages: int, ranks: int = 1
+) -> int:
+    """Bytes stage `index` of a `num_stages` pipeline holding `layers` needs on each of its `ranks` devices, with
+    the micro-batches its schedule has in flight there (`Workload.in_flight`). The one figure the solver places
+    the stage by, the agent checks its owner's budget against (nodeagent/hosting_plan.py), and a lost or failed
+    stage's new node or an added replica's must have (controlplane/controller/rules.py): a stage fits wherever
+    it fitted before."""
+    return stage_memory(layers, workload, ranks, workload.in_flight(index, num_stages))
+
+
 def optimizer_step_bytes(layers: Sequence[LayerProfile], optimizer: str, ranks: int = 1) -> int:
     """What `optimizer`'s step holds beside the state at most, on one of `ranks` devices: OPTIMIZER_STEP_FLOATS
     float32 tensors the size of the largest parameter (a tensor-parallel rank's share of a split layer's)."""
@@ -586,7 +597,7 @@ def _placement(
                     layers[s:i], unit.device, workload, last=i == n, ranks=unit.ranks,
                     input_bytes_per_sample=_input_bytes(layers, s),
                 ),
-                memory_bytes=stage_memory(layers[s:i], workload, unit.ranks, workload.in_flight(index, count)),
+                memory_bytes=placed_stage_memory(layers[s:i], workload, index, count, unit.ranks),
             )
         )
         i, mask = s, mask & ~(1 << k)

@@ -76,10 +76,10 @@ from arceus.placement.solver import (
     Placement,
     PlacementError,
     Workload,
+    placed_stage_memory,
     smallest_stage_memory,
     solve,
     stage_inference_memory,
-    stage_memory,
 )
 from arceus.swarm.model import Workload as SwarmWorkload
 from arceus.swarm.model import replica_gain
@@ -520,12 +520,17 @@ def _replace_lost(
     candidates = _candidates(job, free, now)
     moves: list[tuple[int, int, int, str | None]] = []
     unplaceable: list[str] = []
+    nowhere: list[str] = []  # lost stages Ready nodes are, free or busy, all too small for
     for stage in sorted(lost, key=lambda s: (-_stage_memory(job, s), s.index, s.rank)):
         need = _stage_memory(job, stage)
         node = next((n for n in candidates if n.memory_bytes >= need), None)
         if node is None:
             layers = f"layers {stage.layer_start}-{stage.layer_end - 1}"
-            unplaceable.append(f"{_stage_label(job, stage)} ({layers}, needs {need:,} bytes)")
+            unplaceable.append(
+                f"{_stage_label(job, stage)} ({layers}, needs {need:,} bytes{_shortfall(job, need, candidates)})"
+            )
+            if _too_small_everywhere(job, need, lost, nodes, now):
+                nowhere.append(_stage_label(job, stage))
         else:
             candidates.remove(node)
             moves.append((*stage.key, node.id))
@@ -551,10 +556,46 @@ def _replace_lost(
         f"waiting for a Ready node with room for {', '.join(unplaceable)} "
         f"({len(free)} free Ready node{'s' if len(free) != 1 else ''} now)"
     )
+    reason = "WaitingForNode"
+    if nowhere:  # no node that frees up would place it either: say what would
+        reason = "NoNodeWithRoom"
+        message += (
+            f"; every Ready node, busy or free, is too small for {', '.join(nowhere)}: it waits until a node's owner "
+            "raises its max_memory_bytes or a node with more memory joins (with fewer or smaller micro-batches, "
+            "or activation checkpointing, a job's stages need less)"
+        )
     if job.status != PENDING or any(s.node_id is not None for s in lost):
         unplace = tuple(sorted((*s.key, None) for s in lost))
-        return RewindJob(job.id, job.generation, PENDING, unplace, False, "WaitingForNode", message)
-    return _condition(job, Condition("Placed", FALSE, "WaitingForNode", message), now)
+        return RewindJob(job.id, job.generation, PENDING, unplace, False, reason, message)
+    return _condition(job, Condition("Placed", FALSE, reason, message), now)
+
+
+def _shortfall(job: JobView, need: int, candidates: Sequence[NodeView]) -> str:
+    """"; the roomiest free node ... short" for a stage needing `need` bytes that none of `candidates` has room
+    for (else nothing): a node's room is its memory, or its owner's max_memory_bytes below that, less what its
+    agent holds (controlplane/controller/snapshot.py)."""
+    roomiest = max(candidates, key=lambda n: (n.memory_bytes, n.id), default=None)
+    if roomiest is None:
+        return ""
+    return (
+        f"; the roomiest free node, {_node_label(job, {roomiest.id: roomiest}, roomiest.id)}, has "
+        f"{roomiest.memory_bytes:,} for stages: {need - roomiest.memory_bytes:,} short"
+    )
+
+
+def _too_small_everywhere(
+    job: JobView, need: int, lost: Sequence[PlacedStage], nodes: Mapping[str, NodeView], now: datetime
+) -> bool:
+    """Whether there are Ready nodes that may take `job`'s stages, free or busy with another job, and none has `need`
+    bytes of room: none that frees up would place the stage. The job's own nodes are not counted (they hold its
+    other stages), nor those it counts absent (`_heard_since_released`); those of `lost` are (a paused one may
+    resume)."""
+    own = {s.node_id for s in job.stages if s not in lost}
+    others = _heard_since_released(job, [
+        n for n in nodes.values()
+        if n.id not in own and n.ready_status == TRUE and _takes(job, n) and not _silent(n, job, now)
+    ])
+    return bool(others) and all(n.memory_bytes < need for n in others)
 
 
 def _owners_apart(
@@ -610,9 +651,11 @@ def _request_handover(
 
 
 def _stage_memory(job: JobView, stage: PlacedStage) -> int:
-    """Bytes each of the stage's nodes needs (a tensor-parallel rank: its share of the split weights)."""
+    """Bytes each of the stage's nodes needs (a tensor-parallel rank: its share of the split weights), as the solver
+    placed it: with the micro-batches in flight at its place in the pipeline, not all of a step's."""
     layers = job.layers[stage.layer_start : stage.layer_end]
-    return stage_memory(layers, job.workload, job.tensor_parallel.ranks(stage.index))
+    num_stages = 1 + max(s.index for s in job.stages)
+    return placed_stage_memory(layers, job.workload, stage.index, num_stages, job.tensor_parallel.ranks(stage.index))
 
 
 def _stage_label(job: JobView, stage: PlacedStage) -> str:
@@ -761,9 +804,13 @@ def replicas_placed(
         others = sum(cheapest) - node.price_per_hour if node.price_per_hour <= cheapest[-1] else sum(cheapest[:-1])
         return spent + node.price_per_hour + others <= cap + 1e-9
 
-    for stage in sorted(stages, key=lambda s: (-stage_memory(layers[s.layer_start : s.layer_end], workload),
-                                               s.index)):
-        need = stage_memory(layers[stage.layer_start : stage.layer_end], workload)
+    num_stages = 1 + max(s.index for s in stages)
+
+    def need_of(stage: PlannedStage) -> int:
+        return placed_stage_memory(layers[stage.layer_start : stage.layer_end], workload, stage.index, num_stages)
+
+    for stage in sorted(stages, key=lambda s: (-need_of(s), s.index)):
+        need = need_of(stage)
         for replica in range(1, count):
             cheapest = heapq.nsmallest(left, (n.price_per_hour for n in candidates)) if cap is not None else []
             fitting = (n for n in candidates if n.memory_bytes >= need and _keeps_owners_apart(

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
+
 from arceus.placement.solver import LayerProfile, Workload, stage_memory
 from controlplane.common.conditions import get_condition
 from controlplane.controller.actions import (
@@ -233,20 +236,70 @@ def test_a_lost_stage_with_no_room_anywhere_unplaces_and_waits_pending() -> None
     nodes = (node("a"), node("b", silent=20, ready="Unknown"), node("c"), node("tiny", memory=10))
     [action] = plan(Desired(jobs=(running,)), Observed(nodes), NOW)
     assert isinstance(action, RewindJob)
-    assert (action.status, action.moves, action.reason) == ("pending", ((1, 0, 0, None),), "WaitingForNode")
+    assert (action.status, action.moves, action.reason) == ("pending", ((1, 0, 0, None),), "NoNodeWithRoom")
     assert action.message == (
-        "waiting for a Ready node with room for stage 1 (layers 1-1, needs 992 bytes) "
-        "(1 free Ready node now)"
+        f"waiting for a Ready node with room for stage 1 (layers 1-1, needs 992 bytes; the roomiest free node, "
+        f"{seen('tiny')}, has 10 for stages: 982 short) (1 free Ready node now); every Ready node, busy or free, is "
+        "too small for stage 1: it waits until a node's owner raises its max_memory_bytes or a node with more memory "
+        "joins (with fewer or smaller micro-batches, or activation checkpointing, a job's stages need less)"
     )
     # Pending and still nothing fits: only the condition is kept up to date, no new generation.
     pending = job("j", "pending", generation=3, stages=(*placed("j", ["a"], 3), PlacedStage(1, 1, 2, None, 3),
                                                        PlacedStage(2, 2, 3, "c", 3)))
     [action] = plan(Desired(jobs=(pending,)), Observed(nodes), NOW)
     assert isinstance(action, SetCondition)
-    assert get_condition(action.conditions, "Placed")["reason"] == "WaitingForNode"
+    assert get_condition(action.conditions, "Placed")["reason"] == "NoNodeWithRoom"
     # A node with room registers: the stage is placed and the job rewinds onto it.
     [action] = plan(Desired(jobs=(pending,)), Observed((*nodes, node("new"))), NOW)
     assert isinstance(action, RewindJob) and (action.status, action.moves) == ("placing", ((1, 0, 0, "new"),))
+
+
+def test_a_lost_stage_waits_for_a_busy_node_with_room_without_calling_every_node_too_small() -> None:
+    running = job("j", "running", generation=2, stages=placed("j", ["a", "b", "c"]))
+    other = job("k", "running", generation=2, stages=placed("k", ["big"]), stages_requested=1,
+                driver_lease_expires_at=NOW + timedelta(seconds=30))
+    nodes = (node("a"), node("b", silent=20, ready="Unknown"), node("c"), node("tiny", memory=10), node("big"))
+    action = next(a for a in plan(Desired(jobs=(running, other)), Observed(nodes), NOW) if isinstance(a, RewindJob))
+    assert (action.status, action.reason) == ("pending", "WaitingForNode")
+    assert action.message.endswith(f"the roomiest free node, {seen('tiny')}, has 10 for stages: 982 short) "
+                                   "(1 free Ready node now)")
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    shape=st.lists(st.tuples(st.integers(1, 400), st.integers(0, 300)), min_size=2, max_size=6),
+    micro_batches=st.integers(1, 8),
+    schedule=st.sampled_from(["gpipe", "1f1b"]),
+    stages=st.integers(2, 4),
+    shares=st.lists(st.floats(0.3, 1.5), min_size=4, max_size=4),
+    lost_index=st.integers(0, 3),
+)
+def test_a_lost_stage_fits_on_a_spare_with_the_room_its_node_had(
+    shape: list[tuple[int, int]], micro_batches: int, schedule: str, stages: int, shares: list[float],
+    lost_index: int,
+) -> None:
+    """A replacement needs what the solver placed the stage by (the micro-batches in flight at its place in the
+    pipeline, as its agent checks), so a spare with the room the lost node had takes it."""
+    assume(stages <= len(shape) and lost_index < stages)
+    layers = tuple(LayerProfile(100.0, params, 0, stash_bytes_per_sample=stash) for params, stash in shape)
+    workload = Workload(1, micro_batches, schedule)
+    whole = stage_memory(layers, workload)
+    nodes = tuple(node(f"n{i}", flops=1e9 * (i + 1), memory=int(share * whole)) for i, share in enumerate(shares))
+    queued = job("j", stages_requested=stages, layers=layers, workload=workload)
+    [action] = plan(Desired(jobs=(queued,)), Observed(nodes), NOW)
+    assume(isinstance(action, PlaceJob))
+    lost = next(s for s in action.stages if s.index == lost_index)
+    rows = tuple(PlacedStage(s.index, s.layer_start, s.layer_end, s.node_id, 2) for s in action.stages)
+    placed_workload = replace(workload, activation_checkpointing=action.activation_checkpointing)  # as it is stored
+    running = job("j", "running", generation=2, stages_requested=stages, layers=layers, workload=placed_workload,
+                  stages=rows, driver_lease_expires_at=NOW + timedelta(seconds=30))
+    by_id = {n.id: n for n in nodes}
+    spare = node("spare", flops=1e8, memory=by_id[lost.node_id].memory_bytes)
+    after = tuple(replace(n, lease_renewed_at=NOW - timedelta(seconds=20), ready_status="Unknown")
+                  if n.id == lost.node_id else n for n in nodes if n.id in {s.node_id for s in rows})
+    actions = plan(Desired(jobs=(running,)), Observed((*after, spare)), NOW)
+    [rewind] = [a for a in actions if isinstance(a, RewindJob)]
+    assert (rewind.status, rewind.moves) == ("placing", ((lost_index, 0, 0, "spare"),))
 
 
 def test_two_lost_stages_never_share_a_replacement() -> None:

@@ -134,8 +134,9 @@ def test_every_rank_gets_its_own_node_and_a_lost_rank_moves_alone(scenario, pick
     label = f"stage {lost.index}" + (f" rank {lost.rank}" if split.ranks(lost.index) > 1 else "")
     if not room:
         # Nowhere to go: only that rank is unplaced, and the job waits, saying for what.
+        # Every free Ready node too small (not merely none free): the job says so.
         assert (rewind.status, rewind.moves, rewind.reason) == ("pending", ((lost.index, lost.rank, 0, None),),
-                                                                "WaitingForNode")
+                                                                "NoNodeWithRoom" if free else "WaitingForNode")
         assert label in rewind.message
         arrival = node("late", flops=1e9, memory=BIG)
         pending = replace(running, status="pending", generation=generation + 1, stages=tuple(
