@@ -36,6 +36,7 @@ from arceus.safetensors_file import CHUNK_BYTES
 from arceus.wire.tls import TlsIdentity
 from nodeagent.control_plane_http import ControlPlaneError, ControlPlaneSession, Unauthorized
 from nodeagent.host_load import HostLoad
+from nodeagent.link_probe import DELAY_BUDGET_SECONDS, least_delay
 from nodeagent.stage import StateUploadError
 
 log = logging.getLogger(__name__)
@@ -582,19 +583,24 @@ def _short(body: Any) -> str:
 
 
 PROBE_BYTES = 256 * 1024
-# The link is re-measured this often and sent with the next heartbeat (Wi-Fi, VPNs and traffic change it).
+# The link is re-measured this often and sent with the next heartbeat (Wi-Fi, VPNs and traffic change it); the
+# first time sooner after registering, which measured it while the agent started (often beside others on its host).
 REMEASURE_SECONDS = 300.0
+FIRST_REMEASURE_SECONDS = 30.0
 
 
-def measure_link(client: ControlPlaneClient, rounds: int = 3) -> dict[str, float] | None:
-    """{"rtt_seconds", "bandwidth_bytes_per_second"} to the control plane. The round trip: the best of `rounds` TCP
-    handshakes, the network's alone. An empty probe's would also count the web server's handling of a request (ms
-    when idle, more when busy), which every round pays, so no best-of-N removes it, and which replicas exchanging
-    with each other never pay: placement charged it to each replica's exchange and refused replicas worth adding.
-    The bandwidth: PROBE_BYTES over the best of `rounds` uploads less the best empty probe (the same request's
-    handling). None (logged) if probing fails."""
+def measure_link(
+    client: ControlPlaneClient, rounds: int = 3, budget: float = DELAY_BUDGET_SECONDS
+) -> dict[str, float] | None:
+    """{"rtt_seconds", "bandwidth_bytes_per_second"} to the control plane. The round trip: the least of several TCP
+    handshakes begun within `budget` seconds (`nodeagent.link_probe.least_delay`), the network's alone. An empty
+    probe's would also count the web server's handling of a request (ms when idle, more when busy), which every
+    round pays, so no least-of-N removes it, and which replicas exchanging with each other never pay: placement
+    charged it to each replica's exchange and refused replicas worth adding. The bandwidth: PROBE_BYTES over the
+    best of `rounds` uploads less the best of `rounds` empty probes (the same request's handling). None (logged) if
+    probing fails."""
     try:
-        rtt = min(client.handshake() for _ in range(rounds))
+        rtt = least_delay(client.handshake, budget=budget)
         handled = min(client.probe(b"") for _ in range(rounds))
         upload = min(client.probe(bytes(PROBE_BYTES)) for _ in range(rounds))
     except ControlPlaneError as exc:
@@ -665,7 +671,7 @@ class HeartbeatLoop:
         self._desired_ready = threading.Event()
         self._applied_change = threading.Event()  # the applier changed the stages: report them at once
         self._host_load = HostLoad()
-        self._link_measured = time.monotonic()  # registration measured it
+        self._link_measured = time.monotonic() - REMEASURE_SECONDS + FIRST_REMEASURE_SECONDS
         self._unsent_links: dict[str, dict[str, Any]] = {}  # neighbour figures kept until a heartbeat succeeds
 
     def start(self) -> None:
@@ -686,7 +692,9 @@ class HeartbeatLoop:
             try:
                 link = None
                 if time.monotonic() - self._link_measured >= REMEASURE_SECONDS:
-                    link, self._link_measured = measure_link(self._client), time.monotonic()
+                    # Within half an interval: the heartbeat after it must come before the node's lease runs out.
+                    link = measure_link(self._client, budget=self._interval / 2)
+                    self._link_measured = time.monotonic()
                 self._unsent_links.update((f["address"], f) for f in self._agent.take_neighbour_links())
                 reply = self._client.heartbeat(
                     self._agent.observed(),

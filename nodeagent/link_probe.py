@@ -4,7 +4,6 @@ client side that does the timing. Filler bytes only; nothing here touches torch 
 from __future__ import annotations
 
 import logging
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +44,43 @@ class LinkProbeServicer(link_probe_pb2_grpc.LinkProbeServiceServicer):
         return link_probe_pb2.ProbeReply(payload=bytes(request.reply_bytes))
 
 
+# How many round trips a link's delay is the least of, how far apart, and how long they may take in all (each has
+# its own deadline besides): spread over time, one is likely to find the machine idle.
+DELAY_ROUNDS = 8
+DELAY_SPACING_SECONDS = 0.25
+DELAY_BUDGET_SECONDS = 5.0
+# A least round trip this short (a loopback, a LAN; a gRPC call's own cost on a busy host included) ends the rounds
+# early: what placement charges a stage for its link (a round trip per micro-batch) is then at most this much off.
+DELAY_ENOUGH_SECONDS = 0.01
+
+
+def least_delay(
+    probe: Callable[[], float],
+    *,
+    rounds: int = DELAY_ROUNDS,
+    spacing: float = DELAY_SPACING_SECONDS,
+    budget: float = DELAY_BUDGET_SECONDS,
+    enough: float = DELAY_ENOUGH_SECONDS,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> float:
+    """The least of up to `rounds` timings of `probe` (a round trip, in seconds), `spacing` seconds apart while none
+    is at most `enough` (then back to back, three in all), none begun later than `budget` seconds after the first
+    (which always runs). A loaded machine only adds to a round trip (a thread waiting for a core, a busy server's
+    accept queue, a retransmitted SYN), never takes from it: the least is the link's own delay, where the best of
+    three quick rounds taken while agents started beside each other on a busy host read 1.6-1.8 s on a loopback."""
+    deadline = clock() + budget
+    least = probe()
+    for done in range(1, rounds):
+        quiet = least <= enough
+        if (quiet and done >= 3) or clock() + (0.0 if quiet else spacing) > deadline:
+            break
+        if not quiet:
+            sleep(spacing)
+        least = min(least, probe())
+    return least
+
+
 @dataclass(frozen=True)
 class LinkFigures:
     rtt_seconds: float
@@ -57,19 +93,19 @@ def measure_neighbour(
     certificate: str,
     *,
     timeout: float = 10.0,
-    rtt_rounds: int = 5,
+    rtt_rounds: int = DELAY_ROUNDS,
     bulk_bytes: int = 2 * 1024 * 1024,
     bulk_rounds: int = 2,
 ) -> LinkFigures | None:
-    """The link to the agent at `address` (presenting `token`, trusting `certificate`): the median of `rtt_rounds`
-    empty probes, and `bulk_bytes` sent one way (the fastest of `bulk_rounds`, less that round trip). None
-    (logged) if any probe fails; every call has a deadline of `timeout` seconds."""
+    """The link to the agent at `address` (presenting `token`, trusting `certificate`): the least of up to
+    `rtt_rounds` empty probes (`least_delay`), and `bulk_bytes` sent one way (the fastest of `bulk_rounds`, less
+    that round trip). None (logged) if any probe fails; every call has a deadline of `timeout` seconds."""
     try:
         with open_channel(address, token=token, certificate=certificate, options=_CHANNEL_OPTIONS) as channel:
             probe = link_probe_pb2_grpc.LinkProbeServiceStub(channel).Probe
             # The first call connects: kept out of the figures, which are the link's, not the handshake's.
             probe(link_probe_pb2.ProbeRequest(), timeout=timeout)
-            rtt = statistics.median(_timed(probe, b"", timeout) for _ in range(rtt_rounds))
+            rtt = least_delay(lambda: _timed(probe, b"", timeout), rounds=rtt_rounds)
             bulk = bytes(bulk_bytes)
             upload = min(_timed(probe, bulk, timeout) for _ in range(bulk_rounds))
     except grpc.RpcError as exc:

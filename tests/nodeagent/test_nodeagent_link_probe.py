@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 import pytest
@@ -13,12 +13,13 @@ import torch
 
 from arceus.contracts.assignment import Assignment
 from arceus.contracts.certificates import AGENT_TLS_NAME
+from arceus.placement.solver import Device, LayerProfile, Workload, solve
 from arceus.v1 import link_probe_pb2, link_probe_pb2_grpc
 from arceus.wire.channels import open_channel, pinned_channel_credentials
 from devtools.pipeline import driver_token, identity_for, pipeline_assignments, remember_identity
 from nodeagent.agent import Agent
 from nodeagent.control_plane import ControlPlaneClient, HeartbeatLoop
-from nodeagent.link_probe import _CHANNEL_OPTIONS, MAX_PROBE_BYTES, LinkFigures, measure_neighbour
+from nodeagent.link_probe import _CHANNEL_OPTIONS, MAX_PROBE_BYTES, LinkFigures, least_delay, measure_neighbour
 from nodeagent.neighbour_links import Neighbour, NeighbourLinks
 from tests.nodeagent.test_nodeagent_control_plane import wait_for
 
@@ -80,6 +81,73 @@ def test_measure_neighbour_times_a_live_agent(agent: Agent) -> None:
         agent.grpc_address, driver_token("probed"), agent.identity.certificate, bulk_bytes=1024 * 1024
     )
     assert figures is not None and figures.rtt_seconds > 0 and figures.bandwidth_bytes_per_second > 0
+
+
+class FakeClock:
+    """Time that passes only as probes take it and the rounds' spacing sleeps it."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.calls = 0
+
+    def probe(self, samples: list[float]) -> Callable[[], float]:
+        """A probe timing `samples` in turn (and taking that long)."""
+        def timed() -> float:
+            sample = samples[self.calls]
+            self.calls += 1
+            self.now += sample
+            return sample
+
+        return timed
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+# Round trips to 127.0.0.1 timed while agents start beside each other on a loaded machine: a burst of seconds, and
+# within a few a quiet moment.
+LOADED = [1.7, 0.9, 0.02, 0.0003, 1.1, 0.0004, 0.6, 0.3]
+
+
+def least(clock: FakeClock, samples: list[float], **kwargs: float) -> float:
+    return least_delay(clock.probe(samples), clock=lambda: clock.now, sleep=clock.sleep, **kwargs)
+
+
+def test_a_links_delay_is_the_least_of_rounds_spread_over_a_bounded_time() -> None:
+    clock = FakeClock()
+    assert least(clock, LOADED, rounds=8, spacing=0.1, budget=10.0, enough=0.0) == 0.0003
+    assert clock.calls == 8
+    clock = FakeClock()
+    assert least(clock, LOADED) == 0.0003 and clock.calls == 4  # the defaults; short enough: no more rounds
+    # Bounded: no round begins past the budget; the first always runs.
+    clock = FakeClock()
+    assert least(clock, [1.7] * 8, rounds=8, spacing=0.1, budget=4.0) == 1.7
+    assert clock.calls == 3 and clock.now <= 4.0 + 1.7
+    clock = FakeClock()
+    assert least(clock, [1.7] * 8, rounds=8, spacing=0.1, budget=1.0) == 1.7 and clock.calls == 1
+    # A quiet link's rounds end after three once the least is short enough to matter to no placement.
+    clock = FakeClock()
+    assert least(clock, [0.0001] * 8) == 0.0001 and clock.calls == 3
+    clock = FakeClock()
+    assert least(clock, [0.03] * 8, enough=0.002, budget=10.0) == 0.03 and clock.calls == 8
+
+
+def test_a_split_planned_on_loaded_probes_is_the_split_of_the_quiet_link() -> None:
+    """Agents on one loaded host, three of them probing through seconds of load: with each link's delay the least of
+    its rounds the solver splits 20 equal blocks 5/5/5/5, as on the quiet loopback; the 1.6-1.7 s that three quick
+    rounds inside the burst read would skew the split, and the stages' memory with it."""
+    block = LayerProfile(2e9, 12_600_000, 4 * 128 * 2048, stash_bytes_per_sample=40 * 128 * 2048)
+    layers = [block] * 20
+    workload = Workload(1, 8, "1f1b")
+
+    def split(delays: list[float]) -> list[int]:
+        devices = [Device(f"agent-{i}", 2e10, 2**40, latency_s=rtt / 2) for i, rtt in enumerate(delays)]
+        placement = solve(layers, devices, workload, min_stages=4, max_stages=4)
+        return [s.layer_end - s.layer_start for s in placement.stages]
+
+    measured = [least(FakeClock(), samples) for samples in ([0.003] * 8, LOADED, LOADED[1:] + LOADED[:1], LOADED)]
+    assert split(measured) == [5, 5, 5, 5]
+    assert split([0.003, 1.7, 1.6, 1.7]) != [5, 5, 5, 5]
 
 
 def test_a_silent_or_absent_neighbour_is_unknown_within_the_deadline() -> None:
