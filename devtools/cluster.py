@@ -217,9 +217,10 @@ class LocalCluster:
         torch) overlap instead of queueing one behind another. `prefix`: what runs the command (e.g.
         `ip netns exec NAME`, devtools.netns). `discover`: no `--control-plane` and no settings file, so the
         agent finds the control plane advertised on its network (mDNS). `fault`: arm the agents' fault hook
-        (nodeagent.faults, `SIGNAL:PHASE:STEP[:STAGE:REPLICA]`): each kills or stops itself there (a restart starts
-        it unarmed)."""
-        armed = {} if fault is None else {FAULT_ENV: faults.parse_fault(fault).spec, ENABLE_ENV: "1"}
+        (nodeagent.faults, `SIGNAL:PHASE:STEP[:STAGE:REPLICA][,...]`): each kills or stops itself there, or fails its
+        step (a restart starts it unarmed)."""
+        armed = {} if fault is None else {FAULT_ENV: ",".join(f.spec for f in faults.parse_faults(fault)),
+                                          ENABLE_ENV: "1"}
         client = self.client if owner is None else self.owner_client(owner)
         nodes = {name: client.create_node(name) for name in names}
         configs = {} if installed is None else self._init_installed(installed, nodes)

@@ -10,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from devtools.pipeline import identity_for
+from nodeagent.faults import ENABLE_ENV, FAULT_ENV
 
 READY_PREFIX = "AGENT READY"
 
@@ -124,13 +125,14 @@ def spawn_static_agents(
     solo_threads: int | None = None,
     device: str | None = None,
     ready_timeout: float = 60.0,
+    faults: Mapping[int, str] | None = None,
 ) -> list[AgentProcess]:
     """Start one static-assignment agent per address (in parallel, they are slow to import torch), agent i
     hosting `assignments_per_agent[i]` and listening on `addresses[i]` with the TLS identity
     `devtools.pipeline.identity_for(addresses[i])` and a scrape token of its own (`metrics_token`), with `threads`
     torch threads (`solo_threads` while its stage computes alone: see --solo-threads), computing on `device` (None: the
-    agent's choice, a GPU where there is one). All or none: on failure,
-    the ones already started are killed."""
+    agent's choice, a GPU where there is one), agent i's fault hook armed with `faults[i]` where it names one
+    (nodeagent.faults, a test hook). All or none: on failure, the ones already started are killed."""
     workdir.mkdir(parents=True, exist_ok=True)
 
     def start(i: int) -> AgentProcess:
@@ -151,7 +153,9 @@ def spawn_static_agents(
             args += ["--solo-threads", str(solo_threads)]
         if device is not None:
             args += ["--device", device]
-        started = spawn_agent(args, log_path=workdir / f"agent-{i}.log", ready_timeout=ready_timeout)
+        armed = {FAULT_ENV: faults[i], ENABLE_ENV: "1"} if faults and i in faults else {}
+        started = spawn_agent(args, log_path=workdir / f"agent-{i}.log", ready_timeout=ready_timeout,
+                              env={**os.environ, **armed} if armed else None)
         started.certificate = identity.certificate
         started.metrics_token = metrics_token.read_text()
         return started

@@ -80,10 +80,10 @@ def repair_step(
     `holdings`: every survivor's, once each waits with no send in flight (a lost replica's are ignored);
     `speeds` share the moved micro-batches (arceus.swarm.routing.reroute); `exchanged`: the survivors holding
     the reduced gradient of `epoch`'s members. A stage that lost no member and whose every member is in
-    `exchanged` keeps its exchange: only the stages whose membership changed exchange again."""
+    `exchanged` keeps its exchange: only the stages whose membership changed exchange again. Nothing `lost` (a
+    failure between live replicas) resumes the step with every member under the new epoch: nothing is recomputed,
+    what did not arrive is sent again, and the stages whose exchange did not complete everywhere exchange again."""
     lost = set(lost)
-    if not lost:
-        raise ValueError("nothing was lost: a repair needs at least one lost replica")
     for stage, replica in sorted(lost):
         if not 0 <= stage < routes.num_stages or replica not in routes.members[stage]:
             raise ValueError(f"stage {stage} replica {replica} is lost but is not a member of the step")

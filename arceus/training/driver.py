@@ -340,10 +340,11 @@ class Pipeline:
         counts once in each stage's gradient. Where no repair applies (an evaluation step, replicas that sync every
         few steps, a survivor that cannot report) the step runs again on the others under a new call id, every
         replica discarding what it deferred from the failed attempt; either way no checkpoint is loaded and no
-        finished step is replayed. A stage left without replicas, or a failure with every replica alive, is the
-        DriverError of an unreplicated pipeline."""
+        finished step is replayed. A failure with every replica alive is retried, then blamed on the newest
+        replica (`_blame`). A stage left without replicas is the DriverError of an unreplicated pipeline."""
         self._join(roster)
         failed: list[int] = []
+        retried = False  # a failure between live replicas was retried in this step (`_blame`)
         repair: RepairPlan | None = None
         delivered: set[tuple[int, int, int]] = set()  # (kind, micro-batch, replica) the driver's pushes reached
         started = time.perf_counter()  # a replica computes the step within its attempts' calls, all since then
@@ -364,6 +365,8 @@ class Pipeline:
                 # frames (and the caller's) in any handler that keeps records (pytest's), and so what they hold.
                 epoch, failure = roster.epoch, str(exc)
                 lost = self._drop_lost(roster, exc)
+                if not lost:
+                    lost, retried = self._blame(roster, exc, retried=retried), True
                 # What the driver's pushes delivered is known once they settle (one to a silent replica may not).
                 futures.wait([future for _, future in pushes], timeout=LIVENESS_SECONDS)
                 delivered |= {key for key, f in pushes if f.done() and not f.cancelled() and f.exception() is None}
@@ -373,6 +376,8 @@ class Pipeline:
                                 self.plan.job_id, lost, step, failure, why)
                     failed.append(step)
                     step, delivered = next(self._call_ids), set()
+                    continue
+                if not lost:  # `_blame` said why
                     continue
                 moved = sum(len(i.recompute) for i in repair.instructions.values())
                 log.warning("job %s lost replicas %s in step %d (%s); the survivors repair it: %d micro-batches "
@@ -400,8 +405,6 @@ class Pipeline:
         if not train:
             return None, "an evaluation step keeps no gradients to repair"
         lost = [key for key in lost if key[1] in routes.members[key[0]]]
-        if not lost:
-            return None, "no replica of the step's routes was lost"
         survivors = [(i, k) for i, ids in enumerate(routes.members) for k in ids if (i, k) not in lost]
         asked = [(key, self.replica_clients[key].holdings(step, self.roster.epoch)) for key in survivors]
         entries, exchanged = {}, set()
@@ -451,8 +454,8 @@ class Pipeline:
         return watch
 
     def _drop_lost(self, roster: ReplicaRoster, exc: DriverError) -> list[ReplicaKey]:
-        """After `exc`, the replicas whose agents no longer answer, taken off the roster; `exc` again when every
-        replica answers (the failure was not a loss), a DriverError when a stage lost every replica."""
+        """After `exc`, the replicas whose agents no longer answer, taken off the roster (none: every replica
+        answers, the failure was not a loss); a DriverError when a stage lost every replica."""
         clients = list(self.replica_clients.values())
         alive = agents_answering(
             [(c.endpoint.address, c.endpoint.certificate) for c in clients], timeout=LIVENESS_SECONDS,
@@ -460,7 +463,7 @@ class Pipeline:
         )
         lost = [(c.endpoint.index, c.endpoint.replica) for c, up in zip(clients, alive, strict=True) if not up]
         if not lost:
-            raise exc
+            return []
         try:
             roster.remove(lost)
         except ValueError as gone:
@@ -471,9 +474,34 @@ class Pipeline:
     def drop_lost_replicas(self, exc: DriverError) -> list[ReplicaKey]:
         """After a failed call between steps (a checkpoint's), the replicas whose agents no longer answer, taken off
         the roster, so the call can be made again on the others; `exc` again when nothing was lost."""
-        if self.roster is None:
+        if self.roster is None or not (lost := self._drop_lost(self.roster, exc)):
             raise exc
-        return self._drop_lost(self.roster, exc)
+        return lost
+
+    def _blame(self, roster: ReplicaRoster, exc: DriverError, *, retried: bool) -> list[ReplicaKey]:
+        """After `exc` failed a step with every replica alive (an exchange or a push between live replicas, say a
+        sibling that dialled a joiner before the joiner trusted its certificate): whose fault it was cannot be told,
+        and rewinding every stage for it would throw the job's work away. The first such failure of a step costs
+        nothing but a new membership epoch: the step resumes with every member (none blamed, []). Another fences
+        the newest member of the failing stage or its neighbours (a newcomer is the likely culprit, and holds
+        nothing its stage's others lack) and the survivors repair the step as after a loss; it may join again later
+        (`ReplicaRoster.fence`), while the control plane still places it. `exc` again where no such stage keeps a
+        member (the failure is not between replicas: as an unreplicated pipeline's)."""
+        if exc.stage_index is None:
+            raise exc
+        if not retried:
+            roster.renew()
+            log.warning("job %s: step failed with every replica alive (%s); resuming it under membership epoch %d",
+                        self.plan.job_id, str(exc), roster.epoch)
+            return []
+        suspect = roster.newest(range(exc.stage_index - 1, exc.stage_index + 2))
+        if suspect is None:
+            raise exc
+        roster.fence(suspect, self._train_step)
+        self._forget(roster, [suspect])
+        log.warning("job %s: step failed again with every replica alive (%s); fenced stage %d replica %d, the newest "
+                    "member near stage %d", self.plan.job_id, str(exc), *suspect, exc.stage_index)
+        return [suspect]
 
     def _forget(self, roster: ReplicaRoster, gone: Sequence[ReplicaKey]) -> None:
         """Close the clients of replicas `roster` no longer has; each stage is served by its lowest replica."""
@@ -502,7 +530,7 @@ class Pipeline:
                 log.info("job %s: replicas %s were taken off the job; going on without them", self.plan.job_id, left)
         for endpoint in self.plan.replica_joins() if self.plan.replica_joins else ():
             key = (endpoint.index, endpoint.replica)
-            if roster.was_member(key):
+            if not roster.may_join(key, self._train_step):
                 continue
             source = self.replica_clients[(endpoint.index, min(roster.members()[endpoint.index]))].endpoint
             client = self._client(endpoint)

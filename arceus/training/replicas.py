@@ -35,22 +35,58 @@ class ReplicaRoster:
             if e.samples_per_second is not None and math.isfinite(e.samples_per_second) and e.samples_per_second > 0
         }
         self.epoch = 0
-        self._ever = set(self.endpoints)  # replica ids are never reused within a job
+        # When each member joined (0: placed with the roster): the newest is the first suspect of a failure between
+        # live replicas (`newest`).
+        self._joined: dict[ReplicaKey, int] = dict.fromkeys(self.endpoints, 0)
+        self._joins = 0
+        # Replicas lost (`remove`): never let in again, their agents did not answer (a silent one would hold up the
+        # copy of a join). Live ones fenced after failures nobody could be blamed for (`fence`): how often, and the
+        # first train step each may join again at.
+        self._lost: set[ReplicaKey] = set()
+        self._fenced: dict[ReplicaKey, tuple[int, int]] = {}
 
     def add(self, endpoint: StageEndpoint, most: int) -> None:
         """Let a replica that copied its stage's state take micro-batches from the next step (a new epoch);
-        ValueError if its id was ever used in this job or its stage already has `most` replicas."""
+        ValueError if it is a member already or its stage already has `most` replicas. A former member may join
+        again (a fenced live one, `may_join`): it copied the state anew, and the new epoch refuses whatever its
+        earlier membership still sends."""
         key = (endpoint.index, endpoint.replica)
-        if key in self._ever:
-            raise ValueError(f"stage {key[0]} replica {key[1]} was a member before: a newcomer needs a fresh id")
+        if key in self.endpoints:
+            raise ValueError(f"stage {key[0]} replica {key[1]} is a member already")
         if len(self.members()[endpoint.index]) >= most:
             raise ValueError(f"stage {endpoint.index} already has {most} replicas, one per micro-batch")
         self.endpoints[key] = endpoint
-        self._ever.add(key)
+        self._joins += 1
+        self._joined[key] = self._joins
         self.epoch += 1
 
-    def was_member(self, key: ReplicaKey) -> bool:
-        return key in self._ever
+    def may_join(self, key: ReplicaKey, train_step: int) -> bool:
+        """Whether `key` may join before train step `train_step` (0: an evaluation, when none joins after a
+        fence): not while it is a member, nor before its fence's wait is over."""
+        if key in self.endpoints or key in self._lost:
+            return False
+        _, after = self._fenced.get(key, (0, 0))
+        return train_step >= after and (train_step > 0 or key not in self._fenced)
+
+    def newest(self, stages: Iterable[int]) -> ReplicaKey | None:
+        """The member of `stages` that joined last (among those placed together, the highest id) whose stage keeps
+        another member; None where no such stage has two."""
+        members = self.members()
+        candidates = [(i, k) for i in stages if 0 <= i < self.num_stages and len(members[i]) > 1 for k in members[i]]
+        return max(candidates, key=lambda key: (self._joined[key], key[1]), default=None)
+
+    def fence(self, key: ReplicaKey, train_step: int) -> None:
+        """Take a live member off the roster (a new epoch) after failures between live replicas: it may join
+        again (copying its state anew) from train step `train_step + 2**(n-1)` on, the n-th time it is fenced: a
+        newcomer that failed by a passing fault comes back a step later, one that keeps failing ever more rarely."""
+        times = self._fenced.get(key, (0, 0))[0] + 1
+        self.remove([key])
+        self._lost.discard(key)
+        self._fenced[key] = (times, train_step + 2 ** (times - 1))
+
+    def renew(self) -> None:
+        """A new membership epoch with the same members: every message of the older one is refused."""
+        self.epoch += 1
 
     def members(self) -> list[tuple[int, ...]]:
         return [tuple(sorted(k for i, k in self.endpoints if i == stage)) for stage in range(self.num_stages)]
@@ -65,6 +101,8 @@ class ReplicaRoster:
         for key in lost:
             self.endpoints.pop(key, None)
             self.speeds.pop(key, None)
+            self._joined.pop(key, None)
+        self._lost |= lost
         self.epoch += 1
 
     def routes(self, num_micro_batches: int) -> Routes:

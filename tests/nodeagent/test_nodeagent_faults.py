@@ -1,6 +1,6 @@
 """The fault-injection test hook (nodeagent/faults.py): armed only with its devtools key, it signals its own process
-once, at the phase it names of the first step at or past the one it names; a malformed or unkeyed fault stops the
-agent from starting."""
+(or fails the step) once, at the phase it names of the first step at or past the one it names; several fire in turn;
+a malformed or unkeyed fault stops the agent from starting."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ import sys
 import time
 from pathlib import Path
 
+import grpc
 import psutil
 import pytest
 
 from nodeagent import faults
+from nodeagent.rpc import RpcFailure
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # A process that arms the hook from its environment and walks through phases, saying where it is.
@@ -50,6 +52,8 @@ def test_a_fault_parses_from_signal_phase_and_step() -> None:
     assert faults.parse_fault("stop:exchange:1").spec == "stop:exchange:1"
     assert faults.parse_fault("stop:exchange:4:1:0") == faults.Fault("stop", "exchange", 4, stage=1, replica=0)
     assert faults.parse_fault("stop:exchange:4:1:0").spec == "stop:exchange:4:1:0"
+    assert faults.parse_faults("fail:exchange:6:1:2,kill:forward:3") == (
+        faults.Fault("fail", "exchange", 6, stage=1, replica=2), faults.Fault("kill", "forward", 3))
     for bad, words in [("kill:forward", "SIGNAL:PHASE:STEP"), ("term:forward:3", "signal"),
                        ("kill:backward:3", "phase"), ("kill:forward:0", "step"), ("kill:forward:x", "step"),
                        ("kill:forward:3:1", "SIGNAL:PHASE:STEP"), ("kill:forward:3:1:-1", "stage and replica")]:
@@ -67,14 +71,14 @@ def test_a_fault_is_due_at_its_phase_from_its_step_on_where_it_names() -> None:
 
 
 def test_a_fault_is_honoured_only_with_the_devtools_key() -> None:
-    assert faults.fault_from_environ({}) is None
-    assert faults.fault_from_environ({faults.FAULT_ENV: ""}) is None
+    assert faults.faults_from_environ({}) == ()
+    assert faults.faults_from_environ({faults.FAULT_ENV: ""}) == ()
     with pytest.raises(faults.FaultSpecError, match=f"{faults.ENABLE_ENV} is not 1"):
-        faults.fault_from_environ({faults.FAULT_ENV: "kill:forward:3"})
+        faults.faults_from_environ({faults.FAULT_ENV: "kill:forward:3"})
     with pytest.raises(faults.FaultSpecError, match=f"{faults.ENABLE_ENV} is not 1"):
-        faults.fault_from_environ({faults.FAULT_ENV: "kill:forward:3", faults.ENABLE_ENV: "yes"})
+        faults.faults_from_environ({faults.FAULT_ENV: "kill:forward:3", faults.ENABLE_ENV: "yes"})
     armed = {faults.FAULT_ENV: "kill:forward:3", faults.ENABLE_ENV: "1"}
-    assert faults.fault_from_environ(armed) == faults.Fault("kill", "forward", 3)
+    assert faults.faults_from_environ(armed) == (faults.Fault("kill", "forward", 3),)
 
 
 def test_without_a_fault_every_phase_passes() -> None:
@@ -88,6 +92,25 @@ def test_kill_ends_the_process_at_the_named_phase_and_step() -> None:
     assert process.returncode == -signal.SIGKILL
     assert out.splitlines() == ["forward 1", "gradient-sent 1", "exchange 1", "forward 2"], err
     assert "TEST HOOK ARMED" in err and "TEST HOOK FIRES: SIGKILL at phase 'gradient-sent' of step 2 (stage 0" in err
+
+
+def test_fail_fails_the_step_there_and_the_process_goes_on_each_fault_once_in_turn() -> None:
+    """No signal: `reached` raises where a `fail` fault is due (so it runs in this process, disarmed after)."""
+    faults.arm({faults.FAULT_ENV: "fail:exchange:2:1:2,fail:exchange:2:1:2,fail:forward:3", faults.ENABLE_ENV: "1"})
+    failed = []
+    try:
+        for step in (1, 2, 3):
+            for phase in faults.PHASES:
+                for stage, replica in ((0, 1), (1, 2)):
+                    try:
+                        faults.reached(phase, step, stage=stage, replica=replica)
+                    except RpcFailure as exc:
+                        assert exc.code == grpc.StatusCode.UNAVAILABLE
+                        failed.append((phase, step, stage, replica))
+    finally:
+        faults.arm({})
+    # The first exchange fault at stage 1 replica 2's step 2, the second at its next (step 3), after the forward one.
+    assert failed == [("exchange", 2, 1, 2), ("forward", 3, 0, 1), ("exchange", 3, 1, 2)]
 
 
 def wake_once_stopped(process: subprocess.Popen[str]) -> tuple[str, str]:

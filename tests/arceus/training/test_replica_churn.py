@@ -10,13 +10,15 @@ bits after every step. After step 5 a spare agent joins stage 1 as replica 2: it
 replica (peer to peer, not from checkpoint storage, with the driver's grant for it) and takes micro-batches from
 step 6 on; a sibling without that grant is refused the state. A second job that
 loses both replicas of its last stage fails as an unreplicated pipeline does (the control plane then rewinds it
-to its checkpoint).
+to its checkpoint). A third job's joiner stays alive but its gradient exchange fails (its agent's fault hook), twice
+in one step and once in another: nothing rewinds either.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 import secrets
 import signal
 import tempfile
@@ -41,7 +43,7 @@ from arceus.v1 import replica_pb2, replica_pb2_grpc, stage_pb2
 from arceus.wire.channels import open_channel
 from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents
 from devtools.pipeline import driver_token, replica_credentials, replica_endpoints, replicated_pipeline_assignments
-from devtools.reference import fetch_weights, reference_run
+from devtools.reference import ReferenceRun, fetch_weights, reference_run
 
 pytestmark = pytest.mark.slow
 
@@ -49,11 +51,16 @@ MLP = {"type": "mlp", "layer_sizes": [64, 128, 64, 10]}
 DIGITS = validate_dataset_config({"name": "digits", "batch_size": 32})
 SGD = {"name": "sgd", "lr": 0.05, "momentum": 0.9, "weight_decay": 1e-4}
 MICRO_BATCHES, SEED, STEPS, KILLED_AFTER, JOINS_AFTER = 4, 7, 8, 3, 5
-AGENTS = 7
+AGENTS = 8
 # job -> which agents host each stage's replicas 0, 1, ...; the churn job's stage 1 replica 2 (agent 6) is a spare
-# that joins after step JOINS_AFTER.
-JOBS = {"churn": [[0, 1], [2, 3, 6], [4, 5]], "dead-stage": [[0, 1], [2], [4, 5]]}
+# that joins after step JOINS_AFTER, as is the live-fault job's (agent 7).
+JOBS = {"churn": [[0, 1], [2, 3, 6], [4, 5]], "dead-stage": [[0, 1], [2], [4, 5]],
+        "live-fault": [[0, 1], [2, 3, 7], [4, 5]]}
 SPARE = (1, 2)
+# The live-fault job's joiner fails its exchange (alive, answering) in its first step twice, so the driver's retry of
+# it fails too, and once two steps later (nodeagent.faults).
+FAULTY, FAILS = 7, (JOINS_AFTER + 1, JOINS_AFTER + 1, JOINS_AFTER + 3)
+# (Its test runs first: the others kill agents every job uses.)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +77,9 @@ def agents(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[list[Agen
         for stage, hosts in zip(stages, placement, strict=True):
             for assignment, agent in zip(stage, hosts, strict=True):
                 per_agent[agent].append(assignment)
-    started = spawn_static_agents(per_agent, ports, tmp_path_factory.mktemp("churn-agents"), ready_timeout=240.0)
+    started = spawn_static_agents(per_agent, ports, tmp_path_factory.mktemp("churn-agents"), ready_timeout=240.0,
+                                  faults={FAULTY: ",".join(f"fail:exchange:{step}:{SPARE[0]}:{SPARE[1]}"
+                                                           for step in FAILS)})
     try:
         yield started, addresses
     finally:
@@ -93,13 +102,25 @@ def plan_of(job_id: str, addresses: dict[str, Any], sink_steps: list[StepProgres
     )
 
 
+@pytest.fixture(scope="module")
+def reference() -> ReferenceRun:
+    """One process on the jobs' global batches."""
+    return reference_run(
+        {"model_config": MLP, "dataset_config": DIGITS, "epochs": 1, "learning_rate": SGD["lr"], "optimizer": "sgd",
+         "momentum": SGD["momentum"], "weight_decay": SGD["weight_decay"], "seed": SEED},
+        max_steps=STEPS,
+    )
+
+
 class KillingSink(RecordingSink):
     """After step `after` ends, SIGKILLs `victims` a few milliseconds later (mid next step); after every step,
-    records the state digest of every replica still alive."""
+    records the state digest of every replica still alive (and taking part: not the spare before it joins, nor a
+    (replica, step) in `away`)."""
 
-    def __init__(self, victims: dict[tuple[int, int], AgentProcess], after: int) -> None:
+    def __init__(self, victims: dict[tuple[int, int], AgentProcess], after: int,
+                 away: set[tuple[tuple[int, int], int]] | None = None) -> None:
         super().__init__()
-        self.victims, self.after = victims, after
+        self.victims, self.after, self.away = victims, after, away or set()
         self.clients: dict[tuple[int, int], StageClient] = {}
 
     def watch(self, plan: TrainPlan, endpoints: list[StageEndpoint]) -> None:
@@ -118,6 +139,7 @@ class KillingSink(RecordingSink):
                 key: client.save_state(Path(directory) / "state")[0]
                 for key, client in self.clients.items()
                 if (key not in self.victims or p.step <= self.after) and (key != SPARE or p.step > JOINS_AFTER)
+                and (key, p.step) not in self.away
             })
         if p.step == self.after:
             pids = [agent.process.pid for agent in self.victims.values()]
@@ -128,25 +150,10 @@ class KillingSink(RecordingSink):
             client.close()
 
 
-def test_a_replica_killed_mid_run_costs_no_rewind_and_training_ends_where_one_process_does(
-    agents: tuple[list[AgentProcess], dict[str, Any]],
-) -> None:
-    started, addresses = agents
-    sink = KillingSink({(1, 1): started[3]}, KILLED_AFTER)
-    joins: list[ReplicaJoin] = []
-    plan = replace(plan_of("churn", addresses, sink.steps), replica_joined=joins.append)
-    sink.watch(plan, replica_endpoints(addresses["churn"], [0, 1, 2, 3])[1])
-    try:
-        result = train(plan, sink)
-    finally:
-        sink.close()
-    expected = reference_run(
-        {"model_config": MLP, "dataset_config": DIGITS, "epochs": 1, "learning_rate": SGD["lr"], "optimizer": "sgd",
-         "momentum": SGD["momentum"], "weight_decay": SGD["weight_decay"], "seed": SEED},
-        max_steps=STEPS,
-    )
-    assert started[3].process.wait(10) == -signal.SIGKILL
-    assert result.steps == STEPS and [p.step for p in sink.steps] == list(range(1, STEPS + 1))  # never went back
+def assert_one_process(plan: TrainPlan, sink: KillingSink, expected: ReferenceRun) -> None:
+    """The run never went back, loaded no checkpoint, and ended with one process's losses and weights; the replicas
+    of each stage held the same bits after every step."""
+    assert [p.step for p in sink.steps] == list(range(1, STEPS + 1))  # never went back
     assert list(sink.checkpoints) == [STEPS]  # only the one saved at the end: none was loaded
     for step, (got, want) in enumerate(zip([p.loss for p in sink.steps], expected.losses, strict=True), 1):
         assert math.isclose(got, want, rel_tol=1e-5), f"step {step}: loss {got!r} != reference {want!r}"
@@ -157,6 +164,56 @@ def test_a_replica_killed_mid_run_costs_no_rewind_and_training_ends_where_one_pr
         for stage in (0, 1, 2):
             alive = {digest for (index, _), digest in digests.items() if index == stage}
             assert len(alive) == 1, f"step {step} stage {stage}: {alive}"
+
+
+def test_an_exchange_failing_between_live_replicas_costs_no_work_and_the_fenced_joiner_joins_again(
+    agents: tuple[list[AgentProcess], dict[str, Any]], reference: ReferenceRun,
+) -> None:
+    """The joiner's exchange fails in its first step (FAILS), its agent alive: the driver resumes the step under a new
+    membership epoch, that fails too, so it fences the newest member (the joiner) and its siblings repair the step
+    without it (recomputing its micro-batches only); the joiner copies the state anew and joins again for the next
+    step, and its one failure two steps later costs only a retry. Nothing rewinds."""
+    started, addresses = agents
+    fenced_in = FAILS[0]
+    sink = KillingSink({}, 0, away={(SPARE, fenced_in)})
+    joins: list[ReplicaJoin] = []
+    plan = replace(plan_of("live-fault", addresses, sink.steps), replica_joined=joins.append)
+    sink.watch(plan, replica_endpoints(addresses["live-fault"], [0, 1, 2, 3])[1])
+    try:
+        result = train(plan, sink)
+    finally:
+        sink.close()
+    assert result.steps == STEPS
+    assert_one_process(plan, sink, reference)
+    assert started[FAULTY].process.poll() is None  # alive all along
+    fired = re.findall(r"TEST HOOK FIRES: failing step (\d+)", started[FAULTY].log_path.read_text())
+    assert tuple(map(int, fired)) == FAILS
+    # It joined for step 6, was fenced in it (taking no micro-batch of it in the end), and joined again for step 7,
+    # each time with the state its peer had.
+    took_part = ["agent-1-2" in {c.node_id for c in p.stages} for p in sink.steps]
+    assert took_part == [False] * fenced_in + [True] * (STEPS - fenced_in)
+    assert [(j.index, j.replica, j.source_replica) for j in joins] == [(*SPARE, 0)] * 2
+    assert all(j.sha256 == j.state_sha256 for j in joins)
+    # The stages without the joiner did an undisturbed run's work: each micro-batch of every step once.
+    for stage in (0, 2):
+        assert sum(c.micro_batches for c in sink.steps[-1].stages if c.index == stage) == STEPS * MICRO_BATCHES
+
+
+def test_a_replica_killed_mid_run_costs_no_rewind_and_training_ends_where_one_process_does(
+    agents: tuple[list[AgentProcess], dict[str, Any]], reference: ReferenceRun,
+) -> None:
+    started, addresses = agents
+    sink = KillingSink({(1, 1): started[3]}, KILLED_AFTER)
+    joins: list[ReplicaJoin] = []
+    plan = replace(plan_of("churn", addresses, sink.steps), replica_joined=joins.append)
+    sink.watch(plan, replica_endpoints(addresses["churn"], [0, 1, 2, 3])[1])
+    try:
+        result = train(plan, sink)
+    finally:
+        sink.close()
+    assert started[3].process.wait(10) == -signal.SIGKILL
+    assert result.steps == STEPS
+    assert_one_process(plan, sink, reference)
     # After the loss the killed replica took no more work; the spare joined after step JOINS_AFTER with the state
     # its peer had (its digest equals its sibling's from the first step it took) and took micro-batches every step.
     assert all("agent-1-1" not in {c.node_id for c in p.stages} for p in sink.steps[KILLED_AFTER:])
@@ -167,7 +224,7 @@ def test_a_replica_killed_mid_run_costs_no_rewind_and_training_ends_where_one_pr
     # what the driver was told of the join: the whole stage's state (weights and momentum) from its live peer, and
     # the joiner then held exactly what it copied
     [join] = joins
-    weights = sum(t.numel() * t.element_size() for name, t in expected.weights.items() if name.startswith("layers.1."))
+    weights = sum(t.numel() * t.element_size() for name, t in reference.weights.items() if name.startswith("layers.1."))
     assert (join.index, join.replica, join.source_replica) == (*SPARE, 0) and join.size_bytes >= 2 * weights
     assert join.sha256 == join.state_sha256 and len(join.sha256) == 64
 

@@ -78,3 +78,24 @@ def test_a_lost_replica_leaves_the_routes_under_a_new_epoch_and_a_stage_losing_e
     with pytest.raises(ValueError, match=r"stage 1 lost every replica \(\[0\]\)"):
         book.remove([(1, 0), (2, 0)])
     assert book.members() == [(0, 1), (0,), (0, 2)] and book.epoch == 1  # nothing removed
+
+
+def test_a_live_replica_blamed_for_a_failure_is_the_newest_and_may_join_again_after_a_growing_wait() -> None:
+    book = roster([2, 2, 1])
+    joiner = replace(book.endpoints[(1, 0)], replica=5, node_id="n1-5")
+    book.add(joiner, most=4)
+    assert book.epoch == 1 and book.newest([0, 1, 2]) == (1, 5)  # the one that joined last
+    assert book.newest([0]) == (0, 1) and book.newest([2]) is None  # placed together: the highest id; alone: none
+    with pytest.raises(ValueError, match="stage 1 replica 5 is a member already"):
+        book.add(joiner, most=4)
+    book.renew()
+    assert book.epoch == 2 and book.members() == [(0, 1), (0, 1, 5), (0,)]
+    book.fence((1, 5), train_step=6)
+    assert book.members() == [(0, 1), (0, 1), (0,)] and book.epoch == 3
+    assert not book.may_join((1, 5), 6) and not book.may_join((1, 5), 0) and book.may_join((1, 5), 7)
+    book.add(joiner, most=4)
+    assert not book.may_join((1, 5), 20)  # a member
+    book.fence((1, 5), train_step=9)  # fenced again: it waits twice as long
+    assert not book.may_join((1, 5), 10) and book.may_join((1, 5), 11)
+    book.remove([(0, 1)])  # lost (its agent did not answer): never again
+    assert not book.may_join((0, 1), 100)
