@@ -3,7 +3,7 @@ step model's predictions; then the model at scale: a 1B-parameter model in 8 sta
 
     .venv/bin/python bench/swarm_scaling.py [--replicas 1 2 3] [--steps 14] [--batch-size 24]
                                             [--links loopback shaped] [--delay-ms 20] [--rate-mbit 100]
-                                            [--hours 24] [--section swarm_scaling] [--no-write]
+                                            [--hours 24] [--rounds 1] [--section swarm_scaling] [--no-write]
 
 Measured: the GPT of bench/pipeline_vs_torch.py in 3 stages (layer boundaries [0, 3, 5, 8]), batch 24 × 128 tokens
 in 6 micro-batches, Adam, GPipe, every stage with R replicas (static agents, one process and one torch thread each,
@@ -11,7 +11,10 @@ all started with the same job twice: once reached directly, once with every agen
 links, one in front of its gRPC port and one in front of its replicas' exchange listener). Per run, medians over the
 steps after warm-up: samples/s (the batch over a step's wall time), the agents' CPU seconds per sample (utime +
 stime from /proc/PID/stat, every agent, over each step), this process's CPU per step (the driver, and on shaped runs
-the shaper); and each agent's peak resident memory (VmHWM, over both of its runs).
+the shaper); and each agent's peak resident memory (VmHWM, over both of its runs). With --rounds N the R values run
+interleaved N times (1, 2, 3, 1, 2, 3, ...), each on fresh agents: a figure is the median over the rounds, and the
+CPU ratio to R=1 is each round's (R against that round's R=1), its median and range over the rounds, so that no single
+R=1 run sets it.
 
 Predicted: arceus.swarm.model with every replica a process sharing this host's cores (`SharedHost`, processor
 sharing), calibrated on the R=1 runs and on this machine only: each stage's compute per sample (its agent's CPU,
@@ -34,7 +37,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -298,7 +301,30 @@ class Calibration:
                 cpu_seconds_per_step(stages, w, agents) / w.batch_size)
 
 
-def overhead_note(runs: dict[tuple[int, bool], Run], c: Calibration) -> str:
+def median_run(runs: list[Run]) -> Run:
+    """One R's runs over the rounds as one: each figure the median of the rounds' (per agent or stage: each its own)."""
+    def med(values: list[Any]) -> Any:
+        if isinstance(values[0], list):
+            return [statistics.median(v) for v in zip(*values, strict=True)]
+        return statistics.median(values)
+    return Run(**{f.name: (getattr(runs[0], f.name) if f.name in ("replicas", "shaped")
+                           else med([getattr(r, f.name) for r in runs])) for f in fields(Run)})
+
+
+def cpu_ratios(rounds: dict[tuple[int, bool], list[Run]]) -> dict[tuple[int, bool], list[float]]:
+    """Each R's agent CPU per sample over R=1's of the same round and links, round by round."""
+    return {key: [r.agent_cpu_per_sample / one.agent_cpu_per_sample
+                  for r, one in zip(runs, rounds[(1, key[1])], strict=True)] for key, runs in rounds.items()}
+
+
+def ratio_text(ratios: list[float]) -> str:
+    """The median ratio, and with several rounds its range over them."""
+    spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+    return f"{statistics.median(ratios):.2f}×{spread}"
+
+
+def overhead_note(runs: dict[tuple[int, bool], Run], ratios: dict[tuple[int, bool], list[float]],
+                  c: Calibration) -> str:
     """The CPU/sample goal (R > 1 within 1.1x of R=1), met or not, and what the calibrated costs put the extra
     at: the exchange's bytes (sent and received, every replica) and the optimizer steps of the replicas beyond one."""
     w = bench_workload(c.batch_size)
@@ -306,14 +332,15 @@ def overhead_note(runs: dict[tuple[int, bool], Run], c: Calibration) -> str:
     for (replicas, shaped), r in sorted(runs.items()):
         if replicas == 1:
             continue
-        ratio = r.agent_cpu_per_sample / runs[(1, shaped)].agent_cpu_per_sample
+        ratio = statistics.median(ratios[(replicas, shaped)])
         stages = [[Replica(x, Link(0.0, 1e18))] * replicas for x in c.compute]
         handled = 2 * replicas * sum(exchange_bytes_per_replica(stages, w))  # sent and received, every replica
         exchange = c.exchange_cpu_per_byte * handled / w.batch_size
         optimizer = c.replica_overhead_s * (replicas - 1) * len(w.gradient_bytes) / w.batch_size
         extra = r.agent_cpu_per_sample - runs[(1, shaped)].agent_cpu_per_sample
         parts.append(
-            f"R={replicas} {'shaped' if shaped else 'loopback'} {ratio:.2f}× ({'met' if ratio <= 1.1 else 'not met'}: "
+            f"R={replicas} {'shaped' if shaped else 'loopback'} {ratio_text(ratios[(replicas, shaped)])} "
+            f"({'met' if ratio <= 1.1 else 'not met'}: "
             f"{extra * 1000:+.1f} ms/sample, of which the exchange {exchange * 1000:.1f} and the extra optimizer "
             f"steps {optimizer * 1000:.1f} by the calibration)"
         )
@@ -385,8 +412,13 @@ def main() -> None:
                         help="at scale: a rewind's re-placement after that, before its checkpoint loads "
                              "(bench/fault_trials.py: recovery 7-10 s from the kill)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the R values interleaved this many times (1, 2, 3, 1, 2, 3, ...): figures are the "
+                             "medians over the rounds, the CPU ratio to R=1 each round's against its own R=1")
     parser.add_argument("--no-write", action="store_true", help="do not rewrite docs/BENCHMARKS.md")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if args.steps <= WARMUP + 1:
         parser.error(f"--steps must exceed the {WARMUP} warm-up steps")
     if args.replicas[0] != 1 or any(not 1 <= r <= MICRO_BATCHES for r in args.replicas):
@@ -400,12 +432,15 @@ def main() -> None:
         parser.error(f"--batch-size {args.batch_size}: {exc}")
 
     load, started = os.getloadavg(), time.perf_counter()
-    runs: dict[tuple[int, bool], Run] = {}
+    rounds: dict[tuple[int, bool], list[Run]] = {}
     with tempfile.TemporaryDirectory(prefix="arceus-swarm-scaling-") as workdir:
-        for replicas in args.replicas:
-            for r in measure(replicas, args.steps, shape, Path(workdir), dataset, args.links):
-                runs[(r.replicas, r.shaped)] = r
+        for k in range(args.rounds):
+            for replicas in args.replicas:
+                for r in measure(replicas, args.steps, shape, Path(workdir) / f"round{k}", dataset, args.links):
+                    rounds.setdefault((r.replicas, r.shaped), []).append(r)
     load_after = os.getloadavg()
+    runs = {key: median_run(rs) for key, rs in rounds.items()}
+    ratios = cpu_ratios(rounds)
     stage_params = [sum(model_spec_from_config(MODEL).layer_params()[a:b]) for a, b in zip(BOUNDS, BOUNDS[1:],
                                                                                             strict=False)]
     mean_params = round(sum(stage_params) / len(stage_params))
@@ -416,17 +451,20 @@ def main() -> None:
     rows, figures = "", {}
     for (replicas, shaped), r in runs.items():
         rate, cpu = calibration.predict(replicas, shaped, shape, r.free_cores)
-        ratio = r.agent_cpu_per_sample / runs[(1, shaped)].agent_cpu_per_sample
+        ratio = statistics.median(ratios[(replicas, shaped)])
         rows += (f"| {replicas} | {'shaped' if shaped else 'loopback'} | {r.samples_per_s:.2f} | {rate:.2f} | "
                  f"{r.samples_per_s / rate - 1:+.0%} | {r.free_cores:.2f} | {r.agent_cpu_per_sample * 1000:.1f} | "
                  f"{cpu * 1000:.1f} | "
-                 f"{ratio:.2f}× | {r.own_cpu_per_step:.2f} | {r.bytes_sent_per_step / 1e6:.1f} | "
+                 f"{ratio_text(ratios[(replicas, shaped)])} | {r.own_cpu_per_step:.2f} | "
+                 f"{r.bytes_sent_per_step / 1e6:.1f} | "
                  f"{max(r.peak_rss_mib):.0f} | {r.loss:.4f} |\n")
         key = f"r{replicas}_{'shaped' if shaped else 'loopback'}"
         figures[f"{key}_samples_per_s"] = round(r.samples_per_s, 3)
         figures[f"{key}_predicted_samples_per_s"] = round(rate, 3)
         figures[f"{key}_agent_cpu_ms_per_sample"] = round(r.agent_cpu_per_sample * 1000, 2)
         figures[f"{key}_cpu_ratio_to_r1"] = round(ratio, 3)
+        if args.rounds > 1:
+            figures[f"{key}_cpu_ratio_to_r1_rounds"] = [round(x, 3) for x in ratios[(replicas, shaped)]]
         figures[f"{key}_peak_rss_mib_max"] = round(max(r.peak_rss_mib), 1)
     measured_table = (
         "| R | links | samples/s | predicted | measured vs predicted | free cores | agent CPU ms/sample | "
@@ -448,8 +486,8 @@ def main() -> None:
         figures[f"scale_{transfer}_best_r"] = best["replicas"]
         figures[f"scale_{transfer}_best_churn_samples_per_s"] = round(best["churn"], 3)
     figures.update(bench_seconds=round(time.perf_counter() - started))
-    figures.update(steps=args.steps, warmup_steps=WARMUP, delay_ms=args.delay_ms, rate_mbit=args.rate_mbit,
-                   load_average_1m=[round(load[0], 2), round(load_after[0], 2)])
+    figures.update(steps=args.steps, warmup_steps=WARMUP, rounds=args.rounds, delay_ms=args.delay_ms,
+                   rate_mbit=args.rate_mbit, load_average_1m=[round(load[0], 2), round(load_after[0], 2)])
 
     params = sum(model_spec_from_config(MODEL).layer_params())
     c = calibration
@@ -461,8 +499,12 @@ def main() -> None:
         f"per run, {WARMUP} warm-up not timed. Shaped: every agent behind its own shaper link, {args.delay_ms:g} ms "
         f"one way, {args.rate_mbit:g} Mbit/s per direction (each connection shaped on its own). Agent CPU: "
         "utime + stime of every agent over each measured step, over its samples. Every figure the median of the "
-        "measured steps'. Peak RSS: VmHWM of each agent "
-        "after both of its runs.\n\n"
+        "measured steps'"
+        + ("" if args.rounds == 1 else
+           f"; the R values ran interleaved {args.rounds} times (1, 2, 3, 1, 2, ...), each on fresh agents, and each "
+           "figure is the median over those rounds; CPU/sample vs R=1 is each round's ratio to its own R=1: "
+           "the median (the range over the rounds)")
+        + ". Peak RSS: VmHWM of each agent after both of its runs.\n\n"
         "Predicted: `arceus.swarm.model.shared_host_samples_per_second`: the step replayed with every replica a "
         "process sharing the host's cores (processor sharing: n computing at once on c cores each run at "
         "min(1, c/n)), with the cores free during each run's measured steps (the cores less what other processes "
@@ -479,7 +521,7 @@ def main() -> None:
         "step and its exchange's bytes. Shaped links as the shaper makes them: each connection, so each peer a "
         "replica sends to, a link of its own.\n\n"
         + measured_table
-        + "\n" + overhead_note(runs, calibration) + "\n"
+        + "\n" + overhead_note(runs, ratios, calibration) + "\n"
         + f"\nAt scale (simulated, `arceus.swarm.churn` over `arceus.swarm.model`): a {SCALE_PARAMS / 1e9:g}B-"
         f"parameter model in {SCALE_STAGES} stages, {SCALE_DEVICES} devices of {SCALE_FLOPS[0] / 1e12:g}-"
         f"{SCALE_FLOPS[1] / 1e12:g} TFLOP/s achieved (log-uniform, seed {args.seed}; 6 × parameters × tokens "
