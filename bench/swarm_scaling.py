@@ -318,8 +318,8 @@ def cpu_ratios(rounds: dict[tuple[int, bool], list[Run]]) -> dict[tuple[int, boo
 
 
 def ratio_text(ratios: list[float]) -> str:
-    """The median ratio, and with several rounds its range over them."""
-    spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 else ""
+    """The median ratio, and with several rounds its range over them (none for R=1's own, always 1)."""
+    spread = f" ({min(ratios):.2f}-{max(ratios):.2f})" if len(ratios) > 1 and min(ratios) != max(ratios) else ""
     return f"{statistics.median(ratios):.2f}×{spread}"
 
 
