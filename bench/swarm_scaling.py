@@ -1,7 +1,7 @@
 """Replicated stages on this machine (1, 2, 3 replicas per stage), on loopback and on shaped links, beside the
 step model's predictions; then the model at scale: a 1B-parameter model in 8 stages over 100 devices under churn.
 
-    .venv/bin/python bench/swarm_scaling.py [--replicas 1 2 3] [--steps 14] [--batch-size 24]
+    .venv/bin/python bench/swarm_scaling.py [--replicas 1 2 3] [--steps 14] [--warmup 2] [--batch-size 24]
                                             [--links loopback shaped] [--delay-ms 20] [--rate-mbit 100]
                                             [--hours 24] [--rounds 1] [--section swarm_scaling] [--no-write]
 
@@ -70,7 +70,7 @@ from devtools.pipeline import driver_token, identity_for, replicated_pipeline_as
 from devtools.shaper import ShaperThread, add_link_arguments, link_shape  # noqa: E402
 
 DATASET = {"name": "text", "batch_size": 24, "val_batch_size": 64, "block_size": 128}  # --batch-size sets the batch
-MICRO_BATCHES, WARMUP, BOUNDS = 6, 2, [0, 3, 5, 8]
+MICRO_BATCHES, WARMUP, BOUNDS = 6, 2, [0, 3, 5, 8]  # --warmup sets the warm-up steps
 CLOCK_TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -101,9 +101,9 @@ class Meter(Clock):
     the end of the last warm-up step and of every step after; then it stops the run (no validation, no final
     checkpoint)."""
 
-    def __init__(self, pids: list[int], steps: int) -> None:
+    def __init__(self, pids: list[int], steps: int, warmup: int) -> None:
         super().__init__()
-        self.pids, self.limit = pids, steps
+        self.pids, self.limit, self.warmup = pids, steps, warmup
         self.steps: list[StepProgress] = []
         self.cpu: list[tuple[list[float], float]] = []
         self.host_busy: list[float] = []
@@ -111,7 +111,7 @@ class Meter(Clock):
     def on_step(self, p: StepProgress) -> None:
         super().on_step(p)
         self.steps.append(p)
-        if len(self.steps) >= WARMUP:
+        if len(self.steps) >= self.warmup:
             self.cpu.append(([cpu_seconds(pid) for pid in self.pids], time.process_time()))
             self.host_busy.append(host_busy_seconds())
 
@@ -135,7 +135,7 @@ class Run:
 
 
 def run(job_id: str, replicas: int, endpoints: list[StageEndpoint], agents: list[AgentProcess], steps: int,
-        shaped: bool, dataset: dict[str, Any]) -> Run:
+        shaped: bool, dataset: dict[str, Any], warmup: int = WARMUP) -> Run:
     plan = TrainPlan(
         job_id=job_id, generation=1, credential=driver_token(job_id, 1),
         stages=tuple(e for e in endpoints if e.replica == 0), replicas=tuple(endpoints), dataset=dataset, epochs=1,
@@ -143,14 +143,14 @@ def run(job_id: str, replicas: int, endpoints: list[StageEndpoint], agents: list
         rpc_timeout_seconds=120.0,
     )
     pids = [a.process.pid for a in agents]
-    meter = Meter(pids, steps)
+    meter = Meter(pids, steps, warmup)
     train(plan, meter)
-    measured = len(meter.steps) - WARMUP
+    measured = len(meter.steps) - warmup
     batch = dataset["batch_size"]
-    first, last = meter.steps[WARMUP - 1], meter.steps[-1]
+    first, last = meter.steps[warmup - 1], meter.steps[-1]
     sent = sum(c.bytes_sent for c in last.stages) - sum(c.bytes_sent for c in first.stages)
     # Per measured step: its wall time, every agent's CPU, this process's; the run's figures are their medians.
-    walls = [b - a for a, b in zip(meter.times[WARMUP - 1:], meter.times[WARMUP:], strict=False)]
+    walls = [b - a for a, b in zip(meter.times[warmup - 1:], meter.times[warmup:], strict=False)]
     agents = [[b - a for a, b in zip(before, after, strict=True)]
               for (before, _), (after, _) in zip(meter.cpu, meter.cpu[1:], strict=False)]
     own = [b - a for (_, a), (_, b) in zip(meter.cpu, meter.cpu[1:], strict=False)]
@@ -160,7 +160,7 @@ def run(job_id: str, replicas: int, endpoints: list[StageEndpoint], agents: list
     others = (meter.host_busy[-1] - meter.host_busy[0] - (sum(agents_last) - sum(agents_first))
               - (own_last - own_first))
     host_cores = os.cpu_count() or 1
-    cores = min(host_cores, max(0.05 * host_cores, host_cores - others / (meter.times[-1] - meter.times[WARMUP - 1])))
+    cores = min(host_cores, max(0.05 * host_cores, host_cores - others / (meter.times[-1] - meter.times[warmup - 1])))
     n = len(BOUNDS) - 1
     return Run(
         replicas=replicas, shaped=shaped,
@@ -177,7 +177,7 @@ def run(job_id: str, replicas: int, endpoints: list[StageEndpoint], agents: list
 
 
 def measure(replicas: int, steps: int, shape: dict[str, float], workdir: Path, dataset: dict[str, Any],
-            links: list[str]) -> list[Run]:
+            links: list[str], warmup: int = WARMUP) -> list[Run]:
     """The runs (loopback, shaped, as `links` names them) of R replicas per stage, on 3R fresh agents hosting
     every job."""
     n = len(BOUNDS) - 1
@@ -218,7 +218,7 @@ def measure(replicas: int, steps: int, shape: dict[str, float], workdir: Path, d
                     )
                     for i, stage in enumerate(addresses) for r, a in enumerate(stage)
                 ]
-                runs.append(run(job_id, replicas, endpoints, agents, steps, shaped, dataset))
+                runs.append(run(job_id, replicas, endpoints, agents, steps, shaped, dataset, warmup))
                 print(f"R={replicas} {'shaped' if shaped else 'loopback'}: {runs[-1]}", file=sys.stderr, flush=True)
         peaks = [peak_rss_mib(a.process.pid) for a in agents]
     finally:
@@ -395,6 +395,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--replicas", type=int, nargs="+", default=[1, 2, 3], help="R values to measure (1 first)")
     parser.add_argument("--steps", type=int, default=14, help="training steps per run")
+    parser.add_argument("--warmup", type=int, default=WARMUP,
+                        help="of those, the first not measured (an agent's heap still grows over its first steps "
+                             "of a replicated stage: docs/BENCHMARKS.md, swarm_scaling_loopback)")
     parser.add_argument("--batch-size", type=int, default=DATASET["batch_size"],
                         help="sequences per step (the exchange's bytes per step do not grow with it)")
     parser.add_argument("--links", nargs="+", choices=["loopback", "shaped"], default=["loopback", "shaped"],
@@ -419,8 +422,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
-    if args.steps <= WARMUP + 1:
-        parser.error(f"--steps must exceed the {WARMUP} warm-up steps")
+    if args.warmup < 1 or args.steps <= args.warmup + 1:
+        parser.error(f"--warmup must be at least 1 and --steps exceed it by 2 or more (--steps {args.steps}, "
+                     f"--warmup {args.warmup})")
     if args.replicas[0] != 1 or any(not 1 <= r <= MICRO_BATCHES for r in args.replicas):
         parser.error(f"--replicas must start with 1 (the calibration) and stay within 1..{MICRO_BATCHES}")
     if "loopback" not in args.links:
@@ -436,7 +440,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="arceus-swarm-scaling-") as workdir:
         for k in range(args.rounds):
             for replicas in args.replicas:
-                for r in measure(replicas, args.steps, shape, Path(workdir) / f"round{k}", dataset, args.links):
+                for r in measure(replicas, args.steps, shape, Path(workdir) / f"round{k}", dataset, args.links,
+                                 args.warmup):
                     rounds.setdefault((r.replicas, r.shaped), []).append(r)
     load_after = os.getloadavg()
     runs = {key: median_run(rs) for key, rs in rounds.items()}
@@ -486,7 +491,7 @@ def main() -> None:
         figures[f"scale_{transfer}_best_r"] = best["replicas"]
         figures[f"scale_{transfer}_best_churn_samples_per_s"] = round(best["churn"], 3)
     figures.update(bench_seconds=round(time.perf_counter() - started))
-    figures.update(steps=args.steps, warmup_steps=WARMUP, rounds=args.rounds, delay_ms=args.delay_ms,
+    figures.update(steps=args.steps, warmup_steps=args.warmup, rounds=args.rounds, delay_ms=args.delay_ms,
                    rate_mbit=args.rate_mbit, load_average_1m=[round(load[0], 2), round(load_after[0], 2)])
 
     params = sum(model_spec_from_config(MODEL).layer_params())
@@ -496,8 +501,9 @@ def main() -> None:
         f"{os.cpu_count()} cores). GPT of `bench/pipeline_vs_torch.py` ({params / 1e6:.2f}M parameters) in 3 stages "
         f"(boundaries {BOUNDS}), batch {args.batch_size} × {DATASET['block_size']} tokens, M={MICRO_BATCHES}, "
         f"Adam, GPipe; R replicas per stage, each a static agent (one process, one torch thread); {args.steps} steps "
-        f"per run, {WARMUP} warm-up not timed. Shaped: every agent behind its own shaper link, {args.delay_ms:g} ms "
-        f"one way, {args.rate_mbit:g} Mbit/s per direction (each connection shaped on its own). Agent CPU: "
+        f"per run, {args.warmup} warm-up not timed. Shaped: every agent behind its own shaper link, "
+        f"{args.delay_ms:g} ms one way, {args.rate_mbit:g} Mbit/s per direction (each connection shaped on its own). "
+        "Agent CPU: "
         "utime + stime of every agent over each measured step, over its samples. Every figure the median of the "
         "measured steps'"
         + ("" if args.rounds == 1 else
