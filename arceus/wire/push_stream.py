@@ -28,6 +28,10 @@ log = logging.getLogger(__name__)
 METHOD = "/arceus.v1.StageService/PushStream"
 # The call's own deadline. A push whose timeout would outlive the open call goes to a fresh one.
 STREAM_SECONDS = 3600.0
+# How often an idle call's watchdog looks at its pushes. It sleeps until the earliest deadline it knows of, and a push
+# wakes it only if due before it looks next: a wake-up per push (a thread switch and the GIL) was a good part of each
+# micro-batch's hop (docs/BENCHMARKS.md, pipeline_vs_single).
+IDLE_WATCH_SECONDS = 1.0
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
@@ -115,6 +119,7 @@ class _Call:
         self._ends = time.monotonic() + lifetime
         self._closing = False
         self.broken = False
+        self._watch_at = 0.0  # when the watchdog looks next (time.monotonic())
         self._responses = method(self._request_iterator(), timeout=lifetime, metadata=metadata)
         for target, name in ((self._read, "push-acks"), (self._watch, "push-deadlines")):
             threading.Thread(target=target, name=name, daemon=True).start()
@@ -129,7 +134,7 @@ class _Call:
             if self.broken or self._closing:
                 return False
             deadline = time.monotonic() + timeout
-            if all(deadline < p.deadline for p in self._pending):  # the watchdog sleeps until the earliest
+            if deadline < self._watch_at:  # woken only when it would look too late: not once a push
                 self._cond.notify_all()
             self._pending.append(_Pending(push.key, future, deadline))
         self._requests.put(push)
@@ -180,14 +185,17 @@ class _Call:
     def _watch(self) -> None:
         with self._cond:
             while not self.broken:
+                now = time.monotonic()
                 if not self._pending:
                     if self._closing:
                         return
-                    self._cond.wait(max(1.0, self._ends - time.monotonic()))
+                    self._watch_at = now + IDLE_WATCH_SECONDS
+                    self._cond.wait(IDLE_WATCH_SECONDS)
                     continue
-                overdue = min(p.deadline for p in self._pending) - time.monotonic()
+                overdue = min(p.deadline for p in self._pending) - now
                 if overdue <= 0:
                     break
+                self._watch_at = now + overdue
                 self._cond.wait(overdue)
             else:
                 return

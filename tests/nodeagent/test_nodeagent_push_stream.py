@@ -178,6 +178,21 @@ def test_an_unacked_push_fails_by_its_deadline_and_the_next_push_reopens(
     assert servicer.streams == 2
 
 
+def test_a_push_due_before_the_ones_in_flight_is_held_to_its_own_deadline(
+    flaky: tuple[FlakyServicer, PushStream],
+) -> None:
+    """The deadline watchdog sleeps until the earliest deadline it knows; a push due sooner must wake it."""
+    servicer, pushes = flaky
+    servicer.mode = "silent"
+    late = pushes.push(activation(1), timeout=60)
+    time.sleep(0.2)  # the watchdog now sleeps until the late push's deadline
+    started = time.monotonic()
+    error = failure(pushes.push(activation(2), timeout=0.5))
+    assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - started < 3
+    assert failure(late).code() == grpc.StatusCode.DEADLINE_EXCEEDED  # the stream they shared was cancelled
+
+
 def test_a_closed_stream_refuses_pushes(flaky: tuple[FlakyServicer, PushStream]) -> None:
     _, pushes = flaky
     pushes.close()
