@@ -518,7 +518,10 @@ class Pipeline:
         """Let replicas the control plane took off the job leave (`plan.replica_placed`; a stage's last stays, as
         the control plane rewinds a stage that lost every replica), then add the replicas ready to join
         (`plan.replica_joins`), each after copying its stage's state from the stage's lowest live replica; one
-        that cannot copy now is left for a later step."""
+        that cannot copy now is left for a later step. A live replica fenced earlier (`_blame`) joins again the same
+        way once its wait is over, while the control plane places it: one placed with the job too, which the control
+        plane would never offer as a joiner."""
+        placed = None
         if self.plan.replica_placed is not None:
             placed = self.plan.replica_placed()
             members = roster.members()
@@ -528,8 +531,10 @@ class Pipeline:
                 roster.remove(left)
                 self._forget(roster, left)
                 log.info("job %s: replicas %s were taken off the job; going on without them", self.plan.job_id, left)
-        for endpoint in self.plan.replica_joins() if self.plan.replica_joins else ():
-            key = (endpoint.index, endpoint.replica)
+        joins = self.plan.replica_joins() if self.plan.replica_joins else ()
+        offered = {(e.index, e.replica): e for e in roster.fenced() if placed is None or (e.index, e.replica) in placed}
+        offered.update({(e.index, e.replica): e for e in joins})
+        for key, endpoint in sorted(offered.items()):
             if not roster.may_join(key, self._train_step):
                 continue
             source = self.replica_clients[(endpoint.index, min(roster.members()[endpoint.index]))].endpoint

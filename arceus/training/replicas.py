@@ -44,6 +44,7 @@ class ReplicaRoster:
         # first train step each may join again at.
         self._lost: set[ReplicaKey] = set()
         self._fenced: dict[ReplicaKey, tuple[int, int]] = {}
+        self._fenced_endpoints: dict[ReplicaKey, StageEndpoint] = {}
 
     def add(self, endpoint: StageEndpoint, most: int) -> None:
         """Let a replica that copied its stage's state take micro-batches from the next step (a new epoch);
@@ -80,9 +81,14 @@ class ReplicaRoster:
         again (copying its state anew) from train step `train_step + 2**(n-1)` on, the n-th time it is fenced: a
         newcomer that failed by a passing fault comes back a step later, one that keeps failing ever more rarely."""
         times = self._fenced.get(key, (0, 0))[0] + 1
+        self._fenced_endpoints[key] = self.endpoints[key]
         self.remove([key])
         self._lost.discard(key)
         self._fenced[key] = (times, train_step + 2 ** (times - 1))
+
+    def fenced(self) -> list[StageEndpoint]:
+        """The fenced live replicas that are not members now (each may join again: `may_join`)."""
+        return [e for key, e in self._fenced_endpoints.items() if key not in self.endpoints]
 
     def renew(self) -> None:
         """A new membership epoch with the same members: every message of the older one is refused."""
