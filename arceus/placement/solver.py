@@ -10,7 +10,8 @@ so the solver minimises that bottleneck; a stage never needs more memory than it
 weights, gradients and optimizer state, plus what autograd keeps for each micro-batch it holds at once: all of
 a step's under GPipe, fewer the later the stage under 1F1B); and among placements within `PRICE_TOLERANCE`
 of the fastest, the cheapest per hour wins, within the budget, and among those the one with the fewest relayed
-devices.
+devices. On the devices it chose, the layers are then cut so that the fullest device is least full among the cuts no
+slower (`_most_headroom`): only the bottleneck stage sets the pace, and the other cuts are free.
 
 The search is exact for this cost model: dynamic programming over (layers placed, set of devices used),
 O(n² · d · 2^d) for n layers and d candidate devices, so only the `max_candidates` best devices by speed
@@ -512,7 +513,54 @@ def _search(
     _, price, _, mask = min(
         (o for o in options if o[0] <= fastest * (1 + PRICE_TOLERANCE)), key=lambda o: (o[1], o[2], o[0], o[3])
     )
-    return _placement(layers, units, workload, back, mask, best[n][mask], price)
+    try:
+        back, bottleneck = _most_headroom(layers, units, cost, workload, mask, best[n][mask], widths, watch)
+    except _OutOfTime:  # the search's own cut of the layers stands; the caller sees the time is up at its next check
+        bottleneck = best[n][mask]
+    return _placement(layers, units, workload, back, mask, bottleneck, price)
+
+
+def _most_headroom(
+    layers: Sequence[LayerProfile],
+    units: Sequence[_Unit],
+    cost: list[list[list[float]]],
+    workload: Workload,
+    mask: int,
+    limit: float,
+    widths: Callable[[int], int],
+    watch: _Watch,
+) -> tuple[dict[tuple[int, int], tuple[int, int]], float]:
+    """The cut of the layers over the units in `mask` (stages in the order of `_search`) whose fullest unit is least
+    full (its stage's memory over the unit's), among those whose every stage takes at most `limit` seconds (the
+    search's bottleneck, so no slower); its back-pointers and bottleneck. Only the bottleneck stage sets the pace, so
+    the search's first cut among equally fast ones left a stage at its device's limit beside one half full
+    (docs/BENCHMARKS.md, the 300M run). Exact: a min-max over the same DP, the search's own cut among the candidates."""
+    n, count = len(layers), bin(mask).count("1")
+    members = [k for k in range(len(units)) if mask >> k & 1]
+    fullest: list[dict[int, float]] = [dict() for _ in range(n + 1)]
+    fullest[0][0] = 0.0
+    back: dict[tuple[int, int], tuple[int, int]] = {}
+    for i in range(1, n + 1):
+        for s in range(i):
+            for used_mask, value in fullest[s].items():
+                watch.step()
+                used = bin(used_mask).count("1")
+                for k in members:
+                    bit, unit = 1 << k, units[k]
+                    if used_mask & bit or cost[s][i][k] > limit or unit.ranks != widths(used):
+                        continue
+                    need = placed_stage_memory(layers[s:i], workload, used, count, unit.ranks)
+                    if need > unit.device.memory_bytes:
+                        continue
+                    full = max(value, need / unit.device.memory_bytes)
+                    if full < fullest[i].get(used_mask | bit, math.inf):
+                        fullest[i][used_mask | bit] = full
+                        back[(i, used_mask | bit)] = (s, k)
+    bottleneck, i, left = 0.0, n, mask
+    while i > 0:
+        s, k = back[(i, left)]
+        bottleneck, i, left = max(bottleneck, cost[s][i][k]), s, left & ~(1 << k)
+    return back, bottleneck
 
 
 def _stage_widths(

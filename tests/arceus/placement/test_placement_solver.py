@@ -115,6 +115,47 @@ def test_the_solver_is_within_five_percent_of_the_optimum_and_never_overfills_a_
                if b <= optimum * (1 + PRICE_TOLERANCE))
 
 
+@st.composite
+def even_problems(draw: st.DrawFn) -> tuple[list[LayerProfile], list[Device], int, int, float | None]:
+    """A model of equal blocks (a GPT's) on equally fast devices: many cuts are as fast as the fastest."""
+    block = LayerProfile(1e7, draw(st.integers(1000, 5000)), 1024, stash_bytes_per_sample=draw(st.integers(0, 1000)))
+    layers = [block] * draw(st.integers(3, 8))
+    devices = [Device(f"d{i}", 1e9, draw(st.integers(50_000, 400_000))) for i in range(draw(st.integers(2, 4)))]
+    stages = draw(st.integers(2, len(devices)))
+    return layers, devices, stages, stages, None
+
+
+@settings(max_examples=200, deadline=None)
+@given(problem=st.one_of(problems(), even_problems()), workload=st.sampled_from([WORKLOAD, ONE_F_ONE_B]))
+def test_among_cuts_as_fast_the_fullest_device_is_least_full(problem, workload) -> None:
+    """Only the bottleneck stage sets the pace: of every cut of the layers over the chosen devices (in any order) that
+    is no slower, none leaves its fullest device (its stage's memory over the device's) less full."""
+    layers, devices, low, _, budget = problem
+    try:
+        placement = solve(layers, devices, workload, min_stages=low, max_stages=low, max_price_per_hour=budget)
+    except PlacementError:
+        return
+    by_id = {d.id: d for d in devices}
+    chosen, n, k = [by_id[s.device_id] for s in placement.stages], len(layers), len(placement.stages)
+
+    def fullness(spans: list[tuple[int, int]], order: tuple[Device, ...]) -> float:
+        return max(stage_memory(layers[s:e], workload, in_flight=workload.in_flight(i, k)) / d.memory_bytes
+                   for i, ((s, e), d) in enumerate(zip(spans, order, strict=True)))
+
+    def seconds(spans: list[tuple[int, int]], order: tuple[Device, ...]) -> float:
+        return max(stage_seconds(layers[s:e], d, workload, last=e == n,
+                                 input_bytes_per_sample=layers[s - 1].output_bytes_per_sample if s else 0)
+                   for (s, e), d in zip(spans, order, strict=True))
+
+    found = fullness([(s.layer_start, s.layer_end) for s in placement.stages], tuple(chosen))
+    assert found <= 1.0
+    for order in itertools.permutations(chosen):
+        for cuts in itertools.combinations(range(1, n), k - 1):
+            spans = list(itertools.pairwise([0, *cuts, n]))
+            if seconds(spans, order) <= placement.bottleneck_seconds * (1 + 1e-12):
+                assert fullness(spans, order) >= found - 1e-12
+
+
 @settings(max_examples=200, deadline=None)
 @given(problem=problems(), relayed=st.sets(st.integers(0, 3)))
 def test_relaying_a_device_never_speeds_its_stage_or_the_pipeline_up(problem, relayed) -> None:
