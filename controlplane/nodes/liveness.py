@@ -84,9 +84,26 @@ def leases_forget(node_ids: Iterable[object]) -> None:
         pipe.execute()
 
 
-def leases_read(floors: Mapping[str, datetime], now: datetime) -> dict[str, Liveness]:
-    """The liveness of the nodes in `floors` (node id -> registration time), in two round trips whatever their
-    number; old entries are pruned on the way (FORGET_AFTER)."""
+@dataclass(frozen=True)
+class LeaseScores:
+    """The liveness set as one read saw it, as Redis holds it: node id -> last renewal (Unix seconds), node id ->
+    host busy fraction, and since when Redis holds leases. Raw, so that a reader keeping views between reads (the
+    reconciler's) compares a node's score and builds a `Liveness` only for the nodes whose heartbeat came."""
+
+    renewed: dict[str, float]
+    busy: dict[str, float]
+    since: datetime
+
+    def liveness(self, node_id: str, floor: datetime) -> Liveness:
+        """`node_id`'s liveness, `floor` its registration time (its lease row's `renewed_at`)."""
+        score = self.renewed.get(node_id)
+        at = datetime.fromtimestamp(score, UTC) if score is not None else max(floor, self.since)
+        return Liveness(at, self.busy.get(node_id))
+
+
+def lease_scores(now: datetime) -> LeaseScores:
+    """Every node's liveness entries in two round trips whatever their number; old entries are pruned on the way
+    (FORGET_AFTER)."""
     client = redis_client()
     pipe = client.pipeline(transaction=False)
     pipe.zremrangebyscore(LEASES, "-inf", (now - FORGET_AFTER).timestamp())
@@ -97,15 +114,18 @@ def leases_read(floors: Mapping[str, datetime], now: datetime) -> dict[str, Live
     if since is None:  # Redis lost its leases (or never held any): everyone's lease starts now
         client.set(SINCE, now.timestamp(), nx=True)
         since = client.get(SINCE)
-    since_at = datetime.fromtimestamp(float(since), UTC)
-    renewed = {member.decode(): float(score) for member, score in _pairs(scores)}
-    fractions = {k.decode(): float(v) for k, v in busy.items()}
-    out = {}
-    for node_id, floor in floors.items():
-        score = renewed.get(node_id)
-        at = datetime.fromtimestamp(score, UTC) if score is not None else max(floor, since_at)
-        out[node_id] = Liveness(at, fractions.get(node_id))
-    return out
+    return LeaseScores(
+        renewed={member.decode(): float(score) for member, score in _pairs(scores)},
+        busy={k.decode(): float(v) for k, v in busy.items()},
+        since=datetime.fromtimestamp(float(since), UTC),
+    )
+
+
+def leases_read(floors: Mapping[str, datetime], now: datetime) -> dict[str, Liveness]:
+    """The liveness of the nodes in `floors` (node id -> registration time), in two round trips whatever their
+    number (`lease_scores`)."""
+    scores = lease_scores(now)
+    return {node_id: scores.liveness(node_id, floor) for node_id, floor in floors.items()}
 
 
 def _pairs(reply: list[Any]) -> Iterable[tuple[bytes, Any]]:

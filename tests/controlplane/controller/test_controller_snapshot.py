@@ -4,6 +4,7 @@ every change to what a pass decides from is still seen at the very next pass. Th
 
 from __future__ import annotations
 
+from dataclasses import replace
 from datetime import timedelta
 
 import pytest
@@ -16,7 +17,7 @@ from controlplane.controller.executor import execute, reconcile_once
 from controlplane.controller.snapshot import NODE_ROWS, job_layers, load_snapshot
 from controlplane.jobs.models import Job, Stage
 from controlplane.nodes.liveness import lease_renew
-from controlplane.nodes.models import Node, ReadyStatus
+from controlplane.nodes.models import Node, NodeLink, ReadyStatus
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
@@ -56,12 +57,24 @@ def test_an_owners_controls_and_capabilities_are_seen_at_the_next_pass(ready_nod
 
 def test_liveness_and_readiness_are_seen_at_the_next_pass(ready_node) -> None:
     node = ready_node("n0")
-    before = _views()["n0"].lease_renewed_at
-    later = before + timedelta(seconds=3)
-    lease_renew(node_id=node.pk, now=later)  # Redis only: no row changes
-    assert _views()["n0"].lease_renewed_at == later
+    view = _views()["n0"]
+    later = view.lease_renewed_at + timedelta(seconds=3)
+    lease_renew(node_id=node.pk, now=later)  # Redis only: no row changes, the kept view is given its renewal
+    assert _views()["n0"] == replace(view, lease_renewed_at=later)
+    Node.objects.filter(pk=node.pk).update(idle_only=True, idle_cpu_threshold=0.5)
+    assert not _views()["n0"].paused
+    lease_renew(node_id=node.pk, now=later, host_busy_fraction=0.9)  # the same renewal, another host load
+    assert "its owner is using it" in _views()["n0"].pause_reason
     Node.objects.filter(pk=node.pk).update(ready_status=ReadyStatus.UNKNOWN)
     assert _views()["n0"].ready_status == ReadyStatus.UNKNOWN
+
+
+def test_a_nodes_measured_neighbour_link_is_seen_at_the_next_pass(ready_node) -> None:
+    a, b = ready_node("n0"), ready_node("n1", port=50052)
+    assert _views()["n0"].bandwidth_bytes_per_s == _views()["n1"].bandwidth_bytes_per_s  # unmeasured: the same
+    NodeLink.objects.create(from_node=a, to_node=b, rtt_seconds=0.04, bandwidth_bytes_per_second=1e6,
+                            measured_at=timezone.now())  # its node's row is left as it was
+    assert (_views()["n0"].bandwidth_bytes_per_s, _views()["n0"].latency_s) == (1e6, 0.02)
 
 
 def test_deleted_and_new_nodes_are_seen_at_the_next_pass(ready_node) -> None:
