@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
 
@@ -164,7 +164,7 @@ def plan(
             if max_placements is not None and placements >= max_placements:
                 continue  # the next pass places it (jobs stay oldest first)
             placements += 1
-            action = _place(job, free, now, solver_budget)
+            action = _place(job, free, nodes, now, solver_budget)
             if isinstance(action, PlaceJob):
                 taken = {s.node_id for s in action.stages}
         elif job.status in ACTIVE_STATUSES:
@@ -181,9 +181,20 @@ def plan(
                 taken = {s.node_id for s in action.stages}
         if action is not None:
             actions.append(action)
-            if taken:  # most actions take no node (a condition, a driver started): `free` is 10,000 long
-                free = [n for n in free if n.id not in taken]
+            _take(free, taken)
     return actions
+
+
+def _take(free: list[NodeView], taken: set[str | None]) -> None:
+    """`free` less the nodes of `taken`, in place. Those taken are mostly among the fastest, `free`'s head: the scan
+    stops once it found them all, where a new list of the other 10,000 cost ~3 ms for each job placed."""
+    left = taken - {None}
+    i = 0
+    while left and i < len(free):
+        if free[i].id in left:
+            left.discard(free.pop(i).id)
+        else:
+            i += 1
 
 
 def _supervise(
@@ -517,25 +528,31 @@ def _replace_lost(
     move, unplace the lost ranks (releasing dead nodes) and wait as pending."""
     if not job.stages:  # e.g. deleted by hand in the admin
         return RequeueJob(job.id, job.generation, "StagesMissing", "the placement has no stages")
-    candidates = _candidates(job, free, now)
+    moved_to: set[str] = set()
+
+    def spare() -> Iterator[NodeView]:
+        """`_candidates` not taken by a move yet, looked at as needed: a move takes one of the first few of 10,000
+        free nodes, and listing the candidates among them all cost ~6 ms for each job with a lost stage."""
+        return (n for n in free if n.id not in moved_to and _takes(job, n) and not _silent(n, job, now))
+
     moves: list[tuple[int, int, int, str | None]] = []
     unplaceable: list[str] = []
     nowhere: list[str] = []  # lost stages Ready nodes are, free or busy, all too small for
     for stage in sorted(lost, key=lambda s: (-_stage_memory(job, s), s.index, s.rank)):
         need = _stage_memory(job, stage)
-        node = next((n for n in candidates if n.memory_bytes >= need), None)
+        node = next((n for n in spare() if n.memory_bytes >= need), None)
         if node is None:
             layers = f"layers {stage.layer_start}-{stage.layer_end - 1}"
             unplaceable.append(
-                f"{_stage_label(job, stage)} ({layers}, needs {need:,} bytes{_shortfall(job, need, candidates)})"
+                f"{_stage_label(job, stage)} ({layers}, needs {need:,} bytes{_shortfall(job, need, list(spare()))})"
             )
             if _too_small_everywhere(job, need, lost, nodes, now):
                 nowhere.append(_stage_label(job, stage))
         else:
-            candidates.remove(node)
+            moved_to.add(node.id)
             moves.append((*stage.key, node.id))
     if not unplaceable and job.requirements.owner_diversity:
-        unplaceable += _owners_apart(job, lost, moves, nodes, candidates)
+        unplaceable += _owners_apart(job, lost, moves, nodes, spare)
     by_key = {s.key: s for s in lost}
     old = {key: _node_label(job, nodes, s.node_id) for key, s in by_key.items()}
     paused = {
@@ -601,10 +618,10 @@ def _too_small_everywhere(
 def _owners_apart(
     job: JobView, lost: list[PlacedStage], moves: list[tuple[int, int, int, str | None]],
     nodes: Mapping[str, NodeView],
-    spare: list[NodeView],
+    spare: Callable[[], Iterable[NodeView]],
 ) -> list[str]:
     """When `moves` would leave one owner holding (a replica of) every stage, one of them goes to another owner's
-    free node with room instead; with none, what the job waits for."""
+    free node with room instead (`spare()`: the candidates no move took); with none, what the job waits for."""
     def holder(moved: list[tuple[int, int, int, str | None]]) -> str | None:
         target = {(i, r, p): n for i, r, p, n in moved}
         rows = [(s.index, s.replica, target.get(s.key, s.node_id)) for s in job.stages]
@@ -617,7 +634,7 @@ def _owners_apart(
     lost_by_key = {s.key: s for s in lost}
     for k, (index, rank, replica, _) in enumerate(moves):
         need = _stage_memory(job, lost_by_key[index, rank, replica])
-        for other in (n for n in spare if n.owner != owner and n.memory_bytes >= need):
+        for other in (n for n in spare() if n.owner != owner and n.memory_bytes >= need):
             if holder(moved := [*moves[:k], (index, rank, replica, other.id), *moves[k + 1:]]) is None:
                 moves[:] = moved
                 return []
@@ -670,7 +687,9 @@ def _node_label(job: JobView, nodes: Mapping[str, NodeView], node_id: str | None
     return node_label(node_id=node_id, name=node.name or node_id, owner_id=node.owner, viewer_id=job.owner)
 
 
-def _place(job: JobView, free: list[NodeView], now: datetime, budget: Budget | None) -> Action | None:
+def _place(
+    job: JobView, free: list[NodeView], nodes: Mapping[str, NodeView], now: datetime, budget: Budget | None
+) -> Action | None:
     if job.spec_error is not None:
         return FailJob(job.id, job.generation, "InvalidModel", job.spec_error)
     req = job.requirements
@@ -741,8 +760,7 @@ def _place(job: JobView, free: list[NodeView], now: datetime, budget: Budget | N
         if isinstance(replicated, str):
             return _condition(job, Condition("Placed", FALSE, "WaitingForNodes", replicated), now)
         stages = replicated
-    chosen = {s.node_id for s in stages}
-    placed = {n.id: n for n in free if n.id in chosen}
+    placed = {s.node_id: nodes[s.node_id] for s in stages}  # each of `free`: by id, not a scan of 10,000
     names = {node_id: _node_label(job, placed, node_id) for node_id in placed}
     message = (
         f"{len(placement.stages)} stage{'s' if len(placement.stages) != 1 else ''} on "
