@@ -48,13 +48,17 @@ class PushTracker:
         *,
         replica: int = 0,
         delivered: Callable[[], None] | None = None,
+        ack_later: bool = False,
     ) -> Encoded:
         """Start the push to every rank of the neighbour (`links`; `replica`: which replica of it, where the
         stage is replicated); returns the payload as encoded (what the receivers will decode). `delivered`: called
-        once the neighbour accepted it."""
+        once the neighbour accepted it. `ack_later`: a later push of this step to the same links follows
+        (arceus.wire.push_stream.outgoing_push)."""
         # Encoded once, per the job's transfer setting; top-k error feedback is kept per micro-batch slot.
         encoded = self._stage.transfer.encode(tensor, gradient=kind == stage_pb2.GRADIENT, stream=micro_batch)
-        self.send_encoded(links, target_index, kind, micro_batch, encoded, replica=replica, delivered=delivered)
+        self.send_encoded(
+            links, target_index, kind, micro_batch, encoded, replica=replica, delivered=delivered, ack_later=ack_later
+        )
         return encoded
 
     def send_encoded(
@@ -67,10 +71,12 @@ class PushTracker:
         *,
         replica: int = 0,
         delivered: Callable[[], None] | None = None,
+        ack_later: bool = False,
     ) -> None:
         """`send` of a payload already encoded (a kept tensor sent again)."""
         push = outgoing_push(
-            self._stage.ref(target_index, replica), kind, self._step, micro_batch, encoded, epoch=self._epoch
+            self._stage.ref(target_index, replica), kind, self._step, micro_batch, encoded, epoch=self._epoch,
+            ack_later=ack_later,
         )
         timeout = max(MIN_CALL_TIMEOUT, self._deadline - time.monotonic())
         nbytes = encoded.nbytes

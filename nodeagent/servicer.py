@@ -84,13 +84,17 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         # One ack per request, in order; a refused message is answered with its code and the stream
         # goes on. The stream ends when the sender half-closes, cancels, or the call's deadline passes,
         # or with INVALID_ARGUMENT at bytes that are no request (nothing to ack them by). Each message is
-        # authorized on its own: one stream may carry several kinds, to several stages.
+        # authorized on its own: one stream may carry several kinds, to several stages. A taken request sent with
+        # ack_later is answered by the next ack (each ack costs both sides thread wake-ups: docs/BENCHMARKS.md).
+        unanswered: stage_pb2.PushAck | None = None  # the last taken ack_later request, if not answered yet
         for request in request_iterator:
             if isinstance(request, MalformedPush):
                 log.warning("PushStream -> INVALID_ARGUMENT: %s", request.reason)
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.reason)
             header = request.header
             ack = stage_pb2.PushAck(kind=header.kind, step=header.step, micro_batch=header.micro_batch)
+            if unanswered is not None:
+                ack.also_acked = unanswered.also_acked + 1
             try:
                 self._deliver(request, context, "PushStream")
             except RpcFailure as failure:
@@ -100,7 +104,13 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 log.error("PushStream message failed unexpectedly\n%s", traceback.format_exc())  # (as rpc.serve)
                 ack.code = grpc.StatusCode.INTERNAL.value[0]
                 ack.message = f"PushStream failed unexpectedly: {type(exc).__name__}: {exc}"
+            if ack.code == 0 and header.ack_later:
+                unanswered = ack
+                continue
+            unanswered = None
             yield ack
+        if unanswered is not None:  # the sender half-closed after pushes it left for a later ack
+            yield unanswered
 
     def _deliver(self, request: IncomingPush | MalformedPush, context: grpc.ServicerContext, method: str) -> None:
         """Authorize (by the tensor's kind), resolve, validate, decode and park one pushed tensor. A replica takes a

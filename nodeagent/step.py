@@ -105,6 +105,9 @@ class StepRun:
         self._keeps_exchange = False  # a repair left this replica's stage its completed exchange
         self._skip_output: frozenset[int] = frozenset()
         self._skip_input_gradient: frozenset[int] = frozenset()
+        # A stage that is not replicated sends every activation to the same links, and every gradient: only the last
+        # of each in its schedule is acked on its own, the others with it (one ack a link a step, not one a tensor).
+        self._acked = {act.kind: i for i, act in enumerate(self.actions)} if self.replicas is None else None
 
     def run(self) -> stage_pb2.RunStepReply:
         runtime = self.stage.runtime
@@ -384,7 +387,8 @@ class StepRun:
         if a.sends_on:  # ranks 1.. of a tensor-parallel stage compute the same output as rank 0
             links, replica = self._links(a.stage_index + 1, m, stage.next_links)
             if held is None:
-                encoded = self.pushes.send(links, a.stage_index + 1, stage_pb2.ACTIVATION, m, out, replica=replica)
+                encoded = self.pushes.send(links, a.stage_index + 1, stage_pb2.ACTIVATION, m, out, replica=replica,
+                                           ack_later=self._ack_later(index))
             elif m in self._skip_output:  # the next stage already holds it (from a lost replica): kept, not sent
                 encoded = stage.transfer.encode(out, gradient=False, stream=m)
             else:
@@ -417,7 +421,7 @@ class StepRun:
             links, replica = self._links(a.stage_index - 1, m, stage.prev_links)
             if held is None:
                 encoded = self.pushes.send(links, a.stage_index - 1, stage_pb2.GRADIENT, m, grad_input,
-                                           replica=replica)
+                                           replica=replica, ack_later=self._ack_later(index))
                 self.audit.gradient_sent(m, grad_input, encoded)
                 return
             if m in self._skip_input_gradient:  # the previous stage already holds it: kept, not sent
@@ -428,6 +432,10 @@ class StepRun:
             # Signed even unsent: what the previous stage's replica holds (from a lost replica) is checked against it.
             self.audit.gradient_sent(m, grad_input, encoded)
             held.input_gradients[m] = encoded
+
+    def _ack_later(self, index: int) -> bool:
+        """Whether action `index`'s push may be acked with a later one: not the last of its kind (see __init__)."""
+        return self._acked is not None and self._acked[self.actions[index].kind] != index
 
     def _links(self, to_stage: int, m: int, neighbour: list[NeighbourLink]) -> tuple[list[NeighbourLink], int]:
         """Where micro-batch m's tensor for stage `to_stage` goes: its neighbour's ranks, or the replica its route

@@ -64,10 +64,15 @@ class OutgoingPush:
 
 
 def outgoing_push(
-    target: stage_pb2.StageRef, kind: int, step: int, micro_batch: int, encoded: Encoded, *, epoch: int = 0
+    target: stage_pb2.StageRef, kind: int, step: int, micro_batch: int, encoded: Encoded, *, epoch: int = 0,
+    ack_later: bool = False,
 ) -> OutgoingPush:
-    """`epoch`: a replica's membership epoch (PushTensorRequest.epoch; 0 for a stage that is not replicated)."""
-    header = stage_pb2.PushTensorRequest(target=target, kind=kind, step=step, micro_batch=micro_batch, epoch=epoch)
+    """`epoch`: a replica's membership epoch (PushTensorRequest.epoch; 0 for a stage that is not replicated).
+    `ack_later`: a push whose ack may come with a later push's (PushTensorRequest.ack_later): the sender promises
+    another push on the same stream, which it will wait for."""
+    header = stage_pb2.PushTensorRequest(
+        target=target, kind=kind, step=step, micro_batch=micro_batch, epoch=epoch, ack_later=ack_later
+    )
     write_encoded_header(header.tensor, encoded)
     return OutgoingPush(header, encoded.data)
 
@@ -105,6 +110,7 @@ class _Pending:
     key: tuple[int, int, int]
     future: Future[None]
     deadline: float
+    ack_later: bool
 
 
 class _Call:
@@ -136,7 +142,7 @@ class _Call:
             deadline = time.monotonic() + timeout
             if deadline < self._watch_at:  # woken only when it would look too late: not once a push
                 self._cond.notify_all()
-            self._pending.append(_Pending(push.key, future, deadline))
+            self._pending.append(_Pending(push.key, future, deadline, push.header.ack_later))
         self._requests.put(push)
         return True
 
@@ -159,7 +165,15 @@ class _Call:
         try:
             for ack in self._responses:
                 with self._cond:  # the watchdog finds out at its next wake-up
+                    answered = [self._pending.popleft() for _ in range(min(ack.also_acked, len(self._pending)))]
                     pending = self._pending.popleft() if self._pending else None
+                if len(answered) != ack.also_acked or not all(p.ack_later for p in answered):
+                    code, details = grpc.StatusCode.INTERNAL, f"the receiver acked pushes it was not sent: {ack}"
+                    for p in (*answered, *([pending] if pending else [])):
+                        _settle(p.future, PushError(code, details))
+                    break
+                for p in answered:
+                    _settle(p.future, None)
                 if pending is None or pending.key != (ack.kind, ack.step, ack.micro_batch):
                     code, details = grpc.StatusCode.INTERNAL, f"the receiver acked an unexpected push {ack}"
                     if pending is not None:
@@ -171,7 +185,7 @@ class _Call:
                     _settle(pending.future, PushError(_CODES.get(ack.code, grpc.StatusCode.UNKNOWN), ack.message))
                 # Not kept while the next ack is awaited: a settled future keeps its callbacks, and through them what
                 # the sender keeps of its step (a replica's HeldStep, with a whole partial gradient).
-                pending = None
+                pending = answered = None
             else:
                 with self._cond:
                     if self._closing and not self._pending:
@@ -192,7 +206,13 @@ class _Call:
                     self._watch_at = now + IDLE_WATCH_SECONDS
                     self._cond.wait(IDLE_WATCH_SECONDS)
                     continue
-                overdue = min(p.deadline for p in self._pending) - now
+                # A cancelled push left for a later ack waits in line for that ack, past its deadline: not overdue.
+                due = [p.deadline for p in self._pending if not p.future.done()]
+                if not due:
+                    self._watch_at = now + IDLE_WATCH_SECONDS
+                    self._cond.wait(IDLE_WATCH_SECONDS)
+                    continue
+                overdue = min(due) - now
                 if overdue <= 0:
                     break
                 self._watch_at = now + overdue

@@ -51,10 +51,14 @@ def stream(agent: AgentProcess) -> Iterator[PushStream]:
         pushes.close()
 
 
-def activation(step: int, micro_batch: int = 0, *, generation: int = 1, features: int = 64) -> OutgoingPush:
+def activation(
+    step: int, micro_batch: int = 0, *, generation: int = 1, features: int = 64, ack_later: bool = False
+) -> OutgoingPush:
     ref = stage_pb2.StageRef(job_id=JOB, stage_index=0, generation=generation)
     dtype, shape, data = codec.encode(torch.randn(2, features))
-    return raw_push(ref, stage_pb2.ACTIVATION, step, micro_batch, dtype, shape, data)
+    push = raw_push(ref, stage_pb2.ACTIVATION, step, micro_batch, dtype, shape, data)
+    push.header.ack_later = ack_later
+    return push
 
 
 def failure(future: futures.Future[None]) -> PushError:
@@ -110,6 +114,34 @@ def test_a_stale_generation_is_refused(stream: PushStream) -> None:
     assert error.code() == grpc.StatusCode.PERMISSION_DENIED  # the driver's credential is generation 1's
     assert "generation" not in error.details()
     assert stream.push(activation(201), timeout=10).result(timeout=10) is None
+
+
+def test_pushes_sent_for_a_later_ack_are_answered_by_the_next_ack(stream: PushStream) -> None:
+    early = [stream.push(activation(300, m, ack_later=True), timeout=10) for m in range(MICRO_BATCHES - 1)]
+    time.sleep(0.3)
+    assert not any(future.done() for future in early)  # taken, but not acked on their own
+    assert stream.push(activation(300, MICRO_BATCHES - 1), timeout=10).result(timeout=10) is None
+    assert all(future.result(timeout=1) is None for future in early)
+
+
+def test_a_refused_push_is_answered_at_once_and_answers_those_before_it(stream: PushStream) -> None:
+    taken = stream.push(activation(400, ack_later=True), timeout=10)
+    refused = stream.push(activation(401, features=63, ack_later=True), timeout=10)
+    assert failure(refused).code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert taken.result(timeout=1) is None
+
+
+def test_pushes_left_for_a_later_ack_are_answered_when_the_sender_half_closes(agent: AgentProcess) -> None:
+    with open_channel(agent.grpc_address, token=driver_token(JOB), certificate=agent.certificate) as channel:
+        pushes = PushStream(channel, lifetime=3)
+        try:
+            left = pushes.push(activation(500, ack_later=True), timeout=1)
+            call = pushes._call
+            assert pushes.push(activation(501), timeout=5).result(timeout=10) is None  # too long for the first call
+            assert pushes._call is not call
+            assert left.result(timeout=10) is None
+        finally:
+            pushes.close()
 
 
 # --- a misbehaving receiver ---------------------------------------------------------------------------
