@@ -66,6 +66,10 @@ PRECISIONS = ("fp32", "bf16")
 BF16_BYTES_PER_CAST_PARAMETER = 2
 BACKWARD_FACTOR = 3.0  # forward + backward ≈ 3 × forward FLOPs
 PRICE_TOLERANCE = 0.02  # a placement this much slower than the fastest may win by being cheaper
+# Dollars an hour by which a placement's price may exceed the budget: float sums of the same prices round differently
+# by order (0.1 + 0.1 + 0.1 + 0.3 > 0.6 == 0.3 + 0.1 + 0.1 + 0.1), and the search sums them fastest first, so without
+# it a set of devices that costs exactly the budget was refused or not by the order of their speeds.
+PRICE_ROUNDING = 1e-9
 MAX_CANDIDATES = 8  # candidate units searched by default (the search is exponential in them)
 _CHECK_EVERY = 256  # search steps (one candidate set extended by one stage) between two reads of the clock
 
@@ -505,7 +509,9 @@ def _search(
     for mask, bottleneck in best[n].items():
         price = sum(units[k].device.price_per_hour for k in range(d) if mask >> k & 1)
         relayed = sum(units[k].device.relayed for k in range(d) if mask >> k & 1)
-        if bin(mask).count("1") >= min_stages and (max_price_per_hour is None or price <= max_price_per_hour):
+        if bin(mask).count("1") >= min_stages and (
+            max_price_per_hour is None or price <= max_price_per_hour + PRICE_ROUNDING
+        ):
             options.append((bottleneck, price, relayed, mask))
     if not options:
         raise PlacementError(_why_not(layers, units, workload, min_stages, max_price_per_hour, best[n]))
