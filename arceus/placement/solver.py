@@ -66,9 +66,10 @@ PRECISIONS = ("fp32", "bf16")
 BF16_BYTES_PER_CAST_PARAMETER = 2
 BACKWARD_FACTOR = 3.0  # forward + backward ≈ 3 × forward FLOPs
 PRICE_TOLERANCE = 0.02  # a placement this much slower than the fastest may win by being cheaper
-# Dollars an hour by which a placement's price may exceed the budget: float sums of the same prices round differently
-# by order (0.1 + 0.1 + 0.1 + 0.3 > 0.6 == 0.3 + 0.1 + 0.1 + 0.1), and the search sums them fastest first, so without
-# it a set of devices that costs exactly the budget was refused or not by the order of their speeds.
+# Dollars an hour within which two prices are equal, and by which a placement's price may exceed the budget: float
+# sums round (0.1 + 0.1 + 0.1 + 0.3 > 0.6 == 0.3 + 0.1 + 0.1 + 0.1, 0.1 + 0.2 > 0.3), and the search sums prices
+# fastest first, so without it devices that cost exactly the budget were refused by their speed order, and of two
+# placements as cheap the rounding, not the fewer relayed devices, chose.
 PRICE_ROUNDING = 1e-9
 MAX_CANDIDATES = 8  # candidate units searched by default (the search is exponential in them)
 _CHECK_EVERY = 256  # search steps (one candidate set extended by one stage) between two reads of the clock
@@ -516,9 +517,9 @@ def _search(
     if not options:
         raise PlacementError(_why_not(layers, units, workload, min_stages, max_price_per_hour, best[n]))
     fastest = min(option[0] for option in options)
-    _, price, _, mask = min(
-        (o for o in options if o[0] <= fastest * (1 + PRICE_TOLERANCE)), key=lambda o: (o[1], o[2], o[0], o[3])
-    )
+    fast = [o for o in options if o[0] <= fastest * (1 + PRICE_TOLERANCE)]
+    cheapest = min(o[1] for o in fast)
+    _, price, _, mask = min((o for o in fast if o[1] <= cheapest + PRICE_ROUNDING), key=lambda o: (o[2], o[0], o[3]))
     try:
         back, bottleneck = _most_headroom(layers, units, cost, workload, mask, best[n][mask], widths, watch)
     except _OutOfTime:  # the search's own cut of the layers stands; the caller sees the time is up at its next check

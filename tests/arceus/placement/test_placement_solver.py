@@ -195,6 +195,14 @@ def test_among_equal_devices_the_direct_ones_are_used_first(stages, relayed, act
     assert used_relayed == max(0, stages - (len(devices) - relayed))  # only when the direct ones run out
 
 
+def test_of_placements_as_fast_and_as_cheap_the_one_without_a_relayed_device_wins() -> None:
+    # 0.3 $/h both ways, though 0.1 + 0.2 sums to 0.30000000000000004 in float: the price ties, so the relay decides.
+    devices = [Device("relayed", 2e9, 10**9, price_per_hour=0.3, relayed=True),
+               Device("a", 1e9, 10**9, price_per_hour=0.1), Device("b", 1e9, 10**9, price_per_hour=0.2)]
+    placement = solve([LayerProfile(1e6, 100, 0)] * 2, devices, WORKLOAD, min_stages=1, max_stages=2)
+    assert [s.device_id for s in placement.stages] == ["a", "b"]
+
+
 def test_a_relayed_device_is_kept_off_the_stage_whose_links_bind() -> None:
     # The middle stage receives and sends; the ends only one of the two. Heavy activations: links bind.
     layers = [LayerProfile(1e6, 100, 100_000) for _ in range(3)]
