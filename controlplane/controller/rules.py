@@ -71,6 +71,7 @@ from arceus.contracts.status import ACTIVE_STATUSES, JobStatus
 from arceus.placement.solver import (
     DECODE_SESSIONS,
     MAX_CANDIDATES,
+    PRICE_ROUNDING,
     Budget,
     LayerProfile,
     Placement,
@@ -403,8 +404,8 @@ def _grow(job: JobView, nodes: Mapping[str, NodeView], free: list[NodeView], now
                 and _keeps_owners_apart(job.requirements, [*job.stages, *added, PlannedStage(
                     index, 0, 0, n.id, replica=job.next_replica + len(added))], owners))
         cap = job.requirements.max_price_per_hour
-        node = (next((n for n in fits if cap is None or spent + n.price_per_hour <= cap + 1e-9), None) if below_min
-                else _cheapest_worth(job, index, fits, nodes, spent))
+        node = (next((n for n in fits if cap is None or spent + n.price_per_hour <= cap + PRICE_ROUNDING), None)
+                if below_min else _cheapest_worth(job, index, fits, nodes, spent))
         if node is None:
             continue
         spent += node.price_per_hour
@@ -445,7 +446,7 @@ def _cheapest_worth(
     speeds = calibration(job, nodes)
     refused: list[tuple[float, NodeView]] = []
     for node in by_price:
-        if cap is not None and spent + node.price_per_hour > cap:
+        if cap is not None and spent + node.price_per_hour > cap + PRICE_ROUNDING:
             return None  # every later node costs as much or more
         flops = speeds.flops(node, index)
         if any(flops <= f and node.latency_s >= r.latency_s
@@ -820,7 +821,7 @@ def replicas_placed(
         if cap is None:
             return True
         others = sum(cheapest) - node.price_per_hour if node.price_per_hour <= cheapest[-1] else sum(cheapest[:-1])
-        return spent + node.price_per_hour + others <= cap + 1e-9
+        return spent + node.price_per_hour + others <= cap + PRICE_ROUNDING
 
     num_stages = 1 + max(s.index for s in stages)
 

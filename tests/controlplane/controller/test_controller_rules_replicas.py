@@ -520,3 +520,17 @@ def test_a_stage_whose_replicas_all_restarted_unplaces_only_the_one_on_a_paused_
     # every replica of stage 1 rebuilds from the checkpoint; only replica 1 leaves its (paused) node, replica 0 stays
     assert isinstance(action, RewindJob) and action.reason == "NodeRestarted"
     assert action.moves == ((1, 0, 1, None),)
+
+
+def test_a_replica_that_brings_the_job_exactly_to_its_cap_is_added() -> None:
+    # The hosts cost 0.1 + 0.2 an hour (0.30000000000000004 in floats) and the spare 0.3: exactly the cap of 0.6,
+    # which the sum's last bit of rounding must not refuse (the solver's PRICE_ROUNDING); a cent more is refused.
+    rows = [(0, 0, "a"), (0, 1, "b"), (1, 0, "c"), (2, 0, "e"), (2, 1, "f")]
+    running = replicated(rows=rows, replicas_min=1, replicas_max=2)
+    prices = {"a": 0.1, "b": 0.2, "c": 0.0, "e": 0.0, "f": 0.0}
+    hosts = tuple(replace(node(n), price_per_hour=p) for n, p in prices.items())
+    spare = replace(node("spare", flops=4e9), price_per_hour=0.3, bandwidth_bytes_per_s=1e12)
+    for cap, grows in ((0.6, True), (0.59, False)):
+        capped = replace(running, requirements=replace(running.requirements, max_price_per_hour=cap))
+        actions = plan(Desired(jobs=(capped,)), Observed(nodes=(*hosts, spare), stages=ready(capped)), NOW)
+        assert [(s.index, s.node_id) for a in actions for s in a.stages] == ([(1, "spare")] if grows else [])
