@@ -249,15 +249,23 @@ def stage_memory(
     what the agent measured it holds (`nodeagent.warm_up`): its optimizer's library (`OPTIMIZER_LIBRARY_BYTES`);
     weights with gradients and optimizer state (a tensor-parallel rank's share of the split ones,
     `stage_state_bytes`); what each of the `in_flight` micro-batches it holds at once keeps (`Workload.in_flight`;
-    None: all of a step's; `micro_batch_bytes`); one micro-batch's backward (`backward_workspace_bytes`); and the
+    None: all of a step's; `micro_batch_bytes`); one micro-batch's backward (`backward_workspace_bytes`); the
     optimizer step's temporaries (`optimizer_step_bytes`), which the heap's blocks that the micro-batches freed do
-    not hold (they are larger than the agent's mmap threshold, `nodeagent.heap`). Not counted (measured by
-    bench/stage_peak_memory.py: docs/BENCHMARKS.md): without recompute, what glibc's heap keeps of the temporaries
-    each forward frees."""
+    not hold (they are larger than the agent's mmap threshold, `nodeagent.heap`); and without recompute what the
+    heap keeps beside them (`heap_kept_bytes`)."""
     held = workload.micro_batches if in_flight is None else in_flight
     return (OPTIMIZER_LIBRARY_BYTES.get(workload.optimizer, 0) + stage_state_bytes(layers, ranks, workload.optimizer)
             + held * micro_batch_bytes(layers, workload, ranks) + backward_workspace_bytes(layers, workload, ranks)
-            + optimizer_step_bytes(layers, workload.optimizer, ranks))
+            + optimizer_step_bytes(layers, workload.optimizer, ranks) + heap_kept_bytes(layers, workload, ranks))
+
+
+def heap_kept_bytes(layers: Sequence[LayerProfile], workload: Workload, ranks: int = 1) -> int:
+    """Without activation checkpointing, one more micro-batch's bytes (`micro_batch_bytes`): what glibc's heap keeps
+    of the temporaries the forwards free. The peak rises in the second step's backward, once the optimizer's state
+    holds heap blocks the first step's activations had freed, by 0.7-1.7 micro-batches' in the stages measured
+    (bench/stage_peak_memory.py: docs/BENCHMARKS.md). With recompute, `micro_batch_bytes` counts the heap one
+    layer's forward strands."""
+    return 0 if workload.activation_checkpointing else micro_batch_bytes(layers, workload, ranks)
 
 
 def placed_stage_memory(

@@ -45,8 +45,8 @@ FAULT_AFTER_STEP = CHECKPOINT_EVERY + 1
 STAGE_STATE_FLOOR = 256 * 2**20
 ENDED = ("failed", "cancelled", "succeeded")  # waiting for a step of the run: an ended job will not reach it
 # The memory model against an agent's measured peak: the issue's goal, for the agent that built its stage once, from
-# the seed (the killed one). The model leaves out what glibc's heap keeps of the activations each forward frees and
-# the kernels of shapes the agent's warm-up did not run (bench/stage_peak_memory.py; docs/BENCHMARKS.md). The agents
+# the seed (the killed one). The model leaves out the kernels of shapes the agent's warm-up did not run
+# (bench/stage_peak_memory.py; docs/BENCHMARKS.md). The agents
 # that built their stage from the checkpoint (the spare, and stage 0's after the rewind) peaked 90-180 MiB higher
 # in two runs, which the model does not explain yet (loading copies each tensor beside its read buffer, and a
 # rebuilt stage lands in the heap its old one left): they get REBUILT_TOLERANCE, above the 17% measured.

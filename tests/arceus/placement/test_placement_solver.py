@@ -22,6 +22,7 @@ from arceus.placement.solver import (
     PlacementError,
     Workload,
     backward_workspace_bytes,
+    heap_kept_bytes,
     layer_training_memory,
     micro_batch_bytes,
     optimizer_step_bytes,
@@ -335,6 +336,7 @@ def test_the_memory_model_counts_each_optimizers_state_and_a_device_fits_what_it
         assert stage_memory(blocks, workload, in_flight=0) == (
             OPTIMIZER_LIBRARY_BYTES.get(kind, 0) + stage_state_bytes(blocks, 1, kind)
             + backward_workspace_bytes(blocks, workload) + floats * 4 * 4 * 1024**2
+            + heap_kept_bytes(blocks, workload)
         )
     with pytest.raises(ValueError, match="unknown optimizer kind 'lamb'; known: sgd, sgd-momentum, adam, adam8bit"):
         Workload(1, 1, optimizer="lamb")
@@ -347,10 +349,11 @@ FOUR = [LayerProfile(1e6, 0, 10**6, stash_bytes_per_sample=10 * 10**6, input_byt
 
 
 def test_with_activation_checkpointing_a_micro_batch_keeps_its_layers_inputs_and_the_heap_one_layers_forward() -> None:
-    # 8 micro-batches of one sample in flight. Without recompute each keeps every layer's stash, and the backward
-    # holds one layer's gradients beside them.
+    # 8 micro-batches of one sample in flight. Without recompute each keeps every layer's stash, the backward holds
+    # one layer's gradients beside them, and the heap keeps one more micro-batch's of the forwards' freed temporaries.
     full, recomputed = Workload(1, 8), Workload(1, 8, activation_checkpointing=True)
-    assert stage_memory(FOUR, full) == 8 * 40 * 10**6 + 10 * 10**6
+    assert heap_kept_bytes(FOUR, full) == 40 * 10**6 and heap_kept_bytes(FOUR, recomputed) == 0
+    assert stage_memory(FOUR, full) == (8 + 1) * 40 * 10**6 + 10 * 10**6
     # With it each keeps the four inputs and the last output, and the heap keeps one layer's forward (10 MB) it
     # freed below them; the backward recomputes one layer (its stash and that stash's gradients).
     assert stage_memory(FOUR, recomputed) == 8 * (5 + 10) * 10**6 + 2 * 10 * 10**6
