@@ -124,7 +124,7 @@ def run_case(case: dict[str, Any]) -> dict[str, Any]:
 
 def cases(args: argparse.Namespace) -> list[dict[str, Any]]:
     base = {"d_model": args.d_model, "blocks": args.blocks, "block_size": args.block_size, "steps": args.steps,
-            "micro_batch_size": 1, "micro_batches": 4, "schedule": "gpipe", "position": "middle",
+            "micro_batch_size": 1, "micro_batches": 4, "schedule": args.schedule, "position": "middle",
             "optimizer": "adam", "precision": "fp32", "checkpointing": False}
     return [{**base, "optimizer": o, "precision": p, "checkpointing": c, "micro_batches": m, "position": s}
             for o in args.optimizers for p in args.precisions for c in args.checkpointing for m in args.micro_batches
@@ -142,6 +142,8 @@ def main() -> None:
     parser.add_argument("--checkpointing", nargs="+", type=lambda v: v == "on", default=[False, True],
                         help="on, off or both")
     parser.add_argument("--micro-batches", nargs="+", type=int, default=[4], help="GPipe: all of them in flight")
+    parser.add_argument("--schedule", default="gpipe", choices=("gpipe", "1f1b"),
+                        help="1f1b: the middle (of 3 stages) and the first (of 2) hold 2 in flight, the last 1")
     parser.add_argument("--positions", nargs="+", default=["middle"], choices=("first", "middle", "last"))
     parser.add_argument("--only", type=int, nargs="*", help="run only these cases (by index)")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # the child's case JSON
@@ -166,10 +168,10 @@ def main() -> None:
     body = "\n".join([
         "## A training stage's peak memory against the memory model (`bench/stage_peak_memory.py`)", "",
         machine_line(), "", f"`{command}`", "",
-        f"GPT blocks of d_model {args.d_model}, block {args.block_size}, {args.blocks} per stage, 4 micro-batches "
-        "(GPipe: all 4 in flight), 2 steps; each case a fresh process, its stage's peak the VmHWM at the end less its "
-        "VmRSS before the stage; the model is `stage_memory`.", "",
-        "| stage | optimizer | precision | recompute | in flight | params | peak (MiB) | model (MiB) | error |",
+        f"GPT blocks of d_model {args.d_model}, block {args.block_size}, {args.blocks} per stage, the micro-batches "
+        f"of the table under {args.schedule}, {args.steps} steps; each case a fresh process, its stage's peak "
+        "the VmHWM at the end less its VmRSS before the stage; the model is `stage_memory`.", "",
+        "| stage | optimizer | precision | recompute | micro-batches | params | peak (MiB) | model (MiB) | error |",
         "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
         *lines,
     ])
