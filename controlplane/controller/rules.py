@@ -32,7 +32,9 @@ Rules, in order:
    to node fails the job once the restarts run out), or FailJob when no other node can take it; every
    stage reports ready at the job's generation → StartDriver; else a StagesReady=False condition;
 5. a running job whose driver lease expired: never claimed → StartDriver again; claimed (the driver
-   died or gave up) → RewindJob in place, or FailJob after too many restarts without progress;
+   died or gave up) → once every stage's node heartbeated since (else it waits: a node whose agent died with the
+   driver's call counts lost soon, and rule 3 moves its stage in the one rewind) RewindJob in place, or FailJob
+   after too many restarts without progress;
 A replicated job (`JobView.replicated`, arceus/swarm) is placed with `replicas_min` replicas of each stage on
 distinct nodes (rule 2); while a replica of a stage that holds its state lives (a joiner still copying it holds
 none), its others that are lost, paused, restarted or failed are dropped (DropReplicas: no rewind, the driver's roster
@@ -216,7 +218,7 @@ def _supervise(
     if job.status == PLACING:
         return _check_stages(job, observed, nodes, free, now)
     if job.status == RUNNING:
-        return _check_driver(job, now)
+        return _check_driver(job, nodes, now)
     return None
 
 
@@ -930,10 +932,17 @@ def _move_failed(
     return RewindJob(job.id, job.generation, PLACING, ((*stage.key, target.id),), True, "StageFailed", message)
 
 
-def _check_driver(job: JobView, now: datetime) -> Action | None:
+def _check_driver(job: JobView, nodes: Mapping[str, NodeView], now: datetime) -> Action | None:
     if job.driver_lease_expires_at is not None and job.driver_lease_expires_at >= now:
         return None
     if job.driver_claimed:
+        if _unheard_since(job, nodes, job.driver_lease_expires_at):
+            # A driver interrupted by a stage call gives its lease back at once, often because that stage's agent
+            # died: its node stays Ready until its lease runs out. Rewinding in place now would rebuild the stage
+            # there, and rule 3 would rewind again once the node counts lost (two rewinds for one loss). Wait
+            # until every stage's node is heard from since (alive: rewind in place) or counts lost (rule 3 moves
+            # its stage: one rewind); bounded by the job's tolerance for silent nodes.
+            return None
         if job.restarts >= job.max_restarts:
             return FailJob(
                 job.id,
@@ -949,7 +958,8 @@ def _check_driver(job: JobView, now: datetime) -> Action | None:
             (),
             True,
             "DriverLost",
-            "the training driver stopped (see the Training condition); resuming from the last checkpoint",
+            "the training driver stopped (see the Training condition) and every stage's node was heard from since: "
+            "the stages rebuild where they are, resuming from the last checkpoint",
         )
     conditions = set_conditions(
         job.conditions,
@@ -957,6 +967,15 @@ def _check_driver(job: JobView, now: datetime) -> Action | None:
         now=now,
     )
     return StartDriver(job.id, job.generation, RUNNING, job.driver_lease_expires_at, tuple(conditions))
+
+
+def _unheard_since(job: JobView, nodes: Mapping[str, NodeView], since: datetime | None) -> bool:
+    """Whether a node of `job`'s stages has not heartbeated since `since` (the driver let go); the stages are placed
+    and their nodes not lost (`_supervise` moved them first)."""
+    if since is None:
+        return False
+    heard = (nodes[s.node_id].lease_renewed_at for s in job.stages if s.node_id in nodes)
+    return any(at is None or at < since for at in heard)
 
 
 def _condition(job: JobView, condition: Condition, now: datetime) -> SetCondition | None:

@@ -59,7 +59,8 @@ def job_driver_handover(*, job_id: Any, owner: str, step: int, now: datetime) ->
 def job_driver_interrupted(*, job_id: Any, owner: str, message: str, now: datetime) -> bool:
     """The driver hit a stage error it cannot train through: give the lease up at once (keeping its
     owner, so the reconciler sees a claimed lease that expired) and say why; the reconciler then rewinds
-    the job to its last checkpoint, moving stages whose node is lost. False without the lease."""
+    the job to its last checkpoint once each stage's node is heard from since or counts lost (moving its stage).
+    False without the lease."""
     job = held(job_id, owner).select_for_update().first()
     if job is None:
         return False

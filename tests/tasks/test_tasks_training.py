@@ -107,8 +107,8 @@ def test_an_unreachable_stage_interrupts_the_driver_for_the_reconciler_to_decide
     live_nodes[1].agent.stop(grace=0)
     assert run_job(str(job.id)) == "interrupted"
     job.refresh_from_db()
-    # Still running, but the lease is given up at once (claimed, expired): the next reconcile pass
-    # rewinds the job to its last checkpoint, moving the stage if its node turns out to be lost.
+    # Still running, but the lease is given up at once (claimed, expired): the reconciler rewinds the job to its
+    # last checkpoint once each stage's node is heard from since (in place) or counts lost (its stage moved).
     assert job.status == "running" and job.driver_lease_owner != ""
     assert job.driver_lease_expires_at <= timezone.now()
     training = next(c for c in job.conditions if c["type"] == "Training")

@@ -331,6 +331,29 @@ def test_a_running_job_gets_a_new_driver_only_when_its_lease_expired() -> None:
     assert isinstance(action, FailJob) and action.reason == "BackoffLimitExceeded"
 
 
+def test_a_stage_agent_dying_under_the_driver_costs_one_rewind_that_moves_its_stage() -> None:
+    # b's agent dies at NOW; the driver's call to it fails and the driver gives its lease back at once, while b
+    # is still Ready within its lease. Passes every second, the others heartbeating every 2 s: the first rewind
+    # must move stage 1 off b (a rewind in place would rebuild it on the dead node, and the node's loss would
+    # rewind the job a second time).
+    running = job("j", "running", generation=2, stages=placed("j", ["a", "b", "c"]), driver_lease_expires_at=NOW,
+                  driver_claimed=True)
+    rewinds = []
+    for t in range(1, 15):
+        at = NOW + timedelta(seconds=t)
+        heard = at - timedelta(seconds=t % 2)
+        nodes = (*(replace(node(n), lease_renewed_at=heard) for n in "ac"), node("b", silent=0.5),
+                 replace(node("spare"), lease_renewed_at=heard))
+        rewinds += [a for a in plan(Desired(jobs=(running,)), Observed(nodes), at) if isinstance(a, RewindJob)]
+        if rewinds:
+            break
+    assert [(r.reason, r.moves, r.count_restart) for r in rewinds] == [("NodeLost", ((1, 0, 0, "spare"),), False)]
+    # An interruption from a live node's refusal: once every node heartbeated since, the job rewinds in place.
+    alive = tuple(node(n, silent=0.0) for n in ("a", "b", "c", "spare"))
+    [rewind] = plan(Desired(jobs=(running,)), Observed(alive), NOW + timedelta(seconds=1))
+    assert (rewind.reason, rewind.moves, rewind.count_restart) == ("DriverLost", (), True)
+
+
 def test_a_stored_model_that_no_longer_validates_fails_the_job() -> None:
     broken = job(layers=(), spec_error="model_config.type: unknown model type 'x'")
     [action] = plan(Desired(jobs=(broken,)), Observed(nodes=(node("a"),)), NOW)
