@@ -94,6 +94,8 @@ def test_a_killed_stage_agent_moves_to_the_spare_and_the_job_finishes(
 
     moved = cluster.wait_for_job(job["id"], lambda d: placement(d)[victim_stage] != victim.node_id, 60)
     detected = time.monotonic() - killed_at
+    # One rewind for the loss, the one that moved the stage (none in place on the dead node before it).
+    assert moved["generation"] == before["generation"] + 1, json.dumps(moved["conditions"])
     resumed_from = moved["resumed_from_step"]
     progressing = cluster.wait_for_job(
         job["id"], lambda d: d["status"] == "running" and d["step"] > (resumed_from or 0), 60
