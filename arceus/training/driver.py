@@ -45,6 +45,7 @@ from arceus.training.audit import Auditor
 from arceus.training.plan import (
     EpochResult,
     ProgressSink,
+    ReplicaFence,
     ReplicaJoin,
     StageEndpoint,
     StageStateFile,
@@ -485,8 +486,9 @@ class Pipeline:
         nothing but a new membership epoch: the step resumes with every member (none blamed, []). Another fences
         the newest member of the failing stage or its neighbours (a newcomer is the likely culprit, and holds
         nothing its stage's others lack) and the survivors repair the step as after a loss; it may join again later
-        (`ReplicaRoster.fence`), while the control plane still places it. `exc` again where no such stage keeps a
-        member (the failure is not between replicas: as an unreplicated pipeline's)."""
+        (`ReplicaRoster.fence`), while the control plane still places it, which is told (`plan.replica_fenced`).
+        `exc` again where no such stage keeps a member (the failure is not between replicas: as an unreplicated
+        pipeline's)."""
         if exc.stage_index is None:
             raise exc
         if not retried:
@@ -497,10 +499,12 @@ class Pipeline:
         suspect = roster.newest(range(exc.stage_index - 1, exc.stage_index + 2))
         if suspect is None:
             raise exc
-        roster.fence(suspect, self._train_step)
+        until = roster.fence(suspect, self._train_step)
         self._forget(roster, [suspect])
         log.warning("job %s: step failed again with every replica alive (%s); fenced stage %d replica %d, the newest "
-                    "member near stage %d", self.plan.job_id, str(exc), *suspect, exc.stage_index)
+                    "member near stage %d, until step %d", self.plan.job_id, str(exc), *suspect, exc.stage_index, until)
+        if self.plan.replica_fenced is not None:
+            self.plan.replica_fenced(ReplicaFence(*suspect, until))
         return [suspect]
 
     def _forget(self, roster: ReplicaRoster, gone: Sequence[ReplicaKey]) -> None:

@@ -32,6 +32,16 @@ class ReplicaJoin:
 
 
 @dataclass(frozen=True)
+class ReplicaFence:
+    """A live replica the driver fenced after failures between live replicas (`ReplicaRoster.fence`): it takes no
+    micro-batch before it joins again (copying its stage's state anew), at train step `until_step` at the earliest."""
+
+    index: int
+    replica: int
+    until_step: int
+
+
+@dataclass(frozen=True)
 class RankEndpoint:
     """Another agent of a tensor-parallel stage: rank 1, 2, ... (the stage's endpoint is its rank 0)."""
 
@@ -107,6 +117,8 @@ class TrainPlan:
     replica_placed: Callable[[], Collection[tuple[int, int]]] | None = None
     # Told of every replica that joined: what it copied from which live replica (the control plane shows it).
     replica_joined: Callable[[ReplicaJoin], object] | None = None
+    # Told of every live replica fenced (the control plane shows it, and bills none of its time, until it joins again).
+    replica_fenced: Callable[[ReplicaFence], object] | None = None
 
     def check(self) -> None:
         """Raise SpecError if the plan cannot be run (the dataset is checked when it is loaded)."""

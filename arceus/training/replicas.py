@@ -76,15 +76,17 @@ class ReplicaRoster:
         candidates = [(i, k) for i in stages if 0 <= i < self.num_stages and len(members[i]) > 1 for k in members[i]]
         return max(candidates, key=lambda key: (self._joined[key], key[1]), default=None)
 
-    def fence(self, key: ReplicaKey, train_step: int) -> None:
+    def fence(self, key: ReplicaKey, train_step: int) -> int:
         """Take a live member off the roster (a new epoch) after failures between live replicas: it may join
         again (copying its state anew) from train step `train_step + 2**(n-1)` on, the n-th time it is fenced: a
-        newcomer that failed by a passing fault comes back a step later, one that keeps failing ever more rarely."""
+        newcomer that failed by a passing fault comes back a step later, one that keeps failing ever more rarely.
+        Returns that step."""
         times = self._fenced.get(key, (0, 0))[0] + 1
         self._fenced_endpoints[key] = self.endpoints[key]
         self.remove([key])
         self._lost.discard(key)
         self._fenced[key] = (times, train_step + 2 ** (times - 1))
+        return self._fenced[key][1]
 
     def fenced(self) -> list[StageEndpoint]:
         """The fenced live replicas that are not members now (each may join again: `may_join`)."""

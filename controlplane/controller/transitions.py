@@ -179,13 +179,14 @@ def job_rewind(
             for name in STEP_MEASURES:
                 setattr(stage, name, None)
         stage.generation, stage.joining = job.generation, False
+        stage.fenced_until_step, stage.fenced_at = None, None  # the new generation's driver fenced nobody
         stage.observed_generation, stage.observed_state, stage.observed_message = None, ObservedState.PENDING, ""
     # Release the moved stages' old nodes first: one active stage per node is a database constraint.
     Stage.objects.filter(pk__in=[s.pk for s in moved]).update(node=None)
     Stage.objects.bulk_update(
         stages,
-        ["node", "held_since", "generation", "joining", "observed_generation", "observed_state", "observed_message",
-         *STEP_MEASURES],
+        ["node", "held_since", "generation", "joining", "fenced_until_step", "fenced_at", "observed_generation",
+         "observed_state", "observed_message", *STEP_MEASURES],
     )
     unplaced = any(stage.node_id is None for stage in stages)
     job.status = JobStatus.PENDING if unplaced else JobStatus.PLACING

@@ -67,7 +67,7 @@ def _text_positions(job: Job) -> tuple[bool, int]:
 
 
 def _pipeline(job: Job) -> dict[str, Any]:
-    """Stage by stage (a replicated stage replica by replica: its id, what it does (joining, training, leaving),
+    """Stage by stage (a replicated stage replica by replica: its id, what it does (joining, fenced, training, leaving),
     its share of the step's micro-batches and its measured speed, the micro-batches it processed): layers, node,
     device, whether it is reached through a relay, time computing and waiting per step (measured by the agents),
     bytes sent; each stage's replica count; with the schedule's ideal bubble (p-1)/(m+p-1) for p stages and m
@@ -86,6 +86,7 @@ def _pipeline(job: Job) -> dict[str, Any]:
             "replica": r.replica if job.replicated else None,
             "joining": r.joining,
             "activity": stage_activity(r, running=running),
+            "fenced_until_step": r.fenced_until_step,
             "share": shares[r.pk],
             "samples_per_second": r.step_samples_per_second,
             "micro_batches": r.micro_batches,

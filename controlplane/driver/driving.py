@@ -25,12 +25,12 @@ from arceus.contracts.transfer import transfer_config_from_json
 from arceus.errors import SpecError
 from arceus.model.expected_state import optimizer_kind
 from arceus.training.driver import DriverError, train
-from arceus.training.plan import ReplicaJoin, TrainPlan
+from arceus.training.plan import ReplicaFence, ReplicaJoin, TrainPlan
 from controlplane.common import metrics
 from controlplane.common.db import reconnecting
 from controlplane.common.errors import ApplicationError
 from controlplane.datasets.selectors import dataset_open
-from controlplane.driver.progress import job_finish, job_record_failure, stage_record_joined
+from controlplane.driver.progress import job_finish, job_record_failure, stage_record_fenced, stage_record_joined
 from controlplane.driver.sink import DbProgressSink
 from controlplane.jobs.credentials import job_driver_token
 from controlplane.jobs.leases import job_driver_claim, job_driver_interrupted, job_driver_renew
@@ -105,8 +105,16 @@ def job_drive(*, job_id: str) -> str:
 
 def _record_join(join: ReplicaJoin, *, job_id: str, lease_owner: str, generation: int) -> None:
     """What a joining replica copied, on its placement row (through a database restart, as the driver's progress)."""
-    reconnecting(lambda: stage_record_joined(job_id=job_id, lease_owner=lease_owner, generation=generation, join=join),
+    reconnecting(lambda: stage_record_joined(job_id=job_id, lease_owner=lease_owner, generation=generation, join=join,
+                                             now=timezone.now()),
                  what=f"job {job_id}: recording a replica's join", for_seconds=settings.ARCEUS_DRIVER_LEASE_SECONDS)
+
+
+def _record_fence(fence: ReplicaFence, *, job_id: str, lease_owner: str, generation: int) -> None:
+    """A live replica the driver fenced, on its placement row (through a database restart, as a join)."""
+    reconnecting(lambda: stage_record_fenced(job_id=job_id, lease_owner=lease_owner, generation=generation,
+                                             fence=fence, now=timezone.now()),
+                 what=f"job {job_id}: recording a replica's fence", for_seconds=settings.ARCEUS_DRIVER_LEASE_SECONDS)
 
 
 def _recorded(call: Callable[[], R], what: str) -> R:
@@ -118,7 +126,8 @@ def _recorded(call: Callable[[], R], what: str) -> R:
 def train_plan(job: Job, *, lease_owner: str | None = None) -> TrainPlan:
     """The plan of the job's driver at its generation; a replicated job's roster starts from the replicas placed
     with it, and learns between steps of those that join (`replica_joins`) or were taken off (`replica_placed`).
-    With `lease_owner` (the driver's), what each joiner copied is recorded on its placement row."""
+    With `lease_owner` (the driver's), what each joiner copied, and each live replica it fenced, is recorded on its
+    placement row."""
     replicas = job_replica_endpoints(job=job, joining=False) if job.replicated else ()
     lowest = {e.index: e for e in reversed(replicas)}
     return TrainPlan(
@@ -130,6 +139,8 @@ def train_plan(job: Job, *, lease_owner: str | None = None) -> TrainPlan:
         replica_placed=functools.partial(job_replicas_placed, job_id=str(job.id), generation=job.generation)
         if replicas else None,
         replica_joined=functools.partial(_record_join, job_id=str(job.id), lease_owner=lease_owner,
+                                         generation=job.generation) if replicas and lease_owner else None,
+        replica_fenced=functools.partial(_record_fence, job_id=str(job.id), lease_owner=lease_owner,
                                          generation=job.generation) if replicas and lease_owner else None,
         dataset=job.dataset_config,
         epochs=job.epochs,

@@ -15,7 +15,7 @@ from django.db import transaction
 
 from arceus.contracts.counters import StageCounters
 from arceus.contracts.status import JobStatus
-from arceus.training.plan import ReplicaJoin, StageTiming
+from arceus.training.plan import ReplicaFence, ReplicaJoin, StageTiming
 from controlplane.common.dispatch import reconcile_soon
 from controlplane.driver.recording import (
     COUNTER_FIELDS,
@@ -96,15 +96,36 @@ def job_record_epoch(
     return True
 
 
-def stage_record_joined(*, job_id: Any, lease_owner: str, generation: int, join: ReplicaJoin) -> bool:
+@transaction.atomic
+def stage_record_joined(
+    *, job_id: Any, lease_owner: str, generation: int, join: ReplicaJoin, now: datetime
+) -> bool:
     """Record, on its placement row, that a joining replica copied its stage's state from a live replica (the
-    driver's word: bytes and digests); False without the lease."""
+    driver's word: bytes and digests); a fenced one (`stage_record_fenced`) trains again, its node paid from `now`.
+    False without the lease."""
+    if not held(job_id, lease_owner).filter(generation=generation).exists():
+        return False
+    row = Stage.objects.filter(
+        job_id=job_id, index=join.index, replica=join.replica, generation=generation, active=True
+    )
+    # Billing resumes from the rejoin: the fenced time is skipped, as `held_since` starts what the ledger bills.
+    row.filter(fenced_at__isnull=False).update(held_since=now)
+    row.update(joined={"from_replica": join.source_replica, "size_bytes": join.size_bytes, "sha256": join.sha256,
+                       "state_sha256": join.state_sha256}, fenced_until_step=None, fenced_at=None)
+    return True
+
+
+def stage_record_fenced(
+    *, job_id: Any, lease_owner: str, generation: int, fence: ReplicaFence, now: datetime
+) -> bool:
+    """Record, on its placement row, that the driver fenced a live replica (it takes no micro-batch until it joins
+    again, at step `fence.until_step` at the earliest): the job shows it fenced, and its node's time is billed only
+    up to `now` until it rejoins (`stage_record_joined`). False without the lease."""
     if not held(job_id, lease_owner).filter(generation=generation).exists():
         return False
     Stage.objects.filter(
-        job_id=job_id, index=join.index, replica=join.replica, generation=generation, active=True
-    ).update(joined={"from_replica": join.source_replica, "size_bytes": join.size_bytes, "sha256": join.sha256,
-                     "state_sha256": join.state_sha256})
+        job_id=job_id, index=fence.index, replica=fence.replica, generation=generation, active=True
+    ).update(fenced_until_step=fence.until_step, fenced_at=now)
     return True
 
 

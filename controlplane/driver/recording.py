@@ -260,7 +260,8 @@ class _Recorder:
     def counters(self, job: Job, stages: Sequence[StageCounters]) -> None:
         """The stages' counters on their stage rows, on each node's contribution row for this generation, and as
         priced ledger entries (the devices' time held until now). A replica dropped since (`contributions_release`)
-        is billed on its contribution for the time it held its node until it was dropped."""
+        is billed on its contribution for the time it held its node until it was dropped; a fenced one for the time
+        until its fence."""
         if not stages:
             return
         rows = self.rows[str(job.pk)]
@@ -301,7 +302,8 @@ class _Recorder:
                 flops_per_sample=self._flops_per_sample(stage, ranks[(stage.index, stage.replica)]),
                 step=job.step,  # already the newest recorded step: a rewind refunds what lies past its checkpoint
                 held_since=stage.held_since,
-                now=self.now,
+                # a fenced replica's node is paid until its fence (`stage_record_fenced`), again from its rejoin
+                now=self.now if stage.fenced_at is None else min(self.now, stage.fenced_at),
                 budget_micros=job_budget_micros(job.requirements),
             )
 

@@ -15,18 +15,24 @@ from django.db.models import Q, QuerySet
 from arceus.contracts.status import JobStatus
 from controlplane.common.conditions import FALSE, Condition, set_conditions
 from controlplane.common.dispatch import reconcile_soon
-from controlplane.jobs.models import Job
+from controlplane.jobs.models import Job, Stage
 
 
 def job_driver_claim(*, job_id: Any, owner: str, now: datetime) -> Job | None:
     """Take the driver lease of a running job in one UPDATE; None if another live driver holds it (or
-    the job is not running). Claimable: a pending start (no owner yet) or an expired lease."""
+    the job is not running). Claimable: a pending start (no owner yet) or an expired lease. The new driver fenced
+    no replica: one its predecessor fenced trains again (paid from `now`)."""
     claimed = (
         Job.objects.filter(pk=job_id, status=JobStatus.RUNNING)
         .filter(Q(driver_lease_owner="") | Q(driver_lease_expires_at__isnull=True) | Q(driver_lease_expires_at__lt=now))
         .update(driver_lease_owner=owner, driver_lease_expires_at=lease_end(now))
     )
-    return Job.objects.get(pk=job_id) if claimed else None
+    if not claimed:
+        return None
+    Stage.objects.filter(job_id=job_id, fenced_at__isnull=False).update(
+        fenced_until_step=None, fenced_at=None, held_since=now
+    )
+    return Job.objects.get(pk=job_id)
 
 
 def job_driver_renew(*, job_id: Any, owner: str, now: datetime) -> bool:

@@ -206,6 +206,13 @@ class Stage(BaseModel):
         help_text="A joining replica's copy of its stage's state from a live replica: from_replica, size_bytes, "
         "sha256, state_sha256.",
     )
+    # A live replica the driver fenced after failures between live replicas (the driver's record): the train step
+    # from which it may join again, and when it was fenced (its node's time is billed up to then, and from its
+    # rejoin on). Both None while it trains; its rejoin (`joined`) and a rewind clear them.
+    fenced_until_step = models.PositiveIntegerField(
+        null=True, blank=True, help_text="Fenced by the driver: the train step from which it may join again."
+    )
+    fenced_at = models.DateTimeField(null=True, blank=True)
     layer_start = models.PositiveIntegerField()
     layer_end = models.PositiveIntegerField()
     node = models.ForeignKey(Node, on_delete=models.SET_NULL, null=True, blank=True, related_name="stages")

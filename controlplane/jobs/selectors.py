@@ -61,8 +61,9 @@ def stage_activity(stage: Stage, *, running: bool) -> str:
     """What a stage row (a replica, a rank) does for its job now, in one word: `leaving` (its node is paused,
     leaving or not Ready, or its agent failed it: the reconciler drops the replica, or moves the stage), `joining`
     (placed while the job ran, it has neither copied a live replica's state, as the driver records in `joined`, nor
-    taken a micro-batch), `training` (its job is `running` and its agent reported it built), or else its agent's
-    report for its generation (`pending`, `ready`)."""
+    taken a micro-batch), `fenced` (the driver took it off the step after failures between live replicas; it joins
+    again, copying its state anew, from `fenced_until_step` on), `training` (its job is `running` and its agent
+    reported it built), or else its agent's report for its generation (`pending`, `ready`)."""
     node = stage.node
     reported = stage.observed_state if stage.observed_generation == stage.generation else ObservedState.PENDING
     if node is not None and (node.paused or node.leaving_at is not None or node.ready_status != ReadyStatus.TRUE):
@@ -71,6 +72,8 @@ def stage_activity(stage: Stage, *, running: bool) -> str:
         return "leaving"
     if stage.joining and stage.joined is None and stage.micro_batches == 0:
         return "joining"
+    if stage.fenced_until_step is not None:
+        return "fenced"
     if node is not None and reported == ObservedState.READY and running:
         return "training"
     return str(reported)
@@ -78,12 +81,15 @@ def stage_activity(stage: Stage, *, running: bool) -> str:
 
 def stage_shares(rows: Sequence[Stage]) -> dict[Any, float | None]:
     """Each row's share of its stage's micro-batches per step (by primary key), from the micro-batches the driver
-    routed to each replica in recent steps (`Stage.step_micro_batches`); None where the row has no measure yet."""
+    routed to each replica in recent steps (`Stage.step_micro_batches`); None where the row has no measure yet, 0
+    for a fenced replica (it takes none until it joins again)."""
     totals: dict[tuple[int, int], float] = defaultdict(float)
     for row in rows:
-        totals[(row.index, row.rank)] += row.step_micro_batches or 0.0
+        if row.fenced_until_step is None:
+            totals[(row.index, row.rank)] += row.step_micro_batches or 0.0
     return {
-        row.pk: row.step_micro_batches / totals[(row.index, row.rank)] if row.step_micro_batches else None
+        row.pk: 0.0 if row.fenced_until_step is not None
+        else row.step_micro_batches / totals[(row.index, row.rank)] if row.step_micro_batches else None
         for row in rows
     }
 

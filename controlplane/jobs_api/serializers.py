@@ -262,9 +262,13 @@ class PlacementOutput(serializers.Serializer):
     bytes_sent = serializers.IntegerField()
     bytes_received = serializers.IntegerField()
     activity = serializers.SerializerMethodField(
-        help_text="joining (copying a live replica's state, no micro-batch taken yet), training, leaving (its node "
+        help_text="joining (copying a live replica's state, no micro-batch taken yet), fenced (taken off the steps "
+        "by the driver after failures between live replicas, until fenced_until_step), training, leaving (its node "
         "paused, left or went silent: it is dropped or moved), or its agent's report before it trains (pending, "
         "ready)"
+    )
+    fenced_until_step = serializers.IntegerField(
+        allow_null=True, help_text="a fenced replica: the train step from which it may join again (null: not fenced)"
     )
     step_micro_batches = serializers.FloatField(
         allow_null=True, help_text="micro-batches per step the driver routed to it in recent steps (null: not measured)"

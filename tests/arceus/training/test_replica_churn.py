@@ -36,7 +36,7 @@ from arceus.contracts.assignment import max_micro_batch_size
 from arceus.contracts.credentials import REPLICA_METADATA_KEY, join_grant, replica_token, token_digest
 from arceus.data.config import validate_dataset_config
 from arceus.training.driver import DriverError, train
-from arceus.training.plan import ReplicaJoin, StageEndpoint, StepProgress, TrainPlan
+from arceus.training.plan import ReplicaFence, ReplicaJoin, StageEndpoint, StepProgress, TrainPlan
 from arceus.training.recording import RecordingSink
 from arceus.training.stage_client import StageClient
 from arceus.v1 import replica_pb2, replica_pb2_grpc, stage_pb2
@@ -177,7 +177,9 @@ def test_an_exchange_failing_between_live_replicas_costs_no_work_and_the_fenced_
     fenced_in = FAILS[0]
     sink = KillingSink({}, 0, away={(SPARE, fenced_in)})
     joins: list[ReplicaJoin] = []
-    plan = replace(plan_of("live-fault", addresses, sink.steps), replica_joined=joins.append)
+    fences: list[ReplicaFence] = []
+    plan = replace(plan_of("live-fault", addresses, sink.steps), replica_joined=joins.append,
+                   replica_fenced=fences.append)
     sink.watch(plan, replica_endpoints(addresses["live-fault"], [0, 1, 2, 3])[1])
     try:
         result = train(plan, sink)
@@ -193,6 +195,7 @@ def test_an_exchange_failing_between_live_replicas_costs_no_work_and_the_fenced_
     took_part = ["agent-1-2" in {c.node_id for c in p.stages} for p in sink.steps]
     assert took_part == [False] * fenced_in + [True] * (STEPS - fenced_in)
     assert [(j.index, j.replica, j.source_replica) for j in joins] == [(*SPARE, 0)] * 2
+    assert fences == [ReplicaFence(*SPARE, fenced_in + 1)]  # the control plane is told, and until when
     assert all(j.sha256 == j.state_sha256 for j in joins)
     # The stages without the joiner did an undisturbed run's work: each micro-batch of every step once.
     for stage in (0, 2):

@@ -90,12 +90,12 @@ def test_a_live_replica_blamed_for_a_failure_is_the_newest_and_may_join_again_af
         book.add(joiner, most=4)
     book.renew()
     assert book.epoch == 2 and book.members() == [(0, 1), (0, 1, 5), (0,)]
-    book.fence((1, 5), train_step=6)
+    assert book.fence((1, 5), train_step=6) == 7  # the step it may join again at
     assert book.members() == [(0, 1), (0, 1), (0,)] and book.epoch == 3 and book.fenced() == [joiner]
     assert not book.may_join((1, 5), 6) and not book.may_join((1, 5), 0) and book.may_join((1, 5), 7)
     book.add(joiner, most=4)
     assert not book.may_join((1, 5), 20) and book.fenced() == []  # a member
-    book.fence((1, 5), train_step=9)  # fenced again: it waits twice as long
+    assert book.fence((1, 5), train_step=9) == 11  # fenced again: it waits twice as long
     assert not book.may_join((1, 5), 10) and book.may_join((1, 5), 11)
     book.fence((0, 1), train_step=9)  # one placed with the roster may be fenced, and join again, too
     assert [(e.index, e.replica) for e in book.fenced()] == [(1, 5), (0, 1)] and book.may_join((0, 1), 10)

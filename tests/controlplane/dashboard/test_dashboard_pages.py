@@ -18,10 +18,16 @@ from rest_framework.test import APIClient
 from rest_framework.throttling import ScopedRateThrottle
 
 from arceus.contracts.replica_sync import replica_sync_from_json
-from arceus.training.plan import StageTiming
+from arceus.training.plan import ReplicaFence, ReplicaJoin, StageTiming
 from controlplane.common.conditions import get_condition
 from controlplane.controller.executor import reconcile_once
-from controlplane.driver.progress import StepPoint, job_record_steps, stage_timings_mean
+from controlplane.driver.progress import (
+    StepPoint,
+    job_record_steps,
+    stage_record_fenced,
+    stage_record_joined,
+    stage_timings_mean,
+)
 from controlplane.jobs.leases import job_driver_claim
 from controlplane.jobs.models import Checkpoint, Job, Stage, StageContribution
 from controlplane.market.models import PriceChange, SpotCheck
@@ -372,5 +378,20 @@ def test_the_pipeline_shows_each_replica_of_a_replicated_stage(
         observed_generation=rows[0].generation, observed_state="ready", micro_batches=2)
     pipeline = browser.get(f"/dashboard/jobs/{job.id}/live.json").json()["pipeline"]
     assert next(s for s in pipeline["stages"] if s["replica"] == 9)["activity"] == "training"
+    # the driver fences a live replica: it shows fenced, until when, and no share, until it joins again
+    generation = rows[0].generation
+    assert stage_record_fenced(job_id=job.id, lease_owner="driver", generation=generation,
+                               fence=ReplicaFence(1, 1, 7), now=timezone.now())
+    pipeline = browser.get(f"/dashboard/jobs/{job.id}/live.json").json()["pipeline"]
+    stages = {(s["stage_index"], s["replica"]): s for s in pipeline["stages"]}
+    assert (stages[(1, 1)]["activity"], stages[(1, 1)]["fenced_until_step"], stages[(1, 1)]["share"]) == (
+        "fenced", 7, 0.0)
+    assert stages[(1, 0)]["share"] == 1.0 and pipeline["replicas"]["training"] == 5
+    shown = {(p["stage_index"], p["replica"]): p for p in placements.get(f"/api/jobs/{job.id}").json()["placements"]}
+    assert (shown[(1, 1)]["activity"], shown[(1, 1)]["fenced_until_step"]) == ("fenced", 7)
+    assert stage_record_joined(job_id=job.id, lease_owner="driver", generation=generation,
+                               join=ReplicaJoin(1, 1, 0, 10, "a", "a"), now=timezone.now())
+    shown = {(p["stage_index"], p["replica"]): p for p in placements.get(f"/api/jobs/{job.id}").json()["placements"]}
+    assert (shown[(1, 1)]["activity"], shown[(1, 1)]["fenced_until_step"]) == ("training", None)
     page = browser.get(f"/dashboard/jobs/{job.id}/").content.decode()
     assert 'id="stat-replicas"' in page

@@ -15,18 +15,20 @@ from rest_framework.test import APIClient
 
 from arceus.contracts.counters import StageCounters
 from arceus.swarm.routing import Routes
-from arceus.training.plan import StageTiming, StepProgress
+from arceus.training.plan import ReplicaFence, ReplicaJoin, StageTiming, StepProgress
 from arceus.training.tally import WorkTally
 from arceus.v1 import stage_pb2
 from controlplane.controller.actions import DropReplicas
 from controlplane.controller.executor import reconcile_once
-from controlplane.controller.transitions import job_fail, job_replicas_drop
+from controlplane.controller.transitions import job_fail, job_replicas_drop, job_rewind
 from controlplane.driver.progress import (
     StepPoint,
     job_finish,
     job_record_epoch,
     job_record_failure,
     job_record_steps,
+    stage_record_fenced,
+    stage_record_joined,
     stage_timings_mean,
 )
 from controlplane.driver.sink import DbProgressSink
@@ -155,6 +157,7 @@ def test_the_detail_shows_progress_placements_and_curves(running_job: Job, api: 
         "bytes_received": 2048,
         "relayed": False,
         "activity": "pending",  # its agent has not reported it built
+        "fenced_until_step": None,
         "step_micro_batches": 4.0,
         "share": 1.0,  # a one-node stage takes every micro-batch
         "samples_per_second": 128.0,  # 32 samples in 0.25 s of compute
@@ -310,6 +313,53 @@ def test_a_replica_dropped_before_its_first_counter_write_is_billed_for_what_the
     assert math.isclose(live.held_seconds, 40.0, abs_tol=0.01)
     assert not StageContribution.objects.filter(job=job, node_id=stranger).exists()
     assert not LedgerEntry.objects.filter(job=job, node_id=stranger).exists()
+
+
+def test_a_fenced_replica_is_billed_for_the_time_it_held_its_node_before_its_fence_and_after_its_rejoin(
+    ready_node, queued_job
+) -> None:
+    """A live replica the driver fences keeps its node (the control plane still places it) but trains no more until it
+    joins again: its work measured before the fence and written after it is billed up to the fence, and once it has
+    rejoined, its node is paid from the rejoin, never for the fenced seconds between."""
+    start = timezone.now() - timedelta(seconds=60)
+    job, node_of = replicated_running_job(ready_node, queued_job, start)
+    assert stage_record_fenced(job_id=job.id, lease_owner="d", generation=job.generation,
+                               fence=ReplicaFence(1, 1, 4), now=start + timedelta(seconds=20))
+    assert not stage_record_fenced(job_id=job.id, lease_owner="other", generation=job.generation,
+                                   fence=ReplicaFence(1, 0, 4), now=start)  # without the lease, nothing
+    row = Stage.objects.get(job=job, index=1, replica=1)
+    assert (row.fenced_until_step, row.fenced_at) == (4, start + timedelta(seconds=20))
+    assert Stage.objects.filter(job=job, fenced_at__isnull=False).count() == 1
+
+    def report(samples: int, at: float) -> LedgerEntry:
+        counters = [StageCounters(i, samples, samples // 8, 0.1, 100, 100, node_id=node)
+                    for (i, _), node in sorted(node_of.items())]
+        assert job_record_steps(job_id=job.id, lease_owner="d", points=points(1.0), stages=counters,
+                                now=start + timedelta(seconds=at))
+        return LedgerEntry.objects.filter(job=job, node_id=node_of[(1, 1)], reverses=None).latest("created_at")
+
+    before = report(16, 30)  # what it did before its fence
+    assert (before.samples, before.held_until) == (16, start + timedelta(seconds=20))
+    assert math.isclose(before.held_seconds, 20.0, abs_tol=0.01)
+    assert stage_record_joined(job_id=job.id, lease_owner="d", generation=job.generation,
+                               join=ReplicaJoin(1, 1, 0, 10, "a", "a"), now=start + timedelta(seconds=40))
+    row.refresh_from_db()
+    assert (row.fenced_until_step, row.fenced_at, row.held_since) == (None, None, start + timedelta(seconds=40))
+    after = report(32, 50)
+    assert after.samples == 16 and math.isclose(after.held_seconds, 10.0, abs_tol=0.01)  # rejoin to report
+    sibling = LedgerEntry.objects.filter(job=job, node_id=node_of[(1, 0)], reverses=None)
+    assert math.isclose(sum(e.held_seconds for e in sibling), 50.0, abs_tol=0.01)
+    # A driver that takes the lease over, and a rewind, start with no replica fenced.
+    assert stage_record_fenced(job_id=job.id, lease_owner="d", generation=job.generation,
+                               fence=ReplicaFence(1, 1, 9), now=start + timedelta(seconds=55))
+    later = timezone.now() + timedelta(seconds=120)  # the lease of "d" expired
+    assert job_driver_claim(job_id=job.id, owner="e", now=later)
+    row.refresh_from_db()
+    assert (row.fenced_until_step, row.fenced_at, row.held_since) == (None, None, later)
+    assert stage_record_fenced(job_id=job.id, lease_owner="e", generation=job.generation,
+                               fence=ReplicaFence(1, 1, 9), now=later)
+    assert job_rewind(job_id=job.id, generation=job.generation, reason="DriverLost", message="test", now=later)
+    assert not Stage.objects.filter(job=job, fenced_until_step__isnull=False).exists()
 
 
 def test_the_driver_writes_a_replica_that_left_since_its_last_step_with_the_others(
