@@ -130,8 +130,10 @@ def test_a_stage_over_the_owners_memory_budget_is_refused_with_what_it_needs(age
     [stage] = stages(model={"layer_sizes": [64, 1024, 10]})[:1]
     assert (stage.optimizer.name, stage.optimizer.momentum) == ("sgd", 0.0)
     # Its state, plus the stash of its in-flight micro-batches (GPipe's: all of them; each keeps its input and the
-    # ReLU's output) and the backward's gradients of the layer's own stash (its input).
-    stash = stage.micro_batches * stage.max_micro_batch_size * 4 * (64 + 1024) + stage.max_micro_batch_size * 4 * 64
+    # ReLU's output), one more micro-batch's that the heap keeps without recompute (`heap_kept_bytes`), and the
+    # backward's gradients of the layer's own stash (its input).
+    per_micro_batch = stage.max_micro_batch_size * 4 * (64 + 1024)
+    stash = (stage.micro_batches + 1) * per_micro_batch + stage.max_micro_batch_size * 4 * 64
     need = 8 * (64 * 1024 + 1024) + stash
     agent.registry.runtime_bytes = 5_000  # what the agent held before any stage counts too
     agent.registry.memory_budget = need + 5_000 - 1
