@@ -26,7 +26,7 @@ from controlplane.driver.recording import (
     jobs_record_counters,
     jobs_record_progress,
 )
-from controlplane.jobs.leases import held, renewed
+from controlplane.jobs.leases import held, renewed, stages_unfence
 from controlplane.jobs.models import EpochMetric, Job, Stage, StageContribution
 
 
@@ -108,10 +108,9 @@ def stage_record_joined(
     row = Stage.objects.filter(
         job_id=job_id, index=join.index, replica=join.replica, generation=generation, active=True
     )
-    # Billing resumes from the rejoin: the fenced time is skipped, as `held_since` starts what the ledger bills.
-    row.filter(fenced_at__isnull=False).update(held_since=now)
+    stages_unfence(row, now)
     row.update(joined={"from_replica": join.source_replica, "size_bytes": join.size_bytes, "sha256": join.sha256,
-                       "state_sha256": join.state_sha256}, fenced_until_step=None, fenced_at=None)
+                       "state_sha256": join.state_sha256})
     return True
 
 

@@ -29,10 +29,14 @@ def job_driver_claim(*, job_id: Any, owner: str, now: datetime) -> Job | None:
     )
     if not claimed:
         return None
-    Stage.objects.filter(job_id=job_id, fenced_at__isnull=False).update(
-        fenced_until_step=None, fenced_at=None, held_since=now
-    )
+    stages_unfence(Stage.objects.filter(job_id=job_id), now)
     return Job.objects.get(pk=job_id)
+
+
+def stages_unfence(stages: QuerySet[Stage], now: datetime) -> None:
+    """The fenced ones of `stages` train again: their fence cleared, their nodes paid from `now` (`held_since` starts
+    what the ledger bills, so the fenced time is never billed)."""
+    stages.filter(fenced_at__isnull=False).update(fenced_until_step=None, fenced_at=None, held_since=now)
 
 
 def job_driver_renew(*, job_id: Any, owner: str, now: datetime) -> bool:
