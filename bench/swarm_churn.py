@@ -3,6 +3,7 @@ the same job with 1 replica per stage killed the same way rewinds to its checkpo
 
     .venv/bin/python bench/swarm_churn.py [--trials 10] [--steps 30] [--checkpoint-interval 10] [--seed 0]
                                           [--shaped [--delay-ms 20] [--rate-mbit 100]] [--no-write]
+                                          [--workdir DIR] [--shaped-replicas-only]
     .venv/bin/python bench/swarm_churn.py --large [--steps 7] [--n-layer 24] [--d-model 1024] [--no-write]
 
 Static agents and the driver as the replica tests run them (no control plane): the digits MLP [64, 128, 64, 10]
@@ -34,12 +35,19 @@ blocks, 300M, ran this 24 GiB machine out of memory, a surviving replica killed 
 half-way through a step, the spare joining from its peer; each process's peak resident memory (VmHWM), the
 join's bytes and seconds, and the losses against one process, trained after the agents stopped.
 
+`--workdir DIR` keeps every agent's log and the driver's (`driver.log`: INFO with times, each kill logged on the
+same clock) in DIR, for a trial to be read afterwards. `--shaped-replicas-only` runs only the shaped R=2 trials (to
+look for a slow repair in more trials for the time), prints them and writes nothing.
+
 Prints a table, writes docs/BENCHMARKS.md, ends with one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
+import logging
 import math
 import os
 import random
@@ -73,6 +81,7 @@ from devtools.reference import reference_run  # noqa: E402
 from devtools.shaper import ShaperThread, add_link_arguments, link_shape  # noqa: E402
 from devtools.supervisor import peak_rss  # noqa: E402
 
+log = logging.getLogger("bench.swarm_churn")
 BEFORE = 5  # steps whose rate is "before" (fewer where the kill comes earlier)
 MIB = 2**20
 Via = Callable[[str], str]  # an agent's address -> the address it is dialled at (itself, or its shaped link)
@@ -175,6 +184,7 @@ class TrialSink(RecordingSink):
     def on_step(self, p: StepProgress) -> None:
         super().on_step(p)
         self.times.append(time.perf_counter())
+        log.info("step %d done (loss %.6f)", p.step, p.loss)
         if self.victim and p.step == self.kill_after:
             threading.Timer(p.seconds / 2 if self.mid_step else 0.005, self._kill).start()
 
@@ -182,6 +192,7 @@ class TrialSink(RecordingSink):
         self.victim_peak = peak_rss(self.victim)
         self.killed_at = time.perf_counter()
         os.kill(self.victim, signal.SIGKILL)
+        log.info("SIGKILLed agent pid %d after step %d", self.victim, self.kill_after)
 
     def should_stop(self) -> bool:
         return bool(self.steps) and self.steps[-1].step >= self.limit
@@ -253,6 +264,9 @@ def replicated_trials(setup: Setup, kills: list[Kill], args: argparse.Namespace,
     try:
         for t, (kill, layout) in enumerate(zip(kills, layouts, strict=True)):
             victim = by_address[layout[kill.stage][kill.replica]]
+            log.info("%s R=2 trial %d: stage %d replica %d (%s, pid %d, log %s) to be killed after step %d", name, t,
+                     kill.stage, kill.replica, victim.grpc_address, victim.process.pid, victim.log_path,
+                     kill.after_step)
             sink = TrialSink(args.steps, kill.after_step, victim.process.pid, setup.kill_mid_step)
             spare_address = layout[kill.stage][2]
             spare = setup.endpoint(kill.stage, 2, spare_address, via, by_address[spare_address].exchange_address)
@@ -422,7 +436,15 @@ def churn(args: argparse.Namespace) -> None:
     shape = link_shape(args)
     load, started = os.getloadavg(), time.perf_counter()
     runs: dict[str, tuple[list[Trial], list[Trial]]] = {}
-    with tempfile.TemporaryDirectory(prefix="arceus-swarm-churn-") as workdir, ShaperThread() as shaper:
+    with _workdir(args) as workdir, ShaperThread() as shaper:
+        if args.shaped_replicas_only:
+            trials = replicated_trials(SMALL, kills, args, Path(workdir), lambda a: shaper.address(a, **shape),
+                                       "shaped")
+            print(json.dumps({"shaped_r2_step_done_s": [round(x.step_done_s, 3) for x in trials],
+                              "kills": [f"{x.kill.stage}.{x.kill.replica}@{x.kill.after_step + 1}" for x in trials],
+                              "load_average_1m": [round(load[0], 2), round(os.getloadavg()[0], 2)],
+                              "bench_seconds": round(time.perf_counter() - started)}))
+            return
         links: dict[str, Via] = {"loopback": lambda a: a}
         if args.shaped:
             links["shaped"] = lambda a: shaper.address(a, **shape)
@@ -468,6 +490,18 @@ def churn(args: argparse.Namespace) -> None:
     )
     report("swarm_churn", "Killing a replica mid-training: 2 replicas per stage against 1 (`bench/swarm_churn.py`)",
            body, figures, write=not args.no_write)
+
+
+def _workdir(args: argparse.Namespace) -> contextlib.AbstractContextManager[str]:
+    """Where the agents run: `--workdir`, kept with the driver's log beside their logs; else a temporary one."""
+    if args.workdir is None:
+        return tempfile.TemporaryDirectory(prefix="arceus-swarm-churn-")
+    args.workdir.mkdir(parents=True, exist_ok=False)  # a fresh one: no earlier run's logs mixed in
+    handler = logging.FileHandler(args.workdir / "driver.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s %(threadName)s: %(message)s"))
+    logging.getLogger().addHandler(handler)
+    logging.getLogger().setLevel(logging.INFO)
+    return contextlib.nullcontext(str(args.workdir))
 
 
 def large(args: argparse.Namespace) -> None:
@@ -548,6 +582,10 @@ def main() -> None:
     parser.add_argument("--n-layer", type=int, default=16, help="--large: the GPT's blocks")
     parser.add_argument("--d-model", type=int, default=1024, help="--large: the GPT's width")
     parser.add_argument("--no-write", action="store_true", help="do not rewrite docs/BENCHMARKS.md")
+    parser.add_argument("--workdir", type=Path, help="run the agents here (a new directory) and keep their logs and "
+                        "the driver's (driver.log)")
+    parser.add_argument("--shaped-replicas-only", action="store_true",
+                        help="only the shaped R=2 trials: printed, nothing written")
     args = parser.parse_args()
     if args.trials < 1:
         parser.error("--trials must be at least 1")
