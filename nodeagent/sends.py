@@ -3,6 +3,7 @@ sets the step's `abort` so its waits stop early; the step ends only once every s
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -16,6 +17,8 @@ from arceus.wire.compression import Encoded
 from arceus.wire.push_stream import PushError, outgoing_push
 from nodeagent.rpc import RpcFailure, neighbour_failure_code
 from nodeagent.stage import HostedStage, NeighbourLink
+
+log = logging.getLogger(__name__)
 
 MIN_CALL_TIMEOUT = 0.05
 # How often a wait for sends looks whether its step was aborted (the abort wakes no condition of its own).
@@ -147,7 +150,10 @@ class PushTracker:
         """After a failed step: wait up to `seconds` for the pushes in flight to be delivered or refused, then
         cancel the rest (a replica reports what it holds only once none of its sends is in flight)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._pending == 0, timeout=max(0.0, seconds))
+            if not self._cond.wait_for(lambda: self._pending == 0, timeout=max(0.0, seconds)):
+                # a peer that went silent, or a connection nobody closed: what held this replica's report that long
+                log.warning("%s: %d pushes still in flight %.1f s after the step failed; cancelled", self._stage.name,
+                            self._pending, seconds)
         self.cancel_all()
 
     def cancel_all(self) -> None:
