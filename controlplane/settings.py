@@ -306,6 +306,13 @@ ARCEUS_JOB_STOP_SECONDS = float(os.environ.get("ARCEUS_JOB_STOP_SECONDS", "30"))
 # steps) more than this many times within the window is flagged: it gets no new stage until an operator clears it.
 ARCEUS_NODE_MAX_RESTARTS = int(os.environ.get("ARCEUS_NODE_MAX_RESTARTS", "3"))
 ARCEUS_NODE_RESTART_WINDOW_SECONDS = float(os.environ.get("ARCEUS_NODE_RESTART_WINDOW_SECONDS", "3600"))
+# A replica the training driver fenced this many times (failed steps between live replicas, each fence keeping it
+# out twice as long) within a window of this many train steps is dropped, its stage keeping a live replica, and its
+# node takes no replica of the job for ARCEUS_REPLICA_FENCED_OUT_SECONDS: a link or host that keeps failing wastes
+# the slot, and another Ready node may take it.
+ARCEUS_REPLICA_MAX_FENCES = int(os.environ.get("ARCEUS_REPLICA_MAX_FENCES", "3"))
+ARCEUS_REPLICA_FENCE_WINDOW_STEPS = int(os.environ.get("ARCEUS_REPLICA_FENCE_WINDOW_STEPS", "100"))
+ARCEUS_REPLICA_FENCED_OUT_SECONDS = float(os.environ.get("ARCEUS_REPLICA_FENCED_OUT_SECONDS", "600"))
 # The largest model a job may submit: pipeline layers (the placement solver's time grows with their square) and
 # parameters.
 ARCEUS_MAX_MODEL_LAYERS = int(os.environ.get("ARCEUS_MAX_MODEL_LAYERS", "128"))

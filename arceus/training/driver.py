@@ -504,7 +504,7 @@ class Pipeline:
         log.warning("job %s: step failed again with every replica alive (%s); fenced stage %d replica %d, the newest "
                     "member near stage %d, until step %d", self.plan.job_id, str(exc), *suspect, exc.stage_index, until)
         if self.plan.replica_fenced is not None:
-            self.plan.replica_fenced(ReplicaFence(*suspect, until))
+            self.plan.replica_fenced(ReplicaFence(*suspect, until, self._train_step))
         return [suspect]
 
     def _forget(self, roster: ReplicaRoster, gone: Sequence[ReplicaKey]) -> None:

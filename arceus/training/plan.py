@@ -33,12 +33,14 @@ class ReplicaJoin:
 
 @dataclass(frozen=True)
 class ReplicaFence:
-    """A live replica the driver fenced after failures between live replicas (`ReplicaRoster.fence`): it takes no
-    micro-batch before it joins again (copying its stage's state anew), at train step `until_step` at the earliest."""
+    """A live replica the driver fenced in train step `step` after failures between live replicas
+    (`ReplicaRoster.fence`): it takes no micro-batch before it joins again (copying its stage's state anew), at train
+    step `until_step` at the earliest."""
 
     index: int
     replica: int
     until_step: int
+    step: int
 
 
 @dataclass(frozen=True)

@@ -144,13 +144,16 @@ class StopServing:
 @dataclass(frozen=True)
 class DropReplicas:
     """Take replicas of a replicated job's stages off their nodes without a rewind (each stage keeps another, whose
-    state the driver's roster goes on with): `replicas` are (index, replica) of its rows, deleted."""
+    state the driver's roster goes on with): `replicas` are (index, replica) of its rows, deleted. `fenced`: those
+    of them dropped for being fenced too often, (index, replica, fences seen): applied only while each is still
+    fenced at least that often and its stage keeps a replica that trains."""
 
     job_id: str
     generation: int
     status: str
     replicas: tuple[tuple[int, int], ...]
     conditions: Conditions
+    fenced: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)

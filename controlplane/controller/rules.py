@@ -47,8 +47,12 @@ room: up to `replicas_min` the fastest, always; beyond it the cheapest for which
 predicts at least MIN_REPLICA_GAIN more samples/s (each node at its speed for the job: measured where the driver
 timed it, else calibrated by the timed ones, controlplane/controller/calibration.py), within the job's price cap; a
 node a replica of the job was dropped from is no candidate for the job's stages (grown or moved) until it heartbeats
-after the drop. No stage of a job is moved or added onto a node the job would count lost (silent past its
-`node_grace_seconds`, though within the node's longer lease: the node a lost stage just left);
+after the drop. A replica the driver fenced `max_fences` times within its window of steps (failed steps between live
+replicas keep coming back to it) is dropped while it is fenced and its stage keeps a replica that trains (never the
+last: DropReplicas, ReplicaFencedOut), and its node takes none of the job's replicas for `fenced_out_seconds`; a
+replica then grows on another node as after any drop. No stage of a job is moved or added onto a node the job
+would count lost (silent past its `node_grace_seconds`, though within the node's longer lease: the node a lost stage
+just left);
 6. a succeeded job its owner asked to serve (`JobView.serving`) → ServeJob placing its final checkpoint's
    stages for inference, one whole stage per node (no tensor parallelism, no optimizer: weights and decoding
    caches, `stage_inference_memory`), each on the fastest free node with room; a stage whose node is lost or
@@ -204,7 +208,7 @@ def _supervise(
     job: JobView, observed: Observed, nodes: Mapping[str, NodeView], free: list[NodeView], now: datetime
 ) -> Action | None:
     """A placed job's stages and driver watched: lost or draining nodes, stages building, the driver's lease."""
-    free = _heard_since_released(job, free)
+    free = _not_fenced_out(job, _heard_since_released(job, free), now)
     if job.replicated:
         replicas = _replicas(job, observed, nodes, free, now)
         if replicas is not None:
@@ -312,23 +316,31 @@ def _replicas(
     (`_grow`). None: nothing to do here."""
     gone = [s for s in job.stages if _replica_gone(job, s, observed, nodes, now)]
     drop: list[PlacedStage] = []
+    fenced_out: list[PlacedStage] = []
     for index in sorted({s.index for s in job.stages}):
         rows = sorted((s for s in job.stages if s.index == index), key=lambda s: s.replica)
         if any(s not in gone and not s.joining for s in rows):
             drop += [s for s in rows if s in gone]
+            if any(s not in gone and not s.joining and not s.fenced for s in rows):  # one trains on: never the last
+                fenced_out += [s for s in rows if s not in gone and _fenced_too_often(job, s)]
         else:  # the stage lost every replica that held its state, whichever passes found them gone
             kept = next((s for s in rows if s not in gone), rows[0])
             drop += [s for s in rows if s is not kept]
+    drop = sorted([*drop, *fenced_out], key=lambda s: (s.index, s.replica))
     if drop:
         message = "; ".join(
             f"stage {s.index} replica {s.replica} on {_node_label(job, nodes, s.node_id)} left: "
             + (_why_gone(job, s, observed, nodes, now) if s in gone else
+               f"the driver fenced it {s.fences} times (steps failed between live replicas): its link or host keeps "
+               f"failing, and its node takes no replica of the job for {job.fenced_out_seconds:g} s"
+               if s in fenced_out else
                "its stage lost every replica that held its state, and one joiner stays for the rewind")
             for s in drop
         )
-        conditions = set_conditions(job.conditions, Condition("Replicas", FALSE, "ReplicaLost", message), now=now)
+        reason = "ReplicaFencedOut" if all(s in fenced_out for s in drop) else "ReplicaLost"
+        conditions = set_conditions(job.conditions, Condition("Replicas", FALSE, reason, message), now=now)
         return DropReplicas(job.id, job.generation, job.status, tuple((s.index, s.replica) for s in drop),
-                            tuple(conditions))
+                            tuple(conditions), tuple((s.index, s.replica, s.fences) for s in drop if s in fenced_out))
     if gone:
         return None  # a stage's last replica: moved or rebuilt by the rules any stage follows
     holding = {s.index for s in job.stages if not s.joining}
@@ -349,6 +361,13 @@ def _stage_lost(job: JobView, joiners: list[PlacedStage], nodes: Mapping[str, No
         for s in joiners
     )
     return RewindJob(job.id, job.generation, PLACING, (), False, "ReplicasLost", message)
+
+
+def _fenced_too_often(job: JobView, stage: PlacedStage) -> bool:
+    """Whether the driver fenced `stage`'s replica (now, so it takes no micro-batch) `max_fences` times or more within
+    its window: failed steps between live replicas keep coming back to it, each fence keeps it out twice as long as
+    the one before, and its slot is better given to another node."""
+    return stage.fenced and stage.fences >= job.max_fences
 
 
 def _replica_gone(
@@ -383,6 +402,15 @@ def _heard_since_released(job: JobView, free: list[NodeView]) -> list[NodeView]:
     released = dict(job.released)
     return [n for n in free if n.id not in released or (
         n.lease_renewed_at is not None and n.lease_renewed_at > released[n.id])]
+
+
+def _not_fenced_out(job: JobView, free: list[NodeView], now: datetime) -> list[NodeView]:
+    """`free` without the nodes a replica of `job` was dropped from for its fences (`JobView.fenced_out`) less than
+    `fenced_out_seconds` ago: their link or host kept failing the job's steps, and a heartbeat says nothing of that."""
+    if not job.fenced_out:
+        return free
+    barred = {node_id for node_id, at in job.fenced_out if (now - at).total_seconds() < job.fenced_out_seconds}
+    return [n for n in free if n.id not in barred] if barred else free
 
 
 def _grow(job: JobView, nodes: Mapping[str, NodeView], free: list[NodeView], now: datetime) -> Action | None:

@@ -273,7 +273,7 @@ JOB_FIELDS = (
 STAGE_FIELDS = (
     "job_id", "index", "rank", "layer_start", "layer_end", "node_id", "generation", "observed_generation",
     "observed_state", "observed_message", "restarted_generation", "held_since", "replica", "step_samples_per_second",
-    "joining", "joined",
+    "joining", "joined", "fenced_until_step", "fences",
 )
 
 
@@ -290,7 +290,8 @@ def _job_versions() -> dict[str, str]:
         f"ORDER BY s.index, s.rank, s.replica), '') || ':' || %s "
         f"FROM \"{job}\" j LEFT JOIN \"{stage}\" s ON s.job_id = j.id AND s.active "
         f"WHERE j.status = ANY(%s) OR {SERVED_SQL.format(stage=stage)} GROUP BY j.id ORDER BY j.created_at, j.id",
-        [f"{settings.ARCEUS_JOB_MAX_RESTARTS}/{settings.ARCEUS_JOB_STOP_SECONDS}", list(SNAPSHOT_STATUSES),
+        [f"{settings.ARCEUS_JOB_MAX_RESTARTS}/{settings.ARCEUS_JOB_STOP_SECONDS}/{settings.ARCEUS_REPLICA_MAX_FENCES}/"
+         f"{settings.ARCEUS_REPLICA_FENCED_OUT_SECONDS}", list(SNAPSHOT_STATUSES),
          JobStatus.SUCCEEDED.value],
     )
 
@@ -307,13 +308,15 @@ def _job_rows(ids: list[str] | None) -> Iterable[tuple[str, tuple[JobView, Stage
     checks = _failed_checks(jobs)
     billed = _billed(jobs)
     released = _replicas_released(jobs)
+    fenced_out = _replicas_released(jobs, fenced_out=True)
     for job in jobs.order_by("created_at", "id").values(*JOB_FIELDS):
         job_id = str(job["id"])
         rows = stages.get(job_id, [])
         reports = tuple(
             ((job_id, r[1], r[2], r[12]), StageReport(generation=r[7], state=r[8], message=r[9])) for r in rows
         )
-        view = _job_view(job, rows, checks.get(job_id, ()), billed.get(job_id), released.get(job_id, ()))
+        view = _job_view(job, rows, checks.get(job_id, ()), billed.get(job_id), released.get(job_id, ()),
+                         fenced_out.get(job_id, ()))
         yield job_id, (view, reports)
 
 
@@ -336,11 +339,15 @@ def _billed(jobs: QuerySet[Job]) -> dict[str, tuple[int, dict[str, datetime]]]:
     return billed
 
 
-def _replicas_released(jobs: QuerySet[Job]) -> dict[str, tuple[tuple[str, datetime], ...]]:
-    """Each active replicated job's (node id, when the newest replica of it was taken off that node). A drop writes
-    its job's row too (`job_replicas_drop`), so a kept job is read again with them."""
+def _replicas_released(
+    jobs: QuerySet[Job], *, fenced_out: bool = False
+) -> dict[str, tuple[tuple[str, datetime], ...]]:
+    """Each active replicated job's (node id, when the newest replica of it was taken off that node; with
+    `fenced_out`, only those dropped for being fenced too often). A drop writes its job's row too
+    (`job_replicas_drop`), so a kept job is read again with them."""
     released = StageContribution.objects.filter(
-        job__in=jobs.filter(status__in=ACTIVE_STATUSES, replicas_max__gt=1), released_at__isnull=False
+        job__in=jobs.filter(status__in=ACTIVE_STATUSES, replicas_max__gt=1), released_at__isnull=False,
+        **({"fenced_out": True} if fenced_out else {}),
     ).values("job_id", "node_id").annotate(at=Max("released_at")).order_by("job_id", "node_id")
     by_job: dict[str, list[tuple[str, datetime]]] = defaultdict(list)
     for job_id, node_id, at in released.values_list("job_id", "node_id", "at"):
@@ -366,6 +373,7 @@ def _failed_checks(jobs: QuerySet[Job]) -> dict[str, tuple[FailedCheck, ...]]:
 def _job_view(
     job: dict[str, Any], stages: list[tuple[Any, ...]], failed_checks: tuple[FailedCheck, ...],
     billed: tuple[int, dict[str, datetime]] | None, released: tuple[tuple[str, datetime], ...],
+    fenced_out: tuple[tuple[str, datetime], ...],
 ) -> JobView:
     layers, spec_error = job_layers(json.dumps(job["model_config"], sort_keys=True))
     budget = job_budget_micros(job["requirements"])
@@ -396,10 +404,10 @@ def _job_view(
                 index=index, layer_start=start, layer_end=end, node_id=str(node_id) if node_id else None,
                 generation=generation, rank=rank, restarted_generation=restarted, replica=replica,
                 held_from=held_from(node_id, held_since), timed=speed is not None,
-                joining=joining and joined is None,
+                joining=joining and joined is None, fenced=fenced_until_step is not None, fences=fences,
             )
             for _, index, rank, start, end, node_id, generation, *_, restarted, held_since, replica, speed, joining,
-            joined in stages
+            joined, fenced_until_step, fences in stages
         ),
         conditions=tuple(job["conditions"]),
         driver_lease_expires_at=job["driver_lease_expires_at"],
@@ -427,6 +435,9 @@ def _job_view(
         next_replica=job["next_replica"],
         replica_sync_every=replica_sync_from_json(job["replica_sync"]).every_steps,
         released=released,
+        max_fences=settings.ARCEUS_REPLICA_MAX_FENCES,
+        fenced_out=fenced_out,
+        fenced_out_seconds=settings.ARCEUS_REPLICA_FENCED_OUT_SECONDS,
     )
 
 

@@ -12,7 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from django.db import transaction
-from django.db.models import F, Q, Value
+from django.db.models import F, Q, QuerySet, Value
 from django.db.models.functions import Coalesce
 
 from arceus.contracts.observed import ObservedState
@@ -82,7 +82,9 @@ def job_replicas_add(action: AddReplicas, now: datetime) -> bool:
 @transaction.atomic
 def job_replicas_drop(action: DropReplicas, now: datetime) -> bool:
     """Take replicas off their nodes without a rewind (their stage keeps another): their rows deleted, so their
-    agents drop them and the driver's roster lets them go. False if the job moved on since the snapshot."""
+    agents drop them and the driver's roster lets them go. False if the job moved on since the snapshot, or a replica
+    dropped for its fences (`action.fenced`) is no longer fenced as often, or its stage would keep no replica that
+    trains (one that holds its state and is not fenced)."""
     job = Job.objects.select_for_update().filter(
         pk=action.job_id, generation=action.generation, status=action.status
     ).first()
@@ -92,11 +94,28 @@ def job_replicas_drop(action: DropReplicas, now: datetime) -> bool:
     gone = Q()
     for index, replica in action.replicas:
         gone |= Q(index=index, replica=replica)
-    contributions_release(rows=list(rows.filter(gone)), now=now)  # their measured work is still billed
+    if action.fenced and not _fenced_out_holds(rows, gone, action.fenced):
+        return False
+    fenced_out = {(index, replica) for index, replica, _ in action.fenced}
+    contributions_release(rows=list(rows.filter(gone)), now=now, fenced_out=fenced_out)  # still billed
     rows.filter(gone).delete()
     job.conditions = list(action.conditions)
     job.save(update_fields=["conditions"])
     reconcile_soon()  # their nodes are free again, and a new replica may take one
+    return True
+
+
+def _fenced_out_holds(rows: QuerySet[Stage], gone: Q, fenced: Collection[tuple[int, int, int]]) -> bool:
+    """Whether the replicas of `fenced` ((index, replica, fences seen)) are still fenced, at least as often as seen,
+    and each of their stages keeps a replica outside `gone` that trains: not fenced, not a joiner yet to copy."""
+    for index, replica, fences in fenced:
+        if not rows.filter(index=index, replica=replica, fenced_until_step__isnull=False, fences__gte=fences).exists():
+            return False
+        trains = rows.filter(index=index, fenced_until_step__isnull=True).exclude(gone).exclude(
+            joining=True, joined__isnull=True
+        )
+        if not trains.exists():
+            return False
     return True
 
 
@@ -179,14 +198,15 @@ def job_rewind(
             for name in STEP_MEASURES:
                 setattr(stage, name, None)
         stage.generation, stage.joining = job.generation, False
-        stage.fenced_until_step, stage.fenced_at = None, None  # the new generation's driver fenced nobody
+        # the new generation's driver fenced nobody, and its fences count afresh
+        stage.fenced_until_step, stage.fenced_at, stage.fences, stage.fences_since_step = None, None, 0, None
         stage.observed_generation, stage.observed_state, stage.observed_message = None, ObservedState.PENDING, ""
     # Release the moved stages' old nodes first: one active stage per node is a database constraint.
     Stage.objects.filter(pk__in=[s.pk for s in moved]).update(node=None)
     Stage.objects.bulk_update(
         stages,
-        ["node", "held_since", "generation", "joining", "fenced_until_step", "fenced_at", "observed_generation",
-         "observed_state", "observed_message", *STEP_MEASURES],
+        ["node", "held_since", "generation", "joining", "fenced_until_step", "fenced_at", "fences", "fences_since_step",
+         "observed_generation", "observed_state", "observed_message", *STEP_MEASURES],
     )
     unplaced = any(stage.node_id is None for stage in stages)
     job.status = JobStatus.PENDING if unplaced else JobStatus.PLACING

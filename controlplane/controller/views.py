@@ -118,6 +118,9 @@ class PlacedStage:
     # A replica added while its job runs that has not copied its stage's state from a sibling yet (`Stage.joining`
     # without `joined`): it holds none of the stage's state, so it cannot stand in for replicas that are gone.
     joining: bool = False
+    # The job's driver fenced it (failed steps between live replicas): it takes no micro-batch until it joins again.
+    fenced: bool = False
+    fences: int = 0  # how often the driver fenced it within its window of train steps (`Stage.fences`)
 
     @property
     def key(self) -> tuple[int, int, int]:
@@ -187,6 +190,12 @@ class JobView:
     # (node id, when) each node last had a replica of the job taken off it (DropReplicas: lost, paused, restarted or
     # failed; `StageContribution.released_at`): a node not heard from since is no place for its replicas.
     released: tuple[tuple[str, datetime], ...] = ()
+    # A replica fenced `max_fences` times within its window is dropped (its link or host keeps failing steps), and
+    # each node one was dropped from so (node id, when: `fenced_out`) takes none of the job's replicas for
+    # `fenced_out_seconds` (ARCEUS_REPLICA_MAX_FENCES, ARCEUS_REPLICA_FENCED_OUT_SECONDS).
+    max_fences: int = 3
+    fenced_out: tuple[tuple[str, datetime], ...] = ()
+    fenced_out_seconds: float = 600.0
 
     @property
     def replicated(self) -> bool:

@@ -87,6 +87,7 @@ def _pipeline(job: Job) -> dict[str, Any]:
             "joining": r.joining,
             "activity": stage_activity(r, running=running),
             "fenced_until_step": r.fenced_until_step,
+            "fences": r.fences,
             "share": shares[r.pk],
             "samples_per_second": r.step_samples_per_second,
             "micro_batches": r.micro_batches,

@@ -7,10 +7,11 @@ lease, or whose job was cancelled, learns it from a False return and stops; each
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from datetime import datetime
 from typing import Any
 
+from django.conf import settings
 from django.db import transaction
 
 from arceus.contracts.counters import StageCounters
@@ -114,18 +115,36 @@ def stage_record_joined(
     return True
 
 
+@transaction.atomic
 def stage_record_fenced(
     *, job_id: Any, lease_owner: str, generation: int, fence: ReplicaFence, now: datetime
 ) -> bool:
     """Record, on its placement row, that the driver fenced a live replica (it takes no micro-batch until it joins
-    again, at step `fence.until_step` at the earliest): the job shows it fenced, and its node's time is billed only
-    up to `now` until it rejoins (`stage_record_joined`). False without the lease."""
+    again, at step `fence.until_step` at the earliest): the job shows it fenced, its node's time is billed only up to
+    `now` until it rejoins (`stage_record_joined`), and the fence is counted in its window (`fences_counted`: the
+    reconciler drops a replica fenced too often). False without the lease."""
     if not held(job_id, lease_owner).filter(generation=generation).exists():
         return False
-    Stage.objects.filter(
+    row = Stage.objects.select_for_update().filter(
         job_id=job_id, index=fence.index, replica=fence.replica, generation=generation, active=True
-    ).update(fenced_until_step=fence.until_step, fenced_at=now)
+    ).first()
+    if row is not None:
+        row.fences, row.fences_since_step = fences_counted(
+            row.fences, row.fences_since_step, fence.step, settings.ARCEUS_REPLICA_FENCE_WINDOW_STEPS
+        )
+        row.fenced_until_step, row.fenced_at = fence.until_step, now
+        row.save(update_fields=["fences", "fences_since_step", "fenced_until_step", "fenced_at"])
+        reconcile_soon()  # the rules may drop it now
     return True
+
+
+def fences_counted(fences: int, since_step: int | None, step: int, window_steps: int) -> tuple[int, int]:
+    """A replica's fences and the train step its window opened at, after one more fence in train step `step`: a
+    window spans `window_steps` steps from its first fence; a fence outside it (later, or earlier: the job went back
+    to a checkpoint) opens a new one."""
+    if since_step is None or not since_step <= step < since_step + window_steps:
+        return 1, step
+    return fences + 1, since_step
 
 
 @transaction.atomic
@@ -175,22 +194,27 @@ def _record_outcome(job: Job, status: JobStatus, reason: str, message: str) -> N
     reconcile_soon()
 
 
-def contributions_release(*, rows: Sequence[Stage], now: datetime) -> None:
+def contributions_release(
+    *, rows: Sequence[Stage], now: datetime, fenced_out: Collection[tuple[int, int]] = ()
+) -> None:
     """Replicas' rows about to be deleted while their job runs (`DropReplicas`): each node's contribution for the
     generation keeps what billing them needs (the counters written so far, when the node began to hold the replica and
-    that it held it until `now`), so counters the driver measured before the loss and writes after it are billed."""
+    that it held it until `now`), so counters the driver measured before the loss and writes after it are billed;
+    and whether it was dropped for its fences (`fenced_out`: (index, replica) of those), which keeps the job's
+    replicas off its node for a while."""
     StageContribution.objects.bulk_create(
         [
             StageContribution(
                 job_id=s.job_id, stage_index=s.index, generation=s.generation, node_id=s.node_id,
-                held_since=s.held_since, released_at=now, **{name: getattr(s, name) for name in COUNTER_FIELDS},
+                held_since=s.held_since, released_at=now, fenced_out=(s.index, s.replica) in fenced_out,
+                **{name: getattr(s, name) for name in COUNTER_FIELDS},
             )
             for s in rows
             if s.node_id is not None
         ],
         update_conflicts=True,
         unique_fields=["job", "stage_index", "generation", "node"],
-        update_fields=["held_since", "released_at", "updated_at"],
+        update_fields=["held_since", "released_at", "fenced_out", "updated_at"],
     )
 
 

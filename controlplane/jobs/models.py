@@ -213,6 +213,15 @@ class Stage(BaseModel):
         null=True, blank=True, help_text="Fenced by the driver: the train step from which it may join again."
     )
     fenced_at = models.DateTimeField(null=True, blank=True)
+    # How often the driver fenced it within its window (`fences_counted`): the fences since `fences_since_step`, the
+    # train step of the window's first, fewer than ARCEUS_REPLICA_FENCE_WINDOW_STEPS steps ago. The reconciler drops
+    # a replica fenced ARCEUS_REPLICA_MAX_FENCES times (controlplane/controller/rules.py). A rewind clears both.
+    fences = models.PositiveIntegerField(
+        default=0, help_text="Times the driver fenced it within its window of train steps."
+    )
+    fences_since_step = models.PositiveIntegerField(
+        null=True, blank=True, help_text="The train step of the first fence in its window."
+    )
     layer_start = models.PositiveIntegerField()
     layer_end = models.PositiveIntegerField()
     node = models.ForeignKey(Node, on_delete=models.SET_NULL, null=True, blank=True, related_name="stages")
@@ -283,6 +292,9 @@ class StageContribution(BaseModel):
     # for the time held, and no longer (`controlplane/driver/recording.py`). Null for any other contribution.
     held_since = models.DateTimeField(null=True, blank=True)
     released_at = models.DateTimeField(null=True, blank=True)
+    # Dropped for being fenced too often (its link or host kept failing steps): the job places no replica on this node
+    # for ARCEUS_REPLICA_FENCED_OUT_SECONDS after `released_at`.
+    fenced_out = models.BooleanField(default=False)
     updated_at = models.DateTimeField(auto_now=True)
 
     class Meta:

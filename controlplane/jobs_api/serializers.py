@@ -270,6 +270,10 @@ class PlacementOutput(serializers.Serializer):
     fenced_until_step = serializers.IntegerField(
         allow_null=True, help_text="a fenced replica: the train step from which it may join again (null: not fenced)"
     )
+    fences = serializers.IntegerField(
+        help_text="how often the driver fenced it within its window of train steps: at ARCEUS_REPLICA_MAX_FENCES the "
+        "control plane drops it (the job's Replicas condition says so) and places a replica on another node"
+    )
     step_micro_batches = serializers.FloatField(
         allow_null=True, help_text="micro-batches per step the driver routed to it in recent steps (null: not measured)"
     )

@@ -195,7 +195,7 @@ def test_an_exchange_failing_between_live_replicas_costs_no_work_and_the_fenced_
     took_part = ["agent-1-2" in {c.node_id for c in p.stages} for p in sink.steps]
     assert took_part == [False] * fenced_in + [True] * (STEPS - fenced_in)
     assert [(j.index, j.replica, j.source_replica) for j in joins] == [(*SPARE, 0)] * 2
-    assert fences == [ReplicaFence(*SPARE, fenced_in + 1)]  # the control plane is told, and until when
+    assert fences == [ReplicaFence(*SPARE, fenced_in + 1, fenced_in)]  # the control plane is told: when, until when
     assert all(j.sha256 == j.state_sha256 for j in joins)
     # The stages without the joiner did an undisturbed run's work: each micro-batch of every step once.
     for stage in (0, 2):

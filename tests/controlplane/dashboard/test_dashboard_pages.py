@@ -381,14 +381,14 @@ def test_the_pipeline_shows_each_replica_of_a_replicated_stage(
     # the driver fences a live replica: it shows fenced, until when, and no share, until it joins again
     generation = rows[0].generation
     assert stage_record_fenced(job_id=job.id, lease_owner="driver", generation=generation,
-                               fence=ReplicaFence(1, 1, 7), now=timezone.now())
+                               fence=ReplicaFence(1, 1, 7, 6), now=timezone.now())
     pipeline = browser.get(f"/dashboard/jobs/{job.id}/live.json").json()["pipeline"]
     stages = {(s["stage_index"], s["replica"]): s for s in pipeline["stages"]}
-    assert (stages[(1, 1)]["activity"], stages[(1, 1)]["fenced_until_step"], stages[(1, 1)]["share"]) == (
-        "fenced", 7, 0.0)
+    assert (stages[(1, 1)]["activity"], stages[(1, 1)]["fenced_until_step"], stages[(1, 1)]["share"],
+            stages[(1, 1)]["fences"]) == ("fenced", 7, 0.0, 1)
     assert stages[(1, 0)]["share"] == 1.0 and pipeline["replicas"]["training"] == 5
     shown = {(p["stage_index"], p["replica"]): p for p in placements.get(f"/api/jobs/{job.id}").json()["placements"]}
-    assert (shown[(1, 1)]["activity"], shown[(1, 1)]["fenced_until_step"]) == ("fenced", 7)
+    assert (shown[(1, 1)]["activity"], shown[(1, 1)]["fenced_until_step"], shown[(1, 1)]["fences"]) == ("fenced", 7, 1)
     assert stage_record_joined(job_id=job.id, lease_owner="driver", generation=generation,
                                join=ReplicaJoin(1, 1, 0, 10, "a", "a"), now=timezone.now())
     shown = {(p["stage_index"], p["replica"]): p for p in placements.get(f"/api/jobs/{job.id}").json()["placements"]}

@@ -158,6 +158,7 @@ def test_the_detail_shows_progress_placements_and_curves(running_job: Job, api: 
         "relayed": False,
         "activity": "pending",  # its agent has not reported it built
         "fenced_until_step": None,
+        "fences": 0,
         "step_micro_batches": 4.0,
         "share": 1.0,  # a one-node stage takes every micro-batch
         "samples_per_second": 128.0,  # 32 samples in 0.25 s of compute
@@ -324,9 +325,9 @@ def test_a_fenced_replica_is_billed_for_the_time_it_held_its_node_before_its_fen
     start = timezone.now() - timedelta(seconds=60)
     job, node_of = replicated_running_job(ready_node, queued_job, start)
     assert stage_record_fenced(job_id=job.id, lease_owner="d", generation=job.generation,
-                               fence=ReplicaFence(1, 1, 4), now=start + timedelta(seconds=20))
+                               fence=ReplicaFence(1, 1, 4, 3), now=start + timedelta(seconds=20))
     assert not stage_record_fenced(job_id=job.id, lease_owner="other", generation=job.generation,
-                                   fence=ReplicaFence(1, 0, 4), now=start)  # without the lease, nothing
+                                   fence=ReplicaFence(1, 0, 4, 3), now=start)  # without the lease, nothing
     row = Stage.objects.get(job=job, index=1, replica=1)
     assert (row.fenced_until_step, row.fenced_at) == (4, start + timedelta(seconds=20))
     assert Stage.objects.filter(job=job, fenced_at__isnull=False).count() == 1
@@ -351,13 +352,13 @@ def test_a_fenced_replica_is_billed_for_the_time_it_held_its_node_before_its_fen
     assert math.isclose(sum(e.held_seconds for e in sibling), 50.0, abs_tol=0.01)
     # A driver that takes the lease over, and a rewind, start with no replica fenced.
     assert stage_record_fenced(job_id=job.id, lease_owner="d", generation=job.generation,
-                               fence=ReplicaFence(1, 1, 9), now=start + timedelta(seconds=55))
+                               fence=ReplicaFence(1, 1, 9, 5), now=start + timedelta(seconds=55))
     later = timezone.now() + timedelta(seconds=120)  # the lease of "d" expired
     assert job_driver_claim(job_id=job.id, owner="e", now=later)
     row.refresh_from_db()
     assert (row.fenced_until_step, row.fenced_at, row.held_since) == (None, None, later)
     assert stage_record_fenced(job_id=job.id, lease_owner="e", generation=job.generation,
-                               fence=ReplicaFence(1, 1, 9), now=later)
+                               fence=ReplicaFence(1, 1, 9, 5), now=later)
     assert job_rewind(job_id=job.id, generation=job.generation, reason="DriverLost", message="test", now=later)
     assert not Stage.objects.filter(job=job, fenced_until_step__isnull=False).exists()
 

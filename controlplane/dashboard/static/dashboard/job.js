@@ -88,7 +88,8 @@
         ["timing", `compute ${Dashboard.number(s.step_compute_seconds)} s, wait ${Dashboard.number(s.step_wait_seconds)} s per step`],
         ["sent", `sent ${Dashboard.bytes(s.bytes_sent)}`],
         ["activity", s.activity === "joining" ? "joining: copying its state from a peer"
-          : s.activity === "fenced" ? `fenced after failed steps: may rejoin from step ${s.fenced_until_step}` : s.activity],
+          : s.activity === "fenced" ? `fenced after failed steps (${s.fences} times lately): may rejoin from step ` +
+            `${s.fenced_until_step}` : s.activity],
         ["share", s.replica === null ? "" : `${s.share === null ? "–" : `${(100 * s.share).toFixed(0)}%`} of the ` +
           `stage's micro-batches per step; ${s.micro_batches} processed`],
         ["speed", `${Dashboard.number(s.samples_per_second)} samples/s computing`],
