@@ -4,10 +4,11 @@ real API interrupted and resumed.
     .venv/bin/python bench/dataset_streaming.py [--sizes-mb 25 100 200] [--steps 150] [--upload-mb 200]
 
 1. Driver memory: for each size, a safetensors file of float32 samples (1 KiB each) trains an MLP [256, 64, 10]
-   over two static agents (separate processes, gRPC on loopback) for `--steps` steps and a validation pass over
-   the last tenth; the driver runs in a fresh process of its own reading the file as the control plane's storage
-   hands it over (`TrainPlan.open_dataset`), and reports its peak RSS (VmHWM). Flat: the driver reads a batch at
-   a time (arceus.data.streaming).
+   over two agents (in this process, gRPC on loopback) for `--steps` steps and a validation pass over the last
+   tenth; the driver runs in a fresh process of its own opening the file as the control plane's storage hands it
+   over (`TrainPlan.open_dataset`), and reports its peak RSS (VmHWM) and the bytes it read of the file. The stages
+   read their rows themselves (nodeagent/step_samples.py) by byte range, here from the file directly (in a
+   deployment through the control plane's `dataset-reads`): the driver reads the file's header only.
 2. Upload: a local control plane (devtools.cluster, gunicorn + Celery; DATABASE_URL and REDIS_URL from the
    environment where set) takes a `--upload-mb` file through `ArceusClient.upload_dataset` in 16 MiB pieces;
    the first attempt is cut off after 40% (the client raises from its progress callback), the second resumes
@@ -27,18 +28,21 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from arceus.contracts.assignment import max_micro_batch_size  # noqa: E402
+from arceus.contracts.assignment import Assignment, max_micro_batch_size  # noqa: E402
 from arceus.data.config import validate_dataset_config  # noqa: E402
 from arceus.data.formats import inspect_file  # noqa: E402
+from arceus.data.upload_rows import ranges_checked  # noqa: E402
 from bench.report import machine_line, write_section  # noqa: E402
-from devtools.launch import free_ports, spawn_static_agents, stop_agents  # noqa: E402
-from devtools.pipeline import driver_token, identity_for, pipeline_assignments  # noqa: E402
+from devtools.launch import free_ports  # noqa: E402
+from devtools.pipeline import driver_token, identity_for, pipeline_assignments, remember_identity  # noqa: E402
+from nodeagent.agent import Agent  # noqa: E402
 
 FEATURES, CLASSES, BATCH, MICRO_BATCHES, SEED, LR = 256, 10, 64, 2, 0, 0.05
 MODEL = {"type": "mlp", "layer_sizes": [FEATURES, 64, CLASSES]}
@@ -76,12 +80,52 @@ def drive(path: str, facts_json: str, peers_json: str, steps: int, job_id: str) 
         stages=tuple(StageEndpoint(i, a, f"agent-{i}", i, i + 1, certificate=c)
                      for i, (a, c) in enumerate(peers["certificates"].items())),
         dataset=dataset_config(json.loads(facts_json)), epochs=1, learning_rate=LR, micro_batches=MICRO_BATCHES,
-        seed=SEED, max_steps=steps, open_dataset=lambda _: open(path, "rb"),  # noqa: SIM115
+        seed=SEED, max_steps=steps, open_dataset=lambda _: _Counted(open(path, "rb")),  # noqa: SIM115
     )
     result = train(plan, RecordingSink())
     peak = next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
                 if line.startswith("VmHWM:"))
-    print(json.dumps({"peak_rss_bytes": peak, "steps": result.steps, "val_accuracy": result.val_accuracy}))
+    print(json.dumps({"peak_rss_bytes": peak, "steps": result.steps, "val_accuracy": result.val_accuracy,
+                      "driver_read_bytes": _Counted.total}))
+
+
+class _Counted:
+    """A file whose reads are counted (in `total`, over every file opened so)."""
+
+    total = 0
+
+    def __init__(self, handle: Any) -> None:
+        self._handle = handle
+
+    def read(self, n: int = -1) -> bytes:
+        data = self._handle.read(n)
+        _Counted.total += len(data)
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._handle, name)
+
+    def __enter__(self) -> _Counted:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._handle.close()
+
+
+def file_reader(paths: dict[str, Path]) -> Any:
+    """What the agents read a job's rows with: byte ranges of its file, bounded as the control plane bounds them."""
+
+    def read(job_id: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        path = paths[job_id]
+        ranges_checked(ranges, [(0, path.stat().st_size)])
+        with path.open("rb") as handle:
+            out = []
+            for start, stop in ranges:
+                handle.seek(start)
+                out.append(handle.read(stop - start))
+            return out
+
+    return read
 
 
 def driver_memory(sizes: list[int], steps: int, workdir: Path) -> list[dict]:
@@ -98,7 +142,14 @@ def driver_memory(sizes: list[int], steps: int, workdir: Path) -> list[dict]:
                                                                                  "val_batch_size": 256},
                                                                                 MICRO_BATCHES),
     ) for job_id in jobs]
-    agents = spawn_static_agents([[a[i] for a in per_job] for i in range(2)], addresses, workdir / "agents")
+    reader = file_reader({job_id: files[m][0] for job_id, m in zip(jobs, sizes, strict=True)})
+    agents = []
+    for i, address in enumerate(addresses):
+        agents.append(Agent(device=torch.device("cpu"), listen=address, identity=identity_for(address),
+                            read_dataset=reader))
+        agents[-1].start()
+        remember_identity(address, identity_for(address))
+        agents[-1].apply_assignments([Assignment.from_json(a[i]) for a in per_job])
     rows = []
     try:
         for megabytes, job_id in zip(sizes, jobs, strict=True):
@@ -114,7 +165,8 @@ def driver_memory(sizes: list[int], steps: int, workdir: Path) -> list[dict]:
             out = out.stdout.strip().splitlines()[-1]
             rows.append({"dataset_mb": megabytes, "samples": facts["samples"], **json.loads(out)})
     finally:
-        stop_agents(agents)
+        for agent in agents:
+            agent.stop(grace=1)
     return rows
 
 
@@ -168,15 +220,16 @@ def main() -> None:
         rows = driver_memory(args.sizes_mb, args.steps, workdir)
         uploaded = upload(args.upload_mb, workdir) if args.upload_mb else None
     growth = rows[-1]["peak_rss_bytes"] - rows[0]["peak_rss_bytes"]
-    table = "| dataset | samples | driver peak RSS | val accuracy |\n| --- | --- | --- | --- |\n" + "".join(
+    table = ("| dataset | samples | driver peak RSS | driver read of the file | val accuracy |\n"
+             "| --- | --- | --- | --- | --- |\n") + "".join(
         f"| {r['dataset_mb']} MB | {r['samples']:,} | {r['peak_rss_bytes'] / 2**20:.0f} MiB | "
-        f"{r['val_accuracy']:.3f} |\n" for r in rows
+        f"{r['driver_read_bytes']:,} B | {r['val_accuracy']:.3f} |\n" for r in rows
     )
     text = (
         "## Uploaded datasets: driver memory and a resumed upload (`bench/dataset_streaming.py`)\n\n"
-        f"{machine_line()}. MLP {MODEL['layer_sizes']} over two static agents, batch {BATCH}, {args.steps} steps "
-        "and a validation pass over the last tenth; each driver in a fresh process reading the safetensors file "
-        "a batch at a time.\n\n" + table +
+        f"{machine_line()}. MLP {MODEL['layer_sizes']} over two agents (in the bench's process), batch {BATCH}, "
+        f"{args.steps} steps and a validation pass over the last tenth; each driver in a fresh process; the stages "
+        "read their rows by byte range, the driver the file's header.\n\n" + table +
         f"\nPeak RSS grows {growth / 2**20:.0f} MiB from {rows[0]['dataset_mb']} MB to {rows[-1]['dataset_mb']} "
         "MB of data.\n"
     )

@@ -177,6 +177,8 @@ def checkpoint_storage_settings(env: Mapping[str, str]) -> dict[str, object]:
                 "secret_key": env.get("AWS_SECRET_ACCESS_KEY") or None,
                 "region_name": env.get("AWS_S3_REGION_NAME") or None,
                 "file_overwrite": False,
+                # SigV4: a presigned ranged GET (a stage's dataset read) binds its Range header.
+                "signature_version": "s3v4",
                 # A file opened for reading spools to disk past 8 MiB, never whole in memory.
                 "max_memory_size": 8 << 20,
             },

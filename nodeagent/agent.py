@@ -31,7 +31,7 @@ from nodeagent.neighbour_links import Neighbour, NeighbourLinks
 from nodeagent.relay_attachment import RelayAttachment
 from nodeagent.replica_servicer import ReplicaServicer
 from nodeagent.servicer import StageServicer, add_stage_service
-from nodeagent.stage import CheckpointLoader, InitialWeightsLoader, ProgramLoader, StateUploader
+from nodeagent.stage import CheckpointLoader, DatasetReader, InitialWeightsLoader, ProgramLoader, StateUploader
 from nodeagent.tp_servicer import TensorParallelServicer
 
 log = logging.getLogger(__name__)
@@ -63,6 +63,7 @@ class Agent:
         load_program: ProgramLoader | None = None,
         load_initial_weights: InitialWeightsLoader | None = None,
         upload_state: StateUploader | None = None,
+        read_dataset: DatasetReader | None = None,
         link_probe_interval: float | None = None,
         solo_threads: int | None = None,
         identity: TlsIdentity | None = None,
@@ -100,6 +101,7 @@ class Agent:
             load_initial_weights=load_initial_weights,
             build_seconds=self.metrics.stage_build_seconds,
             streams=self.exchange_streams,
+            read_dataset=read_dataset,
         )
         # RunStep holds a worker for the whole step while the pushes it waits for need others. No caller may
         # hold more than its share of the workers, and none may hold the health check's.

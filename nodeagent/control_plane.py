@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import itertools
 import json
 import logging
 import re
@@ -29,6 +30,7 @@ from arceus.checkpoint import StateFile
 from arceus.contracts.assignment import Assignment, CheckpointRef, InitialWeightsRef
 from arceus.contracts.observed import ObservedStage
 from arceus.contracts.possession import possession_sign
+from arceus.data.upload_rows import MAX_READ_BYTES
 from arceus.errors import SpecError
 from arceus.model.exported.program import MAX_PROGRAM_BYTES
 from arceus.model.hugging_face import initial_weights_slice_check
@@ -37,7 +39,7 @@ from arceus.wire.tls import TlsIdentity
 from nodeagent.control_plane_http import ControlPlaneError, ControlPlaneSession, Unauthorized
 from nodeagent.host_load import HostLoad
 from nodeagent.link_probe import DELAY_BUDGET_SECONDS, least_delay
-from nodeagent.stage import StateUploadError
+from nodeagent.stage import DatasetReadError, StateUploadError
 
 log = logging.getLogger(__name__)
 # A state upload the server failed is sent again after 1, 2, 4 s (its deadline permitting); a direct upload whose
@@ -255,6 +257,45 @@ class ControlPlaneClient(ControlPlaneSession):
         if not isinstance(layers, list) or len(layers) != end - start or not all(isinstance(x, str) for x in layers):
             raise ControlPlaneError(f"GET {url} did not answer the {end - start} layers [{start}, {end})")
         return layers
+
+    def read_dataset_ranges(self, job_id: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """Byte ranges of job `job_id`'s uploaded dataset (a stage's rows: nodeagent/step_samples.py), each range's
+        bytes: answered by the control plane, or fetched from the S3 bucket by the presigned ranged GETs it answers
+        (without the node token). At most MAX_READ_BYTES in all; DatasetReadError for anything else."""
+        total = sum(stop - start for start, stop in ranges)
+        if total > MAX_READ_BYTES:
+            raise DatasetReadError(f"{total} bytes is more than the {MAX_READ_BYTES} one read may take")
+        url = f"{self.url}/api/agent/jobs/{job_id}/dataset-reads"
+        try:
+            with self._session.post(url, json={"ranges": [list(r) for r in ranges]}, timeout=self.timeout,
+                                    stream=True) as response:
+                if response.status_code >= 300:
+                    raise DatasetReadError(f"POST {url} → HTTP {response.status_code}: {_text(response)}")
+                if response.headers.get("Content-Type", "").startswith("application/json"):
+                    urls = json.loads(response.raw.read(1 << 20, decode_content=True)).get("urls")
+                    if not isinstance(urls, list) or len(urls) != len(ranges):
+                        raise DatasetReadError(f"POST {url} answered no presigned URL per range")
+                    return [self._read_presigned(u, start, stop) for u, (start, stop) in zip(urls, ranges, strict=True)]
+                body = response.raw.read(total + 1, decode_content=True)
+        except (requests.RequestException, ValueError) as exc:
+            raise DatasetReadError(f"POST {url} failed: {exc}") from exc
+        if len(body) != total:
+            raise DatasetReadError(f"POST {url} answered {len(body)} bytes for ranges of {total}")
+        offsets = [0, *itertools.accumulate(stop - start for start, stop in ranges)]
+        return [body[a:b] for a, b in itertools.pairwise(offsets)]
+
+    def _read_presigned(self, url: str, start: int, stop: int) -> bytes:
+        """Bytes [start, stop) of a stored object by its presigned ranged GET; DatasetReadError unless exactly those."""
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise DatasetReadError("the control plane answered a presigned URL that is not HTTP(S)")
+        with requests.get(url, headers={"Range": f"bytes={start}-{stop - 1}"}, timeout=self.timeout,
+                          stream=True) as response:
+            if response.status_code != 206 or not response.headers.get("Content-Range", "").startswith(
+                f"bytes {start}-{stop - 1}/"
+            ):
+                raise DatasetReadError(f"the stored dataset's range [{start}, {stop}) → HTTP {response.status_code} "
+                                       f"({response.headers.get('Content-Range', 'no Content-Range')})")
+            return response.raw.read(stop - start + 1, decode_content=True)
 
     def upload_state(
         self, path: str, size: int, chunks: Callable[[], Iterable[bytes | memoryview]], seconds: float

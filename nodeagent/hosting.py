@@ -39,7 +39,14 @@ from nodeagent.hosting_plan import (
     plan_changes,
 )
 from nodeagent.rpc import RpcFailure
-from nodeagent.stage import CheckpointLoader, HostedStage, InitialWeightsLoader, ProgramLoader, build_hosted_stage
+from nodeagent.stage import (
+    CheckpointLoader,
+    DatasetReader,
+    HostedStage,
+    InitialWeightsLoader,
+    ProgramLoader,
+    build_hosted_stage,
+)
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +65,13 @@ class HostedStages:
         load_program: ProgramLoader | None = None,
         load_initial_weights: InitialWeightsLoader | None = None,
         streams: ExchangeStreams | None = None,
+        read_dataset: DatasetReader | None = None,
     ) -> None:
         """`build_seconds`: observes each stage build's wall time, labelled by `source` (initial or checkpoint);
-        `streams`: the agent's exchange streams, which its replicas of replicated stages exchange over."""
+        `streams`: the agent's exchange streams, which its replicas of replicated stages exchange over;
+        `read_dataset`: how its stages read an uploaded dataset's rows."""
         self._streams = streams
+        self._read_dataset = read_dataset
         self._device = device
         self._build_seconds = build_seconds
         self._load_checkpoint = load_checkpoint
@@ -137,6 +147,7 @@ class HostedStages:
                 load_initial_weights=self._load_initial_weights,
                 tensor_parallel=group,
                 streams=self._streams,
+                read_dataset=self._read_dataset,
             )
             seconds = time.perf_counter() - started
             if self._build_seconds is not None:

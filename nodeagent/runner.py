@@ -106,6 +106,7 @@ def _new_agent(options: RunOptions, client: ControlPlaneClient | None) -> Agent:
         load_program=None if client is None else client.fetch_program,
         load_initial_weights=None if client is None else client.fetch_initial_weights,
         upload_state=None if client is None else client.upload_state,
+        read_dataset=None if client is None else client.read_dataset_ranges,
         link_probe_interval=None if client is None else options.link_probe_interval,
         solo_threads=options.solo_threads,
         identity=options.identity,

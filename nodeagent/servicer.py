@@ -37,6 +37,7 @@ from nodeagent.metrics import AgentMetrics
 from nodeagent.rpc import RpcFailure, call_deadline, serve
 from nodeagent.stage import HostedStage, StateUploader, StateUploadError
 from nodeagent.step import StepRun, replica_plan
+from nodeagent.step_samples import prefetch_step_samples
 from nodeagent.validation import KIND_NAMES, check_layout, decode_push
 from nodeagent.verify import AuditRecord, recompute_forward
 
@@ -160,6 +161,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 if not 0 < request.after_step < request.step:
                     raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT,
                                      f"after_step {request.after_step} is not a step before step {request.step}")
+                prefetch_step_samples(stage, request)  # its samples read while the step before computes
                 stage.wait_for_step(request.after_step, deadline, abort)
             # A replica's step run again after a loss may find the cancelled attempt still unwinding; a chained step,
             # the step it follows releasing the lock.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import grpc
@@ -90,9 +91,14 @@ class HostedStage:
         max_message_bytes: int,
         tensor_parallel: TensorParallelGroup | None = None,
         streams: ExchangeStreams | None = None,
+        read_dataset: DatasetReader | None = None,
     ) -> None:
-        """`streams`: the agent's exchange streams, which a replica of a replicated stage exchanges over."""
+        """`streams`: the agent's exchange streams, which a replica of a replicated stage exchanges over;
+        `read_dataset`: how stage 0 and the last stage read an uploaded dataset's rows (None: they cannot)."""
         self.assignment = assignment
+        self.read_dataset = read_dataset
+        # Samples of a chained step read while the step before computes, by its call id (nodeagent/step_samples.py).
+        self.samples_ahead: dict[int, Future] = {}
         self.tensor_parallel = tensor_parallel
         self.runtime = runtime
         self.transfer = TransferEncoder(assignment.transfer)  # holds top-k error feedback
@@ -305,6 +311,16 @@ CheckpointLoader = Callable[[CheckpointRef], Mapping[str, torch.Tensor]]
 InitialWeightsLoader = Callable[[InitialWeightsRef, int, int, int], Mapping[str, torch.Tensor]]
 
 
+# Byte ranges of the uploaded dataset of a job, read through the control plane for a stage that reads its samples
+# (nodeagent/step_samples.py): (job id, [(start, stop), ...]) → each range's bytes, as the reader got them (checked by
+# the caller). Raises DatasetReadError.
+DatasetReader = Callable[[str, list[tuple[int, int]]], list[bytes]]
+
+
+class DatasetReadError(RuntimeError):
+    """A dataset's byte ranges could not be read (the message says why)."""
+
+
 class StateUploadError(RuntimeError):
     """A stage's state could not be uploaded to the control plane (the message says why)."""
 
@@ -325,6 +341,7 @@ def build_hosted_stage(
     load_program: ProgramLoader | None = None,
     load_initial_weights: InitialWeightsLoader | None = None,
     streams: ExchangeStreams | None = None,
+    read_dataset: DatasetReader | None = None,
 ) -> HostedStage:
     """Build the stage from its declarative spec only: layers [start, end) initialised from the seed,
     then, if the assignment names a checkpoint, its weights and optimizer state loaded from it, else, if it
@@ -380,4 +397,4 @@ def build_hosted_stage(
             tensors = slice_state_tensors(spec, tensor_parallel.shard, tensors)
         runtime.load_state_tensors(tensors, widen=uploaded)
     return HostedStage(assignment, runtime, max_message_bytes=max_message_bytes, tensor_parallel=tensor_parallel,
-                       streams=streams)
+                       streams=streams, read_dataset=read_dataset)

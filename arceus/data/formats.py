@@ -44,6 +44,8 @@ MAX_TOKENIZER_BYTES = 64 << 20
 # imports (the datasets' models) and few use to read one.
 _FLOAT_DTYPES = {"F32": "float32", "F64": "float64", "F16": "float16", "U8": "uint8"}
 _LABEL_DTYPES = {"I64": "int64", "I32": "int32", "I16": "int16", "U8": "uint8"}
+FLOAT_DTYPES = tuple(_FLOAT_DTYPES.values())  # numpy's names of the dtypes x may have
+LABEL_DTYPES = tuple(_LABEL_DTYPES.values())  # and y
 
 
 class DatasetFormatError(ValueError):

@@ -1,8 +1,11 @@
 """A step's samples named by their positions, which stage 0 and the last stage read themselves: the driver sends a
 batch's indices (`epoch_batches`' order) in RunStep, never the samples.
 
-Only a dataset every agent holds is read this way (`stages_read`): the bundled digits and the bundled text. A
-dataset at a path on the control plane (MNIST, a `source` text) or an upload is pushed by the driver as before.
+A dataset every agent holds is read this way from memory (`stages_read`, `LocalDatasets`): the bundled digits and
+the bundled text. An uploaded tensor dataset is too, by byte range through the control plane, with the layout the
+driver read from the file's header (arceus.data.upload_rows). A dataset at a path on the control plane (MNIST, a
+`source` text) and an uploaded text (tokenized by the driver into a file of its own, which no stage can reach) are
+pushed by the driver as before.
 Micro-batch m of a batch is `torch.tensor_split(indices, micro_batches)[m]`, as the driver splits the samples it
 pushes, so either way a stage computes on the same rows in the same order and training equals one process.
 """
@@ -56,7 +59,8 @@ class LocalDatasets:
             raise SpecError("data.dataset_json", f"is not JSON: {exc}") from exc
         cfg = validate_dataset_config(raw)
         if not stages_read(cfg):
-            raise SpecError("data.dataset_json", f"names {cfg['name']!r} data that only the driver reads")
+            raise SpecError("data.dataset_json", f"names {cfg['name']!r} data that the stages read only with its "
+                            "layout (an uploaded tensor dataset's) or not at all")
         key = json.dumps(cfg, sort_keys=True)
         with self._lock:  # one load per dataset, however many stages of this agent ask at once
             if key not in self._loaded:

@@ -1,11 +1,14 @@
 """The samples a driver trains on, read a batch at a time: in memory for the bundled datasets, from the file for
 an uploaded one, so the driver's memory stays flat however large the upload.
 
-An uploaded tensor dataset is read row by row from its file (`StoredArray`): the first 90% of the samples
-train, the rest validate. An uploaded text dataset is tokenized once, a chunk at a time, into a temporary file
-of int32 token ids (90/10 by characters, as the bundled text), whose windows of `block_size` tokens are then
-read as the batches name them; its BPE tokenizer, where the job asks for one, is trained on the training part
-streamed the same way.
+An uploaded tensor dataset is read row by row from its file (`StoredArray`, by its `UploadLayout`): the first
+90% of the samples train, the rest validate. Its stages read the rows of their steps themselves
+(arceus.data.upload_rows), so a driver reads only the header and the micro-batch a spot check recomputes.
+
+An uploaded text dataset is tokenized once, a chunk at a time, into a temporary file of int32 token ids (90/10 by
+characters, as the bundled text), whose windows of `block_size` tokens are then read as the batches name them and
+pushed by the driver (no stage can reach that file); its BPE tokenizer, where the job asks for one, is trained on
+the training part streamed the same way.
 """
 
 from __future__ import annotations
@@ -19,10 +22,10 @@ import numpy as np
 import torch
 
 from arceus.data.config import DatasetOpener
-from arceus.data.formats import DatasetFormatError, StoredArray, tensor_arrays, text_chunks
+from arceus.data.formats import DatasetFormatError, text_chunks
 from arceus.data.loader import load_dataset
-from arceus.data.sizes import UPLOADED_TRAIN_FRACTION
 from arceus.data.tokenizer import TRAIN_FRACTION, BPETokenizer, CharTokenizer, TextTokenizer, train_bpe_from
+from arceus.data.upload_rows import UploadLayout, upload_layout
 from arceus.errors import SpecError
 
 _TOKEN_DTYPE = np.dtype("<i4")
@@ -49,10 +52,13 @@ class InMemorySamples:
 
 
 class TensorRows:
-    """Samples [start, stop) of an uploaded tensor file; x as float32 (uint8 pixels scaled to [0, 1])."""
+    """A split of an uploaded tensor file (`layout`'s training or validation rows), read row by row."""
 
-    def __init__(self, handle: BinaryIO, x: StoredArray, y: StoredArray, start: int, stop: int) -> None:
-        self._handle, self._x, self._y, self._start, self._n = handle, x, y, start, stop - start
+    def __init__(self, handle: BinaryIO, layout: UploadLayout, *, validation: bool) -> None:
+        self._handle, self.layout, self.validation = handle, layout, validation
+        self._start, stop = layout.split(validation)
+        self._n = stop - self._start
+        self._x, self._y = layout.x.stored(), layout.y.stored()
 
     def __len__(self) -> int:
         return self._n
@@ -61,8 +67,23 @@ class TensorRows:
         rows = [self._start + int(i) for i in indices]
         x = np.stack([self._x.rows(self._handle, r, r + 1)[0] for r in rows])
         y = np.stack([self._y.rows(self._handle, r, r + 1)[0] for r in rows])
-        x = x.astype(np.float32) / 255.0 if x.dtype == np.uint8 else x.astype(np.float32)
-        return torch.from_numpy(x.reshape(len(rows), -1)), torch.from_numpy(y.astype(np.int64))
+        return samples_of(x, y)
+
+
+def samples_of(x: np.ndarray, y: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of an uploaded tensor file as training tensors (`inputs_of`, `labels_of`)."""
+    return inputs_of(x), labels_of(y)
+
+
+def inputs_of(x: np.ndarray) -> torch.Tensor:
+    """x rows as float32 (uint8 pixels scaled to [0, 1]) flattened per sample: the driver's reads and a stage's
+    (nodeagent/step_samples.py) alike."""
+    x = x.astype(np.float32) / 255.0 if x.dtype == np.uint8 else x.astype(np.float32)
+    return torch.from_numpy(x.reshape(len(x), -1))
+
+
+def labels_of(y: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(y.astype(np.int64))
 
 
 class TokenWindows:
@@ -108,9 +129,8 @@ def uploaded_samples(cfg: dict[str, Any], open_file: DatasetOpener | None) -> It
         handle = stack.enter_context(open_file(cfg["dataset_id"]))
         try:
             if cfg["kind"] == "tensors":
-                x, y = tensor_arrays(handle, _size(handle), cfg["format"])
-                cut = int(x.shape[0] * UPLOADED_TRAIN_FRACTION)
-                yield TensorRows(handle, x, y, 0, cut), TensorRows(handle, x, y, cut, x.shape[0])
+                layout = upload_layout(cfg["dataset_id"], handle, _size(handle), cfg["format"])
+                yield TensorRows(handle, layout, validation=False), TensorRows(handle, layout, validation=True)
                 return
             tokenizer = uploaded_tokenizer(cfg, handle, open_file)
             tokens = stack.enter_context(tempfile.TemporaryFile(prefix="arceus-tokens-"))

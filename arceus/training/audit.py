@@ -73,8 +73,8 @@ class Auditor:
         self._model_json = json.dumps(plan.model)
 
     def check(
-        self, step: int, parties: Parties, inputs: list[torch.Tensor], routes: Routes | None = None,
-        labels: list[torch.Tensor] | None = None, moved: Collection[tuple[int, int]] = (),
+        self, step: int, parties: Parties, inputs: Sequence[torch.Tensor], routes: Routes | None = None,
+        labels: Sequence[torch.Tensor] | None = None, moved: Collection[tuple[int, int]] = (),
     ) -> list[SpotCheckResult]:
         """Check the receipts of a train step (each receiver's against its producer's: hashes only, every
         micro-batch), recompute a forward where the two disagree, else one sampled forward with
@@ -202,7 +202,7 @@ class Auditor:
         return evidence
 
     def _partial(
-        self, step: int, i: int, m: int, inputs: list[torch.Tensor], labels: list[torch.Tensor],
+        self, step: int, i: int, m: int, inputs: Sequence[torch.Tensor], labels: Sequence[torch.Tensor],
         received: list[dict[int, stage_pb2.Receipt]], evidence: _Evidence, parties: Parties, routes: Routes,
         moved: Collection[tuple[int, int]],
     ) -> list[SpotCheckResult]:

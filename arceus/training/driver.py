@@ -1,7 +1,8 @@
 """`train(plan, sink)`: drive a pipeline of stages through epochs of steps, with validation after each.
 
 One step: ask every stage to run its schedule, naming the batch's samples by position to stage 0 and the last
-stage, which read them themselves (a bundled dataset: arceus.data.step_data); for other data, split the batch into
+stage, which read them themselves (a bundled dataset: arceus.data.step_data; an uploaded tensor dataset, by range
+from the control plane, with the file's layout: arceus.data.upload_rows); for other data, split the batch into
 micro-batches and push the inputs to stage 0 and the labels to the last stage, all concurrently. The first failed
 call cancels the rest and becomes a DriverError naming the stage and the gRPC status.
 """
@@ -31,7 +32,8 @@ from arceus.contracts.spot_check import SpotCheckResult
 from arceus.data.batches import epoch_batches
 from arceus.data.config import validate_dataset_config
 from arceus.data.step_data import labels_per_sample, micro_batch_indices, stages_read
-from arceus.data.streaming import Samples, dataset_samples
+from arceus.data.streaming import Samples, TensorRows, dataset_samples
+from arceus.data.upload_rows import UploadLayout
 from arceus.errors import SpecError
 from arceus.model.expected_state import expected_stage_state, stage_file_check
 from arceus.model.registry import model_spec_from_config
@@ -107,6 +109,27 @@ class Batch:
         return self.samples.take(self.indices)
 
 
+class MicroBatches(Sequence[torch.Tensor]):
+    """A batch's inputs (`part` 0) or labels (1) per micro-batch, each read only when asked: a spot check reads the
+    micro-batch it recomputes, not the batch (of an upload the stages read themselves, the driver reads no other)."""
+
+    def __init__(self, batch: Batch, num_micro_batches: int, part: int) -> None:
+        self._batch, self._part = batch, part
+        self._indices = micro_batch_indices(batch.indices, num_micro_batches)
+        self._read: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self._indices)
+
+    def __getitem__(self, m: int) -> torch.Tensor:  # type: ignore[override]
+        if not -len(self) <= m < len(self):
+            raise IndexError(m)
+        m %= len(self)
+        if m not in self._read:
+            self._read[m] = self._batch.samples.take(self._indices[m])[self._part]
+        return self._read[m]
+
+
 @dataclass
 class _Sent:
     """An unreplicated step whose calls are out (`Pipeline._send`): the driver's pushes, then every agent's RunStep."""
@@ -131,12 +154,14 @@ class _Sent:
 class Pipeline:
     """The driver's view of the stages of one job generation: one channel per stage, reused."""
 
-    def __init__(self, plan: TrainPlan, *, dataset: dict | None = None) -> None:
+    def __init__(self, plan: TrainPlan, *, dataset: dict | None = None, layout: UploadLayout | None = None) -> None:
         """`dataset`: the plan's dataset config validated (None: validated here); where the stages read it
-        themselves (arceus.data.step_data.stages_read) the driver sends positions, not samples."""
+        themselves (a bundled dataset: arceus.data.step_data.stages_read; an uploaded tensor dataset, whose
+        `layout` the driver read from the file's header) the driver sends positions, not samples."""
         self.plan = plan
         dataset = validate_dataset_config(plan.dataset) if dataset is None else dataset
-        self._stage_data = dataset if stages_read(dataset) else None
+        self._stage_data = dataset if stages_read(dataset) or layout is not None else None
+        self._layout_json = "" if layout is None else json.dumps(layout.to_json())
         self._labels_per_sample = labels_per_sample(dataset)
 
         def client(endpoint: StageEndpoint) -> StageClient:
@@ -291,8 +316,7 @@ class Pipeline:
         if sent.train and self.auditor is not None:
             try:
                 parties = {(c.endpoint.index, 0): (c, r) for c, r in zip(self.clients, replies, strict=True)}
-                inputs = list(torch.tensor_split(batch.take()[0], num_micro_batches))
-                spot_checks = self.auditor.check(step, parties, inputs)
+                spot_checks = self.auditor.check(step, parties, MicroBatches(batch, num_micro_batches, 0))
             except grpc.RpcError as exc:
                 raise DriverError(f"a spot check of step {step} failed: {exc}") from exc
         walls = [sent.wall_seconds(i) for i in range(len(agents))]
@@ -327,7 +351,7 @@ class Pipeline:
         if self._stage_data is None:
             return None
         return stage_pb2.StepData(dataset_json=json.dumps(self._stage_data), validation=batch.validation,
-                                  indices=batch.indices.tolist())
+                                  indices=batch.indices.tolist(), layout_json=self._layout_json)
 
     def _labels(self, n: int) -> int:
         """Loss terms in a batch of `n` samples (the mean loss divides by them)."""
@@ -648,8 +672,7 @@ class Pipeline:
                 moved = () if repair is None else [
                     (i, m) for (i, _), todo in repair.instructions.items() for m in todo.recompute
                 ]
-                x, y = batch.take()
-                inputs, labels = (list(torch.tensor_split(t, num_micro_batches)) for t in (x, y))
+                inputs, labels = (MicroBatches(batch, num_micro_batches, part) for part in (0, 1))
                 spot_checks = self.auditor.check(step, parties, inputs, routes, labels, moved)
             except grpc.RpcError as exc:
                 raise DriverError(f"a spot check of step {step} failed: {exc}") from exc
@@ -817,7 +840,9 @@ def _train(plan: TrainPlan, sink: ProgressSink, dataset: dict, train_set: Sample
     # Resuming from the final checkpoint re-runs only the last validation (the driver died before it
     # could report the end).
     first_epoch = min(plan.start_step // steps_per_epoch + 1, plan.epochs)
-    with Pipeline(plan, dataset=dataset) as pipeline:
+    # An uploaded tensor dataset's stages read their rows themselves: the driver has read only the file's header.
+    layout = train_set.layout if isinstance(train_set, TensorRows) else None
+    with Pipeline(plan, dataset=dataset, layout=layout) as pipeline:
 
         def checkpoint(epoch: int) -> None:
             while True:  # a replica lost since the last step: its stage's state comes from another (they are equal)

@@ -1,7 +1,7 @@
 """The node agents' endpoints: registration (and its challenge), heartbeats, leaving, the link probe, and a job's
 files (a stage checkpoint to resume from, layers of uploaded initial weights and of an exported model's program, a
-stage's checkpoint upload). Each authenticates the node's token; the file endpoints serve only what the node's
-assignments name."""
+stage's checkpoint upload, byte ranges of the uploaded dataset a first or last stage reads). Each authenticates the
+node's token; the file endpoints serve only what the node's assignments name."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from controlplane.jobs.checkpoints import (
     stage_checkpoint_open,
     stage_checkpoint_url,
 )
+from controlplane.jobs.dataset_reads import job_dataset_read_for_node
 from controlplane.jobs.programs import job_program_layers_for_node
 from controlplane.nodes import schema
 from controlplane.nodes.authentication import IsNodeAgent, NodeTokenAuthentication
@@ -233,6 +234,27 @@ class AgentProgramApi(AgentApi):
             end=request.query_params.get("end"),
         )
         return Response({"layers": layers})
+
+
+class AgentDatasetReadApi(AgentApi):
+    """Byte ranges of a job's uploaded tensor dataset, for a node hosting its first stage (the inputs' rows) or its
+    last (the labels'): `{"ranges": [[start, stop], ...]}` answered with their bytes in order, or, from an S3 bucket,
+    `{"urls": [...]}`, a presigned GET per range that the agent fetches itself (with the range as its Range header).
+    The agent checks what comes back against the layout its RunStep carries."""
+
+    @extend_schema(
+        request=dict,
+        responses={(200, "application/octet-stream"): bytes, (200, "application/json"): dict, 400: ErrorOutput,
+                   404: ErrorOutput, 409: ErrorOutput},
+    )
+    def post(self, request: Request, job_id: str) -> HttpResponse:
+        body = request.data if isinstance(request.data, dict) else {}
+        read = job_dataset_read_for_node(node_id=request.auth.id, job_id=job_id, ranges=body.get("ranges"))
+        if read.urls is not None:
+            return Response({"urls": read.urls})
+        response = StreamingHttpResponse(read.chunks, content_type="application/octet-stream")
+        response["Content-Length"] = str(read.size_bytes)
+        return response
 
 
 class AgentCheckpointUploadApi(AgentApi):

@@ -8,6 +8,7 @@ from controlplane.agents.api import (
     AgentCheckpointPartsApi,
     AgentCheckpointPartsCompleteApi,
     AgentCheckpointUploadApi,
+    AgentDatasetReadApi,
     AgentHeartbeatApi,
     AgentInitialWeightsApi,
     AgentLeaveApi,
@@ -29,6 +30,9 @@ urlpatterns = [
         name="agent-initial-weights",
     ),
     re_path(r"^agent/jobs/(?P<job_id>[^/]+)/program/?$", AgentProgramApi.as_view(), name="agent-program"),
+    re_path(
+        r"^agent/jobs/(?P<job_id>[^/]+)/dataset-reads/?$", AgentDatasetReadApi.as_view(), name="agent-dataset-reads"
+    ),
     re_path(
         r"^agent/checkpoint-uploads/(?P<upload_id>[^/]+)/parts/?$",
         AgentCheckpointPartsApi.as_view(),

@@ -22,6 +22,8 @@ from controlplane.common.errors import ApplicationError
 
 # How long a presigned URL works: one stage's upload or download, at a slow node's bandwidth.
 TRANSFER_SECONDS = 6 * 3600
+# How long a presigned ranged read works: one step's samples, fetched at once.
+RANGE_SECONDS = 300
 # Parts of a multipart upload: S3 takes at most 10,000, each but the last at least 5 MiB (the part size is
 # settings.ARCEUS_CHECKPOINT_PART_BYTES, 64 MiB unless set: it bounds the uploader's buffer, one part, and keeps a
 # 16 GB stage at 256 requests).
@@ -149,6 +151,15 @@ def presigned_get(target: S3Object) -> str:
     """A URL that GETs `target`'s bytes straight from the storage."""
     return target.client.generate_presigned_url(
         "get_object", Params={"Bucket": target.bucket, "Key": target.key}, ExpiresIn=TRANSFER_SECONDS
+    )
+
+
+def presigned_ranged_get(target: S3Object, start: int, stop: int) -> str:
+    """A URL that GETs bytes [start, stop) of `target` straight from the storage, valid for RANGE_SECONDS: its Range
+    header is signed (SigV4, the storage's signature version: controlplane.settings), so the URL reads nothing else."""
+    return target.client.generate_presigned_url(
+        "get_object", Params={"Bucket": target.bucket, "Key": target.key, "Range": f"bytes={start}-{stop - 1}"},
+        ExpiresIn=RANGE_SECONDS,
     )
 
 

@@ -56,7 +56,7 @@ OWN_ACCOUNT = {"token-rotate", "password-change"}
 # The node-agent protocol (`Authorization: Node <token>`): objects addressed by id are the caller node's only.
 AGENT_OBJECTS = {
     "agent-checkpoint", "agent-checkpoint-upload", "agent-checkpoint-upload-parts",
-    "agent-checkpoint-upload-parts-complete", "agent-initial-weights", "agent-program",
+    "agent-checkpoint-upload-parts-complete", "agent-initial-weights", "agent-program", "agent-dataset-reads",
 }
 # Act on (or read) the calling node itself.
 AGENT_OWN = {"agent-challenge", "agent-register", "agent-heartbeat", "agent-probe", "agent-leave", "agent-earnings"}

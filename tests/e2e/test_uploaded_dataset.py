@@ -1,6 +1,7 @@
 """A developer uploads their own tensors (the digits as a pair of tensors, through `uploadable`), the upload is
 interrupted and resumed from the control plane's offset, and a job naming the dataset by id trains to success on
-two agents: its driver (in the Celery worker) reads the upload from storage a batch at a time.
+two agents: stage 0 and the last stage read their rows of the upload by byte range through the control plane's
+`dataset-reads` (the driver, in the Celery worker, reads the file's header only).
 
 Real processes throughout: gunicorn on PostgreSQL, Celery on Redis, agents over gRPC.
 """

@@ -230,7 +230,10 @@ def test_a_stage_outside_the_callers_credential_is_denied(
          "data.indices: index 99999 is outside the split's 1438 samples"),
         ({"data": stage_pb2.StepData(dataset_json="{", indices=range(8))}, "data.dataset_json: is not JSON"),
         ({"data": stage_pb2.StepData(dataset_json=json.dumps({"name": "uploaded", "dataset_id": "a" * 32}),
-                                     indices=range(8))}, "names 'uploaded' data that only the driver reads"),
+                                     indices=range(8))}, "names 'uploaded' data that the stages read only with its"),
+        ({"data": stage_pb2.StepData(dataset_json=json.dumps({"name": "uploaded", "dataset_id": "a" * 32}),
+                                     indices=range(8), layout_json="{}")},
+         "data.layout_json: must be an object of dataset_id, size, x, y and train"),
     ],
 )
 def test_invalid_run_step_is_rejected(

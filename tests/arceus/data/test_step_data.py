@@ -51,7 +51,7 @@ def test_a_stage_reads_the_rows_the_driver_would_push() -> None:
     ("dataset_json", "field", "fragment"),
     [
         ("{", "data.dataset_json", "is not JSON"),
-        (json.dumps({"name": "uploaded", "dataset_id": "a" * 32}), "data.dataset_json", "only the driver reads"),
+        (json.dumps({"name": "uploaded", "dataset_id": "a" * 32}), "data.dataset_json", "only with its layout"),
         (json.dumps({"name": "digits", "batch_size": 0}), "dataset_config.batch_size", ""),
     ],
 )
