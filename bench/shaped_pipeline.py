@@ -1,15 +1,16 @@
-"""fp32 GPipe vs 1F1B with int8 activations and gradients, every link shaped to a slow WAN.
+"""fp32 GPipe vs 1F1B with int8 activations and gradients, every link shaped to a slow WAN; the int8 1F1B pipeline
+also with staleness 1 (PipeDream-2BW) over the same links, and synchronous on unshaped loopback.
 
     .venv/bin/python bench/shaped_pipeline.py [--stages 2|3] [--steps 8] [--rounds 1]
                                               [--delay-ms 20] [--rate-mbit 100]
 
 The GPT of bench/pipeline_vs_torch.py (same model, text batches, micro-batches, Adam, seed) trains in
-2 or 3 stages of static agents (one process and one torch thread each). Every directed link, driver →
-stage i and stage i ⇄ stage i±1, goes through its own `devtools.shaper` link: `--delay-ms`
-one way and `--rate-mbit` per direction. Both setups train the same batches from the same weights;
-rounds alternate them. Reports samples/s (after warm-up), their ratio, the training loss at the last
-step, and per step: what each stage sent, its compute time and its wait (step time minus compute).
-Writes docs/BENCHMARKS.md and ends with one JSON line.
+2 or 3 stages of static agents (one process and one torch thread each). In the shaped setups every directed link,
+driver → stage i and stage i ⇄ stage i±1, goes through its own `devtools.shaper` link: `--delay-ms` one way and
+`--rate-mbit` per direction; the loopback setup calls the agents directly. Every setup trains the same batches from
+the same weights; rounds alternate them. Reports samples/s (after warm-up), their ratios, the training loss at the
+last step (and every step's, synchronous beside staleness 1), and per step: what each stage sent, its compute time
+and its wait (step time minus compute). Writes docs/BENCHMARKS.md and ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -37,9 +38,21 @@ from devtools.launch import free_ports, spawn_static_agents, stop_agents  # noqa
 from devtools.pipeline import driver_token, identity_for, pipeline_assignments  # noqa: E402
 from devtools.shaper import ShaperThread, add_link_arguments, link_shape  # noqa: E402
 
-SETUPS: dict[str, tuple[str, dict[str, Any] | None]] = {
-    "fp32_gpipe": ("gpipe", None),
-    "int8_1f1b": ("1f1b", {"activations": "int8", "gradients": "int8"}),
+
+@dataclass(frozen=True)
+class Setup:
+    schedule: str
+    transfer: dict[str, Any] | None
+    shaped: bool = True  # every link through the shaper; else the agents on loopback
+    staleness: int = 0
+
+
+INT8 = {"activations": "int8", "gradients": "int8"}
+SETUPS: dict[str, Setup] = {
+    "fp32_gpipe": Setup("gpipe", None),
+    "int8_1f1b": Setup("1f1b", INT8),
+    "int8_1f1b_stale": Setup("1f1b", INT8, staleness=1),
+    "int8_1f1b_loopback": Setup("1f1b", INT8, shaped=False),
 }
 
 
@@ -50,6 +63,14 @@ WHY = (
     "stage compute dominates the step, so the ratio stays near 1 here. 1F1B has the same bubble as GPipe "
     "for equal micro-batches (it saves activation memory, not time). Even with free compute, int8's "
     "ceiling is 3.76× and only where bytes dwarf those delays."
+)
+STALE = (
+    "Staleness 1 (`\"staleness\": 1`, PipeDream-2BW) lets each stage start the next step's forwards once this "
+    "step's are done there, with the weights before this step's update (each micro-batch's backward uses the "
+    "weights its forward used), so the drain of one step overlaps the fill of the next and the delays on the "
+    "flush's path are no longer paid every step. It trains differently from one process: the losses are the "
+    "training loss at each step, of the same batches from the same weights (steps 1 and 2 use the same weights "
+    "either way)."
 )
 
 
@@ -69,6 +90,7 @@ class StepLog(Clock):
 class Run:
     samples_per_s: float
     loss: float
+    losses: list[float]  # every step's
     seconds_per_step: float
     bytes_sent_per_step: list[float]  # per stage, measured steps only
     compute_s_per_step: list[float]
@@ -81,14 +103,18 @@ def boundaries(stages: int) -> list[int]:
 
 
 def shaped_assignments(
-    job_id: str, bounds: list[int], agents: list[str], links: dict[tuple[int, int], str], transfer: dict | None
+    job_id: str, bounds: list[int], agents: list[str], links: dict[tuple[int, int], str] | None, setup: Setup
 ) -> list[dict[str, Any]]:
-    """The stages' assignments with each neighbour address replaced by that directed link's shaper."""
+    """The stages' assignments with each neighbour address replaced by that directed link's shaper (None: the
+    agents' own addresses, on loopback)."""
     stages = pipeline_assignments(
         job_id=job_id, model_config=MODEL, boundaries=bounds, addresses=agents,
         optimizer={"name": "adam", "lr": LR}, seed=SEED, micro_batches=MICRO_BATCHES,
-        max_micro_batch_size=max_micro_batch_size(DATASET, MICRO_BATCHES), transfer=transfer,
+        max_micro_batch_size=max_micro_batch_size(DATASET, MICRO_BATCHES), transfer=setup.transfer,
+        staleness=setup.staleness,
     )
+    if links is None:
+        return stages
     for i, stage in enumerate(stages):
         stage["prev_address"] = links.get((i, i - 1))
         stage["next_address"] = links.get((i, i + 1))
@@ -121,6 +147,7 @@ def run(
     return Run(
         samples_per_s=step_rate(log.times),
         loss=log.steps[-1].loss,
+        losses=[p.loss for p in log.steps],
         seconds_per_step=(log.times[-1] - log.times[WARMUP - 1]) / measured,
         bytes_sent_per_step=[(b.bytes_sent - a.bytes_sent) / measured for a, b in pairs],
         compute_s_per_step=[(b.compute_seconds - a.compute_seconds) / measured for a, b in pairs],
@@ -147,14 +174,16 @@ def main() -> None:
                  if 0 <= j < n}
         driver_links = [shaper.address(a, **shape) for a in agents]
         per_job = [
-            shaped_assignments(f"shaped-{name}-{r}", bounds, agents, links, SETUPS[name][1]) for name, r in jobs
+            shaped_assignments(f"shaped-{name}-{r}", bounds, agents, links if SETUPS[name].shaped else None,
+                               SETUPS[name]) for name, r in jobs
         ]
         processes = spawn_static_agents([[a[i] for a in per_job] for i in range(n)], agents, Path(workdir))
         try:
             for name, r in jobs:
                 start = time.perf_counter()
-                results[name].append(run(f"shaped-{name}-{r}", SETUPS[name][0], bounds, agents,
-                    driver_links, args.steps))
+                setup = SETUPS[name]
+                results[name].append(run(f"shaped-{name}-{r}", setup.schedule, bounds, agents,
+                    driver_links if setup.shaped else agents, args.steps))
                 print(f"{name} round {r}: {results[name][-1]} ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
         finally:
             stop_agents(processes)
@@ -166,12 +195,18 @@ def main() -> None:
         return [statistics.median(getattr(x, attr)[i] for x in results[name]) for i in range(n)]
 
     fp32, int8 = med("fp32_gpipe", "samples_per_s"), med("int8_1f1b", "samples_per_s")
+    stale, loopback = med("int8_1f1b_stale", "samples_per_s"), med("int8_1f1b_loopback", "samples_per_s")
     figures = {
         "fp32_gpipe_samples_per_s": round(fp32, 3),
         "int8_1f1b_samples_per_s": round(int8, 3),
+        "int8_1f1b_stale_samples_per_s": round(stale, 3),
+        "int8_1f1b_loopback_samples_per_s": round(loopback, 3),
         "speedup": round(int8 / fp32, 3),
+        "synchronous_of_loopback": round(int8 / loopback, 3),
+        "stale_of_loopback": round(stale / loopback, 3),
         "fp32_loss": round(results["fp32_gpipe"][0].loss, 4),
         "int8_loss": round(results["int8_1f1b"][0].loss, 4),
+        "int8_stale_loss": round(results["int8_1f1b_stale"][0].loss, 4),
         "steps": args.steps, "warmup_steps": WARMUP, "rounds": args.rounds, "stages": n,
         "micro_batches": MICRO_BATCHES, "batch_size": DATASET["batch_size"],
         "delay_ms": args.delay_ms, "rate_mbit": args.rate_mbit,
@@ -190,21 +225,29 @@ def main() -> None:
         "| setup | samples/s | loss at last step | s/step | MB sent/step per stage | compute s/step per stage "
         "| not computing s/step per stage | busiest stage's bytes at the rate, s/step |\n"
         "| --- | --- | --- | --- | --- | --- | --- | --- |\n" + rows
-        + f"\nint8 1F1B / fp32 GPipe: **{figures['speedup']}×** samples/s\n"
-        + "\n" + WHY + "\n"
+        + f"\nint8 1F1B / fp32 GPipe: **{figures['speedup']}×** samples/s. Of int8 1F1B on loopback: synchronous "
+        + f"**{figures['synchronous_of_loopback']}×**, staleness 1 **{figures['stale_of_loopback']}×**.\n"
+        + "\nTraining loss per step (round 0), int8 1F1B synchronous / staleness 1: "
+        + ", ".join(f"{a:.4f} / {b:.4f}" for a, b in zip(results["int8_1f1b"][0].losses,
+                                                          results["int8_1f1b_stale"][0].losses, strict=True))
+        + ".\n\n" + WHY + "\n\n" + STALE + "\n"
     )
     params = sum(model_spec_from_config(MODEL).layer_params())
     shaped_as_asked = (args.delay_ms, args.rate_mbit) == (20.0, 100.0)
     name = f"shaped_pipeline_{n}_stages" + ("" if shaped_as_asked else f"_{args.delay_ms:g}ms_{args.rate_mbit:g}mbit")
     write_section(name, (
-        f"## fp32 GPipe vs int8 1F1B over shaped links, {n} stages (`bench/shaped_pipeline.py --stages {n}`)\n\n"
-        f"{machine_line()}. Every link (driver → stage, stage ⇄ neighbour) through a userspace shaper: "
+        f"## fp32 GPipe vs int8 1F1B over shaped links, {n} stages (`bench/shaped_pipeline.py --stages {n}"
+        f"{'' if shaped_as_asked else f' --delay-ms {args.delay_ms:g} --rate-mbit {args.rate_mbit:g}'}"
+        f" --steps {args.steps} --rounds {args.rounds}`)\n\n"
+        f"{machine_line()}. In the shaped setups every link (driver → stage, stage ⇄ neighbour) through a userspace "
+        "shaper: "
         f"{args.delay_ms:g} ms one way and {args.rate_mbit:g} Mbit/s per direction. GPT of "
         f"`bench/pipeline_vs_torch.py` ({params / 1e6:.2f}M parameters), batch {DATASET['batch_size']} × "
         f"{DATASET['block_size']} tokens, M={MICRO_BATCHES}, Adam, layer boundaries {bounds}, one torch thread "
         f"per agent process; {args.steps} steps per run ({WARMUP} warm-up not timed), {args.rounds} round(s). "
-        "Losses are the training loss of the last step; both setups train the same batches from the same "
-        "weights.\n\n" + table
+        "Losses are the training loss of the last step; every setup trains the same batches from the same "
+        "weights. `int8_1f1b_loopback`: the same pipeline with the agents called directly on loopback; "
+        "`int8_1f1b_stale`: over the shaped links with `staleness: 1`.\n\n" + table
     ))
     print(table)
     print(json.dumps(figures))

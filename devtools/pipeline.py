@@ -56,8 +56,10 @@ def pipeline_assignments(
     generation: int = 1,
     transfer: dict[str, Any] | None = None,
     precision: str = "fp32",
+    staleness: int = 0,
 ) -> list[dict[str, Any]]:
-    """Assignments (JSON) for stages [boundaries[i], boundaries[i+1]) hosted at addresses[i]."""
+    """Assignments (JSON) for stages [boundaries[i], boundaries[i+1]) hosted at addresses[i]; `staleness` the
+    job's (arceus.pipeline.schedule.STALENESS)."""
     _check_boundaries(boundaries, addresses)
     n = len(addresses)
     shared = dict(job_id=job_id, model_config=model_config, boundaries=boundaries, optimizer=optimizer, seed=seed,
@@ -74,7 +76,7 @@ def pipeline_assignments(
             credentials=stage_credentials(STATIC_SECRET, job_id, generation, i, 0, [1] * n, tied=tied),
             certificates=certificates_for([prev, next_, *(addresses[j] for j in tied)]),
             transfer=transfer_config_from_json(transfer), precision=precision,
-            tied=tuple(TiedPeer(j, *ranges[j], (addresses[j],)) for j in tied),
+            tied=tuple(TiedPeer(j, *ranges[j], (addresses[j],)) for j in tied), staleness=staleness,
         ))
     return assignments
 

@@ -46,9 +46,11 @@ def reference_run(
     """Train the job's model in this process (one thread's torch) with the job's settings and data order.
 
     `job` is the submitted shape: model_config, dataset_config, epochs, learning_rate, optimizer,
-    momentum, weight_decay, seed. `initial_weights` (model-wide names): what it starts from instead of the
-    seeded weights, as a job with uploaded weights does. `model`: the module an exported model's job was
-    captured from, trained (a copy of it) instead of one built from the job's model config.
+    momentum, weight_decay, seed, staleness (1: each step's gradient is taken at the weights before the previous
+    step's update and applied to the current ones, PipeDream-2BW's W(t+1) = W(t) - lr * g(W(t-1)), W(-1) = W(0)).
+    `initial_weights` (model-wide names): what it starts from instead of the seeded weights, as a job with uploaded
+    weights does. `model`: the module an exported model's job was captured from, trained (a copy of it) instead of
+    one built from the job's model config.
     """
     dataset = validate_dataset_config(job["dataset_config"])
     seed = job.get("seed", 0)
@@ -61,14 +63,22 @@ def reference_run(
         params, job.get("optimizer", "sgd"), lr, momentum=job.get("momentum", 0.0), weight_decay=weight_decay
     )
     train_x, train_y, val_x, val_y = load_dataset(dataset)
+    stale = job.get("staleness", 0) == 1
+    previous: list[torch.Tensor] | None = None  # staleness 1: the weights before the last update
     losses: list[float] = []
     for epoch in range(1, job.get("epochs", 1) + 1):
         for indices in epoch_batches(len(train_x), dataset["batch_size"], seed, epoch):
             if max_steps is not None and len(losses) >= max_steps:
                 break
+            current = [p.detach().clone() for p in params] if stale else []
+            if previous is not None:
+                _assign(params, previous)
             loss = _cross_entropy(model(train_x[indices]), train_y[indices])
             optimizer.zero_grad()
             loss.backward()
+            if stale:  # the gradient of the old weights updates the current ones
+                _assign(params, current)
+                previous = current
             optimizer.step()
             losses.append(loss.item())
     with torch.no_grad():
@@ -131,6 +141,12 @@ def micro_batched_run(
         weights={f"layers.{name}": p.detach().clone() for name, p in layers.named_parameters()},
         buffers={f"layers.{name}": b.detach().clone() for name, b in persistent_buffers(layers)},
     )
+
+
+def _assign(params: list[nn.Parameter], values: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for p, v in zip(params, values, strict=True):
+            p.copy_(v)
 
 
 def _cross_entropy(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -128,6 +128,7 @@ def stage_memory_need(assignment: Assignment) -> tuple[int, str]:
         assignment.max_micro_batch_size, assignment.micro_batches, assignment.schedule,
         optimizer=optimizer_kind(assignment.optimizer.name, assignment.optimizer.momentum),
         activation_checkpointing=assignment.activation_checkpointing, precision=assignment.precision,
+        staleness=assignment.staleness,
     )
     need = placed_stage_memory(layers, workload, assignment.stage_index, assignment.num_stages, ranks)
     return need, "weights, gradients, optimizer state and activations"

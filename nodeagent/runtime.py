@@ -8,6 +8,8 @@ With bf16 precision the forward (and so the backward) runs under autocast; what 
 A layer that draws random numbers (dropout) draws them seeded by (seed, training step, micro-batch, layer)
 (arceus.model.seeding); buffers that training updates (BatchNorm's) move once a step, by the mean of the
 micro-batches' changes, each forward starting from the step's start (arceus.model.buffers).
+With staleness 1 (PipeDream-2BW, `stale_begin`) a train step's forwards and backwards use a version of the weights
+of its own, the one before the previous step's update, while that update writes a fresh copy.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
 from arceus.checkpoint import stored_layout
@@ -93,6 +96,23 @@ class StageRuntime:
         self._weights_lock = threading.Lock()
         # key -> (input that needs a gradient, or None on the first stage; output or scaled loss)
         self._pending: dict[MicroBatchKey, tuple[torch.Tensor | None, torch.Tensor]] = {}
+        # Staleness 1: each open train step's weights (leaves in `parameters()` order, their gradients its own), by
+        # step; the weights before the last update while no step is open (the next step's); whether updates keep
+        # the weights they replace (`optimizer_step`).
+        self._versions: dict[int, list[torch.Tensor]] = {}
+        self._previous: list[torch.Tensor] | None = None
+        self._two_versions = False
+        # The parameters themselves, kept here: while a step's forward runs with its version (`_Versioned`), the
+        # layers hold the version's tensors in their place, and a version's forwards take turns (`_swapping`).
+        self._params = list(self.layers.parameters())
+        self._named = dict(self.layers.named_parameters(remove_duplicate=False))
+        self._swapping = threading.Lock()
+        # Per layer, (parameter name, its index in `_params`): a version's tensors by each layer's own names.
+        index = {id(p): i for i, p in enumerate(self._params)}
+        self._layer_params = [
+            [(name, index[id(p)]) for name, p in layer.named_parameters(remove_duplicate=False)]
+            for layer in self.layers
+        ]
 
     # --- training -------------------------------------------------------------------------------
     def forward(self, key: MicroBatchKey, x: torch.Tensor, train_step: int | None = None) -> torch.Tensor:
@@ -132,6 +152,34 @@ class StageRuntime:
             self.buffers.restore()  # activation checkpointing's recompute ran the layers' forward again
             return None if inp is None else inp.grad.detach().cpu()
 
+    def stale_begin(self, step: int) -> None:
+        """Staleness 1: the weights train step `step` (keys (step, m)) runs its forwards and backwards with, taken
+        before its first forward: those before the last update where no other step is open (the step before this one
+        finished: its update is the last), else the current ones (the step before is still open: its update, later,
+        writes a fresh copy and leaves these be). Either way the weights before the previous step's update:
+        W(t+1) = W(t) - lr * g(W(t-1)). ValueError for layers with buffers that training updates (their per-step
+        moves assume one step at a time)."""
+        if self.buffers.elements:
+            raise ValueError("staleness 1 is not supported for layers with buffers that training updates (BatchNorm)")
+        with self._weights_lock:
+            if step in self._versions:
+                raise ValueError(f"train step {step} already took its weights")
+            weights = self._previous if self._previous is not None and not self._versions else [
+                p.data for p in self._params
+            ]
+            self._previous = None
+            self._two_versions = True
+            self._versions[step] = [w.detach().requires_grad_(p.requires_grad)
+                                    for w, p in zip(weights, self._params, strict=True)]
+
+    def stale_gradients(self, step: int) -> None:
+        """Staleness 1, once train step `step`'s backwards are done (and the step before it took its update): its
+        gradients become the ones the exchange, tied sums and `optimizer_step` see; its weights version is let go."""
+        with self._weights_lock:
+            version = self._versions.pop(step)
+        for p, leaf in zip(self._params, version, strict=True):
+            p.grad = leaf.grad
+
     def optimizer_step(self, learning_rate: float | None = None) -> None:
         if self.optimizer is None:
             raise ValueError("this stage only decodes (it is served for inference): it has no optimizer to step")
@@ -140,6 +188,11 @@ class StageRuntime:
                 for group in self.optimizer.param_groups:
                     group["lr"] = learning_rate
             with self._weights_lock:
+                if self._two_versions:  # staleness 1: the step in flight keeps the weights it started with
+                    replaced = [p.data for p in self._params]
+                    for p, data in zip(self._params, replaced, strict=True):
+                        p.data = data.clone()
+                    self._previous = None if self._versions else replaced
                 self.optimizer.step()
                 self.buffers.apply()
             self.optimizer.zero_grad(set_to_none=True)
@@ -165,13 +218,13 @@ class StageRuntime:
     def parameter_gradient(self, name: str) -> torch.Tensor:
         """The accumulated gradient of the pipeline parameter `name` ("layers.<i>.<name>") as float32 on CPU (zeros
         where it has none): a tied weight's copy's share of its group's sum (arceus.model.tied)."""
-        param = self.layers.get_parameter(name.removeprefix("layers."))
+        param = self._named[name.removeprefix("layers.")]
         grad = param.grad if param.grad is not None else torch.zeros_like(param)
         return grad.detach().float().cpu()
 
     def set_parameter_gradient(self, name: str, grad: torch.Tensor) -> None:
         """Make `grad` (its shape) the gradient the pipeline parameter `name` steps with."""
-        param = self.layers.get_parameter(name.removeprefix("layers."))
+        param = self._named[name.removeprefix("layers.")]
         if grad.shape != param.shape:
             raise ValueError(f"a gradient of shape {list(grad.shape)} for {name} of shape {list(param.shape)}")
         param.grad = grad.to(param.device, param.dtype)
@@ -233,6 +286,11 @@ class StageRuntime:
         this step's forwards used, so a spot check can read them without a copy of them being kept."""
         self._deferred = (learning_rate,)
 
+    def _forget_versions(self) -> None:
+        with self._weights_lock:
+            self._versions.clear()
+            self._previous = None
+
     def discard_deferred(self) -> None:
         """Forget a deferred optimizer step and its gradients: the step it belonged to is being run again."""
         self._deferred = None
@@ -257,6 +315,7 @@ class StageRuntime:
         """Forget a failed step: its graphs and any partly accumulated gradients (a deferred optimizer step
         of an earlier step was taken before this one began)."""
         self._pending.clear()
+        self._forget_versions()
         self.buffers.discard()
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
@@ -348,6 +407,7 @@ class StageRuntime:
         weights = [k for k in tensors if not k.startswith((OPTIMIZER_PREFIX, BUFFER_PREFIX))]
         _check_layouts(tensors, weights, params, "checkpoint", "this stage", widen=widen)
         buffers = self._buffers_check(tensors)
+        self._forget_versions()  # staleness 1: the loaded weights are the next step's (no older version is saved)
         if self.optimizer is None:
             with torch.no_grad():
                 for name, param in params.items():
@@ -426,8 +486,11 @@ class StageRuntime:
         keeps only its input and runs again in the backward (same ops on the same input, the same draws:
         same result). The buffers' change is taken and they are put back (`BufferSteps.forwarded`)."""
         step, micro_batch = (key[0] if train_step is None else train_step), key[1]
-        for layer, index in zip(self.layers, self._draws, strict=True):
+        version = self._versions.get(key[0])
+        for layer, index, names in zip(self.layers, self._draws, self._layer_params, strict=True):
             seed = None if index is None else draw_seed(self.seed, step, micro_batch, index)
+            if version is not None:  # staleness 1: this step's own weights
+                layer = _Versioned(layer, {name: version[i] for name, i in names}, self._swapping)
             run = layer if seed is None else _Seeded(layer, seed, self.device)
             x = checkpoint(run, x, use_reentrant=False) if self.activation_checkpointing else run(x)
         self.buffers.forwarded()
@@ -447,11 +510,24 @@ class StageRuntime:
             self.counters.micro_batches += 1
 
 
+class _Versioned:
+    """A layer called with other tensors in place of its parameters (a train step's weights version). The call puts
+    them in the layer for its duration, so calls of one stage's layers take turns (`swapping`); a recompute in a
+    backward (activation checkpointing) is such a call too."""
+
+    def __init__(self, layer: nn.Module, params: dict[str, torch.Tensor], swapping: threading.Lock) -> None:
+        self.layer, self.params, self.swapping = layer, params, swapping
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        with self.swapping:
+            return functional_call(self.layer, self.params, (x,))
+
+
 class _Seeded:
     """A layer called with its draws seeded (arceus.model.seeding.seeded_draws): on each call, so a recompute draws
     the same."""
 
-    def __init__(self, layer: nn.Module, seed: int, device: torch.device) -> None:
+    def __init__(self, layer: nn.Module | _Versioned, seed: int, device: torch.device) -> None:
         self.layer, self.seed, self.device = layer, seed, device
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:

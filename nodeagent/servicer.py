@@ -157,19 +157,20 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             if not context.add_callback(on_done):  # the caller gave up before the step began: it never runs
                 raise RpcFailure(grpc.StatusCode.CANCELLED, f"RunStep of step {request.step} was cancelled")
             replicas = replica_plan(stage, request)
-            if request.after_step:  # sent before the step it follows ended: it waits for that step to finish here
-                if not 0 < request.after_step < request.step:
-                    raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT,
-                                     f"after_step {request.after_step} is not a step before step {request.step}")
+            if request.after_step and not 0 < request.after_step < request.step:
+                raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"after_step {request.after_step} is not a step before step {request.step}")
+            if request.after_step:
                 prefetch_step_samples(stage, request)  # its samples read while the step before computes
-                stage.wait_for_step(request.after_step, deadline, abort)
-            # A replica's step run again after a loss may find the cancelled attempt still unwinding; a chained step,
-            # the step it follows releasing the lock.
-            waits = request.HasField("replicas") or request.after_step
-            wait = min(10.0, max(0.0, deadline - time.monotonic())) if waits else 0.0
-            acquired = stage.step_lock.acquire(timeout=wait) if wait > 0 else stage.step_lock.acquire(blocking=False)
-            if not acquired:
-                raise RpcFailure(grpc.StatusCode.ABORTED, f"{stage.name} is already running a step")
+            if request.after_step and stage.assignment.staleness:  # overlaps the step it follows (nodeagent.step)
+                stage.step_join(request.step, request.after_step, deadline, abort)
+            else:
+                if request.after_step:  # sent before the step it follows ended: it waits for that step to finish here
+                    stage.wait_for_step(request.after_step, deadline, abort)
+                # A replica's step run again after a loss may find the cancelled attempt still unwinding; a chained
+                # step, the step it follows releasing the lock.
+                waits = request.HasField("replicas") or request.after_step
+                stage.step_start(request.step, min(10.0, max(0.0, deadline - time.monotonic())) if waits else 0.0)
             finished = False
             try:
                 threads = None if self._compute_threads is None else self._compute_threads()
@@ -185,8 +186,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 self._metrics.step_wait_seconds.labels(mode=mode).observe(reply.wait_seconds)
                 self._metrics.wait_seconds.inc(reply.wait_seconds)
             finally:
-                stage.step_ended(request.step, finished)
-                stage.step_lock.release()
+                stage.step_end(request.step, finished)
             after = reply.counters
             self._metrics.samples.inc(after.samples - before.samples)
             self._metrics.micro_batches.inc(after.micro_batches - before.micro_batches)

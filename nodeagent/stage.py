@@ -119,14 +119,18 @@ class HostedStage:
         # for early arrivals of the next step. The cap bounds what a misbehaving peer can park here.
         # The tied weights' gradients it exchanges with the stages sharing them (nodeagent.tied), one a copy a step.
         self.tied = TiedGradients(assignment, spec)
+        # With staleness 1 two steps overlap here (nodeagent.step): room for the second one's.
         self.mailbox: Mailbox[torch.Tensor] = Mailbox(
-            capacity=4 * assignment.micro_batches + 8 + 2 * self.tied.mailbox_slots()
+            capacity=(4 + 3 * assignment.staleness) * assignment.micro_batches + 8 + 2 * self.tied.mailbox_slots()
         )
         self.step_lock = threading.Lock()
         # The RunStep that ended here last (its call id, and whether it finished): what a step chained after it waits
-        # for (`wait_for_step`).
+        # for (`wait_for_step`). The RunSteps running under one hold of `step_lock` (two where staleness 1 overlaps
+        # them, `step_join`), and the last whose forwards were all done (0 once it failed).
         self._ended = threading.Condition()
         self._last_step: tuple[int, bool] | None = None
+        self._running: list[int] = []
+        self._forwards_done = 0
         # A link to every rank of each neighbour: each rank of a tensor-parallel stage takes its inputs.
         token, certificates = assignment.credentials.token, assignment.certificates
         self.next_links = [
@@ -224,10 +228,58 @@ class HostedStage:
         with self._bytes_lock:
             self.bytes_received += n
 
-    def step_ended(self, step: int, finished: bool) -> None:
-        """RunStep `step` ended here (`finished`: its update done; else it failed): a step chained after it may run."""
+    def step_start(self, step: int, wait: float) -> None:
+        """Take the step lock for RunStep `step`, within `wait` seconds (0: only if it is free); ABORTED if it stays
+        taken. `step_end` gives it back."""
+        acquired = self.step_lock.acquire(timeout=wait) if wait > 0 else self.step_lock.acquire(blocking=False)
+        if not acquired:
+            raise RpcFailure(grpc.StatusCode.ABORTED, f"{self.name} is already running a step")
+        with self._ended:
+            self._running.append(step)
+            self._forwards_done = 0
+
+    def step_join(self, step: int, after: int, deadline: float, abort: threading.Event) -> None:
+        """Staleness 1: start RunStep `step`, chained after `after`, once `after`'s forwards are all done here (or it
+        finished) and no other step runs here: beside `after`, under its hold of the step lock, or alone, taking it.
+        Two steps at most run at once, so the weights have two versions at most (nodeagent.runtime). ABORTED if
+        `after` failed here, CANCELLED once `abort` is set, DEADLINE_EXCEEDED at `deadline`."""
+        with self._ended:
+            while True:
+                if self._last_step == (after, False):
+                    raise RpcFailure(grpc.StatusCode.ABORTED,
+                                     f"step {after} failed on {self.name}: the step chained after it does not run")
+                started = self._last_step == (after, True) or self._forwards_done == after
+                if started and (
+                    self._running == [after] or not self._running and self.step_lock.acquire(blocking=False)
+                ):
+                    self._running.append(step)
+                    self._forwards_done = 0
+                    return
+                if abort.is_set():
+                    raise RpcFailure(grpc.StatusCode.CANCELLED, f"a step chained after step {after} was cancelled")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
+                                     f"{self.name} waited for the forwards of step {after}, which a step is chained "
+                                     "after; they were never done")
+                self._ended.wait(min(remaining, CHAIN_POLL_SECONDS))
+
+    def forwards_done(self, step: int) -> None:
+        """Every forward of train step `step` is done here: with staleness 1, the step chained after it may start."""
+        with self._ended:
+            self._forwards_done = step
+            self._ended.notify_all()
+
+    def step_end(self, step: int, finished: bool) -> None:
+        """RunStep `step` ended here (`finished`: its update done; else it failed): a step chained after it may run.
+        The last of the steps running gives the step lock back."""
         with self._ended:
             self._last_step = (step, finished)
+            if not finished and self._forwards_done == step:
+                self._forwards_done = 0
+            self._running.remove(step)
+            if not self._running:
+                self.step_lock.release()
             self._ended.notify_all()
 
     def wait_for_step(self, step: int, deadline: float, abort: threading.Event) -> None:

@@ -63,6 +63,12 @@ class StepRun:
         a = stage.assignment
         self.stage, self.request, self.abort = stage, request, abort
         self.step, self.train = request.step, request.mode == stage_pb2.TRAIN
+        # Staleness 1 (PipeDream-2BW): this train step runs with its own version of the weights, and a step chained
+        # after it starts here once its forwards are done (`HostedStage.step_join`), its update after this one's.
+        self.stale = self.train and a.staleness == 1
+        if self.stale and request.retain_for_audit:
+            raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"{stage.name}: spot checks of a job with staleness 1 are not supported yet")
         # A replica runs its share of the micro-batches, sends each to the replica its route names, and exchanges
         # its gradients with its siblings before the optimizer step.
         self.replicas = replicas
@@ -99,6 +105,9 @@ class StepRun:
         self._where = {"stage": a.stage_index, "replica": a.replica or 0}  # for the fault hook (nodeagent.faults)
         self._forward_sizes: dict[int, int] = {}
         self.wait_seconds = 0.0  # waiting for inputs and for sends: the bubble this stage sees
+        # This step's own compute, timed around its actions and update: with staleness 1 the stage's counters also
+        # count the overlapping step's.
+        self.own_compute_seconds = 0.0
         self._results: dict[int, tuple[float, int, int]] = {}
         self.exchange_seconds = 0.0
         self.held: HeldStep | None = None  # a replica's record of this step, kept for a repair (nodeagent.repair)
@@ -108,6 +117,7 @@ class StepRun:
         # A stage that is not replicated sends every activation to the same links, and every gradient: only the last
         # of each in its schedule is acked on its own, the others with it (one ack a link a step, not one a tensor).
         self._acked = {act.kind: i for i, act in enumerate(self.actions)} if self.replicas is None else None
+        self._last_forward = max(i for i, act in enumerate(self.actions) if act.kind == "F")
 
     def run(self) -> stage_pb2.RunStepReply:
         runtime = self.stage.runtime
@@ -116,8 +126,17 @@ class StepRun:
             self._start_sync_round()
         compute_before = runtime.counters.compute_seconds
         sent_before = 0 if self.stage.exchange is None else self.stage.exchange.bytes_sent
-        self.stage.mailbox.retain_step(self.step)
+        after, step = self.request.after_step, self.step
+        if self.stale:  # the step it overlaps still takes its gradients; the next one's inputs may come early
+            self.stage.mailbox.discard(lambda key: not (after or step) <= key[0] <= step + 1)
+        else:
+            self.stage.mailbox.retain_step(step)
         try:
+            if self.stale:
+                try:
+                    runtime.stale_begin(self.step)
+                except ValueError as exc:
+                    raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, f"{self.stage.name}: {exc}") from None
             if self.request.HasField("data"):
                 own = range(self.request.num_micro_batches) if self.replicas is None else self.replicas.micro_batches
                 read_step_samples(self.stage, self.request, own)
@@ -130,6 +149,8 @@ class StepRun:
                     raise RpcFailure(grpc.StatusCode.CANCELLED, f"step {self.step} on {self.stage.name} was cancelled")
                 if action.kind == "F":
                     self._forward(index, action)
+                    if self.stale and index == self._last_forward:
+                        self.stage.forwards_done(self.step)
                 else:
                     self._backward(index, action)
                 self.pushes.raise_if_failed()
@@ -137,6 +158,11 @@ class StepRun:
                 self.pushes.wait_all()
             if self.train:
                 faults.reached("gradient-sent", self.step, **self._where)
+            if self.stale:  # the update of the step it overlaps comes first
+                if after:
+                    with self._waiting():
+                        self.stage.wait_for_step(after, self.wait_until, self.abort)
+                runtime.stale_gradients(self.step)
             sync = self.stage.assignment.replica_sync
             members = () if self.replicas is None else self.replicas.members(self.stage.io.stage_index)
             if held is not None and not self._keeps_exchange:
@@ -163,7 +189,9 @@ class StepRun:
                     runtime.defer_optimizer_step(self.request.learning_rate or None)
                     self.stage.deferred_step = self.step
                 else:
+                    started = time.perf_counter()
                     runtime.optimizer_step(self.request.learning_rate or None)
+                    self.own_compute_seconds += time.perf_counter() - started
             if held is not None:
                 held.finished = True
         except BaseException:
@@ -178,7 +206,9 @@ class StepRun:
             loss_sums=[r[0] for r in ordered],
             correct=[r[1] for r in ordered],
             sample_counts=[r[2] for r in ordered],
-            compute_seconds=runtime.counters.compute_seconds - compute_before,
+            compute_seconds=(
+                self.own_compute_seconds if self.stale else runtime.counters.compute_seconds - compute_before
+            ),
             wait_seconds=self.wait_seconds,
             counters=self.stage.counters(),
             receipts=self.audit.receipts,
@@ -451,13 +481,14 @@ class StepRun:
         group's names for the all-reduces inside, and the timing the lending gauge learns from."""
         action, counters = self.actions[index], self.stage.runtime.counters
         lent = self.lending.start(index, action)
-        before = counters.compute_seconds
+        before, started = counters.compute_seconds, time.perf_counter()
         group = self.stage.tensor_parallel
         if group is None:
             yield
         else:  # its ranks run the same all-reduces in one order: (step, micro-batch, count) names each
             with group.micro_batch(self.step, action.micro_batch, deadline=self.wait_until, abort=self.abort):
                 yield
+        self.own_compute_seconds += time.perf_counter() - started
         self.lending.done(action, lent, counters.compute_seconds - before, samples)
 
     @contextmanager

@@ -20,7 +20,7 @@ from arceus.errors import SpecError
 from arceus.model.precision import check_precision
 from arceus.model.registry import check_tensor_parallel, model_spec_from_config
 from arceus.model.spec import ModelSpec
-from arceus.pipeline.schedule import SCHEDULES
+from arceus.pipeline.schedule import SCHEDULES, staleness_check
 
 OPTIMIZERS = ("sgd", "adam", "adam8bit")  # arceus.model.optimizers
 _FIELDS = frozenset(
@@ -46,7 +46,7 @@ _FIELDS = frozenset(
 _OPTIONAL_FIELDS = frozenset(
     {
         "checkpoint", "initial_weights", "program", "transfer", "precision", "tensor_parallel",
-        "activation_checkpointing", "schedule", "inference", "replica", "replica_sync", "tied",
+        "activation_checkpointing", "schedule", "inference", "replica", "replica_sync", "tied", "staleness",
     }
 )
 _OPTIMIZER_FIELDS = frozenset({"name", "lr", "momentum", "weight_decay"})
@@ -161,6 +161,9 @@ class Assignment:
     # where it sends its copies' gradients each train step and whose it takes. Empty: it shares none (or holds
     # every copy itself).
     tied: tuple[TiedPeer, ...] = ()
+    # The job's staleness (arceus.pipeline.schedule.STALENESS): 1, a train step chained after another runs its
+    # forwards once that one's are done here, with the weights before that one's update (PipeDream-2BW).
+    staleness: int = 0
 
     @property
     def is_first(self) -> bool:
@@ -277,6 +280,13 @@ class Assignment:
             raise SpecError(
                 "assignment.activation_checkpointing", "a tensor-parallel stage cannot recompute its activations"
             )
+        staleness = staleness_check(data.get("staleness", 0), "assignment.staleness")
+        if staleness and (replica is not None or tensor_parallel is not None or inference):
+            raise SpecError(
+                "assignment.staleness",
+                "staleness 1 is for a training stage of one agent: not a replica, a tensor-parallel rank or a "
+                "served stage (not supported yet)",
+            )
         tied = _tied(data.get("tied", []), stage_index, num_stages)
         if tied and replica is not None:
             raise SpecError("assignment.tied", "a replicated stage cannot share tied weights with another stage yet")
@@ -317,6 +327,7 @@ class Assignment:
             replica=replica,
             replica_sync=replica_sync,
             tied=tied,
+            staleness=staleness,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -364,6 +375,7 @@ class Assignment:
             "precision": self.precision,
             "activation_checkpointing": self.activation_checkpointing,
             "schedule": self.schedule,
+            **({"staleness": self.staleness} if self.staleness else {}),
             **(
                 {}
                 if self.tensor_parallel is None

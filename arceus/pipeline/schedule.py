@@ -10,7 +10,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal
+from typing import Any, Literal
+
+from arceus.errors import SpecError
 
 ActionKind = Literal["F", "B"]
 
@@ -102,17 +104,39 @@ _ORDER: dict[str, Callable[[Action, int], tuple[int, int]]] = {
 }
 
 
+# A job's `staleness`: 0, synchronous (every step's forwards use the weights of every earlier step's update); 1,
+# PipeDream-2BW (a train step's forwards and backwards use the weights before the previous step's update, so a stage
+# runs the next step's forwards while this one's backwards drain: W(t+1) = W(t) - lr * g(W(t-1))).
+STALENESS = (0, 1)
+
+
+def staleness_check(value: Any, field: str = "staleness") -> int:
+    """A job's staleness (`STALENESS`), or SpecError naming `field`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value not in STALENESS:
+        raise SpecError(
+            field,
+            f"must be 0 (synchronous) or 1 (each step's forwards use the weights one update old, "
+            f"PipeDream-2BW), got {value!r}",
+        )
+    return value
+
+
 @lru_cache(maxsize=4096)
-def peak_in_flight(name: str, num_stages: int, num_micro_batches: int, stage: int) -> int:
+def peak_in_flight(name: str, num_stages: int, num_micro_batches: int, stage: int, staleness: int = 0) -> int:
     """The most micro-batches whose activations `stage` holds at once in a training step of schedule `name`:
-    forwards run minus backwards run, at its largest along the stage's actions."""
+    forwards run minus backwards run, at its largest along the stage's actions. With `staleness` 1 the next step
+    starts on the stage once this one's forwards are done there: at most what this one still holds then, plus the
+    next one's own peak (a bound: how the two steps' actions interleave depends on when their inputs arrive)."""
     if not 0 <= stage < num_stages:
         raise ValueError(f"stage must be in [0, {num_stages}), got {stage}")
-    held = peak = 0
+    staleness_check(staleness)
+    held = peak = at_last_forward = 0
     for action in build_schedule(name, num_stages, num_micro_batches)[stage]:
         held += 1 if action.kind == "F" else -1
         peak = max(peak, held)
-    return peak
+        if action.kind == "F":
+            at_last_forward = held
+    return peak + (at_last_forward if staleness else 0)
 
 
 def _check(num_stages: int, num_micro_batches: int) -> None:

@@ -149,6 +149,9 @@ class Workload:
     # Each micro-batch in flight keeps its layers' inputs only; one layer's activations are recomputed at a time.
     activation_checkpointing: bool = False
     precision: str = "fp32"  # or bf16, which keeps activations narrower and casts weights for each micro-batch
+    # The job's staleness (arceus.pipeline.schedule.STALENESS): 1 keeps a second version of the weights and overlaps
+    # two steps' micro-batches on a stage.
+    staleness: int = 0
 
     def __post_init__(self) -> None:
         if self.optimizer not in TRAINING_BYTES_PER_PARAMETER:
@@ -160,8 +163,8 @@ class Workload:
 
     def in_flight(self, stage: int, num_stages: int) -> int:
         """Micro-batches whose activations stage `stage` of `num_stages` holds at once: every one under
-        GPipe, at most `num_stages - stage` under 1F1B."""
-        return peak_in_flight(self.schedule, num_stages, self.micro_batches, stage)
+        GPipe, at most `num_stages - stage` under 1F1B; with staleness 1, also what the step before still holds."""
+        return peak_in_flight(self.schedule, num_stages, self.micro_batches, stage, self.staleness)
 
 
 @dataclass(frozen=True)
@@ -251,12 +254,20 @@ def stage_memory(
     `stage_state_bytes`); what each of the `in_flight` micro-batches it holds at once keeps (`Workload.in_flight`;
     None: all of a step's; `micro_batch_bytes`); one micro-batch's backward (`backward_workspace_bytes`); the
     optimizer step's temporaries (`optimizer_step_bytes`), which the heap's blocks that the micro-batches freed do
-    not hold (they are larger than the agent's mmap threshold, `nodeagent.heap`); and without recompute what the
-    heap keeps beside them (`heap_kept_bytes`)."""
+    not hold (they are larger than the agent's mmap threshold, `nodeagent.heap`); without recompute what the
+    heap keeps beside them (`heap_kept_bytes`); and with staleness 1 the second version of the weights
+    (`stale_weights_bytes`)."""
     held = workload.micro_batches if in_flight is None else in_flight
     return (OPTIMIZER_LIBRARY_BYTES.get(workload.optimizer, 0) + stage_state_bytes(layers, ranks, workload.optimizer)
+            + workload.staleness * stale_weights_bytes(layers, ranks)
             + held * micro_batch_bytes(layers, workload, ranks) + backward_workspace_bytes(layers, workload, ranks)
             + optimizer_step_bytes(layers, workload.optimizer, ranks) + heap_kept_bytes(layers, workload, ranks))
+
+
+def stale_weights_bytes(layers: Sequence[LayerProfile], ranks: int = 1) -> int:
+    """The float32 weights (a tensor-parallel rank's share of the split ones) a stage keeps a second version of with
+    staleness 1: the one the step in flight uses beside the one the next update writes."""
+    return sum(4 * -(-layer.params // (ranks if layer.tensor_parallel else 1)) for layer in layers)
 
 
 def heap_kept_bytes(layers: Sequence[LayerProfile], workload: Workload, ranks: int = 1) -> int:
@@ -339,13 +350,14 @@ def _cast_bytes(layer: LayerProfile, precision: str, ranks: int) -> int:
 
 
 def _room(layers: Sequence[LayerProfile], workload: Workload, unit: _Unit) -> int:
-    """How many micro-batches in flight a stage of `layers` on `unit` has memory for (at most a step's; 0:
-    not even one)."""
+    """How many micro-batches in flight a stage of `layers` on `unit` has memory for (at most a step's, two with
+    staleness 1; 0: not even one)."""
     free = unit.device.memory_bytes - stage_memory(layers, workload, unit.ranks, in_flight=0)
     if free < 0:
         return 0
     stash = micro_batch_bytes(layers, workload, unit.ranks)
-    return workload.micro_batches if stash == 0 else min(workload.micro_batches, free // stash)
+    most = workload.micro_batches * (1 + workload.staleness)
+    return most if stash == 0 else min(most, free // stash)
 
 
 def stage_state_bytes(layers: Sequence[LayerProfile], ranks: int = 1, optimizer: str = "adam") -> int:

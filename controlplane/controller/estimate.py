@@ -83,6 +83,7 @@ def job_estimate(
     tensor_parallel: dict[str, Any] | None = None,
     replicas: dict[str, int] | None = None,
     replica_sync: dict[str, Any] | None = None,
+    staleness: int = 0,
 ) -> dict[str, Any]:
     """Plan the job on the free Ready nodes as the reconciler would, and price it at the posted prices.
     A job that cannot be placed now is answered with `feasible: false` and the reason. Only the owner's own
@@ -121,7 +122,7 @@ def job_estimate(
     layers = layer_profiles(spec)
     steps = workload(  # the memory the job's stages would train with, as the reconciler plans it (snapshot._job_view)
         dataset, micro_batches, schedule, optimizer=optimizer_kind(optimizer, momentum),
-        activation_checkpointing=activation_checkpointing, precision=precision,
+        activation_checkpointing=activation_checkpointing, precision=precision, staleness=staleness,
     )
 
     def solve_on(nodes: Sequence[NodeView], least: int) -> Placement:

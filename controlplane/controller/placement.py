@@ -12,14 +12,14 @@ from controlplane.controller.views import Requirements, TensorParallel
 
 def workload(
     dataset_config: dict[str, Any], micro_batches: int, schedule: str, *, optimizer: str = "adam",
-    activation_checkpointing: bool = False, precision: str = "fp32",
+    activation_checkpointing: bool = False, precision: str = "fp32", staleness: int = 0,
 ) -> Workload:
     """A training step's micro-batches: `micro_batches` of ceil(batch_size / micro_batches) samples, run by
     `schedule`, trained with `optimizer` (an `arceus.model.expected_state.optimizer_kind`) with or without
-    activation checkpointing, computing in `precision`."""
+    activation checkpointing, computing in `precision`, with the job's `staleness`."""
     return Workload(
         math.ceil(dataset_config["batch_size"] / micro_batches), micro_batches, schedule, optimizer=optimizer,
-        activation_checkpointing=activation_checkpointing, precision=precision,
+        activation_checkpointing=activation_checkpointing, precision=precision, staleness=staleness,
     )
 
 

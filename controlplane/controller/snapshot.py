@@ -265,7 +265,8 @@ def _snapshot_jobs() -> QuerySet[Job]:
 # What the planner reads of a job and of its active stages.
 JOB_FIELDS = (
     "id", "status", "generation", "stages_requested", "model_config", "dataset_config", "micro_batches", "schedule",
-    "requirements", "conditions", "driver_lease_expires_at", "driver_lease_owner", "node_grace_seconds", "restarts",
+    "staleness", "requirements", "conditions", "driver_lease_expires_at", "driver_lease_owner", "node_grace_seconds",
+    "restarts",
     "handover_requested", "tensor_parallel", "serving", "driver_outcome", "driver_outcome_reason",
     "driver_outcome_message", "driver_outcome_generation", "replicas_min", "replicas_max", "next_replica", "owner_id",
     "replica_sync", "optimizer", "momentum", "activation_checkpointing", "precision",
@@ -397,6 +398,7 @@ def _job_view(
             job["dataset_config"], job["micro_batches"], job["schedule"],
             optimizer=optimizer_kind(job["optimizer"], job["momentum"]),
             activation_checkpointing=job["activation_checkpointing"], precision=job["precision"],
+            staleness=job["staleness"],
         ),
         requirements=requirements(job["requirements"]),
         stages=tuple(

@@ -13,13 +13,19 @@ from django.contrib.auth.models import AbstractBaseUser
 from django.db import transaction
 from django.utils import timezone
 
+from arceus.model.registry import architecture_for_config
 from arceus.model.tied import tied_groups
 from controlplane.celery import ESTIMATE_TASK
 from controlplane.common.dispatch import enqueue_on_commit
 from controlplane.common.errors import one_by_id
 from controlplane.datasets.selectors import dataset_config_resolved
 from controlplane.jobs.models import EstimateStatus, JobEstimate
-from controlplane.jobs.services import job_replica_sync_check, job_replicas_check, job_validate
+from controlplane.jobs.services import (
+    job_replica_sync_check,
+    job_replicas_check,
+    job_staleness_check,
+    job_validate,
+)
 
 # An estimate no worker took within this long is answered "failed" (its message expires unrun: the nodes it
 # would have been planned on are old news by then); an owner's estimates are kept this long.
@@ -44,6 +50,7 @@ def estimate_request(
     activation_checkpointing: bool,
     replicas: dict[str, int] | None = None,
     replica_sync: dict[str, Any] | None = None,
+    staleness: int = 0,
 ) -> JobEstimate:
     """Check the job as a submission would be checked (a 400 naming the field), record the request and
     enqueue its computation (the uploads the dataset config names resolved: the worker needs no owner)."""
@@ -60,6 +67,8 @@ def estimate_request(
         job_replicas_check(replicas, micro_batches=micro_batches, tensor_parallel=tensor_parallel,
                            tied=bool(tied_groups(spec)))
     sync = job_replica_sync_check(replica_sync, replicas)
+    job_staleness_check(staleness, replicas=replicas, tensor_parallel=tensor_parallel, audit_rate=None,
+                        ships_program=architecture_for_config(model_config).ships_program)
     now = timezone.now()
     with transaction.atomic():
         JobEstimate.objects.filter(owner=owner, created_at__lt=now - ESTIMATE_KEPT).delete()
@@ -71,6 +80,7 @@ def estimate_request(
                 "epochs": epochs,
                 "micro_batches": micro_batches,
                 "schedule": schedule,
+                "staleness": staleness,
                 "stages": stages,
                 "optimizer": optimizer,
                 "momentum": momentum,

@@ -84,6 +84,11 @@ class Job(BaseModel):
     schedule = models.CharField(
         max_length=8, choices=PipelineSchedule, default=PipelineSchedule.GPIPE, help_text="Pipeline schedule."
     )
+    staleness = models.PositiveSmallIntegerField(
+        default=0,
+        help_text="0: synchronous steps; 1: each step's forwards use the weights before the previous step's update "
+        "(PipeDream-2BW, arceus.pipeline.schedule.STALENESS), so a stage overlaps two steps.",
+    )
     transfer = models.JSONField(
         default=dict, blank=True, help_text="How activations and gradients travel (arceus.wire.transfer), normalised."
     )

@@ -356,6 +356,7 @@ def _assignment(
         precision=job.precision,
         activation_checkpointing=job.activation_checkpointing,
         schedule=job.schedule,
+        staleness=0 if job.status == JobStatus.SUCCEEDED else job.staleness,  # a served stage trains no step
         tensor_parallel=TensorParallelConfig(rank=stage.rank, peers=_addresses(group, viewer))
         if len(group) > 1
         else None,

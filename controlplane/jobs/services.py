@@ -25,6 +25,7 @@ from arceus.model.registry import (
 )
 from arceus.model.spec import ModelSpec
 from arceus.model.tied import tied_groups
+from arceus.pipeline.schedule import staleness_check
 from controlplane.common.errors import ApplicationError
 from controlplane.datasets.selectors import dataset_config_resolved
 from controlplane.jobs import owner_transitions
@@ -51,6 +52,7 @@ def job_submit(
     audit_rate: float | None = None,
     node_grace_seconds: float | None = None,
     schedule: str = "gpipe",
+    staleness: int = 0,
     transfer: dict[str, Any] | None = None,
     precision: str = "fp32",
     activation_checkpointing: bool = False,
@@ -81,6 +83,8 @@ def job_submit(
         )
     replicas = replicas or {"min": 1, "max": 1}
     sync = job_replica_sync_check(replica_sync, replicas)
+    job_staleness_check(staleness, replicas=replicas, tensor_parallel=tensor_parallel, audit_rate=audit_rate,
+                        ships_program=ships_program)
     try:
         transfer_config = transfer_config_from_json(transfer or {})
     except SpecError as exc:
@@ -97,7 +101,7 @@ def job_submit(
         )
     if audit_rate is None:
         # Replicas that sync every step are spot-checked like any stage; replicas that sync every H steps are not.
-        unchecked = tensor_parallel or ships_program or (replicas["max"] > 1 and not sync.exact)
+        unchecked = tensor_parallel or ships_program or (replicas["max"] > 1 and not sync.exact) or staleness
         audit_rate = 0.0 if unchecked else DEFAULT_AUDIT_RATE
     return Job.objects.create(
         owner=owner,
@@ -116,6 +120,7 @@ def job_submit(
         audit_rate=audit_rate,
         node_grace_seconds=node_grace_seconds,
         schedule=schedule,
+        staleness=staleness,
         transfer=transfer_config.to_json(),  # every field spelt out, so agents need no defaults of their own
         precision=precision,
         activation_checkpointing=activation_checkpointing,
@@ -125,6 +130,31 @@ def job_submit(
         replicas_max=replicas["max"],
         replica_sync=sync.to_json(),
     )
+
+
+def job_staleness_check(
+    staleness: Any, *, replicas: dict[str, int], tensor_parallel: dict[str, Any], audit_rate: float | None,
+    ships_program: bool,
+) -> int:
+    """A job's `staleness` (arceus.pipeline.schedule.staleness_check), or a 400 naming it: 1 is not supported yet
+    with replicated stages, a tensor-parallel split, spot checks (they read the weights a step used) or an exported
+    model (whose layers may keep buffers that training updates)."""
+    try:
+        staleness = staleness_check(staleness)
+    except SpecError as exc:
+        raise ApplicationError.invalid(exc.field, exc.message) from exc
+    if not staleness:
+        return staleness
+    refused = (
+        "replicated stages (replicas > 1)" if replicas["max"] > 1
+        else "a tensor-parallel split" if tensor_parallel
+        else "spot checks (audit_rate > 0)" if audit_rate
+        else "an exported model" if ships_program
+        else None
+    )
+    if refused:
+        raise ApplicationError.invalid("staleness", f"staleness 1 is not supported with {refused} yet: use 0")
+    return staleness
 
 
 def job_replica_sync_check(replica_sync: dict[str, Any] | None, replicas: dict[str, int]) -> ReplicaSync:

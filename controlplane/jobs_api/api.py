@@ -73,6 +73,7 @@ class JobEstimateApi(APIView):
             epochs=v["epochs"],
             micro_batches=v["micro_batches"],
             schedule=v["schedule"],
+            staleness=v["staleness"],
             stages=v["stages"],
             requirements_config=v["requirements"],
             tensor_parallel=v["tensor_parallel"],

@@ -163,6 +163,13 @@ class JobSubmitInput(StrictInputSerializer):
         default=PipelineSchedule.GPIPE,
         help_text="Pipeline schedule: gpipe (all forwards, then all backwards) or 1f1b (fewer activations held).",
     )
+    staleness = StrictIntegerField(
+        default=0,
+        help_text="0 (synchronous: equals one process) or 1: a step's forwards use the weights before the previous "
+        "step's update (PipeDream-2BW), so each stage runs the next step's forwards while this one's backwards "
+        "drain; trains differently from one process. Not with replicas, tensor_parallel, spot checks or an "
+        "exported model.",
+    )
     transfer = serializers.JSONField(
         default=dict,
         help_text='How activations and gradients travel, e.g. {"activations": "int8", "gradients": "int8"} '
@@ -371,6 +378,7 @@ class JobDetailOutput(JobListOutput):
     audit_rate = serializers.FloatField()
     node_grace_seconds = serializers.FloatField(allow_null=True)
     schedule = serializers.CharField()
+    staleness = serializers.IntegerField()
     transfer = serializers.JSONField()
     precision = serializers.CharField()
     activation_checkpointing = serializers.BooleanField()

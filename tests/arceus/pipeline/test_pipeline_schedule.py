@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from arceus.errors import SpecError
 from arceus.pipeline.schedule import (
     SCHEDULES,
     Action,
@@ -15,6 +18,7 @@ from arceus.pipeline.schedule import (
     one_f_one_b,
     peak_in_flight,
     replica_schedule,
+    staleness_check,
 )
 from arceus.swarm.routing import Routes
 
@@ -232,3 +236,74 @@ def test_invalid_sizes(args: tuple[int, int], fragment: str) -> None:
 def test_unknown_schedule() -> None:
     with pytest.raises(ValueError, match="unknown pipeline schedule 'zigzag'"):
         build_schedule("zigzag", 2, 2)
+
+
+def simulate_stale(name: str, n: int, m: int, steps: int, rng: random.Random) -> dict[int, int]:
+    """Staleness 1 on every stage: step t's list starts once step t-1's forwards are all done there and step t-2
+    finished there; a step finishes (its update) after its actions and after step t-1 finished. Any ready action of
+    any started step runs next, picked by `rng`. Returns the most micro-batches each stage held at once; fails on a
+    deadlock or where more than two steps run on a stage at once."""
+    lists = build_schedule(name, n, m)
+    done: set[tuple[int, int, Action]] = set()
+    cursor = {(s, t): 0 for s in range(n) for t in range(steps)}
+    finished: set[tuple[int, int]] = set()
+    held, peak = [0] * n, [0] * n
+
+    def forwards_done(s: int, t: int) -> bool:
+        return all((s, t, a) in done for a in lists[s] if a.kind == "F")
+
+    def started(s: int, t: int) -> bool:
+        return t == 0 or forwards_done(s, t - 1) and (t < 2 or (s, t - 2) in finished)
+
+    def ready(s: int, t: int, a: Action) -> bool:
+        if a.kind == "F":
+            return s == 0 or (s - 1, t, a) in done
+        return (s, t, Action("F", a.micro_batch)) in done and (s == n - 1 or (s + 1, t, a) in done)
+
+    while len(finished) < n * steps:
+        moves = [("act", s, t) for (s, t), c in cursor.items() if c < len(lists[s]) and started(s, t)
+                 and ready(s, t, lists[s][c])]
+        moves += [("update", s, t) for (s, t), c in cursor.items() if c == len(lists[s]) and (s, t) not in finished
+                  and (t == 0 or (s, t - 1) in finished)]
+        assert moves, f"deadlock at {cursor}"
+        kind, s, t = rng.choice(moves)
+        if kind == "update":
+            finished.add((s, t))
+            continue
+        action = lists[s][cursor[(s, t)]]
+        done.add((s, t, action))
+        cursor[(s, t)] += 1
+        held[s] += 1 if action.kind == "F" else -1
+        peak[s] = max(peak[s], held[s])
+        running = [u for u in range(steps) if started(s, u) and (s, u) not in finished]
+        assert len(running) <= 2, f"stage {s} runs steps {running} at once"
+    return dict(enumerate(peak))
+
+
+@given(schedule_names, st.integers(1, 5), st.integers(1, 8), st.randoms(use_true_random=False))
+def test_stale_steps_never_deadlock_and_hold_at_most_the_stale_peak(
+    name: str, n: int, m: int, rng: random.Random
+) -> None:
+    peaks = simulate_stale(name, n, m, 4, rng)
+    for s, held in peaks.items():
+        assert held <= peak_in_flight(name, n, m, s, staleness=1)
+
+
+@given(schedule_names, stages, micro_batches, st.data())
+def test_the_stale_peak_adds_what_a_step_still_holds_after_its_last_forward(
+    name: str, n: int, m: int, data: st.DataObject
+) -> None:
+    s = data.draw(st.integers(0, n - 1))
+    actions = build_schedule(name, n, m)[s]
+    last_forward = max(i for i, a in enumerate(actions) if a.kind == "F")
+    still = sum(1 if a.kind == "F" else -1 for a in actions[: last_forward + 1])
+    one = peak_in_flight(name, n, m, s)
+    assert peak_in_flight(name, n, m, s, staleness=1) == one + still
+    assert one < peak_in_flight(name, n, m, s, staleness=1) <= 2 * one
+
+
+@pytest.mark.parametrize("bad", [2, -1, True, "1", 0.0, None])
+def test_staleness_is_0_or_1(bad: object) -> None:
+    with pytest.raises(SpecError, match="must be 0 .synchronous. or 1"):
+        staleness_check(bad, "job.staleness")
+    assert staleness_check(1) == 1 and staleness_check(0) == 0
