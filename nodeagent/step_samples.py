@@ -85,6 +85,10 @@ def _samples(stage: HostedStage, request: stage_pb2.RunStepRequest, micro_batche
                          f"than the assignment's max_micro_batch_size {io.max_micro_batch_size}")
     if data.layout_json:
         x, y = _uploaded_rows(stage, layout, [start + int(i) for m in micro_batches for i in split[m]])
+        bound = io.label_layout.bound  # an upload's labels, as read (a bundled dataset's are the agent's own)
+        if y is not None and bound is not None and len(y) and not 0 <= int(y.min()) <= int(y.max()) < bound:
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, f"the dataset holds a label outside [0, {bound}) "
+                             f"that {stage.name} takes")
         starts = itertools.accumulate((len(split[m]) for m in micro_batches), initial=0)
         parts = {m: slice(a, a + len(split[m])) for m, a in zip(micro_batches, starts, strict=False)}
     else:
@@ -94,10 +98,6 @@ def _samples(stage: HostedStage, request: stage_pb2.RunStepRequest, micro_batche
         if on and tensor is not None and tuple(tensor.shape[1:]) != tuple(layout_of.shape):
             raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, f"the dataset's samples are {list(tensor.shape[1:])} "
                              f"but {stage.name} takes {kind} of {list(layout_of.shape)}")
-    bound = io.label_layout.bound
-    if y is not None and io.is_last and bound is not None and len(y) and not 0 <= int(y.min()) <= int(y.max()) < bound:
-        raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, f"the dataset holds a label outside [0, {bound}) that "
-                         f"{stage.name} takes")
     return {m: (x[parts[m]] if io.is_first else None, y[parts[m]] if io.is_last else None) for m in micro_batches}
 
 

@@ -21,7 +21,7 @@ from safetensors.torch import save
 from arceus.contracts.assignment import Assignment
 from arceus.data.loader import load_dataset
 from arceus.data.upload_rows import MAX_RANGE_BYTES, MAX_RANGES, UploadLayout, upload_layout
-from arceus.training.driver import train
+from arceus.training.driver import DriverError, train
 from arceus.training.recording import RecordingSink
 from arceus.wire.tls import new_identity
 from controlplane.agents.services import node_heartbeat, node_register
@@ -283,3 +283,27 @@ def test_from_an_s3_bucket_the_agent_reads_by_presigned_ranged_gets(
     assert reader(live_server, first).read_dataset_ranges(str(job.id), [tuple(r) for r in ranges]) == [
         data[ranges[0][0]: ranges[0][1]]
     ]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_label_the_model_cannot_take_stops_the_step_before_torch_sees_it(
+    live_server, user, api: APIClient, hosts: list[Host], dataset_dir: Path  # noqa: ANN001
+) -> None:
+    """The upload was checked when it completed; a stored file changed since (a label past the model's classes)
+    is refused by the last stage as it reads it, naming why."""
+    data = digits_upload()
+    job, dataset = placed_job(user, data, api)
+    layout = layout_of(dataset, data)
+    [stored] = Path(dataset_dir).rglob("data.safetensors")
+    changed = bytearray(stored.read_bytes())
+    for row in range(layout.train):  # every training label: whichever rows the first step names
+        offset = layout.y.offset + row * layout.y.row_bytes
+        changed[offset: offset + layout.y.row_bytes] = (99).to_bytes(layout.y.row_bytes, "little")
+    stored.write_bytes(bytes(changed))
+    for host in hosts:
+        host.agent.apply_assignments([Assignment.from_json(a) for a in assignments_for_node(node=host.node)])
+    plan = dataclasses.replace(train_plan(job), max_steps=1)
+    with pytest.raises(DriverError) as caught:
+        train(plan, RecordingSink())
+    assert caught.value.stage_index == 1 and caught.value.code == "INVALID_ARGUMENT"
+    assert "label outside [0, 10)" in str(caught.value)
