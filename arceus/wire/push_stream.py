@@ -121,12 +121,19 @@ class _Call:
     ) -> None:
         self._requests: queue.SimpleQueue[OutgoingPush | None] = queue.SimpleQueue()
         self._pending: deque[_Pending] = deque()
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)  # the watchdog waits on it
+        # The ack reader waits on this one (the same lock) while no ack is due: gRPC's response iterator looks for a
+        # message every 0.1 s while it waits (grpc._common.wait), so a reader left in it wakes ten times a second on
+        # every idle stream (docs/BENCHMARKS.md, swarm_scaling).
+        self._acks_due = threading.Condition(lock)
+        self._ended = False  # the call ended (gRPC's done callback): the reader reads how
         self._ends = time.monotonic() + lifetime
         self._closing = False
         self.broken = False
         self._watch_at = 0.0  # when the watchdog looks next (time.monotonic())
         self._responses = method(self._request_iterator(), timeout=lifetime, metadata=metadata)
+        self._responses.add_done_callback(self._call_ended)
         for target, name in ((self._read, "push-acks"), (self._watch, "push-deadlines")):
             threading.Thread(target=target, name=name, daemon=True).start()
 
@@ -143,6 +150,7 @@ class _Call:
             if deadline < self._watch_at:  # woken only when it would look too late: not once a push
                 self._cond.notify_all()
             self._pending.append(_Pending(push.key, future, deadline, push.header.ack_later))
+            self._acks_due.notify()
         self._requests.put(push)
         return True
 
@@ -151,6 +159,7 @@ class _Call:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
+            self._acks_due.notify()
         self._requests.put(None)
 
     def cancel(self, details: str) -> None:
@@ -160,10 +169,28 @@ class _Call:
         while (push := self._requests.get()) is not None:
             yield push
 
+    def _call_ended(self, _: object) -> None:
+        with self._cond:
+            self._ended = True
+            self._acks_due.notify()
+
+    def _acks(self) -> Iterator[stage_pb2.PushAck]:
+        """The call's acks, read only while one is due (a push sent and not acked, or the call closing or ended)."""
+        while True:
+            with self._cond:
+                while not (self._pending or self._closing or self._ended or self.broken):
+                    self._acks_due.wait()
+                if self.broken:
+                    return
+            ack = next(self._responses, None)
+            if ack is None:
+                return
+            yield ack
+
     def _read(self) -> None:
         code, details = grpc.StatusCode.UNAVAILABLE, "the receiver ended the push stream"
         try:
-            for ack in self._responses:
+            for ack in self._acks():
                 with self._cond:  # the watchdog finds out at its next wake-up
                     answered = [self._pending.popleft() for _ in range(min(ack.also_acked, len(self._pending)))]
                     pending = self._pending.popleft() if self._pending else None
@@ -229,6 +256,7 @@ class _Call:
             failed = list(self._pending)
             self._pending.clear()
             self._cond.notify_all()
+            self._acks_due.notify()
         self._responses.cancel()
         self._requests.put(None)  # ends the request iterator
         for pending in failed:

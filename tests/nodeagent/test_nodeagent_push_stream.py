@@ -166,6 +166,9 @@ class FlakyServicer(stage_pb2_grpc.StageServiceServicer):
                 self.release.wait(10)
                 return
             yield stage_pb2.PushAck(kind=request.kind, step=request.step, micro_batch=request.micro_batch)
+            if self.mode == "end":  # (an agent that stopped hosting, or restarted, between steps)
+                self.mode = "ack"
+                return
 
 
 @pytest.fixture
@@ -223,6 +226,38 @@ def test_a_push_due_before_the_ones_in_flight_is_held_to_its_own_deadline(
     assert error.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert time.monotonic() - started < 3
     assert failure(late).code() == grpc.StatusCode.DEADLINE_EXCEEDED  # the stream they shared was cancelled
+
+
+def test_a_stream_the_receiver_ended_while_idle_is_replaced_before_the_next_push(
+    flaky: tuple[FlakyServicer, PushStream],
+) -> None:
+    servicer, pushes = flaky
+    servicer.mode = "end"
+    assert pushes.push(activation(1), timeout=5).result(timeout=5) is None
+    call = pushes._call
+    deadline = time.monotonic() + 5
+    while call.usable(5) and time.monotonic() < deadline:  # its reader, idle, still learns of the end at once
+        time.sleep(0.01)
+    assert not call.usable(5)
+    assert pushes.push(activation(2), timeout=5).result(timeout=5) is None
+    assert servicer.streams == 2
+
+
+def test_an_idle_streams_ack_reader_sleeps_until_an_ack_is_due(flaky: tuple[FlakyServicer, PushStream]) -> None:
+    """gRPC's response iterator wakes every 0.1 s while it waits: a reader left in it between pushes would wake ten
+    times a second on every open stream of every agent."""
+    _, pushes = flaky
+    assert pushes.push(activation(1), timeout=5).result(timeout=5) is None
+    [reader] = [t for t in threading.enumerate() if t.name == "push-acks"]
+    before = _wake_ups(reader)
+    time.sleep(1.0)
+    assert _wake_ups(reader) - before <= 1
+    assert pushes.push(activation(2), timeout=5).result(timeout=5) is None
+
+
+def _wake_ups(thread: threading.Thread) -> int:
+    with open(f"/proc/self/task/{thread.native_id}/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("voluntary_ctxt_switches"))
 
 
 def test_a_closed_stream_refuses_pushes(flaky: tuple[FlakyServicer, PushStream]) -> None:
