@@ -69,8 +69,8 @@ STALE = (
     "step's are done there, with the weights before this step's update (each micro-batch's backward uses the "
     "weights its forward used), so the drain of one step overlaps the fill of the next and the delays on the "
     "flush's path are no longer paid every step. It trains differently from one process: the losses are the "
-    "training loss at each step, of the same batches from the same weights (steps 1 and 2 use the same weights "
-    "either way)."
+    "training loss at each step, of the same batches from the same weights (step 1 uses the same weights either "
+    "way)."
 )
 
 
