@@ -265,6 +265,25 @@ def test_a_lost_stage_waits_for_a_busy_node_with_room_without_calling_every_node
                                    "(1 free Ready node now)")
 
 
+def test_jobs_of_different_tolerances_in_one_pass_each_judge_the_nodes_they_count() -> None:
+    """Whether any node could ever take a lost stage is judged once a pass per kind of job: a busy node with room
+    that is silent past the hasty job's tolerance (but not the patient one's) makes only the patient job wait for it,
+    whichever job the pass looks at first."""
+    heavy = (LAYERS[0], LayerProfile(100.0, 10**6, 0), LAYERS[2])  # its stage 1 needs ~16 MB: only "big" has it
+    hasty = job("h", "running", generation=2, stages=placed("h", ["d", "e", "f"]), node_grace_seconds=2.0,
+                layers=heavy)
+    patient = job("p", "running", generation=2, stages=placed("p", ["a", "b", "c"]))
+    other = job("k", "running", generation=2, stages=placed("k", ["big"]), stages_requested=1,
+                driver_lease_expires_at=NOW + timedelta(seconds=30))
+    nodes = (node("a"), node("b", silent=20, ready="Unknown"), node("c"), node("d"),
+             node("e", silent=20, ready="Unknown"), node("f"), node("tiny", memory=10),
+             node("big", silent=3, memory=10**8))
+    for jobs in ((hasty, patient, other), (patient, hasty, other)):
+        reasons = {a.job_id: a.reason for a in plan(Desired(jobs=jobs), Observed(nodes), NOW)
+                   if isinstance(a, RewindJob)}
+        assert reasons == {"h": "NoNodeWithRoom", "p": "WaitingForNode"}
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     shape=st.lists(st.tuples(st.integers(1, 400), st.integers(0, 300)), min_size=2, max_size=6),
