@@ -44,13 +44,20 @@ async def _pump(
     plan: LinkPlan,
     max_buffer_bytes: int,
 ) -> None:
-    """Copy one direction through `plan`: a reader task fills a bounded queue, this task delivers."""
-    queue: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue(maxsize=max(1, max_buffer_bytes // CHUNK_BYTES))
+    """Copy one direction through `plan`: a reader task fills a bounded queue, this task delivers. A reset read
+    travels like data and then raises here, so the connection ends (`_serve_connection`)."""
+    queue: asyncio.Queue[tuple[float, bytes | ConnectionError]] = asyncio.Queue(
+        maxsize=max(1, max_buffer_bytes // CHUNK_BYTES)
+    )
     loop = asyncio.get_running_loop()
 
     async def read() -> None:
-        while data := await reader.read(CHUNK_BYTES):
-            await queue.put((plan.arrival(loop.time(), len(data)), data))
+        try:
+            while data := await reader.read(CHUNK_BYTES):
+                await queue.put((plan.arrival(loop.time(), len(data)), data))
+        except ConnectionError as exc:  # the sender reset (a killed process with bytes unread): after what came before
+            await queue.put((plan.arrival(loop.time(), 0), exc))
+            return
         await queue.put((plan.arrival(loop.time(), 0), b""))  # EOF, after everything before it
 
     reading = asyncio.create_task(read())
@@ -59,6 +66,8 @@ async def _pump(
             at, data = await queue.get()
             if (wait := at - loop.time()) > 0:
                 await asyncio.sleep(wait)
+            if isinstance(data, ConnectionError):
+                raise data
             if not data:
                 if writer.can_write_eof():
                     writer.write_eof()  # half-close: the other direction may still be talking
@@ -91,9 +100,12 @@ async def _serve_connection(spec: LinkSpec, client_r: asyncio.StreamReader, clie
         asyncio.create_task(_pump(r, w, LinkPlan(spec.delay_s, spec.rate_bps, spec.burst_bytes), spec.max_buffer_bytes))
         for r, w in ((client_r, server_w), (server_r, client_w))
     ]
+    reset = False
     try:
-        # Both directions end with EOF; a reset on either side ends the connection at once.
-        _, pending = await asyncio.wait(pumps, return_when=asyncio.FIRST_EXCEPTION)
+        # Both directions end with EOF; a reset on either side (read, or a write that found the peer gone) ends the
+        # connection: the other side is reset too, as it would be without the shaper between.
+        done, pending = await asyncio.wait(pumps, return_when=asyncio.FIRST_EXCEPTION)
+        reset = any(not task.cancelled() and isinstance(task.exception(), ConnectionError) for task in done)
         for task in pending:
             task.cancel()
         await asyncio.gather(*pumps, return_exceptions=True)
@@ -104,7 +116,10 @@ async def _serve_connection(spec: LinkSpec, client_r: asyncio.StreamReader, clie
             task.cancel()
     finally:
         for w in (client_w, server_w):
-            w.close()
+            if reset:
+                w.transport.abort()
+            else:
+                w.close()
             with contextlib.suppress(ConnectionError, OSError):
                 await w.wait_closed()
 

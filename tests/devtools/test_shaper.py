@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+import struct
 import threading
 import time
 from collections.abc import Iterator
@@ -75,3 +76,38 @@ def test_a_bench_s_links_default_to_a_home_uplink() -> None:
     add_link_arguments(parser)
     assert link_shape(parser.parse_args([])) == {"delay_s": 0.02, "rate_bps": 100e6}
     assert link_shape(parser.parse_args(["--delay-ms", "5", "--rate-mbit", "8"])) == {"delay_s": 0.005, "rate_bps": 8e6}
+
+
+def test_a_reset_by_the_target_ends_the_callers_connection() -> None:
+    """A target that dies with bytes unread resets its connection (a SIGKILLed agent): the caller's connection through
+    the shaper ends too, one link delay later, as it would directly, though the caller is not sending (a push waiting
+    for its ack): not held open until the caller writes again."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(10)
+    accepted: list[socket.socket] = []
+    arrived = threading.Event()
+
+    def serve() -> None:
+        conn, _ = listener.accept()
+        accepted.append(conn)
+        arrived.set()
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    with ShaperThread() as shaper, listener:
+        port = shaper.link(f"127.0.0.1:{listener.getsockname()[1]}", delay_s=0.02, rate_bps=100 * MBIT)
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+            conn.sendall(b"a push the target never reads")
+            assert arrived.wait(10)
+            time.sleep(0.2)  # the bytes are in the target's receive buffer
+            target = accepted[0]
+            target.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            target.close()  # with unread bytes: a reset, not a FIN
+            conn.settimeout(3.0)
+            started = time.monotonic()
+            try:
+                ended = conn.recv(1) == b""
+            except ConnectionResetError:
+                ended = True
+            assert ended and time.monotonic() - started < 1.0
+    thread.join(timeout=10)
