@@ -1,7 +1,7 @@
 """What one replica's gradient exchange costs in CPU per byte on this machine, for the step model's shared host
 (`arceus.swarm.model.SharedHost.exchange_cpu_per_byte`, bench/swarm_scaling.py).
 
-R `nodeagent.replicas.ReplicaExchange`s in this process, each with its own `nodeagent.exchange_stream.ExchangeStreams`
+R `nodeagent.replicas.ReplicaExchange`s in this process, each with its own `nodeagent.peer_streams.PeerStreams`
 (an agent's: its TLS identity and a listener on loopback handing streams to the replica, as an agent's registry
 does), exchange a vector of a stage's size at once (one thread each), over the mutual-TLS streams agents open, with
 the agent's malloc settings (`nodeagent.heap.retain_freed_blocks`). The cost is this process's CPU (every thread:
@@ -27,8 +27,9 @@ import torch  # noqa: E402
 from arceus.contracts.credentials import token_digest  # noqa: E402
 from arceus.v1 import stage_pb2  # noqa: E402
 from arceus.wire.tls import new_identity  # noqa: E402
-from nodeagent.exchange_stream import ExchangeStreams  # noqa: E402
+from nodeagent.exchange_stream import exchange_hellos  # noqa: E402
 from nodeagent.heap import retain_freed_blocks  # noqa: E402
+from nodeagent.peer_streams import PeerStreams  # noqa: E402
 from nodeagent.replicas import ReplicaExchange  # noqa: E402
 
 
@@ -40,7 +41,7 @@ def exchange_cpu_per_byte(elements: int, replicas: int = 2, rounds: int = 6) -> 
                          f"{rounds}")
     tokens = [f"{k:064x}" for k in range(1, replicas + 1)]
     identities = [new_identity() for _ in range(replicas)]
-    wires = [ExchangeStreams(identity) for identity in identities]
+    wires = [PeerStreams(identity) for identity in identities]
     exchanges = [
         ReplicaExchange(job_id="exchange-cost", stage_index=0, generation=1, replica=k, token=tokens[k],
                         total_elements=elements, max_replicas=replicas, streams=wires[k])
@@ -51,7 +52,8 @@ def exchange_cpu_per_byte(elements: int, replicas: int = 2, rounds: int = 6) -> 
              for k, t in enumerate(tokens)}
     try:
         for k in range(replicas):
-            wires[k].listen("127.0.0.1", lambda hello, sock: exchanges[hello.target].offer(hello, sock))
+            wires[k].listen("127.0.0.1",
+                            exchange_hellos(lambda hello, sock: exchanges[hello.target].offer(hello, sock)))
             exchanges[k].learn(0, peers.values())
         vectors = [torch.randn(elements, generator=torch.Generator().manual_seed(k)) for k in range(replicas)]
 

@@ -21,13 +21,14 @@ from arceus.verify.receipts import ReceiptSigner
 from arceus.wire.channels import grpc_channel_options
 from arceus.wire.tls import TlsIdentity, new_identity
 from nodeagent.call_limits import CallLimits
-from nodeagent.exchange_stream import ExchangeStreams
+from nodeagent.exchange_stream import exchange_hellos
 from nodeagent.hosting import HostedStages
 from nodeagent.lan import WILDCARD_HOSTS
 from nodeagent.lending import ComputeThreads
 from nodeagent.link_probe import LinkProbeServicer
 from nodeagent.metrics import AgentMetrics
 from nodeagent.neighbour_links import Neighbour, NeighbourLinks
+from nodeagent.peer_streams import PeerStreams
 from nodeagent.relay_attachment import RelayAttachment
 from nodeagent.replica_servicer import ReplicaServicer
 from nodeagent.servicer import StageServicer, add_stage_service
@@ -91,8 +92,8 @@ class Agent:
         # Signs receipts for received activations; its public half is sent when the agent registers.
         self.signer = ReceiptSigner()
         self.identity = identity or new_identity()
-        # The replicas' exact exchange runs over streams of their own between siblings (started with the server).
-        self.exchange_streams = ExchangeStreams(self.identity)
+        # The replicas' exact exchange runs over peer streams between siblings (listened for with the server).
+        self.exchange_streams = PeerStreams(self.identity)
         self.registry = HostedStages(
             device,
             max_message_bytes=max_message_bytes,
@@ -158,7 +159,7 @@ class Agent:
             raise OSError(f"cannot listen for gRPC on {host}:{port} (address in use or not local?)")
         self.grpc_port = bound
         try:
-            self.exchange_streams.listen(host, self.registry.adopt_stream, self._exchange_port)
+            self.exchange_streams.listen(host, exchange_hellos(self.registry.adopt_stream), self._exchange_port)
         except OSError as exc:
             raise OSError(f"cannot listen for the replicas' exchange on {host}:{self._exchange_port}: {exc}") from None
         self._server.start()

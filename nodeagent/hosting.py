@@ -27,7 +27,7 @@ from arceus.v1 import stage_pb2
 from nodeagent.all_reduce import TensorParallelGroups, stage_group
 from nodeagent.callers import Guard
 from nodeagent.device import memory_summary
-from nodeagent.exchange_stream import ExchangeStreams, Hello
+from nodeagent.exchange_stream import Hello
 from nodeagent.heap import release_free_memory
 from nodeagent.hosting_plan import (
     BuildStage,
@@ -38,6 +38,7 @@ from nodeagent.hosting_plan import (
     ReportFailed,
     plan_changes,
 )
+from nodeagent.peer_streams import PeerStreams
 from nodeagent.rpc import RpcFailure
 from nodeagent.stage import (
     CheckpointLoader,
@@ -64,7 +65,7 @@ class HostedStages:
         build_seconds: Histogram | None = None,
         load_program: ProgramLoader | None = None,
         load_initial_weights: InitialWeightsLoader | None = None,
-        streams: ExchangeStreams | None = None,
+        streams: PeerStreams | None = None,
         read_dataset: DatasetReader | None = None,
     ) -> None:
         """`build_seconds`: observes each stage build's wall time, labelled by `source` (initial or checkpoint);

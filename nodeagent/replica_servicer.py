@@ -25,8 +25,8 @@ from arceus.contracts.credentials import REPLICA_METADATA_KEY, Role, join_grant
 from arceus.safetensors_file import header_handle, tensor_layouts
 from arceus.v1 import replica_pb2, replica_pb2_grpc, stage_pb2
 from nodeagent.callers import DRIVER_ONLY, authorize, not_allowed, presented_digest, replica_digest
-from nodeagent.exchange_stream import ExchangeStreams
 from nodeagent.hosting import HostedStages
+from nodeagent.peer_streams import PeerStreams
 from nodeagent.rpc import RpcFailure, call_deadline, serve
 from nodeagent.runtime import StageRuntime
 from nodeagent.servicer import state_stream
@@ -38,7 +38,7 @@ HEADER_ALLOWANCE = 1 << 20
 
 
 class ReplicaServicer(replica_pb2_grpc.ReplicaServiceServicer):
-    def __init__(self, registry: HostedStages, streams: ExchangeStreams) -> None:
+    def __init__(self, registry: HostedStages, streams: PeerStreams) -> None:
         self._registry = registry
         self._streams = streams
 

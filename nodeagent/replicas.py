@@ -28,18 +28,9 @@ from arceus.verify.receipts import ReceiptError, ShardFields, verify_shard
 from arceus.verify.tensor_digest import tensor_digest
 from nodeagent import faults
 from nodeagent.call_limits import STREAMS_PER_CALLER
-from nodeagent.exchange_stream import (
-    GATHER,
-    PHASES,
-    POLL_SECONDS,
-    REDUCE,
-    ExchangeStreams,
-    Expected,
-    Hello,
-    Stream,
-    pump_all,
-)
+from nodeagent.exchange_stream import GATHER, PHASES, REDUCE, Expected, Hello, Stream
 from nodeagent.membership import Membership
+from nodeagent.peer_streams import POLL_SECONDS, PeerStreams, pump_all
 from nodeagent.rpc import RpcFailure
 
 _FLOAT32_BYTES = 4
@@ -155,7 +146,7 @@ class ReplicaExchange:
     over TLS from the certificate the step names for it."""
 
     def __init__(self, *, job_id: str, stage_index: int, generation: int, replica: int, token: str,
-                 total_elements: int, max_replicas: int, streams: ExchangeStreams) -> None:
+                 total_elements: int, max_replicas: int, streams: PeerStreams) -> None:
         self.job_id, self.stage_index, self.generation, self.replica = job_id, stage_index, generation, replica
         self._token = token
         self._wire = streams
@@ -300,7 +291,7 @@ class ReplicaExchange:
         def waiting_for() -> str:
             for k, stream in streams.items():
                 frame = stream.next_expected()
-                if frame is not None:
+                if isinstance(frame, Expected):
                     return (f"replica {k} sent no {PHASES[frame.phase]} shard at element {frame.start} of step "
                             f"{step}")
             return f"replicas {[k for k, s in streams.items() if s.sending]} took no more of this replica's shards"
@@ -311,7 +302,7 @@ class ReplicaExchange:
 
     def _send(self, stream: Stream, step: int, epoch: int, phase: int, start: int, values: torch.Tensor,
               signature: bytes = b"") -> None:
-        stream.send(step, epoch, phase, start, _bytes(values), signature)
+        stream.send_shard(step, epoch, phase, start, _bytes(values), signature)
         self.bytes_sent += values.numel() * _FLOAT32_BYTES
 
     def _stream(self, sibling: int, epoch: int, peer: stage_pb2.ReplicaPeer, port_of: Callable[[int], int],
@@ -330,7 +321,8 @@ class ReplicaExchange:
             # Asked wherever the stream goes: the sibling answers once a RunStep of `epoch` reached it, so it trusts
             # this replica's certificate by the time the stream's handshake comes.
             port = port_of(sibling)
-            sock = self._wire.dial(peer.address, peer.exchange_address, port, peer.certificate, hello, deadline)
+            sock = self._wire.dial(peer.address, peer.exchange_address, port, peer.certificate, hello.pack(), deadline,
+                                   peer=f"replica {sibling}")
         else:
             sock = self._take_offer(sibling, epoch, peer, deadline, abort)
         stream = self._streams[sibling] = Stream(sock, sibling, self.name)

@@ -25,10 +25,10 @@ from arceus.wire.push_stream import PushStream
 from arceus.wire.transfer import TransferEncoder
 from nodeagent.all_reduce import TensorParallelGroup
 from nodeagent.callers import Guard
-from nodeagent.exchange_stream import ExchangeStreams
 from nodeagent.inference import DecodeSessions
 from nodeagent.lending import LendingGauge
 from nodeagent.mailbox import Mailbox
+from nodeagent.peer_streams import PeerStreams
 from nodeagent.repair import HeldStep
 from nodeagent.replicas import ReplicaExchange
 from nodeagent.rpc import RpcFailure, neighbour_failure
@@ -90,7 +90,7 @@ class HostedStage:
         *,
         max_message_bytes: int,
         tensor_parallel: TensorParallelGroup | None = None,
-        streams: ExchangeStreams | None = None,
+        streams: PeerStreams | None = None,
         read_dataset: DatasetReader | None = None,
     ) -> None:
         """`streams`: the agent's exchange streams, which a replica of a replicated stage exchanges over;
@@ -392,7 +392,7 @@ def build_hosted_stage(
     tensor_parallel: TensorParallelGroup | None = None,
     load_program: ProgramLoader | None = None,
     load_initial_weights: InitialWeightsLoader | None = None,
-    streams: ExchangeStreams | None = None,
+    streams: PeerStreams | None = None,
     read_dataset: DatasetReader | None = None,
 ) -> HostedStage:
     """Build the stage from its declarative spec only: layers [start, end) initialised from the seed,

@@ -24,7 +24,8 @@ from arceus.verify.receipts import ReceiptSigner, ShardFields, verify_shard
 from arceus.verify.tensor_digest import tensor_digest
 from arceus.wire.tls import TlsIdentity, new_identity
 from devtools.shaper import ShaperThread
-from nodeagent.exchange_stream import FRAME, REDUCE, ExchangeStreams, Hello
+from nodeagent.exchange_stream import FRAME, REDUCE, Hello, exchange_hellos
+from nodeagent.peer_streams import PeerStreams
 from nodeagent.replicas import ReplicaExchange, parse_replica_step
 from nodeagent.rpc import RpcFailure
 from tests.nodeagent.replica_exchanges import exchange_together, port
@@ -134,18 +135,19 @@ def sibling(k: int, stage: int = 1) -> stage_pb2.ReplicaPeer:
 
 @pytest.fixture
 def replicas_of() -> Iterator[Callable[..., dict[int, ReplicaExchange]]]:
-    """Replicas of stage 1 of job "j", each on an agent of its own (its own ExchangeStreams listening on loopback,
+    """Replicas of stage 1 of job "j", each on an agent of its own (its own PeerStreams listening on loopback,
     handing streams to it as an agent's registry does), knowing `members`' tokens and certificates at epoch 0."""
-    opened: list[tuple[ReplicaExchange, ExchangeStreams]] = []
+    opened: list[tuple[ReplicaExchange, PeerStreams]] = []
 
     def make(members: tuple[int, ...], total: int, known: tuple[int, ...] | None = None,
              ) -> dict[int, ReplicaExchange]:
         exchanges = {}
         for k in members:
-            wire = ExchangeStreams(IDENTITIES[k])
+            wire = PeerStreams(IDENTITIES[k])
             exchange = ReplicaExchange(job_id="j", stage_index=1, generation=1, replica=k, token=token_of(k),
                                        total_elements=total, max_replicas=8, streams=wire)
-            wire.listen("127.0.0.1", lambda hello, sock, exchange=exchange: adopt(exchange, hello, sock))
+            wire.listen("127.0.0.1",
+                        exchange_hellos(lambda hello, sock, exchange=exchange: adopt(exchange, hello, sock)))
             exchange.learn(0, [sibling(j) for j in (members if known is None else known)])
             exchanges[k] = exchange
             opened.append((exchange, wire))
@@ -262,8 +264,8 @@ def test_an_audited_exchange_keeps_each_siblings_signed_shards_and_refuses_an_un
 
 def dial_raw(exchange: ReplicaExchange, identity: TlsIdentity, hello: Hello) -> ssl.SSLSocket:
     """A stream to `exchange`'s listener as a sibling's agent holding `identity` dials it."""
-    return ExchangeStreams(identity).dial("127.0.0.1:1", "", port(exchange),
-                                          IDENTITIES[exchange.replica].certificate, hello, time.monotonic() + 10)
+    return PeerStreams(identity).dial("127.0.0.1:1", "", port(exchange), IDENTITIES[exchange.replica].certificate,
+                                      hello.pack(), time.monotonic() + 10, peer=f"replica {exchange.replica}")
 
 
 def hello(source: int, *, epoch: int = 0, token: str | None = None, job: str = "j", target: int = 0) -> Hello:

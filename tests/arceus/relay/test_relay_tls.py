@@ -30,7 +30,8 @@ from arceus.relay.tickets import METADATA_KEY as TICKET_KEY
 from arceus.relay.tickets import mint_ticket
 from arceus.v1 import relay_pb2, relay_pb2_grpc, stage_pb2
 from arceus.wire.tls import new_identity
-from nodeagent.exchange_stream import ExchangeStreams
+from nodeagent.exchange_stream import exchange_hellos
+from nodeagent.peer_streams import PeerStreams
 from nodeagent.relay_attachment import RelayAttachment
 from nodeagent.replicas import ReplicaExchange
 from tests.nodeagent.replica_exchanges import exchange_together
@@ -121,7 +122,7 @@ def test_replicas_both_behind_relays_exchange_exactly_through_them(relay: tuple[
     peers = {k: stage_pb2.ReplicaPeer(stage_index=1, replica=k, address=relayed_address(f"home-{k}"),
                                       certificate=identities[k].certificate, token_digest=token_digest(tokens[k]))
              for k in members}
-    wires = {k: ExchangeStreams(identities[k]) for k in members}
+    wires = {k: PeerStreams(identities[k]) for k in members}
     exchanges = {k: ReplicaExchange(job_id="j", stage_index=1, generation=1, replica=k, token=tokens[k],
                                     total_elements=total, max_replicas=2, streams=wires[k]) for k in members}
     attachments = []
@@ -129,7 +130,7 @@ def test_replicas_both_behind_relays_exchange_exactly_through_them(relay: tuple[
     try:
         for k in members:
             wires[k].trust([identities[j].certificate for j in members if j != k])
-            wires[k].listen("127.0.0.1", lambda hello, sock, k=k: exchanges[k].offer(hello, sock))
+            wires[k].listen("127.0.0.1", exchange_hellos(lambda hello, sock, k=k: exchanges[k].offer(hello, sock)))
             exchanges[k].learn(0, peers.values())
             # Only the exchange listener: nothing else of these agents is reachable, through the relay or not.
             attachment = RelayAttachment("127.0.0.1", {relay_pb2.EXCHANGE: wires[k].port})
