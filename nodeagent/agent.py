@@ -28,6 +28,7 @@ from nodeagent.lending import ComputeThreads
 from nodeagent.link_probe import LinkProbeServicer
 from nodeagent.metrics import AgentMetrics
 from nodeagent.neighbour_links import Neighbour, NeighbourLinks
+from nodeagent.neighbour_stream import neighbour_hellos
 from nodeagent.peer_streams import PeerStreams
 from nodeagent.relay_attachment import RelayAttachment
 from nodeagent.replica_servicer import ReplicaServicer
@@ -121,6 +122,8 @@ class Agent:
                 device=device,
                 max_message_bytes=max_message_bytes,
                 upload_state=upload_state,
+                stream_listener=lambda: stage_pb2.NeighbourStreamPortReply(
+                    port=self.exchange_streams.port, address=self._advertise_exchange or ""),
             ),
             self._server,
         )
@@ -159,7 +162,8 @@ class Agent:
             raise OSError(f"cannot listen for gRPC on {host}:{port} (address in use or not local?)")
         self.grpc_port = bound
         try:
-            self.exchange_streams.listen(host, exchange_hellos(self.registry.adopt_stream), self._exchange_port)
+            kinds = exchange_hellos(self.registry.adopt_stream) | neighbour_hellos(self.registry.adopt_neighbour_stream)
+            self.exchange_streams.listen(host, kinds, self._exchange_port)
         except OSError as exc:
             raise OSError(f"cannot listen for the replicas' exchange on {host}:{self._exchange_port}: {exc}") from None
         self._server.start()

@@ -78,6 +78,7 @@ LIMITS: dict[str, MethodLimits] = {
     # A sender keeps one open for its lifetime.
     _STAGE + "PushStream": MethodLimits(STREAM_SECONDS + 60.0, first_message_seconds=_TENSOR),
     _STAGE + "RunStep": MethodLimits(1800.0, _RUN_STEP),
+    _STAGE + "NeighbourStreamPort": MethodLimits(60.0, _SMALL),
     _STAGE + "GetState": MethodLimits(3600.0, _SMALL),  # a large stage's state over a slow uplink
     _STAGE + "SaveState": MethodLimits(3600.0, _SMALL),
     _STAGE + "Audit": MethodLimits(600.0, _SMALL),

@@ -35,6 +35,7 @@ _REPLICA = "/arceus.v1.ReplicaService/"
 METHOD_ROLES: dict[str, frozenset[Role]] = {
     _STAGE + "PushTensor": frozenset({Role.DRIVER, Role.PREV, Role.NEXT, Role.TIED}),
     _STAGE + "PushStream": frozenset({Role.DRIVER, Role.PREV, Role.NEXT, Role.TIED}),
+    _STAGE + "NeighbourStreamPort": frozenset({Role.PREV}),
     **{_STAGE + name: DRIVER_ONLY for name in (
         "RunStep", "GetState", "SaveState", "Audit", "AuditWeights", "VerifyForward", "Infer", "AuditPartial",
         "VerifyPartial",

@@ -38,6 +38,7 @@ from nodeagent.hosting_plan import (
     ReportFailed,
     plan_changes,
 )
+from nodeagent.neighbour_stream import NeighbourHello
 from nodeagent.peer_streams import PeerStreams
 from nodeagent.rpc import RpcFailure
 from nodeagent.stage import (
@@ -252,6 +253,13 @@ class HostedStages:
         if stage.exchange is None or stage.assignment.replica is None:
             raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, f"{stage.name} is not replicated")
         stage.exchange.offer(hello, sock)
+
+    def adopt_neighbour_stream(self, hello: NeighbourHello, sock: ssl.SSLSocket) -> None:
+        """Hand a previous stage's neighbour stream (nodeagent.neighbour_stream) to the stage its hello names;
+        RpcFailure (the stream is closed) where none is hosted here or it refuses the stream."""
+        stage = self.resolve(stage_pb2.StageRef(job_id=hello.job_id, stage_index=hello.target,
+                                                generation=hello.generation))
+        stage.neighbours.offer(hello, sock)
 
     def guards(self) -> list[Guard]:
         """Whose calls this agent accepts: its hosted stages' credentials, and those of the tensor-parallel

@@ -59,9 +59,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         device: torch.device,
         max_message_bytes: int,
         upload_state: StateUploader | None = None,
+        stream_listener: Callable[[], stage_pb2.NeighbourStreamPortReply] | None = None,
     ) -> None:
         """`upload_state`: how SaveState sends a stage's state to the control plane (None: the agent has
-        no control plane, and SaveState is refused)."""
+        no control plane, and SaveState is refused). `stream_listener`: where the agent's peer stream listener is
+        reached (None: it has none)."""
+        self._stream_listener = stream_listener
         self._registry = registry
         self._upload_state = upload_state
         self._metrics = metrics
@@ -142,6 +145,21 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         stage.add_bytes_received(nbytes)
         self._metrics.bytes_received.inc(nbytes)
 
+    def NeighbourStreamPort(
+        self, request: stage_pb2.NeighbourStreamPortRequest, context: grpc.ServicerContext
+    ) -> stage_pb2.NeighbourStreamPortReply:
+        def port() -> stage_pb2.NeighbourStreamPortReply:
+            method = "NeighbourStreamPort"
+            authorize(presented_digest(context), self._registry.guards(), target=request.target,
+                      allowed=frozenset({Role.PREV}), method=method)
+            stage = self._registry.resolve(request.target)
+            if not stage.neighbours.prev_streamed or self._stream_listener is None:
+                raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION,
+                                 f"{stage.name} takes its previous stage's tensors over PushStream")
+            return self._stream_listener()
+
+        return serve(context, "NeighbourStreamPort", port)
+
     def RunStep(
         self, request: stage_pb2.RunStepRequest, context: grpc.ServicerContext
     ) -> stage_pb2.RunStepReply:
@@ -176,11 +194,14 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
                 threads = None if self._compute_threads is None else self._compute_threads()
                 before = stage.counters()
                 started = time.perf_counter()
-                reply = StepRun(
+                run = StepRun(
                     stage, request, replicas=replicas, deadline=deadline, abort=abort, signer=self._signer,
                     threads=threads,
-                ).run()
+                )
+                reply = run.run()
                 finished = True
+                if run.wire is not None:  # what its neighbour streams brought (pushes are counted as they land)
+                    self._metrics.bytes_received.inc(run.wire.bytes_received)
                 mode = "train" if request.mode == stage_pb2.TRAIN else "eval"
                 self._metrics.step_seconds.labels(mode=mode).observe(time.perf_counter() - started)
                 self._metrics.step_wait_seconds.labels(mode=mode).observe(reply.wait_seconds)

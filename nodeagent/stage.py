@@ -6,7 +6,6 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 import grpc
 import torch
@@ -15,7 +14,6 @@ from arceus.contracts.assignment import Assignment, CheckpointRef, InitialWeight
 from arceus.contracts.credentials import REPLICA_METADATA_KEY
 from arceus.model.build import build_layers
 from arceus.model.hugging_face import initial_weights_slice_bytes
-from arceus.model.layout import TensorLayout
 from arceus.model.registry import architecture_of
 from arceus.model.tensor_parallel import build_parallel_layers, slice_state_tensors
 from arceus.swarm.outer import OuterSync, sync_elements, synced_buffers
@@ -28,35 +26,18 @@ from nodeagent.callers import Guard
 from nodeagent.inference import DecodeSessions
 from nodeagent.lending import LendingGauge
 from nodeagent.mailbox import Mailbox
+from nodeagent.neighbour_stream import NeighbourStreams
 from nodeagent.peer_streams import PeerStreams
 from nodeagent.repair import HeldStep
 from nodeagent.replicas import ReplicaExchange
 from nodeagent.rpc import RpcFailure, neighbour_failure
 from nodeagent.runtime import StageRuntime
+from nodeagent.stage_io import StageIO
 from nodeagent.tied import TiedGradients
 from nodeagent.verify import AuditRecord
 
 # How often a RunStep waiting for the step it is chained after looks whether its own call was cancelled.
 CHAIN_POLL_SECONDS = 0.05
-
-
-@dataclass(frozen=True)
-class StageIO:
-    """What this stage accepts: everything a pushed tensor is checked against before torch sees it.
-    Layouts are per sample, as the model spec gives them."""
-
-    input_layout: TensorLayout  # the activations (or, on the first stage, the model's inputs) it takes
-    output_layout: TensorLayout  # what it sends on, and so the shape of the gradient it gets back
-    label_layout: TensorLayout
-    max_micro_batch_size: int
-    micro_batches: int
-    # Its assignment's schedule: a step may follow one that holds no more micro-batches at once (the
-    # memory budget was checked for this one).
-    schedule: str
-    stage_index: int
-    num_stages: int
-    is_first: bool
-    is_last: bool
 
 
 class NeighbourLink:
@@ -150,6 +131,12 @@ class HostedStage:
         self._bytes_lock = threading.Lock()
         self.bytes_sent = 0
         self.bytes_received = 0
+        # The activations and gradients to and from one-agent neighbours travel on streams of their own
+        # (nodeagent.neighbour_stream); the links above carry the rest.
+        self.neighbours = NeighbourStreams(
+            assignment, self.io, self.name, streams, self.next_links[0].channel if self.next_links else None,
+            (self.add_bytes_sent, self.add_bytes_received),
+        )
         # The last train step's activations and weights, kept for spot checks (retain_for_audit).
         self.audit_record: AuditRecord | None = None
         self.deferred_step: int | None = None  # the step whose optimizer step waits (StepRun), where one does
@@ -342,6 +329,7 @@ class HostedStage:
     def close(self) -> None:
         """Wake anyone waiting on this stage's mailbox and close its channels."""
         self.mailbox.close()
+        self.neighbours.close()
         if self.exchange is not None:
             self.exchange.close()
         with self._links_lock:

@@ -30,6 +30,7 @@ from arceus.wire.compression import decode_payload
 from nodeagent import faults
 from nodeagent.lending import ComputeThreads, StepLending
 from nodeagent.mailbox import MailboxCancelled, MailboxClosed, MailboxTimeout
+from nodeagent.neighbour_stream import StepWire
 from nodeagent.repair import HeldStep
 from nodeagent.replicas import ReplicaStepPlan, parse_replica_step
 from nodeagent.rpc import RpcFailure
@@ -72,15 +73,20 @@ class StepRun:
         # A replica runs its share of the micro-batches, sends each to the replica its route names, and exchanges
         # its gradients with its siblings before the optimizer step.
         self.replicas = replicas
+        # Leave a little of the caller's deadline so our own explanation reaches it before its timer fires.
+        self.wait_until = deadline - min(1.0, 0.05 * max(0.0, deadline - time.monotonic()))
+        # The activations and gradients to and from one-agent neighbours: on the stage's neighbour streams.
+        self.wire: StepWire | None = None
         if self.replicas is None:
-            self.actions = build_schedule(schedule, a.num_stages, request.num_micro_batches, self.train)[a.stage_index]
+            every = build_schedule(schedule, a.num_stages, request.num_micro_batches, self.train)
+            self.actions = every[a.stage_index]
+            if stage.neighbours.any:
+                self.wire = stage.neighbours.begin(request.step, every, self.wait_until, abort)
         else:
             plan = self.replicas
             self.actions = replica_schedule(
                 schedule, a.num_stages, a.stage_index, plan.micro_batches, self.train, replicas=plan.most_replicas
             )
-        # Leave a little of the caller's deadline so our own explanation reaches it before its timer fires.
-        self.wait_until = deadline - min(1.0, 0.05 * max(0.0, deadline - time.monotonic()))
         self.pushes = PushTracker(stage, request.step, deadline, abort, epoch=0 if replicas is None else replicas.epoch)
         routes = None if self.replicas is None else self.replicas.routes
         self.audit = StepAudit(
@@ -100,7 +106,7 @@ class StepRun:
             planner=solo_planner(schedule, a.num_stages, request.num_micro_batches, self.train) if borrows else None,
             # Not a method of this step: the lending lives as long as the step, and a step in a reference cycle would
             # keep its HeldStep (a whole gradient) until Python's cycle collector ran.
-            arrived=partial(_arrived, stage, request.step),
+            arrived=partial(_arrived, stage, request.step, self.wire),
         )
         self._where = {"stage": a.stage_index, "replica": a.replica or 0}  # for the fault hook (nodeagent.faults)
         self._forward_sizes: dict[int, int] = {}
@@ -156,6 +162,8 @@ class StepRun:
                 self.pushes.raise_if_failed()
             with self._waiting():
                 self.pushes.wait_all()
+                if self.wire is not None:
+                    self.wire.finish()
             if self.train:
                 faults.reached("gradient-sent", self.step, **self._where)
             if self.stale:  # the update of the step it overlaps comes first
@@ -195,6 +203,8 @@ class StepRun:
             if held is not None:
                 held.finished = True
         except BaseException:
+            if self.wire is not None:
+                self.wire.fail()
             if held is None:
                 runtime.abort_step()
                 self.pushes.cancel_all()
@@ -416,7 +426,10 @@ class StepRun:
             faults.reached("forward", self.step, **self._where)
         if a.sends_on:  # ranks 1.. of a tensor-parallel stage compute the same output as rank 0
             links, replica = self._links(a.stage_index + 1, m, stage.next_links)
-            if held is None:
+            if self.wire is not None and self.wire.carries(stage_pb2.ACTIVATION, incoming=False):
+                encoded = stage.transfer.encode(out, gradient=False, stream=m)
+                self.wire.send(stage_pb2.ACTIVATION, m, encoded)
+            elif held is None:
                 encoded = self.pushes.send(links, a.stage_index + 1, stage_pb2.ACTIVATION, m, out, replica=replica,
                                            ack_later=self._ack_later(index))
             elif m in self._skip_output:  # the next stage already holds it (from a lost replica): kept, not sent
@@ -450,8 +463,12 @@ class StepRun:
         if grad_input is not None and a.sends_on:
             links, replica = self._links(a.stage_index - 1, m, stage.prev_links)
             if held is None:
-                encoded = self.pushes.send(links, a.stage_index - 1, stage_pb2.GRADIENT, m, grad_input,
-                                           replica=replica, ack_later=self._ack_later(index))
+                if self.wire is not None and self.wire.carries(stage_pb2.GRADIENT, incoming=False):
+                    encoded = stage.transfer.encode(grad_input, gradient=True, stream=m)
+                    self.wire.send(stage_pb2.GRADIENT, m, encoded)
+                else:
+                    encoded = self.pushes.send(links, a.stage_index - 1, stage_pb2.GRADIENT, m, grad_input,
+                                               replica=replica, ack_later=self._ack_later(index))
                 self.audit.gradient_sent(m, grad_input, encoded)
                 return
             if m in self._skip_input_gradient:  # the previous stage already holds it: kept, not sent
@@ -501,13 +518,17 @@ class StepRun:
 
     def _receive(self, kind: int, micro_batch: int) -> torch.Tensor:
         with self._waiting():
+            if self.wire is not None and self.wire.carries(kind, incoming=True):
+                return self.wire.receive(kind, micro_batch)
             return _receive(self.stage, self.step, kind, micro_batch, self.wait_until, self.abort, self.pushes)
 
-def _arrived(stage: HostedStage, step: int) -> list[Action]:
-    """The neighbours' actions of `step` whose outputs wait in the stage's mailbox: the previous stage's forwards (not
-    the driver's inputs to the first stage) and the next stage's backwards."""
+def _arrived(stage: HostedStage, step: int, wire: StepWire | None) -> list[Action]:
+    """The neighbours' actions of `step` whose outputs wait in the stage's mailbox or were read off its neighbour
+    streams: the previous stage's forwards (not the driver's inputs to the first stage) and the next stage's
+    backwards."""
     arrived = []
-    for kind, micro_batch in stage.mailbox.arrived(step):
+    read = [] if wire is None else [(stage_pb2.TensorKind.Name(kind), m) for kind, m in wire.arrived()]
+    for kind, micro_batch in [*stage.mailbox.arrived(step), *read]:
         if kind == "ACTIVATION" and not stage.io.is_first:
             arrived.append(Action("F", micro_batch))
         elif kind == "GRADIENT":

@@ -17,7 +17,7 @@ from arceus.wire import codec
 from arceus.wire.incoming_push import IncomingPush
 from arceus.wire.proto_tensor import decode_tensor
 from nodeagent.rpc import RpcFailure
-from nodeagent.stage import StageIO
+from nodeagent.stage_io import StageIO
 
 KIND_NAMES = {
     stage_pb2.ACTIVATION: "ACTIVATION", stage_pb2.GRADIENT: "GRADIENT", stage_pb2.LABELS: "LABELS",
@@ -72,18 +72,27 @@ def decode_push(io: StageIO, push: IncomingPush) -> torch.Tensor:
         raise _invalid(f"micro_batch must be in [0, {io.micro_batches}), got {request.micro_batch}")
     if not request.HasField("tensor"):
         raise _invalid("the request carries no tensor")
-    expected = expected_layout(io, request.kind)
-    kind = KIND_NAMES[request.kind]
-    max_bytes = check_layout(kind, request.tensor, expected, io.max_micro_batch_size)
+    max_bytes = check_layout(KIND_NAMES[request.kind], request.tensor, expected_layout(io, request.kind),
+                             io.max_micro_batch_size)
+    return decode_checked(io, request.kind, request.tensor, push.data, push.scales, push.indices, max_bytes)
+
+
+def decode_checked(
+    io: StageIO, kind: int, header: stage_pb2.Tensor, data: codec.Payload, scales: codec.Payload,
+    indices: codec.Payload, max_bytes: int,
+) -> torch.Tensor:
+    """Decode a tensor of `kind` whose header passed `check_layout` (its payloads apart from it), checking its
+    values where the layout bounds them."""
+    expected, name = expected_layout(io, kind), KIND_NAMES[kind]
     try:
         # Plain or compressed (Tensor.encoding). No copy: the runtime never writes to its inputs.
-        tensor = decode_tensor(request.tensor, push.data, push.scales, push.indices, max_bytes=max_bytes, copy=False)
+        tensor = decode_tensor(header, data, scales, indices, max_bytes=max_bytes, copy=False)
     except codec.TensorValidationError as exc:
-        raise _invalid(f"{kind} tensor rejected: {exc}") from exc
+        raise _invalid(f"{name} tensor rejected: {exc}") from exc
     if expected.bound is not None:  # class indices or token ids: an embedding or loss must not index out
         low, high = int(tensor.min()), int(tensor.max())
         if low < 0 or high >= expected.bound:
-            what = "labels must be class indices" if request.kind == stage_pb2.LABELS else f"{kind} ids must be"
+            what = "labels must be class indices" if kind == stage_pb2.LABELS else f"{name} ids must be"
             raise _invalid(f"{what} in [0, {expected.bound}), got values in [{low}, {high}]")
     return tensor
 

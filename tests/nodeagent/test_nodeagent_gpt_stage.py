@@ -15,7 +15,7 @@ from arceus.wire.incoming_push import IncomingPush, parse_push
 from arceus.wire.proto_tensor import to_proto
 from nodeagent.rpc import RpcFailure
 from nodeagent.runtime import StageRuntime
-from nodeagent.stage import StageIO
+from nodeagent.stage_io import StageIO
 from nodeagent.validation import decode_push
 
 SPEC = model_spec_from_config(

@@ -11,7 +11,7 @@ import pytest
 from arceus.model.layout import TensorLayout
 from arceus.v1 import stage_pb2
 from nodeagent.rpc import RpcFailure
-from nodeagent.stage import StageIO
+from nodeagent.stage_io import StageIO
 from nodeagent.validation import check_run_step
 
 HIDDEN = TensorLayout("float32", (8,))
