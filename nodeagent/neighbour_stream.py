@@ -282,9 +282,10 @@ class StepWire:
         link = self._link_of(kind, incoming=False)
         assert link is not None
         self._open(link)
+        # Counted before it is written: the neighbour's ACK may be read while this frame is written.
+        link.bytes_sent += encoded.nbytes
         self._write(link, frame_header(self.step, micro_batch, kind, encoded), encoded.data, encoded.scales,
                     encoded.indices)
-        link.bytes_sent += encoded.nbytes
 
     def finish(self) -> None:
         """Wait until every frame of the step went out and every frame due came in (the neighbours' ACKs

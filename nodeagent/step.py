@@ -518,9 +518,8 @@ class StepRun:
 
     def _receive(self, kind: int, micro_batch: int) -> torch.Tensor:
         with self._waiting():
-            if self.wire is not None and self.wire.carries(kind, incoming=True):
-                return self.wire.receive(kind, micro_batch)
-            return _receive(self.stage, self.step, kind, micro_batch, self.wait_until, self.abort, self.pushes)
+            return _receive(self.stage, self.step, kind, micro_batch, self.wait_until, self.abort, self.pushes,
+                            self.wire)
 
 def _arrived(stage: HostedStage, step: int, wire: StepWire | None) -> list[Action]:
     """The neighbours' actions of `step` whose outputs wait in the stage's mailbox or were read off its neighbour
@@ -566,8 +565,12 @@ def _receive(
     wait_until: float,
     abort: threading.Event,
     pushes: PushTracker,
+    wire: StepWire | None,
 ) -> torch.Tensor:
-    """The tensor of `kind` for (step, micro_batch), waiting for it to arrive until `wait_until`."""
+    """The tensor of `kind` for (step, micro_batch), waiting for it to arrive until `wait_until`: off the stage's
+    neighbour stream where `wire` carries it, else from its mailbox."""
+    if wire is not None and wire.carries(kind, incoming=True):
+        return wire.receive(kind, micro_batch)
     a = stage.assignment
     kind_name = stage_pb2.TensorKind.Name(kind)
     if kind == stage_pb2.TIED_GRADIENT:
