@@ -339,8 +339,10 @@ def test_driver_names_the_unreachable_stage(agent: AgentProcess) -> None:
     )
     with pytest.raises(DriverError) as info:
         train(broken, RecordingSink())
-    assert info.value.stage_index == 1 and info.value.code == "UNAVAILABLE"
-    assert f"stage 1 (node n1 at {dead})" in str(info.value)
+    assert info.value.code == "UNAVAILABLE"
+    # Its own RunStep's failure, or stage 0's as it opens its neighbour stream to it: whichever the driver sees first.
+    named = {1: f"stage 1 (node n1 at {dead})", 0: f"could not ask stage 1 at {dead}"}
+    assert named[info.value.stage_index] in str(info.value)
 
 
 def test_agent_still_trains_and_exports_metrics_after_bad_input(
