@@ -103,10 +103,14 @@ class StageRuntime:
         self._previous: list[torch.Tensor] | None = None
         self._two_versions = False
         # The parameters themselves, kept here: while a step's forward runs with its version (`_Versioned`), the
-        # layers hold the version's tensors in their place, and a version's forwards take turns (`_swapping`).
+        # layers hold the version's tensors in their place.
         self._params = list(self.layers.parameters())
         self._named = dict(self.layers.named_parameters(remove_duplicate=False))
-        self._swapping = threading.Lock()
+        # The stage computes one thing at a time (`_timed`): two overlapping steps' threads take turns, so a version
+        # is in the layers for one call at a time, the agent computes with the threads it was given, and the compute
+        # counted is what ran (each thread's own too, `thread_compute_seconds`).
+        self._computing = threading.Lock()
+        self._thread = threading.local()
         # Per layer, (parameter name, its index in `_params`): a version's tensors by each layer's own names.
         index = {id(p): i for i, p in enumerate(self._params)}
         self._layer_params = [
@@ -490,7 +494,7 @@ class StageRuntime:
         for layer, index, names in zip(self.layers, self._draws, self._layer_params, strict=True):
             seed = None if index is None else draw_seed(self.seed, step, micro_batch, index)
             if version is not None:  # staleness 1: this step's own weights
-                layer = _Versioned(layer, {name: version[i] for name, i in names}, self._swapping)
+                layer = _Versioned(layer, {name: version[i] for name, i in names})
             run = layer if seed is None else _Seeded(layer, seed, self.device)
             x = checkpoint(run, x, use_reentrant=False) if self.activation_checkpointing else run(x)
         self.buffers.forwarded()
@@ -499,28 +503,34 @@ class StageRuntime:
     def _autocast(self) -> AbstractContextManager[Any]:
         return autocast(self.device, self.precision)
 
+    def thread_compute_seconds(self) -> float:
+        """The compute the calling thread ran here (a step's own, where two steps overlap)."""
+        return getattr(self._thread, "seconds", 0.0)
+
     @contextmanager
     def _timed(self, samples: int = 0) -> Iterator[None]:
-        start = time.perf_counter()
-        yield
-        synchronize(self.device)  # kernels are asynchronous (CUDA, MPS): time what actually ran
-        self.counters.compute_seconds += time.perf_counter() - start
-        if samples:
-            self.counters.samples += samples
-            self.counters.micro_batches += 1
+        with self._computing:
+            start = time.perf_counter()
+            yield
+            synchronize(self.device)  # kernels are asynchronous (CUDA, MPS): time what actually ran
+            seconds = time.perf_counter() - start
+            self.counters.compute_seconds += seconds
+            self._thread.seconds = self.thread_compute_seconds() + seconds
+            if samples:
+                self.counters.samples += samples
+                self.counters.micro_batches += 1
 
 
 class _Versioned:
     """A layer called with other tensors in place of its parameters (a train step's weights version). The call puts
-    them in the layer for its duration, so calls of one stage's layers take turns (`swapping`); a recompute in a
-    backward (activation checkpointing) is such a call too."""
+    them in the layer for its duration: it runs only within the stage's compute (`StageRuntime._timed`), one at a
+    time, a recompute in a backward (activation checkpointing) too."""
 
-    def __init__(self, layer: nn.Module, params: dict[str, torch.Tensor], swapping: threading.Lock) -> None:
-        self.layer, self.params, self.swapping = layer, params, swapping
+    def __init__(self, layer: nn.Module, params: dict[str, torch.Tensor]) -> None:
+        self.layer, self.params = layer, params
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        with self.swapping:
-            return functional_call(self.layer, self.params, (x,))
+        return functional_call(self.layer, self.params, (x,))
 
 
 class _Seeded:

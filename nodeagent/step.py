@@ -111,9 +111,6 @@ class StepRun:
         self._where = {"stage": a.stage_index, "replica": a.replica or 0}  # for the fault hook (nodeagent.faults)
         self._forward_sizes: dict[int, int] = {}
         self.wait_seconds = 0.0  # waiting for inputs and for sends: the bubble this stage sees
-        # This step's own compute, timed around its actions and update: with staleness 1 the stage's counters also
-        # count the overlapping step's.
-        self.own_compute_seconds = 0.0
         self._results: dict[int, tuple[float, int, int]] = {}
         self.exchange_seconds = 0.0
         self.held: HeldStep | None = None  # a replica's record of this step, kept for a repair (nodeagent.repair)
@@ -130,7 +127,7 @@ class StepRun:
         held = self._held_step()
         if self.train and self.replicas is not None and not self.stage.assignment.replica_sync.exact:
             self._start_sync_round()
-        compute_before = runtime.counters.compute_seconds
+        compute_before, own_before = runtime.counters.compute_seconds, runtime.thread_compute_seconds()
         sent_before = 0 if self.stage.exchange is None else self.stage.exchange.bytes_sent
         after, step = self.request.after_step, self.step
         if self.stale:  # the step it overlaps still takes its gradients; the next one's inputs may come early
@@ -197,9 +194,7 @@ class StepRun:
                     runtime.defer_optimizer_step(self.request.learning_rate or None)
                     self.stage.deferred_step = self.step
                 else:
-                    started = time.perf_counter()
                     runtime.optimizer_step(self.request.learning_rate or None)
-                    self.own_compute_seconds += time.perf_counter() - started
             if held is not None:
                 held.finished = True
         except BaseException:
@@ -216,8 +211,9 @@ class StepRun:
             loss_sums=[r[0] for r in ordered],
             correct=[r[1] for r in ordered],
             sample_counts=[r[2] for r in ordered],
-            compute_seconds=(
-                self.own_compute_seconds if self.stale else runtime.counters.compute_seconds - compute_before
+            compute_seconds=(  # with staleness 1 the stage's counters also count the overlapping step's
+                runtime.thread_compute_seconds() - own_before if self.stale
+                else runtime.counters.compute_seconds - compute_before
             ),
             wait_seconds=self.wait_seconds,
             counters=self.stage.counters(),
@@ -498,14 +494,13 @@ class StepRun:
         group's names for the all-reduces inside, and the timing the lending gauge learns from."""
         action, counters = self.actions[index], self.stage.runtime.counters
         lent = self.lending.start(index, action)
-        before, started = counters.compute_seconds, time.perf_counter()
+        before = counters.compute_seconds
         group = self.stage.tensor_parallel
         if group is None:
             yield
         else:  # its ranks run the same all-reduces in one order: (step, micro-batch, count) names each
             with group.micro_batch(self.step, action.micro_batch, deadline=self.wait_until, abort=self.abort):
                 yield
-        self.own_compute_seconds += time.perf_counter() - started
         self.lending.done(action, lent, counters.compute_seconds - before, samples)
 
     @contextmanager
