@@ -286,4 +286,3 @@ class TrainResult:
     val_accuracy: float
     stopped: bool
     stages: list[StageCounters]
-    stop_reason: str = ""  # why it stopped where nothing asked it to: an agent refused a step beyond the grant
