@@ -256,6 +256,8 @@ class StepWire:
         return self._link_of(kind, incoming) is not None
 
     def _link_of(self, kind: int, incoming: bool) -> _Link | None:
+        if kind not in (ACTIVATION, GRADIENT):  # tied gradients go to stages that need not be neighbours: PushStream
+            return None
         from_prev = (kind == ACTIVATION) == incoming
         return self._links.get("prev" if from_prev else "next")
 
