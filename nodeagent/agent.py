@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -224,6 +224,12 @@ class Agent:
         that would not fit is refused when it is assigned; one already hosted stays)."""
         self.limit_threads(max_threads)
         self.registry.memory_budget = max_memory_bytes
+
+    def take_step_grants(self, grants: dict[str, int], *, interval: float) -> None:
+        self.registry.grants.update(grants, interval=interval)
+
+    def ask_heartbeats_with(self, beat: Callable[[], None]) -> None:
+        self.registry.grants.ask_heartbeats_with(beat)
 
     def heartbeat_answered(self, *, metrics_token_sha256: str | None) -> None:
         self.metrics.heartbeat_succeeded()

@@ -68,6 +68,7 @@ class HeartbeatReply:
     relays: tuple[str, ...] = ()  # every relay, for calls to relayed neighbours
     relay_certificate: str = ""  # the relays' certificate (PEM), pinned by the attachment and those calls
     metrics_token_sha256: str | None = None  # what a scrape of /metrics must present the preimage of (None: none)
+    step_grants: dict[str, int] = field(default_factory=dict)  # job id → the last train step it may run
 
 
 class ControlPlaneClient(ControlPlaneSession):
@@ -149,6 +150,7 @@ class ControlPlaneClient(ControlPlaneSession):
             relays=tuple(r for r in body.get("relays") or () if isinstance(r, str)),
             relay_certificate=_relay_certificate(body),
             metrics_token_sha256=_metrics_token_sha256(body),
+            step_grants=_step_grants(body),
         )
 
     def leave(self) -> int:
@@ -604,6 +606,16 @@ def _metrics_token_sha256(body: dict[str, Any]) -> str | None:
     return digest
 
 
+def _step_grants(body: dict[str, Any]) -> dict[str, int]:
+    grants = body.get("step_grants")
+    if not isinstance(grants, dict) or not all(
+        isinstance(job, str) and isinstance(step, int) and not isinstance(step, bool) and step >= 0
+        for job, step in grants.items()
+    ):
+        raise ControlPlaneError(f"heartbeat response has no usable 'step_grants': {_short(body)}")
+    return grants
+
+
 def _node_id(body: dict[str, Any]) -> str:
     node_id = body.get("node_id")
     if not isinstance(node_id, str | int) or isinstance(node_id, bool) or node_id == "":
@@ -673,6 +685,12 @@ class HeartbeatAgent(Protocol):
     def take_caps(self, *, max_threads: int | None, max_memory_bytes: int | None) -> None:
         """The owner's caps on compute threads and on the memory of the stages (None: no cap)."""
 
+    def take_step_grants(self, grants: dict[str, int], *, interval: float) -> None:
+        """The last train step each job may run (nodeagent/step_grants.py); `interval`: the heartbeats'."""
+
+    def ask_heartbeats_with(self, beat: Callable[[], None]) -> None:
+        """How a step waiting for its grant asks for a heartbeat now."""
+
     def apply_assignments(self, assignments: list[Assignment], rejected: Sequence[ObservedStage] = ()) -> bool:
         """Host the desired state (the whole of it); whether anything changed."""
 
@@ -714,6 +732,11 @@ class HeartbeatLoop:
         self._host_load = HostLoad()
         self._link_measured = time.monotonic() - REMEASURE_SECONDS + FIRST_REMEASURE_SECONDS
         self._unsent_links: dict[str, dict[str, Any]] = {}  # neighbour figures kept until a heartbeat succeeds
+        agent.ask_heartbeats_with(self.beat_now)
+
+    def beat_now(self) -> None:
+        """Heartbeat at once (a step waits for its grant to be extended), as after a change: not twice in a row."""
+        self._applied_change.set()
 
     def start(self) -> None:
         self._applier.start()
@@ -749,6 +772,7 @@ class HeartbeatLoop:
                 self._agent.heartbeat_answered(metrics_token_sha256=reply.metrics_token_sha256)
                 self._agent.take_caps(max_threads=reply.max_threads, max_memory_bytes=reply.max_memory_bytes)
                 self._interval = reply.heartbeat_interval_seconds
+                self._agent.take_step_grants(reply.step_grants, interval=self._interval)
                 backoff = self._min_backoff
                 with self._desired_lock:
                     self._desired = (reply.assignments, reply.rejected)

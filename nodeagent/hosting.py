@@ -49,6 +49,7 @@ from nodeagent.stage import (
     ProgramLoader,
     build_hosted_stage,
 )
+from nodeagent.step_grants import StepGrants
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,8 @@ class HostedStages:
         # The all-reduce groups of hosted tensor-parallel stages (TensorParallelService resolves here);
         # each lives as long as its stage.
         self.tensor_parallel = TensorParallelGroups()
+        # The train steps the control plane granted each job (its heartbeat replies'): RunStep runs no step beyond.
+        self.grants = StepGrants()
 
     def apply(self, assignments: Sequence[Assignment], rejected: Sequence[ObservedStage] = ()) -> bool:
         """Make the hosted stages match `assignments`; `rejected` are listed stages that could not even be

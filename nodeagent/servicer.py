@@ -37,6 +37,7 @@ from nodeagent.metrics import AgentMetrics
 from nodeagent.rpc import RpcFailure, call_deadline, serve
 from nodeagent.stage import HostedStage, StateUploader, StateUploadError
 from nodeagent.step import StepRun, replica_plan
+from nodeagent.step_grants import StepNotGranted
 from nodeagent.step_samples import prefetch_step_samples
 from nodeagent.validation import KIND_NAMES, check_layout, decode_push
 from nodeagent.verify import AuditRecord, recompute_forward
@@ -181,10 +182,12 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             if request.after_step:
                 prefetch_step_samples(stage, request)  # its samples read while the step before computes
             if request.after_step and stage.assignment.staleness:  # overlaps the step it follows (nodeagent.step)
+                self._granted(request, deadline, abort)
                 stage.step_join(request.step, request.after_step, deadline, abort)
             else:
                 if request.after_step:  # sent before the step it follows ended: it waits for that step to finish here
                     stage.wait_for_step(request.after_step, deadline, abort)
+                self._granted(request, deadline, abort)
                 # A replica's step run again after a loss may find the cancelled attempt still unwinding; a chained
                 # step, the step it follows releasing the lock.
                 waits = request.HasField("replicas") or request.after_step
@@ -222,6 +225,16 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             return reply
 
         return serve(context, "RunStep", step)
+
+    def _granted(self, request: stage_pb2.RunStepRequest, deadline: float, abort: threading.Event) -> None:
+        """Return once a train step is within its job's step grant (nodeagent/step_grants.py), before it begins here;
+        else FAILED_PRECONDITION naming the step and the grant."""
+        if request.mode != stage_pb2.TRAIN:
+            return
+        try:
+            self._registry.grants.require(request.target.job_id, request.train_step, deadline=deadline, abort=abort)
+        except StepNotGranted as exc:
+            raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
 
     def _driven(self, context: grpc.ServicerContext, target: stage_pb2.StageRef, method: str) -> HostedStage:
         """The addressed stage, if the caller is its driver (nodeagent.callers)."""

@@ -29,6 +29,7 @@ import torch
 from arceus.checkpoint import StateFile, state_chunks
 from arceus.contracts.counters import StageCounters
 from arceus.contracts.spot_check import SpotCheckResult
+from arceus.contracts.step_grant import is_not_granted
 from arceus.data.batches import epoch_batches
 from arceus.data.config import validate_dataset_config
 from arceus.data.step_data import labels_per_sample, micro_batch_indices, stages_read
@@ -82,6 +83,12 @@ class DriverError(RuntimeError):
         super().__init__(message)
         self.stage_index = stage_index
         self.code = code
+
+
+class StepNotGranted(DriverError):
+    """An agent refused a train step beyond its job's step grant (arceus/contracts/step_grant.py): the control plane
+    stopped granting steps (a cancel, a budget or deadline, a hand-over). A stop, not a stage's fault: nothing is
+    blamed, fenced or rewound for it."""
 
 
 @dataclass
@@ -385,6 +392,8 @@ class Pipeline:
                     log.info("job %s: step %d repaired without a rerun (membership epoch %d)",
                              self.plan.job_id, step, roster.epoch)
                 return outcome
+            except StepNotGranted:
+                raise  # a stop: no replica is lost or to blame
             except DriverError as exc:
                 # Logged as text: a record holding the exception would hold, through its traceback, this step's
                 # frames (and the caller's) in any handler that keeps records (pytest's), and so what they hold.
@@ -817,7 +826,8 @@ def train(plan: TrainPlan, sink: ProgressSink) -> TrainResult:
     partial epoch through `sink.on_epoch` too). Every `plan.checkpoint_interval` steps, whenever
     `sink.wants_checkpoint()`, and at the end, every stage's state goes to `sink.on_checkpoint` (after
     the epoch's validation when both fall on one step, so a resumed run never needs to validate an
-    epoch again). A stop requested by the sink skips validation; the result then carries the last
+    epoch again). A stop requested by the sink, or a train step an agent refused as beyond its job's step grant
+    (`StepNotGranted`, the result's `stop_reason`), skips validation; the result then carries the last
     validation's numbers (NaN if there was none). Where the pipeline chains its steps (`Pipeline.chains`), a train
     step goes out with the one before it, so the sink is asked for a checkpoint or a stop before that one runs: what
     it asks applies a step later.
@@ -836,7 +846,7 @@ def _train(plan: TrainPlan, sink: ProgressSink, dataset: dict, train_set: Sample
         total_steps = min(total_steps, plan.max_steps)
     step, final_loss, val_loss, val_accuracy = plan.start_step, math.nan, math.nan, math.nan
     stages: list[StageCounters] = []
-    stopped = False
+    stopped, stop_reason = False, ""
     # Resuming from the final checkpoint re-runs only the last validation (the driver died before it
     # could report the end).
     first_epoch = min(plan.start_step // steps_per_epoch + 1, plan.epochs)
@@ -880,8 +890,13 @@ def _train(plan: TrainPlan, sink: ProgressSink, dataset: dict, train_set: Sample
                     and not sink.wants_checkpoint() and not sink.should_stop()
                 )
                 started = time.perf_counter()
-                outcome = pipeline.step(Batch(train_set, indices), train=True, train_step=step + 1,
-                                        then=Batch(train_set, todo[i + 1]) if sent_ahead else None)
+                try:
+                    outcome = pipeline.step(Batch(train_set, indices), train=True, train_step=step + 1,
+                                            then=Batch(train_set, todo[i + 1]) if sent_ahead else None)
+                except StepNotGranted as exc:  # no stage took the step: every stage holds step `step`'s state
+                    log.warning("job %s: stopped after step %d: %s", plan.job_id, step, exc)
+                    stopped, stop_reason = True, str(exc)
+                    break
                 elapsed = time.perf_counter() - started
                 step += 1
                 final_loss, stages = outcome.loss_sum / outcome.labels, outcome.stages
@@ -926,6 +941,7 @@ def _train(plan: TrainPlan, sink: ProgressSink, dataset: dict, train_set: Sample
         val_accuracy=val_accuracy,
         stopped=stopped,
         stages=stages,
+        stop_reason=stop_reason,
     )
 
 
@@ -986,7 +1002,8 @@ def _cancel(calls: Sequence[tuple[StageClient, str, grpc.Future | Future[None]]]
 def _driver_error(client: StageClient, what: str, error: BaseException) -> DriverError:
     if isinstance(error, grpc.Call | PushError):
         code = error.code()
-        return DriverError(
+        kind = StepNotGranted if is_not_granted(code.name, error.details() or "") else DriverError
+        return kind(
             f"{what} on {client.describe()} failed with {code.name}: {error.details()}",
             stage_index=client.endpoint.index,
             code=code.name,

@@ -286,3 +286,4 @@ class TrainResult:
     val_accuracy: float
     stopped: bool
     stages: list[StageCounters]
+    stop_reason: str = ""  # why it stopped where nothing asked it to: an agent refused a step beyond the grant

@@ -144,7 +144,7 @@ class AgentHeartbeatApi(AgentApi):
         body = heartbeat_body(
             node_id=str(request.auth.id), version=answer.assignments_version, max_threads=request.auth.max_threads,
             max_memory_bytes=request.auth.max_memory_bytes, reachability=request.auth.reachability,
-            relay=beat.relay,
+            relay=beat.relay, step_grants=answer.step_grants,
         )
         if answer.assignments is not None:  # else unchanged from the version the agent sent
             body["assignments"] = answer.assignments

@@ -4,12 +4,12 @@ Nearly every heartbeat changes nothing: its stage reports what is recorded alrea
 node's assignments still the version the agent holds. `quiet_heartbeats` wraps the ASGI application
 (controlplane/asgi.py: Django runs in its WSGI threads) and answers such a heartbeat on the event loop, without
 Django's request machinery or a thread hand-off: one database read (the node by its token, its owner's state, the
-rows its assignments version digests and what is recorded of those stages) and one Redis command (the lease), each
-shared by the heartbeats of one loop turn. Nothing is cached, so a rotated token, a deleted node or a disabled owner
-is refused at once. It also answers a node's first heartbeat when it hosts nothing (marking it Ready,
-`nodes_mark_ready`), changed assignments the control worker built ahead under the version just read
-(controlplane/jobs/prepared_assignments.py), and the report of a change to the stages it names (a stage built or
-failed: every placement brings one per stage, ~3,000 heartbeats while 1,000 jobs start), recorded in one
+rows its assignments version digests, what is recorded of those stages and their jobs' step grants) and one Redis
+command (the lease), each shared by the heartbeats of one loop turn. Nothing is cached, so a rotated token, a
+deleted node or a disabled owner is refused at once. It also answers a node's first heartbeat when it hosts nothing
+(marking it Ready, `nodes_mark_ready`), changed assignments the control worker built ahead under the version just
+read (controlplane/jobs/prepared_assignments.py), and the report of a change to the stages it names (a stage built
+or failed: every placement brings one per stage, ~3,000 heartbeats while 1,000 jobs start), recorded in one
 transaction for the heartbeats of a loop turn (`stages_record_changes`, by the API's rule). Its costs:
 docs/BENCHMARKS.md.
 
@@ -48,7 +48,13 @@ from controlplane.common.conditions import TRUE
 from controlplane.common.postgresql.async_connections import async_connections
 from controlplane.jobs.models import Stage
 from controlplane.jobs.prepared_assignments import prepared_assignments_read
-from controlplane.jobs.selectors import VERSION_COLUMNS, version_digest, version_order, version_rows_join
+from controlplane.jobs.selectors import (
+    VERSION_COLUMNS,
+    step_grants,
+    version_digest,
+    version_order,
+    version_rows_join,
+)
 from controlplane.jobs.stages import StageRowKey, observed_changes, stages_record_changes
 from controlplane.nodes.liveness import leases_renew_async
 from controlplane.nodes.models import Node
@@ -72,12 +78,14 @@ ASGIApp = Callable[[dict[str, Any], Receive, Send], Awaitable[None]]
 
 
 def heartbeat_body(*, node_id: str, version: str, max_threads: int | None, max_memory_bytes: int | None,
-                   reachability: str, relay: dict[str, Any] | None) -> dict[str, Any]:
-    """The answer to a heartbeat, less its `assignments` (added when they changed)."""
+                   reachability: str, relay: dict[str, Any] | None, step_grants: dict[str, int]) -> dict[str, Any]:
+    """The answer to a heartbeat, less its `assignments` (added when they changed). `step_grants`: the last training
+    step each hosted job's agents may run (controlplane/jobs/step_grant.py), in every answer."""
     relay = relay or {}
     return {
         "node_id": node_id,
         "assignments_version": version,
+        "step_grants": step_grants,
         "controls": {"max_threads": max_threads, "max_memory_bytes": max_memory_bytes},
         "heartbeat_interval_seconds": settings.ARCEUS_HEARTBEAT_INTERVAL_SECONDS,
         "relay": relay_assignment(node_id=node_id, reachability=reachability, attached=relay.get("attached"),
@@ -180,7 +188,7 @@ async def _answer_quiet(headers: dict[str, str], raw: bytes) -> bytes | str:
     metrics.HEARTBEATS.inc()
     body = heartbeat_body(node_id=node.id, version=node.version, max_threads=node.max_threads,
                           max_memory_bytes=node.max_memory_bytes, reachability=node.reachability,
-                          relay=beat.relay)
+                          relay=beat.relay, step_grants=node.step_grants)
     if assignments is not None:
         body["assignments"] = assignments
     metrics.HEARTBEAT_SECONDS.observe(time.perf_counter() - started)
@@ -307,7 +315,7 @@ def _quiet_sql_template() -> str:
                 "s.observed_state, s.observed_message")  # `QuietStage`, after the columns the version digests
     return (
         f"SELECT n.token_hash, n.id, u.is_active, n.registered_at IS NOT NULL, n.ready_status, "  # noqa: S608
-        f"n.reachability, n.max_threads, n.max_memory_bytes, {VERSION_COLUMNS}, {observed} "
+        f"n.reachability, n.max_threads, n.max_memory_bytes, {VERSION_COLUMNS}, {observed}, j.step_grant "
         f"FROM {Node._meta.db_table} n "
         f"JOIN {user._meta.db_table} u ON u.{user._meta.pk.column} = n.owner_id "
         f"LEFT JOIN {version_rows_join('n.id')} WHERE n.token_hash {{tokens}} ORDER BY n.token_hash, {version_order()}"
@@ -331,6 +339,7 @@ class QuietNode(NamedTuple):
     ready: bool
     version: str  # its assignments' current version
     hosted: dict[StageRowKey, QuietStage]  # the stages its assignments name (none: they are empty)
+    step_grants: dict[str, int]  # their jobs' step grants (`step_grants`)
 
 
 def _quiet_node(rows: list[tuple[Any, ...]]) -> QuietNode | str:
@@ -345,6 +354,7 @@ def _quiet_node(rows: list[tuple[Any, ...]]) -> QuietNode | str:
         return "unregistered"
     hosted = [row[7:] for row in rows if row[7] is not None]
     job_id = Stage._meta.get_field("job").to_python  # a UUID from PostgreSQL, its hex from SQLite
-    stages = {(job_id(row[5]), *row[6:9]): QuietStage(row[1], *row[9:]) for row in hosted}
+    stages = {(job_id(row[5]), *row[6:9]): QuietStage(row[1], *row[9:12]) for row in hosted}
     return QuietNode(str(Node._meta.pk.to_python(node_id)), reachability, max_threads, max_memory_bytes,
-                     ready == TRUE, version_digest([row[:5] for row in hosted]), stages)
+                     ready == TRUE, version_digest([row[:5] for row in hosted]), stages,
+                     step_grants([(row[5], row[12]) for row in hosted]))

@@ -105,6 +105,7 @@ def node_register(
 class HeartbeatAnswer:
     assignments_version: str
     assignments: list[dict[str, Any]] | None  # None: unchanged from the version the agent holds
+    step_grants: dict[str, int]  # job id → the last training step its agents may run
 
 
 @metrics.HEARTBEAT_SECONDS.time()
@@ -121,7 +122,7 @@ def node_heartbeat(
     """Renew the node's lease, record what it observed, and answer its assignments (its whole desired state)
     unless they are still the version the agent holds. A heartbeat that changes nothing writes nothing to the
     database: its lease goes to Redis (`controlplane.nodes.liveness`), and it costs one indexed read for the
-    version. Nudges the reconciler only when something changed."""
+    version and its jobs' step grants. Nudges the reconciler only when something changed."""
     if not node.is_registered:
         raise ApplicationError.conflict(
             f"node {node.id} has not registered; POST /api/agent/register before heartbeating"
@@ -141,10 +142,10 @@ def node_heartbeat(
         nodes_mark_ready(node_ids=[node.pk], now=now)
     if changed:
         reconcile_soon()
-    version = assignments_version_of(node=node)
-    if version == assignments_version:
-        return HeartbeatAnswer(version, None)
-    return HeartbeatAnswer(version, assignments_for_node(node=node))
+    hosted = assignments_version_of(node=node)
+    if hosted.version == assignments_version:
+        return HeartbeatAnswer(hosted.version, None, hosted.step_grants)
+    return HeartbeatAnswer(hosted.version, assignments_for_node(node=node), hosted.step_grants)
 
 
 @transaction.atomic

@@ -11,6 +11,7 @@ from collections.abc import Collection, Mapping
 from datetime import datetime
 from typing import Any
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import F, Q, QuerySet, Value
 from django.db.models.functions import Coalesce
@@ -25,6 +26,7 @@ from controlplane.driver.progress import contributions_release
 from controlplane.jobs.leases import lease_end
 from controlplane.jobs.models import Job, Stage
 from controlplane.jobs.owner_transitions import job_end
+from controlplane.jobs.step_grant import GrantWindow, step_grant, step_seconds_of
 from controlplane.market.services import ledger_roll_back
 
 # A stage row's timings of its recent steps, as its node measured them (controlplane/driver/progress.py).
@@ -120,15 +122,31 @@ def _fenced_out_holds(rows: QuerySet[Stage], gone: Q, fenced: Collection[tuple[i
 
 
 def job_run(action: StartDriver, now: datetime) -> bool:
-    """Status running, and a driver task enqueued to claim the lease."""
+    """Status running, a driver task enqueued to claim the lease, and its agents granted steps from where it
+    resumes (`step_grant`: a start's first window, or the window at its measured speed). Called in a transaction."""
     seen_lease: dict[str, Any] = (
         {"driver_lease_expires_at__isnull": True}
         if action.lease_expires_at is None
         else {"driver_lease_expires_at": action.lease_expires_at}
     )
-    updated = Job.objects.filter(
-        pk=action.job_id, generation=action.generation, status=action.status, **seen_lease
-    ).update(
+    job = (
+        Job.objects.filter(pk=action.job_id, generation=action.generation, status=action.status, **seen_lease)
+        .select_for_update()
+        .only("step", "total_steps", "step_grant", "samples_per_second", "dataset_config")
+        .first()
+    )
+    if job is None:
+        return False
+    grant = step_grant(
+        current=job.step_grant,
+        recorded=job.step,
+        total_steps=job.total_steps,
+        step_seconds=step_seconds_of(
+            batch_size=(job.dataset_config or {}).get("batch_size"), samples_per_second=job.samples_per_second
+        ),
+        window=GrantWindow(heartbeat_seconds=settings.ARCEUS_HEARTBEAT_INTERVAL_SECONDS),
+    )
+    Job.objects.filter(pk=job.pk).update(
         status=JobStatus.RUNNING,
         conditions=list(action.conditions),
         # No owner yet: the enqueued task claims the lease; if no task claims it in time (the message
@@ -137,10 +155,10 @@ def job_run(action: StartDriver, now: datetime) -> bool:
         driver_lease_owner="",
         driver_lease_expires_at=lease_end(now),
         started_at=Coalesce("started_at", Value(now)),
+        step_grant=grant,
     )
-    if updated:
-        enqueue_on_commit(TRAIN_JOB_TASK, action.job_id)
-    return bool(updated)
+    enqueue_on_commit(TRAIN_JOB_TASK, action.job_id)
+    return True
 
 
 @transaction.atomic

@@ -89,7 +89,9 @@ def job_drive(*, job_id: str) -> str:
         return "failed"
     sink.flush()
     if result.stopped or sink.lost_lease:
-        log.info("job %s: driver stopped (cancelled, or its lease was taken over)", job_id)
+        # An agent's refusal of a step beyond the job's grant is a stop like a cancel: the control plane stopped
+        # granting steps, and the reconciler decides what follows from the job's state (nothing is blamed here).
+        log.info("job %s: driver stopped (%s)", job_id, result.stop_reason or "cancelled, or its lease was taken over")
         return "stopped"
     finished = _recorded(lambda: job_finish(
         job_id=job.id,

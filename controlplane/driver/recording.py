@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from django.conf import settings
 from django.db import InterfaceError, OperationalError, transaction
 from django.db.models import F, Q
 from django.utils import timezone
@@ -33,7 +34,8 @@ from arceus.training.plan import StageTiming
 from controlplane.common.db import rows_update
 from controlplane.jobs.leases import renewed
 from controlplane.jobs.models import Job, LossPoint, Stage, StageContribution
-from controlplane.market.services import LedgerBook, job_budget_micros, ledger_book
+from controlplane.jobs.step_grant import GrantWindow, step_grant, step_seconds_of
+from controlplane.market.services import MICROS_PER_DOLLAR, LedgerBook, job_budget_micros, ledger_book
 from controlplane.nodes.models import Node
 
 # The work a stage's agent counts, as stage rows, contributions and ledger entries store it.
@@ -48,6 +50,8 @@ JOB_FIELDS = (
     "requirements",
     "model_config",
     "dataset_config",
+    "handover_requested",
+    "step_grant",
     *PROGRESS_FIELDS,
 )
 # What pricing and measuring need of a hosting node's row.
@@ -108,7 +112,8 @@ def jobs_record_progress(*, reports: Sequence[ProgressReport], now: datetime) ->
         recorder.timings(job, report.timings)
     for _, job in held:
         job.driver_lease_expires_at = renewed(now)["driver_lease_expires_at"]
-    rows_update(Job, [job for _, job in held], ["driver_lease_expires_at", *PROGRESS_FIELDS])
+        job.step_grant = recorder.step_grant(job)
+    rows_update(Job, [job for _, job in held], ["driver_lease_expires_at", "step_grant", *PROGRESS_FIELDS])
     recorder.save()
     recorded = {id(report) for report, _ in held}
     return [id(r) in recorded for r in reports]
@@ -345,6 +350,27 @@ class _Recorder:
                 if per_step > 0:
                     stage.node.flops_measured, stage.node.flops_measured_at = per_step / wall, self.now
                     self.measured[stage.node.pk] = stage.node
+
+    def step_grant(self, job: Job) -> int | None:
+        """The job's grant extended past its progress as recorded now (controlplane/jobs/step_grant.py): frozen while
+        a hand-over is asked or a node of it is flagged; cut to what its budget leaves at its devices' prices (the
+        charges priced in this batch included) and to its deadline."""
+        rows = [s for s in self.rows[str(job.pk)] if s.node is not None]
+        budget = job_budget_micros(job.requirements)
+        deadline = job.requirements.get("deadline")
+        paid = [s.node for s in rows if s.fenced_at is None] if budget is not None else []
+        per_hour = sum(self.book.price_per_hour(node) for node in paid)
+        return step_grant(
+            current=job.step_grant,
+            recorded=job.step,
+            total_steps=job.total_steps,
+            step_seconds=step_seconds_of(batch_size=_batch_size(job), samples_per_second=job.samples_per_second),
+            window=GrantWindow(heartbeat_seconds=settings.ARCEUS_HEARTBEAT_INTERVAL_SECONDS),
+            frozen=job.handover_requested or any(s.node.flagged_at is not None for s in rows),
+            budget_left_micros=None if budget is None else budget - self.book.charged_micros(job.pk),
+            micros_per_second=per_hour / 3600 * MICROS_PER_DOLLAR,
+            seconds_left=None if deadline is None else (datetime.fromisoformat(deadline) - self.now).total_seconds(),
+        )
 
     def _set(self, stage: Stage, fields: tuple[str, ...], values: dict[str, Any]) -> None:
         """New values of a stage row's `fields`, written only if they differ from the row's."""

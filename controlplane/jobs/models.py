@@ -162,6 +162,11 @@ class Job(BaseModel):
     val_loss = models.FloatField(null=True, blank=True)
     val_accuracy = models.FloatField(null=True, blank=True)
     samples_per_second = models.FloatField(null=True, blank=True)
+    # The last training step its agents may run (controlplane/jobs/step_grant.py): set when it starts running,
+    # extended as its progress is recorded, told to the agents in heartbeat replies. None: not started.
+    step_grant = models.PositiveIntegerField(
+        null=True, blank=True, help_text="The last training step the control plane lets its agents run."
+    )
     error = models.TextField(blank=True)
     # The driver's lease: a live driver renews it; the reconciler restarts a driver whose lease expired.
     # An empty owner with an expiry means "a driver task was enqueued and may claim it".

@@ -34,7 +34,7 @@ def job_queue(*, job: Job, epochs: int | None, learning_rate: float | None, now:
     job.conditions = set_conditions(
         [], Condition("Placed", FALSE, "Queued", "waiting for the reconciler to place the stages"), now=now
     )
-    job.step, job.total_steps, job.epoch = 0, None, 0
+    job.step, job.total_steps, job.epoch, job.step_grant = 0, None, 0, None
     job.last_loss = job.final_loss = job.val_loss = job.val_accuracy = job.samples_per_second = None
     job.error = ""
     job.driver_lease_owner, job.driver_lease_expires_at = "", None

@@ -7,7 +7,7 @@ import math
 import uuid
 from collections import defaultdict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.contrib.auth.models import AbstractBaseUser
@@ -196,6 +196,16 @@ def neighbour_nodes_by_address(*, node: Node) -> dict[str, Any]:
 # query cost more CPU than running it. The quiet heartbeat (controlplane/agents/heartbeat.py) joins the same rows
 # to its node lookup.
 VERSION_COLUMNS = "s.id, s.generation, j.generation, j.status, j.resume_checkpoint_id"
+# Read beside them, not digested (a grant moves every few steps; agents hear it in every reply): each hosted row's
+# job and its step grant (controlplane/jobs/step_grant.py).
+GRANT_COLUMNS = "s.job_id, j.step_grant"
+
+
+def step_grants(rows: Sequence[tuple[Any, int | None]]) -> dict[str, int]:
+    """The step grant of each job of `rows` ((job id, grant) of the hosted rows, `GRANT_COLUMNS`) that has one, by
+    the job's id as assignments name it: the heartbeat answer's `step_grants`."""
+    job_id = Stage._meta.get_field("job").to_python  # a UUID from PostgreSQL, its hex from SQLite
+    return {str(job_id(job)): grant for job, grant in rows if grant is not None}
 
 
 def version_rows_join(node_column: str) -> str:
@@ -229,30 +239,44 @@ def version_digest(rows: list[tuple[Any, ...]]) -> str:
     return hashlib.sha256(repr([tuple(map(str, row)) for row in rows]).encode()).hexdigest()[:32]
 
 
-def assignments_version(*, node: Node) -> str:
+class HostedVersion(NamedTuple):
+    version: str  # `assignments_version`
+    step_grants: dict[str, int]  # job id → the last training step its agents may run (`step_grants`)
+
+
+def assignments_version(*, node: Node) -> HostedVersion:
     """A digest of everything the node's assignments are built from that can change while it hosts them: its
     stage rows and their generations, and each job's generation, status and resume checkpoint (a neighbour's
     address or certificate changes only with a new generation: a node that registers again while hosting
-    rewinds its job). One indexed query; the agent sends back the version it holds, and an unchanged one is
-    answered without building the assignments."""
-    return assignments_versions(node_ids=[node.pk])[node.pk]
+    rewinds its job); with the step grants of its jobs, read in the same indexed query. The agent sends back the
+    version it holds, and an unchanged one is answered without building the assignments."""
+    return hosted_versions(node_ids=[node.pk])[node.pk]
 
 
 def assignments_versions(*, node_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, str]:
     """`assignments_version` of each of these nodes, in one query."""
+    return {node_id: hosted.version for node_id, hosted in hosted_versions(node_ids=node_ids).items()}
+
+
+def hosted_versions(*, node_ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, HostedVersion]:
+    """`assignments_version` of each of these nodes, and their jobs' step grants, in one query."""
     if not node_ids:
         return {}
     pk = Node._meta.pk
     rows: dict[uuid.UUID, list[tuple[Any, ...]]] = {node_id: [] for node_id in node_ids}
     with connection.cursor() as cursor:
         cursor.execute(
-            f"SELECT n.id, {VERSION_COLUMNS} FROM {Node._meta.db_table} n JOIN {version_rows_join('n.id')} "  # noqa: S608
+            f"SELECT n.id, {VERSION_COLUMNS}, {GRANT_COLUMNS} FROM {Node._meta.db_table} n "  # noqa: S608
+            f"JOIN {version_rows_join('n.id')} "
             f"WHERE n.id IN ({', '.join(['%s'] * len(rows))}) ORDER BY n.id, {version_order()}",
             [pk.get_db_prep_value(node_id, connection) for node_id in rows],
         )
         for node_id, *row in cursor.fetchall():
             rows[pk.to_python(node_id)].append(tuple(row))
-    return {node_id: version_digest(hosted) for node_id, hosted in rows.items()}
+    return {
+        node_id: HostedVersion(version_digest([row[:5] for row in hosted]), step_grants([row[5:] for row in hosted]))
+        for node_id, hosted in rows.items()
+    }
 
 
 def assignments_for_node(*, node: Node) -> list[dict[str, Any]]:

@@ -363,6 +363,12 @@ class JobListOutput(serializers.Serializer):
 
 
 class JobDetailOutput(JobListOutput):
+    step_grant = serializers.IntegerField(
+        allow_null=True,
+        help_text="The last training step the control plane lets the job's agents run: set when it starts running, "
+        "extended as its steps are recorded while its budget, deadline and checks allow, frozen by a cancel, a budget "
+        "stop or a hand-over (its agents stop there). Null before it runs.",
+    )
     model_config = serializers.JSONField()
     dataset_config = serializers.JSONField()
     learning_rate = serializers.FloatField()

@@ -147,9 +147,7 @@ class LedgerBook:
         held_from = max(held_since, billed_until) if billed_until is not None else held_since
         held = max(0.0, (now - held_from).total_seconds())
         klass = node_device_class(node)
-        if klass not in self.prices:
-            self.prices[klass] = price_in_force(klass)
-        price = self.prices[klass]
+        price = self.price_per_hour(node)
         exact_total = (done.dollar_seconds_per_hour + held * price) / 3600 * MICROS_PER_DOLLAR
         charge_total = round(exact_total)
         charge = charge_total - done.charge_micros
@@ -179,6 +177,17 @@ class LedgerBook:
         self.billed_until[(job, node_key)] = entry.held_until
         self.charged[job] = self.charged.get(job, 0) + charge
         return entry
+
+    def price_per_hour(self, node: Node) -> float:
+        """The price in force of the class the node measured (read once per class)."""
+        klass = node_device_class(node)
+        if klass not in self.prices:
+            self.prices[klass] = price_in_force(klass)
+        return self.prices[klass]
+
+    def charged_micros(self, job_id: Any) -> int:
+        """What the job was charged, the entries priced in this book included."""
+        return self.charged.get(UUID(str(job_id)), 0)
 
     def save(self) -> None:
         LedgerEntry.objects.bulk_create(self.entries)

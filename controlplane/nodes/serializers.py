@@ -352,6 +352,11 @@ class AgentHeartbeatOutput(serializers.Serializer):
         many=True, required=False,
         help_text="The node's whole desired state; left out when the heartbeat's assignments_version is current",
     )
+    step_grants = serializers.DictField(
+        child=serializers.IntegerField(min_value=0),
+        help_text="job id → the last training step the agent may run for that job (it refuses a RunStep beyond it); a "
+        "hosted job without one (not running yet) is left out",
+    )
     controls = AgentControlsOutput()
     heartbeat_interval_seconds = serializers.FloatField()
     relay = RelayAssignmentOutput(

@@ -40,6 +40,7 @@ class FakeControlPlane:
     assignments: list[Any] = field(default_factory=list)
     max_threads: int | None = None  # the owner's cap, sent in every heartbeat reply
     scrape_digest: str | None = None  # what the agent's /metrics must be shown the preimage of, in every reply
+    step_grants: dict[str, int] = field(default_factory=dict)  # job id → its last train step, in every reply
     # (status, raw body) to answer heartbeats with instead of the normal reply, while set
     heartbeat_override: tuple[int, bytes] | None = None
     requests: list[tuple[str, dict[str, str], Any]] = field(default_factory=list)
@@ -83,6 +84,7 @@ class FakeControlPlane:
                     "assignments_version": version,
                     "heartbeat_interval_seconds": self.interval,
                     "controls": {"max_threads": self.max_threads},
+                    "step_grants": self.step_grants,
                     "metrics_token_sha256": self.scrape_digest,
                 }
                 if not isinstance(body, dict) or body.get("assignments_version") != version:

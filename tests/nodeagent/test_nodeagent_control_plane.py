@@ -150,6 +150,8 @@ def test_the_metrics_answer_the_scrape_token_the_heartbeat_answer_names(control_
               b'{"max_memory_bytes": "1 GB"}}'),
         (200, b'{"node_id": "node-1", "assignments": [], "heartbeat_interval_seconds": 1, '
               b'"metrics_token_sha256": "secret"}'),
+        (200, b'{"node_id": "node-1", "assignments": [], "heartbeat_interval_seconds": 1, '
+              b'"step_grants": {"job": -1}}'),
     ],
 )
 def test_bad_responses_keep_the_current_stages_and_the_loop_alive(

@@ -142,6 +142,7 @@ def test_heartbeat_marks_the_node_ready_and_nudges_the_reconciler_only_on_change
         "node_id": str(node.id),
         "assignments_version": version,
         "assignments": [],
+        "step_grants": {},  # no job hosted
         "controls": {"max_threads": None, "max_memory_bytes": None},
         "heartbeat_interval_seconds": 2.0,
         "relay": None,  # dialled directly

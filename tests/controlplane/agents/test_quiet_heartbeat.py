@@ -30,7 +30,7 @@ from controlplane.common.dispatch import QUEUED_KEY
 from controlplane.common.postgresql.async_connections import async_connections
 from controlplane.common.redis_client import async_redis_client, redis_client
 from controlplane.controller.executor import reconcile_once
-from controlplane.jobs.models import Stage
+from controlplane.jobs.models import Job, Stage
 from controlplane.nodes.liveness import lease_of
 from controlplane.nodes.models import Node
 from controlplane.nodes.services import node_create
@@ -291,6 +291,28 @@ def test_a_hosting_agents_report_is_quiet_and_recorded_as_the_api_records_it(use
     assert handed(before) == {"observed": 1, "shape": 1}
     node.refresh_from_db()
     assert node.control_plane_rtt_seconds == 0.03 and job.stages.filter(observed_state="failed").count() == 1
+
+
+def test_both_paths_answer_the_step_grants_of_the_jobs_a_node_hosts(user, queued_job) -> None:
+    """Every answer carries each hosted job's step grant, read with the rows the version digests (no query more on
+    the quiet path), and a grant that moves does not change the version: the heartbeat stays quiet."""
+    agents = [registered(user, f"g{i}", 50091 + i) for i in range(3)]
+    job = queued_job()
+    reconcile_once()
+    _, token, _ = agents[0]
+    beat = {"observed": [], "assignments_version": asgi_post(token, {"observed": []})[1]["assignments_version"]}
+    assert asgi_post(token, beat)[1]["step_grants"] == {} == api_post(token, beat)[1]["step_grants"]  # not running
+    for grant in (8, 20):  # as a start, then a recorded step, set it
+        Job.objects.filter(pk=job.pk).update(step_grant=grant)
+        before = to_django()
+        with CaptureQueriesContext(connection) as queries:
+            status, body = asgi_post(token, beat)
+        assert status == 200 and handed(before) == {} and "assignments" not in body
+        assert len(queries) == (0 if connection.vendor == "postgresql" else 1)  # its one read, on its own connection
+        assert body["step_grants"] == {str(job.id): grant}
+        assert body == api_post(token, beat)[1]
+    _, idle, _ = registered(user, "g-idle", 50099)
+    assert asgi_post(idle, {"observed": []})[1]["step_grants"] == {}  # hosting nothing
 
 
 @pytest.mark.parametrize(

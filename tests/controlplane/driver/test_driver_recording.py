@@ -123,7 +123,8 @@ def recorded(jobs: dict[str, Job]) -> dict[str, Any]:
     return {
         "jobs": sorted(
             Job.objects.filter(pk__in=[j.pk for j in jobs.values()]).values_list(
-                "id", "step", "total_steps", "epoch", "last_loss", "samples_per_second", "driver_lease_expires_at"
+                "id", "step", "total_steps", "epoch", "last_loss", "samples_per_second", "driver_lease_expires_at",
+                "step_grant",
             )
         ),
         "losses": sorted(

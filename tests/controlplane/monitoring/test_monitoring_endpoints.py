@@ -164,7 +164,7 @@ def test_agent_targets_are_registered_nodes_that_are_not_gone(client: Client, me
     ]
     # A heartbeat answer tells each agent the digest of its own token, and no other.
     answer = heartbeat_body(node_id=str(v4.id), version="", max_threads=None, max_memory_bytes=None,
-                            reachability=v4.reachability, relay=None)
+                            reachability=v4.reachability, relay=None, step_grants={})
     assert answer["metrics_token_sha256"] == token_digest(agent_scrape_token(TOKEN, str(v4.id)))
     assert agent_scrape_token(TOKEN, str(v4.id)) != agent_scrape_token(TOKEN, str(v6.id))
 
