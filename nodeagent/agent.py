@@ -225,8 +225,8 @@ class Agent:
         self.limit_threads(max_threads)
         self.registry.memory_budget = max_memory_bytes
 
-    def take_step_grants(self, grants: dict[str, int], *, interval: float) -> None:
-        self.registry.grants.update(grants, interval=interval)
+    def take_step_grants(self, grants: dict[str, int]) -> None:
+        self.registry.grants.update(grants)
 
     def ask_heartbeats_with(self, beat: Callable[[], None]) -> None:
         self.registry.grants.ask_heartbeats_with(beat)

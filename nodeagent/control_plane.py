@@ -685,8 +685,8 @@ class HeartbeatAgent(Protocol):
     def take_caps(self, *, max_threads: int | None, max_memory_bytes: int | None) -> None:
         """The owner's caps on compute threads and on the memory of the stages (None: no cap)."""
 
-    def take_step_grants(self, grants: dict[str, int], *, interval: float) -> None:
-        """The last train step each job may run (nodeagent/step_grants.py); `interval`: the heartbeats'."""
+    def take_step_grants(self, grants: dict[str, int]) -> None:
+        """The last train step each job may run (nodeagent/step_grants.py)."""
 
     def ask_heartbeats_with(self, beat: Callable[[], None]) -> None:
         """How a step waiting for its grant asks for a heartbeat now."""
@@ -772,7 +772,7 @@ class HeartbeatLoop:
                 self._agent.heartbeat_answered(metrics_token_sha256=reply.metrics_token_sha256)
                 self._agent.take_caps(max_threads=reply.max_threads, max_memory_bytes=reply.max_memory_bytes)
                 self._interval = reply.heartbeat_interval_seconds
-                self._agent.take_step_grants(reply.step_grants, interval=self._interval)
+                self._agent.take_step_grants(reply.step_grants)
                 backoff = self._min_backoff
                 with self._desired_lock:
                     self._desired = (reply.assignments, reply.rejected)

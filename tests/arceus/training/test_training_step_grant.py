@@ -31,12 +31,12 @@ def test_the_driver_stops_at_the_grant_its_agents_hold(agent: Agent) -> None:
         job_id=JOB, model_config=MODEL, boundaries=boundaries, addresses=addresses, optimizer=OPTIMIZER, seed=0,
         micro_batches=MICRO_BATCHES, max_micro_batch_size=max_micro_batch_size(DATASET, MICRO_BATCHES),
     )])
-    agent.take_step_grants({JOB: GRANT}, interval=0.1)  # as a cancel left it: no reply extends it
+    agent.take_step_grants({JOB: GRANT})  # as a cancel left it: no reply extends it
     sink = RecordingSink()
     plan = TrainPlan(
         job_id=JOB, generation=1, credential=driver_token(JOB), stages=stage_endpoints(addresses, boundaries),
         dataset=DATASET, epochs=1, learning_rate=OPTIMIZER["lr"], micro_batches=MICRO_BATCHES, seed=0, max_steps=10,
-        rpc_timeout_seconds=30.0,
+        rpc_timeout_seconds=5.0,  # a refused step answers by its call's deadline
     )
     result = train(plan, sink)
     assert result.stopped and result.steps == GRANT and [p.step for p in sink.steps] == [1, 2, 3]
@@ -57,13 +57,13 @@ def test_replicas_refusing_a_step_stop_the_driver_without_blaming_or_fencing_any
         max_micro_batch_size=max_micro_batch_size(DATASET, 4),
     ) as started:
         for agent in started:
-            agent.take_step_grants({JOB: GRANT}, interval=0.1)
+            agent.take_step_grants({JOB: GRANT})
         stages, replicas = replica_endpoints([[started[a].advertise_address for a in hosts] for hosts in placement],
                                              [0, 1, 2, 3])
         plan = TrainPlan(
             job_id=JOB, generation=1, credential=driver_token(JOB, 1), stages=stages, replicas=replicas,
             dataset=DATASET, epochs=1, learning_rate=OPTIMIZER["lr"], micro_batches=4, seed=0, max_steps=10,
-            rpc_timeout_seconds=30.0, replica_fenced=fenced.append,
+            rpc_timeout_seconds=5.0, replica_fenced=fenced.append,
         )
         result = train(plan, RecordingSink())
         assert result.stopped and result.steps == GRANT and f"the step grant is {GRANT}" in result.stop_reason

@@ -146,6 +146,7 @@ class StaleDriverSink(RecordingSink):
 def test_a_cancel_stops_the_agents_at_the_grant_it_froze(live_server, user, agent: Agent, queued_job,  # noqa: ANN001
                                                         settings) -> None:  # noqa: ANN001
     settings.ARCEUS_HEARTBEAT_INTERVAL_SECONDS = 0.5
+    settings.ARCEUS_RPC_TIMEOUT_SECONDS = 5.0  # the refused step answers by its call's deadline
     node, token = node_create(owner=user, name="granted")
     node_register(node=node, grpc_address=agent.advertise_address, tls_certificate=agent.identity.certificate,
                   device_type="cpu", device_name="test cpu", memory_bytes=2**30, flops_fp32=1e9, now=timezone.now())
