@@ -45,7 +45,7 @@ def job_record_steps(
     speed of each hosting node it gives), and renew the lease; with no points it only renews. False if the caller
     no longer holds the lease. One job's report of `jobs_record_progress`."""
     report = ProgressReport(job_id=job_id, lease_owner=lease_owner, points=points, stages=stages, timings=timings)
-    return jobs_record_progress(reports=[report], now=now)[0]
+    return jobs_record_progress(reports=[report], now=now)[0] is not None
 
 
 def stage_timings_mean(steps: Sequence[Sequence[StageTiming]]) -> list[StageTiming]:

@@ -80,10 +80,19 @@ class ProgressReport:
     timings: Sequence[StageTiming] = ()
 
 
+@dataclass(frozen=True)
+class Recorded:
+    """A report written by the holder of its job's lease: the job's step grant as extended by it (its driver reports
+    again before its steps reach it, controlplane/driver/sink.py)."""
+
+    step_grant: int | None
+
+
 @transaction.atomic
-def jobs_record_progress(*, reports: Sequence[ProgressReport], now: datetime) -> list[bool]:
+def jobs_record_progress(*, reports: Sequence[ProgressReport], now: datetime) -> list[Recorded | None]:
     """Record each report (at most one per job) as `job_record_steps` describes, all in one transaction, and renew
-    the leases; whether each report's caller held its job's lease (a report without it records nothing)."""
+    the leases; for each report, its job's new grant, or None where its caller did not hold the job's lease (a report
+    without it records nothing)."""
     keys = [Job._meta.pk.to_python(r.job_id) for r in reports]  # as the rows' ids, whatever form the callers use
     if len(set(keys)) != len(reports):
         raise ValueError("a batch holds at most one report per job")
@@ -100,7 +109,7 @@ def jobs_record_progress(*, reports: Sequence[ProgressReport], now: datetime) ->
         if (job := jobs.get(key)) is not None and job.driver_lease_owner == r.lease_owner
     ]
     if not held:
-        return [False] * len(reports)
+        return [None] * len(reports)
     recorder = _Recorder.of([job for _, job in held], now)
     for report, job in held:
         if report.points:
@@ -115,30 +124,31 @@ def jobs_record_progress(*, reports: Sequence[ProgressReport], now: datetime) ->
         job.step_grant = recorder.step_grant(job)
     rows_update(Job, [job for _, job in held], ["driver_lease_expires_at", "step_grant", *PROGRESS_FIELDS])
     recorder.save()
-    recorded = {id(report) for report, _ in held}
-    return [id(r) in recorded for r in reports]
+    recorded = {id(report): Recorded(job.step_grant) for report, job in held}
+    return [recorded.get(id(r)) for r in reports]
 
 
 class ProgressRecorder:
     """Writes the reports that threads of one process hand it together as one `jobs_record_progress` (a group
-    commit). A caller blocks until its report is written and learns what a batch of one would tell it: whether it
-    held the lease, or the error. No thread of its own: the first caller to find no batch being written writes one
-    of everything queued (one report per job; a job's later report waits for the next batch), then hands the
-    writing to the first caller still queued. So a batch takes what arrived while the one before it was written,
-    and one caller alone writes at once, as `job_record_steps` would.
+    commit). A caller blocks until its report is written and learns what a batch of one would tell it: its job's
+    grant, None if it did not hold the lease, or the error. No thread of its own: the first caller to find no batch
+    being written writes one of everything queued (one report per job; a job's later report waits for the next
+    batch), then hands the writing to the first caller still queued. So a batch takes what arrived while the one
+    before it was written, and one caller alone writes at once, as `job_record_steps` would.
 
     A database error (a lost connection, a deadlock) reaches every caller of its batch, each of which retries as
     it would its own write (the driver: `reconnecting`). Any other error may be one report's (a malformed one): the
     batch's reports are then written one at a time, so only the callers whose own report fails see it."""
 
-    def __init__(self, write: Callable[..., list[bool]] = jobs_record_progress) -> None:
+    def __init__(self, write: Callable[..., list[Recorded | None]] = jobs_record_progress) -> None:
         self._write = write  # `jobs_record_progress` or a function of its signature
         self._lock = threading.Lock()
         self._queued: list[_Call] = []
         self._writing = False  # a caller writes a batch; while none does, nothing is queued
 
-    def record(self, report: ProgressReport) -> bool:
-        """Write `report` (with those of other threads that come meanwhile); whether its caller held the lease."""
+    def record(self, report: ProgressReport) -> Recorded | None:
+        """Write `report` (with those of other threads that come meanwhile); None if its caller did not hold the
+        lease."""
         call = _Call(report, Job._meta.pk.to_python(report.job_id))
         with self._lock:
             self._queued.append(call)
@@ -150,7 +160,7 @@ class ProgressRecorder:
             self._write_batch()
         if call.error is not None:
             raise call.error
-        return call.held is True
+        return call.recorded
 
     def _write_batch(self) -> None:
         with self._lock:
@@ -163,7 +173,7 @@ class ProgressRecorder:
             self._answer(batch)
         except BaseException as exc:  # interrupted (the worker stopping): nobody waits for a batch never written
             for c in batch:
-                if c.held is None and c.error is None:
+                if not c.written and c.error is None:
                     c.error = exc
                 c.woken.set()
             raise
@@ -188,8 +198,8 @@ class ProgressRecorder:
                 for c in batch:
                     self._answer([c])
         else:
-            for c, ok in zip(batch, held, strict=True):
-                c.held = ok
+            for c, recorded in zip(batch, held, strict=True):
+                c.written, c.recorded = True, recorded
         for c in batch:
             if not c.leads:
                 c.woken.set()
@@ -201,7 +211,8 @@ class _Call:
     job: Any  # the report's job id, as the rows' ids
     leads: bool = False  # this caller writes the batch its report is in
     woken: threading.Event = field(default_factory=threading.Event)
-    held: bool | None = None
+    written: bool = False
+    recorded: Recorded | None = None  # None: written, but its caller did not hold the lease
     error: BaseException | None = None
 
 

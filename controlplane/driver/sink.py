@@ -1,11 +1,11 @@
 """The training driver's ProgressSink, backed by the jobs services.
 
 Every write goes through `_db`: a database restart costs the driver a reconnect, not the job.
-Step records and the stages' work counters are batched (written at most every `flush_seconds`, and
-at each epoch end) so fast steps do not turn into one transaction each, and written with the other drivers' of the
-process that flush at the same time (`PROGRESS`, controlplane/driver/recording.py); each write also renews the
-driver lease. Frequent counter writes bound what a crash takes from the accounting to about
-`flush_seconds` of work. A write that finds the
+Step records and the stages' work counters are batched (written at most every `flush_seconds`, at each
+epoch end, and whenever the steps come near the job's step grant) so fast steps do not turn into one transaction
+each, and written with the other drivers' of the process that flush at the same time (`PROGRESS`,
+controlplane/driver/recording.py); each write also renews the driver lease. Frequent counter writes bound what a
+crash takes from the accounting to about `flush_seconds` of work. A write that finds the
 lease gone (job cancelled, or another driver took over) makes `should_stop` true.
 """
 
@@ -31,6 +31,7 @@ from controlplane.driver.progress import StepPoint, job_record_epoch, stage_timi
 from controlplane.driver.recording import PROGRESS, ProgressReport
 from controlplane.jobs.checkpoints import checkpoint_save, checkpoint_uploads_open
 from controlplane.jobs.leases import job_driver_handover, job_handover_requested
+from controlplane.jobs.step_grant import GrantWindow
 from controlplane.market.verification import spot_checks_record
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,10 @@ class DbProgressSink:
         self._spot_checks: list[SpotCheckResult] = []
         self._timings: list[list[StageTiming]] = []  # per pending step
         self._last_flush = time.monotonic()
+        # The job's step grant as the last report extended it; unknown until a report is written. The agents refuse
+        # a step past it, and while the driver waits for one it reports nothing: so it reports before it gets there.
+        self._granted: int | None = None
+        self._grant_known = False
         self._lost_lease = False
         self._handover = False
 
@@ -66,8 +71,20 @@ class DbProgressSink:
         self._timings.append(p.timings)
         self._spot_checks += [replace(c, train_step=p.step) for c in p.spot_checks]
         # A failed check is written at once: the node must stop getting credit and work now.
-        if time.monotonic() - self._last_flush >= self.flush_seconds or not all(c.passed for c in p.spot_checks):
+        if (
+            time.monotonic() - self._last_flush >= self.flush_seconds
+            or not all(c.passed for c in p.spot_checks)
+            or self._near_grant(p.step)
+        ):
             self.flush()
+
+    def _near_grant(self, step: int) -> bool:
+        """Whether `step` is within the grant's margin of its end (or the grant is not known yet): fast steps run
+        a window out in less than `flush_seconds` (a job's first eight, or after a slow step measured a short one),
+        and the next step past it would wait for an extension that only this driver's report brings."""
+        if not self._grant_known:
+            return True
+        return self._granted is not None and step + GrantWindow.margin_steps >= self._granted
 
     def on_epoch(self, r: EpochResult) -> None:
         self.flush()
@@ -139,7 +156,10 @@ class DbProgressSink:
         if not self._lost_lease:
             report = ProgressReport(job_id=self.job_id, lease_owner=self.lease_owner, points=points,
                                     stages=counters, timings=timings)
-            self._lost_lease = not _db("recording steps", lambda: PROGRESS.record(report))
+            recorded = _db("recording steps", lambda: PROGRESS.record(report))
+            self._lost_lease = recorded is None
+            if recorded is not None:
+                self._granted, self._grant_known = recorded.step_grant, True
         if checks and not self._lost_lease:
             try:
                 _db("recording spot checks", lambda: spot_checks_record(

@@ -372,6 +372,7 @@ def test_the_driver_writes_a_replica_that_left_since_its_last_step_with_the_othe
     sink = DbProgressSink(job_id=str(job.id), lease_owner="d", generation=job.generation, flush_seconds=3600.0)
     everyone = {key: StageCounters(key[0], 16, 2, 0.1, 100, 100, node_id=node) for key, node in node_of.items()}
     survivors = [replace(c, samples=48, micro_batches=6) for key, c in everyone.items() if key != (1, 1)]
+    sink.flush()  # a driver's first report: the job's grant known, far enough ahead that neither step is written
     for step, stages in ((1, list(everyone.values())), (2, survivors)):
         sink.on_step(StepProgress(epoch=1, step=step, total_steps=90, loss=1.0, samples_per_second=1.0, seconds=0.1,
                                   stages=stages))

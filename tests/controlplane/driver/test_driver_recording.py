@@ -23,7 +23,13 @@ from controlplane.controller.actions import DropReplicas
 from controlplane.controller.executor import reconcile_once
 from controlplane.controller.transitions import job_replicas_drop
 from controlplane.driver.progress import job_record_steps
-from controlplane.driver.recording import ProgressRecorder, ProgressReport, StepPoint, jobs_record_progress
+from controlplane.driver.recording import (
+    ProgressRecorder,
+    ProgressReport,
+    Recorded,
+    StepPoint,
+    jobs_record_progress,
+)
 from controlplane.jobs.models import Job, LossPoint, Stage, StageContribution
 from controlplane.market.models import LedgerEntry, PriceChange
 from controlplane.nodes.device_class import node_device_class
@@ -218,6 +224,7 @@ def test_a_batch_records_what_each_report_alone_records(fleet: dict[str, Job]) -
         lambda batch, at: jobs_record_progress(reports=batch, now=at), fleet, dropped, now
     )
 
+    held_batched = [[r is not None for r in held] for held in held_batched]
     assert held_alone == held_batched == [[True, True, True, True, False]] * 3
     assert batched == alone
     # What was compared is what billing needs: every hosting node (and the dropped replica's) has an entry per report,
@@ -267,7 +274,7 @@ def test_a_batch_holds_one_report_per_job_whatever_form_its_id_takes(fleet: dict
     as_hex = replace(report, job_id=fleet["plain"].pk.hex)
     with pytest.raises(ValueError, match="one report per job"):
         jobs_record_progress(reports=[report, as_hex], now=timezone.now())
-    assert jobs_record_progress(reports=[as_hex], now=timezone.now()) == [True]
+    assert jobs_record_progress(reports=[as_hex], now=timezone.now())[0] is not None
     assert Job.objects.get(pk=fleet["plain"].pk).step == 1
 
 
@@ -277,7 +284,7 @@ class Gated:
     def __init__(self) -> None:
         self.entered, self.gate, self.batches = threading.Event(), threading.Event(), []
 
-    def __call__(self, *, reports: list[ProgressReport], now: datetime) -> list[bool]:
+    def __call__(self, *, reports: list[ProgressReport], now: datetime) -> list[Recorded | None]:
         if not self.batches:
             self.entered.set()
             self.gate.wait(10)
@@ -341,7 +348,8 @@ def test_drivers_that_flush_together_are_written_as_one_batch(running_jobs: list
     # The first wrote alone; the rest queued while it wrote and went together, but for b's second report, which
     # waits for the batch after the one holding b's first.
     assert write.batches == [[1], [1, 1, 1], [2]]
-    assert held == [True, True, False, True, True]  # each caller learns whether it held its own job's lease
+    # Each caller learns whether it held its own job's lease (None where it did not), and its job's grant.
+    assert [r is not None for r in held] == [True, True, False, True, True]
     steps = dict(Job.objects.filter(pk__in=[j.pk for j in running_jobs]).values_list("pk", "step"))
     assert [steps[j.pk] for j in running_jobs] == [1, 2, 1, 0]
     assert not recorder._queued and not recorder._writing
@@ -354,7 +362,7 @@ def test_a_report_that_cannot_be_written_fails_only_its_own_caller(running_jobs:
     a, b, c, _ = running_jobs
     held = record_in_threads(recorder, write, [step(a, 1), step(b, 1), step(c, 1, loss="not a number")])
 
-    assert held[:2] == [True, True]
+    assert None not in held[:2]
     assert isinstance(held[2], TypeError)
     assert write.batches == [[1], [1, 1], [1], [1]]  # the failed batch, then each of its reports alone
     steps = dict(Job.objects.filter(pk__in=[j.pk for j in running_jobs]).values_list("pk", "step"))

@@ -20,6 +20,7 @@ from controlplane.controller.executor import reconcile_once
 from controlplane.driver.driving import train_plan
 from controlplane.driver.progress import job_record_steps
 from controlplane.driver.recording import StepPoint
+from controlplane.driver.sink import DbProgressSink
 from controlplane.jobs.leases import job_driver_claim
 from controlplane.jobs.models import Job, Stage
 from controlplane.jobs.owner_transitions import job_cancel
@@ -116,6 +117,22 @@ def test_a_restarted_driver_is_granted_from_where_the_job_is(running: Job) -> No
     job = Job.objects.get(pk=running.pk)
     assert job.step_grant == step_grant(current=granted, recorded=50, total_steps=90, step_seconds=BATCH / 320.0,
                                         window=WINDOW)
+
+
+def test_a_driver_whose_steps_outrun_its_flush_interval_reports_before_they_reach_the_grant(running: Job) -> None:
+    """Steps faster than the sink's flush interval (the first window's eight took under half a second end to end)
+    must not run the grant out unreported: the agents refuse the step after it until a report extends it, and the
+    driver, waiting for that step, reports nothing (the e2e database-restart test stalled so at step 9)."""
+    sink = DbProgressSink(job_id=str(running.id), lease_owner=DRIVER, generation=running.generation,
+                          flush_seconds=3600.0)
+    grant = running.step_grant
+    for step in range(1, 41):
+        assert step <= grant, f"step {step} beyond the grant {grant}: the driver would wait for it forever"
+        # As slow as a warming-up first step would measure (a short window), however fast they really come.
+        sink.on_step(StepProgress(epoch=1, step=step, total_steps=90, loss=1.0, samples_per_second=BATCH / 2.0,
+                                  seconds=2.0))
+        grant = Job.objects.get(pk=running.pk).step_grant
+    assert grant > 40
 
 
 class StaleDriverSink(RecordingSink):
