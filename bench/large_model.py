@@ -3,10 +3,14 @@ memory below what one process needs, side by side with the same model trained in
 
     .venv/bin/python bench/large_model.py [--n-layer 24] [--d-model 1024] [--steps 8]
     .venv/bin/python bench/large_model.py --params 1e9 --optimizer adam8bit --steps 4
+    .venv/bin/python bench/large_model.py --params 3e8 --steps 4 --staleness 1 --agent-share 0.45 --baseline F
 
 `--params N` picks a GPT of about N parameters (`gpt_shape`: d_model 1024 below 600M, else 2048; as many layers
 as make N), `--optimizer` the job's optimizer (adam, adam8bit, sgd), `--activation-checkpointing` makes every
-stage recompute its activations, `--precision bf16` computes under bfloat16 autocast.
+stage recompute its activations, `--precision bf16` computes under bfloat16 autocast, `--staleness 1` trains
+PipeDream-2BW (each stage keeps a second version of its weights and overlaps two steps), `--agent-share` sets the
+owners' caps (what staleness 1's stages need does not fit 0.35x), `--baseline FILE` keeps the one process's result
+in FILE and reuses it in a later run of the same model (staleness aside: the one process has none).
 
 1. One process (a child of this script, 2 torch threads, run first and alone) trains the whole model for
    `--steps` steps on the same windows in the same order, exactly as the stages do: the same optimizer, the same
@@ -16,9 +20,9 @@ stage recompute its activations, `--precision bf16` computes under bfloat16 auto
 2. A whole deployment on this machine (gunicorn, Celery workers and beat, by DATABASE_URL / REDIS_URL or
    SQLite and an embedded redis-server) with five agents of one torch thread each (two while a stage computes
    alone: `--solo-threads 2`), declared equally fast (their measured speeds differ on a shared machine), each
-   capped by its owner's `max_memory_bytes` at 0.35x the one-process peak. The default 5M-parameter GPT
-   trains first; then the large one, four stages, a checkpoint every `--steps // 2` steps. After the first
-   checkpoint the agent of stage 1 is killed (SIGKILL) and the spare takes its stage over from it.
+   capped by its owner's `max_memory_bytes` at `--agent-share` (0.35) x the one-process peak. The default
+   5M-parameter GPT trains first; then the large one, four stages, a checkpoint every `--steps // 2` steps. After
+   the first checkpoint the agent of stage 1 is killed (SIGKILL) and the spare takes its stage over from it.
 Measured: every agent's VmHWM (the killed one's read just before the kill) and their sum; the placement
 solver's memory estimate per stage; the control plane's processes' VmHWM (web: gunicorn and its workers;
 each Celery worker with its pool, the training worker's pool running the driver; beat) after the 5M job
@@ -105,6 +109,7 @@ def large_job(args: argparse.Namespace, source: Path) -> dict[str, Any]:
         "activation_checkpointing": args.activation_checkpointing,
         "micro_batches": MICRO_BATCHES,
         "schedule": "1f1b",
+        "staleness": args.staleness,
         "seed": 0,
         "stages": STAGES,
         "checkpoint_interval_steps": args.steps // 2,
@@ -270,10 +275,34 @@ def solver_estimates(job: dict[str, Any], detail: dict[str, Any]) -> list[int]:
     layers = layer_profiles(spec)
     workload = Workload(-(-BATCH // MICRO_BATCHES), MICRO_BATCHES, job["schedule"],
                         optimizer=optimizer_kind(job["optimizer"], 0.0),
-                        activation_checkpointing=job["activation_checkpointing"], precision=job["precision"])
+                        activation_checkpointing=job["activation_checkpointing"], precision=job["precision"],
+                        staleness=job["staleness"])
     ranges = [(p["layer_start"], p["layer_end"]) for p in sorted(detail["placements"], key=lambda p: p["stage_index"])]
     return [stage_memory(layers[s:e], workload, in_flight=workload.in_flight(i, len(ranges)))
             for i, (s, e) in enumerate(ranges)]
+
+
+def one_process_result(job: dict[str, Any], baseline: Path | None) -> dict[str, Any]:
+    """The one process's result for `job` and the load average around it: read from `baseline` where it holds one
+    of the same job but its staleness (the one process trains synchronously either way) and its text's directory,
+    else measured in a child process (and kept in `baseline`)."""
+    same = {**job, "staleness": 0,
+            "dataset_config": {**job["dataset_config"], "source": Path(job["dataset_config"]["source"]).name}}
+    if baseline is not None and baseline.exists():
+        kept = json.loads(baseline.read_text())
+        if kept["job"] != same:
+            raise SystemExit(f"--baseline {baseline} holds another job's one-process run ({kept['job']}): "
+                             "remove it, or name a new file")
+        print(f"one process: from {baseline}", file=sys.stderr, flush=True)
+        return {**kept["result"], "kept": True}
+    print("training in one process ...", file=sys.stderr, flush=True)
+    load = os.getloadavg()[0]
+    child = subprocess.run([sys.executable, __file__, "--one-process", json.dumps(job)],
+                           capture_output=True, text=True, check=True)
+    result = {**json.loads(child.stdout.strip().splitlines()[-1]), "load": max(load, os.getloadavg()[0])}
+    if baseline is not None:
+        baseline.write_text(json.dumps({"job": same, "result": result}))
+    return result
 
 
 def main() -> None:
@@ -285,6 +314,12 @@ def main() -> None:
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--steps", type=int, default=8, help="steps of the large job (one epoch); at least 4")
+    parser.add_argument("--staleness", type=int, choices=(0, 1), default=0, help="the large job's staleness")
+    parser.add_argument("--agent-share", type=float, default=AGENT_SHARE,
+                        help="each owner's max_memory_bytes as a fraction of the one-process peak")
+    parser.add_argument("--baseline", type=Path, metavar="FILE",
+                        help="the one process's result: reused from FILE (a run of the same model, optimizer and "
+                             "steps), else measured and written there")
     parser.add_argument("--keep-logs", type=Path, metavar="DIR",
                         help="copy the deployment's logs (agents, web, workers) here before cleaning up")
     parser.add_argument("--one-process", help=argparse.SUPPRESS)  # the child's job JSON
@@ -302,13 +337,9 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="arceus-large-model-") as workdir:
         job = large_job(args, text_source(Path(workdir), args.steps))
-        print("training in one process ...", file=sys.stderr, flush=True)
-        load_single = os.getloadavg()[0]
-        child = subprocess.run([sys.executable, __file__, "--one-process", json.dumps(job)],
-                               capture_output=True, text=True, check=True)
-        load_single = max(load_single, os.getloadavg()[0])
-        single = json.loads(child.stdout.strip().splitlines()[-1])
-        cap = int(AGENT_SHARE * single["peak_rss"])
+        single = one_process_result(job, args.baseline)
+        load_single = single["load"]
+        cap = int(args.agent_share * single["peak_rss"])
 
         cluster = LocalCluster(workdir=Path(workdir) / "cluster", database_url=os.environ.get("DATABASE_URL"),
                                redis_url=os.environ.get("REDIS_URL"),
@@ -360,6 +391,8 @@ def main() -> None:
         "optimizer": args.optimizer,
         "precision": args.precision,
         "activation_checkpointing": args.activation_checkpointing,
+        "staleness": args.staleness,
+        "agent_share": args.agent_share,
         "one_process_peak_mib": one_peak // MIB,
         "agent_cap_mib": cap // MIB,
         "agent_peaks_mib": {name: peak // MIB for name, peak in sorted(peaks.items())},
@@ -404,7 +437,10 @@ def main() -> None:
         for part in CONTROL_PLANE for pid, peak in control_large[part].items()
     )
     command = "python bench/large_model.py " + " ".join(sys.argv[1:])
-    title = "bench/large_model.py" + ("" if args.params is None else f", --params {args.params:.0e}")
+    title = ("bench/large_model.py" + ("" if args.params is None else f", --params {args.params:.0e}")
+             + (f", --staleness {args.staleness}" if args.staleness else ""))
+    baseline = (f"measured by an earlier run, kept in `{args.baseline}`" if single.get("kept") else
+                "run first and alone")
     body = f"""## Large model over REST ({title})
 
 {machine_line()}
@@ -413,12 +449,13 @@ def main() -> None:
 
 GPT of {single['params'] / 1e6:.0f}M parameters (n_layer {args.n_layer}, d_model {args.d_model}, block {BLOCK}),
 optimizer {args.optimizer}, precision {args.precision}, activation checkpointing
-{'on' if args.activation_checkpointing else 'off'}, batch {BATCH} in {MICRO_BATCHES} micro-batches (1F1B),
+{'on' if args.activation_checkpointing else 'off'}, batch {BATCH} in {MICRO_BATCHES} micro-batches (1F1B), staleness
+{args.staleness},
 {detail['step']} steps over {STAGES} agents of one torch thread each (two while its stage alone computes:
-`--solo-threads 2`), every owner's `max_memory_bytes` at {AGENT_SHARE}x the one-process peak ({cap // MIB} MiB).
-The one process (2 threads, run first and alone) trains the same model with the same optimizer, precision,
-micro-batches (gradients accumulated) and activation checkpointing. Stage 1's agent was killed after the first
-checkpoint; the spare resumed it from step {large['resumed_from']}.
+`--solo-threads 2`), every owner's `max_memory_bytes` at {args.agent_share}x the one-process peak ({cap // MIB} MiB).
+The one process (2 threads, {baseline}) trains the same model with the same optimizer, precision,
+micro-batches (gradients accumulated) and activation checkpointing, synchronously. Stage 1's agent was killed
+after the first checkpoint; the spare resumed it from step {large['resumed_from']}.
 
 | process | peak RSS (MiB) | / one process | memory model (MiB, error) |
 | --- | ---: | ---: | ---: |
@@ -447,7 +484,8 @@ above 2, other programs competed for them): {load_single:.1f} around the one pro
 {load_after:.1f} at the start and end of the large job.
 """
     print(body)
-    write_section("large-model" if args.params is None else f"large-model-{args.params:.0e}", body)
+    write_section(("large-model" if args.params is None else f"large-model-{args.params:.0e}")
+                  + (f"-staleness{args.staleness}" if args.staleness else ""), body)
     print(json.dumps(figures))
 
 
