@@ -213,8 +213,12 @@ def train_large(cluster: LocalCluster, agents: list[Agent], job: dict[str, Any],
             print(f"{last_status}: {detail['conditions'][-1:]}", file=sys.stderr, flush=True)
         if last_status == "queued" and time.monotonic() - since > 120:
             raise RuntimeError(f"the large job found no placement in 2 minutes: {detail['conditions']}")
+        if killed is not None and detail["resumed_from_step"] is not None and resumed_from is None:
+            resumed_from = detail["resumed_from_step"]
         step = detail["step"]
-        if step not in step_at and detail["status"] in ("running", "succeeded"):
+        # Between the kill and the rewind the job still shows the step it was killed at: not a step's start.
+        timing = killed is None or resumed_from is not None
+        if step not in step_at and detail["status"] in ("running", "succeeded") and timing:
             step_at[step] = time.monotonic()
             if step - 1 in step_at:
                 seen.append((step, step_at[step] - step_at[step - 1], killed is not None))
@@ -226,8 +230,6 @@ def train_large(cluster: LocalCluster, agents: list[Agent], job: dict[str, Any],
             cluster.crash(killed.child.name)
             print(f"killed {killed.name} (stage 1) after step {detail['step']}", file=sys.stderr, flush=True)
             step_at.clear()  # the steps from the checkpoint on are replayed
-        if killed is not None and detail["resumed_from_step"] is not None and resumed_from is None:
-            resumed_from = detail["resumed_from_step"]
         if detail["status"] == "succeeded":
             break
         time.sleep(0.2)
