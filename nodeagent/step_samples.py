@@ -1,9 +1,9 @@
 """Stage 0's inputs and the last stage's labels read by the stage itself from the samples a RunStep names (its
 `data`: arceus.data.step_data), into its mailbox where the driver's pushes would have landed, so the step that
-follows is the same either way. A bundled dataset is read from memory; an uploaded tensor dataset by byte range
-through the control plane (`HostedStage.read_dataset`), only the rows the stage's micro-batches name, contiguous
-rows in one range; a step chained after another (`after_step`) has its rows read while that one computes
-(`prefetch_step_samples`)."""
+follows is the same either way. A bundled dataset is read from memory; an upload (a tensor file, or an uploaded
+text's token file) by byte range through the control plane (`HostedStage.read_dataset`), only the rows the stage's
+micro-batches name, contiguous rows in one range; a step chained after another (`after_step`) has its rows read
+while that one computes (`prefetch_step_samples`)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import torch
 
-from arceus.data.config import validate_dataset_config
+from arceus.data.config import UPLOADED_DATASET, validate_dataset_config
 from arceus.data.step_data import LocalDatasets, checked_indices, micro_batch_indices
 from arceus.data.streaming import inputs_of, labels_of
-from arceus.data.upload_rows import UploadLayout, row_ranges, rows_decoded
+from arceus.data.upload_rows import SplitLayout, UploadLayout, row_ranges, rows_decoded
 from arceus.errors import SpecError
 from arceus.v1 import stage_pb2
 from nodeagent.rpc import RpcFailure
@@ -71,8 +71,7 @@ def _samples(stage: HostedStage, request: stage_pb2.RunStepRequest, micro_batche
     try:
         if data.layout_json:
             layout = _layout(data.dataset_json, data.layout_json)
-            start, stop = layout.split(data.validation)
-            indices = checked_indices(list(data.indices), stop - start)
+            indices = checked_indices(list(data.indices), layout.split(data.validation).samples)
         else:
             x, y = _DATASETS.split(data.dataset_json, data.validation)
             indices = checked_indices(list(data.indices), len(x))
@@ -84,11 +83,13 @@ def _samples(stage: HostedStage, request: stage_pb2.RunStepRequest, micro_batche
         raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, f"data makes micro-batches of {largest} samples, more "
                          f"than the assignment's max_micro_batch_size {io.max_micro_batch_size}")
     if data.layout_json:
-        x, y = _uploaded_rows(stage, layout, [start + int(i) for m in micro_batches for i in split[m]])
-        bound = io.label_layout.bound  # an upload's labels, as read (a bundled dataset's are the agent's own)
-        if y is not None and bound is not None and len(y) and not 0 <= int(y.min()) <= int(y.max()) < bound:
-            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, f"the dataset holds a label outside [0, {bound}) "
-                             f"that {stage.name} takes")
+        x, y = _uploaded_rows(stage, layout.split(data.validation), layout.kind,
+                              [int(i) for m in micro_batches for i in split[m]])
+        # An upload's ids, as read (a bundled dataset's are the agent's own): a text's inputs, any upload's labels.
+        for what, ids, bound in (("an input id", x, io.input_layout.bound), ("a label", y, io.label_layout.bound)):
+            if ids is not None and bound is not None and len(ids) and not 0 <= int(ids.min()) <= int(ids.max()) < bound:
+                raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, f"the dataset holds {what} outside [0, {bound}) "
+                                 f"that {stage.name} takes")
         starts = itertools.accumulate((len(split[m]) for m in micro_batches), initial=0)
         parts = {m: slice(a, a + len(split[m])) for m, a in zip(micro_batches, starts, strict=False)}
     else:
@@ -112,19 +113,23 @@ def _layout(dataset_json: str, layout_json: str) -> UploadLayout:
     if cfg.get("dataset_id") != layout.dataset_id:
         raise SpecError("data.layout_json.dataset_id", f"is {layout.dataset_id}, but the dataset config names "
                         f"{cfg.get('dataset_id')}")
+    kind = "tensors" if cfg["name"] == UPLOADED_DATASET else "text"
+    if layout.kind != kind:
+        raise SpecError("data.layout_json.kind", f"is {layout.kind}, but the dataset config names {kind}")
     return layout
 
 
 def _uploaded_rows(
-    stage: HostedStage, layout: UploadLayout, rows: list[int]
+    stage: HostedStage, split: SplitLayout, kind: str, rows: list[int]
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Rows `rows` of the upload, as tensors: x where this stage is the first (else None), y where it is the last.
-    Each array's rows are read in as few ranges as they allow and taken only once every byte asked came back."""
+    """Rows `rows` of a split of an upload of `kind`, as tensors: x where this stage is the first (else None), y where
+    it is the last. Each array's rows are read in as few ranges as they allow and taken only once every byte asked
+    came back."""
     if stage.read_dataset is None:
         raise RpcFailure(grpc.StatusCode.FAILED_PRECONDITION, f"{stage.name} cannot read an uploaded dataset: this "
                          "agent runs without a control plane")
     io = stage.io
-    wanted = [layout.x] * io.is_first + [layout.y] * io.is_last
+    wanted = [split.x] * io.is_first + [split.y] * io.is_last
     ranges = [row_ranges(array, rows) for array in wanted]
     try:
         answers = stage.read_dataset(stage.assignment.job_id, [r for each in ranges for r in each])
@@ -137,4 +142,4 @@ def _uploaded_rows(
             first += len(each)
     except ValueError as exc:
         raise RpcFailure(grpc.StatusCode.UNAVAILABLE, f"{stage.name} read its samples wrong: {exc}") from None
-    return (inputs_of(arrays[0]) if io.is_first else None), (labels_of(arrays[-1]) if io.is_last else None)
+    return (inputs_of(arrays[0], kind) if io.is_first else None), (labels_of(arrays[-1]) if io.is_last else None)

@@ -13,8 +13,10 @@ from arceus.data.formats import check_dataset_id
 from arceus.data.text_config import TEXT_DATASET, TEXT_KEYS, validate_text_config
 from arceus.errors import SpecError
 
-# Opens an uploaded file by its dataset id (the control plane's storage), for reading and seeking.
-DatasetOpener = Callable[[str], BinaryIO]
+# Opens the file a validated config naming an upload reads its samples from (the control plane's storage), for
+# reading and seeking: an uploaded tensor file, or an uploaded text's token file (arceus.data.token_file), which
+# the control plane tokenizes first where no job did yet.
+DatasetOpener = Callable[[dict[str, Any]], BinaryIO]
 
 
 @dataclass(frozen=True)

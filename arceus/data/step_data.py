@@ -2,10 +2,10 @@
 batch's indices (`epoch_batches`' order) in RunStep, never the samples.
 
 A dataset every agent holds is read this way from memory (`stages_read`, `LocalDatasets`): the bundled digits and
-the bundled text. An uploaded tensor dataset is too, by byte range through the control plane, with the layout the
-driver read from the file's header (arceus.data.upload_rows). A dataset at a path on the control plane (MNIST, a
-`source` text) and an uploaded text (tokenized by the driver into a file of its own, which no stage can reach) are
-pushed by the driver as before.
+the bundled text. An upload is too, by byte range through the control plane, with the layout the driver read from
+the file's header (arceus.data.upload_rows): a tensor file's rows, or the windows of an uploaded text's token file
+(tokenized once by the control plane, arceus.data.token_file). A dataset at a path on the control plane (MNIST, a
+`source` text) is pushed by the driver as before.
 Micro-batch m of a batch is `torch.tensor_split(indices, micro_batches)[m]`, as the driver splits the samples it
 pushes, so either way a stage computes on the same rows in the same order and training equals one process.
 """

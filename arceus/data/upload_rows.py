@@ -1,12 +1,17 @@
-"""Rows of an uploaded tensor dataset read by byte range, by whoever trains on them: where `x` and `y` lie in the
-file (`UploadLayout`, from its header alone), which byte ranges a set of rows takes (`row_ranges`: contiguous rows
-coalesced, each range bounded), and those bytes turned into rows only once they are exactly what was asked
+"""Rows of an uploaded dataset read by byte range, by whoever trains on them: where each split's `x` and `y` lie in
+the file (`UploadLayout`, from its header alone), which byte ranges a set of rows takes (`row_ranges`: contiguous
+rows coalesced, each range bounded), and those bytes turned into rows only once they are exactly what was asked
 (`rows_decoded`; into tensors by `arceus.data.streaming.samples_of`). The control plane computes the layout (the
 driver sends it in RunStep, the web process bounds an agent's reads by it); stage 0 and the last stage read their
 rows with it (nodeagent/step_samples.py).
 
-Rows [0, train) train and [train, samples) validate (`UPLOADED_TRAIN_FRACTION`), as `arceus.data.streaming` reads
-them: the samples a stage decodes are the ones the driver would have pushed, bit for bit.
+Two kinds of file are laid out so:
+- "tensors", an uploaded tensor file (`upload_layout`): rows [0, train) of its `x` and `y` train, the rest
+  validate (`UPLOADED_TRAIN_FRACTION`), as `arceus.data.streaming` reads them.
+- "text", an uploaded text's token file (`token_layout`, arceus.data.token_file): a split's sample i is the window
+  of `block_size` tokens at token i * block_size of its part, its labels the same window one token on; so `x` is
+  the part's tokens seen as rows of `block_size`, and `y` that array one token later (x and y overlap by design).
+Either way the samples a stage decodes are the ones the driver would have pushed, bit for bit.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO
 
+from arceus.data.config import UPLOADED_DATASET
 from arceus.data.formats import FLOAT_DTYPES, LABEL_DTYPES, StoredArray, check_dataset_id, tensor_arrays
 from arceus.data.sizes import UPLOADED_TRAIN_FRACTION
+from arceus.data.token_file import HEADER_BYTES, TOKEN_DTYPES, token_counts
 from arceus.errors import SpecError
 
 if TYPE_CHECKING:
@@ -26,6 +33,7 @@ if TYPE_CHECKING:
 MAX_RANGE_BYTES = 8 << 20
 MAX_RANGES = 256
 MAX_READ_BYTES = 64 << 20  # all ranges of one request together
+KINDS = ("tensors", "text")
 _FIELD = "data.layout_json"
 
 
@@ -52,62 +60,106 @@ class ArrayLayout:
 
         return StoredArray(self.offset, np.dtype(self.dtype).newbyteorder("<"), self.shape)
 
+    def to_json(self) -> dict[str, Any]:
+        return {"offset": self.offset, "dtype": self.dtype, "shape": list(self.shape)}
+
 
 @dataclass(frozen=True)
-class UploadLayout:
-    """Where an uploaded tensor dataset's samples lie: its id, file size, `x` and `y`, and the training rows."""
+class SplitLayout:
+    """One split's samples: row i of `x` (the inputs) and of `y` (the labels) is its sample i."""
 
-    dataset_id: str
-    size: int
     x: ArrayLayout
     y: ArrayLayout
-    train: int  # rows [0, train) train, [train, samples) validate
 
     @property
     def samples(self) -> int:
         return self.x.shape[0]
 
-    def split(self, validation: bool) -> tuple[int, int]:
-        """[start, stop) rows of the training or the validation split."""
-        return (self.train, self.samples) if validation else (0, self.train)
+
+@dataclass(frozen=True)
+class UploadLayout:
+    """Where an upload's samples lie: its id, its kind ("tensors" or "text"), the file's size, and each split."""
+
+    dataset_id: str
+    kind: str
+    size: int
+    train: SplitLayout
+    validation: SplitLayout
+
+    def split(self, validation: bool) -> SplitLayout:
+        return self.validation if validation else self.train
+
+    def arrays(self, name: str) -> list[ArrayLayout]:
+        """Both splits' `x` (the inputs) or `y` (the labels): what a reader of those may read."""
+        return [getattr(self.train, name), getattr(self.validation, name)]
 
     def to_json(self) -> dict[str, Any]:
-        def array(a: ArrayLayout) -> dict[str, Any]:
-            return {"offset": a.offset, "dtype": a.dtype, "shape": list(a.shape)}
+        def split(s: SplitLayout) -> dict[str, Any]:
+            return {"x": s.x.to_json(), "y": s.y.to_json()}
 
-        return {"dataset_id": self.dataset_id, "size": self.size, "x": array(self.x), "y": array(self.y),
-                "train": self.train}
+        return {"dataset_id": self.dataset_id, "kind": self.kind, "size": self.size, "train": split(self.train),
+                "validation": split(self.validation)}
 
     @classmethod
     def from_json(cls, value: Any) -> UploadLayout:
         """A layout as the driver sends it, checked whole: SpecError naming the first field that is wrong."""
-        if not isinstance(value, dict) or set(value) != {"dataset_id", "size", "x", "y", "train"}:
-            raise SpecError(_FIELD, "must be an object of dataset_id, size, x, y and train")
+        if not isinstance(value, dict) or set(value) != {"dataset_id", "kind", "size", "train", "validation"}:
+            raise SpecError(_FIELD, "must be an object of dataset_id, kind, size, train and validation")
         dataset_id = check_dataset_id(value)
+        if value["kind"] not in KINDS:
+            raise SpecError(f"{_FIELD}.kind", f"must be one of {', '.join(KINDS)}, got {value['kind']!r}")
         size = _count(value["size"], "size")
-        x = _array(value["x"], "x", FLOAT_DTYPES, (2, 4))
-        y = _array(value["y"], "y", LABEL_DTYPES, (1,))
-        train = _count(value["train"], "train")
-        if y.shape[0] != x.shape[0]:
-            raise SpecError(f"{_FIELD}.y.shape", f"holds {y.shape[0]} labels for {x.shape[0]} samples")
-        if not 0 < train < x.shape[0]:
-            raise SpecError(f"{_FIELD}.train", f"must leave both splits a sample of {x.shape[0]}, got {train}")
-        for name, a in (("x", x), ("y", y)):
-            if a.end > size:
-                raise SpecError(f"{_FIELD}.{name}", f"runs past the file's {size} bytes to {a.end}")
-        if x.offset < y.end and y.offset < x.end:
-            raise SpecError(_FIELD, "x and y overlap")
-        return cls(dataset_id, size, x, y, train)
+        train, validation = (_split(value[name], name, value["kind"], size) for name in ("train", "validation"))
+        for name in ("x", "y"):
+            a, b = getattr(train, name), getattr(validation, name)
+            if (a.dtype, a.shape[1:]) != (b.dtype, b.shape[1:]):
+                raise SpecError(f"{_FIELD}.validation.{name}", f"rows are not the training split's {a.dtype} "
+                                f"{list(a.shape[1:])}")
+        if value["kind"] == "tensors" and any(
+            x.offset < y.end and y.offset < x.end for x in (train.x, validation.x) for y in (train.y, validation.y)
+        ):
+            raise SpecError(_FIELD, "an x and a y overlap")
+        return cls(dataset_id, value["kind"], size, train, validation)
 
 
 def upload_layout(dataset_id: str, handle: BinaryIO, size: int, fmt: str) -> UploadLayout:
     """The layout of an uploaded tensor file, from its header alone (`tensor_arrays`: checked, no sample read)."""
     x, y = tensor_arrays(handle, size, fmt)
+    train = int(x.shape[0] * UPLOADED_TRAIN_FRACTION)
 
-    def array(a: StoredArray) -> ArrayLayout:
-        return ArrayLayout(a.offset, a.dtype.name, tuple(int(s) for s in a.shape))
+    def rows(a: StoredArray, start: int, stop: int) -> ArrayLayout:
+        return ArrayLayout(a.offset + start * a.row_bytes, a.dtype.name, (stop - start, *map(int, a.shape[1:])))
 
-    return UploadLayout(dataset_id, size, array(x), array(y), int(x.shape[0] * UPLOADED_TRAIN_FRACTION))
+    samples = int(x.shape[0])
+    return UploadLayout(dataset_id, "tensors", size, SplitLayout(rows(x, 0, train), rows(y, 0, train)),
+                        SplitLayout(rows(x, train, samples), rows(y, train, samples)))
+
+
+def token_layout(dataset_id: str, handle: BinaryIO, size: int, block: int) -> UploadLayout:
+    """The windows of `block` tokens of an uploaded text's token file (arceus.data.token_file), from its header
+    alone; SpecError naming a part too short for one window, TokenFileError for a file that is not a token file."""
+    counts = token_counts(handle, size)
+    itemsize, dtype = counts.itemsize, TOKEN_DTYPES[counts.itemsize]
+    splits, first = [], 0
+    for part, tokens in (("training", counts.train), ("validation", counts.validation)):
+        if tokens <= block:
+            raise SpecError("dataset_config.dataset_id", f"the {part} part of dataset {dataset_id} has {tokens} "
+                            f"tokens; a window of block_size {block} needs more than {block}")
+        windows, offset = (tokens - 1) // block, HEADER_BYTES + first * itemsize
+        splits.append(SplitLayout(ArrayLayout(offset, dtype, (windows, block)),
+                                  ArrayLayout(offset + itemsize, dtype, (windows, block))))
+        first += tokens
+    return UploadLayout(dataset_id, "text", size, *splits)
+
+
+def layout_of(cfg: dict[str, Any], handle: BinaryIO, size: int) -> UploadLayout:
+    """The layout of the file a validated upload config's samples are read from (`size` bytes open as `handle`): an
+    uploaded tensor file's, or an uploaded text's token file's windows of its `block_size`."""
+    if cfg["name"] == UPLOADED_DATASET:
+        return upload_layout(cfg["dataset_id"], handle, size, cfg["format"])
+    if "block_size" not in cfg:
+        raise SpecError("dataset_config.block_size", "is required to cut the text into windows")
+    return token_layout(cfg["dataset_id"], handle, size, cfg["block_size"])
 
 
 def row_ranges(array: ArrayLayout, rows: list[int]) -> list[tuple[int, int]]:
@@ -175,6 +227,25 @@ def _count(value: Any, name: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 62:
         raise SpecError(f"{_FIELD}.{name}", f"must be a count (an integer >= 0), got {value!r}")
     return value
+
+
+def _split(value: Any, name: str, kind: str, size: int) -> SplitLayout:
+    field = f"{_FIELD}.{name}"
+    if not isinstance(value, dict) or set(value) != {"x", "y"}:
+        raise SpecError(field, "must be an object of x and y")
+    if kind == "tensors":
+        x = _array(value["x"], f"{name}.x", FLOAT_DTYPES, (2, 4))
+        y = _array(value["y"], f"{name}.y", LABEL_DTYPES, (1,))
+        if y.shape[0] != x.shape[0]:
+            raise SpecError(f"{field}.y.shape", f"holds {y.shape[0]} labels for {x.shape[0]} samples")
+    else:
+        x, y = (_array(value[a], f"{name}.{a}", tuple(TOKEN_DTYPES.values()), (2,)) for a in ("x", "y"))
+        if (y.dtype, y.shape, y.offset) != (x.dtype, x.shape, x.offset + x.row_bytes // x.shape[1]):
+            raise SpecError(f"{field}.y", "must be x's windows one token on (the next tokens are the labels)")
+    for a, array in (("x", x), ("y", y)):
+        if array.end > size:
+            raise SpecError(f"{field}.{a}", f"runs past the file's {size} bytes to {array.end}")
+    return SplitLayout(x, y)
 
 
 def _array(value: Any, name: str, dtypes: tuple[str, ...], ranks: tuple[int, ...]) -> ArrayLayout:

@@ -33,7 +33,7 @@ from arceus.contracts.step_grant import is_not_granted
 from arceus.data.batches import epoch_batches
 from arceus.data.config import validate_dataset_config
 from arceus.data.step_data import labels_per_sample, micro_batch_indices, stages_read
-from arceus.data.streaming import Samples, TensorRows, dataset_samples
+from arceus.data.streaming import Samples, UploadRows, dataset_samples
 from arceus.data.upload_rows import UploadLayout
 from arceus.errors import SpecError
 from arceus.model.expected_state import expected_stage_state, stage_file_check
@@ -163,8 +163,8 @@ class Pipeline:
 
     def __init__(self, plan: TrainPlan, *, dataset: dict | None = None, layout: UploadLayout | None = None) -> None:
         """`dataset`: the plan's dataset config validated (None: validated here); where the stages read it
-        themselves (a bundled dataset: arceus.data.step_data.stages_read; an uploaded tensor dataset, whose
-        `layout` the driver read from the file's header) the driver sends positions, not samples."""
+        themselves (a bundled dataset: arceus.data.step_data.stages_read; an upload, tensors or a text's token
+        file, whose `layout` the driver read from the file's header) the driver sends positions, not samples."""
         self.plan = plan
         dataset = validate_dataset_config(plan.dataset) if dataset is None else dataset
         self._stage_data = dataset if stages_read(dataset) or layout is not None else None
@@ -850,8 +850,9 @@ def _train(plan: TrainPlan, sink: ProgressSink, dataset: dict, train_set: Sample
     # Resuming from the final checkpoint re-runs only the last validation (the driver died before it
     # could report the end).
     first_epoch = min(plan.start_step // steps_per_epoch + 1, plan.epochs)
-    # An uploaded tensor dataset's stages read their rows themselves: the driver has read only the file's header.
-    layout = train_set.layout if isinstance(train_set, TensorRows) else None
+    # An upload's stages read their rows themselves (a tensor file's, a text's token file's): the driver has read only
+    # the file's header.
+    layout = train_set.layout if isinstance(train_set, UploadRows) else None
     with Pipeline(plan, dataset=dataset, layout=layout) as pipeline:
 
         def checkpoint(epoch: int) -> None:

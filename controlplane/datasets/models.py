@@ -52,3 +52,25 @@ class Dataset(BaseModel):
 
 def part_name(dataset: Dataset, offset: int) -> str:
     return f"datasets/{dataset.owner_id}/{dataset.pk}/parts/{offset:016d}"
+
+
+class TokenFile(BaseModel):
+    """An uploaded text tokenized once per tokenizer (arceus.data.token_file), stored beside it in the datasets'
+    storage: every job naming that text and tokenizer reads its windows, stages by byte range."""
+
+    dataset = models.ForeignKey(Dataset, on_delete=models.CASCADE, related_name="token_files")
+    # The uploaded tokenizer.json it was tokenized by, if one was (deleting either deletes the token file).
+    tokenizer = models.ForeignKey(Dataset, on_delete=models.CASCADE, null=True, blank=True, related_name="+")
+    key = models.CharField(max_length=100, help_text="What its tokens depend on besides the text: token_file_key.")
+    file = models.FileField(storage=dataset_storage, max_length=300)
+    size_bytes = models.BigIntegerField()
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["dataset", "key"], name="one_token_file_per_tokenizer")]
+
+    def __str__(self) -> str:
+        return f"{self.dataset_id} tokenized by {self.key}"
+
+
+def token_file_name(dataset: Dataset, key: str) -> str:
+    return f"datasets/{dataset.owner_id}/{dataset.pk}/tokens/{key}.tok"

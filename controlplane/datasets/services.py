@@ -20,7 +20,7 @@ from django.conf import settings
 from django.contrib.auth.base_user import AbstractBaseUser
 from django.core.files.base import File
 from django.db import transaction
-from django.db.models import Count, Sum
+from django.db.models import Count, Q, Sum
 from django.utils import timezone
 
 from arceus.contracts.status import TERMINAL_STATUSES
@@ -28,7 +28,7 @@ from arceus.data.formats import DatasetFormatError, check_format, inspect_file
 from arceus.safetensors_file import CHUNK_BYTES
 from controlplane.common.errors import ApplicationError
 from controlplane.common.uploads import HashingReader, storage_delete
-from controlplane.datasets.models import Dataset, DatasetStatus, dataset_storage, part_name
+from controlplane.datasets.models import Dataset, DatasetStatus, TokenFile, dataset_storage, part_name
 
 log = logging.getLogger(__name__)
 _SHA256 = re.compile(r"[0-9a-f]{64}")
@@ -154,7 +154,8 @@ def dataset_complete(*, dataset: Dataset) -> Dataset:
 
 
 def dataset_delete(*, dataset: Dataset) -> None:
-    """Delete the dataset and its files; refused (409) while a job of its owner that may still train names it."""
+    """Delete the dataset and its files (a text's token files, and those a tokenizer tokenized); refused (409)
+    while a job of its owner that may still train names it."""
     key = str(dataset.pk)
     using = [
         str(job.pk) for job in dataset.owner.jobs.exclude(status__in=TERMINAL_STATUSES).only("dataset_config")
@@ -162,7 +163,8 @@ def dataset_delete(*, dataset: Dataset) -> None:
     ]
     if using:
         raise ApplicationError.conflict(f"job {using[0]} may still train on dataset {key}; cancel or delete it first")
-    names = [*([dataset.file.name] if dataset.file else []), *dataset.part_names()]
+    tokens = TokenFile.objects.filter(Q(dataset=dataset) | Q(tokenizer=dataset)).values_list("file", flat=True)
+    names = [*([dataset.file.name] if dataset.file else []), *dataset.part_names(), *tokens]
     with transaction.atomic():
         Dataset.objects.filter(pk=dataset.pk).delete()
         transaction.on_commit(lambda: _delete_files(names))

@@ -15,6 +15,7 @@ import socket
 import threading
 import uuid
 from collections.abc import Callable
+from http import HTTPStatus
 from typing import Any, BinaryIO, TypeVar
 
 from django.conf import settings
@@ -29,7 +30,7 @@ from arceus.training.plan import ReplicaFence, ReplicaJoin, TrainPlan
 from controlplane.common import metrics
 from controlplane.common.db import reconnecting
 from controlplane.common.errors import ApplicationError
-from controlplane.datasets.selectors import dataset_open
+from controlplane.datasets.tokens import dataset_samples_open
 from controlplane.driver.progress import job_finish, job_record_failure, stage_record_fenced, stage_record_joined
 from controlplane.driver.sink import DbProgressSink
 from controlplane.jobs.credentials import job_driver_token
@@ -165,12 +166,15 @@ def train_plan(job: Job, *, lease_owner: str | None = None) -> TrainPlan:
     )
 
 
-def _open_dataset(owner_id: Any, dataset_id: str) -> BinaryIO:
-    """The job's owner's uploaded dataset, read from storage by the driver (a SpecError if it is gone)."""
+def _open_dataset(owner_id: Any, dataset_config: dict[str, Any]) -> BinaryIO:
+    """The file the driver reads the job's upload from (its header, a spot check's rows): the tensor file, or the
+    text's token file, tokenized here first where no job did yet. A SpecError if the upload is gone or does not
+    tokenize."""
     try:
-        return dataset_open(owner_id=owner_id, dataset_id=dataset_id)
+        return dataset_samples_open(owner_id=owner_id, dataset_config=dataset_config)
     except ApplicationError as exc:
-        raise SpecError("dataset_config.dataset_id", f"{exc.message}: it was deleted") from exc
+        gone = exc.status == HTTPStatus.NOT_FOUND
+        raise SpecError("dataset_config.dataset_id", f"{exc.message}: it was deleted" if gone else exc.message) from exc
 
 
 class LeaseRenewer:

@@ -233,7 +233,7 @@ def test_a_stage_outside_the_callers_credential_is_denied(
                                      indices=range(8))}, "names 'uploaded' data that the stages read only with its"),
         ({"data": stage_pb2.StepData(dataset_json=json.dumps({"name": "uploaded", "dataset_id": "a" * 32}),
                                      indices=range(8), layout_json="{}")},
-         "data.layout_json: must be an object of dataset_id, size, x, y and train"),
+         "data.layout_json: must be an object of dataset_id, kind, size, train and validation"),
     ],
 )
 def test_invalid_run_step_is_rejected(

@@ -1,5 +1,5 @@
 """Uploaded dataset files: each format checked whole and read a batch at a time (arceus.data.formats, streaming,
-uploadable)."""
+uploadable; an uploaded text through the token file the control plane writes once, arceus.data.token_file)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from arceus.data.formats import DatasetFormatError, inspect_file, text_chunks
 from arceus.data.streaming import dataset_samples
 from arceus.data.text import load_text
+from arceus.data.token_file import tokens_write
 from arceus.data.uploadable import uploadable
 from arceus.errors import SpecError
 
@@ -32,7 +33,15 @@ def facts_of(path: Path, fmt: str, column: str = "text") -> dict[str, Any]:
 
 
 def opener(paths: dict[str, Path]):  # noqa: ANN201
-    return lambda dataset_id: paths[dataset_id].open("rb")
+    return lambda cfg: paths[cfg["dataset_id"]].open("rb")
+
+
+def tokenized(path: Path, cfg: dict[str, Any]) -> Path:
+    """The token file of the text at `path` for `cfg`, as the control plane writes it (controlplane/datasets)."""
+    out = path.with_suffix(".tok")
+    with path.open("rb") as text, out.open("w+b") as handle:
+        tokens_write(cfg, text, handle)
+    return out
 
 
 def tensors() -> tuple[torch.Tensor, torch.Tensor]:
@@ -76,7 +85,7 @@ def test_an_uploaded_text_gives_the_windows_of_the_same_text_on_the_server(tmp_p
     cfg = {"name": "text", "dataset_id": DATASET_ID, "block_size": 16, "batch_size": 4, "val_batch_size": 4,
            "format": "text", **facts}
     expected = load_text({"name": "text", "source": str(path), "block_size": 16})
-    with dataset_samples(cfg, opener({DATASET_ID: path})) as (train, val):
+    with dataset_samples(cfg, opener({DATASET_ID: tokenized(path, cfg)})) as (train, val):
         assert (len(train), len(val)) == (len(expected[0]), len(expected[2]))
         bx, by = train.take(torch.tensor([3, 0, len(train) - 1]))
         assert torch.equal(bx, expected[0][[3, 0, len(train) - 1]]) and torch.equal(by, expected[1][[3, 0, -1]])
@@ -88,7 +97,7 @@ def test_a_bpe_is_trained_on_an_uploaded_texts_training_part(tmp_path: Path) -> 
     path.write_text("".join(f"word{i % 50} and more words\n" for i in range(3000)), encoding="utf-8")
     cfg = {"name": "text", "dataset_id": DATASET_ID, "block_size": 8, "batch_size": 4, "val_batch_size": 4,
            "vocab": "bpe", "vocab_size": 300, "format": "text", **facts_of(path, "text")}
-    with dataset_samples(cfg, opener({DATASET_ID: path})) as (train, _):
+    with dataset_samples(cfg, opener({DATASET_ID: tokenized(path, cfg)})) as (train, _):
         x, y = train.take(torch.tensor([0, 1]))
         assert x.shape == (2, 8) and int(x.max()) < 300 and torch.equal(x[0, 1:], y[0, :-1])
 
@@ -161,5 +170,6 @@ def test_a_text_too_short_for_its_block_names_the_part(tmp_path: Path) -> None:
     path.write_text("tiny text here\n" * 3)
     cfg = {"name": "text", "dataset_id": DATASET_ID, "block_size": 16, "batch_size": 4, "val_batch_size": 4,
            "format": "text", **facts_of(path, "text")}
-    with pytest.raises(SpecError, match="validation part"), dataset_samples(cfg, opener({DATASET_ID: path})):
+    tokens = tokenized(path, cfg)
+    with pytest.raises(SpecError, match="validation part"), dataset_samples(cfg, opener({DATASET_ID: tokens})):
         pass

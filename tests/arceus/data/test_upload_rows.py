@@ -1,6 +1,6 @@
-"""An uploaded tensor file's rows read by byte range (arceus.data.upload_rows): any rows, in any order, come back
-as the driver's row-by-row reads give them, from few ranges; layouts and ranges that are not what they must be are
-refused naming why."""
+"""An upload's rows read by byte range (arceus.data.upload_rows): any rows of a tensor file or of an uploaded text's
+token file, in any order, come back as the driver's row-by-row reads give them, from few ranges; layouts and ranges
+that are not what they must be are refused naming why."""
 
 from __future__ import annotations
 
@@ -14,13 +14,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save
 
-from arceus.data.streaming import dataset_samples
+from arceus.data.formats import inspect_file
+from arceus.data.streaming import UploadRows, dataset_samples
+from arceus.data.token_file import tokens_write
 from arceus.data.upload_rows import (
     MAX_RANGE_BYTES,
     MAX_RANGES,
     MAX_READ_BYTES,
     ArrayLayout,
+    SplitLayout,
     UploadLayout,
+    layout_of,
     ranges_checked,
     row_ranges,
     rows_decoded,
@@ -53,18 +57,58 @@ def test_any_rows_come_back_as_the_drivers_reads_give_them(fmt: str, rows: list[
     data = tensor_file(fmt)
     layout = upload_layout(DATASET_ID, io.BytesIO(data), len(data), fmt)
     cfg = {"name": "uploaded", "dataset_id": DATASET_ID, "kind": "tensors", "format": fmt}
-    with dataset_samples(cfg, lambda _: io.BytesIO(data)) as (train, _):
-        for array, want in ((layout.x, train._x), (layout.y, train._y)):
-            ranges = row_ranges(array, rows)
-            got = rows_decoded(array, rows, ranges, read(data, ranges))
-            handle = io.BytesIO(data)
-            expected = [want.rows(handle, r, r + 1)[0] for r in rows]
-            assert got.shape == (len(rows), *array.shape[1:])
-            assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
-            # Contiguous rows share a range: no more ranges than runs of rows.
-            runs = sum(1 for i, r in enumerate(sorted(set(rows))) if i == 0 or r - 1 not in set(rows))
-            assert len(ranges) == runs
-            ranges_checked(ranges or [(array.offset, array.offset + 1)], [(array.offset, array.end)])
+    with dataset_samples(cfg, lambda _: io.BytesIO(data)) as splits:
+        for samples, split in zip(splits, (layout.train, layout.validation), strict=True):
+            rows_of(split, samples, [r % split.samples for r in rows], data)
+
+
+def rows_of(split: SplitLayout, samples: UploadRows, rows: list[int], data: bytes) -> None:
+    """`rows` of `split` read by range equal the driver's reads of them (`samples`), from one range per run."""
+    for array, want in ((split.x, samples._x), (split.y, samples._y)):
+        ranges = row_ranges(array, rows)
+        got = rows_decoded(array, rows, ranges, read(data, ranges))
+        handle = io.BytesIO(data)
+        expected = [want.rows(handle, r, r + 1)[0] for r in rows]
+        assert got.shape == (len(rows), *array.shape[1:])
+        assert all(np.array_equal(a, b) for a, b in zip(got, expected, strict=True))
+        # Contiguous rows share a range: no more ranges than runs of rows.
+        runs = sum(1 for i, r in enumerate(sorted(set(rows))) if i == 0 or r - 1 not in set(rows))
+        assert len(ranges) == runs
+        ranges_checked(ranges or [(array.offset, array.offset + 1)], [(array.offset, array.end)])
+
+
+def token_file() -> tuple[bytes, dict]:
+    """An uploaded text's token file (char vocabulary, as the control plane writes it) and its job's config."""
+    text = "".join(f"{i} the quick brown fox\n" for i in range(120))
+    cfg = {"name": "text", "dataset_id": DATASET_ID, "block_size": 8, "format": "text",
+           **inspect_file(io.BytesIO(text.encode()), len(text.encode()), "text", "text")}
+    out = io.BytesIO()
+    tokens_write(cfg, io.BytesIO(text.encode()), out)
+    return out.getvalue(), cfg
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=st.lists(st.integers(0, 10_000), max_size=40))
+def test_any_windows_of_a_token_file_come_back_as_the_drivers_reads_give_them(rows: list[int]) -> None:
+    data, cfg = token_file()
+    layout = layout_of(cfg, io.BytesIO(data), len(data))
+    assert layout.kind == "text" and UploadLayout.from_json(layout.to_json()) == layout
+    with dataset_samples(cfg, lambda _: io.BytesIO(data)) as splits:
+        for samples, split in zip(splits, (layout.train, layout.validation), strict=True):
+            rows_of(split, samples, [r % split.samples for r in rows], data)
+            x, y = samples.take(torch.arange(len(samples)))
+            assert torch.equal(x[:, 1:], y[:, :-1]) and torch.equal(x[1:, 0], y[:-1, -1])  # the next tokens
+
+
+def test_a_token_layout_whose_labels_are_not_the_next_tokens_is_refused() -> None:
+    data, cfg = token_file()
+    good = layout_of(cfg, io.BytesIO(data), len(data)).to_json()
+    for change, field in ((dict(offset=good["train"]["x"]["offset"]), "data.layout_json.train.y"),
+                          (dict(dtype="int32"), "data.layout_json.train.y"),
+                          (dict(dtype="float32"), "data.layout_json.train.y.dtype")):
+        with pytest.raises(SpecError) as caught:
+            UploadLayout.from_json(split_changed(good, "train", "y", **change))
+        assert caught.value.field == field
 
 
 def test_a_long_run_of_rows_is_cut_into_bounded_ranges() -> None:
@@ -103,21 +147,30 @@ def good_layout() -> dict:
     return upload_layout(DATASET_ID, io.BytesIO(data), len(data), "safetensors").to_json()
 
 
+def split_changed(layout: dict, split: str, array: str, **change: object) -> dict:
+    changed = json.loads(json.dumps(layout))
+    changed[split][array].update(change)
+    return changed
+
+
 @pytest.mark.parametrize(("change", "field"), [
-    ({"extra": 1}, "data.layout_json"),
-    ({"dataset_id": "../other"}, "dataset_config.dataset_id"),
-    ({"size": -1}, "data.layout_json.size"),
-    ({"train": 0}, "data.layout_json.train"),
-    ({"train": N}, "data.layout_json.train"),
-    ({"x": {"offset": 0, "dtype": "object", "shape": [N, 12]}}, "data.layout_json.x.dtype"),
-    ({"x": {"offset": 0, "dtype": "float32", "shape": [N, 3, 4]}}, "data.layout_json.x.shape"),
-    ({"y": {"offset": 0, "dtype": "float32", "shape": [N]}}, "data.layout_json.y.dtype"),
-    ({"y": {"offset": 10**9, "dtype": "int64", "shape": [N]}}, "data.layout_json.y"),
-    ({"y": {"offset": 8, "dtype": "int64", "shape": [N - 1]}}, "data.layout_json.y.shape"),
-    ({"y": {"offset": 100, "dtype": "int64", "shape": [N]}}, "data.layout_json"),  # inside x
+    (lambda g: {**g, "extra": 1}, "data.layout_json"),
+    (lambda g: {**g, "dataset_id": "../other"}, "dataset_config.dataset_id"),
+    (lambda g: {**g, "kind": "images"}, "data.layout_json.kind"),
+    (lambda g: {**g, "size": -1}, "data.layout_json.size"),
+    (lambda g: {**g, "train": {"x": g["train"]["x"]}}, "data.layout_json.train"),
+    (lambda g: split_changed(g, "train", "x", shape=[0, 3, 2, 2]), "data.layout_json.train.x.shape"),
+    (lambda g: split_changed(g, "train", "x", dtype="object"), "data.layout_json.train.x.dtype"),
+    (lambda g: split_changed(g, "train", "x", shape=[45, 3, 4]), "data.layout_json.train.x.shape"),
+    (lambda g: split_changed(g, "validation", "x", shape=[5, 3, 4, 1]), "data.layout_json.validation.x"),
+    (lambda g: split_changed(g, "train", "y", dtype="float32"), "data.layout_json.train.y.dtype"),
+    (lambda g: split_changed(g, "validation", "y", offset=10**9), "data.layout_json.validation.y"),
+    (lambda g: split_changed(g, "train", "y", shape=[44]), "data.layout_json.train.y.shape"),
+    (lambda g: split_changed(g, "validation", "y", offset=g["train"]["x"]["offset"] + 8), "data.layout_json"),
 ])
-def test_a_layout_is_checked_whole(change: dict, field: str) -> None:
-    assert UploadLayout.from_json(json.loads(json.dumps(good_layout()))).to_json() == good_layout()
+def test_a_layout_is_checked_whole(change: object, field: str) -> None:
+    good = good_layout()
+    assert UploadLayout.from_json(json.loads(json.dumps(good))).to_json() == good
     with pytest.raises(SpecError) as caught:
-        UploadLayout.from_json({**good_layout(), **change})
+        UploadLayout.from_json(change(good))
     assert caught.value.field == field

@@ -14,7 +14,7 @@ from safetensors.torch import save
 from arceus.data.config import validate_dataset_config
 from arceus.data.streaming import dataset_samples
 from controlplane.datasets.models import Dataset, dataset_storage
-from controlplane.datasets.selectors import dataset_open
+from controlplane.datasets.tokens import dataset_samples_open
 from controlplane.settings import checkpoint_storage_settings
 from tests.controlplane.conftest import S3Server
 
@@ -51,6 +51,6 @@ def test_an_upload_lands_in_the_bucket_and_the_driver_reads_it_from_there(
     assert keys(bucket) == [f"datasets/{user.pk}/{dataset['id']}/data.safetensors"]
     cfg = validate_dataset_config({"name": "uploaded", "dataset_id": dataset["id"], "format": "safetensors",
                                    **response.json()["facts"]})
-    with dataset_samples(cfg, lambda i: dataset_open(owner_id=user.pk, dataset_id=i)) as (train, val):
+    with dataset_samples(cfg, lambda c: dataset_samples_open(owner_id=user.pk, dataset_config=c)) as (train, val):
         bx, by = train.take(torch.tensor([5, 2]))
         assert torch.equal(bx, x[[5, 2]]) and torch.equal(by, y[[5, 2]]) and len(val) == 3

@@ -7,14 +7,11 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
-import threading
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import pytest
 import torch
-from django.utils import timezone
 from rest_framework.test import APIClient
 from safetensors.torch import save
 
@@ -24,44 +21,18 @@ from arceus.data.upload_rows import MAX_RANGE_BYTES, MAX_RANGES, UploadLayout, u
 from arceus.training.driver import DriverError, train
 from arceus.training.recording import RecordingSink
 from arceus.wire.tls import new_identity
-from controlplane.agents.services import node_heartbeat, node_register
 from controlplane.controller.executor import reconcile_once
-from controlplane.datasets.models import Dataset, dataset_storage
-from controlplane.datasets.selectors import dataset_open
 from controlplane.driver.driving import train_plan
-from controlplane.jobs.models import Job, Stage
+from controlplane.jobs.models import Job
 from controlplane.jobs.selectors import assignments_for_node
 from controlplane.jobs.services import job_start, job_submit
-from controlplane.nodes.models import Node
-from controlplane.nodes.services import node_create
-from controlplane.settings import checkpoint_storage_settings
-from devtools.pipeline import remember_identity
-from nodeagent.agent import Agent
-from nodeagent.control_plane import ControlPlaneClient
 from nodeagent.stage import DatasetReadError
 from tests.arceus.training.reference_jobs import reference_of
-from tests.controlplane.conftest import S3Server
 from tests.controlplane.datasets.test_datasets_api import upload
+from tests.controlplane.jobs.upload_readers import CountingOpener, Host, reader, ready_node, stage_host
 
 MODEL = {"type": "mlp", "layer_sizes": [64, 32, 10]}
 BATCH, VAL_BATCH, STEPS, SEED, LR = 32, 64, 6, 3, 0.05
-
-
-@pytest.fixture
-def dataset_dir(settings, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:  # noqa: ANN001
-    settings.STORAGES = {
-        **settings.STORAGES,
-        "datasets": {"BACKEND": "django.core.files.storage.FileSystemStorage", "OPTIONS": {"location": str(tmp_path)}},
-    }
-    monkeypatch.setattr(Dataset._meta.get_field("file"), "storage", dataset_storage())
-    return tmp_path
-
-
-@pytest.fixture
-def s3_datasets(s3_server: S3Server, settings, monkeypatch: pytest.MonkeyPatch) -> Any:  # noqa: ANN001
-    settings.STORAGES = {**settings.STORAGES, "datasets": checkpoint_storage_settings(s3_server.env)}
-    monkeypatch.setattr(Dataset._meta.get_field("file"), "storage", dataset_storage())
-    return s3_server.client
 
 
 def digits_upload() -> bytes:
@@ -71,51 +42,6 @@ def digits_upload() -> bytes:
     x, y = torch.cat([train_x, val_x[:160]]), torch.cat([train_y, val_y[:160]])
     assert int(len(x) * 0.9) == len(train_x)
     return save({"x": x.contiguous(), "y": y.contiguous()})
-
-
-@dataclasses.dataclass
-class Host:
-    node: Node
-    token: str
-    agent: Agent | None = None
-    threads: list[str] = dataclasses.field(default_factory=list)  # the thread of each of its agent's reads
-
-
-def ready_node(owner, name: str, address: str, certificate: str) -> tuple[Node, str]:  # noqa: ANN001
-    node, token = node_create(owner=owner, name=name)
-    node_register(node=node, grpc_address=address, tls_certificate=certificate, device_type="cpu",
-                  device_name="test cpu", memory_bytes=2**30, flops_fp32=1e9, now=timezone.now())
-    node_heartbeat(node=node, observed=[], now=timezone.now())
-    return node, token
-
-
-@pytest.fixture
-def hosts(live_server, user) -> Iterator[list[Host]]:  # noqa: ANN001
-    """Two agents in this process, each a Ready node of the user's, reading datasets through the control plane as
-    that node (as nodeagent/runner.py gives an agent its client)."""
-    made: list[Host] = []
-    try:
-        for i in range(2):
-            identity = new_identity()
-            node, token = node_create(owner=user, name=f"reader-{i}")
-            client, threads = ControlPlaneClient(live_server.url, token, timeout=30), []
-
-            def read(job_id: str, ranges: list[tuple[int, int]], client=client, threads=threads) -> list[bytes]:  # noqa: ANN001
-                threads.append(threading.current_thread().name)
-                return client.read_dataset_ranges(job_id, ranges)
-
-            agent = Agent(device=torch.device("cpu"), identity=identity, read_dataset=read)
-            agent.start()
-            made.append(Host(node, token, agent, threads))
-            remember_identity(agent.grpc_address, identity)
-            node_register(node=node, grpc_address=agent.grpc_address, tls_certificate=identity.certificate,
-                          device_type="cpu", device_name="test cpu", memory_bytes=2**30, flops_fp32=1e9,
-                          now=timezone.now())
-            node_heartbeat(node=node, observed=[], now=timezone.now())
-        yield made
-    finally:
-        for host in made:
-            host.agent.stop(grace=1)
 
 
 def placed_job(  # noqa: ANN201
@@ -137,53 +63,6 @@ def placed_job(  # noqa: ANN201
 
 def layout_of(dataset: dict[str, Any], data: bytes) -> UploadLayout:
     return upload_layout(dataset["id"], io.BytesIO(data), len(data), "safetensors")
-
-
-def reader(live_server, host: Host) -> ControlPlaneClient:  # noqa: ANN001
-    return ControlPlaneClient(live_server.url, host.token, timeout=30)
-
-
-def stage_host(job: Job, hosts: list[Host], index: int) -> Host:
-    node_id = Stage.objects.get(job=job, index=index, active=True).node_id
-    return next(h for h in hosts if h.node.pk == node_id)
-
-
-class CountingOpener:
-    """The driver's opener of the job's upload (as `train_plan` gives it), counting the bytes the driver reads."""
-
-    def __init__(self, owner_id: Any) -> None:
-        self.owner_id, self.bytes_read = owner_id, 0
-
-    def __call__(self, dataset_id: str) -> BinaryIO:
-        return _Counted(dataset_open(owner_id=self.owner_id, dataset_id=dataset_id), self)
-
-
-class _Counted(io.RawIOBase):
-    def __init__(self, handle: BinaryIO, opener: CountingOpener) -> None:
-        super().__init__()
-        self._handle, self._opener = handle, opener
-
-    def readinto(self, buffer: Any) -> int:
-        data = self._handle.read(len(buffer))
-        buffer[: len(data)] = data
-        self._opener.bytes_read += len(data)
-        return len(data)
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        return self._handle.seek(offset, whence)
-
-    def tell(self) -> int:
-        return self._handle.tell()
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def close(self) -> None:
-        self._handle.close()
-        super().close()
 
 
 @pytest.mark.django_db(transaction=True)
@@ -227,8 +106,8 @@ def test_a_stage_reads_only_its_own_rows_and_a_stranger_nothing(
     job, dataset = placed_job(user, data, api)
     layout = layout_of(dataset, data)
     first, last = stage_host(job, hosts, 0), stage_host(job, hosts, 1)
-    x_row = (layout.x.offset, layout.x.offset + layout.x.row_bytes)
-    y_rows = (layout.y.offset, layout.y.offset + 3 * layout.y.row_bytes)
+    x_row = (layout.train.x.offset, layout.train.x.offset + layout.train.x.row_bytes)
+    y_rows = (layout.train.y.offset, layout.train.y.offset + 3 * layout.train.y.row_bytes)
     assert reader(live_server, first).read_dataset_ranges(str(job.id), [x_row]) == [data[x_row[0]: x_row[1]]]
     assert reader(live_server, last).read_dataset_ranges(str(job.id), [y_rows]) == [data[y_rows[0]: y_rows[1]]]
 
@@ -249,10 +128,10 @@ def test_a_stage_reads_only_its_own_rows_and_a_stranger_nothing(
         answer = agent.post(f"/api/agent/jobs/{job.id}/dataset-reads", body, format="json")
         assert answer.status_code == 400 and "ranges" in answer.json()["errors"], (body, answer.content)
     # Bounded: a range too large, too many ranges, an empty one.
-    big = (layout.x.offset, layout.x.offset + MAX_RANGE_BYTES + 1)
+    big = (layout.train.x.offset, layout.train.x.offset + MAX_RANGE_BYTES + 1)
     assert "HTTP 400" in refused(first, [big])
     assert f"at most {MAX_RANGES}" in refused(first, [x_row] * (MAX_RANGES + 1))
-    assert "not 1 to" in refused(first, [(layout.x.offset, layout.x.offset)])
+    assert "not 1 to" in refused(first, [(layout.train.x.offset, layout.train.x.offset)])
     # A node hosting nothing of the job (another owner's), another job (the other owner's, on its own upload of the
     # same bytes) by this job's agent, a job id that is none: 404, before the ranges are looked at.
     stranger = Host(*ready_node(other_user, "stranger", "127.0.0.1:1", new_identity().certificate))
@@ -275,7 +154,7 @@ def test_from_an_s3_bucket_the_agent_reads_by_presigned_ranged_gets(
     first = stage_host(job, hosts, 0)
     agent = APIClient()
     agent.credentials(HTTP_AUTHORIZATION=f"Node {first.token}")
-    ranges = [[layout.x.offset, layout.x.offset + 10 * layout.x.row_bytes]]
+    ranges = [[layout.train.x.offset, layout.train.x.offset + 10 * layout.train.x.row_bytes]]
     answer = agent.post(f"/api/agent/jobs/{job.id}/dataset-reads", {"ranges": ranges}, format="json")
     assert answer.status_code == 200 and len(answer.json()["urls"]) == 1
     [url] = answer.json()["urls"]
@@ -296,9 +175,10 @@ def test_a_label_the_model_cannot_take_stops_the_step_before_torch_sees_it(
     layout = layout_of(dataset, data)
     [stored] = Path(dataset_dir).rglob("data.safetensors")
     changed = bytearray(stored.read_bytes())
-    for row in range(layout.train):  # every training label: whichever rows the first step names
-        offset = layout.y.offset + row * layout.y.row_bytes
-        changed[offset: offset + layout.y.row_bytes] = (99).to_bytes(layout.y.row_bytes, "little")
+    labels = layout.train.y
+    for row in range(labels.shape[0]):  # every training label: whichever rows the first step names
+        offset = labels.offset + row * labels.row_bytes
+        changed[offset: offset + labels.row_bytes] = (99).to_bytes(labels.row_bytes, "little")
     stored.write_bytes(bytes(changed))
     for host in hosts:
         host.agent.apply_assignments([Assignment.from_json(a) for a in assignments_for_node(node=host.node)])
