@@ -10,7 +10,9 @@ driver → stage i and stage i ⇄ stage i±1, goes through its own `devtools.sh
 `--rate-mbit` per direction; the loopback setup calls the agents directly. Every setup trains the same batches from
 the same weights; rounds alternate them. Reports samples/s (after warm-up), their ratios, the training loss at the
 last step (and every step's, synchronous beside staleness 1), and per step: what each stage sent, its compute time
-and its wait (step time minus compute). Writes docs/BENCHMARKS.md and ends with one JSON line.
+(wall seconds the agent counts), its agent process's CPU seconds (user + system, psutil: compute beside what the gRPC
+threads do; on a loaded machine the compute's wall time grows, its CPU time does not) and its wait (step time minus
+compute). `--setups` runs some of them (default: all). Writes docs/BENCHMARKS.md and ends with one JSON line.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -75,15 +79,19 @@ STALE = (
 
 
 class StepLog(Clock):
-    """Clock (step end times) that also keeps each step's loss and the stages' cumulative counters."""
+    """Clock (step end times) that also keeps each step's loss, the stages' cumulative counters and their agent
+    processes' CPU seconds so far."""
 
-    def __init__(self) -> None:
+    def __init__(self, agents: list[psutil.Process]) -> None:
         super().__init__()
         self.steps: list[StepProgress] = []
+        self.cpu: list[list[float]] = []
+        self._agents = agents
 
     def on_step(self, p: StepProgress) -> None:
         super().on_step(p)
         self.steps.append(p)
+        self.cpu.append([sum(a.cpu_times()[:2]) for a in self._agents])
 
 
 @dataclass
@@ -94,6 +102,7 @@ class Run:
     seconds_per_step: float
     bytes_sent_per_step: list[float]  # per stage, measured steps only
     compute_s_per_step: list[float]
+    cpu_s_per_step: list[float]  # per stage, its agent process's user + system CPU
 
 
 def boundaries(stages: int) -> list[int]:
@@ -126,9 +135,10 @@ def shaped_assignments(
 
 
 def run(
-    job_id: str, schedule: str, bounds: list[int], agents: list[str], driver_links: list[str], steps: int
+    job_id: str, schedule: str, bounds: list[int], agents: list[str], driver_links: list[str], steps: int,
+    processes: list[psutil.Process],
 ) -> Run:
-    """Train over the shaped links; the driver reaches agent i through driver_links[i]."""
+    """Train over the shaped links; the driver reaches agent i through driver_links[i]; agent i is processes[i]."""
     plan = TrainPlan(
         job_id=job_id, generation=1, credential=driver_token(job_id, 1),
         stages=tuple(
@@ -139,7 +149,7 @@ def run(
         dataset=DATASET, epochs=1, learning_rate=LR, micro_batches=MICRO_BATCHES, seed=SEED, max_steps=steps,
         schedule=schedule, rpc_timeout_seconds=120.0,
     )
-    log = StepLog()
+    log = StepLog(processes)
     train(plan, log)
     # Counters are cumulative: the difference from the last warm-up step covers the measured steps.
     pairs = list(zip(log.steps[WARMUP - 1].stages, log.steps[-1].stages, strict=True))
@@ -151,6 +161,7 @@ def run(
         seconds_per_step=(log.times[-1] - log.times[WARMUP - 1]) / measured,
         bytes_sent_per_step=[(b.bytes_sent - a.bytes_sent) / measured for a, b in pairs],
         compute_s_per_step=[(b.compute_seconds - a.compute_seconds) / measured for a, b in pairs],
+        cpu_s_per_step=[(b - a) / measured for a, b in zip(log.cpu[WARMUP - 1], log.cpu[-1], strict=True)],
     )
 
 
@@ -159,15 +170,20 @@ def main() -> None:
     parser.add_argument("--stages", type=int, choices=[2, 3], default=2)
     parser.add_argument("--steps", type=int, default=8, help="training steps per run")
     parser.add_argument("--rounds", type=int, default=1, help="runs of each setup, alternating")
+    parser.add_argument("--setups", default=",".join(SETUPS),
+                        help=f"comma-separated, of {', '.join(SETUPS)} (default: all)")
     add_link_arguments(parser)
     args = parser.parse_args()
     if args.steps <= WARMUP + 1:
         parser.error(f"--steps must exceed the {WARMUP} warm-up steps")
+    setups = args.setups.split(",")
+    if unknown := sorted(set(setups) - set(SETUPS)):
+        parser.error(f"--setups: unknown {', '.join(unknown)}; choose from {', '.join(SETUPS)}")
 
     n, bounds = args.stages, boundaries(args.stages)
     agents = [f"127.0.0.1:{p}" for p in free_ports(n)]
-    jobs = [(name, r) for r in range(args.rounds) for name in SETUPS]
-    results: dict[str, list[Run]] = {name: [] for name in SETUPS}
+    jobs = [(name, r) for r in range(args.rounds) for name in setups]
+    results: dict[str, list[Run]] = {name: [] for name in setups}
     shape = link_shape(args)
     with tempfile.TemporaryDirectory() as workdir, ShaperThread() as shaper:
         links = {(i, j): shaper.address(agents[j], **shape) for i in range(n) for j in (i - 1, i + 1)
@@ -178,12 +194,13 @@ def main() -> None:
                                SETUPS[name]) for name, r in jobs
         ]
         processes = spawn_static_agents([[a[i] for a in per_job] for i in range(n)], agents, Path(workdir))
+        cpu = [psutil.Process(p.process.pid) for p in processes]
         try:
             for name, r in jobs:
                 start = time.perf_counter()
                 setup = SETUPS[name]
                 results[name].append(run(f"shaped-{name}-{r}", setup.schedule, bounds, agents,
-                    driver_links if setup.shaped else agents, args.steps))
+                    driver_links if setup.shaped else agents, args.steps, cpu))
                 print(f"{name} round {r}: {results[name][-1]} ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
         finally:
             stop_agents(processes)
@@ -194,39 +211,48 @@ def main() -> None:
     def med_list(name: str, attr: str) -> list[float]:
         return [statistics.median(getattr(x, attr)[i] for x in results[name]) for i in range(n)]
 
-    fp32, int8 = med("fp32_gpipe", "samples_per_s"), med("int8_1f1b", "samples_per_s")
-    stale, loopback = med("int8_1f1b_stale", "samples_per_s"), med("int8_1f1b_loopback", "samples_per_s")
-    figures = {
-        "fp32_gpipe_samples_per_s": round(fp32, 3),
-        "int8_1f1b_samples_per_s": round(int8, 3),
-        "int8_1f1b_stale_samples_per_s": round(stale, 3),
-        "int8_1f1b_loopback_samples_per_s": round(loopback, 3),
-        "speedup": round(int8 / fp32, 3),
-        "synchronous_of_loopback": round(int8 / loopback, 3),
-        "stale_of_loopback": round(stale / loopback, 3),
-        "fp32_loss": round(results["fp32_gpipe"][0].loss, 4),
-        "int8_loss": round(results["int8_1f1b"][0].loss, 4),
-        "int8_stale_loss": round(results["int8_1f1b_stale"][0].loss, 4),
+    rates = {name: med(name, "samples_per_s") for name in setups}
+    figures: dict[str, Any] = {f"{name}_samples_per_s": round(rate, 3) for name, rate in rates.items()}
+    figures |= {f"{name}_loss": round(results[name][0].loss, 4) for name in setups}
+    figures |= {f"{name}_cpu_s_per_step": [round(c, 3) for c in med_list(name, "cpu_s_per_step")] for name in setups}
+    ratios = {"speedup": ("int8_1f1b", "fp32_gpipe"), "synchronous_of_loopback": ("int8_1f1b", "int8_1f1b_loopback"),
+              "stale_of_loopback": ("int8_1f1b_stale", "int8_1f1b_loopback")}
+    figures |= {key: round(rates[a] / rates[b], 3) for key, (a, b) in ratios.items() if a in rates and b in rates}
+    if {"int8_1f1b", "int8_1f1b_loopback"} <= rates.keys():
+        # The synchronous step's floor over the links: loopback's step T plus a delay d each way per hop of the fill
+        # and the drain, T + 2(S-1)d.
+        t = med("int8_1f1b_loopback", "seconds_per_step")
+        bound = rates["int8_1f1b_loopback"] * t / (t + 2 * (n - 1) * args.delay_ms / 1e3)
+        figures["synchronous_of_bound"] = round(rates["int8_1f1b"] / bound, 3)
+    figures |= {
         "steps": args.steps, "warmup_steps": WARMUP, "rounds": args.rounds, "stages": n,
         "micro_batches": MICRO_BATCHES, "batch_size": DATASET["batch_size"],
         "delay_ms": args.delay_ms, "rate_mbit": args.rate_mbit,
     }
     rows = ""
-    for name in SETUPS:
+    for name in setups:
         step_s = med(name, "seconds_per_step")
-        compute = med_list(name, "compute_s_per_step")
+        compute, cpu = med_list(name, "compute_s_per_step"), med_list(name, "cpu_s_per_step")
         sent = med_list(name, "bytes_sent_per_step")
         rows += (
-            f"| {name} | {med(name, 'samples_per_s'):.2f} | {results[name][0].loss:.4f} | {step_s:.2f} | "
+            f"| {name} | {rates[name]:.2f} | {results[name][0].loss:.4f} | {step_s:.2f} | "
             f"{' / '.join(f'{b / 1e6:.2f}' for b in sent)} | {' / '.join(f'{c:.2f}' for c in compute)} | "
+            f"{' / '.join(f'{c:.2f}' for c in cpu)} | "
             f"{' / '.join(f'{step_s - c:.2f}' for c in compute)} | {max(sent) * 8 / (args.rate_mbit * 1e6):.3f} |\n"
         )
     table = (
         "| setup | samples/s | loss at last step | s/step | MB sent/step per stage | compute s/step per stage "
-        "| not computing s/step per stage | busiest stage's bytes at the rate, s/step |\n"
-        "| --- | --- | --- | --- | --- | --- | --- | --- |\n" + rows
-        + f"\nint8 1F1B / fp32 GPipe: **{figures['speedup']}×** samples/s. Of int8 1F1B on loopback: synchronous "
-        + f"**{figures['synchronous_of_loopback']}×**, staleness 1 **{figures['stale_of_loopback']}×**.\n"
+        "| agent CPU s/step per stage | not computing s/step per stage | busiest stage's bytes at the rate, s/step |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n" + rows
+    )
+    if len(setups) < len(SETUPS):  # a partial run: its figures, not a section of docs/BENCHMARKS.md
+        print(table)
+        print(json.dumps(figures))
+        return
+    table += (
+        f"\nint8 1F1B / fp32 GPipe: **{figures['speedup']}×** samples/s. Of int8 1F1B on loopback: synchronous "
+        + f"**{figures['synchronous_of_loopback']}×**, staleness 1 **{figures['stale_of_loopback']}×**. Synchronous "
+        + f"of its bound T/(T+2(S-1)d) (T: loopback's s/step): **{figures['synchronous_of_bound']}×**.\n"
         + "\nTraining loss per step (round 0), int8 1F1B synchronous / staleness 1: "
         + ", ".join(f"{a:.4f} / {b:.4f}" for a, b in zip(results["int8_1f1b"][0].losses,
                                                           results["int8_1f1b_stale"][0].losses, strict=True))
