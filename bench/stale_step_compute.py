@@ -137,10 +137,10 @@ def main() -> None:
         f"## One stage's train step, synchronous vs staleness 1, in one process (`bench/stale_step_compute.py "
         f"--steps {args.steps} --rounds {args.rounds}`)\n\n"
         f"{machine_line()}; load average {load} at the start. The middle stage of `bench/shaped_pipeline.py`'s "
-        f"3-stage GPT (layers {list(LAYERS)}, Adam, one torch thread), the same {MICRO_BATCHES} micro-batches of "
-        f"{MICRO_BATCH} × {MODEL['block_size']} tokens each step; medians over steps {WARMUP + 1}-{args.steps}, "
-        "then over rounds. `stale_overlapped`: step n+1's forwards in a second thread beside step n's backwards, as "
-        "a stage runs chained steps.\n\n"
+        f"3-stage GPT (layers [{LAYERS[0]}, {LAYERS[1]}), Adam, one torch thread), the same {MICRO_BATCHES} "
+        f"micro-batches of {MICRO_BATCH} × {MODEL['block_size']} tokens each step; medians over steps "
+        f"{WARMUP + 1}-{args.steps}, then over rounds. `stale_overlapped`: step n+1's forwards in a second thread "
+        "beside step n's backwards, as a stage runs chained steps.\n\n"
         "| mode | compute counted, s/step | process CPU, s/step | per round (counted, CPU) |\n"
         "| --- | --- | --- | --- |\n" + rows
     ))
