@@ -121,6 +121,9 @@ class StepRun:
         # of each in its schedule is acked on its own, the others with it (one ack a link a step, not one a tensor).
         self._acked = {act.kind: i for i, act in enumerate(self.actions)} if self.replicas is None else None
         self._last_forward = max(i for i, act in enumerate(self.actions) if act.kind == "F")
+        # Staleness 1: a chained step's first backward waits for the update of the step it overlaps, so a stage never
+        # holds two steps' gradients (the memory model counts one set and two weights versions).
+        self._first_backward = min(i for i, act in enumerate(self.actions) if act.kind == "B") if self.stale else -1
 
     def run(self) -> stage_pb2.RunStepReply:
         runtime = self.stage.runtime
@@ -155,6 +158,9 @@ class StepRun:
                     if self.stale and index == self._last_forward:
                         self.stage.forwards_done(self.step)
                 else:
+                    if index == self._first_backward and after:
+                        with self._waiting():
+                            self.stage.wait_for_step(after, self.wait_until, self.abort)
                     self._backward(index, action)
                 self.pushes.raise_if_failed()
             with self._waiting():
@@ -163,10 +169,7 @@ class StepRun:
                     self.wire.finish()
             if self.train:
                 faults.reached("gradient-sent", self.step, **self._where)
-            if self.stale:  # the update of the step it overlaps comes first
-                if after:
-                    with self._waiting():
-                        self.stage.wait_for_step(after, self.wait_until, self.abort)
+            if self.stale:  # the update of the step it overlaps came before this step's first backward
                 runtime.stale_gradients(self.step)
             sync = self.stage.assignment.replica_sync
             members = () if self.replicas is None else self.replicas.members(self.stage.io.stage_index)
