@@ -43,7 +43,7 @@ from arceus.pipeline.schedule import Action
 from arceus.v1 import stage_pb2, stage_pb2_grpc
 from arceus.wire import codec
 from arceus.wire.compression import ENCODINGS, Encoded, check_block_size
-from nodeagent.peer_streams import POLL_SECONDS, FrameStream, HelloKind, PeerStreams, StreamFailure, pump_all
+from nodeagent.peer_streams import FrameStream, HelloKind, Offers, PeerStreams, StreamFailure, pump_all
 from nodeagent.rpc import RpcFailure, neighbour_failure_code
 from nodeagent.stage_io import StageIO
 from nodeagent.validation import check_layout, decode_checked, expected_layout
@@ -360,10 +360,8 @@ class NeighbourStreams:
         self._peer_streams = peer_streams
         self._next_stub = None if next_channel is None else stage_pb2_grpc.StageServiceStub(next_channel)
         self.add_bytes_sent, self.add_bytes_received = counted
-        self._lock = threading.Condition()
         self._streams: dict[str, FrameStream] = {}
-        self._offered: ssl.SSLSocket | None = None  # the previous stage's newest stream, until a step takes it
-        self._closed = False
+        self._offers: Offers[int, None] = Offers(name)  # the previous stage's newest stream, until a step takes it
         if self.prev_streamed and peer_streams is not None:
             peer_streams.trust([assignment.certificates[assignment.prev_address]])
 
@@ -385,13 +383,7 @@ class NeighbourStreams:
         if sock.getpeercert(binary_form=True) != certificate:
             raise RpcFailure(grpc.StatusCode.PERMISSION_DENIED,
                              f"{self.name}: a neighbour stream came from another agent than its previous stage's")
-        with self._lock:
-            if self._closed:
-                raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"{self.name} was just removed from this agent")
-            old, self._offered = self._offered, sock
-            self._lock.notify_all()
-        if old is not None:
-            old.close()
+        self._offers.put(hello.source, None, sock)
 
     def begin(self, step: int, schedule: Sequence[Sequence[Action]], deadline: float,
               abort: threading.Event) -> StepWire:
@@ -405,15 +397,15 @@ class NeighbourStreams:
         """The stream to the "prev" or "next" stage for a step: the one kept, while its other end has not closed it
         (nor, for "prev", dialled anew); else a new one."""
         stream = self._streams.get(which)
-        with self._lock:
-            redialled = which == "prev" and self._offered is not None
+        redialled = which == "prev" and self._offers.kept(self._assignment.stage_index - 1) is not None
         if stream is not None and not stream.closed_by_peer() and not redialled:
             return stream
         if stream is not None:
             stream.close()
             del self._streams[which]
-        sock = self._dial(deadline) if which == "next" else self._take_offer(deadline, abort)
         peer = self._assignment.stage_index + (1 if which == "next" else -1)
+        sock = self._dial(deadline) if which == "next" else self._offers.take(
+            peer, deadline, abort, missing=f"stage {peer} opened no neighbour stream by the step's deadline")[1]
         stream = self._streams[which] = FrameStream(sock, FRAME.size, f"stage {peer}", self.name)
         return stream
 
@@ -433,32 +425,11 @@ class NeighbourStreams:
         return self._peer_streams.dial(a.next_address, reply.address, reply.port, a.certificates[a.next_address],
                                        hello.pack(), deadline, peer=peer)
 
-    def _take_offer(self, deadline: float, abort: threading.Event) -> ssl.SSLSocket:
-        with self._lock:
-            while self._offered is None:
-                if self._closed:
-                    raise RpcFailure(grpc.StatusCode.ABORTED, f"{self.name} was removed mid-step")
-                if abort.is_set():
-                    raise RpcFailure(grpc.StatusCode.CANCELLED, "the step was cancelled")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                     f"{self.name}: stage {self._assignment.stage_index - 1} opened no neighbour "
-                                     f"stream by the step's deadline")
-                self._lock.wait(min(remaining, POLL_SECONDS))
-            sock, self._offered = self._offered, None
-        return sock
-
     def close_streams(self) -> None:
         streams, self._streams = list(self._streams.values()), {}
         for stream in streams:
             stream.close()
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            offered, self._offered = self._offered, None
-            self._lock.notify_all()
-        if offered is not None:
-            offered.close()
+        self._offers.close()
         self.close_streams()

@@ -1,6 +1,7 @@
 """An agent's own byte streams to its peers, outside gRPC: one mutual-TLS listener, dialling, and non-blocking frames
 read straight into where they belong. Its users define what the streams carry: the replicas' exact exchange
-(nodeagent.exchange_stream) today.
+(nodeagent.exchange_stream) and the neighbour streams (nodeagent.neighbour_stream); a stream a peer opened waits in
+its owner's `Offers` until a step takes it.
 
 Why not gRPC: a tensor pushed over gRPC Python's sync API crosses gRPC core's threads, is copied into Python `bytes`
 by its server loop and handed to the step's thread through a mailbox: 3-4 thread wake-ups in 2 processes per tensor,
@@ -35,7 +36,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import grpc
 
@@ -55,6 +56,71 @@ _SEND_BYTES = 1 << 20  # one TLS write at most (a write that would block is retr
 
 class StreamFailure(RpcFailure):
     """A stream broke, or carried what it must not: its owner closes it."""
+
+
+K = TypeVar("K")
+T = TypeVar("T")
+
+
+class Offers(Generic[K, T]):
+    """Streams peers opened to one owner (a stage, a replica), kept until a step of the owner's takes them: one per
+    key (a newer replaces an older, which is closed), each with `T`, what its hello said that the taker checks. Put
+    by the listener's thread, taken by a step's thread."""
+
+    def __init__(self, owner: str) -> None:
+        """`owner`: the owner in words, for errors ("stage 1 of job j")."""
+        self._owner = owner
+        self._lock = threading.Condition()
+        self._offered: dict[K, tuple[T, ssl.SSLSocket]] = {}
+        self._closed = False
+
+    def put(self, key: K, said: T, sock: ssl.SSLSocket) -> None:
+        """Keep `sock` under `key`; NOT_FOUND once the owner is closed (the listener closes the stream)."""
+        with self._lock:
+            if self._closed:
+                raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"{self._owner} was just removed from this agent")
+            old = self._offered.pop(key, None)
+            self._offered[key] = (said, sock)
+            self._lock.notify_all()
+        if old is not None:
+            old[1].close()
+
+    def kept(self, key: K) -> tuple[T] | None:
+        """What the stream kept under `key` said, boxed (T may be None); None while none is kept."""
+        with self._lock:
+            offered = self._offered.get(key)
+        return None if offered is None else (offered[0],)
+
+    def take(self, key: K, deadline: float, abort: threading.Event, *, missing: str,
+             stale: Callable[[T], bool] = lambda said: False) -> tuple[T, ssl.SSLSocket]:
+        """The stream kept under `key` and what it said, waited for: one `stale` says is over is closed and waited
+        past. ABORTED once the owner is closed, CANCELLED once `abort` is set, DEADLINE_EXCEEDED (`missing`: what
+        did not come, in words) past `deadline`."""
+        with self._lock:
+            while True:
+                offered = self._offered.get(key)
+                if offered is not None and not stale(offered[0]):
+                    return self._offered.pop(key)
+                if offered is not None:
+                    del self._offered[key]
+                    offered[1].close()
+                if self._closed:
+                    raise RpcFailure(grpc.StatusCode.ABORTED, f"{self._owner} was removed mid-step")
+                if abort.is_set():
+                    raise RpcFailure(grpc.StatusCode.CANCELLED, "the step was cancelled")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self._owner}: {missing}")
+                self._lock.wait(min(remaining, POLL_SECONDS))
+
+    def close(self) -> None:
+        """Close every kept stream; a waiting `take` fails, and so does every later `put`."""
+        with self._lock:
+            self._closed = True
+            offered, self._offered = list(self._offered.values()), {}
+            self._lock.notify_all()
+        for _, sock in offered:
+            sock.close()
 
 
 @dataclass(frozen=True)

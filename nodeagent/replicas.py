@@ -11,7 +11,6 @@ import json
 import re
 import ssl
 import threading
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -30,7 +29,7 @@ from nodeagent import faults
 from nodeagent.call_limits import STREAMS_PER_CALLER
 from nodeagent.exchange_stream import GATHER, PHASES, REDUCE, Expected, Hello, Stream
 from nodeagent.membership import Membership
-from nodeagent.peer_streams import POLL_SECONDS, PeerStreams, pump_all
+from nodeagent.peer_streams import Offers, PeerStreams, pump_all
 from nodeagent.rpc import RpcFailure
 
 _FLOAT32_BYTES = 4
@@ -157,11 +156,9 @@ class ReplicaExchange:
         self.bytes_sent = 0  # tensor bytes sent to siblings over the stage's life (only the step's thread adds)
         self._streams: dict[int, Stream] = {}  # sibling -> its stream, of membership epoch `_streams_epoch`
         self._streams_epoch = -1
-        # Streams siblings opened to this replica, until its exchange takes them: sibling -> (epoch, token digest,
-        # socket), one each (a newer replaces an older).
-        self._offers = threading.Condition()
-        self._offered: dict[int, tuple[int, str, ssl.SSLSocket]] = {}
-        self._closed = False
+        # Streams siblings opened to this replica, until its exchange takes them: by sibling, with the epoch and
+        # token digest their hellos named.
+        self._offers: Offers[int, tuple[int, str]] = Offers(self.name)
         self._inbox: dict[int, torch.Tensor] = {}  # sibling -> where its REDUCE shards of this replica's chunk land
 
     @property
@@ -188,14 +185,7 @@ class ReplicaExchange:
         if hello.epoch <= self.members.newest:
             self.members.check(hello.epoch, self.stage_index, source, hello.token_digest,
                                what=f"a stream from replica {source}", method="exchange stream", wait=0.0)
-        with self._offers:
-            if self._closed:
-                raise RpcFailure(grpc.StatusCode.NOT_FOUND, f"{self.name} was just removed from this agent")
-            old = self._offered.pop(source, None)
-            self._offered[source] = (hello.epoch, hello.token_digest, sock)
-            self._offers.notify_all()
-        if old is not None:
-            old[2].close()
+        self._offers.put(source, (hello.epoch, hello.token_digest), sock)
 
     def exchange(
         self,
@@ -329,30 +319,14 @@ class ReplicaExchange:
         return stream
 
     def _redialled(self, sibling: int, epoch: int) -> bool:
-        with self._offers:
-            offered = self._offered.get(sibling)
-        return offered is not None and offered[0] == epoch
+        kept = self._offers.kept(sibling)
+        return kept is not None and kept[0][0] == epoch
 
     def _take_offer(self, sibling: int, epoch: int, peer: stage_pb2.ReplicaPeer, deadline: float,
                     abort: threading.Event) -> ssl.SSLSocket:
-        with self._offers:
-            while True:
-                offered = self._offered.get(sibling)
-                if offered is not None and offered[0] < epoch:  # a stream of an earlier membership: over
-                    offered[2].close()
-                    del self._offered[sibling]
-                elif offered is not None:
-                    break
-                if self._closed:
-                    raise RpcFailure(grpc.StatusCode.ABORTED, f"{self.name} was removed mid-step")
-                if abort.is_set():
-                    raise RpcFailure(grpc.StatusCode.CANCELLED, "the step was cancelled")
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise RpcFailure(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                     f"replica {sibling} opened no exchange stream of epoch {epoch}")
-                self._offers.wait(min(remaining, POLL_SECONDS))
-            offered_epoch, digest, sock = self._offered.pop(sibling)
+        (offered_epoch, digest), sock = self._offers.take(
+            sibling, deadline, abort, missing=f"replica {sibling} opened no exchange stream of epoch {epoch}",
+            stale=lambda said: said[0] < epoch)  # a stream of an earlier membership: over
         member = self.members.digest(epoch, self.stage_index, sibling) or ""
         try:
             certificate = ssl.PEM_cert_to_DER_cert(peer.certificate)
@@ -403,12 +377,7 @@ class ReplicaExchange:
                                       sha256=fields.sha256, signature=signature)
 
     def close(self) -> None:
-        with self._offers:
-            self._closed = True
-            offered, self._offered = list(self._offered.values()), {}
-            self._offers.notify_all()
-        for _, _, sock in offered:
-            sock.close()
+        self._offers.close()
         self._close_streams()
 
 

@@ -120,10 +120,10 @@ def test_a_neighbour_stream_is_taken_only_from_the_previous_stages_agent_present
         NeighbourHello("other", 1, 1, 0, token),
     ):
         assert closed(dial(receiver, previous, refused)), refused
-    assert stage.neighbours._offered is None
+    assert stage.neighbours._offers.kept(0) is None
     dial(receiver, previous, NeighbourHello("nb", 1, 1, 0, token))
     deadline = time.monotonic() + 10
-    while stage.neighbours._offered is None:
+    while stage.neighbours._offers.kept(0) is None:
         assert time.monotonic() < deadline
         time.sleep(0.02)
 

@@ -1,9 +1,12 @@
 """nodeagent.peer_streams: the listener hands each pinned stream to the kind its hello's magic names (any other is
-closed before anyone sees it), and a frame's body goes where the frame says only once its header was accepted."""
+closed before anyone sees it), a frame's body goes where the frame says only once its header was accepted, and a
+stream a peer opened waits in its owner's Offers until a step takes it (or the step's deadline, abort or owner
+ends the wait)."""
 
 from __future__ import annotations
 
 import queue
+import socket
 import ssl
 import struct
 import threading
@@ -14,7 +17,8 @@ import grpc
 import pytest
 
 from arceus.wire.tls import new_identity
-from nodeagent.peer_streams import FrameStream, HelloKind, PeerStreams, StreamFailure, pump_all
+from nodeagent.peer_streams import FrameStream, HelloKind, Offers, PeerStreams, StreamFailure, pump_all
+from nodeagent.rpc import RpcFailure
 
 LISTENER, DIALER = new_identity(), new_identity()
 HEADER = struct.Struct("!4sI")  # a test frame: a tag and its body's length
@@ -110,3 +114,72 @@ def test_a_frame_body_goes_where_its_accepted_header_says_and_a_refused_header_f
     with pytest.raises(StreamFailure, match="the dialer closed its stream before its b'act3' frame"):
         pump_all([receiver], deadline=time.monotonic() + 10, abort=threading.Event(),
                  done=lambda: receiver.idle, waiting_for=lambda: "the frame")
+
+
+def test_an_offer_is_taken_once_kept_a_newer_replacing_an_older_and_a_stale_one_closed_and_waited_past() -> None:
+    offers: Offers[int, int] = Offers("stage 1 of job j")
+    old, old_peer = socket.socketpair()
+    new, new_peer = socket.socketpair()
+    offers.put(0, 3, old)
+    offers.put(0, 4, new)
+    assert old.fileno() == -1  # replaced: closed
+    assert offers.kept(0) == (4,) and offers.kept(1) is None
+    current, current_peer = socket.socketpair()
+    put_later = threading.Thread(target=offers.put, args=(0, 5, current))
+
+    def stale(epoch: int) -> bool:
+        """Epochs before 5 are over; the first one judged starts the thread offering epoch 5's stream."""
+        if epoch < 5 and put_later.ident is None:
+            put_later.start()  # its put waits for the lock, which the take releases only once waiting
+        return epoch < 5
+
+    said, sock = offers.take(0, time.monotonic() + 30, threading.Event(), missing="no stream", stale=stale)
+    put_later.join()
+    assert said == 5 and sock is current
+    assert new.fileno() == -1  # epoch 4's: closed by the take
+    assert offers.kept(0) is None
+    for s in (new, current, old_peer, new_peer, current_peer):
+        s.close()
+
+
+def test_a_take_fails_by_its_deadline_its_abort_or_its_owner_closed_and_a_closed_owner_keeps_nothing() -> None:
+    offers: Offers[int, None] = Offers("stage 1 of job j")
+    with pytest.raises(RpcFailure) as failed:
+        offers.take(0, time.monotonic(), threading.Event(), missing="stage 0 opened no stream")
+    assert failed.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert failed.value.message == "stage 1 of job j: stage 0 opened no stream"
+    aborted = threading.Event()
+    aborted.set()
+    with pytest.raises(RpcFailure) as failed:
+        offers.take(0, time.monotonic() + 30, aborted, missing="no stream")
+    assert failed.value.code == grpc.StatusCode.CANCELLED
+    kept, peer = socket.socketpair()
+    offers.put(1, None, kept)
+    offers.close()
+    assert kept.fileno() == -1
+    with pytest.raises(RpcFailure) as failed:
+        offers.take(1, time.monotonic() + 30, threading.Event(), missing="no stream")
+    assert failed.value.code == grpc.StatusCode.ABORTED
+    late, late_peer = socket.socketpair()
+    with pytest.raises(RpcFailure) as failed:
+        offers.put(1, None, late)
+    assert failed.value.code == grpc.StatusCode.NOT_FOUND
+    for s in (late, peer, late_peer):
+        s.close()
+
+
+def test_a_waiting_take_fails_once_its_owner_is_closed() -> None:
+    offers: Offers[int, None] = Offers("stage 1 of job j")
+    failures: queue.Queue[RpcFailure] = queue.Queue()
+
+    def take() -> None:
+        try:
+            offers.take(0, time.monotonic() + 60, threading.Event(), missing="no stream")
+        except RpcFailure as exc:
+            failures.put(exc)
+
+    taker = threading.Thread(target=take)
+    taker.start()
+    offers.close()
+    taker.join(timeout=30)
+    assert failures.get_nowait().code == grpc.StatusCode.ABORTED

@@ -301,7 +301,7 @@ def test_a_stream_from_a_stranger_another_job_or_a_replica_that_is_not_what_it_c
     receiver.learn(1, [sibling(0), sibling(3)])  # epoch 1: replica 2 left
     assert closed_by_listener(dial_raw(receiver, IDENTITIES[2], hello(2, epoch=0)))
     assert closed_by_listener(dial_raw(receiver, IDENTITIES[2], hello(2, epoch=1)))
-    assert receiver._offered == {}
+    assert all(receiver._offers.kept(k) is None for k in range(8))
 
 
 def test_a_sibling_that_waited_for_the_epoch_dials_at_once_and_its_stream_is_taken(
@@ -323,9 +323,9 @@ def test_a_sibling_that_waited_for_the_epoch_dials_at_once_and_its_stream_is_tak
     receiver.learn(1, [sibling(0), sibling(2)])
     dialler.join(10)
     deadline = time.monotonic() + 5
-    while 0 not in receiver._offered and time.monotonic() < deadline:
+    while receiver._offers.kept(0) is None and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert 0 in receiver._offered, "the listener refused the stream of a sibling the epoch names"
+    assert receiver._offers.kept(0) is not None, "the listener refused the stream of a sibling the epoch names"
     assert not closed_by_listener(dialled[0], within=0.3)
 
 
@@ -355,9 +355,9 @@ def test_streams_of_epochs_no_step_named_hold_one_slot_per_sibling_and_no_thread
     threads = threading.active_count()
     streams = [dial_raw(receiver, IDENTITIES[0], hello(0, epoch=epoch, target=2)) for epoch in range(1, 9)]
     deadline = time.monotonic() + 10
-    while receiver._offered.get(0, (0,))[0] != 8 and time.monotonic() < deadline:
+    while receiver._offers.kept(0) != ((8, digest_of(0)),) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert list(receiver._offered) == [0] and receiver._offered[0][0] == 8
+    assert [k for k in range(8) if receiver._offers.kept(k)] == [0] and receiver._offers.kept(0)[0][0] == 8
     assert all(closed_by_listener(stream) for stream in streams[:-1])
     assert threading.active_count() == threads
 
