@@ -14,7 +14,7 @@ every `--interval` seconds (`POST /api/agent/heartbeat`, starting at a random of
 holds; not the link it measures every 5 minutes): an agent given assignments reports every stage ready at its
 generation at once, in one more heartbeat (as a real agent reports a change it applied), then in every heartbeat,
 so the hosting agents' unchanged reports take the quiet path (controlplane/agents/heartbeat.py) and the jobs start.
-No training driver runs (the training worker is stopped once its idle pool process is measured): the bench stands
+No training driver runs (the training worker is stopped once it is measured idle): the bench stands
 in for each running job's driver (`drive_jobs`, in a process of its own), claiming its lease and writing one step
 of progress per job every interval, the reports that fall due together recorded in one transaction
 (`jobs_record_progress`, the batched form of the driver's own `job_record_steps`: the step and its loss, the stages'
@@ -37,8 +37,8 @@ worker's own log of each `arceus.reconcile` task: under the same load); and, for
 stage whose heartbeats stop, the time from their last heartbeat to their stage's move, against the grace; the
 nodes hosting stages and the jobs running; the progress writes (per second, their latency); and the control
 plane's resident memory once the jobs run (every process but the training worker's: RSS and PSS summed, per
-running job), beside what it would be with a training worker process held per running job as today (the idle
-pool process measured at start-up, per job).
+running job), beside what it is with the training worker (measured idle at start-up: one process whose threads are
+the drivers, controlplane/common/worker_pool.py; what each running driver adds to it: bench/driver_memory.py).
 A run that places nothing, or whose agents time out, still reports (nothing is measured that was not seen).
 Prints a table, writes docs/BENCHMARKS.md, and ends with one JSON line.
 """
@@ -546,7 +546,7 @@ async def run_fleet(
         "progress_p50_ms": round(quantile(progress.seconds, 0.5) * 1e3, 1),
         "progress_p99_ms": round(quantile(progress.seconds, 0.99) * 1e3, 1),
         "progress_lost_leases": len(progress.lost),
-        **memory, **per_job_memory(memory, memory_before, running, args.training_process_mib),
+        **memory, **per_job_memory(memory, memory_before, running, args.training_worker_mib),
         "load_average": [round(x, 2) for x in os.getloadavg()],
     }
 
@@ -574,32 +574,28 @@ def control_plane_memory(cluster: LocalCluster) -> dict[str, Any]:
             "rss_by_part_mib": {name: round(sum(i.rss for i in part) / MIB, 1) for name, part in parts.items()}}
 
 
-def training_process_mib(cluster: LocalCluster) -> float:
-    """The RSS of one pool process of the training worker, idle after start-up, in MiB: today each running job
-    holds one such process for its driver (more once it trains: it imports torch and holds the job's data)."""
-    worker, deadline = psutil.Process(cluster.process_ids("worker-training")[0]), time.monotonic() + 60
-    while not (pool := worker.children()) and time.monotonic() < deadline:  # forked once the worker is up
-        time.sleep(0.5)
-    if not pool:
-        raise RuntimeError("the training worker started no pool process within 60 s")
-    return round(min(p.memory_info().rss for p in pool) / MIB, 1)
+def training_worker_mib(cluster: LocalCluster) -> float:
+    """The RSS of the training worker, idle once it takes tasks, in MiB: its processes summed (one, whose threads are
+    the drivers: controlplane/common/worker_pool.py)."""
+    cluster.wait_for_worker("worker-training")
+    return round(sum(psutil.Process(pid).memory_info().rss for pid in cluster.process_ids("worker-training")) / MIB, 1)
 
 
 def per_job_memory(memory: dict[str, Any], before: dict[str, Any], running: int,
-                   process_mib: float) -> dict[str, Any]:
-    """The control plane's memory per running job: with no process per job (as measured: all of it, and what it
-    grew by since the jobs came), and with a training worker process held per job as today (the measured control
-    plane plus one idle pool process per job)."""
+                   worker_mib: float) -> dict[str, Any]:
+    """The control plane's memory per running job: without the training worker (as measured: all of it, and what it
+    grew by since the jobs came), and with the training worker held once for all of them (its idle RSS; what each
+    driver adds to it is bench/driver_memory.py's)."""
     jobs = max(1, running)
-    return {"training_process_mib": process_mib,
+    return {"training_worker_mib": worker_mib,
             "rss_before_jobs_mib": before["control_plane_rss_mib"],
             "rss_by_part_before_jobs_mib": before["rss_by_part_mib"],
             "rss_growth_per_job_mib": round((memory["control_plane_rss_mib"] - before["control_plane_rss_mib"]) / jobs,
                                             3),
             "rss_per_job_mib": round(memory["control_plane_rss_mib"] / jobs, 3),
             "pss_per_job_mib": round(memory["control_plane_pss_mib"] / jobs, 3),
-            "rss_with_processes_mib": round(memory["control_plane_rss_mib"] + running * process_mib, 1),
-            "rss_per_job_with_processes_mib": round(memory["control_plane_rss_mib"] / jobs + process_mib, 1)}
+            "rss_with_training_worker_mib": round(memory["control_plane_rss_mib"] + worker_mib, 1),
+            "rss_per_job_with_training_worker_mib": round((memory["control_plane_rss_mib"] + worker_mib) / jobs, 3)}
 
 
 def nodes_unknown() -> int:
@@ -669,8 +665,8 @@ def main() -> None:
         )
         cluster.start()
         try:
-            # No driver runs (the bench's stand-ins write their progress: `drive_jobs`); what one would hold first.
-            args.training_process_mib = training_process_mib(cluster)
+            # No driver runs (the bench's stand-ins write their progress: `drive_jobs`); what the drivers' worker holds.
+            args.training_worker_mib = training_worker_mib(cluster)
             cluster.crash("worker-training")
             _setup_django(cluster.env)
             from django.conf import settings
@@ -734,8 +730,9 @@ def print_and_write(r: dict[str, Any], *, write: bool) -> None:
         "| RSS by part, with the fleet and no job → at the end | "
         + ", ".join(f"{name} {r['rss_by_part_before_jobs_mib'][name]:,} → {mib:,} MiB"
                     for name, mib in r["rss_by_part_mib"].items()) + " | |",
-        f"| with a training worker process per running job as today ({r['training_process_mib']} MiB each, idle): "
-        f"RSS, per job | {r['rss_with_processes_mib']:,} MiB, {r['rss_per_job_with_processes_mib']} MiB | |",
+        f"| with the training worker ({r['training_worker_mib']} MiB idle, one process for every driver): "
+        f"RSS, per job | {r['rss_with_training_worker_mib']:,} MiB, {r['rss_per_job_with_training_worker_mib']} MiB "
+        "| < 1 MiB |",
     ]
     body = "\n".join(lines)
     report("control-plane-scale", "Control plane at scale (`bench/control_plane_scale.py`)", body, r, write=write)

@@ -1,7 +1,7 @@
 """The Celery app "arceus": `celery -A controlplane.celery worker -Q control` (or
-`-Q training,sampling -I tasks.training`, or `-Q reachability -I tasks.nodes`), and
-`celery -A controlplane.celery beat`. Its task modules (`tasks/`) are named here, not imported: the control plane
-never imports them, it enqueues tasks by name (`controlplane.common.dispatch`).
+`-Q training,sampling -I tasks.training -P threads -c 32`, its pool in controlplane/common/worker_pool.py, or
+`-Q reachability -I tasks.nodes`), and `celery -A controlplane.celery beat`. Its task modules (`tasks/`) are named
+here, not imported: the control plane never imports them, it enqueues tasks by name (`controlplane.common.dispatch`).
 
 Environment-driven values (broker and result backend = REDIS_URL, the resync interval) come from the
 Django settings; the delivery guarantees and the routing below are part of the design, so they are
@@ -98,10 +98,12 @@ app.conf.update(
 )
 
 
+@signals.worker_init.connect
 @signals.worker_process_init.connect
 def _tune_collector(**_: object) -> None:
-    """A pool process has started, its tasks loaded: a reconcile pass over 10,000 nodes must not stop for a full
-    collection of the worker's heap (controlplane/common/garbage_collector.py)."""
+    """A worker (whose pool threads run its tasks: the training worker's) or a pool process has started, its tasks
+    loaded: a reconcile pass over 10,000 nodes must not stop for a full collection of the worker's heap
+    (controlplane/common/garbage_collector.py)."""
     garbage_collector_tuned()
 
 
@@ -111,6 +113,13 @@ def _drop_live_metrics(pid: int, **_: object) -> None:
     from controlplane.common.metrics import process_exited
 
     process_exited(pid)
+
+
+@signals.worker_shutdown.connect
+def _drop_own_live_metrics(**_: object) -> None:
+    """A worker is ending: the live gauges of the tasks its own threads ran (the training worker's drivers) leave
+    /metrics with it."""
+    _drop_live_metrics(os.getpid())
 
 
 @signals.worker_init.connect

@@ -27,6 +27,7 @@ import requests
 
 from arceus.contracts.scrape import agent_scrape_token
 from arceus.sdk import ArceusClient
+from controlplane.common.worker_pool import TRAINING_WORKER_POOL
 from devtools.supervisor import Child, ProcessError, Supervisor
 from nodeagent import faults
 from nodeagent.faults import ENABLE_ENV, FAULT_ENV
@@ -37,6 +38,7 @@ MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 AGENT_READY_PREFIX = "AGENT READY"
 RELAY_READY_PREFIX = "RELAY READY"
 WEB_STOP_GRACE_SECONDS = 3.0  # gunicorn's own stop, once nothing talks to it, takes about a second
+CELERY = [sys.executable, "-m", "celery", "-A", "controlplane.celery"]  # how every Celery part starts
 
 
 def stage_placement(detail: dict[str, Any]) -> dict[int, str]:
@@ -108,6 +110,7 @@ class LocalCluster:
     reconcile_interval_seconds: float = 2.0  # beat's periodic pass (heartbeats that change something trigger more)
     extra_env: dict[str, str] = field(default_factory=dict)  # more settings for every part (ARCEUS_*, ...)
     relays: int = 0  # relay processes ("relay-<i>") for agents the control plane cannot dial back
+    training_pool: Sequence[str] = TRAINING_WORKER_POOL  # the training worker's pool options (a bench compares others)
     supervisor: Supervisor = field(init=False)
     env: dict[str, str] = field(init=False)
     api_url: str = field(init=False, default="")
@@ -154,19 +157,31 @@ class LocalCluster:
         self.api_url = f"http://127.0.0.1:{port}"
         self._commands["web"] = self._web_command(f"127.0.0.1:{port}")
         self.web = self.relaunch("web")
-        celery = [sys.executable, "-m", "celery", "-A", "controlplane.celery"]
         self._commands["worker-control"] = [
-            *celery, "worker", "-Q", "control", "-c", "1", "-n", "control@%h", "--loglevel", "INFO"]
-        self._commands["worker-training"] = [
-            *celery, "worker", "-Q", "training,sampling", "-I", "tasks.training", "-c", "2", "-n", "training@%h",
-            "--loglevel", "INFO"]
+            *CELERY, "worker", "-Q", "control", "-c", "1", "-n", "control@%h", "--loglevel", "INFO"]
+        self._commands["worker-training"] = self._training_worker_command()
         self._commands["worker-reachability"] = [
-            *celery, "worker", "-Q", "reachability", "-I", "tasks.nodes", "-P", "solo", "-n", "reachability@%h",
+            *CELERY, "worker", "-Q", "reachability", "-I", "tasks.nodes", "-P", "solo", "-n", "reachability@%h",
             "--loglevel", "INFO"]
         self._commands["beat"] = [
-            *celery, "beat", "--loglevel", "INFO", "--schedule", str(self.workdir / "celerybeat-schedule")]
+            *CELERY, "beat", "--loglevel", "INFO", "--schedule", str(self.workdir / "celerybeat-schedule")]
         for name in ("worker-control", "worker-training", "worker-reachability", "beat"):
             self.relaunch(name)
+
+    def _training_worker_command(self) -> list[str]:
+        return [*CELERY, "worker", "-Q", "training,sampling", "-I", "tasks.training", *self.training_pool,
+                "-n", "training@%h", "--loglevel", "INFO"]
+
+    def relaunch_training_worker(self, pool: Sequence[str]) -> Child:
+        """Kill the training worker and start it with other pool options (a bench comparing pools), once it takes
+        tasks; only while no job trains (its drivers die with it)."""
+        self.training_pool = tuple(pool)
+        self._commands["worker-training"] = self._training_worker_command()
+        self.crash("worker-training")
+        offset = self._child("worker-training").log_path.stat().st_size
+        child = self.relaunch("worker-training")
+        self.wait_for_worker("worker-training", offset=offset)
+        return child
 
     @staticmethod
     def _web_command(bind: str) -> list[str]:
@@ -344,6 +359,21 @@ class LocalCluster:
             if time.monotonic() >= deadline:
                 raise TimeoutError(f"job {job_id}: not ready in {timeout:.0f}s; {job_summary(detail)}")
             time.sleep(poll_seconds)
+
+    def wait_for_worker(self, name: str, timeout: float = 120, offset: int = 0) -> None:
+        """Block until a Celery worker part ("worker-training", ...) has logged that it takes tasks (its task modules
+        and pool loaded), in its log from byte `offset` (logs are appended across restarts)."""
+        child = self._child(name)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with open(child.log_path, "rb") as log:
+                log.seek(offset)
+                if b" ready." in log.read():
+                    return
+            if not child.alive():
+                raise ProcessError(f"{name} exited before it was ready:\n{child.log_tail()}")
+            time.sleep(0.2)
+        raise ProcessError(f"{name} did not log that it was ready within {timeout:.0f}s; see {child.log_path}")
 
     # --- faults, for the fault-tolerance tests and benchmarks ------------------------------------
     def crash(self, name: str) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+from celery import signals
 from django.conf import settings
 
 from arceus.relay.dialer import use_relays
@@ -16,6 +18,15 @@ from controlplane.nodes.relays import relay_certificate
 # The driver and samplers reach relayed agents through these: this worker is the control plane's one that dials
 # agents, and the only one that imports this module.
 use_relays(settings.ARCEUS_RELAYS, relay_certificate())
+# The torch threads a driver computes on (its spot checks' recomputing, reading samples): the worker's drivers are
+# threads of one process (controlplane.celery.TRAINING_WORKER_POOL), each on its own, not each with a team of its own.
+DRIVER_TORCH_THREADS = 1
+
+
+@signals.worker_init.connect
+def _bound_torch_threads(**_: object) -> None:
+    """This worker started: its many drivers never run more torch threads than there are drivers computing."""
+    torch.set_num_threads(DRIVER_TORCH_THREADS)
 
 
 @app.task(name=TRAIN_JOB_TASK)

@@ -15,7 +15,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from controlplane.celery import QUEUE_TASK_MODULES
+from controlplane.celery import QUEUE_TASK_MODULES, TRAINING_QUEUE
+from controlplane.common.worker_pool import TRAINING_WORKER_POOL
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -203,12 +204,28 @@ def test_kubernetes_runs_the_readme_commands_from_the_secret() -> None:
 def test_each_worker_imports_its_queues_own_task_modules_and_no_other() -> None:
     """The training and reachability tasks load gRPC (the training ones torch too): only the worker of their
     queue imports them (`-I`), and a worker without them would drop each of its tasks as an unknown one."""
-    workers = [c for c in _readme_operator_commands() if c[3:4] == ["worker"]]
-    workers += [service["command"] for service in _compose_config()["services"].values()
-                if service.get("command", [])[3:4] == ["worker"]]
-    workers += [c["command"] for c in _k8s_containers() if c.get("command", [])[3:4] == ["worker"]]
+    workers = _worker_commands()
     assert len(workers) == 9
     for command in workers:
         queues = command[command.index("-Q") + 1].split(",")
         imports = set(command[command.index("-I") + 1].split(",")) if "-I" in command else set()
         assert imports == {QUEUE_TASK_MODULES[q] for q in queues if q in QUEUE_TASK_MODULES}, command
+
+
+def test_every_training_worker_runs_its_drivers_as_threads_of_one_process() -> None:
+    """README, compose and Kubernetes start the training worker with the pool devtools/cluster.py uses (one home:
+    controlplane/common/worker_pool.py), not a process per running job."""
+    training = [c for c in _worker_commands() if TRAINING_QUEUE in c[c.index("-Q") + 1].split(",")]
+    assert len(training) == 3
+    for command in training:
+        assert any(command[i : i + len(TRAINING_WORKER_POOL)] == list(TRAINING_WORKER_POOL)
+                   for i in range(len(command))), command
+
+
+def _worker_commands() -> list[list[str]]:
+    """Every `celery worker` command of README, compose and Kubernetes."""
+    workers = [c for c in _readme_operator_commands() if c[3:4] == ["worker"]]
+    workers += [service["command"] for service in _compose_config()["services"].values()
+                if service.get("command", [])[3:4] == ["worker"]]
+    workers += [c["command"] for c in _k8s_containers() if c.get("command", [])[3:4] == ["worker"]]
+    return workers

@@ -4,9 +4,12 @@ collections are rare. Each case runs in a fresh interpreter, since the collector
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 from controlplane.common.garbage_collector import YOUNG_THRESHOLD
 
@@ -47,16 +50,18 @@ def test_a_tuned_process_never_scans_what_it_held_and_collects_young_objects_rar
     assert tuned["runs"] * 20 <= default["runs"]
 
 
-def test_celery_pool_processes_tune_their_collector_when_they_start() -> None:
-    code = textwrap.dedent("""
+@pytest.mark.parametrize("signal", ["worker_process_init", "worker_init"])  # a pool process; a worker of threads
+def test_celery_workers_tune_their_collector_when_they_start(signal: str) -> None:
+    code = textwrap.dedent(f"""
         import gc, json
         from celery import signals
         import controlplane.celery
         before = gc.get_freeze_count()
-        signals.worker_process_init.send(sender=None)
-        print(json.dumps({"before": before, "after": gc.get_freeze_count(), "threshold": gc.get_threshold()}))
+        signals.{signal}.send(sender=None)
+        print(json.dumps({{"before": before, "after": gc.get_freeze_count(), "threshold": gc.get_threshold()}}))
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120)
+    env = {**os.environ, "ARCEUS_SECRET_KEY": "a-secret-so-that-a-worker-starts"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120, env=env)
     state = json.loads(out.stdout)
     assert state["before"] == 0 < state["after"]
     assert state["threshold"][0] == YOUNG_THRESHOLD

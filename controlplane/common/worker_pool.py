@@ -1,0 +1,10 @@
+"""The training worker's pool, in a module of its own (no Django, no Celery) so that the development cluster
+(devtools/cluster.py) starts its worker with the same words as README and deploy/ do (tests/deploy checks them)."""
+
+from __future__ import annotations
+
+# The training worker's drivers are threads of one process: a driver mostly waits for its agents' answers, and a pool
+# process per running job held ~230 MiB (docs/BENCHMARKS.md, "Drivers as threads of one worker"). `-c`: how many jobs
+# one worker drives at once (a job queued beyond them waits for a free thread or another worker); each running driver
+# holds two database connections, its own and its lease renewer's.
+TRAINING_WORKER_POOL = ("-P", "threads", "-c", "32")
