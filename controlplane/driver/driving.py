@@ -2,8 +2,9 @@
 progress sink backed by the services, and end the job. The `arceus.train_job` Celery task runs this.
 
 Idempotent through the driver lease: a duplicate or redelivered message finds the lease held by a live
-driver and exits. A thread renews the lease while the driver runs, however long a step takes; a driver
-that died stops renewing, and the reconciler rewinds the job to its last checkpoint and starts another.
+driver and exits. The lease is renewed while the driver runs, however long a step takes, by the process's one
+renewing thread (controlplane/driver/lease_renewals.py); a driver that died stops renewing, and the reconciler
+rewinds the job to its last checkpoint and starts another.
 """
 
 from __future__ import annotations
@@ -12,14 +13,12 @@ import functools
 import logging
 import os
 import socket
-import threading
 import uuid
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any, BinaryIO, TypeVar
 
 from django.conf import settings
-from django.db import DatabaseError, connection
 from django.utils import timezone
 
 from arceus.contracts.transfer import transfer_config_from_json
@@ -31,10 +30,11 @@ from controlplane.common import metrics
 from controlplane.common.db import reconnecting
 from controlplane.common.errors import ApplicationError
 from controlplane.datasets.tokens import dataset_samples_open
+from controlplane.driver.lease_renewals import LEASES
 from controlplane.driver.progress import job_finish, job_record_failure, stage_record_fenced, stage_record_joined
 from controlplane.driver.sink import DbProgressSink
 from controlplane.jobs.credentials import job_driver_token
-from controlplane.jobs.leases import job_driver_claim, job_driver_interrupted, job_driver_renew
+from controlplane.jobs.leases import job_driver_claim, job_driver_interrupted
 from controlplane.jobs.models import Job
 from controlplane.jobs.selectors import job_replica_endpoints, job_replicas_placed, job_stage_endpoints
 
@@ -53,7 +53,7 @@ def job_drive(*, job_id: str) -> str:
     sink = DbProgressSink(job_id=str(job.id), lease_owner=owner, generation=job.generation)
     try:
         with (
-            LeaseRenewer(job_id=str(job.id), owner=owner, on_lost=sink.lose_lease),
+            LEASES.renewing(job_id=str(job.id), owner=owner, on_lost=sink.lose_lease),
             metrics.DRIVERS_RUNNING.track_inprogress(),
         ):
             result = train(train_plan(job, lease_owner=owner), sink)
@@ -175,36 +175,3 @@ def _open_dataset(owner_id: Any, dataset_config: dict[str, Any]) -> BinaryIO:
     except ApplicationError as exc:
         gone = exc.status == HTTPStatus.NOT_FOUND
         raise SpecError("dataset_config.dataset_id", f"{exc.message}: it was deleted" if gone else exc.message) from exc
-
-
-class LeaseRenewer:
-    """Renews the driver lease every third of its duration from a thread; calls `on_lost` once if the
-    lease is gone (cancelled, rewound, or taken over), so the driver stops at its next step."""
-
-    def __init__(self, *, job_id: str, owner: str, on_lost: Callable[[], None]) -> None:
-        self._job_id, self._owner, self._on_lost = job_id, owner, on_lost
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"lease-{job_id[:8]}", daemon=True)
-
-    def __enter__(self) -> LeaseRenewer:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def _run(self) -> None:
-        try:
-            while not self._stop.wait(settings.ARCEUS_DRIVER_LEASE_SECONDS / 3):
-                try:
-                    held = job_driver_renew(job_id=self._job_id, owner=self._owner, now=timezone.now())
-                except DatabaseError:
-                    log.warning("job %s: could not renew the driver lease; retrying", self._job_id, exc_info=True)
-                    connection.close()  # a dead connection stays dead: the next renewal opens a new one
-                    continue
-                if not held:
-                    self._on_lost()
-                    return
-        finally:
-            connection.close()  # this thread's own database connection

@@ -5,6 +5,7 @@ lost its lease (the job was cancelled, rewound, or taken over) learns it from a 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -39,9 +40,24 @@ def stages_unfence(stages: QuerySet[Stage], now: datetime) -> None:
     stages.filter(fenced_at__isnull=False).update(fenced_until_step=None, fenced_at=None, held_since=now)
 
 
-def job_driver_renew(*, job_id: Any, owner: str, now: datetime) -> bool:
-    """Extend the caller's driver lease; False if it no longer holds it (cancelled, rewound, taken over)."""
-    return bool(held(job_id, owner).update(driver_lease_expires_at=lease_end(now)))
+@transaction.atomic
+def jobs_driver_renew(*, leases: Sequence[tuple[Any, str]], now: datetime) -> set[tuple[str, str]]:
+    """Extend each driver lease, (job, owner), that its owner still holds, in one transaction of two queries whatever
+    their number (a training worker's drivers: controlplane/driver/lease_renewals.py); those still held, each job as
+    text. One no longer held (cancelled, rewound, taken over) is left as it is."""
+    if not leases:
+        return set()
+    wanted = Q()
+    for job_id, owner in leases:
+        wanted |= Q(pk=job_id, driver_lease_owner=owner)
+    still = list(
+        Job.objects.filter(wanted, status=JobStatus.RUNNING)
+        .select_for_update()
+        .order_by("pk")  # the lock order of every batch of jobs (controlplane/driver/recording.py)
+        .values_list("pk", "driver_lease_owner")
+    )
+    Job.objects.filter(pk__in=[pk for pk, _ in still]).update(driver_lease_expires_at=lease_end(now))
+    return {(str(pk), owner) for pk, owner in still}
 
 
 def job_handover_requested(*, job_id: Any) -> bool:
