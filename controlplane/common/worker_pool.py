@@ -6,5 +6,5 @@ from __future__ import annotations
 # The training worker's drivers are threads of one process: a driver mostly waits for its agents' answers, and a pool
 # process per running job held ~230 MiB (docs/BENCHMARKS.md, "Drivers as threads of one worker"). `-c`: how many jobs
 # one worker drives at once (a job queued beyond them waits for a free thread or another worker); each running driver
-# holds two database connections, its own and its lease renewer's.
+# holds a database connection, and one more renews all their leases (controlplane/driver/lease_renewals.py).
 TRAINING_WORKER_POOL = ("-P", "threads", "-c", "32")
