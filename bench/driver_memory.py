@@ -2,7 +2,8 @@
 on real agents, its drivers threads of one process (the shipped pool, controlplane/common/worker_pool.py) beside a
 process per driver (Celery's prefork pool, as the training worker ran before).
 
-    DATABASE_URL=postgres://... .venv/bin/python bench/driver_memory.py [--jobs 1,4,8] [--samples 5] [--no-write]
+    DATABASE_URL=postgres://... .venv/bin/python bench/driver_memory.py [--jobs 1,4,8] [--samples 5] \
+        [--pools threads,prefork] [--no-write]
 
 One deployment on this machine (devtools.cluster.LocalCluster: gunicorn, the Celery workers and beat on the database
 DATABASE_URL names and an embedded redis-server) with 8 agents of one torch thread. Each job is a 1-stage digits MLP
@@ -39,7 +40,7 @@ from devtools.cluster import LocalCluster  # noqa: E402
 
 MIB = 1024 * 1024
 AGENTS = 8
-PREFORK_POOL = ("-P", "prefork", "-c", str(AGENTS))
+POOLS = {"threads": TRAINING_WORKER_POOL, "prefork": ("-P", "prefork", "-c", str(AGENTS))}
 JOB: dict[str, Any] = {
     "model_config": {"layer_sizes": [64, 128, 64, 10]},
     "dataset_config": {"name": "digits", "batch_size": 32, "val_batch_size": 360},
@@ -50,6 +51,7 @@ JOB: dict[str, Any] = {
     "requirements": {"owner_diversity": False},  # every agent here is one owner's
 }
 WARM_STEP = 5
+LABELS = {"0": "no job", "1": "1 job", "0 after": "no job, after"}
 
 
 def worker_memory(cluster: LocalCluster, samples: int) -> dict[str, float]:
@@ -109,6 +111,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", default="1,4,8", help="the levels of running jobs, at most 8")
     parser.add_argument("--samples", type=int, default=5)
+    parser.add_argument("--pools", default="threads,prefork", help="the pools measured, in this order")
     parser.add_argument("--no-write", dest="write", action="store_false")
     args = parser.parse_args()
     levels = sorted(int(n) for n in args.jobs.split(","))
@@ -125,12 +128,14 @@ def main() -> None:
         try:
             suffix = uuid.uuid4().hex[:6]  # nodes of an earlier run on this database keep their names
             cluster.start_agents([f"memory-{suffix}-{i}" for i in range(AGENTS)])
-            pools = {"threads": measure_pool(cluster, "threads", levels, args.samples)}
-            cluster.relaunch_training_worker(PREFORK_POOL)
-            pools["prefork"] = measure_pool(cluster, "prefork", levels, args.samples)
+            pools = {}
+            for name in args.pools.split(","):
+                if list(cluster.training_pool) != list(POOLS[name]):
+                    cluster.relaunch_training_worker(POOLS[name])
+                pools[name] = measure_pool(cluster, name, levels, args.samples)
         finally:
             cluster.stop()
-    result = {"pools": pools, "threads_pool": list(TRAINING_WORKER_POOL), "prefork_pool": list(PREFORK_POOL),
+    result = {"pools": pools, "pool_options": {name: list(POOLS[name]) for name in pools},
               "load_average_before": [round(x, 2) for x in load_before],
               "load_average_after": [round(x, 2) for x in os.getloadavg()]}
     print_and_write(result, levels, write=args.write)
@@ -142,11 +147,12 @@ def print_and_write(r: dict[str, Any], levels: list[int], *, write: bool) -> Non
         f"`python bench/driver_memory.py`: {AGENTS} agents, 1-stage digits MLP jobs; load average "
         f"{r['load_average_before']} before, {r['load_average_after']} after (2 cores shared with other sessions).",
         "",
-        "| training worker | " + " | ".join(f"{c} jobs" for c in columns) + " | per running job | slope |",
+        "| training worker | " + " | ".join(LABELS.get(c, f"{c} jobs") for c in columns)
+        + " | per running job | slope |",
         "| --- | " + " | ".join("---" for _ in columns) + " | --- | --- |",
     ]
-    for name, pool in (("threads", r["threads_pool"]), ("prefork", r["prefork_pool"])):
-        p = r["pools"][name]
+    for name, p in r["pools"].items():
+        pool = r["pool_options"][name]
         for kind in ("rss", "pss"):
             cells = [f"{p['levels'][c][f'{kind}_mib']:,} ({p['levels'][c]['processes']})" for c in columns]
             lines.append(f"| `{' '.join(pool)}`: {kind.upper()} MiB (processes) | " + " | ".join(cells)

@@ -177,8 +177,8 @@ class LocalCluster:
         tasks; only while no job trains (its drivers die with it)."""
         self.training_pool = tuple(pool)
         self._commands["worker-training"] = self._training_worker_command()
-        self.crash("worker-training")
         offset = self._child("worker-training").log_path.stat().st_size
+        self.crash("worker-training")
         child = self.relaunch("worker-training")
         self.wait_for_worker("worker-training", offset=offset)
         return child
