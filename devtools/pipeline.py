@@ -15,6 +15,7 @@ from typing import Any
 
 from arceus.contracts.assignment import Assignment, OptimizerConfig, TiedPeer
 from arceus.contracts.credentials import DRIVER, StageCredentials, mint_token, stage_credentials
+from arceus.contracts.data_plane import SPOKEN, DataPlane
 from arceus.contracts.replica_sync import replica_sync_from_json
 from arceus.contracts.stage_key import stage_key
 from arceus.contracts.transfer import transfer_config_from_json
@@ -57,11 +58,16 @@ def pipeline_assignments(
     transfer: dict[str, Any] | None = None,
     precision: str = "fp32",
     staleness: int = 0,
+    features: Sequence[Sequence[str]] | None = None,
 ) -> list[dict[str, Any]]:
     """Assignments (JSON) for stages [boundaries[i], boundaries[i+1]) hosted at addresses[i]; `staleness` the
-    job's (arceus.pipeline.schedule.STALENESS)."""
+    job's (arceus.pipeline.schedule.STALENESS); `features[i]`: the data-plane features stage i's agent declares
+    (arceus.contracts.data_plane; default: this version's, `SPOKEN`, for every agent; () as an older agent's)."""
     _check_boundaries(boundaries, addresses)
     n = len(addresses)
+    declared = [tuple(sorted(f)) for f in features] if features is not None else [SPOKEN] * n
+    if len(declared) != n:
+        raise ValueError(f"features names {len(declared)} agents' features for {n} stages")
     shared = dict(job_id=job_id, model_config=model_config, boundaries=boundaries, optimizer=optimizer, seed=seed,
                   micro_batches=micro_batches, max_micro_batch_size=max_micro_batch_size, generation=generation)
     assignments = []
@@ -77,6 +83,7 @@ def pipeline_assignments(
             certificates=certificates_for([prev, next_, *(addresses[j] for j in tied)]),
             transfer=transfer_config_from_json(transfer), precision=precision,
             tied=tuple(TiedPeer(j, *ranges[j], (addresses[j],)) for j in tied), staleness=staleness,
+            data_plane=DataPlane(declared[i], declared[i - 1] if i > 0 else (), declared[i + 1] if i < n - 1 else ()),
         ))
     return assignments
 

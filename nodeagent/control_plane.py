@@ -28,6 +28,7 @@ import requests
 
 from arceus.checkpoint import StateFile
 from arceus.contracts.assignment import Assignment, CheckpointRef, InitialWeightsRef
+from arceus.contracts.data_plane import SPOKEN
 from arceus.contracts.observed import ObservedStage
 from arceus.contracts.possession import possession_sign
 from arceus.data.upload_rows import MAX_READ_BYTES
@@ -105,6 +106,7 @@ class ControlPlaneClient(ControlPlaneSession):
             "tls_certificate": identity.certificate,
             "challenge": challenge,
             "tls_proof": possession_sign(identity.key_pem, challenge, identity.certificate),
+            "data_plane": list(SPOKEN),  # which links may take a neighbour stream (arceus.contracts.data_plane)
         }
         if metrics_port is not None:
             payload["metrics_port"] = metrics_port

@@ -3,8 +3,10 @@
 no other thread in either process (docs/BENCHMARKS.md, "MLP pipeline vs one process").
 
 Which links: one between two stages neither of which is replicated nor split tensor-parallel, of a job with
-staleness 0 (`streamed_links`, from the assignment alone, so both ends agree). Every other tensor keeps PushStream:
-a replica's routed ones, a tensor-parallel stage's ranks, a stale job's, tied weights' gradients, the driver's.
+staleness 0, whose agents both declared they speak it (`streamed_links`, from the assignment alone, so both ends
+agree; an agent of an older version declares nothing, and its links keep PushStream). Every other tensor keeps
+PushStream: a replica's routed ones, a tensor-parallel stage's ranks, a stale job's, tied weights' gradients, the
+driver's.
 
 Opening: the previous stage asks the next one `StageService.NeighbourStreamPort` over its gRPC link (authenticated
 as its pushes are: its bearer token, role PREV) and dials that agent's stream listener, pinned to the certificate
@@ -39,6 +41,7 @@ import torch
 
 from arceus.contracts.assignment import Assignment
 from arceus.contracts.credentials import Role
+from arceus.contracts.data_plane import link_streamed
 from arceus.pipeline.schedule import Action
 from arceus.v1 import stage_pb2, stage_pb2_grpc
 from arceus.wire import codec
@@ -94,11 +97,13 @@ def neighbour_hellos(adopt: Callable[[NeighbourHello, ssl.SSLSocket], None]) -> 
 def streamed_links(a: Assignment) -> tuple[bool, bool]:
     """Whether the links to the previous and to the next stage run over a neighbour stream: both stages one agent
     (not replicated, not tensor-parallel), of a job with staleness 0 (with staleness 1 two steps run at once on a
-    stage, and their frames would share a stream in no order both ends know). Decided from the assignment alone,
-    which names the neighbours' ranks."""
+    stage, and their frames would share a stream in no order both ends know), and both agents declared they speak
+    it (arceus.contracts.data_plane.link_streamed). Decided from the assignment alone, which names the neighbours'
+    ranks and features, so both ends agree."""
     alone = a.replica is None and a.tensor_parallel is None and not a.inference and a.staleness == 0
-    return (alone and a.prev_address is not None and not a.prev_ranks,
-            alone and a.next_address is not None and not a.next_ranks)
+    own = a.data_plane.own
+    return (alone and a.prev_address is not None and not a.prev_ranks and link_streamed(a.data_plane.prev, own),
+            alone and a.next_address is not None and not a.next_ranks and link_streamed(own, a.data_plane.next))
 
 
 def link_frames(lower: Sequence[Action], upper: Sequence[Action]) -> tuple[list[FrameKey], list[FrameKey]]:

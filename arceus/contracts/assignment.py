@@ -14,6 +14,7 @@ from typing import Any
 
 from arceus.contracts.certificates import check_certificate
 from arceus.contracts.credentials import StageCredentials
+from arceus.contracts.data_plane import DataPlane
 from arceus.contracts.replica_sync import ReplicaSync, replica_sync_from_json
 from arceus.contracts.transfer import TransferConfig, transfer_config_from_json
 from arceus.errors import SpecError
@@ -47,6 +48,7 @@ _OPTIONAL_FIELDS = frozenset(
     {
         "checkpoint", "initial_weights", "program", "transfer", "precision", "tensor_parallel",
         "activation_checkpointing", "schedule", "inference", "replica", "replica_sync", "tied", "staleness",
+        "data_plane",
     }
 )
 _OPTIMIZER_FIELDS = frozenset({"name", "lr", "momentum", "weight_decay"})
@@ -164,6 +166,9 @@ class Assignment:
     # The job's staleness (arceus.pipeline.schedule.STALENESS): 1, a train step chained after another runs its
     # forwards once that one's are done here, with the weights before that one's update (PipeDream-2BW).
     staleness: int = 0
+    # The data-plane features this agent and its one-agent neighbours declared (arceus.contracts.data_plane): which
+    # links take a neighbour stream. Empty: every link takes PushStream.
+    data_plane: DataPlane = DataPlane()
 
     @property
     def is_first(self) -> bool:
@@ -328,6 +333,7 @@ class Assignment:
             replica_sync=replica_sync,
             tied=tied,
             staleness=staleness,
+            data_plane=DataPlane.from_json(data.get("data_plane")),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -376,6 +382,7 @@ class Assignment:
             "activation_checkpointing": self.activation_checkpointing,
             "schedule": self.schedule,
             **({"staleness": self.staleness} if self.staleness else {}),
+            **({"data_plane": self.data_plane.to_json()} if self.data_plane.own else {}),
             **(
                 {}
                 if self.tensor_parallel is None

@@ -111,6 +111,7 @@ class AgentRegisterApi(AgentApi):
             lan_address=data.validated_data["lan_address"],
             exchange_port=data.validated_data["exchange_port"],
             exchange_address=data.validated_data["exchange_address"],
+            data_plane=data.validated_data["data_plane"],
             public_ip=client_ip(request),
             **data.validated_data["capabilities"],
             now=now,

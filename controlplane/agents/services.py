@@ -51,11 +51,13 @@ def node_register(
     public_ip: str | None = None,
     exchange_port: int | None = None,
     exchange_address: str = "",
+    data_plane: Sequence[str] = (),
 ) -> Node:
     """Record the agent's addresses and capabilities (inputs already validated by the API); `public_ip`: where the
     registration came from (agents behind the same one dial each other at their `lan_address`); `exchange_address`:
     where siblings dial its replicas' exchange listener as the agent advertised it, else the host of `grpc_address`
-    at `exchange_port`.
+    at `exchange_port`; `data_plane`: the data-plane features it declared (arceus.contracts.data_plane, sorted),
+    which its assignments name to it and to its neighbours.
 
     A registering agent is a fresh process: a stage it hosted lost its state (`_node_restarted`). The agent proved
     it holds the certificate's key (controlplane/nodes/possession.py); a key another node registered is a 409.
@@ -74,6 +76,9 @@ def node_register(
         exchange_address = f"{grpc_address.rpartition(':')[0]}:{exchange_port}"
     node.exchange_address = exchange_address
     node.lan_address, node.public_ip = lan_address, public_ip
+    # A neighbour's assignment names these only from its next generation on, as it does the certificate: a node that
+    # registers again while hosting rewinds its job.
+    node.data_plane = list(data_plane)
     node.device_type = device_type
     node.device_name = device_name
     node.memory_bytes = memory_bytes

@@ -23,6 +23,7 @@ from arceus.contracts.assignment import (
     TiedPeer,
     max_micro_batch_size,
 )
+from arceus.contracts.data_plane import DataPlane
 from arceus.contracts.observed import ObservedState
 from arceus.contracts.replica_sync import ReplicaSync
 from arceus.contracts.status import HOSTED_STATUSES, JobStatus
@@ -391,12 +392,24 @@ def _assignment(
             TiedPeer(i, ranks[0].layer_start, ranks[0].layer_end, _addresses(ranks, viewer))
             for i, ranks in tied_ranks.items()
         ),
+        data_plane=DataPlane(
+            tuple(viewer.data_plane), _one_agent_features(stages.get(stage.index - 1)),
+            _one_agent_features(stages.get(stage.index + 1)),
+        ) if not replicated and len(group) == 1 else DataPlane(),
     ).to_json()
 
 
 def _certificates(viewer: Node, *groups: list[Stage] | None) -> dict[str, str]:
     """The registered TLS certificate of the agent at each address (as `viewer` dials it) of these stages' rows."""
     return {s.node.address_for(viewer): s.node.tls_certificate for g in groups for s in g or () if s.node is not None}
+
+
+def _one_agent_features(group: list[Stage] | None) -> tuple[str, ...]:
+    """The data-plane features the agent of a one-agent stage declared; none for a stage of several agents (a
+    tensor-parallel one: its links take PushStream) or of no node."""
+    if group is None or len(group) != 1 or group[0].node is None:
+        return ()
+    return tuple(group[0].node.data_plane)
 
 
 def _addresses(group: list[Stage] | None, viewer: Node) -> tuple[Any, ...]:

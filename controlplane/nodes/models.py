@@ -78,6 +78,9 @@ class Node(BaseModel):
     # the address its agent advertised (a router's port forward), else the host of `grpc_address` at the listener's
     # port; blank: the agent did not say (siblings ask its gRPC port for the listener's).
     exchange_address = models.CharField(max_length=255, blank=True, default="")
+    # The data-plane features its agent declared at its latest registration (arceus.contracts.data_plane, sorted):
+    # which of its links take a neighbour stream. Empty: an agent of an older version (PushStream links only).
+    data_plane = models.JSONField(default=list, blank=True)
     # Measured after each registration by dialling the agent back (controlplane/nodes/reachability.py).
     reachability = models.CharField(max_length=8, choices=Reachability, default=Reachability.UNKNOWN)
     reachability_checked_at = models.DateTimeField(null=True, blank=True)

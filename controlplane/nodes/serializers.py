@@ -10,8 +10,10 @@ from rest_framework import serializers
 
 from arceus.contracts.assignment import OPTIMIZERS
 from arceus.contracts.certificates import MAX_CERTIFICATE_CHARS, check_certificate
+from arceus.contracts.data_plane import MAX_FEATURES, NEIGHBOUR_STREAM, features_check
 from arceus.contracts.possession import MAX_PROOF_CHARS
 from arceus.contracts.transfer import ACTIVATION_ENCODINGS, GRADIENT_ENCODINGS
+from arceus.errors import SpecError
 from arceus.model.precision import PRECISIONS
 from arceus.pipeline.schedule import SCHEDULES
 from arceus.verify.receipts import ReceiptError, load_public_key
@@ -218,6 +220,11 @@ class AgentRegisterInput(serializers.Serializer):
         help_text="Where other agents dial the agent's replica exchange listener, as it advertises it (a router's "
         "port forward to exchange_port); default: the host of grpc_address at exchange_port",
     )
+    data_plane = serializers.ListField(
+        child=serializers.CharField(), max_length=MAX_FEATURES, required=False, default=list,
+        help_text=f"The data-plane features the agent speaks beyond PushStream (arceus/contracts/data_plane.py: "
+        f"{NEIGHBOUR_STREAM!r}); a link takes one only where both its agents declared it. Default: none",
+    )
 
     metrics_port = serializers.IntegerField(
         min_value=1, max_value=65535, required=False, allow_null=True, default=None,
@@ -241,6 +248,12 @@ class AgentRegisterInput(serializers.Serializer):
             return check_certificate(value)
         except ValueError as exc:
             raise serializers.ValidationError(str(exc)) from None
+
+    def validate_data_plane(self, value: list[str]) -> tuple[str, ...]:
+        try:
+            return features_check(value, "data_plane")
+        except SpecError as exc:
+            raise serializers.ValidationError(exc.message) from None
 
     def validate_public_key(self, value: str) -> str:
         if value:
@@ -298,6 +311,16 @@ class CredentialsOutput(serializers.Serializer):
     )
 
 
+class DataPlaneOutput(serializers.Serializer):
+    own = serializers.ListField(child=serializers.CharField(), help_text="The features this agent declared")
+    prev = serializers.ListField(
+        child=serializers.CharField(), help_text="Those the previous stage's agent declared (none: several agents)"
+    )
+    next = serializers.ListField(
+        child=serializers.CharField(), help_text="Those the next stage's agent declared (none: several agents)"
+    )
+
+
 class AssignmentOutput(serializers.Serializer):
     """Documents the Assignment contract (`arceus.contracts.assignment.Assignment.to_json` builds it)."""
 
@@ -331,6 +354,11 @@ class AssignmentOutput(serializers.Serializer):
         choices=sorted(SCHEDULES), help_text="The job's pipeline schedule: what the stage's memory is checked for"
     )
     tensor_parallel = TensorParallelOutput(required=False, help_text="Present when the stage is split over nodes")
+    data_plane = DataPlaneOutput(
+        required=False,
+        help_text="The data-plane features of this agent and its neighbours' (arceus/contracts/data_plane.py): a link "
+        "takes a neighbour stream where both its agents declared one. Absent for an agent that declared none",
+    )
 
 
 class AgentControlsOutput(serializers.Serializer):

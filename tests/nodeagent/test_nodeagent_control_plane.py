@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from arceus.checkpoint import StateFile, checkpoint_digest, encode_checkpoint
 from arceus.contracts.assignment import Assignment, CheckpointRef, InitialWeightsRef
 from arceus.contracts.credentials import token_digest
+from arceus.contracts.data_plane import NEIGHBOUR_STREAM
 from arceus.contracts.possession import possession_check
 from arceus.model.build import build_full_model, build_layers, named_global_parameters
 from arceus.model.hugging_face import initial_weights_layer_digests, initial_weights_slice, initial_weights_slice_bytes
@@ -57,6 +58,7 @@ def test_register_sends_the_contract_with_a_proof_of_its_key(control_plane) -> N
     assert body == {
         "grpc_address": "127.0.0.1:5000", "capabilities": caps, "public_key": "ab" * 32,
         "tls_certificate": identity.certificate, "challenge": control_plane.challenges[0],
+        "data_plane": [NEIGHBOUR_STREAM],  # this version's data-plane features: its links may take neighbour streams
     }
     possession_check(identity.certificate, control_plane.challenges[0], proof)  # the fake checks it too
     client.register("127.0.0.1:5000", caps, "ab" * 32, identity, metrics_port=9400)

@@ -12,10 +12,11 @@ from collections.abc import Iterator
 import grpc
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from arceus.contracts.assignment import Assignment
+from arceus.contracts.data_plane import NEIGHBOUR_STREAM
 from arceus.pipeline.schedule import SCHEDULES, build_schedule
 from arceus.wire.compression import decode_payload, encode
 from arceus.wire.tls import new_identity
@@ -102,6 +103,27 @@ def test_only_links_between_two_one_agent_stages_are_streamed(pipeline) -> None:
     _, raw = pipeline
     first, last = (Assignment.from_json(a) for a in raw)
     assert streamed_links(first) == (False, True) and streamed_links(last) == (True, False)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.frozensets(st.sampled_from([NEIGHBOUR_STREAM, "rdma"])), min_size=2, max_size=4),
+       st.sampled_from([0, 1]))
+def test_both_ends_of_every_link_reach_the_same_transport_from_their_own_assignments(
+    features: list[frozenset[str]], staleness: int,
+) -> None:
+    """Whatever each agent declared (none: an older agent), the lower end's "next" and the upper end's "prev" agree:
+    a neighbour stream exactly where both agents speak it and the job has staleness 0; PushStream elsewhere."""
+    raw = pipeline_assignments(
+        job_id="mixed", model_config={"type": "mlp", "layer_sizes": [8] * (len(features) + 1)},
+        boundaries=list(range(len(features) + 1)), addresses=[f"127.0.0.1:{9000 + i}" for i in range(len(features))],
+        optimizer={"name": "sgd", "lr": 0.1}, seed=0, micro_batches=2, max_micro_batch_size=4, staleness=staleness,
+        features=features,
+    )
+    links = [streamed_links(Assignment.from_json(a)) for a in raw]
+    assert not links[0][0] and not links[-1][1]
+    for lower in range(len(features) - 1):
+        both = NEIGHBOUR_STREAM in features[lower] & features[lower + 1]
+        assert links[lower][1] == links[lower + 1][0] == (both and staleness == 0)
 
 
 def test_a_neighbour_stream_is_taken_only_from_the_previous_stages_agent_presenting_its_token(pipeline) -> None:

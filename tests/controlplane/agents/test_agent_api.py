@@ -9,6 +9,7 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from arceus.contracts.assignment import Assignment
+from arceus.contracts.data_plane import NEIGHBOUR_STREAM, link_streamed
 from controlplane.controller.executor import reconcile_once
 from controlplane.jobs.credentials import job_stage_credentials
 from controlplane.jobs.models import Job, Stage
@@ -36,7 +37,7 @@ def agent(user) -> tuple[Node, APIClient]:
 
 
 def register(client: APIClient, address: str = "127.0.0.1:50051", **caps: Any) -> Any:
-    top = {name: caps.pop(name) for name in ("metrics_port",) if name in caps}
+    top = {name: caps.pop(name) for name in ("metrics_port", "data_plane") if name in caps}
     body = {"grpc_address": address, "capabilities": {**CAPABILITIES, **caps},
             "tls_certificate": identity_for(address).certificate, **top}
     return agent_register(client, body)
@@ -86,6 +87,10 @@ def test_register_records_capabilities(agent: tuple[Node, APIClient]) -> None:
     )
     assert (node.ready_status, node.ready_reason) == ("Unknown", "Registered")
     assert node.lease.duration_seconds == 6.0
+    assert node.data_plane == []  # declared nothing: an agent older than the data-plane features
+    assert register(client, data_plane=["rdma", NEIGHBOUR_STREAM]).status_code == 200
+    node.refresh_from_db()
+    assert node.data_plane == [NEIGHBOUR_STREAM, "rdma"]  # a later version's feature is kept, sorted
 
 
 @pytest.mark.parametrize(
@@ -106,6 +111,9 @@ def test_register_records_capabilities(agent: tuple[Node, APIClient]) -> None:
         ("127.0.0.1:50051", {"metrics_port": 0}, "metrics_port"),
         ("127.0.0.1:50051", {"metrics_port": 65536}, "metrics_port"),
         ("127.0.0.1:50051", {"metrics_port": "9400/x"}, "metrics_port"),
+        ("127.0.0.1:50051", {"data_plane": "neighbour_stream"}, "data_plane"),
+        ("127.0.0.1:50051", {"data_plane": ["Neighbour Stream"]}, "data_plane"),
+        ("127.0.0.1:50051", {"data_plane": [NEIGHBOUR_STREAM, NEIGHBOUR_STREAM]}, "data_plane"),
     ],
 )
 def test_register_validates_strictly(agent: tuple[Node, APIClient], address: str, caps: dict, field: str) -> None:
@@ -212,6 +220,41 @@ def test_heartbeat_returns_the_assignment_contract(user, queued_job) -> None:
         assert Assignment.from_json(assignment).stage_index == index
 
 
+def test_each_assignment_names_the_data_plane_features_of_its_agent_and_neighbours_and_both_ends_agree(
+    user, queued_job,  # noqa: ANN001
+) -> None:
+    """Agents 0 and 1 declare a neighbour stream, agent 2 (an older version) nothing: it is sent no `data_plane`
+    (its parser refuses a field it does not know), its neighbours see it declared none, and every link's two ends
+    reach the same transport from their own assignments."""
+    declared = {}
+    for i in range(3):
+        node, token = node_create(owner=user, name=f"agent-{i}")
+        client = agent_client(token)
+        features = [NEIGHBOUR_STREAM] if i < 2 else []
+        assert register(client, f"10.0.0.{i + 1}:5005{i}", **({"data_plane": features} if features else {})
+                        ).status_code == 200
+        assert heartbeat(client).status_code == 200
+        declared[node.id] = (client, features)
+    job = queued_job()
+    reconcile_once()
+    by_index = {s.index: s.node_id for s in Stage.objects.filter(job=job)}
+    assignments = {}
+    for index, node_id in by_index.items():
+        client, features = declared[node_id]
+        [assignment] = heartbeat(client).json()["assignments"]
+        neighbour = {end: declared[by_index[j]][1] if j in by_index else []
+                     for end, j in (("prev", index - 1), ("next", index + 1))}
+        if features:
+            assert assignment["data_plane"] == {"own": features, **neighbour}
+        else:
+            assert "data_plane" not in assignment
+        assignments[index] = Assignment.from_json(assignment).data_plane
+    for lower in range(2):
+        both = all(declared[by_index[i]][1] for i in (lower, lower + 1))
+        assert link_streamed(assignments[lower].own, assignments[lower].next) == both
+        assert link_streamed(assignments[lower + 1].prev, assignments[lower + 1].own) == both
+
+
 def test_the_jobs_transfer_and_precision_settings_reach_every_assignment(user, queued_job) -> None:
     agents = three_agents(user)
     queued_job(transfer={"activations": "int8", "gradients": "topk", "topk_ratio": 0.25}, precision="bf16")
@@ -302,11 +345,12 @@ def test_the_documented_assignment_is_the_contract() -> None:
         "credentials": rank_credentials("j", 1, 0, 1, [2, 1]).to_json(),
         "certificates": {address: identity_for(address).certificate for address in ("a:1", "b:1")},
         "checkpoint": {"step": 3, "url": "/x", "sha256": "0" * 64},
+        "data_plane": {"own": [NEIGHBOUR_STREAM], "prev": [], "next": []},
     })
     sent = split.to_json()
     documented = AssignmentOutput().fields
     assert set(documented) == set(sent)
-    for name in ("optimizer", "credentials", "checkpoint", "transfer", "tensor_parallel"):
+    for name in ("optimizer", "credentials", "checkpoint", "transfer", "tensor_parallel", "data_plane"):
         assert set(documented[name].fields) == set(sent[name]), name
 
 
