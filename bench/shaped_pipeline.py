@@ -136,7 +136,7 @@ def shaped_assignments(
 
 def run(
     job_id: str, schedule: str, bounds: list[int], agents: list[str], driver_links: list[str], steps: int,
-    processes: list[psutil.Process],
+    processes: list[psutil.Process], staleness: int = 0,
 ) -> Run:
     """Train over the shaped links; the driver reaches agent i through driver_links[i]; agent i is processes[i]."""
     plan = TrainPlan(
@@ -147,7 +147,7 @@ def run(
             for i in range(len(driver_links))
         ),
         dataset=DATASET, epochs=1, learning_rate=LR, micro_batches=MICRO_BATCHES, seed=SEED, max_steps=steps,
-        schedule=schedule, rpc_timeout_seconds=120.0,
+        schedule=schedule, rpc_timeout_seconds=120.0, staleness=staleness,
     )
     log = StepLog(processes)
     train(plan, log)
@@ -200,7 +200,7 @@ def main() -> None:
                 start = time.perf_counter()
                 setup = SETUPS[name]
                 results[name].append(run(f"shaped-{name}-{r}", setup.schedule, bounds, agents,
-                    driver_links if setup.shaped else agents, args.steps, cpu))
+                    driver_links if setup.shaped else agents, args.steps, cpu, setup.staleness))
                 print(f"{name} round {r}: {results[name][-1]} ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
         finally:
             stop_agents(processes)

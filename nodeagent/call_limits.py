@@ -37,6 +37,7 @@ from typing import Any
 import grpc
 from google.protobuf.message import DecodeError
 
+from arceus.contracts.step_window import MAX_WINDOW_STEPS
 from arceus.data.config import MAX_BATCH_SIZE
 from arceus.wire.push_stream import STREAM_SECONDS
 from nodeagent.callers import METHOD_ROLES, NOT_AUTHENTICATED, Guard, caller_roles, metadata_digest, not_allowed
@@ -78,6 +79,7 @@ LIMITS: dict[str, MethodLimits] = {
     # A sender keeps one open for its lifetime.
     _STAGE + "PushStream": MethodLimits(STREAM_SECONDS + 60.0, first_message_seconds=_TENSOR),
     _STAGE + "RunStep": MethodLimits(1800.0, _RUN_STEP),
+    _STAGE + "RunSteps": MethodLimits(3600.0, _RUN_STEP * MAX_WINDOW_STEPS),
     _STAGE + "NeighbourStreamPort": MethodLimits(60.0, _SMALL),
     _STAGE + "GetState": MethodLimits(3600.0, _SMALL),  # a large stage's state over a slow uplink
     _STAGE + "SaveState": MethodLimits(3600.0, _SMALL),

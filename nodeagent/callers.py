@@ -37,8 +37,8 @@ METHOD_ROLES: dict[str, frozenset[Role]] = {
     _STAGE + "PushStream": frozenset({Role.DRIVER, Role.PREV, Role.NEXT, Role.TIED}),
     _STAGE + "NeighbourStreamPort": frozenset({Role.PREV}),
     **{_STAGE + name: DRIVER_ONLY for name in (
-        "RunStep", "GetState", "SaveState", "Audit", "AuditWeights", "VerifyForward", "Infer", "AuditPartial",
-        "VerifyPartial",
+        "RunStep", "RunSteps", "GetState", "SaveState", "Audit", "AuditWeights", "VerifyForward", "Infer",
+        "AuditPartial", "VerifyPartial",
     )},
     _TP + "PushPartial": frozenset({Role.PEER}),
     _REPLICA + "ExchangePort": frozenset({Role.SIBLING}),

@@ -12,6 +12,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import grpc
 import torch
@@ -34,11 +35,13 @@ from nodeagent.hosting import HostedStages
 from nodeagent.lending import ComputeThreads
 from nodeagent.mailbox import MailboxClosed, MailboxFull
 from nodeagent.metrics import AgentMetrics
-from nodeagent.rpc import RpcFailure, call_deadline, serve
+from nodeagent.replicas import ReplicaStepPlan
+from nodeagent.rpc import REPLY_MARGIN_SECONDS, RpcFailure, call_deadline, serve
 from nodeagent.stage import HostedStage, StateUploader, StateUploadError
 from nodeagent.step import StepRun, replica_plan
 from nodeagent.step_grants import StepNotGranted
 from nodeagent.step_samples import prefetch_step_samples
+from nodeagent.step_window import window_requests
 from nodeagent.validation import KIND_NAMES, check_layout, decode_push
 from nodeagent.verify import AuditRecord, recompute_forward
 
@@ -166,65 +169,98 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
     ) -> stage_pb2.RunStepReply:
         def step() -> stage_pb2.RunStepReply:
             stage = self._driven(context, request.target, "RunStep")
-            deadline = call_deadline(context)
-            abort = threading.Event()
-
-            def on_done() -> None:  # runs when the call ends, including when the caller cancels it
-                abort.set()
-                stage.mailbox.wake()  # (an exchange under way looks at `abort` itself)
-
-            if not context.add_callback(on_done):  # the caller gave up before the step began: it never runs
-                raise RpcFailure(grpc.StatusCode.CANCELLED, f"RunStep of step {request.step} was cancelled")
+            abort = self._abort_on_done(stage, context, request.step)
             replicas = replica_plan(stage, request)
-            if request.after_step and not 0 < request.after_step < request.step:
-                raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT,
-                                 f"after_step {request.after_step} is not a step before step {request.step}")
             if request.after_step:
                 prefetch_step_samples(stage, request)  # its samples read while the step before computes
-            if request.after_step and stage.assignment.staleness:  # overlaps the step it follows (nodeagent.step)
-                self._granted(request, deadline, abort)
-                stage.step_join(request.step, request.after_step, deadline, abort)
-            else:
-                if request.after_step:  # sent before the step it follows ended: it waits for that step to finish here
-                    stage.wait_for_step(request.after_step, deadline, abort)
-                self._granted(request, deadline, abort)
-                # A replica's step run again after a loss may find the cancelled attempt still unwinding; a chained
-                # step, the step it follows releasing the lock.
-                waits = request.HasField("replicas") or request.after_step
-                stage.step_start(request.step, min(10.0, max(0.0, deadline - time.monotonic())) if waits else 0.0)
-            finished = False
-            try:
-                threads = None if self._compute_threads is None else self._compute_threads()
-                before = stage.counters()
-                started = time.perf_counter()
-                run = StepRun(
-                    stage, request, replicas=replicas, deadline=deadline, abort=abort, signer=self._signer,
-                    threads=threads,
-                )
-                reply = run.run()
-                finished = True
-                if run.wire is not None:  # what its neighbour streams brought (pushes are counted as they land)
-                    self._metrics.bytes_received.inc(run.wire.bytes_received)
-                mode = "train" if request.mode == stage_pb2.TRAIN else "eval"
-                self._metrics.step_seconds.labels(mode=mode).observe(time.perf_counter() - started)
-                self._metrics.step_wait_seconds.labels(mode=mode).observe(reply.wait_seconds)
-                self._metrics.wait_seconds.inc(reply.wait_seconds)
-            finally:
-                stage.step_end(request.step, finished)
-            after = reply.counters
-            self._metrics.samples.inc(after.samples - before.samples)
-            self._metrics.micro_batches.inc(after.micro_batches - before.micro_batches)
-            self._metrics.compute_seconds.inc(after.compute_seconds - before.compute_seconds)
-            self._metrics.bytes_sent.inc(after.bytes_sent - before.bytes_sent)
-            if stage.assignment.replica is not None:
-                self._metrics.replica_step(
-                    stage.assignment.stage_index, stage.assignment.replica,
-                    samples=after.samples - before.samples, micro_batches=after.micro_batches - before.micro_batches,
-                    compute_seconds=after.compute_seconds - before.compute_seconds,
-                )
-            return reply
+            return self._run_step(stage, request, replicas, call_deadline(context), abort)
 
         return serve(context, "RunStep", step)
+
+    def RunSteps(
+        self, request: stage_pb2.RunStepsRequest, context: grpc.ServicerContext
+    ) -> Iterator[stage_pb2.RunStepReply]:
+        """A window of train steps (nodeagent.step_window), run back to back, each reply sent as its step finishes; a
+        failed step ends the call with its status, and the steps after it never run."""
+
+        def begin() -> tuple[HostedStage, list[stage_pb2.RunStepRequest], threading.Event]:
+            stage = self._driven(context, request.first.target, "RunSteps")
+            steps = window_requests(request, staleness=stage.assignment.staleness)
+            return stage, steps, self._abort_on_done(stage, context, request.first.step)
+
+        stage, steps, abort = serve(context, "RunSteps", begin)
+        for i, step_request in enumerate(steps):
+            if i + 1 < len(steps):
+                prefetch_step_samples(stage, steps[i + 1])  # read while this step computes
+            seconds = request.step_seconds
+            deadline = min(call_deadline(context),
+                           time.monotonic() + seconds - min(REPLY_MARGIN_SECONDS, seconds / 4))
+            yield serve(context, "RunSteps", partial(self._run_step, stage, step_request, None, deadline, abort))
+
+    @staticmethod
+    def _abort_on_done(stage: HostedStage, context: grpc.ServicerContext, step: int) -> threading.Event:
+        """An event set when the call ends, including when the caller cancels it; CANCELLED if it already has."""
+        abort = threading.Event()
+
+        def on_done() -> None:
+            abort.set()
+            stage.mailbox.wake()  # (an exchange under way looks at `abort` itself)
+
+        if not context.add_callback(on_done):  # the caller gave up before the step began: it never runs
+            raise RpcFailure(grpc.StatusCode.CANCELLED, f"RunStep of step {step} was cancelled")
+        return abort
+
+    def _run_step(
+        self, stage: HostedStage, request: stage_pb2.RunStepRequest, replicas: ReplicaStepPlan | None,
+        deadline: float, abort: threading.Event,
+    ) -> stage_pb2.RunStepReply:
+        """Run one step on `stage` (`replicas`: its plan for a replica) once the step it is chained after finished
+        here (`after_step`) and its job's grant covers it, and count it in the agent's metrics."""
+        if request.after_step and not 0 < request.after_step < request.step:
+            raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"after_step {request.after_step} is not a step before step {request.step}")
+        if request.after_step and stage.assignment.staleness:  # overlaps the step it follows (nodeagent.step)
+            self._granted(request, deadline, abort)
+            stage.step_join(request.step, request.after_step, deadline, abort)
+        else:
+            if request.after_step:  # sent before the step it follows ended: it waits for that step to finish here
+                stage.wait_for_step(request.after_step, deadline, abort)
+            self._granted(request, deadline, abort)
+            # A replica's step run again after a loss may find the cancelled attempt still unwinding; a chained
+            # step, the step it follows releasing the lock.
+            waits = request.HasField("replicas") or request.after_step
+            stage.step_start(request.step, min(10.0, max(0.0, deadline - time.monotonic())) if waits else 0.0)
+        finished = False
+        try:
+            threads = None if self._compute_threads is None else self._compute_threads()
+            before = stage.counters()
+            started = time.perf_counter()
+            run = StepRun(
+                stage, request, replicas=replicas, deadline=deadline, abort=abort, signer=self._signer,
+                threads=threads,
+            )
+            reply = run.run()
+            finished = True
+            if run.wire is not None:  # what its neighbour streams brought (pushes are counted as they land)
+                self._metrics.bytes_received.inc(run.wire.bytes_received)
+            mode = "train" if request.mode == stage_pb2.TRAIN else "eval"
+            self._metrics.step_seconds.labels(mode=mode).observe(time.perf_counter() - started)
+            self._metrics.step_wait_seconds.labels(mode=mode).observe(reply.wait_seconds)
+            self._metrics.wait_seconds.inc(reply.wait_seconds)
+        finally:
+            stage.step_end(request.step, finished)
+        after = reply.counters
+        self._metrics.samples.inc(after.samples - before.samples)
+        self._metrics.micro_batches.inc(after.micro_batches - before.micro_batches)
+        self._metrics.compute_seconds.inc(after.compute_seconds - before.compute_seconds)
+        self._metrics.bytes_sent.inc(after.bytes_sent - before.bytes_sent)
+        if stage.assignment.replica is not None:
+            self._metrics.replica_step(
+                stage.assignment.stage_index, stage.assignment.replica,
+                samples=after.samples - before.samples, micro_batches=after.micro_batches - before.micro_batches,
+                compute_seconds=after.compute_seconds - before.compute_seconds,
+            )
+        return reply
 
     def _granted(self, request: stage_pb2.RunStepRequest, deadline: float, abort: threading.Event) -> None:
         """Return once a train step is within its job's step grant (nodeagent/step_grants.py), before it begins here;

@@ -17,7 +17,7 @@ import math
 import queue
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
@@ -30,6 +30,7 @@ from arceus.checkpoint import StateFile, state_chunks
 from arceus.contracts.counters import StageCounters
 from arceus.contracts.spot_check import SpotCheckResult
 from arceus.contracts.step_grant import is_not_granted
+from arceus.contracts.step_window import window_length
 from arceus.data.batches import epoch_batches
 from arceus.data.config import validate_dataset_config
 from arceus.data.step_data import labels_per_sample, micro_batch_indices, stages_read
@@ -61,6 +62,7 @@ from arceus.training.plan import (
 from arceus.training.replicas import ReplicaKey, ReplicaRoster
 from arceus.training.stage_client import StageClient
 from arceus.training.tally import WorkTally
+from arceus.training.window_streams import WindowStreams
 from arceus.v1 import stage_pb2
 from arceus.wire.channels import MAX_MESSAGE_BYTES, agents_answering
 from arceus.wire.push_stream import PushError
@@ -256,6 +258,60 @@ class Pipeline:
         if ahead is not None:
             _cancel(ahead.calls)
 
+    @property
+    def windows(self) -> bool:
+        """Whether train steps may go out in windows (`window`): where the pipeline `chains` and the job's staleness
+        is 0 (staleness 1 overlaps consecutive steps on a stage: they go one RunStep each, chained)."""
+        return self.chains and self.plan.staleness == 0
+
+    def window(self, batches: Sequence[Batch], *, first_train_step: int) -> Iterator[StepOutcome]:
+        """Train steps `first_train_step`, `first_train_step` + 1, ... of `batches` (of one size) in one RunSteps call
+        per agent (where the pipeline runs `windows`; arceus.contracts.step_window): each stage runs them back to
+        back. Yields each step's outcome as every stage answered it; the first step a stage failed raises as `step`
+        would, after the outcomes of the steps before it."""
+        if self._ahead is not None or len({len(b.indices) for b in batches}) != 1:
+            raise ValueError("a window is of batches of one size, with no step sent ahead")
+        plan, n = self.plan, len(batches[0].indices)
+        num_micro_batches = min(plan.micro_batches, n)
+        self._train_step = first_train_step
+        sent: list[_Sent] = []
+        issued = time.perf_counter()
+        for batch in batches:
+            sent.append(_Sent(next(self._call_ids), batch, True, num_micro_batches, [], 0, issued, {},
+                              sent[-1] if sent else None))
+        agents = [c for ranks in self.ranks for c in ranks]
+        reads = {0, len(self.ranks) - 1}
+        calls = []
+        for index, ranks in enumerate(self.ranks):
+            for c in ranks:
+                first = c.step_request(
+                    step=sent[0].step, mode=stage_pb2.TRAIN, num_micro_batches=num_micro_batches,
+                    schedule=plan.schedule, batch_size=n, learning_rate=plan.learning_rate,
+                    train_step=first_train_step, data=self._data(batches[0]) if index in reads else None,
+                )
+                following = [
+                    stage_pb2.WindowStep(step=s.step, train_step=first_train_step + k, learning_rate=plan.learning_rate,
+                                         data=self._data(s.batch) if index in reads else None)
+                    for k, s in enumerate(sent[1:], 1)
+                ]
+                calls.append(c.run_steps(first, following))
+
+        def failure(agent: int, k: int, error: BaseException | None) -> DriverError:
+            what = f"RunSteps (step {k + 1} of a window of {len(batches)})"
+            if error is None:
+                return DriverError(f"{what} on {agents[agent].describe()}: its replies ended after {k} steps",
+                                   stage_index=agents[agent].endpoint.index)
+            return _driver_error(agents[agent], what, error)
+
+        streams = WindowStreams(calls)
+        try:
+            for k, (replies, answered) in enumerate(streams.steps(len(sent), failure)):
+                sent[k].answered.update(enumerate(answered))
+                self._train_step = first_train_step + k
+                yield self._checked(sent[k], replies)
+        finally:  # the caller stopped taking steps (or one failed): nothing of the window runs on
+            streams.cancel()
+
     def _send(self, batch: Batch, *, train: bool, train_step: int, after: _Sent | None) -> _Sent:
         """Start an unreplicated step's calls (`after`: the step it is chained after)."""
         plan = self.plan
@@ -307,10 +363,12 @@ class Pipeline:
 
     def _outcome(self, sent: _Sent) -> StepOutcome:
         """Wait for a step's calls (`_send`) and check and count what they answered."""
+        return self._checked(sent, _await_all(sent.calls)[sent.pushes :])
+
+    def _checked(self, sent: _Sent, every_reply: list[stage_pb2.RunStepReply]) -> StepOutcome:
+        """A step's outcome from every agent's reply (in `ranks` order), checked and counted."""
         last, step, batch, num_micro_batches = self.clients[-1], sent.step, sent.batch, sent.num_micro_batches
         n = len(batch.indices)
-        results = _await_all(sent.calls)
-        every_reply: list[stage_pb2.RunStepReply] = results[sent.pushes :]
         agents = [c for ranks in self.ranks for c in ranks]
         replies = [r for c, r in zip(agents, every_reply, strict=True) if c in self.clients]  # rank 0s
         final = replies[-1]
@@ -847,6 +905,7 @@ def _train(plan: TrainPlan, sink: ProgressSink, dataset: dict, train_set: Sample
     step, final_loss, val_loss, val_accuracy = plan.start_step, math.nan, math.nan, math.nan
     stages: list[StageCounters] = []
     stopped, stop_reason = False, ""
+    step_seconds: float | None = None  # the last train step's wall time: what sizes a window
     # Resuming from the final checkpoint re-runs only the last validation (the driver died before it
     # could report the end).
     first_epoch = min(plan.start_step // steps_per_epoch + 1, plan.epochs)
@@ -873,51 +932,63 @@ def _train(plan: TrainPlan, sink: ProgressSink, dataset: dict, train_set: Sample
             skip = plan.start_step - (epoch - 1) * steps_per_epoch if epoch == first_epoch else 0
             todo = batches[skip:]
             sent_ahead = False  # this step went out with the one before: what comes between them was decided then
-            for i, indices in enumerate(todo):
-                if step >= total_steps:
-                    break
+
+            i = 0
+            while i < len(todo) and step < total_steps:
                 if not sent_ahead:
                     if sink.wants_checkpoint():
                         checkpoint(epoch)
                     if sink.should_stop():
                         stopped = True
                         break
-                # The next step goes out with this one where nothing comes between them: it is of this epoch, no
-                # checkpoint follows this step, and the sink asks for no checkpoint and no stop now.
-                current = step + 1
-                sent_ahead = (
-                    pipeline.chains and i + 1 < len(todo) and current < total_steps
-                    and not (plan.checkpoint_interval and current % plan.checkpoint_interval == 0)
-                    and not sink.wants_checkpoint() and not sink.should_stop()
-                )
+                count = 1 if sent_ahead else _window(pipeline, todo, i, step, total_steps, step_seconds)
+                if count > 1:
+                    sent_ahead = False
+                    outcomes = pipeline.window([Batch(train_set, todo[i + k]) for k in range(count)],
+                                               first_train_step=step + 1)
+                else:
+                    # The next step goes out with this one where nothing comes between them: it is of this epoch, no
+                    # checkpoint follows this step, the sink asks for no checkpoint and no stop now, and it would not
+                    # go in a window of its own.
+                    current = step + 1
+                    sent_ahead = (
+                        pipeline.chains and i + 1 < len(todo) and current < total_steps
+                        and not (plan.checkpoint_interval and current % plan.checkpoint_interval == 0)
+                        and not sink.wants_checkpoint() and not sink.should_stop()
+                        and _window(pipeline, todo, i + 1, current, total_steps, step_seconds) == 1
+                    )
+                    outcomes = iter([None])
                 started = time.perf_counter()
                 try:
-                    outcome = pipeline.step(Batch(train_set, indices), train=True, train_step=step + 1,
-                                            then=Batch(train_set, todo[i + 1]) if sent_ahead else None)
+                    for outcome in outcomes:
+                        if outcome is None:  # a step of its own
+                            outcome = pipeline.step(Batch(train_set, todo[i]), train=True, train_step=step + 1,
+                                                    then=Batch(train_set, todo[i + 1]) if sent_ahead else None)
+                        now = time.perf_counter()
+                        elapsed, started = now - started, now
+                        step, i, step_seconds = step + 1, i + 1, elapsed
+                        final_loss, stages = outcome.loss_sum / outcome.labels, outcome.stages
+                        sink.on_step(
+                            StepProgress(
+                                epoch=epoch,
+                                step=step,
+                                total_steps=total_steps,
+                                loss=final_loss,
+                                samples_per_second=outcome.samples / elapsed if elapsed > 0 else 0.0,
+                                seconds=elapsed,
+                                stages=outcome.stages,
+                                spot_checks=outcome.spot_checks,
+                                timings=outcome.timings,
+                                exchange_bytes=outcome.exchange_bytes,
+                            )
+                        )
                 except StepNotGranted as exc:  # no stage took the step: every stage holds step `step`'s state
                     log.warning("job %s: stopped after step %d: %s", plan.job_id, step, exc)
                     stopped, stop_reason = True, str(exc)
                     break
-                elapsed = time.perf_counter() - started
-                step += 1
-                final_loss, stages = outcome.loss_sum / outcome.labels, outcome.stages
-                sink.on_step(
-                    StepProgress(
-                        epoch=epoch,
-                        step=step,
-                        total_steps=total_steps,
-                        loss=final_loss,
-                        samples_per_second=outcome.samples / elapsed if elapsed > 0 else 0.0,
-                        seconds=elapsed,
-                        stages=outcome.stages,
-                        spot_checks=outcome.spot_checks,
-                        timings=outcome.timings,
-                        exchange_bytes=outcome.exchange_bytes,
-                    )
-                )
                 ends_epoch = step % steps_per_epoch == 0 or step >= total_steps
                 if plan.checkpoint_interval and step % plan.checkpoint_interval == 0 and not ends_epoch:
-                    checkpoint(epoch)
+                    checkpoint(epoch)  # (a window ends at a checkpoint's step)
             if stopped:
                 break
             val_loss, val_accuracy, stages = pipeline.evaluate(val_set, val_batch_size)
@@ -944,6 +1015,17 @@ def _train(plan: TrainPlan, sink: ProgressSink, dataset: dict, train_set: Sample
         stages=stages,
         stop_reason=stop_reason,
     )
+
+
+def _window(pipeline: Pipeline, todo: Sequence[torch.Tensor], at: int, after: int, total_steps: int,
+            step_seconds: float | None) -> int:
+    """How many train steps the window after step `after` holds, `todo[at]` (an epoch's batches from there on) first:
+    1 where the pipeline runs no `windows`. Its batches are of one size (an epoch's last may be short)."""
+    if not pipeline.windows:
+        return 1
+    count = window_length(step=after, last_step=min(total_steps, after + len(todo) - at),
+                          checkpoint_interval=pipeline.plan.checkpoint_interval, step_seconds=step_seconds)
+    return next((k for k in range(1, count) if len(todo[at + k]) != len(todo[at])), count)
 
 
 def _timing(

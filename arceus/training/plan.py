@@ -87,6 +87,10 @@ class TrainPlan:
     rpc_timeout_seconds: float = 60.0
     max_steps: int | None = None
     schedule: str = "gpipe"
+    # The job's staleness (arceus.pipeline.schedule.STALENESS), as its stages have it: 1 overlaps consecutive steps
+    # on each stage, so its train steps go one RunStep each, chained; 0 lets the driver send windows of steps
+    # (arceus.contracts.step_window), which a stage with staleness 1 refuses.
+    staleness: int = 0
     # The stages hold the state after `start_step` (0: the initial weights); training resumes after it
     # with the same data order as a run that never stopped.
     start_step: int = 0

@@ -57,7 +57,7 @@ class StageClient:
         push = raw_push(self.ref, kind, step, micro_batch, dtype, shape, data)
         return self._pushes.push(push, self.timeout)
 
-    def run_step(
+    def step_request(
         self,
         *,
         step: int,
@@ -71,10 +71,10 @@ class StageClient:
         train_step: int = 0,
         data: stage_pb2.StepData | None = None,
         after_step: int = 0,
-    ) -> grpc.Future:
+    ) -> stage_pb2.RunStepRequest:
         """`data`: the step's samples by position, for a first or last stage that reads them itself; `after_step`: the
         step this one is chained after (RunStepRequest.after_step)."""
-        request = stage_pb2.RunStepRequest(
+        return stage_pb2.RunStepRequest(
             target=self.ref,
             step=step,
             mode=mode,
@@ -88,7 +88,17 @@ class StageClient:
             data=data,
             after_step=after_step,
         )
-        return self._stub.RunStep.future(request, timeout=self.timeout)
+
+    def run_step(self, **request: object) -> grpc.Future:
+        """RunStep of `step_request(**request)`."""
+        return self._stub.RunStep.future(self.step_request(**request), timeout=self.timeout)  # type: ignore[arg-type]
+
+    def run_steps(self, first: stage_pb2.RunStepRequest, following: list[stage_pb2.WindowStep]) -> grpc.Call:
+        """RunSteps of a window (arceus.contracts.step_window): `first`, then `following`, back to back on the agent;
+        the call (an iterator of each step's reply) may take this client's timeout for each step, and each step its
+        timeout from when it starts."""
+        request = stage_pb2.RunStepsRequest(first=first, next=following, step_seconds=self.timeout)
+        return self._stub.RunSteps(request, timeout=self.timeout * (1 + len(following)))
 
     def copy_state(self, source: StageEndpoint, epoch: int) -> tuple[str, int, str]:
         """Have this (joining) replica copy its stage's state from the live replica `source`, peer to peer; (the

@@ -150,6 +150,7 @@ def train_plan(job: Job, *, lease_owner: str | None = None) -> TrainPlan:
         learning_rate=job.learning_rate,
         micro_batches=job.micro_batches,
         schedule=job.schedule,
+        staleness=job.staleness,
         seed=job.seed,
         credential=job_driver_token(job_id=str(job.id), generation=job.generation),
         rpc_timeout_seconds=settings.ARCEUS_RPC_TIMEOUT_SECONDS,

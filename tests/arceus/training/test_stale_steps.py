@@ -52,7 +52,7 @@ def test_a_stale_pipeline_equals_its_one_process_reference_with_the_same_rule(ag
     plan = TrainPlan(
         job_id=JOB, generation=1, credential=driver_token(JOB), stages=stage_endpoints(addresses, boundaries),
         dataset=DATASET, epochs=1, learning_rate=OPTIMIZER["lr"], micro_batches=MICRO_BATCHES, seed=0,
-        max_steps=STEPS, schedule="1f1b", checkpoint_interval=3, rpc_timeout_seconds=30.0,
+        max_steps=STEPS, schedule="1f1b", checkpoint_interval=3, rpc_timeout_seconds=30.0, staleness=1,
     )
     most: list[int] = []
     for hosted in agent.registry.stages():
