@@ -171,7 +171,7 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             stage = self._driven(context, request.target, "RunStep")
             abort = self._abort_on_done(stage, context, request.step)
             replicas = replica_plan(stage, request)
-            if request.after_step:
+            if 0 < request.after_step < request.step:
                 prefetch_step_samples(stage, request)  # its samples read while the step before computes
             return self._run_step(stage, request, replicas, call_deadline(context), abort)
 
