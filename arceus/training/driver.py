@@ -170,6 +170,7 @@ class Pipeline:
         self.plan = plan
         dataset = validate_dataset_config(plan.dataset) if dataset is None else dataset
         self._stage_data = dataset if stages_read(dataset) or layout is not None else None
+        self._dataset_json = json.dumps(dataset)  # what every StepData names (written once, not every step)
         self._layout_json = "" if layout is None else json.dumps(layout.to_json())
         self._labels_per_sample = labels_per_sample(dataset)
 
@@ -415,7 +416,7 @@ class Pipeline:
         pushes it."""
         if self._stage_data is None:
             return None
-        return stage_pb2.StepData(dataset_json=json.dumps(self._stage_data), validation=batch.validation,
+        return stage_pb2.StepData(dataset_json=self._dataset_json, validation=batch.validation,
                                   indices=batch.indices.tolist(), layout_json=self._layout_json)
 
     def _labels(self, n: int) -> int:
