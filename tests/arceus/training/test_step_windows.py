@@ -73,7 +73,11 @@ def test_a_windows_steps_equal_steps_sent_one_by_one_and_a_failed_step_leaves_th
             batches = [Batch(train_set, order[3]), Batch(train_set, beyond), Batch(train_set, order[4])]
             with pytest.raises(DriverError) as failed:
                 taken.extend(windowed.window(batches, first_train_step=4))
-            assert failed.value.stage_index in (0, 2) and failed.value.code == "INVALID_ARGUMENT"
+            # Whichever stage's failure reaches the driver first: stage 0 or the last refusing the samples, or stage 1
+            # losing its neighbour stream to stage 0 (as with RunSteps of their own).
+            assert (failed.value.stage_index, failed.value.code) in {
+                (0, "INVALID_ARGUMENT"), (2, "INVALID_ARGUMENT"), (1, "UNAVAILABLE"), (1, "FAILED_PRECONDITION"),
+            }
             assert "step 2 of a window of 3" in str(failed.value)
             assert len(taken) == 1
             _same(taken[0], alone[3])
