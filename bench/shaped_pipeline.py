@@ -38,7 +38,7 @@ from arceus.training.plan import StageEndpoint, StepProgress, TrainPlan  # noqa:
 from bench.clock import Clock  # noqa: E402
 from bench.pipeline_vs_torch import DATASET, LR, MICRO_BATCHES, MODEL, SEED, SPLIT, WARMUP, step_rate  # noqa: E402
 from bench.report import machine_line, write_section  # noqa: E402
-from devtools.launch import free_ports, spawn_static_agents, stop_agents  # noqa: E402
+from devtools.launch import AgentProcess, free_ports, spawn_static_agents, stop_agents  # noqa: E402
 from devtools.pipeline import driver_token, identity_for, pipeline_assignments  # noqa: E402
 from devtools.shaper import ShaperThread, add_link_arguments, link_shape  # noqa: E402
 
@@ -181,26 +181,36 @@ def main() -> None:
         parser.error(f"--setups: unknown {', '.join(unknown)}; choose from {', '.join(SETUPS)}")
 
     n, bounds = args.stages, boundaries(args.stages)
-    agents = [f"127.0.0.1:{p}" for p in free_ports(n)]
     jobs = [(name, r) for r in range(args.rounds) for name in setups]
     results: dict[str, list[Run]] = {name: [] for name in setups}
     shape = link_shape(args)
     with tempfile.TemporaryDirectory() as workdir, ShaperThread() as shaper:
-        links = {(i, j): shaper.address(agents[j], **shape) for i in range(n) for j in (i - 1, i + 1)
-                 if 0 <= j < n}
-        driver_links = [shaper.address(a, **shape) for a in agents]
-        per_job = [
-            shaped_assignments(f"shaped-{name}-{r}", bounds, agents, links if SETUPS[name].shaped else None,
-                               SETUPS[name]) for name, r in jobs
-        ]
-        processes = spawn_static_agents([[a[i] for a in per_job] for i in range(n)], agents, Path(workdir))
-        cpu = [psutil.Process(p.process.pid) for p in processes]
+        # Two sets of agents: the shaped setups' advertise their peer-stream listeners through the shaper, so the
+        # neighbour streams between stages cross shaped links too; the loopback setup's are dialled directly.
+        sets: dict[bool, tuple[list[str], list[str], list[psutil.Process]]] = {}  # addresses, driver's links, CPU
+        processes: list[AgentProcess] = []
         try:
+            for shaped in sorted({SETUPS[name].shaped for name in setups}):
+                ports = free_ports(2 * n)
+                agents, streams = [f"127.0.0.1:{p}" for p in ports[:n]], [f"127.0.0.1:{p}" for p in ports[n:]]
+                links = {(i, j): shaper.address(agents[j], **shape) for i in range(n) for j in (i - 1, i + 1)
+                         if 0 <= j < n} if shaped else None
+                per_job = [shaped_assignments(f"shaped-{name}-{r}", bounds, agents, links, SETUPS[name])
+                           for name, r in jobs if SETUPS[name].shaped == shaped]
+                advertised = [["--exchange-port", listener.rsplit(":", 1)[1], "--advertise-exchange",
+                               shaper.address(listener, **shape)] for listener in streams] if shaped else ()
+                started = spawn_static_agents([[a[i] for a in per_job] for i in range(n)], agents,
+                                              Path(workdir) / ("shaped" if shaped else "loopback"),
+                                              extra_args=advertised)
+                processes += started
+                sets[shaped] = (agents, [shaper.address(a, **shape) for a in agents] if shaped else agents,
+                                [psutil.Process(p.process.pid) for p in started])
             for name, r in jobs:
                 start = time.perf_counter()
                 setup = SETUPS[name]
-                results[name].append(run(f"shaped-{name}-{r}", setup.schedule, bounds, agents,
-                    driver_links if setup.shaped else agents, args.steps, cpu, setup.staleness))
+                agents, driver_links, cpu = sets[setup.shaped]
+                results[name].append(run(f"shaped-{name}-{r}", setup.schedule, bounds, agents, driver_links,
+                                         args.steps, cpu, setup.staleness))
                 print(f"{name} round {r}: {results[name][-1]} ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
         finally:
             stop_agents(processes)

@@ -126,13 +126,15 @@ def spawn_static_agents(
     device: str | None = None,
     ready_timeout: float = 60.0,
     faults: Mapping[int, str] | None = None,
+    extra_args: Sequence[Sequence[str]] = (),
 ) -> list[AgentProcess]:
     """Start one static-assignment agent per address (in parallel, they are slow to import torch), agent i
     hosting `assignments_per_agent[i]` and listening on `addresses[i]` with the TLS identity
     `devtools.pipeline.identity_for(addresses[i])` and a scrape token of its own (`metrics_token`), with `threads`
     torch threads (`solo_threads` while its stage computes alone: see --solo-threads), computing on `device` (None: the
     agent's choice, a GPU where there is one), agent i's fault hook armed with `faults[i]` where it names one
-    (nodeagent.faults, a test hook). All or none: on failure, the ones already started are killed."""
+    (nodeagent.faults, a test hook), and agent i's `extra_args[i]` where given (e.g. where its peer-stream listener is
+    advertised). All or none: on failure, the ones already started are killed."""
     workdir.mkdir(parents=True, exist_ok=True)
 
     def start(i: int) -> AgentProcess:
@@ -153,6 +155,8 @@ def spawn_static_agents(
             args += ["--solo-threads", str(solo_threads)]
         if device is not None:
             args += ["--device", device]
+        if extra_args:
+            args += list(extra_args[i])
         armed = {FAULT_ENV: faults[i], ENABLE_ENV: "1"} if faults and i in faults else {}
         started = spawn_agent(args, log_path=workdir / f"agent-{i}.log", ready_timeout=ready_timeout,
                               env={**os.environ, **armed} if armed else None)
