@@ -12,6 +12,7 @@ import pytest
 import torch
 from django.conf import settings
 from django.db.backends.postgresql.operations import DatabaseOperations
+from hypothesis import settings as hypothesis_settings
 
 from devtools.agent_wheel import InstalledAgent, install_agent
 from nodeagent.agent import Agent
@@ -23,6 +24,12 @@ WHOLE_SYSTEM_FILES = ("tests/e2e/", "tests/test_packaging.py")
 # Hashing a password is slow by design (PBKDF2, about half a second on a busy core) and the tests hash hundreds: the
 # test process uses Django's fast hasher. Clusters started as processes (tests/e2e) hash with the shipped settings.
 TEST_PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+
+# Hypothesis' per-example deadline (200 ms) is a timing assertion: on a loaded machine it failed property tests of
+# pure functions that were right. The properties are the assertions; how long an example takes is not one.
+hypothesis_settings.register_profile("arceus", deadline=None)
+hypothesis_settings.load_profile("arceus")
 
 
 def pytest_configure(config: pytest.Config) -> None:
