@@ -16,7 +16,7 @@ import grpc
 import torch
 
 from arceus.data.config import UPLOADED_DATASET, validate_dataset_config
-from arceus.data.step_data import LocalDatasets, checked_indices, micro_batch_indices
+from arceus.data.step_data import BUNDLED_DATASETS, checked_indices, micro_batch_indices
 from arceus.data.streaming import inputs_of, labels_of
 from arceus.data.upload_rows import SplitLayout, UploadLayout, row_ranges, rows_decoded
 from arceus.errors import SpecError
@@ -24,7 +24,6 @@ from arceus.v1 import stage_pb2
 from nodeagent.rpc import RpcFailure
 from nodeagent.stage import DatasetReadError, HostedStage
 
-_DATASETS = LocalDatasets()
 # Reads ahead of a step: one per stage at a time (a step is chained after one step only), a few stages per agent.
 _AHEAD = ThreadPoolExecutor(max_workers=4, thread_name_prefix="samples-ahead")
 # Per micro-batch: (inputs or None, labels or None), as the stage takes them.
@@ -73,7 +72,7 @@ def _samples(stage: HostedStage, request: stage_pb2.RunStepRequest, micro_batche
             layout = _layout(data.dataset_json, data.layout_json)
             indices = checked_indices(list(data.indices), layout.split(data.validation).samples)
         else:
-            x, y = _DATASETS.split(data.dataset_json, data.validation)
+            x, y = BUNDLED_DATASETS.split(data.dataset_json, data.validation)
             indices = checked_indices(list(data.indices), len(x))
     except SpecError as exc:
         raise RpcFailure(grpc.StatusCode.INVALID_ARGUMENT, f"{exc.field}: {exc.message}") from None

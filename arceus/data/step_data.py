@@ -1,10 +1,11 @@
 """A step's samples named by their positions, which stage 0 and the last stage read themselves: the driver sends a
 batch's indices (`epoch_batches`' order) in RunStep, never the samples.
 
-A dataset every agent holds is read this way from memory (`stages_read`, `LocalDatasets`): the bundled digits and
-the bundled text. An upload is too, by byte range through the control plane, with the layout the driver read from
-the file's header (arceus.data.upload_rows): a tensor file's rows, or the windows of an uploaded text's token file
-(tokenized once by the control plane, arceus.data.token_file). A dataset at a path on the control plane (MNIST, a
+A dataset every agent holds is read this way from memory (`stages_read`): the bundled digits and the bundled text,
+one copy a process (`BUNDLED_DATASETS`), which a training worker's drivers share too. An upload is too, by byte
+range through the control plane, with the layout the driver read from the file's header (arceus.data.upload_rows):
+a tensor file's rows, or the windows of an uploaded text's token file (tokenized once by the control plane,
+arceus.data.token_file). A dataset at a path on the control plane (MNIST, a
 `source` text) is pushed by the driver as before.
 Micro-batch m of a batch is `torch.tensor_split(indices, micro_batches)[m]`, as the driver splits the samples it
 pushes, so either way a stage computes on the same rows in the same order and training equals one process.
@@ -14,16 +15,23 @@ from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from arceus.data.config import validate_dataset_config
 from arceus.data.loader import load_dataset
+from arceus.data.sources import Split
 from arceus.data.text_config import TEXT_DATASET
 from arceus.errors import SpecError
 
-_CACHED = 2  # datasets kept loaded per process (a job's, and the next job's while the first ends)
+# Bundled datasets kept loaded per process after their last use: a training worker's drivers train on a few configs
+# at once (one evicted while a driver trains on it lives on in that driver until it ends), an agent's stages on fewer.
+_CACHED = 4
+# Config fields that shape a batch, not the samples loaded: jobs differing only in them share one copy.
+_BATCH_FIELDS = ("batch_size", "val_batch_size")
 
 
 def stages_read(cfg: dict[str, Any]) -> bool:
@@ -44,11 +52,30 @@ def micro_batch_indices(indices: torch.Tensor, micro_batches: int) -> tuple[torc
 
 
 class LocalDatasets:
-    """Bundled datasets loaded once per process, by their config's canonical JSON (the last `_CACHED` of them)."""
+    """Bundled datasets loaded once per process and shared read-only by every thread that asks (an agent's stages, a
+    training worker's drivers): keyed by what shapes the samples (the validated config less its batch sizes), the
+    `keep` most recently used kept. Nobody writes to them: readers index them (`x[indices]` copies)."""
 
-    def __init__(self) -> None:
+    def __init__(self, keep: int = _CACHED, load: Callable[[dict[str, Any]], Split] = load_dataset) -> None:
+        self._keep, self._load = keep, load
         self._lock = threading.Lock()
-        self._loaded: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._loaded: OrderedDict[str, Split] = OrderedDict()  # least recently used first
+
+    def loaded(self, cfg: dict[str, Any]) -> Split:
+        """(train_x, train_y, val_x, val_y) of a validated config the stages read (`stages_read`); SpecError for one
+        they do not."""
+        if not stages_read(cfg):
+            raise SpecError("data.dataset_json", f"names {cfg['name']!r} data that the stages read only with its "
+                            "layout (an uploaded tensor dataset's) or not at all")
+        key = json.dumps({k: v for k, v in cfg.items() if k not in _BATCH_FIELDS}, sort_keys=True)
+        with self._lock:  # one load per dataset, however many threads ask at once
+            if key in self._loaded:
+                self._loaded.move_to_end(key)
+            else:
+                while len(self._loaded) >= self._keep:
+                    self._loaded.popitem(last=False)
+                self._loaded[key] = self._load(cfg)
+            return self._loaded[key]
 
     def split(self, dataset_json: str, validation: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(x, y) of the training or validation split a RunStep's dataset config names; SpecError (its field named)
@@ -57,18 +84,12 @@ class LocalDatasets:
             raw = json.loads(dataset_json)
         except json.JSONDecodeError as exc:
             raise SpecError("data.dataset_json", f"is not JSON: {exc}") from exc
-        cfg = validate_dataset_config(raw)
-        if not stages_read(cfg):
-            raise SpecError("data.dataset_json", f"names {cfg['name']!r} data that the stages read only with its "
-                            "layout (an uploaded tensor dataset's) or not at all")
-        key = json.dumps(cfg, sort_keys=True)
-        with self._lock:  # one load per dataset, however many stages of this agent ask at once
-            if key not in self._loaded:
-                while len(self._loaded) >= _CACHED:
-                    del self._loaded[next(iter(self._loaded))]
-                self._loaded[key] = load_dataset(cfg)
-            train_x, train_y, val_x, val_y = self._loaded[key]
+        train_x, train_y, val_x, val_y = self.loaded(validate_dataset_config(raw))
         return (val_x, val_y) if validation else (train_x, train_y)
+
+
+# This process's one copy of each bundled dataset: its agent's stages and its drivers read the same.
+BUNDLED_DATASETS = LocalDatasets()
 
 
 def checked_indices(indices: list[int], size: int) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 from arceus.data.config import DatasetOpener
 from arceus.data.formats import DatasetFormatError
 from arceus.data.loader import load_dataset
+from arceus.data.step_data import BUNDLED_DATASETS, stages_read
 from arceus.data.upload_rows import UploadLayout, layout_of
 from arceus.errors import SpecError
 
@@ -81,12 +82,14 @@ def labels_of(y: np.ndarray) -> torch.Tensor:
 @contextlib.contextmanager
 def dataset_samples(cfg: dict[str, Any], open_file: DatasetOpener | None) -> Iterator[tuple[Samples, Samples]]:
     """(train, validation) samples of a validated dataset config: an upload's read from its file while inside,
-    a bundled dataset's in memory."""
+    a bundled dataset's in memory (shared by the process's threads, `BUNDLED_DATASETS`)."""
     if "dataset_id" in cfg:
         with uploaded_samples(cfg, open_file) as splits:
             yield splits
         return
-    train_x, train_y, val_x, val_y = load_dataset(cfg)
+    # A dataset the stages read is the process's one copy (a training worker's drivers are its threads); the driver
+    # reads only what it spot-checks or validates of it.
+    train_x, train_y, val_x, val_y = BUNDLED_DATASETS.loaded(cfg) if stages_read(cfg) else load_dataset(cfg)
     yield InMemorySamples(train_x, train_y), InMemorySamples(val_x, val_y)
 
 

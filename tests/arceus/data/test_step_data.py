@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -10,13 +12,16 @@ import torch
 from arceus.data.batches import epoch_batches
 from arceus.data.config import validate_dataset_config
 from arceus.data.loader import load_dataset
+from arceus.data.sources import Split
 from arceus.data.step_data import (
+    BUNDLED_DATASETS,
     LocalDatasets,
     checked_indices,
     labels_per_sample,
     micro_batch_indices,
     stages_read,
 )
+from arceus.data.streaming import dataset_samples
 from arceus.errors import SpecError
 
 DIGITS = validate_dataset_config({"name": "digits", "batch_size": 32})
@@ -68,3 +73,53 @@ def test_indices_outside_the_split_are_refused() -> None:
     for bad in (10, -1):
         with pytest.raises(SpecError, match=f"index {bad} is outside the split's 10 samples"):
             checked_indices([0, bad], 10)
+
+
+class CountedLoads:
+    """load_dataset, counting its calls."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, cfg: dict) -> Split:
+        self.count += 1
+        return load_dataset(cfg)
+
+
+def test_threads_asking_at_once_share_one_load() -> None:
+    loads = CountedLoads()
+    datasets, ready = LocalDatasets(load=loads), threading.Barrier(8)
+
+    def ask(batch_size: int) -> Split:
+        ready.wait()  # every thread asks at once
+        return datasets.loaded(validate_dataset_config({"name": "digits", "batch_size": batch_size}))
+
+    with ThreadPoolExecutor(8) as pool:
+        splits = list(pool.map(ask, range(1, 9)))  # batch sizes differ: the samples do not
+    assert loads.count == 1
+    assert all(s[0] is splits[0][0] and s[3] is splits[0][3] for s in splits)
+
+
+def test_the_least_recently_used_dataset_is_dropped_beyond_the_bound() -> None:
+    loads = CountedLoads()
+    datasets = LocalDatasets(keep=2, load=loads)
+    configs = [validate_dataset_config({"name": "digits", "normalize": {"mean": [m], "std": [1.0]}}) for m in range(3)]
+    first = datasets.loaded(configs[0])
+    datasets.loaded(configs[1])
+    assert datasets.loaded(configs[0]) is first  # used again: now the most recent
+    datasets.loaded(configs[2])  # drops configs[1], the least recently used
+    assert datasets.loaded(configs[0]) is first and loads.count == 3
+    datasets.loaded(configs[1])
+    assert loads.count == 4
+
+
+def test_a_driver_reads_the_process_copy_of_a_bundled_dataset() -> None:
+    with dataset_samples(DIGITS, None) as (train_set, val_set), \
+            dataset_samples({**DIGITS, "batch_size": 8}, None) as (other_train, other_val):
+        assert other_train.x is train_set.x and other_val.y is val_set.y  # type: ignore[attr-defined]
+    assert train_set.x is BUNDLED_DATASETS.loaded(DIGITS)[0]  # type: ignore[attr-defined]
+
+
+def test_a_dataset_the_stages_do_not_read_is_not_loaded_here() -> None:
+    with pytest.raises(SpecError, match="the stages read only with its layout"):
+        LocalDatasets().loaded(validate_dataset_config({"name": "uploaded", "dataset_id": "a" * 32}))
