@@ -9,8 +9,10 @@ import torch
 from celery import signals
 from django.conf import settings
 
+from arceus.glibc_malloc import M_ARENA_MAX, tune_malloc
 from arceus.relay.dialer import use_relays
 from controlplane.celery import SAMPLE_TASK, TRAIN_JOB_TASK, app
+from controlplane.common.worker_pool import TRAINING_WORKER_MALLOC_ARENAS
 from controlplane.driver.driving import job_drive
 from controlplane.jobs.sampler import job_sample_through_agents
 from controlplane.nodes.relays import relay_certificate
@@ -27,6 +29,13 @@ DRIVER_TORCH_THREADS = 1
 def _bound_torch_threads(**_: object) -> None:
     """This worker started: its many drivers never run more torch threads than there are drivers computing."""
     torch.set_num_threads(DRIVER_TORCH_THREADS)
+
+
+@signals.worker_init.connect
+def _cap_malloc_arenas(**_: object) -> None:
+    """This worker started, its pool's threads not yet: they share TRAINING_WORKER_MALLOC_ARENAS arenas (glibc fixes
+    its limit only once more than 8 arenas exist; before that a new thread's arena obeys this)."""
+    tune_malloc(((M_ARENA_MAX, TRAINING_WORKER_MALLOC_ARENAS),), process="training worker")
 
 
 @app.task(name=TRAIN_JOB_TASK)
