@@ -9,12 +9,10 @@ from collections.abc import Iterator
 import grpc
 import pytest
 
-from arceus.contracts.assignment import Assignment
 from arceus.data.config import validate_dataset_config
 from arceus.v1 import stage_pb2, stage_pb2_grpc
-from arceus.wire.channels import open_channel
-from devtools.pipeline import driver_token, pipeline_assignments, remember_identity
 from nodeagent.agent import Agent
+from tests.nodeagent.two_stage_mlp import two_stage_stub
 
 JOB = "chained"
 DATASET = validate_dataset_config({"name": "digits", "batch_size": 32})
@@ -24,15 +22,8 @@ MICRO_BATCHES, BATCH = 2, 32
 @pytest.fixture
 def stub(agent: Agent) -> Iterator[stage_pb2_grpc.StageServiceStub]:
     """The driver's stub for a two-stage MLP whose stages this agent both hosts."""
-    remember_identity(agent.advertise_address, agent.identity)
-    assignments = pipeline_assignments(
-        job_id=JOB, model_config={"type": "mlp", "layer_sizes": [64, 32, 10]}, boundaries=[0, 1, 2],
-        addresses=[agent.advertise_address] * 2, optimizer={"name": "sgd", "lr": 0.1}, seed=0,
-        micro_batches=MICRO_BATCHES, max_micro_batch_size=BATCH // MICRO_BATCHES,
-    )
-    agent.apply_assignments([Assignment.from_json(a) for a in assignments])
-    with open_channel(agent.advertise_address, token=driver_token(JOB), certificate=agent.identity.certificate) as c:
-        yield stage_pb2_grpc.StageServiceStub(c)
+    with two_stage_stub(agent, JOB, micro_batches=MICRO_BATCHES, batch=BATCH) as stub:
+        yield stub
 
 
 def run_steps(
