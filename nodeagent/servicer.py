@@ -181,12 +181,17 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
         self, request: stage_pb2.RunStepsRequest, context: grpc.ServicerContext
     ) -> Iterator[stage_pb2.RunStepReply]:
         """A window of train steps (nodeagent.step_window), run back to back, each reply sent as its step finishes; a
-        failed step ends the call with its status, and the steps after it never run."""
+        failed step ends the call with its status, and the steps after it never run. A window chained after the one
+        before (`first.after_step`) waits here for that one's last step, its first step's samples read meanwhile."""
 
         def begin() -> tuple[HostedStage, list[stage_pb2.RunStepRequest], threading.Event]:
             stage = self._driven(context, request.first.target, "RunSteps")
             steps = window_requests(request, staleness=stage.assignment.staleness)
-            return stage, steps, self._abort_on_done(stage, context, request.first.step)
+            abort = self._abort_on_done(stage, context, request.first.step)
+            if request.first.after_step:
+                prefetch_step_samples(stage, steps[0])
+                stage.wait_for_step(request.first.after_step, call_deadline(context), abort)
+            return stage, steps, abort
 
         stage, steps, abort = serve(context, "RunSteps", begin)
         for i, step_request in enumerate(steps):

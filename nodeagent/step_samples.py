@@ -24,7 +24,8 @@ from arceus.v1 import stage_pb2
 from nodeagent.rpc import RpcFailure
 from nodeagent.stage import DatasetReadError, HostedStage
 
-# Reads ahead of a step: one per stage at a time (a step is chained after one step only), a few stages per agent.
+# Reads ahead of a step: one or two per stage at a time (a window's next step, and the next window's first), a few
+# stages per agent.
 _AHEAD = ThreadPoolExecutor(max_workers=4, thread_name_prefix="samples-ahead")
 # Per micro-batch: (inputs or None, labels or None), as the stage takes them.
 Samples = dict[int, tuple[torch.Tensor | None, torch.Tensor | None]]
@@ -35,6 +36,9 @@ def read_step_samples(stage: HostedStage, request: stage_pb2.RunStepRequest, mic
     last stage) in the mailbox; INVALID_ARGUMENT for data a stage cannot read or a middle stage is sent,
     UNAVAILABLE where an upload's rows could not be read."""
     ahead = stage.samples_ahead.pop(request.step, None)
+    # Steps run here in the order of their call ids: a read ahead for a step before this one is never taken.
+    for old in [s for s in list(stage.samples_ahead) if s < request.step]:
+        stage.samples_ahead.pop(old, None)
     samples = ahead.result() if ahead is not None else _samples(stage, request, micro_batches)
     io = stage.io
     for m in micro_batches:
@@ -52,8 +56,6 @@ def prefetch_step_samples(stage: HostedStage, request: stage_pb2.RunStepRequest)
     memory)."""
     if not (request.HasField("data") and request.data.layout_json) or request.HasField("replicas"):
         return
-    for old in [s for s in stage.samples_ahead if s < request.step]:  # a step that never ran: nothing takes it
-        del stage.samples_ahead[old]
     stage.samples_ahead[request.step] = _AHEAD.submit(
         _samples, stage, request, range(request.num_micro_batches)
     )

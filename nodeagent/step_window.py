@@ -1,6 +1,7 @@
 """A RunSteps window (arceus.contracts.step_window) as the RunStep requests of its steps, checked: each step after the
 first is the first's request with its own call id, training step, samples and learning rate, chained after the step
-before it (`after_step`)."""
+before it (`after_step`); the first may be chained after the last step of the window before (the driver sends the
+next window before this one ended)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,11 @@ def window_requests(request: stage_pb2.RunStepsRequest, *, staleness: int) -> li
         raise refuse(f"step_seconds must be positive, got {request.step_seconds}")
     if len(request.next) >= MAX_WINDOW_STEPS:
         raise refuse(f"a window holds at most {MAX_WINDOW_STEPS} steps, got {1 + len(request.next)}")
-    if first.mode != stage_pb2.TRAIN or first.HasField("replicas") or first.retain_for_audit or first.after_step:
-        raise refuse("a window is of train steps of stages that are not replicated, not audited and not chained "
-                     "after another call: send such steps one RunStep each")
+    if first.mode != stage_pb2.TRAIN or first.HasField("replicas") or first.retain_for_audit:
+        raise refuse("a window is of train steps of stages that are not replicated and not audited: send such steps "
+                     "one RunStep each")
+    if first.after_step and not 0 < first.after_step < first.step:
+        raise refuse(f"after_step {first.after_step} is not a step before step {first.step}")
     if request.next and staleness:
         raise refuse("a job with staleness 1 overlaps its steps: send them one RunStep each, chained (after_step)",
                      grpc.StatusCode.FAILED_PRECONDITION)

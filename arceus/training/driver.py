@@ -76,6 +76,9 @@ LIVENESS_SECONDS = 3.0
 # every member (`TrainPlan.replica_placed`): a member whose agent fell silent (SIGSTOP, a frozen host) answers no
 # refusal, and its node's loss is found sooner than the step's RPC deadline.
 WATCH_SECONDS = 1.0
+# A window is sent, chained after the one under way, once this many of that one's steps are left to answer: time for
+# the call to reach the stages before they need it, with the sink's stop and checkpoint requests taken as late as that.
+CHAIN_AHEAD_STEPS = 2
 
 
 class DriverError(RuntimeError):
@@ -160,6 +163,14 @@ class _Sent:
         return self.answered[agent] - start
 
 
+@dataclass
+class _Window:
+    """A window of train steps whose RunSteps are out (`Pipeline.window`): its steps, and every agent's replies."""
+
+    sent: list[_Sent]
+    streams: WindowStreams
+
+
 class Pipeline:
     """The driver's view of the stages of one job generation: one channel per stage, reused."""
 
@@ -215,6 +226,7 @@ class Pipeline:
         self._call_ids = itertools.count(1)  # unique per RunStep (train and eval) within this run
         self._train_step = 0  # the training step being run (Pipeline.step)
         self._ahead: _Sent | None = None  # the next train step, sent with the one before (`step`'s `then`)
+        self._windows: list[_Window] = []  # windows sent and not yet taken to their end, in order (`window`)
         self.auditor = Auditor(plan) if plan.audit_rate > 0 else None
         # The counters the control plane bills (arceus.training.tally): what the driver can vouch for. Per
         # micro-batch an agent sends at most an activation and a gradient, each to every rank of a neighbour.
@@ -237,6 +249,9 @@ class Pipeline:
         pipeline `chains`) chained after this one (`RunStepRequest.after_step`): each stage starts it as soon as its
         own part of this one is done, with no round trip to the driver in between. The next call must be that step's;
         a failure of this one cancels it."""
+        if self._windows:
+            self.cancel_windows()
+            raise ValueError("a step goes out only once every window sent was taken to its end")
         ahead, self._ahead = self._ahead, None
         if ahead is not None and (ahead.batch.indices is not batch.indices or not train):
             _cancel(ahead.calls)
@@ -267,20 +282,23 @@ class Pipeline:
 
     def window(self, batches: Sequence[Batch], *, first_train_step: int) -> Iterator[StepOutcome]:
         """Train steps `first_train_step`, `first_train_step` + 1, ... of `batches` (of one size) in one RunSteps call
-        per agent (where the pipeline runs `windows`; arceus.contracts.step_window): each stage runs them back to
-        back. Yields each step's outcome as every stage answered it; the first step a stage failed raises as `step`
-        would, after the outcomes of the steps before it."""
+        per agent (where the pipeline runs `windows`; arceus.contracts.step_window), sent now: each stage runs them
+        back to back. Sent while earlier windows are outstanding (not yet taken to their end), it is chained after
+        the last of them (its first step's `after_step`): each stage starts it as soon as its own part of that one is
+        done, with no round trip to the driver in between; its outcomes are taken after theirs. Yields each step's
+        outcome as every stage answered it; the first step a stage failed raises as `step` would, after the outcomes
+        of the steps before it, and cancels the windows sent after it (none of their steps counts)."""
         if self._ahead is not None or len({len(b.indices) for b in batches}) != 1:
             raise ValueError("a window is of batches of one size, with no step sent ahead")
         plan, n = self.plan, len(batches[0].indices)
         num_micro_batches = min(plan.micro_batches, n)
-        self._train_step = first_train_step
+        before = self._windows[-1] if self._windows else None
+        after = None if before is None else before.sent[-1]
         sent: list[_Sent] = []
         issued = time.perf_counter()
         for batch in batches:
             sent.append(_Sent(next(self._call_ids), batch, True, num_micro_batches, [], 0, issued, {},
-                              sent[-1] if sent else None))
-        agents = [c for ranks in self.ranks for c in ranks]
+                              sent[-1] if sent else after))
         reads = {0, len(self.ranks) - 1}
         calls = []
         for index, ranks in enumerate(self.ranks):
@@ -289,29 +307,50 @@ class Pipeline:
                     step=sent[0].step, mode=stage_pb2.TRAIN, num_micro_batches=num_micro_batches,
                     schedule=plan.schedule, batch_size=n, learning_rate=plan.learning_rate,
                     train_step=first_train_step, data=self._data(batches[0]) if index in reads else None,
+                    after_step=0 if after is None else after.step,
                 )
                 following = [
                     stage_pb2.WindowStep(step=s.step, train_step=first_train_step + k, learning_rate=plan.learning_rate,
                                          data=self._data(s.batch) if index in reads else None)
                     for k, s in enumerate(sent[1:], 1)
                 ]
-                calls.append(c.run_steps(first, following))
+                calls.append(c.run_steps(first, following, behind=sum(len(w.sent) for w in self._windows)))
+        window = _Window(sent, WindowStreams(calls))
+        self._windows.append(window)
+        return self._window_outcomes(window)
+
+    def _window_outcomes(self, window: _Window) -> Iterator[StepOutcome]:
+        """`window`'s steps' outcomes (`window`), once every window sent before it was taken to its end."""
+        agents = [c for ranks in self.ranks for c in ranks]
+        count = len(window.sent)
 
         def failure(agent: int, k: int, error: BaseException | None) -> DriverError:
-            what = f"RunSteps (step {k + 1} of a window of {len(batches)})"
+            what = f"RunSteps (step {k + 1} of a window of {count})"
             if error is None:
                 return DriverError(f"{what} on {agents[agent].describe()}: its replies ended after {k} steps",
                                    stage_index=agents[agent].endpoint.index)
             return _driver_error(agents[agent], what, error)
 
-        streams = WindowStreams(calls)
+        if not self._windows or self._windows[0] is not window:
+            self.cancel_windows()
+            raise ValueError("a window's outcomes are taken after those of every window sent before it")
+        finished = False
         try:
-            for k, (replies, answered) in enumerate(streams.steps(len(sent), failure)):
-                sent[k].answered.update(enumerate(answered))
-                self._train_step = first_train_step + k
-                yield self._checked(sent[k], replies)
-        finally:  # the caller stopped taking steps (or one failed): nothing of the window runs on
-            streams.cancel()
+            for k, (replies, answered) in enumerate(window.streams.steps(count, failure)):
+                window.sent[k].answered.update(enumerate(answered))
+                outcome = self._checked(window.sent[k], replies)
+                if k == count - 1:  # taken to its end: the window after it is next
+                    finished = self._windows.pop(0) is window
+                yield outcome
+        finally:  # the caller stopped taking steps (or one failed): nothing of this window, nor after it, runs on
+            if not finished:
+                self.cancel_windows()
+
+    def cancel_windows(self) -> None:
+        """Cancel every window sent and not taken to its end (`window`)."""
+        windows, self._windows = self._windows, []
+        for window in windows:
+            window.streams.cancel()
 
     def _send(self, batch: Batch, *, train: bool, train_step: int, after: _Sent | None) -> _Sent:
         """Start an unreplicated step's calls (`after`: the step it is chained after)."""
@@ -866,6 +905,7 @@ class Pipeline:
 
     def close(self) -> None:
         self.cancel_ahead()
+        self.cancel_windows()
         clients = [*(c for ranks in self.ranks for c in ranks), *self.replica_clients.values()]
         for client in {id(c): c for c in clients}.values():  # a tensor-parallel stage's other ranks, every replica
             client.close()
@@ -889,7 +929,9 @@ def train(plan: TrainPlan, sink: ProgressSink) -> TrainResult:
     (`StepNotGranted`, the result's `stop_reason`), skips validation; the result then carries the last
     validation's numbers (NaN if there was none). Where the pipeline chains its steps (`Pipeline.chains`), a train
     step goes out with the one before it, so the sink is asked for a checkpoint or a stop before that one runs: what
-    it asks applies a step later.
+    it asks applies a step later. Where it runs windows of steps (`Pipeline.windows`), each window goes out, chained,
+    while the one before still has `CHAIN_AHEAD_STEPS` steps to answer: what the sink asks after that applies after
+    the window sent.
     """
     plan.check()
     dataset = validate_dataset_config(plan.dataset)
@@ -933,35 +975,39 @@ def _train(plan: TrainPlan, sink: ProgressSink, dataset: dict, train_set: Sample
             skip = plan.start_step - (epoch - 1) * steps_per_epoch if epoch == first_epoch else 0
             todo = batches[skip:]
             sent_ahead = False  # this step went out with the one before: what comes between them was decided then
+            # The window after the one under way, sent before that one ended (chained after it): its length and
+            # outcomes.
+            queued: tuple[int, Iterator[StepOutcome]] | None = None
 
             i = 0
             while i < len(todo) and step < total_steps:
-                if not sent_ahead:
+                if not sent_ahead and queued is None:
                     if sink.wants_checkpoint():
                         checkpoint(epoch)
                     if sink.should_stop():
                         stopped = True
                         break
-                count = 1 if sent_ahead else _window(pipeline, todo, i, step, total_steps, step_seconds)
-                if count > 1:
-                    sent_ahead = False
-                    outcomes = pipeline.window([Batch(train_set, todo[i + k]) for k in range(count)],
-                                               first_train_step=step + 1)
+                if pipeline.windows:
+                    count, outcomes = queued or _send_window(pipeline, train_set, todo, i, step, total_steps,
+                                                             step_seconds)
+                    queued = None
                 else:
                     # The next step goes out with this one where nothing comes between them: it is of this epoch, no
-                    # checkpoint follows this step, the sink asks for no checkpoint and no stop now, and it would not
-                    # go in a window of its own.
-                    current = step + 1
+                    # checkpoint follows this step, and the sink asks for no checkpoint and no stop now.
+                    count, current = 1, step + 1
                     sent_ahead = (
                         pipeline.chains and i + 1 < len(todo) and current < total_steps
                         and not (plan.checkpoint_interval and current % plan.checkpoint_interval == 0)
                         and not sink.wants_checkpoint() and not sink.should_stop()
-                        and _window(pipeline, todo, i + 1, current, total_steps, step_seconds) == 1
                     )
                     outcomes = iter([None])
+                # Where the window after this one starts (todo's index, and the step it follows).
+                following = {"at": i + count, "after": step + count, "total_steps": total_steps}
+                queued = _chained(pipeline, sink, train_set, todo, outstanding=count, step_seconds=step_seconds,
+                                  **following)
                 started = time.perf_counter()
                 try:
-                    for outcome in outcomes:
+                    for k, outcome in enumerate(outcomes):
                         if outcome is None:  # a step of its own
                             outcome = pipeline.step(Batch(train_set, todo[i]), train=True, train_step=step + 1,
                                                     then=Batch(train_set, todo[i + 1]) if sent_ahead else None)
@@ -983,6 +1029,9 @@ def _train(plan: TrainPlan, sink: ProgressSink, dataset: dict, train_set: Sample
                                 exchange_bytes=outcome.exchange_bytes,
                             )
                         )
+                        if queued is None:
+                            queued = _chained(pipeline, sink, train_set, todo, outstanding=count - k - 1,
+                                              step_seconds=step_seconds, **following)
                 except StepNotGranted as exc:  # no stage took the step: every stage holds step `step`'s state
                     log.warning("job %s: stopped after step %d: %s", plan.job_id, step, exc)
                     stopped, stop_reason = True, str(exc)
@@ -1018,15 +1067,28 @@ def _train(plan: TrainPlan, sink: ProgressSink, dataset: dict, train_set: Sample
     )
 
 
-def _window(pipeline: Pipeline, todo: Sequence[torch.Tensor], at: int, after: int, total_steps: int,
-            step_seconds: float | None) -> int:
-    """How many train steps the window after step `after` holds, `todo[at]` (an epoch's batches from there on) first:
-    1 where the pipeline runs no `windows`. Its batches are of one size (an epoch's last may be short)."""
-    if not pipeline.windows:
-        return 1
+def _chained(pipeline: Pipeline, sink: ProgressSink, samples: Samples, todo: Sequence[torch.Tensor], *,
+             outstanding: int, at: int, after: int, total_steps: int, step_seconds: float | None,
+             ) -> tuple[int, Iterator[StepOutcome]] | None:
+    """The window after step `after` (`todo[at]` first), sent now, chained after the one under way, once `outstanding`
+    steps of that one are left to answer (`CHAIN_AHEAD_STEPS`) and where nothing comes between the two: it is of this
+    epoch, no checkpoint follows the one under way, and the sink asks for no checkpoint and no stop now (what it asks
+    later applies after the window sent); None where it is not sent now."""
+    if (not pipeline.windows or outstanding > CHAIN_AHEAD_STEPS or at >= len(todo) or after >= total_steps
+            or (pipeline.plan.checkpoint_interval and after % pipeline.plan.checkpoint_interval == 0)
+            or sink.wants_checkpoint() or sink.should_stop()):
+        return None
+    return _send_window(pipeline, samples, todo, at, after, total_steps, step_seconds)
+
+
+def _send_window(pipeline: Pipeline, samples: Samples, todo: Sequence[torch.Tensor], at: int, after: int,
+                 total_steps: int, step_seconds: float | None) -> tuple[int, Iterator[StepOutcome]]:
+    """The window after step `after`, `todo[at]` (an epoch's batches from there on) first, sent (`Pipeline.window`):
+    how many steps it holds and their outcomes. Its batches are of one size (an epoch's last may be short)."""
     count = window_length(step=after, last_step=min(total_steps, after + len(todo) - at),
                           checkpoint_interval=pipeline.plan.checkpoint_interval, step_seconds=step_seconds)
-    return next((k for k in range(1, count) if len(todo[at + k]) != len(todo[at])), count)
+    count = next((k for k in range(1, count) if len(todo[at + k]) != len(todo[at])), count)
+    return count, pipeline.window([Batch(samples, todo[at + k]) for k in range(count)], first_train_step=after + 1)
 
 
 def _timing(

@@ -93,12 +93,15 @@ class StageClient:
         """RunStep of `step_request(**request)`."""
         return self._stub.RunStep.future(self.step_request(**request), timeout=self.timeout)  # type: ignore[arg-type]
 
-    def run_steps(self, first: stage_pb2.RunStepRequest, following: list[stage_pb2.WindowStep]) -> grpc.Call:
-        """RunSteps of a window (arceus.contracts.step_window): `first`, then `following`, back to back on the agent;
-        the call (an iterator of each step's reply) may take this client's timeout for each step, and each step its
-        timeout from when it starts."""
+    def run_steps(
+        self, first: stage_pb2.RunStepRequest, following: list[stage_pb2.WindowStep], *, behind: int = 0
+    ) -> grpc.Call:
+        """RunSteps of a window (arceus.contracts.step_window): `first`, then `following`, back to back on the agent,
+        after the `behind` steps of earlier windows still to run there (`first.after_step` names their last); the call
+        (an iterator of each step's reply) may take this client's timeout for each of those steps, and each of its
+        own its timeout from when it starts."""
         request = stage_pb2.RunStepsRequest(first=first, next=following, step_seconds=self.timeout)
-        return self._stub.RunSteps(request, timeout=self.timeout * (1 + len(following)))
+        return self._stub.RunSteps(request, timeout=self.timeout * (1 + len(following) + behind))
 
     def copy_state(self, source: StageEndpoint, epoch: int) -> tuple[str, int, str]:
         """Have this (joining) replica copy its stage's state from the live replica `source`, peer to peer; (the

@@ -48,7 +48,7 @@ def test_a_middle_stage_steps_carry_no_samples() -> None:
 @pytest.mark.parametrize(("window", "staleness", "code", "names"), [
     (_window(mode=stage_pb2.EVAL), 0, grpc.StatusCode.INVALID_ARGUMENT, "train steps"),
     (_window(retain_for_audit=True), 0, grpc.StatusCode.INVALID_ARGUMENT, "not audited"),
-    (_window(after_step=2), 0, grpc.StatusCode.INVALID_ARGUMENT, "chained"),
+    (_window(after_step=7), 0, grpc.StatusCode.INVALID_ARGUMENT, "not a step before step 7"),
     (_window(MAX_WINDOW_STEPS + 1), 0, grpc.StatusCode.INVALID_ARGUMENT, f"at most {MAX_WINDOW_STEPS}"),
     (_window(), 1, grpc.StatusCode.FAILED_PRECONDITION, "staleness 1"),
 ])
@@ -69,6 +69,11 @@ def test_call_ids_must_ascend_and_steps_have_a_time() -> None:
     window.step_seconds = 0
     with pytest.raises(RpcFailure, match="step_seconds"):
         window_requests(window, staleness=0)
+
+
+def test_a_window_may_be_chained_after_the_last_step_of_the_one_before() -> None:
+    steps = window_requests(_window(after_step=6), staleness=0)
+    assert [(s.step, s.after_step) for s in steps] == [(7, 6), (8, 7), (9, 8)]
 
 
 def test_a_window_of_one_step_runs_with_staleness_1() -> None:

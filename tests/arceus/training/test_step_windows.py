@@ -6,12 +6,14 @@ checkpoints and epochs, its losses still those of one process."""
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from arceus.contracts.assignment import Assignment, max_micro_batch_size
+from arceus.contracts.step_window import MAX_WINDOW_STEPS
 from arceus.data.batches import epoch_batches
 from arceus.data.config import validate_dataset_config
 from arceus.data.streaming import dataset_samples
@@ -115,3 +117,82 @@ def test_windows_end_at_checkpoints_and_epochs_and_train_as_one_process(agent: A
     expected = reference_of(MODEL, DATASET, OPTIMIZER, epochs=2, seed=0, max_steps=steps)
     for step, (got, want) in enumerate(zip([p.loss for p in sink.steps], expected.losses, strict=True), 1):
         assert math.isclose(got, want, rel_tol=1e-5), f"step {step}: windowed loss {got!r} != one process's {want!r}"
+
+
+def _computed(stage: HostedStage, samples: int, seconds: float = 30.0) -> bool:
+    """Whether `stage` computed `samples` samples within `seconds`."""
+    deadline = time.monotonic() + seconds
+    while stage.runtime.counters.samples < samples and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return stage.runtime.counters.samples == samples
+
+
+def test_a_window_sent_before_the_one_before_ended_runs_chained_after_it_with_no_barrier(agent: Agent) -> None:
+    addresses = _host(agent, "chained", "one-by-one")
+    stages = [s for s in agent.registry.stages() if s.assignment.job_id == "chained"]
+    with dataset_samples(DATASET, None) as (train_set, _):
+        order = epoch_batches(len(train_set), BATCH, 0, 1)
+        with Pipeline(_plan("chained", addresses)) as chained, Pipeline(_plan("one-by-one", addresses)) as single:
+            alone = [single.step(Batch(train_set, order[k]), train=True, train_step=k + 1) for k in range(5)]
+            first = chained.window([Batch(train_set, order[k]) for k in range(3)], first_train_step=1)
+            second = chained.window([Batch(train_set, order[k]) for k in range(3, 5)], first_train_step=4)
+            # Before the driver took a single reply, every stage ran both windows: the second went on from the first
+            # with no round trip to the driver between them.
+            assert all(_computed(s, 5 * BATCH) for s in stages)
+            got = [*first, *second]
+            assert len(got) == 5
+            for a, b in zip(got, alone, strict=True):
+                _same(a, b)
+
+
+def test_a_failure_in_a_window_cancels_the_one_chained_after_it_and_loses_no_step(
+    agent: Agent, tmp_path: Path
+) -> None:
+    addresses = _host(agent, "failing", "one-by-one")
+    with dataset_samples(DATASET, None) as (train_set, _):
+        order = epoch_batches(len(train_set), BATCH, 0, 1)
+        beyond = torch.full((BATCH,), len(train_set) + 5)  # a sample no stage can read: the step fails
+        with Pipeline(_plan("failing", addresses)) as chained, Pipeline(_plan("one-by-one", addresses)) as single:
+            alone = [single.step(Batch(train_set, order[0]), train=True, train_step=1)]
+            first = chained.window([Batch(train_set, order[0]), Batch(train_set, beyond)], first_train_step=1)
+            second = chained.window([Batch(train_set, order[1]), Batch(train_set, order[2])], first_train_step=2)
+            taken: list[StepOutcome] = []
+            with pytest.raises(DriverError, match="step 2 of a window of 2"):
+                taken.extend(first)
+            assert len(taken) == 1
+            _same(taken[0], alone[0])
+            with pytest.raises(ValueError, match="taken after"):
+                next(second)  # cancelled with the failure
+            # No stage ran a step of the chained window: once the failed step stopped, each holds step 1's state, as
+            # the one-by-one pipeline's do, and the run goes on from there.
+            (tmp_path / "c").mkdir(), (tmp_path / "s").mkdir()
+            assert [s.sha256 for s in chained.states(tmp_path / "c")] == [
+                s.sha256 for s in single.states(tmp_path / "s")]
+            for k in (1, 2):
+                _same(chained.step(Batch(train_set, order[k]), train=True, train_step=k + 1),
+                      single.step(Batch(train_set, order[k]), train=True, train_step=k + 1))
+
+
+class StopAfter(RecordingSink):
+    """Asks for a stop once it has seen step `step`."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__()
+        self.step = step
+
+    def should_stop(self) -> bool:
+        return bool(self.steps) and self.steps[-1].step >= self.step
+
+
+def test_a_stop_asked_mid_window_ends_the_run_after_the_window_sent_every_step_of_which_is_reported(
+    agent: Agent
+) -> None:
+    addresses = _host(agent, "stopped")
+    [stage_0] = [s for s in agent.registry.stages() if s.assignment.job_id == "stopped" and s.io.is_first]
+    sink = StopAfter(3)
+    result = train(_plan("stopped", addresses, max_steps=40), sink)
+    assert result.stopped and 3 <= result.steps <= 3 + MAX_WINDOW_STEPS
+    # Each window sent ran and was reported, and none went out once the stop was asked: stage 0 computed exactly the
+    # steps the sink saw.
+    assert [p.step for p in sink.steps] == list(range(1, result.steps + 1))
+    assert stage_0.runtime.counters.samples == result.steps * BATCH
