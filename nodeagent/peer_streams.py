@@ -52,6 +52,10 @@ HANDSHAKE_SECONDS = 5.0  # a connection's handshake and hello, or it is closed
 POLL_SECONDS = 0.05  # how often a wait looks whether its step was aborted
 MAGIC_BYTES = 4  # every hello starts with its kind's magic
 _SEND_BYTES = 1 << 20  # one TLS write at most (a write that would block is retried with the same bytes)
+# A frame of at most this many bytes goes out as one TLS write (its pieces copied together): one record and one
+# syscall, and its reader's header and body come out of one decrypted record (a small tensor's frame: header and
+# payload apart cost a second write, record and read).
+_JOIN_BYTES = 64 << 10
 
 
 class StreamFailure(RpcFailure):
@@ -409,8 +413,11 @@ class FrameStream:
         return bool(self._out)
 
     def send(self, *pieces: bytes | memoryview) -> None:
-        """Queue a frame's bytes (left untouched until sent)."""
-        self._out.extend(memoryview(p).cast("B") for p in pieces if len(p))
+        """Queue a frame's bytes (left untouched until sent; a small frame's pieces as one copy)."""
+        views = [memoryview(p).cast("B") for p in pieces if len(p)]
+        if len(views) > 1 and sum(v.nbytes for v in views) <= _JOIN_BYTES:
+            views = [memoryview(b"".join(views))]
+        self._out.extend(views)
 
     def expect(self, frame: Incoming) -> None:
         self._expected.append(frame)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import queue
 import threading
 import time
 import traceback
@@ -194,13 +195,28 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             return stage, steps, abort
 
         stage, steps, abort = serve(context, "RunSteps", begin)
-        for i, step_request in enumerate(steps):
-            if i + 1 < len(steps):
-                prefetch_step_samples(stage, steps[i + 1])  # read while this step computes
-            seconds = request.step_seconds
-            deadline = min(call_deadline(context),
-                           time.monotonic() + seconds - min(REPLY_MARGIN_SECONDS, seconds / 4))
-            yield serve(context, "RunSteps", partial(self._run_step, stage, step_request, None, deadline, abort))
+        # The steps run on a thread of their own, each starting as soon as the one before ended: a reply is sent
+        # (this thread waits for gRPC to write it) while the next step computes, not before it starts.
+        replies: queue.SimpleQueue[stage_pb2.RunStepReply | BaseException] = queue.SimpleQueue()
+
+        def run() -> None:
+            try:
+                for i, step_request in enumerate(steps):
+                    if i + 1 < len(steps):
+                        prefetch_step_samples(stage, steps[i + 1])  # read while this step computes
+                    seconds = request.step_seconds
+                    deadline = min(call_deadline(context),
+                                   time.monotonic() + seconds - min(REPLY_MARGIN_SECONDS, seconds / 4))
+                    replies.put(self._run_step(stage, step_request, None, deadline, abort))
+            except BaseException as exc:  # noqa: BLE001 - the step's failure, mapped to its status on the call's thread
+                replies.put(exc)
+
+        threading.Thread(target=run, name="run-steps", daemon=True).start()
+        for _ in steps:
+            reply = replies.get()
+            if isinstance(reply, BaseException):
+                serve(context, "RunSteps", partial(_raise, reply))
+            yield reply
 
     @staticmethod
     def _abort_on_done(stage: HostedStage, context: grpc.ServicerContext, step: int) -> threading.Event:
@@ -557,6 +573,10 @@ class StageServicer(stage_pb2_grpc.StageServiceServicer):
             return stage_pb2.VerifyForwardReply(output=to_proto(out))
 
         return serve(context, "VerifyForward", verify)
+
+
+def _raise(exc: BaseException) -> None:
+    raise exc
 
 
 def state_stream(stage: HostedStage, **include: bool) -> Iterator[stage_pb2.StateChunk]:
