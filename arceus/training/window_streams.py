@@ -27,7 +27,8 @@ class _Stream:
 
 
 class WindowStreams:
-    """Reads every agent's RunSteps stream on a thread of its own (a reply wakes the driver once it is read)."""
+    """Reads every agent's RunSteps stream on a thread of its own; the driver is woken once a step's last reply is
+    read (every agent answered it) or a stream ended."""
 
     def __init__(self, calls: Sequence[grpc.Call]) -> None:
         self._streams = [_Stream(call) for call in calls]
@@ -43,7 +44,10 @@ class WindowStreams:
                 with self._lock:
                     stream.replies.append(reply)
                     stream.answered.append(time.perf_counter())
-                self._arrived.put(None)
+                    answered = len(stream.replies)
+                    complete = all(len(s.replies) >= answered for s in self._streams)
+                if complete:
+                    self._arrived.put(None)
         except BaseException as exc:  # noqa: BLE001 - a grpc.RpcError; handed to the driver's thread as it is
             stream.ended = exc
         with self._lock:
