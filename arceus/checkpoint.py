@@ -83,6 +83,20 @@ def stored_layout(tensors: Mapping[str, torch.Tensor], name: str) -> tuple[torch
     return dtype_of(name), shape_of(name)
 
 
+def copy_stored(tensors: Mapping[str, torch.Tensor], name: str, out: torch.Tensor) -> None:
+    """Copy the stored tensor `name` into `out` (of its shape; a dtype it widens to). A mapping that reads a file
+    (a `StateFile`) reads straight into `out` where it is a contiguous CPU tensor of the stored dtype: no tensor
+    of the file's is made beside it (a resumed stage's peak held one more, the largest, and the heap the holes
+    they left). Otherwise the stored tensor is copied in."""
+    read_into = getattr(tensors, "read_into", None)
+    if read_into is not None and out.device.type == "cpu" and out.is_contiguous() and (
+        stored_layout(tensors, name)[0] == out.dtype
+    ):
+        read_into(name, out)
+    else:
+        out.copy_(tensors[name])
+
+
 def state_chunks(
     tensors: Mapping[str, torch.Tensor], metadata: dict[str, str] | None = None
 ) -> tuple[int, Iterator[memoryview]]:
@@ -136,15 +150,25 @@ class StateFile(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         entry = self._entries[name]
         tensor = torch.empty(entry.shape, dtype=_TORCH_DTYPES[entry.dtype])
-        if not tensor.numel():
-            return tensor
-        buffer = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        self.read_into(name, tensor)
+        return tensor
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """Read tensor `name` into `out`, a contiguous CPU tensor of its dtype and shape (ValueError otherwise)."""
+        entry = self._entries[name]
+        if out.device.type != "cpu" or out.dtype != _TORCH_DTYPES[entry.dtype] or list(out.shape) != entry.shape:
+            raise ValueError(f"checkpoint tensor {name} is {entry.dtype} {entry.shape}; cannot read it into "
+                             f"{out.dtype} {list(out.shape)} on {out.device}")
+        if not out.is_contiguous():
+            raise ValueError(f"checkpoint tensor {name} can only be read into a contiguous tensor")
+        if not out.numel():
+            return
+        buffer = memoryview(out.detach().reshape(-1).view(torch.uint8).numpy())
         with self._lock:
             self._handle.seek(entry.begin)
             read = self._handle.readinto(buffer)
         if read != entry.end - entry.begin:
             raise CheckpointError(f"checkpoint tensor {name} ends early: {read} of {entry.end - entry.begin} bytes")
-        return tensor
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._entries)

@@ -27,7 +27,7 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
-from arceus.checkpoint import stored_layout
+from arceus.checkpoint import copy_stored, stored_layout
 from arceus.contracts.assignment import OptimizerConfig
 from arceus.model.autocast import autocast
 from arceus.model.buffers import BufferSteps
@@ -404,9 +404,10 @@ class StageRuntime:
         it is copied in. A state without any buffer
         (the job's uploaded initial weights, or a checkpoint saved before stages kept their buffers) leaves the
         buffers as the layers were built with them (an exported model's: as captured); one with some holds exactly
-        this stage's. `tensors` may load lazily (`arceus.checkpoint.StateFile`): each tensor is then read once,
-        copied into place and let go, so loading takes one tensor's memory beside the stage's own. A stage without
-        an optimizer (served for inference) loads the weights alone: the optimizer entries are never read."""
+        this stage's. `tensors` may load lazily (`arceus.checkpoint.StateFile`): each tensor is then read straight
+        into its place (`copy_stored`), a weight into its parameter and an optimizer entry into the one tensor the
+        optimizer keeps, so loading takes no memory beside the stage's own. A stage without an optimizer (served
+        for inference) loads the weights alone: the optimizer entries are never read."""
         params = dict(named_global_parameters(self.layers))
         weights = [k for k in tensors if not k.startswith((OPTIMIZER_PREFIX, BUFFER_PREFIX))]
         _check_layouts(tensors, weights, params, "checkpoint", "this stage", widen=widen)
@@ -415,7 +416,7 @@ class StageRuntime:
         if self.optimizer is None:
             with torch.no_grad():
                 for name, param in params.items():
-                    param.copy_(tensors[name].to(self.device))
+                    copy_stored(tensors, name, param)
             self._load_buffers(tensors, buffers)
             return
         entries: dict[str, set[str]] = {}
@@ -444,11 +445,14 @@ class StageRuntime:
         self.optimizer.state.clear()
         with torch.no_grad():
             for name, param in params.items():
-                param.copy_(tensors[name].to(self.device))
+                copy_stored(tensors, name, param)
                 # A copy of its own, one tensor at a time: the caller's mapping may share its tensors.
                 for entry in sorted(entries.get(name, ())):
-                    value = tensors[f"{OPTIMIZER_PREFIX}{name}.{entry}"]
-                    load_saved_state(self.optimizer, param, {entry: value})
+                    key = f"{OPTIMIZER_PREFIX}{name}.{entry}"
+                    dtype, shape = stored_layout(tensors, key)
+                    value = torch.empty(shape, dtype=dtype)
+                    copy_stored(tensors, key, value)
+                    load_saved_state(self.optimizer, param, {entry: value}, owned=True)
         self._load_buffers(tensors, buffers)
 
     def _buffers_check(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -61,10 +61,15 @@ def saved_state(optimizer: torch.optim.Optimizer, param: nn.Parameter) -> dict[s
 
 
 def load_saved_state(
-    optimizer: torch.optim.Optimizer, param: nn.Parameter, entries: Mapping[str, torch.Tensor]
+    optimizer: torch.optim.Optimizer,
+    param: nn.Parameter,
+    entries: Mapping[str, torch.Tensor],
+    *,
+    owned: bool = False,
 ) -> None:
     """Set `param`'s state in `optimizer` to `entries` (`saved_state`'s form), each copied beside its parameter
-    (Adam's step on the CPU unless fused or capturable, as torch keeps it)."""
+    (Adam's step on the CPU unless fused or capturable, as torch keeps it). `owned`: the entries are the caller's
+    to give away (read for this call alone), so one already where torch keeps it is kept, not copied."""
     state = optimizer.state[param]
     is_8bit = hasattr(optimizer, "name2qmap")
     for key, value in entries.items():
@@ -72,7 +77,7 @@ def load_saved_state(
             state[key] = int(value.item())
             continue
         beside = value.dim() or optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
-        state[key] = value.to(param.device if beside else value.device, copy=True)
+        state[key] = value.to(param.device if beside else value.device, copy=not owned)
     if is_8bit and entries:
         if not optimizer.name2qmap:
             optimizer.fill_qmap()

@@ -11,7 +11,14 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from arceus.checkpoint import StateFile, checkpoint_digest, checkpoint_views, decode_checkpoint, encode_checkpoint
+from arceus.checkpoint import (
+    StateFile,
+    checkpoint_digest,
+    checkpoint_views,
+    copy_stored,
+    decode_checkpoint,
+    encode_checkpoint,
+)
 from arceus.safetensors_file import (
     CHUNK_BYTES,
     CheckpointError,
@@ -276,6 +283,33 @@ def test_a_state_file_reads_every_tensor_as_written_without_mapping_the_file(tmp
     assert str(path) not in Path("/proc/self/maps").read_text()  # plain reads: no page of it counts as ours
     path.unlink()  # the agent's downloaded file goes as soon as it is open: the tensors stay readable
     torch.testing.assert_close(state["ids"], STATE["ids"])
+
+
+def test_a_state_file_reads_a_tensor_into_the_place_given_and_refuses_another_layout(tmp_path: Path) -> None:
+    state = StateFile(written(tmp_path, encode_checkpoint(STATE)))
+    out = torch.full((2, 3), -1, dtype=torch.int64)
+    pointer = out.data_ptr()
+    state.read_into("ids", out)
+    assert out.data_ptr() == pointer and torch.equal(out, STATE["ids"])
+    for wrong in (torch.empty(3, 2, dtype=torch.int64), torch.empty(2, 3, dtype=torch.int32)):
+        with pytest.raises(ValueError, match=r"checkpoint tensor ids is I64 \[2, 3\]; cannot read it into"):
+            state.read_into("ids", wrong)
+    with pytest.raises(ValueError, match="only be read into a contiguous tensor"):
+        state.read_into("ids", torch.empty(3, 2, dtype=torch.int64).t())
+
+
+def test_copying_a_stored_tensor_reads_a_file_in_place_and_widens_or_copies_anything_else(tmp_path: Path) -> None:
+    state = StateFile(written(tmp_path, encode_checkpoint(STATE)))
+    weight = torch.zeros(3, 4)
+    copy_stored(state, "layers.0.weight", weight)
+    torch.testing.assert_close(weight, STATE["layers.0.weight"], rtol=0, atol=0)
+    bias = torch.zeros(3)  # float32, stored as bfloat16: widened
+    copy_stored(state, "layers.0.bias", bias)
+    torch.testing.assert_close(bias, STATE["layers.0.bias"].float(), rtol=0, atol=0)
+    views = checkpoint_views(bytearray(encode_checkpoint(STATE)))
+    ids = torch.zeros(2, 3, dtype=torch.int64)
+    copy_stored(views, "ids", ids)
+    assert torch.equal(ids, STATE["ids"]) and ids.data_ptr() != views["ids"].data_ptr()
 
 
 def test_a_state_file_that_is_not_what_its_header_says_is_refused(tmp_path: Path) -> None:

@@ -93,3 +93,13 @@ def test_8bit_adam_state_loaded_into_a_fresh_optimizer_steps_identically() -> No
         assert torch.equal(a, b)
         for key, value in saved_state(original, a).items():
             assert torch.equal(value, saved_state(resumed, b)[key]), key
+
+
+def test_loaded_state_is_a_copy_unless_the_caller_gives_its_tensors_away() -> None:
+    param = nn.Parameter(torch.randn(5))
+    optimizer = make_optimizer([param], "adam", 1e-2)
+    given = {"exp_avg": torch.ones(5), "exp_avg_sq": torch.full((5,), 2.0), "step": torch.tensor(3.0)}
+    load_saved_state(optimizer, param, given)
+    assert all(optimizer.state[param][k].data_ptr() != t.data_ptr() for k, t in given.items())
+    load_saved_state(optimizer, param, given, owned=True)  # already where torch keeps them: kept as they are
+    assert all(optimizer.state[param][k] is t for k, t in given.items())
