@@ -83,6 +83,7 @@ JOB: dict[str, Any] = {
     "requirements": {"owner_diversity": False},  # every node here is the bench user's
 }
 REGISTERING_AT_ONCE = 512
+REGISTER_TRIES = 3  # an agent whose registration fails this often is left out of the fleet (and reported)
 # A real agent's (nodeagent/control_plane.py: ControlPlaneClient's timeout, HeartbeatLoop's backoff after a failure).
 TIMEOUT_S = 10.0
 MIN_BACKOFF_S, MAX_BACKOFF_S = 1.0, 30.0
@@ -277,14 +278,27 @@ async def drive_jobs(drivers: Executor, interval: float, progress: Progress, sto
         await asyncio.sleep(max(0.0, 0.2 - (time.monotonic() - now)))
 
 
-async def heartbeats_to_django(session: aiohttp.ClientSession, cluster: LocalCluster) -> dict[str, float]:
-    """The control plane's count of heartbeats its quiet path handed to Django, by reason (its /metrics)."""
-    async with session.get(f"{cluster.api_url}/metrics",
-                           headers={"Authorization": f"Bearer {cluster.metrics_token}"}) as response:
-        text = await response.text()
+async def heartbeats_to_django(session: aiohttp.ClientSession, cluster: LocalCluster) -> dict[str, float] | str:
+    """The control plane's count of heartbeats its quiet path handed to Django, by reason (its /metrics); or why it
+    was not read (the web process did not answer in time: an overloaded control plane is reported, not a crash)."""
+    try:
+        async with session.get(f"{cluster.api_url}/metrics",
+                               headers={"Authorization": f"Bearer {cluster.metrics_token}"}) as response:
+            if response.status != 200:
+                return f"GET /metrics: HTTP {response.status}"
+            text = await response.text()
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        return f"GET /metrics: {type(exc).__name__}"
     return {sample.labels["reason"]: sample.value for family in text_string_to_metric_families(text)
             if family.name == "arceus_heartbeats_to_django" for sample in family.samples
             if sample.name.endswith("_total")}
+
+
+def to_django_since(before: dict[str, float] | str, after: dict[str, float] | str) -> dict[str, int] | str:
+    """The heartbeats handed to Django between two reads, by reason; or why one read failed."""
+    if isinstance(before, str) or isinstance(after, str):
+        return before if isinstance(before, str) else after  # type: ignore[return-value]
+    return {reason: int(n - before.get(reason, 0)) for reason, n in after.items()}
 
 
 def placed_nodes() -> dict[str, str]:
@@ -303,6 +317,8 @@ async def register(session: aiohttp.ClientSession, url: str, agent: SimAgent, i:
     identity = new_identity()
     headers = {"Authorization": f"Node {agent.token}"}
     async with session.post(f"{url}/api/agent/challenge", json={}, headers=headers) as response:
+        if response.status != 200:
+            raise RuntimeError(f"challenge failed: HTTP {response.status} {await response.text()}")
         challenge = (await response.json())["challenge"]
     # A loopback address of its own where nothing listens: the control plane's dial-back after registration
     # (controlplane/nodes/reachability.py) is refused at once and stays on this machine.
@@ -442,13 +458,29 @@ async def run_fleet(
         started = time.perf_counter()
         gate = asyncio.Semaphore(REGISTERING_AT_ONCE)
 
-        async def gated(i: int, agent: SimAgent) -> None:
-            async with gate:
-                await register(session, cluster.api_url, agent, i)
+        registration_errors: dict[str, int] = {}
 
-        await asyncio.gather(*(gated(i, a) for i, a in enumerate(agents)))
+        async def gated(i: int, agent: SimAgent) -> bool:
+            """Registered, tried again after a real agent's backoff while it fails (at most REGISTER_TRIES times)."""
+            backoff = MIN_BACKOFF_S
+            for _ in range(REGISTER_TRIES):
+                async with gate:
+                    try:
+                        await register(session, cluster.api_url, agent, i)
+                        return True
+                    except (TimeoutError, aiohttp.ClientError, RuntimeError) as exc:
+                        kind = type(exc).__name__
+                registration_errors[kind] = registration_errors.get(kind, 0) + 1
+                await asyncio.sleep(backoff)
+                backoff = min(2 * backoff, MAX_BACKOFF_S)
+            return False
+
+        fleet = len(agents)
+        registered = await asyncio.gather(*(gated(i, a) for i, a in enumerate(agents)))
+        agents = [a for a, ok in zip(agents, registered, strict=True) if ok]  # the others never heartbeat
         registered_s = time.perf_counter() - started
-        print(f"registered {len(agents)} agents in {registered_s:.1f} s", flush=True)
+        print(f"registered {len(agents)} of {fleet} agents in {registered_s:.1f} s"
+              + (f" (errors {registration_errors})" if registration_errors else ""), flush=True)
 
         tally, progress, stop = Tally(), Progress(), asyncio.Event()
         # This one process stands for 10,000 agents' machines: its collector tuned as the control plane's.
@@ -500,8 +532,7 @@ async def run_fleet(
             bench_cpu = time.process_time() - cpu_start
             memory = control_plane_memory(cluster)
             running = await loop.run_in_executor(database, jobs_running)
-            to_django = {reason: int(n - to_django_before.get(reason, 0))
-                         for reason, n in (await heartbeats_to_django(session, cluster)).items()}
+            to_django = to_django_since(to_django_before, await heartbeats_to_django(session, cluster))
         finally:  # the agents stop before the session closes, also when the run failed
             stop.set()
             for task in beats:
@@ -511,7 +542,8 @@ async def run_fleet(
     passes = [float(m) for m in RECONCILE_LINE.findall(log.read_bytes()[log_offset:].decode(errors="replace"))]
     delays = [reassigned[v.node_id] - v.last_beat for v in victims if v.node_id in reassigned]
     return {
-        "agents": len(agents), "interval_s": args.interval, "jobs": len(jobs), "window_s": round(window, 1),
+        "agents": fleet, "registered": len(agents), "registration_errors": registration_errors,
+        "interval_s": args.interval, "jobs": len(jobs), "window_s": round(window, 1),
         "placements_per_pass": args.placements_per_pass,
         "registration_s": round(registered_s, 1),
         "first_answered": answered, "first_heartbeats_s": round(first_s, 1),
@@ -530,7 +562,7 @@ async def run_fleet(
         "reports_p99_placing_ms": round(quantile(tally.reports[:tally.reports_placing], 0.99) * 1e3, 1),
         "errors": sum(tally.errors.values()), "error_kinds": tally.errors,
         "startup_errors": sum(tally.startup_errors.values()), "startup_error_kinds": tally.startup_errors,
-        "to_django": sum(to_django.values()), "to_django_reasons": to_django,
+        "to_django": None if isinstance(to_django, str) else sum(to_django.values()), "to_django_reasons": to_django,
         "bench_cpu_ms_per_heartbeat": round(bench_cpu / max(1, len(tally.latencies)) * 1e3, 3),
         "bench_lag_p99_ms": round(quantile(tally.lags, 0.99) * 1e3, 1),
         "bench_lag_max_ms": round(max(tally.lags, default=float("nan")) * 1e3, 1),
@@ -702,7 +734,8 @@ def print_and_write(r: dict[str, Any], *, write: bool) -> None:
         f"| heartbeat errors | {r['errors']} {r['error_kinds'] or ''} | 0 |",
         f"| heartbeat errors before the window (every agent's first heartbeat) | {r['startup_errors']} "
         f"{r['startup_error_kinds'] or ''} | |",
-        f"| heartbeats the quiet path handed to Django, by reason | {r['to_django']:,} {r['to_django_reasons']} | |",
+        f"| heartbeats the quiet path handed to Django, by reason | "
+        f"{'not read' if r['to_django'] is None else format(r['to_django'], ',')} {r['to_django_reasons']} | |",
         f"| the bench process's CPU per heartbeat (load generator) | {r['bench_cpu_ms_per_heartbeat']} ms | |",
         f"| the bench process's event loop: lateness p99 / max (in every latency above) | {r['bench_lag_p99_ms']} / "
         f"{r['bench_lag_max_ms']} ms | |",
@@ -710,7 +743,9 @@ def print_and_write(r: dict[str, Any], *, write: bool) -> None:
         f"{r['reconcile_max_s']} s | < 1 s |",
         f"| silent node → stage moved, max / median ({r['reassigned']}/{r['silent']} moved) | "
         f"{r['reassign_max_s']} / {r['reassign_median_s']} s | < grace {r['grace_s']:g} + 2 s |",
-        f"| registration of all agents | {r['registration_s']} s | |",
+        f"| registration: agents registered, time taken, errors (each retried; an agent failing "
+        f"{REGISTER_TRIES} times is left out) | {r['registered']:,} in {r['registration_s']} s, "
+        f"{sum(r['registration_errors'].values())} {r['registration_errors'] or ''} | {r['agents']:,}, 0 |",
         f"| every agent's first heartbeat answered (a node becomes Ready) | {r['first_answered']:,} agents in "
         f"{r['first_heartbeats_s']} s | |",
         f"| stages placed (of {r['jobs'] * 3:,}) and time taken | {r['placed_stages']:,} in {r['placement_s']} s | |",
