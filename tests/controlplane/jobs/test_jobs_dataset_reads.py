@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from django.utils import timezone
 from rest_framework.test import APIClient
 from safetensors.torch import save
 
@@ -21,11 +22,13 @@ from arceus.data.upload_rows import MAX_RANGE_BYTES, MAX_RANGES, UploadLayout, u
 from arceus.training.driver import DriverError, Pipeline, train
 from arceus.training.recording import RecordingSink
 from arceus.wire.tls import new_identity
+from controlplane.agents.services import node_heartbeat
 from controlplane.controller.executor import reconcile_once
 from controlplane.driver.driving import train_plan
 from controlplane.jobs.models import Job
 from controlplane.jobs.selectors import assignments_for_node
 from controlplane.jobs.services import job_start, job_submit
+from controlplane.nodes.models import Node
 from nodeagent.stage import DatasetReadError
 from tests.arceus.training.reference_jobs import reference_of
 from tests.controlplane.datasets.test_datasets_api import upload
@@ -56,6 +59,10 @@ def placed_job(  # noqa: ANN201
     )
     if place:
         job = job_start(job=job)
+        # Live agents heartbeat every few seconds; these test nodes heartbeat once, and the upload above can outlast
+        # their lease (ARCEUS_NODE_GRACE_SECONDS) on a loaded machine, leaving no Ready node to place the job on.
+        for node in Node.objects.filter(owner=user):
+            node_heartbeat(node=node, observed=[], now=timezone.now())
         reconcile_once()
         job.refresh_from_db()
     return job, dataset
