@@ -1,5 +1,5 @@
-"""fp32 GPipe vs 1F1B with int8 activations and gradients, every link shaped to a slow WAN; the int8 1F1B pipeline
-also with staleness 1 (PipeDream-2BW) over the same links, and synchronous on unshaped loopback.
+"""fp32 vs int8 activations and gradients, GPipe vs 1F1B, every link shaped to a slow WAN; the int8 1F1B pipeline
+also with staleness 1 (PipeDream-2BW) over the same links, and both int8 schedules synchronous on unshaped loopback.
 
     .venv/bin/python bench/shaped_pipeline.py [--stages 2|3] [--steps 8] [--rounds 1]
                                               [--delay-ms 20] [--rate-mbit 100]
@@ -8,8 +8,12 @@ The GPT of bench/pipeline_vs_torch.py (same model, text batches, micro-batches, 
 2 or 3 stages of static agents (one process and one torch thread each). In the shaped setups every directed link,
 driver → stage i and stage i ⇄ stage i±1, goes through its own `devtools.shaper` link: `--delay-ms` one way and
 `--rate-mbit` per direction; the loopback setup calls the agents directly. Every setup trains the same batches from
-the same weights; rounds alternate them. Reports samples/s (after warm-up), their ratios, the training loss at the
-last step (and every step's, synchronous beside staleness 1), and per step: what each stage sent, its compute time
+the same weights; rounds alternate them. Reports samples/s (after warm-up) per round and their medians, their ratios
+(each synchronous schedule over the shaped links against the same schedule on loopback in the same run, and against
+the bound a flush allows, T / (T + 2(S-1)d), T loopback's step), what the pure step model (arceus/swarm/model.py)
+predicts over the links from loopback's step, how late the shaper delivered its chunks against its timing rule, the
+training loss at the last step (and every step's, synchronous beside staleness 1), and per step: what each stage
+sent, its compute time
 (wall seconds the agent counts), its agent process's CPU seconds (user + system, psutil: compute beside what the gRPC
 threads do; on a loaded machine the compute's wall time grows, its CPU time does not) and its wait (step time minus
 compute). `--setups` runs some of them (default: all). Writes docs/BENCHMARKS.md and ends with one JSON line.
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -33,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from arceus.contracts.assignment import max_micro_batch_size  # noqa: E402
 from arceus.model.registry import model_spec_from_config  # noqa: E402
+from arceus.swarm.model import Link, Replica, Workload, step_time  # noqa: E402
 from arceus.training.driver import train  # noqa: E402
 from arceus.training.plan import StageEndpoint, StepProgress, TrainPlan  # noqa: E402
 from bench.clock import Clock  # noqa: E402
@@ -54,19 +60,25 @@ class Setup:
 INT8 = {"activations": "int8", "gradients": "int8"}
 SETUPS: dict[str, Setup] = {
     "fp32_gpipe": Setup("gpipe", None),
+    "int8_gpipe": Setup("gpipe", INT8),
     "int8_1f1b": Setup("1f1b", INT8),
     "int8_1f1b_stale": Setup("1f1b", INT8, staleness=1),
+    "int8_gpipe_loopback": Setup("gpipe", INT8, shaped=False),
     "int8_1f1b_loopback": Setup("1f1b", INT8, shaped=False),
 }
 
 
 WHY = (
-    "int8 shrinks only the bytes (4 → 1.06 per value, the last column); it does not shorten the one-way "
-    "delays on each step's critical path (inputs pushed to stage 0, the pipeline's fill and drain hops, "
-    "the last push's ack, the RunStep reply: about five delays, ≈ 0.1 s), and with one CPU thread per "
-    "stage compute dominates the step, so the ratio stays near 1 here. 1F1B has the same bubble as GPipe "
-    "for equal micro-batches (it saves activation memory, not time). Even with free compute, int8's "
-    "ceiling is 3.76× and only where bytes dwarf those delays."
+    "int8 shrinks only the bytes (4 → 1.06 per value): a micro-batch's activation crosses a 100 Mbit/s link in "
+    "≈ 11 ms instead of ≈ 42 ms. The schedule decides how many one-way delays a synchronous step waits for. GPipe "
+    "sends all of stage 0's forwards at once: one fill and one drain, 2(S-1) delays a step, the bound's. 1F1B lets "
+    "stage i hold at most S - i micro-batches: with M = 4 over S = 3 stages stage 0 may run its fourth forward only "
+    "after its first backward, which waits for micro-batch 0's whole round trip through the pipeline (4 delays); "
+    "micro-batch 3's own round trip follows it, so 8 delays lie on the step's path. On loopback the two schedules "
+    "cost the same (1F1B saves activation memory, not time); over links whose round trip exceeds a micro-batch's "
+    "compute, GPipe is the synchronous schedule to use. The model column is arceus/swarm/model.py's replay of the "
+    "step over the links (each stage's compute set so that its step on free links is loopback's measured one, the "
+    "boundary bytes as stage 0 sent them): it counts the delays, the rate and the schedule, nothing of the agents."
 )
 STALE = (
     "Staleness 1 (`\"staleness\": 1`, PipeDream-2BW) lets each stage start the next step's forwards once this "
@@ -103,6 +115,7 @@ class Run:
     bytes_sent_per_step: list[float]  # per stage, measured steps only
     compute_s_per_step: list[float]
     cpu_s_per_step: list[float]  # per stage, its agent process's user + system CPU
+    late_s: list[float]  # how late the shaper wrote each chunk of the run against its timing rule (none: loopback)
 
 
 def boundaries(stages: int) -> list[int]:
@@ -136,9 +149,10 @@ def shaped_assignments(
 
 def run(
     job_id: str, schedule: str, bounds: list[int], agents: list[str], driver_links: list[str], steps: int,
-    processes: list[psutil.Process], staleness: int = 0,
+    processes: list[psutil.Process], shaper: ShaperThread, staleness: int = 0,
 ) -> Run:
     """Train over the shaped links; the driver reaches agent i through driver_links[i]; agent i is processes[i]."""
+    shaper.take_lateness()  # the links' chunks of runs before
     plan = TrainPlan(
         job_id=job_id, generation=1, credential=driver_token(job_id, 1),
         stages=tuple(
@@ -151,6 +165,7 @@ def run(
     )
     log = StepLog(processes)
     train(plan, log)
+    late = shaper.take_lateness()
     # Counters are cumulative: the difference from the last warm-up step covers the measured steps.
     pairs = list(zip(log.steps[WARMUP - 1].stages, log.steps[-1].stages, strict=True))
     measured = len(log.steps) - WARMUP
@@ -162,7 +177,22 @@ def run(
         bytes_sent_per_step=[(b.bytes_sent - a.bytes_sent) / measured for a, b in pairs],
         compute_s_per_step=[(b.compute_seconds - a.compute_seconds) / measured for a, b in pairs],
         cpu_s_per_step=[(b - a) / measured for a, b in zip(log.cpu[WARMUP - 1], log.cpu[-1], strict=True)],
+        late_s=late,
     )
+
+
+def model_step(schedule: str, stages: int, boundary_bytes: float, t: float, delay_s: float, rate_bps: float) -> float:
+    """arceus/swarm/model.py's step over links of `delay_s` and `rate_bps` (each direction of each pair its own, as
+    the shaper's), with equal stages whose compute makes the step on free links (no delay, no rate) last `t`:
+    `boundary_bytes` per sample each way between neighbours (the measured, as sent)."""
+
+    def step(seconds_per_sample: float, link: Link) -> float:
+        workload = Workload(MICRO_BATCHES, DATASET["batch_size"], (boundary_bytes,) * (stages - 1), (0.0,) * stages,
+                            schedule=schedule)
+        return step_time([[Replica(seconds_per_sample, link)] for _ in range(stages)], workload).seconds
+
+    free = step(1.0, Link(0.0, math.inf, per_peer=True))  # linear in the compute
+    return step(t / free, Link(delay_s, rate_bps, per_peer=True))
 
 
 def main() -> None:
@@ -210,7 +240,7 @@ def main() -> None:
                 setup = SETUPS[name]
                 agents, driver_links, cpu = sets[setup.shaped]
                 results[name].append(run(f"shaped-{name}-{r}", setup.schedule, bounds, agents, driver_links,
-                                         args.steps, cpu, setup.staleness))
+                                         args.steps, cpu, shaper, setup.staleness))
                 print(f"{name} round {r}: {results[name][-1]} ({time.perf_counter() - start:.1f} s)", file=sys.stderr)
         finally:
             stop_agents(processes)
@@ -222,68 +252,100 @@ def main() -> None:
         return [statistics.median(getattr(x, attr)[i] for x in results[name]) for i in range(n)]
 
     rates = {name: med(name, "samples_per_s") for name in setups}
+    batch, d = DATASET["batch_size"], args.delay_ms / 1e3
     figures: dict[str, Any] = {f"{name}_samples_per_s": round(rate, 3) for name, rate in rates.items()}
+    figures |= {f"{name}_per_round": [round(x.samples_per_s, 3) for x in results[name]] for name in setups}
     figures |= {f"{name}_loss": round(results[name][0].loss, 4) for name in setups}
     figures |= {f"{name}_cpu_s_per_step": [round(c, 3) for c in med_list(name, "cpu_s_per_step")] for name in setups}
-    ratios = {"speedup": ("int8_1f1b", "fp32_gpipe"), "synchronous_of_loopback": ("int8_1f1b", "int8_1f1b_loopback"),
+    ratios = {"int8_of_fp32": ("int8_gpipe", "fp32_gpipe"),
               "stale_of_loopback": ("int8_1f1b_stale", "int8_1f1b_loopback")}
     figures |= {key: round(rates[a] / rates[b], 3) for key, (a, b) in ratios.items() if a in rates and b in rates}
-    if {"int8_1f1b", "int8_1f1b_loopback"} <= rates.keys():
+    verdicts, predictions = [], ""
+    for schedule in ("gpipe", "1f1b"):
+        shaped, loopback = f"int8_{schedule}", f"int8_{schedule}_loopback"
+        if not {shaped, loopback} <= rates.keys():
+            continue
         # The synchronous step's floor over the links: loopback's step T plus a delay d each way per hop of the fill
-        # and the drain, T + 2(S-1)d.
-        t = med("int8_1f1b_loopback", "seconds_per_step")
-        bound = rates["int8_1f1b_loopback"] * t / (t + 2 * (n - 1) * args.delay_ms / 1e3)
-        figures["synchronous_of_bound"] = round(rates["int8_1f1b"] / bound, 3)
+        # and the drain, T + 2(S-1)d; each round's shaped run against that round's loopback one too.
+        def bound(samples_per_s: float, step_s: float) -> float:
+            return samples_per_s * step_s / (step_s + 2 * (n - 1) * d)
+
+        t = med(loopback, "seconds_per_step")
+        figures[f"{schedule}_synchronous_of_loopback"] = round(rates[shaped] / rates[loopback], 3)
+        figures[f"{schedule}_synchronous_of_bound"] = round(rates[shaped] / bound(rates[loopback], t), 3)
+        figures[f"{schedule}_synchronous_of_bound_per_round"] = [
+            round(a.samples_per_s / bound(b.samples_per_s, b.seconds_per_step), 3)
+            for a, b in zip(results[shaped], results[loopback], strict=True)
+        ]
+        boundary = med_list(loopback, "bytes_sent_per_step")[0] / batch  # stage 0 sends only activations
+        modelled = model_step(schedule, n, boundary, t, d, args.rate_mbit * 1e6)
+        figures[f"{schedule}_model_s_per_step"] = round(modelled, 3)
+        predictions += (f"{schedule}: loopback {t:.3f} s a step, over the links measured "
+                        f"{med(shaped, 'seconds_per_step'):.3f}, model {modelled:.3f}, "
+                        f"bound {t + 2 * (n - 1) * d:.3f}; ")
+        verdicts.append(f"{schedule} synchronous of loopback **{figures[f'{schedule}_synchronous_of_loopback']}×**, of "
+                        f"its bound **{figures[f'{schedule}_synchronous_of_bound']}×** (per round "
+                        f"{', '.join(map(str, figures[f'{schedule}_synchronous_of_bound_per_round']))})")
+    late = {name: sorted(v for x in results[name] for v in x.late_s) for name in setups if SETUPS[name].shaped}
+
+    def pct(values: list[float], q: float) -> float:
+        return values[min(len(values) - 1, int(q * len(values)))] * 1e3 if values else math.nan
+
+    figures |= {f"{name}_shaper_late_ms_p50_p99": [round(pct(v, 0.5), 2), round(pct(v, 0.99), 2)]
+                for name, v in late.items()}
     figures |= {
         "steps": args.steps, "warmup_steps": WARMUP, "rounds": args.rounds, "stages": n,
-        "micro_batches": MICRO_BATCHES, "batch_size": DATASET["batch_size"],
-        "delay_ms": args.delay_ms, "rate_mbit": args.rate_mbit,
+        "micro_batches": MICRO_BATCHES, "batch_size": batch, "delay_ms": args.delay_ms, "rate_mbit": args.rate_mbit,
     }
     rows = ""
     for name in setups:
         step_s = med(name, "seconds_per_step")
         compute, cpu = med_list(name, "compute_s_per_step"), med_list(name, "cpu_s_per_step")
         sent = med_list(name, "bytes_sent_per_step")
+        shaper_late = f"{pct(late[name], 0.5):.2f} / {pct(late[name], 0.99):.2f}" if name in late else "-"
         rows += (
-            f"| {name} | {rates[name]:.2f} | {results[name][0].loss:.4f} | {step_s:.2f} | "
+            f"| {name} | {rates[name]:.2f} | {', '.join(f'{x.samples_per_s:.2f}' for x in results[name])} | "
+            f"{results[name][0].loss:.4f} | {step_s:.3f} | "
             f"{' / '.join(f'{b / 1e6:.2f}' for b in sent)} | {' / '.join(f'{c:.2f}' for c in compute)} | "
             f"{' / '.join(f'{c:.2f}' for c in cpu)} | "
-            f"{' / '.join(f'{step_s - c:.2f}' for c in compute)} | {max(sent) * 8 / (args.rate_mbit * 1e6):.3f} |\n"
+            f"{' / '.join(f'{step_s - c:.2f}' for c in compute)} | {shaper_late} |\n"
         )
     table = (
-        "| setup | samples/s | loss at last step | s/step | MB sent/step per stage | compute s/step per stage "
-        "| agent CPU s/step per stage | not computing s/step per stage | busiest stage's bytes at the rate, s/step |\n"
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |\n" + rows
+        "| setup | samples/s (median) | per round | loss at last step | s/step | MB sent/step per stage "
+        "| compute s/step per stage | agent CPU s/step per stage | not computing s/step per stage "
+        "| shaper's lateness p50 / p99, ms |\n"
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |\n" + rows
     )
     if len(setups) < len(SETUPS):  # a partial run: its figures, not a section of docs/BENCHMARKS.md
         print(table)
+        print(predictions)
         print(json.dumps(figures))
         return
     table += (
-        f"\nint8 1F1B / fp32 GPipe: **{figures['speedup']}×** samples/s. Of int8 1F1B on loopback: synchronous "
-        + f"**{figures['synchronous_of_loopback']}×**, staleness 1 **{figures['stale_of_loopback']}×**. Synchronous "
-        + f"of its bound T/(T+2(S-1)d) (T: loopback's s/step): **{figures['synchronous_of_bound']}×**.\n"
+        f"\nint8 / fp32 (GPipe): **{figures['int8_of_fp32']}×** samples/s. Over the shaped links, in this run: "
+        + "; ".join(verdicts) + f"; staleness 1 (1F1B) of loopback 1F1B **{figures['stale_of_loopback']}×**.\n"
+        + f"\nStep seconds (medians; model: arceus/swarm/model.py from loopback's step): {predictions.rstrip('; ')}.\n"
         + "\nTraining loss per step (round 0), int8 1F1B synchronous / staleness 1: "
         + ", ".join(f"{a:.4f} / {b:.4f}" for a, b in zip(results["int8_1f1b"][0].losses,
                                                           results["int8_1f1b_stale"][0].losses, strict=True))
-        + ".\n\n" + WHY + "\n\n" + STALE + "\n"
+        + f"; at the last step GPipe synchronous {results['int8_gpipe'][0].loss:.4f}.\n\n" + WHY + "\n\n" + STALE + "\n"
     )
     params = sum(model_spec_from_config(MODEL).layer_params())
     shaped_as_asked = (args.delay_ms, args.rate_mbit) == (20.0, 100.0)
     name = f"shaped_pipeline_{n}_stages" + ("" if shaped_as_asked else f"_{args.delay_ms:g}ms_{args.rate_mbit:g}mbit")
     write_section(name, (
-        f"## fp32 GPipe vs int8 1F1B over shaped links, {n} stages (`bench/shaped_pipeline.py --stages {n}"
+        f"## fp32 vs int8, GPipe vs 1F1B over shaped links, {n} stages (`bench/shaped_pipeline.py --stages {n}"
         f"{'' if shaped_as_asked else f' --delay-ms {args.delay_ms:g} --rate-mbit {args.rate_mbit:g}'}"
         f" --steps {args.steps} --rounds {args.rounds}`)\n\n"
         f"{machine_line()}. In the shaped setups every link (driver → stage, stage ⇄ neighbour) through a userspace "
         "shaper: "
         f"{args.delay_ms:g} ms one way and {args.rate_mbit:g} Mbit/s per direction. GPT of "
-        f"`bench/pipeline_vs_torch.py` ({params / 1e6:.2f}M parameters), batch {DATASET['batch_size']} × "
+        f"`bench/pipeline_vs_torch.py` ({params / 1e6:.2f}M parameters), batch {batch} × "
         f"{DATASET['block_size']} tokens, M={MICRO_BATCHES}, Adam, layer boundaries {bounds}, one torch thread "
-        f"per agent process; {args.steps} steps per run ({WARMUP} warm-up not timed), {args.rounds} round(s). "
-        "Losses are the training loss of the last step; every setup trains the same batches from the same "
-        "weights. `int8_1f1b_loopback`: the same pipeline with the agents called directly on loopback; "
-        "`int8_1f1b_stale`: over the shaped links with `staleness: 1`.\n\n" + table
+        f"per agent process; {args.steps} steps per run ({WARMUP} warm-up not timed), {args.rounds} round(s), the "
+        "setups alternating in each. Losses are the training loss of the last step; every setup trains the same "
+        "batches from the same weights. `*_loopback`: the same pipeline with the agents (three of their own) "
+        "called directly on loopback; `int8_1f1b_stale`: over the shaped links with `staleness: 1`.\n\n" + table
     ))
     print(table)
     print(json.dumps(figures))

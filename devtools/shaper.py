@@ -10,7 +10,9 @@ pointing one at a `ShapedLink` in front of the other:
 Each direction of each connection is its own link: a token bucket (GCRA) decides when each chunk has
 been serialised at `rate_bps`, and the chunk is delivered `delay_s` later, in order (the timing rule,
 `LinkPlan`, is pure: arceus/swarm/link.py). What has been read but not delivered is bounded
-(`max_buffer_bytes`); past it the proxy stops reading, so TCP pushes back on the sender.
+(`max_buffer_bytes`); past it the proxy stops reading, so TCP pushes back on the sender. How late each chunk
+was delivered against that rule (the loop's wake-ups, the writes: what the shaper adds beyond the delay and the
+rate) is kept (`ShaperThread.take_lateness`).
 """
 
 from __future__ import annotations
@@ -43,9 +45,11 @@ async def _pump(
     writer: asyncio.StreamWriter,
     plan: LinkPlan,
     max_buffer_bytes: int,
+    late: list[float],
 ) -> None:
-    """Copy one direction through `plan`: a reader task fills a bounded queue, this task delivers. A reset read
-    travels like data and then raises here, so the connection ends (`_serve_connection`)."""
+    """Copy one direction through `plan`: a reader task fills a bounded queue, this task delivers, appending to
+    `late` how many seconds after its planned arrival each chunk was written. A reset read travels like data and then
+    raises here, so the connection ends (`_serve_connection`)."""
     queue: asyncio.Queue[tuple[float, bytes | ConnectionError]] = asyncio.Queue(
         maxsize=max(1, max_buffer_bytes // CHUNK_BYTES)
     )
@@ -68,6 +72,7 @@ async def _pump(
                 await asyncio.sleep(wait)
             if isinstance(data, ConnectionError):
                 raise data
+            late.append(loop.time() - at)
             if not data:
                 if writer.can_write_eof():
                     writer.write_eof()  # half-close: the other direction may still be talking
@@ -90,14 +95,18 @@ class LinkSpec:
     max_buffer_bytes: int = 4 * 1024 * 1024  # above 100 Mbit/s x 40 ms, so the rate, not the buffer, limits
 
 
-async def _serve_connection(spec: LinkSpec, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+async def _serve_connection(
+    spec: LinkSpec, late: list[float], client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter
+) -> None:
     try:
         server_r, server_w = await asyncio.open_connection(spec.target_host, spec.target_port)
     except OSError:
         client_w.close()
         return
     pumps = [
-        asyncio.create_task(_pump(r, w, LinkPlan(spec.delay_s, spec.rate_bps, spec.burst_bytes), spec.max_buffer_bytes))
+        asyncio.create_task(
+            _pump(r, w, LinkPlan(spec.delay_s, spec.rate_bps, spec.burst_bytes), spec.max_buffer_bytes, late)
+        )
         for r, w in ((client_r, server_w), (server_r, client_w))
     ]
     reset = False
@@ -132,6 +141,7 @@ class ShaperThread:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="link-shaper", daemon=True)
         self._servers: list[asyncio.Server] = []
+        self._late: list[float] = []  # every link's chunks, appended only by the loop's thread
 
     def __enter__(self) -> ShaperThread:
         self._thread.start()
@@ -146,7 +156,7 @@ class ShaperThread:
         spec = LinkSpec(host.strip("[]"), int(port), delay_s, rate_bps, **options)
 
         async def start() -> asyncio.Server:
-            return await asyncio.start_server(lambda r, w: _serve_connection(spec, r, w), "127.0.0.1", 0)
+            return await asyncio.start_server(lambda r, w: _serve_connection(spec, self._late, r, w), "127.0.0.1", 0)
 
         server = asyncio.run_coroutine_threadsafe(start(), self._loop).result(timeout=10)
         self._servers.append(server)
@@ -155,6 +165,16 @@ class ShaperThread:
     def address(self, target: str, *, delay_s: float, rate_bps: float) -> str:
         """A shaped link to `target` ("host:port"), as the address to dial instead ("127.0.0.1:<port>")."""
         return f"127.0.0.1:{self.link(target, delay_s=delay_s, rate_bps=rate_bps)}"
+
+    def take_lateness(self) -> list[float]:
+        """Seconds each chunk every link delivered since the last call was written after its planned arrival (the
+        link's delay and rate, `LinkPlan`): what the shaper itself added."""
+
+        async def take() -> list[float]:
+            taken, self._late[:] = list(self._late), []
+            return taken
+
+        return asyncio.run_coroutine_threadsafe(take(), self._loop).result(timeout=10)
 
     def close(self) -> None:
         if not self._thread.is_alive():

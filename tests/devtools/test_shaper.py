@@ -64,6 +64,11 @@ def test_the_proxy_delays_limits_keeps_order_and_closes_cleanly(echo_server: str
             sender.join(timeout=10)
             conn.shutdown(socket.SHUT_WR)  # the EOF travels through; the server closes; we read EOF
             assert conn.recv(1) == b""
+        late = shaper.take_lateness()
+        assert shaper.take_lateness() == []  # taken
+    # Every chunk each way (a read takes at most CHUNK_BYTES) was delivered, none before its planned arrival (asyncio
+    # runs a timer up to its clock resolution early).
+    assert len(late) >= 2 * (len(payload) // CHUNK_BYTES) and min(late) > -1e-3
     assert 2 * delay <= round_trip < 2 * delay + 0.1
     assert echoed == payload
     # Both directions are limited, but pipelined: ~0.5 s at 1 MB/s plus the round trip.
