@@ -28,7 +28,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -115,7 +115,9 @@ class Run:
     bytes_sent_per_step: list[float]  # per stage, measured steps only
     compute_s_per_step: list[float]
     cpu_s_per_step: list[float]  # per stage, its agent process's user + system CPU
-    late_s: list[float]  # how late the shaper wrote each chunk of the run against its timing rule (none: loopback)
+    # How late the shaper wrote each chunk of the run against its timing rule (none: loopback); not in the repr printed
+    # after each run.
+    late_s: list[float] = field(repr=False)
 
 
 def boundaries(stages: int) -> list[int]:
