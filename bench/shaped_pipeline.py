@@ -76,7 +76,7 @@ WHY = (
     "after its first backward, which waits for micro-batch 0's whole round trip through the pipeline (4 delays); "
     "micro-batch 3's own round trip follows it, so 8 delays lie on the step's path. On loopback the two schedules "
     "cost the same (1F1B saves activation memory, not time); over links whose round trip exceeds a micro-batch's "
-    "compute, GPipe is the synchronous schedule to use. The model column is arceus/swarm/model.py's replay of the "
+    "compute, GPipe is the synchronous schedule to use. The model step is arceus/swarm/model.py's replay of the "
     "step over the links (each stage's compute set so that its step on free links is loopback's measured one, the "
     "boundary bytes as stage 0 sent them): it counts the delays, the rate and the schedule, nothing of the agents."
 )
