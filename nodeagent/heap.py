@@ -5,8 +5,10 @@ activations and their gradients. glibc serves blocks above its mmap threshold (1
 adapts, but trims the heap again) with fresh pages, which the kernel zero-fills on first touch, several
 times slower than reused memory. The price: each malloc arena (the main one, and one per thread that
 allocates concurrently, up to 8 per core) stays near its high-water mark, since a thread arena's heap
-(64 MiB at most) never reaches the trim threshold; so the arenas are capped at ARENA_MAX. Measurements:
-docs/BENCHMARKS.md ("Figures moved from code comments").
+(64 MiB at most) never reaches the trim threshold; so the arenas are capped at ARENA_MAX. One: a stage's
+micro-batches run on whichever gRPC thread takes the call, and with a second arena the heap kept more free memory
+after every step, so that an agent's peak kept rising with the steps it had trained. Measurements:
+docs/BENCHMARKS.md ("Figures moved from code comments"; "Why resumed stages peaked above seed-built ones").
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import sys
 
 from arceus.glibc_malloc import M_ARENA_MAX, M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, libc, tune_malloc
 
-ARENA_MAX = 2  # the main heap and one more: the threads that move tensors share them
+ARENA_MAX = 1  # the main heap alone: every thread reuses what any other freed
 # Blocks above this still get a mapping of their own, returned on free: a large stage's weights, gradients and
 # optimizer moments (a 1024-wide GPT's are 12-16 MiB each), which kept in the heap left it fragmented near its
 # high-water mark.
