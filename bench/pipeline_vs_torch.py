@@ -187,6 +187,7 @@ def main() -> None:
         parser.error(f"--steps must exceed the {WARMUP} warm-up steps")
 
     cores = os.cpu_count() or 1
+    load_before = os.getloadavg()
     results: dict[str, list[float]] = {
         "arceus": [], "torch_pp": [], "torch_pp_all_cores": [], "single": [], "single_1_thread": []
     }
@@ -215,6 +216,7 @@ def main() -> None:
         finally:
             stop_agents(agents)
 
+    load_after = os.getloadavg()
     med = {k: statistics.median(v) for k, v in results.items()}
     figures = {
         "arceus_samples_per_s": round(med["arceus"], 2),
@@ -227,6 +229,8 @@ def main() -> None:
         "ratio_arceus_to_torch_pp": round(med["arceus"] / med["torch_pp"], 3),
         "ratio_arceus_to_single": round(med["arceus"] / med["single"], 3),
         "ratio_torch_pp_to_single": round(med["torch_pp"] / med["single"], 3),
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in load_after],
     }
     labels = {
         "arceus": f"Arceus, 2 agents over gRPC, {args.schedule}: 1 thread each, {cores} in solo actions",
@@ -251,7 +255,9 @@ def main() -> None:
         f"other stage computes alongside, lent by the idle one); every process with the agent's OpenMP spin "
         f"cap ({os.environ.get('GOMP_SPINCOUNT', 'not set: an operator choice')}) and heap setting; "
         f"{args.rounds} alternating rounds of "
-        f"{args.steps} steps ({WARMUP} warm-up steps not timed).\n\n" + table
+        f"{args.steps} steps ({WARMUP} warm-up steps not timed). `python bench/pipeline_vs_torch.py "
+        f"--steps {args.steps} --rounds {args.rounds} --schedule {args.schedule}`; load average (1, 5, 15 min) "
+        f"{figures['load_average_before']} before, {figures['load_average_after']} after.\n\n" + table
     ))
     print(table)
     print(json.dumps(figures))
