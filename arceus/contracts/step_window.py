@@ -26,6 +26,6 @@ def window_length(
         length = min(length, checkpoint_interval - step % checkpoint_interval)
     if step_seconds is None:
         return 1
-    if step_seconds > 0:
-        length = min(length, int(seconds / step_seconds))
+    if length * step_seconds > seconds:  # so the quotient is finite: a time near 0 would overflow int()
+        length = int(seconds / step_seconds)
     return max(1, length)

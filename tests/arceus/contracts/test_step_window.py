@@ -31,6 +31,8 @@ def test_fast_steps_fill_a_window_up_to_the_next_boundary() -> None:
     assert window_length(step=12, last_step=45, checkpoint_interval=10, step_seconds=0.001) == 8
     assert window_length(step=0, last_step=45, checkpoint_interval=0, step_seconds=WINDOW_SECONDS / 3) == 3
     assert window_length(step=0, last_step=45, checkpoint_interval=0, step_seconds=10.0) == 1
+    assert window_length(step=0, last_step=45, checkpoint_interval=0, step_seconds=0.0) == MAX_WINDOW_STEPS
+    assert window_length(step=0, last_step=1, checkpoint_interval=0, step_seconds=5e-324) == 1  # a subnormal time
 
 
 def test_no_window_after_the_last_step() -> None:
