@@ -329,6 +329,16 @@ ARCEUS_SOLVER_SECONDS = float(os.environ.get("ARCEUS_SOLVER_SECONDS", "3"))
 # placement search costs tens of ms, and a pass must stay short enough to notice silent nodes in time (why 10:
 # docs/BENCHMARKS.md, "The training fleet").
 ARCEUS_MAX_PLACEMENTS_PER_PASS = int(os.environ.get("ARCEUS_MAX_PLACEMENTS_PER_PASS", "10"))
+# The guard against a cascade of rewinds (controlplane/controller/moves.py; docs/BENCHMARKS.md, "The collapse at
+# f343d2a"). Jobs one pass rewinds to move lost stages (oldest first; the rest wait for the next pass): each rewind
+# cost ~0.3 s on a loaded machine, so 10 keep a pass's rewinds near the seconds its placements take (why 10 for
+# those: above); a stage moved off a paused node and a replica dropped are not counted. No lost stage moves while
+# more than this share of the nodes hosting stages are silent at once (Kubernetes' --unhealthy-zone-threshold;
+# 1.0: never), and at least ARCEUS_DISRUPTION_MIN_NODES of them: fewer lost nodes host at most that many jobs
+# (one active job a node), which the cap moves in one pass, so a small cluster losing most of its nodes moves them.
+ARCEUS_MAX_MOVES_PER_PASS = int(os.environ.get("ARCEUS_MAX_MOVES_PER_PASS", "10"))
+ARCEUS_DISRUPTION_THRESHOLD = float(os.environ.get("ARCEUS_DISRUPTION_THRESHOLD", "0.55"))
+ARCEUS_DISRUPTION_MIN_NODES = int(os.environ.get("ARCEUS_DISRUPTION_MIN_NODES", "10"))
 # The market: a standard-medium device (a typical laptop) earns about this per hour when demand and
 # supply balance; the platform keeps this fraction of every charge; prices are recomputed this often.
 ARCEUS_BASELINE_PRICE_PER_HOUR = float(os.environ.get("ARCEUS_BASELINE_PRICE_PER_HOUR", "0.30"))

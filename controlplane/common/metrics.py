@@ -90,6 +90,13 @@ DRIVER_FAILURES = Counter(
     "crashed (a bug; the job fails) or invalid (its configuration; the job fails).",
     ["reason"],
 )
+LOST_MOVES_HELD = Counter(
+    "arceus_lost_moves_held_total",
+    "Jobs with a stage on a lost node that a reconcile pass left where they are, counted each pass, by why: "
+    "'MovesDeferred' (the pass moved ARCEUS_MAX_MOVES_PER_PASS jobs' lost stages already) or 'NodesDisrupted' (more "
+    "than ARCEUS_DISRUPTION_THRESHOLD of the nodes hosting stages are silent at once: no lost stage moves).",
+    ["reason"],
+)
 CHECKPOINT_BYTES = Histogram(
     "arceus_checkpoint_size_bytes", "Bytes of one saved checkpoint (all its stages' files).", buckets=SIZE_BUCKETS
 )
@@ -106,6 +113,8 @@ CHECKPOINT_BYTES_READ = Counter(
 )
 for _reason in ("interrupted", "crashed", "invalid"):
     DRIVER_FAILURES.labels(reason=_reason)  # exported at 0 from the start: rate() and increase() see the first one
+for _reason in ("MovesDeferred", "NodesDisrupted"):
+    LOST_MOVES_HELD.labels(reason=_reason)
 for _ready in ("True", "Unknown"):
     NODE_READY_TRANSITIONS.labels(ready=_ready)
 

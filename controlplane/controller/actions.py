@@ -18,6 +18,18 @@ class MarkNodeUnknown:
 
 
 @dataclass(frozen=True)
+class MovesHeld:
+    """A pass held `jobs` jobs' lost stages where they are (controlplane/controller/moves.py): `reason` MovesDeferred
+    (past ARCEUS_MAX_MOVES_PER_PASS) or NodesDisrupted (`silent` of the `hosting` nodes silent at once). Nothing
+    to write: the executor logs it and counts it in a metric."""
+
+    reason: str
+    jobs: int
+    silent: int
+    hosting: int
+
+
+@dataclass(frozen=True)
 class PlannedStage:
     index: int
     layer_start: int
@@ -170,6 +182,6 @@ class AddReplicas:
 
 Action = (
     MarkNodeUnknown | PlaceJob | SetCondition | StartDriver | RequeueJob | RequestHandover | RewindJob | FailJob
-    | SucceedJob | RollBackJob | ServeJob | StopServing | DropReplicas | AddReplicas
+    | SucceedJob | RollBackJob | ServeJob | StopServing | DropReplicas | AddReplicas | MovesHeld
 )
 

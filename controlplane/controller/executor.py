@@ -30,6 +30,7 @@ from controlplane.controller.actions import (
     DropReplicas,
     FailJob,
     MarkNodeUnknown,
+    MovesHeld,
     PlaceJob,
     RequestHandover,
     RequeueJob,
@@ -41,6 +42,7 @@ from controlplane.controller.actions import (
     StopServing,
     SucceedJob,
 )
+from controlplane.controller.moves import NODES_DISRUPTED, MoveGuard
 from controlplane.controller.rollback import job_roll_back
 from controlplane.controller.rules import plan
 from controlplane.controller.snapshot import load_snapshot
@@ -79,7 +81,13 @@ class ExecutionReport:
 
 
 def _names(actions: list[Action]) -> str:
-    return ", ".join(f"{type(a).__name__}({getattr(a, 'job_id', None) or a.node_id})" for a in actions) or "none"
+    return ", ".join(f"{type(a).__name__}({_subject(a)})" for a in actions) or "none"
+
+
+def _subject(action: Action) -> str:
+    if isinstance(action, MovesHeld):
+        return f"{action.reason}, {action.jobs} jobs"
+    return str(getattr(action, "job_id", None) or action.node_id)
 
 
 def reconcile_once(*, now: datetime | None = None) -> ExecutionReport:
@@ -87,8 +95,10 @@ def reconcile_once(*, now: datetime | None = None) -> ExecutionReport:
     with metrics.reconcile_pass():
         now = now or timezone.now()
         desired, observed = load_snapshot(now)
+        guard = MoveGuard(settings.ARCEUS_MAX_MOVES_PER_PASS, settings.ARCEUS_DISRUPTION_THRESHOLD,
+                          settings.ARCEUS_DISRUPTION_MIN_NODES)
         actions = plan(desired, observed, now, Budget(settings.ARCEUS_SOLVER_SECONDS),
-                       max_placements=settings.ARCEUS_MAX_PLACEMENTS_PER_PASS)
+                       max_placements=settings.ARCEUS_MAX_PLACEMENTS_PER_PASS, guard=guard)
         return execute(actions, now=now)
 
 
@@ -108,7 +118,10 @@ def execute(actions: Sequence[Action], *, now: datetime) -> ExecutionReport:
             for action in rows:
                 _apply(action, now, report)
     for action in actions:
-        if not isinstance(action, (MarkNodeUnknown, *ONE_ROW)):
+        if isinstance(action, MovesHeld):
+            _moves_held(action)
+            report.applied.append(action)
+        elif not isinstance(action, (MarkNodeUnknown, *ONE_ROW)):
             with transaction.atomic():
                 _apply(action, now, report)
     return report
@@ -135,6 +148,16 @@ def _reassigns(action: Action) -> bool:
     if isinstance(action, StartDriver):
         return action.status == JobStatus.PLACING  # a driver restarted changes nothing its agents hold
     return isinstance(action, PlaceJob | RewindJob | RollBackJob | ServeJob | AddReplicas | DropReplicas)
+
+
+def _moves_held(action: MovesHeld) -> None:
+    """A pass that held lost stages where they are says so: in the log, and in the count of jobs held a pass."""
+    metrics.LOST_MOVES_HELD.labels(reason=action.reason).inc(action.jobs)
+    if action.reason == NODES_DISRUPTED:
+        log.warning("%d of %d nodes hosting stages are silent at once: no lost stage moves (%d jobs wait; "
+                    "ARCEUS_DISRUPTION_THRESHOLD)", action.silent, action.hosting, action.jobs)
+    else:
+        log.info("%d jobs' lost stages wait for a later pass (ARCEUS_MAX_MOVES_PER_PASS)", action.jobs)
 
 
 @transaction.atomic

@@ -26,7 +26,14 @@ Rules, in order:
    first asked to checkpoint where it is and let go (RequestHandover), so a paused node's stage moves
    without losing work. A tensor-parallel group keeps its healthy ranks: the rewind's new generation makes
    every rank rebuild from the unsplit checkpoint with the group's new peer list anyway, so re-forming it
-   needs only the lost rank's node;
+   needs only the lost rank's node. A pass rewinds at most `guard.max_moves` jobs to move (or unplace) lost
+   stages, oldest first (ARCEUS_MAX_MOVES_PER_PASS; a pending job's stages placed again count too), and none while
+   more than `guard.disruption_threshold` of the nodes hosting stages of active jobs are silent at once (at least
+   `guard.disruption_min_nodes` of them: ARCEUS_DISRUPTION_THRESHOLD, ARCEUS_DISRUPTION_MIN_NODES): the control
+   plane or its network is then the likelier fault (`controlplane/controller/moves.py`, as Kubernetes' node
+   lifecycle controller). A job held so keeps its nodes, its Placed condition Unknown saying why (MovesDeferred,
+   NodesDisrupted; NodesBack once its nodes answer and nothing else is to do), and the pass ends with MovesHeld;
+   stages moved off paused nodes alone (NodeDrained) and dropped replicas (no rewind) are neither counted nor held;
 4. a placing job: a stage reports failure (its node could not build it) → RewindJob moving that stage to
    the fastest free node with room, counted as a restart (so a failure that follows the stage from node
    to node fails the job once the restarts run out), or FailJob when no other node can take it; every
@@ -90,13 +97,22 @@ from arceus.placement.solver import (
 )
 from arceus.swarm.model import Workload as SwarmWorkload
 from arceus.swarm.model import replica_gain
-from controlplane.common.conditions import FALSE, TRUE, UNKNOWN, Condition, has_condition, set_conditions
+from controlplane.common.conditions import (
+    FALSE,
+    TRUE,
+    UNKNOWN,
+    Condition,
+    get_condition,
+    has_condition,
+    set_conditions,
+)
 from controlplane.controller.actions import (
     Action,
     AddReplicas,
     DropReplicas,
     FailJob,
     MarkNodeUnknown,
+    MovesHeld,
     PlaceJob,
     PlannedStage,
     RequestHandover,
@@ -111,6 +127,7 @@ from controlplane.controller.actions import (
 )
 from controlplane.controller.calibration import Calibration, calibration
 from controlplane.controller.diversity import OPT_OUT, OwnerDiversityError, diverse_placement, owner_of_every_stage
+from controlplane.controller.moves import MOVES_DEFERRED, NODES_DISRUPTED, MoveGuard, Moves
 from controlplane.controller.views import (
     Desired,
     JobView,
@@ -137,11 +154,12 @@ SYNC_VALUES_PER_PARAMETER = 3
 
 def plan(
     desired: Desired, observed: Observed, now: datetime, solver_budget: Budget | None = None,
-    max_placements: int | None = None,
+    max_placements: int | None = None, guard: MoveGuard | None = None,
 ) -> list[Action]:
     """The actions of one pass; `solver_budget` bounds each queued job's placement search (None: no bound), and
     `max_placements` how many queued jobs one pass searches a placement for (None: all): a burst of submissions
-    then spreads over passes, and each pass stays short enough to notice silent nodes in time."""
+    then spreads over passes, and each pass stays short enough to notice silent nodes in time. `guard` bounds the
+    jobs rewound to move lost stages (None: no bound; controlplane/controller/moves.py)."""
     actions: list[Action] = []
     ready: dict[str, NodeView] = {}
     for node in observed.nodes:
@@ -164,6 +182,7 @@ def plan(
         key=lambda n: (-n.flops, n.price_per_hour, n.id),  # the solver's order: fastest, then cheapest
     )
     roomiest = Roomiest(nodes, now)
+    moves = Moves(guard or MoveGuard(), *_silent_hosts(desired, nodes, now))
     placements = 0
     for job in desired.jobs:
         action: Action | None = None
@@ -177,8 +196,15 @@ def plan(
                 taken = {s.node_id for s in action.stages}
         elif job.status in ACTIVE_STATUSES:
             action = _recorded_facts(job, nodes) or _limits(job, nodes, now) or _supervise(
-                job, observed, nodes, free, now, roomiest
+                job, observed, nodes, free, now, roomiest, moves
             )
+            if _moves_lost(action, job, nodes, now):  # `_supervise` held those with a stage on a lost node already
+                hold = moves.hold
+                if hold is None:
+                    moves.moved += 1
+                else:
+                    moves.held += 1
+                    action = _condition(job, hold, now)
             if isinstance(action, RewindJob):
                 taken = {node for *_, node in action.moves}
             elif isinstance(action, AddReplicas):
@@ -190,7 +216,39 @@ def plan(
         if action is not None:
             actions.append(action)
             _take(free, taken)
+    if moves.held or moves.disrupted:
+        reason = NODES_DISRUPTED if moves.disrupted else MOVES_DEFERRED
+        actions.append(MovesHeld(reason, moves.held, moves.silent, moves.hosting))
     return actions
+
+
+def _silent_hosts(desired: Desired, nodes: Mapping[str, NodeView], now: datetime) -> tuple[int, int]:
+    """(silent, hosting): the nodes hosting stages of active jobs, and how many of those a job they host counts lost
+    (silent past its tolerance, not Ready, or deregistered): what a disruption is judged by."""
+    hosting: dict[str, bool] = {}
+    for job in desired.jobs:
+        if job.status in ACTIVE_STATUSES:
+            for s in job.stages:
+                if s.node_id is not None:
+                    hosting[s.node_id] = hosting.get(s.node_id, False) or _is_lost(s, nodes, job, now)
+    return sum(hosting.values()), len(hosting)
+
+
+def _moves_lost(action: Action | None, job: JobView, nodes: Mapping[str, NodeView], now: datetime) -> bool:
+    """Whether `action` rewinds `job` to move (or unplace) a lost stage, as `_replace_lost` does: what a pass's
+    `Moves` counts and holds. A stage moved off a paused node alone (NodeDrained) is not: its node lives and its
+    owner asked for it, and a running job's driver hands it over first."""
+    if not isinstance(action, RewindJob) or action.reason not in ("NodeLost", "WaitingForNode", "NoNodeWithRoom"):
+        return False
+    moved = {(i, r, p) for i, r, p, _ in action.moves}
+    return any(s.key in moved and _is_lost(s, nodes, job, now) for s in job.stages)
+
+
+def _was_held(job: JobView) -> bool:
+    """Whether `job`'s Placed condition says its lost stages waited (`Moves.hold`): cleared once nothing is lost and
+    nothing else is to do (`_supervise`)."""
+    placed = get_condition(job.conditions, "Placed")
+    return placed is not None and placed["reason"] in (MOVES_DEFERRED, NODES_DISRUPTED)
 
 
 def _take(free: list[NodeView], taken: set[str | None]) -> None:
@@ -207,9 +265,11 @@ def _take(free: list[NodeView], taken: set[str | None]) -> None:
 
 def _supervise(
     job: JobView, observed: Observed, nodes: Mapping[str, NodeView], free: list[NodeView], now: datetime,
-    roomiest: Roomiest,
+    roomiest: Roomiest, moves: Moves,
 ) -> Action | None:
-    """A placed job's stages and driver watched: lost or draining nodes, stages building, the driver's lease."""
+    """A placed job's stages and driver watched: lost or draining nodes, stages building, the driver's lease. A job
+    with a stage on a lost node that the pass may move no more (`moves.hold`) waits without a search for nodes: its
+    rewind would be held anyway, and thousands of such jobs would make the pass long."""
     free = _not_fenced_out(job, _heard_since_released(job, free), now)
     if job.replicated:
         replicas = _replicas(job, observed, nodes, free, now)
@@ -217,15 +277,23 @@ def _supervise(
             return replicas
     lost = [s for s in job.stages if _is_lost(s, nodes, job, now)]
     draining = [s for s in job.stages if s not in lost and nodes[s.node_id].paused]
+    hold = moves.hold
+    if hold is not None and any(s.node_id is not None for s in lost):
+        moves.held += 1
+        return _condition(job, hold, now)
     if draining and not lost and job.status == RUNNING and _driver_live(job, now):
         return None if job.handover_requested else _request_handover(job, draining, nodes, now)
     if lost or draining or not job.stages:
         return _replace_lost(job, lost + draining, nodes, free, now, roomiest)
+    action = None
     if job.status == PLACING:
-        return _check_stages(job, observed, nodes, free, now)
-    if job.status == RUNNING:
-        return _check_driver(job, nodes, now)
-    return None
+        action = _check_stages(job, observed, nodes, free, now)
+    elif job.status == RUNNING:
+        action = _check_driver(job, nodes, now)
+    if action is None and _was_held(job):
+        back = Condition("Placed", TRUE, "NodesBack", "the nodes of its stages answer again: its stages stay there")
+        return _condition(job, back, now)
+    return action
 
 
 def _recorded_facts(job: JobView, nodes: Mapping[str, NodeView]) -> Action | None:

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 
 import pytest
 from django.utils import timezone
+from prometheus_client import REGISTRY
 
 from controlplane.agents.services import node_heartbeat
+from controlplane.common.conditions import get_condition
 from controlplane.controller.actions import (
     MarkNodeUnknown,
+    MovesHeld,
     PlaceJob,
     PlannedStage,
     RewindJob,
@@ -21,6 +25,7 @@ from controlplane.controller.rules import plan
 from controlplane.controller.snapshot import load_snapshot
 from controlplane.jobs.models import Job, Stage
 from controlplane.jobs.services import job_cancel
+from controlplane.nodes.liveness import lease_renew
 from controlplane.nodes.models import Node
 
 pytestmark = pytest.mark.django_db
@@ -269,3 +274,29 @@ def test_a_failed_stage_fails_the_job_and_frees_its_nodes(ready_node, queued_job
     assert job.status == "failed"
     assert job.error == f"stage 1 on node {stage.node_id} failed: CUDA out of memory"
     assert not Stage.objects.filter(node__in=nodes, active=True).exists()
+
+
+def test_a_pass_under_a_disruption_keeps_the_lost_stages_says_why_and_counts_them(
+    ready_node, queued_job, settings, caplog
+) -> None:
+    """3 nodes of 4 hosting the job's stages fall silent at once (over ARCEUS_DISRUPTION_THRESHOLD, at least its
+    minimum, lowered here): no stage moves, the job says why, the log says so and the metric counts the job."""
+    settings.ARCEUS_DISRUPTION_MIN_NODES = 3
+    nodes = [ready_node(f"n{i}", port=50051 + i) for i in range(6)]
+    job = queued_job()
+    reconcile_once()
+    hosts = set(Stage.objects.filter(job=job, active=True).values_list("node_id", flat=True))
+    later = timezone.now() + timedelta(seconds=20)
+    for node in nodes:
+        if node.pk not in hosts:
+            lease_renew(node_id=node.pk, now=later)
+    held = REGISTRY.get_sample_value("arceus_lost_moves_held_total", {"reason": "NodesDisrupted"})
+    with caplog.at_level(logging.WARNING, logger="controlplane.controller.executor"):
+        report = reconcile_once(now=later)
+    assert {type(a) for a in report.applied} == {MarkNodeUnknown, SetCondition, MovesHeld}
+    assert "3 of 3 nodes hosting stages are silent at once: no lost stage moves (1 jobs wait" in caplog.text
+    assert REGISTRY.get_sample_value("arceus_lost_moves_held_total", {"reason": "NodesDisrupted"}) == held + 1
+    job.refresh_from_db()
+    assert job.generation == 2 and set(Stage.objects.filter(job=job, active=True).values_list(
+        "node_id", flat=True)) == hosts
+    assert get_condition(job.conditions, "Placed")["reason"] == "NodesDisrupted"
